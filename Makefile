@@ -1,0 +1,34 @@
+# Every install step lives here so that a fresh machine (and CI) needs nothing else.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+APT    := fuse3 libfuse3-dev pkg-config
+
+.PHONY: test demo lint install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@if ! command -v fusermount3 >/dev/null || ! pkg-config --exists fuse3 2>/dev/null; then \
+		echo "installing Debian packages: $(APT)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT) >/dev/null; \
+	fi
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@# Pinned first: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check tierfs tests
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(VENV)/bin/tierfs demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tierfs tests
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
