@@ -2,14 +2,15 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-APT    := fuse3 libfuse3-dev pkg-config
+APT    := fuse3 libfuse3-dev pkg-config attr
 
 .PHONY: test demo lint install clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@if ! command -v fusermount3 >/dev/null || ! pkg-config --exists fuse3 2>/dev/null; then \
+	@if ! command -v fusermount3 >/dev/null || ! command -v getfattr >/dev/null || \
+	   ! pkg-config --exists fuse3 2>/dev/null; then \
 		echo "installing Debian packages: $(APT)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT) >/dev/null; \
 	fi

@@ -1,0 +1,157 @@
+"""Shared fixtures: real tierfs mounts started through the real command line.
+
+Every mount made here is torn down even when its test fails: lazy unmount, then the daemon is
+killed by its own pid (never by name), then its RAM dir is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierfs.mount_helper.mounts import is_mounted
+
+TIERFS = [sys.executable, "-m", "tierfs"]
+
+
+def tierfs(*args: str, check: bool = True, timeout: float = 120,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([*TIERFS, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+    if check and done.returncode != 0:
+        raise AssertionError(f"tierfs {' '.join(args)} failed ({done.returncode}): "
+                             f"{done.stderr.strip()}")
+    return done
+
+
+def wait_until(predicate: Any, timeout: float = 10, interval: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie child of ours counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@dataclass
+class Mount:
+    mountpoint: Path
+    ram_dir: Path
+    log_file: Path
+    extra: list[str] = field(default_factory=list)
+    pid: int = 0
+
+    def __truediv__(self, relative: str) -> Path:
+        return self.mountpoint / relative
+
+    def __fspath__(self) -> str:
+        return str(self.mountpoint)
+
+    def status(self) -> dict[str, Any]:
+        return json.loads(tierfs("status", str(self.mountpoint), "--json").stdout)
+
+    def step(self, relative: str) -> dict[str, Any] | None:
+        for step in self.status()["steps"]:
+            if step["path"] == relative:
+                return step
+        return None
+
+    def log(self) -> str:
+        return self.log_file.read_text() if self.log_file.exists() else ""
+
+    def kill9(self) -> None:
+        """A daemon crash: SIGKILL, then the lazy unmount an operator would do."""
+        os.kill(self.pid, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(self.pid))
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+        wait_until(lambda: not is_mounted(self.mountpoint))
+
+
+class MountFactory:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.mounts: list[Mount] = []
+        self.ram_dirs: list[Path] = []
+
+    def new_ram_dir(self) -> Path:
+        ram_dir = Path("/dev/shm") / f"tierfs-test-{uuid.uuid4().hex[:12]}"
+        self.ram_dirs.append(ram_dir)
+        return ram_dir
+
+    def mount(self, *extra: str, ram_dir: Path | None = None,
+              mountpoint: Path | None = None) -> Mount:
+        ram_dir = ram_dir or self.new_ram_dir()
+        if ram_dir not in self.ram_dirs:
+            self.ram_dirs.append(ram_dir)
+        mountpoint = mountpoint or self.tmp_path / f"mnt{len(self.mounts)}"
+        mountpoint.mkdir(exist_ok=True)
+        log_file = self.tmp_path / f"tierfs{len(self.mounts)}.log"
+        mount = Mount(mountpoint, ram_dir, log_file, list(extra))
+        self.mounts.append(mount)
+        tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir), "--log-file", str(log_file),
+               *extra)
+        assert is_mounted(mountpoint)
+        mount.pid = mount.status()["pid"]
+        return mount
+
+    def remount(self, old: Mount, *extra: str) -> Mount:
+        return self.mount(*(extra or old.extra), ram_dir=old.ram_dir, mountpoint=old.mountpoint)
+
+    def cleanup(self) -> None:
+        for mount in reversed(self.mounts):
+            if is_mounted(mount.mountpoint):
+                subprocess.run(["fusermount3", "-u", "-z", str(mount.mountpoint)],
+                               capture_output=True)
+            if mount.pid and pid_alive(mount.pid):
+                os.kill(mount.pid, signal.SIGTERM)
+                try:
+                    wait_until(lambda m=mount: not pid_alive(m.pid), timeout=10)
+                except AssertionError:
+                    os.kill(mount.pid, signal.SIGKILL)
+        for ram_dir in self.ram_dirs:
+            shutil.rmtree(ram_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def mounts(tmp_path: Path) -> Iterator[MountFactory]:
+    factory = MountFactory(tmp_path)
+    try:
+        yield factory
+    finally:
+        factory.cleanup()
+
+
+@pytest.fixture
+def mnt(mounts: MountFactory) -> Mount:
+    """One fresh tierfs mount with an empty RAM dir."""
+    return mounts.mount()
+
+
+def getxattr(path: Path | str, name: str) -> str:
+    return os.getxattr(path, name).decode()

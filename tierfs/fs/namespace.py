@@ -1,0 +1,898 @@
+"""The namespace: inodes, directories, open files, step directories, seal and commit.
+
+The tree lives twice: as real files under the RAM store's `tree/` (the durable truth, so a crash
+loses nothing written) and as `Node` objects in memory (inode numbers, lookup counts, open
+handles, seals and step state). Every mutation goes through this class, which keeps both in
+step; `fs.operations` only translates pyfuse3 calls into these methods.
+
+Invariants (S3QL-style note: where an `await` must not appear):
+
+* A file is *sealed* when its last active writer flushes: its xxh3-128 is computed in a thread
+  and kept only if no writer became active meanwhile (`Node.gen` did not move).
+* `_write_manifest` runs without any `await` from the moment the commit re-checks the step (no
+  active writer, every file sealed, same set of files) until the manifest is renamed into place
+  and the in-memory state updated. A concurrent handler therefore sees either the old state or
+  the new one, never a manifest that disagrees with the tree.
+* Committed objects are never written: a tree file whose inode is shared with `objects/` is
+  unshared (copied, or recreated empty for O_TRUNC) before it is opened for writing or truncated.
+* Order of a commit on disk: link objects, write manifest temp, fsync, rename. A crash before the
+  rename leaves only unreferenced objects, which start-up removes; the step stays `writing`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import trio
+
+from tierfs import manifest as mf
+from tierfs.fs.ram_store import RamStore, is_reserved
+
+log = logging.getLogger(__name__)
+
+ROOT_INODE = 1
+LATEST = b"latest"
+METADATA = b".metadata"
+MANIFEST = mf.MANIFEST_NAME.encode()
+NAME_MAX = 255
+DEFAULT_STEP_PATTERN = r"^(?:.*?[^0-9])?([0-9]+)$"
+
+XATTR_STATE = b"user.tierfs.state"
+XATTR_TIERS = b"user.tierfs.tiers"
+XATTR_XXH3 = b"user.tierfs.xxh3"
+
+
+class FsError(Exception):
+    """A refusal with a POSIX errno; translated to FUSEError at the Operations boundary."""
+
+    def __init__(self, errno_: int, message: str = "") -> None:
+        super().__init__(message or os.strerror(errno_))
+        self.errno = errno_
+
+
+@dataclass(frozen=True)
+class Seal:
+    xxh3: str
+    size: int
+    backing_ino: int
+
+
+class StepState:
+    """What tierfs knows about one step directory beyond its files."""
+
+    def __init__(self, number: int, manifest: mf.StepManifest | None = None) -> None:
+        self.number = number
+        self.manifest = manifest
+        self.dirty = manifest is None
+        self.commit_pending = False
+        self.lock = trio.Lock()
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None and not self.dirty
+
+    @property
+    def state(self) -> str:
+        return "committed" if self.committed else "writing"
+
+
+class Node:
+    __slots__ = ("ino", "kind", "name", "parent", "children", "lookups", "handles",
+                 "active_writers", "gen", "seal", "step", "virtual")
+
+    def __init__(self, ino: int, kind: int, name: bytes, parent: Node | None) -> None:
+        self.ino = ino
+        self.kind = kind
+        self.name = name
+        self.parent = parent
+        self.children: dict[bytes, Node] | None = {} if kind == stat.S_IFDIR else None
+        self.lookups = 0
+        self.handles: list[Handle] = []
+        self.active_writers = 0
+        self.gen = 0
+        self.seal: Seal | None = None
+        self.step: StepState | None = None
+        self.virtual = False
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind == stat.S_IFDIR
+
+    @property
+    def is_file(self) -> bool:
+        return self.kind == stat.S_IFREG
+
+
+class Handle:
+    """An open file: the backing fd and whether it has written since its last flush."""
+
+    __slots__ = ("fh", "node", "fd", "backing_ino", "active")
+
+    def __init__(self, fh: int, node: Node, fd: int) -> None:
+        self.fh = fh
+        self.node = node
+        self.fd = fd
+        self.backing_ino = os.fstat(fd).st_ino
+        self.active = False
+
+
+class Namespace:
+    def __init__(
+        self,
+        store: RamStore,
+        commits: trio.MemorySendChannel[mf.StepManifest],
+        *,
+        node_id: str = "local",
+        step_pattern: str = DEFAULT_STEP_PATTERN,
+    ) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.pattern = re.compile(step_pattern)
+        self._commits = commits
+        self._tree = os.fsencode(store.tree)
+        self.root = Node(ROOT_INODE, stat.S_IFDIR, b"", None)
+        self._inodes: dict[int, Node] = {ROOT_INODE: self.root}
+        self._next_ino = ROOT_INODE + 1
+        self._handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self._latest: dict[int, Node] = {}
+        self._released = trio.Event()
+        self._hash_limiter = trio.CapacityLimiter(2)
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def get(self, ino: int) -> Node:
+        try:
+            return self._inodes[ino]
+        except KeyError:
+            raise FsError(errno.ENOENT) from None
+
+    def handle(self, fh: int) -> Handle:
+        try:
+            return self._handles[fh]
+        except KeyError:
+            raise FsError(errno.EBADF) from None
+
+    def child(self, parent: Node, name: bytes) -> Node:
+        """The entry `name` of directory `parent`, including the virtual `latest`."""
+        if not parent.is_dir:
+            raise FsError(errno.ENOTDIR)
+        node = parent.children.get(name)
+        if node is not None:
+            return node
+        if name == LATEST and self._latest_target(parent) is not None:
+            return self._latest_node(parent)
+        raise FsError(errno.ENOENT)
+
+    def list_dir(self, node: Node) -> list[tuple[bytes, Node]]:
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        entries = list(node.children.items())
+        if LATEST not in node.children and self._latest_target(node) is not None:
+            entries.append((LATEST, self._latest_node(node)))
+        return entries
+
+    @property
+    def inode_count(self) -> int:
+        return len(self._inodes)
+
+    def remember(self, node: Node) -> None:
+        """The kernel now holds one more reference to `node` (lookup count)."""
+        node.lookups += 1
+
+    def forget(self, ino: int, count: int) -> None:
+        node = self._inodes.get(ino)
+        if node is None or ino == ROOT_INODE:
+            return
+        node.lookups = max(0, node.lookups - count)
+        self._maybe_drop(node)
+
+    def backing(self, node: Node) -> bytes:
+        """The node's path in the RAM store; ENOENT once it is unlinked."""
+        parts = []
+        while node.parent is not None:
+            if node.virtual:
+                raise FsError(errno.ENOENT)
+            parts.append(node.name)
+            node = node.parent
+        if node is not self.root:
+            raise FsError(errno.ENOENT)
+        return b"/".join([self._tree, *reversed(parts)])
+
+    def relpath(self, node: Node) -> str:
+        return os.fsdecode(self.backing(node)[len(self._tree) + 1:])
+
+    def stat(self, node: Node) -> os.stat_result:
+        """Attributes of `node` from its backing file (or an open handle once unlinked)."""
+        try:
+            return os.lstat(self.backing(node))
+        except FsError:
+            if node.handles:
+                return os.fstat(node.handles[0].fd)
+            raise
+
+    # -- directories -----------------------------------------------------------------------
+
+    def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
+        path = self._new_entry_path(parent, name)
+        os.mkdir(path, mode & 0o7777)
+        _chown(path, uid, gid)
+        node = self._attach(parent, name, stat.S_IFDIR)
+        number = self._step_number(name)
+        if number is not None:
+            node.step = StepState(number)
+        self._mark_dirty(parent)
+        return node
+
+    def rmdir(self, parent: Node, name: bytes) -> None:
+        node = self._existing_entry(parent, name)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if node.children:
+            raise FsError(errno.ENOTEMPTY)
+        path = self.backing(node)
+        self._remove_hidden(node, path)
+        os.rmdir(path)
+        self._detach(node)
+        self._mark_dirty(parent)
+
+    def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
+        path = self._new_entry_path(parent, name)
+        os.symlink(target, path)
+        _chown(path, uid, gid)
+        self._mark_dirty(parent)
+        return self._attach(parent, name, stat.S_IFLNK)
+
+    def readlink(self, node: Node) -> bytes:
+        if node.virtual:
+            target = self._latest_target(node.parent)
+            if target is None:
+                raise FsError(errno.ENOENT)
+            return target
+        if node.kind != stat.S_IFLNK:
+            raise FsError(errno.EINVAL)
+        return os.readlink(self.backing(node))
+
+    # -- files -----------------------------------------------------------------------------
+
+    def create(self, parent: Node, name: bytes, mode: int, flags: int, uid: int,
+               gid: int) -> tuple[Node, Handle]:
+        path = self._new_entry_path(parent, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode & 0o7777)
+        try:
+            _chown(path, uid, gid)
+        except OSError:
+            os.close(fd)
+            raise
+        node = self._attach(parent, name, stat.S_IFREG)
+        self.store.set_size(os.fstat(fd).st_ino, 0)
+        handle = self._new_handle(node, fd)
+        self._activate(handle)
+        return node, handle
+
+    async def open(self, node: Node, flags: int) -> Handle:
+        if node.virtual:
+            raise FsError(errno.EROFS)
+        if not node.is_file:
+            raise FsError(errno.EISDIR if node.is_dir else errno.EINVAL)
+        path = self.backing(node)
+        writable = (flags & os.O_ACCMODE) != os.O_RDONLY
+        truncate = writable and bool(flags & os.O_TRUNC)
+        if writable:
+            await self._unshare_if_committed(path, keep=not truncate)
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY))
+        handle = self._new_handle(node, fd)
+        if truncate:
+            os.ftruncate(fd, 0)
+            self.store.set_size(handle.backing_ino, 0)
+            self._activate(handle)
+        return handle
+
+    def read(self, handle: Handle, offset: int, size: int) -> bytes:
+        return os.pread(handle.fd, size, offset)
+
+    def write(self, handle: Handle, offset: int, data: bytes) -> int:
+        if not handle.active:
+            self._activate(handle)
+        self.store.grow(handle.backing_ino, offset + len(data))
+        return os.pwrite(handle.fd, data, offset)
+
+    async def flush(self, handle: Handle) -> None:
+        """End of a close(): seal what this handle wrote, then fire any commit it completes."""
+        if not handle.active:
+            return
+        node = handle.node
+        handle.active = False
+        node.active_writers -= 1
+        if node.active_writers == 0:
+            await self._seal(node)
+        self._signal_released()
+        await self._after_writer(node)
+
+    async def release(self, handle: Handle) -> None:
+        await self.flush(handle)
+        del self._handles[handle.fh]
+        handle.node.handles.remove(handle)
+        os.close(handle.fd)
+        self._maybe_drop(handle.node)
+
+    def fsync(self, handle: Handle) -> None:
+        os.fsync(handle.fd)
+
+    def unlink(self, parent: Node, name: bytes) -> None:
+        node = self._existing_entry(parent, name)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        path = self.backing(node)
+        self._unlink_backing(path)
+        self._detach(node)
+        self._mark_dirty(parent)
+
+    async def setattr(
+        self, node: Node, handle: Handle | None, *, mode: int | None = None,
+        uid: int | None = None, gid: int | None = None, size: int | None = None,
+        atime_ns: int | None = None, mtime_ns: int | None = None,
+    ) -> None:
+        if node.virtual:
+            raise FsError(errno.EROFS)
+        target: bytes | int
+        try:
+            target = self.backing(node)
+        except FsError:
+            if handle is None:
+                raise
+            target = handle.fd
+        if size is not None:
+            await self._truncate(node, handle, target, size)
+        if mode is not None and node.kind != stat.S_IFLNK:
+            os.chmod(target, mode & 0o7777)
+        if uid is not None or gid is not None:
+            os.chown(target, -1 if uid is None else uid, -1 if gid is None else gid,
+                     follow_symlinks=False)
+        if atime_ns is not None or mtime_ns is not None:
+            st = os.lstat(target) if isinstance(target, bytes) else os.fstat(target)
+            times = (st.st_atime_ns if atime_ns is None else atime_ns,
+                     st.st_mtime_ns if mtime_ns is None else mtime_ns)
+            if isinstance(target, bytes):
+                os.utime(target, ns=times, follow_symlinks=False)
+            else:
+                os.utime(target, ns=times)
+
+    async def _truncate(self, node: Node, handle: Handle | None, target: bytes | int,
+                        size: int) -> None:
+        if not node.is_file:
+            raise FsError(errno.EISDIR if node.is_dir else errno.EINVAL)
+        if isinstance(target, bytes):
+            await self._unshare_if_committed(target, keep=size > 0)
+            st = os.lstat(target)
+            self.store.set_size(st.st_ino, size)
+            os.truncate(target, size)
+        else:
+            self.store.set_size(os.fstat(target).st_ino, size)
+            os.ftruncate(target, size)
+        if handle is not None and handle.active:
+            return
+        node.gen += 1
+        node.seal = None
+        self._mark_dirty(node.parent)
+
+    # -- rename ----------------------------------------------------------------------------
+
+    async def rename(self, old_parent: Node, old_name: bytes, new_parent: Node,
+                     new_name: bytes, flags: int) -> None:
+        if flags & ~_RENAME_NOREPLACE:
+            raise FsError(errno.EINVAL)  # RENAME_EXCHANGE and friends: not supported
+        node = self._existing_entry(old_parent, old_name)
+        self._check_new_name(new_name)
+        if not new_parent.is_dir:
+            raise FsError(errno.ENOTDIR)
+        target = new_parent.children.get(new_name)
+        if target is node:
+            return
+        if target is not None:
+            if flags & _RENAME_NOREPLACE:
+                raise FsError(errno.EEXIST)
+            if node.is_dir and not target.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if target.is_dir and not node.is_dir:
+                raise FsError(errno.EISDIR)
+            if target.is_dir and target.children:
+                raise FsError(errno.ENOTEMPTY)
+        if node.is_dir and self._is_ancestor(node, new_parent):
+            raise FsError(errno.EINVAL)
+        old_path = self.backing(node)
+        new_path = os.path.join(self.backing(new_parent), new_name)
+        if target is not None:
+            if target.is_dir:
+                self._remove_hidden(target, new_path)
+            else:
+                self._forget_backing_if_last(new_path)
+        os.rename(old_path, new_path)
+        if target is not None:
+            self._detach(target)
+        self._mark_dirty(old_parent)
+        del old_parent.children[old_name]
+        node.name = new_name
+        node.parent = new_parent
+        new_parent.children[new_name] = node
+        self._mark_dirty(new_parent)
+        if node.is_dir:
+            await self._renamed_dir(node)
+        elif new_name == METADATA and self.step_of(new_parent) is not None:
+            await self._commit_quietly(new_parent)
+
+    async def _renamed_dir(self, node: Node) -> None:
+        """A directory renamed onto a step name commits it (the `mv tmp step_N` idiom)."""
+        number = self._step_number(node.name)
+        if number is None:
+            node.step = None
+            return
+        if node.step is None:
+            node.step = StepState(number, self._read_manifest(self.backing(node)))
+        node.step.number = number
+        if self.step_of(node) is not None:
+            await self._commit_quietly(node)
+
+    # -- steps and commit ------------------------------------------------------------------
+
+    async def commit(self, step_node: Node, *, wait_for_writers: bool) -> mf.StepManifest | None:
+        """Commit `step_node` now; with writers still open either wait or leave it pending.
+
+        Returns the manifest in force after the commit, or None when left pending.
+        """
+        step = self.step_of(step_node)
+        if step is None:
+            raise FsError(errno.EINVAL, "not a step directory")
+        started = time.monotonic()
+        async with step.lock:
+            while True:
+                released = self._released
+                if self._has_active_writers(step_node):
+                    if not wait_for_writers:
+                        step.commit_pending = True
+                        log.info("commit of %s waits for open writers", self.relpath(step_node))
+                        return None
+                    await released.wait()
+                    continue
+                files = list(self._files_under(step_node))
+                for _rel, node in files:
+                    if node.seal is None:
+                        await self._seal(node)
+                # From here to the end of _write_manifest there is no await (see module doc).
+                if (self._has_active_writers(step_node)
+                        or files != list(self._files_under(step_node))
+                        or any(node.seal is None for _rel, node in files)):
+                    continue
+                old = step.manifest
+                manifest = self._write_manifest(step_node, files)
+                step.commit_pending = False
+                break
+        if manifest is not old:
+            log.info("committed %s v%d: %d files, %d bytes in %.3f s", manifest.path,
+                     manifest.version, len(manifest.files), manifest.total_bytes,
+                     time.monotonic() - started)
+            await self._commits.send(manifest)
+        return manifest
+
+    async def commit_path(self, relpath: str) -> mf.StepManifest:
+        """`tierfs commit PATH`: commit the step directory at `relpath`, waiting for writers."""
+        node = self.root
+        for part in (p for p in relpath.split("/") if p not in ("", ".")):
+            node = self.child(node, os.fsencode(part))
+        if not node.is_dir or node.virtual:
+            raise FsError(errno.ENOTDIR, f"{relpath} is not a directory")
+        if self.step_of(node) is None:
+            raise FsError(errno.EINVAL,
+                          f"{relpath} is not a step directory (its name does not match "
+                          f"--step-pattern {self.pattern.pattern!r}, or it holds step "
+                          "directories itself)")
+        manifest = await self.commit(node, wait_for_writers=True)
+        assert manifest is not None
+        return manifest
+
+    def _write_manifest(self, step_node: Node, files: list[tuple[str, Node]]) -> mf.StepManifest:
+        step = step_node.step
+        old = step.manifest
+        step_path = self.relpath(step_node)
+        dir_path = self.backing(step_node)
+        entries = []
+        for rel, node in files:
+            st = os.lstat(self.backing(node))
+            entries.append(mf.FileEntry(rel, node.seal.size, node.seal.xxh3, st.st_mtime_ns,
+                                        st.st_mode & 0o7777))
+        if (old is not None and old.path == step_path and old.step == step.number
+                and old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries)))):
+            step.dirty = False
+            return old
+        manifest = mf.StepManifest(
+            path=step_path, step=step.number, version=old.version + 1 if old else 1,
+            node_id=self.node_id, committed_ns=time.time_ns(), files=tuple(entries),
+        )
+        for (_rel, node), entry in zip(files, entries, strict=True):
+            self.store.add_ref(entry.xxh3, self.backing(node))
+        final = os.path.join(dir_path, MANIFEST)
+        tmp = final + b".tmp"
+        with open(tmp, "wb") as f:
+            f.write(mf.encode(manifest))
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, final)
+        if old is not None:
+            for entry in old.files:
+                self.store.drop_ref(entry.xxh3)
+        step.manifest = manifest
+        step.dirty = False
+        return manifest
+
+    async def _commit_quietly(self, step_node: Node) -> None:
+        """Commit triggered as a side effect of a user's call: failures are logged, not raised."""
+        try:
+            await self.commit(step_node, wait_for_writers=False)
+        except (OSError, FsError) as exc:
+            log.error("commit of %s failed: %s", self.relpath(step_node), exc)
+
+    async def _after_writer(self, node: Node) -> None:
+        """A writer of `node` is done: a `.metadata` closed after writing, or a pending commit
+        whose last writer this was, commits its step now."""
+        parent = node.parent
+        if parent is None:
+            return
+        if node.name == METADATA and self.step_of(parent) is not None:
+            await self._commit_quietly(parent)
+        for step_node in self._enclosing_steps(parent):
+            if step_node.step.commit_pending and not self._has_active_writers(step_node):
+                await self._commit_quietly(step_node)
+
+    async def _seal(self, node: Node) -> None:
+        """Hash the node's content in a thread; keep the seal only if nothing wrote meanwhile."""
+        gen = node.gen
+        try:
+            fd = os.open(self.backing(node), os.O_RDONLY)
+        except FsError:
+            return
+        try:
+            digest, size = await trio.to_thread.run_sync(mf.hash_fd, fd,
+                                                         limiter=self._hash_limiter)
+            backing_ino = os.fstat(fd).st_ino
+        finally:
+            os.close(fd)
+        if node.gen == gen and node.active_writers == 0:
+            node.seal = Seal(digest, size, backing_ino)
+
+    def _has_active_writers(self, dir_node: Node) -> bool:
+        return any(node.active_writers for _rel, node in self._files_under(dir_node))
+
+    def _files_under(self, dir_node: Node, prefix: str = "") -> Iterator[tuple[str, Node]]:
+        for name, node in sorted(dir_node.children.items()):
+            rel = prefix + os.fsdecode(name)
+            if node.is_file:
+                yield rel, node
+            elif node.is_dir:
+                yield from self._files_under(node, rel + "/")
+
+    def _enclosing_steps(self, node: Node | None) -> Iterator[Node]:
+        while node is not None:
+            if node.step is not None:
+                yield node
+            node = node.parent
+
+    def _mark_dirty(self, node: Node | None) -> None:
+        for step_node in self._enclosing_steps(node):
+            step_node.step.dirty = True
+
+    def step_of(self, node: Node) -> StepState | None:
+        """The node's step state if it is a step directory. A directory whose name matches but
+        that holds step directories itself (`run1/step_100`) is a run directory, not a step."""
+        if node.step is None or any(c.step is not None for c in node.children.values()):
+            return None
+        return node.step
+
+    def _step_number(self, name: bytes) -> int | None:
+        match = self.pattern.match(os.fsdecode(name))
+        if match is None:
+            return None
+        try:
+            return int(match.group(1))
+        except (IndexError, TypeError, ValueError):
+            return None
+
+    def _latest_target(self, dir_node: Node) -> bytes | None:
+        best: tuple[int, bytes] | None = None
+        for name, node in dir_node.children.items():
+            step = self.step_of(node) if node.is_dir else None
+            if step is not None and step.committed:
+                key = (node.step.number, name)
+                if best is None or key > best:
+                    best = key
+        return None if best is None else best[1]
+
+    def _latest_node(self, dir_node: Node) -> Node:
+        node = self._latest.get(dir_node.ino)
+        if node is None:
+            node = Node(self._new_ino(), stat.S_IFLNK, LATEST, dir_node)
+            node.virtual = True
+            self._latest[dir_node.ino] = node
+            self._inodes[node.ino] = node
+        return node
+
+    # -- status and xattrs -----------------------------------------------------------------
+
+    def steps(self) -> Iterator[Node]:
+        """Every step directory, depth first."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if self.step_of(node) is not None:
+                yield node
+            stack.extend(c for c in node.children.values() if c.is_dir)
+
+    def step_status(self, step_node: Node) -> dict[str, object]:
+        step = step_node.step
+        if step.committed:
+            files, size = len(step.manifest.files), step.manifest.total_bytes
+        else:
+            sizes = [self.stat(n).st_size for _rel, n in self._files_under(step_node)]
+            files, size = len(sizes), sum(sizes)
+        return {
+            "path": self.relpath(step_node), "step": step.number, "state": step.state,
+            "version": step.manifest.version if step.manifest else 0,
+            "files": files, "bytes": size, "ram": True, "replicas": [], "persisted": False,
+        }
+
+    def xattr_names(self, node: Node) -> list[bytes]:
+        if node.virtual:
+            return []
+        names = []
+        if node.is_dir and self.step_of(node) is not None:
+            names += [XATTR_STATE, XATTR_TIERS]
+        elif node.is_file:
+            names.append(XATTR_TIERS)
+            if node.seal is not None or node.active_writers == 0:
+                names.append(XATTR_XXH3)
+        return names
+
+    async def xattr(self, node: Node, name: bytes) -> bytes:
+        if name not in self.xattr_names(node):
+            raise FsError(_ENOATTR)
+        if name == XATTR_STATE:
+            return node.step.state.encode()
+        if name == XATTR_TIERS:
+            return b"ram"
+        if node.seal is None:
+            await self._seal(node)  # sealed before a restart; the hash is recomputed once
+        if node.seal is None:
+            raise FsError(_ENOATTR)
+        return node.seal.xxh3.encode()
+
+    # -- start-up: recovery and loading ----------------------------------------------------
+
+    def load(self) -> None:
+        """Rebuild the namespace from the RAM store after a restart or a crash.
+
+        Committed steps are put back exactly as their manifests say (uncommitted writes into a
+        committed step are dropped), leftovers of interrupted saves and commits are removed.
+        """
+        started = time.monotonic()
+        tmp_removed = self.store.remove_tmp_files()
+        manifests = self._recover_committed_steps()
+        self._load_dir(self.root, self._tree, manifests)
+        for manifest in manifests.values():
+            for entry in manifest.files:
+                self.store.count_ref(entry.xxh3)
+        garbage = self.store.collect_garbage()
+        self.store.scan_usage()
+        log.info("loaded RAM store %s: %d committed steps, %d bytes; removed %d temporary "
+                 "files and %d unreferenced objects in %.2f s", self.store.root, len(manifests),
+                 self.store.used_bytes, tmp_removed, garbage, time.monotonic() - started)
+
+    def _recover_committed_steps(self) -> dict[bytes, mf.StepManifest]:
+        manifests: dict[bytes, mf.StepManifest] = {}
+        for dirpath, _dirs, files in os.walk(self._tree):
+            if MANIFEST not in files:
+                continue
+            manifest = self._read_manifest(dirpath)
+            if manifest is None:
+                continue
+            if self._restore_step(dirpath, manifest):
+                manifests[dirpath] = manifest
+        return manifests
+
+    def _read_manifest(self, dir_path: bytes) -> mf.StepManifest | None:
+        path = os.path.join(dir_path, MANIFEST)
+        try:
+            with open(path, "rb") as f:
+                return mf.decode(f.read())
+        except FileNotFoundError:
+            return None
+        except mf.ManifestError as exc:
+            log.error("unreadable manifest %s set aside: %s", os.fsdecode(path), exc)
+            os.rename(path, path + b".damaged")
+            return None
+
+    def _restore_step(self, dir_path: bytes, manifest: mf.StepManifest) -> bool:
+        for entry in manifest.files:
+            try:
+                size = os.lstat(self.store.object_path(entry.xxh3)).st_size
+            except FileNotFoundError:
+                size = -1
+            if size != entry.size:
+                log.error("committed step %s v%d is damaged: object of %s is missing or has "
+                          "the wrong size; its manifest is set aside", manifest.path,
+                          manifest.version, entry.name)
+                manifest_path = os.path.join(dir_path, MANIFEST)
+                os.rename(manifest_path, manifest_path + b".damaged")
+                return False
+        restored = removed = 0
+        wanted = {os.fsencode(e.name) for e in manifest.files}
+        for dirpath, _dirs, files in os.walk(dir_path):
+            for name in files:
+                full = os.path.join(dirpath, name)
+                if not is_reserved(name) and os.path.relpath(full, dir_path) not in wanted:
+                    os.unlink(full)
+                    removed += 1
+        for entry in manifest.files:
+            path = os.path.join(dir_path, os.fsencode(entry.name))
+            obj = os.fsencode(self.store.object_path(entry.xxh3))
+            try:
+                if os.path.samefile(path, obj):
+                    continue
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = self.store.tmp_path(os.path.dirname(path))
+            os.link(obj, tmp)
+            os.rename(tmp, path)
+            restored += 1
+        if restored or removed:
+            log.warning("step %s v%d put back as committed: %d files restored, %d uncommitted "
+                        "files removed", manifest.path, manifest.version, restored, removed)
+        return True
+
+    def _load_dir(self, dir_node: Node, path: bytes,
+                  manifests: dict[bytes, mf.StepManifest]) -> None:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if is_reserved(entry.name):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                kind = stat.S_IFMT(st.st_mode)
+                if kind not in (stat.S_IFDIR, stat.S_IFREG, stat.S_IFLNK):
+                    continue
+                node = self._attach(dir_node, entry.name, kind)
+                if kind == stat.S_IFDIR:
+                    self._load_dir(node, entry.path, manifests)
+                    number = self._step_number(entry.name)
+                    if number is not None:
+                        node.step = StepState(number, manifests.get(entry.path))
+                        self._seal_from_manifest(node)
+
+    def _seal_from_manifest(self, step_node: Node) -> None:
+        manifest = step_node.step.manifest
+        if manifest is None:
+            return
+        for rel, node in self._files_under(step_node):
+            entry = manifest.entry(rel)
+            if entry is not None:
+                ino = os.lstat(self.backing(node)).st_ino
+                node.seal = Seal(entry.xxh3, entry.size, ino)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _new_ino(self) -> int:
+        ino = self._next_ino
+        self._next_ino += 1
+        return ino
+
+    def _attach(self, parent: Node, name: bytes, kind: int) -> Node:
+        node = Node(self._new_ino(), kind, name, parent)
+        parent.children[name] = node
+        self._inodes[node.ino] = node
+        return node
+
+    def _detach(self, node: Node) -> None:
+        if node.parent is not None and node.parent.children.get(node.name) is node:
+            del node.parent.children[node.name]
+        node.parent = None
+        self._maybe_drop(node)
+
+    def _maybe_drop(self, node: Node) -> None:
+        if node.lookups or node.handles:
+            return
+        if node.virtual:
+            self._latest.pop(node.parent.ino, None)
+            del self._inodes[node.ino]
+        elif node.parent is None and node.ino in self._inodes:
+            del self._inodes[node.ino]
+
+    def _new_handle(self, node: Node, fd: int) -> Handle:
+        handle = Handle(self._next_fh, node, fd)
+        self._next_fh += 1
+        self._handles[handle.fh] = handle
+        node.handles.append(handle)
+        return handle
+
+    def _activate(self, handle: Handle) -> None:
+        """First write since open or flush: the file is no longer sealed; its step is dirty."""
+        handle.active = True
+        node = handle.node
+        node.active_writers += 1
+        node.gen += 1
+        node.seal = None
+        self._mark_dirty(node.parent)
+
+    def _signal_released(self) -> None:
+        self._released.set()
+        self._released = trio.Event()
+
+    def _check_new_name(self, name: bytes) -> None:
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        if is_reserved(name) or b"/" in name or name in (b"", b".", b".."):
+            raise FsError(errno.EPERM, "name reserved by tierfs")
+
+    def _new_entry_path(self, parent: Node, name: bytes) -> bytes:
+        if not parent.is_dir:
+            raise FsError(errno.ENOTDIR)
+        self._check_new_name(name)
+        if name in parent.children:
+            raise FsError(errno.EEXIST)
+        return os.path.join(self.backing(parent), name)
+
+    def _existing_entry(self, parent: Node, name: bytes) -> Node:
+        if not parent.is_dir:
+            raise FsError(errno.ENOTDIR)
+        node = parent.children.get(name)
+        if node is None:
+            if name == LATEST and self._latest_target(parent) is not None:
+                raise FsError(errno.EROFS)
+            raise FsError(errno.ENOENT)
+        return node
+
+    def _is_ancestor(self, ancestor: Node, node: Node | None) -> bool:
+        while node is not None:
+            if node is ancestor:
+                return True
+            node = node.parent
+        return False
+
+    async def _unshare_if_committed(self, path: bytes, *, keep: bool) -> None:
+        st = os.lstat(path)
+        if st.st_nlink > 1:
+            await trio.to_thread.run_sync(self.store.unshare, path, st.st_size if keep else 0)
+
+    def _unlink_backing(self, path: bytes) -> None:
+        self._forget_backing_if_last(path)
+        os.unlink(path)
+
+    def _forget_backing_if_last(self, path: bytes) -> None:
+        st = os.lstat(path)
+        if st.st_nlink == 1:
+            self.store.forget_inode(st.st_ino)
+
+    def _remove_hidden(self, dir_node: Node, path: bytes) -> None:
+        """Remove tierfs's own entries of an otherwise empty directory (a deleted step)."""
+        step = dir_node.step
+        manifest = step.manifest if step is not None else self._read_manifest(path)
+        if manifest is not None:
+            for entry in manifest.files:
+                self.store.drop_ref(entry.xxh3)
+        if step is not None:
+            step.manifest = None
+        for name in os.listdir(path):
+            if is_reserved(name):
+                os.unlink(os.path.join(path, name))
+
+
+def _chown(path: bytes, uid: int, gid: int) -> None:
+    if (uid, gid) != (os.geteuid(), os.getegid()):
+        os.chown(path, uid, gid, follow_symlinks=False)
+
+
+_RENAME_NOREPLACE = 1
+_ENOATTR = errno.ENODATA

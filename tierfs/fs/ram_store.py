@@ -1,0 +1,211 @@
+"""The RAM tier's on-disk layout, its ownership lock, capacity accounting and committed objects.
+
+Everything the namespace needs survives a crash of the daemon because it lives in files under
+`--ram-dir` (a tmpfs), laid out as:
+
+    lock                    flock held by the owning daemon; holds its pid
+    tree/<path>             the user's namespace as real directories and files (working copies)
+    tree/<step>/.tierfs-manifest   a step's committed manifest, hidden from the mount
+    objects/<xxh3-128>      committed file content, hard links shared with tree files
+
+A committed object is immutable: a tree file whose inode has more than one link is shared with
+`objects/` and is copied before anyone may write it (copy on write). So re-saving a step never
+touches the bytes of the committed version, and a restart can put every committed step back
+exactly as its manifest says.
+
+Capacity is accounted per backing inode (logical size, hard links counted once) so that
+`--ram-limit` can refuse a write with ENOSPC before tmpfs itself runs out.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+TMP_PREFIX = ".tierfs-tmp-"
+RESERVED_PREFIX = b".tierfs-"
+
+
+class RamDirBusy(Exception):
+    """Another live daemon owns this RAM dir."""
+
+
+class RamFull(Exception):
+    """A write would take the RAM tier past --ram-limit."""
+
+
+def is_reserved(name: bytes) -> bool:
+    """Names tierfs keeps for itself inside the tree; never visible or creatable by users."""
+    return name.startswith(RESERVED_PREFIX)
+
+
+class RamStore:
+    def __init__(self, root: Path, limit_bytes: int) -> None:
+        self.root = root
+        self.tree = root / "tree"
+        self.objects = root / "objects"
+        self.limit_bytes = limit_bytes
+        self._sizes: dict[int, int] = {}
+        self.used_bytes = 0
+        self._refs: Counter[str] = Counter()
+        self._lock_fd: int | None = None
+        self._last_full_log = 0.0
+
+    # -- ownership -------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Create the layout (private to its owner) and take the lock, or raise RamDirBusy."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        self.tree.mkdir(exist_ok=True)
+        self.objects.mkdir(exist_ok=True)
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RamDirBusy(f"RAM dir {self.root} is in use by tierfs pid {holder}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- capacity --------------------------------------------------------------------------
+
+    def scan_usage(self) -> None:
+        """Recount usage from the files on disk (at start, after recovery)."""
+        self._sizes.clear()
+        for top in (self.tree, self.objects):
+            for dirpath, _dirs, files in os.walk(top):
+                for name in files:
+                    st = os.lstat(os.path.join(dirpath, name))
+                    self._sizes[st.st_ino] = st.st_size
+        self.used_bytes = sum(self._sizes.values())
+
+    def grow(self, backing_ino: int, new_end: int) -> None:
+        """Account a write that ends at `new_end`; raise RamFull if it would pass the limit."""
+        current = self._sizes.get(backing_ino, 0)
+        if new_end <= current:
+            return
+        delta = new_end - current
+        if self.used_bytes + delta > self.limit_bytes:
+            self._log_full(delta)
+            raise RamFull
+        self._sizes[backing_ino] = new_end
+        self.used_bytes += delta
+
+    def set_size(self, backing_ino: int, size: int) -> None:
+        """Account a truncate (or a new file); growing past the limit raises RamFull."""
+        current = self._sizes.get(backing_ino, 0)
+        if size > current:
+            self.grow(backing_ino, size)
+        else:
+            self._sizes[backing_ino] = size
+            self.used_bytes -= current - size
+
+    def forget_inode(self, backing_ino: int) -> None:
+        """The last link of a backing inode is gone."""
+        self.used_bytes -= self._sizes.pop(backing_ino, 0)
+
+    def _log_full(self, delta: int) -> None:
+        now = time.monotonic()
+        if now - self._last_full_log > 5:
+            self._last_full_log = now
+            log.warning(
+                "RAM tier full: %d of %d bytes used (%.1f%%), refused a write of %d bytes",
+                self.used_bytes, self.limit_bytes,
+                100 * self.used_bytes / max(self.limit_bytes, 1), delta,
+            )
+
+    # -- committed objects -----------------------------------------------------------------
+
+    def object_path(self, digest: str) -> Path:
+        return self.objects / digest
+
+    def add_ref(self, digest: str, tree_file: Path) -> None:
+        """Make `tree_file` (sealed with `digest`) a committed object, or count another use."""
+        target = self.object_path(digest)
+        if self._refs[digest] == 0 and not target.exists():
+            os.link(tree_file, target)
+        self._refs[digest] += 1
+
+    def count_ref(self, digest: str) -> None:
+        """Count a use found while loading manifests at start."""
+        self._refs[digest] += 1
+
+    def drop_ref(self, digest: str) -> None:
+        self._refs[digest] -= 1
+        if self._refs[digest] <= 0:
+            del self._refs[digest]
+            path = self.object_path(digest)
+            try:
+                st = os.lstat(path)
+                os.unlink(path)
+            except FileNotFoundError:
+                return
+            if st.st_nlink == 1:
+                self.forget_inode(st.st_ino)
+
+    def collect_garbage(self) -> int:
+        """Remove objects that no manifest names (left by an interrupted commit)."""
+        removed = 0
+        for entry in os.scandir(self.objects):
+            if entry.name not in self._refs:
+                os.unlink(entry.path)
+                removed += 1
+        return removed
+
+    # -- copy on write ---------------------------------------------------------------------
+
+    def tmp_path(self, directory: bytes) -> bytes:
+        name = f"{TMP_PREFIX}{os.getpid()}-{time.monotonic_ns()}"
+        return os.path.join(directory, name.encode())
+
+    def unshare(self, path: bytes, keep_bytes: int) -> None:
+        """Give `path` a private inode holding its first `keep_bytes` bytes (blocking).
+
+        Called when a tree file shared with a committed object is about to change; the object
+        keeps the committed bytes, the tree gets a copy it may modify.
+        """
+        st = os.lstat(path)
+        if keep_bytes and self.used_bytes + keep_bytes > self.limit_bytes:
+            self._log_full(keep_bytes)
+            raise RamFull
+        tmp = self.tmp_path(os.path.dirname(path))
+        with open(tmp, "xb") as dst:
+            if keep_bytes:
+                with open(path, "rb") as src:
+                    shutil.copyfileobj(src, dst, 4 << 20)
+                dst.truncate(keep_bytes)
+        os.chmod(tmp, st.st_mode & 0o7777)
+        os.chown(tmp, st.st_uid, st.st_gid)
+        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.rename(tmp, path)
+        self._sizes[os.lstat(path).st_ino] = keep_bytes
+        self.used_bytes += keep_bytes
+
+    def remove_tmp_files(self) -> int:
+        removed = 0
+        for dirpath, _dirs, files in os.walk(self.tree):
+            for name in files:
+                if name.startswith(TMP_PREFIX) or name == ".tierfs-manifest.tmp":
+                    os.unlink(os.path.join(dirpath, name))
+                    removed += 1
+        return removed
+
+
+def errno_of(exc: OSError) -> int:
+    return exc.errno if exc.errno else errno.EIO

@@ -1,0 +1,232 @@
+"""The `tierfs` command line: mount, umount, status, commit and demo.
+
+User mistakes end with one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+from tierfs.mount_helper import control
+from tierfs.mount_helper.config import MOUNT_OPTIONS, ConfigError, resolve
+from tierfs.mount_helper.mounts import is_mounted
+
+READY_TIMEOUT = 120.0
+
+EPILOG = """\
+examples:
+  tierfs mount /checkpoints                      RAM tier in /dev/shm/tierfs, half of memory
+  tierfs mount /checkpoints --ram-limit 64G --ram-dir /dev/shm/ckpt
+  tierfs status /checkpoints                     table of steps; --json for scripts
+  tierfs commit /checkpoints/run1/step_100       commit a step that did not commit by itself
+  tierfs umount /checkpoints
+
+A step directory (name matching --step-pattern, e.g. step_100, checkpoint-500, 100) commits
+when a file named .metadata appears in it (the end of a DCP save), when a directory is renamed
+onto a step name, or with `tierfs commit`. `latest` in a directory names its newest committed step.
+"""
+
+
+class UserError(Exception):
+    """Printed as one line, exit status 1."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierfs", description="Tiered checkpoint filesystem: a FUSE mount whose writes land "
+        "in RAM and whose step directories commit atomically.", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    mount = commands.add_parser(
+        "mount", help="mount tierfs (returns once the mount answers)",
+        description="Mount tierfs at MOUNTPOINT. Every option can also be set as an environment "
+        "variable TIERFS_<NAME> (e.g. TIERFS_RAM_LIMIT=64G) or in the TOML file given by "
+        "--config (e.g. ram-limit = \"64G\"); the command line wins, then the environment.")
+    mount.add_argument("mountpoint", metavar="MOUNTPOINT")
+    mount.add_argument("--config", metavar="FILE", help="TOML file with mount options")
+    for option in MOUNT_OPTIONS:
+        flag = "--" + option.name
+        if option.kind == "flag":
+            mount.add_argument(flag, action="store_true", default=None, help=option.help)
+        else:
+            mount.add_argument(flag, metavar=option.name.split("-")[-1].upper(), default=None,
+                               help=option.help % {"default": option.default})
+    mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+
+    umount = commands.add_parser("umount", help="unmount and stop the daemon")
+    umount.add_argument("mountpoint", metavar="MOUNTPOINT")
+
+    status = commands.add_parser("status", help="show steps, their states, sizes and tiers")
+    status.add_argument("mountpoint", metavar="MOUNTPOINT")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    commit = commands.add_parser("commit", help="commit the step directory PATH now")
+    commit.add_argument("path", metavar="PATH")
+
+    commands.add_parser("demo", help="train, checkpoint, crash and resume on a local mount "
+                        "(what `make demo` runs)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "mount":
+            return _mount(args, argv if argv is not None else sys.argv[1:])
+        if args.command == "umount":
+            return _umount(args.mountpoint)
+        if args.command == "status":
+            return _status(args.mountpoint, args.json)
+        if args.command == "commit":
+            return _commit(args.path)
+        if args.command == "demo":
+            from tierfs.mount_helper.demo import run_demo  # imports torch: only when asked
+
+            return run_demo()
+    except (UserError, ConfigError, control.ControlError) as exc:
+        print(f"tierfs: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+def _mount(args: argparse.Namespace, argv: list[str]) -> int:
+    cfg = resolve(args.mountpoint, vars(args), os.environ, args.config)
+    if cfg.foreground or args.ready_fd is not None:
+        from tierfs.mount_helper import daemon  # pyfuse3 and trio: only in the daemon
+
+        return daemon.run(cfg, args.ready_fd)
+    return _start_daemon(argv)
+
+
+def _start_daemon(argv: list[str]) -> int:
+    """Start the daemon detached and wait for its one-line verdict on a pipe."""
+    read_fd, write_fd = os.pipe()
+    command = [sys.executable, "-m", "tierfs", *argv, "--ready-fd", str(write_fd)]
+    with open(os.devnull, "rb") as devnull:
+        child = subprocess.Popen(command, stdin=devnull, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, pass_fds=(write_fd,),
+                                 start_new_session=True)
+    os.close(write_fd)
+    deadline = time.monotonic() + READY_TIMEOUT
+    buffer = b""
+    with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise UserError(f"the daemon (pid {child.pid}) did not report ready in "
+                                f"{READY_TIMEOUT:.0f} s; see its log")
+            if not select.select([pipe], [], [], remaining)[0]:
+                continue
+            chunk = pipe.read(4096)
+            if not chunk:
+                break
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                kind, _, message = line.decode(errors="replace").partition(" ")
+                if kind == "WARN":
+                    print(f"tierfs: warning: {message}", file=sys.stderr)
+                elif kind == "ERR":
+                    raise UserError(message)
+                elif kind == "OK":
+                    child.stderr.close()
+                    return 0
+    # The pipe closed without a verdict: the child died before it could say why.
+    child.wait(timeout=10)
+    detail = child.stderr.read().decode(errors="replace").strip().splitlines()
+    raise UserError(f"the daemon exited with status {child.returncode}"
+                    + (f": {detail[-1]}" if detail else ""))
+
+
+def _umount(mountpoint: str) -> int:
+    path = os.path.abspath(mountpoint)
+    if not is_mounted(path):
+        raise UserError(f"{mountpoint} is not mounted")
+    pid = None
+    try:
+        socket_path, _root, _rel = control.locate(path)
+        pid = control.request(socket_path, {"cmd": "status"}, timeout=10)["status"]["pid"]
+    except control.ControlError:
+        pass  # not answering: unmount anyway, the daemon is beyond our reach
+    done = subprocess.run(["fusermount3", "-u", path], capture_output=True, text=True)
+    if done.returncode != 0:
+        reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"
+        raise UserError(f"cannot unmount {mountpoint}: {reason}")
+    if pid is not None and not _wait_for_exit(pid, 60):
+        raise UserError(f"unmounted {mountpoint}, but daemon pid {pid} is still running")
+    return 0
+
+
+def _wait_for_exit(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _status(mountpoint: str, as_json: bool) -> int:
+    socket_path, _root, _rel = control.locate(mountpoint)
+    status = control.request(socket_path, {"cmd": "status"})["status"]
+    if as_json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def _commit(path: str) -> int:
+    socket_path, _root, relpath = control.locate(path)
+    if relpath == ".":
+        raise UserError(f"{path} is the mount root, not a step directory")
+    reply = control.request(socket_path, {"cmd": "commit", "path": relpath}, timeout=None)
+    print(f"committed {reply['path']} version {reply['version']}: {reply['files']} files, "
+          f"{human_bytes(reply['bytes'])}")
+    return 0
+
+
+def human_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_status(status: dict[str, Any]) -> str:
+    ram = status["ram"]
+    share = 100 * ram["used_bytes"] / max(ram["limit_bytes"], 1)
+    lines = [f"tierfs at {status['mountpoint']}  node {status['node_id']}  pid {status['pid']}",
+             f"RAM tier {human_bytes(ram['used_bytes'])} of {human_bytes(ram['limit_bytes'])} "
+             f"({share:.0f}%) in {status.get('ram_dir', '?')}"]
+    steps = status["steps"]
+    if not steps:
+        lines.append("no step directories yet")
+        return "\n".join(lines)
+    rows = [("PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "TIERS")]
+    for step in steps:
+        tiers = (["ram"] if step["ram"] else []) + [f"peer:{p}" for p in step["replicas"]]
+        if step["persisted"]:
+            tiers.append("persist")
+        rows.append((step["path"], str(step["step"]), step["state"], str(step["version"]),
+                     str(step["files"]), human_bytes(step["bytes"]), ",".join(tiers) or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    numeric = {1, 3, 4, 5}
+    for row in rows:
+        cells = [cell.rjust(w) if i in numeric else cell.ljust(w)
+                 for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)

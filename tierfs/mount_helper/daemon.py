@@ -1,0 +1,227 @@
+"""Daemon life cycle: pre-flight checks, the RAM store, the namespace, the FUSE session, the
+control socket and clean shutdown on unmount, SIGTERM or SIGINT.
+
+`run()` is what `tierfs mount` executes, in the foreground or in a detached child that reports
+"ready" or one error line to its parent through a pipe, so `tierfs mount` returns only once the
+file system answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import pyfuse3
+import trio
+
+from tierfs import manifest as mf
+from tierfs.fs.namespace import FsError, Namespace
+from tierfs.fs.operations import Operations
+from tierfs.fs.ram_store import RamDirBusy, RamStore
+from tierfs.mount_helper import control
+from tierfs.mount_helper.config import MountConfig
+from tierfs.mount_helper.mounts import filesystem_type, is_mounted
+
+log = logging.getLogger(__name__)
+
+
+class StartupError(Exception):
+    """The mount cannot start; the text is the one line the user sees."""
+
+
+class ReadyPipe:
+    """The child's side of the pipe its `tierfs mount` parent waits on (or stderr if none)."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+
+    def _send(self, line: str) -> None:
+        if self._fd is None:
+            if not line.startswith("OK"):
+                print(f"tierfs: {line.split(' ', 1)[1]}", file=sys.stderr)
+            return
+        os.write(self._fd, (line.replace("\n", " ") + "\n").encode())
+
+    def warn(self, message: str) -> None:
+        self._send("WARN " + message)
+
+    def ok(self) -> None:
+        self._send("OK ready")
+        self.close()
+
+    def fail(self, message: str) -> None:
+        self._send("ERR " + message)
+        self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def preflight(cfg: MountConfig) -> list[str]:
+    """Refuse what cannot work with one clear line; return warnings for what works badly."""
+    mountpoint = cfg.mountpoint
+    if not mountpoint.exists():
+        raise StartupError(f"mountpoint {mountpoint} does not exist")
+    if not mountpoint.is_dir():
+        raise StartupError(f"mountpoint {mountpoint} is not a directory")
+    if is_mounted(mountpoint):
+        raise StartupError(f"mountpoint {mountpoint} is busy: something is already mounted there")
+    if not os.path.exists("/dev/fuse"):
+        raise StartupError("/dev/fuse is missing: load the fuse kernel module or give the "
+                           "container the fuse device")
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        raise StartupError("/dev/fuse is not readable and writable by this user")
+    try:
+        cfg.ram_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        probe = cfg.ram_dir / f".tierfs-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise StartupError(f"RAM dir {cfg.ram_dir} is not writable: {exc.strerror}") from None
+    warnings = []
+    fstype = filesystem_type(cfg.ram_dir)
+    if fstype != "tmpfs":
+        warnings.append(f"RAM dir {cfg.ram_dir} is on {fstype}, not tmpfs: writes go to that "
+                        "file system, not to memory")
+    return warnings
+
+
+def setup_logging(cfg: MountConfig, to_stderr: bool) -> None:
+    if not to_stderr:
+        # A detached daemon writes everything, tracebacks of last resort included, to its log.
+        cfg.log_file.parent.mkdir(parents=True, exist_ok=True)
+        log_fd = os.open(cfg.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
+    """Mount and serve until unmounted or signalled. Returns the process exit status."""
+    ready = ReadyPipe(ready_fd)
+    os.umask(0)  # modes come from the callers' requests, already masked by the kernel
+    try:
+        warnings = preflight(cfg)
+        setup_logging(cfg, to_stderr=cfg.foreground)
+        for warning in warnings:
+            log.warning("%s", warning)
+            ready.warn(warning)
+        store = RamStore(cfg.ram_dir, cfg.ram_limit)
+        store.acquire()
+    except (StartupError, RamDirBusy) as exc:
+        ready.fail(str(exc))
+        return 1
+    try:
+        trio.run(_serve, cfg, store, ready)
+    except StartupError as exc:
+        log.error("%s", exc)
+        ready.fail(str(exc))
+        return 1
+    except Exception as exc:
+        log.exception("tierfs daemon failed")
+        ready.fail(f"daemon failed: {exc}")
+        return 1
+    finally:
+        store.release()
+    log.info("unmounted %s", cfg.mountpoint)
+    return 0
+
+
+async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
+    commits_send, commits_recv = trio.open_memory_channel[mf.StepManifest](64)
+    namespace = Namespace(store, commits_send, node_id=cfg.node_id,
+                          step_pattern=cfg.step_pattern)
+    namespace.load()
+    operations = Operations(namespace, str(cfg.control_socket))
+    options = set(pyfuse3.default_options) | {"fsname=tierfs", "subtype=tierfs"}
+    try:
+        pyfuse3.init(operations, str(cfg.mountpoint), options)
+    except RuntimeError as exc:
+        raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
+    daemon = Daemon(cfg, namespace)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_run_fuse, nursery.cancel_scope)
+            await nursery.start(control.serve, str(cfg.control_socket), daemon.handle)
+            nursery.start_soon(daemon.consume_commits, commits_recv)
+            nursery.start_soon(_terminate_on_signal)
+            await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers
+            log.info("mounted %s (RAM dir %s, limit %d bytes, pid %d)", cfg.mountpoint,
+                     cfg.ram_dir, cfg.ram_limit, os.getpid())
+            ready.ok()
+    finally:
+        pyfuse3.close(unmount=is_mounted(cfg.mountpoint))
+        try:
+            cfg.control_socket.unlink()
+        except FileNotFoundError:
+            pass
+
+
+async def _run_fuse(cancel_scope: trio.CancelScope) -> None:
+    await pyfuse3.main()
+    cancel_scope.cancel()  # unmounted or terminated: stop the other workers
+
+
+async def _terminate_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s: unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+class Daemon:
+    """Answers control requests and follows commit events."""
+
+    def __init__(self, cfg: MountConfig, namespace: Namespace) -> None:
+        self.cfg = cfg
+        self.namespace = namespace
+        self.commits = 0
+
+    async def consume_commits(self, events: trio.MemoryReceiveChannel[mf.StepManifest]) -> None:
+        # The later tiers (peers, persistent store) take their work from this channel.
+        async for _manifest in events:
+            self.commits += 1
+
+    async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        command = request.get("cmd")
+        if command == "status":
+            return {"ok": True, "status": self.status()}
+        if command == "commit":
+            path = request.get("path")
+            if not isinstance(path, str):
+                return {"ok": False, "error": "commit needs a path"}
+            try:
+                manifest = await self.namespace.commit_path(path)
+            except FsError as exc:
+                return {"ok": False, "error": f"{path}: {exc}"}
+            except OSError as exc:
+                return {"ok": False, "error": f"{path}: {exc.strerror}"}
+            return {"ok": True, "path": manifest.path, "version": manifest.version,
+                    "files": len(manifest.files), "bytes": manifest.total_bytes}
+        return {"ok": False, "error": f"unknown command {command!r}"}
+
+    def status(self) -> dict[str, Any]:
+        ns = self.namespace
+        steps = sorted((ns.step_status(node) for node in ns.steps()),
+                       key=lambda s: (os.path.dirname(s["path"]), s["step"], s["path"]))
+        return {
+            "node_id": self.cfg.node_id,
+            "mountpoint": str(self.cfg.mountpoint),
+            "pid": os.getpid(),
+            "ram_dir": str(self.cfg.ram_dir),
+            "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes},
+            "peers": [],
+            "commits": self.commits,
+            "steps": steps,
+        }
