@@ -131,7 +131,8 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
     try:
         keep_ram = int(values["keep_ram"])
     except (TypeError, ValueError):
-        raise ConfigError(f"--keep-ram must be a whole number, not {values['keep_ram']!r}") from None
+        raise ConfigError(
+            f"--keep-ram must be a whole number, not {values['keep_ram']!r}") from None
     if keep_ram < 1:
         raise ConfigError("--keep-ram must be at least 1")
     pattern = str(values["step_pattern"])
@@ -139,7 +140,8 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         if re.compile(pattern).groups < 1:
             raise ConfigError(f"--step-pattern {pattern!r} needs a group for the step number")
     except re.error as exc:
-        raise ConfigError(f"--step-pattern {pattern!r} is not a regular expression: {exc}") from None
+        raise ConfigError(
+            f"--step-pattern {pattern!r} is not a regular expression: {exc}") from None
     ram_dir = Path(values["ram_dir"]).absolute()
     limit = parse_size(values["ram_limit"])
     if limit <= 0:

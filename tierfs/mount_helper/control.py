@@ -8,6 +8,7 @@ a path. Requests are `{"cmd": ..., ...}`; replies `{"ok": true, ...}` or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -54,10 +55,8 @@ async def _answer(stream: trio.SocketStream, handler: Handler) -> None:
         except Exception as exc:
             log.exception("control request %r failed", request.get("cmd"))
             reply = {"ok": False, "error": f"internal error: {exc}"}
-        try:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await stream.send_all(json.dumps(reply).encode() + b"\n")
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
 
 
 async def _read_message(stream: trio.SocketStream) -> dict[str, Any]:
@@ -75,7 +74,8 @@ async def _read_message(stream: trio.SocketStream) -> dict[str, Any]:
     return message
 
 
-def request(socket_path: str, message: dict[str, Any], timeout: float | None = 30) -> dict[str, Any]:
+def request(socket_path: str, message: dict[str, Any],
+            timeout: float | None = 30) -> dict[str, Any]:
     """Send one request to a daemon and return its reply (blocking, for the command line)."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:

@@ -8,6 +8,7 @@ file system answers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -161,10 +162,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             ready.ok()
     finally:
         pyfuse3.close(unmount=is_mounted(cfg.mountpoint))
-        try:
+        with contextlib.suppress(FileNotFoundError):
             cfg.control_socket.unlink()
-        except FileNotFoundError:
-            pass
 
 
 async def _run_fuse(cancel_scope: trio.CancelScope) -> None:
