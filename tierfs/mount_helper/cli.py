@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         if option.kind == "flag":
             mount.add_argument(flag, action="store_true", default=None, help=option.help)
         else:
-            mount.add_argument(flag, metavar=option.name.split("-")[-1].upper(), default=None,
-                               help=option.help % {"default": option.default})
+            mount.add_argument(flag, metavar=option.metavar, default=None,
+                               help=(option.help % {"default": option.default})
+                               .replace("%", "%%"))  # argparse expands % itself
     mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     umount = commands.add_parser("umount", help="unmount and stop the daemon")

@@ -28,21 +28,22 @@ class Option:
     default: Any
     help: str
     kind: str = "str"  # str, int, size, path, flag
+    metavar: str = ""
 
 
 MOUNT_OPTIONS = [
     Option("foreground", False, "stay in the foreground and log to stderr", "flag"),
     Option("ram-dir", "/dev/shm/tierfs", "where the RAM tier keeps its data; must be on tmpfs "
-           "to be RAM (default %(default)s)", "path"),
+           "to be RAM (default %(default)s)", "path", "DIR"),
     Option("ram-limit", "50%", "bytes (64G, 512M) or percent of memory (50%%) the RAM tier may "
-           "hold (default %(default)s)", "size"),
-    Option("keep-ram", 3, "committed steps kept in RAM per run directory (default %(default)s)",
-           "int"),
-    Option("node-id", None, "this node's name (default: the host name)"),
+           "hold (default %(default)s)", "size", "SIZE"),
+    Option("keep-ram", 3, "committed steps kept in RAM per run directory; older ones leave RAM "
+           "only once safe in another tier (default %(default)s)", "int", "N"),
+    Option("node-id", None, "this node's name (default: the host name)", metavar="ID"),
     Option("step-pattern", DEFAULT_STEP_PATTERN, "regular expression for step directory names; "
-           "group 1 is the step number (default %(default)s)"),
+           "group 1 is the step number (default %(default)s)", metavar="REGEX"),
     Option("log-file", None, "log destination when daemonised (default <ram-dir>/tierfs.log)",
-           "path"),
+           "path", "FILE"),
 ]
 
 

@@ -1,0 +1,94 @@
+"""The command line as a user meets it: one-line errors, the status table, umount, --help."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tests.conftest import Mount, MountFactory, tierfs
+from tests.test_commit import write_step
+from tierfs.mount_helper.mounts import is_mounted
+
+
+def assert_one_line_error(done, text: str) -> None:  # type: ignore[no-untyped-def]
+    assert done.returncode != 0
+    assert text in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_mount_refusals(mounts: MountFactory, tmp_path: Path) -> None:
+    ram = str(mounts.new_ram_dir())
+    assert_one_line_error(tierfs("mount", str(tmp_path / "nope"), "--ram-dir", ram, check=False),
+                          "does not exist")
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    assert_one_line_error(tierfs("mount", str(a_file), "--ram-dir", ram, check=False),
+                          "is not a directory")
+    (tmp_path / "mp").mkdir()
+    assert_one_line_error(tierfs("mount", str(tmp_path / "mp"), "--ram-dir", str(a_file / "x"),
+                                 check=False), "is not writable")
+    assert_one_line_error(tierfs("mount", str(tmp_path / "mp"), "--ram-dir", ram,
+                                 "--ram-limit", "lots", check=False), "not a size")
+    mnt = mounts.mount()
+    assert_one_line_error(tierfs("mount", str(mnt.mountpoint), "--ram-dir",
+                                 str(mounts.new_ram_dir()), check=False), "is busy")
+
+
+def test_ram_dir_off_tmpfs_is_a_warning(mounts: MountFactory, tmp_path: Path) -> None:
+    ram_dir = tmp_path / "disk-ram"
+    mounts.ram_dirs.append(ram_dir)
+    mountpoint = tmp_path / "mp"
+    mountpoint.mkdir()
+    done = tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir))
+    assert "warning:" in done.stderr and "not tmpfs" in done.stderr
+    mounts.mounts.append(Mount(mountpoint, ram_dir, ram_dir / "tierfs.log"))
+    mounts.mounts[-1].pid = mounts.mounts[-1].status()["pid"]
+    assert oct(ram_dir.stat().st_mode & 0o777) == "0o700"
+
+
+def test_status_table_and_umount(mnt: Mount) -> None:
+    write_step(mnt / "run/step_100", {"__0_0.distcp": b"x" * 3000})
+    (mnt / "run/step_200").mkdir()
+    table = tierfs("status", str(mnt.mountpoint)).stdout
+    lines = table.splitlines()
+    assert lines[0].startswith(f"tierfs at {mnt.mountpoint}") and f"pid {mnt.pid}" in lines[0]
+    header = lines[2].split()
+    assert header == ["PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "TIERS"]
+    assert lines[3].split() == ["run/step_100", "100", "committed", "1", "2", "2.9", "KiB",
+                                "ram"]
+    assert lines[4].split()[:3] == ["run/step_200", "200", "writing"]
+    tierfs("umount", str(mnt.mountpoint))
+    assert not is_mounted(mnt.mountpoint)
+    assert_one_line_error(tierfs("status", str(mnt.mountpoint), check=False),
+                          "is not on a tierfs mount")
+    assert_one_line_error(tierfs("umount", str(mnt.mountpoint), check=False), "is not mounted")
+
+
+def test_umount_of_busy_mount_says_so(mnt: Mount) -> None:
+    (mnt / "open").write_bytes(b"x")
+    with open(mnt / "open", "rb"):
+        assert_one_line_error(tierfs("umount", str(mnt.mountpoint), check=False),
+                              "cannot unmount")
+    assert is_mounted(mnt.mountpoint)
+
+
+def test_help_answers_questions() -> None:
+    top = tierfs("--help").stdout
+    for word in ("mount", "umount", "status", "commit", "demo", ".metadata", "latest"):
+        assert word in top
+    mount_help = tierfs("mount", "--help").stdout
+    for word in ("--ram-dir", "--ram-limit", "--step-pattern", "TIERFS_", "--config"):
+        assert word in mount_help
+
+
+def test_environment_variables_configure_the_mount(mounts: MountFactory, tmp_path: Path) -> None:
+    env = dict(os.environ, TIERFS_RAM_LIMIT="32M", TIERFS_NODE_ID="envnode")
+    mountpoint = tmp_path / "envmp"
+    mountpoint.mkdir()
+    ram_dir = mounts.new_ram_dir()
+    tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir), env=env)
+    mnt = Mount(mountpoint, ram_dir, ram_dir / "tierfs.log")
+    mounts.mounts.append(mnt)
+    status = mnt.status()
+    mnt.pid = status["pid"]
+    assert status["node_id"] == "envnode" and status["ram"]["limit_bytes"] == 32 << 20

@@ -1,0 +1,55 @@
+"""Unit tests of option parsing: sizes, precedence of command line, environment and TOML."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierfs.mount_helper.config import ConfigError, parse_size, resolve
+
+
+def test_parse_size() -> None:
+    assert parse_size("512M") == 512 << 20
+    assert parse_size("64G") == 64 << 30
+    assert parse_size("1.5k") == 1536
+    assert parse_size("4096") == 4096
+    assert parse_size("10GiB") == 10 << 30
+    assert parse_size("50%", total_memory=1000) == 500
+    for bad in ("lots", "0%", "150%", "12Q"):
+        with pytest.raises(ConfigError):
+            parse_size(bad)
+
+
+def test_precedence_command_line_then_environment_then_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "tierfs.toml"
+    config.write_text('ram-limit = "1G"\nkeep-ram = 5\nnode_id = "from-file"\n')
+    cfg = resolve("/mnt", {}, {}, str(config))
+    assert (cfg.ram_limit, cfg.keep_ram, cfg.node_id) == (1 << 30, 5, "from-file")
+    cfg = resolve("/mnt", {}, {"TIERFS_RAM_LIMIT": "2G", "TIERFS_FOREGROUND": "1"}, str(config))
+    assert cfg.ram_limit == 2 << 30 and cfg.foreground
+    cfg = resolve("/mnt", {"ram_limit": "3G"}, {"TIERFS_RAM_LIMIT": "2G"}, str(config))
+    assert cfg.ram_limit == 3 << 30
+    assert cfg.log_file == cfg.ram_dir / "tierfs.log"
+    assert cfg.ram_dir.as_posix() == "/dev/shm/tierfs"
+
+
+@pytest.mark.parametrize("cli, message", [
+    ({"keep_ram": "x"}, "--keep-ram must be a whole number"),
+    ({"step_pattern": "step_[0-9]+"}, "needs a group"),
+    ({"step_pattern": "("}, "not a regular expression"),
+    ({"ram_limit": "huge"}, "not a size"),
+])
+def test_mistakes_are_one_clear_line(cli, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match=message):
+        resolve("/mnt", cli, {}, None)
+
+
+def test_bad_config_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "c.toml"
+    config.write_text("ram-limit = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        resolve("/mnt", {}, {}, str(config))
+    config.write_text("colour = 'blue'\n")
+    with pytest.raises(ConfigError, match="unknown option 'colour'"):
+        resolve("/mnt", {}, {}, str(config))
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        resolve("/mnt", {}, {}, str(tmp_path / "missing.toml"))

@@ -1,0 +1,197 @@
+"""The namespace and Operations without a mount: commit detection, copy on write, recovery at
+start-up and the error boundary, driven through the same calls pyfuse3 makes."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyfuse3
+import pytest
+import trio
+
+from tierfs import manifest as mf
+from tierfs.fs.namespace import ROOT_INODE, Namespace
+from tierfs.fs.operations import Operations
+from tierfs.fs.ram_store import RamStore
+
+CTX = SimpleNamespace(uid=os.geteuid(), gid=os.getegid(), umask=0o022, pid=os.getpid())
+
+
+class Harness:
+    """A namespace over a RAM store in a temp dir, with helpers that speak pyfuse3's calls."""
+
+    def __init__(self, root: Path, limit: int = 1 << 30) -> None:
+        self.root = root
+        self.store = RamStore(root, limit)
+        self.store.acquire()
+        self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
+        self.ns = Namespace(self.store, self.send, node_id="n0")
+        self.ns.load()
+        self.ops = Operations(self.ns)
+
+    def close(self) -> None:
+        self.store.release()
+
+    async def inode(self, path: str) -> int:
+        ino = ROOT_INODE
+        for part in path.split("/"):
+            ino = (await self.ops.lookup(ino, part.encode(), CTX)).st_ino
+        return ino
+
+    async def mkdirs(self, path: str) -> int:
+        ino = ROOT_INODE
+        for part in path.split("/"):
+            try:
+                ino = (await self.ops.lookup(ino, part.encode(), CTX)).st_ino
+            except pyfuse3.FUSEError:
+                ino = (await self.ops.mkdir(ino, part.encode(), 0o755, CTX)).st_ino
+        return ino
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        parent, _, name = path.rpartition("/")
+        try:
+            info = await self.ops.open(await self.inode(path), os.O_WRONLY | os.O_TRUNC, CTX)
+        except pyfuse3.FUSEError:
+            info, _attrs = await self.ops.create(await self.mkdirs(parent), name.encode(),
+                                                 0o644, os.O_WRONLY, CTX)
+        await self.ops.write(info.fh, 0, data)
+        await self.ops.flush(info.fh)
+        await self.ops.release(info.fh)
+
+    async def read_file(self, path: str) -> bytes:
+        info = await self.ops.open(await self.inode(path), os.O_RDONLY, CTX)
+        try:
+            return await self.ops.read(info.fh, 0, 1 << 30)
+        finally:
+            await self.ops.release(info.fh)
+
+    async def rename(self, old: str, new: str) -> None:
+        old_parent, _, old_name = old.rpartition("/")
+        new_parent, _, new_name = new.rpartition("/")
+        await self.ops.rename(await self.inode(old_parent), old_name.encode(),
+                              await self.inode(new_parent), new_name.encode(), 0, CTX)
+
+    async def state(self, path: str) -> str:
+        return (await self.ops.getxattr(await self.inode(path), b"user.tierfs.state",
+                                        CTX)).decode()
+
+
+@pytest.fixture
+def harness(tmp_path: Path):  # type: ignore[no-untyped-def]
+    h = Harness(tmp_path / "ram")
+    yield h
+    h.close()
+
+
+async def dcp_save(h: Harness, step: str, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        await h.write_file(f"{step}/{name}", data)
+    await h.write_file(f"{step}/.metadata.tmp", b"meta")
+    await h.rename(f"{step}/.metadata.tmp", f"{step}/.metadata")
+
+
+async def test_metadata_commits_and_announces(harness: Harness) -> None:
+    await dcp_save(harness, "run/step_10", {"a": b"A" * 100, "b": b"B"})
+    assert await harness.state("run/step_10") == "committed"
+    event = harness.commits.receive_nowait()
+    assert (event.path, event.step, event.version, event.node_id) == ("run/step_10", 10, 1, "n0")
+    assert [f.name for f in event.files] == [".metadata", "a", "b"]
+    on_disk = (harness.root / "tree/run/step_10/.tierfs-manifest").read_bytes()
+    assert mf.decode(on_disk) == event
+    for entry in event.files:
+        assert (harness.root / "objects" / entry.xxh3).stat().st_size == entry.size
+    # the hidden manifest is not an entry of the directory
+    names = [name for name, _node in harness.ns.list_dir(harness.ns.child(
+        harness.ns.child(harness.ns.root, b"run"), b"step_10"))]
+    assert b".tierfs-manifest" not in names
+
+
+async def test_commit_waits_for_writer_then_commits_on_its_close(harness: Harness) -> None:
+    step_ino = await harness.mkdirs("run/step_1")
+    info, _ = await harness.ops.create(step_ino, b"slow", 0o644, os.O_WRONLY, CTX)
+    await harness.ops.write(info.fh, 0, b"part one")
+    await dcp_save(harness, "run/step_1", {"fast": b"fast"})
+    assert await harness.state("run/step_1") == "writing"
+    await harness.ops.write(info.fh, 8, b" part two")
+    await harness.ops.flush(info.fh)
+    await harness.ops.release(info.fh)
+    assert await harness.state("run/step_1") == "committed"
+    event = harness.commits.receive_nowait()
+    assert event.entry("slow").size == len(b"part one part two")
+
+
+async def test_writing_a_committed_file_copies_it_first(harness: Harness) -> None:
+    await dcp_save(harness, "step_2", {"shard": b"committed bytes"})
+    manifest = harness.commits.receive_nowait()
+    obj = harness.root / "objects" / manifest.entry("shard").xxh3
+    info = await harness.ops.open(await harness.inode("step_2/shard"), os.O_WRONLY | os.O_TRUNC,
+                                  CTX)
+    await harness.ops.write(info.fh, 0, b"new")
+    await harness.ops.release(info.fh)
+    assert obj.read_bytes() == b"committed bytes"
+    assert await harness.read_file("step_2/shard") == b"new"
+    assert await harness.state("step_2") == "writing"
+    info = await harness.ops.open(await harness.inode("step_2/.metadata"), os.O_RDWR, CTX)
+    await harness.ops.write(info.fh, 0, b"M")  # keeps the rest of the file: copied, not emptied
+    await harness.ops.release(info.fh)
+    assert await harness.read_file("step_2/.metadata") == b"Meta"
+
+
+async def test_restart_restores_committed_step_and_removes_leftovers(tmp_path: Path) -> None:
+    first = Harness(tmp_path / "ram")
+    await dcp_save(first, "run/step_3", {"shard": b"v1"})
+    await first.write_file("run/step_3/shard", b"uncommitted v2")
+    await first.write_file("run/step_4/partial", b"interrupted save")
+    first.close()
+    (tmp_path / "ram/objects" / ("f" * 32)).write_bytes(b"linked, manifest never written")
+    (tmp_path / "ram/tree/run/.tierfs-tmp-1-2").write_bytes(b"temp")
+
+    second = Harness(tmp_path / "ram")
+    assert await second.state("run/step_3") == "committed"
+    assert await second.read_file("run/step_3/shard") == b"v1"
+    assert await second.state("run/step_4") == "writing"
+    assert await second.read_file("run/step_4/partial") == b"interrupted save"
+    assert not (tmp_path / "ram/objects" / ("f" * 32)).exists()
+    assert not (tmp_path / "ram/tree/run/.tierfs-tmp-1-2").exists()
+    second.close()
+
+
+async def test_unreadable_manifest_is_set_aside(tmp_path: Path) -> None:
+    first = Harness(tmp_path / "ram")
+    await dcp_save(first, "step_5", {"a": b"a"})
+    first.close()
+    (tmp_path / "ram/tree/step_5/.tierfs-manifest").write_bytes(b"\x00garbage")
+    second = Harness(tmp_path / "ram")
+    assert await second.state("step_5") == "writing"
+    assert (tmp_path / "ram/tree/step_5/.tierfs-manifest.damaged").exists()
+    second.close()
+
+
+async def test_errors_cross_the_boundary_as_errno(harness: Harness) -> None:
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await harness.ops.lookup(ROOT_INODE, b"missing", CTX)
+    assert info.value.errno == errno.ENOENT
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await harness.ops.read(9999, 0, 10)
+    assert info.value.errno == errno.EBADF
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await harness.ops.mkdir(ROOT_INODE, b".tierfs-x", 0o755, CTX)
+    assert info.value.errno == errno.EPERM
+
+
+async def test_ram_limit_refuses_with_enospc(tmp_path: Path) -> None:
+    h = Harness(tmp_path / "ram", limit=1000)
+    info, _ = await h.ops.create(ROOT_INODE, b"f", 0o644, os.O_WRONLY, CTX)
+    await h.ops.write(info.fh, 0, b"x" * 600)
+    with pytest.raises(pyfuse3.FUSEError) as err:
+        await h.ops.write(info.fh, 600, b"x" * 600)
+    assert err.value.errno == errno.ENOSPC
+    await h.ops.write(info.fh, 0, b"y" * 600)  # overwriting in place needs no new space
+    await h.ops.release(info.fh)
+    assert h.store.used_bytes == 600
+    await h.ops.unlink(ROOT_INODE, b"f", CTX)
+    assert h.store.used_bytes == 0
+    h.close()
