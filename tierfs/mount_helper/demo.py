@@ -1,0 +1,215 @@
+"""`tierfs demo` (what `make demo` runs): a training job checkpoints through tierfs, the daemon
+is killed with SIGKILL in the middle of a save, tierfs is mounted again on the same RAM dir and
+the job resumes from `latest`, its loss curve carrying on where it was.
+
+Everything goes through the real command line and unmodified torch DCP calls; the demo cleans up
+after itself (lazy unmount, kill by pid, RAM dir removed) whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+TOTAL_STEPS = 300
+SAVE_EVERY = 25
+CRASH_AT = 175
+BARS = " ▁▂▃▄▅▆▇█"
+
+
+def _tierfs(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "tierfs", *args], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"tierfs {args[0]} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def _banner(text: str) -> None:
+    print(f"\n== {text}", flush=True)
+
+
+class Job:
+    """A small model (token embedding + MLP) trained with Adam; DCP checkpoints its whole state."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        torch.manual_seed(0)
+        self.features = torch.randn(4096, 64)
+        self.tokens = torch.randint(0, 20_000, (4096,))
+        self.targets = (self.features @ (torch.randn(64, 1) / 8)
+                        + 0.3 * torch.sin(3 * self.features[:, :1]))
+        self.embedding = torch.nn.Embedding(20_000, 128)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(64 + 128, 512), torch.nn.Tanh(),
+                                       torch.nn.Linear(512, 1))
+        self.model = torch.nn.ModuleDict({"embedding": self.embedding, "mlp": self.mlp})
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        self.step = 0
+
+    def train_step(self) -> float:
+        torch = self.torch
+        batch = torch.randint(0, len(self.features), (256,),
+                              generator=torch.Generator().manual_seed(self.step))
+        inputs = torch.cat([self.features[batch], self.embedding(self.tokens[batch])], dim=1)
+        loss = torch.nn.functional.mse_loss(self.mlp(inputs), self.targets[batch])
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        self.step += 1
+        return loss.item()
+
+    def state(self) -> dict[str, object]:
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
+                "step": self.torch.tensor(self.step)}
+
+    def save(self, run_dir: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.state(), storage_writer=dcp.FileSystemWriter(run_dir / f"step_{self.step}"))
+
+    def load(self, step_dir: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        state = self.state()
+        dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir))
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.step = int(state["step"])
+
+
+def _sparkline(losses: list[float]) -> str:
+    low, high = min(losses), max(losses)
+    span = (high - low) or 1.0
+    return "".join(BARS[1 + int((value - low) / span * (len(BARS) - 2))] for value in losses)
+
+
+class DemoMount:
+    """One tierfs mount for the demo, always torn down."""
+
+    def __init__(self, root: Path, ram_dir: Path) -> None:
+        self.mountpoint = root / "checkpoints"
+        self.mountpoint.mkdir(exist_ok=True)
+        self.ram_dir = ram_dir
+        self.pid = 0
+
+    def mount(self) -> None:
+        started = time.monotonic()
+        _tierfs("mount", str(self.mountpoint), "--ram-dir", str(self.ram_dir),
+                "--ram-limit", "2G")
+        self.pid = self.status()["pid"]
+        print(f"$ tierfs mount {self.mountpoint} --ram-dir {self.ram_dir} --ram-limit 2G"
+              f"   (daemon pid {self.pid}, ready in {time.monotonic() - started:.2f} s)")
+
+    def status(self) -> dict:  # type: ignore[type-arg]
+        return json.loads(_tierfs("status", str(self.mountpoint), "--json"))
+
+    def show_status(self) -> None:
+        print(f"$ tierfs status {self.mountpoint}")
+        print(_tierfs("status", str(self.mountpoint)).rstrip())
+
+    def kill9_when_exists(self, path: Path) -> None:
+        """SIGKILL the daemon as soon as `path` appears (a save has begun), then lazy-unmount."""
+        deadline = time.monotonic() + 60
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(self.pid, signal.SIGKILL)
+        print(f"$ kill -9 {self.pid}; fusermount3 -u -z {self.mountpoint}")
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+
+    def cleanup(self) -> None:
+        from tierfs.mount_helper.mounts import is_mounted
+
+        if is_mounted(self.mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)],
+                           capture_output=True)
+        if self.pid:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def run_demo() -> int:
+    warnings.filterwarnings("ignore")  # DCP warns that it runs without a process group
+    started = time.monotonic()
+    root = Path(tempfile.mkdtemp(prefix="tierfs-demo-"))
+    ram_dir = Path("/dev/shm") / f"tierfs-demo-{os.getpid()}"
+    fs = DemoMount(root, ram_dir)
+    try:
+        _banner("1. mount tierfs (RAM tier on tmpfs)")
+        fs.mount()
+        run_dir = fs.mountpoint / "run1"
+        _banner(f"2. train, DCP checkpoint every {SAVE_EVERY} steps into {run_dir}/step_N")
+        job = Job()
+        losses: list[float] = []
+        while job.step < CRASH_AT:
+            losses.append(job.train_step())
+            if job.step % SAVE_EVERY == 0 and job.step < CRASH_AT:
+                save_started = time.monotonic()
+                job.save(run_dir)
+                state = os.getxattr(run_dir / f"step_{job.step}", "user.tierfs.state").decode()
+                print(f"step {job.step:3d}  loss {losses[-1]:.4f}  saved step_{job.step} in "
+                      f"{1000 * (time.monotonic() - save_started):.0f} ms  ({state})")
+        print()
+        fs.show_status()
+        _banner(f"3. step {CRASH_AT}: the tierfs daemon is killed with SIGKILL in the middle of "
+                "the save")
+        killer = threading.Thread(target=fs.kill9_when_exists,
+                                  args=(run_dir / f"step_{CRASH_AT}" / "__0_0.distcp",))
+        killer.start()
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            job.save(run_dir)
+            print("the save had already finished when the daemon died")
+        except (OSError, CheckpointException) as exc:  # DCP's error is a BaseException
+            reason = "Transport endpoint is not connected" if "107" in str(exc) else exc
+            print(f"the training job's save failed: {reason}")
+        killer.join()
+        curve_before = losses[:]
+        del job
+
+        _banner("4. mount again on the same RAM dir")
+        fs.mount()
+        fs.show_status()
+        latest = os.readlink(run_dir / "latest")
+        print(f"latest -> {latest}   (step_{CRASH_AT} never committed: it stays 'writing')")
+
+        _banner(f"5. a new job resumes from {run_dir}/latest and trains to step {TOTAL_STEPS}")
+        job = Job()
+        job.load(run_dir / "latest")
+        print(f"resumed at step {job.step}; the loss there was {curve_before[job.step - 1]:.4f}")
+        losses = curve_before[:job.step]
+        while job.step < TOTAL_STEPS:
+            losses.append(job.train_step())
+            if job.step % SAVE_EVERY == 0:
+                job.save(run_dir)
+                print(f"step {job.step:3d}  loss {losses[-1]:.4f}  saved step_{job.step}")
+        print()
+        fs.show_status()
+        every = [sum(losses[i:i + 6]) / len(losses[i:i + 6]) for i in range(0, len(losses), 6)]
+        print(f"\nlog(loss), steps 1-{TOTAL_STEPS}, resumed after the crash at step "
+              f"{int(latest.split('_')[-1])}: {_sparkline([math.log(v) for v in every])}")
+        print(f"loss at step 1 {losses[0]:.4f}, at step {TOTAL_STEPS} {losses[-1]:.4f}")
+
+        _banner("6. unmount")
+        _tierfs("umount", str(fs.mountpoint))
+        print(f"$ tierfs umount {fs.mountpoint}")
+        print(f"\ndemo finished in {time.monotonic() - started:.0f} s")
+        return 0
+    finally:
+        fs.cleanup()
+        shutil.rmtree(ram_dir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
