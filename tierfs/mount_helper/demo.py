@@ -8,6 +8,7 @@ after itself (lazy unmount, kill by pid, RAM dir removed) whatever happens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -135,10 +136,8 @@ class DemoMount:
             subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)],
                            capture_output=True)
         if self.pid:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def run_demo() -> int:
