@@ -145,6 +145,7 @@ class Namespace:
         self._latest: dict[int, Node] = {}
         self._released = trio.Event()
         self._hash_limiter = trio.CapacityLimiter(2)
+        self._unshare_lock = trio.Lock()
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -862,9 +863,15 @@ class Namespace:
         return False
 
     async def _unshare_if_committed(self, path: bytes, *, keep: bool) -> None:
-        st = os.lstat(path)
-        if st.st_nlink > 1:
-            await trio.to_thread.run_sync(self.store.unshare, path, st.st_size if keep else 0)
+        # One unshare at a time: two writers opening the same committed file at once must not
+        # each make a copy, the second replacing the first that already holds an fd.
+        async with self._unshare_lock:
+            st = os.lstat(path)
+            if st.st_nlink > 1:
+                size = st.st_size if keep else 0
+                self.store.check_room(size)
+                backing_ino = await trio.to_thread.run_sync(self.store.unshare, path, size)
+                self.store.set_size(backing_ino, size)
 
     def _unlink_backing(self, path: bytes) -> None:
         self._forget_backing_if_last(path)

@@ -174,16 +174,19 @@ class RamStore:
         name = f"{TMP_PREFIX}{os.getpid()}-{time.monotonic_ns()}"
         return os.path.join(directory, name.encode())
 
-    def unshare(self, path: bytes, keep_bytes: int) -> None:
-        """Give `path` a private inode holding its first `keep_bytes` bytes (blocking).
+    def check_room(self, extra_bytes: int) -> None:
+        if self.used_bytes + extra_bytes > self.limit_bytes:
+            self._log_full(extra_bytes)
+            raise RamFull
 
-        Called when a tree file shared with a committed object is about to change; the object
-        keeps the committed bytes, the tree gets a copy it may modify.
+    def unshare(self, path: bytes, keep_bytes: int) -> int:
+        """Give `path` a private inode holding its first `keep_bytes` bytes; return the inode.
+
+        Called (in a worker thread, so it touches no accounting) when a tree file shared with a
+        committed object is about to change: the object keeps the committed bytes, the tree
+        gets a copy it may modify.
         """
         st = os.lstat(path)
-        if keep_bytes and self.used_bytes + keep_bytes > self.limit_bytes:
-            self._log_full(keep_bytes)
-            raise RamFull
         tmp = self.tmp_path(os.path.dirname(path))
         with open(tmp, "xb") as dst:
             if keep_bytes:
@@ -194,8 +197,7 @@ class RamStore:
         os.chown(tmp, st.st_uid, st.st_gid)
         os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
         os.rename(tmp, path)
-        self._sizes[os.lstat(path).st_ino] = keep_bytes
-        self.used_bytes += keep_bytes
+        return os.lstat(path).st_ino
 
     def remove_tmp_files(self) -> int:
         removed = 0
