@@ -15,19 +15,23 @@ names = st.lists(st.text("abcdefghij_.0123456789", min_size=1, max_size=12), min
                      lambda n: all(p not in (".", "..") for p in n.split("/")))
 
 
-@given(st.lists(st.tuples(names, st.integers(0, 2**48), st.binary(min_size=16, max_size=16)),
+def entry(name: str, size: int, digest: str = "a" * 32) -> mf.FileEntry:
+    return mf.FileEntry(name, size, digest, 5, 0o644, ("0" * 16,) * mf.chunk_count(size))
+
+
+@given(st.lists(st.tuples(names, st.integers(0, 2**34), st.binary(min_size=16, max_size=16)),
                 max_size=20, unique_by=lambda t: t[0]),
        st.integers(1, 2**31), st.integers(0, 2**40))
 def test_roundtrip(files, version: int, step: int) -> None:  # type: ignore[no-untyped-def]
     manifest = mf.StepManifest(
         path="run1/step_1", step=step, version=version, node_id="node0", committed_ns=123,
-        files=tuple(mf.FileEntry(n, size, digest.hex(), 5, 0o644) for n, size, digest in files))
+        files=tuple(entry(n, size, digest.hex()) for n, size, digest in files))
     assert mf.decode(mf.encode(manifest)) == manifest
 
 
 def test_total_bytes_entry_and_same_content() -> None:
-    a = mf.StepManifest("s/step_1", 1, 1, "n", 0, (mf.FileEntry("x", 3, "0" * 32),
-                                                   mf.FileEntry("y", 4, "1" * 32)))
+    a = mf.StepManifest("s/step_1", 1, 1, "n", 0, (entry("x", 3, "0" * 32),
+                                                   entry("y", 4, "1" * 32)))
     b = mf.StepManifest("s/step_1", 1, 2, "m", 9, tuple(reversed(a.files)))
     assert a.total_bytes == 7 and a.entry("y").size == 4 and a.entry("z") is None
     assert a.same_content(b)
@@ -42,7 +46,7 @@ def test_malformed_input_is_a_manifest_error(bad: bytes) -> None:
 
 @pytest.mark.parametrize("name", ["../etc/passwd", "/abs", "a/../b", "a//b", "", "nul\0", "."])
 def test_unsafe_paths_are_refused(name: str) -> None:
-    good = mf.StepManifest("run/step_1", 1, 1, "n", 0, (mf.FileEntry("ok", 1, "a" * 32),))
+    good = mf.StepManifest("run/step_1", 1, 1, "n", 0, (entry("ok", 1),))
     raw = msgpack.unpackb(mf.encode(good))
     raw["files"][0][0] = name
     with pytest.raises(mf.ManifestError):
@@ -54,19 +58,30 @@ def test_unsafe_paths_are_refused(name: str) -> None:
 
 
 def test_bad_digest_and_duplicates_are_refused() -> None:
-    good = mf.StepManifest("run/step_1", 1, 1, "n", 0, (mf.FileEntry("ok", 1, "a" * 32),))
+    good = mf.StepManifest("run/step_1", 1, 1, "n", 0, (entry("ok", 1),))
     raw = msgpack.unpackb(mf.encode(good))
     raw["files"][0][2] = "xyz"
     with pytest.raises(mf.ManifestError):
         mf.decode(msgpack.packb(raw))
-    raw["files"] = [["ok", 1, "a" * 32, 0, 0o644]] * 2
+    raw["files"][0][2] = "a" * 32
+    raw["files"][0][5] = []  # one chunk hash is needed for one byte
+    with pytest.raises(mf.ManifestError):
+        mf.decode(msgpack.packb(raw))
+    raw["files"] = [["ok", 1, "a" * 32, 0, 0o644, ["0" * 16]]] * 2
     with pytest.raises(mf.ManifestError):
         mf.decode(msgpack.packb(raw))
 
 
 def test_hash_file_matches_xxh3_128(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    data = bytes(range(256)) * 40_000  # spans several hash chunks
+    data = bytes(range(256)) * 40_000  # 10 MB: two hash chunks
     path = tmp_path / "f"
     path.write_bytes(data)
-    assert mf.hash_file(path) == (xxhash.xxh3_128_hexdigest(data), len(data))
+    digest = mf.hash_file(path)
+    assert (digest.xxh3, digest.size) == (xxhash.xxh3_128_hexdigest(data), len(data))
+    size = mf.CHUNK_SIZE
+    assert digest.chunks == tuple(xxhash.xxh3_64_hexdigest(data[i:i + size])
+                                  for i in range(0, len(data), size))
+    assert len(digest.chunks) == 2
+    (tmp_path / "empty").write_bytes(b"")
+    assert mf.hash_file(tmp_path / "empty").chunks == ()
     assert mf.hash_bytes(data) == xxhash.xxh3_128_hexdigest(data)

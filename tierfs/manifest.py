@@ -17,8 +17,11 @@ import xxhash
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = ".tierfs-manifest"
-HASH_CHUNK = 4 << 20
+# Files are also hashed per chunk (xxh3-64) so that a range fetched from another tier can be
+# checked before it is returned, long before the whole file's xxh3-128 can be.
+CHUNK_SIZE = 8 << 20
 _HEX128 = re.compile(r"^[0-9a-f]{32}$")
+_HEX64 = re.compile(r"^[0-9a-f]{16}$")
 _MAX_FILES = 1_000_000
 
 
@@ -28,13 +31,15 @@ class ManifestError(ValueError):
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One sealed file of a step: `name` is relative to the step directory, '/'-separated."""
+    """One sealed file of a step: `name` is relative to the step directory, '/'-separated;
+    `chunks` holds the xxh3-64 of each CHUNK_SIZE piece."""
 
     name: str
     size: int
     xxh3: str
     mtime_ns: int = 0
     mode: int = 0o644
+    chunks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,8 @@ def encode(manifest: StepManifest) -> bytes:
             "version": manifest.version,
             "node_id": manifest.node_id,
             "committed_ns": manifest.committed_ns,
-            "files": [[f.name, f.size, f.xxh3, f.mtime_ns, f.mode] for f in manifest.files],
+            "files": [[f.name, f.size, f.xxh3, f.mtime_ns, f.mode, list(f.chunks)]
+                      for f in manifest.files],
         },
         use_bin_type=True,
     )
@@ -97,13 +103,16 @@ def decode(data: bytes) -> StepManifest:
         raise ManifestError("unknown manifest format")
     try:
         files = []
-        for name, size, digest, mtime_ns, mode in raw["files"]:
+        for name, size, digest, mtime_ns, mode, chunks in raw["files"]:
             if not (isinstance(size, int) and size >= 0 and isinstance(digest, str)):
                 raise ManifestError(f"bad file entry {name!r}")
             if not _HEX128.match(digest):
                 raise ManifestError(f"bad xxh3 for {name!r}")
+            if (not isinstance(chunks, list) or len(chunks) != chunk_count(size)
+                    or not all(isinstance(c, str) and _HEX64.match(c) for c in chunks)):
+                raise ManifestError(f"bad chunk hashes for {name!r}")
             files.append(FileEntry(check_relative_path(name), size, digest, int(mtime_ns),
-                                   int(mode)))
+                                   int(mode), tuple(chunks)))
         manifest = StepManifest(
             path=check_relative_path(raw["path"]),
             step=int(raw["step"]),
@@ -121,8 +130,19 @@ def decode(data: bytes) -> StepManifest:
     return manifest
 
 
-def hash_file(path: str | bytes | os.PathLike[str]) -> tuple[str, int]:
-    """xxh3-128 hex digest and size of a file (blocking: use a thread)."""
+def chunk_count(size: int) -> int:
+    return -(-size // CHUNK_SIZE)
+
+
+@dataclass(frozen=True)
+class Digest:
+    xxh3: str
+    size: int
+    chunks: tuple[str, ...]
+
+
+def hash_file(path: str | bytes | os.PathLike[str]) -> Digest:
+    """Whole-file xxh3-128 and per-chunk xxh3-64 of a file (blocking: use a thread)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         return hash_fd(fd)
@@ -130,17 +150,31 @@ def hash_file(path: str | bytes | os.PathLike[str]) -> tuple[str, int]:
         os.close(fd)
 
 
-def hash_bytes(data: bytes) -> str:
-    return xxhash.xxh3_128_hexdigest(data)
-
-
-def hash_fd(fd: int) -> tuple[str, int]:
-    """xxh3-128 hex digest and size of an open file, read with pread (blocking: use a thread)."""
-    hasher = xxhash.xxh3_128()
-    buf = bytearray(HASH_CHUNK)
+def hash_fd(fd: int) -> Digest:
+    """Whole-file xxh3-128 and per-chunk xxh3-64, in one pass with pread (blocking)."""
+    whole = xxhash.xxh3_128()
+    chunks = []
+    buf = bytearray(CHUNK_SIZE)
     view = memoryview(buf)
     offset = 0
-    while n := os.preadv(fd, [buf], offset):
-        hasher.update(view[:n])
-        offset += n
-    return hasher.hexdigest(), offset
+    while True:
+        filled = 0
+        while filled < CHUNK_SIZE and (n := os.preadv(fd, [view[filled:]], offset + filled)):
+            filled += n
+        if not filled:
+            break
+        piece = view[:filled]
+        whole.update(piece)
+        chunks.append(xxhash.xxh3_64_hexdigest(piece))
+        offset += filled
+        if filled < CHUNK_SIZE:
+            break
+    return Digest(whole.hexdigest(), offset, tuple(chunks))
+
+
+def chunk_digest(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def hash_bytes(data: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(data)

@@ -59,8 +59,7 @@ class FsError(Exception):
 
 @dataclass(frozen=True)
 class Seal:
-    xxh3: str
-    size: int
+    digest: mf.Digest
     backing_ino: int
 
 
@@ -506,8 +505,9 @@ class Namespace:
         entries = []
         for rel, node in files:
             st = os.lstat(self.backing(node))
-            entries.append(mf.FileEntry(rel, node.seal.size, node.seal.xxh3, st.st_mtime_ns,
-                                        st.st_mode & 0o7777))
+            digest = node.seal.digest
+            entries.append(mf.FileEntry(rel, digest.size, digest.xxh3, st.st_mtime_ns,
+                                        st.st_mode & 0o7777, digest.chunks))
         if (old is not None and old.path == step_path and old.step == step.number
                 and old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries)))):
             step.dirty = False
@@ -559,13 +559,12 @@ class Namespace:
         except FsError:
             return
         try:
-            digest, size = await trio.to_thread.run_sync(mf.hash_fd, fd,
-                                                         limiter=self._hash_limiter)
+            digest = await trio.to_thread.run_sync(mf.hash_fd, fd, limiter=self._hash_limiter)
             backing_ino = os.fstat(fd).st_ino
         finally:
             os.close(fd)
         if node.gen == gen and node.active_writers == 0:
-            node.seal = Seal(digest, size, backing_ino)
+            node.seal = Seal(digest, backing_ino)
 
     def _has_active_writers(self, dir_node: Node) -> bool:
         return any(node.active_writers for _rel, node in self._files_under(dir_node))
@@ -670,7 +669,7 @@ class Namespace:
             await self._seal(node)  # sealed before a restart; the hash is recomputed once
         if node.seal is None:
             raise FsError(_ENOATTR)
-        return node.seal.xxh3.encode()
+        return node.seal.digest.xxh3.encode()
 
     # -- start-up: recovery and loading ----------------------------------------------------
 
@@ -781,7 +780,7 @@ class Namespace:
             entry = manifest.entry(rel)
             if entry is not None:
                 ino = os.lstat(self.backing(node)).st_ino
-                node.seal = Seal(entry.xxh3, entry.size, ino)
+                node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), ino)
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -1,0 +1,133 @@
+"""The S3 backend (boto3): any S3-compatible store, AWS's credential chain, path-style
+addressing when an endpoint is given. Large files go up as multipart uploads whose parts are
+sent in parallel by a bounded number of threads, each holding one part: memory stays bounded
+whatever the file size."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import boto3
+import botocore.exceptions as bce
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+
+from tierfs.s3tier.backend import Backend, BackendError, NotFound, ObjectInfo
+
+PART_SIZE = 16 << 20
+PARALLEL_PARTS = 4
+
+# Error codes that retrying can fix; everything else (NoSuchBucket, AccessDenied, ...) is final.
+_TEMPORARY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+                    "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
+                    "503", "500", "502", "504"}
+_TEMPORARY_EXCEPTIONS = (bce.EndpointConnectionError, bce.ConnectionClosedError,
+                         bce.ReadTimeoutError, bce.ConnectTimeoutError,
+                         bce.ResponseStreamingError, ConnectionError, TimeoutError)
+
+
+class S3Backend(Backend):
+    def __init__(self, bucket: str, prefix: str, endpoint: str | None) -> None:
+        self.bucket = bucket
+        self.prefix = f"{prefix}/" if prefix else ""
+        self.endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL") or None
+        self.url = f"s3://{bucket}/{prefix}"
+        config = Config(
+            s3={"addressing_style": "path" if self.endpoint else "auto"},
+            retries={"max_attempts": 1},  # retries happen in one place: s3tier.retry
+            connect_timeout=5, read_timeout=30,
+            max_pool_connections=PARALLEL_PARTS * 4,
+        )
+        self._client = boto3.client("s3", endpoint_url=self.endpoint, config=config)
+        self._transfer = TransferConfig(multipart_threshold=PART_SIZE,
+                                        multipart_chunksize=PART_SIZE,
+                                        max_concurrency=PARALLEL_PARTS, use_threads=True)
+
+    def _key(self, key: str) -> str:
+        return self.prefix + key
+
+    def check(self) -> None:
+        with self._errors("bucket " + self.bucket):
+            self._client.head_bucket(Bucket=self.bucket)
+
+    def put_file(self, key: str, path: str | bytes | os.PathLike[str]) -> None:
+        with self._errors(key):
+            self._client.upload_file(os.fsdecode(path), self.bucket, self._key(key),
+                                     Config=self._transfer)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        with self._errors(key):
+            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        if length == 0:
+            return b""
+        span = f"bytes={offset}-" if length < 0 else f"bytes={offset}-{offset + length - 1}"
+        with self._errors(key):
+            reply = self._client.get_object(Bucket=self.bucket, Key=self._key(key), Range=span)
+            return reply["Body"].read()
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        with self._errors("listing " + (prefix or "/")):
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key(prefix))
+            for page in pages:
+                for item in page.get("Contents", []):
+                    yield ObjectInfo(item["Key"][len(self.prefix):], item["Size"])
+
+    def delete(self, keys: list[str]) -> None:
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": self._key(k)} for k in keys[start:start + 1000]]
+            with self._errors("deleting objects"):
+                reply = self._client.delete_objects(Bucket=self.bucket,
+                                                    Delete={"Objects": batch, "Quiet": True})
+            failed = [e for e in reply.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if failed:
+                raise BackendError(f"delete of {failed[0]['Key']} failed: {failed[0]['Code']}",
+                                   temporary=True)
+
+    def _errors(self, what: str) -> _Translate:
+        return _Translate(self, what)
+
+
+class _Translate:
+    """Turns boto3's many exception types into BackendError with the right `temporary`."""
+
+    def __init__(self, backend: S3Backend, what: str) -> None:
+        self.backend = backend
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, _tb: object) -> bool:
+        if exc is None or isinstance(exc, BackendError):
+            return False
+        cause = exc
+        # boto3's transfer manager wraps the real error of a failed multipart upload.
+        while cause.__cause__ is not None and not isinstance(cause, bce.ClientError):
+            cause = cause.__cause__
+        where = f"{self.backend.url}: {self.what}"
+        if isinstance(cause, bce.ClientError):
+            error = cause.response.get("Error", {})
+            code = str(error.get("Code", ""))
+            status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code in ("NoSuchKey", "404") or (status == 404 and code != "NoSuchBucket"):
+                raise NotFound(self.what) from None
+            if code == "NoSuchBucket" or (status == 404 and "bucket" in self.what):
+                raise BackendError(f"{self.backend.url}: bucket {self.backend.bucket} does not "
+                                   "exist", temporary=False) from None
+            if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
+                raise BackendError(f"{where}: access denied ({code}): check the credentials",
+                                   temporary=False) from None
+            temporary = code in _TEMPORARY_CODES or status >= 500
+            raise BackendError(f"{where}: {code or status} {error.get('Message', '')}".strip(),
+                               temporary=temporary) from None
+        if isinstance(cause, bce.NoCredentialsError):
+            raise BackendError(f"{where}: no AWS credentials found", temporary=False) from None
+        if isinstance(cause, _TEMPORARY_EXCEPTIONS) or isinstance(exc, _TEMPORARY_EXCEPTIONS):
+            raise BackendError(f"{where}: {cause}", temporary=True) from None
+        if isinstance(exc, OSError) and not isinstance(exc, ConnectionError):
+            raise BackendError(f"{where}: {exc}", temporary=False) from None
+        raise BackendError(f"{where}: {type(cause).__name__}: {cause}", temporary=True) from None
