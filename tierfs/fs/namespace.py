@@ -41,6 +41,7 @@ ROOT_INODE = 1
 LATEST = b"latest"
 METADATA = b".metadata"
 MANIFEST = mf.MANIFEST_NAME.encode()
+PERSISTED_MARK = b".tierfs-persisted"  # "<version> persisted|retired": the persistent tier's state
 NAME_MAX = 255
 DEFAULT_STEP_PATTERN = r"^(?:.*?[^0-9])?([0-9]+)$"
 
@@ -72,6 +73,8 @@ class StepState:
         self.dirty = manifest is None
         self.commit_pending = False
         self.lock = trio.Lock()
+        self.persisted_version = 0
+        self.retired_version = 0
 
     @property
     def committed(self) -> bool:
@@ -80,6 +83,14 @@ class StepState:
     @property
     def state(self) -> str:
         return "committed" if self.committed else "writing"
+
+    @property
+    def persisted(self) -> bool:
+        return self.committed and self.persisted_version == self.manifest.version
+
+    @property
+    def tiers(self) -> str:
+        return "ram,persist" if self.persisted else "ram"
 
 
 class Node:
@@ -225,7 +236,7 @@ class Namespace:
         os.mkdir(path, mode & 0o7777)
         _chown(path, uid, gid)
         node = self._attach(parent, name, stat.S_IFDIR)
-        number = self._step_number(name)
+        number = self.step_number(name)
         if number is not None:
             node.step = StepState(number)
         self._mark_dirty(parent)
@@ -430,7 +441,7 @@ class Namespace:
 
     async def _renamed_dir(self, node: Node) -> None:
         """A directory renamed onto a step name commits it (the `mv tmp step_N` idiom)."""
-        number = self._step_number(node.name)
+        number = self.step_number(node.name)
         if number is None:
             node.step = None
             return
@@ -594,7 +605,8 @@ class Namespace:
             return None
         return node.step
 
-    def _step_number(self, name: bytes) -> int | None:
+    def step_number(self, name: bytes | str) -> int | None:
+        """The step number a directory name carries, or None if it is not a step name."""
         match = self.pattern.match(os.fsdecode(name))
         if match is None:
             return None
@@ -643,7 +655,8 @@ class Namespace:
         return {
             "path": self.relpath(step_node), "step": step.number, "state": step.state,
             "version": step.manifest.version if step.manifest else 0,
-            "files": files, "bytes": size, "ram": True, "replicas": [], "persisted": False,
+            "files": files, "bytes": size, "ram": True, "replicas": [],
+            "persisted": step.persisted,
         }
 
     def xattr_names(self, node: Node) -> list[bytes]:
@@ -664,12 +677,81 @@ class Namespace:
         if name == XATTR_STATE:
             return node.step.state.encode()
         if name == XATTR_TIERS:
-            return b"ram"
+            step = self._committed_step_holding(node)
+            return (step.tiers if step is not None else "ram").encode()
         if node.seal is None:
             await self._seal(node)  # sealed before a restart; the hash is recomputed once
         if node.seal is None:
             raise FsError(_ENOATTR)
         return node.seal.digest.xxh3.encode()
+
+    # -- the persistent tier's view --------------------------------------------------------
+
+    def find_step(self, relpath: str) -> Node | None:
+        node = self.root
+        try:
+            for part in relpath.split("/"):
+                node = self.child(node, os.fsencode(part))
+        except FsError:
+            return None
+        return node if node.is_dir and self.step_of(node) is not None else None
+
+    def is_current(self, manifest: mf.StepManifest) -> bool:
+        """Whether `manifest` is still the committed version of its step (worth uploading)."""
+        node = self.find_step(manifest.path)
+        return node is not None and node.step.manifest is manifest
+
+    def committed_manifests(self) -> list[mf.StepManifest]:
+        """Committed steps in RAM whose version has not reached the persistent tier."""
+        found = []
+        for node in self.steps():
+            step = node.step
+            if step.committed and not step.persisted and \
+                    step.retired_version != step.manifest.version:
+                found.append(step.manifest)
+        return sorted(found, key=lambda m: (m.step, m.path))
+
+    def mark_persisted(self, manifest: mf.StepManifest) -> None:
+        node = self.find_step(manifest.path)
+        if node is not None and node.step.manifest is manifest:
+            self._write_persist_mark(node, manifest.version, "persisted")
+            node.step.persisted_version = manifest.version
+
+    def mark_retired(self, relpath: str) -> None:
+        """Retention removed the step from the persistent tier: never upload it again."""
+        node = self.find_step(relpath)
+        if node is not None and node.step.manifest is not None:
+            version = node.step.manifest.version
+            self._write_persist_mark(node, version, "retired")
+            node.step.persisted_version = 0
+            node.step.retired_version = version
+
+    def _write_persist_mark(self, node: Node, version: int, state: str) -> None:
+        path = os.path.join(self.backing(node), PERSISTED_MARK)
+        tmp = path + b".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{version} {state}\n")
+        os.rename(tmp, path)
+
+    def _read_persist_mark(self, step: StepState, dir_path: bytes) -> None:
+        try:
+            with open(os.path.join(dir_path, PERSISTED_MARK)) as f:
+                version_text, state = f.read().split()
+            version = int(version_text)
+        except (FileNotFoundError, ValueError):
+            return
+        if step.manifest is not None and step.manifest.version == version:
+            if state == "persisted":
+                step.persisted_version = version
+            elif state == "retired":
+                step.retired_version = version
+
+    def _committed_step_holding(self, node: Node) -> StepState | None:
+        for step_node in self._enclosing_steps(node if node.is_dir else node.parent):
+            step = self.step_of(step_node)
+            if step is not None:
+                return step if step.committed else None
+        return None
 
     # -- start-up: recovery and loading ----------------------------------------------------
 
@@ -767,9 +849,10 @@ class Namespace:
                 node = self._attach(dir_node, entry.name, kind)
                 if kind == stat.S_IFDIR:
                     self._load_dir(node, entry.path, manifests)
-                    number = self._step_number(entry.name)
+                    number = self.step_number(entry.name)
                     if number is not None:
                         node.step = StepState(number, manifests.get(entry.path))
+                        self._read_persist_mark(node.step, entry.path)
                         self._seal_from_manifest(node)
 
     def _seal_from_manifest(self, step_node: Node) -> None:

@@ -203,7 +203,8 @@ class RamStore:
         removed = 0
         for dirpath, _dirs, files in os.walk(self.tree):
             for name in files:
-                if name.startswith(TMP_PREFIX) or name == ".tierfs-manifest.tmp":
+                if name.startswith(TMP_PREFIX) or (name.startswith(".tierfs-")
+                                                   and name.endswith(".tmp")):
                     os.unlink(os.path.join(dirpath, name))
                     removed += 1
         return removed

@@ -26,6 +26,8 @@ examples:
   tierfs mount /checkpoints --ram-limit 64G --ram-dir /dev/shm/ckpt
   tierfs status /checkpoints                     table of steps; --json for scripts
   tierfs commit /checkpoints/run1/step_100       commit a step that did not commit by itself
+  tierfs mount /checkpoints --persist s3://bucket/ckpt --persist-every 10 --keep-persist 5
+  tierfs flush /checkpoints --timeout 600        wait until the persistent tier has every step
   tierfs umount /checkpoints
 
 A step directory (name matching --step-pattern, e.g. step_100, checkpoint-500, 100) commits
@@ -64,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     umount = commands.add_parser("umount", help="unmount and stop the daemon")
     umount.add_argument("mountpoint", metavar="MOUNTPOINT")
+    umount.add_argument("--flush", action="store_true",
+                        help="first wait until every committed step meets the persistence policy")
+
+    flush = commands.add_parser(
+        "flush", help="wait until every committed step meets the persistence policy",
+        description="Wait until every committed step that --persist-every selects is in the "
+        "persistent tier, showing progress. Exits 1 if --timeout passes first.")
+    flush.add_argument("mountpoint", metavar="MOUNTPOINT")
+    flush.add_argument("--timeout", type=float, metavar="SECONDS",
+                       help="give up after this many seconds (default: wait as long as it takes)")
 
     status = commands.add_parser("status", help="show steps, their states, sizes and tiers")
     status.add_argument("mountpoint", metavar="MOUNTPOINT")
@@ -83,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "mount":
             return _mount(args, argv if argv is not None else sys.argv[1:])
         if args.command == "umount":
+            if args.flush:
+                _flush(args.mountpoint, None)
             return _umount(args.mountpoint)
+        if args.command == "flush":
+            return _flush(args.mountpoint, args.timeout)
         if args.command == "status":
             return _status(args.mountpoint, args.json)
         if args.command == "commit":
@@ -187,6 +203,46 @@ def _status(mountpoint: str, as_json: bool) -> int:
     else:
         print(format_status(status))
     return 0
+
+
+def _flush(mountpoint: str, timeout: float | None) -> int:
+    """Poll the daemon until nothing waits for the persistent tier; draw progress meanwhile."""
+    socket_path, _root, _rel = control.locate(mountpoint)
+    started = time.monotonic()
+    on_terminal = sys.stderr.isatty()
+    first_bytes: int | None = None
+    last_report = 0.0
+    while True:
+        status = control.request(socket_path, {"cmd": "status"})["status"]
+        persist = status.get("persist")
+        if persist is None:
+            print("no persistent tier is configured (--persist): nothing to flush")
+            return 0
+        steps, pending = persist["pending_steps"], persist["pending_bytes"]
+        first_bytes = pending if first_bytes is None else max(first_bytes, pending)
+        elapsed = time.monotonic() - started
+        if steps == 0:
+            if on_terminal:
+                print(file=sys.stderr)
+            print(f"every committed step is in {persist['url']} "
+                  f"({human_bytes(first_bytes)} flushed in {elapsed:.1f} s)")
+            return 0
+        if timeout is not None and elapsed > timeout:
+            if on_terminal:
+                print(file=sys.stderr)
+            raise UserError(f"flush timed out after {timeout:g} s: {steps} steps "
+                            f"({human_bytes(pending)}) not yet in {persist['url']}")
+        done = first_bytes - pending
+        if on_terminal:
+            share = done / first_bytes if first_bytes else 0.0
+            bar = "#" * int(30 * share) + "." * (30 - int(30 * share))
+            print(f"\rflushing [{bar}] {100 * share:3.0f}%  {human_bytes(done)} of "
+                  f"{human_bytes(first_bytes)}, {steps} steps left ", end="", file=sys.stderr,
+                  flush=True)
+        elif time.monotonic() - last_report > 5:
+            last_report = time.monotonic()
+            print(f"flushing: {steps} steps ({human_bytes(pending)}) left", flush=True)
+        time.sleep(0.2)
 
 
 def _commit(path: str) -> int:

@@ -39,6 +39,14 @@ MOUNT_OPTIONS = [
            "hold (default %(default)s)", "size", "SIZE"),
     Option("keep-ram", 3, "committed steps kept in RAM per run directory; older ones leave RAM "
            "only once safe in another tier (default %(default)s)", "int", "N"),
+    Option("persist", None, "persistent tier: s3://bucket/prefix or file:///abs/path "
+           "(default: none, RAM only)", metavar="URL"),
+    Option("persist-every", 1, "persist every N-th step, by step number (default %(default)s)",
+           "int", "N"),
+    Option("keep-persist", 0, "committed steps kept in the persistent tier per run directory; "
+           "0 keeps all (default %(default)s)", "int", "N"),
+    Option("s3-endpoint", None, "S3-compatible endpoint URL (default: AWS_ENDPOINT_URL, else "
+           "AWS)", metavar="URL"),
     Option("node-id", None, "this node's name (default: the host name)", metavar="ID"),
     Option("step-pattern", DEFAULT_STEP_PATTERN, "regular expression for step directory names; "
            "group 1 is the step number (default %(default)s)", metavar="REGEX"),
@@ -54,6 +62,10 @@ class MountConfig:
     ram_dir: Path
     ram_limit: int
     keep_ram: int
+    persist: str | None
+    persist_every: int
+    keep_persist: int
+    s3_endpoint: str | None
     node_id: str
     step_pattern: str
     log_file: Path
@@ -128,14 +140,22 @@ def _from_env(option: Option, text: str) -> Any:
     return text
 
 
-def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
+def _whole_number(values: dict[str, Any], key: str, minimum: int) -> int:
+    flag = "--" + key.replace("_", "-")
     try:
-        keep_ram = int(values["keep_ram"])
+        number = int(values[key])
     except (TypeError, ValueError):
-        raise ConfigError(
-            f"--keep-ram must be a whole number, not {values['keep_ram']!r}") from None
-    if keep_ram < 1:
-        raise ConfigError("--keep-ram must be at least 1")
+        raise ConfigError(f"{flag} must be a whole number, not {values[key]!r}") from None
+    if number < minimum:
+        raise ConfigError(f"{flag} must be at least {minimum}")
+    return number
+
+
+def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
+    keep_ram = _whole_number(values, "keep_ram", 1)
+    persist = values["persist"] or None
+    if persist is not None and not str(persist).startswith(("s3://", "file:///")):
+        raise ConfigError(f"--persist {persist}: use s3://bucket/prefix or file:///abs/path")
     pattern = str(values["step_pattern"])
     try:
         if re.compile(pattern).groups < 1:
@@ -153,6 +173,10 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         ram_dir=ram_dir,
         ram_limit=limit,
         keep_ram=keep_ram,
+        persist=persist,
+        persist_every=_whole_number(values, "persist_every", 1),
+        keep_persist=_whole_number(values, "keep_persist", 0),
+        s3_endpoint=values["s3_endpoint"] or None,
         node_id=str(values["node_id"] or socket.gethostname()),
         step_pattern=pattern,
         log_file=Path(values["log_file"] or ram_dir / "tierfs.log").absolute(),

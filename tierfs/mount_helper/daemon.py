@@ -25,8 +25,12 @@ from tierfs.fs.ram_store import RamDirBusy, RamStore
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.mounts import filesystem_type, is_mounted
+from tierfs.s3tier.backend import BackendError, open_backend
+from tierfs.s3tier.uploader import Uploader
 
 log = logging.getLogger(__name__)
+
+CHECK_PATIENCE = 15.0  # seconds a mount waits for an unreachable persistent tier
 
 
 class StartupError(Exception):
@@ -143,18 +147,23 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     namespace = Namespace(store, commits_send, node_id=cfg.node_id,
                           step_pattern=cfg.step_pattern)
     namespace.load()
+    uploader = await _persistent_tier(cfg, namespace, store, ready)
     operations = Operations(namespace, str(cfg.control_socket))
     options = set(pyfuse3.default_options) | {"fsname=tierfs", "subtype=tierfs"}
     try:
         pyfuse3.init(operations, str(cfg.mountpoint), options)
     except RuntimeError as exc:
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
-    daemon = Daemon(cfg, namespace)
+    daemon = Daemon(cfg, namespace, uploader)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_run_fuse, nursery.cancel_scope)
             await nursery.start(control.serve, str(cfg.control_socket), daemon.handle)
             nursery.start_soon(daemon.consume_commits, commits_recv)
+            if uploader is not None:
+                nursery.start_soon(uploader.run)
+                for manifest in namespace.committed_manifests():
+                    uploader.submit(manifest)  # committed before a restart, not yet uploaded
             nursery.start_soon(_terminate_on_signal)
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers
             log.info("mounted %s (RAM dir %s, limit %d bytes, pid %d)", cfg.mountpoint,
@@ -164,6 +173,39 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         pyfuse3.close(unmount=is_mounted(cfg.mountpoint))
         with contextlib.suppress(FileNotFoundError):
             cfg.control_socket.unlink()
+
+
+async def _persistent_tier(cfg: MountConfig, namespace: Namespace, store: RamStore,
+                           ready: ReadyPipe) -> Uploader | None:
+    """Open and check the persistent tier; a user's mistake there stops the mount."""
+    if cfg.persist is None:
+        warning = "no --persist given: committed steps live only in this node's RAM"
+        log.warning("%s", warning)
+        ready.warn(warning)
+        return None
+    try:
+        backend = open_backend(cfg.persist, cfg.s3_endpoint)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    with trio.move_on_after(CHECK_PATIENCE) as patience:
+        while True:
+            try:
+                await trio.to_thread.run_sync(backend.check)
+                break
+            except BackendError as exc:
+                if not exc.temporary:
+                    raise StartupError(f"persistent tier: {exc}") from None
+                log.info("persistent tier not reachable yet: %s", exc)
+                await trio.sleep(1)
+    if patience.cancelled_caught:
+        raise StartupError(f"persistent tier {cfg.persist} is unreachable (tried for "
+                           f"{CHECK_PATIENCE:.0f} s): check --s3-endpoint and the network")
+    return Uploader(
+        backend, lambda digest: str(store.object_path(digest)),
+        persist_every=cfg.persist_every, keep_persist=cfg.keep_persist,
+        step_number=namespace.step_number, is_current=namespace.is_current,
+        on_persisted=namespace.mark_persisted, on_retired=namespace.mark_retired,
+    )
 
 
 async def _run_fuse(cancel_scope: trio.CancelScope) -> None:
@@ -182,15 +224,26 @@ async def _terminate_on_signal() -> None:
 class Daemon:
     """Answers control requests and follows commit events."""
 
-    def __init__(self, cfg: MountConfig, namespace: Namespace) -> None:
+    def __init__(self, cfg: MountConfig, namespace: Namespace,
+                 uploader: Uploader | None) -> None:
         self.cfg = cfg
         self.namespace = namespace
+        self.uploader = uploader
         self.commits = 0
 
     async def consume_commits(self, events: trio.MemoryReceiveChannel[mf.StepManifest]) -> None:
-        # The later tiers (peers, persistent store) take their work from this channel.
-        async for _manifest in events:
+        async for manifest in events:
             self.commits += 1
+            if self.uploader is not None:
+                self.uploader.submit(manifest)
+
+    def persist_status(self) -> dict[str, Any] | None:
+        if self.uploader is None:
+            return None
+        waiting = [m for m in self.namespace.committed_manifests() if self.uploader.wanted(m)]
+        return {"url": self.uploader.backend.url, "every": self.cfg.persist_every,
+                "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
+                "pending_bytes": sum(m.total_bytes for m in waiting)}
 
     async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         command = request.get("cmd")
@@ -221,6 +274,7 @@ class Daemon:
             "ram_dir": str(self.cfg.ram_dir),
             "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes},
             "peers": [],
+            "persist": self.persist_status(),
             "commits": self.commits,
             "steps": steps,
         }

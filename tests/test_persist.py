@@ -1,0 +1,80 @@
+"""The persistent tier through a real mount: uploads in the contract's layout, persist-every,
+keep-persist retention, flush, status and xattrs; file:// here, S3 in test_s3.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tests.conftest import MountFactory, getxattr, tierfs
+from tests.test_crash import save
+from tierfs import manifest as mf
+
+
+def step_files(seed: int) -> dict[str, bytes]:
+    return {"__0_0.distcp": os.urandom(3 << 20), "__1_0.distcp": bytes([seed]) * 1000,
+            ".metadata": b"meta%d" % seed}
+
+
+def test_committed_steps_reach_file_store_in_plain_layout(mounts: MountFactory,
+                                                         tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}")
+    files = step_files(1)
+    save(mnt / "run1/step_100", files)
+    done = tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    assert "every committed step is in" in done.stdout
+    for name, data in files.items():
+        assert (store / "run1/step_100" / name).read_bytes() == data
+    manifest = mf.decode((store / "run1/step_100/.tierfs-manifest").read_bytes())
+    assert {f.name: f.size for f in manifest.files} == {k: len(v) for k, v in files.items()}
+    assert mnt.step("run1/step_100")["persisted"] is True
+    assert getxattr(mnt / "run1/step_100", "user.tierfs.tiers") == "ram,persist"
+    assert getxattr(mnt / "run1/step_100/.metadata", "user.tierfs.tiers") == "ram,persist"
+    assert "persisted run1/step_100 v1" in mnt.log() and "MB/s" in mnt.log()
+
+    # a re-save replaces the step in the store; the manifest names the new version
+    files2 = step_files(2)
+    save(mnt / "run1/step_100", files2)
+    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    assert (store / "run1/step_100/__0_0.distcp").read_bytes() == files2["__0_0.distcp"]
+    assert mf.decode((store / "run1/step_100/.tierfs-manifest").read_bytes()).version == 2
+
+    # after a restart the step is known to be persisted and not uploaded again
+    mnt.kill9()
+    again = mounts.remount(mnt)
+    assert again.step("run1/step_100")["persisted"] is True
+    assert again.status()["persist"]["pending_steps"] == 0
+
+
+def test_persist_every_and_keep_persist(mounts: MountFactory, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}", "--persist-every", "20",
+                       "--keep-persist", "2")
+    for number in (10, 20, 30, 40, 50, 60):
+        save(mnt / f"job/step_{number}", step_files(number))
+    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    assert sorted(os.listdir(store / "job")) == ["step_40", "step_60"]
+    steps = {s["path"]: s for s in mnt.status()["steps"]}
+    assert [p for p, s in steps.items() if s["persisted"]] == ["job/step_40", "job/step_60"]
+    assert all(s["state"] == "committed" and s["ram"] for s in steps.values())
+    assert "retention removed job/step_20" in mnt.log()
+
+
+def test_persist_mistakes_stop_the_mount(mounts: MountFactory, tmp_path: Path) -> None:
+    mountpoint = tmp_path / "mp"
+    mountpoint.mkdir()
+    ram = str(mounts.new_ram_dir())
+    for url, message in [(f"file://{tmp_path}/missing", "does not exist"),
+                         ("ftp://host/x", "use s3://bucket/prefix or file:///abs/path"),
+                         ("s3://ab/x", "bucket names have 3 to 63 characters")]:
+        done = tierfs("mount", str(mountpoint), "--ram-dir", ram, "--persist", url, check=False)
+        assert done.returncode == 1 and message in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def test_flush_without_persistent_tier(mounts: MountFactory) -> None:
+    mnt = mounts.mount()
+    assert "nothing to flush" in tierfs("flush", str(mnt.mountpoint)).stdout

@@ -1,0 +1,154 @@
+"""The upload scheduler: committed steps that match `--persist-every` go to the persistent tier,
+and `--keep-persist` retires old ones there.
+
+One step at a time, its files in parallel (each file itself a parallel multipart upload), read
+from the RAM store's immutable committed objects so that nothing can change under an upload.
+Order keeps "whole step or none" in the store: the old manifest object is deleted first, then the
+files are replaced, then the new manifest is written last. Temporary failures retry without limit
+for as long as the step is still the current version; the step stays in RAM meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import trio
+
+from tierfs import manifest as mf
+from tierfs.s3tier.backend import MANIFEST_KEY, Backend, BackendError
+from tierfs.s3tier.retry import NoLongerWanted, retry
+
+log = logging.getLogger(__name__)
+
+PARALLEL_FILES = 4
+
+
+class Uploader:
+    def __init__(
+        self,
+        backend: Backend,
+        object_path: Callable[[str], str],
+        *,
+        persist_every: int,
+        keep_persist: int,
+        step_number: Callable[[str], int | None],
+        is_current: Callable[[mf.StepManifest], bool],
+        on_persisted: Callable[[mf.StepManifest], None],
+        on_retired: Callable[[str], None],
+    ) -> None:
+        self.backend = backend
+        self._object_path = object_path
+        self.persist_every = persist_every
+        self.keep_persist = keep_persist
+        self._step_number = step_number
+        self._is_current = is_current
+        self._on_persisted = on_persisted
+        self._on_retired = on_retired
+        self.pending: dict[str, mf.StepManifest] = {}
+        self._send, self._receive = trio.open_memory_channel[str](10_000)
+        self._threads = trio.CapacityLimiter(PARALLEL_FILES)
+        self._idle = trio.Event()
+        self._idle.set()
+
+    def wanted(self, manifest: mf.StepManifest) -> bool:
+        return manifest.step % self.persist_every == 0
+
+    def submit(self, manifest: mf.StepManifest) -> None:
+        """Queue a committed step (a newer version of a queued step replaces it)."""
+        if not self.wanted(manifest):
+            return
+        queued = manifest.path in self.pending
+        self.pending[manifest.path] = manifest
+        self._idle = trio.Event() if self._idle.is_set() else self._idle
+        if not queued:
+            self._send.send_nowait(manifest.path)
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(m.total_bytes for m in self.pending.values())
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    async def run(self) -> None:
+        async for path in self._receive:
+            manifest = self.pending.get(path)
+            if manifest is not None:
+                try:
+                    await self._upload(manifest)
+                except NoLongerWanted:
+                    log.info("upload of %s v%d dropped: superseded", path, manifest.version)
+                except BackendError as exc:
+                    log.error("upload of %s v%d failed and will not be retried: %s", path,
+                              manifest.version, exc)
+                if self.pending.get(path) is manifest:
+                    del self.pending[path]
+                elif path in self.pending:  # a newer version arrived meanwhile
+                    self._send.send_nowait(path)
+            if not self.pending:
+                self._idle.set()
+
+    async def _call(self, what: str, manifest: mf.StepManifest, func, *args) -> object:  # type: ignore[no-untyped-def]
+        async def attempt() -> object:
+            return await trio.to_thread.run_sync(func, *args, limiter=self._threads)
+
+        return await retry(attempt, what, still_wanted=lambda: self._is_current(manifest))
+
+    async def _upload(self, manifest: mf.StepManifest) -> None:
+        if not self._is_current(manifest):
+            raise NoLongerWanted(manifest.path)
+        started = time.monotonic()
+        prefix = manifest.path
+        await self._call(f"removing old manifest of {prefix}", manifest, self.backend.delete,
+                         [f"{prefix}/{MANIFEST_KEY}"])
+
+        async def upload_file(entry: mf.FileEntry) -> None:
+            await self._call(f"upload of {prefix}/{entry.name}", manifest,
+                             self.backend.put_file, f"{prefix}/{entry.name}",
+                             self._object_path(entry.xxh3))
+
+        async with trio.open_nursery() as nursery:
+            for entry in manifest.files:
+                nursery.start_soon(upload_file, entry)
+        await self._call(f"upload of {prefix}/{MANIFEST_KEY}", manifest,
+                         self.backend.put_bytes, f"{prefix}/{MANIFEST_KEY}", mf.encode(manifest))
+        seconds = time.monotonic() - started
+        log.info("persisted %s v%d to %s: %d files, %d bytes in %.2f s (%.1f MB/s)", prefix,
+                 manifest.version, self.backend.url, len(manifest.files), manifest.total_bytes,
+                 seconds, manifest.total_bytes / 1e6 / max(seconds, 1e-9))
+        self._on_persisted(manifest)
+        if self.keep_persist:
+            await self._apply_retention(prefix.rpartition("/")[0])
+
+    async def _apply_retention(self, run_dir: str) -> None:
+        """Delete all but the newest `keep_persist` steps of `run_dir` from the store."""
+        steps = await self.persisted_steps(run_dir)
+        for path in sorted(steps, key=steps.__getitem__)[:-self.keep_persist]:
+            try:
+                await self.retire(path)
+            except BackendError as exc:
+                log.warning("retention could not delete %s yet: %s", path, exc)
+
+    async def persisted_steps(self, run_dir: str) -> dict[str, int]:
+        """Step path -> step number for every step of `run_dir` with a manifest in the store."""
+        prefix = f"{run_dir}/" if run_dir else ""
+        objects = await trio.to_thread.run_sync(lambda: list(self.backend.list(prefix)))
+        steps = {}
+        for obj in objects:
+            head, _, name = obj.key.rpartition("/")
+            if name == MANIFEST_KEY and head.rpartition("/")[0] == run_dir:
+                number = self._step_number(head.rpartition("/")[2])
+                if number is not None:
+                    steps[head] = number
+        return steps
+
+    async def retire(self, path: str) -> None:
+        """Remove a step from the store: its manifest first, so it is never seen half gone."""
+        await trio.to_thread.run_sync(self.backend.delete, [f"{path}/{MANIFEST_KEY}"])
+        objects = await trio.to_thread.run_sync(lambda: list(self.backend.list(f"{path}/")))
+        await trio.to_thread.run_sync(self.backend.delete, [o.key for o in objects])
+        log.info("retention removed %s from %s (%d objects)", path, self.backend.url,
+                 len(objects))
+        self._on_retired(path)
