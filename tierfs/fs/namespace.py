@@ -25,6 +25,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 import stat
 import time
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 import trio
 
 from tierfs import manifest as mf
+from tierfs.fs.fetch import Fetch, FetchError, ReadSource, RemoteFile
 from tierfs.fs.ram_store import RamStore, is_reserved
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,21 @@ class FsError(Exception):
 
 
 @dataclass(frozen=True)
+class RemoteAttrs:
+    """Attributes of a file whose bytes are not in RAM (from its manifest entry)."""
+
+    st_mode: int
+    st_nlink: int
+    st_uid: int
+    st_gid: int
+    st_size: int
+    st_blocks: int
+    st_atime_ns: int
+    st_mtime_ns: int
+    st_ctime_ns: int
+
+
+@dataclass(frozen=True)
 class Seal:
     digest: mf.Digest
     backing_ino: int
@@ -75,6 +92,8 @@ class StepState:
         self.lock = trio.Lock()
         self.persisted_version = 0
         self.retired_version = 0
+        # Manifest entries whose committed object is in RAM (and counted in the store's refs).
+        self.resident: set[str] = {f.name for f in manifest.files} if manifest else set()
 
     @property
     def committed(self) -> bool:
@@ -89,13 +108,18 @@ class StepState:
         return self.committed and self.persisted_version == self.manifest.version
 
     @property
+    def in_ram(self) -> bool:
+        return self.manifest is None or len(self.resident) == len(self.manifest.files)
+
+    @property
     def tiers(self) -> str:
-        return "ram,persist" if self.persisted else "ram"
+        return ",".join(name for name, held in (("ram", self.in_ram),
+                                                ("persist", self.persisted)) if held)
 
 
 class Node:
     __slots__ = ("ino", "kind", "name", "parent", "children", "lookups", "handles",
-                 "active_writers", "gen", "seal", "step", "virtual")
+                 "active_writers", "gen", "seal", "step", "virtual", "remote", "fetch")
 
     def __init__(self, ino: int, kind: int, name: bytes, parent: Node | None) -> None:
         self.ino = ino
@@ -110,6 +134,9 @@ class Node:
         self.seal: Seal | None = None
         self.step: StepState | None = None
         self.virtual = False
+        # A committed file whose bytes are not in RAM: where they are, and the partial copy.
+        self.remote: RemoteFile | None = None
+        self.fetch: Fetch | None = None
 
     @property
     def is_dir(self) -> bool:
@@ -128,8 +155,8 @@ class Handle:
     def __init__(self, fh: int, node: Node, fd: int) -> None:
         self.fh = fh
         self.node = node
-        self.fd = fd
-        self.backing_ino = os.fstat(fd).st_ino
+        self.fd = fd  # -1 while the node's bytes are fetched from another tier
+        self.backing_ino = os.fstat(fd).st_ino if fd >= 0 else 0
         self.active = False
 
 
@@ -141,8 +168,12 @@ class Namespace:
         *,
         node_id: str = "local",
         step_pattern: str = DEFAULT_STEP_PATTERN,
+        keep_ram: int = 3,
+        read_sources: list[ReadSource] | None = None,
     ) -> None:
         self.store = store
+        self.keep_ram = keep_ram
+        self.read_sources = read_sources or []
         self.node_id = node_id
         self.pattern = re.compile(step_pattern)
         self._commits = commits
@@ -220,14 +251,25 @@ class Namespace:
     def relpath(self, node: Node) -> str:
         return os.fsdecode(self.backing(node)[len(self._tree) + 1:])
 
-    def stat(self, node: Node) -> os.stat_result:
+    def stat(self, node: Node) -> os.stat_result | RemoteAttrs:
         """Attributes of `node` from its backing file (or an open handle once unlinked)."""
+        if node.remote is not None:
+            return self._remote_attrs(node)
         try:
             return os.lstat(self.backing(node))
         except FsError:
-            if node.handles:
+            if node.handles and node.handles[0].fd >= 0:
                 return os.fstat(node.handles[0].fd)
             raise
+
+    def _remote_attrs(self, node: Node) -> RemoteAttrs:
+        entry = node.remote.entry
+        parent = os.lstat(self.backing(node.parent)) if node.parent else None
+        return RemoteAttrs(
+            st_mode=stat.S_IFREG | entry.mode, st_nlink=1,
+            st_uid=parent.st_uid if parent else 0, st_gid=parent.st_gid if parent else 0,
+            st_size=entry.size, st_blocks=0, st_atime_ns=entry.mtime_ns,
+            st_mtime_ns=entry.mtime_ns, st_ctime_ns=entry.mtime_ns)
 
     # -- directories -----------------------------------------------------------------------
 
@@ -296,6 +338,10 @@ class Namespace:
         path = self.backing(node)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         truncate = writable and bool(flags & os.O_TRUNC)
+        if node.remote is not None:
+            if not writable:
+                return self._new_handle(node, -1)  # bytes come in on demand, see read()
+            await self._make_resident(node, empty=truncate)
         if writable:
             await self._unshare_if_committed(path, keep=not truncate)
         fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY))
@@ -306,7 +352,12 @@ class Namespace:
             self._activate(handle)
         return handle
 
-    def read(self, handle: Handle, offset: int, size: int) -> bytes:
+    async def read(self, handle: Handle, offset: int, size: int) -> bytes:
+        if handle.fd < 0:
+            node = handle.node
+            if node.remote is not None:
+                return await self._read_remote(node, offset, size)
+            handle.fd = os.open(self.backing(node), os.O_RDONLY)  # it became resident
         return os.pread(handle.fd, size, offset)
 
     def write(self, handle: Handle, offset: int, data: bytes) -> int:
@@ -331,18 +382,21 @@ class Namespace:
         await self.flush(handle)
         del self._handles[handle.fh]
         handle.node.handles.remove(handle)
-        os.close(handle.fd)
+        if handle.fd >= 0:
+            os.close(handle.fd)
         self._maybe_drop(handle.node)
 
     def fsync(self, handle: Handle) -> None:
-        os.fsync(handle.fd)
+        if handle.fd >= 0:
+            os.fsync(handle.fd)
 
     def unlink(self, parent: Node, name: bytes) -> None:
         node = self._existing_entry(parent, name)
         if node.is_dir:
             raise FsError(errno.EISDIR)
-        path = self.backing(node)
-        self._unlink_backing(path)
+        if node.remote is None:
+            self._unlink_backing(self.backing(node))
+        self._drop_fetch(node)
         self._detach(node)
         self._mark_dirty(parent)
 
@@ -353,6 +407,8 @@ class Namespace:
     ) -> None:
         if node.virtual:
             raise FsError(errno.EROFS)
+        if node.remote is not None:
+            await self._make_resident(node, empty=size == 0)
         target: bytes | int
         try:
             target = self.backing(node)
@@ -402,6 +458,8 @@ class Namespace:
             raise FsError(errno.EINVAL)  # RENAME_EXCHANGE and friends: not supported
         node = self._existing_entry(old_parent, old_name)
         self._check_new_name(new_name)
+        if node.remote is not None:
+            await self._make_resident(node, empty=False)
         if not new_parent.is_dir:
             raise FsError(errno.ENOTDIR)
         target = new_parent.children.get(new_name)
@@ -474,12 +532,14 @@ class Namespace:
                     continue
                 files = list(self._files_under(step_node))
                 for _rel, node in files:
+                    if node.remote is not None:
+                        await self._make_resident(node, empty=False)
                     if node.seal is None:
                         await self._seal(node)
                 # From here to the end of _write_manifest there is no await (see module doc).
                 if (self._has_active_writers(step_node)
                         or files != list(self._files_under(step_node))
-                        or any(node.seal is None for _rel, node in files)):
+                        or any(node.seal is None or node.remote for _rel, node in files)):
                     continue
                 old = step.manifest
                 manifest = self._write_manifest(step_node, files)
@@ -529,17 +589,10 @@ class Namespace:
         )
         for (_rel, node), entry in zip(files, entries, strict=True):
             self.store.add_ref(entry.xxh3, self.backing(node))
-        final = os.path.join(dir_path, MANIFEST)
-        tmp = final + b".tmp"
-        with open(tmp, "wb") as f:
-            f.write(mf.encode(manifest))
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, final)
-        if old is not None:
-            for entry in old.files:
-                self.store.drop_ref(entry.xxh3)
+        self._write_file_atomically(os.path.join(dir_path, MANIFEST), mf.encode(manifest))
+        self._drop_resident_refs(step)
         step.manifest = manifest
+        step.resident = {entry.name for entry in entries}
         step.dirty = False
         return manifest
 
@@ -655,7 +708,7 @@ class Namespace:
         return {
             "path": self.relpath(step_node), "step": step.number, "state": step.state,
             "version": step.manifest.version if step.manifest else 0,
-            "files": files, "bytes": size, "ram": True, "replicas": [],
+            "files": files, "bytes": size, "ram": step.in_ram, "replicas": [],
             "persisted": step.persisted,
         }
 
@@ -677,13 +730,130 @@ class Namespace:
         if name == XATTR_STATE:
             return node.step.state.encode()
         if name == XATTR_TIERS:
+            if node.is_dir:
+                return self.step_of(node).tiers.encode()
             step = self._committed_step_holding(node)
-            return (step.tiers if step is not None else "ram").encode()
+            if step is None:
+                return b"ram"
+            return ",".join(t for t, held in (("ram", node.remote is None),
+                                              ("persist", step.persisted)) if held).encode()
+        if node.remote is not None:
+            return node.remote.entry.xxh3.encode()
         if node.seal is None:
             await self._seal(node)  # sealed before a restart; the hash is recomputed once
         if node.seal is None:
             raise FsError(_ENOATTR)
         return node.seal.digest.xxh3.encode()
+
+    # -- residency: committed files whose bytes live in another tier ------------------------
+
+    async def _read_remote(self, node: Node, offset: int, size: int) -> bytes:
+        fetch = self._fetch_of(node)
+        try:
+            data = await fetch.read(self.read_sources, offset, size)
+        except FetchError as exc:
+            log.error("read of %s failed: %s", self.relpath(node), exc)
+            raise FsError(errno.EIO) from None
+        if fetch.complete and node.fetch is fetch:
+            await self._adopt(node, fetch)
+        return data
+
+    def _fetch_of(self, node: Node) -> Fetch:
+        if node.fetch is None:
+            node.fetch = Fetch(self.store, node.remote)
+        return node.fetch
+
+    def _drop_fetch(self, node: Node) -> None:
+        if node.fetch is not None:
+            node.fetch.discard()
+            node.fetch = None
+
+    async def _make_resident(self, node: Node, *, empty: bool) -> None:
+        """Bring a non-resident file into RAM before it changes: whole, or as an empty file."""
+        if node.remote is None:
+            return
+        if empty:
+            path = self.backing(node)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                             node.remote.entry.mode))
+            self._drop_fetch(node)
+            node.remote = None
+            self._mark_dirty(node.parent)
+            return
+        fetch = self._fetch_of(node)
+        try:
+            await fetch.fill(self.read_sources)
+        except FetchError as exc:
+            log.error("fetch of %s failed: %s", self.relpath(node), exc)
+            raise FsError(errno.EIO) from None
+        if node.fetch is fetch:
+            await self._adopt(node, fetch)
+        if node.remote is not None:
+            raise FsError(errno.EIO)
+
+    async def _adopt(self, node: Node, fetch: Fetch) -> None:
+        """A complete fetch that matches its xxh3-128 becomes the file's committed object."""
+        good = await fetch.verify()
+        if node.fetch is not fetch or node.remote is None:
+            return  # unlinked or evicted meanwhile
+        node.fetch = None
+        if not good:
+            fetch.discard()
+            raise FsError(errno.EIO)
+        path = self.backing(node)
+        tmp = self.store.tmp_path(os.path.dirname(path))
+        os.link(fetch.path, tmp)
+        os.rename(tmp, path)
+        os.close(fetch.fd)
+        os.unlink(fetch.path)
+        entry = node.remote.entry
+        node.remote = None
+        node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), fetch.backing_ino)
+        step = self._committed_step_holding(node)
+        if step is not None and entry.name not in step.resident:
+            self.store.add_ref(entry.xxh3, path)
+            step.resident.add(entry.name)
+        log.info("%s is back in RAM (%d bytes, verified)", self.relpath(node), entry.size)
+
+    def enforce_keep_ram(self) -> None:
+        """Evict persisted steps beyond the newest `keep_ram` of each run directory."""
+        by_run: dict[int, list[Node]] = {}
+        for node in self.steps():
+            by_run.setdefault(node.parent.ino, []).append(node)
+        for step_nodes in by_run.values():
+            committed = sorted((n for n in step_nodes if n.step.committed),
+                               key=lambda n: n.step.number, reverse=True)
+            for node in committed[self.keep_ram:]:
+                if node.step.persisted and node.step.resident and not self._busy(node):
+                    self._evict(node)
+
+    def _busy(self, step_node: Node) -> bool:
+        return any(n.handles or n.fetch for _rel, n in self._files_under(step_node))
+
+    def _evict(self, step_node: Node) -> None:
+        """Drop a persisted step's bytes from RAM; it stays listed and readable.
+
+        Tree files go first, objects second: a crash in between leaves objects that start-up
+        links back (resident), or none (the step is read from the persistent tier)."""
+        step = step_node.step
+        manifest = step.manifest
+        freed = 0
+        for rel, node in self._files_under(step_node):
+            entry = manifest.entry(rel)
+            if entry is not None and node.remote is None:
+                self._unlink_backing(self.backing(node))
+                node.remote = RemoteFile(manifest.path, entry)
+                node.seal = None
+                freed += entry.size
+        self._drop_resident_refs(step)
+        log.info("evicted %s v%d from RAM (%d bytes); it stays readable from the persistent "
+                 "tier", self.relpath(step_node), manifest.version, freed)
+
+    def _drop_resident_refs(self, step: StepState) -> None:
+        if step.manifest is not None:
+            for name in step.resident:
+                self.store.drop_ref(step.manifest.entry(name).xxh3)
+        step.resident = set()
 
     # -- the persistent tier's view --------------------------------------------------------
 
@@ -716,35 +886,65 @@ class Namespace:
         if node is not None and node.step.manifest is manifest:
             self._write_persist_mark(node, manifest.version, "persisted")
             node.step.persisted_version = manifest.version
+            self.enforce_keep_ram()
 
     def mark_retired(self, relpath: str) -> None:
         """Retention removed the step from the persistent tier: never upload it again."""
         node = self.find_step(relpath)
-        if node is not None and node.step.manifest is not None:
-            version = node.step.manifest.version
-            self._write_persist_mark(node, version, "retired")
-            node.step.persisted_version = 0
-            node.step.retired_version = version
+        if node is None or node.step.manifest is None:
+            return
+        if not node.step.in_ram and not node.step.dirty:
+            self._forget_step(node)  # both policies let it go: it is gone from tierfs
+            return
+        version = node.step.manifest.version
+        self._write_persist_mark(node, version, "retired")
+        node.step.persisted_version = 0
+        node.step.retired_version = version
+
+    def _forget_step(self, step_node: Node) -> None:
+        for _rel, node in list(self._files_under(step_node)):
+            if node.remote is None:
+                self._unlink_backing(self.backing(node))
+            self._drop_fetch(node)
+            self._detach(node)
+        self._drop_resident_refs(step_node.step)
+        shutil.rmtree(self.backing(step_node))
+        self._detach_tree(step_node)
+        log.info("%s left the last tier that held it", os.fsdecode(step_node.name))
+
+    def _detach_tree(self, node: Node) -> None:
+        for child in list((node.children or {}).values()):
+            self._detach_tree(child)
+        self._detach(node)
 
     def _write_persist_mark(self, node: Node, version: int, state: str) -> None:
         path = os.path.join(self.backing(node), PERSISTED_MARK)
+        self._write_file_atomically(path, f"{version} {state}\n".encode())
+
+    def _write_file_atomically(self, path: bytes, data: bytes) -> None:
         tmp = path + b".tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{version} {state}\n")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.rename(tmp, path)
 
-    def _read_persist_mark(self, step: StepState, dir_path: bytes) -> None:
+    def _persist_mark(self, dir_path: bytes) -> tuple[int, str] | None:
         try:
             with open(os.path.join(dir_path, PERSISTED_MARK)) as f:
                 version_text, state = f.read().split()
-            version = int(version_text)
+            return int(version_text), state
         except (FileNotFoundError, ValueError):
+            return None
+
+    def _apply_persist_mark(self, step: StepState, dir_path: bytes) -> None:
+        mark = self._persist_mark(dir_path)
+        if step.manifest is None or mark is None or mark[0] != step.manifest.version:
             return
-        if step.manifest is not None and step.manifest.version == version:
-            if state == "persisted":
-                step.persisted_version = version
-            elif state == "retired":
-                step.retired_version = version
+        if mark[1] == "persisted":
+            step.persisted_version = mark[0]
+        elif mark[1] == "retired":
+            step.retired_version = mark[0]
 
     def _committed_step_holding(self, node: Node) -> StepState | None:
         for step_node in self._enclosing_steps(node if node.is_dir else node.parent):
@@ -759,32 +959,36 @@ class Namespace:
         """Rebuild the namespace from the RAM store after a restart or a crash.
 
         Committed steps are put back exactly as their manifests say (uncommitted writes into a
-        committed step are dropped), leftovers of interrupted saves and commits are removed.
+        committed step are dropped); files of persisted steps that left RAM come back as
+        non-resident; leftovers of interrupted saves, fetches and commits are removed.
         """
         started = time.monotonic()
         tmp_removed = self.store.remove_tmp_files()
-        manifests = self._recover_committed_steps()
-        self._load_dir(self.root, self._tree, manifests)
-        for manifest in manifests.values():
+        recovered = self._recover_committed_steps()
+        self._load_dir(self.root, self._tree, recovered)
+        for manifest, resident in recovered.values():
             for entry in manifest.files:
-                self.store.count_ref(entry.xxh3)
+                if entry.name in resident:
+                    self.store.count_ref(entry.xxh3)
         garbage = self.store.collect_garbage()
         self.store.scan_usage()
         log.info("loaded RAM store %s: %d committed steps, %d bytes; removed %d temporary "
-                 "files and %d unreferenced objects in %.2f s", self.store.root, len(manifests),
+                 "files and %d unreferenced objects in %.2f s", self.store.root, len(recovered),
                  self.store.used_bytes, tmp_removed, garbage, time.monotonic() - started)
 
-    def _recover_committed_steps(self) -> dict[bytes, mf.StepManifest]:
-        manifests: dict[bytes, mf.StepManifest] = {}
+    def _recover_committed_steps(self) -> dict[bytes, tuple[mf.StepManifest, set[str]]]:
+        recovered: dict[bytes, tuple[mf.StepManifest, set[str]]] = {}
         for dirpath, _dirs, files in os.walk(self._tree):
             if MANIFEST not in files:
                 continue
             manifest = self._read_manifest(dirpath)
             if manifest is None:
                 continue
-            if self._restore_step(dirpath, manifest):
-                manifests[dirpath] = manifest
-        return manifests
+            persisted = self._persist_mark(dirpath) == (manifest.version, "persisted")
+            resident = self._restore_step(dirpath, manifest, persisted)
+            if resident is not None:
+                recovered[dirpath] = (manifest, resident)
+        return recovered
 
     def _read_manifest(self, dir_path: bytes) -> mf.StepManifest | None:
         path = os.path.join(dir_path, MANIFEST)
@@ -798,21 +1002,28 @@ class Namespace:
             os.rename(path, path + b".damaged")
             return None
 
-    def _restore_step(self, dir_path: bytes, manifest: mf.StepManifest) -> bool:
+    def _restore_step(self, dir_path: bytes, manifest: mf.StepManifest,
+                      persisted: bool) -> set[str] | None:
+        """Put the tree of a committed step back as its manifest says; return the names whose
+        objects are in RAM, or None if the step is damaged (a file neither here nor persisted).
+        """
+        resident = set()
         for entry in manifest.files:
             try:
                 size = os.lstat(self.store.object_path(entry.xxh3)).st_size
             except FileNotFoundError:
                 size = -1
-            if size != entry.size:
+            if size == entry.size:
+                resident.add(entry.name)
+            elif not persisted:
                 log.error("committed step %s v%d is damaged: object of %s is missing or has "
                           "the wrong size; its manifest is set aside", manifest.path,
                           manifest.version, entry.name)
                 manifest_path = os.path.join(dir_path, MANIFEST)
                 os.rename(manifest_path, manifest_path + b".damaged")
-                return False
+                return None
         restored = removed = 0
-        wanted = {os.fsencode(e.name) for e in manifest.files}
+        wanted = {os.fsencode(name) for name in resident}
         for dirpath, _dirs, files in os.walk(dir_path):
             for name in files:
                 full = os.path.join(dirpath, name)
@@ -820,6 +1031,8 @@ class Namespace:
                     os.unlink(full)
                     removed += 1
         for entry in manifest.files:
+            if entry.name not in resident:
+                continue
             path = os.path.join(dir_path, os.fsencode(entry.name))
             obj = os.fsencode(self.store.object_path(entry.xxh3))
             try:
@@ -834,10 +1047,10 @@ class Namespace:
         if restored or removed:
             log.warning("step %s v%d put back as committed: %d files restored, %d uncommitted "
                         "files removed", manifest.path, manifest.version, restored, removed)
-        return True
+        return resident
 
     def _load_dir(self, dir_node: Node, path: bytes,
-                  manifests: dict[bytes, mf.StepManifest]) -> None:
+                  recovered: dict[bytes, tuple[mf.StepManifest, set[str]]]) -> None:
         with os.scandir(path) as entries:
             for entry in entries:
                 if is_reserved(entry.name):
@@ -848,22 +1061,85 @@ class Namespace:
                     continue
                 node = self._attach(dir_node, entry.name, kind)
                 if kind == stat.S_IFDIR:
-                    self._load_dir(node, entry.path, manifests)
+                    self._load_dir(node, entry.path, recovered)
                     number = self.step_number(entry.name)
                     if number is not None:
-                        node.step = StepState(number, manifests.get(entry.path))
-                        self._read_persist_mark(node.step, entry.path)
+                        manifest, resident = recovered.get(entry.path, (None, set()))
+                        node.step = StepState(number, manifest)
+                        node.step.resident = resident
+                        self._apply_persist_mark(node.step, entry.path)
                         self._seal_from_manifest(node)
 
     def _seal_from_manifest(self, step_node: Node) -> None:
-        manifest = step_node.step.manifest
-        if manifest is None:
+        step = step_node.step
+        if step.manifest is None:
             return
         for rel, node in self._files_under(step_node):
-            entry = manifest.entry(rel)
+            entry = step.manifest.entry(rel)
             if entry is not None:
                 ino = os.lstat(self.backing(node)).st_ino
                 node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), ino)
+        self._add_remote_files(step_node, [e for e in step.manifest.files
+                                           if e.name not in step.resident])
+
+    def _add_remote_files(self, step_node: Node, entries: list[mf.FileEntry]) -> None:
+        """Nodes for committed files whose bytes are in another tier (with their directories)."""
+        manifest_path = step_node.step.manifest.path
+        for entry in entries:
+            *dirs, name = entry.name.split("/")
+            parent = step_node
+            for part in map(os.fsencode, dirs):
+                child = parent.children.get(part)
+                if child is None:
+                    os.makedirs(os.path.join(self.backing(parent), part), exist_ok=True)
+                    child = self._attach(parent, part, stat.S_IFDIR)
+                parent = child
+            node = parent.children.get(os.fsencode(name))
+            if node is None:
+                node = self._attach(parent, os.fsencode(name), stat.S_IFREG)
+            node.remote = RemoteFile(manifest_path, entry)
+
+    def adopt_persisted(self, manifest: mf.StepManifest) -> bool:
+        """Show a step found in the persistent tier (a fresh node, or one that left RAM).
+
+        A step this node already has, in any state, is left as it is. Returns whether the step
+        was added."""
+        node = self.find_step(manifest.path)
+        if node is not None:
+            step = node.step
+            if (step.manifest is not None and step.manifest.version == manifest.version
+                    and step.manifest.same_content(manifest) and not step.persisted):
+                self._write_persist_mark(node, manifest.version, "persisted")
+                step.persisted_version = manifest.version
+            return False
+        parent = self.root
+        for part in map(os.fsencode, manifest.path.split("/")):
+            child = parent.children.get(part)
+            if child is None:
+                os.mkdir(os.path.join(self.backing(parent), part), 0o755)
+                child = self._attach(parent, part, stat.S_IFDIR)
+                number = self.step_number(part)
+                if number is not None:
+                    child.step = StepState(number)
+            elif not child.is_dir:
+                log.warning("step %s in the persistent tier is hidden by a file here",
+                            manifest.path)
+                return False
+            parent = child
+        step = self.step_of(parent)
+        if step is None or step.manifest is not None or parent.children:
+            log.warning("step %s in the persistent tier does not fit this namespace (step "
+                        "pattern, or a directory of that name in use)", manifest.path)
+            return False
+        dir_path = self.backing(parent)
+        self._write_file_atomically(os.path.join(dir_path, MANIFEST), mf.encode(manifest))
+        self._write_persist_mark(parent, manifest.version, "persisted")
+        step.manifest = manifest
+        step.dirty = False
+        step.resident = set()
+        step.persisted_version = manifest.version
+        self._add_remote_files(parent, list(manifest.files))
+        return True
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -967,12 +1243,14 @@ class Namespace:
     def _remove_hidden(self, dir_node: Node, path: bytes) -> None:
         """Remove tierfs's own entries of an otherwise empty directory (a deleted step)."""
         step = dir_node.step
-        manifest = step.manifest if step is not None else self._read_manifest(path)
-        if manifest is not None:
-            for entry in manifest.files:
-                self.store.drop_ref(entry.xxh3)
         if step is not None:
+            self._drop_resident_refs(step)
             step.manifest = None
+        else:  # a committed step renamed to a name that is not a step name
+            manifest = self._read_manifest(path)
+            for entry in manifest.files if manifest else ():
+                if os.path.exists(os.path.join(path, os.fsencode(entry.name))):
+                    self.store.drop_ref(entry.xxh3)
         for name in os.listdir(path):
             if is_reserved(name):
                 os.unlink(os.path.join(path, name))

@@ -179,7 +179,7 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        return self.ns.read(self.ns.handle(fh), off, size)
+        return await self.ns.read(self.ns.handle(fh), off, size)
 
     @_boundary
     async def write(self, fh: int, off: int, buf: bytes) -> int:

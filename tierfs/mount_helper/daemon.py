@@ -26,6 +26,7 @@ from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.mounts import filesystem_type, is_mounted
 from tierfs.s3tier.backend import BackendError, open_backend
+from tierfs.s3tier.reader import PersistentReader
 from tierfs.s3tier.uploader import Uploader
 
 log = logging.getLogger(__name__)
@@ -145,9 +146,13 @@ def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
 async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     commits_send, commits_recv = trio.open_memory_channel[mf.StepManifest](64)
     namespace = Namespace(store, commits_send, node_id=cfg.node_id,
-                          step_pattern=cfg.step_pattern)
+                          step_pattern=cfg.step_pattern, keep_ram=cfg.keep_ram)
     namespace.load()
     uploader = await _persistent_tier(cfg, namespace, store, ready)
+    if uploader is not None:
+        namespace.read_sources.append(PersistentReader(uploader.backend,
+                                                       trio.CapacityLimiter(8)))
+        await _adopt_stored_steps(namespace, uploader)
     operations = Operations(namespace, str(cfg.control_socket))
     options = set(pyfuse3.default_options) | {"fsname=tierfs", "subtype=tierfs"}
     try:
@@ -206,6 +211,19 @@ async def _persistent_tier(cfg: MountConfig, namespace: Namespace, store: RamSto
         step_number=namespace.step_number, is_current=namespace.is_current,
         on_persisted=namespace.mark_persisted, on_retired=namespace.mark_retired,
     )
+
+
+async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> None:
+    """List what the persistent tier holds, so a fresh node sees the job's history at once."""
+    try:
+        manifests = await uploader.stored_manifests()
+    except BackendError as exc:
+        log.warning("could not list the persistent tier yet: %s", exc)
+        return
+    added = sum(namespace.adopt_persisted(m) for m in manifests)
+    log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
+             uploader.backend.url, len(manifests), added)
+    namespace.enforce_keep_ram()
 
 
 async def _run_fuse(cancel_scope: trio.CancelScope) -> None:

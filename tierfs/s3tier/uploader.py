@@ -144,6 +144,40 @@ class Uploader:
                     steps[head] = number
         return steps
 
+    async def stored_manifests(self) -> list[mf.StepManifest]:
+        """Every complete step in the store; leftovers of interrupted uploads are removed."""
+        objects = await trio.to_thread.run_sync(lambda: list(self.backend.list("")))
+        manifests, step_dirs = [], {}
+        for obj in objects:
+            head, _, name = obj.key.rpartition("/")
+            if name == MANIFEST_KEY:
+                try:
+                    data = await trio.to_thread.run_sync(self.backend.get_bytes, obj.key)
+                    manifest = mf.decode(data)
+                except (BackendError, mf.ManifestError) as exc:
+                    log.error("skipping unreadable manifest %s: %s", obj.key, exc)
+                    continue
+                if manifest.path != head:
+                    log.error("skipping manifest %s: it names step %s", obj.key, manifest.path)
+                    continue
+                manifests.append(manifest)
+            step_dir = self._enclosing_step_dir(obj.key)
+            if step_dir is not None:
+                step_dirs.setdefault(step_dir, []).append(obj.key)
+        complete = {m.path for m in manifests}
+        for step_dir, keys in step_dirs.items():
+            if step_dir not in complete and step_dir not in self.pending:
+                log.info("removing %d objects of the incomplete upload %s", len(keys), step_dir)
+                await trio.to_thread.run_sync(self.backend.delete, keys)
+        return sorted(manifests, key=lambda m: (m.step, m.path))
+
+    def _enclosing_step_dir(self, key: str) -> str | None:
+        parts = key.split("/")[:-1]
+        for depth in range(len(parts), 0, -1):
+            if self._step_number(parts[depth - 1]) is not None:
+                return "/".join(parts[:depth])
+        return None
+
     async def retire(self, path: str) -> None:
         """Remove a step from the store: its manifest first, so it is never seen half gone."""
         await trio.to_thread.run_sync(self.backend.delete, [f"{path}/{MANIFEST_KEY}"])

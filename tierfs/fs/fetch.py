@@ -1,0 +1,154 @@
+"""Bringing a committed file that is not in RAM back from another tier, range by range.
+
+A read of a non-resident file fetches only the chunks (manifest.CHUNK_SIZE) it touches, from the
+first read source that has them (peers, then the persistent tier), checks each chunk's xxh3-64
+against the manifest before a byte of it is returned, and stores it in a partial file in the RAM
+store. Once every chunk is in and the whole file matches its xxh3-128, the partial file becomes
+the file's committed object again. A mismatch anywhere is an error and a log line, never data.
+When the RAM tier has no room the chunk is still returned, just not kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+from tierfs import manifest as mf
+from tierfs.fs.ram_store import RamFull, RamStore
+
+log = logging.getLogger(__name__)
+
+PART_PREFIX = ".tierfs-part-"
+
+
+class ReadSource(Protocol):
+    """A tier that can serve byte ranges of committed files (injected; fs imports no tier)."""
+
+    name: str
+
+    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
+                         length: int) -> bytes: ...
+
+
+class FetchError(Exception):
+    """No source could deliver verified bytes."""
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """Where a non-resident file's bytes live: the committed step's path and its entry."""
+
+    step_path: str
+    entry: mf.FileEntry
+
+
+async def fetch_chunk(sources: list[ReadSource], remote: RemoteFile, index: int) -> bytes:
+    """Chunk `index` of `remote`, verified, from the first source that delivers it."""
+    entry = remote.entry
+    offset = index * mf.CHUNK_SIZE
+    length = min(mf.CHUNK_SIZE, entry.size - offset)
+    failures = []
+    for source in sources:
+        try:
+            data = await source.read_range(remote.step_path, entry, offset, length)
+        except Exception as exc:  # a source's failure is a reason to try the next one
+            failures.append(f"{source.name}: {exc}")
+            continue
+        if len(data) == length and mf.chunk_digest(data) == entry.chunks[index]:
+            return data
+        failures.append(f"{source.name}: chunk {index} does not match its checksum")
+        log.error("checksum mismatch: %s/%s chunk %d from %s", remote.step_path, entry.name,
+                  index, source.name)
+    raise FetchError(f"{remote.step_path}/{entry.name} chunk {index}: "
+                     + ("; ".join(failures) or "no tier holds it"))
+
+
+class Fetch:
+    """The partial copy of one non-resident file in the RAM store, filled chunk by chunk."""
+
+    def __init__(self, store: RamStore, remote: RemoteFile) -> None:
+        self.store = store
+        self.remote = remote
+        count = mf.chunk_count(remote.entry.size)
+        self.present = [False] * count
+        self._inflight: dict[int, trio.Event] = {}
+        self.path = os.path.join(os.fsencode(store.objects),
+                                 f"{PART_PREFIX}{remote.entry.xxh3}-{id(self):x}".encode())
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.backing_ino = os.fstat(self.fd).st_ino
+
+    @property
+    def complete(self) -> bool:
+        return all(self.present)
+
+    async def read(self, sources: list[ReadSource], offset: int, size: int) -> bytes:
+        size = max(0, min(size, self.remote.entry.size - offset))
+        if size == 0:
+            return b""
+        first, last = offset // mf.CHUNK_SIZE, (offset + size - 1) // mf.CHUNK_SIZE
+        unkept: dict[int, bytes] = {}
+        for index in range(first, last + 1):
+            data = await self._ensure(sources, index)
+            if data is not None:
+                unkept[index] = data
+        if not unkept:
+            return os.pread(self.fd, size, offset)
+        pieces = []
+        for index in range(first, last + 1):
+            chunk = unkept.get(index)
+            if chunk is None:
+                chunk = os.pread(self.fd, mf.CHUNK_SIZE, index * mf.CHUNK_SIZE)
+            pieces.append(chunk)
+        joined = b"".join(pieces)
+        start = offset - first * mf.CHUNK_SIZE
+        return joined[start:start + size]
+
+    async def fill(self, sources: list[ReadSource]) -> None:
+        """Fetch every missing chunk (for a writer or a prefetch); raises RamFull if no room."""
+        for index in range(len(self.present)):
+            if await self._ensure(sources, index) is not None:
+                raise RamFull
+
+    async def _ensure(self, sources: list[ReadSource], index: int) -> bytes | None:
+        """Make chunk `index` present; return its bytes only if they could not be kept."""
+        while not self.present[index]:
+            pending = self._inflight.get(index)
+            if pending is not None:
+                await pending.wait()
+                continue
+            done = self._inflight[index] = trio.Event()
+            try:
+                data = await fetch_chunk(sources, self.remote, index)
+                end = index * mf.CHUNK_SIZE + len(data)
+                try:
+                    self.store.grow(self.backing_ino, end)
+                except RamFull:
+                    return data
+                os.pwrite(self.fd, data, index * mf.CHUNK_SIZE)
+                self.present[index] = True
+            finally:
+                del self._inflight[index]
+                done.set()
+        return None
+
+    async def verify(self) -> bool:
+        """Whole-file check once complete; the partial file may then become the object."""
+        digest = await trio.to_thread.run_sync(mf.hash_fd, self.fd)
+        if digest.xxh3 == self.remote.entry.xxh3 and digest.size == self.remote.entry.size:
+            return True
+        log.error("checksum mismatch: %s/%s fetched whole has xxh3 %s, manifest says %s",
+                  self.remote.step_path, self.remote.entry.name, digest.xxh3,
+                  self.remote.entry.xxh3)
+        return False
+
+    def discard(self) -> None:
+        os.close(self.fd)
+        self.fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self.store.forget_inode(self.backing_ino)
