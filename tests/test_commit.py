@@ -81,8 +81,10 @@ def test_latest_names_highest_committed_step_not_newest(mnt: Mount) -> None:
     assert "latest" in os.listdir(mnt / "run")
     assert "latest" not in os.listdir(mnt)  # no committed step directly under the root
     with pytest.raises(OSError) as info:
-        os.unlink(mnt / "run/latest")
+        os.utime(mnt / "run/latest", follow_symlinks=False)
     assert info.value.errno == errno.EROFS
+    os.unlink(mnt / "run/latest")  # derived, not stored: removing it is a no-op
+    assert os.readlink(mnt / "run/latest") == "step_200"
     os.rename(mnt / "run/step_100/a", mnt / "run/step_100/b")  # a real entry can take the name
     os.rename(mnt / "run/step_100/b", mnt / "run/latest")
     assert (mnt / "run/latest").read_bytes() == b"100"
@@ -129,3 +131,12 @@ def test_deleting_a_committed_step(mnt: Mount) -> None:
     os.rmdir(mnt / "run/step_2")
     assert os.readlink(mnt / "run/latest") == "step_1"
     assert [s["path"] for s in mnt.status()["steps"]] == ["run/step_1"]
+
+
+def test_rm_r_of_a_run_directory_with_latest(mnt: Mount) -> None:
+    import subprocess
+
+    write_step(mnt / "run/step_1", {"a": b"1"})
+    write_step(mnt / "run/step_2", {"a": b"2"})
+    subprocess.run(["rm", "-r", str(mnt / "run")], check=True)
+    assert os.listdir(mnt) == []

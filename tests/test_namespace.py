@@ -37,13 +37,13 @@ class Harness:
 
     async def inode(self, path: str) -> int:
         ino = ROOT_INODE
-        for part in path.split("/"):
+        for part in filter(None, path.split("/")):
             ino = (await self.ops.lookup(ino, part.encode(), CTX)).st_ino
         return ino
 
     async def mkdirs(self, path: str) -> int:
         ino = ROOT_INODE
-        for part in path.split("/"):
+        for part in filter(None, path.split("/")):
             try:
                 ino = (await self.ops.lookup(ino, part.encode(), CTX)).st_ino
             except pyfuse3.FUSEError:
@@ -195,3 +195,75 @@ async def test_ram_limit_refuses_with_enospc(tmp_path: Path) -> None:
     await h.ops.unlink(ROOT_INODE, b"f", CTX)
     assert h.store.used_bytes == 0
     h.close()
+
+
+async def test_handle_open_before_commit_never_writes_into_committed_object(
+        harness: Harness) -> None:
+    await harness.write_file("step_1/a", b"AAAA")
+    info = await harness.ops.open(await harness.inode("step_1/a"), os.O_RDWR, CTX)
+    await dcp_save(harness, "step_1", {})
+    manifest = harness.commits.receive_nowait()
+    await harness.ops.write(info.fh, 0, b"XXXX")  # the handle predates the commit
+    await harness.ops.release(info.fh)
+    obj = harness.root / "objects" / manifest.entry("a").xxh3
+    assert obj.read_bytes() == b"AAAA"
+    assert await harness.read_file("step_1/a") == b"XXXX"
+    assert await harness.state("step_1") == "writing"
+
+
+async def test_step_renamed_away_and_back_is_committed_only_again(harness: Harness) -> None:
+    await dcp_save(harness, "step_1", {"a": b"A"})
+    await harness.rename("step_1", "tmp")
+    info = await harness.ops.open(await harness.inode("tmp/a"), os.O_WRONLY | os.O_TRUNC, CTX)
+    await harness.ops.write(info.fh, 0, b"half")
+    await harness.rename("tmp", "step_1")
+    assert await harness.state("step_1") == "writing"  # a writer is still at work
+    await harness.ops.release(info.fh)
+    assert await harness.state("step_1") == "committed"
+
+
+async def test_restart_keeps_what_is_no_longer_a_step_and_clears_the_way(
+        tmp_path: Path) -> None:
+    first = Harness(tmp_path / "ram")
+    await dcp_save(first, "step_1", {"a": b"A"})
+    await first.rename("step_1", "backup")  # no longer a step: its files are plain files
+    await first.write_file("backup/notes.txt", b"keep me")
+    await dcp_save(first, "step_4", {"model": b"M"})
+    await first.ops.unlink(await first.inode("step_4"), b"model", CTX)
+    await first.ops.mkdir(await first.inode("step_4"), b"model", 0o755, CTX)  # in its place
+    await first.ops.symlink(await first.inode("step_4"), b"link", b"model", CTX)
+    first.close()
+    second = Harness(tmp_path / "ram")
+    assert await second.read_file("backup/notes.txt") == b"keep me"
+    assert await second.read_file("backup/a") == b"A"
+    assert await second.read_file("step_4/model") == b"M"
+    assert await second.state("step_4") == "committed"
+    assert os.path.islink(tmp_path / "ram/tree/step_4/link")
+    second.close()
+
+
+async def test_pending_commit_runs_when_its_last_writer_leaves(harness: Harness) -> None:
+    step_ino = await harness.mkdirs("run/step_2")
+    info, _ = await harness.ops.create(step_ino, b"slow", 0o644, os.O_WRONLY, CTX)
+    await harness.ops.write(info.fh, 0, b"x")
+    await dcp_save(harness, "run/step_2", {})
+    assert await harness.state("run/step_2") == "writing"
+    await harness.ops.unlink(step_ino, b"slow", CTX)  # the straggler's file is dropped
+    assert await harness.state("run/step_2") == "committed"
+    await harness.ops.release(info.fh)
+
+
+async def test_space_of_a_file_unlinked_while_open_returns_at_close(harness: Harness) -> None:
+    info, _ = await harness.ops.create(ROOT_INODE, b"f", 0o644, os.O_WRONLY, CTX)
+    await harness.ops.write(info.fh, 0, b"x" * 1000)
+    await harness.ops.unlink(ROOT_INODE, b"f", CTX)
+    await harness.ops.write(info.fh, 1000, b"x" * 1000)
+    assert harness.store.used_bytes == 2000
+    await harness.ops.release(info.fh)
+    assert harness.store.used_bytes == 0
+
+
+async def test_names_must_be_utf8(harness: Harness) -> None:
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await harness.ops.create(ROOT_INODE, b"\xff", 0o644, os.O_WRONLY, CTX)
+    assert info.value.errno == errno.EILSEQ

@@ -70,7 +70,7 @@ class StepManifest:
 
 def check_relative_path(name: str) -> str:
     """Return `name` if it is a safe relative path ('a/b'), else raise ManifestError."""
-    if not name or "\0" in name or name.startswith("/") or "\\" in name:
+    if not name or "\0" in name or name.startswith("/"):
         raise ManifestError(f"unsafe path {name!r}")
     if any(part in ("", ".", "..") for part in name.split("/")):
         raise ManifestError(f"unsafe path {name!r}")

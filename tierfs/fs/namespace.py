@@ -150,13 +150,14 @@ class Node:
 class Handle:
     """An open file: the backing fd and whether it has written since its last flush."""
 
-    __slots__ = ("fh", "node", "fd", "backing_ino", "active")
+    __slots__ = ("fh", "node", "fd", "backing_ino", "writable", "active")
 
-    def __init__(self, fh: int, node: Node, fd: int) -> None:
+    def __init__(self, fh: int, node: Node, fd: int, writable: bool) -> None:
         self.fh = fh
         self.node = node
         self.fd = fd  # -1 while the node's bytes are fetched from another tier
         self.backing_ino = os.fstat(fd).st_ino if fd >= 0 else 0
+        self.writable = writable
         self.active = False
 
 
@@ -218,7 +219,8 @@ class Namespace:
             raise FsError(errno.ENOTDIR)
         entries = list(node.children.items())
         if LATEST not in node.children and self._latest_target(node) is not None:
-            entries.append((LATEST, self._latest_node(node)))
+            # First, so that `rm -r` meets it while it still exists (its unlink is a no-op).
+            entries.insert(0, (LATEST, self._latest_node(node)))
         return entries
 
     @property
@@ -281,6 +283,8 @@ class Namespace:
         number = self.step_number(name)
         if number is not None:
             node.step = StepState(number)
+            if parent.step is not None and parent.step.manifest is not None:
+                self._remove_hidden(parent, self.backing(parent))  # now a run directory
         self._mark_dirty(parent)
         return node
 
@@ -326,7 +330,7 @@ class Namespace:
             raise
         node = self._attach(parent, name, stat.S_IFREG)
         self.store.set_size(os.fstat(fd).st_ino, 0)
-        handle = self._new_handle(node, fd)
+        handle = self._new_handle(node, fd, writable=True)
         self._activate(handle)
         return node, handle
 
@@ -335,17 +339,17 @@ class Namespace:
             raise FsError(errno.EROFS)
         if not node.is_file:
             raise FsError(errno.EISDIR if node.is_dir else errno.EINVAL)
-        path = self.backing(node)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         truncate = writable and bool(flags & os.O_TRUNC)
         if node.remote is not None:
             if not writable:
-                return self._new_handle(node, -1)  # bytes come in on demand, see read()
+                return self._new_handle(node, -1, writable)  # bytes come on demand: read()
             await self._make_resident(node, empty=truncate)
         if writable:
-            await self._unshare_if_committed(path, keep=not truncate)
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY))
-        handle = self._new_handle(node, fd)
+            await self._make_private(node, keep=not truncate)
+        # The path is taken only now: the awaits above may have seen renames.
+        fd = os.open(self.backing(node), (os.O_RDWR if writable else os.O_RDONLY))
+        handle = self._new_handle(node, fd, writable)
         if truncate:
             os.ftruncate(fd, 0)
             self.store.set_size(handle.backing_ino, 0)
@@ -379,26 +383,38 @@ class Namespace:
         await self._after_writer(node)
 
     async def release(self, handle: Handle) -> None:
-        await self.flush(handle)
-        del self._handles[handle.fh]
-        handle.node.handles.remove(handle)
-        if handle.fd >= 0:
-            os.close(handle.fd)
-        self._maybe_drop(handle.node)
+        try:
+            await self.flush(handle)
+        finally:
+            del self._handles[handle.fh]
+            node = handle.node
+            node.handles.remove(handle)
+            if handle.fd >= 0:
+                orphaned = os.fstat(handle.fd).st_nlink == 0
+                os.close(handle.fd)
+                if orphaned and not any(h.backing_ino == handle.backing_ino
+                                        for h in node.handles):
+                    self.store.forget_inode(handle.backing_ino)  # unlinked while open
+            self._maybe_drop(node)
 
     def fsync(self, handle: Handle) -> None:
         if handle.fd >= 0:
             os.fsync(handle.fd)
 
-    def unlink(self, parent: Node, name: bytes) -> None:
+    async def unlink(self, parent: Node, name: bytes) -> None:
+        if name == LATEST and parent.is_dir and LATEST not in parent.children:
+            # The virtual `latest` is derived, not stored: removing it is a no-op, so that
+            # `rm -r run1` works; it names the newest committed step again on the next lookup.
+            return
         node = self._existing_entry(parent, name)
         if node.is_dir:
             raise FsError(errno.EISDIR)
         if node.remote is None:
-            self._unlink_backing(self.backing(node))
+            self._unlink_backing(self.backing(node), node)
         self._drop_fetch(node)
         self._detach(node)
         self._mark_dirty(parent)
+        await self._run_pending_commits(parent)
 
     async def setattr(
         self, node: Node, handle: Handle | None, *, mode: int | None = None,
@@ -437,9 +453,9 @@ class Namespace:
         if not node.is_file:
             raise FsError(errno.EISDIR if node.is_dir else errno.EINVAL)
         if isinstance(target, bytes):
-            await self._unshare_if_committed(target, keep=size > 0)
-            st = os.lstat(target)
-            self.store.set_size(st.st_ino, size)
+            await self._make_private(node, keep=size > 0)
+            target = self.backing(node)
+            self.store.set_size(os.lstat(target).st_ino, size)
             os.truncate(target, size)
         else:
             self.store.set_size(os.fstat(target).st_ino, size)
@@ -481,8 +497,8 @@ class Namespace:
         if target is not None:
             if target.is_dir:
                 self._remove_hidden(target, new_path)
-            else:
-                self._forget_backing_if_last(new_path)
+            elif target.remote is None:
+                self._forget_backing_if_last(new_path, target)
         os.rename(old_path, new_path)
         if target is not None:
             self._detach(target)
@@ -492,22 +508,42 @@ class Namespace:
         node.parent = new_parent
         new_parent.children[new_name] = node
         self._mark_dirty(new_parent)
+        if (node.is_dir and node.step is not None and new_parent.step is not None
+                and new_parent.step.manifest is not None):
+            self._remove_hidden(new_parent, self.backing(new_parent))  # now a run directory
         if node.is_dir:
             await self._renamed_dir(node)
         elif new_name == METADATA and self.step_of(new_parent) is not None:
             await self._commit_quietly(new_parent)
+        await self._run_pending_commits(old_parent)
 
     async def _renamed_dir(self, node: Node) -> None:
-        """A directory renamed onto a step name commits it (the `mv tmp step_N` idiom)."""
+        """A directory renamed onto a step name commits it (the `mv tmp step_N` idiom); one
+        renamed away from a step name stops being a step; steps moved along with it commit
+        again so that their manifests name where they are now."""
         number = self.step_number(node.name)
         if number is None:
-            node.step = None
-            return
-        if node.step is None:
-            node.step = StepState(number, self._read_manifest(self.backing(node)))
-        node.step.number = number
-        if self.step_of(node) is not None:
-            await self._commit_quietly(node)
+            if node.step is not None:
+                await self._demote(node)
+                node.step = None
+        else:
+            if node.step is None:
+                node.step = StepState(number, self._read_manifest(self.backing(node)))
+            node.step.number = number
+            node.step.dirty = True  # whatever it held before, it is committed only once more
+            if self.step_of(node) is not None:
+                await self._commit_quietly(node)
+        for step_node in list(self.steps(under=node)):
+            manifest = step_node.step.manifest
+            if step_node is not node and manifest and manifest.path != self.relpath(step_node):
+                await self._commit_quietly(step_node)
+
+    async def _demote(self, node: Node) -> None:
+        """A committed directory that stops being a step keeps its files, not its manifest."""
+        for _rel, child in list(self._files_under(node)):
+            if child.remote is not None:
+                await self._make_resident(child, empty=False)
+        self._remove_hidden(node, self.backing(node))
 
     # -- steps and commit ------------------------------------------------------------------
 
@@ -536,13 +572,21 @@ class Namespace:
                         await self._make_resident(node, empty=False)
                     if node.seal is None:
                         await self._seal(node)
+                copies = await self._copies_of_open_files(files)
                 # From here to the end of _write_manifest there is no await (see module doc).
                 if (self._has_active_writers(step_node)
+                        or self.step_of(step_node) is not step or step_node.parent is None
                         or files != list(self._files_under(step_node))
-                        or any(node.seal is None or node.remote for _rel, node in files)):
+                        or any(node.seal is None or node.remote for _rel, node in files)
+                        or any(node.gen != gen for node, (_copy, gen) in copies.items())):
+                    for copy, _gen in copies.values():
+                        self.store.discard(copy)
+                    if self.step_of(step_node) is not step or step_node.parent is None:
+                        return None  # renamed away or removed while it was being sealed
                     continue
                 old = step.manifest
-                manifest = self._write_manifest(step_node, files)
+                manifest = self._write_manifest(step_node, files,
+                                                {n: c for n, (c, _g) in copies.items()})
                 step.commit_pending = False
                 break
         if manifest is not old:
@@ -568,7 +612,24 @@ class Namespace:
         assert manifest is not None
         return manifest
 
-    def _write_manifest(self, step_node: Node, files: list[tuple[str, Node]]) -> mf.StepManifest:
+    async def _copies_of_open_files(self, files: list[tuple[str, Node]]
+                                    ) -> dict[Node, tuple[bytes, int]]:
+        """Private copies, for the objects, of files that a handle could still write into."""
+        copies = {}
+        for _rel, node in files:
+            if any(h.writable for h in node.handles) and \
+                    not self.store.object_path(node.seal.digest.xxh3).exists():
+                gen = node.gen
+                self.store.check_room(node.seal.digest.size)
+                copy = await trio.to_thread.run_sync(
+                    self.store.copy, self.backing(node), os.fsencode(self.store.objects),
+                    node.seal.digest.size)
+                self.store.account(os.lstat(copy).st_ino, node.seal.digest.size)
+                copies[node] = (copy, gen)
+        return copies
+
+    def _write_manifest(self, step_node: Node, files: list[tuple[str, Node]],
+                        copies: dict[Node, bytes]) -> mf.StepManifest:
         step = step_node.step
         old = step.manifest
         step_path = self.relpath(step_node)
@@ -581,15 +642,18 @@ class Namespace:
                                         st.st_mode & 0o7777, digest.chunks))
         if (old is not None and old.path == step_path and old.step == step.number
                 and old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries)))):
+            for copy in copies.values():
+                self.store.discard(copy)
             step.dirty = False
             return old
         manifest = mf.StepManifest(
             path=step_path, step=step.number, version=old.version + 1 if old else 1,
             node_id=self.node_id, committed_ns=time.time_ns(), files=tuple(entries),
         )
+        encoded = mf.encode(manifest)
         for (_rel, node), entry in zip(files, entries, strict=True):
-            self.store.add_ref(entry.xxh3, self.backing(node))
-        self._write_file_atomically(os.path.join(dir_path, MANIFEST), mf.encode(manifest))
+            self.store.add_ref(entry.xxh3, self.backing(node), copies.pop(node, None))
+        self._write_file_atomically(os.path.join(dir_path, MANIFEST), encoded)
         self._drop_resident_refs(step)
         step.manifest = manifest
         step.resident = {entry.name for entry in entries}
@@ -611,7 +675,10 @@ class Namespace:
             return
         if node.name == METADATA and self.step_of(parent) is not None:
             await self._commit_quietly(parent)
-        for step_node in self._enclosing_steps(parent):
+        await self._run_pending_commits(parent)
+
+    async def _run_pending_commits(self, dir_node: Node | None) -> None:
+        for step_node in list(self._enclosing_steps(dir_node)):
             if step_node.step.commit_pending and not self._has_active_writers(step_node):
                 await self._commit_quietly(step_node)
 
@@ -689,9 +756,9 @@ class Namespace:
 
     # -- status and xattrs -----------------------------------------------------------------
 
-    def steps(self) -> Iterator[Node]:
-        """Every step directory, depth first."""
-        stack = [self.root]
+    def steps(self, under: Node | None = None) -> Iterator[Node]:
+        """Every step directory (below `under`, itself included), depth first."""
+        stack = [under or self.root]
         while stack:
             node = stack.pop()
             if self.step_of(node) is not None:
@@ -841,7 +908,7 @@ class Namespace:
         for rel, node in self._files_under(step_node):
             entry = manifest.entry(rel)
             if entry is not None and node.remote is None:
-                self._unlink_backing(self.backing(node))
+                self._unlink_backing(self.backing(node), node)
                 node.remote = RemoteFile(manifest.path, entry)
                 node.seal = None
                 freed += entry.size
@@ -904,7 +971,7 @@ class Namespace:
     def _forget_step(self, step_node: Node) -> None:
         for _rel, node in list(self._files_under(step_node)):
             if node.remote is None:
-                self._unlink_backing(self.backing(node))
+                self._unlink_backing(self.backing(node), node)
             self._drop_fetch(node)
             self._detach(node)
         self._drop_resident_refs(step_node.step)
@@ -978,17 +1045,32 @@ class Namespace:
 
     def _recover_committed_steps(self) -> dict[bytes, tuple[mf.StepManifest, set[str]]]:
         recovered: dict[bytes, tuple[mf.StepManifest, set[str]]] = {}
-        for dirpath, _dirs, files in os.walk(self._tree):
+        for dirpath, dirs, files in os.walk(self._tree):
             if MANIFEST not in files:
+                continue
+            if (self.step_number(os.path.basename(dirpath)) is None
+                    or any(self.step_number(d) is not None for d in dirs)):
+                # Not a step (any more): its files are plain files, its manifest is stale.
+                os.unlink(os.path.join(dirpath, MANIFEST))
                 continue
             manifest = self._read_manifest(dirpath)
             if manifest is None:
                 continue
             persisted = self._persist_mark(dirpath) == (manifest.version, "persisted")
-            resident = self._restore_step(dirpath, manifest, persisted)
+            try:
+                resident = self._restore_step(dirpath, manifest, persisted)
+            except OSError as exc:
+                log.error("cannot restore step %s v%d (%s); its manifest is set aside",
+                          manifest.path, manifest.version, exc)
+                self._set_aside(dirpath)
+                continue
             if resident is not None:
                 recovered[dirpath] = (manifest, resident)
         return recovered
+
+    def _set_aside(self, dir_path: bytes) -> None:
+        manifest_path = os.path.join(dir_path, MANIFEST)
+        os.rename(manifest_path, manifest_path + b".damaged")
 
     def _read_manifest(self, dir_path: bytes) -> mf.StepManifest | None:
         path = os.path.join(dir_path, MANIFEST)
@@ -1019,16 +1101,17 @@ class Namespace:
                 log.error("committed step %s v%d is damaged: object of %s is missing or has "
                           "the wrong size; its manifest is set aside", manifest.path,
                           manifest.version, entry.name)
-                manifest_path = os.path.join(dir_path, MANIFEST)
-                os.rename(manifest_path, manifest_path + b".damaged")
+                self._set_aside(dir_path)
                 return None
         restored = removed = 0
         wanted = {os.fsencode(name) for name in resident}
-        for dirpath, _dirs, files in os.walk(dir_path):
+        for dirpath, dirs, files in os.walk(dir_path):
+            dirs[:] = [d for d in dirs if self.step_number(d) is None]
             for name in files:
                 full = os.path.join(dirpath, name)
-                if not is_reserved(name) and os.path.relpath(full, dir_path) not in wanted:
-                    os.unlink(full)
+                if (not is_reserved(name) and stat.S_ISREG(os.lstat(full).st_mode)
+                        and os.path.relpath(full, dir_path) not in wanted):
+                    os.unlink(full)  # written after the commit: not part of the step
                     removed += 1
         for entry in manifest.files:
             if entry.name not in resident:
@@ -1039,7 +1122,8 @@ class Namespace:
                 if os.path.samefile(path, obj):
                     continue
             except FileNotFoundError:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
+                pass
+            self._clear_way(dir_path, os.fsencode(entry.name))
             tmp = self.store.tmp_path(os.path.dirname(path))
             os.link(obj, tmp)
             os.rename(tmp, path)
@@ -1048,6 +1132,21 @@ class Namespace:
             log.warning("step %s v%d put back as committed: %d files restored, %d uncommitted "
                         "files removed", manifest.path, manifest.version, restored, removed)
         return resident
+
+    @staticmethod
+    def _clear_way(dir_path: bytes, relative: bytes) -> None:
+        """Make room for a committed file at `relative`: what was put in its place or in the
+        place of one of its directories after the commit goes."""
+        current = dir_path
+        *parents, name = relative.split(b"/")
+        for part in parents:
+            current = os.path.join(current, part)
+            if os.path.lexists(current) and not os.path.isdir(current):
+                os.unlink(current)
+            os.makedirs(current, exist_ok=True)
+        target = os.path.join(current, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
 
     def _load_dir(self, dir_node: Node, path: bytes,
                   recovered: dict[bytes, tuple[mf.StepManifest, set[str]]]) -> None:
@@ -1169,8 +1268,8 @@ class Namespace:
         elif node.parent is None and node.ino in self._inodes:
             del self._inodes[node.ino]
 
-    def _new_handle(self, node: Node, fd: int) -> Handle:
-        handle = Handle(self._next_fh, node, fd)
+    def _new_handle(self, node: Node, fd: int, writable: bool) -> Handle:
+        handle = Handle(self._next_fh, node, fd, writable)
         self._next_fh += 1
         self._handles[handle.fh] = handle
         node.handles.append(handle)
@@ -1194,6 +1293,10 @@ class Namespace:
             raise FsError(errno.ENAMETOOLONG)
         if is_reserved(name) or b"/" in name or name in (b"", b".", b".."):
             raise FsError(errno.EPERM, "name reserved by tierfs")
+        try:
+            name.decode("utf-8")  # manifests and object keys are UTF-8
+        except UnicodeDecodeError:
+            raise FsError(errno.EILSEQ, "names must be UTF-8") from None
 
     def _new_entry_path(self, parent: Node, name: bytes) -> bytes:
         if not parent.is_dir:
@@ -1220,24 +1323,49 @@ class Namespace:
             node = node.parent
         return False
 
-    async def _unshare_if_committed(self, path: bytes, *, keep: bool) -> None:
-        # One unshare at a time: two writers opening the same committed file at once must not
-        # each make a copy, the second replacing the first that already holds an fd.
+    async def _make_private(self, node: Node, *, keep: bool) -> None:
+        """Copy on write: a tree file shared with a committed object gets its own inode (its
+        bytes kept, or empty) before anything may change it."""
+        # One at a time: two writers of the same committed file must not each make a copy.
         async with self._unshare_lock:
-            st = os.lstat(path)
-            if st.st_nlink > 1:
+            while True:
+                path = self.backing(node)
+                st = os.lstat(path)
+                if st.st_nlink <= 1:
+                    return
                 size = st.st_size if keep else 0
                 self.store.check_room(size)
-                backing_ino = await trio.to_thread.run_sync(self.store.unshare, path, size)
-                self.store.set_size(backing_ino, size)
+                copy = await trio.to_thread.run_sync(self.store.copy, path,
+                                                     os.path.dirname(path), size)
+                # No await from here: the copy replaces the shared inode only if the node is
+                # still where it was and still that inode (a rename may have moved things).
+                try:
+                    unchanged = (self.backing(node) == path
+                                 and os.lstat(path).st_ino == st.st_ino)
+                except (FsError, FileNotFoundError):
+                    unchanged = False
+                if not unchanged:
+                    os.unlink(copy)
+                    continue
+                os.rename(copy, path)
+                backing_ino = os.lstat(path).st_ino
+                self.store.account(backing_ino, size)
+                for handle in node.handles:  # open handles follow the file to its new inode
+                    if handle.fd >= 0:
+                        fresh = os.open(path, os.O_RDWR if handle.writable else os.O_RDONLY)
+                        os.dup2(fresh, handle.fd)
+                        os.close(fresh)
+                        handle.backing_ino = backing_ino
+                return
 
-    def _unlink_backing(self, path: bytes) -> None:
-        self._forget_backing_if_last(path)
+    def _unlink_backing(self, path: bytes, node: Node) -> None:
+        self._forget_backing_if_last(path, node)
         os.unlink(path)
 
-    def _forget_backing_if_last(self, path: bytes) -> None:
+    def _forget_backing_if_last(self, path: bytes, node: Node) -> None:
+        """Space comes back when the last link goes, or at the last close if files are open."""
         st = os.lstat(path)
-        if st.st_nlink == 1:
+        if st.st_nlink == 1 and not any(h.backing_ino == st.st_ino for h in node.handles):
             self.store.forget_inode(st.st_ino)
 
     def _remove_hidden(self, dir_node: Node, path: bytes) -> None:

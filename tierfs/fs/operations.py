@@ -144,7 +144,7 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
-        self.ns.unlink(self.ns.get(parent_inode), name)
+        await self.ns.unlink(self.ns.get(parent_inode), name)
 
     @_boundary
     async def symlink(self, parent_inode: int, name: bytes, target: bytes,

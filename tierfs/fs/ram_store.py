@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import shutil
@@ -31,6 +32,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tierfs-tmp-"
+_unique = itertools.count()
 RESERVED_PREFIX = b".tierfs-"
 
 
@@ -91,6 +93,8 @@ class RamStore:
         for top in (self.tree, self.objects):
             for dirpath, _dirs, files in os.walk(top):
                 for name in files:
+                    if name.startswith(RESERVED_PREFIX.decode()):
+                        continue  # tierfs's own small files are not the user's data
                     st = os.lstat(os.path.join(dirpath, name))
                     self._sizes[st.st_ino] = st.st_size
         self.used_bytes = sum(self._sizes.values())
@@ -135,11 +139,21 @@ class RamStore:
     def object_path(self, digest: str) -> Path:
         return self.objects / digest
 
-    def add_ref(self, digest: str, tree_file: Path) -> None:
-        """Make `tree_file` (sealed with `digest`) a committed object, or count another use."""
+    def add_ref(self, digest: str, tree_file: bytes, copy: bytes | None = None) -> None:
+        """Make `tree_file` (sealed with `digest`) a committed object, or count another use.
+
+        The object is the tree file's own inode (a hard link), or `copy` when given: a private
+        copy is used when the tree file is open for writing, so that no open handle can ever
+        write into a committed object."""
         target = self.object_path(digest)
         if self._refs[digest] == 0 and not target.exists():
-            os.link(tree_file, target)
+            if copy is not None:
+                os.rename(copy, target)
+                copy = None
+            else:
+                os.link(tree_file, target)
+        if copy is not None:
+            self.discard(copy)
         self._refs[digest] += 1
 
     def count_ref(self, digest: str) -> None:
@@ -170,8 +184,9 @@ class RamStore:
 
     # -- copy on write ---------------------------------------------------------------------
 
-    def tmp_path(self, directory: bytes) -> bytes:
-        name = f"{TMP_PREFIX}{os.getpid()}-{time.monotonic_ns()}"
+    def tmp_path(self, directory: bytes | Path) -> bytes:
+        name = f"{TMP_PREFIX}{os.getpid()}-{time.monotonic_ns()}-{next(_unique)}"
+        directory = os.fsencode(directory)
         return os.path.join(directory, name.encode())
 
     def check_room(self, extra_bytes: int) -> None:
@@ -179,15 +194,21 @@ class RamStore:
             self._log_full(extra_bytes)
             raise RamFull
 
-    def unshare(self, path: bytes, keep_bytes: int) -> int:
-        """Give `path` a private inode holding its first `keep_bytes` bytes; return the inode.
+    def account(self, backing_ino: int, size: int) -> None:
+        """Record space already taken (a copy whose room was checked before it was made)."""
+        self.used_bytes += size - self._sizes.get(backing_ino, 0)
+        self._sizes[backing_ino] = size
 
-        Called (in a worker thread, so it touches no accounting) when a tree file shared with a
-        committed object is about to change: the object keeps the committed bytes, the tree
-        gets a copy it may modify.
-        """
+    def discard(self, path: bytes) -> None:
+        """Remove a file made by `copy` and accounted, that is no longer wanted."""
+        self.forget_inode(os.lstat(path).st_ino)
+        os.unlink(path)
+
+    def copy(self, path: bytes, directory: bytes, keep_bytes: int) -> bytes:
+        """A temporary copy of `path`'s first `keep_bytes` bytes, mode, owner and times, in
+        `directory` (blocking and free of accounting: it runs in a worker thread)."""
         st = os.lstat(path)
-        tmp = self.tmp_path(os.path.dirname(path))
+        tmp = self.tmp_path(directory)
         with open(tmp, "xb") as dst:
             if keep_bytes:
                 with open(path, "rb") as src:
@@ -196,8 +217,7 @@ class RamStore:
         os.chmod(tmp, st.st_mode & 0o7777)
         os.chown(tmp, st.st_uid, st.st_gid)
         os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
-        os.rename(tmp, path)
-        return os.lstat(path).st_ino
+        return tmp
 
     def remove_tmp_files(self) -> int:
         removed = 0

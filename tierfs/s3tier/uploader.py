@@ -60,6 +60,8 @@ class Uploader:
         if not self.wanted(manifest):
             return
         queued = manifest.path in self.pending
+        if queued and self.pending[manifest.path].version > manifest.version:
+            return  # events can arrive late; an older version never replaces a newer one
         self.pending[manifest.path] = manifest
         self._idle = trio.Event() if self._idle.is_set() else self._idle
         if not queued:
