@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import is_mounted
 
 TIERFS = [sys.executable, "-m", "tierfs"]
@@ -104,8 +105,8 @@ class MountFactory:
         self.ram_dirs.append(ram_dir)
         return ram_dir
 
-    def mount(self, *extra: str, ram_dir: Path | None = None,
-              mountpoint: Path | None = None) -> Mount:
+    def mount(self, *extra: str, ram_dir: Path | None = None, mountpoint: Path | None = None,
+              env: dict[str, str] | None = None) -> Mount:
         ram_dir = ram_dir or self.new_ram_dir()
         if ram_dir not in self.ram_dirs:
             self.ram_dirs.append(ram_dir)
@@ -115,13 +116,14 @@ class MountFactory:
         mount = Mount(mountpoint, ram_dir, log_file, list(extra))
         self.mounts.append(mount)
         tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir), "--log-file", str(log_file),
-               *extra)
+               *extra, env=env)
         assert is_mounted(mountpoint)
         mount.pid = mount.status()["pid"]
         return mount
 
-    def remount(self, old: Mount, *extra: str) -> Mount:
-        return self.mount(*(extra or old.extra), ram_dir=old.ram_dir, mountpoint=old.mountpoint)
+    def remount(self, old: Mount, *extra: str, env: dict[str, str] | None = None) -> Mount:
+        return self.mount(*(extra or old.extra), ram_dir=old.ram_dir, mountpoint=old.mountpoint,
+                          env=env)
 
     def cleanup(self) -> None:
         for mount in reversed(self.mounts):
@@ -155,3 +157,29 @@ def mnt(mounts: MountFactory) -> Mount:
 
 def getxattr(path: Path | str, name: str) -> str:
     return os.getxattr(path, name).decode()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
+    """One real SeaweedFS S3 server for the whole run, on free loopback ports."""
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def bucket(s3_server: SeaweedS3) -> str:
+    name = f"t-{uuid.uuid4().hex[:16]}"
+    s3_server.client().create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def s3_env(s3_server: SeaweedS3) -> dict[str, str]:
+    """The environment a tierfs daemon (or any S3 client) needs to reach the test server."""
+    return dict(os.environ, AWS_ACCESS_KEY_ID=s3_server.access_key,
+                AWS_SECRET_ACCESS_KEY=s3_server.secret_key, AWS_DEFAULT_REGION="us-east-1",
+                AWS_ENDPOINT_URL=s3_server.endpoint)

@@ -31,7 +31,7 @@ from tierfs.s3tier.uploader import Uploader
 
 log = logging.getLogger(__name__)
 
-CHECK_PATIENCE = 15.0  # seconds a mount waits for an unreachable persistent tier
+CHECK_PATIENCE = 10.0  # seconds a mount waits for an unreachable persistent tier
 
 
 class StartupError(Exception):

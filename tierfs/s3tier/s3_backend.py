@@ -39,7 +39,9 @@ class S3Backend(Backend):
             connect_timeout=5, read_timeout=30,
             max_pool_connections=PARALLEL_PARTS * 4,
         )
-        self._client = boto3.client("s3", endpoint_url=self.endpoint, config=config)
+        # A session of its own: credentials are resolved for this backend, not cached globally.
+        self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint,
+                                                      config=config)
         self._transfer = TransferConfig(multipart_threshold=PART_SIZE,
                                         multipart_chunksize=PART_SIZE,
                                         max_concurrency=PARALLEL_PARTS, use_threads=True)
@@ -113,11 +115,11 @@ class _Translate:
             error = cause.response.get("Error", {})
             code = str(error.get("Code", ""))
             status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            if code in ("NoSuchKey", "404") or (status == 404 and code != "NoSuchBucket"):
-                raise NotFound(self.what) from None
-            if code == "NoSuchBucket" or (status == 404 and "bucket" in self.what):
+            if code == "NoSuchBucket" or (status == 404 and self.what.startswith("bucket ")):
                 raise BackendError(f"{self.backend.url}: bucket {self.backend.bucket} does not "
                                    "exist", temporary=False) from None
+            if code in ("NoSuchKey", "404") or status == 404:
+                raise NotFound(self.what) from None
             if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403"):
                 raise BackendError(f"{where}: access denied ({code}): check the credentials",
                                    temporary=False) from None
