@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.seaweed import SeaweedS3
+from tierfs.mount_helper.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import is_mounted
 
 TIERFS = [sys.executable, "-m", "tierfs"]

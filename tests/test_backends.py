@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.seaweed import SeaweedS3
+from tierfs.mount_helper.seaweed import SeaweedS3
 from tierfs.s3tier.backend import Backend, BackendError, NotFound, open_backend
 
 

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from tests.conftest import MountFactory, tierfs, wait_until
-from tests.seaweed import SeaweedS3
+from tierfs.mount_helper.seaweed import SeaweedS3
 from tests.test_crash import save
 from tests.test_torch import assert_state_equal
 

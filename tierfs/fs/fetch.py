@@ -86,6 +86,11 @@ class Fetch:
     def complete(self) -> bool:
         return all(self.present)
 
+    @property
+    def busy(self) -> bool:
+        """A chunk is on its way: the partial file must stay."""
+        return bool(self._inflight)
+
     async def read(self, sources: list[ReadSource], offset: int, size: int) -> bytes:
         size = max(0, min(size, self.remote.entry.size - offset))
         if size == 0:

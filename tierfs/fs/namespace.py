@@ -891,11 +891,13 @@ class Namespace:
             committed = sorted((n for n in step_nodes if n.step.committed),
                                key=lambda n: n.step.number, reverse=True)
             for node in committed[self.keep_ram:]:
-                if node.step.persisted and node.step.resident and not self._busy(node):
+                if node.step.persisted and not self._busy(node) and (
+                        node.step.resident or self._has_partial_fetches(node)):
                     self._evict(node)
 
     def _busy(self, step_node: Node) -> bool:
-        return any(n.handles or n.fetch for _rel, n in self._files_under(step_node))
+        return any(n.handles or (n.fetch and n.fetch.busy)
+                   for _rel, n in self._files_under(step_node))
 
     def _evict(self, step_node: Node) -> None:
         """Drop a persisted step's bytes from RAM; it stays listed and readable.
@@ -906,6 +908,9 @@ class Namespace:
         manifest = step.manifest
         freed = 0
         for rel, node in self._files_under(step_node):
+            if node.fetch is not None:
+                freed += sum(node.fetch.present) * mf.CHUNK_SIZE
+                self._drop_fetch(node)  # ranges read on demand leave with the step
             entry = manifest.entry(rel)
             if entry is not None and node.remote is None:
                 self._unlink_backing(self.backing(node), node)
@@ -915,6 +920,9 @@ class Namespace:
         self._drop_resident_refs(step)
         log.info("evicted %s v%d from RAM (%d bytes); it stays readable from the persistent "
                  "tier", self.relpath(step_node), manifest.version, freed)
+
+    def _has_partial_fetches(self, step_node: Node) -> bool:
+        return any(n.fetch is not None for _rel, n in self._files_under(step_node))
 
     def _drop_resident_refs(self, step: StepState) -> None:
         if step.manifest is not None:

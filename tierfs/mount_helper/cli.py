@@ -222,10 +222,11 @@ def _flush(mountpoint: str, timeout: float | None) -> int:
         first_bytes = pending if first_bytes is None else max(first_bytes, pending)
         elapsed = time.monotonic() - started
         if steps == 0:
-            if on_terminal:
+            if on_terminal and first_bytes:
                 print(file=sys.stderr)
-            print(f"every committed step is in {persist['url']} "
-                  f"({human_bytes(first_bytes)} flushed in {elapsed:.1f} s)")
+            flushed = (f"{human_bytes(first_bytes)} flushed in {elapsed:.1f} s" if first_bytes
+                       else "nothing was waiting")
+            print(f"every committed step is in {persist['url']} ({flushed})")
             return 0
         if timeout is not None and elapsed > timeout:
             if on_terminal:

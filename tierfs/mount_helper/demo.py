@@ -99,19 +99,20 @@ def _sparkline(losses: list[float]) -> str:
 class DemoMount:
     """One tierfs mount for the demo, always torn down."""
 
-    def __init__(self, root: Path, ram_dir: Path) -> None:
-        self.mountpoint = root / "checkpoints"
+    def __init__(self, mountpoint: Path, ram_dir: Path, options: list[str]) -> None:
+        self.mountpoint = mountpoint
         self.mountpoint.mkdir(exist_ok=True)
         self.ram_dir = ram_dir
+        self.options = options
         self.pid = 0
 
     def mount(self) -> None:
         started = time.monotonic()
-        _tierfs("mount", str(self.mountpoint), "--ram-dir", str(self.ram_dir),
-                "--ram-limit", "2G")
+        _tierfs("mount", str(self.mountpoint), "--ram-dir", str(self.ram_dir), *self.options)
         self.pid = self.status()["pid"]
-        print(f"$ tierfs mount {self.mountpoint} --ram-dir {self.ram_dir} --ram-limit 2G"
-              f"   (daemon pid {self.pid}, ready in {time.monotonic() - started:.2f} s)")
+        print(f"$ tierfs mount {self.mountpoint} --ram-dir {self.ram_dir} "
+              f"{' '.join(self.options)}\n  (daemon pid {self.pid}, ready in "
+              f"{time.monotonic() - started:.2f} s)")
 
     def status(self) -> dict:  # type: ignore[type-arg]
         return json.loads(_tierfs("status", str(self.mountpoint), "--json"))
@@ -129,6 +130,12 @@ class DemoMount:
         print(f"$ kill -9 {self.pid}; fusermount3 -u -z {self.mountpoint}")
         subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
 
+    def unmount(self) -> None:
+        print(f"$ tierfs flush {self.mountpoint}")
+        print(_tierfs("flush", str(self.mountpoint)).rstrip())
+        _tierfs("umount", str(self.mountpoint))
+        print(f"$ tierfs umount {self.mountpoint}")
+
     def cleanup(self) -> None:
         from tierfs.mount_helper.mounts import is_mounted
 
@@ -138,19 +145,35 @@ class DemoMount:
         if self.pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
+        shutil.rmtree(self.ram_dir, ignore_errors=True)
 
 
 def run_demo() -> int:
+    from tierfs.mount_helper.seaweed import SeaweedS3
+
     warnings.filterwarnings("ignore")  # DCP warns that it runs without a process group
     started = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="tierfs-demo-"))
-    ram_dir = Path("/dev/shm") / f"tierfs-demo-{os.getpid()}"
-    fs = DemoMount(root, ram_dir)
+    s3 = SeaweedS3(root / "seaweedfs")
+    mounts: list[DemoMount] = []
     try:
-        _banner("1. mount tierfs (RAM tier on tmpfs)")
+        _banner("1. an S3 server (SeaweedFS on loopback) for the persistent tier")
+        s3.start()
+        s3.client().create_bucket(Bucket="tierfs-demo")
+        os.environ.update(AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key,
+                          AWS_DEFAULT_REGION="us-east-1")
+        print(f"S3 at {s3.endpoint}, bucket tierfs-demo (pid {s3.pid})")
+        options = ["--ram-limit", "2G", "--persist", "s3://tierfs-demo/ckpt",
+                   "--s3-endpoint", s3.endpoint, "--keep-ram", "2"]
+
+        _banner("2. mount tierfs: RAM tier on tmpfs, every committed step persisted to S3, "
+                "the newest 2 steps kept in RAM")
+        fs = DemoMount(root / "checkpoints", Path("/dev/shm") / f"tierfs-demo-{os.getpid()}",
+                       options)
+        mounts.append(fs)
         fs.mount()
         run_dir = fs.mountpoint / "run1"
-        _banner(f"2. train, DCP checkpoint every {SAVE_EVERY} steps into {run_dir}/step_N")
+        _banner(f"3. train, DCP checkpoint every {SAVE_EVERY} steps into {run_dir}/step_N")
         job = Job()
         losses: list[float] = []
         while job.step < CRASH_AT:
@@ -163,7 +186,8 @@ def run_demo() -> int:
                       f"{1000 * (time.monotonic() - save_started):.0f} ms  ({state})")
         print()
         fs.show_status()
-        _banner(f"3. step {CRASH_AT}: the tierfs daemon is killed with SIGKILL in the middle of "
+
+        _banner(f"4. step {CRASH_AT}: the tierfs daemon is killed with SIGKILL in the middle of "
                 "the save")
         killer = threading.Thread(target=fs.kill9_when_exists,
                                   args=(run_dir / f"step_{CRASH_AT}" / "__0_0.distcp",))
@@ -180,13 +204,19 @@ def run_demo() -> int:
         curve_before = losses[:]
         del job
 
-        _banner("4. mount again on the same RAM dir")
+        _banner("5. mount again on the same RAM dir")
         fs.mount()
         fs.show_status()
         latest = os.readlink(run_dir / "latest")
-        print(f"latest -> {latest}   (step_{CRASH_AT} never committed: it stays 'writing')")
+        interrupted = run_dir / f"step_{CRASH_AT}"
+        if latest == interrupted.name:
+            print(f"latest -> {latest}   (the save finished just before the daemon died)")
+        else:
+            state = os.getxattr(interrupted, "user.tierfs.state").decode()
+            print(f"latest -> {latest}   (the interrupted {interrupted.name} is '{state}', "
+                  "never 'committed')")
 
-        _banner(f"5. a new job resumes from {run_dir}/latest and trains to step {TOTAL_STEPS}")
+        _banner(f"6. a new job resumes from {run_dir}/latest and trains to step {TOTAL_STEPS}")
         job = Job()
         job.load(run_dir / "latest")
         print(f"resumed at step {job.step}; the loss there was {curve_before[job.step - 1]:.4f}")
@@ -196,19 +226,40 @@ def run_demo() -> int:
             if job.step % SAVE_EVERY == 0:
                 job.save(run_dir)
                 print(f"step {job.step:3d}  loss {losses[-1]:.4f}  saved step_{job.step}")
-        print()
-        fs.show_status()
         every = [sum(losses[i:i + 6]) / len(losses[i:i + 6]) for i in range(0, len(losses), 6)]
         print(f"\nlog(loss), steps 1-{TOTAL_STEPS}, resumed after the crash at step "
               f"{int(latest.split('_')[-1])}: {_sparkline([math.log(v) for v in every])}")
         print(f"loss at step 1 {losses[0]:.4f}, at step {TOTAL_STEPS} {losses[-1]:.4f}")
 
-        _banner("6. unmount")
-        _tierfs("umount", str(fs.mountpoint))
-        print(f"$ tierfs umount {fs.mountpoint}")
+        _banner("7. read an old step that has left RAM: fetched from S3 range by range, verified")
+        _tierfs("flush", str(fs.mountpoint))  # uploads done: no eviction runs meanwhile
+        old = Job()
+        load_started = time.monotonic()
+        old.load(run_dir / "step_50")
+        print(f"loaded step_50 in {time.monotonic() - load_started:.2f} s: the ranges it read "
+              "came from S3, each checked against the manifest's chunk checksums, and stay in "
+              "RAM until the next eviction (--keep-ram 2)")
+        fs.show_status()
+        fs.unmount()
+
+        _banner("8. a fresh node: empty RAM dir, same bucket; it finds the job's history")
+        fresh = DemoMount(root / "fresh-node", Path("/dev/shm") / f"tierfs-demo-{os.getpid()}-b",
+                          options)
+        mounts.append(fresh)
+        fresh.mount()
+        fresh.show_status()
+        restored = Job()
+        restored.load(fresh.mountpoint / "run1/latest")
+        same = all(restored.torch.equal(a, b) for a, b in
+                   zip(restored.model.state_dict().values(), job.model.state_dict().values(),
+                       strict=True))
+        print(f"loaded run1/latest (step {restored.step}) from S3 on the fresh node: "
+              f"{'identical to' if same else 'DIFFERENT FROM'} the job's final weights")
+        fresh.unmount()
         print(f"\ndemo finished in {time.monotonic() - started:.0f} s")
-        return 0
+        return 0 if same else 1
     finally:
-        fs.cleanup()
-        shutil.rmtree(ram_dir, ignore_errors=True)
+        for mount in mounts:
+            mount.cleanup()
+        s3.stop()
         shutil.rmtree(root, ignore_errors=True)
