@@ -15,9 +15,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from tests.conftest import MountFactory, tierfs, wait_until
-from tierfs.mount_helper.seaweed import SeaweedS3
 from tests.test_crash import save
 from tests.test_torch import assert_state_equal
+from tierfs.mount_helper.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -1,0 +1,134 @@
+"""The peer protocol without sockets: framing, schemas, limits and the handshake, plus
+property-based fuzzing of the decoder with random, truncated and oversized input."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+
+import msgpack
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierfs.replication import protocol as proto
+from tierfs.replication.channel import AuthError, PeerChannel, authenticate
+
+TOKEN = b"s3cret-token-for-tests"
+
+
+def frame(kind: str, payload: bytes = b"", **fields: object) -> bytes:
+    return b"".join(proto.encode(kind, payload, **fields))
+
+
+def decode_all(data: bytes) -> list[proto.Message]:
+    decoder = proto.FrameDecoder()
+    decoder.feed(data)
+    messages = []
+    while (message := decoder.next_message()) is not None:
+        messages.append(message)
+    return messages
+
+
+def test_roundtrip_and_byte_by_byte_feeding() -> None:
+    data = (frame("PING", node_id="a")
+            + frame("PUT", b"\x00" * 1000, path="run/step_1", name="__0_0.distcp",
+                    xxh3="a" * 32, size=1000, offset=0)
+            + frame("GET", path="run/step_1", name="x", xxh3="b" * 32, offset=5, length=7))
+    whole = decode_all(data)
+    assert [m.type for m in whole] == ["PING", "PUT", "GET"]
+    assert whole[1].payload == b"\x00" * 1000 and whole[1]["offset"] == 0
+    decoder = proto.FrameDecoder()
+    seen = []
+    for i in range(len(data)):
+        decoder.feed(data[i:i + 1])
+        while (message := decoder.next_message()) is not None:
+            seen.append(message)
+    assert seen == whole
+
+
+@pytest.mark.parametrize("kind, fields, payload", [
+    ("NOPE", {}, b""),
+    ("PING", {}, b""),                                       # missing field
+    ("PING", {"node_id": "a", "extra": 1}, b""),             # unexpected field
+    ("PING", {"node_id": 5}, b""),                           # wrong type
+    ("PING", {"node_id": "a"}, b"payload"),                  # payload where none belongs
+    ("GET", {"path": "../etc", "name": "passwd", "xxh3": "a", "offset": 0, "length": 1}, b""),
+    ("GET", {"path": "/abs", "name": "x", "xxh3": "a", "offset": 0, "length": 1}, b""),
+    ("GET", {"path": "a", "name": "x\0y", "xxh3": "a", "offset": 0, "length": 1}, b""),
+    ("GET", {"path": "a", "name": "x", "xxh3": "a", "offset": -1, "length": 1}, b""),
+    ("GET", {"path": "a", "name": "x", "xxh3": "a", "offset": 0, "length": 1 << 30}, b""),
+    ("HELLO", {"node_id": "a", "nonce": b"short"}, b""),
+])
+def test_bad_messages_are_protocol_errors(kind: str, fields: dict, payload: bytes) -> None:  # type: ignore[type-arg]
+    header = msgpack.packb({"type": kind, **fields}, use_bin_type=True)
+    with pytest.raises(proto.ProtocolError):
+        decode_all(proto.PREFIX.pack(len(header), len(payload)) + header + payload)
+
+
+def test_oversized_frames_are_refused_before_buffering() -> None:
+    decoder = proto.FrameDecoder()
+    with pytest.raises(proto.ProtocolError, match="too large"):
+        decoder.feed(struct.pack(">II", 10, proto.MAX_PAYLOAD + 1))
+    with pytest.raises(proto.ProtocolError, match="too large"):
+        proto.FrameDecoder().feed(struct.pack(">II", proto.MAX_HEADER + 1, 0))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.binary(max_size=512))
+def test_fuzz_random_bytes_never_crash_the_decoder(data: bytes) -> None:
+    with contextlib.suppress(proto.ProtocolError):
+        decode_all(data)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.integers(0, 200), st.binary(max_size=64))
+def test_fuzz_truncated_and_corrupted_frames(cut: int, noise: bytes) -> None:
+    good = frame("PUT", b"x" * 100, path="run/step_1", name="f", xxh3="c" * 32, size=100,
+                 offset=0)
+    for data in (good[:cut], good[:cut] + noise, noise + good):
+        with contextlib.suppress(proto.ProtocolError):
+            decode_all(data)
+
+
+async def handshake(token_a: bytes, token_b: bytes, members: set[str]) -> list[object]:
+    left, right = trio.testing.memory_stream_pair()
+    results: list[object] = [None, None]
+
+    async def side(index: int, stream, token: bytes, me: str) -> None:  # type: ignore[no-untyped-def]
+        try:
+            results[index] = await authenticate(PeerChannel(stream, timeout=5), token, me,
+                                                 members)
+        except proto.ProtocolError as exc:
+            results[index] = exc
+            await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(side, 0, left, token_a, "node0")
+        nursery.start_soon(side, 1, right, token_b, "node1")
+    return results
+
+
+async def test_handshake_with_the_same_token() -> None:
+    assert await handshake(TOKEN, TOKEN, {"node0", "node1"}) == ["node1", "node0"]
+
+
+async def test_handshake_with_a_wrong_token_fails_on_both_sides() -> None:
+    results = await handshake(TOKEN, b"wrong", {"node0", "node1"})
+    assert all(isinstance(r, proto.ProtocolError) for r in results)
+    assert any(isinstance(r, AuthError) for r in results)
+
+
+async def test_handshake_with_a_stranger_fails() -> None:
+    results = await handshake(TOKEN, TOKEN, {"node0"})  # node1 is not a member
+    assert isinstance(results[0], AuthError)
+
+
+def test_a_proof_is_bound_to_nonce_and_names() -> None:
+    nonce = proto.new_nonce()
+    mac = proto.proof(TOKEN, nonce, "node1", "node0")
+    assert proto.check_proof(TOKEN, nonce, "node1", "node0", mac)
+    assert not proto.check_proof(TOKEN, proto.new_nonce(), "node1", "node0", mac)  # replayed
+    assert not proto.check_proof(TOKEN, nonce, "node2", "node0", mac)
