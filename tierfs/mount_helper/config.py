@@ -48,6 +48,14 @@ MOUNT_OPTIONS = [
     Option("s3-endpoint", None, "S3-compatible endpoint URL (default: AWS_ENDPOINT_URL, else "
            "AWS)", metavar="URL"),
     Option("node-id", None, "this node's name (default: the host name)", metavar="ID"),
+    Option("peers", None, "every node of the cluster, this one included, as ID=HOST:PORT,...; "
+           "this node listens on its own entry (default: single node)", metavar="LIST"),
+    Option("replicas", None, "extra copies of each committed file on other nodes (default 1 "
+           "with --peers)", "int", "K"),
+    Option("token-file", None, "file holding the shared secret peers must prove; required with "
+           "--peers unless --insecure; must not be readable by others", "path", "FILE"),
+    Option("insecure", False, "allow --peers without a token (a trusted, closed network only)",
+           "flag"),
     Option("step-pattern", DEFAULT_STEP_PATTERN, "regular expression for step directory names; "
            "group 1 is the step number (default %(default)s)", metavar="REGEX"),
     Option("log-file", None, "log destination when daemonised (default <ram-dir>/tierfs.log)",
@@ -66,6 +74,9 @@ class MountConfig:
     persist_every: int
     keep_persist: int
     s3_endpoint: str | None
+    peers: dict[str, tuple[str, int]]
+    replicas: int
+    token: bytes | None
     node_id: str
     step_pattern: str
     log_file: Path
@@ -96,6 +107,37 @@ def parse_size(text: str | int, total_memory: int | None = None) -> int:
         raise ConfigError(f"not a size: {text!r} (use e.g. 64G, 512M or 50%)")
     number, unit = match.groups()
     return int(float(number) * 1024 ** "bkmgtp".index(unit.lower() or "b"))
+
+
+def parse_peers(text: str) -> dict[str, tuple[str, int]]:
+    """'node0=10.0.0.1:7070,node1=10.0.0.2:7070' -> {node id: (host, port)}."""
+    peers: dict[str, tuple[str, int]] = {}
+    for item in filter(None, (part.strip() for part in str(text).split(","))):
+        node_id, sep, addr = item.partition("=")
+        host, colon, port = addr.rpartition(":")
+        if not (sep and colon and node_id and host and port.isdigit()) or \
+                not 0 < int(port) < 65536:
+            raise ConfigError(f"--peers: {item!r} is not ID=HOST:PORT")
+        if node_id in peers:
+            raise ConfigError(f"--peers lists {node_id} twice")
+        peers[node_id] = (host.strip("[]"), int(port))
+    return peers
+
+
+def read_token(path: str | Path) -> bytes:
+    """The cluster secret; refused if others may read it."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
+    if st.st_mode & 0o077:
+        raise ConfigError(f"token file {path} is readable by others (mode "
+                          f"{st.st_mode & 0o777:o}): chmod 600 it")
+    if len(token) < 16:
+        raise ConfigError(f"token file {path} holds fewer than 16 bytes: use a long secret")
+    return token
 
 
 def memory_bytes() -> int:
@@ -163,6 +205,19 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
     except re.error as exc:
         raise ConfigError(
             f"--step-pattern {pattern!r} is not a regular expression: {exc}") from None
+    node_id = str(values["node_id"] or socket.gethostname())
+    peers = parse_peers(values["peers"]) if values["peers"] else {}
+    if peers and node_id not in peers:
+        raise ConfigError(f"--peers does not list this node ({node_id}); set --node-id")
+    replicas = _whole_number(values, "replicas", 0) if values["replicas"] is not None else (
+        1 if peers else 0)
+    if replicas > max(0, len(peers) - 1):
+        raise ConfigError(f"--replicas {replicas} needs at least {replicas + 1} nodes in --peers")
+    token = read_token(values["token_file"]) if values["token_file"] else None
+    if peers and token is None:
+        if not values["insecure"]:
+            raise ConfigError("--peers needs --token-file (or --insecure on a trusted network)")
+        token = b"insecure"
     ram_dir = Path(values["ram_dir"]).absolute()
     limit = parse_size(values["ram_limit"])
     if limit <= 0:
@@ -177,7 +232,10 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         persist_every=_whole_number(values, "persist_every", 1),
         keep_persist=_whole_number(values, "keep_persist", 0),
         s3_endpoint=values["s3_endpoint"] or None,
-        node_id=str(values["node_id"] or socket.gethostname()),
+        peers=peers,
+        replicas=replicas,
+        token=token,
+        node_id=node_id,
         step_pattern=pattern,
         log_file=Path(values["log_file"] or ram_dir / "tierfs.log").absolute(),
     )

@@ -25,6 +25,8 @@ from tierfs.fs.ram_store import RamDirBusy, RamStore
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.mounts import filesystem_type, is_mounted
+from tierfs.replication.membership import Membership
+from tierfs.replication.server import PeerServer
 from tierfs.s3tier.backend import BackendError, open_backend
 from tierfs.s3tier.reader import PersistentReader
 from tierfs.s3tier.uploader import Uploader
@@ -159,9 +161,12 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         pyfuse3.init(operations, str(cfg.mountpoint), options)
     except RuntimeError as exc:
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
-    daemon = Daemon(cfg, namespace, uploader)
+    membership = Membership(cfg.node_id, cfg.peers, cfg.token) if cfg.peers else None
+    daemon = Daemon(cfg, namespace, uploader, membership)
     try:
         async with trio.open_nursery() as nursery:
+            if membership is not None:
+                await _start_peer_port(nursery, cfg, membership)
             nursery.start_soon(_run_fuse, nursery.cancel_scope)
             await nursery.start(control.serve, str(cfg.control_socket), daemon.handle)
             nursery.start_soon(daemon.consume_commits, commits_recv)
@@ -213,6 +218,19 @@ async def _persistent_tier(cfg: MountConfig, namespace: Namespace, store: RamSto
     )
 
 
+async def _start_peer_port(nursery: trio.Nursery, cfg: MountConfig,
+                           membership: Membership) -> None:
+    me = membership.members[cfg.node_id]
+    server = PeerServer(cfg.node_id, cfg.token, membership.ids, handlers={})
+    try:
+        await nursery.start(server.run, me.host, me.port)
+    except OSError as exc:
+        raise StartupError(f"cannot listen for peers on {me.addr}: {exc.strerror}") from None
+    nursery.start_soon(membership.run)
+    log.info("node %s listening for peers on %s; cluster: %s", cfg.node_id, me.addr,
+             ", ".join(m.node_id for m in membership.peers))
+
+
 async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> None:
     """List what the persistent tier holds, so a fresh node sees the job's history at once."""
     try:
@@ -242,11 +260,12 @@ async def _terminate_on_signal() -> None:
 class Daemon:
     """Answers control requests and follows commit events."""
 
-    def __init__(self, cfg: MountConfig, namespace: Namespace,
-                 uploader: Uploader | None) -> None:
+    def __init__(self, cfg: MountConfig, namespace: Namespace, uploader: Uploader | None,
+                 membership: Membership | None) -> None:
         self.cfg = cfg
         self.namespace = namespace
         self.uploader = uploader
+        self.membership = membership
         self.commits = 0
 
     async def consume_commits(self, events: trio.MemoryReceiveChannel[mf.StepManifest]) -> None:
@@ -291,7 +310,7 @@ class Daemon:
             "pid": os.getpid(),
             "ram_dir": str(self.cfg.ram_dir),
             "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes},
-            "peers": [],
+            "peers": self.membership.status() if self.membership else [],
             "persist": self.persist_status(),
             "commits": self.commits,
             "steps": steps,

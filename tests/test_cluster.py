@@ -1,0 +1,144 @@
+"""Several daemons on 127.0.0.1 as one cluster: membership and heartbeats, and a peer port that
+lets nothing in without the token and survives hostile input."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from pathlib import Path
+
+import pytest
+import trio
+
+from tests.conftest import Mount, MountFactory, tierfs, wait_until
+from tierfs.replication import protocol as proto
+from tierfs.replication.channel import PeerChannel, authenticate
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "cluster.token"
+    path.write_bytes(os.urandom(32).hex().encode())
+    path.chmod(0o600)
+    return path
+
+
+class Cluster:
+    def __init__(self, mounts: MountFactory, token_file: Path, size: int) -> None:
+        self.mounts = mounts
+        self.ports = {f"node{i}": free_port() for i in range(size)}
+        self.peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in self.ports.items())
+        self.token_file = token_file
+        self.nodes: dict[str, Mount] = {}
+
+    def args(self, node_id: str) -> list[str]:
+        return ["--node-id", node_id, "--peers", self.peers, "--token-file", str(self.token_file)]
+
+    def start(self, node_id: str) -> Mount:
+        old = self.nodes.get(node_id)
+        if old is None:
+            self.nodes[node_id] = self.mounts.mount(*self.args(node_id))
+        else:
+            self.nodes[node_id] = self.mounts.remount(old)
+        return self.nodes[node_id]
+
+    def peers_up(self, node_id: str) -> dict[str, bool]:
+        return {p["node_id"]: p["up"] for p in self.nodes[node_id].status()["peers"]}
+
+
+@pytest.fixture
+def cluster3(mounts: MountFactory, token_file: Path) -> Cluster:
+    cluster = Cluster(mounts, token_file, 3)
+    for node_id in cluster.ports:
+        cluster.start(node_id)
+    return cluster
+
+
+def test_membership_heartbeats_and_a_node_coming_back(cluster3: Cluster) -> None:
+    for node_id in cluster3.ports:
+        wait_until(lambda n=node_id: all(cluster3.peers_up(n).values()), timeout=15)
+    status = cluster3.nodes["node0"].status()
+    assert {p["node_id"] for p in status["peers"]} == {"node1", "node2"}
+    assert status["node_id"] == "node0"
+    cluster3.nodes["node2"].kill9()
+    wait_until(lambda: cluster3.peers_up("node0") == {"node1": True, "node2": False},
+               timeout=15)
+    assert "peer node2" in cluster3.nodes["node0"].log() and "is down" in \
+        cluster3.nodes["node0"].log()
+    cluster3.start("node2")
+    wait_until(lambda: cluster3.peers_up("node0")["node2"], timeout=15)
+
+
+async def hostile_client(port: int, token: bytes, node_id: str) -> str:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    channel = PeerChannel(stream, timeout=5)
+    try:
+        await authenticate(channel, token, node_id, {"node0", "node1", "node2", node_id})
+        await channel.request("PING", node_id=node_id, expect="PONG")
+        return "got in"
+    except proto.ProtocolError as exc:
+        return f"refused: {exc}"
+    finally:
+        await channel.aclose()
+
+
+async def raw_bytes(port: int, data: bytes) -> bytes:
+    """Send junk; return what came back before the daemon closed the connection."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    received = b""
+    async with stream:
+        with trio.move_on_after(5):
+            try:
+                await stream.send_all(data)
+                while chunk := await stream.receive_some(65536):
+                    received += chunk
+            except trio.BrokenResourceError:
+                pass  # reset: closed with our junk unread
+            return received
+    return b"(still open)"
+
+
+def test_wrong_token_and_garbage_never_get_in(cluster3: Cluster) -> None:
+    port = cluster3.ports["node0"]
+    real_token = cluster3.token_file.read_bytes().strip()
+    assert trio.run(hostile_client, port, real_token, "node1") == "got in"
+    assert trio.run(hostile_client, port, b"not the token at all", "node1").startswith("refused")
+    assert trio.run(hostile_client, port, real_token, "stranger").startswith("refused")
+    for junk in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", os.urandom(4096),
+                 struct.pack(">II", 1 << 30, 1 << 30), b"\x00" * 8 + b"\xc1" * 100):
+        assert not trio.run(raw_bytes, port, junk).endswith(b"(still open)")
+    log = cluster3.nodes["node0"].log()
+    assert log.count("peer connection from") >= 5 and "dropped" in log
+    status = cluster3.nodes["node0"].status()  # still serving
+    wait_until(lambda: all(cluster3.peers_up("node0").values()), timeout=15)
+    assert status["pid"] == cluster3.nodes["node0"].pid
+
+
+def test_cluster_mistakes_are_one_line(mounts: MountFactory, tmp_path: Path,
+                                       token_file: Path) -> None:
+    mountpoint = tmp_path / "mp"
+    mountpoint.mkdir()
+    ram = str(mounts.new_ram_dir())
+    peers = f"a=127.0.0.1:{free_port()},b=127.0.0.1:{free_port()}"
+    loose = tmp_path / "loose.token"
+    loose.write_bytes(b"x" * 32)
+    loose.chmod(0o644)
+    for args, message in [
+        (["--node-id", "a", "--peers", peers], "needs --token-file"),
+        (["--node-id", "c", "--peers", peers, "--token-file", str(token_file)],
+         "does not list this node"),
+        (["--node-id", "a", "--peers", peers, "--token-file", str(loose)], "readable by others"),
+        (["--node-id", "a", "--peers", "a=nohostport", "--insecure"], "is not ID=HOST:PORT"),
+        (["--node-id", "a", "--peers", peers, "--insecure", "--replicas", "2"],
+         "needs at least 3 nodes"),
+    ]:
+        done = tierfs("mount", str(mountpoint), "--ram-dir", ram, *args, check=False)
+        assert done.returncode == 1 and message in done.stderr, done.stderr
+        assert done.stderr.count("\n") == 1

@@ -1,0 +1,65 @@
+"""The peer port: every connection authenticates first, then each request goes to its handler.
+A connection that fails authentication or sends anything malformed is closed with one log
+line; whatever happens on one connection, the daemon keeps serving."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from tierfs.replication import protocol as proto
+from tierfs.replication.channel import PeerChannel, authenticate
+
+log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT = 60.0
+Handler = Callable[[proto.Message, PeerChannel], Awaitable[None]]
+
+
+class PeerServer:
+    def __init__(self, me: str, token: bytes, members: set[str],
+                 handlers: dict[str, Handler]) -> None:
+        self.me = me
+        self.token = token
+        self.members = members
+        self.handlers = {"PING": self._pong, **handlers}
+        self.refused = 0
+
+    async def run(self, host: str, port: int,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        task_status.started()
+        await trio.serve_listeners(self._serve, listeners)
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        try:
+            host, port = stream.socket.getpeername()[:2]
+            where = f"{host}:{port}"
+        except OSError:
+            where = "?"
+        channel = PeerChannel(stream)
+        try:
+            async with stream:
+                await authenticate(channel, self.token, self.me, self.members)
+                while True:
+                    try:
+                        message = await channel.receive(timeout=IDLE_TIMEOUT)
+                    except proto.ProtocolError as exc:
+                        if "closed by the peer" in str(exc):
+                            return
+                        raise
+                    handler = self.handlers.get(message.type)
+                    if handler is None:
+                        raise proto.ProtocolError(f"unexpected {message.type}")
+                    await handler(message, channel)
+        except (proto.ProtocolError, trio.TooSlowError) as exc:
+            self.refused += 1
+            log.warning("peer connection from %s (%s) dropped: %s", where, channel.peer_id,
+                        exc or "timed out")
+        except Exception:
+            log.exception("peer connection from %s (%s) failed", where, channel.peer_id)
+
+    async def _pong(self, message: proto.Message, channel: PeerChannel) -> None:
+        await channel.send("PONG", node_id=self.me)
