@@ -142,3 +142,25 @@ def test_cluster_mistakes_are_one_line(mounts: MountFactory, tmp_path: Path,
         done = tierfs("mount", str(mountpoint), "--ram-dir", ram, *args, check=False)
         assert done.returncode == 1 and message in done.stderr, done.stderr
         assert done.stderr.count("\n") == 1
+
+
+def test_committed_step_is_replicated_to_the_next_node(cluster3: Cluster) -> None:
+    from tests.test_crash import save, verify_committed
+
+    node0, node1 = cluster3.nodes["node0"], cluster3.nodes["node1"]
+    wait_until(lambda: all(cluster3.peers_up("node0").values()), timeout=15)
+    files = {"__0_0.distcp": os.urandom(20 << 20), "empty": b"", ".metadata": b"meta"}
+    save(node0 / "run/step_10", files)
+    wait_until(lambda: node0.step("run/step_10")["replicas"] == ["node1"], timeout=30)
+    from tests.conftest import getxattr
+
+    assert getxattr(node0 / "run/step_10", "user.tierfs.tiers") == "ram,peer:node1"
+    replica = node1.step("run/step_10")
+    assert replica["state"] == "committed" and replica["ram"] and replica["replicas"] == ["node0"]
+    verify_committed(node1, {"run/step_10": files})
+    assert "replicated run/step_10 v1 to node1" in node0.log() and "MB/s" in node0.log()
+    node0.kill9()  # the writer is gone: its step lives on in node1's RAM
+    verify_committed(node1, {"run/step_10": files})
+    again = cluster3.start("node0")
+    assert again.step("run/step_10")["replicas"] == ["node1"]
+    assert node1.step("run/step_10")["version"] == 1

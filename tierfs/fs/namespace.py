@@ -44,6 +44,7 @@ LATEST = b"latest"
 METADATA = b".metadata"
 MANIFEST = mf.MANIFEST_NAME.encode()
 PERSISTED_MARK = b".tierfs-persisted"  # "<version> persisted|retired": the persistent tier's state
+REPLICAS_MARK = b".tierfs-replicas"  # "<version> <node id>...": peers that hold this version
 NAME_MAX = 255
 DEFAULT_STEP_PATTERN = r"^(?:.*?[^0-9])?([0-9]+)$"
 
@@ -94,6 +95,7 @@ class StepState:
         self.retired_version = 0
         # Manifest entries whose committed object is in RAM (and counted in the store's refs).
         self.resident: set[str] = {f.name for f in manifest.files} if manifest else set()
+        self.replicas: set[str] = set()  # peers that acknowledged this version
 
     @property
     def committed(self) -> bool:
@@ -110,11 +112,6 @@ class StepState:
     @property
     def in_ram(self) -> bool:
         return self.manifest is None or len(self.resident) == len(self.manifest.files)
-
-    @property
-    def tiers(self) -> str:
-        return ",".join(name for name, held in (("ram", self.in_ram),
-                                                ("persist", self.persisted)) if held)
 
 
 class Node:
@@ -775,7 +772,8 @@ class Namespace:
         return {
             "path": self.relpath(step_node), "step": step.number, "state": step.state,
             "version": step.manifest.version if step.manifest else 0,
-            "files": files, "bytes": size, "ram": step.in_ram, "replicas": [],
+            "files": files, "bytes": size, "ram": step.in_ram,
+            "replicas": self._peer_holders(step),
             "persisted": step.persisted,
         }
 
@@ -798,12 +796,12 @@ class Namespace:
             return node.step.state.encode()
         if name == XATTR_TIERS:
             if node.is_dir:
-                return self.step_of(node).tiers.encode()
+                step = self.step_of(node)
+                return self._tiers(step, step.in_ram).encode()
             step = self._committed_step_holding(node)
             if step is None:
                 return b"ram"
-            return ",".join(t for t, held in (("ram", node.remote is None),
-                                              ("persist", step.persisted)) if held).encode()
+            return self._tiers(step, node.remote is None).encode()
         if node.remote is not None:
             return node.remote.entry.xxh3.encode()
         if node.seal is None:
@@ -952,6 +950,7 @@ class Namespace:
         for node in self.steps():
             step = node.step
             if step.committed and not step.persisted and \
+                    step.manifest.node_id == self.node_id and \
                     step.retired_version != step.manifest.version:
                 found.append(step.manifest)
         return sorted(found, key=lambda m: (m.step, m.path))
@@ -1020,6 +1019,30 @@ class Namespace:
             step.persisted_version = mark[0]
         elif mark[1] == "retired":
             step.retired_version = mark[0]
+
+    def _apply_replicas_mark(self, step: StepState, dir_path: bytes) -> None:
+        try:
+            with open(os.path.join(dir_path, REPLICAS_MARK)) as f:
+                version, *peers = f.read().split()
+        except (FileNotFoundError, ValueError):
+            return
+        if step.manifest is not None and version == str(step.manifest.version):
+            step.replicas = set(peers)
+
+    def _peer_holders(self, step: StepState) -> list[str]:
+        """Other nodes known to hold the committed version: replicas of ours, or the owner."""
+        if not step.committed:
+            return []
+        if step.manifest.node_id == self.node_id:
+            return sorted(step.replicas)
+        return [step.manifest.node_id]
+
+    def _tiers(self, step: StepState, in_ram: bool) -> str:
+        tiers = ["ram"] if in_ram else []
+        tiers += [f"peer:{peer}" for peer in self._peer_holders(step)]
+        if step.persisted:
+            tiers.append("persist")
+        return ",".join(tiers)
 
     def _committed_step_holding(self, node: Node) -> StepState | None:
         for step_node in self._enclosing_steps(node if node.is_dir else node.parent):
@@ -1175,6 +1198,7 @@ class Namespace:
                         node.step = StepState(number, manifest)
                         node.step.resident = resident
                         self._apply_persist_mark(node.step, entry.path)
+                        self._apply_replicas_mark(node.step, entry.path)
                         self._seal_from_manifest(node)
 
     def _seal_from_manifest(self, step_node: Node) -> None:
@@ -1219,6 +1243,49 @@ class Namespace:
                 self._write_persist_mark(node, manifest.version, "persisted")
                 step.persisted_version = manifest.version
             return False
+        step_node = self._install_step(manifest, "the persistent tier")
+        if step_node is None:
+            return False
+        self._write_persist_mark(step_node, manifest.version, "persisted")
+        step_node.step.persisted_version = manifest.version
+        self._add_remote_files(step_node, list(manifest.files))
+        return True
+
+    def adopt_replica(self, manifest: mf.StepManifest, sender: str) -> bool:
+        """Install a replica whose files a peer has sent and this node has verified (they are
+        committed objects here already). A step this node already has is left as it is."""
+        if self.find_step(manifest.path) is not None:
+            return False
+        step_node = self._install_step(manifest, f"node {sender}")
+        if step_node is None:
+            return False
+        # The manifest is on disk first: a crash from here on is repaired by _restore_step.
+        step = step_node.step
+        for entry in manifest.files:
+            *dirs, name = entry.name.split("/")
+            parent = step_node
+            for part in map(os.fsencode, dirs):
+                child = parent.children.get(part)
+                if child is None:
+                    os.makedirs(os.path.join(self.backing(parent), part), exist_ok=True)
+                    child = self._attach(parent, part, stat.S_IFDIR)
+                parent = child
+            path = os.path.join(self.backing(parent), os.fsencode(name))
+            tmp = self.store.tmp_path(os.path.dirname(path))
+            os.link(self.store.object_path(entry.xxh3), tmp)
+            os.chmod(tmp, entry.mode)
+            os.rename(tmp, path)
+            node = self._attach(parent, os.fsencode(name), stat.S_IFREG)
+            node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks),
+                             os.lstat(path).st_ino)
+            self.store.add_ref(entry.xxh3, path)
+            step.resident.add(entry.name)
+        log.info("holding a replica of %s v%d from %s (%d files, %d bytes)", manifest.path,
+                 manifest.version, sender, len(manifest.files), manifest.total_bytes)
+        return True
+
+    def _install_step(self, manifest: mf.StepManifest, source: str) -> Node | None:
+        """The directories of a step committed elsewhere, and its manifest, written first."""
         parent = self.root
         for part in map(os.fsencode, manifest.path.split("/")):
             child = parent.children.get(part)
@@ -1229,24 +1296,42 @@ class Namespace:
                 if number is not None:
                     child.step = StepState(number)
             elif not child.is_dir:
-                log.warning("step %s in the persistent tier is hidden by a file here",
-                            manifest.path)
-                return False
+                log.warning("step %s from %s is hidden by a file here", manifest.path, source)
+                return None
             parent = child
         step = self.step_of(parent)
         if step is None or step.manifest is not None or parent.children:
-            log.warning("step %s in the persistent tier does not fit this namespace (step "
-                        "pattern, or a directory of that name in use)", manifest.path)
-            return False
-        dir_path = self.backing(parent)
-        self._write_file_atomically(os.path.join(dir_path, MANIFEST), mf.encode(manifest))
-        self._write_persist_mark(parent, manifest.version, "persisted")
+            log.warning("step %s from %s does not fit this namespace (step pattern, or a "
+                        "directory of that name in use)", manifest.path, source)
+            return None
+        self._write_file_atomically(os.path.join(self.backing(parent), MANIFEST),
+                                    mf.encode(manifest))
         step.manifest = manifest
         step.dirty = False
         step.resident = set()
-        step.persisted_version = manifest.version
-        self._add_remote_files(parent, list(manifest.files))
-        return True
+        return parent
+
+    # -- replicas (the owner's view) --------------------------------------------------------
+
+    def replica_holders(self, manifest: mf.StepManifest) -> set[str]:
+        node = self.find_step(manifest.path)
+        if node is None or node.step.manifest is not manifest:
+            return set()
+        return set(node.step.replicas)
+
+    def mark_replicated(self, manifest: mf.StepManifest, peer: str) -> None:
+        node = self.find_step(manifest.path)
+        if node is not None and node.step.manifest is manifest:
+            node.step.replicas.add(peer)
+            mark = " ".join([str(manifest.version), *sorted(node.step.replicas)])
+            self._write_file_atomically(os.path.join(self.backing(node), REPLICAS_MARK),
+                                        mark.encode())
+
+    def owned_manifests(self) -> list[mf.StepManifest]:
+        """Committed steps this node made (not replicas it holds for others)."""
+        return sorted((n.step.manifest for n in self.steps()
+                       if n.step.committed and n.step.manifest.node_id == self.node_id),
+                      key=lambda m: (m.step, m.path))
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -26,6 +26,8 @@ from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.mounts import filesystem_type, is_mounted
 from tierfs.replication.membership import Membership
+from tierfs.replication.receiver import ReplicaReceiver
+from tierfs.replication.replicator import Replicator
 from tierfs.replication.server import PeerServer
 from tierfs.s3tier.backend import BackendError, open_backend
 from tierfs.s3tier.reader import PersistentReader
@@ -162,11 +164,22 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     except RuntimeError as exc:
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
     membership = Membership(cfg.node_id, cfg.peers, cfg.token) if cfg.peers else None
-    daemon = Daemon(cfg, namespace, uploader, membership)
+    replicator = None
+    if membership is not None:
+        replicator = Replicator(membership, cfg.replicas,
+                                lambda digest: str(store.object_path(digest)),
+                                is_current=namespace.is_current,
+                                holders=namespace.replica_holders,
+                                on_replicated=namespace.mark_replicated)
+    daemon = Daemon(cfg, namespace, uploader, membership, replicator)
     try:
         async with trio.open_nursery() as nursery:
             if membership is not None:
-                await _start_peer_port(nursery, cfg, membership)
+                receiver = ReplicaReceiver(store.objects, store, namespace.adopt_replica)
+                await _start_peer_port(nursery, cfg, membership, receiver)
+                nursery.start_soon(replicator.run)
+                for manifest in namespace.owned_manifests():
+                    replicator.submit(manifest)  # copies due since before a restart
             nursery.start_soon(_run_fuse, nursery.cancel_scope)
             await nursery.start(control.serve, str(cfg.control_socket), daemon.handle)
             nursery.start_soon(daemon.consume_commits, commits_recv)
@@ -218,10 +231,11 @@ async def _persistent_tier(cfg: MountConfig, namespace: Namespace, store: RamSto
     )
 
 
-async def _start_peer_port(nursery: trio.Nursery, cfg: MountConfig,
-                           membership: Membership) -> None:
+async def _start_peer_port(nursery: trio.Nursery, cfg: MountConfig, membership: Membership,
+                           receiver: ReplicaReceiver) -> None:
     me = membership.members[cfg.node_id]
-    server = PeerServer(cfg.node_id, cfg.token, membership.ids, handlers={})
+    server = PeerServer(cfg.node_id, cfg.token, membership.ids,
+                        handlers={"PUT": receiver.put, "PUT_MANIFEST": receiver.put_manifest})
     try:
         await nursery.start(server.run, me.host, me.port)
     except OSError as exc:
@@ -261,11 +275,12 @@ class Daemon:
     """Answers control requests and follows commit events."""
 
     def __init__(self, cfg: MountConfig, namespace: Namespace, uploader: Uploader | None,
-                 membership: Membership | None) -> None:
+                 membership: Membership | None, replicator: Replicator | None) -> None:
         self.cfg = cfg
         self.namespace = namespace
         self.uploader = uploader
         self.membership = membership
+        self.replicator = replicator
         self.commits = 0
 
     async def consume_commits(self, events: trio.MemoryReceiveChannel[mf.StepManifest]) -> None:
@@ -273,6 +288,8 @@ class Daemon:
             self.commits += 1
             if self.uploader is not None:
                 self.uploader.submit(manifest)
+            if self.replicator is not None:
+                self.replicator.submit(manifest)
 
     def persist_status(self) -> dict[str, Any] | None:
         if self.uploader is None:

@@ -1,0 +1,111 @@
+"""Sending committed steps to the next K live nodes on the ring.
+
+One step at a time per target, each file streamed in chunks from the RAM store's immutable
+committed objects, one chunk in flight (the peer's OK is the backpressure); the manifest goes
+last, and a step counts as replicated on a peer only once that peer has verified every file and
+answered the manifest. Failures retry while the step is still the current version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import trio
+
+from tierfs import manifest as mf
+from tierfs.replication import protocol as proto
+from tierfs.replication.membership import Membership
+
+log = logging.getLogger(__name__)
+
+RETRY_DELAY = 2.0
+
+
+class Replicator:
+    def __init__(
+        self,
+        membership: Membership,
+        replicas: int,
+        object_path: Callable[[str], str],
+        *,
+        is_current: Callable[[mf.StepManifest], bool],
+        holders: Callable[[mf.StepManifest], set[str]],
+        on_replicated: Callable[[mf.StepManifest, str], None],
+    ) -> None:
+        self.membership = membership
+        self.replicas = replicas
+        self._object_path = object_path
+        self._is_current = is_current
+        self._holders = holders
+        self._on_replicated = on_replicated
+        self.pending: dict[str, mf.StepManifest] = {}
+        self._send, self._receive = trio.open_memory_channel[str](10_000)
+        self._threads = trio.CapacityLimiter(2)
+
+    def submit(self, manifest: mf.StepManifest) -> None:
+        if self.replicas == 0:
+            return
+        queued = manifest.path in self.pending
+        if queued and self.pending[manifest.path].version > manifest.version:
+            return
+        self.pending[manifest.path] = manifest
+        if not queued:
+            self._send.send_nowait(manifest.path)
+
+    async def run(self) -> None:
+        async for path in self._receive:
+            manifest = self.pending.get(path)
+            while manifest is not None and self._is_current(manifest):
+                targets = [n for n in self.membership.successors(self.replicas)
+                           if n not in self._holders(manifest)]
+                if not targets:
+                    break
+                results = []
+                for target in targets:
+                    results.append(await self._send_step(manifest, target))
+                if all(results):
+                    continue  # the holders changed: check whether more copies are due
+                changed = self.membership.changed
+                with trio.move_on_after(RETRY_DELAY):
+                    await changed.wait()
+            if self.pending.get(path) is manifest:
+                del self.pending[path]
+            elif path in self.pending:
+                self._send.send_nowait(path)
+
+    async def _send_step(self, manifest: mf.StepManifest, target: str) -> bool:
+        started = time.monotonic()
+        try:
+            channel = await self.membership.connect(target)
+            try:
+                for entry in manifest.files:
+                    await self._send_file(channel, manifest, entry)
+                await channel.request("PUT_MANIFEST", manifest=mf.encode(manifest))
+            finally:
+                await channel.aclose()
+        except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
+            log.warning("replication of %s v%d to %s failed, will retry: %s", manifest.path,
+                        manifest.version, target, exc or "timed out")
+            return False
+        seconds = time.monotonic() - started
+        log.info("replicated %s v%d to %s: %d files, %d bytes in %.2f s (%.1f MB/s)",
+                 manifest.path, manifest.version, target, len(manifest.files),
+                 manifest.total_bytes, seconds, manifest.total_bytes / 1e6 / max(seconds, 1e-9))
+        self._on_replicated(manifest, target)
+        return True
+
+    async def _send_file(self, channel, manifest: mf.StepManifest,  # type: ignore[no-untyped-def]
+                         entry: mf.FileEntry) -> None:
+        fd = os.open(self._object_path(entry.xxh3), os.O_RDONLY)
+        try:
+            for offset in range(0, max(entry.size, 1), mf.CHUNK_SIZE):
+                length = min(mf.CHUNK_SIZE, entry.size - offset)
+                data = await trio.to_thread.run_sync(os.pread, fd, length, offset,
+                                                     limiter=self._threads)
+                await channel.request("PUT", data, path=manifest.path, name=entry.name,
+                                      xxh3=entry.xxh3, size=entry.size, offset=offset)
+        finally:
+            os.close(fd)
