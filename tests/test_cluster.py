@@ -164,3 +164,32 @@ def test_committed_step_is_replicated_to_the_next_node(cluster3: Cluster) -> Non
     again = cluster3.start("node0")
     assert again.step("run/step_10")["replicas"] == ["node1"]
     assert node1.step("run/step_10")["version"] == 1
+
+
+def test_every_node_lists_every_step_and_a_replacement_reads_through_peers(
+        cluster3: Cluster) -> None:
+    import shutil
+
+    from tests.test_crash import save, verify_committed
+
+    node0 = cluster3.nodes["node0"]
+    for node_id in cluster3.ports:
+        wait_until(lambda n=node_id: all(cluster3.peers_up(n).values()), timeout=15)
+    files = {f"__{r}_0.distcp": os.urandom(12 << 20) for r in range(2)} | {".metadata": b"m"}
+    save(node0 / "job/step_5", files)
+    wait_until(lambda: node0.step("job/step_5")["replicas"] == ["node1"], timeout=30)
+    node2 = cluster3.nodes["node2"]  # holds no copy: lists it from gossip, reads from peers
+    wait_until(lambda: node2.step("job/step_5") is not None, timeout=15)
+    listed = node2.step("job/step_5")
+    assert listed["state"] == "committed" and not listed["ram"]
+    assert listed["replicas"] == ["node0", "node1"] and listed["bytes"] == 2 * (12 << 20) + 1
+    assert os.readlink(node2 / "job/latest") == "step_5"
+    verify_committed(node2, {"job/step_5": files})
+
+    # node0 dies and is replaced by a fresh node with the same id and an empty RAM dir
+    node0.kill9()
+    shutil.rmtree(node0.ram_dir)
+    fresh = cluster3.start("node0")
+    step = fresh.step("job/step_5")  # listed as soon as the mount returns
+    assert step is not None and step["state"] == "committed" and not step["ram"]
+    verify_committed(fresh, {"job/step_5": files})  # read from node1 and node2

@@ -45,6 +45,7 @@ METADATA = b".metadata"
 MANIFEST = mf.MANIFEST_NAME.encode()
 PERSISTED_MARK = b".tierfs-persisted"  # "<version> persisted|retired": the persistent tier's state
 REPLICAS_MARK = b".tierfs-replicas"  # "<version> <node id>...": peers that hold this version
+PEERS_MARK = b".tierfs-peers"  # "<version> <node id>...": a step learned from peers that hold it
 NAME_MAX = 255
 DEFAULT_STEP_PATTERN = r"^(?:.*?[^0-9])?([0-9]+)$"
 
@@ -96,6 +97,7 @@ class StepState:
         # Manifest entries whose committed object is in RAM (and counted in the store's refs).
         self.resident: set[str] = {f.name for f in manifest.files} if manifest else set()
         self.replicas: set[str] = set()  # peers that acknowledged this version
+        self.holders: set[str] = set()  # peers that told us (gossip) they hold this version
 
     @property
     def committed(self) -> bool:
@@ -949,7 +951,7 @@ class Namespace:
         found = []
         for node in self.steps():
             step = node.step
-            if step.committed and not step.persisted and \
+            if step.committed and not step.persisted and step.in_ram and \
                     step.manifest.node_id == self.node_id and \
                     step.retired_version != step.manifest.version:
                 found.append(step.manifest)
@@ -1020,22 +1022,34 @@ class Namespace:
         elif mark[1] == "retired":
             step.retired_version = mark[0]
 
-    def _apply_replicas_mark(self, step: StepState, dir_path: bytes) -> None:
+    def _apply_node_marks(self, step: StepState, dir_path: bytes) -> None:
+        if step.manifest is not None:
+            version = step.manifest.version
+            step.replicas = self._read_node_list(dir_path, REPLICAS_MARK, version) or set()
+            step.holders = self._read_node_list(dir_path, PEERS_MARK, version) or set()
+
+    @staticmethod
+    def _read_node_list(dir_path: bytes, mark: bytes, version: int) -> set[str] | None:
+        """The node ids a mark file records for `version`, or None if it records none."""
         try:
-            with open(os.path.join(dir_path, REPLICAS_MARK)) as f:
-                version, *peers = f.read().split()
+            with open(os.path.join(dir_path, mark)) as f:
+                recorded, *nodes = f.read().split()
         except (FileNotFoundError, ValueError):
-            return
-        if step.manifest is not None and version == str(step.manifest.version):
-            step.replicas = set(peers)
+            return None
+        return set(nodes) if recorded == str(version) else None
+
+    def _write_node_list(self, step_node: Node, mark: bytes, nodes: set[str]) -> None:
+        line = " ".join([str(step_node.step.manifest.version), *sorted(nodes)])
+        self._write_file_atomically(os.path.join(self.backing(step_node), mark), line.encode())
 
     def _peer_holders(self, step: StepState) -> list[str]:
         """Other nodes known to hold the committed version: replicas of ours, or the owner."""
         if not step.committed:
             return []
-        if step.manifest.node_id == self.node_id:
-            return sorted(step.replicas)
-        return [step.manifest.node_id]
+        known = step.replicas | step.holders
+        if step.manifest.node_id != self.node_id:
+            known = known | {step.manifest.node_id}
+        return sorted(known - {self.node_id})
 
     def _tiers(self, step: StepState, in_ram: bool) -> str:
         tiers = ["ram"] if in_ram else []
@@ -1087,9 +1101,11 @@ class Namespace:
             manifest = self._read_manifest(dirpath)
             if manifest is None:
                 continue
-            persisted = self._persist_mark(dirpath) == (manifest.version, "persisted")
+            held_elsewhere = (
+                self._persist_mark(dirpath) == (manifest.version, "persisted")
+                or self._read_node_list(dirpath, PEERS_MARK, manifest.version) is not None)
             try:
-                resident = self._restore_step(dirpath, manifest, persisted)
+                resident = self._restore_step(dirpath, manifest, held_elsewhere)
             except OSError as exc:
                 log.error("cannot restore step %s v%d (%s); its manifest is set aside",
                           manifest.path, manifest.version, exc)
@@ -1198,7 +1214,7 @@ class Namespace:
                         node.step = StepState(number, manifest)
                         node.step.resident = resident
                         self._apply_persist_mark(node.step, entry.path)
-                        self._apply_replicas_mark(node.step, entry.path)
+                        self._apply_node_marks(node.step, entry.path)
                         self._seal_from_manifest(node)
 
     def _seal_from_manifest(self, step_node: Node) -> None:
@@ -1323,15 +1339,46 @@ class Namespace:
         node = self.find_step(manifest.path)
         if node is not None and node.step.manifest is manifest:
             node.step.replicas.add(peer)
-            mark = " ".join([str(manifest.version), *sorted(node.step.replicas)])
-            self._write_file_atomically(os.path.join(self.backing(node), REPLICAS_MARK),
-                                        mark.encode())
+            self._write_node_list(node, REPLICAS_MARK, node.step.replicas)
 
     def owned_manifests(self) -> list[mf.StepManifest]:
-        """Committed steps this node made (not replicas it holds for others)."""
+        """Committed steps this node made and holds (not replicas it holds for others)."""
         return sorted((n.step.manifest for n in self.steps()
-                       if n.step.committed and n.step.manifest.node_id == self.node_id),
+                       if n.step.committed and n.step.in_ram
+                       and n.step.manifest.node_id == self.node_id),
                       key=lambda m: (m.step, m.path))
+
+    # -- the cluster's view (gossip) ----------------------------------------------------------
+
+    def holdings(self) -> list[tuple[mf.StepManifest, list[str]]]:
+        """Committed steps whose files are all in this node's RAM, with who else holds them."""
+        return [(n.step.manifest, [self.node_id, *self._peer_holders(n.step)])
+                for n in self.steps() if n.step.committed and n.step.in_ram]
+
+    def learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
+        """A peer holds this committed step: list it here, readable from those holders."""
+        others = set(holders) - {self.node_id}
+        node = self.find_step(manifest.path)
+        if node is not None:
+            step = node.step
+            if step.manifest is not None and step.manifest.version == manifest.version \
+                    and not others <= step.holders:
+                step.holders |= others
+                if not step.in_ram:
+                    self._write_node_list(node, PEERS_MARK, step.holders)
+            return
+        step_node = self._install_step(manifest, f"node {', '.join(sorted(others))}")
+        if step_node is None:
+            return
+        step_node.step.holders = others
+        self._write_node_list(step_node, PEERS_MARK, others)
+        self._add_remote_files(step_node, list(manifest.files))
+        log.info("%s v%d is in the cluster (held by %s)", manifest.path, manifest.version,
+                 ", ".join(sorted(others)))
+
+    def holders_of(self, step_path: str) -> list[str]:
+        node = self.find_step(step_path)
+        return [] if node is None else self._peer_holders(node.step)
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -25,10 +25,12 @@ from tierfs.fs.ram_store import RamDirBusy, RamStore
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.mounts import filesystem_type, is_mounted
+from tierfs.replication.gossip import Gossip
 from tierfs.replication.membership import Membership
+from tierfs.replication.peer_reader import PeerReader, RangeServer
 from tierfs.replication.receiver import ReplicaReceiver
 from tierfs.replication.replicator import Replicator
-from tierfs.replication.server import PeerServer
+from tierfs.replication.server import Handler, PeerServer
 from tierfs.s3tier.backend import BackendError, open_backend
 from tierfs.s3tier.reader import PersistentReader
 from tierfs.s3tier.uploader import Uploader
@@ -164,8 +166,11 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     except RuntimeError as exc:
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
     membership = Membership(cfg.node_id, cfg.peers, cfg.token) if cfg.peers else None
-    replicator = None
+    replicator = gossip = None
     if membership is not None:
+        # Peers come first among the read sources: faster than the persistent tier.
+        namespace.read_sources.insert(0, PeerReader(membership, namespace.holders_of))
+        gossip = Gossip(membership, namespace.holdings, namespace.learn)
         replicator = Replicator(membership, cfg.replicas,
                                 lambda digest: str(store.object_path(digest)),
                                 is_current=namespace.is_current,
@@ -176,7 +181,12 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         async with trio.open_nursery() as nursery:
             if membership is not None:
                 receiver = ReplicaReceiver(store.objects, store, namespace.adopt_replica)
-                await _start_peer_port(nursery, cfg, membership, receiver)
+                handlers = {"PUT": receiver.put, "PUT_MANIFEST": receiver.put_manifest,
+                            "GET": RangeServer(store.objects).on_get,
+                            "GOSSIP": gossip.on_gossip, "PULL": gossip.on_pull}
+                await _start_peer_port(nursery, cfg, membership, handlers)
+                await gossip.pull_all()  # every step of the cluster is listed from the start
+                nursery.start_soon(gossip.run)
                 nursery.start_soon(replicator.run)
                 for manifest in namespace.owned_manifests():
                     replicator.submit(manifest)  # copies due since before a restart
@@ -232,10 +242,9 @@ async def _persistent_tier(cfg: MountConfig, namespace: Namespace, store: RamSto
 
 
 async def _start_peer_port(nursery: trio.Nursery, cfg: MountConfig, membership: Membership,
-                           receiver: ReplicaReceiver) -> None:
+                           handlers: dict[str, Handler]) -> None:
     me = membership.members[cfg.node_id]
-    server = PeerServer(cfg.node_id, cfg.token, membership.ids,
-                        handlers={"PUT": receiver.put, "PUT_MANIFEST": receiver.put_manifest})
+    server = PeerServer(cfg.node_id, cfg.token, membership.ids, handlers)
     try:
         await nursery.start(server.run, me.host, me.port)
     except OSError as exc:

@@ -84,6 +84,11 @@ class Membership:
                 log.warning("peer %s (%s) is down: %s", member.node_id, member.addr, exc)
                 self._signal()
             return
+        self.saw(member.node_id)
+
+    def saw(self, node_id: str) -> None:
+        """`node_id` just answered an authenticated request."""
+        member = self.members[node_id]
         member.last_seen = time.monotonic()
         if not member.up:
             member.up = True

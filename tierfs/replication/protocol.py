@@ -38,6 +38,7 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "PING": {"node_id": str},
     "PONG": {"node_id": str},
     "GOSSIP": {"manifests": list},          # [[encoded manifest, [holder node ids]], ...]
+    "PULL": {},                             # "send me your GOSSIP now" (a node starting up)
     "PUT": {"path": str, "name": str, "xxh3": str, "size": int, "offset": int},
     "PUT_MANIFEST": {"manifest": bytes},    # a replica is complete: its manifest
     "GET": {"path": str, "name": str, "xxh3": str, "offset": int, "length": int},

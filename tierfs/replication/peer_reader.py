@@ -1,0 +1,76 @@
+"""Peers as a read source: byte ranges of committed files from a node that holds them, and
+serving such ranges to peers. Reads of the same file are spread over its holders by offset, so
+that a restore on every node at once (DDP) does not fall on the writer alone."""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from tierfs import manifest as mf
+from tierfs.replication import protocol as proto
+from tierfs.replication.channel import PeerChannel
+from tierfs.replication.membership import Membership
+
+_HEX = set("0123456789abcdef")
+
+
+class PeerReader:
+    name = "peer"
+
+    def __init__(self, membership: Membership, holders: Callable[[str], list[str]]) -> None:
+        self.membership = membership
+        self._holders = holders
+
+    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
+                         length: int) -> bytes:
+        holders = [h for h in self._holders(step_path) if h != self.membership.me]
+        if not holders:
+            raise proto.ProtocolError("no peer holds it")
+        start = zlib.crc32(f"{entry.xxh3}:{offset}".encode()) % len(holders)
+        rotated = holders[start:] + holders[:start]
+        # Live holders first; the others too, since a peer may be up before a heartbeat says so.
+        ordered = sorted(rotated, key=lambda h: not self.membership.is_up(h))
+        failures = []
+        for node_id in ordered:
+            try:
+                channel = await self.membership.connect(node_id)
+                try:
+                    reply = await channel.request("GET", path=step_path, name=entry.name,
+                                                  xxh3=entry.xxh3, offset=offset,
+                                                  length=length, expect="DATA")
+                finally:
+                    await channel.aclose()
+                return reply.payload
+            except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
+                failures.append(f"{node_id}: {exc or 'timed out'}")
+        raise proto.ProtocolError("; ".join(failures))
+
+
+class RangeServer:
+    """Answers GET from the committed objects in RAM (immutable, named by their xxh3-128)."""
+
+    def __init__(self, objects_dir: Path) -> None:
+        self.objects_dir = objects_dir
+        self._threads = trio.CapacityLimiter(4)
+
+    async def on_get(self, message: proto.Message, channel: PeerChannel) -> None:
+        digest = message["xxh3"]
+        if len(digest) != 32 or not set(digest) <= _HEX:
+            raise proto.ProtocolError("GET with a malformed xxh3")
+        try:
+            fd = os.open(self.objects_dir / digest, os.O_RDONLY)
+        except FileNotFoundError:
+            await channel.send("ERROR", message=f"{message['path']}/{message['name']} is not "
+                               "in this node's RAM")
+            return
+        try:
+            data = await trio.to_thread.run_sync(os.pread, fd, message["length"],
+                                                 message["offset"], limiter=self._threads)
+        finally:
+            os.close(fd)
+        await channel.send("DATA", data)
