@@ -193,3 +193,25 @@ def test_every_node_lists_every_step_and_a_replacement_reads_through_peers(
     step = fresh.step("job/step_5")  # listed as soon as the mount returns
     assert step is not None and step["state"] == "committed" and not step["ram"]
     verify_committed(fresh, {"job/step_5": files})  # read from node1 and node2
+    done = tierfs("prefetch", str(fresh / "job/step_5"))
+    assert "job/step_5 is in RAM" in done.stdout
+    assert fresh.step("job/step_5")["ram"]
+
+
+def test_steps_leave_the_writers_ram_once_replicated_but_never_the_last_copy(
+        mounts: MountFactory, token_file: Path) -> None:
+    from tests.test_crash import save, verify_committed
+
+    cluster = Cluster(mounts, token_file, 2)
+    for node_id in cluster.ports:
+        cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), "--keep-ram", "1")
+    node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
+    wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+    saved = {n: {"shard": os.urandom(4 << 20), ".metadata": b"m%d" % n} for n in (1, 2, 3)}
+    for number, files in saved.items():
+        save(node0 / f"run/step_{number}", files)
+    wait_until(lambda: [s["ram"] for s in node0.status()["steps"]] == [False, False, True],
+               timeout=30)
+    assert "readable from peers node1" in node0.log()
+    assert all(s["ram"] for s in node1.status()["steps"])  # the last copy stays in RAM
+    verify_committed(node0, {f"run/step_{n}": files for n, files in saved.items()})

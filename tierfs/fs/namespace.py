@@ -169,10 +169,12 @@ class Namespace:
         node_id: str = "local",
         step_pattern: str = DEFAULT_STEP_PATTERN,
         keep_ram: int = 3,
+        replicas: int = 0,
         read_sources: list[ReadSource] | None = None,
     ) -> None:
         self.store = store
         self.keep_ram = keep_ram
+        self.replicas = replicas
         self.read_sources = read_sources or []
         self.node_id = node_id
         self.pattern = re.compile(step_pattern)
@@ -771,8 +773,11 @@ class Namespace:
         else:
             sizes = [self.stat(n).st_size for _rel, n in self._files_under(step_node)]
             files, size = len(sizes), sum(sizes)
+        ram_bytes = size if not step.committed else sum(
+            step.manifest.entry(name).size for name in step.resident)
         return {
             "path": self.relpath(step_node), "step": step.number, "state": step.state,
+            "ram_bytes": ram_bytes,
             "version": step.manifest.version if step.manifest else 0,
             "files": files, "bytes": size, "ram": step.in_ram,
             "replicas": self._peer_holders(step),
@@ -883,7 +888,10 @@ class Namespace:
         log.info("%s is back in RAM (%d bytes, verified)", self.relpath(node), entry.size)
 
     def enforce_keep_ram(self) -> None:
-        """Evict persisted steps beyond the newest `keep_ram` of each run directory."""
+        """Evict steps beyond the newest `keep_ram` of each run directory that are safe
+        elsewhere: persisted, or (for the node that wrote them) held by `replicas` peers. A
+        replica this node holds for another leaves only once persisted: so the last copy in
+        the cluster never leaves RAM unless it is persisted."""
         by_run: dict[int, list[Node]] = {}
         for node in self.steps():
             by_run.setdefault(node.parent.ino, []).append(node)
@@ -891,9 +899,15 @@ class Namespace:
             committed = sorted((n for n in step_nodes if n.step.committed),
                                key=lambda n: n.step.number, reverse=True)
             for node in committed[self.keep_ram:]:
-                if node.step.persisted and not self._busy(node) and (
+                if self._safe_elsewhere(node.step) and not self._busy(node) and (
                         node.step.resident or self._has_partial_fetches(node)):
                     self._evict(node)
+
+    def _safe_elsewhere(self, step: StepState) -> bool:
+        if step.persisted:
+            return True
+        owned = step.manifest.node_id == self.node_id
+        return owned and self.replicas > 0 and len(step.replicas) >= self.replicas
 
     def _busy(self, step_node: Node) -> bool:
         return any(n.handles or (n.fetch and n.fetch.busy)
@@ -918,8 +932,23 @@ class Namespace:
                 node.seal = None
                 freed += entry.size
         self._drop_resident_refs(step)
-        log.info("evicted %s v%d from RAM (%d bytes); it stays readable from the persistent "
-                 "tier", self.relpath(step_node), manifest.version, freed)
+        log.info("evicted %s v%d from RAM (%d bytes); it stays readable from %s",
+                 self.relpath(step_node), manifest.version, freed,
+                 "the persistent tier" if step.persisted else
+                 "peers " + ", ".join(sorted(step.replicas)))
+
+    async def prefetch(self, relpath: str) -> int:
+        """`tierfs prefetch`: bring every file of a committed step into RAM; bytes fetched."""
+        step_node = self.find_step(relpath)
+        if step_node is None or not step_node.step.committed:
+            raise FsError(errno.EINVAL, f"{relpath} is not a committed step")
+        fetched = 0
+        for _rel, node in list(self._files_under(step_node)):
+            if node.remote is not None:
+                size = node.remote.entry.size
+                await self._make_resident(node, empty=False)
+                fetched += size
+        return fetched
 
     def _has_partial_fetches(self, step_node: Node) -> bool:
         return any(n.fetch is not None for _rel, n in self._files_under(step_node))
@@ -1340,6 +1369,7 @@ class Namespace:
         if node is not None and node.step.manifest is manifest:
             node.step.replicas.add(peer)
             self._write_node_list(node, REPLICAS_MARK, node.step.replicas)
+            self.enforce_keep_ram()
 
     def owned_manifests(self) -> list[mf.StepManifest]:
         """Committed steps this node made and holds (not replicas it holds for others)."""

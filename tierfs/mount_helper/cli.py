@@ -11,6 +11,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     commit = commands.add_parser("commit", help="commit the step directory PATH now")
     commit.add_argument("path", metavar="PATH")
 
+    prefetch = commands.add_parser(
+        "prefetch", help="pull a committed step into this node's RAM (from peers or S3)",
+        description="Fetch every file of the committed step PATH that is not in this node's "
+        "RAM, from the peers that hold it or else the persistent tier, verifying each one.")
+    prefetch.add_argument("path", metavar="PATH")
+
     commands.add_parser("demo", help="train, checkpoint, crash and resume on a local mount "
                         "(what `make demo` runs)")
     return parser
@@ -104,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             return _status(args.mountpoint, args.json)
         if args.command == "commit":
             return _commit(args.path)
+        if args.command == "prefetch":
+            return _prefetch(args.path)
         if args.command == "demo":
             from tierfs.mount_helper.demo import run_demo  # imports torch: only when asked
 
@@ -244,6 +253,43 @@ def _flush(mountpoint: str, timeout: float | None) -> int:
             last_report = time.monotonic()
             print(f"flushing: {steps} steps ({human_bytes(pending)}) left", flush=True)
         time.sleep(0.2)
+
+
+def _prefetch(path: str) -> int:
+    """Run the fetch in the daemon; meanwhile draw its progress from the step's status."""
+    socket_path, _root, relpath = control.locate(path)
+    outcome: dict[str, Any] = {}
+
+    def fetch() -> None:
+        try:
+            outcome["reply"] = control.request(socket_path, {"cmd": "prefetch", "path": relpath},
+                                               timeout=None)
+        except control.ControlError as exc:
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=fetch, daemon=True)
+    started = time.monotonic()
+    worker.start()
+    on_terminal = sys.stderr.isatty()
+    while worker.is_alive():
+        worker.join(0.2)
+        if on_terminal:
+            step = next((s for s in control.request(socket_path, {"cmd": "status"})["status"]
+                         ["steps"] if s["path"] == relpath), None)
+            if step is not None and step["bytes"]:
+                share = step["ram_bytes"] / step["bytes"]
+                bar = "#" * int(30 * share) + "." * (30 - int(30 * share))
+                print(f"\rprefetching [{bar}] {100 * share:3.0f}%  "
+                      f"{human_bytes(step['ram_bytes'])} of {human_bytes(step['bytes'])} ",
+                      end="", file=sys.stderr, flush=True)
+    if on_terminal:
+        print(file=sys.stderr)
+    if "error" in outcome:
+        raise outcome["error"]
+    fetched = outcome["reply"]["bytes"]
+    print(f"{relpath} is in RAM: {human_bytes(fetched)} fetched in "
+          f"{time.monotonic() - started:.1f} s")
+    return 0
 
 
 def _commit(path: str) -> int:

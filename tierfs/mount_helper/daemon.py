@@ -21,7 +21,7 @@ import trio
 from tierfs import manifest as mf
 from tierfs.fs.namespace import FsError, Namespace
 from tierfs.fs.operations import Operations
-from tierfs.fs.ram_store import RamDirBusy, RamStore
+from tierfs.fs.ram_store import RamDirBusy, RamFull, RamStore
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.mounts import filesystem_type, is_mounted
@@ -152,7 +152,8 @@ def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
 async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     commits_send, commits_recv = trio.open_memory_channel[mf.StepManifest](64)
     namespace = Namespace(store, commits_send, node_id=cfg.node_id,
-                          step_pattern=cfg.step_pattern, keep_ram=cfg.keep_ram)
+                          step_pattern=cfg.step_pattern, keep_ram=cfg.keep_ram,
+                          replicas=cfg.replicas)
     namespace.load()
     uploader = await _persistent_tier(cfg, namespace, store, ready)
     if uploader is not None:
@@ -324,6 +325,17 @@ class Daemon:
                 return {"ok": False, "error": f"{path}: {exc.strerror}"}
             return {"ok": True, "path": manifest.path, "version": manifest.version,
                     "files": len(manifest.files), "bytes": manifest.total_bytes}
+        if command == "prefetch":
+            path = request.get("path")
+            if not isinstance(path, str):
+                return {"ok": False, "error": "prefetch needs a path"}
+            try:
+                fetched = await self.namespace.prefetch(path)
+            except FsError as exc:
+                return {"ok": False, "error": f"{path}: {exc}"}
+            except RamFull:
+                return {"ok": False, "error": f"{path}: the RAM tier is full"}
+            return {"ok": True, "bytes": fetched}
         return {"ok": False, "error": f"unknown command {command!r}"}
 
     def status(self) -> dict[str, Any]:
