@@ -1,11 +1,14 @@
 """A multi-process DCP job for the tests: every rank saves its own tensors into one step
 directory with the plain FileSystemWriter over gloo, then every rank loads them back and checks
-them. Run as `python tests/dcp_ranks.py RANK WORLD PORT STEP_DIR`."""
+them. Run as `python tests/dcp_ranks.py RANK WORLD PORT STEP_DIR`: STEP_DIR is this rank's path
+to the step, on whichever mount the rank's node has. Before loading, each rank waits until its
+own mount shows the step committed (on a cluster, the commit happens on rank 0's node)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,11 @@ def main() -> None:
     try:
         dcp.save(state_for(rank), storage_writer=FileSystemWriter(step_dir, thread_count=2))
         dist.barrier()
+        deadline = time.monotonic() + 60
+        while os.getxattr(step_dir, "user.tierfs.state") != b"committed":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{step_dir} did not commit")
+            time.sleep(0.05)
         restored = {k: torch.zeros_like(v) for k, v in state_for(rank).items()}
         dcp.load(restored, storage_reader=FileSystemReader(step_dir))
         for key, value in state_for(rank).items():

@@ -215,3 +215,39 @@ def test_steps_leave_the_writers_ram_once_replicated_but_never_the_last_copy(
     assert "readable from peers node1" in node0.log()
     assert all(s["ram"] for s in node1.status()["steps"])  # the last copy stays in RAM
     verify_committed(node0, {f"run/step_{n}": files for n, files in saved.items()})
+
+
+def test_multi_node_dcp_save_and_load(mounts: MountFactory, token_file: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import getxattr
+
+    cluster = Cluster(mounts, token_file, 2)
+    for node_id in cluster.ports:
+        cluster.start(node_id)
+    wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+    nodes = [cluster.nodes["node0"], cluster.nodes["node0"], cluster.nodes["node1"],
+             cluster.nodes["node1"]]  # ranks 0-1 on node0's mount, ranks 2-3 on node1's
+    script = Path(__file__).with_name("dcp_ranks.py")
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), "4", port,
+                               str(node / "run/step_100")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank, node in enumerate(nodes)]
+    try:
+        outputs = [rank.communicate(timeout=240) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    for rank, (_out, err) in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0, err[-3000:]
+    for node in cluster.nodes.values():
+        step_dir = node / "run/step_100"
+        assert getxattr(step_dir, "user.tierfs.state") == "committed"
+        names = os.listdir(step_dir)
+        assert ".metadata" in names
+        assert {n.split("_")[2] for n in names if n.endswith(".distcp")} == {"0", "1", "2", "3"}
+    assert cluster.nodes["node0"].step("run/step_100")["version"] == \
+        cluster.nodes["node1"].step("run/step_100")["version"] == 1
+    assert "pulls" in cluster.nodes["node0"].log()

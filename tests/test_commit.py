@@ -34,8 +34,8 @@ def test_metadata_rename_commits_with_xattrs(mnt: Mount) -> None:
     assert "user.tierfs.state" in names and "user.tierfs.tiers" in names
     status = mnt.step("run1/step_100")
     assert status == {"path": "run1/step_100", "step": 100, "state": "committed", "version": 1,
-                      "files": 2, "bytes": len(shard) + 4, "ram": True, "replicas": [],
-                      "persisted": False}
+                      "files": 2, "bytes": len(shard) + 4, "ram": True,
+                      "ram_bytes": len(shard) + 4, "replicas": [], "persisted": False}
     assert mnt.step("run1") is None  # holds steps: a run directory, not a step
     with pytest.raises(OSError) as info:
         os.setxattr(step, "user.tierfs.state", b"writing")

@@ -77,6 +77,28 @@ def check_relative_path(name: str) -> str:
     return name
 
 
+def entry_fields(entry: FileEntry) -> list[object]:
+    return [entry.name, entry.size, entry.xxh3, entry.mtime_ns, entry.mode, list(entry.chunks)]
+
+
+def entry_from_fields(fields: object) -> FileEntry:
+    """A FileEntry from its msgpack form, validated (ManifestError if malformed)."""
+    try:
+        name, size, digest, mtime_ns, mode, chunks = fields  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise ManifestError("malformed file entry") from None
+    if not (isinstance(size, int) and size >= 0 and isinstance(digest, str)
+            and isinstance(name, str)):
+        raise ManifestError(f"bad file entry {name!r}")
+    if not _HEX128.match(digest):
+        raise ManifestError(f"bad xxh3 for {name!r}")
+    if (not isinstance(chunks, list) or len(chunks) != chunk_count(size)
+            or not all(isinstance(c, str) and _HEX64.match(c) for c in chunks)):
+        raise ManifestError(f"bad chunk hashes for {name!r}")
+    return FileEntry(check_relative_path(name), size, digest, int(mtime_ns), int(mode),
+                     tuple(chunks))
+
+
 def encode(manifest: StepManifest) -> bytes:
     return msgpack.packb(
         {
@@ -86,8 +108,7 @@ def encode(manifest: StepManifest) -> bytes:
             "version": manifest.version,
             "node_id": manifest.node_id,
             "committed_ns": manifest.committed_ns,
-            "files": [[f.name, f.size, f.xxh3, f.mtime_ns, f.mode, list(f.chunks)]
-                      for f in manifest.files],
+            "files": [entry_fields(f) for f in manifest.files],
         },
         use_bin_type=True,
     )
@@ -102,17 +123,7 @@ def decode(data: bytes) -> StepManifest:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_VERSION:
         raise ManifestError("unknown manifest format")
     try:
-        files = []
-        for name, size, digest, mtime_ns, mode, chunks in raw["files"]:
-            if not (isinstance(size, int) and size >= 0 and isinstance(digest, str)):
-                raise ManifestError(f"bad file entry {name!r}")
-            if not _HEX128.match(digest):
-                raise ManifestError(f"bad xxh3 for {name!r}")
-            if (not isinstance(chunks, list) or len(chunks) != chunk_count(size)
-                    or not all(isinstance(c, str) and _HEX64.match(c) for c in chunks)):
-                raise ManifestError(f"bad chunk hashes for {name!r}")
-            files.append(FileEntry(check_relative_path(name), size, digest, int(mtime_ns),
-                                   int(mode), tuple(chunks)))
+        files = [entry_from_fields(fields) for fields in raw["files"]]
         manifest = StepManifest(
             path=check_relative_path(raw["path"]),
             step=int(raw["step"]),

@@ -28,12 +28,13 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import trio
 
 from tierfs import manifest as mf
+from tierfs.fs import dcp_metadata
 from tierfs.fs.fetch import Fetch, FetchError, ReadSource, RemoteFile
 from tierfs.fs.ram_store import RamStore, is_reserved
 
@@ -175,6 +176,9 @@ class Namespace:
         self.store = store
         self.keep_ram = keep_ram
         self.replicas = replicas
+        # Injected by the cluster wiring: which peers hold sealed copies of a step's files.
+        self.collect_sealed: Callable[[str, set[str]], Awaitable[
+            dict[str, tuple[str, mf.FileEntry]]]] | None = None
         self.read_sources = read_sources or []
         self.node_id = node_id
         self.pattern = re.compile(step_pattern)
@@ -567,6 +571,9 @@ class Namespace:
                         return None
                     await released.wait()
                     continue
+                if not await self._pull_missing_dcp_files(step_node):
+                    step.commit_pending = True  # retried by retry_pending_commits
+                    return None
                 files = list(self._files_under(step_node))
                 for _rel, node in files:
                     if node.remote is not None:
@@ -1258,9 +1265,10 @@ class Namespace:
         self._add_remote_files(step_node, [e for e in step.manifest.files
                                            if e.name not in step.resident])
 
-    def _add_remote_files(self, step_node: Node, entries: list[mf.FileEntry]) -> None:
+    def _add_remote_files(self, step_node: Node, entries: list[mf.FileEntry],
+                          step_path: str | None = None) -> None:
         """Nodes for committed files whose bytes are in another tier (with their directories)."""
-        manifest_path = step_node.step.manifest.path
+        manifest_path = step_path or step_node.step.manifest.path
         for entry in entries:
             *dirs, name = entry.name.split("/")
             parent = step_node
@@ -1299,7 +1307,11 @@ class Namespace:
     def adopt_replica(self, manifest: mf.StepManifest, sender: str) -> bool:
         """Install a replica whose files a peer has sent and this node has verified (they are
         committed objects here already). A step this node already has is left as it is."""
-        if self.find_step(manifest.path) is not None:
+        existing = self.find_step(manifest.path)
+        if existing is not None:
+            step = existing.step
+            if step.manifest is not None and step.manifest.version == manifest.version:
+                self._fill_from_objects(existing)  # e.g. a multi-node DCP step held in part
             return False
         step_node = self._install_step(manifest, f"node {sender}")
         if step_node is None:
@@ -1328,6 +1340,28 @@ class Namespace:
         log.info("holding a replica of %s v%d from %s (%d files, %d bytes)", manifest.path,
                  manifest.version, sender, len(manifest.files), manifest.total_bytes)
         return True
+
+    def _fill_from_objects(self, step_node: Node) -> None:
+        """Files of this step that are not resident but whose objects are here become
+        resident (a replica sent them)."""
+        step = step_node.step
+        for _rel, node in self._files_under(step_node):
+            if node.remote is None or node.fetch is not None:
+                continue
+            entry = node.remote.entry
+            obj = self.store.object_path(entry.xxh3)
+            if not obj.exists():
+                continue
+            path = self.backing(node)
+            tmp = self.store.tmp_path(os.path.dirname(path))
+            os.link(obj, tmp)
+            os.rename(tmp, path)
+            node.remote = None
+            node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks),
+                             os.lstat(path).st_ino)
+            if entry.name not in step.resident:
+                self.store.add_ref(entry.xxh3, path)
+                step.resident.add(entry.name)
 
     def _install_step(self, manifest: mf.StepManifest, source: str) -> Node | None:
         """The directories of a step committed elsewhere, and its manifest, written first."""
@@ -1396,6 +1430,8 @@ class Namespace:
                 step.holders |= others
                 if not step.in_ram:
                     self._write_node_list(node, PEERS_MARK, step.holders)
+            elif not step.committed:
+                self._join_cluster_commit(node, manifest, others)
             return
         step_node = self._install_step(manifest, f"node {', '.join(sorted(others))}")
         if step_node is None:
@@ -1406,9 +1442,108 @@ class Namespace:
         log.info("%s v%d is in the cluster (held by %s)", manifest.path, manifest.version,
                  ", ".join(sorted(others)))
 
+    def _join_cluster_commit(self, step_node: Node, manifest: mf.StepManifest,
+                             others: set[str]) -> None:
+        """Another node committed this step (multi-node DCP) while ranks here wrote some of
+        its files: if every file here is sealed with the content the manifest names, this
+        node's copy is committed as the same version; otherwise it stays `writing`."""
+        step = step_node.step
+        local = list(self._files_under(step_node))
+        for rel, node in local:
+            entry = manifest.entry(rel)
+            if (entry is None or node.remote is not None or node.seal is None
+                    or node.active_writers or node.seal.digest.xxh3 != entry.xxh3):
+                log.warning("%s here differs from the version %s committed: kept as writing",
+                            self.relpath(step_node), ", ".join(sorted(others)))
+                return
+        self._write_file_atomically(os.path.join(self.backing(step_node), MANIFEST),
+                                    mf.encode(manifest))
+        self._drop_resident_refs(step)
+        for rel, node in local:
+            self.store.add_ref(manifest.entry(rel).xxh3, self.backing(node))
+        step.manifest = manifest
+        step.resident = {rel for rel, _node in local}
+        step.dirty = False
+        step.commit_pending = False
+        step.holders = others
+        self._write_node_list(step_node, PEERS_MARK, others)
+        self._add_remote_files(step_node, [e for e in manifest.files
+                                           if e.name not in step.resident])
+        log.info("%s v%d committed on %s; this node holds %d of its files", manifest.path,
+                 manifest.version, ", ".join(sorted(others)), len(local))
+
     def holders_of(self, step_path: str) -> list[str]:
         node = self.find_step(step_path)
-        return [] if node is None else self._peer_holders(node.step)
+        if node is None:
+            return []
+        return sorted((node.step.holders | set(self._peer_holders(node.step)))
+                      - {self.node_id})
+
+    # -- multi-node DCP: the files a step's ranks wrote on other nodes -----------------------
+
+    def sealed_files(self, step_path: str, names: list[str]) -> list[mf.FileEntry]:
+        """Which of these files of `step_path` this node holds sealed (for a peer's commit)."""
+        step_node = self.find_step(step_path)
+        if step_node is None:
+            return []
+        found = []
+        wanted = set(names)
+        for rel, node in self._files_under(step_node):
+            if (rel in wanted and node.remote is None and node.seal is not None
+                    and node.active_writers == 0):
+                st = os.lstat(self.backing(node))
+                digest = node.seal.digest
+                found.append(mf.FileEntry(rel, digest.size, digest.xxh3, st.st_mtime_ns,
+                                          st.st_mode & 0o7777, digest.chunks))
+        return found
+
+    def sealed_path(self, step_path: str, name: str, xxh3: str) -> bytes | None:
+        """The RAM store path of a sealed file with exactly this content, if held here."""
+        step_node = self.find_step(step_path)
+        if step_node is None:
+            return None
+        for rel, node in self._files_under(step_node):
+            if (rel == name and node.remote is None and node.seal is not None
+                    and node.seal.digest.xxh3 == xxh3 and node.active_writers == 0):
+                return self.backing(node)
+        return None
+
+    async def _pull_missing_dcp_files(self, step_node: Node) -> bool:
+        """Before a multi-node DCP step commits here, bring in the shards other nodes' ranks
+        wrote (as `.metadata` lists them). False while some are not found sealed anywhere."""
+        if self.collect_sealed is None or METADATA not in step_node.children:
+            return True
+        try:
+            with open(self.backing(step_node.children[METADATA]), "rb") as f:
+                expected = dcp_metadata.shard_files(f.read())
+        except (OSError, FsError, dcp_metadata.MetadataError) as exc:
+            log.info("commit of %s uses the files at hand: %s", self.relpath(step_node), exc)
+            return True
+        local = {rel for rel, _node in self._files_under(step_node)}
+        missing = expected - local
+        if not missing:
+            return True
+        step_path = self.relpath(step_node)
+        found = await self.collect_sealed(step_path, missing)
+        if set(found) != missing:
+            log.info("commit of %s waits for %s from other nodes", step_path,
+                     ", ".join(sorted(missing - set(found))))
+            return False
+        if self.find_step(step_path) is not step_node:
+            return False
+        for name, (peer, entry) in found.items():
+            if name not in {rel for rel, _n in self._files_under(step_node)}:
+                step_node.step.holders.add(peer)
+                self._add_remote_files(step_node, [entry], step_path)
+        log.info("commit of %s pulls %d files written on %s", step_path, len(found),
+                 ", ".join(sorted({peer for peer, _e in found.values()})))
+        return True
+
+    async def retry_pending_commits(self) -> None:
+        """Commits left pending (writers, or shards not yet found on other nodes) try again."""
+        for step_node in list(self.steps()):
+            if step_node.step.commit_pending and not self._has_active_writers(step_node):
+                await self._commit_quietly(step_node)
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from tierfs.fs.ram_store import RamDirBusy, RamFull, RamStore
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.mounts import filesystem_type, is_mounted
+from tierfs.replication.cluster_commit import SealedFiles
 from tierfs.replication.gossip import Gossip
 from tierfs.replication.membership import Membership
 from tierfs.replication.peer_reader import PeerReader, RangeServer
@@ -38,6 +39,7 @@ from tierfs.s3tier.uploader import Uploader
 log = logging.getLogger(__name__)
 
 CHECK_PATIENCE = 10.0  # seconds a mount waits for an unreachable persistent tier
+PENDING_RETRY = 0.5  # seconds between tries of commits that wait for other nodes
 
 
 class StartupError(Exception):
@@ -172,6 +174,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         # Peers come first among the read sources: faster than the persistent tier.
         namespace.read_sources.insert(0, PeerReader(membership, namespace.holders_of))
         gossip = Gossip(membership, namespace.holdings, namespace.learn)
+        sealed = SealedFiles(membership, namespace.sealed_files)
+        namespace.collect_sealed = sealed.collect
         replicator = Replicator(membership, cfg.replicas,
                                 lambda digest: str(store.object_path(digest)),
                                 is_current=namespace.is_current,
@@ -183,12 +187,14 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             if membership is not None:
                 receiver = ReplicaReceiver(store.objects, store, namespace.adopt_replica)
                 handlers = {"PUT": receiver.put, "PUT_MANIFEST": receiver.put_manifest,
-                            "GET": RangeServer(store.objects).on_get,
-                            "GOSSIP": gossip.on_gossip, "PULL": gossip.on_pull}
+                            "GET": RangeServer(store.objects, namespace.sealed_path).on_get,
+                            "GOSSIP": gossip.on_gossip, "PULL": gossip.on_pull,
+                            "SEALED": sealed.on_sealed}
                 await _start_peer_port(nursery, cfg, membership, handlers)
                 await gossip.pull_all()  # every step of the cluster is listed from the start
                 nursery.start_soon(gossip.run)
                 nursery.start_soon(replicator.run)
+                nursery.start_soon(_retry_pending_commits, namespace)
                 for manifest in namespace.owned_manifests():
                     replicator.submit(manifest)  # copies due since before a restart
             nursery.start_soon(_run_fuse, nursery.cancel_scope)
@@ -266,6 +272,12 @@ async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> None:
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
     namespace.enforce_keep_ram()
+
+
+async def _retry_pending_commits(namespace: Namespace) -> None:
+    while True:
+        await trio.sleep(PENDING_RETRY)
+        await namespace.retry_pending_commits()
 
 
 async def _run_fuse(cancel_scope: trio.CancelScope) -> None:

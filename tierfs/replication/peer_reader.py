@@ -52,18 +52,26 @@ class PeerReader:
 
 
 class RangeServer:
-    """Answers GET from the committed objects in RAM (immutable, named by their xxh3-128)."""
+    """Answers GET from the committed objects in RAM (immutable, named by their xxh3-128), or
+    from a sealed file of a step being committed on another node (multi-node DCP)."""
 
-    def __init__(self, objects_dir: Path) -> None:
+    def __init__(self, objects_dir: Path,
+                 sealed_path: Callable[[str, str, str], bytes | None]) -> None:
         self.objects_dir = objects_dir
+        self._sealed_path = sealed_path
         self._threads = trio.CapacityLimiter(4)
 
     async def on_get(self, message: proto.Message, channel: PeerChannel) -> None:
         digest = message["xxh3"]
         if len(digest) != 32 or not set(digest) <= _HEX:
             raise proto.ProtocolError("GET with a malformed xxh3")
+        path = self.objects_dir / digest
+        if not path.exists():
+            path = self._sealed_path(message["path"], message["name"], digest)  # type: ignore[assignment]
         try:
-            fd = os.open(self.objects_dir / digest, os.O_RDONLY)
+            if path is None:
+                raise FileNotFoundError
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             await channel.send("ERROR", message=f"{message['path']}/{message['name']} is not "
                                "in this node's RAM")
