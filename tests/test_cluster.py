@@ -161,8 +161,12 @@ def test_committed_step_is_replicated_to_the_next_node(cluster3: Cluster) -> Non
     assert "replicated run/step_10 v1 to node1" in node0.log() and "MB/s" in node0.log()
     node0.kill9()  # the writer is gone: its step lives on in node1's RAM
     verify_committed(node1, {"run/step_10": files})
-    again = cluster3.start("node0")
-    assert again.step("run/step_10")["replicas"] == ["node1"]
+    node2 = cluster3.nodes["node2"]  # and node1 restores the second copy on node2
+    wait_until(lambda: (node2.step("run/step_10") or {}).get("ram"), timeout=30)
+    verify_committed(node2, {"run/step_10": files})
+    again = cluster3.start("node0")  # back with its RAM dir: it knows who holds copies
+    assert "node1" in again.step("run/step_10")["replicas"]
+    wait_until(lambda: again.step("run/step_10")["replicas"] == ["node1", "node2"], timeout=15)
     assert node1.step("run/step_10")["version"] == 1
 
 

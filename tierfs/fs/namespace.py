@@ -1393,10 +1393,11 @@ class Namespace:
     # -- replicas (the owner's view) --------------------------------------------------------
 
     def replica_holders(self, manifest: mf.StepManifest) -> set[str]:
+        """Peers known to hold this version (replicas, the writer, gossip)."""
         node = self.find_step(manifest.path)
         if node is None or node.step.manifest is not manifest:
             return set()
-        return set(node.step.replicas)
+        return set(self._peer_holders(node.step))
 
     def mark_replicated(self, manifest: mf.StepManifest, peer: str) -> None:
         node = self.find_step(manifest.path)
@@ -1404,6 +1405,10 @@ class Namespace:
             node.step.replicas.add(peer)
             self._write_node_list(node, REPLICAS_MARK, node.step.replicas)
             self.enforce_keep_ram()
+
+    def held_manifests(self) -> list[mf.StepManifest]:
+        """Committed steps whose files are all in this node's RAM, whoever wrote them."""
+        return [manifest for manifest, _holders in self.holdings()]
 
     def owned_manifests(self) -> list[mf.StepManifest]:
         """Committed steps this node made and holds (not replicas it holds for others)."""

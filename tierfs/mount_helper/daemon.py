@@ -194,6 +194,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                 await gossip.pull_all()  # every step of the cluster is listed from the start
                 nursery.start_soon(gossip.run)
                 nursery.start_soon(replicator.run)
+                nursery.start_soon(_restore_copies, membership, namespace, replicator)
                 nursery.start_soon(_retry_pending_commits, namespace)
                 for manifest in namespace.owned_manifests():
                     replicator.submit(manifest)  # copies due since before a restart
@@ -272,6 +273,15 @@ async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> None:
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
     namespace.enforce_keep_ram()
+
+
+async def _restore_copies(membership: Membership, namespace: Namespace,
+                          replicator: Replicator) -> None:
+    """When a node goes or comes, every holder checks that its steps still have K copies."""
+    while True:
+        await membership.changed.wait()
+        for manifest in namespace.held_manifests():
+            replicator.submit(manifest)
 
 
 async def _retry_pending_commits(namespace: Namespace) -> None:

@@ -1,4 +1,5 @@
-"""Sending committed steps to the next K live nodes on the ring.
+"""Sending committed steps to the next K live nodes on the ring, and restoring K copies when a
+holder is lost (every holder checks its steps when membership changes).
 
 One step at a time per target, each file streamed in chunks from the RAM store's immutable
 committed objects, one chunk in flight (the peer's OK is the backpressure); the manifest goes
@@ -59,8 +60,11 @@ class Replicator:
         async for path in self._receive:
             manifest = self.pending.get(path)
             while manifest is not None and self._is_current(manifest):
-                targets = [n for n in self.membership.successors(self.replicas)
-                           if n not in self._holders(manifest)]
+                holders = self._holders(manifest)
+                live = 1 + sum(self.membership.is_up(h) for h in holders)
+                wanted = self.replicas + 1 - live
+                targets = [n for n in self.membership.successors(len(self.membership.members))
+                           if n not in holders][:max(0, wanted)]
                 if not targets:
                     break
                 results = []
