@@ -255,3 +255,18 @@ def test_multi_node_dcp_save_and_load(mounts: MountFactory, token_file: Path) ->
     assert cluster.nodes["node0"].step("run/step_100")["version"] == \
         cluster.nodes["node1"].step("run/step_100")["version"] == 1
     assert "pulls" in cluster.nodes["node0"].log()
+
+
+def test_reads_of_one_file_by_another_node_are_spread_over_its_holders(
+        cluster3: Cluster) -> None:
+    from tests.test_crash import save
+
+    node0, node1, node2 = (cluster3.nodes[f"node{i}"] for i in range(3))
+    wait_until(lambda: all(cluster3.peers_up("node0").values()), timeout=15)
+    data = bytes(range(256)) * (80 << 12)  # 80 MiB, fixed: the spread is deterministic
+    save(node0 / "ddp/step_1", {"model.pt": data, ".metadata": b"m"})
+    wait_until(lambda: node0.step("ddp/step_1")["replicas"] == ["node1"], timeout=30)
+    wait_until(lambda: node2.step("ddp/step_1") is not None, timeout=15)
+    assert (node2 / "ddp/step_1/model.pt").read_bytes() == data  # ten 8 MiB chunks
+    served = [n.status()["served_to_peers"]["bytes"] for n in (node0, node1)]
+    assert all(b > 0 for b in served) and sum(served) >= len(data), served

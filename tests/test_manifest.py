@@ -44,7 +44,8 @@ def test_malformed_input_is_a_manifest_error(bad: bytes) -> None:
         mf.decode(bad)
 
 
-@pytest.mark.parametrize("name", ["../etc/passwd", "/abs", "a/../b", "a//b", "", "nul\0", "."])
+@pytest.mark.parametrize("name", ["../etc/passwd", "/abs", "a/../b", "a//b", "", "nul\0", ".",
+                                  ".tierfs-manifest", "d/.tierfs-tmp-1"])
 def test_unsafe_paths_are_refused(name: str) -> None:
     good = mf.StepManifest("run/step_1", 1, 1, "n", 0, (entry("ok", 1),))
     raw = msgpack.unpackb(mf.encode(good))

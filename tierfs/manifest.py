@@ -17,6 +17,7 @@ import xxhash
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = ".tierfs-manifest"
+RESERVED_PREFIX = ".tierfs-"  # tierfs's own names: never a user's file, in any tier
 # Files are also hashed per chunk (xxh3-64) so that a range fetched from another tier can be
 # checked before it is returned, long before the whole file's xxh3-128 can be.
 CHUNK_SIZE = 8 << 20
@@ -74,6 +75,8 @@ def check_relative_path(name: str) -> str:
         raise ManifestError(f"unsafe path {name!r}")
     if any(part in ("", ".", "..") for part in name.split("/")):
         raise ManifestError(f"unsafe path {name!r}")
+    if any(part.startswith(RESERVED_PREFIX) for part in name.split("/")):
+        raise ManifestError(f"reserved name in {name!r}")
     return name
 
 

@@ -186,8 +186,9 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         async with trio.open_nursery() as nursery:
             if membership is not None:
                 receiver = ReplicaReceiver(store.objects, store, namespace.adopt_replica)
+                ranges = daemon.range_server = RangeServer(store.objects, namespace.sealed_path)
                 handlers = {"PUT": receiver.put, "PUT_MANIFEST": receiver.put_manifest,
-                            "GET": RangeServer(store.objects, namespace.sealed_path).on_get,
+                            "GET": ranges.on_get,
                             "GOSSIP": gossip.on_gossip, "PULL": gossip.on_pull,
                             "SEALED": sealed.on_sealed}
                 await _start_peer_port(nursery, cfg, membership, handlers)
@@ -313,6 +314,7 @@ class Daemon:
         self.uploader = uploader
         self.membership = membership
         self.replicator = replicator
+        self.range_server: RangeServer | None = None
         self.commits = 0
 
     async def consume_commits(self, events: trio.MemoryReceiveChannel[mf.StepManifest]) -> None:
@@ -371,6 +373,9 @@ class Daemon:
             "ram_dir": str(self.cfg.ram_dir),
             "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes},
             "peers": self.membership.status() if self.membership else [],
+            "served_to_peers": {"requests": self.range_server.served_requests,
+                                "bytes": self.range_server.served_bytes}
+            if self.range_server else None,
             "persist": self.persist_status(),
             "commits": self.commits,
             "steps": steps,

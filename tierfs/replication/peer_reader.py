@@ -60,6 +60,8 @@ class RangeServer:
         self.objects_dir = objects_dir
         self._sealed_path = sealed_path
         self._threads = trio.CapacityLimiter(4)
+        self.served_requests = 0
+        self.served_bytes = 0
 
     async def on_get(self, message: proto.Message, channel: PeerChannel) -> None:
         digest = message["xxh3"]
@@ -82,3 +84,5 @@ class RangeServer:
         finally:
             os.close(fd)
         await channel.send("DATA", data)
+        self.served_requests += 1
+        self.served_bytes += len(data)
