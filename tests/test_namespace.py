@@ -13,7 +13,8 @@ import pytest
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.namespace import ROOT_INODE, Namespace
+from tierfs.fs.namespace import Namespace
+from tierfs.fs.nodes import ROOT_INODE
 from tierfs.fs.operations import Operations
 from tierfs.fs.ram_store import RamStore
 

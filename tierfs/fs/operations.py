@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 import pyfuse3
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, StatvfsData
 
-from tierfs.fs.namespace import FsError, Namespace, Node
+from tierfs.fs.namespace import Namespace
+from tierfs.fs.nodes import FsError, Node
 from tierfs.fs.ram_store import RamFull
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierfs.fs.namespace import DEFAULT_STEP_PATTERN
+from tierfs.fs.nodes import DEFAULT_STEP_PATTERN
 
 
 class ConfigError(Exception):

@@ -19,7 +19,8 @@ import pyfuse3
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.namespace import FsError, Namespace
+from tierfs.fs.namespace import Namespace
+from tierfs.fs.nodes import FsError
 from tierfs.fs.operations import Operations
 from tierfs.fs.ram_store import RamDirBusy, RamFull, RamStore
 from tierfs.mount_helper import control
@@ -337,30 +338,23 @@ class Daemon:
         command = request.get("cmd")
         if command == "status":
             return {"ok": True, "status": self.status()}
-        if command == "commit":
-            path = request.get("path")
-            if not isinstance(path, str):
-                return {"ok": False, "error": "commit needs a path"}
-            try:
-                manifest = await self.namespace.commit_path(path)
-            except FsError as exc:
-                return {"ok": False, "error": f"{path}: {exc}"}
-            except OSError as exc:
-                return {"ok": False, "error": f"{path}: {exc.strerror}"}
-            return {"ok": True, "path": manifest.path, "version": manifest.version,
-                    "files": len(manifest.files), "bytes": manifest.total_bytes}
-        if command == "prefetch":
-            path = request.get("path")
-            if not isinstance(path, str):
-                return {"ok": False, "error": "prefetch needs a path"}
-            try:
-                fetched = await self.namespace.prefetch(path)
-            except FsError as exc:
-                return {"ok": False, "error": f"{path}: {exc}"}
-            except RamFull:
-                return {"ok": False, "error": f"{path}: the RAM tier is full"}
-            return {"ok": True, "bytes": fetched}
-        return {"ok": False, "error": f"unknown command {command!r}"}
+        if command not in ("commit", "prefetch"):
+            return {"ok": False, "error": f"unknown command {command!r}"}
+        path = request.get("path")
+        if not isinstance(path, str):
+            return {"ok": False, "error": f"{command} needs a path"}
+        try:
+            if command == "prefetch":
+                return {"ok": True, "bytes": await self.namespace.prefetch(path)}
+            manifest = await self.namespace.commit_path(path)
+        except FsError as exc:
+            return {"ok": False, "error": f"{path}: {exc}"}
+        except RamFull:
+            return {"ok": False, "error": f"{path}: the RAM tier is full"}
+        except OSError as exc:
+            return {"ok": False, "error": f"{path}: {exc.strerror}"}
+        return {"ok": True, "path": manifest.path, "version": manifest.version,
+                "files": len(manifest.files), "bytes": manifest.total_bytes}
 
     def status(self) -> dict[str, Any]:
         ns = self.namespace

@@ -1,0 +1,138 @@
+"""The namespace's building blocks: inodes (Node), open files (Handle), what a step directory
+knows beyond its files (StepState), seals, and the names and errors the namespace uses."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+
+import trio
+
+from tierfs import manifest as mf
+from tierfs.fs.fetch import Fetch, RemoteFile
+
+ROOT_INODE = 1
+LATEST = b"latest"
+METADATA = b".metadata"
+MANIFEST = mf.MANIFEST_NAME.encode()
+PERSISTED_MARK = b".tierfs-persisted"  # "<version> persisted|retired": the persistent tier's state
+REPLICAS_MARK = b".tierfs-replicas"  # "<version> <node id>...": peers that hold this version
+PEERS_MARK = b".tierfs-peers"  # "<version> <node id>...": a step learned from peers that hold it
+NAME_MAX = 255
+DEFAULT_STEP_PATTERN = r"^(?:.*?[^0-9])?([0-9]+)$"
+
+RENAME_NOREPLACE = 1
+ENOATTR = errno.ENODATA
+
+XATTR_STATE = b"user.tierfs.state"
+XATTR_TIERS = b"user.tierfs.tiers"
+XATTR_XXH3 = b"user.tierfs.xxh3"
+
+
+class FsError(Exception):
+    """A refusal with a POSIX errno; translated to FUSEError at the Operations boundary."""
+
+    def __init__(self, errno_: int, message: str = "") -> None:
+        super().__init__(message or os.strerror(errno_))
+        self.errno = errno_
+
+
+@dataclass(frozen=True)
+class RemoteAttrs:
+    """Attributes of a file whose bytes are not in RAM (from its manifest entry)."""
+
+    st_mode: int
+    st_nlink: int
+    st_uid: int
+    st_gid: int
+    st_size: int
+    st_blocks: int
+    st_atime_ns: int
+    st_mtime_ns: int
+    st_ctime_ns: int
+
+
+@dataclass(frozen=True)
+class Seal:
+    digest: mf.Digest
+    backing_ino: int
+
+
+class StepState:
+    """What tierfs knows about one step directory beyond its files."""
+
+    def __init__(self, number: int, manifest: mf.StepManifest | None = None) -> None:
+        self.number = number
+        self.manifest = manifest
+        self.dirty = manifest is None
+        self.commit_pending = False
+        self.lock = trio.Lock()
+        self.persisted_version = 0
+        self.retired_version = 0
+        # Manifest entries whose committed object is in RAM (and counted in the store's refs).
+        self.resident: set[str] = {f.name for f in manifest.files} if manifest else set()
+        self.replicas: set[str] = set()  # peers that acknowledged this version
+        self.holders: set[str] = set()  # peers that told us (gossip) they hold this version
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None and not self.dirty
+
+    @property
+    def state(self) -> str:
+        return "committed" if self.committed else "writing"
+
+    @property
+    def persisted(self) -> bool:
+        return self.committed and self.persisted_version == self.manifest.version
+
+    @property
+    def in_ram(self) -> bool:
+        return self.manifest is None or len(self.resident) == len(self.manifest.files)
+
+
+class Node:
+    __slots__ = ("ino", "kind", "name", "parent", "children", "lookups", "handles",
+                 "active_writers", "gen", "seal", "step", "virtual", "remote", "fetch")
+
+    def __init__(self, ino: int, kind: int, name: bytes, parent: Node | None) -> None:
+        self.ino = ino
+        self.kind = kind
+        self.name = name
+        self.parent = parent
+        self.children: dict[bytes, Node] | None = {} if kind == stat.S_IFDIR else None
+        self.lookups = 0
+        self.handles: list[Handle] = []
+        self.active_writers = 0
+        self.gen = 0
+        self.seal: Seal | None = None
+        self.step: StepState | None = None
+        self.virtual = False
+        # A committed file whose bytes are not in RAM: where they are, and the partial copy.
+        self.remote: RemoteFile | None = None
+        self.fetch: Fetch | None = None
+
+    @property
+    def is_dir(self) -> bool:
+        return self.kind == stat.S_IFDIR
+
+    @property
+    def is_file(self) -> bool:
+        return self.kind == stat.S_IFREG
+
+
+class Handle:
+    """An open file: the backing fd and whether it has written since its last flush."""
+
+    __slots__ = ("fh", "node", "fd", "backing_ino", "writable", "active")
+
+    def __init__(self, fh: int, node: Node, fd: int, writable: bool) -> None:
+        self.fh = fh
+        self.node = node
+        self.fd = fd  # -1 while the node's bytes are fetched from another tier
+        self.backing_ino = os.fstat(fd).st_ino if fd >= 0 else 0
+        self.writable = writable
+        self.active = False
+

@@ -1,0 +1,345 @@
+"""The namespace's view of copies elsewhere: steps in the persistent tier, replicas on peers,
+steps the cluster's gossip tells of, and the files of a multi-node DCP step written on other
+nodes. A mixin of Namespace."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+
+from tierfs import manifest as mf
+from tierfs.fs import dcp_metadata
+from tierfs.fs.nodes import (
+    MANIFEST,
+    METADATA,
+    PEERS_MARK,
+    REPLICAS_MARK,
+    FsError,
+    Node,
+    Seal,
+    StepState,
+)
+
+log = logging.getLogger(__name__)
+
+
+class OtherTiers:
+    """Copies of steps in the persistent tier and on peers, as this node knows them."""
+
+    def find_step(self, relpath: str) -> Node | None:
+        node = self.root
+        try:
+            for part in relpath.split("/"):
+                node = self.child(node, os.fsencode(part))
+        except FsError:
+            return None
+        return node if node.is_dir and self.step_of(node) is not None else None
+
+    def is_current(self, manifest: mf.StepManifest) -> bool:
+        """Whether `manifest` is still the committed version of its step (worth uploading)."""
+        node = self.find_step(manifest.path)
+        return node is not None and node.step.manifest is manifest
+
+    def committed_manifests(self) -> list[mf.StepManifest]:
+        """Committed steps in RAM whose version has not reached the persistent tier."""
+        found = []
+        for node in self.steps():
+            step = node.step
+            if step.committed and not step.persisted and step.in_ram and \
+                    step.manifest.node_id == self.node_id and \
+                    step.retired_version != step.manifest.version:
+                found.append(step.manifest)
+        return sorted(found, key=lambda m: (m.step, m.path))
+
+    def mark_persisted(self, manifest: mf.StepManifest) -> None:
+        node = self.find_step(manifest.path)
+        if node is not None and node.step.manifest is manifest:
+            self._write_persist_mark(node, manifest.version, "persisted")
+            node.step.persisted_version = manifest.version
+            self.enforce_keep_ram()
+
+    def mark_retired(self, relpath: str) -> None:
+        """Retention removed the step from the persistent tier: never upload it again."""
+        node = self.find_step(relpath)
+        if node is None or node.step.manifest is None:
+            return
+        if not node.step.in_ram and not node.step.dirty:
+            self._forget_step(node)  # both policies let it go: it is gone from tierfs
+            return
+        version = node.step.manifest.version
+        self._write_persist_mark(node, version, "retired")
+        node.step.persisted_version = 0
+        node.step.retired_version = version
+
+    def _forget_step(self, step_node: Node) -> None:
+        for _rel, node in list(self._files_under(step_node)):
+            if node.remote is None:
+                self._unlink_backing(self.backing(node), node)
+            self._drop_fetch(node)
+            self._detach(node)
+        self._drop_resident_refs(step_node.step)
+        shutil.rmtree(self.backing(step_node))
+        self._detach_tree(step_node)
+        log.info("%s left the last tier that held it", os.fsdecode(step_node.name))
+
+    def _detach_tree(self, node: Node) -> None:
+        for child in list((node.children or {}).values()):
+            self._detach_tree(child)
+        self._detach(node)
+
+    def _peer_holders(self, step: StepState) -> list[str]:
+        """Other nodes known to hold the committed version: replicas of ours, or the owner."""
+        if not step.committed:
+            return []
+        known = step.replicas | step.holders
+        if step.manifest.node_id != self.node_id:
+            known = known | {step.manifest.node_id}
+        return sorted(known - {self.node_id})
+
+    def _tiers(self, step: StepState, in_ram: bool) -> str:
+        tiers = ["ram"] if in_ram else []
+        tiers += [f"peer:{peer}" for peer in self._peer_holders(step)]
+        if step.persisted:
+            tiers.append("persist")
+        return ",".join(tiers)
+
+    def _committed_step_holding(self, node: Node) -> StepState | None:
+        for step_node in self._enclosing_steps(node if node.is_dir else node.parent):
+            step = self.step_of(step_node)
+            if step is not None:
+                return step if step.committed else None
+        return None
+
+    def adopt_persisted(self, manifest: mf.StepManifest) -> bool:
+        """Show a step found in the persistent tier (a fresh node, or one that left RAM).
+
+        A step this node already has, in any state, is left as it is. Returns whether the step
+        was added."""
+        node = self.find_step(manifest.path)
+        if node is not None:
+            step = node.step
+            if (step.manifest is not None and step.manifest.version == manifest.version
+                    and step.manifest.same_content(manifest) and not step.persisted):
+                self._write_persist_mark(node, manifest.version, "persisted")
+                step.persisted_version = manifest.version
+            return False
+        step_node = self._install_step(manifest, "the persistent tier")
+        if step_node is None:
+            return False
+        self._write_persist_mark(step_node, manifest.version, "persisted")
+        step_node.step.persisted_version = manifest.version
+        self._add_remote_files(step_node, list(manifest.files))
+        return True
+
+    def adopt_replica(self, manifest: mf.StepManifest, sender: str) -> bool:
+        """Install a replica whose files a peer has sent and this node has verified (they are
+        committed objects here already). A step this node already has is left as it is."""
+        existing = self.find_step(manifest.path)
+        if existing is not None:
+            step = existing.step
+            if step.manifest is not None and step.manifest.version == manifest.version:
+                self._fill_from_objects(existing)  # e.g. a multi-node DCP step held in part
+            return False
+        step_node = self._install_step(manifest, f"node {sender}")
+        if step_node is None:
+            return False
+        # The manifest is on disk first: a crash from here on is repaired by _restore_step.
+        step = step_node.step
+        for entry in manifest.files:
+            parent, name = self._entry_parent(step_node, entry.name)
+            path = os.path.join(self.backing(parent), name)
+            tmp = self.store.tmp_path(os.path.dirname(path))
+            os.link(self.store.object_path(entry.xxh3), tmp)
+            os.chmod(tmp, entry.mode)
+            os.rename(tmp, path)
+            node = self._attach(parent, name, stat.S_IFREG)
+            node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks),
+                             os.lstat(path).st_ino)
+            self.store.add_ref(entry.xxh3, path)
+            step.resident.add(entry.name)
+        log.info("holding a replica of %s v%d from %s (%d files, %d bytes)", manifest.path,
+                 manifest.version, sender, len(manifest.files), manifest.total_bytes)
+        return True
+
+    def _install_step(self, manifest: mf.StepManifest, source: str) -> Node | None:
+        """The directories of a step committed elsewhere, and its manifest, written first."""
+        parent = self.root
+        for part in map(os.fsencode, manifest.path.split("/")):
+            child = parent.children.get(part)
+            if child is None:
+                os.mkdir(os.path.join(self.backing(parent), part), 0o755)
+                child = self._attach(parent, part, stat.S_IFDIR)
+                number = self.step_number(part)
+                if number is not None:
+                    child.step = StepState(number)
+            elif not child.is_dir:
+                log.warning("step %s from %s is hidden by a file here", manifest.path, source)
+                return None
+            parent = child
+        step = self.step_of(parent)
+        if step is None or step.manifest is not None or parent.children:
+            log.warning("step %s from %s does not fit this namespace (step pattern, or a "
+                        "directory of that name in use)", manifest.path, source)
+            return None
+        self._write_file_atomically(os.path.join(self.backing(parent), MANIFEST),
+                                    mf.encode(manifest))
+        step.manifest = manifest
+        step.dirty = False
+        step.resident = set()
+        return parent
+
+    def replica_holders(self, manifest: mf.StepManifest) -> set[str]:
+        """Peers known to hold this version (replicas, the writer, gossip)."""
+        node = self.find_step(manifest.path)
+        if node is None or node.step.manifest is not manifest:
+            return set()
+        return set(self._peer_holders(node.step))
+
+    def mark_replicated(self, manifest: mf.StepManifest, peer: str) -> None:
+        node = self.find_step(manifest.path)
+        if node is not None and node.step.manifest is manifest:
+            node.step.replicas.add(peer)
+            self._write_node_list(node, REPLICAS_MARK, node.step.replicas)
+            self.enforce_keep_ram()
+
+    def held_manifests(self) -> list[mf.StepManifest]:
+        """Committed steps whose files are all in this node's RAM, whoever wrote them."""
+        return [manifest for manifest, _holders in self.holdings()]
+
+    def owned_manifests(self) -> list[mf.StepManifest]:
+        """Committed steps this node made and holds (not replicas it holds for others)."""
+        return sorted((n.step.manifest for n in self.steps()
+                       if n.step.committed and n.step.in_ram
+                       and n.step.manifest.node_id == self.node_id),
+                      key=lambda m: (m.step, m.path))
+
+    def holdings(self) -> list[tuple[mf.StepManifest, list[str]]]:
+        """Committed steps whose files are all in this node's RAM, with who else holds them."""
+        return [(n.step.manifest, [self.node_id, *self._peer_holders(n.step)])
+                for n in self.steps() if n.step.committed and n.step.in_ram]
+
+    def learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
+        """A peer holds this committed step: list it here, readable from those holders."""
+        others = set(holders) - {self.node_id}
+        node = self.find_step(manifest.path)
+        if node is not None:
+            step = node.step
+            if step.manifest is not None and step.manifest.version == manifest.version \
+                    and not others <= step.holders:
+                step.holders |= others
+                if not step.in_ram:
+                    self._write_node_list(node, PEERS_MARK, step.holders)
+            elif not step.committed:
+                self._join_cluster_commit(node, manifest, others)
+            return
+        step_node = self._install_step(manifest, f"node {', '.join(sorted(others))}")
+        if step_node is None:
+            return
+        step_node.step.holders = others
+        self._write_node_list(step_node, PEERS_MARK, others)
+        self._add_remote_files(step_node, list(manifest.files))
+        log.info("%s v%d is in the cluster (held by %s)", manifest.path, manifest.version,
+                 ", ".join(sorted(others)))
+
+    def _join_cluster_commit(self, step_node: Node, manifest: mf.StepManifest,
+                             others: set[str]) -> None:
+        """Another node committed this step (multi-node DCP) while ranks here wrote some of
+        its files: if every file here is sealed with the content the manifest names, this
+        node's copy is committed as the same version; otherwise it stays `writing`."""
+        step = step_node.step
+        local = list(self._files_under(step_node))
+        for rel, node in local:
+            entry = manifest.entry(rel)
+            if (entry is None or node.remote is not None or node.seal is None
+                    or node.active_writers or node.seal.digest.xxh3 != entry.xxh3):
+                log.warning("%s here differs from the version %s committed: kept as writing",
+                            self.relpath(step_node), ", ".join(sorted(others)))
+                return
+        self._write_file_atomically(os.path.join(self.backing(step_node), MANIFEST),
+                                    mf.encode(manifest))
+        self._drop_resident_refs(step)
+        for rel, node in local:
+            self.store.add_ref(manifest.entry(rel).xxh3, self.backing(node))
+        step.manifest = manifest
+        step.resident = {rel for rel, _node in local}
+        step.dirty = False
+        step.commit_pending = False
+        step.holders = others
+        self._write_node_list(step_node, PEERS_MARK, others)
+        self._add_remote_files(step_node, [e for e in manifest.files
+                                           if e.name not in step.resident])
+        log.info("%s v%d committed on %s; this node holds %d of its files", manifest.path,
+                 manifest.version, ", ".join(sorted(others)), len(local))
+
+    def holders_of(self, step_path: str) -> list[str]:
+        node = self.find_step(step_path)
+        if node is None:
+            return []
+        return sorted((node.step.holders | set(self._peer_holders(node.step)))
+                      - {self.node_id})
+
+    def sealed_files(self, step_path: str, names: list[str]) -> list[mf.FileEntry]:
+        """Which of these files of `step_path` this node holds sealed (for a peer's commit)."""
+        step_node = self.find_step(step_path)
+        if step_node is None:
+            return []
+        found = []
+        wanted = set(names)
+        for rel, node in self._files_under(step_node):
+            if (rel in wanted and node.remote is None and node.seal is not None
+                    and node.active_writers == 0):
+                st = os.lstat(self.backing(node))
+                digest = node.seal.digest
+                found.append(mf.FileEntry(rel, digest.size, digest.xxh3, st.st_mtime_ns,
+                                          st.st_mode & 0o7777, digest.chunks))
+        return found
+
+    def sealed_path(self, step_path: str, name: str, xxh3: str) -> bytes | None:
+        """The RAM store path of a sealed file with exactly this content, if held here."""
+        step_node = self.find_step(step_path)
+        if step_node is None:
+            return None
+        for rel, node in self._files_under(step_node):
+            if (rel == name and node.remote is None and node.seal is not None
+                    and node.seal.digest.xxh3 == xxh3 and node.active_writers == 0):
+                return self.backing(node)
+        return None
+
+    async def _pull_missing_dcp_files(self, step_node: Node) -> bool:
+        """Before a multi-node DCP step commits here, bring in the shards other nodes' ranks
+        wrote (as `.metadata` lists them). False while some are not found sealed anywhere."""
+        if self.collect_sealed is None or METADATA not in step_node.children:
+            return True
+        try:
+            with open(self.backing(step_node.children[METADATA]), "rb") as f:
+                expected = dcp_metadata.shard_files(f.read())
+        except (OSError, FsError, dcp_metadata.MetadataError) as exc:
+            log.info("commit of %s uses the files at hand: %s", self.relpath(step_node), exc)
+            return True
+        local = {rel for rel, _node in self._files_under(step_node)}
+        missing = expected - local
+        if not missing:
+            return True
+        step_path = self.relpath(step_node)
+        found = await self.collect_sealed(step_path, missing)
+        if set(found) != missing:
+            log.info("commit of %s waits for %s from other nodes", step_path,
+                     ", ".join(sorted(missing - set(found))))
+            return False
+        if self.find_step(step_path) is not step_node:
+            return False
+        for name, (peer, entry) in found.items():
+            if name not in {rel for rel, _n in self._files_under(step_node)}:
+                step_node.step.holders.add(peer)
+                self._add_remote_files(step_node, [entry], step_path)
+        log.info("commit of %s pulls %d files written on %s", step_path, len(found),
+                 ", ".join(sorted({peer for peer, _e in found.values()})))
+        return True
+
+    async def retry_pending_commits(self) -> None:
+        """Commits left pending (writers, or shards not yet found on other nodes) try again."""
+        for step_node in list(self.steps()):
+            if step_node.step.commit_pending and not self._has_active_writers(step_node):
+                await self._commit_quietly(step_node)

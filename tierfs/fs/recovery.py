@@ -1,0 +1,240 @@
+"""Start-up: rebuilding the namespace from the RAM store after a restart or a crash, and the
+small records a step directory keeps on disk (manifest, persisted, replicas, peers) that
+start-up reads back. A mixin of Namespace."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import time
+
+from tierfs import manifest as mf
+from tierfs.fs.nodes import (
+    MANIFEST,
+    PEERS_MARK,
+    PERSISTED_MARK,
+    REPLICAS_MARK,
+    Node,
+    Seal,
+    StepState,
+)
+from tierfs.fs.ram_store import is_reserved
+
+log = logging.getLogger(__name__)
+
+
+class Recovery:
+    """Rebuilding the tree from the RAM store, and the records a step keeps on disk."""
+
+    def _write_persist_mark(self, node: Node, version: int, state: str) -> None:
+        path = os.path.join(self.backing(node), PERSISTED_MARK)
+        self._write_file_atomically(path, f"{version} {state}\n".encode())
+
+    def _write_file_atomically(self, path: bytes, data: bytes) -> None:
+        tmp = path + b".tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+
+    def _persist_mark(self, dir_path: bytes) -> tuple[int, str] | None:
+        try:
+            with open(os.path.join(dir_path, PERSISTED_MARK)) as f:
+                version_text, state = f.read().split()
+            return int(version_text), state
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _apply_persist_mark(self, step: StepState, dir_path: bytes) -> None:
+        mark = self._persist_mark(dir_path)
+        if step.manifest is None or mark is None or mark[0] != step.manifest.version:
+            return
+        if mark[1] == "persisted":
+            step.persisted_version = mark[0]
+        elif mark[1] == "retired":
+            step.retired_version = mark[0]
+
+    def _apply_node_marks(self, step: StepState, dir_path: bytes) -> None:
+        if step.manifest is not None:
+            version = step.manifest.version
+            step.replicas = self._read_node_list(dir_path, REPLICAS_MARK, version) or set()
+            step.holders = self._read_node_list(dir_path, PEERS_MARK, version) or set()
+
+    @staticmethod
+    def _read_node_list(dir_path: bytes, mark: bytes, version: int) -> set[str] | None:
+        """The node ids a mark file records for `version`, or None if it records none."""
+        try:
+            with open(os.path.join(dir_path, mark)) as f:
+                recorded, *nodes = f.read().split()
+        except (FileNotFoundError, ValueError):
+            return None
+        return set(nodes) if recorded == str(version) else None
+
+    def _write_node_list(self, step_node: Node, mark: bytes, nodes: set[str]) -> None:
+        line = " ".join([str(step_node.step.manifest.version), *sorted(nodes)])
+        self._write_file_atomically(os.path.join(self.backing(step_node), mark), line.encode())
+
+    def load(self) -> None:
+        """Rebuild the namespace from the RAM store after a restart or a crash.
+
+        Committed steps are put back exactly as their manifests say (uncommitted writes into a
+        committed step are dropped); files of persisted steps that left RAM come back as
+        non-resident; leftovers of interrupted saves, fetches and commits are removed.
+        """
+        started = time.monotonic()
+        tmp_removed = self.store.remove_tmp_files()
+        recovered = self._recover_committed_steps()
+        self._load_dir(self.root, self._tree, recovered)
+        for manifest, resident in recovered.values():
+            for entry in manifest.files:
+                if entry.name in resident:
+                    self.store.count_ref(entry.xxh3)
+        garbage = self.store.collect_garbage()
+        self.store.scan_usage()
+        log.info("loaded RAM store %s: %d committed steps, %d bytes; removed %d temporary "
+                 "files and %d unreferenced objects in %.2f s", self.store.root, len(recovered),
+                 self.store.used_bytes, tmp_removed, garbage, time.monotonic() - started)
+
+    def _recover_committed_steps(self) -> dict[bytes, tuple[mf.StepManifest, set[str]]]:
+        recovered: dict[bytes, tuple[mf.StepManifest, set[str]]] = {}
+        for dirpath, dirs, files in os.walk(self._tree):
+            if MANIFEST not in files:
+                continue
+            if (self.step_number(os.path.basename(dirpath)) is None
+                    or any(self.step_number(d) is not None for d in dirs)):
+                # Not a step (any more): its files are plain files, its manifest is stale.
+                os.unlink(os.path.join(dirpath, MANIFEST))
+                continue
+            manifest = self._read_manifest(dirpath)
+            if manifest is None:
+                continue
+            held_elsewhere = (
+                self._persist_mark(dirpath) == (manifest.version, "persisted")
+                or self._read_node_list(dirpath, PEERS_MARK, manifest.version) is not None)
+            try:
+                resident = self._restore_step(dirpath, manifest, held_elsewhere)
+            except OSError as exc:
+                log.error("cannot restore step %s v%d (%s); its manifest is set aside",
+                          manifest.path, manifest.version, exc)
+                self._set_aside(dirpath)
+                continue
+            if resident is not None:
+                recovered[dirpath] = (manifest, resident)
+        return recovered
+
+    def _set_aside(self, dir_path: bytes) -> None:
+        manifest_path = os.path.join(dir_path, MANIFEST)
+        os.rename(manifest_path, manifest_path + b".damaged")
+
+    def _read_manifest(self, dir_path: bytes) -> mf.StepManifest | None:
+        path = os.path.join(dir_path, MANIFEST)
+        try:
+            with open(path, "rb") as f:
+                return mf.decode(f.read())
+        except FileNotFoundError:
+            return None
+        except mf.ManifestError as exc:
+            log.error("unreadable manifest %s set aside: %s", os.fsdecode(path), exc)
+            os.rename(path, path + b".damaged")
+            return None
+
+    def _restore_step(self, dir_path: bytes, manifest: mf.StepManifest,
+                      persisted: bool) -> set[str] | None:
+        """Put the tree of a committed step back as its manifest says; return the names whose
+        objects are in RAM, or None if the step is damaged (a file neither here nor persisted).
+        """
+        resident = set()
+        for entry in manifest.files:
+            try:
+                size = os.lstat(self.store.object_path(entry.xxh3)).st_size
+            except FileNotFoundError:
+                size = -1
+            if size == entry.size:
+                resident.add(entry.name)
+            elif not persisted:
+                log.error("committed step %s v%d is damaged: object of %s is missing or has "
+                          "the wrong size; its manifest is set aside", manifest.path,
+                          manifest.version, entry.name)
+                self._set_aside(dir_path)
+                return None
+        restored = removed = 0
+        wanted = {os.fsencode(name) for name in resident}
+        for dirpath, dirs, files in os.walk(dir_path):
+            dirs[:] = [d for d in dirs if self.step_number(d) is None]
+            for name in files:
+                full = os.path.join(dirpath, name)
+                if (not is_reserved(name) and stat.S_ISREG(os.lstat(full).st_mode)
+                        and os.path.relpath(full, dir_path) not in wanted):
+                    os.unlink(full)  # written after the commit: not part of the step
+                    removed += 1
+        for entry in manifest.files:
+            if entry.name not in resident:
+                continue
+            path = os.path.join(dir_path, os.fsencode(entry.name))
+            obj = os.fsencode(self.store.object_path(entry.xxh3))
+            try:
+                if os.path.samefile(path, obj):
+                    continue
+            except FileNotFoundError:
+                pass
+            self._clear_way(dir_path, os.fsencode(entry.name))
+            tmp = self.store.tmp_path(os.path.dirname(path))
+            os.link(obj, tmp)
+            os.rename(tmp, path)
+            restored += 1
+        if restored or removed:
+            log.warning("step %s v%d put back as committed: %d files restored, %d uncommitted "
+                        "files removed", manifest.path, manifest.version, restored, removed)
+        return resident
+
+    @staticmethod
+    def _clear_way(dir_path: bytes, relative: bytes) -> None:
+        """Make room for a committed file at `relative`: what was put in its place or in the
+        place of one of its directories after the commit goes."""
+        current = dir_path
+        *parents, name = relative.split(b"/")
+        for part in parents:
+            current = os.path.join(current, part)
+            if os.path.lexists(current) and not os.path.isdir(current):
+                os.unlink(current)
+            os.makedirs(current, exist_ok=True)
+        target = os.path.join(current, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+
+    def _load_dir(self, dir_node: Node, path: bytes,
+                  recovered: dict[bytes, tuple[mf.StepManifest, set[str]]]) -> None:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if is_reserved(entry.name):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                kind = stat.S_IFMT(st.st_mode)
+                if kind not in (stat.S_IFDIR, stat.S_IFREG, stat.S_IFLNK):
+                    continue
+                node = self._attach(dir_node, entry.name, kind)
+                if kind == stat.S_IFDIR:
+                    self._load_dir(node, entry.path, recovered)
+                    number = self.step_number(entry.name)
+                    if number is not None:
+                        manifest, resident = recovered.get(entry.path, (None, set()))
+                        node.step = StepState(number, manifest)
+                        node.step.resident = resident
+                        self._apply_persist_mark(node.step, entry.path)
+                        self._apply_node_marks(node.step, entry.path)
+                        self._seal_from_manifest(node)
+
+    def _seal_from_manifest(self, step_node: Node) -> None:
+        step = step_node.step
+        if step.manifest is None:
+            return
+        for rel, node in self._files_under(step_node):
+            entry = step.manifest.entry(rel)
+            if entry is not None:
+                ino = os.lstat(self.backing(node)).st_ino
+                node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), ino)
+        self._add_remote_files(step_node, [e for e in step.manifest.files
+                                           if e.name not in step.resident])
