@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 APT    := fuse3 libfuse3-dev pkg-config attr
 
-.PHONY: test demo lint install clean
+.PHONY: test demo bench bench-quick lint install clean
 
 install: $(STAMP)
 
@@ -22,14 +22,22 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check tierfs tests
+	$(VENV)/bin/ruff check tierfs tests bench
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
 	$(VENV)/bin/tierfs demo
 
+bench: $(STAMP)
+	$(PY) -m pip install -q matplotlib
+	$(PY) bench/run.py --size 2G --reps 3 --out bench/results
+
+bench-quick: $(STAMP)
+	$(PY) -m pip install -q matplotlib
+	$(PY) bench/run.py --size 256M --reps 2 --out bench/results-quick
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tierfs tests
+	$(VENV)/bin/ruff check tierfs tests bench
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -146,3 +146,22 @@ def test_fresh_node_finds_the_history_and_never_serves_corrupt_bytes(
         except OSError as exc:
             assert exc.errno == 5
     assert "does not match its checksum" in fresh.log()
+
+
+def test_step_removed_while_it_uploads_does_not_stop_the_daemon(mounts: MountFactory,
+                                                                 tmp_path: Path) -> None:
+    import shutil
+
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}")
+    # more files than the uploader sends at once, so that later ones are gone when it gets there
+    big = {f"__{r}_0.distcp": os.urandom(12 << 20) for r in range(24)} | {".metadata": b"m"}
+    save(mnt / "run/step_1", big)
+    shutil.rmtree(mnt / "run/step_1")  # most likely while its files are still uploading
+    save(mnt / "run/step_2", step_files(2))
+    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    assert (store / "run/step_2/.tierfs-manifest").exists()
+    assert not (store / "run/step_1/.tierfs-manifest").exists() or \
+        "persisted run/step_1" in mnt.log()
+    assert mnt.status()["pid"] == mnt.pid  # still the same daemon, still serving

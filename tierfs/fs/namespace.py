@@ -574,7 +574,9 @@ class Namespace(Recovery, Residency, OtherTiers):
         try:
             await self.commit(step_node, wait_for_writers=False)
         except (OSError, FsError) as exc:
-            log.error("commit of %s failed: %s", self.relpath(step_node), exc)
+            log.error("commit of %s failed: %s", os.fsdecode(step_node.name), exc)
+        except Exception:  # a bug must not take the file system down with it
+            log.exception("commit of %s failed", os.fsdecode(step_node.name))
 
     async def _after_writer(self, node: Node) -> None:
         """A writer of `node` is done: a `.metadata` closed after writing, or a pending commit

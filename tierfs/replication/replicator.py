@@ -59,26 +59,33 @@ class Replicator:
     async def run(self) -> None:
         async for path in self._receive:
             manifest = self.pending.get(path)
-            while manifest is not None and self._is_current(manifest):
-                holders = self._holders(manifest)
-                live = 1 + sum(self.membership.is_up(h) for h in holders)
-                wanted = self.replicas + 1 - live
-                targets = [n for n in self.membership.successors(len(self.membership.members))
-                           if n not in holders][:max(0, wanted)]
-                if not targets:
-                    break
-                results = []
-                for target in targets:
-                    results.append(await self._send_step(manifest, target))
-                if all(results):
-                    continue  # the holders changed: check whether more copies are due
-                changed = self.membership.changed
-                with trio.move_on_after(RETRY_DELAY):
-                    await changed.wait()
+            try:
+                await self._replicate(manifest)
+            except Exception:  # never let one step stop the replicator
+                log.exception("replication of %s failed", path)
             if self.pending.get(path) is manifest:
                 del self.pending[path]
             elif path in self.pending:
                 self._send.send_nowait(path)
+
+    async def _replicate(self, manifest: mf.StepManifest | None) -> None:
+        """Send the step until it has K live copies or is no longer the current version."""
+        while manifest is not None and self._is_current(manifest):
+            holders = self._holders(manifest)
+            live = 1 + sum(self.membership.is_up(h) for h in holders)
+            wanted = self.replicas + 1 - live
+            targets = [n for n in self.membership.successors(len(self.membership.members))
+                       if n not in holders][:max(0, wanted)]
+            if not targets:
+                break
+            results = []
+            for target in targets:
+                results.append(await self._send_step(manifest, target))
+            if all(results):
+                continue  # the holders changed: check whether more copies are due
+            changed = self.membership.changed
+            with trio.move_on_after(RETRY_DELAY):
+                await changed.wait()
 
     async def _send_step(self, manifest: mf.StepManifest, target: str) -> bool:
         started = time.monotonic()

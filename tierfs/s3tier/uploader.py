@@ -80,17 +80,32 @@ class Uploader:
             if manifest is not None:
                 try:
                     await self._upload(manifest)
-                except NoLongerWanted:
-                    log.info("upload of %s v%d dropped: superseded", path, manifest.version)
-                except BackendError as exc:
-                    log.error("upload of %s v%d failed and will not be retried: %s", path,
-                              manifest.version, exc)
+                except* Exception as failures:  # files go up in parallel: errors come grouped
+                    self._log_failure(manifest, failures)
                 if self.pending.get(path) is manifest:
                     del self.pending[path]
                 elif path in self.pending:  # a newer version arrived meanwhile
                     self._send.send_nowait(path)
             if not self.pending:
                 self._idle.set()
+
+    def _log_failure(self, manifest: mf.StepManifest, failures: BaseExceptionGroup) -> None:
+        """One line for a step that will not be uploaded; a traceback only for the unforeseen.
+        Whatever it was, the uploader goes on with the next step."""
+        if not self._is_current(manifest) or failures.subgroup(NoLongerWanted) is not None:
+            log.info("upload of %s v%d dropped: the step changed or was removed", manifest.path,
+                     manifest.version)
+            return
+        unforeseen = failures.subgroup(lambda e: not isinstance(e, BackendError))
+        if unforeseen is not None:
+            log.error("upload of %s v%d failed", manifest.path, manifest.version,
+                      exc_info=unforeseen)
+            return
+        first = failures.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        log.error("upload of %s v%d failed and will not be retried: %s", manifest.path,
+                  manifest.version, first)
 
     async def _call(self, what: str, manifest: mf.StepManifest, func, *args) -> object:  # type: ignore[no-untyped-def]
         async def attempt() -> object:
