@@ -19,7 +19,6 @@ Capacity is accounted per backing inode (logical size, hard links counted once) 
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import itertools
 import logging
@@ -228,7 +227,3 @@ class RamStore:
                     os.unlink(os.path.join(dirpath, name))
                     removed += 1
         return removed
-
-
-def errno_of(exc: OSError) -> int:
-    return exc.errno if exc.errno else errno.EIO

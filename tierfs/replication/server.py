@@ -25,7 +25,6 @@ class PeerServer:
         self.token = token
         self.members = members
         self.handlers = {"PING": self._pong, **handlers}
-        self.refused = 0
 
     async def run(self, host: str, port: int,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -55,7 +54,6 @@ class PeerServer:
                         raise proto.ProtocolError(f"unexpected {message.type}")
                     await handler(message, channel)
         except (proto.ProtocolError, trio.TooSlowError) as exc:
-            self.refused += 1
             log.warning("peer connection from %s (%s) dropped: %s", where, channel.peer_id,
                         exc or "timed out")
         except Exception:

@@ -49,8 +49,6 @@ class Uploader:
         self.pending: dict[str, mf.StepManifest] = {}
         self._send, self._receive = trio.open_memory_channel[str](10_000)
         self._threads = trio.CapacityLimiter(PARALLEL_FILES)
-        self._idle = trio.Event()
-        self._idle.set()
 
     def wanted(self, manifest: mf.StepManifest) -> bool:
         return manifest.step % self.persist_every == 0
@@ -63,16 +61,8 @@ class Uploader:
         if queued and self.pending[manifest.path].version > manifest.version:
             return  # events can arrive late; an older version never replaces a newer one
         self.pending[manifest.path] = manifest
-        self._idle = trio.Event() if self._idle.is_set() else self._idle
         if not queued:
             self._send.send_nowait(manifest.path)
-
-    @property
-    def pending_bytes(self) -> int:
-        return sum(m.total_bytes for m in self.pending.values())
-
-    async def wait_idle(self) -> None:
-        await self._idle.wait()
 
     async def run(self) -> None:
         async for path in self._receive:
@@ -86,8 +76,6 @@ class Uploader:
                     del self.pending[path]
                 elif path in self.pending:  # a newer version arrived meanwhile
                     self._send.send_nowait(path)
-            if not self.pending:
-                self._idle.set()
 
     def _log_failure(self, manifest: mf.StepManifest, failures: BaseExceptionGroup) -> None:
         """One line for a step that will not be uploaded; a traceback only for the unforeseen.
