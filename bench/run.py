@@ -143,17 +143,23 @@ class Bench:
 
     def wait_persisted(self, step: str) -> float:
         started = time.monotonic()
-        while True:
+        while time.monotonic() - started < 600:
             status = json.loads(self._tierfs("status", str(self.mount), "--json"))
             entry = next((s for s in status["steps"] if s["path"] == f"run/{step}"), None)
             if entry and entry["persisted"]:
                 return time.monotonic() - started
             time.sleep(0.05)
+        raise TimeoutError(f"run/{step} was not persisted within 600 s")
 
 
-def timed(func: Callable[[], object]) -> float:
+def timed(func: Callable[[], object]) -> float | BaseException:
     started = time.perf_counter()
-    func()
+    try:
+        func()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        return exc
     return time.perf_counter() - started
 
 
@@ -165,7 +171,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, dict[str, list[float]]] = {}
     persist_seconds: list[float] = []
 
-    def record(workload: str, target: str, seconds: float) -> None:
+    failures: list[str] = []
+
+    def record(workload: str, target: str, seconds: float | BaseException) -> None:
+        if isinstance(seconds, BaseException):  # one failed run is reported, not fatal
+            failures.append(f"{workload} on {target}: {type(seconds).__name__}: "
+                            f"{str(seconds).strip().splitlines()[-1][:200]}")
+            print(f"FAILED {failures[-1]}", flush=True)
+            return
         results.setdefault(workload, {}).setdefault(target, []).append(seconds)
 
     with Bench(args) as bench:
@@ -173,10 +186,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for target in TARGETS:
                 for threads in (1, 4):
                     name = f"step_{rep * 10 + threads}"
-                    record(f"DCP save, {threads} thread(s)", target,
-                           timed(lambda t=target, n=name, th=threads: dcp.save(
-                               state, storage_writer=bench.writer(t, n, th))))
-                    if target == "tierfs" and threads == 4:
+                    seconds = timed(lambda t=target, n=name, th=threads: dcp.save(
+                        state, storage_writer=bench.writer(t, n, th)))
+                    record(f"DCP save, {threads} thread(s)", target, seconds)
+                    if target == "tierfs" and threads == 4 and isinstance(seconds, float):
                         persist_seconds.append(bench.wait_persisted(name))
                     record(f"DCP load ({threads}-thread save)", target,
                            timed(lambda t=target, n=name: dcp.load(
@@ -187,7 +200,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 record("DCP async_save, blocking part", target,
                        timed(lambda t=target, n=name, f=future_holder: f.append(dcp.async_save(
                            state, storage_writer=bench.writer(t, n, 1)))))
-                future_holder[0].result()
+                if future_holder:
+                    try:
+                        future_holder[0].result()
+                    except BaseException as exc:  # noqa: BLE001 - reported like the others
+                        record("DCP async_save, blocking part", target, exc)
                 bench.drop(target, name)
                 if target != "s3":
                     path = bench.location(target, f"model_{rep}.pt")
@@ -198,7 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     bench.drop(target, f"model_{rep}.pt")
             print(f"repetition {rep + 1} of {args.reps} done", flush=True)
         rss = _rss_kib(bench.pid)
-    return {"bytes": size, "reps": args.reps, "results": results,
+    return {"bytes": size, "reps": args.reps, "results": results, "failures": failures,
             "persist_seconds": persist_seconds, "daemon_rss_kib": rss,
             "machine": _machine()}
 
@@ -241,6 +258,9 @@ def report(data: dict[str, Any], out: Path) -> str:
               f"after the save returned; daemon RSS at the end: "
               f"{data['daemon_rss_kib'] / 1024:.0f} MiB (stored data lives in tmpfs files, "
               "not in the daemon)."]
+    if data["failures"]:
+        lines += ["", "Failed runs (left out of the medians):"]
+        lines += [f"- {failure}" for failure in data["failures"]]
     table = "\n".join(lines)
     (out / "results.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps(data, indent=2))

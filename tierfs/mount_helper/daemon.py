@@ -169,37 +169,12 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         pyfuse3.init(operations, str(cfg.mountpoint), options)
     except RuntimeError as exc:
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
-    membership = Membership(cfg.node_id, cfg.peers, cfg.token) if cfg.peers else None
-    replicator = gossip = None
-    if membership is not None:
-        # Peers come first among the read sources: faster than the persistent tier.
-        namespace.read_sources.insert(0, PeerReader(membership, namespace.holders_of))
-        gossip = Gossip(membership, namespace.holdings, namespace.learn)
-        sealed = SealedFiles(membership, namespace.sealed_files)
-        namespace.collect_sealed = sealed.collect
-        replicator = Replicator(membership, cfg.replicas,
-                                lambda digest: str(store.object_path(digest)),
-                                is_current=namespace.is_current,
-                                holders=namespace.replica_holders,
-                                on_replicated=namespace.mark_replicated)
-    daemon = Daemon(cfg, namespace, uploader, membership, replicator)
+    cluster = ClusterNode(cfg, namespace, store) if cfg.peers else None
+    daemon = Daemon(cfg, namespace, uploader, cluster)
     try:
         async with trio.open_nursery() as nursery:
-            if membership is not None:
-                receiver = ReplicaReceiver(store.objects, store, namespace.adopt_replica)
-                ranges = daemon.range_server = RangeServer(store.objects, namespace.sealed_path)
-                handlers = {"PUT": receiver.put, "PUT_MANIFEST": receiver.put_manifest,
-                            "GET": ranges.on_get,
-                            "GOSSIP": gossip.on_gossip, "PULL": gossip.on_pull,
-                            "SEALED": sealed.on_sealed}
-                await _start_peer_port(nursery, cfg, membership, handlers)
-                await gossip.pull_all()  # every step of the cluster is listed from the start
-                nursery.start_soon(gossip.run)
-                nursery.start_soon(replicator.run)
-                nursery.start_soon(_restore_copies, membership, namespace, replicator)
-                nursery.start_soon(_retry_pending_commits, namespace)
-                for manifest in namespace.owned_manifests():
-                    replicator.submit(manifest)  # copies due since before a restart
+            if cluster is not None:
+                await cluster.start(nursery)
             nursery.start_soon(_run_fuse, nursery.cancel_scope)
             await nursery.start(control.serve, str(cfg.control_socket), daemon.handle)
             nursery.start_soon(daemon.consume_commits, commits_recv)
@@ -251,19 +226,6 @@ async def _persistent_tier(cfg: MountConfig, namespace: Namespace, store: RamSto
     )
 
 
-async def _start_peer_port(nursery: trio.Nursery, cfg: MountConfig, membership: Membership,
-                           handlers: dict[str, Handler]) -> None:
-    me = membership.members[cfg.node_id]
-    server = PeerServer(cfg.node_id, cfg.token, membership.ids, handlers)
-    try:
-        await nursery.start(server.run, me.host, me.port)
-    except OSError as exc:
-        raise StartupError(f"cannot listen for peers on {me.addr}: {exc.strerror}") from None
-    nursery.start_soon(membership.run)
-    log.info("node %s listening for peers on %s; cluster: %s", cfg.node_id, me.addr,
-             ", ".join(m.node_id for m in membership.peers))
-
-
 async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> None:
     """List what the persistent tier holds, so a fresh node sees the job's history at once."""
     try:
@@ -275,21 +237,6 @@ async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> None:
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
     namespace.enforce_keep_ram()
-
-
-async def _restore_copies(membership: Membership, namespace: Namespace,
-                          replicator: Replicator) -> None:
-    """When a node goes or comes, every holder checks that its steps still have K copies."""
-    while True:
-        await membership.changed.wait()
-        for manifest in namespace.held_manifests():
-            replicator.submit(manifest)
-
-
-async def _retry_pending_commits(namespace: Namespace) -> None:
-    while True:
-        await trio.sleep(PENDING_RETRY)
-        await namespace.retry_pending_commits()
 
 
 async def _run_fuse(cancel_scope: trio.CancelScope) -> None:
@@ -305,17 +252,73 @@ async def _terminate_on_signal() -> None:
             return
 
 
+class ClusterNode:
+    """The cluster side of one daemon (with --peers): membership, the peer port and its
+    handlers, replication, gossip and peer reads, wired to this node's namespace and store."""
+
+    def __init__(self, cfg: MountConfig, namespace: Namespace, store: RamStore) -> None:
+        self.cfg = cfg
+        self.namespace = namespace
+        self.membership = Membership(cfg.node_id, cfg.peers, cfg.token)
+        # Peers come first among the read sources: faster than the persistent tier.
+        namespace.read_sources.insert(0, PeerReader(self.membership, namespace.holders_of))
+        self.gossip = Gossip(self.membership, namespace.holdings, namespace.learn)
+        self.sealed = SealedFiles(self.membership, namespace.sealed_files)
+        namespace.collect_sealed = self.sealed.collect
+        self.replicator = Replicator(self.membership, cfg.replicas,
+                                     lambda digest: str(store.object_path(digest)),
+                                     is_current=namespace.is_current,
+                                     holders=namespace.replica_holders,
+                                     on_replicated=namespace.mark_replicated)
+        self.receiver = ReplicaReceiver(store.objects, store, namespace.adopt_replica)
+        self.ranges = RangeServer(store.objects, namespace.sealed_path)
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        handlers: dict[str, Handler] = {
+            "PUT": self.receiver.put, "PUT_MANIFEST": self.receiver.put_manifest,
+            "GET": self.ranges.on_get, "GOSSIP": self.gossip.on_gossip,
+            "PULL": self.gossip.on_pull, "SEALED": self.sealed.on_sealed,
+        }
+        me = self.membership.members[self.cfg.node_id]
+        server = PeerServer(self.cfg.node_id, self.cfg.token, self.membership.ids, handlers)
+        try:
+            await nursery.start(server.run, me.host, me.port)
+        except OSError as exc:
+            raise StartupError(f"cannot listen for peers on {me.addr}: {exc.strerror}") from None
+        log.info("node %s listening for peers on %s; cluster: %s", self.cfg.node_id, me.addr,
+                 ", ".join(m.node_id for m in self.membership.peers))
+        await self.gossip.pull_all()  # every step of the cluster is listed from the start
+        for worker in (self.membership.run, self.gossip.run, self.replicator.run,
+                       self._restore_copies, self._retry_pending_commits):
+            nursery.start_soon(worker)
+        for manifest in self.namespace.owned_manifests():
+            self.replicator.submit(manifest)  # copies due since before a restart
+
+    async def _restore_copies(self) -> None:
+        """When a node goes or comes, every holder checks that its steps still have K copies."""
+        while True:
+            await self.membership.changed.wait()
+            for manifest in self.namespace.held_manifests():
+                self.replicator.submit(manifest)
+
+    async def _retry_pending_commits(self) -> None:
+        while True:
+            await trio.sleep(PENDING_RETRY)
+            await self.namespace.retry_pending_commits()
+
+    def served(self) -> dict[str, int]:
+        return {"requests": self.ranges.served_requests, "bytes": self.ranges.served_bytes}
+
+
 class Daemon:
     """Answers control requests and follows commit events."""
 
     def __init__(self, cfg: MountConfig, namespace: Namespace, uploader: Uploader | None,
-                 membership: Membership | None, replicator: Replicator | None) -> None:
+                 cluster: ClusterNode | None) -> None:
         self.cfg = cfg
         self.namespace = namespace
         self.uploader = uploader
-        self.membership = membership
-        self.replicator = replicator
-        self.range_server: RangeServer | None = None
+        self.cluster = cluster
         self.commits = 0
 
     async def consume_commits(self, events: trio.MemoryReceiveChannel[mf.StepManifest]) -> None:
@@ -323,8 +326,8 @@ class Daemon:
             self.commits += 1
             if self.uploader is not None:
                 self.uploader.submit(manifest)
-            if self.replicator is not None:
-                self.replicator.submit(manifest)
+            if self.cluster is not None:
+                self.cluster.replicator.submit(manifest)
 
     def persist_status(self) -> dict[str, Any] | None:
         if self.uploader is None:
@@ -366,10 +369,8 @@ class Daemon:
             "pid": os.getpid(),
             "ram_dir": str(self.cfg.ram_dir),
             "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes},
-            "peers": self.membership.status() if self.membership else [],
-            "served_to_peers": {"requests": self.range_server.served_requests,
-                                "bytes": self.range_server.served_bytes}
-            if self.range_server else None,
+            "peers": self.cluster.membership.status() if self.cluster else [],
+            "served_to_peers": self.cluster.served() if self.cluster else None,
             "persist": self.persist_status(),
             "commits": self.commits,
             "steps": steps,
