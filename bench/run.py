@@ -79,7 +79,9 @@ class Bench:
                           AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=self.s3.endpoint)
         for directory in (self.tmpfs, self.disk, self.mount):
             directory.mkdir(parents=True)
-        self._tierfs("mount", str(self.mount), "--ram-dir", str(self.ram_dir), "--ram-limit",
+        self._tierfs("mount", str(self.mount), "--ram-dir", str(self.ram_dir),
+                     "--log-file", str(Path(self.args.out).absolute() / "tierfs.log"),
+                     "--ram-limit",
                      "16G", "--persist", f"s3://{BUCKET}/tierfs", "--s3-endpoint",
                      self.s3.endpoint)
         self.pid = json.loads(self._tierfs("status", str(self.mount), "--json"))["pid"]
@@ -98,7 +100,7 @@ class Bench:
         done = subprocess.run([sys.executable, "-m", "tierfs", *args], capture_output=True,
                               text=True)
         if done.returncode != 0:
-            log = self.ram_dir / "tierfs.log"
+            log = Path(self.args.out) / "tierfs.log"
             tail = log.read_text().splitlines()[-15:] if log.exists() else []
             raise RuntimeError(f"tierfs {args[0]}: {done.stderr.strip()}\n" + "\n".join(tail))
         return done.stdout
@@ -190,7 +192,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         state, storage_writer=bench.writer(t, n, th)))
                     record(f"DCP save, {threads} thread(s)", target, seconds)
                     if target == "tierfs" and threads == 4 and isinstance(seconds, float):
-                        persist_seconds.append(bench.wait_persisted(name))
+                        try:
+                            persist_seconds.append(bench.wait_persisted(name))
+                        except TimeoutError as exc:
+                            record("committed -> persisted", target, exc)
                     record(f"DCP load ({threads}-thread save)", target,
                            timed(lambda t=target, n=name: dcp.load(
                                fresh, storage_reader=bench.reader(t, n))))
