@@ -68,7 +68,7 @@ class Bench:
         self.tmpfs = Path("/dev/shm") / f"tierfs-bench-tmpfs-{os.getpid()}"
         self.disk = self.work / "disk"
         self.mount = self.work / "mnt"
-        self.s3 = SeaweedS3(self.work / "seaweed")
+        self.s3 = SeaweedS3(self.work / "seaweed", volumes=2000)  # room for every run's data
         self.pid = 0
 
     def __enter__(self) -> Bench:

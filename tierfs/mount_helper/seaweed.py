@@ -72,8 +72,11 @@ class SeaweedS3:
     """A real SeaweedFS S3 server on loopback for tests and the demo."""
 
     def __init__(self, data_dir: Path, access_key: str = "tierfs",
-                 secret_key: str = "tierfs-secret") -> None:
+                 secret_key: str = "tierfs-secret", volumes: int = 64) -> None:
         self.data_dir = Path(data_dir)
+        # Capacity is volumes x 64 MB (not preallocated); deleted data returns only after a
+        # vacuum, so a benchmark that writes many GiB needs many more than the tests.
+        self.volumes = volumes
         self.access_key = access_key
         self.secret_key = secret_key
         self.log_path = self.data_dir / "weed.log"
@@ -104,7 +107,7 @@ class SeaweedS3:
             f"-master.port={p['master']}", f"-master.port.grpc={p['master.grpc']}",
             "-master.volumeSizeLimitMB=64",
             f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume.grpc']}",
-            "-volume.max=64",
+            f"-volume.max={self.volumes}",
             "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer.grpc']}",
             "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3.grpc']}",
             "-s3.port.iceberg=0", "-s3.port.lance=0",  # otherwise fixed ports 8181 and 9101
