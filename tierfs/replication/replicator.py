@@ -19,6 +19,7 @@ import trio
 from tierfs import manifest as mf
 from tierfs.replication import protocol as proto
 from tierfs.replication.membership import Membership
+from tierfs.step_queue import StepQueue
 
 log = logging.getLogger(__name__)
 
@@ -42,35 +43,25 @@ class Replicator:
         self._is_current = is_current
         self._holders = holders
         self._on_replicated = on_replicated
-        self.pending: dict[str, mf.StepManifest] = {}
-        self._send, self._receive = trio.open_memory_channel[str](10_000)
+        self.queue = StepQueue()
         self._threads = trio.CapacityLimiter(2)
 
     def submit(self, manifest: mf.StepManifest) -> None:
-        if self.replicas == 0:
-            return
-        queued = manifest.path in self.pending
-        if queued and self.pending[manifest.path].version > manifest.version:
-            return
-        self.pending[manifest.path] = manifest
-        if not queued:
-            self._send.send_nowait(manifest.path)
+        if self.replicas > 0:
+            self.queue.put(manifest)
 
     async def run(self) -> None:
-        async for path in self._receive:
-            manifest = self.pending.get(path)
-            try:
-                await self._replicate(manifest)
-            except Exception:  # never let one step stop the replicator
-                log.exception("replication of %s failed", path)
-            if self.pending.get(path) is manifest:
-                del self.pending[path]
-            elif path in self.pending:
-                self._send.send_nowait(path)
+        await self.queue.serve(self._replicate_or_log)
 
-    async def _replicate(self, manifest: mf.StepManifest | None) -> None:
+    async def _replicate_or_log(self, manifest: mf.StepManifest) -> None:
+        try:
+            await self._replicate(manifest)
+        except Exception:  # never let one step stop the replicator
+            log.exception("replication of %s failed", manifest.path)
+
+    async def _replicate(self, manifest: mf.StepManifest) -> None:
         """Send the step until it has K live copies or is no longer the current version."""
-        while manifest is not None and self._is_current(manifest):
+        while self._is_current(manifest):
             holders = self._holders(manifest)
             live = 1 + sum(self.membership.is_up(h) for h in holders)
             wanted = self.replicas + 1 - live

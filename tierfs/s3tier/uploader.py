@@ -19,6 +19,7 @@ import trio
 from tierfs import manifest as mf
 from tierfs.s3tier.backend import MANIFEST_KEY, Backend, BackendError
 from tierfs.s3tier.retry import NoLongerWanted, retry
+from tierfs.step_queue import StepQueue
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,7 @@ class Uploader:
         self._is_current = is_current
         self._on_persisted = on_persisted
         self._on_retired = on_retired
-        self.pending: dict[str, mf.StepManifest] = {}
-        self._send, self._receive = trio.open_memory_channel[str](10_000)
+        self.queue = StepQueue()
         self._threads = trio.CapacityLimiter(PARALLEL_FILES)
 
     def wanted(self, manifest: mf.StepManifest) -> bool:
@@ -55,27 +55,17 @@ class Uploader:
 
     def submit(self, manifest: mf.StepManifest) -> None:
         """Queue a committed step (a newer version of a queued step replaces it)."""
-        if not self.wanted(manifest):
-            return
-        queued = manifest.path in self.pending
-        if queued and self.pending[manifest.path].version > manifest.version:
-            return  # events can arrive late; an older version never replaces a newer one
-        self.pending[manifest.path] = manifest
-        if not queued:
-            self._send.send_nowait(manifest.path)
+        if self.wanted(manifest):
+            self.queue.put(manifest)
 
     async def run(self) -> None:
-        async for path in self._receive:
-            manifest = self.pending.get(path)
-            if manifest is not None:
-                try:
-                    await self._upload(manifest)
-                except* Exception as failures:  # files go up in parallel: errors come grouped
-                    self._log_failure(manifest, failures)
-                if self.pending.get(path) is manifest:
-                    del self.pending[path]
-                elif path in self.pending:  # a newer version arrived meanwhile
-                    self._send.send_nowait(path)
+        await self.queue.serve(self._upload_or_log)
+
+    async def _upload_or_log(self, manifest: mf.StepManifest) -> None:
+        try:
+            await self._upload(manifest)
+        except* Exception as failures:  # files go up in parallel: errors come grouped
+            self._log_failure(manifest, failures)
 
     def _log_failure(self, manifest: mf.StepManifest, failures: BaseExceptionGroup) -> None:
         """One line for a step that will not be uploaded; a traceback only for the unforeseen.
@@ -171,7 +161,7 @@ class Uploader:
                 step_dirs.setdefault(step_dir, []).append(obj.key)
         complete = {m.path for m in manifests}
         for step_dir, keys in step_dirs.items():
-            if step_dir not in complete and step_dir not in self.pending:
+            if step_dir not in complete and step_dir not in self.queue.pending:
                 log.info("removing %d objects of the incomplete upload %s", len(keys), step_dir)
                 await trio.to_thread.run_sync(self.backend.delete, keys)
         return sorted(manifests, key=lambda m: (m.step, m.path))

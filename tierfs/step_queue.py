@@ -1,0 +1,37 @@
+"""A queue of committed steps for one background worker (uploads, replication): one entry per
+step path, where a newer version replaces an older one still waiting and late events never put
+an older version back, so the worker never does stale work."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from tierfs import manifest as mf
+
+
+class StepQueue:
+    def __init__(self) -> None:
+        self.pending: dict[str, mf.StepManifest] = {}
+        self._send, self._receive = trio.open_memory_channel[str](math.inf)
+
+    def put(self, manifest: mf.StepManifest) -> None:
+        queued = manifest.path in self.pending
+        if queued and self.pending[manifest.path].version > manifest.version:
+            return
+        self.pending[manifest.path] = manifest
+        if not queued:
+            self._send.send_nowait(manifest.path)
+
+    async def serve(self, work: Callable[[mf.StepManifest], Awaitable[None]]) -> None:
+        """Run `work` on each queued step, one at a time; `work` must not raise."""
+        async for path in self._receive:
+            manifest = self.pending.get(path)
+            if manifest is not None:
+                await work(manifest)
+            if self.pending.get(path) is manifest:
+                del self.pending[path]
+            elif path in self.pending:  # a newer version arrived meanwhile: once more
+                self._send.send_nowait(path)
