@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -157,6 +158,31 @@ def mnt(mounts: MountFactory) -> Mount:
 
 def getxattr(path: Path | str, name: str) -> str:
     return os.getxattr(path, name).decode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_dcp_ranks(step_dirs: list[Path], timeout: float) -> None:
+    """Run tests/dcp_ranks.py as one gloo job, rank i saving to and loading from step_dirs[i]
+    (each rank's path to the step on its own node's mount); every rank must succeed."""
+    script = Path(__file__).with_name("dcp_ranks.py")
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(len(step_dirs)),
+                               port, str(step_dir)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank, step_dir in enumerate(step_dirs)]
+    try:
+        outputs = [rank.communicate(timeout=timeout) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    for rank, (out, err) in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0, err[-3000:]
+        assert "ok" in out
 
 
 @pytest.fixture(scope="session")

@@ -4,22 +4,15 @@ lets nothing in without the token and survives hostile input."""
 from __future__ import annotations
 
 import os
-import socket
 import struct
 from pathlib import Path
 
 import pytest
 import trio
 
-from tests.conftest import Mount, MountFactory, tierfs, wait_until
+from tests.conftest import Mount, MountFactory, free_port, run_dcp_ranks, tierfs, wait_until
 from tierfs.replication import protocol as proto
 from tierfs.replication.channel import PeerChannel, authenticate
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -222,9 +215,6 @@ def test_steps_leave_the_writers_ram_once_replicated_but_never_the_last_copy(
 
 
 def test_multi_node_dcp_save_and_load(mounts: MountFactory, token_file: Path) -> None:
-    import subprocess
-    import sys
-
     from tests.conftest import getxattr
 
     cluster = Cluster(mounts, token_file, 2)
@@ -233,19 +223,7 @@ def test_multi_node_dcp_save_and_load(mounts: MountFactory, token_file: Path) ->
     wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
     nodes = [cluster.nodes["node0"], cluster.nodes["node0"], cluster.nodes["node1"],
              cluster.nodes["node1"]]  # ranks 0-1 on node0's mount, ranks 2-3 on node1's
-    script = Path(__file__).with_name("dcp_ranks.py")
-    port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), "4", port,
-                               str(node / "run/step_100")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank, node in enumerate(nodes)]
-    try:
-        outputs = [rank.communicate(timeout=240) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-    for rank, (_out, err) in zip(ranks, outputs, strict=True):
-        assert rank.returncode == 0, err[-3000:]
+    run_dcp_ranks([node / "run/step_100" for node in nodes], timeout=240)
     for node in cluster.nodes.values():
         step_dir = node / "run/step_100"
         assert getxattr(step_dir, "user.tierfs.state") == "committed"

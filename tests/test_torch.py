@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from tests.conftest import Mount, getxattr
+from tests.conftest import Mount, getxattr, run_dcp_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -84,27 +80,9 @@ def test_dcp_async_save(mnt: Mount) -> None:
     assert_state_equal(state["model"], restored["model"])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_process_dcp_into_one_mount(mnt: Mount) -> None:
     step_dir = mnt / "job/step_20"
-    script = Path(__file__).with_name("dcp_ranks.py")
-    port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), "2", port, str(step_dir)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
-    try:
-        outputs = [rank.communicate(timeout=180) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-    for rank, (out, err) in zip(ranks, outputs, strict=True):
-        assert rank.returncode == 0, err[-2000:]
-        assert "ok" in out
+    run_dcp_ranks([step_dir, step_dir], timeout=180)
     names = os.listdir(step_dir)
     assert ".metadata" in names
     assert {name.split("_")[2] for name in names if name.endswith(".distcp")} == {"0", "1"}
