@@ -30,7 +30,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q matplotlib
-	$(PY) bench/run.py --size 2G --reps 3 --out bench/results
+	$(PY) bench/run.py --size 2G --reps 3 --compare --out bench/results
 
 bench-quick: $(STAMP)
 	$(PY) -m pip install -q matplotlib

@@ -6,8 +6,8 @@ Runs are interleaved (tierfs, tmpfs, disk, s3, tierfs, ...) and repeated; median
 with each target's ratio to tmpfs computed pair by pair within a repetition, so that machine
 noise cancels. Writes a Markdown table, a JSON file and a PNG chart into --out.
 
-    python bench/run.py --size 2G --reps 3 --out bench/results      # make bench
-    python bench/run.py --size 256M --reps 2 --out bench/results    # make bench-quick
+    python bench/run.py --size 2G --reps 3 --compare --out bench/results   # make bench
+    python bench/run.py --size 256M --reps 2 --out bench/results-quick     # make bench-quick
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -34,7 +36,9 @@ from tierfs.mount_helper.config import parse_size
 from tierfs.mount_helper.seaweed import SeaweedS3
 
 TARGETS = ("tierfs", "tmpfs", "disk", "s3")
+DAEMON_PATH = "tierfs, no passthrough"  # the same mount's data through the daemon (--compare)
 BUCKET = "tierfs-bench"
+METADATA_FILES = 1000
 
 
 def transformer_state(total_bytes: int) -> dict[str, torch.Tensor]:
@@ -64,12 +68,19 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.work = Path(tempfile.mkdtemp(prefix="tierfs-bench-"))
-        self.ram_dir = Path("/dev/shm") / f"tierfs-bench-{os.getpid()}"
         self.tmpfs = Path("/dev/shm") / f"tierfs-bench-tmpfs-{os.getpid()}"
         self.disk = self.work / "disk"
-        self.mount = self.work / "mnt"
         self.s3 = SeaweedS3(self.work / "seaweed", volumes=2000)  # room for every run's data
-        self.pid = 0
+        self.mounts: dict[str, tuple[Path, int]] = {}  # name -> (mount point, daemon pid)
+        self.log = Path(self.args.out).absolute() / "tierfs.log"
+
+    @property
+    def mount(self) -> Path:
+        return self.mounts["tierfs"][0]
+
+    @property
+    def pid(self) -> int:
+        return self.mounts["tierfs"][1]
 
     def __enter__(self) -> Bench:
         self.s3.start()
@@ -77,37 +88,58 @@ class Bench:
         os.environ.update(AWS_ACCESS_KEY_ID=self.s3.access_key,
                           AWS_SECRET_ACCESS_KEY=self.s3.secret_key,
                           AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=self.s3.endpoint)
-        for directory in (self.tmpfs, self.disk, self.mount):
+        for directory in (self.tmpfs, self.disk):
             directory.mkdir(parents=True)
-        self._tierfs("mount", str(self.mount), "--ram-dir", str(self.ram_dir),
-                     "--log-file", str(Path(self.args.out).absolute() / "tierfs.log"),
-                     "--ram-limit",
-                     "16G", "--persist", f"s3://{BUCKET}/tierfs", "--s3-endpoint",
-                     self.s3.endpoint)
-        self.pid = json.loads(self._tierfs("status", str(self.mount), "--json"))["pid"]
+        self.start_mount("tierfs", "--ram-limit", "16G", "--persist", f"s3://{BUCKET}/tierfs")
+        if self.args.compare:
+            self.start_mount(DAEMON_PATH, "--ram-limit", "16G", "--no-passthrough")
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        subprocess.run(["fusermount3", "-u", "-z", str(self.mount)], capture_output=True)
-        if self.pid:
+    def start_mount(self, name: str, *options: str) -> Path:
+        """A tierfs daemon of its own (RAM dir, mount point); its log goes to the results."""
+        slug = "".join(c if c.isalnum() else "-" for c in name)
+        mountpoint = self.work / f"mnt-{slug}"
+        mountpoint.mkdir()
+        ram_dir = Path("/dev/shm") / f"tierfs-bench-{os.getpid()}-{slug}"
+        self.mounts[name] = (mountpoint, 0)
+        self._tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir),
+                     "--log-file", str(self.log), "--s3-endpoint", self.s3.endpoint, *options)
+        self.mounts[name] = (mountpoint, self.status(name)["pid"])
+        return mountpoint
+
+    def stop_mount(self, name: str) -> None:
+        mountpoint, pid = self.mounts.pop(name)
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+        if pid:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, 9)
+                os.kill(pid, 9)
+        slug = "".join(c if c.isalnum() else "-" for c in name)
+        shutil.rmtree(Path("/dev/shm") / f"tierfs-bench-{os.getpid()}-{slug}",
+                      ignore_errors=True)
+
+    def status(self, name: str = "tierfs") -> dict[str, Any]:
+        return json.loads(self._tierfs("status", str(self.mounts[name][0]), "--json"))
+
+    def __exit__(self, *exc: object) -> None:
+        for name in list(self.mounts):
+            self.stop_mount(name)
         self.s3.stop()
-        for path in (self.ram_dir, self.tmpfs, self.work):
+        for path in (self.tmpfs, self.work):
             shutil.rmtree(path, ignore_errors=True)
 
     def _tierfs(self, *args: str) -> str:
         done = subprocess.run([sys.executable, "-m", "tierfs", *args], capture_output=True,
                               text=True)
         if done.returncode != 0:
-            log = Path(self.args.out) / "tierfs.log"
-            tail = log.read_text().splitlines()[-15:] if log.exists() else []
+            tail = self.log.read_text().splitlines()[-15:] if self.log.exists() else []
             raise RuntimeError(f"tierfs {args[0]}: {done.stderr.strip()}\n" + "\n".join(tail))
         return done.stdout
 
     def location(self, target: str, name: str) -> str:
-        return {"tierfs": str(self.mount / "run" / name), "tmpfs": str(self.tmpfs / name),
-                "disk": str(self.disk / name), "s3": f"s3://{BUCKET}/direct/{name}"}[target]
+        if target in self.mounts:
+            return str(self.mounts[target][0] / "run" / name)
+        return {"tmpfs": str(self.tmpfs / name), "disk": str(self.disk / name),
+                "s3": f"s3://{BUCKET}/direct/{name}"}[target]
 
     def writer(self, target: str, name: str, threads: int) -> Any:
         if target == "s3":
@@ -143,15 +175,17 @@ class Bench:
         elif os.path.exists(path):
             os.unlink(path)
 
-    def wait_persisted(self, step: str) -> float:
+    def wait_for(self, step: str, condition: Callable[[dict[str, Any]], bool],
+                 name: str = "tierfs") -> float:
+        """Seconds until the status entry of run/`step` on mount `name` meets `condition`."""
         started = time.monotonic()
         while time.monotonic() - started < 600:
-            status = json.loads(self._tierfs("status", str(self.mount), "--json"))
-            entry = next((s for s in status["steps"] if s["path"] == f"run/{step}"), None)
-            if entry and entry["persisted"]:
+            entry = next((s for s in self.status(name)["steps"] if s["path"] == f"run/{step}"),
+                         None)
+            if entry and condition(entry):
                 return time.monotonic() - started
-            time.sleep(0.05)
-        raise TimeoutError(f"run/{step} was not persisted within 600 s")
+            time.sleep(0.02)
+        raise TimeoutError(f"run/{step} on {name}: condition not met within 600 s")
 
 
 def timed(func: Callable[[], object]) -> float | BaseException:
@@ -171,8 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = state_bytes(state)
     fresh = {k: torch.empty_like(v) for k, v in state.items()}
     results: dict[str, dict[str, list[float]]] = {}
-    persist_seconds: list[float] = []
-
+    extra: dict[str, list[float]] = {}
     failures: list[str] = []
 
     def record(workload: str, target: str, seconds: float | BaseException) -> None:
@@ -183,19 +216,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return
         results.setdefault(workload, {}).setdefault(target, []).append(seconds)
 
-    with Bench(args) as bench:
+    with Bench(args) as bench, PeakRss(bench.pid) as rss:
+        targets = [*bench.mounts, *TARGETS[1:]]
         for rep in range(args.reps):
-            for target in TARGETS:
+            for target in targets:
                 for threads in (1, 4):
                     name = f"step_{rep * 10 + threads}"
                     seconds = timed(lambda t=target, n=name, th=threads: dcp.save(
                         state, storage_writer=bench.writer(t, n, th)))
                     record(f"DCP save, {threads} thread(s)", target, seconds)
                     if target == "tierfs" and threads == 4 and isinstance(seconds, float):
-                        try:
-                            persist_seconds.append(bench.wait_persisted(name))
-                        except TimeoutError as exc:
-                            record("committed -> persisted", target, exc)
+                        _after_tierfs_save(bench, name, extra, failures)
                     record(f"DCP load ({threads}-thread save)", target,
                            timed(lambda t=target, n=name: dcp.load(
                                fresh, storage_reader=bench.reader(t, n))))
@@ -218,16 +249,106 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     record("torch.load", target,
                            timed(lambda p=path: torch.load(p, weights_only=True)))
                     bench.drop(target, f"model_{rep}.pt")
+            extra.setdefault("metadata_to_committed", []).append(_commit_latency(bench, rep))
             print(f"repetition {rep + 1} of {args.reps} done", flush=True)
-        rss = _rss_kib(bench.pid)
-    return {"bytes": size, "reps": args.reps, "results": results, "failures": failures,
-            "persist_seconds": persist_seconds, "daemon_rss_kib": rss,
+        try:
+            _cluster(bench, state, fresh, args.reps, extra)
+        except (RuntimeError, TimeoutError) as exc:
+            failures.append(f"cluster measurements: {exc}")
+    return {"bytes": size, "reps": args.reps, "targets": targets, "results": results,
+            "extra": extra, "failures": failures, "daemon_rss_peak_kib": rss.peak_kib,
             "machine": _machine()}
 
 
-def _rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
+def _after_tierfs_save(bench: Bench, name: str, extra: dict[str, list[float]],
+                       failures: list[str]) -> None:
+    """What a save costs beyond its time: RAM tier bytes, and the wait until persisted."""
+    status = bench.status()
+    entry = next(s for s in status["steps"] if s["path"] == f"run/{name}")
+    extra.setdefault("ram_bytes_per_checkpoint_byte", []).append(
+        status["ram"]["used_bytes"] / entry["bytes"])
+    try:
+        extra.setdefault("committed_to_persisted", []).append(
+            bench.wait_for(name, lambda e: e["persisted"]))
+    except TimeoutError as exc:
+        failures.append(str(exc))
+
+
+def _commit_latency(bench: Bench, rep: int) -> float:
+    """From the start of writing `.metadata` to its close, which commits a 1,000-file step."""
+    step = bench.mount / "run" / f"many_{900 + rep}"
+    step.mkdir(parents=True)
+    payload = os.urandom(16 << 10)
+    for i in range(METADATA_FILES):
+        (step / f"__{i}_0.distcp").write_bytes(payload)
+    started = time.perf_counter()
+    (step / ".metadata").write_bytes(payload)
+    elapsed = time.perf_counter() - started
+    if os.getxattr(step, "user.tierfs.state") != b"committed":
+        raise RuntimeError(f"{step} is not committed after .metadata was closed")
+    shutil.rmtree(step)
+    return elapsed
+
+
+def _cluster(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor],
+             reps: int, extra: dict[str, list[float]]) -> None:
+    """Two nodes on loopback: committed -> replicated; then a fresh node restores the step
+    from its peers, and a fresh node without peers restores it from S3."""
+    token = bench.work / "cluster.token"
+    token.write_text(os.urandom(16).hex())
+    token.chmod(0o600)
+    peers = ",".join(f"node{i}=127.0.0.1:{_free_port()}" for i in range(3))
+    common = ("--peers", peers, "--token-file", str(token), "--ram-limit", "8G")
+    persist = ("--persist", f"s3://{BUCKET}/cluster")
+    writer = bench.start_mount("node0", "--node-id", "node0", *common, *persist)
+    bench.start_mount("node1", "--node-id", "node1", *common)
+    step = "step_7000"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(writer / "run" / step),
+                                                        thread_count=4))
+    extra["committed_to_replicated"] = [bench.wait_for(step, lambda e: bool(e["replicas"]),
+                                                       "node0")]
+    bench.wait_for(step, lambda e: e["persisted"], "node0")
+    for _ in range(reps):
+        for source, options in (("peer", ("--node-id", "node2", *common)), ("s3", persist)):
+            mountpoint = bench.start_mount(f"fresh-{source}", *options)
+            bench.wait_for(step, lambda e: True, f"fresh-{source}")
+            started = time.perf_counter()
+            dcp.load(fresh, storage_reader=dcp.FileSystemReader(str(mountpoint / "run" / step)))
+            extra.setdefault(f"restore_from_{source}", []).append(time.perf_counter() - started)
+            bench.stop_mount(f"fresh-{source}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class PeakRss:
+    """The highest resident set size of a process, sampled every 50 ms in a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak_kib = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            try:
+                with open(f"/proc/{self.pid}/status") as f:
+                    rss = int(next(line for line in f if line.startswith("VmRSS")).split()[1])
+            except (FileNotFoundError, StopIteration):
+                return
+            self.peak_kib = max(self.peak_kib, rss)
 
 
 def _machine() -> str:
@@ -239,13 +360,14 @@ def _machine() -> str:
 
 def report(data: dict[str, Any], out: Path) -> str:
     size = data["bytes"]
+    targets = data["targets"]
     lines = [f"Checkpoint: {size / 2**30:.2f} GiB, {data['reps']} interleaved repetitions; "
              f"machine: {data['machine']}.", "",
-             "| workload | " + " | ".join(TARGETS) + " | tierfs / tmpfs |",
-             "|---|" + "---|" * (len(TARGETS) + 1)]
+             "| workload | " + " | ".join(targets) + " | tierfs / tmpfs |",
+             "|---|" + "---|" * (len(targets) + 1)]
     for workload, by_target in data["results"].items():
         cells = []
-        for target in TARGETS:
+        for target in targets:
             times = by_target.get(target)
             if not times:
                 cells.append("-")
@@ -258,11 +380,8 @@ def report(data: dict[str, Any], out: Path) -> str:
             # throughput ratio per repetition, then the median: noise common to a pair cancels
             ratio = f"{statistics.median(b / a for a, b in zip(tier, tmp, strict=False)):.2f}x"
         lines.append(f"| {workload} | " + " | ".join(cells) + f" | {ratio} |")
-    persist = statistics.median(data["persist_seconds"]) if data["persist_seconds"] else 0
-    lines += ["", f"committed -> persisted (SeaweedFS on loopback): median {persist:.2f} s "
-              f"after the save returned; daemon RSS at the end: "
-              f"{data['daemon_rss_kib'] / 1024:.0f} MiB (stored data lives in tmpfs files, "
-              "not in the daemon)."]
+    lines += ["", "| measurement | median | target |", "|---|---|---|"]
+    lines += [f"| {label} | {value} | {target} |" for label, value, target in _extras(data)]
     if data["failures"]:
         lines += ["", "Failed runs (left out of the medians):"]
         lines += [f"- {failure}" for failure in data["failures"]]
@@ -271,6 +390,31 @@ def report(data: dict[str, Any], out: Path) -> str:
     (out / "results.json").write_text(json.dumps(data, indent=2))
     _chart(data, out / "results.png")
     return table
+
+
+def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
+    extra = {k: statistics.median(v) for k, v in data["extra"].items() if v}
+    direct_s3 = data["results"].get("DCP save, 4 thread(s)", {}).get("s3")
+    rows = []
+
+    def row(key: str, label: str, unit: str, target: str) -> None:
+        if key in extra:
+            value = extra[key] * 1000 if unit == "ms" else extra[key]
+            rows.append((label, f"{value:.{0 if unit == 'ms' else 2}f} {unit}".strip(), target))
+
+    row("metadata_to_committed", f"`.metadata` -> committed, {METADATA_FILES:,}-file step", "ms",
+        "< 50 ms")
+    row("committed_to_replicated", "committed -> replicated (2 nodes, loopback)", "s", "-")
+    row("committed_to_persisted", "committed -> persisted (after the 4-thread save returned)",
+        "s", f"<= direct S3 save ({statistics.median(direct_s3):.2f} s)" if direct_s3 else "-")
+    row("restore_from_peer", "restore into a fresh node from a peer (DCP load)", "s", "-")
+    row("restore_from_s3", "restore into a fresh node from S3 (DCP load)", "s",
+        f"peer {extra['restore_from_s3'] / extra['restore_from_peer']:.1f}x faster (>= 3x)"
+        if "restore_from_peer" in extra and "restore_from_s3" in extra else "-")
+    row("ram_bytes_per_checkpoint_byte", "RAM tier bytes per checkpoint byte", "x", "<= 1.05")
+    rows.append(("daemon RSS, peak during the runs (stored data lives in tmpfs files)",
+                 f"{data['daemon_rss_peak_kib'] / 1024:.0f} MiB", "< 300 MiB"))
+    return rows
 
 
 def _chart(data: dict[str, Any], path: Path) -> None:
@@ -282,13 +426,14 @@ def _chart(data: dict[str, Any], path: Path) -> None:
     except ImportError:
         return
     workloads = list(data["results"])
+    targets = data["targets"]
     fig, ax = plt.subplots(figsize=(11, 5))
-    width = 0.2
-    for i, target in enumerate(TARGETS):
+    width = 0.8 / len(targets)
+    for i, target in enumerate(targets):
         speeds = [data["bytes"] / statistics.median(data["results"][w][target]) / 2**30
                   if data["results"][w].get(target) else 0 for w in workloads]
         ax.bar([x + i * width for x in range(len(workloads))], speeds, width, label=target)
-    ax.set_xticks([x + 1.5 * width for x in range(len(workloads))])
+    ax.set_xticks([x + (len(targets) - 1) / 2 * width for x in range(len(workloads))])
     ax.set_xticklabels(workloads, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("GiB/s (median)")
     ax.set_title(f"tierfs vs tmpfs, disk and direct S3: {data['bytes'] / 2**30:.2f} GiB checkpoint")
@@ -302,6 +447,8 @@ def main() -> None:
     parser.add_argument("--size", default="2G", help="checkpoint size (default 2G)")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
     parser.add_argument("--out", default="bench/results", help="where results go")
+    parser.add_argument("--compare", action="store_true",
+                        help=f"also run a mount with --no-passthrough (column {DAEMON_PATH!r})")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

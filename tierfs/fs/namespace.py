@@ -276,10 +276,28 @@ class Namespace(Recovery, Residency, OtherTiers):
         self.store.grow(handle.backing_ino, offset + len(data))
         return os.pwrite(handle.fd, data, offset)
 
+    def expect_direct_writes(self, handle: Handle) -> None:
+        """The kernel will write this handle's backing file without asking us (passthrough):
+        count it as writing from now on. A full RAM tier is refused here, at open, because
+        such writes cannot be refused one by one."""
+        if not handle.writable:
+            return
+        self.store.check_room(1)
+        if not handle.active:
+            self._activate(handle)
+
+    def account_direct_writes(self) -> None:
+        """Bring the RAM tier's accounting up to date with passthrough writes in progress."""
+        for handle in self._handles.values():
+            if handle.passthrough and handle.writable and handle.fd >= 0:
+                self.store.account(handle.backing_ino, os.fstat(handle.fd).st_size)
+
     async def flush(self, handle: Handle) -> None:
         """End of a close(): seal what this handle wrote, then fire any commit it completes."""
         if not handle.active:
             return
+        if handle.passthrough:
+            self.store.account(handle.backing_ino, os.fstat(handle.fd).st_size)
         node = handle.node
         handle.active = False
         node.active_writers -= 1

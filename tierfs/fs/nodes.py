@@ -124,9 +124,11 @@ class Node:
 
 
 class Handle:
-    """An open file: the backing fd and whether it has written since its last flush."""
+    """An open file: the backing fd and whether it has written since its last flush.
 
-    __slots__ = ("fh", "node", "fd", "backing_ino", "writable", "active")
+    A passthrough handle's reads and writes go from the kernel straight to its backing file."""
+
+    __slots__ = ("fh", "node", "fd", "backing_ino", "writable", "active", "passthrough")
 
     def __init__(self, fh: int, node: Node, fd: int, writable: bool) -> None:
         self.fh = fh
@@ -135,4 +137,5 @@ class Handle:
         self.backing_ino = os.fstat(fd).st_ino if fd >= 0 else 0
         self.writable = writable
         self.active = False
+        self.passthrough = False
 

@@ -19,7 +19,8 @@ import pyfuse3
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, StatvfsData
 
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.nodes import FsError, Node
+from tierfs.fs.nodes import FsError, Handle, Node
+from tierfs.fs.passthrough import PassthroughDevice
 from tierfs.fs.ram_store import RamFull
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,11 @@ def _boundary(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T
 class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
 
-    def __init__(self, namespace: Namespace, control_path: str = "") -> None:
+    def __init__(self, namespace: Namespace, control_path: str = "",
+                 passthrough: PassthroughDevice | None = None) -> None:
         super().__init__()
         self.ns = namespace
+        self.passthrough = passthrough
         self.control_path = control_path.encode()
         self._dirs: dict[int, tuple[Node, list[tuple[bytes, Node]] | None]] = {}
         self._next_dir_fh = 1
@@ -171,11 +174,23 @@ class Operations(pyfuse3.Operations):
                      ctx: Any) -> tuple[FileInfo, EntryAttributes]:
         node, handle = self.ns.create(self.ns.get(parent_inode), name, mode & ~ctx.umask,
                                       flags, ctx.uid, ctx.gid)
-        return FileInfo(fh=handle.fh), self._entry(node)
+        return await self._file_info(handle), self._entry(node)
 
     @_boundary
     async def open(self, inode: int, flags: int, ctx: Any) -> FileInfo:
         handle = await self.ns.open(self.ns.get(inode), flags)
+        return await self._file_info(handle)
+
+    async def _file_info(self, handle: Handle) -> FileInfo:
+        """The reply to an open: passthrough to the backing file where the kernel allows it."""
+        if self.passthrough is not None:
+            try:
+                if self.passthrough.choose(handle):
+                    self.ns.expect_direct_writes(handle)
+            except BaseException:
+                self.passthrough.withdraw(handle)
+                await self.ns.release(handle)  # the kernel will not release a failed open
+                raise
         return FileInfo(fh=handle.fh)
 
     @_boundary
@@ -192,7 +207,10 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def release(self, fh: int) -> None:
-        await self.ns.release(self.ns.handle(fh))
+        handle = self.ns.handle(fh)
+        if self.passthrough is not None:
+            self.passthrough.withdraw(handle)
+        await self.ns.release(handle)
 
     @_boundary
     async def fsync(self, fh: int, datasync: bool) -> None:

@@ -315,7 +315,9 @@ def format_status(status: dict[str, Any]) -> str:
     share = 100 * ram["used_bytes"] / max(ram["limit_bytes"], 1)
     lines = [f"tierfs at {status['mountpoint']}  node {status['node_id']}  pid {status['pid']}",
              f"RAM tier {human_bytes(ram['used_bytes'])} of {human_bytes(ram['limit_bytes'])} "
-             f"({share:.0f}%) in {status.get('ram_dir', '?')}"]
+             f"({share:.0f}%) in {status.get('ram_dir', '?')}; file data "
+             + ("passes straight to it (FUSE passthrough)" if status.get("passthrough")
+                else "goes through the daemon")]
     steps = status["steps"]
     if not steps:
         lines.append("no step directories yet")

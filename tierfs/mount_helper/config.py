@@ -58,6 +58,9 @@ MOUNT_OPTIONS = [
            "flag"),
     Option("step-pattern", DEFAULT_STEP_PATTERN, "regular expression for step directory names; "
            "group 1 is the step number (default %(default)s)", metavar="REGEX"),
+    Option("no-passthrough", False, "route file data through the daemon even where the kernel "
+           "could pass reads and writes straight to the RAM store (slower; for comparison)",
+           "flag"),
     Option("log-file", None, "log destination when daemonised (default <ram-dir>/tierfs.log)",
            "path", "FILE"),
 ]
@@ -80,6 +83,7 @@ class MountConfig:
     node_id: str
     step_pattern: str
     log_file: Path
+    passthrough: bool = True
 
     @property
     def control_socket(self) -> Path:
@@ -238,4 +242,5 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         node_id=node_id,
         step_pattern=pattern,
         log_file=Path(values["log_file"] or ram_dir / "tierfs.log").absolute(),
+        passthrough=not values["no_passthrough"],
     )

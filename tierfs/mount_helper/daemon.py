@@ -22,6 +22,7 @@ from tierfs import manifest as mf
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.nodes import FsError
 from tierfs.fs.operations import Operations
+from tierfs.fs.passthrough import PassthroughDevice, PassthroughUnavailable
 from tierfs.fs.ram_store import RamDirBusy, RamFull, RamStore
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
@@ -163,16 +164,30 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         namespace.read_sources.append(PersistentReader(uploader.backend,
                                                        trio.CapacityLimiter(8)))
         await _adopt_stored_steps(namespace, uploader)
-    operations = Operations(namespace, str(cfg.control_socket))
+    device = _open_passthrough(cfg)
+    operations = Operations(namespace, str(cfg.control_socket), device)
     options = set(pyfuse3.default_options) | {"fsname=tierfs", "subtype=tierfs"}
     try:
-        pyfuse3.init(operations, str(cfg.mountpoint), options)
+        pyfuse3.init(operations, device.library_mountpoint if device else str(cfg.mountpoint),
+                     options)
     except RuntimeError as exc:
+        if device is not None:
+            device.close()
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
     cluster = ClusterNode(cfg, namespace, store) if cfg.peers else None
-    daemon = Daemon(cfg, namespace, uploader, cluster)
+    daemon = Daemon(cfg, namespace, uploader, cluster, device)
+    serving = True
     try:
         async with trio.open_nursery() as nursery:
+            if device is not None:
+                token = trio.lowlevel.current_trio_token()
+
+                def terminate() -> None:
+                    if serving:  # not after pyfuse3.close below
+                        pyfuse3.terminate()
+
+                device.start(on_unmount=lambda: token.run_sync_soon(terminate))
+                nursery.start_soon(_account_direct_writes, namespace)
             if cluster is not None:
                 await cluster.start(nursery)
             nursery.start_soon(_run_fuse, nursery.cancel_scope)
@@ -188,7 +203,10 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                      cfg.ram_dir, cfg.ram_limit, os.getpid())
             ready.ok()
     finally:
-        pyfuse3.close(unmount=is_mounted(cfg.mountpoint))
+        serving = False
+        pyfuse3.close(unmount=device is None and is_mounted(cfg.mountpoint))
+        if device is not None:
+            device.close()
         with contextlib.suppress(FileNotFoundError):
             cfg.control_socket.unlink()
 
@@ -237,6 +255,24 @@ async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> None:
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
     namespace.enforce_keep_ram()
+
+
+def _open_passthrough(cfg: MountConfig) -> PassthroughDevice | None:
+    """Mount /dev/fuse ourselves when FUSE passthrough can be had; None: pyfuse3 mounts."""
+    if not cfg.passthrough:
+        return None
+    try:
+        return PassthroughDevice(str(cfg.mountpoint), sorted(pyfuse3.default_options))
+    except PassthroughUnavailable as exc:
+        log.info("FUSE passthrough unavailable (%s): file data goes through the daemon", exc)
+        return None
+
+
+async def _account_direct_writes(namespace: Namespace) -> None:
+    """Passthrough writes bypass the daemon: keep the RAM tier's usage figures current."""
+    while True:
+        await trio.sleep(0.5)
+        namespace.account_direct_writes()
 
 
 async def _run_fuse(cancel_scope: trio.CancelScope) -> None:
@@ -314,11 +350,13 @@ class Daemon:
     """Answers control requests and follows commit events."""
 
     def __init__(self, cfg: MountConfig, namespace: Namespace, uploader: Uploader | None,
-                 cluster: ClusterNode | None) -> None:
+                 cluster: ClusterNode | None,
+                 passthrough: PassthroughDevice | None = None) -> None:
         self.cfg = cfg
         self.namespace = namespace
         self.uploader = uploader
         self.cluster = cluster
+        self.passthrough = passthrough
         self.commits = 0
 
     async def consume_commits(self, events: trio.MemoryReceiveChannel[mf.StepManifest]) -> None:
@@ -369,6 +407,7 @@ class Daemon:
             "pid": os.getpid(),
             "ram_dir": str(self.cfg.ram_dir),
             "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes},
+            "passthrough": self.passthrough is not None and self.passthrough.enabled,
             "peers": self.cluster.membership.status() if self.cluster else [],
             "served_to_peers": self.cluster.served() if self.cluster else None,
             "persist": self.persist_status(),
