@@ -24,6 +24,7 @@ from tierfs.fs.ram_store import RamFull, RamStore
 log = logging.getLogger(__name__)
 
 PART_PREFIX = ".tierfs-part-"
+READ_AHEAD = 4  # chunks fetched ahead of a sequential reader
 
 
 class ReadSource(Protocol):
@@ -96,6 +97,7 @@ class Fetch:
         if size == 0:
             return b""
         first, last = offset // mf.CHUNK_SIZE, (offset + size - 1) // mf.CHUNK_SIZE
+        self._read_ahead(sources, last + 1)
         unkept: dict[int, bytes] = {}
         for index in range(first, last + 1):
             data = await self._ensure(sources, index)
@@ -113,11 +115,40 @@ class Fetch:
         start = offset - first * mf.CHUNK_SIZE
         return joined[start:start + size]
 
+    def _read_ahead(self, sources: list[ReadSource], start: int) -> None:
+        """Fetch the next chunks in the background, in parallel: a file read from another tier
+        is usually read to its end, and one chunk at a time would wait on every round trip."""
+        for index in range(start, min(start + READ_AHEAD, len(self.present))):
+            if not self.present[index] and index not in self._inflight:
+                trio.lowlevel.spawn_system_task(self._fetch_ahead, sources, index)
+
+    async def _fetch_ahead(self, sources: list[ReadSource], index: int) -> None:
+        try:
+            await self._ensure(sources, index)
+        except Exception as exc:  # the read that needs the chunk will try again and report
+            log.debug("read-ahead of chunk %d of %s failed: %s", index, self.remote.entry.name,
+                      exc)
+
     async def fill(self, sources: list[ReadSource]) -> None:
-        """Fetch every missing chunk (for a writer or a prefetch); raises RamFull if no room."""
-        for index in range(len(self.present)):
-            if await self._ensure(sources, index) is not None:
-                raise RamFull
+        """Fetch every missing chunk, READ_AHEAD at a time (for a writer or a prefetch);
+        raises RamFull if there is no room to keep them."""
+        limiter = trio.CapacityLimiter(READ_AHEAD)
+        unkept = False
+
+        async def fetch_one(index: int) -> None:
+            nonlocal unkept
+            async with limiter:
+                if await self._ensure(sources, index) is not None:
+                    unkept = True
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for index in range(len(self.present)):
+                    nursery.start_soon(fetch_one, index)
+        except* FetchError as failures:
+            raise failures.exceptions[0] from None
+        if unkept:
+            raise RamFull
 
     async def _ensure(self, sources: list[ReadSource], index: int) -> bytes | None:
         """Make chunk `index` present; return its bytes only if they could not be kept."""
@@ -129,6 +160,8 @@ class Fetch:
             done = self._inflight[index] = trio.Event()
             try:
                 data = await fetch_chunk(sources, self.remote, index)
+                if self.fd < 0:
+                    return data  # discarded meanwhile: its fd number may be another file's now
                 end = index * mf.CHUNK_SIZE + len(data)
                 try:
                     self.store.grow(self.backing_ino, end)

@@ -4,7 +4,7 @@ Writes then reads 1 GiB (64 MiB calls) on two mounts, one with --no-passthrough 
 without, and reports per GiB: the daemon's CPU seconds, its system calls (strace -c), and the
 Python functions it spent its samples in (py-spy, if installed). Output: profile.md in --out.
 
-    python bench/profile.py --out bench/results
+    python bench/data_path_profile.py --out bench/results
 """
 
 from __future__ import annotations
