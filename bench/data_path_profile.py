@@ -62,7 +62,8 @@ def profile(mountpoint: Path, pid: int, work: Path, name: str) -> dict[str, obje
                                 stderr=subprocess.DEVNULL)]
     if shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy"):
         spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or "py-spy"
-        tracers.append(subprocess.Popen([spy, "record", "-p", str(pid), "-f", "raw", "-r", "250",
+        tracers.append(subprocess.Popen([spy, "record", "--nonblocking", "-p", str(pid),
+                                         "-f", "raw", "-r", "250",
                                          "-o", str(spy_out)], stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL))
     time.sleep(1)

@@ -99,7 +99,7 @@ class Bench:
         """A tierfs daemon of its own (RAM dir, mount point); its log goes to the results."""
         slug = "".join(c if c.isalnum() else "-" for c in name)
         mountpoint = self.work / f"mnt-{slug}"
-        mountpoint.mkdir()
+        mountpoint.mkdir(exist_ok=True)
         ram_dir = Path("/dev/shm") / f"tierfs-bench-{os.getpid()}-{slug}"
         self.mounts[name] = (mountpoint, 0)
         self._tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir),
@@ -253,8 +253,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"repetition {rep + 1} of {args.reps} done", flush=True)
         try:
             _cluster(bench, state, fresh, args.reps, extra)
-        except (RuntimeError, TimeoutError) as exc:
-            failures.append(f"cluster measurements: {exc}")
+        except Exception as exc:  # noqa: BLE001 - the table above is still worth reporting
+            failures.append(f"cluster measurements: {type(exc).__name__}: {exc}")
     return {"bytes": size, "reps": args.reps, "targets": targets, "results": results,
             "extra": extra, "failures": failures, "daemon_rss_peak_kib": rss.peak_kib,
             "machine": _machine()}
