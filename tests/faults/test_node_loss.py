@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import MountFactory, wait_until
-from tests.faults.conftest import report, step_problems
+from tests.faults.conftest import FULL, report, scale, step_problems
 from tests.test_cluster import Cluster
 from tests.test_crash import save
 
@@ -68,7 +68,7 @@ def replicas(cluster: Cluster, node_id: str, relpath: str) -> list[str]:
 def test_node_killed_while_a_step_streams_to_it(mounts: MountFactory, token_file: Path) -> None:
     cluster = start_cluster(mounts, token_file, 3)
     node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
-    files = step_files(1, 64)
+    files = step_files(1, scale(24, 64))
     incoming = node1.ram_dir / "objects"
     save(node0 / "run/step_1", files)
     # the first chunks have reached node1: kill it mid-stream
@@ -88,6 +88,7 @@ def test_node_killed_while_a_step_streams_to_it(mounts: MountFactory, token_file
     assert not leftovers, f"half-received replicas left in node1's RAM dir: {leftovers}"
 
 
+@pytest.mark.skipif(not FULL, reason="four nodes: in the full run (TIERFS_FAULTS=full)")
 def test_two_simultaneous_losses_with_two_replicas(mounts: MountFactory,
                                                    token_file: Path) -> None:
     cluster = start_cluster(mounts, token_file, 4, "--replicas", "2")
