@@ -51,11 +51,14 @@ class Trainer:
     """The training process (tests/faults/trainer.py): torch imported once, every save or load
     in a forked child whose pid is known, so either it or the daemon can be killed mid-save."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_path: Path) -> None:
         script = Path(__file__).with_name("trainer.py")
-        self.proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     bufsize=1)
+        self.log_path = log_path
+        # stderr to a file: torch's warnings would fill a pipe nobody reads and block a save
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, text=True,
+                                         bufsize=1)
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -89,7 +92,7 @@ class Trainer:
                     self.child = event["pid"]
                 return event
             if event["event"] == "eof":
-                err = self.proc.stderr.read() if self.proc.stderr else ""
+                err = self.log_path.read_text()
                 raise AssertionError(f"trainer exited while waiting for {names}: {err[-2000:]}")
             if event["event"] == "done" and "done" not in names:
                 raise AssertionError(f"trainer finished early while waiting for {names}: "
@@ -134,8 +137,8 @@ class Trainer:
 
 
 @pytest.fixture
-def trainer() -> Iterator[Trainer]:
-    process = Trainer()
+def trainer(tmp_path: Path) -> Iterator[Trainer]:
+    process = Trainer(tmp_path / "trainer.log")
     try:
         yield process
     finally:
