@@ -196,3 +196,35 @@ def test_writer_back_with_stale_version_after_the_job_moved(
     cluster.nodes["node1"].kill9()
     COUNTS["node_losses"] += 1
     check(cluster, ["node0", "node2"], {"run/step_5": hashes(newer)})
+
+
+def test_node_back_with_stale_replica_when_only_the_store_has_the_newer_version(
+        mounts: MountFactory, token_file: Path, tmp_path: Path) -> None:
+    """node1 holds v1 of step_1 and is lost; node0 re-saves step_1 as v2, persists it, and is
+    lost too. node1 comes back alone: its peers are down, only the persistent tier knows v2,
+    and node1 must serve v2."""
+    store = tmp_path / "store"
+    store.mkdir()
+    cluster = Cluster(mounts, token_file, 2)
+    for node_id in cluster.ports:
+        cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), "--persist",
+                                              f"file://{store}")
+    wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=20)
+    node0 = cluster.nodes["node0"]
+    older = step_files(1, 2)
+    save(node0 / "run/step_1", older)
+    wait_until(lambda: replicas(cluster, "node0", "run/step_1") == ["node1"], timeout=60,
+               interval=0.2)
+    cluster.nodes["node1"].kill9()
+    newer = step_files(10, 2)
+    save(node0 / "run/step_1", newer)
+    from tests.conftest import tierfs
+
+    tierfs("flush", str(node0.mountpoint), "--timeout", "60")
+    node0.kill9()
+    COUNTS["node_losses"] += 2
+    cluster.start("node1")
+    COUNTS["stale_returns"] += 1
+    wait_version(cluster, "node1", "run/step_1", 2, timeout=10)
+    check(cluster, ["node1"], {"run/step_1": hashes(newer)})
+    assert cluster.nodes["node1"].step("run/step_1")["persisted"] is True

@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import stat
+from collections.abc import Callable
 
 from tierfs import manifest as mf
 from tierfs.fs import dcp_metadata
@@ -124,6 +125,12 @@ class OtherTiers:
                     and step.manifest.same_content(manifest) and not step.persisted):
                 self._write_persist_mark(node, manifest.version, "persisted")
                 step.persisted_version = manifest.version
+            elif step.committed and self._supersede(
+                    node, manifest, "the persistent tier",
+                    lambda: self._write_persist_mark(node, manifest.version, "persisted"),
+                    release=True) is not None:
+                step.persisted_version = manifest.version
+                self._add_remote_files(node, list(manifest.files))
             return False
         step_node = self._install_step(manifest, "the persistent tier")
         if step_node is None:
@@ -174,27 +181,33 @@ class OtherTiers:
                  manifest.version, sender, len(manifest.files), manifest.total_bytes)
         return True
 
+    def _write_peers_mark(self, step_node: Node, version: int, holders: set[str]) -> None:
+        line = " ".join([str(version), *sorted(holders)])
+        self._write_file_atomically(os.path.join(self.backing(step_node), PEERS_MARK),
+                                    line.encode())
+
     def _supersede(self, step_node: Node, manifest: mf.StepManifest, source: str,
-                   holders: set[str] | None = None) -> list[str] | None:
+                   record: Callable[[], None] | None = None, *,
+                   release: bool = False) -> list[str] | None:
         """A newer version of a step committed elsewhere replaces the older committed version
         this node holds (it was away while the step was re-saved): never let the old bytes
         shadow the new commit. Refused (None) unless `manifest` is newer and nothing here
         writes, commits or reads the step; the caller retries (gossip, replication).
 
-        On disk the new manifest replaces the old one first (with `holders` recorded before
-        it, so a restart knows where the files are); then the old files leave the tree. The
-        old version's object digests are returned for the caller to release once the new
-        version holds its own references."""
+        On disk, `record` first notes where the new version's files are (peers, the
+        persistent tier), so that a restart finds them; then the new manifest replaces the
+        old one; then the old files leave the tree. The old version's object digests are
+        released here (`release`) or returned for the caller to release once the new version
+        holds its own references (objects both versions share must stay)."""
         step = step_node.step
         old = step.manifest
         if (old is None or manifest.version <= old.version or step.dirty
                 or step.commit_pending or self._busy(step_node)):
             return None
-        dir_path = self.backing(step_node)
-        if holders is not None:
-            line = " ".join([str(manifest.version), *sorted(holders)])
-            self._write_file_atomically(os.path.join(dir_path, PEERS_MARK), line.encode())
-        self._write_file_atomically(os.path.join(dir_path, MANIFEST), mf.encode(manifest))
+        if record is not None:
+            record()
+        self._write_file_atomically(os.path.join(self.backing(step_node), MANIFEST),
+                                    mf.encode(manifest))
         old_refs = [old.entry(name).xxh3 for name in step.resident]
         for _rel, node in list(self._files_under(step_node)):
             if node.remote is None:
@@ -204,11 +217,15 @@ class OtherTiers:
         step.manifest = manifest
         step.resident = set()
         step.replicas = set()
-        step.holders = set(holders or ())
+        step.holders = set()
         step.persisted_version = 0
         step.retired_version = 0
-        log.warning("%s v%d here is superseded by v%d committed on %s", manifest.path,
+        log.warning("%s v%d here is superseded by v%d from %s", manifest.path,
                     old.version, manifest.version, source)
+        if release:
+            for digest in old_refs:
+                self.store.drop_ref(digest)
+            return []
         return old_refs
 
     def _install_step(self, manifest: mf.StepManifest, source: str) -> Node | None:
@@ -281,12 +298,11 @@ class OtherTiers:
                         self._write_node_list(node, PEERS_MARK, step.holders)
             elif not step.committed:
                 self._join_cluster_commit(node, manifest, others)
-            else:
-                old_refs = self._supersede(node, manifest, ", ".join(sorted(others)), others)
-                if old_refs is not None:
-                    self._add_remote_files(node, list(manifest.files))
-                    for digest in old_refs:
-                        self.store.drop_ref(digest)
+            elif self._supersede(node, manifest, ", ".join(sorted(others)),
+                                 lambda: self._write_peers_mark(node, manifest.version, others),
+                                 release=True) is not None:
+                step.holders = others
+                self._add_remote_files(node, list(manifest.files))
             return
         step_node = self._install_step(manifest, f"node {', '.join(sorted(others))}")
         if step_node is None:
