@@ -56,7 +56,7 @@ def disk_phase(ram_dir: Path, relpath: str, old_version: int) -> str:
     if ".metadata.tmp" in names:
         return ".metadata being written"
     if any(n.endswith(".distcp") for n in names):
-        return "shards being written"
+        return "shards on disk, no .metadata yet"
     return "before any data"
 
 
@@ -304,7 +304,7 @@ def test_crash_points_single_node(mounts: MountFactory, trainer: Trainer) -> Non
     assert run.tried == len(schedule) + scale(2, 30)
     if FULL:  # the schedule must really have hit the phases it is meant to
         phases = {p.split(": ", 1)[1] for p in run.phases}
-        assert {"shards being written", ".metadata in place, not committed",
+        assert {"shards on disk, no .metadata yet", ".metadata in place, not committed",
                 "manifest renamed into place"} <= phases, run.phases
 
 
