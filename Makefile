@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 APT    := fuse3 libfuse3-dev pkg-config attr
 
-.PHONY: test demo bench bench-quick lint install clean
+.PHONY: test test-faults demo bench bench-quick lint install clean
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(VENV)/bin/ruff check tierfs tests bench
 	$(PY) -m pytest -q tests
+
+# The fault suite's full run (the quick sample runs in `test`); counts in tests/faults/results.
+test-faults: $(STAMP)
+	TIERFS_FAULTS=full $(PY) -m pytest -q tests/faults
 
 demo: $(STAMP)
 	$(VENV)/bin/tierfs demo

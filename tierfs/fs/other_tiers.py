@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import stat
+from collections.abc import Callable
 
 from tierfs import manifest as mf
 from tierfs.fs import dcp_metadata
@@ -124,6 +125,12 @@ class OtherTiers:
                     and step.manifest.same_content(manifest) and not step.persisted):
                 self._write_persist_mark(node, manifest.version, "persisted")
                 step.persisted_version = manifest.version
+            elif step.committed and self._supersede(
+                    node, manifest, "the persistent tier",
+                    lambda: self._write_persist_mark(node, manifest.version, "persisted"),
+                    release=True) is not None:
+                step.persisted_version = manifest.version
+                self._add_remote_files(node, list(manifest.files))
             return False
         step_node = self._install_step(manifest, "the persistent tier")
         if step_node is None:
@@ -135,16 +142,25 @@ class OtherTiers:
 
     def adopt_replica(self, manifest: mf.StepManifest, sender: str) -> bool:
         """Install a replica whose files a peer has sent and this node has verified (they are
-        committed objects here already). A step this node already has is left as it is."""
+        committed objects here already). Returns whether this node now holds that version: a
+        step here in the same version is filled in, an older committed version that nothing
+        here is writing or reading is superseded, anything else is left as it is."""
         existing = self.find_step(manifest.path)
+        old_refs: list[str] = []
         if existing is not None:
             step = existing.step
             if step.manifest is not None and step.manifest.version == manifest.version:
                 self._fill_from_objects(existing)  # e.g. a multi-node DCP step held in part
-            return False
-        step_node = self._install_step(manifest, f"node {sender}")
-        if step_node is None:
-            return False
+                return True
+            superseded = self._supersede(existing, manifest, f"node {sender}")
+            if superseded is None:
+                return False
+            step_node, old_refs = existing, superseded
+        else:
+            installed = self._install_step(manifest, f"node {sender}")
+            if installed is None:
+                return False
+            step_node = installed
         # The manifest is on disk first: a crash from here on is repaired by _restore_step.
         step = step_node.step
         for entry in manifest.files:
@@ -159,9 +175,58 @@ class OtherTiers:
                              os.lstat(path).st_ino)
             self.store.add_ref(entry.xxh3, path)
             step.resident.add(entry.name)
+        for digest in old_refs:  # after the new refs: objects both versions share stay
+            self.store.drop_ref(digest)
         log.info("holding a replica of %s v%d from %s (%d files, %d bytes)", manifest.path,
                  manifest.version, sender, len(manifest.files), manifest.total_bytes)
         return True
+
+    def _write_peers_mark(self, step_node: Node, version: int, holders: set[str]) -> None:
+        line = " ".join([str(version), *sorted(holders)])
+        self._write_file_atomically(os.path.join(self.backing(step_node), PEERS_MARK),
+                                    line.encode())
+
+    def _supersede(self, step_node: Node, manifest: mf.StepManifest, source: str,
+                   record: Callable[[], None] | None = None, *,
+                   release: bool = False) -> list[str] | None:
+        """A newer version of a step committed elsewhere replaces the older committed version
+        this node holds (it was away while the step was re-saved): never let the old bytes
+        shadow the new commit. Refused (None) unless `manifest` is newer and nothing here
+        writes, commits or reads the step; the caller retries (gossip, replication).
+
+        On disk, `record` first notes where the new version's files are (peers, the
+        persistent tier), so that a restart finds them; then the new manifest replaces the
+        old one; then the old files leave the tree. The old version's object digests are
+        released here (`release`) or returned for the caller to release once the new version
+        holds its own references (objects both versions share must stay)."""
+        step = step_node.step
+        old = step.manifest
+        if (old is None or manifest.version <= old.version or step.dirty
+                or step.commit_pending or self._busy(step_node)):
+            return None
+        if record is not None:
+            record()
+        self._write_file_atomically(os.path.join(self.backing(step_node), MANIFEST),
+                                    mf.encode(manifest))
+        old_refs = [old.entry(name).xxh3 for name in step.resident]
+        for _rel, node in list(self._files_under(step_node)):
+            if node.remote is None:
+                self._unlink_backing(self.backing(node), node)
+            self._drop_fetch(node)
+            self._detach(node)
+        step.manifest = manifest
+        step.resident = set()
+        step.replicas = set()
+        step.holders = set()
+        step.persisted_version = 0
+        step.retired_version = 0
+        log.warning("%s v%d here is superseded by v%d from %s", manifest.path,
+                    old.version, manifest.version, source)
+        if release:
+            for digest in old_refs:
+                self.store.drop_ref(digest)
+            return []
+        return old_refs
 
     def _install_step(self, manifest: mf.StepManifest, source: str) -> Node | None:
         """The directories of a step committed elsewhere, and its manifest, written first."""
@@ -226,13 +291,18 @@ class OtherTiers:
         node = self.find_step(manifest.path)
         if node is not None:
             step = node.step
-            if step.manifest is not None and step.manifest.version == manifest.version \
-                    and not others <= step.holders:
-                step.holders |= others
-                if not step.in_ram:
-                    self._write_node_list(node, PEERS_MARK, step.holders)
+            if step.manifest is not None and step.manifest.version == manifest.version:
+                if not others <= step.holders:
+                    step.holders |= others
+                    if not step.in_ram:
+                        self._write_node_list(node, PEERS_MARK, step.holders)
             elif not step.committed:
                 self._join_cluster_commit(node, manifest, others)
+            elif self._supersede(node, manifest, ", ".join(sorted(others)),
+                                 lambda: self._write_peers_mark(node, manifest.version, others),
+                                 release=True) is not None:
+                step.holders = others
+                self._add_remote_files(node, list(manifest.files))
             return
         step_node = self._install_step(manifest, f"node {', '.join(sorted(others))}")
         if step_node is None:

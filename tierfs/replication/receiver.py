@@ -36,7 +36,7 @@ class Space(Protocol):
 
 class ReplicaReceiver:
     def __init__(self, objects_dir: Path, space: Space,
-                 adopt: Callable[[mf.StepManifest, str], None]) -> None:
+                 adopt: Callable[[mf.StepManifest, str], bool]) -> None:
         self.objects_dir = objects_dir
         self.space = space
         self._adopt = adopt
@@ -97,5 +97,10 @@ class ReplicaReceiver:
             if size != entry.size:
                 await channel.send("ERROR", message=f"{entry.name} was not received")
                 return
-        self._adopt(manifest, channel.peer_id)
+        if not self._adopt(manifest, channel.peer_id):
+            # e.g. a newer version of the step is here: the sender must not count this node
+            # as a holder of its version
+            await channel.send("ERROR", message=f"{manifest.path} v{manifest.version} is not "
+                               "held here (another version, or the name is in use)")
+            return
         await channel.send("OK")

@@ -1,0 +1,176 @@
+"""Fixtures and helpers of the fault suite: the run size (quick sample by default, the full run
+with TIERFS_FAULTS=full), a training process that saves and loads real DCP checkpoints on
+command, verification of steps under a mount against the hashes the training process saved,
+and the counts each module reports in tests/faults/results/<name>.json."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xxhash
+
+from tests.conftest import Mount, getxattr
+
+FULL = os.environ.get("TIERFS_FAULTS", "") == "full"
+RESULTS = Path(__file__).with_name("results")
+
+
+def scale(quick: int, full: int) -> int:
+    return full if FULL else quick
+
+
+def report(name: str, counts: dict[str, Any]) -> None:
+    """Write one module's counts where `make test-faults` leaves them, and print them."""
+    RESULTS.mkdir(exist_ok=True)
+    counts = {"mode": "full" if FULL else "quick", **counts}
+    (RESULTS / f"{name}.json").write_text(json.dumps(counts, indent=2, sort_keys=True) + "\n")
+    print(f"\n[faults] {name}: {json.dumps(counts, sort_keys=True)}")
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "cluster.token"
+    path.write_bytes(os.urandom(32).hex().encode())
+    path.chmod(0o600)
+    return path
+
+
+class Trainer:
+    """The training process (tests/faults/trainer.py): torch imported once, every save or load
+    in a forked child whose pid is known, so either it or the daemon can be killed mid-save."""
+
+    def __init__(self, log_path: Path) -> None:
+        script = Path(__file__).with_name("trainer.py")
+        self.log_path = log_path
+        # stderr to a file: torch's warnings would fill a pipe nobody reads and block a save
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, text=True,
+                                         bufsize=1)
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.child = 0
+        self.expect("ready", timeout=120)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                self.events.put(json.loads(line))
+            except json.JSONDecodeError:
+                self.events.put({"event": "noise", "line": line})
+        self.events.put({"event": "eof"})
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, *names: str, timeout: float = 120) -> dict[str, Any]:
+        """The next event named one of `names` (noise skipped); fails on eof or timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                event = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"trainer: no {names} within {timeout} s") from None
+            if event["event"] in names:
+                if event["event"] == "child":
+                    self.child = event["pid"]
+                return event
+            if event["event"] == "eof":
+                err = self.log_path.read_text()
+                raise AssertionError(f"trainer exited while waiting for {names}: {err[-2000:]}")
+            if event["event"] == "done" and "done" not in names:
+                raise AssertionError(f"trainer finished early while waiting for {names}: "
+                                     f"{event}")
+
+    def start_save(self, path: Path, seed: int, mib: float, pause: bool = False) -> None:
+        self.send(json.dumps({"op": "save", "path": str(path), "seed": seed, "mib": mib,
+                              "pause": pause}))
+        self.expect("child")
+        self.expect("start")
+
+    def save(self, path: Path, seed: int, mib: float) -> dict[str, str]:
+        """A save that must succeed; the hashes of the files as read back right after it."""
+        self.start_save(path, seed, mib)
+        done = self.expect("done")
+        assert done["ok"], done
+        return done["files"]
+
+    def load_matches(self, path: Path, seed: int, mib: float) -> tuple[bool, str]:
+        self.send(json.dumps({"op": "load", "path": str(path), "seed": seed, "mib": mib}))
+        self.expect("child")
+        done = self.expect("done")
+        return done["ok"], done.get("error", "")
+
+    def kill_child(self) -> None:
+        """SIGKILL the current save's process, if it still is the trainer's child (a reaped
+        pid may belong to someone else by now)."""
+        try:
+            with open(f"/proc/{self.child}/stat") as f:
+                parent = int(f.read().rsplit(") ", 1)[1].split()[1])
+        except (FileNotFoundError, ValueError, IndexError):
+            return
+        if self.child and parent == self.proc.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.child, signal.SIGKILL)
+
+    def close(self) -> None:
+        self.kill_child()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def trainer(tmp_path: Path) -> Iterator[Trainer]:
+    process = Trainer(tmp_path / "trainer.log")
+    try:
+        yield process
+    finally:
+        process.close()
+
+
+def file_hash(path: Path) -> str:
+    hasher = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(4 << 20):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def step_problems(mnt: Mount | Path, relpath: str, files: dict[str, str]) -> list[str]:
+    """What is wrong with a step that must be committed with exactly these files and hashes:
+    its state, its file list, the bytes read through the mount, the manifest's xxh3 xattr."""
+    step_dir = Path(mnt) / relpath
+    try:
+        state = getxattr(step_dir, "user.tierfs.state")
+        if state != "committed":
+            return [f"{relpath} is {state}"]
+        names = sorted(os.listdir(step_dir))
+        if names != sorted(files):
+            return [f"{relpath} holds {names}, expected {sorted(files)}"]
+        problems = []
+        for name, expected in files.items():
+            found = file_hash(step_dir / name)
+            recorded = getxattr(step_dir / name, "user.tierfs.xxh3")
+            if not found == recorded == expected:
+                problems.append(f"{relpath}/{name}: read {found}, manifest {recorded}, "
+                                f"saved {expected}")
+        return problems
+    except OSError as exc:
+        return [f"{relpath}: {exc}"]
