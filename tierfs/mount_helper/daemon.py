@@ -23,6 +23,7 @@ from tierfs.fs.namespace import Namespace
 from tierfs.fs.nodes import FsError
 from tierfs.fs.operations import Operations
 from tierfs.fs.ram_store import RamDirBusy, RamFull, RamStore
+from tierfs.fs.verify import Verifier
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.mounts import filesystem_type, is_mounted
@@ -30,6 +31,7 @@ from tierfs.replication.cluster_commit import SealedFiles
 from tierfs.replication.gossip import Gossip
 from tierfs.replication.membership import Membership
 from tierfs.replication.peer_reader import PeerReader, RangeServer
+from tierfs.replication.peer_verify import PeerVerify, verify_handler
 from tierfs.replication.receiver import ReplicaReceiver
 from tierfs.replication.replicator import Replicator
 from tierfs.replication.server import Handler, PeerServer
@@ -158,10 +160,13 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           step_pattern=cfg.step_pattern, keep_ram=cfg.keep_ram,
                           replicas=cfg.replicas)
     namespace.load()
+    verifier = Verifier(namespace)
+    verifier.collect_unverified()
+    namespace.before_read_open = verifier.before_read_open
     uploader = await _persistent_tier(cfg, namespace, store, ready)
     if uploader is not None:
-        namespace.read_sources.append(PersistentReader(uploader.backend,
-                                                       trio.CapacityLimiter(8)))
+        verifier.persist = PersistentReader(uploader.backend, trio.CapacityLimiter(8))
+        namespace.read_sources.append(verifier.persist)
         await _adopt_stored_steps(namespace, uploader)
     operations = Operations(namespace, str(cfg.control_socket))
     options = set(pyfuse3.default_options) | {"fsname=tierfs", "subtype=tierfs"}
@@ -169,8 +174,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         pyfuse3.init(operations, str(cfg.mountpoint), options)
     except RuntimeError as exc:
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
-    cluster = ClusterNode(cfg, namespace, store) if cfg.peers else None
-    daemon = Daemon(cfg, namespace, uploader, cluster)
+    cluster = ClusterNode(cfg, namespace, store, verifier) if cfg.peers else None
+    daemon = Daemon(cfg, namespace, uploader, cluster, verifier)
     try:
         async with trio.open_nursery() as nursery:
             if cluster is not None:
@@ -180,8 +185,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             nursery.start_soon(daemon.consume_commits, commits_recv)
             if uploader is not None:
                 nursery.start_soon(uploader.run)
-                for manifest in namespace.committed_manifests():
-                    uploader.submit(manifest)  # committed before a restart, not yet uploaded
+            nursery.start_soon(_verify_then_send, verifier, uploader, cluster)
             nursery.start_soon(_terminate_on_signal)
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers
             log.info("mounted %s (RAM dir %s, limit %d bytes, pid %d)", cfg.mountpoint,
@@ -239,6 +243,19 @@ async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> None:
     namespace.enforce_keep_ram()
 
 
+async def _verify_then_send(verifier: Verifier, uploader: Uploader | None,
+                            cluster: ClusterNode | None) -> None:
+    """Hash the RAM objects found at start, then upload and replicate what is due since before
+    the restart: a copy that changed while no daemon watched is never sent anywhere."""
+    await verifier.scan_at_start()
+    if uploader is not None:
+        for manifest in verifier.ns.committed_manifests():
+            uploader.submit(manifest)  # committed before a restart, not yet uploaded
+    if cluster is not None:
+        for manifest in verifier.ns.owned_manifests():
+            cluster.replicator.submit(manifest)  # copies due since before a restart
+
+
 async def _run_fuse(cancel_scope: trio.CancelScope) -> None:
     await pyfuse3.main()
     cancel_scope.cancel()  # unmounted or terminated: stop the other workers
@@ -256,10 +273,13 @@ class ClusterNode:
     """The cluster side of one daemon (with --peers): membership, the peer port and its
     handlers, replication, gossip and peer reads, wired to this node's namespace and store."""
 
-    def __init__(self, cfg: MountConfig, namespace: Namespace, store: RamStore) -> None:
+    def __init__(self, cfg: MountConfig, namespace: Namespace, store: RamStore,
+                 verifier: Verifier) -> None:
         self.cfg = cfg
         self.namespace = namespace
         self.membership = Membership(cfg.node_id, cfg.peers, cfg.token)
+        self.verifier = verifier
+        verifier.peers = PeerVerify(self.membership)
         # Peers come first among the read sources: faster than the persistent tier.
         namespace.read_sources.insert(0, PeerReader(self.membership, namespace.holders_of))
         self.gossip = Gossip(self.membership, namespace.holdings, namespace.learn)
@@ -278,6 +298,7 @@ class ClusterNode:
             "PUT": self.receiver.put, "PUT_MANIFEST": self.receiver.put_manifest,
             "GET": self.ranges.on_get, "GOSSIP": self.gossip.on_gossip,
             "PULL": self.gossip.on_pull, "SEALED": self.sealed.on_sealed,
+            "VERIFY": verify_handler(self.verifier.check_held_file),
         }
         me = self.membership.members[self.cfg.node_id]
         server = PeerServer(self.cfg.node_id, self.cfg.token, self.membership.ids, handlers)
@@ -291,8 +312,6 @@ class ClusterNode:
         for worker in (self.membership.run, self.gossip.run, self.replicator.run,
                        self._restore_copies, self._retry_pending_commits):
             nursery.start_soon(worker)
-        for manifest in self.namespace.owned_manifests():
-            self.replicator.submit(manifest)  # copies due since before a restart
 
     async def _restore_copies(self) -> None:
         """When a node goes or comes, every holder checks that its steps still have K copies."""
@@ -314,11 +333,12 @@ class Daemon:
     """Answers control requests and follows commit events."""
 
     def __init__(self, cfg: MountConfig, namespace: Namespace, uploader: Uploader | None,
-                 cluster: ClusterNode | None) -> None:
+                 cluster: ClusterNode | None, verifier: Verifier) -> None:
         self.cfg = cfg
         self.namespace = namespace
         self.uploader = uploader
         self.cluster = cluster
+        self.verifier = verifier
         self.commits = 0
 
     async def consume_commits(self, events: trio.MemoryReceiveChannel[mf.StepManifest]) -> None:
@@ -341,12 +361,15 @@ class Daemon:
         command = request.get("cmd")
         if command == "status":
             return {"ok": True, "status": self.status()}
-        if command not in ("commit", "prefetch"):
+        if command not in ("commit", "prefetch", "verify"):
             return {"ok": False, "error": f"unknown command {command!r}"}
         path = request.get("path")
         if not isinstance(path, str):
             return {"ok": False, "error": f"{command} needs a path"}
         try:
+            if command == "verify":
+                reports = await self.verifier.verify(path, bool(request.get("repair", True)))
+                return {"ok": True, "steps": [r.as_dict() for r in reports]}
             if command == "prefetch":
                 return {"ok": True, "bytes": await self.namespace.prefetch(path)}
             manifest = await self.namespace.commit_path(path)
@@ -373,5 +396,7 @@ class Daemon:
             "served_to_peers": self.cluster.served() if self.cluster else None,
             "persist": self.persist_status(),
             "commits": self.commits,
+            "ram_check": dict(self.verifier.scan_counts, done=self.verifier.scan_done.is_set()),
+            "verify": self.verifier.progress,
             "steps": steps,
         }
