@@ -148,7 +148,8 @@ def phases(rng: random.Random) -> list[tuple[str, PlanMaker]]:
             else None
 
     def slow(start: float) -> Callable[[Request], Fault | None]:
-        return lambda r: Fault("slow", delay=0.2 + 1.3 * rng.random()) if chance(0.7) else None
+        return lambda r: Fault("slow", delay=pick(0.1, 0.2) + pick(0.6, 1.3) * rng.random()) \
+            if chance(0.7) else None
 
     def flaky(start: float) -> Callable[[Request], Fault | None]:
         def plan(r: Request) -> Fault | None:
@@ -192,7 +193,7 @@ def test_s3_trouble_loses_nothing_and_evicts_nothing_unsafely(
     started = time.monotonic()
     rng = random.Random(6)
     rounds = pick(1, 4)
-    megabytes = pick(36, 48)  # > 16 MiB: multipart uploads of 16 MiB parts
+    megabytes = pick(20, 48)  # > 16 MiB: multipart uploads of 16 MiB parts
     watch_seconds = pick(1.0, 3.0)
     ledger = Ledger(bucket, s3_server.client())
     with S3Proxy(s3_server.endpoint) as proxy:
@@ -201,8 +202,10 @@ def test_s3_trouble_loses_nothing_and_evicts_nothing_unsafely(
                 "--keep-ram", "1")
         mnt = first_mount = mounts.mount(*args, env=env)
         number = 0
+        seconds: dict[str, float] = {}
         for _round in range(rounds):
             for name, make_plan in phases(rng):
+                phase_started = time.monotonic()
                 before = proxy.faults
                 proxy.plan = make_plan(time.monotonic())
                 number += 10
@@ -216,6 +219,7 @@ def test_s3_trouble_loses_nothing_and_evicts_nothing_unsafely(
                 ledger.check(mnt)
                 proxy.plan = None
                 assert proxy.faults > before, f"phase {name} injected nothing"
+                seconds[name] = round(seconds.get(name, 0) + time.monotonic() - phase_started, 1)
                 watch(mnt, ledger, 0.5)
 
         # An upload cut off for good (every part dropped), then the daemon is killed: S3 holds
@@ -275,7 +279,7 @@ def test_s3_trouble_loses_nothing_and_evicts_nothing_unsafely(
     write_results("s3_trouble", {
         "steps_saved": len(ledger.saved), "bytes_saved_per_step": megabytes << 20,
         "requests_proxied": proxy.counts["requests"], "faults_injected": proxy.faults,
-        "faults_by_kind": faults, "daemon_kills_mid_upload": 1, **counts,
+        "faults_by_kind": faults, "daemon_kills_mid_upload": 1, **counts, "phase_seconds": seconds,
         "seconds": round(time.monotonic() - started, 1)})
 
 

@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("path", metavar="PATH")
     verify.add_argument("--json", action="store_true", help="machine-readable report")
     verify.add_argument("--no-repair", action="store_true",
-                        help="only check and report; change nothing")
+                        help="check and report, repair nothing (a bad RAM copy is still "
+                        "taken out of service, so that it is never read)")
 
     commands.add_parser("demo", help="train, checkpoint, crash and resume on a local mount "
                         "(what `make demo` runs)")
