@@ -73,6 +73,9 @@ class TierReport:
     missing: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
     error: str = ""                                     # the tier could not be checked
+    # A peer that does not hold a file (left its RAM, or holds only its own shards of a
+    # multi-node DCP step): not a fault of that copy; "any tier" says if no good copy is left.
+    not_held: list[str] = field(default_factory=list)
     held_good: set[str] = field(default_factory=set)    # good or repaired here
 
     @property
@@ -81,7 +84,8 @@ class TierReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {"tier": self.tier, "good": self.good, "bad": self.bad, "missing": self.missing,
-                "repaired": self.repaired, "error": self.error, "ok": self.ok}
+                "repaired": self.repaired, "error": self.error, "not_held": self.not_held,
+                "ok": self.ok}
 
 
 @dataclass
@@ -228,7 +232,10 @@ class Verifier:
             except Exception as exc:  # unreachable, refused, timed out: the tier is unchecked
                 tier.error = f"could not ask {peer}: {exc or type(exc).__name__}"
                 return tier
-            self._tally(tier, state, entry.name)
+            if state == MISSING:
+                tier.not_held.append(entry.name)
+            else:
+                self._tally(tier, state, entry.name)
             self._advance(entry.size)
         return tier
 
@@ -502,6 +509,8 @@ def describe(tier: TierReport) -> str:
         parts.append(f"{len(tier.bad)} BAD ({', '.join(tier.bad)})")
     if tier.missing:
         parts.append(f"{len(tier.missing)} MISSING ({', '.join(tier.missing)})")
+    if tier.not_held:
+        parts.append(f"{len(tier.not_held)} not held there")
     if tier.error:
         parts.append(f"UNCHECKED: {tier.error}")
     return f"{tier.tier}: {', '.join(parts) or 'nothing held'}"

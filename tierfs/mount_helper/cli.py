@@ -368,8 +368,7 @@ def format_verify(steps: list[dict[str, Any]]) -> str:
         lines.append(f"{step['path']} v{step['version']}: {step['files']} files, "
                      f"{human_bytes(step['bytes'])}")
         for tier in step["tiers"]:
-            report = TierReport(tier["tier"], tier["good"], tier["bad"], tier["missing"],
-                                tier["repaired"], tier["error"])
+            report = TierReport(**{k: v for k, v in tier.items() if k != "ok"})
             lines.append(f"  {describe(report)}")
     copies = sum(len(s["tiers"]) for s in steps)
     repaired = sum(len(t["repaired"]) for s in steps for t in s["tiers"])
