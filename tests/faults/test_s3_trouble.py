@@ -161,12 +161,12 @@ def phases(rng: random.Random) -> list[tuple[str, PlanMaker]]:
         return plan
 
     def cut_parts(start: float) -> Callable[[Request], Fault | None]:
-        # The first six parts after the first are cut in the middle (half a part sent).
-        cut = [0]
+        # The first parts after the first are cut in the middle (half a part sent).
+        cut, cuts = [0], pick(3, 6)
 
         def plan(r: Request) -> Fault | None:
             with lock:
-                if r.is_upload_part and r.part_number >= 2 and cut[0] < 6:
+                if r.is_upload_part and r.part_number >= 2 and cut[0] < cuts:
                     cut[0] += 1
                     return Fault("drop", fraction=0.5)
             return None
