@@ -81,6 +81,9 @@ class Namespace(Recovery, Residency, OtherTiers):
         self.collect_sealed: Callable[[str, set[str]], Awaitable[
             dict[str, tuple[str, mf.FileEntry]]]] | None = None
         self.read_sources = read_sources or []
+        # Injected by the daemon (fs.verify): RAM objects from before a restart are hashed
+        # before their first read.
+        self.before_read_open: Callable[[Node], Awaitable[None]] | None = None
         self.node_id = node_id
         self.pattern = re.compile(step_pattern)
         self._commits = commits
@@ -247,6 +250,8 @@ class Namespace(Recovery, Residency, OtherTiers):
             raise FsError(errno.EISDIR if node.is_dir else errno.EINVAL)
         writable = (flags & os.O_ACCMODE) != os.O_RDONLY
         truncate = writable and bool(flags & os.O_TRUNC)
+        if not writable and node.remote is None and self.before_read_open is not None:
+            await self.before_read_open(node)  # may quarantine it: then it is remote
         if node.remote is not None:
             if not writable:
                 return self._new_handle(node, -1, writable)  # bytes come on demand: read()

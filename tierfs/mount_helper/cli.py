@@ -29,6 +29,7 @@ examples:
   tierfs commit /checkpoints/run1/step_100       commit a step that did not commit by itself
   tierfs mount /checkpoints --persist s3://bucket/ckpt --persist-every 10 --keep-persist 5
   tierfs flush /checkpoints --timeout 600        wait until the persistent tier has every step
+  tierfs verify /checkpoints/run1                check every copy of every step; repair bad ones
   tierfs umount /checkpoints
 
 A step directory (name matching --step-pattern, e.g. step_100, checkpoint-500, 100) commits
@@ -91,6 +92,21 @@ def build_parser() -> argparse.ArgumentParser:
         "RAM, from the peers that hold it or else the persistent tier, verifying each one.")
     prefetch.add_argument("path", metavar="PATH")
 
+    verify = commands.add_parser(
+        "verify", help="check every copy of the committed steps under PATH; repair bad ones",
+        description="Check every file of each committed step under PATH (a step directory, or "
+        "a directory holding steps) against its manifest, on every tier that holds it: this "
+        "node's RAM, each peer that holds a copy, and the persistent tier. A bad copy is "
+        "repaired from a good one: a RAM copy is fetched again from a peer or the persistent "
+        "tier, a peer pulls a good copy back, a bad object in the persistent tier is uploaded "
+        "again. Exits 0 when every copy is good or was repaired, 1 with a one-line reason "
+        "otherwise.")
+    verify.add_argument("path", metavar="PATH")
+    verify.add_argument("--json", action="store_true", help="machine-readable report")
+    verify.add_argument("--no-repair", action="store_true",
+                        help="check and report, repair nothing (a bad RAM copy is still "
+                        "taken out of service, so that it is never read)")
+
     commands.add_parser("demo", help="train, checkpoint, crash and resume on a local mount "
                         "(what `make demo` runs)")
     return parser
@@ -113,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             return _commit(args.path)
         if args.command == "prefetch":
             return _prefetch(args.path)
+        if args.command == "verify":
+            return _verify(args.path, args.json, not args.no_repair)
         if args.command == "demo":
             from tierfs.mount_helper.demo import run_demo  # imports torch: only when asked
 
@@ -290,6 +308,75 @@ def _prefetch(path: str) -> int:
     print(f"{relpath} is in RAM: {human_bytes(fetched)} fetched in "
           f"{time.monotonic() - started:.1f} s")
     return 0
+
+
+def _verify(path: str, as_json: bool, repair: bool) -> int:
+    """Run the check in the daemon; meanwhile draw its progress from the daemon's status."""
+    socket_path, _root, relpath = control.locate(path)
+    outcome: dict[str, Any] = {}
+
+    def check() -> None:
+        try:
+            outcome["reply"] = control.request(
+                socket_path, {"cmd": "verify", "path": relpath, "repair": repair}, timeout=None)
+        except control.ControlError as exc:
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=check, daemon=True)
+    worker.start()
+    on_terminal = sys.stderr.isatty()
+    drawn = False
+    while worker.is_alive():
+        worker.join(0.3)
+        if on_terminal and worker.is_alive():
+            progress = control.request(socket_path, {"cmd": "status"})["status"].get("verify")
+            if progress and progress["total_bytes"]:
+                share = min(1.0, progress["checked_bytes"] / progress["total_bytes"])
+                bar = "#" * int(30 * share) + "." * (30 - int(30 * share))
+                print(f"\rverifying [{bar}] {100 * share:3.0f}%  step {progress['steps_done']}"
+                      f" of {progress['steps']} ", end="", file=sys.stderr, flush=True)
+                drawn = True
+    if drawn:
+        print(file=sys.stderr)
+    if "error" in outcome:
+        raise outcome["error"]
+    steps = outcome["reply"]["steps"]
+    if as_json:
+        print(json.dumps({"steps": steps, "ok": all(s["ok"] for s in steps)}, indent=2))
+    else:
+        print(format_verify(steps))
+    failures = [(s, t) for s in steps for t in s["tiers"] if not t["ok"]]
+    if not failures:
+        return 0
+    step, tier = failures[0]
+    if tier["error"]:
+        reason = tier["error"]
+    else:
+        problems = ([f"{len(tier['bad'])} bad ({', '.join(tier['bad'])})"] if tier["bad"]
+                    else []) + ([f"{len(tier['missing'])} missing ("
+                                 f"{', '.join(tier['missing'])})"] if tier["missing"] else [])
+        reason = " and ".join(problems) + (", no good copy to repair from" if repair else "")
+    more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+    raise UserError(f"verify: {step['path']} on {tier['tier']}: {reason}{more}")
+
+
+def format_verify(steps: list[dict[str, Any]]) -> str:
+    from tierfs.fs.verify import TierReport, describe
+
+    lines = []
+    for step in steps:
+        lines.append(f"{step['path']} v{step['version']}: {step['files']} files, "
+                     f"{human_bytes(step['bytes'])}")
+        for tier in step["tiers"]:
+            report = TierReport(**{k: v for k, v in tier.items() if k != "ok"})
+            lines.append(f"  {describe(report)}")
+    copies = sum(len(s["tiers"]) for s in steps)
+    repaired = sum(len(t["repaired"]) for s in steps for t in s["tiers"])
+    good = all(s["ok"] for s in steps)
+    lines.append(f"{len(steps)} steps, {copies} copies checked: "
+                 + ("every copy good" if good else "PROBLEMS FOUND")
+                 + (f" ({repaired} files repaired)" if repaired else ""))
+    return "\n".join(lines)
 
 
 def _commit(path: str) -> int:

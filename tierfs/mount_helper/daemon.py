@@ -24,6 +24,7 @@ from tierfs.fs.nodes import FsError
 from tierfs.fs.operations import Operations
 from tierfs.fs.passthrough import PassthroughDevice, PassthroughUnavailable
 from tierfs.fs.ram_store import RamDirBusy, RamFull, RamStore
+from tierfs.fs.verify import Verifier
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.mounts import filesystem_type, is_mounted
@@ -31,6 +32,7 @@ from tierfs.replication.cluster_commit import SealedFiles
 from tierfs.replication.gossip import Gossip
 from tierfs.replication.membership import Membership
 from tierfs.replication.peer_reader import PeerReader, RangeServer
+from tierfs.replication.peer_verify import PeerVerify, verify_handler
 from tierfs.replication.receiver import ReplicaReceiver
 from tierfs.replication.replicator import Replicator
 from tierfs.replication.server import Handler, PeerServer
@@ -159,10 +161,13 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           step_pattern=cfg.step_pattern, keep_ram=cfg.keep_ram,
                           replicas=cfg.replicas)
     namespace.load()
+    verifier = Verifier(namespace)
+    verifier.collect_unverified()
+    namespace.before_read_open = verifier.before_read_open
     uploader = await _persistent_tier(cfg, namespace, store, ready)
     if uploader is not None:
-        namespace.read_sources.append(PersistentReader(uploader.backend,
-                                                       trio.CapacityLimiter(8)))
+        verifier.persist = PersistentReader(uploader.backend, trio.CapacityLimiter(8))
+        namespace.read_sources.append(verifier.persist)
         await _adopt_stored_steps(namespace, uploader)
     device = _open_passthrough(cfg)
     operations = Operations(namespace, str(cfg.control_socket), device)
@@ -174,8 +179,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         if device is not None:
             device.close()
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
-    cluster = ClusterNode(cfg, namespace, store) if cfg.peers else None
-    daemon = Daemon(cfg, namespace, uploader, cluster, device)
+    cluster = ClusterNode(cfg, namespace, store, verifier) if cfg.peers else None
+    daemon = Daemon(cfg, namespace, uploader, cluster, verifier, device)
     serving = True
     try:
         async with trio.open_nursery() as nursery:
@@ -195,8 +200,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             nursery.start_soon(daemon.consume_commits, commits_recv)
             if uploader is not None:
                 nursery.start_soon(uploader.run)
-                for manifest in namespace.committed_manifests():
-                    uploader.submit(manifest)  # committed before a restart, not yet uploaded
+            nursery.start_soon(_verify_then_send, verifier, uploader, cluster)
             nursery.start_soon(_terminate_on_signal)
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers
             log.info("mounted %s (RAM dir %s, limit %d bytes, pid %d)", cfg.mountpoint,
@@ -275,6 +279,19 @@ async def _account_direct_writes(namespace: Namespace) -> None:
         namespace.account_direct_writes()
 
 
+async def _verify_then_send(verifier: Verifier, uploader: Uploader | None,
+                            cluster: ClusterNode | None) -> None:
+    """Hash the RAM objects found at start, then upload and replicate what is due since before
+    the restart: a copy that changed while no daemon watched is never sent anywhere."""
+    await verifier.scan_at_start()
+    if uploader is not None:
+        for manifest in verifier.ns.committed_manifests():
+            uploader.submit(manifest)  # committed before a restart, not yet uploaded
+    if cluster is not None:
+        for manifest in verifier.ns.owned_manifests():
+            cluster.replicator.submit(manifest)  # copies due since before a restart
+
+
 async def _run_fuse(cancel_scope: trio.CancelScope) -> None:
     await pyfuse3.main()
     cancel_scope.cancel()  # unmounted or terminated: stop the other workers
@@ -292,10 +309,13 @@ class ClusterNode:
     """The cluster side of one daemon (with --peers): membership, the peer port and its
     handlers, replication, gossip and peer reads, wired to this node's namespace and store."""
 
-    def __init__(self, cfg: MountConfig, namespace: Namespace, store: RamStore) -> None:
+    def __init__(self, cfg: MountConfig, namespace: Namespace, store: RamStore,
+                 verifier: Verifier) -> None:
         self.cfg = cfg
         self.namespace = namespace
         self.membership = Membership(cfg.node_id, cfg.peers, cfg.token)
+        self.verifier = verifier
+        verifier.peers = PeerVerify(self.membership)
         # Peers come first among the read sources: faster than the persistent tier.
         namespace.read_sources.insert(0, PeerReader(self.membership, namespace.holders_of))
         self.gossip = Gossip(self.membership, namespace.holdings, namespace.learn)
@@ -314,6 +334,7 @@ class ClusterNode:
             "PUT": self.receiver.put, "PUT_MANIFEST": self.receiver.put_manifest,
             "GET": self.ranges.on_get, "GOSSIP": self.gossip.on_gossip,
             "PULL": self.gossip.on_pull, "SEALED": self.sealed.on_sealed,
+            "VERIFY": verify_handler(self.verifier.check_held_file),
         }
         me = self.membership.members[self.cfg.node_id]
         server = PeerServer(self.cfg.node_id, self.cfg.token, self.membership.ids, handlers)
@@ -327,8 +348,6 @@ class ClusterNode:
         for worker in (self.membership.run, self.gossip.run, self.replicator.run,
                        self._restore_copies, self._retry_pending_commits):
             nursery.start_soon(worker)
-        for manifest in self.namespace.owned_manifests():
-            self.replicator.submit(manifest)  # copies due since before a restart
 
     async def _restore_copies(self) -> None:
         """When a node goes or comes, every holder checks that its steps still have K copies."""
@@ -350,12 +369,13 @@ class Daemon:
     """Answers control requests and follows commit events."""
 
     def __init__(self, cfg: MountConfig, namespace: Namespace, uploader: Uploader | None,
-                 cluster: ClusterNode | None,
+                 cluster: ClusterNode | None, verifier: Verifier,
                  passthrough: PassthroughDevice | None = None) -> None:
         self.cfg = cfg
         self.namespace = namespace
         self.uploader = uploader
         self.cluster = cluster
+        self.verifier = verifier
         self.passthrough = passthrough
         self.commits = 0
 
@@ -379,12 +399,15 @@ class Daemon:
         command = request.get("cmd")
         if command == "status":
             return {"ok": True, "status": self.status()}
-        if command not in ("commit", "prefetch"):
+        if command not in ("commit", "prefetch", "verify"):
             return {"ok": False, "error": f"unknown command {command!r}"}
         path = request.get("path")
         if not isinstance(path, str):
             return {"ok": False, "error": f"{command} needs a path"}
         try:
+            if command == "verify":
+                reports = await self.verifier.verify(path, bool(request.get("repair", True)))
+                return {"ok": True, "steps": [r.as_dict() for r in reports]}
             if command == "prefetch":
                 return {"ok": True, "bytes": await self.namespace.prefetch(path)}
             manifest = await self.namespace.commit_path(path)
@@ -412,5 +435,7 @@ class Daemon:
             "served_to_peers": self.cluster.served() if self.cluster else None,
             "persist": self.persist_status(),
             "commits": self.commits,
+            "ram_check": dict(self.verifier.scan_counts, done=self.verifier.scan_done.is_set()),
+            "verify": self.verifier.progress,
             "steps": steps,
         }

@@ -44,6 +44,8 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "PUT": {"path": str, "name": str, "xxh3": str, "size": int, "offset": int},
     "PUT_MANIFEST": {"manifest": bytes},    # a replica is complete: its manifest
     "GET": {"path": str, "name": str, "xxh3": str, "offset": int, "length": int},
+    "VERIFY": {"path": str, "name": str, "xxh3": str, "repair": bool},  # check your copy
+    "VERIFIED": {"state": str},             # good, bad, missing or repaired
     "DATA": {},
     "OK": {},
     "ERROR": {"message": str},

@@ -9,7 +9,7 @@ import logging
 import trio
 
 from tierfs import manifest as mf
-from tierfs.s3tier.backend import Backend, BackendError
+from tierfs.s3tier.backend import MANIFEST_KEY, Backend, BackendError, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -37,3 +37,32 @@ class PersistentReader:
                          length, attempt, exc)
                 await trio.sleep(0.2 * 2 ** attempt)
         raise AssertionError("unreachable")
+
+    async def _attempts(self, what: str, func, *args):  # type: ignore[no-untyped-def]
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                return await trio.to_thread.run_sync(func, *args, limiter=self._limiter)
+            except BackendError as exc:
+                if not exc.temporary or attempt == READ_ATTEMPTS:
+                    raise
+                log.info("%s failed (attempt %d), retrying: %s", what, attempt, exc)
+                await trio.sleep(0.2 * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    # -- for `tierfs verify`: reading manifests back and replacing bad objects --------------
+
+    async def rewrite(self, step_path: str, name: str, path: str) -> None:
+        """Upload a verified local copy over the object of a committed file."""
+        key = f"{step_path}/{name}"
+        await self._attempts(f"upload of {key}", self.backend.put_file, key, path)
+
+    async def manifest(self, step_path: str) -> bytes | None:
+        key = f"{step_path}/{MANIFEST_KEY}"
+        try:
+            return await self._attempts(f"read of {key}", self.backend.get_bytes, key)
+        except NotFound:
+            return None
+
+    async def write_manifest(self, step_path: str, data: bytes) -> None:
+        key = f"{step_path}/{MANIFEST_KEY}"
+        await self._attempts(f"upload of {key}", self.backend.put_bytes, key, data)

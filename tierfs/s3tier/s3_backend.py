@@ -35,7 +35,7 @@ class S3Backend(Backend):
         self.url = f"s3://{bucket}/{prefix}"
         config = Config(
             s3={"addressing_style": "path" if self.endpoint else "auto"},
-            retries={"max_attempts": 1},  # retries happen in one place: s3tier.retry
+            retries={"total_max_attempts": 1},  # retries happen in one place: s3tier.retry
             connect_timeout=5, read_timeout=30,
             max_pool_connections=PARALLEL_PARTS * 4,
         )

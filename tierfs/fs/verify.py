@@ -1,0 +1,516 @@
+"""Checking committed files against their manifests on every tier, and repairing bad copies.
+
+Three ways in, one rule: a copy whose bytes do not hash to its manifest entry is never served.
+
+* **At start**, every committed object in the RAM dir is *unverified* (a crash, a stray writer
+  or a bad DIMM may have changed it while no daemon watched). A background scan hashes them
+  all; until it reaches a file, opening that file for reading hashes it first (once). A bad
+  object is *quarantined*: the tree file and the object leave RAM and the file becomes
+  non-resident, so its reads go to the other tiers (peers, then the persistent tier), checked
+  chunk by chunk, or fail with EIO. Then the scan tries to bring it back from a good copy.
+  Files committed, fetched or received while the daemon runs were hashed on the way in.
+  Reads are not checked one by one: with FUSE passthrough the kernel reads resident files
+  itself, so the check is per object (at start, at first open, and by `tierfs verify`).
+* **`tierfs verify PATH`** checks every committed step under PATH on every tier that holds
+  it: this node's RAM (hashing the files), each peer holder (the peer hashes its own copy and,
+  when asked to repair, quarantines a bad one and pulls a good copy back, verified), and the
+  persistent tier (reading every object back and checking it chunk by chunk; a bad object is
+  uploaded again from a verified copy, fetched into RAM first if needed).
+
+The tiers are injected (`PeerCopies`, `PersistCopies`): `fs` imports neither.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import trio
+import xxhash
+
+from tierfs import manifest as mf
+from tierfs.fs.fetch import RemoteFile
+from tierfs.fs.nodes import FsError, Node, StepState
+
+if TYPE_CHECKING:
+    from tierfs.fs.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+GOOD, BAD, MISSING, REPAIRED = "good", "bad", "missing", "repaired"
+
+
+class PeerCopies(Protocol):
+    """Asks a peer to check (and repair) its own copy of a file: good, bad, missing, repaired.
+    Raises OSError or another exception when the peer cannot be reached."""
+
+    async def verify(self, node_id: str, step_path: str, entry: mf.FileEntry,
+                     repair: bool) -> str: ...
+
+
+class PersistCopies(Protocol):
+    """The persistent tier, as much as verification needs."""
+
+    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
+                         length: int) -> bytes: ...
+
+    async def rewrite(self, step_path: str, name: str, path: str) -> None: ...
+
+    async def manifest(self, step_path: str) -> bytes | None: ...
+
+    async def write_manifest(self, step_path: str, data: bytes) -> None: ...
+
+
+@dataclass
+class TierReport:
+    tier: str
+    good: int = 0
+    bad: list[str] = field(default_factory=list)        # bad and not repaired
+    missing: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
+    error: str = ""                                     # the tier could not be checked
+    # A peer that does not hold a file (left its RAM, or holds only its own shards of a
+    # multi-node DCP step): not a fault of that copy; "any tier" says if no good copy is left.
+    not_held: list[str] = field(default_factory=list)
+    held_good: set[str] = field(default_factory=set)    # good or repaired here
+
+    @property
+    def ok(self) -> bool:
+        return not (self.bad or self.missing or self.error)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tier": self.tier, "good": self.good, "bad": self.bad, "missing": self.missing,
+                "repaired": self.repaired, "error": self.error, "not_held": self.not_held,
+                "ok": self.ok}
+
+
+@dataclass
+class StepReport:
+    path: str
+    version: int
+    files: int
+    bytes: int
+    tiers: list[TierReport] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "version": self.version, "files": self.files,
+                "bytes": self.bytes, "tiers": [t.as_dict() for t in self.tiers],
+                "ok": all(t.ok for t in self.tiers)}
+
+
+class Verifier:
+    def __init__(self, namespace: Namespace, persist: PersistCopies | None = None,
+                 peers: PeerCopies | None = None) -> None:
+        self.ns = namespace
+        self.persist = persist
+        self.peers = peers
+        self._threads = trio.CapacityLimiter(1)  # hashing must not starve the data path
+        self._checking: dict[int, trio.Event] = {}
+        # Backing inodes of committed files found in RAM at start: hashed before first use.
+        self.unverified: set[int] = set()
+        # (step path, version, file) whose RAM copy was found bad and has not come back.
+        self.quarantined: set[tuple[str, int, str]] = set()
+        self.progress: dict[str, int] | None = None
+        # RAM objects hashed by the start scan; bad RAM copies found and repaired, ever.
+        self.scan_counts = {"checked": 0, "bad": 0, "repaired": 0}
+        self.scan_done = trio.Event()
+
+    # -- RAM objects found at start --------------------------------------------------------
+
+    def collect_unverified(self) -> None:
+        """Right after `Namespace.load`: every resident committed file is unverified."""
+        for _step_node, _step, _entry, node in self._resident_files(None):
+            if node.seal is not None:
+                self.unverified.add(node.seal.backing_ino)
+
+    async def before_read_open(self, node: Node) -> None:
+        """Hook for Namespace.open: an unverified resident file is hashed before it is read;
+        a bad one is quarantined (its reads then go to the other tiers, or fail)."""
+        if node.seal is None or node.seal.backing_ino not in self.unverified:
+            return
+        found = self._locate(node)
+        if found is not None:
+            await self._check_ram_file(*found, repair=False)
+
+    async def scan_at_start(self) -> None:
+        """Hash every unverified RAM object in the background; quarantine and repair bad ones."""
+        started = time.monotonic()
+        try:
+            for step_node, step, entry, node in list(self._resident_files(None)):
+                if node.seal is None or node.seal.backing_ino not in self.unverified:
+                    continue
+                await self._check_ram_file(step_node, step, entry, node, repair=True)
+                self.scan_counts["checked"] += 1
+            for path, version, name in sorted(self.quarantined):  # e.g. found by an open
+                step_node = self.ns.find_step(path)
+                if step_node is None or not self._current_version(step_node, version):
+                    continue
+                entry = step_node.step.manifest.entry(name)
+                node = self._node_of(step_node, entry) if entry else None
+                if node is not None and node.remote is not None:
+                    await self._repair_quarantined(node, step_node.step.manifest, entry)
+        finally:
+            self.scan_done.set()
+        counts = self.scan_counts
+        log.log(logging.ERROR if counts["bad"] > counts["repaired"] else logging.INFO,
+                "RAM objects verified in %.2f s: %d files checked, %d bad, %d of them repaired "
+                "from another tier", time.monotonic() - started, counts["checked"],
+                counts["bad"], counts["repaired"])
+
+    # -- `tierfs verify` ---------------------------------------------------------------------
+
+    async def verify(self, relpath: str, repair: bool = True) -> list[StepReport]:
+        step_nodes = self._steps_under(relpath)
+        work = [(n, n.step.manifest) for n in step_nodes if n.step.committed]
+        if not work:
+            raise FsError(errno.EINVAL, f"{relpath or '.'} holds no committed step")
+        total = sum(manifest.total_bytes * (1 + len(self.ns._peer_holders(node.step))
+                                            + node.step.persisted) for node, manifest in work)
+        self.progress = {"checked_bytes": 0, "total_bytes": total, "steps": len(work),
+                         "steps_done": 0}
+        reports = []
+        try:
+            for step_node, manifest in work:
+                reports.append(await self._verify_step(step_node, manifest, repair))
+                self.progress["steps_done"] += 1
+        finally:
+            self.progress = None
+        return reports
+
+    async def _verify_step(self, step_node: Node, manifest: mf.StepManifest,
+                           repair: bool) -> StepReport:
+        report = StepReport(manifest.path, manifest.version, len(manifest.files),
+                            manifest.total_bytes)
+        step = step_node.step
+        ram = TierReport("ram")
+        for entry in manifest.files:
+            node = self._node_of(step_node, entry)
+            if not self._current(step_node, manifest):
+                ram.error = "the step changed while it was checked"
+                break
+            if node is not None and node.remote is not None and \
+                    (manifest.path, manifest.version, entry.name) in self.quarantined:
+                state = await self._repair_quarantined(node, manifest, entry) if repair else BAD
+            elif node is None or node.remote is not None:
+                continue  # not in this node's RAM: not a copy of this tier
+            else:
+                state = await self._check_ram_file(step_node, step, entry, node,
+                                                   repair=repair, force=True)
+            self._tally(ram, state, entry.name)
+            self._advance(entry.size)
+        if ram.good or not ram.ok or ram.repaired:
+            report.tiers.append(ram)
+        for peer in self.ns._peer_holders(step):
+            report.tiers.append(await self._verify_peer(peer, manifest, repair))
+        if step.persisted and self._current(step_node, manifest):
+            report.tiers.append(await self._verify_persisted(step_node, manifest, repair))
+        # A file with no good copy on any tier checked is lost (or was never anywhere else).
+        unchecked = any(t.error for t in report.tiers)
+        bad_everywhere = [e.name for e in manifest.files
+                          if not any(e.name in t.held_good for t in report.tiers)]
+        if bad_everywhere and not unchecked:
+            report.tiers.append(TierReport("any tier", bad=bad_everywhere,
+                                           error="no good copy of these files anywhere"))
+        level = logging.INFO if all(t.ok for t in report.tiers) else logging.ERROR
+        log.log(level, "verified %s v%d: %s", manifest.path, manifest.version,
+                "; ".join(describe(t) for t in report.tiers) or "no copy held anywhere")
+        return report
+
+    async def _verify_peer(self, peer: str, manifest: mf.StepManifest,
+                           repair: bool) -> TierReport:
+        tier = TierReport(f"peer:{peer}")
+        if self.peers is None:
+            tier.error = "no cluster"
+            return tier
+        for entry in manifest.files:
+            try:
+                state = await self.peers.verify(peer, manifest.path, entry, repair)
+            except Exception as exc:  # unreachable, refused, timed out: the tier is unchecked
+                tier.error = f"could not ask {peer}: {exc or type(exc).__name__}"
+                return tier
+            if state == MISSING:
+                tier.not_held.append(entry.name)
+            else:
+                self._tally(tier, state, entry.name)
+            self._advance(entry.size)
+        return tier
+
+    async def _verify_persisted(self, step_node: Node, manifest: mf.StepManifest,
+                                repair: bool) -> TierReport:
+        tier = TierReport("persist")
+        if self.persist is None:
+            tier.error = "no persistent tier configured"
+            return tier
+        for entry in manifest.files:
+            try:
+                state = await self._check_persisted_file(manifest.path, entry)
+            except Exception as exc:
+                tier.error = f"cannot read the persistent tier: {exc}"
+                return tier
+            if state != GOOD and repair:
+                state = await self._reupload(step_node, manifest, entry, state)
+            self._tally(tier, state, entry.name)
+            self._advance(entry.size)
+        try:
+            stored = await self.persist.manifest(manifest.path)
+            same = stored is not None and _same_manifest(stored, manifest)
+            if not same and repair:
+                await self.persist.write_manifest(manifest.path, mf.encode(manifest))
+                tier.repaired.append(mf.MANIFEST_NAME)
+                log.warning("manifest of %s in the persistent tier was %s: written again",
+                            manifest.path, "missing" if stored is None else "wrong")
+            elif not same:
+                (tier.missing if stored is None else tier.bad).append(mf.MANIFEST_NAME)
+        except Exception as exc:
+            tier.error = f"cannot check the manifest in the persistent tier: {exc}"
+        return tier
+
+    async def _check_persisted_file(self, step_path: str, entry: mf.FileEntry) -> str:
+        from_exc: str | None = None
+        whole = xxhash.xxh3_128()
+        for index, expected in enumerate(entry.chunks):
+            offset = index * mf.CHUNK_SIZE
+            length = min(mf.CHUNK_SIZE, entry.size - offset)
+            try:
+                data = await self.persist.read_range(step_path, entry, offset, length)
+            except Exception as exc:
+                if "no object" in str(exc) or "NoSuchKey" in str(exc):
+                    return MISSING
+                raise
+            if len(data) != length or mf.chunk_digest(data) != expected:
+                from_exc = f"chunk {index}"
+                break
+            whole.update(data)
+        if from_exc is None and whole.hexdigest() == entry.xxh3:
+            return GOOD
+        log.error("checksum mismatch: %s/%s in the persistent tier (%s)", step_path,
+                  entry.name, from_exc or "whole file")
+        return BAD
+
+    async def _reupload(self, step_node: Node, manifest: mf.StepManifest, entry: mf.FileEntry,
+                        state: str) -> str:
+        """Upload a verified copy over a bad or missing object of the persistent tier."""
+        node = self._node_of(step_node, entry)
+        if node is None:
+            return state
+        if node.remote is not None:
+            try:
+                await self.ns._make_resident(node, empty=False)  # peers first; chunk-checked
+            except (FsError, OSError) as exc:
+                log.error("no good copy of %s/%s to upload again: %s", manifest.path,
+                          entry.name, exc)
+                return state
+        found = self._locate(node)
+        if found is None:
+            return state
+        if await self._check_ram_file(*found, repair=False, force=True) != GOOD:
+            return state
+        try:
+            await self.persist.rewrite(manifest.path, entry.name,
+                                       os.fsdecode(self.ns.backing(node)))
+        except Exception as exc:
+            log.error("upload of %s/%s again failed: %s", manifest.path, entry.name, exc)
+            return state
+        log.warning("%s/%s in the persistent tier was %s: uploaded again from a verified copy",
+                    manifest.path, entry.name, state)
+        return REPAIRED
+
+    # -- this node's copies, also for a peer's VERIFY -----------------------------------------
+
+    async def check_held_file(self, step_path: str, name: str, xxh3: str, repair: bool) -> str:
+        """A peer asks: is my copy of this file good? (and repair it if not)."""
+        step_node = self.ns.find_step(step_path)
+        if step_node is None or not step_node.step.committed:
+            return MISSING
+        step = step_node.step
+        entry = step.manifest.entry(name)
+        if entry is None or entry.xxh3 != xxh3:
+            return MISSING
+        node = self._node_of(step_node, entry)
+        if node is None or node.remote is not None:
+            return MISSING
+        return await self._check_ram_file(step_node, step, entry, node, repair=repair,
+                                          force=True)
+
+    async def _check_ram_file(self, step_node: Node, step: StepState, entry: mf.FileEntry,
+                              node: Node, *, repair: bool, force: bool = False) -> str:
+        """Hash a resident committed file; quarantine it if bad, then repair it if asked."""
+        while True:
+            if node.seal is None:
+                return BAD if node.remote is not None else MISSING  # quarantined meanwhile
+            ino = node.seal.backing_ino
+            pending = self._checking.get(ino)
+            if pending is None:
+                break
+            await pending.wait()  # the scan or an open is hashing it right now
+            if not force and ino not in self.unverified:
+                return GOOD if node.remote is None else BAD
+        done = self._checking[ino] = trio.Event()
+        try:
+            path = self.ns.backing(node)
+            try:
+                digest = await trio.to_thread.run_sync(mf.hash_file, path,
+                                                       limiter=self._threads)
+            except FileNotFoundError:
+                return MISSING
+            good = digest.xxh3 == entry.xxh3 and digest.size == entry.size
+            # No await from here on: the node is checked and changed in one step.
+            if (node.seal is None or node.seal.backing_ino != ino or node.remote is not None
+                    or step_node.step is not step or not step.committed
+                    or step.manifest.entry(entry.name) is not entry):
+                return GOOD if good else BAD  # it changed meanwhile: nothing to quarantine
+            self.unverified.discard(ino)
+            if good:
+                return GOOD
+            self.quarantined.add((step.manifest.path, step.manifest.version, entry.name))
+            self.scan_counts["bad"] += 1
+            log.error("checksum mismatch: %s/%s in this node's RAM has xxh3 %s (%d bytes), "
+                      "manifest says %s (%d bytes): quarantined, reads go to other tiers",
+                      step.manifest.path, entry.name, digest.xxh3, digest.size, entry.xxh3,
+                      entry.size)
+            self._quarantine(ino, entry.xxh3)
+        finally:
+            del self._checking[ino]
+            done.set()
+        if not repair:
+            return BAD
+        return await self._repair_quarantined(node, step.manifest, entry)
+
+    async def _repair_quarantined(self, node: Node, manifest: mf.StepManifest,
+                                  entry: mf.FileEntry) -> str:
+        """Bring a quarantined file back into RAM from a good copy elsewhere (verified)."""
+        try:
+            await self.ns._make_resident(node, empty=False)
+        except (FsError, OSError) as exc:
+            log.error("%s/%s could not be repaired: no good copy reachable (%s); its reads "
+                      "fail with EIO", manifest.path, entry.name, exc)
+            return BAD
+        self.quarantined.discard((manifest.path, manifest.version, entry.name))
+        self.scan_counts["repaired"] += 1
+        log.warning("%s/%s repaired in RAM from another tier", manifest.path, entry.name)
+        return REPAIRED
+
+    def _quarantine(self, ino: int, digest: str) -> None:
+        """Every committed file on the bad inode becomes non-resident; the object goes."""
+        for _step_node, step, entry, node in list(self._resident_files(None)):
+            if node.seal is None or node.seal.backing_ino != ino:
+                continue
+            for handle in node.handles:
+                if handle.fd >= 0 and not handle.writable:
+                    os.close(handle.fd)  # readers go through the other tiers from now on
+                    handle.fd = -1
+                    handle.backing_ino = 0
+            self.ns._unlink_backing(self.ns.backing(node), node)
+            node.remote = RemoteFile(step.manifest.path, entry)
+            node.seal = None
+            step.resident.discard(entry.name)
+            self.ns.store.drop_ref(entry.xxh3)
+        obj = self.ns.store.object_path(digest)
+        try:
+            st = os.lstat(obj)
+        except FileNotFoundError:
+            return
+        if st.st_ino == ino:  # still named by a step being re-saved: the bytes are bad anyway
+            os.unlink(obj)
+            if st.st_nlink == 1:
+                self.ns.store.forget_inode(ino)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _steps_under(self, relpath: str) -> list[Node]:
+        node = self.ns.root
+        if relpath not in ("", "."):
+            for part in relpath.split("/"):
+                node = self.ns.child(node, os.fsencode(part))
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR, f"{relpath} is not a directory")
+        return sorted(self.ns.steps(node), key=lambda n: (self.ns.relpath(n.parent),
+                                                          n.step.number))
+
+    def _resident_files(self, under: Node | None
+                        ) -> list[tuple[Node, StepState, mf.FileEntry, Node]]:
+        found = []
+        for step_node in self.ns.steps(under):
+            step = step_node.step
+            if not step.committed:
+                continue
+            for rel, node in self.ns._files_under(step_node):
+                entry = step.manifest.entry(rel)
+                if entry is not None and node.remote is None and rel in step.resident:
+                    found.append((step_node, step, entry, node))
+        return found
+
+    def _locate(self, node: Node) -> tuple[Node, StepState, mf.FileEntry, Node] | None:
+        step = self.ns._committed_step_holding(node)
+        if step is None or node.remote is not None:
+            return None
+        for step_node in self.ns._enclosing_steps(node.parent):
+            if step_node.step is step:
+                rel = os.path.relpath(self.ns.relpath(node), self.ns.relpath(step_node))
+                entry = step.manifest.entry(rel)
+                if entry is not None and rel in step.resident:
+                    return step_node, step, entry, node
+        return None
+
+    def _node_of(self, step_node: Node, entry: mf.FileEntry) -> Node | None:
+        node = step_node
+        for part in entry.name.split("/"):
+            if node.children is None:
+                return None
+            node = node.children.get(os.fsencode(part))
+            if node is None:
+                return None
+        return node if node.is_file else None
+
+    def _current(self, step_node: Node, manifest: mf.StepManifest) -> bool:
+        return step_node.step is not None and step_node.step.committed and \
+            step_node.step.manifest is manifest
+
+    @staticmethod
+    def _current_version(step_node: Node, version: int) -> bool:
+        step = step_node.step
+        return step is not None and step.committed and step.manifest.version == version
+
+    def _advance(self, size: int) -> None:
+        if self.progress is not None:
+            self.progress["checked_bytes"] += size
+
+    @staticmethod
+    def _tally(tier: TierReport, state: str, name: str) -> None:
+        if state == GOOD:
+            tier.good += 1
+            tier.held_good.add(name)
+        elif state == REPAIRED:
+            tier.repaired.append(name)
+            tier.held_good.add(name)
+        elif state == MISSING:
+            tier.missing.append(name)
+        else:
+            tier.bad.append(name)
+
+
+def _same_manifest(data: bytes, manifest: mf.StepManifest) -> bool:
+    try:
+        stored = mf.decode(data)
+    except mf.ManifestError:
+        return False
+    return stored.version == manifest.version and stored.same_content(manifest)
+
+
+def describe(tier: TierReport) -> str:
+    parts = [f"{tier.good} good"] if tier.good else []
+    if tier.repaired:
+        parts.append(f"{len(tier.repaired)} repaired ({', '.join(tier.repaired)})")
+    if tier.bad:
+        parts.append(f"{len(tier.bad)} BAD ({', '.join(tier.bad)})")
+    if tier.missing:
+        parts.append(f"{len(tier.missing)} MISSING ({', '.join(tier.missing)})")
+    if tier.not_held:
+        parts.append(f"{len(tier.not_held)} not held there")
+    if tier.error:
+        parts.append(f"UNCHECKED: {tier.error}")
+    return f"{tier.tier}: {', '.join(parts) or 'nothing held'}"

@@ -1,0 +1,48 @@
+"""`tierfs verify` across the cluster: asking a peer to check its own copy of a committed file
+against the manifest (and, when asked, to repair a bad one: it quarantines the copy and pulls a
+good one back, verified chunk by chunk), and answering such requests."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from tierfs import manifest as mf
+from tierfs.replication import protocol as proto
+from tierfs.replication.channel import PeerChannel
+from tierfs.replication.membership import Membership
+
+STATES = {"good", "bad", "missing", "repaired"}
+VERIFY_TIMEOUT = 600.0  # hashing a large file, and fetching it again if it was bad
+_HEX = set("0123456789abcdef")
+
+CheckHeld = Callable[[str, str, str, bool], Awaitable[str]]
+
+
+class PeerVerify:
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+
+    async def verify(self, node_id: str, step_path: str, entry: mf.FileEntry,
+                     repair: bool) -> str:
+        channel = await self.membership.connect(node_id)
+        try:
+            await channel.send("VERIFY", path=step_path, name=entry.name, xxh3=entry.xxh3,
+                               repair=repair)
+            reply = await channel.receive("VERIFIED", timeout=VERIFY_TIMEOUT)
+        finally:
+            await channel.aclose()
+        if reply["state"] not in STATES:
+            raise proto.ProtocolError(f"VERIFIED with an unknown state {reply['state']!r}")
+        return reply["state"]
+
+
+def verify_handler(check_held: CheckHeld) -> Callable[[proto.Message, PeerChannel],
+                                                      Awaitable[None]]:
+    async def on_verify(message: proto.Message, channel: PeerChannel) -> None:
+        digest = message["xxh3"]
+        if len(digest) != 32 or not set(digest) <= _HEX:
+            raise proto.ProtocolError("VERIFY with a malformed xxh3")
+        state = await check_held(message["path"], message["name"], digest, message["repair"])
+        await channel.send("VERIFIED", state=state)
+
+    return on_verify
