@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -26,10 +28,11 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, MountFactory, getxattr, wait_until
+from tests.conftest import Mount, MountFactory, getxattr, pid_alive, wait_until
 from tests.faults.conftest import FULL, Trainer, report, scale, step_problems
 from tests.test_cluster import Cluster
 from tierfs import manifest as mf
+from tierfs.mount_helper.mounts import is_mounted
 from tierfs.mount_helper.seaweed import SeaweedS3
 
 KEEP = 4  # committed steps kept (and verified after every crash); older ones are removed
@@ -103,9 +106,20 @@ class CrashRun:
                          "total": time.monotonic() - started}
 
     def kill_daemon(self) -> None:
-        self.mnt.kill9()
+        """SIGKILL the daemon but leave its mount in place until `restart`: the training
+        process then fails with ENOTCONN. (A lazy unmount at once would let a save that is
+        still running go on into the plain directory beneath the mountpoint and "succeed".)"""
+        os.kill(self.mnt.pid, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(self.mnt.pid))
 
     def restart(self) -> None:
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mnt.mountpoint)],
+                       capture_output=True)
+        wait_until(lambda: not is_mounted(self.mnt.mountpoint))
+        beneath = os.listdir(self.mnt.mountpoint)
+        if beneath:  # nothing may ever have been written around tierfs
+            self.losses += 1
+            self.problems.append(f"written beneath the mountpoint: {beneath}")
         self.mnt = self.mounts.remount(self.mnt, env=self.env)
 
     def record(self, kind: str, relpath: str, phase: str, done: dict[str, Any] | None,
