@@ -295,8 +295,8 @@ def _cluster(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str, torc
     """Two nodes on loopback: committed -> replicated; then a fresh node restores the step
     from its peers, and a fresh node without peers restores it from S3."""
     token = bench.work / "cluster.token"
-    token.write_text(os.urandom(16).hex())
-    token.chmod(0o600)
+    with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(os.urandom(16).hex())  # private from its first byte
     peers = ",".join(f"node{i}=127.0.0.1:{_free_port()}" for i in range(3))
     common = ("--peers", peers, "--token-file", str(token), "--ram-limit", "8G")
     persist = ("--persist", f"s3://{BUCKET}/cluster")

@@ -94,6 +94,8 @@ class Trainer:
             if event["event"] == "eof":
                 err = self.log_path.read_text()
                 raise AssertionError(f"trainer exited while waiting for {names}: {err[-2000:]}")
+            if event["event"] == "done" and event.get("killed") and "done" not in names:
+                continue  # kill_child() hit a save that had just reported done: its 2nd done
             if event["event"] == "done" and "done" not in names:
                 raise AssertionError(f"trainer finished early while waiting for {names}: "
                                      f"{event}")

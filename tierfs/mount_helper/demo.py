@@ -275,8 +275,8 @@ def run_cluster_part(root: Path, mounts: list[DemoMount]) -> bool:
 
     _banner("9. a 3-node cluster on loopback, each committed step copied to the next node")
     token = root / "cluster.token"
-    token.write_text(os.urandom(24).hex())
-    token.chmod(0o600)
+    with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(os.urandom(24).hex())  # private from its first byte
     ports = []
     for _ in range(3):
         with socket.socket() as sock:
