@@ -22,29 +22,12 @@ import pytest
 import xxhash
 
 from tests.conftest import Mount, getxattr
+from tests.faults.results_io import FULL, pick, write_results  # noqa: F401  (FULL: for the modules)
+from tests.test_cluster import token_file  # noqa: F401  (a fixture)
 
-FULL = os.environ.get("TIERFS_FAULTS", "") == "full"
-RESULTS = Path(__file__).with_name("results")
-
-
-def scale(quick: int, full: int) -> int:
-    return full if FULL else quick
-
-
-def report(name: str, counts: dict[str, Any]) -> None:
-    """Write one module's counts where `make test-faults` leaves them, and print them."""
-    RESULTS.mkdir(exist_ok=True)
-    counts = {"mode": "full" if FULL else "quick", **counts}
-    (RESULTS / f"{name}.json").write_text(json.dumps(counts, indent=2, sort_keys=True) + "\n")
-    print(f"\n[faults] {name}: {json.dumps(counts, sort_keys=True)}")
-
-
-@pytest.fixture
-def token_file(tmp_path: Path) -> Path:
-    path = tmp_path / "cluster.token"
-    path.write_bytes(os.urandom(32).hex().encode())
-    path.chmod(0o600)
-    return path
+# One switch and one place for the counts, shared with the other fault modules.
+scale = pick
+report = write_results
 
 
 class Trainer:

@@ -36,6 +36,15 @@ class Tally:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
 
+    def write(self, name: str, started: float) -> None:
+        """No wrong bytes, ever; then the counts, for the README's Reliability table."""
+        counts = dict(self.counts)
+        assert counts.get("wrong_bytes", 0) == 0
+        write_results(name, {
+            **counts, "corruptions": sum(v for k, v in counts.items()
+                                         if k.startswith("corruptions")),
+            "wrong_bytes": 0, "seconds": round(time.monotonic() - started, 1)})
+
     def read(self, path: Path, expected: bytes, *, may_fail: bool) -> bool:
         """Read a whole file through the mount: right bytes, or EIO where allowed."""
         try:
@@ -189,12 +198,7 @@ def test_corruption_in_ram_and_s3_single_node(mounts: MountFactory, s3_server: S
         assert human.stderr == f"tierfs: verify: {run}/step_3 on ram: 1 bad ({SHARD}), no good " \
             "copy to repair from (and 1 more)\n", human.stderr
         tally.counts["detected"] += 5
-    counts = dict(tally.counts)
-    assert counts.get("wrong_bytes", 0) == 0
-    write_results("corruption_single_node", {
-        **counts, "corruptions": sum(v for k, v in counts.items() if k.startswith("corruptions")),
-        "wrong_bytes": counts.get("wrong_bytes", 0),
-        "seconds": round(time.monotonic() - started, 1)})
+    tally.write("corruption_single_node", started)
 
 
 def test_corruption_in_replicas(mounts: MountFactory, token_file: Path) -> None:  # noqa: F811
@@ -269,9 +273,4 @@ def test_corruption_in_replicas(mounts: MountFactory, token_file: Path) -> None:
         report = tally.verify(node0, f"{run}/step_2", expect_ok=True)
         assert tier(report, f"{run}/step_2", "peer:node1")["good"] == 3
         tally.counts["detected"] += 4
-    counts = dict(tally.counts)
-    assert counts.get("wrong_bytes", 0) == 0
-    write_results("corruption_replicas", {
-        **counts, "corruptions": sum(v for k, v in counts.items() if k.startswith("corruptions")),
-        "wrong_bytes": counts.get("wrong_bytes", 0),
-        "seconds": round(time.monotonic() - started, 1)})
+    tally.write("corruption_replicas", started)
