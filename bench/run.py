@@ -100,7 +100,7 @@ class Bench:
         slug = "".join(c if c.isalnum() else "-" for c in name)
         mountpoint = self.work / f"mnt-{slug}"
         mountpoint.mkdir(exist_ok=True)
-        ram_dir = Path("/dev/shm") / f"tierfs-bench-{os.getpid()}-{slug}"
+        ram_dir = self._ram_dir(name)
         self.mounts[name] = (mountpoint, 0)
         self._tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir),
                      "--log-file", str(self.log), "--s3-endpoint", self.s3.endpoint, *options)
@@ -113,9 +113,12 @@ class Bench:
         if pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
+        shutil.rmtree(self._ram_dir(name), ignore_errors=True)
+
+    @staticmethod
+    def _ram_dir(name: str) -> Path:
         slug = "".join(c if c.isalnum() else "-" for c in name)
-        shutil.rmtree(Path("/dev/shm") / f"tierfs-bench-{os.getpid()}-{slug}",
-                      ignore_errors=True)
+        return Path("/dev/shm") / f"tierfs-bench-{os.getpid()}-{slug}"
 
     def status(self, name: str = "tierfs") -> dict[str, Any]:
         return json.loads(self._tierfs("status", str(self.mounts[name][0]), "--json"))

@@ -295,14 +295,17 @@ class Namespace(Recovery, Residency, OtherTiers):
         """Bring the RAM tier's accounting up to date with passthrough writes in progress."""
         for handle in self._handles.values():
             if handle.passthrough and handle.writable and handle.fd >= 0:
-                self.store.account(handle.backing_ino, os.fstat(handle.fd).st_size)
+                self._account_direct(handle)
+
+    def _account_direct(self, handle: Handle) -> None:
+        self.store.account(handle.backing_ino, os.fstat(handle.fd).st_size)
 
     async def flush(self, handle: Handle) -> None:
         """End of a close(): seal what this handle wrote, then fire any commit it completes."""
         if not handle.active:
             return
         if handle.passthrough:
-            self.store.account(handle.backing_ino, os.fstat(handle.fd).st_size)
+            self._account_direct(handle)
         node = handle.node
         handle.active = False
         node.active_writers -= 1
