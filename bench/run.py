@@ -97,8 +97,7 @@ class Bench:
 
     def start_mount(self, name: str, *options: str) -> Path:
         """A tierfs daemon of its own (RAM dir, mount point); its log goes to the results."""
-        slug = "".join(c if c.isalnum() else "-" for c in name)
-        mountpoint = self.work / f"mnt-{slug}"
+        mountpoint = self.work / f"mnt-{_slug(name)}"
         mountpoint.mkdir(exist_ok=True)
         ram_dir = self._ram_dir(name)
         self.mounts[name] = (mountpoint, 0)
@@ -117,8 +116,7 @@ class Bench:
 
     @staticmethod
     def _ram_dir(name: str) -> Path:
-        slug = "".join(c if c.isalnum() else "-" for c in name)
-        return Path("/dev/shm") / f"tierfs-bench-{os.getpid()}-{slug}"
+        return Path("/dev/shm") / f"tierfs-bench-{os.getpid()}-{_slug(name)}"
 
     def status(self, name: str = "tierfs") -> dict[str, Any]:
         return json.loads(self._tierfs("status", str(self.mounts[name][0]), "--json"))
@@ -189,6 +187,11 @@ class Bench:
                 return time.monotonic() - started
             time.sleep(0.02)
         raise TimeoutError(f"run/{step} on {name}: condition not met within 600 s")
+
+
+def _slug(name: str) -> str:
+    """A mount's name as a path component."""
+    return "".join(c if c.isalnum() else "-" for c in name)
 
 
 def timed(func: Callable[[], object]) -> float | BaseException:
