@@ -300,8 +300,18 @@ class Namespace(Recovery, Residency, OtherTiers):
     def _account_direct(self, handle: Handle) -> None:
         self.store.account(handle.backing_ino, os.fstat(handle.fd).st_size)
 
-    async def flush(self, handle: Handle) -> None:
-        """End of a close(): seal what this handle wrote, then fire any commit it completes."""
+    async def flush(self, handle: Handle, *, final: bool = False) -> None:
+        """End of a close() (FLUSH), or of the open file (`final`, its RELEASE): seal what this
+        handle wrote, then fire any commit it completes."""
+        # The kernel writes passthrough files without us, and flushes at the close of every
+        # duplicate descriptor (shell `>`, dd, forked children): writes through the other
+        # duplicates may follow a flush. A seal that no longer describes the file is redone,
+        # and so is any seal taken before the last of several closes.
+        if handle.passthrough and handle.writable and not handle.active and (
+                (final and handle.flushes > 1) or not self._seal_describes_file(handle.node)):
+            self._activate(handle)
+        if not final:
+            handle.flushes += 1
         if not handle.active:
             return
         if handle.passthrough:
@@ -316,7 +326,7 @@ class Namespace(Recovery, Residency, OtherTiers):
 
     async def release(self, handle: Handle) -> None:
         try:
-            await self.flush(handle)
+            await self.flush(handle, final=True)
         finally:
             del self._handles[handle.fh]
             node = handle.node
@@ -357,6 +367,8 @@ class Namespace(Recovery, Residency, OtherTiers):
             raise FsError(errno.EROFS)
         if node.remote is not None:
             await self._make_resident(node, empty=size == 0)
+        # A change of metadata alone (utime moves the mtime a seal is checked against) keeps it.
+        keeps_seal = size is None and node.is_file and self._seal_describes_file(node)
         target: bytes | int
         try:
             target = self.backing(node)
@@ -379,6 +391,8 @@ class Namespace(Recovery, Residency, OtherTiers):
                 os.utime(target, ns=times, follow_symlinks=False)
             else:
                 os.utime(target, ns=times)
+        if keeps_seal:
+            node.seal = node.seal.restamped(self.stat(node))
 
     async def _truncate(self, node: Node, handle: Handle | None, target: bytes | int,
                         size: int) -> None:
@@ -509,7 +523,10 @@ class Namespace(Recovery, Residency, OtherTiers):
                         await self._seal(node)
                 copies = await self._copies_of_open_files(files)
                 # From here to the end of _write_manifest there is no await (see module doc).
-                if (self._has_active_writers(step_node)
+                stale = self._stale_seals(files)
+                for node in stale:
+                    self._written_behind_seal(node)
+                if (stale or self._has_active_writers(step_node)
                         or self.step_of(step_node) is not step or step_node.parent is None
                         or files != list(self._files_under(step_node))
                         or any(node.seal is None or node.remote for _rel, node in files)
@@ -627,12 +644,31 @@ class Namespace(Recovery, Residency, OtherTiers):
         except FsError:
             return
         try:
+            before = os.fstat(fd)
             digest = await trio.to_thread.run_sync(mf.hash_fd, fd, limiter=self._hash_limiter)
-            backing_ino = os.fstat(fd).st_ino
+            after = os.fstat(fd)
         finally:
             os.close(fd)
-        if node.gen == gen and node.active_writers == 0:
-            node.seal = Seal(digest, backing_ino)
+        seal = Seal(digest, after.st_ino, after.st_mtime_ns)
+        if (node.gen == gen and node.active_writers == 0 and seal.describes(before)
+                and seal.describes(after)):
+            node.seal = seal
+
+    def _seal_describes_file(self, node: Node) -> bool:
+        """Whether the node's seal still describes its backing file (see `Seal`)."""
+        if node.seal is None:
+            return False
+        try:
+            st = self.stat(node)
+        except (FsError, OSError):
+            return False
+        return isinstance(st, os.stat_result) and node.seal.describes(st)
+
+    def _stale_seals(self, files: list[tuple[str, Node]]) -> list[Node]:
+        """Files whose bytes may have changed behind their seal: only a file open for writing
+        can change without the daemon seeing it (passthrough), so only those are looked at."""
+        return [node for _rel, node in files
+                if any(h.writable for h in node.handles) and not self._seal_describes_file(node)]
 
     def _has_active_writers(self, dir_node: Node) -> bool:
         return any(node.active_writers for _rel, node in self._files_under(dir_node))
@@ -747,8 +783,8 @@ class Namespace(Recovery, Residency, OtherTiers):
             return self._tiers(step, node.remote is None).encode()
         if node.remote is not None:
             return node.remote.entry.xxh3.encode()
-        if node.seal is None:
-            await self._seal(node)  # sealed before a restart; the hash is recomputed once
+        if not self._seal_describes_file(node):
+            await self._seal(node)  # sealed before a restart, or written behind its seal
         if node.seal is None:
             raise FsError(ENOATTR)
         return node.seal.digest.xxh3.encode()
@@ -797,6 +833,16 @@ class Namespace(Recovery, Residency, OtherTiers):
         node.gen += 1
         node.seal = None
         self._mark_dirty(node.parent)
+
+    def _written_behind_seal(self, node: Node) -> None:
+        """The kernel wrote `node` through a passthrough descriptor after its seal: it counts as
+        being written until that descriptor's next close."""
+        for handle in node.handles:
+            if handle.writable and handle.passthrough and not handle.active:
+                self._activate(handle)
+                return
+        node.gen += 1
+        node.seal = None
 
     def _signal_released(self) -> None:
         self._released.set()

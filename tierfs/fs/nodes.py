@@ -56,8 +56,23 @@ class RemoteAttrs:
 
 @dataclass(frozen=True)
 class Seal:
+    """A file's hash and the backing file it describes.
+
+    `mtime_ns` is the backing file's mtime when it was hashed (-1 when the seal comes from a
+    manifest: committed objects are immutable). With passthrough the kernel writes files without
+    telling the daemon, so a seal counts only while inode, size and mtime are still these."""
+
     digest: mf.Digest
     backing_ino: int
+    mtime_ns: int = -1
+
+    def describes(self, st: os.stat_result) -> bool:
+        return (st.st_ino == self.backing_ino and st.st_size == self.digest.size
+                and self.mtime_ns in (-1, st.st_mtime_ns))
+
+    def restamped(self, st: os.stat_result) -> Seal:
+        """The same bytes after a change of metadata only (chmod, utime)."""
+        return Seal(self.digest, self.backing_ino, st.st_mtime_ns)
 
 
 class StepState:
@@ -128,7 +143,8 @@ class Handle:
 
     A passthrough handle's reads and writes go from the kernel straight to its backing file."""
 
-    __slots__ = ("fh", "node", "fd", "backing_ino", "writable", "active", "passthrough")
+    __slots__ = ("fh", "node", "fd", "backing_ino", "writable", "active", "passthrough",
+                 "flushes")
 
     def __init__(self, fh: int, node: Node, fd: int, writable: bool) -> None:
         self.fh = fh
@@ -138,4 +154,5 @@ class Handle:
         self.writable = writable
         self.active = False
         self.passthrough = False
+        self.flushes = 0  # FLUSHes seen: more than one means duplicated descriptors
 

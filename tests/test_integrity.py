@@ -1,0 +1,98 @@
+"""What a user writes is what gets committed, whatever way the bytes reached the file.
+
+With FUSE passthrough the daemon does not see writes, and the kernel sends a FLUSH at the close
+of every duplicate of a descriptor: shell redirection, `dd`, a forked child that inherited the
+descriptor. Each pattern here must commit the file's final bytes, keep them across a restart,
+and pass `tierfs verify --no-repair`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from tests.conftest import Mount, MountFactory, getxattr, tierfs
+
+CONTENT = b"hello, committed bytes\n" * 1000
+
+
+def shell_redirect(path: Path) -> None:
+    subprocess.run(["sh", "-c", 'cat > "$1"', "sh", str(path)], input=CONTENT, check=True)
+
+
+def dd(path: Path) -> None:
+    subprocess.run(["dd", f"of={path}", "bs=4096", "status=none"], input=CONTENT, check=True)
+
+
+def inherited_by_child(path: Path) -> None:
+    """The parent opens and closes its descriptor first; a child it forked writes later."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys, time; time.sleep(0.3); "
+         "os.write(int(sys.argv[1]), sys.stdin.buffer.read())", str(fd)],
+        stdin=subprocess.PIPE, pass_fds=(fd,), close_fds=True)
+    os.close(fd)
+    child.communicate(CONTENT)
+    assert child.returncode == 0
+
+
+def closed_duplicate_first(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.close(os.dup(fd))
+    os.write(fd, CONTENT)
+    os.close(fd)
+
+
+PATTERNS: dict[str, Callable[[Path], None]] = {
+    "shell-redirect": shell_redirect, "dd": dd, "forked-child": inherited_by_child,
+    "dup-closed-first": closed_duplicate_first,
+}
+
+
+@pytest.mark.parametrize("passthrough", [True, False], ids=["passthrough", "through-daemon"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_every_write_pattern_commits_the_final_bytes(mounts: MountFactory, pattern: str,
+                                                     passthrough: bool) -> None:
+    mnt = mounts.mount() if passthrough else mounts.mount("--no-passthrough")
+    step = mnt / "run/step_1"
+    step.mkdir(parents=True)
+    PATTERNS[pattern](step / "x")
+    assert (step / "x").read_bytes() == CONTENT
+    expected = xxhash.xxh3_128_hexdigest(CONTENT)
+    assert getxattr(step / "x", "user.tierfs.xxh3") == expected
+    tierfs("commit", str(step))
+    assert mnt.step("run/step_1")["bytes"] == len(CONTENT)
+    tierfs("verify", str(step), "--no-repair")
+    tierfs("umount", str(mnt.mountpoint))
+    mnt = mounts.remount(mnt)
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    assert (step / "x").read_bytes() == CONTENT
+    assert getxattr(step / "x", "user.tierfs.xxh3") == expected
+
+
+def test_writes_after_a_commit_start_a_new_version(mnt: Mount) -> None:
+    """A descriptor still open for writing when the step commits: the commit holds the bytes
+    the file had then, and later writes through it make the step `writing` again."""
+    step = mnt / "run/step_2"
+    step.mkdir(parents=True)
+    fd = os.open(step / "x", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"first")
+        os.close(os.dup(fd))
+        tierfs("commit", str(step))
+        assert getxattr(step / "x", "user.tierfs.xxh3") == xxhash.xxh3_128_hexdigest(b"first")
+        os.write(fd, b" second")
+    finally:
+        os.close(fd)
+    tierfs("commit", str(step))
+    assert (step / "x").read_bytes() == b"first second"
+    assert getxattr(step / "x", "user.tierfs.xxh3") == \
+        xxhash.xxh3_128_hexdigest(b"first second")
+    assert mnt.step("run/step_2")["version"] == 2
+    tierfs("verify", str(step), "--no-repair")
