@@ -96,3 +96,66 @@ def test_writes_after_a_commit_start_a_new_version(mnt: Mount) -> None:
         xxhash.xxh3_128_hexdigest(b"first second")
     assert mnt.step("run/step_2")["version"] == 2
     tierfs("verify", str(step), "--no-repair")
+
+
+# -- a DCP step copied with `.metadata` first ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dcp_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real two-shard DCP checkpoint on a plain directory, to be copied onto the mount."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    step = tmp_path_factory.mktemp("dcp") / "step_5"
+    state = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(64, 64)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(step), thread_count=2))
+    assert len(list(step.glob("*.distcp"))) == 2
+    return step
+
+
+def test_metadata_copied_before_its_shards_waits_for_them(mounts: MountFactory,
+                                                          dcp_step: Path) -> None:
+    mnt = mounts.mount()
+    step = mnt / "run/step_5"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes((dcp_step / ".metadata").read_bytes())
+    assert getxattr(step, "user.tierfs.state") == "writing"
+    done = tierfs("commit", str(step), check=False)
+    assert done.returncode != 0 and "__0_0.distcp" in done.stderr, done.stderr
+    assert not (mnt / "run/latest").exists()
+    shards = sorted(dcp_step.glob("*.distcp"))
+    (step / shards[0].name).write_bytes(shards[0].read_bytes())
+    assert getxattr(step, "user.tierfs.state") == "writing"
+    tierfs("umount", str(mnt.mountpoint))  # a restart in between must not commit it either
+    mnt = mounts.remount(mnt)
+    assert getxattr(step, "user.tierfs.state") == "writing"
+    assert not (mnt / "run/latest").exists()
+    (step / shards[1].name).write_bytes(shards[1].read_bytes())
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    assert mnt.step("run/step_5")["files"] == 3
+
+
+@pytest.mark.parametrize("tool", ["rsync", "cp", "tar"])
+def test_a_dcp_step_copied_with_shell_tools_commits_whole(mounts: MountFactory, dcp_step: Path,
+                                                          tmp_path: Path, tool: str) -> None:
+    mnt = mounts.mount()
+    (mnt / "run").mkdir()
+    if tool == "rsync":
+        subprocess.run(["rsync", "-a", str(dcp_step), str(mnt / "run")], check=True)
+    elif tool == "cp":
+        subprocess.run(["cp", "-r", str(dcp_step), str(mnt / "run")], check=True)
+    else:
+        archive = tmp_path / "step.tar"
+        members = [".metadata", *sorted(p.name for p in dcp_step.glob("*.distcp"))]
+        subprocess.run(["tar", "cf", str(archive), "-C", str(dcp_step.parent),
+                        *(f"step_5/{name}" for name in members)], check=True)
+        subprocess.run(["tar", "xf", str(archive), "-C", str(mnt / "run")], check=True)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    assert getxattr(mnt / "run/step_5", "user.tierfs.state") == "committed"
+    state = {"a": torch.zeros(4096), "b": torch.zeros(64, 64)}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(mnt / "run/latest")))
+    assert torch.equal(state["a"], torch.arange(4096, dtype=torch.float32))
+    assert mnt.step("run/step_5")["files"] == 3

@@ -561,7 +561,14 @@ class Namespace(Recovery, Residency, OtherTiers):
                           f"--step-pattern {self.pattern.pattern!r}, or it holds step "
                           "directories itself)")
         manifest = await self.commit(node, wait_for_writers=True)
-        assert manifest is not None
+        if manifest is None:
+            missing = await self.missing_dcp_files(node)
+            if missing:
+                names = ", ".join(sorted(missing)[:5]) + (", ..." if len(missing) > 5 else "")
+                raise FsError(errno.EAGAIN, f"{relpath} is not complete: its .metadata names "
+                              f"{len(missing)} files that are not there yet ({names}); it "
+                              "commits by itself when they are")
+            raise FsError(errno.EAGAIN, f"{relpath} could not commit yet (see the log)")
         return manifest
 
     async def _copies_of_open_files(self, files: list[tuple[str, Node]]

@@ -10,6 +10,8 @@ import shutil
 import stat
 from collections.abc import Callable
 
+import trio
+
 from tierfs import manifest as mf
 from tierfs.fs import dcp_metadata
 from tierfs.fs.nodes import (
@@ -378,21 +380,18 @@ class OtherTiers:
         return None
 
     async def _pull_missing_dcp_files(self, step_node: Node) -> bool:
-        """Before a multi-node DCP step commits here, bring in the shards other nodes' ranks
-        wrote (as `.metadata` lists them). False while some are not found sealed anywhere."""
-        if self.collect_sealed is None or METADATA not in step_node.children:
-            return True
-        try:
-            with open(self.backing(step_node.children[METADATA]), "rb") as f:
-                expected = dcp_metadata.shard_files(f.read())
-        except (OSError, FsError, dcp_metadata.MetadataError) as exc:
-            log.info("commit of %s uses the files at hand: %s", self.relpath(step_node), exc)
-            return True
-        local = {rel for rel, _node in self._files_under(step_node)}
-        missing = expected - local
+        """Before a DCP step commits, every shard its `.metadata` names must be here: on a
+        single node (`cp -r`, `rsync`, `tar` may write `.metadata` first) by waiting for them,
+        on several nodes by bringing in the shards other nodes' ranks wrote. False while some
+        are missing (`missing_dcp_files` names them)."""
+        missing = await self.missing_dcp_files(step_node)
         if not missing:
             return True
         step_path = self.relpath(step_node)
+        if self.collect_sealed is None:
+            log.info("commit of %s waits for %s, named by its .metadata", step_path,
+                     ", ".join(sorted(missing)[:5]) + (", ..." if len(missing) > 5 else ""))
+            return False
         found = await self.collect_sealed(step_path, missing)
         if set(found) != missing:
             log.info("commit of %s waits for %s from other nodes", step_path,
@@ -407,6 +406,21 @@ class OtherTiers:
         log.info("commit of %s pulls %d files written on %s", step_path, len(found),
                  ", ".join(sorted({peer for peer, _e in found.values()})))
         return True
+
+    async def missing_dcp_files(self, step_node: Node) -> set[str]:
+        """Files the step's DCP `.metadata` names that are not in the directory (none when it
+        has no readable `.metadata`: such a step commits with the files at hand)."""
+        metadata = step_node.children.get(METADATA)
+        if metadata is None or metadata.remote is not None:
+            return set()
+        try:
+            with open(self.backing(metadata), "rb") as f:
+                data = f.read()
+            expected = await trio.to_thread.run_sync(dcp_metadata.shard_files, data)
+        except (OSError, FsError, dcp_metadata.MetadataError) as exc:
+            log.info("commit of %s uses the files at hand: %s", self.relpath(step_node), exc)
+            return set()
+        return expected - {rel for rel, _node in self._files_under(step_node)}
 
     async def retry_pending_commits(self) -> None:
         """Commits left pending (writers, or shards not yet found on other nodes) try again."""

@@ -13,6 +13,7 @@ import time
 from tierfs import manifest as mf
 from tierfs.fs.nodes import (
     MANIFEST,
+    METADATA,
     PEERS_MARK,
     PERSISTED_MARK,
     REPLICAS_MARK,
@@ -223,6 +224,9 @@ class Recovery:
                         manifest, resident = recovered.get(entry.path, (None, set()))
                         node.step = StepState(number, manifest)
                         node.step.resident = resident
+                        # A DCP step whose .metadata came before its shards (a copy under
+                        # way) commits when the last of them is closed, as before the restart.
+                        node.step.commit_pending = manifest is None and METADATA in node.children
                         self._apply_persist_mark(node.step, entry.path)
                         self._apply_node_marks(node.step, entry.path)
                         self._seal_from_manifest(node)
