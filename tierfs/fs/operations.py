@@ -302,8 +302,13 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        node = self.ns.get(inode)
+        if name.startswith(XATTR_RESERVED) and name in self.ns.xattr_names(node):
+            # Derived, not stored (like `latest`): removing one succeeds and changes nothing,
+            # so that `rsync -X` into the mount, which drops what its source lacks, works.
+            return
         _check_user_xattr(name)
-        self.ns.remove_user_xattr(self.ns.get(inode), name)
+        self.ns.remove_user_xattr(node, name)
 
 
 def _is_user_xattr(name: bytes) -> bool:
