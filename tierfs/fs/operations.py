@@ -169,11 +169,10 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: Any) -> None:
+        old_parent = self.ns.get(parent_inode_old)
         new_parent = self.ns.get(parent_inode_new)
-        self.ns.check_special_destination(
-            self.ns.child(self.ns.get(parent_inode_old), name_old), new_parent)
-        await self.ns.rename(self.ns.get(parent_inode_old), name_old,
-                             new_parent, name_new, flags)
+        self.ns.check_special_destination(self.ns.child(old_parent, name_old), new_parent)
+        await self.ns.rename(old_parent, name_old, new_parent, name_new, flags)
 
     @_boundary
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
