@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -268,3 +269,29 @@ async def test_names_must_be_utf8(harness: Harness) -> None:
     with pytest.raises(pyfuse3.FUSEError) as info:
         await harness.ops.create(ROOT_INODE, b"\xff", 0o644, os.O_WRONLY, CTX)
     assert info.value.errno == errno.EILSEQ
+
+
+async def test_fifos_and_sockets_are_kept_across_a_restart_and_never_in_a_step(
+        tmp_path: Path) -> None:
+    h = Harness(tmp_path / "ram")
+    run_ino = await h.mkdirs("run")
+    step_ino = await h.mkdirs("run/step_1")
+    for name, kind in [(b"pipe", stat.S_IFIFO), (b"sock", stat.S_IFSOCK)]:
+        attrs = await h.ops.mknod(run_ino, name, kind | 0o644, 0, CTX)
+        assert stat.S_IFMT(attrs.st_mode) == kind
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await h.ops.mknod(step_ino, name, kind | 0o644, 0, CTX)
+        assert info.value.errno == errno.EPERM
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        await h.ops.mknod(run_ino, b"null", stat.S_IFCHR | 0o644, os.makedev(1, 3), CTX)
+    assert info.value.errno == errno.EPERM
+    h.close()
+    h = Harness(tmp_path / "ram")  # a restart
+    try:
+        for name, kind in [("pipe", stat.S_IFIFO), ("sock", stat.S_IFSOCK)]:
+            attrs = await h.ops.getattr(await h.inode(f"run/{name}"), CTX)
+            assert stat.S_IFMT(attrs.st_mode) == kind
+        await h.ops.unlink(await h.inode("run"), b"pipe", CTX)
+        assert not (tmp_path / "ram/tree/run/pipe").exists()
+    finally:
+        h.close()

@@ -3,15 +3,18 @@ with the errno of every refusal."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
+import socket
 import stat
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount
+from tests.conftest import Mount, MountFactory, getxattr, tierfs
 
 
 def expect_errno(code: int, func, *args) -> None:  # type: ignore[no-untyped-def]
@@ -187,3 +190,194 @@ def test_ram_limit_gives_enospc_and_keeps_committed_data(mounts) -> None:  # typ
     (mnt / "after").write_bytes(b"y" * (4 << 20))  # space is back once the file is gone
     assert (step / "shard").read_bytes() == committed
     assert mnt.step("step_1")["state"] == "committed"
+
+
+def both_data_paths(mounts: MountFactory, passthrough: bool) -> Mount:
+    mnt = mounts.mount() if passthrough else mounts.mount("--no-passthrough")
+    assert mnt.status()["passthrough"] is passthrough
+    return mnt
+
+
+DATA_PATHS = pytest.mark.parametrize("passthrough", [True, False],
+                                     ids=["passthrough", "through-daemon"])
+
+
+def test_lookup_of_a_name_over_255_bytes_is_enametoolong(mnt: Mount) -> None:
+    long_name = mnt / ("n" * 256)
+    expect_errno(errno.ENAMETOOLONG, os.stat, long_name)
+    (mnt / "d").mkdir()
+    expect_errno(errno.ENAMETOOLONG, os.lstat, mnt / "d" / ("x" * 300))
+    expect_errno(errno.ENAMETOOLONG, open, long_name, "rb")
+    (mnt / ("n" * 255)).write_bytes(b"ok")  # 255 is fine
+    assert os.stat(mnt / ("n" * 255)).st_size == 2
+
+
+@DATA_PATHS
+def test_fstat_of_an_open_unlinked_file_shows_no_link(mounts: MountFactory,
+                                                      passthrough: bool) -> None:
+    mnt = both_data_paths(mounts, passthrough)
+    step = mnt / "step_1"
+    step.mkdir()
+    (step / "shard").write_bytes(b"s" * 5000)
+    (step / ".metadata").write_bytes(b"m")  # committed: the file shares its inode
+    (mnt / "replaced").write_bytes(b"old")
+    with open(step / "shard", "rb") as shard, open(mnt / "replaced", "rb") as replaced, \
+            open(mnt / "scratch", "wb+") as scratch:
+        scratch.write(b"x" * 100)
+        scratch.flush()
+        for f in (shard, replaced, scratch):
+            assert os.fstat(f.fileno()).st_nlink == 1
+        os.unlink(step / "shard")
+        os.unlink(mnt / "scratch")
+        (mnt / "new").write_bytes(b"new")
+        os.rename(mnt / "new", mnt / "replaced")
+        for f in (shard, replaced, scratch):
+            st = os.fstat(f.fileno())
+            assert st.st_nlink == 0, f.name
+        assert os.fstat(shard.fileno()).st_size == 5000
+        scratch.seek(0)
+        assert scratch.read() == b"x" * 100
+    assert os.stat(mnt / "replaced").st_nlink == 1
+
+
+def exchange_through_fifo(path: Path) -> bytes:
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(path.read_bytes()))
+    reader.start()
+    path.write_bytes(b"through the pipe")
+    reader.join(timeout=10)
+    return received[0]
+
+
+def exchange_through_socket(path: Path) -> bytes:
+    with socket.socket(socket.AF_UNIX) as server, socket.socket(socket.AF_UNIX) as client:
+        server.bind(str(path))
+        server.listen(1)
+        client.connect(str(path))
+        conn, _ = server.accept()
+        with conn:
+            client.sendall(b"through the socket")
+            return conn.recv(100)
+
+
+def test_fifos_sockets_and_mknod(mounts: MountFactory, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}")
+    run = mnt / "run"
+    run.mkdir()
+    os.mkfifo(run / "pipe", 0o640)
+    assert stat.S_ISFIFO(os.stat(run / "pipe").st_mode)
+    assert stat.S_IMODE(os.stat(run / "pipe").st_mode) == 0o640
+    assert exchange_through_fifo(run / "pipe") == b"through the pipe"
+    assert exchange_through_socket(run / "sock") == b"through the socket"
+    assert stat.S_ISSOCK(os.stat(run / "sock").st_mode)
+    os.mknod(mnt / "plain", 0o600 | stat.S_IFREG)  # mknod of a regular file: an empty file
+    assert (mnt / "plain").read_bytes() == b"" and stat.S_ISREG(os.stat(mnt / "plain").st_mode)
+    expect_errno(errno.EPERM, os.mknod, mnt / "dev", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    # Not step data: refused inside a step directory, created or moved there.
+    step = run / "step_1"
+    step.mkdir()
+    expect_errno(errno.EPERM, os.mkfifo, step / "pipe")
+    expect_errno(errno.EPERM, exchange_through_socket, step / "sock")
+    expect_errno(errno.EPERM, os.rename, run / "pipe", step / "pipe")
+    # ... and never in a commit's way: a directory that holds one becomes a step and commits.
+    staging = run / "staging"
+    staging.mkdir()
+    os.mkfifo(staging / "pipe")
+    (staging / "shard").write_bytes(b"data")
+    (step / "shard").write_bytes(b"one")
+    (step / ".metadata").write_bytes(b"m")
+    os.rename(staging, run / "step_2")
+    assert mnt.step("run/step_2")["state"] == "committed"
+    assert mnt.step("run/step_2")["files"] == 1
+    assert os.readlink(run / "latest") == "step_2"
+    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    assert sorted(os.listdir(store / "run/step_2")) == [".tierfs-manifest", "shard"]
+    # A restart keeps them where they were, and the steps committed.
+    tierfs("umount", str(mnt.mountpoint))
+    mnt = mounts.remount(mnt)
+    assert stat.S_ISFIFO(os.lstat(run / "pipe").st_mode)
+    assert stat.S_ISFIFO(os.lstat(run / "step_2/pipe").st_mode)
+    assert mnt.step("run/step_2")["state"] == "committed"
+    assert (run / "step_2/shard").read_bytes() == b"data"
+    assert exchange_through_fifo(run / "pipe") == b"through the pipe"
+    subprocess.run(["rm", "-r", str(run)], check=True)
+    assert os.listdir(mnt) == ["plain"]
+
+
+def test_user_xattrs_on_files_and_directories(mounts: MountFactory, tmp_path: Path) -> None:
+    mnt = mounts.mount()
+    step = mnt / "run/step_1"
+    step.mkdir(parents=True)
+    shard = step / "shard"
+    shard.write_bytes(b"s" * 1000)
+    run = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True, text=True)  # noqa: E731
+    run("setfattr", "-n", "user.foo", "-v", "bar", str(shard))
+    run("setfattr", "-n", "user.dir", "-v", "d", str(step))
+    assert run("getfattr", "--only-values", "-n", "user.foo", str(shard)).stdout == "bar"
+    assert getxattr(step, "user.dir") == "d"
+    assert {"user.foo", "user.tierfs.tiers"} <= set(os.listxattr(shard))
+    expect_errno(errno.EEXIST, os.setxattr, shard, "user.foo", b"x", os.XATTR_CREATE)
+    expect_errno(errno.ENODATA, os.setxattr, shard, "user.new", b"x", os.XATTR_REPLACE)
+    expect_errno(errno.ENODATA, os.getxattr, shard, "user.missing")
+    expect_errno(errno.EROFS, os.setxattr, shard, "user.tierfs.xxh3", b"0")
+    os.removexattr(step, "user.tierfs.state")  # derived: removing it changes nothing
+    assert getxattr(step, "user.tierfs.state") == "writing"
+    expect_errno(errno.EROFS, os.removexattr, step, "user.tierfs.other")
+    expect_errno(errno.ENOTSUP, os.setxattr, shard, "trusted.foo", b"x")
+    os.setxattr(shard, "user.gone", b"1")
+    os.removexattr(shard, "user.gone")
+    expect_errno(errno.ENODATA, os.removexattr, shard, "user.gone")
+    # Not step data: a commit ignores them and they stay; a rewrite (copy on write) keeps them.
+    (step / ".metadata").write_bytes(b"m")
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    assert getxattr(shard, "user.foo") == "bar"
+    with open(shard, "ab") as f:
+        f.write(b"more")
+    assert getxattr(shard, "user.foo") == "bar"
+    (step / ".metadata").write_bytes(b"m2")
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    # cp --preserve=all into the mount (an unlinked file keeps its own, through its handle).
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"payload")
+    os.setxattr(src, "user.origin", b"disk")
+    run("cp", "--preserve=all", str(src), str(mnt / "copy.bin"))
+    assert getxattr(mnt / "copy.bin", "user.origin") == "disk"
+    with open(mnt / "copy.bin", "rb") as f:
+        os.unlink(mnt / "copy.bin")
+        os.setxattr(f.fileno(), "user.late", b"1")
+        assert os.getxattr(f.fileno(), "user.origin") == b"disk"
+    # Kept in this node's RAM tier across a restart.
+    mnt.kill9()
+    mnt = mounts.remount(mnt)
+    assert getxattr(mnt / "run/step_1/shard", "user.foo") == "bar"
+    assert getxattr(mnt / "run/step_1", "user.dir") == "d"
+    assert getxattr(mnt / "run/step_1", "user.tierfs.state") == "committed"
+
+
+def fallocate(fd: int, length: int) -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.fallocate(fd, 0, ctypes.c_long(0), ctypes.c_long(length)) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+@DATA_PATHS
+def test_fallocate_and_seek_hole_data(mounts: MountFactory, passthrough: bool) -> None:
+    """What the README promises: fallocate(2) is EOPNOTSUPP (pyfuse3 has no handler), glibc's
+    posix_fallocate falls back to writing; SEEK_DATA/SEEK_HOLE see the whole file as data."""
+    mnt = both_data_paths(mounts, passthrough)
+    fd = os.open(mnt / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        expect_errno(errno.EOPNOTSUPP, fallocate, fd, 1 << 20)
+        os.posix_fallocate(fd, 0, 100_000)
+        assert os.fstat(fd).st_size == 100_000
+        os.pwrite(fd, b"end", (1 << 20) - 3)  # a file with a hole in the middle
+        assert os.lseek(fd, 0, os.SEEK_DATA) == 0
+        assert os.lseek(fd, 200_000, os.SEEK_DATA) == 200_000
+        assert os.lseek(fd, 0, os.SEEK_HOLE) == 1 << 20
+        expect_errno(errno.ENXIO, os.lseek, fd, 1 << 20, os.SEEK_DATA)
+    finally:
+        os.close(fd)
+    assert (mnt / "f").read_bytes()[-3:] == b"end"

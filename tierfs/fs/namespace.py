@@ -42,6 +42,7 @@ from tierfs.fs.nodes import (
     NAME_MAX,
     RENAME_NOREPLACE,
     ROOT_INODE,
+    XATTR_RESERVED,
     XATTR_STATE,
     XATTR_TIERS,
     XATTR_XXH3,
@@ -795,6 +796,79 @@ class Namespace(Recovery, Residency, OtherTiers):
         if node.seal is None:
             raise FsError(ENOATTR)
         return node.seal.digest.xxh3.encode()
+
+    # -- user xattrs: kept on the RAM tier's file, not step data ----------------------------
+
+    def user_xattr_names(self, node: Node) -> list[bytes]:
+        target = self._user_xattr_target(node)
+        if target is None:
+            return []
+        return [name for name in map(os.fsencode, os.listxattr(target))
+                if name.startswith(b"user.") and not name.startswith(XATTR_RESERVED)]
+
+    def user_xattr(self, node: Node, name: bytes) -> bytes:
+        target = self._user_xattr_target(node)
+        if target is None:
+            raise FsError(ENOATTR)
+        return os.getxattr(target, name)
+
+    async def set_user_xattr(self, node: Node, name: bytes, value: bytes) -> None:
+        if node.remote is not None:
+            await self._make_resident(node, empty=False)  # as chmod does
+        target = self._user_xattr_target(node)
+        if target is None:
+            raise FsError(errno.ENOTSUP)
+        os.setxattr(target, name, value)
+
+    def remove_user_xattr(self, node: Node, name: bytes) -> None:
+        target = self._user_xattr_target(node)
+        if target is None:
+            raise FsError(ENOATTR)
+        os.removexattr(target, name)
+
+    def _user_xattr_target(self, node: Node) -> bytes | int | None:
+        """Where a node's user xattrs live: its backing file or directory, the fd of an open
+        handle once it is unlinked, or nowhere (a file whose bytes are in another tier, the
+        virtual `latest`). They are not in the manifest, so no other tier keeps them."""
+        if node.virtual or node.remote is not None or not (node.is_file or node.is_dir):
+            return None
+        try:
+            return self.backing(node)
+        except FsError:
+            for handle in node.handles:
+                if handle.fd >= 0:
+                    return handle.fd
+            raise
+
+    # -- FIFOs and sockets: local to this node's RAM tier, never in a step -------------------
+
+    def mknod(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
+        """A regular file (empty, not open), a FIFO or a socket; no device nodes. FIFOs and
+        sockets are not step data (no manifest entry, no upload, no replica), so they are
+        refused inside step directories, where they could only stand in a commit's way."""
+        kind = stat.S_IFMT(mode) or stat.S_IFREG
+        if kind not in (stat.S_IFREG, stat.S_IFIFO, stat.S_IFSOCK):
+            raise FsError(errno.EPERM, "device nodes are not supported")
+        if kind != stat.S_IFREG:
+            self._check_special_parent(parent)
+        path = self._new_entry_path(parent, name)
+        os.mknod(path, kind | (mode & 0o7777))
+        os.chmod(path, mode & 0o7777)  # whatever the daemon's umask
+        _chown(path, uid, gid)
+        node = self._attach(parent, name, kind)
+        if kind == stat.S_IFREG:
+            self.store.set_size(os.lstat(path).st_ino, 0)
+            self._mark_dirty(parent)
+        return node
+
+    def check_special_destination(self, node: Node, new_parent: Node) -> None:
+        """A FIFO or socket may not be renamed into a step directory either."""
+        if node.kind in (stat.S_IFIFO, stat.S_IFSOCK):
+            self._check_special_parent(new_parent)
+
+    def _check_special_parent(self, parent: Node) -> None:
+        if any(self.step_of(node) is not None for node in self._enclosing_steps(parent)):
+            raise FsError(errno.EPERM, "FIFOs and sockets cannot be part of a step")
 
 
     # -- helpers ---------------------------------------------------------------------------

@@ -29,6 +29,7 @@ ENOATTR = errno.ENODATA
 XATTR_STATE = b"user.tierfs.state"
 XATTR_TIERS = b"user.tierfs.tiers"
 XATTR_XXH3 = b"user.tierfs.xxh3"
+XATTR_RESERVED = b"user.tierfs."  # tierfs's own attributes: read-only for users
 
 
 class FsError(Exception):

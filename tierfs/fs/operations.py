@@ -19,7 +19,7 @@ import pyfuse3
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, StatvfsData
 
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.nodes import FsError, Handle, Node
+from tierfs.fs.nodes import NAME_MAX, XATTR_RESERVED, FsError, Handle, Node
 from tierfs.fs.passthrough import PassthroughDevice
 from tierfs.fs.ram_store import RamFull
 
@@ -81,8 +81,9 @@ class Operations(pyfuse3.Operations):
             return attrs
         st = self.ns.stat(node)
         attrs.st_mode = st.st_mode
-        # Tree files share their inode with committed objects; users see one link.
-        attrs.st_nlink = 1 if node.is_file else st.st_nlink
+        # Tree files share their inode with committed objects: users see one link, or none
+        # once the name is gone (fstat of an open, unlinked file).
+        attrs.st_nlink = st.st_nlink if node.is_dir else int(node.parent is not None)
         attrs.st_uid = st.st_uid
         attrs.st_gid = st.st_gid
         attrs.st_size = st.st_size
@@ -102,6 +103,8 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def lookup(self, parent_inode: int, name: bytes, ctx: Any) -> EntryAttributes:
         parent = self.ns.get(parent_inode)
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)  # the kernel leaves this check to us
         if name == b".":
             node = parent
         elif name == b"..":
@@ -143,6 +146,13 @@ class Operations(pyfuse3.Operations):
         return self._entry(node)
 
     @_boundary
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: Any) -> EntryAttributes:
+        node = self.ns.mknod(self.ns.get(parent_inode), name, mode & ~ctx.umask, ctx.uid,
+                             ctx.gid)
+        return self._entry(node)
+
+    @_boundary
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         self.ns.rmdir(self.ns.get(parent_inode), name)
 
@@ -159,8 +169,10 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: Any) -> None:
-        await self.ns.rename(self.ns.get(parent_inode_old), name_old,
-                             self.ns.get(parent_inode_new), name_new, flags)
+        old_parent = self.ns.get(parent_inode_old)
+        new_parent = self.ns.get(parent_inode_new)
+        self.ns.check_special_destination(self.ns.child(old_parent, name_old), new_parent)
+        await self.ns.rename(old_parent, name_old, new_parent, name_new, flags)
 
     @_boundary
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
@@ -272,22 +284,41 @@ class Operations(pyfuse3.Operations):
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         if name == XATTR_CONTROL and self.control_path:
             return self.control_path
-        return await self.ns.xattr(self.ns.get(inode), name)
+        node = self.ns.get(inode)
+        if _is_user_xattr(name):
+            return self.ns.user_xattr(node, name)
+        return await self.ns.xattr(node, name)
 
     @_boundary
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
-        return self.ns.xattr_names(self.ns.get(inode))
+        node = self.ns.get(inode)
+        return self.ns.xattr_names(node) + self.ns.user_xattr_names(node)
 
     @_boundary
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
-        self._refuse_xattr_change(name)
+        _check_user_xattr(name)
+        await self.ns.set_user_xattr(self.ns.get(inode), name, value)
 
     @_boundary
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
-        self._refuse_xattr_change(name)
+        node = self.ns.get(inode)
+        if name.startswith(XATTR_RESERVED) and name in self.ns.xattr_names(node):
+            # Derived, not stored (like `latest`): removing one succeeds and changes nothing,
+            # so that `rsync -X` into the mount, which drops what its source lacks, works.
+            return
+        _check_user_xattr(name)
+        self.ns.remove_user_xattr(node, name)
 
-    @staticmethod
-    def _refuse_xattr_change(name: bytes) -> None:
-        if name.startswith(b"user.tierfs."):
-            raise FsError(errno.EROFS)
+
+def _is_user_xattr(name: bytes) -> bool:
+    """A user's own attribute (`user.*`), kept on the RAM tier's file; `user.tierfs.*` is ours."""
+    return name.startswith(b"user.") and not name.startswith(XATTR_RESERVED)
+
+
+def _check_user_xattr(name: bytes) -> None:
+    """Only a user's own attributes change: tierfs's are read-only, other namespaces
+    (trusted, security, system) are not supported."""
+    if name.startswith(XATTR_RESERVED):
+        raise FsError(errno.EROFS)
+    if not _is_user_xattr(name):
         raise FsError(errno.ENOTSUP)

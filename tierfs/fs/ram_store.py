@@ -204,8 +204,8 @@ class RamStore:
         os.unlink(path)
 
     def copy(self, path: bytes, directory: bytes, keep_bytes: int) -> bytes:
-        """A temporary copy of `path`'s first `keep_bytes` bytes, mode, owner and times, in
-        `directory` (blocking and free of accounting: it runs in a worker thread)."""
+        """A temporary copy of `path`'s first `keep_bytes` bytes, mode, owner, times and user
+        xattrs, in `directory` (blocking and free of accounting: it runs in a worker thread)."""
         st = os.lstat(path)
         tmp = self.tmp_path(directory)
         with open(tmp, "xb") as dst:
@@ -216,6 +216,9 @@ class RamStore:
         os.chmod(tmp, st.st_mode & 0o7777)
         os.chown(tmp, st.st_uid, st.st_gid)
         os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+        for name in os.listxattr(path):  # the user's own xattrs go with the copy
+            if name.startswith("user."):
+                os.setxattr(tmp, name, os.getxattr(path, name))
         return tmp
 
     def remove_tmp_files(self) -> int:

@@ -214,7 +214,8 @@ class Recovery:
                     continue
                 st = entry.stat(follow_symlinks=False)
                 kind = stat.S_IFMT(st.st_mode)
-                if kind not in (stat.S_IFDIR, stat.S_IFREG, stat.S_IFLNK):
+                if kind not in (stat.S_IFDIR, stat.S_IFREG, stat.S_IFLNK, stat.S_IFIFO,
+                                stat.S_IFSOCK):
                     continue
                 node = self._attach(dir_node, entry.name, kind)
                 if kind == stat.S_IFDIR:
