@@ -159,3 +159,33 @@ def test_a_dcp_step_copied_with_shell_tools_commits_whole(mounts: MountFactory, 
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(mnt / "run/latest")))
     assert torch.equal(state["a"], torch.arange(4096, dtype=torch.float32))
     assert mnt.step("run/step_5")["files"] == 3
+
+
+# -- loads through `latest` while a step commits ---------------------------------------------------
+
+
+def test_a_load_through_latest_never_mixes_two_steps(mnt: Mount) -> None:
+    """A commit lands between the load's read of `.metadata` and of the shards: the load
+    still reads step_100 whole, while any other process already sees step_200."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    def state(value: float) -> dict[str, torch.Tensor]:
+        return {"a": torch.full((256, 256), value), "b": torch.full((1024,), value)}
+
+    run = mnt / "run"
+    dcp.save(state(1.0), storage_writer=dcp.FileSystemWriter(str(run / "step_100"),
+                                                              thread_count=2))
+
+    class CommitMidLoad(dcp.FileSystemReader):
+        def read_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            dcp.save(state(2.0), storage_writer=dcp.FileSystemWriter(str(run / "step_200"),
+                                                                      thread_count=2))
+            seen = subprocess.run(["readlink", str(run / "latest")], capture_output=True,
+                                  text=True, check=True).stdout.strip()
+            assert seen == "step_200"  # another process sees the new step at once
+            return super().read_data(plan, planner)
+
+    loaded = state(0.0)
+    dcp.load(loaded, storage_reader=CommitMidLoad(str(run / "latest")))
+    assert torch.equal(loaded["a"], state(1.0)["a"]) and torch.equal(loaded["b"], state(1.0)["b"])

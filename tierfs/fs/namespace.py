@@ -33,6 +33,7 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs.fs.fetch import ReadSource
+from tierfs.fs.latest_pins import LatestPins
 from tierfs.fs.nodes import (
     DEFAULT_STEP_PATTERN,
     ENOATTR,
@@ -95,6 +96,7 @@ class Namespace(Recovery, Residency, OtherTiers):
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._latest: dict[int, Node] = {}
+        self._latest_pins = LatestPins()
         self._released = trio.Event()
         self._hash_limiter = trio.CapacityLimiter(2)
         self._unshare_lock = trio.Lock()
@@ -217,9 +219,14 @@ class Namespace(Recovery, Residency, OtherTiers):
         self._mark_dirty(parent)
         return self._attach(parent, name, stat.S_IFLNK)
 
-    def readlink(self, node: Node) -> bytes:
+    def readlink(self, node: Node, pid: int | None = None) -> bytes:
+        """A symbolic link's target; for `latest`, the one process `pid` sees (latest_pins)."""
         if node.virtual:
-            target = self._latest_target(node.parent)
+            parent = node.parent
+            target = self._latest_target(parent)
+            if pid is not None:
+                target = self._latest_pins.resolve(
+                    pid, parent.ino, target, lambda name: self._is_committed_step(parent, name))
             if target is None:
                 raise FsError(errno.ENOENT)
             return target
@@ -330,6 +337,8 @@ class Namespace(Recovery, Residency, OtherTiers):
             await self.flush(handle, final=True)
         finally:
             del self._handles[handle.fh]
+            if handle.pin is not None:
+                self._latest_pins.closed(handle.pin)
             node = handle.node
             node.handles.remove(handle)
             if handle.fd >= 0:
@@ -725,6 +734,19 @@ class Namespace(Recovery, Residency, OtherTiers):
                 if best is None or key > best:
                     best = key
         return None if best is None else best[1]
+
+    def _is_committed_step(self, dir_node: Node, name: bytes) -> bool:
+        node = dir_node.children.get(name)
+        step = self.step_of(node) if node is not None and node.is_dir else None
+        return step is not None and step.committed
+
+    def note_opened(self, handle: Handle, pid: int) -> None:
+        """Process `pid` opened `handle`: if it reached the file through its pinned `latest`,
+        the pin lasts while the file is open."""
+        step_node = next((n for n in self._enclosing_steps(handle.node.parent)
+                          if self.step_of(n) is not None), None)
+        if step_node is not None and step_node.parent is not None:
+            handle.pin = self._latest_pins.opened(pid, step_node.parent.ino, step_node.name)
 
     def _latest_node(self, dir_node: Node) -> Node:
         node = self._latest.get(dir_node.ino)

@@ -12,6 +12,7 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs.fs.fetch import Fetch, RemoteFile
+from tierfs.fs.latest_pins import Pin
 
 ROOT_INODE = 1
 LATEST = b"latest"
@@ -145,7 +146,7 @@ class Handle:
     A passthrough handle's reads and writes go from the kernel straight to its backing file."""
 
     __slots__ = ("fh", "node", "fd", "backing_ino", "writable", "active", "passthrough",
-                 "flushes")
+                 "flushes", "pin")
 
     def __init__(self, fh: int, node: Node, fd: int, writable: bool) -> None:
         self.fh = fh
@@ -156,4 +157,5 @@ class Handle:
         self.active = False
         self.passthrough = False
         self.flushes = 0  # FLUSHes seen: more than one means duplicated descriptors
+        self.pin: Pin | None = None  # the `latest` target its process keeps while it is open
 

@@ -138,7 +138,7 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def readlink(self, inode: int, ctx: Any) -> bytes:
-        return self.ns.readlink(self.ns.get(inode))
+        return self.ns.readlink(self.ns.get(inode), ctx.pid)
 
     @_boundary
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> EntryAttributes:
@@ -191,6 +191,7 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def open(self, inode: int, flags: int, ctx: Any) -> FileInfo:
         handle = await self.ns.open(self.ns.get(inode), flags)
+        self.ns.note_opened(handle, ctx.pid)
         return await self._file_info(handle)
 
     async def _file_info(self, handle: Handle) -> FileInfo:

@@ -1,0 +1,42 @@
+"""`latest` per process (tierfs.fs.latest_pins), driven by a clock the test moves."""
+
+from __future__ import annotations
+
+import os
+
+from tierfs.fs.latest_pins import GRACE, LatestPins
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_process_keeps_its_target_while_reading_and_for_a_grace_after() -> None:
+    clock = Clock()
+    pins = LatestPins(clock)
+    me, committed = os.getpid(), {b"step_1", b"step_2"}
+    alive = committed.__contains__
+    assert pins.resolve(me, 7, b"step_1", alive) == b"step_1"
+    pin = pins.opened(me, 7, b"step_1")
+    assert pin is not None
+    clock.now += 10 * GRACE  # a long read of one file: the pin holds while it is open
+    assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"
+    pins.closed(pin)
+    clock.now += GRACE / 2
+    assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"
+    clock.now += 2 * GRACE
+    assert pins.resolve(me, 7, b"step_2", alive) == b"step_2"
+
+
+def test_a_pinned_step_that_is_gone_gives_way_and_other_directories_are_apart() -> None:
+    pins = LatestPins(Clock())
+    me, committed = os.getpid(), {b"step_1"}
+    assert pins.resolve(me, 7, b"step_1", committed.__contains__) == b"step_1"
+    assert pins.resolve(me, 8, b"step_9", committed.__contains__) == b"step_9"
+    committed.clear()
+    assert pins.resolve(me, 7, b"step_2", committed.__contains__) == b"step_2"
+    assert pins.opened(me, 7, b"step_1") is None  # a file of a step it no longer names

@@ -1,0 +1,83 @@
+"""Which step the virtual `latest` link names for each process.
+
+`latest` names the newest committed step of its directory, and the kernel asks for its target
+at every path lookup through it. A load through `latest` opens `.metadata` and then each shard
+by path, so a commit landing mid-load would otherwise send the later opens to another step and
+mix two checkpoints. So a process keeps seeing the target it first resolved while it has files
+of that step open, and for `GRACE` seconds after its last lookup or close there; then it sees
+the newest step again. Other processes are not affected: each resolves on its own.
+
+Processes are told apart by thread-group id: FUSE reports the thread, and a load's threads are
+one reader.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+GRACE = 10.0  # seconds a process keeps its target after its last use of it
+
+
+@dataclass
+class Pin:
+    target: bytes
+    last_used: float
+    open_files: int = 0
+
+
+class LatestPins:
+    """Per-process targets of `latest`, keyed by (thread group, directory inode)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._pins: dict[tuple[int, int], Pin] = {}
+
+    def resolve(self, pid: int, dir_ino: int, newest: bytes | None,
+                still_committed: Callable[[bytes], bool]) -> bytes | None:
+        """The target `latest` in directory `dir_ino` has for the process of thread `pid`."""
+        now = self._clock()
+        self._expire(now)
+        key = (thread_group(pid), dir_ino)
+        pin = self._pins.get(key)
+        if pin is not None and pin.target != newest and still_committed(pin.target):
+            pin.last_used = now
+            return pin.target
+        if pin is not None and newest is not None:
+            pin.target, pin.last_used = newest, now  # the same object: open files point to it
+        elif newest is not None:
+            self._pins[key] = Pin(newest, now)
+        return newest
+
+    def opened(self, pid: int, dir_ino: int, step_name: bytes) -> Pin | None:
+        """A process opened a file of step `step_name`: its pin, if it names that step, lasts
+        while the file is open. Returns the pin to pass to `closed`."""
+        if not self._pins:
+            return None
+        pin = self._pins.get((thread_group(pid), dir_ino))
+        if pin is None or pin.target != step_name:
+            return None
+        pin.open_files += 1
+        return pin
+
+    def closed(self, pin: Pin) -> None:
+        pin.open_files -= 1
+        pin.last_used = self._clock()
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, p in self._pins.items()
+                    if not p.open_files and now - p.last_used > GRACE]:
+            del self._pins[key]
+
+
+def thread_group(pid: int) -> int:
+    """The process (thread group) a thread belongs to; the thread itself if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return pid
