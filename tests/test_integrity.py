@@ -8,16 +8,17 @@ and pass `tierfs verify --no-repair`.
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import xxhash
 
-from tests.conftest import Mount, MountFactory, getxattr, tierfs
+from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
 
 CONTENT = b"hello, committed bytes\n" * 1000
 
@@ -189,3 +190,51 @@ def test_a_load_through_latest_never_mixes_two_steps(mnt: Mount) -> None:
     loaded = state(0.0)
     dcp.load(loaded, storage_reader=CommitMidLoad(str(run / "latest")))
     assert torch.equal(loaded["a"], state(1.0)["a"]) and torch.equal(loaded["b"], state(1.0)["b"])
+
+
+# -- a commit that fails for want of space ---------------------------------------------------------
+
+
+@pytest.fixture
+def small_shm(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs, as a small or shared /dev/shm would be."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(shm)], check=True)
+    try:
+        yield shm
+    finally:
+        subprocess.run(["umount", "-l", str(shm)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Take every free byte of the file system `path` is on (another user of /dev/shm)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_a_commit_that_fails_for_space_fails_the_save_and_is_retried(
+        small_shm: Path, mounts: MountFactory) -> None:
+    mnt = mounts.mount("--ram-limit", "1G", ram_dir=small_shm / "ram")
+    step = mnt / "run/step_3"
+    step.mkdir(parents=True)
+    (step / "__0_0.distcp").write_bytes(os.urandom(1 << 20))
+    (step / ".metadata.tmp").write_bytes(b"metadata")
+    fill(small_shm / "other-user")
+    with pytest.raises(OSError) as failed:  # DCP's last step: the save reports the failure
+        os.rename(step / ".metadata.tmp", step / ".metadata")
+    assert failed.value.errno == errno.ENOSPC
+    assert getxattr(step, "user.tierfs.state") == "writing"
+    assert "space" in mnt.step("run/step_3")["waiting_for"]
+    assert "its commit waits for space" in tierfs("status", str(mnt.mountpoint)).stdout
+    assert not (mnt / "run/latest").exists()
+    (small_shm / "other-user").unlink()
+    wait_until(lambda: getxattr(step, "user.tierfs.state") == "committed")
+    assert os.readlink(mnt / "run/latest") == "step_3"
+    assert mnt.step("run/step_3")["waiting_for"] is None

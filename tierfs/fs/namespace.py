@@ -15,8 +15,9 @@ Invariants (S3QL-style note: where an `await` must not appear):
   the new one, never a manifest that disagrees with the tree.
 * Committed objects are never written: a tree file whose inode is shared with `objects/` is
   unshared (copied, or recreated empty for O_TRUNC) before it is opened for writing or truncated.
-* Order of a commit on disk: link objects, write manifest temp, fsync, rename. A crash before the
-  rename leaves only unreferenced objects, which start-up removes; the step stays `writing`.
+* Order of a commit on disk: write manifest temp, fsync, link objects, rename. A crash before the
+  rename leaves only unreferenced objects, which start-up removes; the step stays `writing`. A
+  full RAM dir fails the first of these, before anything changed.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from tierfs.fs.nodes import (
     StepState,
 )
 from tierfs.fs.other_tiers import OtherTiers
-from tierfs.fs.ram_store import RamStore, is_reserved
+from tierfs.fs.ram_store import RamFull, RamStore, is_reserved
 from tierfs.fs.recovery import Recovery
 from tierfs.fs.residency import Residency
 
@@ -470,7 +471,7 @@ class Namespace(Recovery, Residency, OtherTiers):
         if node.is_dir:
             await self._renamed_dir(node)
         elif new_name == METADATA and self.step_of(new_parent) is not None:
-            await self._commit_quietly(new_parent)
+            await self._commit_for_saver(new_parent)
         await self._run_pending_commits(old_parent)
 
     async def _renamed_dir(self, node: Node) -> None:
@@ -512,19 +513,43 @@ class Namespace(Recovery, Residency, OtherTiers):
         if step is None:
             raise FsError(errno.EINVAL, "not a step directory")
         started = time.monotonic()
+        try:
+            manifest, old = await self._commit_locked(step_node, step, wait_for_writers)
+        except (OSError, RamFull) as exc:
+            # Retried (retry_pending_commits) until it succeeds; `status` shows why it waits.
+            step.commit_pending = True
+            step.waiting_for = "space: " + ("the RAM tier is full" if isinstance(exc, RamFull)
+                                            else exc.strerror or str(exc))
+            raise
+        if manifest is None:
+            return None
+        step.waiting_for = None
+        if manifest is not old:
+            log.info("committed %s v%d: %d files, %d bytes in %.3f s", manifest.path,
+                     manifest.version, len(manifest.files), manifest.total_bytes,
+                     time.monotonic() - started)
+            await self._commits.send(manifest)
+        return manifest
+
+    async def _commit_locked(self, step_node: Node, step: StepState, wait_for_writers: bool
+                             ) -> tuple[mf.StepManifest | None, mf.StepManifest | None]:
+        """The commit itself: (the manifest in force after it, the one before), or (None, _)
+        when it is left pending."""
         async with step.lock:
             while True:
                 released = self._released
                 if self._has_active_writers(step_node):
                     if not wait_for_writers:
                         step.commit_pending = True
+                        step.waiting_for = "open writers"
                         log.info("commit of %s waits for open writers", self.relpath(step_node))
-                        return None
+                        return None, None
                     await released.wait()
                     continue
                 if not await self._pull_missing_dcp_files(step_node):
                     step.commit_pending = True  # retried by retry_pending_commits
-                    return None
+                    step.waiting_for = "files named by its .metadata"
+                    return None, None
                 files = list(self._files_under(step_node))
                 for _rel, node in files:
                     if node.remote is not None:
@@ -544,19 +569,13 @@ class Namespace(Recovery, Residency, OtherTiers):
                     for copy, _gen in copies.values():
                         self.store.discard(copy)
                     if self.step_of(step_node) is not step or step_node.parent is None:
-                        return None  # renamed away or removed while it was being sealed
+                        return None, None  # renamed away or removed while it was being sealed
                     continue
                 old = step.manifest
                 manifest = self._write_manifest(step_node, files,
                                                 {n: c for n, (c, _g) in copies.items()})
                 step.commit_pending = False
-                break
-        if manifest is not old:
-            log.info("committed %s v%d: %d files, %d bytes in %.3f s", manifest.path,
-                     manifest.version, len(manifest.files), manifest.total_bytes,
-                     time.monotonic() - started)
-            await self._commits.send(manifest)
-        return manifest
+                return manifest, old
 
     async def commit_path(self, relpath: str) -> mf.StepManifest:
         """`tierfs commit PATH`: commit the step directory at `relpath`, waiting for writers."""
@@ -619,10 +638,11 @@ class Namespace(Recovery, Residency, OtherTiers):
             path=step_path, step=step.number, version=old.version + 1 if old else 1,
             node_id=self.node_id, committed_ns=time.time_ns(), files=tuple(entries),
         )
-        encoded = mf.encode(manifest)
+        manifest_path = os.path.join(dir_path, MANIFEST)
+        tmp = self._write_temp_file(manifest_path, mf.encode(manifest))  # may fail: ENOSPC
         for (_rel, node), entry in zip(files, entries, strict=True):
             self.store.add_ref(entry.xxh3, self.backing(node), copies.pop(node, None))
-        self._write_file_atomically(os.path.join(dir_path, MANIFEST), encoded)
+        os.rename(tmp, manifest_path)
         self._drop_resident_refs(step)
         step.manifest = manifest
         step.resident = {entry.name for entry in entries}
@@ -638,6 +658,21 @@ class Namespace(Recovery, Residency, OtherTiers):
         except Exception:  # a bug must not take the file system down with it
             log.exception("commit of %s failed", os.fsdecode(step_node.name))
 
+    async def _commit_for_saver(self, step_node: Node) -> None:
+        """Commit triggered by the saver's own call (`.metadata` closed after writing or renamed
+        into place): a failure is that call's error, so the save fails instead of returning
+        success for a step that did not commit. The commit is retried meanwhile."""
+        try:
+            await self.commit(step_node, wait_for_writers=False)
+        except RamFull:
+            log.error("commit of %s failed: the RAM tier is full; retried when space frees",
+                      self.relpath(step_node))
+            raise FsError(errno.ENOSPC) from None
+        except OSError as exc:
+            log.error("commit of %s failed: %s; retried when it can succeed",
+                      self.relpath(step_node), exc.strerror or exc)
+            raise FsError(exc.errno or errno.EIO) from None
+
     async def _after_writer(self, node: Node) -> None:
         """A writer of `node` is done: a `.metadata` closed after writing, or a pending commit
         whose last writer this was, commits its step now."""
@@ -645,7 +680,7 @@ class Namespace(Recovery, Residency, OtherTiers):
         if parent is None:
             return
         if node.name == METADATA and self.step_of(parent) is not None:
-            await self._commit_quietly(parent)
+            await self._commit_for_saver(parent)
         await self._run_pending_commits(parent)
 
     async def _run_pending_commits(self, dir_node: Node | None) -> None:
@@ -784,6 +819,7 @@ class Namespace(Recovery, Residency, OtherTiers):
             "files": files, "bytes": size, "ram": step.in_ram,
             "replicas": self._peer_holders(step),
             "persisted": step.persisted,
+            "waiting_for": step.waiting_for if step.commit_pending else None,
         }
 
     def xattr_names(self, node: Node) -> list[bytes]:

@@ -85,6 +85,9 @@ class StepState:
         self.manifest = manifest
         self.dirty = manifest is None
         self.commit_pending = False
+        self.waiting_for: str | None = None  # why a commit is pending (status shows it)
+        # The files its DCP .metadata names, and which .metadata (inode, size, mtime) said so.
+        self.dcp_files: tuple[tuple[int, int, int], set[str]] | None = None
         self.lock = trio.Lock()
         self.persisted_version = 0
         self.retired_version = 0

@@ -415,11 +415,16 @@ class OtherTiers:
             return set()
         try:
             with open(self.backing(metadata), "rb") as f:
-                data = f.read()
-            expected = await trio.to_thread.run_sync(dcp_metadata.shard_files, data)
+                st = os.fstat(f.fileno())
+                key = (st.st_ino, st.st_size, st.st_mtime_ns)
+                if step_node.step.dcp_files is None or step_node.step.dcp_files[0] != key:
+                    data = f.read()
+                    expected = await trio.to_thread.run_sync(dcp_metadata.shard_files, data)
+                    step_node.step.dcp_files = (key, expected)  # pending commits ask again
         except (OSError, FsError, dcp_metadata.MetadataError) as exc:
             log.info("commit of %s uses the files at hand: %s", self.relpath(step_node), exc)
             return set()
+        expected = step_node.step.dcp_files[1]
         return expected - {rel for rel, _node in self._files_under(step_node)}
 
     async def retry_pending_commits(self) -> None:

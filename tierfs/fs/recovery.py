@@ -4,6 +4,7 @@ start-up reads back. A mixin of Namespace."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -34,12 +35,23 @@ class Recovery:
         self._write_file_atomically(path, f"{version} {state}\n".encode())
 
     def _write_file_atomically(self, path: bytes, data: bytes) -> None:
+        os.rename(self._write_temp_file(path, data), path)
+
+    @staticmethod
+    def _write_temp_file(path: bytes, data: bytes) -> bytes:
+        """`data` written and synced beside `path`, for a rename into place; nothing is left
+        behind when that fails (a full RAM dir)."""
         tmp = path + b".tmp"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return tmp
 
     def _persist_mark(self, dir_path: bytes) -> tuple[int, str] | None:
         try:

@@ -422,4 +422,6 @@ def format_status(status: dict[str, Any]) -> str:
         cells = [cell.rjust(w) if i in numeric else cell.ljust(w)
                  for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
         lines.append("  ".join(cells).rstrip())
+    lines += [f"{step['path']}: its commit waits for {step['waiting_for']}"
+              for step in steps if step.get("waiting_for")]
     return "\n".join(lines)

@@ -43,7 +43,7 @@ from tierfs.s3tier.uploader import Uploader
 log = logging.getLogger(__name__)
 
 CHECK_PATIENCE = 10.0  # seconds a mount waits for an unreachable persistent tier
-PENDING_RETRY = 0.5  # seconds between tries of commits that wait for other nodes
+PENDING_RETRY = 0.5  # seconds between tries of pending commits (shards elsewhere, no space)
 
 
 class StartupError(Exception):
@@ -201,6 +201,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             if uploader is not None:
                 nursery.start_soon(uploader.run)
             nursery.start_soon(_verify_then_send, verifier, uploader, cluster)
+            nursery.start_soon(_retry_pending_commits, namespace)
             nursery.start_soon(_terminate_on_signal)
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers
             log.info("mounted %s (RAM dir %s, limit %d bytes, pid %d)", cfg.mountpoint,
@@ -213,6 +214,13 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             device.close()
         with contextlib.suppress(FileNotFoundError):
             cfg.control_socket.unlink()
+
+
+async def _retry_pending_commits(namespace: Namespace) -> None:
+    """Commits that wait for other nodes' shards, or failed (a full RAM dir), try again."""
+    while True:
+        await trio.sleep(PENDING_RETRY)
+        await namespace.retry_pending_commits()
 
 
 async def _persistent_tier(cfg: MountConfig, namespace: Namespace, store: RamStore,
@@ -346,7 +354,7 @@ class ClusterNode:
                  ", ".join(m.node_id for m in self.membership.peers))
         await self.gossip.pull_all()  # every step of the cluster is listed from the start
         for worker in (self.membership.run, self.gossip.run, self.replicator.run,
-                       self._restore_copies, self._retry_pending_commits):
+                       self._restore_copies):
             nursery.start_soon(worker)
 
     async def _restore_copies(self) -> None:
@@ -355,11 +363,6 @@ class ClusterNode:
             await self.membership.changed.wait()
             for manifest in self.namespace.held_manifests():
                 self.replicator.submit(manifest)
-
-    async def _retry_pending_commits(self) -> None:
-        while True:
-            await trio.sleep(PENDING_RETRY)
-            await self.namespace.retry_pending_commits()
 
     def served(self) -> dict[str, int]:
         return {"requests": self.ranges.served_requests, "bytes": self.ranges.served_bytes}
