@@ -53,7 +53,7 @@ from tierfs.fs.nodes import (
     StepState,
 )
 from tierfs.fs.other_tiers import OtherTiers
-from tierfs.fs.ram_store import RamStore, is_reserved
+from tierfs.fs.ram_store import RamStore, allocated, is_reserved
 from tierfs.fs.recovery import Recovery
 from tierfs.fs.residency import Residency
 
@@ -97,6 +97,9 @@ class Namespace(Recovery, Residency, OtherTiers):
         self._released = trio.Event()
         self._hash_limiter = trio.CapacityLimiter(2)
         self._unshare_lock = trio.Lock()
+        self._evictions: dict[StepState, trio.Event] = {}  # see Residency
+        self._fetching: set[Node] = set()
+        self._pressure_relief = False
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -238,7 +241,7 @@ class Namespace(Recovery, Residency, OtherTiers):
             os.close(fd)
             raise
         node = self._attach(parent, name, stat.S_IFREG)
-        self.store.set_size(os.fstat(fd).st_ino, 0)
+        self.store.account_fd(fd)
         handle = self._new_handle(node, fd, writable=True)
         self._activate(handle)
         return node, handle
@@ -263,7 +266,7 @@ class Namespace(Recovery, Residency, OtherTiers):
         handle = self._new_handle(node, fd, writable)
         if truncate:
             os.ftruncate(fd, 0)
-            self.store.set_size(handle.backing_ino, 0)
+            self.store.account_fd(fd)
             self._activate(handle)
         return handle
 
@@ -275,19 +278,22 @@ class Namespace(Recovery, Residency, OtherTiers):
             handle.fd = os.open(self.backing(node), os.O_RDONLY)  # it became resident
         return os.pread(handle.fd, size, offset)
 
-    def write(self, handle: Handle, offset: int, data: bytes) -> int:
+    async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         if not handle.active:
             self._activate(handle)
-        self.store.grow(handle.backing_ino, offset + len(data))
-        return os.pwrite(handle.fd, data, offset)
+        if not self.store.room_for(len(data)) and _may_allocate(handle.fd, offset, len(data)):
+            await self.make_room(len(data), sparing=handle.node)
+        written = os.pwrite(handle.fd, data, offset)
+        self.store.account_fd(handle.fd)
+        return written
 
-    def expect_direct_writes(self, handle: Handle) -> None:
+    async def expect_direct_writes(self, handle: Handle) -> None:
         """The kernel will write this handle's backing file without asking us (passthrough):
         count it as writing from now on. A full RAM tier is refused here, at open, because
         such writes cannot be refused one by one."""
         if not handle.writable:
             return
-        self.store.check_room(1)
+        await self.make_room(1, sparing=handle.node)
         if not handle.active:
             self._activate(handle)
 
@@ -296,9 +302,10 @@ class Namespace(Recovery, Residency, OtherTiers):
         for handle in self._handles.values():
             if handle.passthrough and handle.writable and handle.fd >= 0:
                 self._account_direct(handle)
+        self.relieve_pressure()
 
     def _account_direct(self, handle: Handle) -> None:
-        self.store.account(handle.backing_ino, os.fstat(handle.fd).st_size)
+        self.store.account_fd(handle.fd)
 
     async def flush(self, handle: Handle) -> None:
         """End of a close(): seal what this handle wrote, then fire any commit it completes."""
@@ -384,14 +391,15 @@ class Namespace(Recovery, Residency, OtherTiers):
                         size: int) -> None:
         if not node.is_file:
             raise FsError(errno.EISDIR if node.is_dir else errno.EINVAL)
+        # A file grown by truncate stores nothing more (tmpfs keeps no holes): no room needed.
         if isinstance(target, bytes):
             await self._make_private(node, keep=size > 0)
             target = self.backing(node)
-            self.store.set_size(os.lstat(target).st_ino, size)
             os.truncate(target, size)
+            self.store.account_path(target)
         else:
-            self.store.set_size(os.fstat(target).st_ino, size)
             os.ftruncate(target, size)
+            self.store.account_fd(target)
         if handle is not None and handle.active:
             return
         node.gen += 1
@@ -555,11 +563,11 @@ class Namespace(Recovery, Residency, OtherTiers):
             if any(h.writable for h in node.handles) and \
                     not self.store.object_path(node.seal.digest.xxh3).exists():
                 gen = node.gen
-                self.store.check_room(node.seal.digest.size)
+                await self.make_room(node.seal.digest.size)
                 copy = await trio.to_thread.run_sync(
                     self.store.copy, self.backing(node), os.fsencode(self.store.objects),
                     node.seal.digest.size)
-                self.store.account(os.lstat(copy).st_ino, node.seal.digest.size)
+                self.store.account_path(copy)
                 copies[node] = (copy, gen)
         return copies
 
@@ -703,14 +711,18 @@ class Namespace(Recovery, Residency, OtherTiers):
             stack.extend(c for c in node.children.values() if c.is_dir)
 
     def step_status(self, step_node: Node) -> dict[str, object]:
+        """One step's line of `tierfs status`: cheap whatever the step's size (no disk access
+        for committed steps; a step being written costs one lstat per unsealed file)."""
         step = step_node.step
         if step.committed:
-            files, size = len(step.manifest.files), step.manifest.total_bytes
+            manifest = step.manifest
+            files, size = len(manifest.files), manifest.total_bytes
+            ram_bytes = size if step.in_ram else sum(
+                manifest.entry(name).size for name in step.resident)
         else:
-            sizes = [self.stat(n).st_size for _rel, n in self._files_under(step_node)]
+            sizes = [self._status_size(n) for n in self._walk_files(step_node)]
             files, size = len(sizes), sum(sizes)
-        ram_bytes = size if not step.committed else sum(
-            step.manifest.entry(name).size for name in step.resident)
+            ram_bytes = size
         return {
             "path": self.relpath(step_node), "step": step.number, "state": step.state,
             "ram_bytes": ram_bytes,
@@ -719,6 +731,27 @@ class Namespace(Recovery, Residency, OtherTiers):
             "replicas": self._peer_holders(step),
             "persisted": step.persisted,
         }
+
+    def _status_size(self, node: Node) -> int:
+        if node.remote is not None:
+            return node.remote.entry.size
+        if node.seal is not None and not node.active_writers:
+            return node.seal.digest.size
+        try:
+            return self.stat(node).st_size
+        except (FsError, FileNotFoundError):
+            return 0  # removed meanwhile
+
+    @staticmethod
+    def _walk_files(dir_node: Node) -> Iterator[Node]:
+        """Every file below `dir_node`, in no particular order (cheaper than `_files_under`)."""
+        stack = [dir_node]
+        while stack:
+            for child in stack.pop().children.values():
+                if child.children is not None:
+                    stack.append(child)
+                elif child.kind == stat.S_IFREG:
+                    yield child
 
     def xattr_names(self, node: Node) -> list[bytes]:
         if node.virtual:
@@ -848,7 +881,7 @@ class Namespace(Recovery, Residency, OtherTiers):
                 if st.st_nlink <= 1:
                     return
                 size = st.st_size if keep else 0
-                self.store.check_room(size)
+                await self.make_room(size, sparing=node)
                 copy = await trio.to_thread.run_sync(self.store.copy, path,
                                                      os.path.dirname(path), size)
                 # No await from here: the copy replaces the shared inode only if the node is
@@ -862,8 +895,7 @@ class Namespace(Recovery, Residency, OtherTiers):
                     os.unlink(copy)
                     continue
                 os.rename(copy, path)
-                backing_ino = os.lstat(path).st_ino
-                self.store.account(backing_ino, size)
+                backing_ino = self.store.account_path(path)
                 for handle in node.handles:  # open handles follow the file to its new inode
                     if handle.fd >= 0:
                         fresh = os.open(path, os.O_RDWR if handle.writable else os.O_RDONLY)
@@ -896,6 +928,13 @@ class Namespace(Recovery, Residency, OtherTiers):
         for name in os.listdir(path):
             if is_reserved(name):
                 os.unlink(os.path.join(path, name))
+
+
+def _may_allocate(fd: int, offset: int, length: int) -> bool:
+    """Whether writing `length` bytes at `offset` may make the file store more: not when
+    every byte it covers is stored already (an overwrite inside a file without holes)."""
+    st = os.fstat(fd)
+    return offset + length > st.st_size or allocated(st) < st.st_size
 
 
 def _chown(path: bytes, uid: int, gid: int) -> None:
