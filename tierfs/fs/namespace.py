@@ -706,9 +706,12 @@ class Namespace(Recovery, Residency, OtherTiers):
         stack = [under or self.root]
         while stack:
             node = stack.pop()
-            if self.step_of(node) is not None:
+            # One pass over the children (a step may hold 50,000 files); as in `step_of`, a
+            # directory holding steps is not a step itself.
+            subdirs = [c for c in node.children.values() if c.children is not None]
+            if node.step is not None and all(c.step is None for c in subdirs):
                 yield node
-            stack.extend(c for c in node.children.values() if c.is_dir)
+            stack.extend(subdirs)
 
     def step_status(self, step_node: Node) -> dict[str, object]:
         """One step's line of `tierfs status`: cheap whatever the step's size (no disk access

@@ -25,7 +25,9 @@ from tierfs.fs.ram_store import RamFull
 
 log = logging.getLogger(__name__)
 
-EVICT_SLICE = 0.01  # seconds of eviction work between two checkpoints of the trio loop
+# Eviction works in slices of EVICT_SLICE seconds, each followed by a pause as long: the
+# FUSE loop answers in between, and the threads that relay requests to it get the GIL.
+EVICT_SLICE = 0.002
 
 
 class Residency:
@@ -237,7 +239,7 @@ class Residency:
         async def finish() -> None:
             try:
                 for _slice in work:
-                    await trio.sleep(0)
+                    await trio.sleep(EVICT_SLICE)
             finally:
                 del self._evictions[step_node.step]
                 done.set()
@@ -250,7 +252,7 @@ class Residency:
         done = self._evictions[step] = trio.Event()
         try:
             for _slice in self._eviction_work(step_node):
-                await trio.sleep(0)
+                await trio.sleep(EVICT_SLICE)
         finally:
             del self._evictions[step]
             done.set()
