@@ -187,5 +187,5 @@ class Fetch:
         os.close(self.fd)
         self.fd = -1
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            self.store.remove(self.path)
         self.store.forget_inode(self.backing_ino)

@@ -908,14 +908,19 @@ class Namespace(Recovery, Residency, OtherTiers):
                 return
 
     def _unlink_backing(self, path: bytes, node: Node) -> None:
-        self._forget_backing_if_last(path, node)
-        os.unlink(path)
+        st = self._forget_backing_if_last(path, node)
+        self.store.remove(path, st, in_background=not self._is_open(node, st))
 
-    def _forget_backing_if_last(self, path: bytes, node: Node) -> None:
+    def _forget_backing_if_last(self, path: bytes, node: Node) -> os.stat_result:
         """Space comes back when the last link goes, or at the last close if files are open."""
         st = os.lstat(path)
-        if st.st_nlink == 1 and not any(h.backing_ino == st.st_ino for h in node.handles):
+        if st.st_nlink == 1 and not self._is_open(node, st):
             self.store.forget_inode(st.st_ino)
+        return st
+
+    @staticmethod
+    def _is_open(node: Node, st: os.stat_result) -> bool:
+        return any(h.backing_ino == st.st_ino for h in node.handles)
 
     def _remove_hidden(self, dir_node: Node, path: bytes) -> None:
         """Remove tierfs's own entries of an otherwise empty directory (a deleted step)."""

@@ -29,9 +29,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import trio
+
 log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tierfs-tmp-"
+TRASH_PREFIX = ".tierfs-trash-"  # in objects/: removed by collect_garbage if left by a crash
+# Unlinking a tmpfs file frees its pages there and then: about 0.2 s per GiB. Files bigger than
+# this are renamed away at once and unlinked in a worker thread, so that no handler waits.
+BIG_UNLINK = 16 << 20
 _unique = itertools.count()
 RESERVED_PREFIX = b".tierfs-"
 
@@ -181,11 +187,30 @@ class RamStore:
             path = self.object_path(digest)
             try:
                 st = os.lstat(path)
-                os.unlink(path)
+                self.remove(path, st)
             except FileNotFoundError:
                 return
             if st.st_nlink == 1:
                 self.forget_inode(st.st_ino)
+
+    def remove(self, path: bytes | str | Path, st: os.stat_result | None = None, *,
+               in_background: bool = True) -> None:
+        """Unlink `path` (no accounting); a big file's last link is renamed into the trash at
+        once and its pages freed in a worker thread, off the trio loop. Not `in_background`
+        for a file still open: its pages go at its last close, and that close must see that
+        it was unlinked."""
+        st = st or os.lstat(path)
+        if st.st_nlink > 1 or allocated(st) < BIG_UNLINK or not in_background:
+            os.unlink(path)
+            return
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:  # not in the daemon's loop (start-up, tools): just unlink
+            os.unlink(path)
+            return
+        trash = self.objects / f"{TRASH_PREFIX}{os.getpid()}-{next(_unique)}"
+        os.rename(path, trash)
+        trio.lowlevel.spawn_system_task(_unlink_in_thread, trash)
 
     def collect_garbage(self) -> int:
         """Remove objects that no manifest names (left by an interrupted commit)."""
@@ -216,8 +241,9 @@ class RamStore:
 
     def discard(self, path: bytes) -> None:
         """Remove a file made by `copy` and accounted, that is no longer wanted."""
-        self.forget_inode(os.lstat(path).st_ino)
-        os.unlink(path)
+        st = os.lstat(path)
+        self.forget_inode(st.st_ino)
+        self.remove(path, st)
 
     def copy(self, path: bytes, directory: bytes, keep_bytes: int) -> bytes:
         """A temporary copy of `path`'s first `keep_bytes` bytes, mode, owner and times, in
@@ -243,3 +269,10 @@ class RamStore:
                     os.unlink(os.path.join(dirpath, name))
                     removed += 1
         return removed
+
+
+async def _unlink_in_thread(path: Path) -> None:
+    try:
+        await trio.to_thread.run_sync(os.unlink, path)
+    except OSError as exc:  # left for collect_garbage at the next start
+        log.warning("could not remove %s: %s", path, exc)

@@ -26,8 +26,10 @@ from tierfs.fs.ram_store import RamFull
 log = logging.getLogger(__name__)
 
 # Eviction works in slices of EVICT_SLICE seconds, each followed by a pause as long: the
-# FUSE loop answers in between, and the threads that relay requests to it get the GIL.
+# FUSE loop answers in between, and the threads that relay requests to it get the GIL. The
+# first slice of a background eviction is longer, so that most steps leave RAM at once.
 EVICT_SLICE = 0.002
+FIRST_SLICE = 0.02
 
 
 class Residency:
@@ -138,7 +140,7 @@ class Residency:
         newer ones (--keep-ram yields to a write), oldest first. `sparing`'s step stays. Raises
         RamFull, with a log line naming what holds the RAM, if that is not enough."""
         tried: set[StepState] = set()  # a step with files in use keeps them: once is enough
-        while not self.store.room_for(needed):
+        while not self.store.room_for(needed) and needed <= self.store.limit_bytes:
             running = self._evictions
             candidates = [node for node in self._eviction_candidates(pressure=True)
                           if node.step not in running and node.step not in tried
@@ -150,7 +152,8 @@ class Residency:
                 await next(iter(running.values())).wait()
             else:
                 break
-        self.store.check_room(needed, self._ram_holders())
+        if not self.store.room_for(needed):
+            self.store.check_room(needed, self._ram_holders())
 
     def relieve_pressure(self) -> None:
         """The tier is over its limit (passthrough writers add bytes the daemon does not see
@@ -229,7 +232,7 @@ class Residency:
         """Evict a step: the first slice now, the rest in the background."""
         if step_node.step in self._evictions:
             return
-        work = self._eviction_work(step_node)
+        work = self._eviction_work(step_node, FIRST_SLICE)
         try:
             next(work)
         except StopIteration:
@@ -257,13 +260,14 @@ class Residency:
             del self._evictions[step]
             done.set()
 
-    def _eviction_work(self, step_node: Node) -> Iterator[None]:
+    def _eviction_work(self, step_node: Node, first_slice: float = EVICT_SLICE
+                       ) -> Iterator[None]:
         """Drop a safe step's bytes from RAM, file by file; it stays listed and readable.
         Yields whenever a slice of work is done and a checkpoint is due."""
         step = step_node.step
         manifest = step.manifest
         freed = evicted = 0
-        deadline = time.monotonic() + EVICT_SLICE
+        deadline = time.monotonic() + first_slice
         for entry in manifest.files:
             if step_node.step is not step or step.manifest is not manifest \
                     or not step.committed:
@@ -276,6 +280,8 @@ class Residency:
             if time.monotonic() > deadline:
                 yield
                 deadline = time.monotonic() + EVICT_SLICE
+        if not evicted:
+            return  # every file left was in use
         log.info("evicted %s v%d from RAM (%d files, %d bytes); it stays readable from %s",
                  manifest.path, manifest.version, evicted, freed,
                  "the persistent tier" if step.persisted else
