@@ -21,7 +21,6 @@ from tierfs.fs.nodes import (
     Seal,
     StepState,
 )
-from tierfs.fs.ram_store import RamFull
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +138,11 @@ class Residency:
         safe elsewhere leave RAM, read-back copies and steps beyond --keep-ram first, then the
         newer ones (--keep-ram yields to a write), oldest first. `sparing`'s step stays. Raises
         RamFull, with a log line naming what holds the RAM, if that is not enough."""
+        if not await self._free_safe_copies(needed, sparing):
+            self.store.check_room(needed, self._ram_holders())
+
+    async def _free_safe_copies(self, needed: int, sparing: Node | None = None) -> bool:
+        """Evict safe copies (see `make_room`) until `needed` more bytes fit; whether they do."""
         tried: set[StepState] = set()  # a step with files in use keeps them: once is enough
         while not self.store.room_for(needed) and needed <= self.store.limit_bytes:
             running = self._evictions
@@ -152,8 +156,7 @@ class Residency:
                 await next(iter(running.values())).wait()
             else:
                 break
-        if not self.store.room_for(needed):
-            self.store.check_room(needed, self._ram_holders())
+        return self.store.room_for(needed)
 
     def relieve_pressure(self) -> None:
         """The tier is over its limit (passthrough writers add bytes the daemon does not see
@@ -164,9 +167,7 @@ class Residency:
 
         async def relieve() -> None:
             try:
-                await self.make_room(0)
-            except RamFull:
-                pass  # what is left is not safe elsewhere; writers will be refused at open
+                await self._free_safe_copies(0)  # what stays is not safe elsewhere
             finally:
                 self._pressure_relief = False
 
@@ -230,35 +231,28 @@ class Residency:
 
     def _evict_soon(self, step_node: Node) -> None:
         """Evict a step: the first slice now, the rest in the background."""
-        if step_node.step in self._evictions:
+        step = step_node.step
+        if step in self._evictions:
             return
         work = self._eviction_work(step_node, FIRST_SLICE)
         try:
             next(work)
         except StopIteration:
             return
-        done = self._evictions[step_node.step] = trio.Event()
-
-        async def finish() -> None:
-            try:
-                for _slice in work:
-                    await trio.sleep(EVICT_SLICE)
-            finally:
-                del self._evictions[step_node.step]
-                done.set()
-
-        self._spawn(finish)
+        self._evictions[step] = trio.Event()
+        self._spawn(lambda: self._finish_eviction(step, work))
 
     async def _evict(self, step_node: Node) -> None:
         """Evict a step, a slice at a time, in this task."""
-        step = step_node.step
-        done = self._evictions[step] = trio.Event()
+        self._evictions[step_node.step] = trio.Event()
+        await self._finish_eviction(step_node.step, self._eviction_work(step_node))
+
+    async def _finish_eviction(self, step: StepState, work: Iterator[None]) -> None:
         try:
-            for _slice in self._eviction_work(step_node):
+            for _slice in work:
                 await trio.sleep(EVICT_SLICE)
         finally:
-            del self._evictions[step]
-            done.set()
+            self._evictions.pop(step).set()
 
     def _eviction_work(self, step_node: Node, first_slice: float = EVICT_SLICE
                        ) -> Iterator[None]:
@@ -273,24 +267,26 @@ class Residency:
                     or not step.committed:
                 break  # re-saved, superseded or removed meanwhile: it is no longer ours to evict
             node = self._entry_node(step_node, entry.name)
-            if node is not None:
-                size = self._evict_file(step, entry, node)
+            size = None if node is None else self._evict_file(step, entry, node)
+            if size is not None:
                 freed += size
-                evicted += size > 0
+                evicted += 1
             if time.monotonic() > deadline:
                 yield
                 deadline = time.monotonic() + EVICT_SLICE
         if not evicted:
-            return  # every file left was in use
+            return  # nothing was in RAM but files in use
         log.info("evicted %s v%d from RAM (%d files, %d bytes); it stays readable from %s",
                  manifest.path, manifest.version, evicted, freed,
                  "the persistent tier" if step.persisted else
                  "peers " + ", ".join(sorted(step.replicas)))
 
-    def _evict_file(self, step: StepState, entry: mf.FileEntry, node: Node) -> int:
-        """One file of a committed step leaves RAM unless it is in use; bytes freed."""
+    def _evict_file(self, step: StepState, entry: mf.FileEntry, node: Node) -> int | None:
+        """One file of a committed step leaves RAM unless it is in use; the bytes freed, or
+        None if it stays or had nothing in RAM."""
         if node.handles or (node.fetch is not None and node.fetch.busy):
-            return 0  # open, or bytes on their way in: it stays (a later eviction takes it)
+            return None  # open, or bytes on their way in: it stays (a later eviction takes it)
+        in_ram = node.fetch is not None or node.remote is None
         freed = 0
         if node.fetch is not None:
             freed += sum(node.fetch.present) * mf.CHUNK_SIZE
@@ -303,7 +299,7 @@ class Residency:
         if entry.name in step.resident:
             step.resident.discard(entry.name)
             self.store.drop_ref(entry.xxh3)
-        return freed
+        return freed if in_ram else None
 
     @staticmethod
     def _entry_node(step_node: Node, name: str) -> Node | None:
@@ -324,7 +320,7 @@ class Residency:
             try:
                 await work()
             except Exception:
-                log.exception("background eviction failed")
+                log.exception("eviction from RAM failed")
 
         trio.lowlevel.spawn_system_task(guarded)
 
