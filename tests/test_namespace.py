@@ -185,15 +185,16 @@ async def test_errors_cross_the_boundary_as_errno(harness: Harness) -> None:
 
 
 async def test_ram_limit_refuses_with_enospc(tmp_path: Path) -> None:
-    h = Harness(tmp_path / "ram", limit=1000)
+    page = 4096  # the tier counts what files store: whole pages
+    h = Harness(tmp_path / "ram", limit=3 * page)
     info, _ = await h.ops.create(ROOT_INODE, b"f", 0o644, os.O_WRONLY, CTX)
-    await h.ops.write(info.fh, 0, b"x" * 600)
+    await h.ops.write(info.fh, 0, b"x" * 2 * page)
     with pytest.raises(pyfuse3.FUSEError) as err:
-        await h.ops.write(info.fh, 600, b"x" * 600)
+        await h.ops.write(info.fh, 2 * page, b"x" * 2 * page)
     assert err.value.errno == errno.ENOSPC
-    await h.ops.write(info.fh, 0, b"y" * 600)  # overwriting in place needs no new space
+    await h.ops.write(info.fh, 0, b"y" * 2 * page)  # overwriting in place needs no new space
     await h.ops.release(info.fh)
-    assert h.store.used_bytes == 600
+    assert h.store.used_bytes == 2 * page
     await h.ops.unlink(ROOT_INODE, b"f", CTX)
     assert h.store.used_bytes == 0
     h.close()
@@ -260,7 +261,7 @@ async def test_space_of_a_file_unlinked_while_open_returns_at_close(harness: Har
     await harness.ops.write(info.fh, 0, b"x" * 1000)
     await harness.ops.unlink(ROOT_INODE, b"f", CTX)
     await harness.ops.write(info.fh, 1000, b"x" * 1000)
-    assert harness.store.used_bytes == 2000
+    assert harness.store.used_bytes == 4096  # one page holds both writes
     await harness.ops.release(info.fh)
     assert harness.store.used_bytes == 0
 

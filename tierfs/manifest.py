@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import msgpack
 import xxhash
@@ -54,15 +55,19 @@ class StepManifest:
     committed_ns: int
     files: tuple[FileEntry, ...] = field(default_factory=tuple)
 
-    @property
+    # A manifest never changes, so its totals and its index by name are computed once: steps
+    # of 50,000 files are looked up file by file (status, eviction, start-up), which a linear
+    # search would make quadratic.
+    @cached_property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    @cached_property
+    def _by_name(self) -> dict[str, FileEntry]:
+        return {f.name: f for f in self.files}
+
     def entry(self, name: str) -> FileEntry | None:
-        for f in self.files:
-            if f.name == name:
-                return f
-        return None
+        return self._by_name.get(name)
 
     def same_content(self, other: StepManifest) -> bool:
         key = lambda m: sorted((f.name, f.size, f.xxh3) for f in m.files)  # noqa: E731

@@ -162,9 +162,8 @@ class Fetch:
                 data = await fetch_chunk(sources, self.remote, index)
                 if self.fd < 0:
                     return data  # discarded meanwhile: its fd number may be another file's now
-                end = index * mf.CHUNK_SIZE + len(data)
-                try:
-                    self.store.grow(self.backing_ino, end)
+                try:  # chunks come in any order: each stores its own bytes, holes nothing
+                    self.store.grow_by(self.backing_ino, len(data))
                 except RamFull:
                     return data
                 os.pwrite(self.fd, data, index * mf.CHUNK_SIZE)
@@ -188,5 +187,5 @@ class Fetch:
         os.close(self.fd)
         self.fd = -1
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            self.store.remove(self.path)
         self.store.forget_inode(self.backing_ino)

@@ -56,7 +56,7 @@ from tierfs.fs.nodes import (
     StepState,
 )
 from tierfs.fs.other_tiers import OtherTiers
-from tierfs.fs.ram_store import RamFull, RamStore, is_reserved
+from tierfs.fs.ram_store import RamFull, RamStore, allocated, is_reserved
 from tierfs.fs.recovery import Recovery
 from tierfs.fs.residency import Residency
 
@@ -101,6 +101,9 @@ class Namespace(Recovery, Residency, OtherTiers):
         self._released = trio.Event()
         self._hash_limiter = trio.CapacityLimiter(2)
         self._unshare_lock = trio.Lock()
+        self._evictions: dict[StepState, trio.Event] = {}  # see Residency
+        self._fetching: set[Node] = set()
+        self._pressure_relief = False
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -247,7 +250,7 @@ class Namespace(Recovery, Residency, OtherTiers):
             os.close(fd)
             raise
         node = self._attach(parent, name, stat.S_IFREG)
-        self.store.set_size(os.fstat(fd).st_ino, 0)
+        self.store.account_fd(fd)
         handle = self._new_handle(node, fd, writable=True)
         self._activate(handle)
         return node, handle
@@ -272,7 +275,7 @@ class Namespace(Recovery, Residency, OtherTiers):
         handle = self._new_handle(node, fd, writable)
         if truncate:
             os.ftruncate(fd, 0)
-            self.store.set_size(handle.backing_ino, 0)
+            self.store.account_fd(fd)
             self._activate(handle)
         return handle
 
@@ -284,19 +287,22 @@ class Namespace(Recovery, Residency, OtherTiers):
             handle.fd = os.open(self.backing(node), os.O_RDONLY)  # it became resident
         return os.pread(handle.fd, size, offset)
 
-    def write(self, handle: Handle, offset: int, data: bytes) -> int:
+    async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         if not handle.active:
             self._activate(handle)
-        self.store.grow(handle.backing_ino, offset + len(data))
-        return os.pwrite(handle.fd, data, offset)
+        if not self.store.room_for(len(data)) and _may_allocate(handle.fd, offset, len(data)):
+            await self.make_room(len(data), sparing=handle.node)
+        written = os.pwrite(handle.fd, data, offset)
+        self.store.account_fd(handle.fd)
+        return written
 
-    def expect_direct_writes(self, handle: Handle) -> None:
+    async def expect_direct_writes(self, handle: Handle) -> None:
         """The kernel will write this handle's backing file without asking us (passthrough):
         count it as writing from now on. A full RAM tier is refused here, at open, because
         such writes cannot be refused one by one."""
         if not handle.writable:
             return
-        self.store.check_room(1)
+        await self.make_room(1, sparing=handle.node)
         if not handle.active:
             self._activate(handle)
 
@@ -305,9 +311,10 @@ class Namespace(Recovery, Residency, OtherTiers):
         for handle in self._handles.values():
             if handle.passthrough and handle.writable and handle.fd >= 0:
                 self._account_direct(handle)
+        self.relieve_pressure()
 
     def _account_direct(self, handle: Handle) -> None:
-        self.store.account(handle.backing_ino, os.fstat(handle.fd).st_size)
+        self.store.account_fd(handle.fd)
 
     async def flush(self, handle: Handle, *, final: bool = False) -> None:
         """End of a close() (FLUSH), or of the open file (`final`, its RELEASE): seal what this
@@ -409,14 +416,15 @@ class Namespace(Recovery, Residency, OtherTiers):
                         size: int) -> None:
         if not node.is_file:
             raise FsError(errno.EISDIR if node.is_dir else errno.EINVAL)
+        # A file grown by truncate stores nothing more (tmpfs keeps no holes): no room needed.
         if isinstance(target, bytes):
             await self._make_private(node, keep=size > 0)
             target = self.backing(node)
-            self.store.set_size(os.lstat(target).st_ino, size)
             os.truncate(target, size)
+            self.store.account_path(target)
         else:
-            self.store.set_size(os.fstat(target).st_ino, size)
             os.ftruncate(target, size)
+            self.store.account_fd(target)
         if handle is not None and handle.active:
             return
         node.gen += 1
@@ -608,11 +616,11 @@ class Namespace(Recovery, Residency, OtherTiers):
             if any(h.writable for h in node.handles) and \
                     not self.store.object_path(node.seal.digest.xxh3).exists():
                 gen = node.gen
-                self.store.check_room(node.seal.digest.size)
+                await self.make_room(node.seal.digest.size)
                 copy = await trio.to_thread.run_sync(
                     self.store.copy, self.backing(node), os.fsencode(self.store.objects),
                     node.seal.digest.size)
-                self.store.account(os.lstat(copy).st_ino, node.seal.digest.size)
+                self.store.account_path(copy)
                 copies[node] = (copy, gen)
         return copies
 
@@ -799,19 +807,26 @@ class Namespace(Recovery, Residency, OtherTiers):
         stack = [under or self.root]
         while stack:
             node = stack.pop()
-            if self.step_of(node) is not None:
+            # One pass over the children (a step may hold 50,000 files); as in `step_of`, a
+            # directory holding steps is not a step itself.
+            subdirs = [c for c in node.children.values() if c.children is not None]
+            if node.step is not None and all(c.step is None for c in subdirs):
                 yield node
-            stack.extend(c for c in node.children.values() if c.is_dir)
+            stack.extend(subdirs)
 
     def step_status(self, step_node: Node) -> dict[str, object]:
+        """One step's line of `tierfs status`: cheap whatever the step's size (no disk access
+        for committed steps; a step being written costs one lstat per unsealed file)."""
         step = step_node.step
         if step.committed:
-            files, size = len(step.manifest.files), step.manifest.total_bytes
+            manifest = step.manifest
+            files, size = len(manifest.files), manifest.total_bytes
+            ram_bytes = size if step.in_ram else sum(
+                manifest.entry(name).size for name in step.resident)
         else:
-            sizes = [self.stat(n).st_size for _rel, n in self._files_under(step_node)]
+            sizes = [self._status_size(n) for n in self._walk_files(step_node)]
             files, size = len(sizes), sum(sizes)
-        ram_bytes = size if not step.committed else sum(
-            step.manifest.entry(name).size for name in step.resident)
+            ram_bytes = size
         return {
             "path": self.relpath(step_node), "step": step.number, "state": step.state,
             "ram_bytes": ram_bytes,
@@ -821,6 +836,27 @@ class Namespace(Recovery, Residency, OtherTiers):
             "persisted": step.persisted,
             "waiting_for": step.waiting_for if step.commit_pending else None,
         }
+
+    def _status_size(self, node: Node) -> int:
+        if node.remote is not None:
+            return node.remote.entry.size
+        if node.seal is not None and not node.active_writers:
+            return node.seal.digest.size
+        try:
+            return self.stat(node).st_size
+        except (FsError, FileNotFoundError):
+            return 0  # removed meanwhile
+
+    @staticmethod
+    def _walk_files(dir_node: Node) -> Iterator[Node]:
+        """Every file below `dir_node`, in no particular order (cheaper than `_files_under`)."""
+        stack = [dir_node]
+        while stack:
+            for child in stack.pop().children.values():
+                if child.children is not None:
+                    stack.append(child)
+                elif child.kind == stat.S_IFREG:
+                    yield child
 
     def xattr_names(self, node: Node) -> list[bytes]:
         if node.virtual:
@@ -1033,7 +1069,7 @@ class Namespace(Recovery, Residency, OtherTiers):
                 if st.st_nlink <= 1:
                     return
                 size = st.st_size if keep else 0
-                self.store.check_room(size)
+                await self.make_room(size, sparing=node)
                 copy = await trio.to_thread.run_sync(self.store.copy, path,
                                                      os.path.dirname(path), size)
                 # No await from here: the copy replaces the shared inode only if the node is
@@ -1047,8 +1083,7 @@ class Namespace(Recovery, Residency, OtherTiers):
                     os.unlink(copy)
                     continue
                 os.rename(copy, path)
-                backing_ino = os.lstat(path).st_ino
-                self.store.account(backing_ino, size)
+                backing_ino = self.store.account_path(path)
                 for handle in node.handles:  # open handles follow the file to its new inode
                     if handle.fd >= 0:
                         fresh = os.open(path, os.O_RDWR if handle.writable else os.O_RDONLY)
@@ -1058,14 +1093,19 @@ class Namespace(Recovery, Residency, OtherTiers):
                 return
 
     def _unlink_backing(self, path: bytes, node: Node) -> None:
-        self._forget_backing_if_last(path, node)
-        os.unlink(path)
+        st = self._forget_backing_if_last(path, node)
+        self.store.remove(path, st, in_background=not self._is_open(node, st))
 
-    def _forget_backing_if_last(self, path: bytes, node: Node) -> None:
+    def _forget_backing_if_last(self, path: bytes, node: Node) -> os.stat_result:
         """Space comes back when the last link goes, or at the last close if files are open."""
         st = os.lstat(path)
-        if st.st_nlink == 1 and not any(h.backing_ino == st.st_ino for h in node.handles):
+        if st.st_nlink == 1 and not self._is_open(node, st):
             self.store.forget_inode(st.st_ino)
+        return st
+
+    @staticmethod
+    def _is_open(node: Node, st: os.stat_result) -> bool:
+        return any(h.backing_ino == st.st_ino for h in node.handles)
 
     def _remove_hidden(self, dir_node: Node, path: bytes) -> None:
         """Remove tierfs's own entries of an otherwise empty directory (a deleted step)."""
@@ -1081,6 +1121,13 @@ class Namespace(Recovery, Residency, OtherTiers):
         for name in os.listdir(path):
             if is_reserved(name):
                 os.unlink(os.path.join(path, name))
+
+
+def _may_allocate(fd: int, offset: int, length: int) -> bool:
+    """Whether writing `length` bytes at `offset` may make the file store more: not when
+    every byte it covers is stored already (an overwrite inside a file without holes)."""
+    st = os.fstat(fd)
+    return offset + length > st.st_size or allocated(st) < st.st_size
 
 
 def _chown(path: bytes, uid: int, gid: int) -> None:

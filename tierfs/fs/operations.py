@@ -199,7 +199,7 @@ class Operations(pyfuse3.Operations):
         if self.passthrough is not None:
             try:
                 if self.passthrough.choose(handle):
-                    self.ns.expect_direct_writes(handle)
+                    await self.ns.expect_direct_writes(handle)
             except BaseException:
                 self.passthrough.withdraw(handle)
                 await self.ns.release(handle)  # the kernel will not release a failed open
@@ -212,7 +212,7 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        return self.ns.write(self.ns.handle(fh), off, buf)
+        return await self.ns.write(self.ns.handle(fh), off, buf)
 
     @_boundary
     async def flush(self, fh: int) -> None:

@@ -13,8 +13,9 @@ A committed object is immutable: a tree file whose inode has more than one link 
 touches the bytes of the committed version, and a restart can put every committed step back
 exactly as its manifest says.
 
-Capacity is accounted per backing inode (logical size, hard links counted once) so that
-`--ram-limit` can refuse a write with ENOSPC before tmpfs itself runs out.
+Capacity is accounted per backing inode in allocated bytes (`st_blocks * 512`, hard links
+counted once), so that a sparse file costs only what tmpfs stores, and `--ram-limit` can refuse a
+write with ENOSPC before tmpfs itself runs out.
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import trio
+
 log = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tierfs-tmp-"
+TRASH_PREFIX = ".tierfs-trash-"  # in objects/: removed by collect_garbage if left by a crash
+# Unlinking a tmpfs file frees its pages there and then: about 0.2 s per GiB. Files bigger than
+# this are renamed away at once and unlinked in a worker thread, so that no handler waits.
+BIG_UNLINK = 16 << 20
 _unique = itertools.count()
 RESERVED_PREFIX = b".tierfs-"
 
@@ -41,6 +48,11 @@ class RamDirBusy(Exception):
 
 class RamFull(Exception):
     """A write would take the RAM tier past --ram-limit."""
+
+
+def allocated(st: os.stat_result) -> int:
+    """The bytes a file really takes (tmpfs stores no holes): what the RAM tier accounts."""
+    return st.st_blocks * 512
 
 
 def is_reserved(name: bytes) -> bool:
@@ -95,42 +107,51 @@ class RamStore:
                     if name.startswith(RESERVED_PREFIX.decode()):
                         continue  # tierfs's own small files are not the user's data
                     st = os.lstat(os.path.join(dirpath, name))
-                    self._sizes[st.st_ino] = st.st_size
+                    self._sizes[st.st_ino] = allocated(st)
         self.used_bytes = sum(self._sizes.values())
 
+    def room_for(self, extra_bytes: int) -> bool:
+        return self.used_bytes + extra_bytes <= self.limit_bytes
+
     def grow(self, backing_ino: int, new_end: int) -> None:
-        """Account a write that ends at `new_end`; raise RamFull if it would pass the limit."""
-        current = self._sizes.get(backing_ino, 0)
-        if new_end <= current:
+        """Account a sequential writer that now ends at `new_end` (it stores everything up to
+        there); raise RamFull if that would pass the limit."""
+        self.grow_by(backing_ino, new_end - self._sizes.get(backing_ino, 0))
+
+    def grow_by(self, backing_ino: int, delta: int) -> None:
+        """Account `delta` more bytes stored in a file; raise RamFull if they do not fit."""
+        if delta <= 0:
             return
-        delta = new_end - current
-        if self.used_bytes + delta > self.limit_bytes:
-            self._log_full(delta)
-            raise RamFull
-        self._sizes[backing_ino] = new_end
+        self.check_room(delta)
+        self._sizes[backing_ino] = self._sizes.get(backing_ino, 0) + delta
         self.used_bytes += delta
 
-    def set_size(self, backing_ino: int, size: int) -> None:
-        """Account a truncate (or a new file); growing past the limit raises RamFull."""
-        current = self._sizes.get(backing_ino, 0)
-        if size > current:
-            self.grow(backing_ino, size)
-        else:
-            self._sizes[backing_ino] = size
-            self.used_bytes -= current - size
+    def account_fd(self, fd: int) -> int:
+        """Account what the open file `fd` stores now (after a write or a truncate, or a copy
+        whose room was checked before it was made); returns its inode."""
+        st = os.fstat(fd)
+        self.account(st.st_ino, allocated(st))
+        return st.st_ino
+
+    def account_path(self, path: bytes | str) -> int:
+        """`account_fd` for a file named by its path in the RAM store."""
+        st = os.lstat(path)
+        self.account(st.st_ino, allocated(st))
+        return st.st_ino
 
     def forget_inode(self, backing_ino: int) -> None:
         """The last link of a backing inode is gone."""
         self.used_bytes -= self._sizes.pop(backing_ino, 0)
 
-    def _log_full(self, delta: int) -> None:
+    def _log_full(self, delta: int, holders: str) -> None:
         now = time.monotonic()
         if now - self._last_full_log > 5:
             self._last_full_log = now
             log.warning(
-                "RAM tier full: %d of %d bytes used (%.1f%%), refused a write of %d bytes",
+                "RAM tier full: %d of %d bytes used (%.1f%%), refused a write of %d bytes%s",
                 self.used_bytes, self.limit_bytes,
                 100 * self.used_bytes / max(self.limit_bytes, 1), delta,
+                f"; {holders}" if holders else "",
             )
 
     # -- committed objects -----------------------------------------------------------------
@@ -166,11 +187,30 @@ class RamStore:
             path = self.object_path(digest)
             try:
                 st = os.lstat(path)
-                os.unlink(path)
+                self.remove(path, st)
             except FileNotFoundError:
                 return
             if st.st_nlink == 1:
                 self.forget_inode(st.st_ino)
+
+    def remove(self, path: bytes | str | Path, st: os.stat_result | None = None, *,
+               in_background: bool = True) -> None:
+        """Unlink `path` (no accounting); a big file's last link is renamed into the trash at
+        once and its pages freed in a worker thread, off the trio loop. Not `in_background`
+        for a file still open: its pages go at its last close, and that close must see that
+        it was unlinked."""
+        st = st or os.lstat(path)
+        if st.st_nlink > 1 or allocated(st) < BIG_UNLINK or not in_background:
+            os.unlink(path)
+            return
+        try:
+            trio.lowlevel.current_trio_token()
+        except RuntimeError:  # not in the daemon's loop (start-up, tools): just unlink
+            os.unlink(path)
+            return
+        trash = self.objects / f"{TRASH_PREFIX}{os.getpid()}-{next(_unique)}"
+        os.rename(path, trash)
+        trio.lowlevel.spawn_system_task(_unlink_in_thread, trash)
 
     def collect_garbage(self) -> int:
         """Remove objects that no manifest names (left by an interrupted commit)."""
@@ -188,20 +228,22 @@ class RamStore:
         directory = os.fsencode(directory)
         return os.path.join(directory, name.encode())
 
-    def check_room(self, extra_bytes: int) -> None:
-        if self.used_bytes + extra_bytes > self.limit_bytes:
-            self._log_full(extra_bytes)
+    def check_room(self, extra_bytes: int, holders: str = "") -> None:
+        """Raise RamFull (and log why, naming `holders` if given) unless `extra_bytes` fit."""
+        if not self.room_for(extra_bytes):
+            self._log_full(extra_bytes, holders)
             raise RamFull
 
-    def account(self, backing_ino: int, size: int) -> None:
-        """Record space already taken (a copy whose room was checked before it was made)."""
-        self.used_bytes += size - self._sizes.get(backing_ino, 0)
-        self._sizes[backing_ino] = size
+    def account(self, backing_ino: int, stored: int) -> None:
+        """Record the bytes an inode stores now (see `allocated`)."""
+        self.used_bytes += stored - self._sizes.get(backing_ino, 0)
+        self._sizes[backing_ino] = stored
 
     def discard(self, path: bytes) -> None:
         """Remove a file made by `copy` and accounted, that is no longer wanted."""
-        self.forget_inode(os.lstat(path).st_ino)
-        os.unlink(path)
+        st = os.lstat(path)
+        self.forget_inode(st.st_ino)
+        self.remove(path, st)
 
     def copy(self, path: bytes, directory: bytes, keep_bytes: int) -> bytes:
         """A temporary copy of `path`'s first `keep_bytes` bytes, mode, owner, times and user
@@ -230,3 +272,10 @@ class RamStore:
                     os.unlink(os.path.join(dirpath, name))
                     removed += 1
         return removed
+
+
+async def _unlink_in_thread(path: Path) -> None:
+    try:
+        await trio.to_thread.run_sync(os.unlink, path)
+    except OSError as exc:  # left for collect_garbage at the next start
+        log.warning("could not remove %s: %s", path, exc)
