@@ -9,7 +9,9 @@ import os
 import socket
 import stat
 import subprocess
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -381,3 +383,49 @@ def test_fallocate_and_seek_hole_data(mounts: MountFactory, passthrough: bool) -
     finally:
         os.close(fd)
     assert (mnt / "f").read_bytes()[-3:] == b"end"
+
+
+@pytest.fixture
+def short_mountpoint() -> Iterator[Path]:
+    """A mountpoint with a path shorter than the RAM dir's."""
+    path = Path(tempfile.mkdtemp(prefix="m", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        path.rmdir()
+
+
+def test_paths_close_to_path_max_and_deeper(short_mountpoint: Path,
+                                            mounts: MountFactory) -> None:
+    """The daemon reaches the RAM store's files by paths that are longer than the user's (the
+    RAM dir comes first), and a tree can be deeper than PATH_MAX when reached by relative paths:
+    neither may fail, also across a commit and a restart."""
+    mnt = mounts.mount(mountpoint=short_mountpoint)
+    step = mnt / "run/step_1"
+    step.mkdir(parents=True)
+    deep = step
+    while len(os.fsencode(deep)) < 4095 - 256:  # leaves room for a name of at most 255
+        deep = deep / ("d" * 200)
+    deep.mkdir(parents=True)
+    name = "f" * (4095 - len(os.fsencode(deep)) - 1)
+    assert len(os.fsencode(deep / name)) == 4095  # PATH_MAX, less the terminating NUL
+    (deep / name).write_bytes(b"near PATH_MAX")
+    old_cwd = os.getcwd()
+    os.chdir(deep)
+    try:  # deeper than PATH_MAX from the mount's root, reached relative to a directory
+        Path("e" * 250, "g" * 250).mkdir(parents=True)
+        Path("e" * 250, "g" * 250, "beyond").write_bytes(b"beyond PATH_MAX")
+    finally:
+        os.chdir(old_cwd)
+    tierfs("commit", str(step))
+    assert mnt.step("run/step_1")["files"] == 2
+    tierfs("umount", str(mnt.mountpoint))
+    mnt = mounts.remount(mnt)
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    assert (deep / name).read_bytes() == b"near PATH_MAX"
+    os.chdir(deep)
+    try:
+        assert Path("e" * 250, "g" * 250, "beyond").read_bytes() == b"beyond PATH_MAX"
+    finally:
+        os.chdir(old_cwd)
+    tierfs("verify", str(step), "--no-repair")

@@ -35,6 +35,7 @@ import trio
 from tierfs import manifest as mf
 from tierfs.fs.fetch import ReadSource
 from tierfs.fs.latest_pins import LatestPins
+from tierfs.fs.long_paths import LONG_PATH, anchor_path
 from tierfs.fs.nodes import (
     DEFAULT_STEP_PATTERN,
     ENOATTR,
@@ -155,7 +156,33 @@ class Namespace(Recovery, Residency, OtherTiers):
         self._maybe_drop(node)
 
     def backing(self, node: Node) -> bytes:
-        """The node's path in the RAM store; ENOENT once it is unlinked."""
+        """The node's path in the RAM store; ENOENT once it is unlinked. A path that would be
+        long starts at a deep directory held open (see `long_paths`)."""
+        parts = []
+        length = 0
+        anchor = None
+        while node.parent is not None:
+            if node.virtual:
+                raise FsError(errno.ENOENT)
+            if anchor is None:
+                if length > LONG_PATH and node.is_dir:
+                    anchor = self._anchor(node)
+                else:
+                    parts.append(node.name)
+                    length += len(node.name) + 1
+            node = node.parent
+        if node is not self.root:
+            raise FsError(errno.ENOENT)
+        return b"/".join([anchor or self._tree, *reversed(parts)])
+
+    def _anchor(self, dir_node: Node) -> bytes:
+        """A path to `dir_node` through a descriptor it keeps open (it follows renames; it is
+        closed when the directory goes)."""
+        if dir_node.anchor_fd < 0:
+            dir_node.anchor_fd = os.open(self.backing(dir_node), os.O_PATH | os.O_DIRECTORY)
+        return anchor_path(dir_node.anchor_fd)
+
+    def relpath(self, node: Node) -> str:
         parts = []
         while node.parent is not None:
             if node.virtual:
@@ -164,10 +191,7 @@ class Namespace(Recovery, Residency, OtherTiers):
             node = node.parent
         if node is not self.root:
             raise FsError(errno.ENOENT)
-        return b"/".join([self._tree, *reversed(parts)])
-
-    def relpath(self, node: Node) -> str:
-        return os.fsdecode(self.backing(node)[len(self._tree) + 1:])
+        return os.fsdecode(b"/".join(reversed(parts)))
 
     def stat(self, node: Node) -> os.stat_result | RemoteAttrs:
         """Attributes of `node` from its backing file (or an open handle once unlinked)."""
@@ -951,7 +975,7 @@ class Namespace(Recovery, Residency, OtherTiers):
         _chown(path, uid, gid)
         node = self._attach(parent, name, kind)
         if kind == stat.S_IFREG:
-            self.store.set_size(os.lstat(path).st_ino, 0)
+            self.store.account_path(path)
             self._mark_dirty(parent)
         return node
 
@@ -982,6 +1006,14 @@ class Namespace(Recovery, Residency, OtherTiers):
         if node.parent is not None and node.parent.children.get(node.name) is node:
             del node.parent.children[node.name]
         node.parent = None
+        stack = [node]
+        while stack:  # directories held open for long paths, in what leaves the tree
+            gone = stack.pop()
+            if gone.anchor_fd >= 0:
+                os.close(gone.anchor_fd)
+                gone.anchor_fd = -1
+            if gone.children:
+                stack.extend(c for c in gone.children.values() if c.is_dir)
         self._maybe_drop(node)
 
     def _maybe_drop(self, node: Node) -> None:

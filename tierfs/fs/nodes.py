@@ -115,7 +115,8 @@ class StepState:
 
 class Node:
     __slots__ = ("ino", "kind", "name", "parent", "children", "lookups", "handles",
-                 "active_writers", "gen", "seal", "step", "virtual", "remote", "fetch")
+                 "active_writers", "gen", "seal", "step", "virtual", "remote", "fetch",
+                 "anchor_fd")
 
     def __init__(self, ino: int, kind: int, name: bytes, parent: Node | None) -> None:
         self.ino = ino
@@ -133,6 +134,7 @@ class Node:
         # A committed file whose bytes are not in RAM: where they are, and the partial copy.
         self.remote: RemoteFile | None = None
         self.fetch: Fetch | None = None
+        self.anchor_fd = -1  # a deep directory held open for long paths (fs.long_paths)
 
     @property
     def is_dir(self) -> bool:

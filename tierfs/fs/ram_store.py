@@ -102,11 +102,12 @@ class RamStore:
         """Recount usage from the files on disk (at start, after recovery)."""
         self._sizes.clear()
         for top in (self.tree, self.objects):
-            for dirpath, _dirs, files in os.walk(top):
+            # fwalk: by directory descriptors, for trees deeper than PATH_MAX.
+            for _dirpath, _dirs, files, dir_fd in os.fwalk(top):
                 for name in files:
                     if name.startswith(RESERVED_PREFIX.decode()):
                         continue  # tierfs's own small files are not the user's data
-                    st = os.lstat(os.path.join(dirpath, name))
+                    st = os.lstat(name, dir_fd=dir_fd)
                     self._sizes[st.st_ino] = allocated(st)
         self.used_bytes = sum(self._sizes.values())
 
@@ -265,11 +266,11 @@ class RamStore:
 
     def remove_tmp_files(self) -> int:
         removed = 0
-        for dirpath, _dirs, files in os.walk(self.tree):
+        for _dirpath, _dirs, files, dir_fd in os.fwalk(self.tree):
             for name in files:
                 if name.startswith(TMP_PREFIX) or (name.startswith(".tierfs-")
                                                    and name.endswith(".tmp")):
-                    os.unlink(os.path.join(dirpath, name))
+                    os.unlink(name, dir_fd=dir_fd)
                     removed += 1
         return removed
 

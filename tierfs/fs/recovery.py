@@ -10,8 +10,10 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Callable, Iterator
 
 from tierfs import manifest as mf
+from tierfs.fs.long_paths import PathReach
 from tierfs.fs.nodes import (
     MANIFEST,
     METADATA,
@@ -30,32 +32,52 @@ log = logging.getLogger(__name__)
 class Recovery:
     """Rebuilding the tree from the RAM store, and the records a step keeps on disk."""
 
+    # Paths below come from `backing()`, which keeps them short, except during `load`, which
+    # walks the store by path and reaches long ones through `PathReach`.
+    _reach: Callable[[bytes], bytes] = staticmethod(lambda path: path)
+
+    def _walk(self, top: bytes) -> Iterator[tuple[bytes, list[bytes], list[bytes]]]:
+        """`os.walk` (top down; prune by editing the directory list) for trees deeper than
+        PATH_MAX; an unreadable directory is skipped, as os.walk does."""
+        stack = [top]
+        while stack:
+            path = stack.pop()
+            dirs, files = [], []
+            try:
+                with os.scandir(self._reach(path)) as entries:
+                    for entry in entries:
+                        (dirs if entry.is_dir(follow_symlinks=False) else files).append(
+                            entry.name)
+            except OSError:
+                continue
+            yield path, dirs, files
+            stack.extend(os.path.join(path, d) for d in reversed(dirs))
+
     def _write_persist_mark(self, node: Node, version: int, state: str) -> None:
         path = os.path.join(self.backing(node), PERSISTED_MARK)
         self._write_file_atomically(path, f"{version} {state}\n".encode())
 
     def _write_file_atomically(self, path: bytes, data: bytes) -> None:
-        os.rename(self._write_temp_file(path, data), path)
+        os.rename(self._reach(self._write_temp_file(path, data)), self._reach(path))
 
-    @staticmethod
-    def _write_temp_file(path: bytes, data: bytes) -> bytes:
+    def _write_temp_file(self, path: bytes, data: bytes) -> bytes:
         """`data` written and synced beside `path`, for a rename into place; nothing is left
         behind when that fails (a full RAM dir)."""
         tmp = path + b".tmp"
         try:
-            with open(tmp, "wb") as f:
+            with open(self._reach(tmp), "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
         except OSError:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+                os.unlink(self._reach(tmp))
             raise
         return tmp
 
     def _persist_mark(self, dir_path: bytes) -> tuple[int, str] | None:
         try:
-            with open(os.path.join(dir_path, PERSISTED_MARK)) as f:
+            with open(self._reach(os.path.join(dir_path, PERSISTED_MARK))) as f:
                 version_text, state = f.read().split()
             return int(version_text), state
         except (FileNotFoundError, ValueError):
@@ -76,11 +98,10 @@ class Recovery:
             step.replicas = self._read_node_list(dir_path, REPLICAS_MARK, version) or set()
             step.holders = self._read_node_list(dir_path, PEERS_MARK, version) or set()
 
-    @staticmethod
-    def _read_node_list(dir_path: bytes, mark: bytes, version: int) -> set[str] | None:
+    def _read_node_list(self, dir_path: bytes, mark: bytes, version: int) -> set[str] | None:
         """The node ids a mark file records for `version`, or None if it records none."""
         try:
-            with open(os.path.join(dir_path, mark)) as f:
+            with open(self._reach(os.path.join(dir_path, mark))) as f:
                 recorded, *nodes = f.read().split()
         except (FileNotFoundError, ValueError):
             return None
@@ -99,8 +120,13 @@ class Recovery:
         """
         started = time.monotonic()
         tmp_removed = self.store.remove_tmp_files()
-        recovered = self._recover_committed_steps()
-        self._load_dir(self.root, self._tree, recovered)
+        self._reach = PathReach()  # the tree stands still until the mount serves it
+        try:
+            recovered = self._recover_committed_steps()
+            self._load_dir(self.root, self._tree, recovered)
+        finally:
+            self._reach.close()
+            del self._reach
         for manifest, resident in recovered.values():
             for entry in manifest.files:
                 if entry.name in resident:
@@ -113,13 +139,13 @@ class Recovery:
 
     def _recover_committed_steps(self) -> dict[bytes, tuple[mf.StepManifest, set[str]]]:
         recovered: dict[bytes, tuple[mf.StepManifest, set[str]]] = {}
-        for dirpath, dirs, files in os.walk(self._tree):
+        for dirpath, dirs, files in self._walk(self._tree):
             if MANIFEST not in files:
                 continue
             if (self.step_number(os.path.basename(dirpath)) is None
                     or any(self.step_number(d) is not None for d in dirs)):
                 # Not a step (any more): its files are plain files, its manifest is stale.
-                os.unlink(os.path.join(dirpath, MANIFEST))
+                os.unlink(self._reach(os.path.join(dirpath, MANIFEST)))
                 continue
             manifest = self._read_manifest(dirpath)
             if manifest is None:
@@ -140,18 +166,18 @@ class Recovery:
 
     def _set_aside(self, dir_path: bytes) -> None:
         manifest_path = os.path.join(dir_path, MANIFEST)
-        os.rename(manifest_path, manifest_path + b".damaged")
+        os.rename(self._reach(manifest_path), self._reach(manifest_path + b".damaged"))
 
     def _read_manifest(self, dir_path: bytes) -> mf.StepManifest | None:
         path = os.path.join(dir_path, MANIFEST)
         try:
-            with open(path, "rb") as f:
+            with open(self._reach(path), "rb") as f:
                 return mf.decode(f.read())
         except FileNotFoundError:
             return None
         except mf.ManifestError as exc:
             log.error("unreadable manifest %s set aside: %s", os.fsdecode(path), exc)
-            os.rename(path, path + b".damaged")
+            os.rename(self._reach(path), self._reach(path + b".damaged"))
             return None
 
     def _restore_step(self, dir_path: bytes, manifest: mf.StepManifest,
@@ -175,13 +201,13 @@ class Recovery:
                 return None
         restored = removed = 0
         wanted = {os.fsencode(name) for name in resident}
-        for dirpath, dirs, files in os.walk(dir_path):
+        for dirpath, dirs, files in self._walk(dir_path):
             dirs[:] = [d for d in dirs if self.step_number(d) is None]
             for name in files:
                 full = os.path.join(dirpath, name)
-                if (not is_reserved(name) and stat.S_ISREG(os.lstat(full).st_mode)
+                if (not is_reserved(name) and stat.S_ISREG(os.lstat(self._reach(full)).st_mode)
                         and os.path.relpath(full, dir_path) not in wanted):
-                    os.unlink(full)  # written after the commit: not part of the step
+                    os.unlink(self._reach(full))  # written after the commit: not in the step
                     removed += 1
         for entry in manifest.files:
             if entry.name not in resident:
@@ -189,38 +215,38 @@ class Recovery:
             path = os.path.join(dir_path, os.fsencode(entry.name))
             obj = os.fsencode(self.store.object_path(entry.xxh3))
             try:
-                if os.path.samefile(path, obj):
+                if os.path.samefile(self._reach(path), obj):
                     continue
             except FileNotFoundError:
                 pass
             self._clear_way(dir_path, os.fsencode(entry.name))
             tmp = self.store.tmp_path(os.path.dirname(path))
-            os.link(obj, tmp)
-            os.rename(tmp, path)
+            os.link(obj, self._reach(tmp))
+            os.rename(self._reach(tmp), self._reach(path))
             restored += 1
         if restored or removed:
             log.warning("step %s v%d put back as committed: %d files restored, %d uncommitted "
                         "files removed", manifest.path, manifest.version, restored, removed)
         return resident
 
-    @staticmethod
-    def _clear_way(dir_path: bytes, relative: bytes) -> None:
+    def _clear_way(self, dir_path: bytes, relative: bytes) -> None:
         """Make room for a committed file at `relative`: what was put in its place or in the
         place of one of its directories after the commit goes."""
         current = dir_path
         *parents, name = relative.split(b"/")
         for part in parents:
             current = os.path.join(current, part)
-            if os.path.lexists(current) and not os.path.isdir(current):
-                os.unlink(current)
-            os.makedirs(current, exist_ok=True)
-        target = os.path.join(current, name)
+            reached = self._reach(current)
+            if os.path.lexists(reached) and not os.path.isdir(reached):
+                os.unlink(reached)
+            os.makedirs(reached, exist_ok=True)
+        target = self._reach(os.path.join(current, name))
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)
 
     def _load_dir(self, dir_node: Node, path: bytes,
                   recovered: dict[bytes, tuple[mf.StepManifest, set[str]]]) -> None:
-        with os.scandir(path) as entries:
+        with os.scandir(self._reach(path)) as entries:
             for entry in entries:
                 if is_reserved(entry.name):
                     continue
@@ -231,17 +257,18 @@ class Recovery:
                     continue
                 node = self._attach(dir_node, entry.name, kind)
                 if kind == stat.S_IFDIR:
-                    self._load_dir(node, entry.path, recovered)
+                    child_path = os.path.join(path, entry.name)
+                    self._load_dir(node, child_path, recovered)
                     number = self.step_number(entry.name)
                     if number is not None:
-                        manifest, resident = recovered.get(entry.path, (None, set()))
+                        manifest, resident = recovered.get(child_path, (None, set()))
                         node.step = StepState(number, manifest)
                         node.step.resident = resident
                         # A DCP step whose .metadata came before its shards (a copy under
                         # way) commits when the last of them is closed, as before the restart.
                         node.step.commit_pending = manifest is None and METADATA in node.children
-                        self._apply_persist_mark(node.step, entry.path)
-                        self._apply_node_marks(node.step, entry.path)
+                        self._apply_persist_mark(node.step, child_path)
+                        self._apply_node_marks(node.step, child_path)
                         self._seal_from_manifest(node)
 
     def _seal_from_manifest(self, step_node: Node) -> None:
