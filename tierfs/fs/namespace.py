@@ -175,10 +175,12 @@ class Namespace(Recovery, Residency, OtherTiers):
 
     def _remote_attrs(self, node: Node) -> RemoteAttrs:
         entry = node.remote.entry
-        parent = os.lstat(self.backing(node.parent)) if node.parent else None
+        uid, gid = entry.uid, entry.gid
+        if uid == mf.NO_OWNER or gid == mf.NO_OWNER:  # a manifest from before owners
+            parent = os.lstat(self.backing(node.parent)) if node.parent else None
+            uid, gid = (parent.st_uid, parent.st_gid) if parent else (0, 0)
         return RemoteAttrs(
-            st_mode=stat.S_IFREG | entry.mode, st_nlink=1,
-            st_uid=parent.st_uid if parent else 0, st_gid=parent.st_gid if parent else 0,
+            st_mode=stat.S_IFREG | entry.mode, st_nlink=1, st_uid=uid, st_gid=gid,
             st_size=entry.size, st_blocks=0, st_atime_ns=entry.mtime_ns,
             st_mtime_ns=entry.mtime_ns, st_ctime_ns=entry.mtime_ns)
 
@@ -571,10 +573,8 @@ class Namespace(Recovery, Residency, OtherTiers):
         dir_path = self.backing(step_node)
         entries = []
         for rel, node in files:
-            st = os.lstat(self.backing(node))
-            digest = node.seal.digest
-            entries.append(mf.FileEntry(rel, digest.size, digest.xxh3, st.st_mtime_ns,
-                                        st.st_mode & 0o7777, digest.chunks))
+            entries.append(mf.entry_from_stat(rel, node.seal.digest,
+                                              os.lstat(self.backing(node))))
         if (old is not None and old.path == step_path and old.step == step.number
                 and old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries)))):
             for copy in copies.values():

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from tierfs import manifest as mf
 from tierfs.fs import dcp_metadata
+from tierfs.fs.fetch import apply_attributes
 from tierfs.fs.nodes import (
     MANIFEST,
     METADATA,
@@ -168,7 +169,7 @@ class OtherTiers:
             path = os.path.join(self.backing(parent), name)
             tmp = self.store.tmp_path(os.path.dirname(path))
             os.link(self.store.object_path(entry.xxh3), tmp)
-            os.chmod(tmp, entry.mode)
+            apply_attributes(tmp, entry)
             os.rename(tmp, path)
             node = self._attach(parent, name, stat.S_IFREG)
             node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks),
@@ -360,10 +361,8 @@ class OtherTiers:
         for rel, node in self._files_under(step_node):
             if (rel in wanted and node.remote is None and node.seal is not None
                     and node.active_writers == 0):
-                st = os.lstat(self.backing(node))
-                digest = node.seal.digest
-                found.append(mf.FileEntry(rel, digest.size, digest.xxh3, st.st_mtime_ns,
-                                          st.st_mode & 0o7777, digest.chunks))
+                found.append(mf.entry_from_stat(rel, node.seal.digest,
+                                                os.lstat(self.backing(node))))
         return found
 
     def sealed_path(self, step_path: str, name: str, xxh3: str) -> bytes | None:
