@@ -206,6 +206,8 @@ class Namespace(Recovery, Residency, OtherTiers):
         if node.children:
             raise FsError(errno.ENOTEMPTY)
         path = self.backing(node)
+        if node.step is not None:
+            self.step_removed(node.step)  # a deleted step leaves every tier (fs.deletes)
         self._remove_hidden(node, path)
         os.rmdir(path)
         self._detach(node)
@@ -430,6 +432,8 @@ class Namespace(Recovery, Residency, OtherTiers):
         new_path = os.path.join(self.backing(new_parent), new_name)
         if target is not None:
             if target.is_dir:
+                if target.step is not None:
+                    self.step_removed(target.step)
                 self._remove_hidden(target, new_path)
             elif target.remote is None:
                 self._forget_backing_if_last(new_path, target)

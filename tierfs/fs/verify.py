@@ -379,11 +379,11 @@ class Verifier:
                 return GOOD if node.remote is None else BAD
         done = self._checking[ino] = trio.Event()
         try:
-            path = self.ns.backing(node)
-            try:
+            try:  # removed or deleted since the caller found it: nothing to check
+                path = self.ns.backing(node)
                 digest = await trio.to_thread.run_sync(mf.hash_file, path,
                                                        limiter=self._threads)
-            except FileNotFoundError:
+            except (FsError, FileNotFoundError):
                 return MISSING
             good = digest.xxh3 == entry.xxh3 and digest.size == entry.size
             # No await from here on: the node is checked and changed in one step.
