@@ -86,3 +86,20 @@ def test_hash_file_matches_xxh3_128(tmp_path) -> None:  # type: ignore[no-untype
     (tmp_path / "empty").write_bytes(b"")
     assert mf.hash_file(tmp_path / "empty").chunks == ()
     assert mf.hash_bytes(data) == xxhash.xxh3_128_hexdigest(data)
+
+
+def test_owners_are_recorded_and_older_manifests_still_decode() -> None:
+    owned = mf.FileEntry("x", 1, "0" * 32, 7, 0o640, ("1" * 16,), 1234, 2345)
+    manifest = mf.StepManifest("s/step_1", 1, 1, "n", 0, (owned,))
+    assert mf.decode(mf.encode(manifest)).files[0] == owned
+    # a manifest written before owners were recorded: six fields per entry
+    old = msgpack.unpackb(mf.encode(manifest))
+    old["files"][0] = old["files"][0][:6]
+    entry_before = mf.decode(msgpack.packb(old)).files[0]
+    assert (entry_before.mode, entry_before.mtime_ns) == (0o640, 7)
+    assert (entry_before.uid, entry_before.gid) == (mf.NO_OWNER, mf.NO_OWNER)
+    six = old["files"][0]
+    for bad in ([*six, -5, 0], [*six, 0, 1 << 40], [*six, "0", 0], six[:5]):
+        old["files"][0] = bad
+        with pytest.raises(mf.ManifestError):
+            mf.decode(msgpack.packb(old))

@@ -25,6 +25,8 @@ CHUNK_SIZE = 8 << 20
 _HEX128 = re.compile(r"^[0-9a-f]{32}$")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
 _MAX_FILES = 1_000_000
+NO_OWNER = -1  # an entry from before owners were recorded
+_MAX_ID = (1 << 32) - 1
 
 
 class ManifestError(ValueError):
@@ -34,7 +36,9 @@ class ManifestError(ValueError):
 @dataclass(frozen=True)
 class FileEntry:
     """One sealed file of a step: `name` is relative to the step directory, '/'-separated;
-    `chunks` holds the xxh3-64 of each CHUNK_SIZE piece."""
+    `chunks` holds the xxh3-64 of each CHUNK_SIZE piece. Mode, mtime and owner are those of
+    the file at commit, restored wherever the file is made again; `uid`/`gid` are NO_OWNER in
+    manifests written before owners were recorded."""
 
     name: str
     size: int
@@ -42,6 +46,8 @@ class FileEntry:
     mtime_ns: int = 0
     mode: int = 0o644
     chunks: tuple[str, ...] = ()
+    uid: int = NO_OWNER
+    gid: int = NO_OWNER
 
 
 @dataclass(frozen=True)
@@ -85,16 +91,31 @@ def check_relative_path(name: str) -> str:
     return name
 
 
+def entry_from_stat(name: str, digest: Digest, st: os.stat_result) -> FileEntry:
+    """The entry of a sealed file as it is now: its digest, and its mode, mtime and owner."""
+    return FileEntry(name, digest.size, digest.xxh3, st.st_mtime_ns, st.st_mode & 0o7777,
+                     digest.chunks, st.st_uid, st.st_gid)
+
+
 def entry_fields(entry: FileEntry) -> list[object]:
-    return [entry.name, entry.size, entry.xxh3, entry.mtime_ns, entry.mode, list(entry.chunks)]
+    return [entry.name, entry.size, entry.xxh3, entry.mtime_ns, entry.mode, list(entry.chunks),
+            entry.uid, entry.gid]
 
 
 def entry_from_fields(fields: object) -> FileEntry:
-    """A FileEntry from its msgpack form, validated (ManifestError if malformed)."""
+    """A FileEntry from its msgpack form, validated (ManifestError if malformed). Entries of
+    six fields come from manifests written before owners were recorded."""
+    if isinstance(fields, list) and len(fields) == 6:
+        fields = [*fields, NO_OWNER, NO_OWNER]
     try:
-        name, size, digest, mtime_ns, mode, chunks = fields  # type: ignore[misc]
+        name, size, digest, mtime_ns, mode, chunks, uid, gid = fields  # type: ignore[misc]
     except (TypeError, ValueError):
         raise ManifestError("malformed file entry") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (mtime_ns, mode, uid,
+                                                                        gid)):
+        raise ManifestError(f"bad attributes for {name!r}")
+    if not (0 <= mode <= 0o7777 and NO_OWNER <= uid <= _MAX_ID and NO_OWNER <= gid <= _MAX_ID):
+        raise ManifestError(f"bad mode or owner for {name!r}")
     if not (isinstance(size, int) and size >= 0 and isinstance(digest, str)
             and isinstance(name, str)):
         raise ManifestError(f"bad file entry {name!r}")
@@ -103,8 +124,8 @@ def entry_from_fields(fields: object) -> FileEntry:
     if (not isinstance(chunks, list) or len(chunks) != chunk_count(size)
             or not all(isinstance(c, str) and _HEX64.match(c) for c in chunks)):
         raise ManifestError(f"bad chunk hashes for {name!r}")
-    return FileEntry(check_relative_path(name), size, digest, int(mtime_ns), int(mode),
-                     tuple(chunks))
+    return FileEntry(check_relative_path(name), size, digest, mtime_ns, mode, tuple(chunks),
+                     uid, gid)
 
 
 def encode(manifest: StepManifest) -> bytes:

@@ -36,6 +36,17 @@ class ReadSource(Protocol):
                          length: int) -> bytes: ...
 
 
+def apply_attributes(target: int | bytes | str, entry: mf.FileEntry) -> None:
+    """Give a regular file (a path or an fd) made again from a committed entry (fetched,
+    received from a peer, linked from an object) the owner, mode and mtime recorded at commit.
+    Owner first: chown clears set-id bits that chmod then sets."""
+    if entry.uid != mf.NO_OWNER and entry.gid != mf.NO_OWNER:
+        os.chown(target, entry.uid, entry.gid)
+    os.chmod(target, entry.mode)
+    if entry.mtime_ns:
+        os.utime(target, ns=(entry.mtime_ns, entry.mtime_ns))
+
+
 class FetchError(Exception):
     """No source could deliver verified bytes."""
 
@@ -177,6 +188,7 @@ class Fetch:
         """Whole-file check once complete; the partial file may then become the object."""
         digest = await trio.to_thread.run_sync(mf.hash_fd, self.fd)
         if digest.xxh3 == self.remote.entry.xxh3 and digest.size == self.remote.entry.size:
+            apply_attributes(self.fd, self.remote.entry)  # it becomes the file: as committed
             return True
         log.error("checksum mismatch: %s/%s fetched whole has xxh3 %s, manifest says %s",
                   self.remote.step_path, self.remote.entry.name, digest.xxh3,

@@ -206,10 +206,12 @@ class Namespace(Recovery, Residency, OtherTiers):
 
     def _remote_attrs(self, node: Node) -> RemoteAttrs:
         entry = node.remote.entry
-        parent = os.lstat(self.backing(node.parent)) if node.parent else None
+        uid, gid = entry.uid, entry.gid
+        if uid == mf.NO_OWNER or gid == mf.NO_OWNER:  # a manifest from before owners
+            parent = os.lstat(self.backing(node.parent)) if node.parent else None
+            uid, gid = (parent.st_uid, parent.st_gid) if parent else (0, 0)
         return RemoteAttrs(
-            st_mode=stat.S_IFREG | entry.mode, st_nlink=1,
-            st_uid=parent.st_uid if parent else 0, st_gid=parent.st_gid if parent else 0,
+            st_mode=stat.S_IFREG | entry.mode, st_nlink=1, st_uid=uid, st_gid=gid,
             st_size=entry.size, st_blocks=0, st_atime_ns=entry.mtime_ns,
             st_mtime_ns=entry.mtime_ns, st_ctime_ns=entry.mtime_ns)
 
@@ -235,6 +237,8 @@ class Namespace(Recovery, Residency, OtherTiers):
         if node.children:
             raise FsError(errno.ENOTEMPTY)
         path = self.backing(node)
+        if node.step is not None:
+            self.step_removed(node.step)  # a deleted step leaves every tier (fs.deletes)
         self._remove_hidden(node, path)
         os.rmdir(path)
         self._detach(node)
@@ -485,6 +489,8 @@ class Namespace(Recovery, Residency, OtherTiers):
         new_path = os.path.join(self.backing(new_parent), new_name)
         if target is not None:
             if target.is_dir:
+                if target.step is not None:
+                    self.step_removed(target.step)
                 self._remove_hidden(target, new_path)
             elif target.remote is None:
                 self._forget_backing_if_last(new_path, target)
@@ -656,10 +662,8 @@ class Namespace(Recovery, Residency, OtherTiers):
         dir_path = self.backing(step_node)
         entries = []
         for rel, node in files:
-            st = os.lstat(self.backing(node))
-            digest = node.seal.digest
-            entries.append(mf.FileEntry(rel, digest.size, digest.xxh3, st.st_mtime_ns,
-                                        st.st_mode & 0o7777, digest.chunks))
+            entries.append(mf.entry_from_stat(rel, node.seal.digest,
+                                              os.lstat(self.backing(node))))
         if (old is not None and old.path == step_path and old.step == step.number
                 and old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries)))):
             for copy in copies.values():

@@ -1,19 +1,23 @@
 """The namespace's view of copies elsewhere: steps in the persistent tier, replicas on peers,
-steps the cluster's gossip tells of, and the files of a multi-node DCP step written on other
-nodes. A mixin of Namespace."""
+steps the cluster's gossip tells of, the files of a multi-node DCP step written on other
+nodes, and deletes, which must reach all of them (`fs.deletes`). A mixin of Namespace."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
 import stat
 from collections.abc import Callable
+from pathlib import Path
 
 import trio
 
 from tierfs import manifest as mf
 from tierfs.fs import dcp_metadata
+from tierfs.fs.deletes import DELETES_DIR, PERSIST, Deletes, peer_target
+from tierfs.fs.fetch import apply_attributes
 from tierfs.fs.nodes import (
     MANIFEST,
     METADATA,
@@ -30,6 +34,47 @@ log = logging.getLogger(__name__)
 
 class OtherTiers:
     """Copies of steps in the persistent tier and on peers, as this node knows them."""
+
+    @functools.cached_property
+    def deletes(self) -> Deletes:
+        """This RAM dir's record of deleted steps (made on first use)."""
+        return Deletes(Path(self.store.root) / DELETES_DIR)
+
+    def step_removed(self, step: StepState) -> None:
+        """Call-out of the namespace: a step directory leaves the tree (rmdir, or a directory
+        renamed over it). If it held a committed version (even one being re-saved), that
+        version is deleted from every tier, and never listed again."""
+        if step.manifest is not None:
+            self.deletes.record(step.manifest.path, step.manifest.version,
+                                step.manifest.committed_ns)
+
+    def delete_from_peer(self, path: str, version: int, committed_ns: int,
+                         sender: str) -> None:
+        """A peer deleted this step: drop this node's copy of it (if not newer), remember the
+        delete, and remove it from the persistent tier too (an upload from here may be late)."""
+        self.deletes.record(path, version, committed_ns,
+                            [PERSIST] if PERSIST in self.deletes.targets else [])
+        node = self.find_step(path)
+        step = node.step if node is not None else None
+        if step is None or step.manifest is None or step.manifest.committed_ns > committed_ns:
+            return
+        if step.committed:
+            self._forget_step(node, f"deleted on {sender}")
+            return
+        # Being re-saved here: the files at hand stay, as a step that is not committed.
+        for _rel, child in list(self._files_under(node)):
+            if child.remote is not None:
+                self._drop_fetch(child)
+                self._detach(child)
+        self._remove_hidden(node, self.backing(node))
+        log.info("%s was deleted on %s; the version being written here stays", path, sender)
+
+    def _deleted(self, manifest: mf.StepManifest, offered_by: list[str]) -> bool:
+        """Whether `manifest` is a deleted version; the tiers that offer it get cleaned."""
+        if not self.deletes.covers(manifest):
+            return False
+        self.deletes.remind(manifest, offered_by)
+        return True
 
     def find_step(self, relpath: str) -> Node | None:
         node = self.root
@@ -76,7 +121,7 @@ class OtherTiers:
         node.step.persisted_version = 0
         node.step.retired_version = version
 
-    def _forget_step(self, step_node: Node) -> None:
+    def _forget_step(self, step_node: Node, why: str = "") -> None:
         for _rel, node in list(self._files_under(step_node)):
             if node.remote is None:
                 self._unlink_backing(self.backing(node), node)
@@ -85,7 +130,7 @@ class OtherTiers:
         self._drop_resident_refs(step_node.step)
         shutil.rmtree(self.backing(step_node))
         self._detach_tree(step_node)
-        log.info("%s left the last tier that held it", os.fsdecode(step_node.name))
+        log.info("%s %s", os.fsdecode(step_node.name), why or "left the last tier that held it")
 
     def _detach_tree(self, node: Node) -> None:
         for child in list((node.children or {}).values()):
@@ -118,8 +163,10 @@ class OtherTiers:
     def adopt_persisted(self, manifest: mf.StepManifest) -> bool:
         """Show a step found in the persistent tier (a fresh node, or one that left RAM).
 
-        A step this node already has, in any state, is left as it is. Returns whether the step
-        was added."""
+        A step this node already has, in any state, is left as it is, and a deleted one is not
+        shown. Returns whether the step was added."""
+        if self._deleted(manifest, [PERSIST]):
+            return False
         node = self.find_step(manifest.path)
         if node is not None:
             step = node.step
@@ -147,6 +194,8 @@ class OtherTiers:
         committed objects here already). Returns whether this node now holds that version: a
         step here in the same version is filled in, an older committed version that nothing
         here is writing or reading is superseded, anything else is left as it is."""
+        if self._deleted(manifest, [peer_target(sender)]):
+            return False
         existing = self.find_step(manifest.path)
         old_refs: list[str] = []
         if existing is not None:
@@ -170,7 +219,7 @@ class OtherTiers:
             path = os.path.join(self.backing(parent), name)
             tmp = self.store.tmp_path(os.path.dirname(path))
             os.link(self.store.object_path(entry.xxh3), tmp)
-            os.chmod(tmp, entry.mode)
+            apply_attributes(tmp, entry)
             os.rename(tmp, path)
             node = self._attach(parent, name, stat.S_IFREG)
             node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks),
@@ -290,6 +339,8 @@ class OtherTiers:
     def learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
         """A peer holds this committed step: list it here, readable from those holders."""
         others = set(holders) - {self.node_id}
+        if self._deleted(manifest, [peer_target(h) for h in sorted(others)]):
+            return
         node = self.find_step(manifest.path)
         if node is not None:
             step = node.step
@@ -362,10 +413,8 @@ class OtherTiers:
         for rel, node in self._files_under(step_node):
             if (rel in wanted and node.remote is None and node.seal is not None
                     and node.active_writers == 0):
-                st = os.lstat(self.backing(node))
-                digest = node.seal.digest
-                found.append(mf.FileEntry(rel, digest.size, digest.xxh3, st.st_mtime_ns,
-                                          st.st_mode & 0o7777, digest.chunks))
+                found.append(mf.entry_from_stat(rel, node.seal.digest,
+                                                os.lstat(self.backing(node))))
         return found
 
     def sealed_path(self, step_path: str, name: str, xxh3: str) -> bytes | None:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.fetch import Fetch, FetchError, RemoteFile
+from tierfs.fs.fetch import Fetch, FetchError, RemoteFile, apply_attributes
 from tierfs.fs.nodes import (
     FsError,
     Node,
@@ -74,8 +74,11 @@ class Residency:
             return
         if empty:
             path = self.backing(node)
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                             node.remote.entry.mode))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                apply_attributes(fd, node.remote.entry)  # its owner and mode, not the daemon's
+            finally:
+                os.close(fd)
             self._drop_fetch(node)
             node.remote = None
             self._mark_dirty(node.parent)
@@ -383,6 +386,7 @@ class Residency:
             path = self.backing(node)
             tmp = self.store.tmp_path(os.path.dirname(path))
             os.link(obj, tmp)
+            apply_attributes(tmp, entry)
             os.rename(tmp, path)
             node.remote = None
             node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks),

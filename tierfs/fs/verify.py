@@ -5,23 +5,31 @@ Three ways in, one rule: a copy whose bytes do not hash to its manifest entry is
 * **At start**, every committed object in the RAM dir is *unverified* (a crash, a stray writer
   or a bad DIMM may have changed it while no daemon watched). A background scan hashes them
   all; until it reaches a file, opening that file for reading hashes it first (once). A bad
-  object is *quarantined*: the tree file and the object leave RAM and the file becomes
-  non-resident, so its reads go to the other tiers (peers, then the persistent tier), checked
-  chunk by chunk, or fail with EIO. Then the scan tries to bring it back from a good copy.
+  object is *quarantined*: it leaves service (the tree file and the object go) and the file
+  becomes non-resident, so its reads go to the other tiers (peers, then the persistent tier),
+  checked chunk by chunk, or fail with EIO; its bytes are kept, never destroyed, under
+  `<ram-dir>/quarantine/` until a verified copy replaces them. Then the scan tries to bring
+  the file back from a good copy.
   Files committed, fetched or received while the daemon runs were hashed on the way in.
   Reads are not checked one by one: with FUSE passthrough the kernel reads resident files
   itself, so the check is per object (at start, at first open, and by `tierfs verify`).
 * **`tierfs verify PATH`** checks every committed step under PATH on every tier that holds
   it: this node's RAM (hashing the files), each peer holder (the peer hashes its own copy and,
   when asked to repair, quarantines a bad one and pulls a good copy back, verified), and the
-  persistent tier (reading every object back and checking it chunk by chunk; a bad object is
-  uploaded again from a verified copy, fetched into RAM first if needed).
+  persistent tier (reading every object back and checking its size and every chunk; a bad
+  object is uploaded again from a verified copy, fetched into RAM first if needed).
+
+What a repair may do: copy only *from* a copy verified good against the manifest (a fetch is
+checked chunk by chunk and whole; an empty file needs another tier to confirm it holds it
+empty), never from a copy merely different from a bad one. `--no-repair` reports and changes
+nothing: not this node's RAM, not a peer's copy, not the persistent tier.
 
 The tiers are injected (`PeerCopies`, `PersistCopies`): `fs` imports neither.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -42,6 +50,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GOOD, BAD, MISSING, REPAIRED = "good", "bad", "missing", "repaired"
+# What a check may do about a bad RAM copy: only say so; take it out of service (its bytes
+# kept); or take it out of service and bring a verified copy back.
+REPORT, QUARANTINE, REPAIR = "report", "quarantine", "repair"
+QUARANTINE_DIR = "quarantine"
 
 
 class PeerCopies(Protocol):
@@ -57,6 +69,8 @@ class PersistCopies(Protocol):
 
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
                          length: int) -> bytes: ...
+
+    async def object_size(self, step_path: str, name: str) -> int | None: ...
 
     async def rewrite(self, step_path: str, name: str, path: str) -> None: ...
 
@@ -77,6 +91,7 @@ class TierReport:
     # multi-node DCP step): not a fault of that copy; "any tier" says if no good copy is left.
     not_held: list[str] = field(default_factory=list)
     held_good: set[str] = field(default_factory=set)    # good or repaired here
+    kept: list[str] = field(default_factory=list)       # where bad RAM bytes were set aside
 
     @property
     def ok(self) -> bool:
@@ -85,7 +100,7 @@ class TierReport:
     def as_dict(self) -> dict[str, Any]:
         return {"tier": self.tier, "good": self.good, "bad": self.bad, "missing": self.missing,
                 "repaired": self.repaired, "error": self.error, "not_held": self.not_held,
-                "ok": self.ok}
+                "kept": self.kept, "ok": self.ok}
 
 
 @dataclass
@@ -112,8 +127,10 @@ class Verifier:
         self._checking: dict[int, trio.Event] = {}
         # Backing inodes of committed files found in RAM at start: hashed before first use.
         self.unverified: set[int] = set()
-        # (step path, version, file) whose RAM copy was found bad and has not come back.
+        # (step path, version, file) whose RAM copy was found bad and has not come back, and
+        # where its bytes are kept meanwhile.
         self.quarantined: set[tuple[str, int, str]] = set()
+        self.kept: dict[tuple[str, int, str], bytes] = {}
         self.progress: dict[str, int] | None = None
         # RAM objects hashed by the start scan; bad RAM copies found and repaired, ever.
         self.scan_counts = {"checked": 0, "bad": 0, "repaired": 0}
@@ -134,7 +151,7 @@ class Verifier:
             return
         found = self._locate(node)
         if found is not None:
-            await self._check_ram_file(*found, repair=False)
+            await self._check_ram_file(*found, act=QUARANTINE)
 
     async def scan_at_start(self) -> None:
         """Hash every unverified RAM object in the background; quarantine and repair bad ones."""
@@ -143,7 +160,7 @@ class Verifier:
             for step_node, step, entry, node in list(self._resident_files(None)):
                 if node.seal is None or node.seal.backing_ino not in self.unverified:
                     continue
-                await self._check_ram_file(step_node, step, entry, node, repair=True)
+                await self._check_ram_file(step_node, step, entry, node, act=REPAIR)
                 self.scan_counts["checked"] += 1
             for path, version, name in sorted(self.quarantined):  # e.g. found by an open
                 step_node = self.ns.find_step(path)
@@ -199,8 +216,11 @@ class Verifier:
                 continue  # not in this node's RAM: not a copy of this tier
             else:
                 state = await self._check_ram_file(step_node, step, entry, node,
-                                                   repair=repair, force=True)
+                                                   act=REPAIR if repair else REPORT, force=True)
             self._tally(ram, state, entry.name)
+            kept = self.kept.get((manifest.path, manifest.version, entry.name))
+            if kept is not None and state == BAD:
+                ram.kept.append(os.fsdecode(kept))
             self._advance(entry.size)
         if ram.good or not ram.ok or ram.repaired:
             report.tiers.append(ram)
@@ -270,6 +290,13 @@ class Verifier:
         return tier
 
     async def _check_persisted_file(self, step_path: str, entry: mf.FileEntry) -> str:
+        size = await self.persist.object_size(step_path, entry.name)
+        if size is None:
+            return MISSING
+        if size != entry.size:  # its chunks may all match: the size must, too
+            log.error("size mismatch: %s/%s in the persistent tier has %d bytes, manifest "
+                      "says %d", step_path, entry.name, size, entry.size)
+            return BAD
         from_exc: str | None = None
         whole = xxhash.xxh3_128()
         for index, expected in enumerate(entry.chunks):
@@ -307,7 +334,7 @@ class Verifier:
         found = self._locate(node)
         if found is None:
             return state
-        if await self._check_ram_file(*found, repair=False, force=True) != GOOD:
+        if await self._check_ram_file(*found, act=REPORT, force=True) != GOOD:
             return state
         try:
             await self.persist.rewrite(manifest.path, entry.name,
@@ -333,12 +360,13 @@ class Verifier:
         node = self._node_of(step_node, entry)
         if node is None or node.remote is not None:
             return MISSING
-        return await self._check_ram_file(step_node, step, entry, node, repair=repair,
-                                          force=True)
+        return await self._check_ram_file(step_node, step, entry, node,
+                                          act=REPAIR if repair else REPORT, force=True)
 
     async def _check_ram_file(self, step_node: Node, step: StepState, entry: mf.FileEntry,
-                              node: Node, *, repair: bool, force: bool = False) -> str:
-        """Hash a resident committed file; quarantine it if bad, then repair it if asked."""
+                              node: Node, *, act: str, force: bool = False) -> str:
+        """Hash a resident committed file; a bad one is only reported (REPORT), or quarantined
+        (QUARANTINE), or quarantined and then repaired from a verified copy (REPAIR)."""
         while True:
             if node.seal is None:
                 return BAD if node.remote is not None else MISSING  # quarantined meanwhile
@@ -351,11 +379,11 @@ class Verifier:
                 return GOOD if node.remote is None else BAD
         done = self._checking[ino] = trio.Event()
         try:
-            path = self.ns.backing(node)
-            try:
+            try:  # removed or deleted since the caller found it: nothing to check
+                path = self.ns.backing(node)
                 digest = await trio.to_thread.run_sync(mf.hash_file, path,
                                                        limiter=self._threads)
-            except FileNotFoundError:
+            except (FsError, FileNotFoundError):
                 return MISSING
             good = digest.xxh3 == entry.xxh3 and digest.size == entry.size
             # No await from here on: the node is checked and changed in one step.
@@ -363,39 +391,96 @@ class Verifier:
                     or step_node.step is not step or not step.committed
                     or step.manifest.entry(entry.name) is not entry):
                 return GOOD if good else BAD  # it changed meanwhile: nothing to quarantine
-            self.unverified.discard(ino)
             if good:
+                self.unverified.discard(ino)
                 return GOOD
-            self.quarantined.add((step.manifest.path, step.manifest.version, entry.name))
+            described = (f"{step.manifest.path}/{entry.name} in this node's RAM has xxh3 "
+                         f"{digest.xxh3} ({digest.size} bytes), manifest says {entry.xxh3} "
+                         f"({entry.size} bytes)")
+            if act == REPORT:  # stays unverified: an open still checks it before a read
+                log.error("checksum mismatch: %s: reported only, nothing changed", described)
+                return BAD
+            self.unverified.discard(ino)
+            key = (step.manifest.path, step.manifest.version, entry.name)
+            self.quarantined.add(key)
             self.scan_counts["bad"] += 1
-            log.error("checksum mismatch: %s/%s in this node's RAM has xxh3 %s (%d bytes), "
-                      "manifest says %s (%d bytes): quarantined, reads go to other tiers",
-                      step.manifest.path, entry.name, digest.xxh3, digest.size, entry.xxh3,
-                      entry.size)
+            self.kept[key] = self._keep_aside(key, path)
+            log.error("checksum mismatch: %s: quarantined, reads go to other tiers; its bytes "
+                      "are kept in %s", described, os.fsdecode(self.kept[key]))
             self._quarantine(ino, entry.xxh3)
         finally:
             del self._checking[ino]
             done.set()
-        if not repair:
+        if act != REPAIR:
             return BAD
         return await self._repair_quarantined(node, step.manifest, entry)
 
     async def _repair_quarantined(self, node: Node, manifest: mf.StepManifest,
                                   entry: mf.FileEntry) -> str:
         """Bring a quarantined file back into RAM from a good copy elsewhere (verified)."""
+        key = (manifest.path, manifest.version, entry.name)
         try:
+            if entry.size == 0 and not await self._held_empty_elsewhere(manifest, entry):
+                # An empty fetch reads nothing, so it proves nothing: the manifest may be
+                # the wrong one (a wrong seal), and the kept bytes the right ones.
+                raise FsError(errno.EIO, "no other tier holds it empty")
             await self.ns._make_resident(node, empty=False)
         except (FsError, OSError) as exc:
+            kept = self.kept.get(key)
             log.error("%s/%s could not be repaired: no good copy reachable (%s); its reads "
-                      "fail with EIO", manifest.path, entry.name, exc)
+                      "fail with EIO%s", manifest.path, entry.name, exc,
+                      f"; its bytes are kept in {os.fsdecode(kept)}" if kept else "")
             return BAD
-        self.quarantined.discard((manifest.path, manifest.version, entry.name))
+        self.quarantined.discard(key)
+        self._drop_kept(key)
         self.scan_counts["repaired"] += 1
         log.warning("%s/%s repaired in RAM from another tier", manifest.path, entry.name)
         return REPAIRED
 
+    async def _held_empty_elsewhere(self, manifest: mf.StepManifest,
+                                    entry: mf.FileEntry) -> bool:
+        """Whether a peer or the persistent tier confirms it holds this empty file empty."""
+        step_node = self.ns.find_step(manifest.path)
+        if step_node is None or not self._current(step_node, manifest):
+            return False
+        for peer in self.ns._peer_holders(step_node.step):
+            with contextlib.suppress(Exception):  # an unreachable peer confirms nothing
+                if self.peers is not None and \
+                        await self.peers.verify(peer, manifest.path, entry, False) == GOOD:
+                    return True
+        if step_node.step.persisted and self.persist is not None:
+            with contextlib.suppress(Exception):
+                return await self.persist.object_size(manifest.path, entry.name) == 0
+        return False
+
+    def _keep_aside(self, key: tuple[str, int, str], path: bytes) -> bytes:
+        """A link to a bad RAM copy's bytes outside the tree and the objects, so that taking
+        it out of service destroys nothing (a wrong manifest would make them the only copy)."""
+        step_path, version, name = key
+        kept = os.path.join(os.fsencode(self.ns.store.root), QUARANTINE_DIR.encode(),
+                            os.fsencode(step_path), os.fsencode(f"{name}.v{version}"))
+        os.makedirs(os.path.dirname(kept), mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(kept)  # an older bad copy of the same version: this one is newer
+        os.link(path, kept)
+        return kept
+
+    def _drop_kept(self, key: tuple[str, int, str]) -> None:
+        """A verified copy replaced the bad one: its kept bytes are of no use any more."""
+        kept = self.kept.pop(key, None)
+        if kept is None:
+            return
+        try:
+            st = os.lstat(kept)
+            os.unlink(kept)
+        except FileNotFoundError:
+            return
+        if st.st_nlink == 1:
+            self.ns.store.forget_inode(st.st_ino)
+
     def _quarantine(self, ino: int, digest: str) -> None:
-        """Every committed file on the bad inode becomes non-resident; the object goes."""
+        """Every committed file on the bad inode becomes non-resident; the object goes (its
+        bytes stay kept aside)."""
         for _step_node, step, entry, node in list(self._resident_files(None)):
             if node.seal is None or node.seal.backing_ino != ino:
                 continue

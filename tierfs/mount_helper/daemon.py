@@ -19,6 +19,7 @@ import pyfuse3
 import trio
 
 from tierfs import manifest as mf
+from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.nodes import FsError
 from tierfs.fs.operations import Operations
@@ -31,6 +32,7 @@ from tierfs.mount_helper.mounts import filesystem_type, is_mounted
 from tierfs.replication.cluster_commit import SealedFiles
 from tierfs.replication.gossip import Gossip
 from tierfs.replication.membership import Membership
+from tierfs.replication.peer_delete import PeerDelete, delete_handler
 from tierfs.replication.peer_reader import PeerReader, RangeServer
 from tierfs.replication.peer_verify import PeerVerify, verify_handler
 from tierfs.replication.receiver import ReplicaReceiver
@@ -161,6 +163,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           step_pattern=cfg.step_pattern, keep_ram=cfg.keep_ram,
                           replicas=cfg.replicas)
     namespace.load()
+    namespace.deletes.targets = ([PERSIST] if cfg.persist else []) + [
+        peer_target(node_id) for node_id in sorted(cfg.peers or {}) if node_id != cfg.node_id]
     verifier = Verifier(namespace)
     verifier.collect_unverified()
     namespace.before_read_open = verifier.before_read_open
@@ -202,6 +206,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                 nursery.start_soon(uploader.run)
             nursery.start_soon(_verify_then_send, verifier, uploader, cluster)
             nursery.start_soon(_retry_pending_commits, namespace)
+            nursery.start_soon(_delete_worker(namespace, uploader, cluster).run)
             nursery.start_soon(_terminate_on_signal)
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers
             log.info("mounted %s (RAM dir %s, limit %d bytes, pid %d)", cfg.mountpoint,
@@ -300,6 +305,20 @@ async def _verify_then_send(verifier: Verifier, uploader: Uploader | None,
             cluster.replicator.submit(manifest)  # copies due since before a restart
 
 
+def _delete_worker(namespace: Namespace, uploader: Uploader | None,
+                   cluster: ClusterNode | None) -> DeleteWorker:
+    """Deleted steps leave the persistent tier and the peers (retried until they have)."""
+    cleaners = {}
+    if uploader is not None:
+        async def from_store(tomb: Tombstone, _where: str) -> None:
+            await uploader.delete_step(tomb.path, tomb.committed_ns)
+
+        cleaners[PERSIST] = from_store
+    if cluster is not None:
+        cleaners["peer"] = cluster.peer_delete.delete
+    return DeleteWorker(namespace.deletes, cleaners)
+
+
 async def _run_fuse(cancel_scope: trio.CancelScope) -> None:
     await pyfuse3.main()
     cancel_scope.cancel()  # unmounted or terminated: stop the other workers
@@ -324,6 +343,7 @@ class ClusterNode:
         self.membership = Membership(cfg.node_id, cfg.peers, cfg.token)
         self.verifier = verifier
         verifier.peers = PeerVerify(self.membership)
+        self.peer_delete = PeerDelete(self.membership)
         # Peers come first among the read sources: faster than the persistent tier.
         namespace.read_sources.insert(0, PeerReader(self.membership, namespace.holders_of))
         self.gossip = Gossip(self.membership, namespace.holdings, namespace.learn)
@@ -343,6 +363,7 @@ class ClusterNode:
             "GET": self.ranges.on_get, "GOSSIP": self.gossip.on_gossip,
             "PULL": self.gossip.on_pull, "SEALED": self.sealed.on_sealed,
             "VERIFY": verify_handler(self.verifier.check_held_file),
+            "DELETE": delete_handler(self.namespace.delete_from_peer),
         }
         me = self.membership.members[self.cfg.node_id]
         server = PeerServer(self.cfg.node_id, self.cfg.token, self.membership.ids, handlers)
@@ -440,5 +461,6 @@ class Daemon:
             "commits": self.commits,
             "ram_check": dict(self.verifier.scan_counts, done=self.verifier.scan_done.is_set()),
             "verify": self.verifier.progress,
+            "deletes": ns.deletes.status(),
             "steps": steps,
         }

@@ -46,6 +46,7 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "GET": {"path": str, "name": str, "xxh3": str, "offset": int, "length": int},
     "VERIFY": {"path": str, "name": str, "xxh3": str, "repair": bool},  # check your copy
     "VERIFIED": {"state": str},             # good, bad, missing or repaired
+    "DELETE": {"path": str, "version": int, "committed_ns": int},  # a step was deleted
     "DATA": {},
     "OK": {},
     "ERROR": {"message": str},

@@ -138,7 +138,9 @@ class FileBackend(Backend):
             raise BackendError(f"{key}: {exc.strerror}", temporary=False) from exc
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        for dirpath, _dirs, files in os.walk(self.root):
+        # Only the directory the prefix lies in: a step's listing must not walk the store.
+        top = self._path(prefix.rpartition("/")[0]) if "/" in prefix else self.root
+        for dirpath, _dirs, files in os.walk(top):
             for name in sorted(files):
                 if name.endswith(self.TMP_SUFFIX):
                     continue

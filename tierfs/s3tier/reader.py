@@ -56,6 +56,13 @@ class PersistentReader:
         key = f"{step_path}/{name}"
         await self._attempts(f"upload of {key}", self.backend.put_file, key, path)
 
+    async def object_size(self, step_path: str, name: str) -> int | None:
+        """The size of a committed file's object, None if there is none."""
+        key = f"{step_path}/{name}"
+        found = await self._attempts(f"listing of {key}",
+                                     lambda: [o for o in self.backend.list(key) if o.key == key])
+        return found[0].size if found else None
+
     async def manifest(self, step_path: str) -> bytes | None:
         key = f"{step_path}/{MANIFEST_KEY}"
         try:

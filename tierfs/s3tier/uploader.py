@@ -4,12 +4,17 @@ and `--keep-persist` retires old ones there.
 One step at a time, its files in parallel (each file itself a parallel multipart upload), read
 from the RAM store's immutable committed objects so that nothing can change under an upload.
 Order keeps "whole step or none" in the store: the old manifest object is deleted first, then the
-files are replaced, then the new manifest is written last. Temporary failures retry without limit
-for as long as the step is still the current version; the step stays in RAM meanwhile.
+files are replaced, then the new manifest is written last, and objects of the old version that
+the new one does not name go. Temporary failures retry without limit for as long as the step is
+still the current version; the step stays in RAM meanwhile.
+
+A deleted step is removed the same way round (`delete_step`: manifest first, then data), never
+at the same time as an upload of the same path, so that a late upload cannot bring it back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -17,7 +22,7 @@ from collections.abc import Callable
 import trio
 
 from tierfs import manifest as mf
-from tierfs.s3tier.backend import MANIFEST_KEY, Backend, BackendError
+from tierfs.s3tier.backend import MANIFEST_KEY, Backend, BackendError, NotFound
 from tierfs.s3tier.retry import NoLongerWanted, retry
 from tierfs.step_queue import StepQueue
 
@@ -49,6 +54,10 @@ class Uploader:
         self._on_retired = on_retired
         self.queue = StepQueue()
         self._threads = trio.CapacityLimiter(PARALLEL_FILES)
+        self._path_locks: dict[str, trio.Lock] = {}  # an upload and a delete of one path
+
+    def _lock(self, path: str) -> trio.Lock:
+        return self._path_locks.setdefault(path, trio.Lock())
 
     def wanted(self, manifest: mf.StepManifest) -> bool:
         return manifest.step % self.persist_every == 0
@@ -63,7 +72,8 @@ class Uploader:
 
     async def _upload_or_log(self, manifest: mf.StepManifest) -> None:
         try:
-            await self._upload(manifest)
+            async with self._lock(manifest.path):
+                await self._upload(manifest)
         except* Exception as failures:  # files go up in parallel: errors come grouped
             self._log_failure(manifest, failures)
 
@@ -107,8 +117,12 @@ class Uploader:
         async with trio.open_nursery() as nursery:
             for entry in manifest.files:
                 nursery.start_soon(upload_file, entry)
+        if not self._is_current(manifest):  # deleted or re-saved meanwhile: never list it
+            raise NoLongerWanted(prefix)
         await self._call(f"upload of {prefix}/{MANIFEST_KEY}", manifest,
                          self.backend.put_bytes, f"{prefix}/{MANIFEST_KEY}", mf.encode(manifest))
+        await self._call(f"removing old files of {prefix}", manifest, self._remove_stale,
+                         manifest)
         seconds = time.monotonic() - started
         log.info("persisted %s v%d to %s: %d files, %d bytes in %.2f s (%.1f MB/s)", prefix,
                  manifest.version, self.backend.url, len(manifest.files), manifest.total_bytes,
@@ -116,6 +130,37 @@ class Uploader:
         self._on_persisted(manifest)
         if self.keep_persist:
             await self._apply_retention(prefix.rpartition("/")[0])
+
+    def _remove_stale(self, manifest: mf.StepManifest) -> None:
+        """Objects under the step that its new version does not name (a re-save with other
+        file names) take space for nothing: they go (blocking)."""
+        prefix = f"{manifest.path}/"
+        names = {entry.name for entry in manifest.files} | {MANIFEST_KEY}
+        stale = [o.key for o in self.backend.list(prefix) if o.key[len(prefix):] not in names]
+        if stale:
+            self.backend.delete(stale)
+
+    async def delete_step(self, path: str, committed_ns: int) -> None:
+        """Remove a deleted step from the store: its manifest first, so it is never seen half
+        gone, then its data. A version committed after the delete (saved again) stays.
+        Raises BackendError while the store cannot do it."""
+        key = f"{path}/{MANIFEST_KEY}"
+        async with self._lock(path):
+            try:
+                stored = await trio.to_thread.run_sync(self.backend.get_bytes, key)
+            except NotFound:
+                stored = None
+            if stored is not None:
+                with contextlib.suppress(mf.ManifestError):
+                    if mf.decode(stored).committed_ns > committed_ns:
+                        log.info("%s in %s was saved again after its delete: kept", path,
+                                 self.backend.url)
+                        return
+                await trio.to_thread.run_sync(self.backend.delete, [key])
+            objects = await trio.to_thread.run_sync(lambda: list(self.backend.list(f"{path}/")))
+            await trio.to_thread.run_sync(self.backend.delete, [o.key for o in objects])
+        log.info("deleted %s from %s (%d objects, %d bytes)", path, self.backend.url,
+                 len(objects), sum(o.size for o in objects))
 
     async def _apply_retention(self, run_dir: str) -> None:
         """Delete all but the newest `keep_persist` steps of `run_dir` from the store."""

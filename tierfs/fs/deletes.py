@@ -1,0 +1,185 @@
+"""Deletes that stick: a committed step removed under the mount leaves every tier.
+
+A delete is first recorded durably in the RAM dir (`deleted/<xxh3-64 of the path>.json`): a
+*tombstone* with the step's path, the version and commit time of what was deleted, and the tiers
+still to clean (`persist`, `peer:<id>`). A worker cleans them in the background (the persistent
+tier: manifest first, then data; a peer: it drops its copy and records the tombstone itself),
+retrying with backoff until each is done; a restart picks the records up again.
+
+A tombstone *covers* every version of its path committed no later than the one deleted (by
+`committed_ns`): such a version, found in the persistent tier at start or offered by a peer's
+gossip or replication, is never listed again, and the tier that offered it is cleaned once
+more. A step saved again at that path after the delete is a new commit and is not covered.
+Tombstones stay once their work is done, so that a node back from a long absence cannot bring
+the step back either; they are a few hundred bytes each.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+import xxhash
+
+from tierfs import manifest as mf
+
+log = logging.getLogger(__name__)
+
+DELETES_DIR = "deleted"
+PERSIST = "persist"
+PEER_PREFIX = "peer:"
+FIRST_RETRY = 1.0
+MAX_RETRY = 30.0
+
+Cleaner = Callable[["Tombstone", str], Awaitable[None]]
+
+
+@dataclass
+class Tombstone:
+    """A deleted step: every version of `path` committed at or before `committed_ns`."""
+
+    path: str
+    version: int
+    committed_ns: int
+    pending: set[str] = field(default_factory=set)  # tiers still to clean
+
+    def covers(self, manifest: mf.StepManifest) -> bool:
+        return manifest.path == self.path and manifest.committed_ns <= self.committed_ns
+
+    def encode(self) -> bytes:
+        return json.dumps({"path": self.path, "version": self.version,
+                           "committed_ns": self.committed_ns,
+                           "pending": sorted(self.pending)}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Tombstone:
+        raw = json.loads(data)
+        return cls(mf.check_relative_path(raw["path"]), int(raw["version"]),
+                   int(raw["committed_ns"]), {str(t) for t in raw["pending"]})
+
+
+class Deletes:
+    """The tombstones of one RAM dir, on disk and in memory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        # What a delete made on this node must clean (set by the daemon's wiring).
+        self.targets: list[str] = []
+        self.changed = trio.Event()
+        self._tombs: dict[str, Tombstone] = {}
+        directory.mkdir(mode=0o700, exist_ok=True)
+        for entry in os.scandir(directory):
+            if not entry.name.endswith(".json"):
+                continue  # a temporary file of an interrupted write
+            try:
+                with open(entry.path, "rb") as f:
+                    tomb = Tombstone.decode(f.read())
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.error("unreadable delete record %s ignored: %s", entry.path, exc)
+                continue
+            self._tombs[tomb.path] = tomb
+
+    def covers(self, manifest: mf.StepManifest) -> bool:
+        tomb = self._tombs.get(manifest.path)
+        return tomb is not None and tomb.covers(manifest)
+
+    def record(self, path: str, version: int, committed_ns: int,
+               targets: list[str] | None = None) -> None:
+        """A committed step at `path` was deleted: remember it (on disk before this returns)
+        and have `targets` (by default every tier this node knows) cleaned."""
+        tomb = self._tombs.get(path)
+        if tomb is None:
+            tomb = self._tombs[path] = Tombstone(path, version, committed_ns)
+        elif committed_ns > tomb.committed_ns:
+            tomb.version, tomb.committed_ns = version, committed_ns
+        tomb.pending |= set(self.targets if targets is None else targets)
+        self._save(tomb)
+        log.info("deleted %s v%d; removing it from %s", path, version,
+                 ", ".join(sorted(tomb.pending)) or "this node only")
+
+    def remind(self, manifest: mf.StepManifest, tiers: list[str]) -> None:
+        """A tier offers a deleted version again (a peer back from an absence, an upload that
+        landed late): clean it there once more."""
+        tomb = self._tombs.get(manifest.path)
+        if tomb is None or not tomb.covers(manifest) or set(tiers) <= tomb.pending:
+            return
+        tomb.pending |= set(tiers)
+        self._save(tomb)
+        log.info("%s v%d was deleted here, but %s still holds it: removing it there",
+                 manifest.path, manifest.version, ", ".join(sorted(tiers)))
+
+    def done(self, tomb: Tombstone, target: str) -> None:
+        if target in tomb.pending:
+            tomb.pending.discard(target)
+            self._save(tomb, quiet=True)
+
+    def pending(self) -> list[Tombstone]:
+        return [t for t in self._tombs.values() if t.pending]
+
+    def status(self) -> dict[str, int]:
+        return {"recorded": len(self._tombs), "pending": len(self.pending())}
+
+    def _save(self, tomb: Tombstone, quiet: bool = False) -> None:
+        name = xxhash.xxh3_64_hexdigest(tomb.path.encode())
+        path = self.directory / f"{name}.json"
+        tmp = self.directory / f"{name}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(tomb.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+        if not quiet:
+            self.changed.set()
+            self.changed = trio.Event()
+
+
+class DeleteWorker:
+    """Cleans the tiers that tombstones name, until none is left; `cleaners` maps a target's
+    kind (`persist`, `peer`) to what removes a step there (raises while it cannot)."""
+
+    def __init__(self, deletes: Deletes, cleaners: dict[str, Cleaner]) -> None:
+        self.deletes = deletes
+        self.cleaners = cleaners
+
+    async def run(self) -> None:
+        delay = FIRST_RETRY
+        while True:
+            changed = self.deletes.changed
+            left = await self._clean_all()
+            if not left:
+                delay = FIRST_RETRY
+                await changed.wait()
+                continue
+            with trio.move_on_after(delay):
+                await changed.wait()
+            delay = min(MAX_RETRY, delay * 2)
+
+    async def _clean_all(self) -> bool:
+        """One pass over every pending tier of every tombstone; whether work is left."""
+        left = False
+        for tomb in self.deletes.pending():
+            for target in sorted(tomb.pending):
+                kind, _, where = target.partition(":")
+                cleaner = self.cleaners.get(kind)
+                if cleaner is None:
+                    left = True  # e.g. mounted without --persist now: kept for a later mount
+                    continue
+                try:
+                    await cleaner(tomb, where)
+                except Exception as exc:  # unreachable, refused: tried again later
+                    log.info("removing deleted %s from %s failed, will retry: %s", tomb.path,
+                             target, exc or type(exc).__name__)
+                    left = True
+                    continue
+                self.deletes.done(tomb, target)
+                log.info("deleted %s is gone from %s", tomb.path, target)
+        return left
+
+
+def peer_target(node_id: str) -> str:
+    return PEER_PREFIX + node_id

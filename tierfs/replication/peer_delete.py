@@ -1,0 +1,40 @@
+"""Deletes across the cluster: telling a peer that a committed step was deleted (it drops its
+copy, if not newer, and remembers the delete so that gossip never brings the step back), and
+answering such requests. The durable record and the retries are `fs.deletes`'."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from tierfs.fs.deletes import Tombstone
+from tierfs.replication import protocol as proto
+from tierfs.replication.channel import PeerChannel
+from tierfs.replication.membership import Membership
+
+# (path, version, committed_ns, sender): drop what is covered and remember the delete.
+ApplyDelete = Callable[[str, int, int, str], None]
+
+
+class PeerDelete:
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+
+    async def delete(self, tomb: Tombstone, node_id: str) -> None:
+        """Have `node_id` drop the deleted step; raises while it cannot be reached."""
+        if node_id not in self.membership.ids:
+            return  # no longer a member of the cluster: nothing to clean there
+        channel = await self.membership.connect(node_id)
+        try:
+            await channel.request("DELETE", path=tomb.path, version=tomb.version,
+                                  committed_ns=tomb.committed_ns)
+        finally:
+            await channel.aclose()
+
+
+def delete_handler(apply: ApplyDelete) -> Callable[[proto.Message, PeerChannel],
+                                                  Awaitable[None]]:
+    async def on_delete(message: proto.Message, channel: PeerChannel) -> None:
+        apply(message["path"], message["version"], message["committed_ns"], channel.peer_id)
+        await channel.send("OK")
+
+    return on_delete
