@@ -34,7 +34,7 @@ class Recovery:
 
     def _write_file_atomically(self, path: bytes, data: bytes) -> None:
         tmp = path + b".tmp"
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -200,7 +200,7 @@ class Recovery:
             current = os.path.join(current, part)
             if os.path.lexists(current) and not os.path.isdir(current):
                 os.unlink(current)
-            os.makedirs(current, exist_ok=True)
+            os.makedirs(current, 0o755, exist_ok=True)
         target = os.path.join(current, name)
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)
