@@ -27,6 +27,18 @@ def last_line_error(done: subprocess.CompletedProcess[str], text: str) -> None:
     assert "Traceback" not in done.stderr
 
 
+def refused_mount(mounts: MountFactory, mountpoint: Path, *extra: str,
+                  ) -> subprocess.CompletedProcess[str]:
+    """`tierfs mount` that should fail; if it mounts after all, it is torn down with the rest."""
+    ram_dir = mounts.new_ram_dir()
+    done = tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir), *extra, check=False)
+    if done.returncode == 0:
+        made = Mount(Path(os.path.realpath(mountpoint)), ram_dir, ram_dir / "tierfs.log")
+        mounts.mounts.append(made)
+        made.pid = made.status()["pid"]
+    return done
+
+
 def test_stopped_daemon_status_and_umount_answer_at_once(mnt: Mount) -> None:
     os.kill(mnt.pid, signal.SIGSTOP)
     try:
@@ -72,8 +84,7 @@ def test_mountpoint_must_be_empty_unless_allowed(mounts: MountFactory, tmp_path:
     mountpoint = tmp_path / "full"
     mountpoint.mkdir()
     (mountpoint / "data.txt").write_text("hidden by a mount")
-    ram = mounts.new_ram_dir()
-    done = tierfs("mount", str(mountpoint), "--ram-dir", str(ram), check=False)
+    done = refused_mount(mounts, mountpoint)
     last_line_error(done, f"mountpoint {mountpoint} is not empty")
     assert "--allow-non-empty" in done.stderr and not is_mounted(mountpoint)
     mnt = mounts.mount("--allow-non-empty", mountpoint=mountpoint)
@@ -85,7 +96,7 @@ def test_mount_through_a_symlink_to_a_mount_is_refused(mounts: MountFactory,
     mnt = mounts.mount()
     link = tmp_path / "link"
     link.symlink_to(mnt.mountpoint)
-    done = tierfs("mount", str(link), "--ram-dir", str(mounts.new_ram_dir()), check=False)
+    done = refused_mount(mounts, link)
     last_line_error(done, f"mountpoint {mnt.mountpoint} is busy: tierfs is already mounted "
                           f"there (daemon pid {mnt.pid}")
     assert sum(e.mountpoint == str(mnt.mountpoint) for e in mount_table()) == 1
@@ -102,9 +113,8 @@ def test_peer_port_in_use_or_unknown_host_is_one_line(mounts: MountFactory,
         for me, reason in ((f"127.0.0.1:{port}", "Address already in use"),
                            ("no-such-host.invalid:7070", "cannot listen for peers on "
                                                          "no-such-host.invalid:7070")):
-            done = tierfs("mount", str(mountpoint), "--ram-dir", str(mounts.new_ram_dir()),
-                          "--node-id", "a", "--peers", f"a={me},b=127.0.0.1:9", "--insecure",
-                          check=False)
+            done = refused_mount(mounts, mountpoint, "--node-id", "a", "--peers",
+                                 f"a={me},b=127.0.0.1:9", "--insecure")
             last_line_error(done, reason)
             assert "nursery" not in done.stderr
             assert not is_mounted(mountpoint)
