@@ -39,7 +39,8 @@ def refused_mount(mounts: MountFactory, mountpoint: Path, *extra: str,
     return done
 
 
-def test_stopped_daemon_status_and_umount_answer_at_once(mnt: Mount) -> None:
+def test_stopped_daemon_status_mount_and_umount_answer_at_once(mounts: MountFactory) -> None:
+    mnt = mounts.mount()
     os.kill(mnt.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
@@ -47,6 +48,11 @@ def test_stopped_daemon_status_and_umount_answer_at_once(mnt: Mount) -> None:
         assert_one_line_error(done, f"its daemon (pid {mnt.pid}) is stopped: "
                                     f"`kill -CONT {mnt.pid}` resumes it")
         assert time.monotonic() - started < 8
+        started = time.monotonic()
+        done = refused_mount(mounts, mnt.mountpoint)
+        last_line_error(done, f"mountpoint {mnt.mountpoint} is busy: the fuse.tierfs mount there "
+                              f"does not answer (its daemon (pid {mnt.pid}) is stopped")
+        assert time.monotonic() - started < 10
         started = time.monotonic()
         done = tierfs("umount", str(mnt.mountpoint), check=False, timeout=30)
         assert_one_line_error(done, f"unmounted {mnt.mountpoint}, but its daemon (pid "

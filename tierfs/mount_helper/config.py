@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tierfs.fs.nodes import DEFAULT_STEP_PATTERN
+from tierfs.mount_helper.mounts import real_path
 
 
 class ConfigError(Exception):
@@ -259,7 +260,7 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         raise ConfigError("--ram-limit must be positive")
     return MountConfig(
         # The real path: a symlink to a mounted directory must be seen as that mount.
-        mountpoint=Path(os.path.realpath(mountpoint)),
+        mountpoint=Path(real_path(mountpoint)),
         foreground=bool(values["foreground"]),
         ram_dir=ram_dir,
         ram_limit=limit,

@@ -55,6 +55,13 @@ def is_mounted(path: str | os.PathLike[str]) -> bool:
     return mount_at(path) is not None
 
 
+def real_path(path: str | os.PathLike[str]) -> str:
+    """os.path.realpath, except for a mount point (never a symbolic link itself): that is not
+    touched, since a stat of a mount whose daemon is stopped blocks until it resumes."""
+    target = os.path.abspath(path)
+    return target if is_mounted(target) else os.path.realpath(target)
+
+
 def enclosing_mount(path: str | os.PathLike[str]) -> MountEntry | None:
     """The mount holding `path` (the longest mount point that contains it), without stat."""
     target = os.path.abspath(path)
