@@ -187,8 +187,11 @@ def _first_leaf(exc: BaseException, kind: type[BaseException]) -> BaseException 
 def setup_logging(cfg: MountConfig, to_stderr: bool) -> None:
     if not to_stderr:
         # A detached daemon writes everything, tracebacks of last resort included, to its log.
-        cfg.log_file.parent.mkdir(parents=True, exist_ok=True)
-        log_fd = os.open(cfg.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            cfg.log_file.parent.mkdir(parents=True, exist_ok=True)
+            log_fd = os.open(cfg.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as exc:
+            raise StartupError(f"cannot write log file {cfg.log_file}: {exc.strerror}") from None
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
@@ -202,7 +205,6 @@ def setup_logging(cfg: MountConfig, to_stderr: bool) -> None:
 def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
     """Mount and serve until unmounted or signalled. Returns the process exit status."""
     ready = ReadyPipe(ready_fd)
-    os.umask(0)  # modes come from the callers' requests, already masked by the kernel
     try:
         warnings = preflight(cfg)
         setup_logging(cfg, to_stderr=cfg.foreground)
@@ -214,6 +216,9 @@ def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
     except (StartupError, RamDirBusy) as exc:
         ready.fail(str(exc))
         return 1
+    # From here on, modes of files under the mount come from the callers' requests, already
+    # masked by the kernel with their umask; what tierfs makes for itself has explicit modes.
+    os.umask(0)
     try:
         trio.run(_serve, cfg, store, ready)
     except Exception as exc:
