@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tierfs.mount_helper.seaweed import SeaweedS3
-from tierfs.s3tier.backend import Backend, BackendError, NotFound, open_backend
+from tierfs.s3tier.backend import Backend, BackendError, FileBackend, NotFound, open_backend
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -49,6 +49,14 @@ def test_put_get_list_delete(backend: Backend, tmp_path: Path) -> None:
         backend.get_bytes("run/step_1/big.bin")
 
 
+def test_names_up_to_name_max(backend: Backend) -> None:
+    """A file under the mount may have a 255-byte name; storing it must not need a longer one."""
+    key = "run/step_1/" + "n" * 255
+    backend.put_bytes(key, b"long")
+    assert backend.get_bytes(key) == b"long"
+    assert [o.key for o in backend.list("run/")] == [key]
+
+
 def test_missing_file_source_is_not_retried(backend: Backend, tmp_path: Path) -> None:
     with pytest.raises(BackendError) as info:
         backend.put_file("k", tmp_path / "does-not-exist")
@@ -76,3 +84,41 @@ def test_urls_are_checked() -> None:
     for url in ("ftp://x/y", "file://relative/path", "s3://ab"):
         with pytest.raises(ValueError):
             open_backend(url)
+
+
+def test_file_store_is_writable_by_its_owner_only(tmp_path: Path) -> None:
+    old = os.umask(0)  # as in the daemon
+    try:
+        backend = open_backend(f"file://{tmp_path}")
+        backend.check()
+        backend.put_bytes("run/step_1/sub/.tierfs-manifest", b"m")
+        source = tmp_path / "src"
+        source.write_bytes(b"data")
+        backend.put_file("run/step_1/shard", source)
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777
+             for p in tmp_path.rglob("*") if p.name != "src"}
+    assert modes == {".tierfs-store": 0o644, "run": 0o755, "run/step_1": 0o755,
+                     "run/step_1/sub": 0o755, "run/step_1/sub/.tierfs-manifest": 0o644,
+                     "run/step_1/shard": 0o644}
+
+
+def test_file_store_root_must_be_empty_or_a_store(tmp_path: Path) -> None:
+    for root in ("/", "/usr"):
+        with pytest.raises(BackendError, match="is not empty and is not a tierfs store"):
+            open_backend(f"file://{root}").check()
+    home = tmp_path / "home"
+    (home / "projects/step_1").mkdir(parents=True)
+    (home / "projects/step_1/notes.txt").write_text("a user's file")
+    with pytest.raises(BackendError, match="is not empty") as info:
+        open_backend(f"file://{home}").check()
+    assert not info.value.temporary
+    assert not (home / FileBackend.STORE_MARK).exists()
+    older = tmp_path / "older"  # a store written before stores were marked
+    (older / "run/step_1").mkdir(parents=True)
+    (older / "run/step_1/.tierfs-manifest").write_bytes(b"m")
+    open_backend(f"file://{older}").check()
+    assert (older / FileBackend.STORE_MARK).exists()
+    assert [o.key for o in open_backend(f"file://{older}").list()] == [
+        "run/step_1/.tierfs-manifest"]

@@ -92,3 +92,13 @@ def test_environment_variables_configure_the_mount(mounts: MountFactory, tmp_pat
     status = mnt.status()
     mnt.pid = status["pid"]
     assert status["node_id"] == "envnode" and status["ram"]["limit_bytes"] == 32 << 20
+
+
+def test_config_file_mistakes_are_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_bytes(b"\x00\xff binary")
+    assert_one_line_error(tierfs("mount", str(tmp_path), "--config", str(config), check=False),
+                          "is not valid TOML")
+    config.write_text('foreground = "no"\n')
+    assert_one_line_error(tierfs("mount", str(tmp_path), "--config", str(config), check=False),
+                          "foreground must be true or false")

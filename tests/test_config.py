@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tierfs.mount_helper.config import ConfigError, parse_size, resolve
@@ -53,3 +55,38 @@ def test_bad_config_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
         resolve("/mnt", {}, {}, str(config))
     with pytest.raises(ConfigError, match="cannot read config file"):
         resolve("/mnt", {}, {}, str(tmp_path / "missing.toml"))
+
+
+@pytest.mark.parametrize("toml, message", [
+    ('insecure = "false"', "insecure must be true or false (without quotes), not \"false\""),
+    ('foreground = "no"', "foreground must be true or false"),
+    ("ram-dir = 5", "ram-dir must be a path in quotes, not 5"),
+    ("keep-ram = true", "keep-ram must be a whole number"),
+    ("keep-ram = 2.5", "keep-ram must be a whole number"),
+    ('ram-limit = ["1G"]', "ram-limit must be a size"),
+    ("node-id = 7", "node-id must be a string in quotes"),
+])
+def test_config_file_values_of_the_wrong_type(tmp_path, toml: str, message: str) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "c.toml"
+    config.write_text(toml + "\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve("/mnt", {}, {}, str(config))
+
+
+def test_config_file_types_that_are_right(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "c.toml"
+    config.write_text('foreground = false\ninsecure = true\nram-limit = 1048576\n'
+                      'ram-dir = "/dev/shm/x"\nkeep-ram = 2\n')
+    cfg = resolve("/mnt", {}, {}, str(config))
+    assert (cfg.foreground, cfg.ram_limit, str(cfg.ram_dir), cfg.keep_ram) == \
+        (False, 1 << 20, "/dev/shm/x", 2)
+
+
+def test_binary_config_file_and_unknown_flag_words(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "c.toml"
+    config.write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        resolve("/mnt", {}, {}, str(config))
+    with pytest.raises(ConfigError, match="TIERFS_FOREGROUND='maybe'"):
+        resolve("/mnt", {}, {"TIERFS_FOREGROUND": "maybe"}, None)
+    assert not resolve("/mnt", {}, {"TIERFS_FOREGROUND": "off"}, None).foreground

@@ -86,10 +86,12 @@ def _libc() -> ctypes.CDLL:
 class PassthroughDevice:
     """The daemon's /dev/fuse, mounted at `mountpoint`, relayed to libfuse with passthrough."""
 
-    def __init__(self, mountpoint: str, mount_options: list[str]) -> None:
+    def __init__(self, mountpoint: str, mount_options: list[str],
+                 source: str = "tierfs") -> None:
         if os.geteuid() != 0:
             raise PassthroughUnavailable("registering backing files needs root")
         self.mountpoint = mountpoint
+        self.source = source  # what /proc/self/mountinfo and df show as the mount's source
         self.enabled = False  # the kernel accepted passthrough in INIT
         self._offers: dict[int, int] = {}  # fh -> backing id, until the file is released
         self._backing: dict[int, Backing] = {}  # FUSE inode -> its registered backing file
@@ -126,7 +128,7 @@ class PassthroughDevice:
         data = ",".join([f"fd={self.dev_fd}", f"rootmode={st.st_mode & 0o170000:o}",
                          f"user_id={os.getuid()}", f"group_id={os.getgid()}", *options])
         libc = _libc()
-        if libc.mount(b"tierfs", os.fsencode(self.mountpoint), b"fuse.tierfs",
+        if libc.mount(os.fsencode(self.source), os.fsencode(self.mountpoint), b"fuse.tierfs",
                       MS_NOSUID | MS_NODEV, data.encode()) != 0:
             err = ctypes.get_errno()
             raise PassthroughUnavailable(f"mount(2) failed: {os.strerror(err)}")

@@ -76,10 +76,13 @@ class RamStore:
 
     def acquire(self) -> None:
         """Create the layout (private to its owner) and take the lock, or raise RamDirBusy."""
+        # Explicit modes: the daemon's umask is 0. tree/ is the mount's root (0755 by default,
+        # a later chmod of the root stays); objects/ is tierfs's own.
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
-        self.tree.mkdir(exist_ok=True)
-        self.objects.mkdir(exist_ok=True)
+        self.tree.mkdir(mode=0o755, exist_ok=True)
+        self.objects.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.objects, 0o700)
         fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

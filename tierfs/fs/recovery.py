@@ -65,7 +65,8 @@ class Recovery:
         behind when that fails (a full RAM dir)."""
         tmp = path + b".tmp"
         try:
-            with open(self._reach(tmp), "wb") as f:
+            with open(os.open(self._reach(tmp), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+                      "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
@@ -239,7 +240,7 @@ class Recovery:
             reached = self._reach(current)
             if os.path.lexists(reached) and not os.path.isdir(reached):
                 os.unlink(reached)
-            os.makedirs(reached, exist_ok=True)
+            os.makedirs(reached, 0o755, exist_ok=True)
         target = self._reach(os.path.join(current, name))
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)

@@ -367,7 +367,7 @@ class Residency:
         for part in map(os.fsencode, dirs):
             child = parent.children.get(part)
             if child is None:
-                os.makedirs(os.path.join(self.backing(parent), part), exist_ok=True)
+                os.makedirs(os.path.join(self.backing(parent), part), 0o755, exist_ok=True)
                 child = self._attach(parent, part, stat.S_IFDIR)
             parent = child
         return parent, os.fsencode(name)

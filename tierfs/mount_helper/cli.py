@@ -17,7 +17,13 @@ from typing import Any
 
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MOUNT_OPTIONS, ConfigError, resolve
-from tierfs.mount_helper.mounts import is_mounted
+from tierfs.mount_helper.mounts import (
+    DaemonState,
+    daemon_state,
+    mount_at,
+    process_state,
+    ram_dir_of,
+)
 
 READY_TIMEOUT = 120.0
 
@@ -113,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        status = _run(argv)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is seen below
+        return status
+    except BrokenPipeError:
+        # The reader went away (`tierfs status | head`): what it did not read is not wanted.
+        # Like any tool killed by SIGPIPE, exit 128 + 13, and no traceback at exit either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "mount":
@@ -193,33 +211,52 @@ def _start_daemon(argv: list[str]) -> int:
 
 
 def _umount(mountpoint: str) -> int:
+    """Unmount, then wait for the daemon to exit. The daemon is found from /proc (the mount's
+    source names its RAM dir), so a stopped or dead daemon cannot hang this."""
     path = os.path.abspath(mountpoint)
-    if not is_mounted(path):
+    entry = mount_at(path)
+    if entry is None:
         raise UserError(f"{mountpoint} is not mounted")
-    pid = None
-    try:
-        socket_path, _root, _rel = control.locate(path)
-        pid = control.request(socket_path, {"cmd": "status"}, timeout=10)["status"]["pid"]
-    except control.ControlError:
-        pass  # not answering: unmount anyway, the daemon is beyond our reach
+    ram_dir = ram_dir_of(entry)
+    daemon = daemon_state(ram_dir) if ram_dir is not None else _ask_pid(path)
     done = subprocess.run(["fusermount3", "-u", path], capture_output=True, text=True)
     if done.returncode != 0:
         reason = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"
         raise UserError(f"cannot unmount {mountpoint}: {reason}")
-    if pid is not None and not _wait_for_exit(pid, 60):
-        raise UserError(f"unmounted {mountpoint}, but daemon pid {pid} is still running")
+    if daemon.state == "gone":
+        print(f"tierfs: removed the dead mount {mountpoint} (its daemon was gone)",
+              file=sys.stderr)
+    if daemon.pid is None:
+        return 0
+    outcome = _wait_for_exit(daemon.pid, 60)
+    if outcome == "stopped":
+        raise UserError(f"unmounted {mountpoint}, but its daemon (pid {daemon.pid}) is stopped "
+                        f"and exits only once resumed: `kill -CONT {daemon.pid}`")
+    if outcome != "gone":
+        raise UserError(f"unmounted {mountpoint}, but daemon pid {daemon.pid} is still running")
     return 0
 
 
-def _wait_for_exit(pid: int, timeout: float) -> bool:
+def _ask_pid(path: str) -> DaemonState:
+    """The daemon's pid from the daemon itself (a mount whose source does not name its RAM
+    dir); a daemon that does not answer is beyond our reach and is not waited for."""
+    try:
+        socket_path, _root, _rel = control.locate(path)
+        pid = control.request(socket_path, {"cmd": "status"})["status"]["pid"]
+    except control.ControlError:
+        return DaemonState(None, "unknown")
+    return DaemonState(pid, "running")
+
+
+def _wait_for_exit(pid: int, timeout: float) -> str:
+    """"gone", "stopped" (it cannot exit before it is resumed) or "running" (timed out)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
+        state = process_state(pid)
+        if state != "running":
+            return state
         time.sleep(0.05)
-    return False
+    return "running"
 
 
 def _status(mountpoint: str, as_json: bool) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tierfs.fs.nodes import DEFAULT_STEP_PATTERN
+from tierfs.mount_helper.mounts import real_path
 
 
 class ConfigError(Exception):
@@ -63,7 +64,19 @@ MOUNT_OPTIONS = [
            "flag"),
     Option("log-file", None, "log destination when daemonised (default <ram-dir>/tierfs.log)",
            "path", "FILE"),
+    Option("allow-non-empty", False, "mount even if MOUNTPOINT is not empty (its content stays "
+           "hidden while tierfs is mounted)", "flag"),
 ]
+
+# What a TOML value of each kind must be, and how to say so.
+_TOML_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "flag": ((bool,), "true or false (without quotes)"),
+    "int": ((int,), "a whole number (without quotes)"),
+    "size": ((str, int), 'a size in quotes ("64G", "50%") or a number of bytes'),
+    "path": ((str,), "a path in quotes"),
+    "str": ((str,), "a string in quotes"),
+}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,7 @@ class MountConfig:
     step_pattern: str
     log_file: Path
     passthrough: bool = True
+    allow_non_empty: bool = False
 
     @property
     def control_socket(self) -> Path:
@@ -160,6 +174,9 @@ def resolve(mountpoint: str, cli: Mapping[str, Any], env: Mapping[str, str],
             raise ConfigError(f"cannot read config file {config_file}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {config_file} is not valid TOML: {exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {config_file} is not valid TOML: it is not UTF-8 "
+                              "text") from None
         known = {o.name for o in MOUNT_OPTIONS} | {o.name.replace("-", "_") for o in MOUNT_OPTIONS}
         unknown = sorted(set(file_values) - known)
         if unknown:
@@ -173,7 +190,8 @@ def resolve(mountpoint: str, cli: Mapping[str, Any], env: Mapping[str, str],
             if env_value is not None:
                 value = _from_env(option, env_value)
             elif option.name in file_values or key in file_values:
-                value = file_values.get(option.name, file_values.get(key))
+                value = _from_file(option, file_values.get(option.name, file_values.get(key)),
+                                   str(config_file))
             else:
                 value = option.default
         values[key] = value
@@ -181,9 +199,23 @@ def resolve(mountpoint: str, cli: Mapping[str, Any], env: Mapping[str, str],
 
 
 def _from_env(option: Option, text: str) -> Any:
-    if option.kind == "flag":
-        return text.strip().lower() in ("1", "true", "yes", "on")
-    return text
+    if option.kind != "flag":
+        return text
+    word = text.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise ConfigError(f"TIERFS_{option.name.replace('-', '_').upper()}={text!r}: use "
+                          "1, true, yes or on, or 0, false, no or off")
+    return word in _TRUE
+
+
+def _from_file(option: Option, value: Any, config_file: str) -> Any:
+    """A TOML value of the option's type (a quoted "false" is a string, not false)."""
+    types, expected = _TOML_KINDS[option.kind]
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        shown = f'"{value}"' if isinstance(value, str) else repr(value)
+        raise ConfigError(f"config file {config_file}: {option.name} must be {expected}, "
+                          f"not {shown}")
+    return value
 
 
 def _whole_number(values: dict[str, Any], key: str, minimum: int) -> int:
@@ -227,7 +259,8 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
     if limit <= 0:
         raise ConfigError("--ram-limit must be positive")
     return MountConfig(
-        mountpoint=Path(mountpoint).absolute(),
+        # The real path: a symlink to a mounted directory must be seen as that mount.
+        mountpoint=Path(real_path(mountpoint)),
         foreground=bool(values["foreground"]),
         ram_dir=ram_dir,
         ram_limit=limit,
@@ -243,4 +276,5 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         step_pattern=pattern,
         log_file=Path(values["log_file"] or ram_dir / "tierfs.log").absolute(),
         passthrough=not values["no_passthrough"],
+        allow_non_empty=bool(values["allow_non_empty"]),
     )

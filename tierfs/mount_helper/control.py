@@ -9,18 +9,31 @@ a path. Requests are `{"cmd": ..., ...}`; replies `{"ok": true, ...}` or
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import trio
 
+from tierfs.mount_helper.mounts import (
+    PATIENCE,
+    TIERFS_TYPE,
+    dead_mount_hint,
+    describe_daemon,
+    enclosing_mount,
+    ram_dir_of,
+    with_patience,
+)
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 1 << 20
+REQUEST_PATIENCE = 10.0  # seconds the command line waits for a reply to a quick request
 XATTR_CONTROL = "user.tierfs.control"
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -75,7 +88,7 @@ async def _read_message(stream: trio.SocketStream) -> dict[str, Any]:
 
 
 def request(socket_path: str, message: dict[str, Any],
-            timeout: float | None = 30) -> dict[str, Any]:
+            timeout: float | None = REQUEST_PATIENCE) -> dict[str, Any]:
     """Send one request to a daemon and return its reply (blocking, for the command line)."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -86,7 +99,8 @@ def request(socket_path: str, message: dict[str, Any],
             while chunk := sock.recv(65536):
                 data += chunk
     except TimeoutError:
-        raise ControlError("the tierfs daemon did not answer in time") from None
+        raise ControlError(f"the tierfs daemon did not answer in {timeout:g} s: "
+                           f"{describe_daemon(Path(socket_path).parent)}") from None
     except OSError as exc:
         raise ControlError(f"cannot reach the tierfs daemon at {socket_path}: "
                            f"{exc.strerror or exc}") from None
@@ -100,15 +114,40 @@ def request(socket_path: str, message: dict[str, Any],
 
 
 def locate(path: str) -> tuple[str, str, str]:
-    """(control socket, mount root, path relative to the root) for any path under a mount."""
-    real = os.path.realpath(path)
-    if not os.path.exists(real):
-        raise ControlError(f"{path}: no such file or directory")
+    """(control socket, mount root, path relative to the root) for any path under a mount.
+
+    Finding them touches the mount (stat, getxattr), which blocks while its daemon is stopped:
+    after PATIENCE seconds the mount table and the daemon's state say what is wrong instead."""
     try:
+        return with_patience(lambda: _locate(path))
+    except TimeoutError:
+        entry = enclosing_mount(path)
+        if entry is None or entry.fstype != TIERFS_TYPE:
+            raise ControlError(f"{path} does not answer (waited {PATIENCE:g} s)") from None
+        raise ControlError(f"the tierfs mount {entry.mountpoint} does not answer (waited "
+                           f"{PATIENCE:g} s): {describe_daemon(ram_dir_of(entry))}") from None
+
+
+def _locate(path: str) -> tuple[str, str, str]:
+    real = os.path.realpath(path)
+    try:
+        os.stat(real)
         socket_path = os.getxattr(real, XATTR_CONTROL).decode()
-    except OSError:
-        raise ControlError(f"{path} is not on a tierfs mount") from None
-    root = real
-    while not os.path.ismount(root):
-        root = os.path.dirname(root)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise ControlError(dead_mount_message(real)) from None
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP):
+            raise ControlError(f"{path} is not on a tierfs mount") from None
+        raise ControlError(f"{path}: {(exc.strerror or str(exc)).lower()}") from None
+    entry = enclosing_mount(real)
+    root = entry.mountpoint if entry is not None else "/"
     return socket_path, root, os.path.relpath(real, root)
+
+
+def dead_mount_message(path: str) -> str:
+    """One line for a path on a mount whose daemon died (ENOTCONN)."""
+    entry = enclosing_mount(path)
+    where = entry.mountpoint if entry is not None else path
+    ram_dir = ram_dir_of(entry) if entry is not None else None
+    return (f"the tierfs mount {where} is dead ({describe_daemon(ram_dir)}): "
+            f"{dead_mount_hint(where)}")

@@ -9,10 +9,13 @@ file system answers.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pyfuse3
@@ -28,7 +31,18 @@ from tierfs.fs.ram_store import RamDirBusy, RamFull, RamStore
 from tierfs.fs.verify import Verifier
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
-from tierfs.mount_helper.mounts import filesystem_type, is_mounted
+from tierfs.mount_helper.mounts import (
+    TIERFS_TYPE,
+    MountEntry,
+    daemon_state,
+    describe_daemon,
+    filesystem_type,
+    is_mounted,
+    mount_at,
+    mount_source,
+    ram_dir_of,
+    with_patience,
+)
 from tierfs.replication.cluster_commit import SealedFiles
 from tierfs.replication.gossip import Gossip
 from tierfs.replication.membership import Membership
@@ -85,12 +99,15 @@ class ReadyPipe:
 def preflight(cfg: MountConfig) -> list[str]:
     """Refuse what cannot work with one clear line; return warnings for what works badly."""
     mountpoint = cfg.mountpoint
+    warnings = _clear_dead_mounts(mountpoint)
     if not mountpoint.exists():
         raise StartupError(f"mountpoint {mountpoint} does not exist")
     if not mountpoint.is_dir():
         raise StartupError(f"mountpoint {mountpoint} is not a directory")
-    if is_mounted(mountpoint):
-        raise StartupError(f"mountpoint {mountpoint} is busy: something is already mounted there")
+    if not cfg.allow_non_empty and _has_entries(mountpoint):
+        raise StartupError(f"mountpoint {mountpoint} is not empty: tierfs would hide what is "
+                           "in it; empty it, choose another directory, or pass "
+                           "--allow-non-empty")
     if not os.path.exists("/dev/fuse"):
         raise StartupError("/dev/fuse is missing: load the fuse kernel module or give the "
                            "container the fuse device")
@@ -103,7 +120,6 @@ def preflight(cfg: MountConfig) -> list[str]:
         probe.unlink()
     except OSError as exc:
         raise StartupError(f"RAM dir {cfg.ram_dir} is not writable: {exc.strerror}") from None
-    warnings = []
     fstype = filesystem_type(cfg.ram_dir)
     if fstype != "tmpfs":
         warnings.append(f"RAM dir {cfg.ram_dir} is on {fstype}, not tmpfs: writes go to that "
@@ -111,11 +127,73 @@ def preflight(cfg: MountConfig) -> list[str]:
     return warnings
 
 
+def _clear_dead_mounts(mountpoint: Path) -> list[str]:
+    """Lazily unmount what a killed tierfs daemon left at `mountpoint` (every access to it
+    fails with ENOTCONN, so nothing can use it); refuse any live or foreign mount there."""
+    warnings = []
+    while (entry := mount_at(mountpoint)) is not None:
+        try:
+            # statfs always reaches the daemon; stat may be answered from the kernel's cache
+            with_patience(lambda: os.statvfs(mountpoint))
+        except TimeoutError:
+            raise StartupError(f"mountpoint {mountpoint} is busy: the {entry.fstype} mount "
+                               "there does not answer" + _daemon_clause(entry, False)) from None
+        except OSError as exc:
+            if exc.errno != errno.ENOTCONN:
+                raise StartupError(f"mountpoint {mountpoint}: {exc.strerror}") from None
+            if entry.fstype != TIERFS_TYPE:
+                raise StartupError(f"mountpoint {mountpoint} holds a dead {entry.fstype} mount: "
+                                   f"`fusermount3 -u -z {mountpoint}` removes it") from None
+            done = subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                raise StartupError(f"cannot remove the dead tierfs mount at {mountpoint}: "
+                                   f"{done.stderr.strip() or 'fusermount3 failed'}") from None
+            warnings.append(f"removed the dead tierfs mount at {mountpoint} (its daemon was "
+                            "gone)")
+            continue
+        what = "tierfs is" if entry.fstype == TIERFS_TYPE else f"{entry.fstype} is"
+        raise StartupError(f"mountpoint {mountpoint} is busy: {what} already mounted there"
+                           + _daemon_clause(entry, True))
+    return warnings
+
+
+def _daemon_clause(entry: MountEntry, answering: bool) -> str:
+    ram_dir = ram_dir_of(entry)
+    if ram_dir is None:
+        return ""
+    if answering:
+        pid = daemon_state(ram_dir).pid
+        return f" (daemon pid {pid}, RAM dir {ram_dir})" if pid is not None else ""
+    return f" ({describe_daemon(ram_dir)})"
+
+
+def _has_entries(directory: Path) -> bool:
+    try:
+        with os.scandir(directory) as entries:
+            return next(entries, None) is not None
+    except OSError as exc:
+        raise StartupError(f"cannot read mountpoint {directory}: {exc.strerror}") from None
+
+
+def _first_leaf(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first exception of `kind` inside `exc` and its nested exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            if (found := _first_leaf(inner, kind)) is not None:
+                return found
+        return None
+    return exc if isinstance(exc, kind) else None
+
+
 def setup_logging(cfg: MountConfig, to_stderr: bool) -> None:
     if not to_stderr:
         # A detached daemon writes everything, tracebacks of last resort included, to its log.
-        cfg.log_file.parent.mkdir(parents=True, exist_ok=True)
-        log_fd = os.open(cfg.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            cfg.log_file.parent.mkdir(parents=True, exist_ok=True)
+            log_fd = os.open(cfg.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as exc:
+            raise StartupError(f"cannot write log file {cfg.log_file}: {exc.strerror}") from None
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
@@ -129,7 +207,6 @@ def setup_logging(cfg: MountConfig, to_stderr: bool) -> None:
 def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
     """Mount and serve until unmounted or signalled. Returns the process exit status."""
     ready = ReadyPipe(ready_fd)
-    os.umask(0)  # modes come from the callers' requests, already masked by the kernel
     try:
         warnings = preflight(cfg)
         setup_logging(cfg, to_stderr=cfg.foreground)
@@ -141,15 +218,20 @@ def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
     except (StartupError, RamDirBusy) as exc:
         ready.fail(str(exc))
         return 1
+    # From here on, modes of files under the mount come from the callers' requests, already
+    # masked by the kernel with their umask; what tierfs makes for itself has explicit modes.
+    os.umask(0)
     try:
         trio.run(_serve, cfg, store, ready)
-    except StartupError as exc:
-        log.error("%s", exc)
-        ready.fail(str(exc))
-        return 1
     except Exception as exc:
-        log.exception("tierfs daemon failed")
-        ready.fail(f"daemon failed: {exc}")
+        # Trio's nurseries wrap what their tasks raise in exception groups: say the cause.
+        cause = _first_leaf(exc, StartupError) or _first_leaf(exc, Exception) or exc
+        if isinstance(cause, StartupError):
+            log.error("%s", cause)
+            ready.fail(str(cause))
+        else:
+            log.exception("tierfs daemon failed")
+            ready.fail(f"daemon failed: {type(cause).__name__}: {cause}")
         return 1
     finally:
         store.release()
@@ -173,9 +255,10 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         verifier.persist = PersistentReader(uploader.backend, trio.CapacityLimiter(8))
         namespace.read_sources.append(verifier.persist)
         await _adopt_stored_steps(namespace, uploader)
-    device = _open_passthrough(cfg)
+    source = mount_source(cfg.ram_dir)  # names the RAM dir: the command line finds us by it
+    device = _open_passthrough(cfg, source)
     operations = Operations(namespace, str(cfg.control_socket), device)
-    options = set(pyfuse3.default_options) | {"fsname=tierfs", "subtype=tierfs"}
+    options = set(pyfuse3.default_options) | {f"fsname={source}", "subtype=tierfs"}
     try:
         pyfuse3.init(operations, device.library_mountpoint if device else str(cfg.mountpoint),
                      options)
@@ -274,12 +357,12 @@ async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> None:
     namespace.enforce_keep_ram()
 
 
-def _open_passthrough(cfg: MountConfig) -> PassthroughDevice | None:
+def _open_passthrough(cfg: MountConfig, source: str) -> PassthroughDevice | None:
     """Mount /dev/fuse ourselves when FUSE passthrough can be had; None: pyfuse3 mounts."""
     if not cfg.passthrough:
         return None
     try:
-        return PassthroughDevice(str(cfg.mountpoint), sorted(pyfuse3.default_options))
+        return PassthroughDevice(str(cfg.mountpoint), sorted(pyfuse3.default_options), source)
     except PassthroughUnavailable as exc:
         log.info("FUSE passthrough unavailable (%s): file data goes through the daemon", exc)
         return None
@@ -369,8 +452,12 @@ class ClusterNode:
         server = PeerServer(self.cfg.node_id, self.cfg.token, self.membership.ids, handlers)
         try:
             await nursery.start(server.run, me.host, me.port)
-        except OSError as exc:
-            raise StartupError(f"cannot listen for peers on {me.addr}: {exc.strerror}") from None
+        except Exception as exc:  # an OSError, perhaps inside an exception group
+            error = _first_leaf(exc, OSError)
+            if error is None:
+                raise
+            raise StartupError(f"cannot listen for peers on {me.addr}: "
+                               f"{error.strerror or error}") from None
         log.info("node %s listening for peers on %s; cluster: %s", self.cfg.node_id, me.addr,
                  ", ".join(m.node_id for m in self.membership.peers))
         await self.gossip.pull_all()  # every step of the cluster is listed from the start

@@ -10,6 +10,8 @@ reset, timeouts, 5xx, SlowDown) or not (missing bucket, wrong credentials).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import shutil
 from abc import ABC, abstractmethod
@@ -84,13 +86,23 @@ def open_backend(url: str, endpoint: str | None = None) -> Backend:
 
 
 class FileBackend(Backend):
-    """A directory with the same layout as the bucket; writes are atomic (temp, fsync, rename)."""
+    """A directory with the same layout as the bucket; writes are atomic (temp, fsync, rename).
 
-    TMP_SUFFIX = ".tierfs-upload"
+    What it creates is never writable by group or others (directories 0755, files 0644, as in a
+    bucket only the owner writes; the daemon's umask is 0). The root must be empty or already a
+    store (marked by STORE_MARK), since the store's contents are listed and incomplete uploads
+    removed: `file:///` or a home directory is refused rather than walked and pruned."""
+
+    TMP_PREFIX = ".tierfs-upload-"  # short, whatever the length of the name it becomes
+    OLD_TMP_SUFFIX = ".tierfs-upload"  # `<name>.<pid>.tierfs-upload`, left by older versions
+    STORE_MARK = ".tierfs-store"
+    DIR_MODE, FILE_MODE = 0o755, 0o644
+    LEGACY_SCAN = 4, 2000  # depth and entries searched for the manifests of an older store
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.url = f"file://{root}"
+        self._unique = itertools.count()
 
     def _path(self, key: str) -> Path:
         if key.startswith("/") or ".." in key.split("/"):
@@ -103,18 +115,70 @@ class FileBackend(Backend):
                                temporary=False)
         if not os.access(self.root, os.W_OK):
             raise BackendError(f"{self.root} is not writable", temporary=False)
+        mark = self.root / self.STORE_MARK
+        if mark.exists():
+            return
+        if any(self.root.iterdir()) and not self._holds_manifests():
+            raise BackendError(f"{self.root} is not empty and is not a tierfs store: give an "
+                               "empty directory (tierfs lists and prunes what the store holds)",
+                               temporary=False)
+        try:
+            os.close(os.open(mark, os.O_WRONLY | os.O_CREAT, self.FILE_MODE))
+        except OSError as exc:
+            raise BackendError(f"{mark}: {exc.strerror}", temporary=False) from exc
+
+    def _holds_manifests(self) -> bool:
+        """Whether the root is a store made before STORE_MARK existed: a manifest near the top
+        (a bounded search, on the root's own file system)."""
+        max_depth, budget = self.LEGACY_SCAN
+        device = os.stat(self.root).st_dev
+        level = [str(self.root)]
+        for _depth in range(max_depth):
+            deeper = []
+            for directory in level:
+                try:
+                    with os.scandir(directory) as entries:
+                        for entry in entries:
+                            budget -= 1
+                            if entry.name == MANIFEST_KEY and entry.is_file(follow_symlinks=False):
+                                return True
+                            if entry.is_dir(follow_symlinks=False) and \
+                                    entry.stat(follow_symlinks=False).st_dev == device:
+                                deeper.append(entry.path)
+                            if budget <= 0:
+                                return False
+                except OSError:
+                    continue
+            level = deeper
+        return False
+
+    def _make_dirs(self, directory: Path) -> None:
+        """Create `directory` and its missing parents with DIR_MODE (os.makedirs would leave
+        the intermediate ones to the umask)."""
+        missing = []
+        while not directory.is_dir() and directory != self.root:
+            missing.append(directory)
+            directory = directory.parent
+        for path in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # made meanwhile by another upload
+                path.mkdir(self.DIR_MODE)
 
     def _write_atomically(self, key: str, writer) -> None:  # type: ignore[no-untyped-def]
         target = self._path(key)
+        tmp = None
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f"{target.name}.{os.getpid()}{self.TMP_SUFFIX}")
-            with open(tmp, "wb") as f:
+            self._make_dirs(target.parent)
+            tmp = target.parent / f"{self.TMP_PREFIX}{os.getpid()}-{next(self._unique)}"
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.FILE_MODE),
+                      "wb") as f:
                 writer(f)
                 f.flush()
                 os.fsync(f.fileno())
             os.rename(tmp, target)
         except OSError as exc:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             raise BackendError(f"{target}: {exc.strerror}", temporary=False) from exc
 
     def put_file(self, key: str, path: str | bytes | os.PathLike[str]) -> None:
@@ -142,7 +206,8 @@ class FileBackend(Backend):
         top = self._path(prefix.rpartition("/")[0]) if "/" in prefix else self.root
         for dirpath, _dirs, files in os.walk(top):
             for name in sorted(files):
-                if name.endswith(self.TMP_SUFFIX):
+                if name.startswith(self.TMP_PREFIX) or name.endswith(self.OLD_TMP_SUFFIX) or \
+                        (name == self.STORE_MARK and dirpath == str(self.root)):
                     continue
                 full = os.path.join(dirpath, name)
                 key = os.path.relpath(full, self.root).replace(os.sep, "/")
