@@ -32,10 +32,18 @@ def test_a_process_keeps_its_target_while_reading_and_for_a_grace_after() -> Non
     assert pins.resolve(me, 7, b"step_2", alive) == b"step_2"
 
 
+def test_a_process_that_only_looks_at_the_link_always_sees_the_newest_step() -> None:
+    pins = LatestPins(Clock())
+    me, committed = os.getpid(), {b"step_1", b"step_2"}
+    assert pins.resolve(me, 7, b"step_1", committed.__contains__) == b"step_1"
+    assert pins.resolve(me, 7, b"step_2", committed.__contains__) == b"step_2"
+
+
 def test_a_pinned_step_that_is_gone_gives_way_and_other_directories_are_apart() -> None:
     pins = LatestPins(Clock())
     me, committed = os.getpid(), {b"step_1"}
     assert pins.resolve(me, 7, b"step_1", committed.__contains__) == b"step_1"
+    assert pins.opened(me, 7, b"step_1") is not None
     assert pins.resolve(me, 8, b"step_9", committed.__contains__) == b"step_9"
     committed.clear()
     assert pins.resolve(me, 7, b"step_2", committed.__contains__) == b"step_2"

@@ -3,9 +3,10 @@
 `latest` names the newest committed step of its directory, and the kernel asks for its target
 at every path lookup through it. A load through `latest` opens `.metadata` and then each shard
 by path, so a commit landing mid-load would otherwise send the later opens to another step and
-mix two checkpoints. So a process keeps seeing the target it first resolved while it has files
-of that step open, and for `GRACE` seconds after its last lookup or close there; then it sees
-the newest step again. Other processes are not affected: each resolves on its own.
+mix two checkpoints. So a process that opened a file of the step `latest` named keeps seeing
+that step while it has files of it open, and for `GRACE` seconds after it last closed one; then
+it sees the newest step again. A process that only looks at the link (`readlink`, a monitor)
+always sees the newest step. Other processes are not affected: each resolves on its own.
 
 Processes are told apart by thread-group id: FUSE reports the thread, and a load's threads are
 one reader.
@@ -25,6 +26,7 @@ class Pin:
     target: bytes
     last_used: float
     open_files: int = 0
+    reading: bool = False  # the process opened a file of `target` (until the pin expires)
 
 
 class LatestPins:
@@ -41,11 +43,12 @@ class LatestPins:
         self._expire(now)
         key = (thread_group(pid), dir_ino)
         pin = self._pins.get(key)
-        if pin is not None and pin.target != newest and still_committed(pin.target):
-            pin.last_used = now
+        if (pin is not None and pin.reading and pin.target != newest
+                and still_committed(pin.target)):
             return pin.target
         if pin is not None and newest is not None:
-            pin.target, pin.last_used = newest, now  # the same object: open files point to it
+            # The same object: open files point to it.
+            pin.target, pin.last_used, pin.reading = newest, now, pin.open_files > 0
         elif newest is not None:
             self._pins[key] = Pin(newest, now)
         return newest
@@ -59,6 +62,7 @@ class LatestPins:
         if pin is None or pin.target != step_name:
             return None
         pin.open_files += 1
+        pin.reading = True
         return pin
 
     def closed(self, pin: Pin) -> None:

@@ -167,7 +167,7 @@ class Verifier:
                 if step_node is None or not self._current_version(step_node, version):
                     continue
                 entry = step_node.step.manifest.entry(name)
-                node = self._node_of(step_node, entry) if entry else None
+                node = self.ns._entry_node(step_node, entry.name) if entry else None
                 if node is not None and node.remote is not None:
                     await self._repair_quarantined(node, step_node.step.manifest, entry)
         finally:
@@ -205,7 +205,7 @@ class Verifier:
         step = step_node.step
         ram = TierReport("ram")
         for entry in manifest.files:
-            node = self._node_of(step_node, entry)
+            node = self.ns._entry_node(step_node, entry.name)
             if not self._current(step_node, manifest):
                 ram.error = "the step changed while it was checked"
                 break
@@ -321,7 +321,7 @@ class Verifier:
     async def _reupload(self, step_node: Node, manifest: mf.StepManifest, entry: mf.FileEntry,
                         state: str) -> str:
         """Upload a verified copy over a bad or missing object of the persistent tier."""
-        node = self._node_of(step_node, entry)
+        node = self.ns._entry_node(step_node, entry.name)
         if node is None:
             return state
         if node.remote is not None:
@@ -357,7 +357,7 @@ class Verifier:
         entry = step.manifest.entry(name)
         if entry is None or entry.xxh3 != xxh3:
             return MISSING
-        node = self._node_of(step_node, entry)
+        node = self.ns._entry_node(step_node, entry.name)
         if node is None or node.remote is not None:
             return MISSING
         return await self._check_ram_file(step_node, step, entry, node,
@@ -540,16 +540,6 @@ class Verifier:
                 if entry is not None and rel in step.resident:
                     return step_node, step, entry, node
         return None
-
-    def _node_of(self, step_node: Node, entry: mf.FileEntry) -> Node | None:
-        node = step_node
-        for part in entry.name.split("/"):
-            if node.children is None:
-                return None
-            node = node.children.get(os.fsencode(part))
-            if node is None:
-                return None
-        return node if node.is_file else None
 
     def _current(self, step_node: Node, manifest: mf.StepManifest) -> bool:
         return step_node.step is not None and step_node.step.committed and \

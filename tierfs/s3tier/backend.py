@@ -136,12 +136,12 @@ class FileBackend(Backend):
         for _depth in range(max_depth):
             deeper = []
             for directory in level:
+                if os.path.isfile(os.path.join(directory, MANIFEST_KEY)):
+                    return True  # looked up by name: a step of many files costs no budget
                 try:
                     with os.scandir(directory) as entries:
                         for entry in entries:
                             budget -= 1
-                            if entry.name == MANIFEST_KEY and entry.is_file(follow_symlinks=False):
-                                return True
                             if entry.is_dir(follow_symlinks=False) and \
                                     entry.stat(follow_symlinks=False).st_dev == device:
                                 deeper.append(entry.path)
