@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from tierfs.fs.latest_pins import GRACE, LatestPins
+from tierfs.fs.latest_pins import GRACE, THROUGH_LINK, LatestPins
 
 
 class Clock:
@@ -36,6 +36,16 @@ def test_a_process_that_only_looks_at_the_link_always_sees_the_newest_step() -> 
     pins = LatestPins(Clock())
     me, committed = os.getpid(), {b"step_1", b"step_2"}
     assert pins.resolve(me, 7, b"step_1", committed.__contains__) == b"step_1"
+    assert pins.resolve(me, 7, b"step_2", committed.__contains__) == b"step_2"
+
+
+def test_a_file_opened_by_the_steps_own_name_pins_nothing() -> None:
+    clock = Clock()
+    pins = LatestPins(clock)
+    me, committed = os.getpid(), {b"step_1", b"step_2"}
+    assert pins.resolve(me, 7, b"step_1", committed.__contains__) == b"step_1"
+    clock.now += 2 * THROUGH_LINK  # long after the link was looked at: not through it
+    assert pins.opened(me, 7, b"step_1") is None
     assert pins.resolve(me, 7, b"step_2", committed.__contains__) == b"step_2"
 
 

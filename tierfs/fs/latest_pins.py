@@ -3,10 +3,11 @@
 `latest` names the newest committed step of its directory, and the kernel asks for its target
 at every path lookup through it. A load through `latest` opens `.metadata` and then each shard
 by path, so a commit landing mid-load would otherwise send the later opens to another step and
-mix two checkpoints. So a process that opened a file of the step `latest` named keeps seeing
-that step while it has files of it open, and for `GRACE` seconds after it last closed one; then
-it sees the newest step again. A process that only looks at the link (`readlink`, a monitor)
-always sees the newest step. Other processes are not affected: each resolves on its own.
+mix two checkpoints. So a process that opened a file through `latest` keeps seeing that step
+while it has files of it open, and for `GRACE` seconds after it last closed one; then it sees
+the newest step again. A process that only looks at the link (`readlink`, a monitor), or opens
+the step's files by the step's own name, always sees the newest step. Other processes are not
+affected: each resolves on its own.
 
 Processes are told apart by thread-group id: FUSE reports the thread, and a load's threads are
 one reader.
@@ -19,14 +20,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 GRACE = 10.0  # seconds a process keeps its target after its last use of it
+# An open of a file of the step within this long after the same process resolved `latest` to
+# it went through `latest` (the kernel asks for the link's target at every path lookup).
+THROUGH_LINK = 1.0
 
 
 @dataclass
 class Pin:
     target: bytes
     last_used: float
+    resolved: float = 0.0  # when the process last asked for the link's target
     open_files: int = 0
-    reading: bool = False  # the process opened a file of `target` (until the pin expires)
+    reading: bool = False  # it opened a file of `target` through the link (until it expires)
 
 
 class LatestPins:
@@ -45,12 +50,14 @@ class LatestPins:
         pin = self._pins.get(key)
         if (pin is not None and pin.reading and pin.target != newest
                 and still_committed(pin.target)):
+            pin.resolved = now
             return pin.target
         if pin is not None and newest is not None:
             # The same object: open files point to it.
-            pin.target, pin.last_used, pin.reading = newest, now, pin.open_files > 0
+            pin.target, pin.last_used, pin.resolved = newest, now, now
+            pin.reading = pin.open_files > 0
         elif newest is not None:
-            self._pins[key] = Pin(newest, now)
+            self._pins[key] = Pin(newest, now, resolved=now)
         return newest
 
     def opened(self, pid: int, dir_ino: int, step_name: bytes) -> Pin | None:
@@ -59,8 +66,9 @@ class LatestPins:
         if not self._pins:
             return None
         pin = self._pins.get((thread_group(pid), dir_ino))
-        if pin is None or pin.target != step_name:
-            return None
+        if pin is None or pin.target != step_name or not (
+                pin.reading or self._clock() - pin.resolved <= THROUGH_LINK):
+            return None  # not through the link: a file of the step opened by its own name
         pin.open_files += 1
         pin.reading = True
         return pin
