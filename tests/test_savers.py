@@ -211,3 +211,15 @@ def test_deepspeed_shaped_tree(mounts: MountFactory, tmp_path: Path) -> None:
     tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
     wait_until(lambda: not (store / "run/global_step100").exists())
     check_fresh_node(mounts, store, expected, ["run/global_step100"])
+
+
+def test_dcp_step_without_metadata_waits_for_it(mounts: MountFactory) -> None:
+    """A DCP save cut short (shards, no .metadata) never commits by itself: it waits for its
+    .metadata, which then commits it at once."""
+    mnt = mounts.mount("--commit-idle", IDLE)
+    write(mnt / "run/step_1/__0_0.distcp", b"shard")
+    (mnt / "run/step_2").mkdir()  # the next step does not commit it either
+    wait_until(lambda: ".metadata" in (mnt.step("run/step_1")["waiting_for"] or ""))
+    assert state(mnt, "run/step_1") == "writing"
+    write(mnt / "run/step_1/.metadata", b"meta")
+    assert state(mnt, "run/step_1") == "committed"

@@ -891,7 +891,7 @@ class Namespace(Recovery, Residency, OtherTiers, QuietCommits):
             "files": files, "bytes": size, "ram": step.in_ram,
             "replicas": self._peer_holders(step),
             "persisted": step.persisted,
-            "waiting_for": step.waiting_for if step.commit_pending else None,
+            "waiting_for": step.waiting_for if step.commit_pending or not step.committed else None,
         }
 
     def _status_size(self, node: Node) -> int:

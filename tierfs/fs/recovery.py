@@ -128,6 +128,9 @@ class Recovery:
         finally:
             self._reach.close()
             del self._reach
+        # A step found `writing` may be a save a crash cut short: it does not commit by
+        # itself (fs.quiet_commits), only once written again or by `tierfs commit`.
+        self._quiet.clear()
         for manifest, resident in recovered.values():
             for entry in manifest.files:
                 if entry.name in resident:
