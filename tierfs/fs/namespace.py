@@ -57,6 +57,7 @@ from tierfs.fs.nodes import (
     StepState,
 )
 from tierfs.fs.other_tiers import OtherTiers
+from tierfs.fs.quiet_commits import QuietCommits
 from tierfs.fs.ram_store import RamFull, RamStore, allocated, is_reserved
 from tierfs.fs.recovery import Recovery
 from tierfs.fs.residency import Residency
@@ -64,7 +65,7 @@ from tierfs.fs.residency import Residency
 log = logging.getLogger(__name__)
 
 
-class Namespace(Recovery, Residency, OtherTiers):
+class Namespace(Recovery, Residency, OtherTiers, QuietCommits):
     """The tree of one mount; see the module docstring for its invariants."""
 
     def __init__(
@@ -77,8 +78,12 @@ class Namespace(Recovery, Residency, OtherTiers):
         keep_ram: int = 3,
         replicas: int = 0,
         read_sources: list[ReadSource] | None = None,
+        commit_idle: float = 5.0,
     ) -> None:
         self.store = store
+        self.commit_idle = commit_idle  # see fs.quiet_commits
+        self._quiet: dict[Node, float] = {}
+        self._quiet_wake = trio.Event()
         self.keep_ram = keep_ram
         self.replicas = replicas
         # Injected by the cluster wiring: which peers hold sealed copies of a step's files.
@@ -222,11 +227,10 @@ class Namespace(Recovery, Residency, OtherTiers):
         os.mkdir(path, mode & 0o7777)
         _chown(path, uid, gid)
         node = self._attach(parent, name, stat.S_IFDIR)
-        number = self.step_number(name)
+        number = self.step_number_at(parent, name)
         if number is not None:
             node.step = StepState(number)
-            if parent.step is not None and parent.step.manifest is not None:
-                self._remove_hidden(parent, self.backing(parent))  # now a run directory
+            self._next_step_started(node)
         self._mark_dirty(parent)
         return node
 
@@ -503,9 +507,6 @@ class Namespace(Recovery, Residency, OtherTiers):
         node.parent = new_parent
         new_parent.children[new_name] = node
         self._mark_dirty(new_parent)
-        if (node.is_dir and node.step is not None and new_parent.step is not None
-                and new_parent.step.manifest is not None):
-            self._remove_hidden(new_parent, self.backing(new_parent))  # now a run directory
         if node.is_dir:
             await self._renamed_dir(node)
         elif new_name == METADATA and self.step_of(new_parent) is not None:
@@ -514,9 +515,10 @@ class Namespace(Recovery, Residency, OtherTiers):
 
     async def _renamed_dir(self, node: Node) -> None:
         """A directory renamed onto a step name commits it (the `mv tmp step_N` idiom); one
-        renamed away from a step name stops being a step; steps moved along with it commit
-        again so that their manifests name where they are now."""
-        number = self.step_number(node.name)
+        renamed away from a step name, or into a step, stops being a step (its files are
+        then files of the step it is in); steps moved along with it commit again so that
+        their manifests name where they are now."""
+        number = self.step_number_at(node.parent, node.name)
         if number is None:
             if node.step is not None:
                 await self._demote(node)
@@ -526,12 +528,34 @@ class Namespace(Recovery, Residency, OtherTiers):
                 node.step = StepState(number, self._read_manifest(self.backing(node)))
             node.step.number = number
             node.step.dirty = True  # whatever it held before, it is committed only once more
-            if self.step_of(node) is not None:
-                await self._commit_quietly(node)
+            self._touch(node)
+        for below in list(self._dirs_under(node)):
+            await self._restep(below)
+        if node.step is not None:
+            await self._commit_quietly(node)
         for step_node in list(self.steps(under=node)):
             manifest = step_node.step.manifest
             if step_node is not node and manifest and manifest.path != self.relpath(step_node):
                 await self._commit_quietly(step_node)
+
+    def _dirs_under(self, node: Node) -> Iterator[Node]:
+        """Every directory below `node`, parents before their children."""
+        stack = [c for c in node.children.values() if c.is_dir]
+        while stack:
+            below = stack.pop()
+            yield below
+            stack.extend(c for c in below.children.values() if c.is_dir)
+
+    async def _restep(self, node: Node) -> None:
+        """After a rename above it: `node` is a step exactly when its name is a step name and
+        no directory above it is a step (a directory inside a step is part of that step)."""
+        number = self.step_number_at(node.parent, node.name)
+        if number is None and node.step is not None:
+            await self._demote(node)
+            node.step = None
+        elif number is not None and node.step is None:
+            node.step = StepState(number, self._read_manifest(self.backing(node)))
+            self._touch(node)
 
     async def _demote(self, node: Node) -> None:
         """A committed directory that stops being a step keeps its files, not its manifest."""
@@ -715,6 +739,7 @@ class Namespace(Recovery, Residency, OtherTiers):
         parent = node.parent
         if parent is None:
             return
+        self._touch_enclosing(parent)  # its step commits `commit_idle` seconds after this
         if node.name == METADATA and self.step_of(parent) is not None:
             await self._commit_for_saver(parent)
         await self._run_pending_commits(parent)
@@ -778,13 +803,19 @@ class Namespace(Recovery, Residency, OtherTiers):
     def _mark_dirty(self, node: Node | None) -> None:
         for step_node in self._enclosing_steps(node):
             step_node.step.dirty = True
+            self._touch(step_node)
 
     def step_of(self, node: Node) -> StepState | None:
-        """The node's step state if it is a step directory. A directory whose name matches but
-        that holds step directories itself (`run1/step_100`) is a run directory, not a step."""
-        if node.step is None or any(c.step is not None for c in node.children.values()):
-            return None
+        """The node's step state if it is a step directory (see `step_number_at`)."""
         return node.step
+
+    def step_number_at(self, parent: Node | None, name: bytes | str) -> int | None:
+        """The step number of a directory `name` in `parent`: a step is a directory whose name
+        matches the step pattern and that is not inside a step (whatever its name, a directory
+        inside a step, such as Megatron's `mp_rank_00/`, is part of that step)."""
+        if next(self._enclosing_steps(parent), None) is not None:
+            return None
+        return self.step_number(name)
 
     def step_number(self, name: bytes | str) -> int | None:
         """The step number a directory name carries, or None if it is not a step name."""
@@ -835,12 +866,10 @@ class Namespace(Recovery, Residency, OtherTiers):
         stack = [under or self.root]
         while stack:
             node = stack.pop()
-            # One pass over the children (a step may hold 50,000 files); as in `step_of`, a
-            # directory holding steps is not a step itself.
-            subdirs = [c for c in node.children.values() if c.children is not None]
-            if node.step is not None and all(c.step is None for c in subdirs):
-                yield node
-            stack.extend(subdirs)
+            if node.step is not None:
+                yield node  # nothing inside a step is a step
+                continue
+            stack.extend(c for c in node.children.values() if c.children is not None)
 
     def step_status(self, step_node: Node) -> dict[str, object]:
         """One step's line of `tierfs status`: cheap whatever the step's size (no disk access
@@ -862,7 +891,7 @@ class Namespace(Recovery, Residency, OtherTiers):
             "files": files, "bytes": size, "ram": step.in_ram,
             "replicas": self._peer_holders(step),
             "persisted": step.persisted,
-            "waiting_for": step.waiting_for if step.commit_pending else None,
+            "waiting_for": step.waiting_for if step.commit_pending or not step.committed else None,
         }
 
     def _status_size(self, node: Node) -> int:

@@ -22,7 +22,10 @@ PERSISTED_MARK = b".tierfs-persisted"  # "<version> persisted|retired": the pers
 REPLICAS_MARK = b".tierfs-replicas"  # "<version> <node id>...": peers that hold this version
 PEERS_MARK = b".tierfs-peers"  # "<version> <node id>...": a step learned from peers that hold it
 NAME_MAX = 255
-DEFAULT_STEP_PATTERN = r"^(?:.*?[^0-9])?([0-9]+)$"
+# What trainers name their step directories: step_100, step-100, global_step100 (DeepSpeed),
+# checkpoint-500 (HF Trainer), iter_0000100 (Megatron-LM), ckpt_7, 100 (Orbax); not run11,
+# layer_3, mp_rank_00 or v2.
+DEFAULT_STEP_PATTERN = r"^(?:(?:(?:global_)?step|checkpoint|ckpt|iter(?:ation)?)[-_]?)?([0-9]+)$"
 
 RENAME_NOREPLACE = 1
 ENOATTR = errno.ENODATA

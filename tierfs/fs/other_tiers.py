@@ -287,7 +287,7 @@ class OtherTiers:
             if child is None:
                 os.mkdir(os.path.join(self.backing(parent), part), 0o755)
                 child = self._attach(parent, part, stat.S_IFDIR)
-                number = self.step_number(part)
+                number = self.step_number_at(parent, part)
                 if number is not None:
                     child.step = StepState(number)
             elif not child.is_dir:

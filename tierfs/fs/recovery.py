@@ -128,6 +128,9 @@ class Recovery:
         finally:
             self._reach.close()
             del self._reach
+        # A step found `writing` may be a save a crash cut short: it does not commit by
+        # itself (fs.quiet_commits), only once written again or by `tierfs commit`.
+        self._quiet.clear()
         for manifest, resident in recovered.values():
             for entry in manifest.files:
                 if entry.name in resident:
@@ -140,11 +143,19 @@ class Recovery:
 
     def _recover_committed_steps(self) -> dict[bytes, tuple[mf.StepManifest, set[str]]]:
         recovered: dict[bytes, tuple[mf.StepManifest, set[str]]] = {}
-        for dirpath, dirs, files in self._walk(self._tree):
+        in_steps: set[bytes] = set()  # step directories and every directory inside one
+        for dirpath, _dirs, files in self._walk(self._tree):
+            if os.path.dirname(dirpath) in in_steps:
+                in_steps.add(dirpath)
+                is_step = False  # a directory inside a step is part of it
+            else:
+                is_step = (dirpath != self._tree
+                           and self.step_number(os.path.basename(dirpath)) is not None)
+                if is_step:
+                    in_steps.add(dirpath)
             if MANIFEST not in files:
                 continue
-            if (self.step_number(os.path.basename(dirpath)) is None
-                    or any(self.step_number(d) is not None for d in dirs)):
+            if not is_step:
                 # Not a step (any more): its files are plain files, its manifest is stale.
                 os.unlink(self._reach(os.path.join(dirpath, MANIFEST)))
                 continue
@@ -202,8 +213,7 @@ class Recovery:
                 return None
         restored = removed = 0
         wanted = {os.fsencode(name) for name in resident}
-        for dirpath, dirs, files in self._walk(dir_path):
-            dirs[:] = [d for d in dirs if self.step_number(d) is None]
+        for dirpath, _dirs, files in self._walk(dir_path):
             for name in files:
                 full = os.path.join(dirpath, name)
                 if (not is_reserved(name) and stat.S_ISREG(os.lstat(self._reach(full)).st_mode)
@@ -246,7 +256,8 @@ class Recovery:
             shutil.rmtree(target)
 
     def _load_dir(self, dir_node: Node, path: bytes,
-                  recovered: dict[bytes, tuple[mf.StepManifest, set[str]]]) -> None:
+                  recovered: dict[bytes, tuple[mf.StepManifest, set[str]]],
+                  in_step: bool = False) -> None:
         with os.scandir(self._reach(path)) as entries:
             for entry in entries:
                 if is_reserved(entry.name):
@@ -259,8 +270,8 @@ class Recovery:
                 node = self._attach(dir_node, entry.name, kind)
                 if kind == stat.S_IFDIR:
                     child_path = os.path.join(path, entry.name)
-                    self._load_dir(node, child_path, recovered)
-                    number = self.step_number(entry.name)
+                    number = None if in_step else self.step_number(entry.name)
+                    self._load_dir(node, child_path, recovered, in_step or number is not None)
                     if number is not None:
                         manifest, resident = recovered.get(child_path, (None, set()))
                         node.step = StepState(number, manifest)

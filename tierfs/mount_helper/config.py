@@ -59,6 +59,9 @@ MOUNT_OPTIONS = [
            "flag"),
     Option("step-pattern", DEFAULT_STEP_PATTERN, "regular expression for step directory names; "
            "group 1 is the step number (default %(default)s)", metavar="REGEX"),
+    Option("commit-idle", 5.0, "a step being written commits by itself once no file of it has "
+           "been open for writing or changed for this long (default %(default)s)", "float",
+           "SECONDS"),
     Option("no-passthrough", False, "route file data through the daemon even where the kernel "
            "could pass reads and writes straight to the RAM store (slower; for comparison)",
            "flag"),
@@ -72,6 +75,7 @@ MOUNT_OPTIONS = [
 _TOML_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     "flag": ((bool,), "true or false (without quotes)"),
     "int": ((int,), "a whole number (without quotes)"),
+    "float": ((int, float), "a number (without quotes)"),
     "size": ((str, int), 'a size in quotes ("64G", "50%") or a number of bytes'),
     "path": ((str,), "a path in quotes"),
     "str": ((str,), "a string in quotes"),
@@ -98,6 +102,7 @@ class MountConfig:
     log_file: Path
     passthrough: bool = True
     allow_non_empty: bool = False
+    commit_idle: float = 5.0
 
     @property
     def control_socket(self) -> Path:
@@ -229,6 +234,17 @@ def _whole_number(values: dict[str, Any], key: str, minimum: int) -> int:
     return number
 
 
+def _seconds(values: dict[str, Any], key: str) -> float:
+    flag = "--" + key.replace("_", "-")
+    try:
+        seconds = float(values[key])
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} must be a number of seconds, not {values[key]!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(f"{flag} must be a positive number of seconds")
+    return seconds
+
+
 def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
     keep_ram = _whole_number(values, "keep_ram", 1)
     persist = values["persist"] or None
@@ -277,4 +293,5 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         log_file=Path(values["log_file"] or ram_dir / "tierfs.log").absolute(),
         passthrough=not values["no_passthrough"],
         allow_non_empty=bool(values["allow_non_empty"]),
+        commit_idle=_seconds(values, "commit_idle"),
     )

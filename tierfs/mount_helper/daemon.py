@@ -243,7 +243,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     commits_send, commits_recv = trio.open_memory_channel[mf.StepManifest](64)
     namespace = Namespace(store, commits_send, node_id=cfg.node_id,
                           step_pattern=cfg.step_pattern, keep_ram=cfg.keep_ram,
-                          replicas=cfg.replicas)
+                          replicas=cfg.replicas, commit_idle=cfg.commit_idle)
     namespace.load()
     namespace.deletes.targets = ([PERSIST] if cfg.persist else []) + [
         peer_target(node_id) for node_id in sorted(cfg.peers or {}) if node_id != cfg.node_id]
@@ -282,13 +282,14 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                 nursery.start_soon(_account_direct_writes, namespace)
             if cluster is not None:
                 await cluster.start(nursery)
-            nursery.start_soon(_run_fuse, nursery.cancel_scope)
+            nursery.start_soon(_run_fuse, nursery.cancel_scope, namespace)
             await nursery.start(control.serve, str(cfg.control_socket), daemon.handle)
             nursery.start_soon(daemon.consume_commits, commits_recv)
             if uploader is not None:
                 nursery.start_soon(uploader.run)
             nursery.start_soon(_verify_then_send, verifier, uploader, cluster)
             nursery.start_soon(_retry_pending_commits, namespace)
+            nursery.start_soon(namespace.run_quiet_commits)
             nursery.start_soon(_delete_worker(namespace, uploader, cluster).run)
             nursery.start_soon(_terminate_on_signal)
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers
@@ -402,8 +403,10 @@ def _delete_worker(namespace: Namespace, uploader: Uploader | None,
     return DeleteWorker(namespace.deletes, cleaners)
 
 
-async def _run_fuse(cancel_scope: trio.CancelScope) -> None:
+async def _run_fuse(cancel_scope: trio.CancelScope, namespace: Namespace) -> None:
     await pyfuse3.main()
+    # A clean unmount (umount, SIGTERM): steps whose savers are done commit now, not later.
+    await namespace.commit_quiet_steps()
     cancel_scope.cancel()  # unmounted or terminated: stop the other workers
 
 

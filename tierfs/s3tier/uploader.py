@@ -213,7 +213,7 @@ class Uploader:
 
     def _enclosing_step_dir(self, key: str) -> str | None:
         parts = key.split("/")[:-1]
-        for depth in range(len(parts), 0, -1):
+        for depth in range(1, len(parts) + 1):  # the outermost: nothing inside a step is one
             if self._step_number(parts[depth - 1]) is not None:
                 return "/".join(parts[:depth])
         return None

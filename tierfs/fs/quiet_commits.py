@@ -1,0 +1,110 @@
+"""Commits without a marker: a step directory commits once its saver is done with it.
+
+Most savers (HF Trainer, `torch.save`, Megatron-LM, DeepSpeed) write plain files and never say
+when a checkpoint is complete. A step being written therefore commits by itself when
+
+* it has had no file open for writing and no change for `commit_idle` seconds, or
+* the saver starts a newer step directory beside it (mkdir of a higher step number in the same
+  directory): the older one is done, so it commits at once if no file of it is open for writing,
+* the file system is unmounted cleanly (every quiet step commits before the daemon exits).
+
+Only steps changed while this daemon runs are watched (`_quiet`, step node -> when it is due),
+so the work is proportional to the steps being written, never a scan of the tree. A step left
+`writing` by a crash is not committed by these rules (it may be partial); writing into it again,
+or `tierfs commit`, does. A step holding DCP shards (`*.distcp`) waits for its `.metadata`, the
+end of a DCP save, which stays the immediate trigger. A mixin of Namespace.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+
+import trio
+
+from tierfs.fs.nodes import METADATA, Node
+
+log = logging.getLogger(__name__)
+
+DCP_SHARD_SUFFIX = b".distcp"
+
+
+class QuietCommits:
+    """The watch over steps being written, and the commits it makes."""
+
+    commit_idle: float
+    _quiet: dict[Node, float]
+    _quiet_wake: trio.Event
+
+    def _touch(self, step_node: Node) -> None:
+        """`step_node` changed: it commits `commit_idle` seconds after its last change."""
+        if step_node not in self._quiet:
+            self._quiet_wake.set()  # a new deadline: the watch may be asleep until a later one
+        self._quiet[step_node] = time.monotonic() + self.commit_idle
+
+    def _touch_enclosing(self, node: Node | None) -> None:
+        for step_node in self._enclosing_steps(node):
+            self._touch(step_node)
+
+    def _next_step_started(self, step_node: Node) -> None:
+        """A saver made `step_node`: the older steps beside it that it was writing are done."""
+        number = step_node.step.number
+        for sibling in step_node.parent.children.values():
+            if (sibling in self._quiet and sibling.step is not None
+                    and sibling.step.number < number):
+                self._quiet[sibling] = 0.0
+                self._quiet_wake.set()
+
+    def _not_quiet(self, step_node: Node) -> str | None:
+        """Why `step_node` may not commit by itself now, or None if it may."""
+        children = step_node.children
+        if METADATA not in children and any(n.endswith(DCP_SHARD_SUFFIX) for n in children):
+            return "its .metadata (a DCP save in progress or interrupted)"
+        for _rel, node in self._files_under(step_node):
+            if node.active_writers or any(h.writable for h in node.handles):
+                return "open writers"
+        return None
+
+    def _due_steps(self, now: float) -> Iterator[Node]:
+        for step_node, due in list(self._quiet.items()):
+            if due <= now and self._quiet.get(step_node) == due:
+                yield step_node
+
+    async def run_quiet_commits(self) -> None:
+        """The daemon's background task: commit each step once it is due and quiet."""
+        while True:
+            self._quiet_wake = trio.Event()
+            for step_node in self._due_steps(time.monotonic()):
+                await self._commit_if_quiet(step_node)
+            due = min(self._quiet.values(), default=math.inf)
+            with trio.move_on_after(max(0.0, due - time.monotonic())):
+                await self._quiet_wake.wait()
+
+    async def _commit_if_quiet(self, step_node: Node) -> bool:
+        """Commit `step_node` if nothing writes it; otherwise look again later."""
+        step = step_node.step
+        if step is None or step_node.parent is None or step.committed:
+            self._quiet.pop(step_node, None)  # removed, renamed away, or committed meanwhile
+            return False
+        reason = self._not_quiet(step_node)
+        if reason is not None:
+            if reason != "open writers":
+                step.waiting_for = reason
+            self._touch(step_node)
+            return False
+        del self._quiet[step_node]
+        await self._commit_quietly(step_node)
+        return True
+
+    async def commit_quiet_steps(self) -> None:
+        """At a clean unmount: every quiet step being written commits now, instead of being
+        left `writing` (and its files thrown away at the next start if it was a re-save)."""
+        committed = 0
+        for step_node in list(self._quiet):
+            committed += await self._commit_if_quiet(step_node)
+        left = [self.relpath(n) for n in self._quiet if n.step is not None and n.parent]
+        if committed or left:
+            log.info("unmount: %d steps committed; %d left writing%s", committed, len(left),
+                     f" ({', '.join(sorted(left)[:5])})" if left else "")
