@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from tierfs.mount_helper import control
+from tierfs.mount_helper import control, fuse_helper
 from tierfs.mount_helper.config import MOUNT_OPTIONS, ConfigError, resolve
 from tierfs.mount_helper.mounts import (
     DaemonState,
@@ -131,10 +131,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if fuse_helper.is_helper_form(argv):  # `tierfs SOURCE DIR -o ...`, as mount.fuse3 runs it
+        try:
+            argv = fuse_helper.to_mount_argv(argv)
+        except ConfigError as exc:
+            print(f"tierfs: {exc}", file=sys.stderr)
+            return 1
     args = build_parser().parse_args(argv)
     try:
         if args.command == "mount":
-            return _mount(args, argv if argv is not None else sys.argv[1:])
+            return _mount(args, argv)
         if args.command == "umount":
             if args.flush:
                 _flush(args.mountpoint, None)

@@ -6,7 +6,10 @@ validated here so that a mistake is one clear line (ConfigError) before anything
 
 from __future__ import annotations
 
+import grp
+import hashlib
 import os
+import pwd
 import re
 import socket
 import tomllib
@@ -69,6 +72,15 @@ MOUNT_OPTIONS = [
            "path", "FILE"),
     Option("allow-non-empty", False, "mount even if MOUNTPOINT is not empty (its content stays "
            "hidden while tierfs is mounted)", "flag"),
+    Option("allow-other", False, "let other users use the mount (FUSE allow_other); the kernel "
+           "still enforces file modes, and they may run `tierfs status`/`flush`", "flag"),
+    Option("uid", None, "owner of the mount's root directory, a user name or number (files "
+           "keep the owner of whoever creates them; default: unchanged, first the mounting "
+           "user)", metavar="USER"),
+    Option("gid", None, "group of the mount's root directory, a name or number (default: the "
+           "--uid user's group)", metavar="GROUP"),
+    Option("root-mode", None, "mode of the mount's root directory, octal (default: unchanged, "
+           "first 755)", metavar="MODE"),
 ]
 
 # What a TOML value of each kind must be, and how to say so.
@@ -103,10 +115,31 @@ class MountConfig:
     passthrough: bool = True
     allow_non_empty: bool = False
     commit_idle: float = 5.0
+    allow_other: bool = False
+    root_uid: int | None = None
+    root_gid: int | None = None
+    root_mode: int | None = None
 
     @property
-    def control_socket(self) -> Path:
-        return self.ram_dir / "control.sock"
+    def control_socket(self) -> str:
+        """A file in the private RAM dir; with --allow-other an abstract socket ("@" name)
+        instead, which every local user can reach (the daemon checks who asks)."""
+        if self.allow_other:
+            return abstract_socket_name(self.ram_dir)
+        return str(self.ram_dir / "control.sock")
+
+
+ABSTRACT_PREFIX = "@tierfs-control:"
+SOCKET_NAME_MAX = 107  # sun_path holds 108 bytes; an abstract name starts with a NUL
+
+
+def abstract_socket_name(ram_dir: Path) -> str:
+    """Named after the RAM dir (one daemon holds it at a time), so that a stuck daemon can be
+    described; hashed when the path is too long for a socket name."""
+    name = ABSTRACT_PREFIX + str(ram_dir)
+    if len(os.fsencode(name)) <= SOCKET_NAME_MAX:
+        return name
+    return ABSTRACT_PREFIX + "#" + hashlib.sha256(os.fsencode(ram_dir)).hexdigest()[:32]
 
 
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)i?b?\s*$", re.IGNORECASE)
@@ -294,4 +327,46 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         passthrough=not values["no_passthrough"],
         allow_non_empty=bool(values["allow_non_empty"]),
         commit_idle=_seconds(values, "commit_idle"),
+        allow_other=bool(values["allow_other"]),
+        **_root_directory(values),
     )
+
+
+def _root_directory(values: dict[str, Any]) -> dict[str, int | None]:
+    """--uid, --gid and --root-mode as numbers; --gid defaults to the --uid user's group."""
+    uid = gid = mode = None
+    if values["uid"] is not None:
+        uid, primary_gid = _user(str(values["uid"]))
+        gid = primary_gid
+    if values["gid"] is not None:
+        gid = _group(str(values["gid"]))
+    if values["root_mode"] is not None:
+        text = str(values["root_mode"]).strip()
+        try:
+            mode = int(text, 8)
+        except ValueError:
+            raise ConfigError(f"--root-mode {text!r} is not an octal mode (e.g. 755)") from None
+        if not 0 <= mode <= 0o7777:
+            raise ConfigError(f"--root-mode {text!r} is out of range (0 to 7777)")
+    return {"root_uid": uid, "root_gid": gid, "root_mode": mode}
+
+
+def _user(text: str) -> tuple[int, int | None]:
+    """(uid, primary gid) of a user name or number (a number need not be a known user: then
+    the group is left as it is)."""
+    try:
+        entry = pwd.getpwnam(text) if not text.isdigit() else pwd.getpwuid(int(text))
+    except KeyError:
+        if text.isdigit():
+            return int(text), None
+        raise ConfigError(f"--uid {text}: no such user") from None
+    return entry.pw_uid, entry.pw_gid
+
+
+def _group(text: str) -> int:
+    if text.isdigit():
+        return int(text)
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise ConfigError(f"--gid {text}: no such group") from None

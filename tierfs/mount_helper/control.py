@@ -4,6 +4,12 @@ The socket lives in the RAM dir (mode 0600); a client finds it from any path und
 through the `user.tierfs.control` extended attribute, so `tierfs status|commit` need nothing but
 a path. Requests are `{"cmd": ..., ...}`; replies `{"ok": true, ...}` or
 `{"ok": false, "error": "one line"}`.
+
+With --allow-other the users of the mount must reach it too, but the RAM dir stays private (it
+holds the committed objects): the socket is then an abstract one, its name starting with "@"
+(`@tierfs-control:<ram dir>`), and the daemon asks the kernel who is calling (SO_PEERCRED).
+Anyone may ask what only reads (`status`, which `tierfs flush` polls); `commit`, `prefetch` and
+`verify` (which repairs) are for root, the daemon's user and the owner given to the mount root.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +42,9 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE = 1 << 20
 REQUEST_PATIENCE = 10.0  # seconds the command line waits for a reply to a quick request
 XATTR_CONTROL = "user.tierfs.control"
+ABSTRACT = "@"  # how an abstract socket name is written (in the xattr, in messages)
+READ_ONLY = frozenset({"status"})  # what every user who reaches the socket may ask
+PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
@@ -42,20 +52,43 @@ class ControlError(Exception):
     """The daemon could not be reached or refused the request; the text is for the user."""
 
 
-async def serve(path: str, handler: Handler,
+def _address(path: str) -> str:
+    """What bind/connect take: an abstract name starts with a NUL byte."""
+    return "\0" + path[len(ABSTRACT):] if path.startswith(ABSTRACT) else path
+
+
+def remove(path: str) -> None:
+    """Remove a socket file left behind (an abstract name goes with its socket)."""
+    if not path.startswith(ABSTRACT):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+async def serve(path: str, handler: Handler, trusted: frozenset[int] = frozenset({0}),
                 task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    if os.path.exists(path):
-        os.unlink(path)  # left by a daemon that was killed; we hold the RAM dir lock
+    """Answer requests on `path`; users not in `trusted` (uids) may only ask READ_ONLY ones."""
+    remove(path)  # left by a daemon that was killed; we hold the RAM dir lock
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    await sock.bind(path)
-    os.chmod(path, 0o600)
+    try:
+        await sock.bind(_address(path))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"control socket {path}: {exc.strerror}") from None
+    if not path.startswith(ABSTRACT):
+        os.chmod(path, 0o600)
     sock.listen(16)
     listener = trio.SocketListener(sock)
     task_status.started()
-    await trio.serve_listeners(lambda stream: _answer(stream, handler), [listener])
+    await trio.serve_listeners(lambda stream: _answer(stream, handler, trusted), [listener])
 
 
-async def _answer(stream: trio.SocketStream, handler: Handler) -> None:
+def _caller_uid(stream: trio.SocketStream) -> int:
+    _pid, uid, _gid = PEERCRED.unpack(
+        stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+    return uid
+
+
+async def _answer(stream: trio.SocketStream, handler: Handler, trusted: frozenset[int]) -> None:
     async with stream:
         try:
             with trio.fail_after(10):
@@ -63,8 +96,14 @@ async def _answer(stream: trio.SocketStream, handler: Handler) -> None:
         except (trio.TooSlowError, ValueError, trio.BrokenResourceError) as exc:
             log.warning("control request dropped: %s", exc)
             return
+        uid = _caller_uid(stream)
         try:
-            reply = await handler(request)
+            if request.get("cmd") not in READ_ONLY and uid not in trusted:
+                reply = {"ok": False, "error": f"{request.get('cmd')}: permission denied (only "
+                         "root, the daemon's user and the owner of the mount root may; "
+                         "others may ask for status)"}
+            else:
+                reply = await handler(request)
         except Exception as exc:
             log.exception("control request %r failed", request.get("cmd"))
             reply = {"ok": False, "error": f"internal error: {exc}"}
@@ -93,14 +132,14 @@ def request(socket_path: str, message: dict[str, Any],
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
-            sock.connect(socket_path)
+            sock.connect(_address(socket_path))
             sock.sendall(json.dumps(message).encode() + b"\n")
             data = bytearray()
             while chunk := sock.recv(65536):
                 data += chunk
     except TimeoutError:
         raise ControlError(f"the tierfs daemon did not answer in {timeout:g} s: "
-                           f"{describe_daemon(Path(socket_path).parent)}") from None
+                           f"{describe_daemon(_ram_dir_of_socket(socket_path))}") from None
     except OSError as exc:
         raise ControlError(f"cannot reach the tierfs daemon at {socket_path}: "
                            f"{exc.strerror or exc}") from None
@@ -111,6 +150,14 @@ def request(socket_path: str, message: dict[str, Any],
     if not reply.get("ok"):
         raise ControlError(reply.get("error", "request refused"))
     return reply
+
+
+def _ram_dir_of_socket(socket_path: str) -> Path | None:
+    """The RAM dir a socket belongs to: its directory, or named by an abstract name."""
+    if not socket_path.startswith(ABSTRACT):
+        return Path(socket_path).parent
+    _prefix, _, ram_dir = socket_path.partition(":")
+    return Path(ram_dir) if ram_dir.startswith("/") else None
 
 
 def locate(path: str) -> tuple[str, str, str]:

@@ -8,7 +8,6 @@ file system answers.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -127,6 +126,30 @@ def preflight(cfg: MountConfig) -> list[str]:
     return warnings
 
 
+def _set_root_directory(cfg: MountConfig, store: RamStore) -> None:
+    """--uid/--gid/--root-mode: the mount root is the RAM store's tree/ directory, so its
+    owner and mode are set there (and stay across restarts of the daemon)."""
+    try:
+        if cfg.root_uid is not None or cfg.root_gid is not None:
+            os.chown(store.tree, -1 if cfg.root_uid is None else cfg.root_uid,
+                     -1 if cfg.root_gid is None else cfg.root_gid)
+        if cfg.root_mode is not None:
+            os.chmod(store.tree, cfg.root_mode)
+    except OSError as exc:
+        raise StartupError(f"cannot set the owner or mode of the mount root: "
+                           f"{exc.strerror}") from None
+
+
+def mount_options(cfg: MountConfig) -> set[str]:
+    """FUSE options for both ways of mounting (pyfuse3's, and our own for passthrough)."""
+    return set(pyfuse3.default_options) | ({"allow_other"} if cfg.allow_other else set())
+
+
+def trusted_uids(cfg: MountConfig) -> frozenset[int]:
+    """Who may commit, prefetch and verify through the control socket (see control)."""
+    return frozenset({0, os.getuid()} | ({cfg.root_uid} if cfg.root_uid is not None else set()))
+
+
 def _clear_dead_mounts(mountpoint: Path) -> list[str]:
     """Lazily unmount what a killed tierfs daemon left at `mountpoint` (every access to it
     fails with ENOTCONN, so nothing can use it); refuse any live or foreign mount there."""
@@ -215,6 +238,7 @@ def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
             ready.warn(warning)
         store = RamStore(cfg.ram_dir, cfg.ram_limit)
         store.acquire()
+        _set_root_directory(cfg, store)
     except (StartupError, RamDirBusy) as exc:
         ready.fail(str(exc))
         return 1
@@ -257,8 +281,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         await _adopt_stored_steps(namespace, uploader)
     source = mount_source(cfg.ram_dir)  # names the RAM dir: the command line finds us by it
     device = _open_passthrough(cfg, source)
-    operations = Operations(namespace, str(cfg.control_socket), device)
-    options = set(pyfuse3.default_options) | {f"fsname={source}", "subtype=tierfs"}
+    operations = Operations(namespace, cfg.control_socket, device)
+    options = mount_options(cfg) | {f"fsname={source}", "subtype=tierfs"}
     try:
         pyfuse3.init(operations, device.library_mountpoint if device else str(cfg.mountpoint),
                      options)
@@ -283,7 +307,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             if cluster is not None:
                 await cluster.start(nursery)
             nursery.start_soon(_run_fuse, nursery.cancel_scope, namespace)
-            await nursery.start(control.serve, str(cfg.control_socket), daemon.handle)
+            await nursery.start(control.serve, cfg.control_socket, daemon.handle,
+                                trusted_uids(cfg))
             nursery.start_soon(daemon.consume_commits, commits_recv)
             if uploader is not None:
                 nursery.start_soon(uploader.run)
@@ -301,8 +326,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         pyfuse3.close(unmount=device is None and is_mounted(cfg.mountpoint))
         if device is not None:
             device.close()
-        with contextlib.suppress(FileNotFoundError):
-            cfg.control_socket.unlink()
+        control.remove(cfg.control_socket)
 
 
 async def _retry_pending_commits(namespace: Namespace) -> None:
@@ -363,7 +387,7 @@ def _open_passthrough(cfg: MountConfig, source: str) -> PassthroughDevice | None
     if not cfg.passthrough:
         return None
     try:
-        return PassthroughDevice(str(cfg.mountpoint), sorted(pyfuse3.default_options), source)
+        return PassthroughDevice(str(cfg.mountpoint), sorted(mount_options(cfg)), source)
     except PassthroughUnavailable as exc:
         log.info("FUSE passthrough unavailable (%s): file data goes through the daemon", exc)
         return None

@@ -1,0 +1,140 @@
+"""Other users: a daemon run by root with --allow-other --uid USER serves a job running as
+USER (torch.save and a DCP save and load), and `tierfs status`/`flush` work for that user and
+for any other; only root, the daemon's user and the root's owner may commit. (Without
+--allow-other other users get EACCES: tests/faults/test_permissions.py.)
+
+The users are real ones, made with useradd and removed with userdel -r. Their processes run
+with `runuser`, in a mount namespace of their own where the interpreter is reachable: it may
+live under a directory they cannot enter (/root/.pyenv); the tierfs mount is seen there as it
+is outside, since the namespace is a copy taken after mounting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MountFactory
+
+WORKTREE = Path(__file__).resolve().parent.parent
+RunAs = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    """A directory every user may enter (pytest's tmp dirs are 0700)."""
+    path = Path("/tmp") / f"tierfs-users-{uuid.uuid4().hex[:12]}"
+    path.mkdir()
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        for child in path.iterdir():
+            subprocess.run(["fusermount3", "-u", "-z", str(child)], capture_output=True)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def trainer(public_dir: Path) -> Iterator[str]:
+    """A fresh unprivileged user, unique to this run."""
+    name = f"tfs{uuid.uuid4().hex[:8]}"
+    subprocess.run(["useradd", "-m", "-d", str(public_dir / f"home-{name}"), "-s",
+                    "/usr/sbin/nologin", name], check=True, capture_output=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["userdel", "-r", name], capture_output=True)
+
+
+def _blocked_ancestor(path: Path) -> tuple[Path, str] | None:
+    """The first directory on `path` that others cannot enter, and the name under it."""
+    for parent in reversed(path.parents):
+        if parent != path.parents[-1] and not parent.stat().st_mode & stat.S_IXOTH:
+            return parent, path.relative_to(parent).parts[0]
+    return None
+
+
+@pytest.fixture
+def run_as(public_dir: Path) -> RunAs:
+    """Run `python ARGS` as a user, as `runuser -u USER -- python ...`."""
+    python = Path(sys.executable)
+    blocked = _blocked_ancestor(python.resolve())
+    shim = public_dir / "shim"
+
+    def run(user: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        command = ["runuser", "-u", user, "--", "env", f"PYTHONPATH={WORKTREE}",
+                   str(python), *args]
+        if blocked is not None:
+            # In a private mount namespace, an enterable copy of the blocked directory that
+            # holds only the one entry on the interpreter's path.
+            directory, name = blocked
+            (shim / name).mkdir(parents=True, exist_ok=True)
+            shim.chmod(0o755)
+            script = (f"mount --bind {directory / name} {shim / name} && "
+                      f"mount --rbind {shim} {directory} && exec \"$@\"")
+            command = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                       script, "sh", *command]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240,
+                              cwd=public_dir)
+        if check:
+            assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    return run
+
+
+def test_a_job_as_another_user_checkpoints_through_a_root_mount(
+        public_dir: Path, trainer: str, run_as: RunAs, mounts: MountFactory) -> None:
+    mountpoint = public_dir / "checkpoints"
+    mountpoint.mkdir(mode=0o755)
+    mnt = mounts.mount("--allow-other", "--uid", trainer, mountpoint=mountpoint)
+    user = pwd.getpwnam(trainer)
+    root = os.stat(mnt.mountpoint)
+    assert (root.st_uid, root.st_gid) == (user.pw_uid, user.pw_gid)
+
+    done = run_as(trainer, str(WORKTREE / "tests" / "user_job.py"), str(mnt / "run"))
+    assert f"ok uid={user.pw_uid}" in done.stdout
+    for relative in ("run", "run/step_100/model.pt", "run/step_200/.metadata"):
+        assert os.stat(mnt / relative).st_uid == user.pw_uid, relative
+    assert mnt.step("run/step_200")["state"] == "committed"
+
+    # status and flush as that user, through the control socket its xattr names
+    status = json.loads(run_as(trainer, "-m", "tierfs", "status", str(mnt.mountpoint),
+                               "--json").stdout)
+    assert status["pid"] == mnt.pid
+    assert {s["path"] for s in status["steps"]} >= {"run/step_100", "run/step_200"}
+    flushed = run_as(trainer, "-m", "tierfs", "flush", str(mnt.mountpoint))
+    assert "nothing to flush" in flushed.stdout
+    # the root's owner may commit
+    run_as(trainer, "-m", "tierfs", "commit", str(mnt / "run/step_100"))
+    assert mnt.step("run/step_100")["state"] == "committed"
+
+
+def test_other_users_may_only_read_status(public_dir: Path, trainer: str, run_as: RunAs,
+                                          mounts: MountFactory) -> None:
+    mountpoint = public_dir / "shared"
+    mountpoint.mkdir(mode=0o755)
+    mnt = mounts.mount("--allow-other", "--root-mode", "1777", mountpoint=mountpoint)
+    assert stat.S_IMODE(os.stat(mnt.mountpoint).st_mode) == 0o1777
+    (mnt / "run/step_5").mkdir(parents=True)
+    (mnt / "run/step_5/a.bin").write_bytes(b"x" * 1000)
+    status = json.loads(run_as(trainer, "-m", "tierfs", "status", str(mnt.mountpoint),
+                               "--json").stdout)
+    assert status["steps"][0]["path"] == "run/step_5"
+    refused = run_as(trainer, "-m", "tierfs", "commit", str(mnt / "run/step_5"), check=False)
+    assert refused.returncode == 1
+    assert "permission denied" in refused.stderr and "Traceback" not in refused.stderr
+    assert mnt.step("run/step_5")["state"] == "writing"
+    # the sticky, world-writable root lets the user make a directory of its own
+    run_as(trainer, "-c", f"import os; os.mkdir({str(mnt / 'mine')!r})")
+    assert os.stat(mnt / "mine").st_uid == pwd.getpwnam(trainer).pw_uid
