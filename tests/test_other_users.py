@@ -4,9 +4,10 @@ for any other; only root, the daemon's user and the root's owner may commit. (Wi
 --allow-other other users get EACCES: tests/faults/test_permissions.py.)
 
 The users are real ones, made with useradd and removed with userdel -r. Their processes run
-with `runuser`, in a mount namespace of their own where the interpreter is reachable: it may
-live under a directory they cannot enter (/root/.pyenv); the tierfs mount is seen there as it
-is outside, since the namespace is a copy taken after mounting.
+with `runuser`, in a mount namespace of their own where the interpreter and the checkout are
+reachable: they may live under directories they cannot enter (/root/.pyenv, a 0700 temp dir);
+the tierfs mount is seen there as it is outside, since the namespace is a copy taken after
+mounting.
 """
 
 from __future__ import annotations
@@ -56,32 +57,41 @@ def trainer(public_dir: Path) -> Iterator[str]:
         subprocess.run(["userdel", "-r", name], capture_output=True)
 
 
-def _blocked_ancestor(path: Path) -> tuple[Path, str] | None:
-    """The first directory on `path` that others cannot enter, and the name under it."""
-    for parent in reversed(path.parents):
-        if parent != path.parents[-1] and not parent.stat().st_mode & stat.S_IXOTH:
-            return parent, path.relative_to(parent).parts[0]
-    return None
+def _blocked_ancestors(paths: list[Path]) -> dict[Path, set[str]]:
+    """Every directory on these paths that others cannot enter, with the names under it that
+    the paths go through."""
+    blocked: dict[Path, set[str]] = {}
+    for path in paths:
+        for parent in reversed(path.parents):
+            if parent != path.parents[-1] and not parent.stat().st_mode & stat.S_IXOTH:
+                blocked.setdefault(parent, set()).add(path.relative_to(parent).parts[0])
+    return blocked
 
 
 @pytest.fixture
 def run_as(public_dir: Path) -> RunAs:
     """Run `python ARGS` as a user, as `runuser -u USER -- python ...`."""
     python = Path(sys.executable)
-    blocked = _blocked_ancestor(python.resolve())
-    shim = public_dir / "shim"
+    # The interpreter (/root/.pyenv), the venv and this checkout (a clone in a 0700 temp dir)
+    # may each lie under a directory the user cannot enter.
+    blocked = _blocked_ancestors([python.resolve(), python, WORKTREE])
 
     def run(user: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         command = ["runuser", "-u", user, "--", "env", f"PYTHONPATH={WORKTREE}",
                    str(python), *args]
-        if blocked is not None:
-            # In a private mount namespace, an enterable copy of the blocked directory that
-            # holds only the one entry on the interpreter's path.
-            directory, name = blocked
-            (shim / name).mkdir(parents=True, exist_ok=True)
-            shim.chmod(0o755)
-            script = (f"mount --bind {directory / name} {shim / name} && "
-                      f"mount --rbind {shim} {directory} && exec \"$@\"")
+        if blocked:
+            # In a private mount namespace, each blocked directory is covered by an enterable
+            # one that holds only the entries on those paths (bound first, covered outermost
+            # first, so that inner ones are reached through the outer covers).
+            binds, covers = [], []
+            for index, (directory, names) in enumerate(sorted(blocked.items())):
+                shim = public_dir / f"shim{index}"
+                for name in names:
+                    (shim / name).mkdir(parents=True, exist_ok=True)
+                    binds.append(f"mount --bind '{directory / name}' '{shim / name}'")
+                shim.chmod(0o755)
+                covers.append(f"mount --rbind '{shim}' '{directory}'")
+            script = " && ".join([*binds, *covers, 'exec "$@"'])
             command = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
                        script, "sh", *command]
         done = subprocess.run(command, capture_output=True, text=True, timeout=240,
