@@ -102,3 +102,19 @@ def test_config_file_mistakes_are_one_line(tmp_path: Path) -> None:
     config.write_text('foreground = "no"\n')
     assert_one_line_error(tierfs("mount", str(tmp_path), "--config", str(config), check=False),
                           "foreground must be true or false")
+
+
+def test_flush_names_the_steps_that_are_not_committed(mounts: MountFactory,
+                                                      tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}")
+    write_step(mnt / "run/step_1", {"__0_0.distcp": b"shard"})
+    (mnt / "run/step_2").mkdir()
+    with open(mnt / "run/step_2/model.pt", "wb") as writer:  # a save still going on
+        writer.write(b"weights")
+        done = tierfs("flush", str(mnt.mountpoint))
+    assert "every committed step is in" in done.stdout
+    assert "1 steps are not committed" in done.stderr and "run/step_2" in done.stderr, \
+        done.stderr
+    assert "run/step_1" not in done.stderr

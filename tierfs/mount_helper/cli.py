@@ -288,6 +288,7 @@ def _flush(mountpoint: str, timeout: float | None) -> int:
         persist = status.get("persist")
         if persist is None:
             print("no persistent tier is configured (--persist): nothing to flush")
+            _warn_uncommitted(status)
             return 0
         steps, pending = persist["pending_steps"], persist["pending_bytes"]
         first_bytes = pending if first_bytes is None else max(first_bytes, pending)
@@ -298,6 +299,7 @@ def _flush(mountpoint: str, timeout: float | None) -> int:
             flushed = (f"{human_bytes(first_bytes)} flushed in {elapsed:.1f} s" if first_bytes
                        else "nothing was waiting")
             print(f"every committed step is in {persist['url']} ({flushed})")
+            _warn_uncommitted(status)
             return 0
         if timeout is not None and elapsed > timeout:
             if on_terminal:
@@ -315,6 +317,18 @@ def _flush(mountpoint: str, timeout: float | None) -> int:
             last_report = time.monotonic()
             print(f"flushing: {steps} steps ({human_bytes(pending)}) left", flush=True)
         time.sleep(0.2)
+
+
+def _warn_uncommitted(status: dict[str, Any]) -> None:
+    """Steps still being written are in no tier but this node's RAM: say which."""
+    writing = [step for step in status["steps"] if step["state"] != "committed"]
+    if writing:
+        names = ", ".join(
+            step["path"] + (f" (waits for {step['waiting_for']})" if step.get("waiting_for")
+                            else "") for step in writing[:5])
+        more = f" and {len(writing) - 5} more" if len(writing) > 5 else ""
+        print(f"tierfs: {len(writing)} steps are not committed, so only in this node's RAM: "
+              f"{names}{more}", file=sys.stderr)
 
 
 def _prefetch(path: str) -> int:
