@@ -156,6 +156,21 @@ def mnt(mounts: MountFactory) -> Mount:
     return mounts.mount()
 
 
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    """A directory every user may enter (pytest's tmp dirs are 0700), removed after the
+    mounts in it are gone (request it before `mounts`)."""
+    path = Path("/tmp") / f"tierfs-public-{uuid.uuid4().hex[:12]}"
+    path.mkdir()
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        for child in path.iterdir():
+            subprocess.run(["fusermount3", "-u", "-z", str(child)], capture_output=True)
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def getxattr(path: Path | str, name: str) -> str:
     return os.getxattr(path, name).decode()
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import stat
 import subprocess
 import sys
@@ -29,20 +28,6 @@ from tests.conftest import MountFactory
 
 WORKTREE = Path(__file__).resolve().parent.parent
 RunAs = Callable[..., subprocess.CompletedProcess[str]]
-
-
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A directory every user may enter (pytest's tmp dirs are 0700)."""
-    path = Path("/tmp") / f"tierfs-users-{uuid.uuid4().hex[:12]}"
-    path.mkdir()
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        for child in path.iterdir():
-            subprocess.run(["fusermount3", "-u", "-z", str(child)], capture_output=True)
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

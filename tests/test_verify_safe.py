@@ -31,13 +31,19 @@ def object_of(mnt: Mount, path: Path) -> Path:
     return mnt.ram_dir / "objects" / getxattr(path, "user.tierfs.xxh3")
 
 
-def test_no_repair_changes_nothing(mounts: MountFactory, tmp_path: Path) -> None:
+def persisted_step(mounts: MountFactory, tmp_path: Path) -> tuple[Mount, Path, bytes]:
+    """A mount with a file:// store holding run/step_1 (one 3 MiB shard), flushed."""
     store = tmp_path / "store"
     store.mkdir()
     mnt = mounts.mount("--persist", f"file://{store}")
     data = os.urandom(3 << 20)
     save(mnt / "run/step_1", {SHARD: data, ".metadata": b"m"})
     tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    return mnt, store, data
+
+
+def test_no_repair_changes_nothing(mounts: MountFactory, tmp_path: Path) -> None:
+    mnt, store, data = persisted_step(mounts, tmp_path)
     obj = object_of(mnt, mnt / "run/step_1" / SHARD)
     flip_byte(obj, 1000)
     bad = obj.read_bytes()
@@ -60,12 +66,7 @@ def test_repair_comes_only_from_a_verified_copy(mounts: MountFactory, tmp_path: 
     """A RAM copy and a store copy that agree with each other but not with the manifest (a
     wrong seal, or the same bytes damaged twice): neither replaces the other, the RAM copy's
     bytes are kept and reported, and a verified copy, once there, repairs it."""
-    store = tmp_path / "store"
-    store.mkdir()
-    mnt = mounts.mount("--persist", f"file://{store}")
-    data = os.urandom(3 << 20)
-    save(mnt / "run/step_1", {SHARD: data, ".metadata": b"m"})
-    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    mnt, store, data = persisted_step(mounts, tmp_path)
     flip_byte(object_of(mnt, mnt / "run/step_1" / SHARD), 5)
     flip_byte(store / "run/step_1" / SHARD, 5)
     damaged = (store / "run/step_1" / SHARD).read_bytes()

@@ -8,12 +8,10 @@ other-only bits, and the accepted 0400/0600.) Counts go to tests/faults/results/
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import subprocess
 import sys
 import textwrap
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,21 +28,6 @@ CHECKS: dict[str, int] = {"refusals_checked": 0, "accesses_checked": 0}
 def counts() -> Iterator[dict[str, int]]:
     yield CHECKS
     report("permissions", CHECKS)
-
-
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A directory every user may traverse (pytest's tmp dirs are 0700), removed after the
-    mounts in it are gone (request it before `mounts`)."""
-    path = Path("/tmp") / f"tierfs-perm-{uuid.uuid4().hex[:12]}"
-    path.mkdir(mode=0o755)
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        for child in path.iterdir():
-            subprocess.run(["fusermount3", "-u", "-z", str(child)], capture_output=True)
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def run_as(prefix: list[str], code: str) -> dict[str, str]:
