@@ -1039,14 +1039,11 @@ class Namespace(Recovery, Residency, OtherTiers, QuietCommits):
         if node.parent is not None and node.parent.children.get(node.name) is node:
             del node.parent.children[node.name]
         node.parent = None
-        stack = [node]
-        while stack:  # directories held open for long paths, in what leaves the tree
-            gone = stack.pop()
-            if gone.anchor_fd >= 0:
-                os.close(gone.anchor_fd)
-                gone.anchor_fd = -1
-            if gone.children:
-                stack.extend(c for c in gone.children.values() if c.is_dir)
+        if node.is_dir:  # directories held open for long paths, in what leaves the tree
+            for gone in (node, *self._dirs_under(node)):
+                if gone.anchor_fd >= 0:
+                    os.close(gone.anchor_fd)
+                    gone.anchor_fd = -1
         self._maybe_drop(node)
 
     def _maybe_drop(self, node: Node) -> None:
