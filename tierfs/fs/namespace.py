@@ -55,6 +55,7 @@ from tierfs.fs.nodes import (
     RemoteAttrs,
     Seal,
     StepState,
+    some_names,
 )
 from tierfs.fs.other_tiers import OtherTiers
 from tierfs.fs.quiet_commits import QuietCommits
@@ -655,9 +656,9 @@ class Namespace(Recovery, Residency, OtherTiers, QuietCommits):
         if manifest is None:
             missing = await self.missing_dcp_files(node)
             if missing:
-                names = ", ".join(sorted(missing)[:5]) + (", ..." if len(missing) > 5 else "")
                 raise FsError(errno.EAGAIN, f"{relpath} is not complete: its .metadata names "
-                              f"{len(missing)} files that are not there yet ({names}); it "
+                              f"{len(missing)} files that are not there yet "
+                              f"({some_names(missing)}); it "
                               "commits by itself when they are")
             raise FsError(errno.EAGAIN, f"{relpath} could not commit yet (see the log)")
         return manifest

@@ -36,6 +36,11 @@ XATTR_XXH3 = b"user.tierfs.xxh3"
 XATTR_RESERVED = b"user.tierfs."  # tierfs's own attributes: read-only for users
 
 
+def some_names(names: set[str], most: int = 5) -> str:
+    """The first `most` of `names` in order, for a message: `a, b, c, ...`."""
+    return ", ".join(sorted(names)[:most]) + (", ..." if len(names) > most else "")
+
+
 class FsError(Exception):
     """A refusal with a POSIX errno; translated to FUSEError at the Operations boundary."""
 

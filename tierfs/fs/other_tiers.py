@@ -27,6 +27,7 @@ from tierfs.fs.nodes import (
     Node,
     Seal,
     StepState,
+    some_names,
 )
 
 log = logging.getLogger(__name__)
@@ -439,7 +440,7 @@ class OtherTiers:
         step_path = self.relpath(step_node)
         if self.collect_sealed is None:
             log.info("commit of %s waits for %s, named by its .metadata", step_path,
-                     ", ".join(sorted(missing)[:5]) + (", ..." if len(missing) > 5 else ""))
+                     some_names(missing))
             return False
         found = await self.collect_sealed(step_path, missing)
         if set(found) != missing:
