@@ -16,9 +16,11 @@ from functools import cached_property
 import msgpack
 import xxhash
 
+from tierfs import reserved
+
 FORMAT_VERSION = 1
-MANIFEST_NAME = ".tierfs-manifest"
-RESERVED_PREFIX = ".tierfs-"  # tierfs's own names: never a user's file, in any tier
+MANIFEST_NAME = reserved.MANIFEST
+RESERVED_PREFIX = reserved.PREFIX  # tierfs's own names: never a user's file, in any tier
 # Files are also hashed per chunk (xxh3-64) so that a range fetched from another tier can be
 # checked before it is returned, long before the whole file's xxh3-128 can be.
 CHUNK_SIZE = 8 << 20

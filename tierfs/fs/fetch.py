@@ -19,11 +19,12 @@ from typing import Protocol
 import trio
 
 from tierfs import manifest as mf
+from tierfs import reserved
 from tierfs.fs.ram_store import RamFull, RamStore
 
 log = logging.getLogger(__name__)
 
-PART_PREFIX = ".tierfs-part-"
+PART_PREFIX = reserved.PART
 READ_AHEAD = 4  # chunks fetched ahead of a sequential reader
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import trio
 
 from tierfs import manifest as mf
+from tierfs import reserved
 from tierfs.fs.fetch import Fetch, RemoteFile
 from tierfs.fs.latest_pins import Pin
 
@@ -18,9 +19,9 @@ ROOT_INODE = 1
 LATEST = b"latest"
 METADATA = b".metadata"
 MANIFEST = mf.MANIFEST_NAME.encode()
-PERSISTED_MARK = b".tierfs-persisted"  # "<version> persisted|retired": the persistent tier's state
-REPLICAS_MARK = b".tierfs-replicas"  # "<version> <node id>...": peers that hold this version
-PEERS_MARK = b".tierfs-peers"  # "<version> <node id>...": a step learned from peers that hold it
+PERSISTED_MARK = reserved.PERSISTED.encode()
+REPLICAS_MARK = reserved.REPLICAS.encode()
+PEERS_MARK = reserved.PEERS.encode()
 NAME_MAX = 255
 # What trainers name their step directories: step_100, step-100, global_step100 (DeepSpeed),
 # checkpoint-500 (HF Trainer), iter_0000100 (Megatron-LM), ckpt_7, 100 (Orbax); not run11,

@@ -31,15 +31,18 @@ from pathlib import Path
 
 import trio
 
+from tierfs import reserved
+
 log = logging.getLogger(__name__)
 
-TMP_PREFIX = ".tierfs-tmp-"
-TRASH_PREFIX = ".tierfs-trash-"  # in objects/: removed by collect_garbage if left by a crash
+TMP_PREFIX = reserved.TMP
+# In objects/: removed by collect_garbage if left by a crash.
+TRASH_PREFIX = reserved.TRASH
 # Unlinking a tmpfs file frees its pages there and then: about 0.2 s per GiB. Files bigger than
 # this are renamed away at once and unlinked in a worker thread, so that no handler waits.
 BIG_UNLINK = 16 << 20
 _unique = itertools.count()
-RESERVED_PREFIX = b".tierfs-"
+RESERVED_PREFIX = reserved.PREFIX.encode()
 
 
 class RamDirBusy(Exception):
@@ -271,8 +274,8 @@ class RamStore:
         removed = 0
         for _dirpath, _dirs, files, dir_fd in os.fwalk(self.tree):
             for name in files:
-                if name.startswith(TMP_PREFIX) or (name.startswith(".tierfs-")
-                                                   and name.endswith(".tmp")):
+                if name.startswith(TMP_PREFIX) or (name.startswith(reserved.PREFIX)
+                                                   and name.endswith(reserved.TEMP_SUFFIX)):
                     os.unlink(name, dir_fd=dir_fd)
                     removed += 1
         return removed

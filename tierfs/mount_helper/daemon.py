@@ -21,6 +21,7 @@ import pyfuse3
 import trio
 
 from tierfs import manifest as mf
+from tierfs import reserved
 from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.nodes import FsError
@@ -114,7 +115,7 @@ def preflight(cfg: MountConfig) -> list[str]:
         raise StartupError("/dev/fuse is not readable and writable by this user")
     try:
         cfg.ram_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        probe = cfg.ram_dir / f".tierfs-probe-{os.getpid()}"
+        probe = cfg.ram_dir / f"{reserved.PROBE}{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:

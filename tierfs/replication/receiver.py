@@ -18,12 +18,13 @@ from typing import Protocol
 import trio
 
 from tierfs import manifest as mf
+from tierfs import reserved
 from tierfs.replication import protocol as proto
 from tierfs.replication.channel import PeerChannel
 
 log = logging.getLogger(__name__)
 
-INCOMING_PREFIX = ".tierfs-incoming-"
+INCOMING_PREFIX = reserved.INCOMING
 
 
 class Space(Protocol):

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-MANIFEST_KEY = ".tierfs-manifest"
+from tierfs import reserved
+
+MANIFEST_KEY = reserved.MANIFEST
 
 
 class BackendError(Exception):
@@ -93,9 +95,10 @@ class FileBackend(Backend):
     store (marked by STORE_MARK), since the store's contents are listed and incomplete uploads
     removed: `file:///` or a home directory is refused rather than walked and pruned."""
 
-    TMP_PREFIX = ".tierfs-upload-"  # short, whatever the length of the name it becomes
-    OLD_TMP_SUFFIX = ".tierfs-upload"  # `<name>.<pid>.tierfs-upload`, left by older versions
-    STORE_MARK = ".tierfs-store"
+    TMP_PREFIX = reserved.UPLOAD + "-"  # short, whatever the length of the name it becomes
+    # `<name>.<pid>.tierfs-upload`, left by older versions
+    OLD_TMP_SUFFIX = reserved.UPLOAD
+    STORE_MARK = reserved.STORE
     DIR_MODE, FILE_MODE = 0o755, 0o644
     LEGACY_SCAN = 4, 2000  # depth and entries searched for the manifests of an older store
 

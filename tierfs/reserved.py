@@ -1,0 +1,19 @@
+"""Names tierfs keeps for itself, spelled once: inside a step directory, in the RAM dir and in
+the persistent tier. Every one starts with PREFIX, which the mount never shows and users can
+never create (`fs.ram_store.is_reserved`). No imports: the CLI, the manifest codec and the
+backends all use these without pulling in the file system."""
+
+PREFIX = ".tierfs-"
+
+MANIFEST = PREFIX + "manifest"    # a step's committed manifest (RAM tier and persistent tier)
+PERSISTED = PREFIX + "persisted"  # "<version> persisted|retired": the persistent tier's state
+REPLICAS = PREFIX + "replicas"    # "<version> <node id>...": peers that hold this version
+PEERS = PREFIX + "peers"          # "<version> <node id>...": a step learned from peers
+TMP = PREFIX + "tmp-"             # a file on its way into place (removed at start)
+PART = PREFIX + "part-"           # a file being fetched from another tier
+INCOMING = PREFIX + "incoming-"   # a replica's file being received from a peer
+TRASH = PREFIX + "trash-"         # an object on its way out (removed at start)
+UPLOAD = PREFIX + "upload"        # an upload to a file:// persistent tier under way
+STORE = PREFIX + "store"          # marks the root of a persistent tier
+PROBE = PREFIX + "probe-"         # the start-up check that the RAM dir is writable
+TEMP_SUFFIX = ".tmp"              # a reserved file written beside its final name
