@@ -30,8 +30,7 @@ class Harness:
         self.store = RamStore(root, limit)
         self.store.acquire()
         self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
-        self.ns = Namespace(self.store, self.send, node_id="n0")
-        self.ns.load()
+        self.ns = Namespace.standalone(self.store, self.send, node_id="n0")
         self.ops = Operations(self.ns)
 
     def close(self) -> None:

@@ -66,10 +66,10 @@ class Tombstone:
 class Deletes:
     """The tombstones of one RAM dir, on disk and in memory."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, targets: list[str] | None = None) -> None:
         self.directory = directory
-        # What a delete made on this node must clean (set by the daemon's wiring).
-        self.targets: list[str] = []
+        # What a delete made on this node must clean: `persist`, `peer:<id>` (from the config).
+        self.targets: list[str] = list(targets or [])
         self.changed = trio.Event()
         self._tombs: dict[str, Tombstone] = {}
         directory.mkdir(mode=0o700, exist_ok=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -84,9 +85,11 @@ async def fetch_chunk(sources: list[ReadSource], remote: RemoteFile, index: int)
 class Fetch:
     """The partial copy of one non-resident file in the RAM store, filled chunk by chunk."""
 
-    def __init__(self, store: RamStore, remote: RemoteFile) -> None:
+    def __init__(self, store: RamStore, remote: RemoteFile,
+                 spawn: Callable[..., None] = trio.lowlevel.spawn_system_task) -> None:
         self.store = store
         self.remote = remote
+        self._spawn = spawn  # read-ahead runs under the namespace's owner (fs.background)
         count = mf.chunk_count(remote.entry.size)
         self.present = [False] * count
         self._inflight: dict[int, trio.Event] = {}
@@ -132,7 +135,7 @@ class Fetch:
         is usually read to its end, and one chunk at a time would wait on every round trip."""
         for index in range(start, min(start + READ_AHEAD, len(self.present))):
             if not self.present[index] and index not in self._inflight:
-                trio.lowlevel.spawn_system_task(self._fetch_ahead, sources, index)
+                self._spawn(self._fetch_ahead, sources, index)
 
     async def _fetch_ahead(self, sources: list[ReadSource], index: int) -> None:
         try:

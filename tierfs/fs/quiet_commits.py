@@ -8,11 +8,12 @@ when a checkpoint is complete. A step being written therefore commits by itself 
   directory): the older one is done, so it commits at once if no file of it is open for writing,
 * the file system is unmounted cleanly (every quiet step commits before the daemon exits).
 
-Only steps changed while this daemon runs are watched (`_quiet`, step node -> when it is due),
-so the work is proportional to the steps being written, never a scan of the tree. A step left
-`writing` by a crash is not committed by these rules (it may be partial); writing into it again,
-or `tierfs commit`, does. A step holding DCP shards (`*.distcp`) waits for its `.metadata`, the
-end of a DCP save, which stays the immediate trigger. A mixin of Namespace.
+Only steps changed while this daemon runs are watched (`QuietWatch`, step node -> when it is
+due), so the work is proportional to the steps being written, never a scan of the tree. The
+`Tree` tells the watch of every change (the `StepWatch` port); `QuietCommits` runs the commits
+through `Commits`. A step left `writing` by a crash is not committed by these rules (it may be
+partial); writing into it again, or `tierfs commit`, does. A step holding DCP shards
+(`*.distcp`) waits for its `.metadata`, the end of a DCP save, which stays the immediate trigger.
 """
 
 from __future__ import annotations
@@ -24,87 +25,96 @@ from collections.abc import Iterator
 
 import trio
 
+from tierfs.fs.commits import Commits
 from tierfs.fs.nodes import METADATA, Node
+from tierfs.fs.tree import Tree
 
 log = logging.getLogger(__name__)
 
 DCP_SHARD_SUFFIX = b".distcp"
 
 
-class QuietCommits:
-    """The watch over steps being written, and the commits it makes."""
+class QuietWatch:
+    """The steps being written and when each is due to commit (the Tree's `StepWatch`)."""
 
-    commit_idle: float
-    _quiet: dict[Node, float]
-    _quiet_wake: trio.Event
+    def __init__(self, commit_idle: float = 5.0) -> None:
+        self.commit_idle = commit_idle
+        self.due: dict[Node, float] = {}
+        self.wake = trio.Event()
 
-    def _touch(self, step_node: Node) -> None:
+    def touch(self, step_node: Node) -> None:
         """`step_node` changed: it commits `commit_idle` seconds after its last change."""
-        if step_node not in self._quiet:
-            self._quiet_wake.set()  # a new deadline: the watch may be asleep until a later one
-        self._quiet[step_node] = time.monotonic() + self.commit_idle
+        if step_node not in self.due:
+            self.wake.set()  # a new deadline: the watch may be asleep until a later one
+        self.due[step_node] = time.monotonic() + self.commit_idle
 
-    def _touch_enclosing(self, node: Node | None) -> None:
-        for step_node in self._enclosing_steps(node):
-            self._touch(step_node)
-
-    def _next_step_started(self, step_node: Node) -> None:
+    def step_started(self, step_node: Node) -> None:
         """A saver made `step_node`: the older steps beside it that it was writing are done."""
         number = step_node.step.number
         for sibling in step_node.parent.children.values():
-            if (sibling in self._quiet and sibling.step is not None
+            if (sibling in self.due and sibling.step is not None
                     and sibling.step.number < number):
-                self._quiet[sibling] = 0.0
-                self._quiet_wake.set()
+                self.due[sibling] = 0.0
+                self.wake.set()
+
+    def due_steps(self, now: float) -> Iterator[Node]:
+        for step_node, due in list(self.due.items()):
+            if due <= now and self.due.get(step_node) == due:
+                yield step_node
+
+
+class QuietCommits:
+    """Commits each watched step once it is due and quiet."""
+
+    def __init__(self, tree: Tree, watch: QuietWatch, commits: Commits) -> None:
+        self.tree = tree
+        self.watch = watch
+        self.commits = commits
 
     def _not_quiet(self, step_node: Node) -> str | None:
         """Why `step_node` may not commit by itself now, or None if it may."""
         children = step_node.children
         if METADATA not in children and any(n.endswith(DCP_SHARD_SUFFIX) for n in children):
             return "its .metadata (a DCP save in progress or interrupted)"
-        for _rel, node in self._files_under(step_node):
+        for _rel, node in self.tree.files_under(step_node):
             if node.active_writers or any(h.writable for h in node.handles):
                 return "open writers"
         return None
 
-    def _due_steps(self, now: float) -> Iterator[Node]:
-        for step_node, due in list(self._quiet.items()):
-            if due <= now and self._quiet.get(step_node) == due:
-                yield step_node
-
-    async def run_quiet_commits(self) -> None:
+    async def run(self) -> None:
         """The daemon's background task: commit each step once it is due and quiet."""
+        watch = self.watch
         while True:
-            self._quiet_wake = trio.Event()
-            for step_node in self._due_steps(time.monotonic()):
+            watch.wake = trio.Event()
+            for step_node in watch.due_steps(time.monotonic()):
                 await self._commit_if_quiet(step_node)
-            due = min(self._quiet.values(), default=math.inf)
+            due = min(watch.due.values(), default=math.inf)
             with trio.move_on_after(max(0.0, due - time.monotonic())):
-                await self._quiet_wake.wait()
+                await watch.wake.wait()
 
     async def _commit_if_quiet(self, step_node: Node) -> bool:
         """Commit `step_node` if nothing writes it; otherwise look again later."""
         step = step_node.step
         if step is None or step_node.parent is None or step.committed:
-            self._quiet.pop(step_node, None)  # removed, renamed away, or committed meanwhile
+            self.watch.due.pop(step_node, None)  # removed, renamed away, or committed meanwhile
             return False
         reason = self._not_quiet(step_node)
         if reason is not None:
             if reason != "open writers":
-                step.waiting_for = reason
-            self._touch(step_node)
+                self.tree.note_waiting(step, reason)
+            self.watch.touch(step_node)
             return False
-        del self._quiet[step_node]
-        await self._commit_quietly(step_node)
+        del self.watch.due[step_node]
+        await self.commits.commit_quietly(step_node)
         return True
 
     async def commit_quiet_steps(self) -> None:
         """At a clean unmount: every quiet step being written commits now, instead of being
         left `writing` (and its files thrown away at the next start if it was a re-save)."""
         committed = 0
-        for step_node in list(self._quiet):
+        for step_node in list(self.watch.due):
             committed += await self._commit_if_quiet(step_node)
-        left = [self.relpath(n) for n in self._quiet if n.step is not None and n.parent]
+        left = [self.tree.relpath(n) for n in self.watch.due if n.step is not None and n.parent]
         if committed or left:
             log.info("unmount: %d steps committed; %d left writing%s", committed, len(left),
                      f" ({', '.join(sorted(left)[:5])})" if left else "")

@@ -272,7 +272,13 @@ class RamStore:
 
     def remove_tmp_files(self) -> int:
         removed = 0
-        for _dirpath, _dirs, files, dir_fd in os.fwalk(self.tree):
+        for dirpath, dirs, files, dir_fd in os.fwalk(self.tree):
+            for name in [d for d in dirs if d.startswith(TMP_PREFIX)]:
+                # A step directory set aside to be removed (Tree.forget_step) when a crash
+                # cut its removal short.
+                dirs.remove(name)
+                shutil.rmtree(os.path.join(dirpath, name))
+                removed += 1
             for name in files:
                 if name.startswith(TMP_PREFIX) or (name.startswith(reserved.PREFIX)
                                                    and name.endswith(reserved.TEMP_SUFFIX)):

@@ -24,7 +24,11 @@ checked chunk by chunk and whole; an empty file needs another tier to confirm it
 empty), never from a copy merely different from a bad one. `--no-repair` reports and changes
 nothing: not this node's RAM, not a peer's copy, not the persistent tier.
 
-The tiers are injected (`PeerCopies`, `PersistCopies`): `fs` imports neither.
+The tiers are injected (`PeerCopies`, `PersistCopies`, from `fs.ports`): `fs` imports
+neither.
+The `Verifier` holds the `Tree` (which takes a bad copy out of service: `Tree.quarantine`) and
+`Residency` (which brings a good copy back, verified); it is the `ReadGate` of
+`Namespace.open`.
 """
 
 from __future__ import annotations
@@ -35,17 +39,18 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import trio
 import xxhash
 
 from tierfs import manifest as mf
-from tierfs.fs.fetch import RemoteFile
 from tierfs.fs.nodes import FsError, Node, StepState
+from tierfs.fs.ports import PeerCopies, PersistCopies
+from tierfs.fs.residency import Residency
+from tierfs.fs.tree import Tree
 
-if TYPE_CHECKING:
-    from tierfs.fs.namespace import Namespace
+__all__ = ["PeerCopies", "PersistCopies", "StepReport", "TierReport", "Verifier", "describe"]
 
 log = logging.getLogger(__name__)
 
@@ -54,29 +59,6 @@ GOOD, BAD, MISSING, REPAIRED = "good", "bad", "missing", "repaired"
 # kept); or take it out of service and bring a verified copy back.
 REPORT, QUARANTINE, REPAIR = "report", "quarantine", "repair"
 QUARANTINE_DIR = "quarantine"
-
-
-class PeerCopies(Protocol):
-    """Asks a peer to check (and repair) its own copy of a file: good, bad, missing, repaired.
-    Raises OSError or another exception when the peer cannot be reached."""
-
-    async def verify(self, node_id: str, step_path: str, entry: mf.FileEntry,
-                     repair: bool) -> str: ...
-
-
-class PersistCopies(Protocol):
-    """The persistent tier, as much as verification needs."""
-
-    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
-                         length: int) -> bytes: ...
-
-    async def object_size(self, step_path: str, name: str) -> int | None: ...
-
-    async def rewrite(self, step_path: str, name: str, path: str) -> None: ...
-
-    async def manifest(self, step_path: str) -> bytes | None: ...
-
-    async def write_manifest(self, step_path: str, data: bytes) -> None: ...
 
 
 @dataclass
@@ -118,9 +100,10 @@ class StepReport:
 
 
 class Verifier:
-    def __init__(self, namespace: Namespace, persist: PersistCopies | None = None,
+    def __init__(self, tree: Tree, residency: Residency, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None) -> None:
-        self.ns = namespace
+        self.tree = tree
+        self.residency = residency
         self.persist = persist
         self.peers = peers
         self._threads = trio.CapacityLimiter(1)  # hashing must not starve the data path
@@ -139,14 +122,14 @@ class Verifier:
     # -- RAM objects found at start --------------------------------------------------------
 
     def collect_unverified(self) -> None:
-        """Right after `Namespace.load`: every resident committed file is unverified."""
+        """Right after `Recovery.load`: every resident committed file is unverified."""
         for _step_node, _step, _entry, node in self._resident_files(None):
             if node.seal is not None:
                 self.unverified.add(node.seal.backing_ino)
 
     async def before_read_open(self, node: Node) -> None:
-        """Hook for Namespace.open: an unverified resident file is hashed before it is read;
-        a bad one is quarantined (its reads then go to the other tiers, or fail)."""
+        """The `ReadGate` of Namespace.open: an unverified resident file is hashed before it
+        is read; a bad one is quarantined (its reads then go to the other tiers, or fail)."""
         if node.seal is None or node.seal.backing_ino not in self.unverified:
             return
         found = self._locate(node)
@@ -163,11 +146,11 @@ class Verifier:
                 await self._check_ram_file(step_node, step, entry, node, act=REPAIR)
                 self.scan_counts["checked"] += 1
             for path, version, name in sorted(self.quarantined):  # e.g. found by an open
-                step_node = self.ns.find_step(path)
+                step_node = self.tree.find_step(path)
                 if step_node is None or not self._current_version(step_node, version):
                     continue
                 entry = step_node.step.manifest.entry(name)
-                node = self.ns._entry_node(step_node, entry.name) if entry else None
+                node = self.tree.entry_node(step_node, entry.name) if entry else None
                 if node is not None and node.remote is not None:
                     await self._repair_quarantined(node, step_node.step.manifest, entry)
         finally:
@@ -185,7 +168,7 @@ class Verifier:
         work = [(n, n.step.manifest) for n in step_nodes if n.step.committed]
         if not work:
             raise FsError(errno.EINVAL, f"{relpath or '.'} holds no committed step")
-        total = sum(manifest.total_bytes * (1 + len(self.ns._peer_holders(node.step))
+        total = sum(manifest.total_bytes * (1 + len(self.tree.peer_holders(node.step))
                                             + node.step.persisted) for node, manifest in work)
         self.progress = {"checked_bytes": 0, "total_bytes": total, "steps": len(work),
                          "steps_done": 0}
@@ -205,7 +188,7 @@ class Verifier:
         step = step_node.step
         ram = TierReport("ram")
         for entry in manifest.files:
-            node = self.ns._entry_node(step_node, entry.name)
+            node = self.tree.entry_node(step_node, entry.name)
             if not self._current(step_node, manifest):
                 ram.error = "the step changed while it was checked"
                 break
@@ -224,7 +207,7 @@ class Verifier:
             self._advance(entry.size)
         if ram.good or not ram.ok or ram.repaired:
             report.tiers.append(ram)
-        for peer in self.ns._peer_holders(step):
+        for peer in self.tree.peer_holders(step):
             report.tiers.append(await self._verify_peer(peer, manifest, repair))
         if step.persisted and self._current(step_node, manifest):
             report.tiers.append(await self._verify_persisted(step_node, manifest, repair))
@@ -321,12 +304,12 @@ class Verifier:
     async def _reupload(self, step_node: Node, manifest: mf.StepManifest, entry: mf.FileEntry,
                         state: str) -> str:
         """Upload a verified copy over a bad or missing object of the persistent tier."""
-        node = self.ns._entry_node(step_node, entry.name)
+        node = self.tree.entry_node(step_node, entry.name)
         if node is None:
             return state
         if node.remote is not None:
             try:
-                await self.ns._make_resident(node, empty=False)  # peers first; chunk-checked
+                await self.residency.make_resident(node, empty=False)  # peers first; chunk-checked
             except (FsError, OSError) as exc:
                 log.error("no good copy of %s/%s to upload again: %s", manifest.path,
                           entry.name, exc)
@@ -338,7 +321,7 @@ class Verifier:
             return state
         try:
             await self.persist.rewrite(manifest.path, entry.name,
-                                       os.fsdecode(self.ns.backing(node)))
+                                       os.fsdecode(self.tree.backing(node)))
         except Exception as exc:
             log.error("upload of %s/%s again failed: %s", manifest.path, entry.name, exc)
             return state
@@ -350,14 +333,14 @@ class Verifier:
 
     async def check_held_file(self, step_path: str, name: str, xxh3: str, repair: bool) -> str:
         """A peer asks: is my copy of this file good? (and repair it if not)."""
-        step_node = self.ns.find_step(step_path)
+        step_node = self.tree.find_step(step_path)
         if step_node is None or not step_node.step.committed:
             return MISSING
         step = step_node.step
         entry = step.manifest.entry(name)
         if entry is None or entry.xxh3 != xxh3:
             return MISSING
-        node = self.ns._entry_node(step_node, entry.name)
+        node = self.tree.entry_node(step_node, entry.name)
         if node is None or node.remote is not None:
             return MISSING
         return await self._check_ram_file(step_node, step, entry, node,
@@ -380,7 +363,7 @@ class Verifier:
         done = self._checking[ino] = trio.Event()
         try:
             try:  # removed or deleted since the caller found it: nothing to check
-                path = self.ns.backing(node)
+                path = self.tree.backing(node)
                 digest = await trio.to_thread.run_sync(mf.hash_file, path,
                                                        limiter=self._threads)
             except (FsError, FileNotFoundError):
@@ -407,7 +390,7 @@ class Verifier:
             self.kept[key] = self._keep_aside(key, path)
             log.error("checksum mismatch: %s: quarantined, reads go to other tiers; its bytes "
                       "are kept in %s", described, os.fsdecode(self.kept[key]))
-            self._quarantine(ino, entry.xxh3)
+            self.tree.quarantine(ino, entry.xxh3)
         finally:
             del self._checking[ino]
             done.set()
@@ -424,7 +407,7 @@ class Verifier:
                 # An empty fetch reads nothing, so it proves nothing: the manifest may be
                 # the wrong one (a wrong seal), and the kept bytes the right ones.
                 raise FsError(errno.EIO, "no other tier holds it empty")
-            await self.ns._make_resident(node, empty=False)
+            await self.residency.make_resident(node, empty=False)
         except (FsError, OSError) as exc:
             kept = self.kept.get(key)
             log.error("%s/%s could not be repaired: no good copy reachable (%s); its reads "
@@ -440,10 +423,10 @@ class Verifier:
     async def _held_empty_elsewhere(self, manifest: mf.StepManifest,
                                     entry: mf.FileEntry) -> bool:
         """Whether a peer or the persistent tier confirms it holds this empty file empty."""
-        step_node = self.ns.find_step(manifest.path)
+        step_node = self.tree.find_step(manifest.path)
         if step_node is None or not self._current(step_node, manifest):
             return False
-        for peer in self.ns._peer_holders(step_node.step):
+        for peer in self.tree.peer_holders(step_node.step):
             with contextlib.suppress(Exception):  # an unreachable peer confirms nothing
                 if self.peers is not None and \
                         await self.peers.verify(peer, manifest.path, entry, False) == GOOD:
@@ -457,7 +440,7 @@ class Verifier:
         """A link to a bad RAM copy's bytes outside the tree and the objects, so that taking
         it out of service destroys nothing (a wrong manifest would make them the only copy)."""
         step_path, version, name = key
-        kept = os.path.join(os.fsencode(self.ns.store.root), QUARANTINE_DIR.encode(),
+        kept = os.path.join(os.fsencode(self.tree.store.root), QUARANTINE_DIR.encode(),
                             os.fsencode(step_path), os.fsencode(f"{name}.v{version}"))
         os.makedirs(os.path.dirname(kept), mode=0o700, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
@@ -476,66 +459,40 @@ class Verifier:
         except FileNotFoundError:
             return
         if st.st_nlink == 1:
-            self.ns.store.forget_inode(st.st_ino)
-
-    def _quarantine(self, ino: int, digest: str) -> None:
-        """Every committed file on the bad inode becomes non-resident; the object goes (its
-        bytes stay kept aside)."""
-        for _step_node, step, entry, node in list(self._resident_files(None)):
-            if node.seal is None or node.seal.backing_ino != ino:
-                continue
-            for handle in node.handles:
-                if handle.fd >= 0 and not handle.writable:
-                    os.close(handle.fd)  # readers go through the other tiers from now on
-                    handle.fd = -1
-                    handle.backing_ino = 0
-            self.ns._unlink_backing(self.ns.backing(node), node)
-            node.remote = RemoteFile(step.manifest.path, entry)
-            node.seal = None
-            step.resident.discard(entry.name)
-            self.ns.store.drop_ref(entry.xxh3)
-        obj = self.ns.store.object_path(digest)
-        try:
-            st = os.lstat(obj)
-        except FileNotFoundError:
-            return
-        if st.st_ino == ino:  # still named by a step being re-saved: the bytes are bad anyway
-            os.unlink(obj)
-            if st.st_nlink == 1:
-                self.ns.store.forget_inode(ino)
+            self.tree.store.forget_inode(st.st_ino)
 
     # -- helpers -----------------------------------------------------------------------------
 
     def _steps_under(self, relpath: str) -> list[Node]:
-        node = self.ns.root
+        node = self.tree.root
         if relpath not in ("", "."):
             for part in relpath.split("/"):
-                node = self.ns.child(node, os.fsencode(part))
+                node = self.tree.child(node, os.fsencode(part))
         if not node.is_dir:
             raise FsError(errno.ENOTDIR, f"{relpath} is not a directory")
-        return sorted(self.ns.steps(node), key=lambda n: (self.ns.relpath(n.parent),
+        return sorted(self.tree.steps(node), key=lambda n: (self.tree.relpath(n.parent),
                                                           n.step.number))
 
     def _resident_files(self, under: Node | None
                         ) -> list[tuple[Node, StepState, mf.FileEntry, Node]]:
         found = []
-        for step_node in self.ns.steps(under):
+        for step_node in self.tree.steps(under):
             step = step_node.step
             if not step.committed:
                 continue
-            for rel, node in self.ns._files_under(step_node):
+            for rel, node in self.tree.files_under(step_node):
                 entry = step.manifest.entry(rel)
                 if entry is not None and node.remote is None and rel in step.resident:
                     found.append((step_node, step, entry, node))
         return found
 
     def _locate(self, node: Node) -> tuple[Node, StepState, mf.FileEntry, Node] | None:
-        step = self.ns._committed_step_holding(node)
+        step = self.tree.committed_step_holding(node)
         if step is None or node.remote is not None:
             return None
-        for step_node in self.ns._enclosing_steps(node.parent):
+        for step_node in self.tree.enclosing_steps(node.parent):
             if step_node.step is step:
-                rel = os.path.relpath(self.ns.relpath(node), self.ns.relpath(step_node))
+                rel = os.path.relpath(self.tree.relpath(node), self.tree.relpath(step_node))
                 entry = step.manifest.entry(rel)
                 if entry is not None and rel in step.resident:
                     return step_node, step, entry, node

@@ -22,12 +22,14 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs import reserved
+from tierfs.fs.background import Background
 from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
-from tierfs.fs.namespace import Namespace
+from tierfs.fs.namespace import Core, Namespace
 from tierfs.fs.nodes import FsError
 from tierfs.fs.operations import Operations
 from tierfs.fs.passthrough import PassthroughDevice, PassthroughUnavailable
 from tierfs.fs.ram_store import RamDirBusy, RamFull, RamStore
+from tierfs.fs.tree import Tree
 from tierfs.fs.verify import Verifier
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
@@ -52,7 +54,7 @@ from tierfs.replication.peer_verify import PeerVerify, verify_handler
 from tierfs.replication.receiver import ReplicaReceiver
 from tierfs.replication.replicator import Replicator
 from tierfs.replication.server import Handler, PeerServer
-from tierfs.s3tier.backend import BackendError, open_backend
+from tierfs.s3tier.backend import Backend, BackendError, open_backend
 from tierfs.s3tier.reader import PersistentReader
 from tierfs.s3tier.uploader import Uploader
 
@@ -265,20 +267,26 @@ def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
 
 
 async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
+    # Made in dependency order, each given what it calls at construction (fs.ports): the
+    # tree (loaded from the RAM store), the clients of the other tiers that serve it, the
+    # namespace over both, then what follows its commits and serves the peers.
     commits_send, commits_recv = trio.open_memory_channel[mf.StepManifest](64)
-    namespace = Namespace(store, commits_send, node_id=cfg.node_id,
-                          step_pattern=cfg.step_pattern, keep_ram=cfg.keep_ram,
-                          replicas=cfg.replicas, commit_idle=cfg.commit_idle)
-    namespace.load()
-    namespace.deletes.targets = ([PERSIST] if cfg.persist else []) + [
-        peer_target(node_id) for node_id in sorted(cfg.peers or {}) if node_id != cfg.node_id]
-    verifier = Verifier(namespace)
+    core = Core(store, node_id=cfg.node_id, step_pattern=cfg.step_pattern,
+                commit_idle=cfg.commit_idle, delete_targets=_delete_targets(cfg))
+    backend = await _persistent_tier(cfg, ready)
+    persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
+    links = ClusterLinks(cfg, core.tree) if cfg.peers else None
+    # Peers come first among the read sources: faster than the persistent tier.
+    sources = [source for source in (links.reader if links else None, persist) if source]
+    background = Background()
+    namespace = Namespace(core, commits_send, background=background, read_sources=sources,
+                          sealed=links.sealed if links else None, persist=persist,
+                          peers=links.verify if links else None, keep_ram=cfg.keep_ram,
+                          replicas=cfg.replicas)
+    verifier = namespace.verifier
     verifier.collect_unverified()
-    namespace.before_read_open = verifier.before_read_open
-    uploader = await _persistent_tier(cfg, namespace, store, ready)
+    uploader = _uploader(cfg, backend, namespace) if backend else None
     if uploader is not None:
-        verifier.persist = PersistentReader(uploader.backend, trio.CapacityLimiter(8))
-        namespace.read_sources.append(verifier.persist)
         await _adopt_stored_steps(namespace, uploader)
     source = mount_source(cfg.ram_dir)  # names the RAM dir: the command line finds us by it
     device = _open_passthrough(cfg, source)
@@ -291,11 +299,12 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         if device is not None:
             device.close()
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
-    cluster = ClusterNode(cfg, namespace, store, verifier) if cfg.peers else None
+    cluster = ClusterNode(cfg, links, namespace, store) if links else None
     daemon = Daemon(cfg, namespace, uploader, cluster, verifier, device)
     serving = True
     try:
         async with trio.open_nursery() as nursery:
+            await nursery.start(background.run)  # evictions, read-ahead: cancelled at unmount
             if device is not None:
                 token = trio.lowlevel.current_trio_token()
 
@@ -313,9 +322,9 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             nursery.start_soon(daemon.consume_commits, commits_recv)
             if uploader is not None:
                 nursery.start_soon(uploader.run)
-            nursery.start_soon(_verify_then_send, verifier, uploader, cluster)
+            nursery.start_soon(_verify_then_send, namespace, uploader, cluster)
             nursery.start_soon(_retry_pending_commits, namespace)
-            nursery.start_soon(namespace.run_quiet_commits)
+            nursery.start_soon(namespace.quiet.run)
             nursery.start_soon(_delete_worker(namespace, uploader, cluster).run)
             nursery.start_soon(_terminate_on_signal)
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers
@@ -334,11 +343,16 @@ async def _retry_pending_commits(namespace: Namespace) -> None:
     """Commits that wait for other nodes' shards, or failed (a full RAM dir), try again."""
     while True:
         await trio.sleep(PENDING_RETRY)
-        await namespace.retry_pending_commits()
+        await namespace.commits.retry_pending_commits()
 
 
-async def _persistent_tier(cfg: MountConfig, namespace: Namespace, store: RamStore,
-                           ready: ReadyPipe) -> Uploader | None:
+def _delete_targets(cfg: MountConfig) -> list[str]:
+    """What a delete made on this node must clean: the persistent tier and every peer."""
+    return ([PERSIST] if cfg.persist else []) + [
+        peer_target(node_id) for node_id in sorted(cfg.peers or {}) if node_id != cfg.node_id]
+
+
+async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe) -> Backend | None:
     """Open and check the persistent tier; a user's mistake there stops the mount."""
     if cfg.persist is None:
         warning = "no --persist given: committed steps live only in this node's RAM"
@@ -362,11 +376,17 @@ async def _persistent_tier(cfg: MountConfig, namespace: Namespace, store: RamSto
     if patience.cancelled_caught:
         raise StartupError(f"persistent tier {cfg.persist} is unreachable (tried for "
                            f"{CHECK_PATIENCE:.0f} s): check --s3-endpoint and the network")
+    return backend
+
+
+def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace) -> Uploader:
+    """Uploads of committed steps; it tells the namespace's other tiers what it persisted."""
+    tiers = namespace.tiers
     return Uploader(
-        backend, lambda digest: str(store.object_path(digest)),
+        backend, lambda digest: str(namespace.store.object_path(digest)),
         persist_every=cfg.persist_every, keep_persist=cfg.keep_persist,
-        step_number=namespace.step_number, is_current=namespace.is_current,
-        on_persisted=namespace.mark_persisted, on_retired=namespace.mark_retired,
+        step_number=namespace.tree.step_number, is_current=tiers.is_current,
+        on_persisted=tiers.mark_persisted, on_retired=tiers.mark_retired,
     )
 
 
@@ -377,10 +397,10 @@ async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> None:
     except BackendError as exc:
         log.warning("could not list the persistent tier yet: %s", exc)
         return
-    added = sum(namespace.adopt_persisted(m) for m in manifests)
+    added = sum(namespace.tiers.adopt_persisted(m) for m in manifests)
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
-    namespace.enforce_keep_ram()
+    namespace.residency.enforce_keep_ram()
 
 
 def _open_passthrough(cfg: MountConfig, source: str) -> PassthroughDevice | None:
@@ -401,16 +421,16 @@ async def _account_direct_writes(namespace: Namespace) -> None:
         namespace.account_direct_writes()
 
 
-async def _verify_then_send(verifier: Verifier, uploader: Uploader | None,
+async def _verify_then_send(namespace: Namespace, uploader: Uploader | None,
                             cluster: ClusterNode | None) -> None:
     """Hash the RAM objects found at start, then upload and replicate what is due since before
     the restart: a copy that changed while no daemon watched is never sent anywhere."""
-    await verifier.scan_at_start()
+    await namespace.verifier.scan_at_start()
     if uploader is not None:
-        for manifest in verifier.ns.committed_manifests():
+        for manifest in namespace.tiers.committed_manifests():
             uploader.submit(manifest)  # committed before a restart, not yet uploaded
     if cluster is not None:
-        for manifest in verifier.ns.owned_manifests():
+        for manifest in namespace.tiers.owned_manifests():
             cluster.replicator.submit(manifest)  # copies due since before a restart
 
 
@@ -431,7 +451,7 @@ def _delete_worker(namespace: Namespace, uploader: Uploader | None,
 async def _run_fuse(cancel_scope: trio.CancelScope, namespace: Namespace) -> None:
     await pyfuse3.main()
     # A clean unmount (umount, SIGTERM): steps whose savers are done commit now, not later.
-    await namespace.commit_quiet_steps()
+    await namespace.quiet.commit_quiet_steps()
     cancel_scope.cancel()  # unmounted or terminated: stop the other workers
 
 
@@ -443,30 +463,40 @@ async def _terminate_on_signal() -> None:
             return
 
 
-class ClusterNode:
-    """The cluster side of one daemon (with --peers): membership, the peer port and its
-    handlers, replication, gossip and peer reads, wired to this node's namespace and store."""
+class ClusterLinks:
+    """This node's clients of its peers (with --peers), made before the namespace, which is
+    given them: membership, reads from peers, other nodes' DCP shards, peer verification and
+    deletes. They ask the tree questions only (who holds a step, which files are sealed)."""
 
-    def __init__(self, cfg: MountConfig, namespace: Namespace, store: RamStore,
-                 verifier: Verifier) -> None:
+    def __init__(self, cfg: MountConfig, tree: Tree) -> None:
+        self.membership = Membership(cfg.node_id, cfg.peers, cfg.token)
+        self.reader = PeerReader(self.membership, tree.holders_of)
+        self.sealed = SealedFiles(self.membership, tree.sealed_files)
+        self.verify = PeerVerify(self.membership)
+        self.delete = PeerDelete(self.membership)
+
+
+class ClusterNode:
+    """The cluster side of one daemon (with --peers): the peer port and its handlers,
+    replication and gossip, wired to this node's namespace and store."""
+
+    def __init__(self, cfg: MountConfig, links: ClusterLinks, namespace: Namespace,
+                 store: RamStore) -> None:
         self.cfg = cfg
         self.namespace = namespace
-        self.membership = Membership(cfg.node_id, cfg.peers, cfg.token)
-        self.verifier = verifier
-        verifier.peers = PeerVerify(self.membership)
-        self.peer_delete = PeerDelete(self.membership)
-        # Peers come first among the read sources: faster than the persistent tier.
-        namespace.read_sources.insert(0, PeerReader(self.membership, namespace.holders_of))
-        self.gossip = Gossip(self.membership, namespace.holdings, namespace.learn)
-        self.sealed = SealedFiles(self.membership, namespace.sealed_files)
-        namespace.collect_sealed = self.sealed.collect
+        self.membership = links.membership
+        self.verifier = namespace.verifier
+        self.peer_delete = links.delete
+        self.sealed = links.sealed
+        tiers = namespace.tiers
+        self.gossip = Gossip(self.membership, tiers.holdings, tiers.learn)
         self.replicator = Replicator(self.membership, cfg.replicas,
                                      lambda digest: str(store.object_path(digest)),
-                                     is_current=namespace.is_current,
-                                     holders=namespace.replica_holders,
-                                     on_replicated=namespace.mark_replicated)
-        self.receiver = ReplicaReceiver(store.objects, store, namespace.adopt_replica)
-        self.ranges = RangeServer(store.objects, namespace.sealed_path)
+                                     is_current=tiers.is_current,
+                                     holders=tiers.replica_holders,
+                                     on_replicated=tiers.mark_replicated)
+        self.receiver = ReplicaReceiver(store.objects, store, tiers.adopt_replica)
+        self.ranges = RangeServer(store.objects, namespace.tree.sealed_path)
 
     async def start(self, nursery: trio.Nursery) -> None:
         handlers: dict[str, Handler] = {
@@ -474,7 +504,7 @@ class ClusterNode:
             "GET": self.ranges.on_get, "GOSSIP": self.gossip.on_gossip,
             "PULL": self.gossip.on_pull, "SEALED": self.sealed.on_sealed,
             "VERIFY": verify_handler(self.verifier.check_held_file),
-            "DELETE": delete_handler(self.namespace.delete_from_peer),
+            "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
         }
         me = self.membership.members[self.cfg.node_id]
         server = PeerServer(self.cfg.node_id, self.cfg.token, self.membership.ids, handlers)
@@ -497,7 +527,7 @@ class ClusterNode:
         """When a node goes or comes, every holder checks that its steps still have K copies."""
         while True:
             await self.membership.changed.wait()
-            for manifest in self.namespace.held_manifests():
+            for manifest in self.namespace.tiers.held_manifests():
                 self.replicator.submit(manifest)
 
     def served(self) -> dict[str, int]:
@@ -529,7 +559,8 @@ class Daemon:
     def persist_status(self) -> dict[str, Any] | None:
         if self.uploader is None:
             return None
-        waiting = [m for m in self.namespace.committed_manifests() if self.uploader.wanted(m)]
+        waiting = [m for m in self.namespace.tiers.committed_manifests()
+                   if self.uploader.wanted(m)]
         return {"url": self.uploader.backend.url, "every": self.cfg.persist_every,
                 "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
                 "pending_bytes": sum(m.total_bytes for m in waiting)}
@@ -548,8 +579,8 @@ class Daemon:
                 reports = await self.verifier.verify(path, bool(request.get("repair", True)))
                 return {"ok": True, "steps": [r.as_dict() for r in reports]}
             if command == "prefetch":
-                return {"ok": True, "bytes": await self.namespace.prefetch(path)}
-            manifest = await self.namespace.commit_path(path)
+                return {"ok": True, "bytes": await self.namespace.residency.prefetch(path)}
+            manifest = await self.namespace.commits.commit_path(path)
         except FsError as exc:
             return {"ok": False, "error": f"{path}: {exc}"}
         except RamFull:
@@ -561,7 +592,7 @@ class Daemon:
 
     def status(self) -> dict[str, Any]:
         ns = self.namespace
-        steps = sorted((ns.step_status(node) for node in ns.steps()),
+        steps = sorted((ns.tree.step_status(node) for node in ns.tree.steps()),
                        key=lambda s: (os.path.dirname(s["path"]), s["step"], s["path"]))
         return {
             "node_id": self.cfg.node_id,

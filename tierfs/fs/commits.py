@@ -1,0 +1,241 @@
+"""Commits: when a step commits, and the commit itself.
+
+A step commits when its saver says so (a DCP `.metadata` closed after writing or renamed into
+place, a directory renamed onto a step name, `tierfs commit`), when it falls quiet
+(`fs.quiet_commits`), or when the last writer of a pending commit is done. `Commits` checks
+the step, brings in what is missing (files from other tiers via `Residency`, other nodes' DCP
+shards via `OtherTiers`), seals what is unsealed, and then has the `Tree` write the manifest
+with no await between the last check and the change (`Tree.write_manifest`). The new manifest
+goes to the `CommitSink` (uploads, replicas).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+
+import trio
+
+from tierfs import manifest as mf
+from tierfs.fs.nodes import METADATA, FsError, Node, StepState, some_names
+from tierfs.fs.other_tiers import OtherTiers
+from tierfs.fs.ports import CommitSink
+from tierfs.fs.ram_store import RamFull
+from tierfs.fs.residency import Residency
+from tierfs.fs.tree import Tree
+
+log = logging.getLogger(__name__)
+
+
+class Commits:
+    """Commits of step directories (see the module docstring)."""
+
+    def __init__(self, tree: Tree, residency: Residency, tiers: OtherTiers,
+                 sink: CommitSink) -> None:
+        self.tree = tree
+        self.residency = residency
+        self.tiers = tiers
+        self.sink = sink
+
+    async def commit(self, step_node: Node, *, wait_for_writers: bool) -> mf.StepManifest | None:
+        """Commit `step_node` now; with writers still open either wait or leave it pending.
+
+        Returns the manifest in force after the commit, or None when left pending.
+        """
+        step = self.tree.step_of(step_node)
+        if step is None:
+            raise FsError(errno.EINVAL, "not a step directory")
+        started = time.monotonic()
+        try:
+            manifest, old = await self._commit_locked(step_node, step, wait_for_writers)
+        except (OSError, RamFull) as exc:
+            # Retried (retry_pending_commits) until it succeeds; `status` shows why it waits.
+            self.tree.leave_pending(step, "space: " + (
+                "the RAM tier is full" if isinstance(exc, RamFull)
+                else exc.strerror or str(exc)))
+            raise
+        if manifest is None:
+            return None
+        self.tree.note_waiting(step, None)
+        if manifest is not old:
+            log.info("committed %s v%d: %d files, %d bytes in %.3f s", manifest.path,
+                     manifest.version, len(manifest.files), manifest.total_bytes,
+                     time.monotonic() - started)
+            await self.sink.send(manifest)
+        return manifest
+
+    async def _commit_locked(self, step_node: Node, step: StepState, wait_for_writers: bool
+                             ) -> tuple[mf.StepManifest | None, mf.StepManifest | None]:
+        """The commit itself: (the manifest in force after it, the one before), or (None, _)
+        when it is left pending."""
+        tree = self.tree
+        async with step.lock:
+            while True:
+                released = tree.released
+                if tree.has_active_writers(step_node):
+                    if not wait_for_writers:
+                        tree.leave_pending(step, "open writers")
+                        log.info("commit of %s waits for open writers", tree.relpath(step_node))
+                        return None, None
+                    await released.wait()
+                    continue
+                if not await self.tiers.pull_missing_dcp_files(step_node):
+                    tree.leave_pending(step, "files named by its .metadata")
+                    return None, None  # retried by retry_pending_commits
+                files = list(tree.files_under(step_node))
+                for _rel, node in files:
+                    if node.remote is not None:
+                        await self.residency.make_resident(node, empty=False)
+                    if node.seal is None:
+                        await tree.seal(node)
+                copies = await self._copies_of_open_files(files)
+                # From here to the end of Tree.write_manifest there is no await (fs.tree).
+                stale = tree.stale_seals(files)
+                for node in stale:
+                    tree.written_behind_seal(node)
+                if (stale or tree.has_active_writers(step_node)
+                        or tree.step_of(step_node) is not step or step_node.parent is None
+                        or files != list(tree.files_under(step_node))
+                        or any(node.seal is None or node.remote for _rel, node in files)
+                        or any(node.gen != gen for node, (_copy, gen) in copies.items())):
+                    for copy, _gen in copies.values():
+                        tree.store.discard(copy)
+                    if tree.step_of(step_node) is not step or step_node.parent is None:
+                        return None, None  # renamed away or removed while it was being sealed
+                    continue
+                old = step.manifest
+                manifest = tree.write_manifest(step_node, files,
+                                               {n: c for n, (c, _g) in copies.items()})
+                return manifest, old
+
+    async def _copies_of_open_files(self, files: list[tuple[str, Node]]
+                                    ) -> dict[Node, tuple[bytes, int]]:
+        """Private copies, for the objects, of files that a handle could still write into."""
+        store = self.tree.store
+        copies = {}
+        for _rel, node in files:
+            if any(h.writable for h in node.handles) and \
+                    not store.object_path(node.seal.digest.xxh3).exists():
+                gen = node.gen
+                await self.residency.make_room(node.seal.digest.size)
+                copy = await trio.to_thread.run_sync(
+                    store.copy, self.tree.backing(node), os.fsencode(store.objects),
+                    node.seal.digest.size)
+                store.account_path(copy)
+                copies[node] = (copy, gen)
+        return copies
+
+    async def commit_path(self, relpath: str) -> mf.StepManifest:
+        """`tierfs commit PATH`: commit the step directory at `relpath`, waiting for writers."""
+        node = self.tree.find_dir(relpath)
+        if self.tree.step_of(node) is None:
+            raise FsError(errno.EINVAL,
+                          f"{relpath} is not a step directory (its name does not match "
+                          f"--step-pattern {self.tree.pattern.pattern!r}, or it holds step "
+                          "directories itself)")
+        manifest = await self.commit(node, wait_for_writers=True)
+        if manifest is None:
+            missing = await self.tiers.missing_dcp_files(node)
+            if missing:
+                raise FsError(errno.EAGAIN, f"{relpath} is not complete: its .metadata names "
+                              f"{len(missing)} files that are not there yet "
+                              f"({some_names(missing)}); it "
+                              "commits by itself when they are")
+            raise FsError(errno.EAGAIN, f"{relpath} could not commit yet (see the log)")
+        return manifest
+
+    async def commit_quietly(self, step_node: Node) -> None:
+        """Commit triggered as a side effect of a user's call: failures are logged, not raised."""
+        try:
+            await self.commit(step_node, wait_for_writers=False)
+        except (OSError, FsError) as exc:
+            log.error("commit of %s failed: %s", os.fsdecode(step_node.name), exc)
+        except Exception:  # a bug must not take the file system down with it
+            log.exception("commit of %s failed", os.fsdecode(step_node.name))
+
+    async def commit_for_saver(self, step_node: Node) -> None:
+        """Commit triggered by the saver's own call (`.metadata` closed after writing or renamed
+        into place): a failure is that call's error, so the save fails instead of returning
+        success for a step that did not commit. The commit is retried meanwhile."""
+        try:
+            await self.commit(step_node, wait_for_writers=False)
+        except RamFull:
+            log.error("commit of %s failed: the RAM tier is full; retried when space frees",
+                      self.tree.relpath(step_node))
+            raise FsError(errno.ENOSPC) from None
+        except OSError as exc:
+            log.error("commit of %s failed: %s; retried when it can succeed",
+                      self.tree.relpath(step_node), exc.strerror or exc)
+            raise FsError(exc.errno or errno.EIO) from None
+
+    async def after_writer(self, node: Node) -> None:
+        """A writer of `node` is done: a `.metadata` closed after writing, or a pending commit
+        whose last writer this was, commits its step now."""
+        parent = node.parent
+        if parent is None:
+            return
+        self.tree.touch_enclosing(parent)  # its step commits `commit_idle` seconds after this
+        if node.name == METADATA and self.tree.step_of(parent) is not None:
+            await self.commit_for_saver(parent)
+        await self.run_pending_commits(parent)
+
+    async def run_pending_commits(self, dir_node: Node | None) -> None:
+        for step_node in list(self.tree.enclosing_steps(dir_node)):
+            if step_node.step.commit_pending and not self.tree.has_active_writers(step_node):
+                await self.commit_quietly(step_node)
+
+    async def retry_pending_commits(self) -> None:
+        """Commits left pending (writers, or shards not yet found on other nodes) try again."""
+        for step_node in list(self.tree.steps()):
+            if step_node.step.commit_pending and not self.tree.has_active_writers(step_node):
+                await self.commit_quietly(step_node)
+
+    # -- renames ---------------------------------------------------------------------------
+
+    async def after_rename(self, node: Node, old_parent: Node) -> None:
+        """`node` was renamed out of `old_parent`: a directory may have become or stopped
+        being a step; a `.metadata` renamed into place commits its step."""
+        if node.is_dir:
+            await self._renamed_dir(node)
+        elif node.name == METADATA and self.tree.step_of(node.parent) is not None:
+            await self.commit_for_saver(node.parent)
+        await self.run_pending_commits(old_parent)
+
+    async def _renamed_dir(self, node: Node) -> None:
+        """A directory renamed onto a step name commits it (the `mv tmp step_N` idiom); one
+        renamed away from a step name, or into a step, stops being a step (its files are
+        then files of the step it is in); steps moved along with it commit again so that
+        their manifests name where they are now."""
+        tree = self.tree
+        number = tree.step_number_at(node.parent, node.name)
+        if number is None:
+            if node.step is not None:
+                await self._demote(node)
+        else:
+            tree.become_step(node, number)
+        for below in list(tree.dirs_under(node)):
+            await self._restep(below)
+        if node.step is not None:
+            await self.commit_quietly(node)
+        for step_node in list(tree.steps(under=node)):
+            manifest = step_node.step.manifest
+            if step_node is not node and manifest and manifest.path != tree.relpath(step_node):
+                await self.commit_quietly(step_node)
+
+    async def _restep(self, node: Node) -> None:
+        """After a rename above it: `node` is a step exactly when its name is a step name and
+        no directory above it is a step (a directory inside a step is part of that step)."""
+        number = self.tree.step_number_at(node.parent, node.name)
+        if number is None and node.step is not None:
+            await self._demote(node)
+        else:
+            self.tree.restep(node, number)
+
+    async def _demote(self, node: Node) -> None:
+        """A committed directory that stops being a step keeps its files, not its manifest."""
+        for _rel, child in list(self.tree.files_under(node)):
+            if child.remote is not None:
+                await self.residency.make_resident(child, empty=False)
+        self.tree.stop_being_step(node)

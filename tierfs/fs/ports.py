@@ -1,0 +1,99 @@
+"""Every call the file system makes outward, as typed Protocols, in one place.
+
+`fs` imports no tier, no peer protocol and no daemon: what it needs from them is handed to the
+constructors of its classes (see README, "How it is built"), in dependency order, by
+`mount_helper/daemon.py` (or by a test). The Protocols below say exactly what is asked.
+
+Outward (implemented outside `fs`):
+
+* `CommitSink`: where a commit's manifest goes (the daemon's channel to uploads and replicas).
+* `ReadSource`: a tier that serves verified ranges of committed files (peers, the persistent
+  tier); defined beside `Fetch`, which uses it, and re-exported here.
+* `SealedCollector`: the other nodes' ranks' shards of a multi-node DCP step.
+* `PeerCopies`, `PersistCopies`: the tiers `tierfs verify` checks and repairs.
+
+Inward (implemented inside `fs`, injected so that the core imports no collaborator):
+
+* `ReadGate`: hashes a RAM object found at start before its first read (`fs.verify`).
+* `StepWatch`: told when a step changes or a newer one starts (`fs.quiet_commits`).
+* `DeleteLog`: records a deleted committed step so that it leaves every tier (`fs.deletes`).
+* `Spawner`: runs background work under an owner that cancels it at unmount
+  (`fs.background`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from tierfs import manifest as mf
+from tierfs.fs.fetch import ReadSource
+from tierfs.fs.nodes import Node
+
+__all__ = ["CommitSink", "DeleteLog", "PeerCopies", "PersistCopies", "ReadGate", "ReadSource",
+           "SealedCollector", "Spawner", "StepWatch"]
+
+
+class CommitSink(Protocol):
+    """Receives the manifest of every new commit (a trio memory channel's send end)."""
+
+    async def send(self, value: mf.StepManifest) -> None: ...
+
+
+class SealedCollector(Protocol):
+    """Which peers hold sealed copies of these files of a step: name -> (peer, entry)."""
+
+    async def collect(self, step_path: str, names: set[str]
+                      ) -> dict[str, tuple[str, mf.FileEntry]]: ...
+
+
+class PeerCopies(Protocol):
+    """Asks a peer to check (and repair) its own copy of a file: good, bad, missing, repaired.
+    Raises OSError or another exception when the peer cannot be reached."""
+
+    async def verify(self, node_id: str, step_path: str, entry: mf.FileEntry,
+                     repair: bool) -> str: ...
+
+
+class PersistCopies(Protocol):
+    """The persistent tier, as much as verification needs."""
+
+    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
+                         length: int) -> bytes: ...
+
+    async def object_size(self, step_path: str, name: str) -> int | None: ...
+
+    async def rewrite(self, step_path: str, name: str, path: str) -> None: ...
+
+    async def manifest(self, step_path: str) -> bytes | None: ...
+
+    async def write_manifest(self, step_path: str, data: bytes) -> None: ...
+
+
+class ReadGate(Protocol):
+    """Called before a resident file is opened for reading; may take it out of service (then
+    it is non-resident and its reads go to the other tiers)."""
+
+    async def before_read_open(self, node: Node) -> None: ...
+
+
+class StepWatch(Protocol):
+    """Follows the steps being written (see `fs.quiet_commits`)."""
+
+    def touch(self, step_node: Node) -> None: ...
+
+    def step_started(self, step_node: Node) -> None: ...
+
+
+class DeleteLog(Protocol):
+    """The durable record of deleted steps (see `fs.deletes`)."""
+
+    def record(self, path: str, version: int, committed_ns: int,
+               targets: list[str] | None = None) -> None: ...
+
+
+class Spawner(Protocol):
+    """Runs `work(*args)` in the background, owned by something that cancels it at unmount;
+    a failure is logged, never fatal to the mount."""
+
+    def spawn(self, work: Callable[..., Awaitable[object]], *args: object) -> None: ...

@@ -1,0 +1,1527 @@
+"""The tree: inodes, directories, open files, step state and the RAM store's references.
+
+The tree lives twice: as real files under the RAM store's `tree/` (the durable truth, so a crash
+loses nothing written) and as `Node` objects in memory (inode numbers, lookup counts, open
+handles, seals and step state). `Tree` alone changes either, and the RAM store's references to
+committed objects, so it alone keeps them in step; its collaborators (`fs.residency`,
+`fs.other_tiers`, `fs.commits`, `fs.quiet_commits`, `fs.recovery`, `fs.verify`) decide *when*
+something changes and call its public methods to change it. It calls nothing outward but the
+ports it is given (`fs.ports`: `StepWatch`, `DeleteLog`).
+
+Invariants (S3QL-style note: where an `await` must not appear):
+
+* A file is *sealed* when its last active writer flushes: its xxh3-128 is computed in a thread
+  and kept only if no writer became active meanwhile (`Node.gen` did not move).
+* `write_manifest` runs without any `await` from the moment the commit re-checks the step (no
+  active writer, every file sealed, same set of files; `fs.commits`) until the manifest is
+  renamed into place and the in-memory state updated. A concurrent handler therefore sees
+  either the old state or the new one, never a manifest that disagrees with the tree.
+* Committed objects are never written: a tree file whose inode is shared with `objects/` is
+  unshared (copied, or recreated empty for O_TRUNC) before it is opened for writing or truncated
+  (`Namespace.make_private` copies, `replace_shared` swaps the copy in with no await).
+* Order of a commit on disk: write manifest temp, fsync, link objects, rename. A crash before the
+  rename leaves only unreferenced objects, which start-up removes; the step stays `writing`. A
+  full RAM dir fails the first of these, before anything changed.
+* Every other change here (a fetch adopted, a file evicted or quarantined, a step installed,
+  superseded or forgotten) is one synchronous method: handlers see a file either before or
+  after it, never half changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import stat
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import trio
+
+from tierfs import manifest as mf
+from tierfs.fs.fetch import Fetch, RemoteFile, apply_attributes
+from tierfs.fs.latest_pins import LatestPins
+from tierfs.fs.long_paths import LONG_PATH, anchor_path
+from tierfs.fs.nodes import (
+    DEFAULT_STEP_PATTERN,
+    ENOATTR,
+    LATEST,
+    METADATA,
+    NAME_MAX,
+    PEERS_MARK,
+    RENAME_NOREPLACE,
+    REPLICAS_MARK,
+    ROOT_INODE,
+    XATTR_RESERVED,
+    XATTR_STATE,
+    XATTR_TIERS,
+    XATTR_XXH3,
+    FsError,
+    Handle,
+    Node,
+    RemoteAttrs,
+    Seal,
+    StepState,
+)
+from tierfs.fs.ports import DeleteLog, StepWatch
+from tierfs.fs.ram_store import RamStore, allocated, is_reserved
+from tierfs.fs.records import StepRecords
+
+log = logging.getLogger(__name__)
+
+# What start-up recovered: step directory path -> (its manifest, names whose objects are here).
+Recovered = dict[bytes, tuple[mf.StepManifest, set[str]]]
+
+
+class Tree:
+    """The tree of one mount; see the module docstring for its invariants."""
+
+    def __init__(self, store: RamStore, watch: StepWatch, deletes: DeleteLog, *,
+                 node_id: str = "local", step_pattern: str = DEFAULT_STEP_PATTERN) -> None:
+        self.store = store
+        self.records = StepRecords()
+        self.node_id = node_id
+        self.pattern = re.compile(step_pattern)
+        self._watch = watch
+        self._deletes = deletes
+        self._tree = os.fsencode(store.tree)
+        self.root = Node(ROOT_INODE, stat.S_IFDIR, b"", None)
+        self._inodes: dict[int, Node] = {ROOT_INODE: self.root}
+        self._next_ino = ROOT_INODE + 1
+        self._handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self._latest: dict[int, Node] = {}
+        self._latest_pins = LatestPins()
+        self._released = trio.Event()
+        self._hash_limiter = trio.CapacityLimiter(2)
+        self._unshare_locks: dict[Node, trio.Lock] = {}
+        self.fetching: set[Node] = set()  # nodes with a partial fetch (fs.residency)
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def get(self, ino: int) -> Node:
+        try:
+            return self._inodes[ino]
+        except KeyError:
+            raise FsError(errno.ENOENT) from None
+
+    def handle(self, fh: int) -> Handle:
+        try:
+            return self._handles[fh]
+        except KeyError:
+            raise FsError(errno.EBADF) from None
+
+    def child(self, parent: Node, name: bytes) -> Node:
+        """The entry `name` of directory `parent`, including the virtual `latest`."""
+        if not parent.is_dir:
+            raise FsError(errno.ENOTDIR)
+        node = parent.children.get(name)
+        if node is not None:
+            return node
+        if name == LATEST and self._latest_target(parent) is not None:
+            return self._latest_node(parent)
+        raise FsError(errno.ENOENT)
+
+    def list_dir(self, node: Node) -> list[tuple[bytes, Node]]:
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        entries = list(node.children.items())
+        if LATEST not in node.children and self._latest_target(node) is not None:
+            # First, so that `rm -r` meets it while it still exists (its unlink is a no-op).
+            entries.insert(0, (LATEST, self._latest_node(node)))
+        return entries
+
+    @property
+    def inode_count(self) -> int:
+        return len(self._inodes)
+
+    @property
+    def released(self) -> trio.Event:
+        """Set (and replaced) whenever a writer of any file is done."""
+        return self._released
+
+    def remember(self, node: Node) -> None:
+        """The kernel now holds one more reference to `node` (lookup count)."""
+        node.lookups += 1
+
+    def forget(self, ino: int, count: int) -> None:
+        node = self._inodes.get(ino)
+        if node is None or ino == ROOT_INODE:
+            return
+        node.lookups = max(0, node.lookups - count)
+        self._maybe_drop(node)
+
+    def backing(self, node: Node) -> bytes:
+        """The node's path in the RAM store; ENOENT once it is unlinked. A path that would be
+        long starts at a deep directory held open (see `long_paths`)."""
+        parts = []
+        length = 0
+        anchor = None
+        while node.parent is not None:
+            if node.virtual:
+                raise FsError(errno.ENOENT)
+            if anchor is None:
+                if length > LONG_PATH and node.is_dir:
+                    anchor = self._anchor(node)
+                else:
+                    parts.append(node.name)
+                    length += len(node.name) + 1
+            node = node.parent
+        if node is not self.root:
+            raise FsError(errno.ENOENT)
+        return b"/".join([anchor or self._tree, *reversed(parts)])
+
+    def has_backing(self, node: Node) -> bool:
+        try:
+            self.backing(node)
+        except FsError:
+            return False
+        return True
+
+    def _anchor(self, dir_node: Node) -> bytes:
+        """A path to `dir_node` through a descriptor it keeps open (it follows renames; it is
+        closed when the directory goes)."""
+        if dir_node.anchor_fd < 0:
+            dir_node.anchor_fd = os.open(self.backing(dir_node), os.O_PATH | os.O_DIRECTORY)
+        return anchor_path(dir_node.anchor_fd)
+
+    def relpath(self, node: Node) -> str:
+        parts = []
+        while node.parent is not None:
+            if node.virtual:
+                raise FsError(errno.ENOENT)
+            parts.append(node.name)
+            node = node.parent
+        if node is not self.root:
+            raise FsError(errno.ENOENT)
+        return os.fsdecode(b"/".join(reversed(parts)))
+
+    def stat(self, node: Node) -> os.stat_result | RemoteAttrs:
+        """Attributes of `node` from its backing file (or an open handle once unlinked)."""
+        if node.remote is not None:
+            return self._remote_attrs(node)
+        try:
+            return os.lstat(self.backing(node))
+        except FsError:
+            if node.handles and node.handles[0].fd >= 0:
+                return os.fstat(node.handles[0].fd)
+            raise
+
+    def _remote_attrs(self, node: Node) -> RemoteAttrs:
+        entry = node.remote.entry
+        uid, gid = entry.uid, entry.gid
+        if uid == mf.NO_OWNER or gid == mf.NO_OWNER:  # a manifest from before owners
+            parent = os.lstat(self.backing(node.parent)) if node.parent else None
+            uid, gid = (parent.st_uid, parent.st_gid) if parent else (0, 0)
+        return RemoteAttrs(
+            st_mode=stat.S_IFREG | entry.mode, st_nlink=1, st_uid=uid, st_gid=gid,
+            st_size=entry.size, st_blocks=0, st_atime_ns=entry.mtime_ns,
+            st_mtime_ns=entry.mtime_ns, st_ctime_ns=entry.mtime_ns)
+
+    def find_step(self, relpath: str) -> Node | None:
+        node = self.root
+        try:
+            for part in relpath.split("/"):
+                node = self.child(node, os.fsencode(part))
+        except FsError:
+            return None
+        return node if node.is_dir and self.step_of(node) is not None else None
+
+    def find_dir(self, relpath: str) -> Node:
+        """The directory at `relpath` (`""` or `.` is the root); ENOTDIR if it is not one."""
+        node = self.root
+        for part in (p for p in relpath.split("/") if p not in ("", ".")):
+            node = self.child(node, os.fsencode(part))
+        if not node.is_dir or node.virtual:
+            raise FsError(errno.ENOTDIR, f"{relpath} is not a directory")
+        return node
+
+    @staticmethod
+    def entry_node(step_node: Node, name: str) -> Node | None:
+        """The file node of a manifest entry, if it is in the tree."""
+        node = step_node
+        for part in name.split("/"):
+            if node.children is None:
+                return None
+            node = node.children.get(os.fsencode(part))
+            if node is None:
+                return None
+        return node if node.is_file else None
+
+    def files_under(self, dir_node: Node, prefix: str = "") -> Iterator[tuple[str, Node]]:
+        """Every file below `dir_node` with its path relative to it, in name order."""
+        for name, node in sorted(dir_node.children.items()):
+            rel = prefix + os.fsdecode(name)
+            if node.is_file:
+                yield rel, node
+            elif node.is_dir:
+                yield from self.files_under(node, rel + "/")
+
+    @staticmethod
+    def walk_files(dir_node: Node) -> Iterator[Node]:
+        """Every file below `dir_node`, in no particular order (cheaper than `files_under`)."""
+        stack = [dir_node]
+        while stack:
+            for child in stack.pop().children.values():
+                if child.children is not None:
+                    stack.append(child)
+                elif child.kind == stat.S_IFREG:
+                    yield child
+
+    @staticmethod
+    def dirs_under(node: Node) -> Iterator[Node]:
+        """Every directory below `node`, parents before their children."""
+        stack = [c for c in node.children.values() if c.is_dir]
+        while stack:
+            below = stack.pop()
+            yield below
+            stack.extend(c for c in below.children.values() if c.is_dir)
+
+    @staticmethod
+    def enclosing_steps(node: Node | None) -> Iterator[Node]:
+        while node is not None:
+            if node.step is not None:
+                yield node
+            node = node.parent
+
+    @staticmethod
+    def holds(step_node: Node, node: Node | None) -> bool:
+        """Whether `node` is `step_node` or below it."""
+        while node is not None:
+            if node is step_node:
+                return True
+            node = node.parent
+        return False
+
+    def steps(self, under: Node | None = None) -> Iterator[Node]:
+        """Every step directory (below `under`, itself included), depth first."""
+        stack = [under or self.root]
+        while stack:
+            node = stack.pop()
+            if node.step is not None:
+                yield node  # nothing inside a step is a step
+                continue
+            stack.extend(c for c in node.children.values() if c.children is not None)
+
+    @staticmethod
+    def step_of(node: Node) -> StepState | None:
+        """The node's step state if it is a step directory (see `step_number_at`)."""
+        return node.step
+
+    def step_number_at(self, parent: Node | None, name: bytes | str) -> int | None:
+        """The step number of a directory `name` in `parent`: a step is a directory whose name
+        matches the step pattern and that is not inside a step (whatever its name, a directory
+        inside a step, such as Megatron's `mp_rank_00/`, is part of that step)."""
+        if next(self.enclosing_steps(parent), None) is not None:
+            return None
+        return self.step_number(name)
+
+    def step_number(self, name: bytes | str) -> int | None:
+        """The step number a directory name carries, or None if it is not a step name."""
+        match = self.pattern.match(os.fsdecode(name))
+        if match is None:
+            return None
+        try:
+            return int(match.group(1))
+        except (IndexError, TypeError, ValueError):
+            return None
+
+    def committed_step_holding(self, node: Node) -> StepState | None:
+        for step_node in self.enclosing_steps(node if node.is_dir else node.parent):
+            step = self.step_of(step_node)
+            if step is not None:
+                return step if step.committed else None
+        return None
+
+    def has_active_writers(self, dir_node: Node) -> bool:
+        return any(node.active_writers for _rel, node in self.files_under(dir_node))
+
+    def busy(self, step_node: Node) -> bool:
+        """A file of the step is open, or bytes of one are on their way in."""
+        return any(n.handles or (n.fetch and n.fetch.busy)
+                   for _rel, n in self.files_under(step_node))
+
+    def has_partial_fetches(self, step_node: Node) -> bool:
+        return any(self.holds(step_node, n) for n in self.fetching)
+
+    def peer_holders(self, step: StepState) -> list[str]:
+        """Other nodes known to hold the committed version: replicas of ours, or the owner."""
+        if not step.committed:
+            return []
+        known = step.replicas | step.holders
+        if step.manifest.node_id != self.node_id:
+            known = known | {step.manifest.node_id}
+        return sorted(known - {self.node_id})
+
+    def tiers(self, step: StepState, in_ram: bool) -> str:
+        tiers = ["ram"] if in_ram else []
+        tiers += [f"peer:{peer}" for peer in self.peer_holders(step)]
+        if step.persisted:
+            tiers.append("persist")
+        return ",".join(tiers)
+
+    def seal_describes_file(self, node: Node) -> bool:
+        """Whether the node's seal still describes its backing file (see `Seal`)."""
+        if node.seal is None:
+            return False
+        try:
+            st = self.stat(node)
+        except (FsError, OSError):
+            return False
+        return isinstance(st, os.stat_result) and node.seal.describes(st)
+
+    def stale_seals(self, files: list[tuple[str, Node]]) -> list[Node]:
+        """Files whose bytes may have changed behind their seal: only a file open for writing
+        can change without the daemon seeing it (passthrough), so only those are looked at."""
+        return [node for _rel, node in files
+                if any(h.writable for h in node.handles) and not self.seal_describes_file(node)]
+
+    # -- what peers ask (queries) -------------------------------------------------------
+
+    def holders_of(self, step_path: str) -> list[str]:
+        node = self.find_step(step_path)
+        if node is None:
+            return []
+        return sorted((node.step.holders | set(self.peer_holders(node.step)))
+                      - {self.node_id})
+
+    def sealed_files(self, step_path: str, names: list[str]) -> list[mf.FileEntry]:
+        """Which of these files of `step_path` this node holds sealed (for a peer's commit)."""
+        step_node = self.find_step(step_path)
+        if step_node is None:
+            return []
+        found = []
+        wanted = set(names)
+        for rel, node in self.files_under(step_node):
+            if (rel in wanted and node.remote is None and node.seal is not None
+                    and node.active_writers == 0):
+                found.append(mf.entry_from_stat(rel, node.seal.digest,
+                                                os.lstat(self.backing(node))))
+        return found
+
+    def sealed_path(self, step_path: str, name: str, xxh3: str) -> bytes | None:
+        """The RAM store path of a sealed file with exactly this content, if held here."""
+        step_node = self.find_step(step_path)
+        if step_node is None:
+            return None
+        for rel, node in self.files_under(step_node):
+            if (rel == name and node.remote is None and node.seal is not None
+                    and node.seal.digest.xxh3 == xxh3 and node.active_writers == 0):
+                return self.backing(node)
+        return None
+
+    # -- directories -----------------------------------------------------------------------
+
+    def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
+        path = self._new_entry_path(parent, name)
+        os.mkdir(path, mode & 0o7777)
+        _chown(path, uid, gid)
+        node = self._attach(parent, name, stat.S_IFDIR)
+        number = self.step_number_at(parent, name)
+        if number is not None:
+            node.step = StepState(number)
+            self._watch.step_started(node)
+        self._mark_dirty(parent)
+        return node
+
+    def rmdir(self, parent: Node, name: bytes) -> None:
+        node = self.existing_entry(parent, name)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        if node.children:
+            raise FsError(errno.ENOTEMPTY)
+        path = self.backing(node)
+        if node.step is not None:
+            self._step_removed(node.step)
+        self.remove_hidden(node, path)
+        os.rmdir(path)
+        self._detach(node)
+        self._mark_dirty(parent)
+
+    def _step_removed(self, step: StepState) -> None:
+        """A step directory leaves the tree (rmdir, or a directory renamed over it). If it held
+        a committed version (even one being re-saved), that version is deleted from every tier,
+        and never listed again (fs.deletes)."""
+        if step.manifest is not None:
+            self._deletes.record(step.manifest.path, step.manifest.version,
+                                 step.manifest.committed_ns)
+
+    def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
+        path = self._new_entry_path(parent, name)
+        os.symlink(target, path)
+        _chown(path, uid, gid)
+        self._mark_dirty(parent)
+        return self._attach(parent, name, stat.S_IFLNK)
+
+    def readlink(self, node: Node, pid: int | None = None) -> bytes:
+        """A symbolic link's target; for `latest`, the one process `pid` sees (latest_pins)."""
+        if node.virtual:
+            parent = node.parent
+            target = self._latest_target(parent)
+            if pid is not None:
+                target = self._latest_pins.resolve(
+                    pid, parent.ino, target, lambda name: self._is_committed_step(parent, name))
+            if target is None:
+                raise FsError(errno.ENOENT)
+            return target
+        if node.kind != stat.S_IFLNK:
+            raise FsError(errno.EINVAL)
+        return os.readlink(self.backing(node))
+
+    def mknod(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
+        """A regular file (empty, not open), a FIFO or a socket; no device nodes. FIFOs and
+        sockets are not step data (no manifest entry, no upload, no replica), so they are
+        refused inside step directories, where they could only stand in a commit's way."""
+        kind = stat.S_IFMT(mode) or stat.S_IFREG
+        if kind not in (stat.S_IFREG, stat.S_IFIFO, stat.S_IFSOCK):
+            raise FsError(errno.EPERM, "device nodes are not supported")
+        if kind != stat.S_IFREG:
+            self._check_special_parent(parent)
+        path = self._new_entry_path(parent, name)
+        os.mknod(path, kind | (mode & 0o7777))
+        os.chmod(path, mode & 0o7777)  # whatever the daemon's umask
+        _chown(path, uid, gid)
+        node = self._attach(parent, name, kind)
+        if kind == stat.S_IFREG:
+            self.store.account_path(path)
+            self._mark_dirty(parent)
+        return node
+
+    def check_special_destination(self, node: Node, new_parent: Node) -> None:
+        """A FIFO or socket may not be renamed into a step directory either."""
+        if node.kind in (stat.S_IFIFO, stat.S_IFSOCK):
+            self._check_special_parent(new_parent)
+
+    def _check_special_parent(self, parent: Node) -> None:
+        if any(self.step_of(node) is not None for node in self.enclosing_steps(parent)):
+            raise FsError(errno.EPERM, "FIFOs and sockets cannot be part of a step")
+
+    # -- files -----------------------------------------------------------------------------
+
+    def create(self, parent: Node, name: bytes, mode: int, flags: int, uid: int,
+               gid: int) -> tuple[Node, Handle]:
+        path = self._new_entry_path(parent, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode & 0o7777)
+        try:
+            _chown(path, uid, gid)
+        except OSError:
+            os.close(fd)
+            raise
+        node = self._attach(parent, name, stat.S_IFREG)
+        self.store.account_fd(fd)
+        handle = self._new_handle(node, fd, writable=True)
+        self.activate(handle)
+        return node, handle
+
+    @staticmethod
+    def check_openable(node: Node) -> None:
+        if node.virtual:
+            raise FsError(errno.EROFS)
+        if not node.is_file:
+            raise FsError(errno.EISDIR if node.is_dir else errno.EINVAL)
+
+    def open_remote(self, node: Node) -> Handle:
+        """A read-only handle of a file whose bytes come on demand (`Residency.read_remote`)."""
+        return self._new_handle(node, -1, writable=False)
+
+    def open_backing(self, node: Node, *, writable: bool, truncate: bool) -> Handle:
+        """A handle on the node's backing file (private already if `writable`)."""
+        fd = os.open(self.backing(node), (os.O_RDWR if writable else os.O_RDONLY))
+        handle = self._new_handle(node, fd, writable)
+        if truncate:
+            os.ftruncate(fd, 0)
+            self.store.account_fd(fd)
+            self.activate(handle)
+        return handle
+
+    def read(self, handle: Handle, offset: int, size: int) -> bytes:
+        """Bytes of a resident file (a handle opened while it was not resident reopens it)."""
+        if handle.fd < 0:
+            handle.fd = os.open(self.backing(handle.node), os.O_RDONLY)  # it became resident
+        return os.pread(handle.fd, size, offset)
+
+    def needs_room(self, handle: Handle, offset: int, length: int) -> bool:
+        """Whether writing `length` bytes at `offset` may need more room than the tier has:
+        not when every byte it covers is stored already (an overwrite inside a file without
+        holes)."""
+        if self.store.room_for(length):
+            return False
+        st = os.fstat(handle.fd)
+        return offset + length > st.st_size or allocated(st) < st.st_size
+
+    def write(self, handle: Handle, offset: int, data: bytes) -> int:
+        """Write through an active handle (`activate` came first, before any wait for room)."""
+        written = os.pwrite(handle.fd, data, offset)
+        self.store.account_fd(handle.fd)
+        return written
+
+    def account_direct_writes(self) -> None:
+        """Bring the RAM tier's accounting up to date with passthrough writes in progress."""
+        for handle in self._handles.values():
+            if handle.passthrough and handle.writable and handle.fd >= 0:
+                self.store.account_fd(handle.fd)
+
+    async def end_writer(self, handle: Handle, *, final: bool) -> bool:
+        """End of a close() (FLUSH), or of the open file (`final`, its RELEASE): seal what this
+        handle wrote. Whether a writer ended (then its step may commit: `fs.commits`)."""
+        # The kernel writes passthrough files without us, and flushes at the close of every
+        # duplicate descriptor (shell `>`, dd, forked children): writes through the other
+        # duplicates may follow a flush. A seal that no longer describes the file is redone,
+        # and so is any seal taken before the last of several closes.
+        if handle.passthrough and handle.writable and not handle.active and (
+                (final and handle.flushes > 1) or not self.seal_describes_file(handle.node)):
+            self.activate(handle)
+        if not final:
+            handle.flushes += 1
+        if not handle.active:
+            return False
+        if handle.passthrough:
+            self.store.account_fd(handle.fd)
+        node = handle.node
+        handle.active = False
+        node.active_writers -= 1
+        if node.active_writers == 0:
+            await self.seal(node)
+        self._released.set()
+        self._released = trio.Event()
+        return True
+
+    def close(self, handle: Handle) -> None:
+        """The open file is gone (RELEASE, after `end_writer`)."""
+        del self._handles[handle.fh]
+        if handle.pin is not None:
+            self._latest_pins.closed(handle.pin)
+        node = handle.node
+        node.handles.remove(handle)
+        if handle.fd >= 0:
+            orphaned = os.fstat(handle.fd).st_nlink == 0
+            os.close(handle.fd)
+            if orphaned and not any(h.backing_ino == handle.backing_ino
+                                    for h in node.handles):
+                self.store.forget_inode(handle.backing_ino)  # unlinked while open
+        self._maybe_drop(node)
+
+    @staticmethod
+    def fsync(handle: Handle) -> None:
+        if handle.fd >= 0:
+            os.fsync(handle.fd)
+
+    def unlink(self, parent: Node, name: bytes) -> bool:
+        """Remove a file; False for the virtual `latest`, whose unlink is a no-op."""
+        if name == LATEST and parent.is_dir and LATEST not in parent.children:
+            # The virtual `latest` is derived, not stored: removing it is a no-op, so that
+            # `rm -r run1` works; it names the newest committed step again on the next lookup.
+            return False
+        node = self.existing_entry(parent, name)
+        if node.is_dir:
+            raise FsError(errno.EISDIR)
+        if node.remote is None:
+            self._unlink_backing(self.backing(node), node)
+        self.drop_fetch(node)
+        self._detach(node)
+        self._mark_dirty(parent)
+        return True
+
+    def setattr(
+        self, node: Node, handle: Handle | None, *, mode: int | None = None,
+        uid: int | None = None, gid: int | None = None, size: int | None = None,
+        atime_ns: int | None = None, mtime_ns: int | None = None,
+    ) -> None:
+        """Change attributes of a resident file (private already if `size` is given)."""
+        # A change of metadata alone (utime moves the mtime a seal is checked against) keeps it.
+        keeps_seal = size is None and node.is_file and self.seal_describes_file(node)
+        target: bytes | int
+        try:
+            target = self.backing(node)
+        except FsError:
+            if handle is None:
+                raise
+            target = handle.fd
+        if size is not None:
+            self._truncate(node, handle, target, size)
+        if mode is not None and node.kind != stat.S_IFLNK:
+            os.chmod(target, mode & 0o7777)
+        if uid is not None or gid is not None:
+            os.chown(target, -1 if uid is None else uid, -1 if gid is None else gid,
+                     follow_symlinks=False)
+        if atime_ns is not None or mtime_ns is not None:
+            st = os.lstat(target) if isinstance(target, bytes) else os.fstat(target)
+            times = (st.st_atime_ns if atime_ns is None else atime_ns,
+                     st.st_mtime_ns if mtime_ns is None else mtime_ns)
+            if isinstance(target, bytes):
+                os.utime(target, ns=times, follow_symlinks=False)
+            else:
+                os.utime(target, ns=times)
+        if keeps_seal:
+            node.seal = node.seal.restamped(self.stat(node))
+
+    @staticmethod
+    def check_truncatable(node: Node) -> None:
+        if not node.is_file:
+            raise FsError(errno.EISDIR if node.is_dir else errno.EINVAL)
+
+    def _truncate(self, node: Node, handle: Handle | None, target: bytes | int,
+                  size: int) -> None:
+        self.check_truncatable(node)
+        # A file grown by truncate stores nothing more (tmpfs keeps no holes): no room needed.
+        if isinstance(target, bytes):
+            os.truncate(target, size)
+            self.store.account_path(target)
+        else:
+            os.ftruncate(target, size)
+            self.store.account_fd(target)
+        if handle is not None and handle.active:
+            return
+        node.gen += 1
+        node.seal = None
+        self._mark_dirty(node.parent)
+
+    # -- copy on write ---------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def unshare_lock(self, node: Node) -> AsyncIterator[None]:
+        """One copy on write at a time per file: two writers of the same committed file must
+        not each make a copy; writers of different files do not wait for each other."""
+        lock = self._unshare_locks.setdefault(node, trio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and not lock.statistics().tasks_waiting:
+                self._unshare_locks.pop(node, None)
+
+    def shared_backing(self, node: Node) -> tuple[bytes, os.stat_result] | None:
+        """The node's backing path and stat if its inode is shared with a committed object."""
+        path = self.backing(node)
+        st = os.lstat(path)
+        return (path, st) if st.st_nlink > 1 else None
+
+    def replace_shared(self, node: Node, path: bytes, st: os.stat_result, copy: bytes) -> bool:
+        """Swap a private `copy` in for the shared inode `st` at `path`; False (the copy is
+        removed) if a rename moved things meanwhile, and the caller tries again."""
+        # No await here: the copy replaces the shared inode only if the node is still where
+        # it was and still that inode.
+        try:
+            unchanged = (self.backing(node) == path and os.lstat(path).st_ino == st.st_ino)
+        except (FsError, FileNotFoundError):
+            unchanged = False
+        if not unchanged:
+            os.unlink(copy)
+            return False
+        os.rename(copy, path)
+        backing_ino = self.store.account_path(path)
+        for handle in node.handles:  # open handles follow the file to its new inode
+            if handle.fd >= 0:
+                fresh = os.open(path, os.O_RDWR if handle.writable else os.O_RDONLY)
+                os.dup2(fresh, handle.fd)
+                os.close(fresh)
+                handle.backing_ino = backing_ino
+        return True
+
+    # -- rename ----------------------------------------------------------------------------
+
+    def rename(self, node: Node, old_parent: Node, old_name: bytes, new_parent: Node,
+               new_name: bytes, flags: int) -> bool:
+        """Move `node` (the resident entry `old_name` of `old_parent`); False if it is there
+        already. Step identities below it are the caller's next step (`Commits.renamed_dir`)."""
+        if not new_parent.is_dir:
+            raise FsError(errno.ENOTDIR)
+        target = new_parent.children.get(new_name)
+        if target is node:
+            return False
+        if target is not None:
+            if flags & RENAME_NOREPLACE:
+                raise FsError(errno.EEXIST)
+            if node.is_dir and not target.is_dir:
+                raise FsError(errno.ENOTDIR)
+            if target.is_dir and not node.is_dir:
+                raise FsError(errno.EISDIR)
+            if target.is_dir and target.children:
+                raise FsError(errno.ENOTEMPTY)
+        if node.is_dir and self.holds(node, new_parent):
+            raise FsError(errno.EINVAL)
+        old_path = self.backing(node)
+        new_path = os.path.join(self.backing(new_parent), new_name)
+        if target is not None:
+            if target.is_dir:
+                if target.step is not None:
+                    self._step_removed(target.step)
+                self.remove_hidden(target, new_path)
+            elif target.remote is None:
+                self._forget_backing_if_last(new_path, target)
+        os.rename(old_path, new_path)
+        if target is not None:
+            self._detach(target)
+        self._mark_dirty(old_parent)
+        del old_parent.children[old_name]
+        node.name = new_name
+        node.parent = new_parent
+        new_parent.children[new_name] = node
+        self._mark_dirty(new_parent)
+        return True
+
+    def check_rename(self, old_parent: Node, old_name: bytes, new_name: bytes,
+                     flags: int) -> Node:
+        """The node a rename moves, after the checks that come before any await."""
+        if flags & ~RENAME_NOREPLACE:
+            raise FsError(errno.EINVAL)  # RENAME_EXCHANGE and friends: not supported
+        node = self.existing_entry(old_parent, old_name)
+        self._check_new_name(new_name)
+        return node
+
+    def become_step(self, node: Node, number: int) -> None:
+        """A directory renamed onto a step name: a step being written (it commits once more)."""
+        if node.step is None:
+            node.step = StepState(number, self.records.read_manifest(self.backing(node)))
+        node.step.number = number
+        node.step.dirty = True  # whatever it held before, it is committed only once more
+        self._watch.touch(node)
+
+    def restep(self, node: Node, number: int | None) -> None:
+        """After a rename above it: a directory with a step name and no step above becomes a
+        step (a directory inside a step is part of that step)."""
+        if number is not None and node.step is None:
+            node.step = StepState(number, self.records.read_manifest(self.backing(node)))
+            self._watch.touch(node)
+
+    def stop_being_step(self, node: Node) -> None:
+        """A directory (its files all resident) stops being a step: its files stay, its
+        manifest goes."""
+        self.remove_hidden(node, self.backing(node))
+        node.step = None
+
+    # -- seals -----------------------------------------------------------------------------
+
+    async def seal(self, node: Node) -> None:
+        """Hash the node's content in a thread; keep the seal only if nothing wrote meanwhile."""
+        gen = node.gen
+        try:
+            fd = os.open(self.backing(node), os.O_RDONLY)
+        except FsError:
+            return
+        try:
+            before = os.fstat(fd)
+            digest = await trio.to_thread.run_sync(mf.hash_fd, fd, limiter=self._hash_limiter)
+            after = os.fstat(fd)
+        finally:
+            os.close(fd)
+        seal = Seal(digest, after.st_ino, after.st_mtime_ns)
+        if (node.gen == gen and node.active_writers == 0 and seal.describes(before)
+                and seal.describes(after)):
+            node.seal = seal
+
+    def activate(self, handle: Handle) -> None:
+        """First write since open or flush: the file is no longer sealed; its step is dirty."""
+        handle.active = True
+        node = handle.node
+        node.active_writers += 1
+        node.gen += 1
+        node.seal = None
+        self._mark_dirty(node.parent)
+
+    def written_behind_seal(self, node: Node) -> None:
+        """The kernel wrote `node` through a passthrough descriptor after its seal: it counts as
+        being written until that descriptor's next close."""
+        for handle in node.handles:
+            if handle.writable and handle.passthrough and not handle.active:
+                self.activate(handle)
+                return
+        node.gen += 1
+        node.seal = None
+
+    # -- commit ------------------------------------------------------------------------------
+
+    def write_manifest(self, step_node: Node, files: list[tuple[str, Node]],
+                       copies: dict[Node, bytes]) -> mf.StepManifest:
+        """The commit's change (see the module docstring: no await may come before it once
+        the step is checked): the manifest on disk, the objects' references, the step state.
+        Returns the old manifest if nothing changed since it."""
+        step = step_node.step
+        old = step.manifest
+        step_path = self.relpath(step_node)
+        dir_path = self.backing(step_node)
+        entries = []
+        for rel, node in files:
+            entries.append(mf.entry_from_stat(rel, node.seal.digest,
+                                              os.lstat(self.backing(node))))
+        if (old is not None and old.path == step_path and old.step == step.number
+                and old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries)))):
+            for copy in copies.values():
+                self.store.discard(copy)
+            step.dirty = False
+            step.commit_pending = False
+            return old
+        manifest = mf.StepManifest(
+            path=step_path, step=step.number, version=old.version + 1 if old else 1,
+            node_id=self.node_id, committed_ns=time.time_ns(), files=tuple(entries),
+        )
+        manifest_path = os.path.join(dir_path, mf.MANIFEST_NAME.encode())
+        tmp = self.records.write_temp(manifest_path, mf.encode(manifest))  # may fail: ENOSPC
+        for (_rel, node), entry in zip(files, entries, strict=True):
+            self.store.add_ref(entry.xxh3, self.backing(node), copies.pop(node, None))
+        os.rename(tmp, manifest_path)
+        self.drop_resident_refs(step)
+        step.manifest = manifest
+        step.resident = {entry.name for entry in entries}
+        step.dirty = False
+        step.commit_pending = False
+        return manifest
+
+    @staticmethod
+    def leave_pending(step: StepState, reason: str | None) -> None:
+        """The commit waits (`reason`, shown by status; None keeps the reason known)."""
+        step.commit_pending = True
+        if reason is not None:
+            step.waiting_for = reason
+
+    @staticmethod
+    def note_waiting(step: StepState, reason: str | None) -> None:
+        step.waiting_for = reason
+
+    @staticmethod
+    def note_dcp_files(step: StepState, key: tuple[int, int, int], names: set[str]) -> None:
+        """The files a DCP `.metadata` (inode, size, mtime) names: pending commits ask again."""
+        step.dcp_files = (key, names)
+
+    def touch_enclosing(self, node: Node | None) -> None:
+        """Its steps commit `commit_idle` seconds after this (fs.quiet_commits)."""
+        for step_node in self.enclosing_steps(node):
+            self._watch.touch(step_node)
+
+    # -- fetches and residency ---------------------------------------------------------------
+
+    def start_fetch(self, node: Node, fetch: Fetch) -> Fetch:
+        node.fetch = fetch
+        self.fetching.add(node)
+        return fetch
+
+    def drop_fetch(self, node: Node) -> None:
+        if node.fetch is not None:
+            node.fetch.discard()
+            self._unset_fetch(node)
+
+    def _unset_fetch(self, node: Node) -> None:
+        node.fetch = None
+        self.fetching.discard(node)
+
+    def adopt_fetch(self, node: Node, fetch: Fetch, good: bool) -> bool:
+        """A complete fetch, checked against its xxh3-128 (`good`), becomes the file's committed
+        object. False if the node moved on meanwhile (unlinked or evicted)."""
+        if node.fetch is not fetch or node.remote is None:
+            return False
+        self._unset_fetch(node)
+        if not good:
+            fetch.discard()
+            raise FsError(errno.EIO)
+        path = self.backing(node)
+        tmp = self.store.tmp_path(os.path.dirname(path))
+        os.link(fetch.path, tmp)
+        os.rename(tmp, path)
+        os.close(fetch.fd)
+        os.unlink(fetch.path)
+        entry = node.remote.entry
+        node.remote = None
+        node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), fetch.backing_ino)
+        step = self.committed_step_holding(node)
+        if step is not None and entry.name not in step.resident:
+            self.store.add_ref(entry.xxh3, path)
+            step.resident.add(entry.name)
+        return True
+
+    def make_empty_resident(self, node: Node) -> None:
+        """A non-resident file truncated to nothing: an empty file in RAM, as committed."""
+        path = self.backing(node)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            apply_attributes(fd, node.remote.entry)  # its owner and mode, not the daemon's
+        finally:
+            os.close(fd)
+        self.drop_fetch(node)
+        node.remote = None
+        self._mark_dirty(node.parent)
+
+    def evict_file(self, step: StepState, entry: mf.FileEntry, node: Node) -> int | None:
+        """One file of a committed step leaves RAM unless it is in use; the bytes freed, or
+        None if it stays or had nothing in RAM."""
+        if node.handles or (node.fetch is not None and node.fetch.busy):
+            return None  # open, or bytes on their way in: it stays (a later eviction takes it)
+        in_ram = node.fetch is not None or node.remote is None
+        freed = 0
+        if node.fetch is not None:
+            freed += sum(node.fetch.present) * mf.CHUNK_SIZE
+            self.drop_fetch(node)  # ranges read on demand leave with the step
+        if node.remote is None:
+            self._unlink_backing(self.backing(node), node)
+            node.remote = RemoteFile(step.manifest.path, entry)
+            node.seal = None
+            freed += entry.size
+        if entry.name in step.resident:
+            step.resident.discard(entry.name)
+            self.store.drop_ref(entry.xxh3)
+        return freed if in_ram else None
+
+    def quarantine(self, ino: int, digest: str) -> None:
+        """Every committed file on the bad inode `ino` becomes non-resident (readers go through
+        the other tiers from now on); the object goes (its bytes are kept aside by the caller)."""
+        for step_node in list(self.steps()):
+            step = step_node.step
+            if not step.committed:
+                continue
+            for rel, node in list(self.files_under(step_node)):
+                entry = step.manifest.entry(rel)
+                if (entry is None or node.remote is not None or rel not in step.resident
+                        or node.seal is None or node.seal.backing_ino != ino):
+                    continue
+                for handle in node.handles:
+                    if handle.fd >= 0 and not handle.writable:
+                        os.close(handle.fd)
+                        handle.fd = -1
+                        handle.backing_ino = 0
+                self._unlink_backing(self.backing(node), node)
+                node.remote = RemoteFile(step.manifest.path, entry)
+                node.seal = None
+                step.resident.discard(entry.name)
+                self.store.drop_ref(entry.xxh3)
+        obj = self.store.object_path(digest)
+        try:
+            st = os.lstat(obj)
+        except FileNotFoundError:
+            return
+        if st.st_ino == ino:  # still named by a step being re-saved: the bytes are bad anyway
+            os.unlink(obj)
+            if st.st_nlink == 1:
+                self.store.forget_inode(ino)
+
+    def add_remote_files(self, step_node: Node, entries: list[mf.FileEntry],
+                         step_path: str | None = None) -> None:
+        """Nodes for committed files whose bytes are in another tier (with their directories)."""
+        manifest_path = step_path or step_node.step.manifest.path
+        for entry in entries:
+            parent, name = self._entry_parent(step_node, entry.name)
+            node = parent.children.get(name)
+            if node is None:
+                node = self._attach(parent, name, stat.S_IFREG)
+            node.remote = RemoteFile(manifest_path, entry)
+
+    def _entry_parent(self, step_node: Node, relative: str) -> tuple[Node, bytes]:
+        """The directory node (made if missing) and the name of a manifest entry."""
+        *dirs, name = relative.split("/")
+        parent = step_node
+        for part in map(os.fsencode, dirs):
+            child = parent.children.get(part)
+            if child is None:
+                os.makedirs(os.path.join(self.backing(parent), part), 0o755, exist_ok=True)
+                child = self._attach(parent, part, stat.S_IFDIR)
+            parent = child
+        return parent, os.fsencode(name)
+
+    def fill_from_objects(self, step_node: Node) -> None:
+        """Files of this step that are not resident but whose objects are here become
+        resident (a replica sent them)."""
+        step = step_node.step
+        for _rel, node in self.files_under(step_node):
+            if node.remote is None or node.fetch is not None:
+                continue
+            entry = node.remote.entry
+            obj = self.store.object_path(entry.xxh3)
+            if not obj.exists():
+                continue
+            path = self.backing(node)
+            tmp = self.store.tmp_path(os.path.dirname(path))
+            os.link(obj, tmp)
+            apply_attributes(tmp, entry)
+            os.rename(tmp, path)
+            node.remote = None
+            node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks),
+                             os.lstat(path).st_ino)
+            if entry.name not in step.resident:
+                self.store.add_ref(entry.xxh3, path)
+                step.resident.add(entry.name)
+
+    def drop_resident_refs(self, step: StepState) -> None:
+        if step.manifest is not None:
+            for name in step.resident:
+                self.store.drop_ref(step.manifest.entry(name).xxh3)
+        step.resident = set()
+
+    # -- steps from other tiers ------------------------------------------------------------
+
+    def set_persisted(self, step_node: Node, version: int, *, recorded: bool = False) -> None:
+        """This version of the step is in the persistent tier (recorded on disk first, unless
+        `write_persist_mark` did already)."""
+        if not recorded:
+            self.write_persist_mark(step_node, version)
+        step_node.step.persisted_version = version
+
+    def write_persist_mark(self, step_node: Node, version: int) -> None:
+        self.records.write_persist_mark(self.backing(step_node), version, "persisted")
+
+    def set_retired(self, step_node: Node, version: int) -> None:
+        """Retention removed this version from the persistent tier: never upload it again."""
+        self.records.write_persist_mark(self.backing(step_node), version, "retired")
+        step_node.step.persisted_version = 0
+        step_node.step.retired_version = version
+
+    def add_replica(self, step_node: Node, peer: str) -> None:
+        step_node.step.replicas.add(peer)
+        self._write_node_list(step_node, REPLICAS_MARK, step_node.step.replicas)
+
+    def set_holders(self, step_node: Node, holders: set[str], *, record: bool) -> None:
+        """Peers that hold this version (gossip); `record`ed on disk for a restart."""
+        step_node.step.holders = set(holders)
+        if record:
+            self._write_node_list(step_node, PEERS_MARK, step_node.step.holders)
+
+    def add_holder(self, step_node: Node, peer: str) -> None:
+        step_node.step.holders.add(peer)
+
+    def _write_node_list(self, step_node: Node, mark: bytes, nodes: set[str]) -> None:
+        self.records.write_node_list(self.backing(step_node), mark,
+                                     step_node.step.manifest.version, nodes)
+
+    def write_peers_mark(self, step_node: Node, version: int, holders: set[str]) -> None:
+        self.records.write_node_list(self.backing(step_node), PEERS_MARK, version, holders)
+
+    def forget_step(self, step_node: Node) -> bytes:
+        """The step leaves the tree and the RAM store at once; its directory is renamed aside
+        and returned, for the caller to remove off the trio thread."""
+        for _rel, node in list(self.files_under(step_node)):
+            if node.remote is None:
+                self._unlink_backing(self.backing(node), node)
+            self.drop_fetch(node)
+            self._detach(node)
+        self.drop_resident_refs(step_node.step)
+        path = self.backing(step_node)
+        aside = self.store.tmp_path(os.path.dirname(path))
+        os.rename(path, aside)
+        self._detach_tree(step_node)
+        return aside
+
+    def _detach_tree(self, node: Node) -> None:
+        for child in list((node.children or {}).values()):
+            self._detach_tree(child)
+        self._detach(node)
+
+    def drop_remote_files(self, step_node: Node) -> None:
+        """A step being re-saved here whose committed version was deleted elsewhere: the
+        files at hand stay, as a step that is not committed."""
+        for _rel, child in list(self.files_under(step_node)):
+            if child.remote is not None:
+                self.drop_fetch(child)
+                self._detach(child)
+        self.remove_hidden(step_node, self.backing(step_node))
+
+    def supersede(self, step_node: Node, manifest: mf.StepManifest, source: str, *,
+                  release: bool) -> list[str]:
+        """A newer version of a step committed elsewhere replaces the older committed version
+        held here (the caller checked that nothing here writes, commits or reads it, and
+        recorded where the new files are). The new manifest replaces the old one on disk, then
+        the old files leave the tree. The old version's object digests are released here
+        (`release`) or returned for the caller to release once the new version holds its own
+        references (objects both versions share must stay)."""
+        step = step_node.step
+        old = step.manifest
+        self.records.write_manifest(self.backing(step_node), manifest)
+        old_refs = [old.entry(name).xxh3 for name in step.resident]
+        for _rel, node in list(self.files_under(step_node)):
+            if node.remote is None:
+                self._unlink_backing(self.backing(node), node)
+            self.drop_fetch(node)
+            self._detach(node)
+        step.manifest = manifest
+        step.resident = set()
+        step.replicas = set()
+        step.holders = set()
+        step.persisted_version = 0
+        step.retired_version = 0
+        log.warning("%s v%d here is superseded by v%d from %s", manifest.path,
+                    old.version, manifest.version, source)
+        if release:
+            self.release_refs(old_refs)
+            return []
+        return old_refs
+
+    def release_refs(self, digests: list[str]) -> None:
+        for digest in digests:
+            self.store.drop_ref(digest)
+
+    def install_step(self, manifest: mf.StepManifest, source: str) -> Node | None:
+        """The directories of a step committed elsewhere, and its manifest, written first."""
+        parent = self.root
+        for part in map(os.fsencode, manifest.path.split("/")):
+            child = parent.children.get(part)
+            if child is None:
+                os.mkdir(os.path.join(self.backing(parent), part), 0o755)
+                child = self._attach(parent, part, stat.S_IFDIR)
+                number = self.step_number_at(parent, part)
+                if number is not None:
+                    child.step = StepState(number)
+            elif not child.is_dir:
+                log.warning("step %s from %s is hidden by a file here", manifest.path, source)
+                return None
+            parent = child
+        step = self.step_of(parent)
+        if step is None or step.manifest is not None or parent.children:
+            log.warning("step %s from %s does not fit this namespace (step pattern, or a "
+                        "directory of that name in use)", manifest.path, source)
+            return None
+        self.records.write_manifest(self.backing(parent), manifest)
+        step.manifest = manifest
+        step.dirty = False
+        step.resident = set()
+        return parent
+
+    def install_objects(self, step_node: Node, manifest: mf.StepManifest) -> None:
+        """The files of a replica, whose objects are here already (verified), into the tree."""
+        step = step_node.step
+        for entry in manifest.files:
+            parent, name = self._entry_parent(step_node, entry.name)
+            path = os.path.join(self.backing(parent), name)
+            tmp = self.store.tmp_path(os.path.dirname(path))
+            os.link(self.store.object_path(entry.xxh3), tmp)
+            apply_attributes(tmp, entry)
+            os.rename(tmp, path)
+            node = self._attach(parent, name, stat.S_IFREG)
+            node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks),
+                             os.lstat(path).st_ino)
+            self.store.add_ref(entry.xxh3, path)
+            step.resident.add(entry.name)
+
+    def join_commit(self, step_node: Node, manifest: mf.StepManifest, others: set[str]) -> bool:
+        """Another node committed this step (multi-node DCP) while ranks here wrote some of
+        its files: if every file here is sealed with the content the manifest names, this
+        node's copy is committed as the same version; otherwise it stays `writing` (False)."""
+        step = step_node.step
+        local = list(self.files_under(step_node))
+        for rel, node in local:
+            entry = manifest.entry(rel)
+            if (entry is None or node.remote is not None or node.seal is None
+                    or node.active_writers or node.seal.digest.xxh3 != entry.xxh3):
+                log.warning("%s here differs from the version %s committed: kept as writing",
+                            self.relpath(step_node), ", ".join(sorted(others)))
+                return False
+        self.records.write_manifest(self.backing(step_node), manifest)
+        self.drop_resident_refs(step)
+        for rel, node in local:
+            self.store.add_ref(manifest.entry(rel).xxh3, self.backing(node))
+        step.manifest = manifest
+        step.resident = {rel for rel, _node in local}
+        step.dirty = False
+        step.commit_pending = False
+        step.holders = others
+        self._write_node_list(step_node, PEERS_MARK, others)
+        self.add_remote_files(step_node, [e for e in manifest.files
+                                          if e.name not in step.resident])
+        log.info("%s v%d committed on %s; this node holds %d of its files", manifest.path,
+                 manifest.version, ", ".join(sorted(others)), len(local))
+        return True
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def load_tree(self, recovered: Recovered) -> None:
+        """Build the nodes from the RAM store (`fs.recovery` put it in order first), and count
+        the references of the committed objects found in RAM."""
+        self._load_dir(self.root, self._tree, recovered)
+        for manifest, resident in recovered.values():
+            for entry in manifest.files:
+                if entry.name in resident:
+                    self.store.count_ref(entry.xxh3)
+
+    def _load_dir(self, dir_node: Node, path: bytes, recovered: Recovered,
+                  in_step: bool = False) -> None:
+        reach = self.records.reach
+        with os.scandir(reach(path)) as entries:
+            for entry in entries:
+                if is_reserved(entry.name):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                kind = stat.S_IFMT(st.st_mode)
+                if kind not in (stat.S_IFDIR, stat.S_IFREG, stat.S_IFLNK, stat.S_IFIFO,
+                                stat.S_IFSOCK):
+                    continue
+                node = self._attach(dir_node, entry.name, kind)
+                if kind == stat.S_IFDIR:
+                    child_path = os.path.join(path, entry.name)
+                    number = None if in_step else self.step_number(entry.name)
+                    self._load_dir(node, child_path, recovered, in_step or number is not None)
+                    if number is not None:
+                        self._load_step(node, number, child_path, recovered)
+
+    def _load_step(self, node: Node, number: int, path: bytes, recovered: Recovered) -> None:
+        manifest, resident = recovered.get(path, (None, set()))
+        step = node.step = StepState(number, manifest)
+        step.resident = resident
+        # A DCP step whose .metadata came before its shards (a copy under way) commits when
+        # the last of them is closed, as before the restart.
+        step.commit_pending = manifest is None and METADATA in node.children
+        if manifest is None:
+            return
+        mark = self.records.persist_mark(path)
+        if mark is not None and mark[0] == manifest.version:
+            if mark[1] == "persisted":
+                step.persisted_version = mark[0]
+            elif mark[1] == "retired":
+                step.retired_version = mark[0]
+        version = manifest.version
+        step.replicas = self.records.read_node_list(path, REPLICAS_MARK, version) or set()
+        step.holders = self.records.read_node_list(path, PEERS_MARK, version) or set()
+        for rel, file_node in self.files_under(node):
+            entry = manifest.entry(rel)
+            if entry is not None:
+                ino = os.lstat(self.backing(file_node)).st_ino
+                file_node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), ino)
+        self.add_remote_files(node, [e for e in manifest.files if e.name not in resident])
+
+    # -- status and xattrs -----------------------------------------------------------------
+
+    def step_status(self, step_node: Node) -> dict[str, object]:
+        """One step's line of `tierfs status`: cheap whatever the step's size (no disk access
+        for committed steps; a step being written costs one lstat per unsealed file)."""
+        step = step_node.step
+        if step.committed:
+            manifest = step.manifest
+            files, size = len(manifest.files), manifest.total_bytes
+            ram_bytes = size if step.in_ram else sum(
+                manifest.entry(name).size for name in step.resident)
+        else:
+            sizes = [self._status_size(n) for n in self.walk_files(step_node)]
+            files, size = len(sizes), sum(sizes)
+            ram_bytes = size
+        return {
+            "path": self.relpath(step_node), "step": step.number, "state": step.state,
+            "ram_bytes": ram_bytes,
+            "version": step.manifest.version if step.manifest else 0,
+            "files": files, "bytes": size, "ram": step.in_ram,
+            "replicas": self.peer_holders(step),
+            "persisted": step.persisted,
+            "waiting_for": step.waiting_for if step.commit_pending or not step.committed else None,
+        }
+
+    def _status_size(self, node: Node) -> int:
+        if node.remote is not None:
+            return node.remote.entry.size
+        if node.seal is not None and not node.active_writers:
+            return node.seal.digest.size
+        try:
+            return self.stat(node).st_size
+        except (FsError, FileNotFoundError):
+            return 0  # removed meanwhile
+
+    def xattr_names(self, node: Node) -> list[bytes]:
+        if node.virtual:
+            return []
+        names = []
+        if node.is_dir and self.step_of(node) is not None:
+            names += [XATTR_STATE, XATTR_TIERS]
+        elif node.is_file:
+            names.append(XATTR_TIERS)
+            if node.seal is not None or node.active_writers == 0:
+                names.append(XATTR_XXH3)
+        return names
+
+    async def xattr(self, node: Node, name: bytes) -> bytes:
+        if name not in self.xattr_names(node):
+            raise FsError(ENOATTR)
+        if name == XATTR_STATE:
+            return node.step.state.encode()
+        if name == XATTR_TIERS:
+            if node.is_dir:
+                step = self.step_of(node)
+                return self.tiers(step, step.in_ram).encode()
+            step = self.committed_step_holding(node)
+            if step is None:
+                return b"ram"
+            return self.tiers(step, node.remote is None).encode()
+        if node.remote is not None:
+            return node.remote.entry.xxh3.encode()
+        if not self.seal_describes_file(node):
+            await self.seal(node)  # sealed before a restart, or written behind its seal
+        if node.seal is None:
+            raise FsError(ENOATTR)
+        return node.seal.digest.xxh3.encode()
+
+    # -- user xattrs: kept on the RAM tier's file, not step data ----------------------------
+
+    def user_xattr_names(self, node: Node) -> list[bytes]:
+        target = self._user_xattr_target(node)
+        if target is None:
+            return []
+        return [name for name in map(os.fsencode, os.listxattr(target))
+                if name.startswith(b"user.") and not name.startswith(XATTR_RESERVED)]
+
+    def user_xattr(self, node: Node, name: bytes) -> bytes:
+        target = self._user_xattr_target(node)
+        if target is None:
+            raise FsError(ENOATTR)
+        return os.getxattr(target, name)
+
+    def set_user_xattr(self, node: Node, name: bytes, value: bytes) -> None:
+        target = self._user_xattr_target(node)
+        if target is None:
+            raise FsError(errno.ENOTSUP)
+        os.setxattr(target, name, value)
+
+    def remove_user_xattr(self, node: Node, name: bytes) -> None:
+        target = self._user_xattr_target(node)
+        if target is None:
+            raise FsError(ENOATTR)
+        os.removexattr(target, name)
+
+    def _user_xattr_target(self, node: Node) -> bytes | int | None:
+        """Where a node's user xattrs live: its backing file or directory, the fd of an open
+        handle once it is unlinked, or nowhere (a file whose bytes are in another tier, the
+        virtual `latest`). They are not in the manifest, so no other tier keeps them."""
+        if node.virtual or node.remote is not None or not (node.is_file or node.is_dir):
+            return None
+        try:
+            return self.backing(node)
+        except FsError:
+            for handle in node.handles:
+                if handle.fd >= 0:
+                    return handle.fd
+            raise
+
+    # -- `latest` --------------------------------------------------------------------------
+
+    def _latest_target(self, dir_node: Node) -> bytes | None:
+        best: tuple[int, bytes] | None = None
+        for name, node in dir_node.children.items():
+            step = self.step_of(node) if node.is_dir else None
+            if step is not None and step.committed:
+                key = (node.step.number, name)
+                if best is None or key > best:
+                    best = key
+        return None if best is None else best[1]
+
+    def _is_committed_step(self, dir_node: Node, name: bytes) -> bool:
+        node = dir_node.children.get(name)
+        step = self.step_of(node) if node is not None and node.is_dir else None
+        return step is not None and step.committed
+
+    def note_opened(self, handle: Handle, pid: int) -> None:
+        """Process `pid` opened `handle`: if it reached the file through its pinned `latest`,
+        the pin lasts while the file is open."""
+        step_node = next((n for n in self.enclosing_steps(handle.node.parent)
+                          if self.step_of(n) is not None), None)
+        if step_node is not None and step_node.parent is not None:
+            handle.pin = self._latest_pins.opened(pid, step_node.parent.ino, step_node.name)
+
+    def _latest_node(self, dir_node: Node) -> Node:
+        node = self._latest.get(dir_node.ino)
+        if node is None:
+            node = Node(self._new_ino(), stat.S_IFLNK, LATEST, dir_node)
+            node.virtual = True
+            self._latest[dir_node.ino] = node
+            self._inodes[node.ino] = node
+        return node
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _new_ino(self) -> int:
+        ino = self._next_ino
+        self._next_ino += 1
+        return ino
+
+    def _attach(self, parent: Node, name: bytes, kind: int) -> Node:
+        node = Node(self._new_ino(), kind, name, parent)
+        parent.children[name] = node
+        self._inodes[node.ino] = node
+        return node
+
+    def _detach(self, node: Node) -> None:
+        if node.parent is not None and node.parent.children.get(node.name) is node:
+            del node.parent.children[node.name]
+        node.parent = None
+        if node.is_dir:  # directories held open for long paths, in what leaves the tree
+            for gone in (node, *self.dirs_under(node)):
+                if gone.anchor_fd >= 0:
+                    os.close(gone.anchor_fd)
+                    gone.anchor_fd = -1
+        self._maybe_drop(node)
+
+    def _maybe_drop(self, node: Node) -> None:
+        if node.lookups or node.handles:
+            return
+        if node.virtual:
+            self._latest.pop(node.parent.ino, None)
+            del self._inodes[node.ino]
+        elif node.parent is None and node.ino in self._inodes:
+            del self._inodes[node.ino]
+
+    def _new_handle(self, node: Node, fd: int, writable: bool) -> Handle:
+        handle = Handle(self._next_fh, node, fd, writable)
+        self._next_fh += 1
+        self._handles[handle.fh] = handle
+        node.handles.append(handle)
+        return handle
+
+    def _mark_dirty(self, node: Node | None) -> None:
+        for step_node in self.enclosing_steps(node):
+            step_node.step.dirty = True
+            self._watch.touch(step_node)
+
+    def _check_new_name(self, name: bytes) -> None:
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        if is_reserved(name) or b"/" in name or name in (b"", b".", b".."):
+            raise FsError(errno.EPERM, "name reserved by tierfs")
+        try:
+            name.decode("utf-8")  # manifests and object keys are UTF-8
+        except UnicodeDecodeError:
+            raise FsError(errno.EILSEQ, "names must be UTF-8") from None
+
+    def _new_entry_path(self, parent: Node, name: bytes) -> bytes:
+        if not parent.is_dir:
+            raise FsError(errno.ENOTDIR)
+        self._check_new_name(name)
+        if name in parent.children:
+            raise FsError(errno.EEXIST)
+        return os.path.join(self.backing(parent), name)
+
+    def existing_entry(self, parent: Node, name: bytes) -> Node:
+        if not parent.is_dir:
+            raise FsError(errno.ENOTDIR)
+        node = parent.children.get(name)
+        if node is None:
+            if name == LATEST and self._latest_target(parent) is not None:
+                raise FsError(errno.EROFS)
+            raise FsError(errno.ENOENT)
+        return node
+
+    def _unlink_backing(self, path: bytes, node: Node) -> None:
+        st = self._forget_backing_if_last(path, node)
+        self.store.remove(path, st, in_background=not self._is_open(node, st))
+
+    def _forget_backing_if_last(self, path: bytes, node: Node) -> os.stat_result:
+        """Space comes back when the last link goes, or at the last close if files are open."""
+        st = os.lstat(path)
+        if st.st_nlink == 1 and not self._is_open(node, st):
+            self.store.forget_inode(st.st_ino)
+        return st
+
+    @staticmethod
+    def _is_open(node: Node, st: os.stat_result) -> bool:
+        return any(h.backing_ino == st.st_ino for h in node.handles)
+
+    def remove_hidden(self, dir_node: Node, path: bytes) -> None:
+        """Remove tierfs's own entries of an otherwise empty directory (a deleted step)."""
+        step = dir_node.step
+        if step is not None:
+            self.drop_resident_refs(step)
+            step.manifest = None
+        else:  # a committed step renamed to a name that is not a step name
+            manifest = self.records.read_manifest(path)
+            for entry in manifest.files if manifest else ():
+                if os.path.exists(os.path.join(path, os.fsencode(entry.name))):
+                    self.store.drop_ref(entry.xxh3)
+        for name in os.listdir(path):
+            if is_reserved(name):
+                os.unlink(os.path.join(path, name))
+
+
+def _chown(path: bytes, uid: int, gid: int) -> None:
+    if (uid, gid) != (os.geteuid(), os.getegid()):
+        os.chown(path, uid, gid, follow_symlinks=False)
+
