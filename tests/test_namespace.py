@@ -12,8 +12,10 @@ from types import SimpleNamespace
 import pyfuse3
 import pytest
 import trio
+import trio.testing
 
 from tierfs import manifest as mf
+from tierfs.fs.background import Background
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.nodes import ROOT_INODE
 from tierfs.fs.operations import Operations
@@ -158,6 +160,43 @@ async def test_restart_restores_committed_step_and_removes_leftovers(tmp_path: P
     assert not (tmp_path / "ram/objects" / ("f" * 32)).exists()
     assert not (tmp_path / "ram/tree/run/.tierfs-tmp-1-2").exists()
     second.close()
+
+
+async def test_restart_removes_a_step_directory_set_aside_for_removal(tmp_path: Path) -> None:
+    # A step that left the last tier is renamed aside and removed in a thread; a crash in
+    # between leaves the directory, which the next start removes.
+    first = Harness(tmp_path / "ram")
+    first.close()
+    aside = tmp_path / "ram/tree/.tierfs-tmp-1-3"
+    (aside / "sub").mkdir(parents=True)
+    (aside / "sub/shard").write_bytes(b"x" * 5000)
+
+    second = Harness(tmp_path / "ram")
+    assert not aside.exists()
+    assert second.store.used_bytes == 0
+    second.close()
+
+
+async def test_background_work_waits_for_its_owner_and_ends_with_it() -> None:
+    background = Background()
+    started, cancelled = trio.Event(), trio.Event()
+
+    async def work(tag: str) -> None:
+        assert tag == "evict"
+        started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    background.spawn(work, "evict")  # before the daemon starts its owner: it waits
+    await trio.testing.wait_all_tasks_blocked()
+    assert not started.is_set()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(background.run)
+        await started.wait()
+        nursery.cancel_scope.cancel()  # unmount
+    assert cancelled.is_set()
 
 
 async def test_unreadable_manifest_is_set_aside(tmp_path: Path) -> None:

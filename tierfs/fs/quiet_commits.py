@@ -57,6 +57,11 @@ class QuietWatch:
                 self.due[sibling] = 0.0
                 self.wake.set()
 
+    def rearm(self) -> trio.Event:
+        """A fresh wake-up event, set by the next new deadline."""
+        self.wake = trio.Event()
+        return self.wake
+
     def due_steps(self, now: float) -> Iterator[Node]:
         for step_node, due in list(self.due.items()):
             if due <= now and self.due.get(step_node) == due:
@@ -85,12 +90,12 @@ class QuietCommits:
         """The daemon's background task: commit each step once it is due and quiet."""
         watch = self.watch
         while True:
-            watch.wake = trio.Event()
+            wake = watch.rearm()
             for step_node in watch.due_steps(time.monotonic()):
                 await self._commit_if_quiet(step_node)
             due = min(watch.due.values(), default=math.inf)
             with trio.move_on_after(max(0.0, due - time.monotonic())):
-                await watch.wake.wait()
+                await wake.wait()
 
     async def _commit_if_quiet(self, step_node: Node) -> bool:
         """Commit `step_node` if nothing writes it; otherwise look again later."""

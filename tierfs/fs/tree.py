@@ -1086,7 +1086,8 @@ class Tree:
 
     def forget_step(self, step_node: Node) -> bytes:
         """The step leaves the tree and the RAM store at once; its directory is renamed aside
-        and returned, for the caller to remove off the trio thread."""
+        (to a temporary name at the top of the tree: a short path, and start-up removes it if
+        a crash comes first) and returned, for the caller to remove off the trio thread."""
         for _rel, node in list(self.files_under(step_node)):
             if node.remote is None:
                 self._unlink_backing(self.backing(node), node)
@@ -1094,7 +1095,7 @@ class Tree:
             self._detach(node)
         self.drop_resident_refs(step_node.step)
         path = self.backing(step_node)
-        aside = self.store.tmp_path(os.path.dirname(path))
+        aside = self.store.tmp_path(self._tree)
         os.rename(path, aside)
         self._detach_tree(step_node)
         return aside
