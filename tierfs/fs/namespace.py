@@ -62,6 +62,7 @@ from tierfs.fs.quiet_commits import QuietCommits
 from tierfs.fs.ram_store import RamFull, RamStore, allocated, is_reserved
 from tierfs.fs.recovery import Recovery
 from tierfs.fs.residency import Residency
+from tierfs.observe import Events
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,10 @@ class Namespace(Recovery, Residency, OtherTiers, QuietCommits):
         replicas: int = 0,
         read_sources: list[ReadSource] | None = None,
         commit_idle: float = 5.0,
+        events: Events | None = None,
     ) -> None:
         self.store = store
+        self.events = events or Events()  # the commit's event line and metrics
         self.commit_idle = commit_idle  # see fs.quiet_commits
         self._quiet: dict[Node, float] = {}
         self._quiet_wake = trio.Event()
@@ -588,9 +591,7 @@ class Namespace(Recovery, Residency, OtherTiers, QuietCommits):
             return None
         step.waiting_for = None
         if manifest is not old:
-            log.info("committed %s v%d: %d files, %d bytes in %.3f s", manifest.path,
-                     manifest.version, len(manifest.files), manifest.total_bytes,
-                     time.monotonic() - started)
+            self.events.committed(manifest, time.monotonic() - started)
             await self._commits.send(manifest)
         return manifest
 

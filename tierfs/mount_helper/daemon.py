@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from tierfs.fs.nodes import FsError
 from tierfs.fs.operations import Operations
 from tierfs.fs.passthrough import PassthroughDevice, PassthroughUnavailable
 from tierfs.fs.ram_store import RamDirBusy, RamFull, RamStore
-from tierfs.fs.verify import Verifier
+from tierfs.fs.verify import StepReport, Verifier
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.mounts import (
@@ -42,6 +43,7 @@ from tierfs.mount_helper.mounts import (
     ram_dir_of,
     with_patience,
 )
+from tierfs.observe import Events, Levels, MetricsServer
 from tierfs.replication.cluster_commit import SealedFiles
 from tierfs.replication.gossip import Gossip
 from tierfs.replication.membership import Membership
@@ -265,19 +267,20 @@ def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
 
 async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     commits_send, commits_recv = trio.open_memory_channel[mf.StepManifest](64)
+    events = Events()
     namespace = Namespace(store, commits_send, node_id=cfg.node_id,
                           step_pattern=cfg.step_pattern, keep_ram=cfg.keep_ram,
-                          replicas=cfg.replicas, commit_idle=cfg.commit_idle)
+                          replicas=cfg.replicas, commit_idle=cfg.commit_idle, events=events)
     namespace.load()
     namespace.deletes.targets = ([PERSIST] if cfg.persist else []) + [
         peer_target(node_id) for node_id in sorted(cfg.peers or {}) if node_id != cfg.node_id]
     verifier = Verifier(namespace)
     verifier.collect_unverified()
     namespace.before_read_open = verifier.before_read_open
-    uploader = await _persistent_tier(cfg, namespace, store, ready)
+    uploader = await _persistent_tier(cfg, namespace, store, ready, events)
     if uploader is not None:
         verifier.persist = PersistentReader(uploader.backend, trio.CapacityLimiter(8))
-        namespace.read_sources.append(verifier.persist)
+        namespace.read_sources.append(events.metered(verifier.persist, uploader.backend.url))
         await _adopt_stored_steps(namespace, uploader)
     source = mount_source(cfg.ram_dir)  # names the RAM dir: the command line finds us by it
     device = _open_passthrough(cfg, source)
@@ -290,10 +293,13 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         if device is not None:
             device.close()
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
-    cluster = ClusterNode(cfg, namespace, store, verifier) if cfg.peers else None
+    cluster = ClusterNode(cfg, namespace, store, verifier, events) if cfg.peers else None
     daemon = Daemon(cfg, namespace, uploader, cluster, verifier, device)
     serving = True
+    metrics = None
     try:
+        if cfg.metrics is not None:
+            metrics = _serve_metrics(cfg, events, daemon.levels)
         async with trio.open_nursery() as nursery:
             if device is not None:
                 token = trio.lowlevel.current_trio_token()
@@ -310,6 +316,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             await nursery.start(control.serve, cfg.control_socket, daemon.handle,
                                 trusted_uids(cfg))
             nursery.start_soon(daemon.consume_commits, commits_recv)
+            nursery.start_soon(events.run)
             if uploader is not None:
                 nursery.start_soon(uploader.run)
             nursery.start_soon(_verify_then_send, verifier, uploader, cluster)
@@ -327,6 +334,20 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         if device is not None:
             device.close()
         control.remove(cfg.control_socket)
+        if metrics is not None:
+            with trio.CancelScope(shield=True):
+                await metrics.aclose()
+
+
+def _serve_metrics(cfg: MountConfig, events: Events, levels: Callable[[], Levels]
+                   ) -> MetricsServer:
+    """--metrics: the HTTP endpoint, or the one line that says why it cannot listen."""
+    host, port = cfg.metrics
+    try:
+        return MetricsServer(events, levels, host, port)
+    except OSError as exc:
+        raise StartupError(f"cannot serve metrics on {host}:{port}: "
+                           f"{exc.strerror or exc}") from None
 
 
 async def _retry_pending_commits(namespace: Namespace) -> None:
@@ -337,7 +358,7 @@ async def _retry_pending_commits(namespace: Namespace) -> None:
 
 
 async def _persistent_tier(cfg: MountConfig, namespace: Namespace, store: RamStore,
-                           ready: ReadyPipe) -> Uploader | None:
+                           ready: ReadyPipe, events: Events) -> Uploader | None:
     """Open and check the persistent tier; a user's mistake there stops the mount."""
     if cfg.persist is None:
         warning = "no --persist given: committed steps live only in this node's RAM"
@@ -366,6 +387,7 @@ async def _persistent_tier(cfg: MountConfig, namespace: Namespace, store: RamSto
         persist_every=cfg.persist_every, keep_persist=cfg.keep_persist,
         step_number=namespace.step_number, is_current=namespace.is_current,
         on_persisted=namespace.mark_persisted, on_retired=namespace.mark_retired,
+        events=events,
     )
 
 
@@ -447,7 +469,7 @@ class ClusterNode:
     handlers, replication, gossip and peer reads, wired to this node's namespace and store."""
 
     def __init__(self, cfg: MountConfig, namespace: Namespace, store: RamStore,
-                 verifier: Verifier) -> None:
+                 verifier: Verifier, events: Events) -> None:
         self.cfg = cfg
         self.namespace = namespace
         self.membership = Membership(cfg.node_id, cfg.peers, cfg.token)
@@ -455,7 +477,8 @@ class ClusterNode:
         verifier.peers = PeerVerify(self.membership)
         self.peer_delete = PeerDelete(self.membership)
         # Peers come first among the read sources: faster than the persistent tier.
-        namespace.read_sources.insert(0, PeerReader(self.membership, namespace.holders_of))
+        namespace.read_sources.insert(0, events.metered(
+            PeerReader(self.membership, namespace.holders_of), "peers"))
         self.gossip = Gossip(self.membership, namespace.holdings, namespace.learn)
         self.sealed = SealedFiles(self.membership, namespace.sealed_files)
         namespace.collect_sealed = self.sealed.collect
@@ -463,7 +486,8 @@ class ClusterNode:
                                      lambda digest: str(store.object_path(digest)),
                                      is_current=namespace.is_current,
                                      holders=namespace.replica_holders,
-                                     on_replicated=namespace.mark_replicated)
+                                     on_replicated=namespace.mark_replicated,
+                                     events=events)
         self.receiver = ReplicaReceiver(store.objects, store, namespace.adopt_replica)
         self.ranges = RangeServer(store.objects, namespace.sealed_path)
 
@@ -528,10 +552,33 @@ class Daemon:
     def persist_status(self) -> dict[str, Any] | None:
         if self.uploader is None:
             return None
-        waiting = [m for m in self.namespace.committed_manifests() if self.uploader.wanted(m)]
+        waiting = self._persist_waiting()
         return {"url": self.uploader.backend.url, "every": self.cfg.persist_every,
                 "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
                 "pending_bytes": sum(m.total_bytes for m in waiting)}
+
+    def _persist_waiting(self) -> list[mf.StepManifest]:
+        assert self.uploader is not None
+        return [m for m in self.namespace.committed_manifests() if self.uploader.wanted(m)]
+
+    def _replicas_waiting(self) -> list[mf.StepManifest]:
+        """Steps made here that have fewer peer copies than --replicas."""
+        return [m for m in self.namespace.owned_manifests()
+                if len(self.namespace.replica_holders(m)) < self.cfg.replicas]
+
+    def levels(self) -> Levels:
+        """The gauges of the metrics endpoint (called in the trio thread at each scrape)."""
+        pending = {}
+        if self.uploader is not None:
+            pending["persist"] = self._persist_waiting()
+        if self.cluster is not None:
+            pending["replica"] = self._replicas_waiting()
+        peers = self.cluster.membership.peers if self.cluster else []
+        store = self.namespace.store
+        return Levels(store.used_bytes, store.limit_bytes,
+                      {tier: (len(steps), sum(m.total_bytes for m in steps))
+                       for tier, steps in pending.items()},
+                      len(peers), sum(1 for m in peers if m.up))
 
     async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         command = request.get("cmd")
@@ -545,6 +592,7 @@ class Daemon:
         try:
             if command == "verify":
                 reports = await self.verifier.verify(path, bool(request.get("repair", True)))
+                self._count_bad_copies(reports)
                 return {"ok": True, "steps": [r.as_dict() for r in reports]}
             if command == "prefetch":
                 return {"ok": True, "bytes": await self.namespace.prefetch(path)}
@@ -557,6 +605,13 @@ class Daemon:
             return {"ok": False, "error": f"{path}: {exc.strerror}"}
         return {"ok": True, "path": manifest.path, "version": manifest.version,
                 "files": len(manifest.files), "bytes": manifest.total_bytes}
+
+    def _count_bad_copies(self, reports: list[StepReport]) -> None:
+        for report in reports:
+            for tier in report.tiers:
+                if tier.tier != "any tier":  # the same files again, summed over the tiers
+                    self.namespace.events.verify_failed(tier.tier.partition(":")[0],
+                                                        len(tier.bad) + len(tier.repaired))
 
     def status(self) -> dict[str, Any]:
         ns = self.namespace
