@@ -112,6 +112,8 @@ class Events:
         for tier in TIERS:  # every series exists from the start: rate() needs a first zero
             self.step_bytes.labels(tier)
             self.step_seconds.labels(tier)
+        for tier in ("ram", "peer", "persist"):
+            self.verify_failures.labels(tier)
         self._read_backs: dict[tuple[str, str], _ReadBack] = {}
 
     # -- events ------------------------------------------------------------------------------
