@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import pty
 import re
 import select
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from tests.conftest import TIERFS, MountFactory, tierfs, wait_until
 from tests.test_crash import save
+from tierfs.mount_helper.cli import CLEAR_SCREEN
 from tierfs.observe import event_line
 
 RATE = r"\(\d+(\.\d)? [kMG]?B, \d+(\.\d)? [kMG]?B/s\)"
@@ -72,6 +74,27 @@ def test_status_watch_redraws_until_ctrl_c(mounts: MountFactory) -> None:
     assert all(s.startswith("tierfs at ") and "run/step_1" in s for s in snapshots[:3])
     assert watch.returncode == 0, errors
     assert b"Traceback" not in errors and b"KeyboardInterrupt" not in errors
+
+
+def test_status_watch_redraws_a_terminal(mounts: MountFactory) -> None:
+    mnt = mounts.mount()
+    leader, follower = pty.openpty()
+    watch = subprocess.Popen([*TIERFS, "status", str(mnt.mountpoint), "--watch", "0.2"],
+                             stdout=follower, stderr=subprocess.PIPE)
+    os.close(follower)
+    try:
+        output = b""
+        deadline = time.monotonic() + 20
+        while output.count(CLEAR_SCREEN.encode()) < 2 and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.5)[0]:
+                output += os.read(leader, 65536)
+        watch.send_signal(signal.SIGINT)
+        _out, errors = watch.communicate(timeout=10)
+    finally:
+        watch.kill()
+        os.close(leader)
+    assert output.count(CLEAR_SCREEN.encode()) >= 2 and b"Ctrl-C to stop" in output
+    assert watch.returncode == 0 and b"Traceback" not in errors
 
 
 def test_status_watch_refuses_a_bad_interval(tmp_path: Path) -> None:
