@@ -32,7 +32,7 @@ def test_committed_steps_reach_file_store_in_plain_layout(mounts: MountFactory,
     assert mnt.step("run1/step_100")["persisted"] is True
     assert getxattr(mnt / "run1/step_100", "user.tierfs.tiers") == "ram,persist"
     assert getxattr(mnt / "run1/step_100/.metadata", "user.tierfs.tiers") == "ram,persist"
-    assert "persisted run1/step_100 v1" in mnt.log() and "MB/s" in mnt.log()
+    assert f"Step run1/step_100: persisted to file://{store} in " in mnt.log()
 
     # a re-save replaces the step in the store; the manifest names the new version
     files2 = step_files(2)
@@ -163,5 +163,5 @@ def test_step_removed_while_it_uploads_does_not_stop_the_daemon(mounts: MountFac
     tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
     assert (store / "run/step_2/.tierfs-manifest").exists()
     assert not (store / "run/step_1/.tierfs-manifest").exists() or \
-        "persisted run/step_1" in mnt.log()
+        "Step run/step_1: persisted to" in mnt.log()
     assert mnt.status()["pid"] == mnt.pid  # still the same daemon, still serving

@@ -269,7 +269,7 @@ def test_s3_trouble_loses_nothing_and_evicts_nothing_unsafely(
             dcp.load(restored, storage_reader=FileSystemReader(mnt / path))
             assert_state_equal(ledger.states[path], restored)
         log = first_mount.log()
-        assert "retrying" in log and "persisted run/step_10 v1" in log
+        assert "retrying" in log and "Step run/step_10: persisted to" in log
 
     counts = dict(ledger.counts)
     assert counts["wrong_bytes"] == counts["unsafe_evictions"] == 0

@@ -25,6 +25,7 @@ from tierfs.fs.ports import CommitSink
 from tierfs.fs.ram_store import RamFull
 from tierfs.fs.residency import Residency
 from tierfs.fs.tree import Tree
+from tierfs.observe import Events
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,12 @@ class Commits:
     """Commits of step directories (see the module docstring)."""
 
     def __init__(self, tree: Tree, residency: Residency, tiers: OtherTiers,
-                 sink: CommitSink) -> None:
+                 sink: CommitSink, events: Events) -> None:
         self.tree = tree
         self.residency = residency
         self.tiers = tiers
         self.sink = sink
+        self.events = events  # the commit's event line and metrics
 
     async def commit(self, step_node: Node, *, wait_for_writers: bool) -> mf.StepManifest | None:
         """Commit `step_node` now; with writers still open either wait or leave it pending.
@@ -60,9 +62,7 @@ class Commits:
             return None
         self.tree.note_waiting(step, None)
         if manifest is not old:
-            log.info("committed %s v%d: %d files, %d bytes in %.3f s", manifest.path,
-                     manifest.version, len(manifest.files), manifest.total_bytes,
-                     time.monotonic() - started)
+            self.events.committed(manifest, time.monotonic() - started)
             await self.sink.send(manifest)
         return manifest
 

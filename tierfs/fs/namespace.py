@@ -45,6 +45,7 @@ from tierfs.fs.recovery import Recovery
 from tierfs.fs.residency import Residency
 from tierfs.fs.tree import Tree
 from tierfs.fs.verify import Verifier
+from tierfs.observe import Events
 
 
 class Core:
@@ -68,15 +69,16 @@ class Namespace:
                  read_sources: list[ReadSource] | None = None,
                  sealed: SealedCollector | None = None, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None, keep_ram: int = 3,
-                 replicas: int = 0) -> None:
+                 replicas: int = 0, events: Events | None = None) -> None:
         self.tree = tree = core.tree
+        self.events = events or Events()
         self.store = tree.store
         self.deletes = core.deletes
         self.background = background or Background()
         self.residency = Residency(tree, list(read_sources or []), self.background,
                                    keep_ram=keep_ram, replicas=replicas)
         self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)
-        self.commits = Commits(tree, self.residency, self.tiers, sink)
+        self.commits = Commits(tree, self.residency, self.tiers, sink, self.events)
         self.quiet = QuietCommits(tree, core.watch, self.commits)
         self.verifier = Verifier(tree, self.residency, persist, peers)
         self.gate: ReadGate = self.verifier

@@ -40,8 +40,11 @@ def _boundary(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T
         except FUSEError:
             raise
         except FsError as exc:
+            if exc.errno == errno.ENOSPC:  # a commit the saver's call waited for had no room
+                self.ns.events.write_refused()
             raise FUSEError(exc.errno) from None
         except RamFull:
+            self.ns.events.write_refused()
             raise FUSEError(errno.ENOSPC) from None
         except OSError as exc:
             raise FUSEError(exc.errno or errno.EIO) from None

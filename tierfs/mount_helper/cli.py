@@ -32,6 +32,7 @@ examples:
   tierfs mount /checkpoints                      RAM tier in /dev/shm/tierfs, half of memory
   tierfs mount /checkpoints --ram-limit 64G --ram-dir /dev/shm/ckpt
   tierfs status /checkpoints                     table of steps; --json for scripts
+  tierfs status /checkpoints --watch 5           the same, redrawn every 5 s until Ctrl-C
   tierfs commit /checkpoints/run1/step_100       commit a step that did not commit by itself
   tierfs mount /checkpoints --persist s3://bucket/ckpt --persist-every 10 --keep-persist 5
   tierfs flush /checkpoints --timeout 600        wait until the persistent tier has every step
@@ -88,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="show steps, their states, sizes and tiers")
     status.add_argument("mountpoint", metavar="MOUNTPOINT")
     status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--watch", type=_interval, nargs="?", const=2.0, metavar="SECONDS",
+                        help="redraw every SECONDS (default 2) until Ctrl-C; not on a "
+                        "terminal, print one snapshot per interval, a blank line between")
 
     commit = commands.add_parser("commit", help="commit the step directory PATH now")
     commit.add_argument("path", metavar="PATH")
@@ -149,6 +153,8 @@ def _run(argv: list[str] | None) -> int:
         if args.command == "flush":
             return _flush(args.mountpoint, args.timeout)
         if args.command == "status":
+            if args.watch is not None:
+                return _watch(args.mountpoint, args.json, args.watch)
             return _status(args.mountpoint, args.json)
         if args.command == "commit":
             return _commit(args.path)
@@ -268,12 +274,46 @@ def _wait_for_exit(pid: int, timeout: float) -> str:
 
 def _status(mountpoint: str, as_json: bool) -> int:
     socket_path, _root, _rel = control.locate(mountpoint)
-    status = control.request(socket_path, {"cmd": "status"})["status"]
-    if as_json:
-        print(json.dumps(status, indent=2))
-    else:
-        print(format_status(status))
+    print(_status_text(socket_path, as_json))
     return 0
+
+
+def _status_text(socket_path: str, as_json: bool) -> str:
+    status = control.request(socket_path, {"cmd": "status"})["status"]
+    return json.dumps(status, indent=2) if as_json else format_status(status)
+
+
+CLEAR_SCREEN = "\033[H\033[2J"
+
+
+def _watch(mountpoint: str, as_json: bool, interval: float) -> int:
+    """`status --watch`: a live view on a terminal (clear and redraw), else a snapshot per
+    interval; Ctrl-C is how it is meant to end, so it ends with status 0."""
+    socket_path, _root, _rel = control.locate(mountpoint)
+    on_terminal = sys.stdout.isatty()
+    before = ""  # what separates a snapshot from the one before it
+    try:
+        while True:
+            text = _status_text(socket_path, as_json)
+            if on_terminal:
+                print(f"{CLEAR_SCREEN}{time.strftime('%H:%M:%S')}  every {interval:g} s, "
+                      f"Ctrl-C to stop\n{text}", flush=True)
+            else:
+                print(before + text, flush=True)
+                before = "\n"
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _interval(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError("the interval must be a positive number of seconds")
+    return seconds
 
 
 def _flush(mountpoint: str, timeout: float | None) -> int:

@@ -68,6 +68,9 @@ MOUNT_OPTIONS = [
     Option("no-passthrough", False, "route file data through the daemon even where the kernel "
            "could pass reads and writes straight to the RAM store (slower; for comparison)",
            "flag"),
+    Option("metrics", None, "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. "
+           "127.0.0.1:9100; :9100 listens on every interface; default: none)",
+           metavar="HOST:PORT"),
     Option("log-file", None, "log destination when daemonised (default <ram-dir>/tierfs.log)",
            "path", "FILE"),
     Option("allow-non-empty", False, "mount even if MOUNTPOINT is not empty (its content stays "
@@ -119,6 +122,7 @@ class MountConfig:
     root_uid: int | None = None
     root_gid: int | None = None
     root_mode: int | None = None
+    metrics: tuple[str, int] | None = None
 
     @property
     def control_socket(self) -> str:
@@ -178,6 +182,14 @@ def parse_peers(text: str) -> dict[str, tuple[str, int]]:
             raise ConfigError(f"--peers lists {node_id} twice")
         peers[node_id] = (host.strip("[]"), int(port))
     return peers
+
+
+def parse_address(text: str, option: str) -> tuple[str, int]:
+    """'127.0.0.1:9100', '[::1]:9100' or ':9100' (every interface) -> (host, port)."""
+    host, colon, port = str(text).strip().rpartition(":")
+    if not colon or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{option} {text!r} is not HOST:PORT (e.g. 127.0.0.1:9100)")
+    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def read_token(path: str | Path) -> bytes:
@@ -328,6 +340,7 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         allow_non_empty=bool(values["allow_non_empty"]),
         commit_idle=_seconds(values, "commit_idle"),
         allow_other=bool(values["allow_other"]),
+        metrics=parse_address(values["metrics"], "--metrics") if values["metrics"] else None,
         **_root_directory(values),
     )
 

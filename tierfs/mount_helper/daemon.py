@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from tierfs.fs.operations import Operations
 from tierfs.fs.passthrough import PassthroughDevice, PassthroughUnavailable
 from tierfs.fs.ram_store import RamDirBusy, RamFull, RamStore
 from tierfs.fs.tree import Tree
-from tierfs.fs.verify import Verifier
+from tierfs.fs.verify import StepReport, Verifier
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.mounts import (
@@ -45,6 +46,7 @@ from tierfs.mount_helper.mounts import (
     ram_dir_of,
     with_patience,
 )
+from tierfs.observe import Events, Levels, MetricsServer
 from tierfs.replication.cluster_commit import SealedFiles
 from tierfs.replication.gossip import Gossip
 from tierfs.replication.membership import Membership
@@ -271,21 +273,27 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     # tree (loaded from the RAM store), the clients of the other tiers that serve it, the
     # namespace over both, then what follows its commits and serves the peers.
     commits_send, commits_recv = trio.open_memory_channel[mf.StepManifest](64)
+    events = Events()
     core = Core(store, node_id=cfg.node_id, step_pattern=cfg.step_pattern,
                 commit_idle=cfg.commit_idle, delete_targets=_delete_targets(cfg))
     backend = await _persistent_tier(cfg, ready)
     persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
     links = ClusterLinks(cfg, core.tree) if cfg.peers else None
-    # Peers come first among the read sources: faster than the persistent tier.
-    sources = [source for source in (links.reader if links else None, persist) if source]
+    # Peers come first among the read sources: faster than the persistent tier. Each is
+    # metered: read-backs are event lines and metrics.
+    sources = []
+    if links is not None:
+        sources.append(events.metered(links.reader, "peers"))
+    if persist is not None and backend is not None:
+        sources.append(events.metered(persist, backend.url))
     background = Background()
     namespace = Namespace(core, commits_send, background=background, read_sources=sources,
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
-                          replicas=cfg.replicas)
+                          replicas=cfg.replicas, events=events)
     verifier = namespace.verifier
     verifier.collect_unverified()
-    uploader = _uploader(cfg, backend, namespace) if backend else None
+    uploader = _uploader(cfg, backend, namespace, events) if backend else None
     if uploader is not None:
         await _adopt_stored_steps(namespace, uploader)
     source = mount_source(cfg.ram_dir)  # names the RAM dir: the command line finds us by it
@@ -299,10 +307,13 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         if device is not None:
             device.close()
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
-    cluster = ClusterNode(cfg, links, namespace, store) if links else None
+    cluster = ClusterNode(cfg, links, namespace, store, events) if links else None
     daemon = Daemon(cfg, namespace, uploader, cluster, verifier, device)
     serving = True
+    metrics = None
     try:
+        if cfg.metrics is not None:
+            metrics = _serve_metrics(cfg, events, daemon.levels)
         async with trio.open_nursery() as nursery:
             await nursery.start(background.run)  # evictions, read-ahead: cancelled at unmount
             if device is not None:
@@ -320,6 +331,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             await nursery.start(control.serve, cfg.control_socket, daemon.handle,
                                 trusted_uids(cfg))
             nursery.start_soon(daemon.consume_commits, commits_recv)
+            nursery.start_soon(events.run)
             if uploader is not None:
                 nursery.start_soon(uploader.run)
             nursery.start_soon(_verify_then_send, namespace, uploader, cluster)
@@ -337,6 +349,20 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         if device is not None:
             device.close()
         control.remove(cfg.control_socket)
+        if metrics is not None:
+            with trio.CancelScope(shield=True):
+                await metrics.aclose()
+
+
+def _serve_metrics(cfg: MountConfig, events: Events, levels: Callable[[], Levels]
+                   ) -> MetricsServer:
+    """--metrics: the HTTP endpoint, or the one line that says why it cannot listen."""
+    host, port = cfg.metrics
+    try:
+        return MetricsServer(events, levels, host, port)
+    except OSError as exc:
+        raise StartupError(f"cannot serve metrics on {host}:{port}: "
+                           f"{exc.strerror or exc}") from None
 
 
 async def _retry_pending_commits(namespace: Namespace) -> None:
@@ -379,14 +405,15 @@ async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe) -> Backend | None
     return backend
 
 
-def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace) -> Uploader:
+def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
+              events: Events) -> Uploader:
     """Uploads of committed steps; it tells the namespace's other tiers what it persisted."""
     tiers = namespace.tiers
     return Uploader(
         backend, lambda digest: str(namespace.store.object_path(digest)),
         persist_every=cfg.persist_every, keep_persist=cfg.keep_persist,
         step_number=namespace.tree.step_number, is_current=tiers.is_current,
-        on_persisted=tiers.mark_persisted, on_retired=tiers.mark_retired,
+        on_persisted=tiers.mark_persisted, on_retired=tiers.mark_retired, events=events,
     )
 
 
@@ -481,7 +508,7 @@ class ClusterNode:
     replication and gossip, wired to this node's namespace and store."""
 
     def __init__(self, cfg: MountConfig, links: ClusterLinks, namespace: Namespace,
-                 store: RamStore) -> None:
+                 store: RamStore, events: Events) -> None:
         self.cfg = cfg
         self.namespace = namespace
         self.membership = links.membership
@@ -494,7 +521,8 @@ class ClusterNode:
                                      lambda digest: str(store.object_path(digest)),
                                      is_current=tiers.is_current,
                                      holders=tiers.replica_holders,
-                                     on_replicated=tiers.mark_replicated)
+                                     on_replicated=tiers.mark_replicated,
+                                     events=events)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.adopt_replica)
         self.ranges = RangeServer(store.objects, namespace.tree.sealed_path)
 
@@ -559,11 +587,34 @@ class Daemon:
     def persist_status(self) -> dict[str, Any] | None:
         if self.uploader is None:
             return None
-        waiting = [m for m in self.namespace.tiers.committed_manifests()
-                   if self.uploader.wanted(m)]
+        waiting = self._persist_waiting()
         return {"url": self.uploader.backend.url, "every": self.cfg.persist_every,
                 "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
                 "pending_bytes": sum(m.total_bytes for m in waiting)}
+
+    def _persist_waiting(self) -> list[mf.StepManifest]:
+        assert self.uploader is not None
+        return [m for m in self.namespace.tiers.committed_manifests()
+                if self.uploader.wanted(m)]
+
+    def _replicas_waiting(self) -> list[mf.StepManifest]:
+        """Steps made here that have fewer peer copies than --replicas."""
+        return [m for m in self.namespace.tiers.owned_manifests()
+                if len(self.namespace.tiers.replica_holders(m)) < self.cfg.replicas]
+
+    def levels(self) -> Levels:
+        """The gauges of the metrics endpoint (called in the trio thread at each scrape)."""
+        pending = {}
+        if self.uploader is not None:
+            pending["persist"] = self._persist_waiting()
+        if self.cluster is not None:
+            pending["replica"] = self._replicas_waiting()
+        peers = self.cluster.membership.peers if self.cluster else []
+        store = self.namespace.store
+        return Levels(store.used_bytes, store.limit_bytes,
+                      {tier: (len(steps), sum(m.total_bytes for m in steps))
+                       for tier, steps in pending.items()},
+                      len(peers), sum(1 for m in peers if m.up))
 
     async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         command = request.get("cmd")
@@ -577,6 +628,7 @@ class Daemon:
         try:
             if command == "verify":
                 reports = await self.verifier.verify(path, bool(request.get("repair", True)))
+                self._count_bad_copies(reports)
                 return {"ok": True, "steps": [r.as_dict() for r in reports]}
             if command == "prefetch":
                 return {"ok": True, "bytes": await self.namespace.residency.prefetch(path)}
@@ -589,6 +641,13 @@ class Daemon:
             return {"ok": False, "error": f"{path}: {exc.strerror}"}
         return {"ok": True, "path": manifest.path, "version": manifest.version,
                 "files": len(manifest.files), "bytes": manifest.total_bytes}
+
+    def _count_bad_copies(self, reports: list[StepReport]) -> None:
+        for report in reports:
+            for tier in report.tiers:
+                if tier.tier != "any tier":  # the same files again, summed over the tiers
+                    self.namespace.events.verify_failed(tier.tier.partition(":")[0],
+                                                        len(tier.bad) + len(tier.repaired))
 
     def status(self) -> dict[str, Any]:
         ns = self.namespace

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import trio
 
 from tierfs import manifest as mf
+from tierfs.observe import Events
 from tierfs.replication import protocol as proto
 from tierfs.replication.membership import Membership
 from tierfs.step_queue import StepQueue
@@ -36,8 +37,10 @@ class Replicator:
         is_current: Callable[[mf.StepManifest], bool],
         holders: Callable[[mf.StepManifest], set[str]],
         on_replicated: Callable[[mf.StepManifest, str], None],
+        events: Events | None = None,
     ) -> None:
         self.membership = membership
+        self._events = events or Events()
         self.replicas = replicas
         self._object_path = object_path
         self._is_current = is_current
@@ -92,10 +95,7 @@ class Replicator:
             log.warning("replication of %s v%d to %s failed, will retry: %s", manifest.path,
                         manifest.version, target, exc or "timed out")
             return False
-        seconds = time.monotonic() - started
-        log.info("replicated %s v%d to %s: %d files, %d bytes in %.2f s (%.1f MB/s)",
-                 manifest.path, manifest.version, target, len(manifest.files),
-                 manifest.total_bytes, seconds, manifest.total_bytes / 1e6 / max(seconds, 1e-9))
+        self._events.replicated(manifest, target, time.monotonic() - started)
         self._on_replicated(manifest, target)
         return True
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import trio
 
 from tierfs import manifest as mf
+from tierfs.observe import Events
 from tierfs.s3tier.backend import MANIFEST_KEY, Backend, BackendError, NotFound
 from tierfs.s3tier.retry import NoLongerWanted, retry
 from tierfs.step_queue import StepQueue
@@ -43,8 +44,10 @@ class Uploader:
         is_current: Callable[[mf.StepManifest], bool],
         on_persisted: Callable[[mf.StepManifest], None],
         on_retired: Callable[[str], None],
+        events: Events | None = None,
     ) -> None:
         self.backend = backend
+        self._events = events or Events()
         self._object_path = object_path
         self.persist_every = persist_every
         self.keep_persist = keep_persist
@@ -123,10 +126,7 @@ class Uploader:
                          self.backend.put_bytes, f"{prefix}/{MANIFEST_KEY}", mf.encode(manifest))
         await self._call(f"removing old files of {prefix}", manifest, self._remove_stale,
                          manifest)
-        seconds = time.monotonic() - started
-        log.info("persisted %s v%d to %s: %d files, %d bytes in %.2f s (%.1f MB/s)", prefix,
-                 manifest.version, self.backend.url, len(manifest.files), manifest.total_bytes,
-                 seconds, manifest.total_bytes / 1e6 / max(seconds, 1e-9))
+        self._events.persisted(manifest, self.backend.url, time.monotonic() - started)
         self._on_persisted(manifest)
         if self.keep_persist:
             await self._apply_retention(prefix.rpartition("/")[0])
