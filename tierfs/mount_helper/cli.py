@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from tierfs.mount_helper import control, fuse_helper
+from tierfs.mount_helper import control, fuse_helper, status_view
 from tierfs.mount_helper.config import MOUNT_OPTIONS, ConfigError, resolve
 from tierfs.mount_helper.mounts import (
     DaemonState,
@@ -24,6 +24,7 @@ from tierfs.mount_helper.mounts import (
     process_state,
     ram_dir_of,
 )
+from tierfs.mount_helper.status_view import format_status, human_bytes
 
 READY_TIMEOUT = 120.0
 
@@ -32,6 +33,7 @@ examples:
   tierfs mount /checkpoints                      RAM tier in /dev/shm/tierfs, half of memory
   tierfs mount /checkpoints --ram-limit 64G --ram-dir /dev/shm/ckpt
   tierfs status /checkpoints                     table of steps; --json for scripts
+  tierfs status /checkpoints/run1                only run1's steps
   tierfs commit /checkpoints/run1/step_100       commit a step that did not commit by itself
   tierfs mount /checkpoints --persist s3://bucket/ckpt --persist-every 10 --keep-persist 5
   tierfs flush /checkpoints --timeout 600        wait until the persistent tier has every step
@@ -39,8 +41,10 @@ examples:
   tierfs umount /checkpoints
 
 A step directory (name matching --step-pattern, e.g. step_100, checkpoint-500, 100) commits
-when a file named .metadata appears in it (the end of a DCP save), when a directory is renamed
-onto a step name, or with `tierfs commit`. `latest` in a directory names its newest committed step.
+by itself once no file of it is open for writing and nothing in it changed for --commit-idle
+seconds, at once when the next step directory is made beside it or a file named .metadata
+appears in it (the end of a DCP save), when a directory is renamed onto a step name, at a clean
+unmount, or with `tierfs commit`. `latest` in a directory names its newest committed step.
 """
 
 
@@ -85,8 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     flush.add_argument("--timeout", type=float, metavar="SECONDS",
                        help="give up after this many seconds (default: wait as long as it takes)")
 
-    status = commands.add_parser("status", help="show steps, their states, sizes and tiers")
-    status.add_argument("mountpoint", metavar="MOUNTPOINT")
+    status = commands.add_parser(
+        "status", help="show steps, their states, ages, sizes and tiers",
+        description="Show the steps under PATH (the mountpoint, a run directory or a step): "
+        "state, version, files, size, age and tiers of each, `latest` of each run directory, "
+        "one summary line per run directory, and warnings for data that exists only in this "
+        "node's RAM or a step whose commit waits.")
+    status.add_argument("mountpoint", metavar="PATH")
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
     commit = commands.add_parser("commit", help="commit the step directory PATH now")
@@ -143,9 +152,7 @@ def _run(argv: list[str] | None) -> int:
         if args.command == "mount":
             return _mount(args, argv)
         if args.command == "umount":
-            if args.flush:
-                _flush(args.mountpoint, None)
-            return _umount(args.mountpoint)
+            return _umount_reporting(args.mountpoint, args.flush)
         if args.command == "flush":
             return _flush(args.mountpoint, args.timeout)
         if args.command == "status":
@@ -266,9 +273,37 @@ def _wait_for_exit(pid: int, timeout: float) -> str:
     return "running"
 
 
-def _status(mountpoint: str, as_json: bool) -> int:
-    socket_path, _root, _rel = control.locate(mountpoint)
-    status = control.request(socket_path, {"cmd": "status"})["status"]
+def _umount_reporting(mountpoint: str, flush: bool) -> int:
+    """`tierfs umount [--flush]`: the quiet steps commit first (so that --flush persists them
+    too), then the unmount; then the steps left uncommitted are named, as flush does."""
+    status = _settle(mountpoint)
+    if flush:
+        _flush(mountpoint, None, report=False)
+    outcome = _umount(mountpoint)
+    line = status_view.uncommitted(status) if status is not None else None
+    if line is not None:
+        print(f"tierfs: {line}", file=sys.stderr)
+    return outcome
+
+
+def _settle(mountpoint: str) -> dict[str, Any] | None:
+    """Ask a running daemon to commit its quiet steps now, and its status after that; None
+    when it is not asked (a stopped or dead daemon must not delay the unmount) or refuses."""
+    entry = mount_at(os.path.abspath(mountpoint))
+    ram_dir = ram_dir_of(entry) if entry is not None else None
+    if ram_dir is None or daemon_state(ram_dir).state != "running":
+        return None
+    try:
+        socket_path, _root, _rel = control.locate(mountpoint)
+        return control.request(socket_path, {"cmd": "settle"}, timeout=None)["status"]
+    except control.ControlError:
+        return None
+
+
+def _status(path: str, as_json: bool) -> int:
+    socket_path, _root, relpath = control.locate(path)
+    status = status_view.subtree(control.request(socket_path, {"cmd": "status"})["status"],
+                                 relpath)
     if as_json:
         print(json.dumps(status, indent=2))
     else:
@@ -276,8 +311,9 @@ def _status(mountpoint: str, as_json: bool) -> int:
     return 0
 
 
-def _flush(mountpoint: str, timeout: float | None) -> int:
-    """Poll the daemon until nothing waits for the persistent tier; draw progress meanwhile."""
+def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
+    """Poll the daemon until nothing waits for the persistent tier; draw progress meanwhile.
+    With `report`, then name the steps that are not committed."""
     socket_path, _root, _rel = control.locate(mountpoint)
     started = time.monotonic()
     on_terminal = sys.stderr.isatty()
@@ -288,7 +324,8 @@ def _flush(mountpoint: str, timeout: float | None) -> int:
         persist = status.get("persist")
         if persist is None:
             print("no persistent tier is configured (--persist): nothing to flush")
-            _warn_uncommitted(status)
+            if report:
+                _warn_uncommitted(status)
             return 0
         steps, pending = persist["pending_steps"], persist["pending_bytes"]
         first_bytes = pending if first_bytes is None else max(first_bytes, pending)
@@ -299,7 +336,8 @@ def _flush(mountpoint: str, timeout: float | None) -> int:
             flushed = (f"{human_bytes(first_bytes)} flushed in {elapsed:.1f} s" if first_bytes
                        else "nothing was waiting")
             print(f"every committed step is in {persist['url']} ({flushed})")
-            _warn_uncommitted(status)
+            if report:
+                _warn_uncommitted(status)
             return 0
         if timeout is not None and elapsed > timeout:
             if on_terminal:
@@ -321,14 +359,9 @@ def _flush(mountpoint: str, timeout: float | None) -> int:
 
 def _warn_uncommitted(status: dict[str, Any]) -> None:
     """Steps still being written are in no tier but this node's RAM: say which."""
-    writing = [step for step in status["steps"] if step["state"] != "committed"]
-    if writing:
-        names = ", ".join(
-            step["path"] + (f" (waits for {step['waiting_for']})" if step.get("waiting_for")
-                            else "") for step in writing[:5])
-        more = f" and {len(writing) - 5} more" if len(writing) > 5 else ""
-        print(f"tierfs: {len(writing)} steps are not committed, so only in this node's RAM: "
-              f"{names}{more}", file=sys.stderr)
+    line = status_view.uncommitted(status)
+    if line is not None:
+        print(f"tierfs: {line}", file=sys.stderr)
 
 
 def _prefetch(path: str) -> int:
@@ -445,41 +478,3 @@ def _commit(path: str) -> int:
     print(f"committed {reply['path']} version {reply['version']}: {reply['files']} files, "
           f"{human_bytes(reply['bytes'])}")
     return 0
-
-
-def human_bytes(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def format_status(status: dict[str, Any]) -> str:
-    ram = status["ram"]
-    share = 100 * ram["used_bytes"] / max(ram["limit_bytes"], 1)
-    lines = [f"tierfs at {status['mountpoint']}  node {status['node_id']}  pid {status['pid']}",
-             f"RAM tier {human_bytes(ram['used_bytes'])} of {human_bytes(ram['limit_bytes'])} "
-             f"({share:.0f}%) in {status.get('ram_dir', '?')}; file data "
-             + ("passes straight to it (FUSE passthrough)" if status.get("passthrough")
-                else "goes through the daemon")]
-    steps = status["steps"]
-    if not steps:
-        lines.append("no step directories yet")
-        return "\n".join(lines)
-    rows = [("PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "TIERS")]
-    for step in steps:
-        tiers = (["ram"] if step["ram"] else []) + [f"peer:{p}" for p in step["replicas"]]
-        if step["persisted"]:
-            tiers.append("persist")
-        rows.append((step["path"], str(step["step"]), step["state"], str(step["version"]),
-                     str(step["files"]), human_bytes(step["bytes"]), ",".join(tiers) or "-"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    numeric = {1, 3, 4, 5}
-    for row in rows:
-        cells = [cell.rjust(w) if i in numeric else cell.ljust(w)
-                 for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
-    lines += [f"{step['path']}: its commit waits for {step['waiting_for']}"
-              for step in steps if step.get("waiting_for")]
-    return "\n".join(lines)
