@@ -128,7 +128,7 @@ def test_lightning_checkpoints_and_resume(mounts: MountFactory, tmp_path: Path) 
     node = store_node(mounts, store)
     assert run_job(tmp_path, "lightning", str(node / "run"), "4")["global_step"] == 4
     ckpts = ["run/epoch=0-step=2.ckpt", "run/epoch=0-step=4.ckpt"]
-    assert sorted(f"run/{n}" for n in os.listdir(node / "run")) == ckpts
+    assert all((node / ckpt).is_file() for ckpt in ckpts)
     wait_committed(node, "run", ckpts, timeout=3)
     tierfs("flush", str(node.mountpoint), "--timeout", "60")
     data = (node / ckpts[-1]).read_bytes()
