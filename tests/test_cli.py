@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from tests.conftest import Mount, MountFactory, tierfs
@@ -53,9 +54,10 @@ def test_status_table_and_umount(mnt: Mount) -> None:
     lines = table.splitlines()
     assert lines[0].startswith(f"tierfs at {mnt.mountpoint}") and f"pid {mnt.pid}" in lines[0]
     header = lines[2].split()
-    assert header == ["PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "TIERS"]
-    assert lines[3].split() == ["run/step_100", "100", "committed", "1", "2", "2.9", "KiB",
-                                "ram"]
+    assert header == ["PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "AGE", "TIERS"]
+    row = lines[3].split()
+    assert row[:7] == ["run/step_100", "100", "committed", "1", "2", "2.9", "KiB"]
+    assert re.fullmatch(r"\d+s", row[7]) and row[8:] == ["ram", "<-", "latest"]
     assert lines[4].split()[:3] == ["run/step_200", "200", "writing"]
     tierfs("umount", str(mnt.mountpoint))
     assert not is_mounted(mnt.mountpoint)

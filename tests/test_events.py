@@ -57,7 +57,7 @@ def test_one_line_per_step_and_tier(mounts: MountFactory, tmp_path: Path) -> Non
 def test_status_watch_redraws_until_ctrl_c(mounts: MountFactory) -> None:
     mnt = mounts.mount()
     (mnt / "run/step_1").mkdir(parents=True)
-    watch = subprocess.Popen([*TIERFS, "status", str(mnt.mountpoint), "--watch", "0.2"],
+    watch = subprocess.Popen([*TIERFS, "status", str(mnt.mountpoint), "--watch", "-n", "0.2"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         output = b""
@@ -79,7 +79,7 @@ def test_status_watch_redraws_until_ctrl_c(mounts: MountFactory) -> None:
 def test_status_watch_redraws_a_terminal(mounts: MountFactory) -> None:
     mnt = mounts.mount()
     leader, follower = pty.openpty()
-    watch = subprocess.Popen([*TIERFS, "status", str(mnt.mountpoint), "--watch", "0.2"],
+    watch = subprocess.Popen([*TIERFS, "status", str(mnt.mountpoint), "--watch", "-n", "0.2"],
                              stdout=follower, stderr=subprocess.PIPE)
     os.close(follower)
     try:
@@ -98,5 +98,5 @@ def test_status_watch_redraws_a_terminal(mounts: MountFactory) -> None:
 
 
 def test_status_watch_refuses_a_bad_interval(tmp_path: Path) -> None:
-    done = tierfs("status", str(tmp_path), "--watch", "0", check=False)
+    done = tierfs("status", str(tmp_path), "--watch", "--interval", "0", check=False)
     assert done.returncode == 2 and "positive number of seconds" in done.stderr

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from tierfs.mount_helper import control, fuse_helper
+from tierfs.mount_helper import control, fuse_helper, status_view
 from tierfs.mount_helper.config import MOUNT_OPTIONS, ConfigError, resolve
 from tierfs.mount_helper.mounts import (
     DaemonState,
@@ -24,6 +24,7 @@ from tierfs.mount_helper.mounts import (
     process_state,
     ram_dir_of,
 )
+from tierfs.mount_helper.status_view import format_status, human_bytes
 
 READY_TIMEOUT = 120.0
 
@@ -32,7 +33,8 @@ examples:
   tierfs mount /checkpoints                      RAM tier in /dev/shm/tierfs, half of memory
   tierfs mount /checkpoints --ram-limit 64G --ram-dir /dev/shm/ckpt
   tierfs status /checkpoints                     table of steps; --json for scripts
-  tierfs status /checkpoints --watch 5           the same, redrawn every 5 s until Ctrl-C
+  tierfs status /checkpoints/run1                only run1's steps
+  tierfs status /checkpoints --watch -n 5        the same, redrawn every 5 s until Ctrl-C
   tierfs commit /checkpoints/run1/step_100       commit a step that did not commit by itself
   tierfs mount /checkpoints --persist s3://bucket/ckpt --persist-every 10 --keep-persist 5
   tierfs flush /checkpoints --timeout 600        wait until the persistent tier has every step
@@ -40,8 +42,10 @@ examples:
   tierfs umount /checkpoints
 
 A step directory (name matching --step-pattern, e.g. step_100, checkpoint-500, 100) commits
-when a file named .metadata appears in it (the end of a DCP save), when a directory is renamed
-onto a step name, or with `tierfs commit`. `latest` in a directory names its newest committed step.
+by itself once no file of it is open for writing and nothing in it changed for --commit-idle
+seconds, at once when the next step directory is made beside it or a file named .metadata
+appears in it (the end of a DCP save), when a directory is renamed onto a step name, at a clean
+unmount, or with `tierfs commit`. `latest` in a directory names its newest committed step.
 """
 
 
@@ -86,12 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     flush.add_argument("--timeout", type=float, metavar="SECONDS",
                        help="give up after this many seconds (default: wait as long as it takes)")
 
-    status = commands.add_parser("status", help="show steps, their states, sizes and tiers")
-    status.add_argument("mountpoint", metavar="MOUNTPOINT")
+    status = commands.add_parser(
+        "status", help="show steps, their states, ages, sizes and tiers",
+        description="Show the steps under PATH (the mountpoint, a run directory or a step): "
+        "state, version, files, size, age and tiers of each, `latest` of each run directory, "
+        "one summary line per run directory, and warnings for data that exists only in this "
+        "node's RAM or a step whose commit waits.")
+    status.add_argument("mountpoint", metavar="PATH")
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--watch", type=_interval, nargs="?", const=2.0, metavar="SECONDS",
-                        help="redraw every SECONDS (default 2) until Ctrl-C; not on a "
+    status.add_argument("--watch", action="store_true",
+                        help="redraw every --interval seconds until Ctrl-C; not on a "
                         "terminal, print one snapshot per interval, a blank line between")
+    status.add_argument("-n", "--interval", type=_interval, default=2.0, metavar="SECONDS",
+                        help="seconds between redraws with --watch (default 2)")
 
     commit = commands.add_parser("commit", help="commit the step directory PATH now")
     commit.add_argument("path", metavar="PATH")
@@ -147,14 +158,12 @@ def _run(argv: list[str] | None) -> int:
         if args.command == "mount":
             return _mount(args, argv)
         if args.command == "umount":
-            if args.flush:
-                _flush(args.mountpoint, None)
-            return _umount(args.mountpoint)
+            return _umount_reporting(args.mountpoint, args.flush)
         if args.command == "flush":
             return _flush(args.mountpoint, args.timeout)
         if args.command == "status":
-            if args.watch is not None:
-                return _watch(args.mountpoint, args.json, args.watch)
+            if args.watch:
+                return _watch(args.mountpoint, args.json, args.interval)
             return _status(args.mountpoint, args.json)
         if args.command == "commit":
             return _commit(args.path)
@@ -272,29 +281,58 @@ def _wait_for_exit(pid: int, timeout: float) -> str:
     return "running"
 
 
-def _status(mountpoint: str, as_json: bool) -> int:
-    socket_path, _root, _rel = control.locate(mountpoint)
-    print(_status_text(socket_path, as_json))
+def _umount_reporting(mountpoint: str, flush: bool) -> int:
+    """`tierfs umount [--flush]`: the quiet steps commit first (so that --flush persists them
+    too), then the unmount; then the steps left uncommitted are named, as flush does."""
+    status = _settle(mountpoint)
+    if flush:
+        _flush(mountpoint, None, report=False)
+    outcome = _umount(mountpoint)
+    line = status_view.uncommitted(status) if status is not None else None
+    if line is not None:
+        print(f"tierfs: {line}", file=sys.stderr)
+    return outcome
+
+
+def _settle(mountpoint: str) -> dict[str, Any] | None:
+    """Ask a running daemon to commit its quiet steps now, and its status after that; None
+    when it is not asked (a stopped or dead daemon must not delay the unmount) or refuses."""
+    entry = mount_at(os.path.abspath(mountpoint))
+    ram_dir = ram_dir_of(entry) if entry is not None else None
+    if ram_dir is None or daemon_state(ram_dir).state != "running":
+        return None
+    try:
+        socket_path, _root, _rel = control.locate(mountpoint)
+        return control.request(socket_path, {"cmd": "settle"}, timeout=None)["status"]
+    except control.ControlError:
+        return None
+
+
+def _status(path: str, as_json: bool) -> int:
+    socket_path, _root, relpath = control.locate(path)
+    print(_status_text(socket_path, relpath, as_json))
     return 0
 
 
-def _status_text(socket_path: str, as_json: bool) -> str:
-    status = control.request(socket_path, {"cmd": "status"})["status"]
+def _status_text(socket_path: str, relpath: str, as_json: bool) -> str:
+    """The status of PATH's subtree, as JSON or as the table a person reads."""
+    status = status_view.subtree(control.request(socket_path, {"cmd": "status"})["status"],
+                                 relpath)
     return json.dumps(status, indent=2) if as_json else format_status(status)
 
 
 CLEAR_SCREEN = "\033[H\033[2J"
 
 
-def _watch(mountpoint: str, as_json: bool, interval: float) -> int:
+def _watch(path: str, as_json: bool, interval: float) -> int:
     """`status --watch`: a live view on a terminal (clear and redraw), else a snapshot per
     interval; Ctrl-C is how it is meant to end, so it ends with status 0."""
-    socket_path, _root, _rel = control.locate(mountpoint)
+    socket_path, _root, relpath = control.locate(path)
     on_terminal = sys.stdout.isatty()
     before = ""  # what separates a snapshot from the one before it
     try:
         while True:
-            text = _status_text(socket_path, as_json)
+            text = _status_text(socket_path, relpath, as_json)
             if on_terminal:
                 print(f"{CLEAR_SCREEN}{time.strftime('%H:%M:%S')}  every {interval:g} s, "
                       f"Ctrl-C to stop\n{text}", flush=True)
@@ -316,8 +354,9 @@ def _interval(text: str) -> float:
     return seconds
 
 
-def _flush(mountpoint: str, timeout: float | None) -> int:
-    """Poll the daemon until nothing waits for the persistent tier; draw progress meanwhile."""
+def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
+    """Poll the daemon until nothing waits for the persistent tier; draw progress meanwhile.
+    With `report`, then name the steps that are not committed."""
     socket_path, _root, _rel = control.locate(mountpoint)
     started = time.monotonic()
     on_terminal = sys.stderr.isatty()
@@ -328,7 +367,8 @@ def _flush(mountpoint: str, timeout: float | None) -> int:
         persist = status.get("persist")
         if persist is None:
             print("no persistent tier is configured (--persist): nothing to flush")
-            _warn_uncommitted(status)
+            if report:
+                _warn_uncommitted(status)
             return 0
         steps, pending = persist["pending_steps"], persist["pending_bytes"]
         first_bytes = pending if first_bytes is None else max(first_bytes, pending)
@@ -339,7 +379,8 @@ def _flush(mountpoint: str, timeout: float | None) -> int:
             flushed = (f"{human_bytes(first_bytes)} flushed in {elapsed:.1f} s" if first_bytes
                        else "nothing was waiting")
             print(f"every committed step is in {persist['url']} ({flushed})")
-            _warn_uncommitted(status)
+            if report:
+                _warn_uncommitted(status)
             return 0
         if timeout is not None and elapsed > timeout:
             if on_terminal:
@@ -361,14 +402,9 @@ def _flush(mountpoint: str, timeout: float | None) -> int:
 
 def _warn_uncommitted(status: dict[str, Any]) -> None:
     """Steps still being written are in no tier but this node's RAM: say which."""
-    writing = [step for step in status["steps"] if step["state"] != "committed"]
-    if writing:
-        names = ", ".join(
-            step["path"] + (f" (waits for {step['waiting_for']})" if step.get("waiting_for")
-                            else "") for step in writing[:5])
-        more = f" and {len(writing) - 5} more" if len(writing) > 5 else ""
-        print(f"tierfs: {len(writing)} steps are not committed, so only in this node's RAM: "
-              f"{names}{more}", file=sys.stderr)
+    line = status_view.uncommitted(status)
+    if line is not None:
+        print(f"tierfs: {line}", file=sys.stderr)
 
 
 def _prefetch(path: str) -> int:
@@ -485,41 +521,3 @@ def _commit(path: str) -> int:
     print(f"committed {reply['path']} version {reply['version']}: {reply['files']} files, "
           f"{human_bytes(reply['bytes'])}")
     return 0
-
-
-def human_bytes(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def format_status(status: dict[str, Any]) -> str:
-    ram = status["ram"]
-    share = 100 * ram["used_bytes"] / max(ram["limit_bytes"], 1)
-    lines = [f"tierfs at {status['mountpoint']}  node {status['node_id']}  pid {status['pid']}",
-             f"RAM tier {human_bytes(ram['used_bytes'])} of {human_bytes(ram['limit_bytes'])} "
-             f"({share:.0f}%) in {status.get('ram_dir', '?')}; file data "
-             + ("passes straight to it (FUSE passthrough)" if status.get("passthrough")
-                else "goes through the daemon")]
-    steps = status["steps"]
-    if not steps:
-        lines.append("no step directories yet")
-        return "\n".join(lines)
-    rows = [("PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "TIERS")]
-    for step in steps:
-        tiers = (["ram"] if step["ram"] else []) + [f"peer:{p}" for p in step["replicas"]]
-        if step["persisted"]:
-            tiers.append("persist")
-        rows.append((step["path"], str(step["step"]), step["state"], str(step["version"]),
-                     str(step["files"]), human_bytes(step["bytes"]), ",".join(tiers) or "-"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    numeric = {1, 3, 4, 5}
-    for row in rows:
-        cells = [cell.rjust(w) if i in numeric else cell.ljust(w)
-                 for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
-    lines += [f"{step['path']}: its commit waits for {step['waiting_for']}"
-              for step in steps if step.get("waiting_for")]
-    return "\n".join(lines)

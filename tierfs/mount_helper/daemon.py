@@ -8,6 +8,7 @@ file system answers.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -26,7 +27,7 @@ from tierfs import reserved
 from tierfs.fs.background import Background
 from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.namespace import Core, Namespace
-from tierfs.fs.nodes import FsError
+from tierfs.fs.nodes import FsError, Node
 from tierfs.fs.operations import Operations
 from tierfs.fs.passthrough import PassthroughDevice, PassthroughUnavailable
 from tierfs.fs.ram_store import RamDirBusy, RamFull, RamStore
@@ -620,6 +621,11 @@ class Daemon:
         command = request.get("cmd")
         if command == "status":
             return {"ok": True, "status": self.status()}
+        if command == "settle":
+            # `tierfs umount`, before it unmounts: commit the quiet steps now (as the unmount
+            # would), so that the status it is answered names what stays uncommitted.
+            await self.namespace.quiet.commit_quiet_steps()
+            return {"ok": True, "status": self.status()}
         if command not in ("commit", "prefetch", "verify"):
             return {"ok": False, "error": f"unknown command {command!r}"}
         path = request.get("path")
@@ -649,9 +655,23 @@ class Daemon:
                     self.namespace.events.verify_failed(tier.tier.partition(":")[0],
                                                         len(tier.bad) + len(tier.repaired))
 
+    def _step_status(self, node: Node) -> dict[str, Any]:
+        """A step's status line, with the times `tierfs status` shows ages from:
+        `committed_ns` (when its newest committed version was made; None before the first)
+        and, for a step being written, `changed_ns` (its directory's last change)."""
+        tree = self.namespace.tree
+        status = dict(tree.step_status(node))
+        manifest = node.step.manifest
+        status["committed_ns"] = manifest.committed_ns if manifest is not None else None
+        status["changed_ns"] = None
+        if status["state"] != "committed":
+            with contextlib.suppress(FsError, OSError):  # removed meanwhile
+                status["changed_ns"] = tree.stat(node).st_mtime_ns
+        return status
+
     def status(self) -> dict[str, Any]:
         ns = self.namespace
-        steps = sorted((ns.tree.step_status(node) for node in ns.tree.steps()),
+        steps = sorted((self._step_status(node) for node in ns.tree.steps()),
                        key=lambda s: (os.path.dirname(s["path"]), s["step"], s["path"]))
         return {
             "node_id": self.cfg.node_id,

@@ -1,0 +1,143 @@
+"""Real checkpointing frameworks, run unmodified by tests/test_frameworks.py in a subprocess
+(so that importing transformers or Lightning costs the test process nothing). Tiny models built
+from a config in code, random data, no hub download (HF_HUB_OFFLINE=1). Each job prints one JSON
+line with what the test checks.
+
+    python tests/framework_jobs.py hf OUTPUT_DIR MAX_STEPS [resume]
+    python tests/framework_jobs.py lightning DIRPATH MAX_STEPS [CKPT_PATH]
+    python tests/framework_jobs.py save RUN_DIR STEP...       # torch.save + safetensors
+    python tests/framework_jobs.py load RUN_DIR STEP...       # torch.load(mmap) + safe_open
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SAVE_EVERY = 2  # optimizer steps between checkpoints, in every job
+
+
+def tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def hf(output_dir: str, max_steps: int, resume: bool) -> dict[str, Any]:
+    """transformers' Trainer with save_steps and save_total_limit=2, resumable."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    data = [{"input_ids": row, "labels": row} for row in tokens(1)]
+
+    class CountSteps(TrainerCallback):
+        """How many optimizer steps this run made (fewer than max_steps when resumed)."""
+
+        done = 0
+
+        def on_step_end(self, *_args: Any, **_kwargs: Any) -> None:
+            CountSteps.done += 1
+
+    args = TrainingArguments(
+        output_dir=output_dir, max_steps=max_steps, save_steps=SAVE_EVERY, save_total_limit=2,
+        per_device_train_batch_size=4, report_to=[], use_cpu=True, logging_steps=1000,
+        disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[CountSteps()])
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    return {"global_step": trainer.state.global_step, "steps_run": CountSteps.done}
+
+
+def lightning(dirpath: str, max_steps: int, ckpt_path: str | None) -> dict[str, Any]:
+    """A Lightning Trainer whose ModelCheckpoint keeps every checkpoint, resumable."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Regression(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: list[torch.Tensor], _index: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=generator),
+                                          torch.randn(64, 1, generator=generator))
+    trainer = L.Trainer(
+        max_steps=max_steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1,
+        callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=SAVE_EVERY,
+                                   save_top_k=-1)])
+    trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=4),
+                ckpt_path=ckpt_path)
+    return {"global_step": trainer.global_step}
+
+
+def state_for(step: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return {"weight": torch.randn(128, 64, generator=generator),
+            "bias": torch.randn(64, generator=generator)}
+
+
+def save(run_dir: Path, steps: list[int]) -> dict[str, Any]:
+    """A plain loop: mkdir step_N, torch.save and safetensors save_file into it."""
+    from safetensors.torch import save_file
+
+    for step in steps:
+        step_dir = run_dir / f"step_{step}"
+        step_dir.mkdir(parents=True)
+        torch.save({"model": state_for(step), "step": step}, step_dir / "model.pt")
+        save_file(state_for(step), str(step_dir / "model.safetensors"))
+    return {"saved": steps}
+
+
+def load(run_dir: Path, steps: list[int]) -> dict[str, Any]:
+    """Read every step back (torch.load with mmap, safetensors safe_open) and compare."""
+    from safetensors import safe_open
+
+    for step in steps:
+        step_dir = run_dir / f"step_{step}"
+        expected = state_for(step)
+        loaded = torch.load(step_dir / "model.pt", mmap=True, weights_only=True)
+        assert loaded["step"] == step
+        with safe_open(str(step_dir / "model.safetensors"), framework="pt") as tensors:
+            for name, tensor in expected.items():
+                assert torch.equal(loaded["model"][name], tensor), (step, name)
+                assert torch.equal(tensors.get_tensor(name), tensor), (step, name)
+    return {"loaded": steps}
+
+
+def main(argv: list[str]) -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may come from a hub
+    job, where, *rest = argv
+    if job == "hf":
+        result = hf(where, int(rest[0]), rest[1:] == ["resume"])
+    elif job == "lightning":
+        result = lightning(where, int(rest[0]), rest[1] if len(rest) > 1 else None)
+    elif job == "save":
+        result = save(Path(where), [int(s) for s in rest])
+    elif job == "load":
+        result = load(Path(where), [int(s) for s in rest])
+    else:
+        raise SystemExit(f"unknown job {job!r}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,165 @@
+"""`tierfs status [PATH]` for a person: the rendering from a status document (no mount), then
+through a real mount: PATH's subtree only, `latest` per run, ages, summaries, warnings, and the
+steps `tierfs umount` leaves uncommitted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import MountFactory, tierfs
+from tests.test_savers import write
+from tierfs.mount_helper.status_view import (
+    format_status,
+    human_age,
+    in_subtree,
+    subtree,
+    uncommitted,
+)
+
+NOW = 1_800_000_000 * 10**9  # ns
+
+
+def step(path: str, number: int, state: str = "committed", *, persisted: bool = False,
+         replicas: tuple[str, ...] = (), ago: float = 10.0, size: int = 1024,
+         waiting_for: str | None = None) -> dict[str, Any]:
+    stamp = NOW - int(ago * 1e9)
+    return {"path": path, "step": number, "state": state, "version": int(state == "committed"),
+            "files": 2, "bytes": size, "ram_bytes": size, "ram": True,
+            "replicas": list(replicas), "persisted": persisted, "waiting_for": waiting_for,
+            "committed_ns": stamp if state == "committed" else None,
+            "changed_ns": stamp if state != "committed" else None}
+
+
+def document(*steps: dict[str, Any], persist: bool = True) -> dict[str, Any]:
+    return {"node_id": "n0", "mountpoint": "/ckpt", "pid": 7, "ram_dir": "/dev/shm/t",
+            "ram": {"used_bytes": 1 << 20, "limit_bytes": 1 << 30}, "passthrough": True,
+            "peers": [], "persist": {"url": "file:///s", "pending_steps": 0,
+                                     "pending_bytes": 0} if persist else None,
+            "steps": list(steps)}
+
+
+def rows(text: str) -> dict[str, list[str]]:
+    """Table rows by their PATH cell."""
+    return {line.split()[0]: line.split() for line in text.splitlines()
+            if line.split() and "/" in line.split()[0] and ":" not in line.split()[0]}
+
+
+def test_table_marks_latest_and_ages_and_summarises_each_run() -> None:
+    text = format_status(document(
+        step("run1/step_100", 100, persisted=True, ago=65),
+        step("run1/step_200", 200, ago=12),
+        step("run1/step_300", 300, "writing", ago=3),
+        step("run2/checkpoint-5", 5, persisted=True, replicas=("n1",), ago=7500, size=3 << 20),
+    ), now_ns=NOW)
+    lines = text.splitlines()
+    assert lines[2].split() == ["PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "AGE",
+                                "TIERS"]
+    table = rows(text)
+    assert table["run1/step_100"][-2:] == ["1m05s", "ram,persist"]
+    assert table["run1/step_200"][-4:] == ["12s", "ram", "<-", "latest"]  # highest committed
+    assert table["run1/step_300"][2] == "writing" and table["run1/step_300"][-2:] == ["3s",
+                                                                                      "ram"]
+    assert table["run2/checkpoint-5"][-4:] == ["2h05m", "ram,peer:n1,persist", "<-", "latest"]
+    assert ("run1: 3 steps, 3.0 KiB; newest committed step_200 (12s ago); oldest only in RAM "
+            "step_200 (committed)") in lines
+    assert ("run2: 1 step, 3.0 MiB; newest committed checkpoint-5 (2h05m ago); none only in "
+            "RAM") in lines
+    assert ("warning: 2 steps exist only in this node's RAM (1 being written, 1 committed, not "
+            "yet persisted or replicated): run1/step_200, run1/step_300") in lines
+
+
+def test_waiting_steps_and_a_lone_node_are_warnings() -> None:
+    text = format_status(document(
+        step("r/step_1", 1, "writing", waiting_for="files named by its .metadata"),
+        step("r/step_2", 2, "writing", waiting_for="space: the RAM tier is full"),
+        step("r/step_3", 3, "writing", waiting_for="open writers"), persist=False), now_ns=NOW)
+    lines = text.splitlines()
+    assert "warning: r/step_1: its commit waits for files named by its .metadata" in lines
+    assert "warning: r/step_2: its commit waits for space: the RAM tier is full" in lines
+    assert "warning: r/step_3: its commit waits for open writers" in lines
+    assert ("warning: 3 steps exist only in this node's RAM (3 being written; there is no "
+            "persistent tier (--persist) and no peer): r/step_1, r/step_2, r/step_3") in lines
+    assert "r: 3 steps, 3.0 KiB; nothing committed yet; oldest only in RAM step_1 (writing)" \
+        in lines
+
+
+def test_nothing_to_warn_about_and_no_steps() -> None:
+    text = format_status(document(step("r/1", 1, persisted=True)), now_ns=NOW)
+    assert "warning" not in text
+    assert format_status(document()).splitlines()[-1] == "no step directories yet"
+    empty = subtree(document(step("r/1", 1)), "other")
+    assert format_status(empty).splitlines()[-1] == "no steps under other"
+
+
+def test_subtree_is_the_path_below_or_the_step_around() -> None:
+    assert in_subtree("run1/step_1", ".")
+    assert in_subtree("run1/step_1", "run1")
+    assert in_subtree("run1/step_1", "run1/step_1")
+    assert in_subtree("run1/step_1", "run1/step_1/mp_rank_00/model.pt")
+    assert not in_subtree("run1/step_1", "run")  # a name prefix is not a directory
+    assert not in_subtree("run1/step_1", "run1/step_10")
+    doc = subtree(document(step("a/step_1", 1), step("b/step_1", 1)), "b")
+    assert [s["path"] for s in doc["steps"]] == ["b/step_1"] and doc["subtree"] == "b"
+    assert doc["node_id"] == "n0" and doc["persist"]["url"] == "file:///s"  # keys kept
+
+
+def test_ages_and_the_uncommitted_line() -> None:
+    assert [human_age(s) for s in (-1, 0, 59.9, 60, 3599, 3600, 86399, 90000)] == [
+        "0s", "0s", "59s", "1m00s", "59m59s", "1h00m", "23h59m", "1d01h"]
+    assert uncommitted(document(step("r/1", 1))) is None
+    line = uncommitted(document(*[step(f"r/{n}", n, "writing") for n in range(7)],
+                                step("r/w", 9, "writing", waiting_for="its .metadata")))
+    assert line.startswith("8 steps are not committed, so only in this node's RAM: r/0, r/1")
+    assert line.endswith("and 3 more")
+
+
+def test_status_of_a_path_through_a_mount(mounts: MountFactory, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}", "--commit-idle", "600")
+    write(mnt / "run1/step_1/model.pt", b"one")
+    (mnt / "run1/step_2").mkdir()  # the next step: step_1 commits
+    write(mnt / "run1/step_2/model.pt", b"two")  # quiet, but --commit-idle is long
+    write(mnt / "run2/step_7/.metadata", b"meta")  # committed at once
+    write(mnt / "run3/step_1/__0_0.distcp", b"shard")  # a DCP save cut short: waits for
+    write(mnt / "run3/step_2/.metadata", b"meta")  # its .metadata, also past the next step
+    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+
+    text = tierfs("status", str(mnt / "run1")).stdout
+    table = rows(text)
+    assert sorted(table) == ["run1/step_1", "run1/step_2"]
+    assert table["run1/step_1"][2] == "committed" and table["run1/step_1"][-2:] == ["<-",
+                                                                                    "latest"]
+    assert table["run1/step_2"][2] == "writing"
+    assert any(line.startswith("run1: 2 steps, 6 B; newest committed step_1 (")
+               and line.endswith("oldest only in RAM step_2 (writing)")
+               for line in text.splitlines()), text
+    assert ("warning: 1 step exists only in this node's RAM (1 being written): run1/step_2"
+            in text.splitlines())
+    everything = tierfs("status", str(mnt.mountpoint)).stdout
+    assert "warning: run3/step_1: its commit waits for its .metadata" in everything
+    assert sorted(rows(everything)) == ["run1/step_1", "run1/step_2", "run2/step_7",
+                                        "run3/step_1", "run3/step_2"]
+
+    for path, expected in [("run1/step_2", "run1/step_2"), ("run2/latest", "run2/step_7"),
+                           ("run2/step_7/.metadata", "run2/step_7")]:
+        doc = json.loads(tierfs("status", str(mnt / path), "--json").stdout)
+        assert [s["path"] for s in doc["steps"]] == [expected], path
+        assert doc["pid"] == mnt.pid and doc["node_id"]  # the other keys stay
+    assert doc["subtree"] == "run2/step_7/.metadata"
+    doc = json.loads(tierfs("status", str(mnt / "run1"), "--json").stdout)
+    by_path = {s["path"]: s for s in doc["steps"]}
+    assert isinstance(by_path["run1/step_2"]["changed_ns"], int)
+    assert isinstance(by_path["run1/step_1"]["committed_ns"], int)
+
+    # umount --flush commits the quiet step_2 first, persists it, then names what is left.
+    done = tierfs("umount", str(mnt.mountpoint), "--flush")
+    assert "1 steps are not committed, so only in this node's RAM: run3/step_1 (waits for " \
+        "its .metadata" in done.stderr, done.stderr
+    assert "run1/step_2" not in done.stderr
+    assert (store / "run1/step_2/model.pt").read_bytes() == b"two"
+    assert not (store / "run3/step_1").exists()
+    again = mounts.remount(mnt)
+    assert again.step("run1/step_2")["state"] == "committed"

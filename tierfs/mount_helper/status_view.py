@@ -1,0 +1,192 @@
+"""`tierfs status` for a person: the steps under a path, with the age of each and the `latest`
+of each run directory, one summary line per run directory, and a warning for what exists only
+in this node's RAM or a step whose commit waits.
+
+Pure functions over the daemon's status document (`tierfs status --json`): no trio, no socket,
+so they are tested from a dict. A run directory is the directory holding a step.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import time
+from collections.abc import Iterable
+from typing import Any
+
+Step = dict[str, Any]
+LATEST = "<- latest"
+NAMED = 5  # steps named in one warning line; the rest are counted
+
+
+def human_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_age(seconds: float) -> str:
+    """12s, 5m07s, 2h05m, 3d02h: two units at most, what a glance needs."""
+    whole = max(0, int(seconds))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+def in_subtree(step_path: str, relpath: str) -> bool:
+    """Whether a step belongs to `tierfs status PATH` for PATH at `relpath` (relative to the
+    mount): the step is PATH, or below it, or PATH is inside the step."""
+    return (relpath in (".", "") or step_path == relpath
+            or step_path.startswith(relpath + "/") or relpath.startswith(step_path + "/"))
+
+
+def subtree(status: dict[str, Any], relpath: str) -> dict[str, Any]:
+    """The status document with only the steps of PATH's subtree; `subtree` names PATH."""
+    return dict(status, subtree=relpath,
+                steps=[s for s in status["steps"] if in_subtree(s["path"], relpath)])
+
+
+def run_of(step: Step) -> str:
+    return posixpath.dirname(step["path"]) or "."
+
+
+def by_run(steps: Iterable[Step]) -> dict[str, list[Step]]:
+    runs: dict[str, list[Step]] = {}
+    for step in steps:
+        runs.setdefault(run_of(step), []).append(step)
+    for members in runs.values():
+        members.sort(key=lambda s: (s["step"], s["path"]))
+    return runs
+
+
+def only_in_ram(step: Step) -> bool:
+    """No copy beyond this node's RAM: not committed, or committed but neither persisted nor
+    replicated yet (or not selected by --persist-every, with no peer)."""
+    return bool(step["ram"]) and not step["persisted"] and not step["replicas"]
+
+
+def latest_paths(steps: Iterable[Step]) -> set[str]:
+    """Per run directory, the committed step `latest` names: the highest step number."""
+    newest: dict[str, Step] = {}
+    for step in steps:
+        if step["state"] == "committed":
+            best = newest.get(run_of(step))
+            if best is None or step["step"] > best["step"]:
+                newest[run_of(step)] = step
+    return {step["path"] for step in newest.values()}
+
+
+def step_age(step: Step, now_ns: int) -> float | None:
+    """Seconds since the step was committed, or for a step being written since it last changed
+    (None from a daemon that does not say)."""
+    stamp = step.get("committed_ns") if step["state"] == "committed" else (
+        step.get("changed_ns") or step.get("committed_ns"))
+    return None if stamp is None else (now_ns - stamp) / 1e9
+
+
+def tiers_of(step: Step) -> str:
+    tiers = (["ram"] if step["ram"] else []) + [f"peer:{p}" for p in step["replicas"]]
+    if step["persisted"]:
+        tiers.append("persist")
+    return ",".join(tiers) or "-"
+
+
+def table(steps: list[Step], now_ns: int) -> list[str]:
+    latest = latest_paths(steps)
+    rows = [("PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "AGE", "TIERS", "")]
+    for step in steps:
+        age = step_age(step, now_ns)
+        rows.append((step["path"], str(step["step"]), step["state"], str(step["version"]),
+                     str(step["files"]), human_bytes(step["bytes"]),
+                     "-" if age is None else human_age(age), tiers_of(step),
+                     LATEST if step["path"] in latest else ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    numeric = {1, 3, 4, 5, 6}
+    return ["  ".join(cell.rjust(w) if i in numeric else cell.ljust(w)
+                      for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+            for row in rows]
+
+
+def run_summary(run: str, steps: list[Step], now_ns: int) -> str:
+    """`run1: 3 steps, 1.2 MiB; newest committed step_300 (12s ago); oldest only in RAM
+    step_100 (writing)`."""
+    size = sum(s["bytes"] for s in steps)
+    parts = [f"{run}: {len(steps)} step{'s' if len(steps) != 1 else ''}, {human_bytes(size)}"]
+    committed = [s for s in steps if s["state"] == "committed"]
+    if committed:
+        newest = committed[-1]
+        age = step_age(newest, now_ns)
+        parts.append(f"newest committed {posixpath.basename(newest['path'])}"
+                     + ("" if age is None else f" ({human_age(age)} ago)"))
+    else:
+        parts.append("nothing committed yet")
+    ram_only = [s for s in steps if only_in_ram(s)]
+    if ram_only:
+        oldest = ram_only[0]
+        parts.append(f"oldest only in RAM {posixpath.basename(oldest['path'])} "
+                     f"({oldest['state']})")
+    else:
+        parts.append("none only in RAM")
+    return "; ".join(parts)
+
+
+def names(steps: list[Step]) -> str:
+    shown = ", ".join(s["path"] for s in steps[:NAMED])
+    return shown + (f" and {len(steps) - NAMED} more" if len(steps) > NAMED else "")
+
+
+def warnings(status: dict[str, Any]) -> list[str]:
+    """What a person must know: data only in this node's RAM, and steps whose commit waits."""
+    lines = []
+    ram_only = [s for s in status["steps"] if only_in_ram(s)]
+    if ram_only:
+        writing = sum(s["state"] != "committed" for s in ram_only)
+        kinds = [f"{writing} being written"] if writing else []
+        if len(ram_only) > writing:
+            kinds.append(f"{len(ram_only) - writing} committed, not yet persisted or replicated")
+        alone = ("; there is no persistent tier (--persist) and no peer"
+                 if status.get("persist") is None and not status.get("peers") else "")
+        counted = "1 step exists" if len(ram_only) == 1 else f"{len(ram_only)} steps exist"
+        lines.append(f"warning: {counted} only in this node's RAM ({', '.join(kinds)}{alone}): "
+                     f"{names(ram_only)}")
+    lines += [f"warning: {s['path']}: its commit waits for {s['waiting_for']}"
+              for s in status["steps"] if s.get("waiting_for")]
+    return lines
+
+
+def uncommitted(status: dict[str, Any]) -> str | None:
+    """One line naming the steps that are not committed (for flush and umount), or None."""
+    writing = [s for s in status["steps"] if s["state"] != "committed"]
+    if not writing:
+        return None
+    listed = ", ".join(s["path"] + (f" (waits for {s['waiting_for']})" if s.get("waiting_for")
+                                    else "") for s in writing[:NAMED])
+    more = f" and {len(writing) - NAMED} more" if len(writing) > NAMED else ""
+    return (f"{len(writing)} steps are not committed, so only in this node's RAM: "
+            f"{listed}{more}")
+
+
+def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:
+    """The human form of `tierfs status [PATH]`."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    ram = status["ram"]
+    share = 100 * ram["used_bytes"] / max(ram["limit_bytes"], 1)
+    lines = [f"tierfs at {status['mountpoint']}  node {status['node_id']}  pid {status['pid']}",
+             f"RAM tier {human_bytes(ram['used_bytes'])} of {human_bytes(ram['limit_bytes'])} "
+             f"({share:.0f}%) in {status.get('ram_dir', '?')}; file data "
+             + ("passes straight to it (FUSE passthrough)" if status.get("passthrough")
+                else "goes through the daemon")]
+    where = status.get("subtree", ".")
+    steps = status["steps"]
+    if not steps:
+        lines.append("no step directories yet" if where == "." else f"no steps under {where}")
+        return "\n".join(lines)
+    lines += table(steps, now_ns)
+    lines += [run_summary(run, members, now_ns) for run, members in by_run(steps).items()]
+    lines += warnings(status)
+    return "\n".join(lines)
