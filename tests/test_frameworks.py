@@ -50,7 +50,7 @@ def steps_under(mnt: Mount, run: str) -> dict[str, str]:
 
 
 def commits_logged(mnt: Mount, step: str) -> int:
-    return len(re.findall(rf"committed {re.escape(step)} v\d+:", mnt.log()))
+    return len(re.findall(rf"Step {re.escape(step)}( v\d+)?: RAM commit in", mnt.log()))
 
 
 def wait_committed(mnt: Mount, run: str, expected: list[str], timeout: float = 10) -> None:
