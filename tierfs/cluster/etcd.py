@@ -37,6 +37,7 @@ T = TypeVar("T")
 SCHEME = "etcd"
 DEFAULT_TIMEOUT = 2.0  # seconds per request; a lease of a few seconds must survive one timeout
 PAGE_SIZE = 1000  # keys per range request: a 16,000-file step is read in pages, not one reply
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 POOL_SIZE = 40  # trio's default worker thread limit
 RETRY_FIRST_DELAY = 0.05
 RETRY_MAX_DELAY = 1.0  # short: commits must resume within about a second of etcd coming back
@@ -230,6 +231,15 @@ class Etcd:
         """Store value under key (attached to lease, if any); the revision of the write."""
         reply = await self._call("kv/put", self._put_fields(key, value, lease))
         return _revision(reply)
+
+    async def put_all(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Store many keys in transactions of at most MAX_TXN_OPS puts (each one atomic)."""
+        for start in range(0, len(items), MAX_TXN_OPS):
+            chunk = items[start:start + MAX_TXN_OPS]
+            txn = {"compare": [], "failure": [],
+                   "success": [{"request_put": self._put_fields(key, value, 0)}
+                               for key, value in chunk]}
+            await self._call("kv/txn", txn)
 
     async def delete(self, key: str) -> bool:
         reply = await self._call("kv/deleterange", {"key": _b64(key)})
