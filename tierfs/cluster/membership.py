@@ -112,9 +112,9 @@ class Membership:
         """Register, then keep the lease alive and follow the members until cancelled; started
         once registered and the members are known. On the way out the lease is revoked, so
         the others see this node leave at once rather than after the ttl."""
+        await self._register()  # outside the nursery: NodeIdInUse reaches the caller as is
         try:
             async with trio.open_nursery() as nursery:
-                await self._register()
                 await nursery.start(self._follow)
                 nursery.start_soon(self._keep_alive)
                 task_status.started()
@@ -138,17 +138,20 @@ class Membership:
             if trio.current_time() > deadline:
                 await self.etcd.revoke(lease)
                 raise NodeIdInUse(f"node id {self.node_id} is registered by a live daemon at "
-                                  f"{holder.value.decode(errors='replace')}")
+                                  f"{self._address_of(holder)}")
             await trio.sleep(0.2)  # a crashed predecessor's lease ends within the ttl
         self._lease = lease
         log.info("node %s registered in the cluster at %s (lease %x, ttl %d s)", self.node_id,
                  self.info.address, lease, self.ttl)
 
     def _same_daemon(self, holder: KeyValue) -> bool:
+        return self._address_of(holder) == self.info.address
+
+    def _address_of(self, holder: KeyValue) -> str:
         try:
-            return MemberInfo.decode(self.node_id, holder.value).address == self.info.address
+            return MemberInfo.decode(self.node_id, holder.value).address
         except (ValueError, TypeError):
-            return False
+            return "an unknown address (malformed record)"
 
     async def _keep_alive(self) -> None:
         unavailable = False

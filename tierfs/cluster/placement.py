@@ -2,13 +2,11 @@
 
 The ring is the sorted node ids of the live members. A file written by node X belongs on X and
 on the next K live nodes after X's place on the ring (its K replica targets): K + 1 copies in
-all, the writer's own first. When nodes go, the same rule applied to the ring of the survivors
-says where the copies belong now; `restore_plan` turns the difference into copies to make, each
-from one live holder chosen by the same rule, so every node can compute the whole plan from the
-same inputs and carry out only its own part, with no coordination and no copy made twice.
-
-Placement depends only on the ring, so a file's holders move only when membership changes, and
-then only for files whose writer sits near the change on the ring.
+all, the writer's own first. When nodes go, the same rule on the ring of the survivors says
+where new copies go: `restore_plan` lists the copies that bring each file back to K + 1 live
+copies, each from one live holder chosen by the same rule, so every node can compute the whole
+plan from the same inputs and carry out only its own part, with no coordination and no copy
+made twice. Only lost copies are replaced: a node joining moves nothing.
 """
 
 from __future__ import annotations
@@ -72,12 +70,15 @@ class RestorePlan:
 
 def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
                  replicas: int) -> RestorePlan:
-    """The copies that bring every file back to its desired holders on this ring.
+    """The copies that bring every file back to K + 1 live copies (fewer if fewer nodes live).
 
-    A file's source is its first live holder clockwise from the writer's place (the writer
-    itself while it lives), so the plan is the same on every node that computes it. Holders
-    beyond the desired ones are left alone: dropping them is retention's decision, made only
-    once the new copies are verified.
+    Only missing copies are made: a file that still has K + 1 live holders stays where it is,
+    so a node joining the ring moves no data. A missing copy goes to the first live nodes
+    clockwise from the writer's place that do not hold the file (its desired holders first);
+    its source is the first live holder clockwise from there (the writer itself while it
+    lives). The plan is therefore the same on every node that computes it. Holders beyond
+    K + 1 are left alone: dropping them is retention's decision, made only once the new copies
+    are verified.
     """
     live = set(ring_ids)
     copies: list[Copy] = []
@@ -88,9 +89,11 @@ def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
         if not live_holders:
             lost.append(name)
             continue
+        missing = min(replicas + 1, len(ring_ids)) - len(live_holders)
+        if missing <= 0:
+            continue
         order = clockwise(ring_ids, placement.writer)
         source = next(node for node in order if node in live_holders)
-        for target in desired_holders(ring_ids, placement.writer, replicas):
-            if target not in live_holders:
-                copies.append(Copy(name, source, target))
+        targets = [node for node in order if node not in live_holders][:missing]
+        copies.extend(Copy(name, source, target) for target in targets)
     return RestorePlan(copies, lost)
