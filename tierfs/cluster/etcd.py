@@ -37,6 +37,9 @@ T = TypeVar("T")
 SCHEME = "etcd"
 DEFAULT_TIMEOUT = 2.0  # seconds per request; a lease of a few seconds must survive one timeout
 PAGE_SIZE = 1000  # keys per range request: a 16,000-file step is read in pages, not one reply
+# A watch stream silent this long is reopened (from where it was, so nothing is lost): a stream
+# to an endpoint that vanished without closing the connection must not hang for hours.
+WATCH_IDLE_REOPEN = 60.0
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 POOL_SIZE = 40  # trio's default worker thread limit
 RETRY_FIRST_DELAY = 0.05
@@ -413,7 +416,7 @@ class _WatchStream:
                                       "start_revision": self._start}}
         try:
             response = client.session.post(client.get_url("watch"), json=request, stream=True,
-                                           timeout=(self._etcd._timeout, None))
+                                           timeout=(self._etcd._timeout, WATCH_IDLE_REOPEN))
         except (gw_errors.Etcd3Exception, requests.RequestException) as exc:
             raise EtcdUnavailable(f"watch: {_detail(exc)}") from None
         self._response = response
