@@ -6,11 +6,14 @@ process where a crash (kill -9) is the point."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -146,6 +149,33 @@ async def test_watch_sees_joins_and_clean_leaves(etcd_server: EtcdServer) -> Non
                 break
         assert [(e.kind, e.node_id) for e in seen if e.node_id == "n3"] == \
             [("up", "n3"), ("down", "n3")]
+
+
+def grpc_requests(server: EtcdServer) -> Counter[str]:
+    """Requests etcd has received so far, by gRPC method (the gateway's included)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://{server.endpoint}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    counts: Counter[str] = Counter()
+    for line in text.splitlines():
+        match = re.match(r'grpc_server_msg_received_total\{.*grpc_method="(\w+)".*\} (\S+)', line)
+        if match:
+            counts[match[1]] += int(float(match[2]))
+    return counts
+
+
+async def test_idle_members_cost_one_keepalive_each(etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    ids = [f"n{i}" for i in range(8)]
+    async with members(cluster, *ids) as nodes:
+        await wait_for(lambda: all(node.ring == ids for node in nodes.values()))
+        before = grpc_requests(etcd_server)
+        idle = 2.0
+        await trio.sleep(idle)  # the measured idle period
+        delta = grpc_requests(etcd_server) - before
+    # No reads, writes or polling of the others: per node only its keepalive, every ttl / 3.
+    assert {method for method in delta if method != "LeaseKeepAlive"} <= {"Watch"}, delta
+    assert delta["LeaseKeepAlive"] <= len(ids) * (idle / (TTL / 3) + 1)
 
 
 MEMBER_SCRIPT = """
