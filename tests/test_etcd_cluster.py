@@ -426,8 +426,8 @@ async def test_etcd_restart_membership_stays_and_commits_resume(tmp_path: Path) 
             nursery.start_soon(records.follow_commits, send)
             await trio.to_thread.run_sync(server.stop)
             await trio.sleep(TTL / 2 + 0.5)  # keepalives and watches fail meanwhile
-            with pytest.raises(EtcdUnavailable):
-                await records.commit_of("s1")
+            with pytest.raises(EtcdUnavailable):  # not a CommitTimeout blaming the nodes
+                await records.commit("s0", "n1", ["f"], timeout=0.5)
             await trio.to_thread.run_sync(server.start)
             # A commit made after the restart reaches the watcher opened before it.
             await records.record_file("s1", "f", shard("n1", 0))

@@ -38,6 +38,7 @@ from tierfs.cluster.etcd import (
     ClusterUrl,
     Etcd,
     EtcdError,
+    EtcdUnavailable,
     KeyValue,
     Snapshot,
     WatchCompacted,
@@ -172,11 +173,11 @@ class CommitRecords:
 
     async def wait_for_files(self, step: str, names: Collection[str],
                              timeout: float) -> dict[str, FileRecord]:
-        """The records of `names` once every one exists; `CommitTimeout` naming the missing
-        ones if that takes longer than timeout. Reads the step once, then watches it."""
+        """The records of `names` once every one exists. Reads the step once, then watches
+        it; after timeout, `CommitTimeout` naming the missing files, or `EtcdUnavailable` if
+        etcd does not answer then (one more read, of at most one request timeout)."""
         wanted = set(names)
         prefix = self.files_prefix(step)
-        found: dict[str, FileRecord] = {}
         with trio.move_on_after(timeout):
             while True:
                 snapshot = await retry_unavailable(lambda: self.etcd.get_prefix(prefix),
@@ -187,6 +188,9 @@ class CommitRecords:
                     return {name: found[name] for name in wanted}
                 except WatchCompacted:
                     continue  # read the step again
+        found = await self.files(step)  # EtcdUnavailable if etcd is why we waited in vain
+        if wanted <= set(found):  # recorded in the last instant
+            return {name: found[name] for name in wanted}
         raise CommitTimeout(step, sorted(wanted - set(found)))
 
     async def _watch_until_complete(self, step: str, revision: int, wanted: set[str],
@@ -207,12 +211,19 @@ class CommitRecords:
     async def commit(self, step: str, committer: str, names: Collection[str],
                      timeout: float) -> tuple[CommitRecord, bool]:
         """Commit the step once every file in `names` is recorded: (the commit, True) if this
-        call wrote it, (the commit another node wrote first, False) otherwise."""
+        call wrote it, (the commit another node wrote first, False) otherwise. Within timeout
+        (plus at most one request timeout), else `CommitTimeout` or `EtcdUnavailable`."""
+        deadline = trio.current_time() + timeout
         await self.wait_for_files(step, names, timeout)
         record = CommitRecord(step, committer, len(names), time.time())
         key = self.commit_key(step)
-        if await retry_unavailable(lambda: self.etcd.put_if_absent(key, record.encode()),
-                                   f"committing {step}"):
+        won: bool | None = None
+        with trio.move_on_at(deadline + self.etcd.timeout):
+            won = await retry_unavailable(lambda: self.etcd.put_if_absent(key, record.encode()),
+                                          f"committing {step}")
+        if won is None:
+            raise EtcdUnavailable(f"step {step}: etcd did not answer the commit in time")
+        if won:
             log.info("step %s committed in the cluster by %s (%d files)", step, committer,
                      len(names))
             return record, True

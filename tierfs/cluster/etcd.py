@@ -203,7 +203,7 @@ class Etcd:
         self.endpoints = tuple(endpoints)
         self._clients = [etcd3gw.Etcd3Client(host=e.host, port=e.port, timeout=timeout,
                                              session=_session()) for e in self.endpoints]
-        self._timeout = timeout
+        self.timeout = timeout  # seconds per request
         self._preferred = 0  # the endpoint that answered last: tried first
 
     # -- keys and values
@@ -416,7 +416,7 @@ class _WatchStream:
                                       "start_revision": self._start}}
         try:
             response = client.session.post(client.get_url("watch"), json=request, stream=True,
-                                           timeout=(self._etcd._timeout, WATCH_IDLE_REOPEN))
+                                           timeout=(self._etcd.timeout, WATCH_IDLE_REOPEN))
         except (gw_errors.Etcd3Exception, requests.RequestException) as exc:
             raise EtcdUnavailable(f"watch: {_detail(exc)}") from None
         self._response = response
