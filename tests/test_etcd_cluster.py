@@ -36,6 +36,7 @@ from tierfs.cluster.etcd import (
     Endpoint,
     Etcd,
     EtcdUnavailable,
+    LeaseExpired,
     parse_cluster_url,
 )
 from tierfs.cluster.membership import MemberEvent, Membership, NodeIdInUse
@@ -236,6 +237,9 @@ async def test_lost_lease_registers_again(etcd_server: EtcdServer) -> None:
         kv = await observer.etcd.get(victim.key)
         assert kv is not None
         await observer.etcd.revoke(kv.lease)  # as if n2 had lost etcd for longer than the ttl
+        await observer.etcd.revoke(kv.lease)  # a lease already gone is not an error
+        with pytest.raises(LeaseExpired):
+            await observer.etcd.keepalive(kv.lease)
         down = await events.receive()
         assert (down.kind, down.node_id) == ("down", "n2")
         with trio.fail_after(TTL):  # its next keepalive finds the lease gone

@@ -50,8 +50,15 @@ class ClusterUrlError(ValueError):
     """A `--cluster` value that is not etcd://HOST:PORT[,HOST:PORT...]/PREFIX."""
 
 
+GRPC_NOT_FOUND = 5  # etcd's status code for e.g. "requested lease not found"
+
+
 class EtcdError(Exception):
-    """etcd answered, but refused or failed the request."""
+    """etcd answered, but refused or failed the request; `code` is its gRPC status code."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class EtcdUnavailable(EtcdError):
@@ -290,7 +297,7 @@ class Etcd:
         try:
             await self._call("kv/lease/revoke", {"ID": lease})
         except EtcdError as exc:
-            if "not found" not in str(exc):
+            if exc.code != GRPC_NOT_FOUND:
                 raise
 
     # -- watches
@@ -352,7 +359,7 @@ class Etcd:
                 failures.append(f"{self.endpoints[index]}: {_detail(exc)}")
                 continue
             except gw_errors.Etcd3Exception as exc:
-                raise EtcdError(f"etcd {path}: {_detail(exc)}") from None
+                raise EtcdError(f"etcd {path}: {_detail(exc)}", _grpc_code(exc)) from None
             self._preferred = index
             return reply
         raise EtcdUnavailable("etcd unavailable: " + "; ".join(failures))
@@ -375,6 +382,15 @@ def _session() -> requests.Session:
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     return session
+
+
+def _grpc_code(exc: gw_errors.Etcd3Exception) -> int | None:
+    """The gRPC status code in the gateway's JSON error body, if there is one."""
+    try:
+        code = json.loads(exc.detail_text or "").get("code")
+    except (ValueError, AttributeError):
+        return None
+    return code if isinstance(code, int) else None
 
 
 def _detail(exc: BaseException) -> str:
