@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tierfs.devtools.etcd import Etcd
 from tierfs.mount_helper.mounts import is_mounted
 from tierfs.mount_helper.seaweed import SeaweedS3
 
@@ -154,6 +155,14 @@ def mounts(tmp_path: Path) -> Iterator[MountFactory]:
 def mnt(mounts: MountFactory) -> Mount:
     """One fresh tierfs mount with an empty RAM dir."""
     return mounts.mount()
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Etcd]:
+    """One real etcd on loopback for the whole run (free ports, own data dir, stopped by pid);
+    each test names its own cluster prefix in it."""
+    with Etcd(tmp_path_factory.mktemp("etcd")) as server:
+        yield server
 
 
 @pytest.fixture

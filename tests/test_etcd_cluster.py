@@ -1,0 +1,456 @@
+"""The etcd cluster layer (tierfs/cluster) against a real etcd on loopback: the --cluster URL,
+membership under leases, placement on the ring, shard and commit records, and an etcd restart.
+No FUSE here: daemons are stood in for by `Membership` objects in this process, and by a child
+process where a crash (kill -9) is the point."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierfs.cluster import placement
+from tierfs.cluster.commit_records import (
+    CommitEvent,
+    CommitRecords,
+    CommitTimeout,
+    FileRecord,
+)
+from tierfs.cluster.etcd import (
+    ClusterUrl,
+    ClusterUrlError,
+    Endpoint,
+    Etcd,
+    EtcdUnavailable,
+    LeaseExpired,
+    parse_cluster_url,
+)
+from tierfs.cluster.membership import MemberEvent, Membership, NodeIdInUse
+from tierfs.devtools.etcd import Etcd as EtcdServer
+
+TTL = 2  # seconds: etcd's smallest lease with its default election timeout
+
+
+def new_cluster(server: EtcdServer) -> ClusterUrl:
+    """A fresh cluster prefix on the shared server, so tests never see each other's keys."""
+    return parse_cluster_url(server.cluster_url(f"tierfs-test/{uuid.uuid4().hex[:10]}"))
+
+
+async def wait_for(predicate: Callable[[], object], timeout: float = 5) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.02)
+
+
+@asynccontextmanager
+async def members(cluster: ClusterUrl, *node_ids: str,
+                  ttl: int = TTL) -> AsyncIterator[dict[str, Membership]]:
+    """Registered `Membership`s for these node ids, left cleanly (lease revoked) on exit."""
+    etcd = Etcd(cluster.endpoints)
+    async with trio.open_nursery() as nursery:
+        started = {}
+        for i, node_id in enumerate(node_ids):
+            member = Membership(etcd, cluster, node_id, f"127.0.0.1:{7000 + i}", ttl=ttl)
+            await nursery.start(member.run)
+            started[node_id] = member
+        yield started
+        nursery.cancel_scope.cancel()
+
+
+# --- the --cluster URL -----------------------------------------------------------------------
+
+
+def test_cluster_url_parses_endpoints_and_prefix() -> None:
+    url = parse_cluster_url("etcd://10.0.0.1:2379,etcd-b:2379,[::1]:2380/tierfs/job-7/")
+    assert url.endpoints == (Endpoint("10.0.0.1", 2379), Endpoint("etcd-b", 2379),
+                             Endpoint("::1", 2380))
+    assert url.prefix == "tierfs/job-7"
+    assert url.key("members", "n1") == "/tierfs/job-7/members/n1"
+    assert str(url) == "etcd://10.0.0.1:2379,etcd-b:2379,[::1]:2380/tierfs/job-7"
+
+
+@pytest.mark.parametrize("text, says", [
+    ("http://h:2379/p", "must start with etcd://"),
+    ("h:2379/p", "must start with etcd://"),
+    ("etcd:///p", "no etcd endpoint"),
+    ("etcd://h:2379", "no key prefix"),
+    ("etcd://h:2379/", "no key prefix"),
+    ("etcd://h/p", "is not HOST:PORT"),
+    ("etcd://h:port/p", "endpoint 'h:port'"),
+    ("etcd://h:70000/p", "endpoint 'h:70000'"),
+    ("etcd://h:0/p", "port 0"),
+    ("etcd://h:2379,/p", "endpoint ''"),
+    ("etcd://user@h:2379/p", "is not HOST:PORT"),
+    ("etcd://h:2379,h:2379/p", "named twice"),
+    ("etcd://h:2379/a//b", "prefix"),
+    ("etcd://h:2379/a/../b", "prefix"),
+    ("etcd://h:2379/a b", "prefix"),
+])
+def test_cluster_url_errors_say_what_is_wrong(text: str, says: str) -> None:
+    with pytest.raises(ClusterUrlError, match="--cluster") as error:
+        parse_cluster_url(text)
+    assert says in str(error.value)
+
+
+async def test_unreachable_etcd_is_etcd_unavailable() -> None:
+    with trio.socket.socket() as sock:  # a port nobody listens on
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    etcd = Etcd([Endpoint("127.0.0.1", port)], timeout=0.5)
+    with pytest.raises(EtcdUnavailable, match=f"127.0.0.1:{port}"):
+        await etcd.get("/x")
+
+
+async def test_second_endpoint_answers_when_first_is_down(etcd_server: EtcdServer) -> None:
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        dead = Endpoint("127.0.0.1", sock.getsockname()[1])
+    cluster = new_cluster(etcd_server)
+    etcd = Etcd([dead, *cluster.endpoints], timeout=0.5)
+    await etcd.put(cluster.key("k"), b"v")
+    kv = await etcd.get(cluster.key("k"))
+    assert kv is not None and kv.value == b"v"
+
+
+# --- membership ------------------------------------------------------------------------------
+
+
+async def test_watch_sees_joins_and_clean_leaves(etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    async with members(cluster, "n2", "n1") as nodes:
+        observer = nodes["n1"]
+        events = observer.subscribe()
+        await wait_for(lambda: observer.ring == ["n1", "n2"])
+        assert observer.members["n2"].address == "127.0.0.1:7000"
+        async with members(cluster, "n3") as late:
+            await wait_for(lambda: observer.ring == ["n1", "n2", "n3"])
+            assert late["n3"].ring == ["n1", "n2", "n3"]  # a joiner sees everyone at once
+        left = time.monotonic()
+        await wait_for(lambda: observer.ring == ["n1", "n2"], timeout=1)
+        assert time.monotonic() - left < 1  # a clean leave revokes the lease: no ttl wait
+        seen = []
+        while True:
+            try:
+                seen.append(events.receive_nowait())
+            except trio.WouldBlock:
+                break
+        assert [(e.kind, e.node_id) for e in seen if e.node_id == "n3"] == \
+            [("up", "n3"), ("down", "n3")]
+
+
+def grpc_requests(server: EtcdServer) -> Counter[str]:
+    """Requests etcd has received so far, by gRPC method (the gateway's included)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://{server.endpoint}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    counts: Counter[str] = Counter()
+    for line in text.splitlines():
+        match = re.match(r'grpc_server_msg_received_total\{.*grpc_method="(\w+)".*\} (\S+)', line)
+        if match:
+            counts[match[1]] += int(float(match[2]))
+    return counts
+
+
+async def test_idle_members_cost_one_keepalive_each(etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    ids = [f"n{i}" for i in range(8)]
+    async with members(cluster, *ids) as nodes:
+        await wait_for(lambda: all(node.ring == ids for node in nodes.values()))
+        before = grpc_requests(etcd_server)
+        idle = 2.0
+        await trio.sleep(idle)  # the measured idle period
+        delta = grpc_requests(etcd_server) - before
+    # No reads, writes or polling of the others: per node only its keepalive, every ttl / 3.
+    assert {method for method in delta if method != "LeaseKeepAlive"} <= {"Watch"}, delta
+    assert delta["LeaseKeepAlive"] <= len(ids) * (idle / (TTL / 3) + 1)
+
+
+MEMBER_SCRIPT = """
+import sys, trio
+from tierfs.cluster.etcd import Etcd, parse_cluster_url
+from tierfs.cluster.membership import Membership
+cluster = parse_cluster_url(sys.argv[1])
+async def main():
+    await Membership(Etcd(cluster.endpoints), cluster, sys.argv[2], "127.0.0.1:7999",
+                     ttl=int(sys.argv[3])).run()
+trio.run(main)
+"""
+
+
+async def test_killed_member_is_down_within_ttl(etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    async with members(cluster, "n1") as nodes:
+        observer = nodes["n1"]
+        daemon = subprocess.Popen([sys.executable, "-c", MEMBER_SCRIPT, str(cluster), "crash",
+                                   str(TTL)], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            await wait_for(lambda: observer.is_up("crash"), timeout=15)
+            os.kill(daemon.pid, signal.SIGKILL)  # no lease revoke: only expiry can tell
+            killed = time.monotonic()
+            await trio.to_thread.run_sync(daemon.wait)
+            await wait_for(lambda: not observer.is_up("crash"), timeout=TTL + 1)
+            down_after = time.monotonic() - killed
+        finally:
+            if daemon.poll() is None:
+                daemon.kill()
+                daemon.wait()
+        assert down_after <= TTL + 1
+        assert observer.ring == ["n1"]
+
+
+async def test_node_id_held_by_a_live_daemon_elsewhere_is_refused(
+        etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    async with members(cluster, "n1") as nodes:
+        intruder = Membership(Etcd(cluster.endpoints), cluster, "n1", "127.0.0.1:9999", ttl=TTL)
+        with pytest.raises(NodeIdInUse, match="127.0.0.1:7000"):
+            await intruder.run()
+        assert nodes["n1"].members["n1"].address == "127.0.0.1:7000"
+        # The same daemon restarted in place (same address) takes its key over at once.
+        again = Membership(Etcd(cluster.endpoints), cluster, "n1", "127.0.0.1:7000", ttl=TTL)
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(1):
+                await nursery.start(again.run)
+            nursery.cancel_scope.cancel()
+
+
+async def test_lost_lease_registers_again(etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    async with members(cluster, "n1", "n2") as nodes:
+        observer, victim = nodes["n1"], nodes["n2"]
+        events = observer.subscribe()
+        kv = await observer.etcd.get(victim.key)
+        assert kv is not None
+        await observer.etcd.revoke(kv.lease)  # as if n2 had lost etcd for longer than the ttl
+        await observer.etcd.revoke(kv.lease)  # a lease already gone is not an error
+        with pytest.raises(LeaseExpired):
+            await observer.etcd.keepalive(kv.lease)
+        down = await events.receive()
+        assert (down.kind, down.node_id) == ("down", "n2")
+        with trio.fail_after(TTL):  # its next keepalive finds the lease gone
+            up = await events.receive()
+        assert (up.kind, up.node_id) == ("up", "n2")
+        assert observer.ring == ["n1", "n2"]
+
+
+# --- placement -------------------------------------------------------------------------------
+
+
+def test_replica_targets_are_the_next_k_live_nodes_after_the_writer() -> None:
+    ring = placement.ring(["n3", "n1", "n4", "n2", "n1"])
+    assert ring == ["n1", "n2", "n3", "n4"]
+    assert placement.replica_targets(ring, "n2", 2) == ["n3", "n4"]
+    assert placement.replica_targets(ring, "n4", 2) == ["n1", "n2"]  # wraps around
+    assert placement.replica_targets(ring, "n1", 9) == ["n2", "n3", "n4"]  # at most N - 1
+    assert placement.replica_targets(["n1"], "n1", 1) == []
+    # A writer that is down has no place on the ring: the next live nodes after where it was.
+    assert placement.replica_targets(["n1", "n3"], "n2", 1) == ["n3"]
+
+
+def test_restore_plan_after_a_loss() -> None:
+    files = {
+        "__0_0.distcp": placement.Placement("n1", frozenset({"n1", "n2"})),
+        "__1_0.distcp": placement.Placement("n2", frozenset({"n2", "n3"})),
+        "__2_0.distcp": placement.Placement("n3", frozenset({"n3", "n1"})),
+    }
+    plan = placement.restore_plan(files, ["n1", "n3", "n4"], replicas=1)  # n2 is lost
+    assert plan.lost == []
+    assert sorted((c.file, c.source, c.target) for c in plan.copies) == [
+        ("__0_0.distcp", "n1", "n3"),  # n1 and its next live node n3
+        ("__1_0.distcp", "n3", "n4"),  # writer gone: the next two live nodes after it, n3 n4
+    ]  # __2_0 still has two live copies (n3, n1): n4 joining the ring moves nothing
+    assert plan.for_source("n3") == [placement.Copy("__1_0.distcp", "n3", "n4")]
+    both_gone = placement.restore_plan(files, ["n3", "n4"], replicas=1)
+    assert "__0_0.distcp" in both_gone.lost
+
+
+node_ids = st.lists(st.text("abcdefgh", min_size=1, max_size=3), min_size=1, max_size=12,
+                    unique=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes=node_ids, replicas=st.integers(0, 4), data=st.data())
+def test_placement_properties(nodes: list[str], replicas: int, data: st.DataObject) -> None:
+    ring = placement.ring(nodes)
+    writer = data.draw(st.sampled_from(nodes))
+    targets = placement.replica_targets(ring, writer, replicas)
+    assert writer not in targets
+    assert len(targets) == len(set(targets)) == min(replicas, len(ring) - 1)
+    assert placement.replica_targets(placement.ring(reversed(nodes)), writer, replicas) == targets
+    # Files placed on this ring, then some nodes lost: the plan restores every file that still
+    # has a live holder to K + 1 copies (as many as live nodes allow), from live holders only.
+    files = {f"f{i}": placement.Placement(w, frozenset(
+        [w, *placement.replica_targets(ring, w, replicas)]))
+        for i, w in enumerate(data.draw(st.lists(st.sampled_from(nodes), max_size=8)))}
+    survivors = data.draw(st.lists(st.sampled_from(nodes), unique=True))
+    plan = placement.restore_plan(files, placement.ring(survivors), replicas)
+    live = set(survivors)
+    for name, where in files.items():
+        after = (where.holders & live) | {c.target for c in plan.copies if c.file == name}
+        if name in plan.lost:
+            assert not where.holders & live
+            continue
+        assert len(after) == max(len(where.holders & live), min(replicas + 1, len(live)))
+    for copy in plan.copies:
+        assert copy.source in files[copy.file].holders & live
+        assert copy.target in live and copy.target not in files[copy.file].holders
+    if live and len(set(nodes) - live) <= replicas:
+        assert plan.lost == []  # any K nodes lost (one left at least): nothing lost
+
+
+# --- shard and commit records ----------------------------------------------------------------
+
+
+def shard(node: str, i: int) -> FileRecord:
+    return FileRecord.sealed(node, 1000 + i, f"{i:032x}")
+
+
+async def test_concurrent_committers_exactly_one_wins(etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    names = [f"__{i}_0.distcp" for i in range(4)]
+    await records.record_files("run/step_10", {n: shard(f"n{i}", i) for i, n in enumerate(names)})
+    results = []
+
+    async def commit(node: str) -> None:
+        results.append(await records.commit("run/step_10", node, names, timeout=5))
+
+    async with trio.open_nursery() as nursery:
+        for node in ("n0", "n1", "n2", "n3", "n4"):
+            nursery.start_soon(commit, node)
+    assert sorted(won for _, won in results) == [False] * 4 + [True]
+    winner = next(record for record, won in results if won)
+    assert all(record == winner for record, _ in results)  # the losers learn the same commit
+    assert await records.commit_of("run/step_10") == winner
+
+
+async def test_commit_waits_for_every_record(etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    names = ["a/__0_0.distcp", "__1_0.distcp", ".metadata"]
+    await records.record_file("s/1", ".metadata", shard("n0", 0))
+    outcome = []
+
+    async def commit() -> None:
+        outcome.append(await records.commit("s/1", "n0", names, timeout=10))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(commit)
+        await trio.sleep(0.3)  # the committer is waiting; nothing may be committed yet
+        assert await records.commit_of("s/1") is None
+        await records.record_file("s/1", "a/__0_0.distcp", shard("n1", 1))
+        await records.record_file("s/1", "__1_0.distcp", shard("n2", 2))
+    assert outcome[0][1] is True
+    assert set(await records.files("s/1")) == set(names)
+    with pytest.raises(CommitTimeout, match="never_written") as error:
+        await records.commit("s/2", "n0", [".metadata", "never_written"], timeout=0.5)
+    assert error.value.missing == [".metadata", "never_written"]
+    assert await records.commit_of("s/2") is None
+
+
+async def test_commit_visible_to_every_watcher_within_a_second(
+        etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    etcd = Etcd(cluster.endpoints)
+    records = CommitRecords(etcd, cluster)
+    await records.record_file("old", "f", shard("n0", 0))
+    await records.commit("old", "n0", ["f"], timeout=5)
+    send, receive = trio.open_memory_channel[CommitEvent](100)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(CommitRecords(Etcd(cluster.endpoints), cluster).follow_commits, send)
+        first = await receive.receive()  # what was committed before the watch started
+        assert (first.kind, first.step) == ("committed", "old")
+        await records.record_files("run/step_2", {"f": shard("n0", 1), "g": shard("n1", 2)})
+        committed, _ = await records.commit("run/step_2", "n1", ["f", "g"], timeout=5)
+        done = time.monotonic()
+        with trio.fail_after(1):
+            event = await receive.receive()
+        assert time.monotonic() - done < 1
+        assert event == CommitEvent("committed", "run/step_2", committed)
+        await records.delete_step("run/step_2")
+        with trio.fail_after(1):
+            assert await receive.receive() == CommitEvent("removed", "run/step_2", None)
+        nursery.cancel_scope.cancel()
+    assert await records.files("run/step_2") == {}
+
+
+async def test_holders_grow_per_file_under_concurrent_updates(etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    await records.record_file("s", "__0_0.distcp", shard("n0", 0))
+    await records.record_file("s", "__1_0.distcp", shard("n1", 1))
+    async with trio.open_nursery() as nursery:
+        for node in ("n1", "n2", "n3", "n4", "n5"):
+            nursery.start_soon(records.add_holder, "s", "__0_0.distcp", node)
+    files = await records.files("s")
+    assert files["__0_0.distcp"].holders == ("n0", "n1", "n2", "n3", "n4", "n5")
+    assert files["__1_0.distcp"].holders == ("n1",)  # per file, not per step
+    await records.drop_holder("s", "__0_0.distcp", "n3")
+    assert (await records.files("s"))["__0_0.distcp"].holders == ("n0", "n1", "n2", "n4", "n5")
+
+
+async def test_large_step_records_are_paged(etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    names = [f"rank{i:05d}/__{i}_0.distcp" for i in range(2500)]  # > 2 pages of 1000
+    await records.record_files("big", {n: shard(f"n{i % 7}", i) for i, n in enumerate(names)})
+    record, won = await records.commit("big", "n0", names, timeout=10)
+    assert won and record.files == 2500
+    assert sorted(await records.files("big")) == names
+
+
+# --- etcd restarted mid-run ------------------------------------------------------------------
+
+
+async def test_etcd_restart_membership_stays_and_commits_resume(tmp_path: Path) -> None:
+    server = EtcdServer(tmp_path / "etcd")
+    await trio.to_thread.run_sync(server.start)
+    try:
+        cluster = parse_cluster_url(server.cluster_url("restart"))
+        records = CommitRecords(Etcd(cluster.endpoints), cluster)
+        send, receive = trio.open_memory_channel[CommitEvent](100)
+        async with members(cluster, "n1", "n2") as nodes, trio.open_nursery() as nursery:
+            n1 = nodes["n1"]
+            events: trio.MemoryReceiveChannel[MemberEvent] = n1.subscribe()
+            nursery.start_soon(records.follow_commits, send)
+            await trio.to_thread.run_sync(server.stop)
+            await trio.sleep(TTL / 2 + 0.5)  # keepalives and watches fail meanwhile
+            with pytest.raises(EtcdUnavailable):  # not a CommitTimeout blaming the nodes
+                await records.commit("s0", "n1", ["f"], timeout=0.5)
+            await trio.to_thread.run_sync(server.start)
+            # A commit made after the restart reaches the watcher opened before it.
+            await records.record_file("s1", "f", shard("n1", 0))
+            committed, won = await records.commit("s1", "n2", ["f"], timeout=10)
+            assert won
+            with trio.fail_after(3):
+                assert await receive.receive() == CommitEvent("committed", "s1", committed)
+            # Membership went on: both still registered, and a new node joining is seen.
+            assert n1.ring == ["n1", "n2"]
+            async with members(cluster, "n3"):
+                await wait_for(lambda: n1.ring == ["n1", "n2", "n3"], timeout=3)
+            nursery.cancel_scope.cancel()
+        # Registration survived or was renewed: nobody was seen down for long, if at all.
+        seen = []
+        while True:
+            try:
+                seen.append(events.receive_nowait())
+            except trio.WouldBlock:
+                break
+        assert ("up", "n3") in [(e.kind, e.node_id) for e in seen]
+    finally:
+        await trio.to_thread.run_sync(server.stop)

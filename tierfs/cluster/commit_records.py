@@ -1,0 +1,278 @@
+"""Shard and commit records of multi-node steps, in etcd: a commit moves no data.
+
+Each node seals the files its ranks wrote into a step and records each one:
+
+    /<prefix>/steps/<step>/files/<path>   {"node", "size", "xxh3", "holders": [...]}
+
+(`<step>` is the step's path with '/' percent-encoded, so it is one key segment; `<path>` is the
+file's path inside the step). The node that receives the step's `.metadata` learns from it which
+files the step has, waits until a record exists for every one (`wait_for_files`), and then
+writes
+
+    /<prefix>/commits/<step>              {"committer", "files", "at"}
+
+in one transaction that succeeds only if the key is absent, so of two racing committers exactly
+one wins and both learn the same commit. Every node follows `/<prefix>/commits/`: it learns each
+commit there within one watch event, and no node ever sees the other nodes' per-file records
+unless it asks for them (a 16,000-file step costs each uninvolved node one event, not 16,000).
+
+A file's `holders` starts as its writer and grows as replicas are verified (`add_holder`, a
+compare-and-swap on the record's version, so concurrent updates are never lost). Values are
+small JSON; a step is many small keys, never one large value (etcd refuses values over
+1.5 MiB by default).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+from urllib.parse import quote, unquote
+
+import trio
+
+from tierfs.cluster.etcd import (
+    ClusterUrl,
+    Etcd,
+    EtcdError,
+    EtcdUnavailable,
+    KeyValue,
+    Snapshot,
+    WatchCompacted,
+    WatchEvent,
+    retry_unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+
+class CommitTimeout(EtcdError):
+    """Some files the step names were not recorded by any node in time."""
+
+    def __init__(self, step: str, missing: list[str]) -> None:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more"
+                                          if len(missing) > 5 else "")
+        super().__init__(f"step {step}: no node recorded {shown}")
+        self.step = step
+        self.missing = missing
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    node: str  # the node that wrote and sealed the file
+    size: int
+    xxh3: str  # xxh3-128, hex, as in the step's manifest
+    holders: tuple[str, ...]  # nodes holding a verified copy, sorted
+
+    def encode(self) -> bytes:
+        return _json({"node": self.node, "size": self.size, "xxh3": self.xxh3,
+                      "holders": list(self.holders)})
+
+    @classmethod
+    def decode(cls, value: bytes) -> FileRecord:
+        fields = json.loads(value)
+        holders = fields["holders"]
+        if not isinstance(holders, list) or not all(isinstance(h, str) for h in holders):
+            raise ValueError("holders must be a list of node ids")
+        return cls(str(fields["node"]), int(fields["size"]), str(fields["xxh3"]),
+                   tuple(sorted(holders)))
+
+    @classmethod
+    def sealed(cls, node: str, size: int, xxh3: str) -> FileRecord:
+        """The record of a file just sealed by `node`, its only holder."""
+        return cls(node, size, xxh3, (node,))
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    step: str
+    committer: str
+    files: int
+    at: float  # Unix time of the commit
+
+    def encode(self) -> bytes:
+        return _json({"committer": self.committer, "files": self.files, "at": self.at})
+
+    @classmethod
+    def decode(cls, step: str, value: bytes) -> CommitRecord:
+        fields = json.loads(value)
+        return cls(step, str(fields["committer"]), int(fields["files"]), float(fields["at"]))
+
+
+@dataclass(frozen=True)
+class CommitEvent:
+    kind: Literal["committed", "removed"]
+    step: str
+    record: CommitRecord | None  # None when removed
+
+
+def _json(fields: dict[str, Any]) -> bytes:
+    return json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
+
+
+class CommitRecords:
+    """The records of one cluster (one `--cluster` prefix)."""
+
+    def __init__(self, etcd: Etcd, cluster: ClusterUrl) -> None:
+        self.etcd = etcd
+        self._steps = cluster.key("steps") + "/"
+        self.commits_prefix = cluster.key("commits") + "/"
+
+    def files_prefix(self, step: str) -> str:
+        return f"{self._steps}{quote(step, safe='')}/files/"
+
+    def file_key(self, step: str, path: str) -> str:
+        return self.files_prefix(step) + path
+
+    def commit_key(self, step: str) -> str:
+        return self.commits_prefix + quote(step, safe="")
+
+    # -- file records
+
+    async def record_file(self, step: str, path: str, record: FileRecord) -> None:
+        """Record a file this node sealed (a newer seal of the same path replaces it)."""
+        await self.etcd.put(self.file_key(step, path), record.encode())
+
+    async def record_files(self, step: str, records: dict[str, FileRecord]) -> None:
+        """Record many sealed files at once (a few transactions, not one request per file)."""
+        await self.etcd.put_all([(self.file_key(step, path), record.encode())
+                                 for path, record in sorted(records.items())])
+
+    async def files(self, step: str) -> dict[str, FileRecord]:
+        """Every recorded file of the step, by path."""
+        snapshot = await self.etcd.get_prefix(self.files_prefix(step))
+        return self._decode_files(step, snapshot.kvs)
+
+    async def add_holder(self, step: str, path: str, node: str) -> FileRecord:
+        """Count `node` as holding a verified copy of the file."""
+        return await self._update(step, path, lambda holders: holders | {node})
+
+    async def drop_holder(self, step: str, path: str, node: str) -> FileRecord:
+        """Stop counting `node` (its copy is gone or bad)."""
+        return await self._update(step, path, lambda holders: holders - {node})
+
+    async def _update(self, step: str, path: str,
+                      change: Callable[[frozenset[str]], frozenset[str]]) -> FileRecord:
+        key = self.file_key(step, path)
+        while True:  # compare-and-swap on the version: a concurrent update makes us read again
+            kv = await self.etcd.get(key)
+            if kv is None:
+                raise EtcdError(f"step {step}: no record of {path}")
+            record = FileRecord.decode(kv.value)
+            holders = tuple(sorted(change(frozenset(record.holders))))
+            if holders == record.holders:
+                return record
+            updated = replace(record, holders=holders)
+            if await self.etcd.put_if_version(key, updated.encode(), kv.version):
+                return updated
+
+    # -- commits
+
+    async def wait_for_files(self, step: str, names: Collection[str],
+                             timeout: float) -> dict[str, FileRecord]:
+        """The records of `names` once every one exists. Reads the step once, then watches
+        it; after timeout, `CommitTimeout` naming the missing files, or `EtcdUnavailable` if
+        etcd does not answer then (one more read, of at most one request timeout)."""
+        wanted = set(names)
+        prefix = self.files_prefix(step)
+        with trio.move_on_after(timeout):
+            while True:
+                snapshot = await retry_unavailable(lambda: self.etcd.get_prefix(prefix),
+                                                   f"reading the records of {step}")
+                found = self._decode_files(step, snapshot.kvs)
+                try:
+                    await self._watch_until_complete(step, snapshot.revision, wanted, found)
+                    return {name: found[name] for name in wanted}
+                except WatchCompacted:
+                    continue  # read the step again
+        found = await self.files(step)  # EtcdUnavailable if etcd is why we waited in vain
+        if wanted <= set(found):  # recorded in the last instant
+            return {name: found[name] for name in wanted}
+        raise CommitTimeout(step, sorted(wanted - set(found)))
+
+    async def _watch_until_complete(self, step: str, revision: int, wanted: set[str],
+                                    found: dict[str, FileRecord]) -> None:
+        if wanted <= set(found):
+            return
+        send, receive = trio.open_memory_channel[list[WatchEvent]](16)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.etcd.watch_prefix, self.files_prefix(step), revision + 1,
+                               send)
+            async for events in receive:
+                puts = [e.kv for e in events if e.kind == "put"]
+                found.update(self._decode_files(step, puts))
+                if wanted <= set(found):
+                    nursery.cancel_scope.cancel()
+                    return
+
+    async def commit(self, step: str, committer: str, names: Collection[str],
+                     timeout: float) -> tuple[CommitRecord, bool]:
+        """Commit the step once every file in `names` is recorded: (the commit, True) if this
+        call wrote it, (the commit another node wrote first, False) otherwise. Within timeout
+        (plus at most one request timeout), else `CommitTimeout` or `EtcdUnavailable`."""
+        deadline = trio.current_time() + timeout
+        await self.wait_for_files(step, names, timeout)
+        record = CommitRecord(step, committer, len(names), time.time())
+        key = self.commit_key(step)
+        won: bool | None = None
+        with trio.move_on_at(deadline + self.etcd.timeout):
+            won = await retry_unavailable(lambda: self.etcd.put_if_absent(key, record.encode()),
+                                          f"committing {step}")
+        if won is None:
+            raise EtcdUnavailable(f"step {step}: etcd did not answer the commit in time")
+        if won:
+            log.info("step %s committed in the cluster by %s (%d files)", step, committer,
+                     len(names))
+            return record, True
+        winner = await self.commit_of(step)
+        if winner is None:  # committed and deleted meanwhile: nothing left to commit
+            raise EtcdError(f"step {step} was committed and then deleted meanwhile")
+        return winner, False
+
+    async def commit_of(self, step: str) -> CommitRecord | None:
+        """The step's commit record, if it is committed."""
+        kv = await self.etcd.get(self.commit_key(step))
+        return CommitRecord.decode(step, kv.value) if kv is not None else None
+
+    async def delete_step(self, step: str) -> None:
+        """Remove the step's commit, then its file records."""
+        await self.etcd.delete(self.commit_key(step))
+        await self.etcd.delete_prefix(self._steps + quote(step, safe="") + "/")
+
+    async def follow_commits(self, send: trio.abc.SendChannel[CommitEvent]) -> None:
+        """Every commit of the cluster, as `CommitEvent`s, until cancelled: the existing ones
+        first (again after a compaction of the watch history: consumers must be idempotent),
+        then each new commit or removal as it happens."""
+        raw_send, raw_receive = trio.open_memory_channel[Snapshot | list[WatchEvent]](16)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.etcd.follow_prefix, self.commits_prefix, raw_send)
+            async for item in raw_receive:
+                events = item.kvs if isinstance(item, Snapshot) else item
+                for entry in events:
+                    event = self._commit_event(entry)
+                    if event is not None:
+                        await send.send(event)
+
+    def _commit_event(self, entry: KeyValue | WatchEvent) -> CommitEvent | None:
+        kv = entry.kv if isinstance(entry, WatchEvent) else entry
+        step = unquote(kv.key[len(self.commits_prefix):])
+        if isinstance(entry, WatchEvent) and entry.kind == "delete":
+            return CommitEvent("removed", step, None)
+        try:
+            return CommitEvent("committed", step, CommitRecord.decode(step, kv.value))
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring the malformed commit record %s: %s", kv.key, exc)
+            return None
+
+    def _decode_files(self, step: str, kvs: list[KeyValue]) -> dict[str, FileRecord]:
+        prefix = self.files_prefix(step)
+        records: dict[str, FileRecord] = {}
+        for kv in kvs:
+            try:
+                records[kv.key[len(prefix):]] = FileRecord.decode(kv.value)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring the malformed file record %s: %s", kv.key, exc)
+        return records

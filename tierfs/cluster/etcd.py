@@ -1,0 +1,498 @@
+"""A thin typed wrapper over etcd v3 for trio, through etcd's JSON gateway (the `etcd3gw` client).
+
+etcd 3.4 serves the gateway under `/v3/` (3.3 under `/v3beta/`); `etcd3gw` finds the path from
+`/version`. Every request is blocking HTTP, so each runs in a worker thread
+(`trio.to_thread.run_sync`) and the trio loop never waits on a socket. Endpoints are tried in
+order, starting with the last one that answered; when none answers the call raises
+`EtcdUnavailable`, the one error callers are expected to ride out (`retry_unavailable`).
+
+Keys and values travel base64-encoded in JSON; callers see `str` keys and `bytes` values.
+A watch is a long-lived streamed HTTP response read line by line in its own thread; it resumes
+after the last revision it delivered when the stream breaks (an etcd restart), so no event is
+lost or repeated, unless etcd compacted that history meanwhile (`WatchCompacted`: read the
+prefix again). `follow_prefix` packages that: a `Snapshot`, then batches of `WatchEvent`s.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import random
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
+
+import etcd3gw
+import requests
+import trio
+from etcd3gw import exceptions as gw_errors
+from requests.adapters import HTTPAdapter
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SCHEME = "etcd"
+DEFAULT_TIMEOUT = 2.0  # seconds per request; a lease of a few seconds must survive one timeout
+PAGE_SIZE = 1000  # keys per range request: a 16,000-file step is read in pages, not one reply
+# A watch stream silent this long is reopened (from where it was, so nothing is lost): a stream
+# to an endpoint that vanished without closing the connection must not hang for hours.
+WATCH_IDLE_REOPEN = 60.0
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+POOL_SIZE = 40  # trio's default worker thread limit
+RETRY_FIRST_DELAY = 0.05
+RETRY_MAX_DELAY = 1.0  # short: commits must resume within about a second of etcd coming back
+
+
+class ClusterUrlError(ValueError):
+    """A `--cluster` value that is not etcd://HOST:PORT[,HOST:PORT...]/PREFIX."""
+
+
+GRPC_NOT_FOUND = 5  # etcd's status code for e.g. "requested lease not found"
+
+
+class EtcdError(Exception):
+    """etcd answered, but refused or failed the request; `code` is its gRPC status code."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EtcdUnavailable(EtcdError):
+    """No endpoint answered (refused, timed out, or etcd has no leader)."""
+
+
+class LeaseExpired(EtcdError):
+    """The lease is gone (expired or revoked), and with it every key attached to it."""
+
+
+class WatchCompacted(EtcdError):
+    """The history a watch wanted to resume from was compacted; read the prefix again."""
+
+    def __init__(self, compact_revision: int) -> None:
+        super().__init__(f"watch history compacted up to revision {compact_revision}")
+        self.compact_revision = compact_revision
+
+
+# --- the --cluster URL ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ClusterUrl:
+    """etcd endpoints and the key prefix naming one cluster (no leading or trailing '/')."""
+
+    endpoints: tuple[Endpoint, ...]
+    prefix: str
+
+    def key(self, *parts: str) -> str:
+        """The etcd key `/<prefix>/<parts...>`."""
+        return "/" + "/".join((self.prefix, *parts))
+
+    def __str__(self) -> str:
+        return f"{SCHEME}://{','.join(map(str, self.endpoints))}/{self.prefix}"
+
+
+def parse_cluster_url(text: str) -> ClusterUrl:
+    """Parse `etcd://HOST:PORT[,HOST:PORT...]/PREFIX`; `ClusterUrlError` says what is wrong."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme != SCHEME:
+        raise ClusterUrlError(f"--cluster {text!r}: must start with {SCHEME}://")
+    hosts, slash, prefix = rest.partition("/")
+    if not hosts:
+        raise ClusterUrlError(f"--cluster {text!r}: no etcd endpoint (HOST:PORT)")
+    prefix = prefix.strip("/")
+    if not slash or not prefix:
+        raise ClusterUrlError(f"--cluster {text!r}: no key prefix naming the cluster "
+                              "(etcd://HOST:PORT/PREFIX)")
+    segments = prefix.split("/")
+    if any(s in ("", ".", "..") for s in segments) or any(c in prefix for c in "?#\0 "):
+        raise ClusterUrlError(f"--cluster {text!r}: prefix {prefix!r} must be '/'-separated "
+                              "names without empty, '.' or '..' parts, spaces, '?' or '#'")
+    endpoints = tuple(_parse_endpoint(text, item) for item in hosts.split(","))
+    if len(set(endpoints)) != len(endpoints):
+        raise ClusterUrlError(f"--cluster {text!r}: an endpoint is named twice")
+    return ClusterUrl(endpoints, prefix)
+
+
+def _parse_endpoint(text: str, item: str) -> Endpoint:
+    try:
+        parts = urlsplit(f"//{item}")
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:  # a port that is not a number, or out of range
+        raise ClusterUrlError(f"--cluster {text!r}: endpoint {item!r}: {exc}") from None
+    if not host or port is None or parts.username is not None or parts.path:
+        raise ClusterUrlError(f"--cluster {text!r}: endpoint {item!r} is not HOST:PORT")
+    if port == 0:
+        raise ClusterUrlError(f"--cluster {text!r}: endpoint {item!r}: port 0")
+    return Endpoint(host, port)
+
+
+# --- values --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    version: int  # 1 when created, +1 per put; 0 in a delete event
+    mod_revision: int
+    create_revision: int = 0
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    kind: Literal["put", "delete"]
+    kv: KeyValue  # for a delete: the key and the revision of the delete, no value
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every key under a prefix at one revision; a watch from `revision + 1` continues it."""
+
+    kvs: list[KeyValue]
+    revision: int
+
+
+def _b64(data: str | bytes) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def _range_end(prefix: str) -> str:
+    raw = prefix.encode()
+    stripped = raw.rstrip(b"\xff")
+    if not stripped:
+        return _b64(b"\0")  # every key
+    return _b64(stripped[:-1] + bytes([stripped[-1] + 1]))
+
+
+def _kv(fields: dict[str, Any]) -> KeyValue:
+    return KeyValue(key=_unb64(fields["key"]).decode(),
+                    value=_unb64(fields.get("value", "")),
+                    version=int(fields.get("version", 0)),
+                    mod_revision=int(fields.get("mod_revision", 0)),
+                    create_revision=int(fields.get("create_revision", 0)),
+                    lease=int(fields.get("lease", 0)))
+
+
+def _revision(reply: dict[str, Any]) -> int:
+    return int(reply.get("header", {}).get("revision", 0))
+
+
+# --- the client ----------------------------------------------------------------------------
+
+
+class Etcd:
+    """etcd v3 through its JSON gateway; every method is async and runs its HTTP off the trio
+    thread. Safe to share between tasks."""
+
+    def __init__(self, endpoints: Sequence[Endpoint], timeout: float = DEFAULT_TIMEOUT) -> None:
+        if not endpoints:
+            raise ValueError("no etcd endpoints")
+        self.endpoints = tuple(endpoints)
+        self._clients = [etcd3gw.Etcd3Client(host=e.host, port=e.port, timeout=timeout,
+                                             session=_session()) for e in self.endpoints]
+        self.timeout = timeout  # seconds per request
+        self._preferred = 0  # the endpoint that answered last: tried first
+
+    # -- keys and values
+
+    async def get(self, key: str) -> KeyValue | None:
+        reply = await self._call("kv/range", {"key": _b64(key)})
+        kvs = reply.get("kvs", [])
+        return _kv(kvs[0]) if kvs else None
+
+    async def get_prefix(self, prefix: str) -> Snapshot:
+        """Every key under prefix, read in pages at the revision of the first page."""
+        kvs: list[KeyValue] = []
+        start, revision = _b64(prefix), 0
+        while True:
+            payload: dict[str, Any] = {"key": start, "range_end": _range_end(prefix),
+                                       "limit": PAGE_SIZE}
+            if revision:
+                payload["revision"] = revision
+            reply = await self._call("kv/range", payload)
+            revision = revision or _revision(reply)
+            page = [_kv(fields) for fields in reply.get("kvs", [])]
+            kvs.extend(page)
+            if not reply.get("more") or not page:
+                return Snapshot(kvs, revision)
+            start = _b64(page[-1].key.encode() + b"\0")  # the next key after the last one
+
+    async def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        """Store value under key (attached to lease, if any); the revision of the write."""
+        reply = await self._call("kv/put", self._put_fields(key, value, lease))
+        return _revision(reply)
+
+    async def put_all(self, items: Sequence[tuple[str, bytes]]) -> None:
+        """Store many keys in transactions of at most MAX_TXN_OPS puts (each one atomic)."""
+        for start in range(0, len(items), MAX_TXN_OPS):
+            chunk = items[start:start + MAX_TXN_OPS]
+            txn = {"compare": [], "failure": [],
+                   "success": [{"request_put": self._put_fields(key, value, 0)}
+                               for key, value in chunk]}
+            await self._call("kv/txn", txn)
+
+    async def delete(self, key: str) -> bool:
+        reply = await self._call("kv/deleterange", {"key": _b64(key)})
+        return int(reply.get("deleted", 0)) > 0
+
+    async def delete_prefix(self, prefix: str) -> int:
+        reply = await self._call("kv/deleterange", {"key": _b64(prefix),
+                                                    "range_end": _range_end(prefix)})
+        return int(reply.get("deleted", 0))
+
+    async def put_if_absent(self, key: str, value: bytes, lease: int = 0) -> bool:
+        """Create key in one transaction that fails if it exists: of racing callers exactly
+        one gets True."""
+        return await self.put_if_version(key, value, 0, lease)
+
+    async def put_if_version(self, key: str, value: bytes, version: int,
+                             lease: int = 0) -> bool:
+        """Write key only if its version is still `version` (0: absent); False if it moved."""
+        txn = {"compare": [{"key": _b64(key), "target": "VERSION", "result": "EQUAL",
+                            "version": version}],
+               "success": [{"request_put": self._put_fields(key, value, lease)}],
+               "failure": []}
+        reply = await self._call("kv/txn", txn)
+        return bool(reply.get("succeeded", False))
+
+    # -- leases
+
+    async def grant_lease(self, ttl: int) -> int:
+        """A new lease of ttl seconds; its id."""
+        reply = await self._call("lease/grant", {"TTL": ttl})
+        if reply.get("error"):
+            raise EtcdError(f"lease grant refused: {reply['error']}")
+        return int(reply["ID"])
+
+    async def keepalive(self, lease: int) -> int:
+        """Renew the lease once; its TTL again. `LeaseExpired` if it is gone."""
+        reply = await self._call("lease/keepalive", {"ID": lease})
+        ttl = int(reply.get("result", {}).get("TTL", -1))
+        if ttl <= 0:
+            raise LeaseExpired(f"lease {lease:x} has expired")
+        return ttl
+
+    async def revoke(self, lease: int) -> None:
+        """End the lease now, deleting its keys (a lease already gone is not an error)."""
+        try:
+            await self._call("kv/lease/revoke", {"ID": lease})
+        except EtcdError as exc:
+            if exc.code != GRPC_NOT_FOUND:
+                raise
+
+    # -- watches
+
+    async def watch_prefix(self, prefix: str, start_revision: int,
+                           send: trio.abc.SendChannel[list[WatchEvent]]) -> None:
+        """Deliver every change under prefix from start_revision on, batch by batch, until
+        cancelled. A broken stream is reopened after the last delivered revision (retrying
+        while etcd is unavailable). Raises `WatchCompacted` if that history is gone."""
+        next_revision = start_revision
+        while True:
+            stream = _WatchStream(self, prefix, next_revision)
+            try:
+                await stream.open()
+                while True:
+                    batch = await stream.next_batch()
+                    next_revision = batch[-1].kv.mod_revision + 1
+                    await send.send(batch)
+            except EtcdUnavailable as exc:
+                log.debug("watch on %s broke (%s); reopening at revision %d", prefix, exc,
+                          next_revision)
+            finally:
+                stream.close()
+            await trio.sleep(RETRY_FIRST_DELAY)  # never a busy loop on a watch that fails at once
+            await retry_unavailable(self._probe, f"reopening the watch on {prefix}")
+
+    async def follow_prefix(self, prefix: str,
+                            send: trio.abc.SendChannel[Snapshot | list[WatchEvent]]) -> None:
+        """Mirror a prefix: a `Snapshot` first, then batches of changes, until cancelled. After
+        a compaction of the history, a new `Snapshot` replaces everything known before."""
+        while True:
+            snapshot = await retry_unavailable(lambda: self.get_prefix(prefix),
+                                               f"reading {prefix}")
+            await send.send(snapshot)
+            try:
+                await self.watch_prefix(prefix, snapshot.revision + 1, send)
+            except WatchCompacted as exc:
+                log.info("watch on %s: %s; reading it again", prefix, exc)
+
+    # -- plumbing
+
+    async def _probe(self) -> None:
+        await self._call("maintenance/status", {})
+
+    async def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(self._post, path, payload)
+
+    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST to the first endpoint that answers (blocking; in a worker thread)."""
+        count = len(self._clients)
+        failures: list[str] = []
+        for i in range(count):
+            index = (self._preferred + i) % count
+            client = self._clients[index]
+            try:
+                reply = client.post(client.get_url(path), json=payload)
+            except (gw_errors.ConnectionFailedError, gw_errors.ConnectionTimeoutError,
+                    requests.RequestException, ValueError) as exc:  # ValueError: not JSON
+                failures.append(f"{self.endpoints[index]}: {_detail(exc)}")
+                continue
+            except gw_errors.Etcd3Exception as exc:
+                raise EtcdError(f"etcd {path}: {_detail(exc)}", _grpc_code(exc)) from None
+            self._preferred = index
+            return reply
+        raise EtcdUnavailable("etcd unavailable: " + "; ".join(failures))
+
+    def _put_fields(self, key: str, value: bytes, lease: int) -> dict[str, Any]:
+        fields: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+        if lease:
+            fields["lease"] = lease
+        return fields
+
+    def _stream_client(self) -> etcd3gw.Etcd3Client:
+        return self._clients[self._preferred]
+
+
+def _session() -> requests.Session:
+    session = requests.Session()
+    session.trust_env = False  # never route etcd through an environment proxy
+    # As many pooled connections as trio runs worker threads, so none is opened per request.
+    adapter = HTTPAdapter(pool_maxsize=POOL_SIZE)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+def _grpc_code(exc: gw_errors.Etcd3Exception) -> int | None:
+    """The gRPC status code in the gateway's JSON error body, if there is one."""
+    try:
+        code = json.loads(exc.detail_text or "").get("code")
+    except (ValueError, AttributeError):
+        return None
+    return code if isinstance(code, int) else None
+
+
+def _detail(exc: BaseException) -> str:
+    detail = getattr(exc, "detail_text", None) or str(exc) or type(exc).__name__
+    try:  # the gateway's JSON error: keep its message only
+        return str(json.loads(detail).get("message", detail))
+    except (ValueError, AttributeError):
+        return str(detail).strip()[:300]
+
+
+class _WatchStream:
+    """One streamed watch request, read line by line in a worker thread.
+
+    Cancelling the trio side abandons the thread; `close()` shuts the socket down so that the
+    thread's blocking read ends too.
+    """
+
+    def __init__(self, etcd: Etcd, prefix: str, start_revision: int) -> None:
+        self._etcd = etcd
+        self._prefix = prefix
+        self._start = start_revision
+        self._response: requests.Response | None = None
+        self._lines: Any = None
+        self._closed = False
+        self._limiter = trio.CapacityLimiter(1)  # its own thread: never starves short calls
+
+    async def open(self) -> None:
+        await trio.to_thread.run_sync(self._open, abandon_on_cancel=True,
+                                      limiter=self._limiter)
+
+    async def next_batch(self) -> list[WatchEvent]:
+        return await trio.to_thread.run_sync(self._next_batch, abandon_on_cancel=True,
+                                             limiter=self._limiter)
+
+    def _open(self) -> None:
+        client = self._etcd._stream_client()
+        request = {"create_request": {"key": _b64(self._prefix),
+                                      "range_end": _range_end(self._prefix),
+                                      "start_revision": self._start}}
+        try:
+            response = client.session.post(client.get_url("watch"), json=request, stream=True,
+                                           timeout=(self._etcd.timeout, WATCH_IDLE_REOPEN))
+        except (gw_errors.Etcd3Exception, requests.RequestException) as exc:
+            raise EtcdUnavailable(f"watch: {_detail(exc)}") from None
+        self._response = response
+        if self._closed or response.status_code != 200:  # cancelled while connecting, or refused
+            self.close()
+            raise EtcdUnavailable(f"watch: HTTP {response.status_code}")
+        self._lines = response.iter_lines()
+
+    def _next_batch(self) -> list[WatchEvent]:
+        """The next non-empty batch of events (blocking)."""
+        while True:
+            try:
+                line = next(self._lines)
+            except StopIteration:
+                raise EtcdUnavailable("watch stream ended") from None
+            except (requests.RequestException, OSError, AttributeError, ValueError) as exc:
+                raise EtcdUnavailable(f"watch stream broke: {_detail(exc)}") from None
+            if not line.strip():
+                continue
+            message = json.loads(line)
+            if "error" in message:
+                raise EtcdUnavailable(f"watch: {message['error'].get('message', message)}")
+            result = message.get("result", {})
+            if int(result.get("compact_revision", 0)):
+                raise WatchCompacted(int(result["compact_revision"]))
+            if result.get("canceled"):
+                raise EtcdUnavailable(f"watch canceled: {result.get('cancel_reason', '')}")
+            events = [WatchEvent("delete" if e.get("type") == "DELETE" else "put", _kv(e["kv"]))
+                      for e in result.get("events", [])]
+            if events:
+                return events
+
+    def close(self) -> None:
+        self._closed = True
+        response = self._response
+        if response is None:
+            return
+        try:  # unblock a thread reading the stream, then drop the connection
+            raw = response.raw._fp.fp.raw._sock  # type: ignore[union-attr]
+            raw.shutdown(socket.SHUT_RDWR)
+        except (AttributeError, OSError):
+            pass
+        response.close()
+
+
+async def retry_unavailable(call: Callable[[], Awaitable[T]], what: str) -> T:
+    """`call()` until etcd answers: jittered exponential backoff up to RETRY_MAX_DELAY, one
+    warning when etcd is first found unavailable and one info line when it answers again.
+    Errors other than `EtcdUnavailable` propagate."""
+    attempt = 0
+    while True:
+        try:
+            result = await call()
+        except EtcdUnavailable as exc:
+            attempt += 1
+            if attempt == 1:
+                log.warning("%s: %s; retrying until it answers", what, exc)
+            delay = min(RETRY_MAX_DELAY, RETRY_FIRST_DELAY * 2 ** attempt)
+            await trio.sleep(delay * random.uniform(0.5, 1.0))
+            continue
+        if attempt:
+            log.info("%s: etcd answers again after %d attempts", what, attempt)
+        return result

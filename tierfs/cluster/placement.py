@@ -1,0 +1,99 @@
+"""Where copies of a file belong: pure functions over the ring of live members.
+
+The ring is the sorted node ids of the live members. A file written by node X belongs on X and
+on the next K live nodes after X's place on the ring (its K replica targets): K + 1 copies in
+all, the writer's own first. When nodes go, the same rule on the ring of the survivors says
+where new copies go: `restore_plan` lists the copies that bring each file back to K + 1 live
+copies, each from one live holder chosen by the same rule, so every node can compute the whole
+plan from the same inputs and carry out only its own part, with no coordination and no copy
+made twice. Only lost copies are replaced: a node joining moves nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+def ring(members: Iterable[str]) -> list[str]:
+    """The ring: live member ids, sorted and distinct."""
+    return sorted(set(members))
+
+
+def clockwise(ring_ids: list[str], start: str) -> list[str]:
+    """Every id on the ring, starting at `start` if it is there, else at the first id after the
+    place `start` would have; each once."""
+    index = bisect.bisect_left(ring_ids, start)
+    return ring_ids[index:] + ring_ids[:index]
+
+
+def desired_holders(ring_ids: list[str], writer: str, replicas: int) -> list[str]:
+    """The K + 1 nodes that should hold a file written by `writer`: the first live nodes from
+    the writer's place on the ring (the writer itself first while it is live)."""
+    return clockwise(ring_ids, writer)[:replicas + 1]
+
+
+def replica_targets(ring_ids: list[str], writer: str, replicas: int) -> list[str]:
+    """The writer's K replica targets: the next K live nodes after it on the ring (fewer when
+    the ring is smaller); never the writer."""
+    after = [node for node in clockwise(ring_ids, writer) if node != writer]
+    return after[:replicas]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy `file` from `source` (a live holder) to `target` (a live node that should hold it)."""
+
+    file: str
+    source: str
+    target: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a file was written and who holds a verified copy of it now."""
+
+    writer: str
+    holders: frozenset[str]
+
+
+@dataclass
+class RestorePlan:
+    copies: list[Copy]
+    lost: list[str]  # files with no live holder: only the persistent tier can restore them
+
+    def for_source(self, node: str) -> list[Copy]:
+        """The copies `node` is responsible for sending."""
+        return [copy for copy in self.copies if copy.source == node]
+
+
+def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
+                 replicas: int) -> RestorePlan:
+    """The copies that bring every file back to K + 1 live copies (fewer if fewer nodes live).
+
+    Only missing copies are made: a file that still has K + 1 live holders stays where it is,
+    so a node joining the ring moves no data. A missing copy goes to the first live nodes
+    clockwise from the writer's place that do not hold the file (its desired holders first);
+    its source is the first live holder clockwise from there (the writer itself while it
+    lives). The plan is therefore the same on every node that computes it. Holders beyond
+    K + 1 are left alone: dropping them is retention's decision, made only once the new copies
+    are verified.
+    """
+    live = set(ring_ids)
+    copies: list[Copy] = []
+    lost: list[str] = []
+    for name in sorted(files):
+        placement = files[name]
+        live_holders = placement.holders & live
+        if not live_holders:
+            lost.append(name)
+            continue
+        missing = min(replicas + 1, len(ring_ids)) - len(live_holders)
+        if missing <= 0:
+            continue
+        order = clockwise(ring_ids, placement.writer)
+        source = next(node for node in order if node in live_holders)
+        targets = [node for node in order if node not in live_holders][:missing]
+        copies.extend(Copy(name, source, target) for target in targets)
+    return RestorePlan(copies, lost)
