@@ -13,7 +13,9 @@ itself and gives libfuse one end of a SOCK_SEQPACKET socket pair as "/dev/fd/N" 
 of accepting a device that its caller mounted). Two relay threads move whole messages between
 the device and libfuse, editing on the way the INIT request (no splice: a socket is not the
 device), the INIT reply and the OPEN/CREATE replies of files offered for passthrough. Every
-other message passes unchanged, so the handlers stay ordinary pyfuse3 code.
+other message passes unchanged, so the handlers stay ordinary pyfuse3 code. The messages and
+the edits are in `tierfs.fs.fuse_wire` (pure functions over bytes); this module moves them, and
+aborts the connection if the relay fails, so that no process waits forever on the mount.
 
 The kernel requires all concurrent opens of an inode to agree: once one is a passthrough open,
 every other must pass through to the same backing file; once one is an ordinary (page-cached)
