@@ -255,8 +255,10 @@ class PassthroughDevice:
         message = self._wire.request(message)
         try:
             self._kernel_side.sendall(message)
-        except OSError as exc:
-            raise wire.WireError(f"libfuse's end of the relay: {exc.strerror}") from None
+        except (BrokenPipeError, ConnectionResetError):
+            # libfuse ended its session (pyfuse3.close); the daemon closes the device next
+            log.debug("libfuse ended its session: the request relay stops")
+            return False
         return True
 
     def _relay_replies(self) -> None:
@@ -275,8 +277,9 @@ class PassthroughDevice:
                 return False
             raise wire.WireError(f"libfuse's end of the relay: {exc.strerror}") from None
         if not message:
-            if not self._closing:
-                raise wire.WireError("libfuse closed its end of the relay")
+            # libfuse ended its session (pyfuse3.close): how every mount ends, and the daemon
+            # closes the device right after
+            log.debug("libfuse ended its session: the reply relay stops")
             return False
         if flags & socket.MSG_TRUNC:
             raise wire.WireError(f"a reply longer than the relay's {MESSAGE_MAX} bytes")
@@ -316,15 +319,15 @@ def _connection_id(mountpoint: str) -> str | None:
 
 
 def _abort_connection(connection: str) -> None:
+    """Write fusectl's `abort` file of the connection; where fusectl is not mounted, mount it
+    in the private mount namespace of a short-lived `unshare` to do so."""
     abort = f"{CONNECTIONS}/{connection}/abort"
-    try:
-        with open(abort, "w") as f:
-            f.write("1")
-        return
-    except FileNotFoundError:
-        pass  # fusectl is not mounted here
-    except OSError as exc:
-        log.error("cannot abort FUSE connection %s: %s", connection, exc.strerror)
+    if os.path.ismount(CONNECTIONS):
+        try:
+            with open(abort, "w") as f:
+                f.write("1")
+        except OSError as exc:
+            log.error("cannot abort FUSE connection %s: %s", connection, exc.strerror)
         return
     try:
         subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
