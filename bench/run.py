@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper.config import parse_size
-from tierfs.mount_helper.seaweed import SeaweedS3
 
 TARGETS = ("tierfs", "tmpfs", "disk", "s3")
 DAEMON_PATH = "tierfs, no passthrough"  # the same mount's data through the daemon (--compare)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.conftest import Mount, MountFactory, tierfs
@@ -81,6 +83,17 @@ def test_help_answers_questions() -> None:
     mount_help = tierfs("mount", "--help").stdout
     for word in ("--ram-dir", "--ram-limit", "--step-pattern", "TIERFS_", "--config"):
         assert word in mount_help
+
+
+def test_the_command_line_starts_without_the_daemon_s_libraries() -> None:
+    """`tierfs status` and friends must start fast and run where trio, pyfuse3 or boto3 are
+    broken: the command line imports none of them (nor torch) until the daemon starts."""
+    heavy = ("trio", "pyfuse3", "boto3", "torch")
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, tierfs.mount_helper.cli; "
+         f"print([m for m in {heavy!r} if m in sys.modules])"],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).parent.parent)
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_environment_variables_configure_the_mount(mounts: MountFactory, tmp_path: Path) -> None:

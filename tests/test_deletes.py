@@ -13,7 +13,7 @@ from tests.conftest import Mount, MountFactory, tierfs, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
 from tests.test_s3 import persist_args
-from tierfs.mount_helper.seaweed import SeaweedS3
+from tierfs.devtools.seaweed import SeaweedS3
 
 
 def files(seed: int) -> dict[str, bytes]:

@@ -22,7 +22,7 @@ from tests.faults.results_io import flip_byte, pick, write_results
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
 from tierfs import manifest as mf
-from tierfs.mount_helper.seaweed import SeaweedS3
+from tierfs.devtools.seaweed import SeaweedS3
 
 SHARD = "__0_0.distcp"
 

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from tierfs.mount_helper.seaweed import free_ports
+from tierfs.devtools.seaweed import free_ports
 
 LOOPBACK = "127.0.0.1"
 NAME = "tierfs"

@@ -30,12 +30,18 @@ READ_AHEAD = 4  # chunks fetched ahead of a sequential reader
 
 
 class ReadSource(Protocol):
-    """A tier that can serve byte ranges of committed files (injected; fs imports no tier)."""
+    """A tier that can serve byte ranges of committed files (injected; fs imports no tier).
+    `read_range` raises ObjectMissing if the tier has no object for the file."""
 
     name: str
 
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
                          length: int) -> bytes: ...
+
+
+class ObjectMissing(Exception):
+    """What a read source raises when it holds no object for the file: not a failure of the
+    source (the next may have it), and what `tierfs verify` reports as missing."""
 
 
 def apply_attributes(target: int | bytes | str, entry: mf.FileEntry) -> None:
@@ -181,12 +187,24 @@ class Fetch:
                     self.store.grow_by(self.backing_ino, len(data))
                 except RamFull:
                     return data
-                os.pwrite(self.fd, data, index * mf.CHUNK_SIZE)
+                if not await self._store_chunk(data, index):
+                    return data
                 self.present[index] = True
             finally:
                 del self._inflight[index]
                 done.set()
         return None
+
+    async def _store_chunk(self, data: bytes, index: int) -> bool:
+        """Write a chunk into the partial file off the trio thread (up to 8 MiB); False if the
+        fetch was discarded meanwhile. The write goes to a duplicate of the fd, so a discard
+        during it cannot let it land in another file that reused the fd's number."""
+        fd = os.dup(self.fd)
+        try:
+            await trio.to_thread.run_sync(os.pwrite, fd, data, index * mf.CHUNK_SIZE)
+        finally:
+            os.close(fd)
+        return self.fd >= 0
 
     async def verify(self) -> bool:
         """Whole-file check once complete; the partial file may then become the object."""

@@ -14,6 +14,7 @@ from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.fs.fetch import Fetch, RemoteFile
 from tierfs.fs.latest_pins import Pin
+from tierfs.step_names import DEFAULT_STEP_PATTERN, some_names  # noqa: F401 - re-exported
 
 ROOT_INODE = 1
 LATEST = b"latest"
@@ -23,11 +24,6 @@ PERSISTED_MARK = reserved.PERSISTED.encode()
 REPLICAS_MARK = reserved.REPLICAS.encode()
 PEERS_MARK = reserved.PEERS.encode()
 NAME_MAX = 255
-# What trainers name their step directories: step_100, step-100, global_step100 (DeepSpeed),
-# checkpoint-500 (HF Trainer), iter_0000100 (Megatron-LM), ckpt_7, 100 (Orbax); not run11,
-# layer_3, mp_rank_00 or v2.
-DEFAULT_STEP_PATTERN = r"^(?:(?:(?:global_)?step|checkpoint|ckpt|iter(?:ation)?)[-_]?)?([0-9]+)$"
-
 RENAME_NOREPLACE = 1
 ENOATTR = errno.ENODATA
 
@@ -35,11 +31,6 @@ XATTR_STATE = b"user.tierfs.state"
 XATTR_TIERS = b"user.tierfs.tiers"
 XATTR_XXH3 = b"user.tierfs.xxh3"
 XATTR_RESERVED = b"user.tierfs."  # tierfs's own attributes: read-only for users
-
-
-def some_names(names: set[str], most: int = 5) -> str:
-    """The first `most` of `names` in order, for a message: `a, b, c, ...`."""
-    return ", ".join(sorted(names)[:most]) + (", ..." if len(names) > most else "")
 
 
 class FsError(Exception):

@@ -13,7 +13,9 @@ itself and gives libfuse one end of a SOCK_SEQPACKET socket pair as "/dev/fd/N" 
 of accepting a device that its caller mounted). Two relay threads move whole messages between
 the device and libfuse, editing on the way the INIT request (no splice: a socket is not the
 device), the INIT reply and the OPEN/CREATE replies of files offered for passthrough. Every
-other message passes unchanged, so the handlers stay ordinary pyfuse3 code.
+other message passes unchanged, so the handlers stay ordinary pyfuse3 code. The messages and
+the edits are in `tierfs.fs.fuse_wire` (pure functions over bytes); this module moves them, and
+aborts the connection if the relay fails, so that no process waits forever on the mount.
 
 The kernel requires all concurrent opens of an inode to agree: once one is a passthrough open,
 every other must pass through to the same backing file; once one is an ordinary (page-cached)
@@ -32,38 +34,31 @@ import logging
 import os
 import socket
 import struct
+import subprocess
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tierfs.fs import fuse_wire as wire
 from tierfs.fs.nodes import FsError, Handle
 
 log = logging.getLogger(__name__)
 
-# From <linux/fuse.h> (protocol 7.40+) and <linux/mount.h>.
-FUSE_INIT, FUSE_OPEN, FUSE_CREATE = 26, 14, 35
-FUSE_SPLICE_FLAGS = (1 << 7) | (1 << 8) | (1 << 9)  # SPLICE_WRITE, SPLICE_MOVE, SPLICE_READ
-FUSE_WRITEBACK_CACHE = 1 << 16
-FUSE_INIT_EXT = 1 << 30
-FUSE_PASSTHROUGH_FLAGS2 = 1 << (37 - 32)
-FOPEN_PASSTHROUGH = 1 << 7
-# The only open flags the kernel accepts beside FOPEN_PASSTHROUGH (not KEEP_CACHE: no cache).
-FOPEN_PASSTHROUGH_MASK = (1 << 0) | (1 << 5) | (1 << 6) | FOPEN_PASSTHROUGH
+# The ioctls of <linux/fuse.h> (protocol 7.40, as in tierfs.fs.fuse_wire) and <linux/mount.h>.
 FUSE_DEV_IOC_BACKING_OPEN = 0x4010E501  # _IOW(229, 1, struct fuse_backing_map)
 FUSE_DEV_IOC_BACKING_CLOSE = 0x4004E502  # _IOW(229, 2, uint32_t)
+BACKING_MAP = struct.Struct("<iIQ")  # struct fuse_backing_map: fd, flags, padding
 MS_NOSUID, MS_NODEV = 2, 4
 MNT_DETACH = 2
 SO_SNDBUFFORCE = 32
 
-IN_HEADER = struct.Struct("<IIQ")  # len, opcode, unique (then nodeid, uid, gid, pid, ...)
-IN_HEADER_SIZE = 40
-OUT_HEADER = struct.Struct("<IiQ")  # len, error, unique
-OUT_HEADER_SIZE = 16
-OPEN_OUT = struct.Struct("<QIi")  # fh, open_flags, backing_id
-ENTRY_OUT_SIZE = 128  # fuse_entry_out, before the fuse_open_out of a CREATE reply
-# The largest request: a 1 MiB write (libfuse's max_write) with its headers.
-MESSAGE_MAX = (1 << 20) + (8 << 10)
-SOCKET_BUFFER = 4 << 20
+PAGE_SIZE = os.sysconf("SC_PAGESIZE")
+# The data one relayed message carries at most: 1 MiB writes and reads (libfuse's max_write with
+# 4 KiB pages; with 64 KiB pages libfuse asks for 16 MiB and the INIT reply is clamped to this).
+PAYLOAD_MAX = wire.relay_payload(PAGE_SIZE)
+MESSAGE_MAX = wire.relay_buffer(PAYLOAD_MAX)
+SOCKET_BUFFER = 4 * MESSAGE_MAX
+CONNECTIONS = "/sys/fs/fuse/connections"  # fusectl: where a FUSE connection can be aborted
 
 
 @dataclass
@@ -84,7 +79,12 @@ def _libc() -> ctypes.CDLL:
 
 
 class PassthroughDevice:
-    """The daemon's /dev/fuse, mounted at `mountpoint`, relayed to libfuse with passthrough."""
+    """The daemon's /dev/fuse, mounted at `mountpoint`, relayed to libfuse with passthrough.
+
+    Any failure in the relay (a message that does not parse, one cut short, an unexpected
+    error from the device or the socket) aborts the FUSE connection: processes on the mount get
+    ENOTCONN at once, the log says why, instead of every one of them waiting forever for a
+    reply that the stopped relay will never pass on."""
 
     def __init__(self, mountpoint: str, mount_options: list[str],
                  source: str = "tierfs") -> None:
@@ -92,13 +92,15 @@ class PassthroughDevice:
             raise PassthroughUnavailable("registering backing files needs root")
         self.mountpoint = mountpoint
         self.source = source  # what /proc/self/mountinfo and df show as the mount's source
-        self.enabled = False  # the kernel accepted passthrough in INIT
         self._offers: dict[int, int] = {}  # fh -> backing id, until the file is released
         self._backing: dict[int, Backing] = {}  # FUSE inode -> its registered backing file
-        self._awaiting: dict[int, int] = {}  # unique -> opcode of requests whose reply we edit
-        self._kernel_offers = False  # FUSE_PASSTHROUGH was in the kernel's INIT request
+        self._wire = wire.RelayState(self._offers, payload=PAYLOAD_MAX, page_size=PAGE_SIZE)
         self._threads: list[threading.Thread] = []
         self._on_unmount: Callable[[], None] = lambda: None
+        self._closing = False
+        self._aborted = threading.Lock()  # held once the connection is aborted
+        self.connection: str | None = None  # the mount's directory under CONNECTIONS
+        where = os.path.realpath(mountpoint)  # not once mounted: that would wait for INIT
         try:
             self.dev_fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
@@ -108,15 +110,21 @@ class PassthroughDevice:
         except BaseException:
             os.close(self.dev_fd)
             raise
+        self.connection = _connection_id(where)
         self._kernel_side, library_side = socket.socketpair(socket.AF_UNIX,
                                                             socket.SOCK_SEQPACKET)
         for sock in (self._kernel_side, library_side):
-            try:  # room for a whole 1 MiB message (root may exceed the sysctl maximum)
+            try:  # room for whole messages (root may exceed the sysctl maximum)
                 sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, SOCKET_BUFFER)
             except OSError:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
         # libfuse owns this end from pyfuse3.init on and closes it in pyfuse3.close.
         self._library_fd = library_side.detach()
+
+    @property
+    def enabled(self) -> bool:
+        """The kernel accepted passthrough in INIT (and no backing file was refused since)."""
+        return self._wire.passthrough
 
     @property
     def library_mountpoint(self) -> str:
@@ -151,6 +159,7 @@ class PassthroughDevice:
 
     def close(self) -> None:
         """After pyfuse3.close (which closed libfuse's end): stop the relays, free the fds."""
+        self._closing = True
         self.unmount()
         with contextlib.suppress(OSError):
             self._kernel_side.shutdown(socket.SHUT_RDWR)
@@ -158,6 +167,25 @@ class PassthroughDevice:
             thread.join(timeout=5)
         self._kernel_side.close()
         os.close(self.dev_fd)
+
+    def abort(self, reason: str) -> None:
+        """Fail every request on the mount, now and later, with ENOTCONN.
+
+        The kernel's way is fusectl's `abort` file. Where fusectl is not mounted it is mounted
+        in a private mount namespace of a short-lived `unshare` (nothing changes for the rest
+        of the machine). Libfuse's end of the relay is shut too, so the daemon ends and
+        unmounts even if neither works."""
+        if not self._aborted.acquire(blocking=False):
+            return  # the other relay thread got there first
+        if self._closing:
+            log.info("FUSE relay stopped while closing: %s", reason)
+        else:
+            log.error("FUSE relay failed, aborting the connection (processes on %s get "
+                      "ENOTCONN): %s", self.mountpoint, reason)
+        if self.connection is not None:
+            _abort_connection(self.connection)
+        with contextlib.suppress(OSError):
+            self._kernel_side.shutdown(socket.SHUT_RDWR)
 
     # -- choosing and registering ---------------------------------------------------------
 
@@ -181,11 +209,11 @@ class PassthroughDevice:
         else:
             try:
                 backing_id = fcntl.ioctl(self.dev_fd, FUSE_DEV_IOC_BACKING_OPEN,
-                                         bytearray(struct.pack("<iIQ", handle.fd, 0, 0)))
+                                         bytearray(BACKING_MAP.pack(handle.fd, 0, 0)))
             except OSError as exc:
                 log.warning("passthrough refused for %r: %s", node.name, exc.strerror)
                 if exc.errno in (errno.EOPNOTSUPP, errno.EPERM):
-                    self.enabled = False  # not this file's fault: stop asking
+                    self._wire.passthrough = False  # not this file's fault: stop asking
                 return False
             shared = self._backing[node.ino] = Backing(backing_id, handle.backing_ino)
         handle.passthrough = True
@@ -207,88 +235,104 @@ class PassthroughDevice:
     # -- the relays -----------------------------------------------------------------------
 
     def _relay_requests(self) -> None:
-        while True:
-            try:
-                message = os.read(self.dev_fd, MESSAGE_MAX)
-            except OSError as exc:
-                if exc.errno in (errno.EINTR, errno.ENOENT):
-                    continue  # ENOENT: the request was interrupted before we read it
-                if exc.errno != errno.ENODEV:
-                    log.error("reading /dev/fuse: %s", exc.strerror)
-                break  # ENODEV: unmounted
-            _length, opcode, unique = IN_HEADER.unpack_from(message)
-            if opcode == FUSE_INIT:
-                message = self._edit_init_request(message)
-            if opcode in (FUSE_INIT, FUSE_OPEN, FUSE_CREATE):
-                self._awaiting[unique] = opcode
-            try:
-                self._kernel_side.sendall(message)
-            except OSError:
-                break  # libfuse is gone
+        try:
+            while self._relay_request():
+                pass
+        except Exception as exc:  # noqa: BLE001 - any failure: abort, never hang the mount
+            self.abort(f"relaying a request: {exc!r}")
         self._on_unmount()
 
+    def _relay_request(self) -> bool:
+        """Move one message from the kernel to libfuse; False once the kernel unmounted."""
+        try:
+            message = os.read(self.dev_fd, MESSAGE_MAX)
+        except OSError as exc:
+            if exc.errno in (errno.EINTR, errno.ENOENT):
+                return True  # ENOENT: the request was interrupted before we read it
+            if exc.errno == errno.ENODEV:
+                return False  # unmounted (or aborted)
+            raise
+        message = self._wire.request(message)
+        try:
+            self._kernel_side.sendall(message)
+        except (BrokenPipeError, ConnectionResetError):
+            # libfuse ended its session (pyfuse3.close); the daemon closes the device next
+            log.debug("libfuse ended its session: the request relay stops")
+            return False
+        return True
+
     def _relay_replies(self) -> None:
-        while True:
-            try:
-                message = self._kernel_side.recv(MESSAGE_MAX)
-            except OSError:
-                break
-            if not message:
-                break  # libfuse closed its end
-            _length, error, unique = OUT_HEADER.unpack_from(message)
-            opcode = self._awaiting.pop(unique, None) if unique else None
-            if opcode is not None and error == 0:
-                try:
-                    message = self._edit_reply(opcode, message)
-                except Exception:  # a relay that stops would hang every process on the mount
-                    log.exception("cannot edit a reply to opcode %d; sent unchanged", opcode)
-            try:
-                os.write(self.dev_fd, message)
-            except OSError as exc:
-                if exc.errno == errno.ENODEV:
-                    break
-                if exc.errno != errno.ENOENT:  # ENOENT: the request was interrupted
-                    log.error("writing /dev/fuse: %s", exc.strerror)
+        try:
+            while self._relay_reply():
+                pass
+        except Exception as exc:  # noqa: BLE001 - any failure: abort, never hang the mount
+            self.abort(f"relaying a reply: {exc!r}")
 
-    def _edit_init_request(self, message: bytes) -> bytes:
-        """libfuse reads from a socket, not the device: it must not splice."""
-        edited = bytearray(message)
-        flags_at = IN_HEADER_SIZE + 12
-        (flags,) = struct.unpack_from("<I", edited, flags_at)
-        struct.pack_into("<I", edited, flags_at, flags & ~FUSE_SPLICE_FLAGS)
-        flags2 = 0
-        if flags & FUSE_INIT_EXT:
-            (flags2,) = struct.unpack_from("<I", edited, flags_at + 4)
-        self._kernel_offers = bool(flags2 & FUSE_PASSTHROUGH_FLAGS2)
-        return bytes(edited)
+    def _relay_reply(self) -> bool:
+        """Move one message from libfuse to the kernel; False once either end is gone."""
+        try:
+            message, _ancillary, flags, _address = self._kernel_side.recvmsg(MESSAGE_MAX)
+        except OSError as exc:
+            if self._closing:
+                return False
+            raise wire.WireError(f"libfuse's end of the relay: {exc.strerror}") from None
+        if not message:
+            # libfuse ended its session (pyfuse3.close): how every mount ends, and the daemon
+            # closes the device right after
+            log.debug("libfuse ended its session: the reply relay stops")
+            return False
+        if flags & socket.MSG_TRUNC:
+            raise wire.WireError(f"a reply longer than the relay's {MESSAGE_MAX} bytes")
+        initialized = self._wire.initialized
+        message = self._wire.reply(message)
+        if self._wire.initialized and not initialized:
+            log.info("FUSE passthrough on: file data moves between the kernel and the RAM store"
+                     if self.enabled else
+                     "the kernel does not offer FUSE passthrough: data goes through the daemon")
+        try:
+            os.write(self.dev_fd, message)
+        except OSError as exc:
+            if exc.errno == errno.ENODEV:
+                return False
+            if exc.errno != errno.ENOENT:  # ENOENT: the request was interrupted
+                raise
+        return True
 
-    def _edit_reply(self, opcode: int, message: bytes) -> bytes:
-        if opcode == FUSE_INIT:
-            return self._edit_init_reply(message)
-        at = OUT_HEADER_SIZE + (ENTRY_OUT_SIZE if opcode == FUSE_CREATE else 0)
-        if len(message) < at + OPEN_OUT.size:
-            return message
-        fh, open_flags, _ = OPEN_OUT.unpack_from(message, at)
-        backing_id = self._offers.get(fh)
-        if backing_id is None:
-            return message
-        edited = bytearray(message)
-        open_flags = (open_flags | FOPEN_PASSTHROUGH) & FOPEN_PASSTHROUGH_MASK
-        OPEN_OUT.pack_into(edited, at, fh, open_flags, backing_id)
-        return bytes(edited)
 
-    def _edit_init_reply(self, message: bytes) -> bytes:
-        at = OUT_HEADER_SIZE
-        if not self._kernel_offers or len(message) < at + 40:
-            log.info("the kernel does not offer FUSE passthrough: data goes through the daemon")
-            return message
-        edited = bytearray(message)
-        (flags,) = struct.unpack_from("<I", edited, at + 12)
-        if flags & FUSE_WRITEBACK_CACHE:
-            return message  # the kernel allows one or the other
-        struct.pack_into("<I", edited, at + 12, flags | FUSE_INIT_EXT)
-        (flags2,) = struct.unpack_from("<I", edited, at + 32)
-        struct.pack_into("<II", edited, at + 32, flags2 | FUSE_PASSTHROUGH_FLAGS2, 1)
-        self.enabled = True
-        log.info("FUSE passthrough on: file data moves between the kernel and the RAM store")
-        return bytes(edited)
+def _connection_id(mountpoint: str) -> str | None:
+    """The FUSE connection of the mount at `mountpoint`, as fusectl names it: the kernel's
+    dev_t of the superblock, from /proc/self/mountinfo (a stat would wait for INIT)."""
+    escaped = mountpoint.replace("\\", "\\134").replace(" ", "\\040").replace(
+        "\t", "\\011").replace("\n", "\\012")
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == escaped and " - fuse.tierfs " in line:
+                found = fields[2]  # the newest mount on the point comes last
+    if found is None:
+        log.warning("%s is not in /proc/self/mountinfo: a relay failure cannot abort it",
+                    mountpoint)
+        return None
+    major, minor = (int(n) for n in found.split(":"))
+    return str(major << 20 | minor)  # the kernel's MKDEV, which fusectl prints
+
+
+def _abort_connection(connection: str) -> None:
+    """Write fusectl's `abort` file of the connection; where fusectl is not mounted, mount it
+    in the private mount namespace of a short-lived `unshare` to do so."""
+    abort = f"{CONNECTIONS}/{connection}/abort"
+    if os.path.ismount(CONNECTIONS):
+        try:
+            with open(abort, "w") as f:
+                f.write("1")
+        except OSError as exc:
+            log.error("cannot abort FUSE connection %s: %s", connection, exc.strerror)
+        return
+    try:
+        subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                        f"mount -t fusectl fusectl {CONNECTIONS} && echo 1 > {abort}"],
+                       check=True, capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.error("cannot abort FUSE connection %s (fusectl is not mounted): %s",
+                  connection, exc)

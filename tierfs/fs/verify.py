@@ -45,6 +45,7 @@ import trio
 import xxhash
 
 from tierfs import manifest as mf
+from tierfs.fs.fetch import ObjectMissing
 from tierfs.fs.nodes import FsError, Node, StepState
 from tierfs.fs.ports import PeerCopies, PersistCopies
 from tierfs.fs.residency import Residency
@@ -287,10 +288,8 @@ class Verifier:
             length = min(mf.CHUNK_SIZE, entry.size - offset)
             try:
                 data = await self.persist.read_range(step_path, entry, offset, length)
-            except Exception as exc:
-                if "no object" in str(exc) or "NoSuchKey" in str(exc):
-                    return MISSING
-                raise
+            except ObjectMissing:
+                return MISSING
             if len(data) != length or mf.chunk_digest(data) != expected:
                 from_exc = f"chunk {index}"
                 break

@@ -1,6 +1,8 @@
 """The `tierfs` command line: mount, umount, status, commit and demo.
 
-User mistakes end with one line on stderr and a non-zero exit, never a traceback.
+User mistakes end with one line on stderr and a non-zero exit, never a traceback. It starts
+without trio, pyfuse3 or boto3 (tests/test_cli.py checks): those come in only with the daemon
+(`mount`), and torch only with `demo`.
 """
 
 from __future__ import annotations
@@ -172,7 +174,7 @@ def _run(argv: list[str] | None) -> int:
         if args.command == "verify":
             return _verify(args.path, args.json, not args.no_repair)
         if args.command == "demo":
-            from tierfs.mount_helper.demo import run_demo  # imports torch: only when asked
+            from tierfs.devtools.demo import run_demo  # imports torch: only when asked
 
             return run_demo()
     except (UserError, ConfigError, control.ControlError) as exc:
@@ -389,11 +391,9 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
                             f"({human_bytes(pending)}) not yet in {persist['url']}")
         done = first_bytes - pending
         if on_terminal:
-            share = done / first_bytes if first_bytes else 0.0
-            bar = "#" * int(30 * share) + "." * (30 - int(30 * share))
-            print(f"\rflushing [{bar}] {100 * share:3.0f}%  {human_bytes(done)} of "
-                  f"{human_bytes(first_bytes)}, {steps} steps left ", end="", file=sys.stderr,
-                  flush=True)
+            draw_progress("flushing", done / first_bytes if first_bytes else 0.0,
+                          f"{human_bytes(done)} of {human_bytes(first_bytes)}, "
+                          f"{steps} steps left")
         elif time.monotonic() - last_report > 5:
             last_report = time.monotonic()
             print(f"flushing: {steps} steps ({human_bytes(pending)}) left", flush=True)
@@ -405,6 +405,14 @@ def _warn_uncommitted(status: dict[str, Any]) -> None:
     line = status_view.uncommitted(status)
     if line is not None:
         print(f"tierfs: {line}", file=sys.stderr)
+
+
+def draw_progress(doing: str, share: float, detail: str) -> None:
+    """One progress line on stderr (a terminal), drawn over the previous one."""
+    share = max(0.0, min(1.0, share))
+    bar = "#" * int(30 * share) + "." * (30 - int(30 * share))
+    print(f"\r{doing} [{bar}] {100 * share:3.0f}%  {detail} ", end="", file=sys.stderr,
+          flush=True)
 
 
 def _prefetch(path: str) -> int:
@@ -429,11 +437,9 @@ def _prefetch(path: str) -> int:
             step = next((s for s in control.request(socket_path, {"cmd": "status"})["status"]
                          ["steps"] if s["path"] == relpath), None)
             if step is not None and step["bytes"]:
-                share = step["ram_bytes"] / step["bytes"]
-                bar = "#" * int(30 * share) + "." * (30 - int(30 * share))
-                print(f"\rprefetching [{bar}] {100 * share:3.0f}%  "
-                      f"{human_bytes(step['ram_bytes'])} of {human_bytes(step['bytes'])} ",
-                      end="", file=sys.stderr, flush=True)
+                draw_progress("prefetching", step["ram_bytes"] / step["bytes"],
+                              f"{human_bytes(step['ram_bytes'])} of "
+                              f"{human_bytes(step['bytes'])}")
     if on_terminal:
         print(file=sys.stderr)
     if "error" in outcome:
@@ -465,10 +471,8 @@ def _verify(path: str, as_json: bool, repair: bool) -> int:
         if on_terminal and worker.is_alive():
             progress = control.request(socket_path, {"cmd": "status"})["status"].get("verify")
             if progress and progress["total_bytes"]:
-                share = min(1.0, progress["checked_bytes"] / progress["total_bytes"])
-                bar = "#" * int(30 * share) + "." * (30 - int(30 * share))
-                print(f"\rverifying [{bar}] {100 * share:3.0f}%  step {progress['steps_done']}"
-                      f" of {progress['steps']} ", end="", file=sys.stderr, flush=True)
+                draw_progress("verifying", progress["checked_bytes"] / progress["total_bytes"],
+                              f"step {progress['steps_done']} of {progress['steps']}")
                 drawn = True
     if drawn:
         print(file=sys.stderr)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierfs.fs.nodes import DEFAULT_STEP_PATTERN
 from tierfs.mount_helper.mounts import real_path
+from tierfs.step_names import DEFAULT_STEP_PATTERN
 
 
 class ConfigError(Exception):

@@ -24,9 +24,7 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
-
-import trio
+from typing import TYPE_CHECKING, Any
 
 from tierfs.mount_helper.mounts import (
     PATIENCE,
@@ -37,6 +35,9 @@ from tierfs.mount_helper.mounts import (
     ram_dir_of,
     with_patience,
 )
+
+if TYPE_CHECKING:  # the server side's; the client side (the command line) runs without trio
+    import trio
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,10 @@ def remove(path: str) -> None:
 
 
 async def serve(path: str, handler: Handler, trusted: frozenset[int] = frozenset({0}),
-                task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                task_status: trio.TaskStatus[None] | None = None) -> None:
     """Answer requests on `path`; users not in `trusted` (uids) may only ask READ_ONLY ones."""
+    import trio  # here: the command line imports this module, and must not import trio
+
     remove(path)  # left by a daemon that was killed; we hold the RAM dir lock
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -79,7 +82,8 @@ async def serve(path: str, handler: Handler, trusted: frozenset[int] = frozenset
         os.chmod(path, 0o600)
     sock.listen(16)
     listener = trio.SocketListener(sock)
-    task_status.started()
+    if task_status is not None:
+        task_status.started()
     await trio.serve_listeners(lambda stream: _answer(stream, handler, trusted), [listener])
 
 
@@ -90,6 +94,8 @@ def _caller_uid(stream: trio.SocketStream) -> int:
 
 
 async def _answer(stream: trio.SocketStream, handler: Handler, trusted: frozenset[int]) -> None:
+    import trio
+
     async with stream:
         try:
             with trio.fail_after(10):

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from tierfs.step_names import some_names
+
 Step = dict[str, Any]
 LATEST = "<- latest"
 NAMED = 5  # steps named in one warning line; the rest are counted
@@ -136,8 +138,7 @@ def run_summary(run: str, steps: list[Step], now_ns: int) -> str:
 
 
 def names(steps: list[Step]) -> str:
-    shown = ", ".join(s["path"] for s in steps[:NAMED])
-    return shown + (f" and {len(steps) - NAMED} more" if len(steps) > NAMED else "")
+    return some_names([s["path"] for s in steps], NAMED)
 
 
 def warnings(status: dict[str, Any]) -> list[str]:
@@ -164,11 +165,10 @@ def uncommitted(status: dict[str, Any]) -> str | None:
     writing = [s for s in status["steps"] if s["state"] != "committed"]
     if not writing:
         return None
-    listed = ", ".join(s["path"] + (f" (waits for {s['waiting_for']})" if s.get("waiting_for")
-                                    else "") for s in writing[:NAMED])
-    more = f" and {len(writing) - NAMED} more" if len(writing) > NAMED else ""
+    named = [s["path"] + (f" (waits for {s['waiting_for']})" if s.get("waiting_for") else "")
+             for s in writing]
     return (f"{len(writing)} steps are not committed, so only in this node's RAM: "
-            f"{listed}{more}")
+            f"{some_names(named)}")
 
 
 def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:

@@ -1,3 +1,6 @@
-"""Cluster tier (not built yet): membership, ring placement, the authenticated peer protocol,
-the replica store and remote reads. It will consume the commit events that `tierfs.fs` sends
-and serve as a read source for files that are not in local RAM."""
+"""Cluster tier: membership and ring placement (`membership`, `gossip`), the authenticated
+sans-IO peer protocol (`protocol`) and its trio channel and server (`channel`, `server`),
+sending committed steps to K peers (`replicator`) and storing theirs (`receiver`), reads,
+deletes and checks served to peers (`peer_reader`, `peer_delete`, `peer_verify`), and the
+multi-node commit of DCP checkpoints (`cluster_commit`). It consumes the commit events of
+`tierfs.fs` and is a read source for files that are not in local RAM."""

@@ -19,6 +19,10 @@ class AuthError(proto.ProtocolError):
     """The peer does not know the token, or is not a member of the cluster."""
 
 
+class ConnectionClosed(proto.ProtocolError):
+    """The peer closed the connection cleanly, between messages or within one."""
+
+
 @contextlib.contextmanager
 def _connection_errors() -> Iterator[None]:
     try:
@@ -46,7 +50,7 @@ class PeerChannel:
             while (message := self._decoder.next_message()) is None:
                 data = await self.stream.receive_some(min(self._decoder.wanted(), 1 << 20))
                 if not data:
-                    raise proto.ProtocolError("connection closed by the peer")
+                    raise ConnectionClosed("connection closed by the peer")
                 self._decoder.feed(data)
         if expected and message.type not in expected:
             if message.type == "ERROR":

@@ -68,7 +68,8 @@ class ReplicaReceiver:
             except Exception:
                 await channel.send("ERROR", message="RAM tier full on the receiving node")
                 return
-            os.pwrite(fd, data, offset)
+            # up to 8 MiB: off the trio thread, which serves the mount meanwhile
+            await trio.to_thread.run_sync(os.pwrite, fd, data, offset, limiter=self._threads)
             if offset + len(data) < size:
                 await channel.send("OK")
                 return

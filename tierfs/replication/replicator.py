@@ -20,11 +20,15 @@ from tierfs import manifest as mf
 from tierfs.observe import Events
 from tierfs.replication import protocol as proto
 from tierfs.replication.membership import Membership
+from tierfs.s3tier.retry import POLICY
 from tierfs.step_queue import StepQueue
 
 log = logging.getLogger(__name__)
 
+# The one retry policy, pausing at most RETRY_DELAY: a membership change (a peer back, a new
+# node) ends the pause at once anyway, and each failure is logged by _send_step.
 RETRY_DELAY = 2.0
+RETRIES = POLICY.capped(RETRY_DELAY)
 
 
 class Replicator:
@@ -64,6 +68,7 @@ class Replicator:
 
     async def _replicate(self, manifest: mf.StepManifest) -> None:
         """Send the step until it has K live copies or is no longer the current version."""
+        failures = 0
         while self._is_current(manifest):
             holders = self._holders(manifest)
             live = 1 + sum(self.membership.is_up(h) for h in holders)
@@ -76,10 +81,10 @@ class Replicator:
             for target in targets:
                 results.append(await self._send_step(manifest, target))
             if all(results):
+                failures = 0
                 continue  # the holders changed: check whether more copies are due
-            changed = self.membership.changed
-            with trio.move_on_after(RETRY_DELAY):
-                await changed.wait()
+            failures += 1
+            await RETRIES.pause(failures, wake=self.membership.changed)
 
     async def _send_step(self, manifest: mf.StepManifest, target: str) -> bool:
         started = time.monotonic()

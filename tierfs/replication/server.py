@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from tierfs.replication import protocol as proto
-from tierfs.replication.channel import PeerChannel, authenticate
+from tierfs.replication.channel import ConnectionClosed, PeerChannel, authenticate
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,8 @@ class PeerServer:
                 while True:
                     try:
                         message = await channel.receive(timeout=IDLE_TIMEOUT)
-                    except proto.ProtocolError as exc:
-                        if "closed by the peer" in str(exc):
-                            return
-                        raise
+                    except ConnectionClosed:
+                        return
                     handler = self.handlers.get(message.type)
                     if handler is None:
                         raise proto.ProtocolError(f"unexpected {message.type}")

@@ -1,11 +1,9 @@
-"""The persistent tier's one interface, with an S3 (boto3) and a local-directory implementation.
+"""Opening the persistent tier by URL, and its local-directory (file://) backend.
 
-Keys are relative to the URL's prefix and '/'-separated: `run1/step_100/__0_0.distcp`. Both
-backends store plain objects with the same bytes as under the mount, so standard tools read
-them without tierfs. Methods block (network or disk): call them from a worker thread.
-
-Failures are BackendError; `temporary` says whether retrying can help (connection refused or
-reset, timeouts, 5xx, SlowDown) or not (missing bucket, wrong credentials).
+The interface both backends implement is in `tierfs.s3tier.interface` (re-exported here); the
+S3 backend in `tierfs.s3tier.s3_backend`, imported only when an s3:// URL is opened (boto3 is
+slow to import). Both store plain objects with the same bytes as under the mount, so standard
+tools read them without tierfs.
 """
 
 from __future__ import annotations
@@ -14,61 +12,15 @@ import contextlib
 import itertools
 import os
 import shutil
-from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 from tierfs import reserved
+from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, ObjectInfo
 
-MANIFEST_KEY = reserved.MANIFEST
-
-
-class BackendError(Exception):
-    def __init__(self, message: str, *, temporary: bool) -> None:
-        super().__init__(message)
-        self.temporary = temporary
-
-
-class NotFound(BackendError):
-    def __init__(self, key: str) -> None:
-        super().__init__(f"no object {key}", temporary=False)
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    key: str
-    size: int
-
-
-class Backend(ABC):
-    url: str
-
-    @abstractmethod
-    def check(self) -> None:
-        """Raise BackendError unless the store exists and accepts our credentials."""
-
-    @abstractmethod
-    def put_file(self, key: str, path: str | bytes | os.PathLike[str]) -> None:
-        """Store a file's bytes under `key`, replacing any object there, in bounded memory."""
-
-    @abstractmethod
-    def put_bytes(self, key: str, data: bytes) -> None: ...
-
-    @abstractmethod
-    def get_range(self, key: str, offset: int, length: int) -> bytes: ...
-
-    @abstractmethod
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        """Every object whose key starts with `prefix`."""
-
-    @abstractmethod
-    def delete(self, keys: list[str]) -> None:
-        """Delete these objects; missing ones are not an error."""
-
-    def get_bytes(self, key: str) -> bytes:
-        return self.get_range(key, 0, -1)
+__all__ = ["MANIFEST_KEY", "Backend", "BackendError", "FileBackend", "NotFound", "ObjectInfo",
+           "open_backend"]
 
 
 def open_backend(url: str, endpoint: str | None = None) -> Backend:

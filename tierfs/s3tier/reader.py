@@ -4,16 +4,19 @@ fails the read (EIO) instead of hanging the reader."""
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
+from typing import TypeVar
 
 import trio
 
 from tierfs import manifest as mf
-from tierfs.s3tier.backend import MANIFEST_KEY, Backend, BackendError, NotFound
+from tierfs.s3tier.interface import MANIFEST_KEY, Backend, NotFound
+from tierfs.s3tier.retry import POLICY, retry
 
-log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 READ_ATTEMPTS = 4
+READS = POLICY.limited(READ_ATTEMPTS)  # a reader waits: fail it (EIO) rather than hang it
 
 
 class PersistentReader:
@@ -26,28 +29,13 @@ class PersistentReader:
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
                          length: int) -> bytes:
         key = f"{step_path}/{entry.name}"
-        for attempt in range(1, READ_ATTEMPTS + 1):
-            try:
-                return await trio.to_thread.run_sync(self.backend.get_range, key, offset,
-                                                     length, limiter=self._limiter)
-            except BackendError as exc:
-                if not exc.temporary or attempt == READ_ATTEMPTS:
-                    raise
-                log.info("read of %s [%d, +%d) failed (attempt %d), retrying: %s", key, offset,
-                         length, attempt, exc)
-                await trio.sleep(0.2 * 2 ** attempt)
-        raise AssertionError("unreachable")
+        return await self._attempts(f"read of {key} [{offset}, +{length})",
+                                    self.backend.get_range, key, offset, length)
 
-    async def _attempts(self, what: str, func, *args):  # type: ignore[no-untyped-def]
-        for attempt in range(1, READ_ATTEMPTS + 1):
-            try:
-                return await trio.to_thread.run_sync(func, *args, limiter=self._limiter)
-            except BackendError as exc:
-                if not exc.temporary or attempt == READ_ATTEMPTS:
-                    raise
-                log.info("%s failed (attempt %d), retrying: %s", what, attempt, exc)
-                await trio.sleep(0.2 * 2 ** attempt)
-        raise AssertionError("unreachable")
+    async def _attempts(self, what: str, func: Callable[..., T], *args: object) -> T:
+        """`func(*args)` in a worker thread, retried by the one policy, a few times at most."""
+        return await retry(lambda: trio.to_thread.run_sync(func, *args, limiter=self._limiter),
+                           what, policy=READS)
 
     # -- for `tierfs verify`: reading manifests back and replacing bad objects --------------
 

@@ -13,7 +13,7 @@ import botocore.exceptions as bce
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
-from tierfs.s3tier.backend import Backend, BackendError, NotFound, ObjectInfo
+from tierfs.s3tier.interface import Backend, BackendError, NotFound, ObjectInfo
 
 PART_SIZE = 16 << 20
 PARALLEL_PARTS = 4
@@ -35,7 +35,10 @@ class S3Backend(Backend):
         self.url = f"s3://{bucket}/{prefix}"
         config = Config(
             s3={"addressing_style": "path" if self.endpoint else "auto"},
-            retries={"total_max_attempts": 1},  # retries happen in one place: s3tier.retry
+            # One attempt per call: tierfs.s3tier.retry's policy retries every backend call
+            # (botocore's would multiply the attempts, retry silently, and could not tell an
+            # upload that is no longer wanted; standard mode with one attempt retries nothing).
+            retries={"mode": "standard", "total_max_attempts": 1},
             connect_timeout=5, read_timeout=30,
             max_pool_connections=PARALLEL_PARTS * 4,
         )

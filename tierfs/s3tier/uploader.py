@@ -23,7 +23,7 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs.observe import Events
-from tierfs.s3tier.backend import MANIFEST_KEY, Backend, BackendError, NotFound
+from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound
 from tierfs.s3tier.retry import NoLongerWanted, retry
 from tierfs.step_queue import StepQueue
 

@@ -149,7 +149,7 @@ class DemoMount:
 
 
 def run_demo() -> int:
-    from tierfs.mount_helper.seaweed import SeaweedS3
+    from tierfs.devtools.seaweed import SeaweedS3
 
     warnings.filterwarnings("ignore")  # DCP warns that it runs without a process group
     started = time.monotonic()

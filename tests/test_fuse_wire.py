@@ -1,0 +1,161 @@
+"""The passthrough relay's edits of FUSE messages (tierfs.fs.fuse_wire), on constructed bytes
+laid out as <linux/fuse.h> 7.40 has them: no mount, no root, no kernel support needed."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from tierfs.fs import fuse_wire as wire
+
+UNIQUE = 7
+PAYLOAD_4K = wire.relay_payload(4096)
+
+
+def request(opcode: int, body: bytes, unique: int = UNIQUE) -> bytes:
+    length = wire.IN_HEADER.size + len(body)
+    return wire.IN_HEADER.pack(length, opcode, unique, 1, 0, 0, 1234, 0, 0) + body
+
+
+def reply(body: bytes, unique: int = UNIQUE, error: int = 0) -> bytes:
+    return wire.OUT_HEADER.pack(wire.OUT_HEADER.size + len(body), error, unique) + body
+
+
+def init_request(minor: int = 40, flags: int = 0, flags2: int = 0) -> bytes:
+    """A kernel's INIT request; before 7.36 it has no flags2 and is 16 bytes long."""
+    if minor < wire.INIT_EXT_MINOR:
+        return request(wire.Opcode.INIT, struct.pack("<IIII", 7, minor, 131072, flags))
+    return request(wire.Opcode.INIT,
+                   struct.pack("<IIIII44x", 7, minor, 131072, flags | wire.FUSE_INIT_EXT,
+                               flags2))
+
+
+def init_reply(max_write: int = 1 << 20, max_pages: int = 256, flags: int = 0,
+               flags2: int = 0) -> bytes:
+    """libfuse 3.14's INIT reply (protocol 7.36 on its side): 64 bytes of fuse_init_out."""
+    return reply(wire.INIT_OUT.pack(7, 36, 131072, flags | wire.FUSE_MAX_PAGES, 16, 12,
+                                    max_write, 1, max_pages, 0, flags2, 0) + bytes(24))
+
+
+def open_reply(fh: int, open_flags: int = 0, create: bool = False) -> bytes:
+    entry = wire.ENTRY_OUT.pack(5, 1, 1, 1, 0, 0) if create else b""
+    return reply(entry + wire.OPEN_OUT.pack(fh, open_flags, 0))
+
+
+def test_the_layouts_have_the_kernel_header_sizes() -> None:
+    assert (wire.IN_HEADER.size, wire.OUT_HEADER.size) == (40, 16)
+    assert (wire.INIT_OUT.size, wire.OPEN_OUT.size, wire.ENTRY_OUT.size) == (40, 16, 128)
+    assert wire.open_out_offset(wire.Opcode.OPEN) == 16
+    assert wire.open_out_offset(wire.Opcode.CREATE) == 16 + 128
+
+
+def test_init_request_loses_the_splice_flags_and_nothing_else() -> None:
+    flags = wire.FUSE_SPLICE_FLAGS | wire.FUSE_MAX_PAGES | 1
+    message = init_request(flags=flags, flags2=wire.FUSE_PASSTHROUGH_FLAGS2)
+    edited, offer = wire.edit_init_request(message)
+    assert len(edited) == len(message)
+    assert wire.init_in(edited).flags == (flags | wire.FUSE_INIT_EXT) & ~wire.FUSE_SPLICE_FLAGS
+    assert edited[:52] == message[:52] and edited[56:] == message[56:]
+    assert offer == wire.InitOffer(minor=40, passthrough=True, max_pages=True)
+
+
+@pytest.mark.parametrize(("minor", "flags2", "offered"), [
+    (40, wire.FUSE_PASSTHROUGH_FLAGS2, True),
+    (41, wire.FUSE_PASSTHROUGH_FLAGS2, True),
+    (40, 0, False),  # a kernel built without CONFIG_FUSE_PASSTHROUGH
+    (39, wire.FUSE_PASSTHROUGH_FLAGS2, False),  # the bit means nothing before 7.40
+    (31, 0, False),  # no flags2 at all: a 16-byte INIT request
+])
+def test_passthrough_is_offered_only_by_protocol_740_with_the_flag(minor: int, flags2: int,
+                                                                  offered: bool) -> None:
+    _edited, offer = wire.edit_init_request(init_request(minor, flags2=flags2))
+    assert offer.passthrough is offered
+
+
+def test_an_unknown_protocol_major_or_a_short_init_is_refused() -> None:
+    with pytest.raises(wire.WireError, match="protocol 8"):
+        wire.edit_init_request(request(wire.Opcode.INIT, struct.pack("<IIII", 8, 0, 0, 0)))
+    with pytest.raises(wire.WireError, match="INIT request"):
+        wire.edit_init_request(request(wire.Opcode.INIT, b"\7\0\0\0"))
+
+
+def test_init_reply_turns_passthrough_on_with_a_stack_depth() -> None:
+    offer = wire.InitOffer(minor=40, passthrough=True, max_pages=True)
+    edited, on = wire.edit_init_reply(init_reply(), offer, payload=PAYLOAD_4K, page_size=4096)
+    out = wire.init_out(edited)
+    assert on
+    assert out.flags & wire.FUSE_INIT_EXT and out.flags2 & wire.FUSE_PASSTHROUGH_FLAGS2
+    assert out.max_stack_depth == wire.MAX_STACK_DEPTH == 1
+    assert (out.max_write, out.max_pages) == (1 << 20, 256)  # 4 KiB pages: as libfuse said
+    assert len(edited) == len(init_reply()) and edited[56:] == init_reply()[56:]
+
+
+def test_init_reply_without_the_offer_or_with_writeback_cache_stays_without() -> None:
+    plain = init_reply()
+    no_offer = wire.InitOffer(minor=39, passthrough=False, max_pages=True)
+    edited, on = wire.edit_init_reply(plain, no_offer, payload=PAYLOAD_4K, page_size=4096)
+    assert not on and edited == plain
+    offer = wire.InitOffer(minor=40, passthrough=True, max_pages=True)
+    cached = init_reply(flags=wire.FUSE_WRITEBACK_CACHE)
+    edited, on = wire.edit_init_reply(cached, offer, payload=PAYLOAD_4K, page_size=4096)
+    assert not on and edited == cached
+
+
+def test_init_reply_with_64k_pages_is_clamped_to_the_relay_buffers() -> None:
+    """libfuse on a 64 KiB-page kernel asks for 16 MiB writes in 256 pages; the relay holds
+    2 MiB (32 pages: what a kernel without max_pages would send anyway)."""
+    page = 64 << 10
+    payload = wire.relay_payload(page)
+    assert payload == 2 << 20
+    offer = wire.InitOffer(minor=40, passthrough=True, max_pages=True)
+    edited, on = wire.edit_init_reply(init_reply(max_write=16 << 20, max_pages=256), offer,
+                                      payload=payload, page_size=page)
+    out = wire.init_out(edited)
+    assert on and (out.max_write, out.max_pages) == (payload, 32)
+    assert wire.relay_buffer(payload) >= (wire.IN_HEADER.size + wire.WRITE_IN_SIZE
+                                          + out.max_write)
+
+
+@pytest.mark.parametrize("create", [False, True], ids=["open", "create"])
+def test_open_reply_of_an_offered_handle_passes_through(create: bool) -> None:
+    opcode = wire.Opcode.CREATE if create else wire.Opcode.OPEN
+    message = open_reply(42, wire.FOPEN_DIRECT_IO | (1 << 1), create=create)  # KEEP_CACHE
+    edited = wire.edit_open_reply(opcode, message, {42: 3})
+    assert wire.open_out(opcode, edited) == wire.OpenOut(
+        42, wire.FOPEN_DIRECT_IO | wire.FOPEN_PASSTHROUGH, 3)  # KEEP_CACHE dropped
+    assert edited[:wire.open_out_offset(opcode)] == message[:wire.open_out_offset(opcode)]
+    assert wire.edit_open_reply(opcode, message, {41: 3}) == message  # not offered
+
+
+def test_a_short_open_reply_is_an_error_not_a_guess() -> None:
+    with pytest.raises(wire.WireError):
+        wire.edit_open_reply(wire.Opcode.CREATE, open_reply(42), {42: 3})
+
+
+def test_relay_state_edits_only_the_replies_it_waits_for() -> None:
+    offers: dict[int, int] = {}
+    state = wire.RelayState(offers, payload=PAYLOAD_4K, page_size=4096)
+    state.request(init_request(flags2=wire.FUSE_PASSTHROUGH_FLAGS2))
+    assert not state.initialized
+    state.reply(init_reply())
+    assert state.initialized and state.passthrough
+    offers[9] = 5
+    state.request(request(wire.Opcode.OPEN, bytes(8), unique=20))
+    state.request(request(wire.Opcode.OPEN, bytes(8), unique=21))
+    failed = reply(b"", unique=21, error=-2)
+    assert state.reply(failed) == failed  # an error reply has no fuse_open_out
+    edited = state.reply(reply(wire.OPEN_OUT.pack(9, 0, 0), unique=20))
+    assert wire.open_out(wire.Opcode.OPEN, edited).backing_id == 5
+    again = reply(wire.OPEN_OUT.pack(9, 0, 0), unique=20)
+    assert state.reply(again) == again  # answered already: nothing awaited any more
+    assert state.awaiting == {}
+    read = request(15, bytes(16), unique=22)
+    assert state.request(read) == read and state.awaiting == {}  # READ: not awaited
+
+
+def test_an_init_reply_without_its_request_is_an_error() -> None:
+    state = wire.RelayState({}, payload=PAYLOAD_4K, page_size=4096)
+    state.awaiting[UNIQUE] = wire.Opcode.INIT
+    with pytest.raises(wire.WireError):
+        state.reply(init_reply())

@@ -1,0 +1,136 @@
+"""The replicator and the receiver in one process, each with its collaborators injected: two
+endpoints on 127.0.0.1 (a Membership and Replicator for the sender, a PeerServer and
+ReplicaReceiver for the receiver), no mount. A failure here is in the peer layer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import trio
+
+from tests.conftest import free_port
+from tierfs import manifest as mf
+from tierfs.replication.channel import connect
+from tierfs.replication.membership import Membership
+from tierfs.replication.receiver import ReplicaReceiver
+from tierfs.replication.replicator import Replicator
+from tierfs.replication.server import PeerServer
+
+TOKEN = b"layer-test-token"
+
+
+class Space:
+    """The RAM store's accounting, as the receiver sees it: bytes per incoming inode."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used: dict[int, int] = {}
+
+    def grow(self, backing_ino: int, new_end: int) -> None:
+        if sum(self.used.values()) - self.used.get(backing_ino, 0) + new_end > self.limit:
+            raise OSError("full")
+        self.used[backing_ino] = max(self.used.get(backing_ino, 0), new_end)
+
+    def forget_inode(self, backing_ino: int) -> None:
+        self.used.pop(backing_ino, None)
+
+
+def committed_object(objects: Path, data: bytes, name: str) -> mf.FileEntry:
+    """A committed file in a RAM store's objects/ dir, as the commit leaves it."""
+    objects.mkdir(exist_ok=True)
+    staging = objects / "staging"
+    staging.write_bytes(data)
+    digest = mf.hash_file(staging)
+    staging.rename(objects / digest.xxh3)
+    return mf.FileEntry(name, digest.size, digest.xxh3, chunks=digest.chunks)
+
+
+class Receiving:
+    """Node b: the peer port with the receiver's handlers, adopting every complete replica."""
+
+    def __init__(self, tmp: Path, limit: int = 1 << 30) -> None:
+        self.objects = tmp / "b-objects"
+        self.objects.mkdir()
+        self.space = Space(limit)
+        self.adopted: list[tuple[mf.StepManifest, str]] = []
+        self.receiver = ReplicaReceiver(self.objects, self.space, self._adopt)
+        self.port = free_port()
+
+    def _adopt(self, manifest: mf.StepManifest, peer: str) -> bool:
+        self.adopted.append((manifest, peer))
+        return True
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        server = PeerServer("b", TOKEN, {"a", "b"}, {"PUT": self.receiver.put,
+                                                    "PUT_MANIFEST": self.receiver.put_manifest})
+        await nursery.start(server.run, "127.0.0.1", self.port)
+
+
+async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path) -> None:
+    data = os.urandom(mf.CHUNK_SIZE + 12345)  # two chunks: offsets matter
+    entry = committed_object(tmp_path / "a-objects", data, "shard")
+    small = committed_object(tmp_path / "a-objects", b"m", ".metadata")
+    manifest = mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry, small))
+    b = Receiving(tmp_path)
+    holders: set[str] = set()
+    replicated = trio.Event()
+
+    def on_replicated(done: mf.StepManifest, target: str) -> None:
+        holders.add(target)
+        replicated.set()
+
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        membership = Membership("a", {"a": ("127.0.0.1", free_port()),
+                                      "b": ("127.0.0.1", b.port)}, TOKEN)
+        membership.saw("b")
+        replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
+                                is_current=lambda m: True, holders=lambda m: holders,
+                                on_replicated=on_replicated)
+        nursery.start_soon(replicator.run)
+        replicator.submit(manifest)
+        with trio.fail_after(20):
+            await replicated.wait()
+        nursery.cancel_scope.cancel()
+    assert holders == {"b"}
+    assert (b.objects / entry.xxh3).read_bytes() == data
+    assert (b.objects / small.xxh3).read_bytes() == b"m"
+    assert b.adopted == [(manifest, "a")]
+    assert sorted(os.listdir(b.objects)) == sorted([entry.xxh3, small.xxh3])  # no leftovers
+
+
+async def test_the_receiver_refuses_bytes_that_do_not_match_their_checksum(
+        tmp_path: Path) -> None:
+    b = Receiving(tmp_path)
+    entry = committed_object(tmp_path / "a-objects", b"the real bytes", "shard")
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+        await channel.send("PUT", b"other bytes, same size", path="run/step_1",
+                           name="shard", xxh3=entry.xxh3, size=22, offset=0)
+        answer = await channel.receive("ERROR")
+        assert "checksum mismatch" in answer["message"]
+        # a manifest naming a file that never arrived is not adopted
+        manifest = mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,))
+        await channel.send("PUT_MANIFEST", manifest=mf.encode(manifest))
+        answer = await channel.receive("ERROR")
+        assert "was not received" in answer["message"]
+        await channel.aclose()
+        nursery.cancel_scope.cancel()
+    assert os.listdir(b.objects) == [] and b.adopted == [] and b.space.used == {}
+
+
+async def test_a_full_receiver_answers_an_error_and_keeps_nothing(tmp_path: Path) -> None:
+    b = Receiving(tmp_path, limit=10)
+    entry = committed_object(tmp_path / "a-objects", b"more than ten bytes", "shard")
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+        await channel.send("PUT", b"more than ten bytes", path="run/step_1", name="shard",
+                           xxh3=entry.xxh3, size=entry.size, offset=0)
+        answer = await channel.receive("ERROR")
+        assert "RAM tier full" in answer["message"]
+        await channel.aclose()
+        nursery.cancel_scope.cancel()
+    assert not (b.objects / entry.xxh3).exists()

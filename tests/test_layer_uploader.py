@@ -1,0 +1,141 @@
+"""The uploader in one process against a file:// store in tmp, with its collaborators (the RAM
+store's objects, the namespace's callbacks) injected: no mount, no S3. A failure here is in the
+persistent tier's upload layer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from tierfs import manifest as mf
+from tierfs.s3tier.backend import MANIFEST_KEY, BackendError, FileBackend
+from tierfs.s3tier.uploader import Uploader
+
+
+def committed_step(objects: Path, path: str, files: dict[str, bytes]) -> mf.StepManifest:
+    """A committed step as the namespace hands it over: objects named by their xxh3-128."""
+    objects.mkdir(exist_ok=True)
+    entries = []
+    for name, data in files.items():
+        staging = objects / "staging"
+        staging.write_bytes(data)
+        digest = mf.hash_file(staging)
+        staging.rename(objects / digest.xxh3)
+        entries.append(mf.FileEntry(name, digest.size, digest.xxh3, chunks=digest.chunks))
+    step = int(re.sub(r"\D", "", path.rpartition("/")[2]))
+    return mf.StepManifest(path, step, 1, "n", 0, tuple(entries))
+
+
+class FailingFirst(FileBackend):
+    """A file:// store whose first `failures` uploads fail as a temporary outage would."""
+
+    def __init__(self, root: Path, failures: int) -> None:
+        super().__init__(root)
+        self.failures = failures
+
+    def put_file(self, key: str, path: str | bytes | os.PathLike[str]) -> None:
+        if self.failures > 0:
+            self.failures -= 1
+            raise BackendError("503 Service Unavailable", temporary=True)
+        super().put_file(key, path)
+
+
+class Harness:
+    """An Uploader wired to a store and to records of what it reported."""
+
+    def __init__(self, tmp: Path, *, every: int = 1, keep: int = 0, failures: int = 0) -> None:
+        self.objects = tmp / "objects"
+        self.store = tmp / "store"
+        self.store.mkdir()
+        self.backend = FailingFirst(self.store, failures)
+        self.current: set[str] = set()
+        self.persisted_paths: list[str] = []
+        self.retired: list[str] = []
+        self.uploader = Uploader(
+            self.backend, lambda xxh3: str(self.objects / xxh3), persist_every=every,
+            keep_persist=keep, step_number=self._number,
+            is_current=lambda m: m.path in self.current, on_persisted=self._on_persisted,
+            on_retired=self.retired.append)
+
+    @staticmethod
+    def _number(name: str) -> int | None:
+        found = re.fullmatch(r"step_(\d+)", name)
+        return int(found[1]) if found else None
+
+    def _on_persisted(self, manifest: mf.StepManifest) -> None:
+        self.persisted_paths.append(manifest.path)
+
+    def step(self, path: str, files: dict[str, bytes]) -> mf.StepManifest:
+        self.current.add(path)
+        return committed_step(self.objects, path, files)
+
+    async def persist(self, *manifests: mf.StepManifest,
+                      until: Callable[[], bool] | None = None) -> None:
+        """Submit the steps and run the uploader until it persisted those it wants (or until
+        `until()` holds)."""
+        wanted = [m.path for m in manifests if self.uploader.wanted(m)]
+        for manifest in manifests:
+            self.uploader.submit(manifest)
+        done = until or (lambda: all(p in self.persisted_paths for p in wanted))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.uploader.run)
+            with trio.fail_after(20):
+                while not done():
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    def stored(self) -> list[str]:
+        return sorted(o.key for o in self.backend.list(""))
+
+
+async def test_steps_go_up_as_plain_objects_with_their_manifest(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    data = os.urandom(3 << 20)
+    manifest = h.step("run/step_1", {"shard": data, "sub/x": b"x", ".metadata": b"m"})
+    await h.persist(manifest)
+    assert h.persisted_paths == ["run/step_1"]
+    assert h.stored() == [f"run/step_1/{n}" for n in sorted([".metadata", MANIFEST_KEY, "shard",
+                                                            "sub/x"])]
+    assert (h.store / "run/step_1/shard").read_bytes() == data
+    assert mf.decode(h.backend.get_bytes(f"run/step_1/{MANIFEST_KEY}")) == manifest
+
+
+async def test_persist_every_and_keep_persist(tmp_path: Path) -> None:
+    h = Harness(tmp_path, every=2, keep=2)
+    steps = [h.step(f"run/step_{n}", {"shard": f"{n}".encode()}) for n in (2, 3, 4, 6)]
+    assert not h.uploader.wanted(steps[1])  # step 3: not a multiple of 2
+    await h.persist(*steps, until=lambda: h.retired == ["run/step_2"])
+    assert h.persisted_paths == ["run/step_2", "run/step_4", "run/step_6"]
+    assert h.retired == ["run/step_2"]
+    assert {k.rpartition("/")[0] for k in h.stored()} == {"run/step_4", "run/step_6"}
+
+
+async def test_a_temporary_failure_is_retried_by_the_policy(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.INFO)
+    h = Harness(tmp_path, failures=2)
+    await h.persist(h.step("run/step_1", {"shard": b"data"}))
+    assert h.persisted_paths == ["run/step_1"]
+    assert (h.store / "run/step_1/shard").read_bytes() == b"data"
+    assert caplog.text.count("failed (attempt") == 2
+
+
+async def test_a_step_removed_during_an_outage_is_dropped(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.INFO)
+    h = Harness(tmp_path, failures=10**6)
+    manifest = h.step("run/step_1", {"shard": b"data"})
+    h.uploader.submit(manifest)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(h.uploader.run)
+        with trio.fail_after(10):
+            while "failed (attempt" not in caplog.text:
+                await trio.sleep(0.01)
+            h.current.clear()  # the step was deleted: the next retry gives up
+            while "dropped" not in caplog.text:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert h.persisted_paths == [] and h.stored() == []
