@@ -27,6 +27,14 @@ NAME_MAX = 255
 # checkpoint-500 (HF Trainer), iter_0000100 (Megatron-LM), ckpt_7, 100 (Orbax); not run11,
 # layer_3, mp_rank_00 or v2.
 DEFAULT_STEP_PATTERN = r"^(?:(?:(?:global_)?step|checkpoint|ckpt|iter(?:ation)?)[-_]?)?([0-9]+)$"
+# What single-file checkpoints are named (file steps, outside any step directory): the number
+# right before the checkpoint extension, after a separator or a step word: epoch=0-step=5.ckpt
+# (Lightning: step 5; -v1 is its suffix for a name in use), model_1000.pt, ckpt-500.safetensors,
+# step_100.pt, checkpoint-7.bin, iter_0000100.pt; not last.ckpt, last-v1.ckpt, run11.pt,
+# config.json or latest_checkpointed_iteration.txt.
+DEFAULT_FILE_STEP_PATTERN = (
+    r"^(?:.*[-_=])?(?:(?:global_)?step|checkpoint|ckpt|iter(?:ation)?|model)?[-_=]?"
+    r"([0-9]+)(?:-v[0-9]+)?\.(?:ckpt|pt|pth|bin|safetensors|pkl|pickle|h5|npz|npy|msgpack|tar)$")
 
 RENAME_NOREPLACE = 1
 ENOATTR = errno.ENODATA
@@ -87,9 +95,10 @@ class Seal:
 
 
 class StepState:
-    """What tierfs knows about one step directory beyond its files."""
+    """What tierfs knows about one step beyond its files: a step directory, or a single file
+    (a file step, or a loose file: `number` None, never counted by retention nor `latest`)."""
 
-    def __init__(self, number: int, manifest: mf.StepManifest | None = None) -> None:
+    def __init__(self, number: int | None, manifest: mf.StepManifest | None = None) -> None:
         self.number = number
         self.manifest = manifest
         self.dirty = manifest is None

@@ -413,7 +413,10 @@ def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
     return Uploader(
         backend, lambda digest: str(namespace.store.object_path(digest)),
         persist_every=cfg.persist_every, keep_persist=cfg.keep_persist,
-        step_number=namespace.tree.step_number, is_current=tiers.is_current,
+        step_number=namespace.tree.step_number,
+        file_step_number=lambda name: namespace.tree.step_number(name,
+                                                                 namespace.tree.file_pattern),
+        is_current=tiers.is_current,
         on_persisted=tiers.mark_persisted, on_retired=tiers.mark_retired, events=events,
     )
 
