@@ -189,3 +189,14 @@ def test_rename_of_a_temp_file_onto_a_file_step_name_commits(mounts: MountFactor
     flush(node)
     assert (store / "run/epoch=0-step=5.ckpt").read_bytes() == b"saved"
     assert not (store / "run/x.tmp").exists()
+
+
+def test_status_warns_of_single_files_only_in_ram(mounts: MountFactory) -> None:
+    node = mounts.mount("--commit-idle", IDLE)  # no persistent tier, no peer
+    (node / "run").mkdir()
+    (node / "run/model_5.pt").write_bytes(b"5")
+    (node / "run/last.ckpt").write_bytes(b"last")
+    wait_state(node, "run/last.ckpt", "committed")
+    shown = tierfs("status", str(node.mountpoint)).stdout
+    warning = next(line for line in shown.splitlines() if "only in this node's RAM" in line)
+    assert "run/model_5.pt" in warning and "run/last.ckpt" in warning

@@ -1432,6 +1432,7 @@ class Tree:
             ram_bytes = size
         return {
             "path": self.relpath(step_node), "step": step.number, "state": step.state,
+            "kind": "dir" if step_node.is_dir else "file",
             "ram_bytes": ram_bytes,
             "version": step.manifest.version if step.manifest else 0,
             "files": files, "bytes": size, "ram": step.in_ram,

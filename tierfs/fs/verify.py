@@ -474,8 +474,8 @@ class Verifier:
                 node = self.tree.child(node, os.fsencode(part))
         if not node.is_dir:
             raise FsError(errno.ENOTDIR, f"{relpath} is not a directory")
-        return sorted(self.tree.steps(node), key=lambda n: (self.tree.relpath(n.parent),
-                                                          n.step.number))
+        return sorted(self.tree.steps(node), key=lambda n: (
+            self.tree.relpath(n.parent), -1 if n.step.number is None else n.step.number))
 
     def _resident_files(self, under: Node | None
                         ) -> list[tuple[Node, StepState, mf.FileEntry, Node]]:
