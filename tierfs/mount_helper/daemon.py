@@ -47,6 +47,7 @@ from tierfs.mount_helper.mounts import (
     ram_dir_of,
     with_patience,
 )
+from tierfs.mount_helper.status_view import number_of
 from tierfs.observe import Events, Levels, MetricsServer
 from tierfs.replication.cluster_commit import SealedFiles
 from tierfs.replication.gossip import Gossip
@@ -675,7 +676,7 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         ns = self.namespace
         steps = sorted((self._step_status(node) for node in ns.tree.steps()),
-                       key=lambda s: (os.path.dirname(s["path"]), s["step"], s["path"]))
+                       key=lambda s: (os.path.dirname(s["path"]), number_of(s), s["path"]))
         return {
             "node_id": self.cfg.node_id,
             "mountpoint": str(self.cfg.mountpoint),
