@@ -200,3 +200,15 @@ def test_status_warns_of_single_files_only_in_ram(mounts: MountFactory) -> None:
     shown = tierfs("status", str(node.mountpoint)).stdout
     warning = next(line for line in shown.splitlines() if "only in this node's RAM" in line)
     assert "run/model_5.pt" in warning and "run/last.ckpt" in warning
+
+
+def test_file_step_pattern_option(mounts: MountFactory) -> None:
+    node = mounts.mount("--commit-idle", "60", "--file-step-pattern", r"^snap([0-9]+)\.data$")
+    (node / "snap7.data").write_bytes(b"7")
+    wait_state(node, "snap7.data", "committed", timeout=3)
+    assert node.step("snap7.data")["step"] == 7
+    (node / "model_5.pt").write_bytes(b"5")  # not a file step by this pattern: a loose file
+    wait_state(node, "model_5.pt", "writing")
+    assert node.step("model_5.pt")["step"] is None
+    bad = tierfs("mount", str(node.mountpoint) + "-x", "--file-step-pattern", "snap", check=False)
+    assert bad.returncode != 0 and "--file-step-pattern" in bad.stderr
