@@ -212,3 +212,11 @@ def test_file_step_pattern_option(mounts: MountFactory) -> None:
     assert node.step("model_5.pt")["step"] is None
     bad = tierfs("mount", str(node.mountpoint) + "-x", "--file-step-pattern", "snap", check=False)
     assert bad.returncode != 0 and "--file-step-pattern" in bad.stderr
+
+
+def test_tierfs_commit_of_a_loose_file(mounts: MountFactory) -> None:
+    node = mounts.mount("--commit-idle", "60")
+    (node / "last.ckpt").write_bytes(b"last")
+    assert state(node, "last.ckpt") == "writing"  # a loose file waits to be quiet
+    tierfs("commit", str(node / "last.ckpt"))
+    assert state(node, "last.ckpt") == "committed"

@@ -128,8 +128,9 @@ class Commits:
         return copies
 
     async def commit_path(self, relpath: str) -> mf.StepManifest:
-        """`tierfs commit PATH`: commit the step directory at `relpath`, waiting for writers."""
-        node = self.tree.find_dir(relpath)
+        """`tierfs commit PATH`: commit the step (a directory or a single file) at `relpath`,
+        waiting for writers."""
+        node = self.tree.find_step(relpath) or self.tree.find_dir(relpath)
         if self.tree.step_of(node) is None:
             raise FsError(errno.EINVAL,
                           f"{relpath} is not a step directory (its name does not match "
