@@ -119,10 +119,9 @@ def test_torch_save_and_safetensors_steps(mounts: MountFactory, tmp_path: Path) 
 
 
 @needs("lightning")
-@pytest.mark.xfail(strict=True, reason="single-file steps: issue 12 item 2")
 def test_lightning_checkpoints_and_resume(mounts: MountFactory, tmp_path: Path) -> None:
     """Lightning's ModelCheckpoint writes single files (`epoch=0-step=2.ckpt`) outside any step
-    directory: each should commit when its writer closes it, like a step."""
+    directory: each commits when its writer closes it, like a step (a file step)."""
     store = tmp_path / "store"
     store.mkdir()
     node = store_node(mounts, store)

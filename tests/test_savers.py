@@ -180,9 +180,13 @@ def test_megatron_shaped_tree(mounts: MountFactory, tmp_path: Path) -> None:
             expected[rel] = os.urandom(50_000)
             write(mnt / rel, expected[rel])
         write(mnt / "ckpt/latest_checkpointed_iteration.txt", str(it).encode())
+    # The tracker file is a loose file: persisted once quiet, back on a fresh node.
+    tracker = "ckpt/latest_checkpointed_iteration.txt"
+    expected[tracker] = b"200"
     wait_until(lambda: committed(mnt, "ckpt/iter_0000100") and committed(mnt,
                                                                           "ckpt/iter_0000200"))
-    assert [s["path"] for s in mnt.status()["steps"]] == ["ckpt/iter_0000100",
+    wait_until(lambda: mnt.step(tracker)["state"] == "committed")
+    assert [s["path"] for s in mnt.status()["steps"]] == [tracker, "ckpt/iter_0000100",
                                                           "ckpt/iter_0000200"]
     assert mnt.step("ckpt/iter_0000200")["files"] == 2
     tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
@@ -208,6 +212,8 @@ def test_deepspeed_shaped_tree(mounts: MountFactory, tmp_path: Path) -> None:
         os.unlink(mnt / "run/global_step100" / name)
     os.rmdir(mnt / "run/global_step100")
     expected = {k: v for k, v in expected.items() if "global_step100" not in k}
+    expected["run/latest"] = b"global_step200"  # a loose file: persisted once quiet
+    wait_until(lambda: mnt.step("run/latest")["state"] == "committed")
     tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
     wait_until(lambda: not (store / "run/global_step100").exists())
     check_fresh_node(mounts, store, expected, ["run/global_step100"])

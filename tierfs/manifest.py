@@ -28,6 +28,7 @@ _HEX128 = re.compile(r"^[0-9a-f]{32}$")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
 _MAX_FILES = 1_000_000
 NO_OWNER = -1  # an entry from before owners were recorded
+NO_STEP = -1  # the step number of a loose file's manifest (its name carries none)
 _MAX_ID = (1 << 32) - 1
 
 
@@ -54,7 +55,9 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class StepManifest:
-    """The committed content of one step directory at one version."""
+    """The committed content of one step at one version: a step directory, or a single file
+    (`single_file`: a file step or a loose file, `files` holds that one file, named as it is
+    in its directory; `step` is NO_STEP for a loose file, one whose name carries no number)."""
 
     path: str
     step: int
@@ -62,6 +65,7 @@ class StepManifest:
     node_id: str
     committed_ns: int
     files: tuple[FileEntry, ...] = field(default_factory=tuple)
+    single_file: bool = False
 
     # A manifest never changes, so its totals and its index by name are computed once: steps
     # of 50,000 files are looked up file by file (status, eviction, start-up), which a linear
@@ -140,6 +144,8 @@ def encode(manifest: StepManifest) -> bytes:
             "node_id": manifest.node_id,
             "committed_ns": manifest.committed_ns,
             "files": [entry_fields(f) for f in manifest.files],
+            # Only in single-file manifests: those of step directories are as they always were.
+            **({"file": True} if manifest.single_file else {}),
         },
         use_bin_type=True,
     )
@@ -162,6 +168,7 @@ def decode(data: bytes) -> StepManifest:
             node_id=str(raw["node_id"]),
             committed_ns=int(raw["committed_ns"]),
             files=tuple(files),
+            single_file=_single_file_flag(raw.get("file", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ManifestError):
@@ -169,7 +176,16 @@ def decode(data: bytes) -> StepManifest:
         raise ManifestError(f"malformed manifest: {exc!r}") from None
     if manifest.version < 1 or len({f.name for f in files}) != len(files):
         raise ManifestError("bad version or duplicate file names")
+    if manifest.single_file and (
+            len(files) != 1 or files[0].name != manifest.path.rpartition("/")[2]):
+        raise ManifestError("a single-file manifest names exactly its own file")
     return manifest
+
+
+def _single_file_flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ManifestError(f"bad single-file flag {value!r}")
+    return value
 
 
 def chunk_count(size: int) -> int:

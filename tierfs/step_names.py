@@ -1,6 +1,6 @@
 """Names shared by the daemon and the command line, in a module that imports nothing (the
-command line must start without trio): the default step-directory pattern, and how a message
-lists a few names out of many."""
+command line must start without trio): the default step-directory and file-step patterns, and
+how a message lists a few names out of many."""
 
 from __future__ import annotations
 
@@ -10,6 +10,14 @@ from collections.abc import Iterable
 # checkpoint-500 (HF Trainer), iter_0000100 (Megatron-LM), ckpt_7, 100 (Orbax); not run11,
 # layer_3, mp_rank_00 or v2.
 DEFAULT_STEP_PATTERN = r"^(?:(?:(?:global_)?step|checkpoint|ckpt|iter(?:ation)?)[-_]?)?([0-9]+)$"
+# What single-file checkpoints are named (file steps, outside any step directory): the number
+# right before the checkpoint extension, after a separator or a step word: epoch=0-step=5.ckpt
+# (Lightning: step 5; -v1 is its suffix for a name in use), model_1000.pt, ckpt-500.safetensors,
+# step_100.pt, checkpoint-7.bin, iter_0000100.pt; not last.ckpt, last-v1.ckpt, run11.pt,
+# config.json or latest_checkpointed_iteration.txt.
+DEFAULT_FILE_STEP_PATTERN = (
+    r"^(?:.*[-_=])?(?:(?:global_)?step|checkpoint|ckpt|iter(?:ation)?|model)?[-_=]?"
+    r"([0-9]+)(?:-v[0-9]+)?\.(?:ckpt|pt|pth|bin|safetensors|pkl|pickle|h5|npz|npy|msgpack|tar)$")
 
 
 def some_names(names: Iterable[str], most: int = 5) -> str:

@@ -128,8 +128,9 @@ class Commits:
         return copies
 
     async def commit_path(self, relpath: str) -> mf.StepManifest:
-        """`tierfs commit PATH`: commit the step directory at `relpath`, waiting for writers."""
-        node = self.tree.find_dir(relpath)
+        """`tierfs commit PATH`: commit the step (a directory or a single file) at `relpath`,
+        waiting for writers."""
+        node = self.tree.find_step(relpath) or self.tree.find_dir(relpath)
         if self.tree.step_of(node) is None:
             raise FsError(errno.EINVAL,
                           f"{relpath} is not a step directory (its name does not match "
@@ -171,15 +172,24 @@ class Commits:
             raise FsError(exc.errno or errno.EIO) from None
 
     async def after_writer(self, node: Node) -> None:
-        """A writer of `node` is done: a `.metadata` closed after writing, or a pending commit
-        whose last writer this was, commits its step now."""
+        """A writer of `node` is done: a `.metadata` closed after writing, a file step whose
+        last writer this was, or a pending commit whose last writer this was, commits its step
+        now (a loose file commits once quiet)."""
         parent = node.parent
         if parent is None:
             return
-        self.tree.touch_enclosing(parent)  # its step commits `commit_idle` seconds after this
+        self.tree.touch_enclosing(node)  # its step commits `commit_idle` seconds after this
         if node.name == METADATA and self.tree.step_of(parent) is not None:
             await self.commit_for_saver(parent)
-        await self.run_pending_commits(parent)
+        await self._commit_file_step(node)
+        await self.run_pending_commits(node)
+
+    async def _commit_file_step(self, node: Node) -> None:
+        """A file step commits once no writer holds it (a loose file waits to be quiet)."""
+        step = node.step
+        if (node.is_file and step is not None and step.number is not None
+                and not step.committed and not node.active_writers):
+            await self.commit_quietly(node)
 
     async def run_pending_commits(self, dir_node: Node | None) -> None:
         for step_node in list(self.tree.enclosing_steps(dir_node)):
@@ -201,6 +211,8 @@ class Commits:
             await self._renamed_dir(node)
         elif node.name == METADATA and self.tree.step_of(node.parent) is not None:
             await self.commit_for_saver(node.parent)
+        else:
+            await self._commit_file_step(node)  # `mv x.tmp epoch=0-step=5.ckpt`
         await self.run_pending_commits(old_parent)
 
     async def _renamed_dir(self, node: Node) -> None:
@@ -217,6 +229,8 @@ class Commits:
             tree.become_step(node, number)
         for below in list(tree.dirs_under(node)):
             await self._restep(below)
+        for file_node in list(tree.walk_files(node)):
+            await self._refile(file_node)
         if node.step is not None:
             await self.commit_quietly(node)
         for step_node in list(tree.steps(under=node)):
@@ -232,6 +246,22 @@ class Commits:
             await self._demote(node)
         else:
             self.tree.restep(node, number)
+
+    async def _refile(self, node: Node) -> None:
+        """After a rename above it: a file is a single-file step exactly when no directory
+        above it is a step; one that moved commits again at its new path."""
+        tree = self.tree
+        wanted = tree.single_file_step(node.parent, node.name)
+        if wanted is None and node.step is not None:
+            if node.remote is not None:
+                await self.residency.make_resident(node, empty=False)
+            tree.stop_being_single_file(node)
+        elif wanted is not None and (node.step is None or (
+                node.step.manifest is not None
+                and node.step.manifest.path != tree.relpath(node))):
+            tree.become_single_file(node, wanted)
+        if node.step is not None and node.step.number is not None:
+            await self.commit_quietly(node)
 
     async def _demote(self, node: Node) -> None:
         """A committed directory that stops being a step keeps its files, not its manifest."""

@@ -28,7 +28,14 @@ import trio
 from tierfs.fs.background import Background
 from tierfs.fs.commits import Commits
 from tierfs.fs.deletes import DELETES_DIR, Deletes
-from tierfs.fs.nodes import DEFAULT_STEP_PATTERN, FsError, Handle, Node, RemoteAttrs
+from tierfs.fs.nodes import (
+    DEFAULT_FILE_STEP_PATTERN,
+    DEFAULT_STEP_PATTERN,
+    FsError,
+    Handle,
+    Node,
+    RemoteAttrs,
+)
 from tierfs.fs.other_tiers import OtherTiers
 from tierfs.fs.ports import (
     CommitSink,
@@ -53,12 +60,13 @@ class Core:
     clients ask it questions before the rest of the namespace exists)."""
 
     def __init__(self, store: RamStore, *, node_id: str = "local",
-                 step_pattern: str = DEFAULT_STEP_PATTERN, commit_idle: float = 5.0,
+                 step_pattern: str = DEFAULT_STEP_PATTERN,
+                 file_step_pattern: str = DEFAULT_FILE_STEP_PATTERN, commit_idle: float = 5.0,
                  delete_targets: list[str] | None = None) -> None:
         self.watch = QuietWatch(commit_idle)
         self.deletes = Deletes(Path(store.root) / DELETES_DIR, delete_targets)
         self.tree = Tree(store, self.watch, self.deletes, node_id=node_id,
-                         step_pattern=step_pattern)
+                         step_pattern=step_pattern, file_step_pattern=file_step_pattern)
         Recovery(self.tree).load()
 
 

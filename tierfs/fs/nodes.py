@@ -14,7 +14,11 @@ from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.fs.fetch import Fetch, RemoteFile
 from tierfs.fs.latest_pins import Pin
-from tierfs.step_names import DEFAULT_STEP_PATTERN, some_names  # noqa: F401 - re-exported
+from tierfs.step_names import (  # noqa: F401 - re-exported
+    DEFAULT_FILE_STEP_PATTERN,
+    DEFAULT_STEP_PATTERN,
+    some_names,
+)
 
 ROOT_INODE = 1
 LATEST = b"latest"
@@ -78,9 +82,10 @@ class Seal:
 
 
 class StepState:
-    """What tierfs knows about one step directory beyond its files."""
+    """What tierfs knows about one step beyond its files: a step directory, or a single file
+    (a file step, or a loose file: `number` None, never counted by retention nor `latest`)."""
 
-    def __init__(self, number: int, manifest: mf.StepManifest | None = None) -> None:
+    def __init__(self, number: int | None, manifest: mf.StepManifest | None = None) -> None:
         self.number = number
         self.manifest = manifest
         self.dirty = manifest is None

@@ -272,7 +272,7 @@ class OtherTiers:
         """Files the step's DCP `.metadata` names that are not in the directory (none when it
         has no readable `.metadata`: such a step commits with the files at hand). The
         `.metadata` is decoded in a thread."""
-        metadata = step_node.children.get(METADATA)
+        metadata = (step_node.children or {}).get(METADATA)  # none for a single file
         if metadata is None or metadata.remote is not None:
             return set()
         try:

@@ -56,7 +56,8 @@ class PeerCopies(Protocol):
 
 
 class PersistCopies(Protocol):
-    """The persistent tier, as much as verification needs."""
+    """The persistent tier, as much as verification needs (`step_path` of a file: the
+    directory its name is relative to, `layout.data_dir`)."""
 
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
                          length: int) -> bytes: ...
@@ -65,9 +66,10 @@ class PersistCopies(Protocol):
 
     async def rewrite(self, step_path: str, name: str, path: str) -> None: ...
 
-    async def manifest(self, step_path: str) -> bytes | None: ...
+    async def manifest(self, step_path: str, single_file: bool = False) -> bytes | None: ...
 
-    async def write_manifest(self, step_path: str, data: bytes) -> None: ...
+    async def write_manifest(self, step_path: str, data: bytes,
+                             single_file: bool = False) -> None: ...
 
 
 class ReadGate(Protocol):

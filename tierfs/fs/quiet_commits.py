@@ -52,7 +52,7 @@ class QuietWatch:
         """A saver made `step_node`: the older steps beside it that it was writing are done."""
         number = step_node.step.number
         for sibling in step_node.parent.children.values():
-            if (sibling in self.due and sibling.step is not None
+            if (sibling in self.due and sibling.is_dir and sibling.step is not None
                     and sibling.step.number < number):
                 self.due[sibling] = 0.0
                 self.wake.set()
@@ -78,7 +78,7 @@ class QuietCommits:
 
     def _not_quiet(self, step_node: Node) -> str | None:
         """Why `step_node` may not commit by itself now, or None if it may."""
-        children = step_node.children
+        children = step_node.children or {}  # a single-file step has none
         if METADATA not in children and any(n.endswith(DCP_SHARD_SUFFIX) for n in children):
             return "its .metadata (a DCP save in progress or interrupted)"
         for _rel, node in self.tree.files_under(step_node):

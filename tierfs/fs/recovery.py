@@ -16,6 +16,7 @@ import shutil
 import stat
 import time
 
+from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs.nodes import MANIFEST, PEERS_MARK
 from tierfs.fs.ram_store import RamStore, is_reserved
@@ -54,7 +55,14 @@ class Recovery:
         reach = self.records.reach
         in_steps: set[bytes] = set()  # step directories and every directory inside one
         for dirpath, _dirs, files in self.records.walk(self._top):
-            if os.path.dirname(dirpath) in in_steps:
+            single = layout.file_of_records_name(os.path.basename(dirpath))
+            if single is not None:
+                # A single-file step's records, beside its file: a step unless inside one.
+                is_step = os.path.dirname(dirpath) not in in_steps
+                if not is_step:
+                    shutil.rmtree(reach(dirpath))
+                    continue
+            elif os.path.dirname(dirpath) in in_steps:
                 in_steps.add(dirpath)
                 is_step = False  # a directory inside a step is part of it
             else:
@@ -75,8 +83,9 @@ class Recovery:
                 self.records.persist_mark(dirpath) == (manifest.version, "persisted")
                 or self.records.read_node_list(dirpath, PEERS_MARK, manifest.version)
                 is not None)
+            data = os.path.dirname(dirpath) if single is not None else dirpath
             try:
-                resident = self._restore_step(dirpath, manifest, held_elsewhere)
+                resident = self._restore_step(data, manifest, held_elsewhere, dirpath)
             except OSError as exc:
                 log.error("cannot restore step %s v%d (%s); its manifest is set aside",
                           manifest.path, manifest.version, exc)
@@ -87,10 +96,11 @@ class Recovery:
         return recovered
 
     def _restore_step(self, dir_path: bytes, manifest: mf.StepManifest,
-                      persisted: bool) -> set[str] | None:
+                      persisted: bool, records: bytes) -> set[str] | None:
         """Put the tree of a committed step back as its manifest says; return the names whose
         objects are in RAM, or None if the step is damaged (a file neither here nor persisted).
-        """
+        `dir_path`: the directory its files are relative to; `records`: where its records are
+        (the same for a step directory; beside the file for a single-file step)."""
         reach = self.records.reach
         resident = set()
         for entry in manifest.files:
@@ -104,11 +114,12 @@ class Recovery:
                 log.error("committed step %s v%d is damaged: object of %s is missing or has "
                           "the wrong size; its manifest is set aside", manifest.path,
                           manifest.version, entry.name)
-                self.records.set_aside(dir_path)
+                self.records.set_aside(records)
                 return None
         restored = removed = 0
         wanted = {os.fsencode(name) for name in resident}
-        for dirpath, _dirs, files in self.records.walk(dir_path):
+        # A single file has nothing beside it that belongs to it: what is there is not its.
+        for dirpath, _dirs, files in () if manifest.single_file else self.records.walk(dir_path):
             for name in files:
                 full = os.path.join(dirpath, name)
                 if (not is_reserved(name) and stat.S_ISREG(os.lstat(reach(full)).st_mode)

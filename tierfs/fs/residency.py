@@ -172,12 +172,14 @@ class Residency:
         beyond: list[Node] = []
         within: list[Node] = []
         for step_nodes in by_run.values():
-            step_nodes.sort(key=lambda n: n.step.number, reverse=True)
+            # Loose files (no number) are not counted: they leave RAM only under pressure.
+            step_nodes.sort(key=_number, reverse=True)
             for rank, node in enumerate(step_nodes):
                 if self.safe_elsewhere(node.step) and (
                         node.step.resident or self.tree.has_partial_fetches(node)):
-                    (within if rank < self.keep_ram else beyond).append(node)
-        oldest_first = lambda n: n.step.number  # noqa: E731
+                    counted = node.step.number is not None and rank >= self.keep_ram
+                    (beyond if counted else within).append(node)
+        oldest_first = _number
         return sorted(beyond, key=oldest_first) + (
             sorted(within, key=oldest_first) if pressure else [])
 
@@ -267,3 +269,9 @@ class Residency:
                 log.exception("eviction from RAM failed")
 
         self.background.spawn(guarded)
+
+
+def _number(step_node: Node) -> int:
+    """A step's number for ordering; a loose file (none) comes first."""
+    number = step_node.step.number
+    return -1 if number is None else number

@@ -34,17 +34,20 @@ import errno
 import logging
 import os
 import re
+import shutil
 import stat
 import time
 from collections.abc import AsyncIterator, Iterator
 
 import trio
 
+from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs.fetch import Fetch, RemoteFile, apply_attributes
 from tierfs.fs.latest_pins import LatestPins
 from tierfs.fs.long_paths import LONG_PATH, anchor_path
 from tierfs.fs.nodes import (
+    DEFAULT_FILE_STEP_PATTERN,
     DEFAULT_STEP_PATTERN,
     ENOATTR,
     LATEST,
@@ -71,7 +74,8 @@ from tierfs.fs.records import StepRecords
 
 log = logging.getLogger(__name__)
 
-# What start-up recovered: step directory path -> (its manifest, names whose objects are here).
+# What start-up recovered: a step's records directory in the store (`records_path`) -> (its
+# manifest, names whose objects are here).
 Recovered = dict[bytes, tuple[mf.StepManifest, set[str]]]
 
 
@@ -79,11 +83,13 @@ class Tree:
     """The tree of one mount; see the module docstring for its invariants."""
 
     def __init__(self, store: RamStore, watch: StepWatch, deletes: DeleteLog, *,
-                 node_id: str = "local", step_pattern: str = DEFAULT_STEP_PATTERN) -> None:
+                 node_id: str = "local", step_pattern: str = DEFAULT_STEP_PATTERN,
+                 file_step_pattern: str = DEFAULT_FILE_STEP_PATTERN) -> None:
         self.store = store
         self.records = StepRecords()
         self.node_id = node_id
         self.pattern = re.compile(step_pattern)
+        self.file_pattern = re.compile(file_step_pattern)
         self._watch = watch
         self._deletes = deletes
         self._tree = os.fsencode(store.tree)
@@ -227,8 +233,21 @@ class Tree:
                 node = self.child(node, os.fsencode(part))
         except FsError:
             return None
-        return node if node.is_dir and self.step_of(node) is not None else None
+        return node if self.step_of(node) is not None else None
 
+    def records_path(self, step_node: Node) -> bytes:
+        """Where a step's records (manifest, marks) are in the store: in a step directory, or
+        for a single-file step in its records directory beside the file (made if missing)."""
+        if step_node.is_dir:
+            return self.backing(step_node)
+        path = os.path.join(self.backing(step_node.parent), layout.records_name(step_node.name))
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        return path
+
+    def data_dir(self, step: StepState) -> str:
+        """The path its committed files are relative to (`layout.data_dir`)."""
+        return layout.data_dir(step.manifest.path, step.manifest.single_file)
     def find_dir(self, relpath: str) -> Node:
         """The directory at `relpath` (`""` or `.` is the root); ENOTDIR if it is not one."""
         node = self.root
@@ -241,6 +260,8 @@ class Tree:
     @staticmethod
     def entry_node(step_node: Node, name: str) -> Node | None:
         """The file node of a manifest entry, if it is in the tree."""
+        if step_node.is_file:
+            return step_node if os.fsencode(name) == step_node.name else None
         node = step_node
         for part in name.split("/"):
             if node.children is None:
@@ -251,7 +272,11 @@ class Tree:
         return node if node.is_file else None
 
     def files_under(self, dir_node: Node, prefix: str = "") -> Iterator[tuple[str, Node]]:
-        """Every file below `dir_node` with its path relative to it, in name order."""
+        """Every file below `dir_node` with its path relative to it, in name order (a
+        single-file step: the file itself, by its name)."""
+        if dir_node.is_file:
+            yield prefix + os.fsdecode(dir_node.name), dir_node
+            return
         for name, node in sorted(dir_node.children.items()):
             rel = prefix + os.fsdecode(name)
             if node.is_file:
@@ -262,6 +287,9 @@ class Tree:
     @staticmethod
     def walk_files(dir_node: Node) -> Iterator[Node]:
         """Every file below `dir_node`, in no particular order (cheaper than `files_under`)."""
+        if dir_node.is_file:
+            yield dir_node
+            return
         stack = [dir_node]
         while stack:
             for child in stack.pop().children.values():
@@ -296,14 +324,16 @@ class Tree:
         return False
 
     def steps(self, under: Node | None = None) -> Iterator[Node]:
-        """Every step directory (below `under`, itself included), depth first."""
+        """Every step (below `under`, itself included), depth first: step directories and
+        single-file steps."""
         stack = [under or self.root]
         while stack:
             node = stack.pop()
             if node.step is not None:
                 yield node  # nothing inside a step is a step
                 continue
-            stack.extend(c for c in node.children.values() if c.children is not None)
+            stack.extend(c for c in node.children.values()
+                         if c.children is not None or c.step is not None)
 
     @staticmethod
     def step_of(node: Node) -> StepState | None:
@@ -318,9 +348,21 @@ class Tree:
             return None
         return self.step_number(name)
 
-    def step_number(self, name: bytes | str) -> int | None:
-        """The step number a directory name carries, or None if it is not a step name."""
-        match = self.pattern.match(os.fsdecode(name))
+    def single_file_step(self, parent: Node, name: bytes) -> StepState | None:
+        """A regular file `name` in `parent` is a single-file step unless it is inside a step
+        directory (then it is part of that step): a file step if its name carries a number
+        (the file step pattern), else a loose file (no number). A name too long for its
+        records directory beside it is a plain file, never persisted."""
+        if (next(self.enclosing_steps(parent), None) is not None
+                or len(layout.records_name(name)) > NAME_MAX):
+            return None
+        return StepState(self.step_number(name, self.file_pattern))
+
+    def step_number(self, name: bytes | str, pattern: re.Pattern[str] | None = None
+                    ) -> int | None:
+        """The step number a directory name (or with the file pattern, a file name) carries,
+        or None if it is not a step name."""
+        match = (pattern or self.pattern).match(os.fsdecode(name))
         if match is None:
             return None
         try:
@@ -329,7 +371,7 @@ class Tree:
             return None
 
     def committed_step_holding(self, node: Node) -> StepState | None:
-        for step_node in self.enclosing_steps(node if node.is_dir else node.parent):
+        for step_node in self.enclosing_steps(node):
             step = self.step_of(step_node)
             if step is not None:
                 return step if step.committed else None
@@ -401,15 +443,18 @@ class Tree:
                                                 os.lstat(self.backing(node))))
         return found
 
-    def sealed_path(self, step_path: str, name: str, xxh3: str) -> bytes | None:
-        """The RAM store path of a sealed file with exactly this content, if held here."""
-        step_node = self.find_step(step_path)
-        if step_node is None:
+    def sealed_path(self, data_dir: str, name: str, xxh3: str) -> bytes | None:
+        """The RAM store path of a sealed file with exactly this content, if held here
+        (`name` relative to `data_dir`, see `layout.data_dir`)."""
+        node = self.root
+        try:
+            for part in layout.object_key(data_dir, name).split("/"):
+                node = self.child(node, os.fsencode(part))
+        except FsError:
             return None
-        for rel, node in self.files_under(step_node):
-            if (rel == name and node.remote is None and node.seal is not None
-                    and node.seal.digest.xxh3 == xxh3 and node.active_writers == 0):
-                return self.backing(node)
+        if (node.is_file and node.remote is None and node.seal is not None
+                and node.seal.digest.xxh3 == xxh3 and node.active_writers == 0):
+            return self.backing(node)
         return None
 
     # -- directories -----------------------------------------------------------------------
@@ -439,6 +484,15 @@ class Tree:
         os.rmdir(path)
         self._detach(node)
         self._mark_dirty(parent)
+
+    def _single_file_removed(self, node: Node) -> None:
+        """A single-file step leaves its name (unlink, rename, replaced by a rename): its
+        committed version is deleted from every tier, its records go."""
+        if node.step is None or node.is_dir:
+            return
+        self._step_removed(node.step)
+        self.remove_hidden(node, self.backing(node))
+        node.step = None
 
     def _step_removed(self, step: StepState) -> None:
         """A step directory leaves the tree (rmdir, or a directory renamed over it). If it held
@@ -486,7 +540,8 @@ class Tree:
         node = self._attach(parent, name, kind)
         if kind == stat.S_IFREG:
             self.store.account_path(path)
-            self._mark_dirty(parent)
+            node.step = self.single_file_step(parent, name)
+            self._mark_dirty(node)
         return node
 
     def check_special_destination(self, node: Node, new_parent: Node) -> None:
@@ -510,6 +565,7 @@ class Tree:
             os.close(fd)
             raise
         node = self._attach(parent, name, stat.S_IFREG)
+        node.step = self.single_file_step(parent, name)
         self.store.account_fd(fd)
         handle = self._new_handle(node, fd, writable=True)
         self.activate(handle)
@@ -617,6 +673,7 @@ class Tree:
         node = self.existing_entry(parent, name)
         if node.is_dir:
             raise FsError(errno.EISDIR)
+        self._single_file_removed(node)
         if node.remote is None:
             self._unlink_backing(self.backing(node), node)
         self.drop_fetch(node)
@@ -676,7 +733,7 @@ class Tree:
             return
         node.gen += 1
         node.seal = None
-        self._mark_dirty(node.parent)
+        self._mark_dirty(node)
 
     # -- copy on write ---------------------------------------------------------------------
 
@@ -749,8 +806,12 @@ class Tree:
                 if target.step is not None:
                     self._step_removed(target.step)
                 self.remove_hidden(target, new_path)
-            elif target.remote is None:
-                self._forget_backing_if_last(new_path, target)
+            else:
+                self._single_file_removed(target)
+                if target.remote is None:
+                    self._forget_backing_if_last(new_path, target)
+        if not node.is_dir:
+            self._single_file_removed(node)  # a step at its new name (Commits.after_rename)
         os.rename(old_path, new_path)
         if target is not None:
             self._detach(target)
@@ -759,7 +820,11 @@ class Tree:
         node.name = new_name
         node.parent = new_parent
         new_parent.children[new_name] = node
-        self._mark_dirty(new_parent)
+        if node.is_file:
+            node.step = self.single_file_step(new_parent, new_name)
+            self._mark_dirty(node)
+        else:
+            self._mark_dirty(new_parent)
         return True
 
     def check_rename(self, old_parent: Node, old_name: bytes, new_name: bytes,
@@ -792,6 +857,20 @@ class Tree:
         self.remove_hidden(node, self.backing(node))
         node.step = None
 
+    def become_single_file(self, node: Node, state: StepState) -> None:
+        """A file moved (with a directory above it) to where it is a single-file step: one
+        being written again, at its new path (it commits once more)."""
+        if node.step is None:
+            node.step = state
+        node.step.number = state.number
+        node.step.dirty = True
+        self._watch.touch(node)
+
+    def stop_being_single_file(self, node: Node) -> None:
+        """A file (resident) moved into a step directory: part of that step from now on."""
+        self.remove_hidden(node, self.backing(node))
+        node.step = None
+
     # -- seals -----------------------------------------------------------------------------
 
     async def seal(self, node: Node) -> None:
@@ -819,7 +898,7 @@ class Tree:
         node.active_writers += 1
         node.gen += 1
         node.seal = None
-        self._mark_dirty(node.parent)
+        self._mark_dirty(node)
 
     def written_behind_seal(self, node: Node) -> None:
         """The kernel wrote `node` through a passthrough descriptor after its seal: it counts as
@@ -841,12 +920,12 @@ class Tree:
         step = step_node.step
         old = step.manifest
         step_path = self.relpath(step_node)
-        dir_path = self.backing(step_node)
+        number = mf.NO_STEP if step.number is None else step.number
         entries = []
         for rel, node in files:
             entries.append(mf.entry_from_stat(rel, node.seal.digest,
                                               os.lstat(self.backing(node))))
-        if (old is not None and old.path == step_path and old.step == step.number
+        if (old is not None and old.path == step_path and old.step == number
                 and old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries)))):
             for copy in copies.values():
                 self.store.discard(copy)
@@ -854,10 +933,11 @@ class Tree:
             step.commit_pending = False
             return old
         manifest = mf.StepManifest(
-            path=step_path, step=step.number, version=old.version + 1 if old else 1,
+            path=step_path, step=number, version=old.version + 1 if old else 1,
             node_id=self.node_id, committed_ns=time.time_ns(), files=tuple(entries),
+            single_file=step_node.is_file,
         )
-        manifest_path = os.path.join(dir_path, mf.MANIFEST_NAME.encode())
+        manifest_path = os.path.join(self.records_path(step_node), mf.MANIFEST_NAME.encode())
         tmp = self.records.write_temp(manifest_path, mf.encode(manifest))  # may fail: ENOSPC
         for (_rel, node), entry in zip(files, entries, strict=True):
             self.store.add_ref(entry.xxh3, self.backing(node), copies.pop(node, None))
@@ -940,7 +1020,7 @@ class Tree:
             os.close(fd)
         self.drop_fetch(node)
         node.remote = None
-        self._mark_dirty(node.parent)
+        self._mark_dirty(node)
 
     def evict_file(self, step: StepState, entry: mf.FileEntry, node: Node) -> int | None:
         """One file of a committed step leaves RAM unless it is in use; the bytes freed, or
@@ -954,7 +1034,7 @@ class Tree:
             self.drop_fetch(node)  # ranges read on demand leave with the step
         if node.remote is None:
             self._unlink_backing(self.backing(node), node)
-            node.remote = RemoteFile(step.manifest.path, entry)
+            node.remote = RemoteFile(self.data_dir(step), entry)
             node.seal = None
             freed += entry.size
         if entry.name in step.resident:
@@ -980,7 +1060,7 @@ class Tree:
                         handle.fd = -1
                         handle.backing_ino = 0
                 self._unlink_backing(self.backing(node), node)
-                node.remote = RemoteFile(step.manifest.path, entry)
+                node.remote = RemoteFile(self.data_dir(step), entry)
                 node.seal = None
                 step.resident.discard(entry.name)
                 self.store.drop_ref(entry.xxh3)
@@ -996,17 +1076,20 @@ class Tree:
 
     def add_remote_files(self, step_node: Node, entries: list[mf.FileEntry],
                          step_path: str | None = None) -> None:
-        """Nodes for committed files whose bytes are in another tier (with their directories)."""
-        manifest_path = step_path or step_node.step.manifest.path
+        """Nodes for committed files whose bytes are in another tier (with their directories);
+        `step_path` is the data dir (`layout.data_dir`) if the step's manifest is not yet its."""
+        data_dir = step_path or self.data_dir(step_node.step)
         for entry in entries:
             parent, name = self._entry_parent(step_node, entry.name)
             node = parent.children.get(name)
             if node is None:
                 node = self._attach(parent, name, stat.S_IFREG)
-            node.remote = RemoteFile(manifest_path, entry)
+            node.remote = RemoteFile(data_dir, entry)
 
     def _entry_parent(self, step_node: Node, relative: str) -> tuple[Node, bytes]:
         """The directory node (made if missing) and the name of a manifest entry."""
+        if step_node.is_file:
+            return step_node.parent, step_node.name
         *dirs, name = relative.split("/")
         parent = step_node
         for part in map(os.fsencode, dirs):
@@ -1056,11 +1139,11 @@ class Tree:
         step_node.step.persisted_version = version
 
     def write_persist_mark(self, step_node: Node, version: int) -> None:
-        self.records.write_persist_mark(self.backing(step_node), version, "persisted")
+        self.records.write_persist_mark(self.records_path(step_node), version, "persisted")
 
     def set_retired(self, step_node: Node, version: int) -> None:
         """Retention removed this version from the persistent tier: never upload it again."""
-        self.records.write_persist_mark(self.backing(step_node), version, "retired")
+        self.records.write_persist_mark(self.records_path(step_node), version, "retired")
         step_node.step.persisted_version = 0
         step_node.step.retired_version = version
 
@@ -1078,16 +1161,28 @@ class Tree:
         step_node.step.holders.add(peer)
 
     def _write_node_list(self, step_node: Node, mark: bytes, nodes: set[str]) -> None:
-        self.records.write_node_list(self.backing(step_node), mark,
+        self.records.write_node_list(self.records_path(step_node), mark,
                                      step_node.step.manifest.version, nodes)
 
     def write_peers_mark(self, step_node: Node, version: int, holders: set[str]) -> None:
-        self.records.write_node_list(self.backing(step_node), PEERS_MARK, version, holders)
+        self.records.write_node_list(self.records_path(step_node), PEERS_MARK, version,
+                                     holders)
 
     def forget_step(self, step_node: Node) -> bytes:
         """The step leaves the tree and the RAM store at once; its directory is renamed aside
         (to a temporary name at the top of the tree: a short path, and start-up removes it if
-        a crash comes first) and returned, for the caller to remove off the trio thread."""
+        a crash comes first) and returned, for the caller to remove off the trio thread. A
+        single-file step sets its records directory aside so, and its file goes."""
+        if step_node.is_file:
+            records = self.records_path(step_node)
+            if step_node.remote is None:
+                self._unlink_backing(self.backing(step_node), step_node)
+            self.drop_fetch(step_node)
+            self.drop_resident_refs(step_node.step)
+            aside = self.store.tmp_path(self._tree)
+            os.rename(records, aside)
+            self._detach(step_node)
+            return aside
         for _rel, node in list(self.files_under(step_node)):
             if node.remote is None:
                 self._unlink_backing(self.backing(node), node)
@@ -1124,13 +1219,17 @@ class Tree:
         references (objects both versions share must stay)."""
         step = step_node.step
         old = step.manifest
-        self.records.write_manifest(self.backing(step_node), manifest)
+        self.records.write_manifest(self.records_path(step_node), manifest)
         old_refs = [old.entry(name).xxh3 for name in step.resident]
         for _rel, node in list(self.files_under(step_node)):
             if node.remote is None:
                 self._unlink_backing(self.backing(node), node)
             self.drop_fetch(node)
-            self._detach(node)
+            if node is step_node:  # a single-file step: the node stays, its bytes are elsewhere
+                node.remote = RemoteFile(layout.data_dir(manifest.path, True), manifest.files[0])
+                node.seal = None
+            else:
+                self._detach(node)
         step.manifest = manifest
         step.resident = set()
         step.replicas = set()
@@ -1150,6 +1249,8 @@ class Tree:
 
     def install_step(self, manifest: mf.StepManifest, source: str) -> Node | None:
         """The directories of a step committed elsewhere, and its manifest, written first."""
+        if manifest.single_file:
+            return self._install_single_file(manifest, source)
         parent = self.root
         for part in map(os.fsencode, manifest.path.split("/")):
             child = parent.children.get(part)
@@ -1168,11 +1269,42 @@ class Tree:
             log.warning("step %s from %s does not fit this namespace (step pattern, or a "
                         "directory of that name in use)", manifest.path, source)
             return None
-        self.records.write_manifest(self.backing(parent), manifest)
+        self.records.write_manifest(self.records_path(parent), manifest)
         step.manifest = manifest
         step.dirty = False
         step.resident = set()
         return parent
+
+    def _install_single_file(self, manifest: mf.StepManifest, source: str) -> Node | None:
+        """A single-file step committed elsewhere: its directories (none of them a step),
+        its file's node (whose bytes the caller places) and its records, written first."""
+        *dirs, name = manifest.path.split("/")
+        parent = self.root
+        for part in map(os.fsencode, dirs):
+            child = parent.children.get(part)
+            if child is None:
+                if self.step_number_at(parent, part) is not None:
+                    break
+                os.mkdir(os.path.join(self.backing(parent), part), 0o755)
+                child = self._attach(parent, part, stat.S_IFDIR)
+            elif not child.is_dir or child.step is not None:
+                break
+            parent = child
+        else:
+            file_name = os.fsencode(name)
+            state = (None if file_name in parent.children
+                     else self.single_file_step(parent, file_name))
+            if state is not None:
+                node = self._attach(parent, file_name, stat.S_IFREG)
+                node.step = state
+                self.records.write_manifest(self.records_path(node), manifest)
+                state.manifest = manifest
+                state.dirty = False
+                state.resident = set()
+                return node
+        log.warning("file %s from %s does not fit this namespace (a step directory or a "
+                    "file of that name in use)", manifest.path, source)
+        return None
 
     def install_objects(self, step_node: Node, manifest: mf.StepManifest) -> None:
         """The files of a replica, whose objects are here already (verified), into the tree."""
@@ -1184,7 +1316,8 @@ class Tree:
             os.link(self.store.object_path(entry.xxh3), tmp)
             apply_attributes(tmp, entry)
             os.rename(tmp, path)
-            node = self._attach(parent, name, stat.S_IFREG)
+            node = parent.children.get(name) or self._attach(parent, name, stat.S_IFREG)
+            node.remote = None
             node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks),
                              os.lstat(path).st_ino)
             self.store.add_ref(entry.xxh3, path)
@@ -1203,7 +1336,7 @@ class Tree:
                 log.warning("%s here differs from the version %s committed: kept as writing",
                             self.relpath(step_node), ", ".join(sorted(others)))
                 return False
-        self.records.write_manifest(self.backing(step_node), manifest)
+        self.records.write_manifest(self.records_path(step_node), manifest)
         self.drop_resident_refs(step)
         for rel, node in local:
             self.store.add_ref(manifest.entry(rel).xxh3, self.backing(node))
@@ -1249,14 +1382,21 @@ class Tree:
                     self._load_dir(node, child_path, recovered, in_step or number is not None)
                     if number is not None:
                         self._load_step(node, number, child_path, recovered)
+                elif kind == stat.S_IFREG and not in_step:
+                    state = self.single_file_step(dir_node, entry.name)
+                    if state is not None:
+                        self._load_step(node, state.number, os.path.join(
+                            path, layout.records_name(entry.name)), recovered)
 
-    def _load_step(self, node: Node, number: int, path: bytes, recovered: Recovered) -> None:
+    def _load_step(self, node: Node, number: int | None, path: bytes,
+                   recovered: Recovered) -> None:
+        """`path`: the step's records directory (`records_path`)."""
         manifest, resident = recovered.get(path, (None, set()))
         step = node.step = StepState(number, manifest)
         step.resident = resident
         # A DCP step whose .metadata came before its shards (a copy under way) commits when
         # the last of them is closed, as before the restart.
-        step.commit_pending = manifest is None and METADATA in node.children
+        step.commit_pending = manifest is None and node.is_dir and METADATA in node.children
         if manifest is None:
             return
         mark = self.records.persist_mark(path)
@@ -1292,6 +1432,7 @@ class Tree:
             ram_bytes = size
         return {
             "path": self.relpath(step_node), "step": step.number, "state": step.state,
+            "kind": "dir" if step_node.is_dir else "file",
             "ram_bytes": ram_bytes,
             "version": step.manifest.version if step.manifest else 0,
             "files": files, "bytes": size, "ram": step.in_ram,
@@ -1507,19 +1648,28 @@ class Tree:
         return any(h.backing_ino == st.st_ino for h in node.handles)
 
     def remove_hidden(self, dir_node: Node, path: bytes) -> None:
-        """Remove tierfs's own entries of an otherwise empty directory (a deleted step)."""
+        """Remove tierfs's own entries of an otherwise empty directory (a deleted step), or
+        the records directory of a single-file step (`path`: the file)."""
         step = dir_node.step
         if step is not None:
             self.drop_resident_refs(step)
             step.manifest = None
-        else:  # a committed step renamed to a name that is not a step name
+        elif dir_node.is_dir:  # a committed step renamed to a name that is not a step name
             manifest = self.records.read_manifest(path)
             for entry in manifest.files if manifest else ():
                 if os.path.exists(os.path.join(path, os.fsencode(entry.name))):
                     self.store.drop_ref(entry.xxh3)
+        if not dir_node.is_dir:
+            shutil.rmtree(os.path.join(os.path.dirname(path), layout.records_name(
+                os.path.basename(path))), ignore_errors=True)
+            return
         for name in os.listdir(path):
             if is_reserved(name):
-                os.unlink(os.path.join(path, name))
+                hidden = os.path.join(path, name)
+                if os.path.isdir(hidden) and not os.path.islink(hidden):
+                    shutil.rmtree(hidden)  # a single-file step's records
+                else:
+                    os.unlink(hidden)
 
 
 def _chown(path: bytes, uid: int, gid: int) -> None:

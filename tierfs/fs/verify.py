@@ -44,6 +44,7 @@ from typing import Any
 import trio
 import xxhash
 
+from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs.fetch import ObjectMissing
 from tierfs.fs.nodes import FsError, Node, StepState
@@ -251,7 +252,8 @@ class Verifier:
             return tier
         for entry in manifest.files:
             try:
-                state = await self._check_persisted_file(manifest.path, entry)
+                state = await self._check_persisted_file(
+                    layout.data_dir(manifest.path, manifest.single_file), entry)
             except Exception as exc:
                 tier.error = f"cannot read the persistent tier: {exc}"
                 return tier
@@ -260,10 +262,11 @@ class Verifier:
             self._tally(tier, state, entry.name)
             self._advance(entry.size)
         try:
-            stored = await self.persist.manifest(manifest.path)
+            stored = await self.persist.manifest(manifest.path, manifest.single_file)
             same = stored is not None and _same_manifest(stored, manifest)
             if not same and repair:
-                await self.persist.write_manifest(manifest.path, mf.encode(manifest))
+                await self.persist.write_manifest(manifest.path, mf.encode(manifest),
+                                                  manifest.single_file)
                 tier.repaired.append(mf.MANIFEST_NAME)
                 log.warning("manifest of %s in the persistent tier was %s: written again",
                             manifest.path, "missing" if stored is None else "wrong")
@@ -319,8 +322,8 @@ class Verifier:
         if await self._check_ram_file(*found, act=REPORT, force=True) != GOOD:
             return state
         try:
-            await self.persist.rewrite(manifest.path, entry.name,
-                                       os.fsdecode(self.tree.backing(node)))
+            await self.persist.rewrite(layout.data_dir(manifest.path, manifest.single_file),
+                                       entry.name, os.fsdecode(self.tree.backing(node)))
         except Exception as exc:
             log.error("upload of %s/%s again failed: %s", manifest.path, entry.name, exc)
             return state
@@ -432,7 +435,8 @@ class Verifier:
                     return True
         if step_node.step.persisted and self.persist is not None:
             with contextlib.suppress(Exception):
-                return await self.persist.object_size(manifest.path, entry.name) == 0
+                return await self.persist.object_size(
+                    layout.data_dir(manifest.path, manifest.single_file), entry.name) == 0
         return False
 
     def _keep_aside(self, key: tuple[str, int, str], path: bytes) -> bytes:
@@ -469,8 +473,8 @@ class Verifier:
                 node = self.tree.child(node, os.fsencode(part))
         if not node.is_dir:
             raise FsError(errno.ENOTDIR, f"{relpath} is not a directory")
-        return sorted(self.tree.steps(node), key=lambda n: (self.tree.relpath(n.parent),
-                                                          n.step.number))
+        return sorted(self.tree.steps(node), key=lambda n: (
+            self.tree.relpath(n.parent), -1 if n.step.number is None else n.step.number))
 
     def _resident_files(self, under: Node | None
                         ) -> list[tuple[Node, StepState, mf.FileEntry, Node]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tierfs.mount_helper.mounts import real_path
-from tierfs.step_names import DEFAULT_STEP_PATTERN
+from tierfs.step_names import DEFAULT_FILE_STEP_PATTERN, DEFAULT_STEP_PATTERN
 
 
 class ConfigError(Exception):
@@ -62,6 +62,9 @@ MOUNT_OPTIONS = [
            "flag"),
     Option("step-pattern", DEFAULT_STEP_PATTERN, "regular expression for step directory names; "
            "group 1 is the step number (default %(default)s)", metavar="REGEX"),
+    Option("file-step-pattern", DEFAULT_FILE_STEP_PATTERN, "regular expression for the names "
+           "of single-file checkpoints outside step directories (file steps); group 1 is the "
+           "step number (default %(default)s)", metavar="REGEX"),
     Option("commit-idle", 5.0, "a step being written commits by itself once no file of it has "
            "been open for writing or changed for this long (default %(default)s)", "float",
            "SECONDS"),
@@ -115,6 +118,7 @@ class MountConfig:
     node_id: str
     step_pattern: str
     log_file: Path
+    file_step_pattern: str = DEFAULT_FILE_STEP_PATTERN
     passthrough: bool = True
     allow_non_empty: bool = False
     commit_idle: float = 5.0
@@ -290,18 +294,25 @@ def _seconds(values: dict[str, Any], key: str) -> float:
     return seconds
 
 
+def _step_pattern(values: dict[str, Any], key: str) -> str:
+    """A step pattern option: a regular expression whose group 1 is the step number."""
+    pattern = str(values[key])
+    option = "--" + key.replace("_", "-")
+    try:
+        if re.compile(pattern).groups < 1:
+            raise ConfigError(f"{option} {pattern!r} needs a group for the step number")
+    except re.error as exc:
+        raise ConfigError(f"{option} {pattern!r} is not a regular expression: {exc}") from None
+    return pattern
+
+
 def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
     keep_ram = _whole_number(values, "keep_ram", 1)
     persist = values["persist"] or None
     if persist is not None and not str(persist).startswith(("s3://", "file:///")):
         raise ConfigError(f"--persist {persist}: use s3://bucket/prefix or file:///abs/path")
-    pattern = str(values["step_pattern"])
-    try:
-        if re.compile(pattern).groups < 1:
-            raise ConfigError(f"--step-pattern {pattern!r} needs a group for the step number")
-    except re.error as exc:
-        raise ConfigError(
-            f"--step-pattern {pattern!r} is not a regular expression: {exc}") from None
+    pattern = _step_pattern(values, "step_pattern")
+    file_pattern = _step_pattern(values, "file_step_pattern")
     node_id = str(values["node_id"] or socket.gethostname())
     peers = parse_peers(values["peers"]) if values["peers"] else {}
     if peers and node_id not in peers:
@@ -335,6 +346,7 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         token=token,
         node_id=node_id,
         step_pattern=pattern,
+        file_step_pattern=file_pattern,
         log_file=Path(values["log_file"] or ram_dir / "tierfs.log").absolute(),
         passthrough=not values["no_passthrough"],
         allow_non_empty=bool(values["allow_non_empty"]),

@@ -47,6 +47,7 @@ from tierfs.mount_helper.mounts import (
     ram_dir_of,
     with_patience,
 )
+from tierfs.mount_helper.status_view import number_of
 from tierfs.observe import Events, Levels, MetricsServer
 from tierfs.replication.cluster_commit import SealedFiles
 from tierfs.replication.gossip import Gossip
@@ -276,6 +277,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     commits_send, commits_recv = trio.open_memory_channel[mf.StepManifest](64)
     events = Events()
     core = Core(store, node_id=cfg.node_id, step_pattern=cfg.step_pattern,
+                file_step_pattern=cfg.file_step_pattern,
                 commit_idle=cfg.commit_idle, delete_targets=_delete_targets(cfg))
     backend = await _persistent_tier(cfg, ready)
     persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
@@ -413,7 +415,10 @@ def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
     return Uploader(
         backend, lambda digest: str(namespace.store.object_path(digest)),
         persist_every=cfg.persist_every, keep_persist=cfg.keep_persist,
-        step_number=namespace.tree.step_number, is_current=tiers.is_current,
+        step_number=namespace.tree.step_number,
+        file_step_number=lambda name: namespace.tree.step_number(name,
+                                                                 namespace.tree.file_pattern),
+        is_current=tiers.is_current,
         on_persisted=tiers.mark_persisted, on_retired=tiers.mark_retired, events=events,
     )
 
@@ -672,7 +677,7 @@ class Daemon:
     def status(self) -> dict[str, Any]:
         ns = self.namespace
         steps = sorted((self._step_status(node) for node in ns.tree.steps()),
-                       key=lambda s: (os.path.dirname(s["path"]), s["step"], s["path"]))
+                       key=lambda s: (os.path.dirname(s["path"]), number_of(s), s["path"]))
         return {
             "node_id": self.cfg.node_id,
             "mountpoint": str(self.cfg.mountpoint),

@@ -62,8 +62,13 @@ def by_run(steps: Iterable[Step]) -> dict[str, list[Step]]:
     for step in steps:
         runs.setdefault(run_of(step), []).append(step)
     for members in runs.values():
-        members.sort(key=lambda s: (s["step"], s["path"]))
+        members.sort(key=lambda s: (number_of(s), s["path"]))
     return runs
+
+
+def number_of(step: Step) -> int:
+    """A step's number for ordering: a loose file (`step` null) comes first."""
+    return -1 if step["step"] is None else step["step"]
 
 
 def only_in_ram(step: Step) -> bool:
@@ -73,10 +78,11 @@ def only_in_ram(step: Step) -> bool:
 
 
 def latest_paths(steps: Iterable[Step]) -> set[str]:
-    """Per run directory, the committed step `latest` names: the highest step number."""
+    """Per run directory, the committed step `latest` names: the highest step number (step
+    directories only: file steps and loose files are never `latest`)."""
     newest: dict[str, Step] = {}
     for step in steps:
-        if step["state"] == "committed":
+        if step["state"] == "committed" and step.get("kind", "dir") == "dir":
             best = newest.get(run_of(step))
             if best is None or step["step"] > best["step"]:
                 newest[run_of(step)] = step
@@ -103,7 +109,8 @@ def table(steps: list[Step], now_ns: int) -> list[str]:
     rows = [("PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "AGE", "TIERS", "")]
     for step in steps:
         age = step_age(step, now_ns)
-        rows.append((step["path"], str(step["step"]), step["state"], str(step["version"]),
+        rows.append((step["path"], "-" if step["step"] is None else str(step["step"]),
+                     step["state"], str(step["version"]),
                      str(step["files"]), human_bytes(step["bytes"]),
                      "-" if age is None else human_age(age), tiers_of(step),
                      LATEST if step["path"] in latest else ""))

@@ -151,7 +151,7 @@ class FileBackend(Backend):
             with open(self._path(key), "rb") as f:
                 f.seek(offset)
                 return f.read() if length < 0 else f.read(length)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a/b where a is an object: no a/b
             raise NotFound(key) from None
         except OSError as exc:
             raise BackendError(f"{key}: {exc.strerror}", temporary=False) from exc
@@ -174,7 +174,7 @@ class FileBackend(Backend):
             path = self._path(key)
             try:
                 path.unlink()
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 continue
             parent = path.parent
             while parent != self.root:  # leave no empty step directories behind

@@ -9,8 +9,9 @@ from typing import TypeVar
 
 import trio
 
+from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.s3tier.interface import MANIFEST_KEY, Backend, NotFound
+from tierfs.s3tier.interface import Backend, NotFound
 from tierfs.s3tier.retry import POLICY, retry
 
 T = TypeVar("T")
@@ -28,7 +29,8 @@ class PersistentReader:
 
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
                          length: int) -> bytes:
-        key = f"{step_path}/{entry.name}"
+        """`step_path`: the directory the entry is relative to (`layout.data_dir`)."""
+        key = layout.object_key(step_path, entry.name)
         return await self._attempts(f"read of {key} [{offset}, +{length})",
                                     self.backend.get_range, key, offset, length)
 
@@ -41,23 +43,24 @@ class PersistentReader:
 
     async def rewrite(self, step_path: str, name: str, path: str) -> None:
         """Upload a verified local copy over the object of a committed file."""
-        key = f"{step_path}/{name}"
+        key = layout.object_key(step_path, name)
         await self._attempts(f"upload of {key}", self.backend.put_file, key, path)
 
     async def object_size(self, step_path: str, name: str) -> int | None:
         """The size of a committed file's object, None if there is none."""
-        key = f"{step_path}/{name}"
+        key = layout.object_key(step_path, name)
         found = await self._attempts(f"listing of {key}",
                                      lambda: [o for o in self.backend.list(key) if o.key == key])
         return found[0].size if found else None
 
-    async def manifest(self, step_path: str) -> bytes | None:
-        key = f"{step_path}/{MANIFEST_KEY}"
+    async def manifest(self, step_path: str, single_file: bool = False) -> bytes | None:
+        key = layout.manifest_key(step_path, single_file)
         try:
             return await self._attempts(f"read of {key}", self.backend.get_bytes, key)
         except NotFound:
             return None
 
-    async def write_manifest(self, step_path: str, data: bytes) -> None:
-        key = f"{step_path}/{MANIFEST_KEY}"
+    async def write_manifest(self, step_path: str, data: bytes,
+                             single_file: bool = False) -> None:
+        key = layout.manifest_key(step_path, single_file)
         await self._attempts(f"upload of {key}", self.backend.put_bytes, key, data)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import trio
 
+from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.observe import Events
 from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound
@@ -41,6 +42,7 @@ class Uploader:
         persist_every: int,
         keep_persist: int,
         step_number: Callable[[str], int | None],
+        file_step_number: Callable[[str], int | None] = lambda _name: None,
         is_current: Callable[[mf.StepManifest], bool],
         on_persisted: Callable[[mf.StepManifest], None],
         on_retired: Callable[[str], None],
@@ -52,6 +54,7 @@ class Uploader:
         self.persist_every = persist_every
         self.keep_persist = keep_persist
         self._step_number = step_number
+        self._file_step_number = file_step_number
         self._is_current = is_current
         self._on_persisted = on_persisted
         self._on_retired = on_retired
@@ -63,7 +66,8 @@ class Uploader:
         return self._path_locks.setdefault(path, trio.Lock())
 
     def wanted(self, manifest: mf.StepManifest) -> bool:
-        return manifest.step % self.persist_every == 0
+        # A loose file (no step number) is always persisted: nothing else keeps it.
+        return manifest.step == mf.NO_STEP or manifest.step % self.persist_every == 0
 
     def submit(self, manifest: mf.StepManifest) -> None:
         """Queue a committed step (a newer version of a queued step replaces it)."""
@@ -109,12 +113,14 @@ class Uploader:
             raise NoLongerWanted(manifest.path)
         started = time.monotonic()
         prefix = manifest.path
+        manifest_key = layout.manifest_key(prefix, manifest.single_file)
+        data_dir = layout.data_dir(prefix, manifest.single_file)
         await self._call(f"removing old manifest of {prefix}", manifest, self.backend.delete,
-                         [f"{prefix}/{MANIFEST_KEY}"])
+                         [manifest_key])
 
         async def upload_file(entry: mf.FileEntry) -> None:
-            await self._call(f"upload of {prefix}/{entry.name}", manifest,
-                             self.backend.put_file, f"{prefix}/{entry.name}",
+            key = layout.object_key(data_dir, entry.name)
+            await self._call(f"upload of {key}", manifest, self.backend.put_file, key,
                              self._object_path(entry.xxh3))
 
         async with trio.open_nursery() as nursery:
@@ -122,8 +128,8 @@ class Uploader:
                 nursery.start_soon(upload_file, entry)
         if not self._is_current(manifest):  # deleted or re-saved meanwhile: never list it
             raise NoLongerWanted(prefix)
-        await self._call(f"upload of {prefix}/{MANIFEST_KEY}", manifest,
-                         self.backend.put_bytes, f"{prefix}/{MANIFEST_KEY}", mf.encode(manifest))
+        await self._call(f"upload of {manifest_key}", manifest,
+                         self.backend.put_bytes, manifest_key, mf.encode(manifest))
         await self._call(f"removing old files of {prefix}", manifest, self._remove_stale,
                          manifest)
         self._events.persisted(manifest, self.backend.url, time.monotonic() - started)
@@ -135,6 +141,8 @@ class Uploader:
         """Objects under the step that its new version does not name (a re-save with other
         file names) take space for nothing: they go (blocking)."""
         prefix = f"{manifest.path}/"
+        if manifest.single_file:
+            return  # one object, replaced in place
         names = {entry.name for entry in manifest.files} | {MANIFEST_KEY}
         stale = [o.key for o in self.backend.list(prefix) if o.key[len(prefix):] not in names]
         if stale:
@@ -144,23 +152,41 @@ class Uploader:
         """Remove a deleted step from the store: its manifest first, so it is never seen half
         gone, then its data. A version committed after the delete (saved again) stays.
         Raises BackendError while the store cannot do it."""
-        key = f"{path}/{MANIFEST_KEY}"
         async with self._lock(path):
-            try:
-                stored = await trio.to_thread.run_sync(self.backend.get_bytes, key)
-            except NotFound:
-                stored = None
+            single_file, stored = await trio.to_thread.run_sync(self._stored_manifest, path)
             if stored is not None:
                 with contextlib.suppress(mf.ManifestError):
                     if mf.decode(stored).committed_ns > committed_ns:
                         log.info("%s in %s was saved again after its delete: kept", path,
                                  self.backend.url)
                         return
-                await trio.to_thread.run_sync(self.backend.delete, [key])
-            objects = await trio.to_thread.run_sync(lambda: list(self.backend.list(f"{path}/")))
-            await trio.to_thread.run_sync(self.backend.delete, [o.key for o in objects])
+            objects = await trio.to_thread.run_sync(self._remove, path, single_file)
         log.info("deleted %s from %s (%d objects, %d bytes)", path, self.backend.url,
                  len(objects), sum(o.size for o in objects))
+
+    def _stored_manifest(self, path: str) -> tuple[bool, bytes | None]:
+        """Whether the step at `path` is stored as a single file, and its manifest (None if
+        there is none: then it is taken for a directory). Blocking."""
+        for single_file in (True, False):
+            try:
+                return single_file, self.backend.get_bytes(layout.manifest_key(path, single_file))
+            except NotFound:
+                continue
+        return False, None
+
+    def _remove(self, path: str, single_file: bool | None = None) -> list:  # type: ignore[type-arg]
+        """Remove the step at `path` from the store: its manifest first, so it is never seen
+        half gone, then its data (blocking). A single file's object is `path` itself."""
+        if single_file is None:
+            single_file = self._stored_manifest(path)[0]
+        self.backend.delete([layout.manifest_key(path, single_file)])
+        if single_file:
+            objects = [o for o in self.backend.list(path) if o.key == path]
+            objects += list(self.backend.list(layout.records_dir(path, True) + "/"))
+        else:
+            objects = list(self.backend.list(f"{path}/"))
+        self.backend.delete([o.key for o in objects])
+        return objects
 
     async def _apply_retention(self, run_dir: str) -> None:
         """Delete all but the newest `keep_persist` steps of `run_dir` from the store."""
@@ -178,10 +204,12 @@ class Uploader:
         steps = {}
         for obj in objects:
             head, _, name = obj.key.rpartition("/")
-            if name == MANIFEST_KEY and head.rpartition("/")[0] == run_dir:
-                number = self._step_number(head.rpartition("/")[2])
+            path, single_file = layout.step_of_records_dir(head)
+            parent, _, base = path.rpartition("/")
+            if name == MANIFEST_KEY and parent == run_dir:
+                number = (self._file_step_number if single_file else self._step_number)(base)
                 if number is not None:
-                    steps[head] = number
+                    steps[path] = number
         return steps
 
     async def stored_manifests(self) -> list[mf.StepManifest]:
@@ -197,7 +225,7 @@ class Uploader:
                 except (BackendError, mf.ManifestError) as exc:
                     log.error("skipping unreadable manifest %s: %s", obj.key, exc)
                     continue
-                if manifest.path != head:
+                if layout.records_dir(manifest.path, manifest.single_file) != head:
                     log.error("skipping manifest %s: it names step %s", obj.key, manifest.path)
                     continue
                 manifests.append(manifest)
@@ -220,9 +248,7 @@ class Uploader:
 
     async def retire(self, path: str) -> None:
         """Remove a step from the store: its manifest first, so it is never seen half gone."""
-        await trio.to_thread.run_sync(self.backend.delete, [f"{path}/{MANIFEST_KEY}"])
-        objects = await trio.to_thread.run_sync(lambda: list(self.backend.list(f"{path}/")))
-        await trio.to_thread.run_sync(self.backend.delete, [o.key for o in objects])
+        objects = await trio.to_thread.run_sync(self._remove, path)
         log.info("retention removed %s from %s (%d objects)", path, self.backend.url,
                  len(objects))
         self._on_retired(path)
