@@ -20,7 +20,7 @@ from tierfs import manifest as mf
 from tierfs.observe import Events
 from tierfs.replication import protocol as proto
 from tierfs.replication.membership import Membership
-from tierfs.s3tier.retry import POLICY
+from tierfs.retry import POLICY
 from tierfs.step_queue import StepQueue
 
 log = logging.getLogger(__name__)
