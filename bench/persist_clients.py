@@ -1,6 +1,7 @@
 """Which S3 client should upload a committed step? One run, same SeaweedFS, same files:
 
-* `classic`: boto3's transfer manager as `S3Backend.put_file` used it (16 MiB parts, 4 per
+* `classic`: boto3's transfer manager as `S3Backend.put_file` uses it now (16 MiB parts, 4 in
+  flight in all, low-priority threads) and as it did before (a manager per file, 4 parts per
   file), 4 files at once as the uploader sends them;
 * `boto3-crt`: boto3's `TransferConfig(preferred_transfer_client="crt")` (needs `boto3[crt]`);
 * `crt`: the same CRT transfer manager (`s3transfer.crt`) built for a custom endpoint;
@@ -37,7 +38,9 @@ def measure(label: str, size: int, func: Callable[[], object]) -> dict[str, obje
     cpu, wall = cpu_seconds(), time.perf_counter()
     try:
         func()
-    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one; reported
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one
         return {"client": label, "error": f"{type(exc).__name__}: {exc}"[:400]}
     wall = time.perf_counter() - wall
     cpu = cpu_seconds() - cpu
@@ -110,8 +113,16 @@ def _clients(backend_class: type, endpoint: str) -> dict[str, Callable[[Path, st
     from boto3.s3.transfer import TransferConfig
 
     classic = backend_class(BUCKET, "", endpoint)
-    clients: dict[str, Callable[[Path, str], None]] = {"classic boto3": classic.put_file}
+    clients: dict[str, Callable[[Path, str], None]] = {
+        "classic boto3 (S3Backend.put_file)": lambda path, key: classic.put_file(key, path)}
     boto_client = boto3.client("s3", endpoint_url=endpoint)
+    per_file = TransferConfig(multipart_threshold=16 << 20, multipart_chunksize=16 << 20,
+                              max_concurrency=4)
+
+    def put_classic_per_file(path: Path, key: str) -> None:  # S3Backend before issue 14
+        boto_client.upload_file(str(path), BUCKET, key, Config=per_file)
+
+    clients["classic boto3, a transfer manager per file"] = put_classic_per_file
     boto_crt = TransferConfig(preferred_transfer_client="crt")
 
     def put_boto3_crt(path: Path, key: str) -> None:

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -248,7 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results.setdefault(workload, {}).setdefault(target, []).append(seconds)
 
     uniform = uniform_state(size)
-    with Bench(args) as bench, PeakRss(bench.pid) as rss:
+    with Bench(args) as bench, PeakRss(bench.pid) as rss, Profile(bench, args.profile) as spy:
         targets = [*bench.mounts, *TARGETS[1:]]
         for rep in range(args.reps):
             for target in targets:
@@ -297,12 +298,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     bench.drop(target, f"model_{rep}.pt")
             extra.setdefault("metadata_to_committed", []).append(_commit_latency(bench, rep))
             print(f"repetition {rep + 1} of {args.reps} done", flush=True)
+        spy.stop()
         try:
             _cluster(bench, state, fresh, args.reps, extra)
         except Exception as exc:  # noqa: BLE001 - the table above is still worth reporting
             failures.append(f"cluster measurements: {type(exc).__name__}: {exc}")
     return {"bytes": size, "reps": args.reps, "targets": targets, "results": results,
             "extra": extra, "failures": failures, "daemon_rss_peak_kib": rss.peak_kib,
+            "daemon_profile": spy.functions,
             "machine": _machine()}
 
 
@@ -379,6 +382,37 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class Profile:
+    """py-spy on the tierfs daemon during the single-node runs (`--profile`): the share of its
+    busy samples per innermost Python function, idle threads left out."""
+
+    def __init__(self, bench: Bench, enabled: bool) -> None:
+        self.out = bench.work / "daemon.spy"
+        self.functions: dict[str, float] = {}
+        self._proc: subprocess.Popen[bytes] | None = None
+        spy = shutil.which("py-spy", path=os.path.dirname(sys.executable))
+        if enabled and spy:
+            self._proc = subprocess.Popen([spy, "record", "--nonblocking", "-p", str(bench.pid),
+                                           "-f", "raw", "-r", "100", "-o", str(self.out)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def __enter__(self) -> Profile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        self._proc.send_signal(signal.SIGINT)
+        self._proc.wait(timeout=60)
+        self._proc = None
+        from data_path_profile import _functions  # bench/ is this script's directory
+
+        self.functions = _functions(self.out)
+
+
 class PeakRss:
     """The highest resident set size of a process, sampled every 50 ms in a thread."""
 
@@ -438,6 +472,9 @@ def report(data: dict[str, Any], out: Path) -> str:
                      + f" | {ratio} | {GOALS.get(workload, '-')} |")
     lines += ["", "| measurement | median | target |", "|---|---|---|"]
     lines += [f"| {label} | {value} | {target} |" for label, value, target in _extras(data)]
+    if data.get("daemon_profile"):
+        lines += ["", "Daemon profile (py-spy, busy samples of the single-node runs): "
+                  + ", ".join(f"{k} {v}%" for k, v in data["daemon_profile"].items())]
     if data["failures"]:
         lines += ["", "Failed runs (left out of the medians):"]
         lines += [f"- {failure}" for failure in data["failures"]]
@@ -516,6 +553,8 @@ def main() -> None:
     parser.add_argument("--size", default="2G", help="checkpoint size (default 2G)")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
     parser.add_argument("--out", default="bench/results", help="where results go")
+    parser.add_argument("--profile", action="store_true",
+                        help="py-spy (if installed) on the daemon during the single-node runs")
     parser.add_argument("--compare", action="store_true",
                         help=f"also run a mount with --no-passthrough (column {DAEMON_PATH!r})")
     args = parser.parse_args()
