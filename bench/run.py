@@ -330,7 +330,7 @@ def _after_tierfs_save(bench: Bench, name: str, extra: dict[str, list[float]],
 
 def _commit_latency(bench: Bench, rep: int) -> float:
     """From the start of writing `.metadata` to its close, which commits a 1,000-file step."""
-    step = bench.mount / "run" / f"many_{900 + rep}"
+    step = bench.mount / "run" / f"step_{900 + rep}"  # a step name: it commits
     step.mkdir(parents=True)
     payload = os.urandom(16 << 10)
     for i in range(METADATA_FILES):
