@@ -83,6 +83,7 @@ class Namespace:
         self.store = tree.store
         self.deletes = core.deletes
         self.background = background or Background()
+        tree.sealing.spawner = self.background  # seals are hashed off the writer's path
         self.residency = Residency(tree, list(read_sources or []), self.background,
                                    keep_ram=keep_ram, replicas=replicas)
         self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)

@@ -10,8 +10,9 @@ ports it is given (`fs.ports`: `StepWatch`, `DeleteLog`).
 
 Invariants (S3QL-style note: where an `await` must not appear):
 
-* A file is *sealed* when its last active writer flushes: its xxh3-128 is computed in a thread
-  and kept only if no writer became active meanwhile (`Node.gen` did not move).
+* A file is *sealed* after its last active writer flushes: its xxh3-128 is computed in the
+  background (`fs.sealing`) and kept only if no writer became active meanwhile (`Node.gen` did
+  not move) and the backing file did not change; a commit waits for the seals of its files.
 * `write_manifest` runs without any `await` from the moment the commit re-checks the step (no
   active writer, every file sealed, same set of files; `fs.commits`) until the manifest is
   renamed into place and the in-memory state updated. A concurrent handler therefore sees
@@ -71,6 +72,7 @@ from tierfs.fs.nodes import (
 from tierfs.fs.ports import DeleteLog, StepWatch
 from tierfs.fs.ram_store import RamStore, allocated, is_reserved
 from tierfs.fs.records import StepRecords
+from tierfs.fs.sealing import Sealing
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,7 @@ class Tree:
         self._latest: dict[int, Node] = {}
         self._latest_pins = LatestPins()
         self._released = trio.Event()
-        self._hash_limiter = trio.CapacityLimiter(2)
+        self.sealing = Sealing(self.backing)
         self._unshare_locks: dict[Node, trio.Lock] = {}
         self.fetching: set[Node] = set()  # nodes with a partial fetch (fs.residency)
 
@@ -625,9 +627,11 @@ class Tree:
         # The kernel writes passthrough files without us, and flushes at the close of every
         # duplicate descriptor (shell `>`, dd, forked children): writes through the other
         # duplicates may follow a flush. A seal that no longer describes the file is redone,
-        # and so is any seal taken before the last of several closes.
+        # and so is any seal taken before the last of several closes. A seal still being
+        # computed checks the file's inode, size and mtime around its hash itself.
         if handle.passthrough and handle.writable and not handle.active and (
-                (final and handle.flushes > 1) or not self.seal_describes_file(handle.node)):
+                (final and handle.flushes > 1) or not (self.seal_describes_file(handle.node)
+                                                       or self.sealing.pending(handle.node))):
             self.activate(handle)
         if not final:
             handle.flushes += 1
@@ -639,7 +643,7 @@ class Tree:
         handle.active = False
         node.active_writers -= 1
         if node.active_writers == 0:
-            await self.seal(node)
+            self.sealing.start(node)  # off the writer's path: the close returns now
         self._released.set()
         self._released = trio.Event()
         return True
@@ -874,22 +878,8 @@ class Tree:
     # -- seals -----------------------------------------------------------------------------
 
     async def seal(self, node: Node) -> None:
-        """Hash the node's content in a thread; keep the seal only if nothing wrote meanwhile."""
-        gen = node.gen
-        try:
-            fd = os.open(self.backing(node), os.O_RDONLY)
-        except FsError:
-            return
-        try:
-            before = os.fstat(fd)
-            digest = await trio.to_thread.run_sync(mf.hash_fd, fd, limiter=self._hash_limiter)
-            after = os.fstat(fd)
-        finally:
-            os.close(fd)
-        seal = Seal(digest, after.st_ino, after.st_mtime_ns)
-        if (node.gen == gen and node.active_writers == 0 and seal.describes(before)
-                and seal.describes(after)):
-            node.seal = seal
+        """Seal the node now, or join the hash of it already running (`fs.sealing`)."""
+        await self.sealing.seal(node)
 
     def activate(self, handle: Handle) -> None:
         """First write since open or flush: the file is no longer sealed; its step is dirty."""

@@ -1,0 +1,103 @@
+"""Seals off the writer's path (`fs.sealing`): the close of a file returns without waiting for
+its hash, and the seal a commit uses still describes the committed bytes, whatever happened to
+the file while it was being hashed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+import xxhash
+
+from tests.conftest import Mount, MountFactory, getxattr, tierfs
+from tests.test_namespace import CTX, Harness, dcp_save
+from tierfs import manifest as mf
+
+BIG = 32 << 20  # big enough that its hash is still running when the next write comes
+
+
+@pytest.fixture
+def harness(tmp_path: Path):  # type: ignore[no-untyped-def]
+    h = Harness(tmp_path / "ram")
+    yield h
+    h.close()
+
+
+def node_of(h: Harness, path: str):  # type: ignore[no-untyped-def]
+    node = h.ns.root
+    for part in path.split("/"):
+        node = h.ns.child(node, part.encode())
+    return node
+
+
+async def test_close_returns_before_the_hash(harness: Harness) -> None:
+    """The background owner has not run yet: the file is closed and still unsealed; the first
+    one who needs the seal (the commit) computes it, with the digest of the bytes."""
+    await harness.write_file("run/step_1/a", b"A" * 1000)
+    assert node_of(harness, "run/step_1/a").seal is None
+    await dcp_save(harness, "run/step_1", {"b": b"B" * 10})
+    assert await harness.state("run/step_1") == "committed"
+    manifest = harness.commits.receive_nowait()
+    digests = {f.name: f.xxh3 for f in manifest.files}
+    assert digests["a"] == xxhash.xxh3_128_hexdigest(b"A" * 1000)
+    assert digests["b"] == xxhash.xxh3_128_hexdigest(b"B" * 10)
+
+
+async def test_background_seal_after_close(harness: Harness) -> None:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(harness.ns.background.run)
+        await harness.write_file("run/step_2/a", b"A" * BIG)
+        node = node_of(harness, "run/step_2/a")
+        with trio.fail_after(30):
+            while node.seal is None:
+                await trio.sleep(0.01)
+        assert node.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(b"A" * BIG)
+        nursery.cancel_scope.cancel()
+
+
+async def test_write_during_the_hash_discards_its_seal(harness: Harness) -> None:
+    """A writer that comes back while the hash of the previous bytes runs: that hash must not
+    become the seal; the commit gets the digest of the final bytes."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(harness.ns.background.run)
+        await harness.write_file("run/step_3/a", b"A" * BIG)
+        node = node_of(harness, "run/step_3/a")
+        await trio.testing.wait_all_tasks_blocked()  # the hash is in its thread (or done)
+        final = b"Z" * BIG  # same size: only the generation tells the bytes apart
+        info = await harness.ops.open(node.ino, os.O_WRONLY, CTX)
+        await harness.ops.write(info.fh, 0, final)
+        assert node.seal is None
+        await harness.ops.flush(info.fh)
+        await harness.ops.release(info.fh)
+        await dcp_save(harness, "run/step_3", {})
+        manifest = harness.commits.receive_nowait()
+        assert {f.name: f.xxh3 for f in manifest.files}["a"] == xxhash.xxh3_128_hexdigest(final)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("passthrough", [True, False], ids=["passthrough", "daemon"])
+def test_rewrites_right_after_close_never_keep_a_stale_seal(mounts: MountFactory,
+                                                            passthrough: bool) -> None:
+    """Each file is closed and at once rewritten in place (same size, other bytes) while its
+    hash may still run: the xxh3 reported and committed is always that of the final bytes."""
+    mnt: Mount = mounts.mount() if passthrough else mounts.mount("--no-passthrough")
+    step = mnt / "run/step_4"
+    step.mkdir(parents=True)
+    expected = {}
+    for i in range(4):
+        path = step / f"__{i}_0.distcp"
+        path.write_bytes(bytes([i]) * BIG)
+        with open(path, "r+b") as f:  # no truncate: size stays, mtime may not move on tmpfs
+            f.write(bytes([100 + i]) * (BIG // 2))
+        expected[path.name] = xxhash.xxh3_128_hexdigest(
+            bytes([100 + i]) * (BIG // 2) + bytes([i]) * (BIG - BIG // 2))
+    (step / ".metadata").write_bytes(b"meta")  # commits the step, waiting for the seals
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    for name, digest in expected.items():
+        assert getxattr(step / name, "user.tierfs.xxh3") == digest
+    tierfs("verify", str(step), "--no-repair")
+    manifest = mf.decode(next(Path(mnt.ram_dir).rglob(".tierfs-manifest")).read_bytes())
+    assert {f.name: f.xxh3 for f in manifest.files if f.name in expected} == expected
