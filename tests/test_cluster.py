@@ -1,5 +1,5 @@
-"""Several daemons on 127.0.0.1 as one cluster: membership and heartbeats, and a peer port that
-lets nothing in without the token and survives hostile input."""
+"""Several daemons on 127.0.0.1 as one cluster on a real etcd: membership under leases, and a
+peer port that lets nothing in without the token and survives hostile input."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from tests.conftest import Mount, MountFactory, free_port, run_dcp_ranks, tierfs, wait_until
+from tierfs.devtools.etcd import Etcd
 from tierfs.replication import protocol as proto
 from tierfs.replication.channel import PeerChannel, authenticate
 
@@ -24,15 +25,18 @@ def token_file(tmp_path: Path) -> Path:
 
 
 class Cluster:
-    def __init__(self, mounts: MountFactory, token_file: Path, size: int) -> None:
+    def __init__(self, mounts: MountFactory, token_file: Path, size: int, etcd: Etcd) -> None:
         self.mounts = mounts
         self.ports = {f"node{i}": free_port() for i in range(size)}
-        self.peers = ",".join(f"{n}=127.0.0.1:{p}" for n, p in self.ports.items())
+        # a cluster of its own in the shared etcd: its prefix is the test's tmp dir's name
+        self.url = etcd.cluster_url(f"test/{mounts.tmp_path.name}")
         self.token_file = token_file
         self.nodes: dict[str, Mount] = {}
 
     def args(self, node_id: str) -> list[str]:
-        return ["--node-id", node_id, "--peers", self.peers, "--token-file", str(self.token_file)]
+        return ["--node-id", node_id, "--cluster", self.url,
+                "--listen", f"127.0.0.1:{self.ports[node_id]}",
+                "--token-file", str(self.token_file)]
 
     def start(self, node_id: str) -> Mount:
         old = self.nodes.get(node_id)
@@ -47,8 +51,8 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster3(mounts: MountFactory, token_file: Path) -> Cluster:
-    cluster = Cluster(mounts, token_file, 3)
+def cluster3(mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> Cluster:
+    cluster = Cluster(mounts, token_file, 3, etcd_server)
     for node_id in cluster.ports:
         cluster.start(node_id)
     return cluster
@@ -63,8 +67,7 @@ def test_membership_heartbeats_and_a_node_coming_back(cluster3: Cluster) -> None
     cluster3.nodes["node2"].kill9()
     wait_until(lambda: cluster3.peers_up("node0") == {"node1": True, "node2": False},
                timeout=15)
-    assert "peer node2" in cluster3.nodes["node0"].log() and "is down" in \
-        cluster3.nodes["node0"].log()
+    assert "member node2 down" in cluster3.nodes["node0"].log()
     cluster3.start("node2")
     wait_until(lambda: cluster3.peers_up("node0")["node2"], timeout=15)
 
@@ -115,26 +118,37 @@ def test_wrong_token_and_garbage_never_get_in(cluster3: Cluster) -> None:
 
 
 def test_cluster_mistakes_are_one_line(mounts: MountFactory, tmp_path: Path,
-                                       token_file: Path) -> None:
+                                       token_file: Path, etcd_server: Etcd) -> None:
     mountpoint = tmp_path / "mp"
     mountpoint.mkdir()
     ram = str(mounts.new_ram_dir())
-    peers = f"a=127.0.0.1:{free_port()},b=127.0.0.1:{free_port()}"
+    url = etcd_server.cluster_url("test/mistakes")
+    listen = ["--listen", f"127.0.0.1:{free_port()}"]
     loose = tmp_path / "loose.token"
     loose.write_bytes(b"x" * 32)
     loose.chmod(0o644)
+    taken = Cluster(mounts, token_file, 1, etcd_server)
+    taken.start("node0")
     for args, message in [
-        (["--node-id", "a", "--peers", peers], "needs --token-file"),
-        (["--node-id", "c", "--peers", peers, "--token-file", str(token_file)],
-         "does not list this node"),
-        (["--node-id", "a", "--peers", peers, "--token-file", str(loose)], "readable by others"),
-        (["--node-id", "a", "--peers", "a=nohostport", "--insecure"], "is not ID=HOST:PORT"),
-        (["--node-id", "a", "--peers", peers, "--insecure", "--replicas", "2"],
-         "needs at least 3 nodes"),
+        (["--peers", "a=127.0.0.1:1,b=127.0.0.1:2"], "--peers is gone: name the cluster's etcd"),
+        (["--cluster", url, *listen], "needs --token-file"),
+        (["--cluster", url, "--insecure"], "needs --listen"),
+        (["--cluster", "http://127.0.0.1:1/x", *listen, "--insecure"], "must start with etcd://"),
+        (["--cluster", f"etcd://{etcd_server.endpoint}", *listen, "--insecure"], "no key prefix"),
+        (["--cluster", url, *listen, "--token-file", str(loose)], "readable by others"),
+        (["--cluster", url, "--listen", "nohostport", "--insecure"], "is not HOST:PORT"),
+        (["--cluster", url, "--listen", "0.0.0.0:7070", "--insecure"], "--advertise"),
+        (["--listen", "127.0.0.1:7070"], "--listen needs --cluster"),
+        (["--replicas", "1"], "--replicas 1 needs --cluster"),
+        (["--cluster", f"etcd://127.0.0.1:{free_port()}/x", *listen, "--insecure"],
+         "does not answer"),
+        (["--cluster", taken.url, "--node-id", "node0", *listen, "--token-file",
+          str(token_file)], "is registered by a live daemon"),
     ]:
         done = tierfs("mount", str(mountpoint), "--ram-dir", ram, *args, check=False)
         assert done.returncode == 1 and message in done.stderr, done.stderr
-        assert done.stderr.count("\n") == 1
+        errors = [line for line in done.stderr.splitlines() if "warning:" not in line]
+        assert len(errors) == 1, done.stderr
 
 
 def test_committed_step_is_replicated_to_the_next_node(cluster3: Cluster) -> None:
@@ -196,10 +210,10 @@ def test_every_node_lists_every_step_and_a_replacement_reads_through_peers(
 
 
 def test_steps_leave_the_writers_ram_once_replicated_but_never_the_last_copy(
-        mounts: MountFactory, token_file: Path) -> None:
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
     from tests.test_crash import save, verify_committed
 
-    cluster = Cluster(mounts, token_file, 2)
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
     for node_id in cluster.ports:
         cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), "--keep-ram", "1")
     node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
@@ -214,10 +228,11 @@ def test_steps_leave_the_writers_ram_once_replicated_but_never_the_last_copy(
     verify_committed(node0, {f"run/step_{n}": files for n, files in saved.items()})
 
 
-def test_multi_node_dcp_save_and_load(mounts: MountFactory, token_file: Path) -> None:
+def test_multi_node_dcp_save_and_load(mounts: MountFactory, token_file: Path,
+                                      etcd_server: Etcd) -> None:
     from tests.conftest import getxattr
 
-    cluster = Cluster(mounts, token_file, 2)
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
     for node_id in cluster.ports:
         cluster.start(node_id)
     wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)

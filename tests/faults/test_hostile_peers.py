@@ -26,6 +26,7 @@ from tests.faults.results_io import pick, write_results
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save, verify_committed
 from tierfs import manifest as mf
+from tierfs.devtools.etcd import Etcd
 from tierfs.replication import protocol as proto
 
 MARK = f"tierfs-escape-{uuid.uuid4().hex[:8]}"  # in every hostile path: searched for after
@@ -238,10 +239,10 @@ def escaped_files(shallow: list[Path], deep: Path, skip: list[Path]) -> list[str
     return found
 
 
-def test_fuzz_live_peer_port(mounts: MountFactory, token_file: Path,  # noqa: F811
+def test_fuzz_live_peer_port(mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
                              tmp_path: Path) -> None:
     started = time.monotonic()
-    cluster = Cluster(mounts, token_file, 2)
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
     for node_id in cluster.ports:
         cluster.start(node_id)
     node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]

@@ -24,6 +24,8 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs import reserved
+from tierfs.cluster import membership as live_members
+from tierfs.cluster.etcd import Etcd, EtcdError
 from tierfs.fs.background import Background
 from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.namespace import Core, Namespace
@@ -279,7 +281,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                 commit_idle=cfg.commit_idle, delete_targets=_delete_targets(cfg))
     backend = await _persistent_tier(cfg, ready)
     persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
-    links = ClusterLinks(cfg, core.tree) if cfg.peers else None
+    links = ClusterLinks(cfg, core.tree) if cfg.cluster else None
     # Peers come first among the read sources: faster than the persistent tier. Each is
     # metered: read-backs are event lines and metrics.
     sources = []
@@ -373,10 +375,11 @@ async def _retry_pending_commits(namespace: Namespace) -> None:
         await namespace.commits.retry_pending_commits()
 
 
-def _delete_targets(cfg: MountConfig) -> list[str]:
-    """What a delete made on this node must clean: the persistent tier and every peer."""
+def _delete_targets(cfg: MountConfig, peers: list[str] | None = None) -> list[str]:
+    """What a delete made on this node must clean: the persistent tier and every live peer
+    (`ClusterNode` keeps the list current as members come and go)."""
     return ([PERSIST] if cfg.persist else []) + [
-        peer_target(node_id) for node_id in sorted(cfg.peers or {}) if node_id != cfg.node_id]
+        peer_target(node_id) for node_id in sorted(peers or []) if node_id != cfg.node_id]
 
 
 async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe) -> Backend | None:
@@ -492,12 +495,16 @@ async def _terminate_on_signal() -> None:
 
 
 class ClusterLinks:
-    """This node's clients of its peers (with --peers), made before the namespace, which is
-    given them: membership, reads from peers, other nodes' DCP shards, peer verification and
-    deletes. They ask the tree questions only (who holds a step, which files are sealed)."""
+    """This node's clients of its peers (with --cluster), made before the namespace, which is
+    given them: membership (from etcd), reads from peers, other nodes' DCP shards, peer
+    verification and deletes. They ask the tree questions only (who holds a step, which files
+    are sealed)."""
 
     def __init__(self, cfg: MountConfig, tree: Tree) -> None:
-        self.membership = Membership(cfg.node_id, cfg.peers, cfg.token)
+        assert cfg.cluster is not None and cfg.advertise is not None and cfg.token is not None
+        self.etcd = Etcd(cfg.cluster.endpoints)
+        self.live = live_members.Membership(self.etcd, cfg.cluster, cfg.node_id, cfg.advertise)
+        self.membership = Membership(self.live, cfg.token)
         self.reader = PeerReader(self.membership, tree.holders_of)
         self.sealed = SealedFiles(self.membership, tree.sealed_files)
         self.verify = PeerVerify(self.membership)
@@ -505,13 +512,14 @@ class ClusterLinks:
 
 
 class ClusterNode:
-    """The cluster side of one daemon (with --peers): the peer port and its handlers,
-    replication and gossip, wired to this node's namespace and store."""
+    """The cluster side of one daemon (with --cluster): the peer port and its handlers, its
+    registration in etcd, replication and gossip, wired to this node's namespace and store."""
 
     def __init__(self, cfg: MountConfig, links: ClusterLinks, namespace: Namespace,
                  store: RamStore, events: Events) -> None:
         self.cfg = cfg
         self.namespace = namespace
+        self.live = links.live
         self.membership = links.membership
         self.verifier = namespace.verifier
         self.peer_delete = links.delete
@@ -535,27 +543,49 @@ class ClusterNode:
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
         }
-        me = self.membership.members[self.cfg.node_id]
         server = PeerServer(self.cfg.node_id, self.cfg.token, self.membership.ids, handlers)
+        assert self.cfg.listen is not None
+        host, port = self.cfg.listen
         try:
-            await nursery.start(server.run, me.host, me.port)
+            await nursery.start(server.run, host, port)
         except Exception as exc:  # an OSError, perhaps inside an exception group
             error = _first_leaf(exc, OSError)
             if error is None:
                 raise
-            raise StartupError(f"cannot listen for peers on {me.addr}: "
+            raise StartupError(f"cannot listen for peers on {host}:{port}: "
                                f"{error.strerror or error}") from None
-        log.info("node %s listening for peers on %s; cluster: %s", self.cfg.node_id, me.addr,
-                 ", ".join(m.node_id for m in self.membership.peers))
+        await self._register(nursery)
+        log.info("node %s listening for peers on %s:%d (advertised as %s); live members: %s",
+                 self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
+        self._follow_members()
         await self.gossip.pull_all()  # every step of the cluster is listed from the start
-        for worker in (self.membership.run, self.gossip.run, self.replicator.run,
-                       self._restore_copies):
+        for worker in (self.gossip.run, self.replicator.run, self._restore_copies):
             nursery.start_soon(worker)
+
+    async def _register(self, nursery: trio.Nursery) -> None:
+        """Join the cluster in etcd (a key under this node's lease); one line if it cannot."""
+        with trio.move_on_after(CHECK_PATIENCE) as patience:
+            try:
+                await nursery.start(self.live.run)
+            except Exception as exc:  # NodeIdInUse, perhaps inside an exception group
+                error = _first_leaf(exc, EtcdError)
+                if error is None:
+                    raise
+                raise StartupError(f"cannot join the cluster {self.cfg.cluster}: "
+                                   f"{error}") from None
+        if patience.cancelled_caught:
+            raise StartupError(f"etcd of --cluster {self.cfg.cluster} does not answer (tried "
+                               f"for {CHECK_PATIENCE:.0f} s)")
+
+    def _follow_members(self) -> None:
+        """Deletes made here go to the live peers."""
+        self.namespace.deletes.targets = _delete_targets(self.cfg, self.live.ring)
 
     async def _restore_copies(self) -> None:
         """When a node goes or comes, every holder checks that its steps still have K copies."""
         while True:
             await self.membership.changed.wait()
+            self._follow_members()
             for manifest in self.namespace.tiers.held_manifests():
                 self.replicator.submit(manifest)
 
