@@ -190,7 +190,9 @@ def test_every_node_lists_every_step_and_a_replacement_reads_through_peers(
     save(node0 / "job/step_5", files)
     wait_until(lambda: node0.step("job/step_5")["replicas"] == ["node1"], timeout=30)
     node2 = cluster3.nodes["node2"]  # holds no copy: lists it from gossip, reads from peers
-    wait_until(lambda: node2.step("job/step_5") is not None, timeout=15)
+    # listed from etcd within a second of the commit; its holders as copies are verified
+    wait_until(lambda: (node2.step("job/step_5") or {}).get("replicas") == ["node0", "node1"],
+               timeout=5)
     listed = node2.step("job/step_5")
     assert listed["state"] == "committed" and not listed["ram"]
     assert listed["replicas"] == ["node0", "node1"] and listed["bytes"] == 2 * (12 << 20) + 1
@@ -228,26 +230,40 @@ def test_steps_leave_the_writers_ram_once_replicated_but_never_the_last_copy(
     verify_committed(node0, {f"run/step_{n}": files for n, files in saved.items()})
 
 
-def test_multi_node_dcp_save_and_load(mounts: MountFactory, token_file: Path,
-                                      etcd_server: Etcd) -> None:
+def test_multi_node_dcp_save_commits_without_moving_shards_and_loads_at_once(
+        cluster3: Cluster) -> None:
+    """3 nodes x 1-2 ranks: every rank loads the step right after the save's barrier, on its
+    own node; the commit moved no shard: node0 (rank 0, `.metadata`) holds only its own."""
     from tests.conftest import getxattr
 
-    cluster = Cluster(mounts, token_file, 2, etcd_server)
-    for node_id in cluster.ports:
-        cluster.start(node_id)
-    wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
-    nodes = [cluster.nodes["node0"], cluster.nodes["node0"], cluster.nodes["node1"],
-             cluster.nodes["node1"]]  # ranks 0-1 on node0's mount, ranks 2-3 on node1's
-    run_dcp_ranks([node / "run/step_100" for node in nodes], timeout=240)
-    for node in cluster.nodes.values():
+    node0, node1, node2 = (cluster3.nodes[f"node{i}"] for i in range(3))
+    for node_id in cluster3.ports:
+        wait_until(lambda n=node_id: all(cluster3.peers_up(n).values()), timeout=15)
+    ranks = [node0, node1, node1, node2]  # rank 0 on node0, ranks 1-2 on node1, rank 3 on node2
+    run_dcp_ranks([node / "run/step_100" for node in ranks], timeout=240, at_once=True)
+    committed = node0.step("run/step_100")
+    assert committed["state"] == "committed" and committed["version"] == 1
+    shards = {f"__{r}_0.distcp" for r in range(4)}
+    for node in (node0, node1, node2):
+        wait_until(lambda n=node: (n.step("run/step_100") or {}).get("state") == "committed",
+                   timeout=5)
         step_dir = node / "run/step_100"
         assert getxattr(step_dir, "user.tierfs.state") == "committed"
-        names = os.listdir(step_dir)
-        assert ".metadata" in names
-        assert {n.split("_")[2] for n in names if n.endswith(".distcp")} == {"0", "1", "2", "3"}
-    assert cluster.nodes["node0"].step("run/step_100")["version"] == \
-        cluster.nodes["node1"].step("run/step_100")["version"] == 1
-    assert "pulls" in cluster.nodes["node0"].log()
+        assert set(os.listdir(step_dir)) >= shards | {".metadata"}
+        assert node.step("run/step_100")["version"] == 1
+    manifest = {e[0]: e[2] for e in _manifest_entries(node0, "run/step_100")}
+    objects = set(os.listdir(node0.ram_dir / "objects"))
+    assert manifest["__0_0.distcp"] in objects  # rank 0's own shard
+    for rank in (1, 2, 3):  # the other nodes' shards never entered node0's RAM
+        assert manifest[f"__{rank}_0.distcp"] not in objects
+    assert "stay there" in node0.log()
+
+
+def _manifest_entries(node: Mount, relpath: str) -> list[list[object]]:
+    from tierfs import manifest as mf
+
+    data = (node.ram_dir / "tree" / relpath / mf.MANIFEST_NAME).read_bytes()
+    return [mf.entry_fields(e) for e in mf.decode(data).files]
 
 
 def test_reads_of_one_file_by_another_node_are_spread_over_its_holders(
@@ -259,7 +275,8 @@ def test_reads_of_one_file_by_another_node_are_spread_over_its_holders(
     data = bytes(range(256)) * (80 << 12)  # 80 MiB, fixed: the spread is deterministic
     save(node0 / "ddp/step_1", {"model.pt": data, ".metadata": b"m"})
     wait_until(lambda: node0.step("ddp/step_1")["replicas"] == ["node1"], timeout=30)
-    wait_until(lambda: node2.step("ddp/step_1") is not None, timeout=15)
+    wait_until(lambda: (node2.step("ddp/step_1") or {}).get("replicas") == ["node0", "node1"],
+               timeout=5)
     assert (node2 / "ddp/step_1/model.pt").read_bytes() == data  # ten 8 MiB chunks
     served = [n.status()["served_to_peers"]["bytes"] for n in (node0, node1)]
     assert all(b > 0 for b in served) and sum(served) >= len(data), served

@@ -25,6 +25,7 @@ import trio
 from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.cluster import membership as live_members
+from tierfs.cluster.commit_records import CommitRecords
 from tierfs.cluster.etcd import Etcd, EtcdError
 from tierfs.fs.background import Background
 from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
@@ -50,7 +51,7 @@ from tierfs.mount_helper.mounts import (
     with_patience,
 )
 from tierfs.observe import Events, Levels, MetricsServer
-from tierfs.replication.cluster_commit import SealedFiles
+from tierfs.replication.cluster_commit import ClusterCommits
 from tierfs.replication.gossip import Gossip
 from tierfs.replication.membership import Membership
 from tierfs.replication.peer_delete import PeerDelete, delete_handler
@@ -66,6 +67,7 @@ from tierfs.s3tier.uploader import Uploader
 log = logging.getLogger(__name__)
 
 CHECK_PATIENCE = 10.0  # seconds a mount waits for an unreachable persistent tier
+CLUSTER_RECORDS = "etcd"  # the delete target of a step's records in the cluster's etcd
 PENDING_RETRY = 0.5  # seconds between tries of pending commits (shards elsewhere, no space)
 
 
@@ -376,9 +378,9 @@ async def _retry_pending_commits(namespace: Namespace) -> None:
 
 
 def _delete_targets(cfg: MountConfig, peers: list[str] | None = None) -> list[str]:
-    """What a delete made on this node must clean: the persistent tier and every live peer
-    (`ClusterNode` keeps the list current as members come and go)."""
-    return ([PERSIST] if cfg.persist else []) + [
+    """What a delete made on this node must clean: the persistent tier, the cluster's records
+    and every live peer (`ClusterNode` keeps the list current as members come and go)."""
+    return ([PERSIST] if cfg.persist else []) + ([CLUSTER_RECORDS] if cfg.cluster else []) + [
         peer_target(node_id) for node_id in sorted(peers or []) if node_id != cfg.node_id]
 
 
@@ -476,6 +478,11 @@ def _delete_worker(namespace: Namespace, uploader: Uploader | None,
         cleaners[PERSIST] = from_store
     if cluster is not None:
         cleaners["peer"] = cluster.peer_delete.delete
+
+        async def from_etcd(tomb: Tombstone, _where: str) -> None:
+            await cluster.sealed.forget(tomb.path, tomb.version)
+
+        cleaners[CLUSTER_RECORDS] = from_etcd
     return DeleteWorker(namespace.deletes, cleaners)
 
 
@@ -506,7 +513,8 @@ class ClusterLinks:
         self.live = live_members.Membership(self.etcd, cfg.cluster, cfg.node_id, cfg.advertise)
         self.membership = Membership(self.live, cfg.token)
         self.reader = PeerReader(self.membership, tree.holders_of)
-        self.sealed = SealedFiles(self.membership, tree.sealed_files)
+        self.sealed = ClusterCommits(CommitRecords(self.etcd, cfg.cluster), cfg.node_id,
+                                     tree.step_number)
         self.verify = PeerVerify(self.membership)
         self.delete = PeerDelete(self.membership)
 
@@ -530,16 +538,21 @@ class ClusterNode:
                                      lambda digest: str(store.object_path(digest)),
                                      is_current=tiers.is_current,
                                      holders=tiers.replica_holders,
-                                     on_replicated=tiers.mark_replicated,
+                                     on_replicated=self._replicated,
                                      events=events)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.adopt_replica)
         self.ranges = RangeServer(store.objects, namespace.tree.sealed_path)
+
+    def _replicated(self, manifest: mf.StepManifest, peer: str) -> None:
+        """A peer verified a copy of the step: held there, here and in the cluster's records."""
+        self.namespace.tiers.mark_replicated(manifest, peer)
+        self.namespace.background.spawn(self.sealed.add_holder, manifest, peer)
 
     async def start(self, nursery: trio.Nursery) -> None:
         handlers: dict[str, Handler] = {
             "PUT": self.receiver.put, "PUT_MANIFEST": self.receiver.put_manifest,
             "GET": self.ranges.on_get, "GOSSIP": self.gossip.on_gossip,
-            "PULL": self.gossip.on_pull, "SEALED": self.sealed.on_sealed,
+            "PULL": self.gossip.on_pull,
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
         }
@@ -559,8 +572,19 @@ class ClusterNode:
                  self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
         self._follow_members()
         await self.gossip.pull_all()  # every step of the cluster is listed from the start
-        for worker in (self.gossip.run, self.replicator.run, self._restore_copies):
+        for worker in (self.gossip.run, self.replicator.run, self._restore_copies,
+                       self._follow_commits, self._publish_pending):
             nursery.start_soon(worker)
+
+    async def _follow_commits(self) -> None:
+        """Every commit of the other nodes is listed here within a watch event."""
+        await self.sealed.follow(self.namespace.tiers.learn)
+
+    async def _publish_pending(self) -> None:
+        """Commit records etcd could not take (it was down) are written once it is back."""
+        while True:
+            await trio.sleep(PENDING_RETRY)
+            await self.namespace.tiers.publish_pending()
 
     async def _register(self, nursery: trio.Nursery) -> None:
         """Join the cluster in etcd (a key under this node's lease); one line if it cannot."""
