@@ -90,7 +90,7 @@ def hostile_frame(draw: st.DrawFn) -> bytes:
         return struct.pack(">II", draw(st.integers(proto.MAX_HEADER + 1, 2**32 - 1)),
                            draw(st.integers(0, 2**32 - 1)))
     if choice == 2:  # a path field with a hostile value, everything else well formed
-        kind = draw(st.sampled_from(["PUT", "GET", "SEALED", "VERIFY"]))
+        kind = draw(st.sampled_from(["PUT", "GET", "VERIFY"]))
         fields = {"path": draw(paths), "name": draw(paths), "xxh3": draw(hex32()), "size": 10,
                   "offset": 0, "length": 10, "names": draw(st.lists(paths, max_size=3)),
                   "repair": True}
@@ -309,8 +309,6 @@ def test_fuzz_live_peer_port(mounts: MountFactory, token_file: Path, etcd_server
             raw_frame("GET", {"path": "run/step_1", "name": path, "xxh3": "a" * 32,
                               "offset": 0, "length": 3}),
             raw_frame("PULL", {"path": path}),
-            raw_frame("SEALED", {"path": path, "names": ["f"]}),
-            raw_frame("SEALED", {"path": "run/step_1", "names": [path]}),
             raw_frame("VERIFY", {"path": path, "name": "f", "xxh3": "a" * 32, "repair": True}),
             raw_frame("PUT_MANIFEST", {"manifest": msgpack.packb(
                 {"format": 1, "path": path, "step": 1, "version": 1, "node_id": "node1",
