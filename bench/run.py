@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tierfs.devtools.etcd import Etcd
 from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import parse_size
@@ -358,11 +359,20 @@ def _cluster(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str, torc
     token = bench.work / "cluster.token"
     with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(os.urandom(16).hex())  # private from its first byte
-    peers = ",".join(f"node{i}=127.0.0.1:{_free_port()}" for i in range(3))
-    common = ("--peers", peers, "--token-file", str(token), "--ram-limit", "8G")
+    with Etcd(bench.work / "etcd") as etcd:  # membership and commits; stopped by pid
+        _cluster_runs(bench, state, fresh, reps, extra, token, etcd.cluster_url("bench"))
+
+
+def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor],
+                  reps: int, extra: dict[str, list[float]], token: Path, url: str) -> None:
+    common = ("--cluster", url, "--token-file", str(token), "--ram-limit", "8G")
+
+    def node(node_id: str) -> tuple[str, ...]:
+        return ("--node-id", node_id, "--listen", f"127.0.0.1:{_free_port()}", *common)
+
     persist = ("--persist", f"s3://{BUCKET}/cluster")
-    writer = bench.start_mount("node0", "--node-id", "node0", *common, *persist)
-    bench.start_mount("node1", "--node-id", "node1", *common)
+    writer = bench.start_mount("node0", *node("node0"), *persist)
+    bench.start_mount("node1", *node("node1"))
     daemons = (bench.mounts["node0"][1], bench.mounts["node1"][1])
     step = "step_7000"
     cpu = cpu_seconds(*daemons)
@@ -374,7 +384,7 @@ def _cluster(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str, torc
     extra["daemon_cpu_per_gib_saved_replicated_persisted"] = [
         (cpu_seconds(*daemons) - cpu) / (state_bytes(state) / 2**30)]
     for _ in range(reps):
-        for source, options in (("peer", ("--node-id", "node2", *common)), ("s3", persist)):
+        for source, options in (("peer", node("node2")), ("s3", persist)):
             mountpoint = bench.start_mount(f"fresh-{source}", *options)
             bench.wait_for(step, lambda e: True, f"fresh-{source}")
             started = time.perf_counter()

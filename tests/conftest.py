@@ -190,13 +190,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_dcp_ranks(step_dirs: list[Path], timeout: float) -> None:
+def run_dcp_ranks(step_dirs: list[Path], timeout: float, at_once: bool = False) -> None:
     """Run tests/dcp_ranks.py as one gloo job, rank i saving to and loading from step_dirs[i]
-    (each rank's path to the step on its own node's mount); every rank must succeed."""
+    (each rank's path to the step on its own node's mount); every rank must succeed. With
+    `at_once` every rank loads right after the barrier that follows the save."""
     script = Path(__file__).with_name("dcp_ranks.py")
     port = str(free_port())
     ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(len(step_dirs)),
-                               port, str(step_dir)],
+                               port, str(step_dir), *(["--at-once"] if at_once else [])],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank, step_dir in enumerate(step_dirs)]
     try:

@@ -13,6 +13,7 @@ from tests.conftest import Mount, MountFactory, tierfs, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
 from tests.test_s3 import persist_args
+from tierfs.devtools.etcd import Etcd
 from tierfs.devtools.seaweed import SeaweedS3
 
 
@@ -120,8 +121,8 @@ def test_a_delete_while_s3_is_down_is_finished_after_a_restart(
 
 
 def test_deletes_reach_the_peers_and_a_peer_back_later_does_not_undo_them(
-        mounts: MountFactory, token_file: Path) -> None:  # noqa: F811
-    cluster = Cluster(mounts, token_file, 3)
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    cluster = Cluster(mounts, token_file, 3, etcd_server)
     node0, node1, node2 = (cluster.start(n) for n in ("node0", "node1", "node2"))
     for node_id in cluster.ports:
         wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)

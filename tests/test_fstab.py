@@ -92,10 +92,10 @@ def test_mount_t_runs_tierfs_with_dash_o(mounts: MountFactory, tmp_path: Path) -
 
 def test_helper_options_become_mount_arguments() -> None:
     argv = ["tierfs:/dev/shm/a", "/ckpt", "-o",
-            r"rw,noauto,user,_netdev,x-mount.mkdir,peers=a=h:1\,b=h:2,keep_ram=4,"
+            r"rw,noauto,user,_netdev,x-mount.mkdir,cluster=etcd://h:1\,h:2/job,keep_ram=4,"
             "allow_other,insecure=0,no-passthrough=1", "-n", "-t", "fuse.tierfs"]
     assert is_helper_form(argv)
-    assert to_mount_argv(argv) == ["mount", "/ckpt", "--peers", "a=h:1,b=h:2",
+    assert to_mount_argv(argv) == ["mount", "/ckpt", "--cluster", "etcd://h:1,h:2/job",
                                    "--keep-ram", "4", "--allow-other", "--no-passthrough",
                                    "--ram-dir", "/dev/shm/a"]
     assert to_mount_argv(["none", "/c", "-oram_dir=/r"]) == ["mount", "/c", "--ram-dir", "/r"]

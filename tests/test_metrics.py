@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import MountFactory, free_port, tierfs, wait_until
 from tests.test_cluster import Cluster
 from tests.test_crash import save
+from tierfs.devtools.etcd import Etcd
 from tierfs.mount_helper.config import ConfigError, resolve
 from tierfs.mount_helper.fuse_helper import to_mount_argv
 
@@ -66,16 +67,18 @@ def test_metrics_follow_commits_uploads_and_ram(mounts: MountFactory, tmp_path: 
     assert scrape(port)[("tierfs_verify_failures_total", (("tier", "persist"),))] == 1
 
 
-def test_metrics_of_a_cluster_node(mounts: MountFactory, tmp_path: Path) -> None:
+def test_metrics_of_a_cluster_node(mounts: MountFactory, tmp_path: Path,
+                                   etcd_server: Etcd) -> None:
     token_file = tmp_path / "cluster.token"
     token_file.write_bytes(os.urandom(32).hex().encode())
     token_file.chmod(0o600)
-    cluster = Cluster(mounts, token_file, 2)
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
     port = free_port()
     node0 = mounts.mount(*cluster.args("node0"), "--metrics", f"127.0.0.1:{port}")
-    assert scrape(port)[("tierfs_peers", ())] == 1
+    assert scrape(port)[("tierfs_peers", ())] == 0  # the peers seen since start: none yet
     node1 = cluster.start("node1")
     wait_until(lambda: scrape(port)[("tierfs_peers_up", ())] == 1, timeout=15)
+    assert scrape(port)[("tierfs_peers", ())] == 1
     files = {"__0_0.distcp": os.urandom(2 << 20), ".metadata": b"meta"}
     save(node0 / "run/step_1", files)
     wait_until(lambda: node0.step("run/step_1")["replicas"] == ["node1"], timeout=30)
@@ -85,6 +88,7 @@ def test_metrics_of_a_cluster_node(mounts: MountFactory, tmp_path: Path) -> None
     assert samples[("tierfs_pending_steps", (("tier", "replica"),))] == 0
     node1.kill9()
     wait_until(lambda: scrape(port)[("tierfs_peers_up", ())] == 0, timeout=15)
+    assert scrape(port)[("tierfs_peers", ())] == 1  # down, still listed
     save(node0 / "run/step_2", files)  # no peer to copy it to: it waits
     wait_until(lambda: scrape(port)[("tierfs_pending_steps", (("tier", "replica"),))] == 1)
 

@@ -119,8 +119,8 @@ def test_peer_port_in_use_or_unknown_host_is_one_line(mounts: MountFactory,
         for me, reason in ((f"127.0.0.1:{port}", "Address already in use"),
                            ("no-such-host.invalid:7070", "cannot listen for peers on "
                                                          "no-such-host.invalid:7070")):
-            done = refused_mount(mounts, mountpoint, "--node-id", "a", "--peers",
-                                 f"a={me},b=127.0.0.1:9", "--insecure")
+            done = refused_mount(mounts, mountpoint, "--node-id", "a", "--cluster",
+                                 "etcd://127.0.0.1:9/unused", "--listen", me, "--insecure")
             last_line_error(done, reason)
             assert "nursery" not in done.stderr
             assert not is_mounted(mountpoint)

@@ -10,6 +10,7 @@ from pathlib import Path
 from tests.conftest import MountFactory, tierfs, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
+from tierfs.devtools.etcd import Etcd
 
 MTIME_NS = 1_600_000_000_123_456_789
 OWNERS = {"shard.bin": (1234, 2345, 0o640), "small": (4321, 5432, 0o604),
@@ -69,8 +70,9 @@ def test_attributes_survive_eviction_and_a_fresh_node(mounts: MountFactory,
 
 
 def test_attributes_on_replicas_and_reads_from_peers(mounts: MountFactory,
-                                                     token_file: Path) -> None:  # noqa: F811
-    cluster = Cluster(mounts, token_file, 3)
+                                                     token_file: Path,  # noqa: F811
+                                                     etcd_server: Etcd) -> None:
+    cluster = Cluster(mounts, token_file, 3, etcd_server)
     node0 = cluster.start("node0")
     node1 = cluster.start("node1")
     wait_until(lambda: cluster.peers_up("node0")["node1"], timeout=15)

@@ -243,7 +243,7 @@ class LevelsCollector(Collector):
         for tier, (count, size) in sorted(levels.pending.items()):
             steps.add_metric([tier], count)
             nbytes.add_metric([tier], size)
-        peers = GaugeMetricFamily("tierfs_peers", "Other nodes of the cluster (--peers)")
+        peers = GaugeMetricFamily("tierfs_peers", "Other nodes of the cluster seen since start")
         peers.add_metric([], levels.peers)
         up = GaugeMetricFamily("tierfs_peers_up", "Other nodes that answer heartbeats")
         up.add_metric([], levels.peers_up)

@@ -22,6 +22,7 @@ from tests.faults.results_io import flip_byte, pick, write_results
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
 from tierfs import manifest as mf
+from tierfs.devtools.etcd import Etcd
 from tierfs.devtools.seaweed import SeaweedS3
 
 SHARD = "__0_0.distcp"
@@ -201,7 +202,8 @@ def test_corruption_in_ram_and_s3_single_node(mounts: MountFactory, s3_server: S
     tally.write("corruption_single_node", started)
 
 
-def test_corruption_in_replicas(mounts: MountFactory, token_file: Path) -> None:  # noqa: F811
+def test_corruption_in_replicas(mounts: MountFactory, token_file: Path,  # noqa: F811
+                                etcd_server: Etcd) -> None:
     """Two nodes, one replica each: a bad replica is never served to a reader on the other
     node, `verify` on the writer repairs the peer's copy and its own from each other, and a
     node that restarts with a bad replica repairs it from the writer at start."""
@@ -209,7 +211,7 @@ def test_corruption_in_replicas(mounts: MountFactory, token_file: Path) -> None:
     rng = random.Random(5)
     tally = Tally()
     megabytes = pick(12, 30)
-    cluster = Cluster(mounts, token_file, 2)
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
     node0 = cluster.mounts.mount(*cluster.args("node0"), "--keep-ram", "1")
     cluster.nodes["node0"] = node0
     node1 = cluster.start("node1")

@@ -32,6 +32,7 @@ from tests.conftest import Mount, MountFactory, getxattr, pid_alive, wait_until
 from tests.faults.conftest import FULL, Trainer, report, scale, step_problems
 from tests.test_cluster import Cluster
 from tierfs import manifest as mf
+from tierfs.devtools.etcd import Etcd
 from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import is_mounted
 
@@ -327,12 +328,12 @@ def test_crash_points_single_node(mounts: MountFactory, trainer: Trainer) -> Non
 
 @pytest.mark.timeout(scale(200, 900))
 def test_crash_points_during_replication(mounts: MountFactory, trainer: Trainer,
-                                         token_file: Path) -> None:
+                                         token_file: Path, etcd_server: Etcd) -> None:
     """Two nodes: a committed step is being streamed from node0 to node1 when the sender or
     the receiver is killed; after its restart both nodes serve every committed step whole,
     and the interrupted replication completes."""
     started = time.monotonic()
-    cluster = Cluster(mounts, token_file, 2)
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
     for node_id in cluster.ports:
         cluster.start(node_id)
     wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)

@@ -26,6 +26,7 @@ from tests.faults.results_io import pick, write_results
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save, verify_committed
 from tierfs import manifest as mf
+from tierfs.devtools.etcd import Etcd
 from tierfs.replication import protocol as proto
 
 MARK = f"tierfs-escape-{uuid.uuid4().hex[:8]}"  # in every hostile path: searched for after
@@ -89,7 +90,7 @@ def hostile_frame(draw: st.DrawFn) -> bytes:
         return struct.pack(">II", draw(st.integers(proto.MAX_HEADER + 1, 2**32 - 1)),
                            draw(st.integers(0, 2**32 - 1)))
     if choice == 2:  # a path field with a hostile value, everything else well formed
-        kind = draw(st.sampled_from(["PUT", "GET", "SEALED", "VERIFY"]))
+        kind = draw(st.sampled_from(["PUT", "GET", "VERIFY"]))
         fields = {"path": draw(paths), "name": draw(paths), "xxh3": draw(hex32()), "size": 10,
                   "offset": 0, "length": 10, "names": draw(st.lists(paths, max_size=3)),
                   "repair": True}
@@ -238,10 +239,10 @@ def escaped_files(shallow: list[Path], deep: Path, skip: list[Path]) -> list[str
     return found
 
 
-def test_fuzz_live_peer_port(mounts: MountFactory, token_file: Path,  # noqa: F811
+def test_fuzz_live_peer_port(mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
                              tmp_path: Path) -> None:
     started = time.monotonic()
-    cluster = Cluster(mounts, token_file, 2)
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
     for node_id in cluster.ports:
         cluster.start(node_id)
     node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
@@ -308,8 +309,6 @@ def test_fuzz_live_peer_port(mounts: MountFactory, token_file: Path,  # noqa: F8
             raw_frame("GET", {"path": "run/step_1", "name": path, "xxh3": "a" * 32,
                               "offset": 0, "length": 3}),
             raw_frame("PULL", {"path": path}),
-            raw_frame("SEALED", {"path": path, "names": ["f"]}),
-            raw_frame("SEALED", {"path": "run/step_1", "names": [path]}),
             raw_frame("VERIFY", {"path": path, "name": "f", "xxh3": "a" * 32, "repair": True}),
             raw_frame("PUT_MANIFEST", {"manifest": msgpack.packb(
                 {"format": 1, "path": path, "step": 1, "version": 1, "node_id": "node1",

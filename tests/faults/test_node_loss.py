@@ -17,6 +17,7 @@ from tests.conftest import MountFactory, wait_until
 from tests.faults.conftest import FULL, report, scale, step_problems
 from tests.test_cluster import Cluster
 from tests.test_crash import save
+from tierfs.devtools.etcd import Etcd
 
 COUNTS: dict[str, Any] = {"node_losses": 0, "simultaneous_losses": 0, "stale_returns": 0,
                           "steps_checked_on_survivors": 0, "losses": 0}
@@ -39,8 +40,9 @@ def step_files(seed: int, mib: int) -> dict[str, bytes]:
             ".metadata": b"metadata %d" % seed}
 
 
-def start_cluster(mounts: MountFactory, token_file: Path, size: int, *extra: str) -> Cluster:
-    cluster = Cluster(mounts, token_file, size)
+def start_cluster(mounts: MountFactory, token_file: Path, etcd_server: Etcd, size: int,
+                  *extra: str) -> Cluster:
+    cluster = Cluster(mounts, token_file, size, etcd_server)
     for node_id in cluster.ports:
         cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), *extra)
     for node_id in cluster.ports:
@@ -65,8 +67,9 @@ def replicas(cluster: Cluster, node_id: str, relpath: str) -> list[str]:
     return step["replicas"] if step else []
 
 
-def test_node_killed_while_a_step_streams_to_it(mounts: MountFactory, token_file: Path) -> None:
-    cluster = start_cluster(mounts, token_file, 3)
+def test_node_killed_while_a_step_streams_to_it(mounts: MountFactory, token_file: Path,
+                                                 etcd_server: Etcd) -> None:
+    cluster = start_cluster(mounts, token_file, etcd_server, 3)
     node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
     files = step_files(1, scale(24, 64))
     incoming = node1.ram_dir / "objects"
@@ -90,8 +93,8 @@ def test_node_killed_while_a_step_streams_to_it(mounts: MountFactory, token_file
 
 @pytest.mark.skipif(not FULL, reason="four nodes: in the full run (TIERFS_FAULTS=full)")
 def test_two_simultaneous_losses_with_two_replicas(mounts: MountFactory,
-                                                   token_file: Path) -> None:
-    cluster = start_cluster(mounts, token_file, 4, "--replicas", "2")
+                                                   token_file: Path, etcd_server: Etcd) -> None:
+    cluster = start_cluster(mounts, token_file, etcd_server, 4, "--replicas", "2")
     node0 = cluster.nodes["node0"]
     expected = {}
     for number in (1, 2, 3):
@@ -132,10 +135,10 @@ def wait_version(cluster: Cluster, node_id: str, relpath: str, version: int,
 
 
 def test_node_back_with_stale_replica_does_not_shadow_newer_commit(
-        mounts: MountFactory, token_file: Path) -> None:
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
     """node1 holds v1 of step_2 as node0's replica, is lost, and comes back after node0
     re-committed step_2 as v2: node1 must serve v2, and so must everyone else."""
-    cluster = start_cluster(mounts, token_file, 3)
+    cluster = start_cluster(mounts, token_file, etcd_server, 3)
     node0 = cluster.nodes["node0"]
     first = {n: step_files(n, 2) for n in (1, 2)}
     for number, files in first.items():
@@ -167,11 +170,11 @@ def test_node_back_with_stale_replica_does_not_shadow_newer_commit(
 
 
 def test_writer_back_with_stale_version_after_the_job_moved(
-        mounts: MountFactory, token_file: Path) -> None:
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
     """node0 wrote step_5 v1 and is lost; the job moves to node1 (which holds the replica) and
     re-saves step_5 as v2 there. node0 comes back owning v1: it must adopt v2, not push or
     serve v1."""
-    cluster = start_cluster(mounts, token_file, 3)
+    cluster = start_cluster(mounts, token_file, etcd_server, 3)
     node0 = cluster.nodes["node0"]
     older = step_files(5, 2)
     save(node0 / "run/step_5", older)
@@ -199,13 +202,13 @@ def test_writer_back_with_stale_version_after_the_job_moved(
 
 
 def test_node_back_with_stale_replica_when_only_the_store_has_the_newer_version(
-        mounts: MountFactory, token_file: Path, tmp_path: Path) -> None:
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd, tmp_path: Path) -> None:
     """node1 holds v1 of step_1 and is lost; node0 re-saves step_1 as v2, persists it, and is
     lost too. node1 comes back alone: its peers are down, only the persistent tier knows v2,
     and node1 must serve v2."""
     store = tmp_path / "store"
     store.mkdir()
-    cluster = Cluster(mounts, token_file, 2)
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
     for node_id in cluster.ports:
         cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), "--persist",
                                               f"file://{store}")

@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import MountFactory, free_port, tierfs
 from tests.faults.conftest import report
+from tierfs.devtools.etcd import Etcd
 
 NOBODY = 65534
 CHECKS: dict[str, int] = {"refusals_checked": 0, "accesses_checked": 0}
@@ -150,9 +151,10 @@ def test_token_file_readable_by_group_or_others_is_refused(mounts: MountFactory,
     token = tmp_path / "token"
     token.write_bytes(os.urandom(32).hex().encode())
     token.chmod(mode)
-    peers = f"a=127.0.0.1:{free_port()},b=127.0.0.1:{free_port()}"
     done = tierfs("mount", str(mountpoint), "--ram-dir", str(mounts.new_ram_dir()),
-                  "--node-id", "a", "--peers", peers, "--token-file", str(token), check=False)
+                  "--node-id", "a", "--cluster", "etcd://127.0.0.1:2379/never-reached",
+                  "--listen", f"127.0.0.1:{free_port()}", "--token-file", str(token),
+                  check=False)
     assert done.returncode == 1 and "readable by others" in done.stderr, done.stderr
     assert f"{mode:o}" in done.stderr
     CHECKS["refusals_checked"] += 1
@@ -160,12 +162,13 @@ def test_token_file_readable_by_group_or_others_is_refused(mounts: MountFactory,
 
 @pytest.mark.parametrize("mode", [0o600, 0o400])
 def test_private_token_file_is_accepted(mounts: MountFactory, tmp_path: Path,
-                                        mode: int) -> None:
+                                        mode: int, etcd_server: Etcd) -> None:
     token = tmp_path / "token"
     token.write_bytes(os.urandom(32).hex().encode())
     token.chmod(mode)
-    peers = f"a=127.0.0.1:{free_port()},b=127.0.0.1:{free_port()}"
-    mnt = mounts.mount("--node-id", "a", "--peers", peers, "--token-file", str(token))
+    mnt = mounts.mount("--node-id", "a", "--cluster",
+                       etcd_server.cluster_url(f"test/{tmp_path.name}"),
+                       "--listen", f"127.0.0.1:{free_port()}", "--token-file", str(token))
     assert mnt.status()["node_id"] == "a"
     CHECKS["accesses_checked"] += 1
 

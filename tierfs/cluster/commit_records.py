@@ -66,10 +66,16 @@ class FileRecord:
     size: int
     xxh3: str  # xxh3-128, hex, as in the step's manifest
     holders: tuple[str, ...]  # nodes holding a verified copy, sorted
+    # The file's whole manifest entry (manifest.entry_fields: mode, mtime, owner, chunk
+    # hashes), so that every node can make the step's manifest from the records alone.
+    entry: tuple[Any, ...] | None = None
 
     def encode(self) -> bytes:
-        return _json({"node": self.node, "size": self.size, "xxh3": self.xxh3,
-                      "holders": list(self.holders)})
+        fields: dict[str, Any] = {"node": self.node, "size": self.size, "xxh3": self.xxh3,
+                                  "holders": list(self.holders)}
+        if self.entry is not None:
+            fields["entry"] = list(self.entry)
+        return _json(fields)
 
     @classmethod
     def decode(cls, value: bytes) -> FileRecord:
@@ -77,13 +83,15 @@ class FileRecord:
         holders = fields["holders"]
         if not isinstance(holders, list) or not all(isinstance(h, str) for h in holders):
             raise ValueError("holders must be a list of node ids")
+        entry = fields.get("entry")
         return cls(str(fields["node"]), int(fields["size"]), str(fields["xxh3"]),
-                   tuple(sorted(holders)))
+                   tuple(sorted(holders)), tuple(entry) if isinstance(entry, list) else None)
 
     @classmethod
-    def sealed(cls, node: str, size: int, xxh3: str) -> FileRecord:
+    def sealed(cls, node: str, size: int, xxh3: str,
+               entry: tuple[Any, ...] | None = None) -> FileRecord:
         """The record of a file just sealed by `node`, its only holder."""
-        return cls(node, size, xxh3, (node,))
+        return cls(node, size, xxh3, (node,), entry)
 
 
 @dataclass(frozen=True)
@@ -92,14 +100,18 @@ class CommitRecord:
     committer: str
     files: int
     at: float  # Unix time of the commit
+    version: int = 1  # the version of the step's manifest this commit made
+    committed_ns: int = 0  # the manifest's commit time
 
     def encode(self) -> bytes:
-        return _json({"committer": self.committer, "files": self.files, "at": self.at})
+        return _json({"committer": self.committer, "files": self.files, "at": self.at,
+                      "version": self.version, "committed_ns": self.committed_ns})
 
     @classmethod
     def decode(cls, step: str, value: bytes) -> CommitRecord:
         fields = json.loads(value)
-        return cls(step, str(fields["committer"]), int(fields["files"]), float(fields["at"]))
+        return cls(step, str(fields["committer"]), int(fields["files"]), float(fields["at"]),
+                   int(fields.get("version", 1)), int(fields.get("committed_ns", 0)))
 
 
 @dataclass(frozen=True)
@@ -209,13 +221,14 @@ class CommitRecords:
                     return
 
     async def commit(self, step: str, committer: str, names: Collection[str],
-                     timeout: float) -> tuple[CommitRecord, bool]:
+                     timeout: float, version: int = 1,
+                     committed_ns: int = 0) -> tuple[CommitRecord, bool]:
         """Commit the step once every file in `names` is recorded: (the commit, True) if this
         call wrote it, (the commit another node wrote first, False) otherwise. Within timeout
         (plus at most one request timeout), else `CommitTimeout` or `EtcdUnavailable`."""
         deadline = trio.current_time() + timeout
         await self.wait_for_files(step, names, timeout)
-        record = CommitRecord(step, committer, len(names), time.time())
+        record = CommitRecord(step, committer, len(names), time.time(), version, committed_ns)
         key = self.commit_key(step)
         won: bool | None = None
         with trio.move_on_at(deadline + self.etcd.timeout):

@@ -23,7 +23,6 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit
 
 import etcd3gw
 import requests
@@ -31,10 +30,16 @@ import trio
 from etcd3gw import exceptions as gw_errors
 from requests.adapters import HTTPAdapter
 
+from tierfs.cluster.url import (  # noqa: F401  (re-exported: the etcd layer's one import)
+    ClusterUrl,
+    ClusterUrlError,
+    Endpoint,
+    parse_cluster_url,
+)
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-SCHEME = "etcd"
 DEFAULT_TIMEOUT = 2.0  # seconds per request; a lease of a few seconds must survive one timeout
 PAGE_SIZE = 1000  # keys per range request: a 16,000-file step is read in pages, not one reply
 # A watch stream silent this long is reopened (from where it was, so nothing is lost): a stream
@@ -44,10 +49,6 @@ MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 POOL_SIZE = 40  # trio's default worker thread limit
 RETRY_FIRST_DELAY = 0.05
 RETRY_MAX_DELAY = 1.0  # short: commits must resume within about a second of etcd coming back
-
-
-class ClusterUrlError(ValueError):
-    """A `--cluster` value that is not etcd://HOST:PORT[,HOST:PORT...]/PREFIX."""
 
 
 GRPC_NOT_FOUND = 5  # etcd's status code for e.g. "requested lease not found"
@@ -75,69 +76,6 @@ class WatchCompacted(EtcdError):
     def __init__(self, compact_revision: int) -> None:
         super().__init__(f"watch history compacted up to revision {compact_revision}")
         self.compact_revision = compact_revision
-
-
-# --- the --cluster URL ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-@dataclass(frozen=True)
-class ClusterUrl:
-    """etcd endpoints and the key prefix naming one cluster (no leading or trailing '/')."""
-
-    endpoints: tuple[Endpoint, ...]
-    prefix: str
-
-    def key(self, *parts: str) -> str:
-        """The etcd key `/<prefix>/<parts...>`."""
-        return "/" + "/".join((self.prefix, *parts))
-
-    def __str__(self) -> str:
-        return f"{SCHEME}://{','.join(map(str, self.endpoints))}/{self.prefix}"
-
-
-def parse_cluster_url(text: str) -> ClusterUrl:
-    """Parse `etcd://HOST:PORT[,HOST:PORT...]/PREFIX`; `ClusterUrlError` says what is wrong."""
-    scheme, sep, rest = text.partition("://")
-    if not sep or scheme != SCHEME:
-        raise ClusterUrlError(f"--cluster {text!r}: must start with {SCHEME}://")
-    hosts, slash, prefix = rest.partition("/")
-    if not hosts:
-        raise ClusterUrlError(f"--cluster {text!r}: no etcd endpoint (HOST:PORT)")
-    prefix = prefix.strip("/")
-    if not slash or not prefix:
-        raise ClusterUrlError(f"--cluster {text!r}: no key prefix naming the cluster "
-                              "(etcd://HOST:PORT/PREFIX)")
-    segments = prefix.split("/")
-    if any(s in ("", ".", "..") for s in segments) or any(c in prefix for c in "?#\0 "):
-        raise ClusterUrlError(f"--cluster {text!r}: prefix {prefix!r} must be '/'-separated "
-                              "names without empty, '.' or '..' parts, spaces, '?' or '#'")
-    endpoints = tuple(_parse_endpoint(text, item) for item in hosts.split(","))
-    if len(set(endpoints)) != len(endpoints):
-        raise ClusterUrlError(f"--cluster {text!r}: an endpoint is named twice")
-    return ClusterUrl(endpoints, prefix)
-
-
-def _parse_endpoint(text: str, item: str) -> Endpoint:
-    try:
-        parts = urlsplit(f"//{item}")
-        host, port = parts.hostname, parts.port
-    except ValueError as exc:  # a port that is not a number, or out of range
-        raise ClusterUrlError(f"--cluster {text!r}: endpoint {item!r}: {exc}") from None
-    if not host or port is None or parts.username is not None or parts.path:
-        raise ClusterUrlError(f"--cluster {text!r}: endpoint {item!r} is not HOST:PORT")
-    if port == 0:
-        raise ClusterUrlError(f"--cluster {text!r}: endpoint {item!r}: port 0")
-    return Endpoint(host, port)
 
 
 # --- values --------------------------------------------------------------------------------

@@ -269,11 +269,25 @@ def run_demo() -> int:
 
 
 def run_cluster_part(root: Path, mounts: list[DemoMount]) -> bool:
-    """Three nodes on loopback: a job saves on node0, node0 dies and is replaced by a fresh
-    node with an empty RAM dir, and the job resumes there from the replicas."""
+    """Three nodes on loopback, members of a cluster in a real etcd (started here, stopped by
+    pid): a job saves on node0, node0 dies and is replaced by a fresh node with an empty RAM
+    dir, and the job resumes there from the replicas."""
+    from tierfs.devtools.etcd import Etcd
+
+    first = len(mounts)
+    with Etcd(root / "etcd") as etcd:
+        try:
+            return _cluster_demo(root, mounts, etcd.cluster_url("tierfs-demo"))
+        finally:
+            for node in mounts[first:]:  # gone before etcd stops
+                node.cleanup()
+
+
+def _cluster_demo(root: Path, mounts: list[DemoMount], cluster_url: str) -> bool:
     import socket
 
-    _banner("9. a 3-node cluster on loopback, each committed step copied to the next node")
+    _banner("9. a 3-node cluster on loopback (membership and commits in etcd), each committed "
+            "step copied to the next node")
     token = root / "cluster.token"
     with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(os.urandom(24).hex())  # private from its first byte
@@ -282,11 +296,11 @@ def run_cluster_part(root: Path, mounts: list[DemoMount]) -> bool:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             ports.append(sock.getsockname()[1])
-    peers = ",".join(f"node{i}=127.0.0.1:{port}" for i, port in enumerate(ports))
     nodes = []
     for i in range(3):
         node = DemoMount(root / f"node{i}", Path("/dev/shm") / f"tierfs-demo-{os.getpid()}-n{i}",
-                         ["--ram-limit", "1G", "--node-id", f"node{i}", "--peers", peers,
+                         ["--ram-limit", "1G", "--node-id", f"node{i}", "--cluster",
+                          cluster_url, "--listen", f"127.0.0.1:{ports[i]}",
                           "--token-file", str(token), "--replicas", "1"])
         mounts.append(node)
         node.mount()

@@ -62,6 +62,7 @@ class Commits:
             return None
         self.tree.note_waiting(step, None)
         if manifest is not old:
+            await self.tiers.publish(step_node, manifest)  # the cluster's commit record
             self.events.committed(manifest, time.monotonic() - started)
             await self.sink.send(manifest)
         return manifest
@@ -85,10 +86,11 @@ class Commits:
                     tree.leave_pending(step, "files named by its .metadata")
                     return None, None  # retried by retry_pending_commits
                 files = list(tree.files_under(step_node))
-                for _rel, node in files:
-                    if node.remote is not None:
+                elsewhere = self.tiers.held_elsewhere(step_node)  # stay where they are
+                for rel, node in files:
+                    if node.remote is not None and rel not in elsewhere:
                         await self.residency.make_resident(node, empty=False)
-                    if node.seal is None:
+                    if node.seal is None and node.remote is None:
                         await tree.seal(node)
                 copies = await self._copies_of_open_files(files)
                 # From here to the end of Tree.write_manifest there is no await (fs.tree).
@@ -98,7 +100,9 @@ class Commits:
                 if (stale or tree.has_active_writers(step_node)
                         or tree.step_of(step_node) is not step or step_node.parent is None
                         or files != list(tree.files_under(step_node))
-                        or any(node.seal is None or node.remote for _rel, node in files)
+                        or any(node.remote is None and node.seal is None
+                               or node.remote is not None and rel not in elsewhere
+                               for rel, node in files)
                         or any(node.gen != gen for node, (_copy, gen) in copies.items())):
                     for copy, _gen in copies.values():
                         tree.store.discard(copy)
@@ -179,6 +183,7 @@ class Commits:
         if parent is None:
             return
         self.tree.touch_enclosing(node)  # its step commits `commit_idle` seconds after this
+        self.tiers.note_sealed(node)  # the cluster records which node holds the file
         if node.name == METADATA and self.tree.step_of(parent) is not None:
             await self.commit_for_saver(parent)
         await self._commit_file_step(node)

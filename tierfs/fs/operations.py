@@ -113,7 +113,14 @@ class Operations(pyfuse3.Operations):
         elif name == b"..":
             node = parent.parent or parent
         else:
-            node = self.ns.child(parent, name)
+            try:
+                node = self.ns.child(parent, name)
+            except FsError as exc:
+                # A step being written here may have been committed by another node a moment
+                # ago (a load right after the save's barrier): ask the cluster, then look again.
+                if exc.errno != errno.ENOENT or not await self.ns.tiers.catch_up(parent):
+                    raise
+                node = self.ns.child(parent, name)
         return self._entry(node)
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:

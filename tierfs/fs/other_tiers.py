@@ -35,8 +35,11 @@ class OtherTiers:
         self.residency = residency
         self.deletes = deletes
         self.background = background
-        self.sealed = sealed  # the other nodes' shards of a multi-node DCP step (cluster)
+        self.sealed = sealed  # the cluster's records of who holds which file (etcd)
         self.node_id = tree.node_id
+        # files of steps being committed here that stay on the other nodes that wrote them
+        self._elsewhere: dict[str, set[str]] = {}
+        self._unpublished: dict[str, mf.StepManifest] = {}  # committed while etcd was away
 
     # -- deletes -----------------------------------------------------------------------------
 
@@ -264,9 +267,70 @@ class OtherTiers:
             if name not in {rel for rel, _n in self.tree.files_under(step_node)}:
                 self.tree.add_holder(step_node, peer)
                 self.tree.add_remote_files(step_node, [entry], step_path)
-        log.info("commit of %s pulls %d files written on %s", step_path, len(found),
-                 ", ".join(sorted({peer for peer, _e in found.values()})))
+        self._elsewhere[step_path] = set(found)
+        log.info("commit of %s names %d files held on %s: they stay there", step_path,
+                 len(found), ", ".join(sorted({peer for peer, _e in found.values()})))
         return True
+
+    def held_elsewhere(self, step_node: Node) -> set[str]:
+        """Files of the step being committed here that other nodes wrote and keep."""
+        return self._elsewhere.get(self.tree.relpath(step_node), set())
+
+    def note_sealed(self, node: Node) -> None:
+        """A file's last writer is done: the cluster records that this node holds it, once its
+        seal (hashed in the background, `fs.sealing`) exists."""
+        step_node = next(self.tree.enclosing_steps(node.parent), None)
+        if self.sealed is None or step_node is None or node.remote is not None:
+            return
+        self.background.spawn(self._record_sealed, node, step_node)
+
+    async def _record_sealed(self, node: Node, step_node: Node) -> None:
+        assert self.sealed is not None
+        try:
+            if node.seal is None:
+                await self.tree.seal(node)  # joins the background hash
+            if node.seal is None:
+                return  # written again meanwhile: its next close records it
+            rel = os.path.relpath(self.tree.relpath(node), self.tree.relpath(step_node))
+            entry = mf.entry_from_stat(rel, node.seal.digest, os.lstat(self.tree.backing(node)))
+        except (OSError, FsError):
+            return  # gone meanwhile
+        await self.sealed.record_sealed(self.tree.relpath(step_node), [entry])
+
+    async def publish(self, step_node: Node, manifest: mf.StepManifest) -> None:
+        """This node committed `manifest`: the cluster learns it (a commit record in etcd),
+        before the saver's call returns. Without etcd the step is committed here and its
+        record is written by a later retry (`publish_pending`)."""
+        self._elsewhere.pop(manifest.path, None)
+        if self.sealed is None:
+            return
+        try:
+            await self.sealed.publish(manifest, set(step_node.step.resident))
+        except Exception as exc:  # etcd unreachable, or a record refused: retried later
+            log.warning("the cluster does not know of %s v%d yet: %s", manifest.path,
+                        manifest.version, exc)
+            self._unpublished[manifest.path] = manifest
+
+    async def publish_pending(self) -> None:
+        """Commit records that etcd could not take before (it was down): try again."""
+        for path, manifest in list(self._unpublished.items()):
+            node = self.tree.find_step(path)
+            del self._unpublished[path]
+            if node is not None and node.step.manifest is manifest:
+                await self.publish(node, manifest)
+
+    async def catch_up(self, dir_node: Node) -> bool:
+        """A name was not found in a step this node holds as being written: if the cluster
+        committed that step meanwhile (another node got its `.metadata`), list it committed
+        now rather than at the watch event. Whether the step changed."""
+        step_node = next(self.tree.enclosing_steps(dir_node), None)
+        if self.sealed is None or step_node is None or step_node.step.committed:
+            return False
+        found = await self.sealed.manifest_of(self.tree.relpath(step_node))
+        if found is None:
+            return False
+        self.learn(*found)
+        return step_node.step.committed
 
     async def missing_dcp_files(self, step_node: Node) -> set[str]:
         """Files the step's DCP `.metadata` names that are not in the directory (none when it

@@ -9,7 +9,7 @@ Outward (implemented outside `fs`):
 * `CommitSink`: where a commit's manifest goes (the daemon's channel to uploads and replicas).
 * `ReadSource`: a tier that serves verified ranges of committed files (peers, the persistent
   tier); defined beside `Fetch`, which uses it, and re-exported here.
-* `SealedCollector`: the other nodes' ranks' shards of a multi-node DCP step.
+* `SealedCollector`: the cluster's records of which node holds which file of a step.
 * `PeerCopies`, `PersistCopies`: the tiers `tierfs verify` checks and repairs.
 
 Inward (implemented inside `fs`, injected so that the core imports no collaborator):
@@ -41,10 +41,20 @@ class CommitSink(Protocol):
 
 
 class SealedCollector(Protocol):
-    """Which peers hold sealed copies of these files of a step: name -> (peer, entry)."""
+    """The cluster's records of which node holds which file of a step (etcd)."""
+
+    async def record_sealed(self, step_path: str, entries: list[mf.FileEntry]) -> None:
+        """Record files this node sealed into a step."""
 
     async def collect(self, step_path: str, names: set[str]
-                      ) -> dict[str, tuple[str, mf.FileEntry]]: ...
+                      ) -> dict[str, tuple[str, mf.FileEntry]]:
+        """Which other nodes hold these files of a step: name -> (node, entry)."""
+
+    async def publish(self, manifest: mf.StepManifest, held_here: set[str]) -> None:
+        """This node committed `manifest`: the cluster's commit record."""
+
+    async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:
+        """The step's committed manifest in the cluster and the nodes holding its files."""
 
 
 class PeerCopies(Protocol):

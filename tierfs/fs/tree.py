@@ -31,6 +31,7 @@ Invariants (S3QL-style note: where an `await` must not appear):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -430,20 +431,6 @@ class Tree:
             return []
         return sorted((node.step.holders | set(self.peer_holders(node.step)))
                       - {self.node_id})
-
-    def sealed_files(self, step_path: str, names: list[str]) -> list[mf.FileEntry]:
-        """Which of these files of `step_path` this node holds sealed (for a peer's commit)."""
-        step_node = self.find_step(step_path)
-        if step_node is None:
-            return []
-        found = []
-        wanted = set(names)
-        for rel, node in self.files_under(step_node):
-            if (rel in wanted and node.remote is None and node.seal is not None
-                    and node.active_writers == 0):
-                found.append(mf.entry_from_stat(rel, node.seal.digest,
-                                                os.lstat(self.backing(node))))
-        return found
 
     def sealed_path(self, data_dir: str, name: str, xxh3: str) -> bytes | None:
         """The RAM store path of a sealed file with exactly this content, if held here
@@ -913,6 +900,9 @@ class Tree:
         number = mf.NO_STEP if step.number is None else step.number
         entries = []
         for rel, node in files:
+            if node.remote is not None:  # held by other nodes (a multi-node step's shards)
+                entries.append(dataclasses.replace(node.remote.entry, name=rel))
+                continue
             entries.append(mf.entry_from_stat(rel, node.seal.digest,
                                               os.lstat(self.backing(node))))
         if (old is not None and old.path == step_path and old.step == number
@@ -930,11 +920,12 @@ class Tree:
         manifest_path = os.path.join(self.records_path(step_node), mf.MANIFEST_NAME.encode())
         tmp = self.records.write_temp(manifest_path, mf.encode(manifest))  # may fail: ENOSPC
         for (_rel, node), entry in zip(files, entries, strict=True):
-            self.store.add_ref(entry.xxh3, self.backing(node), copies.pop(node, None))
+            if node.remote is None:
+                self.store.add_ref(entry.xxh3, self.backing(node), copies.pop(node, None))
         os.rename(tmp, manifest_path)
         self.drop_resident_refs(step)
         step.manifest = manifest
-        step.resident = {entry.name for entry in entries}
+        step.resident = {rel for rel, node in files if node.remote is None}
         step.dirty = False
         step.commit_pending = False
         return manifest

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierfs.cluster.url import ClusterUrl, ClusterUrlError, parse_cluster_url
 from tierfs.mount_helper.mounts import real_path
 from tierfs.step_names import DEFAULT_FILE_STEP_PATTERN, DEFAULT_STEP_PATTERN
 
@@ -52,14 +53,21 @@ MOUNT_OPTIONS = [
     Option("s3-endpoint", None, "S3-compatible endpoint URL (default: AWS_ENDPOINT_URL, else "
            "AWS)", metavar="URL"),
     Option("node-id", None, "this node's name (default: the host name)", metavar="ID"),
-    Option("peers", None, "every node of the cluster, this one included, as ID=HOST:PORT,...; "
-           "this node listens on its own entry (default: single node)", metavar="LIST"),
+    Option("cluster", None, "join the cluster whose membership and commit records live in "
+           "these etcd endpoints under PREFIX: etcd://HOST:PORT[,HOST:PORT...]/PREFIX "
+           "(default: single node)", metavar="URL"),
+    Option("listen", None, "this node's peer data port, HOST:PORT (required with --cluster)",
+           metavar="HOST:PORT"),
+    Option("advertise", None, "the address peers connect to, when not --listen's",
+           metavar="HOST:PORT"),
     Option("replicas", None, "extra copies of each committed file on other nodes (default 1 "
-           "with --peers)", "int", "K"),
-    Option("token-file", None, "file holding the shared secret peers must prove; required with "
-           "--peers unless --insecure; must not be readable by others", "path", "FILE"),
-    Option("insecure", False, "allow --peers without a token (a trusted, closed network only)",
+           "in a cluster)", "int", "K"),
+    Option("token-file", None, "file holding the shared secret peer data connections must "
+           "prove; required with --cluster unless --insecure; must not be readable by others",
+           "path", "FILE"),
+    Option("insecure", False, "allow --cluster without a token (a trusted, closed network only)",
            "flag"),
+    Option("peers", None, "removed: use --cluster, --listen and --node-id", metavar="LIST"),
     Option("step-pattern", DEFAULT_STEP_PATTERN, "regular expression for step directory names; "
            "group 1 is the step number (default %(default)s)", metavar="REGEX"),
     Option("file-step-pattern", DEFAULT_FILE_STEP_PATTERN, "regular expression for the names "
@@ -112,7 +120,9 @@ class MountConfig:
     persist_every: int
     keep_persist: int
     s3_endpoint: str | None
-    peers: dict[str, tuple[str, int]]
+    cluster: ClusterUrl | None
+    listen: tuple[str, int] | None
+    advertise: str | None  # HOST:PORT peers connect to (--advertise, else --listen)
     replicas: int
     token: bytes | None
     node_id: str
@@ -171,21 +181,6 @@ def parse_size(text: str | int, total_memory: int | None = None) -> int:
         raise ConfigError(f"not a size: {text!r} (use e.g. 64G, 512M or 50%)")
     number, unit = match.groups()
     return int(float(number) * 1024 ** "bkmgtp".index(unit.lower() or "b"))
-
-
-def parse_peers(text: str) -> dict[str, tuple[str, int]]:
-    """'node0=10.0.0.1:7070,node1=10.0.0.2:7070' -> {node id: (host, port)}."""
-    peers: dict[str, tuple[str, int]] = {}
-    for item in filter(None, (part.strip() for part in str(text).split(","))):
-        node_id, sep, addr = item.partition("=")
-        host, colon, port = addr.rpartition(":")
-        if not (sep and colon and node_id and host and port.isdigit()) or \
-                not 0 < int(port) < 65536:
-            raise ConfigError(f"--peers: {item!r} is not ID=HOST:PORT")
-        if node_id in peers:
-            raise ConfigError(f"--peers lists {node_id} twice")
-        peers[node_id] = (host.strip("[]"), int(port))
-    return peers
 
 
 def parse_address(text: str, option: str) -> tuple[str, int]:
@@ -314,17 +309,19 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
     pattern = _step_pattern(values, "step_pattern")
     file_pattern = _step_pattern(values, "file_step_pattern")
     node_id = str(values["node_id"] or socket.gethostname())
-    peers = parse_peers(values["peers"]) if values["peers"] else {}
-    if peers and node_id not in peers:
-        raise ConfigError(f"--peers does not list this node ({node_id}); set --node-id")
+    if values["peers"]:
+        raise ConfigError("--peers is gone: name the cluster's etcd with --cluster "
+                          "etcd://HOST:PORT/PREFIX and this node's peer port with --listen")
+    cluster, listen, advertise = _cluster(values, node_id)
     replicas = _whole_number(values, "replicas", 0) if values["replicas"] is not None else (
-        1 if peers else 0)
-    if replicas > max(0, len(peers) - 1):
-        raise ConfigError(f"--replicas {replicas} needs at least {replicas + 1} nodes in --peers")
+        1 if cluster else 0)
+    if replicas and cluster is None:
+        raise ConfigError(f"--replicas {replicas} needs --cluster")
     token = read_token(values["token_file"]) if values["token_file"] else None
-    if peers and token is None:
+    if cluster and token is None:
         if not values["insecure"]:
-            raise ConfigError("--peers needs --token-file (or --insecure on a trusted network)")
+            raise ConfigError("--cluster needs --token-file (or --insecure on a trusted "
+                              "network)")
         token = b"insecure"
     ram_dir = Path(values["ram_dir"]).absolute()
     limit = parse_size(values["ram_limit"])
@@ -341,7 +338,9 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         persist_every=_whole_number(values, "persist_every", 1),
         keep_persist=_whole_number(values, "keep_persist", 0),
         s3_endpoint=values["s3_endpoint"] or None,
-        peers=peers,
+        cluster=cluster,
+        listen=listen,
+        advertise=advertise,
         replicas=replicas,
         token=token,
         node_id=node_id,
@@ -355,6 +354,34 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         metrics=parse_address(values["metrics"], "--metrics") if values["metrics"] else None,
         **_root_directory(values),
     )
+
+
+def _cluster(values: dict[str, Any], node_id: str
+             ) -> tuple[ClusterUrl | None, tuple[str, int] | None, str | None]:
+    """--cluster, --listen and --advertise: (etcd and prefix, where to listen, the address
+    peers use); all None on a single node."""
+    if not values["cluster"]:
+        for option in ("listen", "advertise"):
+            if values[option]:
+                raise ConfigError(f"--{option} needs --cluster")
+        return None, None, None
+    try:
+        cluster = parse_cluster_url(str(values["cluster"]))
+    except ClusterUrlError as exc:
+        raise ConfigError(str(exc)) from None
+    if "/" in node_id:
+        raise ConfigError(f"--node-id {node_id!r} must not contain '/'")
+    if not values["listen"]:
+        raise ConfigError("--cluster needs --listen HOST:PORT (this node's peer data port)")
+    listen = parse_address(values["listen"], "--listen")
+    if values["advertise"]:
+        host, port = parse_address(values["advertise"], "--advertise")
+    else:
+        host, port = listen
+        if host in ("0.0.0.0", "::"):
+            raise ConfigError(f"--listen {values['listen']} listens on every interface: "
+                              "say with --advertise HOST:PORT which address peers use")
+    return cluster, listen, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _root_directory(values: dict[str, Any]) -> dict[str, int | None]:

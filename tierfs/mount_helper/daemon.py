@@ -24,6 +24,9 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs import reserved
+from tierfs.cluster import membership as live_members
+from tierfs.cluster.commit_records import CommitRecords
+from tierfs.cluster.etcd import Etcd, EtcdError
 from tierfs.fs.background import Background
 from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.namespace import Core, Namespace
@@ -49,7 +52,7 @@ from tierfs.mount_helper.mounts import (
 )
 from tierfs.mount_helper.status_view import number_of
 from tierfs.observe import Events, Levels, MetricsServer
-from tierfs.replication.cluster_commit import SealedFiles
+from tierfs.replication.cluster_commit import ClusterCommits
 from tierfs.replication.gossip import Gossip
 from tierfs.replication.membership import Membership
 from tierfs.replication.peer_delete import PeerDelete, delete_handler
@@ -65,6 +68,7 @@ from tierfs.s3tier.uploader import Uploader
 log = logging.getLogger(__name__)
 
 CHECK_PATIENCE = 10.0  # seconds a mount waits for an unreachable persistent tier
+CLUSTER_RECORDS = "etcd"  # the delete target of a step's records in the cluster's etcd
 PENDING_RETRY = 0.5  # seconds between tries of pending commits (shards elsewhere, no space)
 
 
@@ -281,7 +285,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                 commit_idle=cfg.commit_idle, delete_targets=_delete_targets(cfg))
     backend = await _persistent_tier(cfg, ready)
     persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
-    links = ClusterLinks(cfg, core.tree) if cfg.peers else None
+    links = ClusterLinks(cfg, core.tree) if cfg.cluster else None
     # Peers come first among the read sources: faster than the persistent tier. Each is
     # metered: read-backs are event lines and metrics.
     sources = []
@@ -375,10 +379,11 @@ async def _retry_pending_commits(namespace: Namespace) -> None:
         await namespace.commits.retry_pending_commits()
 
 
-def _delete_targets(cfg: MountConfig) -> list[str]:
-    """What a delete made on this node must clean: the persistent tier and every peer."""
-    return ([PERSIST] if cfg.persist else []) + [
-        peer_target(node_id) for node_id in sorted(cfg.peers or {}) if node_id != cfg.node_id]
+def _delete_targets(cfg: MountConfig, peers: list[str] | None = None) -> list[str]:
+    """What a delete made on this node must clean: the persistent tier, the cluster's records
+    and every live peer (`ClusterNode` keeps the list current as members come and go)."""
+    return ([PERSIST] if cfg.persist else []) + ([CLUSTER_RECORDS] if cfg.cluster else []) + [
+        peer_target(node_id) for node_id in sorted(peers or []) if node_id != cfg.node_id]
 
 
 async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe) -> Backend | None:
@@ -478,6 +483,11 @@ def _delete_worker(namespace: Namespace, uploader: Uploader | None,
         cleaners[PERSIST] = from_store
     if cluster is not None:
         cleaners["peer"] = cluster.peer_delete.delete
+
+        async def from_etcd(tomb: Tombstone, _where: str) -> None:
+            await cluster.sealed.forget(tomb.path, tomb.version)
+
+        cleaners[CLUSTER_RECORDS] = from_etcd
     return DeleteWorker(namespace.deletes, cleaners)
 
 
@@ -497,26 +507,32 @@ async def _terminate_on_signal() -> None:
 
 
 class ClusterLinks:
-    """This node's clients of its peers (with --peers), made before the namespace, which is
-    given them: membership, reads from peers, other nodes' DCP shards, peer verification and
-    deletes. They ask the tree questions only (who holds a step, which files are sealed)."""
+    """This node's clients of its peers (with --cluster), made before the namespace, which is
+    given them: membership (from etcd), reads from peers, other nodes' DCP shards, peer
+    verification and deletes. They ask the tree questions only (who holds a step, which files
+    are sealed)."""
 
     def __init__(self, cfg: MountConfig, tree: Tree) -> None:
-        self.membership = Membership(cfg.node_id, cfg.peers, cfg.token)
+        assert cfg.cluster is not None and cfg.advertise is not None and cfg.token is not None
+        self.etcd = Etcd(cfg.cluster.endpoints)
+        self.live = live_members.Membership(self.etcd, cfg.cluster, cfg.node_id, cfg.advertise)
+        self.membership = Membership(self.live, cfg.token)
         self.reader = PeerReader(self.membership, tree.holders_of)
-        self.sealed = SealedFiles(self.membership, tree.sealed_files)
+        self.sealed = ClusterCommits(CommitRecords(self.etcd, cfg.cluster), cfg.node_id,
+                                     tree.step_number)
         self.verify = PeerVerify(self.membership)
         self.delete = PeerDelete(self.membership)
 
 
 class ClusterNode:
-    """The cluster side of one daemon (with --peers): the peer port and its handlers,
-    replication and gossip, wired to this node's namespace and store."""
+    """The cluster side of one daemon (with --cluster): the peer port and its handlers, its
+    registration in etcd, replication and gossip, wired to this node's namespace and store."""
 
     def __init__(self, cfg: MountConfig, links: ClusterLinks, namespace: Namespace,
                  store: RamStore, events: Events) -> None:
         self.cfg = cfg
         self.namespace = namespace
+        self.live = links.live
         self.membership = links.membership
         self.verifier = namespace.verifier
         self.peer_delete = links.delete
@@ -527,40 +543,78 @@ class ClusterNode:
                                      lambda digest: str(store.object_path(digest)),
                                      is_current=tiers.is_current,
                                      holders=tiers.replica_holders,
-                                     on_replicated=tiers.mark_replicated,
+                                     on_replicated=self._replicated,
                                      events=events)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.adopt_replica)
         self.ranges = RangeServer(store.objects, namespace.tree.sealed_path)
+
+    def _replicated(self, manifest: mf.StepManifest, peer: str) -> None:
+        """A peer verified a copy of the step: held there, here and in the cluster's records."""
+        self.namespace.tiers.mark_replicated(manifest, peer)
+        self.namespace.background.spawn(self.sealed.add_holder, manifest, peer)
 
     async def start(self, nursery: trio.Nursery) -> None:
         handlers: dict[str, Handler] = {
             "PUT": self.receiver.put, "PUT_MANIFEST": self.receiver.put_manifest,
             "GET": self.ranges.on_get, "GOSSIP": self.gossip.on_gossip,
-            "PULL": self.gossip.on_pull, "SEALED": self.sealed.on_sealed,
+            "PULL": self.gossip.on_pull,
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
         }
-        me = self.membership.members[self.cfg.node_id]
         server = PeerServer(self.cfg.node_id, self.cfg.token, self.membership.ids, handlers)
+        assert self.cfg.listen is not None
+        host, port = self.cfg.listen
         try:
-            await nursery.start(server.run, me.host, me.port)
+            await nursery.start(server.run, host, port)
         except Exception as exc:  # an OSError, perhaps inside an exception group
             error = _first_leaf(exc, OSError)
             if error is None:
                 raise
-            raise StartupError(f"cannot listen for peers on {me.addr}: "
+            raise StartupError(f"cannot listen for peers on {host}:{port}: "
                                f"{error.strerror or error}") from None
-        log.info("node %s listening for peers on %s; cluster: %s", self.cfg.node_id, me.addr,
-                 ", ".join(m.node_id for m in self.membership.peers))
+        await self._register(nursery)
+        log.info("node %s listening for peers on %s:%d (advertised as %s); live members: %s",
+                 self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
+        self._follow_members()
         await self.gossip.pull_all()  # every step of the cluster is listed from the start
-        for worker in (self.membership.run, self.gossip.run, self.replicator.run,
-                       self._restore_copies):
+        for worker in (self.gossip.run, self.replicator.run, self._restore_copies,
+                       self._follow_commits, self._publish_pending):
             nursery.start_soon(worker)
+
+    async def _follow_commits(self) -> None:
+        """Every commit of the other nodes is listed here within a watch event."""
+        await self.sealed.follow(self.namespace.tiers.learn)
+
+    async def _publish_pending(self) -> None:
+        """Commit records etcd could not take (it was down) are written once it is back."""
+        while True:
+            await trio.sleep(PENDING_RETRY)
+            await self.namespace.tiers.publish_pending()
+
+    async def _register(self, nursery: trio.Nursery) -> None:
+        """Join the cluster in etcd (a key under this node's lease); one line if it cannot."""
+        with trio.move_on_after(CHECK_PATIENCE) as patience:
+            try:
+                await nursery.start(self.live.run)
+            except Exception as exc:  # NodeIdInUse, perhaps inside an exception group
+                error = _first_leaf(exc, EtcdError)
+                if error is None:
+                    raise
+                raise StartupError(f"cannot join the cluster {self.cfg.cluster}: "
+                                   f"{error}") from None
+        if patience.cancelled_caught:
+            raise StartupError(f"etcd of --cluster {self.cfg.cluster} does not answer (tried "
+                               f"for {CHECK_PATIENCE:.0f} s)")
+
+    def _follow_members(self) -> None:
+        """Deletes made here go to the live peers."""
+        self.namespace.deletes.targets = _delete_targets(self.cfg, self.live.ring)
 
     async def _restore_copies(self) -> None:
         """When a node goes or comes, every holder checks that its steps still have K copies."""
         while True:
             await self.membership.changed.wait()
+            self._follow_members()
             for manifest in self.namespace.tiers.held_manifests():
                 self.replicator.submit(manifest)
 

@@ -4,7 +4,7 @@ peer, and the mutual authentication that must succeed before anything else is ac
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Any
 
 import trio
@@ -67,8 +67,8 @@ class PeerChannel:
         await self.stream.aclose()
 
 
-async def authenticate(channel: PeerChannel, token: bytes, my_id: str, members: set[str],
-                       expected_peer: str | None = None) -> str:
+async def authenticate(channel: PeerChannel, token: bytes, my_id: str,
+                       members: Container[str], expected_peer: str | None = None) -> str:
     """Prove knowledge of the token and check the peer's proof; return the peer's node id."""
     nonce = proto.new_nonce()
     await channel.send("HELLO", node_id=my_id, nonce=nonce)
@@ -84,7 +84,7 @@ async def authenticate(channel: PeerChannel, token: bytes, my_id: str, members: 
     return peer
 
 
-async def connect(host: str, port: int, token: bytes, my_id: str, members: set[str],
+async def connect(host: str, port: int, token: bytes, my_id: str, members: Container[str],
                   peer_id: str) -> PeerChannel:
     """An authenticated channel to `peer_id` at host:port (OSError or ProtocolError if not)."""
     with trio.fail_after(CONNECT_TIMEOUT):

@@ -1,67 +1,187 @@
-"""The cluster-wide side of a multi-node DCP commit.
+"""The cluster-wide side of commits, on etcd (`tierfs.cluster.commit_records`): no shard moves.
 
 With DCP every rank writes its shard into the same step path on its own node's mount, and only
-rank 0's node sees `.metadata`. That node learns from `.metadata` which files the checkpoint
-has, asks its peers which of the missing ones they hold sealed (SEALED), and pulls them; the step
-then commits there whole, and gossip brings the committed manifest to the other nodes, which
-adopt it for the files they wrote themselves.
+rank 0's node sees `.metadata`. Each node records in etcd every file of a step it seals (its
+whole manifest entry). The node that gets `.metadata` learns from it which files the step
+has, waits until a record exists for every one it does not hold (`collect`, with a deadline),
+lists them as held elsewhere (their bytes stay on the nodes that wrote them), commits, and
+then writes the step's commit record (`publish`) before `.metadata`'s close returns.
+
+Every node follows the commit records (`follow`): each commit of another node reaches it as
+one watch event, and it makes the step's manifest from the records alone (commit record:
+version and time; file records: the entries) and lists the step, committed, with the files it
+holds here and the rest readable from their writers. A node asked about a step it still holds
+as `writing` asks etcd directly (`manifest_of`), so a load on any node right after the save's
+barrier finds the step committed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import trio
 
 from tierfs import manifest as mf
-from tierfs.replication import protocol as proto
-from tierfs.replication.channel import PeerChannel
-from tierfs.replication.membership import Membership
+from tierfs.cluster.commit_records import (
+    CommitEvent,
+    CommitRecord,
+    CommitRecords,
+    CommitTimeout,
+    FileRecord,
+)
+from tierfs.cluster.etcd import EtcdError
 
 log = logging.getLogger(__name__)
 
-SealedLookup = Callable[[str, list[str]], list[mf.FileEntry]]
+COMMIT_WAIT = 20.0  # seconds a commit waits for other nodes' records of the files it names
+
+# (manifest, the nodes holding its files): list the step here (OtherTiers.learn)
+Learn = Callable[[mf.StepManifest, list[str]], None]
+StepNumber = Callable[[str], int | None]
 
 
-class SealedFiles:
-    def __init__(self, membership: Membership, lookup: SealedLookup) -> None:
-        self.membership = membership
-        self._lookup = lookup
+class ClusterCommits:
+    """This node's side of the cluster's shard and commit records."""
+
+    def __init__(self, records: CommitRecords, node_id: str, step_number: StepNumber) -> None:
+        self.records = records
+        self.node_id = node_id
+        self._step_number = step_number
+
+    # -- this node's files
+
+    async def record_sealed(self, step_path: str, entries: list[mf.FileEntry]) -> None:
+        """Record files this node sealed into a step (their writer and only holder: here).
+        Without etcd they stay unrecorded for now: `publish` records them again at commit."""
+        try:
+            await self.records.record_files(step_path, {e.name: self._record(e)
+                                                        for e in entries})
+        except EtcdError as exc:
+            log.info("could not record %d sealed files of %s in etcd yet: %s", len(entries),
+                     step_path, exc)
+
+    def _record(self, entry: mf.FileEntry) -> FileRecord:
+        return FileRecord.sealed(self.node_id, entry.size, entry.xxh3,
+                                 tuple(mf.entry_fields(entry)))
 
     async def collect(self, step_path: str,
                       names: set[str]) -> dict[str, tuple[str, mf.FileEntry]]:
-        """Where the peers hold sealed copies of these files: name -> (node id, entry)."""
-        found: dict[str, tuple[str, mf.FileEntry]] = {}
+        """Where the other nodes hold these files of a step: name -> (node id, entry), once
+        every one is recorded or after COMMIT_WAIT (then those recorded so far)."""
+        try:
+            found = await self.records.wait_for_files(step_path, names, COMMIT_WAIT)
+        except CommitTimeout:
+            found = await self._recorded(step_path, names)
+        except EtcdError as exc:
+            log.info("commit of %s: etcd does not answer (%s); it waits", step_path, exc)
+            return {}
+        located = {}
+        for name, record in found.items():
+            entry = _entry(name, record)
+            if entry is not None and record.node != self.node_id:
+                located[name] = (record.node, entry)
+        return located
 
-        async def ask(node_id: str) -> None:
-            try:
-                channel = await self.membership.connect(node_id)
-                try:
-                    reply = await channel.request("SEALED", path=step_path,
-                                                  names=sorted(names), expect="SEALED_FILES")
-                finally:
-                    await channel.aclose()
-                for fields in reply["files"]:
-                    entry = mf.entry_from_fields(fields)
-                    if entry.name in names:
-                        found.setdefault(entry.name, (node_id, entry))
-            except (OSError, proto.ProtocolError, trio.TooSlowError, mf.ManifestError) as exc:
-                log.info("asking %s for the files of %s failed: %s", node_id, step_path, exc)
+    async def _recorded(self, step_path: str, names: set[str]) -> dict[str, FileRecord]:
+        try:
+            return {n: r for n, r in (await self.records.files(step_path)).items()
+                    if n in names}
+        except EtcdError:
+            return {}
 
+    # -- commits
+
+    async def publish(self, manifest: mf.StepManifest, held_here: set[str]) -> None:
+        """After this node committed `manifest`: record the files it holds, drop records of
+        files the step no longer has, and write the commit record, so that every node lists
+        the step. Raises EtcdError if etcd does not take it (the caller retries)."""
+        step_path = manifest.path
+        await self.records.record_files(step_path, {e.name: self._record(e)
+                                                    for e in manifest.files
+                                                    if e.name in held_here})
+        names = {e.name for e in manifest.files}
+        stale = set(await self.records.files(step_path)) - names
+        for name in sorted(stale):  # files written but not part of the step (e.g. temp files)
+            await self.records.etcd.delete(self.records.file_key(step_path, name))
+        record, won = await self.records.commit(step_path, self.node_id, names, COMMIT_WAIT,
+                                                manifest.version, manifest.committed_ns)
+        if not won and record.version < manifest.version:  # an older version's commit
+            newer = CommitRecord(step_path, self.node_id, len(names), record.at,
+                                 manifest.version, manifest.committed_ns)
+            await self.records.etcd.put(self.records.commit_key(step_path), newer.encode())
+
+    async def add_holder(self, manifest: mf.StepManifest, node: str) -> None:
+        """`node` holds a verified copy of every file of `manifest` (a replica): count it in
+        each file's record, then touch the commit record so that every node reads the step's
+        holders again (one watch event)."""
+        try:
+            for entry in manifest.files:
+                await self.records.add_holder(manifest.path, entry.name, node)
+            record = await self.records.commit_of(manifest.path)
+            if record is not None and record.version == manifest.version:
+                await self.records.etcd.put(self.records.commit_key(manifest.path),
+                                            record.encode())
+        except EtcdError as exc:
+            log.info("could not record %s as a holder of %s: %s", node, manifest.path, exc)
+
+    async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:
+        """The step's committed manifest and the nodes holding its files, as etcd says (None
+        if it is not committed in the cluster, or etcd does not answer)."""
+        try:
+            record = await self.records.commit_of(step_path)
+            if record is None:
+                return None
+            return await self._manifest(record)
+        except EtcdError as exc:
+            log.info("could not ask etcd about %s: %s", step_path, exc)
+            return None
+
+    async def _manifest(self, record: CommitRecord
+                        ) -> tuple[mf.StepManifest, list[str]] | None:
+        number = self._step_number(os.path.basename(record.step))
+        files = await self.records.files(record.step)
+        entries = [_entry(name, r) for name, r in sorted(files.items())]
+        if number is None or None in entries or len(entries) != record.files:
+            log.warning("the commit record of %s does not match its file records: ignored",
+                        record.step)
+            return None
+        manifest = mf.StepManifest(record.step, number, record.version, record.committer,
+                                   record.committed_ns,
+                                   tuple(e for e in entries if e is not None))
+        holders = sorted({h for r in files.values() for h in r.holders} | {record.committer})
+        return manifest, holders
+
+    async def follow(self, learn: Learn) -> None:
+        """List every commit of the other nodes as it happens (the existing ones first)."""
+        send, receive = trio.open_memory_channel[CommitEvent](64)
         async with trio.open_nursery() as nursery:
-            for member in self.membership.peers:
-                nursery.start_soon(ask, member.node_id)
-        return found
+            nursery.start_soon(self.records.follow_commits, send)
+            async for event in receive:
+                record = event.record
+                if record is None:
+                    continue
+                try:
+                    found = await self._manifest(record)
+                except EtcdError as exc:
+                    log.info("could not read the records of %s: %s", record.step, exc)
+                    continue
+                if found is not None:
+                    learn(*found)
 
-    async def on_sealed(self, message: proto.Message, channel: PeerChannel) -> None:
-        names = message["names"]
-        if not all(isinstance(n, str) for n in names):
-            raise proto.ProtocolError("SEALED names must be strings")
-        for name in names:
-            try:
-                mf.check_relative_path(name)
-            except mf.ManifestError as exc:
-                raise proto.ProtocolError(f"SEALED: {exc}") from None
-        entries = self._lookup(message["path"], names)
-        await channel.send("SEALED_FILES", files=[mf.entry_fields(e) for e in entries])
+    async def forget(self, step_path: str, version: int) -> None:
+        """A delete of the step (up to `version`): its records leave etcd."""
+        record = await self.records.commit_of(step_path)
+        if record is not None and record.version <= version:
+            await self.records.delete_step(step_path)
+
+
+def _entry(name: str, record: FileRecord) -> mf.FileEntry | None:
+    if record.entry is None:
+        return None
+    try:
+        entry = mf.entry_from_fields(list(record.entry))
+    except mf.ManifestError:
+        return None
+    return entry if entry.name == name else None

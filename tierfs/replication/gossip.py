@@ -67,7 +67,6 @@ class Gossip:
                     if message.type == "OK":
                         break
                     self._absorb(message, node_id)
-                self.membership.saw(node_id)
             finally:
                 await channel.aclose()
         except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
@@ -92,7 +91,7 @@ class Gossip:
         for item in message["manifests"]:
             if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], bytes)
                     and isinstance(item[1], list)
-                    and all(isinstance(h, str) and h in self.membership.ids for h in item[1])):
+                    and all(isinstance(h, str) for h in item[1])):
                 raise proto.ProtocolError("malformed GOSSIP entry")
             try:
                 manifest = mf.decode(item[0])

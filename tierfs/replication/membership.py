@@ -1,103 +1,89 @@
-"""Cluster membership: who the nodes are (`--peers`), who answers (a heartbeat to every peer
-every second), and where a node's committed files go (the next K live nodes on a ring ordered by
-node id)."""
+"""The peers as the data connections see them: who the nodes are and who is up, from etcd.
+
+The live members come from `tierfs.cluster.membership` (each daemon's key under a lease; every
+node follows the member prefix). This module adds what the peer clients and the peer port ask
+of them: the address to connect to, the authenticated connection, the next live nodes on the
+ring, and the peers `status` lists (every node seen since this daemon started, up or down).
+There is no heartbeat of its own: a node is up while its lease lives.
+"""
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 
 import trio
 
-from tierfs.replication import protocol as proto
-from tierfs.replication.channel import connect
-
-log = logging.getLogger(__name__)
-
-HEARTBEAT_EVERY = 1.0
-DOWN_AFTER = 3.0
+from tierfs.cluster import membership as live_members
+from tierfs.cluster import placement
+from tierfs.replication.channel import PeerChannel, connect
 
 
 @dataclass
 class Member:
     node_id: str
-    host: str
-    port: int
-    up: bool = False
-    last_seen: float = 0.0
+    addr: str  # HOST:PORT as the node registered it
+    up: bool
 
     @property
-    def addr(self) -> str:
-        return f"{self.host}:{self.port}"
+    def host(self) -> str:
+        return self.addr.rpartition(":")[0].strip("[]")
+
+    @property
+    def port(self) -> int:
+        return int(self.addr.rpartition(":")[2])
+
+
+class LiveIds:
+    """`node in ids`: whether `node` is a live member now (checked at each connection)."""
+
+    def __init__(self, live: live_members.Membership) -> None:
+        self._live = live
+
+    def __contains__(self, node_id: object) -> bool:
+        return isinstance(node_id, str) and node_id in self._live.members
 
 
 class Membership:
-    def __init__(self, me: str, members: dict[str, tuple[str, int]], token: bytes) -> None:
-        if me not in members:
-            raise ValueError(f"this node ({me}) is not in --peers")
-        self.me = me
+    """The members of the cluster for this node's peer connections."""
+
+    def __init__(self, live: live_members.Membership, token: bytes) -> None:
+        self.live = live
+        self.me = live.node_id
         self.token = token
-        self.members = {node_id: Member(node_id, host, port)
-                        for node_id, (host, port) in sorted(members.items())}
-        self.members[me].up = True
-        self.ids = set(self.members)
-        self.changed = trio.Event()
+        self.ids = LiveIds(live)
+        self._seen: dict[str, str] = {}  # every node seen since start: node id -> address
+
+    @property
+    def changed(self) -> trio.Event:
+        """Set (and replaced) at every change of the live members."""
+        return self.live.changed
+
+    @property
+    def members(self) -> dict[str, Member]:
+        """Every node seen since this daemon started, this one included, up or down."""
+        for node_id, info in self.live.members.items():
+            self._seen[node_id] = info.address
+        return {node_id: Member(node_id, addr, node_id in self.live.members)
+                for node_id, addr in sorted(self._seen.items())}
 
     @property
     def peers(self) -> list[Member]:
         return [m for m in self.members.values() if m.node_id != self.me]
 
     def is_up(self, node_id: str) -> bool:
-        member = self.members.get(node_id)
-        return member is not None and member.up
+        return self.live.is_up(node_id)
 
     def successors(self, count: int) -> list[str]:
-        """The next `count` live nodes after this one on the ring ordered by node id."""
-        ring = sorted(self.members)
-        start = ring.index(self.me)
-        after = ring[start + 1:] + ring[:start]
-        return [node_id for node_id in after if self.members[node_id].up][:count]
+        """The next `count` live nodes after this one on the ring (sorted live node ids)."""
+        return placement.replica_targets(self.live.ring, self.me, count)
 
-    async def connect(self, node_id: str):  # type: ignore[no-untyped-def]
-        member = self.members[node_id]
+    async def connect(self, node_id: str) -> PeerChannel:
+        """An authenticated channel to a live member (OSError if it is not one)."""
+        info = self.live.members.get(node_id)
+        if info is None:
+            raise OSError(f"node {node_id} is not a live member of the cluster")
+        member = Member(node_id, info.address, True)
         return await connect(member.host, member.port, self.token, self.me, self.ids, node_id)
-
-    async def run(self) -> None:
-        while True:
-            async with trio.open_nursery() as nursery:
-                for member in self.peers:
-                    nursery.start_soon(self._ping, member)
-            await trio.sleep(HEARTBEAT_EVERY)
-
-    async def _ping(self, member: Member) -> None:
-        try:
-            with trio.fail_after(2 * HEARTBEAT_EVERY):
-                channel = await self.connect(member.node_id)
-                try:
-                    await channel.request("PING", node_id=self.me, expect="PONG")
-                finally:
-                    await channel.aclose()
-        except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
-            if member.up and time.monotonic() - member.last_seen > DOWN_AFTER:
-                member.up = False
-                log.warning("peer %s (%s) is down: %s", member.node_id, member.addr, exc)
-                self._signal()
-            return
-        self.saw(member.node_id)
-
-    def saw(self, node_id: str) -> None:
-        """`node_id` just answered an authenticated request."""
-        member = self.members[node_id]
-        member.last_seen = time.monotonic()
-        if not member.up:
-            member.up = True
-            log.info("peer %s (%s) is up", member.node_id, member.addr)
-            self._signal()
-
-    def _signal(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
 
     def status(self) -> list[dict[str, object]]:
         return [{"node_id": m.node_id, "addr": m.addr, "up": m.up} for m in self.peers]

@@ -39,8 +39,6 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "PONG": {"node_id": str},
     "GOSSIP": {"manifests": list},          # [[encoded manifest, [holder node ids]], ...]
     "PULL": {},                             # "send me your GOSSIP now" (a node starting up)
-    "SEALED": {"path": str, "names": list},  # which of these files of a step do you hold?
-    "SEALED_FILES": {"files": list},        # [file entry fields, ...] (manifest form)
     "PUT": {"path": str, "name": str, "xxh3": str, "size": int, "offset": int},
     "PUT_MANIFEST": {"manifest": bytes},    # a replica is complete: its manifest
     "GET": {"path": str, "name": str, "xxh3": str, "offset": int, "length": int},

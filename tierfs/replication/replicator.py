@@ -68,6 +68,11 @@ class Replicator:
 
     async def _replicate(self, manifest: mf.StepManifest) -> None:
         """Send the step until it has K live copies or is no longer the current version."""
+        if not all(os.path.exists(self._object_path(e.xxh3)) for e in manifest.files):
+            # a multi-node step: its other files stay with the nodes that wrote them
+            log.info("%s v%d is held here in part: not replicated as a whole", manifest.path,
+                     manifest.version)
+            return
         failures = 0
         while self._is_current(manifest):
             holders = self._holders(manifest)

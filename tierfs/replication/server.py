@@ -5,7 +5,7 @@ line; whatever happens on one connection, the daemon keeps serving."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Container
 
 import trio
 
@@ -19,7 +19,7 @@ Handler = Callable[[proto.Message, PeerChannel], Awaitable[None]]
 
 
 class PeerServer:
-    def __init__(self, me: str, token: bytes, members: set[str],
+    def __init__(self, me: str, token: bytes, members: Container[str],
                  handlers: dict[str, Handler]) -> None:
         self.me = me
         self.token = token
