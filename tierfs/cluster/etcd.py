@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import random
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from tierfs.cluster.url import (  # noqa: F401  (re-exported: the etcd layer's o
     Endpoint,
     parse_cluster_url,
 )
+from tierfs.retry import RetryPolicy, retry
 
 log = logging.getLogger(__name__)
 
@@ -416,21 +416,11 @@ class _WatchStream:
         response.close()
 
 
+ETCD_RETRIES = RetryPolicy(first_delay=RETRY_FIRST_DELAY, max_delay=RETRY_MAX_DELAY)
+
+
 async def retry_unavailable(call: Callable[[], Awaitable[T]], what: str) -> T:
-    """`call()` until etcd answers: jittered exponential backoff up to RETRY_MAX_DELAY, one
-    warning when etcd is first found unavailable and one info line when it answers again.
-    Errors other than `EtcdUnavailable` propagate."""
-    attempt = 0
-    while True:
-        try:
-            result = await call()
-        except EtcdUnavailable as exc:
-            attempt += 1
-            if attempt == 1:
-                log.warning("%s: %s; retrying until it answers", what, exc)
-            delay = min(RETRY_MAX_DELAY, RETRY_FIRST_DELAY * 2 ** attempt)
-            await trio.sleep(delay * random.uniform(0.5, 1.0))
-            continue
-        if attempt:
-            log.info("%s: etcd answers again after %d attempts", what, attempt)
-        return result
+    """`call()` until etcd answers, by the one retry policy (`tierfs.retry`) with short
+    pauses. Errors other than `EtcdUnavailable` propagate."""
+    return await retry(call, what, retryable=lambda exc: isinstance(exc, EtcdUnavailable),
+                       policy=ETCD_RETRIES)
