@@ -213,7 +213,9 @@ def run_dcp_ranks(step_dirs: list[Path], timeout: float, at_once: bool = False) 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
     """One real SeaweedFS S3 server for the whole run, on free loopback ports."""
-    server = SeaweedS3(tmp_path_factory.mktemp("seaweed"))
+    # Every test's bucket is a SeaweedFS collection that takes several volumes of its own as it
+    # grows (not preallocated): the default 64 run out before the suite ends.
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed"), volumes=1000)
     server.start()
     try:
         yield server
