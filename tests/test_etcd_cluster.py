@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -44,6 +45,16 @@ from tierfs.devtools.etcd import Etcd as EtcdServer
 
 TTL = 2  # seconds: etcd's smallest lease with its default election timeout
 
+
+
+def drain(channel: trio.MemoryReceiveChannel[Any]) -> list[Any]:
+    """Everything already waiting in `channel`, without waiting for more."""
+    items = []
+    while True:
+        try:
+            items.append(channel.receive_nowait())
+        except trio.WouldBlock:
+            return items
 
 def new_cluster(server: EtcdServer) -> ClusterUrl:
     """A fresh cluster prefix on the shared server, so tests never see each other's keys."""
@@ -142,12 +153,7 @@ async def test_watch_sees_joins_and_clean_leaves(etcd_server: EtcdServer) -> Non
         left = time.monotonic()
         await wait_for(lambda: observer.ring == ["n1", "n2"], timeout=1)
         assert time.monotonic() - left < 1  # a clean leave revokes the lease: no ttl wait
-        seen = []
-        while True:
-            try:
-                seen.append(events.receive_nowait())
-            except trio.WouldBlock:
-                break
+        seen = drain(events)
         assert [(e.kind, e.node_id) for e in seen if e.node_id == "n3"] == \
             [("up", "n3"), ("down", "n3")]
 
@@ -445,12 +451,7 @@ async def test_etcd_restart_membership_stays_and_commits_resume(tmp_path: Path) 
                 await wait_for(lambda: n1.ring == ["n1", "n2", "n3"], timeout=3)
             nursery.cancel_scope.cancel()
         # Registration survived or was renewed: nobody was seen down for long, if at all.
-        seen = []
-        while True:
-            try:
-                seen.append(events.receive_nowait())
-            except trio.WouldBlock:
-                break
+        seen = drain(events)
         assert ("up", "n3") in [(e.kind, e.node_id) for e in seen]
     finally:
         await trio.to_thread.run_sync(server.stop)
