@@ -44,7 +44,6 @@ from tierfs.fs.ports import (
     ReadGate,
     ReadSource,
     SealedCollector,
-    Spawner,
 )
 from tierfs.fs.quiet_commits import QuietCommits, QuietWatch
 from tierfs.fs.ram_store import RamStore
@@ -62,18 +61,21 @@ class Core:
     def __init__(self, store: RamStore, *, node_id: str = "local",
                  step_pattern: str = DEFAULT_STEP_PATTERN,
                  file_step_pattern: str = DEFAULT_FILE_STEP_PATTERN, commit_idle: float = 5.0,
-                 delete_targets: list[str] | None = None) -> None:
+                 delete_targets: list[str] | None = None,
+                 background: Background | None = None) -> None:
+        self.background = background or Background()  # the owner of background work
         self.watch = QuietWatch(commit_idle)
         self.deletes = Deletes(Path(store.root) / DELETES_DIR, delete_targets)
         self.tree = Tree(store, self.watch, self.deletes, node_id=node_id,
-                         step_pattern=step_pattern, file_step_pattern=file_step_pattern)
+                         step_pattern=step_pattern, file_step_pattern=file_step_pattern,
+                         spawner=self.background)
         Recovery(self.tree).load()
 
 
 class Namespace:
     """One mount's file system calls, each through the collaborator that owns its part."""
 
-    def __init__(self, core: Core, sink: CommitSink, *, background: Spawner | None = None,
+    def __init__(self, core: Core, sink: CommitSink, *,
                  read_sources: list[ReadSource] | None = None,
                  sealed: SealedCollector | None = None, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None, keep_ram: int = 3,
@@ -82,8 +84,7 @@ class Namespace:
         self.events = events or Events()
         self.store = tree.store
         self.deletes = core.deletes
-        self.background = background or Background()
-        tree.sealing.spawner = self.background  # seals are hashed off the writer's path
+        self.background = core.background
         self.residency = Residency(tree, list(read_sources or []), self.background,
                                    keep_ram=keep_ram, replicas=replicas)
         self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)

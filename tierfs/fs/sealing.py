@@ -39,14 +39,13 @@ HASH_THREADS = 2
 class Sealing:
     """The seals of one mount's files (see the module docstring)."""
 
-    def __init__(self, backing: Callable[[Node], bytes], *, threads: int = HASH_THREADS
-                 ) -> None:
+    def __init__(self, backing: Callable[[Node], bytes], spawner: Spawner | None = None, *,
+                 threads: int = HASH_THREADS) -> None:
         self._backing = backing
         self._limiter = trio.CapacityLimiter(threads)
         self._running: dict[Node, tuple[int, trio.Event]] = {}
-        # The owner of background hashes; without one (a namespace driven without a daemon)
-        # files are sealed when first needed.
-        self.spawner: Spawner | None = None
+        # The owner of background hashes; without one, files are sealed when first needed.
+        self.spawner = spawner
 
     def start(self, node: Node) -> None:
         """The last writer of `node` is done: seal it in the background."""

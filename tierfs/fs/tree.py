@@ -70,7 +70,7 @@ from tierfs.fs.nodes import (
     Seal,
     StepState,
 )
-from tierfs.fs.ports import DeleteLog, StepWatch
+from tierfs.fs.ports import DeleteLog, Spawner, StepWatch
 from tierfs.fs.ram_store import RamStore, allocated, is_reserved
 from tierfs.fs.records import StepRecords
 from tierfs.fs.sealing import Sealing
@@ -87,7 +87,8 @@ class Tree:
 
     def __init__(self, store: RamStore, watch: StepWatch, deletes: DeleteLog, *,
                  node_id: str = "local", step_pattern: str = DEFAULT_STEP_PATTERN,
-                 file_step_pattern: str = DEFAULT_FILE_STEP_PATTERN) -> None:
+                 file_step_pattern: str = DEFAULT_FILE_STEP_PATTERN,
+                 spawner: Spawner | None = None) -> None:
         self.store = store
         self.records = StepRecords()
         self.node_id = node_id
@@ -104,7 +105,7 @@ class Tree:
         self._latest: dict[int, Node] = {}
         self._latest_pins = LatestPins()
         self._released = trio.Event()
-        self.sealing = Sealing(self.backing)
+        self.sealing = Sealing(self.backing, spawner)  # seals hashed off the writer's path
         self._unshare_locks: dict[Node, trio.Lock] = {}
         self.fetching: set[Node] = set()  # nodes with a partial fetch (fs.residency)
 

@@ -27,7 +27,6 @@ from tierfs import reserved
 from tierfs.cluster import membership as live_members
 from tierfs.cluster.commit_records import CommitRecords
 from tierfs.cluster.etcd import Etcd, EtcdError
-from tierfs.fs.background import Background
 from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.namespace import Core, Namespace
 from tierfs.fs.nodes import FsError, Node
@@ -293,8 +292,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         sources.append(events.metered(links.reader, "peers"))
     if persist is not None and backend is not None:
         sources.append(events.metered(persist, backend.url))
-    background = Background()
-    namespace = Namespace(core, commits_send, background=background, read_sources=sources,
+    namespace = Namespace(core, commits_send, read_sources=sources,
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
                           replicas=cfg.replicas, events=events)
@@ -322,7 +320,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         if cfg.metrics is not None:
             metrics = _serve_metrics(cfg, events, daemon.levels)
         async with trio.open_nursery() as nursery:
-            await nursery.start(background.run)  # evictions, read-ahead: cancelled at unmount
+            # Background work (hashes, evictions, read-ahead) is cancelled at unmount.
+            await nursery.start(namespace.background.run)
             if device is not None:
                 token = trio.lowlevel.current_trio_token()
 
