@@ -82,7 +82,7 @@ class Commits:
                         return None, None
                     await released.wait()
                     continue
-                if not await self.tiers.pull_missing_dcp_files(step_node):
+                if not await self.tiers.locate_dcp_files(step_node):
                     tree.leave_pending(step, "files named by its .metadata")
                     return None, None  # retried by retry_pending_commits
                 files = list(tree.files_under(step_node))

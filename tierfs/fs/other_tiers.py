@@ -243,11 +243,12 @@ class OtherTiers:
 
     # -- multi-node DCP steps ----------------------------------------------------------------
 
-    async def pull_missing_dcp_files(self, step_node: Node) -> bool:
-        """Before a DCP step commits, every shard its `.metadata` names must be here: on a
+    async def locate_dcp_files(self, step_node: Node) -> bool:
+        """Before a DCP step commits, every shard its `.metadata` names must be known: on a
         single node (`cp -r`, `rsync`, `tar` may write `.metadata` first) by waiting for them,
-        on several nodes by bringing in the shards other nodes' ranks wrote. False while some
-        are missing (`missing_dcp_files` names them)."""
+        on several nodes by finding the records of the shards other nodes' ranks sealed (the
+        shards stay where they were written: the manifest names their holders). False while
+        some are missing (`missing_dcp_files` names them)."""
         missing = await self.missing_dcp_files(step_node)
         if not missing:
             return True
