@@ -1,16 +1,21 @@
 """The replicator and the receiver in one process, each with its collaborators injected: two
 endpoints on 127.0.0.1 (a Membership and Replicator for the sender, a PeerServer and
-ReplicaReceiver for the receiver), no mount. A failure here is in the peer layer."""
+ReplicaReceiver for the receiver), members of a real etcd, no mount. A failure here is in the
+peer layer."""
 
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 import trio
 
 from tests.conftest import free_port
 from tierfs import manifest as mf
+from tierfs.cluster import membership as live_members
+from tierfs.cluster.etcd import Etcd, parse_cluster_url
+from tierfs.devtools.etcd import Etcd as EtcdServer
 from tierfs.replication.channel import connect
 from tierfs.replication.membership import Membership
 from tierfs.replication.receiver import ReplicaReceiver
@@ -67,7 +72,8 @@ class Receiving:
         await nursery.start(server.run, "127.0.0.1", self.port)
 
 
-async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path) -> None:
+async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
+                                                          etcd_server: EtcdServer) -> None:
     data = os.urandom(mf.CHUNK_SIZE + 12345)  # two chunks: offsets matter
     entry = committed_object(tmp_path / "a-objects", data, "shard")
     small = committed_object(tmp_path / "a-objects", b"m", ".metadata")
@@ -82,9 +88,16 @@ async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path) -> No
 
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
-        membership = Membership("a", {"a": ("127.0.0.1", free_port()),
-                                      "b": ("127.0.0.1", b.port)}, TOKEN)
-        membership.saw("b")
+        cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
+        etcd = Etcd(cluster.endpoints)
+        live = {}
+        for node_id, port in (("a", free_port()), ("b", b.port)):
+            live[node_id] = live_members.Membership(etcd, cluster, node_id, f"127.0.0.1:{port}")
+            await nursery.start(live[node_id].run)
+        with trio.fail_after(10):
+            while live["a"].ring != ["a", "b"]:
+                await live["a"].changed.wait()
+        membership = Membership(live["a"], TOKEN)
         replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
                                 is_current=lambda m: True, holders=lambda m: holders,
                                 on_replicated=on_replicated)
