@@ -23,7 +23,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -31,6 +30,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tierfs import manifest as mf
+from tierfs.fs.ports import ReadSource
 
 log = logging.getLogger("tierfs.events")
 
@@ -69,13 +69,6 @@ def event_line(step: str, what: str, nbytes: int, seconds: float) -> str:
 def _label(manifest: mf.StepManifest) -> str:
     """The step's path in the mount (run directory included), and its version if re-saved."""
     return manifest.path if manifest.version == 1 else f"{manifest.path} v{manifest.version}"
-
-
-class ReadSource(Protocol):
-    name: str
-
-    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
-                         length: int) -> bytes: ...
 
 
 @dataclass
