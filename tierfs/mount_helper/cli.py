@@ -290,9 +290,8 @@ def _umount_reporting(mountpoint: str, flush: bool) -> int:
     if flush:
         _flush(mountpoint, None, report=False)
     outcome = _umount(mountpoint)
-    line = status_view.uncommitted(status) if status is not None else None
-    if line is not None:
-        print(f"tierfs: {line}", file=sys.stderr)
+    if status is not None:
+        _warn_uncommitted(status)
     return outcome
 
 
