@@ -284,18 +284,14 @@ def run_cluster_part(root: Path, mounts: list[DemoMount]) -> bool:
 
 
 def _cluster_demo(root: Path, mounts: list[DemoMount], cluster_url: str) -> bool:
-    import socket
-
     _banner("9. a 3-node cluster on loopback (membership and commits in etcd), each committed "
             "step copied to the next node")
     token = root / "cluster.token"
     with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(os.urandom(24).hex())  # private from its first byte
-    ports = []
-    for _ in range(3):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
+    from tierfs.devtools.local_server import free_ports
+
+    ports = free_ports(3)  # distinct: all held open while chosen
     nodes = []
     for i in range(3):
         node = DemoMount(root / f"node{i}", Path("/dev/shm") / f"tierfs-demo-{os.getpid()}-n{i}",
