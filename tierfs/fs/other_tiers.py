@@ -264,8 +264,9 @@ class OtherTiers:
             return False
         if self.tree.find_step(step_path) is not step_node:
             return False
+        present = {rel for rel, _n in self.tree.files_under(step_node)}
         for name, (peer, entry) in found.items():
-            if name not in {rel for rel, _n in self.tree.files_under(step_node)}:
+            if name not in present:
                 self.tree.add_holder(step_node, peer)
                 self.tree.add_remote_files(step_node, [entry], step_path)
         self._elsewhere[step_path] = set(found)

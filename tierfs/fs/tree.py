@@ -382,12 +382,11 @@ class Tree:
         return None
 
     def has_active_writers(self, dir_node: Node) -> bool:
-        return any(node.active_writers for _rel, node in self.files_under(dir_node))
+        return any(node.active_writers for node in self.walk_files(dir_node))
 
     def busy(self, step_node: Node) -> bool:
         """A file of the step is open, or bytes of one are on their way in."""
-        return any(n.handles or (n.fetch and n.fetch.busy)
-                   for _rel, n in self.files_under(step_node))
+        return any(n.handles or (n.fetch and n.fetch.busy) for n in self.walk_files(step_node))
 
     def has_partial_fetches(self, step_node: Node) -> bool:
         return any(self.holds(step_node, n) for n in self.fetching)
