@@ -9,6 +9,8 @@ There is no heartbeat of its own: a node is up while its lease lives.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import trio
@@ -84,6 +86,16 @@ class Membership:
             raise OSError(f"node {node_id} is not a live member of the cluster")
         member = Member(node_id, info.address, True)
         return await connect(member.host, member.port, self.token, self.me, self.ids, node_id)
+
+    @contextlib.asynccontextmanager
+    async def channel(self, node_id: str) -> AsyncIterator[PeerChannel]:
+        """An authenticated channel to a live member for a few requests (OSError if it is
+        not one); closed when the block ends."""
+        channel = await self.connect(node_id)
+        try:
+            yield channel
+        finally:
+            await channel.aclose()
 
     def status(self) -> list[dict[str, object]]:
         return [{"node_id": m.node_id, "addr": m.addr, "up": m.up} for m in self.peers]

@@ -23,12 +23,9 @@ class PeerDelete:
         """Have `node_id` drop the deleted step; raises while it cannot be reached."""
         if node_id not in self.membership.ids:
             return  # no longer a member of the cluster: nothing to clean there
-        channel = await self.membership.connect(node_id)
-        try:
+        async with self.membership.channel(node_id) as channel:
             await channel.request("DELETE", path=tomb.path, version=tomb.version,
                                   committed_ns=tomb.committed_ns)
-        finally:
-            await channel.aclose()
 
 
 def delete_handler(apply: ApplyDelete) -> Callable[[proto.Message, PeerChannel],

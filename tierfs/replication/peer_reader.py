@@ -38,13 +38,10 @@ class PeerReader:
         failures = []
         for node_id in ordered:
             try:
-                channel = await self.membership.connect(node_id)
-                try:
+                async with self.membership.channel(node_id) as channel:
                     reply = await channel.request("GET", path=step_path, name=entry.name,
                                                   xxh3=entry.xxh3, offset=offset,
                                                   length=length, expect="DATA")
-                finally:
-                    await channel.aclose()
                 return reply.payload
             except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
                 failures.append(f"{node_id}: {exc or 'timed out'}")

@@ -24,13 +24,10 @@ class PeerVerify:
 
     async def verify(self, node_id: str, step_path: str, entry: mf.FileEntry,
                      repair: bool) -> str:
-        channel = await self.membership.connect(node_id)
-        try:
+        async with self.membership.channel(node_id) as channel:
             await channel.send("VERIFY", path=step_path, name=entry.name, xxh3=entry.xxh3,
                                repair=repair)
             reply = await channel.receive("VERIFIED", timeout=VERIFY_TIMEOUT)
-        finally:
-            await channel.aclose()
         if reply["state"] not in STATES:
             raise proto.ProtocolError(f"VERIFIED with an unknown state {reply['state']!r}")
         return reply["state"]

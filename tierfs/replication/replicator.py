@@ -94,13 +94,10 @@ class Replicator:
     async def _send_step(self, manifest: mf.StepManifest, target: str) -> bool:
         started = time.monotonic()
         try:
-            channel = await self.membership.connect(target)
-            try:
+            async with self.membership.channel(target) as channel:
                 for entry in manifest.files:
                     await self._send_file(channel, manifest, entry)
                 await channel.request("PUT_MANIFEST", manifest=mf.encode(manifest))
-            finally:
-                await channel.aclose()
         except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
             log.warning("replication of %s v%d to %s failed, will retry: %s", manifest.path,
                         manifest.version, target, exc or "timed out")
