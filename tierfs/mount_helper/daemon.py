@@ -576,8 +576,8 @@ class ClusterNode:
                  self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
         self._follow_members()
         await self.gossip.pull_all()  # every step of the cluster is listed from the start
-        for worker in (self.gossip.run, self.replicator.run, self._restore_copies,
-                       self._follow_commits, self._publish_pending):
+        for worker in (self.membership.run, self.gossip.run, self.replicator.run,
+                       self._restore_copies, self._follow_commits, self._publish_pending):
             nursery.start_soon(worker)
 
     async def _follow_commits(self) -> None:

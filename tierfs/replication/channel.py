@@ -4,7 +4,9 @@ peer, and the mutual authentication that must succeed before anything else is ac
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Container, Iterator
+import os
+import select
+from collections.abc import Awaitable, Callable, Container, Iterable, Iterator
 from typing import Any
 
 import trio
@@ -13,6 +15,7 @@ from tierfs.replication import protocol as proto
 
 IO_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 3.0
+WINDOW = 4  # requests in flight on one connection (pipeline)
 
 
 class AuthError(proto.ProtocolError):
@@ -32,26 +35,78 @@ def _connection_errors() -> Iterator[None]:
 
 
 class PeerChannel:
+    """Framed messages over one stream. Over a TCP socket, payloads are received straight into
+    the decoder's reused buffer (recv_into) and file bytes are sent straight from their file
+    (sendfile); any other stream (tests) goes through the stream's own calls.
+
+    A channel is `reusable` (for the pool) only while it is in step with its peer: no I/O
+    failed, timed out or was cancelled on it, no frame is half read, and every request sent
+    was answered."""
+
     def __init__(self, stream: trio.abc.Stream, timeout: float = IO_TIMEOUT) -> None:
         self.stream = stream
         self.timeout = timeout
         self.peer_id = "?"
         self._decoder = proto.FrameDecoder()
+        self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
+        self._sent = 0
+        self._received = 0
+        self._broken = False
 
-    async def send(self, kind: str, payload: bytes = b"", **fields: Any) -> None:
-        with trio.fail_after(self.timeout), _connection_errors():
-            for buffer in proto.encode(kind, payload, **fields):
-                if buffer:
-                    await self.stream.send_all(buffer)
+    @property
+    def reusable(self) -> bool:
+        return not self._broken and self._decoder.idle and self._received >= self._sent
+
+    @contextlib.contextmanager
+    def _io(self, timeout: float | None = None) -> Iterator[None]:
+        try:
+            with trio.fail_after(timeout or self.timeout), _connection_errors():
+                yield
+        except BaseException:  # a timeout or cancellation leaves a frame half sent or read
+            self._broken = True
+            raise
+
+    async def send(self, kind: str, payload: bytes | memoryview = b"", **fields: Any) -> None:
+        header = proto.encode_header(kind, len(payload), **fields)
+        with self._io():
+            if len(payload) <= 1 << 16:  # small: one write
+                await self.stream.send_all(header + payload)
+            else:
+                await self.stream.send_all(header)
+                await self.stream.send_all(payload)
+        self._sent += 1
+
+    async def send_file(self, kind: str, fd: int, offset: int, length: int, /,
+                        **fields: Any) -> None:
+        """A message whose payload is `length` bytes of the file `fd` from `offset`, sent from
+        the file to the socket by the kernel (no copy through Python). The message's own
+        fields (which may include an `offset` too) are the keyword arguments."""
+        header = proto.encode_header(kind, length, **fields)
+        with self._io():
+            await self.stream.send_all(header)
+            if self._socket is None:
+                data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
+                await self.stream.send_all(data)
+            else:
+                await _sendfile(self._socket, fd, offset, length)
+        self._sent += 1
 
     async def receive(self, *expected: str, timeout: float | None = None) -> proto.Message:
-        """The next message, which must be of one of the `expected` types (if any are given)."""
-        with trio.fail_after(timeout or self.timeout), _connection_errors():
+        """The next message, which must be of one of the `expected` types (if any are given).
+        Its payload is valid until the next receive (see proto.Message)."""
+        with self._io(timeout):
             while (message := self._decoder.next_message()) is None:
-                data = await self.stream.receive_some(min(self._decoder.wanted(), 1 << 20))
-                if not data:
+                buffer = self._decoder.writable()
+                if self._socket is not None:
+                    count = await self._socket.recv_into(buffer)
+                else:
+                    data = await self.stream.receive_some(len(buffer))
+                    count = len(data)
+                    buffer[:count] = data
+                if not count:
                     raise ConnectionClosed("connection closed by the peer")
-                self._decoder.feed(data)
+                self._decoder.advance(count)
+        self._received += 1
         if expected and message.type not in expected:
             if message.type == "ERROR":
                 raise proto.ProtocolError(f"peer {self.peer_id}: {message['message']}")
@@ -63,8 +118,49 @@ class PeerChannel:
         await self.send(kind, payload, **fields)
         return await self.receive(expect)
 
+    async def pipeline(self, requests: Iterable[Callable[[], Awaitable[None]]], expect: str,
+                       window: int = WINDOW,
+                       on_reply: Callable[[proto.Message], None] = lambda message: None) -> None:
+        """Send each request (a call that sends one message) with up to `window` unanswered,
+        and hand each reply, in order (the peer answers in order), to `on_reply` before the
+        next receive reuses its payload. The first ERROR or unexpected reply raises."""
+        unanswered = 0
+        for send in requests:
+            if unanswered == window:
+                on_reply(await self.receive(expect))
+                unanswered -= 1
+            await send()
+            unanswered += 1
+        for _ in range(unanswered):
+            on_reply(await self.receive(expect))
+
+    def closed_by_peer(self) -> bool:
+        """Whether the peer closed (or wrote unasked) while the channel sat idle: such a
+        channel must not be used again. Never blocks."""
+        if self._socket is None:
+            return False
+        poll = select.poll()
+        poll.register(self._socket.fileno(), select.POLLIN)
+        return bool(poll.poll(0))  # readable: at its end, or bytes nobody asked for
+
     async def aclose(self) -> None:
-        await self.stream.aclose()
+        self._broken = True
+        with trio.CancelScope(shield=True):  # closing must happen even in a cancelled task
+            await self.stream.aclose()
+
+
+async def _sendfile(sock: trio.socket.SocketType, fd: int, offset: int, length: int) -> None:
+    end = offset + length
+    while offset < end:
+        try:
+            sent = os.sendfile(sock.fileno(), fd, offset, end - offset)
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+            continue
+        if sent == 0:
+            raise proto.ProtocolError("the file is shorter than the payload announced")
+        offset += sent
+    await trio.lowlevel.checkpoint()
 
 
 async def authenticate(channel: PeerChannel, token: bytes, my_id: str,

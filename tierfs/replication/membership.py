@@ -2,9 +2,9 @@
 
 The live members come from `tierfs.cluster.membership` (each daemon's key under a lease; every
 node follows the member prefix). This module adds what the peer clients and the peer port ask
-of them: the address to connect to, the authenticated connection, the next live nodes on the
-ring, and the peers `status` lists (every node seen since this daemon started, up or down).
-There is no heartbeat of its own: a node is up while its lease lives.
+of them: the address to connect to, the authenticated connections (kept alive in a pool),
+the next live nodes on the ring, and the peers `status` lists (every node seen since this
+daemon started, up or down). There is no heartbeat of its own: a node is up while its lease lives.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import trio
 from tierfs.cluster import membership as live_members
 from tierfs.cluster import placement
 from tierfs.replication.channel import PeerChannel, connect
+from tierfs.replication.pool import SWEEP_EVERY, PeerPool
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Membership:
         self.token = token
         self.ids = LiveIds(live)
         self._seen: dict[str, str] = {}  # every node seen since start: node id -> address
+        self.pool = PeerPool(self.connect)
 
     @property
     def changed(self) -> trio.Event:
@@ -79,23 +81,41 @@ class Membership:
         """The next `count` live nodes after this one on the ring (sorted live node ids)."""
         return placement.replica_targets(self.live.ring, self.me, count)
 
-    async def connect(self, node_id: str) -> PeerChannel:
-        """An authenticated channel to a live member (OSError if it is not one)."""
+    def _member(self, node_id: str) -> Member:
         info = self.live.members.get(node_id)
         if info is None:
             raise OSError(f"node {node_id} is not a live member of the cluster")
-        member = Member(node_id, info.address, True)
+        return Member(node_id, info.address, True)
+
+    async def connect(self, node_id: str) -> PeerChannel:
+        """A new authenticated channel to a live member (OSError if it is not one), for the
+        caller to close."""
+        member = self._member(node_id)
         return await connect(member.host, member.port, self.token, self.me, self.ids, node_id)
 
     @contextlib.asynccontextmanager
     async def channel(self, node_id: str) -> AsyncIterator[PeerChannel]:
-        """An authenticated channel to a live member for a few requests (OSError if it is
-        not one); closed when the block ends."""
-        channel = await self.connect(node_id)
-        try:
+        """An authenticated channel to a live member for a few requests (OSError if it is not
+        one), lent by the pool: a connection kept alive from an earlier block, or a new one
+        (waiting while PER_PEER are busy). It goes back to the pool when the block ends
+        normally with every request answered, and is closed otherwise."""
+        member = self._member(node_id)
+        async with self.pool.channel((node_id, member.addr)) as channel:
             yield channel
+
+    async def run(self) -> None:
+        """Keep the pool tidy: idle connections close before the peer's server drops them,
+        and at once when their peer leaves; all of them close when this task ends."""
+        try:
+            while True:
+                with trio.move_on_after(SWEEP_EVERY):
+                    await self.changed.wait()
+                await self.pool.sweep(self._live_keys())
         finally:
-            await channel.aclose()
+            await self.pool.aclose()
+
+    def _live_keys(self) -> set[tuple[str, str]]:
+        return {(node_id, info.address) for node_id, info in self.live.members.items()}
 
     def status(self) -> list[dict[str, object]]:
         return [{"node_id": m.node_id, "addr": m.addr, "up": m.up} for m in self.peers]

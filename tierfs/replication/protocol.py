@@ -59,20 +59,37 @@ class ProtocolError(Exception):
 
 @dataclass(frozen=True)
 class Message:
+    """One decoded message. A received `payload` is a memoryview of the receiver's reused
+    buffer: valid until the next message is received on that channel (or decoded by that
+    FrameDecoder); keep `bytes(payload)` to hold on to it longer."""
+
     type: str
     fields: dict[str, Any]
-    payload: bytes = b""
+    payload: bytes | memoryview = b""
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]
 
 
-def encode(kind: str, payload: bytes = b"", **fields: Any) -> list[bytes]:
+def encode(kind: str, payload: bytes | memoryview = b"", **fields: Any) -> list[bytes]:
     """The buffers of one frame (header and payload kept apart: no copy of the payload)."""
-    message = Message(kind, fields, payload)
-    validate(message)
+    return [encode_header(kind, len(payload), **fields), payload]  # type: ignore[list-item]
+
+
+def encode_header(kind: str, payload_len: int, **fields: Any) -> bytes:
+    """The prefix and header of a frame whose `payload_len` payload bytes follow it (sent by
+    the caller, e.g. straight from a file with sendfile)."""
+    validate(Message(kind, fields))
+    _check_payload(kind, payload_len)
     header = msgpack.packb({"type": kind, **fields}, use_bin_type=True)
-    return [PREFIX.pack(len(header), len(payload)), header, payload]
+    return PREFIX.pack(len(header), payload_len) + header
+
+
+def _check_payload(kind: str, length: int) -> None:
+    if length > MAX_PAYLOAD:
+        raise ProtocolError(f"{kind} payload too large ({length} bytes)")
+    if length and kind not in PAYLOAD_TYPES:
+        raise ProtocolError(f"{kind} carries no payload")
 
 
 def validate(message: Message) -> Message:
@@ -94,8 +111,7 @@ def validate(message: Message) -> Message:
                 check_relative_path(message.fields[name])
             except ManifestError as exc:
                 raise ProtocolError(f"{message.type}.{name}: {exc}") from None
-    if message.payload and message.type not in PAYLOAD_TYPES:
-        raise ProtocolError(f"{message.type} carries no payload")
+    _check_payload(message.type, len(message.payload))
     if message.type == "HELLO" and len(message.fields["nonce"]) != NONCE_BYTES:
         raise ProtocolError("HELLO nonce has the wrong length")
     if message.type == "GET" and message.fields["length"] > MAX_PAYLOAD:
@@ -104,43 +120,99 @@ def validate(message: Message) -> Message:
 
 
 class FrameDecoder:
-    """Bytes in, validated messages out; buffers at most one frame."""
+    """Bytes in, validated messages out, one frame at a time, in three parts: the prefix (its
+    lengths are checked before anything else is buffered), the header (decoded and validated
+    before its payload is read) and the payload, received into a buffer reused from frame to
+    frame. `writable()` is where the next bytes go (e.g. `socket.recv_into`), `advance(n)`
+    says how many arrived; `feed` does both for bytes that are already in hand."""
 
     def __init__(self) -> None:
-        self._buffer = bytearray()
+        self._prefix = bytearray(PREFIX.size)
+        self._part: bytearray | memoryview = self._prefix  # the part being filled
+        self._filled = 0
+        self._payload_buffer = bytearray()
+        self._payload_len = 0
+        self._header: dict[str, Any] | None = None
+        self._ready: Message | None = None
+        self._fed = bytearray()  # bytes given to feed() beyond the current frame
 
-    def feed(self, data: bytes) -> None:
-        self._buffer += data
-        if len(self._buffer) >= PREFIX.size:
-            header_len, payload_len = PREFIX.unpack_from(self._buffer)
-            if header_len > MAX_HEADER or payload_len > MAX_PAYLOAD:
-                raise ProtocolError(f"frame too large ({header_len}+{payload_len} bytes)")
+    def writable(self) -> memoryview:
+        """Where the next bytes of the current frame go (empty while a message is ready)."""
+        if self._ready is not None:
+            return memoryview(b"")
+        return memoryview(self._part)[self._filled:]
+
+    def advance(self, count: int) -> None:
+        """`count` bytes were written at the start of `writable()`."""
+        self._filled += count
+        while self._ready is None and self._filled == len(self._part):
+            self._part_done()
+
+    def _part_done(self) -> None:
+        self._filled = 0
+        if self._part is self._prefix:
+            header_len, self._payload_len = PREFIX.unpack(self._prefix)
+            if header_len > MAX_HEADER or self._payload_len > MAX_PAYLOAD:
+                raise ProtocolError(f"frame too large ({header_len}+{self._payload_len} bytes)")
+            self._part = bytearray(header_len)
+        elif self._header is None:
+            kind, self._header = _decode_header(bytes(self._part), self._payload_len)
+            self._header["type"] = kind
+            self._part = self._payload_view()
+        else:
+            fields = self._header
+            kind = fields.pop("type")
+            payload = self._part if self._payload_len else b""
+            self._ready = Message(kind, fields, payload)
+            self._header = None
+            self._part = self._prefix
+
+    def _payload_view(self) -> memoryview:
+        if len(self._payload_buffer) < self._payload_len:
+            # a new buffer, not a resize: views of the old one may still be in use
+            self._payload_buffer = bytearray(max(self._payload_len, 1 << 16))
+        return memoryview(self._payload_buffer)[:self._payload_len]
 
     def next_message(self) -> Message | None:
-        if len(self._buffer) < PREFIX.size:
-            return None
-        header_len, payload_len = PREFIX.unpack_from(self._buffer)
-        end = PREFIX.size + header_len + payload_len
-        if len(self._buffer) < end:
-            return None
-        raw_header = bytes(self._buffer[PREFIX.size:PREFIX.size + header_len])
-        payload = bytes(self._buffer[PREFIX.size + header_len:end])
-        del self._buffer[:end]
-        try:
-            header = msgpack.unpackb(raw_header, raw=False, strict_map_key=True)
-        except Exception as exc:  # msgpack raises several unrelated types for bad input
-            raise ProtocolError(f"malformed header: {exc}") from None
-        if not isinstance(header, dict) or not isinstance(header.get("type"), str):
-            raise ProtocolError("header is not a typed map")
-        kind = header.pop("type")
-        return validate(Message(kind, header, payload))
+        if self._ready is None and self._fed:
+            self._pump()
+        message, self._ready = self._ready, None
+        return message
+
+    def feed(self, data: bytes) -> None:
+        self._fed += data
+        self._pump()
+
+    def _pump(self) -> None:
+        while self._fed and self._ready is None:
+            target = self.writable()
+            count = min(len(target), len(self._fed))
+            target[:count] = self._fed[:count]
+            del self._fed[:count]
+            self.advance(count)
+
+    @property
+    def idle(self) -> bool:
+        """Between frames: nothing of a next frame read yet, no message waiting."""
+        return (self._ready is None and self._part is self._prefix and not self._filled
+                and not self._fed)
 
     def wanted(self) -> int:
-        """How many more bytes complete the frame being read (at least 1)."""
-        if len(self._buffer) < PREFIX.size:
-            return PREFIX.size - len(self._buffer)
-        header_len, payload_len = PREFIX.unpack_from(self._buffer)
-        return max(1, PREFIX.size + header_len + payload_len - len(self._buffer))
+        """How many more bytes complete the part being read (at least 1)."""
+        return max(1, len(self._part) - self._filled - len(self._fed))
+
+
+def _decode_header(raw: bytes, payload_len: int) -> tuple[str, dict[str, Any]]:
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"malformed header: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+        raise ProtocolError("header is not a typed map")
+    kind = header.pop("type")
+    validate(Message(kind, header))
+    _check_payload(kind, payload_len)
+    return kind, header
 
 
 def new_nonce() -> bytes:

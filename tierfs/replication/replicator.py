@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -108,13 +108,16 @@ class Replicator:
 
     async def _send_file(self, channel, manifest: mf.StepManifest,  # type: ignore[no-untyped-def]
                          entry: mf.FileEntry) -> None:
+        """The file's chunks as PUTs, sent from the RAM store's object by the kernel
+        (sendfile), several in flight (channel.pipeline): the peer's OKs pace the sender."""
         fd = os.open(self._object_path(entry.xxh3), os.O_RDONLY)
+
+        def put(offset: int) -> Callable[[], Awaitable[None]]:
+            return lambda: channel.send_file(
+                "PUT", fd, offset, min(mf.CHUNK_SIZE, entry.size - offset), path=manifest.path,
+                name=entry.name, xxh3=entry.xxh3, size=entry.size, offset=offset)
+
         try:
-            for offset in range(0, max(entry.size, 1), mf.CHUNK_SIZE):
-                length = min(mf.CHUNK_SIZE, entry.size - offset)
-                data = await trio.to_thread.run_sync(os.pread, fd, length, offset,
-                                                     limiter=self._threads)
-                await channel.request("PUT", data, path=manifest.path, name=entry.name,
-                                      xxh3=entry.xxh3, size=entry.size, offset=offset)
+            await channel.pipeline(map(put, range(0, max(entry.size, 1), mf.CHUNK_SIZE)), "OK")
         finally:
             os.close(fd)
