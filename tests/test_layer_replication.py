@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 import trio
 
 from tests.conftest import free_port
@@ -18,6 +20,8 @@ from tierfs.cluster.etcd import Etcd, parse_cluster_url
 from tierfs.devtools.etcd import Etcd as EtcdServer
 from tierfs.replication.channel import connect
 from tierfs.replication.membership import Membership
+from tierfs.replication.peer_reader import RangeServer
+from tierfs.replication.protocol import ProtocolError
 from tierfs.replication.receiver import ReplicaReceiver
 from tierfs.replication.replicator import Replicator
 from tierfs.replication.server import PeerServer
@@ -147,3 +151,70 @@ async def test_a_full_receiver_answers_an_error_and_keeps_nothing(tmp_path: Path
         await channel.aclose()
         nursery.cancel_scope.cancel()
     assert not (b.objects / entry.xxh3).exists()
+
+
+async def test_steps_of_many_chunks_go_over_one_kept_alive_connection(
+        tmp_path: Path, etcd_server: EtcdServer) -> None:
+    """Chunks pipelined from the RAM store (sendfile), two steps, one handshake in all."""
+    data = os.urandom(3 * mf.CHUNK_SIZE + 777)
+    entries = [committed_object(tmp_path / "a-objects", data[i:], f"shard{i}") for i in (0, 1)]
+    manifests = [mf.StepManifest(f"run/step_{i}", 1, 1, "a", 0, (e,))
+                 for i, e in enumerate(entries)]
+    b = Receiving(tmp_path)
+    done: list[str] = []
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
+        etcd = Etcd(cluster.endpoints)
+        live = {}
+        for node_id, port in (("a", free_port()), ("b", b.port)):
+            live[node_id] = live_members.Membership(etcd, cluster, node_id, f"127.0.0.1:{port}")
+            await nursery.start(live[node_id].run)
+        with trio.fail_after(10):
+            while live["a"].ring != ["a", "b"]:
+                await live["a"].changed.wait()
+        membership = Membership(live["a"], TOKEN)
+        replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
+                                is_current=lambda m: True,
+                                holders=lambda m: {"b"} if m.path in done else set(),
+                                on_replicated=lambda m, target: done.append(m.path))
+        nursery.start_soon(replicator.run)
+        for manifest in manifests:
+            replicator.submit(manifest)
+        with trio.fail_after(20):
+            while len(done) < 2:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert membership.pool.opened == 1
+    for i, entry in enumerate(entries):
+        assert (b.objects / entry.xxh3).read_bytes() == data[i:]
+
+
+async def test_ranges_are_served_from_the_ram_store_in_order(tmp_path: Path) -> None:
+    """GETs pipelined on one connection, answered in order by sendfile from the object; a
+    range past the end is short, as pread is; a missing object is an ERROR."""
+    data = os.urandom(2 * mf.CHUNK_SIZE + 5)
+    entry = committed_object(tmp_path / "b-objects", data, "shard")
+    ranges = RangeServer(tmp_path / "b-objects", lambda path, name, digest: None)
+    port = free_port()
+    wanted = [(mf.CHUNK_SIZE, mf.CHUNK_SIZE), (0, mf.CHUNK_SIZE), (len(data) - 3, 100),
+              (2 * mf.CHUNK_SIZE, mf.CHUNK_SIZE)]
+    replies: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+        server = PeerServer("b", TOKEN, {"a", "b"}, {"GET": ranges.on_get})
+        await nursery.start(server.run, "127.0.0.1", port)
+        channel = await connect("127.0.0.1", port, TOKEN, "a", {"a", "b"}, "b")
+
+        def get(offset: int, length: int, digest: str = entry.xxh3
+                ) -> Callable[[], Awaitable[None]]:
+            return lambda: channel.send("GET", path="run/step_1", name="shard", xxh3=digest,
+                                        offset=offset, length=length)
+
+        await channel.pipeline([get(*r) for r in wanted], "DATA",
+                               on_reply=lambda m: replies.append(bytes(m.payload)))
+        with pytest.raises(ProtocolError, match="not in this node's RAM"):
+            await channel.pipeline([get(0, 1), get(0, 1, "0" * 32)], "DATA")
+        await channel.aclose()
+        nursery.cancel_scope.cancel()
+    assert replies == [data[o:o + n] for o, n in wanted]
+    assert ranges.served_bytes == sum(len(r) for r in replies) + 1
