@@ -113,6 +113,12 @@ class PeerChannel:
             raise proto.ProtocolError(f"expected {'/'.join(expected)}, got {message.type}")
         return message
 
+    def take_payload(self, message: proto.Message) -> memoryview:
+        """The payload of `message`, the last one received, for keeps: the channel receives
+        the next payload elsewhere (no copy of this one)."""
+        self._decoder.give_away_payload()
+        return memoryview(message.payload)
+
     async def request(self, kind: str, payload: bytes = b"", *, expect: str = "OK",
                       **fields: Any) -> proto.Message:
         await self.send(kind, payload, **fields)

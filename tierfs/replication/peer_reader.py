@@ -27,7 +27,9 @@ class PeerReader:
         self._holders = holders
 
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
-                         length: int) -> bytes:
+                         length: int) -> memoryview:
+        """The bytes (a view the caller owns: received in place, not copied) from the first
+        holder that answers, over a pooled connection."""
         holders = [h for h in self._holders(step_path) if h != self.membership.me]
         if not holders:
             raise proto.ProtocolError("no peer holds it")
@@ -42,7 +44,7 @@ class PeerReader:
                     reply = await channel.request("GET", path=step_path, name=entry.name,
                                                   xxh3=entry.xxh3, offset=offset,
                                                   length=length, expect="DATA")
-                    return bytes(reply.payload)  # the channel's buffer is reused
+                    return channel.take_payload(reply)
             except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
                 failures.append(f"{node_id}: {exc or 'timed out'}")
         raise proto.ProtocolError("; ".join(failures))

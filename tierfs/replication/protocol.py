@@ -61,7 +61,7 @@ class ProtocolError(Exception):
 class Message:
     """One decoded message. A received `payload` is a memoryview of the receiver's reused
     buffer: valid until the next message is received on that channel (or decoded by that
-    FrameDecoder); keep `bytes(payload)` to hold on to it longer."""
+    FrameDecoder), unless the receiver takes it (PeerChannel.take_payload)."""
 
     type: str
     fields: dict[str, Any]
@@ -172,6 +172,11 @@ class FrameDecoder:
             # a new buffer, not a resize: views of the old one may still be in use
             self._payload_buffer = bytearray(max(self._payload_len, 1 << 16))
         return memoryview(self._payload_buffer)[:self._payload_len]
+
+    def give_away_payload(self) -> None:
+        """The last message's payload now belongs to its receiver: the next payload goes to a
+        new buffer rather than over it (instead of a copy of it)."""
+        self._payload_buffer = bytearray()
 
     def next_message(self) -> Message | None:
         if self._ready is None and self._fed:
