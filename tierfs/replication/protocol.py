@@ -121,10 +121,11 @@ def validate(message: Message) -> Message:
 
 class FrameDecoder:
     """Bytes in, validated messages out, one frame at a time, in three parts: the prefix (its
-    lengths are checked before anything else is buffered), the header (decoded and validated
-    before its payload is read) and the payload, received into a buffer reused from frame to
-    frame. `writable()` is where the next bytes go (e.g. `socket.recv_into`), `advance(n)`
-    says how many arrived; `feed` does both for bytes that are already in hand."""
+    lengths are checked before anything else is buffered), the header, and the payload,
+    received into a buffer reused from frame to frame; the header is decoded and validated
+    once the frame is complete. `writable()` is where the next bytes go (e.g.
+    `socket.recv_into`), `advance(n)` says how many arrived; `feed` does both for bytes that
+    are already in hand."""
 
     def __init__(self) -> None:
         self._prefix = bytearray(PREFIX.size)
@@ -132,7 +133,7 @@ class FrameDecoder:
         self._filled = 0
         self._payload_buffer = bytearray()
         self._payload_len = 0
-        self._header: dict[str, Any] | None = None
+        self._header: bytes | None = None  # once read, until its payload is in
         self._ready: Message | None = None
         self._fed = bytearray()  # bytes given to feed() beyond the current frame
 
@@ -156,12 +157,12 @@ class FrameDecoder:
                 raise ProtocolError(f"frame too large ({header_len}+{self._payload_len} bytes)")
             self._part = bytearray(header_len)
         elif self._header is None:
-            kind, self._header = _decode_header(bytes(self._part), self._payload_len)
-            self._header["type"] = kind
+            self._header = bytes(self._part)
             self._part = self._payload_view()
         else:
-            fields = self._header
-            kind = fields.pop("type")
+            # checked once the whole frame is in: a refused frame leaves nothing unread, so
+            # the peer sees its connection closed, not reset
+            kind, fields = _decode_header(self._header, self._payload_len)
             payload = self._part if self._payload_len else b""
             self._ready = Message(kind, fields, payload)
             self._header = None
