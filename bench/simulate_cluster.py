@@ -34,11 +34,13 @@ import argparse
 import base64
 import bisect
 import heapq
+import os
 import random
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -231,7 +233,7 @@ class EtcdServer:
     def __init__(self, sim: Sim, p: Params) -> None:
         self.sim = sim
         self.p = p
-        self.free = 0.0
+        self.free = float("-inf")  # idle since ever
         self.served: list[float] = []  # when each request finished, for the rates
         self.requests = 0  # requests served other than keepalives
 
@@ -395,13 +397,18 @@ class Cluster:
         return mf.FileEntry(name, size, f"{self.rng.getrandbits(128):032x}",
                             1_700_000_000_000_000_000, 0o644, chunks, 1000, 1000)
 
+    def sealed_record(self, name: str) -> FileRecord:
+        """The record a writer makes of a file it sealed (as ClusterCommits does)."""
+        writer, entry = self.files[name]
+        return FileRecord.sealed(writer, entry.size, entry.xxh3, tuple(mf.entry_fields(entry)))
+
     def _size(self, name: str) -> int:
         return self.files[name][1].size
 
     # -- keepalives: every node, every ttl/3, all along
 
     def start_keepalives(self) -> None:
-        trace = self._traced(self.store.keepalive(1))
+        trace = self.traced(self.store.keepalive(1))
         period = self.p.ttl / 3
         for _node in self.nodes:
             self.sim.at(self.rng.uniform(-self.p.seal_spread_s, -self.p.seal_spread_s + period),
@@ -413,7 +420,7 @@ class Cluster:
         self.etcd.chain(trace, lambda: None)
         self.sim.at(self.sim.now + period, lambda: self._keepalive(trace, period))
 
-    def _traced(self, coro: Coroutine[Any, Any, Any]) -> list[Request]:
+    def traced(self, coro: Coroutine[Any, Any, Any]) -> list[Request]:
         self.store.take()
         drive(coro)
         return self.store.take()
@@ -422,14 +429,11 @@ class Cluster:
 
     def checkpoint(self) -> None:
         p = self.p
-        self.sim.now = -p.seal_spread_s
         self.recorded = 0
         self.writers = [n for n in self.nodes if self.by_node[n]]
-        sealed = {node: self._traced(self.records.record_files(STEP, {
-            name: FileRecord.sealed(node, self._size(name), self.files[name][1].xxh3,
-                                    tuple(mf.entry_fields(self.files[name][1])))
-            for name in self.by_node[node] if name != ".metadata"}))
-            for node in self.writers}
+        sealed = {node: self.traced(self.records.record_files(STEP, {
+            name: self.sealed_record(name) for name in self.by_node[node]
+            if name != ".metadata"})) for node in self.writers}
         for trace in sealed.values():
             self.sim.at(self.rng.uniform(-p.seal_spread_s, 0),
                         lambda t=trace: self.etcd.chain(t, self._one_recorded))
@@ -450,7 +454,7 @@ class Cluster:
                                    tuple(self.files[n][1] for n in sorted(names)))
         publish = self._trace_trio(commits.publish, manifest, {".metadata"})
         if self.p.follow == "records":  # what follow() reads on each commit event
-            self.manifest_read = self._traced(commits._manifest(
+            self.manifest_read = self.traced(commits._manifest(
                 CommitRecord(STEP, self.committer, len(names), 0.0, 1, 1)))
 
         def after_collect() -> None:
@@ -514,7 +518,7 @@ class Cluster:
         if self.in_ram == self.pending_copies_total:
             self.phase_ram = self.sim.now
         if self.p.holder_updates == "cas":
-            trace = self._traced(self.records.add_holder(STEP, name, dst))
+            trace = self.traced(self.records.add_holder(STEP, name, dst))
             self.etcd.chain(trace, self._holder_recorded)
             return
         batch = self.batches[(src, dst)]
@@ -532,7 +536,7 @@ class Cluster:
             record = FileRecord.decode(kv.value)
             updated.append((key, replace(record, holders=tuple(sorted({*record.holders, node})))
                             .encode()))
-        return self._traced(self.store.put_all(updated))
+        return self.traced(self.store.put_all(updated))
 
     def _holders_recorded(self, count: int) -> Callable[[], None]:
         def done() -> None:
@@ -556,6 +560,7 @@ class Cluster:
         self.batches: dict[tuple[str, str], list[str]] = defaultdict(list)
         self.batch_size = {(n, t): len(self.by_node[n]) for n in self.writers_all()
                            for t in self.targets[n]}
+        self.sim.now = -p.seal_spread_s  # the ranks start closing their shards
         self.start_keepalives()
         self.checkpoint()
         self.sim.run()
@@ -621,7 +626,7 @@ class Cluster:
         verify = self._size(name) / (self.p.verify_gbps * GB / 8)
 
         def verified() -> None:
-            trace = self._traced(self.records.add_holder(STEP, name, dst))
+            trace = self.traced(self.records.add_holder(STEP, name, dst))
 
             def recorded() -> None:
                 self.restoring -= 1
@@ -683,14 +688,17 @@ def main(argv: list[str] | None = None) -> None:
           f"(ttl after it).")
     print(header())
     started = time.monotonic()
+    runs = []
     for variant in variants:
         kind, _, only = variant.partition("@")
         holders, follow = kind.split(":")
-        runs = [(float(only.split(":")[0]), int(only.split(":")[1]))] if only else [
+        points = [(float(only.split(":")[0]), int(only.split(":")[1]))] if only else [
             (link, k) for link in links for k in ks]
-        for link, k in runs:
-            p = replace(base, link_gbps=link, replicas=k, holder_updates=holders, follow=follow)
-            print(row(simulate(p)), flush=True)
+        runs += [replace(base, link_gbps=link, replicas=k, holder_updates=holders,
+                         follow=follow) for link, k in points]
+    with ProcessPoolExecutor(min(len(runs), os.cpu_count() or 1)) as pool:
+        for result in pool.map(simulate, runs):  # in order, each as soon as it and those
+            print(row(result), flush=True)       # before it are done
     print(f"(simulated in {time.monotonic() - started:.1f} s)")
 
 
