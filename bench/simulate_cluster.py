@@ -502,11 +502,10 @@ class Cluster:
     # -- replication: each writer to its K replica targets
 
     def _replicate(self, node: str) -> None:
-        if node not in self.by_node:
-            return
+        if not self.by_node.get(node):
+            return  # wrote nothing of this step
         files = [(n, self._size(n)) for n in sorted(self.by_node[node])]
         for target in self.targets[node]:
-            self.pending_copies += len(files)
             self.net.send(node, target, files, self._arrived)
 
     def _arrived(self, name: str, src: str, dst: str) -> None:
@@ -552,7 +551,6 @@ class Cluster:
 
     def run_checkpoint(self) -> Result:
         p = self.p
-        self.pending_copies = 0
         self.pending_copies_total = sum(len(self.by_node[n]) * len(self.targets[n])
                                         for n in self.writers_all())
         self.in_ram = self.holders_done = 0
