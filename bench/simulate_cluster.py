@@ -9,8 +9,9 @@ It drives the real cluster logic, not a copy of it:
   `ClusterCommits.collect` / `publish`, and the read each node makes of a step's file records
   when the commit's watch event reaches it, `ClusterCommits._manifest`), against `TraceEtcd`,
   an in-memory key-value store behind `Etcd._call` that records each request (path, keys,
-  bytes) instead of sending it. Record sizes are the real `FileRecord` / `CommitRecord`
-  encodings of real manifest entries.
+  value bytes) instead of sending it. Value sizes are the real `FileRecord` / `CommitRecord`
+  encodings of real manifest entries (reported as the MB etcd moved; the time model counts
+  keys).
 
 What is modelled (all parameters are command-line options, defaults in `Params`):
 
@@ -57,6 +58,7 @@ from tierfs.replication.cluster_commit import ClusterCommits  # noqa: E402
 
 GB = 1e9
 STEP = "run/step_1000"
+KEEPALIVE_SLOTS = 100
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class Params:
 class Request:
     path: str
     keys: int  # keys written or read
+    size: int  # bytes of the values written or read
     write: bool
 
 
@@ -134,7 +137,10 @@ class TraceEtcd(Etcd):
 
     async def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         reply, keys, write = self._answer(path, payload)
-        self.trace.append(Request(path, keys, write))
+        size = sum(len(kv.get("value", "")) * 3 // 4 for kv in reply.get("kvs", ())) + sum(
+            len(op["request_put"]["value"]) * 3 // 4 for op in payload.get("success", ())
+            if "request_put" in op) + len(payload.get("value", "")) * 3 // 4
+        self.trace.append(Request(path, keys, size, write))
         return reply
 
     def _answer(self, path: str, payload: dict[str, Any]) -> tuple[dict[str, Any], int, bool]:
@@ -236,16 +242,20 @@ class EtcdServer:
         self.free = float("-inf")  # idle since ever
         self.served: list[float] = []  # when each request finished, for the rates
         self.requests = 0  # requests served other than keepalives
+        self.bytes = 0  # their values' bytes
 
-    def submit(self, request: Request, done: Callable[[], None]) -> None:
+    def submit(self, request: Request, done: Callable[[], None] | None) -> None:
         p = self.p
         arrive = self.sim.now + p.rtt_ms / 2e3
         cost = 1 / p.etcd_rps + (request.keys - 1) * p.etcd_key_us / 1e6
         self.free = max(arrive, self.free) + cost
         self.served.append(self.free)
-        self.requests += request.path != "lease/keepalive"
-        answer = self.free + (p.etcd_write_ms / 1e3 if request.write else 0) + p.rtt_ms / 2e3
-        self.sim.at(answer, done)
+        if request.path != "lease/keepalive":
+            self.requests += 1
+            self.bytes += request.size
+        if done is not None:  # else nobody waits for the answer
+            answer = self.free + (p.etcd_write_ms / 1e3 if request.write else 0) + p.rtt_ms / 2e3
+            self.sim.at(answer, done)
 
     def chain(self, requests: list[Request], done: Callable[[], None]) -> None:
         """Send requests one after another (each after the previous answer), then done()."""
@@ -353,6 +363,7 @@ class Result:
     etcd_mean: float = 0.0  # requests/s, over the checkpoint (first record -> last holder)
     etcd_idle: float = 0.0  # requests/s with nothing happening (keepalives)
     requests: int = 0  # etcd requests the checkpoint made (without keepalives)
+    etcd_mb: float = 0.0  # MB of values they wrote or read
     detect: float = 0.0  # a node lost -> survivors see it gone
     restore_peers: float = 0.0  # seen gone -> its files back to K + 1 copies, recorded
     restore_s3: float = 0.0  # seen gone -> a replacement refilled from S3
@@ -408,17 +419,21 @@ class Cluster:
     # -- keepalives: every node, every ttl/3, all along
 
     def start_keepalives(self) -> None:
-        trace = self.traced(self.store.keepalive(1))
+        """Each node's keepalive every ttl/3, the nodes spread evenly over that period (in
+        KEEPALIVE_SLOTS slots, each one event: 2,000 timers would be most of the events)."""
+        (request,) = self.traced(self.store.keepalive(1))
         period = self.p.ttl / 3
-        for _node in self.nodes:
-            self.sim.at(self.rng.uniform(-self.p.seal_spread_s, -self.p.seal_spread_s + period),
-                        lambda: self._keepalive(trace, period))
+        for slot in range(KEEPALIVE_SLOTS):
+            count = len(range(slot, len(self.nodes), KEEPALIVE_SLOTS))
+            self.sim.at(self.sim.now + slot * period / KEEPALIVE_SLOTS,
+                        lambda c=count: self._keepalives(request, c, period))
 
-    def _keepalive(self, trace: list[Request], period: float) -> None:
+    def _keepalives(self, request: Request, count: int, period: float) -> None:
         if self.quiet:
             return
-        self.etcd.chain(trace, lambda: None)
-        self.sim.at(self.sim.now + period, lambda: self._keepalive(trace, period))
+        for _ in range(count):
+            self.etcd.submit(request, None)
+        self.sim.at(self.sim.now + period, lambda: self._keepalives(request, count, period))
 
     def traced(self, coro: Coroutine[Any, Any, Any]) -> list[Request]:
         self.store.take()
@@ -566,6 +581,7 @@ class Cluster:
         r.copies_ram, r.copies_recorded = self.phase_ram, self.phase_recorded
         r.stored = self.stored_at
         r.requests = self.etcd.requests
+        r.etcd_mb = self.etcd.bytes / 1e6
         r.etcd_peak, r.etcd_mean = self._rates(self.etcd.served, -p.seal_spread_s,
                                                r.copies_recorded)
         r.etcd_idle = len(self.nodes) / (p.ttl / 3)
@@ -644,7 +660,7 @@ def simulate(p: Params) -> Result:
 
 COLUMNS = [("link Gb/s", 9), ("K", 2), ("holders", 7), ("follow", 7), ("committed", 9),
            ("visible all", 11), ("K copies RAM", 12), ("K recorded", 10), ("in S3", 6),
-           ("etcd req/s peak", 15), ("mean", 6), ("idle", 5), ("requests", 8),
+           ("etcd req/s peak", 15), ("mean", 6), ("idle", 5), ("requests", 8), ("MB", 6),
            ("restore peers", 13), ("from S3", 7)]
 
 
@@ -654,6 +670,7 @@ def row(r: Result) -> str:
              f"{r.committed:.2f}", f"{r.visible_all:.2f}", f"{r.copies_ram:.2f}",
              f"{r.copies_recorded:.2f}", f"{r.stored:.1f}", f"{r.etcd_peak:,.0f}",
              f"{r.etcd_mean:,.0f}", f"{r.etcd_idle:,.0f}", f"{r.requests:,}",
+             f"{r.etcd_mb:,.0f}",
              f"{r.restore_peers:.2f}", f"{r.restore_s3:.2f}"]
     return " | ".join(c.rjust(w) for c, (_, w) in zip(cells, COLUMNS, strict=True))
 
