@@ -30,8 +30,8 @@ IDLE_RATIO = 1.5
 IDLE_FLOOR = 0.3  # percent of one core: below this, a difference is noise, not growth
 VISIBLE_WITHIN = 1.0  # seconds from the save's return to `committed` on every mount
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-# Daemons starting at once: more only queue for the 2 cores, and a daemon starved for longer
-# than its lease's ttl between the grant and its registration fails to join (see the README).
+# Daemons starting at once: more only queue for the 2 cores (and once starved a daemon past its
+# lease's ttl before it registered: tests/test_membership_stall.py).
 START_AT_ONCE = 6
 
 

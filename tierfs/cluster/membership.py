@@ -12,8 +12,10 @@ one ttl for that lease to end (a crashed predecessor), then fails with `NodeIdIn
 id at the same address (a daemon restarted in place) takes its key over at once.
 
 If the lease is lost while the daemon runs (etcd unreachable for longer than the ttl, or the
-lease revoked), the keepalive finds it gone and the node registers again. An etcd restart keeps
-leases (etcd renews them when it comes back), so a short outage changes nothing.
+lease revoked), the keepalive finds it gone and the node registers again; a new lease that ends
+before the key is written (the daemon stalled longer than the ttl) is replaced the same way. An
+etcd restart keeps leases (etcd renews them when it comes back), so a short outage changes
+nothing.
 """
 
 from __future__ import annotations
