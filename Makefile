@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 APT    := fuse3 libfuse3-dev pkg-config attr rsync etcd-server
 
-.PHONY: test test-faults demo bench bench-quick lint install clean
+.PHONY: test test-faults demo bench bench-quick simulate lint install clean
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) -m pip install -q matplotlib
 	$(PY) bench/run.py --size 256M --reps 2 --out bench/results-quick
+
+# 2,000 nodes x 8 ranks, a 70B model: one checkpoint and a node lost, simulated (~30 s).
+simulate: $(STAMP)
+	$(PY) bench/simulate_cluster.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tierfs tests bench

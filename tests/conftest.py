@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -101,6 +102,7 @@ class MountFactory:
         self.tmp_path = tmp_path
         self.mounts: list[Mount] = []
         self.ram_dirs: list[Path] = []
+        self._lock = threading.Lock()  # mounts may be started from several threads at once
 
     def new_ram_dir(self) -> Path:
         ram_dir = Path("/dev/shm") / f"tierfs-test-{uuid.uuid4().hex[:12]}"
@@ -109,14 +111,15 @@ class MountFactory:
 
     def mount(self, *extra: str, ram_dir: Path | None = None, mountpoint: Path | None = None,
               env: dict[str, str] | None = None) -> Mount:
-        ram_dir = ram_dir or self.new_ram_dir()
-        if ram_dir not in self.ram_dirs:
-            self.ram_dirs.append(ram_dir)
-        mountpoint = mountpoint or self.tmp_path / f"mnt{len(self.mounts)}"
-        mountpoint.mkdir(exist_ok=True)
-        log_file = self.tmp_path / f"tierfs{len(self.mounts)}.log"
-        mount = Mount(mountpoint, ram_dir, log_file, list(extra))
-        self.mounts.append(mount)
+        with self._lock:
+            ram_dir = ram_dir or self.new_ram_dir()
+            if ram_dir not in self.ram_dirs:
+                self.ram_dirs.append(ram_dir)
+            mountpoint = mountpoint or self.tmp_path / f"mnt{len(self.mounts)}"
+            mountpoint.mkdir(exist_ok=True)
+            log_file = self.tmp_path / f"tierfs{len(self.mounts)}.log"
+            mount = Mount(mountpoint, ram_dir, log_file, list(extra))
+            self.mounts.append(mount)
         tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir), "--log-file", str(log_file),
                *extra, env=env)
         assert is_mounted(mountpoint)

@@ -12,8 +12,10 @@ one ttl for that lease to end (a crashed predecessor), then fails with `NodeIdIn
 id at the same address (a daemon restarted in place) takes its key over at once.
 
 If the lease is lost while the daemon runs (etcd unreachable for longer than the ttl, or the
-lease revoked), the keepalive finds it gone and the node registers again. An etcd restart keeps
-leases (etcd renews them when it comes back), so a short outage changes nothing.
+lease revoked), the keepalive finds it gone and the node registers again; a new lease that ends
+before the key is written (the daemon stalled longer than the ttl) is replaced the same way. An
+etcd restart keeps leases (etcd renews them when it comes back), so a short outage changes
+nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import trio
 
 from tierfs.cluster import placement
 from tierfs.cluster.etcd import (
+    GRPC_NOT_FOUND,
     ClusterUrl,
     Etcd,
     EtcdError,
@@ -122,8 +125,22 @@ class Membership:
             await self._leave()
 
     async def _register(self) -> None:
-        lease = await retry_unavailable(lambda: self.etcd.grant_lease(self.ttl),
-                                        f"node {self.node_id}: lease grant")
+        while True:
+            lease = await retry_unavailable(lambda: self.etcd.grant_lease(self.ttl),
+                                            f"node {self.node_id}: lease grant")
+            try:
+                await self._claim(lease)
+                return
+            except EtcdError as exc:
+                if exc.code != GRPC_NOT_FOUND:
+                    raise
+                # The lease ended before the key was written: this process stalled for longer
+                # than the ttl after the grant (a loaded machine). Take a new one.
+                log.warning("node %s: its new lease ended before it registered; taking another",
+                            self.node_id)
+
+    async def _claim(self, lease: int) -> None:
+        """Write this node's key under `lease` (waiting out a crashed predecessor's)."""
         value = self.info.encode()
         deadline = trio.current_time() + self.ttl + 1
         while not await retry_unavailable(
