@@ -455,3 +455,24 @@ async def test_etcd_restart_membership_stays_and_commits_resume(tmp_path: Path) 
         assert ("up", "n3") in [(e.kind, e.node_id) for e in seen]
     finally:
         await trio.to_thread.run_sync(server.stop)
+
+
+def big_shard(node: str, i: int) -> FileRecord:
+    """The record of a 10 GB shard: 1,280 chunk hashes, about 60 kB of JSON."""
+    chunks = [f"{i:016x}{c:016x}" for c in range(1280)]
+    entry = (f"__{i}_0.distcp", 10 << 30, f"{i:032x}", 0, 0o100644, chunks, 0, 0)
+    return FileRecord.sealed(node, 10 << 30, f"{i:032x}", entry)
+
+
+async def test_records_of_large_files_fit_etcd_request_and_reply_limits(
+        etcd_server: EtcdServer) -> None:
+    """A 10 GB shard's record is ~60 kB: 128 of them in one transaction would pass etcd's
+    default 1.5 MiB request limit, so records are written in transactions cut by size too;
+    they are read back in pages."""
+    cluster = new_cluster(etcd_server)
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    names = [f"__{i}_0.distcp" for i in range(300)]
+    await records.record_files("huge", {n: big_shard("n0", i) for i, n in enumerate(names)})
+    found = await records.files("huge")
+    assert sorted(found) == sorted(names)
+    assert found["__7_0.distcp"] == big_shard("n0", 7)
