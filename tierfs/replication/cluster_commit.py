@@ -31,7 +31,7 @@ from tierfs.cluster.commit_records import (
     CommitTimeout,
     FileRecord,
 )
-from tierfs.cluster.etcd import EtcdError
+from tierfs.cluster.etcd import EtcdError, retry_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class ClusterCommits:
         # all that came meanwhile in a few transactions, not one request per file.
         self._unrecorded: dict[str, dict[str, FileRecord]] = {}
         self._recording = False
-        self._recorded = trio.Event()  # set when the batch being gathered is written
+        self._batch_written = trio.Event()  # set when the batch being gathered is written
         # versions of steps this node commits in etcd whose watch event it has not seen yet
         self._published: dict[str, int] = {}
 
@@ -61,11 +61,11 @@ class ClusterCommits:
 
     async def record_sealed(self, step_path: str, entries: list[mf.FileEntry]) -> None:
         """Record files this node sealed into a step (their writer and only holder: here);
-        returns once they are written with others sealed meanwhile. Without etcd they stay
-        unrecorded for now: `publish` records them again at commit."""
+        returns once they are written with others sealed meanwhile. While etcd is away they
+        wait, retried until it answers."""
         self._unrecorded.setdefault(step_path, {}).update(
             (e.name, self._record(e)) for e in entries)
-        done = self._recorded
+        done = self._batch_written
         if self._recording:
             await done.wait()
             return
@@ -73,20 +73,24 @@ class ClusterCommits:
         try:
             while self._unrecorded:
                 batch, self._unrecorded = self._unrecorded, {}
-                done, self._recorded = self._recorded, trio.Event()
+                done, self._batch_written = self._batch_written, trio.Event()
                 try:
                     await self._record_batch(batch)
                 finally:
                     done.set()
         finally:
             self._recording = False
-            self._recorded.set()  # cancelled with seals left: their callers are not stuck
-            self._recorded = trio.Event()
+            self._batch_written.set()  # cancelled with seals left: their callers are not stuck
+            self._batch_written = trio.Event()
 
     async def _record_batch(self, batch: dict[str, dict[str, FileRecord]]) -> None:
+        """Written once etcd answers: the committer of a multi-node step waits for these
+        records, and only this node can write them (seals meanwhile wait for the next batch)."""
         for step_path, records in batch.items():
             try:
-                await self.records.record_files(step_path, records)
+                await retry_unavailable(
+                    lambda s=step_path, r=records: self.records.record_files(s, r),
+                    f"recording {len(records)} sealed files of {step_path}")
             except EtcdError as exc:
                 log.info("could not record %d sealed files of %s in etcd yet: %s",
                          len(records), step_path, exc)
