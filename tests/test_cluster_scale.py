@@ -64,12 +64,12 @@ def test_a_16000_file_multi_node_step_commits_and_every_node_lists_and_reads_it(
     step = "run/step_1"
     for node in nodes:
         (node / step).mkdir(parents=True)
+    metadata = dcp_metadata([shard_name(r) for r in range(FILES)])
     started = time.monotonic()
     for i, node in enumerate(nodes):  # rank r on node r % 2, as ranks of a job are spread
         write_shards(node, step, list(range(i, FILES, len(nodes))))
     written = time.monotonic()
-    names = [shard_name(r) for r in range(FILES)]
-    (nodes[0] / step / ".metadata").write_bytes(dcp_metadata(names))  # close() commits
+    (nodes[0] / step / ".metadata").write_bytes(metadata)  # close() commits
     committed = time.monotonic()
     assert listed_files(nodes[0], step) == FILES + 1
     wait_until(lambda: all(listed_files(n, step) == FILES + 1 for n in nodes), timeout=30)

@@ -552,3 +552,15 @@ async def test_follow_does_not_read_this_nodes_own_commit_again(
         await wait_for(lambda: learned)
         nursery.cancel_scope.cancel()
     assert learned == [("b/step_1", ["n1"])]  # its own commit a/step_1: not read again
+
+
+async def test_publish_does_not_write_again_what_the_seals_recorded(
+        etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    node0, etcd = commits(cluster, "n0")
+    names = [f"__{i}_0.distcp" for i in range(1000)]
+    await node0.record_sealed("s/step_2", entries(names))
+    etcd.calls.clear()
+    await node0.publish(step_manifest("s/step_2", names, "n0"), set(names))
+    assert dict(etcd.calls) == {"kv/range": 1, "kv/txn": 1}  # one read, the commit
+    assert (await node0.records.commit_of("s/step_2")).files == 1000

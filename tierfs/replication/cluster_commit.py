@@ -132,15 +132,17 @@ class ClusterCommits:
         the step. Raises EtcdError if etcd does not take it (the caller retries)."""
         step_path = manifest.path
         deadline = trio.current_time() + COMMIT_WAIT
-        await self.records.record_files(step_path, {e.name: self._record(e)
-                                                    for e in manifest.files
-                                                    if e.name in held_here})
         names = {e.name for e in manifest.files}
-        recorded = set(await self.records.files(step_path))  # the step's one read
+        recorded = await self.records.files(step_path)  # the step's one read
+        mine = {e.name: self._record(e) for e in manifest.files if e.name in held_here}
+        # only what the seals did not record already (as a rule, nothing)
+        await self.records.record_files(step_path, {n: r for n, r in mine.items()
+                                                    if recorded.get(n) != r})
         # files written but not part of the step (e.g. temp files)
-        await self.records.delete_files(step_path, recorded - names)
-        if names - recorded:  # recorded elsewhere after collect read them: not yet seen here
-            await self.records.wait_for_files(step_path, names - recorded, COMMIT_WAIT)
+        await self.records.delete_files(step_path, set(recorded) - names)
+        missing = names - set(recorded) - set(mine)
+        if missing:  # recorded elsewhere after collect read them: not yet seen here
+            await self.records.wait_for_files(step_path, missing, COMMIT_WAIT)
         self._published[step_path] = manifest.version  # before: its watch event may come first
         try:
             record, won = await self.records.commit_recorded(
