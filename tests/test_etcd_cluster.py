@@ -24,6 +24,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierfs import manifest as mf
 from tierfs.cluster import placement
 from tierfs.cluster.commit_records import (
     CommitEvent,
@@ -42,6 +43,7 @@ from tierfs.cluster.etcd import (
 )
 from tierfs.cluster.membership import MemberEvent, Membership, NodeIdInUse
 from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.replication.cluster_commit import ClusterCommits
 
 TTL = 2  # seconds: etcd's smallest lease with its default election timeout
 
@@ -387,7 +389,7 @@ async def test_commit_visible_to_every_watcher_within_a_second(
         with trio.fail_after(1):
             event = await receive.receive()
         assert time.monotonic() - done < 1
-        assert event == CommitEvent("committed", "run/step_2", committed)
+        assert event == CommitEvent("committed", "run/step_2", committed, created=True)
         await records.delete_step("run/step_2")
         with trio.fail_after(1):
             assert await receive.receive() == CommitEvent("removed", "run/step_2", None)
@@ -444,7 +446,8 @@ async def test_etcd_restart_membership_stays_and_commits_resume(tmp_path: Path) 
             committed, won = await records.commit("s1", "n2", ["f"], timeout=10)
             assert won
             with trio.fail_after(3):
-                assert await receive.receive() == CommitEvent("committed", "s1", committed)
+                assert await receive.receive() == CommitEvent("committed", "s1", committed,
+                                                              created=True)
             # Membership went on: both still registered, and a new node joining is seen.
             assert n1.ring == ["n1", "n2"]
             async with members(cluster, "n3"):
@@ -455,3 +458,109 @@ async def test_etcd_restart_membership_stays_and_commits_resume(tmp_path: Path) 
         assert ("up", "n3") in [(e.kind, e.node_id) for e in seen]
     finally:
         await trio.to_thread.run_sync(server.stop)
+
+
+def big_shard(node: str, i: int) -> FileRecord:
+    """The record of a 10 GB shard: 1,280 chunk hashes, about 60 kB of JSON."""
+    chunks = [f"{i:016x}{c:016x}" for c in range(1280)]
+    entry = (f"__{i}_0.distcp", 10 << 30, f"{i:032x}", 0, 0o100644, chunks, 0, 0)
+    return FileRecord.sealed(node, 10 << 30, f"{i:032x}", entry)
+
+
+async def test_records_of_large_files_fit_etcd_request_and_reply_limits(
+        etcd_server: EtcdServer) -> None:
+    """A 10 GB shard's record is ~60 kB: 128 of them in one transaction would pass etcd's
+    default 1.5 MiB request limit, so records are written in transactions cut by size too;
+    they are read back in pages."""
+    cluster = new_cluster(etcd_server)
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    names = [f"__{i}_0.distcp" for i in range(300)]
+    await records.record_files("huge", {n: big_shard("n0", i) for i, n in enumerate(names)})
+    found = await records.files("huge")
+    assert sorted(found) == sorted(names)
+    assert found["__7_0.distcp"] == big_shard("n0", 7)
+
+
+class CountingEtcd(Etcd):
+    """An `Etcd` that counts its requests by kind (kv/range, kv/txn, ...)."""
+
+    def __init__(self, endpoints: Any) -> None:
+        super().__init__(endpoints)
+        self.calls: Counter[str] = Counter()
+
+    async def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        self.calls[path] += 1
+        return await super()._call(path, payload)
+
+
+def entries(names: list[str]) -> list[mf.FileEntry]:
+    return [mf.FileEntry(name, 10 + i, f"{i:032x}", chunks=(f"{i:016x}",))
+            for i, name in enumerate(names)]
+
+
+def step_manifest(path: str, names: list[str], node: str) -> mf.StepManifest:
+    return mf.StepManifest(path, 1, 1, node, time.time_ns(), tuple(entries(names)))
+
+
+def commits(cluster: ClusterUrl, node: str) -> tuple[ClusterCommits, CountingEtcd]:
+    etcd = CountingEtcd(cluster.endpoints)
+    return ClusterCommits(CommitRecords(etcd, cluster), node, lambda name: 1), etcd
+
+
+async def test_seals_are_recorded_in_batches_not_one_request_each(
+        etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    node, etcd = commits(cluster, "n0")
+    names = [f"__{i}_0.distcp" for i in range(600)]
+    async with trio.open_nursery() as nursery:  # 600 closes at once, as 600 ranks' shards
+        for entry in entries(names):
+            nursery.start_soon(node.record_sealed, "run/step_1", [entry])
+    assert sorted(await node.records.files("run/step_1")) == sorted(names)
+    assert etcd.calls["kv/txn"] <= 20, etcd.calls
+
+
+async def test_publish_reads_the_step_once_and_drops_stale_records_in_batches(
+        etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    node0, etcd = commits(cluster, "n0")
+    node1, _etcd1 = commits(cluster, "n1")
+    theirs = [f"__{i}_0.distcp" for i in range(1, 1500, 2)]
+    mine = [f"__{i}_0.distcp" for i in range(0, 1500, 2)]
+    stale = [f"tmp/{i}.part" for i in range(400)]
+    await node1.records.record_files("s/step_1", {e.name: node1._record(e)
+                                                  for e in entries(theirs + stale)})
+    etcd.calls.clear()
+    await node0.publish(step_manifest("s/step_1", sorted(mine + theirs), "n0"), set(mine))
+    calls = dict(etcd.calls)
+    assert calls["kv/range"] == 2, calls  # the step's records: 2 pages, read once
+    assert calls["kv/txn"] <= 12 and "kv/deleterange" not in calls, calls
+    assert sorted(await node0.records.files("s/step_1")) == sorted(mine + theirs)
+    assert (await node0.records.commit_of("s/step_1")).files == 1500
+
+
+async def test_follow_does_not_read_this_nodes_own_commit_again(
+        etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    node0, etcd = commits(cluster, "n0")
+    node1, _etcd1 = commits(cluster, "n1")
+    learned: list[tuple[str, list[str]]] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(node0.follow, lambda m, holders: learned.append((m.path, holders)))
+        await wait_for(lambda: etcd.calls["kv/range"] >= 1)  # following
+        await node0.publish(step_manifest("a/step_1", ["x"], "n0"), {"x"})
+        await node1.publish(step_manifest("b/step_1", ["y"], "n1"), {"y"})
+        await wait_for(lambda: learned)
+        nursery.cancel_scope.cancel()
+    assert learned == [("b/step_1", ["n1"])]  # its own commit a/step_1: not read again
+
+
+async def test_publish_does_not_write_again_what_the_seals_recorded(
+        etcd_server: EtcdServer) -> None:
+    cluster = new_cluster(etcd_server)
+    node0, etcd = commits(cluster, "n0")
+    names = [f"__{i}_0.distcp" for i in range(1000)]
+    await node0.record_sealed("s/step_2", entries(names))
+    etcd.calls.clear()
+    await node0.publish(step_manifest("s/step_2", names, "n0"), set(names))
+    assert dict(etcd.calls) == {"kv/range": 1, "kv/txn": 1}  # one read, the commit
+    assert (await node0.records.commit_of("s/step_2")).files == 1000

@@ -41,7 +41,6 @@ from tierfs.cluster.etcd import (
     EtcdUnavailable,
     KeyValue,
     Snapshot,
-    WatchCompacted,
     WatchEvent,
     retry_unavailable,
 )
@@ -119,6 +118,7 @@ class CommitEvent:
     kind: Literal["committed", "removed"]
     step: str
     record: CommitRecord | None  # None when removed
+    created: bool = False  # the commit record's first write (not a later touch)
 
 
 def _json(fields: dict[str, Any]) -> bytes:
@@ -185,40 +185,42 @@ class CommitRecords:
 
     async def wait_for_files(self, step: str, names: Collection[str],
                              timeout: float) -> dict[str, FileRecord]:
-        """The records of `names` once every one exists. Reads the step once, then watches
-        it; after timeout, `CommitTimeout` naming the missing files, or `EtcdUnavailable` if
-        etcd does not answer then (one more read, of at most one request timeout)."""
+        """The records of `names` once every one exists: the step's records are mirrored
+        (`Etcd.follow_prefix`: read once, then watched). After timeout, `CommitTimeout` naming
+        the missing files, or `EtcdUnavailable` if etcd does not answer then (one more read, of
+        at most one request timeout)."""
         wanted = set(names)
-        prefix = self.files_prefix(step)
+        found: dict[str, FileRecord] = {}
+        send, receive = trio.open_memory_channel[Snapshot | list[WatchEvent]](16)
         with trio.move_on_after(timeout):
-            while True:
-                snapshot = await retry_unavailable(lambda: self.etcd.get_prefix(prefix),
-                                                   f"reading the records of {step}")
-                found = self._decode_files(step, snapshot.kvs)
-                try:
-                    await self._watch_until_complete(step, snapshot.revision, wanted, found)
-                    return {name: found[name] for name in wanted}
-                except WatchCompacted:
-                    continue  # read the step again
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.etcd.follow_prefix, self.files_prefix(step), send)
+                async for item in receive:
+                    self._mirror(step, found, item)
+                    if wanted <= set(found):
+                        nursery.cancel_scope.cancel()
+            return {name: found[name] for name in wanted}
         found = await self.files(step)  # EtcdUnavailable if etcd is why we waited in vain
         if wanted <= set(found):  # recorded in the last instant
             return {name: found[name] for name in wanted}
         raise CommitTimeout(step, sorted(wanted - set(found)))
 
-    async def _watch_until_complete(self, step: str, revision: int, wanted: set[str],
-                                    found: dict[str, FileRecord]) -> None:
-        if wanted <= set(found):
+    def _mirror(self, step: str, found: dict[str, FileRecord],
+                item: Snapshot | list[WatchEvent]) -> None:
+        """Apply a snapshot (it replaces all) or a batch of changes to `found`."""
+        if isinstance(item, Snapshot):
+            found.clear()
+            found.update(self._decode_files(step, item.kvs))
             return
-        send, receive = trio.open_memory_channel[list[WatchEvent]](16)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.etcd.watch_prefix, self.files_prefix(step), revision + 1,
-                               send)
-            async for events in receive:
-                puts = [e.kv for e in events if e.kind == "put"]
-                found.update(self._decode_files(step, puts))
-                if wanted <= set(found):
-                    nursery.cancel_scope.cancel()
-                    return
+        prefix = self.files_prefix(step)
+        for event in item:
+            if event.kind == "delete":
+                found.pop(event.kv.key[len(prefix):], None)
+        found.update(self._decode_files(step, [e.kv for e in item if e.kind == "put"]))
+
+    async def delete_files(self, step: str, paths: Collection[str]) -> None:
+        """Drop the records of these files of the step (a few transactions)."""
+        await self.etcd.delete_all([self.file_key(step, path) for path in sorted(paths)])
 
     async def commit(self, step: str, committer: str, names: Collection[str],
                      timeout: float, version: int = 1,
@@ -228,7 +230,15 @@ class CommitRecords:
         (plus at most one request timeout), else `CommitTimeout` or `EtcdUnavailable`."""
         deadline = trio.current_time() + timeout
         await self.wait_for_files(step, names, timeout)
-        record = CommitRecord(step, committer, len(names), time.time(), version, committed_ns)
+        return await self.commit_recorded(step, committer, len(names), deadline, version,
+                                          committed_ns)
+
+    async def commit_recorded(self, step: str, committer: str, files: int, deadline: float,
+                              version: int = 1,
+                              committed_ns: int = 0) -> tuple[CommitRecord, bool]:
+        """`commit` once the caller knows every file is recorded: the transaction alone,
+        answered by `deadline` (trio time) plus one request timeout."""
+        record = CommitRecord(step, committer, files, time.time(), version, committed_ns)
         key = self.commit_key(step)
         won: bool | None = None
         with trio.move_on_at(deadline + self.etcd.timeout):
@@ -238,7 +248,7 @@ class CommitRecords:
             raise EtcdUnavailable(f"step {step}: etcd did not answer the commit in time")
         if won:
             log.info("step %s committed in the cluster by %s (%d files)", step, committer,
-                     len(names))
+                     files)
             return record, True
         winner = await self.commit_of(step)
         if winner is None:  # committed and deleted meanwhile: nothing left to commit
@@ -275,7 +285,8 @@ class CommitRecords:
         if isinstance(entry, WatchEvent) and entry.kind == "delete":
             return CommitEvent("removed", step, None)
         try:
-            return CommitEvent("committed", step, CommitRecord.decode(step, kv.value))
+            return CommitEvent("committed", step, CommitRecord.decode(step, kv.value),
+                               kv.version == 1)
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring the malformed commit record %s: %s", kv.key, exc)
             return None

@@ -46,6 +46,9 @@ PAGE_SIZE = 1000  # keys per range request: a 16,000-file step is read in pages,
 # to an endpoint that vanished without closing the connection must not hang for hours.
 WATCH_IDLE_REOPEN = 60.0
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+# Bytes of keys and values per transaction: etcd refuses requests over --max-request-bytes
+# (1.5 MiB by default; the gateway sees them base64-encoded, 4/3 larger).
+MAX_TXN_BYTES = 768 << 10
 POOL_SIZE = 40  # trio's default worker thread limit
 RETRY_FIRST_DELAY = 0.05
 RETRY_MAX_DELAY = 1.0  # short: commits must resume within about a second of etcd coming back
@@ -181,13 +184,19 @@ class Etcd:
         return _revision(reply)
 
     async def put_all(self, items: Sequence[tuple[str, bytes]]) -> None:
-        """Store many keys in transactions of at most MAX_TXN_OPS puts (each one atomic)."""
-        for start in range(0, len(items), MAX_TXN_OPS):
-            chunk = items[start:start + MAX_TXN_OPS]
-            txn = {"compare": [], "failure": [],
-                   "success": [{"request_put": self._put_fields(key, value, 0)}
-                               for key, value in chunk]}
-            await self._call("kv/txn", txn)
+        """Store many keys in transactions of at most MAX_TXN_OPS puts and MAX_TXN_BYTES
+        (each one atomic)."""
+        for chunk in _txn_chunks(items, lambda item: len(item[0]) + len(item[1])):
+            await self._txn([{"request_put": self._put_fields(key, value, 0)}
+                             for key, value in chunk])
+
+    async def delete_all(self, keys: Sequence[str]) -> None:
+        """Delete many keys in transactions of at most MAX_TXN_OPS deletes (each atomic)."""
+        for chunk in _txn_chunks(keys, len):
+            await self._txn([{"request_delete_range": {"key": _b64(key)}} for key in chunk])
+
+    async def _txn(self, operations: list[dict[str, Any]]) -> None:
+        await self._call("kv/txn", {"compare": [], "failure": [], "success": operations})
 
     async def delete(self, key: str) -> bool:
         reply = await self._call("kv/deleterange", {"key": _b64(key)})
@@ -310,6 +319,21 @@ class Etcd:
 
     def _stream_client(self) -> etcd3gw.Etcd3Client:
         return self._clients[self._preferred]
+
+
+def _txn_chunks(items: Sequence[T], size: Callable[[T], int]) -> list[Sequence[T]]:
+    """items cut into runs that fit one transaction (a single oversized item goes alone: etcd
+    says why it refuses it)."""
+    chunks: list[Sequence[T]] = []
+    start, total = 0, 0
+    for i, item in enumerate(items):
+        total += size(item)
+        if i > start and (i - start >= MAX_TXN_OPS or total > MAX_TXN_BYTES):
+            chunks.append(items[start:i])
+            start, total = i, size(item)
+    if start < len(items):
+        chunks.append(items[start:])
+    return chunks
 
 
 def _session() -> requests.Session:

@@ -31,7 +31,7 @@ from tierfs.cluster.commit_records import (
     CommitTimeout,
     FileRecord,
 )
-from tierfs.cluster.etcd import EtcdError
+from tierfs.cluster.etcd import EtcdError, retry_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +49,51 @@ class ClusterCommits:
         self.records = records
         self.node_id = node_id
         self._step_number = step_number
+        # Seals waiting to be recorded (step -> name -> record): one writer at a time records
+        # all that came meanwhile in a few transactions, not one request per file.
+        self._unrecorded: dict[str, dict[str, FileRecord]] = {}
+        self._recording = False
+        self._batch_written = trio.Event()  # set when the batch being gathered is written
+        # versions of steps this node commits in etcd whose watch event it has not seen yet
+        self._published: dict[str, int] = {}
 
     # -- this node's files
 
     async def record_sealed(self, step_path: str, entries: list[mf.FileEntry]) -> None:
-        """Record files this node sealed into a step (their writer and only holder: here).
-        Without etcd they stay unrecorded for now: `publish` records them again at commit."""
+        """Record files this node sealed into a step (their writer and only holder: here);
+        returns once they are written with others sealed meanwhile. While etcd is away they
+        wait, retried until it answers."""
+        self._unrecorded.setdefault(step_path, {}).update(
+            (e.name, self._record(e)) for e in entries)
+        done = self._batch_written
+        if self._recording:
+            await done.wait()
+            return
+        self._recording = True
         try:
-            await self.records.record_files(step_path, {e.name: self._record(e)
-                                                        for e in entries})
-        except EtcdError as exc:
-            log.info("could not record %d sealed files of %s in etcd yet: %s", len(entries),
-                     step_path, exc)
+            while self._unrecorded:
+                batch, self._unrecorded = self._unrecorded, {}
+                done, self._batch_written = self._batch_written, trio.Event()
+                try:
+                    await self._record_batch(batch)
+                finally:
+                    done.set()
+        finally:
+            self._recording = False
+            self._batch_written.set()  # cancelled with seals left: their callers are not stuck
+            self._batch_written = trio.Event()
+
+    async def _record_batch(self, batch: dict[str, dict[str, FileRecord]]) -> None:
+        """Written once etcd answers: the committer of a multi-node step waits for these
+        records, and only this node can write them (seals meanwhile wait for the next batch)."""
+        for step_path, records in batch.items():
+            try:
+                await retry_unavailable(
+                    lambda s=step_path, r=records: self.records.record_files(s, r),
+                    f"recording {len(records)} sealed files of {step_path}")
+            except EtcdError as exc:
+                log.info("could not record %d sealed files of %s in etcd yet: %s",
+                         len(records), step_path, exc)
 
     def _record(self, entry: mf.FileEntry) -> FileRecord:
         return FileRecord.sealed(self.node_id, entry.size, entry.xxh3,
@@ -98,15 +131,26 @@ class ClusterCommits:
         files the step no longer has, and write the commit record, so that every node lists
         the step. Raises EtcdError if etcd does not take it (the caller retries)."""
         step_path = manifest.path
-        await self.records.record_files(step_path, {e.name: self._record(e)
-                                                    for e in manifest.files
-                                                    if e.name in held_here})
+        deadline = trio.current_time() + COMMIT_WAIT
         names = {e.name for e in manifest.files}
-        stale = set(await self.records.files(step_path)) - names
-        for name in sorted(stale):  # files written but not part of the step (e.g. temp files)
-            await self.records.etcd.delete(self.records.file_key(step_path, name))
-        record, won = await self.records.commit(step_path, self.node_id, names, COMMIT_WAIT,
-                                                manifest.version, manifest.committed_ns)
+        recorded = await self.records.files(step_path)  # the step's one read
+        mine = {e.name: self._record(e) for e in manifest.files if e.name in held_here}
+        # only what the seals did not record already (as a rule, nothing)
+        await self.records.record_files(step_path, {n: r for n, r in mine.items()
+                                                    if recorded.get(n) != r})
+        # files written but not part of the step (e.g. temp files)
+        await self.records.delete_files(step_path, set(recorded) - names)
+        missing = names - set(recorded) - set(mine)
+        if missing:  # recorded elsewhere after collect read them: not yet seen here
+            await self.records.wait_for_files(step_path, missing, COMMIT_WAIT)
+        self._published[step_path] = manifest.version  # before: its watch event may come first
+        try:
+            record, won = await self.records.commit_recorded(
+                step_path, self.node_id, len(names), deadline, manifest.version,
+                manifest.committed_ns)
+        except BaseException:
+            self._published.pop(step_path, None)
+            raise
         if not won and record.version < manifest.version:  # an older version's commit
             newer = CommitRecord(step_path, self.node_id, len(names), record.at,
                                  manifest.version, manifest.committed_ns)
@@ -160,7 +204,7 @@ class ClusterCommits:
             nursery.start_soon(self.records.follow_commits, send)
             async for event in receive:
                 record = event.record
-                if record is None:
+                if record is None or self._own_commit(event):
                     continue
                 try:
                     found = await self._manifest(record)
@@ -169,6 +213,15 @@ class ClusterCommits:
                     continue
                 if found is not None:
                     learn(*found)
+
+    def _own_commit(self, event: CommitEvent) -> bool:
+        """Whether the event is this node's own commit record, just written by `publish`:
+        this node holds that version already, so its records need not be read again. Later
+        changes of the record (holders added) are read as any other."""
+        version = self._published.pop(event.step, None)
+        record = event.record
+        return (record is not None and event.created and record.committer == self.node_id
+                and record.version == version)
 
     async def forget(self, step_path: str, version: int) -> None:
         """A delete of the step (up to `version`): its records leave etcd."""

