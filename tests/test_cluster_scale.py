@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tests.conftest import Mount, MountFactory, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.test_etcd_cluster import grpc_requests
 from tierfs.devtools.etcd import Etcd
 
 FILES = int(os.environ.get("TIERFS_SCALE_FILES", "16000"))
@@ -81,3 +82,18 @@ def test_a_16000_file_multi_node_step_commits_and_every_node_lists_and_reads_it(
         for rank in random.Random(1).sample(range(FILES), 200):
             assert (node / step / shard_name(rank)).read_bytes() == shard_data(rank)
     assert committed - written < 30 and everywhere - written < 40
+
+
+def test_files_created_in_a_step_being_written_do_not_each_ask_etcd(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """Creating a file looks its name up first, and the name is missing: only a missing
+    `.metadata` (where a load starts) may ask etcd whether the step was committed elsewhere;
+    a saver's every new file must not cost an etcd round trip."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node = cluster.start("node0")
+    cluster.start("node1")
+    (node / "run/step_1").mkdir(parents=True)
+    before = grpc_requests(etcd_server)["Range"]
+    for i in range(200):
+        (node / f"run/step_1/__{i}_0.distcp").write_bytes(b"x")
+    assert grpc_requests(etcd_server)["Range"] - before < 20

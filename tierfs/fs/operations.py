@@ -118,7 +118,7 @@ class Operations(pyfuse3.Operations):
             except FsError as exc:
                 # A step being written here may have been committed by another node a moment
                 # ago (a load right after the save's barrier): ask the cluster, then look again.
-                if exc.errno != errno.ENOENT or not await self.ns.tiers.catch_up(parent):
+                if exc.errno != errno.ENOENT or not await self.ns.tiers.catch_up(parent, name):
                     raise
                 node = self.ns.child(parent, name)
         return self._entry(node)

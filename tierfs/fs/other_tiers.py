@@ -321,12 +321,15 @@ class OtherTiers:
             if node is not None and node.step.manifest is manifest:
                 await self.publish(node, manifest)
 
-    async def catch_up(self, dir_node: Node) -> bool:
-        """A name was not found in a step this node holds as being written: if the cluster
-        committed that step meanwhile (another node got its `.metadata`), list it committed
-        now rather than at the watch event. Whether the step changed."""
+    async def catch_up(self, dir_node: Node, name: bytes) -> bool:
+        """`name` was not found in a step this node holds as being written: if it is the
+        step's `.metadata` (where a DCP load starts) and the cluster committed the step
+        meanwhile (another node got its `.metadata`), list it committed now rather than at
+        the watch event. Whether the step changed. Other names are not asked about: a saver
+        creating a file looks its name up first, and must not wait for etcd each time."""
         step_node = next(self.tree.enclosing_steps(dir_node), None)
-        if self.sealed is None or step_node is None or step_node.step.committed:
+        if (self.sealed is None or step_node is None or step_node.step.committed
+                or name != METADATA or dir_node is not step_node):
             return False
         found = await self.sealed.manifest_of(self.tree.relpath(step_node))
         if found is None:
