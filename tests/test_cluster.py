@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -280,3 +281,59 @@ def test_reads_of_one_file_by_another_node_are_spread_over_its_holders(
     assert (node2 / "ddp/step_1/model.pt").read_bytes() == data  # ten 8 MiB chunks
     served = [n.status()["served_to_peers"]["bytes"] for n in (node0, node1)]
     assert all(b > 0 for b in served) and sum(served) >= len(data), served
+
+
+def _file_records(cluster: Cluster, step: str) -> dict[str, Any]:
+    """The etcd file records of a step (name -> FileRecord): who holds which file."""
+    from tierfs.cluster.commit_records import CommitRecords
+    from tierfs.cluster.etcd import Etcd as EtcdClient
+    from tierfs.cluster.etcd import parse_cluster_url
+
+    url = parse_cluster_url(cluster.url)
+    return trio.run(CommitRecords(EtcdClient(url.endpoints), url).files, step)
+
+
+def _copies_everywhere(cluster: Cluster, step: str, live: set[str], copies: int) -> bool:
+    """Every file of the step is recorded on `copies` live nodes, each holding its object."""
+    records = _file_records(cluster, step)
+    for record in records.values():
+        holders = set(record.holders) & live
+        if len(holders) < copies:
+            return False
+        for holder in holders:
+            if not (cluster.nodes[holder].ram_dir / "objects" / record.xxh3).exists():
+                return False
+    return bool(records)
+
+
+def _check_step_bytes(node: Mount, step: str, expected: dict[str, str]) -> None:
+    """Every file of the step reads back on `node` with the bytes its manifest names."""
+    from tierfs import manifest as mf
+
+    for name, xxh3 in expected.items():
+        assert mf.hash_bytes((node / f"{step}/{name}").read_bytes()) == xxh3, name
+
+
+def test_multi_node_dcp_step_survives_the_loss_of_each_writer(cluster3: Cluster) -> None:
+    """Two ranks on two nodes save one DCP step (K = 1): each node's shard gets a copy on
+    another node; killing either writer loses nothing, and the survivors restore K copies."""
+    for node_id in cluster3.ports:
+        wait_until(lambda n=node_id: all(cluster3.peers_up(n).values()), timeout=15)
+    writers = ["node1", "node2"]  # rank 0 (and .metadata) on node1, rank 1 on node2
+    step = "run/step_7"
+    run_dcp_ranks([cluster3.nodes[n] / step for n in writers], timeout=240)
+    every = set(cluster3.ports)
+    wait_until(lambda: _copies_everywhere(cluster3, step, every, 2), timeout=30)
+    records = _file_records(cluster3, step)
+    assert {r.node for r in records.values()} == set(writers)
+    expected = {name: r.xxh3 for name, r in records.items()}
+    for victim in writers:
+        cluster3.nodes[victim].kill9()
+        live = every - {victim}
+        survivor = cluster3.nodes[sorted(live)[0]]
+        _check_step_bytes(survivor, step, expected)  # nothing lost
+        wait_until(lambda lv=live: _copies_everywhere(cluster3, step, lv, 2), timeout=30)
+        status = survivor.step(step)
+        assert status["state"] == "committed" and status["copies"] == 2
+        cluster3.start(victim)
+        wait_until(lambda: all(cluster3.peers_up("node0").values()), timeout=15)
