@@ -14,6 +14,7 @@ import trio
 from tests.conftest import free_port
 from tierfs import manifest as mf
 from tierfs.cluster import membership as live_members
+from tierfs.cluster.commit_records import FileRecord
 from tierfs.cluster.etcd import Etcd, parse_cluster_url
 from tierfs.devtools.etcd import Etcd as EtcdServer
 from tierfs.replication.channel import connect
@@ -52,24 +53,37 @@ def committed_object(objects: Path, data: bytes, name: str) -> mf.FileEntry:
 
 
 class Receiving:
-    """Node b: the peer port with the receiver's handlers, adopting every complete replica."""
+    """Node b: the peer port with the receiver's handlers, holding every file of a known
+    manifest whose object arrived (as `OtherTiers.hold_files` does)."""
 
-    def __init__(self, tmp: Path, limit: int = 1 << 30) -> None:
+    def __init__(self, tmp: Path, manifest: mf.StepManifest, limit: int = 1 << 30) -> None:
         self.objects = tmp / "b-objects"
         self.objects.mkdir()
         self.space = Space(limit)
-        self.adopted: list[tuple[mf.StepManifest, str]] = []
-        self.receiver = ReplicaReceiver(self.objects, self.space, self._adopt)
+        self.manifest = manifest
+        self.held: list[tuple[str, int, list[str], str]] = []
+        self.receiver = ReplicaReceiver(self.objects, self.space, self._hold)
         self.port = free_port()
 
-    def _adopt(self, manifest: mf.StepManifest, peer: str) -> bool:
-        self.adopted.append((manifest, peer))
-        return True
+    async def _hold(self, path: str, version: int, names: list[str],
+                    peer: str) -> list[str] | None:
+        if (path, version) != (self.manifest.path, self.manifest.version):
+            return None
+        here = [n for n in names if (entry := self.manifest.entry(n)) is not None
+                and (self.objects / entry.xxh3).exists()]
+        self.held.append((path, version, here, peer))
+        return here
 
     async def start(self, nursery: trio.Nursery) -> None:
         server = PeerServer("b", TOKEN, {"a", "b"}, {"PUT": self.receiver.put,
-                                                    "PUT_MANIFEST": self.receiver.put_manifest})
+                                                    "HOLD": self.receiver.hold})
         await nursery.start(server.run, "127.0.0.1", self.port)
+
+
+def records_of(manifest: mf.StepManifest, holders: set[str]) -> dict[str, FileRecord]:
+    """The step's file records as etcd would have them: written on a, held by `holders`."""
+    return {e.name: FileRecord(manifest.node_id, e.size, e.xxh3, tuple(sorted(holders)))
+            for e in manifest.files}
 
 
 async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
@@ -78,11 +92,15 @@ async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
     entry = committed_object(tmp_path / "a-objects", data, "shard")
     small = committed_object(tmp_path / "a-objects", b"m", ".metadata")
     manifest = mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry, small))
-    b = Receiving(tmp_path)
-    holders: set[str] = set()
+    b = Receiving(tmp_path, manifest)
+    holders: set[str] = {"a"}
     replicated = trio.Event()
 
-    def on_replicated(done: mf.StepManifest, target: str) -> None:
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
+        return records_of(step, holders)
+
+    async def on_held(done: mf.StepManifest, target: str, names: list[str]) -> None:
+        assert sorted(names) == [".metadata", "shard"]
         holders.add(target)
         replicated.set()
 
@@ -99,24 +117,24 @@ async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
                 await live["a"].changed.wait()
         membership = Membership(live["a"], TOKEN)
         replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
-                                is_current=lambda m: True, holders=lambda m: holders,
-                                on_replicated=on_replicated)
+                                is_current=lambda m: True, placements=placements,
+                                on_placements=lambda m, h: None, on_held=on_held)
         nursery.start_soon(replicator.run)
         replicator.submit(manifest)
         with trio.fail_after(20):
             await replicated.wait()
         nursery.cancel_scope.cancel()
-    assert holders == {"b"}
+    assert holders == {"a", "b"}
     assert (b.objects / entry.xxh3).read_bytes() == data
     assert (b.objects / small.xxh3).read_bytes() == b"m"
-    assert b.adopted == [(manifest, "a")]
+    assert b.held == [("run/step_1", 1, [".metadata", "shard"], "a")]
     assert sorted(os.listdir(b.objects)) == sorted([entry.xxh3, small.xxh3])  # no leftovers
 
 
 async def test_the_receiver_refuses_bytes_that_do_not_match_their_checksum(
         tmp_path: Path) -> None:
-    b = Receiving(tmp_path)
     entry = committed_object(tmp_path / "a-objects", b"the real bytes", "shard")
+    b = Receiving(tmp_path, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)))
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
@@ -124,19 +142,22 @@ async def test_the_receiver_refuses_bytes_that_do_not_match_their_checksum(
                            name="shard", xxh3=entry.xxh3, size=22, offset=0)
         answer = await channel.receive("ERROR")
         assert "checksum mismatch" in answer["message"]
-        # a manifest naming a file that never arrived is not adopted
-        manifest = mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,))
-        await channel.send("PUT_MANIFEST", manifest=mf.encode(manifest))
+        # a HOLD naming a file that never arrived holds nothing
+        answer = await channel.request("HOLD", path="run/step_1", version=1,
+                                       names=["shard"], expect="HELD")
+        assert answer["names"] == []
+        # and one of a version this node cannot hold is refused
+        await channel.send("HOLD", path="run/step_1", version=2, names=["shard"])
         answer = await channel.receive("ERROR")
-        assert "was not received" in answer["message"]
+        assert "is not held here" in answer["message"]
         await channel.aclose()
         nursery.cancel_scope.cancel()
-    assert os.listdir(b.objects) == [] and b.adopted == [] and b.space.used == {}
+    assert os.listdir(b.objects) == [] and b.space.used == {}
 
 
 async def test_a_full_receiver_answers_an_error_and_keeps_nothing(tmp_path: Path) -> None:
-    b = Receiving(tmp_path, limit=10)
     entry = committed_object(tmp_path / "a-objects", b"more than ten bytes", "shard")
+    b = Receiving(tmp_path, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)), limit=10)
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")

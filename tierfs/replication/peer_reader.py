@@ -22,13 +22,15 @@ _HEX = set("0123456789abcdef")
 class PeerReader:
     name = "peer"
 
-    def __init__(self, membership: Membership, holders: Callable[[str], list[str]]) -> None:
+    def __init__(self, membership: Membership,
+                 holders: Callable[[str, str], list[str]]) -> None:
         self.membership = membership
         self._holders = holders
 
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
                          length: int) -> bytes:
-        holders = [h for h in self._holders(step_path) if h != self.membership.me]
+        # the file's own holders (per file: a multi-node step's files are on different nodes)
+        holders = [h for h in self._holders(step_path, entry.name) if h != self.membership.me]
         if not holders:
             raise proto.ProtocolError("no peer holds it")
         start = zlib.crc32(f"{entry.xxh3}:{offset}".encode()) % len(holders)
