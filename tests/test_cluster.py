@@ -190,7 +190,7 @@ def test_every_node_lists_every_step_and_a_replacement_reads_through_peers(
     files = {f"__{r}_0.distcp": os.urandom(12 << 20) for r in range(2)} | {".metadata": b"m"}
     save(node0 / "job/step_5", files)
     wait_until(lambda: node0.step("job/step_5")["replicas"] == ["node1"], timeout=30)
-    node2 = cluster3.nodes["node2"]  # holds no copy: lists it from gossip, reads from peers
+    node2 = cluster3.nodes["node2"]  # holds no copy: lists it from etcd, reads from peers
     # listed from etcd within a second of the commit; its holders as copies are verified
     wait_until(lambda: (node2.step("job/step_5") or {}).get("replicas") == ["node0", "node1"],
                timeout=5)
@@ -255,7 +255,9 @@ def test_multi_node_dcp_save_commits_without_moving_shards_and_loads_at_once(
     manifest = {e[0]: e[2] for e in _manifest_entries(node0, "run/step_100")}
     objects = set(os.listdir(node0.ram_dir / "objects"))
     assert manifest["__0_0.distcp"] in objects  # rank 0's own shard
-    for rank in (1, 2, 3):  # the other nodes' shards never entered node0's RAM
+    # node1's shards never entered node0's RAM (their one copy goes to node2, the next on
+    # the ring; node2's shard is copied to node0 as its replica, after the commit)
+    for rank in (1, 2):
         assert manifest[f"__{rank}_0.distcp"] not in objects
     assert "stay there" in node0.log()
 
