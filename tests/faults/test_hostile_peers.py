@@ -98,7 +98,7 @@ def hostile_frame(draw: st.DrawFn) -> bytes:
         fields = {k: v for k, v in fields.items() if k in proto.SCHEMAS[kind]}
         return raw_frame(kind, fields, b"x" * 10 if kind == "PUT" else b"")
     if choice == 3:  # HOLD of a step this node may or may not know, hostile names among many
-        names = draw(st.lists(st.one_of(paths, st.just("__0_0.distcp"), st.integers()),
+        names = draw(st.lists(st.one_of(paths, st.just("__0_0.distcp"), st.integers(-9, 9)),
                               max_size=5))
         if draw(st.booleans()):  # more names than one message may carry
             names = names + ["f"] * (proto.MAX_NAMES + 1 - len(names))
