@@ -335,7 +335,34 @@ def test_multi_node_dcp_step_survives_the_loss_of_each_writer(cluster3: Cluster)
         survivor = cluster3.nodes[sorted(live)[0]]
         _check_step_bytes(survivor, step, expected)  # nothing lost
         wait_until(lambda lv=live: _copies_everywhere(cluster3, step, lv, 2), timeout=30)
-        status = survivor.step(step)
-        assert status["state"] == "committed" and status["copies"] == 2
-        cluster3.start(victim)
+        assert survivor.step(step)["state"] == "committed"
+        wait_until(lambda s=survivor: s.step(step)["copies"] == 2, timeout=10)
+        back = cluster3.start(victim)  # with its RAM dir: it still holds its part of the step
+        assert back.step(step)["state"] == "committed"
+        assert all((back.ram_dir / "objects" / xxh3).exists() for name, xxh3 in expected.items()
+                   if records[name].node == victim)
         wait_until(lambda: all(cluster3.peers_up("node0").values()), timeout=15)
+
+
+def test_a_replacement_node_takes_the_copies_of_a_lost_writer(cluster3: Cluster) -> None:
+    """A writer of a multi-node step is lost for good and a node with a new id joins: the
+    survivors restore K + 1 copies of every file, the new node among them, and it reads the
+    whole step."""
+    import shutil
+
+    for node_id in cluster3.ports:
+        wait_until(lambda n=node_id: all(cluster3.peers_up(n).values()), timeout=15)
+    step = "run/step_8"
+    run_dcp_ranks([cluster3.nodes[n] / step for n in ("node1", "node2")], timeout=240)
+    wait_until(lambda: _copies_everywhere(cluster3, step, set(cluster3.ports), 2), timeout=30)
+    expected = {name: r.xxh3 for name, r in _file_records(cluster3, step).items()}
+    lost = cluster3.nodes["node2"]
+    lost.kill9()
+    shutil.rmtree(lost.ram_dir)
+    cluster3.ports["node3"] = free_port()
+    fresh = cluster3.start("node3")
+    live = {"node0", "node1", "node3"}
+    wait_until(lambda: _copies_everywhere(cluster3, step, live, 2), timeout=30)
+    assert all("node3" in r.holders for r in _file_records(cluster3, step).values())
+    _check_step_bytes(fresh, step, expected)
+    wait_until(lambda: fresh.step(step)["ram"] and fresh.step(step)["copies"] == 2, timeout=10)

@@ -458,11 +458,8 @@ class Tree:
         """`peer` holds verified copies of these files; once it holds every file of the step
         it counts as a replica of the step (recorded on disk for a restart)."""
         step = step_node.step
-        for name in names:
-            known = step.file_holders.get(name)
-            if known is None:
-                known = step.file_holders[name] = set(self.peer_holders(step))
-            known.add(peer)
+        for name in names:  # until the records are read again, at least `peer` (never more)
+            step.file_holders.setdefault(name, set()).add(peer)
         if peer != self.node_id and peer not in step.replicas and all(
                 peer in self.file_peers(step, e.name) for e in step.manifest.files):
             self.add_replica(step_node, peer)
