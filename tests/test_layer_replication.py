@@ -168,3 +168,24 @@ async def test_a_full_receiver_answers_an_error_and_keeps_nothing(tmp_path: Path
         await channel.aclose()
         nursery.cancel_scope.cancel()
     assert not (b.objects / entry.xxh3).exists()
+
+
+async def test_holders_are_added_in_batches_and_none_is_lost_to_a_race(
+        etcd_server: EtcdServer) -> None:
+    """300 files (more than one transaction of 128), three targets recorded at once: every
+    file ends with its writer and all three, the file not named untouched."""
+    from tierfs.cluster.commit_records import CommitRecords
+
+    cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    names = [f"rank{i:03d}/__{i}_0.distcp" for i in range(300)]
+    await records.record_files("s", {n: FileRecord.sealed("a", 1, "0" * 32) for n in
+                                     [*names, ".metadata"]})
+    async with trio.open_nursery() as nursery:
+        for target in ("b", "c", "d"):
+            nursery.start_soon(records.add_holders, "s", target, names)
+    files = await records.files("s")
+    assert all(files[n].holders == ("a", "b", "c", "d") for n in names)
+    assert files[".metadata"].holders == ("a",)
+    again = await records.add_holders("s", "b", names[:2] + ["never-recorded"])
+    assert sorted(again) == names[:2] and again[names[0]].holders == ("a", "b", "c", "d")
