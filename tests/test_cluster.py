@@ -330,14 +330,14 @@ def test_multi_node_dcp_step_survives_the_loss_of_each_writer(cluster3: Cluster)
     assert {r.node for r in records.values()} == set(writers)
     expected = {name: r.xxh3 for name, r in records.items()}
     # each file names its own holders: rank 0's shard is node1's (copy on node2), rank 1's
-    # is node2's (copy on node0); the step has no node holding every file but node1's RAM
+    # is node2's (copy on node0); node2 holds every file (its own and node1's copies)
     node1 = cluster3.nodes["node1"]
     from tests.conftest import getxattr
 
     wait_until(lambda: getxattr(node1 / f"{step}/__1_0.distcp", "user.tierfs.tiers")
                == "peer:node0,peer:node2", timeout=10)
     assert getxattr(node1 / f"{step}/__0_0.distcp", "user.tierfs.tiers") == "ram,peer:node2"
-    assert node1.step(step)["replicas"] == [] and node1.step(step)["copies"] == 2
+    assert node1.step(step)["replicas"] == ["node2"] and node1.step(step)["copies"] == 2
     for victim in writers:
         cluster3.nodes[victim].kill9()
         live = every - {victim}
