@@ -461,7 +461,7 @@ class Tree:
         for name in names:  # until the records are read again, at least `peer` (never more)
             step.file_holders.setdefault(name, set()).add(peer)
         if peer != self.node_id and peer not in step.replicas and all(
-                peer in self.file_peers(step, e.name) for e in step.manifest.files):
+                peer in step.file_holders.get(e.name, ()) for e in step.manifest.files):
             self.add_replica(step_node, peer)
 
     def tiers(self, step: StepState, in_ram: bool, name: str | None = None) -> str:
