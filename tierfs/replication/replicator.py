@@ -14,7 +14,8 @@ MAX_NAMES per message); the target answers HELD with those it now holds, verifie
 are they counted: the target is added to their records in etcd (batched transactions) and to
 this node's view. Only steps whose commit record is in etcd are replicated (the target asks
 etcd about a version it does not know). Failures retry while the step is still the current
-version; a step etcd does not know yet is tried again later without holding up the others.
+version; a step that keeps failing (etcd does not know it yet, a target refuses it) waits aside
+and is tried again a few seconds later, without holding up the other steps.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 # node) ends the pause at once anyway, and each failure is logged by _send_to.
 RETRY_DELAY = 2.0
 RETRIES = POLICY.capped(RETRY_DELAY)
-UNKNOWN_TRIES = 5  # rounds a step etcd does not know (yet) is tried before it waits aside
+TRIES_BEFORE_ASIDE = 5  # failed rounds of a step before it waits aside for RETRY_LATER
 RETRY_LATER = 5.0  # seconds between tries of the steps waiting aside
 HOLD_NAME_BYTES = 256 << 10  # names per HOLD: at most this many bytes (and MAX_NAMES)
 
@@ -99,22 +100,19 @@ class Replicator:
     async def _replicate(self, manifest: mf.StepManifest) -> None:
         """Make the copies this node owes until there are none left or the step is no longer
         the current version here."""
-        failures = unknown = 0
+        failures = 0
         while self._is_current(manifest):
+            # None: not committed in etcd (yet), or etcd does not answer
             copies = await self._plan(manifest)
-            if copies is None:  # not committed in etcd (yet), or etcd does not answer
-                unknown += 1
-                if unknown >= UNKNOWN_TRIES:
-                    self._later[manifest.path] = manifest
-                    return
-                await RETRIES.pause(unknown, wake=self.membership.changed)
-                continue
-            if not copies:
+            if copies is not None and not copies:
                 return
-            if await self._send_copies(manifest, copies):
+            if copies is not None and await self._send_copies(manifest, copies):
                 failures = 0
                 continue  # the records changed: check whether more copies are due
             failures += 1
+            if failures >= TRIES_BEFORE_ASIDE:  # the other steps' copies go first
+                self._later[manifest.path] = manifest
+                return
             await RETRIES.pause(failures, wake=self.membership.changed)
 
     async def _plan(self, manifest: mf.StepManifest) -> list[placement.Copy] | None:
