@@ -17,6 +17,7 @@ from tierfs.cluster import membership as live_members
 from tierfs.cluster.commit_records import FileRecord
 from tierfs.cluster.etcd import Etcd, parse_cluster_url
 from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.replication import protocol as proto
 from tierfs.replication.channel import connect
 from tierfs.replication.membership import Membership
 from tierfs.replication.receiver import ReplicaReceiver
@@ -86,6 +87,21 @@ def records_of(manifest: mf.StepManifest, holders: set[str]) -> dict[str, FileRe
             for e in manifest.files}
 
 
+async def members_a_and_b(nursery: trio.Nursery, etcd_server: EtcdServer,
+                          b_port: int) -> Membership:
+    """a's view of a two-node cluster {a, b} in a fresh prefix of the real etcd."""
+    cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
+    etcd = Etcd(cluster.endpoints)
+    live = {}
+    for node_id, port in (("a", free_port()), ("b", b_port)):
+        live[node_id] = live_members.Membership(etcd, cluster, node_id, f"127.0.0.1:{port}")
+        await nursery.start(live[node_id].run)
+    with trio.fail_after(10):
+        while live["a"].ring != ["a", "b"]:
+            await live["a"].changed.wait()
+    return Membership(live["a"], TOKEN)
+
+
 async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
                                                           etcd_server: EtcdServer) -> None:
     data = os.urandom(mf.CHUNK_SIZE + 12345)  # two chunks: offsets matter
@@ -106,16 +122,7 @@ async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
 
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
-        cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
-        etcd = Etcd(cluster.endpoints)
-        live = {}
-        for node_id, port in (("a", free_port()), ("b", b.port)):
-            live[node_id] = live_members.Membership(etcd, cluster, node_id, f"127.0.0.1:{port}")
-            await nursery.start(live[node_id].run)
-        with trio.fail_after(10):
-            while live["a"].ring != ["a", "b"]:
-                await live["a"].changed.wait()
-        membership = Membership(live["a"], TOKEN)
+        membership = await members_a_and_b(nursery, etcd_server, b.port)
         replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
                                 is_current=lambda m: True, placements=placements,
                                 on_placements=lambda m, h: None, on_held=on_held)
@@ -129,6 +136,39 @@ async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
     assert (b.objects / small.xxh3).read_bytes() == b"m"
     assert b.held == [("run/step_1", 1, [".metadata", "shard"], "a")]
     assert sorted(os.listdir(b.objects)) == sorted([entry.xxh3, small.xxh3])  # no leftovers
+
+
+async def test_a_step_of_many_files_is_held_in_several_messages(
+        tmp_path: Path, etcd_server: EtcdServer) -> None:
+    """1,200 files: HOLD names at most MAX_NAMES at a time, so no message nears the cap."""
+    objects = tmp_path / "a-objects"
+    entries = tuple(committed_object(objects, b"%d" % i, f"rank{i:04d}/__{i}_0.distcp")
+                    for i in range(1200))
+    manifest = mf.StepManifest("run/step_2", 2, 1, "a", 0, entries)
+    b = Receiving(tmp_path, manifest)
+    held: list[str] = []
+    done = trio.Event()
+
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
+        return records_of(step, {"a", *held})
+
+    async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> None:
+        held.extend(names)
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        membership = await members_a_and_b(nursery, etcd_server, b.port)
+        replicator = Replicator(membership, 1, lambda xxh3: str(objects / xxh3),
+                                is_current=lambda m: True, placements=placements,
+                                on_placements=lambda m, h: None, on_held=on_held)
+        nursery.start_soon(replicator.run)
+        replicator.submit(manifest)
+        with trio.fail_after(60):
+            await done.wait()
+        nursery.cancel_scope.cancel()
+    assert [len(names) for _p, _v, names, _peer in b.held] == [proto.MAX_NAMES, 200]
+    assert sorted(held) == sorted(e.name for e in entries)
 
 
 async def test_the_receiver_refuses_bytes_that_do_not_match_their_checksum(
