@@ -280,6 +280,12 @@ class CommitRecords:
         kv = await self.etcd.get(self.commit_key(step))
         return CommitRecord.decode(step, kv.value) if kv is not None else None
 
+    async def commits(self) -> list[CommitRecord]:
+        """Every commit of the cluster now (a node starting: before it follows them)."""
+        snapshot = await self.etcd.get_prefix(self.commits_prefix)
+        events = (self._commit_event(kv) for kv in snapshot.kvs)
+        return [e.record for e in events if e is not None and e.record is not None]
+
     async def delete_step(self, step: str) -> None:
         """Remove the step's commit, then its file records."""
         await self.etcd.delete(self.commit_key(step))

@@ -148,13 +148,10 @@ class ClusterCommits:
         """List every step committed in the cluster now (at start, before the mount answers;
         `follow` keeps the list current from then on)."""
         try:
-            snapshot = await self.records.etcd.get_prefix(self.records.commits_prefix)
-            for kv in snapshot.kvs:
-                event = self.records._commit_event(kv)
-                if event is not None and event.record is not None:
-                    found = await self._manifest(event.record)
-                    if found is not None:
-                        learn(*found)
+            for record in await self.records.commits():
+                found = await self._manifest(record)
+                if found is not None:
+                    learn(*found)
         except EtcdError as exc:
             log.info("could not list the cluster's steps yet: %s", exc)
 
