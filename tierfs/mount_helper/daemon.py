@@ -580,13 +580,14 @@ class ClusterNode:
             nursery.start_soon(worker)
 
     def _learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
-        """A step committed in the cluster is listed here; if this node holds files of it
-        (it wrote some), their copies are due."""
-        tiers = self.namespace.tiers
-        tiers.learn(manifest, holders)
+        """A step committed in the cluster is listed here; if this node holds files of that
+        version (it wrote some, or holds copies), the step is planned again: copies may be
+        due, and the records (touched when holders are added) say who holds each file now."""
+        self.namespace.tiers.learn(manifest, holders)
         node = self.namespace.tree.find_step(manifest.path)
-        if node is not None and node.step.manifest is manifest and node.step.resident:
-            self.replicator.submit(manifest)
+        if node is not None and node.step.committed and node.step.resident and \
+                node.step.manifest.version == manifest.version:
+            self.replicator.submit(node.step.manifest)
 
     async def _follow_commits(self) -> None:
         """Every commit of the other nodes is listed here within a watch event."""
