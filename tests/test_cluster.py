@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -189,7 +190,7 @@ def test_every_node_lists_every_step_and_a_replacement_reads_through_peers(
     files = {f"__{r}_0.distcp": os.urandom(12 << 20) for r in range(2)} | {".metadata": b"m"}
     save(node0 / "job/step_5", files)
     wait_until(lambda: node0.step("job/step_5")["replicas"] == ["node1"], timeout=30)
-    node2 = cluster3.nodes["node2"]  # holds no copy: lists it from gossip, reads from peers
+    node2 = cluster3.nodes["node2"]  # holds no copy: lists it from etcd, reads from peers
     # listed from etcd within a second of the commit; its holders as copies are verified
     wait_until(lambda: (node2.step("job/step_5") or {}).get("replicas") == ["node0", "node1"],
                timeout=5)
@@ -254,7 +255,9 @@ def test_multi_node_dcp_save_commits_without_moving_shards_and_loads_at_once(
     manifest = {e[0]: e[2] for e in _manifest_entries(node0, "run/step_100")}
     objects = set(os.listdir(node0.ram_dir / "objects"))
     assert manifest["__0_0.distcp"] in objects  # rank 0's own shard
-    for rank in (1, 2, 3):  # the other nodes' shards never entered node0's RAM
+    # node1's shards never entered node0's RAM (their one copy goes to node2, the next on
+    # the ring; node2's shard is copied to node0 as its replica, after the commit)
+    for rank in (1, 2):
         assert manifest[f"__{rank}_0.distcp"] not in objects
     assert "stay there" in node0.log()
 
@@ -280,3 +283,95 @@ def test_reads_of_one_file_by_another_node_are_spread_over_its_holders(
     assert (node2 / "ddp/step_1/model.pt").read_bytes() == data  # ten 8 MiB chunks
     served = [n.status()["served_to_peers"]["bytes"] for n in (node0, node1)]
     assert all(b > 0 for b in served) and sum(served) >= len(data), served
+
+
+def _file_records(cluster: Cluster, step: str) -> dict[str, Any]:
+    """The etcd file records of a step (name -> FileRecord): who holds which file."""
+    from tierfs.cluster.commit_records import CommitRecords
+    from tierfs.cluster.etcd import Etcd as EtcdClient
+    from tierfs.cluster.etcd import parse_cluster_url
+
+    url = parse_cluster_url(cluster.url)
+    return trio.run(CommitRecords(EtcdClient(url.endpoints), url).files, step)
+
+
+def _copies_everywhere(cluster: Cluster, step: str, live: set[str], copies: int) -> bool:
+    """Every file of the step is recorded on `copies` live nodes, each holding its object."""
+    records = _file_records(cluster, step)
+    for record in records.values():
+        holders = set(record.holders) & live
+        if len(holders) < copies:
+            return False
+        for holder in holders:
+            if not (cluster.nodes[holder].ram_dir / "objects" / record.xxh3).exists():
+                return False
+    return bool(records)
+
+
+def _check_step_bytes(node: Mount, step: str, expected: dict[str, str]) -> None:
+    """Every file of the step reads back on `node` with the bytes its manifest names."""
+    from tierfs import manifest as mf
+
+    for name, xxh3 in expected.items():
+        assert mf.hash_bytes((node / f"{step}/{name}").read_bytes()) == xxh3, name
+
+
+def test_multi_node_dcp_step_survives_the_loss_of_each_writer(cluster3: Cluster) -> None:
+    """Two ranks on two nodes save one DCP step (K = 1): each node's shard gets a copy on
+    another node; killing either writer loses nothing, and the survivors restore K copies."""
+    for node_id in cluster3.ports:
+        wait_until(lambda n=node_id: all(cluster3.peers_up(n).values()), timeout=15)
+    writers = ["node1", "node2"]  # rank 0 (and .metadata) on node1, rank 1 on node2
+    step = "run/step_7"
+    run_dcp_ranks([cluster3.nodes[n] / step for n in writers], timeout=240)
+    every = set(cluster3.ports)
+    wait_until(lambda: _copies_everywhere(cluster3, step, every, 2), timeout=30)
+    records = _file_records(cluster3, step)
+    assert {r.node for r in records.values()} == set(writers)
+    expected = {name: r.xxh3 for name, r in records.items()}
+    # each file names its own holders: rank 0's shard is node1's (copy on node2), rank 1's
+    # is node2's (copy on node0); node2 holds every file (its own and node1's copies)
+    node1 = cluster3.nodes["node1"]
+    from tests.conftest import getxattr
+
+    wait_until(lambda: getxattr(node1 / f"{step}/__1_0.distcp", "user.tierfs.tiers")
+               == "peer:node0,peer:node2", timeout=10)
+    assert getxattr(node1 / f"{step}/__0_0.distcp", "user.tierfs.tiers") == "ram,peer:node2"
+    assert node1.step(step)["replicas"] == ["node2"] and node1.step(step)["copies"] == 2
+    for victim in writers:
+        cluster3.nodes[victim].kill9()
+        live = every - {victim}
+        survivor = cluster3.nodes[sorted(live)[0]]
+        _check_step_bytes(survivor, step, expected)  # nothing lost
+        wait_until(lambda lv=live: _copies_everywhere(cluster3, step, lv, 2), timeout=30)
+        assert survivor.step(step)["state"] == "committed"
+        wait_until(lambda s=survivor: s.step(step)["copies"] == 2, timeout=10)
+        back = cluster3.start(victim)  # with its RAM dir: it still holds its part of the step
+        assert back.step(step)["state"] == "committed"
+        assert all((back.ram_dir / "objects" / xxh3).exists() for name, xxh3 in expected.items()
+                   if records[name].node == victim)
+        wait_until(lambda: all(cluster3.peers_up("node0").values()), timeout=15)
+
+
+def test_a_replacement_node_takes_the_copies_of_a_lost_writer(cluster3: Cluster) -> None:
+    """A writer of a multi-node step is lost for good and a node with a new id joins: the
+    survivors restore K + 1 copies of every file, the new node among them, and it reads the
+    whole step."""
+    import shutil
+
+    for node_id in cluster3.ports:
+        wait_until(lambda n=node_id: all(cluster3.peers_up(n).values()), timeout=15)
+    step = "run/step_8"
+    run_dcp_ranks([cluster3.nodes[n] / step for n in ("node1", "node2")], timeout=240)
+    wait_until(lambda: _copies_everywhere(cluster3, step, set(cluster3.ports), 2), timeout=30)
+    expected = {name: r.xxh3 for name, r in _file_records(cluster3, step).items()}
+    lost = cluster3.nodes["node2"]
+    lost.kill9()
+    shutil.rmtree(lost.ram_dir)
+    cluster3.ports["node3"] = free_port()
+    fresh = cluster3.start("node3")
+    live = {"node0", "node1", "node3"}
+    wait_until(lambda: _copies_everywhere(cluster3, step, live, 2), timeout=30)
+    assert all("node3" in r.holders for r in _file_records(cluster3, step).values())
+    _check_step_bytes(fresh, step, expected)
+    wait_until(lambda: fresh.step(step)["ram"] and fresh.step(step)["copies"] == 2, timeout=10)

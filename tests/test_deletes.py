@@ -143,7 +143,7 @@ def test_deletes_reach_the_peers_and_a_peer_back_later_does_not_undo_them(
     shutil.rmtree(node0 / "run/step_2")
     node1 = cluster.start("node1")
     wait_until(lambda: listed(node1) == ["run/step_3"], timeout=20)
-    save_step(node0 / "run/step_4", files(4))  # gossip has gone round since node1 came back
+    save_step(node0 / "run/step_4", files(4))  # node1 follows the commits since it came back
     wait_until(lambda: node2.step("run/step_4") is not None, timeout=15)
     for node in (node0, node1, node2):
         assert listed(node) == ["run/step_3", "run/step_4"], node.mountpoint

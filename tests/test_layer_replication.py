@@ -16,8 +16,10 @@ import trio
 from tests.conftest import free_port
 from tierfs import manifest as mf
 from tierfs.cluster import membership as live_members
+from tierfs.cluster.commit_records import FileRecord
 from tierfs.cluster.etcd import Etcd, parse_cluster_url
 from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.replication import protocol as proto
 from tierfs.replication.channel import connect
 from tierfs.replication.membership import Membership
 from tierfs.replication.peer_reader import RangeServer
@@ -56,24 +58,53 @@ def committed_object(objects: Path, data: bytes, name: str) -> mf.FileEntry:
 
 
 class Receiving:
-    """Node b: the peer port with the receiver's handlers, adopting every complete replica."""
+    """Node b: the peer port with the receiver's handlers, holding every file of the known
+    manifests whose object arrived (as `OtherTiers.hold_files` does)."""
 
-    def __init__(self, tmp: Path, limit: int = 1 << 30) -> None:
+    def __init__(self, tmp: Path, *manifests: mf.StepManifest, limit: int = 1 << 30) -> None:
         self.objects = tmp / "b-objects"
         self.objects.mkdir()
         self.space = Space(limit)
-        self.adopted: list[tuple[mf.StepManifest, str]] = []
-        self.receiver = ReplicaReceiver(self.objects, self.space, self._adopt)
+        self.manifests = {(m.path, m.version): m for m in manifests}
+        self.held: list[tuple[str, int, list[str], str]] = []
+        self.receiver = ReplicaReceiver(self.objects, self.space, self._hold)
         self.port = free_port()
 
-    def _adopt(self, manifest: mf.StepManifest, peer: str) -> bool:
-        self.adopted.append((manifest, peer))
-        return True
+    async def _hold(self, path: str, version: int, names: list[str],
+                    peer: str) -> list[str] | None:
+        manifest = self.manifests.get((path, version))
+        if manifest is None:
+            return None
+        here = [n for n in names if (entry := manifest.entry(n)) is not None
+                and (self.objects / entry.xxh3).exists()]
+        self.held.append((path, version, here, peer))
+        return here
 
     async def start(self, nursery: trio.Nursery) -> None:
         server = PeerServer("b", TOKEN, {"a", "b"}, {"PUT": self.receiver.put,
-                                                    "PUT_MANIFEST": self.receiver.put_manifest})
+                                                    "HOLD": self.receiver.hold})
         await nursery.start(server.run, "127.0.0.1", self.port)
+
+
+def records_of(manifest: mf.StepManifest, holders: set[str]) -> dict[str, FileRecord]:
+    """The step's file records as etcd would have them: written on a, held by `holders`."""
+    return {e.name: FileRecord(manifest.node_id, e.size, e.xxh3, tuple(sorted(holders)))
+            for e in manifest.files}
+
+
+async def members_a_and_b(nursery: trio.Nursery, etcd_server: EtcdServer,
+                          b_port: int) -> Membership:
+    """a's view of a two-node cluster {a, b} in a fresh prefix of the real etcd."""
+    cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
+    etcd = Etcd(cluster.endpoints)
+    live = {}
+    for node_id, port in (("a", free_port()), ("b", b_port)):
+        live[node_id] = live_members.Membership(etcd, cluster, node_id, f"127.0.0.1:{port}")
+        await nursery.start(live[node_id].run)
+    with trio.fail_after(10):
+        while live["a"].ring != ["a", "b"]:
+            await live["a"].changed.wait()
+    return Membership(live["a"], TOKEN)
 
 
 async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
@@ -82,45 +113,73 @@ async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
     entry = committed_object(tmp_path / "a-objects", data, "shard")
     small = committed_object(tmp_path / "a-objects", b"m", ".metadata")
     manifest = mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry, small))
-    b = Receiving(tmp_path)
-    holders: set[str] = set()
+    b = Receiving(tmp_path, manifest)
+    holders: set[str] = {"a"}
     replicated = trio.Event()
 
-    def on_replicated(done: mf.StepManifest, target: str) -> None:
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
+        return records_of(step, holders)
+
+    async def on_held(done: mf.StepManifest, target: str, names: list[str]) -> None:
+        assert sorted(names) == [".metadata", "shard"]
         holders.add(target)
         replicated.set()
 
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
-        cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
-        etcd = Etcd(cluster.endpoints)
-        live = {}
-        for node_id, port in (("a", free_port()), ("b", b.port)):
-            live[node_id] = live_members.Membership(etcd, cluster, node_id, f"127.0.0.1:{port}")
-            await nursery.start(live[node_id].run)
-        with trio.fail_after(10):
-            while live["a"].ring != ["a", "b"]:
-                await live["a"].changed.wait()
-        membership = Membership(live["a"], TOKEN)
+        membership = await members_a_and_b(nursery, etcd_server, b.port)
         replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
-                                is_current=lambda m: True, holders=lambda m: holders,
-                                on_replicated=on_replicated)
+                                is_current=lambda m: True, placements=placements,
+                                on_placements=lambda m, h: None, on_held=on_held)
         nursery.start_soon(replicator.run)
         replicator.submit(manifest)
         with trio.fail_after(20):
             await replicated.wait()
         nursery.cancel_scope.cancel()
-    assert holders == {"b"}
+    assert holders == {"a", "b"}
     assert (b.objects / entry.xxh3).read_bytes() == data
     assert (b.objects / small.xxh3).read_bytes() == b"m"
-    assert b.adopted == [(manifest, "a")]
+    assert b.held == [("run/step_1", 1, [".metadata", "shard"], "a")]
     assert sorted(os.listdir(b.objects)) == sorted([entry.xxh3, small.xxh3])  # no leftovers
+
+
+async def test_a_step_of_many_files_is_held_in_several_messages(
+        tmp_path: Path, etcd_server: EtcdServer) -> None:
+    """1,200 files: HOLD names at most MAX_NAMES at a time, so no message nears the cap."""
+    objects = tmp_path / "a-objects"
+    entries = tuple(committed_object(objects, b"%d" % i, f"rank{i:04d}/__{i}_0.distcp")
+                    for i in range(1200))
+    manifest = mf.StepManifest("run/step_2", 2, 1, "a", 0, entries)
+    b = Receiving(tmp_path, manifest)
+    held: list[str] = []
+    done = trio.Event()
+
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
+        return records_of(step, {"a", *held})
+
+    async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> None:
+        held.extend(names)
+        done.set()
+
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        membership = await members_a_and_b(nursery, etcd_server, b.port)
+        replicator = Replicator(membership, 1, lambda xxh3: str(objects / xxh3),
+                                is_current=lambda m: True, placements=placements,
+                                on_placements=lambda m, h: None, on_held=on_held)
+        nursery.start_soon(replicator.run)
+        replicator.submit(manifest)
+        with trio.fail_after(60):
+            await done.wait()
+        nursery.cancel_scope.cancel()
+    assert [len(names) for _p, _v, names, _peer in b.held] == [proto.MAX_NAMES, 200]
+    assert sorted(held) == sorted(e.name for e in entries)
 
 
 async def test_the_receiver_refuses_bytes_that_do_not_match_their_checksum(
         tmp_path: Path) -> None:
-    b = Receiving(tmp_path)
     entry = committed_object(tmp_path / "a-objects", b"the real bytes", "shard")
+    b = Receiving(tmp_path, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)))
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
@@ -128,19 +187,22 @@ async def test_the_receiver_refuses_bytes_that_do_not_match_their_checksum(
                            name="shard", xxh3=entry.xxh3, size=22, offset=0)
         answer = await channel.receive("ERROR")
         assert "checksum mismatch" in answer["message"]
-        # a manifest naming a file that never arrived is not adopted
-        manifest = mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,))
-        await channel.send("PUT_MANIFEST", manifest=mf.encode(manifest))
+        # a HOLD naming a file that never arrived holds nothing
+        answer = await channel.request("HOLD", path="run/step_1", version=1,
+                                       names=["shard"], expect="HELD")
+        assert answer["names"] == []
+        # and one of a version this node cannot hold is refused
+        await channel.send("HOLD", path="run/step_1", version=2, names=["shard"])
         answer = await channel.receive("ERROR")
-        assert "was not received" in answer["message"]
+        assert "is not held here" in answer["message"]
         await channel.aclose()
         nursery.cancel_scope.cancel()
-    assert os.listdir(b.objects) == [] and b.adopted == [] and b.space.used == {}
+    assert os.listdir(b.objects) == [] and b.space.used == {}
 
 
 async def test_a_full_receiver_answers_an_error_and_keeps_nothing(tmp_path: Path) -> None:
-    b = Receiving(tmp_path, limit=10)
     entry = committed_object(tmp_path / "a-objects", b"more than ten bytes", "shard")
+    b = Receiving(tmp_path, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)), limit=10)
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
@@ -160,24 +222,21 @@ async def test_steps_of_many_chunks_go_over_one_kept_alive_connection(
     entries = [committed_object(tmp_path / "a-objects", data[i:], f"shard{i}") for i in (0, 1)]
     manifests = [mf.StepManifest(f"run/step_{i}", 1, 1, "a", 0, (e,))
                  for i, e in enumerate(entries)]
-    b = Receiving(tmp_path)
+    b = Receiving(tmp_path, *manifests)
     done: list[str] = []
+
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
+        return records_of(step, {"a", "b"} if step.path in done else {"a"})
+
+    async def on_held(step: mf.StepManifest, target: str, names: list[str]) -> None:
+        done.append(step.path)
+
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
-        cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
-        etcd = Etcd(cluster.endpoints)
-        live = {}
-        for node_id, port in (("a", free_port()), ("b", b.port)):
-            live[node_id] = live_members.Membership(etcd, cluster, node_id, f"127.0.0.1:{port}")
-            await nursery.start(live[node_id].run)
-        with trio.fail_after(10):
-            while live["a"].ring != ["a", "b"]:
-                await live["a"].changed.wait()
-        membership = Membership(live["a"], TOKEN)
+        membership = await members_a_and_b(nursery, etcd_server, b.port)
         replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
-                                is_current=lambda m: True,
-                                holders=lambda m: {"b"} if m.path in done else set(),
-                                on_replicated=lambda m, target: done.append(m.path))
+                                is_current=lambda m: True, placements=placements,
+                                on_placements=lambda m, h: None, on_held=on_held)
         nursery.start_soon(replicator.run)
         for manifest in manifests:
             replicator.submit(manifest)
@@ -218,3 +277,24 @@ async def test_ranges_are_served_from_the_ram_store_in_order(tmp_path: Path) -> 
         nursery.cancel_scope.cancel()
     assert replies == [data[o:o + n] for o, n in wanted]
     assert ranges.served_bytes == sum(len(r) for r in replies) + 1
+
+
+async def test_holders_are_added_in_batches_and_none_is_lost_to_a_race(
+        etcd_server: EtcdServer) -> None:
+    """300 files (more than one transaction of 128), three targets recorded at once: every
+    file ends with its writer and all three, the file not named untouched."""
+    from tierfs.cluster.commit_records import CommitRecords
+
+    cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    names = [f"rank{i:03d}/__{i}_0.distcp" for i in range(300)]
+    await records.record_files("s", {n: FileRecord.sealed("a", 1, "0" * 32) for n in
+                                     [*names, ".metadata"]})
+    async with trio.open_nursery() as nursery:
+        for target in ("b", "c", "d"):
+            nursery.start_soon(records.add_holders, "s", target, names)
+    files = await records.files("s")
+    assert all(files[n].holders == ("a", "b", "c", "d") for n in names)
+    assert files[".metadata"].holders == ("a",)
+    again = await records.add_holders("s", "b", names[:2] + ["never-recorded"])
+    assert sorted(again) == names[:2] and again[names[0]].holders == ("a", "b", "c", "d")

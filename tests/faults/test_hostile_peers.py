@@ -1,7 +1,8 @@
 """Hostile network input on the peer protocol: property-based fuzzing (hypothesis) of the sans-IO
 core, then of a live daemon's peer port, with random, truncated, oversized and replayed frames,
 wrong tokens, strangers, and path traversal (`..`, absolute paths, NUL, reserved names) in every
-request that carries a path, and in manifests. Every bad connection is dropped with a log line,
+request that carries a path or a list of file names (HOLD), and in manifests (the codec).
+Every bad connection is dropped with a log line,
 no handler fails unexpectedly, the daemon keeps serving (a real replication afterwards), and
 nothing is written outside the RAM dir. The frames tried are counted."""
 
@@ -90,24 +91,25 @@ def hostile_frame(draw: st.DrawFn) -> bytes:
         return struct.pack(">II", draw(st.integers(proto.MAX_HEADER + 1, 2**32 - 1)),
                            draw(st.integers(0, 2**32 - 1)))
     if choice == 2:  # a path field with a hostile value, everything else well formed
-        kind = draw(st.sampled_from(["PUT", "GET", "VERIFY"]))
+        kind = draw(st.sampled_from(["PUT", "GET", "VERIFY", "HOLD", "HELD"]))
         fields = {"path": draw(paths), "name": draw(paths), "xxh3": draw(hex32()), "size": 10,
                   "offset": 0, "length": 10, "names": draw(st.lists(paths, max_size=3)),
-                  "repair": True}
+                  "repair": True, "version": 1}
         fields = {k: v for k, v in fields.items() if k in proto.SCHEMAS[kind]}
         return raw_frame(kind, fields, b"x" * 10 if kind == "PUT" else b"")
-    if choice == 3:  # a manifest with hostile paths
-        manifest = draw(raw_manifest(paths))
-        if draw(st.booleans()):
-            return raw_frame("PUT_MANIFEST", {"manifest": manifest})
-        holders = draw(st.lists(st.sampled_from(["node0", "node1", "stranger", MARK]),
-                                max_size=2))
-        return raw_frame("GOSSIP", {"manifests": [[manifest, holders]]})
+    if choice == 3:  # HOLD of a step this node may or may not know, hostile names among many
+        names = draw(st.lists(st.one_of(paths, st.just("__0_0.distcp"), st.integers(-9, 9)),
+                              max_size=5))
+        if draw(st.booleans()):  # more names than one message may carry
+            names = names + ["f"] * (proto.MAX_NAMES + 1 - len(names))
+        return raw_frame("HOLD", {"path": draw(st.sampled_from(["run/step_1", "run/step_7",
+                                                                 f"run/{MARK}"])),
+                                  "version": draw(st.integers(0, 3)), "names": names})
     schema = proto.SCHEMAS.get(kind, {"x": str})
     fields = {name: draw(field_value(t, paths)) for name, t in schema.items()}
     if choice == 4 and fields:  # a field missing
         fields.pop(draw(st.sampled_from(sorted(fields))))
-    if choice == 5:  # an extra field (a path in PULL, say)
+    if choice == 5:  # an extra field (a path in HELD, say)
         fields["path"] = draw(paths)
     payload = draw(st.binary(max_size=64)) if choice == 6 else b""
     frame = raw_frame(kind, fields, payload)
@@ -161,12 +163,15 @@ def check_accepted(message: proto.Message) -> None:
     """What the decoder lets through is well formed: known type, exact fields, safe paths."""
     schema = proto.SCHEMAS[message.type]
     assert set(message.fields) == set(schema)
-    for name in proto.PATH_FIELDS:
+    values = [message.fields[name] for name in proto.PATH_FIELDS if name in message.fields]
+    for name in proto.NAME_LISTS:
         if name in message.fields:
-            value = message.fields[name]
-            assert mf.check_relative_path(value) == value
-            assert not value.startswith("/") and ".." not in value.split("/")
-            assert "\0" not in value
+            assert len(message.fields[name]) <= proto.MAX_NAMES
+            values += message.fields[name]
+    for value in values:
+        assert mf.check_relative_path(value) == value
+        assert not value.startswith("/") and ".." not in value.split("/")
+        assert "\0" not in value
 
 
 # -- the live port --------------------------------------------------------------------------
@@ -308,18 +313,10 @@ def test_fuzz_live_peer_port(mounts: MountFactory, token_file: Path, etcd_server
                               "length": 3}),
             raw_frame("GET", {"path": "run/step_1", "name": path, "xxh3": "a" * 32,
                               "offset": 0, "length": 3}),
-            raw_frame("PULL", {"path": path}),
             raw_frame("VERIFY", {"path": path, "name": "f", "xxh3": "a" * 32, "repair": True}),
-            raw_frame("PUT_MANIFEST", {"manifest": msgpack.packb(
-                {"format": 1, "path": path, "step": 1, "version": 1, "node_id": "node1",
-                 "committed_ns": 0, "files": []})}),
-            raw_frame("PUT_MANIFEST", {"manifest": msgpack.packb(
-                {"format": 1, "path": "run/step_1", "step": 1, "version": 1,
-                 "node_id": "node1", "committed_ns": 0,
-                 "files": [[path, 3, "a" * 32, 0, 0o644, ["b" * 16]]]})}),
-            raw_frame("GOSSIP", {"manifests": [[msgpack.packb(
-                {"format": 1, "path": path, "step": 1, "version": 1, "node_id": "node1",
-                 "committed_ns": 0, "files": []}), ["node1"]]]}),
+            raw_frame("HOLD", {"path": path, "version": 1, "names": ["f"]}),
+            raw_frame("HOLD", {"path": "run/step_1", "version": 1, "names": ["f", path]}),
+            raw_frame("HELD", {"names": [path]}),
         ]
         for frame in hostile:
             peer = RawPeer(port)

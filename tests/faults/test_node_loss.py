@@ -192,7 +192,7 @@ def test_writer_back_with_stale_version_after_the_job_moved(
     COUNTS["stale_returns"] += 1
     for node_id in ("node0", "node1", "node2"):
         wait_version(cluster, node_id, "run/step_5", 2)
-    time.sleep(3)  # a gossip round and a replication pass: v1 must not come back anywhere
+    time.sleep(3)  # commit events and a replication pass: v1 must not come back anywhere
     for node_id in ("node0", "node1", "node2"):
         wait_version(cluster, node_id, "run/step_5", 2, timeout=1)
     check(cluster, ["node0", "node1", "node2"], {"run/step_5": hashes(newer)})

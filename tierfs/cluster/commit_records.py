@@ -24,6 +24,7 @@ small JSON; a step is many small keys, never one large value (etcd refuses value
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -35,6 +36,7 @@ from urllib.parse import quote, unquote
 import trio
 
 from tierfs.cluster.etcd import (
+    MAX_TXN_OPS,
     ClusterUrl,
     Etcd,
     EtcdError,
@@ -162,6 +164,34 @@ class CommitRecords:
         """Count `node` as holding a verified copy of the file."""
         return await self._update(step, path, lambda holders: holders | {node})
 
+    async def add_holders(self, step: str, node: str,
+                          paths: Collection[str]) -> dict[str, FileRecord]:
+        """Count `node` as holding a verified copy of each of `paths`: one read of the step's
+        records, then compare-and-swap transactions of up to MAX_TXN_OPS records each (a
+        chunk that lost a race to a concurrent update is read and tried again). The records
+        of `paths` as they are now (paths without a record are left out)."""
+        wanted = set(paths)
+        while True:
+            snapshot = await self.etcd.get_prefix(self.files_prefix(step))
+            prefix = self.files_prefix(step)
+            current: dict[str, tuple[KeyValue, FileRecord]] = {}
+            for kv in snapshot.kvs:
+                path = kv.key[len(prefix):]
+                if path in wanted:
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                        current[path] = (kv, FileRecord.decode(kv.value))
+            updates = [(kv.key, replace(r, holders=tuple(sorted({*r.holders, node}))), kv.version)
+                       for kv, r in current.values() if node not in r.holders]
+            raced = False
+            for start in range(0, len(updates), MAX_TXN_OPS):
+                chunk = updates[start:start + MAX_TXN_OPS]
+                if not await self.etcd.put_all_if_version(
+                        [(key, record.encode(), version) for key, record, version in chunk]):
+                    raced = True
+            if not raced:
+                done = {key: record for key, record, _version in updates}
+                return {path: done.get(kv.key, record) for path, (kv, record) in current.items()}
+
     async def drop_holder(self, step: str, path: str, node: str) -> FileRecord:
         """Stop counting `node` (its copy is gone or bad)."""
         return await self._update(step, path, lambda holders: holders - {node})
@@ -259,6 +289,12 @@ class CommitRecords:
         """The step's commit record, if it is committed."""
         kv = await self.etcd.get(self.commit_key(step))
         return CommitRecord.decode(step, kv.value) if kv is not None else None
+
+    async def commits(self) -> list[CommitRecord]:
+        """Every commit of the cluster now (a node starting: before it follows them)."""
+        snapshot = await self.etcd.get_prefix(self.commits_prefix)
+        events = (self._commit_event(kv) for kv in snapshot.kvs)
+        return [e.record for e in events if e is not None and e.record is not None]
 
     async def delete_step(self, step: str) -> None:
         """Remove the step's commit, then its file records."""

@@ -198,6 +198,18 @@ class Etcd:
     async def _txn(self, operations: list[dict[str, Any]]) -> None:
         await self._call("kv/txn", {"compare": [], "failure": [], "success": operations})
 
+    async def put_all_if_version(self, items: Sequence[tuple[str, bytes, int]]) -> bool:
+        """Write every (key, value) only if each key's version is still the one given, in one
+        transaction (at most MAX_TXN_OPS items); False if any moved (then none is written)."""
+        assert len(items) <= MAX_TXN_OPS
+        txn = {"compare": [{"key": _b64(key), "target": "VERSION", "result": "EQUAL",
+                            "version": version} for key, _value, version in items],
+               "success": [{"request_put": self._put_fields(key, value, 0)}
+                           for key, value, _version in items],
+               "failure": []}
+        reply = await self._call("kv/txn", txn)
+        return bool(reply.get("succeeded", False))
+
     async def delete(self, key: str) -> bool:
         reply = await self._call("kv/deleterange", {"key": _b64(key)})
         return int(reply.get("deleted", 0)) > 0

@@ -99,7 +99,10 @@ class StepState:
         # Manifest entries whose committed object is in RAM (and counted in the store's refs).
         self.resident: set[str] = {f.name for f in manifest.files} if manifest else set()
         self.replicas: set[str] = set()  # peers that acknowledged this version
-        self.holders: set[str] = set()  # peers that told us (gossip) they hold this version
+        self.holders: set[str] = set()  # peers holding some file of this version (etcd)
+        # Per file of this version: the peers holding a verified copy, as the cluster's file
+        # records say (a file missing here: only the step-level sets above are known).
+        self.file_holders: dict[str, set[str]] = {}
 
     @property
     def committed(self) -> bool:

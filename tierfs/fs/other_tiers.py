@@ -1,8 +1,10 @@
-"""This node's view of copies elsewhere: steps in the persistent tier, replicas on peers,
-steps the cluster's gossip tells of, the files of a multi-node DCP step written on other
-nodes, and deletes, which must reach all of them (`fs.deletes`).
+"""This node's view of copies elsewhere: steps in the persistent tier, replicas on peers (per
+file, as the cluster's records in etcd say), steps committed in the cluster, the files of a
+multi-node DCP step written on other nodes, and deletes, which must reach all of them
+(`fs.deletes`).
 
-`OtherTiers` is what the uploader, the replicator, the receiver, gossip and the peer handlers
+`OtherTiers` is what the uploader, the replicator, the receiver, the commit follower and the
+peer handlers
 call (the daemon hands them its bound methods); it decides, and the `Tree` changes the nodes.
 """
 
@@ -135,35 +137,37 @@ class OtherTiers:
 
     # -- peers -------------------------------------------------------------------------------
 
-    def adopt_replica(self, manifest: mf.StepManifest, sender: str) -> bool:
-        """Install a replica whose files a peer has sent and this node has verified (they are
-        committed objects here already). Returns whether this node now holds that version: a
-        step here in the same version is filled in, an older committed version that nothing
-        here is writing or reading is superseded, anything else is left as it is."""
-        if self._deleted(manifest, [peer_target(sender)]):
-            return False
-        existing = self.tree.find_step(manifest.path)
-        old_refs: list[str] = []
-        if existing is not None:
-            step = existing.step
-            if step.manifest is not None and step.manifest.version == manifest.version:
-                self.tree.fill_from_objects(existing)  # e.g. a multi-node DCP step held in part
-                return True
-            superseded = self._supersede(existing, manifest, f"node {sender}")
-            if superseded is None:
-                return False
-            step_node, old_refs = existing, superseded
-        else:
-            installed = self.tree.install_step(manifest, f"node {sender}")
-            if installed is None:
-                return False
-            step_node = installed
-        # The manifest is on disk first: a crash from here on is repaired by fs.recovery.
-        self.tree.install_objects(step_node, manifest)
-        self.tree.release_refs(old_refs)  # after the new refs: objects both versions share stay
-        log.info("holding a replica of %s v%d from %s (%d files, %d bytes)", manifest.path,
-                 manifest.version, sender, len(manifest.files), manifest.total_bytes)
-        return True
+    async def hold_files(self, path: str, version: int, names: list[str],
+                         sender: str) -> list[str] | None:
+        """A peer sent verified copies of these files of the step's committed `version` (their
+        objects are here): this node holds them now, in its copy of that version (listed from
+        etcd first if this node does not know that version yet). The names now held, or None
+        if this node cannot hold that version (another version is here, the name is in use,
+        or the cluster does not know the step at that version)."""
+        node = self._committed_at(path, version)
+        if node is None and self.sealed is not None:
+            found = await self.sealed.manifest_of(path)
+            if found is not None and found[0].version == version:
+                self.learn(*found)
+            node = self._committed_at(path, version)
+        if node is None:
+            return None
+        if self._deleted(node.step.manifest, [peer_target(sender)]):
+            return None
+        manifest = node.step.manifest
+        if not node.step.in_ram:
+            self.tree.fill_from_objects(node)
+        held = [n for n in names if manifest.entry(n) is not None and n in node.step.resident]
+        if held:
+            self.tree.add_file_holder(node, sender, held)
+            log.info("holding %d files of %s v%d from %s", len(held), path, version, sender)
+        return held
+
+    def _committed_at(self, path: str, version: int) -> Node | None:
+        node = self.tree.find_step(path)
+        if node is None or not node.step.committed or node.step.manifest.version != version:
+            return None
+        return node
 
     def _supersede(self, step_node: Node, manifest: mf.StepManifest, source: str,
                    record: Callable[[], None] | None = None, *,
@@ -171,7 +175,7 @@ class OtherTiers:
         """A newer version of a step committed elsewhere replaces the older committed version
         this node holds (it was away while the step was re-saved): never let the old bytes
         shadow the new commit. Refused (None) unless `manifest` is newer and nothing here
-        writes, commits or reads the step; the caller retries (gossip, replication).
+        writes, commits or reads the step; the caller retries (the next commit event, replication).
 
         On disk, `record` first notes where the new version's files are (peers, the
         persistent tier), so that a restart finds them; then `Tree.supersede`."""
@@ -184,22 +188,12 @@ class OtherTiers:
             record()
         return self.tree.supersede(step_node, manifest, source, release=release)
 
-    def replica_holders(self, manifest: mf.StepManifest) -> set[str]:
-        """Peers known to hold this version (replicas, the writer, gossip)."""
-        node = self.tree.find_step(manifest.path)
-        if node is None or node.step.manifest is not manifest:
-            return set()
-        return set(self.tree.peer_holders(node.step))
-
-    def mark_replicated(self, manifest: mf.StepManifest, peer: str) -> None:
-        node = self.tree.find_step(manifest.path)
-        if node is not None and node.step.manifest is manifest:
-            self.tree.add_replica(node, peer)
-            self.residency.enforce_keep_ram()
-
     def held_manifests(self) -> list[mf.StepManifest]:
-        """Committed steps whose files are all in this node's RAM, whoever wrote them."""
-        return [manifest for manifest, _holders in self.holdings()]
+        """Committed steps with files in this node's RAM, whoever wrote them (the steps whose
+        copies this node may have to send)."""
+        return sorted((n.step.manifest for n in self.tree.steps()
+                       if n.step.committed and n.step.resident),
+                      key=lambda m: (m.step, m.path))
 
     def owned_manifests(self) -> list[mf.StepManifest]:
         """Committed steps this node made and holds (not replicas it holds for others)."""
@@ -208,10 +202,27 @@ class OtherTiers:
                        and n.step.manifest.node_id == self.node_id),
                       key=lambda m: (m.step, m.path))
 
-    def holdings(self) -> list[tuple[mf.StepManifest, list[str]]]:
-        """Committed steps whose files are all in this node's RAM, with who else holds them."""
-        return [(n.step.manifest, [self.node_id, *self.tree.peer_holders(n.step)])
-                for n in self.tree.steps() if n.step.committed and n.step.in_ram]
+    def short_of_copies(self, manifest: mf.StepManifest, replicas: int) -> bool:
+        """Whether a file of this version here has fewer than `replicas` verified copies on
+        peers (status and metrics: replication still due)."""
+        node = self.tree.find_step(manifest.path)
+        if node is None or node.step.manifest is not manifest:
+            return False
+        return any(len(self.tree.verified_peers(node.step, name)) < replicas
+                   for name in node.step.resident)
+
+    def note_placements(self, manifest: mf.StepManifest, holders: dict[str, set[str]]) -> None:
+        """Who holds each file of this version, from the cluster's records."""
+        node = self.tree.find_step(manifest.path)
+        if node is not None and node.step.manifest is manifest:
+            self.tree.set_file_holders(node, holders)
+
+    def mark_held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> None:
+        """`peer` verified copies of these files of this version."""
+        node = self.tree.find_step(manifest.path)
+        if node is not None and node.step.manifest is manifest:
+            self.tree.add_file_holder(node, peer, names)
+            self.residency.enforce_keep_ram()
 
     def learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
         """A peer holds this committed step: list it here, readable from those holders."""

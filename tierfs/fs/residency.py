@@ -187,7 +187,11 @@ class Residency:
         if step.persisted:
             return True
         owned = step.manifest.node_id == self.tree.node_id
-        return owned and self.replicas > 0 and len(step.replicas) >= self.replicas
+        # every file here has K copies on peers (counted per file: a multi-node step's files
+        # have holders of their own)
+        return owned and self.replicas > 0 and all(
+            len(self.tree.verified_peers(step, name)) >= self.replicas
+            for name in step.resident)
 
     def _ram_holders(self) -> str:
         """What the RAM tier holds that cannot leave it now, for the log line of a refusal."""
@@ -257,7 +261,7 @@ class Residency:
         log.info("evicted %s v%d from RAM (%d files, %d bytes); it stays readable from %s",
                  manifest.path, manifest.version, evicted, freed,
                  "the persistent tier" if step.persisted else
-                 "peers " + ", ".join(sorted(step.replicas)))
+                 "peers " + ", ".join(self.tree.peer_holders(step)))
 
     def _spawn(self, work: Callable[[], Awaitable[None]]) -> None:
         """Run `work` in the background; a failure is logged, never fatal to the mount."""

@@ -39,7 +39,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import trio
 
@@ -381,6 +381,18 @@ class Tree:
                 return step if step.committed else None
         return None
 
+    def _entry_name(self, node: Node) -> str | None:
+        """The name of a file in its step's manifest (None if not found)."""
+        step_node = next(self.enclosing_steps(node), None)
+        if step_node is None:
+            return None
+        if step_node is node:
+            return step_node.step.manifest.files[0].name
+        try:
+            return os.path.relpath(self.relpath(node), self.relpath(step_node))
+        except FsError:
+            return None
+
     def has_active_writers(self, dir_node: Node) -> bool:
         return any(node.active_writers for node in self.walk_files(dir_node))
 
@@ -400,9 +412,63 @@ class Tree:
             known = known | {step.manifest.node_id}
         return sorted(known - {self.node_id})
 
-    def tiers(self, step: StepState, in_ram: bool) -> str:
+    def file_peers(self, step: StepState, name: str) -> set[str]:
+        """Other nodes holding this file of the committed version: its own holders once the
+        cluster's records told them, else those known for the step."""
+        known = step.file_holders.get(name)
+        if known is None or not step.committed:
+            return set(self.peer_holders(step))
+        return (known | step.replicas) - {self.node_id}
+
+    def verified_peers(self, step: StepState, name: str) -> set[str]:
+        """Other nodes known to hold a verified copy of this file: its holders in the
+        cluster's records, and the replicas of the whole step (never the nodes merely known to
+        hold some file of it)."""
+        return (step.file_holders.get(name, set()) | step.replicas) - {self.node_id}
+
+    def full_holders(self, step: StepState) -> list[str]:
+        """Other nodes holding every file of the committed version."""
+        if not step.committed:
+            return []
+        if not step.file_holders:
+            return self.peer_holders(step)
+        holders: set[str] | None = None
+        for entry in step.manifest.files:
+            peers = self.file_peers(step, entry.name)
+            holders = peers if holders is None else holders & peers
+        return sorted(holders or ())
+
+    def copies(self, step: StepState, is_up: Callable[[str], bool]) -> int:
+        """The fewest live copies of any file of the committed version (this node's RAM and
+        the live peers holding it); 0 for a step being written."""
+        if not step.committed:
+            return 0
+        return min((int(e.name in step.resident)
+                    + sum(1 for peer in self.file_peers(step, e.name) if is_up(peer))
+                    for e in step.manifest.files), default=0)
+
+    def set_file_holders(self, step_node: Node, holders: dict[str, set[str]]) -> None:
+        """Who holds these files of the committed version, as the cluster's records say."""
+        step = step_node.step
+        for name, nodes in holders.items():
+            if step.manifest.entry(name) is not None:
+                step.file_holders[name] = set(nodes) - {self.node_id}
+
+    def add_file_holder(self, step_node: Node, peer: str, names: list[str]) -> None:
+        """`peer` holds verified copies of these files; once it holds every file of the step
+        it counts as a replica of the step (recorded on disk for a restart)."""
+        step = step_node.step
+        for name in names:  # until the records are read again, at least `peer` (never more)
+            step.file_holders.setdefault(name, set()).add(peer)
+        if peer != self.node_id and peer not in step.replicas and all(
+                peer in step.file_holders.get(e.name, ()) for e in step.manifest.files):
+            self.add_replica(step_node, peer)
+
+    def tiers(self, step: StepState, in_ram: bool, name: str | None = None) -> str:
+        """`user.tierfs.tiers`: of one file (`name`) or of the whole step."""
         tiers = ["ram"] if in_ram else []
-        tiers += [f"peer:{peer}" for peer in self.peer_holders(step)]
+        peers = self.full_holders(step) if name is None else sorted(self.file_peers(step, name))
+        tiers += [f"peer:{peer}" for peer in peers]
         if step.persisted:
             tiers.append("persist")
         return ",".join(tiers)
@@ -425,12 +491,15 @@ class Tree:
 
     # -- what peers ask (queries) -------------------------------------------------------
 
-    def holders_of(self, step_path: str) -> list[str]:
+    def holders_of(self, step_path: str, name: str | None = None) -> list[str]:
+        """Other nodes to read the step's file `name` from (its own holders once known)."""
         node = self.find_step(step_path)
         if node is None:
             return []
-        return sorted((node.step.holders | set(self.peer_holders(node.step)))
-                      - {self.node_id})
+        step = node.step
+        if name is not None and name in step.file_holders and step.committed:
+            return sorted(self.file_peers(step, name))
+        return sorted((step.holders | set(self.peer_holders(step))) - {self.node_id})
 
     def sealed_path(self, data_dir: str, name: str, xxh3: str) -> bytes | None:
         """The RAM store path of a sealed file with exactly this content, if held here
@@ -1133,7 +1202,7 @@ class Tree:
         self._write_node_list(step_node, REPLICAS_MARK, step_node.step.replicas)
 
     def set_holders(self, step_node: Node, holders: set[str], *, record: bool) -> None:
-        """Peers that hold this version (gossip); `record`ed on disk for a restart."""
+        """Peers that hold files of this version (etcd); `record`ed on disk for a restart."""
         step_node.step.holders = set(holders)
         if record:
             self._write_node_list(step_node, PEERS_MARK, step_node.step.holders)
@@ -1215,6 +1284,7 @@ class Tree:
         step.resident = set()
         step.replicas = set()
         step.holders = set()
+        step.file_holders = {}
         step.persisted_version = 0
         step.retired_version = 0
         log.warning("%s v%d here is superseded by v%d from %s", manifest.path,
@@ -1286,23 +1356,6 @@ class Tree:
         log.warning("file %s from %s does not fit this namespace (a step directory or a "
                     "file of that name in use)", manifest.path, source)
         return None
-
-    def install_objects(self, step_node: Node, manifest: mf.StepManifest) -> None:
-        """The files of a replica, whose objects are here already (verified), into the tree."""
-        step = step_node.step
-        for entry in manifest.files:
-            parent, name = self._entry_parent(step_node, entry.name)
-            path = os.path.join(self.backing(parent), name)
-            tmp = self.store.tmp_path(os.path.dirname(path))
-            os.link(self.store.object_path(entry.xxh3), tmp)
-            apply_attributes(tmp, entry)
-            os.rename(tmp, path)
-            node = parent.children.get(name) or self._attach(parent, name, stat.S_IFREG)
-            node.remote = None
-            node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks),
-                             os.lstat(path).st_ino)
-            self.store.add_ref(entry.xxh3, path)
-            step.resident.add(entry.name)
 
     def join_commit(self, step_node: Node, manifest: mf.StepManifest, others: set[str]) -> bool:
         """Another node committed this step (multi-node DCP) while ranks here wrote some of
@@ -1417,7 +1470,7 @@ class Tree:
             "ram_bytes": ram_bytes,
             "version": step.manifest.version if step.manifest else 0,
             "files": files, "bytes": size, "ram": step.in_ram,
-            "replicas": self.peer_holders(step),
+            "replicas": self.full_holders(step),
             "persisted": step.persisted,
             "waiting_for": step.waiting_for if step.commit_pending or not step.committed else None,
         }
@@ -1456,7 +1509,7 @@ class Tree:
             step = self.committed_step_holding(node)
             if step is None:
                 return b"ram"
-            return self.tiers(step, node.remote is None).encode()
+            return self.tiers(step, node.remote is None, self._entry_name(node)).encode()
         if node.remote is not None:
             return node.remote.entry.xxh3.encode()
         if not self.seal_describes_file(node):

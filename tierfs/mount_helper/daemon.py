@@ -52,7 +52,6 @@ from tierfs.mount_helper.mounts import (
 from tierfs.mount_helper.status_view import number_of
 from tierfs.observe import Events, Levels, MetricsServer
 from tierfs.replication.cluster_commit import ClusterCommits
-from tierfs.replication.gossip import Gossip
 from tierfs.replication.membership import Membership
 from tierfs.replication.peer_delete import PeerDelete, delete_handler
 from tierfs.replication.peer_reader import PeerReader, RangeServer
@@ -467,7 +466,7 @@ async def _verify_then_send(namespace: Namespace, uploader: Uploader | None,
         for manifest in namespace.tiers.committed_manifests():
             uploader.submit(manifest)  # committed before a restart, not yet uploaded
     if cluster is not None:
-        for manifest in namespace.tiers.owned_manifests():
+        for manifest in namespace.tiers.held_manifests():
             cluster.replicator.submit(manifest)  # copies due since before a restart
 
 
@@ -525,7 +524,8 @@ class ClusterLinks:
 
 class ClusterNode:
     """The cluster side of one daemon (with --cluster): the peer port and its handlers, its
-    registration in etcd, replication and gossip, wired to this node's namespace and store."""
+    registration in etcd, the commits it follows and the copies of files it sends, wired to
+    this node's namespace and store."""
 
     def __init__(self, cfg: MountConfig, links: ClusterLinks, namespace: Namespace,
                  store: RamStore, events: Events) -> None:
@@ -537,26 +537,25 @@ class ClusterNode:
         self.peer_delete = links.delete
         self.sealed = links.sealed
         tiers = namespace.tiers
-        self.gossip = Gossip(self.membership, tiers.holdings, tiers.learn)
         self.replicator = Replicator(self.membership, cfg.replicas,
                                      lambda digest: str(store.object_path(digest)),
                                      is_current=tiers.is_current,
-                                     holders=tiers.replica_holders,
-                                     on_replicated=self._replicated,
+                                     placements=self.sealed.placements,
+                                     on_placements=tiers.note_placements,
+                                     on_held=self._held,
                                      events=events)
-        self.receiver = ReplicaReceiver(store.objects, store, tiers.adopt_replica)
+        self.receiver = ReplicaReceiver(store.objects, store, tiers.hold_files)
         self.ranges = RangeServer(store.objects, namespace.tree.sealed_path)
 
-    def _replicated(self, manifest: mf.StepManifest, peer: str) -> None:
-        """A peer verified a copy of the step: held there, here and in the cluster's records."""
-        self.namespace.tiers.mark_replicated(manifest, peer)
-        self.namespace.background.spawn(self.sealed.add_holder, manifest, peer)
+    async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> None:
+        """A peer verified copies of these files: held there, here and in etcd's records."""
+        self.namespace.tiers.mark_held(manifest, peer, names)
+        await self.sealed.add_holders(manifest, peer, names)
 
     async def start(self, nursery: trio.Nursery) -> None:
         handlers: dict[str, Handler] = {
-            "PUT": self.receiver.put, "PUT_MANIFEST": self.receiver.put_manifest,
-            "GET": self.ranges.on_get, "GOSSIP": self.gossip.on_gossip,
-            "PULL": self.gossip.on_pull,
+            "PUT": self.receiver.put, "HOLD": self.receiver.hold,
+            "GET": self.ranges.on_get,
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
         }
@@ -575,14 +574,24 @@ class ClusterNode:
         log.info("node %s listening for peers on %s:%d (advertised as %s); live members: %s",
                  self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
         self._follow_members()
-        await self.gossip.pull_all()  # every step of the cluster is listed from the start
-        for worker in (self.membership.run, self.gossip.run, self.replicator.run,
-                       self._restore_copies, self._follow_commits, self._publish_pending):
+        await self.sealed.learn_all(self._learn)  # every step of the cluster, from the start
+        for worker in (self.membership.run, self.replicator.run, self._restore_copies,
+                       self._follow_commits, self._publish_pending):
             nursery.start_soon(worker)
+
+    def _learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
+        """A step committed in the cluster is listed here; if this node holds files of that
+        version (it wrote some, or holds copies), the step is planned again: copies may be
+        due, and the records (touched when holders are added) say who holds each file now."""
+        self.namespace.tiers.learn(manifest, holders)
+        node = self.namespace.tree.find_step(manifest.path)
+        if node is not None and node.step.committed and node.step.resident and \
+                node.step.manifest.version == manifest.version:
+            self.replicator.submit(node.step.manifest)
 
     async def _follow_commits(self) -> None:
         """Every commit of the other nodes is listed here within a watch event."""
-        await self.sealed.follow(self.namespace.tiers.learn)
+        await self.sealed.follow(self._learn)
 
     async def _publish_pending(self) -> None:
         """Commit records etcd could not take (it was down) are written once it is back."""
@@ -610,7 +619,8 @@ class ClusterNode:
         self.namespace.deletes.targets = _delete_targets(self.cfg, self.live.ring)
 
     async def _restore_copies(self) -> None:
-        """When a node goes or comes, every holder checks that its steps still have K copies."""
+        """When a node goes or comes, every node re-plans the copies of the files it holds
+        from fresh records (lost copies are restored; a node joining moves nothing)."""
         while True:
             await self.membership.changed.wait()
             self._follow_members()
@@ -659,7 +669,7 @@ class Daemon:
     def _replicas_waiting(self) -> list[mf.StepManifest]:
         """Steps made here that have fewer peer copies than --replicas."""
         return [m for m in self.namespace.tiers.owned_manifests()
-                if len(self.namespace.tiers.replica_holders(m)) < self.cfg.replicas]
+                if self.namespace.tiers.short_of_copies(m, self.cfg.replicas)]
 
     def levels(self) -> Levels:
         """The gauges of the metrics endpoint (called in the trio thread at each scrape)."""
@@ -719,6 +729,8 @@ class Daemon:
         and, for a step being written, `changed_ns` (its directory's last change)."""
         tree = self.namespace.tree
         status = dict(tree.step_status(node))
+        is_up = self.cluster.membership.is_up if self.cluster else (lambda _peer: False)
+        status["copies"] = tree.copies(node.step, is_up)
         manifest = node.step.manifest
         status["committed_ns"] = manifest.committed_ns if manifest is not None else None
         status["changed_ns"] = None

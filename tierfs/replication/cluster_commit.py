@@ -156,19 +156,48 @@ class ClusterCommits:
                                  manifest.version, manifest.committed_ns)
             await self.records.etcd.put(self.records.commit_key(step_path), newer.encode())
 
-    async def add_holder(self, manifest: mf.StepManifest, node: str) -> None:
-        """`node` holds a verified copy of every file of `manifest` (a replica): count it in
-        each file's record, then touch the commit record so that every node reads the step's
-        holders again (one watch event)."""
+    async def add_holders(self, manifest: mf.StepManifest, node: str,
+                          names: list[str]) -> dict[str, FileRecord]:
+        """`node` holds verified copies of these files of `manifest` (replicas): count it in
+        their records (batched transactions), then touch the commit record so that every
+        node reads the step's holders again (one watch event). The records as they are now
+        (none if etcd does not take it: the next replication round records it again)."""
         try:
-            for entry in manifest.files:
-                await self.records.add_holder(manifest.path, entry.name, node)
+            found = await self.records.add_holders(manifest.path, node, names)
             record = await self.records.commit_of(manifest.path)
             if record is not None and record.version == manifest.version:
                 await self.records.etcd.put(self.records.commit_key(manifest.path),
                                             record.encode())
+            return found
         except EtcdError as exc:
-            log.info("could not record %s as a holder of %s: %s", node, manifest.path, exc)
+            log.info("could not record %s as a holder of %d files of %s: %s", node,
+                     len(names), manifest.path, exc)
+            return {}
+
+    async def placements(self, manifest: mf.StepManifest) -> dict[str, FileRecord] | None:
+        """Who holds each file of this committed version, from its records: None unless
+        etcd has the step's commit record at this version (or does not answer)."""
+        try:
+            record = await self.records.commit_of(manifest.path)
+            if record is None or record.version != manifest.version:
+                return None
+            files = await self.records.files(manifest.path)
+        except EtcdError as exc:
+            log.info("could not read the records of %s: %s", manifest.path, exc)
+            return None
+        return {e.name: files[e.name] for e in manifest.files
+                if e.name in files and files[e.name].xxh3 == e.xxh3}
+
+    async def learn_all(self, learn: Learn) -> None:
+        """List every step committed in the cluster now (at start, before the mount answers;
+        `follow` keeps the list current from then on)."""
+        try:
+            for record in await self.records.commits():
+                found = await self._manifest(record)
+                if found is not None:
+                    learn(*found)
+        except EtcdError as exc:
+            log.info("could not list the cluster's steps yet: %s", exc)
 
     async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:
         """The step's committed manifest and the nodes holding its files, as etcd says (None

@@ -22,15 +22,17 @@ _HEX = set("0123456789abcdef")
 class PeerReader:
     name = "peer"
 
-    def __init__(self, membership: Membership, holders: Callable[[str], list[str]]) -> None:
+    def __init__(self, membership: Membership,
+                 holders: Callable[[str, str], list[str]]) -> None:
         self.membership = membership
         self._holders = holders
 
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
                          length: int) -> memoryview:
         """The bytes (a view the caller owns: received in place, not copied) from the first
-        holder that answers, over a pooled connection."""
-        holders = [h for h in self._holders(step_path) if h != self.membership.me]
+        of the file's own holders that answers (a multi-node step's files are on different
+        nodes), over a pooled connection."""
+        holders = [h for h in self._holders(step_path, entry.name) if h != self.membership.me]
         if not holders:
             raise proto.ProtocolError("no peer holds it")
         start = zlib.crc32(f"{entry.xxh3}:{offset}".encode()) % len(holders)

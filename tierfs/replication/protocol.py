@@ -37,10 +37,11 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "PROOF": {"mac": bytes},
     "PING": {"node_id": str},
     "PONG": {"node_id": str},
-    "GOSSIP": {"manifests": list},          # [[encoded manifest, [holder node ids]], ...]
-    "PULL": {},                             # "send me your GOSSIP now" (a node starting up)
     "PUT": {"path": str, "name": str, "xxh3": str, "size": int, "offset": int},
-    "PUT_MANIFEST": {"manifest": bytes},    # a replica is complete: its manifest
+    # hold these files of the step's committed version (their objects were PUT): answered by
+    # HELD with the names now held, verified, or ERROR
+    "HOLD": {"path": str, "version": int, "names": list},
+    "HELD": {"names": list},
     "GET": {"path": str, "name": str, "xxh3": str, "offset": int, "length": int},
     "VERIFY": {"path": str, "name": str, "xxh3": str, "repair": bool},  # check your copy
     "VERIFIED": {"state": str},             # good, bad, missing or repaired
@@ -50,6 +51,9 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "ERROR": {"message": str},
 }
 PATH_FIELDS = ("path", "name")
+NAME_LISTS = ("names",)  # lists of paths inside a step, each checked as a path field
+MAX_NAMES = 1000  # names per HOLD or HELD: with paths of at most 4 KiB, under MAX_HEADER
+
 PAYLOAD_TYPES = {"PUT", "DATA"}
 
 
@@ -111,12 +115,27 @@ def validate(message: Message) -> Message:
                 check_relative_path(message.fields[name])
             except ManifestError as exc:
                 raise ProtocolError(f"{message.type}.{name}: {exc}") from None
+    for name in NAME_LISTS:
+        if name in message.fields:
+            _check_names(message.type, message.fields[name])
     _check_payload(message.type, len(message.payload))
     if message.type == "HELLO" and len(message.fields["nonce"]) != NONCE_BYTES:
         raise ProtocolError("HELLO nonce has the wrong length")
     if message.type == "GET" and message.fields["length"] > MAX_PAYLOAD:
         raise ProtocolError("GET asks for too much at once")
     return message
+
+
+def _check_names(kind: str, names: list[Any]) -> None:
+    if len(names) > MAX_NAMES:
+        raise ProtocolError(f"{kind} names more than {MAX_NAMES} files")
+    for item in names:
+        if not isinstance(item, str):
+            raise ProtocolError(f"{kind}.names holds a non-string")
+        try:
+            check_relative_path(item)
+        except ManifestError as exc:
+            raise ProtocolError(f"{kind}.names: {exc}") from None
 
 
 class FrameDecoder:

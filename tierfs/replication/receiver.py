@@ -2,8 +2,9 @@
 
 Chunks arrive in order per file into a private incoming file next to the committed objects;
 a complete file becomes the object named by its xxh3-128 only if its bytes hash to exactly that.
-A replica's manifest arrives last and is accepted only when every file it names is present and
-verified; only then does the sender count this node as a holder. Paths and sizes were validated
+HOLD comes after the files it names: this node holds those whose objects are here (verified) in
+its copy of the step's committed version (`OtherTiers.hold_files`) and names them in HELD; only
+those does the sender count this node as a holder of. Paths and sizes were validated
 by the protocol; offsets and lengths are checked here against what was announced.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -35,12 +36,16 @@ class Space(Protocol):
     def forget_inode(self, backing_ino: int) -> None: ...
 
 
+# (step path, version, names, sender) -> the names now held, or None: `OtherTiers.hold_files`
+Hold = Callable[[str, int, list[str], str], Awaitable[list[str] | None]]
+
+
 class ReplicaReceiver:
     def __init__(self, objects_dir: Path, space: Space,
-                 adopt: Callable[[mf.StepManifest, str], bool]) -> None:
+                 hold: Hold) -> None:
         self.objects_dir = objects_dir
         self.space = space
-        self._adopt = adopt
+        self._hold = hold
         self._threads = trio.CapacityLimiter(2)
 
     def _incoming(self, digest: str, peer: str) -> Path:
@@ -86,23 +91,16 @@ class ReplicaReceiver:
         os.rename(incoming, target)
         await channel.send("OK")
 
-    async def put_manifest(self, message: proto.Message, channel: PeerChannel) -> None:
-        try:
-            manifest = mf.decode(message["manifest"])
-        except mf.ManifestError as exc:
-            raise proto.ProtocolError(f"bad replica manifest: {exc}") from None
-        for entry in manifest.files:
-            try:
-                size = (self.objects_dir / entry.xxh3).stat().st_size
-            except FileNotFoundError:
-                size = -1
-            if size != entry.size:
-                await channel.send("ERROR", message=f"{entry.name} was not received")
-                return
-        if not self._adopt(manifest, channel.peer_id):
+    async def hold(self, message: proto.Message, channel: PeerChannel) -> None:
+        """HOLD: the sender has PUT these files of the step's committed version; this node
+        holds those whose objects it has (verified as they arrived) and answers HELD with
+        their names, or ERROR if it cannot hold that version at all."""
+        path, version, names = message["path"], message["version"], list(message["names"])
+        held = await self._hold(path, version, names, channel.peer_id)
+        if held is None:
             # e.g. a newer version of the step is here: the sender must not count this node
             # as a holder of its version
-            await channel.send("ERROR", message=f"{manifest.path} v{manifest.version} is not "
-                               "held here (another version, or the name is in use)")
+            await channel.send("ERROR", message=f"{path} v{version} is not held here "
+                               "(another version, the name is in use, or not committed)")
             return
-        await channel.send("OK")
+        await channel.send("HELD", names=held)

@@ -1,10 +1,21 @@
-"""Sending committed steps to the next K live nodes on the ring, and restoring K copies when a
-holder is lost (every holder checks its steps when membership changes).
+"""Sending copies of committed files to the nodes that should hold them, per file, driven by
+the cluster's file records in etcd (`/<prefix>/steps/<step>/files/<path>`: writer and holders).
 
-One step at a time per target, each file streamed in chunks from the RAM store's immutable
-committed objects, one chunk in flight (the peer's OK is the backpressure); the manifest goes
-last, and a step counts as replicated on a peer only once that peer has verified every file and
-answered the manifest. Failures retry while the step is still the current version.
+For a committed step this node holds files of, it reads the step's records and computes
+`placement.restore_plan` over the files held here and the ring of live members: for a fresh
+commit that is "writer -> its next K live nodes", after a loss the copies that bring each file
+back to K + 1 live holders. Every node computes the same plan from the same records, so each
+copy is made once, by its planned source; this node carries out the copies it is the source
+of, grouped by target, in parallel across targets.
+
+To a target, each file is streamed in chunks from the RAM store's immutable committed objects
+(one chunk in flight: the peer's OK is the backpressure), then HOLD names the files (at most
+MAX_NAMES per message); the target answers HELD with those it now holds, verified. Only then
+are they counted: the target is added to their records in etcd (batched transactions) and to
+this node's view. Only steps whose commit record is in etcd are replicated (the target asks
+etcd about a version it does not know). Failures retry while the step is still the current
+version; a step that keeps failing (etcd does not know it yet, a target refuses it) waits aside
+and is tried again a few seconds later, without holding up the other steps.
 """
 
 from __future__ import annotations
@@ -17,6 +28,8 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from tierfs import manifest as mf
+from tierfs.cluster import placement
+from tierfs.cluster.commit_records import FileRecord
 from tierfs.observe import Events
 from tierfs.replication import protocol as proto
 from tierfs.replication.membership import Membership
@@ -26,9 +39,15 @@ from tierfs.step_queue import StepQueue
 log = logging.getLogger(__name__)
 
 # The one retry policy, pausing at most RETRY_DELAY: a membership change (a peer back, a new
-# node) ends the pause at once anyway, and each failure is logged by _send_step.
+# node) ends the pause at once anyway, and each failure is logged by _send_to.
 RETRY_DELAY = 2.0
 RETRIES = POLICY.capped(RETRY_DELAY)
+TRIES_BEFORE_ASIDE = 5  # failed rounds of a step before it waits aside for RETRY_LATER
+RETRY_LATER = 5.0  # seconds between tries of the steps waiting aside
+HOLD_NAME_BYTES = 256 << 10  # names per HOLD: at most this many bytes (and MAX_NAMES)
+
+Placements = Callable[[mf.StepManifest], Awaitable[dict[str, FileRecord] | None]]
+Recorded = Callable[[mf.StepManifest, str, list[str]], Awaitable[None]]
 
 
 class Replicator:
@@ -39,8 +58,9 @@ class Replicator:
         object_path: Callable[[str], str],
         *,
         is_current: Callable[[mf.StepManifest], bool],
-        holders: Callable[[mf.StepManifest], set[str]],
-        on_replicated: Callable[[mf.StepManifest, str], None],
+        placements: Placements,
+        on_placements: Callable[[mf.StepManifest, dict[str, set[str]]], None],
+        on_held: Recorded,
         events: Events | None = None,
     ) -> None:
         self.membership = membership
@@ -48,17 +68,27 @@ class Replicator:
         self.replicas = replicas
         self._object_path = object_path
         self._is_current = is_current
-        self._holders = holders
-        self._on_replicated = on_replicated
+        self._placements = placements
+        self._on_placements = on_placements
+        self._on_held = on_held
         self.queue = StepQueue()
-        self._threads = trio.CapacityLimiter(2)
+        self._later: dict[str, mf.StepManifest] = {}  # steps etcd did not know: tried again
 
     def submit(self, manifest: mf.StepManifest) -> None:
         if self.replicas > 0:
             self.queue.put(manifest)
 
     async def run(self) -> None:
-        await self.queue.serve(self._replicate_or_log)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._retry_later)
+            await self.queue.serve(self._replicate_or_log)
+
+    async def _retry_later(self) -> None:
+        while True:
+            await trio.sleep(RETRY_LATER)
+            waiting, self._later = self._later, {}
+            for manifest in waiting.values():
+                self.submit(manifest)
 
     async def _replicate_or_log(self, manifest: mf.StepManifest) -> None:
         try:
@@ -67,46 +97,78 @@ class Replicator:
             log.exception("replication of %s failed", manifest.path)
 
     async def _replicate(self, manifest: mf.StepManifest) -> None:
-        """Send the step until it has K live copies or is no longer the current version."""
-        if not all(os.path.exists(self._object_path(e.xxh3)) for e in manifest.files):
-            # a multi-node step: its other files stay with the nodes that wrote them
-            log.info("%s v%d is held here in part: not replicated as a whole", manifest.path,
-                     manifest.version)
-            return
+        """Make the copies this node owes until there are none left or the step is no longer
+        the current version here."""
         failures = 0
         while self._is_current(manifest):
-            holders = self._holders(manifest)
-            live = 1 + sum(self.membership.is_up(h) for h in holders)
-            wanted = self.replicas + 1 - live
-            targets = [n for n in self.membership.successors(len(self.membership.members))
-                       if n not in holders][:max(0, wanted)]
-            if not targets:
-                break
-            results = []
-            for target in targets:
-                results.append(await self._send_step(manifest, target))
-            if all(results):
+            # None: not committed in etcd (yet), or etcd does not answer
+            copies = await self._plan(manifest)
+            if copies is not None and not copies:
+                return
+            if copies is not None and await self._send_copies(manifest, copies):
                 failures = 0
-                continue  # the holders changed: check whether more copies are due
+                continue  # the records changed: check whether more copies are due
             failures += 1
+            if failures >= TRIES_BEFORE_ASIDE:  # the other steps' copies go first
+                self._later[manifest.path] = manifest
+                return
             await RETRIES.pause(failures, wake=self.membership.changed)
 
-    async def _send_step(self, manifest: mf.StepManifest, target: str) -> bool:
+    async def _plan(self, manifest: mf.StepManifest) -> list[placement.Copy] | None:
+        """The copies this node is the source of, from the step's records now."""
+        records = await self._placements(manifest)
+        if records is None:
+            return None
+        self._on_placements(manifest, {name: set(r.holders) for name, r in records.items()})
+        here = {name: placement.Placement(r.node, frozenset(r.holders))
+                for name, r in records.items()
+                if os.path.exists(self._object_path(r.xxh3))}
+        plan = placement.restore_plan(here, self.membership.live.ring, self.replicas)
+        return plan.for_source(self.membership.me)
+
+    async def _send_copies(self, manifest: mf.StepManifest,
+                           copies: list[placement.Copy]) -> bool:
+        """Send each target its files, all targets at once; whether every copy was made."""
+        by_target: dict[str, list[str]] = {}
+        for copy in copies:
+            by_target.setdefault(copy.target, []).append(copy.file)
+        results: list[bool] = []
+
+        async def send(target: str, names: list[str]) -> None:
+            results.append(await self._send_to(manifest, target, names))
+
+        async with trio.open_nursery() as nursery:
+            for target, names in sorted(by_target.items()):
+                nursery.start_soon(send, target, names)
+        return all(results)
+
+    async def _send_to(self, manifest: mf.StepManifest, target: str, names: list[str]) -> bool:
         started = time.monotonic()
+        held: list[str] = []
+        error: BaseException | None = None
         try:
             async with self.membership.channel(target) as channel:
-                for entry in manifest.files:
-                    await self._send_file(channel, manifest, entry)
-                await channel.request("PUT_MANIFEST", manifest=mf.encode(manifest))
+                for batch in _batches(names):
+                    for name in batch:
+                        await self._send_file(channel, manifest.path, manifest.entry(name))
+                    reply = await channel.request("HOLD", path=manifest.path,
+                                                  version=manifest.version, names=batch,
+                                                  expect="HELD")
+                    sent = set(batch)
+                    held += [n for n in reply["names"] if isinstance(n, str) and n in sent]
         except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
-            log.warning("replication of %s v%d to %s failed, will retry: %s", manifest.path,
-                        manifest.version, target, exc or "timed out")
+            error = exc
+        if held:
+            await self._on_held(manifest, target, held)
+        if error is not None or len(held) < len(names):
+            log.warning("replication of %d files of %s v%d to %s failed, will retry: %s",
+                        len(names) - len(held), manifest.path, manifest.version, target,
+                        error or "not all held there")
             return False
         self._events.replicated(manifest, target, time.monotonic() - started)
-        self._on_replicated(manifest, target)
         return True
 
-    async def _send_file(self, channel, manifest: mf.StepManifest,  # type: ignore[no-untyped-def]
+    async def _send_file(self, channel, step_path: str,  # type: ignore[no-untyped-def]
                          entry: mf.FileEntry) -> None:
         """The file's chunks as PUTs, sent from the RAM store's object by the kernel
         (sendfile), several in flight (channel.pipeline): the peer's OKs pace the sender."""
@@ -114,10 +176,23 @@ class Replicator:
 
         def put(offset: int) -> Callable[[], Awaitable[None]]:
             return lambda: channel.send_file(
-                "PUT", fd, offset, min(mf.CHUNK_SIZE, entry.size - offset), path=manifest.path,
+                "PUT", fd, offset, min(mf.CHUNK_SIZE, entry.size - offset), path=step_path,
                 name=entry.name, xxh3=entry.xxh3, size=entry.size, offset=offset)
 
         try:
             await channel.pipeline(map(put, range(0, max(entry.size, 1), mf.CHUNK_SIZE)), "OK")
         finally:
             os.close(fd)
+
+
+def _batches(names: list[str]) -> list[list[str]]:
+    """The names in HOLD-sized batches (a frame's header stays far under its cap)."""
+    batches: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        if len(batches[-1]) >= proto.MAX_NAMES or size + len(name.encode()) > HOLD_NAME_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(name)
+        size += len(name.encode())
+    return batches
