@@ -224,6 +224,8 @@ class Fetch:
 
     async def verify(self) -> bool:
         """Whole-file check once complete; the partial file may then become the object."""
+        if self.fd < 0:
+            return False  # discarded (the node moved on): nothing to adopt
         fd = os.dup(self.fd)  # as in _store_chunk: a discard meanwhile closes only self.fd
         self._verifying = True
         try:

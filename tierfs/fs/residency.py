@@ -74,7 +74,7 @@ class Residency:
             return
         fetch = self._fetch_of(node)
         try:
-            await fetch.fill(self.read_sources)
+            await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
         except FetchError as exc:
             log.error("fetch of %s failed: %s", self.tree.relpath(node), exc)
             raise FsError(errno.EIO) from None
