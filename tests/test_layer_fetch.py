@@ -87,3 +87,17 @@ async def test_without_room_the_chunk_is_returned_but_not_kept(tmp_path: Path) -
     finally:
         fetch.discard()
         store.release()
+
+
+async def test_missing_bytes_and_a_check_of_a_discarded_fetch(tmp_path: Path,
+                                                              ram: RamStore) -> None:
+    data = os.urandom(mf.CHUNK_SIZE + 100)
+    backend, remote = stored_file(tmp_path, data)
+    fetch = Fetch(ram, remote)
+    assert fetch.missing_bytes == len(data)
+    await fetch.read(persist(backend), mf.CHUNK_SIZE, 1)  # the short last chunk only
+    assert fetch.missing_bytes == mf.CHUNK_SIZE
+    await fetch.fill(persist(backend), in_flight=8)
+    assert fetch.missing_bytes == 0
+    fetch.discard()
+    assert not await fetch.verify()  # nothing to adopt, and no read of a closed fd

@@ -6,6 +6,10 @@ against the manifest before a byte of it is returned, and stores it in a partial
 store. Once every chunk is in and the whole file matches its xxh3-128, the partial file becomes
 the file's committed object again. A mismatch anywhere is an error and a log line, never data.
 When the RAM tier has no room the chunk is still returned, just not kept.
+
+A file opened for reading while passthrough is on is fetched whole before the open returns
+(`fill`, WHOLE_IN_FLIGHT chunks at a time), so that its reads go to the RAM store, not through
+the daemon (see `tierfs.fs.residency.Residency.fetch_whole`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ log = logging.getLogger(__name__)
 
 PART_PREFIX = reserved.PART
 READ_AHEAD = 4  # chunks fetched ahead of a sequential reader
+WHOLE_IN_FLIGHT = 8  # chunks on their way at once when a file is fetched whole
 
 
 class ReadSource(Protocol):
@@ -99,6 +104,10 @@ class Fetch:
         count = mf.chunk_count(remote.entry.size)
         self.present = [False] * count
         self._inflight: dict[int, trio.Event] = {}
+        self._verifying = False
+        # One task at a time checks the complete file and makes it the committed object: two
+        # openers or readers that complete it together must not both hash and adopt it.
+        self.adopting = trio.Lock()
         self.path = os.path.join(os.fsencode(store.objects),
                                  f"{PART_PREFIX}{remote.entry.xxh3}-{id(self):x}".encode())
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -110,8 +119,15 @@ class Fetch:
 
     @property
     def busy(self) -> bool:
-        """A chunk is on its way: the partial file must stay."""
-        return bool(self._inflight)
+        """A chunk is on its way, or the whole is being checked: the partial file must stay."""
+        return bool(self._inflight) or self._verifying
+
+    @property
+    def missing_bytes(self) -> int:
+        """What the RAM tier must still take for the file to be complete."""
+        size = self.remote.entry.size
+        return sum(min(mf.CHUNK_SIZE, size - index * mf.CHUNK_SIZE)
+                   for index, present in enumerate(self.present) if not present)
 
     async def read(self, sources: list[ReadSource], offset: int, size: int) -> bytes:
         size = max(0, min(size, self.remote.entry.size - offset))
@@ -150,10 +166,10 @@ class Fetch:
             log.debug("read-ahead of chunk %d of %s failed: %s", index, self.remote.entry.name,
                       exc)
 
-    async def fill(self, sources: list[ReadSource]) -> None:
-        """Fetch every missing chunk, READ_AHEAD at a time (for a writer or a prefetch);
-        raises RamFull if there is no room to keep them."""
-        limiter = trio.CapacityLimiter(READ_AHEAD)
+    async def fill(self, sources: list[ReadSource], in_flight: int = READ_AHEAD) -> None:
+        """Fetch every missing chunk, `in_flight` at a time (for a writer, a prefetch, a
+        read-only open); raises RamFull if there is no room to keep them."""
+        limiter = trio.CapacityLimiter(in_flight)
         unkept = False
 
         async def fetch_one(index: int) -> None:
@@ -208,7 +224,17 @@ class Fetch:
 
     async def verify(self) -> bool:
         """Whole-file check once complete; the partial file may then become the object."""
-        digest = await trio.to_thread.run_sync(mf.hash_fd, self.fd)
+        if self.fd < 0:
+            return False  # discarded (the node moved on): nothing to adopt
+        fd = os.dup(self.fd)  # as in _store_chunk: a discard meanwhile closes only self.fd
+        self._verifying = True
+        try:
+            digest = await trio.to_thread.run_sync(mf.hash_fd, fd)
+        finally:
+            self._verifying = False
+            os.close(fd)
+        if self.fd < 0:
+            return False  # discarded meanwhile (the node moved on): nothing to adopt
         if digest.xxh3 == self.remote.entry.xxh3 and digest.size == self.remote.entry.size:
             apply_attributes(self.fd, self.remote.entry)  # it becomes the file: as committed
             return True

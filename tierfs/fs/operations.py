@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import os
 import stat
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -200,7 +201,13 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def open(self, inode: int, flags: int, ctx: Any) -> FileInfo:
-        handle = await self.ns.open(self.ns.get(inode), flags)
+        node = self.ns.get(inode)
+        if (node.remote is not None and (flags & os.O_ACCMODE) == os.O_RDONLY
+                and self.passthrough is not None and self.passthrough.enabled):
+            # Reads of a file in another tier would each cross the daemon (the relay, a FUSE
+            # request per 128 KiB, a copy): fetch it whole now, answer with passthrough.
+            await self.ns.residency.fetch_whole(node)
+        handle = await self.ns.open(node, flags)
         self.ns.note_opened(handle, ctx.pid)
         return await self._file_info(handle)
 

@@ -16,9 +16,10 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import trio
 
-from tierfs.fs.fetch import Fetch, FetchError
+from tierfs.fs.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError
 from tierfs.fs.nodes import FsError, Node, StepState
 from tierfs.fs.ports import ReadSource, Spawner
+from tierfs.fs.ram_store import RamFull
 from tierfs.fs.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class Residency:
             return
         fetch = self._fetch_of(node)
         try:
-            await fetch.fill(self.read_sources)
+            await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
         except FetchError as exc:
             log.error("fetch of %s failed: %s", self.tree.relpath(node), exc)
             raise FsError(errno.EIO) from None
@@ -82,12 +83,35 @@ class Residency:
         if node.remote is not None:
             raise FsError(errno.EIO)
 
+    async def fetch_whole(self, node: Node) -> None:
+        """Before a read-only open that passthrough will answer: bring the whole non-resident
+        file into RAM (each chunk checked, then the whole), so that its reads go to the RAM
+        store, not through the daemon. Concurrent opens share the fetch. The file stays
+        non-resident (read range by range through the daemon) if the RAM tier has no room for
+        it, or a chunk cannot be fetched verified (the read that needs it gets EIO)."""
+        if node.remote is None:
+            return
+        fetch = self._fetch_of(node)
+        if not self.store.room_for(fetch.missing_bytes):
+            return
+        try:
+            await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
+        except (FetchError, RamFull) as exc:
+            log.info("%s is read range by range: %s", self.tree.relpath(node),
+                     exc or "no room in RAM")
+            return
+        await self._adopt(node, fetch)
+
     async def _adopt(self, node: Node, fetch: Fetch) -> None:
         """A complete fetch that matches its xxh3-128 becomes the file's committed object."""
-        good = await fetch.verify()
-        size = node.remote.entry.size if node.remote is not None else 0
-        if self.tree.adopt_fetch(node, fetch, good):
-            log.info("%s is back in RAM (%d bytes, verified)", self.tree.relpath(node), size)
+        async with fetch.adopting:  # a second completer finds it adopted (or gone): no-op
+            if node.fetch is not fetch:
+                return
+            good = await fetch.verify()
+            size = node.remote.entry.size if node.remote is not None else 0
+            if self.tree.adopt_fetch(node, fetch, good):
+                log.info("%s is back in RAM (%d bytes, verified)", self.tree.relpath(node),
+                         size)
 
     async def prefetch(self, relpath: str) -> int:
         """`tierfs prefetch`: bring every file of a committed step into RAM; bytes fetched."""
