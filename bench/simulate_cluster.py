@@ -54,10 +54,12 @@ from tierfs import manifest as mf  # noqa: E402
 from tierfs.cluster import placement  # noqa: E402
 from tierfs.cluster.commit_records import CommitRecord, CommitRecords, FileRecord  # noqa: E402
 from tierfs.cluster.etcd import Etcd, parse_cluster_url  # noqa: E402
+from tierfs.replication import peer_manifest  # noqa: E402
 from tierfs.replication.cluster_commit import ClusterCommits  # noqa: E402
 
 GB = 1e9
 STEP = "run/step_1000"
+MANIFEST_FILE = "(manifest)"  # the manifest's transfer, as a file of the network model
 KEEPALIVE_SLOTS = 100
 
 
@@ -82,7 +84,9 @@ class Params:
     s3_gbps: float = 400.0  # S3 aggregate throughput
     s3_node_gbps: float = 50.0  # S3 throughput one node reaches (many parallel streams)
     holder_updates: str = "cas"  # cas: add_holder per copy; batch: put_all per receiver
-    follow: str = "records"  # records: each node reads the step's records on the commit event
+    # records: each node reads the step's records on the commit event; peer: it fetches the
+    # manifest from the committer (today's code); event: the commit event alone (a bound)
+    follow: str = "records"
     seed: int = 1
 
     @property
@@ -370,6 +374,7 @@ class Result:
     restore_bytes: float = 0.0
     holders: dict[str, frozenset[str]] = field(default_factory=dict)  # after the restore
     lost_node: str = ""
+    manifest_mb: float = 0.0  # the encoded manifest each node fetches (follow=peer)
 
 
 class Cluster:
@@ -471,6 +476,8 @@ class Cluster:
         if self.p.follow == "records":  # what follow() reads on each commit event
             self.manifest_read = self.traced(commits._manifest(
                 CommitRecord(STEP, self.committer, len(names), 0.0, 1, 1)))
+        elif self.p.follow == "peer":  # the manifest from the committer, in chunks
+            self._peer_follow(manifest)
 
         def after_collect() -> None:
             # collect watches until every record is in: wait for the last one if need be
@@ -479,6 +486,21 @@ class Cluster:
                 return
             self.etcd.chain(publish, self._committed)
         self.etcd.chain(collect, after_collect)
+
+    def _peer_follow(self, manifest: mf.StepManifest) -> None:
+        """What follow() does on the commit event now: the real `_manifest` of the commit
+        record publish writes (naming the holders), its peer fetch answered with the
+        manifest; every etcd request it makes is traced (none, as a rule). The manifest's
+        real encoding is what each node then fetches from the committer over the network."""
+        record = CommitRecord(STEP, self.committer, len(manifest.files), 0.0, 1, 1,
+                              tuple(sorted(self.writers)))
+
+        async def fetch(_node: str, _path: str, _version: int) -> mf.StepManifest:
+            return manifest
+        follower = ClusterCommits(self.records, "follower", lambda _: 1000, fetch)
+        self.manifest_read = self.traced(follower._manifest(record))
+        self.manifest_bytes = len(mf.encode(manifest))
+        self.result.manifest_mb = self.manifest_bytes / 1e6
 
     def _trace_trio(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any
                     ) -> list[Request]:
@@ -505,6 +527,16 @@ class Cluster:
         seen = (lambda: None) if node == self.committer else (lambda: self._visible(node))
         if self.p.follow == "records":
             self.etcd.chain(self.manifest_read, seen)
+        elif self.p.follow == "peer" and node != self.committer:
+            # the etcd requests (none) and the manifest over the committer's uplink, shared
+            # with its replication flows; one round trip per MANIFEST_PART
+            parts = -(-self.manifest_bytes // peer_manifest.CHUNK)
+            latency = parts * self.p.rtt_ms / 1e3
+
+            def fetched(_name: str, _src: str, _dst: str) -> None:
+                self.sim.at(self.sim.now + latency, seen)
+            self.etcd.chain(self.manifest_read, lambda: self.net.send(
+                self.committer, node, [(MANIFEST_FILE, self.manifest_bytes)], fetched))
         else:
             seen()
 
@@ -686,7 +718,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--links", default="100,400", help="link speeds to run, Gb/s")
     parser.add_argument("--ks", default="1,2", help="replica counts to run")
-    parser.add_argument("--variants", default="cas:records@100:1,batch:event",
+    parser.add_argument("--variants", default="cas:records@100:1,batch:peer",
                         help="holder-updates:follow pairs to run (@LINK:K: that one only)")
     args = vars(parser.parse_args(argv))
     links = [float(x) for x in args.pop("links").split(",")]

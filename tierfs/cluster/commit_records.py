@@ -302,17 +302,18 @@ class CommitRecords:
 
     async def add_commit_holder(self, step: str, version: int, node: str) -> None:
         """Count `node` among the holders in the step's commit record of `version` (a
-        compare-and-swap: concurrent additions are never lost), and touch it even if it
-        names `node` already: the nodes holding files of the step re-plan their copies at
-        the watch event (the others only take the holders from it). Nothing if the record is
-        of another version."""
+        compare-and-swap: concurrent additions are never lost). Written only when `node` is
+        new there: each write is a watch event to every node (which takes the holders from
+        it and reads nothing), so a step whose copies go to nodes that wrote files of it
+        anyway (a multi-node step) costs none. Nothing if the record is of another
+        version."""
         key = self.commit_key(step)
         while True:
             kv = await self.etcd.get(key)
             if kv is None:
                 return
             record = CommitRecord.decode(step, kv.value)
-            if record.version != version:
+            if record.version != version or node in record.holders:
                 return
             updated = replace(record, holders=tuple(sorted({*record.holders, node})))
             if await self.etcd.put_if_version(key, updated.encode(), kv.version):

@@ -155,8 +155,10 @@ class ClusterCommits:
         await self.records.delete_files(step_path, set(recorded) - names)
         missing = names - set(recorded) - set(mine)
         if missing:  # recorded elsewhere after collect read them: not yet seen here
-            await self.records.wait_for_files(step_path, missing, COMMIT_WAIT)
-        holders = {r.node for n, r in recorded.items() if n in names} | {self.node_id}
+            recorded |= await self.records.wait_for_files(step_path, missing, COMMIT_WAIT)
+        # the writers (and any holder so far): what every node lists as the step's holders
+        holders = {h for n, r in recorded.items() if n in names for h in (r.node, *r.holders)}
+        holders.add(self.node_id)
         self._published[step_path] = manifest.version  # before: its watch event may come first
         try:
             record, won = await self.records.commit_recorded(
