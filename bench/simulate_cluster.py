@@ -6,8 +6,10 @@ It drives the real cluster logic, not a copy of it:
 - every etcd request: the real client code (`tierfs.cluster.etcd.Etcd`: `put_all`'s chunking
   into transactions of MAX_TXN_OPS, `get_prefix`'s pages of PAGE_SIZE, compare-version
   transactions) called by the real callers (`CommitRecords.record_files`, `add_holder`,
-  `ClusterCommits.collect` / `publish`, and the read each node makes of a step's file records
-  when the commit's watch event reaches it, `ClusterCommits._manifest`), against `TraceEtcd`,
+  `ClusterCommits.collect` / `publish`, and what each node does when the commit's watch event
+  reaches it, `ClusterCommits._manifest`: read the step's file records (`--follow records`,
+  before) or fetch the manifest from the committer (`peer`, now: a flow of the network model
+  carrying the real encoding), against `TraceEtcd`,
   an in-memory key-value store behind `Etcd._call` that records each request (path, keys,
   value bytes) instead of sending it. Value sizes are the real `FileRecord` / `CommitRecord`
   encodings of real manifest entries (reported as the MB etcd moved; the time model counts
@@ -743,9 +745,14 @@ def main(argv: list[str] | None = None) -> None:
             (link, k) for link in links for k in ks]
         runs += [replace(base, link_gbps=link, replicas=k, holder_updates=holders,
                          follow=follow) for link, k in points]
+    manifest_mb = 0.0
     with ProcessPoolExecutor(min(len(runs), os.cpu_count() or 1)) as pool:
         for result in pool.map(simulate, runs):  # in order, each as soon as it and those
             print(row(result), flush=True)       # before it are done
+            manifest_mb = max(manifest_mb, result.manifest_mb)
+    if manifest_mb:
+        print(f"(follow=peer: each node fetches the {manifest_mb:.1f} MB encoded manifest "
+              "from the committer)")
     print(f"(simulated in {time.monotonic() - started:.1f} s)")
 
 
