@@ -41,7 +41,7 @@ bench-quick: $(STAMP)
 	$(PY) -m pip install -q matplotlib
 	$(PY) bench/run.py --size 256M --reps 2 --out bench/results-quick
 
-# 2,000 nodes x 8 ranks, a 70B model: one checkpoint and a node lost, simulated (~30 s).
+# 2,000 nodes x 8 ranks, a 70B model: one checkpoint and a node lost, simulated (minutes).
 simulate: $(STAMP)
 	$(PY) bench/simulate_cluster.py
 

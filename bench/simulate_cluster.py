@@ -6,8 +6,10 @@ It drives the real cluster logic, not a copy of it:
 - every etcd request: the real client code (`tierfs.cluster.etcd.Etcd`: `put_all`'s chunking
   into transactions of MAX_TXN_OPS, `get_prefix`'s pages of PAGE_SIZE, compare-version
   transactions) called by the real callers (`CommitRecords.record_files`, `add_holder`,
-  `ClusterCommits.collect` / `publish`, and the read each node makes of a step's file records
-  when the commit's watch event reaches it, `ClusterCommits._manifest`), against `TraceEtcd`,
+  `ClusterCommits.collect` / `publish`, and what each node does when the commit's watch event
+  reaches it, `ClusterCommits._manifest`: read the step's file records (`--follow records`,
+  before) or fetch the manifest from the committer (`peer`, now: a flow of the network model
+  carrying the real encoding), against `TraceEtcd`,
   an in-memory key-value store behind `Etcd._call` that records each request (path, keys,
   value bytes) instead of sending it. Value sizes are the real `FileRecord` / `CommitRecord`
   encodings of real manifest entries (reported as the MB etcd moved; the time model counts
@@ -54,10 +56,12 @@ from tierfs import manifest as mf  # noqa: E402
 from tierfs.cluster import placement  # noqa: E402
 from tierfs.cluster.commit_records import CommitRecord, CommitRecords, FileRecord  # noqa: E402
 from tierfs.cluster.etcd import Etcd, parse_cluster_url  # noqa: E402
+from tierfs.replication import peer_manifest  # noqa: E402
 from tierfs.replication.cluster_commit import ClusterCommits  # noqa: E402
 
 GB = 1e9
 STEP = "run/step_1000"
+MANIFEST_FILE = "(manifest)"  # the manifest's transfer, as a file of the network model
 KEEPALIVE_SLOTS = 100
 
 
@@ -82,7 +86,9 @@ class Params:
     s3_gbps: float = 400.0  # S3 aggregate throughput
     s3_node_gbps: float = 50.0  # S3 throughput one node reaches (many parallel streams)
     holder_updates: str = "cas"  # cas: add_holder per copy; batch: put_all per receiver
-    follow: str = "records"  # records: each node reads the step's records on the commit event
+    # records: each node reads the step's records on the commit event; peer: it fetches the
+    # manifest from the committer (today's code); event: the commit event alone (a bound)
+    follow: str = "records"
     seed: int = 1
 
     @property
@@ -370,6 +376,7 @@ class Result:
     restore_bytes: float = 0.0
     holders: dict[str, frozenset[str]] = field(default_factory=dict)  # after the restore
     lost_node: str = ""
+    manifest_mb: float = 0.0  # the encoded manifest each node fetches (follow=peer)
 
 
 class Cluster:
@@ -471,6 +478,8 @@ class Cluster:
         if self.p.follow == "records":  # what follow() reads on each commit event
             self.manifest_read = self.traced(commits._manifest(
                 CommitRecord(STEP, self.committer, len(names), 0.0, 1, 1)))
+        elif self.p.follow == "peer":  # the manifest from the committer, in chunks
+            self._peer_follow(manifest)
 
         def after_collect() -> None:
             # collect watches until every record is in: wait for the last one if need be
@@ -479,6 +488,21 @@ class Cluster:
                 return
             self.etcd.chain(publish, self._committed)
         self.etcd.chain(collect, after_collect)
+
+    def _peer_follow(self, manifest: mf.StepManifest) -> None:
+        """What follow() does on the commit event now: the real `_manifest` of the commit
+        record publish writes (naming the holders), its peer fetch answered with the
+        manifest; every etcd request it makes is traced (none, as a rule). The manifest's
+        real encoding is what each node then fetches from the committer over the network."""
+        record = CommitRecord(STEP, self.committer, len(manifest.files), 0.0, 1, 1,
+                              tuple(sorted(self.writers)))
+
+        async def fetch(_node: str, _path: str, _version: int) -> mf.StepManifest:
+            return manifest
+        follower = ClusterCommits(self.records, "follower", lambda _: 1000, fetch)
+        self.manifest_read = self.traced(follower._manifest(record))
+        self.manifest_bytes = len(mf.encode(manifest))
+        self.result.manifest_mb = self.manifest_bytes / 1e6
 
     def _trace_trio(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any
                     ) -> list[Request]:
@@ -505,6 +529,16 @@ class Cluster:
         seen = (lambda: None) if node == self.committer else (lambda: self._visible(node))
         if self.p.follow == "records":
             self.etcd.chain(self.manifest_read, seen)
+        elif self.p.follow == "peer" and node != self.committer:
+            # the etcd requests (none) and the manifest over the committer's uplink, shared
+            # with its replication flows; one round trip per MANIFEST_PART
+            parts = -(-self.manifest_bytes // peer_manifest.CHUNK)
+            latency = parts * self.p.rtt_ms / 1e3
+
+            def fetched(_name: str, _src: str, _dst: str) -> None:
+                self.sim.at(self.sim.now + latency, seen)
+            self.etcd.chain(self.manifest_read, lambda: self.net.send(
+                self.committer, node, [(MANIFEST_FILE, self.manifest_bytes)], fetched))
         else:
             seen()
 
@@ -686,7 +720,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--links", default="100,400", help="link speeds to run, Gb/s")
     parser.add_argument("--ks", default="1,2", help="replica counts to run")
-    parser.add_argument("--variants", default="cas:records@100:1,batch:event",
+    parser.add_argument("--variants", default="cas:records@100:1,batch:peer",
                         help="holder-updates:follow pairs to run (@LINK:K: that one only)")
     args = vars(parser.parse_args(argv))
     links = [float(x) for x in args.pop("links").split(",")]
@@ -711,9 +745,14 @@ def main(argv: list[str] | None = None) -> None:
             (link, k) for link in links for k in ks]
         runs += [replace(base, link_gbps=link, replicas=k, holder_updates=holders,
                          follow=follow) for link, k in points]
+    manifest_mb = 0.0
     with ProcessPoolExecutor(min(len(runs), os.cpu_count() or 1)) as pool:
         for result in pool.map(simulate, runs):  # in order, each as soon as it and those
             print(row(result), flush=True)       # before it are done
+            manifest_mb = max(manifest_mb, result.manifest_mb)
+    if manifest_mb:
+        print(f"(follow=peer: each node fetches the {manifest_mb:.1f} MB encoded manifest "
+              "from the committer)")
     print(f"(simulated in {time.monotonic() - started:.1f} s)")
 
 

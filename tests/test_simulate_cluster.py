@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from bench.simulate_cluster import STEP, Cluster, Params, drive, main
+from bench.simulate_cluster import MANIFEST_FILE, STEP, Cluster, Params, drive, main
 from tierfs.cluster import placement
 from tierfs.cluster.etcd import MAX_TXN_OPS
 
@@ -18,7 +18,8 @@ def small(**changes: object) -> Params:
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
-@pytest.mark.parametrize("holders, follow", [("cas", "records"), ("batch", "event")])
+@pytest.mark.parametrize("holders, follow", [("cas", "records"), ("batch", "event"),
+                                             ("batch", "peer")])
 def test_every_file_gets_k_copies_once_and_a_loss_is_restored(replicas: int, holders: str,
                                                                follow: str) -> None:
     cluster = Cluster(small(replicas=replicas, holder_updates=holders, follow=follow))
@@ -32,7 +33,11 @@ def test_every_file_gets_k_copies_once_and_a_loss_is_restored(replicas: int, hol
         writer = cluster.files[name][0]
         assert set(record.holders) == set(placement.desired_holders(cluster.ring, writer,
                                                                     replicas))
-    assert len(cluster.net.sent) == replicas * len(cluster.files)  # each copy made once
+    copies = {(name, node) for name, node in cluster.net.sent if name != MANIFEST_FILE}
+    assert len(copies) == replicas * len(cluster.files)  # each copy made once
+    if follow == "peer":  # the manifest from the committer to every other node, etcd unread
+        assert cluster.manifest_read == []
+        assert len(cluster.net.sent) - len(copies) == len(cluster.nodes) - 1
 
     victim = cluster.nodes[5]
     result = cluster.lose(victim)

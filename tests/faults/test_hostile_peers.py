@@ -91,9 +91,11 @@ def hostile_frame(draw: st.DrawFn) -> bytes:
         return struct.pack(">II", draw(st.integers(proto.MAX_HEADER + 1, 2**32 - 1)),
                            draw(st.integers(0, 2**32 - 1)))
     if choice == 2:  # a path field with a hostile value, everything else well formed
-        kind = draw(st.sampled_from(["PUT", "GET", "VERIFY", "HOLD", "HELD"]))
+        kind = draw(st.sampled_from(["PUT", "GET", "VERIFY", "HOLD", "HELD", "MANIFEST"]))
         fields = {"path": draw(paths), "name": draw(paths), "xxh3": draw(hex32()), "size": 10,
-                  "offset": 0, "length": 10, "names": draw(st.lists(paths, max_size=3)),
+                  # a manifest's offset may be beyond its end (refused); a PUT's stays 0
+                  "offset": draw(st.sampled_from([0, 1, 2**40])) if kind == "MANIFEST" else 0,
+                  "length": 10, "names": draw(st.lists(paths, max_size=3)),
                   "repair": True, "version": 1}
         fields = {k: v for k, v in fields.items() if k in proto.SCHEMAS[kind]}
         return raw_frame(kind, fields, b"x" * 10 if kind == "PUT" else b"")

@@ -103,16 +103,25 @@ class CommitRecord:
     at: float  # Unix time of the commit
     version: int = 1  # the version of the step's manifest this commit made
     committed_ns: int = 0  # the manifest's commit time
+    # Every node holding some file of this version (writers, then verified copies), sorted:
+    # what a node that learns the commit lists as the step's holders without reading the
+    # file records (a touch that adds one reaches every node in its watch event).
+    holders: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         return _json({"committer": self.committer, "files": self.files, "at": self.at,
-                      "version": self.version, "committed_ns": self.committed_ns})
+                      "version": self.version, "committed_ns": self.committed_ns,
+                      "holders": list(self.holders)})
 
     @classmethod
     def decode(cls, step: str, value: bytes) -> CommitRecord:
         fields = json.loads(value)
+        holders = fields.get("holders", [])
+        if not isinstance(holders, list) or not all(isinstance(h, str) for h in holders):
+            raise ValueError("holders must be a list of node ids")
         return cls(step, str(fields["committer"]), int(fields["files"]), float(fields["at"]),
-                   int(fields.get("version", 1)), int(fields.get("committed_ns", 0)))
+                   int(fields.get("version", 1)), int(fields.get("committed_ns", 0)),
+                   tuple(sorted(holders)))
 
 
 @dataclass(frozen=True)
@@ -264,11 +273,12 @@ class CommitRecords:
                                           committed_ns)
 
     async def commit_recorded(self, step: str, committer: str, files: int, deadline: float,
-                              version: int = 1,
-                              committed_ns: int = 0) -> tuple[CommitRecord, bool]:
+                              version: int = 1, committed_ns: int = 0,
+                              holders: Collection[str] = ()) -> tuple[CommitRecord, bool]:
         """`commit` once the caller knows every file is recorded: the transaction alone,
         answered by `deadline` (trio time) plus one request timeout."""
-        record = CommitRecord(step, committer, files, time.time(), version, committed_ns)
+        record = CommitRecord(step, committer, files, time.time(), version, committed_ns,
+                              tuple(sorted({*holders, committer})))
         key = self.commit_key(step)
         won: bool | None = None
         with trio.move_on_at(deadline + self.etcd.timeout):
@@ -289,6 +299,25 @@ class CommitRecords:
         """The step's commit record, if it is committed."""
         kv = await self.etcd.get(self.commit_key(step))
         return CommitRecord.decode(step, kv.value) if kv is not None else None
+
+    async def add_commit_holder(self, step: str, version: int, node: str) -> None:
+        """Count `node` among the holders in the step's commit record of `version` (a
+        compare-and-swap: concurrent additions are never lost). Written only when `node` is
+        new there: each write is a watch event to every node (which takes the holders from
+        it and reads nothing), so a step whose copies go to nodes that wrote files of it
+        anyway (a multi-node step) costs none. Nothing if the record is of another
+        version."""
+        key = self.commit_key(step)
+        while True:
+            kv = await self.etcd.get(key)
+            if kv is None:
+                return
+            record = CommitRecord.decode(step, kv.value)
+            if record.version != version or node in record.holders:
+                return
+            updated = replace(record, holders=tuple(sorted({*record.holders, node})))
+            if await self.etcd.put_if_version(key, updated.encode(), kv.version):
+                return
 
     async def commits(self) -> list[CommitRecord]:
         """Every commit of the cluster now (a node starting: before it follows them)."""

@@ -491,6 +491,13 @@ class Tree:
 
     # -- what peers ask (queries) -------------------------------------------------------
 
+    def committed_manifest(self, step_path: str, version: int) -> mf.StepManifest | None:
+        """The manifest of the step's `version` if this node lists that version committed."""
+        node = self.find_step(step_path)
+        if node is None or not node.step.committed or node.step.manifest.version != version:
+            return None
+        return node.step.manifest
+
     def holders_of(self, step_path: str, name: str | None = None) -> list[str]:
         """Other nodes to read the step's file `name` from (its own holders once known)."""
         node = self.find_step(step_path)

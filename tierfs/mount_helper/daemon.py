@@ -54,6 +54,7 @@ from tierfs.observe import Events, Levels, MetricsServer
 from tierfs.replication.cluster_commit import ClusterCommits
 from tierfs.replication.membership import Membership
 from tierfs.replication.peer_delete import PeerDelete, delete_handler
+from tierfs.replication.peer_manifest import ManifestFetcher, ManifestServer
 from tierfs.replication.peer_reader import PeerReader, RangeServer
 from tierfs.replication.peer_verify import PeerVerify, verify_handler
 from tierfs.replication.receiver import ReplicaReceiver
@@ -517,7 +518,8 @@ class ClusterLinks:
         self.membership = Membership(self.live, cfg.token)
         self.reader = PeerReader(self.membership, tree.holders_of)
         self.sealed = ClusterCommits(CommitRecords(self.etcd, cfg.cluster), cfg.node_id,
-                                     tree.step_number)
+                                     tree.step_number, ManifestFetcher(self.membership).fetch,
+                                     tree.committed_manifest)
         self.verify = PeerVerify(self.membership)
         self.delete = PeerDelete(self.membership)
 
@@ -546,6 +548,7 @@ class ClusterNode:
                                      events=events)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.hold_files)
         self.ranges = RangeServer(store.objects, namespace.tree.sealed_path)
+        self.manifests = ManifestServer(namespace.tree.committed_manifest)
 
     async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> None:
         """A peer verified copies of these files: held there, here and in etcd's records."""
@@ -555,7 +558,7 @@ class ClusterNode:
     async def start(self, nursery: trio.Nursery) -> None:
         handlers: dict[str, Handler] = {
             "PUT": self.receiver.put, "HOLD": self.receiver.hold,
-            "GET": self.ranges.on_get,
+            "GET": self.ranges.on_get, "MANIFEST": self.manifests.on_manifest,
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
         }

@@ -8,18 +8,21 @@ lists them as held elsewhere (their bytes stay on the nodes that wrote them), co
 then writes the step's commit record (`publish`) before `.metadata`'s close returns.
 
 Every node follows the commit records (`follow`): each commit of another node reaches it as
-one watch event, and it makes the step's manifest from the records alone (commit record:
-version and time; file records: the entries) and lists the step, committed, with the files it
-holds here and the rest readable from their writers. A node asked about a step it still holds
-as `writing` asks etcd directly (`manifest_of`), so a load on any node right after the save's
-barrier finds the step committed.
+one watch event, which names the version, the committer and every node holding some file of
+it. The step's manifest comes on demand from a peer that lists that version (the committer
+first, then other holders: `peer_manifest`, in chunks), not from etcd's per-file records; only
+if no such peer answers does the node read those records (the old way). A later touch of the
+commit record (holders added) is taken from the event alone: nothing is fetched again. A node
+asked about a step it still holds as `writing` asks etcd for the commit record directly
+(`manifest_of`), so a load on any node right after the save's barrier finds the step
+committed.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -32,6 +35,7 @@ from tierfs.cluster.commit_records import (
     FileRecord,
 )
 from tierfs.cluster.etcd import EtcdError, retry_unavailable
+from tierfs.replication.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -40,15 +44,24 @@ COMMIT_WAIT = 20.0  # seconds a commit waits for other nodes' records of the fil
 # (manifest, the nodes holding its files): list the step here (OtherTiers.learn)
 Learn = Callable[[mf.StepManifest, list[str]], None]
 StepNumber = Callable[[str], int | None]
+# (node, step path, version) -> that node's committed manifest of the step (peer_manifest)
+FetchManifest = Callable[[str, str, int], Awaitable[mf.StepManifest]]
+# (step path, version) -> the manifest of that version if this node lists it committed
+Known = Callable[[str, int], mf.StepManifest | None]
+PEER_SOURCES = 3  # holders asked for a manifest before etcd's file records are read
 
 
 class ClusterCommits:
     """This node's side of the cluster's shard and commit records."""
 
-    def __init__(self, records: CommitRecords, node_id: str, step_number: StepNumber) -> None:
+    def __init__(self, records: CommitRecords, node_id: str, step_number: StepNumber,
+                 fetch: FetchManifest | None = None, known: Known | None = None) -> None:
         self.records = records
         self.node_id = node_id
         self._step_number = step_number
+        self._fetch = fetch
+        self._known = known
+        self.manifests_from_peers = 0  # manifests learned from a peer, not the file records
         # Seals waiting to be recorded (step -> name -> record): one writer at a time records
         # all that came meanwhile in a few transactions, not one request per file.
         self._unrecorded: dict[str, dict[str, FileRecord]] = {}
@@ -142,32 +155,34 @@ class ClusterCommits:
         await self.records.delete_files(step_path, set(recorded) - names)
         missing = names - set(recorded) - set(mine)
         if missing:  # recorded elsewhere after collect read them: not yet seen here
-            await self.records.wait_for_files(step_path, missing, COMMIT_WAIT)
+            recorded |= await self.records.wait_for_files(step_path, missing, COMMIT_WAIT)
+        # the writers (and any holder so far): what every node lists as the step's holders
+        holders = {h for n, r in recorded.items() if n in names for h in (r.node, *r.holders)}
+        holders.add(self.node_id)
         self._published[step_path] = manifest.version  # before: its watch event may come first
         try:
             record, won = await self.records.commit_recorded(
                 step_path, self.node_id, len(names), deadline, manifest.version,
-                manifest.committed_ns)
+                manifest.committed_ns, holders)
         except BaseException:
             self._published.pop(step_path, None)
             raise
         if not won and record.version < manifest.version:  # an older version's commit
             newer = CommitRecord(step_path, self.node_id, len(names), record.at,
-                                 manifest.version, manifest.committed_ns)
+                                 manifest.version, manifest.committed_ns,
+                                 tuple(sorted({*holders, self.node_id})))
             await self.records.etcd.put(self.records.commit_key(step_path), newer.encode())
 
     async def add_holders(self, manifest: mf.StepManifest, node: str,
                           names: list[str]) -> dict[str, FileRecord]:
         """`node` holds verified copies of these files of `manifest` (replicas): count it in
-        their records (batched transactions), then touch the commit record so that every
-        node reads the step's holders again (one watch event). The records as they are now
-        (none if etcd does not take it: the next replication round records it again)."""
+        their records (batched transactions), then among the holders in the commit record
+        (one watch event, which every node takes as it is: none reads the records again). The
+        records as they are now (none if etcd does not take it: the next replication round
+        records it again)."""
         try:
             found = await self.records.add_holders(manifest.path, node, names)
-            record = await self.records.commit_of(manifest.path)
-            if record is not None and record.version == manifest.version:
-                await self.records.etcd.put(self.records.commit_key(manifest.path),
-                                            record.encode())
+            await self.records.add_commit_holder(manifest.path, manifest.version, node)
             return found
         except EtcdError as exc:
             log.info("could not record %s as a holder of %d files of %s: %s", node,
@@ -213,6 +228,40 @@ class ClusterCommits:
 
     async def _manifest(self, record: CommitRecord
                         ) -> tuple[mf.StepManifest, list[str]] | None:
+        """The committed manifest and the nodes holding its files: from a peer if one that
+        holds the step gives it, else made from etcd's file records."""
+        if record.holders:
+            holders = sorted({*record.holders, record.committer})
+            manifest = await self._from_peers(record, holders)
+            if manifest is not None:
+                return manifest, holders
+        return await self._from_records(record)
+
+    async def _from_peers(self, record: CommitRecord,
+                          holders: list[str]) -> mf.StepManifest | None:
+        """The manifest from the committer, else another holder (a few are asked)."""
+        if self._fetch is None:
+            return None
+        others = [h for h in holders if h not in (record.committer, self.node_id)]
+        sources = ([record.committer] if record.committer != self.node_id else []) + others
+        for source in sources[:PEER_SOURCES]:
+            try:
+                manifest = await self._fetch(source, record.step, record.version)
+            except (OSError, ProtocolError, trio.TooSlowError) as exc:
+                log.info("could not get the manifest of %s v%d from %s: %s", record.step,
+                         record.version, source, exc or "timed out")
+                continue
+            if (len(manifest.files) != record.files
+                    or manifest.committed_ns != record.committed_ns):
+                log.warning("%s sent a manifest of %s that its commit record does not "
+                            "describe: ignored", source, record.step)
+                continue
+            self.manifests_from_peers += 1
+            return manifest
+        return None
+
+    async def _from_records(self, record: CommitRecord
+                            ) -> tuple[mf.StepManifest, list[str]] | None:
         number = self._step_number(os.path.basename(record.step))
         files = await self.records.files(record.step)
         entries = [_entry(name, r) for name, r in sorted(files.items())]
@@ -234,6 +283,10 @@ class ClusterCommits:
             async for event in receive:
                 record = event.record
                 if record is None or self._own_commit(event):
+                    continue
+                known = self._known(record.step, record.version) if self._known else None
+                if known is not None and record.holders:  # a touch: holders added
+                    learn(known, sorted({*record.holders, record.committer}))
                     continue
                 try:
                     found = await self._manifest(record)

@@ -46,6 +46,10 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "VERIFY": {"path": str, "name": str, "xxh3": str, "repair": bool},  # check your copy
     "VERIFIED": {"state": str},             # good, bad, missing or repaired
     "DELETE": {"path": str, "version": int, "committed_ns": int},  # a step was deleted
+    # the encoded manifest of the step's committed `version` from `offset` on: answered by
+    # MANIFEST_PART (a chunk of it, `total` its whole length) or ERROR (not committed here)
+    "MANIFEST": {"path": str, "version": int, "offset": int},
+    "MANIFEST_PART": {"total": int},
     "DATA": {},
     "OK": {},
     "ERROR": {"message": str},
@@ -54,7 +58,7 @@ PATH_FIELDS = ("path", "name")
 NAME_LISTS = ("names",)  # lists of paths inside a step, each checked as a path field
 MAX_NAMES = 1000  # names per HOLD or HELD: with paths of at most 4 KiB, under MAX_HEADER
 
-PAYLOAD_TYPES = {"PUT", "DATA"}
+PAYLOAD_TYPES = {"PUT", "DATA", "MANIFEST_PART"}
 
 
 class ProtocolError(Exception):
