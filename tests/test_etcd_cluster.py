@@ -564,3 +564,20 @@ async def test_publish_does_not_write_again_what_the_seals_recorded(
     await node0.publish(step_manifest("s/step_2", names, "n0"), set(names))
     assert dict(etcd.calls) == {"kv/range": 1, "kv/txn": 1}  # one read, the commit
     assert (await node0.records.commit_of("s/step_2")).files == 1000
+
+
+async def test_single_file_steps_are_made_again_from_their_records(
+        etcd_server: EtcdServer) -> None:
+    """A file step and a loose file (no step number in its name) come back from etcd's
+    records alone, as what they are (no peer gives their manifest: the fallback)."""
+    cluster = new_cluster(etcd_server)
+    node0, _etcd = commits(cluster, "n0")
+    node1 = ClusterCommits(CommitRecords(Etcd(cluster.endpoints), cluster), "n1",
+                           lambda name: None)  # the directory pattern knows neither name
+    for path, number in (("run/epoch=0-step=5.ckpt", 5), ("run/last.ckpt", mf.NO_STEP)):
+        name = path.rpartition("/")[2]
+        manifest = mf.StepManifest(path, number, 1, "n0", time.time_ns(),
+                                   tuple(entries([name])), single_file=True)
+        await node0.publish(manifest, {name})
+        found = await node1.manifest_of(path)
+        assert found is not None and found[0] == manifest

@@ -107,11 +107,16 @@ class CommitRecord:
     # what a node that learns the commit lists as the step's holders without reading the
     # file records (a touch that adds one reaches every node in its watch event).
     holders: tuple[str, ...] = ()
+    # The step's number (None: a loose file) and whether it is a single file (a file step or
+    # a loose file), so that its manifest can be made from the file records alone.
+    number: int | None = None
+    single_file: bool = False
 
     def encode(self) -> bytes:
         return _json({"committer": self.committer, "files": self.files, "at": self.at,
                       "version": self.version, "committed_ns": self.committed_ns,
-                      "holders": list(self.holders)})
+                      "holders": list(self.holders), "number": self.number,
+                      "single_file": self.single_file})
 
     @classmethod
     def decode(cls, step: str, value: bytes) -> CommitRecord:
@@ -119,9 +124,11 @@ class CommitRecord:
         holders = fields.get("holders", [])
         if not isinstance(holders, list) or not all(isinstance(h, str) for h in holders):
             raise ValueError("holders must be a list of node ids")
+        number = fields.get("number")
         return cls(step, str(fields["committer"]), int(fields["files"]), float(fields["at"]),
                    int(fields.get("version", 1)), int(fields.get("committed_ns", 0)),
-                   tuple(sorted(holders)))
+                   tuple(sorted(holders)), None if number is None else int(number),
+                   bool(fields.get("single_file", False)))
 
 
 @dataclass(frozen=True)
@@ -274,11 +281,12 @@ class CommitRecords:
 
     async def commit_recorded(self, step: str, committer: str, files: int, deadline: float,
                               version: int = 1, committed_ns: int = 0,
-                              holders: Collection[str] = ()) -> tuple[CommitRecord, bool]:
+                              holders: Collection[str] = (), number: int | None = None,
+                              single_file: bool = False) -> tuple[CommitRecord, bool]:
         """`commit` once the caller knows every file is recorded: the transaction alone,
         answered by `deadline` (trio time) plus one request timeout."""
         record = CommitRecord(step, committer, files, time.time(), version, committed_ns,
-                              tuple(sorted({*holders, committer})))
+                              tuple(sorted({*holders, committer})), number, single_file)
         key = self.commit_key(step)
         won: bool | None = None
         with trio.move_on_at(deadline + self.etcd.timeout):

@@ -499,8 +499,12 @@ class Tree:
         return node.step.manifest
 
     def holders_of(self, step_path: str, name: str | None = None) -> list[str]:
-        """Other nodes to read the step's file `name` from (its own holders once known)."""
+        """Other nodes to read the step's file `name` from (its own holders once known).
+        `step_path` is the data dir of the file's entry (`layout.data_dir`): for a single-file
+        step, the directory the file is in."""
         node = self.find_step(step_path)
+        if node is None and name is not None:  # a file step or loose file
+            node = self.find_step(os.path.join(step_path, name))
         if node is None:
             return []
         step = node.step

@@ -163,14 +163,15 @@ class ClusterCommits:
         try:
             record, won = await self.records.commit_recorded(
                 step_path, self.node_id, len(names), deadline, manifest.version,
-                manifest.committed_ns, holders)
+                manifest.committed_ns, holders, _number(manifest), manifest.single_file)
         except BaseException:
             self._published.pop(step_path, None)
             raise
         if not won and record.version < manifest.version:  # an older version's commit
             newer = CommitRecord(step_path, self.node_id, len(names), record.at,
                                  manifest.version, manifest.committed_ns,
-                                 tuple(sorted({*holders, self.node_id})))
+                                 tuple(sorted({*holders, self.node_id})), _number(manifest),
+                                 manifest.single_file)
             await self.records.etcd.put(self.records.commit_key(step_path), newer.encode())
 
     async def add_holders(self, manifest: mf.StepManifest, node: str,
@@ -262,16 +263,20 @@ class ClusterCommits:
 
     async def _from_records(self, record: CommitRecord
                             ) -> tuple[mf.StepManifest, list[str]] | None:
-        number = self._step_number(os.path.basename(record.step))
+        number = record.number
+        if number is None and not record.single_file:  # a record older than `number`
+            number = self._step_number(os.path.basename(record.step))
         files = await self.records.files(record.step)
         entries = [_entry(name, r) for name, r in sorted(files.items())]
-        if number is None or None in entries or len(entries) != record.files:
+        if (number is None and not record.single_file) or None in entries or \
+                len(entries) != record.files:
             log.warning("the commit record of %s does not match its file records: ignored",
                         record.step)
             return None
-        manifest = mf.StepManifest(record.step, number, record.version, record.committer,
-                                   record.committed_ns,
-                                   tuple(e for e in entries if e is not None))
+        manifest = mf.StepManifest(record.step, mf.NO_STEP if number is None else number,
+                                   record.version, record.committer, record.committed_ns,
+                                   tuple(e for e in entries if e is not None),
+                                   record.single_file)
         holders = sorted({h for r in files.values() for h in r.holders} | {record.committer})
         return manifest, holders
 
@@ -320,3 +325,8 @@ def _entry(name: str, record: FileRecord) -> mf.FileEntry | None:
     except mf.ManifestError:
         return None
     return entry if entry.name == name else None
+
+
+def _number(manifest: mf.StepManifest) -> int | None:
+    """The step number a commit record carries (None: a loose file has none)."""
+    return None if manifest.step == mf.NO_STEP else manifest.step
