@@ -3,8 +3,7 @@
 The live members come from `tierfs.cluster.membership` (each daemon's key under a lease; every
 node follows the member prefix). This module adds what the peer clients and the peer port ask
 of them: the address to connect to, the authenticated connections (kept alive in a pool),
-the next live nodes on the ring, and the peers `status` lists (every node seen since this
-daemon started, up or down). There is no heartbeat of its own: a node is up while its lease lives.
+and the peers `status` lists (every node seen since this daemon started, up or down). There is no heartbeat of its own: a node is up while its lease lives.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from dataclasses import dataclass
 import trio
 
 from tierfs.cluster import membership as live_members
-from tierfs.cluster import placement
 from tierfs.replication.channel import PeerChannel, connect
 from tierfs.replication.pool import SWEEP_EVERY, PeerPool
 
@@ -76,10 +74,6 @@ class Membership:
 
     def is_up(self, node_id: str) -> bool:
         return self.live.is_up(node_id)
-
-    def successors(self, count: int) -> list[str]:
-        """The next `count` live nodes after this one on the ring (sorted live node ids)."""
-        return placement.replica_targets(self.live.ring, self.me, count)
 
     def _member(self, node_id: str) -> Member:
         info = self.live.members.get(node_id)
