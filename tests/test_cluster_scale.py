@@ -67,8 +67,9 @@ def test_a_16000_file_multi_node_step_commits_and_every_node_lists_and_reads_it(
         (node / step).mkdir(parents=True)
     metadata = dcp_metadata([shard_name(r) for r in range(FILES)])
     started = time.monotonic()
-    for i, node in enumerate(nodes):  # rank r on node r % 2, as ranks of a job are spread
-        write_shards(node, step, list(range(i, FILES, len(nodes))))
+    with ThreadPoolExecutor(len(nodes)) as pool:  # rank r on node r % 2, all nodes at once
+        list(pool.map(lambda i: write_shards(nodes[i], step, list(range(i, FILES, len(nodes)))),
+                      range(len(nodes))))
     written = time.monotonic()
     (nodes[0] / step / ".metadata").write_bytes(metadata)  # close() commits
     committed = time.monotonic()
