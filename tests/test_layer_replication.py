@@ -200,6 +200,35 @@ async def test_the_receiver_refuses_bytes_that_do_not_match_their_checksum(
     assert os.listdir(b.objects) == [] and b.space.used == {}
 
 
+@pytest.mark.parametrize("accepted", [True, False])
+async def test_a_chunk_written_again_out_of_order_is_checked_in_the_file(
+        tmp_path: Path, accepted: bool) -> None:
+    """The receiver hashes a file as its chunks arrive in order; a chunk sent again out of
+    order breaks that running hash, and the whole file is read back: it counts only if the
+    bytes it finally holds match its xxh3-128."""
+    data = os.urandom(3 * mf.CHUNK_SIZE)
+    entry = committed_object(tmp_path / "a-objects", data, "shard")
+    b = Receiving(tmp_path, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)))
+    chunk = [data[i * mf.CHUNK_SIZE:(i + 1) * mf.CHUNK_SIZE] for i in range(3)]
+    other = bytes(len(chunk[1]))  # same size, other bytes
+    sent = [(0, chunk[0]), (1, other if accepted else chunk[1]),
+            (1, chunk[1] if accepted else other), (2, chunk[2])]
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+        for index, piece in sent:
+            await channel.send("PUT", piece, path="run/step_1", name="shard", xxh3=entry.xxh3,
+                               size=entry.size, offset=index * mf.CHUNK_SIZE)
+            answer = await channel.receive("OK", "ERROR")
+        assert answer.type == ("OK" if accepted else "ERROR")
+        await channel.aclose()
+        nursery.cancel_scope.cancel()
+    target = b.objects / entry.xxh3
+    assert target.exists() == accepted
+    if accepted:
+        assert target.read_bytes() == data
+
+
 async def test_a_full_receiver_answers_an_error_and_keeps_nothing(tmp_path: Path) -> None:
     entry = committed_object(tmp_path / "a-objects", b"more than ten bytes", "shard")
     b = Receiving(tmp_path, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)), limit=10)

@@ -49,6 +49,23 @@ def test_roundtrip_and_byte_by_byte_feeding() -> None:
     assert seen == whole
 
 
+def test_a_payload_goes_into_the_buffer_offered_if_it_fits() -> None:
+    """A fetched chunk is received straight into the fetcher's (pooled) buffer; one larger
+    than it goes to the decoder's own buffer, so the offer never truncates a payload."""
+    put = dict(path="run/step_1", name="x", xxh3="a" * 32, size=100, offset=0)
+    decoder = proto.FrameDecoder()
+    mine = bytearray(10)
+    decoder.offer(memoryview(mine))
+    decoder.feed(frame("PUT", b"0123456789", **put))
+    message = decoder.next_message()
+    assert message is not None and message.payload == b"0123456789"
+    assert mine == b"0123456789" and message.payload.obj is mine  # type: ignore[union-attr]
+    decoder.offer(memoryview(mine))
+    decoder.feed(frame("PUT", b"x" * 11, **put))
+    message = decoder.next_message()
+    assert message is not None and message.payload == b"x" * 11 and mine == b"0123456789"
+
+
 @pytest.mark.parametrize("kind, fields, payload", [
     ("NOPE", {}, b""),
     ("PING", {}, b""),                                       # missing field

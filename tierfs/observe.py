@@ -194,6 +194,17 @@ class MeteredSource:
         self._events.read_range(step_path, self.where, len(data), started)
         return data
 
+    async def read_into(self, step_path: str, entry: mf.FileEntry, offset: int,
+                        buffer: memoryview) -> bytes | memoryview:
+        """As the source's read_into (the bytes, perhaps in `buffer`), or its read_range."""
+        read_into = getattr(self.source, "read_into", None)
+        if read_into is None:
+            return await self.read_range(step_path, entry, offset, len(buffer))
+        started = time.monotonic()
+        data = await read_into(step_path, entry, offset, buffer)
+        self._events.read_range(step_path, self.where, len(data), started)
+        return data  # type: ignore[no-any-return]
+
 
 # -- levels, read at scrape time ---------------------------------------------------------------
 

@@ -60,6 +60,26 @@ def apply_attributes(target: int | bytes | str, entry: mf.FileEntry) -> None:
         os.utime(target, ns=(entry.mtime_ns, entry.mtime_ns))
 
 
+class _Buffers:
+    """Chunk-sized receive buffers reused from chunk to chunk: a fresh 8 MiB bytearray is
+    zeroed page by page as it is filled and unmapped when freed, for every chunk. A source
+    that can (`read_into`) receives a chunk straight into one."""
+
+    def __init__(self, keep: int) -> None:
+        self._free: list[bytearray] = []
+        self._keep = keep
+
+    def take(self) -> bytearray:
+        return self._free.pop() if self._free else bytearray(mf.CHUNK_SIZE)
+
+    def give(self, buffer: bytearray) -> None:
+        if len(self._free) < self._keep:
+            self._free.append(buffer)
+
+
+_BUFFERS = _Buffers(keep=WHOLE_IN_FLIGHT)
+
+
 class FetchError(Exception):
     """No source could deliver verified bytes."""
 
@@ -72,15 +92,21 @@ class RemoteFile:
     entry: mf.FileEntry
 
 
-async def fetch_chunk(sources: list[ReadSource], remote: RemoteFile, index: int) -> bytes:
-    """Chunk `index` of `remote`, verified, from the first source that delivers it."""
+async def fetch_chunk(sources: list[ReadSource], remote: RemoteFile, index: int,
+                      buffer: memoryview | None = None) -> bytes | memoryview:
+    """Chunk `index` of `remote`, verified, from the first source that delivers it (into
+    `buffer`, a chunk's room, if given and the source can)."""
     entry = remote.entry
     offset = index * mf.CHUNK_SIZE
     length = min(mf.CHUNK_SIZE, entry.size - offset)
     failures = []
     for source in sources:
+        read_into = getattr(source, "read_into", None)
         try:
-            data = await source.read_range(remote.step_path, entry, offset, length)
+            if buffer is not None and read_into is not None:
+                data = await read_into(remote.step_path, entry, offset, buffer[:length])
+            else:
+                data = await source.read_range(remote.step_path, entry, offset, length)
         except Exception as exc:  # a source's failure is a reason to try the next one
             failures.append(f"{source.name}: {exc}")
             continue
@@ -195,23 +221,33 @@ class Fetch:
                 await pending.wait()
                 continue
             done = self._inflight[index] = trio.Event()
+            buffer = _BUFFERS.take()
             try:
-                data = await fetch_chunk(sources, self.remote, index)
-                if self.fd < 0:
-                    return data  # discarded meanwhile: its fd number may be another file's now
-                try:  # chunks come in any order: each stores its own bytes, holes nothing
-                    self.store.grow_by(self.backing_ino, len(data))
-                except RamFull:
-                    return data
-                if not await self._store_chunk(data, index):
-                    return data
+                unkept = await self._fetch_and_store(sources, index, memoryview(buffer))
+                if unkept is not None:
+                    return unkept
                 self.present[index] = True
             finally:
+                _BUFFERS.give(buffer)  # nothing refers to it any more: unkept bytes are a copy
                 del self._inflight[index]
                 done.set()
         return None
 
-    async def _store_chunk(self, data: bytes, index: int) -> bool:
+    async def _fetch_and_store(self, sources: list[ReadSource], index: int,
+                               buffer: memoryview) -> bytes | None:
+        """Fetch chunk `index` (perhaps into `buffer`) and store it; its bytes if not kept."""
+        data = await fetch_chunk(sources, self.remote, index, buffer)
+        if self.fd < 0:
+            return bytes(data)  # discarded meanwhile: its fd number may be another file's now
+        try:  # chunks come in any order: each stores its own bytes, holes nothing
+            self.store.grow_by(self.backing_ino, len(data))
+        except RamFull:
+            return bytes(data)
+        if not await self._store_chunk(data, index):
+            return bytes(data)
+        return None
+
+    async def _store_chunk(self, data: bytes | memoryview, index: int) -> bool:
         """Write a chunk into the partial file off the trio thread (up to 8 MiB); False if the
         fetch was discarded meanwhile. The write goes to a duplicate of the fd, so a discard
         during it cannot let it land in another file that reused the fd's number."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import socket
+import time
 from collections.abc import Awaitable, Callable, Container, Iterable, Iterator
 from typing import Any
 
@@ -16,6 +18,12 @@ from tierfs.replication import protocol as proto
 IO_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 3.0
 WINDOW = 4  # requests in flight on one connection (pipeline)
+# A payload at least this large is received in a worker thread, in blocking steps woken only
+# once LOW_WATER bytes (or the rest) are in: a few wakeups per chunk instead of one per
+# segment on the trio thread, which serves the mount meanwhile.
+BULK = 1 << 18
+LOW_WATER = 1 << 20
+_POLL_SLICE_MS = 100  # how soon a blocking receive notices a cancellation
 
 
 class AuthError(proto.ProtocolError):
@@ -91,14 +99,20 @@ class PeerChannel:
                 await _sendfile(self._socket, fd, offset, length)
         self._sent += 1
 
-    async def receive(self, *expected: str, timeout: float | None = None) -> proto.Message:
+    async def receive(self, *expected: str, timeout: float | None = None,
+                      into: memoryview | None = None) -> proto.Message:
         """The next message, which must be of one of the `expected` types (if any are given).
-        Its payload is valid until the next receive (see proto.Message)."""
+        Its payload is valid until the next receive (see proto.Message), unless it was
+        received `into` the caller's buffer (if it fits there), which it then is a view of."""
+        self._decoder.offer(into)
         with self._io(timeout):
             while (message := self._decoder.next_message()) is None:
                 buffer = self._decoder.writable()
                 if self._socket is not None:
-                    count = await self._socket.recv_into(buffer)
+                    if self._decoder.in_payload and len(buffer) >= BULK:
+                        count = await _receive_bulk(self._socket, buffer)
+                    else:
+                        count = await self._socket.recv_into(buffer)
                 else:
                     data = await self.stream.receive_some(len(buffer))
                     count = len(data)
@@ -106,6 +120,7 @@ class PeerChannel:
                 if not count:
                     raise ConnectionClosed("connection closed by the peer")
                 self._decoder.advance(count)
+        self._decoder.offer(None)
         self._received += 1
         if expected and message.type not in expected:
             if message.type == "ERROR":
@@ -153,6 +168,46 @@ class PeerChannel:
         self._broken = True
         with trio.CancelScope(shield=True):  # closing must happen even in a cancelled task
             await self.stream.aclose()
+
+
+async def _receive_bulk(sock: trio.socket.SocketType, buffer: memoryview) -> int:
+    """Fill `buffer` from the socket in a worker thread (0 if the peer closed first). The
+    trio deadline in force applies; a cancellation is noticed within _POLL_SLICE_MS."""
+    deadline = trio.current_effective_deadline()
+    remaining = deadline - trio.current_time()
+    expires = time.monotonic() + remaining if remaining != float("inf") else float("inf")
+    return await trio.to_thread.run_sync(_fill_blocking, sock, buffer, expires)
+
+
+def _fill_blocking(sock: trio.socket.SocketType, buffer: memoryview, expires: float) -> int:
+    """In a worker thread: read the socket (non-blocking, as trio keeps it) until `buffer` is
+    full, waiting in poll for LOW_WATER bytes at a time. SO_RCVLOWAT is set back to 1
+    before returning, for the trio side's waits on small frames."""
+    fd = sock.fileno()
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    filled = low_water = 0
+    try:
+        while filled < len(buffer):
+            if low_water != (wanted := min(LOW_WATER, len(buffer) - filled)):
+                low_water = wanted
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, low_water)
+            try:
+                count = os.readv(fd, [buffer[filled:]])
+            except BlockingIOError:
+                left = expires - time.monotonic()
+                if left <= 0:
+                    raise trio.TooSlowError from None
+                trio.from_thread.check_cancelled()
+                poll.poll(min(_POLL_SLICE_MS, int(left * 1000) + 1))
+                continue
+            if not count:
+                break
+            filled += count
+    finally:
+        if low_water != 1:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+    return filled
 
 
 async def _sendfile(sock: trio.socket.SocketType, fd: int, offset: int, length: int) -> None:

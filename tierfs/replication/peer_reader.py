@@ -32,6 +32,16 @@ class PeerReader:
         """The bytes (a view the caller owns: received in place, not copied) from the first
         of the file's own holders that answers (a multi-node step's files are on different
         nodes), over a pooled connection."""
+        return await self._read(step_path, entry, offset, length, None)
+
+    async def read_into(self, step_path: str, entry: mf.FileEntry, offset: int,
+                        buffer: memoryview) -> memoryview:
+        """As read_range for len(buffer) bytes, received straight into `buffer` (the view of
+        it that holds the bytes, which may be shorter)."""
+        return await self._read(step_path, entry, offset, len(buffer), buffer)
+
+    async def _read(self, step_path: str, entry: mf.FileEntry, offset: int, length: int,
+                    into: memoryview | None) -> memoryview:
         holders = [h for h in self._holders(step_path, entry.name) if h != self.membership.me]
         if not holders:
             raise proto.ProtocolError("no peer holds it")
@@ -43,9 +53,13 @@ class PeerReader:
         for node_id in ordered:
             try:
                 async with self.membership.channel(node_id) as channel:
-                    reply = await channel.request("GET", path=step_path, name=entry.name,
-                                                  xxh3=entry.xxh3, offset=offset,
-                                                  length=length, expect="DATA")
+                    await channel.send("GET", path=step_path, name=entry.name,
+                                       xxh3=entry.xxh3, offset=offset, length=length)
+                    reply = await channel.receive("DATA", into=into)
+                    payload = reply.payload
+                    if isinstance(payload, memoryview) and into is not None and (
+                            payload.obj is into.obj):
+                        return payload  # in the caller's buffer already
                     return channel.take_payload(reply)
             except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
                 failures.append(f"{node_id}: {exc or 'timed out'}")

@@ -157,6 +157,7 @@ class FrameDecoder:
         self._payload_buffer = bytearray()
         self._payload_len = 0
         self._header: bytes | None = None  # once read, until its payload is in
+        self._target: memoryview | None = None  # where the next payload goes, if offered
         self._ready: Message | None = None
         self._fed = bytearray()  # bytes given to feed() beyond the current frame
 
@@ -192,10 +193,23 @@ class FrameDecoder:
             self._part = self._prefix
 
     def _payload_view(self) -> memoryview:
+        target, self._target = self._target, None
+        if target is not None and len(target) >= self._payload_len:
+            return target[:self._payload_len]  # straight into the caller's buffer: no copy
         if len(self._payload_buffer) < self._payload_len:
             # a new buffer, not a resize: views of the old one may still be in use
             self._payload_buffer = bytearray(max(self._payload_len, 1 << 16))
         return memoryview(self._payload_buffer)[:self._payload_len]
+
+    def offer(self, target: memoryview | None) -> None:
+        """Receive the next frame's payload into `target` (the caller's, e.g. a pooled buffer)
+        if it fits there; a larger payload goes to the decoder's own buffer as usual."""
+        self._target = target
+
+    @property
+    def in_payload(self) -> bool:
+        """The part being filled is a payload (its frame's lengths were checked)."""
+        return self._header is not None and self._ready is None
 
     def give_away_payload(self) -> None:
         """The last message's payload now belongs to its receiver: the next payload goes to a

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 import trio
+import xxhash
 
 from tierfs import manifest as mf
 from tierfs import reserved
@@ -47,6 +48,9 @@ class ReplicaReceiver:
         self.space = space
         self._hold = hold
         self._threads = trio.CapacityLimiter(2)
+        # incoming file -> the xxh3-128 of every byte written to it so far, while its chunks
+        # arrive in order, one at a time: the file is checked as it arrives, not read back
+        self._hashing: dict[Path, _Running] = {}
 
     def _incoming(self, digest: str, peer: str) -> Path:
         return self.objects_dir / f"{INCOMING_PREFIX}{digest}-{peer}"
@@ -73,15 +77,23 @@ class ReplicaReceiver:
             except Exception:
                 await channel.send("ERROR", message="RAM tier full on the receiving node")
                 return
+            running = self._running(incoming, offset)
             # up to 8 MiB: off the trio thread, which serves the mount meanwhile
-            await trio.to_thread.run_sync(os.pwrite, fd, data, offset, limiter=self._threads)
+            await trio.to_thread.run_sync(_write, fd, data, offset, running,
+                                          limiter=self._threads)
+            running = self._written(incoming, running, offset + len(data))
             if offset + len(data) < size:
                 await channel.send("OK")
                 return
-            digest_found = await trio.to_thread.run_sync(mf.hash_fd, fd, limiter=self._threads)
+            self._hashing.pop(incoming, None)
+            if running is not None:
+                found, found_size = running.hasher.hexdigest(), size
+            else:  # written out of order or by two at once: read the file back
+                whole = await trio.to_thread.run_sync(mf.hash_fd, fd, limiter=self._threads)
+                found, found_size = whole.xxh3, whole.size
         finally:
             os.close(fd)
-        if digest_found.xxh3 != digest or digest_found.size != size:
+        if found != digest or found_size != size:
             self.space.forget_inode(ino)
             incoming.unlink()
             log.error("replica of %s/%s from %s does not match its checksum: discarded",
@@ -90,6 +102,27 @@ class ReplicaReceiver:
             return
         os.rename(incoming, target)
         await channel.send("OK")
+
+    def _running(self, incoming: Path, offset: int) -> _Running | None:
+        """The running hash that the chunk at `offset` continues (a new one at offset 0), or
+        None; any other write breaks the file's running hash (it is then read back)."""
+        running = self._hashing.pop(incoming, None)
+        if offset == 0:
+            running = _Running()
+        elif running is None or running.busy or running.position != offset:
+            return None
+        running.busy = True
+        self._hashing[incoming] = running
+        return running
+
+    def _written(self, incoming: Path, running: _Running | None,
+                 end: int) -> _Running | None:
+        """After a chunk's write: its running hash, if no other write to the file came in
+        between (which removed or replaced it), now up to `end`."""
+        if running is None or self._hashing.get(incoming) is not running:
+            return None
+        running.busy, running.position = False, end
+        return running
 
     async def hold(self, message: proto.Message, channel: PeerChannel) -> None:
         """HOLD: the sender has PUT these files of the step's committed version; this node
@@ -104,3 +137,19 @@ class ReplicaReceiver:
                                "(another version, the name is in use, or not committed)")
             return
         await channel.send("HELD", names=held)
+
+
+class _Running:
+    """The xxh3-128 of an incoming file's bytes [0, position), written in order."""
+
+    def __init__(self) -> None:
+        self.hasher = xxhash.xxh3_128()
+        self.position = 0
+        self.busy = False  # a chunk is being written: a write meanwhile breaks the hash
+
+
+def _write(fd: int, data: bytes | memoryview, offset: int, running: _Running | None) -> None:
+    """In a worker thread: store a chunk and add it to its file's running hash."""
+    os.pwrite(fd, data, offset)
+    if running is not None:
+        running.hasher.update(data)
