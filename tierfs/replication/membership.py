@@ -3,7 +3,8 @@
 The live members come from `tierfs.cluster.membership` (each daemon's key under a lease; every
 node follows the member prefix). This module adds what the peer clients and the peer port ask
 of them: the address to connect to, the authenticated connections (kept alive in a pool),
-and the peers `status` lists (every node seen since this daemon started, up or down). There is no heartbeat of its own: a node is up while its lease lives.
+and the peers `status` lists (every node seen since this daemon started, up or down).
+There is no heartbeat of its own: a node is up while its lease lives.
 """
 
 from __future__ import annotations
