@@ -120,17 +120,18 @@ async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
     async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(step, holders)
 
-    async def on_held(done: mf.StepManifest, target: str, names: list[str]) -> None:
+    async def on_held(done: mf.StepManifest, target: str, names: list[str]) -> bool:
         assert sorted(names) == [".metadata", "shard"]
         holders.add(target)
         replicated.set()
+        return True
 
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         membership = await members_a_and_b(nursery, etcd_server, b.port)
         replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
                                 is_current=lambda m: True, placements=placements,
-                                on_placements=lambda m, h: None, on_held=on_held)
+                                on_placements=lambda m, h, w: None, on_held=on_held)
         nursery.start_soon(replicator.run)
         replicator.submit(manifest)
         with trio.fail_after(20):
@@ -157,16 +158,17 @@ async def test_a_step_of_many_files_is_held_in_several_messages(
     async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(step, {"a", *held})
 
-    async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> None:
+    async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> bool:
         held.extend(names)
         done.set()
+        return True
 
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         membership = await members_a_and_b(nursery, etcd_server, b.port)
         replicator = Replicator(membership, 1, lambda xxh3: str(objects / xxh3),
                                 is_current=lambda m: True, placements=placements,
-                                on_placements=lambda m, h: None, on_held=on_held)
+                                on_placements=lambda m, h, w: None, on_held=on_held)
         nursery.start_soon(replicator.run)
         replicator.submit(manifest)
         with trio.fail_after(60):
@@ -228,15 +230,16 @@ async def test_steps_of_many_chunks_go_over_one_kept_alive_connection(
     async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(step, {"a", "b"} if step.path in done else {"a"})
 
-    async def on_held(step: mf.StepManifest, target: str, names: list[str]) -> None:
+    async def on_held(step: mf.StepManifest, target: str, names: list[str]) -> bool:
         done.append(step.path)
+        return True
 
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         membership = await members_a_and_b(nursery, etcd_server, b.port)
         replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
                                 is_current=lambda m: True, placements=placements,
-                                on_placements=lambda m, h: None, on_held=on_held)
+                                on_placements=lambda m, h, w: None, on_held=on_held)
         nursery.start_soon(replicator.run)
         for manifest in manifests:
             replicator.submit(manifest)
@@ -292,9 +295,10 @@ async def test_holders_are_added_in_batches_and_none_is_lost_to_a_race(
                                      [*names, ".metadata"]})
     async with trio.open_nursery() as nursery:
         for target in ("b", "c", "d"):
-            nursery.start_soon(records.add_holders, "s", target, names)
+            nursery.start_soon(records.add_holders, "s", target, dict.fromkeys(names, "0" * 32))
     files = await records.files("s")
     assert all(files[n].holders == ("a", "b", "c", "d") for n in names)
     assert files[".metadata"].holders == ("a",)
-    again = await records.add_holders("s", "b", names[:2] + ["never-recorded"])
+    again = await records.add_holders("s", "b", dict.fromkeys([*names[:2], "never-recorded"],
+                                                              "0" * 32))
     assert sorted(again) == names[:2] and again[names[0]].holders == ("a", "b", "c", "d")

@@ -163,7 +163,9 @@ class ClusterCommits:
         node reads the step's holders again (one watch event). The records as they are now
         (none if etcd does not take it: the next replication round records it again)."""
         try:
-            found = await self.records.add_holders(manifest.path, node, names)
+            found = await self.records.add_holders(
+                manifest.path, node, {n: e.xxh3 for n in names
+                                      if (e := manifest.entry(n)) is not None})
             record = await self.records.commit_of(manifest.path)
             if record is not None and record.version == manifest.version:
                 await self.records.etcd.put(self.records.commit_key(manifest.path),
