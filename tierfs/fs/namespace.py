@@ -39,7 +39,6 @@ from tierfs.fs.nodes import (
 from tierfs.fs.other_tiers import OtherTiers
 from tierfs.fs.ports import (
     CommitSink,
-    HolderRecords,
     Liveness,
     PeerCopies,
     PersistCopies,
@@ -82,16 +81,14 @@ class Namespace:
                  sealed: SealedCollector | None = None, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None, keep_ram: int = 3,
                  replicas: int = 0, events: Events | None = None,
-                 liveness: Liveness | None = None,
-                 holder_records: HolderRecords | None = None) -> None:
+                 liveness: Liveness | None = None) -> None:
         self.tree = tree = core.tree
         self.events = events or Events()
         self.store = tree.store
         self.deletes = core.deletes
         self.background = core.background
         self.residency = Residency(tree, list(read_sources or []), self.background,
-                                   keep_ram=keep_ram, replicas=replicas, liveness=liveness,
-                                   holder_records=holder_records)
+                                   keep_ram=keep_ram, replicas=replicas, liveness=liveness)
         self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events)
         self.quiet = QuietCommits(tree, core.watch, self.commits)

@@ -12,7 +12,6 @@ Outward (implemented outside `fs`):
 * `SealedCollector`: the cluster's records of which node holds which file of a step.
 * `PeerCopies`, `PersistCopies`: the tiers `tierfs verify` checks and repairs.
 * `Liveness`: which peers are live members of the cluster now (eviction counts only those).
-* `HolderRecords`: the cluster's file records, from which eviction drops this node first.
 
 Inward (implemented inside `fs`, injected so that the core imports no collaborator):
 
@@ -25,15 +24,15 @@ Inward (implemented inside `fs`, injected so that the core imports no collaborat
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from tierfs import manifest as mf
 from tierfs.fs.fetch import ReadSource
 from tierfs.fs.nodes import Node
 
-__all__ = ["CommitSink", "DeleteLog", "HolderRecords", "Liveness", "PeerCopies",
-           "PersistCopies", "ReadGate", "ReadSource", "SealedCollector", "Spawner", "StepWatch"]
+__all__ = ["CommitSink", "DeleteLog", "Liveness", "PeerCopies", "PersistCopies", "ReadGate",
+           "ReadSource", "SealedCollector", "Spawner", "StepWatch"]
 
 
 class CommitSink(Protocol):
@@ -57,13 +56,6 @@ class SealedCollector(Protocol):
 
     async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:
         """The step's committed manifest in the cluster and the nodes holding its files."""
-
-
-class HolderRecords(Protocol):
-    """The cluster's file records (`cluster.commit_records.CommitRecords`)."""
-
-    async def drop_holders(self, step: str, node: str,
-                           paths: Collection[str]) -> Mapping[str, object]: ...
 
 
 class Liveness(Protocol):

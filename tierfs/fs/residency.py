@@ -18,7 +18,7 @@ import trio
 
 from tierfs.fs.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError
 from tierfs.fs.nodes import FsError, Node, StepState
-from tierfs.fs.ports import HolderRecords, Liveness, ReadSource, Spawner
+from tierfs.fs.ports import Liveness, ReadSource, Spawner
 from tierfs.fs.ram_store import RamFull
 from tierfs.fs.tree import Tree
 
@@ -36,11 +36,9 @@ class Residency:
 
     def __init__(self, tree: Tree, read_sources: list[ReadSource], background: Spawner, *,
                  keep_ram: int = 3, replicas: int = 0,
-                 liveness: Liveness | None = None,
-                 holder_records: HolderRecords | None = None) -> None:
+                 liveness: Liveness | None = None) -> None:
         self.tree = tree
         self.liveness = liveness  # who is up: a dead peer's copy does not count
-        self.holder_records = holder_records  # this node leaves a file's holders first
         self.store = tree.store
         self.read_sources = read_sources
         self.background = background
@@ -263,11 +261,6 @@ class Residency:
         step = step_node.step
         if step in self._evictions:
             return
-        if self.holder_records is not None:  # the records first: that takes a request
-            self._evictions[step] = trio.Event()
-            self._spawn(lambda: self._finish_eviction(
-                step, self._eviction_work(step_node, FIRST_SLICE), step_node))
-            return
         work = self._eviction_work(step_node, FIRST_SLICE)
         try:
             next(work)
@@ -279,37 +272,14 @@ class Residency:
     async def _evict(self, step_node: Node) -> None:
         """Evict a step, a slice at a time, in this task."""
         self._evictions[step_node.step] = trio.Event()
-        await self._finish_eviction(step_node.step, self._eviction_work(step_node), step_node)
+        await self._finish_eviction(step_node.step, self._eviction_work(step_node))
 
-    async def _finish_eviction(self, step: StepState, work: Iterator[None],
-                               step_node: Node | None = None) -> None:
-        """Run the eviction's slices; first (given `step_node`, with --cluster) drop this node
-        from the records of the files that will leave, so that no node counts a copy that
-        is gone: if etcd does not take it, nothing leaves now."""
+    async def _finish_eviction(self, step: StepState, work: Iterator[None]) -> None:
         try:
-            if step_node is None or await self._drop_from_records(step_node):
-                for _slice in work:
-                    await trio.sleep(EVICT_SLICE)
+            for _slice in work:
+                await trio.sleep(EVICT_SLICE)
         finally:
             self._evictions.pop(step).set()
-
-    async def _drop_from_records(self, step_node: Node) -> bool:
-        """This node stops being a holder of the step's files that may leave RAM (in the
-        cluster's records, batched); whether the records took it."""
-        step = step_node.step
-        if self.holder_records is None or step.manifest is None:
-            return True
-        leaving = [name for name in sorted(step.resident) if self.file_leaves(step, name)]
-        if not leaving:
-            return True
-        try:
-            await self.holder_records.drop_holders(step.manifest.path, self.tree.node_id,
-                                                   leaving)
-        except Exception as exc:  # etcd away: the copies stay until the next eviction
-            log.warning("%s stays in RAM: the cluster's records could not be updated: %s",
-                        step.manifest.path, exc)
-            return False
-        return True
 
     def _eviction_work(self, step_node: Node, first_slice: float = EVICT_SLICE
                        ) -> Iterator[None]:

@@ -295,8 +295,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
                           replicas=cfg.replicas, events=events,
-                          liveness=links.membership if links else None,
-                          holder_records=links.sealed.records if links else None)
+                          liveness=links.membership if links else None)
     verifier = namespace.verifier
     verifier.collect_unverified()
     uploader = _uploader(cfg, backend, namespace, events) if backend else None
