@@ -375,3 +375,63 @@ def test_a_replacement_node_takes_the_copies_of_a_lost_writer(cluster3: Cluster)
     assert all("node3" in r.holders for r in _file_records(cluster3, step).values())
     _check_step_bytes(fresh, step, expected)
     wait_until(lambda: fresh.step(step)["ram"] and fresh.step(step)["copies"] == 2, timeout=10)
+
+
+def test_the_committer_keeps_the_copy_it_holds_for_another_writer(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
+    """A DCP step written on node0 (rank 0, `.metadata`: the committer) and node1 (K = 1),
+    then newer steps (--keep-ram 1): each writer's own shard leaves its RAM once the other
+    holds a copy (node1, not the committer, too), but the copy each holds for the other
+    stays. node1 is then lost: its files are read from node0."""
+    from tests.conftest import getxattr
+    from tests.test_crash import save
+
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    for node_id in cluster.ports:
+        cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), "--keep-ram", "1")
+    node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
+    for node_id in cluster.ports:
+        wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)
+    step = "run/step_1"
+    run_dcp_ranks([node0 / step, node1 / step], timeout=240)
+    wait_until(lambda: _copies_everywhere(cluster, step, set(cluster.ports), 2), timeout=30)
+    records = _file_records(cluster, step)
+    written_on_1 = {name: r.xxh3 for name, r in records.items() if r.node == "node1"}
+    assert written_on_1
+    # step_1 is beyond --keep-ram on both nodes
+    save(node1 / "run/step_2", {"f": b"2", ".metadata": b"m"})
+    save(node0 / "run/step_3", {"f": b"3", ".metadata": b"m"})
+
+    def tiers(node: Mount, name: str) -> str:
+        return getxattr(node / f"{step}/{name}", "user.tierfs.tiers")
+
+    wait_until(lambda: tiers(node0, "__0_0.distcp") == "peer:node1", timeout=30)
+    wait_until(lambda: tiers(node1, "__1_0.distcp") == "peer:node0", timeout=30)
+    assert tiers(node0, "__1_0.distcp").startswith("ram")  # held for node1: it stays
+    assert tiers(node1, "__0_0.distcp").startswith("ram")
+    node1.kill9()  # node0's own files left with it (K = 1); node1's are all on node0
+    _check_step_bytes(node0, step, written_on_1)
+
+
+def test_a_dead_peers_copy_does_not_let_a_step_leave_ram(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
+    """K = 2 on three nodes: a step held by node1 and node2 stays in node0's RAM once node2
+    is down, even beyond --keep-ram (node1's copy is the only one left elsewhere)."""
+    from tests.test_crash import save
+
+    cluster = Cluster(mounts, token_file, 3, etcd_server)
+    for node_id in cluster.ports:
+        cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), "--keep-ram", "1",
+                                              "--replicas", "2")
+    node0 = cluster.nodes["node0"]
+    for node_id in cluster.ports:
+        wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)
+    save(node0 / "run/step_1", {"f": os.urandom(1 << 20), ".metadata": b"m"})
+    wait_until(lambda: node0.step("run/step_1")["replicas"] == ["node1", "node2"], timeout=30)
+    cluster.nodes["node2"].kill9()
+    wait_until(lambda: cluster.peers_up("node0") == {"node1": True, "node2": False},
+               timeout=15)
+    # its copy on node1 makes node0 look at step_1 again
+    save(node0 / "run/step_2", {"f": b"2", ".metadata": b"m"})
+    wait_until(lambda: node0.step("run/step_2")["replicas"] == ["node1"], timeout=30)
+    assert node0.step("run/step_1")["ram"]

@@ -120,17 +120,18 @@ async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
     async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(step, holders)
 
-    async def on_held(done: mf.StepManifest, target: str, names: list[str]) -> None:
+    async def on_held(done: mf.StepManifest, target: str, names: list[str]) -> bool:
         assert sorted(names) == [".metadata", "shard"]
         holders.add(target)
         replicated.set()
+        return True
 
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         membership = await members_a_and_b(nursery, etcd_server, b.port)
         replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
                                 is_current=lambda m: True, placements=placements,
-                                on_placements=lambda m, h: None, on_held=on_held)
+                                on_placements=lambda m, h, w: None, on_held=on_held)
         nursery.start_soon(replicator.run)
         replicator.submit(manifest)
         with trio.fail_after(20):
@@ -157,16 +158,17 @@ async def test_a_step_of_many_files_is_held_in_several_messages(
     async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(step, {"a", *held})
 
-    async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> None:
+    async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> bool:
         held.extend(names)
         done.set()
+        return True
 
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         membership = await members_a_and_b(nursery, etcd_server, b.port)
         replicator = Replicator(membership, 1, lambda xxh3: str(objects / xxh3),
                                 is_current=lambda m: True, placements=placements,
-                                on_placements=lambda m, h: None, on_held=on_held)
+                                on_placements=lambda m, h, w: None, on_held=on_held)
         nursery.start_soon(replicator.run)
         replicator.submit(manifest)
         with trio.fail_after(60):
@@ -257,15 +259,16 @@ async def test_steps_of_many_chunks_go_over_one_kept_alive_connection(
     async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(step, {"a", "b"} if step.path in done else {"a"})
 
-    async def on_held(step: mf.StepManifest, target: str, names: list[str]) -> None:
+    async def on_held(step: mf.StepManifest, target: str, names: list[str]) -> bool:
         done.append(step.path)
+        return True
 
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         membership = await members_a_and_b(nursery, etcd_server, b.port)
         replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
                                 is_current=lambda m: True, placements=placements,
-                                on_placements=lambda m, h: None, on_held=on_held)
+                                on_placements=lambda m, h, w: None, on_held=on_held)
         nursery.start_soon(replicator.run)
         for manifest in manifests:
             replicator.submit(manifest)
@@ -321,9 +324,78 @@ async def test_holders_are_added_in_batches_and_none_is_lost_to_a_race(
                                      [*names, ".metadata"]})
     async with trio.open_nursery() as nursery:
         for target in ("b", "c", "d"):
-            nursery.start_soon(records.add_holders, "s", target, names)
+            nursery.start_soon(records.add_holders, "s", target, dict.fromkeys(names, "0" * 32))
     files = await records.files("s")
     assert all(files[n].holders == ("a", "b", "c", "d") for n in names)
     assert files[".metadata"].holders == ("a",)
-    again = await records.add_holders("s", "b", names[:2] + ["never-recorded"])
+    again = await records.add_holders("s", "b", dict.fromkeys([*names[:2], "never-recorded"],
+                                                              "0" * 32))
     assert sorted(again) == names[:2] and again[names[0]].holders == ("a", "b", "c", "d")
+
+
+async def test_a_hold_of_an_older_content_never_counts_for_the_newer_one(
+        etcd_server: EtcdServer) -> None:
+    """Records are keyed by path: a copy of v5 verified after the writer sealed v6 (another
+    xxh3) is not added to v6's record; a copy of the content recorded is."""
+    from tierfs.cluster.commit_records import CommitRecords
+
+    cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    await records.record_files("s", {"old": FileRecord.sealed("a", 1, "6" * 32),
+                                     "same": FileRecord.sealed("a", 1, "5" * 32)})
+    found = await records.add_holders("s", "b", {"old": "5" * 32, "same": "5" * 32})
+    assert found["old"].holders == ("a",) and found["same"].holders == ("a", "b")
+    files = await records.files("s")
+    assert files["old"].holders == ("a",) and files["same"].holders == ("a", "b")
+    dropped = await records.drop_holders("s", "b", ["old", "same"])
+    assert dropped["same"].holders == ("a",)
+    assert (await records.files("s"))["same"].holders == ("a",)
+
+
+async def test_holders_of_many_large_records_fit_etcds_request_limit(
+        etcd_server: EtcdServer) -> None:
+    """128 records of ~60 kB each (a 10 GB shard's chunk hashes) are more than one request of
+    1.5 MiB: the compare-and-swap goes in several transactions, and every holder is added."""
+    from tierfs.cluster.commit_records import CommitRecords
+
+    cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    chunks = tuple(os.urandom(16).hex() for _ in range(1900))  # ~60 kB of JSON
+    names = [f"__{i}_0.distcp" for i in range(128)]
+    await records.record_files("s", {n: FileRecord.sealed("a", 1, "0" * 32,
+                                                          ("f", n, chunks)) for n in names})
+    found = await records.add_holders("s", "b", dict.fromkeys(names, "0" * 32))
+    assert all(found[n].holders == ("a", "b") for n in names)
+    assert all(r.holders == ("a", "b") for r in (await records.files("s")).values())
+
+
+async def test_copies_etcd_did_not_record_are_sent_again_only_after_a_pause(
+        tmp_path: Path, etcd_server: EtcdServer) -> None:
+    """The target verified the copies but etcd did not record them: the round failed, so the
+    replicator pauses and, after a few such rounds, sets the step aside (no hot loop)."""
+    data = os.urandom(100)
+    entry = committed_object(tmp_path / "a-objects", data, "shard")
+    manifest = mf.StepManifest("run/step_3", 3, 1, "a", 0, (entry,))
+    b = Receiving(tmp_path, manifest)
+    rounds: list[float] = []
+
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
+        return records_of(step, {"a"})
+
+    async def on_held(step: mf.StepManifest, target: str, names: list[str]) -> bool:
+        rounds.append(trio.current_time())
+        return False  # etcd refused
+
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        membership = await members_a_and_b(nursery, etcd_server, b.port)
+        replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
+                                is_current=lambda m: True, placements=placements,
+                                on_placements=lambda *_: None, on_held=on_held)
+        nursery.start_soon(replicator.run)
+        replicator.submit(manifest)
+        with trio.fail_after(30):
+            while manifest.path not in replicator._later:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert 1 < len(rounds) <= 5  # each failed round paused before the next

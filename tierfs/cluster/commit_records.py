@@ -28,7 +28,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 from urllib.parse import quote, unquote
@@ -36,7 +36,6 @@ from urllib.parse import quote, unquote
 import trio
 
 from tierfs.cluster.etcd import (
-    MAX_TXN_OPS,
     ClusterUrl,
     Etcd,
     EtcdError,
@@ -181,36 +180,49 @@ class CommitRecords:
         return await self._update(step, path, lambda holders: holders | {node})
 
     async def add_holders(self, step: str, node: str,
-                          paths: Collection[str]) -> dict[str, FileRecord]:
-        """Count `node` as holding a verified copy of each of `paths`: one read of the step's
-        records, then compare-and-swap transactions of up to MAX_TXN_OPS records each (a
-        chunk that lost a race to a concurrent update is read and tried again). The records
-        of `paths` as they are now (paths without a record are left out)."""
-        wanted = set(paths)
-        while True:
-            snapshot = await self.etcd.get_prefix(self.files_prefix(step))
-            prefix = self.files_prefix(step)
-            current: dict[str, tuple[KeyValue, FileRecord]] = {}
-            for kv in snapshot.kvs:
-                path = kv.key[len(prefix):]
-                if path in wanted:
-                    with contextlib.suppress(ValueError, KeyError, TypeError):
-                        current[path] = (kv, FileRecord.decode(kv.value))
-            updates = [(kv.key, replace(r, holders=tuple(sorted({*r.holders, node}))), kv.version)
-                       for kv, r in current.values() if node not in r.holders]
-            raced = False
-            for start in range(0, len(updates), MAX_TXN_OPS):
-                chunk = updates[start:start + MAX_TXN_OPS]
-                if not await self.etcd.put_all_if_version(
-                        [(key, record.encode(), version) for key, record, version in chunk]):
-                    raced = True
-            if not raced:
-                done = {key: record for key, record, _version in updates}
-                return {path: done.get(kv.key, record) for path, (kv, record) in current.items()}
+                          files: Mapping[str, str]) -> dict[str, FileRecord]:
+        """Count `node` as holding a verified copy of each file of `files` ({path: xxh3}, the
+        content it verified): one read of the step's records, then compare-and-swap
+        transactions (`Etcd.put_all_if_version`; a transaction that lost a race to a
+        concurrent update is read and tried again). A record whose xxh3 differs (the path was
+        sealed again meanwhile) is left as it is: a copy of v5 never holds v6. The records
+        of `files` as they are now (paths without a record are left out)."""
+        return await self._change_holders(step, files, lambda holders: holders | {node})
 
     async def drop_holder(self, step: str, path: str, node: str) -> FileRecord:
         """Stop counting `node` (its copy is gone or bad)."""
         return await self._update(step, path, lambda holders: holders - {node})
+
+    async def drop_holders(self, step: str, node: str,
+                           paths: Collection[str]) -> dict[str, FileRecord]:
+        """Stop counting `node` as a holder of each of `paths` (its copies left RAM, are bad,
+        or are not there at start): batched as `add_holders`, whatever the content."""
+        return await self._change_holders(step, dict.fromkeys(paths),
+                                          lambda holders: holders - {node})
+
+    async def _change_holders(self, step: str, files: Mapping[str, str | None],
+                              change: Callable[[frozenset[str]], frozenset[str]]
+                              ) -> dict[str, FileRecord]:
+        """Apply `change` to the holders of each file of `files` whose record has the xxh3
+        given (None: any), in compare-and-swap transactions, until none lost a race."""
+        prefix = self.files_prefix(step)
+        while True:
+            snapshot = await self.etcd.get_prefix(prefix)
+            current: dict[str, tuple[KeyValue, FileRecord]] = {}
+            for kv in snapshot.kvs:
+                path = kv.key[len(prefix):]
+                if path in files:
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                        current[path] = (kv, FileRecord.decode(kv.value))
+            updates = []
+            for path, (kv, record) in current.items():
+                holders = tuple(sorted(change(frozenset(record.holders))))
+                if holders != record.holders and files[path] in (None, record.xxh3):
+                    updates.append((kv.key, replace(record, holders=holders), kv.version))
+            if await self.etcd.put_all_if_version(
+                    [(key, record.encode(), version) for key, record, version in updates]):
+                done = {key: record for key, record, _version in updates}
+                return {path: done.get(kv.key, record) for path, (kv, record) in current.items()}
 
     async def _update(self, step: str, path: str,
                       change: Callable[[frozenset[str]], frozenset[str]]) -> FileRecord:

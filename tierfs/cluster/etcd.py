@@ -199,16 +199,20 @@ class Etcd:
         await self._call("kv/txn", {"compare": [], "failure": [], "success": operations})
 
     async def put_all_if_version(self, items: Sequence[tuple[str, bytes, int]]) -> bool:
-        """Write every (key, value) only if each key's version is still the one given, in one
-        transaction (at most MAX_TXN_OPS items); False if any moved (then none is written)."""
-        assert len(items) <= MAX_TXN_OPS
-        txn = {"compare": [{"key": _b64(key), "target": "VERSION", "result": "EQUAL",
-                            "version": version} for key, _value, version in items],
-               "success": [{"request_put": self._put_fields(key, value, 0)}
-                           for key, value, _version in items],
-               "failure": []}
-        reply = await self._call("kv/txn", txn)
-        return bool(reply.get("succeeded", False))
+        """Write every (key, value) only if each key's version is still the one given, in
+        transactions of at most MAX_TXN_OPS items and MAX_TXN_BYTES (etcd refuses a request
+        over 1.5 MiB); each is all or nothing. False if a key of some transaction moved (that
+        transaction wrote nothing; the others are written: the caller reads and tries again)."""
+        succeeded = True
+        for chunk in _txn_chunks(items, lambda item: len(item[0]) + len(item[1])):
+            txn = {"compare": [{"key": _b64(key), "target": "VERSION", "result": "EQUAL",
+                                "version": version} for key, _value, version in chunk],
+                   "success": [{"request_put": self._put_fields(key, value, 0)}
+                               for key, value, _version in chunk],
+                   "failure": []}
+            reply = await self._call("kv/txn", txn)
+            succeeded = bool(reply.get("succeeded", False)) and succeeded
+        return succeeded
 
     async def delete(self, key: str) -> bool:
         reply = await self._call("kv/deleterange", {"key": _b64(key)})

@@ -39,6 +39,7 @@ from tierfs.fs.nodes import (
 from tierfs.fs.other_tiers import OtherTiers
 from tierfs.fs.ports import (
     CommitSink,
+    Liveness,
     PeerCopies,
     PersistCopies,
     ReadGate,
@@ -79,14 +80,15 @@ class Namespace:
                  read_sources: list[ReadSource] | None = None,
                  sealed: SealedCollector | None = None, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None, keep_ram: int = 3,
-                 replicas: int = 0, events: Events | None = None) -> None:
+                 replicas: int = 0, events: Events | None = None,
+                 liveness: Liveness | None = None) -> None:
         self.tree = tree = core.tree
         self.events = events or Events()
         self.store = tree.store
         self.deletes = core.deletes
         self.background = core.background
         self.residency = Residency(tree, list(read_sources or []), self.background,
-                                   keep_ram=keep_ram, replicas=replicas)
+                                   keep_ram=keep_ram, replicas=replicas, liveness=liveness)
         self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events)
         self.quiet = QuietCommits(tree, core.watch, self.commits)

@@ -103,6 +103,9 @@ class StepState:
         # Per file of this version: the peers holding a verified copy, as the cluster's file
         # records say (a file missing here: only the step-level sets above are known).
         self.file_holders: dict[str, set[str]] = {}
+        # Per file of this version: the node that wrote it, as the cluster's file records say
+        # (a file missing here has no known writer: it leaves RAM only once persisted).
+        self.file_writers: dict[str, str] = {}
 
     @property
     def committed(self) -> bool:

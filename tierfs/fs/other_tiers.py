@@ -211,11 +211,13 @@ class OtherTiers:
         return any(len(self.tree.verified_peers(node.step, name)) < replicas
                    for name in node.step.resident)
 
-    def note_placements(self, manifest: mf.StepManifest, holders: dict[str, set[str]]) -> None:
-        """Who holds each file of this version, from the cluster's records."""
+    def note_placements(self, manifest: mf.StepManifest, holders: dict[str, set[str]],
+                        writers: dict[str, str]) -> None:
+        """Who holds and who wrote each file of this version, from the cluster's records
+        (eviction judges each file by its writer: `Residency.file_leaves`)."""
         node = self.tree.find_step(manifest.path)
         if node is not None and node.step.manifest is manifest:
-            self.tree.set_file_holders(node, holders)
+            self.tree.set_file_holders(node, holders, writers)
 
     def mark_held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> None:
         """`peer` verified copies of these files of this version."""

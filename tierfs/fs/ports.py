@@ -11,6 +11,7 @@ Outward (implemented outside `fs`):
   tier); defined beside `Fetch`, which uses it, and re-exported here.
 * `SealedCollector`: the cluster's records of which node holds which file of a step.
 * `PeerCopies`, `PersistCopies`: the tiers `tierfs verify` checks and repairs.
+* `Liveness`: which peers are live members of the cluster now (eviction counts only those).
 
 Inward (implemented inside `fs`, injected so that the core imports no collaborator):
 
@@ -30,8 +31,8 @@ from tierfs import manifest as mf
 from tierfs.fs.fetch import ReadSource
 from tierfs.fs.nodes import Node
 
-__all__ = ["CommitSink", "DeleteLog", "PeerCopies", "PersistCopies", "ReadGate", "ReadSource",
-           "SealedCollector", "Spawner", "StepWatch"]
+__all__ = ["CommitSink", "DeleteLog", "Liveness", "PeerCopies", "PersistCopies", "ReadGate",
+           "ReadSource", "SealedCollector", "Spawner", "StepWatch"]
 
 
 class CommitSink(Protocol):
@@ -55,6 +56,12 @@ class SealedCollector(Protocol):
 
     async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:
         """The step's committed manifest in the cluster and the nodes holding its files."""
+
+
+class Liveness(Protocol):
+    """The cluster's live members (`replication.membership.Membership`)."""
+
+    def is_up(self, node_id: str) -> bool: ...
 
 
 class PeerCopies(Protocol):

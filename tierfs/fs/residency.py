@@ -18,7 +18,7 @@ import trio
 
 from tierfs.fs.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError
 from tierfs.fs.nodes import FsError, Node, StepState
-from tierfs.fs.ports import ReadSource, Spawner
+from tierfs.fs.ports import Liveness, ReadSource, Spawner
 from tierfs.fs.ram_store import RamFull
 from tierfs.fs.tree import Tree
 
@@ -35,8 +35,10 @@ class Residency:
     """Files whose bytes are in another tier: fetched back, prefetched, evicted."""
 
     def __init__(self, tree: Tree, read_sources: list[ReadSource], background: Spawner, *,
-                 keep_ram: int = 3, replicas: int = 0) -> None:
+                 keep_ram: int = 3, replicas: int = 0,
+                 liveness: Liveness | None = None) -> None:
         self.tree = tree
+        self.liveness = liveness  # who is up: a dead peer's copy does not count
         self.store = tree.store
         self.read_sources = read_sources
         self.background = background
@@ -199,8 +201,9 @@ class Residency:
             # Loose files (no number) are not counted: they leave RAM only under pressure.
             step_nodes.sort(key=_number, reverse=True)
             for rank, node in enumerate(step_nodes):
-                if self.safe_elsewhere(node.step) and (
-                        node.step.resident or self.tree.has_partial_fetches(node)):
+                step = node.step
+                if any(self.file_leaves(step, name) for name in step.resident) or (
+                        not step.resident and self.tree.has_partial_fetches(node)):
                     counted = node.step.number is not None and rank >= self.keep_ram
                     (beyond if counted else within).append(node)
         oldest_first = _number
@@ -208,14 +211,32 @@ class Residency:
             sorted(within, key=oldest_first) if pressure else [])
 
     def safe_elsewhere(self, step: StepState) -> bool:
+        """Whether every file of the step in RAM here may leave it (`file_leaves`)."""
+        return step.persisted or all(self.file_leaves(step, name) for name in step.resident)
+
+    def file_leaves(self, step: StepState, name: str) -> bool:
+        """Whether this node's copy of one file of a committed step may leave RAM: the step is
+        persisted, or this node wrote the file (its record's writer; the manifest's node is
+        only the committer of a multi-node step) and `replicas` live peers hold verified
+        copies of it. A copy held for another writer leaves only once persisted: it may be
+        the only one left when its writer is lost."""
         if step.persisted:
             return True
-        owned = step.manifest.node_id == self.tree.node_id
-        # every file here has K copies on peers (counted per file: a multi-node step's files
-        # have holders of their own)
-        return owned and self.replicas > 0 and all(
-            len(self.tree.verified_peers(step, name)) >= self.replicas
-            for name in step.resident)
+        if self.replicas <= 0 or self._writer(step, name) != self.tree.node_id:
+            return False
+        peers = self.tree.verified_peers(step, name)
+        if self.liveness is not None:
+            peers = {peer for peer in peers if self.liveness.is_up(peer)}
+        return len(peers) >= self.replicas
+
+    def _writer(self, step: StepState, name: str) -> str | None:
+        """The node that wrote the file: from the cluster's records once read; before that,
+        only a step with no record read yet and committed here counts as written here."""
+        writer = step.file_writers.get(name)
+        if writer is None and not step.file_writers and step.manifest is not None \
+                and step.manifest.node_id == self.tree.node_id and not step.holders:
+            return self.tree.node_id
+        return writer
 
     def _ram_holders(self) -> str:
         """What the RAM tier holds that cannot leave it now, for the log line of a refusal."""
@@ -272,6 +293,8 @@ class Residency:
             if step_node.step is not step or step.manifest is not manifest \
                     or not step.committed:
                 break  # re-saved, superseded or removed meanwhile: it is no longer ours to evict
+            if entry.name in step.resident and not self.file_leaves(step, entry.name):
+                continue  # not safe elsewhere (held for another writer, or short of copies)
             node = self.tree.entry_node(step_node, entry.name)
             size = None if node is None else self.tree.evict_file(step, entry, node)
             if size is not None:

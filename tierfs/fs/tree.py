@@ -447,12 +447,17 @@ class Tree:
                     + sum(1 for peer in self.file_peers(step, e.name) if is_up(peer))
                     for e in step.manifest.files), default=0)
 
-    def set_file_holders(self, step_node: Node, holders: dict[str, set[str]]) -> None:
-        """Who holds these files of the committed version, as the cluster's records say."""
+    def set_file_holders(self, step_node: Node, holders: dict[str, set[str]],
+                         writers: dict[str, str] | None = None) -> None:
+        """Who holds (and who wrote) these files of the committed version, as the cluster's
+        records say."""
         step = step_node.step
         for name, nodes in holders.items():
             if step.manifest.entry(name) is not None:
                 step.file_holders[name] = set(nodes) - {self.node_id}
+        for name, writer in (writers or {}).items():
+            if step.manifest.entry(name) is not None:
+                step.file_writers[name] = writer
 
     def add_file_holder(self, step_node: Node, peer: str, names: list[str]) -> None:
         """`peer` holds verified copies of these files; once it holds every file of the step
@@ -1296,6 +1301,7 @@ class Tree:
         step.replicas = set()
         step.holders = set()
         step.file_holders = {}
+        step.file_writers = {}
         step.persisted_version = 0
         step.retired_version = 0
         log.warning("%s v%d here is superseded by v%d from %s", manifest.path,

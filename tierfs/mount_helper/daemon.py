@@ -295,7 +295,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     namespace = Namespace(core, commits_send, read_sources=sources,
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
-                          replicas=cfg.replicas, events=events)
+                          replicas=cfg.replicas, events=events,
+                          liveness=links.membership if links else None)
     verifier = namespace.verifier
     verifier.collect_unverified()
     uploader = _uploader(cfg, backend, namespace, events) if backend else None
@@ -550,10 +551,18 @@ class ClusterNode:
         self.ranges = RangeServer(store.objects, namespace.tree.sealed_path)
         self.manifests = ManifestServer(namespace.tree.committed_manifest)
 
-    async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> None:
-        """A peer verified copies of these files: held there, here and in etcd's records."""
-        self.namespace.tiers.mark_held(manifest, peer, names)
-        await self.sealed.add_holders(manifest, peer, names)
+    async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> bool:
+        """A peer verified copies of these files: counted in etcd's records, then here (only
+        those etcd took, for this content). Whether every one was recorded (if not, the
+        replicator pauses before it tries again)."""
+        found = await self.sealed.add_holders(manifest, peer, names)
+        recorded = [name for name in names
+                    if name in found and peer in found[name].holders
+                    and (entry := manifest.entry(name)) is not None
+                    and found[name].xxh3 == entry.xxh3]
+        if recorded:
+            self.namespace.tiers.mark_held(manifest, peer, recorded)
+        return len(recorded) == len(names)
 
     async def start(self, nursery: trio.Nursery) -> None:
         handlers: dict[str, Handler] = {

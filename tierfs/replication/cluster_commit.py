@@ -182,7 +182,9 @@ class ClusterCommits:
         records as they are now (none if etcd does not take it: the next replication round
         records it again)."""
         try:
-            found = await self.records.add_holders(manifest.path, node, names)
+            found = await self.records.add_holders(
+                manifest.path, node, {n: e.xxh3 for n in names
+                                      if (e := manifest.entry(n)) is not None})
             await self.records.add_commit_holder(manifest.path, manifest.version, node)
             return found
         except EtcdError as exc:

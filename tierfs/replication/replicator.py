@@ -47,7 +47,8 @@ RETRY_LATER = 5.0  # seconds between tries of the steps waiting aside
 HOLD_NAME_BYTES = 256 << 10  # names per HOLD: at most this many bytes (and MAX_NAMES)
 
 Placements = Callable[[mf.StepManifest], Awaitable[dict[str, FileRecord] | None]]
-Recorded = Callable[[mf.StepManifest, str, list[str]], Awaitable[None]]
+# Count a target as holding files it verified; whether etcd recorded every one.
+Recorded = Callable[[mf.StepManifest, str, list[str]], Awaitable[bool]]
 
 
 class Replicator:
@@ -59,7 +60,7 @@ class Replicator:
         *,
         is_current: Callable[[mf.StepManifest], bool],
         placements: Placements,
-        on_placements: Callable[[mf.StepManifest, dict[str, set[str]]], None],
+        on_placements: Callable[[mf.StepManifest, dict[str, set[str]], dict[str, str]], None],
         on_held: Recorded,
         events: Events | None = None,
     ) -> None:
@@ -119,7 +120,8 @@ class Replicator:
         records = await self._placements(manifest)
         if records is None:
             return None
-        self._on_placements(manifest, {name: set(r.holders) for name, r in records.items()})
+        self._on_placements(manifest, {name: set(r.holders) for name, r in records.items()},
+                            {name: r.node for name, r in records.items()})
         here = {name: placement.Placement(r.node, frozenset(r.holders))
                 for name, r in records.items()
                 if os.path.exists(self._object_path(r.xxh3))}
@@ -158,12 +160,12 @@ class Replicator:
                     held += [n for n in reply["names"] if isinstance(n, str) and n in sent]
         except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
             error = exc
-        if held:
-            await self._on_held(manifest, target, held)
-        if error is not None or len(held) < len(names):
+        recorded = not held or await self._on_held(manifest, target, held)
+        if error is not None or len(held) < len(names) or not recorded:
             log.warning("replication of %d files of %s v%d to %s failed, will retry: %s",
                         len(names) - len(held), manifest.path, manifest.version, target,
-                        error or "not all held there")
+                        error or ("not all held there" if len(held) < len(names)
+                                  else "etcd did not record the copies"))
             return False
         self._events.replicated(manifest, target, time.monotonic() - started)
         return True
