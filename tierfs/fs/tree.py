@@ -503,13 +503,19 @@ class Tree:
             return None
         return node.step.manifest
 
+    def step_of_entry(self, data_dir: str, name: str | None) -> Node | None:
+        """The step a manifest entry named `name` under `data_dir` (`layout.data_dir`)
+        belongs to: the step at `data_dir`, or the single-file step `data_dir/name`."""
+        node = self.find_step(data_dir)
+        if node is None and name is not None:
+            node = self.find_step(os.path.join(data_dir, name))
+        return node
+
     def holders_of(self, step_path: str, name: str | None = None) -> list[str]:
         """Other nodes to read the step's file `name` from (its own holders once known).
         `step_path` is the data dir of the file's entry (`layout.data_dir`): for a single-file
         step, the directory the file is in."""
-        node = self.find_step(step_path)
-        if node is None and name is not None:  # a file step or loose file
-            node = self.find_step(os.path.join(step_path, name))
+        node = self.step_of_entry(step_path, name)
         if node is None:
             return []
         step = node.step

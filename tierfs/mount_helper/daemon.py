@@ -517,12 +517,28 @@ class ClusterLinks:
         self.etcd = Etcd(cfg.cluster.endpoints)
         self.live = live_members.Membership(self.etcd, cfg.cluster, cfg.node_id, cfg.advertise)
         self.membership = Membership(self.live, cfg.token)
-        self.reader = PeerReader(self.membership, tree.holders_of)
         self.sealed = ClusterCommits(CommitRecords(self.etcd, cfg.cluster), cfg.node_id,
                                      tree.step_number, ManifestFetcher(self.membership).fetch,
                                      tree.committed_manifest)
+        self.tree = tree
+        self.reader = PeerReader(self.membership, tree.holders_of, self._file_holders)
         self.verify = PeerVerify(self.membership)
         self.delete = PeerDelete(self.membership)
+
+    async def _file_holders(self, data_dir: str, name: str) -> list[str]:
+        """Who holds a file now, from its record in etcd (the holders known here failed):
+        remembered for the next reads of the file."""
+        step_node = self.tree.step_of_entry(data_dir, name)
+        if step_node is None or not step_node.step.committed:
+            return []
+        manifest = step_node.step.manifest
+        record = await self.sealed.file_record(manifest.path, name)
+        entry = manifest.entry(name)
+        if record is None or entry is None or record.xxh3 != entry.xxh3:
+            return []
+        if self.tree.find_step(manifest.path) is step_node:  # not replaced meanwhile
+            self.tree.set_file_holders(step_node, {name: set(record.holders)})
+        return list(record.holders)
 
 
 class ClusterNode:

@@ -192,6 +192,15 @@ class ClusterCommits:
                      len(names), manifest.path, exc)
             return {}
 
+    async def file_record(self, step_path: str, name: str) -> FileRecord | None:
+        """One file's record as etcd has it now (None if none, or etcd does not answer)."""
+        try:
+            kv = await self.records.etcd.get(self.records.file_key(step_path, name))
+            return FileRecord.decode(kv.value) if kv is not None else None
+        except (EtcdError, ValueError, KeyError, TypeError) as exc:
+            log.info("could not read the record of %s/%s: %s", step_path, name, exc)
+            return None
+
     async def placements(self, manifest: mf.StepManifest) -> dict[str, FileRecord] | None:
         """Who holds each file of this committed version, from its records: None unless
         etcd has the step's commit record at this version (or does not answer)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -22,10 +22,13 @@ _HEX = set("0123456789abcdef")
 class PeerReader:
     name = "peer"
 
-    def __init__(self, membership: Membership,
-                 holders: Callable[[str, str], list[str]]) -> None:
+    def __init__(self, membership: Membership, holders: Callable[[str, str], list[str]],
+                 refresh: Callable[[str, str], Awaitable[list[str]]] | None = None) -> None:
         self.membership = membership
         self._holders = holders
+        # Who holds a file now, asked when every holder known here failed: copies made
+        # since this node last read the file's record (e.g. of a file it holds nothing of).
+        self._refresh = refresh
 
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
                          length: int) -> memoryview:
@@ -42,14 +45,32 @@ class PeerReader:
 
     async def _read(self, step_path: str, entry: mf.FileEntry, offset: int, length: int,
                     into: memoryview | None) -> memoryview:
-        holders = [h for h in self._holders(step_path, entry.name) if h != self.membership.me]
+        failures: list[str] = []
+        tried: set[str] = set()
+        holders = self._holders(step_path, entry.name)
+        for _attempt in range(2):
+            untried = [h for h in holders if h != self.membership.me and h not in tried]
+            tried.update(untried)
+            data = await self._read_from(untried, step_path, entry, offset, length, into,
+                                         failures)
+            if data is not None:
+                return data
+            if self._refresh is None:
+                break
+            holders = await self._refresh(step_path, entry.name)
+        raise proto.ProtocolError("; ".join(failures) or "no peer holds it")
+
+    async def _read_from(self, holders: list[str], step_path: str, entry: mf.FileEntry,
+                         offset: int, length: int, into: memoryview | None,
+                         failures: list[str]) -> memoryview | None:
+        """The bytes from the first of `holders` that gives them (None if none does: each
+        failure is added to `failures`)."""
         if not holders:
-            raise proto.ProtocolError("no peer holds it")
+            return None
         start = zlib.crc32(f"{entry.xxh3}:{offset}".encode()) % len(holders)
         rotated = holders[start:] + holders[:start]
         # Live holders first; the others too, since a peer may be up before a heartbeat says so.
         ordered = sorted(rotated, key=lambda h: not self.membership.is_up(h))
-        failures = []
         for node_id in ordered:
             try:
                 async with self.membership.channel(node_id) as channel:
@@ -63,7 +84,7 @@ class PeerReader:
                     return channel.take_payload(reply)
             except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
                 failures.append(f"{node_id}: {exc or 'timed out'}")
-        raise proto.ProtocolError("; ".join(failures))
+        return None
 
 
 class RangeServer:
