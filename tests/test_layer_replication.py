@@ -9,6 +9,7 @@ import os
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -92,6 +93,14 @@ def records_of(manifest: mf.StepManifest, holders: set[str]) -> dict[str, FileRe
             for e in manifest.files}
 
 
+def a_replicator(membership: Membership, objects: Path, placements: Any,
+                 on_held: Any) -> Replicator:
+    """Node a's replicator (K = 1) over the objects in `objects`, every step current."""
+    return Replicator(membership, 1, lambda xxh3: str(objects / xxh3),
+                      is_current=lambda m: True, placements=placements,
+                      on_placements=lambda *_: None, on_held=on_held)
+
+
 async def members_a_and_b(nursery: trio.Nursery, etcd_server: EtcdServer,
                           b_port: int) -> Membership:
     """a's view of a two-node cluster {a, b} in a fresh prefix of the real etcd."""
@@ -129,9 +138,7 @@ async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         membership = await members_a_and_b(nursery, etcd_server, b.port)
-        replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
-                                is_current=lambda m: True, placements=placements,
-                                on_placements=lambda m, h, w: None, on_held=on_held)
+        replicator = a_replicator(membership, tmp_path / "a-objects", placements, on_held)
         nursery.start_soon(replicator.run)
         replicator.submit(manifest)
         with trio.fail_after(20):
@@ -166,9 +173,7 @@ async def test_a_step_of_many_files_is_held_in_several_messages(
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         membership = await members_a_and_b(nursery, etcd_server, b.port)
-        replicator = Replicator(membership, 1, lambda xxh3: str(objects / xxh3),
-                                is_current=lambda m: True, placements=placements,
-                                on_placements=lambda m, h, w: None, on_held=on_held)
+        replicator = a_replicator(membership, objects, placements, on_held)
         nursery.start_soon(replicator.run)
         replicator.submit(manifest)
         with trio.fail_after(60):
@@ -266,9 +271,7 @@ async def test_steps_of_many_chunks_go_over_one_kept_alive_connection(
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         membership = await members_a_and_b(nursery, etcd_server, b.port)
-        replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
-                                is_current=lambda m: True, placements=placements,
-                                on_placements=lambda m, h, w: None, on_held=on_held)
+        replicator = a_replicator(membership, tmp_path / "a-objects", placements, on_held)
         nursery.start_soon(replicator.run)
         for manifest in manifests:
             replicator.submit(manifest)
@@ -389,9 +392,7 @@ async def test_copies_etcd_did_not_record_are_sent_again_only_after_a_pause(
     async with trio.open_nursery() as nursery:
         await b.start(nursery)
         membership = await members_a_and_b(nursery, etcd_server, b.port)
-        replicator = Replicator(membership, 1, lambda xxh3: str(tmp_path / "a-objects" / xxh3),
-                                is_current=lambda m: True, placements=placements,
-                                on_placements=lambda *_: None, on_held=on_held)
+        replicator = a_replicator(membership, tmp_path / "a-objects", placements, on_held)
         nursery.start_soon(replicator.run)
         replicator.submit(manifest)
         with trio.fail_after(30):
