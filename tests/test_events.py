@@ -54,11 +54,18 @@ def test_one_line_per_step_and_tier(mounts: MountFactory, tmp_path: Path) -> Non
     assert mnt.log().count("Step run/step_1: read back") == 1, line
 
 
+def with_ctrl_c() -> None:
+    """Ctrl-C as on a terminal: a test run started in the background by a script has SIGINT
+    ignored, and a child would inherit that (Python then installs no KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_status_watch_redraws_until_ctrl_c(mounts: MountFactory) -> None:
     mnt = mounts.mount()
     (mnt / "run/step_1").mkdir(parents=True)
     watch = subprocess.Popen([*TIERFS, "status", str(mnt.mountpoint), "--watch", "-n", "0.2"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             preexec_fn=with_ctrl_c)
     try:
         output = b""
         deadline = time.monotonic() + 20
@@ -80,7 +87,7 @@ def test_status_watch_redraws_a_terminal(mounts: MountFactory) -> None:
     mnt = mounts.mount()
     leader, follower = pty.openpty()
     watch = subprocess.Popen([*TIERFS, "status", str(mnt.mountpoint), "--watch", "-n", "0.2"],
-                             stdout=follower, stderr=subprocess.PIPE)
+                             stdout=follower, stderr=subprocess.PIPE, preexec_fn=with_ctrl_c)
     os.close(follower)
     try:
         output = b""
