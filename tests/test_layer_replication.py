@@ -116,6 +116,19 @@ async def members_a_and_b(nursery: trio.Nursery, etcd_server: EtcdServer,
     return Membership(live["a"], TOKEN)
 
 
+async def replicate_to_b(nursery: trio.Nursery, etcd_server: EtcdServer, b: Receiving,
+                         objects: Path, placements: Any, on_held: Any,
+                         *manifests: mf.StepManifest) -> Replicator:
+    """b listening, a's replicator running with `manifests` submitted."""
+    await b.start(nursery)
+    membership = await members_a_and_b(nursery, etcd_server, b.port)
+    replicator = a_replicator(membership, objects, placements, on_held)
+    nursery.start_soon(replicator.run)
+    for manifest in manifests:
+        replicator.submit(manifest)
+    return replicator
+
+
 async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
                                                           etcd_server: EtcdServer) -> None:
     data = os.urandom(mf.CHUNK_SIZE + 12345)  # two chunks: offsets matter
@@ -136,11 +149,8 @@ async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
         return True
 
     async with trio.open_nursery() as nursery:
-        await b.start(nursery)
-        membership = await members_a_and_b(nursery, etcd_server, b.port)
-        replicator = a_replicator(membership, tmp_path / "a-objects", placements, on_held)
-        nursery.start_soon(replicator.run)
-        replicator.submit(manifest)
+        await replicate_to_b(nursery, etcd_server, b, tmp_path / "a-objects",
+                             placements, on_held, manifest)
         with trio.fail_after(20):
             await replicated.wait()
         nursery.cancel_scope.cancel()
@@ -171,11 +181,8 @@ async def test_a_step_of_many_files_is_held_in_several_messages(
         return True
 
     async with trio.open_nursery() as nursery:
-        await b.start(nursery)
-        membership = await members_a_and_b(nursery, etcd_server, b.port)
-        replicator = a_replicator(membership, objects, placements, on_held)
-        nursery.start_soon(replicator.run)
-        replicator.submit(manifest)
+        await replicate_to_b(nursery, etcd_server, b, objects,
+                             placements, on_held, manifest)
         with trio.fail_after(60):
             await done.wait()
         nursery.cancel_scope.cancel()
@@ -269,17 +276,13 @@ async def test_steps_of_many_chunks_go_over_one_kept_alive_connection(
         return True
 
     async with trio.open_nursery() as nursery:
-        await b.start(nursery)
-        membership = await members_a_and_b(nursery, etcd_server, b.port)
-        replicator = a_replicator(membership, tmp_path / "a-objects", placements, on_held)
-        nursery.start_soon(replicator.run)
-        for manifest in manifests:
-            replicator.submit(manifest)
+        replicator = await replicate_to_b(nursery, etcd_server, b, tmp_path / "a-objects",
+                                          placements, on_held, *manifests)
         with trio.fail_after(20):
             while len(done) < 2:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
-    assert membership.pool.opened == 1
+    assert replicator.membership.pool.opened == 1
     for i, entry in enumerate(entries):
         assert (b.objects / entry.xxh3).read_bytes() == data[i:]
 
@@ -390,11 +393,8 @@ async def test_copies_etcd_did_not_record_are_sent_again_only_after_a_pause(
         return False  # etcd refused
 
     async with trio.open_nursery() as nursery:
-        await b.start(nursery)
-        membership = await members_a_and_b(nursery, etcd_server, b.port)
-        replicator = a_replicator(membership, tmp_path / "a-objects", placements, on_held)
-        nursery.start_soon(replicator.run)
-        replicator.submit(manifest)
+        replicator = await replicate_to_b(nursery, etcd_server, b, tmp_path / "a-objects",
+                                          placements, on_held, manifest)
         with trio.fail_after(30):
             while manifest.path not in replicator._later:
                 await trio.sleep(0.01)
