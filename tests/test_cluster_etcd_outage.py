@@ -3,6 +3,7 @@ and once it is back the commit records are written and every node lists every st
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -65,3 +66,51 @@ def test_saves_go_on_while_etcd_is_down_and_commits_resume_after(
         (node1 / "run/step_3/.metadata").write_bytes(b"m3")
         wait_until(lambda: state(node0, "run/step_3") == "committed", timeout=10)
         mounts.cleanup()  # the daemons go before their etcd
+
+
+def test_a_step_committed_while_etcd_is_down_survives_its_node_crashing(
+        mounts: MountFactory, token_file: Path, tmp_path: Path) -> None:  # noqa: F811
+    """The commit record of a step committed without etcd is written after a restart too (the
+    daemon died before etcd came back): the other node lists it and holds its copy."""
+    with Etcd(tmp_path / "etcd") as server:
+        cluster = Cluster(mounts, token_file, 2, server)
+        for node_id in cluster.ports:
+            cluster.start(node_id)
+        node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
+        wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+        server.stop()
+        (node0 / "run/step_1").mkdir(parents=True)
+        (node0 / "run/step_1/model.pt").write_bytes(b"weights")
+        (node0 / "run/step_1/.metadata").write_bytes(b"m")
+        assert state(node0, "run/step_1") == "committed"
+        node0.kill9()
+        server.start()
+        node0 = cluster.start("node0")
+        wait_until(lambda: state(node1, "run/step_1") == "committed", timeout=30)
+        wait_until(lambda: node0.step("run/step_1")["replicas"] == ["node1"], timeout=30)
+        assert (node1 / "run/step_1/model.pt").read_bytes() == b"weights"
+        mounts.cleanup()
+
+
+def test_a_step_deleted_while_its_node_is_down_stays_deleted(
+        mounts: MountFactory, token_file: Path, tmp_path: Path) -> None:  # noqa: F811
+    """A node back from a crash does not list again, anywhere, a step deleted meanwhile."""
+    with Etcd(tmp_path / "etcd") as server:
+        cluster = Cluster(mounts, token_file, 2, server)
+        for node_id in cluster.ports:
+            cluster.start(node_id)
+        node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
+        wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+        (node0 / "run/step_1").mkdir(parents=True)
+        (node0 / "run/step_1/model.pt").write_bytes(b"weights")
+        (node0 / "run/step_1/.metadata").write_bytes(b"m")
+        wait_until(lambda: node0.step("run/step_1")["replicas"] == ["node1"], timeout=30)
+        node0.kill9()
+        shutil.rmtree(node1 / "run/step_1")
+        assert state(node1, "run/step_1") is None
+        node0 = cluster.start("node0")
+        wait_until(lambda: state(node0, "run/step_1") is None, timeout=30)
+        time.sleep(2)  # a commit record written again would be listed within a second
+        assert state(node1, "run/step_1") is None
+        assert state(node0, "run/step_1") is None
+        mounts.cleanup()

@@ -390,7 +390,7 @@ async def test_commit_visible_to_every_watcher_within_a_second(
             event = await receive.receive()
         assert time.monotonic() - done < 1
         assert event == CommitEvent("committed", "run/step_2", committed, created=True)
-        await records.delete_step("run/step_2")
+        await records.delete_step("run/step_2", committed.committed_ns)
         with trio.fail_after(1):
             assert await receive.receive() == CommitEvent("removed", "run/step_2", None)
         nursery.cancel_scope.cancel()

@@ -149,6 +149,7 @@ class CommitRecords:
         self.etcd = etcd
         self._steps = cluster.key("steps") + "/"
         self.commits_prefix = cluster.key("commits") + "/"
+        self._deleted = cluster.key("deleted") + "/"
 
     def files_prefix(self, step: str) -> str:
         return f"{self._steps}{quote(step, safe='')}/files/"
@@ -345,10 +346,27 @@ class CommitRecords:
         events = (self._commit_event(kv) for kv in snapshot.kvs)
         return [e.record for e in events if e is not None and e.record is not None]
 
-    async def delete_step(self, step: str) -> None:
-        """Remove the step's commit, then its file records."""
+    async def delete_step(self, step: str, committed_ns: int) -> None:
+        """Remove the step's commit, then its file records. First a tombstone (the commit time
+        of the version deleted) stays, so that a node that committed that version while it
+        could not write the record does not write it later (`deletions`)."""
+        await self.etcd.put(self._deleted + quote(step, safe=""),
+                            _json({"committed_ns": committed_ns}))
         await self.etcd.delete(self.commit_key(step))
         await self.etcd.delete_prefix(self._steps + quote(step, safe="") + "/")
+
+    async def deletions(self) -> dict[str, int]:
+        """Every step deleted in the cluster: the commit time of the last version deleted
+        (versions committed no later are deleted, as `fs.deletes.Tombstone.covers`)."""
+        snapshot = await self.etcd.get_prefix(self._deleted)
+        found = {}
+        for kv in snapshot.kvs:
+            try:
+                found[unquote(kv.key[len(self._deleted):])] = int(
+                    json.loads(kv.value)["committed_ns"])
+            except (ValueError, KeyError, TypeError):
+                log.warning("ignoring a malformed tombstone record %s", kv.key)
+        return found
 
     async def follow_commits(self, send: trio.abc.SendChannel[CommitEvent]) -> None:
         """Every commit of the cluster, as `CommitEvent`s, until cancelled: the existing ones

@@ -326,6 +326,10 @@ class OtherTiers:
                         manifest.version, exc)
             self._unpublished[manifest.path] = manifest
 
+    def publish_later(self, manifest: mf.StepManifest) -> None:
+        """A step committed here whose commit record etcd lacks: written by `publish_pending`."""
+        self._unpublished[manifest.path] = manifest
+
     async def publish_pending(self) -> None:
         """Commit records that etcd could not take before (it was down): try again."""
         for path, manifest in list(self._unpublished.items()):

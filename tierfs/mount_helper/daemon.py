@@ -485,7 +485,7 @@ def _delete_worker(namespace: Namespace, uploader: Uploader | None,
         cleaners["peer"] = cluster.peer_delete.delete
 
         async def from_etcd(tomb: Tombstone, _where: str) -> None:
-            await cluster.sealed.forget(tomb.path, tomb.version)
+            await cluster.sealed.forget(tomb.path, tomb.version, tomb.committed_ns)
 
         cleaners[CLUSTER_RECORDS] = from_etcd
     return DeleteWorker(namespace.deletes, cleaners)
@@ -602,7 +602,11 @@ class ClusterNode:
         log.info("node %s listening for peers on %s:%d (advertised as %s); live members: %s",
                  self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
         self._follow_members()
-        await self.sealed.learn_all(self._learn)  # every step of the cluster, from the start
+        in_cluster = await self.sealed.learn_all(self._learn)  # every step of the cluster
+        if in_cluster is not None:
+            owned = self.namespace.tiers.owned_manifests()
+            for manifest in await self.sealed.never_published(owned, in_cluster):
+                self.namespace.tiers.publish_later(manifest)
         for worker in (self.membership.run, self.replicator.run, self._restore_copies,
                        self._follow_commits, self._publish_pending):
             nursery.start_soon(worker)

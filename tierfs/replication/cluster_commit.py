@@ -215,16 +215,35 @@ class ClusterCommits:
         return {e.name: files[e.name] for e in manifest.files
                 if e.name in files and files[e.name].xxh3 == e.xxh3}
 
-    async def learn_all(self, learn: Learn) -> None:
+    async def learn_all(self, learn: Learn) -> dict[str, int] | None:
         """List every step committed in the cluster now (at start, before the mount answers;
-        `follow` keeps the list current from then on)."""
+        `follow` keeps the list current from then on). The committed version of each step
+        in etcd (None if etcd does not answer)."""
         try:
-            for record in await self.records.commits():
+            records = await self.records.commits()
+            for record in records:
                 found = await self._manifest(record)
                 if found is not None:
                     learn(*found)
         except EtcdError as exc:
             log.info("could not list the cluster's steps yet: %s", exc)
+            return None
+        return {record.step: record.version for record in records}
+
+    async def never_published(self, owned: list[mf.StepManifest],
+                              in_cluster: dict[str, int]) -> list[mf.StepManifest]:
+        """Of the steps this node committed, those whose commit record never reached etcd
+        (the daemon died between its commit and the record, or etcd was away): etcd has no
+        record of that version and no tombstone covering it (deleted in the cluster)."""
+        missing = [m for m in owned if in_cluster.get(m.path, 0) < m.version]
+        if not missing:
+            return []
+        try:
+            deleted = await self.records.deletions()
+        except EtcdError as exc:
+            log.info("could not read the cluster's deletions: %s", exc)
+            return []
+        return [m for m in missing if m.committed_ns > deleted.get(m.path, -1)]
 
     async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:
         """The step's committed manifest and the nodes holding its files, as etcd says (None
@@ -321,11 +340,12 @@ class ClusterCommits:
         return (record is not None and event.created and record.committer == self.node_id
                 and record.version == version)
 
-    async def forget(self, step_path: str, version: int) -> None:
-        """A delete of the step (up to `version`): its records leave etcd."""
+    async def forget(self, step_path: str, version: int, committed_ns: int) -> None:
+        """A delete of the step (up to `version`, committed at `committed_ns`): its records
+        leave etcd."""
         record = await self.records.commit_of(step_path)
-        if record is not None and record.version <= version:
-            await self.records.delete_step(step_path)
+        if record is None or record.version <= version:
+            await self.records.delete_step(step_path, committed_ns)
 
 
 def _entry(name: str, record: FileRecord) -> mf.FileEntry | None:
