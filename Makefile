@@ -34,11 +34,11 @@ demo: $(STAMP)
 	$(VENV)/bin/tierfs demo
 
 bench: $(STAMP)
-	$(PY) -m pip install -q matplotlib
+	$(PY) -m pip install -q matplotlib py-spy
 	$(PY) bench/run.py --size 2G --reps 3 --compare --out bench/results
 
 bench-quick: $(STAMP)
-	$(PY) -m pip install -q matplotlib
+	$(PY) -m pip install -q matplotlib py-spy
 	$(PY) bench/run.py --size 256M --reps 2 --out bench/results-quick
 
 # 2,000 nodes x 8 ranks, a 70B model: one checkpoint and a node lost, simulated (minutes).

@@ -257,9 +257,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results.setdefault(workload, {}).setdefault(target, []).append(seconds)
 
     uniform = uniform_state(size)
+    cluster_profiles: dict[str, dict[str, float]] = {}
     with Bench(args) as bench, PeakRss(bench.pid) as rss, Profile(bench, args.profile) as spy:
         targets = [*bench.mounts, *TARGETS[1:]]
-        for rep in range(args.reps):
+        for rep in range(0 if args.cluster_only else args.reps):
             for target in targets:
                 if target != "s3" and target != "disk":
                     name = f"step_{rep * 10 + 2}"
@@ -308,12 +309,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"repetition {rep + 1} of {args.reps} done", flush=True)
         spy.stop()
         try:
-            _cluster(bench, state, fresh, args.reps, extra)
+            _cluster(bench, state, fresh, args.reps, extra, cluster_profiles)
         except Exception as exc:  # noqa: BLE001 - the table above is still worth reporting
             failures.append(f"cluster measurements: {type(exc).__name__}: {exc}")
     return {"bytes": size, "reps": args.reps, "targets": targets, "results": results,
             "extra": extra, "failures": failures, "daemon_rss_peak_kib": rss.peak_kib,
-            "daemon_profile": spy.functions,
+            "daemon_profile": spy.functions, "cluster_profiles": cluster_profiles,
             "machine": _machine()}
 
 
@@ -353,18 +354,22 @@ def _commit_latency(bench: Bench, rep: int) -> float:
 
 
 def _cluster(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor],
-             reps: int, extra: dict[str, list[float]]) -> None:
+             reps: int, extra: dict[str, list[float]],
+             profiles: dict[str, dict[str, float]]) -> None:
     """Two nodes on loopback: committed -> replicated; then a fresh node restores the step
-    from its peers, and a fresh node without peers restores it from S3."""
+    from its peers, and a fresh node without peers restores it from S3 (`--profile`: py-spy
+    on the daemons of the replication and of the first peer restore, into `profiles`)."""
     token = bench.work / "cluster.token"
     with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(os.urandom(16).hex())  # private from its first byte
     with Etcd(bench.work / "etcd") as etcd:  # membership and commits; stopped by pid
-        _cluster_runs(bench, state, fresh, reps, extra, token, etcd.cluster_url("bench"))
+        _cluster_runs(bench, state, fresh, reps, extra, token, etcd.cluster_url("bench"),
+                      profiles)
 
 
 def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor],
-                  reps: int, extra: dict[str, list[float]], token: Path, url: str) -> None:
+                  reps: int, extra: dict[str, list[float]], token: Path, url: str,
+                  profiles: dict[str, dict[str, float]]) -> None:
     common = ("--cluster", url, "--token-file", str(token), "--ram-limit", "8G")
 
     def node(node_id: str) -> tuple[str, ...]:
@@ -378,19 +383,34 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
     cpu = cpu_seconds(*daemons)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(writer / "run" / step),
                                                         thread_count=4))
-    extra["committed_to_replicated"] = [bench.wait_for(step, lambda e: bool(e["replicas"]),
-                                                       "node0")]
+    with contextlib.ExitStack() as stack:
+        spies = {f"replication, {role} ({name})": stack.enter_context(
+                     Profile(bench, bench.args.profile, bench.mounts[name][1], name))
+                 for role, name in (("sender", "node0"), ("receiver", "node1"))}
+        extra["committed_to_replicated"] = [bench.wait_for(step, lambda e: bool(e["replicas"]),
+                                                           "node0")]
+    profiles.update({label: spy.functions for label, spy in spies.items()})
     bench.wait_for(step, lambda e: e["persisted"], "node0")
     extra["daemon_cpu_per_gib_saved_replicated_persisted"] = [
         (cpu_seconds(*daemons) - cpu) / (state_bytes(state) / 2**30)]
-    for _ in range(reps):
+    for rep in range(reps):
         for source, options in (("peer", node("node2")), ("s3", persist)):
-            mountpoint = bench.start_mount(f"fresh-{source}", *options)
-            bench.wait_for(step, lambda e: True, f"fresh-{source}")
-            started = time.perf_counter()
-            dcp.load(fresh, storage_reader=dcp.FileSystemReader(str(mountpoint / "run" / step)))
-            extra.setdefault(f"restore_from_{source}", []).append(time.perf_counter() - started)
-            bench.stop_mount(f"fresh-{source}")
+            name = f"fresh-{source}"
+            mountpoint = bench.start_mount(name, *options)
+            bench.wait_for(step, lambda e: True, name)
+            # the first repetition's peer restore is profiled: the fresh node and a peer
+            profiled = (name, "node1") if rep == 0 and source == "peer" else ()
+            with contextlib.ExitStack() as stack:
+                spies = {f"restore from a peer, {who}": stack.enter_context(
+                             Profile(bench, bench.args.profile, bench.mounts[who][1], who))
+                         for who in profiled}
+                started = time.perf_counter()
+                dcp.load(fresh,
+                         storage_reader=dcp.FileSystemReader(str(mountpoint / "run" / step)))
+                extra.setdefault(f"restore_from_{source}", []).append(
+                    time.perf_counter() - started)
+            profiles.update({label: spy.functions for label, spy in spies.items()})
+            bench.stop_mount(name)
 
 
 def _free_port() -> int:
@@ -400,16 +420,18 @@ def _free_port() -> int:
 
 
 class Profile:
-    """py-spy on the tierfs daemon during the single-node runs (`--profile`): the share of its
-    busy samples per innermost Python function, idle threads left out."""
+    """py-spy on one tierfs daemon while it runs (`--profile`): the share of its busy samples
+    per innermost Python function, idle threads left out."""
 
-    def __init__(self, bench: Bench, enabled: bool) -> None:
-        self.out = bench.work / "daemon.spy"
+    def __init__(self, bench: Bench, enabled: bool, pid: int | None = None,
+                 name: str = "daemon") -> None:
+        self.out = bench.work / f"{_slug(name)}.spy"
         self.functions: dict[str, float] = {}
         self._proc: subprocess.Popen[bytes] | None = None
         spy = shutil.which("py-spy", path=os.path.dirname(sys.executable))
         if enabled and spy:
-            self._proc = subprocess.Popen([spy, "record", "--nonblocking", "-p", str(bench.pid),
+            self._proc = subprocess.Popen([spy, "record", "--nonblocking",
+                                           "-p", str(pid or bench.pid),
                                            "-f", "raw", "-r", "100", "-o", str(self.out)],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -492,6 +514,9 @@ def report(data: dict[str, Any], out: Path) -> str:
     if data.get("daemon_profile"):
         lines += ["", "Daemon profile (py-spy, busy samples of the single-node runs): "
                   + ", ".join(f"{k} {v}%" for k, v in data["daemon_profile"].items())]
+    for label, functions in data.get("cluster_profiles", {}).items():
+        lines += ["", f"Daemon profile, {label} (py-spy, busy samples): "
+                  + ", ".join(f"{k} {v}%" for k, v in functions.items())]
     if data["failures"]:
         lines += ["", "Failed runs (left out of the medians):"]
         lines += [f"- {failure}" for failure in data["failures"]]
@@ -571,7 +596,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
     parser.add_argument("--out", default="bench/results", help="where results go")
     parser.add_argument("--profile", action="store_true",
-                        help="py-spy (if installed) on the daemon during the single-node runs")
+                        help="py-spy (if installed) on the daemon during the single-node runs, "
+                             "and on the daemons of the replication and of a peer restore")
+    parser.add_argument("--cluster-only", action="store_true",
+                        help="only the cluster measurements (replication, restores)")
     parser.add_argument("--compare", action="store_true",
                         help=f"also run a mount with --no-passthrough (column {DAEMON_PATH!r})")
     args = parser.parse_args()

@@ -3,9 +3,11 @@ and once it is back the commit records are written and every node lists every st
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tests.conftest import MountFactory, wait_until
@@ -19,14 +21,25 @@ def state(node: object, step: str) -> str | None:
     return found["state"] if found is not None else None
 
 
-def test_saves_go_on_while_etcd_is_down_and_commits_resume_after(
-        mounts: MountFactory, token_file: Path, tmp_path: Path) -> None:  # noqa: F811
+@contextlib.contextmanager
+def two_nodes(mounts: MountFactory, token_file: Path,  # noqa: F811
+              tmp_path: Path) -> Iterator[tuple[Etcd, Cluster]]:
+    """Two daemons on an etcd of the test's own (which the test may stop and start)."""
     with Etcd(tmp_path / "etcd") as server:
         cluster = Cluster(mounts, token_file, 2, server)
         for node_id in cluster.ports:
             cluster.start(node_id)
-        node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
         wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+        try:
+            yield server, cluster
+        finally:
+            mounts.cleanup()  # the daemons go before their etcd
+
+
+def test_saves_go_on_while_etcd_is_down_and_commits_resume_after(
+        mounts: MountFactory, token_file: Path, tmp_path: Path) -> None:  # noqa: F811
+    with two_nodes(mounts, token_file, tmp_path) as (server, cluster):
+        node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
         server.stop()  # by pid; its data dir and ports stay
 
         # a single-node step commits here at once, etcd or not
@@ -65,19 +78,14 @@ def test_saves_go_on_while_etcd_is_down_and_commits_resume_after(
         (node1 / "run/step_3").mkdir()
         (node1 / "run/step_3/.metadata").write_bytes(b"m3")
         wait_until(lambda: state(node0, "run/step_3") == "committed", timeout=10)
-        mounts.cleanup()  # the daemons go before their etcd
 
 
 def test_a_step_committed_while_etcd_is_down_survives_its_node_crashing(
         mounts: MountFactory, token_file: Path, tmp_path: Path) -> None:  # noqa: F811
     """The commit record of a step committed without etcd is written after a restart too (the
     daemon died before etcd came back): the other node lists it and holds its copy."""
-    with Etcd(tmp_path / "etcd") as server:
-        cluster = Cluster(mounts, token_file, 2, server)
-        for node_id in cluster.ports:
-            cluster.start(node_id)
+    with two_nodes(mounts, token_file, tmp_path) as (server, cluster):
         node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
-        wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
         server.stop()
         (node0 / "run/step_1").mkdir(parents=True)
         (node0 / "run/step_1/model.pt").write_bytes(b"weights")
@@ -89,18 +97,13 @@ def test_a_step_committed_while_etcd_is_down_survives_its_node_crashing(
         wait_until(lambda: state(node1, "run/step_1") == "committed", timeout=30)
         wait_until(lambda: node0.step("run/step_1")["replicas"] == ["node1"], timeout=30)
         assert (node1 / "run/step_1/model.pt").read_bytes() == b"weights"
-        mounts.cleanup()
 
 
 def test_a_step_deleted_while_its_node_is_down_stays_deleted(
         mounts: MountFactory, token_file: Path, tmp_path: Path) -> None:  # noqa: F811
     """A node back from a crash does not list again, anywhere, a step deleted meanwhile."""
-    with Etcd(tmp_path / "etcd") as server:
-        cluster = Cluster(mounts, token_file, 2, server)
-        for node_id in cluster.ports:
-            cluster.start(node_id)
+    with two_nodes(mounts, token_file, tmp_path) as (_server, cluster):
         node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
-        wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
         (node0 / "run/step_1").mkdir(parents=True)
         (node0 / "run/step_1/model.pt").write_bytes(b"weights")
         (node0 / "run/step_1/.metadata").write_bytes(b"m")
@@ -113,4 +116,3 @@ def test_a_step_deleted_while_its_node_is_down_stays_deleted(
         time.sleep(2)  # a commit record written again would be listed within a second
         assert state(node1, "run/step_1") is None
         assert state(node0, "run/step_1") is None
-        mounts.cleanup()
