@@ -43,7 +43,7 @@ def test_an_evicted_writer_is_not_counted_and_a_lost_copy_is_restored_elsewhere(
     step = "run/step_1"
     save(node0 / step, {"f": os.urandom(1 << 20), ".metadata": b"m"})
     wait_until(lambda: node0.step(step)["replicas"] == ["node1", "node2"], timeout=30)
-    save(node0 / "run/step_2", {"f": b"2", ".metadata": b"m"})  # step_1 is beyond --keep-ram
+    save(node0 / "run/step_2", {"f": b"2", ".metadata": b"m2"})  # step_1 beyond --keep-ram
     wait_until(lambda: not node0.step(step)["ram"], timeout=30)
     expected = {name: r.xxh3 for name, r in _file_records(cluster, step).items()}
 
