@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 # first slice of a background eviction is longer, so that most steps leave RAM at once.
 EVICT_SLICE = 0.002
 FIRST_SLICE = 0.02
+# After etcd did not take a copy's leave of the records, no other is tried for this long (the
+# copies stay in RAM): a write waiting for room does not wait one etcd timeout per step.
+LEAVE_PAUSE = 5.0
 
 
 class Residency:
@@ -44,6 +47,7 @@ class Residency:
         self.tree = tree
         # The cluster's file records (None on a single node): a copy leaves them, then RAM.
         self.records = records
+        self._leaves_paused_until = 0.0  # trio time: etcd did not take the last leave
         self.liveness = liveness  # who is up: a dead peer's copy does not count
         self.store = tree.store
         self.read_sources = read_sources
@@ -313,10 +317,13 @@ class Residency:
         step = step_node.step
         names = [name for name in sorted(step.resident) if self.file_leaves(step, name)
                  and not self._in_use(step_node, name)]
-        if not names:
+        if not names or trio.current_time() < self._leaves_paused_until:
             return set()
         allowed = await self.records.leave_files(step.manifest, names)
-        return allowed or set()
+        if allowed is None:
+            self._leaves_paused_until = trio.current_time() + LEAVE_PAUSE
+            return set()
+        return allowed
 
     def _in_use(self, step_node: Node, name: str) -> bool:
         node = self.tree.entry_node(step_node, name)
