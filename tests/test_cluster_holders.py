@@ -4,9 +4,12 @@ dir is taken out of them at start (and its copies are restored)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import MountFactory, wait_until
 from tests.test_cluster import (  # noqa: F401  (cluster3, token_file: fixtures)
@@ -84,3 +87,43 @@ def test_a_node_back_with_an_empty_ram_dir_is_no_holder_and_its_copies_are_resto
     for node_id in sorted(every):
         _check_step_bytes(cluster3.nodes[node_id], step, expected)
     wait_until(lambda: node0.step(step)["copies"] == 2, timeout=10)
+
+
+
+def test_a_copy_stays_in_ram_while_etcd_cannot_record_that_it_leaves(
+        mounts: MountFactory, token_file: Path, tmp_path: Path) -> None:  # noqa: F811
+    """K = 1 on two nodes with their own etcd, node0's RAM tier 16 MiB: its step_1 (8 MiB) is
+    copied to node1, then etcd stops and a save of 10 MiB needs step_1's room. step_1 stays
+    in RAM (the records would still count node0) and the save is refused; once etcd is back
+    the save goes through, step_1 leaves RAM and node0 is listed as one that left it."""
+    with Etcd(tmp_path / "etcd") as server:
+        cluster = Cluster(mounts, token_file, 2, server)
+        for node_id in cluster.ports:
+            extra = ["--ram-limit", "16M"] if node_id == "node0" else []
+            cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), *extra)
+        node0 = cluster.nodes["node0"]
+        wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+        step = "run/step_1"
+        save(node0 / step, {"f": os.urandom(8 << 20), ".metadata": b"m"})
+        wait_until(lambda: node0.step(step)["replicas"] == ["node1"], timeout=30)
+        newer = {"f": os.urandom(10 << 20), ".metadata": b"m2"}
+        server.stop()
+        with pytest.raises(OSError) as refused:
+            save(node0 / "run/step_2", newer)
+        assert refused.value.errno == errno.ENOSPC
+        assert "leave RAM here" in node0.log() and node0.step(step)["ram"]
+        server.start()
+
+        def saved() -> bool:
+            try:
+                save(node0 / "run/step_2", newer)
+            except OSError:
+                return False
+            return True
+
+        wait_until(saved, timeout=30, interval=0.5)
+        assert not node0.step(step)["ram"]
+        records = _file_records(cluster, step)
+        assert all(r.holders == ("node1",) and r.left == ("node0",) for r in records.values())
+        _check_step_bytes(node0, step, {n: r.xxh3 for n, r in records.items()})
+        mounts.cleanup()  # the daemons go before their etcd
