@@ -146,7 +146,9 @@ class Residency:
     # their way in, stay. The work runs in slices of EVICT_SLICE seconds with a checkpoint in
     # between, so that evicting a step of 50,000 files never holds the FUSE loop; each file is
     # checked and changed with no await in between (`Tree.evict_file`), so handlers see it
-    # either in RAM or not.
+    # either in RAM or not. In a cluster, the records change first (`_leave`): a copy leaves
+    # the file's holders in etcd before its bytes leave RAM, never after, so no node plans a
+    # copy from a node that no longer has it.
 
     def enforce_keep_ram(self) -> None:
         """Evict steps beyond the newest `keep_ram` of each run directory that are safe
