@@ -205,8 +205,10 @@ def test_every_node_lists_every_step_and_a_replacement_reads_through_peers(
     shutil.rmtree(node0.ram_dir)
     fresh = cluster3.start("node0")
     step = fresh.step("job/step_5")  # listed as soon as the mount returns
-    assert step is not None and step["state"] == "committed" and not step["ram"]
-    verify_committed(fresh, {"job/step_5": files})  # read from node1 and node2
+    assert step is not None and step["state"] == "committed"
+    # read from node1 and node2 until node1 has restored the copy node0 lost (the records
+    # stopped counting node0 as its holder at its start, tests/test_cluster_holders.py)
+    verify_committed(fresh, {"job/step_5": files})
     done = tierfs("prefetch", str(fresh / "job/step_5"))
     assert "job/step_5 is in RAM" in done.stdout
     assert fresh.step("job/step_5")["ram"]

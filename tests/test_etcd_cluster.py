@@ -16,6 +16,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -287,8 +288,71 @@ def test_restore_plan_after_a_loss() -> None:
     assert "__0_0.distcp" in both_gone.lost
 
 
+def test_restore_plan_does_not_replace_a_copy_let_go() -> None:
+    """K = 2 on n1..n4: n1 wrote f, n2 and n3 hold copies, and n1 evicted its own (`left`)."""
+    evicted = placement.Placement("n1", frozenset({"n2", "n3"}), frozenset({"n1"}))
+    ring = ["n1", "n2", "n3", "n4"]
+    # the writer's leave is no loss: with the writer gone from the holders the file wants K
+    assert placement.restore_plan({"f": evicted}, ring, replicas=2).copies == []
+    # n2 is lost: one copy, from the first real holder after the writer, to n4: not back to
+    # n1, first clockwise from the writer but the node that evicted it
+    plan = placement.restore_plan({"f": evicted}, ["n1", "n3", "n4"], replicas=2)
+    assert plan.copies == [placement.Copy("f", "n3", "n4")] and plan.lost == []
+    # what the records said before: n1 still listed, the planned source, without the bytes
+    stale = placement.Placement("n1", frozenset({"n1", "n2", "n3"}))
+    assert placement.restore_plan({"f": stale}, ["n1", "n3", "n4"], 2).copies == [
+        placement.Copy("f", "n1", "n4")]
+    # the writer is dead too: its leave lowers nothing, the ring without it wants K + 1
+    assert placement.restore_plan({"f": evicted}, ["n3", "n4"], 2).copies == [
+        placement.Copy("f", "n3", "n4")]
+    # K = 1 on three nodes: the writer left once n2 held it; nothing to restore
+    k1 = placement.Placement("n1", frozenset({"n2"}), frozenset({"n1"}))
+    assert placement.restore_plan({"f": k1}, ["n1", "n2", "n3"], replicas=1).copies == []
+    # a replica holder left (the step is persisted): its copy is not replaced either
+    persisted = placement.Placement("n1", frozenset({"n1"}), frozenset({"n2"}))
+    assert placement.restore_plan({"f": persisted}, ["n1", "n2", "n3"], 1).copies == []
+
+
+def test_restore_plan_with_leavers_is_the_same_on_every_node() -> None:
+    """The same records in any order, the ring from any listing: the same plan."""
+    files = {f"f{i}": placement.Placement(w, frozenset(h), frozenset(gone)) for i, (w, h, gone)
+             in enumerate([("n1", {"n2"}, {"n1"}), ("n2", {"n2", "n4"}, {"n3"}),
+                           ("n3", {"n4"}, {"n3", "n1"}), ("n4", {"n1"}, set())])}
+    plans = [placement.restore_plan(dict(order), placement.ring(ring), replicas=2)
+             for order, ring in [(sorted(files.items()), ["n1", "n2", "n4", "n5"]),
+                                 (sorted(files.items(), reverse=True),
+                                  ["n5", "n4", "n2", "n1", "n2"])]]
+    assert plans[0] == plans[1] and plans[0].copies
+
+
 node_ids = st.lists(st.text("abcdefgh", min_size=1, max_size=3), min_size=1, max_size=12,
                     unique=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes=node_ids, replicas=st.integers(0, 4), data=st.data())
+def test_restore_plan_properties_with_leavers(nodes: list[str], replicas: int,
+                                              data: st.DataObject) -> None:
+    """Holders and leavers drawn at random (disjoint): each file ends with
+    min(K + 1, live) - live leavers live holders (or more if it had more), and no copy goes to
+    a node that left it."""
+    ring = placement.ring(data.draw(st.lists(st.sampled_from(nodes), unique=True)))
+    files = {}
+    for i in range(data.draw(st.integers(0, 6))):
+        holders = frozenset(data.draw(st.lists(st.sampled_from(nodes), unique=True)))
+        left = frozenset(data.draw(st.lists(st.sampled_from(nodes), unique=True))) - holders
+        files[f"f{i}"] = placement.Placement(data.draw(st.sampled_from(nodes)), holders, left)
+    plan = placement.restore_plan(files, ring, replicas)
+    live = set(ring)
+    for name, where in files.items():
+        targets = [c.target for c in plan.copies if c.file == name]
+        assert not set(targets) & where.left and len(targets) == len(set(targets))
+        if name in plan.lost:
+            assert not where.holders & live
+            continue
+        wanted = min(replicas + 1, len(live)) - len(where.left & live)
+        assert len(where.holders & live) + len(targets) == max(len(where.holders & live),
+                                                                wanted)
 
 
 @settings(max_examples=300, deadline=None)
@@ -351,7 +415,7 @@ async def test_commit_waits_for_every_record(etcd_server: EtcdServer) -> None:
     cluster = new_cluster(etcd_server)
     records = CommitRecords(Etcd(cluster.endpoints), cluster)
     names = ["a/__0_0.distcp", "__1_0.distcp", ".metadata"]
-    await records.record_file("s/1", ".metadata", shard("n0", 0))
+    await records.record_files("s/1", {".metadata": shard("n0", 0)})
     outcome = []
 
     async def commit() -> None:
@@ -361,8 +425,8 @@ async def test_commit_waits_for_every_record(etcd_server: EtcdServer) -> None:
         nursery.start_soon(commit)
         await trio.sleep(0.3)  # the committer is waiting; nothing may be committed yet
         assert await records.commit_of("s/1") is None
-        await records.record_file("s/1", "a/__0_0.distcp", shard("n1", 1))
-        await records.record_file("s/1", "__1_0.distcp", shard("n2", 2))
+        await records.record_files("s/1", {"a/__0_0.distcp": shard("n1", 1)})
+        await records.record_files("s/1", {"__1_0.distcp": shard("n2", 2)})
     assert outcome[0][1] is True
     assert set(await records.files("s/1")) == set(names)
     with pytest.raises(CommitTimeout, match="never_written") as error:
@@ -376,7 +440,7 @@ async def test_commit_visible_to_every_watcher_within_a_second(
     cluster = new_cluster(etcd_server)
     etcd = Etcd(cluster.endpoints)
     records = CommitRecords(etcd, cluster)
-    await records.record_file("old", "f", shard("n0", 0))
+    await records.record_files("old", {"f": shard("n0", 0)})
     await records.commit("old", "n0", ["f"], timeout=5)
     send, receive = trio.open_memory_channel[CommitEvent](100)
     async with trio.open_nursery() as nursery:
@@ -397,18 +461,55 @@ async def test_commit_visible_to_every_watcher_within_a_second(
     assert await records.files("run/step_2") == {}
 
 
+def test_file_records_without_left_read_as_before() -> None:
+    """`left` is new: a record written before it reads with none, and a record with none is
+    written exactly as before (older daemons read it)."""
+    old = b'{"holders":["n1","n0"],"node":"n0","size":5,"xxh3":"%s"}' % (b"0" * 32)
+    record = FileRecord.decode(old)
+    assert record.left == () and record.holders == ("n0", "n1")
+    assert record.encode() == b'{"holders":["n0","n1"],"node":"n0","size":5,"xxh3":"%s"}' % (
+        b"0" * 32)
+    gone = record.left_by("n0")
+    assert gone.holders == ("n1",) and gone.left == ("n0",)
+    assert FileRecord.decode(gone.encode()) == gone
+    assert gone.left_by("n9") == gone  # not a holder: nothing to leave
+    assert gone.with_holder("n0") == record  # a copy back: a holder again, not one that left
+    assert gone.without_holder("n1").left == ("n0",)
+
+
+async def test_a_node_leaving_its_copies_and_one_losing_them(etcd_server: EtcdServer) -> None:
+    """`leave_files` (an eviction) lists the node in `left`, `drop_holders` (a loss) does
+    not; both only for the content given, and only where the node was a holder."""
+    cluster = new_cluster(etcd_server)
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    await records.record_files("s", {"a": shard("n0", 0), "b": shard("n0", 1),
+                                     "c": shard("n1", 2)})
+    await records.add_holders("s", "n1", {"a": shard("n0", 0).xxh3, "b": shard("n0", 1).xxh3})
+    found = await records.leave_files("s", "n0", {"a": shard("n0", 0).xxh3,
+                                                  "b": "f" * 32,  # another content: kept
+                                                  "c": shard("n1", 2).xxh3})  # not held
+    assert found["a"].holders == ("n1",) and found["a"].left == ("n0",)
+    assert found["b"].holders == ("n0", "n1") and found["c"] == shard("n1", 2)
+    await records.drop_holders("s", "n1", {"a": None, "c": None})
+    files = await records.files("s")
+    assert files["a"].holders == () and files["a"].left == ("n0",)
+    assert files["c"].holders == () and files["c"].left == ()
+    await records.add_holders("s", "n0", {"a": shard("n0", 0).xxh3})
+    assert (await records.files("s"))["a"] == replace(shard("n0", 0), holders=("n0",))
+
+
 async def test_holders_grow_per_file_under_concurrent_updates(etcd_server: EtcdServer) -> None:
     cluster = new_cluster(etcd_server)
     records = CommitRecords(Etcd(cluster.endpoints), cluster)
-    await records.record_file("s", "__0_0.distcp", shard("n0", 0))
-    await records.record_file("s", "__1_0.distcp", shard("n1", 1))
+    await records.record_files("s", {"__0_0.distcp": shard("n0", 0)})
+    await records.record_files("s", {"__1_0.distcp": shard("n1", 1)})
     async with trio.open_nursery() as nursery:
         for node in ("n1", "n2", "n3", "n4", "n5"):
             nursery.start_soon(records.add_holder, "s", "__0_0.distcp", node)
     files = await records.files("s")
     assert files["__0_0.distcp"].holders == ("n0", "n1", "n2", "n3", "n4", "n5")
     assert files["__1_0.distcp"].holders == ("n1",)  # per file, not per step
-    await records.drop_holder("s", "__0_0.distcp", "n3")
+    await records.drop_holders("s", "n3", {"__0_0.distcp": None})
     assert (await records.files("s"))["__0_0.distcp"].holders == ("n0", "n1", "n2", "n4", "n5")
 
 
@@ -442,7 +543,7 @@ async def test_etcd_restart_membership_stays_and_commits_resume(tmp_path: Path) 
                 await records.commit("s0", "n1", ["f"], timeout=0.5)
             await trio.to_thread.run_sync(server.start)
             # A commit made after the restart reaches the watcher opened before it.
-            await records.record_file("s1", "f", shard("n1", 0))
+            await records.record_files("s1", {"f": shard("n1", 0)})
             committed, won = await records.commit("s1", "n2", ["f"], timeout=10)
             assert won
             with trio.fail_after(3):

@@ -353,7 +353,7 @@ async def test_a_hold_of_an_older_content_never_counts_for_the_newer_one(
     assert found["old"].holders == ("a",) and found["same"].holders == ("a", "b")
     files = await records.files("s")
     assert files["old"].holders == ("a",) and files["same"].holders == ("a", "b")
-    dropped = await records.drop_holders("s", "b", ["old", "same"])
+    dropped = await records.drop_holders("s", "b", dict.fromkeys(["old", "same"]))
     assert dropped["same"].holders == ("a",)
     assert (await records.files("s"))["same"].holders == ("a",)
 

@@ -2,7 +2,8 @@
 
 Each node seals the files its ranks wrote into a step and records each one:
 
-    /<prefix>/steps/<step>/files/<path>   {"node", "size", "xxh3", "holders": [...]}
+    /<prefix>/steps/<step>/files/<path>   {"node", "size", "xxh3", "holders": [...],
+                                           "left": [...]}
 
 (`<step>` is the step's path with '/' percent-encoded, so it is one key segment; `<path>` is the
 file's path inside the step). The node that receives the step's `.metadata` learns from it which
@@ -16,10 +17,16 @@ one wins and both learn the same commit. Every node follows `/<prefix>/commits/`
 commit there within one watch event, and no node ever sees the other nodes' per-file records
 unless it asks for them (a 16,000-file step costs each uninvolved node one event, not 16,000).
 
-A file's `holders` starts as its writer and grows as replicas are verified (`add_holder`, a
-compare-and-swap on the record's version, so concurrent updates are never lost). Values are
-small JSON; a step is many small keys, never one large value (etcd refuses values over
-1.5 MiB by default).
+A file's `holders` are the nodes that hold a verified copy of it now, and only those: it starts
+as its writer and grows as replicas are verified (`add_holders`); a node whose copy leaves RAM
+deliberately (eviction: persisted, or the writer once K live peers hold it) takes itself out
+and is listed in `left` instead (`leave_files`), before its bytes go, so that `restore_plan`
+does not replace that copy; a node that finds at start that it lost copies (an empty RAM dir)
+takes itself out without being listed in `left` (`drop_holders`): the survivors restore those.
+`left` is absent from records written before it existed (read as empty). Every change is a
+batch of compare-and-swap transactions on the records' versions (`_change_holders`), so
+concurrent updates are never lost. Values are small JSON; a step is many small keys, never
+one large value (etcd refuses values over 1.5 MiB by default).
 """
 
 from __future__ import annotations
@@ -65,27 +72,46 @@ class FileRecord:
     node: str  # the node that wrote and sealed the file
     size: int
     xxh3: str  # xxh3-128, hex, as in the step's manifest
-    holders: tuple[str, ...]  # nodes holding a verified copy, sorted
+    holders: tuple[str, ...]  # nodes holding a verified copy now, sorted
     # The file's whole manifest entry (manifest.entry_fields: mode, mtime, owner, chunk
     # hashes), so that every node can make the step's manifest from the records alone.
     entry: tuple[Any, ...] | None = None
+    # Nodes that let their copy leave RAM deliberately (never holders at the same time),
+    # sorted: `placement.restore_plan` does not replace their copies.
+    left: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         fields: dict[str, Any] = {"node": self.node, "size": self.size, "xxh3": self.xxh3,
                                   "holders": list(self.holders)}
         if self.entry is not None:
             fields["entry"] = list(self.entry)
+        if self.left:  # absent when empty: the records of older versions read the same
+            fields["left"] = list(self.left)
         return _json(fields)
 
     @classmethod
     def decode(cls, value: bytes) -> FileRecord:
         fields = json.loads(value)
-        holders = fields["holders"]
-        if not isinstance(holders, list) or not all(isinstance(h, str) for h in holders):
-            raise ValueError("holders must be a list of node ids")
+        holders = _node_ids(fields["holders"], "holders")
+        left = _node_ids(fields.get("left", []), "left")
         entry = fields.get("entry")
         return cls(str(fields["node"]), int(fields["size"]), str(fields["xxh3"]),
-                   tuple(sorted(holders)), tuple(entry) if isinstance(entry, list) else None)
+                   holders, tuple(entry) if isinstance(entry, list) else None, left)
+
+    def with_holder(self, node: str) -> FileRecord:
+        """`node` holds a verified copy (again: it is no longer one that left)."""
+        return replace(self, holders=tuple(sorted({*self.holders, node})),
+                       left=tuple(n for n in self.left if n != node))
+
+    def without_holder(self, node: str) -> FileRecord:
+        """`node`'s copy is lost (not a deliberate leave: the survivors restore it)."""
+        return replace(self, holders=tuple(n for n in self.holders if n != node))
+
+    def left_by(self, node: str) -> FileRecord:
+        """`node` let its copy go deliberately; nothing changes unless it was a holder."""
+        if node not in self.holders:
+            return self
+        return replace(self.without_holder(node), left=tuple(sorted({*self.left, node})))
 
     @classmethod
     def sealed(cls, node: str, size: int, xxh3: str,
@@ -138,6 +164,12 @@ class CommitEvent:
     created: bool = False  # the commit record's first write (not a later touch)
 
 
+def _node_ids(value: Any, what: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(h, str) for h in value):
+        raise ValueError(f"{what} must be a list of node ids")
+    return tuple(sorted(value))
+
+
 def _json(fields: dict[str, Any]) -> bytes:
     return json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
 
@@ -162,10 +194,6 @@ class CommitRecords:
 
     # -- file records
 
-    async def record_file(self, step: str, path: str, record: FileRecord) -> None:
-        """Record a file this node sealed (a newer seal of the same path replaces it)."""
-        await self.etcd.put(self.file_key(step, path), record.encode())
-
     async def record_files(self, step: str, records: dict[str, FileRecord]) -> None:
         """Record many sealed files at once (a few transactions, not one request per file)."""
         await self.etcd.put_all([(self.file_key(step, path), record.encode())
@@ -177,8 +205,20 @@ class CommitRecords:
         return self._decode_files(step, snapshot.kvs)
 
     async def add_holder(self, step: str, path: str, node: str) -> FileRecord:
-        """Count `node` as holding a verified copy of the file."""
-        return await self._update(step, path, lambda holders: holders | {node})
+        """Count `node` as holding a verified copy of one file: one compare-and-swap on its
+        record alone (the per-copy update `bench/simulate_cluster.py` models; the daemon
+        uses `add_holders`)."""
+        key = self.file_key(step, path)
+        while True:  # compare-and-swap on the version: a concurrent update makes us read again
+            kv = await self.etcd.get(key)
+            if kv is None:
+                raise EtcdError(f"step {step}: no record of {path}")
+            record = FileRecord.decode(kv.value)
+            updated = record.with_holder(node)
+            if updated == record:
+                return record
+            if await self.etcd.put_if_version(key, updated.encode(), kv.version):
+                return updated
 
     async def add_holders(self, step: str, node: str,
                           files: Mapping[str, str]) -> dict[str, FileRecord]:
@@ -188,24 +228,27 @@ class CommitRecords:
         concurrent update is read and tried again). A record whose xxh3 differs (the path was
         sealed again meanwhile) is left as it is: a copy of v5 never holds v6. The records
         of `files` as they are now (paths without a record are left out)."""
-        return await self._change_holders(step, files, lambda holders: holders | {node})
+        return await self._change_holders(step, files, lambda r: r.with_holder(node))
 
-    async def drop_holder(self, step: str, path: str, node: str) -> FileRecord:
-        """Stop counting `node` (its copy is gone or bad)."""
-        return await self._update(step, path, lambda holders: holders - {node})
+    async def leave_files(self, step: str, node: str,
+                          files: Mapping[str, str]) -> dict[str, FileRecord]:
+        """`node` lets its copies of `files` ({path: xxh3}) leave RAM deliberately: it is no
+        longer a holder and is listed in `left` (only where it was a holder of that
+        content). Batched as `add_holders`; the records as they are now."""
+        return await self._change_holders(step, files, lambda r: r.left_by(node))
 
     async def drop_holders(self, step: str, node: str,
-                           paths: Collection[str]) -> dict[str, FileRecord]:
-        """Stop counting `node` as a holder of each of `paths` (its copies left RAM, are bad,
-        or are not there at start): batched as `add_holders`, whatever the content."""
-        return await self._change_holders(step, dict.fromkeys(paths),
-                                          lambda holders: holders - {node})
+                           files: Mapping[str, str | None]) -> dict[str, FileRecord]:
+        """Stop counting `node` as a holder of each file of `files` ({path: xxh3, or None for
+        any content}): its copies are lost (not there at start). Not listed in `left`, so the
+        survivors restore them. Batched as `add_holders`."""
+        return await self._change_holders(step, files, lambda r: r.without_holder(node))
 
     async def _change_holders(self, step: str, files: Mapping[str, str | None],
-                              change: Callable[[frozenset[str]], frozenset[str]]
+                              change: Callable[[FileRecord], FileRecord]
                               ) -> dict[str, FileRecord]:
-        """Apply `change` to the holders of each file of `files` whose record has the xxh3
-        given (None: any), in compare-and-swap transactions, until none lost a race."""
+        """Apply `change` to the record of each file of `files` whose xxh3 is the one given
+        (None: any), in compare-and-swap transactions, until none lost a race."""
         prefix = self.files_prefix(step)
         while True:
             snapshot = await self.etcd.get_prefix(prefix)
@@ -217,28 +260,13 @@ class CommitRecords:
                         current[path] = (kv, FileRecord.decode(kv.value))
             updates = []
             for path, (kv, record) in current.items():
-                holders = tuple(sorted(change(frozenset(record.holders))))
-                if holders != record.holders and files[path] in (None, record.xxh3):
-                    updates.append((kv.key, replace(record, holders=holders), kv.version))
+                updated = change(record)
+                if updated != record and files[path] in (None, record.xxh3):
+                    updates.append((kv.key, updated, kv.version))
             if await self.etcd.put_all_if_version(
                     [(key, record.encode(), version) for key, record, version in updates]):
                 done = {key: record for key, record, _version in updates}
                 return {path: done.get(kv.key, record) for path, (kv, record) in current.items()}
-
-    async def _update(self, step: str, path: str,
-                      change: Callable[[frozenset[str]], frozenset[str]]) -> FileRecord:
-        key = self.file_key(step, path)
-        while True:  # compare-and-swap on the version: a concurrent update makes us read again
-            kv = await self.etcd.get(key)
-            if kv is None:
-                raise EtcdError(f"step {step}: no record of {path}")
-            record = FileRecord.decode(kv.value)
-            holders = tuple(sorted(change(frozenset(record.holders))))
-            if holders == record.holders:
-                return record
-            updated = replace(record, holders=holders)
-            if await self.etcd.put_if_version(key, updated.encode(), kv.version):
-                return updated
 
     # -- commits
 
@@ -337,6 +365,20 @@ class CommitRecords:
             if record.version != version or node in record.holders:
                 return
             updated = replace(record, holders=tuple(sorted({*record.holders, node})))
+            if await self.etcd.put_if_version(key, updated.encode(), kv.version):
+                return
+
+    async def touch_commit(self, step: str, drop: str | None = None) -> None:
+        """Write the step's commit record again, without `drop` among its holders: a watch
+        event that makes every node holding files of the step plan its copies again (after
+        a node took itself out of the file records). Nothing if the step is not committed."""
+        key = self.commit_key(step)
+        while True:
+            kv = await self.etcd.get(key)
+            if kv is None:
+                return
+            record = CommitRecord.decode(step, kv.value)
+            updated = replace(record, holders=tuple(h for h in record.holders if h != drop))
             if await self.etcd.put_if_version(key, updated.encode(), kv.version):
                 return
 

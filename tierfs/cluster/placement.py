@@ -7,6 +7,13 @@ where new copies go: `restore_plan` lists the copies that bring each file back t
 copies, each from one live holder chosen by the same rule, so every node can compute the whole
 plan from the same inputs and carry out only its own part, with no coordination and no copy
 made twice. Only lost copies are replaced: a node joining moves nothing.
+
+A copy let go deliberately is not lost: a node that evicts its copy (the writer once K live
+peers hold the file, any node once the step is persisted) leaves the file's holders and is
+listed among those that `left`. Each live node that left lowers the copies the file wants by
+one, so the writer's eviction leaves a file wanting K copies, which it has; and a node that
+left is a target only when no other live node can take the copy, so no copy goes back to the
+node that just evicted it (no ping-pong between eviction and restore).
 """
 
 from __future__ import annotations
@@ -52,10 +59,12 @@ class Copy:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a file was written and who holds a verified copy of it now."""
+    """Where a file was written, who holds a verified copy of it now, and who let its copy
+    go deliberately (`left`: evicted, not lost)."""
 
     writer: str
     holders: frozenset[str]
+    left: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -70,15 +79,23 @@ class RestorePlan:
 
 def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
                  replicas: int) -> RestorePlan:
-    """The copies that bring every file back to K + 1 live copies (fewer if fewer nodes live).
+    """The copies that bring every file back to K + 1 live copies (fewer if fewer nodes live),
+    less one for each live node that let its copy go deliberately (`Placement.left`).
 
-    Only missing copies are made: a file that still has K + 1 live holders stays where it is,
-    so a node joining the ring moves no data. A missing copy goes to the first live nodes
-    clockwise from the writer's place that do not hold the file (its desired holders first);
-    its source is the first live holder clockwise from there (the writer itself while it
-    lives). The plan is therefore the same on every node that computes it. Holders beyond
-    K + 1 are left alone: dropping them is retention's decision, made only once the new copies
-    are verified.
+    A file wants min(K + 1, ring size) - |left live| live holders. Counting only the live
+    leavers keeps the count within reach: the ring's size counts them too, so there are
+    always enough live nodes that did not leave to take the missing copies, and a node that
+    left is never chosen as a target (it would evict the copy again). A dead leaver lowers
+    nothing: its copy was gone anyway, and the ring without it may want one more.
+
+    Only missing copies are made: a file that still has the copies it wants stays where it
+    is, so a node joining the ring moves no data. A missing copy goes to the first live nodes
+    clockwise from the writer's place that do not hold the file and did not leave it (its
+    desired holders first); only if there are too few of those, to the nodes that left, in
+    the same order. Its source is the first live holder clockwise from there (the writer
+    itself while it holds it). The plan is therefore the same on every node that computes it.
+    Holders beyond the count are left alone: dropping them is retention's decision, made only
+    once the new copies are verified.
     """
     live = set(ring_ids)
     copies: list[Copy] = []
@@ -89,11 +106,14 @@ def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
         if not live_holders:
             lost.append(name)
             continue
-        missing = min(replicas + 1, len(ring_ids)) - len(live_holders)
+        left = (placement.left - placement.holders) & live
+        missing = min(replicas + 1, len(ring_ids)) - len(left) - len(live_holders)
         if missing <= 0:
             continue
         order = clockwise(ring_ids, placement.writer)
         source = next(node for node in order if node in live_holders)
-        targets = [node for node in order if node not in live_holders][:missing]
+        others = [node for node in order if node not in live_holders]
+        targets = ([node for node in others if node not in left]
+                   + [node for node in others if node in left])[:missing]
         copies.extend(Copy(name, source, target) for target in targets)
     return RestorePlan(copies, lost)

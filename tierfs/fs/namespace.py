@@ -88,7 +88,8 @@ class Namespace:
         self.deletes = core.deletes
         self.background = core.background
         self.residency = Residency(tree, list(read_sources or []), self.background,
-                                   keep_ram=keep_ram, replicas=replicas, liveness=liveness)
+                                   keep_ram=keep_ram, replicas=replicas, liveness=liveness,
+                                   records=sealed)
         self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events)
         self.quiet = QuietCommits(tree, core.watch, self.commits)

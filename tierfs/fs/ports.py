@@ -57,6 +57,10 @@ class SealedCollector(Protocol):
     async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:
         """The step's committed manifest in the cluster and the nodes holding its files."""
 
+    async def leave_files(self, manifest: mf.StepManifest, names: list[str]) -> set[str] | None:
+        """This node's copies of these files are about to leave RAM: the records stop counting
+        it. The names that may leave now; None if the records could not be changed."""
+
 
 class Liveness(Protocol):
     """The cluster's live members (`replication.membership.Membership`)."""

@@ -3,8 +3,11 @@
 --keep-ram, and under RAM pressure before any write is refused.
 
 `Residency` decides what to fetch and what to evict, and when; the `Tree` makes each change
-(`adopt_fetch`, `evict_file`, ...). The tiers it reads from are `ReadSource`s (peers first,
-then the persistent tier), and its background work runs under the `Spawner` it is given.
+(`adopt_fetch`, `evict_file`, ...). In a cluster, a copy leaves RAM only after the cluster's
+file records stopped counting this node as its holder (`SealedCollector.leave_files`): the
+records never say there are more copies than there are. The tiers it reads from are
+`ReadSource`s (peers first, then the persistent tier), and its background work runs under the
+`Spawner` it is given.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import trio
 
 from tierfs.fs.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError
 from tierfs.fs.nodes import FsError, Node, StepState
-from tierfs.fs.ports import Liveness, ReadSource, Spawner
+from tierfs.fs.ports import Liveness, ReadSource, SealedCollector, Spawner
 from tierfs.fs.ram_store import RamFull
 from tierfs.fs.tree import Tree
 
@@ -29,6 +32,9 @@ log = logging.getLogger(__name__)
 # first slice of a background eviction is longer, so that most steps leave RAM at once.
 EVICT_SLICE = 0.002
 FIRST_SLICE = 0.02
+# After etcd did not take a copy's leave of the records, no other is tried for this long (the
+# copies stay in RAM): a write waiting for room does not wait one etcd timeout per step.
+LEAVE_PAUSE = 5.0
 
 
 class Residency:
@@ -36,8 +42,12 @@ class Residency:
 
     def __init__(self, tree: Tree, read_sources: list[ReadSource], background: Spawner, *,
                  keep_ram: int = 3, replicas: int = 0,
-                 liveness: Liveness | None = None) -> None:
+                 liveness: Liveness | None = None,
+                 records: SealedCollector | None = None) -> None:
         self.tree = tree
+        # The cluster's file records (None on a single node): a copy leaves them, then RAM.
+        self.records = records
+        self._leaves_paused_until = 0.0  # trio time: etcd did not take the last leave
         self.liveness = liveness  # who is up: a dead peer's copy does not count
         self.store = tree.store
         self.read_sources = read_sources
@@ -136,7 +146,9 @@ class Residency:
     # their way in, stay. The work runs in slices of EVICT_SLICE seconds with a checkpoint in
     # between, so that evicting a step of 50,000 files never holds the FUSE loop; each file is
     # checked and changed with no await in between (`Tree.evict_file`), so handlers see it
-    # either in RAM or not.
+    # either in RAM or not. In a cluster, the records change first (`_leave`): a copy leaves
+    # the file's holders in etcd before its bytes leave RAM, never after, so no node plans a
+    # copy from a node that no longer has it.
 
     def enforce_keep_ram(self) -> None:
         """Evict steps beyond the newest `keep_ram` of each run directory that are safe
@@ -257,34 +269,73 @@ class Residency:
         return "; ".join(parts)
 
     def _evict_soon(self, step_node: Node) -> None:
-        """Evict a step: the first slice now, the rest in the background."""
+        """Evict a step: the first slice now, the rest in the background (in a cluster, all of
+        it in the background: the records change first)."""
         step = step_node.step
         if step in self._evictions:
             return
-        work = self._eviction_work(step_node, FIRST_SLICE)
-        try:
-            next(work)
-        except StopIteration:
-            return
+        work = None
+        if self.records is None:
+            work = self._eviction_work(step_node, FIRST_SLICE)
+            try:
+                next(work)
+            except StopIteration:
+                return
         self._evictions[step] = trio.Event()
-        self._spawn(lambda: self._finish_eviction(step, work))
+        self._spawn(lambda: self._finish_eviction(step_node, work))
 
     async def _evict(self, step_node: Node) -> None:
         """Evict a step, a slice at a time, in this task."""
         self._evictions[step_node.step] = trio.Event()
-        await self._finish_eviction(step_node.step, self._eviction_work(step_node))
+        await self._finish_eviction(step_node, None)
 
-    async def _finish_eviction(self, step: StepState, work: Iterator[None]) -> None:
+    async def _finish_eviction(self, step_node: Node, work: Iterator[None] | None) -> None:
+        step = step_node.step
         try:
+            if work is None:
+                manifest = step.manifest
+                leaving = await self._leave(step_node)
+                if step_node.step is not step or step.manifest is not manifest:
+                    return  # re-saved or removed meanwhile: the names are of another version
+                # no await from here to the generator's first slice: the version stays
+                work = self._eviction_work(step_node, leaving=leaving)
             for _slice in work:
                 await trio.sleep(EVICT_SLICE)
         finally:
             self._evictions.pop(step).set()
 
-    def _eviction_work(self, step_node: Node, first_slice: float = EVICT_SLICE
-                       ) -> Iterator[None]:
+    async def _leave(self, step_node: Node) -> set[str] | None:
+        """In a cluster: the files of the step whose copies here may leave RAM, once the
+        records stopped counting this node as their holder (None: no records, all may).
+
+        Records first, bytes second: between the two the records count one copy fewer than
+        there are (a restore may make one more), never one more (a restore that does not
+        happen). If etcd does not take the change, the files stay in RAM: evicting them
+        anyway would leave records that overstate the copies until a restart, and a later
+        eviction tries again (under pressure a write is refused, which the writer sees).
+        A file opened between the two stays in RAM uncounted: again one copy fewer."""
+        if self.records is None:
+            return None
+        step = step_node.step
+        names = [name for name in sorted(step.resident) if self.file_leaves(step, name)
+                 and not self._in_use(step_node, name)]
+        if not names or trio.current_time() < self._leaves_paused_until:
+            return set()
+        allowed = await self.records.leave_files(step.manifest, names)
+        if allowed is None:
+            self._leaves_paused_until = trio.current_time() + LEAVE_PAUSE
+            return set()
+        return allowed
+
+    def _in_use(self, step_node: Node, name: str) -> bool:
+        node = self.tree.entry_node(step_node, name)
+        return node is not None and bool(node.handles or (node.fetch and node.fetch.busy))
+
+    def _eviction_work(self, step_node: Node, first_slice: float = EVICT_SLICE,
+                       leaving: set[str] | None = None) -> Iterator[None]:
         """Drop a safe step's bytes from RAM, file by file; it stays listed and readable.
-        Yields whenever a slice of work is done and a checkpoint is due."""
+        Of the files in RAM, only those of `leaving` (if given: the records no longer count
+        them here) go. Yields whenever a slice of work is done and a checkpoint is due."""
         step = step_node.step
         manifest = step.manifest
         freed = evicted = 0
@@ -293,7 +344,9 @@ class Residency:
             if step_node.step is not step or step.manifest is not manifest \
                     or not step.committed:
                 break  # re-saved, superseded or removed meanwhile: it is no longer ours to evict
-            if entry.name in step.resident and not self.file_leaves(step, entry.name):
+            if entry.name in step.resident and (
+                    not self.file_leaves(step, entry.name)
+                    or (leaving is not None and entry.name not in leaving)):
                 continue  # not safe elsewhere (held for another writer, or short of copies)
             node = self.tree.entry_node(step_node, entry.name)
             size = None if node is None else self.tree.evict_file(step, entry, node)

@@ -550,6 +550,7 @@ class ClusterNode:
                  store: RamStore, events: Events) -> None:
         self.cfg = cfg
         self.namespace = namespace
+        self.store = store
         self.live = links.live
         self.membership = links.membership
         self.verifier = namespace.verifier
@@ -602,6 +603,7 @@ class ClusterNode:
         log.info("node %s listening for peers on %s:%d (advertised as %s); live members: %s",
                  self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
         self._follow_members()
+        await self._drop_lost_copies()
         in_cluster = await self.sealed.learn_all(self._learn)  # every step of the cluster
         if in_cluster is not None:
             owned = self.namespace.tiers.owned_manifests()
@@ -610,6 +612,21 @@ class ClusterNode:
         for worker in (self.membership.run, self.replicator.run, self._restore_copies,
                        self._follow_commits, self._publish_pending):
             nursery.start_soon(worker)
+
+    async def _drop_lost_copies(self) -> None:
+        """The records stop counting this node as a holder of files whose objects are not in
+        its RAM store (it was replaced with an empty RAM dir, or lost files): the survivors
+        restore those copies (`ClusterCommits.drop_lost_copies`). Once, at start: from then on
+        a copy leaves RAM only after it left the records (`Residency._leave`)."""
+        try:
+            dropped = await self.sealed.drop_lost_copies(
+                lambda digest: self.store.object_path(digest).exists())
+        except EtcdError as exc:
+            log.warning("could not compare the cluster's records with the copies here: %s", exc)
+            return
+        if dropped:
+            log.warning("%d copies the cluster's records listed here are not in RAM: the other "
+                        "holders restore them", dropped)
 
     def _learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
         """A step committed in the cluster is listed here; if this node holds files of that

@@ -192,6 +192,49 @@ class ClusterCommits:
                      len(names), manifest.path, exc)
             return {}
 
+    async def leave_files(self, manifest: mf.StepManifest, names: list[str]) -> set[str] | None:
+        """Before this node's copies of these files of `manifest` leave RAM: it takes itself
+        out of their holders and is listed among those that left (batched transactions). The
+        names whose records no longer count this node, which may leave RAM now (a file with
+        no record stays: its record may yet be written naming this node); None if etcd did
+        not take it (then none may: see `Residency._leave`)."""
+        files = {n: e.xxh3 for n in names if (e := manifest.entry(n)) is not None}
+        try:
+            found = await self.records.leave_files(manifest.path, self.node_id, files)
+        except EtcdError as exc:
+            log.info("could not record in etcd that %d files of %s leave RAM here (%s): "
+                     "they stay", len(files), manifest.path, exc)
+            return None
+        return {n for n, r in found.items() if self.node_id not in r.holders}
+
+    async def drop_lost_copies(self, holds: Callable[[str], bool]) -> int:
+        """At start: take this node out of the holders of every committed file it is listed
+        for but whose object (`holds(xxh3)`) it does not have (an empty RAM dir, lost files),
+        not as a node that left: the loss was not chosen, so the survivors restore those
+        copies. Only steps whose commit record lists this node are read; each step changed
+        gets its commit record written again (without this node if it holds none of its
+        files), so that every node holding its files plans again at once. The copies dropped;
+        raises EtcdError if etcd does not answer."""
+        dropped = 0
+        for commit in await self.records.commits():
+            if self.node_id not in commit.holders:
+                continue
+            files = await self.records.files(commit.step)
+            lost = {name: r.xxh3 for name, r in files.items()
+                    if self.node_id in r.holders and not holds(r.xxh3)}
+            if not lost:
+                continue
+            await self.records.drop_holders(commit.step, self.node_id, lost)
+            still = any(self.node_id in r.holders for name, r in files.items()
+                        if name not in lost)
+            await self.records.touch_commit(commit.step,
+                                            drop=None if still else self.node_id)
+            log.warning("%s: %d files listed as held here are not in RAM (lost): no longer "
+                        "counted here, the other holders restore their copies", commit.step,
+                        len(lost))
+            dropped += len(lost)
+        return dropped
+
     async def file_record(self, step_path: str, name: str) -> FileRecord | None:
         """One file's record as etcd has it now (None if none, or etcd does not answer)."""
         try:

@@ -4,9 +4,10 @@ the cluster's file records in etcd (`/<prefix>/steps/<step>/files/<path>`: write
 For a committed step this node holds files of, it reads the step's records and computes
 `placement.restore_plan` over the files held here and the ring of live members: for a fresh
 commit that is "writer -> its next K live nodes", after a loss the copies that bring each file
-back to K + 1 live holders. Every node computes the same plan from the same records, so each
-copy is made once, by its planned source; this node carries out the copies it is the source
-of, grouped by target, in parallel across targets.
+back to K + 1 live holders (less the nodes that let their copy go deliberately: the records
+list only real holders, `commit_records`). Every node computes the same plan from the same
+records, so each copy is made once, by its planned source; this node carries out the copies it
+is the source of, grouped by target, in parallel across targets.
 
 To a target, each file is streamed in chunks from the RAM store's immutable committed objects
 (one chunk in flight: the peer's OK is the backpressure), then HOLD names the files (at most
@@ -122,7 +123,7 @@ class Replicator:
             return None
         self._on_placements(manifest, {name: set(r.holders) for name, r in records.items()},
                             {name: r.node for name, r in records.items()})
-        here = {name: placement.Placement(r.node, frozenset(r.holders))
+        here = {name: placement.Placement(r.node, frozenset(r.holders), frozenset(r.left))
                 for name, r in records.items()
                 if os.path.exists(self._object_path(r.xxh3))}
         plan = placement.restore_plan(here, self.membership.live.ring, self.replicas)
