@@ -88,6 +88,24 @@ def cpu_seconds(*pids: int) -> float:
     return total
 
 
+def wait_for_quiet(idle_share: float = 0.8, patience: float = 30.0) -> None:
+    """Until the machine's CPUs were at least `idle_share` idle over half a second (at most
+    `patience` seconds): work left over from the previous run (the S3 server writing out an
+    upload, say) must not be charged to the next one."""
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
+
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        idle, total = ticks()
+        time.sleep(0.5)
+        idle_after, total_after = ticks()
+        if (idle_after - idle) >= idle_share * max(1, total_after - total):
+            return
+
+
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
@@ -258,7 +276,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     uniform = uniform_state(size)
     cluster_profiles: dict[str, dict[str, float]] = {}
-    with Bench(args) as bench, PeakRss(bench.pid) as rss, Profile(bench, args.profile) as spy:
+    with Bench(args) as bench, PeakRss(bench.pid) as rss, \
+            Profile(bench, args.profile and not args.cluster_only) as spy:
         targets = [*bench.mounts, *TARGETS[1:]]
         for rep in range(0 if args.cluster_only else args.reps):
             for target in targets:
@@ -389,16 +408,23 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
                  for role, name in (("sender", "node0"), ("receiver", "node1"))}
         extra["committed_to_replicated"] = [bench.wait_for(step, lambda e: bool(e["replicas"]),
                                                            "node0")]
-    profiles.update({label: spy.functions for label, spy in spies.items()})
+    profiles.update({label: spy.functions for label, spy in spies.items()
+                     if spy.functions})
     bench.wait_for(step, lambda e: e["persisted"], "node0")
     extra["daemon_cpu_per_gib_saved_replicated_persisted"] = [
         (cpu_seconds(*daemons) - cpu) / (state_bytes(state) / 2**30)]
+    for tensor in fresh.values():  # its pages touched once, before any timed load
+        tensor.zero_()
     for rep in range(reps):
-        for source, options in (("peer", node("node2")), ("s3", persist)):
+        # Each source goes first in every other repetition: the first load of a run pays for
+        # memory the machine touches for the first time (expensive on this VM), not its source.
+        sources = [("peer", node("node2")), ("s3", persist)]
+        for source, options in sources if rep % 2 == 0 else sources[::-1]:
             name = f"fresh-{source}"
             mountpoint = bench.start_mount(name, *options)
             bench.wait_for(step, lambda e: True, name)
-            # the first repetition's peer restore is profiled: the fresh node and a peer
+            wait_for_quiet()
+            # the first repetition's peer restore is profiled: the fresh node and one holder
             profiled = (name, "node1") if rep == 0 and source == "peer" else ()
             with contextlib.ExitStack() as stack:
                 spies = {f"restore from a peer, {who}": stack.enter_context(
@@ -409,7 +435,8 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
                          storage_reader=dcp.FileSystemReader(str(mountpoint / "run" / step)))
                 extra.setdefault(f"restore_from_{source}", []).append(
                     time.perf_counter() - started)
-            profiles.update({label: spy.functions for label, spy in spies.items()})
+            profiles.update({label: spy.functions for label, spy in spies.items()
+                             if spy.functions})
             bench.stop_mount(name)
 
 
@@ -445,8 +472,14 @@ class Profile:
         if self._proc is None:
             return
         self._proc.send_signal(signal.SIGINT)
-        self._proc.wait(timeout=60)
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # still attaching: no samples to report
+            self._proc.kill()
+            self._proc.wait()
         self._proc = None
+        if not self.out.exists():
+            return
         from data_path_profile import _functions  # bench/ is this script's directory
 
         self.functions = _functions(self.out)
