@@ -63,14 +63,13 @@ class Receiving:
     manifests whose object arrived (as `OtherTiers.hold_files` does)."""
 
     def __init__(self, tmp: Path, *manifests: mf.StepManifest, limit: int = 1 << 30,
-                 **options: float) -> None:
+                 **options: Any) -> None:
         self.objects = tmp / "b-objects"
         self.objects.mkdir()
         self.space = Space(limit)
         self.manifests = {(m.path, m.version): m for m in manifests}
         self.held: list[tuple[str, int, list[str], str]] = []
-        self.receiver = ReplicaReceiver(self.objects, self.space, self._hold,
-                                        **options)  # type: ignore[arg-type]
+        self.receiver = ReplicaReceiver(self.objects, self.space, self._hold, **options)
         self.port = free_port()
 
     async def _hold(self, path: str, version: int, names: list[str],
