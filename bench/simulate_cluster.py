@@ -477,7 +477,8 @@ class Cluster:
         publish = self._trace_trio(commits.publish, manifest, {".metadata"})
         if self.p.follow == "records":  # what follow() reads on each commit event
             self.manifest_read = self.traced(commits._manifest(
-                CommitRecord(STEP, self.committer, len(names), 0.0, 1, 1)))
+                CommitRecord(STEP, self.committer, len(names), 0.0, 1, 1,
+                             digest=manifest.content_digest)))
         elif self.p.follow == "peer":  # the manifest from the committer, in chunks
             self._peer_follow(manifest)
 

@@ -437,3 +437,42 @@ def test_a_dead_peers_copy_does_not_let_a_step_leave_ram(
     save(node0 / "run/step_2", {"f": b"2", ".metadata": b"m"})
     wait_until(lambda: node0.step("run/step_2")["replicas"] == ["node1"], timeout=30)
     assert node0.step("run/step_1")["ram"]
+
+
+def test_verify_asks_each_peer_only_about_the_files_it_holds(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
+    """A DCP step written on node0 (rank 0, `.metadata`) and node1 (rank 1), no copies
+    (K = 0): `tierfs verify` on node2, which holds none of it, and on node0 asks each peer
+    about the files their records say it holds, never about all the step's files."""
+    import json
+
+    cluster = Cluster(mounts, token_file, 3, etcd_server)
+    for node_id in cluster.ports:
+        cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), "--replicas", "0")
+    for node_id in cluster.ports:
+        wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)
+    node0, node1, node2 = (cluster.nodes[f"node{i}"] for i in range(3))
+    step = "run/step_5"
+    run_dcp_ranks([node0 / step, node1 / step], timeout=240)
+    records = _file_records(cluster, step)
+    # (each rank loads the whole step back: a node may also hold fetched copies of the
+    # other's files, which are not in their records' holders and not asked about)
+    held = {node: sorted(n for n, r in records.items() if node in r.holders)
+            for node in ("node0", "node1")}
+    assert held["node0"] and held["node1"]
+    wait_until(lambda: (node2.step(step) or {}).get("state") == "committed", timeout=30)
+
+    def peer_tiers(mnt: Mount) -> dict[str, dict[str, Any]]:
+        done = tierfs("verify", str(mnt / step), "--json", timeout=120)
+        [report] = json.loads(done.stdout)["steps"]
+        return {t["tier"]: t for t in report["tiers"] if t["tier"].startswith("peer:")}
+
+    tiers = peer_tiers(node2)
+    assert set(tiers) == {"peer:node0", "peer:node1"}
+    for node in ("node0", "node1"):
+        assert tiers[f"peer:{node}"]["good"] == len(held[node]), tiers
+        assert tiers[f"peer:{node}"]["not_held"] == [], tiers
+    tiers = peer_tiers(node0)
+    assert set(tiers) == {"peer:node1"}
+    assert tiers["peer:node1"]["good"] == len(held["node1"])
+    assert tiers["peer:node1"]["not_held"] == [], tiers

@@ -1,11 +1,14 @@
 """Committed manifests travel between peers on demand: a node that holds no file of a step
 learns its commit from the commit record alone and fetches the manifest from a node that has
-it (in chunks), never reading etcd's per-file records of the step."""
+it (in chunks), never reading etcd's per-file records of the step. When no peer gives it, it is
+made from those records, but only if they add up to the commit record's content digest."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,9 +17,10 @@ import trio
 from tests.conftest import MountFactory, free_port, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401
 from tests.test_crash import save
-from tests.test_etcd_cluster import grpc_requests
+from tests.test_etcd_cluster import commits, grpc_requests, new_cluster, step_manifest
 from tests.test_layer_replication import TOKEN, members_a_and_b
 from tierfs import manifest as mf
+from tierfs.cluster.commit_records import CommitRecord
 from tierfs.cluster.etcd import PAGE_SIZE
 from tierfs.devtools.etcd import Etcd
 from tierfs.replication import peer_manifest
@@ -82,3 +86,57 @@ async def test_a_manifest_of_many_files_is_fetched_in_several_chunks(
         with pytest.raises(ProtocolError, match="not committed here"):
             await fetcher.fetch("b", manifest.path, manifest.version + 1)
         nursery.cancel_scope.cancel()
+
+
+NAMES = sorted([".metadata", "__0_0.distcp", "__1_0.distcp"])
+
+
+async def test_a_manifest_from_records_mixing_two_versions_is_refused(
+        etcd_server: Etcd) -> None:
+    """n1 has no peer to ask, so it makes the manifest from the file records: while a re-save
+    of the step has sealed some files again (the commit record still says v1) they mix two
+    versions and are refused; once v2 commits they make v2, even for a node still holding the
+    v1 commit record it learned before."""
+    cluster = new_cluster(etcd_server)
+    n0, _etcd = commits(cluster, "n0")
+    n1, _etcd1 = commits(cluster, "n1")  # no fetch: the records are all it has
+    v1 = step_manifest("run/step_1", NAMES, "n0")
+    await n0.record_sealed(v1.path, list(v1.files))
+    await n0.publish(v1, set(NAMES))
+    found = await n1.manifest_of(v1.path)
+    assert found is not None and found[0] == v1  # the normal path
+    record_v1 = await n1.records.commit_of(v1.path)
+    assert record_v1 is not None
+
+    shard = replace(v1.entry("__0_0.distcp"), size=99, xxh3="f" * 32,  # type: ignore[arg-type]
+                    chunks=("f" * 16,))
+    await n0.record_sealed(v1.path, [shard])  # the re-save's first seal
+    assert await n1.manifest_of(v1.path) is None
+    assert record_v1.digest == v1.content_digest
+
+    v2 = replace(v1, version=2, committed_ns=v1.committed_ns + 1,
+                 files=tuple(shard if e.name == shard.name else e for e in v1.files))
+    await n0.publish(v2, set(NAMES))
+    found = await n1.manifest_of(v1.path)
+    assert found is not None and found[0] == v2
+    found = await n1._manifest(record_v1)  # the v1 event, read late: the newer commit is taken
+    assert found is not None and found[0] == v2
+
+
+async def test_a_commit_record_without_a_digest_makes_no_manifest_from_records(
+        etcd_server: Etcd) -> None:
+    """A commit record written before digests were cannot tell one version's records from a
+    re-save's: it is read as before, but no manifest is made from the records for it."""
+    cluster = new_cluster(etcd_server)
+    n0, _etcd = commits(cluster, "n0")
+    n1, _etcd1 = commits(cluster, "n1")
+    manifest = step_manifest("run/step_1", NAMES, "n0")
+    await n0.publish(manifest, set(NAMES))
+    key = n0.records.commit_key(manifest.path)
+    kv = await n0.records.etcd.get(key)
+    assert kv is not None
+    old = {k: v for k, v in json.loads(kv.value).items() if k != "digest"}
+    await n0.records.etcd.put(key, json.dumps(old).encode())
+    record = await n1.records.commit_of(manifest.path)
+    assert record == replace(CommitRecord.decode(manifest.path, kv.value), digest=None)
+    assert await n1.manifest_of(manifest.path) is None

@@ -62,13 +62,14 @@ class Receiving:
     """Node b: the peer port with the receiver's handlers, holding every file of the known
     manifests whose object arrived (as `OtherTiers.hold_files` does)."""
 
-    def __init__(self, tmp: Path, *manifests: mf.StepManifest, limit: int = 1 << 30) -> None:
+    def __init__(self, tmp: Path, *manifests: mf.StepManifest, limit: int = 1 << 30,
+                 **options: Any) -> None:
         self.objects = tmp / "b-objects"
         self.objects.mkdir()
         self.space = Space(limit)
         self.manifests = {(m.path, m.version): m for m in manifests}
         self.held: list[tuple[str, int, list[str], str]] = []
-        self.receiver = ReplicaReceiver(self.objects, self.space, self._hold)
+        self.receiver = ReplicaReceiver(self.objects, self.space, self._hold, **options)
         self.port = free_port()
 
     async def _hold(self, path: str, version: int, names: list[str],
@@ -241,6 +242,32 @@ async def test_a_chunk_written_again_out_of_order_is_checked_in_the_file(
     assert target.exists() == accepted
     if accepted:
         assert target.read_bytes() == data
+
+
+async def test_running_hashes_of_abandoned_transfers_are_dropped(tmp_path: Path) -> None:
+    """Senders killed after a file's first chunk leave its running hash behind: the receiver
+    keeps at most `running_limit` of them, and drops any idle for `running_idle` seconds; a
+    transfer after that is received and checked as usual."""
+    entry = committed_object(tmp_path / "a-objects", b"a whole small file", "shard")
+    b = Receiving(tmp_path, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)),
+                  running_limit=4, running_idle=1.0)
+    chunk = bytes(mf.CHUNK_SIZE)
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        for i in range(10):
+            channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+            await channel.request("PUT", chunk, path="run/step_1", name=f"big{i}",
+                                  xxh3=f"{i:032x}", size=2 * mf.CHUNK_SIZE, offset=0)
+            await channel.aclose()  # the sender is gone, its file half sent
+        assert len(b.receiver._hashing) <= 4
+        await trio.sleep(1.1)  # the abandoned ones are idle for longer than running_idle
+        channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+        await channel.request("PUT", b"a whole small file", path="run/step_1", name="shard",
+                              xxh3=entry.xxh3, size=entry.size, offset=0)
+        await channel.aclose()
+        assert b.receiver._hashing == {}
+        nursery.cancel_scope.cancel()
+    assert (b.objects / entry.xxh3).read_bytes() == b"a whole small file"
 
 
 async def test_a_full_receiver_answers_an_error_and_keeps_nothing(tmp_path: Path) -> None:

@@ -91,6 +91,11 @@ def test_oversized_frames_are_refused_before_buffering() -> None:
         decoder.feed(struct.pack(">II", 10, proto.MAX_PAYLOAD + 1))
     with pytest.raises(proto.ProtocolError, match="too large"):
         proto.FrameDecoder().feed(struct.pack(">II", proto.MAX_HEADER + 1, 0))
+    handshake = proto.FrameDecoder(proto.HANDSHAKE_LIMITS)
+    with pytest.raises(proto.ProtocolError, match="too large before authentication"):
+        handshake.feed(struct.pack(">II", 90, proto.MAX_PAYLOAD))
+    with pytest.raises(proto.ProtocolError, match="too large before authentication"):
+        proto.FrameDecoder(proto.HANDSHAKE_LIMITS).feed(struct.pack(">II", 5000, 0))
 
 
 @settings(max_examples=3000, deadline=None)
@@ -149,3 +154,25 @@ def test_a_proof_is_bound_to_nonce_and_names() -> None:
     assert proto.check_proof(TOKEN, nonce, "node1", "node0", mac)
     assert not proto.check_proof(TOKEN, proto.new_nonce(), "node1", "node0", mac)  # replayed
     assert not proto.check_proof(TOKEN, nonce, "node2", "node0", mac)
+
+
+async def test_a_channel_takes_big_frames_only_once_authenticated() -> None:
+    """Before the handshake a frame announcing a 16 MiB payload is refused at its prefix (not
+    waited for, not buffered); after it, the same frame goes through."""
+    put = {"path": "run/step_1", "name": "f", "xxh3": "c" * 32, "size": 1 << 20, "offset": 0}
+    left, right = trio.testing.memory_stream_pair()
+    stranger = PeerChannel(right, timeout=2)
+    await left.send_all(proto.encode_header("PUT", proto.MAX_PAYLOAD, **put))  # no body
+    with pytest.raises(proto.ProtocolError, match="too large before authentication"):
+        await stranger.receive()
+
+    left, right = trio.testing.memory_stream_pair()
+    sender, receiver = PeerChannel(left, timeout=5), PeerChannel(right, timeout=5)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(authenticate, sender, TOKEN, "node0", {"node0", "node1"})
+        nursery.start_soon(authenticate, receiver, TOKEN, "node1", {"node0", "node1"})
+    payload = bytes(range(256)) * 4096
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: sender.send("PUT", payload, **put))
+        message = await receiver.receive("PUT")
+    assert bytes(message.payload) == payload

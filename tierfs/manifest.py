@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -84,6 +85,20 @@ class StepManifest:
     def same_content(self, other: StepManifest) -> bool:
         key = lambda m: sorted((f.name, f.size, f.xxh3) for f in m.files)  # noqa: E731
         return key(self) == key(other)
+
+    @cached_property
+    def content_digest(self) -> str:
+        return content_digest(self.files)
+
+
+def content_digest(files: Iterable[FileEntry]) -> str:
+    """xxh3-128 (hex) over the sorted (name, size, xxh3) of `files`: what a step's content
+    is, whatever the order of its entries or their mode and mtime. Each field ends with a
+    NUL, which no name (check_relative_path), size or hex digest holds."""
+    hasher = xxhash.xxh3_128()
+    for name, size, xxh3 in sorted((f.name, f.size, f.xxh3) for f in files):
+        hasher.update(f"{name}\0{size}\0{xxh3}\0".encode())
+    return hasher.hexdigest()
 
 
 def check_relative_path(name: str) -> str:

@@ -353,3 +353,68 @@ def test_fuzz_live_peer_port(mounts: MountFactory, token_file: Path, etcd_server
     write_results("hostile_live_port", {
         **dict(counts), "connections_dropped_with_log_line": dropped,
         "seconds": round(time.monotonic() - started, 1)})
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def cut_off_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes (or resets) the connection within `seconds`."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except TimeoutError:
+        return False
+    except OSError:  # reset: closed with our bytes unread
+        return True
+
+
+def test_a_big_frame_before_authentication_is_refused_at_its_prefix(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """Strangers announce 16 MiB frames (a PUT header, then all but the last byte of its
+    payload) without authenticating: each connection is closed at the frame's prefix, the
+    daemon buffers nothing (its RSS stays put), and honest peers still replicate."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    for node_id in cluster.ports:
+        cluster.start(node_id)
+    node0 = cluster.nodes["node0"]
+    wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+    port = cluster.ports["node0"]
+    connections, size = 8, proto.MAX_PAYLOAD
+    header = msgpack.packb({"type": "PUT", "path": "run/step_1", "name": "f",
+                            "xxh3": "a" * 32, "size": size, "offset": 0}, use_bin_type=True)
+    body = bytes(size - 1)  # the frame stays incomplete: a buffering server keeps waiting
+    rss_before = rss_bytes(node0.pid)
+    peers = []
+    try:
+        for _ in range(connections):
+            peer = RawPeer(port)
+            peers.append(peer)
+            peer.sock.sendall(proto.PREFIX.pack(len(header), size) + header)
+            with contextlib.suppress(OSError):  # closed under us: the point
+                peer.sock.sendall(body)
+        grown = rss_bytes(node0.pid) - rss_before
+        started = time.monotonic()
+        cut = [cut_off_within(peer.sock, 2.0) for peer in peers]
+        waited = time.monotonic() - started
+    finally:
+        for peer in peers:
+            peer.close()
+    assert grown < 16 << 20, f"daemon RSS grew by {grown >> 20} MiB"
+    assert all(cut), f"{cut.count(False)} of {connections} connections kept open " \
+                     f"(waited {waited:.1f} s)"
+    wait_until(lambda: node0.log().count("frame too large before authentication") ==
+               connections, timeout=5)
+    assert "Traceback" not in node0.log() and node0.status()["pid"] == node0.pid
+
+    files = {"__0_0.distcp": os.urandom(9 << 20), ".metadata": b"meta"}  # > one 8 MiB frame
+    save(node0 / "run/step_3", files)
+    wait_until(lambda: node0.step("run/step_3")["replicas"] == ["node1"], timeout=30)
+    verify_committed(cluster.nodes["node1"], {"run/step_3": files})

@@ -136,12 +136,17 @@ class CommitRecord:
     # a loose file), so that its manifest can be made from the file records alone.
     number: int | None = None
     single_file: bool = False
+    # manifest.content_digest of this version's files: a manifest made from the file records
+    # (which a re-save rewrites before its commit) is this version's only if it has this
+    # digest. None in a record written before digests were: such a record vouches for no
+    # manifest made from records (ClusterCommits._from_records refuses them).
+    digest: str | None = None
 
     def encode(self) -> bytes:
         return _json({"committer": self.committer, "files": self.files, "at": self.at,
                       "version": self.version, "committed_ns": self.committed_ns,
                       "holders": list(self.holders), "number": self.number,
-                      "single_file": self.single_file})
+                      "single_file": self.single_file, "digest": self.digest})
 
     @classmethod
     def decode(cls, step: str, value: bytes) -> CommitRecord:
@@ -150,10 +155,13 @@ class CommitRecord:
         if not isinstance(holders, list) or not all(isinstance(h, str) for h in holders):
             raise ValueError("holders must be a list of node ids")
         number = fields.get("number")
+        digest = fields.get("digest")
+        if digest is not None and not isinstance(digest, str):
+            raise ValueError("digest must be a string")
         return cls(step, str(fields["committer"]), int(fields["files"]), float(fields["at"]),
                    int(fields.get("version", 1)), int(fields.get("committed_ns", 0)),
                    tuple(sorted(holders)), None if number is None else int(number),
-                   bool(fields.get("single_file", False)))
+                   bool(fields.get("single_file", False)), digest)
 
 
 @dataclass(frozen=True)
@@ -323,11 +331,13 @@ class CommitRecords:
     async def commit_recorded(self, step: str, committer: str, files: int, deadline: float,
                               version: int = 1, committed_ns: int = 0,
                               holders: Collection[str] = (), number: int | None = None,
-                              single_file: bool = False) -> tuple[CommitRecord, bool]:
+                              single_file: bool = False,
+                              digest: str | None = None) -> tuple[CommitRecord, bool]:
         """`commit` once the caller knows every file is recorded: the transaction alone,
         answered by `deadline` (trio time) plus one request timeout."""
         record = CommitRecord(step, committer, files, time.time(), version, committed_ns,
-                              tuple(sorted({*holders, committer})), number, single_file)
+                              tuple(sorted({*holders, committer})), number, single_file,
+                              digest)
         key = self.commit_key(step)
         won: bool | None = None
         with trio.move_on_at(deadline + self.etcd.timeout):

@@ -70,10 +70,14 @@ class Liveness(Protocol):
 
 class PeerCopies(Protocol):
     """Asks a peer to check (and repair) its own copy of a file: good, bad, missing, repaired.
-    Raises OSError or another exception when the peer cannot be reached."""
+    Raises OSError or another exception when the peer cannot be reached. `file_holders`:
+    who holds each file of a committed version, from the cluster's records ({name: nodes},
+    files without a record left out), or None if the records cannot be read."""
 
     async def verify(self, node_id: str, step_path: str, entry: mf.FileEntry,
                      repair: bool) -> str: ...
+
+    async def file_holders(self, manifest: mf.StepManifest) -> dict[str, set[str]] | None: ...
 
 
 class PersistCopies(Protocol):

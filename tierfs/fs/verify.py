@@ -14,7 +14,8 @@ Three ways in, one rule: a copy whose bytes do not hash to its manifest entry is
   Reads are not checked one by one: with FUSE passthrough the kernel reads resident files
   itself, so the check is per object (at start, at first open, and by `tierfs verify`).
 * **`tierfs verify PATH`** checks every committed step under PATH on every tier that holds
-  it: this node's RAM (hashing the files), each peer holder (the peer hashes its own copy and,
+  it: this node's RAM (hashing the files), each peer holder of each file (the holders its
+  record in the cluster names, else those known here; the peer hashes its own copy and,
   when asked to repair, quarantines a bad one and pulls a good copy back, verified), and the
   persistent tier (reading every object back and checking its size and every chunk; a bad
   object is uploaded again from a verified copy, fetched into RAM first if needed).
@@ -170,8 +171,9 @@ class Verifier:
         work = [(n, n.step.manifest) for n in step_nodes if n.step.committed]
         if not work:
             raise FsError(errno.EINVAL, f"{relpath or '.'} holds no committed step")
-        total = sum(manifest.total_bytes * (1 + len(self.tree.peer_holders(node.step))
-                                            + node.step.persisted) for node, manifest in work)
+        total = sum(e.size * (1 + len(self.tree.file_peers(node.step, e.name))
+                              + node.step.persisted)
+                    for node, manifest in work for e in manifest.files)
         self.progress = {"checked_bytes": 0, "total_bytes": total, "steps": len(work),
                          "steps_done": 0}
         reports = []
@@ -209,8 +211,10 @@ class Verifier:
             self._advance(entry.size)
         if ram.good or not ram.ok or ram.repaired:
             report.tiers.append(ram)
-        for peer in self.tree.peer_holders(step):
-            report.tiers.append(await self._verify_peer(peer, manifest, repair))
+        asked = await self._peers_per_file(step, manifest)
+        for peer in sorted({p for peers in asked.values() for p in peers}):
+            entries = [e for e in manifest.files if peer in asked[e.name]]
+            report.tiers.append(await self._verify_peer(peer, manifest, entries, repair))
         if step.persisted and self._current(step_node, manifest):
             report.tiers.append(await self._verify_persisted(step_node, manifest, repair))
         # A file with no good copy on any tier checked is lost (or was never anywhere else).
@@ -225,13 +229,32 @@ class Verifier:
                 "; ".join(describe(t) for t in report.tiers) or "no copy held anywhere")
         return report
 
+    async def _peers_per_file(self, step: StepState,
+                              manifest: mf.StepManifest) -> dict[str, set[str]]:
+        """The peers to ask about each file: those its record names (read now: of a multi-node
+        step each node holds only some files), with the step's replicas; for a file without a
+        record, or with no cluster to ask, those this node knows (`Tree.file_peers`)."""
+        recorded = None
+        if self.peers is not None:
+            try:
+                recorded = await self.peers.file_holders(manifest)
+            except Exception as exc:  # etcd away: what this node knows will do
+                log.info("could not read the holders of %s: %s", manifest.path, exc)
+        asked = {}
+        for entry in manifest.files:
+            holders = (recorded or {}).get(entry.name)
+            asked[entry.name] = (self.tree.file_peers(step, entry.name) if holders is None
+                                 else (holders | step.replicas) - {self.tree.node_id})
+        return asked
+
     async def _verify_peer(self, peer: str, manifest: mf.StepManifest,
-                           repair: bool) -> TierReport:
+                           entries: list[mf.FileEntry], repair: bool) -> TierReport:
+        """Ask `peer` about each of `entries` (the files it holds, as far as known)."""
         tier = TierReport(f"peer:{peer}")
         if self.peers is None:
             tier.error = "no cluster"
             return tier
-        for entry in manifest.files:
+        for entry in entries:
             try:
                 state = await self.peers.verify(peer, manifest.path, entry, repair)
             except Exception as exc:  # unreachable, refused, timed out: the tier is unchecked
@@ -428,7 +451,7 @@ class Verifier:
         step_node = self.tree.find_step(manifest.path)
         if step_node is None or not self._current(step_node, manifest):
             return False
-        for peer in self.tree.peer_holders(step_node.step):
+        for peer in sorted(self.tree.file_peers(step_node.step, entry.name)):
             with contextlib.suppress(Exception):  # an unreachable peer confirms nothing
                 if self.peers is not None and \
                         await self.peers.verify(peer, manifest.path, entry, False) == GOOD:

@@ -522,7 +522,7 @@ class ClusterLinks:
                                      tree.committed_manifest)
         self.tree = tree
         self.reader = PeerReader(self.membership, tree.holders_of, self._file_holders)
-        self.verify = PeerVerify(self.membership)
+        self.verify = PeerVerify(self.membership, self.sealed.placements)
         self.delete = PeerDelete(self.membership)
 
     async def _file_holders(self, data_dir: str, name: str) -> list[str]:

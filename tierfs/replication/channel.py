@@ -49,17 +49,26 @@ class PeerChannel:
 
     A channel is `reusable` (for the pool) only while it is in step with its peer: no I/O
     failed, timed out or was cancelled on it, no frame is half read, and every request sent
-    was answered."""
+    was answered.
+
+    A new channel accepts only handshake-sized frames (proto.HANDSHAKE_LIMITS) until
+    `authenticate` has checked the peer's proof."""
 
     def __init__(self, stream: trio.abc.Stream, timeout: float = IO_TIMEOUT) -> None:
         self.stream = stream
         self.timeout = timeout
         self.peer_id = "?"
-        self._decoder = proto.FrameDecoder()
+        self._decoder = proto.FrameDecoder(proto.HANDSHAKE_LIMITS)
         self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._sent = 0
         self._received = 0
         self._broken = False
+
+    def authenticated(self, peer_id: str) -> None:
+        """The peer proved the token: full-sized frames from now on (called between frames,
+        so the next frame's prefix is the first checked against the new limits)."""
+        self.peer_id = peer_id
+        self._decoder.limits = proto.LIMITS
 
     @property
     def reusable(self) -> bool:
@@ -237,7 +246,7 @@ async def authenticate(channel: PeerChannel, token: bytes, my_id: str,
     answer = await channel.receive("PROOF")
     if not proto.check_proof(token, nonce, peer, my_id, answer["mac"]):
         raise AuthError(f"node {peer!r} does not know the cluster token")
-    channel.peer_id = peer
+    channel.authenticated(peer)
     return peer
 
 

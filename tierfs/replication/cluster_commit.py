@@ -11,10 +11,12 @@ Every node follows the commit records (`follow`): each commit of another node re
 one watch event, which names the version, the committer and every node holding some file of
 it. The step's manifest comes on demand from a peer that lists that version (the committer
 first, then other holders: `peer_manifest`, in chunks), not from etcd's per-file records; only
-if no such peer answers does the node read those records (the old way). A later touch of the
-commit record (holders added) is taken from the event alone: nothing is fetched again. A node
-asked about a step it still holds as `writing` asks etcd for the commit record directly
-(`manifest_of`), so a load on any node right after the save's barrier finds the step
+if no such peer answers does the node read those records (the old way). A re-save of the step
+rewrites those records before its commit, so what they make is taken only if it has the
+content digest the commit record carries (never a manifest mixing two versions). A later
+touch of the commit record (holders added) is taken from the event alone: nothing is fetched
+again. A node asked about a step it still holds as `writing` asks etcd for the commit record
+directly (`manifest_of`), so a load on any node right after the save's barrier finds the step
 committed.
 """
 
@@ -49,6 +51,9 @@ FetchManifest = Callable[[str, str, int], Awaitable[mf.StepManifest]]
 # (step path, version) -> the manifest of that version if this node lists it committed
 Known = Callable[[str, int], mf.StepManifest | None]
 PEER_SOURCES = 3  # holders asked for a manifest before etcd's file records are read
+# times a manifest is sought again for a newer commit of the step, found when the file records
+# did not add up to the commit record read first (a re-save committed meanwhile)
+MANIFEST_ROUNDS = 3
 
 
 class ClusterCommits:
@@ -163,7 +168,8 @@ class ClusterCommits:
         try:
             record, won = await self.records.commit_recorded(
                 step_path, self.node_id, len(names), deadline, manifest.version,
-                manifest.committed_ns, holders, _number(manifest), manifest.single_file)
+                manifest.committed_ns, holders, _number(manifest), manifest.single_file,
+                manifest.content_digest)
         except BaseException:
             self._published.pop(step_path, None)
             raise
@@ -171,7 +177,7 @@ class ClusterCommits:
             newer = CommitRecord(step_path, self.node_id, len(names), record.at,
                                  manifest.version, manifest.committed_ns,
                                  tuple(sorted({*holders, self.node_id})), _number(manifest),
-                                 manifest.single_file)
+                                 manifest.single_file, manifest.content_digest)
             await self.records.etcd.put(self.records.commit_key(step_path), newer.encode())
 
     async def add_holders(self, manifest: mf.StepManifest, node: str,
@@ -303,13 +309,26 @@ class ClusterCommits:
     async def _manifest(self, record: CommitRecord
                         ) -> tuple[mf.StepManifest, list[str]] | None:
         """The committed manifest and the nodes holding its files: from a peer if one that
-        holds the step gives it, else made from etcd's file records."""
-        if record.holders:
-            holders = sorted({*record.holders, record.committer})
-            manifest = await self._from_peers(record, holders)
-            if manifest is not None:
-                return manifest, holders
-        return await self._from_records(record)
+        holds the step gives it, else made from etcd's file records if they add up to the
+        commit record. If they do not, the commit record is read again: a newer commit
+        (the re-save that was rewriting the records has committed) is sought in turn, a few
+        times at most; the same one means the records are of another version than it
+        describes (a re-save under way): None, the step is not listed from this record
+        (the re-save's commit will come as an event of its own)."""
+        for _round in range(MANIFEST_ROUNDS):
+            if record.holders:
+                holders = sorted({*record.holders, record.committer})
+                manifest = await self._from_peers(record, holders)
+                if manifest is not None:
+                    return manifest, holders
+            found = await self._from_records(record)
+            if found is not None:
+                return found
+            current = await self.records.commit_of(record.step)
+            if current is None or current.version == record.version:
+                break
+            record = current
+        return None
 
     async def _from_peers(self, record: CommitRecord,
                           holders: list[str]) -> mf.StepManifest | None:
@@ -326,7 +345,8 @@ class ClusterCommits:
                          record.version, source, exc or "timed out")
                 continue
             if (len(manifest.files) != record.files
-                    or manifest.committed_ns != record.committed_ns):
+                    or manifest.committed_ns != record.committed_ns
+                    or record.digest not in (None, manifest.content_digest)):
                 log.warning("%s sent a manifest of %s that its commit record does not "
                             "describe: ignored", source, record.step)
                 continue
@@ -350,6 +370,16 @@ class ClusterCommits:
                                    record.version, record.committer, record.committed_ns,
                                    tuple(e for e in entries if e is not None),
                                    record.single_file)
+        # A commit record without a digest (written before digests were) cannot tell this
+        # version's records from a re-save's: refused rather than risk listing a manifest of
+        # two versions, whose reads would fail their hashes or return the wrong bytes. Such a
+        # step is listed only from a peer's manifest (checked as before: files, commit time).
+        if manifest.content_digest != record.digest:
+            log.warning("the file records of %s are not those of its commit v%d (%s): "
+                        "no manifest made from them", record.step, record.version,
+                        "a re-save under way?" if record.digest else
+                        "the commit record has no digest")
+            return None
         holders = sorted({h for r in files.values() for h in r.holders} | {record.committer})
         return manifest, holders
 

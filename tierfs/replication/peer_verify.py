@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from tierfs import manifest as mf
+from tierfs.cluster.commit_records import FileRecord
 from tierfs.replication import protocol as proto
 from tierfs.replication.channel import PeerChannel
 from tierfs.replication.membership import Membership
@@ -16,11 +17,22 @@ VERIFY_TIMEOUT = 600.0  # hashing a large file, and fetching it again if it was 
 _HEX = set("0123456789abcdef")
 
 CheckHeld = Callable[[str, str, str, bool], Awaitable[str]]
+# the file records of a committed version (`ClusterCommits.placements`)
+Placements = Callable[[mf.StepManifest], Awaitable[dict[str, FileRecord] | None]]
 
 
 class PeerVerify:
-    def __init__(self, membership: Membership) -> None:
+    def __init__(self, membership: Membership, placements: Placements) -> None:
         self.membership = membership
+        self._placements = placements
+
+    async def file_holders(self, manifest: mf.StepManifest) -> dict[str, set[str]] | None:
+        """Who holds each file of this committed version, as its record says: the peers a
+        verify asks about that file (not every node holding some file of the step)."""
+        records = await self._placements(manifest)
+        if records is None:
+            return None
+        return {name: set(record.holders) for name, record in records.items()}
 
     async def verify(self, node_id: str, step_path: str, entry: mf.FileEntry,
                      repair: bool) -> str:

@@ -3,7 +3,8 @@ functions over bytes, tested without sockets; `replication.channel` adapts them 
 
 A frame is `u32 header length | u32 payload length | msgpack header | raw payload`. The header is
 a map with a `type` and that type's fields, each checked against a schema; the payload carries
-file bytes only, never anything decoded. Lengths are capped before anything is buffered, paths
+file bytes only, never anything decoded. Lengths are capped before anything is buffered (to a
+few KiB and no payload until the peer has authenticated, HANDSHAKE_LIMITS), paths
 must be safe relative paths, and anything else (an unknown type, a missing or mistyped field, a
 malformed header) is a ProtocolError, on which the connection is dropped.
 
@@ -63,6 +64,22 @@ PAYLOAD_TYPES = {"PUT", "DATA", "MANIFEST_PART"}
 
 class ProtocolError(Exception):
     """The peer sent something malformed, oversized or unexpected."""
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """The largest header and payload a decoder accepts, checked at a frame's prefix."""
+
+    name: str
+    header: int
+    payload: int
+
+
+LIMITS = FrameLimits("authenticated", MAX_HEADER, MAX_PAYLOAD)
+# Until the peer has proven the token only HELLO and PROOF come, small and without payload: an
+# unauthenticated connection must not make the daemon buffer a 17 MiB frame (times however many
+# connections a stranger opens). A HELLO is a node id (a host name) and a 32-byte nonce.
+HANDSHAKE_LIMITS = FrameLimits("before authentication", 4096, 0)
 
 
 @dataclass(frozen=True)
@@ -148,9 +165,11 @@ class FrameDecoder:
     received into a buffer reused from frame to frame; the header is decoded and validated
     once the frame is complete. `writable()` is where the next bytes go (e.g.
     `socket.recv_into`), `advance(n)` says how many arrived; `feed` does both for bytes that
-    are already in hand."""
+    are already in hand. `limits` may be raised between frames (once the peer has
+    authenticated)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: FrameLimits = LIMITS) -> None:
+        self.limits = limits
         self._prefix = bytearray(PREFIX.size)
         self._part: bytearray | memoryview = self._prefix  # the part being filled
         self._filled = 0
@@ -177,8 +196,11 @@ class FrameDecoder:
         self._filled = 0
         if self._part is self._prefix:
             header_len, self._payload_len = PREFIX.unpack(self._prefix)
-            if header_len > MAX_HEADER or self._payload_len > MAX_PAYLOAD:
-                raise ProtocolError(f"frame too large ({header_len}+{self._payload_len} bytes)")
+            limits = self.limits
+            if header_len > limits.header or self._payload_len > limits.payload:
+                raise ProtocolError(
+                    f"frame too large {limits.name} ({header_len}+{self._payload_len} bytes, "
+                    f"at most {limits.header}+{limits.payload})")
             self._part = bytearray(header_len)
         elif self._header is None:
             self._header = bytes(self._part)
@@ -239,10 +261,6 @@ class FrameDecoder:
         """Between frames: nothing of a next frame read yet, no message waiting."""
         return (self._ready is None and self._part is self._prefix and not self._filled
                 and not self._fed)
-
-    def wanted(self) -> int:
-        """How many more bytes complete the part being read (at least 1)."""
-        return max(1, len(self._part) - self._filled - len(self._fed))
 
 
 def _decode_header(raw: bytes, payload_len: int) -> tuple[str, dict[str, Any]]:

@@ -6,12 +6,18 @@ HOLD comes after the files it names: this node holds those whose objects are her
 its copy of the step's committed version (`OtherTiers.hold_files`) and names them in HELD; only
 those does the sender count this node as a holder of. Paths and sizes were validated
 by the protocol; offsets and lengths are checked here against what was announced.
+
+A file whose chunks arrive in order is hashed as it arrives; the running hashes of transfers
+abandoned midway (a sender killed, or gone to a newer version) are dropped once idle for
+RUNNING_IDLE seconds or beyond the RUNNING_LIMIT most recently used. Dropping one is always
+safe: if that file's chunks do come after all, it is read back and hashed whole at its end.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
@@ -27,6 +33,12 @@ from tierfs.replication.channel import PeerChannel
 log = logging.getLogger(__name__)
 
 INCOMING_PREFIX = reserved.INCOMING
+# Files hashed as they arrive at once: many more than the senders keep in flight (a window of
+# a few chunks per connection, one connection or two per peer).
+RUNNING_LIMIT = 64
+# Seconds without a chunk after which a file's transfer is taken as abandoned: a live sender
+# fails its connection after IO_TIMEOUT (10 s) without an answer.
+RUNNING_IDLE = 120.0
 
 
 class Space(Protocol):
@@ -42,15 +54,19 @@ Hold = Callable[[str, int, list[str], str], Awaitable[list[str] | None]]
 
 
 class ReplicaReceiver:
-    def __init__(self, objects_dir: Path, space: Space,
-                 hold: Hold) -> None:
+    def __init__(self, objects_dir: Path, space: Space, hold: Hold,
+                 running_limit: int = RUNNING_LIMIT,
+                 running_idle: float = RUNNING_IDLE) -> None:
         self.objects_dir = objects_dir
         self.space = space
         self._hold = hold
         self._threads = trio.CapacityLimiter(2)
         # incoming file -> the xxh3-128 of every byte written to it so far, while its chunks
-        # arrive in order, one at a time: the file is checked as it arrives, not read back
+        # arrive in order, one at a time: the file is checked as it arrives, not read back.
+        # In order of last use (a used entry is put back at the end), for _prune.
         self._hashing: dict[Path, _Running] = {}
+        self._running_limit = running_limit
+        self._running_idle = running_idle
 
     def _incoming(self, digest: str, peer: str) -> Path:
         return self.objects_dir / f"{INCOMING_PREFIX}{digest}-{peer}"
@@ -112,8 +128,21 @@ class ReplicaReceiver:
         elif running is None or running.busy or running.position != offset:
             return None
         running.busy = True
+        running.used = time.monotonic()
         self._hashing[incoming] = running
+        self._prune(running.used)
         return running
+
+    def _prune(self, now: float) -> None:
+        """Drop the running hashes of transfers abandoned midway: idle for longer than
+        running_idle, or the least recently used beyond running_limit (a chunk being written
+        keeps its own)."""
+        for incoming, running in list(self._hashing.items()):  # least recently used first
+            if (len(self._hashing) <= self._running_limit
+                    and now - running.used < self._running_idle):
+                return  # the rest were used later still
+            if not running.busy:
+                del self._hashing[incoming]
 
     def _written(self, incoming: Path, running: _Running | None,
                  end: int) -> _Running | None:
@@ -146,6 +175,7 @@ class _Running:
         self.hasher = xxhash.xxh3_128()
         self.position = 0
         self.busy = False  # a chunk is being written: a write meanwhile breaks the hash
+        self.used = 0.0  # time.monotonic() of its last chunk
 
 
 def _write(fd: int, data: bytes | memoryview, offset: int, running: _Running | None) -> None:

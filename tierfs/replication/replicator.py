@@ -10,7 +10,7 @@ records, so each copy is made once, by its planned source; this node carries out
 is the source of, grouped by target, in parallel across targets.
 
 To a target, each file is streamed in chunks from the RAM store's immutable committed objects
-(one chunk in flight: the peer's OK is the backpressure), then HOLD names the files (at most
+(channel.WINDOW in flight: the peer's OKs are the backpressure), then HOLD names them (at most
 MAX_NAMES per message); the target answers HELD with those it now holds, verified. Only then
 are they counted: the target is added to their records in etcd (batched transactions) and to
 this node's view. Only steps whose commit record is in etcd are replicated (the target asks
@@ -74,7 +74,7 @@ class Replicator:
         self._on_placements = on_placements
         self._on_held = on_held
         self.queue = StepQueue()
-        self._later: dict[str, mf.StepManifest] = {}  # steps etcd did not know: tried again
+        self._later: dict[str, mf.StepManifest] = {}  # steps that kept failing: tried again
 
     def submit(self, manifest: mf.StepManifest) -> None:
         if self.replicas > 0:
