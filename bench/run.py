@@ -413,6 +413,13 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
     bench.wait_for(step, lambda e: e["persisted"], "node0")
     extra["daemon_cpu_per_gib_saved_replicated_persisted"] = [
         (cpu_seconds(*daemons) - cpu) / (state_bytes(state) / 2**30)]
+    # The same copy with no upload beside it: node1 persists nothing, so the copy of its step
+    # to node0 has the two cores to itself (the peer path's own speed on this machine).
+    wait_for_quiet()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(
+        str(bench.mounts["node1"][0] / "run" / "step_7001"), thread_count=4))
+    extra["committed_to_replicated_alone"] = [
+        bench.wait_for("step_7001", lambda e: bool(e["replicas"]), "node1")]
     for tensor in fresh.values():  # its pages touched once, before any timed load
         tensor.zero_()
     for rep in range(reps):
@@ -576,6 +583,10 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     row("committed_to_replicated", "committed -> replicated (2 nodes, loopback)", "s",
         f"{gb / extra['committed_to_replicated']:.2f} GB/s; goal >= 1 GB/s "
         f"(< {gb:.2f} s)" if "committed_to_replicated" in extra else ">= 1 GB/s")
+    row("committed_to_replicated_alone",
+        "committed -> replicated, no upload running (2 nodes, loopback)", "s",
+        f"{gb / extra['committed_to_replicated_alone']:.2f} GB/s"
+        if "committed_to_replicated_alone" in extra else "-")
     row("committed_to_persisted", "committed -> persisted (after the 4-thread save returned)",
         "s", f"{extra['committed_to_persisted'] / statistics.median(direct_s3):.2f}x the direct "
         f"S3 save ({statistics.median(direct_s3):.2f} s); goal <= 1.0x"
