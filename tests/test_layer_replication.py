@@ -25,7 +25,7 @@ from tierfs.replication.channel import connect
 from tierfs.replication.membership import Membership
 from tierfs.replication.peer_reader import RangeServer
 from tierfs.replication.protocol import ProtocolError
-from tierfs.replication.receiver import ReplicaReceiver
+from tierfs.replication.receiver import INCOMING_PREFIX, ReplicaReceiver
 from tierfs.replication.replicator import Replicator
 from tierfs.replication.server import PeerServer
 
@@ -260,14 +260,20 @@ async def test_running_hashes_of_abandoned_transfers_are_dropped(tmp_path: Path)
                                   xxh3=f"{i:032x}", size=2 * mf.CHUNK_SIZE, offset=0)
             await channel.aclose()  # the sender is gone, its file half sent
         assert len(b.receiver._hashing) <= 4
+        assert len(incoming_files(b.objects)) == 10
         await trio.sleep(1.1)  # the abandoned ones are idle for longer than running_idle
         channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
         await channel.request("PUT", b"a whole small file", path="run/step_1", name="shard",
                               xxh3=entry.xxh3, size=entry.size, offset=0)
         await channel.aclose()
         assert b.receiver._hashing == {}
+        assert incoming_files(b.objects) == []  # nor their half-sent files, nor their RAM
         nursery.cancel_scope.cancel()
     assert (b.objects / entry.xxh3).read_bytes() == b"a whole small file"
+
+
+def incoming_files(objects: Path) -> list[str]:
+    return [p.name for p in objects.iterdir() if p.name.startswith(INCOMING_PREFIX)]
 
 
 async def test_a_full_receiver_answers_an_error_and_keeps_nothing(tmp_path: Path) -> None:

@@ -67,6 +67,7 @@ class ReplicaReceiver:
         self._hashing: dict[Path, _Running] = {}
         self._running_limit = running_limit
         self._running_idle = running_idle
+        self._swept_at = time.monotonic()
 
     def _incoming(self, digest: str, peer: str) -> Path:
         return self.objects_dir / f"{INCOMING_PREFIX}{digest}-{peer}"
@@ -136,13 +137,36 @@ class ReplicaReceiver:
     def _prune(self, now: float) -> None:
         """Drop the running hashes of transfers abandoned midway: idle for longer than
         running_idle, or the least recently used beyond running_limit (a chunk being written
-        keeps its own)."""
+        keeps its own). Every running_idle seconds, the incoming files left by abandoned
+        transfers go too (`_sweep`)."""
         for incoming, running in list(self._hashing.items()):  # least recently used first
             if (len(self._hashing) <= self._running_limit
                     and now - running.used < self._running_idle):
-                return  # the rest were used later still
+                break  # the rest were used later still
             if not running.busy:
                 del self._hashing[incoming]
+        if now - self._swept_at >= self._running_idle:
+            self._swept_at = now
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove the incoming files not written to for running_idle seconds, and the RAM
+        tier's count of them: a sender gives up long before (it fails a connection after
+        IO_TIMEOUT without an answer), and one that tries again starts the file over."""
+        oldest = time.time() - self._running_idle
+        with os.scandir(self.objects_dir) as entries:
+            for entry in entries:
+                if not entry.name.startswith(INCOMING_PREFIX):
+                    continue
+                try:
+                    info = entry.stat()
+                    if info.st_mtime >= oldest or Path(entry.path) in self._hashing:
+                        continue
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    continue
+                self.space.forget_inode(info.st_ino)
+                log.info("removed %s: its transfer was abandoned", entry.name)
 
     def _written(self, incoming: Path, running: _Running | None,
                  end: int) -> _Running | None:
