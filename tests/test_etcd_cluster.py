@@ -31,6 +31,7 @@ from tierfs.cluster.commit_records import (
     CommitEvent,
     CommitRecords,
     CommitTimeout,
+    Deletion,
     FileRecord,
 )
 from tierfs.cluster.etcd import (
@@ -454,7 +455,7 @@ async def test_commit_visible_to_every_watcher_within_a_second(
             event = await receive.receive()
         assert time.monotonic() - done < 1
         assert event == CommitEvent("committed", "run/step_2", committed, created=True)
-        await records.delete_step("run/step_2", committed.committed_ns)
+        await records.delete_step(Deletion("run/step_2", committed.version, committed.committed_ns))
         with trio.fail_after(1):
             assert await receive.receive() == CommitEvent("removed", "run/step_2", None)
         nursery.cancel_scope.cancel()

@@ -165,6 +165,20 @@ class CommitRecord:
 
 
 @dataclass(frozen=True)
+class Deletion:
+    """A step deleted in the cluster: every version committed at or before `committed_ns`."""
+
+    step: str
+    version: int
+    committed_ns: int
+
+
+def _deletion(step: str, value: bytes) -> Deletion:
+    fields = json.loads(value)
+    return Deletion(step, int(fields.get("version", 0)), int(fields["committed_ns"]))
+
+
+@dataclass(frozen=True)
 class CommitEvent:
     kind: Literal["committed", "removed"]
     step: str
@@ -398,24 +412,39 @@ class CommitRecords:
         events = (self._commit_event(kv) for kv in snapshot.kvs)
         return [e.record for e in events if e is not None and e.record is not None]
 
-    async def delete_step(self, step: str, committed_ns: int) -> None:
-        """Remove the step's commit, then its file records. First a tombstone (the commit time
-        of the version deleted) stays, so that a node that committed that version while it
-        could not write the record does not write it later (`deletions`)."""
-        await self.etcd.put(self._deleted + quote(step, safe=""),
-                            _json({"committed_ns": committed_ns}))
-        await self.etcd.delete(self.commit_key(step))
-        await self.etcd.delete_prefix(self._steps + quote(step, safe="") + "/")
+    async def delete_step(self, deletion: Deletion) -> None:
+        """Remove the step's commit, then its file records, after leaving a tombstone."""
+        await self.add_tombstone(deletion)
+        await self.etcd.delete(self.commit_key(deletion.step))
+        await self.etcd.delete_prefix(self._steps + quote(deletion.step, safe="") + "/")
 
-    async def deletions(self) -> dict[str, int]:
-        """Every step deleted in the cluster: the commit time of the last version deleted
-        (versions committed no later are deleted, as `fs.deletes.Tombstone.covers`)."""
+    async def add_tombstone(self, deletion: Deletion) -> None:
+        """Remember in etcd that the step was deleted up to `deletion` (a later tombstone of
+        the same step is kept: an older delete retried late does not shorten it), so that a
+        node back from a crash neither lists a deleted version nor writes its commit record
+        (`deletions`)."""
+        key = self._deleted + quote(deletion.step, safe="")
+        value = _json({"version": deletion.version, "committed_ns": deletion.committed_ns})
+        while True:  # compare-and-swap: a concurrent delete makes us read again
+            kv = await self.etcd.get(key)
+            if kv is None:
+                if await self.etcd.put_if_absent(key, value):
+                    return
+                continue
+            if _deletion(deletion.step, kv.value).committed_ns >= deletion.committed_ns:
+                return
+            if await self.etcd.put_if_version(key, value, kv.version):
+                return
+
+    async def deletions(self) -> dict[str, Deletion]:
+        """Every step deleted in the cluster, by path: the last version deleted (versions
+        committed no later are deleted, as `fs.deletes.Tombstone.covers`)."""
         snapshot = await self.etcd.get_prefix(self._deleted)
         found = {}
         for kv in snapshot.kvs:
+            step = unquote(kv.key[len(self._deleted):])
             try:
-                found[unquote(kv.key[len(self._deleted):])] = int(
-                    json.loads(kv.value)["committed_ns"])
+                found[step] = _deletion(step, kv.value)
             except (ValueError, KeyError, TypeError):
                 log.warning("ignoring a malformed tombstone record %s", kv.key)
         return found

@@ -195,6 +195,10 @@ class OtherTiers:
                        if n.step.committed and n.step.resident),
                       key=lambda m: (m.step, m.path))
 
+    def listed_manifests(self) -> list[mf.StepManifest]:
+        """Every committed step listed here, wherever its files are."""
+        return [n.step.manifest for n in self.tree.steps() if n.step.committed]
+
     def owned_manifests(self) -> list[mf.StepManifest]:
         """Committed steps this node made and holds (not replicas it holds for others)."""
         return sorted((n.step.manifest for n in self.tree.steps()

@@ -60,6 +60,7 @@ from tierfs.replication.peer_verify import PeerVerify, verify_handler
 from tierfs.replication.receiver import ReplicaReceiver
 from tierfs.replication.replicator import Replicator
 from tierfs.replication.server import Handler, PeerServer
+from tierfs.retry import POLICY
 from tierfs.s3tier.backend import Backend, BackendError, open_backend
 from tierfs.s3tier.reader import PersistentReader
 from tierfs.s3tier.uploader import Uploader
@@ -68,6 +69,7 @@ log = logging.getLogger(__name__)
 
 CHECK_PATIENCE = 10.0  # seconds a mount waits for an unreachable persistent tier
 CLUSTER_RECORDS = "etcd"  # the delete target of a step's records in the cluster's etcd
+CATCH_UP_RETRIES = POLICY.capped(5.0)  # reading etcd after a start, until it answers
 PENDING_RETRY = 0.5  # seconds between tries of pending commits (shards elsewhere, no space)
 
 
@@ -604,14 +606,32 @@ class ClusterNode:
                  self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
         self._follow_members()
         await self._drop_lost_copies()
-        in_cluster = await self.sealed.learn_all(self._learn)  # every step of the cluster
-        if in_cluster is not None:
-            owned = self.namespace.tiers.owned_manifests()
-            for manifest in await self.sealed.never_published(owned, in_cluster):
-                self.namespace.tiers.publish_later(manifest)
+        await self.sealed.learn_all(self._learn)  # every step of the cluster, from the start
         for worker in (self.membership.run, self.replicator.run, self._restore_copies,
-                       self._follow_commits, self._publish_pending):
+                       self._follow_commits, self._publish_pending, self._catch_up):
             nursery.start_soon(worker)
+
+    async def _catch_up(self) -> None:
+        """What this node missed while it was down, once etcd answers (tried until it does):
+        deletes made meanwhile are applied here, and the steps it committed whose commit
+        record never reached etcd are published (by `_publish_pending`)."""
+        tiers = self.namespace.tiers
+        failures = 0
+        while True:
+            try:
+                unpublished, deleted = await self.sealed.missed(tiers.owned_manifests(),
+                                                                tiers.listed_manifests())
+                break
+            except EtcdError as exc:
+                failures += 1
+                log.info("could not compare this node's steps with etcd yet (attempt %d): %s",
+                         failures, exc)
+                await CATCH_UP_RETRIES.pause(failures)
+        for deletion in deleted:
+            tiers.delete_from_peer(deletion.step, deletion.version, deletion.committed_ns,
+                                   "another node (a tombstone in etcd)")
+        for manifest in unpublished:
+            tiers.publish_later(manifest)
 
     async def _drop_lost_copies(self) -> None:
         """The records stop counting this node as a holder of files whose objects are not in

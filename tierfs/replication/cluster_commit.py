@@ -34,6 +34,7 @@ from tierfs.cluster.commit_records import (
     CommitRecord,
     CommitRecords,
     CommitTimeout,
+    Deletion,
     FileRecord,
 )
 from tierfs.cluster.etcd import EtcdError, retry_unavailable
@@ -264,35 +265,37 @@ class ClusterCommits:
         return {e.name: files[e.name] for e in manifest.files
                 if e.name in files and files[e.name].xxh3 == e.xxh3}
 
-    async def learn_all(self, learn: Learn) -> dict[str, int] | None:
+    async def learn_all(self, learn: Learn) -> None:
         """List every step committed in the cluster now (at start, before the mount answers;
-        `follow` keeps the list current from then on). The committed version of each step
-        in etcd (None if etcd does not answer)."""
+        `follow` keeps the list current from then on, and lists a step missed here at its
+        next change)."""
         try:
             records = await self.records.commits()
-            for record in records:
-                found = await self._manifest(record)
-                if found is not None:
-                    learn(*found)
         except EtcdError as exc:
             log.info("could not list the cluster's steps yet: %s", exc)
-            return None
-        return {record.step: record.version for record in records}
+            return
+        for record in records:
+            try:
+                found = await self._manifest(record)
+            except EtcdError as exc:
+                log.info("could not list %s yet: %s", record.step, exc)
+                continue
+            if found is not None:
+                learn(*found)
 
-    async def never_published(self, owned: list[mf.StepManifest],
-                              in_cluster: dict[str, int]) -> list[mf.StepManifest]:
-        """Of the steps this node committed, those whose commit record never reached etcd
-        (the daemon died between its commit and the record, or etcd was away): etcd has no
-        record of that version and no tombstone covering it (deleted in the cluster)."""
-        missing = [m for m in owned if in_cluster.get(m.path, 0) < m.version]
-        if not missing:
-            return []
-        try:
-            deleted = await self.records.deletions()
-        except EtcdError as exc:
-            log.info("could not read the cluster's deletions: %s", exc)
-            return []
-        return [m for m in missing if m.committed_ns > deleted.get(m.path, -1)]
+    async def missed(self, owned: list[mf.StepManifest], listed: list[mf.StepManifest]
+                     ) -> tuple[list[mf.StepManifest], list[Deletion]]:
+        """What this node missed while it was down, from etcd: the steps it committed whose
+        commit record never reached etcd (the daemon died between its commit and the record,
+        or etcd was away), which have no commit record of that version and no tombstone
+        covering them; and the deletions (tombstones) covering steps listed here. Raises
+        EtcdError if etcd does not answer."""
+        in_cluster = {record.step: record.version for record in await self.records.commits()}
+        deleted = await self.records.deletions()
+        unpublished = [m for m in owned if in_cluster.get(m.path, 0) < m.version
+                       and not _covers(deleted.get(m.path), m)]
+        gone = [deleted[m.path] for m in listed if _covers(deleted.get(m.path), m)]
+        return unpublished, gone
 
     async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:
         """The step's committed manifest and the nodes holding its files, as etcd says (None
@@ -414,11 +417,19 @@ class ClusterCommits:
                 and record.version == version)
 
     async def forget(self, step_path: str, version: int, committed_ns: int) -> None:
-        """A delete of the step (up to `version`, committed at `committed_ns`): its records
-        leave etcd."""
+        """A delete of the step (up to `version`, committed at `committed_ns`): a tombstone,
+        then its records leave etcd (not those of a newer version, nor, when the step has no
+        commit record, the seal records of a re-save under way)."""
+        deletion = Deletion(step_path, version, committed_ns)
         record = await self.records.commit_of(step_path)
-        if record is None or record.version <= version:
-            await self.records.delete_step(step_path, committed_ns)
+        if record is None:
+            await self.records.add_tombstone(deletion)
+        elif record.version <= version:
+            await self.records.delete_step(deletion)
+
+
+def _covers(deletion: Deletion | None, manifest: mf.StepManifest) -> bool:
+    return deletion is not None and manifest.committed_ns <= deletion.committed_ns
 
 
 def _entry(name: str, record: FileRecord) -> mf.FileEntry | None:
