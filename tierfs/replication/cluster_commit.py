@@ -275,13 +275,18 @@ class ClusterCommits:
             log.info("could not list the cluster's steps yet: %s", exc)
             return
         for record in records:
-            try:
-                found = await self._manifest(record)
-            except EtcdError as exc:
-                log.info("could not list %s yet: %s", record.step, exc)
-                continue
-            if found is not None:
-                learn(*found)
+            await self._learn_one(record, learn)
+
+    async def _learn_one(self, record: CommitRecord, learn: Learn) -> None:
+        """List one committed step (from its manifest, its holders); a step whose records
+        etcd does not give now is listed at its next change."""
+        try:
+            found = await self._manifest(record)
+        except EtcdError as exc:
+            log.info("could not read the records of %s: %s", record.step, exc)
+            return
+        if found is not None:
+            learn(*found)
 
     async def missed(self, owned: list[mf.StepManifest], listed: list[mf.StepManifest]
                      ) -> tuple[list[mf.StepManifest], list[Deletion]]:
@@ -399,13 +404,7 @@ class ClusterCommits:
                 if known is not None and record.holders:  # a touch: holders added
                     learn(known, sorted({*record.holders, record.committer}))
                     continue
-                try:
-                    found = await self._manifest(record)
-                except EtcdError as exc:
-                    log.info("could not read the records of %s: %s", record.step, exc)
-                    continue
-                if found is not None:
-                    learn(*found)
+                await self._learn_one(record, learn)
 
     def _own_commit(self, event: CommitEvent) -> bool:
         """Whether the event is this node's own commit record, just written by `publish`:
