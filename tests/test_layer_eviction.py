@@ -174,7 +174,9 @@ async def test_start_says_whether_copies_may_have_been_lost(tmp_path: Path) -> N
     assert third.ns.recovered.set_aside == 1 and third.ns.recovered.may_have_lost_copies
     third.close()
     shutil.rmtree(tmp_path / "ram")
-    assert Harness(tmp_path / "ram").ns.recovered.may_have_lost_copies
+    emptied = Harness(tmp_path / "ram")
+    assert emptied.ns.recovered.may_have_lost_copies
+    emptied.close()
 
 
 async def test_a_file_evicted_here_is_not_held_because_another_step_has_its_content(
