@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,17 @@ from tests.test_cluster import (  # noqa: F401  (cluster3, token_file: fixtures)
 )
 from tests.test_crash import save
 from tierfs.devtools.etcd import Etcd
+
+
+@contextmanager
+def own_etcd(mounts: MountFactory, tmp_path: Path) -> Iterator[Etcd]:
+    """An etcd of the test's own (which it may stop and start); the daemons started on it are
+    cleaned up before it stops, whether the test passed or not."""
+    with Etcd(tmp_path / "etcd") as server:
+        try:
+            yield server
+        finally:
+            mounts.cleanup()  # the daemons go before their etcd
 
 
 def _only_real_holders(cluster: Cluster, step: str, live: set[str]) -> bool:
@@ -96,7 +109,7 @@ def test_a_copy_stays_in_ram_while_etcd_cannot_record_that_it_leaves(
     copied to node1, then etcd stops and a save of 10 MiB needs step_1's room. step_1 stays
     in RAM (the records would still count node0) and the save is refused; once etcd is back
     the save goes through, step_1 leaves RAM and node0 is listed as one that left it."""
-    with Etcd(tmp_path / "etcd") as server:
+    with own_etcd(mounts, tmp_path) as server:
         cluster = Cluster(mounts, token_file, 2, server)
         for node_id in cluster.ports:
             extra = ["--ram-limit", "16M"] if node_id == "node0" else []
@@ -126,4 +139,3 @@ def test_a_copy_stays_in_ram_while_etcd_cannot_record_that_it_leaves(
         records = _file_records(cluster, step)
         assert all(r.holders == ("node1",) and r.left == ("node0",) for r in records.values())
         _check_step_bytes(node0, step, {n: r.xxh3 for n, r in records.items()})
-        mounts.cleanup()  # the daemons go before their etcd

@@ -499,6 +499,45 @@ async def test_a_node_leaving_its_copies_and_one_losing_them(etcd_server: EtcdSe
     assert (await records.files("s"))["a"] == replace(shard("n0", 0), holders=("n0",))
 
 
+async def test_a_leave_is_refused_when_the_record_lacks_live_holders_at_cas_time(
+        etcd_server: EtcdServer) -> None:
+    """K = 1: W wrote "a" and R holds a copy, but R came back with an empty RAM dir and
+    dropped itself before W's eviction reached etcd (W still believes R holds it). W's guarded
+    leave is refused: the record keeps W, the file's last copy; a dead other holder counts
+    for nothing either; with a live other holder the leave goes through; a persisted step
+    (need 0) leaves whatever the record says."""
+    cluster = new_cluster(etcd_server)
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    xxh3 = {name: shard("W", i).xxh3 for i, name in enumerate("abc")}
+    await records.record_files("s", {name: shard("W", i) for i, name in enumerate("abc")})
+    await records.add_holders("s", "R", xxh3)
+    await records.drop_holders("s", "R", {"a": None})  # R lost its copy of "a"
+    found = await records.leave_files("s", "W", xxh3, need=1, live=lambda _n: True)
+    assert found["a"].holders == ("W",) and found["a"].left == ()
+    assert found["b"].holders == ("R",) and found["b"].left == ("W",)
+    assert (await records.files("s"))["a"].holders == ("W",)
+    # R is not live: its listed copy of "c" is not counted
+    await records.add_holders("s", "W", {"c": xxh3["c"]})
+    await records.record_files("s", {"c": replace(shard("W", 2), holders=("R", "W"))})
+    found = await records.leave_files("s", "W", {"c": xxh3["c"]}, need=1,
+                                      live=lambda node: node != "R")
+    assert found["c"].holders == ("R", "W") and found["c"].left == ()
+    # persisted: nothing is needed elsewhere
+    found = await records.leave_files("s", "W", {"a": xxh3["a"]}, need=0)
+    assert found["a"].holders == () and found["a"].left == ("W",)
+
+
+async def test_get_all_reads_many_keys_in_few_transactions(etcd_server: EtcdServer) -> None:
+    """The keys asked for that exist, across more than one transaction's worth of keys."""
+    cluster = new_cluster(etcd_server)
+    etcd = Etcd(cluster.endpoints)
+    await etcd.put_all([(cluster.key(f"k/{i:04d}"), b"%d" % i) for i in range(300)])
+    wanted = [cluster.key(f"k/{i:04d}") for i in range(0, 400, 2)]
+    found = await etcd.get_all(wanted)
+    assert sorted(found) == wanted[:150]
+    assert all(found[k].value == b"%d" % int(k[-4:]) for k in found)
+
+
 async def test_holders_grow_per_file_under_concurrent_updates(etcd_server: EtcdServer) -> None:
     cluster = new_cluster(etcd_server)
     records = CommitRecords(Etcd(cluster.endpoints), cluster)

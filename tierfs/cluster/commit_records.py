@@ -20,8 +20,9 @@ unless it asks for them (a 16,000-file step costs each uninvolved node one event
 A file's `holders` are the nodes that hold a verified copy of it now, and only those: it starts
 as its writer and grows as replicas are verified (`add_holders`); a node whose copy leaves RAM
 deliberately (eviction: persisted, or the writer once K live peers hold it) takes itself out
-and is listed in `left` instead (`leave_files`), before its bytes go, so that `restore_plan`
-does not replace that copy; a node that finds at start that it lost copies (an empty RAM dir)
+and is listed in `left` instead (`leave_files`, guarded in the transaction: the record must
+still list enough other live holders), before its bytes go, so that `restore_plan` does not
+replace that copy; a node that finds at start that it lost copies (an empty RAM dir)
 takes itself out without being listed in `left` (`drop_holders`): the survivors restore those.
 `left` is absent from records written before it existed (read as empty). Every change is a
 batch of compare-and-swap transactions on the records' versions (`_change_holders`), so
@@ -245,19 +246,30 @@ class CommitRecords:
     async def add_holders(self, step: str, node: str,
                           files: Mapping[str, str]) -> dict[str, FileRecord]:
         """Count `node` as holding a verified copy of each file of `files` ({path: xxh3}, the
-        content it verified): one read of the step's records, then compare-and-swap
+        content it verified): one read of those files' records, then compare-and-swap
         transactions (`Etcd.put_all_if_version`; a transaction that lost a race to a
         concurrent update is read and tried again). A record whose xxh3 differs (the path was
         sealed again meanwhile) is left as it is: a copy of v5 never holds v6. The records
         of `files` as they are now (paths without a record are left out)."""
         return await self._change_holders(step, files, lambda r: r.with_holder(node))
 
-    async def leave_files(self, step: str, node: str,
-                          files: Mapping[str, str]) -> dict[str, FileRecord]:
+    async def leave_files(self, step: str, node: str, files: Mapping[str, str], need: int = 0,
+                          live: Callable[[str], bool] = lambda _node: True
+                          ) -> dict[str, FileRecord]:
         """`node` lets its copies of `files` ({path: xxh3}) leave RAM deliberately: it is no
         longer a holder and is listed in `left` (only where it was a holder of that
-        content). Batched as `add_holders`; the records as they are now."""
-        return await self._change_holders(step, files, lambda r: r.left_by(node))
+        content), but only where the record, as it is when the compare-and-swap takes it,
+        still lists at least `need` other holders that are `live` (K for a writer's copy of
+        a step not persisted; 0 once persisted). The guard is in the transaction, not in
+        what this node believed: a holder dropped meanwhile (it lost its copy) is not
+        counted, so the last copy never leaves. Batched as `add_holders`; the records as
+        they are now (this node is in `left` of those it left, now or before)."""
+
+        def leave(record: FileRecord) -> FileRecord:
+            others = [h for h in record.holders if h != node and live(h)]
+            return record.left_by(node) if len(others) >= need else record
+
+        return await self._change_holders(step, files, leave)
 
     async def drop_holders(self, step: str, node: str,
                            files: Mapping[str, str | None]) -> dict[str, FileRecord]:
@@ -270,12 +282,15 @@ class CommitRecords:
                               change: Callable[[FileRecord], FileRecord]
                               ) -> dict[str, FileRecord]:
         """Apply `change` to the record of each file of `files` whose xxh3 is the one given
-        (None: any), in compare-and-swap transactions, until none lost a race."""
+        (None: any), in compare-and-swap transactions, until none lost a race. Only the
+        records of `files` are read (`Etcd.get_all`): a node changing its own few files of a
+        16,000-file step reads those, not the step."""
         prefix = self.files_prefix(step)
+        keys = [self.file_key(step, path) for path in sorted(files)]
         while True:
-            snapshot = await self.etcd.get_prefix(prefix)
+            found = await self.etcd.get_all(keys)
             current: dict[str, tuple[KeyValue, FileRecord]] = {}
-            for kv in snapshot.kvs:
+            for kv in found.values():
                 path = kv.key[len(prefix):]
                 if path in files:
                     with contextlib.suppress(ValueError, KeyError, TypeError):

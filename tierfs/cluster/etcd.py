@@ -161,6 +161,20 @@ class Etcd:
         kvs = reply.get("kvs", [])
         return _kv(kvs[0]) if kvs else None
 
+    async def get_all(self, keys: Sequence[str]) -> dict[str, KeyValue]:
+        """The keys that exist of `keys`, read in transactions of at most MAX_TXN_OPS ranges
+        (each one consistent; a few requests, not one per key)."""
+        found: dict[str, KeyValue] = {}
+        for chunk in _txn_chunks(keys, len):
+            reply = await self._call("kv/txn", {
+                "compare": [], "failure": [],
+                "success": [{"request_range": {"key": _b64(key)}} for key in chunk]})
+            for response in reply.get("responses", []):
+                for fields in response.get("response_range", {}).get("kvs", []):
+                    kv = _kv(fields)
+                    found[kv.key] = kv
+        return found
+
     async def get_prefix(self, prefix: str) -> Snapshot:
         """Every key under prefix, read in pages at the revision of the first page."""
         kvs: list[KeyValue] = []

@@ -12,8 +12,9 @@ A copy let go deliberately is not lost: a node that evicts its copy (the writer 
 peers hold the file, any node once the step is persisted) leaves the file's holders and is
 listed among those that `left`. Each live node that left lowers the copies the file wants by
 one, so the writer's eviction leaves a file wanting K copies, which it has; and a node that
-left is a target only when no other live node can take the copy, so no copy goes back to the
-node that just evicted it (no ping-pong between eviction and restore).
+left is never a target (there are always enough live nodes that did not leave: see
+`restore_plan`), so no copy goes back to the node that just evicted it (no ping-pong between
+eviction and restore).
 """
 
 from __future__ import annotations
@@ -83,17 +84,18 @@ def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
     less one for each live node that let its copy go deliberately (`Placement.left`).
 
     A file wants min(K + 1, ring size) - |left live| live holders. Counting only the live
-    leavers keeps the count within reach: the ring's size counts them too, so there are
-    always enough live nodes that did not leave to take the missing copies, and a node that
-    left is never chosen as a target (it would evict the copy again). A dead leaver lowers
-    nothing: its copy was gone anyway, and the ring without it may want one more.
+    leavers keeps the count within reach: the missing copies are at most
+    |ring| - |left live| - |live holders|, exactly the live nodes that neither hold the file
+    nor left it, so a node that left is never chosen as a target (it would evict the copy
+    again). A dead leaver lowers nothing: its copy was gone anyway, and the ring without it
+    may want one more.
 
     Only missing copies are made: a file that still has the copies it wants stays where it
     is, so a node joining the ring moves no data. A missing copy goes to the first live nodes
     clockwise from the writer's place that do not hold the file and did not leave it (its
-    desired holders first); only if there are too few of those, to the nodes that left, in
-    the same order. Its source is the first live holder clockwise from there (the writer
-    itself while it holds it). The plan is therefore the same on every node that computes it.
+    desired holders first). Its source is the first live holder clockwise from there (the
+    writer itself while it holds it). The plan is therefore the same on every node that
+    computes it.
     Holders beyond the count are left alone: dropping them is retention's decision, made only
     once the new copies are verified.
     """
@@ -112,8 +114,8 @@ def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
             continue
         order = clockwise(ring_ids, placement.writer)
         source = next(node for node in order if node in live_holders)
-        others = [node for node in order if node not in live_holders]
-        targets = ([node for node in others if node not in left]
-                   + [node for node in others if node in left])[:missing]
+        # never short: `missing` is at most the number of these (see above)
+        targets = [node for node in order
+                   if node not in live_holders and node not in left][:missing]
         copies.extend(Copy(name, source, target) for target in targets)
     return RestorePlan(copies, lost)

@@ -70,7 +70,7 @@ class Core:
         self.tree = Tree(store, self.watch, self.deletes, node_id=node_id,
                          step_pattern=step_pattern, file_step_pattern=file_step_pattern,
                          spawner=self.background)
-        Recovery(self.tree).load()
+        self.recovered = Recovery(self.tree).load()
 
 
 class Namespace:
@@ -87,6 +87,7 @@ class Namespace:
         self.store = tree.store
         self.deletes = core.deletes
         self.background = core.background
+        self.recovered = core.recovered  # what start-up found (lost copies?)
         self.residency = Residency(tree, list(read_sources or []), self.background,
                                    keep_ram=keep_ram, replicas=replicas, liveness=liveness,
                                    records=sealed)

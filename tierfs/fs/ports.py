@@ -57,9 +57,15 @@ class SealedCollector(Protocol):
     async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:
         """The step's committed manifest in the cluster and the nodes holding its files."""
 
-    async def leave_files(self, manifest: mf.StepManifest, names: list[str]) -> set[str] | None:
+    async def leave_files(self, manifest: mf.StepManifest, names: list[str], need: int,
+                          live: Callable[[str], bool]) -> set[str] | None:
         """This node's copies of these files are about to leave RAM: the records stop counting
-        it. The names that may leave now; None if the records could not be changed."""
+        it, where they still list `need` other `live` holders when the change is made. The
+        names that may leave now; None if the records could not be changed."""
+
+    async def drop_copies(self, manifest: mf.StepManifest, names: list[str]) -> None:
+        """This node's copies of these files are gone (bad): the records stop counting it,
+        and the other holders restore them. Raises an exception if that could not be done."""
 
 
 class Liveness(Protocol):

@@ -15,6 +15,7 @@ import os
 import shutil
 import stat
 import time
+from dataclasses import dataclass
 
 from tierfs import layout
 from tierfs import manifest as mf
@@ -26,6 +27,26 @@ from tierfs.fs.tree import Recovered, Tree
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class RecoveryReport:
+    """What start-up found: whether copies this node was counted for may be gone."""
+
+    steps: int  # committed steps put back
+    set_aside: int  # committed steps found damaged (a file neither here nor persisted)
+    damaged_files: int  # files of persisted steps whose object had the wrong size
+    objects_removed: int  # unreferenced objects removed
+
+    @property
+    def may_have_lost_copies(self) -> bool:
+        """No committed step in RAM (a new or emptied RAM dir), or some set aside or removed:
+        the cluster's records may count copies this node no longer has. Otherwise every copy
+        it was counted for is here as its step's manifest says (a file of a step not persisted
+        left the records before it left RAM; one of a persisted step counted too many is no
+        loss)."""
+        return not self.steps or bool(self.set_aside or self.damaged_files
+                                      or self.objects_removed)
+
+
 class Recovery:
     """Rebuilds one mount's tree from its RAM store (`load`, once, before the mount serves)."""
 
@@ -34,11 +55,14 @@ class Recovery:
         self.store: RamStore = tree.store
         self.records: StepRecords = tree.records
         self._top = os.fsencode(self.store.tree)
+        self._set_aside = 0
+        self._damaged_files = 0
 
-    def load(self) -> None:
+    def load(self) -> RecoveryReport:
         """Rebuild the namespace from the RAM store after a restart or a crash (see the module
-        docstring). A step found `writing` may be a save a crash cut short: it does not commit
-        by itself (fs.quiet_commits), only once written again or by `tierfs commit`."""
+        docstring), and say what was lost. A step found `writing` may be a save a crash cut
+        short: it does not commit by itself (fs.quiet_commits), only once written again or by
+        `tierfs commit`."""
         started = time.monotonic()
         tmp_removed = self.store.remove_tmp_files()
         with self.records.long_paths():  # the tree stands still until the mount serves it
@@ -49,6 +73,7 @@ class Recovery:
         log.info("loaded RAM store %s: %d committed steps, %d bytes; removed %d temporary "
                  "files and %d unreferenced objects in %.2f s", self.store.root, len(recovered),
                  self.store.used_bytes, tmp_removed, garbage, time.monotonic() - started)
+        return RecoveryReport(len(recovered), self._set_aside, self._damaged_files, garbage)
 
     def _recover_committed_steps(self) -> Recovered:
         recovered: Recovered = {}
@@ -90,6 +115,7 @@ class Recovery:
                 log.error("cannot restore step %s v%d (%s); its manifest is set aside",
                           manifest.path, manifest.version, exc)
                 self.records.set_aside(dirpath)
+                self._set_aside += 1
                 continue
             if resident is not None:
                 recovered[dirpath] = (manifest, resident)
@@ -110,11 +136,15 @@ class Recovery:
                 size = -1
             if size == entry.size:
                 resident.add(entry.name)
-            elif not persisted:
+                continue
+            if size >= 0:
+                self._damaged_files += 1
+            if not persisted:
                 log.error("committed step %s v%d is damaged: object of %s is missing or has "
                           "the wrong size; its manifest is set aside", manifest.path,
                           manifest.version, entry.name)
                 self.records.set_aside(records)
+                self._set_aside += 1
                 return None
         restored = removed = 0
         wanted = {os.fsencode(name) for name in resident}

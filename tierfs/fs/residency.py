@@ -3,9 +3,14 @@
 --keep-ram, and under RAM pressure before any write is refused.
 
 `Residency` decides what to fetch and what to evict, and when; the `Tree` makes each change
-(`adopt_fetch`, `evict_file`, ...). In a cluster, a copy leaves RAM only after the cluster's
-file records stopped counting this node as its holder (`SealedCollector.leave_files`): the
-records never say there are more copies than there are. The tiers it reads from are
+(`adopt_fetch`, `evict_file`, ...). In a cluster, a copy of a step not persisted leaves RAM
+only after the cluster's file records stopped counting this node as its holder
+(`SealedCollector.leave_files`, which refuses if the record no longer lists enough other live
+holders): the records never say there are more copies than there are of a file that exists
+nowhere else. A persisted step's copies leave at once, and the records are told in the
+background (best effort: the persistent tier holds the file, so a holder counted too many is
+no loss). A copy found bad (`copies_lost`) leaves the records in the background too, as a
+lost copy (the other holders restore it). The tiers it reads from are
 `ReadSource`s (peers first, then the persistent tier), and its background work runs under the
 `Spawner` it is given.
 """
@@ -19,6 +24,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import trio
 
+from tierfs import manifest as mf
 from tierfs.fs.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError
 from tierfs.fs.nodes import FsError, Node, StepState
 from tierfs.fs.ports import Liveness, ReadSource, SealedCollector, Spawner
@@ -146,9 +152,11 @@ class Residency:
     # their way in, stay. The work runs in slices of EVICT_SLICE seconds with a checkpoint in
     # between, so that evicting a step of 50,000 files never holds the FUSE loop; each file is
     # checked and changed with no await in between (`Tree.evict_file`), so handlers see it
-    # either in RAM or not. In a cluster, the records change first (`_leave`): a copy leaves
-    # the file's holders in etcd before its bytes leave RAM, never after, so no node plans a
-    # copy from a node that no longer has it.
+    # either in RAM or not. In a cluster, the records of a step not persisted change first
+    # (`_leave`): a copy leaves the file's holders in etcd before its bytes leave RAM, never
+    # after, so no node plans a copy from a node that no longer has it as if it were the last
+    # ones. A persisted step's records change after (`_leave_later`): the persistent tier
+    # holds it whatever the records say.
 
     def enforce_keep_ram(self) -> None:
         """Evict steps beyond the newest `keep_ram` of each run directory that are safe
@@ -270,12 +278,13 @@ class Residency:
 
     def _evict_soon(self, step_node: Node) -> None:
         """Evict a step: the first slice now, the rest in the background (in a cluster, all of
-        it in the background: the records change first)."""
+        a step not persisted in the background: the records change first)."""
         step = step_node.step
         if step in self._evictions:
             return
         work = None
-        if self.records is None:
+        if self.records is None or step.persisted:
+            self._leave_later(step_node)
             work = self._eviction_work(step_node, FIRST_SLICE)
             try:
                 next(work)
@@ -313,19 +322,66 @@ class Residency:
         happen). If etcd does not take the change, the files stay in RAM: evicting them
         anyway would leave records that overstate the copies until a restart, and a later
         eviction tries again (under pressure a write is refused, which the writer sees).
-        A file opened between the two stays in RAM uncounted: again one copy fewer."""
+        A file opened between the two stays in RAM uncounted: again one copy fewer.
+
+        The change is guarded where it is made (in etcd's transaction): only records that
+        still list `replicas` other live holders let this node go, so a holder that dropped
+        itself meanwhile (it lost its copy) is never relied on. Not closed by this: a holder
+        that came back with an empty RAM dir and has not dropped itself yet is still listed
+        and live, so a leave in that window relies on it. A persisted step needs no
+        other copy: all may leave now, and the records are told later (`_leave_later`)."""
         if self.records is None:
             return None
         step = step_node.step
+        if step.persisted:
+            self._leave_later(step_node)
+            return None
         names = [name for name in sorted(step.resident) if self.file_leaves(step, name)
                  and not self._in_use(step_node, name)]
         if not names or trio.current_time() < self._leaves_paused_until:
             return set()
-        allowed = await self.records.leave_files(step.manifest, names)
+        liveness = self.liveness
+        allowed = await self.records.leave_files(
+            step.manifest, names, self.replicas,
+            liveness.is_up if liveness is not None else _anyone)
         if allowed is None:
             self._leaves_paused_until = trio.current_time() + LEAVE_PAUSE
             return set()
         return allowed
+
+    def _leave_later(self, step_node: Node) -> None:
+        """A persisted step leaves RAM now: its files in RAM (not in use) leave the records in
+        the background, tried again every LEAVE_PAUSE while etcd does not take it. Until then
+        the records count this node for files it no longer has in RAM: no loss, the
+        persistent tier holds them (a read of such a file from here is fetched again)."""
+        records = self.records
+        step = step_node.step
+        names = [name for name in sorted(step.resident) if not self._in_use(step_node, name)]
+        if records is None or not names:
+            return
+        manifest = step.manifest
+
+        async def leave() -> None:
+            while await records.leave_files(manifest, names, 0, _anyone) is None:
+                await trio.sleep(LEAVE_PAUSE)
+
+        self._spawn(leave)
+
+    def copies_lost(self, manifest: mf.StepManifest, names: list[str]) -> None:
+        """This node's copies of these files are gone (found bad): the records stop counting
+        them, in the background (a log line if etcd does not take it)."""
+        records = self.records
+        if records is None or not names:
+            return
+
+        async def drop() -> None:
+            try:
+                await records.drop_copies(manifest, names)
+            except Exception as exc:
+                log.warning("could not record in the cluster that the copies of %d files of "
+                            "%s here are lost: %s", len(names), manifest.path, exc)
+
+        self.background.spawn(drop)
 
     def _in_use(self, step_node: Node, name: str) -> bool:
         node = self.tree.entry_node(step_node, name)
@@ -373,6 +429,11 @@ class Residency:
                 log.exception("eviction from RAM failed")
 
         self.background.spawn(guarded)
+
+
+def _anyone(_node: str) -> bool:
+    """Every node counts as live (no `Liveness` given, or none is needed)."""
+    return True
 
 
 def _number(step_node: Node) -> int:

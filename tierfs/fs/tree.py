@@ -503,6 +503,16 @@ class Tree:
             return None
         return node.step.manifest
 
+    def holds_copy(self, step_path: str, name: str, xxh3: str) -> bool:
+        """Whether this node holds the committed step's file `name`, with this content, in
+        RAM: the step is listed here with that entry and the file is resident (not merely an
+        object with the same content, which another step's file may be)."""
+        node = self.find_step(step_path)
+        if node is None or not node.step.committed:
+            return False
+        entry = node.step.manifest.entry(name)
+        return entry is not None and entry.xxh3 == xxh3 and name in node.step.resident
+
     def step_of_entry(self, data_dir: str, name: str | None) -> Node | None:
         """The step a manifest entry named `name` under `data_dir` (`layout.data_dir`)
         belongs to: the step at `data_dir`, or the single-file step `data_dir/name`."""
@@ -1114,9 +1124,11 @@ class Tree:
             self.store.drop_ref(entry.xxh3)
         return freed if in_ram else None
 
-    def quarantine(self, ino: int, digest: str) -> None:
+    def quarantine(self, ino: int, digest: str) -> list[tuple[mf.StepManifest, str]]:
         """Every committed file on the bad inode `ino` becomes non-resident (readers go through
-        the other tiers from now on); the object goes (its bytes are kept aside by the caller)."""
+        the other tiers from now on); the object goes (its bytes are kept aside by the caller).
+        The files that did: (their step's manifest, name)."""
+        gone: list[tuple[mf.StepManifest, str]] = []
         for step_node in list(self.steps()):
             step = step_node.step
             if not step.committed:
@@ -1136,15 +1148,17 @@ class Tree:
                 node.seal = None
                 step.resident.discard(entry.name)
                 self.store.drop_ref(entry.xxh3)
+                gone.append((step.manifest, entry.name))
         obj = self.store.object_path(digest)
         try:
             st = os.lstat(obj)
         except FileNotFoundError:
-            return
+            return gone
         if st.st_ino == ino:  # still named by a step being re-saved: the bytes are bad anyway
             os.unlink(obj)
             if st.st_nlink == 1:
                 self.store.forget_inode(ino)
+        return gone
 
     def add_remote_files(self, step_node: Node, entries: list[mf.FileEntry],
                          step_path: str | None = None) -> None:

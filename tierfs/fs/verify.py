@@ -9,7 +9,8 @@ Three ways in, one rule: a copy whose bytes do not hash to its manifest entry is
   becomes non-resident, so its reads go to the other tiers (peers, then the persistent tier),
   checked chunk by chunk, or fail with EIO; its bytes are kept, never destroyed, under
   `<ram-dir>/quarantine/` until a verified copy replaces them. Then the scan tries to bring
-  the file back from a good copy.
+  the file back from a good copy. In a cluster, the file's record stops counting this node
+  as a holder (in the background), so that the other holders restore a copy.
   Files committed, fetched or received while the daemon runs were hashed on the way in.
   Reads are not checked one by one: with FUSE passthrough the kernel reads resident files
   itself, so the check is per object (at start, at first open, and by `tierfs verify`).
@@ -415,7 +416,15 @@ class Verifier:
             self.kept[key] = self._keep_aside(key, path)
             log.error("checksum mismatch: %s: quarantined, reads go to other tiers; its bytes "
                       "are kept in %s", described, os.fsdecode(self.kept[key]))
-            self.tree.quarantine(ino, entry.xxh3)
+            gone = self.tree.quarantine(ino, entry.xxh3)
+            # The cluster's records stop counting these copies (in the background): the
+            # other holders restore them, and none is planned from this node meanwhile.
+            by_step: dict[tuple[str, int], tuple[mf.StepManifest, list[str]]] = {}
+            for manifest, name in gone:
+                by_step.setdefault((manifest.path, manifest.version),
+                                   (manifest, []))[1].append(name)
+            for manifest, names in by_step.values():
+                self.residency.copies_lost(manifest, names)
         finally:
             del self._checking[ino]
             done.set()

@@ -634,13 +634,20 @@ class ClusterNode:
             tiers.publish_later(manifest)
 
     async def _drop_lost_copies(self) -> None:
-        """The records stop counting this node as a holder of files whose objects are not in
-        its RAM store (it was replaced with an empty RAM dir, or lost files): the survivors
-        restore those copies (`ClusterCommits.drop_lost_copies`). Once, at start: from then on
-        a copy leaves RAM only after it left the records (`Residency._leave`)."""
+        """The records stop counting this node as a holder of files it does not hold in RAM
+        (`Tree.holds_copy`: it was replaced with an empty RAM dir, or lost files): the
+        survivors restore those copies (`ClusterCommits.drop_lost_copies`). Once, at start,
+        and only if start-up found this node may have lost copies (an empty RAM dir, steps
+        set aside, objects removed: `RecoveryReport`), since it reads every step listing this
+        node: from then on a copy of a step not persisted leaves RAM only after it left the
+        records (`Residency._leave`), and a bad one leaves them when it is quarantined."""
+        recovered = self.namespace.recovered
+        if not recovered.may_have_lost_copies:
+            log.info("the RAM store holds every copy it held (%d committed steps): the "
+                     "cluster's records are not read for lost copies", recovered.steps)
+            return
         try:
-            dropped = await self.sealed.drop_lost_copies(
-                lambda digest: self.store.object_path(digest).exists())
+            dropped = await self.sealed.drop_lost_copies(self.namespace.tree.holds_copy)
         except EtcdError as exc:
             log.warning("could not compare the cluster's records with the copies here: %s", exc)
             return

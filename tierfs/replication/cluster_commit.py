@@ -199,36 +199,51 @@ class ClusterCommits:
                      len(names), manifest.path, exc)
             return {}
 
-    async def leave_files(self, manifest: mf.StepManifest, names: list[str]) -> set[str] | None:
+    async def leave_files(self, manifest: mf.StepManifest, names: list[str], need: int,
+                          live: Callable[[str], bool]) -> set[str] | None:
         """Before this node's copies of these files of `manifest` leave RAM: it takes itself
-        out of their holders and is listed among those that left (batched transactions). The
-        names whose records no longer count this node, which may leave RAM now (a file with
-        no record stays: its record may yet be written naming this node); None if etcd did
+        out of their holders and is listed among those that left (batched transactions),
+        only where the record, when the transaction takes it, still lists `need` other live
+        holders (`CommitRecords.leave_files`). The names whose records list this node among
+        those that left (now or before), which may leave RAM now: a file whose record does
+        not (too few other holders, no record yet, another content) stays. None if etcd did
         not take it (then none may: see `Residency._leave`)."""
         files = {n: e.xxh3 for n in names if (e := manifest.entry(n)) is not None}
         try:
-            found = await self.records.leave_files(manifest.path, self.node_id, files)
+            found = await self.records.leave_files(manifest.path, self.node_id, files, need,
+                                                   live)
         except EtcdError as exc:
-            log.info("could not record in etcd that %d files of %s leave RAM here (%s): "
-                     "they stay", len(files), manifest.path, exc)
+            log.info("could not record in etcd that %d files of %s leave RAM here (%s)",
+                     len(files), manifest.path, exc)
             return None
-        return {n for n, r in found.items() if self.node_id not in r.holders}
+        return {n for n, r in found.items() if self.node_id in r.left}
 
-    async def drop_lost_copies(self, holds: Callable[[str], bool]) -> int:
+    async def drop_copies(self, manifest: mf.StepManifest, names: list[str]) -> None:
+        """This node's copies of these files of `manifest` are gone (found bad and
+        quarantined): the records stop counting it as their holder, not as one that left, and
+        the step's commit record is touched, so that the other holders restore a copy. Raises
+        EtcdError if etcd does not take it."""
+        files = {n: e.xxh3 for n in names if (e := manifest.entry(n)) is not None}
+        found = await self.records.drop_holders(manifest.path, self.node_id, files)
+        if found:
+            await self.records.touch_commit(manifest.path)
+
+    async def drop_lost_copies(self, holds: Callable[[str, str, str], bool]) -> int:
         """At start: take this node out of the holders of every committed file it is listed
-        for but whose object (`holds(xxh3)`) it does not have (an empty RAM dir, lost files),
-        not as a node that left: the loss was not chosen, so the survivors restore those
-        copies. Only steps whose commit record lists this node are read; each step changed
-        gets its commit record written again (without this node if it holds none of its
-        files), so that every node holding its files plans again at once. The copies dropped;
-        raises EtcdError if etcd does not answer."""
+        for but does not hold (`holds(step path, name, xxh3)`: that file of the step, with
+        that content, is resident here; an empty RAM dir, lost files), not as a node that
+        left: the loss was not chosen, so the survivors restore those copies. Only steps
+        whose commit record lists this node are read; each step changed gets its commit
+        record written again (without this node if it holds none of its files), so that
+        every node holding its files plans again at once. The copies dropped; raises
+        EtcdError if etcd does not answer."""
         dropped = 0
         for commit in await self.records.commits():
             if self.node_id not in commit.holders:
                 continue
             files = await self.records.files(commit.step)
             lost = {name: r.xxh3 for name, r in files.items()
-                    if self.node_id in r.holders and not holds(r.xxh3)}
+                    if self.node_id in r.holders and not holds(commit.step, name, r.xxh3)}
             if not lost:
                 continue
             await self.records.drop_holders(commit.step, self.node_id, lost)
