@@ -326,9 +326,11 @@ class Residency:
 
         The change is guarded where it is made (in etcd's transaction): only records that
         still list `replicas` other live holders let this node go, so a holder that dropped
-        itself meanwhile (it lost its copy) is never relied on. Not closed by this: a holder
-        that came back with an empty RAM dir and has not dropped itself yet is still listed
-        and live, so a leave in that window relies on it. A persisted step needs no
+        itself meanwhile (it lost its copy) is never relied on; a holder that comes back
+        with an empty RAM dir drops itself before it registers as a live member. Not closed
+        by this: a holder whose RAM dir is wiped and which comes back under the same id
+        before its lease ran out (a few seconds) is counted live with copies it lost until
+        it has started. A persisted step needs no
         other copy: all may leave now, and the records are told later (`_leave_later`)."""
         if self.records is None:
             return None

@@ -503,15 +503,34 @@ class Tree:
             return None
         return node.step.manifest
 
-    def holds_copy(self, step_path: str, name: str, xxh3: str) -> bool:
+    def holds_copy(self, step_path: str, name: str, xxh3: str, size: int) -> bool:
         """Whether this node holds the committed step's file `name`, with this content, in
         RAM: the step is listed here with that entry and the file is resident (not merely an
         object with the same content, which another step's file may be)."""
         node = self.find_step(step_path)
-        if node is None or not node.step.committed:
+        if node is None:
             return False
+        if not node.step.committed:
+            # still `writing` here (a multi-node step committed elsewhere while this node was
+            # down: it joins that commit once it learns it, checking every file's content)
+            return self._written_here(node, name, xxh3, size)
         entry = node.step.manifest.entry(name)
         return entry is not None and entry.xxh3 == xxh3 and name in node.step.resident
+
+    def _written_here(self, step_node: Node, name: str, xxh3: str, size: int) -> bool:
+        """Whether the step's file `name` is here with this content: sealed with it, or not
+        sealed yet (after a restart) and of its size."""
+        node: Node | None = step_node
+        for part in name.split("/"):
+            node = (node.children or {}).get(os.fsencode(part)) if node is not None else None
+        if node is None or node.remote is not None:
+            return False
+        if node.seal is not None:
+            return node.seal.digest.xxh3 == xxh3
+        try:
+            return os.lstat(self.backing(node)).st_size == size
+        except OSError:
+            return False
 
     def step_of_entry(self, data_dir: str, name: str | None) -> Node | None:
         """The step a manifest entry named `name` under `data_dir` (`layout.data_dir`)

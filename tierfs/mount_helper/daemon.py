@@ -601,11 +601,13 @@ class ClusterNode:
                 raise
             raise StartupError(f"cannot listen for peers on {host}:{port}: "
                                f"{error.strerror or error}") from None
+        # Before this node is a live member: a peer may evict its own copy of a file on the
+        # strength of the copy the records name here (`leave_files` needs K live holders).
+        await self._drop_lost_copies()
         await self._register(nursery)
         log.info("node %s listening for peers on %s:%d (advertised as %s); live members: %s",
                  self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
         self._follow_members()
-        await self._drop_lost_copies()
         await self.sealed.learn_all(self._learn)  # every step of the cluster, from the start
         for worker in (self.membership.run, self.replicator.run, self._restore_copies,
                        self._follow_commits, self._publish_pending, self._catch_up):
