@@ -47,6 +47,14 @@ class Cluster:
             self.nodes[node_id] = self.mounts.remount(old)
         return self.nodes[node_id]
 
+    def start_all(self, *options: str) -> list[Mount]:
+        """Every node, with these options too, once each sees all the others up."""
+        for node_id in self.ports:
+            self.nodes[node_id] = self.mounts.mount(*self.args(node_id), *options)
+        for node_id in self.ports:
+            wait_until(lambda n=node_id: all(self.peers_up(n).values()), timeout=15)
+        return list(self.nodes.values())
+
     def peers_up(self, node_id: str) -> dict[str, bool]:
         return {p["node_id"]: p["up"] for p in self.nodes[node_id].status()["peers"]}
 
@@ -389,11 +397,7 @@ def test_the_committer_keeps_the_copy_it_holds_for_another_writer(
     from tests.test_crash import save
 
     cluster = Cluster(mounts, token_file, 2, etcd_server)
-    for node_id in cluster.ports:
-        cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), "--keep-ram", "1")
-    node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
-    for node_id in cluster.ports:
-        wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)
+    node0, node1 = cluster.start_all("--keep-ram", "1")
     step = "run/step_1"
     run_dcp_ranks([node0 / step, node1 / step], timeout=240)
     wait_until(lambda: _copies_everywhere(cluster, step, set(cluster.ports), 2), timeout=30)
@@ -422,12 +426,8 @@ def test_a_dead_peers_copy_does_not_let_a_step_leave_ram(
     from tests.test_crash import save
 
     cluster = Cluster(mounts, token_file, 3, etcd_server)
-    for node_id in cluster.ports:
-        cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), "--keep-ram", "1",
-                                              "--replicas", "2")
+    cluster.start_all("--keep-ram", "1", "--replicas", "2")
     node0 = cluster.nodes["node0"]
-    for node_id in cluster.ports:
-        wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)
     save(node0 / "run/step_1", {"f": os.urandom(1 << 20), ".metadata": b"m"})
     wait_until(lambda: node0.step("run/step_1")["replicas"] == ["node1", "node2"], timeout=30)
     cluster.nodes["node2"].kill9()
@@ -447,11 +447,7 @@ def test_verify_asks_each_peer_only_about_the_files_it_holds(
     import json
 
     cluster = Cluster(mounts, token_file, 3, etcd_server)
-    for node_id in cluster.ports:
-        cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), "--replicas", "0")
-    for node_id in cluster.ports:
-        wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)
-    node0, node1, node2 = (cluster.nodes[f"node{i}"] for i in range(3))
+    node0, node1, node2 = cluster.start_all("--replicas", "0")
     step = "run/step_5"
     run_dcp_ranks([node0 / step, node1 / step], timeout=240)
     records = _file_records(cluster, step)

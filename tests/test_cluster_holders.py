@@ -50,12 +50,8 @@ def test_an_evicted_writer_is_not_counted_and_a_lost_copy_is_restored_elsewhere(
     dies: the file is copied from node2 to node3 (not back to node0), every listed holder
     has it, and it reads byte-identical on every live node."""
     cluster = Cluster(mounts, token_file, 4, etcd_server)
-    for node_id in cluster.ports:
-        cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), "--keep-ram", "1",
-                                              "--replicas", "2")
+    cluster.start_all("--keep-ram", "1", "--replicas", "2")
     node0 = cluster.nodes["node0"]
-    for node_id in cluster.ports:
-        wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)
     step = "run/step_1"
     save(node0 / step, {"f": os.urandom(1 << 20), ".metadata": b"m"})
     wait_until(lambda: node0.step(step)["replicas"] == ["node1", "node2"], timeout=30)

@@ -33,11 +33,7 @@ FILES = 3000  # several pages of file records per reader, had they been read
 def test_a_node_without_files_lists_and_reads_a_step_without_its_file_records(
         mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
     cluster = Cluster(mounts, token_file, 3, etcd_server)
-    for node_id in cluster.ports:
-        cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), "--replicas", "0")
-    for node_id in cluster.ports:
-        wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)
-    node0, node1, node2 = (cluster.nodes[f"node{i}"] for i in range(3))
+    node0, node1, node2 = cluster.start_all("--replicas", "0")
     files = {f"f{i:05d}": b"%d" % i for i in range(FILES)} | {".metadata": b"m"}
     before = grpc_requests(etcd_server)
     save(node0 / "job/step_1", files)
