@@ -395,30 +395,37 @@ class CommitRecords:
         it and reads nothing), so a step whose copies go to nodes that wrote files of it
         anyway (a multi-node step) costs none. Nothing if the record is of another
         version."""
-        key = self.commit_key(step)
-        while True:
-            kv = await self.etcd.get(key)
-            if kv is None:
-                return
-            record = CommitRecord.decode(step, kv.value)
+        def added(record: CommitRecord) -> CommitRecord | None:
             if record.version != version or node in record.holders:
-                return
-            updated = replace(record, holders=tuple(sorted({*record.holders, node})))
-            if await self.etcd.put_if_version(key, updated.encode(), kv.version):
-                return
+                return None
+            return replace(record, holders=tuple(sorted({*record.holders, node})))
+
+        await self._change_commit(step, added)
 
     async def touch_commit(self, step: str, drop: str | None = None) -> None:
         """Write the step's commit record again, without `drop` among its holders: a watch
         event that makes every node holding files of the step plan its copies again (after
         a node took itself out of the file records). Nothing if the step is not committed."""
+        await self._change_commit(step, lambda record: replace(
+            record, holders=tuple(h for h in record.holders if h != drop)))
+
+    async def _change_commit(self, step: str,
+                             change: Callable[[CommitRecord], CommitRecord | None]) -> None:
+        """Write `change` of the step's commit record (None: nothing to write), in a
+        compare-and-swap: a concurrent change is read and tried again. Nothing if the step
+        is not committed (or its record is malformed)."""
         key = self.commit_key(step)
         while True:
             kv = await self.etcd.get(key)
             if kv is None:
                 return
-            record = CommitRecord.decode(step, kv.value)
-            updated = replace(record, holders=tuple(h for h in record.holders if h != drop))
-            if await self.etcd.put_if_version(key, updated.encode(), kv.version):
+            try:
+                updated = change(CommitRecord.decode(step, kv.value))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring the malformed commit record %s: %s", key, exc)
+                return
+            if updated is None or await self.etcd.put_if_version(key, updated.encode(),
+                                                                 kv.version):
                 return
 
     async def commits(self) -> list[CommitRecord]:

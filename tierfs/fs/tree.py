@@ -503,7 +503,7 @@ class Tree:
             return None
         return node.step.manifest
 
-    def holds_copy(self, step_path: str, name: str, xxh3: str, size: int) -> bool:
+    def holds_copy(self, step_path: str, name: str, xxh3: str) -> bool:
         """Whether this node holds the committed step's file `name`, with this content, in
         RAM: the step is listed here with that entry and the file is resident (not merely an
         object with the same content, which another step's file may be)."""
@@ -512,25 +512,21 @@ class Tree:
             return False
         if not node.step.committed:
             # still `writing` here (a multi-node step committed elsewhere while this node was
-            # down: it joins that commit once it learns it, checking every file's content)
-            return self._written_here(node, name, xxh3, size)
+            # down): it joins that commit with its files sealed as the records say, once it
+            # learns it; a file not sealed so (not yet hashed again after a restart) is not
+            # counted: it may not be what was recorded
+            return self._sealed_as(node, name, xxh3)
         entry = node.step.manifest.entry(name)
         return entry is not None and entry.xxh3 == xxh3 and name in node.step.resident
 
-    def _written_here(self, step_node: Node, name: str, xxh3: str, size: int) -> bool:
-        """Whether the step's file `name` is here with this content: sealed with it, or not
-        sealed yet (after a restart) and of its size."""
+    def _sealed_as(self, step_node: Node, name: str, xxh3: str) -> bool:
+        """Whether the step's file `name` is here, closed, and sealed with this content."""
         node: Node | None = step_node
         for part in name.split("/"):
             node = (node.children or {}).get(os.fsencode(part)) if node is not None else None
-        if node is None or node.remote is not None:
-            return False
-        if node.seal is not None:
-            return node.seal.digest.xxh3 == xxh3
-        try:
-            return os.lstat(self.backing(node)).st_size == size
-        except OSError:
-            return False
+        return (node is not None and node.remote is None and node.seal is not None
+                and node.seal.digest.xxh3 == xxh3 and node.active_writers == 0
+                and self.seal_describes_file(node))
 
     def step_of_entry(self, data_dir: str, name: str | None) -> Node | None:
         """The step a manifest entry named `name` under `data_dir` (`layout.data_dir`)

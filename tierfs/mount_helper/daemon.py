@@ -603,7 +603,7 @@ class ClusterNode:
                                f"{error.strerror or error}") from None
         # Before this node is a live member: a peer may evict its own copy of a file on the
         # strength of the copy the records name here (`leave_files` needs K live holders).
-        lost_checked = await self._drop_lost_copies()
+        await self._drop_lost_copies()
         await self._register(nursery)
         log.info("node %s listening for peers on %s:%d (advertised as %s); live members: %s",
                  self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
@@ -612,59 +612,63 @@ class ClusterNode:
         for worker in (self.membership.run, self.replicator.run, self._restore_copies,
                        self._follow_commits, self._publish_pending):
             nursery.start_soon(worker)
-        nursery.start_soon(self._catch_up, lost_checked)
+        nursery.start_soon(self._catch_up)
 
-    async def _catch_up(self, lost_checked: bool) -> None:
+    async def _catch_up(self) -> None:
         """What this node missed while it was down, once etcd answers (tried until it does):
-        the copies it lost leave the records (if that could not be done at start), deletes
-        made meanwhile are applied here, and the steps it committed whose commit record
-        never reached etcd are published (by `_publish_pending`)."""
+        deletes made meanwhile are applied here, and the steps it committed whose commit
+        record never reached etcd are published (by `_publish_pending`)."""
         tiers = self.namespace.tiers
         failures = 0
         while True:
-            lost_checked = lost_checked or await self._drop_lost_copies()
             try:
                 unpublished, deleted = await self.sealed.missed(tiers.owned_manifests(),
                                                                 tiers.listed_manifests())
-                if lost_checked:
-                    break
+                break
             except EtcdError as exc:
+                failures += 1
                 log.info("could not compare this node's steps with etcd yet (attempt %d): %s",
-                         failures + 1, exc)
-            failures += 1
-            await CATCH_UP_RETRIES.pause(failures)
+                         failures, exc)
+                await CATCH_UP_RETRIES.pause(failures)
         for deletion in deleted:
             tiers.delete_from_peer(deletion.step, deletion.version, deletion.committed_ns,
                                    "another node (a tombstone in etcd)")
         for manifest in unpublished:
             tiers.publish_later(manifest)
 
-    async def _drop_lost_copies(self) -> bool:
+    async def _drop_lost_copies(self) -> None:
         """The records stop counting this node as a holder of files it does not hold in RAM
         (`Tree.holds_copy`: it was replaced with an empty RAM dir, or lost files): the
-        survivors restore those copies (`ClusterCommits.drop_lost_copies`). At start (again
-        by `_catch_up` until etcd answers), and only if start-up found this node may have
-        lost copies (an empty RAM dir, steps set aside, objects removed: `RecoveryReport`),
-        since it reads every step listing this node: from then on a copy of a step not
-        persisted leaves RAM only after it left the records (`Residency._leave`), and a bad
-        one leaves them when it is quarantined. Whether it was done (False: etcd did not
-        answer)."""
+        survivors restore those copies (`ClusterCommits.drop_lost_copies`). At start, before
+        the node is a live member, and only if start-up found this node may have lost copies
+        (an empty RAM dir, steps set aside, objects removed: `RecoveryReport`), since it reads
+        every step listing this node: from then on a copy of a step not persisted leaves RAM
+        only after it left the records (`Residency._leave`), and a bad one leaves them when
+        it is quarantined. Tried for CHECK_PATIENCE: a node that cannot correct the records
+        does not join (peers would count the copies it lost)."""
         recovered = self.namespace.recovered
         if not recovered.may_have_lost_copies:
             log.info("the RAM store holds every copy it held (%d committed steps): the "
                      "cluster's records are not read for lost copies", recovered.steps)
-            return True
-        try:
-            dropped = await self.sealed.drop_lost_copies(self.namespace.tree.holds_copy)
-        except EtcdError as exc:
-            log.warning("could not compare the cluster's records with the copies here (tried "
-                        "again later): %s", exc)
-            return False
+            return
+        failures = 0
+        with trio.move_on_after(CHECK_PATIENCE) as patience:
+            while True:
+                try:
+                    dropped = await self.sealed.drop_lost_copies(self.namespace.tree.holds_copy)
+                    break
+                except EtcdError as exc:
+                    failures += 1
+                    log.info("could not compare the cluster's records with the copies here "
+                             "(attempt %d): %s", failures, exc)
+                    await CATCH_UP_RETRIES.pause(failures)
+        if patience.cancelled_caught:
+            raise StartupError(f"etcd of --cluster {self.cfg.cluster} does not answer (tried "
+                               f"for {CHECK_PATIENCE:.0f} s to correct the records of the "
+                               "copies this node lost)")
         if dropped:
             log.warning("%d copies the cluster's records listed here are not in RAM: the other "
                         "holders restore them", dropped)
-        return True
-
     def _learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
         """A step committed in the cluster is listed here; if this node holds files of that
         version (it wrote some, or holds copies), the step is planned again: copies may be

@@ -228,9 +228,9 @@ class ClusterCommits:
         if found:
             await self.records.touch_commit(manifest.path)
 
-    async def drop_lost_copies(self, holds: Callable[[str, str, str, int], bool]) -> int:
+    async def drop_lost_copies(self, holds: Callable[[str, str, str], bool]) -> int:
         """At start: take this node out of the holders of every committed file it is listed
-        for but does not hold (`holds(step path, name, xxh3, size)`: that file of the step, with
+        for but does not hold (`holds(step path, name, xxh3)`: that file of the step, with
         that content, is resident here; an empty RAM dir, lost files), not as a node that
         left: the loss was not chosen, so the survivors restore those copies. Only steps
         whose commit record lists this node are read; each step changed gets its commit
@@ -242,8 +242,8 @@ class ClusterCommits:
             if self.node_id not in commit.holders:
                 continue
             files = await self.records.files(commit.step)
-            lost = {name: r.xxh3 for name, r in files.items() if self.node_id in r.holders
-                    and not holds(commit.step, name, r.xxh3, r.size)}
+            lost = {name: r.xxh3 for name, r in files.items()
+                    if self.node_id in r.holders and not holds(commit.step, name, r.xxh3)}
             if not lost:
                 continue
             await self.records.drop_holders(commit.step, self.node_id, lost)
