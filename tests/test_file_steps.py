@@ -220,3 +220,17 @@ def test_tierfs_commit_of_a_loose_file(mounts: MountFactory) -> None:
     assert state(node, "last.ckpt") == "writing"  # a loose file waits to be quiet
     tierfs("commit", str(node / "last.ckpt"))
     assert state(node, "last.ckpt") == "committed"
+
+
+@pytest.mark.parametrize("passthrough", [True, False], ids=["passthrough", "no-passthrough"])
+def test_a_file_step_is_held_in_ram_once(mounts: MountFactory, passthrough: bool) -> None:
+    """torch.save's one big file: its bytes become the committed object as they are, not a
+    private copy of them made while its writer still had it open (which held it twice in RAM
+    and made the close wait for the copy)."""
+    node = mounts.mount("--commit-idle", "60", *(() if passthrough else ("--no-passthrough",)))
+    size = 8 << 20
+    path = node / "model_7.pt"
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+    wait_state(node, "model_7.pt", "committed", timeout=3)
+    assert node.status()["ram"]["used_bytes"] < size * 1.5

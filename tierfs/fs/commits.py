@@ -176,9 +176,9 @@ class Commits:
             raise FsError(exc.errno or errno.EIO) from None
 
     async def after_writer(self, node: Node) -> None:
-        """A writer of `node` is done: a `.metadata` closed after writing, a file step whose
-        last writer this was, or a pending commit whose last writer this was, commits its step
-        now (a loose file commits once quiet)."""
+        """A writer of `node` is done (the FLUSH of a close()): a `.metadata` closed after
+        writing, or a pending commit whose last writer this was, commits its step now (a file
+        step at its RELEASE, `after_release`; a loose file once quiet)."""
         parent = node.parent
         if parent is None:
             return
@@ -186,14 +186,24 @@ class Commits:
         self.tiers.note_sealed(node)  # the cluster records which node holds the file
         if node.name == METADATA and self.tree.step_of(parent) is not None:
             await self.commit_for_saver(parent)
-        await self._commit_file_step(node)
         await self.run_pending_commits(node)
 
+    async def after_release(self, node: Node) -> None:
+        """An open file of `node` that could write into it is gone (its RELEASE)."""
+        if node.parent is not None:
+            await self._commit_file_step(node)
+
     async def _commit_file_step(self, node: Node) -> None:
-        """A file step commits once no writer holds it (a loose file waits to be quiet)."""
+        """A file step commits once no open file could write into it (a loose file waits to be
+        quiet): at the RELEASE after its writer's close(), not at that close's FLUSH, after
+        which writes through a duplicate of the descriptor may still come. So its bytes become
+        the committed object as they are, where a commit at the FLUSH had to copy the whole
+        file first (`Commits._copies_of_open_files`: twice the RAM, and a close that waited
+        for the copy)."""
         step = node.step
         if (node.is_file and step is not None and step.number is not None
-                and not step.committed and not node.active_writers):
+                and not step.committed and not node.active_writers
+                and not any(h.writable for h in node.handles)):
             await self.commit_quietly(node)
 
     async def run_pending_commits(self, dir_node: Node | None) -> None:

@@ -224,6 +224,8 @@ class Namespace:
             await self.flush(handle, final=True)
         finally:
             self.tree.close(handle)
+        if handle.writable:
+            await self.commits.after_release(handle.node)
 
     def fsync(self, handle: Handle) -> None:
         self.tree.fsync(handle)
