@@ -4,7 +4,9 @@ peer port that lets nothing in without the token and survives hostile input."""
 from __future__ import annotations
 
 import os
+import signal
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -472,3 +474,29 @@ def test_verify_asks_each_peer_only_about_the_files_it_holds(
     assert set(tiers) == {"peer:node1"}
     assert tiers["peer:node1"]["good"] == len(held["node1"])
     assert tiers["peer:node1"]["not_held"] == [], tiers
+
+
+
+def test_an_upload_waits_for_the_peer_copies_of_its_step(mounts: MountFactory,
+                                                         token_file: Path, etcd_server: Etcd,
+                                                         tmp_path: Path) -> None:
+    """The single-copy window closes first: a step goes to its peers, then to the store (an
+    upload beside the copies took the network and CPU they needed); with no peer able to take
+    a copy, not forever."""
+    from tests.test_crash import save
+
+    store = tmp_path / "store"
+    store.mkdir()
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all("--persist", f"file://{store}")
+    os.kill(node1.pid, signal.SIGSTOP)  # a hung peer: the copy cannot be made yet
+    try:
+        save(node0 / "run/step_10", {"__0_0.distcp": os.urandom(1 << 20), ".metadata": b"m"})
+        waiting_until = time.monotonic() + 1.5
+        while time.monotonic() < waiting_until:
+            assert not node0.step("run/step_10")["persisted"]  # the copy goes first
+        # node1's lease ends: no live peer is owed a copy, and the upload goes
+        wait_until(lambda: node0.step("run/step_10")["persisted"], timeout=30)
+    finally:
+        os.kill(node1.pid, signal.SIGCONT)
+    wait_until(lambda: node0.step("run/step_10")["replicas"] == ["node1"], timeout=30)

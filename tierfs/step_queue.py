@@ -16,6 +16,7 @@ class StepQueue:
     def __init__(self) -> None:
         self.pending: dict[str, mf.StepManifest] = {}
         self._send, self._receive = trio.open_memory_channel[str](math.inf)
+        self._settled = trio.Event()  # set (and replaced) whenever a step's work ends
 
     def put(self, manifest: mf.StepManifest) -> None:
         queued = manifest.path in self.pending
@@ -33,5 +34,12 @@ class StepQueue:
                 await work(manifest)
             if self.pending.get(path) is manifest:
                 del self.pending[path]
+                self._settled.set()
+                self._settled = trio.Event()
             elif path in self.pending:  # a newer version arrived meanwhile: once more
                 self._send.send_nowait(path)
+
+    async def settled(self, path: str) -> None:
+        """Until no version of `path` waits or is being worked on."""
+        while path in self.pending:
+            await self._settled.wait()
