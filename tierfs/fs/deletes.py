@@ -7,9 +7,10 @@ tier: manifest first, then data; a peer: it drops its copy and records the tombs
 retrying with backoff until each is done; a restart picks the records up again.
 
 A tombstone *covers* every version of its path committed no later than the one deleted (by
-`committed_ns`): such a version, found in the persistent tier at start or offered by a peer's
-gossip or replication, is never listed again, and the tier that offered it is cleaned once
-more. A step saved again at that path after the delete is a new commit and is not covered.
+`committed_ns`): such a version, found in the persistent tier at start or offered by a peer
+(its commit record or a replica), is never listed again, and the tier that offered it is
+cleaned once more. A step saved again at that path after the delete is a new commit and is not
+covered.
 Tombstones stay once their work is done, so that a node back from a long absence cannot bring
 the step back either; they are a few hundred bytes each.
 """

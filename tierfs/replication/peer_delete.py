@@ -1,5 +1,5 @@
 """Deletes across the cluster: telling a peer that a committed step was deleted (it drops its
-copy, if not newer, and remembers the delete so that gossip never brings the step back), and
+copy, if not newer, and remembers the delete so that no copy brings the step back), and
 answering such requests. The durable record and the retries are `fs.deletes`'."""
 
 from __future__ import annotations
