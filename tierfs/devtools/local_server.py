@@ -9,6 +9,7 @@ ports it needs, its command line and how to tell that it is ready.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -46,8 +47,9 @@ class LocalServer:
     STOP_GRACE = 5.0  # seconds between SIGTERM and SIGKILL
     START_TIMEOUT = 60.0
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, nice: int = 0) -> None:
         self.data_dir = Path(data_dir)
+        self.nice = nice  # added to the server's nice value (the bench: a store "elsewhere")
         self.log_path = self.data_dir / self.LOG_NAME
         self.ports: dict[str, int] = {}  # fixed once chosen, so the endpoint never changes
         self._proc: subprocess.Popen[bytes] | None = None
@@ -145,7 +147,9 @@ class LocalServer:
             self._log_start = log.tell()
             self._proc = subprocess.Popen(self.command(), cwd=self.data_dir,
                                           stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT)
+                                          stderr=subprocess.STDOUT,
+                                          preexec_fn=(lambda: os.nice(self.nice))
+                                          if self.nice else None)
         try:
             self.wait_ready(self._proc, timeout)
         except BaseException:

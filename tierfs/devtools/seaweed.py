@@ -56,8 +56,8 @@ class SeaweedS3(LocalServer):
     STOP_GRACE = 5.0
 
     def __init__(self, data_dir: Path, access_key: str = "tierfs",
-                 secret_key: str = "tierfs-secret", volumes: int = 64) -> None:
-        super().__init__(data_dir)
+                 secret_key: str = "tierfs-secret", volumes: int = 64, nice: int = 0) -> None:
+        super().__init__(data_dir, nice)
         # Capacity is volumes x 64 MB (not preallocated); deleted data returns only after a
         # vacuum, so a benchmark that writes many GiB needs many more than the tests.
         self.volumes = volumes
