@@ -39,7 +39,7 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m pip install -q matplotlib py-spy
-	$(PY) bench/run.py --size 256M --reps 2 --out bench/results-quick
+	$(PY) bench/run.py --size 256M --reps 2 --profile --out bench/results-quick
 
 # 2,000 nodes x 8 ranks, a 70B model: one checkpoint and a node lost, simulated (minutes).
 simulate: $(STAMP)

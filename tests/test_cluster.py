@@ -476,7 +476,6 @@ def test_verify_asks_each_peer_only_about_the_files_it_holds(
     assert tiers["peer:node1"]["not_held"] == [], tiers
 
 
-
 def test_an_upload_waits_for_the_peer_copies_of_its_step(mounts: MountFactory,
                                                          token_file: Path, etcd_server: Etcd,
                                                          tmp_path: Path) -> None:
