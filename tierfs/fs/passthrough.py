@@ -96,6 +96,9 @@ class PassthroughDevice:
         self._backing: dict[int, Backing] = {}  # FUSE inode -> its registered backing file
         self._wire = wire.RelayState(self._offers, payload=PAYLOAD_MAX, page_size=PAGE_SIZE)
         self._threads: list[threading.Thread] = []
+        # Each relay thread's buffer, reused for every message it moves (fuse_wire.Message).
+        self._request_buffer = memoryview(bytearray(MESSAGE_MAX))
+        self._reply_buffer = memoryview(bytearray(MESSAGE_MAX))
         self._on_unmount: Callable[[], None] = lambda: None
         self._closing = False
         self._aborted = threading.Lock()  # held once the connection is aborted
@@ -245,14 +248,14 @@ class PassthroughDevice:
     def _relay_request(self) -> bool:
         """Move one message from the kernel to libfuse; False once the kernel unmounted."""
         try:
-            message = os.read(self.dev_fd, MESSAGE_MAX)
+            length = os.readv(self.dev_fd, [self._request_buffer])
         except OSError as exc:
             if exc.errno in (errno.EINTR, errno.ENOENT):
                 return True  # ENOENT: the request was interrupted before we read it
             if exc.errno == errno.ENODEV:
                 return False  # unmounted (or aborted)
             raise
-        message = self._wire.request(message)
+        message = self._wire.request(self._request_buffer[:length])
         try:
             self._kernel_side.sendall(message)
         except (BrokenPipeError, ConnectionResetError):
@@ -271,12 +274,13 @@ class PassthroughDevice:
     def _relay_reply(self) -> bool:
         """Move one message from libfuse to the kernel; False once either end is gone."""
         try:
-            message, _ancillary, flags, _address = self._kernel_side.recvmsg(MESSAGE_MAX)
+            length, _ancillary, flags, _address = self._kernel_side.recvmsg_into(
+                [self._reply_buffer])
         except OSError as exc:
             if self._closing:
                 return False
             raise wire.WireError(f"libfuse's end of the relay: {exc.strerror}") from None
-        if not message:
+        if not length:
             # libfuse ended its session (pyfuse3.close): how every mount ends, and the daemon
             # closes the device right after
             log.debug("libfuse ended its session: the reply relay stops")
@@ -284,7 +288,7 @@ class PassthroughDevice:
         if flags & socket.MSG_TRUNC:
             raise wire.WireError(f"a reply longer than the relay's {MESSAGE_MAX} bytes")
         initialized = self._wire.initialized
-        message = self._wire.reply(message)
+        message = self._wire.reply(self._reply_buffer[:length])
         if self._wire.initialized and not initialized:
             log.info("FUSE passthrough on: file data moves between the kernel and the RAM store"
                      if self.enabled else
