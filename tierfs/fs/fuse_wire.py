@@ -194,7 +194,7 @@ class InitOffer:
     max_pages: bool  # FUSE_MAX_PAGES offered (7.28+): the reply's max_pages is honoured
 
 
-def edit_init_request(message: Message) -> tuple[Message, InitOffer]:
+def edit_init_request(message: Message) -> tuple[bytes, InitOffer]:
     """Clear the SPLICE flags (libfuse reads a socket, which cannot splice); note the offer."""
     init = init_in(message)
     edited = bytearray(message)
@@ -221,7 +221,7 @@ def relay_buffer(payload: int) -> int:
 
 
 def edit_init_reply(message: Message, offer: InitOffer, *, payload: int,
-                    page_size: int) -> tuple[Message, bool]:
+                    page_size: int) -> tuple[bytes, bool]:
     """Clamp max_write and max_pages to `payload` bytes; turn passthrough on where offered.
 
     Returns the edited reply and whether passthrough is on. Passthrough stays off when the
