@@ -64,6 +64,7 @@ from tierfs.retry import POLICY
 from tierfs.s3tier.backend import Backend, BackendError, open_backend
 from tierfs.s3tier.reader import PersistentReader
 from tierfs.s3tier.uploader import Uploader
+from tierfs.step_queue import StepQueue
 
 log = logging.getLogger(__name__)
 
@@ -742,20 +743,25 @@ class Daemon:
                 self.commits += 1
                 if self.cluster is not None:
                     self.cluster.replicator.submit(manifest)
-                if self.uploader is not None:
-                    nursery.start_soon(self._upload_after_copies, manifest)
+                if self.uploader is None:
+                    continue
+                if self.cluster is None:
+                    self.uploader.submit(manifest)
+                else:
+                    nursery.start_soon(self._upload_after_copies, manifest, self.uploader,
+                                       self.cluster.replicator.queue)
 
-    async def _upload_after_copies(self, manifest: mf.StepManifest) -> None:
+    @staticmethod
+    async def _upload_after_copies(manifest: mf.StepManifest, uploader: Uploader,
+                                   copies: StepQueue) -> None:
         """Peer copies go first: they end the single-copy window within seconds, and an upload
         beside them takes the network and CPU they need (1 GiB on loopback took 5.3 s to
         replicate beside its upload, 0.34 s alone). The upload waits until this node made its
         copies of the step, or gave up for now (no live peer: the store is then the only other
         tier), at most COPIES_FIRST seconds."""
-        if self.cluster is not None:
-            with trio.move_on_after(COPIES_FIRST):
-                await self.cluster.replicator.queue.settled(manifest.path)
-        assert self.uploader is not None
-        self.uploader.submit(manifest)
+        with trio.move_on_after(COPIES_FIRST):
+            await copies.settled(manifest.path)
+        uploader.submit(manifest)
 
     def persist_status(self) -> dict[str, Any] | None:
         if self.uploader is None:
