@@ -4,7 +4,10 @@ SeaweedFS endpoint tierfs persists to.
 
 Runs are interleaved (tierfs, tmpfs, disk, s3, tierfs, ...) and repeated; medians are reported,
 with each target's ratio to tmpfs computed pair by pair within a repetition, so that machine
-noise cancels. Writes a Markdown table, a JSON file and a PNG chart into --out.
+noise cancels. Before every timed run, whatever its target, memory as large as the state is
+touched and freed (`warm_memory`): a VM that hands freed memory back to its host (free page
+reporting) charges its first touch again, and would charge it to whichever run got such pages.
+Writes a Markdown table, a JSON file and a PNG chart into --out.
 
     python bench/run.py --size 2G --reps 3 --compare --out bench/results   # make bench
     python bench/run.py --size 256M --reps 2 --out bench/results-quick     # make bench-quick
@@ -44,6 +47,7 @@ BUCKET = "tierfs-bench"
 METADATA_FILES = 1000
 STORE_NICE = 10  # the S3 server's nice value (see Bench.__init__)
 UNIFORM_SAVE = "DCP save, 16 equal files, 2 threads"
+UNIFORM_FILES = 16
 LOAD_DURING_UPLOAD = "DCP load, 1 thread, while the previous step uploads"
 # The goals of issue 14, beside each row they apply to.
 GOALS = {UNIFORM_SAVE: ">= 0.9x", "torch.save": ">= 0.9x", LOAD_DURING_UPLOAD: ">= 0.8x"}
@@ -68,9 +72,9 @@ def transformer_state(total_bytes: int) -> dict[str, torch.Tensor]:
     return params
 
 
-def uniform_state(total_bytes: int, files: int = 16) -> dict[str, torch.Tensor]:
-    """`files` equal tensors: with DCP's one file per tensor and thread, `files` equal files
-    (the issue's "1 GiB, 16 x 64 MiB" save)."""
+def uniform_state(total_bytes: int, files: int = UNIFORM_FILES) -> dict[str, torch.Tensor]:
+    """`files` equal tensors: saved with a file per tensor (`single_file_per_rank=False`),
+    `files` equal files (the issue's "1 GiB, 16 x 64 MiB" save)."""
     generator = torch.Generator().manual_seed(1)
     return {f"shard.{i}": torch.randn(total_bytes // files // 4, generator=generator)
             for i in range(files)}
@@ -105,6 +109,24 @@ def wait_for_quiet(idle_share: float = 0.8, patience: float = 30.0) -> None:
         idle_after, total_after = ticks()
         if (idle_after - idle) >= idle_share * max(1, total_after - total):
             return
+
+
+WARM_DIR = Path("/dev/shm")
+
+
+def warm_memory(nbytes: int) -> None:
+    """Touch `nbytes` of tmpfs pages and free them: the timed run that follows gets memory in
+    use a moment ago. This VM returns freed memory to its host, and memory touched for the
+    first time since costs about 3 s per GiB (README "This machine's memory"); without this
+    the same save varied 1.1-2.9 s, by which pages it happened to get."""
+    block = b"\xa5" * (64 << 20)
+    fd, path = tempfile.mkstemp(prefix="tierfs-bench-warm-", dir=WARM_DIR)
+    try:
+        for _ in range(-(-nbytes // len(block))):
+            os.write(fd, block)
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
@@ -199,7 +221,8 @@ class Bench:
         return {"tmpfs": str(self.tmpfs / name), "disk": str(self.disk / name),
                 "s3": f"s3://{BUCKET}/direct/{name}"}[target]
 
-    def writer(self, target: str, name: str, threads: int) -> Any:
+    def writer(self, target: str, name: str, threads: int, *, file_per_tensor: bool = False
+               ) -> Any:
         if target == "s3":
             from s3torchconnector import S3ClientConfig
             from s3torchconnector.dcp import S3StorageWriter
@@ -207,7 +230,8 @@ class Bench:
             return S3StorageWriter(region="us-east-1", path=self.location(target, name),
                                    s3client_config=S3ClientConfig(force_path_style=True),
                                    thread_count=threads)
-        return dcp.FileSystemWriter(self.location(target, name), thread_count=threads)
+        return dcp.FileSystemWriter(self.location(target, name), thread_count=threads,
+                                    single_file_per_rank=not file_per_tensor)
 
     def reader(self, target: str, name: str) -> Any:
         if target == "s3":
@@ -251,7 +275,9 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name)
 
 
-def timed(func: Callable[[], object]) -> float | BaseException:
+def timed(func: Callable[[], object], warm: int) -> float | BaseException:
+    """Seconds `func` took (or what it raised), after `warm_memory(warm)`."""
+    warm_memory(warm)
     started = time.perf_counter()
     try:
         func()
@@ -289,13 +315,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if target != "s3" and target != "disk":
                     name = f"step_{rep * 10 + 2}"
                     record(UNIFORM_SAVE, target, timed(lambda t=target, n=name: dcp.save(
-                        uniform, storage_writer=bench.writer(t, n, 2))))
+                        uniform, storage_writer=bench.writer(t, n, 2, file_per_tensor=True)),
+                        size))
                     bench.drop(target, name)
                 for threads in (1, 4):
                     name = f"step_{rep * 10 + threads}"
                     cpu = cpu_seconds(bench.pid)
                     seconds = timed(lambda t=target, n=name, th=threads: dcp.save(
-                        state, storage_writer=bench.writer(t, n, th)))
+                        state, storage_writer=bench.writer(t, n, th)), size)
                     record(f"DCP save, {threads} thread(s)", target, seconds)
                     if target == "tierfs" and threads == 4 and isinstance(seconds, float):
                         _after_tierfs_save(bench, name, extra, failures)
@@ -304,7 +331,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     # After a 1-thread save the load starts while that step uploads (tierfs
                     # persists every step): the issue's "load while the previous step uploads".
                     loaded = timed(lambda t=target, n=name: dcp.load(
-                        fresh, storage_reader=bench.reader(t, n)))
+                        fresh, storage_reader=bench.reader(t, n)), size)
                     record(LOAD_DURING_UPLOAD if threads == 1 else
                            f"DCP load ({threads}-thread save)", target, loaded)
                     if target == "tierfs" and threads == 1:
@@ -315,7 +342,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 future_holder: list[Any] = []
                 record("DCP async_save, blocking part", target,
                        timed(lambda t=target, n=name, f=future_holder: f.append(dcp.async_save(
-                           state, storage_writer=bench.writer(t, n, 1)))))
+                           state, storage_writer=bench.writer(t, n, 1))), size))
                 if future_holder:
                     try:
                         future_holder[0].result()
@@ -325,9 +352,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if target != "s3":
                     path = bench.location(target, f"model_{rep}.pt")
                     Path(path).parent.mkdir(parents=True, exist_ok=True)
-                    record("torch.save", target, timed(lambda p=path: torch.save(state, p)))
+                    record("torch.save", target,
+                           timed(lambda p=path: torch.save(state, p), size))
                     record("torch.load", target,
-                           timed(lambda p=path: torch.load(p, weights_only=True)))
+                           timed(lambda p=path: torch.load(p, weights_only=True), size))
                     bench.drop(target, f"model_{rep}.pt")
             extra.setdefault("metadata_to_committed", []).append(_commit_latency(bench, rep))
             print(f"repetition {rep + 1} of {args.reps} done", flush=True)
@@ -404,6 +432,8 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
     bench.start_mount("node1", *node("node1"))
     daemons = (bench.mounts["node0"][1], bench.mounts["node1"][1])
     step = "step_7000"
+    size = state_bytes(state)
+    warm_memory(2 * size)  # for the save and the copy it is replicated into
     cpu = cpu_seconds(*daemons)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(writer / "run" / step),
                                                         thread_count=4))
@@ -417,10 +447,11 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
                      if spy.functions})
     bench.wait_for(step, lambda e: e["persisted"], "node0")
     extra["daemon_cpu_per_gib_saved_replicated_persisted"] = [
-        (cpu_seconds(*daemons) - cpu) / (state_bytes(state) / 2**30)]
+        (cpu_seconds(*daemons) - cpu) / (size / 2**30)]
     # The same copy with no upload beside it: node1 persists nothing, so the copy of its step
     # to node0 has the two cores to itself (the peer path's own speed on this machine).
     wait_for_quiet()
+    warm_memory(2 * size)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(
         str(bench.mounts["node1"][0] / "run" / "step_7001"), thread_count=4))
     extra["committed_to_replicated_alone"] = [
@@ -442,6 +473,7 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
                 spies = {f"restore from a peer, {who}": stack.enter_context(
                              Profile(bench, bench.args.profile, bench.mounts[who][1], who))
                          for who in profiled}
+                warm_memory(size)
                 started = time.perf_counter()
                 dcp.load(fresh,
                          storage_reader=dcp.FileSystemReader(str(mountpoint / "run" / step)))
