@@ -101,3 +101,54 @@ async def test_missing_bytes_and_a_check_of_a_discarded_fetch(tmp_path: Path,
     assert fetch.missing_bytes == 0
     fetch.discard()
     assert not await fetch.verify()  # nothing to adopt, and no read of a closed fd
+
+
+def no_rereads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make a whole-file re-read for the check an error: the check must come from the bytes
+    as they were stored."""
+    def reread(fd: int) -> mf.Digest:
+        raise AssertionError("the fetched file was read again to check it")
+    monkeypatch.setattr(mf, "hash_fd", reread)
+
+
+async def test_a_file_fetched_in_order_is_checked_as_it_is_stored(
+        tmp_path: Path, ram: RamStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = os.urandom(3 * mf.CHUNK_SIZE + 5)
+    backend, remote = stored_file(tmp_path, data)
+    no_rereads(monkeypatch)
+    fetch = Fetch(ram, remote)
+    try:
+        await fetch.fill(persist(backend), in_flight=1)
+        assert await fetch.verify()
+    finally:
+        fetch.discard()
+
+
+async def test_chunks_stored_out_of_order_still_make_the_whole_files_check(
+        tmp_path: Path, ram: RamStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = os.urandom(4 * mf.CHUNK_SIZE)
+    backend, remote = stored_file(tmp_path, data)
+    no_rereads(monkeypatch)
+    fetch = Fetch(ram, remote)
+    try:
+        for index in (3, 1, 2, 0):  # a reader jumping about, read-ahead off (in_flight)
+            await fetch._ensure(persist(backend), index)
+        assert fetch.complete and await fetch.verify()
+    finally:
+        fetch.discard()
+
+
+async def test_a_whole_that_does_not_match_its_manifest_is_never_adopted(
+        tmp_path: Path, ram: RamStore) -> None:
+    """Every chunk matches its own checksum, the whole does not match the manifest's xxh3-128
+    (a manifest whose whole-file checksum is not of these bytes): not adopted."""
+    data = os.urandom(2 * mf.CHUNK_SIZE + 1)
+    backend, remote = stored_file(tmp_path, data)
+    wrong = RemoteFile(STEP, mf.FileEntry(remote.entry.name, remote.entry.size, "0" * 32,
+                                          mode=0o640, chunks=remote.entry.chunks))
+    fetch = Fetch(ram, wrong)
+    try:
+        await fetch.fill(persist(backend))
+        assert fetch.complete and not await fetch.verify()
+    finally:
+        fetch.discard()

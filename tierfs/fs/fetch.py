@@ -5,6 +5,8 @@ first read source that has them (peers, then the persistent tier), checks each c
 against the manifest before a byte of it is returned, and stores it in a partial file in the RAM
 store. Once every chunk is in and the whole file matches its xxh3-128, the partial file becomes
 the file's committed object again. A mismatch anywhere is an error and a log line, never data.
+The xxh3-128 runs as the chunks are stored (`_WholeHash`): a restore reads each byte once, not
+again for the check; a file whose chunks came in an order it could not follow is read again.
 When the RAM tier has no room the chunk is still returned, just not kept.
 
 A file opened for reading while passthrough is on is fetched whole before the open returns
@@ -15,13 +17,16 @@ the daemon (see `tierfs.fs.residency.Residency.fetch_whole`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import trio
+import xxhash
 
 from tierfs import manifest as mf
 from tierfs import reserved
@@ -78,6 +83,38 @@ class _Buffers:
 
 
 _BUFFERS = _Buffers(keep=WHOLE_IN_FLIGHT)
+
+
+class _WholeHash:
+    """The file's xxh3-128 over its chunks in file order, fed as chunks are stored (in worker
+    threads, in any order): a stored chunk that is next in order is hashed from the bytes just
+    written; one stored ahead of the order is read back from the file once the chunks before
+    it are in."""
+
+    def __init__(self, size: int) -> None:
+        self._hasher = xxhash.xxh3_128()
+        self._size = size
+        self._count = mf.chunk_count(size)
+        self._next = 0  # the first chunk not hashed yet
+        self._ahead: set[int] = set()  # stored, not hashed yet
+        self._lock = threading.Lock()
+
+    def stored(self, fd: int, index: int, data: bytes | memoryview) -> None:
+        """Chunk `index` of the file `fd` now holds `data` (blocking: a worker thread's)."""
+        with self._lock:
+            self._ahead.add(index)
+            while self._next in self._ahead:
+                self._ahead.discard(self._next)
+                offset = self._next * mf.CHUNK_SIZE
+                self._hasher.update(data if self._next == index else
+                                    os.pread(fd, min(mf.CHUNK_SIZE, self._size - offset),
+                                             offset))
+                self._next += 1
+
+    def digest(self) -> str | None:
+        """The whole file's xxh3-128, once every chunk is in; None before."""
+        with self._lock:
+            return self._hasher.hexdigest() if self._next == self._count else None
 
 
 class FetchError(Exception):
@@ -138,6 +175,7 @@ class Fetch:
                                  f"{PART_PREFIX}{remote.entry.xxh3}-{id(self):x}".encode())
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.backing_ino = os.fstat(self.fd).st_ino
+        self._whole = _WholeHash(remote.entry.size)
 
     @property
     def complete(self) -> bool:
@@ -253,29 +291,43 @@ class Fetch:
         during it cannot let it land in another file that reused the fd's number."""
         fd = os.dup(self.fd)
         try:
-            await trio.to_thread.run_sync(os.pwrite, fd, data, index * mf.CHUNK_SIZE)
+            await trio.to_thread.run_sync(self._write, fd, data, index)
         finally:
             os.close(fd)
         return self.fd >= 0
+
+    def _write(self, fd: int, data: bytes | memoryview, index: int) -> None:
+        """Store a chunk (a worker thread's): all of it, since the check that follows is over
+        `data`, not over what the file holds."""
+        view, offset = memoryview(data), index * mf.CHUNK_SIZE
+        while view:
+            written = os.pwrite(fd, view, offset)
+            if not written:
+                raise OSError(errno.ENOSPC, "no room for a fetched chunk")
+            view, offset = view[written:], offset + written
+        self._whole.stored(fd, index, data)
 
     async def verify(self) -> bool:
         """Whole-file check once complete; the partial file may then become the object."""
         if self.fd < 0:
             return False  # discarded (the node moved on): nothing to adopt
-        fd = os.dup(self.fd)  # as in _store_chunk: a discard meanwhile closes only self.fd
-        self._verifying = True
-        try:
-            digest = await trio.to_thread.run_sync(mf.hash_fd, fd)
-        finally:
-            self._verifying = False
-            os.close(fd)
-        if self.fd < 0:
-            return False  # discarded meanwhile (the node moved on): nothing to adopt
-        if digest.xxh3 == self.remote.entry.xxh3 and digest.size == self.remote.entry.size:
+        xxh3, size = self._whole.digest(), os.fstat(self.fd).st_size
+        if xxh3 is None:  # not every chunk was stored here (some were only returned): read it
+            fd = os.dup(self.fd)  # as in _store_chunk: a discard meanwhile closes only self.fd
+            self._verifying = True
+            try:
+                digest = await trio.to_thread.run_sync(mf.hash_fd, fd)
+            finally:
+                self._verifying = False
+                os.close(fd)
+            if self.fd < 0:
+                return False  # discarded meanwhile (the node moved on): nothing to adopt
+            xxh3, size = digest.xxh3, digest.size
+        if xxh3 == self.remote.entry.xxh3 and size == self.remote.entry.size:
             apply_attributes(self.fd, self.remote.entry)  # it becomes the file: as committed
             return True
         log.error("checksum mismatch: %s/%s fetched whole has xxh3 %s, manifest says %s",
-                  self.remote.step_path, self.remote.entry.name, digest.xxh3,
+                  self.remote.step_path, self.remote.entry.name, xxh3,
                   self.remote.entry.xxh3)
         return False
 
