@@ -27,11 +27,29 @@ def last_line_error(done: subprocess.CompletedProcess[str], text: str) -> None:
     assert "Traceback" not in done.stderr
 
 
+def processes_naming(word: str) -> list[int]:
+    """Pids whose command line holds `word`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if word.encode() in f.read().split(b"\0"):
+                    pids.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
 def refused_mount(mounts: MountFactory, mountpoint: Path, *extra: str,
                   ) -> subprocess.CompletedProcess[str]:
     """`tierfs mount` that should fail; if it mounts after all, it is torn down with the rest."""
     ram_dir = mounts.new_ram_dir()
     done = tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir), *extra, check=False)
+    if done.returncode != 0:
+        # Gone by the time the command returns: a refused daemon still exiting may hold the
+        # mountpoint busy (its probe of a mount that does not answer), so an umount right
+        # after failed with EBUSY.
+        assert not processes_naming(str(ram_dir)), "the refused daemon outlived `tierfs mount`"
     if done.returncode == 0:
         made = Mount(Path(os.path.realpath(mountpoint)), ram_dir, ram_dir / "tierfs.log")
         mounts.mounts.append(made)

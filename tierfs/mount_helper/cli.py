@@ -8,6 +8,7 @@ without trio, pyfuse3 or boto3 (tests/test_cli.py checks): those come in only wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -29,6 +30,7 @@ from tierfs.mount_helper.mounts import (
 from tierfs.mount_helper.status_view import format_status, human_bytes
 
 READY_TIMEOUT = 120.0
+REFUSED_EXIT_TIMEOUT = 10.0  # how long a refused daemon is given to exit
 
 EPILOG = """\
 examples:
@@ -223,6 +225,11 @@ def _start_daemon(argv: list[str]) -> int:
                 if kind == "WARN":
                     print(f"tierfs: warning: {message}", file=sys.stderr)
                 elif kind == "ERR":
+                    # A refused daemon exits at once; until it has, a probe of a mount that
+                    # does not answer may still hold that mount busy (an umount right after
+                    # this command failed with EBUSY).
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        child.wait(timeout=REFUSED_EXIT_TIMEOUT)
                     raise UserError(message)
                 elif kind == "OK":
                     child.stderr.close()
