@@ -51,7 +51,7 @@ async def test_a_file_comes_back_whole_and_verified(tmp_path: Path, ram: RamStor
         middle = await fetch.read(persist(backend), mf.CHUNK_SIZE - 10, 20)  # spans two chunks
         assert middle == data[mf.CHUNK_SIZE - 10:mf.CHUNK_SIZE + 10]
         await fetch.fill(persist(backend))
-        assert fetch.complete and await fetch.verify()
+        assert fetch.complete and fetch.verify()
         assert Path(os.fsdecode(fetch.path)).read_bytes() == data
         assert os.stat(fetch.path).st_mode & 0o777 == 0o640  # as committed
         assert ram.used_bytes == len(data)
@@ -100,7 +100,7 @@ async def test_missing_bytes_and_a_check_of_a_discarded_fetch(tmp_path: Path,
     await fetch.fill(persist(backend), in_flight=8)
     assert fetch.missing_bytes == 0
     fetch.discard()
-    assert not await fetch.verify()  # nothing to adopt, and no read of a closed fd
+    assert not fetch.verify()  # nothing to adopt
 
 
 def no_rereads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,7 +119,7 @@ async def test_a_file_fetched_in_order_is_checked_as_it_is_stored(
     fetch = Fetch(ram, remote)
     try:
         await fetch.fill(persist(backend), in_flight=1)
-        assert await fetch.verify()
+        assert fetch.verify()
     finally:
         fetch.discard()
 
@@ -133,7 +133,7 @@ async def test_chunks_stored_out_of_order_still_make_the_whole_files_check(
     try:
         for index in (3, 1, 2, 0):  # a reader jumping about, read-ahead off (in_flight)
             await fetch._ensure(persist(backend), index)
-        assert fetch.complete and await fetch.verify()
+        assert fetch.complete and fetch.verify()
     finally:
         fetch.discard()
 
@@ -149,6 +149,6 @@ async def test_a_whole_that_does_not_match_its_manifest_is_never_adopted(
     fetch = Fetch(ram, wrong)
     try:
         await fetch.fill(persist(backend))
-        assert fetch.complete and not await fetch.verify()
+        assert fetch.complete and not fetch.verify()
     finally:
         fetch.discard()

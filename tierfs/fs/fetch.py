@@ -6,7 +6,7 @@ against the manifest before a byte of it is returned, and stores it in a partial
 store. Once every chunk is in and the whole file matches its xxh3-128, the partial file becomes
 the file's committed object again. A mismatch anywhere is an error and a log line, never data.
 The xxh3-128 runs as the chunks are stored (`_WholeHash`): a restore reads each byte once, not
-again for the check; a file whose chunks came in an order it could not follow is read again.
+again for the check; only chunks stored ahead of the ones before them are read back.
 When the RAM tier has no room the chunk is still returned, just not kept.
 
 A file opened for reading while passthrough is on is fetched whole before the open returns
@@ -167,10 +167,6 @@ class Fetch:
         count = mf.chunk_count(remote.entry.size)
         self.present = [False] * count
         self._inflight: dict[int, trio.Event] = {}
-        self._verifying = False
-        # One task at a time checks the complete file and makes it the committed object: two
-        # openers or readers that complete it together must not both hash and adopt it.
-        self.adopting = trio.Lock()
         self.path = os.path.join(os.fsencode(store.objects),
                                  f"{PART_PREFIX}{remote.entry.xxh3}-{id(self):x}".encode())
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -183,8 +179,8 @@ class Fetch:
 
     @property
     def busy(self) -> bool:
-        """A chunk is on its way, or the whole is being checked: the partial file must stay."""
-        return bool(self._inflight) or self._verifying
+        """A chunk is on its way: the partial file must stay."""
+        return bool(self._inflight)
 
     @property
     def missing_bytes(self) -> int:
@@ -307,22 +303,14 @@ class Fetch:
             view, offset = view[written:], offset + written
         self._whole.stored(fd, index, data)
 
-    async def verify(self) -> bool:
+    def verify(self) -> bool:
         """Whole-file check once complete; the partial file may then become the object."""
         if self.fd < 0:
             return False  # discarded (the node moved on): nothing to adopt
-        xxh3, size = self._whole.digest(), os.fstat(self.fd).st_size
-        if xxh3 is None:  # not every chunk was stored here (some were only returned): read it
-            fd = os.dup(self.fd)  # as in _store_chunk: a discard meanwhile closes only self.fd
-            self._verifying = True
-            try:
-                digest = await trio.to_thread.run_sync(mf.hash_fd, fd)
-            finally:
-                self._verifying = False
-                os.close(fd)
-            if self.fd < 0:
-                return False  # discarded meanwhile (the node moved on): nothing to adopt
-            xxh3, size = digest.xxh3, digest.size
+        xxh3 = self._whole.digest()  # every stored chunk went into it (`_write`)
+        if xxh3 is None:
+            return False  # not complete: nothing to adopt
+        size = os.fstat(self.fd).st_size
         if xxh3 == self.remote.entry.xxh3 and size == self.remote.entry.size:
             apply_attributes(self.fd, self.remote.entry)  # it becomes the file: as committed
             return True

@@ -74,7 +74,7 @@ class Residency:
             log.error("read of %s failed: %s", self.tree.relpath(node), exc)
             raise FsError(errno.EIO) from None
         if fetch.complete and node.fetch is fetch:
-            await self._adopt(node, fetch)
+            self._adopt(node, fetch)
         return data
 
     def _fetch_of(self, node: Node) -> Fetch:
@@ -97,7 +97,7 @@ class Residency:
             log.error("fetch of %s failed: %s", self.tree.relpath(node), exc)
             raise FsError(errno.EIO) from None
         if node.fetch is fetch:
-            await self._adopt(node, fetch)
+            self._adopt(node, fetch)
         if node.remote is not None:
             raise FsError(errno.EIO)
 
@@ -118,18 +118,17 @@ class Residency:
             log.info("%s is read range by range: %s", self.tree.relpath(node),
                      exc or "no room in RAM")
             return
-        await self._adopt(node, fetch)
+        self._adopt(node, fetch)
 
-    async def _adopt(self, node: Node, fetch: Fetch) -> None:
-        """A complete fetch that matches its xxh3-128 becomes the file's committed object."""
-        async with fetch.adopting:  # a second completer finds it adopted (or gone): no-op
-            if node.fetch is not fetch:
-                return
-            good = await fetch.verify()
-            size = node.remote.entry.size if node.remote is not None else 0
-            if self.tree.adopt_fetch(node, fetch, good):
-                log.info("%s is back in RAM (%d bytes, verified)", self.tree.relpath(node),
-                         size)
+    def _adopt(self, node: Node, fetch: Fetch) -> None:
+        """A complete fetch that matches its xxh3-128 becomes the file's committed object (a
+        second completer finds it adopted, or gone: no await in between)."""
+        if node.fetch is not fetch:
+            return
+        good = fetch.verify()
+        size = node.remote.entry.size if node.remote is not None else 0
+        if self.tree.adopt_fetch(node, fetch, good):
+            log.info("%s is back in RAM (%d bytes, verified)", self.tree.relpath(node), size)
 
     async def prefetch(self, relpath: str) -> int:
         """`tierfs prefetch`: bring every file of a committed step into RAM; bytes fetched."""
