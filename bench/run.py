@@ -427,6 +427,15 @@ def _cluster(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str, torc
                       profiles)
 
 
+def _save_before_a_copy(state: dict[str, torch.Tensor], path: Path) -> None:
+    """A 4-thread DCP save into warm memory that holds as much again until it returns: the
+    copy a peer receives right after gets memory in use a moment ago, too."""
+    size = state_bytes(state)
+    warm_memory(size)
+    with warm_pages(size):
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), thread_count=4))
+
+
 def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor],
                   reps: int, extra: dict[str, list[float]], token: Path, url: str,
                   profiles: dict[str, dict[str, float]]) -> None:
@@ -441,11 +450,8 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
     daemons = (bench.mounts["node0"][1], bench.mounts["node1"][1])
     step = "step_7000"
     size = state_bytes(state)
-    warm_memory(size)  # for the save; and for the copy, freed as the save returns:
     cpu = cpu_seconds(*daemons)
-    with warm_pages(size):
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(writer / "run" / step),
-                                                            thread_count=4))
+    _save_before_a_copy(state, writer / "run" / step)
     with contextlib.ExitStack() as stack:
         spies = {f"replication, {role} ({name})": stack.enter_context(
                      Profile(bench, bench.args.profile, bench.mounts[name][1], name))
@@ -460,10 +466,7 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
     # The same copy with no upload beside it: node1 persists nothing, so the copy of its step
     # to node0 has the two cores to itself (the peer path's own speed on this machine).
     wait_for_quiet()
-    warm_memory(size)
-    with warm_pages(size):
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(
-            str(bench.mounts["node1"][0] / "run" / "step_7001"), thread_count=4))
+    _save_before_a_copy(state, bench.mounts["node1"][0] / "run" / "step_7001")
     extra["committed_to_replicated_alone"] = [
         bench.wait_for("step_7001", lambda e: bool(e["replicas"]), "node1")]
     for tensor in fresh.values():  # its pages touched once, before any timed load
