@@ -1,8 +1,9 @@
 """Which S3 client should upload a committed step? One run, same SeaweedFS, same files:
 
-* `classic`: boto3's transfer manager as `S3Backend.put_file` uses it now (16 MiB parts, 4 in
-  flight in all, low-priority threads) and as it did before (a manager per file, 4 parts per
-  file), 4 files at once as the uploader sends them;
+* `classic`: boto3's classic client as `S3Backend.put_file` uses it now (its own multipart
+  upload: 16 MiB parts streamed from the file, 4 requests in flight in all, low-priority
+  threads) and its transfer manager as tierfs used it before issue 14 (a manager per file, 4
+  parts per file), 4 files at once as the uploader sends them;
 * `boto3-crt`: boto3's `TransferConfig(preferred_transfer_client="crt")` (needs `boto3[crt]`);
 * `crt`: the same CRT transfer manager (`s3transfer.crt`) built for a custom endpoint;
 * `s3torchconnector`: its client's streaming `put_object`, 4 files at once;

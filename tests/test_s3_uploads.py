@@ -1,17 +1,29 @@
-"""Uploads to S3 leave the CPU to the training job: every file being uploaded shares one
-bounded set of part threads, which run at a lower priority (issue 14)."""
+"""Uploads to S3 against a real SeaweedFS: they leave the CPU to the training job (every file
+being uploaded shares one bounded set of low-priority threads, issue 14), and a file in parts
+gets through throttling and lost replies by retrying each request alone (through the fault
+proxy of tests/faults)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import itertools
+import logging
 import os
+import re
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
+import trio
 
+from tests.faults.s3_proxy import Fault, Request, S3Proxy
+from tests.test_layer_uploader import committed_step
+from tierfs import manifest as mf
 from tierfs.devtools.seaweed import SeaweedS3
-from tierfs.s3tier.backend import open_backend
+from tierfs.s3tier.backend import MANIFEST_KEY, open_backend
 from tierfs.s3tier.s3_backend import PARALLEL_PARTS, UPLOAD_NICE
+from tierfs.s3tier.uploader import Uploader
 
 
 def thread_nices() -> dict[int, int]:
@@ -50,3 +62,128 @@ def test_parallel_uploads_share_a_few_low_priority_threads(
     assert lowered, f"no upload thread runs at nice {base + UPLOAD_NICE}: {new}"
     # the parts of all four files went through one pool (+ its submission threads), not 4 x 4
     assert len(lowered) <= 2 * PARALLEL_PARTS + 2
+
+
+class ThrottledStore:
+    """An Uploader sending a committed step to SeaweedFS through the fault proxy, with
+    5 MiB parts (S3's smallest) so that a small file has many."""
+
+    def __init__(self, tmp: Path, server: SeaweedS3, bucket: str, proxy: S3Proxy) -> None:
+        self.backend = open_backend(f"s3://{bucket}/up", proxy.endpoint)
+        self.backend.part_size = 5 << 20
+        self.objects = tmp / "objects"
+        self.current: set[str] = set()
+        self.persisted: list[str] = []
+        self.uploader = Uploader(
+            self.backend, lambda xxh3: str(self.objects / xxh3), persist_every=1,
+            keep_persist=0, step_number=lambda name: int(name.rpartition("_")[2]),
+            is_current=lambda m: m.path in self.current,
+            on_persisted=lambda m: self.persisted.append(m.path), on_retired=lambda _p: None)
+        self.direct = server.client()  # not through the proxy
+        self.bucket = bucket
+
+    def step(self, path: str, files: dict[str, bytes]) -> mf.StepManifest:
+        """A committed step, handed to the uploader."""
+        self.current.add(path)
+        manifest = committed_step(self.objects, path, files)
+        self.uploader.submit(manifest)
+        return manifest
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.uploader.run)
+            yield
+            nursery.cancel_scope.cancel()
+
+    async def run_until(self, done: Callable[[], bool], timeout: float) -> None:
+        async with self.running():
+            await wait_for(done, timeout)
+
+    def stored(self, key: str) -> bytes:
+        return self.direct.get_object(Bucket=self.bucket, Key=f"up/{key}")["Body"].read()
+
+    def unfinished_uploads(self) -> list[str]:
+        reply = self.direct.list_multipart_uploads(Bucket=self.bucket)
+        return [u["Key"] for u in reply.get("Uploads", [])]
+
+
+async def wait_for(done: Callable[[], bool], timeout: float) -> None:
+    with trio.fail_after(timeout):
+        while not done():
+            await trio.sleep(0.01)
+
+
+@pytest.fixture
+def throttled(s3_server: SeaweedS3, bucket: str, tmp_path: Path,
+              monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ThrottledStore, S3Proxy]]:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_key)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with S3Proxy(s3_server.endpoint) as proxy:
+        yield ThrottledStore(tmp_path, s3_server, bucket, proxy), proxy
+
+
+async def test_a_file_of_many_parts_goes_up_while_every_third_request_is_refused(
+        throttled: tuple[ThrottledStore, S3Proxy], caplog: pytest.LogCaptureFixture) -> None:
+    """Steady throttling: each refused part is sent again alone. Retrying the whole file
+    instead needed its 10 requests (start, 8 parts, completion) to pass in a row, which with
+    every third refused never happens."""
+    caplog.set_level(logging.INFO)
+    store, proxy = throttled
+    requests = itertools.count(1)
+    proxy.plan = lambda r: Fault("slowdown") if next(requests) % 3 == 0 else None
+    data = os.urandom((8 * 5 << 20) - 12345)
+    manifest = store.step("run/step_1", {"shard": data, "small": b"x"})
+    await store.run_until(lambda: store.persisted == ["run/step_1"], timeout=60)
+    assert store.stored("run/step_1/shard") == data
+    assert mf.decode(store.stored(f"run/step_1/{MANIFEST_KEY}")) == manifest
+    assert proxy.counts["fault:slowdown"] >= 3
+    assert re.search(r"upload of \S+shard part \d/8 failed \(attempt 1\)", caplog.text)
+
+
+async def test_an_upload_the_store_lost_is_sent_again(
+        throttled: tuple[ThrottledStore, S3Proxy], caplog: pytest.LogCaptureFixture) -> None:
+    """The store no longer knows the upload (aborted meanwhile, as a lifecycle rule does, or
+    completed by a request whose reply was lost): its parts are refused with NoSuchUpload,
+    and the whole file is sent again rather than given up."""
+    caplog.set_level(logging.INFO)
+    store, proxy = throttled
+    aborted = []
+
+    def plan(r: Request) -> Fault | None:
+        if r.is_upload_part and r.part_number == 2 and not aborted:
+            upload_id = next(q.split("=", 1)[1] for q in r.query.split("&")
+                             if q.startswith("uploadId="))
+            store.direct.abort_multipart_upload(Bucket=store.bucket, Key=r.path.split("/", 2)[2],
+                                                UploadId=upload_id)
+            aborted.append(upload_id)
+        return None
+
+    proxy.plan = plan
+    data = os.urandom(3 * 5 << 20)
+    store.step("run/step_1", {"shard": data})
+    await store.run_until(lambda: store.persisted == ["run/step_1"], timeout=60)
+    assert aborted and store.stored("run/step_1/shard") == data
+    assert "shard failed (attempt 1), retrying in" in caplog.text
+    assert "the store lost the upload in parts" in caplog.text
+    assert "upload of run/step_1/shard succeeded after 1 failed attempts" in caplog.text
+    assert store.unfinished_uploads() == []
+
+
+async def test_an_upload_given_up_drops_its_parts(
+        throttled: tuple[ThrottledStore, S3Proxy], caplog: pytest.LogCaptureFixture) -> None:
+    """A step deleted while its parts are refused: the upload stops and the store is asked
+    to drop the parts it holds (they would take space until a lifecycle rule removed them)."""
+    caplog.set_level(logging.INFO)
+    store, proxy = throttled
+    proxy.plan = lambda r: Fault("slowdown") if r.is_upload_part and r.part_number == 3 \
+        else None
+    store.step("run/step_1", {"shard": os.urandom(3 * 5 << 20)})
+    async with store.running():
+        await wait_for(lambda: "part 3/3 failed (attempt 2)" in caplog.text, timeout=30)
+        assert store.unfinished_uploads() == ["up/run/step_1/shard"]
+        store.current.clear()  # deleted: the next retry gives up
+        await wait_for(lambda: "dropped" in caplog.text, timeout=30)
+    assert store.unfinished_uploads() == []
+    assert store.persisted == []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from tierfs import reserved
@@ -36,6 +36,15 @@ class NotFound(BackendError, ObjectMissing):
         super().__init__(f"no object {key}", temporary=False)
 
 
+class UploadGone(BackendError):
+    """An upload in parts the store no longer knows (S3's NoSuchUpload: aborted, expired, or
+    completed by a request whose reply was lost): final for the part or the completion, and
+    the whole file is sent again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, temporary=False)
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str
@@ -44,6 +53,10 @@ class ObjectInfo:
 
 class Backend(ABC):
     url: str
+    # Files larger than this can go up in parts (`start_parts`, `put_part` for each of
+    # `parts(size)`, `finish_parts`), each part a request of its own that can be retried
+    # alone; None: the backend has no parts, and `put_file` takes any size.
+    part_size: int | None = None
 
     @abstractmethod
     def check(self) -> None:
@@ -55,6 +68,31 @@ class Backend(ABC):
 
     @abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    def parts(self, size: int) -> list[tuple[int, int, int]]:
+        """(number, offset, length) of each part of a file of `size` bytes, numbered from 1."""
+        assert self.part_size is not None, "a backend without parts"
+        return [(number, offset, min(self.part_size, size - offset))
+                for number, offset in enumerate(range(0, size, self.part_size), 1)]
+
+    def start_parts(self, key: str) -> str:
+        """Begin an upload in parts of the object `key`; returns the upload's id."""
+        raise NotImplementedError
+
+    def put_part(self, key: str, upload_id: str, number: int,
+                 path: str | bytes | os.PathLike[str], offset: int, length: int) -> object:
+        """Send `length` bytes of `path` from `offset` as part `number`; returns the receipt
+        that `finish_parts` needs. UploadGone if the store no longer knows the upload."""
+        raise NotImplementedError
+
+    def finish_parts(self, key: str, upload_id: str, receipts: Sequence[object]) -> None:
+        """Make the object from the parts (receipts in part order). UploadGone if the store
+        no longer knows the upload, even if it was completed by an earlier request."""
+        raise NotImplementedError
+
+    def abandon_parts(self, key: str, upload_id: str) -> None:
+        """Drop an upload in parts and the parts it holds."""
+        raise NotImplementedError
 
     @abstractmethod
     def get_range(self, key: str, offset: int, length: int) -> bytes: ...

@@ -1,12 +1,14 @@
 """The S3 backend (boto3): any S3-compatible store, AWS's credential chain, path-style
-addressing when an endpoint is given. Large files go up as multipart uploads whose parts are
-sent in parallel by a bounded number of threads, each holding one part: memory stays bounded
-whatever the file size.
+addressing when an endpoint is given. Files larger than a part go up as multipart uploads, each
+part a request of its own (`start_parts`, `put_part`, `finish_parts`) streamed from the file,
+so that memory stays bounded whatever the file size and the uploader can retry a refused part
+alone: retrying a whole file needs every one of its requests to pass at once, which under
+steady throttling (SlowDown) a file of many parts never does.
 
-Uploads share one transfer manager per backend, so `PARALLEL_PARTS` bounds the parts in flight
-across every file being uploaded at once (not per file), and its threads run at a lower CPU
-priority (`UPLOAD_NICE`): a training job's loads and compute on the same node come first, and
-uploads take the CPU left over (issue 14: a load during an upload ran at 0.44x tmpfs).
+Every request that sends a file's bytes runs in one pool of `PARALLEL_PARTS` threads per
+backend, shared by every file being uploaded at once, at a lower CPU priority (`UPLOAD_NICE`):
+a training job's loads and compute on the same node come first, and uploads take the CPU left
+over (issue 14: a load during an upload ran at 0.44x tmpfs).
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ import concurrent.futures
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import boto3
 import botocore.exceptions as bce
-from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from s3transfer.manager import TransferManager
+from s3transfer.utils import ReadFileChunk
 
-from tierfs.s3tier.interface import Backend, BackendError, NotFound, ObjectInfo
+from tierfs.s3tier.interface import Backend, BackendError, NotFound, ObjectInfo, UploadGone
+
+T = TypeVar("T")
 
 PART_SIZE = 16 << 20
 PARALLEL_PARTS = 4
@@ -38,10 +42,11 @@ def _lower_priority() -> None:
 
 
 class _UploadThreads(concurrent.futures.ThreadPoolExecutor):
-    """The transfer manager's threads, at a lower priority (see the module docstring)."""
+    """The threads that send files' bytes, at a lower priority (see the module docstring)."""
 
-    def __init__(self, max_workers: int | None = None) -> None:
-        super().__init__(max_workers, initializer=_lower_priority)
+    def __init__(self) -> None:
+        super().__init__(PARALLEL_PARTS, thread_name_prefix="tierfs-upload",
+                         initializer=_lower_priority)
 
 # Error codes that retrying can fix; everything else (NoSuchBucket, AccessDenied, ...) is final.
 _TEMPORARY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
@@ -75,11 +80,9 @@ class S3Backend(Backend):
         # A session of its own: credentials are resolved for this backend, not cached globally.
         self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint,
                                                       config=config)
-        self._transfer = TransferConfig(multipart_threshold=PART_SIZE,
-                                        multipart_chunksize=PART_SIZE,
-                                        max_concurrency=PARALLEL_PARTS, use_threads=True)
-        self._manager: TransferManager | None = None  # made at first use: after a daemon forks
-        self._manager_lock = threading.Lock()
+        self.part_size = PART_SIZE
+        self._threads: _UploadThreads | None = None  # made at first use: after a daemon forks
+        self._threads_lock = threading.Lock()
 
     def _key(self, key: str) -> str:
         return self.prefix + key
@@ -89,16 +92,73 @@ class S3Backend(Backend):
             self._client.head_bucket(Bucket=self.bucket)
 
     def put_file(self, key: str, path: str | bytes | os.PathLike[str]) -> None:
+        """Any size in this one call: a file larger than a part goes up in parts, in parallel
+        (the uploader sends parts itself, to retry each alone)."""
+        path = os.fsdecode(path)
         with self._errors(key):
-            self._uploads().upload(os.fsdecode(path), self.bucket, self._key(key)).result()
+            size = os.stat(path).st_size
+        if size <= self.part_size:
+            self._in_upload_thread(self._put_whole, key, path)
+            return
+        upload_id = self.start_parts(key)
+        try:
+            pieces = [self._upload_threads().submit(self._put_part, key, upload_id, number,
+                                                    path, offset, length)
+                      for number, offset, length in self.parts(size)]
+            self.finish_parts(key, upload_id, [piece.result() for piece in pieces])
+        except BaseException:
+            with contextlib.suppress(BackendError):
+                self.abandon_parts(key, upload_id)
+            raise
 
-    def _uploads(self) -> TransferManager:
-        """The transfer manager every upload of this backend shares."""
-        with self._manager_lock:
-            if self._manager is None:
-                self._manager = TransferManager(self._client, self._transfer,
-                                                executor_cls=_UploadThreads)
-            return self._manager
+    def _put_whole(self, key: str, path: str) -> None:
+        with self._errors(key), open(path, "rb") as body:
+            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body)
+
+    def start_parts(self, key: str) -> str:
+        with self._errors(key):
+            # CRC32 for every part, as boto3's transfer manager asks for by default.
+            reply = self._client.create_multipart_upload(
+                Bucket=self.bucket, Key=self._key(key), ChecksumAlgorithm="CRC32")
+        return str(reply["UploadId"])
+
+    def put_part(self, key: str, upload_id: str, number: int,
+                 path: str | bytes | os.PathLike[str], offset: int, length: int) -> object:
+        return self._in_upload_thread(self._put_part, key, upload_id, number,
+                                      os.fsdecode(path), offset, length)
+
+    def _put_part(self, key: str, upload_id: str, number: int, path: str, offset: int,
+                  length: int) -> dict[str, Any]:
+        with self._errors(f"{key} part {number}"), ReadFileChunk.from_filename(
+                path, offset, length, enable_callbacks=False) as body:
+            reply = self._client.upload_part(
+                Bucket=self.bucket, Key=self._key(key), UploadId=upload_id, PartNumber=number,
+                Body=body, ChecksumAlgorithm="CRC32")
+        receipt = {"ETag": reply["ETag"], "PartNumber": number}
+        if "ChecksumCRC32" in reply:
+            receipt["ChecksumCRC32"] = reply["ChecksumCRC32"]
+        return receipt
+
+    def finish_parts(self, key: str, upload_id: str, receipts: Sequence[object]) -> None:
+        with self._errors(key):
+            self._client.complete_multipart_upload(
+                Bucket=self.bucket, Key=self._key(key), UploadId=upload_id,
+                MultipartUpload={"Parts": list(receipts)})
+
+    def abandon_parts(self, key: str, upload_id: str) -> None:
+        with self._errors(key):
+            self._client.abort_multipart_upload(Bucket=self.bucket, Key=self._key(key),
+                                                UploadId=upload_id)
+
+    def _upload_threads(self) -> _UploadThreads:
+        """The pool every request that sends a file's bytes runs in."""
+        with self._threads_lock:
+            if self._threads is None:
+                self._threads = _UploadThreads()
+            return self._threads
+
+    def _in_upload_thread(self, func: Callable[..., T], *args: object) -> T:
+        return self._upload_threads().submit(func, *args).result()
 
     def put_bytes(self, key: str, data: bytes) -> None:
         with self._errors(key):
@@ -149,7 +209,7 @@ class _Translate:
         if exc is None or isinstance(exc, BackendError):
             return False
         cause = exc
-        # boto3's transfer manager wraps the real error of a failed multipart upload.
+        # In case a library wraps the real error (boto3's transfer manager did).
         while cause.__cause__ is not None and not isinstance(cause, bce.ClientError):
             cause = cause.__cause__
         where = f"{self.backend.url}: {self.what}"
@@ -157,6 +217,9 @@ class _Translate:
             error = cause.response.get("Error", {})
             code = str(error.get("Code", ""))
             status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code == "NoSuchUpload":
+                raise UploadGone(f"{where}: the multipart upload is gone (NoSuchUpload)") \
+                    from None
             if code == "NoSuchBucket" or (status == 404 and self.what.startswith("bucket ")):
                 raise BackendError(f"{self.backend.url}: bucket {self.backend.bucket} does not "
                                    "exist", temporary=False) from None

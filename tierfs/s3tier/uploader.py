@@ -1,8 +1,11 @@
 """The upload scheduler: committed steps that match `--persist-every` go to the persistent tier,
 and `--keep-persist` retires old ones there.
 
-One step at a time, its files in parallel (each file itself a parallel multipart upload), read
-from the RAM store's immutable committed objects so that nothing can change under an upload.
+One step at a time, its files in parallel, a file larger than the backend's part in parts, also
+in parallel: at most PARALLEL_REQUESTS requests at once, read from the RAM store's immutable
+committed objects so that nothing can change under an upload. Each request is retried alone, a
+part as much as a whole file: an upload that had to start over whenever one of its many
+requests was refused would, under steady throttling, never finish.
 Order keeps "whole step or none" in the store: the old manifest object is deleted first, then the
 files are replaced, then the new manifest is written last, and objects of the old version that
 the new one does not name go. Temporary failures retry without limit for as long as the step is
@@ -24,13 +27,15 @@ import trio
 from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.observe import Events
-from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound
+from tierfs.retry import retry as retry_any
+from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, UploadGone
 from tierfs.s3tier.retry import NoLongerWanted, retry
 from tierfs.step_queue import StepQueue
 
 log = logging.getLogger(__name__)
 
-PARALLEL_FILES = 4
+PARALLEL_REQUESTS = 4
+ABANDON_TIMEOUT = 30.0  # dropping the parts of an upload given up is only good manners
 
 
 class Uploader:
@@ -59,7 +64,7 @@ class Uploader:
         self._on_persisted = on_persisted
         self._on_retired = on_retired
         self.queue = StepQueue()
-        self._threads = trio.CapacityLimiter(PARALLEL_FILES)
+        self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
         self._path_locks: dict[str, trio.Lock] = {}  # an upload and a delete of one path
 
     def _lock(self, path: str) -> trio.Lock:
@@ -118,14 +123,9 @@ class Uploader:
         await self._call(f"removing old manifest of {prefix}", manifest, self.backend.delete,
                          [manifest_key])
 
-        async def upload_file(entry: mf.FileEntry) -> None:
-            key = layout.object_key(data_dir, entry.name)
-            await self._call(f"upload of {key}", manifest, self.backend.put_file, key,
-                             self._object_path(entry.xxh3))
-
         async with trio.open_nursery() as nursery:
             for entry in manifest.files:
-                nursery.start_soon(upload_file, entry)
+                nursery.start_soon(self._upload_file, manifest, data_dir, entry)
         if not self._is_current(manifest):  # deleted or re-saved meanwhile: never list it
             raise NoLongerWanted(prefix)
         await self._call(f"upload of {manifest_key}", manifest,
@@ -136,6 +136,50 @@ class Uploader:
         self._on_persisted(manifest)
         if self.keep_persist:
             await self._apply_retention(prefix.rpartition("/")[0])
+
+    async def _upload_file(self, manifest: mf.StepManifest, data_dir: str,
+                           entry: mf.FileEntry) -> None:
+        key = layout.object_key(data_dir, entry.name)
+        path = self._object_path(entry.xxh3)
+        part_size = self.backend.part_size
+        if part_size is None or entry.size <= part_size:
+            await self._call(f"upload of {key}", manifest, self.backend.put_file, key, path)
+            return
+        # Sent again from the start only if the store lost the upload itself.
+        await retry_any(lambda: self._upload_in_parts(manifest, key, path, entry.size),
+                        f"upload of {key}", retryable=lambda exc: isinstance(exc, UploadGone),
+                        still_wanted=lambda: self._is_current(manifest))
+
+    async def _upload_in_parts(self, manifest: mf.StepManifest, key: str, path: str,
+                               size: int) -> None:
+        upload_id = await self._call(f"start of the upload of {key}", manifest,
+                                     self.backend.start_parts, key)
+        parts = self.backend.parts(size)
+        receipts: list[object] = [None] * len(parts)
+
+        async def send(number: int, offset: int, length: int) -> None:
+            receipts[number - 1] = await self._call(
+                f"upload of {key} part {number}/{len(parts)}", manifest, self.backend.put_part,
+                key, upload_id, number, path, offset, length)
+
+        gone = False
+        try:
+            try:
+                async with trio.open_nursery() as nursery:
+                    for part in parts:
+                        nursery.start_soon(send, *part)
+            except* UploadGone:
+                gone = True
+            if not gone:
+                await self._call(f"completion of the upload of {key}", manifest,
+                                 self.backend.finish_parts, key, upload_id, receipts)
+        except Exception:  # not wanted any more, or refused for good: the parts are dropped
+            with trio.move_on_after(ABANDON_TIMEOUT), contextlib.suppress(BackendError):
+                await trio.to_thread.run_sync(self.backend.abandon_parts, key, upload_id,
+                                              limiter=self._threads)
+            raise
+        if gone:
+            raise UploadGone(f"{key}: the store lost the upload in parts")
 
     def _remove_stale(self, manifest: mf.StepManifest) -> None:
         """Objects under the step that its new version does not name (a re-save with other
