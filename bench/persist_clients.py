@@ -9,7 +9,9 @@
 * `s3torchconnector`: its client's streaming `put_object`, 4 files at once;
 * `direct DCP save`: s3torchconnector's `S3StorageWriter`, 4 threads (the goal to meet).
 
-For each: wall seconds and this process's CPU seconds (user + system, all threads) per GiB.
+For each: wall seconds, this process's CPU seconds (user + system, all threads) per GiB, and
+the S3 server's (SeaweedFS shares this machine's cores: what it spends per GiB is what a client
+costs the store).
 
     python bench/persist_clients.py --size 1G --files 16
 """
@@ -35,8 +37,11 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(label: str, size: int, func: Callable[[], object]) -> dict[str, object]:
-    cpu, wall = cpu_seconds(), time.perf_counter()
+def measure(label: str, size: int, store_pid: int,
+            func: Callable[[], object]) -> dict[str, object]:
+    from run import cpu_seconds as process_cpu_seconds  # bench/run.py, beside this script
+
+    cpu, store, wall = cpu_seconds(), process_cpu_seconds(store_pid), time.perf_counter()
     try:
         func()
     except KeyboardInterrupt:
@@ -45,8 +50,10 @@ def measure(label: str, size: int, func: Callable[[], object]) -> dict[str, obje
         return {"client": label, "error": f"{type(exc).__name__}: {exc}"[:400]}
     wall = time.perf_counter() - wall
     cpu = cpu_seconds() - cpu
+    store = process_cpu_seconds(store_pid) - store
     gib = size / 2**30
-    return {"client": label, "seconds": wall, "gib_per_s": gib / wall, "cpu_s_per_gib": cpu / gib}
+    return {"client": label, "seconds": wall, "gib_per_s": gib / wall, "cpu_s_per_gib": cpu / gib,
+            "store_cpu_s_per_gib": store / gib}
 
 
 def in_parallel(put: Callable[[Path, str], None], files: list[Path], prefix: str) -> None:
@@ -84,11 +91,13 @@ def main() -> None:
         os.environ.update(AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key,
                           AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=s3.endpoint)
         clients = _clients(S3Backend, s3.endpoint)
+        store_pid = s3.pid
+        assert store_pid is not None
         for rep in range(args.reps):
             for label, put in clients.items():
-                print(measure(label, size, lambda p=put, r=rep, n=label: in_parallel(
+                print(measure(label, size, store_pid, lambda p=put, r=rep, n=label: in_parallel(
                     p, files, f"{_slug(n)}-{r}")), flush=True)
-            print(measure("direct DCP save (S3StorageWriter, 4 threads)", size,
+            print(measure("direct DCP save (S3StorageWriter, 4 threads)", size, store_pid,
                           lambda r=rep: dcp.save(state, storage_writer=_dcp_writer(r))),
                   flush=True)
     finally:

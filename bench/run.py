@@ -45,7 +45,7 @@ TARGETS = ("tierfs", "tmpfs", "disk", "s3")
 DAEMON_PATH = "tierfs, no passthrough"  # the same mount's data through the daemon (--compare)
 BUCKET = "tierfs-bench"
 METADATA_FILES = 1000
-STORE_NICE = 10  # the S3 server's nice value (see Bench.__init__)
+STORE_NICE = 19  # the S3 server's nice value (see Bench.__init__)
 UNIFORM_SAVE = "DCP save, 16 equal files, 2 threads"
 UNIFORM_FILES = 16
 LOAD_DURING_UPLOAD = "DCP load, 1 thread, while the previous step uploads"
@@ -162,6 +162,11 @@ class Bench:
     @property
     def pid(self) -> int:
         return self.mounts["tierfs"][1]
+
+    @property
+    def store_pid(self) -> int:
+        assert self.s3.pid is not None, "the S3 server is not running"
+        return self.s3.pid
 
     def __enter__(self) -> Bench:
         self.s3.start()
@@ -328,7 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     bench.drop(target, name)
                 for threads in (1, 4):
                     name = f"step_{rep * 10 + threads}"
-                    cpu = cpu_seconds(bench.pid)
+                    cpu, store_cpu = cpu_seconds(bench.pid), cpu_seconds(bench.store_pid)
                     seconds = timed(lambda t=target, n=name, th=threads: dcp.save(
                         state, storage_writer=bench.writer(t, n, th)), size)
                     record(f"DCP save, {threads} thread(s)", target, seconds)
@@ -336,6 +341,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         _after_tierfs_save(bench, name, extra, failures)
                         extra.setdefault("daemon_cpu_per_gib_saved_persisted", []).append(
                             (cpu_seconds(bench.pid) - cpu) / (size / 2**30))
+                    if threads == 4 and target in ("tierfs", "s3"):  # what S3 costs the store
+                        extra.setdefault(f"store_cpu_per_gib_{target}", []).append(
+                            (cpu_seconds(bench.store_pid) - store_cpu) / (size / 2**30))
                     # After a 1-thread save the load starts while that step uploads (tierfs
                     # persists every step): the "load while the previous step uploads".
                     loaded = timed(lambda t=target, n=name: dcp.load(
@@ -642,6 +650,11 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         "s", f"{extra['committed_to_persisted'] / statistics.median(direct_s3):.2f}x the direct "
         f"S3 save ({statistics.median(direct_s3):.2f} s); goal <= 1.0x"
         if direct_s3 and "committed_to_persisted" in extra else "<= direct S3 save")
+    row("store_cpu_per_gib_tierfs",
+        "the S3 server's CPU-seconds per GiB: the 4-thread save, committed and persisted", "s",
+        "-")
+    row("store_cpu_per_gib_s3", "the S3 server's CPU-seconds per GiB: the direct 4-thread save",
+        "s", "-")
     row("restore_from_peer", "restore into a fresh node from a peer (DCP load)", "s", "-")
     row("restore_from_s3", "restore into a fresh node from S3 (DCP load)", "s",
         f"peer {extra['restore_from_s3'] / extra['restore_from_peer']:.1f}x faster "
