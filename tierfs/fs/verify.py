@@ -347,7 +347,7 @@ class Verifier:
             return state
         try:
             await self.persist.rewrite(layout.data_dir(manifest.path, manifest.single_file),
-                                       entry.name, os.fsdecode(self.tree.backing(node)))
+                                       entry, os.fsdecode(self.tree.backing(node)))
         except Exception as exc:
             log.error("upload of %s/%s again failed: %s", manifest.path, entry.name, exc)
             return state

@@ -13,6 +13,7 @@ from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.s3tier.interface import Backend, NotFound
 from tierfs.s3tier.retry import POLICY, retry
+from tierfs.s3tier.sending import send_file
 
 T = TypeVar("T")
 
@@ -41,10 +42,11 @@ class PersistentReader:
 
     # -- for `tierfs verify`: reading manifests back and replacing bad objects --------------
 
-    async def rewrite(self, step_path: str, name: str, path: str) -> None:
-        """Upload a verified local copy over the object of a committed file."""
-        key = layout.object_key(step_path, name)
-        await self._attempts(f"upload of {key}", self.backend.put_file, key, path)
+    async def rewrite(self, step_path: str, entry: mf.FileEntry, path: str) -> None:
+        """Upload a verified local copy over the object of a committed file, each of its
+        requests retried as a read is: a few times at most."""
+        await send_file(self.backend, layout.object_key(step_path, entry.name), path,
+                        entry.size, self._attempts, self._limiter, policy=READS)
 
     async def object_size(self, step_path: str, name: str) -> int | None:
         """The size of a committed file's object, None if there is none."""

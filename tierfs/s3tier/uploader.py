@@ -2,10 +2,9 @@
 and `--keep-persist` retires old ones there.
 
 One step at a time, its files in parallel, a file larger than the backend's part in parts, also
-in parallel: at most PARALLEL_REQUESTS requests at once, read from the RAM store's immutable
-committed objects so that nothing can change under an upload. Each request is retried alone, a
-part as much as a whole file: an upload that had to start over whenever one of its many
-requests was refused would, under steady throttling, never finish.
+in parallel (`tierfs.s3tier.sending`): at most PARALLEL_REQUESTS requests at once, read from
+the RAM store's immutable committed objects so that nothing can change under an upload. Each
+request is retried alone, a part as much as a whole file.
 Order keeps "whole step or none" in the store: the old manifest object is deleted first, then the
 files are replaced, then the new manifest is written last, and objects of the old version that
 the new one does not name go. Temporary failures retry without limit for as long as the step is
@@ -27,15 +26,14 @@ import trio
 from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.observe import Events
-from tierfs.retry import retry as retry_any
-from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, UploadGone
+from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound
 from tierfs.s3tier.retry import NoLongerWanted, retry
+from tierfs.s3tier.sending import send_file
 from tierfs.step_queue import StepQueue
 
 log = logging.getLogger(__name__)
 
 PARALLEL_REQUESTS = 4
-ABANDON_TIMEOUT = 30.0  # dropping the parts of an upload given up is only good manners
 
 
 class Uploader:
@@ -139,47 +137,12 @@ class Uploader:
 
     async def _upload_file(self, manifest: mf.StepManifest, data_dir: str,
                            entry: mf.FileEntry) -> None:
-        key = layout.object_key(data_dir, entry.name)
-        path = self._object_path(entry.xxh3)
-        part_size = self.backend.part_size
-        if part_size is None or entry.size <= part_size:
-            await self._call(f"upload of {key}", manifest, self.backend.put_file, key, path)
-            return
-        # Sent again from the start only if the store lost the upload itself.
-        await retry_any(lambda: self._upload_in_parts(manifest, key, path, entry.size),
-                        f"upload of {key}", retryable=lambda exc: isinstance(exc, UploadGone),
+        async def call(what: str, func, *args) -> object:  # type: ignore[no-untyped-def]
+            return await self._call(what, manifest, func, *args)
+
+        await send_file(self.backend, layout.object_key(data_dir, entry.name),
+                        self._object_path(entry.xxh3), entry.size, call, self._threads,
                         still_wanted=lambda: self._is_current(manifest))
-
-    async def _upload_in_parts(self, manifest: mf.StepManifest, key: str, path: str,
-                               size: int) -> None:
-        upload_id = await self._call(f"start of the upload of {key}", manifest,
-                                     self.backend.start_parts, key)
-        parts = self.backend.parts(size)
-        receipts: list[object] = [None] * len(parts)
-
-        async def send(number: int, offset: int, length: int) -> None:
-            receipts[number - 1] = await self._call(
-                f"upload of {key} part {number}/{len(parts)}", manifest, self.backend.put_part,
-                key, upload_id, number, path, offset, length)
-
-        gone = False
-        try:
-            try:
-                async with trio.open_nursery() as nursery:
-                    for part in parts:
-                        nursery.start_soon(send, *part)
-            except* UploadGone:
-                gone = True
-            if not gone:
-                await self._call(f"completion of the upload of {key}", manifest,
-                                 self.backend.finish_parts, key, upload_id, receipts)
-        except Exception:  # not wanted any more, or refused for good: the parts are dropped
-            with trio.move_on_after(ABANDON_TIMEOUT), contextlib.suppress(BackendError):
-                await trio.to_thread.run_sync(self.backend.abandon_parts, key, upload_id,
-                                              limiter=self._threads)
-            raise
-        if gone:
-            raise UploadGone(f"{key}: the store lost the upload in parts")
 
     def _remove_stale(self, manifest: mf.StepManifest) -> None:
         """Objects under the step that its new version does not name (a re-save with other
