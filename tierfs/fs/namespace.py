@@ -63,13 +63,15 @@ class Core:
                  step_pattern: str = DEFAULT_STEP_PATTERN,
                  file_step_pattern: str = DEFAULT_FILE_STEP_PATTERN, commit_idle: float = 5.0,
                  delete_targets: list[str] | None = None,
-                 background: Background | None = None) -> None:
+                 background: Background | None = None,
+                 liveness: Liveness | None = None) -> None:
         self.background = background or Background()  # the owner of background work
+        self.liveness = liveness  # who is up in the cluster (None: a single node)
         self.watch = QuietWatch(commit_idle)
         self.deletes = Deletes(Path(store.root) / DELETES_DIR, delete_targets)
         self.tree = Tree(store, self.watch, self.deletes, node_id=node_id,
                          step_pattern=step_pattern, file_step_pattern=file_step_pattern,
-                         spawner=self.background)
+                         spawner=self.background, liveness=liveness)
         self.recovered = Recovery(self.tree).load()
 
 
@@ -80,8 +82,7 @@ class Namespace:
                  read_sources: list[ReadSource] | None = None,
                  sealed: SealedCollector | None = None, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None, keep_ram: int = 3,
-                 replicas: int = 0, events: Events | None = None,
-                 liveness: Liveness | None = None) -> None:
+                 replicas: int = 0, events: Events | None = None) -> None:
         self.tree = tree = core.tree
         self.events = events or Events()
         self.store = tree.store
@@ -89,7 +90,8 @@ class Namespace:
         self.background = core.background
         self.recovered = core.recovered  # what start-up found (lost copies?)
         self.residency = Residency(tree, list(read_sources or []), self.background,
-                                   keep_ram=keep_ram, replicas=replicas, liveness=liveness,
+                                   keep_ram=keep_ram, replicas=replicas,
+                                   liveness=core.liveness,
                                    records=sealed)
         self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events)

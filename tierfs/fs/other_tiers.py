@@ -222,6 +222,28 @@ class OtherTiers:
         node = self.tree.find_step(manifest.path)
         if node is not None and node.step.manifest is manifest:
             self.tree.set_file_holders(node, holders, writers)
+            self.tree.recoverable.loss(node.step, fresh=True)  # whole again, or not
+
+    def doubtful_steps(self, may_be_up: Callable[[str], bool]) -> list[mf.StepManifest]:
+        """Committed steps, not persisted, with a file not in RAM here whose holders as known
+        here are none that `may_be_up`, or are known only for the whole step (a node that
+        holds no file of a step knows who holds *some* file of it) with one of them not up:
+        their records are read again (`note_placements`) before the step is called
+        incomplete, or whole again."""
+        found = []
+        for node in self.tree.steps():
+            step = node.step
+            if not step.committed or step.persisted or step.in_ram:
+                continue
+            for entry in step.manifest.files:
+                if entry.name in step.resident:
+                    continue
+                peers = self.tree.file_peers(step, entry.name)
+                if (not any(map(may_be_up, peers)) or entry.name not in step.file_holders
+                        and not all(map(may_be_up, peers))):
+                    found.append(step.manifest)
+                    break
+        return found
 
     def mark_held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> None:
         """`peer` verified copies of these files of this version."""

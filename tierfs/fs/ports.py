@@ -11,7 +11,8 @@ Outward (implemented outside `fs`):
   tier); defined beside `Fetch`, which uses it, and re-exported here.
 * `SealedCollector`: the cluster's records of which node holds which file of a step.
 * `PeerCopies`, `PersistCopies`: the tiers `tierfs verify` checks and repairs.
-* `Liveness`: which peers are live members of the cluster now (eviction counts only those).
+* `Liveness`: which peers are live members of the cluster now (eviction counts only those), and
+  which may be (a copy on such a peer still counts as reachable: `fs.recoverable`).
 
 Inward (implemented inside `fs`, injected so that the core imports no collaborator):
 
@@ -69,9 +70,16 @@ class SealedCollector(Protocol):
 
 
 class Liveness(Protocol):
-    """The cluster's live members (`replication.membership.Membership`)."""
+    """The cluster's live members (`replication.membership.Membership`). `may_be_up`: live,
+    or gone so recently that its lease may have ended in an etcd outage while it lives;
+    `generation` changes whenever either answer may change."""
 
     def is_up(self, node_id: str) -> bool: ...
+
+    def may_be_up(self, node_id: str) -> bool: ...
+
+    @property
+    def generation(self) -> int: ...
 
 
 class PeerCopies(Protocol):

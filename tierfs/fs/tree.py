@@ -70,9 +70,10 @@ from tierfs.fs.nodes import (
     Seal,
     StepState,
 )
-from tierfs.fs.ports import DeleteLog, Spawner, StepWatch
+from tierfs.fs.ports import DeleteLog, Liveness, Spawner, StepWatch
 from tierfs.fs.ram_store import RamStore, allocated, is_reserved
 from tierfs.fs.records import StepRecords
+from tierfs.fs.recoverable import Recoverability
 from tierfs.fs.sealing import Sealing
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class Tree:
     def __init__(self, store: RamStore, watch: StepWatch, deletes: DeleteLog, *,
                  node_id: str = "local", step_pattern: str = DEFAULT_STEP_PATTERN,
                  file_step_pattern: str = DEFAULT_FILE_STEP_PATTERN,
-                 spawner: Spawner | None = None) -> None:
+                 spawner: Spawner | None = None, liveness: Liveness | None = None) -> None:
         self.store = store
         self.records = StepRecords()
         self.node_id = node_id
@@ -108,6 +109,8 @@ class Tree:
         self.sealing = Sealing(self.backing, spawner)  # seals hashed off the writer's path
         self._unshare_locks: dict[Node, trio.Lock] = {}
         self.fetching: set[Node] = set()  # nodes with a partial fetch (fs.residency)
+        # which committed steps can be read whole now (their state, `latest`)
+        self.recoverable = Recoverability(node_id, self.file_peers, liveness)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -1516,8 +1519,11 @@ class Tree:
             sizes = [self._status_size(n) for n in self.walk_files(step_node)]
             files, size = len(sizes), sum(sizes)
             ram_bytes = size
+        loss = self.recoverable.loss(step)
         return {
-            "path": self.relpath(step_node), "step": step.number, "state": step.state,
+            "path": self.relpath(step_node), "step": step.number,
+            "state": "incomplete" if loss is not None else step.state,
+            "lost": loss.as_dict() if loss is not None else None,
             "kind": "dir" if step_node.is_dir else "file",
             "ram_bytes": ram_bytes,
             "version": step.manifest.version if step.manifest else 0,
@@ -1553,7 +1559,7 @@ class Tree:
         if name not in self.xattr_names(node):
             raise FsError(ENOATTR)
         if name == XATTR_STATE:
-            return node.step.state.encode()
+            return self.state_of(node.step).encode()
         if name == XATTR_TIERS:
             if node.is_dir:
                 step = self.step_of(node)
@@ -1611,17 +1617,29 @@ class Tree:
                     return handle.fd
             raise
 
+    def state_of(self, step: StepState) -> str:
+        """`writing`, `committed`, or `incomplete`: committed, but a file of it is reachable
+        on no tier now (`fs.recoverable`)."""
+        return "incomplete" if self.recoverable.loss(step) is not None else step.state
+
     # -- `latest` --------------------------------------------------------------------------
 
     def _latest_target(self, dir_node: Node) -> bytes | None:
-        best: tuple[int, bytes] | None = None
-        for name, node in dir_node.children.items():
-            step = self.step_of(node) if node.is_dir else None
-            if step is not None and step.committed:
-                key = (node.step.number, name)
-                if best is None or key > best:
-                    best = key
-        return None if best is None else best[1]
+        """The step the virtual `latest` of `dir_node` names: its committed step directory
+        with the highest number that can be read whole now (None: none can)."""
+        committed = [(node.step.number, name, node.step)
+                     for name, node in dir_node.children.items()
+                     if node.is_dir and node.step is not None and node.step.committed]
+        if not committed:
+            return None
+        newest = max(committed, key=lambda found: found[:2])
+        if self.recoverable.whole(newest[2]):
+            return newest[1]  # as a rule: the newest step is whole
+        for _number, name, step in sorted(committed, key=lambda found: found[:2],
+                                          reverse=True):
+            if self.recoverable.whole(step):
+                return name
+        return None
 
     def _is_committed_step(self, dir_node: Node, name: bytes) -> bool:
         node = dir_node.children.get(name)

@@ -283,12 +283,14 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     # namespace over both, then what follows its commits and serves the peers.
     commits_send, commits_recv = trio.open_memory_channel[mf.StepManifest](64)
     events = Events()
+    members = _members(cfg) if cfg.cluster else None
     core = Core(store, node_id=cfg.node_id, step_pattern=cfg.step_pattern,
                 file_step_pattern=cfg.file_step_pattern,
-                commit_idle=cfg.commit_idle, delete_targets=_delete_targets(cfg))
+                commit_idle=cfg.commit_idle, delete_targets=_delete_targets(cfg),
+                liveness=members)
     backend = await _persistent_tier(cfg, ready)
     persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
-    links = ClusterLinks(cfg, core.tree) if cfg.cluster else None
+    links = ClusterLinks(cfg, core.tree, members) if members else None
     # Peers come first among the read sources: faster than the persistent tier. Each is
     # metered: read-backs are event lines and metrics.
     sources = []
@@ -299,8 +301,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     namespace = Namespace(core, commits_send, read_sources=sources,
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
-                          replicas=cfg.replicas, events=events,
-                          liveness=links.membership if links else None)
+                          replicas=cfg.replicas, events=events)
     verifier = namespace.verifier
     verifier.collect_unverified()
     uploader = _uploader(cfg, backend, namespace, events) if backend else None
@@ -510,17 +511,26 @@ async def _terminate_on_signal() -> None:
             return
 
 
+def _members(cfg: MountConfig) -> Membership:
+    """The cluster's members as this node sees them (from etcd), made before the tree: which
+    steps can be read whole depends on who is up."""
+    assert cfg.cluster is not None and cfg.advertise is not None and cfg.token is not None
+    etcd = Etcd(cfg.cluster.endpoints)
+    return Membership(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise),
+                      cfg.token)
+
+
 class ClusterLinks:
     """This node's clients of its peers (with --cluster), made before the namespace, which is
-    given them: membership (from etcd), reads from peers, other nodes' DCP shards, peer
-    verification and deletes. They ask the tree questions only (who holds a step, which files
-    are sealed)."""
+    given them: reads from peers, other nodes' DCP shards, peer verification and deletes, over
+    the connections of `membership`. They ask the tree questions only (who holds a step, which
+    files are sealed)."""
 
-    def __init__(self, cfg: MountConfig, tree: Tree) -> None:
-        assert cfg.cluster is not None and cfg.advertise is not None and cfg.token is not None
-        self.etcd = Etcd(cfg.cluster.endpoints)
-        self.live = live_members.Membership(self.etcd, cfg.cluster, cfg.node_id, cfg.advertise)
-        self.membership = Membership(self.live, cfg.token)
+    def __init__(self, cfg: MountConfig, tree: Tree, membership: Membership) -> None:
+        assert cfg.cluster is not None
+        self.membership = membership
+        self.live = membership.live
+        self.etcd = self.live.etcd
         self.sealed = ClusterCommits(CommitRecords(self.etcd, cfg.cluster), cfg.node_id,
                                      tree.step_number, ManifestFetcher(self.membership).fetch,
                                      tree.committed_manifest)
@@ -612,7 +622,7 @@ class ClusterNode:
         self._follow_members()
         await self.sealed.learn_all(self._learn)  # every step of the cluster, from the start
         for worker in (self.membership.run, self.replicator.run, self._restore_copies,
-                       self._follow_commits, self._publish_pending):
+                       self._follow_commits, self._publish_pending, self._recheck_losses):
             nursery.start_soon(worker)
         nursery.start_soon(self._catch_up)
 
@@ -719,6 +729,27 @@ class ClusterNode:
             for manifest in self.namespace.tiers.held_manifests():
                 self.replicator.submit(manifest)
 
+    async def _recheck_losses(self) -> None:
+        """When a node goes or comes (or its grace ends), the steps that may have lost every
+        copy of a file have their records read again, so that every node, also one holding
+        nothing of a step, calls it incomplete (and `latest` skips it) or whole on what the
+        records say now; then every step is judged (the daemon logs a step that became
+        incomplete or whole again)."""
+        tiers = self.namespace.tiers
+        tree = self.namespace.tree
+        while True:
+            changed = self.membership.changed
+            generation = self.membership.generation
+            for manifest in tiers.doubtful_steps(self.membership.may_be_up):
+                records = await self.sealed.placements(manifest)
+                if records is not None:
+                    tiers.note_placements(manifest, {n: set(r.holders) for n, r in records.items()},
+                                          {n: r.node for n, r in records.items()})
+            for node in list(tree.steps()):
+                tree.recoverable.loss(node.step)
+            if self.membership.generation == generation:
+                await changed.wait()
+
     def served(self) -> dict[str, int]:
         return {"requests": self.ranges.served_requests, "bytes": self.ranges.served_bytes}
 
@@ -790,10 +821,13 @@ class Daemon:
             pending["replica"] = self._replicas_waiting()
         peers = self.cluster.membership.peers if self.cluster else []
         store = self.namespace.store
+        tree = self.namespace.tree
+        incomplete = sum(1 for node in tree.steps()
+                         if tree.recoverable.loss(node.step) is not None)
         return Levels(store.used_bytes, store.limit_bytes,
                       {tier: (len(steps), sum(m.total_bytes for m in steps))
                        for tier, steps in pending.items()},
-                      len(peers), sum(1 for m in peers if m.up))
+                      len(peers), sum(1 for m in peers if m.up), incomplete)
 
     async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         command = request.get("cmd")
@@ -844,7 +878,7 @@ class Daemon:
         manifest = node.step.manifest
         status["committed_ns"] = manifest.committed_ns if manifest is not None else None
         status["changed_ns"] = None
-        if status["state"] != "committed":
+        if status["state"] == "writing":
             with contextlib.suppress(FsError, OSError):  # removed meanwhile
                 status["changed_ns"] = tree.stat(node).st_mtime_ns
         return status

@@ -1,6 +1,7 @@
 """`tierfs status` for a person: the steps under a path, with the age of each and the `latest`
 of each run directory, one summary line per run directory, and a warning for what exists only
-in this node's RAM or a step whose commit waits.
+in this node's RAM, a step whose commit waits, or a committed step that cannot be read whole
+(`incomplete`: a file that no live node and no store holds).
 
 Pure functions over the daemon's status document (`tierfs status --json`): no trio, no socket,
 so they are tested from a dict. A run directory is the directory holding a step.
@@ -92,7 +93,7 @@ def latest_paths(steps: Iterable[Step]) -> set[str]:
 def step_age(step: Step, now_ns: int) -> float | None:
     """Seconds since the step was committed, or for a step being written since it last changed
     (None from a daemon that does not say)."""
-    stamp = step.get("committed_ns") if step["state"] == "committed" else (
+    stamp = step.get("committed_ns") if step["state"] != "writing" else (
         step.get("changed_ns") or step.get("committed_ns"))
     return None if stamp is None else (now_ns - stamp) / 1e9
 
@@ -148,12 +149,14 @@ def names(steps: list[Step]) -> str:
     return some_names([s["path"] for s in steps], NAMED)
 
 
-def warnings(status: dict[str, Any]) -> list[str]:
-    """What a person must know: data only in this node's RAM, and steps whose commit waits."""
+def warnings(status: dict[str, Any], now_ns: int | None = None) -> list[str]:
+    """What a person must know: data only in this node's RAM, steps whose commit waits, and
+    committed steps that cannot be read whole."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
     lines = []
     ram_only = [s for s in status["steps"] if only_in_ram(s)]
     if ram_only:
-        writing = sum(s["state"] != "committed" for s in ram_only)
+        writing = sum(s["state"] == "writing" for s in ram_only)
         kinds = [f"{writing} being written"] if writing else []
         if len(ram_only) > writing:
             kinds.append(f"{len(ram_only) - writing} committed, not yet persisted or replicated")
@@ -164,12 +167,27 @@ def warnings(status: dict[str, Any]) -> list[str]:
                      f"{names(ram_only)}")
     lines += [f"warning: {s['path']}: its commit waits for {s['waiting_for']}"
               for s in status["steps"] if s.get("waiting_for")]
+    lines += [incomplete_warning(s, now_ns) for s in status["steps"]
+              if s["state"] == "incomplete" and s.get("lost")]
     return lines
+
+
+def incomplete_warning(step: Step, now_ns: int) -> str:
+    """`warning: run/step_20 is incomplete (for 12s): 1 file is on no live node and in no
+    store: __1_0.distcp (lost with node1 before its copies were made); `latest` skips it`."""
+    lost = step["lost"]
+    shown = lost["shown"]
+    named = "; ".join(f"{f['name']} ({f['why']})" for f in shown[:3])
+    more = f"; and {lost['files'] - 3} more" if lost["files"] > 3 else ""
+    files = "1 file is" if lost["files"] == 1 else f"{lost['files']} files are"
+    return (f"warning: {step['path']} is incomplete (for "
+            f"{human_age((now_ns - lost['since_ns']) / 1e9)}): {files} on no live node and in "
+            f"no store: {named}{more}; `latest` skips it until a holder returns")
 
 
 def uncommitted(status: dict[str, Any]) -> str | None:
     """One line naming the steps that are not committed (for flush and umount), or None."""
-    writing = [s for s in status["steps"] if s["state"] != "committed"]
+    writing = [s for s in status["steps"] if s["state"] == "writing"]
     if not writing:
         return None
     named = [s["path"] + (f" (waits for {s['waiting_for']})" if s.get("waiting_for") else "")
@@ -195,5 +213,5 @@ def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:
         return "\n".join(lines)
     lines += table(steps, now_ns)
     lines += [run_summary(run, members, now_ns) for run, members in by_run(steps).items()]
-    lines += warnings(status)
+    lines += warnings(status, now_ns)
     return "\n".join(lines)
