@@ -58,14 +58,17 @@ log = logging.getLogger(__name__)
 
 
 class CommitTimeout(EtcdError):
-    """Some files the step names were not recorded by any node in time."""
+    """Some files the step names were not recorded by any node in time (`found`: the records
+    of the others)."""
 
-    def __init__(self, step: str, missing: list[str]) -> None:
+    def __init__(self, step: str, missing: list[str],
+                 found: dict[str, FileRecord] | None = None) -> None:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more"
                                           if len(missing) > 5 else "")
         super().__init__(f"step {step}: no node recorded {shown}")
         self.step = step
         self.missing = missing
+        self.found = found or {}
 
 
 @dataclass(frozen=True)
@@ -308,15 +311,18 @@ class CommitRecords:
     # -- commits
 
     async def wait_for_files(self, step: str, names: Collection[str],
-                             timeout: float) -> dict[str, FileRecord]:
+                             deadline: float) -> dict[str, FileRecord]:
         """The records of `names` once every one exists: the step's records are mirrored
-        (`Etcd.follow_prefix`: read once, then watched). After timeout, `CommitTimeout` naming
-        the missing files, or `EtcdUnavailable` if etcd does not answer then (one more read, of
-        at most one request timeout)."""
+        (`Etcd.follow_prefix`: read once, then watched), until about one request timeout
+        before `deadline` (trio time), then read once more. By the deadline, `CommitTimeout` naming
+        the missing files, or `EtcdUnavailable` if etcd does not answer."""
         wanted = set(names)
         found: dict[str, FileRecord] = {}
         send, receive = trio.open_memory_channel[Snapshot | list[WatchEvent]](16)
-        with trio.move_on_after(timeout):
+        # the last read gets one request timeout (half of what is left, if that is less)
+        last_read_from = deadline - min(self.etcd.timeout,
+                                        (deadline - trio.current_time()) / 2)
+        with trio.move_on_at(last_read_from):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.etcd.follow_prefix, self.files_prefix(step), send)
                 async for item in receive:
@@ -324,10 +330,13 @@ class CommitRecords:
                     if wanted <= set(found):
                         nursery.cancel_scope.cancel()
             return {name: found[name] for name in wanted}
-        found = await self.files(step)  # EtcdUnavailable if etcd is why we waited in vain
+        with trio.move_on_at(deadline) as last_read:
+            found = await self.files(step)  # EtcdUnavailable if etcd is why we waited in vain
+        if last_read.cancelled_caught:
+            raise EtcdUnavailable(f"step {step}: etcd did not answer in time")
         if wanted <= set(found):  # recorded in the last instant
             return {name: found[name] for name in wanted}
-        raise CommitTimeout(step, sorted(wanted - set(found)))
+        raise CommitTimeout(step, sorted(wanted - set(found)), found)
 
     def _mirror(self, step: str, found: dict[str, FileRecord],
                 item: Snapshot | list[WatchEvent]) -> None:
@@ -353,7 +362,7 @@ class CommitRecords:
         call wrote it, (the commit another node wrote first, False) otherwise. Within timeout
         (plus at most one request timeout), else `CommitTimeout` or `EtcdUnavailable`."""
         deadline = trio.current_time() + timeout
-        await self.wait_for_files(step, names, timeout)
+        await self.wait_for_files(step, names, deadline)
         return await self.commit_recorded(step, committer, len(names), deadline, version,
                                           committed_ns)
 

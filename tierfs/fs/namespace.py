@@ -26,7 +26,7 @@ from pathlib import Path
 import trio
 
 from tierfs.fs.background import Background
-from tierfs.fs.commits import Commits
+from tierfs.fs.commits import SAVER_WAIT, Commits
 from tierfs.fs.deletes import DELETES_DIR, Deletes
 from tierfs.fs.nodes import (
     DEFAULT_FILE_STEP_PATTERN,
@@ -82,7 +82,8 @@ class Namespace:
                  read_sources: list[ReadSource] | None = None,
                  sealed: SealedCollector | None = None, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None, keep_ram: int = 3,
-                 replicas: int = 0, events: Events | None = None) -> None:
+                 replicas: int = 0, events: Events | None = None,
+                 commit_timeout: float = SAVER_WAIT) -> None:
         self.tree = tree = core.tree
         self.events = events or Events()
         self.store = tree.store
@@ -94,7 +95,8 @@ class Namespace:
                                    liveness=core.liveness,
                                    records=sealed)
         self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)
-        self.commits = Commits(tree, self.residency, self.tiers, sink, self.events)
+        self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
+                               saver_wait=commit_timeout)
         self.quiet = QuietCommits(tree, core.watch, self.commits)
         self.verifier = Verifier(tree, self.residency, persist, peers)
         self.gate: ReadGate = self.verifier

@@ -282,12 +282,14 @@ class OtherTiers:
 
     # -- multi-node DCP steps ----------------------------------------------------------------
 
-    async def locate_dcp_files(self, step_node: Node) -> bool:
+    async def locate_dcp_files(self, step_node: Node, deadline: float) -> bool:
         """Before a DCP step commits, every shard its `.metadata` names must be known: on a
         single node (`cp -r`, `rsync`, `tar` may write `.metadata` first) by waiting for them,
         on several nodes by finding the records of the shards other nodes' ranks sealed (the
-        shards stay where they were written: the manifest names their holders). False while
-        some are missing (`missing_dcp_files` names them)."""
+        shards stay where they were written: the manifest names their holders), waiting for
+        them until `deadline` (trio time). False while some are missing
+        (`missing_dcp_files` names them); `CoordinationUnavailable` if etcd does not answer
+        by the deadline."""
         missing = await self.missing_dcp_files(step_node)
         if not missing:
             return True
@@ -296,7 +298,7 @@ class OtherTiers:
             log.info("commit of %s waits for %s, named by its .metadata", step_path,
                      some_names(missing))
             return False
-        found = await self.sealed.collect(step_path, missing)
+        found = await self.sealed.collect(step_path, missing, deadline)
         if set(found) != missing:
             log.info("commit of %s waits for %s from other nodes", step_path,
                      ", ".join(sorted(missing - set(found))))
@@ -338,19 +340,28 @@ class OtherTiers:
             return  # gone meanwhile
         await self.sealed.record_sealed(self.tree.relpath(step_node), [entry])
 
-    async def publish(self, step_node: Node, manifest: mf.StepManifest) -> None:
+    async def publish(self, step_node: Node, manifest: mf.StepManifest,
+                      deadline: float | None) -> bool:
         """This node committed `manifest`: the cluster learns it (a commit record in etcd),
-        before the saver's call returns. Without etcd the step is committed here and its
-        record is written by a later retry (`publish_pending`)."""
+        before the saver's call returns, by `deadline` (trio time; None: the collector's
+        own). Without etcd the step is
+        committed here and its record is written by a later retry (`publish_pending`): False
+        (`awaits_publication`)."""
         self._elsewhere.pop(manifest.path, None)
         if self.sealed is None:
-            return
+            return True
         try:
-            await self.sealed.publish(manifest, set(step_node.step.resident))
+            await self.sealed.publish(manifest, set(step_node.step.resident), deadline)
         except Exception as exc:  # etcd unreachable, or a record refused: retried later
             log.warning("the cluster does not know of %s v%d yet: %s", manifest.path,
                         manifest.version, exc)
             self._unpublished[manifest.path] = manifest
+            return False
+        return True
+
+    def awaits_publication(self, manifest: mf.StepManifest) -> bool:
+        """Whether `manifest` is committed here but etcd lacks its commit record."""
+        return self._unpublished.get(manifest.path) is manifest
 
     def publish_later(self, manifest: mf.StepManifest) -> None:
         """A step committed here whose commit record etcd lacks: written by `publish_pending`."""
@@ -362,7 +373,7 @@ class OtherTiers:
             node = self.tree.find_step(path)
             del self._unpublished[path]
             if node is not None and node.step.manifest is manifest:
-                await self.publish(node, manifest)
+                await self.publish(node, manifest, None)
 
     async def catch_up(self, dir_node: Node, name: bytes) -> bool:
         """`name` was not found in a step this node holds as being written: if it is the

@@ -32,8 +32,8 @@ from tierfs import manifest as mf
 from tierfs.fs.fetch import ReadSource
 from tierfs.fs.nodes import Node
 
-__all__ = ["CommitSink", "DeleteLog", "Liveness", "PeerCopies", "PersistCopies", "ReadGate",
-           "ReadSource", "SealedCollector", "Spawner", "StepWatch"]
+__all__ = ["CommitSink", "CoordinationUnavailable", "DeleteLog", "Liveness", "PeerCopies",
+           "PersistCopies", "ReadGate", "ReadSource", "SealedCollector", "Spawner", "StepWatch"]
 
 
 class CommitSink(Protocol):
@@ -42,17 +42,27 @@ class CommitSink(Protocol):
     async def send(self, value: mf.StepManifest) -> None: ...
 
 
+class CoordinationUnavailable(Exception):
+    """The cluster's coordination (etcd) did not answer by the deadline it was given: what a
+    `SealedCollector` raises, so that the commit waiting for it fails the saver's call rather
+    than waiting on (or returning success for a step that did not commit)."""
+
+
 class SealedCollector(Protocol):
-    """The cluster's records of which node holds which file of a step (etcd)."""
+    """The cluster's records of which node holds which file of a step (etcd). The calls
+    given a `deadline` (trio time; None: a default of their own) return by then or raise
+    `CoordinationUnavailable`."""
 
     async def record_sealed(self, step_path: str, entries: list[mf.FileEntry]) -> None:
         """Record files this node sealed into a step."""
 
-    async def collect(self, step_path: str, names: set[str]
+    async def collect(self, step_path: str, names: set[str], deadline: float
                       ) -> dict[str, tuple[str, mf.FileEntry]]:
-        """Which other nodes hold these files of a step: name -> (node, entry)."""
+        """Which other nodes hold these files of a step: name -> (node, entry), those
+        recorded by the deadline."""
 
-    async def publish(self, manifest: mf.StepManifest, held_here: set[str]) -> None:
+    async def publish(self, manifest: mf.StepManifest, held_here: set[str],
+                      deadline: float | None) -> None:
         """This node committed `manifest`: the cluster's commit record."""
 
     async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:

@@ -301,7 +301,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     namespace = Namespace(core, commits_send, read_sources=sources,
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
-                          replicas=cfg.replicas, events=events)
+                          replicas=cfg.replicas, events=events,
+                          commit_timeout=cfg.commit_timeout)
     verifier = namespace.verifier
     verifier.collect_unverified()
     uploader = _uploader(cfg, backend, namespace, events) if backend else None
@@ -675,9 +676,7 @@ class ClusterNode:
                              "(attempt %d): %s", failures, exc)
                     await CATCH_UP_RETRIES.pause(failures)
         if patience.cancelled_caught:
-            raise StartupError(f"etcd of --cluster {self.cfg.cluster} does not answer (tried "
-                               f"for {CHECK_PATIENCE:.0f} s to correct the records of the "
-                               "copies this node lost)")
+            raise self._unreachable("to correct the records of the copies this node lost")
         if dropped:
             log.warning("%d copies the cluster's records listed here are not in RAM: the other "
                         "holders restore them", dropped)
@@ -713,8 +712,13 @@ class ClusterNode:
                 raise StartupError(f"cannot join the cluster {self.cfg.cluster}: "
                                    f"{error}") from None
         if patience.cancelled_caught:
-            raise StartupError(f"etcd of --cluster {self.cfg.cluster} does not answer (tried "
-                               f"for {CHECK_PATIENCE:.0f} s)")
+            raise self._unreachable("to join the cluster")
+
+    def _unreachable(self, why: str) -> StartupError:
+        """The one line of a mount that etcd does not answer: at which endpoint, and how."""
+        where = self.live.etcd.last_failure or ", ".join(map(str, self.live.etcd.endpoints))
+        return StartupError(f"etcd is unreachable at {where} (tried for "
+                            f"{CHECK_PATIENCE:.0f} s {why}; --cluster {self.cfg.cluster})")
 
     def _follow_members(self) -> None:
         """Deletes made here go to the live peers."""

@@ -37,13 +37,14 @@ from tierfs.cluster.commit_records import (
     Deletion,
     FileRecord,
 )
-from tierfs.cluster.etcd import EtcdError, retry_unavailable
+from tierfs.cluster.etcd import EtcdError, EtcdUnavailable, retry_unavailable
+from tierfs.fs.ports import CoordinationUnavailable
 from tierfs.replication.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
 
-COMMIT_WAIT = 20.0  # seconds a commit waits for other nodes' records of the files it names
 
+PUBLISH_WAIT = 20.0  # seconds a commit record may take by default
 # (manifest, the nodes holding its files): list the step here (OtherTiers.learn)
 Learn = Callable[[mf.StepManifest, list[str]], None]
 StepNumber = Callable[[str], int | None]
@@ -118,16 +119,20 @@ class ClusterCommits:
         return FileRecord.sealed(self.node_id, entry.size, entry.xxh3,
                                  tuple(mf.entry_fields(entry)))
 
-    async def collect(self, step_path: str,
-                      names: set[str]) -> dict[str, tuple[str, mf.FileEntry]]:
+    async def collect(self, step_path: str, names: set[str],
+                      deadline: float) -> dict[str, tuple[str, mf.FileEntry]]:
         """Where the other nodes hold these files of a step: name -> (node id, entry), once
-        every one is recorded or after COMMIT_WAIT (then those recorded so far)."""
+        every one is recorded or at `deadline` (trio time: then those recorded so far).
+        `CoordinationUnavailable` if etcd does not answer by then."""
         try:
-            found = await self.records.wait_for_files(step_path, names, COMMIT_WAIT)
-        except CommitTimeout:
-            found = await self._recorded(step_path, names)
+            found = await self.records.wait_for_files(step_path, names, deadline)
+        except CommitTimeout as exc:
+            found = {n: r for n, r in exc.found.items() if n in names}
+        except EtcdUnavailable as exc:
+            raise CoordinationUnavailable(f"etcd does not answer ({exc})") from None
         except EtcdError as exc:
-            log.info("commit of %s: etcd does not answer (%s); it waits", step_path, exc)
+            log.info("commit of %s: etcd refused to read its records (%s); it waits",
+                     step_path, exc)
             return {}
         located = {}
         for name, record in found.items():
@@ -136,21 +141,26 @@ class ClusterCommits:
                 located[name] = (record.node, entry)
         return located
 
-    async def _recorded(self, step_path: str, names: set[str]) -> dict[str, FileRecord]:
-        try:
-            return {n: r for n, r in (await self.records.files(step_path)).items()
-                    if n in names}
-        except EtcdError:
-            return {}
-
     # -- commits
 
-    async def publish(self, manifest: mf.StepManifest, held_here: set[str]) -> None:
+    async def publish(self, manifest: mf.StepManifest, held_here: set[str],
+                      deadline: float | None = None) -> None:
         """After this node committed `manifest`: record the files it holds, drop records of
         files the step no longer has, and write the commit record, so that every node lists
-        the step. Raises EtcdError if etcd does not take it (the caller retries)."""
+        the step. By `deadline` (trio time; PUBLISH_WAIT from now if None), or
+        `CoordinationUnavailable`; raises EtcdError if etcd refuses it (the caller retries
+        either way)."""
+        if deadline is None:
+            deadline = trio.current_time() + PUBLISH_WAIT
+        with trio.move_on_at(deadline) as scope:
+            await self._publish(manifest, held_here, deadline)
+        if scope.cancelled_caught:
+            raise CoordinationUnavailable(f"etcd did not take the commit record of "
+                                          f"{manifest.path} v{manifest.version} in time")
+
+    async def _publish(self, manifest: mf.StepManifest, held_here: set[str],
+                       deadline: float) -> None:
         step_path = manifest.path
-        deadline = trio.current_time() + COMMIT_WAIT
         names = {e.name for e in manifest.files}
         recorded = await self.records.files(step_path)  # the step's one read
         mine = {e.name: self._record(e) for e in manifest.files if e.name in held_here}
@@ -161,7 +171,7 @@ class ClusterCommits:
         await self.records.delete_files(step_path, set(recorded) - names)
         missing = names - set(recorded) - set(mine)
         if missing:  # recorded elsewhere after collect read them: not yet seen here
-            recorded |= await self.records.wait_for_files(step_path, missing, COMMIT_WAIT)
+            recorded |= await self.records.wait_for_files(step_path, missing, deadline)
         # the writers (and any holder so far): what every node lists as the step's holders
         holders = {h for n, r in recorded.items() if n in names for h in (r.node, *r.holders)}
         holders.add(self.node_id)
