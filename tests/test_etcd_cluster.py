@@ -708,7 +708,7 @@ async def test_publish_reads_the_step_once_and_drops_stale_records_in_batches(
     theirs = [f"__{i}_0.distcp" for i in range(1, 1500, 2)]
     mine = [f"__{i}_0.distcp" for i in range(0, 1500, 2)]
     stale = [f"tmp/{i}.part" for i in range(400)]
-    await node1.records.record_files("s/step_1", {e.name: node1._record(e)
+    await node1.records.record_files("s/step_1", {e.name: node1._record(e, 0)
                                                   for e in entries(theirs + stale)})
     etcd.calls.clear()
     await node0.publish(step_manifest("s/step_1", sorted(mine + theirs), "n0"), set(mine))

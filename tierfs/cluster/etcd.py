@@ -231,6 +231,21 @@ class Etcd:
             succeeded = bool(reply.get("succeeded", False)) and succeeded
         return succeeded
 
+    async def delete_if_unchanged(self, items: Sequence[tuple[str, int]]) -> bool:
+        """Delete each key of `items` ((key, mod_revision)) only if it was not written since
+        that revision, in transactions of at most MAX_TXN_OPS keys (each all or nothing).
+        False if a key of some transaction moved (that transaction deleted nothing)."""
+        succeeded = True
+        for chunk in _txn_chunks(items, lambda item: len(item[0])):
+            txn = {"compare": [{"key": _b64(key), "target": "MOD", "result": "EQUAL",
+                                "mod_revision": revision} for key, revision in chunk],
+                   "success": [{"request_delete_range": {"key": _b64(key)}}
+                               for key, _revision in chunk],
+                   "failure": []}
+            reply = await self._call("kv/txn", txn)
+            succeeded = bool(reply.get("succeeded", False)) and succeeded
+        return succeeded
+
     async def delete(self, key: str) -> bool:
         reply = await self._call("kv/deleterange", {"key": _b64(key)})
         return int(reply.get("deleted", 0)) > 0

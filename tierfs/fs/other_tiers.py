@@ -98,6 +98,11 @@ class OtherTiers:
             self.tree.set_persisted(node, manifest.version)
             self.residency.enforce_keep_ram()
 
+    def in_store(self, relpath: str) -> bool:
+        """Whether the persistent tier holds the step's committed version."""
+        node = self.tree.find_step(relpath)
+        return node is not None and node.step.persisted
+
     def mark_retired(self, relpath: str) -> None:
         """Retention removed the step from the persistent tier: never upload it again."""
         node = self.tree.find_step(relpath)
@@ -252,6 +257,18 @@ class OtherTiers:
             self.tree.add_file_holder(node, peer, names)
             self.residency.enforce_keep_ram()
 
+    def unlisted(self, path: str) -> None:
+        """The cluster's commit record of the step left etcd (a delete, or no node held it any
+        more): a step listed here only from it (no file in RAM here, not in the store, not
+        being written) is no longer listed."""
+        node = self.tree.find_step(path)
+        if node is None:
+            return
+        step = node.step
+        if (step.committed and not step.resident and not step.persisted
+                and not step.commit_pending and not self.tree.busy(node)):
+            self._forget_step(node, "is no longer in the cluster's records")
+
     def learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
         """A peer holds this committed step: list it here, readable from those holders."""
         others = set(holders) - {self.node_id}
@@ -287,33 +304,81 @@ class OtherTiers:
         single node (`cp -r`, `rsync`, `tar` may write `.metadata` first) by waiting for them,
         on several nodes by finding the records of the shards other nodes' ranks sealed (the
         shards stay where they were written: the manifest names their holders), waiting for
-        them until `deadline` (trio time). False while some are missing
-        (`missing_dcp_files` names them); `CoordinationUnavailable` if etcd does not answer
-        by the deadline."""
+        them until `deadline` (trio time). A step saved again asks the same of the files it
+        has only as they were in its committed version and that another node wrote (a copy
+        held here, or a file held elsewhere): their writers save them again. False while
+        some are missing (`missing_dcp_files` names them); `CoordinationUnavailable` if etcd
+        does not answer by the deadline."""
         missing = await self.missing_dcp_files(step_node)
-        if not missing:
-            return True
         step_path = self.tree.relpath(step_node)
+        old = self._old_copies(step_node) if self.sealed is not None else set()
+        if not missing and not old:
+            return True
         if self.sealed is None:
             log.info("commit of %s waits for %s, named by its .metadata", step_path,
                      some_names(missing))
             return False
-        found = await self.sealed.collect(step_path, missing, deadline)
-        if set(found) != missing:
+        step = step_node.step
+        base = step.manifest.version if step.manifest else 0
+        wanted = missing | old
+        found = await self.sealed.collect(step_path, wanted, deadline, base)
+        if set(found) != wanted:
             log.info("commit of %s waits for %s from other nodes", step_path,
-                     ", ".join(sorted(missing - set(found))))
+                     ", ".join(sorted(wanted - set(found))))
             return False
-        if self.tree.find_step(step_path) is not step_node:
+        if self.tree.find_step(step_path) is not step_node or step_node.step is not step:
             return False
-        present = {rel for rel, _n in self.tree.files_under(step_node)}
+        elsewhere = self._elsewhere.setdefault(step_path, set())
         for name, (peer, entry) in found.items():
-            if name not in present:
-                self.tree.add_holder(step_node, peer)
-                self.tree.add_remote_files(step_node, [entry], step_path)
-        self._elsewhere[step_path] = set(found)
+            node = self.tree.entry_node(step_node, name)
+            if node is not None and node.remote is None:  # a copy of the committed version
+                if node.seal is not None and node.seal.digest.xxh3 == entry.xxh3:
+                    continue  # saved again with the same bytes: the copy here is the file
+                if self.tree.evict_file(step, step.manifest.entry(name), node) is None \
+                        and node.remote is None:
+                    log.info("commit of %s waits: its old copy of %s here is open", step_path,
+                             name)
+                    return False
+            self.tree.add_holder(step_node, peer)
+            self.tree.add_remote_files(step_node, [entry], step_path)
+            elsewhere.add(name)
         log.info("commit of %s names %d files held on %s: they stay there", step_path,
                  len(found), ", ".join(sorted({peer for peer, _e in found.values()})))
         return True
+
+    def _old_copies(self, step_node: Node) -> set[str]:
+        """Files that a step saved again over its committed version has here only as they
+        were in that version, written by another node (per the cluster's records): a copy
+        held here (still the committed object: not written since) or a file held elsewhere
+        (its remote entry is still the old one). Their writers save them again, so the
+        commit takes their new records, never these (a step must not mix two saves)."""
+        step = step_node.step
+        old = step.manifest
+        if old is None or step.committed or step.dcp_files is None:
+            return set()
+        located = self._elsewhere.get(self.tree.relpath(step_node), set())
+        found = set()
+        for rel, node in self.tree.files_under(step_node):
+            entry = old.entry(rel)
+            writer = step.file_writers.get(rel)
+            if (entry is None or rel in located or rel not in step.dcp_files[1]
+                    or writer in (None, self.node_id)):
+                continue
+            if node.remote is not None:
+                if node.remote.entry.xxh3 == entry.xxh3:
+                    found.add(rel)
+            elif (rel in step.resident and node.seal is not None
+                  and node.seal.digest.xxh3 == entry.xxh3 and self._unwritten(node)):
+                found.add(rel)
+        return found
+
+    def _unwritten(self, node: Node) -> bool:
+        """Whether the file is still the committed object it was (its inode is shared with
+        it: a write would have made it private)."""
+        try:
+            return self.tree.shared_backing(node) is not None
+        except (FsError, OSError):
+            return False
 
     def held_elsewhere(self, step_node: Node) -> set[str]:
         """Files of the step being committed here that other nodes wrote and keep."""
@@ -338,7 +403,9 @@ class OtherTiers:
             entry = mf.entry_from_stat(rel, node.seal.digest, os.lstat(self.tree.backing(node)))
         except (OSError, FsError):
             return  # gone meanwhile
-        await self.sealed.record_sealed(self.tree.relpath(step_node), [entry])
+        manifest = step_node.step.manifest if step_node.step is not None else None
+        await self.sealed.record_sealed(self.tree.relpath(step_node), [entry],
+                                        manifest.version if manifest is not None else 0)
 
     async def publish(self, step_node: Node, manifest: mf.StepManifest,
                       deadline: float | None) -> bool:

@@ -53,13 +53,15 @@ class SealedCollector(Protocol):
     given a `deadline` (trio time; None: a default of their own) return by then or raise
     `CoordinationUnavailable`."""
 
-    async def record_sealed(self, step_path: str, entries: list[mf.FileEntry]) -> None:
-        """Record files this node sealed into a step."""
+    async def record_sealed(self, step_path: str, entries: list[mf.FileEntry],
+                            base: int) -> None:
+        """Record files this node sealed into a step over its committed version `base` (0:
+        none)."""
 
-    async def collect(self, step_path: str, names: set[str], deadline: float
+    async def collect(self, step_path: str, names: set[str], deadline: float, base: int
                       ) -> dict[str, tuple[str, mf.FileEntry]]:
-        """Which other nodes hold these files of a step: name -> (node, entry), those
-        recorded by the deadline."""
+        """Which other nodes hold these files of a step saved over its committed version
+        `base`: name -> (node, entry), those recorded by this save by the deadline."""
 
     async def publish(self, manifest: mf.StepManifest, held_here: set[str],
                       deadline: float | None) -> None:

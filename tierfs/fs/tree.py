@@ -1414,17 +1414,29 @@ class Tree:
 
     def join_commit(self, step_node: Node, manifest: mf.StepManifest, others: set[str]) -> bool:
         """Another node committed this step (multi-node DCP) while ranks here wrote some of
-        its files: if every file here is sealed with the content the manifest names, this
-        node's copy is committed as the same version; otherwise it stays `writing` (False)."""
+        its files: if every file written here is sealed with the content the manifest names,
+        this node's copy is committed as the same version; otherwise it stays `writing`
+        (False). Files of an older committed version that this node did not hold (held
+        elsewhere, perhaps by nobody now: a step saved again under an old name) are no part of
+        the question: the new manifest says what the step's other files are."""
         step = step_node.step
-        local = list(self.files_under(step_node))
+        files = list(self.files_under(step_node))
+        local = [(rel, node) for rel, node in files if node.remote is None]
         for rel, node in local:
             entry = manifest.entry(rel)
-            if (entry is None or node.remote is not None or node.seal is None
-                    or node.active_writers or node.seal.digest.xxh3 != entry.xxh3):
-                log.warning("%s here differs from the version %s committed: kept as writing",
-                            self.relpath(step_node), ", ".join(sorted(others)))
+            why = ("is not in it" if entry is None else "is being written" if
+                   node.active_writers else "is not sealed yet" if node.seal is None else
+                   "has other content" if node.seal.digest.xxh3 != entry.xxh3 else None)
+            if why is not None:
+                log.warning("%s here differs from the version %s committed (its %s here %s): "
+                            "kept as writing", self.relpath(step_node),
+                            ", ".join(sorted(others)), rel, why)
                 return False
+        for rel, node in files:
+            if node.remote is not None:  # of the older version: its bytes are not the new ones
+                self.drop_fetch(node)
+                if manifest.entry(rel) is None:
+                    self._detach(node)
         self.records.write_manifest(self.records_path(step_node), manifest)
         self.drop_resident_refs(step)
         for rel, node in local:
@@ -1434,6 +1446,9 @@ class Tree:
         step.dirty = False
         step.commit_pending = False
         step.holders = others
+        step.replicas = set()  # who held copies of an older version holds none of this one
+        step.file_holders = {}
+        step.file_writers = {}
         self._write_node_list(step_node, PEERS_MARK, others)
         self.add_remote_files(step_node, [e for e in manifest.files
                                           if e.name not in step.resident])

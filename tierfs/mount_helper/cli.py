@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Show the steps under PATH (the mountpoint, a run directory or a step): "
         "state, version, files, size, age and tiers of each, `latest` of each run directory, "
         "one summary line per run directory, and warnings for data that exists only in this "
-        "node's RAM or a step whose commit waits.")
+        "node's RAM, a step whose commit waits, or a committed step that is incomplete (a "
+        "file that no live node and no store holds: `latest` skips it).")
     status.add_argument("mountpoint", metavar="PATH")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--watch", action="store_true",

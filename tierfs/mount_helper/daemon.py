@@ -668,7 +668,8 @@ class ClusterNode:
         with trio.move_on_after(CHECK_PATIENCE) as patience:
             while True:
                 try:
-                    dropped = await self.sealed.drop_lost_copies(self.namespace.tree.holds_copy)
+                    dropped = await self.sealed.drop_lost_copies(
+                        self.namespace.tree.holds_copy, self.namespace.tiers.in_store)
                     break
                 except EtcdError as exc:
                     failures += 1
@@ -692,7 +693,7 @@ class ClusterNode:
 
     async def _follow_commits(self) -> None:
         """Every commit of the other nodes is listed here within a watch event."""
-        await self.sealed.follow(self._learn)
+        await self.sealed.follow(self._learn, self.namespace.tiers.unlisted)
 
     async def _publish_pending(self) -> None:
         """Commit records etcd could not take (it was down) are written once it is back."""
