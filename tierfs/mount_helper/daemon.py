@@ -868,4 +868,5 @@ class Daemon:
             "verify": self.verifier.progress,
             "deletes": ns.deletes.status(),
             "steps": steps,
+            "own_latest": ns.tree.own_latest_dirs(),
         }
