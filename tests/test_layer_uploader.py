@@ -73,7 +73,8 @@ class Harness:
         if manifest.step != mf.NO_STEP or not is_tracker_name(manifest.path):
             return None
         number = int((self.objects / manifest.files[0].xxh3).read_text())
-        return TrackedStep(number, f"run/step_{number}" in self.persisted_paths)
+        path = f"run/step_{number}"
+        return TrackedStep(number, path in self.current, path in self.persisted_paths)
 
     def tracker(self, names: int, version: int) -> mf.StepManifest:
         """Version `version` of run/latest_checkpointed_iteration.txt, naming step `names`."""
@@ -164,21 +165,23 @@ async def test_a_tracker_goes_up_only_after_the_step_it_names(tmp_path: Path, ca
     caplog.set_level(logging.INFO)
     h = Harness(tmp_path, every=2)
     tracker = "run/latest_checkpointed_iteration.txt"
+    step_2 = h.step("run/step_2", {"shard": b"2"})  # committed, not yet in the store
     first = h.tracker(2, 1)
     await h.persist(first, until=lambda: f"{tracker} v1 waits for the step it names (2)"
                     in caplog.text)
-    assert h.persisted_paths == [] and h.stored() == []  # step_2 is not there yet
-    step_2 = h.step("run/step_2", {"shard": b"2"})
+    assert h.persisted_paths == [] and h.stored() == []
     await h.persist(step_2, until=lambda: tracker in h.persisted_paths)
     assert h.persisted_paths == ["run/step_2", tracker]
     assert (h.store / tracker).read_text() == "2"
 
-    second = h.tracker(3, 2)  # step 3: never persisted with --persist-every 2
+    step_3 = h.step("run/step_3", {"shard": b"3"})  # never persisted with --persist-every 2
+    second = h.tracker(3, 2)
     assert not h.uploader.wanted(second)
-    await h.persist(h.step("run/step_3", {"shard": b"3"}), second, until=lambda: True)
+    assert not h.uploader.wanted(h.tracker(5, 2))  # no step 5 anywhere: not due either
+    await h.persist(step_3, second, until=lambda: True)
     assert (h.store / tracker).read_text() == "2"
-    third = h.tracker(4, 3)
-    await h.persist(third, h.step("run/step_4", {"shard": b"4"}),
+    step_4 = h.step("run/step_4", {"shard": b"4"})
+    await h.persist(h.tracker(4, 3), step_4,
                     until=lambda: h.persisted_paths.count(tracker) == 2)
     assert h.persisted_paths[-2:] == ["run/step_4", tracker]
     assert (h.store / tracker).read_text() == "4"
