@@ -355,7 +355,7 @@ async def test_a_tracker_names_its_step_for_the_store_and_the_peers(harness: Har
         await ns.commits.commit_quietly(node)
         manifests[path] = node.step.manifest
     tracker = manifests["ckpt/latest_checkpointed_iteration.txt"]
-    assert ns.tiers.tracked_step(tracker) == TrackedStep(150, committed=True, persisted=False)
+    assert ns.tiers.tracked_step(tracker) == TrackedStep(150, made_here=True, persisted=False)
     assert ns.tiers.tracked_step(manifests["ds/latest"]) == TrackedStep(4, True, False)
     assert ns.tiers.tracked_step(manifests["ds/latest_universal"]) is None
     assert ns.tiers.tracked_step(manifests["ds/notes.txt"]) is None

@@ -21,12 +21,12 @@ MAX_BYTES = 4096  # a longer file is not a tracker
 
 @dataclass(frozen=True)
 class TrackedStep:
-    """The step a tracker's version names, in its directory: the step's number, whether that
-    step is committed (on this node, or listed from another tier), and whether its committed
-    version is in the persistent tier."""
+    """The step a tracker's version names, in its directory: the step's number, whether this
+    node committed it (so this node's uploader will put it in the store), and whether its
+    committed version is in the persistent tier."""
 
     number: int
-    committed: bool
+    made_here: bool
     persisted: bool
 
 

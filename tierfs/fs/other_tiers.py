@@ -146,7 +146,10 @@ class OtherTiers:
         if found is None:
             return None
         number, step = found
-        return trackers.TrackedStep(number, step is not None, step is not None and step.persisted)
+        if step is None:
+            return trackers.TrackedStep(number, made_here=False, persisted=False)
+        return trackers.TrackedStep(number, made_here=step.manifest.node_id == self.node_id,
+                                    persisted=step.persisted)
 
     def may_copy(self, manifest: mf.StepManifest, peer: str) -> bool:
         """Whether `peer` may get a copy of this version now: not a tracker whose step `peer`
