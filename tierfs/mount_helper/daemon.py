@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -804,11 +805,13 @@ class Daemon:
             # would), so that the status it is answered names what stays uncommitted.
             await self.namespace.quiet.commit_quiet_steps()
             return {"ok": True, "status": self.status()}
-        if command not in ("commit", "prefetch", "verify"):
+        if command not in ("commit", "commit_waits", "prefetch", "verify"):
             return {"ok": False, "error": f"unknown command {command!r}"}
         path = request.get("path")
         if not isinstance(path, str):
             return {"ok": False, "error": f"{command} needs a path"}
+        if command == "commit_waits":  # `tierfs commit` shows it while it waits
+            return {"ok": True, "waiting_for": self.namespace.commits.waiting_for(path)}
         try:
             if command == "verify":
                 reports = await self.verifier.verify(path, bool(request.get("repair", True)))
@@ -816,7 +819,10 @@ class Daemon:
                 return {"ok": True, "steps": [r.as_dict() for r in reports]}
             if command == "prefetch":
                 return {"ok": True, "bytes": await self.namespace.residency.prefetch(path)}
-            manifest = await self.namespace.commits.commit_path(path)
+            timeout = request.get("timeout", math.inf)
+            if not isinstance(timeout, (int, float)) or timeout < 0:
+                return {"ok": False, "error": "commit: timeout must be a number of seconds"}
+            manifest = await self.namespace.commits.commit_path(path, timeout)
         except FsError as exc:
             return {"ok": False, "error": f"{path}: {exc}"}
         except RamFull:
