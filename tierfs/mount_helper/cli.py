@@ -41,6 +41,7 @@ examples:
   tierfs status /checkpoints/run1                only run1's steps
   tierfs status /checkpoints --watch -n 5        the same, redrawn every 5 s until Ctrl-C
   tierfs commit /checkpoints/run1/step_100       commit a step that did not commit by itself
+  tierfs commit /checkpoints/run1/step_100 --timeout 60    the same, waiting 60 s at most
   tierfs mount /checkpoints --persist s3://bucket/ckpt --persist-every 10 --keep-persist 5
   tierfs flush /checkpoints --timeout 600        wait until the persistent tier has every step
   tierfs verify /checkpoints/run1                check every copy of every step; repair bad ones
