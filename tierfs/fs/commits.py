@@ -299,7 +299,7 @@ class Commits:
         quiet): at the RELEASE after its writer's close(), not at that close's FLUSH, after
         which writes through a duplicate of the descriptor may still come. So its bytes become
         the committed object as they are, where a commit at the FLUSH had to copy the whole
-        file first (`Commits._copies_of_open_files`: twice the RAM, and a close that waited
+        file first (`Commits._copy_open_files`: twice the RAM, and a close that waited
         for the copy)."""
         step = node.step
         if (node.is_file and step is not None and step.number is not None
