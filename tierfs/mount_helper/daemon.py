@@ -64,6 +64,7 @@ from tierfs.retry import POLICY
 from tierfs.s3tier.backend import Backend, BackendError, open_backend
 from tierfs.s3tier.reader import PersistentReader
 from tierfs.s3tier.uploader import Uploader
+from tierfs.step_names import some_names
 from tierfs.step_queue import StepQueue
 
 log = logging.getLogger(__name__)
@@ -286,7 +287,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     core = Core(store, node_id=cfg.node_id, step_pattern=cfg.step_pattern,
                 file_step_pattern=cfg.file_step_pattern,
                 commit_idle=cfg.commit_idle, delete_targets=_delete_targets(cfg))
-    backend = await _persistent_tier(cfg, ready)
+    backend, new_store = await _persistent_tier(cfg, ready, core.tree)
     persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
     links = ClusterLinks(cfg, core.tree) if cfg.cluster else None
     # Peers come first among the read sources: faster than the persistent tier. Each is
@@ -318,7 +319,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             device.close()
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
     cluster = ClusterNode(cfg, links, namespace, store, events) if links else None
-    daemon = Daemon(cfg, namespace, uploader, cluster, verifier, device)
+    daemon = Daemon(cfg, namespace, uploader, cluster, verifier, device, new_store=new_store)
     serving = True
     metrics = None
     try:
@@ -390,13 +391,16 @@ def _delete_targets(cfg: MountConfig, peers: list[str] | None = None) -> list[st
         peer_target(node_id) for node_id in sorted(peers or []) if node_id != cfg.node_id]
 
 
-async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe) -> Backend | None:
-    """Open and check the persistent tier; a user's mistake there stops the mount."""
+async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe,
+                           tree: Tree) -> tuple[Backend | None, bool]:
+    """Open and check the persistent tier, and whether it is a new store; a user's mistake
+    there stops the mount, and so does a new (empty) store where the RAM dir says steps were
+    persisted: its volume is not mounted, or it is the wrong store."""
     if cfg.persist is None:
         warning = "no --persist given: committed steps live only in this node's RAM"
         log.warning("%s", warning)
         ready.warn(warning)
-        return None
+        return None, False
     try:
         backend = open_backend(cfg.persist, cfg.s3_endpoint)
     except ValueError as exc:
@@ -404,7 +408,7 @@ async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe) -> Backend | None
     with trio.move_on_after(CHECK_PATIENCE) as patience:
         while True:
             try:
-                await trio.to_thread.run_sync(backend.check)
+                new = await trio.to_thread.run_sync(backend.check)
                 break
             except BackendError as exc:
                 if not exc.temporary:
@@ -414,7 +418,20 @@ async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe) -> Backend | None
     if patience.cancelled_caught:
         raise StartupError(f"persistent tier {cfg.persist} is unreachable (tried for "
                            f"{CHECK_PATIENCE:.0f} s): check --s3-endpoint and the network")
-    return backend
+    if new:
+        persisted = [tree.relpath(node) for node in tree.steps() if node.step.persisted]
+        if persisted:
+            raise StartupError(
+                f"persistent tier {backend.url} is empty, but RAM dir {cfg.ram_dir} records "
+                f"{len(persisted)} step{'s' if len(persisted) != 1 else ''} as persisted "
+                f"({some_names(persisted)}): is the store's volume mounted? (a new store "
+                "needs a new --ram-dir)")
+        log.info("persistent tier %s is a new store", backend.url)
+    try:
+        await trio.to_thread.run_sync(backend.claim)
+    except BackendError as exc:
+        raise StartupError(f"persistent tier: {exc}") from None
+    return backend, new
 
 
 def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
@@ -728,8 +745,10 @@ class Daemon:
 
     def __init__(self, cfg: MountConfig, namespace: Namespace, uploader: Uploader | None,
                  cluster: ClusterNode | None, verifier: Verifier,
-                 passthrough: PassthroughDevice | None = None) -> None:
+                 passthrough: PassthroughDevice | None = None, *, new_store: bool = False
+                 ) -> None:
         self.cfg = cfg
+        self.new_store = new_store  # the persistent tier was empty when this mount began
         self.namespace = namespace
         self.uploader = uploader
         self.cluster = cluster
@@ -767,9 +786,22 @@ class Daemon:
         if self.uploader is None:
             return None
         waiting = self._persist_waiting()
-        return {"url": self.uploader.backend.url, "every": self.cfg.persist_every,
+        return {"url": self.uploader.backend.url, "new_store": self.new_store,
+                "every": self.cfg.persist_every,
                 "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
                 "pending_bytes": sum(m.total_bytes for m in waiting)}
+
+    def _persist_waits(self) -> dict[str, dict[str, Any]]:
+        """Per step due in the store and not there yet: why not, since when, and how many
+        requests of its upload failed (`persist_wait` in `tierfs status --json`)."""
+        if self.uploader is None:
+            return {}
+        waits = {}
+        for manifest in self._persist_waiting():
+            reason, since_ns, failures = self.uploader.waiting(manifest)
+            waits[manifest.path] = {"reason": reason, "since_ns": since_ns,
+                                    "failures": failures}
+        return waits
 
     def _persist_waiting(self) -> list[mf.StepManifest]:
         assert self.uploader is not None
@@ -833,10 +865,12 @@ class Daemon:
                     self.namespace.events.verify_failed(tier.tier.partition(":")[0],
                                                         len(tier.bad) + len(tier.repaired))
 
-    def _step_status(self, node: Node) -> dict[str, Any]:
+    def _step_status(self, node: Node, persist_waits: dict[str, dict[str, Any]]
+                     ) -> dict[str, Any]:
         """A step's status line, with the times `tierfs status` shows ages from:
         `committed_ns` (when its newest committed version was made; None before the first)
-        and, for a step being written, `changed_ns` (its directory's last change)."""
+        and, for a step being written, `changed_ns` (its directory's last change); for a
+        step due in the store and not there yet, `persist_wait` (else None)."""
         tree = self.namespace.tree
         status = dict(tree.step_status(node))
         is_up = self.cluster.membership.is_up if self.cluster else (lambda _peer: False)
@@ -847,11 +881,13 @@ class Daemon:
         if status["state"] != "committed":
             with contextlib.suppress(FsError, OSError):  # removed meanwhile
                 status["changed_ns"] = tree.stat(node).st_mtime_ns
+        status["persist_wait"] = persist_waits.get(status["path"])
         return status
 
     def status(self) -> dict[str, Any]:
         ns = self.namespace
-        steps = sorted((self._step_status(node) for node in ns.tree.steps()),
+        persist_waits = self._persist_waits()
+        steps = sorted((self._step_status(node, persist_waits) for node in ns.tree.steps()),
                        key=lambda s: (os.path.dirname(s["path"]), number_of(s), s["path"]))
         return {
             "node_id": self.cfg.node_id,
