@@ -27,6 +27,7 @@ from tierfs import reserved
 from tierfs.cluster import membership as live_members
 from tierfs.cluster.commit_records import CommitRecords
 from tierfs.cluster.etcd import Etcd, EtcdError
+from tierfs.cluster.store_record import StoreRecord, StoreUse
 from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.namespace import Core, Namespace
 from tierfs.fs.nodes import FsError, Node
@@ -60,7 +61,7 @@ from tierfs.replication.peer_verify import PeerVerify, verify_handler
 from tierfs.replication.receiver import ReplicaReceiver
 from tierfs.replication.replicator import Replicator
 from tierfs.replication.server import Handler, PeerServer
-from tierfs.retry import POLICY
+from tierfs.retry import POLICY, retry
 from tierfs.s3tier.backend import Backend, BackendError, open_backend
 from tierfs.s3tier.reader import PersistentReader
 from tierfs.s3tier.uploader import Uploader
@@ -287,9 +288,10 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     core = Core(store, node_id=cfg.node_id, step_pattern=cfg.step_pattern,
                 file_step_pattern=cfg.file_step_pattern,
                 commit_idle=cfg.commit_idle, delete_targets=_delete_targets(cfg))
-    backend, new_store = await _persistent_tier(cfg, ready, core.tree)
-    persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
     links = ClusterLinks(cfg, core.tree) if cfg.cluster else None
+    backend, new_store = await _persistent_tier(cfg, ready, core.tree,
+                                                links.store_record if links else None)
+    persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
     # Peers come first among the read sources: faster than the persistent tier. Each is
     # metered: read-backs are event lines and metrics.
     sources = []
@@ -304,9 +306,10 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           liveness=links.membership if links else None)
     verifier = namespace.verifier
     verifier.collect_unverified()
-    uploader = _uploader(cfg, backend, namespace, events) if backend else None
-    if uploader is not None:
-        await _adopt_stored_steps(namespace, uploader)
+    store_used = trio.Event()  # this node persisted a step, or found the store holding some
+    uploader = _uploader(cfg, backend, namespace, events, store_used) if backend else None
+    if uploader is not None and await _adopt_stored_steps(namespace, uploader):
+        store_used.set()
     source = mount_source(cfg.ram_dir)  # names the RAM dir: the command line finds us by it
     device = _open_passthrough(cfg, source)
     operations = Operations(namespace, cfg.control_socket, device)
@@ -346,6 +349,9 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             nursery.start_soon(events.run)
             if uploader is not None:
                 nursery.start_soon(uploader.run)
+                if cluster is not None:
+                    nursery.start_soon(cluster.record_store_use, uploader.backend.url,
+                                       store_used)
             nursery.start_soon(_verify_then_send, namespace, uploader, cluster)
             nursery.start_soon(_retry_pending_commits, namespace)
             nursery.start_soon(namespace.quiet.run)
@@ -391,11 +397,11 @@ def _delete_targets(cfg: MountConfig, peers: list[str] | None = None) -> list[st
         peer_target(node_id) for node_id in sorted(peers or []) if node_id != cfg.node_id]
 
 
-async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe,
-                           tree: Tree) -> tuple[Backend | None, bool]:
+async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe, tree: Tree,
+                           store_record: StoreRecord | None) -> tuple[Backend | None, bool]:
     """Open and check the persistent tier, and whether it is a new store; a user's mistake
-    there stops the mount, and so does a new (empty) store where the RAM dir says steps were
-    persisted: its volume is not mounted, or it is the wrong store."""
+    there stops the mount, and so does a new (empty) store where the RAM dir or the cluster
+    says steps were persisted: its volume is not mounted, or it is the wrong store."""
     if cfg.persist is None:
         warning = "no --persist given: committed steps live only in this node's RAM"
         log.warning("%s", warning)
@@ -426,6 +432,12 @@ async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe,
                 f"{len(persisted)} step{'s' if len(persisted) != 1 else ''} as persisted "
                 f"({some_names(persisted)}): is the store's volume mounted? (a new store "
                 "needs a new --ram-dir)")
+        used = await _cluster_store_use(cfg, store_record) if store_record else None
+        if used is not None:
+            raise StartupError(
+                f"persistent tier {backend.url} is empty, but the cluster {cfg.cluster} "
+                f"persisted steps to {used.url} (node {used.node} first): is the store's "
+                "volume mounted on this node?")
         log.info("persistent tier %s is a new store", backend.url)
     try:
         await trio.to_thread.run_sync(backend.claim)
@@ -434,10 +446,26 @@ async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe,
     return backend, new
 
 
+async def _cluster_store_use(cfg: MountConfig, record: StoreRecord) -> StoreUse | None:
+    """Whether the cluster persisted steps to a store (read for CHECK_PATIENCE at most)."""
+    with trio.move_on_after(CHECK_PATIENCE):
+        return await retry(record.read, "reading the cluster's store record",
+                           retryable=lambda exc: isinstance(exc, EtcdError),
+                           policy=CATCH_UP_RETRIES)
+    raise StartupError(f"etcd of --cluster {cfg.cluster} does not answer (tried for "
+                       f"{CHECK_PATIENCE:.0f} s to read whether the cluster's steps went to a "
+                       "store)")
+
+
 def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
-              events: Events) -> Uploader:
+              events: Events, store_used: trio.Event) -> Uploader:
     """Uploads of committed steps; it tells the namespace's other tiers what it persisted."""
     tiers = namespace.tiers
+
+    def persisted(manifest: mf.StepManifest) -> None:
+        tiers.mark_persisted(manifest)
+        store_used.set()
+
     return Uploader(
         backend, lambda digest: str(namespace.store.object_path(digest)),
         persist_every=cfg.persist_every, keep_persist=cfg.keep_persist,
@@ -445,21 +473,23 @@ def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
         file_step_number=lambda name: namespace.tree.step_number(name,
                                                                  namespace.tree.file_pattern),
         is_current=tiers.is_current,
-        on_persisted=tiers.mark_persisted, on_retired=tiers.mark_retired, events=events,
+        on_persisted=persisted, on_retired=tiers.mark_retired, events=events,
     )
 
 
-async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> None:
-    """List what the persistent tier holds, so a fresh node sees the job's history at once."""
+async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> int:
+    """List what the persistent tier holds, so a fresh node sees the job's history at once.
+    The number of steps it holds."""
     try:
         manifests = await uploader.stored_manifests()
     except BackendError as exc:
         log.warning("could not list the persistent tier yet: %s", exc)
-        return
+        return 0
     added = sum(namespace.tiers.adopt_persisted(m) for m in manifests)
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
     namespace.residency.enforce_keep_ram()
+    return len(manifests)
 
 
 def _open_passthrough(cfg: MountConfig, source: str) -> PassthroughDevice | None:
@@ -545,6 +575,7 @@ class ClusterLinks:
         self.reader = PeerReader(self.membership, tree.holders_of, self._file_holders)
         self.verify = PeerVerify(self.membership, self.sealed.placements)
         self.delete = PeerDelete(self.membership)
+        self.store_record = StoreRecord(self.etcd, cfg.cluster)
 
     async def _file_holders(self, data_dir: str, name: str) -> list[str]:
         """Who holds a file now, from its record in etcd (the holders known here failed):
@@ -577,6 +608,7 @@ class ClusterNode:
         self.verifier = namespace.verifier
         self.peer_delete = links.delete
         self.sealed = links.sealed
+        self.store_record = links.store_record
         tiers = namespace.tiers
         self.replicator = Replicator(self.membership, cfg.replicas,
                                      lambda digest: str(store.object_path(digest)),
@@ -735,6 +767,15 @@ class ClusterNode:
             self._follow_members()
             for manifest in self.namespace.tiers.held_manifests():
                 self.replicator.submit(manifest)
+
+    async def record_store_use(self, url: str, used: trio.Event) -> None:
+        """Once this node persisted a step, or found the store holding some, the cluster
+        records that its steps go to a store (`cluster.store_record`), tried until etcd
+        takes it: a fresh node given an empty store is then refused."""
+        await used.wait()
+        await retry(lambda: self.store_record.write(url, self.cfg.node_id),
+                    "recording in etcd that the cluster's steps go to a store",
+                    retryable=lambda exc: isinstance(exc, EtcdError), policy=CATCH_UP_RETRIES)
 
     def served(self) -> dict[str, int]:
         return {"requests": self.ranges.served_requests, "bytes": self.ranges.served_bytes}
