@@ -143,10 +143,12 @@ async def test_a_step_removed_during_an_outage_is_dropped(tmp_path: Path, caplog
     assert h.persisted_paths == [] and h.stored() == []
 
 
-async def test_a_store_away_for_a_while_gets_the_step_once_back(tmp_path: Path) -> None:
+async def test_a_store_away_for_a_while_gets_the_step_once_back(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
     """A file:// store whose directory is moved away (a volume unmounted) while a step commits:
-    the upload fails as "the store is unavailable", the reason and since when are there for
-    `tierfs status`, and once the directory is back the step is persisted with no help."""
+    the upload fails as "the store is unavailable" (a line per attempt, no traceback), the
+    reason and since when are there for `tierfs status`, and once the directory is back the
+    step is persisted with no help."""
+    caplog.set_level(logging.INFO)
     h = Harness(tmp_path)
     away = tmp_path / "away"
     h.store.rename(away)
@@ -166,6 +168,8 @@ async def test_a_store_away_for_a_while_gets_the_step_once_back(tmp_path: Path) 
         nursery.cancel_scope.cancel()
     assert (h.store / "run/step_1/shard").read_bytes() == b"data"
     assert h.uploader.troubles == {}
+    assert "upload of run/step_1 v1 failed (attempt 2), retrying in" in caplog.text
+    assert "Traceback" not in caplog.text
 
 
 async def test_a_failing_step_does_not_hold_up_the_others(tmp_path: Path) -> None:

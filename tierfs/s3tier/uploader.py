@@ -141,7 +141,9 @@ class Uploader:
                 not isinstance(first, BackendError):  # a request's failure was noted already
             trouble = self._note_trouble(manifest, first)
         trouble.step_failures += 1
-        unforeseen = failures.subgroup(lambda e: not isinstance(e, BackendError))
+        # (the predicate sees the groups too: a group is not in itself unforeseen)
+        unforeseen = failures.subgroup(
+            lambda e: not isinstance(e, (BackendError, BaseExceptionGroup)))
         delay = POLICY.delay(trouble.step_failures)
         log.log(POLICY.level(trouble.step_failures),
                 "upload of %s v%d failed (attempt %d), retrying in %.1f s: %s", manifest.path,
