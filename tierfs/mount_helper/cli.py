@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     umount.add_argument("mountpoint", metavar="MOUNTPOINT")
     umount.add_argument("--flush", action="store_true",
                         help="first wait until every committed step meets the persistence policy")
+    umount.add_argument("--force", action="store_true",
+                        help="unmount even if committed steps due in the persistent tier are "
+                        "not there yet and no peer holds them (they stay in the RAM dir, and "
+                        "go up at its next mount); without it, umount refuses")
 
     flush = commands.add_parser(
         "flush", help="wait until every committed step meets the persistence policy",
@@ -176,7 +180,7 @@ def _run(argv: list[str] | None) -> int:
         if args.command == "mount":
             return _mount(args, argv)
         if args.command == "umount":
-            return _umount_reporting(args.mountpoint, args.flush)
+            return _umount_reporting(args.mountpoint, args.flush, args.force)
         if args.command == "flush":
             return _flush(args.mountpoint, args.timeout)
         if args.command == "status":
@@ -304,15 +308,27 @@ def _wait_for_exit(pid: int, timeout: float) -> str:
     return "running"
 
 
-def _umount_reporting(mountpoint: str, flush: bool) -> int:
-    """`tierfs umount [--flush]`: the quiet steps commit first (so that --flush persists them
-    too), then the unmount; then the steps left uncommitted are named, as flush does."""
+def _umount_reporting(mountpoint: str, flush: bool, force: bool = False) -> int:
+    """`tierfs umount [--flush] [--force]`: the quiet steps commit first (so that --flush
+    persists them too); committed steps that would stay only in this node's RAM, though due in
+    the store, stop the unmount unless --force; then the unmount, and the steps left
+    uncommitted or not in the store are named."""
     status = _settle(mountpoint)
     if flush:
         _flush(mountpoint, None, report=False)
+        status = _settle(mountpoint)  # what the flush left, and steps that turned quiet
+    alone, held = status_view.store_lines(status) if status is not None else (None, None)
+    if alone is not None and not force:
+        raise UserError(f"not unmounted: {alone}; `tierfs flush` waits for the store, "
+                        "--force unmounts anyway")
     outcome = _umount(mountpoint)
     if status is not None:
         _warn_uncommitted(status)
+        if alone is not None:
+            print(f"tierfs: warning: {alone}; they stay in RAM dir {status['ram_dir']} and go "
+                  "up at its next mount", file=sys.stderr)
+        if held is not None:
+            print(f"tierfs: {held}", file=sys.stderr)
     return outcome
 
 
@@ -408,7 +424,8 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
             if on_terminal:
                 print(file=sys.stderr)
             raise UserError(f"flush timed out after {timeout:g} s: {steps} steps "
-                            f"({human_bytes(pending)}) not yet in {persist['url']}")
+                            f"({human_bytes(pending)}) not yet in {persist['url']}: "
+                            + status_view.not_in_store(status_view.due_in_store(status)))
         done = first_bytes - pending
         if on_terminal:
             draw_progress("flushing", done / first_bytes if first_bytes else 0.0,
@@ -416,7 +433,8 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
                           f"{steps} steps left")
         elif time.monotonic() - last_report > 5:
             last_report = time.monotonic()
-            print(f"flushing: {steps} steps ({human_bytes(pending)}) left", flush=True)
+            print(f"flushing: {steps} steps ({human_bytes(pending)}) left: "
+                  + status_view.not_in_store(status_view.due_in_store(status)), flush=True)
         time.sleep(0.2)
 
 
