@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class Harness:
         self.store = tmp / "store"
         self.store.mkdir()
         self.backend = FailingFirst(self.store, failures)
+        self.backend.claim()
         self.current: set[str] = set()
         self.persisted_paths: list[str] = []
         self.retired: list[str] = []
@@ -156,6 +158,48 @@ async def test_a_step_removed_during_an_outage_is_dropped(tmp_path: Path, caplog
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     assert h.persisted_paths == [] and h.stored() == []
+
+
+async def test_a_store_away_for_a_while_gets_the_step_once_back(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A file:// store whose directory is moved away (a volume unmounted) while a step commits:
+    the upload fails as "the store is unavailable" (a line per attempt, no traceback), the
+    reason and since when are there for `tierfs status`, and once the directory is back the
+    step is persisted with no help."""
+    caplog.set_level(logging.INFO)
+    h = Harness(tmp_path)
+    away = tmp_path / "away"
+    h.store.rename(away)
+    manifest = h.step("run/step_1", {"shard": b"data", ".metadata": b"m"})
+    h.uploader.submit(manifest)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(h.uploader.run)
+        with trio.fail_after(20):
+            while h.uploader.waiting(manifest)[2] < 2:  # failed, and tried again
+                await trio.sleep(0.01)
+            reason, since_ns, _failures = h.uploader.waiting(manifest)
+            assert reason == f"the store file://{h.store} is unavailable: {h.store} is missing"
+            assert since_ns <= time.time_ns()
+            away.rename(h.store)
+            while h.persisted_paths != ["run/step_1"]:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert (h.store / "run/step_1/shard").read_bytes() == b"data"
+    assert h.uploader.troubles == {}
+    assert "upload of run/step_1 v1 failed (attempt 2), retrying in" in caplog.text
+    assert "Traceback" not in caplog.text
+
+
+async def test_a_failing_step_does_not_hold_up_the_others(tmp_path: Path) -> None:
+    """A step the store refuses for a reason of its own is tried again later, and the steps
+    behind it go up meanwhile."""
+    h = Harness(tmp_path)
+    (h.store / "run").mkdir()
+    (h.store / "run/step_1").write_bytes(b"a file where the step's directory must go")
+    first = h.step("run/step_1", {"shard": b"one"})
+    second = h.step("run/step_2", {"shard": b"two"})
+    await h.persist(first, second, until=lambda: h.persisted_paths == ["run/step_2"]
+                    and h.uploader.waiting(first)[2] >= 2)
+    assert "Not a directory" in h.uploader.waiting(first)[0]
 
 
 async def test_a_tracker_goes_up_only_after_the_step_it_names(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]

@@ -172,9 +172,9 @@ class Handle:
     A passthrough handle's reads and writes go from the kernel straight to its backing file."""
 
     __slots__ = ("fh", "node", "fd", "backing_ino", "writable", "active", "passthrough",
-                 "flushes", "pin")
+                 "flushes", "pin", "pid")
 
-    def __init__(self, fh: int, node: Node, fd: int, writable: bool) -> None:
+    def __init__(self, fh: int, node: Node, fd: int, writable: bool, pid: int = 0) -> None:
         self.fh = fh
         self.node = node
         self.fd = fd  # -1 while the node's bytes are fetched from another tier
@@ -184,4 +184,5 @@ class Handle:
         self.passthrough = False
         self.flushes = 0  # FLUSHes seen: more than one means duplicated descriptors
         self.pin: Pin | None = None  # the `latest` target its process keeps while it is open
+        self.pid = pid  # the thread that opened it (FUSE's request), 0 if not known
 

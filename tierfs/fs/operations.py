@@ -198,7 +198,7 @@ class Operations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[FileInfo, EntryAttributes]:
         node, handle = self.ns.create(self.ns.get(parent_inode), name, mode & ~ctx.umask,
-                                      flags, ctx.uid, ctx.gid)
+                                      flags, ctx.uid, ctx.gid, ctx.pid)
         return await self._file_info(handle), self._entry(node)
 
     @_boundary

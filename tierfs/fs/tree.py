@@ -668,7 +668,7 @@ class Tree:
     # -- files -----------------------------------------------------------------------------
 
     def create(self, parent: Node, name: bytes, mode: int, flags: int, uid: int,
-               gid: int) -> tuple[Node, Handle]:
+               gid: int, pid: int = 0) -> tuple[Node, Handle]:
         path = self._new_entry_path(parent, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode & 0o7777)
         try:
@@ -679,7 +679,7 @@ class Tree:
         node = self._attach(parent, name, stat.S_IFREG)
         node.step = self.single_file_step(parent, name)
         self.store.account_fd(fd)
-        handle = self._new_handle(node, fd, writable=True)
+        handle = self._new_handle(node, fd, writable=True, pid=pid)
         self.activate(handle)
         return node, handle
 
@@ -1020,7 +1020,8 @@ class Tree:
                        copies: dict[Node, bytes]) -> mf.StepManifest:
         """The commit's change (see the module docstring: no await may come before it once
         the step is checked): the manifest on disk, the objects' references, the step state.
-        Returns the old manifest if nothing changed since it."""
+        Returns the old manifest if nothing changed since it. The private copies it makes
+        committed objects leave `copies`; the caller removes the rest."""
         step = step_node.step
         old = step.manifest
         step_path = self.relpath(step_node)
@@ -1034,8 +1035,6 @@ class Tree:
                                               os.lstat(self.backing(node))))
         if (old is not None and old.path == step_path and old.step == number
                 and old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries)))):
-            for copy in copies.values():
-                self.store.discard(copy)
             step.dirty = False
             step.commit_pending = False
             return old
@@ -1048,7 +1047,8 @@ class Tree:
         tmp = self.records.write_temp(manifest_path, mf.encode(manifest))  # may fail: ENOSPC
         for (_rel, node), entry in zip(files, entries, strict=True):
             if node.remote is None:
-                self.store.add_ref(entry.xxh3, self.backing(node), copies.pop(node, None))
+                self.store.add_ref(entry.xxh3, self.backing(node), copies.get(node))
+                copies.pop(node, None)  # the object now, or removed by add_ref
         os.rename(tmp, manifest_path)
         self.drop_resident_refs(step)
         step.manifest = manifest
@@ -1686,8 +1686,9 @@ class Tree:
         return step is not None and step.committed
 
     def note_opened(self, handle: Handle, pid: int) -> None:
-        """Process `pid` opened `handle`: if it reached the file through its pinned `latest`,
-        the pin lasts while the file is open."""
+        """Process `pid` opened `handle` (the commit names it while it waits for it): if it
+        reached the file through its pinned `latest`, the pin lasts while the file is open."""
+        handle.pid = pid
         step_node = next((n for n in self.enclosing_steps(handle.node.parent)
                           if self.step_of(n) is not None), None)
         if step_node is not None and step_node.parent is not None:
@@ -1735,8 +1736,8 @@ class Tree:
         elif node.parent is None and node.ino in self._inodes:
             del self._inodes[node.ino]
 
-    def _new_handle(self, node: Node, fd: int, writable: bool) -> Handle:
-        handle = Handle(self._next_fh, node, fd, writable)
+    def _new_handle(self, node: Node, fd: int, writable: bool, pid: int = 0) -> Handle:
+        handle = Handle(self._next_fh, node, fd, writable, pid)
         self._next_fh += 1
         self._handles[handle.fh] = handle
         node.handles.append(handle)

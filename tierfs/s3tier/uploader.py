@@ -10,6 +10,12 @@ files are replaced, then the new manifest is written last, and objects of the ol
 the new one does not name go. Temporary failures retry without limit for as long as the step is
 still the current version; the step stays in RAM meanwhile.
 
+Whatever else fails a step's upload (a store that is unavailable, a refusal the store calls
+final, the unforeseen) the whole step is tried again by the same policy, for as long as it is
+the current version: a step is never left in RAM alone while the store is believed to have it.
+Meanwhile the other steps go on. `troubles` says why each step is not up yet and since when,
+for `tierfs status`.
+
 A tracker file (`tierfs.trackers`: DeepSpeed's `latest`, Megatron-LM's
 `latest_checkpointed_iteration.txt`) goes up only once the step it names is in the store: a
 version naming a step not there yet waits (and goes up right after that step), one naming a
@@ -26,6 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import trio
 
@@ -33,7 +40,7 @@ from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.observe import Events
 from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound
-from tierfs.s3tier.retry import NoLongerWanted, retry
+from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
 from tierfs.step_queue import StepQueue
 from tierfs.trackers import TrackedStep
@@ -41,6 +48,19 @@ from tierfs.trackers import TrackedStep
 log = logging.getLogger(__name__)
 
 PARALLEL_REQUESTS = 4
+
+
+@dataclass
+class UploadTrouble:
+    """Why a version of a step is not in the store yet: the last failure, since when (wall
+    clock, ns) the upload of this version fails, how many requests failed, and how many
+    attempts of the whole step (the backoff before the next one)."""
+
+    version: int
+    reason: str
+    since_ns: int
+    failures: int = 0
+    step_failures: int = 0
 
 
 class Uploader:
@@ -74,6 +94,9 @@ class Uploader:
         self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
         self._path_locks: dict[str, trio.Lock] = {}  # an upload and a delete of one path
+        self.troubles: dict[str, UploadTrouble] = {}
+        self._uploading: str | None = None
+        self._retries: trio.Nursery | None = None  # steps waiting to be tried again
 
     def _lock(self, path: str) -> trio.Lock:
         return self._path_locks.setdefault(path, trio.Lock())
@@ -93,6 +116,19 @@ class Uploader:
         self._held.pop(manifest.path, None)  # a tracker's older version: no longer current
         if self.wanted(manifest):
             self.queue.put(manifest)
+
+    def waiting(self, manifest: mf.StepManifest) -> tuple[str, int, int]:
+        """Why a step due in the store is not there yet, since when (ns) and after how many
+        failed requests: its last failure, else "uploading" or "queued" since its commit."""
+        trouble = self.troubles.get(manifest.path)
+        if trouble is not None and trouble.version == manifest.version:
+            return trouble.reason, trouble.since_ns, trouble.failures
+        tracked = self._tracked_step(manifest) if self._held.get(manifest.path) is manifest \
+            else None
+        if tracked is not None:
+            return f"waits for step {tracked.number} to be there", manifest.committed_ns, 0
+        state = "uploading" if self._uploading == manifest.path else "queued"
+        return state, manifest.committed_ns, 0
 
     def _holds_back(self, manifest: mf.StepManifest) -> bool:
         """A tracker whose step is not in the store yet waits (`_release_held`)."""
@@ -117,36 +153,76 @@ class Uploader:
                 self.queue.put(manifest)
 
     async def run(self) -> None:
-        await self.queue.serve(self._upload_or_log)
+        async with trio.open_nursery() as retries:
+            self._retries = retries
+            await self.queue.serve(self._upload_or_retry)
 
-    async def _upload_or_log(self, manifest: mf.StepManifest) -> None:
+    async def _upload_or_retry(self, manifest: mf.StepManifest) -> None:
+        self._uploading = manifest.path
         try:
             async with self._lock(manifest.path):
                 await self._upload(manifest)
         except* Exception as failures:  # files go up in parallel: errors come grouped
-            self._log_failure(manifest, failures)
+            self._retry_later(manifest, failures)
+        finally:
+            self._uploading = None
 
-    def _log_failure(self, manifest: mf.StepManifest, failures: BaseExceptionGroup) -> None:
-        """One line for a step that will not be uploaded; a traceback only for the unforeseen.
-        Whatever it was, the uploader goes on with the next step."""
+    def _retry_later(self, manifest: mf.StepManifest, failures: BaseExceptionGroup) -> None:
+        """One line per failed attempt of a step, and the step tried again after the policy's
+        pause (the uploader goes on with the next step meanwhile); a traceback only for the
+        unforeseen, the first time."""
         if not self._is_current(manifest) or failures.subgroup(NoLongerWanted) is not None:
+            self._clear_trouble(manifest)
             log.info("upload of %s v%d dropped: the step changed or was removed", manifest.path,
                      manifest.version)
-            return
-        unforeseen = failures.subgroup(lambda e: not isinstance(e, BackendError))
-        if unforeseen is not None:
-            log.error("upload of %s v%d failed", manifest.path, manifest.version,
-                      exc_info=unforeseen)
             return
         first = failures.exceptions[0]
         while isinstance(first, BaseExceptionGroup):
             first = first.exceptions[0]
-        log.error("upload of %s v%d failed and will not be retried: %s", manifest.path,
-                  manifest.version, first)
+        trouble = self.troubles.get(manifest.path)
+        if trouble is None or trouble.version != manifest.version or \
+                not isinstance(first, BackendError):  # a request's failure was noted already
+            trouble = self._note_trouble(manifest, first)
+        trouble.step_failures += 1
+        # (the predicate sees the groups too: a group is not in itself unforeseen)
+        unforeseen = failures.subgroup(
+            lambda e: not isinstance(e, (BackendError, BaseExceptionGroup)))
+        delay = POLICY.delay(trouble.step_failures)
+        log.log(POLICY.level(trouble.step_failures),
+                "upload of %s v%d failed (attempt %d), retrying in %.1f s: %s", manifest.path,
+                manifest.version, trouble.step_failures, delay, first,
+                exc_info=unforeseen if trouble.step_failures == 1 else None)
+        assert self._retries is not None, "failures come from run()"
+        self._retries.start_soon(self._submit_after, manifest, delay)
+
+    async def _submit_after(self, manifest: mf.StepManifest, delay: float) -> None:
+        await trio.sleep(delay)
+        if self._is_current(manifest):
+            self.queue.put(manifest)
+        else:
+            self._clear_trouble(manifest)
+
+    def _note_trouble(self, manifest: mf.StepManifest, failure: BaseException) -> UploadTrouble:
+        trouble = self.troubles.get(manifest.path)
+        if trouble is None or trouble.version != manifest.version:
+            trouble = UploadTrouble(manifest.version, str(failure), time.time_ns())
+            self.troubles[manifest.path] = trouble
+        trouble.reason = str(failure) or type(failure).__name__
+        trouble.failures += 1
+        return trouble
+
+    def _clear_trouble(self, manifest: mf.StepManifest) -> None:
+        trouble = self.troubles.get(manifest.path)
+        if trouble is not None and trouble.version == manifest.version:
+            del self.troubles[manifest.path]
 
     async def _call(self, what: str, manifest: mf.StepManifest, func, *args) -> object:  # type: ignore[no-untyped-def]
         async def attempt() -> object:
-            return await trio.to_thread.run_sync(func, *args, limiter=self._threads)
+            try:
+                return await trio.to_thread.run_sync(func, *args, limiter=self._threads)
+            except BackendError as exc:
+                self._note_trouble(manifest, exc)
+                raise
 
         return await retry(attempt, what, still_wanted=lambda: self._is_current(manifest))
 
@@ -171,6 +247,7 @@ class Uploader:
                          self.backend.put_bytes, manifest_key, mf.encode(manifest))
         await self._call(f"removing old files of {prefix}", manifest, self._remove_stale,
                          manifest)
+        self._clear_trouble(manifest)
         self._events.persisted(manifest, self.backend.url, time.monotonic() - started)
         self._on_persisted(manifest)
         self._release_held()
@@ -238,8 +315,14 @@ class Uploader:
         return objects
 
     async def _apply_retention(self, run_dir: str) -> None:
-        """Delete all but the newest `keep_persist` steps of `run_dir` from the store."""
-        steps = await self.persisted_steps(run_dir)
+        """Delete all but the newest `keep_persist` steps of `run_dir` from the store (the
+        next persisted step tries again if the store cannot list them now)."""
+        try:
+            steps = await self.persisted_steps(run_dir)
+        except BackendError as exc:
+            log.warning("retention in %s could not list %s yet: %s", self.backend.url,
+                        run_dir or ".", exc)
+            return
         for path in sorted(steps, key=steps.__getitem__)[:-self.keep_persist]:
             try:
                 await self.retire(path)
