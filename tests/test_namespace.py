@@ -367,3 +367,10 @@ async def test_a_tracker_names_its_step_for_the_store_and_the_peers(harness: Har
     ns.tiers.mark_persisted(step_node.step.manifest)
     assert ns.tiers.tracked_step(tracker) == TrackedStep(150, True, True)
     assert ns.tiers.may_copy(tracker, "c")  # c can read it from the store
+    # a tracker that commits before the step it names (still being written): it waits for it
+    await harness.write_file("ds/global_step6/model.pt", b"w")
+    await harness.write_file("ds/latest", b"global_step6")
+    node = ns.tree.find_step("ds/latest")
+    await ns.commits.commit_quietly(node)
+    assert ns.tiers.tracked_step(node.step.manifest) == TrackedStep(6, True, False)
+    assert not ns.tiers.may_copy(node.step.manifest, "b")

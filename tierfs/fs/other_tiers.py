@@ -148,8 +148,10 @@ class OtherTiers:
         number, step = found
         if step is None:
             return trackers.TrackedStep(number, made_here=False, persisted=False)
-        return trackers.TrackedStep(number, made_here=step.manifest.node_id == self.node_id,
-                                    persisted=step.persisted)
+        # Being written here (the tracker may commit first) or committed here: this node's
+        # uploader puts it in the store.
+        made_here = not step.committed or step.manifest.node_id == self.node_id
+        return trackers.TrackedStep(number, made_here=made_here, persisted=step.persisted)
 
     def may_copy(self, manifest: mf.StepManifest, peer: str) -> bool:
         """Whether `peer` may get a copy of this version now: not a tracker whose step `peer`
@@ -158,13 +160,13 @@ class OtherTiers:
         if found is None:
             return True
         step = found[1]
-        return step is not None and (step.persisted or all(
+        return step is not None and step.committed and (step.persisted or all(
             peer in self.tree.verified_peers(step, entry.name) for entry in step.manifest.files))
 
     def _tracked(self, manifest: mf.StepManifest) -> tuple[int, StepState | None] | None:
-        """A tracker's step number and the committed step of that number in its directory
-        (None if there is none here); None if `manifest` is no tracker (another file, a
-        content that names no step, bytes not in RAM here)."""
+        """A tracker's step number and the step of that number in its directory, committed or
+        being written (None if there is none here); None if `manifest` is no tracker (another
+        file, a content that names no step, bytes not in RAM here)."""
         if not (manifest.single_file and manifest.step == mf.NO_STEP
                 and trackers.is_tracker_name(manifest.path)):
             return None
@@ -184,8 +186,7 @@ class OtherTiers:
             return None
         if number is None:
             return None  # a name, but not a step's
-        step = node.step if node is not None and node.is_dir else None
-        return number, step if step is not None and step.committed else None
+        return number, node.step if node is not None and node.is_dir else None
 
     def _tracker_text(self, entry: mf.FileEntry) -> str | int | None:
         """What a tracker object names (`trackers.named_step`), read once per content (a few
