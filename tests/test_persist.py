@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -272,3 +273,31 @@ def test_an_empty_store_where_steps_were_persisted_is_refused(mounts: MountFacto
     assert again.status()["persist"]["new_store"] is False
     assert "(new store)" not in tierfs("status", str(again.mountpoint)).stdout
     assert again.step("run/step_1")["persisted"]
+
+
+def test_du_counts_a_step_whichever_tier_holds_it(mounts: MountFactory, tmp_path: Path) -> None:
+    """`du` of a step is the size of its files whether they are in RAM, left RAM (only in the
+    store), or on a fresh node that has read nothing yet (st_blocks: the size in 512-byte
+    blocks, as mountpoint-s3 reports it)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}", "--keep-ram", "1")
+    files = {"model.pt": os.urandom(300_007), "optim.pt": os.urandom(1_000_001),
+             ".metadata": b"m"}
+    for number in (1, 2):
+        save(mnt / f"run/step_{number}", files)
+    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    assert mnt.step("run/step_1")["ram"] is False  # beyond --keep-ram: only in the store
+    in_blocks = sum(-(-len(data) // 512) for data in files.values())
+
+    def du_bytes(step_dir: Path) -> int:
+        done = subprocess.run(["du", "-s", "--block-size=1", str(step_dir)], check=True,
+                              capture_output=True, text=True)
+        return int(done.stdout.split()[0]) - os.stat(step_dir).st_blocks * 512
+
+    assert os.stat(mnt / "run/step_1/optim.pt").st_blocks == -(-1_000_001 // 512)
+    assert du_bytes(mnt / "run/step_1") == in_blocks * 512
+    assert du_bytes(mnt / "run/step_2") == in_blocks * 512  # in RAM: the same answer
+    fresh = mounts.mount("--persist", f"file://{store}")
+    assert fresh.step("run/step_2")["ram"] is False
+    assert du_bytes(fresh / "run/step_2") == in_blocks * 512

@@ -74,6 +74,21 @@ def test_table_marks_latest_and_ages_and_summarises_each_run() -> None:
             "yet persisted or replicated): run1/step_200, run1/step_300") in lines
 
 
+def test_a_run_directory_with_its_own_latest_marks_no_step_and_says_so() -> None:
+    status = document(step("ds/global_step2", 2), step("ds/global_step4", 4),
+                      step("run/step_1", 1))
+    status["own_latest"] = ["ds"]
+    text = format_status(status, now_ns=NOW)
+    table = rows(text)
+    assert "<-" not in table["ds/global_step4"] and table["run/step_1"][-2:] == ["<-", "latest"]
+    assert [line for line in text.splitlines() if line.startswith("ds:")][0].endswith(
+        "; its own `latest` is in use (no virtual link)")
+    assert "its own" not in [line for line in text.splitlines() if line.startswith("run:")][0]
+    assert subtree(status, "run")["own_latest"] == []
+    assert subtree(status, "ds/global_step2")["own_latest"] == ["ds"]  # its run directory
+    assert subtree(status, "ds")["own_latest"] == ["ds"]
+
+
 def test_waiting_steps_and_a_lone_node_are_warnings() -> None:
     text = format_status(document(
         step("r/step_1", 1, "writing", waiting_for="files named by its .metadata"),

@@ -474,7 +474,8 @@ def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
         file_step_number=lambda name: namespace.tree.step_number(name,
                                                                  namespace.tree.file_pattern),
         is_current=tiers.is_current,
-        on_persisted=persisted, on_retired=tiers.mark_retired, events=events,
+        on_persisted=persisted, on_retired=tiers.mark_retired,
+        tracked_step=tiers.tracked_step, events=events,
     )
 
 
@@ -616,7 +617,7 @@ class ClusterNode:
                                      is_current=tiers.is_current,
                                      placements=self.sealed.placements,
                                      on_placements=tiers.note_placements,
-                                     on_held=self._held,
+                                     on_held=self._held, may_copy=tiers.may_copy,
                                      events=events)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.hold_files)
         self.ranges = RangeServer(store.objects, namespace.tree.sealed_path)
@@ -951,4 +952,5 @@ class Daemon:
             "verify": self.verifier.progress,
             "deletes": ns.deletes.status(),
             "steps": steps,
+            "own_latest": ns.tree.own_latest_dirs(),
         }

@@ -51,7 +51,9 @@ def in_subtree(step_path: str, relpath: str) -> bool:
 def subtree(status: dict[str, Any], relpath: str) -> dict[str, Any]:
     """The status document with only the steps of PATH's subtree; `subtree` names PATH."""
     return dict(status, subtree=relpath,
-                steps=[s for s in status["steps"] if in_subtree(s["path"], relpath)])
+                steps=[s for s in status["steps"] if in_subtree(s["path"], relpath)],
+                own_latest=[run for run in status.get("own_latest", ())
+                            if in_subtree(run, relpath)])
 
 
 def run_of(step: Step) -> str:
@@ -78,12 +80,15 @@ def only_in_ram(step: Step) -> bool:
     return bool(step["ram"]) and not step["persisted"] and not step["replicas"]
 
 
-def latest_paths(steps: Iterable[Step]) -> set[str]:
+def latest_paths(steps: Iterable[Step], own_latest: Iterable[str] = ()) -> set[str]:
     """Per run directory, the committed step `latest` names: the highest step number (step
-    directories only: file steps and loose files are never `latest`)."""
+    directories only: file steps and loose files are never `latest`); none in the run
+    directories whose `latest` is their own (`own_latest`)."""
+    own = set(own_latest)
     newest: dict[str, Step] = {}
     for step in steps:
-        if step["state"] == "committed" and step.get("kind", "dir") == "dir":
+        if (step["state"] == "committed" and step.get("kind", "dir") == "dir"
+                and run_of(step) not in own):
             best = newest.get(run_of(step))
             if best is None or step["step"] > best["step"]:
                 newest[run_of(step)] = step
@@ -105,8 +110,8 @@ def tiers_of(step: Step) -> str:
     return ",".join(tiers) or "-"
 
 
-def table(steps: list[Step], now_ns: int) -> list[str]:
-    latest = latest_paths(steps)
+def table(steps: list[Step], now_ns: int, own_latest: Iterable[str] = ()) -> list[str]:
+    latest = latest_paths(steps, own_latest)
     rows = [("PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "AGE", "TIERS", "")]
     for step in steps:
         age = step_age(step, now_ns)
@@ -122,9 +127,9 @@ def table(steps: list[Step], now_ns: int) -> list[str]:
             for row in rows]
 
 
-def run_summary(run: str, steps: list[Step], now_ns: int) -> str:
+def run_summary(run: str, steps: list[Step], now_ns: int, own_latest: bool = False) -> str:
     """`run1: 3 steps, 1.2 MiB; newest committed step_300 (12s ago); oldest only in RAM
-    step_100 (writing)`."""
+    step_100 (writing)`, and whether `latest` there is the run directory's own file."""
     size = sum(s["bytes"] for s in steps)
     parts = [f"{run}: {len(steps)} step{'s' if len(steps) != 1 else ''}, {human_bytes(size)}"]
     committed = [s for s in steps if s["state"] == "committed"]
@@ -142,6 +147,8 @@ def run_summary(run: str, steps: list[Step], now_ns: int) -> str:
                      f"({oldest['state']})")
     else:
         parts.append("none only in RAM")
+    if own_latest:
+        parts.append("its own `latest` is in use (no virtual link)")
     return "; ".join(parts)
 
 
@@ -253,7 +260,9 @@ def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:
     if not steps:
         lines.append("no step directories yet" if where == "." else f"no steps under {where}")
         return "\n".join(lines)
-    lines += table(steps, now_ns)
-    lines += [run_summary(run, members, now_ns) for run, members in by_run(steps).items()]
+    own = set(status.get("own_latest", ()))
+    lines += table(steps, now_ns, own)
+    lines += [run_summary(run, members, now_ns, run in own)
+              for run, members in by_run(steps).items()]
     lines += warnings(status, now_ns)
     return "\n".join(lines)

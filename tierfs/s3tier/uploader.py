@@ -16,6 +16,12 @@ the current version: a step is never left in RAM alone while the store is believ
 Meanwhile the other steps go on. `troubles` says why each step is not up yet and since when,
 for `tierfs status`.
 
+A tracker file (`tierfs.trackers`: DeepSpeed's `latest`, Megatron-LM's
+`latest_checkpointed_iteration.txt`) goes up only once the step it names is in the store: a
+version naming a step not there yet waits (and goes up right after that step), one naming a
+step `--persist-every` never selects is not due at all, and the store keeps the version it
+has meanwhile, so a fresh node never reads a tracker that points past the store.
+
 A deleted step is removed the same way round (`delete_step`: manifest first, then data), never
 at the same time as an upload of the same path, so that a late upload cannot bring it back.
 """
@@ -37,6 +43,7 @@ from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFoun
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
 from tierfs.step_queue import StepQueue
+from tierfs.trackers import TrackedStep
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,7 @@ class Uploader:
         is_current: Callable[[mf.StepManifest], bool],
         on_persisted: Callable[[mf.StepManifest], None],
         on_retired: Callable[[str], None],
+        tracked_step: Callable[[mf.StepManifest], TrackedStep | None] = lambda _m: None,
         events: Events | None = None,
     ) -> None:
         self.backend = backend
@@ -81,7 +89,9 @@ class Uploader:
         self._is_current = is_current
         self._on_persisted = on_persisted
         self._on_retired = on_retired
+        self._tracked_step = tracked_step
         self.queue = StepQueue()
+        self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
         self._path_locks: dict[str, trio.Lock] = {}  # an upload and a delete of one path
         self.troubles: dict[str, UploadTrouble] = {}
@@ -92,11 +102,18 @@ class Uploader:
         return self._path_locks.setdefault(path, trio.Lock())
 
     def wanted(self, manifest: mf.StepManifest) -> bool:
-        # A loose file (no step number) is always persisted: nothing else keeps it.
-        return manifest.step == mf.NO_STEP or manifest.step % self.persist_every == 0
+        if manifest.step != mf.NO_STEP:
+            return manifest.step % self.persist_every == 0
+        # A loose file (no step number) is always persisted: nothing else keeps it; but a
+        # tracker only with the step it names, so only once that step is in the store or on
+        # its way there from this node (not one naming a step that is nowhere).
+        tracked = self._tracked_step(manifest)
+        return tracked is None or tracked.persisted or (
+            tracked.made_here and tracked.number % self.persist_every == 0)
 
     def submit(self, manifest: mf.StepManifest) -> None:
         """Queue a committed step (a newer version of a queued step replaces it)."""
+        self._held.pop(manifest.path, None)  # a tracker's older version: no longer current
         if self.wanted(manifest):
             self.queue.put(manifest)
 
@@ -106,8 +123,34 @@ class Uploader:
         trouble = self.troubles.get(manifest.path)
         if trouble is not None and trouble.version == manifest.version:
             return trouble.reason, trouble.since_ns, trouble.failures
+        tracked = self._tracked_step(manifest) if self._held.get(manifest.path) is manifest \
+            else None
+        if tracked is not None:
+            return f"waits for step {tracked.number} to be there", manifest.committed_ns, 0
         state = "uploading" if self._uploading == manifest.path else "queued"
         return state, manifest.committed_ns, 0
+
+    def _holds_back(self, manifest: mf.StepManifest) -> bool:
+        """A tracker whose step is not in the store yet waits (`_release_held`)."""
+        tracked = self._tracked_step(manifest) if manifest.step == mf.NO_STEP else None
+        if tracked is None or tracked.persisted:
+            return False
+        if manifest.path not in self._held:
+            log.info("%s v%d waits for the step it names (%d) to be in %s", manifest.path,
+                     manifest.version, tracked.number, self.backend.url)
+        self._held[manifest.path] = manifest
+        return True
+
+    def _release_held(self) -> None:
+        """A step reached the store: the trackers that named it go up now."""
+        for path, manifest in list(self._held.items()):
+            if not self._is_current(manifest):
+                del self._held[path]
+                continue
+            tracked = self._tracked_step(manifest)
+            if tracked is None or tracked.persisted:
+                del self._held[path]
+                self.queue.put(manifest)
 
     async def run(self) -> None:
         async with trio.open_nursery() as retries:
@@ -186,6 +229,8 @@ class Uploader:
     async def _upload(self, manifest: mf.StepManifest) -> None:
         if not self._is_current(manifest):
             raise NoLongerWanted(manifest.path)
+        if self._holds_back(manifest):
+            return
         started = time.monotonic()
         prefix = manifest.path
         manifest_key = layout.manifest_key(prefix, manifest.single_file)
@@ -205,6 +250,7 @@ class Uploader:
         self._clear_trouble(manifest)
         self._events.persisted(manifest, self.backend.url, time.monotonic() - started)
         self._on_persisted(manifest)
+        self._release_held()
         if self.keep_persist:
             await self._apply_retention(prefix.rpartition("/")[0])
 
