@@ -91,3 +91,24 @@ def test_a_step_saved_again_commits_on_a_node_that_held_only_part_of_it(
         wait_until(lambda n=node: (n.step(step) or {}).get("version") == 2
                    and n.step(step)["state"] == "committed", timeout=10)
         assert "kept as writing" not in node.log()
+
+
+def test_a_step_saved_again_by_ranks_on_other_nodes_takes_their_new_files(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """v1 of a step: both ranks on node0. v2 (a job restarted with its ranks placed
+    elsewhere): rank 1 on node1. node0, which commits v2, still holds rank 1's v1 shard as it
+    was: the commit takes node1's new shard, never the old copy (a step mixing two saves)."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all()
+    step = "run/step_10"
+    finish_dcp_ranks(start_dcp_ranks([node0 / step, node0 / step], "--save-only"),
+                     timeout=240)
+    finish_dcp_ranks(start_dcp_ranks([node0 / step, node1 / step], "--seed", "1"),
+                     timeout=240)
+    records = _file_records(cluster, step)
+    for name in ("__1_0.distcp", "__1_1.distcp"):
+        if name in records:
+            assert records[name].node == "node1"
+            assert getxattr(node0 / step / name, "user.tierfs.xxh3") == records[name].xxh3
+    for node in (node0, node1):
+        assert node.step(step)["version"] == 2 and node.step(step)["state"] == "committed"

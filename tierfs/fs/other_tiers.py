@@ -373,9 +373,10 @@ class OtherTiers:
         single node (`cp -r`, `rsync`, `tar` may write `.metadata` first) by waiting for them,
         on several nodes by finding the records of the shards other nodes' ranks sealed (the
         shards stay where they were written: the manifest names their holders), waiting for
-        them until `deadline` (trio time). A step saved again asks the same of the files it
-        has only as they were in its committed version and that another node wrote (a copy
-        held here, or a file held elsewhere): their writers save them again. False while
+        them until `deadline` (trio time). A step saved again over its committed version
+        asks the same of the files it has only as they were in that version (`_old_copies`):
+        a node that saved one again has its new record taken (the step must not mix two
+        saves); one that nobody saved again by the deadline stays as it is. False while
         some are missing (`missing_dcp_files` names them); `CoordinationUnavailable` if etcd
         does not answer by the deadline."""
         missing = await self.missing_dcp_files(step_node)
@@ -389,14 +390,16 @@ class OtherTiers:
             return False
         step = step_node.step
         base = step.manifest.version if step.manifest else 0
-        wanted = missing | old
-        found = await self.sealed.collect(step_path, wanted, deadline, base)
-        if set(found) != wanted:
+        found = await self.sealed.collect(step_path, missing | old, deadline, base)
+        if not missing <= set(found):
             log.info("commit of %s waits for %s from other nodes", step_path,
-                     ", ".join(sorted(wanted - set(found))))
+                     ", ".join(sorted(missing - set(found))))
             return False
         if self.tree.find_step(step_path) is not step_node or step_node.step is not step:
             return False
+        if old - set(found):
+            log.info("commit of %s: no node saved %s again; as it was", step_path,
+                     some_names(old - set(found)))
         elsewhere = self._elsewhere.setdefault(step_path, set())
         for name, (peer, entry) in found.items():
             node = self.tree.entry_node(step_node, name)
@@ -411,16 +414,16 @@ class OtherTiers:
             self.tree.add_holder(step_node, peer)
             self.tree.add_remote_files(step_node, [entry], step_path)
             elsewhere.add(name)
-        log.info("commit of %s names %d files held on %s: they stay there", step_path,
-                 len(found), ", ".join(sorted({peer for peer, _e in found.values()})))
+        if found:
+            log.info("commit of %s names %d files held on %s: they stay there", step_path,
+                     len(found), ", ".join(sorted({peer for peer, _e in found.values()})))
         return True
 
     def _old_copies(self, step_node: Node) -> set[str]:
-        """Files that a step saved again over its committed version has here only as they
-        were in that version, written by another node (per the cluster's records): a copy
-        held here (still the committed object: not written since) or a file held elsewhere
-        (its remote entry is still the old one). Their writers save them again, so the
-        commit takes their new records, never these (a step must not mix two saves)."""
+        """Files its `.metadata` names that a step saved again has here only as they were in
+        its committed version: a copy held here that was not written since
+        (`Tree.unchanged_since_commit`), or a file held elsewhere whose entry is still the
+        old one; not those this commit located already."""
         step = step_node.step
         old = step.manifest
         if old is None or step.committed or step.dcp_files is None:
@@ -429,25 +432,12 @@ class OtherTiers:
         found = set()
         for rel, node in self.tree.files_under(step_node):
             entry = old.entry(rel)
-            writer = step.file_writers.get(rel)
-            if (entry is None or rel in located or rel not in step.dcp_files[1]
-                    or writer in (None, self.node_id)):
+            if entry is None or rel in located or rel not in step.dcp_files[1]:
                 continue
-            if node.remote is not None:
-                if node.remote.entry.xxh3 == entry.xxh3:
-                    found.add(rel)
-            elif (rel in step.resident and node.seal is not None
-                  and node.seal.digest.xxh3 == entry.xxh3 and self._unwritten(node)):
+            if (node.remote.entry.xxh3 == entry.xxh3 if node.remote is not None
+                    else self.tree.unchanged_since_commit(step, rel, node)):
                 found.add(rel)
         return found
-
-    def _unwritten(self, node: Node) -> bool:
-        """Whether the file is still the committed object it was (its inode is shared with
-        it: a write would have made it private)."""
-        try:
-            return self.tree.shared_backing(node) is not None
-        except (FsError, OSError):
-            return False
 
     def held_elsewhere(self, step_node: Node) -> set[str]:
         """Files of the step being committed here that other nodes wrote and keep."""

@@ -1060,6 +1060,19 @@ class Tree:
         step.commit_pending = False
         return manifest
 
+    def unchanged_since_commit(self, step: StepState, rel: str, node: Node) -> bool:
+        """Whether a file of a step being saved again is still exactly what its committed
+        version holds: in RAM, sealed with that version's content, and still the committed
+        object itself (its inode shared with it: a write would have made it private)."""
+        entry = step.manifest.entry(rel) if step.manifest is not None else None
+        if (entry is None or node.remote is not None or rel not in step.resident
+                or node.seal is None or node.seal.digest.xxh3 != entry.xxh3):
+            return False
+        try:
+            return self.shared_backing(node) is not None
+        except (FsError, OSError):
+            return False
+
     @staticmethod
     def leave_pending(step: StepState, reason: str | None) -> None:
         """The commit waits (`reason`, shown by status; None keeps the reason known)."""
@@ -1429,12 +1442,14 @@ class Tree:
         """Another node committed this step (multi-node DCP) while ranks here wrote some of
         its files: if every file written here is sealed with the content the manifest names,
         this node's copy is committed as the same version; otherwise it stays `writing`
-        (False). Files of an older committed version that this node did not hold (held
-        elsewhere, perhaps by nobody now: a step saved again under an old name) are no part of
-        the question: the new manifest says what the step's other files are."""
+        (False). Files of an older committed version that were not written here since (held
+        elsewhere, perhaps by nobody now, or a copy held here: a step saved again, also under
+        an old name) are no part of the question: the new manifest says what they are now."""
         step = step_node.step
         files = list(self.files_under(step_node))
-        local = [(rel, node) for rel, node in files if node.remote is None]
+        old = [(rel, node) for rel, node in files if self.unchanged_since_commit(step, rel, node)]
+        local = [(rel, node) for rel, node in files
+                 if node.remote is None and (rel, node) not in old]
         for rel, node in local:
             entry = manifest.entry(rel)
             why = ("is not in it" if entry is None else "is being written" if
@@ -1445,6 +1460,16 @@ class Tree:
                             "kept as writing", self.relpath(step_node),
                             ", ".join(sorted(others)), rel, why)
                 return False
+        stale = [(rel, node) for rel, node in old
+                 if (entry := manifest.entry(rel)) is None or entry.xxh3 != node.seal.digest.xxh3]
+        if any(node.handles or (node.fetch is not None and node.fetch.busy)
+               for _rel, node in stale):
+            log.info("%s v%d committed on %s: it joins once its older files here are closed",
+                     manifest.path, manifest.version, ", ".join(sorted(others)))
+            return False
+        local += [found for found in old if found not in stale]  # saved again as they were
+        for rel, node in stale:  # the new version's file is elsewhere, or not in it
+            self.evict_file(step, step.manifest.entry(rel), node)
         for rel, node in files:
             if node.remote is not None:  # of the older version: its bytes are not the new ones
                 self.drop_fetch(node)
