@@ -5,6 +5,7 @@ line with what the test checks.
 
     python tests/framework_jobs.py hf OUTPUT_DIR MAX_STEPS [resume]
     python tests/framework_jobs.py lightning DIRPATH MAX_STEPS [CKPT_PATH]
+    python tests/framework_jobs.py deepspeed SAVE_DIR MAX_STEPS PORT [resume]
     python tests/framework_jobs.py save RUN_DIR STEP...       # torch.save + safetensors
     python tests/framework_jobs.py load RUN_DIR STEP...       # torch.load(mmap) + safe_open
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,63 @@ def lightning(dirpath: str, max_steps: int, ckpt_path: str | None) -> dict[str, 
     return {"global_step": trainer.global_step}
 
 
+def deepspeed_job(save_dir: str, max_steps: int, port: str, resume: bool) -> dict[str, Any]:
+    """DeepSpeed's engine on CPU (one gloo rank, ZeRO stage 1), `save_checkpoint(save_dir)`
+    every SAVE_EVERY steps: `global_stepN/` with model and optimizer states, then, on rank 0,
+    its own `latest` file naming the tag; resumed by `load_checkpoint(save_dir)`, which reads
+    that file.
+
+    DeepSpeed calls its checkpoint engine's `commit()` right before rank 0 writes `latest`.
+    Here that call lasts until tierfs committed the step (by its idle rule), as a barrier
+    with slower ranks on other nodes or an engine that waits for durability lasts: the
+    `latest` file comes after the commit, the order in which tierfs's own `latest` link
+    used to be in its way."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    import deepspeed
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
+        TorchCheckpointEngine,
+    )
+
+    class CommitAfterTierfs(TorchCheckpointEngine):
+        def commit(self, info: Any) -> bool:
+            step_dir = os.path.join(info.save_dir, info.tag)
+            deadline = time.monotonic() + 60
+            while os.getxattr(step_dir, "user.tierfs.state") != b"committed":
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{step_dir} did not commit")
+                time.sleep(0.05)
+            return super().commit(info)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
+              "steps_per_print": 10**6}
+    engine, _optimizer, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=config)
+    engine.checkpoint_engine = CommitAfterTierfs(engine._config)
+
+    def weights() -> list[float]:
+        return torch.cat([p.detach().flatten() for p in engine.module.parameters()]).tolist()
+
+    result: dict[str, Any] = {"loaded_step": None, "saved": {}}
+    if resume:
+        path, _client_state = engine.load_checkpoint(save_dir)
+        if path is not None:
+            result.update(loaded_step=engine.global_steps, weights_at_load=weights())
+    generator = torch.Generator().manual_seed(engine.global_steps)
+    while engine.global_steps < max_steps:
+        x = torch.randn(4, 8, generator=generator)
+        loss = torch.nn.functional.mse_loss(engine(x), x.sum(dim=1, keepdim=True))
+        engine.backward(loss)
+        engine.step()
+        if engine.global_steps % SAVE_EVERY == 0:
+            engine.save_checkpoint(save_dir)
+            result["saved"][str(engine.global_steps)] = weights()
+    return result | {"global_step": engine.global_steps}
+
+
 def state_for(step: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(step)
     return {"weight": torch.randn(128, 64, generator=generator),
@@ -130,6 +189,8 @@ def main(argv: list[str]) -> None:
         result = hf(where, int(rest[0]), rest[1:] == ["resume"])
     elif job == "lightning":
         result = lightning(where, int(rest[0]), rest[1] if len(rest) > 1 else None)
+    elif job == "deepspeed":
+        result = deepspeed_job(where, int(rest[0]), rest[1], rest[2:] == ["resume"])
     elif job == "save":
         result = save(Path(where), [int(s) for s in rest])
     elif job == "load":

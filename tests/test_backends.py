@@ -9,14 +9,24 @@ from pathlib import Path
 import pytest
 
 from tierfs.devtools.seaweed import SeaweedS3
-from tierfs.s3tier.backend import Backend, BackendError, FileBackend, NotFound, open_backend
+from tierfs.s3tier.backend import (
+    Backend,
+    BackendError,
+    FileBackend,
+    NotFound,
+    StoreUnavailable,
+    open_backend,
+)
 
 
 @pytest.fixture(params=["file", "s3"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path,
             monkeypatch: pytest.MonkeyPatch) -> Iterator[Backend]:
     if request.param == "file":
-        yield open_backend(f"file://{tmp_path}")
+        store = open_backend(f"file://{tmp_path}")
+        assert store.check()  # new: an empty directory
+        store.claim()
+        yield store
         return
     server: SeaweedS3 = request.getfixturevalue("s3_server")
     bucket = request.getfixturevalue("bucket")
@@ -90,7 +100,8 @@ def test_file_store_is_writable_by_its_owner_only(tmp_path: Path) -> None:
     old = os.umask(0)  # as in the daemon
     try:
         backend = open_backend(f"file://{tmp_path}")
-        backend.check()
+        assert backend.check()
+        backend.claim()
         backend.put_bytes("run/step_1/sub/.tierfs-manifest", b"m")
         source = tmp_path / "src"
         source.write_bytes(b"data")
@@ -118,7 +129,53 @@ def test_file_store_root_must_be_empty_or_a_store(tmp_path: Path) -> None:
     older = tmp_path / "older"  # a store written before stores were marked
     (older / "run/step_1").mkdir(parents=True)
     (older / "run/step_1/.tierfs-manifest").write_bytes(b"m")
-    open_backend(f"file://{older}").check()
+    older_store = open_backend(f"file://{older}")
+    assert not older_store.check()  # used before: not a new store
+    older_store.claim()
     assert (older / FileBackend.STORE_MARK).exists()
     assert [o.key for o in open_backend(f"file://{older}").list()] == [
         "run/step_1/.tierfs-manifest"]
+
+
+def test_a_new_store_is_told_from_one_used_before(backend: Backend) -> None:
+    """`check` says whether a store is new (the mount refuses a new one where the RAM dir says
+    steps were persisted); once an object is in it, it is not."""
+    backend.put_bytes("run/step_1/.tierfs-manifest", b"m")
+    assert backend.check() is False
+    if isinstance(backend, FileBackend):
+        backend.delete(["run/step_1/.tierfs-manifest"])
+        assert backend.check() is False  # the mark stays: used before, though empty now
+
+
+def test_a_file_store_away_is_unavailable_not_missing(tmp_path: Path) -> None:
+    """A file:// store whose directory went away (an unmounted volume), or is an empty
+    directory without its mark (the volume's mountpoint), is StoreUnavailable for every
+    request: not "no object", not an empty listing, not a delete that succeeds, and nothing is
+    written beside the volume. Back in place, it works again."""
+    root = tmp_path / "store"
+    root.mkdir()
+    store = open_backend(f"file://{root}")
+    assert store.check() is True
+    store.claim()
+    store.put_bytes("run/step_1/w.bin", b"w")
+    source = tmp_path / "src"
+    source.write_bytes(b"data")
+    root.rename(tmp_path / "away")
+    for absent in ("is missing", "has no .tierfs-store"):
+        requests = [lambda: store.get_bytes("run/step_1/w.bin"), lambda: list(store.list("")),
+                    lambda: store.put_file("run/step_2/w.bin", source),
+                    lambda: store.put_bytes("run/step_2/.tierfs-manifest", b"m"),
+                    lambda: store.delete(["run/step_1/w.bin"])]
+        for request in requests:
+            with pytest.raises(StoreUnavailable, match=absent) as info:
+                request()
+            assert not isinstance(info.value, NotFound)
+            assert str(info.value).startswith(f"the store file://{root} is unavailable")
+        if not root.exists():
+            root.mkdir()  # the volume's empty mountpoint
+    assert list(root.iterdir()) == []  # nothing was written into it
+    root.rmdir()
+    (tmp_path / "away").rename(root)
+    assert store.get_bytes("run/step_1/w.bin") == b"w"
+    store.put_file("run/step_2/w.bin", source)
+    assert sorted(o.key for o in store.list("run/")) == ["run/step_1/w.bin", "run/step_2/w.bin"]

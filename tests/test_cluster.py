@@ -499,3 +499,37 @@ def test_an_upload_waits_for_the_peer_copies_of_its_step(mounts: MountFactory,
     finally:
         os.kill(node1.pid, signal.SIGCONT)
     wait_until(lambda: node0.step("run/step_10")["replicas"] == ["node1"], timeout=30)
+
+
+def test_a_store_away_in_a_cluster(mounts: MountFactory, token_file: Path, etcd_server: Etcd,
+                                   tmp_path: Path) -> None:
+    """A file:// store shared by the nodes (an NFS volume) goes away: a step a peer holds too
+    is not "only in RAM", so its writer unmounts, naming it as not in the store yet; a fresh
+    node given an empty directory where the store should be is refused, since the cluster
+    persisted steps to it (its own RAM dir knows nothing)."""
+    from tests.test_crash import save
+
+    store, away = tmp_path / "store", tmp_path / "store.away"
+    store.mkdir()
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, _node1 = cluster.start_all("--persist", f"file://{store}")
+    save(node0 / "run/step_1", {"__0_0.distcp": b"one", ".metadata": b"m"})
+    tierfs("flush", str(node0.mountpoint), "--timeout", "60")
+    store.rename(away)
+    save(node0 / "run/step_2", {"__0_0.distcp": b"two", ".metadata": b"m"})
+    wait_until(lambda: node0.step("run/step_2")["replicas"] == ["node1"], timeout=30)
+    done = tierfs("umount", str(node0.mountpoint))
+    assert (f"tierfs: 1 committed step is not in file://{store} yet (peers hold copies): "
+            "run/step_2 (") in done.stderr, done.stderr
+
+    store.mkdir()  # the volume is not mounted on the fresh node
+    cluster.ports["node2"] = free_port()
+    mountpoint = tmp_path / "node2"
+    mountpoint.mkdir()
+    refused = tierfs("mount", str(mountpoint), "--ram-dir", str(mounts.new_ram_dir()),
+                     *cluster.args("node2"), "--persist", f"file://{store}", check=False)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert (f"tierfs: persistent tier file://{store} is empty, but the cluster {cluster.url} "
+            f"persisted steps to file://{store} (node node0 first): is the store's volume "
+            "mounted on this node?") in refused.stderr
+    assert list(store.iterdir()) == []

@@ -9,7 +9,7 @@ import os
 import pytest
 import xxhash
 
-from tests.conftest import Mount, getxattr, tierfs
+from tests.conftest import Mount, MountFactory, getxattr, tierfs
 
 
 def write_step(step_dir, files: dict[str, bytes], metadata: bytes | None = b"meta") -> None:  # type: ignore[no-untyped-def]
@@ -38,7 +38,8 @@ def test_metadata_rename_commits_with_xattrs(mnt: Mount) -> None:
     assert status == {"path": "run1/step_100", "step": 100, "state": "committed", "version": 1,
                       "files": 2, "bytes": len(shard) + 4, "ram": True,
                       "ram_bytes": len(shard) + 4, "replicas": [], "copies": 1,
-                      "persisted": False, "waiting_for": None, "kind": "dir"}
+                      "persisted": False, "waiting_for": None, "kind": "dir",
+                      "persist_wait": None}
     assert mnt.step("run1") is None  # holds steps: a run directory, not a step
     with pytest.raises(OSError) as info:
         os.setxattr(step, "user.tierfs.state", b"writing")
@@ -86,12 +87,50 @@ def test_latest_names_highest_committed_step_not_newest(mnt: Mount) -> None:
     with pytest.raises(OSError) as info:
         os.utime(mnt / "run/latest", follow_symlinks=False)
     assert info.value.errno == errno.EROFS
-    os.unlink(mnt / "run/latest")  # derived, not stored: removing it is a no-op
-    assert os.readlink(mnt / "run/latest") == "step_200"
     os.rename(mnt / "run/step_100/a", mnt / "run/step_100/b")  # a real entry can take the name
-    os.rename(mnt / "run/step_100/b", mnt / "run/latest")
+    os.rename(mnt / "run/step_100/b", mnt / "run/latest")  # (`mv -T tmp latest`)
     assert (mnt / "run/latest").read_bytes() == b"100"
     assert not os.path.islink(mnt / "run/latest")
+    os.unlink(mnt / "run/latest")  # the run directory keeps its own `latest`: no link comes back
+    assert not os.path.lexists(mnt / "run/latest")
+    assert mnt.status()["own_latest"] == ["run"]
+
+
+def test_a_savers_own_latest_file_replaces_the_virtual_link(mounts: MountFactory) -> None:
+    """A saver that writes its own `latest` FILE beside its steps (DeepSpeed's tag file, a
+    custom tracker) after the step committed: the kernel would follow the virtual link to the
+    step directory (EISDIR). `rm latest` makes room for good, also across a remount; DeepSpeed's
+    `global_stepN` run directories never show the link."""
+    mnt = mounts.mount()
+    write_step(mnt / "run/step_1", {"a": b"1"})
+    with pytest.raises(IsADirectoryError):
+        open(mnt / "run/latest", "w")  # noqa: SIM115 - the kernel follows the link
+    os.unlink(mnt / "run/latest")
+    assert "latest" not in os.listdir(mnt / "run")
+    (mnt / "run/latest").write_text("step_1")  # open(O_CREAT|O_TRUNC), as a saver does
+    assert (mnt / "run/latest").read_text() == "step_1"
+    write_step(mnt / "run/step_2", {"a": b"2"})  # a newer commit does not bring the link back
+    assert (mnt / "run/latest").read_text() == "step_1"
+    os.unlink(mnt / "run/latest")
+    assert not os.path.lexists(mnt / "run/latest")
+    # DeepSpeed's step directories: its own `latest` file, whenever it writes it
+    write_step(mnt / "ds/global_step2", {"mp_rank_00_model_states.pt": b"m"})
+    assert getxattr(mnt / "ds/global_step2", "user.tierfs.state") == "committed"
+    assert not os.path.lexists(mnt / "ds/latest")
+    (mnt / "ds/latest").write_text("global_step2")
+    text = tierfs("status", str(mnt.mountpoint)).stdout
+    assert "ds: 2 steps" in text and "its own `latest` is in use" in text
+    assert "<- latest" not in text.split("ds/global_step2", 1)[1].splitlines()[0]
+    assert mnt.status()["own_latest"] == ["ds", "run"]
+
+    tierfs("umount", str(mnt.mountpoint))
+    again = mounts.remount(mnt)
+    assert not os.path.lexists(again / "run/latest")  # the choice stays
+    (again / "run/latest").write_text("step_2")
+    assert (again / "ds/latest").read_text() == "global_step2"
+    assert again.status()["own_latest"] == ["ds", "run"]
+    write_step(again / "other/step_7", {"a": b"7"})  # elsewhere the link is as before
+    assert os.readlink(again / "other/latest") == "step_7"
 
 
 def test_resave_creates_new_version_and_old_stays_until_commit(mnt: Mount) -> None:

@@ -145,7 +145,8 @@ def test_loose_files_persist_once_quiet_and_come_back(mounts: MountFactory,
     node = store_node(mounts, store)
     (node / "run").mkdir()
     loose = {"run/last.ckpt": b"last", "run/config.json": b"{}",
-             "run/latest_checkpointed_iteration.txt": b"100\n", "notes.txt": b"top"}
+             # Megatron-LM's tracker of a release checkpoint names no step: a plain loose file
+             "run/latest_checkpointed_iteration.txt": b"release\n", "notes.txt": b"top"}
     for path, data in loose.items():
         (node / path).write_bytes(data)
     for path in loose:

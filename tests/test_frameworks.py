@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, MountFactory, tierfs, wait_until
+from tests.conftest import Mount, MountFactory, free_port, tierfs, wait_until
 
 JOBS = Path(__file__).with_name("framework_jobs.py")
 IDLE = "1"  # --commit-idle: above the pauses inside one save of these tiny models
@@ -138,3 +138,37 @@ def test_lightning_checkpoints_and_resume(mounts: MountFactory, tmp_path: Path) 
     resumed = run_job(tmp_path, "lightning", str(fresh / "run"), "6", str(fresh / ckpts[-1]))
     assert resumed["global_step"] == 6
     wait_committed(fresh, "run", [*ckpts, "run/epoch=0-step=6.ckpt"])
+
+
+@needs("deepspeed")
+def test_deepspeed_save_and_resume_on_a_fresh_node(mounts: MountFactory, tmp_path: Path) -> None:
+    """DeepSpeed's real engine (CPU, gloo, ZeRO stage 1): its `latest` file comes after its
+    step committed (its checkpoint engine's commit lasts past --commit-idle, as a barrier with
+    slower nodes does) and is a real file there, never tierfs's link (it was EISDIR). With
+    --persist-every 4 and saves at 2, 4, 6, the store's `latest` names global_step4, the
+    newest step the store has, so a fresh node's `load_checkpoint` resumes from it."""
+    store = tmp_path / "store"
+    store.mkdir()
+    node = mounts.mount("--persist", f"file://{store}", "--commit-idle", IDLE,
+                        "--persist-every", "4")
+    first = run_job(tmp_path, "deepspeed", str(node / "ds"), "6", str(free_port()))
+    assert sorted(first["saved"]) == ["2", "4", "6"]
+    assert (node / "ds/latest").read_text() == "global_step6"
+    assert not os.path.islink(node / "ds/latest")
+    # beside the steps: its recovery scripts, loose files like `latest`
+    wait_committed(node, "ds", ["ds/global_step2", "ds/global_step4", "ds/global_step6",
+                                "ds/latest", "ds/zero_to_fp32.py", "ds/zero_to_torch.py"])
+    assert node.status()["own_latest"] == ["ds"]
+    tierfs("flush", str(node.mountpoint), "--timeout", "60")
+    assert (store / "ds/latest").read_text() == "global_step4"  # never past the store
+    assert [name for name in sorted(os.listdir(store / "ds")) if "global_step" in name] == [
+        "global_step4"]
+    tierfs("umount", str(node.mountpoint))
+
+    fresh = store_node(mounts, store)
+    resumed = run_job(tmp_path, "deepspeed", str(fresh / "ds"), "8", str(free_port()),
+                      "resume")
+    assert resumed["loaded_step"] == 4
+    assert resumed["weights_at_load"] == first["saved"]["4"]
+    assert resumed["global_step"] == 8 and sorted(resumed["saved"]) == ["6", "8"]
+    assert (fresh / "ds/latest").read_text() == "global_step8"

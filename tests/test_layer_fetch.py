@@ -33,6 +33,7 @@ def stored_file(tmp_path: Path, data: bytes, name: str = "shard") -> tuple[FileB
     root = tmp_path / "store"
     root.mkdir(exist_ok=True)
     backend = FileBackend(root)
+    backend.claim()
     backend.put_bytes(f"{STEP}/{name}", data)
     digest = mf.hash_file(root / STEP / name)
     entry = mf.FileEntry(name, digest.size, digest.xxh3, mode=0o640, chunks=digest.chunks)

@@ -95,11 +95,11 @@ def records_of(manifest: mf.StepManifest, holders: set[str]) -> dict[str, FileRe
 
 
 def a_replicator(membership: Membership, objects: Path, placements: Any,
-                 on_held: Any) -> Replicator:
+                 on_held: Any, **options: Any) -> Replicator:
     """Node a's replicator (K = 1) over the objects in `objects`, every step current."""
     return Replicator(membership, 1, lambda xxh3: str(objects / xxh3),
                       is_current=lambda m: True, placements=placements,
-                      on_placements=lambda *_: None, on_held=on_held)
+                      on_placements=lambda *_: None, on_held=on_held, **options)
 
 
 async def members_a_and_b(nursery: trio.Nursery, etcd_server: EtcdServer,
@@ -119,11 +119,11 @@ async def members_a_and_b(nursery: trio.Nursery, etcd_server: EtcdServer,
 
 async def replicate_to_b(nursery: trio.Nursery, etcd_server: EtcdServer, b: Receiving,
                          objects: Path, placements: Any, on_held: Any,
-                         *manifests: mf.StepManifest) -> Replicator:
+                         *manifests: mf.StepManifest, **options: Any) -> Replicator:
     """b listening, a's replicator running with `manifests` submitted."""
     await b.start(nursery)
     membership = await members_a_and_b(nursery, etcd_server, b.port)
-    replicator = a_replicator(membership, objects, placements, on_held)
+    replicator = a_replicator(membership, objects, placements, on_held, **options)
     nursery.start_soon(replicator.run)
     for manifest in manifests:
         replicator.submit(manifest)
@@ -160,6 +160,42 @@ async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
     assert (b.objects / small.xxh3).read_bytes() == b"m"
     assert b.held == [("run/step_1", 1, [".metadata", "shard"], "a")]
     assert sorted(os.listdir(b.objects)) == sorted([entry.xxh3, small.xxh3])  # no leftovers
+
+
+async def test_a_tracker_goes_to_a_peer_only_once_it_holds_the_step_it_names(
+        tmp_path: Path, etcd_server: EtcdServer) -> None:
+    """Megatron-LM's tracker, committed and submitted before the iteration it names reached b:
+    its copy waits (`may_copy`, from the file system's view of b's copies) and goes once the
+    iteration's copies are done, with no new submission."""
+    objects = tmp_path / "a-objects"
+    step = mf.StepManifest("run/iter_0000150", 150, 1, "a", 0, (
+        committed_object(objects, os.urandom(3 * mf.CHUNK_SIZE), "mp_rank_00/model.pt"),))
+    tracker = mf.StepManifest("run/latest_checkpointed_iteration.txt", mf.NO_STEP, 1, "a", 0,
+                              (committed_object(objects, b"150", "latest_checkpointed_"
+                                                "iteration.txt"),), single_file=True)
+    b = Receiving(tmp_path, step, tracker)
+    holders: dict[str, set[str]] = {step.path: {"a"}, tracker.path: {"a"}}
+    both = trio.Event()
+
+    async def placements(manifest: mf.StepManifest) -> dict[str, FileRecord]:
+        return records_of(manifest, holders[manifest.path])
+
+    async def on_held(manifest: mf.StepManifest, target: str, _names: list[str]) -> bool:
+        holders[manifest.path].add(target)
+        if all(target in nodes for nodes in holders.values()):
+            both.set()
+        return True
+
+    def may_copy(manifest: mf.StepManifest, peer: str) -> bool:
+        return manifest is not tracker or peer in holders[step.path]
+
+    async with trio.open_nursery() as nursery:
+        await replicate_to_b(nursery, etcd_server, b, objects, placements, on_held,
+                             tracker, step, may_copy=may_copy)
+        with trio.fail_after(20):
+            await both.wait()
+        nursery.cancel_scope.cancel()
+    assert [path for path, _v, _names, _peer in b.held] == [step.path, tracker.path]
 
 
 async def test_a_step_of_many_files_is_held_in_several_messages(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import trio
 from tierfs import manifest as mf
 from tierfs.s3tier.backend import MANIFEST_KEY, BackendError, FileBackend
 from tierfs.s3tier.uploader import Uploader
+from tierfs.trackers import TrackedStep, is_tracker_name
 
 
 def committed_step(objects: Path, path: str, files: dict[str, bytes]) -> mf.StepManifest:
@@ -53,6 +55,7 @@ class Harness:
         self.store = tmp / "store"
         self.store.mkdir()
         self.backend = FailingFirst(self.store, failures)
+        self.backend.claim()
         self.current: set[str] = set()
         self.persisted_paths: list[str] = []
         self.retired: list[str] = []
@@ -60,12 +63,28 @@ class Harness:
             self.backend, lambda xxh3: str(self.objects / xxh3), persist_every=every,
             keep_persist=keep, step_number=self._number,
             is_current=lambda m: m.path in self.current, on_persisted=self._on_persisted,
-            on_retired=self.retired.append)
+            on_retired=self.retired.append, tracked_step=self._tracked)
 
     @staticmethod
     def _number(name: str) -> int | None:
         found = re.fullmatch(r"step_(\d+)", name)
         return int(found[1]) if found else None
+
+    def _tracked(self, manifest: mf.StepManifest) -> TrackedStep | None:
+        """A tracker names `run/step_<its content>` (as `OtherTiers.tracked_step` reads it)."""
+        if manifest.step != mf.NO_STEP or not is_tracker_name(manifest.path):
+            return None
+        number = int((self.objects / manifest.files[0].xxh3).read_text())
+        path = f"run/step_{number}"
+        return TrackedStep(number, path in self.current, path in self.persisted_paths)
+
+    def tracker(self, names: int, version: int) -> mf.StepManifest:
+        """Version `version` of run/latest_checkpointed_iteration.txt, naming step `names`."""
+        path = "run/latest_checkpointed_iteration.txt"
+        self.current.add(path)
+        entry = committed_step(self.objects, "run/step_0", {
+            "latest_checkpointed_iteration.txt": str(names).encode()}).files[0]
+        return mf.StepManifest(path, mf.NO_STEP, version, "n", 0, (entry,), single_file=True)
 
     def _on_persisted(self, manifest: mf.StepManifest) -> None:
         self.persisted_paths.append(manifest.path)
@@ -139,3 +158,74 @@ async def test_a_step_removed_during_an_outage_is_dropped(tmp_path: Path, caplog
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     assert h.persisted_paths == [] and h.stored() == []
+
+
+async def test_a_store_away_for_a_while_gets_the_step_once_back(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A file:// store whose directory is moved away (a volume unmounted) while a step commits:
+    the upload fails as "the store is unavailable" (a line per attempt, no traceback), the
+    reason and since when are there for `tierfs status`, and once the directory is back the
+    step is persisted with no help."""
+    caplog.set_level(logging.INFO)
+    h = Harness(tmp_path)
+    away = tmp_path / "away"
+    h.store.rename(away)
+    manifest = h.step("run/step_1", {"shard": b"data", ".metadata": b"m"})
+    h.uploader.submit(manifest)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(h.uploader.run)
+        with trio.fail_after(20):
+            while h.uploader.waiting(manifest)[2] < 2:  # failed, and tried again
+                await trio.sleep(0.01)
+            reason, since_ns, _failures = h.uploader.waiting(manifest)
+            assert reason == f"the store file://{h.store} is unavailable: {h.store} is missing"
+            assert since_ns <= time.time_ns()
+            away.rename(h.store)
+            while h.persisted_paths != ["run/step_1"]:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert (h.store / "run/step_1/shard").read_bytes() == b"data"
+    assert h.uploader.troubles == {}
+    assert "upload of run/step_1 v1 failed (attempt 2), retrying in" in caplog.text
+    assert "Traceback" not in caplog.text
+
+
+async def test_a_failing_step_does_not_hold_up_the_others(tmp_path: Path) -> None:
+    """A step the store refuses for a reason of its own is tried again later, and the steps
+    behind it go up meanwhile."""
+    h = Harness(tmp_path)
+    (h.store / "run").mkdir()
+    (h.store / "run/step_1").write_bytes(b"a file where the step's directory must go")
+    first = h.step("run/step_1", {"shard": b"one"})
+    second = h.step("run/step_2", {"shard": b"two"})
+    await h.persist(first, second, until=lambda: h.persisted_paths == ["run/step_2"]
+                    and h.uploader.waiting(first)[2] >= 2)
+    assert "Not a directory" in h.uploader.waiting(first)[0]
+
+
+async def test_a_tracker_goes_up_only_after_the_step_it_names(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A tracker committed before the step it names is in the store waits for that step, then
+    goes up; a version naming a step --persist-every skips is not due (the store keeps the
+    version it has): the store's tracker never names a step the store lacks."""
+    caplog.set_level(logging.INFO)
+    h = Harness(tmp_path, every=2)
+    tracker = "run/latest_checkpointed_iteration.txt"
+    step_2 = h.step("run/step_2", {"shard": b"2"})  # committed, not yet in the store
+    first = h.tracker(2, 1)
+    await h.persist(first, until=lambda: f"{tracker} v1 waits for the step it names (2)"
+                    in caplog.text)
+    assert h.persisted_paths == [] and h.stored() == []
+    await h.persist(step_2, until=lambda: tracker in h.persisted_paths)
+    assert h.persisted_paths == ["run/step_2", tracker]
+    assert (h.store / tracker).read_text() == "2"
+
+    step_3 = h.step("run/step_3", {"shard": b"3"})  # never persisted with --persist-every 2
+    second = h.tracker(3, 2)
+    assert not h.uploader.wanted(second)
+    assert not h.uploader.wanted(h.tracker(5, 2))  # no step 5 anywhere: not due either
+    await h.persist(step_3, second, until=lambda: True)
+    assert (h.store / tracker).read_text() == "2"
+    step_4 = h.step("run/step_4", {"shard": b"4"})
+    await h.persist(h.tracker(4, 3), step_4,
+                    until=lambda: h.persisted_paths.count(tracker) == 2)
+    assert h.persisted_paths[-2:] == ["run/step_4", tracker]
+    assert (h.store / tracker).read_text() == "4"

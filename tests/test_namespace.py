@@ -20,6 +20,7 @@ from tierfs.fs.namespace import Namespace
 from tierfs.fs.nodes import ROOT_INODE
 from tierfs.fs.operations import Operations
 from tierfs.fs.ram_store import RamStore
+from tierfs.trackers import TrackedStep
 
 CTX = SimpleNamespace(uid=os.geteuid(), gid=os.getegid(), umask=0o022, pid=os.getpid())
 
@@ -334,3 +335,42 @@ async def test_fifos_and_sockets_are_kept_across_a_restart_and_never_in_a_step(
         assert not (tmp_path / "ram/tree/run/pipe").exists()
     finally:
         h.close()
+
+
+async def test_a_tracker_names_its_step_for_the_store_and_the_peers(harness: Harness) -> None:
+    """What the uploader and the replicator ask of a tracker (OtherTiers): the step its content
+    names in its directory (by name for DeepSpeed, by number for Megatron-LM), whether it is in
+    the store, and whether a peer holds every file of it."""
+    ns = harness.ns
+    await dcp_save(harness, "ckpt/iter_0000150", {"model.pt": b"w"})
+    await harness.write_file("ckpt/latest_checkpointed_iteration.txt", b"150\n")
+    await dcp_save(harness, "ds/global_step4", {"model.pt": b"w"})
+    await harness.write_file("ds/latest", b"global_step4")
+    await harness.write_file("ds/latest_universal", b"release")  # names no step
+    await harness.write_file("ds/notes.txt", b"150")  # not a tracker's name
+    manifests = {}
+    for path in ("ckpt/latest_checkpointed_iteration.txt", "ds/latest", "ds/latest_universal",
+                 "ds/notes.txt"):
+        node = ns.tree.find_step(path)
+        await ns.commits.commit_quietly(node)
+        manifests[path] = node.step.manifest
+    tracker = manifests["ckpt/latest_checkpointed_iteration.txt"]
+    assert ns.tiers.tracked_step(tracker) == TrackedStep(150, made_here=True, persisted=False)
+    assert ns.tiers.tracked_step(manifests["ds/latest"]) == TrackedStep(4, True, False)
+    assert ns.tiers.tracked_step(manifests["ds/latest_universal"]) is None
+    assert ns.tiers.tracked_step(manifests["ds/notes.txt"]) is None
+    assert ns.tiers.may_copy(manifests["ds/notes.txt"], "b")
+    assert not ns.tiers.may_copy(tracker, "b")  # b does not hold iter_0000150
+    step_node = ns.tree.find_step("ckpt/iter_0000150")
+    ns.tree.add_file_holder(step_node, "b", [".metadata", "model.pt"])
+    assert ns.tiers.may_copy(tracker, "b") and not ns.tiers.may_copy(tracker, "c")
+    ns.tiers.mark_persisted(step_node.step.manifest)
+    assert ns.tiers.tracked_step(tracker) == TrackedStep(150, True, True)
+    assert ns.tiers.may_copy(tracker, "c")  # c can read it from the store
+    # a tracker that commits before the step it names (still being written): it waits for it
+    await harness.write_file("ds/global_step6/model.pt", b"w")
+    await harness.write_file("ds/latest", b"global_step6")
+    node = ns.tree.find_step("ds/latest")
+    await ns.commits.commit_quietly(node)
+    assert ns.tiers.tracked_step(node.step.manifest) == TrackedStep(6, True, False)
+    assert not ns.tiers.may_copy(node.step.manifest, "b")

@@ -3,12 +3,18 @@ keep-persist retention, flush, status and xattrs; file:// here, S3 in test_s3.py
 
 from __future__ import annotations
 
+import errno
 import os
+import subprocess
+import time
 from pathlib import Path
 
-from tests.conftest import MountFactory, getxattr, tierfs
+import pytest
+
+from tests.conftest import MountFactory, getxattr, tierfs, wait_until
 from tests.test_crash import save
 from tierfs import manifest as mf
+from tierfs.mount_helper.mounts import is_mounted
 
 
 def step_files(seed: int) -> dict[str, bytes]:
@@ -165,3 +171,133 @@ def test_step_removed_while_it_uploads_does_not_stop_the_daemon(mounts: MountFac
     assert not (store / "run/step_1/.tierfs-manifest").exists() or \
         "Step run/step_1: persisted to" in mnt.log()
     assert mnt.status()["pid"] == mnt.pid  # still the same daemon, still serving
+
+
+def test_a_store_away_for_a_while_gets_its_steps_once_back(mounts: MountFactory,
+                                                            tmp_path: Path) -> None:
+    """A file:// store whose volume goes away (here: its directory is moved) while a step
+    commits: reads from it fail at once and the log says the store is unavailable; status
+    says why the step is not persisted and since when; flush and umount name it, and umount
+    refuses to leave it only in RAM; once the store is back the step goes up, no remount."""
+    store, away = tmp_path / "store", tmp_path / "store.away"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}", "--keep-ram", "1")
+    for number in (1, 2):
+        save(mnt / f"run/step_{number}", step_files(number))
+        tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    assert mnt.step("run/step_1")["ram"] is False  # persisted, and left RAM
+    store.rename(away)
+
+    with pytest.raises(OSError) as read:
+        (mnt / "run/step_1/__1_0.distcp").read_bytes()
+    assert read.value.errno == errno.EIO
+    assert f"the store file://{store} is unavailable: {store} is missing" in mnt.log()
+    assert "no object run/step_1" not in mnt.log()
+
+    files = step_files(3)
+    save(mnt / "run/step_3", files)
+    wait = wait_until(lambda: (mnt.step("run/step_3")["persist_wait"] or {}).get("failures")
+                      and mnt.step("run/step_3")["persist_wait"])
+    assert "is unavailable" in wait["reason"] and wait["since_ns"] <= time.time_ns()
+    text = tierfs("status", str(mnt.mountpoint)).stdout
+    assert f"warning: 1 step is not yet in file://{store}: run/step_3 (failing for " in text
+    flush = tierfs("flush", str(mnt.mountpoint), "--timeout", "0.5", check=False)
+    assert flush.returncode == 1
+    assert "not yet in" in flush.stderr and "run/step_3 (failing for " in flush.stderr
+
+    umount = tierfs("umount", str(mnt.mountpoint), check=False)
+    assert umount.returncode == 1 and umount.stderr.count("\n") == 1, umount.stderr
+    assert umount.stderr.startswith(f"tierfs: not unmounted: 1 committed step is only in "
+                                    f"this node's RAM, not in file://{store}: run/step_3 (")
+    assert is_mounted(mnt.mountpoint)
+
+    away.rename(store)
+    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    for name, data in files.items():
+        assert (store / "run/step_3" / name).read_bytes() == data
+    assert mnt.step("run/step_3")["persisted"] and mnt.step("run/step_3")["persist_wait"] is None
+    tierfs("umount", str(mnt.mountpoint))
+
+
+def test_umount_force_leaves_unpersisted_steps_in_ram(mounts: MountFactory,
+                                                      tmp_path: Path) -> None:
+    """`umount --force` unmounts while the store is away and says what stays only in RAM; the
+    next mount on that RAM dir uploads it."""
+    store, away = tmp_path / "store", tmp_path / "store.away"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}")
+    store.rename(away)
+    files = step_files(1)
+    save(mnt / "run/step_1", files)
+    wait_until(lambda: mnt.step("run/step_1")["persist_wait"]["failures"])
+    done = tierfs("umount", str(mnt.mountpoint), "--force")
+    assert not is_mounted(mnt.mountpoint)
+    assert (f"tierfs: warning: 1 committed step is only in this node's RAM, not in "
+            f"file://{store}: run/step_1 (failing for ") in done.stderr
+    assert f"they stay in RAM dir {mnt.ram_dir}" in done.stderr
+
+    away.rename(store)
+    again = mounts.remount(mnt)
+    tierfs("flush", str(again.mountpoint), "--timeout", "60")
+    assert (store / "run/step_1/__0_0.distcp").read_bytes() == files["__0_0.distcp"]
+
+
+def test_an_empty_store_where_steps_were_persisted_is_refused(mounts: MountFactory,
+                                                              tmp_path: Path) -> None:
+    """A store directory that is empty (its volume not mounted) while the RAM dir records
+    steps persisted: the mount is refused with one line, and nothing is written into it. A
+    store that was empty at mount is a "new store" in status."""
+    store, away = tmp_path / "store", tmp_path / "store.away"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}")
+    assert mnt.status()["persist"]["new_store"] is True
+    assert f"persistent tier file://{store} (new store): " in \
+        tierfs("status", str(mnt.mountpoint)).stdout
+    save(mnt / "run/step_1", step_files(1))
+    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    tierfs("umount", str(mnt.mountpoint))
+
+    store.rename(away)
+    store.mkdir()  # where the volume should be mounted
+    done = tierfs("mount", str(mnt.mountpoint), "--ram-dir", str(mnt.ram_dir), "--persist",
+                  f"file://{store}", check=False)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert (f"tierfs: persistent tier file://{store} is empty, but RAM dir {mnt.ram_dir} "
+            "records 1 step as persisted (run/step_1): is the store's volume mounted?") \
+        in done.stderr
+    assert not is_mounted(mnt.mountpoint) and list(store.iterdir()) == []
+
+    store.rmdir()
+    away.rename(store)
+    again = mounts.remount(mnt)
+    assert again.status()["persist"]["new_store"] is False
+    assert "(new store)" not in tierfs("status", str(again.mountpoint)).stdout
+    assert again.step("run/step_1")["persisted"]
+
+
+def test_du_counts_a_step_whichever_tier_holds_it(mounts: MountFactory, tmp_path: Path) -> None:
+    """`du` of a step is the size of its files whether they are in RAM, left RAM (only in the
+    store), or on a fresh node that has read nothing yet (st_blocks: the size in 512-byte
+    blocks, as mountpoint-s3 reports it)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}", "--keep-ram", "1")
+    files = {"model.pt": os.urandom(300_007), "optim.pt": os.urandom(1_000_001),
+             ".metadata": b"m"}
+    for number in (1, 2):
+        save(mnt / f"run/step_{number}", files)
+    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    assert mnt.step("run/step_1")["ram"] is False  # beyond --keep-ram: only in the store
+    in_blocks = sum(-(-len(data) // 512) for data in files.values())
+
+    def du_bytes(step_dir: Path) -> int:
+        done = subprocess.run(["du", "-s", "--block-size=1", str(step_dir)], check=True,
+                              capture_output=True, text=True)
+        return int(done.stdout.split()[0]) - os.stat(step_dir).st_blocks * 512
+
+    assert os.stat(mnt / "run/step_1/optim.pt").st_blocks == -(-1_000_001 // 512)
+    assert du_bytes(mnt / "run/step_1") == in_blocks * 512
+    assert du_bytes(mnt / "run/step_2") == in_blocks * 512  # in RAM: the same answer
+    fresh = mounts.mount("--persist", f"file://{store}")
+    assert fresh.step("run/step_2")["ram"] is False
+    assert du_bytes(fresh / "run/step_2") == in_blocks * 512

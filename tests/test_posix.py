@@ -297,7 +297,7 @@ def test_fifos_sockets_and_mknod(mounts: MountFactory, tmp_path: Path) -> None:
     tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
     assert sorted(os.listdir(store / "run/step_2")) == [".tierfs-manifest", "shard"]
     # A restart keeps them where they were, and the steps committed.
-    tierfs("umount", str(mnt.mountpoint))
+    tierfs("umount", str(mnt.mountpoint), "--flush")  # "plain" commits at the unmount
     mnt = mounts.remount(mnt)
     assert stat.S_ISFIFO(os.lstat(run / "pipe").st_mode)
     assert stat.S_ISFIFO(os.lstat(run / "step_2/pipe").st_mode)

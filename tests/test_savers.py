@@ -193,6 +193,45 @@ def test_megatron_shaped_tree(mounts: MountFactory, tmp_path: Path) -> None:
     check_fresh_node(mounts, store, expected, [])
 
 
+def test_megatron_tracker_in_the_store_never_names_a_step_it_lacks(mounts: MountFactory,
+                                                                   tmp_path: Path) -> None:
+    """Megatron-LM's order: the iteration's directory, then (rank 0, after a barrier longer than
+    --commit-idle here) `latest_checkpointed_iteration.txt` naming it. With --persist-every 100
+    and iterations 50, 100, 150, the store's tracker says 100, the newest iteration it has, so a
+    fresh node resumes; iteration 200 then moves it. Plain file I/O: megatron-core 0.16.1 (the
+    newest for Python 3.11) cannot save on a CPU-only torch (its torch_dist writer calls
+    torch.cuda.synchronize)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = store_mount(mounts, store, "--persist-every", "100")
+    tracker = "ckpt/latest_checkpointed_iteration.txt"
+    weights = {}
+
+    def save(iteration: int, version: int) -> None:
+        rel = f"ckpt/iter_{iteration:07d}/mp_rank_00/model_optim_rng.pt"
+        weights[iteration] = os.urandom(30_000)
+        write(mnt / rel, weights[iteration])
+        wait_until(lambda: committed(mnt, f"ckpt/iter_{iteration:07d}"))
+        write(mnt / tracker, str(iteration).encode())
+        wait_until(lambda: committed(mnt, tracker, version))
+
+    for version, iteration in enumerate((50, 100, 150), 1):
+        save(iteration, version)
+    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    assert sorted(n for n in os.listdir(store / "ckpt") if n.startswith("iter_")) == [
+        "iter_0000100"]
+    assert (store / tracker).read_text() == "100"  # not 150: the store lacks it
+    assert mnt.step(tracker)["persisted"] is False  # its version saying 150 stays in RAM
+    fresh = mounts.mount("--persist", f"file://{store}")
+    resume = int((fresh / tracker).read_text())
+    assert (fresh / f"ckpt/iter_{resume:07d}/mp_rank_00/model_optim_rng.pt").read_bytes() == (
+        weights[100])
+
+    save(200, 4)
+    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    assert (store / tracker).read_text() == "200"
+
+
 def test_deepspeed_shaped_tree(mounts: MountFactory, tmp_path: Path) -> None:
     """DeepSpeed: global_stepN/ with model and ZeRO optimizer states, and its own `latest`
     file naming the newest tag; rotation removes old tags."""

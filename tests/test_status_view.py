@@ -14,6 +14,7 @@ from tierfs.mount_helper.status_view import (
     format_status,
     human_age,
     in_subtree,
+    store_lines,
     subtree,
     uncommitted,
 )
@@ -23,11 +24,13 @@ NOW = 1_800_000_000 * 10**9  # ns
 
 def step(path: str, number: int, state: str = "committed", *, persisted: bool = False,
          replicas: tuple[str, ...] = (), ago: float = 10.0, size: int = 1024,
-         waiting_for: str | None = None) -> dict[str, Any]:
+         waiting_for: str | None = None,
+         persist_wait: dict[str, Any] | None = None) -> dict[str, Any]:
     stamp = NOW - int(ago * 1e9)
     return {"path": path, "step": number, "state": state, "version": int(state == "committed"),
             "files": 2, "bytes": size, "ram_bytes": size, "ram": True,
             "replicas": list(replicas), "persisted": persisted, "waiting_for": waiting_for,
+            "persist_wait": persist_wait,
             "committed_ns": stamp if state == "committed" else None,
             "changed_ns": stamp if state != "committed" else None}
 
@@ -54,7 +57,8 @@ def test_table_marks_latest_and_ages_and_summarises_each_run() -> None:
         step("run2/checkpoint-5", 5, persisted=True, replicas=("n1",), ago=7500, size=3 << 20),
     ), now_ns=NOW)
     lines = text.splitlines()
-    assert lines[2].split() == ["PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "AGE",
+    assert lines[2] == "persistent tier file:///s: every committed step due there is in it"
+    assert lines[3].split() == ["PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "AGE",
                                 "TIERS"]
     table = rows(text)
     assert table["run1/step_100"][-2:] == ["1m05s", "ram,persist"]
@@ -68,6 +72,21 @@ def test_table_marks_latest_and_ages_and_summarises_each_run() -> None:
             "RAM") in lines
     assert ("warning: 2 steps exist only in this node's RAM (1 being written, 1 committed, not "
             "yet persisted or replicated): run1/step_200, run1/step_300") in lines
+
+
+def test_a_run_directory_with_its_own_latest_marks_no_step_and_says_so() -> None:
+    status = document(step("ds/global_step2", 2), step("ds/global_step4", 4),
+                      step("run/step_1", 1))
+    status["own_latest"] = ["ds"]
+    text = format_status(status, now_ns=NOW)
+    table = rows(text)
+    assert "<-" not in table["ds/global_step4"] and table["run/step_1"][-2:] == ["<-", "latest"]
+    assert [line for line in text.splitlines() if line.startswith("ds:")][0].endswith(
+        "; its own `latest` is in use (no virtual link)")
+    assert "its own" not in [line for line in text.splitlines() if line.startswith("run:")][0]
+    assert subtree(status, "run")["own_latest"] == []
+    assert subtree(status, "ds/global_step2")["own_latest"] == ["ds"]  # its run directory
+    assert subtree(status, "ds")["own_latest"] == ["ds"]
 
 
 def test_waiting_steps_and_a_lone_node_are_warnings() -> None:
@@ -91,6 +110,30 @@ def test_nothing_to_warn_about_and_no_steps() -> None:
     assert format_status(document()).splitlines()[-1] == "no step directories yet"
     empty = subtree(document(step("r/1", 1)), "other")
     assert format_status(empty).splitlines()[-1] == "no steps under other"
+
+
+def test_steps_not_in_the_store_say_why_and_since_when() -> None:
+    """A step whose upload fails is a warning with its reason and how long it has failed; the
+    persistent tier's line says what waits (and "new store" for a store this mount found
+    empty); `tierfs umount` tells the steps only in RAM from those peers hold."""
+    unavailable = "the store file:///s is unavailable: /s is missing"
+    doc = document(
+        step("r/step_1", 1, persist_wait={"reason": unavailable, "since_ns": NOW - 65 * 10**9,
+                                          "failures": 4}),
+        step("r/step_2", 2, replicas=("n1",),
+             persist_wait={"reason": "queued", "since_ns": NOW, "failures": 0}),
+        step("r/step_3", 3, persisted=True))
+    doc["persist"].update(pending_steps=2, pending_bytes=2048, new_store=True)
+    lines = format_status(doc, now_ns=NOW).splitlines()
+    assert lines[2] == "persistent tier file:///s (new store): 2 steps (2.0 KiB) not in it yet"
+    assert (f"warning: 1 step is not yet in file:///s: r/step_1 (failing for 1m05s: "
+            f"{unavailable})") in lines
+    alone, held = store_lines(doc)
+    assert alone is not None and alone.startswith(
+        "1 committed step is only in this node's RAM, not in file:///s: r/step_1 (failing for ")
+    assert held == "1 committed step is not in file:///s yet (peers hold copies): r/step_2 " \
+        "(queued)"
+    assert store_lines(document(step("r/step_3", 3, persisted=True))) == (None, None)
 
 
 def test_subtree_is_the_path_below_or_the_step_around() -> None:

@@ -18,6 +18,10 @@ DEFAULT_STEP_PATTERN = r"^(?:(?:(?:global_)?step|checkpoint|ckpt|iter(?:ation)?)
 DEFAULT_FILE_STEP_PATTERN = (
     r"^(?:.*[-_=])?(?:(?:global_)?step|checkpoint|ckpt|iter(?:ation)?|model)?[-_=]?"
     r"([0-9]+)(?:-v[0-9]+)?\.(?:ckpt|pt|pth|bin|safetensors|pkl|pickle|h5|npz|npy|msgpack|tar)$")
+# DeepSpeed's step directories (its default tag, `global_step100`): DeepSpeed writes and reads
+# its own `latest` FILE beside them, so a directory holding one never shows tierfs's virtual
+# `latest` link (a link there would make DeepSpeed's `open("latest", "w")` fail with EISDIR).
+DEEPSPEED_STEP = r"^global_step[0-9]+$"
 
 
 def some_names(names: Iterable[str], most: int = 5) -> str:

@@ -4,22 +4,33 @@ A step commits when its saver says so (a DCP `.metadata` closed after writing or
 place, a directory renamed onto a step name, `tierfs commit`), when it falls quiet
 (`fs.quiet_commits`), or when the last writer of a pending commit is done. `Commits` checks
 the step, brings in what is missing (files from other tiers via `Residency`, other nodes' DCP
-shards via `OtherTiers`), seals what is unsealed, and then has the `Tree` write the manifest
-with no await between the last check and the change (`Tree.write_manifest`). The new manifest
-goes to the `CommitSink` (uploads, replicas).
+shards via `OtherTiers`), seals what is unsealed, copies what an open handle could still write,
+and then has the `Tree` write the manifest with no await between the last check and the change
+(`Tree.write_manifest`). The new manifest goes to the `CommitSink` (uploads, replicas).
+
+One rule for everything a commit awaits (`Commits._commit_locked`): any await may let a writer
+come back, a file go, a seal be dropped or go stale. So an attempt prepares (residency, seals,
+private copies), then checks in one synchronous step that everything it prepared still holds
+(`_still_ready`); if anything moved, what it made for itself (private copies in objects/) is
+removed and it starts over, which first waits for the writers (or leaves the commit pending).
+The copies are removed also when the attempt ends any other way (an error, a cancellation:
+`tierfs commit --timeout`). A writer that comes back therefore either came after the check (its
+writes start the next version) or sends the commit round again (they land in this one whole).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import time
 
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.nodes import METADATA, FsError, Node, StepState, some_names
+from tierfs.fs.latest_pins import thread_group
+from tierfs.fs.nodes import METADATA, FsError, Node, Seal, StepState, some_names
 from tierfs.fs.other_tiers import OtherTiers
 from tierfs.fs.ports import CommitSink
 from tierfs.fs.ram_store import RamFull
@@ -28,6 +39,23 @@ from tierfs.fs.tree import Tree
 from tierfs.observe import Events
 
 log = logging.getLogger(__name__)
+
+# What a commit waits for (`tierfs commit` shows it after a second, and when it gives up).
+ANOTHER_COMMIT = "another commit of the step"
+OPEN_WRITERS = "open writers"
+DCP_FILES = "the files its .metadata names"
+OTHER_TIERS = "its files to come back from other tiers"
+SEALS = "the checksums of its files"
+COPIES = "private copies of its files open for writing"
+
+
+class Waiting:
+    """What one commit waits for now (one of the phrases above)."""
+
+    __slots__ = ("what",)
+
+    def __init__(self) -> None:
+        self.what = ANOTHER_COMMIT
 
 
 class Commits:
@@ -40,9 +68,13 @@ class Commits:
         self.tiers = tiers
         self.sink = sink
         self.events = events  # the commit's event line and metrics
+        self._waiting: dict[StepState, Waiting] = {}  # the commit of each step that holds its lock
 
-    async def commit(self, step_node: Node, *, wait_for_writers: bool) -> mf.StepManifest | None:
+    async def commit(self, step_node: Node, *, wait_for_writers: bool,
+                     patience: float = math.inf) -> mf.StepManifest | None:
         """Commit `step_node` now; with writers still open either wait or leave it pending.
+        After `patience` seconds of waiting and preparing, give up (FsError ETIMEDOUT) with
+        nothing changed.
 
         Returns the manifest in force after the commit, or None when left pending.
         """
@@ -50,14 +82,20 @@ class Commits:
         if step is None:
             raise FsError(errno.EINVAL, "not a step directory")
         started = time.monotonic()
+        waiting = Waiting()
         try:
-            manifest, old = await self._commit_locked(step_node, step, wait_for_writers)
+            with trio.move_on_after(patience) as attempt:
+                manifest, old = await self._commit_locked(step_node, step, wait_for_writers,
+                                                          waiting)
         except (OSError, RamFull) as exc:
             # Retried (retry_pending_commits) until it succeeds; `status` shows why it waits.
             self.tree.leave_pending(step, "space: " + (
                 "the RAM tier is full" if isinstance(exc, RamFull)
                 else exc.strerror or str(exc)))
             raise
+        if attempt.cancelled_caught:
+            raise FsError(errno.ETIMEDOUT, f"not committed: gave up after {patience:g} s "
+                          f"waiting for {self._describe(step_node, waiting.what)}")
         if manifest is None:
             return None
         self.tree.note_waiting(step, None)
@@ -67,80 +105,143 @@ class Commits:
             await self.sink.send(manifest)
         return manifest
 
-    async def _commit_locked(self, step_node: Node, step: StepState, wait_for_writers: bool
+    def waiting_for(self, relpath: str) -> str | None:
+        """What the commit in progress of the step at `relpath` waits for (None: none runs)."""
+        step_node = self.tree.find_step(relpath)
+        waiting = self._waiting.get(step_node.step) if step_node is not None else None
+        return None if waiting is None else self._describe(step_node, waiting.what)
+
+    def _describe(self, step_node: Node, what: str) -> str:
+        """`what`, with the files being written and who opened them for OPEN_WRITERS."""
+        if what != OPEN_WRITERS:
+            return what
+        writers = []
+        for node in self.tree.walk_files(step_node):
+            if node.active_writers:
+                pids = sorted({thread_group(h.pid) for h in node.handles if h.active and h.pid})
+                writers.append(self.tree.relpath(node)
+                               + (f" (pid {', '.join(map(str, pids))})" if pids else ""))
+        return f"{what}: {some_names(writers)}" if writers else what
+
+    async def _commit_locked(self, step_node: Node, step: StepState, wait_for_writers: bool,
+                             waiting: Waiting
                              ) -> tuple[mf.StepManifest | None, mf.StepManifest | None]:
         """The commit itself: (the manifest in force after it, the one before), or (None, _)
-        when it is left pending."""
+        when it is left pending. Attempts go round until one finds nothing moved (see the
+        module docstring)."""
         tree = self.tree
         async with step.lock:
-            while True:
-                released = tree.released
-                if tree.has_active_writers(step_node):
-                    if not wait_for_writers:
-                        tree.leave_pending(step, "open writers")
-                        log.info("commit of %s waits for open writers", tree.relpath(step_node))
-                        return None, None
-                    await released.wait()
-                    continue
-                if not await self.tiers.locate_dcp_files(step_node):
-                    tree.leave_pending(step, "files named by its .metadata")
-                    return None, None  # retried by retry_pending_commits
-                files = list(tree.files_under(step_node))
-                elsewhere = self.tiers.held_elsewhere(step_node)  # stay where they are
-                for rel, node in files:
-                    if node.remote is not None and rel not in elsewhere:
-                        await self.residency.make_resident(node, empty=False)
-                    if node.seal is None and node.remote is None:
-                        await tree.seal(node)
-                copies = await self._copies_of_open_files(files)
-                # From here to the end of Tree.write_manifest there is no await (fs.tree).
-                stale = tree.stale_seals(files)
-                for node in stale:
-                    tree.written_behind_seal(node)
-                if (stale or tree.has_active_writers(step_node)
-                        or tree.step_of(step_node) is not step or step_node.parent is None
-                        or files != list(tree.files_under(step_node))
-                        or any(node.remote is None and node.seal is None
-                               or node.remote is not None and rel not in elsewhere
-                               for rel, node in files)
-                        or any(node.gen != gen for node, (_copy, gen) in copies.items())):
-                    for copy, _gen in copies.values():
-                        tree.store.discard(copy)
+            self._waiting[step] = waiting
+            try:
+                while True:
+                    released = tree.released
+                    if tree.has_active_writers(step_node):
+                        if not wait_for_writers:
+                            tree.leave_pending(step, "open writers")
+                            log.info("commit of %s waits for open writers",
+                                     tree.relpath(step_node))
+                            return None, None
+                        waiting.what = OPEN_WRITERS
+                        await released.wait()
+                        continue
+                    waiting.what = DCP_FILES
+                    if not await self.tiers.locate_dcp_files(step_node):
+                        tree.leave_pending(step, "files named by its .metadata")
+                        return None, None  # retried by retry_pending_commits
+                    files = list(tree.files_under(step_node))
+                    elsewhere = self.tiers.held_elsewhere(step_node)  # stay where they are
+                    await self._resident_and_sealed(files, elsewhere, waiting)
+                    waiting.what = COPIES
+                    copies: dict[Node, bytes] = {}  # private copies made for this attempt
+                    cut_to: dict[Node, Seal] = {}  # the seal each copy's bytes are
+                    try:
+                        await self._copy_open_files(files, copies, cut_to)
+                        # From here to the end of Tree.write_manifest there is no await.
+                        if self._still_ready(step_node, step, files, elsewhere, cut_to):
+                            old = step.manifest
+                            return tree.write_manifest(step_node, files, copies), old
+                    finally:
+                        for copy in copies.values():  # those the manifest did not take
+                            tree.store.discard(copy)
                     if tree.step_of(step_node) is not step or step_node.parent is None:
                         return None, None  # renamed away or removed while it was being sealed
-                    continue
-                old = step.manifest
-                manifest = tree.write_manifest(step_node, files,
-                                               {n: c for n, (c, _g) in copies.items()})
-                return manifest, old
+            finally:
+                del self._waiting[step]
 
-    async def _copies_of_open_files(self, files: list[tuple[str, Node]]
-                                    ) -> dict[Node, tuple[bytes, int]]:
-        """Private copies, for the objects, of files that a handle could still write into."""
-        store = self.tree.store
-        copies = {}
+    async def _resident_and_sealed(self, files: list[tuple[str, Node]], elsewhere: set[str],
+                                   waiting: Waiting) -> None:
+        """Bring back the files held only by other tiers, and seal the unsealed ones."""
+        for rel, node in files:
+            if node.remote is not None and rel not in elsewhere:
+                waiting.what = OTHER_TIERS
+                await self.residency.make_resident(node, empty=False)
+            if node.seal is None and node.remote is None:
+                waiting.what = SEALS
+                await self.tree.seal(node)  # may come back unsealed: _still_ready sees it
+
+    async def _copy_open_files(self, files: list[tuple[str, Node]], copies: dict[Node, bytes],
+                               cut_to: dict[Node, Seal]) -> None:
+        """Private copies, for the objects, of sealed files that a handle could still write
+        into (one whose object exists already needs none); each recorded as it is made, so
+        that the caller removes it whatever happens next."""
+        tree = self.tree
+        store = tree.store
         for _rel, node in files:
-            if any(h.writable for h in node.handles) and \
-                    not store.object_path(node.seal.digest.xxh3).exists():
-                gen = node.gen
-                await self.residency.make_room(node.seal.digest.size)
+            seal = node.seal
+            if (seal is None or not any(h.writable for h in node.handles)
+                    or store.object_path(seal.digest.xxh3).exists()):
+                continue
+            await self.residency.make_room(seal.digest.size)
+            if node.seal is not seal or not tree.has_backing(node):
+                continue  # written or removed meanwhile: _still_ready sees it
+            try:
                 copy = await trio.to_thread.run_sync(
-                    store.copy, self.tree.backing(node), os.fsencode(store.objects),
-                    node.seal.digest.size)
-                store.account_path(copy)
-                copies[node] = (copy, gen)
-        return copies
+                    store.copy, tree.backing(node), os.fsencode(store.objects),
+                    seal.digest.size)
+            except FileNotFoundError:
+                continue  # removed or renamed while it was copied: _still_ready sees it
+            store.account_path(copy)
+            copies[node] = copy
+            cut_to[node] = seal
 
-    async def commit_path(self, relpath: str) -> mf.StepManifest:
+    def _still_ready(self, step_node: Node, step: StepState, files: list[tuple[str, Node]],
+                     elsewhere: set[str], cut_to: dict[Node, Seal]) -> bool:
+        """After an attempt's awaits: whether everything it checked and prepared still holds
+        (no await here; the manifest is written right after a True)."""
+        tree = self.tree
+        stale = tree.stale_seals(files)
+        for node in stale:  # open for writing with no seal of its bytes: being written
+            tree.written_behind_seal(node)
+        return not (stale or tree.has_active_writers(step_node)
+                    or tree.step_of(step_node) is not step or step_node.parent is None
+                    or files != list(tree.files_under(step_node))
+                    or not all(self._file_ready(rel, node, elsewhere, cut_to)
+                               for rel, node in files))
+
+    def _file_ready(self, rel: str, node: Node, elsewhere: set[str],
+                    cut_to: dict[Node, Seal]) -> bool:
+        """A file can go into the manifest: held by other nodes, or sealed, with a private
+        copy of exactly the sealed bytes if a handle could still write into it (or an object
+        of those bytes already)."""
+        if node.remote is not None:
+            return rel in elsewhere
+        if node.seal is None:
+            return False
+        if node in cut_to:
+            return node.seal is cut_to[node]
+        return (not any(h.writable for h in node.handles)
+                or self.tree.store.object_path(node.seal.digest.xxh3).exists())
+
+    async def commit_path(self, relpath: str, timeout: float = math.inf) -> mf.StepManifest:
         """`tierfs commit PATH`: commit the step (a directory or a single file) at `relpath`,
-        waiting for writers."""
+        waiting for writers; after `timeout` seconds give up (FsError ETIMEDOUT)."""
         node = self.tree.find_step(relpath) or self.tree.find_dir(relpath)
         if self.tree.step_of(node) is None:
             raise FsError(errno.EINVAL,
                           f"{relpath} is not a step directory (its name does not match "
                           f"--step-pattern {self.tree.pattern.pattern!r}, or it holds step "
                           "directories itself)")
-        manifest = await self.commit(node, wait_for_writers=True)
+        manifest = await self.commit(node, wait_for_writers=True, patience=timeout)
         if manifest is None:
             missing = await self.tiers.missing_dcp_files(node)
             if missing:
@@ -198,7 +299,7 @@ class Commits:
         quiet): at the RELEASE after its writer's close(), not at that close's FLUSH, after
         which writes through a duplicate of the descriptor may still come. So its bytes become
         the committed object as they are, where a commit at the FLUSH had to copy the whole
-        file first (`Commits._copies_of_open_files`: twice the RAM, and a close that waited
+        file first (`Commits._copy_open_files`: twice the RAM, and a close that waited
         for the copy)."""
         step = node.step
         if (node.is_file and step is not None and step.number is not None

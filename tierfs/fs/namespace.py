@@ -170,8 +170,8 @@ class Namespace:
     # -- files: a write ----------------------------------------------------------------------
 
     def create(self, parent: Node, name: bytes, mode: int, flags: int, uid: int,
-               gid: int) -> tuple[Node, Handle]:
-        return self.tree.create(parent, name, mode, flags, uid, gid)
+               gid: int, pid: int = 0) -> tuple[Node, Handle]:
+        return self.tree.create(parent, name, mode, flags, uid, gid, pid)
 
     async def open(self, node: Node, flags: int) -> Handle:
         self.tree.check_openable(node)

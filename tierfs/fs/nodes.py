@@ -27,6 +27,7 @@ MANIFEST = mf.MANIFEST_NAME.encode()
 PERSISTED_MARK = reserved.PERSISTED.encode()
 REPLICAS_MARK = reserved.REPLICAS.encode()
 PEERS_MARK = reserved.PEERS.encode()
+OWN_LATEST_MARK = reserved.OWN_LATEST.encode()
 NAME_MAX = 255
 RENAME_NOREPLACE = 1
 ENOATTR = errno.ENODATA
@@ -43,6 +44,13 @@ class FsError(Exception):
     def __init__(self, errno_: int, message: str = "") -> None:
         super().__init__(message or os.strerror(errno_))
         self.errno = errno_
+
+
+def size_in_blocks(size: int) -> int:
+    """`st_blocks` of a regular file: its size in 512-byte blocks, rounded up, whichever tier
+    holds its bytes (as mountpoint-s3 reports it), so that `du` says how much a step holds
+    whether it is in RAM, evicted, or only on a peer or in the store."""
+    return -(-size // 512)
 
 
 @dataclass(frozen=True)
@@ -127,7 +135,7 @@ class StepState:
 class Node:
     __slots__ = ("ino", "kind", "name", "parent", "children", "lookups", "handles",
                  "active_writers", "gen", "seal", "step", "virtual", "remote", "fetch",
-                 "anchor_fd")
+                 "anchor_fd", "own_latest")
 
     def __init__(self, ino: int, kind: int, name: bytes, parent: Node | None) -> None:
         self.ino = ino
@@ -146,6 +154,8 @@ class Node:
         self.remote: RemoteFile | None = None
         self.fetch: Fetch | None = None
         self.anchor_fd = -1  # a deep directory held open for long paths (fs.long_paths)
+        # A directory whose `latest` is its own, never the virtual link (Tree.owns_latest).
+        self.own_latest = False
 
     @property
     def is_dir(self) -> bool:
@@ -162,9 +172,9 @@ class Handle:
     A passthrough handle's reads and writes go from the kernel straight to its backing file."""
 
     __slots__ = ("fh", "node", "fd", "backing_ino", "writable", "active", "passthrough",
-                 "flushes", "pin")
+                 "flushes", "pin", "pid")
 
-    def __init__(self, fh: int, node: Node, fd: int, writable: bool) -> None:
+    def __init__(self, fh: int, node: Node, fd: int, writable: bool, pid: int = 0) -> None:
         self.fh = fh
         self.node = node
         self.fd = fd  # -1 while the node's bytes are fetched from another tier
@@ -174,4 +184,5 @@ class Handle:
         self.passthrough = False
         self.flushes = 0  # FLUSHes seen: more than one means duplicated descriptors
         self.pin: Pin | None = None  # the `latest` target its process keeps while it is open
+        self.pid = pid  # the thread that opened it (FUSE's request), 0 if not known
 

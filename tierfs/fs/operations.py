@@ -20,7 +20,7 @@ import pyfuse3
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, StatvfsData
 
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.nodes import NAME_MAX, XATTR_RESERVED, FsError, Handle, Node
+from tierfs.fs.nodes import NAME_MAX, XATTR_RESERVED, FsError, Handle, Node, size_in_blocks
 from tierfs.fs.passthrough import PassthroughDevice
 from tierfs.fs.ram_store import RamFull
 
@@ -92,7 +92,9 @@ class Operations(pyfuse3.Operations):
         attrs.st_gid = st.st_gid
         attrs.st_size = st.st_size
         attrs.st_blksize = BLOCK
-        attrs.st_blocks = st.st_blocks
+        # A file's size whichever tier holds it (a RAM file's own blocks would say 0 once it
+        # left RAM, and less than its size while sparse): `du` answers "how much is there".
+        attrs.st_blocks = size_in_blocks(st.st_size) if node.is_file else st.st_blocks
         attrs.st_atime_ns = st.st_atime_ns
         attrs.st_mtime_ns = st.st_mtime_ns
         attrs.st_ctime_ns = st.st_ctime_ns
@@ -196,7 +198,7 @@ class Operations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[FileInfo, EntryAttributes]:
         node, handle = self.ns.create(self.ns.get(parent_inode), name, mode & ~ctx.umask,
-                                      flags, ctx.uid, ctx.gid)
+                                      flags, ctx.uid, ctx.gid, ctx.pid)
         return await self._file_info(handle), self._entry(node)
 
     @_boundary

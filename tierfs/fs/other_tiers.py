@@ -18,9 +18,10 @@ from collections.abc import Callable
 import trio
 
 from tierfs import manifest as mf
+from tierfs import trackers
 from tierfs.fs import dcp_metadata
 from tierfs.fs.deletes import PERSIST, Deletes, peer_target
-from tierfs.fs.nodes import METADATA, FsError, Node, some_names
+from tierfs.fs.nodes import METADATA, FsError, Node, StepState, some_names
 from tierfs.fs.ports import SealedCollector, Spawner
 from tierfs.fs.residency import Residency
 from tierfs.fs.tree import Tree
@@ -42,6 +43,7 @@ class OtherTiers:
         # files of steps being committed here that stay on the other nodes that wrote them
         self._elsewhere: dict[str, set[str]] = {}
         self._unpublished: dict[str, mf.StepManifest] = {}  # committed while etcd was away
+        self._tracker_texts: dict[str, str | int | None] = {}  # tracker object -> what it names
 
     # -- deletes -----------------------------------------------------------------------------
 
@@ -134,6 +136,73 @@ class OtherTiers:
         self.tree.set_persisted(step_node, manifest.version)
         self.tree.add_remote_files(step_node, list(manifest.files))
         return True
+
+    # -- trackers (tierfs.trackers): never in a tier without the step they name ------------
+
+    def tracked_step(self, manifest: mf.StepManifest) -> trackers.TrackedStep | None:
+        """If this version is a tracker, the step it names (the uploader holds its upload until
+        that step is in the store); None if it is no tracker."""
+        found = self._tracked(manifest)
+        if found is None:
+            return None
+        number, step = found
+        if step is None:
+            return trackers.TrackedStep(number, made_here=False, persisted=False)
+        # Being written here (the tracker may commit first) or committed here: this node's
+        # uploader puts it in the store.
+        made_here = not step.committed or step.manifest.node_id == self.node_id
+        return trackers.TrackedStep(number, made_here=made_here, persisted=step.persisted)
+
+    def may_copy(self, manifest: mf.StepManifest, peer: str) -> bool:
+        """Whether `peer` may get a copy of this version now: not a tracker whose step `peer`
+        does not hold (every file verified there) and the store does not have."""
+        found = self._tracked(manifest)
+        if found is None:
+            return True
+        step = found[1]
+        return step is not None and step.committed and (step.persisted or all(
+            peer in self.tree.verified_peers(step, entry.name) for entry in step.manifest.files))
+
+    def _tracked(self, manifest: mf.StepManifest) -> tuple[int, StepState | None] | None:
+        """A tracker's step number and the step of that number in its directory, committed or
+        being written (None if there is none here); None if `manifest` is no tracker (another
+        file, a content that names no step, bytes not in RAM here)."""
+        if not (manifest.single_file and manifest.step == mf.NO_STEP
+                and trackers.is_tracker_name(manifest.path)):
+            return None
+        named = self._tracker_text(manifest.files[0])
+        try:
+            run_dir = self.tree.find_dir(manifest.path.rpartition("/")[0])
+        except FsError:
+            return None
+        if isinstance(named, str):
+            number = self.tree.step_number(named)
+            node = run_dir.children.get(os.fsencode(named))
+        elif isinstance(named, int):
+            number = named
+            node = next((n for n in run_dir.children.values()
+                         if n.is_dir and n.step is not None and n.step.number == named), None)
+        else:
+            return None
+        if number is None:
+            return None  # a name, but not a step's
+        return number, node.step if node is not None and node.is_dir else None
+
+    def _tracker_text(self, entry: mf.FileEntry) -> str | int | None:
+        """What a tracker object names (`trackers.named_step`), read once per content (a few
+        bytes in RAM); None if it is not here."""
+        if entry.xxh3 not in self._tracker_texts:
+            if entry.size > trackers.MAX_BYTES:
+                return None
+            try:
+                with open(self.tree.store.object_path(entry.xxh3), "rb") as f:
+                    content = f.read(trackers.MAX_BYTES + 1)
+            except FileNotFoundError:
+                return None
+            if len(self._tracker_texts) > 256:
+                self._tracker_texts.clear()
+            self._tracker_texts[entry.xxh3] = trackers.named_step(content)
+        return self._tracker_texts[entry.xxh3]
 
     # -- peers -------------------------------------------------------------------------------
 

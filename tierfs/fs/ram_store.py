@@ -20,6 +20,7 @@ write with ENOSPC before tmpfs itself runs out.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import logging
@@ -257,17 +258,22 @@ class RamStore:
         xattrs, in `directory` (blocking and free of accounting: it runs in a worker thread)."""
         st = os.lstat(path)
         tmp = self.tmp_path(directory)
-        with open(tmp, "xb") as dst:
-            if keep_bytes:
-                with open(path, "rb") as src:
-                    shutil.copyfileobj(src, dst, 4 << 20)
-                dst.truncate(keep_bytes)
-        os.chmod(tmp, st.st_mode & 0o7777)
-        os.chown(tmp, st.st_uid, st.st_gid)
-        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
-        for name in os.listxattr(path):  # the user's own xattrs go with the copy
-            if name.startswith("user."):
-                os.setxattr(tmp, name, os.getxattr(path, name))
+        try:
+            with open(tmp, "xb") as dst:
+                if keep_bytes:
+                    with open(path, "rb") as src:
+                        shutil.copyfileobj(src, dst, 4 << 20)
+                    dst.truncate(keep_bytes)
+            os.chmod(tmp, st.st_mode & 0o7777)
+            os.chown(tmp, st.st_uid, st.st_gid)
+            os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+            for name in os.listxattr(path):  # the user's own xattrs go with the copy
+                if name.startswith("user."):
+                    os.setxattr(tmp, name, os.getxattr(path, name))
+        except BaseException:  # `path` went away meanwhile, or no room: no half copy stays
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
         return tmp
 
     def remove_tmp_files(self) -> int:

@@ -55,6 +55,7 @@ from tierfs.fs.nodes import (
     LATEST,
     METADATA,
     NAME_MAX,
+    OWN_LATEST_MARK,
     PEERS_MARK,
     RENAME_NOREPLACE,
     REPLICAS_MARK,
@@ -69,13 +70,17 @@ from tierfs.fs.nodes import (
     RemoteAttrs,
     Seal,
     StepState,
+    size_in_blocks,
 )
 from tierfs.fs.ports import DeleteLog, Spawner, StepWatch
 from tierfs.fs.ram_store import RamStore, allocated, is_reserved
 from tierfs.fs.records import StepRecords
 from tierfs.fs.sealing import Sealing
+from tierfs.step_names import DEEPSPEED_STEP
 
 log = logging.getLogger(__name__)
+
+_DEEPSPEED_STEP = re.compile(os.fsencode(DEEPSPEED_STEP))
 
 # What start-up recovered: a step's records directory in the store (`records_path`) -> (its
 # manifest, names whose objects are here).
@@ -130,7 +135,7 @@ class Tree:
         node = parent.children.get(name)
         if node is not None:
             return node
-        if name == LATEST and self._latest_target(parent) is not None:
+        if name == LATEST and self.shows_virtual_latest(parent):
             return self._latest_node(parent)
         raise FsError(errno.ENOENT)
 
@@ -138,7 +143,7 @@ class Tree:
         if not node.is_dir:
             raise FsError(errno.ENOTDIR)
         entries = list(node.children.items())
-        if LATEST not in node.children and self._latest_target(node) is not None:
+        if self.shows_virtual_latest(node):
             # First, so that `rm -r` meets it while it still exists (its unlink is a no-op).
             entries.insert(0, (LATEST, self._latest_node(node)))
         return entries
@@ -227,8 +232,8 @@ class Tree:
             uid, gid = (parent.st_uid, parent.st_gid) if parent else (0, 0)
         return RemoteAttrs(
             st_mode=stat.S_IFREG | entry.mode, st_nlink=1, st_uid=uid, st_gid=gid,
-            st_size=entry.size, st_blocks=0, st_atime_ns=entry.mtime_ns,
-            st_mtime_ns=entry.mtime_ns, st_ctime_ns=entry.mtime_ns)
+            st_size=entry.size, st_blocks=size_in_blocks(entry.size),
+            st_atime_ns=entry.mtime_ns, st_mtime_ns=entry.mtime_ns, st_ctime_ns=entry.mtime_ns)
 
     def find_step(self, relpath: str) -> Node | None:
         node = self.root
@@ -618,6 +623,8 @@ class Tree:
         """A symbolic link's target; for `latest`, the one process `pid` sees (latest_pins)."""
         if node.virtual:
             parent = node.parent
+            if self.owns_latest(parent):
+                raise FsError(errno.ENOENT)  # removed, or a real `latest` came since
             target = self._latest_target(parent)
             if pid is not None:
                 target = self._latest_pins.resolve(
@@ -661,7 +668,7 @@ class Tree:
     # -- files -----------------------------------------------------------------------------
 
     def create(self, parent: Node, name: bytes, mode: int, flags: int, uid: int,
-               gid: int) -> tuple[Node, Handle]:
+               gid: int, pid: int = 0) -> tuple[Node, Handle]:
         path = self._new_entry_path(parent, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode & 0o7777)
         try:
@@ -672,7 +679,7 @@ class Tree:
         node = self._attach(parent, name, stat.S_IFREG)
         node.step = self.single_file_step(parent, name)
         self.store.account_fd(fd)
-        handle = self._new_handle(node, fd, writable=True)
+        handle = self._new_handle(node, fd, writable=True, pid=pid)
         self.activate(handle)
         return node, handle
 
@@ -772,10 +779,12 @@ class Tree:
             os.fsync(handle.fd)
 
     def unlink(self, parent: Node, name: bytes) -> bool:
-        """Remove a file; False for the virtual `latest`, whose unlink is a no-op."""
+        """Remove a file; False for the virtual `latest`, which no file stands behind."""
         if name == LATEST and parent.is_dir and LATEST not in parent.children:
-            # The virtual `latest` is derived, not stored: removing it is a no-op, so that
-            # `rm -r run1` works; it names the newest committed step again on the next lookup.
+            # The virtual `latest` goes for good: the directory's `latest` is its own from now
+            # on, so that `rm latest` then `open("latest", "w")` makes a real file (a saver
+            # writing its own tracker), and `rm -r run1` works.
+            self.keep_own_latest(parent)
             return False
         node = self.existing_entry(parent, name)
         if node.is_dir:
@@ -919,6 +928,8 @@ class Tree:
                     self._forget_backing_if_last(new_path, target)
         if not node.is_dir:
             self._single_file_removed(node)  # a step at its new name (Commits.after_rename)
+        if new_name == LATEST:
+            self.keep_own_latest(new_parent)  # `mv -T tmp latest`: a real `latest` from now on
         os.rename(old_path, new_path)
         if target is not None:
             self._detach(target)
@@ -1009,7 +1020,8 @@ class Tree:
                        copies: dict[Node, bytes]) -> mf.StepManifest:
         """The commit's change (see the module docstring: no await may come before it once
         the step is checked): the manifest on disk, the objects' references, the step state.
-        Returns the old manifest if nothing changed since it."""
+        Returns the old manifest if nothing changed since it. The private copies it makes
+        committed objects leave `copies`; the caller removes the rest."""
         step = step_node.step
         old = step.manifest
         step_path = self.relpath(step_node)
@@ -1023,8 +1035,6 @@ class Tree:
                                               os.lstat(self.backing(node))))
         if (old is not None and old.path == step_path and old.step == number
                 and old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries)))):
-            for copy in copies.values():
-                self.store.discard(copy)
             step.dirty = False
             step.commit_pending = False
             return old
@@ -1037,7 +1047,8 @@ class Tree:
         tmp = self.records.write_temp(manifest_path, mf.encode(manifest))  # may fail: ENOSPC
         for (_rel, node), entry in zip(files, entries, strict=True):
             if node.remote is None:
-                self.store.add_ref(entry.xxh3, self.backing(node), copies.pop(node, None))
+                self.store.add_ref(entry.xxh3, self.backing(node), copies.get(node))
+                copies.pop(node, None)  # the object now, or removed by add_ref
         os.rename(tmp, manifest_path)
         self.drop_resident_refs(step)
         step.manifest = manifest
@@ -1398,6 +1409,8 @@ class Tree:
             state = (None if file_name in parent.children
                      else self.single_file_step(parent, file_name))
             if state is not None:
+                if file_name == LATEST:
+                    self.keep_own_latest(parent)  # a saver's own `latest`, from another tier
                 node = self._attach(parent, file_name, stat.S_IFREG)
                 node.step = state
                 self.records.write_manifest(self.records_path(node), manifest)
@@ -1454,6 +1467,8 @@ class Tree:
         reach = self.records.reach
         with os.scandir(reach(path)) as entries:
             for entry in entries:
+                if entry.name == OWN_LATEST_MARK:
+                    dir_node.own_latest = True
                 if is_reserved(entry.name):
                     continue
                 st = entry.stat(follow_symlinks=False)
@@ -1612,6 +1627,48 @@ class Tree:
             raise
 
     # -- `latest` --------------------------------------------------------------------------
+    #
+    # Two questions, kept apart: whether a directory shows the virtual `latest` link at all
+    # (`shows_virtual_latest`: not where the name is the saver's own), and which step it names
+    # (`_latest_target`).
+
+    def shows_virtual_latest(self, dir_node: Node) -> bool:
+        """Whether `dir_node` has the virtual `latest` link: it holds a committed step and its
+        `latest` is not its own."""
+        return not self.owns_latest(dir_node) and self._latest_target(dir_node) is not None
+
+    @staticmethod
+    def owns_latest(dir_node: Node) -> bool:
+        """Whether `latest` in this directory belongs to the saver, never to tierfs: a real
+        entry has the name, or had it once, or the virtual link was removed (all three
+        recorded in the directory: `keep_own_latest`), or it holds DeepSpeed's step
+        directories (`global_stepN`), beside which DeepSpeed writes its own `latest` file.
+
+        The kernel decides alone what an open with O_CREAT of a name whose lookup found a
+        symbolic link does: it follows the link (to a step directory: EISDIR). A lookup cannot
+        tell a create from a read, so the link must be absent wherever a saver writes a
+        `latest` of its own, before it does."""
+        return (dir_node.own_latest or LATEST in dir_node.children
+                or any(node.step is not None and _DEEPSPEED_STEP.match(name)
+                       for name, node in dir_node.children.items()))
+
+    def keep_own_latest(self, dir_node: Node) -> None:
+        """From now on `latest` in this directory is its own (`owns_latest`), also after a
+        restart: the mark is on disk before it counts. Not inside a step, where there is no
+        virtual link."""
+        if (dir_node.own_latest or not dir_node.is_dir
+                or next(self.enclosing_steps(dir_node), None) is not None):
+            return
+        os.close(os.open(os.path.join(self.backing(dir_node), OWN_LATEST_MARK),
+                         os.O_WRONLY | os.O_CREAT, 0o600))
+        dir_node.own_latest = True
+
+    def own_latest_dirs(self) -> list[str]:
+        """The directories holding steps whose `latest` is their own (status), relative to the
+        mount (`.` for the mount itself)."""
+        parents = {node.parent for node in self.steps()
+                   if node.parent is not None and node.is_dir}
+        return sorted(self.relpath(p) or "." for p in parents if self.owns_latest(p))
 
     def _latest_target(self, dir_node: Node) -> bytes | None:
         best: tuple[int, bytes] | None = None
@@ -1629,8 +1686,9 @@ class Tree:
         return step is not None and step.committed
 
     def note_opened(self, handle: Handle, pid: int) -> None:
-        """Process `pid` opened `handle`: if it reached the file through its pinned `latest`,
-        the pin lasts while the file is open."""
+        """Process `pid` opened `handle` (the commit names it while it waits for it): if it
+        reached the file through its pinned `latest`, the pin lasts while the file is open."""
+        handle.pid = pid
         step_node = next((n for n in self.enclosing_steps(handle.node.parent)
                           if self.step_of(n) is not None), None)
         if step_node is not None and step_node.parent is not None:
@@ -1678,8 +1736,8 @@ class Tree:
         elif node.parent is None and node.ino in self._inodes:
             del self._inodes[node.ino]
 
-    def _new_handle(self, node: Node, fd: int, writable: bool) -> Handle:
-        handle = Handle(self._next_fh, node, fd, writable)
+    def _new_handle(self, node: Node, fd: int, writable: bool, pid: int = 0) -> Handle:
+        handle = Handle(self._next_fh, node, fd, writable, pid)
         self._next_fh += 1
         self._handles[handle.fh] = handle
         node.handles.append(handle)
@@ -1706,6 +1764,8 @@ class Tree:
         self._check_new_name(name)
         if name in parent.children:
             raise FsError(errno.EEXIST)
+        if name == LATEST:
+            self.keep_own_latest(parent)  # marked before the entry is made
         return os.path.join(self.backing(parent), name)
 
     def existing_entry(self, parent: Node, name: bytes) -> Node:
@@ -1713,7 +1773,7 @@ class Tree:
             raise FsError(errno.ENOTDIR)
         node = parent.children.get(name)
         if node is None:
-            if name == LATEST and self._latest_target(parent) is not None:
+            if name == LATEST and self.shows_virtual_latest(parent):
                 raise FsError(errno.EROFS)
             raise FsError(errno.ENOENT)
         return node

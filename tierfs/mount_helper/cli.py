@@ -31,6 +31,7 @@ from tierfs.mount_helper.status_view import format_status, human_bytes
 
 READY_TIMEOUT = 120.0
 REFUSED_EXIT_TIMEOUT = 10.0  # how long a refused daemon is given to exit
+COMMIT_QUIET = 1.0  # seconds before `tierfs commit` says what it waits for
 
 EPILOG = """\
 examples:
@@ -40,6 +41,7 @@ examples:
   tierfs status /checkpoints/run1                only run1's steps
   tierfs status /checkpoints --watch -n 5        the same, redrawn every 5 s until Ctrl-C
   tierfs commit /checkpoints/run1/step_100       commit a step that did not commit by itself
+  tierfs commit /checkpoints/run1/step_100 --timeout 60    the same, waiting 60 s at most
   tierfs mount /checkpoints --persist s3://bucket/ckpt --persist-every 10 --keep-persist 5
   tierfs flush /checkpoints --timeout 600        wait until the persistent tier has every step
   tierfs verify /checkpoints/run1                check every copy of every step; repair bad ones
@@ -85,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     umount.add_argument("mountpoint", metavar="MOUNTPOINT")
     umount.add_argument("--flush", action="store_true",
                         help="first wait until every committed step meets the persistence policy")
+    umount.add_argument("--force", action="store_true",
+                        help="unmount even if committed steps due in the persistent tier are "
+                        "not there yet and no peer holds them (they stay in the RAM dir, and "
+                        "go up at its next mount); without it, umount refuses")
 
     flush = commands.add_parser(
         "flush", help="wait until every committed step meets the persistence policy",
@@ -105,11 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--watch", action="store_true",
                         help="redraw every --interval seconds until Ctrl-C; not on a "
                         "terminal, print one snapshot per interval, a blank line between")
-    status.add_argument("-n", "--interval", type=_interval, default=2.0, metavar="SECONDS",
+    status.add_argument("-n", "--interval", type=_seconds, default=2.0, metavar="SECONDS",
                         help="seconds between redraws with --watch (default 2)")
 
-    commit = commands.add_parser("commit", help="commit the step directory PATH now")
+    commit = commands.add_parser(
+        "commit", help="commit the step directory PATH now (waits for its open writers)",
+        description="Commit the step PATH (a step directory or a file step) now. A file of the "
+        "step that is being written is waited for until it is closed (a file counts as being "
+        "written from its first write after an open, with passthrough from the open for "
+        "writing, until that descriptor's close); after a second the command says on stderr "
+        "what it waits for: each such file, and the pid of the process that opened it. A "
+        "file open for writing but not being written is committed as it is; what is written "
+        "into it later starts the next version. Exits 1 with one line if the step cannot "
+        "commit, or if --timeout passes first (the step then stays as it was).")
     commit.add_argument("path", metavar="PATH")
+    commit.add_argument("--timeout", type=_seconds, metavar="SECONDS",
+                        help="give up after this many seconds (default: wait as long as it "
+                        "takes)")
 
     prefetch = commands.add_parser(
         "prefetch", help="pull a committed step into this node's RAM (from peers or S3)",
@@ -162,7 +180,7 @@ def _run(argv: list[str] | None) -> int:
         if args.command == "mount":
             return _mount(args, argv)
         if args.command == "umount":
-            return _umount_reporting(args.mountpoint, args.flush)
+            return _umount_reporting(args.mountpoint, args.flush, args.force)
         if args.command == "flush":
             return _flush(args.mountpoint, args.timeout)
         if args.command == "status":
@@ -170,7 +188,7 @@ def _run(argv: list[str] | None) -> int:
                 return _watch(args.mountpoint, args.json, args.interval)
             return _status(args.mountpoint, args.json)
         if args.command == "commit":
-            return _commit(args.path)
+            return _commit(args.path, args.timeout)
         if args.command == "prefetch":
             return _prefetch(args.path)
         if args.command == "verify":
@@ -290,15 +308,27 @@ def _wait_for_exit(pid: int, timeout: float) -> str:
     return "running"
 
 
-def _umount_reporting(mountpoint: str, flush: bool) -> int:
-    """`tierfs umount [--flush]`: the quiet steps commit first (so that --flush persists them
-    too), then the unmount; then the steps left uncommitted are named, as flush does."""
+def _umount_reporting(mountpoint: str, flush: bool, force: bool = False) -> int:
+    """`tierfs umount [--flush] [--force]`: the quiet steps commit first (so that --flush
+    persists them too); committed steps that would stay only in this node's RAM, though due in
+    the store, stop the unmount unless --force; then the unmount, and the steps left
+    uncommitted or not in the store are named."""
     status = _settle(mountpoint)
     if flush:
         _flush(mountpoint, None, report=False)
+        status = _settle(mountpoint)  # what the flush left, and steps that turned quiet
+    alone, held = status_view.store_lines(status) if status is not None else (None, None)
+    if alone is not None and not force:
+        raise UserError(f"not unmounted: {alone}; `tierfs flush` waits for the store, "
+                        "--force unmounts anyway")
     outcome = _umount(mountpoint)
     if status is not None:
         _warn_uncommitted(status)
+        if alone is not None:
+            print(f"tierfs: warning: {alone}; they stay in RAM dir {status['ram_dir']} and go "
+                  "up at its next mount", file=sys.stderr)
+        if held is not None:
+            print(f"tierfs: {held}", file=sys.stderr)
     return outcome
 
 
@@ -352,13 +382,13 @@ def _watch(path: str, as_json: bool, interval: float) -> int:
         return 0
 
 
-def _interval(text: str) -> float:
+def _seconds(text: str) -> float:
     try:
         seconds = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError("the interval must be a positive number of seconds")
+        raise argparse.ArgumentTypeError("must be a positive number of seconds")
     return seconds
 
 
@@ -394,7 +424,8 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
             if on_terminal:
                 print(file=sys.stderr)
             raise UserError(f"flush timed out after {timeout:g} s: {steps} steps "
-                            f"({human_bytes(pending)}) not yet in {persist['url']}")
+                            f"({human_bytes(pending)}) not yet in {persist['url']}: "
+                            + status_view.not_in_store(status_view.due_in_store(status)))
         done = first_bytes - pending
         if on_terminal:
             draw_progress("flushing", done / first_bytes if first_bytes else 0.0,
@@ -402,7 +433,8 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
                           f"{steps} steps left")
         elif time.monotonic() - last_report > 5:
             last_report = time.monotonic()
-            print(f"flushing: {steps} steps ({human_bytes(pending)}) left", flush=True)
+            print(f"flushing: {steps} steps ({human_bytes(pending)}) left: "
+                  + status_view.not_in_store(status_view.due_in_store(status)), flush=True)
         time.sleep(0.2)
 
 
@@ -421,21 +453,28 @@ def draw_progress(doing: str, share: float, detail: str) -> None:
           flush=True)
 
 
-def _prefetch(path: str) -> int:
-    """Run the fetch in the daemon; meanwhile draw its progress from the step's status."""
-    socket_path, _root, relpath = control.locate(path)
+def _request_meanwhile(socket_path: str, message: dict[str, Any]
+                       ) -> tuple[threading.Thread, dict[str, Any]]:
+    """Send a request that takes long from a thread, so that the caller can show progress
+    meanwhile; once the thread is done, the dict holds the "reply" or the "error"."""
     outcome: dict[str, Any] = {}
 
-    def fetch() -> None:
+    def send() -> None:
         try:
-            outcome["reply"] = control.request(socket_path, {"cmd": "prefetch", "path": relpath},
-                                               timeout=None)
+            outcome["reply"] = control.request(socket_path, message, timeout=None)
         except control.ControlError as exc:
             outcome["error"] = exc
 
-    worker = threading.Thread(target=fetch, daemon=True)
-    started = time.monotonic()
+    worker = threading.Thread(target=send, daemon=True)
     worker.start()
+    return worker, outcome
+
+
+def _prefetch(path: str) -> int:
+    """Run the fetch in the daemon; meanwhile draw its progress from the step's status."""
+    socket_path, _root, relpath = control.locate(path)
+    started = time.monotonic()
+    worker, outcome = _request_meanwhile(socket_path, {"cmd": "prefetch", "path": relpath})
     on_terminal = sys.stderr.isatty()
     while worker.is_alive():
         worker.join(0.2)
@@ -459,17 +498,8 @@ def _prefetch(path: str) -> int:
 def _verify(path: str, as_json: bool, repair: bool) -> int:
     """Run the check in the daemon; meanwhile draw its progress from the daemon's status."""
     socket_path, _root, relpath = control.locate(path)
-    outcome: dict[str, Any] = {}
-
-    def check() -> None:
-        try:
-            outcome["reply"] = control.request(
-                socket_path, {"cmd": "verify", "path": relpath, "repair": repair}, timeout=None)
-        except control.ControlError as exc:
-            outcome["error"] = exc
-
-    worker = threading.Thread(target=check, daemon=True)
-    worker.start()
+    worker, outcome = _request_meanwhile(
+        socket_path, {"cmd": "verify", "path": relpath, "repair": repair})
     on_terminal = sys.stderr.isatty()
     drawn = False
     while worker.is_alive():
@@ -523,11 +553,30 @@ def format_verify(steps: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _commit(path: str) -> int:
+def _commit(path: str, timeout: float | None) -> int:
+    """Commit in the daemon; from a second on, say on stderr what the commit waits for (again
+    whenever that changes)."""
     socket_path, _root, relpath = control.locate(path)
     if relpath == ".":
         raise UserError(f"{path} is the mount root, not a step directory")
-    reply = control.request(socket_path, {"cmd": "commit", "path": relpath}, timeout=None)
+    message: dict[str, Any] = {"cmd": "commit", "path": relpath}
+    if timeout is not None:
+        message["timeout"] = timeout  # the daemon gives up, with nothing left half done
+    worker, outcome = _request_meanwhile(socket_path, message)
+    worker.join(COMMIT_QUIET)
+    shown = None
+    while worker.is_alive():
+        with contextlib.suppress(control.ControlError):  # the commit's reply says what failed
+            waiting = control.request(socket_path, {"cmd": "commit_waits", "path": relpath}
+                                      )["waiting_for"]
+            if waiting and waiting != shown and worker.is_alive():
+                print(f"committing {relpath}: waiting for {waiting}", file=sys.stderr,
+                      flush=True)
+                shown = waiting
+        worker.join(0.5)
+    if "error" in outcome:
+        raise outcome["error"]
+    reply = outcome["reply"]
     print(f"committed {reply['path']} version {reply['version']}: {reply['files']} files, "
           f"{human_bytes(reply['bytes'])}")
     return 0

@@ -8,7 +8,8 @@ a path. Requests are `{"cmd": ..., ...}`; replies `{"ok": true, ...}` or
 With --allow-other the users of the mount must reach it too, but the RAM dir stays private (it
 holds the committed objects): the socket is then an abstract one, its name starting with "@"
 (`@tierfs-control:<ram dir>`), and the daemon asks the kernel who is calling (SO_PEERCRED).
-Anyone may ask what only reads (`status`, which `tierfs flush` polls); `commit`, `prefetch`,
+Anyone may ask what only reads (`status`, which `tierfs flush` polls); `commit` (and
+`commit_waits`, what a commit in progress waits for, which `tierfs commit` polls), `prefetch`,
 `verify` (which repairs) and `settle` (commit the quiet steps, before an unmount) are for root,
 the daemon's user and the owner given to the mount root.
 """

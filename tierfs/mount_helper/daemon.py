@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from tierfs import reserved
 from tierfs.cluster import membership as live_members
 from tierfs.cluster.commit_records import CommitRecords
 from tierfs.cluster.etcd import Etcd, EtcdError
+from tierfs.cluster.store_record import StoreRecord, StoreUse
 from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.namespace import Core, Namespace
 from tierfs.fs.nodes import FsError, Node
@@ -60,10 +62,11 @@ from tierfs.replication.peer_verify import PeerVerify, verify_handler
 from tierfs.replication.receiver import ReplicaReceiver
 from tierfs.replication.replicator import Replicator
 from tierfs.replication.server import Handler, PeerServer
-from tierfs.retry import POLICY
+from tierfs.retry import POLICY, retry
 from tierfs.s3tier.backend import Backend, BackendError, open_backend
 from tierfs.s3tier.reader import PersistentReader
 from tierfs.s3tier.uploader import Uploader
+from tierfs.step_names import some_names
 from tierfs.step_queue import StepQueue
 
 log = logging.getLogger(__name__)
@@ -296,9 +299,10 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     core = Core(store, node_id=cfg.node_id, step_pattern=cfg.step_pattern,
                 file_step_pattern=cfg.file_step_pattern,
                 commit_idle=cfg.commit_idle, delete_targets=_delete_targets(cfg))
-    backend = await _persistent_tier(cfg, ready)
-    persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
     links = ClusterLinks(cfg, core.tree) if cfg.cluster else None
+    backend, new_store = await _persistent_tier(cfg, ready, core.tree,
+                                                links.store_record if links else None)
+    persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
     # Peers come first among the read sources: faster than the persistent tier. Each is
     # metered: read-backs are event lines and metrics.
     sources = []
@@ -313,9 +317,10 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           liveness=links.membership if links else None)
     verifier = namespace.verifier
     verifier.collect_unverified()
-    uploader = _uploader(cfg, backend, namespace, events) if backend else None
-    if uploader is not None:
-        await _adopt_stored_steps(namespace, uploader)
+    store_used = trio.Event()  # this node persisted a step, or found the store holding some
+    uploader = _uploader(cfg, backend, namespace, events, store_used) if backend else None
+    if uploader is not None and await _adopt_stored_steps(namespace, uploader):
+        store_used.set()
     source = mount_source(cfg.ram_dir)  # names the RAM dir: the command line finds us by it
     device = _open_passthrough(cfg, source)
     operations = Operations(namespace, cfg.control_socket, device)
@@ -328,7 +333,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             device.close()
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
     cluster = ClusterNode(cfg, links, namespace, store, events) if links else None
-    daemon = Daemon(cfg, namespace, uploader, cluster, verifier, device)
+    daemon = Daemon(cfg, namespace, uploader, cluster, verifier, device, new_store=new_store)
     serving = True
     metrics = None
     try:
@@ -355,6 +360,9 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             nursery.start_soon(events.run)
             if uploader is not None:
                 nursery.start_soon(uploader.run)
+                if cluster is not None:
+                    nursery.start_soon(cluster.record_store_use, uploader.backend.url,
+                                       store_used)
             nursery.start_soon(_verify_then_send, namespace, uploader, cluster)
             nursery.start_soon(_retry_pending_commits, namespace)
             nursery.start_soon(namespace.quiet.run)
@@ -400,13 +408,16 @@ def _delete_targets(cfg: MountConfig, peers: list[str] | None = None) -> list[st
         peer_target(node_id) for node_id in sorted(peers or []) if node_id != cfg.node_id]
 
 
-async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe) -> Backend | None:
-    """Open and check the persistent tier; a user's mistake there stops the mount."""
+async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe, tree: Tree,
+                           store_record: StoreRecord | None) -> tuple[Backend | None, bool]:
+    """Open and check the persistent tier, and whether it is a new store; a user's mistake
+    there stops the mount, and so does a new (empty) store where the RAM dir or the cluster
+    says steps were persisted: its volume is not mounted, or it is the wrong store."""
     if cfg.persist is None:
         warning = "no --persist given: committed steps live only in this node's RAM"
         log.warning("%s", warning)
         ready.warn(warning)
-        return None
+        return None, False
     try:
         backend = open_backend(cfg.persist, cfg.s3_endpoint)
     except ValueError as exc:
@@ -414,7 +425,7 @@ async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe) -> Backend | None
     with trio.move_on_after(CHECK_PATIENCE) as patience:
         while True:
             try:
-                await trio.to_thread.run_sync(backend.check)
+                new = await trio.to_thread.run_sync(backend.check)
                 break
             except BackendError as exc:
                 if not exc.temporary:
@@ -424,13 +435,48 @@ async def _persistent_tier(cfg: MountConfig, ready: ReadyPipe) -> Backend | None
     if patience.cancelled_caught:
         raise StartupError(f"persistent tier {cfg.persist} is unreachable (tried for "
                            f"{CHECK_PATIENCE:.0f} s): check --s3-endpoint and the network")
-    return backend
+    if new:
+        persisted = [tree.relpath(node) for node in tree.steps() if node.step.persisted]
+        if persisted:
+            raise StartupError(
+                f"persistent tier {backend.url} is empty, but RAM dir {cfg.ram_dir} records "
+                f"{len(persisted)} step{'s' if len(persisted) != 1 else ''} as persisted "
+                f"({some_names(persisted)}): is the store's volume mounted? (a new store "
+                "needs a new --ram-dir)")
+        used = await _cluster_store_use(cfg, store_record) if store_record else None
+        if used is not None:
+            raise StartupError(
+                f"persistent tier {backend.url} is empty, but the cluster {cfg.cluster} "
+                f"persisted steps to {used.url} (node {used.node} first): is the store's "
+                "volume mounted on this node?")
+        log.info("persistent tier %s is a new store", backend.url)
+    try:
+        await trio.to_thread.run_sync(backend.claim)
+    except BackendError as exc:
+        raise StartupError(f"persistent tier: {exc}") from None
+    return backend, new
+
+
+async def _cluster_store_use(cfg: MountConfig, record: StoreRecord) -> StoreUse | None:
+    """Whether the cluster persisted steps to a store (read for CHECK_PATIENCE at most)."""
+    with trio.move_on_after(CHECK_PATIENCE):
+        return await retry(record.read, "reading the cluster's store record",
+                           retryable=lambda exc: isinstance(exc, EtcdError),
+                           policy=CATCH_UP_RETRIES)
+    raise StartupError(f"etcd of --cluster {cfg.cluster} does not answer (tried for "
+                       f"{CHECK_PATIENCE:.0f} s to read whether the cluster's steps went to a "
+                       "store)")
 
 
 def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
-              events: Events) -> Uploader:
+              events: Events, store_used: trio.Event) -> Uploader:
     """Uploads of committed steps; it tells the namespace's other tiers what it persisted."""
     tiers = namespace.tiers
+
+    def persisted(manifest: mf.StepManifest) -> None:
+        tiers.mark_persisted(manifest)
+        store_used.set()
+
     return Uploader(
         backend, lambda digest: str(namespace.store.object_path(digest)),
         persist_every=cfg.persist_every, keep_persist=cfg.keep_persist,
@@ -438,21 +484,24 @@ def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
         file_step_number=lambda name: namespace.tree.step_number(name,
                                                                  namespace.tree.file_pattern),
         is_current=tiers.is_current,
-        on_persisted=tiers.mark_persisted, on_retired=tiers.mark_retired, events=events,
+        on_persisted=persisted, on_retired=tiers.mark_retired,
+        tracked_step=tiers.tracked_step, events=events,
     )
 
 
-async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> None:
-    """List what the persistent tier holds, so a fresh node sees the job's history at once."""
+async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> int:
+    """List what the persistent tier holds, so a fresh node sees the job's history at once.
+    The number of steps it holds."""
     try:
         manifests = await uploader.stored_manifests()
     except BackendError as exc:
         log.warning("could not list the persistent tier yet: %s", exc)
-        return
+        return 0
     added = sum(namespace.tiers.adopt_persisted(m) for m in manifests)
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
     namespace.residency.enforce_keep_ram()
+    return len(manifests)
 
 
 def _open_passthrough(cfg: MountConfig, source: str) -> PassthroughDevice | None:
@@ -538,6 +587,7 @@ class ClusterLinks:
         self.reader = PeerReader(self.membership, tree.holders_of, self._file_holders)
         self.verify = PeerVerify(self.membership, self.sealed.placements)
         self.delete = PeerDelete(self.membership)
+        self.store_record = StoreRecord(self.etcd, cfg.cluster)
 
     async def _file_holders(self, data_dir: str, name: str) -> list[str]:
         """Who holds a file now, from its record in etcd (the holders known here failed):
@@ -570,13 +620,14 @@ class ClusterNode:
         self.verifier = namespace.verifier
         self.peer_delete = links.delete
         self.sealed = links.sealed
+        self.store_record = links.store_record
         tiers = namespace.tiers
         self.replicator = Replicator(self.membership, cfg.replicas,
                                      lambda digest: str(store.object_path(digest)),
                                      is_current=tiers.is_current,
                                      placements=self.sealed.placements,
                                      on_placements=tiers.note_placements,
-                                     on_held=self._held,
+                                     on_held=self._held, may_copy=tiers.may_copy,
                                      events=events)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.hold_files)
         self.ranges = RangeServer(store.objects, namespace.tree.sealed_path)
@@ -729,6 +780,15 @@ class ClusterNode:
             for manifest in self.namespace.tiers.held_manifests():
                 self.replicator.submit(manifest)
 
+    async def record_store_use(self, url: str, used: trio.Event) -> None:
+        """Once this node persisted a step, or found the store holding some, the cluster
+        records that its steps go to a store (`cluster.store_record`), tried until etcd
+        takes it: a fresh node given an empty store is then refused."""
+        await used.wait()
+        await retry(lambda: self.store_record.write(url, self.cfg.node_id),
+                    "recording in etcd that the cluster's steps go to a store",
+                    retryable=lambda exc: isinstance(exc, EtcdError), policy=CATCH_UP_RETRIES)
+
     def served(self) -> dict[str, int]:
         return {"requests": self.ranges.served_requests, "bytes": self.ranges.served_bytes}
 
@@ -738,8 +798,10 @@ class Daemon:
 
     def __init__(self, cfg: MountConfig, namespace: Namespace, uploader: Uploader | None,
                  cluster: ClusterNode | None, verifier: Verifier,
-                 passthrough: PassthroughDevice | None = None) -> None:
+                 passthrough: PassthroughDevice | None = None, *, new_store: bool = False
+                 ) -> None:
         self.cfg = cfg
+        self.new_store = new_store  # the persistent tier was empty when this mount began
         self.namespace = namespace
         self.uploader = uploader
         self.cluster = cluster
@@ -777,9 +839,22 @@ class Daemon:
         if self.uploader is None:
             return None
         waiting = self._persist_waiting()
-        return {"url": self.uploader.backend.url, "every": self.cfg.persist_every,
+        return {"url": self.uploader.backend.url, "new_store": self.new_store,
+                "every": self.cfg.persist_every,
                 "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
                 "pending_bytes": sum(m.total_bytes for m in waiting)}
+
+    def _persist_waits(self) -> dict[str, dict[str, Any]]:
+        """Per step due in the store and not there yet: why not, since when, and how many
+        requests of its upload failed (`persist_wait` in `tierfs status --json`)."""
+        if self.uploader is None:
+            return {}
+        waits = {}
+        for manifest in self._persist_waiting():
+            reason, since_ns, failures = self.uploader.waiting(manifest)
+            waits[manifest.path] = {"reason": reason, "since_ns": since_ns,
+                                    "failures": failures}
+        return waits
 
     def _persist_waiting(self) -> list[mf.StepManifest]:
         assert self.uploader is not None
@@ -814,11 +889,13 @@ class Daemon:
             # would), so that the status it is answered names what stays uncommitted.
             await self.namespace.quiet.commit_quiet_steps()
             return {"ok": True, "status": self.status()}
-        if command not in ("commit", "prefetch", "verify"):
+        if command not in ("commit", "commit_waits", "prefetch", "verify"):
             return {"ok": False, "error": f"unknown command {command!r}"}
         path = request.get("path")
         if not isinstance(path, str):
             return {"ok": False, "error": f"{command} needs a path"}
+        if command == "commit_waits":  # `tierfs commit` shows it while it waits
+            return {"ok": True, "waiting_for": self.namespace.commits.waiting_for(path)}
         try:
             if command == "verify":
                 reports = await self.verifier.verify(path, bool(request.get("repair", True)))
@@ -826,7 +903,10 @@ class Daemon:
                 return {"ok": True, "steps": [r.as_dict() for r in reports]}
             if command == "prefetch":
                 return {"ok": True, "bytes": await self.namespace.residency.prefetch(path)}
-            manifest = await self.namespace.commits.commit_path(path)
+            timeout = request.get("timeout", math.inf)
+            if not isinstance(timeout, (int, float)) or timeout < 0:
+                return {"ok": False, "error": "commit: timeout must be a number of seconds"}
+            manifest = await self.namespace.commits.commit_path(path, timeout)
         except FsError as exc:
             return {"ok": False, "error": f"{path}: {exc}"}
         except RamFull:
@@ -843,10 +923,12 @@ class Daemon:
                     self.namespace.events.verify_failed(tier.tier.partition(":")[0],
                                                         len(tier.bad) + len(tier.repaired))
 
-    def _step_status(self, node: Node) -> dict[str, Any]:
+    def _step_status(self, node: Node, persist_waits: dict[str, dict[str, Any]]
+                     ) -> dict[str, Any]:
         """A step's status line, with the times `tierfs status` shows ages from:
         `committed_ns` (when its newest committed version was made; None before the first)
-        and, for a step being written, `changed_ns` (its directory's last change)."""
+        and, for a step being written, `changed_ns` (its directory's last change); for a
+        step due in the store and not there yet, `persist_wait` (else None)."""
         tree = self.namespace.tree
         status = dict(tree.step_status(node))
         is_up = self.cluster.membership.is_up if self.cluster else (lambda _peer: False)
@@ -857,11 +939,13 @@ class Daemon:
         if status["state"] != "committed":
             with contextlib.suppress(FsError, OSError):  # removed meanwhile
                 status["changed_ns"] = tree.stat(node).st_mtime_ns
+        status["persist_wait"] = persist_waits.get(status["path"])
         return status
 
     def status(self) -> dict[str, Any]:
         ns = self.namespace
-        steps = sorted((self._step_status(node) for node in ns.tree.steps()),
+        persist_waits = self._persist_waits()
+        steps = sorted((self._step_status(node, persist_waits) for node in ns.tree.steps()),
                        key=lambda s: (os.path.dirname(s["path"]), number_of(s), s["path"]))
         return {
             "node_id": self.cfg.node_id,
@@ -878,4 +962,5 @@ class Daemon:
             "verify": self.verifier.progress,
             "deletes": ns.deletes.status(),
             "steps": steps,
+            "own_latest": ns.tree.own_latest_dirs(),
         }

@@ -1,6 +1,7 @@
 """`tierfs status` for a person: the steps under a path, with the age of each and the `latest`
 of each run directory, one summary line per run directory, and a warning for what exists only
-in this node's RAM or a step whose commit waits.
+in this node's RAM, a step whose commit waits, or one whose upload fails (why, since when).
+The lines `tierfs flush` and `tierfs umount` print about steps not in the store are here too.
 
 Pure functions over the daemon's status document (`tierfs status --json`): no trio, no socket,
 so they are tested from a dict. A run directory is the directory holding a step.
@@ -50,7 +51,9 @@ def in_subtree(step_path: str, relpath: str) -> bool:
 def subtree(status: dict[str, Any], relpath: str) -> dict[str, Any]:
     """The status document with only the steps of PATH's subtree; `subtree` names PATH."""
     return dict(status, subtree=relpath,
-                steps=[s for s in status["steps"] if in_subtree(s["path"], relpath)])
+                steps=[s for s in status["steps"] if in_subtree(s["path"], relpath)],
+                own_latest=[run for run in status.get("own_latest", ())
+                            if in_subtree(run, relpath)])
 
 
 def run_of(step: Step) -> str:
@@ -77,12 +80,15 @@ def only_in_ram(step: Step) -> bool:
     return bool(step["ram"]) and not step["persisted"] and not step["replicas"]
 
 
-def latest_paths(steps: Iterable[Step]) -> set[str]:
+def latest_paths(steps: Iterable[Step], own_latest: Iterable[str] = ()) -> set[str]:
     """Per run directory, the committed step `latest` names: the highest step number (step
-    directories only: file steps and loose files are never `latest`)."""
+    directories only: file steps and loose files are never `latest`); none in the run
+    directories whose `latest` is their own (`own_latest`)."""
+    own = set(own_latest)
     newest: dict[str, Step] = {}
     for step in steps:
-        if step["state"] == "committed" and step.get("kind", "dir") == "dir":
+        if (step["state"] == "committed" and step.get("kind", "dir") == "dir"
+                and run_of(step) not in own):
             best = newest.get(run_of(step))
             if best is None or step["step"] > best["step"]:
                 newest[run_of(step)] = step
@@ -104,8 +110,8 @@ def tiers_of(step: Step) -> str:
     return ",".join(tiers) or "-"
 
 
-def table(steps: list[Step], now_ns: int) -> list[str]:
-    latest = latest_paths(steps)
+def table(steps: list[Step], now_ns: int, own_latest: Iterable[str] = ()) -> list[str]:
+    latest = latest_paths(steps, own_latest)
     rows = [("PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "AGE", "TIERS", "")]
     for step in steps:
         age = step_age(step, now_ns)
@@ -121,9 +127,9 @@ def table(steps: list[Step], now_ns: int) -> list[str]:
             for row in rows]
 
 
-def run_summary(run: str, steps: list[Step], now_ns: int) -> str:
+def run_summary(run: str, steps: list[Step], now_ns: int, own_latest: bool = False) -> str:
     """`run1: 3 steps, 1.2 MiB; newest committed step_300 (12s ago); oldest only in RAM
-    step_100 (writing)`."""
+    step_100 (writing)`, and whether `latest` there is the run directory's own file."""
     size = sum(s["bytes"] for s in steps)
     parts = [f"{run}: {len(steps)} step{'s' if len(steps) != 1 else ''}, {human_bytes(size)}"]
     committed = [s for s in steps if s["state"] == "committed"]
@@ -141,6 +147,8 @@ def run_summary(run: str, steps: list[Step], now_ns: int) -> str:
                      f"({oldest['state']})")
     else:
         parts.append("none only in RAM")
+    if own_latest:
+        parts.append("its own `latest` is in use (no virtual link)")
     return "; ".join(parts)
 
 
@@ -148,8 +156,9 @@ def names(steps: list[Step]) -> str:
     return some_names([s["path"] for s in steps], NAMED)
 
 
-def warnings(status: dict[str, Any]) -> list[str]:
-    """What a person must know: data only in this node's RAM, and steps whose commit waits."""
+def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
+    """What a person must know: data only in this node's RAM, steps whose commit waits, and
+    steps whose upload fails (why, and for how long)."""
     lines = []
     ram_only = [s for s in status["steps"] if only_in_ram(s)]
     if ram_only:
@@ -164,7 +173,63 @@ def warnings(status: dict[str, Any]) -> list[str]:
                      f"{names(ram_only)}")
     lines += [f"warning: {s['path']}: its commit waits for {s['waiting_for']}"
               for s in status["steps"] if s.get("waiting_for")]
+    failing = [s for s in due_in_store(status) if s["persist_wait"]["failures"]]
+    if failing:
+        lines.append(f"warning: {_count(failing, 'step')} not yet in {status['persist']['url']}:"
+                     f" {not_in_store(failing, now_ns)}")
     return lines
+
+
+def persist_line(persist: dict[str, Any]) -> str:
+    """`persistent tier s3://b/p (new store): 2 steps (1.2 GiB) not in it yet`."""
+    new = " (new store)" if persist.get("new_store") else ""
+    waiting = persist["pending_steps"]
+    return (f"persistent tier {persist['url']}{new}: "
+            + (f"{waiting} step{'s' if waiting != 1 else ''} "
+               f"({human_bytes(persist['pending_bytes'])}) not in it yet" if waiting
+               else "every committed step due there is in it"))
+
+
+def persist_reason(step: Step, now_ns: int) -> str:
+    """Why a step due in the store is not there yet: `queued`, `uploading`, or its upload's
+    last failure and for how long it has failed."""
+    wait = step["persist_wait"]
+    if not wait["failures"]:
+        return wait["reason"]
+    return f"failing for {human_age((now_ns - wait['since_ns']) / 1e9)}: {wait['reason']}"
+
+
+def not_in_store(steps: list[Step], now_ns: int | None = None) -> str:
+    """`run/step_1 (queued), run/step_2 (failing for 12s: ...)`: steps and why."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    return some_names([f"{s['path']} ({persist_reason(s, now_ns)})" for s in steps], NAMED)
+
+
+def due_in_store(status: dict[str, Any]) -> list[Step]:
+    """Committed steps that --persist-every selects and the store does not hold yet."""
+    return [s for s in status["steps"] if s.get("persist_wait")]
+
+
+def ram_only_committed(status: dict[str, Any]) -> list[Step]:
+    """Committed steps due in the store that no other tier holds: not in the store, and no
+    peer holds a copy of every file (in a cluster, a step held by peers too is safe there)."""
+    return [s for s in due_in_store(status) if not s["replicas"]]
+
+
+def store_lines(status: dict[str, Any]) -> tuple[str | None, str | None]:
+    """For `tierfs umount`: one line naming the committed steps that exist only in this node's
+    RAM, and one naming those the store lacks but peers hold (None where there are none)."""
+    url = status["persist"]["url"] if status.get("persist") else ""
+    alone = ram_only_committed(status)
+    held = [s for s in due_in_store(status) if s["replicas"]]
+    return ((f"{_count(alone, 'committed step')} only in this node's RAM, not in {url}: "
+             f"{not_in_store(alone)}") if alone else None,
+            (f"{_count(held, 'committed step')} not in {url} yet (peers hold copies): "
+             f"{not_in_store(held)}") if held else None)
+
+
+def _count(steps: list[Step], what: str) -> str:
+    return f"1 {what} is" if len(steps) == 1 else f"{len(steps)} {what}s are"
 
 
 def uncommitted(status: dict[str, Any]) -> str | None:
@@ -188,12 +253,16 @@ def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:
              f"({share:.0f}%) in {status.get('ram_dir', '?')}; file data "
              + ("passes straight to it (FUSE passthrough)" if status.get("passthrough")
                 else "goes through the daemon")]
+    if status.get("persist"):
+        lines.append(persist_line(status["persist"]))
     where = status.get("subtree", ".")
     steps = status["steps"]
     if not steps:
         lines.append("no step directories yet" if where == "." else f"no steps under {where}")
         return "\n".join(lines)
-    lines += table(steps, now_ns)
-    lines += [run_summary(run, members, now_ns) for run, members in by_run(steps).items()]
-    lines += warnings(status)
+    own = set(status.get("own_latest", ()))
+    lines += table(steps, now_ns, own)
+    lines += [run_summary(run, members, now_ns, run in own)
+              for run, members in by_run(steps).items()]
+    lines += warnings(status, now_ns)
     return "\n".join(lines)

@@ -17,6 +17,10 @@ this node's view. Only steps whose commit record is in etcd are replicated (the 
 etcd about a version it does not know). Failures retry while the step is still the current
 version; a step that keeps failing (etcd does not know it yet, a target refuses it) waits aside
 and is tried again a few seconds later, without holding up the other steps.
+
+A tracker file (`tierfs.trackers`) goes to a peer only once that peer holds the step it names
+(`may_copy`): until then its copies to that peer wait, and are planned again each time another
+step's copies are done.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class Replicator:
         placements: Placements,
         on_placements: Callable[[mf.StepManifest, dict[str, set[str]], dict[str, str]], None],
         on_held: Recorded,
+        may_copy: Callable[[mf.StepManifest, str], bool] = lambda _m, _peer: True,
         events: Events | None = None,
     ) -> None:
         self.membership = membership
@@ -73,8 +78,10 @@ class Replicator:
         self._placements = placements
         self._on_placements = on_placements
         self._on_held = on_held
+        self._may_copy = may_copy
         self.queue = StepQueue()
         self._later: dict[str, mf.StepManifest] = {}  # steps that kept failing: tried again
+        self._waiting: dict[str, mf.StepManifest] = {}  # trackers waiting for a peer's copies
 
     def submit(self, manifest: mf.StepManifest) -> None:
         if self.replicas > 0:
@@ -105,7 +112,11 @@ class Replicator:
         while self._is_current(manifest):
             # None: not committed in etcd (yet), or etcd does not answer
             copies = await self._plan(manifest)
+            if copies is not None:
+                copies = self._not_waiting(manifest, copies)
             if copies is not None and not copies:
+                if manifest.path not in self._waiting:
+                    self._plan_waiting_again()  # this step's copies are done
                 return
             if copies is not None and await self._send_copies(manifest, copies):
                 failures = 0
@@ -115,6 +126,23 @@ class Replicator:
                 self._later[manifest.path] = manifest
                 return
             await RETRIES.pause(failures, wake=self.membership.changed)
+
+    def _not_waiting(self, manifest: mf.StepManifest,
+                     copies: list[placement.Copy]) -> list[placement.Copy]:
+        """The copies that may go now; a tracker's copies to a peer that lacks its step wait."""
+        ready = [copy for copy in copies if self._may_copy(manifest, copy.target)]
+        if len(ready) < len(copies):
+            self._waiting[manifest.path] = manifest
+        else:
+            self._waiting.pop(manifest.path, None)
+        return ready
+
+    def _plan_waiting_again(self) -> None:
+        for path, manifest in list(self._waiting.items()):
+            if self._is_current(manifest):
+                self.submit(manifest)
+            else:
+                del self._waiting[path]
 
     async def _plan(self, manifest: mf.StepManifest) -> list[placement.Copy] | None:
         """The copies this node is the source of, from the step's records now."""

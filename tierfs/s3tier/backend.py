@@ -17,10 +17,17 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from tierfs import reserved
-from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, ObjectInfo
+from tierfs.s3tier.interface import (
+    MANIFEST_KEY,
+    Backend,
+    BackendError,
+    NotFound,
+    ObjectInfo,
+    StoreUnavailable,
+)
 
 __all__ = ["MANIFEST_KEY", "Backend", "BackendError", "FileBackend", "NotFound", "ObjectInfo",
-           "open_backend"]
+           "StoreUnavailable", "open_backend"]
 
 
 def open_backend(url: str, endpoint: str | None = None) -> Backend:
@@ -45,7 +52,13 @@ class FileBackend(Backend):
     What it creates is never writable by group or others (directories 0755, files 0644, as in a
     bucket only the owner writes; the daemon's umask is 0). The root must be empty or already a
     store (marked by STORE_MARK), since the store's contents are listed and incomplete uploads
-    removed: `file:///` or a home directory is refused rather than walked and pruned."""
+    removed: `file:///` or a home directory is refused rather than walked and pruned.
+
+    The mark also tells the store from the directory it lives in: an NFS, Lustre or FSx volume
+    that is not mounted (yet, or any more) leaves an empty directory, or none, where the store
+    should be. Every request first finds the mark (`_require_store`; a read only once it found
+    no object), so such a store is StoreUnavailable: nothing is written beside the volume, and
+    no object is called missing while the whole store is."""
 
     TMP_PREFIX = reserved.UPLOAD + "-"  # short, whatever the length of the name it becomes
     # `<name>.<pid>.tierfs-upload`, left by older versions
@@ -64,23 +77,39 @@ class FileBackend(Backend):
             raise BackendError(f"unsafe key {key!r}", temporary=False)
         return self.root / key
 
-    def check(self) -> None:
+    def check(self) -> bool:
         if not self.root.is_dir():
             raise BackendError(f"{self.root} does not exist or is not a directory",
                                temporary=False)
         if not os.access(self.root, os.W_OK):
             raise BackendError(f"{self.root} is not writable", temporary=False)
+        if (self.root / self.STORE_MARK).exists():
+            return False
+        if not any(self.root.iterdir()):
+            return True
+        if self._holds_manifests():
+            return False  # a store made before STORE_MARK existed
+        raise BackendError(f"{self.root} is not empty and is not a tierfs store: give an "
+                           "empty directory (tierfs lists and prunes what the store holds)",
+                           temporary=False)
+
+    def claim(self) -> None:
         mark = self.root / self.STORE_MARK
-        if mark.exists():
-            return
-        if any(self.root.iterdir()) and not self._holds_manifests():
-            raise BackendError(f"{self.root} is not empty and is not a tierfs store: give an "
-                               "empty directory (tierfs lists and prunes what the store holds)",
-                               temporary=False)
         try:
             os.close(os.open(mark, os.O_WRONLY | os.O_CREAT, self.FILE_MODE))
         except OSError as exc:
             raise BackendError(f"{mark}: {exc.strerror}", temporary=False) from exc
+
+    def _require_store(self) -> None:
+        """Raise StoreUnavailable unless the root is here with its mark (see the class)."""
+        try:
+            os.stat(self.root / self.STORE_MARK)
+        except (FileNotFoundError, NotADirectoryError):
+            why = (f"{self.root} has no {self.STORE_MARK} (is the store's volume mounted?)"
+                   if self.root.is_dir() else f"{self.root} is missing")
+            raise StoreUnavailable(self.url, why) from None
+        except OSError as exc:  # a volume gone bad: EIO, ESTALE, ENOTCONN
+            raise StoreUnavailable(self.url, f"{self.root}: {exc.strerror}") from None
 
     def _holds_manifests(self) -> bool:
         """Whether the root is a store made before STORE_MARK existed: a manifest near the top
@@ -120,6 +149,7 @@ class FileBackend(Backend):
 
     def _write_atomically(self, key: str, writer) -> None:  # type: ignore[no-untyped-def]
         target = self._path(key)
+        self._require_store()
         tmp = None
         try:
             self._make_dirs(target.parent)
@@ -134,6 +164,7 @@ class FileBackend(Backend):
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
+            self._require_store()  # the volume went away during the write
             raise BackendError(f"{target}: {exc.strerror}", temporary=False) from exc
 
     def put_file(self, key: str, path: str | bytes | os.PathLike[str]) -> None:
@@ -152,11 +183,14 @@ class FileBackend(Backend):
                 f.seek(offset)
                 return f.read() if length < 0 else f.read(length)
         except (FileNotFoundError, NotADirectoryError):  # a/b where a is an object: no a/b
+            self._require_store()
             raise NotFound(key) from None
         except OSError as exc:
+            self._require_store()
             raise BackendError(f"{key}: {exc.strerror}", temporary=False) from exc
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        self._require_store()  # an absent store is not an empty one
         # Only the directory the prefix lies in: a step's listing must not walk the store.
         top = self._path(prefix.rpartition("/")[0]) if "/" in prefix else self.root
         for dirpath, _dirs, files in os.walk(top):
@@ -170,6 +204,8 @@ class FileBackend(Backend):
                     yield ObjectInfo(key, os.lstat(full).st_size)
 
     def delete(self, keys: list[str]) -> None:
+        if keys:
+            self._require_store()  # else the delete "succeeds", and the step comes back
         for key in keys:
             path = self._path(key)
             try:

@@ -4,9 +4,11 @@ it raises.
 Keys are relative to the URL's prefix and '/'-separated: `run1/step_100/__0_0.distcp`.
 Methods block (network or disk): call them from a worker thread.
 
-Failures are BackendError; `temporary` says whether retrying can help (connection refused or
-reset, timeouts, 5xx, SlowDown) or not (missing bucket, wrong credentials). A missing object
-is the subclass NotFound, which callers catch by type (never by the message).
+Failures are BackendError; `temporary` says whether retrying a request at once can help
+(connection refused or reset, timeouts, 5xx, SlowDown) or not (missing bucket, wrong
+credentials). A missing object is the subclass NotFound, which callers catch by type (never by
+the message); a store that is not there as a whole (a file:// volume not mounted) is
+StoreUnavailable, never NotFound: its objects are not missing, the store is.
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ class NotFound(BackendError, ObjectMissing):
         super().__init__(f"no object {key}", temporary=False)
 
 
+class StoreUnavailable(BackendError):
+    """The store as a whole cannot be reached: a file:// root that is missing, or that lost its
+    marker (an empty directory where the store's volume should be mounted). Not temporary in
+    the sense of a request worth repeating at once (a read fails now, EIO, rather than wait
+    for an operator); the uploader retries its steps until the store is back."""
+
+    def __init__(self, url: str, why: str) -> None:
+        super().__init__(f"the store {url} is unavailable: {why}", temporary=False)
+
+
 class UploadGone(BackendError):
     """An upload in parts the store no longer knows (S3's NoSuchUpload: aborted, expired, or
     completed by a request whose reply was lost): final for the part or the completion, and
@@ -59,8 +71,14 @@ class Backend(ABC):
     part_size: int | None = None
 
     @abstractmethod
-    def check(self) -> None:
-        """Raise BackendError unless the store exists and accepts our credentials."""
+    def check(self) -> bool:
+        """Raise BackendError unless the store exists and accepts our credentials; return
+        whether it is new: never used by tierfs (nothing in it, no marker). Changes nothing:
+        the mount may still refuse it (`claim` follows if it does not)."""
+
+    @abstractmethod
+    def claim(self) -> None:
+        """Mark the store as used by tierfs, once a mount accepted it."""
 
     @abstractmethod
     def put_file(self, key: str, path: str | bytes | os.PathLike[str]) -> None:

@@ -87,9 +87,17 @@ class S3Backend(Backend):
     def _key(self, key: str) -> str:
         return self.prefix + key
 
-    def check(self) -> None:
+    def check(self) -> bool:
         with self._errors("bucket " + self.bucket):
             self._client.head_bucket(Bucket=self.bucket)
+        with self._errors("listing " + (self.prefix or "/")):
+            reply = self._client.list_objects_v2(Bucket=self.bucket, Prefix=self.prefix,
+                                                 MaxKeys=1)
+        return not reply.get("Contents")
+
+    def claim(self) -> None:
+        """Nothing to mark: a prefix's objects say it was used, and a bucket does not come
+        and go as a volume does."""
 
     def put_file(self, key: str, path: str | bytes | os.PathLike[str]) -> None:
         """Any size in this one call: a file larger than a part goes up in parts, in parallel

@@ -10,6 +10,18 @@ files are replaced, then the new manifest is written last, and objects of the ol
 the new one does not name go. Temporary failures retry without limit for as long as the step is
 still the current version; the step stays in RAM meanwhile.
 
+Whatever else fails a step's upload (a store that is unavailable, a refusal the store calls
+final, the unforeseen) the whole step is tried again by the same policy, for as long as it is
+the current version: a step is never left in RAM alone while the store is believed to have it.
+Meanwhile the other steps go on. `troubles` says why each step is not up yet and since when,
+for `tierfs status`.
+
+A tracker file (`tierfs.trackers`: DeepSpeed's `latest`, Megatron-LM's
+`latest_checkpointed_iteration.txt`) goes up only once the step it names is in the store: a
+version naming a step not there yet waits (and goes up right after that step), one naming a
+step `--persist-every` never selects is not due at all, and the store keeps the version it
+has meanwhile, so a fresh node never reads a tracker that points past the store.
+
 A deleted step is removed the same way round (`delete_step`: manifest first, then data), never
 at the same time as an upload of the same path, so that a late upload cannot bring it back.
 """
@@ -20,6 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import trio
 
@@ -27,13 +40,27 @@ from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.observe import Events
 from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound
-from tierfs.s3tier.retry import NoLongerWanted, retry
+from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
 from tierfs.step_queue import StepQueue
+from tierfs.trackers import TrackedStep
 
 log = logging.getLogger(__name__)
 
 PARALLEL_REQUESTS = 4
+
+
+@dataclass
+class UploadTrouble:
+    """Why a version of a step is not in the store yet: the last failure, since when (wall
+    clock, ns) the upload of this version fails, how many requests failed, and how many
+    attempts of the whole step (the backoff before the next one)."""
+
+    version: int
+    reason: str
+    since_ns: int
+    failures: int = 0
+    step_failures: int = 0
 
 
 class Uploader:
@@ -49,6 +76,7 @@ class Uploader:
         is_current: Callable[[mf.StepManifest], bool],
         on_persisted: Callable[[mf.StepManifest], None],
         on_retired: Callable[[str], None],
+        tracked_step: Callable[[mf.StepManifest], TrackedStep | None] = lambda _m: None,
         events: Events | None = None,
     ) -> None:
         self.backend = backend
@@ -61,59 +89,148 @@ class Uploader:
         self._is_current = is_current
         self._on_persisted = on_persisted
         self._on_retired = on_retired
+        self._tracked_step = tracked_step
         self.queue = StepQueue()
+        self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
         self._path_locks: dict[str, trio.Lock] = {}  # an upload and a delete of one path
+        self.troubles: dict[str, UploadTrouble] = {}
+        self._uploading: str | None = None
+        self._retries: trio.Nursery | None = None  # steps waiting to be tried again
 
     def _lock(self, path: str) -> trio.Lock:
         return self._path_locks.setdefault(path, trio.Lock())
 
     def wanted(self, manifest: mf.StepManifest) -> bool:
-        # A loose file (no step number) is always persisted: nothing else keeps it.
-        return manifest.step == mf.NO_STEP or manifest.step % self.persist_every == 0
+        if manifest.step != mf.NO_STEP:
+            return manifest.step % self.persist_every == 0
+        # A loose file (no step number) is always persisted: nothing else keeps it; but a
+        # tracker only with the step it names, so only once that step is in the store or on
+        # its way there from this node (not one naming a step that is nowhere).
+        tracked = self._tracked_step(manifest)
+        return tracked is None or tracked.persisted or (
+            tracked.made_here and tracked.number % self.persist_every == 0)
 
     def submit(self, manifest: mf.StepManifest) -> None:
         """Queue a committed step (a newer version of a queued step replaces it)."""
+        self._held.pop(manifest.path, None)  # a tracker's older version: no longer current
         if self.wanted(manifest):
             self.queue.put(manifest)
 
-    async def run(self) -> None:
-        await self.queue.serve(self._upload_or_log)
+    def waiting(self, manifest: mf.StepManifest) -> tuple[str, int, int]:
+        """Why a step due in the store is not there yet, since when (ns) and after how many
+        failed requests: its last failure, else "uploading" or "queued" since its commit."""
+        trouble = self.troubles.get(manifest.path)
+        if trouble is not None and trouble.version == manifest.version:
+            return trouble.reason, trouble.since_ns, trouble.failures
+        tracked = self._tracked_step(manifest) if self._held.get(manifest.path) is manifest \
+            else None
+        if tracked is not None:
+            return f"waits for step {tracked.number} to be there", manifest.committed_ns, 0
+        state = "uploading" if self._uploading == manifest.path else "queued"
+        return state, manifest.committed_ns, 0
 
-    async def _upload_or_log(self, manifest: mf.StepManifest) -> None:
+    def _holds_back(self, manifest: mf.StepManifest) -> bool:
+        """A tracker whose step is not in the store yet waits (`_release_held`)."""
+        tracked = self._tracked_step(manifest) if manifest.step == mf.NO_STEP else None
+        if tracked is None or tracked.persisted:
+            return False
+        if manifest.path not in self._held:
+            log.info("%s v%d waits for the step it names (%d) to be in %s", manifest.path,
+                     manifest.version, tracked.number, self.backend.url)
+        self._held[manifest.path] = manifest
+        return True
+
+    def _release_held(self) -> None:
+        """A step reached the store: the trackers that named it go up now."""
+        for path, manifest in list(self._held.items()):
+            if not self._is_current(manifest):
+                del self._held[path]
+                continue
+            tracked = self._tracked_step(manifest)
+            if tracked is None or tracked.persisted:
+                del self._held[path]
+                self.queue.put(manifest)
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as retries:
+            self._retries = retries
+            await self.queue.serve(self._upload_or_retry)
+
+    async def _upload_or_retry(self, manifest: mf.StepManifest) -> None:
+        self._uploading = manifest.path
         try:
             async with self._lock(manifest.path):
                 await self._upload(manifest)
         except* Exception as failures:  # files go up in parallel: errors come grouped
-            self._log_failure(manifest, failures)
+            self._retry_later(manifest, failures)
+        finally:
+            self._uploading = None
 
-    def _log_failure(self, manifest: mf.StepManifest, failures: BaseExceptionGroup) -> None:
-        """One line for a step that will not be uploaded; a traceback only for the unforeseen.
-        Whatever it was, the uploader goes on with the next step."""
+    def _retry_later(self, manifest: mf.StepManifest, failures: BaseExceptionGroup) -> None:
+        """One line per failed attempt of a step, and the step tried again after the policy's
+        pause (the uploader goes on with the next step meanwhile); a traceback only for the
+        unforeseen, the first time."""
         if not self._is_current(manifest) or failures.subgroup(NoLongerWanted) is not None:
+            self._clear_trouble(manifest)
             log.info("upload of %s v%d dropped: the step changed or was removed", manifest.path,
                      manifest.version)
-            return
-        unforeseen = failures.subgroup(lambda e: not isinstance(e, BackendError))
-        if unforeseen is not None:
-            log.error("upload of %s v%d failed", manifest.path, manifest.version,
-                      exc_info=unforeseen)
             return
         first = failures.exceptions[0]
         while isinstance(first, BaseExceptionGroup):
             first = first.exceptions[0]
-        log.error("upload of %s v%d failed and will not be retried: %s", manifest.path,
-                  manifest.version, first)
+        trouble = self.troubles.get(manifest.path)
+        if trouble is None or trouble.version != manifest.version or \
+                not isinstance(first, BackendError):  # a request's failure was noted already
+            trouble = self._note_trouble(manifest, first)
+        trouble.step_failures += 1
+        # (the predicate sees the groups too: a group is not in itself unforeseen)
+        unforeseen = failures.subgroup(
+            lambda e: not isinstance(e, (BackendError, BaseExceptionGroup)))
+        delay = POLICY.delay(trouble.step_failures)
+        log.log(POLICY.level(trouble.step_failures),
+                "upload of %s v%d failed (attempt %d), retrying in %.1f s: %s", manifest.path,
+                manifest.version, trouble.step_failures, delay, first,
+                exc_info=unforeseen if trouble.step_failures == 1 else None)
+        assert self._retries is not None, "failures come from run()"
+        self._retries.start_soon(self._submit_after, manifest, delay)
+
+    async def _submit_after(self, manifest: mf.StepManifest, delay: float) -> None:
+        await trio.sleep(delay)
+        if self._is_current(manifest):
+            self.queue.put(manifest)
+        else:
+            self._clear_trouble(manifest)
+
+    def _note_trouble(self, manifest: mf.StepManifest, failure: BaseException) -> UploadTrouble:
+        trouble = self.troubles.get(manifest.path)
+        if trouble is None or trouble.version != manifest.version:
+            trouble = UploadTrouble(manifest.version, str(failure), time.time_ns())
+            self.troubles[manifest.path] = trouble
+        trouble.reason = str(failure) or type(failure).__name__
+        trouble.failures += 1
+        return trouble
+
+    def _clear_trouble(self, manifest: mf.StepManifest) -> None:
+        trouble = self.troubles.get(manifest.path)
+        if trouble is not None and trouble.version == manifest.version:
+            del self.troubles[manifest.path]
 
     async def _call(self, what: str, manifest: mf.StepManifest, func, *args) -> object:  # type: ignore[no-untyped-def]
         async def attempt() -> object:
-            return await trio.to_thread.run_sync(func, *args, limiter=self._threads)
+            try:
+                return await trio.to_thread.run_sync(func, *args, limiter=self._threads)
+            except BackendError as exc:
+                self._note_trouble(manifest, exc)
+                raise
 
         return await retry(attempt, what, still_wanted=lambda: self._is_current(manifest))
 
     async def _upload(self, manifest: mf.StepManifest) -> None:
         if not self._is_current(manifest):
             raise NoLongerWanted(manifest.path)
+        if self._holds_back(manifest):
+            return
         started = time.monotonic()
         prefix = manifest.path
         manifest_key = layout.manifest_key(prefix, manifest.single_file)
@@ -130,8 +247,10 @@ class Uploader:
                          self.backend.put_bytes, manifest_key, mf.encode(manifest))
         await self._call(f"removing old files of {prefix}", manifest, self._remove_stale,
                          manifest)
+        self._clear_trouble(manifest)
         self._events.persisted(manifest, self.backend.url, time.monotonic() - started)
         self._on_persisted(manifest)
+        self._release_held()
         if self.keep_persist:
             await self._apply_retention(prefix.rpartition("/")[0])
 
@@ -196,8 +315,14 @@ class Uploader:
         return objects
 
     async def _apply_retention(self, run_dir: str) -> None:
-        """Delete all but the newest `keep_persist` steps of `run_dir` from the store."""
-        steps = await self.persisted_steps(run_dir)
+        """Delete all but the newest `keep_persist` steps of `run_dir` from the store (the
+        next persisted step tries again if the store cannot list them now)."""
+        try:
+            steps = await self.persisted_steps(run_dir)
+        except BackendError as exc:
+            log.warning("retention in %s could not list %s yet: %s", self.backend.url,
+                        run_dir or ".", exc)
+            return
         for path in sorted(steps, key=steps.__getitem__)[:-self.keep_persist]:
             try:
                 await self.retire(path)
