@@ -7,8 +7,9 @@ a process is preempted at the wrong moment), and stop at the first failure with 
 
 The busy loops are child processes of this one: they are ended by their pids when the runs end,
 however that happens (a failure, Ctrl-C, SIGTERM), and the kernel kills them if this process
-dies first (PR_SET_PDEATHSIG). It imports nothing of tierfs: the runs test the checkout that
-pytest finds (PYTHONPATH, or the installed package).
+dies first (PR_SET_PDEATHSIG). An interrupted run is given the time its fixtures take to tear
+down. It imports nothing of tierfs: the runs test the checkout that pytest finds (PYTHONPATH,
+or the installed package).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,18 +52,33 @@ def cpu_load(processes: int) -> Iterator[list[int]]:
             loop.wait()
 
 
-def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt  # unwinds through cpu_load's cleanup, like Ctrl-C
+class Terminated(Exception):
+    """SIGTERM reached this process (Ctrl-C reaches pytest too: a KeyboardInterrupt here)."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
 
 
 def run_once(tests: list[str], pytest_args: list[str]) -> tuple[bool, float, str]:
-    """One fresh pytest run of `tests`: (passed, seconds, its output)."""
+    """One fresh pytest run of `tests`: (passed, seconds, its output). Interrupted, pytest is
+    left to tear its mounts and servers down before this returns (its fixtures do that on
+    SIGINT, not on SIGKILL)."""
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           *pytest_args, *tests], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    # (exit 5, nothing collected: a misspelt test id, is a failure too)
-    return done.returncode == 0, time.monotonic() - started, done.stdout
+    with tempfile.TemporaryFile("w+") as output:
+        with subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               *pytest_args, *tests], stdout=output,
+                              stderr=subprocess.STDOUT) as run:
+            try:
+                run.wait()
+            except (Terminated, KeyboardInterrupt) as exc:
+                if isinstance(exc, Terminated):
+                    run.send_signal(signal.SIGINT)  # a Ctrl-C has reached it already
+                run.wait()
+                raise
+        output.seek(0)
+        # (exit 5, nothing collected: a misspelt test id, is a failure too)
+        return run.returncode == 0, time.monotonic() - started, output.read()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pytest-args", default="", metavar="ARGS",
                         help="more pytest arguments, one string (e.g. '-x -k name')")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    signal.signal(signal.SIGTERM, _raise_terminated)
     busy = args.load_per_core * (os.cpu_count() or 1)
     seconds: list[float] = []
     started = time.monotonic()
@@ -93,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"repeat: failed at run {number} of {args.runs} ({number - 1} "
                           f"passed before it)")
                     return 1
-    except KeyboardInterrupt:
+    except (Terminated, KeyboardInterrupt):
         print(f"repeat: interrupted after {len(seconds)} runs", file=sys.stderr)
         return 130
     print(f"repeat: {args.runs} of {args.runs} runs passed beside {load} in "
