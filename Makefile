@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 APT    := fuse3 libfuse3-dev pkg-config attr rsync etcd-server
 
-.PHONY: test test-faults demo bench bench-quick simulate lint install clean
+.PHONY: test test-faults test-repeat demo bench bench-quick simulate lint install clean
 
 install: $(STAMP)
 
@@ -29,6 +29,15 @@ test: $(STAMP)
 # The fault suite's full run (the quick sample runs in `test`); counts in tests/faults/results.
 test-faults: $(STAMP)
 	TIERFS_FAULTS=full $(PY) -m pytest -q tests/faults
+
+# Chase a flaky test: TEST run N times in a row (a fresh pytest each), stopping at the first
+# failure with its output; LOAD=1 runs a busy loop per core beside it (ended by pid afterwards).
+#   make test-repeat TEST=tests/test_mount_errors.py::test_x N=30 LOAD=1 [ARGS='-k name']
+N    ?= 30
+LOAD ?= 0
+test-repeat: $(STAMP)
+	@test -n "$(TEST)" || { echo "usage: make test-repeat TEST=<pytest id> [N=30] [LOAD=1]"; exit 2; }
+	$(PY) tests/repeat.py $(TEST) --runs $(N) --load-per-core $(LOAD) --pytest-args "$(ARGS)"
 
 demo: $(STAMP)
 	$(VENV)/bin/tierfs demo

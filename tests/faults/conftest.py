@@ -30,9 +30,19 @@ scale = pick
 report = write_results
 
 
+# The events that answer each command, in the order the trainer writes them (trainer.py).
+EVENTS = {"ready": ("ready",), "save": ("child", "start", "shards", "done"),
+          "load": ("child", "done")}
+
+
 class Trainer:
     """The training process (tests/faults/trainer.py): torch imported once, every save or load
-    in a forked child whose pid is known, so either it or the daemon can be killed mid-save."""
+    in a forked child whose pid is known, so either it or the daemon can be killed mid-save.
+
+    Its events are read strictly in order and matched to the command by id: waiting for one
+    event passes over only the events of that command that come before it (a caller may not
+    care about `shards`), so an event can never be consumed unseen, and one out of order is an
+    error that says so."""
 
     def __init__(self, log_path: Path) -> None:
         script = Path(__file__).with_name("trainer.py")
@@ -46,6 +56,9 @@ class Trainer:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self.child = 0
+        self.command_id = 0  # the command being answered; 0: the trainer's start
+        self.op = "ready"
+        self.seen: list[str] = []  # the events of that command read so far
         self.expect("ready", timeout=120)
 
     def _read(self) -> None:
@@ -62,31 +75,53 @@ class Trainer:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
 
-    def expect(self, *names: str, timeout: float = 120) -> dict[str, Any]:
-        """The next event named one of `names` (noise skipped); fails on eof or timeout."""
+    def command(self, op: str, **fields: Any) -> None:
+        """Send a command; the events read from now on answer it."""
+        self.command_id += 1
+        self.op = op
+        self.seen = []
+        self.child = 0  # known from the command's `child` event
+        self.send(json.dumps({"op": op, "id": self.command_id, **fields}))
+
+    def expect(self, name: str, timeout: float = 120) -> dict[str, Any]:
+        """The current command's event `name`, once the ones before it (noise skipped); fails
+        on eof, timeout, or an event out of the protocol's order."""
+        order = EVENTS[self.op]
         deadline = time.monotonic() + timeout
         while True:
             try:
                 event = self.events.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"trainer: no {names} within {timeout} s") from None
-            if event["event"] in names:
-                if event["event"] == "child":
-                    self.child = event["pid"]
-                return event
-            if event["event"] == "eof":
+                raise AssertionError(f"trainer: no {name} within {timeout} s (command "
+                                     f"{self.command_id}, seen {self.seen})") from None
+            kind = event["event"]
+            if kind == "noise":
+                continue
+            if kind == "eof":
                 err = self.log_path.read_text()
-                raise AssertionError(f"trainer exited while waiting for {names}: {err[-2000:]}")
-            if event["event"] == "done" and event.get("killed") and "done" not in names:
-                continue  # kill_child() hit a save that had just reported done: its 2nd done
-            if event["event"] == "done" and "done" not in names:
-                raise AssertionError(f"trainer finished early while waiting for {names}: "
-                                     f"{event}")
+                raise AssertionError(f"trainer exited while waiting for {name}: {err[-2000:]}")
+            if event.get("id") != self.command_id:
+                if event.get("id", -1) < self.command_id and kind == "done" \
+                        and event.get("killed"):
+                    continue  # kill_child() hit a save that had just reported done: its 2nd
+                raise AssertionError(f"trainer: {event} while command {self.command_id} "
+                                     f"waits for {name}")
+            if kind not in order or (self.seen and order.index(kind) <= order.index(
+                    self.seen[-1])):
+                raise AssertionError(f"trainer: {kind} out of order after {self.seen}: {event}")
+            self.seen.append(kind)
+            if kind == "child":
+                self.child = event["pid"]
+            if kind == name:
+                return event
+            if order.index(kind) > order.index(name):
+                if kind == "done":
+                    raise AssertionError(f"trainer finished early while waiting for {name}: "
+                                         f"{event}")
+                raise AssertionError(f"trainer: {kind} came, {name} never did: {event}")
 
     def start_save(self, path: Path, seed: int, mib: float, pause: bool = False) -> None:
-        self.send(json.dumps({"op": "save", "path": str(path), "seed": seed, "mib": mib,
-                              "pause": pause}))
-        self.expect("child")
+        self.command("save", path=str(path), seed=seed, mib=mib, pause=pause)
         self.expect("start")
 
     def save(self, path: Path, seed: int, mib: float) -> dict[str, str]:
@@ -97,8 +132,7 @@ class Trainer:
         return done["files"]
 
     def load_matches(self, path: Path, seed: int, mib: float) -> tuple[bool, str]:
-        self.send(json.dumps({"op": "load", "path": str(path), "seed": seed, "mib": mib}))
-        self.expect("child")
+        self.command("load", path=str(path), seed=seed, mib=mib)
         done = self.expect("done")
         return done["ok"], done.get("error", "")
 

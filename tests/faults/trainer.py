@@ -3,18 +3,26 @@ checkpoints on command, each in a fresh forked child, so that the test can kill 
 the training process itself, at any moment of a save without paying torch's import again.
 
 Protocol (one JSON object per line): the test writes commands on stdin, this process answers
-on stdout.
+on stdout. Every command carries an id, and every event answering it carries the same id
+(`{"event": "ready", "id": 0}` first, once torch is imported).
 
-    {"op": "save", "path": P, "seed": S, "mib": M, "pause": bool}
+    {"op": "save", "id": N, "path": P, "seed": S, "mib": M, "pause": bool}
         -> {"event": "child", "pid": PID}           the forked child that runs the save
         -> {"event": "start"}                        dcp.save is called now
         -> {"event": "shards"}                       every shard is written, .metadata is next
            (with "pause": the child waits here for a line "go" on stdin)
         -> {"event": "done", "ok": true, "files": {name: xxh3-128}}   read back right after
            or {"event": "done", "ok": false, "error": "..."}
-    {"op": "load", "path": P, "seed": S, "mib": M}
+    {"op": "load", "id": N, "path": P, "seed": S, "mib": M}
+        -> {"event": "child", "pid": PID}
         -> {"event": "done", "ok": bool, "error": "..."}   dcp.load and compare every tensor
     {"op": "quit"}
+
+The events of a command come in this order, always: the child writes every one of them itself,
+its own pid first, so no other process can write between them (a `child` event written by this
+process would race the child's `start`, and could reach the test after it). Only when the child
+is killed does this process add a last {"event": "done", "ok": false, "killed": true}, after
+the child is gone; a child killed right after its own `done` so leaves a second `done`.
 
 The state is a deterministic function of (seed, mib): a few tensors of about M MiB in all, so a
 step that committed can be loaded and compared tensor by tensor with what was saved.
@@ -51,12 +59,13 @@ class SignallingWriter(FileSystemWriter):
     """The plain FileSystemWriter; it only says when the shards are done (and may wait there)
     so that a test can crash the daemon between the last shard and `.metadata`."""
 
-    def __init__(self, path: str, pause: bool) -> None:
+    def __init__(self, path: str, pause: bool, command_id: int) -> None:
         super().__init__(path, thread_count=2, sync_files=True)
         self._pause = pause
+        self._id = command_id
 
     def finish(self, metadata, results) -> None:  # type: ignore[no-untyped-def]
-        emit(event="shards")
+        emit(event="shards", id=self._id)
         if self._pause:
             sys.stdin.readline()  # "go"
         super().finish(metadata, results)
@@ -73,9 +82,10 @@ def hash_dir(path: str) -> dict[str, str]:
 def save(command: dict) -> None:  # type: ignore[type-arg]
     state = state_for(command["seed"], command["mib"])
     os.makedirs(command["path"], exist_ok=True)
-    emit(event="start")
-    dcp.save(state, storage_writer=SignallingWriter(command["path"], command.get("pause", False)))
-    emit(event="done", ok=True, files=hash_dir(command["path"]))
+    emit(event="start", id=command["id"])
+    dcp.save(state, storage_writer=SignallingWriter(command["path"], command.get("pause", False),
+                                                    command["id"]))
+    emit(event="done", id=command["id"], ok=True, files=hash_dir(command["path"]))
 
 
 def load(command: dict) -> None:  # type: ignore[type-arg]
@@ -83,7 +93,8 @@ def load(command: dict) -> None:  # type: ignore[type-arg]
     restored = {k: torch.zeros_like(v) for k, v in expected.items()}
     dcp.load(restored, storage_reader=FileSystemReader(command["path"]))
     wrong = [k for k, v in expected.items() if not torch.equal(restored[k], v)]
-    emit(event="done", ok=not wrong, error=f"tensors differ: {wrong}" if wrong else "")
+    emit(event="done", id=command["id"], ok=not wrong,
+         error=f"tensors differ: {wrong}" if wrong else "")
 
 
 def in_child(command: dict) -> None:  # type: ignore[type-arg]
@@ -92,24 +103,24 @@ def in_child(command: dict) -> None:  # type: ignore[type-arg]
     if pid == 0:
         code = 0
         try:
+            emit(event="child", id=command["id"], pid=os.getpid())
             (save if command["op"] == "save" else load)(command)
         except BaseException as exc:  # noqa: BLE001 - reported to the test, then exit
-            emit(event="done", ok=False, error=f"{type(exc).__name__}: {exc}",
+            emit(event="done", id=command["id"], ok=False, error=f"{type(exc).__name__}: {exc}",
                  trace=traceback.format_exc()[-2000:])
             code = 1
         finally:
             sys.stdout.flush()
             os._exit(code)
-    emit(event="child", pid=pid)
     _, status = os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
-        emit(event="done", ok=False, error=f"killed by signal {os.WTERMSIG(status)}",
-             killed=True)
+        emit(event="done", id=command["id"], ok=False,
+             error=f"killed by signal {os.WTERMSIG(status)}", killed=True)
 
 
 def main() -> None:
     torch.set_num_threads(1)
-    emit(event="ready")
+    emit(event="ready", id=0)
     for line in sys.stdin:
         line = line.strip()
         if not line or line == "go":

@@ -172,12 +172,17 @@ def _clear_dead_mounts(mountpoint: Path) -> list[str]:
     fails with ENOTCONN, so nothing can use it); refuse any live or foreign mount there."""
     warnings = []
     while (entry := mount_at(mountpoint)) is not None:
+        ram_dir = ram_dir_of(entry)
+        if ram_dir is not None and daemon_state(ram_dir).state == "stopped":
+            # Refused without a probe: a probe of a stopped daemon's mount blocks in the kernel
+            # until the daemon resumes and keeps the mount busy until this process has exited,
+            # so an unmount right after the refusal failed with EBUSY.
+            raise _not_answering(mountpoint, entry)
         try:
             # statfs always reaches the daemon; stat may be answered from the kernel's cache
             with_patience(lambda: os.statvfs(mountpoint))
         except TimeoutError:
-            raise StartupError(f"mountpoint {mountpoint} is busy: the {entry.fstype} mount "
-                               "there does not answer" + _daemon_clause(entry, False)) from None
+            raise _not_answering(mountpoint, entry) from None
         except OSError as exc:
             if exc.errno != errno.ENOTCONN:
                 raise StartupError(f"mountpoint {mountpoint}: {exc.strerror}") from None
@@ -196,6 +201,11 @@ def _clear_dead_mounts(mountpoint: Path) -> list[str]:
         raise StartupError(f"mountpoint {mountpoint} is busy: {what} already mounted there"
                            + _daemon_clause(entry, True))
     return warnings
+
+
+def _not_answering(mountpoint: Path, entry: MountEntry) -> StartupError:
+    return StartupError(f"mountpoint {mountpoint} is busy: the {entry.fstype} mount there does "
+                        "not answer" + _daemon_clause(entry, False))
 
 
 def _daemon_clause(entry: MountEntry, answering: bool) -> str:
