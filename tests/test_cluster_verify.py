@@ -20,8 +20,8 @@ def verify(node: Mount, relpath: str, *extra: str) -> subprocess.CompletedProces
     return tierfs("verify", str(node / relpath), *extra, check=False, timeout=120)
 
 
-def test_verify_tells_whole_from_short_from_lost(mounts: MountFactory, token_file: Path,  # noqa: F811
-                                                 etcd_server: Etcd) -> None:
+def test_verify_tells_whole_from_short_from_lost(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
     cluster = Cluster(mounts, token_file, 2, etcd_server)
     node0 = mounts.mount(*cluster.args("node0"))  # K = 1
     node1 = mounts.mount(*cluster.args("node1"), "--replicas", "0")  # its steps: one copy
