@@ -105,6 +105,9 @@ class Membership:
         # Members that left the live ones, with the trio time until which they stay admitted.
         self._departed: dict[str, tuple[MemberInfo, float]] = {}
         self.rejoin_grace = ttl + REJOIN_MARGIN
+        # Until this trio time (one rejoin grace after this node registered) a node not seen
+        # yet may be one that is starting too: `starting`.
+        self._starting_until = math.inf
         self.changed = trio.Event()  # set (and replaced) at every change of the members
         # Counts every change of who is up or admitted (a cache of answers keys on it).
         self.generation = 0
@@ -126,6 +129,13 @@ class Membership:
         return node_id in self.members or node_id in self._departed
 
     @property
+    def starting(self) -> bool:
+        """Whether this node registered less than `rejoin_grace` ago (or not yet): the nodes
+        of a cluster that starts together register one by one, so one not seen yet may only
+        be later than this one."""
+        return trio.current_time() < self._starting_until
+
+    @property
     def admitted(self) -> dict[str, MemberInfo]:
         """Every admitted node and where it is: the live ones, and those within their grace."""
         return {**{node: info for node, (info, _until) in self._departed.items()},
@@ -143,6 +153,7 @@ class Membership:
         once registered and the members are known. On the way out the lease is revoked, so
         the others see this node leave at once rather than after the ttl."""
         await self._register()  # outside the nursery: NodeIdInUse reaches the caller as is
+        self._starting_until = trio.current_time() + self.rejoin_grace
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._follow)
@@ -280,7 +291,9 @@ class Membership:
 
     async def _end_graces(self) -> None:
         """A node that left and did not come back within `rejoin_grace` is no longer
-        admitted (a change of the members like any other)."""
+        admitted, and once this node's own start is that long ago it is no longer `starting`
+        (changes of the members like any other)."""
+        starting = self.starting
         while True:
             now = trio.current_time()
             ended = [node for node, (_info, until) in self._departed.items() if until <= now]
@@ -288,10 +301,12 @@ class Membership:
                 del self._departed[node_id]
                 log.info("member %s did not come back within %.0f s: its lease is dead",
                          node_id, self.rejoin_grace)
-            if ended:
+            if ended or starting != self.starting:
+                starting = self.starting
                 self._changed()
             changed = self.changed
-            with trio.move_on_at(min((until for _i, until in self._departed.values()),
+            with trio.move_on_at(min([until for _i, until in self._departed.values()]
+                                     + ([self._starting_until] if starting else []),
                                      default=math.inf)):
                 await changed.wait()
 

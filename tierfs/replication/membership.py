@@ -79,8 +79,9 @@ class Membership:
         return self.live.is_up(node_id)
 
     def may_be_up(self, node_id: str) -> bool:
-        """Live, or gone so recently that it may be registering again (`admits`)."""
-        return self.live.admits(node_id)
+        """Live, or gone so recently that it may be registering again (`admits`), or not seen
+        yet while this node itself is just starting (a cluster starting together)."""
+        return self.live.admits(node_id) or self.live.starting
 
     @property
     def generation(self) -> int:
