@@ -197,12 +197,42 @@ def run_dcp_ranks(step_dirs: list[Path], timeout: float, at_once: bool = False) 
     """Run tests/dcp_ranks.py as one gloo job, rank i saving to and loading from step_dirs[i]
     (each rank's path to the step on its own node's mount); every rank must succeed. With
     `at_once` every rank loads right after the barrier that follows the save."""
+    finish_dcp_ranks(start_dcp_ranks(step_dirs, *(["--at-once"] if at_once else [])), timeout)
+
+
+def start_dcp_ranks(step_dirs: list[Path], *options: str,
+                    paused: int | None = None) -> list[subprocess.Popen[str]]:
+    """Start the ranks of tests/dcp_ranks.py (see `run_dcp_ranks`) with these options; rank
+    `paused` also gets --pause-after-write (its stdin is a pipe: `resume_rank`)."""
     script = Path(__file__).with_name("dcp_ranks.py")
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(len(step_dirs)),
-                               port, str(step_dir), *(["--at-once"] if at_once else [])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank, step_dir in enumerate(step_dirs)]
+    return [subprocess.Popen([sys.executable, str(script), str(rank), str(len(step_dirs)),
+                              port, str(step_dir), *options,
+                              *(["--pause-after-write"] if rank == paused else [])],
+                             stdin=subprocess.PIPE if rank == paused else subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank, step_dir in enumerate(step_dirs)]
+
+
+def wait_written(rank: subprocess.Popen[str], timeout: float = 120) -> None:
+    """Until a rank started with --pause-after-write has written its shard."""
+    assert rank.stdout is not None
+    ready: list[str] = []
+    reader = threading.Thread(target=lambda: ready.append(rank.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert ready and ready[0].strip() == "written", f"rank did not write: {ready}"
+
+
+def resume_rank(rank: subprocess.Popen[str]) -> None:
+    """Let a rank paused after its write go on with the save."""
+    assert rank.stdin is not None
+    rank.stdin.write("go\n")
+    rank.stdin.flush()
+
+
+def finish_dcp_ranks(ranks: list[subprocess.Popen[str]], timeout: float) -> None:
+    """Wait for every rank; each must succeed."""
     try:
         outputs = [rank.communicate(timeout=timeout) for rank in ranks]
     finally:

@@ -140,6 +140,7 @@ def test_cluster_mistakes_are_one_line(mounts: MountFactory, tmp_path: Path,
     loose.chmod(0o644)
     taken = Cluster(mounts, token_file, 1, etcd_server)
     taken.start("node0")
+    dead_port = free_port()
     for args, message in [
         (["--peers", "a=127.0.0.1:1,b=127.0.0.1:2"], "--peers is gone: name the cluster's etcd"),
         (["--cluster", url, *listen], "needs --token-file"),
@@ -151,8 +152,8 @@ def test_cluster_mistakes_are_one_line(mounts: MountFactory, tmp_path: Path,
         (["--cluster", url, "--listen", "0.0.0.0:7070", "--insecure"], "--advertise"),
         (["--listen", "127.0.0.1:7070"], "--listen needs --cluster"),
         (["--replicas", "1"], "--replicas 1 needs --cluster"),
-        (["--cluster", f"etcd://127.0.0.1:{free_port()}/x", *listen, "--insecure"],
-         "does not answer"),
+        (["--cluster", f"etcd://127.0.0.1:{dead_port}/x", *listen, "--insecure"],
+         f"etcd is unreachable at 127.0.0.1:{dead_port}: connection refused"),
         (["--cluster", taken.url, "--node-id", "node0", *listen, "--token-file",
           str(token_file)], "is registered by a live daemon"),
     ]:

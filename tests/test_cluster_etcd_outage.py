@@ -4,13 +4,21 @@ and once it is back the commit records are written and every node lists every st
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.conftest import MountFactory, wait_until
+from tests.conftest import (
+    MountFactory,
+    finish_dcp_ranks,
+    run_dcp_ranks,
+    start_dcp_ranks,
+    wait_until,
+)
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_cluster_scale import dcp_metadata
 from tierfs.devtools.etcd import Etcd
@@ -78,6 +86,39 @@ def test_saves_go_on_while_etcd_is_down_and_commits_resume_after(
         (node1 / "run/step_3").mkdir()
         (node1 / "run/step_3/.metadata").write_bytes(b"m3")
         wait_until(lambda: state(node0, "run/step_3") == "committed", timeout=10)
+
+
+def test_a_save_while_etcd_hangs_fails_within_its_bound_and_commits_once_etcd_is_back(
+        mounts: MountFactory, token_file: Path, tmp_path: Path) -> None:  # noqa: F811
+    """etcd stopped (SIGSTOP: it hangs, longer than the leases live) during a two-node DCP
+    save: the close of `.metadata` waits --commit-timeout (4 s here; 20 s by default) and
+    fails, so dcp.save raises ETIMEDOUT on every rank; the step stays `writing`, waiting for
+    etcd. Once etcd answers again the step commits by itself, every rank loads it (no peer
+    refused: every lease ended in the stall, the live nodes' too), and the next save works."""
+    with Etcd(tmp_path / "etcd") as server:
+        cluster = Cluster(mounts, token_file, 2, server)
+        node0, node1 = cluster.start_all("--commit-timeout", "4")
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            ranks = start_dcp_ranks([node0 / "run/step_1", node1 / "run/step_1"],
+                                    "--save-only")
+            outputs = [rank.communicate(timeout=120) for rank in ranks]
+            assert all(rank.returncode != 0 for rank in ranks), outputs
+            assert "[Errno 110] Connection timed out" in outputs[0][1], outputs[0][1][-3000:]
+            step = node0.step("run/step_1")
+            assert step["state"] == "writing" and "etcd" in step["waiting_for"], step
+            assert "within 4 s; the step stays writing" in node0.log()
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        for node in (node0, node1):
+            wait_until(lambda n=node: state(n, "run/step_1") == "committed", timeout=30)
+        finish_dcp_ranks(start_dcp_ranks([node0 / "run/step_1", node1 / "run/step_1"],
+                                         "--load-only"), timeout=120)
+        run_dcp_ranks([node0 / "run/step_2", node1 / "run/step_2"], timeout=120)
+        for node in (node0, node1):
+            assert "is not a member" not in node.log()
+        mounts.cleanup()  # the daemons go before their etcd
 
 
 def test_a_step_committed_while_etcd_is_down_survives_its_node_crashing(

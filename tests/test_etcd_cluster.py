@@ -215,6 +215,12 @@ async def test_killed_member_is_down_within_ttl(etcd_server: EtcdServer) -> None
             await trio.to_thread.run_sync(daemon.wait)
             await wait_for(lambda: not observer.is_up("crash"), timeout=TTL + 1)
             down_after = time.monotonic() - killed
+            # admitted until its lease is known dead: it did not register again in its grace
+            generation = observer.generation
+            assert observer.admits("crash")
+            await wait_for(lambda: not observer.admits("crash"),
+                           timeout=observer.rejoin_grace + 1)
+            assert observer.generation > generation
         finally:
             if daemon.poll() is None:
                 daemon.kill()
@@ -252,6 +258,11 @@ async def test_lost_lease_registers_again(etcd_server: EtcdServer) -> None:
             await observer.etcd.keepalive(kv.lease)
         down = await events.receive()
         assert (down.kind, down.node_id) == ("down", "n2")
+        # down at once (the ring, what eviction counts), but still admitted (its peer
+        # connections, its copies reachable): an etcd that hangs past the ttl ends the leases
+        # of live nodes too, and they register again at their next keepalive
+        assert not observer.is_up("n2") and observer.ring == ["n1"]
+        assert observer.admits("n2") and observer.admitted["n2"].address == "127.0.0.1:7001"
         with trio.fail_after(TTL):  # its next keepalive finds the lease gone
             up = await events.receive()
         assert (up.kind, up.node_id) == ("up", "n2")
@@ -668,7 +679,7 @@ async def test_publish_reads_the_step_once_and_drops_stale_records_in_batches(
     theirs = [f"__{i}_0.distcp" for i in range(1, 1500, 2)]
     mine = [f"__{i}_0.distcp" for i in range(0, 1500, 2)]
     stale = [f"tmp/{i}.part" for i in range(400)]
-    await node1.records.record_files("s/step_1", {e.name: node1._record(e)
+    await node1.records.record_files("s/step_1", {e.name: node1._record(e, 0)
                                                   for e in entries(theirs + stale)})
     etcd.calls.clear()
     await node0.publish(step_manifest("s/step_1", sorted(mine + theirs), "n0"), set(mine))

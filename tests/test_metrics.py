@@ -76,7 +76,7 @@ def test_metrics_of_a_cluster_node(mounts: MountFactory, tmp_path: Path,
     port = free_port()
     node0 = mounts.mount(*cluster.args("node0"), "--metrics", f"127.0.0.1:{port}")
     assert scrape(port)[("tierfs_peers", ())] == 0  # the peers seen since start: none yet
-    node1 = cluster.start("node1")
+    node1 = mounts.mount(*cluster.args("node1"), "--replicas", "0")  # its steps: one copy
     wait_until(lambda: scrape(port)[("tierfs_peers_up", ())] == 1, timeout=15)
     assert scrape(port)[("tierfs_peers", ())] == 1
     files = {"__0_0.distcp": os.urandom(2 << 20), ".metadata": b"meta"}
@@ -86,8 +86,13 @@ def test_metrics_of_a_cluster_node(mounts: MountFactory, tmp_path: Path,
     assert samples[("tierfs_step_bytes_sum", (("tier", "replica"),))] == \
         sum(len(data) for data in files.values())
     assert samples[("tierfs_pending_steps", (("tier", "replica"),))] == 0
+    save(node1 / "other/step_1", files)  # held by node1 alone
+    wait_until(lambda: (node0.step("other/step_1") or {}).get("state") == "committed")
+    assert samples[("tierfs_incomplete_steps", ())] == 0
     node1.kill9()
     wait_until(lambda: scrape(port)[("tierfs_peers_up", ())] == 0, timeout=15)
+    # once node1's lease is known dead, the step it alone held is incomplete
+    wait_until(lambda: scrape(port)[("tierfs_incomplete_steps", ())] == 1, timeout=15)
     assert scrape(port)[("tierfs_peers", ())] == 1  # down, still listed
     save(node0 / "run/step_2", files)  # no peer to copy it to: it waits
     wait_until(lambda: scrape(port)[("tierfs_pending_steps", (("tier", "replica"),))] == 1)

@@ -206,3 +206,22 @@ def test_status_of_a_path_through_a_mount(mounts: MountFactory, tmp_path: Path) 
     assert not (store / "run3/step_1").exists()
     again = mounts.remount(mnt)
     assert again.step("run1/step_2")["state"] == "committed"
+
+
+def test_an_incomplete_step_is_not_latest_and_gets_a_warning_naming_what_is_lost() -> None:
+    lost = {"files": 4, "since_ns": NOW - 12 * 10**9,
+            "shown": [{"name": f"__1_{i}.distcp", "holders": ["node1"],
+                       "why": "lost with node1 before its copies were made"}
+                      for i in range(4)]}
+    incomplete = dict(step("run/step_20", 20, replicas=("node0",)), state="incomplete",
+                      lost=lost)
+    status = document(step("run/step_10", 10, replicas=("node1",)), incomplete)
+    text = format_status(status, now_ns=NOW)
+    table = rows(text)
+    assert table["run/step_10"][-1] == "latest" and table["run/step_20"][2] == "incomplete"
+    assert ("warning: run/step_20 is incomplete (for 12s): 4 files are on no live node and "
+            "in no store: __1_0.distcp (lost with node1 before its copies were made); "
+            "__1_1.distcp (lost with node1 before its copies were made); __1_2.distcp (lost "
+            "with node1 before its copies were made); and 1 more; `latest` skips it until a "
+            "holder returns") in text.splitlines()
+    assert uncommitted(status) is None  # committed, only not whole: not "uncommitted"

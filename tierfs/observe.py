@@ -217,6 +217,7 @@ class Levels:
     pending: dict[str, tuple[int, int]]  # tier -> (steps, bytes) not yet there
     peers: int
     peers_up: int
+    incomplete_steps: int = 0  # committed steps with a file reachable on no tier now
 
 
 class LevelsCollector(Collector):
@@ -251,7 +252,11 @@ class LevelsCollector(Collector):
         peers.add_metric([], levels.peers)
         up = GaugeMetricFamily("tierfs_peers_up", "Other nodes that answer heartbeats")
         up.add_metric([], levels.peers_up)
-        return [ram_used, ram_limit, steps, nbytes, peers, up]
+        incomplete = GaugeMetricFamily("tierfs_incomplete_steps", "Committed steps with a "
+                                       "file that no live node and no store holds now "
+                                       "(`latest` skips them)")
+        incomplete.add_metric([], levels.incomplete_steps)
+        return [ram_used, ram_limit, steps, nbytes, peers, up, incomplete]
 
 
 class MetricsServer:

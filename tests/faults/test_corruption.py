@@ -196,8 +196,8 @@ def test_corruption_in_ram_and_s3_single_node(mounts: MountFactory, s3_server: S
         human = tierfs("verify", str(mnt / run), check=False, env=s3_env)  # the table a user sees
         assert human.returncode == 1 and f"{run}/step_4 v1: 3 files" in human.stdout
         assert f"any tier: 1 BAD ({SHARD})" in human.stdout, human.stdout
-        assert human.stderr == f"tierfs: verify: {run}/step_3 on ram: 1 bad ({SHARD}), no good " \
-            "copy to repair from (and 1 more)\n", human.stderr
+        assert human.stderr == f"tierfs: verify: 1 file of {run}/step_3 has no reachable " \
+            f"copy: {SHARD} (last held by {mnt.status()['node_id']})\n", human.stderr
         tally.counts["detected"] += 5
     tally.write("corruption_single_node", started)
 

@@ -58,14 +58,17 @@ log = logging.getLogger(__name__)
 
 
 class CommitTimeout(EtcdError):
-    """Some files the step names were not recorded by any node in time."""
+    """Some files the step names were not recorded by any node in time (`found`: the records
+    of the others)."""
 
-    def __init__(self, step: str, missing: list[str]) -> None:
+    def __init__(self, step: str, missing: list[str],
+                 found: dict[str, FileRecord] | None = None) -> None:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more"
                                           if len(missing) > 5 else "")
         super().__init__(f"step {step}: no node recorded {shown}")
         self.step = step
         self.missing = missing
+        self.found = found or {}
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,10 @@ class FileRecord:
     # Nodes that let their copy leave RAM deliberately (never holders at the same time),
     # sorted: `placement.restore_plan` does not replace their copies.
     left: tuple[str, ...] = ()
+    # The committed version of the step its writer listed when it sealed the file (0: none):
+    # a record of an older save has a lower one, so a re-save's commit does not take it for
+    # one of its own files (`fresh_for`). None in a record written before the field was.
+    base: int | None = None
 
     def encode(self) -> bytes:
         fields: dict[str, Any] = {"node": self.node, "size": self.size, "xxh3": self.xxh3,
@@ -88,6 +95,8 @@ class FileRecord:
             fields["entry"] = list(self.entry)
         if self.left:  # absent when empty: the records of older versions read the same
             fields["left"] = list(self.left)
+        if self.base is not None:
+            fields["base"] = self.base
         return _json(fields)
 
     @classmethod
@@ -96,8 +105,15 @@ class FileRecord:
         holders = _node_ids(fields["holders"], "holders")
         left = _node_ids(fields.get("left", []), "left")
         entry = fields.get("entry")
+        base = fields.get("base")
         return cls(str(fields["node"]), int(fields["size"]), str(fields["xxh3"]),
-                   holders, tuple(entry) if isinstance(entry, list) else None, left)
+                   holders, tuple(entry) if isinstance(entry, list) else None, left,
+                   None if base is None else int(base))
+
+    def fresh_for(self, base: int) -> bool:
+        """Whether the record may be of a file saved over committed version `base` (0: a
+        step not committed before): not of an earlier save of the step."""
+        return self.base is None or self.base >= base
 
     def with_holder(self, node: str) -> FileRecord:
         """`node` holds a verified copy (again: it is no longer one that left)."""
@@ -115,10 +131,11 @@ class FileRecord:
         return replace(self.without_holder(node), left=tuple(sorted({*self.left, node})))
 
     @classmethod
-    def sealed(cls, node: str, size: int, xxh3: str,
-               entry: tuple[Any, ...] | None = None) -> FileRecord:
-        """The record of a file just sealed by `node`, its only holder."""
-        return cls(node, size, xxh3, (node,), entry)
+    def sealed(cls, node: str, size: int, xxh3: str, entry: tuple[Any, ...] | None = None,
+               base: int | None = None) -> FileRecord:
+        """The record of a file just sealed by `node`, its only holder (over committed
+        version `base` of the step)."""
+        return cls(node, size, xxh3, (node,), entry, base=base)
 
 
 @dataclass(frozen=True)
@@ -307,27 +324,39 @@ class CommitRecords:
 
     # -- commits
 
-    async def wait_for_files(self, step: str, names: Collection[str],
-                             timeout: float) -> dict[str, FileRecord]:
-        """The records of `names` once every one exists: the step's records are mirrored
-        (`Etcd.follow_prefix`: read once, then watched). After timeout, `CommitTimeout` naming
-        the missing files, or `EtcdUnavailable` if etcd does not answer then (one more read, of
-        at most one request timeout)."""
+    async def wait_for_files(self, step: str, names: Collection[str], deadline: float,
+                             accept: Callable[[FileRecord], bool] = lambda _record: True
+                             ) -> dict[str, FileRecord]:
+        """The records of `names` once every one exists (and is one `accept` takes: not of
+        an earlier save): the step's records are mirrored (`Etcd.follow_prefix`: read once,
+        then watched), until about one request timeout before `deadline` (trio time), then
+        read once more. By the deadline, `CommitTimeout` naming the missing files, or
+        `EtcdUnavailable` if etcd does not answer."""
         wanted = set(names)
         found: dict[str, FileRecord] = {}
+
+        def taken() -> dict[str, FileRecord]:
+            return {name: record for name, record in found.items() if accept(record)}
+
         send, receive = trio.open_memory_channel[Snapshot | list[WatchEvent]](16)
-        with trio.move_on_after(timeout):
+        # the last read gets one request timeout (half of what is left, if that is less)
+        last_read_from = deadline - min(self.etcd.timeout,
+                                        (deadline - trio.current_time()) / 2)
+        with trio.move_on_at(last_read_from):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.etcd.follow_prefix, self.files_prefix(step), send)
                 async for item in receive:
                     self._mirror(step, found, item)
-                    if wanted <= set(found):
+                    if wanted <= set(taken()):
                         nursery.cancel_scope.cancel()
             return {name: found[name] for name in wanted}
-        found = await self.files(step)  # EtcdUnavailable if etcd is why we waited in vain
-        if wanted <= set(found):  # recorded in the last instant
+        with trio.move_on_at(deadline) as last_read:
+            found = await self.files(step)  # EtcdUnavailable if etcd is why we waited in vain
+        if last_read.cancelled_caught:
+            raise EtcdUnavailable(f"step {step}: etcd did not answer in time")
+        if wanted <= set(taken()):  # recorded in the last instant
             return {name: found[name] for name in wanted}
-        raise CommitTimeout(step, sorted(wanted - set(found)))
+        raise CommitTimeout(step, sorted(wanted - set(taken())), taken())
 
     def _mirror(self, step: str, found: dict[str, FileRecord],
                 item: Snapshot | list[WatchEvent]) -> None:
@@ -353,7 +382,7 @@ class CommitRecords:
         call wrote it, (the commit another node wrote first, False) otherwise. Within timeout
         (plus at most one request timeout), else `CommitTimeout` or `EtcdUnavailable`."""
         deadline = trio.current_time() + timeout
-        await self.wait_for_files(step, names, timeout)
+        await self.wait_for_files(step, names, deadline)
         return await self.commit_recorded(step, committer, len(names), deadline, version,
                                           committed_ns)
 
@@ -402,31 +431,59 @@ class CommitRecords:
 
         await self._change_commit(step, added)
 
-    async def touch_commit(self, step: str, drop: str | None = None) -> None:
-        """Write the step's commit record again, without `drop` among its holders: a watch
-        event that makes every node holding files of the step plan its copies again (after
-        a node took itself out of the file records). Nothing if the step is not committed."""
-        await self._change_commit(step, lambda record: replace(
-            record, holders=tuple(h for h in record.holders if h != drop)))
-
     async def _change_commit(self, step: str,
-                             change: Callable[[CommitRecord], CommitRecord | None]) -> None:
+                             change: Callable[[CommitRecord], CommitRecord | None]
+                             ) -> CommitRecord | None:
         """Write `change` of the step's commit record (None: nothing to write), in a
-        compare-and-swap: a concurrent change is read and tried again. Nothing if the step
-        is not committed (or its record is malformed)."""
+        compare-and-swap: a concurrent change is read and tried again. The record as it is
+        then; nothing (None) if the step is not committed (or its record is malformed)."""
         key = self.commit_key(step)
         while True:
             kv = await self.etcd.get(key)
             if kv is None:
-                return
+                return None
             try:
-                updated = change(CommitRecord.decode(step, kv.value))
+                current = CommitRecord.decode(step, kv.value)
+                updated = change(current)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring the malformed commit record %s: %s", key, exc)
-                return
-            if updated is None or await self.etcd.put_if_version(key, updated.encode(),
-                                                                 kv.version):
-                return
+                return None
+            if updated is None:
+                return current
+            if await self.etcd.put_if_version(key, updated.encode(), kv.version):
+                return updated
+
+    async def touch_commit(self, step: str, drop: str | None = None) -> CommitRecord | None:
+        """Write the step's commit record again, without `drop` among its holders: a watch
+        event that makes every node holding files of the step plan its copies again (after
+        a node took itself out of the file records). The record as written (None if the step
+        is not committed)."""
+        return await self._change_commit(step, lambda record: replace(
+            record, holders=tuple(h for h in record.holders if h != drop)))
+
+    async def remove_unheld(self, step: str) -> bool:
+        """Remove the records of a step that no node holds any more (an earlier incarnation
+        of the cluster's prefix: every holder came back without its copies): its commit
+        record if it names no holder, in a compare-and-delete (a commit written meanwhile
+        stays), then the file records that name no holder (the seal records of a re-save
+        under way name their writer, and stay). Whether the commit record went."""
+        key = self.commit_key(step)
+        kv = await self.etcd.get(key)
+        try:
+            if kv is None or CommitRecord.decode(step, kv.value).holders:
+                return False
+        except (ValueError, KeyError, TypeError):
+            return False
+        if not await self.etcd.delete_if_unchanged([(key, kv.mod_revision)]):
+            return False
+        snapshot = await self.etcd.get_prefix(self.files_prefix(step))
+        prefix = self.files_prefix(step)
+        files = self._decode_files(step, snapshot.kvs)
+        await self.etcd.delete_if_unchanged(
+            [(item.key, item.mod_revision) for item in snapshot.kvs
+             if (record := files.get(item.key[len(prefix):])) is not None
+             and not record.holders])
+        return True
 
     async def commits(self) -> list[CommitRecord]:
         """Every commit of the cluster now (a node starting: before it follows them)."""

@@ -153,6 +153,9 @@ class Etcd:
                                              session=_session()) for e in self.endpoints]
         self.timeout = timeout  # seconds per request
         self._preferred = 0  # the endpoint that answered last: tried first
+        # Why no endpoint answered the last request that failed so (None once one answers):
+        # "127.0.0.1:2379: connection refused", for a person.
+        self.last_failure: str | None = None
 
     # -- keys and values
 
@@ -223,6 +226,21 @@ class Etcd:
                                 "version": version} for key, _value, version in chunk],
                    "success": [{"request_put": self._put_fields(key, value, 0)}
                                for key, value, _version in chunk],
+                   "failure": []}
+            reply = await self._call("kv/txn", txn)
+            succeeded = bool(reply.get("succeeded", False)) and succeeded
+        return succeeded
+
+    async def delete_if_unchanged(self, items: Sequence[tuple[str, int]]) -> bool:
+        """Delete each key of `items` ((key, mod_revision)) only if it was not written since
+        that revision, in transactions of at most MAX_TXN_OPS keys (each all or nothing).
+        False if a key of some transaction moved (that transaction deleted nothing)."""
+        succeeded = True
+        for chunk in _txn_chunks(items, lambda item: len(item[0])):
+            txn = {"compare": [{"key": _b64(key), "target": "MOD", "result": "EQUAL",
+                                "mod_revision": revision} for key, revision in chunk],
+                   "success": [{"request_delete_range": {"key": _b64(key)}}
+                               for key, _revision in chunk],
                    "failure": []}
             reply = await self._call("kv/txn", txn)
             succeeded = bool(reply.get("succeeded", False)) and succeeded
@@ -320,7 +338,11 @@ class Etcd:
         await self._call("maintenance/status", {})
 
     async def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        return await trio.to_thread.run_sync(self._post, path, payload)
+        # A caller with a deadline (a commit a saver waits for) is not held past it by a
+        # request in flight: the thread finishes on its own (within the request timeout) and
+        # its answer is dropped, which is no different from a request that timed out.
+        return await trio.to_thread.run_sync(self._post, path, payload,
+                                             abandon_on_cancel=True)
 
     def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST to the first endpoint that answers (blocking; in a worker thread)."""
@@ -333,13 +355,25 @@ class Etcd:
                 reply = client.post(client.get_url(path), json=payload)
             except (gw_errors.ConnectionFailedError, gw_errors.ConnectionTimeoutError,
                     requests.RequestException, ValueError) as exc:  # ValueError: not JSON
-                failures.append(f"{self.endpoints[index]}: {_detail(exc)}")
+                failures.append(f"{self.endpoints[index]}: {self._reason(exc)}")
                 continue
             except gw_errors.Etcd3Exception as exc:
                 raise EtcdError(f"etcd {path}: {_detail(exc)}", _grpc_code(exc)) from None
             self._preferred = index
+            self.last_failure = None
             return reply
-        raise EtcdUnavailable("etcd unavailable: " + "; ".join(failures))
+        self.last_failure = "; ".join(failures)
+        raise EtcdUnavailable("etcd unavailable: " + self.last_failure)
+
+    def _reason(self, exc: BaseException) -> str:
+        """Why an endpoint did not answer, in a few words."""
+        detail = _detail(exc)
+        if isinstance(exc, (requests.Timeout, gw_errors.ConnectionTimeoutError)) or \
+                "timed out" in detail.lower():
+            return f"no answer within {self.timeout:g} s"
+        if "refused" in detail.lower():
+            return "connection refused"
+        return detail
 
     def _put_fields(self, key: str, value: bytes, lease: int) -> dict[str, Any]:
         fields: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}

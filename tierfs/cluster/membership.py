@@ -16,6 +16,13 @@ lease revoked), the keepalive finds it gone and the node registers again; a new 
 before the key is written (the daemon stalled longer than the ttl) is replaced the same way. An
 etcd restart keeps leases (etcd renews them when it comes back), so a short outage changes
 nothing.
+
+An etcd that was stopped (or cut off) for longer than the ttl ends every lease when it comes
+back, the live daemons' too: every node sees every other go, and each registers again within
+one keepalive period. So a node that leaves the live members stays *admitted* (`admits`: its
+peer connections are taken and made, its copies count as reachable) for `rejoin_grace`
+seconds, until its lease is known dead: it did not register again in that time. Who is *up*
+(`is_up`, the ring, what eviction and placement count) follows etcd at once.
 """
 
 from __future__ import annotations
@@ -46,6 +53,9 @@ from tierfs.cluster.etcd import (
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL = 3  # seconds; etcd's minimum lease is about 2 s with its default election timeout
+# Seconds, beyond its ttl, that a node which left the live members stays admitted: a live node
+# whose lease ended in an etcd outage registers again within one keepalive period (ttl / 3).
+REJOIN_MARGIN = 1.0
 LEAVE_TIMEOUT = 2.0  # at most this long to revoke the lease on a clean exit
 
 
@@ -92,7 +102,15 @@ class Membership:
         self.prefix = cluster.key("members") + "/"
         self.key = self.prefix + node_id
         self.members: dict[str, MemberInfo] = {}  # the live ones, as etcd says
+        # Members that left the live ones, with the trio time until which they stay admitted.
+        self._departed: dict[str, tuple[MemberInfo, float]] = {}
+        self.rejoin_grace = ttl + REJOIN_MARGIN
+        # Until this trio time (one rejoin grace after this node registered) a node not seen
+        # yet may be one that is starting too: `starting`.
+        self._starting_until = math.inf
         self.changed = trio.Event()  # set (and replaced) at every change of the members
+        # Counts every change of who is up or admitted (a cache of answers keys on it).
+        self.generation = 0
         self._lease = 0
         self._subscribers: list[trio.MemorySendChannel[MemberEvent]] = []
 
@@ -103,6 +121,25 @@ class Membership:
 
     def is_up(self, node_id: str) -> bool:
         return node_id in self.members
+
+    def admits(self, node_id: str) -> bool:
+        """Whether `node_id` is live, or left the live members less than `rejoin_grace` ago
+        (its lease may have ended in an etcd outage while it lives: see the module
+        docstring)."""
+        return node_id in self.members or node_id in self._departed
+
+    @property
+    def starting(self) -> bool:
+        """Whether this node registered less than `rejoin_grace` ago (or not yet): the nodes
+        of a cluster that starts together register one by one, so one not seen yet may only
+        be later than this one."""
+        return trio.current_time() < self._starting_until
+
+    @property
+    def admitted(self) -> dict[str, MemberInfo]:
+        """Every admitted node and where it is: the live ones, and those within their grace."""
+        return {**{node: info for node, (info, _until) in self._departed.items()},
+                **self.members}
 
     def subscribe(self) -> trio.MemoryReceiveChannel[MemberEvent]:
         """A channel of every later up/down event (unbounded: membership changes are rare)."""
@@ -116,10 +153,12 @@ class Membership:
         once registered and the members are known. On the way out the lease is revoked, so
         the others see this node leave at once rather than after the ttl."""
         await self._register()  # outside the nursery: NodeIdInUse reaches the caller as is
+        self._starting_until = trio.current_time() + self.rejoin_grace
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._follow)
                 nursery.start_soon(self._keep_alive)
+                nursery.start_soon(self._end_graces)
                 task_status.started()
         finally:
             await self._leave()
@@ -233,16 +272,43 @@ class Membership:
         if self.members.get(node_id) == info:
             return
         if info is None:
-            del self.members[node_id]
+            gone = self.members.pop(node_id)
+            self._departed[node_id] = (gone, trio.current_time() + self.rejoin_grace)
             event = MemberEvent("down", node_id, None)
         else:
             self.members[node_id] = info
+            self._departed.pop(node_id, None)
             event = MemberEvent("up", node_id, info)
         log.info("member %s %s%s", node_id, event.kind, f" at {info.address}" if info else "")
         for send in self._subscribers:
             send.send_nowait(event)
+        self._changed()
+
+    def _changed(self) -> None:
+        self.generation += 1
         self.changed.set()
         self.changed = trio.Event()
+
+    async def _end_graces(self) -> None:
+        """A node that left and did not come back within `rejoin_grace` is no longer
+        admitted, and once this node's own start is that long ago it is no longer `starting`
+        (changes of the members like any other)."""
+        starting = self.starting
+        while True:
+            now = trio.current_time()
+            ended = [node for node, (_info, until) in self._departed.items() if until <= now]
+            for node_id in ended:
+                del self._departed[node_id]
+                log.info("member %s did not come back within %.0f s: its lease is dead",
+                         node_id, self.rejoin_grace)
+            if ended or starting != self.starting:
+                starting = self.starting
+                self._changed()
+            changed = self.changed
+            with trio.move_on_at(min([until for _i, until in self._departed.values()]
+                                     + ([self._starting_until] if starting else []),
+                                     default=math.inf)):
+                await changed.wait()
 
     async def _leave(self) -> None:
         lease, self._lease = self._lease, 0

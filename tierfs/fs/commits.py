@@ -16,6 +16,11 @@ removed and it starts over, which first waits for the writers (or leaves the com
 The copies are removed also when the attempt ends any other way (an error, a cancellation:
 `tierfs commit --timeout`). A writer that comes back therefore either came after the check (its
 writes start the next version) or sends the commit round again (they land in this one whole).
+
+A saver's own call that commits (the close or rename of DCP's `.metadata`) waits for the
+cluster's coordination (etcd: other nodes' records of their shards, then the commit record) at
+most `saver_wait` seconds in all; then it fails with ETIMEDOUT, and the step stays `writing`,
+waiting for etcd, and commits by itself once etcd answers (`retry_pending_commits`).
 """
 
 from __future__ import annotations
@@ -32,13 +37,17 @@ from tierfs import manifest as mf
 from tierfs.fs.latest_pins import thread_group
 from tierfs.fs.nodes import METADATA, FsError, Node, Seal, StepState, some_names
 from tierfs.fs.other_tiers import OtherTiers
-from tierfs.fs.ports import CommitSink
+from tierfs.fs.ports import CommitSink, CoordinationUnavailable
 from tierfs.fs.ram_store import RamFull
 from tierfs.fs.residency import Residency
 from tierfs.fs.tree import Tree
 from tierfs.observe import Events
 
 log = logging.getLogger(__name__)
+
+SAVER_WAIT = 20.0  # seconds a saver's call that commits waits for etcd, by default
+# seconds a commit not made by a saver's call (quiet, retried, `tierfs commit`) waits for it
+BACKGROUND_WAIT = 20.0
 
 # What a commit waits for (`tierfs commit` shows it after a second, and when it gives up).
 ANOTHER_COMMIT = "another commit of the step"
@@ -62,19 +71,23 @@ class Commits:
     """Commits of step directories (see the module docstring)."""
 
     def __init__(self, tree: Tree, residency: Residency, tiers: OtherTiers,
-                 sink: CommitSink, events: Events) -> None:
+                 sink: CommitSink, events: Events, saver_wait: float = SAVER_WAIT) -> None:
         self.tree = tree
         self.residency = residency
         self.tiers = tiers
         self.sink = sink
         self.events = events  # the commit's event line and metrics
+        self.saver_wait = saver_wait  # see the module docstring
         self._waiting: dict[StepState, Waiting] = {}  # the commit of each step that holds its lock
 
     async def commit(self, step_node: Node, *, wait_for_writers: bool,
-                     patience: float = math.inf) -> mf.StepManifest | None:
+                     patience: float = math.inf,
+                     deadline: float | None = None) -> mf.StepManifest | None:
         """Commit `step_node` now; with writers still open either wait or leave it pending.
         After `patience` seconds of waiting and preparing, give up (FsError ETIMEDOUT) with
-        nothing changed.
+        nothing changed. What it waits for from the cluster (etcd) it waits for until
+        `deadline` (trio time; by default BACKGROUND_WAIT from now), then leaves it pending and
+        raises `CoordinationUnavailable`.
 
         Returns the manifest in force after the commit, or None when left pending.
         """
@@ -82,11 +95,16 @@ class Commits:
         if step is None:
             raise FsError(errno.EINVAL, "not a step directory")
         started = time.monotonic()
+        if deadline is None:
+            deadline = trio.current_time() + BACKGROUND_WAIT
         waiting = Waiting()
         try:
             with trio.move_on_after(patience) as attempt:
                 manifest, old = await self._commit_locked(step_node, step, wait_for_writers,
-                                                          waiting)
+                                                          waiting, deadline)
+        except CoordinationUnavailable:
+            self.tree.leave_pending(step, "etcd (the cluster's records of its files)")
+            raise
         except (OSError, RamFull) as exc:
             # Retried (retry_pending_commits) until it succeeds; `status` shows why it waits.
             self.tree.leave_pending(step, "space: " + (
@@ -100,7 +118,7 @@ class Commits:
             return None
         self.tree.note_waiting(step, None)
         if manifest is not old:
-            await self.tiers.publish(step_node, manifest)  # the cluster's commit record
+            await self.tiers.publish(step_node, manifest, deadline)  # the cluster's record
             self.events.committed(manifest, time.monotonic() - started)
             await self.sink.send(manifest)
         return manifest
@@ -124,7 +142,7 @@ class Commits:
         return f"{what}: {some_names(writers)}" if writers else what
 
     async def _commit_locked(self, step_node: Node, step: StepState, wait_for_writers: bool,
-                             waiting: Waiting
+                             waiting: Waiting, deadline: float
                              ) -> tuple[mf.StepManifest | None, mf.StepManifest | None]:
         """The commit itself: (the manifest in force after it, the one before), or (None, _)
         when it is left pending. Attempts go round until one finds nothing moved (see the
@@ -145,7 +163,7 @@ class Commits:
                         await released.wait()
                         continue
                     waiting.what = DCP_FILES
-                    if not await self.tiers.locate_dcp_files(step_node):
+                    if not await self.tiers.locate_dcp_files(step_node, deadline):
                         tree.leave_pending(step, "files named by its .metadata")
                         return None, None  # retried by retry_pending_commits
                     files = list(tree.files_under(step_node))
@@ -241,7 +259,11 @@ class Commits:
                           f"{relpath} is not a step directory (its name does not match "
                           f"--step-pattern {self.tree.pattern.pattern!r}, or it holds step "
                           "directories itself)")
-        manifest = await self.commit(node, wait_for_writers=True, patience=timeout)
+        try:
+            manifest = await self.commit(node, wait_for_writers=True, patience=timeout)
+        except CoordinationUnavailable as exc:
+            raise FsError(errno.ETIMEDOUT, f"{relpath} could not commit: {exc}; it commits "
+                          "by itself once etcd answers") from None
         if manifest is None:
             missing = await self.tiers.missing_dcp_files(node)
             if missing:
@@ -256,6 +278,8 @@ class Commits:
         """Commit triggered as a side effect of a user's call: failures are logged, not raised."""
         try:
             await self.commit(step_node, wait_for_writers=False)
+        except CoordinationUnavailable as exc:
+            log.info("commit of %s waits for etcd: %s", self.tree.relpath(step_node), exc)
         except (OSError, FsError) as exc:
             log.error("commit of %s failed: %s", os.fsdecode(step_node.name), exc)
         except Exception:  # a bug must not take the file system down with it
@@ -264,9 +288,18 @@ class Commits:
     async def commit_for_saver(self, step_node: Node) -> None:
         """Commit triggered by the saver's own call (`.metadata` closed after writing or renamed
         into place): a failure is that call's error, so the save fails instead of returning
-        success for a step that did not commit. The commit is retried meanwhile."""
+        success for a step that did not commit. The commit is retried meanwhile. What it
+        waits for from etcd it waits for `saver_wait` seconds in all (ETIMEDOUT), also for
+        the commit record of a step whose files other nodes hold (without it they do not
+        list the step)."""
+        path = self.tree.relpath(step_node)
         try:
-            await self.commit(step_node, wait_for_writers=False)
+            manifest = await self.commit(step_node, wait_for_writers=False,
+                                         deadline=trio.current_time() + self.saver_wait)
+        except CoordinationUnavailable as exc:
+            log.error("commit of %s failed: %s within %.0f s; the step stays writing and "
+                      "commits by itself once etcd answers", path, exc, self.saver_wait)
+            raise FsError(errno.ETIMEDOUT) from None
         except RamFull:
             log.error("commit of %s failed: the RAM tier is full; retried when space frees",
                       self.tree.relpath(step_node))
@@ -275,6 +308,13 @@ class Commits:
             log.error("commit of %s failed: %s; retried when it can succeed",
                       self.tree.relpath(step_node), exc.strerror or exc)
             raise FsError(exc.errno or errno.EIO) from None
+        step = step_node.step
+        if (manifest is not None and self.tiers.awaits_publication(manifest)
+                and step is not None and step.manifest is manifest and not step.in_ram):
+            log.error("%s is committed on this node, but etcd did not take its commit record "
+                      "within %.0f s: the nodes holding its other files list it once etcd "
+                      "answers; the saver's call fails", path, self.saver_wait)
+            raise FsError(errno.ETIMEDOUT)
 
     async def after_writer(self, node: Node) -> None:
         """A writer of `node` is done (the FLUSH of a close()): a `.metadata` closed after

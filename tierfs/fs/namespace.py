@@ -26,7 +26,7 @@ from pathlib import Path
 import trio
 
 from tierfs.fs.background import Background
-from tierfs.fs.commits import Commits
+from tierfs.fs.commits import SAVER_WAIT, Commits
 from tierfs.fs.deletes import DELETES_DIR, Deletes
 from tierfs.fs.nodes import (
     DEFAULT_FILE_STEP_PATTERN,
@@ -63,13 +63,15 @@ class Core:
                  step_pattern: str = DEFAULT_STEP_PATTERN,
                  file_step_pattern: str = DEFAULT_FILE_STEP_PATTERN, commit_idle: float = 5.0,
                  delete_targets: list[str] | None = None,
-                 background: Background | None = None) -> None:
+                 background: Background | None = None,
+                 liveness: Liveness | None = None) -> None:
         self.background = background or Background()  # the owner of background work
+        self.liveness = liveness  # who is up in the cluster (None: a single node)
         self.watch = QuietWatch(commit_idle)
         self.deletes = Deletes(Path(store.root) / DELETES_DIR, delete_targets)
         self.tree = Tree(store, self.watch, self.deletes, node_id=node_id,
                          step_pattern=step_pattern, file_step_pattern=file_step_pattern,
-                         spawner=self.background)
+                         spawner=self.background, liveness=liveness)
         self.recovered = Recovery(self.tree).load()
 
 
@@ -81,7 +83,7 @@ class Namespace:
                  sealed: SealedCollector | None = None, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None, keep_ram: int = 3,
                  replicas: int = 0, events: Events | None = None,
-                 liveness: Liveness | None = None) -> None:
+                 commit_timeout: float = SAVER_WAIT) -> None:
         self.tree = tree = core.tree
         self.events = events or Events()
         self.store = tree.store
@@ -89,10 +91,12 @@ class Namespace:
         self.background = core.background
         self.recovered = core.recovered  # what start-up found (lost copies?)
         self.residency = Residency(tree, list(read_sources or []), self.background,
-                                   keep_ram=keep_ram, replicas=replicas, liveness=liveness,
+                                   keep_ram=keep_ram, replicas=replicas,
+                                   liveness=core.liveness,
                                    records=sealed)
         self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)
-        self.commits = Commits(tree, self.residency, self.tiers, sink, self.events)
+        self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
+                               saver_wait=commit_timeout)
         self.quiet = QuietCommits(tree, core.watch, self.commits)
         self.verifier = Verifier(tree, self.residency, persist, peers)
         self.gate: ReadGate = self.verifier

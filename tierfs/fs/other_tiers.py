@@ -100,6 +100,11 @@ class OtherTiers:
             self.tree.set_persisted(node, manifest.version)
             self.residency.enforce_keep_ram()
 
+    def in_store(self, relpath: str) -> bool:
+        """Whether the persistent tier holds the step's committed version."""
+        node = self.tree.find_step(relpath)
+        return node is not None and node.step.persisted
+
     def mark_retired(self, relpath: str) -> None:
         """Retention removed the step from the persistent tier: never upload it again."""
         node = self.tree.find_step(relpath)
@@ -291,6 +296,28 @@ class OtherTiers:
         node = self.tree.find_step(manifest.path)
         if node is not None and node.step.manifest is manifest:
             self.tree.set_file_holders(node, holders, writers)
+            self.tree.recoverable.loss(node.step, fresh=True)  # whole again, or not
+
+    def doubtful_steps(self, may_be_up: Callable[[str], bool]) -> list[mf.StepManifest]:
+        """Committed steps, not persisted, with a file not in RAM here whose holders as known
+        here are none that `may_be_up`, or are known only for the whole step (a node that
+        holds no file of a step knows who holds *some* file of it) with one of them not up:
+        their records are read again (`note_placements`) before the step is called
+        incomplete, or whole again."""
+        found = []
+        for node in self.tree.steps():
+            step = node.step
+            if not step.committed or step.persisted or step.in_ram:
+                continue
+            for entry in step.manifest.files:
+                if entry.name in step.resident:
+                    continue
+                peers = self.tree.file_peers(step, entry.name)
+                if (not any(map(may_be_up, peers)) or entry.name not in step.file_holders
+                        and not all(map(may_be_up, peers))):
+                    found.append(step.manifest)
+                    break
+        return found
 
     def mark_held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> None:
         """`peer` verified copies of these files of this version."""
@@ -298,6 +325,18 @@ class OtherTiers:
         if node is not None and node.step.manifest is manifest:
             self.tree.add_file_holder(node, peer, names)
             self.residency.enforce_keep_ram()
+
+    def unlisted(self, path: str) -> None:
+        """The cluster's commit record of the step left etcd (a delete, or no node held it any
+        more): a step listed here only from it (no file in RAM here, not in the store, not
+        being written) is no longer listed."""
+        node = self.tree.find_step(path)
+        if node is None:
+            return
+        step = node.step
+        if (step.committed and not step.resident and not step.persisted
+                and not step.commit_pending and not self.tree.busy(node)):
+            self._forget_step(node, "is no longer in the cluster's records")
 
     def learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
         """A peer holds this committed step: list it here, readable from those holders."""
@@ -329,36 +368,76 @@ class OtherTiers:
 
     # -- multi-node DCP steps ----------------------------------------------------------------
 
-    async def locate_dcp_files(self, step_node: Node) -> bool:
+    async def locate_dcp_files(self, step_node: Node, deadline: float) -> bool:
         """Before a DCP step commits, every shard its `.metadata` names must be known: on a
         single node (`cp -r`, `rsync`, `tar` may write `.metadata` first) by waiting for them,
         on several nodes by finding the records of the shards other nodes' ranks sealed (the
-        shards stay where they were written: the manifest names their holders). False while
-        some are missing (`missing_dcp_files` names them)."""
+        shards stay where they were written: the manifest names their holders), waiting for
+        them until `deadline` (trio time). A step saved again over its committed version
+        asks the same of the files it has only as they were in that version (`_old_copies`):
+        a node that saved one again has its new record taken (the step must not mix two
+        saves); one that nobody saved again by the deadline stays as it is. False while
+        some are missing (`missing_dcp_files` names them); `CoordinationUnavailable` if etcd
+        does not answer by the deadline."""
         missing = await self.missing_dcp_files(step_node)
-        if not missing:
-            return True
         step_path = self.tree.relpath(step_node)
+        old = self._old_copies(step_node) if self.sealed is not None else set()
+        if not missing and not old:
+            return True
         if self.sealed is None:
             log.info("commit of %s waits for %s, named by its .metadata", step_path,
                      some_names(missing))
             return False
-        found = await self.sealed.collect(step_path, missing)
-        if set(found) != missing:
+        step = step_node.step
+        base = step.manifest.version if step.manifest else 0
+        found = await self.sealed.collect(step_path, missing | old, deadline, base)
+        if not missing <= set(found):
             log.info("commit of %s waits for %s from other nodes", step_path,
                      ", ".join(sorted(missing - set(found))))
             return False
-        if self.tree.find_step(step_path) is not step_node:
+        if self.tree.find_step(step_path) is not step_node or step_node.step is not step:
             return False
-        present = {rel for rel, _n in self.tree.files_under(step_node)}
+        if old - set(found):
+            log.info("commit of %s: no node saved %s again; as it was", step_path,
+                     some_names(old - set(found)))
+        elsewhere = self._elsewhere.setdefault(step_path, set())
         for name, (peer, entry) in found.items():
-            if name not in present:
-                self.tree.add_holder(step_node, peer)
-                self.tree.add_remote_files(step_node, [entry], step_path)
-        self._elsewhere[step_path] = set(found)
-        log.info("commit of %s names %d files held on %s: they stay there", step_path,
-                 len(found), ", ".join(sorted({peer for peer, _e in found.values()})))
+            node = self.tree.entry_node(step_node, name)
+            if node is not None and node.remote is None:  # a copy of the committed version
+                if node.seal is not None and node.seal.digest.xxh3 == entry.xxh3:
+                    continue  # saved again with the same bytes: the copy here is the file
+                if self.tree.evict_file(step, step.manifest.entry(name), node) is None \
+                        and node.remote is None:
+                    log.info("commit of %s waits: its old copy of %s here is open", step_path,
+                             name)
+                    return False
+            self.tree.add_holder(step_node, peer)
+            self.tree.add_remote_files(step_node, [entry], step_path)
+            elsewhere.add(name)
+        if found:
+            log.info("commit of %s names %d files held on %s: they stay there", step_path,
+                     len(found), ", ".join(sorted({peer for peer, _e in found.values()})))
         return True
+
+    def _old_copies(self, step_node: Node) -> set[str]:
+        """Files its `.metadata` names that a step saved again has here only as they were in
+        its committed version: a copy held here that was not written since
+        (`Tree.unchanged_since_commit`), or a file held elsewhere whose entry is still the
+        old one; not those this commit located already."""
+        step = step_node.step
+        old = step.manifest
+        if old is None or step.committed or step.dcp_files is None:
+            return set()
+        located = self._elsewhere.get(self.tree.relpath(step_node), set())
+        found = set()
+        for rel, node in self.tree.files_under(step_node):
+            entry = old.entry(rel)
+            if entry is None or rel in located or rel not in step.dcp_files[1]:
+                continue
+            if (node.remote.entry.xxh3 == entry.xxh3 if node.remote is not None
+                    else self.tree.unchanged_since_commit(step, rel, node)):
+                found.add(rel)
+        return found
 
     def held_elsewhere(self, step_node: Node) -> set[str]:
         """Files of the step being committed here that other nodes wrote and keep."""
@@ -383,21 +462,32 @@ class OtherTiers:
             entry = mf.entry_from_stat(rel, node.seal.digest, os.lstat(self.tree.backing(node)))
         except (OSError, FsError):
             return  # gone meanwhile
-        await self.sealed.record_sealed(self.tree.relpath(step_node), [entry])
+        manifest = step_node.step.manifest if step_node.step is not None else None
+        await self.sealed.record_sealed(self.tree.relpath(step_node), [entry],
+                                        manifest.version if manifest is not None else 0)
 
-    async def publish(self, step_node: Node, manifest: mf.StepManifest) -> None:
+    async def publish(self, step_node: Node, manifest: mf.StepManifest,
+                      deadline: float | None) -> bool:
         """This node committed `manifest`: the cluster learns it (a commit record in etcd),
-        before the saver's call returns. Without etcd the step is committed here and its
-        record is written by a later retry (`publish_pending`)."""
+        before the saver's call returns, by `deadline` (trio time; None: the collector's
+        own). Without etcd the step is
+        committed here and its record is written by a later retry (`publish_pending`): False
+        (`awaits_publication`)."""
         self._elsewhere.pop(manifest.path, None)
         if self.sealed is None:
-            return
+            return True
         try:
-            await self.sealed.publish(manifest, set(step_node.step.resident))
+            await self.sealed.publish(manifest, set(step_node.step.resident), deadline)
         except Exception as exc:  # etcd unreachable, or a record refused: retried later
             log.warning("the cluster does not know of %s v%d yet: %s", manifest.path,
                         manifest.version, exc)
             self._unpublished[manifest.path] = manifest
+            return False
+        return True
+
+    def awaits_publication(self, manifest: mf.StepManifest) -> bool:
+        """Whether `manifest` is committed here but etcd lacks its commit record."""
+        return self._unpublished.get(manifest.path) is manifest
 
     def publish_later(self, manifest: mf.StepManifest) -> None:
         """A step committed here whose commit record etcd lacks: written by `publish_pending`."""
@@ -409,7 +499,7 @@ class OtherTiers:
             node = self.tree.find_step(path)
             del self._unpublished[path]
             if node is not None and node.step.manifest is manifest:
-                await self.publish(node, manifest)
+                await self.publish(node, manifest, None)
 
     async def catch_up(self, dir_node: Node, name: bytes) -> bool:
         """`name` was not found in a step this node holds as being written: if it is the

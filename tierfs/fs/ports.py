@@ -11,7 +11,8 @@ Outward (implemented outside `fs`):
   tier); defined beside `Fetch`, which uses it, and re-exported here.
 * `SealedCollector`: the cluster's records of which node holds which file of a step.
 * `PeerCopies`, `PersistCopies`: the tiers `tierfs verify` checks and repairs.
-* `Liveness`: which peers are live members of the cluster now (eviction counts only those).
+* `Liveness`: which peers are live members of the cluster now (eviction counts only those), and
+  which may be (a copy on such a peer still counts as reachable: `fs.recoverable`).
 
 Inward (implemented inside `fs`, injected so that the core imports no collaborator):
 
@@ -31,8 +32,8 @@ from tierfs import manifest as mf
 from tierfs.fs.fetch import ReadSource
 from tierfs.fs.nodes import Node
 
-__all__ = ["CommitSink", "DeleteLog", "Liveness", "PeerCopies", "PersistCopies", "ReadGate",
-           "ReadSource", "SealedCollector", "Spawner", "StepWatch"]
+__all__ = ["CommitSink", "CoordinationUnavailable", "DeleteLog", "Liveness", "PeerCopies",
+           "PersistCopies", "ReadGate", "ReadSource", "SealedCollector", "Spawner", "StepWatch"]
 
 
 class CommitSink(Protocol):
@@ -41,17 +42,29 @@ class CommitSink(Protocol):
     async def send(self, value: mf.StepManifest) -> None: ...
 
 
+class CoordinationUnavailable(Exception):
+    """The cluster's coordination (etcd) did not answer by the deadline it was given: what a
+    `SealedCollector` raises, so that the commit waiting for it fails the saver's call rather
+    than waiting on (or returning success for a step that did not commit)."""
+
+
 class SealedCollector(Protocol):
-    """The cluster's records of which node holds which file of a step (etcd)."""
+    """The cluster's records of which node holds which file of a step (etcd). The calls
+    given a `deadline` (trio time; None: a default of their own) return by then or raise
+    `CoordinationUnavailable`."""
 
-    async def record_sealed(self, step_path: str, entries: list[mf.FileEntry]) -> None:
-        """Record files this node sealed into a step."""
+    async def record_sealed(self, step_path: str, entries: list[mf.FileEntry],
+                            base: int) -> None:
+        """Record files this node sealed into a step over its committed version `base` (0:
+        none)."""
 
-    async def collect(self, step_path: str, names: set[str]
+    async def collect(self, step_path: str, names: set[str], deadline: float, base: int
                       ) -> dict[str, tuple[str, mf.FileEntry]]:
-        """Which other nodes hold these files of a step: name -> (node, entry)."""
+        """Which other nodes hold these files of a step saved over its committed version
+        `base`: name -> (node, entry), those recorded by this save by the deadline."""
 
-    async def publish(self, manifest: mf.StepManifest, held_here: set[str]) -> None:
+    async def publish(self, manifest: mf.StepManifest, held_here: set[str],
+                      deadline: float | None) -> None:
         """This node committed `manifest`: the cluster's commit record."""
 
     async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:
@@ -69,9 +82,16 @@ class SealedCollector(Protocol):
 
 
 class Liveness(Protocol):
-    """The cluster's live members (`replication.membership.Membership`)."""
+    """The cluster's live members (`replication.membership.Membership`). `may_be_up`: live,
+    or gone so recently that its lease may have ended in an etcd outage while it lives;
+    `generation` changes whenever either answer may change."""
 
     def is_up(self, node_id: str) -> bool: ...
+
+    def may_be_up(self, node_id: str) -> bool: ...
+
+    @property
+    def generation(self) -> int: ...
 
 
 class PeerCopies(Protocol):

@@ -71,7 +71,8 @@ class Residency:
         try:
             data = await fetch.read(self.read_sources, offset, size)
         except FetchError as exc:
-            log.error("read of %s failed: %s", self.tree.relpath(node), exc)
+            log.error("read of %s failed: %s", self.tree.relpath(node), self._unreachable(node)
+                      or exc)
             raise FsError(errno.EIO) from None
         if fetch.complete and node.fetch is fetch:
             self._adopt(node, fetch)
@@ -94,7 +95,8 @@ class Residency:
         try:
             await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
         except FetchError as exc:
-            log.error("fetch of %s failed: %s", self.tree.relpath(node), exc)
+            log.error("fetch of %s failed: %s", self.tree.relpath(node), self._unreachable(node)
+                      or exc)
             raise FsError(errno.EIO) from None
         if node.fetch is fetch:
             self._adopt(node, fetch)
@@ -119,6 +121,22 @@ class Residency:
                      exc or "no room in RAM")
             return
         self._adopt(node, fetch)
+
+    def _unreachable(self, node: Node) -> str | None:
+        """Why no tier can give this file, if its step is incomplete for want of it: its last
+        holders and since when (`fs.recoverable`)."""
+        step = self.tree.committed_step_holding(node)
+        if step is None or node.remote is None:
+            return None
+        loss = self.tree.recoverable.loss(step, fresh=True)
+        lost = next((f for f in loss.files if f.name == node.remote.entry.name), None) \
+            if loss is not None else None
+        if lost is None:
+            return None
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(loss.since_ns / 1e9))
+        return (f"no live node and no store holds it ({lost.why()}; last held by "
+                f"{', '.join(lost.holders) or 'no node'}); its step is incomplete since "
+                f"{since}")
 
     def _adopt(self, node: Node, fetch: Fetch) -> None:
         """A complete fetch that matches its xxh3-128 becomes the file's committed object (a

@@ -72,9 +72,10 @@ from tierfs.fs.nodes import (
     StepState,
     size_in_blocks,
 )
-from tierfs.fs.ports import DeleteLog, Spawner, StepWatch
+from tierfs.fs.ports import DeleteLog, Liveness, Spawner, StepWatch
 from tierfs.fs.ram_store import RamStore, allocated, is_reserved
 from tierfs.fs.records import StepRecords
+from tierfs.fs.recoverable import Recoverability
 from tierfs.fs.sealing import Sealing
 from tierfs.step_names import DEEPSPEED_STEP
 
@@ -93,7 +94,7 @@ class Tree:
     def __init__(self, store: RamStore, watch: StepWatch, deletes: DeleteLog, *,
                  node_id: str = "local", step_pattern: str = DEFAULT_STEP_PATTERN,
                  file_step_pattern: str = DEFAULT_FILE_STEP_PATTERN,
-                 spawner: Spawner | None = None) -> None:
+                 spawner: Spawner | None = None, liveness: Liveness | None = None) -> None:
         self.store = store
         self.records = StepRecords()
         self.node_id = node_id
@@ -113,6 +114,8 @@ class Tree:
         self.sealing = Sealing(self.backing, spawner)  # seals hashed off the writer's path
         self._unshare_locks: dict[Node, trio.Lock] = {}
         self.fetching: set[Node] = set()  # nodes with a partial fetch (fs.residency)
+        # which committed steps can be read whole now (their state, `latest`)
+        self.recoverable = Recoverability(node_id, self.file_peers, liveness)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -1057,6 +1060,19 @@ class Tree:
         step.commit_pending = False
         return manifest
 
+    def unchanged_since_commit(self, step: StepState, rel: str, node: Node) -> bool:
+        """Whether a file of a step being saved again is still exactly what its committed
+        version holds: in RAM, sealed with that version's content, and still the committed
+        object itself (its inode shared with it: a write would have made it private)."""
+        entry = step.manifest.entry(rel) if step.manifest is not None else None
+        if (entry is None or node.remote is not None or rel not in step.resident
+                or node.seal is None or node.seal.digest.xxh3 != entry.xxh3):
+            return False
+        try:
+            return self.shared_backing(node) is not None
+        except (FsError, OSError):
+            return False
+
     @staticmethod
     def leave_pending(step: StepState, reason: str | None) -> None:
         """The commit waits (`reason`, shown by status; None keeps the reason known)."""
@@ -1424,17 +1440,41 @@ class Tree:
 
     def join_commit(self, step_node: Node, manifest: mf.StepManifest, others: set[str]) -> bool:
         """Another node committed this step (multi-node DCP) while ranks here wrote some of
-        its files: if every file here is sealed with the content the manifest names, this
-        node's copy is committed as the same version; otherwise it stays `writing` (False)."""
+        its files: if every file written here is sealed with the content the manifest names,
+        this node's copy is committed as the same version; otherwise it stays `writing`
+        (False). Files of an older committed version that were not written here since (held
+        elsewhere, perhaps by nobody now, or a copy held here: a step saved again, also under
+        an old name) are no part of the question: the new manifest says what they are now."""
         step = step_node.step
-        local = list(self.files_under(step_node))
+        files = list(self.files_under(step_node))
+        old = [(rel, node) for rel, node in files if self.unchanged_since_commit(step, rel, node)]
+        local = [(rel, node) for rel, node in files
+                 if node.remote is None and (rel, node) not in old]
         for rel, node in local:
             entry = manifest.entry(rel)
-            if (entry is None or node.remote is not None or node.seal is None
-                    or node.active_writers or node.seal.digest.xxh3 != entry.xxh3):
-                log.warning("%s here differs from the version %s committed: kept as writing",
-                            self.relpath(step_node), ", ".join(sorted(others)))
+            why = ("is not in it" if entry is None else "is being written" if
+                   node.active_writers else "is not sealed yet" if node.seal is None else
+                   "has other content" if node.seal.digest.xxh3 != entry.xxh3 else None)
+            if why is not None:
+                log.warning("%s here differs from the version %s committed (its %s here %s): "
+                            "kept as writing", self.relpath(step_node),
+                            ", ".join(sorted(others)), rel, why)
                 return False
+        stale = [(rel, node) for rel, node in old
+                 if (entry := manifest.entry(rel)) is None or entry.xxh3 != node.seal.digest.xxh3]
+        if any(node.handles or (node.fetch is not None and node.fetch.busy)
+               for _rel, node in stale):
+            log.info("%s v%d committed on %s: it joins once its older files here are closed",
+                     manifest.path, manifest.version, ", ".join(sorted(others)))
+            return False
+        local += [found for found in old if found not in stale]  # saved again as they were
+        for rel, node in stale:  # the new version's file is elsewhere, or not in it
+            self.evict_file(step, step.manifest.entry(rel), node)
+        for rel, node in files:
+            if node.remote is not None:  # of the older version: its bytes are not the new ones
+                self.drop_fetch(node)
+                if manifest.entry(rel) is None:
+                    self._detach(node)
         self.records.write_manifest(self.records_path(step_node), manifest)
         self.drop_resident_refs(step)
         for rel, node in local:
@@ -1444,6 +1484,9 @@ class Tree:
         step.dirty = False
         step.commit_pending = False
         step.holders = others
+        step.replicas = set()  # who held copies of an older version holds none of this one
+        step.file_holders = {}
+        step.file_writers = {}
         self._write_node_list(step_node, PEERS_MARK, others)
         self.add_remote_files(step_node, [e for e in manifest.files
                                           if e.name not in step.resident])
@@ -1531,8 +1574,11 @@ class Tree:
             sizes = [self._status_size(n) for n in self.walk_files(step_node)]
             files, size = len(sizes), sum(sizes)
             ram_bytes = size
+        loss = self.recoverable.loss(step)
         return {
-            "path": self.relpath(step_node), "step": step.number, "state": step.state,
+            "path": self.relpath(step_node), "step": step.number,
+            "state": "incomplete" if loss is not None else step.state,
+            "lost": loss.as_dict() if loss is not None else None,
             "kind": "dir" if step_node.is_dir else "file",
             "ram_bytes": ram_bytes,
             "version": step.manifest.version if step.manifest else 0,
@@ -1568,7 +1614,7 @@ class Tree:
         if name not in self.xattr_names(node):
             raise FsError(ENOATTR)
         if name == XATTR_STATE:
-            return node.step.state.encode()
+            return self.state_of(node.step).encode()
         if name == XATTR_TIERS:
             if node.is_dir:
                 step = self.step_of(node)
@@ -1626,6 +1672,11 @@ class Tree:
                     return handle.fd
             raise
 
+    def state_of(self, step: StepState) -> str:
+        """`writing`, `committed`, or `incomplete`: committed, but a file of it is reachable
+        on no tier now (`fs.recoverable`)."""
+        return "incomplete" if self.recoverable.loss(step) is not None else step.state
+
     # -- `latest` --------------------------------------------------------------------------
     #
     # Two questions, kept apart: whether a directory shows the virtual `latest` link at all
@@ -1671,14 +1722,21 @@ class Tree:
         return sorted(self.relpath(p) or "." for p in parents if self.owns_latest(p))
 
     def _latest_target(self, dir_node: Node) -> bytes | None:
-        best: tuple[int, bytes] | None = None
-        for name, node in dir_node.children.items():
-            step = self.step_of(node) if node.is_dir else None
-            if step is not None and step.committed:
-                key = (node.step.number, name)
-                if best is None or key > best:
-                    best = key
-        return None if best is None else best[1]
+        """The step the virtual `latest` of `dir_node` names: its committed step directory
+        with the highest number that can be read whole now (None: none can)."""
+        committed = [(node.step.number, name, node.step)
+                     for name, node in dir_node.children.items()
+                     if node.is_dir and node.step is not None and node.step.committed]
+        if not committed:
+            return None
+        newest = max(committed, key=lambda found: found[:2])
+        if self.recoverable.whole(newest[2]):
+            return newest[1]  # as a rule: the newest step is whole
+        for _number, name, step in sorted(committed, key=lambda found: found[:2],
+                                          reverse=True):
+            if self.recoverable.whole(step):
+                return name
+        return None
 
     def _is_committed_step(self, dir_node: Node, name: bytes) -> bool:
         node = dir_node.children.get(name)

@@ -19,7 +19,11 @@ Three ways in, one rule: a copy whose bytes do not hash to its manifest entry is
   record in the cluster names, else those known here; the peer hashes its own copy and,
   when asked to repair, quarantines a bad one and pulls a good copy back, verified), and the
   persistent tier (reading every object back and checking its size and every chunk; a bad
-  object is uploaded again from a verified copy, fetched into RAM first if needed).
+  object is uploaded again from a verified copy, fetched into RAM first if needed). A peer
+  that cannot be asked (down, or not answering) is *unreachable*: not a fault of its copies,
+  but they do not count. Each step then says which of its files have no good copy on any
+  reachable tier (*lost*, with their last holders) and which have fewer good copies in RAM
+  (here and on peers) than K + 1 and none in the persistent tier (*short*).
 
 What a repair may do: copy only *from* a copy verified good against the manifest (a fetch is
 checked chunk by chunk and whole; an empty file needs another tier to confirm it holds it
@@ -54,7 +58,8 @@ from tierfs.fs.ports import PeerCopies, PersistCopies
 from tierfs.fs.residency import Residency
 from tierfs.fs.tree import Tree
 
-__all__ = ["PeerCopies", "PersistCopies", "StepReport", "TierReport", "Verifier", "describe"]
+__all__ = ["PeerCopies", "PersistCopies", "StepReport", "TierReport", "Verifier", "describe",
+           "lost_files", "short_files"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +83,9 @@ class TierReport:
     not_held: list[str] = field(default_factory=list)
     held_good: set[str] = field(default_factory=set)    # good or repaired here
     kept: list[str] = field(default_factory=list)       # where bad RAM bytes were set aside
+    # A peer that could not be asked (down, or not answering): its copies do not count, and
+    # whether a file is lost for want of them is the step's verdict, not this tier's.
+    unreachable: str = ""
 
     @property
     def ok(self) -> bool:
@@ -86,7 +94,7 @@ class TierReport:
     def as_dict(self) -> dict[str, Any]:
         return {"tier": self.tier, "good": self.good, "bad": self.bad, "missing": self.missing,
                 "repaired": self.repaired, "error": self.error, "not_held": self.not_held,
-                "kept": self.kept, "ok": self.ok}
+                "kept": self.kept, "unreachable": self.unreachable, "ok": self.ok}
 
 
 @dataclass
@@ -96,10 +104,16 @@ class StepReport:
     files: int
     bytes: int
     tiers: list[TierReport] = field(default_factory=list)
+    # Files with no good copy on any reachable tier, and the nodes that held them last.
+    lost: dict[str, list[str]] = field(default_factory=dict)
+    # Files every one of whose good copies is in RAM (here, peers), fewer than `wanted`.
+    short: dict[str, int] = field(default_factory=dict)
+    wanted: int = 1  # K + 1
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path, "version": self.version, "files": self.files,
                 "bytes": self.bytes, "tiers": [t.as_dict() for t in self.tiers],
+                "lost": self.lost, "short": self.short, "wanted": self.wanted,
                 "ok": all(t.ok for t in self.tiers)}
 
 
@@ -218,17 +232,41 @@ class Verifier:
             report.tiers.append(await self._verify_peer(peer, manifest, entries, repair))
         if step.persisted and self._current(step_node, manifest):
             report.tiers.append(await self._verify_persisted(step_node, manifest, repair))
-        # A file with no good copy on any tier checked is lost (or was never anywhere else).
-        unchecked = any(t.error for t in report.tiers)
-        bad_everywhere = [e.name for e in manifest.files
-                          if not any(e.name in t.held_good for t in report.tiers)]
-        if bad_everywhere and not unchecked:
-            report.tiers.append(TierReport("any tier", bad=bad_everywhere,
-                                           error="no good copy of these files anywhere"))
-        level = logging.INFO if all(t.ok for t in report.tiers) else logging.ERROR
-        log.log(level, "verified %s v%d: %s", manifest.path, manifest.version,
-                "; ".join(describe(t) for t in report.tiers) or "no copy held anywhere")
+        self._judge(report, manifest, asked, ram)
         return report
+
+    def _judge(self, report: StepReport, manifest: mf.StepManifest,
+               asked: dict[str, set[str]], ram: TierReport) -> None:
+        """The step's verdict: its lost files (no good copy on a tier reached: an "any
+        tier" line), its short ones, and one log line."""
+        report.wanted = self.residency.replicas + 1
+        in_ram = [t for t in report.tiers if t.tier == "ram" or t.tier.startswith("peer:")]
+        stored = {name for t in report.tiers if t.tier == "persist" for name in t.held_good}
+        for entry in manifest.files:
+            name = entry.name
+            copies = sum(name in t.held_good for t in in_ram)
+            if not copies and name not in stored:
+                held_here = name in ram.bad or name in ram.missing or \
+                    (manifest.path, manifest.version, name) in self.quarantined
+                report.lost[name] = sorted(asked.get(name, set())
+                                           | ({self.tree.node_id} if held_here else set()))
+            elif copies < report.wanted and name not in stored:
+                report.short[name] = copies
+        if report.lost:
+            report.tiers.append(TierReport("any tier", bad=sorted(report.lost),
+                                           error="no good copy of these files on any tier "
+                                           "reached"))
+        unreachable = [t.unreachable for t in report.tiers if t.unreachable]
+        level = logging.ERROR if report.lost or not all(t.ok for t in report.tiers) else (
+            logging.WARNING if report.short or unreachable else logging.INFO)
+        verdict = ""
+        if report.lost:
+            verdict = f"; {lost_files(report.path, report.lost)}"
+        elif report.short:
+            verdict = f"; {short_files(report.path, report.short, report.wanted)}"
+        log.log(level, "verified %s v%d: %s%s", manifest.path, manifest.version,
+                "; ".join(describe(t) for t in report.tiers) or "no copy held anywhere",
+                verdict)
 
     async def _peers_per_file(self, step: StepState,
                               manifest: mf.StepManifest) -> dict[str, set[str]]:
@@ -258,8 +296,8 @@ class Verifier:
         for entry in entries:
             try:
                 state = await self.peers.verify(peer, manifest.path, entry, repair)
-            except Exception as exc:  # unreachable, refused, timed out: the tier is unchecked
-                tier.error = f"could not ask {peer}: {exc or type(exc).__name__}"
+            except Exception as exc:  # down, refused, timed out: its copies do not count
+                tier.unreachable = f"could not ask {peer}: {exc or type(exc).__name__}"
                 return tier
             if state == MISSING:
                 tier.not_held.append(entry.name)
@@ -580,4 +618,28 @@ def describe(tier: TierReport) -> str:
         parts.append(f"{len(tier.not_held)} not held there")
     if tier.error:
         parts.append(f"UNCHECKED: {tier.error}")
+    if tier.unreachable:
+        parts.append(f"UNREACHABLE: {tier.unreachable}")
     return f"{tier.tier}: {', '.join(parts) or 'nothing held'}"
+
+
+def lost_files(step_path: str, lost: dict[str, list[str]], shown: int = 5) -> str:
+    """`2 files of run/step_2 have no reachable copy: a (last held by node1), b (...)`."""
+    named = ", ".join(f"{name} (last held by {', '.join(holders) or 'no node'})"
+                      for name, holders in sorted(lost.items())[:shown])
+    more = f" and {len(lost) - shown} more" if len(lost) > shown else ""
+    files = "1 file" if len(lost) == 1 else f"{len(lost)} files"
+    verb = "has" if len(lost) == 1 else "have"
+    return f"{files} of {step_path} {verb} no reachable copy: {named}{more}"
+
+
+def short_files(step_path: str, short: dict[str, int], wanted: int, shown: int = 5) -> str:
+    """`1 file of run/step_1 has fewer than 2 copies reachable (K + 1) and none in the
+    persistent tier: model.pt (1 copy)`."""
+    named = ", ".join(f"{name} ({count} cop{'y' if count == 1 else 'ies'})"
+                      for name, count in sorted(short.items())[:shown])
+    more = f" and {len(short) - shown} more" if len(short) > shown else ""
+    files = "1 file" if len(short) == 1 else f"{len(short)} files"
+    verb = "has" if len(short) == 1 else "have"
+    return (f"{files} of {step_path} {verb} fewer than {wanted} copies reachable (K + 1) and "
+            f"none in the persistent tier: {named}{more}")

@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Show the steps under PATH (the mountpoint, a run directory or a step): "
         "state, version, files, size, age and tiers of each, `latest` of each run directory, "
         "one summary line per run directory, and warnings for data that exists only in this "
-        "node's RAM or a step whose commit waits.")
+        "node's RAM, a step whose commit waits, or a committed step that is incomplete (a "
+        "file that no live node and no store holds: `latest` skips it).")
     status.add_argument("mountpoint", metavar="PATH")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--watch", action="store_true",
@@ -142,8 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
         "node's RAM, each peer that holds a copy, and the persistent tier. A bad copy is "
         "repaired from a good one: a RAM copy is fetched again from a peer or the persistent "
         "tier, a peer pulls a good copy back, a bad object in the persistent tier is uploaded "
-        "again. Exits 0 when every copy is good or was repaired, 1 with a one-line reason "
-        "otherwise.")
+        "again. A peer that cannot be asked (down) is unreachable: its copies do not count. "
+        "Exits 0 when every file has a good copy on a tier reached: silently when each has "
+        "K + 1 copies in RAM (here and on peers) or one in the persistent tier, else with a "
+        "warning line naming the files with fewer; exits 1 naming each file that has no "
+        "reachable copy and the nodes that held it last, or with a one-line reason for a bad "
+        "copy that was not repaired.")
     verify.add_argument("path", metavar="PATH")
     verify.add_argument("--json", action="store_true", help="machine-readable report")
     verify.add_argument("--no-repair", action="store_true",
@@ -519,23 +524,41 @@ def _verify(path: str, as_json: bool, repair: bool) -> int:
         print(json.dumps({"steps": steps, "ok": all(s["ok"] for s in steps)}, indent=2))
     else:
         print(format_verify(steps))
+    return verify_outcome(steps, repair)
+
+
+def verify_outcome(steps: list[dict[str, Any]], repair: bool) -> int:
+    """0 when every file has a good copy on a tier reached (a warning line on stderr for
+    files with fewer than K + 1 copies); a one-line error naming each file with no reachable
+    copy and its last holders, or the first bad copy not repaired, otherwise."""
+    from tierfs.fs.verify import lost_files, short_files
+
+    lost = [lost_files(s["path"], s["lost"]) for s in steps if s.get("lost")]
+    if lost:
+        raise UserError("verify: " + "; ".join(lost))
     failures = [(s, t) for s in steps for t in s["tiers"] if not t["ok"]]
-    if not failures:
-        return 0
-    step, tier = failures[0]
-    if tier["error"]:
-        reason = tier["error"]
-    else:
-        problems = ([f"{len(tier['bad'])} bad ({', '.join(tier['bad'])})"] if tier["bad"]
-                    else []) + ([f"{len(tier['missing'])} missing ("
-                                 f"{', '.join(tier['missing'])})"] if tier["missing"] else [])
-        reason = " and ".join(problems) + (", no good copy to repair from" if repair else "")
-    more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-    raise UserError(f"verify: {step['path']} on {tier['tier']}: {reason}{more}")
+    if failures:
+        step, tier = failures[0]
+        if tier["error"]:
+            reason = tier["error"]
+        else:
+            problems = ([f"{len(tier['bad'])} bad ({', '.join(tier['bad'])})"] if tier["bad"]
+                        else []) + ([f"{len(tier['missing'])} missing ("
+                                     f"{', '.join(tier['missing'])})"] if tier["missing"]
+                                    else [])
+            reason = " and ".join(problems) + (", no good copy to repair from" if repair
+                                               else "")
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        raise UserError(f"verify: {step['path']} on {tier['tier']}: {reason}{more}")
+    for step in steps:
+        if step.get("short"):
+            print("tierfs: warning: " + short_files(step["path"], step["short"],
+                                                   step["wanted"]), file=sys.stderr)
+    return 0
 
 
 def format_verify(steps: list[dict[str, Any]]) -> str:
-    from tierfs.fs.verify import TierReport, describe
+    from tierfs.fs.verify import TierReport, describe, lost_files
 
     lines = []
     for step in steps:
@@ -544,11 +567,20 @@ def format_verify(steps: list[dict[str, Any]]) -> str:
         for tier in step["tiers"]:
             report = TierReport(**{k: v for k, v in tier.items() if k != "ok"})
             lines.append(f"  {describe(report)}")
+        if step.get("lost"):
+            lines.append(f"  LOST: {lost_files(step['path'], step['lost'], shown=1000)}")
     copies = sum(len(s["tiers"]) for s in steps)
     repaired = sum(len(t["repaired"]) for s in steps for t in s["tiers"])
     good = all(s["ok"] for s in steps)
-    lines.append(f"{len(steps)} steps, {copies} copies checked: "
-                 + ("every copy good" if good else "PROBLEMS FOUND")
+    if any(s.get("lost") for s in steps):
+        verdict = "FILES WITH NO REACHABLE COPY"
+    elif not good:
+        verdict = "PROBLEMS FOUND"
+    elif any(s.get("short") for s in steps):
+        verdict = "every file reachable, some with fewer than K + 1 copies"
+    else:
+        verdict = "every copy good"
+    lines.append(f"{len(steps)} steps, {copies} copies checked: {verdict}"
                  + (f" ({repaired} files repaired)" if repaired else ""))
     return "\n".join(lines)
 

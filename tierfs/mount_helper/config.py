@@ -76,6 +76,10 @@ MOUNT_OPTIONS = [
     Option("commit-idle", 5.0, "a step being written commits by itself once no file of it has "
            "been open for writing or changed for this long (default %(default)s)", "float",
            "SECONDS"),
+    Option("commit-timeout", 20.0, "with --cluster: the longest a saver's call that commits a "
+           "step (the close or rename of DCP's .metadata) waits for etcd, in all; then it fails "
+           "with ETIMEDOUT (the save raises), and the step stays writing and commits by itself "
+           "once etcd answers (default %(default)s)", "float", "SECONDS"),
     Option("no-passthrough", False, "route file data through the daemon even where the kernel "
            "could pass reads and writes straight to the RAM store (slower; for comparison)",
            "flag"),
@@ -132,6 +136,7 @@ class MountConfig:
     passthrough: bool = True
     allow_non_empty: bool = False
     commit_idle: float = 5.0
+    commit_timeout: float = 20.0
     allow_other: bool = False
     root_uid: int | None = None
     root_gid: int | None = None
@@ -350,6 +355,7 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         passthrough=not values["no_passthrough"],
         allow_non_empty=bool(values["allow_non_empty"]),
         commit_idle=_seconds(values, "commit_idle"),
+        commit_timeout=_seconds(values, "commit_timeout"),
         allow_other=bool(values["allow_other"]),
         metrics=parse_address(values["metrics"], "--metrics") if values["metrics"] else None,
         **_root_directory(values),

@@ -296,10 +296,12 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     # namespace over both, then what follows its commits and serves the peers.
     commits_send, commits_recv = trio.open_memory_channel[mf.StepManifest](64)
     events = Events()
+    members = _members(cfg) if cfg.cluster else None
     core = Core(store, node_id=cfg.node_id, step_pattern=cfg.step_pattern,
                 file_step_pattern=cfg.file_step_pattern,
-                commit_idle=cfg.commit_idle, delete_targets=_delete_targets(cfg))
-    links = ClusterLinks(cfg, core.tree) if cfg.cluster else None
+                commit_idle=cfg.commit_idle, delete_targets=_delete_targets(cfg),
+                liveness=members)
+    links = ClusterLinks(cfg, core.tree, members) if members else None
     backend, new_store = await _persistent_tier(cfg, ready, core.tree,
                                                 links.store_record if links else None)
     persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
@@ -314,7 +316,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
                           replicas=cfg.replicas, events=events,
-                          liveness=links.membership if links else None)
+                          commit_timeout=cfg.commit_timeout)
     verifier = namespace.verifier
     verifier.collect_unverified()
     store_used = trio.Event()  # this node persisted a step, or found the store holding some
@@ -569,17 +571,26 @@ async def _terminate_on_signal() -> None:
             return
 
 
+def _members(cfg: MountConfig) -> Membership:
+    """The cluster's members as this node sees them (from etcd), made before the tree: which
+    steps can be read whole depends on who is up."""
+    assert cfg.cluster is not None and cfg.advertise is not None and cfg.token is not None
+    etcd = Etcd(cfg.cluster.endpoints)
+    return Membership(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise),
+                      cfg.token)
+
+
 class ClusterLinks:
     """This node's clients of its peers (with --cluster), made before the namespace, which is
-    given them: membership (from etcd), reads from peers, other nodes' DCP shards, peer
-    verification and deletes. They ask the tree questions only (who holds a step, which files
-    are sealed)."""
+    given them: reads from peers, other nodes' DCP shards, peer verification and deletes, over
+    the connections of `membership`. They ask the tree questions only (who holds a step, which
+    files are sealed)."""
 
-    def __init__(self, cfg: MountConfig, tree: Tree) -> None:
-        assert cfg.cluster is not None and cfg.advertise is not None and cfg.token is not None
-        self.etcd = Etcd(cfg.cluster.endpoints)
-        self.live = live_members.Membership(self.etcd, cfg.cluster, cfg.node_id, cfg.advertise)
-        self.membership = Membership(self.live, cfg.token)
+    def __init__(self, cfg: MountConfig, tree: Tree, membership: Membership) -> None:
+        assert cfg.cluster is not None
+        self.membership = membership
+        self.live = membership.live
+        self.etcd = self.live.etcd
         self.sealed = ClusterCommits(CommitRecords(self.etcd, cfg.cluster), cfg.node_id,
                                      tree.step_number, ManifestFetcher(self.membership).fetch,
                                      tree.committed_manifest)
@@ -673,7 +684,7 @@ class ClusterNode:
         self._follow_members()
         await self.sealed.learn_all(self._learn)  # every step of the cluster, from the start
         for worker in (self.membership.run, self.replicator.run, self._restore_copies,
-                       self._follow_commits, self._publish_pending):
+                       self._follow_commits, self._publish_pending, self._recheck_losses):
             nursery.start_soon(worker)
         nursery.start_soon(self._catch_up)
 
@@ -718,7 +729,8 @@ class ClusterNode:
         with trio.move_on_after(CHECK_PATIENCE) as patience:
             while True:
                 try:
-                    dropped = await self.sealed.drop_lost_copies(self.namespace.tree.holds_copy)
+                    dropped = await self.sealed.drop_lost_copies(
+                        self.namespace.tree.holds_copy, self.namespace.tiers.in_store)
                     break
                 except EtcdError as exc:
                     failures += 1
@@ -726,9 +738,7 @@ class ClusterNode:
                              "(attempt %d): %s", failures, exc)
                     await CATCH_UP_RETRIES.pause(failures)
         if patience.cancelled_caught:
-            raise StartupError(f"etcd of --cluster {self.cfg.cluster} does not answer (tried "
-                               f"for {CHECK_PATIENCE:.0f} s to correct the records of the "
-                               "copies this node lost)")
+            raise self._unreachable("to correct the records of the copies this node lost")
         if dropped:
             log.warning("%d copies the cluster's records listed here are not in RAM: the other "
                         "holders restore them", dropped)
@@ -744,7 +754,7 @@ class ClusterNode:
 
     async def _follow_commits(self) -> None:
         """Every commit of the other nodes is listed here within a watch event."""
-        await self.sealed.follow(self._learn)
+        await self.sealed.follow(self._learn, self.namespace.tiers.unlisted)
 
     async def _publish_pending(self) -> None:
         """Commit records etcd could not take (it was down) are written once it is back."""
@@ -764,8 +774,13 @@ class ClusterNode:
                 raise StartupError(f"cannot join the cluster {self.cfg.cluster}: "
                                    f"{error}") from None
         if patience.cancelled_caught:
-            raise StartupError(f"etcd of --cluster {self.cfg.cluster} does not answer (tried "
-                               f"for {CHECK_PATIENCE:.0f} s)")
+            raise self._unreachable("to join the cluster")
+
+    def _unreachable(self, why: str) -> StartupError:
+        """The one line of a mount that etcd does not answer: at which endpoint, and how."""
+        where = self.live.etcd.last_failure or ", ".join(map(str, self.live.etcd.endpoints))
+        return StartupError(f"etcd is unreachable at {where} (tried for "
+                            f"{CHECK_PATIENCE:.0f} s {why}; --cluster {self.cfg.cluster})")
 
     def _follow_members(self) -> None:
         """Deletes made here go to the live peers."""
@@ -779,6 +794,27 @@ class ClusterNode:
             self._follow_members()
             for manifest in self.namespace.tiers.held_manifests():
                 self.replicator.submit(manifest)
+
+    async def _recheck_losses(self) -> None:
+        """When a node goes or comes (or its grace ends), the steps that may have lost every
+        copy of a file have their records read again, so that every node, also one holding
+        nothing of a step, calls it incomplete (and `latest` skips it) or whole on what the
+        records say now; then every step is judged (the daemon logs a step that became
+        incomplete or whole again)."""
+        tiers = self.namespace.tiers
+        tree = self.namespace.tree
+        while True:
+            changed = self.membership.changed
+            generation = self.membership.generation
+            for manifest in tiers.doubtful_steps(self.membership.may_be_up):
+                records = await self.sealed.placements(manifest)
+                if records is not None:
+                    tiers.note_placements(manifest, {n: set(r.holders) for n, r in records.items()},
+                                          {n: r.node for n, r in records.items()})
+            for node in list(tree.steps()):
+                tree.recoverable.loss(node.step)
+            if self.membership.generation == generation:
+                await changed.wait()
 
     async def record_store_use(self, url: str, used: trio.Event) -> None:
         """Once this node persisted a step, or found the store holding some, the cluster
@@ -875,10 +911,13 @@ class Daemon:
             pending["replica"] = self._replicas_waiting()
         peers = self.cluster.membership.peers if self.cluster else []
         store = self.namespace.store
+        tree = self.namespace.tree
+        incomplete = sum(1 for node in tree.steps()
+                         if tree.recoverable.loss(node.step) is not None)
         return Levels(store.used_bytes, store.limit_bytes,
                       {tier: (len(steps), sum(m.total_bytes for m in steps))
                        for tier, steps in pending.items()},
-                      len(peers), sum(1 for m in peers if m.up))
+                      len(peers), sum(1 for m in peers if m.up), incomplete)
 
     async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         command = request.get("cmd")
@@ -936,7 +975,7 @@ class Daemon:
         manifest = node.step.manifest
         status["committed_ns"] = manifest.committed_ns if manifest is not None else None
         status["changed_ns"] = None
-        if status["state"] != "committed":
+        if status["state"] == "writing":
             with contextlib.suppress(FsError, OSError):  # removed meanwhile
                 status["changed_ns"] = tree.stat(node).st_mtime_ns
         status["persist_wait"] = persist_waits.get(status["path"])

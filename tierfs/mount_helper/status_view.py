@@ -1,7 +1,9 @@
 """`tierfs status` for a person: the steps under a path, with the age of each and the `latest`
 of each run directory, one summary line per run directory, and a warning for what exists only
-in this node's RAM, a step whose commit waits, or one whose upload fails (why, since when).
-The lines `tierfs flush` and `tierfs umount` print about steps not in the store are here too.
+in this node's RAM, a step whose commit waits, one whose upload fails (why, since when), or a
+committed step that cannot be read whole (`incomplete`: a file that no live node and no store
+holds). The lines `tierfs flush` and `tierfs umount` print about steps not in the store are here
+too.
 
 Pure functions over the daemon's status document (`tierfs status --json`): no trio, no socket,
 so they are tested from a dict. A run directory is the directory holding a step.
@@ -98,7 +100,7 @@ def latest_paths(steps: Iterable[Step], own_latest: Iterable[str] = ()) -> set[s
 def step_age(step: Step, now_ns: int) -> float | None:
     """Seconds since the step was committed, or for a step being written since it last changed
     (None from a daemon that does not say)."""
-    stamp = step.get("committed_ns") if step["state"] == "committed" else (
+    stamp = step.get("committed_ns") if step["state"] != "writing" else (
         step.get("changed_ns") or step.get("committed_ns"))
     return None if stamp is None else (now_ns - stamp) / 1e9
 
@@ -157,12 +159,13 @@ def names(steps: list[Step]) -> str:
 
 
 def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
-    """What a person must know: data only in this node's RAM, steps whose commit waits, and
-    steps whose upload fails (why, and for how long)."""
+    """What a person must know: data only in this node's RAM, steps whose commit waits, steps
+    whose upload fails (why, and for how long), and committed steps that cannot be read
+    whole."""
     lines = []
     ram_only = [s for s in status["steps"] if only_in_ram(s)]
     if ram_only:
-        writing = sum(s["state"] != "committed" for s in ram_only)
+        writing = sum(s["state"] == "writing" for s in ram_only)
         kinds = [f"{writing} being written"] if writing else []
         if len(ram_only) > writing:
             kinds.append(f"{len(ram_only) - writing} committed, not yet persisted or replicated")
@@ -177,7 +180,22 @@ def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
     if failing:
         lines.append(f"warning: {_count(failing, 'step')} not yet in {status['persist']['url']}:"
                      f" {not_in_store(failing, now_ns)}")
+    lines += [incomplete_warning(s, now_ns) for s in status["steps"]
+              if s["state"] == "incomplete" and s.get("lost")]
     return lines
+
+
+def incomplete_warning(step: Step, now_ns: int) -> str:
+    """`warning: run/step_20 is incomplete (for 12s): 1 file is on no live node and in no
+    store: __1_0.distcp (lost with node1 before its copies were made); `latest` skips it`."""
+    lost = step["lost"]
+    shown = lost["shown"]
+    named = "; ".join(f"{f['name']} ({f['why']})" for f in shown[:3])
+    more = f"; and {lost['files'] - 3} more" if lost["files"] > 3 else ""
+    files = "1 file is" if lost["files"] == 1 else f"{lost['files']} files are"
+    return (f"warning: {step['path']} is incomplete (for "
+            f"{human_age((now_ns - lost['since_ns']) / 1e9)}): {files} on no live node and in "
+            f"no store: {named}{more}; `latest` skips it until a holder returns")
 
 
 def persist_line(persist: dict[str, Any]) -> str:
@@ -234,7 +252,7 @@ def _count(steps: list[Step], what: str) -> str:
 
 def uncommitted(status: dict[str, Any]) -> str | None:
     """One line naming the steps that are not committed (for flush and umount), or None."""
-    writing = [s for s in status["steps"] if s["state"] != "committed"]
+    writing = [s for s in status["steps"] if s["state"] == "writing"]
     if not writing:
         return None
     named = [s["path"] + (f" (waits for {s['waiting_for']})" if s.get("waiting_for") else "")

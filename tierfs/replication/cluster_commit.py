@@ -37,13 +37,14 @@ from tierfs.cluster.commit_records import (
     Deletion,
     FileRecord,
 )
-from tierfs.cluster.etcd import EtcdError, retry_unavailable
+from tierfs.cluster.etcd import EtcdError, EtcdUnavailable, retry_unavailable
+from tierfs.fs.ports import CoordinationUnavailable
 from tierfs.replication.protocol import ProtocolError
 
 log = logging.getLogger(__name__)
 
-COMMIT_WAIT = 20.0  # seconds a commit waits for other nodes' records of the files it names
 
+PUBLISH_WAIT = 20.0  # seconds a commit record may take by default
 # (manifest, the nodes holding its files): list the step here (OtherTiers.learn)
 Learn = Callable[[mf.StepManifest, list[str]], None]
 StepNumber = Callable[[str], int | None]
@@ -78,12 +79,13 @@ class ClusterCommits:
 
     # -- this node's files
 
-    async def record_sealed(self, step_path: str, entries: list[mf.FileEntry]) -> None:
-        """Record files this node sealed into a step (their writer and only holder: here);
-        returns once they are written with others sealed meanwhile. While etcd is away they
-        wait, retried until it answers."""
+    async def record_sealed(self, step_path: str, entries: list[mf.FileEntry],
+                            base: int = 0) -> None:
+        """Record files this node sealed into a step over its committed version `base` (0:
+        none) (their writer and only holder: here); returns once they are written with
+        others sealed meanwhile. While etcd is away they wait, retried until it answers."""
         self._unrecorded.setdefault(step_path, {}).update(
-            (e.name, self._record(e)) for e in entries)
+            (e.name, self._record(e, base)) for e in entries)
         done = self._batch_written
         if self._recording:
             await done.wait()
@@ -114,20 +116,27 @@ class ClusterCommits:
                 log.info("could not record %d sealed files of %s in etcd yet: %s",
                          len(records), step_path, exc)
 
-    def _record(self, entry: mf.FileEntry) -> FileRecord:
+    def _record(self, entry: mf.FileEntry, base: int) -> FileRecord:
         return FileRecord.sealed(self.node_id, entry.size, entry.xxh3,
-                                 tuple(mf.entry_fields(entry)))
+                                 tuple(mf.entry_fields(entry)), base)
 
-    async def collect(self, step_path: str,
-                      names: set[str]) -> dict[str, tuple[str, mf.FileEntry]]:
-        """Where the other nodes hold these files of a step: name -> (node id, entry), once
-        every one is recorded or after COMMIT_WAIT (then those recorded so far)."""
+    async def collect(self, step_path: str, names: set[str], deadline: float,
+                      base: int = 0) -> dict[str, tuple[str, mf.FileEntry]]:
+        """Where the other nodes hold these files of a step saved over its committed version
+        `base` (0: none): name -> (node id, entry), once every one is recorded by this save
+        (a record of an earlier save of the step is not taken: `FileRecord.fresh_for`) or at
+        `deadline` (trio time: then those recorded so far). `CoordinationUnavailable` if etcd
+        does not answer by then."""
         try:
-            found = await self.records.wait_for_files(step_path, names, COMMIT_WAIT)
-        except CommitTimeout:
-            found = await self._recorded(step_path, names)
+            found = await self.records.wait_for_files(
+                step_path, names, deadline, lambda record: record.fresh_for(base))
+        except CommitTimeout as exc:
+            found = {n: r for n, r in exc.found.items() if n in names}
+        except EtcdUnavailable as exc:
+            raise CoordinationUnavailable(f"etcd does not answer ({exc})") from None
         except EtcdError as exc:
-            log.info("commit of %s: etcd does not answer (%s); it waits", step_path, exc)
+            log.info("commit of %s: etcd refused to read its records (%s); it waits",
+                     step_path, exc)
             return {}
         located = {}
         for name, record in found.items():
@@ -136,24 +145,30 @@ class ClusterCommits:
                 located[name] = (record.node, entry)
         return located
 
-    async def _recorded(self, step_path: str, names: set[str]) -> dict[str, FileRecord]:
-        try:
-            return {n: r for n, r in (await self.records.files(step_path)).items()
-                    if n in names}
-        except EtcdError:
-            return {}
-
     # -- commits
 
-    async def publish(self, manifest: mf.StepManifest, held_here: set[str]) -> None:
+    async def publish(self, manifest: mf.StepManifest, held_here: set[str],
+                      deadline: float | None = None) -> None:
         """After this node committed `manifest`: record the files it holds, drop records of
         files the step no longer has, and write the commit record, so that every node lists
-        the step. Raises EtcdError if etcd does not take it (the caller retries)."""
+        the step. By `deadline` (trio time; PUBLISH_WAIT from now if None), or
+        `CoordinationUnavailable`; raises EtcdError if etcd refuses it (the caller retries
+        either way)."""
+        if deadline is None:
+            deadline = trio.current_time() + PUBLISH_WAIT
+        with trio.move_on_at(deadline) as scope:
+            await self._publish(manifest, held_here, deadline)
+        if scope.cancelled_caught:
+            raise CoordinationUnavailable(f"etcd did not take the commit record of "
+                                          f"{manifest.path} v{manifest.version} in time")
+
+    async def _publish(self, manifest: mf.StepManifest, held_here: set[str],
+                       deadline: float) -> None:
         step_path = manifest.path
-        deadline = trio.current_time() + COMMIT_WAIT
         names = {e.name for e in manifest.files}
         recorded = await self.records.files(step_path)  # the step's one read
-        mine = {e.name: self._record(e) for e in manifest.files if e.name in held_here}
+        mine = {e.name: self._record(e, manifest.version - 1) for e in manifest.files
+                if e.name in held_here}
         # only what the seals did not record already (as a rule, nothing)
         await self.records.record_files(step_path, {n: r for n, r in mine.items()
                                                     if recorded.get(n) != r})
@@ -161,9 +176,12 @@ class ClusterCommits:
         await self.records.delete_files(step_path, set(recorded) - names)
         missing = names - set(recorded) - set(mine)
         if missing:  # recorded elsewhere after collect read them: not yet seen here
-            recorded |= await self.records.wait_for_files(step_path, missing, COMMIT_WAIT)
-        # the writers (and any holder so far): what every node lists as the step's holders
-        holders = {h for n, r in recorded.items() if n in names for h in (r.node, *r.holders)}
+            recorded |= await self.records.wait_for_files(step_path, missing, deadline)
+        # the writers (and any holder so far) of this content: what every node lists as the
+        # step's holders (not the holders of an earlier save's records)
+        holders = {h for n, r in recorded.items()
+                   if (e := manifest.entry(n)) is not None and r.xxh3 == e.xxh3
+                   for h in (r.node, *r.holders)}
         holders.add(self.node_id)
         self._published[step_path] = manifest.version  # before: its watch event may come first
         try:
@@ -228,15 +246,19 @@ class ClusterCommits:
         if found:
             await self.records.touch_commit(manifest.path)
 
-    async def drop_lost_copies(self, holds: Callable[[str, str, str], bool]) -> int:
+    async def drop_lost_copies(self, holds: Callable[[str, str, str], bool],
+                               stored: Callable[[str], bool]) -> int:
         """At start: take this node out of the holders of every committed file it is listed
         for but does not hold (`holds(step path, name, xxh3)`: that file of the step, with
         that content, is resident here; an empty RAM dir, lost files), not as a node that
         left: the loss was not chosen, so the survivors restore those copies. Only steps
         whose commit record lists this node are read; each step changed gets its commit
         record written again (without this node if it holds none of its files), so that
-        every node holding its files plans again at once. The copies dropped; raises
-        EtcdError if etcd does not answer."""
+        every node holding its files plans again at once. A step that then has no holder left
+        and is not in the store (`stored(step path)`; every holder came back without its
+        copies: the prefix's earlier incarnation) has its records removed
+        (`CommitRecords.remove_unheld`), not obeyed. The copies dropped; raises EtcdError if
+        etcd does not answer."""
         dropped = 0
         for commit in await self.records.commits():
             if self.node_id not in commit.holders:
@@ -249,12 +271,16 @@ class ClusterCommits:
             await self.records.drop_holders(commit.step, self.node_id, lost)
             still = any(self.node_id in r.holders for name, r in files.items()
                         if name not in lost)
-            await self.records.touch_commit(commit.step,
-                                            drop=None if still else self.node_id)
+            record = await self.records.touch_commit(commit.step,
+                                                     drop=None if still else self.node_id)
             log.warning("%s: %d files listed as held here are not in RAM (lost): no longer "
                         "counted here, the other holders restore their copies", commit.step,
                         len(lost))
             dropped += len(lost)
+            if (record is not None and not record.holders and not stored(commit.step)
+                    and await self.records.remove_unheld(commit.step)):
+                log.warning("%s v%d: no node holds any of its files and no store has it: its "
+                            "records left etcd", commit.step, record.version)
         return dropped
 
     async def file_record(self, step_path: str, name: str) -> FileRecord | None:
@@ -406,14 +432,20 @@ class ClusterCommits:
         holders = sorted({h for r in files.values() for h in r.holders} | {record.committer})
         return manifest, holders
 
-    async def follow(self, learn: Learn) -> None:
-        """List every commit of the other nodes as it happens (the existing ones first)."""
+    async def follow(self, learn: Learn,
+                     removed: Callable[[str], None] = lambda _step: None) -> None:
+        """List every commit of the other nodes as it happens (the existing ones first); a
+        commit record that leaves etcd (a delete, or a step no node holds any more) is
+        `removed(step path)`."""
         send, receive = trio.open_memory_channel[CommitEvent](64)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.records.follow_commits, send)
             async for event in receive:
                 record = event.record
-                if record is None or self._own_commit(event):
+                if record is None:
+                    removed(event.step)
+                    continue
+                if self._own_commit(event):
                     continue
                 known = self._known(record.step, record.version) if self._known else None
                 if known is not None and record.holders:  # a touch: holders added

@@ -4,7 +4,9 @@ The live members come from `tierfs.cluster.membership` (each daemon's key under 
 node follows the member prefix). This module adds what the peer clients and the peer port ask
 of them: the address to connect to, the authenticated connections (kept alive in a pool),
 and the peers `status` lists (every node seen since this daemon started, up or down).
-There is no heartbeat of its own: a node is up while its lease lives.
+There is no heartbeat of its own: a node is up while its lease lives. Connections follow who
+is *admitted* (live, or gone for less than a rejoin grace: `cluster.membership`), so a lease
+that ended in an etcd outage of a node that lives refuses none of its connections.
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ class Member:
 
 
 class LiveIds:
-    """`node in ids`: whether `node` is a live member now (checked at each connection)."""
+    """`node in ids`: whether `node` is an admitted member now (checked at each connection)."""
 
     def __init__(self, live: live_members.Membership) -> None:
         self._live = live
 
     def __contains__(self, node_id: object) -> bool:
-        return isinstance(node_id, str) and node_id in self._live.members
+        return isinstance(node_id, str) and self._live.admits(node_id)
 
 
 class Membership:
@@ -76,8 +78,18 @@ class Membership:
     def is_up(self, node_id: str) -> bool:
         return self.live.is_up(node_id)
 
+    def may_be_up(self, node_id: str) -> bool:
+        """Live, or gone so recently that it may be registering again (`admits`), or not seen
+        yet while this node itself is just starting (a cluster starting together)."""
+        return self.live.admits(node_id) or self.live.starting
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever `is_up` or `may_be_up` may answer otherwise."""
+        return self.live.generation
+
     def _member(self, node_id: str) -> Member:
-        info = self.live.members.get(node_id)
+        info = self.live.admitted.get(node_id)
         if info is None:
             raise OSError(f"node {node_id} is not a live member of the cluster")
         return Member(node_id, info.address, True)
@@ -110,7 +122,7 @@ class Membership:
             await self.pool.aclose()
 
     def _live_keys(self) -> set[tuple[str, str]]:
-        return {(node_id, info.address) for node_id, info in self.live.members.items()}
+        return {(node_id, info.address) for node_id, info in self.live.admitted.items()}
 
     def status(self) -> list[dict[str, object]]:
         return [{"node_id": m.node_id, "addr": m.addr, "up": m.up} for m in self.peers]
