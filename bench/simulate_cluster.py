@@ -37,6 +37,7 @@ import argparse
 import base64
 import bisect
 import heapq
+import math
 import os
 import random
 import sys
@@ -471,7 +472,8 @@ class Cluster:
         publish (its own records, stale ones dropped, the commit record), then close returns."""
         names = set(self.files)
         commits = ClusterCommits(self.records, self.committer, lambda _: 1000)
-        collect = self._trace_trio(commits.collect, STEP, names - {".metadata"})
+        # no deadline: every record is in by now (after_collect waits for the last one)
+        collect = self._trace_trio(commits.collect, STEP, names - {".metadata"}, math.inf)
         manifest = mf.StepManifest(STEP, 1000, 1, self.committer, 1,
                                    tuple(self.files[n][1] for n in sorted(names)))
         publish = self._trace_trio(commits.publish, manifest, {".metadata"})
