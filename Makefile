@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check tierfs tests bench
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n 2 --durations=15 tests
 
 # The fault suite's full run (the quick sample runs in `test`); counts in tests/faults/results.
 test-faults: $(STAMP)
