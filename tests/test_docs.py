@@ -4,6 +4,7 @@ where it names one, a heading there. In process, no mount."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "doc").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
+OUTSIDE_CLASSES = {"FileSystemWriter"}  # torch's, named where the route starts
 
 
 def anchors(page: Path) -> set[str]:
@@ -64,3 +66,60 @@ def test_relative_links_reach_a_file_and_heading(page: Path) -> None:
         elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
             broken.append(f"{target}: no heading #{anchor} in {linked.name}")
     assert not broken, f"{page.name}: " + "; ".join(broken)
+
+
+def _definitions() -> tuple[dict[str, set[str]], dict[str, set[str]], str]:
+    """From tierfs/'s source: each class's members (methods and attributes it assigns), each
+    module's top-level names (by module name), and all the source text."""
+    classes: dict[str, set[str]] = {}
+    modules: dict[str, set[str]] = {}
+    texts = []
+    for path in sorted((ROOT / "tierfs").rglob("*.py")):
+        text = path.read_text()
+        texts.append(text)
+        tree = ast.parse(text)
+        names = modules.setdefault(path.stem, set())
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(t.id for t in targets if isinstance(t, ast.Name))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                members = classes.setdefault(node.name, set())
+                for inner in ast.walk(node):
+                    if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        members.add(inner.name)
+                    elif isinstance(inner, ast.Attribute) and isinstance(inner.ctx, ast.Store):
+                        members.add(inner.attr)
+                    elif isinstance(inner, ast.AnnAssign) and isinstance(inner.target, ast.Name):
+                        members.add(inner.target.id)
+    return classes, modules, "\n".join(texts)
+
+
+def test_architecture_names_code_that_exists() -> None:
+    """The route of one commit in doc/ARCHITECTURE.md names real modules, classes and
+    functions, and every module path it lists exists: a rename in the code fails here until
+    the page follows it."""
+    page = (ROOT / "doc" / "ARCHITECTURE.md").read_text()
+    for listed in re.findall(r"^ {4}(tierfs/\S+)", page, re.MULTILINE):
+        assert (ROOT / listed).exists(), f"ARCHITECTURE.md lists {listed}, which does not exist"
+    route = page[page.index("## The route of one commit"):page.index("## Developer notes")]
+    classes, modules, source = _definitions()
+    wrong = []
+    for token in re.findall(r"`([^`\n]+)`", route):
+        if re.fullmatch(r"[\w/]+\.py", token):
+            if not (ROOT / "tierfs" / token).exists():
+                wrong.append(f"{token}: no such module")
+        elif match := re.match(r"([A-Z]\w*)\.(\w+)", token):
+            cls, member = match.groups()
+            if cls not in OUTSIDE_CLASSES and member not in classes.get(cls, set()):
+                wrong.append(f"{token}: no {member} in a class {cls}")
+        elif match := re.fullmatch(r"([a-z_]\w*)\.(\w+)", token):
+            module, name = match.groups()
+            if module in modules and name not in modules[module]:
+                wrong.append(f"{token}: no {name} in {module}.py")
+        elif re.fullmatch(r"_?[a-z]\w*_\w*", token) and not re.search(rf"\b{token}\b", source):
+            wrong.append(f"{token}: not in tierfs/")
+    assert not wrong, "; ".join(wrong)
