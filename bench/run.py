@@ -122,8 +122,8 @@ WARM_DIR = Path("/dev/shm")
 def warm_pages(nbytes: int) -> Iterator[None]:
     """Touch `nbytes` of tmpfs pages, and free them on the way out: what runs next gets memory
     in use a moment ago. This VM returns freed memory to its host, and memory touched for the
-    first time since costs about 3 s per GiB (README "This machine's memory"); without this
-    the same save varied 1.1-2.9 s, by which pages it happened to get."""
+    first time since costs about 3 s per GiB (doc/BENCHMARKS.md, "This machine's memory");
+    without this the same save varied 1.1-2.9 s, by which pages it happened to get."""
     block = b"\xa5" * (64 << 20)
     fd, path = tempfile.mkstemp(prefix="tierfs-bench-warm-", dir=WARM_DIR)
     try:

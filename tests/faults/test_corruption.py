@@ -41,7 +41,7 @@ class Tally:
         self.counts: Counter[str] = Counter()
 
     def write(self, name: str, started: float) -> None:
-        """No wrong bytes, ever; then the counts, for the README's Reliability table."""
+        """No wrong bytes, ever; then the counts, for doc/RELIABILITY.md's table."""
         counts = dict(self.counts)
         assert counts.get("wrong_bytes", 0) == 0
         write_results(name, {

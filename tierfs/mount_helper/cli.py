@@ -85,11 +85,11 @@ def _parser_and_commands() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     for option in MOUNT_OPTIONS:
         flag = "--" + option.name
         if option.kind == "flag":
-            mount.add_argument(flag, action="store_true", default=None, help=option.help)
+            mount.add_argument(flag, action="store_true", default=None,
+                               help=option.argparse_help())
         else:
             mount.add_argument(flag, metavar=option.metavar, default=None,
-                               help=(option.help % {"default": option.default})
-                               .replace("%", "%%"))  # argparse expands % itself
+                               help=option.argparse_help())
     mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     umount = commands.add_parser("umount", help="unmount and stop the daemon")
