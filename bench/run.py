@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierfs.devtools.etcd import Etcd
-from tierfs.devtools.seaweed import SeaweedS3
+from tierfs.demo.etcd import Etcd
+from tierfs.demo.seaweed import SeaweedS3
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import parse_size
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tierfs.devtools.seaweed import SeaweedS3
+from tierfs.demo.seaweed import SeaweedS3
 from tierfs.s3tier.backend import (
     Backend,
     BackendError,

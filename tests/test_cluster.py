@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from tests.conftest import Mount, MountFactory, free_port, run_dcp_ranks, tierfs, wait_until
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
 from tierfs.replication import protocol as proto
 from tierfs.replication.channel import PeerChannel, authenticate
 

@@ -23,7 +23,7 @@ from tests.conftest import (
 )
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_cluster_scale import dcp_metadata
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
 
 pytestmark = pytest.mark.cluster
 

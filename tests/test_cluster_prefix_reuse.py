@@ -32,7 +32,7 @@ from tests.test_cluster import (  # noqa: F401
 from tierfs.cluster.commit_records import CommitRecords
 from tierfs.cluster.etcd import Etcd as EtcdClient
 from tierfs.cluster.etcd import parse_cluster_url
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
 
 pytestmark = pytest.mark.cluster
 

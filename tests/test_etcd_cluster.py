@@ -44,7 +44,7 @@ from tierfs.cluster.etcd import (
     parse_cluster_url,
 )
 from tierfs.cluster.membership import MemberEvent, Membership, NodeIdInUse
-from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.demo.etcd import Etcd as EtcdServer
 from tierfs.replication.cluster_commit import ClusterCommits
 
 pytestmark = pytest.mark.store

@@ -19,7 +19,7 @@ from tierfs import manifest as mf
 from tierfs.cluster import membership as live_members
 from tierfs.cluster.commit_records import FileRecord
 from tierfs.cluster.etcd import Etcd, parse_cluster_url
-from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.demo.etcd import Etcd as EtcdServer
 from tierfs.replication import protocol as proto
 from tierfs.replication.channel import connect
 from tierfs.replication.membership import Membership

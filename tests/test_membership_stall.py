@@ -12,7 +12,7 @@ import trio
 
 from tierfs.cluster.etcd import Etcd, parse_cluster_url
 from tierfs.cluster.membership import Membership
-from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.demo.etcd import Etcd as EtcdServer
 
 pytestmark = pytest.mark.store
 

@@ -1,5 +1,6 @@
 """The package's shape, checked from its source: no import cycles among tierfs's modules (a
-cycle makes the order of imports matter and hides which part depends on which)."""
+cycle makes the order of imports matter and hides which part depends on which), and no
+product module imports the developer tooling (`tierfs.devtools`)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,10 @@ def test_no_import_cycles() -> None:
     graph = module_imports()
     assert "tierfs.mount_helper.cli" in graph and graph["tierfs.mount_helper.cli"]
     assert cycles(graph) == []
+
+
+def test_the_product_never_imports_devtools() -> None:
+    importers = {name for name, imported in module_imports().items()
+                 if not name.startswith("tierfs.devtools")
+                 and any(other.startswith("tierfs.devtools") for other in imported)}
+    assert importers == set()

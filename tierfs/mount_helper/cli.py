@@ -219,7 +219,7 @@ def _run(argv: list[str] | None) -> int:
         if args.command == "verify":
             return _verify(args.path, args.json, not args.no_repair)
         if args.command == "demo":
-            from tierfs.devtools.demo import run_demo  # imports torch: only when asked
+            from tierfs.demo.run import run_demo  # imports torch: only when asked
 
             return run_demo()
     except (UserError, ConfigError, control.ControlError) as exc:
