@@ -1,4 +1,5 @@
-"""Discrete-event simulation of one checkpoint of a large tierfs cluster, and of a node lost.
+"""Discrete-event simulation of one checkpoint of a large tierfs cluster, of a node lost, of a
+DDP restart and of S3 request limits.
 
 It drives the real cluster logic, not a copy of it:
 
@@ -27,6 +28,11 @@ What is modelled (all parameters are command-line options, defaults in `Params`)
   Receivers verify each file (xxh3) at verify_gbps before it counts.
 - S3: uploads start at the commit; the store holds the step after
   max(total / s3_gbps, per node / min(link, s3_node_gbps)) (a fluid bound, not flows).
+
+Two more parts (`--parts`): a data-parallel restart, every node loading the file one node
+wrote, with the chunk sources chosen by the real `tierfs.replication.sources` (`ddp_restore`);
+and S3's request limits per prefix (GET and PUT rates, 503 SlowDown, the real retry policy's
+pause) for the checkpoint's upload and a whole cluster's restore (`s3_transfer`).
 
 Run: `make simulate` (or `python bench/simulate_cluster.py --help`).
 """
