@@ -14,12 +14,16 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Mount, MountFactory, free_port, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
 from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.devtools.etcd import Etcd
+
+pytestmark = pytest.mark.cluster
 
 STEP = "ddp/step_1"
 

@@ -12,6 +12,8 @@ import pytest
 from tierfs.replication import protocol as proto
 from tierfs.replication.sources import FANOUT, ChunkRoutes, RouteBook, holder_order
 
+pytestmark = pytest.mark.core
+
 
 def test_the_holder_sends_each_chunk_once_and_readers_relay_it_to_later_readers() -> None:
     routes = ChunkRoutes("holder")

@@ -10,12 +10,15 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import xxhash
 
 from tests.conftest import MountFactory, tierfs, wait_until
 from tests.faults.s3_proxy import RateLimit, S3Proxy
 from tests.test_crash import save
 from tierfs.devtools.seaweed import SeaweedS3
+
+pytestmark = pytest.mark.faults
 
 STEPS = 3
 FILES = 4  # per step, plus .metadata
