@@ -828,7 +828,7 @@ class ClusterNode:
                     "recording in etcd that the cluster's steps go to a store",
                     retryable=lambda exc: isinstance(exc, EtcdError), policy=CATCH_UP_RETRIES)
 
-    def served(self) -> dict[str, int]:
+    def served(self) -> dict[str, Any]:
         """What this node sent to peers: ranges served (`relayed`: from a file it was
         fetching itself; `routed`: readers sent to another reader instead) and the bytes of
         every frame to each peer (replicas, reads, requests)."""
