@@ -54,7 +54,8 @@ bench-quick: $(STAMP)
 	$(PY) -m pip install -q matplotlib py-spy
 	$(PY) bench/run.py --size 256M --reps 2 --profile --out bench/results-quick
 
-# 2,000 nodes x 8 ranks, a 70B model: one checkpoint and a node lost, simulated (minutes).
+# 2,000 nodes x 8 ranks, a 70B model: one checkpoint, a node lost, every node loading one
+# 20 GB DDP checkpoint, S3 request limits; simulated (minutes).
 simulate: $(STAMP)
 	$(PY) bench/simulate_cluster.py
 

@@ -3,6 +3,7 @@ peer, and the mutual authentication that must succeed before anything else is ac
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import select
@@ -23,6 +24,9 @@ WINDOW = 4  # requests in flight on one connection (pipeline)
 # segment on the trio thread, which serves the mount meanwhile.
 BULK = 1 << 18
 LOW_WATER = 1 << 20
+# Bytes of frames this process sent to each peer, by node id, once it authenticated (one
+# daemon per process): the `tierfs_peer_sent_bytes` metric and `served_to_peers` in status.
+SENT_TO: collections.Counter[str] = collections.Counter()
 _POLL_SLICE_MS = 100  # how soon a blocking receive notices a cancellation
 
 
@@ -92,6 +96,7 @@ class PeerChannel:
                 await self.stream.send_all(header)
                 await self.stream.send_all(payload)
         self._sent += 1
+        self._count_sent(len(header) + len(payload))
 
     async def send_file(self, kind: str, fd: int, offset: int, length: int, /,
                         **fields: Any) -> None:
@@ -107,6 +112,11 @@ class PeerChannel:
             else:
                 await _sendfile(self._socket, fd, offset, length)
         self._sent += 1
+        self._count_sent(len(header) + length)
+
+    def _count_sent(self, nbytes: int) -> None:
+        if self.peer_id != "?":  # the handshake's few bytes are not counted
+            SENT_TO[self.peer_id] += nbytes
 
     async def receive(self, *expected: str, timeout: float | None = None,
                       into: memoryview | None = None) -> proto.Message:
