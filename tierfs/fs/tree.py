@@ -260,6 +260,37 @@ class Tree:
     def data_dir(self, step: StepState) -> str:
         """The path its committed files are relative to (`layout.data_dir`)."""
         return layout.data_dir(step.manifest.path, step.manifest.single_file)
+    def moves_may_settle(self) -> None:
+        """Steps renamed just now committed at their new names: their old names may go."""
+        self._deletes.poke()
+
+    def node_at(self, relpath: str) -> Node | None:
+        """The entry at `relpath`, None if there is none."""
+        node = self.root
+        for part in relpath.split("/"):
+            children = node.children
+            node = children.get(os.fsencode(part)) if children is not None else None
+            if node is None:
+                return None
+        return node
+
+    def reads_from_store(self, path: str) -> bool:
+        """Whether a file renamed here, not in RAM, has its bytes in the store at `path` or
+        below (under its old name)."""
+        for rel, node in self.files_under(self.root):
+            remote = node.remote
+            if remote is not None and remote.in_store:
+                key = layout.object_key(remote.step_path, remote.entry.name)
+                if key != rel and (key == path or key.startswith(path + "/")):
+                    return True
+        return False
+
+    def in_ram_or_store(self, step_node: Node) -> bool:
+        """Whether every file of the step is in RAM or in the store (a renamed step's under
+        its old name): what an upload needs, with copies inside the store."""
+        return all(node.remote is None or node.remote.in_store
+                   for node in self.walk_files(step_node))
+
     def find_dir(self, relpath: str) -> Node:
         """The directory at `relpath` (`""` or `.` is the root); ENOTDIR if it is not one."""
         node = self.root
@@ -832,6 +863,10 @@ class Tree:
                 os.utime(target, ns=times)
         if keeps_seal:
             node.seal = node.seal.restamped(self.stat(node))
+        if node.is_file and size is None and (mode, uid, gid, mtime_ns) != (None,) * 4:
+            # Mode, owner and mtime are committed state: the step commits again, as a
+            # version with new attributes only (no byte goes anywhere again).
+            self._mark_dirty(node)
 
     @staticmethod
     def check_truncatable(node: Node) -> None:
@@ -929,11 +964,15 @@ class Tree:
                 self._single_file_removed(target)
                 if target.remote is None:
                     self._forget_backing_if_last(new_path, target)
-        if not node.is_dir:
-            self._single_file_removed(node)  # a step at its new name (Commits.after_rename)
+        self._record_moves(node, layout.join(self.relpath(new_parent), os.fsdecode(new_name)))
+        if not node.is_dir and node.step is not None:
+            # a step at its new name (Commits.after_rename); the move is recorded
+            self.remove_hidden(node, self.backing(node))
+            node.step = None
         if new_name == LATEST:
             self.keep_own_latest(new_parent)  # `mv -T tmp latest`: a real `latest` from now on
-        os.rename(old_path, new_path)
+        if node.remote is None or node.is_dir:  # a file only in the store has no bytes here
+            os.rename(old_path, new_path)
         if target is not None:
             self._detach(target)
         self._mark_dirty(old_parent)
@@ -947,6 +986,20 @@ class Tree:
         else:
             self._mark_dirty(new_parent)
         return True
+
+    def _record_moves(self, node: Node, new_path: str) -> None:
+        """`node` moves to `new_path`: every committed step at or below it is renamed in every
+        tier (fs.deletes: its old name leaves them once its new one is there). Recorded before
+        the rename, so that no crash lets the old name come back."""
+        old_path = self.relpath(node)
+        for step_node in self.steps(under=node):
+            manifest = step_node.step.manifest
+            if manifest is None:
+                continue
+            at = self.relpath(step_node)
+            moved_to = new_path + at[len(old_path):]
+            self._deletes.record(at, manifest.version, manifest.committed_ns,
+                                 moved_to=moved_to)
 
     def check_rename(self, old_parent: Node, old_name: bytes, new_name: bytes,
                      flags: int) -> Node:
@@ -1037,7 +1090,7 @@ class Tree:
             entries.append(mf.entry_from_stat(rel, node.seal.digest,
                                               os.lstat(self.backing(node))))
         if (old is not None and old.path == step_path and old.step == number
-                and old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries)))):
+                and old.same_entries(entries)):
             step.dirty = False
             step.commit_pending = False
             return old
@@ -1158,7 +1211,7 @@ class Tree:
             self.drop_fetch(node)  # ranges read on demand leave with the step
         if node.remote is None:
             self._unlink_backing(self.backing(node), node)
-            node.remote = RemoteFile(self.data_dir(step), entry)
+            node.remote = RemoteFile(self.data_dir(step), entry, step.persisted)
             node.seal = None
             freed += entry.size
         if entry.name in step.resident:
@@ -1186,7 +1239,7 @@ class Tree:
                         handle.fd = -1
                         handle.backing_ino = 0
                 self._unlink_backing(self.backing(node), node)
-                node.remote = RemoteFile(self.data_dir(step), entry)
+                node.remote = RemoteFile(self.data_dir(step), entry, step.persisted)
                 node.seal = None
                 step.resident.discard(entry.name)
                 self.store.drop_ref(entry.xxh3)
@@ -1203,16 +1256,20 @@ class Tree:
         return gone
 
     def add_remote_files(self, step_node: Node, entries: list[mf.FileEntry],
-                         step_path: str | None = None) -> None:
+                         step_path: str | None = None, *, in_store: bool = False) -> None:
         """Nodes for committed files whose bytes are in another tier (with their directories);
-        `step_path` is the data dir (`layout.data_dir`) if the step's manifest is not yet its."""
+        `step_path` is the data dir (`layout.data_dir`) if the step's manifest is not yet its;
+        `in_store`: the persistent tier holds them."""
         data_dir = step_path or self.data_dir(step_node.step)
         for entry in entries:
             parent, name = self._entry_parent(step_node, entry.name)
             node = parent.children.get(name)
             if node is None:
                 node = self._attach(parent, name, stat.S_IFREG)
-            node.remote = RemoteFile(data_dir, entry)
+            # A file renamed before its new name reached the store: its old name holds it.
+            moved = not in_store and bool(self._deletes.old_keys(
+                layout.object_key(data_dir, entry.name)))
+            node.remote = RemoteFile(data_dir, entry, in_store or moved)
 
     def _entry_parent(self, step_node: Node, relative: str) -> tuple[Node, bytes]:
         """The directory node (made if missing) and the name of a manifest entry."""
@@ -1261,10 +1318,19 @@ class Tree:
 
     def set_persisted(self, step_node: Node, version: int, *, recorded: bool = False) -> None:
         """This version of the step is in the persistent tier (recorded on disk first, unless
-        `write_persist_mark` did already)."""
+        `write_persist_mark` did already). Its files not in RAM are read from there from now
+        on, under its own name (a renamed step's were read from the old name until now)."""
         if not recorded:
             self.write_persist_mark(step_node, version)
-        step_node.step.persisted_version = version
+        step = step_node.step
+        step.persisted_version = version
+        if step.manifest is None or step.manifest.version != version:
+            return
+        data_dir = self.data_dir(step)
+        for rel, node in self.files_under(step_node):
+            entry = step.manifest.entry(rel)
+            if node.remote is not None and entry is not None:
+                node.remote = RemoteFile(data_dir, entry, True)
 
     def write_persist_mark(self, step_node: Node, version: int) -> None:
         self.records.write_persist_mark(self.records_path(step_node), version, "persisted")
@@ -1557,7 +1623,8 @@ class Tree:
             if entry is not None:
                 ino = os.lstat(self.backing(file_node)).st_ino
                 file_node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), ino)
-        self.add_remote_files(node, [e for e in manifest.files if e.name not in resident])
+        self.add_remote_files(node, [e for e in manifest.files if e.name not in resident],
+                              in_store=step.persisted)
 
     # -- status and xattrs -----------------------------------------------------------------
 

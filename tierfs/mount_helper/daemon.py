@@ -304,7 +304,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     links = ClusterLinks(cfg, core.tree, members) if members else None
     backend, new_store = await _persistent_tier(cfg, ready, core.tree,
                                                 links.store_record if links else None)
-    persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
+    persist = PersistentReader(backend, trio.CapacityLimiter(8),
+                               core.deletes.old_keys) if backend else None
     # Peers come first among the read sources: faster than the persistent tier. Each is
     # metered: read-backs are event lines and metrics.
     sources = []
@@ -478,6 +479,7 @@ def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
     def persisted(manifest: mf.StepManifest) -> None:
         tiers.mark_persisted(manifest)
         store_used.set()
+        namespace.deletes.poke()  # a rename's old name may leave the store now
 
     return Uploader(
         backend, lambda digest: str(namespace.store.object_path(digest)),
@@ -487,7 +489,8 @@ def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
                                                                  namespace.tree.file_pattern),
         is_current=tiers.is_current,
         on_persisted=persisted, on_retired=tiers.mark_retired,
-        tracked_step=tiers.tracked_step, events=events,
+        tracked_step=tiers.tracked_step, copy_sources=tiers.copy_sources,
+        events=events,
     )
 
 
@@ -553,7 +556,9 @@ def _delete_worker(namespace: Namespace, uploader: Uploader | None,
             await cluster.sealed.forget(tomb.path, tomb.version, tomb.committed_ns)
 
         cleaners[CLUSTER_RECORDS] = from_etcd
-    return DeleteWorker(namespace.deletes, cleaners)
+    wanted = uploader.wanted if uploader is not None else None
+    return DeleteWorker(namespace.deletes, cleaners,
+                        lambda tomb: namespace.tiers.move_done(tomb, wanted))
 
 
 async def _run_fuse(cancel_scope: trio.CancelScope, namespace: Namespace) -> None:
