@@ -45,6 +45,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
+from tierfs.fs import links as symlinks
 from tierfs.fs.fetch import Fetch, RemoteFile, apply_attributes
 from tierfs.fs.latest_pins import LatestPins
 from tierfs.fs.long_paths import LONG_PATH, anchor_path
@@ -114,6 +115,7 @@ class Tree:
         self.sealing = Sealing(self.backing, spawner)  # seals hashed off the writer's path
         self._unshare_locks: dict[Node, trio.Lock] = {}
         self.fetching: set[Node] = set()  # nodes with a partial fetch (fs.residency)
+        self.links = symlinks.LinkChanges()  # directories whose links the store must learn
         # which committed steps can be read whole now (their state, `latest`)
         self.recoverable = Recoverability(node_id, self.file_peers, liveness)
 
@@ -267,7 +269,7 @@ class Tree:
     def node_at(self, relpath: str) -> Node | None:
         """The entry at `relpath`, None if there is none."""
         node = self.root
-        for part in relpath.split("/"):
+        for part in relpath.split("/") if relpath else ():
             children = node.children
             node = children.get(os.fsencode(part)) if children is not None else None
             if node is None:
@@ -651,7 +653,9 @@ class Tree:
         os.symlink(target, path)
         _chown(path, uid, gid)
         self._mark_dirty(parent)
-        return self._attach(parent, name, stat.S_IFLNK)
+        node = self._attach(parent, name, stat.S_IFLNK)
+        self.links.note(self.relpath(parent))
+        return node
 
     def readlink(self, node: Node, pid: int | None = None) -> bytes:
         """A symbolic link's target; for `latest`, the one process `pid` sees (latest_pins)."""
@@ -823,6 +827,8 @@ class Tree:
         node = self.existing_entry(parent, name)
         if node.is_dir:
             raise FsError(errno.EISDIR)
+        if node.kind == stat.S_IFLNK:
+            self.links.note(self.relpath(parent))
         self._single_file_removed(node)
         if node.remote is None:
             self._unlink_backing(self.backing(node), node)
@@ -955,6 +961,13 @@ class Tree:
             raise FsError(errno.EINVAL)
         old_path = self.backing(node)
         new_path = os.path.join(self.backing(new_parent), new_name)
+        old_rel = self.relpath(node)
+        new_rel = layout.join(self.relpath(new_parent), os.fsdecode(new_name))
+        link_dirs = self._dirs_with_links(node, old_rel)
+        if target is not None and target.kind == stat.S_IFLNK:
+            link_dirs.append(("", self.relpath(new_parent)))
+        for _below, directory in link_dirs:  # their objects in the store go or change
+            self.links.note(directory)
         if target is not None:
             if target.is_dir:
                 if target.step is not None:
@@ -964,7 +977,7 @@ class Tree:
                 self._single_file_removed(target)
                 if target.remote is None:
                     self._forget_backing_if_last(new_path, target)
-        self._record_moves(node, layout.join(self.relpath(new_parent), os.fsdecode(new_name)))
+        self._record_moves(node, new_rel)
         if not node.is_dir and node.step is not None:
             # a step at its new name (Commits.after_rename); the move is recorded
             self.remove_hidden(node, self.backing(node))
@@ -985,7 +998,86 @@ class Tree:
             self._mark_dirty(node)
         else:
             self._mark_dirty(new_parent)
+        for below, _directory in self._dirs_with_links(node, new_rel):
+            self.links.note(layout.join(new_rel, below) if below else
+                            (new_rel if node.is_dir else self.relpath(new_parent)))
         return True
+
+    def _dirs_with_links(self, node: Node, at: str) -> list[tuple[str, str]]:
+        """For a rename of `node` (at `at`): (the path below it, or "", the path) of every
+        directory whose links it moves: the node's own directory if it is a link, else the
+        directories at or below it holding links."""
+        if node.kind == stat.S_IFLNK:
+            return [("", at.rpartition("/")[0])]
+        if not node.is_dir:
+            return []
+        found = []
+        for directory in (node, *self.dirs_under(node)):
+            if any(c.kind == stat.S_IFLNK for c in directory.children.values()):
+                below = self.relpath(directory)[len(at) + 1:] if directory is not node else ""
+                found.append((below, layout.join(at, below) if below else at))
+        return found
+
+    # -- symbolic links as committed state (fs.links) ----------------------------------------
+
+    def links_of(self, directory: str) -> dict[str, str]:
+        """The links of `directory` that the store keeps (fs.links): outside any step, with a
+        relative target inside the mount."""
+        node = self.node_at(directory)
+        if node is None or not node.is_dir or next(self.enclosing_steps(node), None):
+            return {}
+        found = {}
+        for name, child in node.children.items():
+            if child.kind == stat.S_IFLNK and not child.virtual:
+                target = os.fsdecode(os.readlink(self.backing(child)))
+                link = layout.join(directory, os.fsdecode(name))
+                if symlinks.stays_inside(link, target):
+                    found[os.fsdecode(name)] = target
+        return found
+
+    def link_dirs(self) -> list[str]:
+        """Every directory holding a link (what a restart has the store learn again)."""
+        return sorted({self.relpath(node.parent) for node in self._all_links()})
+
+    def ram_only_links(self) -> list[str]:
+        """Links that live in this RAM dir only (status): absolute, out of the mount, or in a
+        step directory."""
+        kept = {layout.join(d, name) for d in self.link_dirs() for name in self.links_of(d)}
+        return sorted(p for p in map(self.relpath, self._all_links()) if p not in kept)
+
+    def _all_links(self) -> Iterator[Node]:
+        stack = [self.root]
+        while stack:
+            for child in stack.pop().children.values():
+                if child.children is not None:
+                    stack.append(child)
+                elif child.kind == stat.S_IFLNK and not child.virtual:
+                    yield child
+
+    def adopt_links(self, directory: str, links: dict[str, str]) -> int:
+        """Make the links the store keeps for `directory` (a fresh RAM dir); an entry of
+        that name here stays. The number made."""
+        parent = self.root
+        for part in map(os.fsencode, directory.split("/") if directory else ()):
+            child = parent.children.get(part)
+            if child is None:
+                os.mkdir(os.path.join(self.backing(parent), part), 0o755)
+                child = self._attach(parent, part, stat.S_IFDIR)
+                number = self.step_number_at(parent, part)
+                if number is not None:
+                    return 0  # a step directory holds no kept links
+            elif not child.is_dir or child.step is not None:
+                return 0
+            parent = child
+        made = 0
+        for name, target in links.items():
+            raw = os.fsencode(name)
+            if raw in parent.children or (raw == LATEST and self.owns_latest(parent)):
+                continue
+            os.symlink(target, os.path.join(self.backing(parent), raw))
+            self._attach(parent, raw, stat.S_IFLNK)
+            made += 1
+        return made
 
     def _record_moves(self, node: Node, new_path: str) -> None:
         """`node` moves to `new_path`: every committed step at or below it is renamed in every
