@@ -370,6 +370,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             nursery.start_soon(_retry_pending_commits, namespace)
             nursery.start_soon(namespace.quiet.run)
             nursery.start_soon(_delete_worker(namespace, uploader, cluster).run)
+            if uploader is not None:
+                nursery.start_soon(_store_links, namespace.tree, uploader)
             nursery.start_soon(_terminate_on_signal)
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers
             log.info("mounted %s (RAM dir %s, limit %d bytes, pid %d)", cfg.mountpoint,
@@ -505,6 +507,14 @@ async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> int:
     added = sum(namespace.tiers.adopt_persisted(m) for m in manifests)
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
+    try:
+        stored_links = await uploader.stored_links()
+    except BackendError as exc:
+        log.warning("could not read the links the persistent tier keeps: %s", exc)
+        stored_links = {}
+    made = sum(namespace.tree.adopt_links(d, links) for d, links in stored_links.items())
+    if made:
+        log.info("made %d symbolic links the persistent tier keeps", made)
     namespace.residency.enforce_keep_ram()
     return len(manifests)
 
@@ -538,6 +548,30 @@ async def _verify_then_send(namespace: Namespace, uploader: Uploader | None,
     if cluster is not None:
         for manifest in namespace.tiers.held_manifests():
             cluster.replicator.submit(manifest)  # copies due since before a restart
+
+
+async def _store_links(tree: Tree, uploader: Uploader) -> None:
+    """The store learns the links of each directory whose links changed (fs.links); every
+    directory holding links once after a start. Retried while the store cannot."""
+    for directory in tree.link_dirs():
+        tree.links.note(directory)
+    failures = 0
+    while True:
+        changed = tree.links.changed
+        for directory in sorted(tree.links.take()):
+            try:
+                await uploader.put_links(directory, tree.links_of(directory))
+                failures = 0
+            except BackendError as exc:
+                failures += 1
+                log.log(POLICY.level(failures), "the links of %s could not be stored yet: %s",
+                        directory or ".", exc)
+                tree.links.dirs.add(directory)  # again after the pause
+        if tree.links.dirs:
+            with trio.move_on_after(POLICY.delay(failures)):
+                await tree.links.changed.wait()
+        else:
+            await changed.wait()
 
 
 def _delete_worker(namespace: Namespace, uploader: Uploader | None,
@@ -1007,4 +1041,5 @@ class Daemon:
             "deletes": ns.deletes.status(),
             "steps": steps,
             "own_latest": ns.tree.own_latest_dirs(),
+            "ram_only_links": ns.tree.ram_only_links(),
         }

@@ -44,6 +44,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
+from tierfs.fs import links as symlinks
 from tierfs.observe import Events
 from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
@@ -432,6 +433,33 @@ class Uploader:
             if self._step_number(parts[depth - 1]) is not None:
                 return "/".join(parts[:depth])
         return None
+
+    # -- symbolic links (fs.links): one small object per directory ------------------------
+
+    async def put_links(self, directory: str, links: dict[str, str]) -> None:
+        """The store keeps these links of `directory` (none: its object goes). Raises
+        BackendError while it cannot."""
+        key = layout.join(directory, symlinks.LINKS_OBJECT)
+        if links:
+            await trio.to_thread.run_sync(self.backend.put_bytes, key, symlinks.encode(links),
+                                          limiter=self._threads)
+        else:
+            await trio.to_thread.run_sync(self.backend.delete, [key], limiter=self._threads)
+
+    async def stored_links(self) -> dict[str, dict[str, str]]:
+        """Directory -> its links, for every directory the store keeps links of."""
+        objects = await trio.to_thread.run_sync(lambda: list(self.backend.list("")))
+        found = {}
+        for obj in objects:
+            directory, _, name = obj.key.rpartition("/")
+            if name != symlinks.LINKS_OBJECT:
+                continue
+            try:
+                data = await trio.to_thread.run_sync(self.backend.get_bytes, obj.key)
+                found[directory] = symlinks.decode(directory, data)
+            except (BackendError, ValueError) as exc:
+                log.error("skipping the links in %s: %s", obj.key, exc)
+        return found
 
     async def retire(self, path: str) -> None:
         """Remove a step from the store: its manifest first, so it is never seen half gone."""
