@@ -1083,6 +1083,8 @@ class Tree:
         """`node` moves to `new_path`: every committed step at or below it is renamed in every
         tier (fs.deletes: its old name leaves them once its new one is there). Recorded before
         the rename, so that no crash lets the old name come back."""
+        if not node.is_dir and node.step is None:
+            return  # a file inside a step: that step commits again
         old_path = self.relpath(node)
         for step_node in self.steps(under=node):
             manifest = step_node.step.manifest
