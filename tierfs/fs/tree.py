@@ -262,6 +262,14 @@ class Tree:
     def data_dir(self, step: StepState) -> str:
         """The path its committed files are relative to (`layout.data_dir`)."""
         return layout.data_dir(step.manifest.path, step.manifest.single_file)
+    def renamed_in_store(self, manifest: mf.StepManifest) -> bool:
+        """Whether the files of this version are in the store under the old names of a rename
+        not finished there (fs.deletes)."""
+        data_dir = layout.data_dir(manifest.path, manifest.single_file)
+        return bool(manifest.files) and all(
+            self._deletes.old_keys(layout.object_key(data_dir, entry.name))
+            for entry in manifest.files)
+
     def moves_may_settle(self) -> None:
         """Steps renamed just now committed at their new names: their old names may go."""
         self._deletes.poke()
