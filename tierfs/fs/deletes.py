@@ -57,16 +57,6 @@ class Tombstone:
     pending: set[str] = field(default_factory=set)  # tiers still to clean
     moved_to: str | None = None  # a rename: where the step's data went
 
-    def moved_key(self, key: str) -> str | None:
-        """For a rename: where the object `key` of the old name went (None: not one of it)."""
-        if self.moved_to is None:
-            return None
-        if key == self.path:
-            return self.moved_to
-        if key.startswith(self.path + "/"):
-            return self.moved_to + key[len(self.path):]
-        return None
-
     def old_key(self, key: str) -> str | None:
         """For a rename: the object of the old name that `key` of the new one was."""
         if self.moved_to is None:

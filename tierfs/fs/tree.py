@@ -1068,14 +1068,13 @@ class Tree:
         parent = self.root
         for part in map(os.fsencode, directory.split("/") if directory else ()):
             child = parent.children.get(part)
+            if child is not None and (not child.is_dir or child.step is not None):
+                return 0  # a step directory holds no kept links
             if child is None:
+                if self.step_number_at(parent, part) is not None:
+                    return 0
                 os.mkdir(os.path.join(self.backing(parent), part), 0o755)
                 child = self._attach(parent, part, stat.S_IFDIR)
-                number = self.step_number_at(parent, part)
-                if number is not None:
-                    return 0  # a step directory holds no kept links
-            elif not child.is_dir or child.step is not None:
-                return 0
             parent = child
         made = 0
         for name, target in links.items():
