@@ -19,6 +19,7 @@ from tests.test_deletes import assert_files, deletes_done, files, listed, save_s
 from tests.test_s3 import persist_args
 from tierfs.devtools.etcd import Etcd
 from tierfs.devtools.seaweed import SeaweedS3
+from tierfs.fs.deletes import PERSIST, Deletes
 
 
 class Store:
@@ -56,6 +57,24 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
                       for o in page.get("Contents", []))
 
     yield Store(persist_args(server, bucket), env, s3_keys)
+
+
+def test_renames_of_renames_find_the_old_objects(tmp_path: Path) -> None:
+    """The record of renames (kept across a restart) says where the bytes of a new name may
+    still be in the store: `mv step_2 step_2.bak`, then `mv run1 run1-old` before either
+    reached it; a single file too. Finished renames name nothing."""
+    deletes = Deletes(tmp_path / "deleted", [PERSIST])
+    deletes.record("run1/step_2", 1, 10, moved_to="run1/step_2.bak")
+    deletes.record("run1/step_2.bak", 2, 20, moved_to="run1-old/step_2.bak")
+    deletes.record("run1/last.ckpt", 1, 30, moved_to="run1-old/last.ckpt")
+    again = Deletes(tmp_path / "deleted")
+    assert again.sources("run1-old/step_2.bak/sub/x") == [
+        ("run1/step_2.bak", "run1/step_2.bak/sub/x"), ("run1/step_2", "run1/step_2/sub/x")]
+    assert again.old_keys("run1-old/last.ckpt") == ["run1/last.ckpt"]
+    assert again.old_keys("run1-old/step_2.bakery/x") == []
+    for tomb in again.pending():
+        again.done(tomb, PERSIST)
+    assert again.old_keys("run1-old/step_2.bak/sub/x") == []
 
 
 def test_renamed_steps_and_run_dirs_never_come_back(mounts: MountFactory,
