@@ -881,6 +881,8 @@ class Tree:
             # Mode, owner and mtime are committed state: the step commits again, as a
             # version with new attributes only (no byte goes anywhere again).
             self._mark_dirty(node)
+            for step_node in self.enclosing_steps(node):
+                step_node.step.attributes_changed = True
 
     @staticmethod
     def check_truncatable(node: Node) -> None:
@@ -1191,7 +1193,9 @@ class Tree:
             entries.append(mf.entry_from_stat(rel, node.seal.digest,
                                               os.lstat(self.backing(node))))
         if (old is not None and old.path == step_path and old.step == number
-                and old.same_entries(entries)):
+                and (old.same_entries(entries) if step.attributes_changed else
+                     old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries))))):
+            step.attributes_changed = False
             step.dirty = False
             step.commit_pending = False
             return old
@@ -1210,6 +1214,7 @@ class Tree:
         self.drop_resident_refs(step)
         step.manifest = manifest
         step.resident = {rel for rel, node in files if node.remote is None}
+        step.attributes_changed = False
         step.dirty = False
         step.commit_pending = False
         return manifest
