@@ -5,6 +5,7 @@ line with what the test checks.
 
     python tests/framework_jobs.py hf OUTPUT_DIR MAX_STEPS [resume]
     python tests/framework_jobs.py lightning DIRPATH MAX_STEPS [CKPT_PATH]
+    python tests/framework_jobs.py lightning-link DIRPATH MAX_STEPS [CKPT_PATH]  (save_last="link")
     python tests/framework_jobs.py deepspeed SAVE_DIR MAX_STEPS PORT [resume]
     python tests/framework_jobs.py save RUN_DIR STEP...       # torch.save + safetensors
     python tests/framework_jobs.py load RUN_DIR STEP...       # torch.load(mmap) + safe_open
@@ -61,10 +62,18 @@ def hf(output_dir: str, max_steps: int, resume: bool) -> dict[str, Any]:
     return {"global_step": trainer.state.global_step, "steps_run": CountSteps.done}
 
 
-def lightning(dirpath: str, max_steps: int, ckpt_path: str | None) -> dict[str, Any]:
-    """A Lightning Trainer whose ModelCheckpoint keeps every checkpoint, resumable."""
+def lightning(dirpath: str, max_steps: int, ckpt_path: str | None,
+              save_last: bool | str | None = None) -> dict[str, Any]:
+    """A Lightning Trainer whose ModelCheckpoint keeps every checkpoint, resumable; the step
+    it started from (`start_step`: 0 unless it resumed)."""
     import lightning as L
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    started: list[int] = []
+
+    class StartStep(Callback):
+        def on_train_start(self, trainer: L.Trainer, *_args: Any) -> None:
+            started.append(trainer.global_step)
 
     class Regression(L.LightningModule):
         def __init__(self) -> None:
@@ -85,10 +94,10 @@ def lightning(dirpath: str, max_steps: int, ckpt_path: str | None) -> dict[str, 
         max_steps=max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, accelerator="cpu", devices=1,
         callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=SAVE_EVERY,
-                                   save_top_k=-1)])
+                                   save_top_k=-1, save_last=save_last), StartStep()])
     trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=4),
                 ckpt_path=ckpt_path)
-    return {"global_step": trainer.global_step}
+    return {"global_step": trainer.global_step, "start_step": started[0]}
 
 
 def deepspeed_job(save_dir: str, max_steps: int, port: str, resume: bool) -> dict[str, Any]:
@@ -191,8 +200,9 @@ def main(argv: list[str]) -> None:
     job, where, *rest = argv
     if job == "hf":
         result = hf(where, int(rest[0]), rest[1:] == ["resume"])
-    elif job == "lightning":
-        result = lightning(where, int(rest[0]), rest[1] if len(rest) > 1 else None)
+    elif job in ("lightning", "lightning-link"):
+        result = lightning(where, int(rest[0]), rest[1] if len(rest) > 1 else None,
+                           "link" if job == "lightning-link" else None)
     elif job == "deepspeed":
         result = deepspeed_job(where, int(rest[0]), rest[1], rest[2:] == ["resume"])
     elif job == "save":

@@ -61,6 +61,30 @@ def test_put_get_list_delete(backend: Backend, tmp_path: Path) -> None:
         backend.get_bytes("run/step_1/big.bin")
 
 
+def test_copy_inside_the_store(backend: Backend, tmp_path: Path) -> None:
+    """A rename in the store: the bytes are copied by the store itself, also an object larger
+    than one copy request (S3: UploadPartCopy; here with small copy requests)."""
+    small, big = b"small", os.urandom(11 << 20)
+    backend.put_bytes("run/step_1/a", small)
+    source = tmp_path / "big.src"
+    source.write_bytes(big)
+    backend.put_file("run/step_1/sub/big", source)
+    if hasattr(backend, "copy_whole_max"):
+        # S3's least part is 5 MiB
+        backend.copy_whole_max, backend.copy_part_size = 5 << 20, 5 << 20  # type: ignore[attr-defined]
+    backend.copy("run/step_1/a", "run-old/step_1/a")
+    backend.copy("run/step_1/sub/big", "run-old/step_1/sub/big")
+    backend.delete(["run/step_1/a", "run/step_1/sub/big"])
+    assert backend.get_bytes("run-old/step_1/a") == small
+    assert backend.get_bytes("run-old/step_1/sub/big") == big
+    assert list(backend.list("run/")) == []
+    backend.put_bytes("run-old/step_1/a", b"replaced")  # the copy is an object of its own
+    backend.copy("run-old/step_1/a", "run-old/step_1/b")
+    assert backend.get_bytes("run-old/step_1/b") == b"replaced"
+    with pytest.raises(NotFound):
+        backend.copy("run/step_1/a", "x/y")
+
+
 def test_names_up_to_name_max(backend: Backend) -> None:
     """A file under the mount may have a 255-byte name; storing it must not need a longer one."""
     key = "run/step_1/" + "n" * 255

@@ -142,6 +142,36 @@ def test_lightning_checkpoints_and_resume(mounts: MountFactory, tmp_path: Path) 
     wait_committed(fresh, "run", [*ckpts, "run/epoch=0-step=6.ckpt"])
 
 
+@needs("lightning")
+def test_lightning_last_link_comes_back_on_a_fresh_node(mounts: MountFactory,
+                                                        tmp_path: Path) -> None:
+    """`ModelCheckpoint(save_last="link")` makes `last.ckpt` a relative symbolic link to the
+    newest checkpoint: part of the run directory's committed state, so that `fit(ckpt_path=
+    "last")` on a fresh node resumes (it trained from step 0 when the link was lost). A link
+    out of the mount stays in this node's RAM dir only, and status says so."""
+    store = tmp_path / "store"
+    store.mkdir()
+    node = store_node(mounts, store)
+    assert run_job(tmp_path, "lightning-link", str(node / "run"), "4")["global_step"] == 4
+    assert os.readlink(node / "run/last.ckpt") == "epoch=0-step=4.ckpt"
+    os.symlink("/etc/hostname", node / "run/outside")
+    wait_until(lambda: (store / "run/.tierfs-links").exists(), timeout=15)
+    assert node.status()["ram_only_links"] == ["run/outside"]
+    tierfs("flush", str(node.mountpoint), "--timeout", "60")
+    tierfs("umount", str(node.mountpoint))
+
+    fresh = store_node(mounts, store)
+    assert os.readlink(fresh / "run/last.ckpt") == "epoch=0-step=4.ckpt"
+    assert not os.path.lexists(fresh / "run/outside")
+    resumed = run_job(tmp_path, "lightning-link", str(fresh / "run"), "6", "last")
+    assert resumed == {"global_step": 6, "start_step": 4}
+    # (named last-v1.ckpt: the resumed state names the first node's last.ckpt, another path)
+    links = {p.name: os.readlink(p) for p in (fresh / "run").glob("last*.ckpt")}
+    assert "epoch=0-step=6.ckpt" in links.values(), links
+    wait_until(lambda: b"epoch=0-step=6.ckpt" in (store / "run/.tierfs-links").read_bytes(),
+               timeout=15)
+
+
 @needs("deepspeed")
 def test_deepspeed_save_and_resume_on_a_fresh_node(mounts: MountFactory, tmp_path: Path) -> None:
     """DeepSpeed's real engine (CPU, gloo, ZeRO stage 1): its `latest` file comes after its

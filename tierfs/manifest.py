@@ -82,6 +82,13 @@ class StepManifest:
     def entry(self, name: str) -> FileEntry | None:
         return self._by_name.get(name)
 
+    def same_entries(self, entries: Iterable[FileEntry]) -> bool:
+        """Whether `entries` are this version's files with the same bytes and the same mode,
+        owner and mtime (a change of attributes alone is a new version too)."""
+        key = lambda files: sorted((f.name, f.size, f.xxh3, f.mode, f.uid, f.gid,  # noqa: E731
+                                    f.mtime_ns) for f in files)
+        return key(self.files) == key(entries)
+
     def same_content(self, other: StepManifest) -> bool:
         key = lambda m: sorted((f.name, f.size, f.xxh3) for f in m.files)  # noqa: E731
         return key(self) == key(other)

@@ -10,6 +10,7 @@ PERSISTED = PREFIX + "persisted"  # "<version> persisted|retired": the persisten
 REPLICAS = PREFIX + "replicas"    # "<version> <node id>...": peers that hold this version
 PEERS = PREFIX + "peers"          # "<version> <node id>...": a step learned from peers
 FILE_RECORDS = PREFIX + "file-"  # + a file's name: the records of that single-file step
+LINKS = PREFIX + "links"          # in the persistent tier: a directory's symbolic links
 OWN_LATEST = PREFIX + "own-latest"  # in a directory: its `latest` is its own, never virtual
 TMP = PREFIX + "tmp-"             # a file on its way into place (removed at start)
 PART = PREFIX + "part-"           # a file being fetched from another tier

@@ -190,7 +190,7 @@ class Commits:
                                    waiting: Waiting) -> None:
         """Bring back the files held only by other tiers, and seal the unsealed ones."""
         for rel, node in files:
-            if node.remote is not None and rel not in elsewhere:
+            if node.remote is not None and rel not in elsewhere and not node.remote.in_store:
                 waiting.what = OTHER_TIERS
                 await self.residency.make_resident(node, empty=False)
             if node.seal is None and node.remote is None:
@@ -241,8 +241,8 @@ class Commits:
         """A file can go into the manifest: held by other nodes, or sealed, with a private
         copy of exactly the sealed bytes if a handle could still write into it (or an object
         of those bytes already)."""
-        if node.remote is not None:
-            return rel in elsewhere
+        if node.remote is not None:  # named as it is: its bytes stay where they are
+            return rel in elsewhere or node.remote.in_store
         if node.seal is None:
             return False
         if node in cut_to:
@@ -370,6 +370,7 @@ class Commits:
         else:
             await self._commit_file_step(node)  # `mv x.tmp epoch=0-step=5.ckpt`
         await self.run_pending_commits(old_parent)
+        self.tree.moves_may_settle()
 
     async def _renamed_dir(self, node: Node) -> None:
         """A directory renamed onto a step name commits it (the `mv tmp step_N` idiom); one
@@ -409,7 +410,7 @@ class Commits:
         tree = self.tree
         wanted = tree.single_file_step(node.parent, node.name)
         if wanted is None and node.step is not None:
-            if node.remote is not None:
+            if node.remote is not None and not node.remote.in_store:
                 await self.residency.make_resident(node, empty=False)
             tree.stop_being_single_file(node)
         elif wanted is not None and (node.step is None or (
@@ -422,6 +423,6 @@ class Commits:
     async def _demote(self, node: Node) -> None:
         """A committed directory that stops being a step keeps its files, not its manifest."""
         for _rel, child in list(self.tree.files_under(node)):
-            if child.remote is not None:
+            if child.remote is not None and not child.remote.in_store:
                 await self.residency.make_resident(child, empty=False)
         self.tree.stop_being_step(node)

@@ -13,6 +13,13 @@ cleaned once more. A step saved again at that path after the delete is a new com
 covered.
 Tombstones stay once their work is done, so that a node back from a long absence cannot bring
 the step back either; they are a few hundred bytes each.
+
+A rename is a delete of the old name whose data moved (`moved_to`: the step's new path; its
+object keys `<old>/<name>` are now `<new>/<name>`, a single file's key is its path). Until
+the new name is in the store the old objects are its bytes there: the uploader copies them
+inside the store (`Backend.copy`) instead of sending them, the reader falls back to them, and
+the old name leaves the store only once nothing waits for it any more (`may_clean`). A crash
+in between leaves the tombstone pending, so the old name still goes after the restart.
 """
 
 from __future__ import annotations
@@ -48,6 +55,17 @@ class Tombstone:
     version: int
     committed_ns: int
     pending: set[str] = field(default_factory=set)  # tiers still to clean
+    moved_to: str | None = None  # a rename: where the step's data went
+
+    def old_key(self, key: str) -> str | None:
+        """For a rename: the object of the old name that `key` of the new one was."""
+        if self.moved_to is None:
+            return None
+        if key == self.moved_to:
+            return self.path
+        if key.startswith(self.moved_to + "/"):
+            return self.path + key[len(self.moved_to):]
+        return None
 
     def covers(self, manifest: mf.StepManifest) -> bool:
         return manifest.path == self.path and manifest.committed_ns <= self.committed_ns
@@ -55,13 +73,16 @@ class Tombstone:
     def encode(self) -> bytes:
         return json.dumps({"path": self.path, "version": self.version,
                            "committed_ns": self.committed_ns,
-                           "pending": sorted(self.pending)}).encode()
+                           "pending": sorted(self.pending),
+                           **({"moved_to": self.moved_to} if self.moved_to else {})}).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> Tombstone:
         raw = json.loads(data)
+        moved_to = raw.get("moved_to")
         return cls(mf.check_relative_path(raw["path"]), int(raw["version"]),
-                   int(raw["committed_ns"]), {str(t) for t in raw["pending"]})
+                   int(raw["committed_ns"]), {str(t) for t in raw["pending"]},
+                   None if moved_to is None else mf.check_relative_path(moved_to))
 
 
 class Deletes:
@@ -90,14 +111,16 @@ class Deletes:
         return tomb is not None and tomb.covers(manifest)
 
     def record(self, path: str, version: int, committed_ns: int,
-               targets: list[str] | None = None) -> None:
-        """A committed step at `path` was deleted: remember it (on disk before this returns)
-        and have `targets` (by default every tier this node knows) cleaned."""
+               targets: list[str] | None = None, *, moved_to: str | None = None) -> None:
+        """A committed step at `path` was deleted (or renamed: `moved_to`): remember it (on
+        disk before this returns) and have `targets` (by default every tier this node knows)
+        cleaned."""
         tomb = self._tombs.get(path)
         if tomb is None:
             tomb = self._tombs[path] = Tombstone(path, version, committed_ns)
-        elif committed_ns > tomb.committed_ns:
-            tomb.version, tomb.committed_ns = version, committed_ns
+            tomb.moved_to = moved_to
+        elif committed_ns > tomb.committed_ns:  # a later version at the same path
+            tomb.version, tomb.committed_ns, tomb.moved_to = version, committed_ns, moved_to
         tomb.pending |= set(self.targets if targets is None else targets)
         self._save(tomb)
         log.info("deleted %s v%d; removing it from %s", path, version,
@@ -122,6 +145,34 @@ class Deletes:
     def pending(self) -> list[Tombstone]:
         return [t for t in self._tombs.values() if t.pending]
 
+    def moves_into(self, key: str) -> list[Tombstone]:
+        """Renames not finished in the store whose data went to `key` (newest first)."""
+        found = [t for t in self._tombs.values()
+                 if PERSIST in t.pending and t.old_key(key) is not None]
+        return sorted(found, key=lambda t: -t.committed_ns)
+
+    def sources(self, key: str, depth: int = 8) -> list[tuple[str, str]]:
+        """Where the bytes of `key`, a key renamed before its new name reached the store, may
+        still be: (the old step's path, its object), through renames of renames."""
+        found: list[tuple[str, str]] = []
+        level = [key]
+        for _ in range(depth):
+            step = [(t.path, old) for k in level for t in self.moves_into(k)
+                    if (old := t.old_key(k)) is not None and old not in level]
+            if not step:
+                break
+            found.extend(step)
+            level = [old for _path, old in step]
+        return found
+
+    def old_keys(self, key: str) -> list[str]:
+        return [old for _path, old in self.sources(key)]
+
+    def poke(self) -> None:
+        """Something a pending rename waits for happened (its new name reached the store)."""
+        self.changed.set()
+        self.changed = trio.Event()
+
     def status(self) -> dict[str, int]:
         return {"recorded": len(self._tombs), "pending": len(self.pending())}
 
@@ -143,9 +194,11 @@ class DeleteWorker:
     """Cleans the tiers that tombstones name, until none is left; `cleaners` maps a target's
     kind (`persist`, `peer`) to what removes a step there (raises while it cannot)."""
 
-    def __init__(self, deletes: Deletes, cleaners: dict[str, Cleaner]) -> None:
+    def __init__(self, deletes: Deletes, cleaners: dict[str, Cleaner],
+                 may_clean: Callable[[Tombstone], bool] = lambda _tomb: True) -> None:
         self.deletes = deletes
         self.cleaners = cleaners
+        self.may_clean = may_clean  # a rename's old name waits for its new one
 
     async def run(self) -> None:
         delay = FIRST_RETRY
@@ -164,6 +217,9 @@ class DeleteWorker:
         """One pass over every pending tier of every tombstone; whether work is left."""
         left = False
         for tomb in self.deletes.pending():
+            if tomb.moved_to is not None and not self.may_clean(tomb):
+                left = True  # poked (Deletes.poke) when the new name is there
+                continue
             for target in sorted(tomb.pending):
                 kind, _, where = target.partition(":")
                 cleaner = self.cleaners.get(kind)

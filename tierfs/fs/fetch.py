@@ -128,10 +128,13 @@ class FetchError(Exception):
 
 @dataclass(frozen=True)
 class RemoteFile:
-    """Where a non-resident file's bytes live: the committed step's path and its entry."""
+    """Where a non-resident file's bytes live: the committed step's path and its entry;
+    `in_store`: the persistent tier holds them there (a commit may name them as they are, a
+    rename moves them in the store without fetching them)."""
 
     step_path: str
     entry: mf.FileEntry
+    in_store: bool = False
 
 
 async def fetch_chunk(sources: list[ReadSource], remote: RemoteFile, index: int,

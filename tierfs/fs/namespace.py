@@ -166,7 +166,7 @@ class Namespace:
     async def rename(self, old_parent: Node, old_name: bytes, new_parent: Node,
                      new_name: bytes, flags: int) -> None:
         node = self.tree.check_rename(old_parent, old_name, new_name, flags)
-        if node.remote is not None:
+        if node.remote is not None and not node.remote.in_store:  # the store renames its own
             await self.residency.make_resident(node, empty=False)
         if self.tree.rename(node, old_parent, old_name, new_parent, new_name, flags):
             await self.commits.after_rename(node, old_parent)

@@ -104,6 +104,9 @@ class StepState:
         self.lock = trio.Lock()
         self.persisted_version = 0
         self.retired_version = 0
+        # chmod, chown or utime of a file since the last commit: a version of new attributes
+        # (a file written again with the same bytes is no new version, whatever its mtime)
+        self.attributes_changed = False
         # Manifest entries whose committed object is in RAM (and counted in the store's refs).
         self.resident: set[str] = {f.name for f in manifest.files} if manifest else set()
         self.replicas: set[str] = set()  # peers that acknowledged this version

@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 import trio
 
+from tierfs import layout, trackers
 from tierfs import manifest as mf
-from tierfs import trackers
 from tierfs.fs import dcp_metadata
-from tierfs.fs.deletes import PERSIST, Deletes, peer_target
+from tierfs.fs.deletes import PERSIST, Deletes, Tombstone, peer_target
 from tierfs.fs.nodes import METADATA, FsError, Node, StepState, some_names
 from tierfs.fs.ports import SealedCollector, Spawner
 from tierfs.fs.residency import Residency
@@ -84,11 +84,13 @@ class OtherTiers:
         return node is not None and node.step.manifest is manifest
 
     def committed_manifests(self) -> list[mf.StepManifest]:
-        """Committed steps in RAM whose version has not reached the persistent tier."""
+        """Committed steps in RAM (or renamed, with files the store holds under their old
+        names) whose version has not reached the persistent tier."""
         found = []
         for node in self.tree.steps():
             step = node.step
-            if step.committed and not step.persisted and step.in_ram and \
+            if step.committed and not step.persisted and \
+                    (step.in_ram or self.tree.in_ram_or_store(node)) and \
                     step.manifest.node_id == self.node_id and \
                     step.retired_version != step.manifest.version:
                 found.append(step.manifest)
@@ -99,6 +101,42 @@ class OtherTiers:
         if node is not None and node.step.manifest is manifest:
             self.tree.set_persisted(node, manifest.version)
             self.residency.enforce_keep_ram()
+
+    def move_done(self, tomb: Tombstone,
+                  wanted: Callable[[mf.StepManifest], bool] | None) -> bool:
+        """Whether a renamed step's old name may leave the tiers: every step at its new name
+        is committed there and, with a store, in the store if due there; a rename of the new
+        name that its own new name still reads through this one comes first."""
+        assert tomb.moved_to is not None
+        new = tomb.moved_to
+        if any(other.moved_to is not None and other is not tomb
+               and (other.path == new or other.path.startswith(new + "/"))
+               for other in self.deletes.pending()):
+            return False
+        if self.tree.reads_from_store(tomb.path):
+            return False  # a file not in RAM here still has its bytes under the old name
+        node = self.tree.node_at(new)
+        for step_node in self.tree.steps(under=node) if node is not None else ():
+            step = step_node.step
+            if not step.committed or step.manifest.path != self.tree.relpath(step_node):
+                return False
+            if wanted is not None and not step.persisted and wanted(step.manifest) and \
+                    step.retired_version != step.manifest.version:
+                return False
+        return True
+
+    def copy_sources(self, key: str) -> list[tuple[str, str]]:
+        """Objects in the store that may hold the bytes of the object `key` of a step being
+        uploaded, as (a step path whose manifest says so, the object): the old names of a
+        file not in RAM here, then those of renames not finished in the store."""
+        found = []
+        node = self.tree.node_at(key)
+        remote = node.remote if node is not None else None
+        if remote is not None and remote.in_store:
+            old = layout.object_key(remote.step_path, remote.entry.name)
+            if old != key:  # a step directory's file, or a single-file step
+                found += [(remote.step_path, old), (old, old)]
+        return found + self.deletes.sources(key)
 
     def in_store(self, relpath: str) -> bool:
         """Whether the persistent tier holds the step's committed version."""

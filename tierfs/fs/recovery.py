@@ -107,7 +107,7 @@ class Recovery:
             held_elsewhere = (
                 self.records.persist_mark(dirpath) == (manifest.version, "persisted")
                 or self.records.read_node_list(dirpath, PEERS_MARK, manifest.version)
-                is not None)
+                is not None or self.tree.renamed_in_store(manifest))
             data = os.path.dirname(dirpath) if single is not None else dirpath
             try:
                 resident = self._restore_step(data, manifest, held_elsewhere, dirpath)

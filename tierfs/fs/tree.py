@@ -45,6 +45,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
+from tierfs.fs import links as symlinks
 from tierfs.fs.fetch import Fetch, RemoteFile, apply_attributes
 from tierfs.fs.latest_pins import LatestPins
 from tierfs.fs.long_paths import LONG_PATH, anchor_path
@@ -114,6 +115,7 @@ class Tree:
         self.sealing = Sealing(self.backing, spawner)  # seals hashed off the writer's path
         self._unshare_locks: dict[Node, trio.Lock] = {}
         self.fetching: set[Node] = set()  # nodes with a partial fetch (fs.residency)
+        self.links = symlinks.LinkChanges()  # directories whose links the store must learn
         # which committed steps can be read whole now (their state, `latest`)
         self.recoverable = Recoverability(node_id, self.file_peers, liveness)
 
@@ -260,6 +262,45 @@ class Tree:
     def data_dir(self, step: StepState) -> str:
         """The path its committed files are relative to (`layout.data_dir`)."""
         return layout.data_dir(step.manifest.path, step.manifest.single_file)
+    def renamed_in_store(self, manifest: mf.StepManifest) -> bool:
+        """Whether the files of this version are in the store under the old names of a rename
+        not finished there (fs.deletes)."""
+        data_dir = layout.data_dir(manifest.path, manifest.single_file)
+        return bool(manifest.files) and all(
+            self._deletes.old_keys(layout.object_key(data_dir, entry.name))
+            for entry in manifest.files)
+
+    def moves_may_settle(self) -> None:
+        """Steps renamed just now committed at their new names: their old names may go."""
+        self._deletes.poke()
+
+    def node_at(self, relpath: str) -> Node | None:
+        """The entry at `relpath`, None if there is none."""
+        node = self.root
+        for part in relpath.split("/") if relpath else ():
+            children = node.children
+            node = children.get(os.fsencode(part)) if children is not None else None
+            if node is None:
+                return None
+        return node
+
+    def reads_from_store(self, path: str) -> bool:
+        """Whether a file renamed here, not in RAM, has its bytes in the store at `path` or
+        below (under its old name)."""
+        for rel, node in self.files_under(self.root):
+            remote = node.remote
+            if remote is not None and remote.in_store:
+                key = layout.object_key(remote.step_path, remote.entry.name)
+                if key != rel and (key == path or key.startswith(path + "/")):
+                    return True
+        return False
+
+    def in_ram_or_store(self, step_node: Node) -> bool:
+        """Whether every file of the step is in RAM or in the store (a renamed step's under
+        its old name): what an upload needs, with copies inside the store."""
+        return all(node.remote is None or node.remote.in_store
+                   for node in self.walk_files(step_node))
+
     def find_dir(self, relpath: str) -> Node:
         """The directory at `relpath` (`""` or `.` is the root); ENOTDIR if it is not one."""
         node = self.root
@@ -620,7 +661,9 @@ class Tree:
         os.symlink(target, path)
         _chown(path, uid, gid)
         self._mark_dirty(parent)
-        return self._attach(parent, name, stat.S_IFLNK)
+        node = self._attach(parent, name, stat.S_IFLNK)
+        self.links.note(self.relpath(parent))
+        return node
 
     def readlink(self, node: Node, pid: int | None = None) -> bytes:
         """A symbolic link's target; for `latest`, the one process `pid` sees (latest_pins)."""
@@ -792,6 +835,8 @@ class Tree:
         node = self.existing_entry(parent, name)
         if node.is_dir:
             raise FsError(errno.EISDIR)
+        if node.kind == stat.S_IFLNK:
+            self.links.note(self.relpath(parent))
         self._single_file_removed(node)
         if node.remote is None:
             self._unlink_backing(self.backing(node), node)
@@ -832,6 +877,12 @@ class Tree:
                 os.utime(target, ns=times)
         if keeps_seal:
             node.seal = node.seal.restamped(self.stat(node))
+        if node.is_file and size is None and (mode, uid, gid, mtime_ns) != (None,) * 4:
+            # Mode, owner and mtime are committed state: the step commits again, as a
+            # version with new attributes only (no byte goes anywhere again).
+            self._mark_dirty(node)
+            for step_node in self.enclosing_steps(node):
+                step_node.step.attributes_changed = True
 
     @staticmethod
     def check_truncatable(node: Node) -> None:
@@ -920,6 +971,13 @@ class Tree:
             raise FsError(errno.EINVAL)
         old_path = self.backing(node)
         new_path = os.path.join(self.backing(new_parent), new_name)
+        old_rel = self.relpath(node)
+        new_rel = layout.join(self.relpath(new_parent), os.fsdecode(new_name))
+        link_dirs = self._dirs_with_links(node, old_rel)
+        if target is not None and target.kind == stat.S_IFLNK:
+            link_dirs.append(("", self.relpath(new_parent)))
+        for _below, directory in link_dirs:  # their objects in the store go or change
+            self.links.note(directory)
         if target is not None:
             if target.is_dir:
                 if target.step is not None:
@@ -929,11 +987,15 @@ class Tree:
                 self._single_file_removed(target)
                 if target.remote is None:
                     self._forget_backing_if_last(new_path, target)
-        if not node.is_dir:
-            self._single_file_removed(node)  # a step at its new name (Commits.after_rename)
+        self._record_moves(node, new_rel)
+        if not node.is_dir and node.step is not None:
+            # a step at its new name (Commits.after_rename); the move is recorded
+            self.remove_hidden(node, self.backing(node))
+            node.step = None
         if new_name == LATEST:
             self.keep_own_latest(new_parent)  # `mv -T tmp latest`: a real `latest` from now on
-        os.rename(old_path, new_path)
+        if node.remote is None or node.is_dir:  # a file only in the store has no bytes here
+            os.rename(old_path, new_path)
         if target is not None:
             self._detach(target)
         self._mark_dirty(old_parent)
@@ -946,7 +1008,101 @@ class Tree:
             self._mark_dirty(node)
         else:
             self._mark_dirty(new_parent)
+        for below, _directory in self._dirs_with_links(node, new_rel):
+            self.links.note(layout.join(new_rel, below) if below else
+                            (new_rel if node.is_dir else self.relpath(new_parent)))
         return True
+
+    def _dirs_with_links(self, node: Node, at: str) -> list[tuple[str, str]]:
+        """For a rename of `node` (at `at`): (the path below it, or "", the path) of every
+        directory whose links it moves: the node's own directory if it is a link, else the
+        directories at or below it holding links."""
+        if node.kind == stat.S_IFLNK:
+            return [("", at.rpartition("/")[0])]
+        if not node.is_dir:
+            return []
+        found = []
+        for directory in (node, *self.dirs_under(node)):
+            if any(c.kind == stat.S_IFLNK for c in directory.children.values()):
+                below = self.relpath(directory)[len(at) + 1:] if directory is not node else ""
+                found.append((below, layout.join(at, below) if below else at))
+        return found
+
+    # -- symbolic links as committed state (fs.links) ----------------------------------------
+
+    def links_of(self, directory: str) -> dict[str, str]:
+        """The links of `directory` that the store keeps (fs.links): outside any step, with a
+        relative target inside the mount."""
+        node = self.node_at(directory)
+        if node is None or not node.is_dir or next(self.enclosing_steps(node), None):
+            return {}
+        found = {}
+        for name, child in node.children.items():
+            if child.kind == stat.S_IFLNK and not child.virtual:
+                target = os.fsdecode(os.readlink(self.backing(child)))
+                link = layout.join(directory, os.fsdecode(name))
+                if symlinks.stays_inside(link, target):
+                    found[os.fsdecode(name)] = target
+        return found
+
+    def link_dirs(self) -> list[str]:
+        """Every directory holding a link (what a restart has the store learn again)."""
+        return sorted({self.relpath(node.parent) for node in self._all_links()})
+
+    def ram_only_links(self) -> list[str]:
+        """Links that live in this RAM dir only (status): absolute, out of the mount, or in a
+        step directory."""
+        kept = {layout.join(d, name) for d in self.link_dirs() for name in self.links_of(d)}
+        return sorted(p for p in map(self.relpath, self._all_links()) if p not in kept)
+
+    def _all_links(self) -> Iterator[Node]:
+        stack = [self.root]
+        while stack:
+            for child in stack.pop().children.values():
+                if child.children is not None:
+                    stack.append(child)
+                elif child.kind == stat.S_IFLNK and not child.virtual:
+                    yield child
+
+    def adopt_links(self, directory: str, links: dict[str, str]) -> int:
+        """Make the links the store keeps for `directory` (a fresh RAM dir); an entry of
+        that name here stays. The number made."""
+        parent = self.root
+        for part in map(os.fsencode, directory.split("/") if directory else ()):
+            child = parent.children.get(part)
+            if child is not None and (not child.is_dir or child.step is not None):
+                return 0  # a step directory holds no kept links
+            if child is None:
+                if self.step_number_at(parent, part) is not None:
+                    return 0
+                os.mkdir(os.path.join(self.backing(parent), part), 0o755)
+                child = self._attach(parent, part, stat.S_IFDIR)
+            parent = child
+        made = 0
+        for name, target in links.items():
+            raw = os.fsencode(name)
+            if raw in parent.children or (raw == LATEST and self.owns_latest(parent)):
+                continue
+            os.symlink(target, os.path.join(self.backing(parent), raw))
+            self._attach(parent, raw, stat.S_IFLNK)
+            made += 1
+        return made
+
+    def _record_moves(self, node: Node, new_path: str) -> None:
+        """`node` moves to `new_path`: every committed step at or below it is renamed in every
+        tier (fs.deletes: its old name leaves them once its new one is there). Recorded before
+        the rename, so that no crash lets the old name come back."""
+        if not node.is_dir and node.step is None:
+            return  # a file inside a step: that step commits again
+        old_path = self.relpath(node)
+        for step_node in self.steps(under=node):
+            manifest = step_node.step.manifest
+            if manifest is None:
+                continue
+            at = self.relpath(step_node)
+            moved_to = new_path + at[len(old_path):]
+            self._deletes.record(at, manifest.version, manifest.committed_ns,
+                                 moved_to=moved_to)
 
     def check_rename(self, old_parent: Node, old_name: bytes, new_name: bytes,
                      flags: int) -> Node:
@@ -1037,7 +1193,9 @@ class Tree:
             entries.append(mf.entry_from_stat(rel, node.seal.digest,
                                               os.lstat(self.backing(node))))
         if (old is not None and old.path == step_path and old.step == number
-                and old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries)))):
+                and (old.same_entries(entries) if step.attributes_changed else
+                     old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries))))):
+            step.attributes_changed = False
             step.dirty = False
             step.commit_pending = False
             return old
@@ -1056,6 +1214,7 @@ class Tree:
         self.drop_resident_refs(step)
         step.manifest = manifest
         step.resident = {rel for rel, node in files if node.remote is None}
+        step.attributes_changed = False
         step.dirty = False
         step.commit_pending = False
         return manifest
@@ -1158,7 +1317,7 @@ class Tree:
             self.drop_fetch(node)  # ranges read on demand leave with the step
         if node.remote is None:
             self._unlink_backing(self.backing(node), node)
-            node.remote = RemoteFile(self.data_dir(step), entry)
+            node.remote = RemoteFile(self.data_dir(step), entry, step.persisted)
             node.seal = None
             freed += entry.size
         if entry.name in step.resident:
@@ -1186,7 +1345,7 @@ class Tree:
                         handle.fd = -1
                         handle.backing_ino = 0
                 self._unlink_backing(self.backing(node), node)
-                node.remote = RemoteFile(self.data_dir(step), entry)
+                node.remote = RemoteFile(self.data_dir(step), entry, step.persisted)
                 node.seal = None
                 step.resident.discard(entry.name)
                 self.store.drop_ref(entry.xxh3)
@@ -1203,16 +1362,20 @@ class Tree:
         return gone
 
     def add_remote_files(self, step_node: Node, entries: list[mf.FileEntry],
-                         step_path: str | None = None) -> None:
+                         step_path: str | None = None, *, in_store: bool = False) -> None:
         """Nodes for committed files whose bytes are in another tier (with their directories);
-        `step_path` is the data dir (`layout.data_dir`) if the step's manifest is not yet its."""
+        `step_path` is the data dir (`layout.data_dir`) if the step's manifest is not yet its;
+        `in_store`: the persistent tier holds them."""
         data_dir = step_path or self.data_dir(step_node.step)
         for entry in entries:
             parent, name = self._entry_parent(step_node, entry.name)
             node = parent.children.get(name)
             if node is None:
                 node = self._attach(parent, name, stat.S_IFREG)
-            node.remote = RemoteFile(data_dir, entry)
+            # A file renamed before its new name reached the store: its old name holds it.
+            moved = not in_store and bool(self._deletes.old_keys(
+                layout.object_key(data_dir, entry.name)))
+            node.remote = RemoteFile(data_dir, entry, in_store or moved)
 
     def _entry_parent(self, step_node: Node, relative: str) -> tuple[Node, bytes]:
         """The directory node (made if missing) and the name of a manifest entry."""
@@ -1261,10 +1424,19 @@ class Tree:
 
     def set_persisted(self, step_node: Node, version: int, *, recorded: bool = False) -> None:
         """This version of the step is in the persistent tier (recorded on disk first, unless
-        `write_persist_mark` did already)."""
+        `write_persist_mark` did already). Its files not in RAM are read from there from now
+        on, under its own name (a renamed step's were read from the old name until now)."""
         if not recorded:
             self.write_persist_mark(step_node, version)
-        step_node.step.persisted_version = version
+        step = step_node.step
+        step.persisted_version = version
+        if step.manifest is None or step.manifest.version != version:
+            return
+        data_dir = self.data_dir(step)
+        for rel, node in self.files_under(step_node):
+            entry = step.manifest.entry(rel)
+            if node.remote is not None and entry is not None:
+                node.remote = RemoteFile(data_dir, entry, True)
 
     def write_persist_mark(self, step_node: Node, version: int) -> None:
         self.records.write_persist_mark(self.records_path(step_node), version, "persisted")
@@ -1557,7 +1729,8 @@ class Tree:
             if entry is not None:
                 ino = os.lstat(self.backing(file_node)).st_ino
                 file_node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), ino)
-        self.add_remote_files(node, [e for e in manifest.files if e.name not in resident])
+        self.add_remote_files(node, [e for e in manifest.files if e.name not in resident],
+                              in_store=step.persisted)
 
     # -- status and xattrs -----------------------------------------------------------------
 

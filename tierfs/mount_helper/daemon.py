@@ -305,7 +305,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     links = ClusterLinks(cfg, core.tree, members) if members else None
     backend, new_store = await _persistent_tier(cfg, ready, core.tree,
                                                 links.store_record if links else None)
-    persist = PersistentReader(backend, trio.CapacityLimiter(8)) if backend else None
+    persist = PersistentReader(backend, trio.CapacityLimiter(8),
+                               core.deletes.old_keys) if backend else None
     # Peers come first among the read sources: faster than the persistent tier. Each is
     # metered: read-backs are event lines and metrics.
     sources = []
@@ -370,6 +371,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             nursery.start_soon(_retry_pending_commits, namespace)
             nursery.start_soon(namespace.quiet.run)
             nursery.start_soon(_delete_worker(namespace, uploader, cluster).run)
+            if uploader is not None:
+                nursery.start_soon(_store_links, namespace.tree, uploader)
             nursery.start_soon(_terminate_on_signal)
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers
             log.info("mounted %s (RAM dir %s, limit %d bytes, pid %d)", cfg.mountpoint,
@@ -479,6 +482,7 @@ def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
     def persisted(manifest: mf.StepManifest) -> None:
         tiers.mark_persisted(manifest)
         store_used.set()
+        namespace.deletes.poke()  # a rename's old name may leave the store now
 
     return Uploader(
         backend, lambda digest: str(namespace.store.object_path(digest)),
@@ -488,7 +492,8 @@ def _uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
                                                                  namespace.tree.file_pattern),
         is_current=tiers.is_current,
         on_persisted=persisted, on_retired=tiers.mark_retired,
-        tracked_step=tiers.tracked_step, events=events,
+        tracked_step=tiers.tracked_step, copy_sources=tiers.copy_sources,
+        events=events,
     )
 
 
@@ -503,6 +508,14 @@ async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> int:
     added = sum(namespace.tiers.adopt_persisted(m) for m in manifests)
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
+    try:
+        stored_links = await uploader.stored_links()
+    except BackendError as exc:
+        log.warning("could not read the links the persistent tier keeps: %s", exc)
+        stored_links = {}
+    made = sum(namespace.tree.adopt_links(d, links) for d, links in stored_links.items())
+    if made:
+        log.info("made %d symbolic links the persistent tier keeps", made)
     namespace.residency.enforce_keep_ram()
     return len(manifests)
 
@@ -538,6 +551,30 @@ async def _verify_then_send(namespace: Namespace, uploader: Uploader | None,
             cluster.replicator.submit(manifest)  # copies due since before a restart
 
 
+async def _store_links(tree: Tree, uploader: Uploader) -> None:
+    """The store learns the links of each directory whose links changed (fs.links); every
+    directory holding links once after a start. Retried while the store cannot."""
+    for directory in tree.link_dirs():
+        tree.links.note(directory)
+    failures = 0
+    while True:
+        changed = tree.links.changed
+        for directory in sorted(tree.links.take()):
+            try:
+                await uploader.put_links(directory, tree.links_of(directory))
+                failures = 0
+            except BackendError as exc:
+                failures += 1
+                log.log(POLICY.level(failures), "the links of %s could not be stored yet: %s",
+                        directory or ".", exc)
+                tree.links.dirs.add(directory)  # again after the pause
+        if tree.links.dirs:
+            with trio.move_on_after(POLICY.delay(failures)):
+                await tree.links.changed.wait()
+        else:
+            await changed.wait()
+
+
 def _delete_worker(namespace: Namespace, uploader: Uploader | None,
                    cluster: ClusterNode | None) -> DeleteWorker:
     """Deleted steps leave the persistent tier and the peers (retried until they have)."""
@@ -554,7 +591,9 @@ def _delete_worker(namespace: Namespace, uploader: Uploader | None,
             await cluster.sealed.forget(tomb.path, tomb.version, tomb.committed_ns)
 
         cleaners[CLUSTER_RECORDS] = from_etcd
-    return DeleteWorker(namespace.deletes, cleaners)
+    wanted = uploader.wanted if uploader is not None else None
+    return DeleteWorker(namespace.deletes, cleaners,
+                        lambda tomb: namespace.tiers.move_done(tomb, wanted))
 
 
 async def _run_fuse(cancel_scope: trio.CancelScope, namespace: Namespace) -> None:
@@ -1011,4 +1050,5 @@ class Daemon:
             "deletes": ns.deletes.status(),
             "steps": steps,
             "own_latest": ns.tree.own_latest_dirs(),
+            "ram_only_links": ns.tree.ram_only_links(),
         }

@@ -177,6 +177,29 @@ class FileBackend(Backend):
     def put_bytes(self, key: str, data: bytes) -> None:
         self._write_atomically(key, lambda f: f.write(data))
 
+    def copy(self, source: str, key: str) -> None:
+        """A hard link: objects are never written in place (every write is a rename), so the
+        two names may share an inode."""
+        origin, target = self._path(source), self._path(key)
+        self._require_store()
+        tmp = None
+        try:
+            self._make_dirs(target.parent)
+            tmp = target.parent / f"{self.TMP_PREFIX}{os.getpid()}-{next(self._unique)}"
+            os.link(origin, tmp)
+            os.rename(tmp, target)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            self._require_store()
+            if not origin.is_file():
+                raise NotFound(source) from None
+            raise BackendError(f"{target}: {exc.strerror}", temporary=False) from exc
+        except OSError as exc:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            self._require_store()
+            raise BackendError(f"{target}: {exc.strerror}", temporary=False) from exc
+
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         try:
             with open(self._path(key), "rb") as f:

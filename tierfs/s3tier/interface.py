@@ -113,6 +113,13 @@ class Backend(ABC):
         raise NotImplementedError
 
     @abstractmethod
+    def copy(self, source: str, key: str) -> None:
+        """Store the bytes of the object `source` under `key` too, inside the store (S3
+        CopyObject, UploadPartCopy for objects beyond one copy request; file:// a hard link):
+        a rename in the store moves no byte through this node. NotFound if `source` is not
+        there."""
+
+    @abstractmethod
     def get_range(self, key: str, offset: int, length: int) -> bytes: ...
 
     @abstractmethod

@@ -4,6 +4,7 @@ fails the read (EIO) instead of hanging the reader."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -24,16 +25,25 @@ READS = POLICY.limited(READ_ATTEMPTS)  # a reader waits: fail it (EIO) rather th
 class PersistentReader:
     name = "persist"
 
-    def __init__(self, backend: Backend, limiter: trio.CapacityLimiter) -> None:
+    def __init__(self, backend: Backend, limiter: trio.CapacityLimiter,
+                 old_keys: Callable[[str], list[str]] = lambda _key: []) -> None:
         self.backend = backend
         self._limiter = limiter
+        self._old_keys = old_keys  # a renamed file's old names, until its new one is stored
 
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
                          length: int) -> bytes:
         """`step_path`: the directory the entry is relative to (`layout.data_dir`)."""
         key = layout.object_key(step_path, entry.name)
-        return await self._attempts(f"read of {key} [{offset}, +{length})",
-                                    self.backend.get_range, key, offset, length)
+        try:
+            return await self._attempts(f"read of {key} [{offset}, +{length})",
+                                        self.backend.get_range, key, offset, length)
+        except NotFound:
+            for old in self._old_keys(key):  # the fetch checks the bytes against the entry
+                with contextlib.suppress(NotFound):
+                    return await self._attempts(f"read of {old} [{offset}, +{length})",
+                                                self.backend.get_range, old, offset, length)
+            raise
 
     async def _attempts(self, what: str, func: Callable[..., T], *args: object) -> T:
         """`func(*args)` in a worker thread, retried by the one policy, a few times at most."""

@@ -30,6 +30,8 @@ from tierfs.s3tier.interface import Backend, BackendError, NotFound, ObjectInfo,
 T = TypeVar("T")
 
 PART_SIZE = 16 << 20
+COPY_WHOLE_MAX = 5 << 30  # S3's limit of one CopyObject; larger objects copy in parts
+COPY_PART_SIZE = 1 << 30
 PARALLEL_PARTS = 4
 UPLOAD_NICE = 10  # added to the daemon's nice value for the upload threads
 
@@ -81,6 +83,7 @@ class S3Backend(Backend):
         self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint,
                                                       config=config)
         self.part_size = PART_SIZE
+        self.copy_whole_max, self.copy_part_size = COPY_WHOLE_MAX, COPY_PART_SIZE
         self._threads: _UploadThreads | None = None  # made at first use: after a daemon forks
         self._threads_lock = threading.Lock()
 
@@ -171,6 +174,35 @@ class S3Backend(Backend):
     def put_bytes(self, key: str, data: bytes) -> None:
         with self._errors(key):
             self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def copy(self, source: str, key: str) -> None:
+        origin = {"Bucket": self.bucket, "Key": self._key(source)}
+        with self._errors(source):
+            size = int(self._client.head_object(**origin)["ContentLength"])
+        if size <= self.copy_whole_max:
+            with self._errors(f"copy of {source} to {key}"):
+                self._client.copy_object(Bucket=self.bucket, Key=self._key(key),
+                                         CopySource=origin)
+            return
+        with self._errors(key):  # no checksum asked for: the parts are copies, not sent
+            upload_id = str(self._client.create_multipart_upload(
+                Bucket=self.bucket, Key=self._key(key))["UploadId"])
+        try:
+            receipts = []
+            for number, offset in enumerate(range(0, size, self.copy_part_size), 1):
+                last = min(size, offset + self.copy_part_size) - 1
+                with self._errors(f"copy of {source} to {key} part {number}"):
+                    reply = self._client.upload_part_copy(
+                        Bucket=self.bucket, Key=self._key(key), UploadId=upload_id,
+                        PartNumber=number, CopySource=origin,
+                        CopySourceRange=f"bytes={offset}-{last}")
+                receipts.append({"ETag": reply["CopyPartResult"]["ETag"],
+                                 "PartNumber": number})
+            self.finish_parts(key, upload_id, receipts)
+        except BaseException:
+            with contextlib.suppress(BackendError):
+                self.abandon_parts(key, upload_id)
+            raise
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         if length == 0:

@@ -22,6 +22,12 @@ version naming a step not there yet waits (and goes up right after that step), o
 step `--persist-every` never selects is not due at all, and the store keeps the version it
 has meanwhile, so a fresh node never reads a tracker that points past the store.
 
+Bytes the store holds already never travel again: a file whose object is there with the same
+content (a version that changed only modes, owners or mtimes) is not sent, and then the old
+manifest is simply replaced; a file renamed under the mount whose old name the store still holds
+(`copy_sources`, from `fs.deletes`) is copied inside the store (`Backend.copy`), after the old
+name's manifest, read under that name's lock, says the object holds those bytes.
+
 A deleted step is removed the same way round (`delete_step`: manifest first, then data), never
 at the same time as an upload of the same path, so that a late upload cannot bring it back.
 """
@@ -38,6 +44,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
+from tierfs.fs import links as symlinks
 from tierfs.observe import Events
 from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
@@ -77,6 +84,7 @@ class Uploader:
         on_persisted: Callable[[mf.StepManifest], None],
         on_retired: Callable[[str], None],
         tracked_step: Callable[[mf.StepManifest], TrackedStep | None] = lambda _m: None,
+        copy_sources: Callable[[str], list[tuple[str, str]]] = lambda _key: [],
         events: Events | None = None,
     ) -> None:
         self.backend = backend
@@ -90,6 +98,9 @@ class Uploader:
         self._on_persisted = on_persisted
         self._on_retired = on_retired
         self._tracked_step = tracked_step
+        self._copy_sources = copy_sources  # key -> (old step path, old key) of renames
+        self.bytes_sent = 0  # file bytes sent to the store (not those it copied itself)
+        self.bytes_copied = 0  # file bytes the store copied inside itself (renames)
         self.queue = StepQueue()
         self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
@@ -235,12 +246,17 @@ class Uploader:
         prefix = manifest.path
         manifest_key = layout.manifest_key(prefix, manifest.single_file)
         data_dir = layout.data_dir(prefix, manifest.single_file)
-        await self._call(f"removing old manifest of {prefix}", manifest, self.backend.delete,
-                         [manifest_key])
-
+        stored = await self._call(f"read of {manifest_key}", manifest, self._stored_entries,
+                                  prefix, manifest.single_file)
+        changed = [entry for entry in manifest.files
+                   if stored.get(entry.name) != (entry.size, entry.xxh3)]
+        if changed:  # objects are replaced: the old version is never seen half replaced
+            await self._call(f"removing old manifest of {prefix}", manifest,
+                             self.backend.delete, [manifest_key])
+        checked: dict[str, dict[str, tuple[int, str]]] = {}  # what renames' sources hold
         async with trio.open_nursery() as nursery:
-            for entry in manifest.files:
-                nursery.start_soon(self._upload_file, manifest, data_dir, entry)
+            for entry in changed:
+                nursery.start_soon(self._upload_file, manifest, data_dir, entry, checked)
         if not self._is_current(manifest):  # deleted or re-saved meanwhile: never list it
             raise NoLongerWanted(prefix)
         await self._call(f"upload of {manifest_key}", manifest,
@@ -255,13 +271,53 @@ class Uploader:
             await self._apply_retention(prefix.rpartition("/")[0])
 
     async def _upload_file(self, manifest: mf.StepManifest, data_dir: str,
-                           entry: mf.FileEntry) -> None:
+                           entry: mf.FileEntry,
+                           checked: dict[str, dict[str, tuple[int, str]]]) -> None:
         async def call(what: str, func, *args) -> object:  # type: ignore[no-untyped-def]
             return await self._call(what, manifest, func, *args)
 
-        await send_file(self.backend, layout.object_key(data_dir, entry.name),
-                        self._object_path(entry.xxh3), entry.size, call, self._threads,
-                        still_wanted=lambda: self._is_current(manifest))
+        key = layout.object_key(data_dir, entry.name)
+        for old_path, old_key in self._copy_sources(key):
+            if old_path != manifest.path and await self._copy(manifest, old_path, old_key, key,
+                                                              entry, checked):
+                self.bytes_copied += entry.size
+                return
+        await send_file(self.backend, key, self._object_path(entry.xxh3), entry.size, call,
+                        self._threads, still_wanted=lambda: self._is_current(manifest))
+        self.bytes_sent += entry.size
+
+    async def _copy(self, manifest: mf.StepManifest, old_path: str, old_key: str, key: str,
+                    entry: mf.FileEntry, checked: dict[str, dict[str, tuple[int, str]]]
+                    ) -> bool:
+        """Copy `old_key`, the object of a renamed file, to `key` inside the store if the old
+        name's manifest there says it holds `entry`'s bytes; whether it did. Under the old
+        name's lock: no upload or delete of that name changes the object meanwhile."""
+        single_file = old_key == old_path
+        name = old_key.rpartition("/")[2] if single_file else old_key[len(old_path) + 1:]
+        async with self._lock(old_path):
+            if old_path not in checked:
+                checked[old_path] = await self._call(
+                    f"read of the manifest of {old_path}", manifest, self._stored_entries,
+                    old_path, single_file)
+            if checked[old_path].get(name) != (entry.size, entry.xxh3):
+                return False
+            try:
+                await self._call(f"copy of {old_key} to {key}", manifest, self.backend.copy,
+                                 old_key, key)
+            except NotFound:
+                return False
+        return True
+
+    def _stored_entries(self, path: str, single_file: bool) -> dict[str, tuple[int, str]]:
+        """Name -> (size, xxh3) of the files of the version of `path` in the store (blocking;
+        empty if none or unreadable)."""
+        try:
+            stored = mf.decode(self.backend.get_bytes(layout.manifest_key(path, single_file)))
+        except (NotFound, mf.ManifestError):
+            return {}
+        if stored.path != path:
+            return {}
+        return {f.name: (f.size, f.xxh3) for f in stored.files}
 
     def _remove_stale(self, manifest: mf.StepManifest) -> None:
         """Objects under the step that its new version does not name (a re-save with other
@@ -377,6 +433,33 @@ class Uploader:
             if self._step_number(parts[depth - 1]) is not None:
                 return "/".join(parts[:depth])
         return None
+
+    # -- symbolic links (fs.links): one small object per directory ------------------------
+
+    async def put_links(self, directory: str, links: dict[str, str]) -> None:
+        """The store keeps these links of `directory` (none: its object goes). Raises
+        BackendError while it cannot."""
+        key = layout.join(directory, symlinks.LINKS_OBJECT)
+        if links:
+            await trio.to_thread.run_sync(self.backend.put_bytes, key, symlinks.encode(links),
+                                          limiter=self._threads)
+        else:
+            await trio.to_thread.run_sync(self.backend.delete, [key], limiter=self._threads)
+
+    async def stored_links(self) -> dict[str, dict[str, str]]:
+        """Directory -> its links, for every directory the store keeps links of."""
+        objects = await trio.to_thread.run_sync(lambda: list(self.backend.list("")))
+        found = {}
+        for obj in objects:
+            directory, _, name = obj.key.rpartition("/")
+            if name != symlinks.LINKS_OBJECT:
+                continue
+            try:
+                data = await trio.to_thread.run_sync(self.backend.get_bytes, obj.key)
+                found[directory] = symlinks.decode(directory, data)
+            except (BackendError, ValueError) as exc:
+                log.error("skipping the links in %s: %s", obj.key, exc)
+        return found
 
     async def retire(self, path: str) -> None:
         """Remove a step from the store: its manifest first, so it is never seen half gone."""
