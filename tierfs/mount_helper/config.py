@@ -42,8 +42,10 @@ MOUNT_OPTIONS = [
            "to be RAM (default %(default)s)", "path", "DIR"),
     Option("ram-limit", "50%", "bytes (64G, 512M) or percent of memory (50%%) the RAM tier may "
            "hold (default %(default)s)", "size", "SIZE"),
-    Option("keep-ram", 3, "committed steps kept in RAM per run directory; older ones leave RAM "
-           "only once safe in another tier (default %(default)s)", "int", "N"),
+    Option("keep-ram", 3, "committed steps kept in RAM per run directory; a copy of an older "
+           "one leaves RAM only once the persistent tier holds it, or K+1 other live nodes "
+           "do: without --persist a cluster keeps its K+1 copies of every file in RAM "
+           "(default %(default)s)", "int", "N"),
     Option("persist", None, "persistent tier: s3://bucket/prefix or file:///abs/path "
            "(default: none, RAM only)", metavar="URL"),
     Option("persist-every", 1, "persist every N-th step, by step number (default %(default)s)",
