@@ -195,7 +195,8 @@ class Replicator:
                         error or ("not all held there" if len(held) < len(names)
                                   else "etcd did not record the copies"))
             return False
-        self._events.replicated(manifest, target, time.monotonic() - started)
+        sent = sum(entry.size for name in names if (entry := manifest.entry(name)) is not None)
+        self._events.replicated(manifest, target, sent, time.monotonic() - started)
         return True
 
     async def _send_file(self, channel, step_path: str,  # type: ignore[no-untyped-def]
