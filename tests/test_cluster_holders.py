@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -138,6 +139,50 @@ def test_a_node_back_with_an_empty_ram_dir_is_no_holder_and_its_copies_are_resto
         _check_step_bytes(cluster3.nodes[node_id], step, expected)
     wait_until(lambda: node0.step(step)["copies"] == 2, timeout=10)
 
+
+
+def test_status_of_a_step_is_the_same_on_every_node(cluster3: Cluster) -> None:  # noqa: F811
+    """A DCP step written on node0 (rank 0, `.metadata`) and node1 (rank 1), K = 1: once its
+    copies are made, `tierfs status` of the step says the same on every node, the one that
+    holds none of it too: `copies`, `holders` and TIERS come from the records of its files
+    (before, each node judged from what it held: copies and TIERS differed, `-` on some);
+    none warns that the step is only in its RAM; each writer's replication line gives the
+    bytes it sent (its own shard), not the step's size."""
+    import json
+
+    from tests.conftest import tierfs
+    from tierfs.observe import human_size
+
+    for node_id in cluster3.ports:
+        wait_until(lambda n=node_id: all(cluster3.peers_up(n).values()), timeout=15)
+    nodes = [cluster3.nodes[f"node{i}"] for i in range(3)]
+    step = "run/step_1"
+    run_dcp_ranks([nodes[0] / step, nodes[1] / step], timeout=240)
+    every = set(cluster3.ports)
+    wait_until(lambda: _copies_everywhere(cluster3, step, every, 2), timeout=30)
+    records = _file_records(cluster3, step)
+    holders = sorted({h for r in records.values() for h in r.holders})
+
+    def seen(node: Any) -> tuple[Any, ...]:
+        status = json.loads(tierfs("status", str(node.mountpoint), "--json").stdout)
+        [entry] = [s for s in status["steps"] if s["path"] == step]
+        text = tierfs("status", str(node.mountpoint)).stdout
+        [row] = [line.split() for line in text.splitlines() if line.startswith(step + " ")]
+        assert "only in this node's RAM" not in text, text
+        return entry["copies"], entry["holders"], entry["tiers"], row[:6] + row[7:]
+
+    wait_until(lambda: all(seen(node)[0] == 2 for node in nodes), timeout=10)
+    views = [seen(node) for node in nodes]
+    assert views[0] == views[1] == views[2], views
+    assert views[0][1] == holders and views[0][0] == 2
+    assert views[0][2].startswith("peer:node0")
+    for writer in ("node0", "node1"):
+        sent = sum(r.size for r in records.values() if r.node == writer)
+        total = sum(r.size for r in records.values())
+        assert sent < total
+        line = f"Step {step}: replicated to "
+        logged = [text for text in cluster3.nodes[writer].log().splitlines() if line in text]
+        assert logged and all(f"({human_size(sent)}, " in text for text in logged), logged
 
 
 def test_a_copy_stays_in_ram_while_etcd_cannot_record_that_it_leaves(
