@@ -82,6 +82,12 @@ MOUNT_OPTIONS = [
            "step (the close or rename of DCP's .metadata) waits for etcd, in all; then it fails "
            "with ETIMEDOUT (the save raises), and the step stays writing and commits by itself "
            "once etcd answers (default %(default)s)", "float", "SECONDS"),
+    Option("sync-replicas", False, "with --cluster: the saver's call that commits a step (the "
+           "close or rename of DCP's .metadata) returns only once every file of the step has "
+           "K+1 verified copies on live nodes (as many as there are live nodes, if fewer), "
+           "waiting at most --commit-timeout more, then failing with ETIMEDOUT (the step stays "
+           "committed; its copies go on); default: it returns at the commit, and the copies "
+           "follow within seconds (the window between save and copies)", "flag"),
     Option("no-passthrough", False, "route file data through the daemon even where the kernel "
            "could pass reads and writes straight to the RAM store (slower; for comparison)",
            "flag"),
@@ -139,6 +145,7 @@ class MountConfig:
     allow_non_empty: bool = False
     commit_idle: float = 5.0
     commit_timeout: float = 20.0
+    sync_replicas: bool = False
     allow_other: bool = False
     root_uid: int | None = None
     root_gid: int | None = None
@@ -324,6 +331,8 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         1 if cluster else 0)
     if replicas and cluster is None:
         raise ConfigError(f"--replicas {replicas} needs --cluster")
+    if values["sync_replicas"] and cluster is None:
+        raise ConfigError("--sync-replicas needs --cluster")
     token = read_token(values["token_file"]) if values["token_file"] else None
     if cluster and token is None:
         if not values["insecure"]:
@@ -358,6 +367,7 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         allow_non_empty=bool(values["allow_non_empty"]),
         commit_idle=_seconds(values, "commit_idle"),
         commit_timeout=_seconds(values, "commit_timeout"),
+        sync_replicas=bool(values["sync_replicas"]),
         allow_other=bool(values["allow_other"]),
         metrics=parse_address(values["metrics"], "--metrics") if values["metrics"] else None,
         **_root_directory(values),

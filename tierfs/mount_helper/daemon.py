@@ -318,7 +318,9 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
                           replicas=cfg.replicas, events=events,
-                          commit_timeout=cfg.commit_timeout)
+                          commit_timeout=cfg.commit_timeout,
+                          copies_wait=links.wait_for_copies if links and cfg.sync_replicas
+                          else None)
     verifier = namespace.verifier
     verifier.collect_unverified()
     store_used = trio.Event()  # this node persisted a step, or found the store holding some
@@ -601,6 +603,16 @@ class ClusterLinks:
         self.verify = PeerVerify(self.membership, self.sealed.placements)
         self.delete = PeerDelete(self.membership)
         self.store_record = StoreRecord(self.etcd, cfg.cluster)
+        self.node_id = cfg.node_id
+        self.replicas = cfg.replicas
+
+    async def wait_for_copies(self, manifest: mf.StepManifest, deadline: float) -> None:
+        """--sync-replicas (`fs.ports.CopiesWait`): every file of the committed version has
+        K + 1 verified copies on live nodes, or as many as there are live nodes."""
+        want = min(self.replicas + 1, len(self.live.ring))
+        await self.sealed.wait_for_copies(
+            manifest, want, lambda node: node == self.node_id or self.live.is_up(node),
+            deadline)
 
     async def _file_holders(self, data_dir: str, name: str) -> list[str]:
         """Who holds a file now, from its record in etcd (the holders known here failed):

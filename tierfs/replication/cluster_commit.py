@@ -239,6 +239,26 @@ class ClusterCommits:
                 and self.node_id not in r.holders
                 and sum(1 for holder in r.holders if live(holder)) >= need}
 
+    async def wait_for_copies(self, manifest: mf.StepManifest, copies: int,
+                              live: Callable[[str], bool], deadline: float) -> None:
+        """Until every file of `manifest` has `copies` holders that are `live` in its record
+        (of this content), followed as `CommitRecords.wait_for_files` does; by `deadline`
+        (trio time), else `CoordinationUnavailable` naming how many files are short."""
+        digests = {entry.xxh3 for entry in manifest.files}
+
+        def enough(record: FileRecord) -> bool:
+            return record.xxh3 in digests and sum(map(live, record.holders)) >= copies
+
+        try:
+            await self.records.wait_for_files(manifest.path, [e.name for e in manifest.files],
+                                              deadline, enough)
+        except CommitTimeout as exc:
+            raise CoordinationUnavailable(
+                f"{len(exc.missing)} files have fewer than {copies} verified copies on live "
+                f"nodes") from None
+        except EtcdError as exc:
+            raise CoordinationUnavailable(str(exc)) from None
+
     async def drop_copies(self, manifest: mf.StepManifest, names: list[str]) -> None:
         """This node's copies of these files of `manifest` are gone (found bad and
         quarantined): the records stop counting it as their holder, not as one that left, and
