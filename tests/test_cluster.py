@@ -536,3 +536,46 @@ def test_a_store_away_in_a_cluster(mounts: MountFactory, token_file: Path, etcd_
             f"persisted steps to file://{store} (node node0 first): is the store's volume "
             "mounted on this node?") in refused.stderr
     assert list(store.iterdir()) == []
+
+
+def test_sync_replicas_returns_once_the_copies_are_made(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
+    """--sync-replicas, K = 1 on two nodes: node1 hangs for a second while node0 saves; the
+    save returns only once node1 holds a verified copy of every file (the records say so the
+    moment it returns: by default it returns at the commit, before). node1 hangs past
+    --commit-timeout: the save fails with ETIMEDOUT, the step stays committed, and its copy
+    is made once node1 is back."""
+    import errno
+    import threading
+
+    from tests.test_crash import save
+
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all("--sync-replicas", "--commit-timeout", "4")
+    files = {"__0_0.distcp": os.urandom(4 << 20), ".metadata": b"m"}
+    os.kill(node1.pid, signal.SIGSTOP)
+    wake = threading.Timer(1.0, os.kill, (node1.pid, signal.SIGCONT))
+    wake.start()
+    try:
+        started = time.monotonic()
+        save(node0 / "run/step_1", files)
+        took = time.monotonic() - started
+    finally:
+        wake.join()
+        os.kill(node1.pid, signal.SIGCONT)
+    records = _file_records(cluster, "run/step_1")
+    assert set(records) == set(files)
+    assert all(r.holders == ("node0", "node1") for r in records.values()), records
+    assert took >= 1.0 and "every file has its copies" in node0.log()
+
+    os.kill(node1.pid, signal.SIGSTOP)  # past --commit-timeout (and its lease)
+    try:
+        with pytest.raises(OSError) as failed:
+            save(node0 / "run/step_2", files)
+        assert failed.value.errno == errno.ETIMEDOUT
+        assert node0.step("run/step_2")["state"] == "committed"
+    finally:
+        os.kill(node1.pid, signal.SIGCONT)
+    assert "(--sync-replicas)" in node0.log()
+    wait_until(lambda: _copies_everywhere(cluster, "run/step_2", set(cluster.ports), 2),
+               timeout=30)
