@@ -14,6 +14,7 @@ the daemon reads for a status (briefly: a status polled in a loop does not read 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -97,7 +98,10 @@ def _numbered_key(node: str) -> tuple[str, int, str]:
 # The records of a step are read again for `tierfs status` at most this often: a status polled
 # in a loop costs etcd one read of each step per second, not one per call.
 RECORDS_FRESH = 1.0
-RECORDS_PATIENCE = 2.0  # seconds a status waits for etcd before it shows this node's view
+RECORDS_PATIENCE = 1.0  # seconds a status waits for etcd before it shows this node's view
+# After etcd did not answer a status in time, the statuses of this many seconds do not ask it
+# (a status polled during an etcd outage answers at once, from this node's view).
+RECORDS_PAUSE = 5.0
 
 # (manifest) -> {file name: its holders, from the cluster's records}, None if unknown
 ReadHolders = Callable[[mf.StepManifest], Awaitable[dict[str, set[str]] | None]]
@@ -110,6 +114,7 @@ class RecordedHolders:
     def __init__(self, read: ReadHolders) -> None:
         self._read = read
         self._cache: dict[tuple[str, int], tuple[float, dict[str, set[str]]]] = {}
+        self._paused_until = -math.inf  # trio time: etcd did not answer the last status
 
     async def of(self, manifests: list[mf.StepManifest]) -> dict[str, dict[str, set[str]]]:
         """{step path: {file name: holders}} for those of `manifests` whose records could be
@@ -117,7 +122,9 @@ class RecordedHolders:
         now = trio.current_time()
         wanted = {(m.path, m.version): m for m in manifests}
         self._cache = {key: value for key, value in self._cache.items() if key in wanted}
-        with trio.move_on_after(RECORDS_PATIENCE):
+        if now < self._paused_until:
+            wanted = {}
+        with trio.move_on_after(RECORDS_PATIENCE) as patience:
             for key, manifest in wanted.items():
                 cached = self._cache.get(key)
                 if cached is not None and now - cached[0] < RECORDS_FRESH:
@@ -125,4 +132,6 @@ class RecordedHolders:
                 files = await self._read(manifest)
                 if files is not None:
                     self._cache[key] = (trio.current_time(), files)
+        if patience.cancelled_caught:
+            self._paused_until = trio.current_time() + RECORDS_PAUSE
         return {path: files for (path, _version), (_at, files) in self._cache.items()}

@@ -29,9 +29,8 @@ from tierfs.cluster import membership as live_members
 from tierfs.cluster.commit_records import CommitRecords
 from tierfs.cluster.etcd import Etcd, EtcdError
 from tierfs.cluster.store_record import StoreRecord, StoreUse
-from tierfs.fs import holders
 from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
-from tierfs.fs.holders import RecordedHolders
+from tierfs.fs.holders import RecordedHolders, spread
 from tierfs.fs.namespace import Core, Namespace
 from tierfs.fs.nodes import FsError, Node, StepState
 from tierfs.fs.operations import Operations
@@ -1027,12 +1026,12 @@ class Daemon:
                         | ({me} if e.name in step.resident else set())
                         for e in step.manifest.files}
         is_up = self.cluster.membership.is_up
-        spread = holders.spread(recorded, lambda peer: peer == me or is_up(peer))
+        held = spread(recorded, lambda peer: peer == me or is_up(peer))
         alone = not step.persisted and any(
             name in step.resident and not any(h != me and is_up(h) for h in nodes)
             for name, nodes in recorded.items())
-        return {"copies": spread.copies, "holders": list(spread.holders),
-                "tiers": spread.tiers(step.persisted), "only_here": alone}
+        return {"copies": held.copies, "holders": list(held.holders),
+                "tiers": held.tiers(step.persisted), "only_here": alone}
 
     async def status(self) -> dict[str, Any]:
         ns = self.namespace
