@@ -252,6 +252,6 @@ def test_a_cluster_step_shows_its_spread_and_warns_only_when_it_is_only_here() -
         "tiers": spread.tiers(persisted=False), "only_here": False}
     alone = step("r/step_2", 2) | {"tiers": "peer:node0", "only_here": True}
     text = format_status(document(read_back, alone), now_ns=NOW)
-    assert rows(text)["r/step_1"][7:11] == ["peer:node0-3", "(2", "copies", "each)"]
+    assert rows(text)["r/step_1"][8:12] == ["peer:node0-3", "(2", "copies", "each)"]
     assert ("warning: 1 step exists only in this node's RAM (1 committed, not yet persisted "
             "or replicated): r/step_2") in text.splitlines()
