@@ -169,7 +169,8 @@ def test_status_of_a_step_is_the_same_on_every_node(cluster3: Cluster) -> None: 
         text = tierfs("status", str(node.mountpoint)).stdout
         [row] = [line.split() for line in text.splitlines() if line.startswith(step + " ")]
         assert "only in this node's RAM" not in text, text
-        return entry["copies"], entry.get("holders"), entry.get("tiers"), row[:7] + row[8:]  # not AGE
+        without_age = row[:7] + row[8:]
+        return entry["copies"], entry.get("holders"), entry.get("tiers"), without_age
 
     wait_until(lambda: all(seen(node)[0] == 2 for node in nodes), timeout=10)
     views = [seen(node) for node in nodes]
