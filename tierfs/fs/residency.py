@@ -403,6 +403,7 @@ class Residency:
         step = step_node.step
         manifest = step.manifest
         freed = evicted = 0
+        holders: set[str] = set()  # the live peers holding the evicted files
         deadline = time.monotonic() + first_slice
         for entry in manifest.files:
             if step_node.step is not step or step.manifest is not manifest \
@@ -411,21 +412,23 @@ class Residency:
             if entry.name in step.resident and (
                     not self.file_leaves(step, entry.name)
                     or (leaving is not None and entry.name not in leaving)):
-                continue  # not safe elsewhere (held for another writer, or short of copies)
+                continue  # not safe elsewhere (fewer than K + 1 other copies)
             node = self.tree.entry_node(step_node, entry.name)
             size = None if node is None else self.tree.evict_file(step, entry, node)
             if size is not None:
                 freed += size
                 evicted += 1
+                holders |= self.tree.verified_peers(step, entry.name)
             if time.monotonic() > deadline:
                 yield
                 deadline = time.monotonic() + EVICT_SLICE
         if not evicted:
             return  # nothing was in RAM but files in use
-        log.info("evicted %s v%d from RAM (%d files, %d bytes); it stays readable from %s",
+        log.info("evicted %s v%d from RAM (%d files, %d bytes); they stay readable from %s",
                  manifest.path, manifest.version, evicted, freed,
                  "the persistent tier" if step.persisted else
-                 "peers " + ", ".join(self.tree.peer_holders(step)))
+                 f"peers {', '.join(sorted(holders))} (each file on at least "
+                 f"{self.replicas + 1} of them)")
 
     def _spawn(self, work: Callable[[], Awaitable[None]]) -> None:
         """Run `work` in the background; a failure is logged, never fatal to the mount."""
