@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 APT    := fuse3 libfuse3-dev pkg-config attr rsync etcd-server
 
-.PHONY: test test-faults test-repeat demo bench bench-quick simulate lint install clean
+.PHONY: test test-fast test-faults test-repeat demo bench bench-quick simulate lint install clean
 
 install: $(STAMP)
 
@@ -24,7 +24,11 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check tierfs tests bench
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n 2 --durations=15 tests
+
+# The in-process layers (core, store: real S3 and etcd, no mount), for a developer's loop.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "core or store" tests
 
 # The fault suite's full run (the quick sample runs in `test`); counts in tests/faults/results.
 test-faults: $(STAMP)

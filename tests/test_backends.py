@@ -18,6 +18,8 @@ from tierfs.s3tier.backend import (
     open_backend,
 )
 
+pytestmark = pytest.mark.store
+
 
 @pytest.fixture(params=["file", "s3"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path,

@@ -18,6 +18,8 @@ from tierfs.devtools.etcd import Etcd
 from tierfs.replication import protocol as proto
 from tierfs.replication.channel import PeerChannel, authenticate
 
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture
 def token_file(tmp_path: Path) -> Path:

@@ -27,6 +27,8 @@ from tests.test_cluster import (  # noqa: F401  (cluster3, token_file: fixtures)
 from tests.test_crash import save
 from tierfs.devtools.etcd import Etcd
 
+pytestmark = pytest.mark.cluster
+
 
 @contextmanager
 def own_etcd(mounts: MountFactory, tmp_path: Path) -> Iterator[Etcd]:

@@ -27,6 +27,8 @@ from tierfs.replication import peer_manifest
 from tierfs.replication.protocol import ProtocolError
 from tierfs.replication.server import PeerServer
 
+pytestmark = pytest.mark.cluster
+
 FILES = 3000  # several pages of file records per reader, had they been read
 
 

@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import trio
 
 from tests.test_namespace import Harness, dcp_save
@@ -23,6 +24,8 @@ from tierfs.fs.nodes import StepState
 from tierfs.fs.operations import Operations
 from tierfs.fs.ram_store import RamStore
 from tierfs.replication.cluster_commit import ClusterCommits
+
+pytestmark = pytest.mark.store
 
 
 class ClusterHarness(Harness):

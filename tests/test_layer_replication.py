@@ -29,6 +29,8 @@ from tierfs.replication.receiver import INCOMING_PREFIX, ReplicaReceiver
 from tierfs.replication.replicator import Replicator
 from tierfs.replication.server import PeerServer
 
+pytestmark = pytest.mark.store
+
 TOKEN = b"layer-test-token"
 
 

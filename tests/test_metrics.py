@@ -18,6 +18,8 @@ from tierfs.devtools.etcd import Etcd
 from tierfs.mount_helper.config import ConfigError, resolve
 from tierfs.mount_helper.fuse_helper import to_mount_argv
 
+pytestmark = pytest.mark.cluster
+
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

@@ -21,6 +21,8 @@ from tierfs.replication.channel import PeerChannel
 from tierfs.replication.membership import Membership
 from tierfs.replication.server import PeerServer
 
+pytestmark = pytest.mark.store
+
 TOKEN = b"pool-test-token"
 
 

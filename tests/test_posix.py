@@ -18,6 +18,8 @@ import pytest
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs
 
+pytestmark = pytest.mark.fuse
+
 
 def expect_errno(code: int, func, *args) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(OSError) as info:

@@ -25,6 +25,8 @@ from tierfs.s3tier.backend import MANIFEST_KEY, open_backend
 from tierfs.s3tier.s3_backend import PARALLEL_PARTS, UPLOAD_NICE
 from tierfs.s3tier.uploader import Uploader
 
+pytestmark = pytest.mark.store
+
 
 def thread_nices() -> dict[int, int]:
     """Nice value of each thread of this process (field 19 of /proc/self/task/<tid>/stat)."""

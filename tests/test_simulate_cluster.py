@@ -11,6 +11,8 @@ from bench.simulate_cluster import MANIFEST_FILE, STEP, Cluster, Params, drive, 
 from tierfs.cluster import placement
 from tierfs.cluster.etcd import MAX_TXN_OPS
 
+pytestmark = pytest.mark.core
+
 
 def small(**changes: object) -> Params:
     fields: dict[str, object] = {"nodes": 12, "ranks": 3, "params_b": 0.05, **changes}

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import xxhash
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
@@ -24,6 +25,8 @@ from tests.test_crash import save
 from tierfs import manifest as mf
 from tierfs.devtools.etcd import Etcd
 from tierfs.devtools.seaweed import SeaweedS3
+
+pytestmark = pytest.mark.faults
 
 SHARD = "__0_0.distcp"
 

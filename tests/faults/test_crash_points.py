@@ -36,6 +36,8 @@ from tierfs.devtools.etcd import Etcd
 from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import is_mounted
 
+pytestmark = pytest.mark.faults
+
 KEEP = 4  # committed steps kept (and verified after every crash); older ones are removed
 
 

@@ -21,6 +21,8 @@ from tests.test_cluster import Cluster
 from tests.test_crash import save
 from tierfs.devtools.etcd import Etcd
 
+pytestmark = pytest.mark.faults
+
 COUNTS: dict[str, Any] = {"node_losses": 0, "simultaneous_losses": 0, "stale_returns": 0,
                           "steps_checked_on_survivors": 0, "losses": 0}
 

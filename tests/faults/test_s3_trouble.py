@@ -31,7 +31,7 @@ from tests.faults.s3_proxy import Fault, Request, S3Proxy
 from tests.test_torch import assert_state_equal
 from tierfs.devtools.seaweed import SeaweedS3
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.faults, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 MANIFEST = ".tierfs-manifest"
 
