@@ -229,3 +229,27 @@ def test_a_copy_stays_in_ram_while_etcd_cannot_record_that_it_leaves(
         records = _file_records(cluster, step)
         assert all(r.holders == ("node1", "node2") and r.left == () for r in records.values())
         _check_step_bytes(node0, step, {n: r.xxh3 for n, r in records.items()})
+
+
+def test_a_copy_read_back_leaves_ram_while_k_plus_1_others_hold_it(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """K = 1 on three nodes, no store: node0's step_1 is copied to node1; node2 reads it back
+    (a copy in its RAM that the records do not count). Beyond --keep-ram on node2 that copy
+    leaves its RAM (node0 and node1, K + 1, hold the file), and the records are unchanged;
+    node0's and node1's copies stay (each has one other holder only)."""
+    cluster = Cluster(mounts, token_file, 3, etcd_server)
+    node0, node1, node2 = cluster.start_all("--keep-ram", "1")
+    step = "run/step_1"
+    files = {"f": os.urandom(1 << 20), ".metadata": b"m"}
+    save(node0 / step, files)
+    wait_until(lambda: _copies_everywhere(cluster, step, {"node0", "node1"}, 2), timeout=30)
+    wait_until(lambda: (node2.step(step) or {}).get("state") == "committed", timeout=10)
+    for name, data in files.items():
+        assert (node2 / step / name).read_bytes() == data
+    wait_until(lambda: node2.step(step)["ram"], timeout=10)
+    before = _file_records(cluster, step)
+    save(node2 / "run/step_2", {"f": b"2", ".metadata": b"m2"})  # step_1 beyond --keep-ram
+    wait_until(lambda: not node2.step(step)["ram"], timeout=30)
+    assert _file_records(cluster, step) == before
+    assert node0.step(step)["ram"] and node1.step(step)["ram"]
+    assert _copies_everywhere(cluster, step, set(cluster.ports), 2)

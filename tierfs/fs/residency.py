@@ -256,10 +256,14 @@ class Residency:
         of it without this one. Whoever wrote the file, and whether the copy is a replica or
         one read back here: without a store, the K + 1 copies the cluster makes of a file
         (its writer's and K replicas) all stay; only a copy beyond those may go. This is
-        what this node knows; the records in etcd have the last word (`_leave`)."""
+        what this node knows; the records in etcd have the last word (`_leave`). A file
+        whose holders this node has not read (a copy read back here) is judged by the nodes
+        holding some file of the step: if K + 1 of them are live, etcd is asked."""
         if step.persisted:
             return True
         peers = self.tree.verified_peers(step, name)
+        if name not in step.file_holders and self.records is not None:
+            peers = peers | (step.holders - {self.tree.node_id})
         if self.liveness is not None:
             peers = {peer for peer in peers if self.liveness.is_up(peer)}
         return len(peers) >= self.replicas + 1
