@@ -227,22 +227,24 @@ def test_every_node_lists_every_step_and_a_replacement_reads_through_peers(
     assert fresh.step("job/step_5")["ram"]
 
 
-def test_steps_leave_the_writers_ram_once_replicated_but_never_the_last_copy(
+def test_without_a_store_both_copies_stay_in_ram_beyond_keep_ram(
         mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
+    """K = 1 on two nodes, no store, --keep-ram 1: node0's steps are copied to node1 and
+    both copies of each stay in RAM (a copy leaves only while K + 1 = 2 other live nodes
+    hold it): losing either node loses nothing."""
     from tests.test_crash import save, verify_committed
 
     cluster = Cluster(mounts, token_file, 2, etcd_server)
-    for node_id in cluster.ports:
-        cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), "--keep-ram", "1")
-    node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
-    wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+    node0, node1 = cluster.start_all("--keep-ram", "1")
     saved = {n: {"shard": os.urandom(4 << 20), ".metadata": b"m%d" % n} for n in (1, 2, 3)}
     for number, files in saved.items():
         save(node0 / f"run/step_{number}", files)
-    wait_until(lambda: [s["ram"] for s in node0.status()["steps"]] == [False, False, True],
-               timeout=30)
-    assert "readable from peers node1" in node0.log()
-    assert all(s["ram"] for s in node1.status()["steps"])  # the last copy stays in RAM
+    for number in saved:  # each step's copy verified: retention ran for the older ones
+        wait_until(lambda n=number: node0.step(f"run/step_{n}")["replicas"] == ["node1"],
+                   timeout=30)
+    for node in (node0, node1):
+        assert [s["ram"] for s in node.status()["steps"]] == [True, True, True]
+    assert "evicted run/step_" not in node0.log()
     verify_committed(node0, {f"run/step_{n}": files for n, files in saved.items()})
 
 
@@ -392,12 +394,12 @@ def test_a_replacement_node_takes_the_copies_of_a_lost_writer(cluster3: Cluster)
     wait_until(lambda: fresh.step(step)["ram"] and fresh.step(step)["copies"] == 2, timeout=10)
 
 
-def test_the_committer_keeps_the_copy_it_holds_for_another_writer(
+def test_the_writers_of_a_multi_node_step_keep_both_copies_beyond_keep_ram(
         mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
-    """A DCP step written on node0 (rank 0, `.metadata`: the committer) and node1 (K = 1),
-    then newer steps (--keep-ram 1): each writer's own shard leaves its RAM once the other
-    holds a copy (node1, not the committer, too), but the copy each holds for the other
-    stays. node1 is then lost: its files are read from node0."""
+    """A DCP step written on node0 (rank 0, `.metadata`: the committer) and node1 (K = 1,
+    no store), then newer steps (--keep-ram 1): no writer drops its own shard (one copy
+    would be left), nor the copy it holds for the other. node1 is then lost: every file,
+    node0's and node1's, is read from node0."""
     from tests.conftest import getxattr
     from tests.test_crash import save
 
@@ -406,22 +408,22 @@ def test_the_committer_keeps_the_copy_it_holds_for_another_writer(
     step = "run/step_1"
     run_dcp_ranks([node0 / step, node1 / step], timeout=240)
     wait_until(lambda: _copies_everywhere(cluster, step, set(cluster.ports), 2), timeout=30)
-    records = _file_records(cluster, step)
-    written_on_1 = {name: r.xxh3 for name, r in records.items() if r.node == "node1"}
-    assert written_on_1
-    # step_1 is beyond --keep-ram on both nodes
+    expected = {name: r.xxh3 for name, r in _file_records(cluster, step).items()}
+    # step_1 is beyond --keep-ram on both nodes; each node's copies of its newer step are
+    # verified, which is when retention runs
     save(node1 / "run/step_2", {"f": b"2", ".metadata": b"m"})
     save(node0 / "run/step_3", {"f": b"3", ".metadata": b"m"})
+    wait_until(lambda: node1.step("run/step_2")["replicas"] == ["node0"], timeout=30)
+    wait_until(lambda: node0.step("run/step_3")["replicas"] == ["node1"], timeout=30)
 
     def tiers(node: Mount, name: str) -> str:
         return getxattr(node / f"{step}/{name}", "user.tierfs.tiers")
 
-    wait_until(lambda: tiers(node0, "__0_0.distcp") == "peer:node1", timeout=30)
-    wait_until(lambda: tiers(node1, "__1_0.distcp") == "peer:node0", timeout=30)
-    assert tiers(node0, "__1_0.distcp").startswith("ram")  # held for node1: it stays
-    assert tiers(node1, "__0_0.distcp").startswith("ram")
-    node1.kill9()  # node0's own files left with it (K = 1); node1's are all on node0
-    _check_step_bytes(node0, step, written_on_1)
+    for name in ("__0_0.distcp", "__1_0.distcp"):
+        assert tiers(node0, name) == "ram,peer:node1"
+        assert tiers(node1, name) == "ram,peer:node0"
+    node1.kill9()
+    _check_step_bytes(node0, step, expected)
 
 
 def test_a_dead_peers_copy_does_not_let_a_step_leave_ram(
@@ -536,3 +538,46 @@ def test_a_store_away_in_a_cluster(mounts: MountFactory, token_file: Path, etcd_
             f"persisted steps to file://{store} (node node0 first): is the store's volume "
             "mounted on this node?") in refused.stderr
     assert list(store.iterdir()) == []
+
+
+def test_sync_replicas_returns_once_the_copies_are_made(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
+    """--sync-replicas, K = 1 on two nodes: node1 hangs for a second while node0 saves; the
+    save returns only once node1 holds a verified copy of every file (the records say so the
+    moment it returns: by default it returns at the commit, before). node1 hangs past
+    --commit-timeout: the save fails with ETIMEDOUT, the step stays committed, and its copy
+    is made once node1 is back."""
+    import errno
+    import threading
+
+    from tests.test_crash import save
+
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all("--sync-replicas", "--commit-timeout", "4")
+    files = {"__0_0.distcp": os.urandom(4 << 20), ".metadata": b"m"}
+    os.kill(node1.pid, signal.SIGSTOP)
+    wake = threading.Timer(1.0, os.kill, (node1.pid, signal.SIGCONT))
+    wake.start()
+    try:
+        started = time.monotonic()
+        save(node0 / "run/step_1", files)
+        took = time.monotonic() - started
+    finally:
+        wake.join()
+        os.kill(node1.pid, signal.SIGCONT)
+    records = _file_records(cluster, "run/step_1")
+    assert set(records) == set(files)
+    assert all(r.holders == ("node0", "node1") for r in records.values()), records
+    assert took >= 1.0 and "every file has its copies" in node0.log()
+
+    os.kill(node1.pid, signal.SIGSTOP)  # past --commit-timeout (and its lease)
+    try:
+        with pytest.raises(OSError) as failed:
+            save(node0 / "run/step_2", files)
+        assert failed.value.errno == errno.ETIMEDOUT
+        assert node0.step("run/step_2")["state"] == "committed"
+    finally:
+        os.kill(node1.pid, signal.SIGCONT)
+    assert "(--sync-replicas)" in node0.log()
+    wait_until(lambda: _copies_everywhere(cluster, "run/step_2", set(cluster.ports), 2),
+               timeout=30)

@@ -4,16 +4,18 @@ dir is taken out of them at start (and its copies are restored)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.conftest import MountFactory, wait_until
+from tests.conftest import MountFactory, run_dcp_ranks, wait_until
 from tests.test_cluster import (  # noqa: F401  (cluster3, token_file: fixtures)
     Cluster,
     _check_step_bytes,
@@ -45,14 +47,52 @@ def _only_real_holders(cluster: Cluster, step: str, live: set[str]) -> bool:
                for r in _file_records(cluster, step).values() for h in set(r.holders) & live)
 
 
-def test_an_evicted_writer_is_not_counted_and_a_lost_copy_is_restored_elsewhere(
+def test_after_retention_any_one_node_may_be_lost_without_a_store(
         mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
-    """K = 2 on four nodes: node0's step is copied to node1 and node2, then leaves node0's RAM
-    (--keep-ram 1): the records list node1 and node2 only, node0 as one that left. node1
-    dies: the file is copied from node2 to node3 (not back to node0), every listed holder
-    has it, and it reads byte-identical on every live node."""
+    """K = 1 on three nodes, no store, --keep-ram 1: a DCP step written on all three (each
+    rank's shard on its own node, `.metadata` on node0) is copied once per file; then each
+    node saves a newer step, so step_1 is beyond --keep-ram everywhere and retention runs on
+    every node. Every file keeps its K + 1 = 2 copies in RAM (before, each writer dropped its
+    own shard once one peer held it: one copy per file). Each node in turn is killed and the
+    survivors read every file of step_1; it comes back with its RAM dir before the next."""
+    cluster = Cluster(mounts, token_file, 3, etcd_server)
+    nodes = cluster.start_all("--keep-ram", "1")
+    step = "run/step_1"
+    run_dcp_ranks([node / step for node in nodes], timeout=240)
+    every = set(cluster.ports)
+    wait_until(lambda: _copies_everywhere(cluster, step, every, 2), timeout=30)
+    expected = {name: r.xxh3 for name, r in _file_records(cluster, step).items()}
+    for number, node in enumerate(nodes, start=2):  # each node's copies verified: retention
+        save(node / f"run/step_{number}", {"f": b"%d" % number, ".metadata": b"m"})
+    for number, node in enumerate(nodes, start=2):
+        wait_until(lambda n=number, w=node: f"Step run/step_{n}: replicated to" in w.log(),
+                   timeout=30)
+    # Retention of step_1 runs in the background, once each node's copies of its newer step
+    # are verified (just now): a moment for it (evictions take milliseconds; none is due)
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: any(f"evicted {step}" in node.log() for node in nodes), timeout=2)
+    for node_id in sorted(every):
+        cluster.nodes[node_id].kill9()
+        for survivor in sorted(every - {node_id}):
+            _check_step_bytes(cluster.nodes[survivor], step, expected)
+        cluster.start(node_id)
+        for other in sorted(every):
+            wait_until(lambda n=other: all(cluster.peers_up(n).values()), timeout=15)
+        wait_until(lambda: _copies_everywhere(cluster, step, every, 2), timeout=30)
+
+
+def test_a_copy_let_go_once_persisted_is_not_replaced_and_a_lost_one_is_elsewhere(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
+        tmp_path: Path) -> None:
+    """K = 2 on four nodes with a store: node0's step is copied to node1 and node2, persisted,
+    then leaves node0's RAM (--keep-ram 1): the records list node1 and node2 only, node0 as
+    one that left (the store holds the file). node1 dies: the file is copied from node2 to
+    node3 (not back to node0), every listed holder has it, and it reads byte-identical on
+    every live node."""
+    store = tmp_path / "store"
+    store.mkdir()
     cluster = Cluster(mounts, token_file, 4, etcd_server)
-    cluster.start_all("--keep-ram", "1", "--replicas", "2")
+    cluster.start_all("--keep-ram", "1", "--replicas", "2", "--persist", f"file://{store}")
     node0 = cluster.nodes["node0"]
     step = "run/step_1"
     save(node0 / step, {"f": os.urandom(1 << 20), ".metadata": b"m"})
@@ -60,6 +100,8 @@ def test_an_evicted_writer_is_not_counted_and_a_lost_copy_is_restored_elsewhere(
     save(node0 / "run/step_2", {"f": b"2", ".metadata": b"m2"})  # step_1 beyond --keep-ram
     wait_until(lambda: not node0.step(step)["ram"], timeout=30)
     expected = {name: r.xxh3 for name, r in _file_records(cluster, step).items()}
+    wait_until(lambda: all(r.left == ("node0",) for r in _file_records(cluster, step).values()),
+               timeout=10)
 
     cluster.nodes["node1"].kill9()
     live = {"node0", "node2", "node3"}
@@ -101,22 +143,72 @@ def test_a_node_back_with_an_empty_ram_dir_is_no_holder_and_its_copies_are_resto
 
 
 
+def test_status_of_a_step_is_the_same_on_every_node(cluster3: Cluster) -> None:  # noqa: F811
+    """A DCP step written on node0 (rank 0, `.metadata`) and node1 (rank 1), K = 1: once its
+    copies are made, `tierfs status` of the step says the same on every node, the one that
+    holds none of it too: `copies`, `holders` and TIERS come from the records of its files
+    (before, each node judged from what it held: copies and TIERS differed, `-` on some);
+    none warns that the step is only in its RAM; each writer's replication line gives the
+    bytes it sent (its own shard), not the step's size."""
+    import json
+
+    from tests.conftest import tierfs
+    from tierfs.observe import human_size
+
+    for node_id in cluster3.ports:
+        wait_until(lambda n=node_id: all(cluster3.peers_up(n).values()), timeout=15)
+    nodes = [cluster3.nodes[f"node{i}"] for i in range(3)]
+    step = "run/step_1"
+    run_dcp_ranks([nodes[0] / step, nodes[1] / step], timeout=240)
+    every = set(cluster3.ports)
+    wait_until(lambda: _copies_everywhere(cluster3, step, every, 2), timeout=30)
+    records = _file_records(cluster3, step)
+    holders = sorted({h for r in records.values() for h in r.holders})
+
+    def seen(node: Any) -> tuple[Any, ...]:
+        status = json.loads(tierfs("status", str(node.mountpoint), "--json").stdout)
+        [entry] = [s for s in status["steps"] if s["path"] == step]
+        text = tierfs("status", str(node.mountpoint)).stdout
+        [row] = [line.split() for line in text.splitlines() if line.startswith(step + " ")]
+        assert "only in this node's RAM" not in text, text
+        without_age = row[:7] + row[8:]
+        return entry["copies"], entry.get("holders"), entry.get("tiers"), without_age
+
+    wait_until(lambda: all(seen(node)[0] == 2 for node in nodes), timeout=10)
+    views = [seen(node) for node in nodes]
+    assert views[0] == views[1] == views[2], views
+    assert views[0][1] == holders and views[0][0] == 2
+    assert views[0][2].startswith("peer:node0")
+    for writer in ("node0", "node1"):
+        sent = sum(r.size for r in records.values() if r.node == writer)
+        total = sum(r.size for r in records.values())
+        assert sent < total
+        line = f"Step {step}: replicated to "
+        logged = [text for text in cluster3.nodes[writer].log().splitlines() if line in text]
+        assert logged and all(f"({human_size(sent)}, " in text for text in logged), logged
+
+
 def test_a_copy_stays_in_ram_while_etcd_cannot_record_that_it_leaves(
         mounts: MountFactory, token_file: Path, tmp_path: Path) -> None:  # noqa: F811
-    """K = 1 on two nodes with their own etcd, node0's RAM tier 16 MiB: its step_1 (8 MiB) is
-    copied to node1, then etcd stops and a save of 10 MiB needs step_1's room. step_1 stays
-    in RAM (the records would still count node0) and the save is refused; once etcd is back
-    the save goes through, step_1 leaves RAM and node0 is listed as one that left it."""
+    """Three nodes with their own etcd: node1 writes step_1 (8 MiB) with --replicas 2, so
+    node0 and node2 hold copies; node0 (K = 1, RAM tier 16 MiB) may let its copy go, since
+    K + 1 = 2 other live nodes hold it. etcd stops and a save of 10 MiB on node0 needs
+    step_1's room: step_1 stays in RAM (the records would still count node0) and the save is
+    refused; once etcd is back the save goes through, step_1 leaves node0's RAM and the
+    records list node1 and node2 only (no `left`: a later loss may copy it back here)."""
     with own_etcd(mounts, tmp_path) as server:
-        cluster = Cluster(mounts, token_file, 2, server)
+        cluster = Cluster(mounts, token_file, 3, server)
+        extra = {"node0": ["--ram-limit", "16M"], "node1": ["--replicas", "2"]}
         for node_id in cluster.ports:
-            extra = ["--ram-limit", "16M"] if node_id == "node0" else []
-            cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), *extra)
-        node0 = cluster.nodes["node0"]
-        wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+            cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id),
+                                                  *extra.get(node_id, []))
+        node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
+        for node_id in cluster.ports:
+            wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)
         step = "run/step_1"
-        save(node0 / step, {"f": os.urandom(8 << 20), ".metadata": b"m"})
-        wait_until(lambda: node0.step(step)["replicas"] == ["node1"], timeout=30)
+        save(node1 / step, {"f": os.urandom(8 << 20), ".metadata": b"m"})
+        wait_until(lambda: node1.step(step)["replicas"] == ["node0", "node2"], timeout=30)
+        wait_until(lambda: (node0.step(step) or {}).get("copies") == 3, timeout=10)
         newer = {"f": os.urandom(10 << 20), ".metadata": b"m2"}
         server.stop()
         with pytest.raises(OSError) as refused:
@@ -135,5 +227,29 @@ def test_a_copy_stays_in_ram_while_etcd_cannot_record_that_it_leaves(
         wait_until(saved, timeout=30, interval=0.5)
         assert not node0.step(step)["ram"]
         records = _file_records(cluster, step)
-        assert all(r.holders == ("node1",) and r.left == ("node0",) for r in records.values())
+        assert all(r.holders == ("node1", "node2") and r.left == () for r in records.values())
         _check_step_bytes(node0, step, {n: r.xxh3 for n, r in records.items()})
+
+
+def test_a_copy_read_back_leaves_ram_while_k_plus_1_others_hold_it(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """K = 1 on three nodes, no store: node0's step_1 is copied to node1; node2 reads it back
+    (a copy in its RAM that the records do not count). Beyond --keep-ram on node2 that copy
+    leaves its RAM (node0 and node1, K + 1, hold the file), and the records are unchanged;
+    node0's and node1's copies stay (each has one other holder only)."""
+    cluster = Cluster(mounts, token_file, 3, etcd_server)
+    node0, node1, node2 = cluster.start_all("--keep-ram", "1")
+    step = "run/step_1"
+    files = {"f": os.urandom(1 << 20), ".metadata": b"m"}
+    save(node0 / step, files)
+    wait_until(lambda: _copies_everywhere(cluster, step, {"node0", "node1"}, 2), timeout=30)
+    wait_until(lambda: (node2.step(step) or {}).get("state") == "committed", timeout=10)
+    for name, data in files.items():
+        assert (node2 / step / name).read_bytes() == data
+    wait_until(lambda: node2.step(step)["ram"], timeout=10)
+    before = _file_records(cluster, step)
+    save(node2 / "run/step_2", {"f": b"2", ".metadata": b"m2"})  # step_1 beyond --keep-ram
+    wait_until(lambda: not node2.step(step)["ram"], timeout=30)
+    assert _file_records(cluster, step) == before
+    assert node0.step(step)["ram"] and node1.step(step)["ram"]
+    assert _copies_everywhere(cluster, step, set(cluster.ports), 2)

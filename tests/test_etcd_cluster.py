@@ -514,30 +514,64 @@ async def test_a_node_leaving_its_copies_and_one_losing_them(etcd_server: EtcdSe
 
 async def test_a_leave_is_refused_when_the_record_lacks_live_holders_at_cas_time(
         etcd_server: EtcdServer) -> None:
-    """K = 1: W wrote "a" and R holds a copy, but R came back with an empty RAM dir and
-    dropped itself before W's eviction reached etcd (W still believes R holds it). W's guarded
-    leave is refused: the record keeps W, the file's last copy; a dead other holder counts
-    for nothing either; with a live other holder the leave goes through; a persisted step
-    (need 0) leaves whatever the record says."""
+    """K = 1 (a copy leaves only while K + 1 = 2 other live holders remain): W wrote "a",
+    "b", "c"; R and S hold copies, but R came back with an empty RAM dir and dropped its copy
+    of "a" before W's eviction reached etcd (W still believes R holds it). W's guarded leave
+    of "a" is refused: the record keeps W; of "b" it goes through, and W is no holder (not
+    one that `left`: a later loss of R or S makes a copy again, W may be its target); a dead
+    other holder counts for nothing; a persisted step (need 0) leaves whatever the record
+    says, listed in `left`."""
     cluster = new_cluster(etcd_server)
     records = CommitRecords(Etcd(cluster.endpoints), cluster)
     xxh3 = {name: shard("W", i).xxh3 for i, name in enumerate("abc")}
     await records.record_files("s", {name: shard("W", i) for i, name in enumerate("abc")})
     await records.add_holders("s", "R", xxh3)
+    await records.add_holders("s", "S", xxh3)
     await records.drop_holders("s", "R", {"a": None})  # R lost its copy of "a"
-    found = await records.leave_files("s", "W", xxh3, need=1, live=lambda _n: True)
-    assert found["a"].holders == ("W",) and found["a"].left == ()
-    assert found["b"].holders == ("R",) and found["b"].left == ("W",)
-    assert (await records.files("s"))["a"].holders == ("W",)
+    found = await records.leave_files("s", "W", {n: xxh3[n] for n in "ab"}, need=2,
+                                      live=lambda _n: True)
+    assert found["a"].holders == ("S", "W") and found["a"].left == ()
+    assert found["b"].holders == ("R", "S") and found["b"].left == ()
+    assert (await records.files("s"))["a"].holders == ("S", "W")
     # R is not live: its listed copy of "c" is not counted
-    await records.add_holders("s", "W", {"c": xxh3["c"]})
-    await records.record_files("s", {"c": replace(shard("W", 2), holders=("R", "W"))})
-    found = await records.leave_files("s", "W", {"c": xxh3["c"]}, need=1,
+    found = await records.leave_files("s", "W", {"c": xxh3["c"]}, need=2,
                                       live=lambda node: node != "R")
-    assert found["c"].holders == ("R", "W") and found["c"].left == ()
+    assert found["c"].holders == ("R", "S", "W") and found["c"].left == ()
     # persisted: nothing is needed elsewhere
     found = await records.leave_files("s", "W", {"a": xxh3["a"]}, need=0)
-    assert found["a"].holders == () and found["a"].left == ("W",)
+    assert found["a"].holders == ("S",) and found["a"].left == ("W",)
+
+
+async def test_two_holders_leaving_at_once_never_drop_a_file_below_k_plus_1(
+        etcd_server: EtcdServer) -> None:
+    """K = 1, a file held by W, R and S (one copy more than K + 1): R and S evict it at the
+    same moment, each seeing two other live holders. The compare-and-swap lets exactly one
+    go: two holders remain. Their own view (`ClusterCommits.leave_files`) agrees: the
+    one refused keeps its copy in RAM."""
+    cluster = new_cluster(etcd_server)
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    names = [f"f{i}" for i in range(20)]
+    await records.record_files("s", {name: shard("W", i) for i, name in enumerate(names)})
+    xxh3 = {name: shard("W", i).xxh3 for i, name in enumerate(names)}
+    await records.add_holders("s", "R", xxh3)
+    await records.add_holders("s", "S", xxh3)
+    manifest = step_manifest("s", names, "W")
+    allowed: dict[str, set[str] | None] = {}
+
+    async def leave(node: str) -> None:
+        node_commits = ClusterCommits(CommitRecords(Etcd(cluster.endpoints), cluster), node,
+                                      lambda _path: None)
+        allowed[node] = await node_commits.leave_files(manifest, names, 2, lambda _n: True)
+
+    async with trio.open_nursery() as nursery:
+        for node in ("R", "S"):
+            nursery.start_soon(leave, node)
+    files = await records.files("s")
+    for name in names:
+        assert len(files[name].holders) == 2 and "W" in files[name].holders, files[name]
+        gone = {"R", "S"} - set(files[name].holders)
+        assert {node for node, names_left in allowed.items() if name in (names_left or ())} \
+            == gone
 
 
 async def test_get_all_reads_many_keys_in_few_transactions(etcd_server: EtcdServer) -> None:

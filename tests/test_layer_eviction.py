@@ -108,11 +108,13 @@ async def test_a_persisted_step_leaves_ram_while_etcd_is_down_and_the_records_fo
             h.close()
 
 
-async def test_a_writer_keeps_its_copy_when_the_other_holder_dropped_itself(
+async def test_a_writer_keeps_its_copy_when_another_holder_dropped_itself(
         etcd_server: EtcdServer, tmp_path: Path) -> None:
-    """K = 1: n0 believes n1 holds step_1 (n1 verified its copy), but n1 came back with an
-    empty RAM dir and dropped itself from the records. n0's eviction is refused where the
-    records have it as the only holder: the copy stays in RAM and in the records."""
+    """K = 1: n0 believes n1 and n2 hold step_1 (both verified their copies: K + 1 = 2 other
+    copies, so n0's may leave), but n1 came back with an empty RAM dir and dropped itself
+    from the record of "a". n0's eviction of "a" is refused (the records have one other
+    holder): that copy stays in RAM and in the records; the other files leave, and n0 is no
+    longer their holder (not one that `left`: the store does not hold them)."""
     h = ClusterHarness(tmp_path / "ram", new_cluster(etcd_server), replicas=1)
     try:
         async with trio.open_nursery() as nursery:
@@ -120,15 +122,17 @@ async def test_a_writer_keeps_its_copy_when_the_other_holder_dropped_itself(
             await save_two_steps(h, {"a": os.urandom(4096), "b": b"b" * 100})
             manifest = h.manifest("run/step_1")
             names = [e.name for e in manifest.files]
-            await h.records.add_holders("run/step_1", "n1", {e.name: e.xxh3
-                                                              for e in manifest.files})
+            for peer in ("n1", "n2"):
+                await h.records.add_holders("run/step_1", peer, {e.name: e.xxh3
+                                                                  for e in manifest.files})
             await h.records.drop_holders("run/step_1", "n1", {"a": None})  # n1 lost "a"
-            h.ns.tiers.mark_held(manifest, "n1", names)  # n0's view: n1 holds every file
+            h.ns.tiers.mark_held(manifest, "n2", names)
+            h.ns.tiers.mark_held(manifest, "n1", names)  # n0's view: both hold every file
             await wait_for(lambda: h.step("run/step_1").resident == {"a"})
             await wait_for(lambda: not h.ns.residency._evictions)
             records = await h.recorded("run/step_1")
-            assert records["a"].holders == ("n0",) and records["a"].left == ()
-            assert all(r.holders == ("n1",) and r.left == ("n0",)
+            assert records["a"].holders == ("n0", "n2") and records["a"].left == ()
+            assert all(r.holders == ("n1", "n2") and r.left == ()
                        for name, r in records.items() if name != "a")
             nursery.cancel_scope.cancel()
     finally:

@@ -229,3 +229,33 @@ def test_an_incomplete_step_is_not_latest_and_gets_a_warning_naming_what_is_lost
             "with node1 before its copies were made); and 1 more; `latest` skips it until a "
             "holder returns") in text.splitlines()
     assert uncommitted(status) is None  # committed, only not whole: not "uncommitted"
+
+
+def test_a_cluster_step_shows_its_spread_and_warns_only_when_it_is_only_here() -> None:
+    """In a cluster a committed step's TIERS and the "only in RAM" warning come from the
+    records of its files (`tiers`, `only_here`): a multi-node step spread over four nodes,
+    read back here, is not only here; the spread is shown as the records say."""
+    from tierfs.fs import holders
+
+    files = {"__0_0.distcp": {"node0", "node1"}, "__1_0.distcp": {"node1", "node2"},
+             "__2_0.distcp": {"node2", "node3"}, "__3_0.distcp": {"node3", "node0"}}
+    spread = holders.spread(files, lambda _node: True)
+    assert spread.tiers(persisted=False) == "peer:node0-3 (2 copies each)"
+    assert (spread.copies, spread.holders, spread.whole) == (
+        2, ("node0", "node1", "node2", "node3"), ())
+    whole = holders.spread({"a": {"node0", "node1"}, "b": {"node1", "node0"}},
+                           lambda node: node != "node1")
+    assert whole.tiers(persisted=True) == "peer:node0,node1,persist" and whole.copies == 1
+    short = holders.spread({"a": {"n1"}, "b": {"n1", "n2", "x"}}, lambda _node: True)
+    assert short.tiers(persisted=False) == "peer:n1,n2,x (1-3 copies)"
+    assert holders.spread({"a": set()}, lambda _node: True).tiers(persisted=False) == "-"
+    assert holders.node_ranges(["node10", "node9", "node8", "a", "node2", "node3"]) == \
+        "a,node2,node3,node8-10"
+
+    read_back = step("r/step_1", 1, replicas=()) | {
+        "tiers": spread.tiers(persisted=False), "only_here": False}
+    alone = step("r/step_2", 2) | {"tiers": "peer:node0", "only_here": True}
+    text = format_status(document(read_back, alone), now_ns=NOW)
+    assert rows(text)["r/step_1"][8:12] == ["peer:node0-3", "(2", "copies", "each)"]
+    assert ("warning: 1 step exists only in this node's RAM (1 committed, not yet persisted "
+            "or replicated): r/step_2") in text.splitlines()

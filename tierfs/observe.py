@@ -118,10 +118,12 @@ class Events:
         log.info("%s", event_line(_label(manifest), "RAM commit", manifest.total_bytes,
                                   seconds))
 
-    def replicated(self, manifest: mf.StepManifest, peer: str, seconds: float) -> None:
-        self._moved("replica", manifest.total_bytes, seconds)
-        log.info("%s", event_line(_label(manifest), f"replicated to {peer}",
-                                  manifest.total_bytes, seconds))
+    def replicated(self, manifest: mf.StepManifest, peer: str, sent: int,
+                   seconds: float) -> None:
+        """This node sent `sent` bytes of the step's files to `peer` (of a multi-node step,
+        only the files it was the source of: not the step's size)."""
+        self._moved("replica", sent, seconds)
+        log.info("%s", event_line(_label(manifest), f"replicated to {peer}", sent, seconds))
 
     def persisted(self, manifest: mf.StepManifest, url: str, seconds: float) -> None:
         self._moved("persist", manifest.total_bytes, seconds)

@@ -207,33 +207,38 @@ def test_corruption_in_ram_and_s3_single_node(mounts: MountFactory, s3_server: S
 
 def test_corruption_in_replicas(mounts: MountFactory, token_file: Path,  # noqa: F811
                                 etcd_server: Etcd) -> None:
-    """Two nodes, one replica each: a bad replica is never served to a reader on the other
-    node, `verify` on the writer repairs the peer's copy and its own from each other, and a
-    node that restarts with a bad replica repairs it from the writer at start."""
+    """Three nodes, one replica each (node0 writes, node1 holds the copies, node2 reads): a bad
+    replica is never served to a reader on another node, `verify` on the writer repairs the
+    peer's copy and its own from each other, and a node that restarts with a bad replica
+    repairs it from the writer at start."""
     started = time.monotonic()
     rng = random.Random(5)
     tally = Tally()
     megabytes = pick(12, 30)
-    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    cluster = Cluster(mounts, token_file, 3, etcd_server)
     node0 = cluster.mounts.mount(*cluster.args("node0"), "--keep-ram", "1")
     cluster.nodes["node0"] = node0
     node1 = cluster.start("node1")
-    wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+    node2 = cluster.start("node2")
+    for node_id in cluster.ports:
+        wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)
     for round_ in range(pick(1, 5)):
         run = f"run{round_}"
         saved = {n: step_files(rng, megabytes) for n in (1, 2)}
         for number, files in saved.items():
             save(node0 / f"{run}/step_{number}", files)
-        wait_until(lambda r=run: node0.step(f"{r}/step_2")["replicas"] == ["node1"]
-                   and not node0.step(f"{r}/step_1")["ram"], timeout=60)
+        wait_until(lambda r=run, n=node0: n.step(f"{r}/step_2")["replicas"] == ["node1"],
+                   timeout=60)
         shard1, shard2 = saved[1][SHARD], saved[2][SHARD]
 
-        # 1. The only copy of step_1 (node1's replica) goes bad: node0 reads it from node1
-        # and gets EIO for the bad chunk, never the bytes.
+        # 1. The only live copy of step_1 (node1's replica: its writer node0 is down) goes
+        # bad: node2 reads it from node1 and gets EIO for the bad chunk, never the bytes.
         offset = rng.randrange(len(shard1))
         flip_byte(object_of(node1, node1 / f"{run}/step_1" / SHARD), offset)
         tally.counts["corruptions:only_replica"] += 1
-        with open(node0 / f"{run}/step_1" / SHARD, "rb") as f:
+        node0.kill9()
+        wait_until(lambda: cluster.peers_up("node2")["node0"] is False, timeout=15)
+        with open(node2 / f"{run}/step_1" / SHARD, "rb") as f:
             f.seek(offset - offset % mf.CHUNK_SIZE)
             try:
                 f.read(mf.CHUNK_SIZE)
@@ -242,10 +247,13 @@ def test_corruption_in_replicas(mounts: MountFactory, token_file: Path,  # noqa:
             except OSError as exc:
                 assert exc.errno == errno.EIO
                 tally.counts["reads_eio"] += 1
-        assert "does not match its checksum" in node0.log()
-        report = tally.verify(node0, f"{run}/step_1", expect_ok=False)
+        assert "does not match its checksum" in node2.log()
+        report = tally.verify(node2, f"{run}/step_1", expect_ok=False)
         assert tier(report, f"{run}/step_1", "peer:node1")["bad"] == [SHARD]
         tally.counts["unrecoverable_detected"] += 1
+        node0 = cluster.start("node0")  # with its RAM: its good copies are back
+        for node_id in cluster.ports:
+            wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)
 
         # 2. node1's replica of step_2 goes bad: verify on node0 has node1 repair it.
         flip_byte(object_of(node1, node1 / f"{run}/step_2" / SHARD), rng.randrange(len(shard2)))

@@ -1,20 +1,22 @@
 """Node loss in a cluster of daemons on 127.0.0.1: a node killed while a step is streamed to
-it, two nodes lost at once with --replicas 2, and nodes that come back with stale data (an older
+it, two nodes lost at once with --replicas 2, nodes that come back with stale data (an older
 version of a step that was re-committed while they were away) which must never shadow the newer
-commit. Every loss is `kill -9` of a daemon plus a lazy unmount. Counts go to
-tests/faults/results/node_loss.json."""
+commit, and a job that resumes from `latest` after any one node is lost at random moments
+(right after a save, while its copy streams, after retention). Every loss is `kill -9` of a
+daemon plus a lazy unmount. Counts go to tests/faults/results/node_loss.json."""
 
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import MountFactory, wait_until
-from tests.faults.conftest import FULL, report, scale, step_problems
+from tests.conftest import Mount, MountFactory, wait_until
+from tests.faults.conftest import FULL, Trainer, report, scale, step_problems
 from tests.test_cluster import Cluster
 from tests.test_crash import save
 from tierfs.demo.etcd import Etcd
@@ -233,3 +235,73 @@ def test_node_back_with_stale_replica_when_only_the_store_has_the_newer_version(
     wait_version(cluster, "node1", "run/step_1", 2, timeout=10)
     check(cluster, ["node1"], {"run/step_1": hashes(newer)})
     assert cluster.nodes["node1"].step("run/step_1")["persisted"] is True
+
+
+def newest_readable(node: Mount, run: str) -> bool:
+    """The node has judged its newest step of `run`: committed with a live copy of every
+    file (the records' `copies`), or `incomplete` (then `latest` names an older one)."""
+    steps = [s for s in node.status()["steps"] if s["path"].startswith(run + "/")]
+    newest = max(steps, key=lambda s: s["step"] or -1, default=None)
+    return newest is not None and (newest["state"] == "incomplete" or (
+        newest["state"] == "committed" and newest["copies"] >= 1))
+
+
+@pytest.mark.timeout(scale(240, 1200))
+def test_a_job_resumes_from_latest_after_any_one_node_loss_in_every_timing(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd, trainer: Trainer) -> None:
+    """K = 1 on three nodes, no store, --keep-ram 1: the trainer saves steps on node0; one
+    node, chosen at random, is killed right after a save returned, while its copy streams
+    (a random moment within the calibrated copy time), or after retention ran on the step
+    (two newer steps saved and copied). A job restarting on a survivor loads `latest`: it
+    must load whole, the newest step if a live node still holds every file of it, else the
+    step before (`incomplete`). The victim comes back with its RAM dir before the next."""
+    rng = random.Random(23)
+    cluster = start_cluster(mounts, token_file, etcd_server, 3, "--keep-ram", "1")
+    every = sorted(cluster.ports)
+    mib = scale(8, 32)
+    number = 0
+
+    def save_step() -> int:
+        nonlocal number
+        number += 1
+        trainer.save(cluster.nodes["node0"] / f"run/step_{number}", number, mib)
+        return number
+
+    def copied(n: int) -> bool:
+        return replicas(cluster, "node0", f"run/step_{n}") != []
+
+    first = save_step()
+    began = time.monotonic()
+    wait_until(lambda: copied(first), timeout=60, interval=0.002)
+    copy_seconds = time.monotonic() - began
+    timings = ["after the save", "during the copy", "after retention"] * scale(1, 5)
+    resumed: dict[str, int] = {}
+    for timing in timings:
+        victim = rng.choice(every)
+        saved = save_step()
+        if timing == "during the copy":
+            time.sleep(rng.uniform(0, copy_seconds))
+        elif timing == "after retention":
+            wait_until(lambda n=saved: copied(n), timeout=60)
+            for _ in range(2):
+                newer = save_step()
+                wait_until(lambda n=newer: copied(n), timeout=60)
+        cluster.nodes[victim].kill9()
+        COUNTS["node_losses"] += 1
+        survivor = cluster.nodes[rng.choice([n for n in every if n != victim])]
+        wait_until(lambda s=survivor, v=victim: {p["node_id"]: p["up"] for p in
+                                                 s.status()["peers"]}[v] is False, timeout=15)
+        wait_until(lambda s=survivor: newest_readable(s, "run"), timeout=30, interval=0.2)
+        latest = os.readlink(survivor / "run/latest")
+        step = int(latest.rsplit("_", 1)[1])
+        ok, error = trainer.load_matches(survivor / "run/latest", step, mib)
+        COUNTS["steps_checked_on_survivors"] += 1
+        if not ok:
+            COUNTS["losses"] += 1
+        assert ok, f"{timing}, {victim} killed: latest {latest} did not load: {error}"
+        assert step >= saved - 1, (timing, victim, latest, saved)
+        resumed[f"{timing}: {victim}"] = number - step  # 0: the newest step
+        cluster.start(victim)
+        for node_id in every:
+            wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=20)
+    COUNTS["latest_resumes"] = resumed

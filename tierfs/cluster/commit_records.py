@@ -19,11 +19,12 @@ unless it asks for them (a 16,000-file step costs each uninvolved node one event
 
 A file's `holders` are the nodes that hold a verified copy of it now, and only those: it starts
 as its writer and grows as replicas are verified (`add_holders`); a node whose copy leaves RAM
-deliberately (eviction: persisted, or the writer once K live peers hold it) takes itself out
-and is listed in `left` instead (`leave_files`, guarded in the transaction: the record must
-still list enough other live holders), before its bytes go, so that `restore_plan` does not
-replace that copy; a node that finds at start that it lost copies (an empty RAM dir)
-takes itself out without being listed in `left` (`drop_holders`): the survivors restore those.
+deliberately takes itself out before its bytes go (`leave_files`, guarded in the transaction:
+the record must still list K + 1 other live holders, or the store holds the file): the K + 1
+rule, so no eviction ever leaves a file with fewer copies; a node that leaves on the store's
+strength is listed in `left`, so that `restore_plan` does not replace that copy; a node that
+finds at start that it lost copies (an empty RAM dir) takes itself out without being listed in
+`left` (`drop_holders`): the survivors restore those.
 `left` is absent from records written before it existed (read as empty). Every change is a
 batch of compare-and-swap transactions on the records' versions (`_change_holders`), so
 concurrent updates are never lost. Values are small JSON; a step is many small keys, never
@@ -274,17 +275,22 @@ class CommitRecords:
                           live: Callable[[str], bool] = lambda _node: True
                           ) -> dict[str, FileRecord]:
         """`node` lets its copies of `files` ({path: xxh3}) leave RAM deliberately: it is no
-        longer a holder and is listed in `left` (only where it was a holder of that
-        content), but only where the record, as it is when the compare-and-swap takes it,
-        still lists at least `need` other holders that are `live` (K for a writer's copy of
-        a step not persisted; 0 once persisted). The guard is in the transaction, not in
-        what this node believed: a holder dropped meanwhile (it lost its copy) is not
-        counted, so the last copy never leaves. Batched as `add_holders`; the records as
-        they are now (this node is in `left` of those it left, now or before)."""
+        longer a holder, but only where the record, as it is when the compare-and-swap takes
+        it, still lists at least `need` other holders that are `live`: K + 1 for a step not
+        persisted, so that a file never has fewer than K + 1 copies because one left; 0 once
+        the store holds it. Only a node leaving on the store's strength (`need` 0) is listed
+        in `left` (`placement.restore_plan` does not replace its copy); one leaving K + 1
+        copies behind is simply no holder (if one of those is lost later, a copy is made
+        again, on any node). The guard is in the transaction, not in what this node
+        believed: a holder dropped meanwhile (it lost its copy) is not counted, and of two
+        nodes leaving at once the second sees the first gone, so the copies never fall
+        below K + 1. Batched as `add_holders`; the records as they are now."""
 
         def leave(record: FileRecord) -> FileRecord:
             others = [h for h in record.holders if h != node and live(h)]
-            return record.left_by(node) if len(others) >= need else record
+            if len(others) < need:
+                return record
+            return record.left_by(node) if need == 0 else record.without_holder(node)
 
         return await self._change_holders(step, files, leave)
 

@@ -6,15 +6,16 @@ all, the writer's own first. When nodes go, the same rule on the ring of the sur
 where new copies go: `restore_plan` lists the copies that bring each file back to K + 1 live
 copies, each from one live holder chosen by the same rule, so every node can compute the whole
 plan from the same inputs and carry out only its own part, with no coordination and no copy
-made twice. Only lost copies are replaced: a node joining moves nothing.
+made twice. Only missing copies are made: a node joining moves nothing.
 
-A copy let go deliberately is not lost: a node that evicts its copy (the writer once K live
-peers hold the file, any node once the step is persisted) leaves the file's holders and is
-listed among those that `left`. Each live node that left lowers the copies the file wants by
-one, so the writer's eviction leaves a file wanting K copies, which it has; and a node that
-left is never a target (there are always enough live nodes that did not leave: see
-`restore_plan`), so no copy goes back to the node that just evicted it (no ping-pong between
-eviction and restore).
+Every file below K + 1 live copies gets copies, whatever made it short (a holder died, came
+back without its copies, or found one bad). Eviction never makes a file short: a node lets its
+copy go only while K + 1 other live nodes hold it (`commit_records.CommitRecords.leave_files`),
+or once the store holds the file. A node that let its copy go on the store's strength is
+listed among those that `left`: each such live node lowers the copies the file wants by one
+(the store is a copy), and a node that left is never a target (there are always enough live
+nodes that did not leave: see `restore_plan`), so no copy goes back to the node that just
+evicted it (no ping-pong between eviction and restore).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class RestorePlan:
 def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
                  replicas: int) -> RestorePlan:
     """The copies that bring every file back to K + 1 live copies (fewer if fewer nodes live),
-    less one for each live node that let its copy go deliberately (`Placement.left`).
+    less one for each live node that let its copy go because the store holds the file
+    (`Placement.left`).
 
     A file wants min(K + 1, ring size) - |left live| live holders. Counting only the live
     leavers keeps the count within reach: the missing copies are at most

@@ -21,6 +21,11 @@ A saver's own call that commits (the close or rename of DCP's `.metadata`) waits
 cluster's coordination (etcd: other nodes' records of their shards, then the commit record) at
 most `saver_wait` seconds in all; then it fails with ETIMEDOUT, and the step stays `writing`,
 waiting for etcd, and commits by itself once etcd answers (`retry_pending_commits`).
+
+With --sync-replicas (a `CopiesWait`), that call returns only once every file of the step it
+committed has K + 1 verified copies on live nodes, waiting at most `saver_wait` seconds more;
+then it fails with ETIMEDOUT (the step stays committed, and its copies go on). Without it, the
+call returns at the commit and the copies follow: the window between save and copies.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from tierfs import manifest as mf
 from tierfs.fs.latest_pins import thread_group
 from tierfs.fs.nodes import METADATA, FsError, Node, Seal, StepState, some_names
 from tierfs.fs.other_tiers import OtherTiers
-from tierfs.fs.ports import CommitSink, CoordinationUnavailable
+from tierfs.fs.ports import CommitSink, CoordinationUnavailable, CopiesWait
 from tierfs.fs.ram_store import RamFull
 from tierfs.fs.residency import Residency
 from tierfs.fs.tree import Tree
@@ -71,13 +76,15 @@ class Commits:
     """Commits of step directories (see the module docstring)."""
 
     def __init__(self, tree: Tree, residency: Residency, tiers: OtherTiers,
-                 sink: CommitSink, events: Events, saver_wait: float = SAVER_WAIT) -> None:
+                 sink: CommitSink, events: Events, saver_wait: float = SAVER_WAIT,
+                 copies_wait: CopiesWait | None = None) -> None:
         self.tree = tree
         self.residency = residency
         self.tiers = tiers
         self.sink = sink
         self.events = events  # the commit's event line and metrics
         self.saver_wait = saver_wait  # see the module docstring
+        self.copies_wait = copies_wait  # --sync-replicas (see the module docstring)
         self._waiting: dict[StepState, Waiting] = {}  # the commit of each step that holds its lock
 
     async def commit(self, step_node: Node, *, wait_for_writers: bool,
@@ -315,6 +322,22 @@ class Commits:
                       "within %.0f s: the nodes holding its other files list it once etcd "
                       "answers; the saver's call fails", path, self.saver_wait)
             raise FsError(errno.ETIMEDOUT)
+        if manifest is not None and self.copies_wait is not None:
+            await self._wait_for_copies(path, manifest)
+
+    async def _wait_for_copies(self, path: str, manifest: mf.StepManifest) -> None:
+        """--sync-replicas: the saver's call returns once every file has its copies."""
+        assert self.copies_wait is not None
+        started = time.monotonic()
+        try:
+            await self.copies_wait(manifest, trio.current_time() + self.saver_wait)
+        except CoordinationUnavailable as exc:
+            log.error("%s is committed, but not every file of it has its copies within %.0f s "
+                      "(--sync-replicas): %s; they are still being made; the saver's call "
+                      "fails", path, self.saver_wait, exc)
+            raise FsError(errno.ETIMEDOUT) from None
+        log.info("%s v%d: every file has its copies, %.3f s after the commit "
+                 "(--sync-replicas)", path, manifest.version, time.monotonic() - started)
 
     async def after_writer(self, node: Node) -> None:
         """A writer of `node` is done (the FLUSH of a close()): a `.metadata` closed after

@@ -39,6 +39,7 @@ from tierfs.fs.nodes import (
 from tierfs.fs.other_tiers import OtherTiers
 from tierfs.fs.ports import (
     CommitSink,
+    CopiesWait,
     Liveness,
     PeerCopies,
     PersistCopies,
@@ -83,7 +84,8 @@ class Namespace:
                  sealed: SealedCollector | None = None, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None, keep_ram: int = 3,
                  replicas: int = 0, events: Events | None = None,
-                 commit_timeout: float = SAVER_WAIT) -> None:
+                 commit_timeout: float = SAVER_WAIT,
+                 copies_wait: CopiesWait | None = None) -> None:
         self.tree = tree = core.tree
         self.events = events or Events()
         self.store = tree.store
@@ -96,7 +98,7 @@ class Namespace:
                                    records=sealed)
         self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
-                               saver_wait=commit_timeout)
+                               saver_wait=commit_timeout, copies_wait=copies_wait)
         self.quiet = QuietCommits(tree, core.watch, self.commits)
         self.verifier = Verifier(tree, self.residency, persist, peers)
         self.gate: ReadGate = self.verifier

@@ -115,7 +115,7 @@ class StepState:
         # records say (a file missing here: only the step-level sets above are known).
         self.file_holders: dict[str, set[str]] = {}
         # Per file of this version: the node that wrote it, as the cluster's file records say
-        # (a file missing here has no known writer: it leaves RAM only once persisted).
+        # (a file missing here has no known writer; `fs.recoverable` names it in a loss).
         self.file_writers: dict[str, str] = {}
 
     @property

@@ -11,6 +11,7 @@ Outward (implemented outside `fs`):
   tier); defined beside `Fetch`, which uses it, and re-exported here.
 * `SealedCollector`: the cluster's records of which node holds which file of a step.
 * `PeerCopies`, `PersistCopies`: the tiers `tierfs verify` checks and repairs.
+* `CopiesWait`: --sync-replicas: until every file of a committed version has its copies.
 * `Liveness`: which peers are live members of the cluster now (eviction counts only those), and
   which may be (a copy on such a peer still counts as reachable: `fs.recoverable`).
 
@@ -32,8 +33,9 @@ from tierfs import manifest as mf
 from tierfs.fs.fetch import ReadSource
 from tierfs.fs.nodes import Node
 
-__all__ = ["CommitSink", "CoordinationUnavailable", "DeleteLog", "Liveness", "PeerCopies",
-           "PersistCopies", "ReadGate", "ReadSource", "SealedCollector", "Spawner", "StepWatch"]
+__all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "Liveness",
+           "PeerCopies", "PersistCopies", "ReadGate", "ReadSource", "SealedCollector", "Spawner",
+           "StepWatch"]
 
 
 class CommitSink(Protocol):
@@ -79,6 +81,14 @@ class SealedCollector(Protocol):
     async def drop_copies(self, manifest: mf.StepManifest, names: list[str]) -> None:
         """This node's copies of these files are gone (bad): the records stop counting it,
         and the other holders restore them. Raises an exception if that could not be done."""
+
+
+class CopiesWait(Protocol):
+    """Returns once every file of this committed version has K + 1 verified copies on live
+    nodes (as many as there are live nodes, if fewer), as the cluster's records say; raises
+    `CoordinationUnavailable` if that is not so by `deadline` (trio time)."""
+
+    async def __call__(self, manifest: mf.StepManifest, deadline: float) -> None: ...
 
 
 class Liveness(Protocol):

@@ -5,14 +5,14 @@
 `Residency` decides what to fetch and what to evict, and when; the `Tree` makes each change
 (`adopt_fetch`, `evict_file`, ...). In a cluster, a copy of a step not persisted leaves RAM
 only after the cluster's file records stopped counting this node as its holder
-(`SealedCollector.leave_files`, which refuses if the record no longer lists enough other live
-holders): the records never say there are more copies than there are of a file that exists
-nowhere else. A persisted step's copies leave at once, and the records are told in the
-background (best effort: the persistent tier holds the file, so a holder counted too many is
-no loss). A copy found bad (`copies_lost`) leaves the records in the background too, as a
-lost copy (the other holders restore it). The tiers it reads from are
-`ReadSource`s (peers first, then the persistent tier), and its background work runs under the
-`Spawner` it is given.
+(`SealedCollector.leave_files`, which refuses unless the record lists K + 1 other live
+holders: no eviction leaves a file with fewer than K + 1 copies, and the records never say
+there are more copies than there are of a file that exists nowhere else). A persisted step's
+copies leave at once, and the records are told in the background (best effort: the
+persistent tier holds the file, so a holder counted too many is no loss). A copy found bad
+(`copies_lost`) leaves the records in the background too, as a lost copy (the other holders
+restore it). The tiers it reads from are `ReadSource`s (peers first, then the persistent
+tier), and its background work runs under the `Spawner` it is given.
 """
 
 from __future__ import annotations
@@ -186,10 +186,9 @@ class Residency:
 
     def enforce_keep_ram(self) -> None:
         """Evict steps beyond the newest `keep_ram` of each run directory that are safe
-        elsewhere: persisted, or (for the node that wrote them) held by `replicas` peers. A
-        replica this node holds for another leaves only once persisted: so the last copy in
-        the cluster never leaves RAM unless it is persisted. The first slice of the work is
-        done at once; what remains continues in the background."""
+        elsewhere (`file_leaves`: persisted, or K + 1 live copies on other nodes): without a
+        store, the K + 1 copies of a file stay in RAM whatever --keep-ram says. The first
+        slice of the work is done at once; what remains continues in the background."""
         for step_node in self._eviction_candidates(pressure=False):
             self._evict_soon(step_node)
 
@@ -261,28 +260,22 @@ class Residency:
         return step.persisted or all(self.file_leaves(step, name) for name in step.resident)
 
     def file_leaves(self, step: StepState, name: str) -> bool:
-        """Whether this node's copy of one file of a committed step may leave RAM: the step is
-        persisted, or this node wrote the file (its record's writer; the manifest's node is
-        only the committer of a multi-node step) and `replicas` live peers hold verified
-        copies of it. A copy held for another writer leaves only once persisted: it may be
-        the only one left when its writer is lost."""
+        """Whether this node's copy of one file of a committed step may leave RAM (the K + 1
+        rule): the step is persisted, or K + 1 live peers are known to hold verified copies
+        of it without this one. Whoever wrote the file, and whether the copy is a replica or
+        one read back here: without a store, the K + 1 copies the cluster makes of a file
+        (its writer's and K replicas) all stay; only a copy beyond those may go. This is
+        what this node knows; the records in etcd have the last word (`_leave`). A file
+        whose holders this node has not read (a copy read back here) is judged by the nodes
+        holding some file of the step: if K + 1 of them are live, etcd is asked."""
         if step.persisted:
             return True
-        if self.replicas <= 0 or self._writer(step, name) != self.tree.node_id:
-            return False
         peers = self.tree.verified_peers(step, name)
+        if name not in step.file_holders and self.records is not None:
+            peers = peers | (step.holders - {self.tree.node_id})
         if self.liveness is not None:
             peers = {peer for peer in peers if self.liveness.is_up(peer)}
-        return len(peers) >= self.replicas
-
-    def _writer(self, step: StepState, name: str) -> str | None:
-        """The node that wrote the file: from the cluster's records once read; before that,
-        only a step with no record read yet and committed here counts as written here."""
-        writer = step.file_writers.get(name)
-        if writer is None and not step.file_writers and step.manifest is not None \
-                and step.manifest.node_id == self.tree.node_id and not step.holders:
-            return self.tree.node_id
-        return writer
+        return len(peers) >= self.replicas + 1
 
     def _ram_holders(self) -> str:
         """What the RAM tier holds that cannot leave it now, for the log line of a refusal."""
@@ -351,7 +344,7 @@ class Residency:
         A file opened between the two stays in RAM uncounted: again one copy fewer.
 
         The change is guarded where it is made (in etcd's transaction): only records that
-        still list `replicas` other live holders let this node go, so a holder that dropped
+        still list K + 1 other live holders let this node go, so a holder that dropped
         itself meanwhile (it lost its copy) is never relied on; a holder that comes back
         with an empty RAM dir drops itself before it registers as a live member. Not closed
         by this: a holder whose RAM dir is wiped and which comes back under the same id
@@ -370,7 +363,7 @@ class Residency:
             return set()
         liveness = self.liveness
         allowed = await self.records.leave_files(
-            step.manifest, names, self.replicas,
+            step.manifest, names, self.replicas + 1,
             liveness.is_up if liveness is not None else _anyone)
         if allowed is None:
             self._leaves_paused_until = trio.current_time() + LEAVE_PAUSE
@@ -423,6 +416,7 @@ class Residency:
         step = step_node.step
         manifest = step.manifest
         freed = evicted = 0
+        holders: set[str] = set()  # the live peers holding the evicted files
         deadline = time.monotonic() + first_slice
         for entry in manifest.files:
             if step_node.step is not step or step.manifest is not manifest \
@@ -431,21 +425,23 @@ class Residency:
             if entry.name in step.resident and (
                     not self.file_leaves(step, entry.name)
                     or (leaving is not None and entry.name not in leaving)):
-                continue  # not safe elsewhere (held for another writer, or short of copies)
+                continue  # not safe elsewhere (fewer than K + 1 other copies)
             node = self.tree.entry_node(step_node, entry.name)
             size = None if node is None else self.tree.evict_file(step, entry, node)
             if size is not None:
                 freed += size
                 evicted += 1
+                holders |= self.tree.verified_peers(step, entry.name)
             if time.monotonic() > deadline:
                 yield
                 deadline = time.monotonic() + EVICT_SLICE
         if not evicted:
             return  # nothing was in RAM but files in use
-        log.info("evicted %s v%d from RAM (%d files, %d bytes); it stays readable from %s",
+        log.info("evicted %s v%d from RAM (%d files, %d bytes); they stay readable from %s",
                  manifest.path, manifest.version, evicted, freed,
                  "the persistent tier" if step.persisted else
-                 "peers " + ", ".join(self.tree.peer_holders(step)))
+                 f"peers {', '.join(sorted(holders))} (each file on at least "
+                 f"{self.replicas + 1} of them)")
 
     def _spawn(self, work: Callable[[], Awaitable[None]]) -> None:
         """Run `work` in the background; a failure is logged, never fatal to the mount."""

@@ -67,9 +67,11 @@ MOUNT_OPTIONS = [
            "to be RAM", "path", "DIR"),
     Option("ram-limit", "50%", "bytes (`64G`, `512M`) or percent of memory (`50%`) the RAM "
            "tier may hold", "size", "SIZE"),
-    Option("keep-ram", 3, "committed steps kept in RAM per run directory; older ones leave RAM "
-           "only once safe elsewhere (persisted, or held by `--replicas` peers); kept ones too "
-           f"when a write needs the room (see \"RAM limit\" in {_SEMANTICS})", "int", "N"),
+    Option("keep-ram", 3, "committed steps kept in RAM per run directory; a copy of an older "
+           "one leaves RAM only once the persistent tier holds it, or K+1 other live nodes do: "
+           "without `--persist` a cluster keeps its K+1 copies of every file in RAM; kept ones "
+           f"leave too when a write needs the room (see \"RAM limit\" in {_SEMANTICS})", "int",
+           "N"),
     Option("persist", None, "persistent tier: `s3://bucket/prefix` or `file:///abs/path`",
            metavar="URL", default_help="none: RAM only, with a warning"),
     Option("persist-every", 1, "persist every N-th step (by step number); `1` = every step",
@@ -109,6 +111,13 @@ MOUNT_OPTIONS = [
            "step (the close or rename of DCP's `.metadata`) waits for etcd, in all; then it "
            "fails with `ETIMEDOUT` (the save raises), and the step stays `writing` and commits "
            "by itself once etcd answers (see doc/CLUSTER.md)", "float", "SECONDS"),
+    Option("sync-replicas", False, "with `--cluster`: the saver's call that commits a step (the "
+           "close or rename of DCP's `.metadata`) returns only once every file of the step has "
+           "K+1 verified copies on live nodes (as many as there are live nodes, if fewer), "
+           "waiting at most `--commit-timeout` more, then failing with `ETIMEDOUT` (the step "
+           "stays committed; its copies go on)", "flag",
+           default_help="off: it returns at the commit, and the copies follow within seconds "
+           "(the window between save and copies)"),
     Option("no-passthrough", False, "route file data through the daemon even where the kernel "
            "could pass reads and writes straight to the RAM store (slower; for comparison)",
            "flag", default_help="off: passthrough when available"),
@@ -166,6 +175,7 @@ class MountConfig:
     allow_non_empty: bool = False
     commit_idle: float = 5.0
     commit_timeout: float = 20.0
+    sync_replicas: bool = False
     allow_other: bool = False
     root_uid: int | None = None
     root_gid: int | None = None
@@ -351,6 +361,8 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         1 if cluster else 0)
     if replicas and cluster is None:
         raise ConfigError(f"--replicas {replicas} needs --cluster")
+    if values["sync_replicas"] and cluster is None:
+        raise ConfigError("--sync-replicas needs --cluster")
     token = read_token(values["token_file"]) if values["token_file"] else None
     if cluster and token is None:
         if not values["insecure"]:
@@ -385,6 +397,7 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         allow_non_empty=bool(values["allow_non_empty"]),
         commit_idle=_seconds(values, "commit_idle"),
         commit_timeout=_seconds(values, "commit_timeout"),
+        sync_replicas=bool(values["sync_replicas"]),
         allow_other=bool(values["allow_other"]),
         metrics=parse_address(values["metrics"], "--metrics") if values["metrics"] else None,
         **_root_directory(values),

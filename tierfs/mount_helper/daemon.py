@@ -30,8 +30,9 @@ from tierfs.cluster.commit_records import CommitRecords
 from tierfs.cluster.etcd import Etcd, EtcdError
 from tierfs.cluster.store_record import StoreRecord, StoreUse
 from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
+from tierfs.fs.holders import RecordedHolders, spread
 from tierfs.fs.namespace import Core, Namespace
-from tierfs.fs.nodes import FsError, Node
+from tierfs.fs.nodes import FsError, Node, StepState
 from tierfs.fs.operations import Operations
 from tierfs.fs.passthrough import PassthroughDevice, PassthroughUnavailable
 from tierfs.fs.ram_store import RamDirBusy, RamFull, RamStore
@@ -318,7 +319,9 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
                           replicas=cfg.replicas, events=events,
-                          commit_timeout=cfg.commit_timeout)
+                          commit_timeout=cfg.commit_timeout,
+                          copies_wait=links.wait_for_copies if links and cfg.sync_replicas
+                          else None)
     verifier = namespace.verifier
     verifier.collect_unverified()
     store_used = trio.Event()  # this node persisted a step, or found the store holding some
@@ -639,6 +642,16 @@ class ClusterLinks:
         self.verify = PeerVerify(self.membership, self.sealed.placements)
         self.delete = PeerDelete(self.membership)
         self.store_record = StoreRecord(self.etcd, cfg.cluster)
+        self.node_id = cfg.node_id
+        self.replicas = cfg.replicas
+
+    async def wait_for_copies(self, manifest: mf.StepManifest, deadline: float) -> None:
+        """--sync-replicas (`fs.ports.CopiesWait`): every file of the committed version has
+        K + 1 verified copies on live nodes, or as many as there are live nodes."""
+        want = min(self.replicas + 1, len(self.live.ring))
+        await self.sealed.wait_for_copies(
+            manifest, want, lambda node: node == self.node_id or self.live.is_up(node),
+            deadline)
 
     async def _file_holders(self, data_dir: str, name: str) -> list[str]:
         """Who holds a file now, from its record in etcd (the holders known here failed):
@@ -876,6 +889,17 @@ class ClusterNode:
                 "relayed": ranges.relayed_requests, "routed": ranges.routed_requests,
                 "sent_bytes": dict(sorted(SENT_TO.items()))}
 
+    async def recorded_holders(self, manifest: mf.StepManifest) -> dict[str, set[str]] | None:
+        """Who holds each file of this committed version, as the cluster's records say (a
+        record of another content holds nothing of it); None if they cannot be read."""
+        records = await self.sealed.placements(manifest)
+        if records is None:
+            return None
+        return {entry.name: set(record.holders) if record is not None
+                and record.xxh3 == entry.xxh3 else set()
+                for entry in manifest.files
+                for record in (records.get(entry.name),)}
+
 
 class Daemon:
     """Answers control requests and follows commit events."""
@@ -892,6 +916,8 @@ class Daemon:
         self.verifier = verifier
         self.passthrough = passthrough
         self.commits = 0
+        # the records `tierfs status` takes copies, holders and TIERS from, in a cluster
+        self.recorded = RecordedHolders(cluster.recorded_holders) if cluster else None
 
     async def consume_commits(self, events: trio.MemoryReceiveChannel[mf.StepManifest]) -> None:
         async with trio.open_nursery() as nursery:
@@ -970,12 +996,12 @@ class Daemon:
     async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         command = request.get("cmd")
         if command == "status":
-            return {"ok": True, "status": self.status()}
+            return {"ok": True, "status": await self.status()}
         if command == "settle":
             # `tierfs umount`, before it unmounts: commit the quiet steps now (as the unmount
             # would), so that the status it is answered names what stays uncommitted.
             await self.namespace.quiet.commit_quiet_steps()
-            return {"ok": True, "status": self.status()}
+            return {"ok": True, "status": await self.status()}
         if command not in ("commit", "commit_waits", "prefetch", "verify"):
             return {"ok": False, "error": f"unknown command {command!r}"}
         path = request.get("path")
@@ -1010,16 +1036,24 @@ class Daemon:
                     self.namespace.events.verify_failed(tier.tier.partition(":")[0],
                                                         len(tier.bad) + len(tier.repaired))
 
-    def _step_status(self, node: Node, persist_waits: dict[str, dict[str, Any]]
-                     ) -> dict[str, Any]:
+    def _step_status(self, node: Node, persist_waits: dict[str, dict[str, Any]],
+                     recorded: dict[str, set[str]] | None = None) -> dict[str, Any]:
         """A step's status line, with the times `tierfs status` shows ages from:
         `committed_ns` (when its newest committed version was made; None before the first)
         and, for a step being written, `changed_ns` (its directory's last change); for a
-        step due in the store and not there yet, `persist_wait` (else None)."""
+        step due in the store and not there yet, `persist_wait` (else None). In a cluster,
+        a committed step's `copies`, `holders` and `tiers` come from the cluster's records
+        of its files (`recorded`; this node's view only if they could not be read), the
+        same on every node (`fs.holders`), and `only_here` says whether a file of it is in
+        no live node's RAM but this one's (and not in the store)."""
         tree = self.namespace.tree
+        step = node.step
         status = dict(tree.step_status(node))
-        is_up = self.cluster.membership.is_up if self.cluster else (lambda _peer: False)
-        status["copies"] = tree.copies(node.step, is_up)
+        if self.cluster is not None and step.committed:
+            status.update(self._spread(step, recorded))
+        else:
+            is_up = self.cluster.membership.is_up if self.cluster else (lambda _peer: False)
+            status["copies"] = tree.copies(step, is_up)
         manifest = node.step.manifest
         status["committed_ns"] = manifest.committed_ns if manifest is not None else None
         status["changed_ns"] = None
@@ -1029,10 +1063,31 @@ class Daemon:
         status["persist_wait"] = persist_waits.get(status["path"])
         return status
 
-    def status(self) -> dict[str, Any]:
+    def _spread(self, step: StepState, recorded: dict[str, set[str]] | None
+                ) -> dict[str, Any]:
+        """`copies`, `holders`, `tiers` and `only_here` of a committed step in a cluster."""
+        assert self.cluster is not None
+        me = self.cfg.node_id
+        tree = self.namespace.tree
+        if recorded is None:  # etcd did not answer: what this node knows
+            recorded = {e.name: tree.file_peers(step, e.name)
+                        | ({me} if e.name in step.resident else set())
+                        for e in step.manifest.files}
+        is_up = self.cluster.membership.is_up
+        held = spread(recorded, lambda peer: peer == me or is_up(peer))
+        alone = not step.persisted and any(
+            name in step.resident and not any(h != me and is_up(h) for h in nodes)
+            for name, nodes in recorded.items())
+        return {"copies": held.copies, "holders": list(held.holders),
+                "tiers": held.tiers(step.persisted), "only_here": alone}
+
+    async def status(self) -> dict[str, Any]:
         ns = self.namespace
         persist_waits = self._persist_waits()
-        steps = sorted((self._step_status(node, persist_waits) for node in ns.tree.steps()),
+        recorded = await self.recorded.of(ns.tiers.listed_manifests()) if self.recorded else {}
+        steps = sorted((self._step_status(node, persist_waits, recorded.get(
+                            node.step.manifest.path) if node.step.manifest else None)
+                        for node in ns.tree.steps()),
                        key=lambda s: (os.path.dirname(s["path"]), number_of(s), s["path"]))
         return {
             "node_id": self.cfg.node_id,

@@ -78,7 +78,11 @@ def number_of(step: Step) -> int:
 
 def only_in_ram(step: Step) -> bool:
     """No copy beyond this node's RAM: not committed, or committed but neither persisted nor
-    replicated yet (or not selected by --persist-every, with no peer)."""
+    replicated yet (or not selected by --persist-every, with no peer). In a cluster, a
+    committed step's `only_here` says it (from the records of its files: a step whose files
+    are spread over several nodes, or held by peers and read back here, is not only here)."""
+    if step.get("only_here") is not None:
+        return bool(step["only_here"])
     return bool(step["ram"]) and not step["persisted"] and not step["replicas"]
 
 
@@ -106,6 +110,11 @@ def step_age(step: Step, now_ns: int) -> float | None:
 
 
 def tiers_of(step: Step) -> str:
+    """Where the step is: in a cluster, a committed step's `tiers` (from the records of its
+    files, the same on every node: `fs.holders`); else this node's RAM, the peers holding
+    the whole step, and the store."""
+    if step.get("tiers"):
+        return str(step["tiers"])
     tiers = (["ram"] if step["ram"] else []) + [f"peer:{p}" for p in step["replicas"]]
     if step["persisted"]:
         tiers.append("persist")
@@ -231,7 +240,15 @@ def due_in_store(status: dict[str, Any]) -> list[Step]:
 def ram_only_committed(status: dict[str, Any]) -> list[Step]:
     """Committed steps due in the store that no other tier holds: not in the store, and no
     peer holds a copy of every file (in a cluster, a step held by peers too is safe there)."""
-    return [s for s in due_in_store(status) if not s["replicas"]]
+    return [s for s in due_in_store(status) if _no_peer_copy(s)]
+
+
+def _no_peer_copy(step: Step) -> bool:
+    """Of a committed step: no peer holds a copy of some file of it (`only_here` in a
+    cluster; else no peer holds every file)."""
+    if step.get("only_here") is not None:
+        return bool(step["only_here"])
+    return not step["replicas"]
 
 
 def store_lines(status: dict[str, Any]) -> tuple[str | None, str | None]:
@@ -239,7 +256,7 @@ def store_lines(status: dict[str, Any]) -> tuple[str | None, str | None]:
     RAM, and one naming those the store lacks but peers hold (None where there are none)."""
     url = status["persist"]["url"] if status.get("persist") else ""
     alone = ram_only_committed(status)
-    held = [s for s in due_in_store(status) if s["replicas"]]
+    held = [s for s in due_in_store(status) if not _no_peer_copy(s)]
     return ((f"{_count(alone, 'committed step')} only in this node's RAM, not in {url}: "
              f"{not_in_store(alone)}") if alone else None,
             (f"{_count(held, 'committed step')} not in {url} yet (peers hold copies): "

@@ -220,12 +220,13 @@ class ClusterCommits:
     async def leave_files(self, manifest: mf.StepManifest, names: list[str], need: int,
                           live: Callable[[str], bool]) -> set[str] | None:
         """Before this node's copies of these files of `manifest` leave RAM: it takes itself
-        out of their holders and is listed among those that left (batched transactions),
-        only where the record, when the transaction takes it, still lists `need` other live
-        holders (`CommitRecords.leave_files`). The names whose records list this node among
-        those that left (now or before), which may leave RAM now: a file whose record does
-        not (too few other holders, no record yet, another content) stays. None if etcd did
-        not take it (then none may: see `Residency._leave`)."""
+        out of their holders (batched transactions), only where the record, when the
+        transaction takes it, still lists `need` other live holders
+        (`CommitRecords.leave_files`). The names that may leave RAM now: those whose records
+        do not list this node (now, or never did: a copy read back here) and list `need`
+        other live holders; a file whose record does not (too few other holders, no record
+        yet, another content) stays. None if etcd did not take it (then none may: see
+        `Residency._leave`)."""
         files = {n: e.xxh3 for n in names if (e := manifest.entry(n)) is not None}
         try:
             found = await self.records.leave_files(manifest.path, self.node_id, files, need,
@@ -234,7 +235,29 @@ class ClusterCommits:
             log.info("could not record in etcd that %d files of %s leave RAM here (%s)",
                      len(files), manifest.path, exc)
             return None
-        return {n for n, r in found.items() if self.node_id in r.left}
+        return {n for n, r in found.items() if r.xxh3 == files[n]
+                and self.node_id not in r.holders
+                and sum(1 for holder in r.holders if live(holder)) >= need}
+
+    async def wait_for_copies(self, manifest: mf.StepManifest, copies: int,
+                              live: Callable[[str], bool], deadline: float) -> None:
+        """Until every file of `manifest` has `copies` holders that are `live` in its record
+        (of this content), followed as `CommitRecords.wait_for_files` does; by `deadline`
+        (trio time), else `CoordinationUnavailable` naming how many files are short."""
+        digests = {entry.xxh3 for entry in manifest.files}
+
+        def enough(record: FileRecord) -> bool:
+            return record.xxh3 in digests and sum(map(live, record.holders)) >= copies
+
+        try:
+            await self.records.wait_for_files(manifest.path, [e.name for e in manifest.files],
+                                              deadline, enough)
+        except CommitTimeout as exc:
+            raise CoordinationUnavailable(
+                f"{len(exc.missing)} files have fewer than {copies} verified copies on live "
+                f"nodes") from None
+        except EtcdError as exc:
+            raise CoordinationUnavailable(str(exc)) from None
 
     async def drop_copies(self, manifest: mf.StepManifest, names: list[str]) -> None:
         """This node's copies of these files of `manifest` are gone (found bad and

@@ -1,13 +1,12 @@
-"""Sending copies of committed files to the nodes that should hold them, per file, driven by
-the cluster's file records in etcd (`/<prefix>/steps/<step>/files/<path>`: writer and holders).
-
-For a committed step this node holds files of, it reads the step's records and computes
+"""Sending copies of committed files to the nodes that should hold them, per file, driven by the
+cluster's file records in etcd (`/<prefix>/steps/<step>/files/<path>`: writer and holders). For
+a committed step this node holds files of, it reads the step's records and computes
 `placement.restore_plan` over the files held here and the ring of live members: for a fresh
 commit that is "writer -> its next K live nodes", after a loss the copies that bring each file
-back to K + 1 live holders (less the nodes that let their copy go deliberately: the records
-list only real holders, `commit_records`). Every node computes the same plan from the same
-records, so each copy is made once, by its planned source; this node carries out the copies it
-is the source of, grouped by target, in parallel across targets.
+back to K + 1 live holders (less the nodes that let their copy go once the store held it: the
+records list only real holders, `commit_records`). Every node computes the same plan from the
+same records, so each copy is made once, by its planned source; this node carries out the
+copies it is the source of, grouped by target, in parallel across targets.
 
 To a target, each file is streamed in chunks from the RAM store's immutable committed objects
 (channel.WINDOW in flight: the peer's OKs are the backpressure), then HOLD names them (at most
@@ -196,7 +195,8 @@ class Replicator:
                         error or ("not all held there" if len(held) < len(names)
                                   else "etcd did not record the copies"))
             return False
-        self._events.replicated(manifest, target, time.monotonic() - started)
+        sent = sum(entry.size for name in names if (entry := manifest.entry(name)) is not None)
+        self._events.replicated(manifest, target, sent, time.monotonic() - started)
         return True
 
     async def _send_file(self, channel, step_path: str,  # type: ignore[no-untyped-def]
