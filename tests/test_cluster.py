@@ -128,6 +128,34 @@ def test_wrong_token_and_garbage_never_get_in(cluster3: Cluster) -> None:
     assert status["pid"] == cluster3.nodes["node0"].pid
 
 
+async def inject_after_handshake(port: int, token: bytes, node_id: str) -> str:
+    """A genuine PING, then a frame with no valid MAC written into the same connection (as an
+    attacker who took over the TCP connection would); what the daemon answered."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    channel = PeerChannel(stream, timeout=5)
+    async with stream:
+        await authenticate(channel, token, node_id, {"node0", "node1", node_id})
+        await channel.request("PING", node_id=node_id, expect="PONG")
+        await stream.send_all(b"".join(proto.encode("PING", node_id=node_id))
+                              + b"\0" * proto.TAG_BYTES)
+        with trio.move_on_after(5):
+            try:
+                return "answered" if await stream.receive_some(65536) else "closed"
+            except trio.BrokenResourceError:
+                return "closed"
+    return "still open"
+
+
+def test_a_frame_injected_into_an_established_connection_is_refused(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    cluster.start_all()
+    port, token = cluster.ports["node0"], token_file.read_bytes().strip()
+    assert trio.run(inject_after_handshake, port, token, "node1") == "closed"
+    wait_until(lambda: "failed its MAC" in cluster.nodes["node0"].log())
+    assert trio.run(hostile_client, port, token, "node1") == "got in"  # still serving
+
+
 def test_cluster_mistakes_are_one_line(mounts: MountFactory, tmp_path: Path,
                                        token_file: Path, etcd_server: Etcd) -> None:
     mountpoint = tmp_path / "mp"

@@ -44,8 +44,8 @@ def _connection_errors() -> Iterator[None]:
 
 class PeerChannel:
     """Framed messages over one stream. Over a TCP socket, payloads are received straight into
-    the decoder's reused buffer (recv_into) and file bytes are sent straight from their file
-    (sendfile); any other stream (tests) goes through the stream's own calls.
+    the decoder's reused buffer (recv_into); any other stream (tests) goes through the
+    stream's own calls. Large payloads are tagged and checked (their MAC) in worker threads.
 
     A channel is `reusable` (for the pool) only while it is in step with its peer: no I/O
     failed, timed out or was cancelled on it, no frame is half read, and every request sent
@@ -63,12 +63,16 @@ class PeerChannel:
         self._sent = 0
         self._received = 0
         self._broken = False
+        self._send_mac: proto.FrameMac | None = None  # from the handshake on
 
-    def authenticated(self, peer_id: str) -> None:
-        """The peer proved the token: full-sized frames from now on (called between frames,
-        so the next frame's prefix is the first checked against the new limits)."""
+    def authenticated(self, peer_id: str, send_key: bytes, receive_key: bytes) -> None:
+        """The peer proved the token: full-sized frames from now on, each with its MAC, both
+        ways (called between frames, so the next frame is the first checked against the new
+        limits and its MAC)."""
         self.peer_id = peer_id
         self._decoder.limits = proto.LIMITS
+        self._decoder.mac = proto.FrameMac(receive_key)
+        self._send_mac = proto.FrameMac(send_key)
 
     @property
     def reusable(self) -> bool:
@@ -86,27 +90,41 @@ class PeerChannel:
     async def send(self, kind: str, payload: bytes | memoryview = b"", **fields: Any) -> None:
         header = proto.encode_header(kind, len(payload), **fields)
         with self._io():
-            if len(payload) <= 1 << 16:  # small: one write
-                await self.stream.send_all(header + payload)
+            if self._send_mac is not None and len(payload) >= BULK:
+                tag = await trio.to_thread.run_sync(self._send_mac.tag, header, payload)
             else:
-                await self.stream.send_all(header)
-                await self.stream.send_all(payload)
+                tag = self._tag(header, payload)
+            await self._send_frame(header, payload, tag)
+
+    async def _send_frame(self, header: bytes, payload: bytes | memoryview,
+                          tag: bytes) -> None:
+        if len(payload) <= 1 << 16:  # small: one write
+            await self.stream.send_all(b"".join([header, payload, tag]))
+        else:
+            await self.stream.send_all(header)
+            await self.stream.send_all(payload)
+            await self.stream.send_all(tag)
         self._sent += 1
+
+    def _tag(self, header: bytes, payload: bytes | memoryview) -> bytes:
+        return b"" if self._send_mac is None else self._send_mac.tag(header, payload)
 
     async def send_file(self, kind: str, fd: int, offset: int, length: int, /,
                         **fields: Any) -> None:
-        """A message whose payload is `length` bytes of the file `fd` from `offset`, sent from
-        the file to the socket by the kernel (no copy through Python). The message's own
+        """A message whose payload is `length` bytes of the file `fd` from `offset`, read and
+        tagged in a worker thread (the bytes sent are the bytes tagged). The message's own
         fields (which may include an `offset` too) are the keyword arguments."""
         header = proto.encode_header(kind, length, **fields)
+
+        def read_and_tag() -> tuple[bytes, bytes]:
+            data = os.pread(fd, length, offset)
+            if len(data) != length:
+                raise proto.ProtocolError("the file is shorter than the payload announced")
+            return data, self._tag(header, data)
+
         with self._io():
-            await self.stream.send_all(header)
-            if self._socket is None:
-                data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
-                await self.stream.send_all(data)
-            else:
-                await _sendfile(self._socket, fd, offset, length)
-        self._sent += 1
+            data, tag = await trio.to_thread.run_sync(read_and_tag)
+            await self._send_frame(header, data, tag)
 
     async def receive(self, *expected: str, timeout: float | None = None,
                       into: memoryview | None = None) -> proto.Message:
@@ -118,7 +136,8 @@ class PeerChannel:
             while (message := self._decoder.next_message()) is None:
                 buffer = self._decoder.writable()
                 if self._socket is not None:
-                    if self._decoder.in_payload and len(buffer) >= BULK:
+                    bulk = self._decoder.in_payload and len(buffer) >= BULK
+                    if bulk:
                         count = await _receive_bulk(self._socket, buffer)
                     else:
                         count = await self._socket.recv_into(buffer)
@@ -126,9 +145,13 @@ class PeerChannel:
                     data = await self.stream.receive_some(len(buffer))
                     count = len(data)
                     buffer[:count] = data
+                    bulk = count >= BULK
                 if not count:
                     raise ConnectionClosed("connection closed by the peer")
-                self._decoder.advance(count)
+                if bulk:  # the end of a payload: its MAC runs in a worker thread
+                    await trio.to_thread.run_sync(self._decoder.advance, count)
+                else:
+                    self._decoder.advance(count)
         self._decoder.offer(None)
         self._received += 1
         if expected and message.type not in expected:
@@ -219,20 +242,6 @@ def _fill_blocking(sock: trio.socket.SocketType, buffer: memoryview, expires: fl
     return filled
 
 
-async def _sendfile(sock: trio.socket.SocketType, fd: int, offset: int, length: int) -> None:
-    end = offset + length
-    while offset < end:
-        try:
-            sent = os.sendfile(sock.fileno(), fd, offset, end - offset)
-        except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
-            continue
-        if sent == 0:
-            raise proto.ProtocolError("the file is shorter than the payload announced")
-        offset += sent
-    await trio.lowlevel.checkpoint()
-
-
 async def authenticate(channel: PeerChannel, token: bytes, my_id: str,
                        members: Container[str], expected_peer: str | None = None) -> str:
     """Prove knowledge of the token and check the peer's proof; return the peer's node id."""
@@ -246,7 +255,9 @@ async def authenticate(channel: PeerChannel, token: bytes, my_id: str,
     answer = await channel.receive("PROOF")
     if not proto.check_proof(token, nonce, peer, my_id, answer["mac"]):
         raise AuthError(f"node {peer!r} does not know the cluster token")
-    channel.authenticated(peer)
+    channel.authenticated(
+        peer, send_key=proto.frame_key(token, my_id, peer, nonce, hello["nonce"]),
+        receive_key=proto.frame_key(token, peer, my_id, hello["nonce"], nonce))
     return peer
 
 
