@@ -4,6 +4,7 @@ peer, and the mutual authentication that must succeed before anything else is ac
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import select
 import socket
@@ -11,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable, Container, Iterable, Iterator
 from typing import Any
 
+import outcome
 import trio
 
 from tierfs.replication import protocol as proto
@@ -44,8 +46,9 @@ def _connection_errors() -> Iterator[None]:
 
 class PeerChannel:
     """Framed messages over one stream. Over a TCP socket, payloads are received straight into
-    the decoder's reused buffer (recv_into); any other stream (tests) goes through the
-    stream's own calls. Large payloads are tagged and checked (their MAC) in worker threads.
+    the decoder's reused buffer (recv_into) and file bytes are sent straight from their file
+    (sendfile); any other stream (tests) goes through the stream's own calls. Large payloads
+    are tagged and checked (their MAC) in worker threads.
 
     A channel is `reusable` (for the pool) only while it is in step with its peer: no I/O
     failed, timed out or was cancelled on it, no frame is half read, and every request sent
@@ -111,20 +114,37 @@ class PeerChannel:
 
     async def send_file(self, kind: str, fd: int, offset: int, length: int, /,
                         **fields: Any) -> None:
-        """A message whose payload is `length` bytes of the file `fd` from `offset`, read and
-        tagged in a worker thread (the bytes sent are the bytes tagged). The message's own
+        """A message whose payload is `length` bytes of the file `fd` from `offset`, sent from
+        the file to the socket by the kernel (sendfile: no copy through Python), its MAC
+        computed first over the file's pages mapped in a worker thread. The message's own
         fields (which may include an `offset` too) are the keyword arguments."""
         header = proto.encode_header(kind, length, **fields)
-
-        def read_and_tag() -> tuple[bytes, bytes]:
-            data = os.pread(fd, length, offset)
-            if len(data) != length:
-                raise proto.ProtocolError("the file is shorter than the payload announced")
-            return data, self._tag(header, data)
-
         with self._io():
-            data, tag = await trio.to_thread.run_sync(read_and_tag)
-            await self._send_frame(header, data, tag)
+            if self._socket is None:
+                tag = await trio.to_thread.run_sync(self._tag_file, header, fd, offset, length)
+                data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
+                await self._send_frame(header, data, tag)
+                return
+            tagging = _in_thread(self._tag_file, header, fd, offset, length)
+            await self.stream.send_all(header)
+            await _sendfile(self._socket, fd, offset, length)  # meanwhile, the tag is made
+            await self.stream.send_all(await tagging())
+            self._sent += 1
+
+    def _tag_file(self, header: bytes, fd: int, offset: int, length: int) -> bytes:
+        """The tag of a frame whose payload is that part of the file (a file that changes
+        before it is sent fails its MAC at the peer: a dropped connection, never bad data)."""
+        if self._send_mac is None:
+            return b""
+        if not length:
+            return self._send_mac.tag(header)
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            with mmap.mmap(fd, offset + length - start, prot=mmap.PROT_READ,
+                           offset=start) as mapped, memoryview(mapped) as view:
+                return self._send_mac.tag(header, view[offset - start:])
+        except (ValueError, OSError) as exc:  # beyond the end of the file
+            raise proto.ProtocolError(f"cannot read the payload to send: {exc}") from None
 
     async def receive(self, *expected: str, timeout: float | None = None,
                       into: memoryview | None = None) -> proto.Message:
@@ -136,22 +156,20 @@ class PeerChannel:
             while (message := self._decoder.next_message()) is None:
                 buffer = self._decoder.writable()
                 if self._socket is not None:
-                    bulk = self._decoder.in_payload and len(buffer) >= BULK
-                    if bulk:
-                        count = await _receive_bulk(self._socket, buffer)
-                    else:
-                        count = await self._socket.recv_into(buffer)
+                    if self._decoder.in_payload and len(buffer) >= BULK:
+                        # the decoder is advanced in the worker thread, chunk by chunk: the
+                        # payload's MAC is computed there as the bytes come
+                        if not await _receive_bulk(self._socket, buffer, self._decoder.advance):
+                            raise ConnectionClosed("connection closed by the peer")
+                        continue
+                    count = await self._socket.recv_into(buffer)
                 else:
                     data = await self.stream.receive_some(len(buffer))
                     count = len(data)
                     buffer[:count] = data
-                    bulk = count >= BULK
                 if not count:
                     raise ConnectionClosed("connection closed by the peer")
-                if bulk:  # the end of a payload: its MAC runs in a worker thread
-                    await trio.to_thread.run_sync(self._decoder.advance, count)
-                else:
-                    self._decoder.advance(count)
+                self._decoder.advance(count)
         self._decoder.offer(None)
         self._received += 1
         if expected and message.type not in expected:
@@ -202,16 +220,19 @@ class PeerChannel:
             await self.stream.aclose()
 
 
-async def _receive_bulk(sock: trio.socket.SocketType, buffer: memoryview) -> int:
-    """Fill `buffer` from the socket in a worker thread (0 if the peer closed first). The
-    trio deadline in force applies; a cancellation is noticed within _POLL_SLICE_MS."""
+async def _receive_bulk(sock: trio.socket.SocketType, buffer: memoryview,
+                        received: Callable[[int], None]) -> int:
+    """Fill `buffer` from the socket in a worker thread, calling `received` there with the
+    count of each read (the total, 0 if the peer closed first). The trio deadline in force
+    applies; a cancellation is noticed within _POLL_SLICE_MS."""
     deadline = trio.current_effective_deadline()
     remaining = deadline - trio.current_time()
     expires = time.monotonic() + remaining if remaining != float("inf") else float("inf")
-    return await trio.to_thread.run_sync(_fill_blocking, sock, buffer, expires)
+    return await trio.to_thread.run_sync(_fill_blocking, sock, buffer, expires, received)
 
 
-def _fill_blocking(sock: trio.socket.SocketType, buffer: memoryview, expires: float) -> int:
+def _fill_blocking(sock: trio.socket.SocketType, buffer: memoryview, expires: float,
+                   received: Callable[[int], None]) -> int:
     """In a worker thread: read the socket (non-blocking, as trio keeps it) until `buffer` is
     full, waiting in poll for LOW_WATER bytes at a time. SO_RCVLOWAT is set back to 1
     before returning, for the trio side's waits on small frames."""
@@ -235,11 +256,46 @@ def _fill_blocking(sock: trio.socket.SocketType, buffer: memoryview, expires: fl
                 continue
             if not count:
                 break
+            received(count)
             filled += count
     finally:
         if low_water != 1:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
     return filled
+
+
+def _in_thread(function: Callable[..., bytes], *args: Any) -> Callable[[], Awaitable[bytes]]:
+    """Start `function(*args)` in a worker thread now; the call returned waits for its result
+    (a cancelled wait leaves the thread to finish alone)."""
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    results: list[outcome.Outcome[bytes]] = []
+
+    def deliver(result: outcome.Outcome[bytes]) -> None:
+        results.append(result)
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(done.set)
+
+    trio.lowlevel.start_thread_soon(lambda: function(*args), deliver)
+
+    async def result() -> bytes:
+        await done.wait()
+        return results[0].unwrap()
+    return result
+
+
+async def _sendfile(sock: trio.socket.SocketType, fd: int, offset: int, length: int) -> None:
+    end = offset + length
+    while offset < end:
+        try:
+            sent = os.sendfile(sock.fileno(), fd, offset, end - offset)
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+            continue
+        if sent == 0:
+            raise proto.ProtocolError("the file is shorter than the payload announced")
+        offset += sent
+    await trio.lowlevel.checkpoint()
 
 
 async def authenticate(channel: PeerChannel, token: bytes, my_id: str,

@@ -203,7 +203,10 @@ class FrameDecoder:
         return memoryview(self._part)[self._filled:]
 
     def advance(self, count: int) -> None:
-        """`count` bytes were written at the start of `writable()`."""
+        """`count` bytes were written at the start of `writable()`. A payload's bytes go into
+        its frame's MAC as they come (in the caller's thread: a worker's for bulk data)."""
+        if self._running is not None and self.in_payload:
+            self._running.update(memoryview(self._part)[self._filled:self._filled + count])
         self._filled += count
         while self._ready is None and self._filled == len(self._part):
             self._part_done()
@@ -231,7 +234,6 @@ class FrameDecoder:
             if self._running is None:
                 self._frame_done()
             else:
-                self._running.update(self._payload)
                 self._part = self._tag
         else:
             assert self._running is not None
