@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import struct
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,35 @@ def test_cluster_mistakes_are_one_line(mounts: MountFactory, tmp_path: Path,
         assert done.returncode == 1 and message in done.stderr, done.stderr
         errors = [line for line in done.stderr.splitlines() if "warning:" not in line]
         assert len(errors) == 1, done.stderr
+
+
+def test_a_wrong_token_or_advertised_address_is_refused_at_mount(
+        mounts: MountFactory, tmp_path: Path, token_file: Path, etcd_server: Etcd) -> None:
+    """A node given another token than the cluster's, or an --advertise where nothing (or
+    another node) listens, would join and fail every exchange: refused with one line."""
+    cluster = Cluster(mounts, token_file, 1, etcd_server)
+    cluster.start("node0")
+    other = tmp_path / "other.token"
+    other.write_bytes(os.urandom(32).hex().encode())
+    other.chmod(0o600)
+    mountpoint = tmp_path / "mp"
+    mountpoint.mkdir()
+    listen = ["--listen", f"127.0.0.1:{free_port()}"]
+    for args, message in [
+        (["--token-file", str(other), *listen], "this node's token is not the cluster's"),
+        (["--token-file", str(token_file), *listen, "--advertise", f"127.0.0.1:{free_port()}"],
+         "cannot reach itself at its advertised address 127.0.0.1:"),
+        (["--token-file", str(token_file), *listen, "--advertise",
+          f"127.0.0.1:{cluster.ports['node0']}"], "is not this node's peer port"),
+    ]:
+        done = tierfs("mount", str(mountpoint), "--ram-dir", str(mounts.new_ram_dir()),
+                      "--cluster", cluster.url, "--node-id", "node1", *args, check=False)
+        if done.returncode == 0:  # mounted after all: unmounted, its daemon ends with it
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+        assert done.returncode == 1 and message in done.stderr, done.stderr
+        errors = [line for line in done.stderr.splitlines() if "warning:" not in line]
+        assert len(errors) == 1, done.stderr
+    assert [p["node_id"] for p in cluster.nodes["node0"].status()["peers"]] == []
 
 
 def test_committed_step_is_replicated_to_the_next_node(cluster3: Cluster) -> None:

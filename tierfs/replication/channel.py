@@ -299,13 +299,18 @@ async def _sendfile(sock: trio.socket.SocketType, fd: int, offset: int, length: 
 
 
 async def authenticate(channel: PeerChannel, token: bytes, my_id: str,
-                       members: Container[str], expected_peer: str | None = None) -> str:
-    """Prove knowledge of the token and check the peer's proof; return the peer's node id."""
+                       members: Container[str], expected_peer: str | None = None,
+                       allow_self: bool = False) -> str:
+    """Prove knowledge of the token and check the peer's proof; return the peer's node id.
+    A peer with this node's own id is refused unless `allow_self` (the server, which a node
+    connects to through its advertised address at mount to check it reaches itself)."""
     nonce = proto.new_nonce()
     await channel.send("HELLO", node_id=my_id, nonce=nonce)
     hello = await channel.receive("HELLO")
     peer = hello["node_id"]
-    if peer not in members or peer == my_id or (expected_peer and peer != expected_peer):
+    itself = peer == my_id
+    if not ((itself and allow_self) or (peer in members and not itself)) or \
+            (expected_peer and peer != expected_peer):
         raise AuthError(f"node {peer!r} is not a member of this cluster")
     await channel.send("PROOF", mac=proto.proof(token, hello["nonce"], my_id, peer))
     answer = await channel.receive("PROOF")
@@ -319,12 +324,15 @@ async def authenticate(channel: PeerChannel, token: bytes, my_id: str,
 
 async def connect(host: str, port: int, token: bytes, my_id: str, members: Container[str],
                   peer_id: str) -> PeerChannel:
-    """An authenticated channel to `peer_id` at host:port (OSError or ProtocolError if not)."""
+    """An authenticated channel to `peer_id` at host:port (OSError or ProtocolError if not;
+    trio.TooSlowError if the connection is not made in CONNECT_TIMEOUT). `peer_id` may be
+    `my_id` (a node checking that it reaches itself)."""
     with trio.fail_after(CONNECT_TIMEOUT):
         stream = await trio.open_tcp_stream(host, port)
     channel = PeerChannel(stream)
     try:
-        await authenticate(channel, token, my_id, members, expected_peer=peer_id)
+        await authenticate(channel, token, my_id, members, expected_peer=peer_id,
+                           allow_self=peer_id == my_id)
     except BaseException:
         await channel.aclose()
         raise
