@@ -575,7 +575,10 @@ def _members(cfg: MountConfig) -> Membership:
     """The cluster's members as this node sees them (from etcd), made before the tree: which
     steps can be read whole depends on who is up."""
     assert cfg.cluster is not None and cfg.advertise is not None and cfg.token is not None
-    etcd = Etcd(cfg.cluster.endpoints)
+    try:
+        etcd = Etcd(cfg.cluster.endpoints, security=cfg.cluster.security)
+    except EtcdError as exc:  # a TLS file that does not load
+        raise StartupError(str(exc)) from None
     return Membership(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise),
                       cfg.token)
 
