@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import MountFactory, free_port, tierfs
-from tierfs.devtools.etcd import NAME, Etcd, etcd_binary
+from tierfs.devtools.etcd import Etcd
 from tierfs.devtools.local_server import LOOPBACK
 
 PASSWORD = "s3cret-password"
@@ -53,18 +53,12 @@ class SecureEtcd(Etcd):
         self.certs = certs
 
     def command(self) -> list[str]:
-        client = f"https://{LOOPBACK}:{self.ports['client']}"
-        peer = f"http://{LOOPBACK}:{self.ports['peer']}"
-        return [
-            etcd_binary(), "--name", NAME, "--data-dir", str(self.data_dir / "data"),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{NAME}={peer}", "--initial-cluster-state", "new",
+        plain = f"http://{LOOPBACK}:{self.ports['client']}"
+        return [f"https://{LOOPBACK}:{self.ports['client']}" if arg == plain else arg
+                for arg in super().command()] + [
             "--cert-file", str(self.certs / "server.crt"),
             "--key-file", str(self.certs / "server.key"),
-            "--trusted-ca-file", str(self.certs / "ca.crt"), "--client-cert-auth",
-            "--logger", "zap", "--log-outputs", "stderr",
-        ]
+            "--trusted-ca-file", str(self.certs / "ca.crt"), "--client-cert-auth"]
 
     def client(self) -> httpx.Client:
         context = ssl.create_default_context(cafile=str(self.certs / "ca.crt"))
