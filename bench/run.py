@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierfs.devtools.etcd import Etcd
-from tierfs.devtools.seaweed import SeaweedS3
+from tierfs.demo.etcd import Etcd
+from tierfs.demo.seaweed import SeaweedS3
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import parse_size
 
@@ -51,6 +51,10 @@ UNIFORM_FILES = 16
 LOAD_DURING_UPLOAD = "DCP load, 1 thread, while the previous step uploads"
 # The goals of issue 14, beside each row they apply to.
 GOALS = {UNIFORM_SAVE: ">= 0.9x", "torch.save": ">= 0.9x", LOAD_DURING_UPLOAD: ">= 0.8x"}
+# A step of many small files (per-tensor savers, sharded optimizer state): its own table, as
+# times and their ratio to tmpfs (issue 25's goals).
+MANY_FILES, MANY_FILE_BYTES = 10_000, 4096
+MANY_GOALS = {"save": "<= 3x", "`ls -l`": "<= 3x", "read back, evicted (a fresh node)": "<= 5x"}
 
 
 def transformer_state(total_bytes: int) -> dict[str, torch.Tensor]:
@@ -118,8 +122,8 @@ WARM_DIR = Path("/dev/shm")
 def warm_pages(nbytes: int) -> Iterator[None]:
     """Touch `nbytes` of tmpfs pages, and free them on the way out: what runs next gets memory
     in use a moment ago. This VM returns freed memory to its host, and memory touched for the
-    first time since costs about 3 s per GiB (README "This machine's memory"); without this
-    the same save varied 1.1-2.9 s, by which pages it happened to get."""
+    first time since costs about 3 s per GiB (doc/BENCHMARKS.md, "This machine's memory");
+    without this the same save varied 1.1-2.9 s, by which pages it happened to get."""
     block = b"\xa5" * (64 << 20)
     fd, path = tempfile.mkstemp(prefix="tierfs-bench-warm-", dir=WARM_DIR)
     try:
@@ -319,12 +323,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results.setdefault(workload, {}).setdefault(target, []).append(seconds)
 
     uniform = uniform_state(size)
+    many: dict[str, dict[str, list[float]]] = {}
     cluster_profiles: dict[str, dict[str, float]] = {}
     with Bench(args) as bench, PeakRss(bench.pid) as rss, \
             Profile(bench, args.profile and not args.cluster_only) as spy:
         targets = [*bench.mounts, *TARGETS[1:]]
         for rep in range(0 if args.cluster_only else args.reps):
-            for target in targets:
+            for target in [] if args.many_files_only else targets:
                 if target != "s3" and target != "disk":
                     name = f"step_{rep * 10 + 2}"
                     record(UNIFORM_SAVE, target, timed(lambda t=target, n=name: dcp.save(
@@ -374,13 +379,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            timed(lambda p=path: torch.load(p, weights_only=True), size))
                     bench.drop(target, f"model_{rep}.pt")
             extra.setdefault("metadata_to_committed", []).append(_commit_latency(bench, rep))
+            _many_files(bench, rep, many, extra, failures)
             print(f"repetition {rep + 1} of {args.reps} done", flush=True)
         spy.stop()
         try:
-            _cluster(bench, state, fresh, args.reps, extra, cluster_profiles)
+            if not args.many_files_only:
+                _cluster(bench, state, fresh, args.reps, extra, cluster_profiles)
         except Exception as exc:  # noqa: BLE001 - the table above is still worth reporting
             failures.append(f"cluster measurements: {type(exc).__name__}: {exc}")
     return {"bytes": size, "reps": args.reps, "targets": targets, "results": results,
+            "many_files": many,
             "extra": extra, "failures": failures, "daemon_rss_peak_kib": rss.peak_kib,
             "daemon_profile": spy.functions, "cluster_profiles": cluster_profiles,
             "machine": _machine()}
@@ -419,6 +427,54 @@ def _commit_latency(bench: Bench, rep: int) -> float:
         raise RuntimeError(f"{step} is not committed after .metadata was closed")
     shutil.rmtree(step)
     return elapsed
+
+
+def _many_files(bench: Bench, rep: int, many: dict[str, dict[str, list[float]]],
+                extra: dict[str, list[float]], failures: list[str]) -> None:
+    """A step of MANY_FILES files of MANY_FILE_BYTES each, then DCP's `.metadata` (which
+    commits it on tierfs), on tierfs and tmpfs: the save, `ls -l` of the step, and reading
+    every file back; on tierfs the read-back is a fresh node's (an empty RAM dir, the same
+    store), once the step is persisted: every byte comes back from the store."""
+    name = f"step_{800 + rep}"
+
+    def record(workload: str, target: str, seconds: float | BaseException) -> None:
+        if isinstance(seconds, BaseException):
+            failures.append(f"{MANY_FILES:,} files, {workload} on {target}: {seconds!r}")
+        else:
+            many.setdefault(workload, {}).setdefault(target, []).append(seconds)
+
+    steps = {"tierfs": bench.mount / "run" / name, "tmpfs": bench.tmpfs / "many" / name}
+    for target, step in steps.items():
+        def save(step: Path = step, target: str = target) -> None:
+            step.mkdir(parents=True)
+            for i in range(MANY_FILES):
+                with open(step / f"t{i:05}.distcp", "wb") as f:
+                    f.write(i.to_bytes(8, "little") * (MANY_FILE_BYTES // 8))
+            started = time.perf_counter()
+            (step / ".metadata").write_bytes(b"m" * MANY_FILE_BYTES)
+            if target == "tierfs":
+                extra.setdefault("many_files_metadata_to_committed", []).append(
+                    time.perf_counter() - started)
+
+        def ls(step: Path = step) -> None:
+            subprocess.run(["ls", "-l", str(step)], stdout=subprocess.DEVNULL, check=True)
+
+        for label, func in (("save", save), ("`ls -l`", ls)):
+            record(label, target, timed(func, 0))
+    bench.wait_for(name, lambda entry: entry["persisted"])
+    fresh = bench.start_mount("fresh node", "--persist", f"s3://{BUCKET}/tierfs")
+    try:
+        for target, step in (("tierfs", fresh / "run" / name), ("tmpfs", steps["tmpfs"])):
+            def read_back(step: Path = step) -> None:
+                for entry in os.scandir(step):
+                    with open(entry.path, "rb") as f:
+                        f.read()
+
+            record("read back, evicted (a fresh node)", target, timed(read_back, 0))
+    finally:
+        bench.stop_mount("fresh node")
+    shutil.rmtree(steps["tmpfs"])
+    bench.drop("tierfs", name)
 
 
 def _cluster(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor],
@@ -607,6 +663,18 @@ def report(data: dict[str, Any], out: Path) -> str:
             ratio = f"{statistics.median(b / a for a, b in zip(tier, tmp, strict=False)):.2f}x"
         lines.append(f"| {workload} | " + " | ".join(cells)
                      + f" | {ratio} | {GOALS.get(workload, '-')} |")
+    many = data.get("many_files", {})
+    if many:
+        lines += ["", f"A step of {MANY_FILES:,} files x {MANY_FILE_BYTES // 1024} KiB "
+                  "(seconds, median; the ratio is tierfs's time over tmpfs's, pair by pair):", "",
+                  "| workload | tierfs | tmpfs | tierfs / tmpfs | goal |", "|---|---|---|---|---|"]
+        for workload, by_target in many.items():
+            tier, tmp = by_target.get("tierfs", []), by_target.get("tmpfs", [])
+            ratio = (f"{statistics.median(a / b for a, b in zip(tier, tmp, strict=False)):.1f}x"
+                     if tier and tmp else "-")
+            cells = [f"{statistics.median(t):.2f} s" if t else "-" for t in (tier, tmp)]
+            lines.append(f"| {workload} | {cells[0]} | {cells[1]} | {ratio} | "
+                         f"{MANY_GOALS.get(workload, '-')} |")
     lines += ["", "| measurement | median | target |", "|---|---|---|"]
     lines += [f"| {label} | {value} | {target} |" for label, value, target in _extras(data)]
     if data.get("daemon_profile"):
@@ -638,6 +706,9 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     row("metadata_to_committed", f"`.metadata` -> committed, {METADATA_FILES:,}-file step", "ms",
         "< 50 ms")
     gb = data["bytes"] / 1e9
+    row("many_files_metadata_to_committed",
+        f"`.metadata` -> committed, {MANY_FILES:,}-file step (the close that commits it)", "ms",
+        "< 100 ms")
     row("committed_to_replicated",
         "committed -> replicated (2 nodes, loopback; the writer persists after the copy)", "s",
         f"{gb / extra['committed_to_replicated']:.2f} GB/s; goal >= 1 GB/s "
@@ -708,6 +779,8 @@ def main() -> None:
                              "and on the daemons of the replication and of a peer restore")
     parser.add_argument("--cluster-only", action="store_true",
                         help="only the cluster measurements (replication, restores)")
+    parser.add_argument("--many-files-only", action="store_true",
+                        help=f"only the {MANY_FILES:,}-file step (save, ls -l, read back)")
     parser.add_argument("--compare", action="store_true",
                         help=f"also run a mount with --no-passthrough (column {DAEMON_PATH!r})")
     args = parser.parse_args()

@@ -1,4 +1,5 @@
-"""Discrete-event simulation of one checkpoint of a large tierfs cluster, and of a node lost.
+"""Discrete-event simulation of one checkpoint of a large tierfs cluster, of a node lost, of a
+DDP restart and of S3 request limits.
 
 It drives the real cluster logic, not a copy of it:
 
@@ -27,6 +28,11 @@ What is modelled (all parameters are command-line options, defaults in `Params`)
   Receivers verify each file (xxh3) at verify_gbps before it counts.
 - S3: uploads start at the commit; the store holds the step after
   max(total / s3_gbps, per node / min(link, s3_node_gbps)) (a fluid bound, not flows).
+
+Two more parts (`--parts`): a data-parallel restart, every node loading the file one node
+wrote, with the chunk sources chosen by the real `tierfs.replication.sources` (`ddp_restore`);
+and S3's request limits per prefix (GET and PUT rates, 503 SlowDown, the real retry policy's
+pause) for the checkpoint's upload and a whole cluster's restore (`s3_transfer`).
 
 Run: `make simulate` (or `python bench/simulate_cluster.py --help`).
 """
@@ -57,8 +63,10 @@ from tierfs import manifest as mf  # noqa: E402
 from tierfs.cluster import placement  # noqa: E402
 from tierfs.cluster.commit_records import CommitRecord, CommitRecords, FileRecord  # noqa: E402
 from tierfs.cluster.etcd import Etcd, parse_cluster_url  # noqa: E402
-from tierfs.replication import peer_manifest  # noqa: E402
+from tierfs.replication import peer_manifest, sources  # noqa: E402
 from tierfs.replication.cluster_commit import ClusterCommits  # noqa: E402
+from tierfs.retry import POLICY as retry_policy  # noqa: E402
+from tierfs.s3tier import s3_backend  # noqa: E402
 
 GB = 1e9
 STEP = "run/step_1000"
@@ -693,6 +701,191 @@ def simulate(p: Params) -> Result:
     return cluster.lose(cluster.nodes[len(cluster.nodes) // 2])
 
 
+# --- one writer, many readers: a data-parallel restart --------------------------------------
+
+
+@dataclass(frozen=True)
+class DdpResult:
+    """Every node loads the file rank 0's node wrote (K copies on peers): how long until the
+    last node has it, against one node alone at the same link speed."""
+
+    nodes: int
+    ranks: int
+    link_gbps: float
+    file_gb: float
+    swarm: bool
+    seconds: float
+    one_node: float
+    holder_sent: float  # the busiest holder's uplink, in files
+    relay_sent: float  # the busiest reader's uplink, in files
+    depth: int  # the longest chain of relays a chunk went through
+
+
+def ddp_restore(p: Params, file_gb: float, swarm: bool, sample_chunks: int = 256
+                ) -> DdpResult:
+    """Node 0 wrote a `file_gb` file (one DDP checkpoint, rank 0's); its K replica targets
+    (`placement.replica_targets`) hold it too; every other node reads it at once. The ranks of
+    a node share one fetch, so a node is one reader whatever `p.ranks`. Each chunk request goes
+    to the holder `sources.holder_order` names; with `swarm` the holder's real
+    `sources.ChunkRoutes` sends it to an earlier reader instead (today: the holder serves it).
+    Readers reach each chunk in a random order (a new one per chunk). Only `sample_chunks` of
+    the file's chunks are routed (the rest behave alike), and the bytes scaled up.
+
+    Time is a fluid bound: the busiest NIC direction (full duplex at `link_gbps`) over the
+    whole transfer, plus the deepest relay chain's store-and-forward of one chunk per hop."""
+    rng = random.Random(p.seed)
+    nodes = [f"n{i:05d}" for i in range(p.nodes)]
+    writer = nodes[0]
+    holders = [writer, *placement.replica_targets(placement.ring(nodes), writer, p.replicas)]
+    readers = [n for n in nodes if n not in holders]
+    size = int(file_gb * GB)
+    chunks = mf.chunk_count(size)
+    routed = min(chunks, sample_chunks)
+    xxh3 = f"{rng.getrandbits(128):032x}"
+    books = {h: sources.ChunkRoutes(h) for h in holders}
+    sent: dict[str, int] = defaultdict(int)
+    depth = 1
+    for chunk in range(routed):
+        order = readers[:]
+        rng.shuffle(order)
+        holder = sources.holder_order(holders, xxh3, chunk * mf.CHUNK_SIZE)[0]
+        for reader in order:
+            source = books[holder].route(reader, chunk) if swarm else holder
+            sent[source] += 1
+        if swarm:
+            depth = max(depth, max(books[holder]._chunks[chunk].depth.values(), default=1))
+    scale = chunks / routed * mf.CHUNK_SIZE  # bytes per routed chunk
+    link = p.link_bytes
+    busiest = max(max(sent.values()) * scale, size)  # a reader receives the file once
+    one_node = size / link
+    return DdpResult(p.nodes, p.ranks, p.link_gbps, file_gb, swarm,
+                     busiest / link + depth * mf.CHUNK_SIZE / link, one_node,
+                     max(sent[h] for h in holders) * scale / size,
+                     max((sent[r] for r in readers), default=0) * scale / size,
+                     depth if swarm else 1)
+
+
+DDP_COLUMNS = [("sources", 16), ("link Gb/s", 9), ("file GB", 7), ("every rank has it", 17),
+               ("one node", 8), ("ratio", 7), ("writer sends", 12), ("a reader sends", 14),
+               ("relay depth", 11)]
+
+
+def ddp_row(r: DdpResult) -> str:
+    cells = ["swarm (now)" if r.swarm else "holders (before)", f"{r.link_gbps:g}",
+             f"{r.file_gb:g}", f"{r.seconds:,.1f} s", f"{r.one_node:.2f} s",
+             f"{r.seconds / r.one_node:,.2f}", f"{r.holder_sent:,.2f} x",
+             f"{r.relay_sent:.2f} x", str(r.depth)]
+    return " | ".join(c.rjust(w) for c, (_, w) in zip(cells, DDP_COLUMNS, strict=True))
+
+
+# --- S3 request limits ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class S3Limits:
+    """S3's documented request rates per partitioned prefix (a step's objects share one
+    prefix until S3 splits it, which takes minutes): past them it answers 503 SlowDown."""
+
+    get_rps: float = 5500.0
+    put_rps: float = 3500.0
+    burst_s: float = 0.1  # a prefix's rate is enforced over windows this long
+    latency_ms: float = 30.0  # a request's first byte (and a SlowDown's answer)
+    streams: int = 8  # requests a node has in flight
+
+
+@dataclass(frozen=True)
+class S3Result:
+    what: str
+    requests: int  # accepted requests
+    slowdowns: int  # 503 SlowDown answers
+    seconds: float
+
+
+def s3_transfer(what: str, per_node: list[list[int]], rps: float, p: Params,
+                limits: S3Limits, seed: int = 1) -> S3Result:
+    """Each node sends its requests (sizes in bytes: a PUT's or a GET's payload; 0 for a
+    multipart create/complete) `limits.streams` at a time to one prefix that accepts `rps`
+    (token bucket, `burst_s` deep); a refused request pays a round trip, then the daemons'
+    one retry policy's pause (`tierfs.retry.POLICY`, jittered exponential) before it is sent
+    again. A request's bytes move at the node's S3 share (min(link, s3_node_gbps) over its
+    streams); the whole transfer takes at least the bytes over `s3_gbps` aggregate."""
+    random.seed(seed)  # POLICY.delay's jitter
+    sim = Sim()
+    stream_rate = min(p.link_gbps, p.s3_node_gbps) * GB / 8 / limits.streams
+    latency = limits.latency_ms / 1e3
+    tokens, stamp = rps * limits.burst_s, 0.0
+    counts = {"ok": 0, "slow": 0}
+    done_at = 0.0
+
+    def admit() -> bool:
+        nonlocal tokens, stamp
+        tokens = min(rps * limits.burst_s, tokens + (sim.now - stamp) * rps)
+        stamp = sim.now
+        if tokens >= 1:
+            tokens -= 1
+            return True
+        return False
+
+    def start(queue: list[int], attempt: int) -> None:
+        nonlocal done_at
+        if not queue:
+            done_at = max(done_at, sim.now)
+            return
+        if admit():
+            counts["ok"] += 1
+            size = queue.pop()
+            sim.at(sim.now + latency + size / stream_rate, lambda: start(queue, 0))
+        else:
+            counts["slow"] += 1
+            sim.at(sim.now + latency + retry_policy.delay(attempt + 1),
+                   lambda: start(queue, attempt + 1))
+
+    total = 0
+    for requests in per_node:
+        total += sum(requests)
+        lanes: list[list[int]] = [requests[i::limits.streams] for i in range(limits.streams)]
+        for lane in lanes:
+            sim.at(0.0, lambda q=lane: start(q, 0))
+    sim.run()
+    return S3Result(what, counts["ok"], counts["slow"],
+                    max(done_at, total / (p.s3_gbps * GB / 8)))
+
+
+def put_requests(size: int, part_size: int) -> list[int]:
+    """The requests that upload one object: one PUT if it fits a part, else create, the
+    parts and complete (as `s3tier.sending` does)."""
+    if size <= part_size:
+        return [size]
+    return [0] + [min(part_size, size - o) for o in range(0, size, part_size)] + [0]
+
+
+def get_requests(size: int, range_size: int) -> list[int]:
+    return [min(range_size, size - o) for o in range(0, size, range_size)]
+
+
+def s3_table(p: Params, limits: S3Limits, ddp_gb: float) -> list[S3Result]:
+    """The 70B checkpoint's upload and a whole cluster's restore from S3 under the limits,
+    with today's sizes and larger ones; and a DDP restore read from S3 by every node (a
+    bound: its requests over the GET rate)."""
+    shard = p.shard_bytes
+    per_node = p.ranks
+    results = []
+    for part in (s3_backend.PART_SIZE, 64 << 20):
+        results.append(s3_transfer(
+            f"upload: {p.nodes * p.ranks:,} shards, parts of {part >> 20} MiB",
+            [put_requests(shard, part) * per_node for _ in range(p.nodes)],
+            limits.put_rps, p, limits))
+    for ranged in (mf.CHUNK_SIZE, 64 << 20):
+        results.append(s3_transfer(
+            f"restore: every node its shards, GETs of {ranged >> 20} MiB",
+            [get_requests(shard, ranged) * per_node for _ in range(p.nodes)],
+            limits.get_rps, p, limits))
+    gets = p.nodes * mf.chunk_count(int(ddp_gb * GB))
+    results.append(S3Result(f"DDP: every node reads {ddp_gb:g} GB in 8 MiB GETs (bound)",
+                            gets, 0, gets / limits.get_rps))
+    return results
+
+
 # --- the command line -------------------------------------------------------------------------
 
 COLUMNS = [("link Gb/s", 9), ("K", 2), ("holders", 7), ("follow", 7), ("committed", 9),
@@ -725,11 +918,46 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ks", default="1,2", help="replica counts to run")
     parser.add_argument("--variants", default="cas:records@100:1,batch:peer",
                         help="holder-updates:follow pairs to run (@LINK:K: that one only)")
+    parser.add_argument("--parts", default="checkpoint,ddp,s3",
+                        help="what to run: checkpoint (and a node lost), ddp (one writer, "
+                        "every node reads), s3 (request limits)")
+    parser.add_argument("--ddp-gb", type=float, default=20.0,
+                        help="the DDP checkpoint every node loads, GB")
+    parser.add_argument("--sample-chunks", type=int, default=256,
+                        help="chunks of the DDP file routed one by one (the rest scaled)")
     args = vars(parser.parse_args(argv))
+    parts = set(args.pop("parts").split(","))
+    ddp_gb = args.pop("ddp_gb")
+    sample = args.pop("sample_chunks")
     links = [float(x) for x in args.pop("links").split(",")]
     ks = [int(x) for x in args.pop("ks").split(",")]
     variants = args.pop("variants").split(",")
     base = Params(**args)
+    if "checkpoint" in parts:
+        checkpoints(base, links, ks, variants)
+    if "ddp" in parts:
+        print(f"\nOne writer, many readers: node 0 wrote a {ddp_gb:g} GB DDP checkpoint (K = "
+              f"{base.replicas}); all {base.nodes:,} nodes x {base.ranks} ranks load it at once "
+              "(a node's ranks share one fetch)")
+        print(" | ".join(name.rjust(w) for name, w in DDP_COLUMNS))
+        runs = [replace(base, link_gbps=link) for link in links]
+        for p in runs:
+            for swarm in (False, True):
+                print(ddp_row(ddp_restore(p, ddp_gb, swarm, sample)), flush=True)
+    if "s3" in parts:
+        limits = S3Limits()
+        print(f"\nS3 request limits: {limits.get_rps:,.0f} GET/s and {limits.put_rps:,.0f} "
+              f"PUT/s per prefix, 503 SlowDown past them, then the retry policy's pause; "
+              f"{limits.streams} requests in flight per node")
+        print(f"{'what':>60} | {'requests':>9} | {'SlowDown':>9} | {'seconds':>8}")
+        for result in s3_table(base, limits, ddp_gb):
+            print(f"{result.what:>60} | {result.requests:>9,} | {result.slowdowns:>9,} | "
+                  f"{result.seconds:>8.1f}", flush=True)
+
+
+def checkpoints(base: Params, links: list[float], ks: list[int], variants: list[str]
+                ) -> None:
+    """The table of one checkpoint and a node lost, one row per variant, link and K."""
     print(f"{base.nodes} nodes x {base.ranks} ranks, {base.params_b:g}B parameters x "
           f"{base.bytes_per_param:g} B = {base.total_bytes / 1e12:.2f} TB in "
           f"{base.nodes * base.ranks:,} shards of {base.shard_bytes / 1e6:.1f} MB; etcd "

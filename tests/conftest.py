@@ -23,11 +23,24 @@ from typing import Any
 
 import pytest
 
-from tierfs.devtools.etcd import Etcd
-from tierfs.devtools.seaweed import SeaweedS3
+from tierfs.demo.etcd import Etcd
+from tierfs.demo.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import is_mounted
 
 TIERFS = [sys.executable, "-m", "tierfs"]
+
+
+LAYERS = ("core", "store", "fuse", "cluster", "frameworks", "faults")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test belongs to exactly one layer (its module's `pytestmark`), so that `-m` picks
+    whole layers and a new module cannot slip out of `make test-fast` or into it unnoticed."""
+    for item in items:
+        layers = {mark.name for mark in item.iter_markers() if mark.name in LAYERS}
+        if len(layers) != 1:
+            raise pytest.UsageError(f"{item.nodeid}: name one layer of {', '.join(LAYERS)} "
+                                    f"in its module's pytestmark (it has {sorted(layers)})")
 
 
 def tierfs(*args: str, check: bool = True, timeout: float = 120,

@@ -106,6 +106,10 @@ def deepspeed_job(save_dir: str, max_steps: int, port: str, resume: bool) -> dic
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     import deepspeed
+
+    # One rank: DeepSpeed's shared-memory all-reduce op (for several ranks on one host) is
+    # never used, and building it costs a minute of C++ compile on a fresh machine.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
         TorchCheckpointEngine,
     )

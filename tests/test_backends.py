@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tierfs.devtools.seaweed import SeaweedS3
+from tierfs.demo.seaweed import SeaweedS3
 from tierfs.s3tier.backend import (
     Backend,
     BackendError,
@@ -17,6 +17,8 @@ from tierfs.s3tier.backend import (
     StoreUnavailable,
     open_backend,
 )
+
+pytestmark = pytest.mark.store
 
 
 @pytest.fixture(params=["file", "s3"])

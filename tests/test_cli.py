@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Mount, MountFactory, tierfs
 from tests.test_commit import write_step
 from tierfs.mount_helper.mounts import is_mounted
+
+pytestmark = pytest.mark.fuse
 
 
 def assert_one_line_error(done, text: str) -> None:  # type: ignore[no-untyped-def]

@@ -15,9 +15,11 @@ import pytest
 import trio
 
 from tests.conftest import Mount, MountFactory, free_port, run_dcp_ranks, tierfs, wait_until
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
 from tierfs.replication import protocol as proto
 from tierfs.replication.channel import PeerChannel, authenticate
+
+pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import (
     MountFactory,
     finish_dcp_ranks,
@@ -21,7 +23,9 @@ from tests.conftest import (
 )
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_cluster_scale import dcp_metadata
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
+
+pytestmark = pytest.mark.cluster
 
 
 def state(node: object, step: str) -> str | None:

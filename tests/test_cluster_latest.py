@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+
 from tests.conftest import (
     Mount,
     finish_dcp_ranks,
@@ -29,6 +31,8 @@ from tests.test_cluster import (  # noqa: F401
     cluster3,
     token_file,  # noqa: F401  (a fixture)
 )
+
+pytestmark = pytest.mark.cluster
 
 
 def latest(node: Mount) -> str | None:

@@ -22,10 +22,12 @@ from tests.test_layer_replication import TOKEN, members_a_and_b
 from tierfs import manifest as mf
 from tierfs.cluster.commit_records import CommitRecord
 from tierfs.cluster.etcd import PAGE_SIZE
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
 from tierfs.replication import peer_manifest
 from tierfs.replication.protocol import ProtocolError
 from tierfs.replication.server import PeerServer
+
+pytestmark = pytest.mark.cluster
 
 FILES = 3000  # several pages of file records per reader, had they been read
 

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import trio
 
 from tests.conftest import (
@@ -31,7 +32,9 @@ from tests.test_cluster import (  # noqa: F401
 from tierfs.cluster.commit_records import CommitRecords
 from tierfs.cluster.etcd import Etcd as EtcdClient
 from tierfs.cluster.etcd import parse_cluster_url
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
+
+pytestmark = pytest.mark.cluster
 
 
 def commit_record(cluster: Cluster, step: str) -> object:

@@ -11,10 +11,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Mount, MountFactory, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_etcd_cluster import grpc_requests
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
+
+pytestmark = pytest.mark.cluster
 
 FILES = int(os.environ.get("TIERFS_SCALE_FILES", "16000"))
 WRITERS = 8  # threads writing the shards through each mount

@@ -21,8 +21,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Mount, MountFactory, free_port, getxattr, pid_alive, wait_until
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
+
+pytestmark = pytest.mark.cluster
 
 SMALL, LARGE = 4, 24
 WINDOW = 8.0  # seconds of idle measured at each size

@@ -10,10 +10,14 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Mount, MountFactory, tierfs, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
+
+pytestmark = pytest.mark.cluster
 
 
 def verify(node: Mount, relpath: str, *extra: str) -> subprocess.CompletedProcess[str]:

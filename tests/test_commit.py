@@ -11,6 +11,8 @@ import xxhash
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs
 
+pytestmark = pytest.mark.fuse
+
 
 def write_step(step_dir, files: dict[str, bytes], metadata: bytes | None = b"meta") -> None:  # type: ignore[no-untyped-def]
     """What DCP's FileSystemWriter does: shards, then .metadata.tmp renamed to .metadata."""

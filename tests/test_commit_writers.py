@@ -28,6 +28,8 @@ from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.fs.nodes import FsError, Node
 
+pytestmark = pytest.mark.fuse
+
 BIG = 32 << 20  # big enough that its hash (or its copy) is still running when the writer comes
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from tierfs.mount_helper.config import ConfigError, parse_size, resolve
 
+pytestmark = pytest.mark.core
+
 
 def test_parse_size() -> None:
     assert parse_size("512M") == 512 << 20

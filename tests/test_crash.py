@@ -8,10 +8,13 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import xxhash
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
 from tests.test_commit import write_step
+
+pytestmark = pytest.mark.fuse
 
 
 def save(step_dir, files: dict[str, bytes]) -> None:  # type: ignore[no-untyped-def]

@@ -18,6 +18,8 @@ import yaml
 
 from tierfs.mount_helper.cli import build_parser
 
+pytestmark = pytest.mark.core
+
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 INSTALLED = "/opt/tierfs/.venv/bin/tierfs"
 # Options of the cluster issue (CONTRACT.md) that a tree without them yet does not parse.

@@ -44,8 +44,10 @@ from tierfs.cluster.etcd import (
     parse_cluster_url,
 )
 from tierfs.cluster.membership import MemberEvent, Membership, NodeIdInUse
-from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.demo.etcd import Etcd as EtcdServer
 from tierfs.replication.cluster_commit import ClusterCommits
+
+pytestmark = pytest.mark.store
 
 TTL = 2  # seconds: etcd's smallest lease with its default election timeout
 

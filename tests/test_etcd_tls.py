@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from tests.conftest import MountFactory, free_port, tierfs
-from tierfs.devtools.etcd import Etcd
-from tierfs.devtools.local_server import LOOPBACK
+from tierfs.demo.etcd import Etcd
+from tierfs.demo.local_server import LOOPBACK
 
 PASSWORD = "s3cret-password"
 

@@ -12,10 +12,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import TIERFS, MountFactory, tierfs, wait_until
 from tests.test_crash import save
 from tierfs.mount_helper.cli import CLEAR_SCREEN
 from tierfs.observe import event_line
+
+pytestmark = pytest.mark.fuse
 
 RATE = r"\(\d+(\.\d)? [kMG]?B, \d+(\.\d)? [kMG]?B/s\)"
 TIME = r"\d+(\.\d)? (ms|s)"

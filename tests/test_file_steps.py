@@ -16,6 +16,8 @@ import pytest
 from tests.conftest import Mount, MountFactory, tierfs, wait_until
 from tierfs.fs.nodes import DEFAULT_FILE_STEP_PATTERN
 
+pytestmark = pytest.mark.fuse
+
 IDLE = "1"
 
 

@@ -19,6 +19,8 @@ import pytest
 
 from tests.conftest import Mount, MountFactory, free_port, tierfs, wait_until
 
+pytestmark = pytest.mark.frameworks
+
 JOBS = Path(__file__).with_name("framework_jobs.py")
 IDLE = "1"  # --commit-idle: above the pauses inside one save of these tiny models
 

@@ -17,9 +17,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Mount, MountFactory, pid_alive, tierfs, wait_until
+from tierfs.mount_helper.cli import command_names
 from tierfs.mount_helper.config import ConfigError
 from tierfs.mount_helper.fuse_helper import is_helper_form, to_mount_argv
 from tierfs.mount_helper.mounts import is_mounted
+
+pytestmark = pytest.mark.fuse
 
 HELPER_LINK = Path("/sbin/mount.fuse.tierfs")
 WORKTREE = Path(__file__).resolve().parent.parent
@@ -94,13 +97,13 @@ def test_helper_options_become_mount_arguments() -> None:
     argv = ["tierfs:/dev/shm/a", "/ckpt", "-o",
             r"rw,noauto,user,_netdev,x-mount.mkdir,cluster=etcd://h:1\,h:2/job,keep_ram=4,"
             "allow_other,insecure=0,no-passthrough=1", "-n", "-t", "fuse.tierfs"]
-    assert is_helper_form(argv)
+    assert is_helper_form(argv, command_names())
     assert to_mount_argv(argv) == ["mount", "/ckpt", "--cluster", "etcd://h:1,h:2/job",
                                    "--keep-ram", "4", "--allow-other", "--no-passthrough",
                                    "--ram-dir", "/dev/shm/a"]
     assert to_mount_argv(["none", "/c", "-oram_dir=/r"]) == ["mount", "/c", "--ram-dir", "/r"]
-    assert not is_helper_form(["status", "/ckpt"])
-    assert not is_helper_form(["mount", "/ckpt", "--foreground"])
+    assert not is_helper_form(["status", "/ckpt"], command_names())
+    assert not is_helper_form(["mount", "/ckpt", "--foreground"], command_names())
     for options, message in (("ro", "read-only"), ("ram_dir", "needs a value"),
                              ("foreground=maybe", "is a flag"), ("nonsense=1", "unknown")):
         with pytest.raises(ConfigError, match=message):

@@ -9,6 +9,8 @@ import pytest
 
 from tierfs.fs import fuse_wire as wire
 
+pytestmark = pytest.mark.core
+
 UNIQUE = 7
 PAYLOAD_4K = wire.relay_payload(4096)
 

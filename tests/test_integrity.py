@@ -20,6 +20,8 @@ import xxhash
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
 
+pytestmark = pytest.mark.fuse
+
 CONTENT = b"hello, committed bytes\n" * 1000
 
 

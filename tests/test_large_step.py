@@ -9,9 +9,13 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Mount, MountFactory, tierfs, wait_until
 from tests.test_crash import save
 from tierfs import manifest as mf
+
+pytestmark = pytest.mark.fuse
 
 FILES = 50_000
 CONTENTS = 500  # distinct contents, each shared by FILES // CONTENTS files (keeps tmpfs small)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tierfs.fs.latest_pins import GRACE, THROUGH_LINK, LatestPins
+
+pytestmark = pytest.mark.core
 
 
 class Clock:

@@ -16,6 +16,8 @@ from tierfs.fs.ram_store import RamFull, RamStore
 from tierfs.s3tier.backend import FileBackend
 from tierfs.s3tier.reader import PersistentReader
 
+pytestmark = pytest.mark.core
+
 STEP = "run/step_1"
 
 

@@ -15,6 +15,8 @@ import pytest
 from tierfs.fs import fuse_wire as wire
 from tierfs.fs.passthrough import MESSAGE_MAX, PassthroughDevice, PassthroughUnavailable
 
+pytestmark = pytest.mark.core
+
 
 @pytest.fixture
 def relay(tmp_path: Path):  # type: ignore[no-untyped-def]

@@ -19,7 +19,7 @@ from tierfs import manifest as mf
 from tierfs.cluster import membership as live_members
 from tierfs.cluster.commit_records import FileRecord
 from tierfs.cluster.etcd import Etcd, parse_cluster_url
-from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.demo.etcd import Etcd as EtcdServer
 from tierfs.replication import protocol as proto
 from tierfs.replication.channel import connect
 from tierfs.replication.membership import Membership
@@ -28,6 +28,8 @@ from tierfs.replication.protocol import ProtocolError
 from tierfs.replication.receiver import INCOMING_PREFIX, ReplicaReceiver
 from tierfs.replication.replicator import Replicator
 from tierfs.replication.server import PeerServer
+
+pytestmark = pytest.mark.store
 
 TOKEN = b"layer-test-token"
 

@@ -11,12 +11,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import trio
 
 from tierfs import manifest as mf
 from tierfs.s3tier.backend import MANIFEST_KEY, BackendError, FileBackend
 from tierfs.s3tier.uploader import Uploader
 from tierfs.trackers import TrackedStep, is_tracker_name
+
+pytestmark = pytest.mark.store
 
 
 def committed_step(objects: Path, path: str, files: dict[str, bytes]) -> mf.StepManifest:

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from tierfs import manifest as mf
 
+pytestmark = pytest.mark.core
+
 names = st.lists(st.text("abcdefghij_.0123456789", min_size=1, max_size=12), min_size=1,
                  max_size=3).map("/".join).filter(
                      lambda n: all(p not in (".", "..") for p in n.split("/")))

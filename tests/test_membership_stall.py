@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 import trio
 
 from tierfs.cluster.etcd import Etcd, parse_cluster_url
 from tierfs.cluster.membership import Membership
-from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.demo.etcd import Etcd as EtcdServer
+
+pytestmark = pytest.mark.store
 
 TTL = 2  # seconds: etcd's smallest lease with its default election timeout
 

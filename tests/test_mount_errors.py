@@ -12,10 +12,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import TIERFS, Mount, MountFactory, pid_alive, tierfs, wait_until
 from tests.test_cli import assert_one_line_error
 from tests.test_commit import write_step
 from tierfs.mount_helper.mounts import PATIENCE, is_mounted, mount_table
+
+pytestmark = pytest.mark.fuse
 
 
 def last_line_error(done: subprocess.CompletedProcess[str], text: str) -> None:

@@ -22,6 +22,8 @@ from tierfs.fs.operations import Operations
 from tierfs.fs.ram_store import RamStore
 from tierfs.trackers import TrackedStep
 
+pytestmark = pytest.mark.core
+
 CTX = SimpleNamespace(uid=os.geteuid(), gid=os.getegid(), umask=0o022, pid=os.getpid())
 
 

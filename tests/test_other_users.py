@@ -26,6 +26,8 @@ import pytest
 
 from tests.conftest import MountFactory
 
+pytestmark = pytest.mark.fuse
+
 WORKTREE = Path(__file__).resolve().parent.parent
 RunAs = Callable[..., subprocess.CompletedProcess[str]]
 

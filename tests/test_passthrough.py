@@ -17,6 +17,8 @@ import pytest
 
 from tests.conftest import Mount, MountFactory, getxattr
 
+pytestmark = pytest.mark.fuse
+
 SIZE = 64 << 20
 
 

@@ -14,12 +14,14 @@ import trio
 from tests.conftest import free_port
 from tierfs.cluster import membership as live_members
 from tierfs.cluster.etcd import Etcd, parse_cluster_url
-from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.demo.etcd import Etcd as EtcdServer
 from tierfs.replication import pool
 from tierfs.replication import protocol as proto
 from tierfs.replication.channel import PeerChannel
 from tierfs.replication.membership import Membership
 from tierfs.replication.server import PeerServer
+
+pytestmark = pytest.mark.store
 
 TOKEN = b"pool-test-token"
 

@@ -16,6 +16,8 @@ from tests.test_crash import save
 from tierfs import manifest as mf
 from tierfs.mount_helper.mounts import is_mounted
 
+pytestmark = pytest.mark.fuse
+
 
 def step_files(seed: int) -> dict[str, bytes]:
     return {"__0_0.distcp": os.urandom(3 << 20), "__1_0.distcp": bytes([seed]) * 1000,

@@ -18,6 +18,8 @@ import pytest
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs
 
+pytestmark = pytest.mark.fuse
+
 
 def expect_errno(code: int, func, *args) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(OSError) as info:
@@ -367,7 +369,7 @@ def fallocate(fd: int, length: int) -> None:
 
 @DATA_PATHS
 def test_fallocate_and_seek_hole_data(mounts: MountFactory, passthrough: bool) -> None:
-    """What the README promises: fallocate(2) is EOPNOTSUPP (pyfuse3 has no handler), glibc's
+    """What doc/SEMANTICS.md promises: fallocate(2) is EOPNOTSUPP (pyfuse3 has no handler), glibc's
     posix_fallocate falls back to writing; SEEK_DATA/SEEK_HOLE see the whole file as data."""
     mnt = both_data_paths(mounts, passthrough)
     fd = os.open(mnt / "f", os.O_RDWR | os.O_CREAT, 0o644)

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from tierfs.replication import protocol as proto
 from tierfs.replication.channel import AuthError, PeerChannel, authenticate
 
+pytestmark = pytest.mark.core
+
 TOKEN = b"s3cret-token-for-tests"
 
 

@@ -14,6 +14,8 @@ import pytest
 from tests.conftest import Mount, MountFactory, getxattr, tierfs
 from tests.test_crash import save
 
+pytestmark = pytest.mark.fuse
+
 MiB = 1 << 20
 
 

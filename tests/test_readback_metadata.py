@@ -7,10 +7,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import MountFactory, tierfs, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
+
+pytestmark = pytest.mark.cluster
 
 MTIME_NS = 1_600_000_000_123_456_789
 OWNERS = {"shard.bin": (1234, 2345, 0o640), "small": (4321, 5432, 0o604),

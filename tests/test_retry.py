@@ -9,6 +9,8 @@ import trio
 from tierfs.s3tier.interface import BackendError, NotFound
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, RetryPolicy, retry
 
+pytestmark = pytest.mark.core
+
 QUICK = RetryPolicy(first_delay=0.001, max_delay=0.004)
 
 

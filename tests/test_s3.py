@@ -17,9 +17,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from tests.conftest import MountFactory, tierfs, wait_until
 from tests.test_crash import save
 from tests.test_torch import assert_state_equal
-from tierfs.devtools.seaweed import SeaweedS3
+from tierfs.demo.seaweed import SeaweedS3
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.fuse, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 def training_state(seed: int) -> dict[str, torch.Tensor]:

@@ -17,6 +17,8 @@ from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
 from tierfs.fs.nodes import DEFAULT_STEP_PATTERN
 from tierfs.mount_helper.config import ConfigError, resolve
 
+pytestmark = pytest.mark.frameworks
+
 IDLE = "0.3"  # --commit-idle in these tests: seconds of quiet before a step commits
 
 

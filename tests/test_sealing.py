@@ -16,6 +16,8 @@ from tests.conftest import Mount, MountFactory, getxattr, tierfs
 from tests.test_namespace import CTX, Harness, dcp_save
 from tierfs import manifest as mf
 
+pytestmark = pytest.mark.fuse
+
 BIG = 32 << 20  # big enough that its hash is still running when the next write comes
 
 

@@ -7,9 +7,23 @@ import math
 
 import pytest
 
-from bench.simulate_cluster import MANIFEST_FILE, STEP, Cluster, Params, drive, main
+from bench.simulate_cluster import (
+    MANIFEST_FILE,
+    STEP,
+    Cluster,
+    Params,
+    S3Limits,
+    ddp_restore,
+    drive,
+    get_requests,
+    main,
+    put_requests,
+    s3_transfer,
+)
 from tierfs.cluster import placement
 from tierfs.cluster.etcd import MAX_TXN_OPS
+
+pytestmark = pytest.mark.core
 
 
 def small(**changes: object) -> Params:
@@ -65,4 +79,34 @@ def test_command_line_prints_the_table(capsys: pytest.CaptureFixture[str]) -> No
           "--ks", "1", "--variants", "batch:event"])
     out = capsys.readouterr().out
     assert "committed" in out and "restore peers" in out
+    assert "swarm (now)" in out and "holders (before)" in out and "SlowDown" in out
     assert len([line for line in out.splitlines() if line.strip().startswith("100 |")]) == 1
+
+
+def test_one_writer_many_readers_the_swarm_loads_in_about_one_nodes_time() -> None:
+    """Every node reads node 0's file: from the holders alone their uplinks send it once per
+    reader; routed by the real `sources.ChunkRoutes`, each holder sends its chunks about once
+    and every node has the file within 2x one node's time."""
+    p = small(nodes=200, replicas=1)
+    before = ddp_restore(p, file_gb=1.0, swarm=False, sample_chunks=32)
+    now = ddp_restore(p, file_gb=1.0, swarm=True, sample_chunks=32)
+    assert before.holder_sent > 90  # 198 readers over two holders
+    assert before.seconds > 50 * before.one_node
+    assert now.holder_sent <= 0.6  # half the chunks each, once
+    assert now.relay_sent <= 2.0
+    assert now.seconds <= 2 * now.one_node
+    assert 1 < now.depth < 20
+
+
+def test_above_s3s_request_rate_requests_are_slowed_down_never_lost() -> None:
+    """More requests than the prefix takes: some are answered SlowDown and retried after the
+    retry policy's pause; every one is accepted in the end, at no more than the rate."""
+    p = small(nodes=50)
+    limits = S3Limits(put_rps=200.0, streams=4)
+    requests = [put_requests(40 << 20, 16 << 20) for _ in range(50)]  # 5 requests a node
+    result = s3_transfer("test", requests, limits.put_rps, p, limits)
+    assert result.requests == 250
+    assert result.slowdowns > 0
+    assert result.seconds >= 250 / limits.put_rps * 0.9
+    assert put_requests(10 << 20, 16 << 20) == [10 << 20]  # one PUT when it fits a part
+    assert len(get_requests(61_000_000, 8 << 20)) == 8

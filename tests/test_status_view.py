@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import MountFactory, tierfs
 from tests.test_savers import write
 from tierfs.mount_helper.status_view import (
@@ -18,6 +20,8 @@ from tierfs.mount_helper.status_view import (
     subtree,
     uncommitted,
 )
+
+pytestmark = pytest.mark.fuse
 
 NOW = 1_800_000_000 * 10**9  # ns
 

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from tests.conftest import Mount, getxattr, run_dcp_ranks
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.frameworks, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 def make_training_state(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

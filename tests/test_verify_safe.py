@@ -8,11 +8,14 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import xxhash
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs
 from tests.faults.results_io import flip_byte
 from tests.test_crash import save
+
+pytestmark = pytest.mark.fuse
 
 SHARD = "shard"
 

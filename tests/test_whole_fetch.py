@@ -17,6 +17,8 @@ from tests.test_crash import save
 from tests.test_passthrough import daemon_io, kernel_has_passthrough
 from tierfs import manifest as mf
 
+pytestmark = pytest.mark.fuse
+
 SIZE = 2 * mf.CHUNK_SIZE + 12345  # three chunks, the last one short
 
 

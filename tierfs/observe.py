@@ -22,11 +22,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tierfs import manifest as mf
@@ -218,6 +218,7 @@ class Levels:
     peers: int
     peers_up: int
     incomplete_steps: int = 0  # committed steps with a file reachable on no tier now
+    sent_to_peers: dict[str, int] = field(default_factory=dict)  # bytes of frames, per peer
 
 
 class LevelsCollector(Collector):
@@ -256,7 +257,12 @@ class LevelsCollector(Collector):
                                        "file that no live node and no store holds now "
                                        "(`latest` skips them)")
         incomplete.add_metric([], levels.incomplete_steps)
-        return [ram_used, ram_limit, steps, nbytes, peers, up, incomplete]
+        sent = CounterMetricFamily("tierfs_peer_sent_bytes", "Bytes this node sent to each "
+                                   "peer (replicas, ranges read by or relayed to it, "
+                                   "requests)", labels=["peer"])
+        for peer, count in sorted(levels.sent_to_peers.items()):
+            sent.add_metric([peer], count)
+        return [ram_used, ram_limit, steps, nbytes, peers, up, incomplete, sent]
 
 
 class MetricsServer:

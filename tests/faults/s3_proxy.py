@@ -64,6 +64,40 @@ class Fault:
 Plan = Callable[[Request], Fault | None]
 
 
+class RateLimit:
+    """A plan that answers SlowDown past `read_rps` reads (GET, HEAD) and `write_rps` other
+    requests a second, as S3 does past its per-prefix rates: a token bucket per kind,
+    `burst` seconds deep. `accepted` holds the time of each request let through, per kind."""
+
+    def __init__(self, read_rps: float, write_rps: float, burst: float = 0.2) -> None:
+        self._rates = {"read": read_rps, "write": write_rps}
+        self._burst = burst
+        self._tokens = {kind: rate * burst for kind, rate in self._rates.items()}
+        self._stamp = time.monotonic()
+        self._lock = threading.Lock()
+        self.accepted: dict[str, list[float]] = {"read": [], "write": []}
+
+    def __call__(self, request: Request) -> Fault | None:
+        kind = "read" if request.method in ("GET", "HEAD") else "write"
+        with self._lock:
+            now = time.monotonic()
+            for name, rate in self._rates.items():
+                self._tokens[name] = min(rate * self._burst,
+                                         self._tokens[name] + (now - self._stamp) * rate)
+            self._stamp = now
+            if self._tokens[kind] < 1:
+                return Fault("slowdown")
+            self._tokens[kind] -= 1
+            self.accepted[kind].append(now)
+        return None
+
+    def busiest_second(self, kind: str) -> int:
+        """The most requests of `kind` let through in any one second."""
+        times = self.accepted[kind]
+        return max((sum(1 for t in times[i:] if t - start < 1.0)
+                    for i, start in enumerate(times)), default=0)
+
+
 class S3Proxy:
     def __init__(self, upstream: str) -> None:
         parsed = urlparse(upstream)

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import xxhash
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
@@ -22,8 +23,10 @@ from tests.faults.results_io import flip_byte, pick, write_results
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
 from tierfs import manifest as mf
-from tierfs.devtools.etcd import Etcd
-from tierfs.devtools.seaweed import SeaweedS3
+from tierfs.demo.etcd import Etcd
+from tierfs.demo.seaweed import SeaweedS3
+
+pytestmark = pytest.mark.faults
 
 SHARD = "__0_0.distcp"
 
@@ -38,7 +41,7 @@ class Tally:
         self.counts: Counter[str] = Counter()
 
     def write(self, name: str, started: float) -> None:
-        """No wrong bytes, ever; then the counts, for the README's Reliability table."""
+        """No wrong bytes, ever; then the counts, for doc/RELIABILITY.md's table."""
         counts = dict(self.counts)
         assert counts.get("wrong_bytes", 0) == 0
         write_results(name, {

@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import msgpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,8 +28,10 @@ from tests.faults.results_io import pick, write_results
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save, verify_committed
 from tierfs import manifest as mf
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
 from tierfs.replication import protocol as proto
+
+pytestmark = pytest.mark.faults
 
 MARK = f"tierfs-escape-{uuid.uuid4().hex[:8]}"  # in every hostile path: searched for after
 HEX = "0123456789abcdef"

@@ -19,6 +19,8 @@ import pytest
 from tests.conftest import Mount, MountFactory, getxattr, wait_until
 from tests.faults.conftest import FULL, report, scale
 
+pytestmark = pytest.mark.faults
+
 WORKER = str(Path(__file__).with_name("load_worker.py"))
 RANKS = 8
 SHAPES = {"2,000 files": (250, 16 << 10), "8 large shards": (1, 6 << 20)}

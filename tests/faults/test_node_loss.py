@@ -17,7 +17,9 @@ from tests.conftest import MountFactory, wait_until
 from tests.faults.conftest import FULL, report, scale, step_problems
 from tests.test_cluster import Cluster
 from tests.test_crash import save
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
+
+pytestmark = pytest.mark.faults
 
 COUNTS: dict[str, Any] = {"node_losses": 0, "simultaneous_losses": 0, "stale_returns": 0,
                           "steps_checked_on_survivors": 0, "losses": 0}

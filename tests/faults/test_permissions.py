@@ -19,7 +19,9 @@ import pytest
 
 from tests.conftest import MountFactory, free_port, tierfs
 from tests.faults.conftest import report
-from tierfs.devtools.etcd import Etcd
+from tierfs.demo.etcd import Etcd
+
+pytestmark = pytest.mark.faults
 
 NOBODY = 65534
 CHECKS: dict[str, int] = {"refusals_checked": 0, "accesses_checked": 0}

@@ -9,7 +9,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.faults.conftest import Trainer, file_hash
+
+pytestmark = pytest.mark.faults
 
 SAVES = 100  # about 8 % of small saves came out of order before: missed in 100 about never
 MIB = 0.01

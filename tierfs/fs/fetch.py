@@ -12,6 +12,10 @@ When the RAM tier has no room the chunk is still returned, just not kept.
 A file opened for reading while passthrough is on is fetched whole before the open returns
 (`fill`, WHOLE_IN_FLIGHT chunks at a time), so that its reads go to the RAM store, not through
 the daemon (see `tierfs.fs.residency.Residency.fetch_whole`).
+
+Chunks of a partial file are served to other readers as soon as they are in (`relay_chunk`):
+after a data-parallel restart every node reads the same file, and the holders send readers
+to each other (`tierfs.replication.sources`). Such a copy stays a read-back cache.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ log = logging.getLogger(__name__)
 PART_PREFIX = reserved.PART
 READ_AHEAD = 4  # chunks fetched ahead of a sequential reader
 WHOLE_IN_FLIGHT = 8  # chunks on their way at once when a file is fetched whole
+RELAY_WAIT = 8.0  # seconds a peer sent here for a chunk waits for it to come in (< IO_TIMEOUT)
 
 
 class ReadSource(Protocol):
@@ -225,6 +230,22 @@ class Fetch:
         except Exception as exc:  # the read that needs the chunk will try again and report
             log.debug("read-ahead of chunk %d of %s failed: %s", index, self.remote.entry.name,
                       exc)
+
+    async def relay_chunk(self, index: int, wait: float = RELAY_WAIT) -> int | None:
+        """For another reader sent here for chunk `index` (`replication.sources`): a
+        duplicate of the partial file's fd once the chunk is in it, waiting up to `wait`
+        seconds for one on its way; None if it is not here, not coming, or not kept."""
+        if not 0 <= index < len(self.present):
+            return None
+        with trio.move_on_after(wait):
+            while not self.present[index] and self.fd >= 0:
+                pending = self._inflight.get(index)
+                if pending is None:
+                    return None
+                await pending.wait()
+        if not self.present[index] or self.fd < 0:
+            return None
+        return os.dup(self.fd)
 
     async def fill(self, sources: list[ReadSource], in_flight: int = READ_AHEAD) -> None:
         """Fetch every missing chunk, `in_flight` at a time (for a writer, a prefetch, a

@@ -1,7 +1,7 @@
 """The namespace of one mount: the `Tree` and its collaborators, put together in dependency
 order, behind the one object `fs.operations` talks to.
 
-Who owns what (README, "How it is built"):
+Who owns what (doc/ARCHITECTURE.md):
 
 * `Tree` (fs.tree): nodes, handles, step state, the RAM store's references; the invariants.
 * `Recovery` (fs.recovery): the RAM store put back in order at start, before the Tree is built.

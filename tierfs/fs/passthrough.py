@@ -2,8 +2,8 @@
 directly, so file data never crosses the daemon.
 
 Without it, every 1 MiB of a checkpoint is a FUSE request that Python receives, copies and
-writes again; the daemon's one busy core caps a save at a fraction of tmpfs speed (see the
-README's Performance section for the profile). Linux 6.9+ can instead serve an open file from a
+writes again; the daemon's one busy core caps a save at a fraction of tmpfs speed (see
+doc/BENCHMARKS.md for the profile). Linux 6.9+ can instead serve an open file from a
 backing file the daemon names. That takes three things from the daemon: the FUSE_PASSTHROUGH
 flag in the INIT reply, a backing id registered with an ioctl on /dev/fuse, and that id with
 FOPEN_PASSTHROUGH in the reply to OPEN or CREATE.

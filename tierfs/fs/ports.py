@@ -1,7 +1,7 @@
 """Every call the file system makes outward, as typed Protocols, in one place.
 
 `fs` imports no tier, no peer protocol and no daemon: what it needs from them is handed to the
-constructors of its classes (see README, "How it is built"), in dependency order, by
+constructors of its classes (see doc/ARCHITECTURE.md), in dependency order, by
 `mount_helper/daemon.py` (or by a test). The Protocols below say exactly what is asked.
 
 Outward (implemented outside `fs`):

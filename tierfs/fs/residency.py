@@ -84,6 +84,15 @@ class Residency:
         return self.tree.start_fetch(node, Fetch(self.store, node.remote,
                                                  spawn=self.background.spawn))
 
+    async def chunk_for_peer(self, xxh3: str, index: int) -> int | None:
+        """A peer was sent here for chunk `index` of the file with content `xxh3`, which this
+        node is fetching: an fd of the partial copy once the chunk is in (`Fetch.relay_chunk`),
+        or None."""
+        fetch = next((node.fetch for node in self.tree.fetching
+                      if node.fetch is not None and node.fetch.remote.entry.xxh3 == xxh3),
+                     None)
+        return None if fetch is None else await fetch.relay_chunk(index)
+
     async def make_resident(self, node: Node, *, empty: bool) -> None:
         """Bring a non-resident file into RAM before it changes: whole, or as an empty file."""
         if node.remote is None:

@@ -2,7 +2,7 @@
 in the background, so that the close returns at once and the saver goes on to its next file
 while the previous one is hashed.
 
-The promises stay those of a seal taken at close (`fs.tree`, README "Semantics"):
+The promises stay those of a seal taken at close (`fs.tree`, doc/SEMANTICS.md):
 
 * A seal describes the bytes it was computed from. It is kept only if no writer became active
   while the hash ran (`Node.gen` did not move: every write through the daemon, and every open

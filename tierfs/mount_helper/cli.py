@@ -60,6 +60,15 @@ class UserError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _parser_and_commands()[0]
+
+
+def command_names() -> frozenset[str]:
+    """The subcommands: what the mount helper form's first operand is never."""
+    return _parser_and_commands()[1]
+
+
+def _parser_and_commands() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     parser = argparse.ArgumentParser(
         prog="tierfs", description="Tiered checkpoint filesystem: a FUSE mount whose writes land "
         "in RAM and whose step directories commit atomically.", epilog=EPILOG,
@@ -76,11 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     for option in MOUNT_OPTIONS:
         flag = "--" + option.name
         if option.kind == "flag":
-            mount.add_argument(flag, action="store_true", default=None, help=option.help)
+            mount.add_argument(flag, action="store_true", default=None,
+                               help=option.argparse_help())
         else:
             mount.add_argument(flag, metavar=option.metavar, default=None,
-                               help=(option.help % {"default": option.default})
-                               .replace("%", "%%"))  # argparse expands % itself
+                               help=option.argparse_help())
     mount.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
     umount = commands.add_parser("umount", help="unmount and stop the daemon")
@@ -157,7 +166,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("demo", help="train, checkpoint, crash and resume on a local mount "
                         "(what `make demo` runs)")
-    return parser
+    return parser, frozenset(commands.choices)
+
+
+def mount_helper_main() -> int:
+    """The `mount.fuse.tierfs` entry point (mount(8) runs it for `-t fuse.tierfs`)."""
+    argv = sys.argv[1:]
+    if not fuse_helper.is_helper_form(argv, command_names()):
+        name = os.path.basename(sys.argv[0])
+        print(f"usage: {name} SOURCE MOUNTPOINT [-o name=value,...] (run by mount(8); "
+              "`tierfs --help` lists the options)", file=sys.stderr)
+        return 2
+    return main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if fuse_helper.is_helper_form(argv):  # `tierfs SOURCE DIR -o ...`, as mount.fuse3 runs it
+    if fuse_helper.is_helper_form(argv, command_names()):  # as mount.fuse3 runs tierfs
         try:
             argv = fuse_helper.to_mount_argv(argv)
         except ConfigError as exc:
@@ -199,7 +219,7 @@ def _run(argv: list[str] | None) -> int:
         if args.command == "verify":
             return _verify(args.path, args.json, not args.no_repair)
         if args.command == "demo":
-            from tierfs.devtools.demo import run_demo  # imports torch: only when asked
+            from tierfs.demo.run import run_demo  # imports torch: only when asked
 
             return run_demo()
     except (UserError, ConfigError, control.ControlError) as exc:

@@ -30,87 +30,119 @@ class ConfigError(Exception):
 
 @dataclass(frozen=True)
 class Option:
+    """One mount option. `help` and `default_help` are the one text for `tierfs mount --help`
+    and doc/CONFIGURATION.md (generated from this table by `make docs`); backticks mark code
+    there and are dropped for --help."""
+
     name: str
     default: Any
     help: str
-    kind: str = "str"  # str, int, size, path, flag
+    kind: str = "str"  # str, int, float, size, path, flag
     metavar: str = ""
+    default_help: str = ""  # the default as a user reads it; "" shows `default` itself
+
+    def shown_default(self) -> str:
+        """The default as the docs' table shows it (markdown)."""
+        if self.default_help:
+            return self.default_help
+        if self.kind == "flag":
+            return "off"
+        if self.default is None:
+            return "none"
+        value = self.default
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        return f"`{value}`"
+
+    def argparse_help(self) -> str:
+        """The --help line: the same text without markdown, `%` escaped for argparse."""
+        text = f"{self.help} (default: {self.shown_default()})".replace("`", "")
+        return text.replace("%", "%%")
 
 
+_SEMANTICS = "doc/SEMANTICS.md"
 MOUNT_OPTIONS = [
-    Option("foreground", False, "stay in the foreground and log to stderr", "flag"),
+    Option("foreground", False, "stay in the foreground, log to stderr", "flag",
+           default_help="off: daemonise after the mount is ready"),
     Option("ram-dir", "/dev/shm/tierfs", "where the RAM tier keeps its data; must be on tmpfs "
-           "to be RAM (default %(default)s)", "path", "DIR"),
-    Option("ram-limit", "50%", "bytes (64G, 512M) or percent of memory (50%%) the RAM tier may "
-           "hold (default %(default)s)", "size", "SIZE"),
+           "to be RAM", "path", "DIR"),
+    Option("ram-limit", "50%", "bytes (`64G`, `512M`) or percent of memory (`50%`) the RAM "
+           "tier may hold", "size", "SIZE"),
     Option("keep-ram", 3, "committed steps kept in RAM per run directory; older ones leave RAM "
-           "only once safe in another tier (default %(default)s)", "int", "N"),
-    Option("persist", None, "persistent tier: s3://bucket/prefix or file:///abs/path "
-           "(default: none, RAM only)", metavar="URL"),
-    Option("persist-every", 1, "persist every N-th step, by step number (default %(default)s)",
+           "only once safe elsewhere (persisted, or held by `--replicas` peers); kept ones too "
+           f"when a write needs the room (see \"RAM limit\" in {_SEMANTICS})", "int", "N"),
+    Option("persist", None, "persistent tier: `s3://bucket/prefix` or `file:///abs/path`",
+           metavar="URL", default_help="none: RAM only, with a warning"),
+    Option("persist-every", 1, "persist every N-th step (by step number); `1` = every step",
            "int", "N"),
     Option("keep-persist", 0, "committed steps kept in the persistent tier per run directory; "
-           "0 keeps all (default %(default)s)", "int", "N"),
-    Option("s3-endpoint", None, "S3-compatible endpoint URL (default: AWS_ENDPOINT_URL, else "
-           "AWS)", metavar="URL"),
-    Option("node-id", None, "this node's name (default: the host name)", metavar="ID"),
+           "`0` = keep all", "int", "N"),
+    Option("s3-endpoint", None, "S3-compatible endpoint (also `AWS_ENDPOINT_URL`); path-style "
+           "addressing when set", metavar="URL", default_help="AWS"),
+    Option("node-id", None, "this node's name", metavar="ID", default_help="the host name"),
     Option("cluster", None, "join the cluster whose membership and commit records live in "
-           "these etcd endpoints under PREFIX: etcd://HOST:PORT[,HOST:PORT...]/PREFIX "
-           "(default: single node)", metavar="URL"),
-    Option("etcd-cacert", None, "with --cluster: the CA certificate etcd's server certificate "
-           "is checked against, as etcdctl's --cacert (implies TLS, as etcds:// does)", "path",
-           "FILE"),
-    Option("etcd-cert", None, "with --cluster: this node's client certificate for etcd, as "
-           "etcdctl's --cert (implies TLS)", "path", "FILE"),
-    Option("etcd-key", None, "with --cluster: the private key of --etcd-cert, as etcdctl's "
-           "--key", "path", "FILE"),
-    Option("etcd-user", None, "with --cluster: the etcd user, when etcd has auth enabled; its "
-           "password comes from --etcd-password-file or TIERFS_ETCD_PASSWORD", metavar="NAME"),
-    Option("etcd-password-file", None, "file holding --etcd-user's password; must not be "
+           "these etcd endpoints under PREFIX: `etcd://HOST:PORT[,HOST:PORT...]/PREFIX` "
+           "(`etcds://` for TLS; see "
+           "doc/CLUSTER.md)", metavar="URL", default_help="none: single node"),
+    Option("etcd-cacert", None, "with `--cluster`: the CA certificate etcd's server "
+           "certificate is checked against, as etcdctl's `--cacert` (implies TLS, as "
+           "`etcds://` does)", "path", "FILE", default_help="plain http"),
+    Option("etcd-cert", None, "with `--cluster`: this node's client certificate for etcd, as "
+           "etcdctl's `--cert` (implies TLS; with etcd's auth on, one without a CommonName: "
+           "etcd's JSON gateway refuses those)", "path", "FILE"),
+    Option("etcd-key", None, "with `--cluster`: the private key of `--etcd-cert`, as "
+           "etcdctl's `--key`", "path", "FILE"),
+    Option("etcd-user", None, "with `--cluster`: the etcd user, when etcd has auth enabled; "
+           "its password comes from `--etcd-password-file` or `TIERFS_ETCD_PASSWORD`, never "
+           "the command line", metavar="NAME", default_help="no auth"),
+    Option("etcd-password-file", None, "file holding `--etcd-user`'s password; must not be "
            "readable by others", "path", "FILE"),
-    Option("listen", None, "this node's peer data port, HOST:PORT (required with --cluster)",
+    Option("listen", None, "this node's peer data port, HOST:PORT (required with `--cluster`)",
            metavar="HOST:PORT"),
-    Option("advertise", None, "the address peers connect to, when not --listen's",
-           metavar="HOST:PORT"),
-    Option("replicas", None, "extra copies of each committed file on other nodes (default 1 "
-           "in a cluster)", "int", "K"),
-    Option("token-file", None, "file holding the shared secret peer data connections must "
-           "prove; required with --cluster unless --insecure; must not be readable by others",
-           "path", "FILE"),
-    Option("insecure", False, "allow --cluster without a token (a trusted, closed network only)",
-           "flag"),
-    Option("peers", None, "removed: use --cluster, --listen and --node-id", metavar="LIST"),
-    Option("step-pattern", DEFAULT_STEP_PATTERN, "regular expression for step directory names; "
-           "group 1 is the step number (default %(default)s)", metavar="REGEX"),
-    Option("file-step-pattern", DEFAULT_FILE_STEP_PATTERN, "regular expression for the names "
-           "of single-file checkpoints outside step directories (file steps); group 1 is the "
-           "step number (default %(default)s)", metavar="REGEX"),
+    Option("advertise", None, "the address peers connect to, when not `--listen`'s (required "
+           "when `--listen` is `0.0.0.0` or `::`)", metavar="HOST:PORT",
+           default_help="`--listen`"),
+    Option("replicas", None, "extra copies of each committed file on other nodes (see "
+           "doc/CLUSTER.md); needs `--cluster`", "int", "K", default_help="`1` in a cluster"),
+    Option("token-file", None, "file holding the shared secret (at least 16 bytes) peer data "
+           "connections must prove; required with `--cluster` unless `--insecure`; refused if "
+           "others can read it", "path", "FILE"),
+    Option("insecure", False, "allow `--cluster` without a token, on a closed, trusted network "
+           "only", "flag"),
+    Option("peers", None, "removed: given, it is refused with one line naming `--cluster` and "
+           "`--listen`", metavar="LIST"),
+    Option("step-pattern", DEFAULT_STEP_PATTERN, "which directory names are steps (a regular "
+           "expression); group 1 is the step number", metavar="REGEX"),
+    Option("file-step-pattern", DEFAULT_FILE_STEP_PATTERN, "which names of files outside step "
+           "directories are file steps (single-file checkpoints; a regular expression); group "
+           "1 is the step number", metavar="REGEX",
+           default_help="the number before a checkpoint extension: `epoch=0-step=5.ckpt`, "
+           f"`model_1000.pt` (see \"File steps and loose files\" in {_SEMANTICS})"),
     Option("commit-idle", 5.0, "a step being written commits by itself once no file of it has "
-           "been open for writing or changed for this long (default %(default)s)", "float",
-           "SECONDS"),
-    Option("commit-timeout", 20.0, "with --cluster: the longest a saver's call that commits a "
-           "step (the close or rename of DCP's .metadata) waits for etcd, in all; then it fails "
-           "with ETIMEDOUT (the save raises), and the step stays writing and commits by itself "
-           "once etcd answers (default %(default)s)", "float", "SECONDS"),
+           "been open for writing or changed for this long", "float", "SECONDS"),
+    Option("commit-timeout", 20.0, "with `--cluster`: the longest a saver's call that commits a "
+           "step (the close or rename of DCP's `.metadata`) waits for etcd, in all; then it "
+           "fails with `ETIMEDOUT` (the save raises), and the step stays `writing` and commits "
+           "by itself once etcd answers (see doc/CLUSTER.md)", "float", "SECONDS"),
     Option("no-passthrough", False, "route file data through the daemon even where the kernel "
            "could pass reads and writes straight to the RAM store (slower; for comparison)",
-           "flag"),
-    Option("metrics", None, "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. "
-           "127.0.0.1:9100; :9100 listens on every interface; default: none)",
-           metavar="HOST:PORT"),
-    Option("log-file", None, "log destination when daemonised (default <ram-dir>/tierfs.log)",
-           "path", "FILE"),
-    Option("allow-non-empty", False, "mount even if MOUNTPOINT is not empty (its content stays "
-           "hidden while tierfs is mounted)", "flag"),
-    Option("allow-other", False, "let other users use the mount (FUSE allow_other); the kernel "
-           "still enforces file modes, and they may run `tierfs status`/`flush`", "flag"),
-    Option("uid", None, "owner of the mount's root directory, a user name or number (files "
-           "keep the owner of whoever creates them; default: unchanged, first the mounting "
-           "user)", metavar="USER"),
-    Option("gid", None, "group of the mount's root directory, a name or number (default: the "
-           "--uid user's group)", metavar="GROUP"),
-    Option("root-mode", None, "mode of the mount's root directory, octal (default: unchanged, "
-           "first 755)", metavar="MODE"),
+           "flag", default_help="off: passthrough when available"),
+    Option("metrics", None, "serve Prometheus metrics at `http://HOST:PORT/metrics` (e.g. "
+           "`127.0.0.1:9100`; `:9100` listens on every interface; see \"Metrics\" in "
+           "doc/DEPLOYMENT.md)", metavar="HOST:PORT"),
+    Option("log-file", None, "log destination when daemonised", "path", "FILE",
+           default_help="`<ram-dir>/tierfs.log`"),
+    Option("allow-non-empty", False, "mount on a directory that is not empty (its content stays "
+           "hidden while tierfs is mounted)", "flag", default_help="off: refused"),
+    Option("allow-other", False, "other users may use the mount (FUSE `allow_other`); the "
+           "kernel still enforces file modes, and they may run `tierfs status`/`flush`", "flag"),
+    Option("uid", None, "owner of the mount's root directory, a user name or number; only the "
+           "root: files keep the owner of whoever creates them", metavar="USER",
+           default_help="unchanged (first: the daemon's user)"),
+    Option("gid", None, "group of the mount's root directory, a name or number",
+           metavar="GROUP", default_help="the `--uid` user's group, else unchanged"),
+    Option("root-mode", None, "mode of the mount's root directory, octal (`1777` for a shared, "
+           "sticky root)", metavar="MODE", default_help="unchanged (first `755`)"),
 ]
 
 # What a TOML value of each kind must be, and how to say so.

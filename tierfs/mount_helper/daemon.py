@@ -53,6 +53,7 @@ from tierfs.mount_helper.mounts import (
 )
 from tierfs.mount_helper.status_view import number_of
 from tierfs.observe import Events, Levels, MetricsServer
+from tierfs.replication.channel import SENT_TO
 from tierfs.replication.cluster_commit import ClusterCommits
 from tierfs.replication.membership import Membership
 from tierfs.replication.peer_delete import PeerDelete, delete_handler
@@ -644,7 +645,8 @@ class ClusterNode:
                                      on_held=self._held, may_copy=tiers.may_copy,
                                      events=events)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.hold_files)
-        self.ranges = RangeServer(store.objects, namespace.tree.sealed_path)
+        self.ranges = RangeServer(store.objects, namespace.tree.sealed_path, cfg.node_id,
+                                  namespace.residency.chunk_for_peer)
         self.manifests = ManifestServer(namespace.tree.committed_manifest)
 
     async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> bool:
@@ -663,7 +665,8 @@ class ClusterNode:
     async def start(self, nursery: trio.Nursery) -> None:
         handlers: dict[str, Handler] = {
             "PUT": self.receiver.put, "HOLD": self.receiver.hold,
-            "GET": self.ranges.on_get, "MANIFEST": self.manifests.on_manifest,
+            "GET": self.ranges.on_get, "SWARM_GET": self.ranges.on_swarm_get,
+            "MANIFEST": self.manifests.on_manifest,
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
         }
@@ -846,8 +849,14 @@ class ClusterNode:
                     "recording in etcd that the cluster's steps go to a store",
                     retryable=lambda exc: isinstance(exc, EtcdError), policy=CATCH_UP_RETRIES)
 
-    def served(self) -> dict[str, int]:
-        return {"requests": self.ranges.served_requests, "bytes": self.ranges.served_bytes}
+    def served(self) -> dict[str, Any]:
+        """What this node sent to peers: ranges served (`relayed`: from a file it was
+        fetching itself; `routed`: readers sent to another reader instead) and the bytes of
+        every frame to each peer (replicas, reads, requests)."""
+        ranges = self.ranges
+        return {"requests": ranges.served_requests, "bytes": ranges.served_bytes,
+                "relayed": ranges.relayed_requests, "routed": ranges.routed_requests,
+                "sent_bytes": dict(sorted(SENT_TO.items()))}
 
 
 class Daemon:
@@ -938,7 +947,7 @@ class Daemon:
         return Levels(store.used_bytes, store.limit_bytes,
                       {tier: (len(steps), sum(m.total_bytes for m in steps))
                        for tier, steps in pending.items()},
-                      len(peers), sum(1 for m in peers if m.up), incomplete)
+                      len(peers), sum(1 for m in peers if m.up), incomplete, dict(SENT_TO))
 
     async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         command = request.get("cmd")

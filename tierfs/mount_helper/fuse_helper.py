@@ -13,15 +13,12 @@ written `\\,`. The options that mount(8) and fstab add for themselves (`rw`, `no
 
 from __future__ import annotations
 
-import os
 import re
-import sys
+from collections.abc import Collection
 
 from tierfs.mount_helper.config import MOUNT_OPTIONS, ConfigError
 from tierfs.mount_helper.mounts import SOURCE_PREFIX
 
-COMMANDS = frozenset({"mount", "umount", "flush", "status", "commit", "prefetch", "verify",
-                      "demo"})
 # Set by mount(8), fstab or systemd for themselves; tierfs always mounts nosuid,nodev.
 GENERIC = frozenset({"rw", "defaults", "auto", "noauto", "user", "nouser", "users", "owner",
                      "group", "_netdev", "nofail", "suid", "nosuid", "dev", "nodev", "exec",
@@ -36,10 +33,10 @@ _VALUED = {o.name for o in MOUNT_OPTIONS if o.kind != "flag"} | {"config"}
 _TRUE, _FALSE = ("", "1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def is_helper_form(argv: list[str]) -> bool:
-    """`SOURCE DIR [-o OPTIONS]`: two operands, the first not a tierfs command."""
+def is_helper_form(argv: list[str], commands: Collection[str]) -> bool:
+    """`SOURCE DIR [-o OPTIONS]`: two operands, the first not one of tierfs's `commands`."""
     operands = _operands(argv)[0]
-    return len(operands) == 2 and operands[0] not in COMMANDS
+    return len(operands) == 2 and operands[0] not in commands
 
 
 def to_mount_argv(argv: list[str]) -> list[str]:
@@ -95,16 +92,3 @@ def _operands(argv: list[str]) -> tuple[list[str], list[str]]:
 def split_options(text: str) -> list[str]:
     r"""'a=1,b,c=x\,y' -> ['a=1', 'b', 'c=x,y'] (a comma inside a value is escaped: `\,`)."""
     return [part.replace("\\,", ",") for part in re.split(r"(?<!\\),", text) if part]
-
-
-def main() -> int:
-    """The `mount.fuse.tierfs` entry point."""
-    from tierfs.mount_helper.cli import main as tierfs_main
-
-    argv = sys.argv[1:]
-    if not is_helper_form(argv):
-        name = os.path.basename(sys.argv[0])
-        print(f"usage: {name} SOURCE MOUNTPOINT [-o name=value,...] (run by mount(8); "
-              "`tierfs --help` lists the options)", file=sys.stderr)
-        return 2
-    return tierfs_main(argv)

@@ -3,6 +3,7 @@ peer, and the mutual authentication that must succeed before anything else is ac
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import mmap
 import os
@@ -25,6 +26,9 @@ WINDOW = 4  # requests in flight on one connection (pipeline)
 # segment on the trio thread, which serves the mount meanwhile.
 BULK = 1 << 18
 LOW_WATER = 1 << 20
+# Bytes of frames this process sent to each peer, by node id, once it authenticated (one
+# daemon per process): the `tierfs_peer_sent_bytes` metric and `served_to_peers` in status.
+SENT_TO: collections.Counter[str] = collections.Counter()
 _POLL_SLICE_MS = 100  # how soon a blocking receive notices a cancellation
 
 
@@ -108,6 +112,7 @@ class PeerChannel:
             await self.stream.send_all(payload)
             await self.stream.send_all(tag)
         self._sent += 1
+        self._count_sent(len(header) + len(payload))
 
     def _tag(self, header: bytes, payload: bytes | memoryview) -> bytes:
         return b"" if self._send_mac is None else self._send_mac.tag(header, payload)
@@ -130,6 +135,7 @@ class PeerChannel:
             await _sendfile(self._socket, fd, offset, length)  # meanwhile, the tag is made
             await self.stream.send_all(await tagging())
             self._sent += 1
+            self._count_sent(len(header) + length)
 
     def _tag_file(self, header: bytes, fd: int, offset: int, length: int) -> bytes:
         """The tag of a frame whose payload is that part of the file (a file that changes
@@ -145,6 +151,10 @@ class PeerChannel:
                 return self._send_mac.tag(header, view[offset - start:])
         except (ValueError, OSError) as exc:  # beyond the end of the file
             raise proto.ProtocolError(f"cannot read the payload to send: {exc}") from None
+
+    def _count_sent(self, nbytes: int) -> None:
+        if self.peer_id != "?":  # the handshake's few bytes are not counted
+            SENT_TO[self.peer_id] += nbytes
 
     async def receive(self, *expected: str, timeout: float | None = None,
                       into: memoryview | None = None) -> proto.Message:

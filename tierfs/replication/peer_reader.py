@@ -1,20 +1,25 @@
 """Peers as a read source: byte ranges of committed files from a node that holds them, and
-serving such ranges to peers. Reads of the same file are spread over its holders by offset, so
-that a restore on every node at once (DDP) does not fall on the writer alone."""
+serving such ranges to peers. Reads of the same file are spread over its holders by offset,
+and each holder sends a chunk it already sent to readers that have it (`sources`), so that
+a restore on every node at once (DDP) leaves the writer's uplink about once."""
 
 from __future__ import annotations
 
+import logging
 import os
-import zlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from tierfs import manifest as mf
 from tierfs.replication import protocol as proto
+from tierfs.replication import sources
 from tierfs.replication.channel import PeerChannel
 from tierfs.replication.membership import Membership
+
+log = logging.getLogger(__name__)
 
 _HEX = set("0123456789abcdef")
 
@@ -63,48 +68,117 @@ class PeerReader:
     async def _read_from(self, holders: list[str], step_path: str, entry: mf.FileEntry,
                          offset: int, length: int, into: memoryview | None,
                          failures: list[str]) -> memoryview | None:
-        """The bytes from the first of `holders` that gives them (None if none does: each
-        failure is added to `failures`)."""
-        if not holders:
-            return None
-        start = zlib.crc32(f"{entry.xxh3}:{offset}".encode()) % len(holders)
-        rotated = holders[start:] + holders[:start]
-        # Live holders first; the others too, since a peer may be up before a heartbeat says so.
-        ordered = sorted(rotated, key=lambda h: not self.membership.is_up(h))
-        for node_id in ordered:
+        """The bytes from the first of `holders` that gives them, or from the reader it sends
+        this node to (None if none does: each failure is added to `failures`)."""
+        for node_id in sources.holder_order(holders, entry.xxh3, offset, self.membership.is_up):
             try:
-                async with self.membership.channel(node_id) as channel:
-                    await channel.send("GET", path=step_path, name=entry.name,
-                                       xxh3=entry.xxh3, offset=offset, length=length)
-                    reply = await channel.receive("DATA", into=into)
-                    payload = reply.payload
-                    if isinstance(payload, memoryview) and into is not None and (
-                            payload.obj is into.obj):
-                        return payload  # in the caller's buffer already
-                    return channel.take_payload(reply)
+                return await self._from_holder(node_id, step_path, entry, offset, length, into)
             except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
                 failures.append(f"{node_id}: {exc or 'timed out'}")
         return None
 
+    async def _from_holder(self, holder: str, step_path: str, entry: mf.FileEntry,
+                           offset: int, length: int, into: memoryview | None) -> memoryview:
+        """The bytes from `holder`, or from the relay it names (`sources.ChunkRoutes`); a
+        relay that fails is named back to the holder, which chooses again, and after
+        MAX_HOPS failed relays is asked for the bytes themselves (plain GET)."""
+        request = {"path": step_path, "name": entry.name, "xxh3": entry.xxh3,
+                   "offset": offset, "length": length}
+        avoid: list[str] = []
+        while True:
+            async with self.membership.channel(holder) as channel:
+                if len(avoid) >= sources.MAX_HOPS:
+                    await channel.send("GET", **request)
+                else:
+                    await channel.send("SWARM_GET", avoid=avoid, **request)
+                reply = await channel.receive("DATA", "SOURCE", into=into)
+                if reply.type == "DATA":
+                    return _payload(channel, reply, into)
+            relay = reply["node"]
+            try:
+                return await self._get(relay, request, into)
+            except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
+                log.info("chunk at %d of %s/%s: relay %s failed (%s); asking %s again",
+                         offset, step_path, entry.name, relay, exc or "timed out", holder)
+                avoid.append(relay)
+
+    async def _get(self, node_id: str, request: dict[str, Any],
+                   into: memoryview | None) -> memoryview:
+        async with self.membership.channel(node_id) as channel:
+            await channel.send("GET", **request)
+            return _payload(channel, await channel.receive("DATA", into=into), into)
+
+
+def _payload(channel: PeerChannel, reply: proto.Message, into: memoryview | None
+             ) -> memoryview:
+    """A DATA reply's bytes: the view of `into` they were received in, or taken from the
+    channel's buffer."""
+    payload = reply.payload
+    if isinstance(payload, memoryview) and into is not None and payload.obj is into.obj:
+        return payload  # in the caller's buffer already
+    return channel.take_payload(reply)
+
 
 class RangeServer:
     """Answers GET from the committed objects in RAM (immutable, named by their xxh3-128), or
-    from a sealed file of a step being committed on another node (multi-node DCP)."""
+    from a sealed file of a step being committed on another node (multi-node DCP), or from a
+    file this node is fetching itself (`partial`: a chunk another reader was sent here for,
+    once it is in). Answers SWARM_GET, as a holder, with the bytes or with the reader to get
+    them from (`sources.RouteBook`)."""
 
     def __init__(self, objects_dir: Path,
-                 sealed_path: Callable[[str, str, str], bytes | None]) -> None:
+                 sealed_path: Callable[[str, str, str], bytes | None], me: str = "",
+                 partial: Callable[[str, int], Awaitable[int | None]] | None = None) -> None:
         self.objects_dir = objects_dir
         self._sealed_path = sealed_path
+        self._partial = partial
+        self.routes = sources.RouteBook(me)
         self.served_requests = 0
         self.served_bytes = 0
+        self.relayed_requests = 0  # GETs answered from a file being fetched here
+        self.routed_requests = 0  # SWARM_GETs answered with another reader to ask
 
-    async def on_get(self, message: proto.Message, channel: PeerChannel) -> None:
+    def _held(self, message: proto.Message) -> bytes | Path | None:
         digest = message["xxh3"]
         if len(digest) != 32 or not set(digest) <= _HEX:
-            raise proto.ProtocolError("GET with a malformed xxh3")
+            raise proto.ProtocolError(f"{message.type} with a malformed xxh3")
         path = self.objects_dir / digest
-        if not path.exists():
-            path = self._sealed_path(message["path"], message["name"], digest)  # type: ignore[assignment]
+        if path.exists():
+            return path
+        return self._sealed_path(message["path"], message["name"], digest)
+
+    async def on_get(self, message: proto.Message, channel: PeerChannel) -> None:
+        path = self._held(message)
+        if path is None:
+            fd = await self._from_partial(message)
+            if fd is not None:
+                self.relayed_requests += 1
+                await self._send(message, channel, fd)
+                return
+        await self._serve(message, channel, path)
+
+    async def on_swarm_get(self, message: proto.Message, channel: PeerChannel) -> None:
+        path = self._held(message)
+        if path is not None:
+            source = self.routes.route(message["xxh3"], channel.peer_id,
+                                       message["offset"] // mf.CHUNK_SIZE, message["avoid"],
+                                       trio.current_time())
+            if source != self.routes.me:
+                self.routed_requests += 1
+                await channel.send("SOURCE", node=source)
+                return
+        await self._serve(message, channel, path)
+
+    async def _from_partial(self, message: proto.Message) -> int | None:
+        """An fd of this node's partial copy of the file once the asked chunk is in it (a
+        whole chunk, at its boundary), or None."""
+        offset, length = message["offset"], message["length"]
+        if self._partial is None or offset % mf.CHUNK_SIZE or length > mf.CHUNK_SIZE:
+            return None
+        return await self._partial(message["xxh3"], offset // mf.CHUNK_SIZE)
+
+    async def _serve(self, message: proto.Message, channel: PeerChannel,
+                     path: bytes | Path | None) -> None:
         try:
             if path is None:
                 raise FileNotFoundError
@@ -113,6 +187,10 @@ class RangeServer:
             await channel.send("ERROR", message=f"{message['path']}/{message['name']} is not "
                                "in this node's RAM")
             return
+        await self._send(message, channel, fd)
+
+    async def _send(self, message: proto.Message, channel: PeerChannel, fd: int) -> None:
+        """The asked range of `fd` (closed here) as DATA."""
         try:
             # the bytes that exist from the offset on, as pread would have returned them
             size = os.fstat(fd).st_size

@@ -55,6 +55,11 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "HOLD": {"path": str, "version": int, "names": list},
     "HELD": {"names": list},
     "GET": {"path": str, "name": str, "xxh3": str, "offset": int, "length": int},
+    # a GET to a holder of the file that may instead be answered by SOURCE: the node (another
+    # reader) to GET the chunk from (`replication.sources`); `avoid`: relays that failed
+    "SWARM_GET": {"path": str, "name": str, "xxh3": str, "offset": int, "length": int,
+                  "avoid": list},
+    "SOURCE": {"node": str},
     "VERIFY": {"path": str, "name": str, "xxh3": str, "repair": bool},  # check your copy
     "VERIFIED": {"state": str},             # good, bad, missing or repaired
     "DELETE": {"path": str, "version": int, "committed_ns": int},  # a step was deleted
@@ -68,6 +73,7 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
 }
 PATH_FIELDS = ("path", "name")
 NAME_LISTS = ("names",)  # lists of paths inside a step, each checked as a path field
+MAX_AVOID = 16  # relays a SWARM_GET names as failed
 MAX_NAMES = 1000  # names per HOLD or HELD: with paths of at most 4 KiB, under MAX_HEADER
 
 PAYLOAD_TYPES = {"PUT", "DATA", "MANIFEST_PART"}
@@ -153,9 +159,17 @@ def validate(message: Message) -> Message:
     _check_payload(message.type, len(message.payload))
     if message.type == "HELLO" and len(message.fields["nonce"]) != NONCE_BYTES:
         raise ProtocolError("HELLO nonce has the wrong length")
-    if message.type == "GET" and message.fields["length"] > MAX_PAYLOAD:
+    if message.type == "SWARM_GET":
+        _check_node_ids(message.fields["avoid"])
+    if message.type in ("GET", "SWARM_GET") and message.fields["length"] > MAX_PAYLOAD:
         raise ProtocolError("GET asks for too much at once")
     return message
+
+
+def _check_node_ids(nodes: list[Any]) -> None:
+    if len(nodes) > MAX_AVOID or not all(isinstance(n, str) and 0 < len(n) <= 255
+                                         for n in nodes):
+        raise ProtocolError("SWARM_GET.avoid is not a short list of node ids")
 
 
 def _check_names(kind: str, names: list[Any]) -> None:

@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import urllib.request
 
-from tierfs.devtools.local_server import LOOPBACK, LocalServer
+from tierfs.demo.local_server import LOOPBACK, LocalServer
 
 NAME = "tierfs"
 
