@@ -17,6 +17,8 @@ from tests.conftest import MountFactory, free_port, tierfs
 from tierfs.demo.etcd import Etcd
 from tierfs.demo.local_server import LOOPBACK
 
+pytestmark = pytest.mark.cluster
+
 PASSWORD = "s3cret-password"
 
 

@@ -8,8 +8,12 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import MountFactory, tierfs, wait_until
 from tests.test_deletes import deletes_done, files, save_step
+
+pytestmark = pytest.mark.fuse
 
 
 def writable_by_others(root: Path) -> dict[str, str]:
