@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import ssl
 import subprocess
+from base64 import b64encode
 from pathlib import Path
 
 import httpx
@@ -145,5 +146,6 @@ def test_a_cluster_on_an_etcd_with_tls_client_certificates_and_a_password(
     with secure_etcd.client() as client:  # the commit record is in etcd, under the user
         auth = client.post("auth/authenticate", json={"name": "root", "password": PASSWORD})
         listed = client.post("kv/range", headers={"Authorization": auth.json()["token"]},
-                             json={"key": "L3Rscy8=", "range_end": "L3Rscy8w"})  # /tls/
+                             json={"key": b64encode(b"/tls/").decode(),
+                                   "range_end": b64encode(b"/tls0").decode()})
         assert int(listed.json().get("count", 0)) > 0
