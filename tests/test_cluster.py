@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import struct
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,34 @@ def test_wrong_token_and_garbage_never_get_in(cluster3: Cluster) -> None:
     assert status["pid"] == cluster3.nodes["node0"].pid
 
 
+async def inject_after_handshake(port: int, token: bytes, node_id: str) -> str:
+    """A genuine PING, then a frame with no valid MAC written into the same connection (as an
+    attacker who took over the TCP connection would); what the daemon answered."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    channel = PeerChannel(stream, timeout=5)
+    async with stream:
+        await authenticate(channel, token, node_id, {"node0", "node1", node_id})
+        await channel.request("PING", node_id=node_id, expect="PONG")
+        await stream.send_all(b"".join(proto.encode("PING", node_id=node_id))
+                              + b"\0" * proto.TAG_BYTES)
+        with trio.move_on_after(5):
+            try:
+                return "answered" if await stream.receive_some(65536) else "closed"
+            except trio.BrokenResourceError:
+                return "closed"
+    return "still open"
+
+
+def test_a_frame_injected_into_an_established_connection_is_refused(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    cluster.start_all()
+    port, token = cluster.ports["node0"], token_file.read_bytes().strip()
+    assert trio.run(inject_after_handshake, port, token, "node1") == "closed"
+    wait_until(lambda: "failed its MAC" in cluster.nodes["node0"].log())
+    assert trio.run(hostile_client, port, token, "node1") == "got in"  # still serving
+
+
 def test_cluster_mistakes_are_one_line(mounts: MountFactory, tmp_path: Path,
                                        token_file: Path, etcd_server: Etcd) -> None:
     mountpoint = tmp_path / "mp"
@@ -163,6 +192,35 @@ def test_cluster_mistakes_are_one_line(mounts: MountFactory, tmp_path: Path,
         assert done.returncode == 1 and message in done.stderr, done.stderr
         errors = [line for line in done.stderr.splitlines() if "warning:" not in line]
         assert len(errors) == 1, done.stderr
+
+
+def test_a_wrong_token_or_advertised_address_is_refused_at_mount(
+        mounts: MountFactory, tmp_path: Path, token_file: Path, etcd_server: Etcd) -> None:
+    """A node given another token than the cluster's, or an --advertise where nothing (or
+    another node) listens, would join and fail every exchange: refused with one line."""
+    cluster = Cluster(mounts, token_file, 1, etcd_server)
+    cluster.start("node0")
+    other = tmp_path / "other.token"
+    other.write_bytes(os.urandom(32).hex().encode())
+    other.chmod(0o600)
+    mountpoint = tmp_path / "mp"
+    mountpoint.mkdir()
+    listen = ["--listen", f"127.0.0.1:{free_port()}"]
+    for args, message in [
+        (["--token-file", str(other), *listen], "this node's token is not the cluster's"),
+        (["--token-file", str(token_file), *listen, "--advertise", f"127.0.0.1:{free_port()}"],
+         "cannot reach itself at its advertised address 127.0.0.1:"),
+        (["--token-file", str(token_file), *listen, "--advertise",
+          f"127.0.0.1:{cluster.ports['node0']}"], "is not this node's peer port"),
+    ]:
+        done = tierfs("mount", str(mountpoint), "--ram-dir", str(mounts.new_ram_dir()),
+                      "--cluster", cluster.url, "--node-id", "node1", *args, check=False)
+        if done.returncode == 0:  # mounted after all: unmounted, its daemon ends with it
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+        assert done.returncode == 1 and message in done.stderr, done.stderr
+        errors = [line for line in done.stderr.splitlines() if "warning:" not in line]
+        assert len(errors) == 1, done.stderr
+    assert [p["node_id"] for p in cluster.nodes["node0"].status()["peers"]] == []
 
 
 def test_committed_step_is_replicated_to_the_next_node(cluster3: Cluster) -> None:

@@ -4,6 +4,7 @@ property-based fuzzing of the decoder with random, truncated and oversized input
 from __future__ import annotations
 
 import contextlib
+import os
 import struct
 
 import msgpack
@@ -178,3 +179,69 @@ async def test_a_channel_takes_big_frames_only_once_authenticated() -> None:
         nursery.start_soon(lambda: sender.send("PUT", payload, **put))
         message = await receiver.receive("PUT")
     assert bytes(message.payload) == payload
+
+
+def sealed(mac: proto.FrameMac, kind: str, payload: bytes = b"", **fields: object) -> bytes:
+    """A frame with its MAC, as an authenticated channel sends it."""
+    header, body = proto.encode(kind, payload, **fields)
+    return header + body + mac.tag(header, body)
+
+
+def receiving(key: bytes) -> proto.FrameDecoder:
+    decoder = proto.FrameDecoder()
+    decoder.mac = proto.FrameMac(key)
+    return decoder
+
+
+PUT = {"path": "run/step_1", "name": "f", "xxh3": "c" * 32, "size": 100, "offset": 0}
+
+
+def test_every_frame_after_the_handshake_needs_its_mac_in_sequence() -> None:
+    """Frames tagged in order are accepted; a frame without a tag, with a wrong one, replayed,
+    reordered, altered, or tagged for the other direction is a ProtocolError."""
+    key = proto.frame_key(TOKEN, "node0", "node1", proto.new_nonce(), proto.new_nonce())
+    sender = proto.FrameMac(key)
+    first, second = sealed(sender, "PING", node_id="node0"), sealed(sender, "PUT", b"x" * 100,
+                                                                    **PUT)
+    decoder = receiving(key)
+    decoder.feed(first + second)
+    assert [decoder.next_message().type, decoder.next_message().type] == ["PING", "PUT"]  # type: ignore[union-attr]
+
+    def refused(data: bytes) -> None:
+        with pytest.raises(proto.ProtocolError, match="MAC"):
+            decode_with(receiving(key), data)
+
+    refused(second + first)                                         # reordered
+    refused(first + first)                                          # replayed
+    refused(frame("PING", node_id="node0") + b"\0" * proto.TAG_BYTES)  # injected
+    altered = bytearray(second)
+    altered[-proto.TAG_BYTES - 1] ^= 1                               # one payload bit
+    refused(first + bytes(altered))
+    back = proto.frame_key(TOKEN, "node1", "node0", proto.new_nonce(), proto.new_nonce())
+    refused(sealed(proto.FrameMac(back), "PING", node_id="node0"))  # the other key
+
+
+def decode_with(decoder: proto.FrameDecoder, data: bytes) -> list[proto.Message]:
+    decoder.feed(data)
+    messages = []
+    while (message := decoder.next_message()) is not None:
+        messages.append(message)
+    return messages
+
+
+async def test_a_frame_injected_into_an_authenticated_channel_is_refused() -> None:
+    """An attacker who can write into an established connection (but knows neither token nor
+    nonces' keys) gets its frame refused; the genuine frames before it went through."""
+    left, right = trio.testing.memory_stream_pair()
+    sender, receiver = PeerChannel(left, timeout=5), PeerChannel(right, timeout=5)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(authenticate, sender, TOKEN, "node0", {"node0", "node1"})
+        nursery.start_soon(authenticate, receiver, TOKEN, "node1", {"node0", "node1"})
+    payload = os.urandom(1 << 20)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: sender.send("PUT", payload, **PUT))
+        message = await receiver.receive("PUT")
+    assert bytes(message.payload) == payload
+    await left.send_all(frame("PUT", b"evil", **PUT) + b"\0" * proto.TAG_BYTES)
+    with pytest.raises(proto.ProtocolError, match="MAC"):
+        await receiver.receive()

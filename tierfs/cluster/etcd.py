@@ -1,16 +1,19 @@
-"""A thin typed wrapper over etcd v3 for trio, through etcd's JSON gateway (the `etcd3gw` client).
+"""A thin typed wrapper over etcd v3 for trio, through etcd's JSON gateway (`/v3/`, etcd 3.4+)
+spoken with httpx, which runs on trio: requests are cancelled cleanly, never left in a thread.
 
-etcd 3.4 serves the gateway under `/v3/` (3.3 under `/v3beta/`); `etcd3gw` finds the path from
-`/version`. Every request is blocking HTTP, so each runs in a worker thread
-(`trio.to_thread.run_sync`) and the trio loop never waits on a socket. Endpoints are tried in
-order, starting with the last one that answered; when none answers the call raises
-`EtcdUnavailable`, the one error callers are expected to ride out (`retry_unavailable`).
+Endpoints are tried in order, starting with the last one that answered; when none answers the
+call raises `EtcdUnavailable`, the one error callers are expected to ride out
+(`retry_unavailable`). TLS (https, the server checked against --etcd-cacert, a client
+certificate if etcd asks for one) and user/password auth come from `EtcdSecurity`: the auth
+token etcd hands out is sent with every request and fetched again when etcd says it expired.
+A TLS handshake that fails (a wrong CA, an expired certificate) is an `EtcdError`, not
+unavailability: retrying cannot fix it.
 
 Keys and values travel base64-encoded in JSON; callers see `str` keys and `bytes` values.
-A watch is a long-lived streamed HTTP response read line by line in its own thread; it resumes
-after the last revision it delivered when the stream breaks (an etcd restart), so no event is
-lost or repeated, unless etcd compacted that history meanwhile (`WatchCompacted`: read the
-prefix again). `follow_prefix` packages that: a `Snapshot`, then batches of `WatchEvent`s.
+A watch is a long-lived streamed HTTP response read line by line; it resumes after the last
+revision it delivered when the stream breaks (an etcd restart), so no event is lost or
+repeated, unless etcd compacted that history meanwhile (`WatchCompacted`: read the prefix
+again). `follow_prefix` packages that: a `Snapshot`, then batches of `WatchEvent`s.
 """
 
 from __future__ import annotations
@@ -18,21 +21,19 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import socket
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-import etcd3gw
-import requests
+import httpx
 import trio
-from etcd3gw import exceptions as gw_errors
-from requests.adapters import HTTPAdapter
 
 from tierfs.cluster.url import (  # noqa: F401  (re-exported: the etcd layer's one import)
     ClusterUrl,
     ClusterUrlError,
     Endpoint,
+    EtcdSecurity,
     parse_cluster_url,
 )
 from tierfs.retry import RetryPolicy, retry
@@ -49,12 +50,15 @@ MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 # Bytes of keys and values per transaction: etcd refuses requests over --max-request-bytes
 # (1.5 MiB by default; the gateway sees them base64-encoded, 4/3 larger).
 MAX_TXN_BYTES = 768 << 10
-POOL_SIZE = 40  # trio's default worker thread limit
+POOL_SIZE = 40  # connections kept to etcd (a few calls in flight at once, plus watches)
 RETRY_FIRST_DELAY = 0.05
 RETRY_MAX_DELAY = 1.0  # short: commits must resume within about a second of etcd coming back
 
 
 GRPC_NOT_FOUND = 5  # etcd's status code for e.g. "requested lease not found"
+GRPC_UNAUTHENTICATED = 16
+# HTTP statuses of the gateway that mean "not now" (no leader, timed out), not a refusal
+UNAVAILABLE_STATUSES = (408, 503, 504)
 
 
 class EtcdError(Exception):
@@ -145,12 +149,22 @@ class Etcd:
     """etcd v3 through its JSON gateway; every method is async and runs its HTTP off the trio
     thread. Safe to share between tasks."""
 
-    def __init__(self, endpoints: Sequence[Endpoint], timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, endpoints: Sequence[Endpoint], timeout: float = DEFAULT_TIMEOUT,
+                 security: EtcdSecurity | None = None) -> None:
+        """EtcdError if a file of `security` cannot be loaded."""
+        security = security or EtcdSecurity()
         if not endpoints:
             raise ValueError("no etcd endpoints")
         self.endpoints = tuple(endpoints)
-        self._clients = [etcd3gw.Etcd3Client(host=e.host, port=e.port, timeout=timeout,
-                                             session=_session()) for e in self.endpoints]
+        scheme = "https" if security.tls else "http"
+        self._urls = [f"{scheme}://{endpoint}/v3/" for endpoint in self.endpoints]
+        self._security = security
+        self._auth_token: str | None = None
+        self._http = httpx.AsyncClient(
+            verify=_ssl_context(security) if security.tls else True,
+            trust_env=False,  # never route etcd through an environment proxy
+            timeout=timeout, limits=httpx.Limits(max_connections=POOL_SIZE,
+                                                 max_keepalive_connections=POOL_SIZE))
         self.timeout = timeout  # seconds per request
         self._preferred = 0  # the endpoint that answered last: tried first
         # Why no endpoint answered the last request that failed so (None once one answers):
@@ -303,19 +317,18 @@ class Etcd:
         cancelled. A broken stream is reopened after the last delivered revision (retrying
         while etcd is unavailable). Raises `WatchCompacted` if that history is gone."""
         next_revision = start_revision
+
+        async def deliver(batch: list[WatchEvent]) -> None:
+            nonlocal next_revision
+            next_revision = batch[-1].kv.mod_revision + 1
+            await send.send(batch)
+
         while True:
-            stream = _WatchStream(self, prefix, next_revision)
             try:
-                await stream.open()
-                while True:
-                    batch = await stream.next_batch()
-                    next_revision = batch[-1].kv.mod_revision + 1
-                    await send.send(batch)
+                await self._watch_once(prefix, next_revision, deliver)
             except EtcdUnavailable as exc:
                 log.debug("watch on %s broke (%s); reopening at revision %d", prefix, exc,
                           next_revision)
-            finally:
-                stream.close()
             await trio.sleep(RETRY_FIRST_DELAY)  # never a busy loop on a watch that fails at once
             await retry_unavailable(self._probe, f"reopening the watch on {prefix}")
 
@@ -338,27 +351,62 @@ class Etcd:
         await self._call("maintenance/status", {})
 
     async def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        # A caller with a deadline (a commit a saver waits for) is not held past it by a
-        # request in flight: the thread finishes on its own (within the request timeout) and
-        # its answer is dropped, which is no different from a request that timed out.
-        return await trio.to_thread.run_sync(self._post, path, payload,
-                                             abandon_on_cancel=True)
+        try:
+            return await self._post(path, payload, await self._headers())
+        except EtcdError as exc:
+            if not self._auth_expired(exc):
+                raise
+        self._auth_token = None  # etcd forgot it (a restart, its TTL): a new one, once
+        return await self._post(path, payload, await self._headers())
 
-    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """POST to the first endpoint that answers (blocking; in a worker thread)."""
-        count = len(self._clients)
+    async def _headers(self) -> dict[str, str]:
+        """The auth token etcd gave for the user and password, fetched when there is none."""
+        security = self._security
+        if security.user is None:
+            return {}
+        if self._auth_token is None:
+            reply = await self._post("auth/authenticate", {"name": security.user,
+                                                           "password": security.password or ""},
+                                     {})
+            self._auth_token = str(reply.get("token", ""))
+        return {"Authorization": self._auth_token}
+
+    def _auth_expired(self, exc: EtcdError) -> bool:
+        return self._security.user is not None and (
+            exc.code == GRPC_UNAUTHENTICATED or "invalid auth token" in str(exc))
+
+    async def _post(self, path: str, payload: dict[str, Any],
+                    headers: dict[str, str]) -> dict[str, Any]:
+        """POST to the first endpoint that answers."""
+        count = len(self._urls)
         failures: list[str] = []
         for i in range(count):
             index = (self._preferred + i) % count
-            client = self._clients[index]
             try:
-                reply = client.post(client.get_url(path), json=payload)
-            except (gw_errors.ConnectionFailedError, gw_errors.ConnectionTimeoutError,
-                    requests.RequestException, ValueError) as exc:  # ValueError: not JSON
+                response = await self._http.post(self._urls[index] + path, json=payload,
+                                                  headers=headers)
+                reply = response.json()
+            except httpx.TransportError as exc:
+                if _tls_failure(exc):
+                    raise EtcdError(f"etcd at {self.endpoints[index]}: TLS: "
+                                    f"{_tls_failure(exc)}") from None
                 failures.append(f"{self.endpoints[index]}: {self._reason(exc)}")
                 continue
-            except gw_errors.Etcd3Exception as exc:
-                raise EtcdError(f"etcd {path}: {_detail(exc)}", _grpc_code(exc)) from None
+            except ValueError:  # not JSON: a proxy's or the gateway's own plain text
+                text = response.text.strip().splitlines()[0][:300] if response.text.strip() \
+                    else f"HTTP {response.status_code}"
+                if response.status_code in UNAVAILABLE_STATUSES or response.status_code == 200:
+                    failures.append(f"{self.endpoints[index]}: {text}")
+                    continue
+                raise EtcdError(f"etcd at {self.endpoints[index]} refused {path}: {text}") \
+                    from None
+            if response.status_code in UNAVAILABLE_STATUSES:
+                failures.append(f"{self.endpoints[index]}: {_message(reply)}")
+                continue
+            if response.status_code != 200:
+                code = reply.get("code") if isinstance(reply, dict) else None
+                raise EtcdError(f"etcd {path}: {_message(reply)}",
+                                code if isinstance(code, int) else None)
             self._preferred = index
             self.last_failure = None
             return reply
@@ -368,11 +416,13 @@ class Etcd:
     def _reason(self, exc: BaseException) -> str:
         """Why an endpoint did not answer, in a few words."""
         detail = _detail(exc)
-        if isinstance(exc, (requests.Timeout, gw_errors.ConnectionTimeoutError)) or \
-                "timed out" in detail.lower():
+        if isinstance(exc, httpx.TimeoutException) or "timed out" in detail.lower():
             return f"no answer within {self.timeout:g} s"
-        if "refused" in detail.lower():
-            return "connection refused"
+        for cause in _causes(exc):  # the OS's reason under the HTTP client's and trio's
+            if isinstance(cause, ConnectionRefusedError) or "refused" in str(cause).lower():
+                return "connection refused"
+            if isinstance(cause, OSError) and cause.strerror:
+                return cause.strerror.lower()
         return detail
 
     def _put_fields(self, key: str, value: bytes, lease: int) -> dict[str, Any]:
@@ -381,8 +431,44 @@ class Etcd:
             fields["lease"] = lease
         return fields
 
-    def _stream_client(self) -> etcd3gw.Etcd3Client:
-        return self._clients[self._preferred]
+    async def _watch_once(self, prefix: str, start_revision: int,
+                          deliver: Callable[[list[WatchEvent]], Awaitable[None]]) -> None:
+        """One watch stream from `start_revision`, its batches given to `deliver`, until it
+        breaks (EtcdUnavailable) or the caller is cancelled (which closes it)."""
+        request = {"create_request": {"key": _b64(prefix), "range_end": _range_end(prefix),
+                                      "start_revision": start_revision}}
+        url = self._urls[self._preferred] + "watch"
+        try:
+            headers = await self._headers()
+            async with self._http.stream(
+                    "POST", url, json=request, headers=headers,
+                    timeout=httpx.Timeout(self.timeout, read=WATCH_IDLE_REOPEN)) as response:
+                if response.status_code != 200:
+                    raise EtcdUnavailable(f"watch: HTTP {response.status_code}")
+                async for line in response.aiter_lines():
+                    if line.strip():
+                        events = self._watch_events(json.loads(line))
+                        if events:
+                            await deliver(events)
+        except (httpx.HTTPError, ValueError) as exc:
+            raise EtcdUnavailable(f"watch stream broke: {_detail(exc)}") from None
+        except EtcdError as exc:  # the auth token, refused: a new one when it is reopened
+            if self._auth_expired(exc):
+                self._auth_token = None
+            raise EtcdUnavailable(f"watch: {exc}") from None
+        raise EtcdUnavailable("watch stream ended")
+
+    def _watch_events(self, message: dict[str, Any]) -> list[WatchEvent]:
+        if "error" in message:
+            error = message["error"]
+            raise EtcdUnavailable(f"watch: {error.get('message', error)}")
+        result = message.get("result", {})
+        if int(result.get("compact_revision", 0)):
+            raise WatchCompacted(int(result["compact_revision"]))
+        if result.get("canceled"):
+            raise EtcdUnavailable(f"watch canceled: {result.get('cancel_reason', '')}")
+        return [WatchEvent("delete" if e.get("type") == "DELETE" else "put", _kv(e["kv"]))
+                for e in result.get("events", [])]
 
 
 def _txn_chunks(items: Sequence[T], size: Callable[[T], int]) -> list[Sequence[T]]:
@@ -400,108 +486,50 @@ def _txn_chunks(items: Sequence[T], size: Callable[[T], int]) -> list[Sequence[T
     return chunks
 
 
-def _session() -> requests.Session:
-    session = requests.Session()
-    session.trust_env = False  # never route etcd through an environment proxy
-    # As many pooled connections as trio runs worker threads, so none is opened per request.
-    adapter = HTTPAdapter(pool_maxsize=POOL_SIZE)
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    return session
-
-
-def _grpc_code(exc: gw_errors.Etcd3Exception) -> int | None:
-    """The gRPC status code in the gateway's JSON error body, if there is one."""
+def _ssl_context(security: EtcdSecurity) -> ssl.SSLContext:
+    """The TLS context of --etcd-cacert, --etcd-cert and --etcd-key (EtcdError if a file
+    cannot be loaded)."""
     try:
-        code = json.loads(exc.detail_text or "").get("code")
-    except (ValueError, AttributeError):
-        return None
-    return code if isinstance(code, int) else None
+        context = ssl.create_default_context(cafile=security.cacert)
+        if security.cert:
+            context.load_cert_chain(security.cert, security.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise EtcdError(f"cannot load the etcd TLS files: {exc}") from None
+    return context
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """`exc` and what it was raised from, through exception groups (a few levels deep)."""
+    found, pending = [], [exc]
+    while pending and len(found) < 20:
+        seen = pending.pop(0)
+        found.append(seen)
+        if isinstance(seen, BaseExceptionGroup):
+            pending.extend(seen.exceptions)
+        if (cause := seen.__cause__ or seen.__context__) is not None:
+            pending.append(cause)
+    return found
+
+
+def _tls_failure(exc: BaseException) -> str | None:
+    """What went wrong in a TLS handshake under `exc`, if that is what failed."""
+    for cause in _causes(exc):
+        if isinstance(cause, ssl.SSLError):
+            reason = str(cause.reason or cause).replace("_", " ").lower()
+            detail = getattr(cause, "verify_message", None)
+            return f"{reason}: {detail}" if detail else reason
+    return None
+
+
+def _message(reply: Any) -> str:
+    """The gateway's error message in a JSON answer."""
+    if isinstance(reply, dict):
+        return str(reply.get("message") or reply.get("error") or reply)[:300]
+    return str(reply)[:300]
 
 
 def _detail(exc: BaseException) -> str:
-    detail = getattr(exc, "detail_text", None) or str(exc) or type(exc).__name__
-    try:  # the gateway's JSON error: keep its message only
-        return str(json.loads(detail).get("message", detail))
-    except (ValueError, AttributeError):
-        return str(detail).strip()[:300]
-
-
-class _WatchStream:
-    """One streamed watch request, read line by line in a worker thread.
-
-    Cancelling the trio side abandons the thread; `close()` shuts the socket down so that the
-    thread's blocking read ends too.
-    """
-
-    def __init__(self, etcd: Etcd, prefix: str, start_revision: int) -> None:
-        self._etcd = etcd
-        self._prefix = prefix
-        self._start = start_revision
-        self._response: requests.Response | None = None
-        self._lines: Any = None
-        self._closed = False
-        self._limiter = trio.CapacityLimiter(1)  # its own thread: never starves short calls
-
-    async def open(self) -> None:
-        await trio.to_thread.run_sync(self._open, abandon_on_cancel=True,
-                                      limiter=self._limiter)
-
-    async def next_batch(self) -> list[WatchEvent]:
-        return await trio.to_thread.run_sync(self._next_batch, abandon_on_cancel=True,
-                                             limiter=self._limiter)
-
-    def _open(self) -> None:
-        client = self._etcd._stream_client()
-        request = {"create_request": {"key": _b64(self._prefix),
-                                      "range_end": _range_end(self._prefix),
-                                      "start_revision": self._start}}
-        try:
-            response = client.session.post(client.get_url("watch"), json=request, stream=True,
-                                           timeout=(self._etcd.timeout, WATCH_IDLE_REOPEN))
-        except (gw_errors.Etcd3Exception, requests.RequestException) as exc:
-            raise EtcdUnavailable(f"watch: {_detail(exc)}") from None
-        self._response = response
-        if self._closed or response.status_code != 200:  # cancelled while connecting, or refused
-            self.close()
-            raise EtcdUnavailable(f"watch: HTTP {response.status_code}")
-        self._lines = response.iter_lines()
-
-    def _next_batch(self) -> list[WatchEvent]:
-        """The next non-empty batch of events (blocking)."""
-        while True:
-            try:
-                line = next(self._lines)
-            except StopIteration:
-                raise EtcdUnavailable("watch stream ended") from None
-            except (requests.RequestException, OSError, AttributeError, ValueError) as exc:
-                raise EtcdUnavailable(f"watch stream broke: {_detail(exc)}") from None
-            if not line.strip():
-                continue
-            message = json.loads(line)
-            if "error" in message:
-                raise EtcdUnavailable(f"watch: {message['error'].get('message', message)}")
-            result = message.get("result", {})
-            if int(result.get("compact_revision", 0)):
-                raise WatchCompacted(int(result["compact_revision"]))
-            if result.get("canceled"):
-                raise EtcdUnavailable(f"watch canceled: {result.get('cancel_reason', '')}")
-            events = [WatchEvent("delete" if e.get("type") == "DELETE" else "put", _kv(e["kv"]))
-                      for e in result.get("events", [])]
-            if events:
-                return events
-
-    def close(self) -> None:
-        self._closed = True
-        response = self._response
-        if response is None:
-            return
-        try:  # unblock a thread reading the stream, then drop the connection
-            raw = response.raw._fp.fp.raw._sock  # type: ignore[union-attr]
-            raw.shutdown(socket.SHUT_RDWR)
-        except (AttributeError, OSError):
-            pass
-        response.close()
+    return (str(exc) or type(exc).__name__).strip()[:300]
 
 
 ETCD_RETRIES = RetryPolicy(first_delay=RETRY_FIRST_DELAY, max_delay=RETRY_MAX_DELAY)

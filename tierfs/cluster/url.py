@@ -1,12 +1,14 @@
-"""The `--cluster` URL, etcd://HOST:PORT[,HOST:PORT...]/PREFIX: parsed without the etcd client
-(the command line validates it and must not import trio or requests)."""
+"""The `--cluster` URL, etcd://HOST:PORT[,HOST:PORT...]/PREFIX (etcds:// for TLS), and how to
+reach etcd (`EtcdSecurity`): parsed without the etcd client (the command line validates them
+and must not import trio or httpx)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 SCHEME = "etcd"
+TLS_SCHEME = "etcds"
 
 
 class ClusterUrlError(ValueError):
@@ -27,25 +29,43 @@ class Endpoint:
 
 
 @dataclass(frozen=True)
+class EtcdSecurity:
+    """TLS and credentials for etcd (etcdctl's names): https if `tls`, the server checked
+    against `cacert` (else the system's CAs), this client's certificate `cert` and `key` if
+    etcd asks for one, and a user and password if etcd has auth enabled."""
+
+    tls: bool = False
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
 class ClusterUrl:
     """etcd endpoints and the key prefix naming one cluster (no leading or trailing '/')."""
 
     endpoints: tuple[Endpoint, ...]
     prefix: str
+    security: EtcdSecurity = EtcdSecurity()
 
     def key(self, *parts: str) -> str:
         """The etcd key `/<prefix>/<parts...>`."""
         return "/" + "/".join((self.prefix, *parts))
 
     def __str__(self) -> str:
-        return f"{SCHEME}://{','.join(map(str, self.endpoints))}/{self.prefix}"
+        scheme = TLS_SCHEME if self.security.tls else SCHEME
+        return f"{scheme}://{','.join(map(str, self.endpoints))}/{self.prefix}"
 
 
 def parse_cluster_url(text: str) -> ClusterUrl:
-    """Parse `etcd://HOST:PORT[,HOST:PORT...]/PREFIX`; `ClusterUrlError` says what is wrong."""
+    """Parse `etcd://HOST:PORT[,HOST:PORT...]/PREFIX` (or etcds://: TLS); `ClusterUrlError`
+    says what is wrong."""
     scheme, sep, rest = text.partition("://")
-    if not sep or scheme != SCHEME:
-        raise ClusterUrlError(f"--cluster {text!r}: must start with {SCHEME}://")
+    if not sep or scheme not in (SCHEME, TLS_SCHEME):
+        raise ClusterUrlError(f"--cluster {text!r}: must start with {SCHEME}:// (or "
+                              f"{TLS_SCHEME}:// for TLS)")
     hosts, slash, prefix = rest.partition("/")
     if not hosts:
         raise ClusterUrlError(f"--cluster {text!r}: no etcd endpoint (HOST:PORT)")
@@ -60,7 +80,7 @@ def parse_cluster_url(text: str) -> ClusterUrl:
     endpoints = tuple(_parse_endpoint(text, item) for item in hosts.split(","))
     if len(set(endpoints)) != len(endpoints):
         raise ClusterUrlError(f"--cluster {text!r}: an endpoint is named twice")
-    return ClusterUrl(endpoints, prefix)
+    return ClusterUrl(endpoints, prefix, EtcdSecurity(tls=scheme == TLS_SCHEME))
 
 
 def _parse_endpoint(text: str, item: str) -> Endpoint:

@@ -180,7 +180,8 @@ class Deletes:
         name = xxhash.xxh3_64_hexdigest(tomb.path.encode())
         path = self.directory / f"{name}.json"
         tmp = self.directory / f"{name}.tmp"
-        with open(tmp, "wb") as f:
+        # explicit mode: the daemon's umask is 0, a plain open() would make it 0666
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(tomb.encode())
             f.flush()
             os.fsync(f.fileno())

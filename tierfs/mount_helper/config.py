@@ -6,6 +6,7 @@ validated here so that a mistake is one clear line (ConfigError) before anything
 
 from __future__ import annotations
 
+import dataclasses
 import grp
 import hashlib
 import os
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierfs.cluster.url import ClusterUrl, ClusterUrlError, parse_cluster_url
+from tierfs.cluster.url import ClusterUrl, ClusterUrlError, EtcdSecurity, parse_cluster_url
 from tierfs.mount_helper.mounts import real_path
 from tierfs.step_names import DEFAULT_FILE_STEP_PATTERN, DEFAULT_STEP_PATTERN
 
@@ -82,8 +83,22 @@ MOUNT_OPTIONS = [
            "addressing when set", metavar="URL", default_help="AWS"),
     Option("node-id", None, "this node's name", metavar="ID", default_help="the host name"),
     Option("cluster", None, "join the cluster whose membership and commit records live in "
-           "these etcd endpoints under PREFIX: `etcd://HOST:PORT[,HOST:PORT...]/PREFIX` (see "
+           "these etcd endpoints under PREFIX: `etcd://HOST:PORT[,HOST:PORT...]/PREFIX` "
+           "(`etcds://` for TLS; see "
            "doc/CLUSTER.md)", metavar="URL", default_help="none: single node"),
+    Option("etcd-cacert", None, "with `--cluster`: the CA certificate etcd's server "
+           "certificate is checked against, as etcdctl's `--cacert` (implies TLS, as "
+           "`etcds://` does)", "path", "FILE", default_help="plain http"),
+    Option("etcd-cert", None, "with `--cluster`: this node's client certificate for etcd, as "
+           "etcdctl's `--cert` (implies TLS; with etcd's auth on, one without a CommonName: "
+           "etcd's JSON gateway refuses those)", "path", "FILE"),
+    Option("etcd-key", None, "with `--cluster`: the private key of `--etcd-cert`, as "
+           "etcdctl's `--key`", "path", "FILE"),
+    Option("etcd-user", None, "with `--cluster`: the etcd user, when etcd has auth enabled; "
+           "its password comes from `--etcd-password-file` or `TIERFS_ETCD_PASSWORD`, never "
+           "the command line", metavar="NAME", default_help="no auth"),
+    Option("etcd-password-file", None, "file holding `--etcd-user`'s password; must not be "
+           "readable by others", "path", "FILE"),
     Option("listen", None, "this node's peer data port, HOST:PORT (required with `--cluster`)",
            metavar="HOST:PORT"),
     Option("advertise", None, "the address peers connect to, when not `--listen`'s (required "
@@ -235,17 +250,23 @@ def parse_address(text: str, option: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def read_token(path: str | Path) -> bytes:
-    """The cluster secret; refused if others may read it."""
+def read_secret(path: str | Path, what: str) -> bytes:
+    """The content of a secret's file (stripped); refused if others may read it."""
     try:
         st = os.stat(path)
         with open(path, "rb") as f:
-            token = f.read().strip()
+            secret = f.read().strip()
     except OSError as exc:
-        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
     if st.st_mode & 0o077:
-        raise ConfigError(f"token file {path} is readable by others (mode "
+        raise ConfigError(f"{what} {path} is readable by others (mode "
                           f"{st.st_mode & 0o777:o}): chmod 600 it")
+    return secret
+
+
+def read_token(path: str | Path) -> bytes:
+    """The cluster secret; refused if others may read it."""
+    token = read_secret(path, "token file")
     if len(token) < 16:
         raise ConfigError(f"token file {path} holds fewer than 16 bytes: use a long secret")
     return token
@@ -409,7 +430,7 @@ def _cluster(values: dict[str, Any], node_id: str
     """--cluster, --listen and --advertise: (etcd and prefix, where to listen, the address
     peers use); all None on a single node."""
     if not values["cluster"]:
-        for option in ("listen", "advertise"):
+        for option in ("listen", "advertise", *ETCD_OPTIONS):
             if values[option]:
                 raise ConfigError(f"--{option} needs --cluster")
         return None, None, None
@@ -417,6 +438,7 @@ def _cluster(values: dict[str, Any], node_id: str
         cluster = parse_cluster_url(str(values["cluster"]))
     except ClusterUrlError as exc:
         raise ConfigError(str(exc)) from None
+    cluster = dataclasses.replace(cluster, security=_etcd_security(values, cluster.security.tls))
     if "/" in node_id:
         raise ConfigError(f"--node-id {node_id!r} must not contain '/'")
     if not values["listen"]:
@@ -430,6 +452,36 @@ def _cluster(values: dict[str, Any], node_id: str
             raise ConfigError(f"--listen {values['listen']} listens on every interface: "
                               "say with --advertise HOST:PORT which address peers use")
     return cluster, listen, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+ETCD_OPTIONS = ("etcd_cacert", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file")
+
+
+def _etcd_security(values: dict[str, Any], tls: bool) -> EtcdSecurity:
+    """--etcd-cacert, --etcd-cert, --etcd-key (any of them means TLS) and --etcd-user with
+    its password (from a file others cannot read, or TIERFS_ETCD_PASSWORD)."""
+    files = {}
+    for name in ("etcd_cacert", "etcd_cert", "etcd_key"):
+        if values[name]:
+            path = Path(values[name]).absolute()
+            if not path.is_file():
+                raise ConfigError(f"--{name.replace('_', '-')} {values[name]}: no such file")
+            files[name] = str(path)
+    if bool(values["etcd_cert"]) != bool(values["etcd_key"]):
+        raise ConfigError("--etcd-cert and --etcd-key go together")
+    password = None
+    if values["etcd_password_file"] and not values["etcd_user"]:
+        raise ConfigError("--etcd-password-file needs --etcd-user")
+    if values["etcd_password_file"]:
+        password = read_secret(values["etcd_password_file"], "password file").decode()
+    elif values["etcd_user"]:
+        password = os.environ.get("TIERFS_ETCD_PASSWORD")
+        if password is None:
+            raise ConfigError("--etcd-user needs --etcd-password-file (or the environment "
+                              "variable TIERFS_ETCD_PASSWORD)")
+    return EtcdSecurity(tls=tls or bool(files), cacert=files.get("etcd_cacert"),
+                        cert=files.get("etcd_cert"), key=files.get("etcd_key"),
+                        user=values["etcd_user"] or None, password=password)
 
 
 def _root_directory(values: dict[str, Any]) -> dict[str, int | None]:

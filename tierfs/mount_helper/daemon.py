@@ -38,7 +38,7 @@ from tierfs.fs.passthrough import PassthroughDevice, PassthroughUnavailable
 from tierfs.fs.ram_store import RamDirBusy, RamFull, RamStore
 from tierfs.fs.tree import Tree
 from tierfs.fs.verify import StepReport, Verifier
-from tierfs.mount_helper import control
+from tierfs.mount_helper import admission, control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.mounts import (
     TIERFS_TYPE,
@@ -618,7 +618,10 @@ def _members(cfg: MountConfig) -> Membership:
     """The cluster's members as this node sees them (from etcd), made before the tree: which
     steps can be read whole depends on who is up."""
     assert cfg.cluster is not None and cfg.advertise is not None and cfg.token is not None
-    etcd = Etcd(cfg.cluster.endpoints)
+    try:
+        etcd = Etcd(cfg.cluster.endpoints, security=cfg.cluster.security)
+    except EtcdError as exc:  # a TLS file that does not load
+        raise StartupError(str(exc)) from None
     return Membership(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise),
                       cfg.token)
 
@@ -730,6 +733,7 @@ class ClusterNode:
                 raise
             raise StartupError(f"cannot listen for peers on {host}:{port}: "
                                f"{error.strerror or error}") from None
+        await self._admit()
         # Before this node is a live member: a peer may evict its own copy of a file on the
         # strength of the copy the records name here (`leave_files` needs K live holders).
         await self._drop_lost_copies()
@@ -816,6 +820,23 @@ class ClusterNode:
         while True:
             await trio.sleep(PENDING_RETRY)
             await self.namespace.tiers.publish_pending()
+
+    async def _admit(self) -> None:
+        """Refuse, with one line, a node that could not work as a member (`admission`)."""
+        assert self.cfg.advertise is not None and self.cfg.token is not None
+        try:
+            await admission.check_reaches_itself(self.cfg.advertise, self.cfg.token,
+                                                 self.cfg.node_id)
+            with trio.move_on_after(CHECK_PATIENCE) as patience:
+                await admission.check_cluster_token(self.live.etcd, self.cfg.cluster,
+                                                    self.cfg.token)
+        except admission.AdmissionRefused as exc:
+            raise StartupError(str(exc)) from None
+        except EtcdError as exc:
+            raise StartupError(f"cannot check the token of the cluster {self.cfg.cluster}: "
+                               f"{exc}") from None
+        if patience.cancelled_caught:
+            raise self._unreachable("to check the cluster's token")
 
     async def _register(self, nursery: trio.Nursery) -> None:
         """Join the cluster in etcd (a key under this node's lease); one line if it cannot."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import mmap
 import os
 import select
 import socket
@@ -12,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Container, Iterable, Iterator
 from typing import Any
 
+import outcome
 import trio
 
 from tierfs.replication import protocol as proto
@@ -49,7 +51,8 @@ def _connection_errors() -> Iterator[None]:
 class PeerChannel:
     """Framed messages over one stream. Over a TCP socket, payloads are received straight into
     the decoder's reused buffer (recv_into) and file bytes are sent straight from their file
-    (sendfile); any other stream (tests) goes through the stream's own calls.
+    (sendfile); any other stream (tests) goes through the stream's own calls. Large payloads
+    are tagged and checked (their MAC) in worker threads.
 
     A channel is `reusable` (for the pool) only while it is in step with its peer: no I/O
     failed, timed out or was cancelled on it, no frame is half read, and every request sent
@@ -67,12 +70,16 @@ class PeerChannel:
         self._sent = 0
         self._received = 0
         self._broken = False
+        self._send_mac: proto.FrameMac | None = None  # from the handshake on
 
-    def authenticated(self, peer_id: str) -> None:
-        """The peer proved the token: full-sized frames from now on (called between frames,
-        so the next frame's prefix is the first checked against the new limits)."""
+    def authenticated(self, peer_id: str, send_key: bytes, receive_key: bytes) -> None:
+        """The peer proved the token: full-sized frames from now on, each with its MAC, both
+        ways (called between frames, so the next frame is the first checked against the new
+        limits and its MAC)."""
         self.peer_id = peer_id
         self._decoder.limits = proto.LIMITS
+        self._decoder.mac = proto.FrameMac(receive_key)
+        self._send_mac = proto.FrameMac(send_key)
 
     @property
     def reusable(self) -> bool:
@@ -90,29 +97,60 @@ class PeerChannel:
     async def send(self, kind: str, payload: bytes | memoryview = b"", **fields: Any) -> None:
         header = proto.encode_header(kind, len(payload), **fields)
         with self._io():
-            if len(payload) <= 1 << 16:  # small: one write
-                await self.stream.send_all(header + payload)
+            if self._send_mac is not None and len(payload) >= BULK:
+                tag = await trio.to_thread.run_sync(self._send_mac.tag, header, payload)
             else:
-                await self.stream.send_all(header)
-                await self.stream.send_all(payload)
+                tag = self._tag(header, payload)
+            await self._send_frame(header, payload, tag)
+
+    async def _send_frame(self, header: bytes, payload: bytes | memoryview,
+                          tag: bytes) -> None:
+        if len(payload) <= 1 << 16:  # small: one write
+            await self.stream.send_all(b"".join([header, payload, tag]))
+        else:
+            await self.stream.send_all(header)
+            await self.stream.send_all(payload)
+            await self.stream.send_all(tag)
         self._sent += 1
         self._count_sent(len(header) + len(payload))
+
+    def _tag(self, header: bytes, payload: bytes | memoryview) -> bytes:
+        return b"" if self._send_mac is None else self._send_mac.tag(header, payload)
 
     async def send_file(self, kind: str, fd: int, offset: int, length: int, /,
                         **fields: Any) -> None:
         """A message whose payload is `length` bytes of the file `fd` from `offset`, sent from
-        the file to the socket by the kernel (no copy through Python). The message's own
+        the file to the socket by the kernel (sendfile: no copy through Python), its MAC
+        computed first over the file's pages mapped in a worker thread. The message's own
         fields (which may include an `offset` too) are the keyword arguments."""
         header = proto.encode_header(kind, length, **fields)
         with self._io():
-            await self.stream.send_all(header)
             if self._socket is None:
+                tag = await trio.to_thread.run_sync(self._tag_file, header, fd, offset, length)
                 data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
-                await self.stream.send_all(data)
-            else:
-                await _sendfile(self._socket, fd, offset, length)
-        self._sent += 1
-        self._count_sent(len(header) + length)
+                await self._send_frame(header, data, tag)
+                return
+            tagging = _in_thread(self._tag_file, header, fd, offset, length)
+            await self.stream.send_all(header)
+            await _sendfile(self._socket, fd, offset, length)  # meanwhile, the tag is made
+            await self.stream.send_all(await tagging())
+            self._sent += 1
+            self._count_sent(len(header) + length)
+
+    def _tag_file(self, header: bytes, fd: int, offset: int, length: int) -> bytes:
+        """The tag of a frame whose payload is that part of the file (a file that changes
+        before it is sent fails its MAC at the peer: a dropped connection, never bad data)."""
+        if self._send_mac is None:
+            return b""
+        if not length:
+            return self._send_mac.tag(header)
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            with mmap.mmap(fd, offset + length - start, prot=mmap.PROT_READ,
+                           offset=start) as mapped, memoryview(mapped) as view:
+                return self._send_mac.tag(header, view[offset - start:])
+        except (ValueError, OSError) as exc:  # beyond the end of the file
+            raise proto.ProtocolError(f"cannot read the payload to send: {exc}") from None
 
     def _count_sent(self, nbytes: int) -> None:
         if self.peer_id != "?":  # the handshake's few bytes are not counted
@@ -129,9 +167,12 @@ class PeerChannel:
                 buffer = self._decoder.writable()
                 if self._socket is not None:
                     if self._decoder.in_payload and len(buffer) >= BULK:
-                        count = await _receive_bulk(self._socket, buffer)
-                    else:
-                        count = await self._socket.recv_into(buffer)
+                        # the decoder is advanced in the worker thread, chunk by chunk: the
+                        # payload's MAC is computed there as the bytes come
+                        if not await _receive_bulk(self._socket, buffer, self._decoder.advance):
+                            raise ConnectionClosed("connection closed by the peer")
+                        continue
+                    count = await self._socket.recv_into(buffer)
                 else:
                     data = await self.stream.receive_some(len(buffer))
                     count = len(data)
@@ -189,16 +230,19 @@ class PeerChannel:
             await self.stream.aclose()
 
 
-async def _receive_bulk(sock: trio.socket.SocketType, buffer: memoryview) -> int:
-    """Fill `buffer` from the socket in a worker thread (0 if the peer closed first). The
-    trio deadline in force applies; a cancellation is noticed within _POLL_SLICE_MS."""
+async def _receive_bulk(sock: trio.socket.SocketType, buffer: memoryview,
+                        received: Callable[[int], None]) -> int:
+    """Fill `buffer` from the socket in a worker thread, calling `received` there with the
+    count of each read (the total, 0 if the peer closed first). The trio deadline in force
+    applies; a cancellation is noticed within _POLL_SLICE_MS."""
     deadline = trio.current_effective_deadline()
     remaining = deadline - trio.current_time()
     expires = time.monotonic() + remaining if remaining != float("inf") else float("inf")
-    return await trio.to_thread.run_sync(_fill_blocking, sock, buffer, expires)
+    return await trio.to_thread.run_sync(_fill_blocking, sock, buffer, expires, received)
 
 
-def _fill_blocking(sock: trio.socket.SocketType, buffer: memoryview, expires: float) -> int:
+def _fill_blocking(sock: trio.socket.SocketType, buffer: memoryview, expires: float,
+                   received: Callable[[int], None]) -> int:
     """In a worker thread: read the socket (non-blocking, as trio keeps it) until `buffer` is
     full, waiting in poll for LOW_WATER bytes at a time. SO_RCVLOWAT is set back to 1
     before returning, for the trio side's waits on small frames."""
@@ -222,11 +266,32 @@ def _fill_blocking(sock: trio.socket.SocketType, buffer: memoryview, expires: fl
                 continue
             if not count:
                 break
+            received(count)
             filled += count
     finally:
         if low_water != 1:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
     return filled
+
+
+def _in_thread(function: Callable[..., bytes], *args: Any) -> Callable[[], Awaitable[bytes]]:
+    """Start `function(*args)` in a worker thread now; the call returned waits for its result
+    (a cancelled wait leaves the thread to finish alone)."""
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+    results: list[outcome.Outcome[bytes]] = []
+
+    def deliver(result: outcome.Outcome[bytes]) -> None:
+        results.append(result)
+        with contextlib.suppress(trio.RunFinishedError):
+            token.run_sync_soon(done.set)
+
+    trio.lowlevel.start_thread_soon(lambda: function(*args), deliver)
+
+    async def result() -> bytes:
+        await done.wait()
+        return results[0].unwrap()
+    return result
 
 
 async def _sendfile(sock: trio.socket.SocketType, fd: int, offset: int, length: int) -> None:
@@ -244,30 +309,40 @@ async def _sendfile(sock: trio.socket.SocketType, fd: int, offset: int, length: 
 
 
 async def authenticate(channel: PeerChannel, token: bytes, my_id: str,
-                       members: Container[str], expected_peer: str | None = None) -> str:
-    """Prove knowledge of the token and check the peer's proof; return the peer's node id."""
+                       members: Container[str], expected_peer: str | None = None,
+                       allow_self: bool = False) -> str:
+    """Prove knowledge of the token and check the peer's proof; return the peer's node id.
+    A peer with this node's own id is refused unless `allow_self` (the server, which a node
+    connects to through its advertised address at mount to check it reaches itself)."""
     nonce = proto.new_nonce()
     await channel.send("HELLO", node_id=my_id, nonce=nonce)
     hello = await channel.receive("HELLO")
     peer = hello["node_id"]
-    if peer not in members or peer == my_id or (expected_peer and peer != expected_peer):
+    itself = peer == my_id
+    if not ((itself and allow_self) or (peer in members and not itself)) or \
+            (expected_peer and peer != expected_peer):
         raise AuthError(f"node {peer!r} is not a member of this cluster")
     await channel.send("PROOF", mac=proto.proof(token, hello["nonce"], my_id, peer))
     answer = await channel.receive("PROOF")
     if not proto.check_proof(token, nonce, peer, my_id, answer["mac"]):
         raise AuthError(f"node {peer!r} does not know the cluster token")
-    channel.authenticated(peer)
+    channel.authenticated(
+        peer, send_key=proto.frame_key(token, my_id, peer, nonce, hello["nonce"]),
+        receive_key=proto.frame_key(token, peer, my_id, hello["nonce"], nonce))
     return peer
 
 
 async def connect(host: str, port: int, token: bytes, my_id: str, members: Container[str],
                   peer_id: str) -> PeerChannel:
-    """An authenticated channel to `peer_id` at host:port (OSError or ProtocolError if not)."""
+    """An authenticated channel to `peer_id` at host:port (OSError or ProtocolError if not;
+    trio.TooSlowError if the connection is not made in CONNECT_TIMEOUT). `peer_id` may be
+    `my_id` (a node checking that it reaches itself)."""
     with trio.fail_after(CONNECT_TIMEOUT):
         stream = await trio.open_tcp_stream(host, port)
     channel = PeerChannel(stream)
     try:
-        await authenticate(channel, token, my_id, members, expected_peer=peer_id)
+        await authenticate(channel, token, my_id, members, expected_peer=peer_id,
+                           allow_self=peer_id == my_id)
     except BaseException:
         await channel.aclose()
         raise

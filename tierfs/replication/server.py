@@ -41,7 +41,8 @@ class PeerServer:
         channel = PeerChannel(stream)
         try:
             async with stream:
-                await authenticate(channel, self.token, self.me, self.members)
+                await authenticate(channel, self.token, self.me, self.members,
+                                   allow_self=True)
                 while True:
                     try:
                         message = await channel.receive(timeout=IDLE_TIMEOUT)

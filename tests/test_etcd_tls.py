@@ -1,0 +1,151 @@
+"""A cluster on an etcd that requires TLS, client certificates and a user's password, as
+production etcds do: a real etcd started so with a CA made here (openssl), a mount that works,
+and the mistakes a person makes refused at mount with one line each (a wrong CA, a wrong
+password)."""
+
+from __future__ import annotations
+
+import os
+import ssl
+import subprocess
+from base64 import b64encode
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import MountFactory, free_port, tierfs
+from tierfs.demo.etcd import Etcd
+from tierfs.demo.local_server import LOOPBACK
+
+pytestmark = pytest.mark.cluster
+
+PASSWORD = "s3cret-password"
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_ca(directory: Path, name: str) -> None:
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+            f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.crt", cwd=directory)
+
+
+def make_cert(directory: Path, ca: str, name: str, ip: str | None = None) -> None:
+    """A certificate `name`.crt/.key signed by `ca` (for a server if `ip` is given). A client
+    certificate has no CommonName: etcd's JSON gateway refuses one that has (it would not
+    use it as the user name, as its gRPC port does)."""
+    subject = f"/CN={name}" if ip else f"/O={name}"
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout",
+            f"{name}.key", "-out", f"{name}.csr", cwd=directory)
+    extensions = directory / f"{name}.ext"
+    extensions.write_text(f"subjectAltName=IP:{ip}\n" if ip else
+                          "extendedKeyUsage=clientAuth\n")
+    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
+            "-CAcreateserial", "-days", "2", "-extfile", str(extensions), "-out",
+            f"{name}.crt", cwd=directory)
+    os.chmod(directory / f"{name}.key", 0o600)
+
+
+class SecureEtcd(Etcd):
+    """etcd serving its clients only over TLS, to clients with a certificate of its CA."""
+
+    def __init__(self, data_dir: Path, certs: Path) -> None:
+        super().__init__(data_dir)
+        self.certs = certs
+
+    def command(self) -> list[str]:
+        plain = f"http://{LOOPBACK}:{self.ports['client']}"
+        return [f"https://{LOOPBACK}:{self.ports['client']}" if arg == plain else arg
+                for arg in super().command()] + [
+            "--cert-file", str(self.certs / "server.crt"),
+            "--key-file", str(self.certs / "server.key"),
+            "--trusted-ca-file", str(self.certs / "ca.crt"), "--client-cert-auth"]
+
+    def client(self) -> httpx.Client:
+        context = ssl.create_default_context(cafile=str(self.certs / "ca.crt"))
+        context.load_cert_chain(str(self.certs / "node.crt"), str(self.certs / "node.key"))
+        return httpx.Client(base_url=f"https://{self.endpoint}/v3/", verify=context,
+                            trust_env=False, timeout=5)
+
+    def wait_ready(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
+        def answers() -> object:
+            try:
+                with self.client() as client:
+                    client.post("maintenance/status", json={}).raise_for_status()
+            except httpx.HTTPError as exc:
+                return str(exc)
+            return None
+
+        self.poll_until(proc, timeout, f"etcd at {self.endpoint}", answers)
+
+    def enable_auth(self) -> None:
+        """A root user with PASSWORD, and auth on: every request needs a user's token."""
+        with self.client() as client:
+            for path, body in [("auth/user/add", {"name": "root", "password": PASSWORD}),
+                               ("auth/user/grant", {"user": "root", "role": "root"}),
+                               ("auth/enable", {})]:
+                client.post(path, json=body).raise_for_status()
+
+
+@pytest.fixture
+def secure_etcd(tmp_path: Path) -> SecureEtcd:
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    make_ca(certs, "ca")
+    make_ca(certs, "other-ca")
+    make_cert(certs, "ca", "server", ip=LOOPBACK)
+    make_cert(certs, "ca", "node")
+    (tmp_path / "etcd").mkdir()
+    server = SecureEtcd(tmp_path / "etcd", certs)
+    server.start()
+    server.enable_auth()
+    yield server
+    server.stop()
+
+
+def test_a_cluster_on_an_etcd_with_tls_client_certificates_and_a_password(
+        mounts: MountFactory, tmp_path: Path, secure_etcd: SecureEtcd) -> None:
+    certs = secure_etcd.certs
+    token = tmp_path / "cluster.token"
+    token.write_bytes(os.urandom(32).hex().encode())
+    token.chmod(0o600)
+    password = tmp_path / "etcd.password"
+    password.write_text(PASSWORD + "\n")
+    password.chmod(0o600)
+    wrong = tmp_path / "wrong.password"
+    wrong.write_text("not the password\n")
+    wrong.chmod(0o600)
+
+    def args(ca: str = "ca", password_file: Path = password) -> list[str]:
+        return ["--cluster", f"etcds://{secure_etcd.endpoint}/tls", "--node-id", "node0",
+                "--listen", f"127.0.0.1:{free_port()}", "--token-file", str(token),
+                "--etcd-cacert", str(certs / f"{ca}.crt"), "--etcd-cert",
+                str(certs / "node.crt"), "--etcd-key", str(certs / "node.key"),
+                "--etcd-user", "root", "--etcd-password-file", str(password_file)]
+
+    mountpoint = tmp_path / "refused"
+    mountpoint.mkdir()
+    for options, message in [(args(ca="other-ca"), "TLS: certificate verify failed"),
+                             (args(password_file=wrong), "authentication failed")]:
+        done = tierfs("mount", str(mountpoint), "--ram-dir", str(mounts.new_ram_dir()),
+                      *options, check=False)
+        if done.returncode == 0:  # mounted after all: unmounted, its daemon ends with it
+            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+        assert done.returncode == 1 and message in done.stderr, done.stderr
+        errors = [line for line in done.stderr.splitlines() if "warning:" not in line]
+        assert len(errors) == 1, done.stderr
+
+    mnt = mounts.mount(*args())
+    assert mnt.status()["node_id"] == "node0"
+    (mnt / "run/step_1").mkdir(parents=True)
+    (mnt / "run/step_1/.metadata").write_bytes(b"meta")
+    tierfs("flush", str(mnt.mountpoint), "--timeout", "30")
+    assert mnt.step("run/step_1")["state"] == "committed"
+    with secure_etcd.client() as client:  # the commit record is in etcd, under the user
+        auth = client.post("auth/authenticate", json={"name": "root", "password": PASSWORD})
+        listed = client.post("kv/range", headers={"Authorization": auth.json()["token"]},
+                             json={"key": b64encode(b"/tls/").decode(),
+                                   "range_end": b64encode(b"/tls0").decode()})
+        assert int(listed.json().get("count", 0)) > 0
