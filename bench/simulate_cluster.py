@@ -3,18 +3,18 @@ DDP restart and of S3 request limits.
 
 It drives the real cluster logic, not a copy of it:
 
-- who sends what where: `tierfs.cluster.placement` (`ring`, `replica_targets`, `restore_plan`);
-- every etcd request: the real client code (`tierfs.cluster.etcd.Etcd`: `put_all`'s chunking
-  into transactions of MAX_TXN_OPS, `get_prefix`'s pages of PAGE_SIZE, compare-version
-  transactions) called by the real callers (`CommitRecords.record_files`, `add_holder`,
-  `ClusterCommits.collect` / `publish`, and what each node does when the commit's watch event
-  reaches it, `ClusterCommits._manifest`: read the step's file records (`--follow records`,
-  before) or fetch the manifest from the committer (`peer`, now: a flow of the network model
-  carrying the real encoding), against `TraceEtcd`,
-  an in-memory key-value store behind `Etcd._call` that records each request (path, keys,
-  value bytes) instead of sending it. Value sizes are the real `FileRecord` / `CommitRecord`
-  encodings of real manifest entries (reported as the MB etcd moved; the time model counts
-  keys).
+- who sends what where: `tierfs.replication.coordination.placement` (`ring`,
+  `replica_targets`, `restore_plan`);
+- every etcd request: the real client code (`tierfs.replication.coordination.etcd.Etcd`:
+  `put_all`'s chunking into transactions of MAX_TXN_OPS, `get_prefix`'s pages of PAGE_SIZE,
+  compare-version transactions) called by the real callers (`CommitRecords.record_files`,
+  `add_holder`, `ClusterCommits.collect` / `publish`, and what each node does when the commit's
+  watch event reaches it, `ClusterCommits._manifest`: read the step's file records (`--follow
+  records`, before) or fetch the manifest from the committer (`peer`, now: a flow of the
+  network model carrying the real encoding), against `TraceEtcd`, an in-memory key-value store
+  behind `Etcd._call` that records each request (path, keys, value bytes) instead of sending
+  it. Value sizes are the real `FileRecord` / `CommitRecord` encodings of real manifest entries
+  (reported as the MB etcd moved; the time model counts keys).
 
 What is modelled (all parameters are command-line options, defaults in `Params`):
 
@@ -30,7 +30,7 @@ What is modelled (all parameters are command-line options, defaults in `Params`)
   max(total / s3_gbps, per node / min(link, s3_node_gbps)) (a fluid bound, not flows).
 
 Two more parts (`--parts`): a data-parallel restart, every node loading the file one node
-wrote, with the chunk sources chosen by the real `tierfs.replication.sources` (`ddp_restore`);
+wrote, with the chunk sources chosen by the real `tierfs.replication.peers.sources` (`ddp_restore`);
 and S3's request limits per prefix (GET and PUT rates, 503 SlowDown, the real retry policy's
 pause) for the checkpoint's upload and a whole cluster's restore (`s3_transfer`).
 
@@ -60,11 +60,11 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tierfs import manifest as mf  # noqa: E402
-from tierfs.cluster import placement  # noqa: E402
-from tierfs.cluster.commit_records import CommitRecord, CommitRecords, FileRecord  # noqa: E402
-from tierfs.cluster.etcd import Etcd, parse_cluster_url  # noqa: E402
-from tierfs.replication import peer_manifest, sources  # noqa: E402
-from tierfs.replication.cluster_commit import ClusterCommits  # noqa: E402
+from tierfs.replication.coordination import placement  # noqa: E402
+from tierfs.replication.coordination.cluster_commit import ClusterCommits  # noqa: E402
+from tierfs.replication.coordination.commit_records import CommitRecord, CommitRecords, FileRecord  # noqa: E402
+from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url  # noqa: E402
+from tierfs.replication.peers import peer_manifest, sources  # noqa: E402
 from tierfs.retry import POLICY as retry_policy  # noqa: E402
 from tierfs.s3tier import s3_backend  # noqa: E402
 

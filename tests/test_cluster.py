@@ -16,8 +16,8 @@ import trio
 
 from tests.conftest import Mount, MountFactory, free_port, run_dcp_ranks, tierfs, wait_until
 from tierfs.demo.etcd import Etcd
-from tierfs.replication import protocol as proto
-from tierfs.replication.channel import PeerChannel, authenticate
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import PeerChannel, authenticate
 
 pytestmark = pytest.mark.cluster
 
@@ -362,9 +362,9 @@ def test_reads_of_one_file_by_another_node_are_spread_over_its_holders(
 
 def _file_records(cluster: Cluster, step: str) -> dict[str, Any]:
     """The etcd file records of a step (name -> FileRecord): who holds which file."""
-    from tierfs.cluster.commit_records import CommitRecords
-    from tierfs.cluster.etcd import Etcd as EtcdClient
-    from tierfs.cluster.etcd import parse_cluster_url
+    from tierfs.replication.coordination.commit_records import CommitRecords
+    from tierfs.replication.coordination.etcd import Etcd as EtcdClient
+    from tierfs.replication.coordination.etcd import parse_cluster_url
 
     url = parse_cluster_url(cluster.url)
     return trio.run(CommitRecords(EtcdClient(url.endpoints), url).files, step)

@@ -20,12 +20,12 @@ from tests.test_crash import save
 from tests.test_etcd_cluster import commits, grpc_requests, new_cluster, step_manifest
 from tests.test_layer_replication import TOKEN, members_a_and_b
 from tierfs import manifest as mf
-from tierfs.cluster.commit_records import CommitRecord
-from tierfs.cluster.etcd import PAGE_SIZE
 from tierfs.demo.etcd import Etcd
-from tierfs.replication import peer_manifest
-from tierfs.replication.protocol import ProtocolError
-from tierfs.replication.server import PeerServer
+from tierfs.replication.coordination.cluster_commit import ManifestUnavailable
+from tierfs.replication.coordination.commit_records import CommitRecord
+from tierfs.replication.coordination.etcd import PAGE_SIZE
+from tierfs.replication.peers import peer_manifest
+from tierfs.replication.peers.server import PeerServer
 
 pytestmark = pytest.mark.cluster
 
@@ -87,7 +87,7 @@ async def test_a_manifest_of_many_files_is_fetched_in_several_chunks(
         fetched = await fetcher.fetch("b", manifest.path, manifest.version)
         assert fetched == manifest
         assert server.served_parts == math.ceil(size / peer_manifest.CHUNK) >= 3
-        with pytest.raises(ProtocolError, match="not committed here"):
+        with pytest.raises(ManifestUnavailable, match="not committed here"):
             await fetcher.fetch("b", manifest.path, manifest.version + 1)
         nursery.cancel_scope.cancel()
 

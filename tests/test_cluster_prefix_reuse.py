@@ -29,10 +29,10 @@ from tests.test_cluster import (  # noqa: F401
     cluster3,
     token_file,
 )
-from tierfs.cluster.commit_records import CommitRecords
-from tierfs.cluster.etcd import Etcd as EtcdClient
-from tierfs.cluster.etcd import parse_cluster_url
 from tierfs.demo.etcd import Etcd
+from tierfs.replication.coordination.commit_records import CommitRecords
+from tierfs.replication.coordination.etcd import Etcd as EtcdClient
+from tierfs.replication.coordination.etcd import parse_cluster_url
 
 pytestmark = pytest.mark.cluster
 

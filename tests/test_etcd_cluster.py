@@ -1,7 +1,7 @@
-"""The etcd cluster layer (tierfs/cluster) against a real etcd on loopback: the --cluster URL,
-membership under leases, placement on the ring, shard and commit records, and an etcd restart.
-No FUSE here: daemons are stood in for by `Membership` objects in this process, and by a child
-process where a crash (kill -9) is the point."""
+"""The cluster's coordination (tierfs/replication/coordination) against a real etcd on
+loopback: the --cluster URL, membership under leases, placement on the ring, shard and commit
+records, and an etcd restart. No FUSE here: daemons are stood in for by `Membership` objects
+in this process, and by a child process where a crash (kill -9) is the point."""
 
 from __future__ import annotations
 
@@ -26,15 +26,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierfs import manifest as mf
-from tierfs.cluster import placement
-from tierfs.cluster.commit_records import (
+from tierfs.demo.etcd import Etcd as EtcdServer
+from tierfs.replication.coordination import placement
+from tierfs.replication.coordination.cluster_commit import ClusterCommits
+from tierfs.replication.coordination.commit_records import (
     CommitEvent,
     CommitRecords,
     CommitTimeout,
     Deletion,
     FileRecord,
 )
-from tierfs.cluster.etcd import (
+from tierfs.replication.coordination.etcd import (
     ClusterUrl,
     ClusterUrlError,
     Endpoint,
@@ -43,9 +45,7 @@ from tierfs.cluster.etcd import (
     LeaseExpired,
     parse_cluster_url,
 )
-from tierfs.cluster.membership import MemberEvent, Membership, NodeIdInUse
-from tierfs.demo.etcd import Etcd as EtcdServer
-from tierfs.replication.cluster_commit import ClusterCommits
+from tierfs.replication.coordination.membership import MemberEvent, Membership, NodeIdInUse
 
 pytestmark = pytest.mark.store
 
@@ -193,8 +193,8 @@ async def test_idle_members_cost_one_keepalive_each(etcd_server: EtcdServer) -> 
 
 MEMBER_SCRIPT = """
 import sys, trio
-from tierfs.cluster.etcd import Etcd, parse_cluster_url
-from tierfs.cluster.membership import Membership
+from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
+from tierfs.replication.coordination.membership import Membership
 cluster = parse_cluster_url(sys.argv[1])
 async def main():
     await Membership(Etcd(cluster.endpoints), cluster, sys.argv[2], "127.0.0.1:7999",

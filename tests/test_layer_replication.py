@@ -16,18 +16,18 @@ import trio
 
 from tests.conftest import free_port
 from tierfs import manifest as mf
-from tierfs.cluster import membership as live_members
-from tierfs.cluster.commit_records import FileRecord
-from tierfs.cluster.etcd import Etcd, parse_cluster_url
 from tierfs.demo.etcd import Etcd as EtcdServer
-from tierfs.replication import protocol as proto
-from tierfs.replication.channel import connect
-from tierfs.replication.membership import Membership
-from tierfs.replication.peer_reader import RangeServer
-from tierfs.replication.protocol import ProtocolError
-from tierfs.replication.receiver import INCOMING_PREFIX, ReplicaReceiver
-from tierfs.replication.replicator import Replicator
-from tierfs.replication.server import PeerServer
+from tierfs.replication.coordination import membership as live_members
+from tierfs.replication.coordination.commit_records import FileRecord
+from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import connect
+from tierfs.replication.peers.membership import Membership
+from tierfs.replication.peers.peer_reader import RangeServer
+from tierfs.replication.peers.protocol import ProtocolError
+from tierfs.replication.peers.receiver import INCOMING_PREFIX, ReplicaReceiver
+from tierfs.replication.peers.replicator import Replicator
+from tierfs.replication.peers.server import PeerServer
 
 pytestmark = pytest.mark.store
 
@@ -392,7 +392,7 @@ async def test_holders_are_added_in_batches_and_none_is_lost_to_a_race(
         etcd_server: EtcdServer) -> None:
     """300 files (more than one transaction of 128), three targets recorded at once: every
     file ends with its writer and all three, the file not named untouched."""
-    from tierfs.cluster.commit_records import CommitRecords
+    from tierfs.replication.coordination.commit_records import CommitRecords
 
     cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
     records = CommitRecords(Etcd(cluster.endpoints), cluster)
@@ -414,7 +414,7 @@ async def test_a_hold_of_an_older_content_never_counts_for_the_newer_one(
         etcd_server: EtcdServer) -> None:
     """Records are keyed by path: a copy of v5 verified after the writer sealed v6 (another
     xxh3) is not added to v6's record; a copy of the content recorded is."""
-    from tierfs.cluster.commit_records import CommitRecords
+    from tierfs.replication.coordination.commit_records import CommitRecords
 
     cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
     records = CommitRecords(Etcd(cluster.endpoints), cluster)
@@ -433,7 +433,7 @@ async def test_holders_of_many_large_records_fit_etcds_request_limit(
         etcd_server: EtcdServer) -> None:
     """128 records of ~60 kB each (a 10 GB shard's chunk hashes) are more than one request of
     1.5 MiB: the compare-and-swap goes in several transactions, and every holder is added."""
-    from tierfs.cluster.commit_records import CommitRecords
+    from tierfs.replication.coordination.commit_records import CommitRecords
 
     cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
     records = CommitRecords(Etcd(cluster.endpoints), cluster)

@@ -10,9 +10,9 @@ import uuid
 import pytest
 import trio
 
-from tierfs.cluster.etcd import Etcd, parse_cluster_url
-from tierfs.cluster.membership import Membership
 from tierfs.demo.etcd import Etcd as EtcdServer
+from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
+from tierfs.replication.coordination.membership import Membership
 
 pytestmark = pytest.mark.store
 

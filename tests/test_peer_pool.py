@@ -12,14 +12,14 @@ import pytest
 import trio
 
 from tests.conftest import free_port
-from tierfs.cluster import membership as live_members
-from tierfs.cluster.etcd import Etcd, parse_cluster_url
 from tierfs.demo.etcd import Etcd as EtcdServer
-from tierfs.replication import pool
-from tierfs.replication import protocol as proto
-from tierfs.replication.channel import PeerChannel
-from tierfs.replication.membership import Membership
-from tierfs.replication.server import PeerServer
+from tierfs.replication.coordination import membership as live_members
+from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
+from tierfs.replication.peers import pool
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import PeerChannel
+from tierfs.replication.peers.membership import Membership
+from tierfs.replication.peers.server import PeerServer
 
 pytestmark = pytest.mark.store
 

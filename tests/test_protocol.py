@@ -14,8 +14,8 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierfs.replication import protocol as proto
-from tierfs.replication.channel import AuthError, PeerChannel, authenticate
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import AuthError, PeerChannel, authenticate
 
 pytestmark = pytest.mark.core
 

@@ -20,8 +20,8 @@ from bench.simulate_cluster import (
     put_requests,
     s3_transfer,
 )
-from tierfs.cluster import placement
-from tierfs.cluster.etcd import MAX_TXN_OPS
+from tierfs.replication.coordination import placement
+from tierfs.replication.coordination.etcd import MAX_TXN_OPS
 
 pytestmark = pytest.mark.core
 

@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from tierfs.replication import protocol as proto
-from tierfs.replication.sources import FANOUT, ChunkRoutes, RouteBook, holder_order
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.sources import FANOUT, ChunkRoutes, RouteBook, holder_order
 
 pytestmark = pytest.mark.core
 

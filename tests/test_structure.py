@@ -80,3 +80,17 @@ def test_the_product_never_imports_devtools() -> None:
                  if not name.startswith("tierfs.devtools")
                  and any(other.startswith("tierfs.devtools") for other in imported)}
     assert importers == set()
+
+
+def test_layers_depend_one_way() -> None:
+    """coordination (etcd) never imports peers (bytes between nodes); the file system core
+    imports neither, nor the persistent tier, nor the daemon: they are handed to it."""
+    graph = module_imports()
+
+    def importers(of: str, among: str) -> set[str]:
+        return {name for name, imported in graph.items() if name.startswith(among)
+                and any(other.startswith(of) for other in imported)}
+
+    assert importers("tierfs.replication.peers", "tierfs.replication.coordination") == set()
+    for outer in ("tierfs.replication", "tierfs.s3tier", "tierfs.mount_helper"):
+        assert importers(outer, "tierfs.fs") == set(), outer

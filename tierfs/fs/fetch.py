@@ -15,7 +15,7 @@ the daemon (see `tierfs.fs.residency.Residency.fetch_whole`).
 
 Chunks of a partial file are served to other readers as soon as they are in (`relay_chunk`):
 after a data-parallel restart every node reads the same file, and the holders send readers
-to each other (`tierfs.replication.sources`). Such a copy stays a read-back cache.
+to each other (`tierfs.replication.peers.sources`). Such a copy stays a read-back cache.
 """
 
 from __future__ import annotations

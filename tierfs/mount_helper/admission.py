@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import trio
 
-from tierfs.cluster.etcd import ClusterUrl, Etcd, retry_unavailable
-from tierfs.cluster.token_check import TokenMismatch, check_token
 from tierfs.mount_helper.config import parse_address
-from tierfs.replication import protocol as proto
-from tierfs.replication.channel import AuthError, connect
+from tierfs.replication.coordination.etcd import ClusterUrl, Etcd, retry_unavailable
+from tierfs.replication.coordination.token_check import TokenMismatch, check_token
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import AuthError, connect
 
 
 class AdmissionRefused(Exception):

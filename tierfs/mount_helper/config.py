@@ -19,8 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierfs.cluster.url import ClusterUrl, ClusterUrlError, EtcdSecurity, parse_cluster_url
 from tierfs.mount_helper.mounts import real_path
+from tierfs.replication.coordination.url import (
+    ClusterUrl,
+    ClusterUrlError,
+    EtcdSecurity,
+    parse_cluster_url,
+)
 from tierfs.step_names import DEFAULT_FILE_STEP_PATTERN, DEFAULT_STEP_PATTERN
 
 

@@ -25,10 +25,6 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs import reserved
-from tierfs.cluster import membership as live_members
-from tierfs.cluster.commit_records import CommitRecords
-from tierfs.cluster.etcd import Etcd, EtcdError
-from tierfs.cluster.store_record import StoreRecord, StoreUse
 from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.holders import RecordedHolders, spread
 from tierfs.fs.namespace import Core, Namespace
@@ -54,16 +50,20 @@ from tierfs.mount_helper.mounts import (
 )
 from tierfs.mount_helper.status_view import number_of
 from tierfs.observe import Events, Levels, MetricsServer
-from tierfs.replication.channel import SENT_TO
-from tierfs.replication.cluster_commit import ClusterCommits
-from tierfs.replication.membership import Membership
-from tierfs.replication.peer_delete import PeerDelete, delete_handler
-from tierfs.replication.peer_manifest import ManifestFetcher, ManifestServer
-from tierfs.replication.peer_reader import PeerReader, RangeServer
-from tierfs.replication.peer_verify import PeerVerify, verify_handler
-from tierfs.replication.receiver import ReplicaReceiver
-from tierfs.replication.replicator import Replicator
-from tierfs.replication.server import Handler, PeerServer
+from tierfs.replication.coordination import membership as live_members
+from tierfs.replication.coordination.cluster_commit import ClusterCommits
+from tierfs.replication.coordination.commit_records import CommitRecords
+from tierfs.replication.coordination.etcd import Etcd, EtcdError
+from tierfs.replication.coordination.store_record import StoreRecord, StoreUse
+from tierfs.replication.peers.channel import SENT_TO
+from tierfs.replication.peers.membership import Membership
+from tierfs.replication.peers.peer_delete import PeerDelete, delete_handler
+from tierfs.replication.peers.peer_manifest import ManifestFetcher, ManifestServer
+from tierfs.replication.peers.peer_reader import PeerReader, RangeServer
+from tierfs.replication.peers.peer_verify import PeerVerify, verify_handler
+from tierfs.replication.peers.receiver import ReplicaReceiver
+from tierfs.replication.peers.replicator import Replicator
+from tierfs.replication.peers.server import Handler, PeerServer
 from tierfs.retry import POLICY, retry
 from tierfs.s3tier.backend import Backend, BackendError, open_backend
 from tierfs.s3tier.reader import PersistentReader

@@ -1,7 +1,4 @@
-"""Cluster tier: the peers of this node (`membership`, from etcd), the authenticated
-sans-IO peer protocol (`protocol`) and its trio channel and server (`channel`, `server`),
-copies of each committed file on K more nodes, as etcd's file records say (`replicator`), and
-storing theirs (`receiver`), reads,
-deletes and checks served to peers (`peer_reader`, `peer_delete`, `peer_verify`), and the
-multi-node commit of DCP checkpoints (`cluster_commit`). It consumes the commit events of
-`tierfs.fs` and is a read source for files that are not in local RAM."""
+"""The cluster tier, in two packages with one-way dependencies: `coordination` (etcd: who is a
+member, who holds which file, which steps are committed) and `peers` (the authenticated peer
+protocol that moves the bytes, which asks `coordination` and is never asked by it). It consumes
+the commit events of `tierfs.fs` and is a read source for files that are not in local RAM."""

@@ -14,10 +14,10 @@ from typing import Any
 import trio
 
 from tierfs import manifest as mf
-from tierfs.replication import protocol as proto
-from tierfs.replication import sources
-from tierfs.replication.channel import PeerChannel
-from tierfs.replication.membership import Membership
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers import sources
+from tierfs.replication.peers.channel import PeerChannel
+from tierfs.replication.peers.membership import Membership
 
 log = logging.getLogger(__name__)
 

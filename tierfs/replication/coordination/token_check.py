@@ -14,7 +14,7 @@ import hmac
 import json
 import os
 
-from tierfs.cluster.etcd import ClusterUrl, Etcd, EtcdError
+from tierfs.replication.coordination.etcd import ClusterUrl, Etcd, EtcdError
 
 CONTEXT = b"tierfs-token-check-v1"
 

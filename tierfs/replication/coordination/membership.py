@@ -36,8 +36,8 @@ from typing import Literal
 
 import trio
 
-from tierfs.cluster import placement
-from tierfs.cluster.etcd import (
+from tierfs.replication.coordination import placement
+from tierfs.replication.coordination.etcd import (
     GRPC_NOT_FOUND,
     ClusterUrl,
     Etcd,

@@ -1,11 +1,11 @@
 """The peers as the data connections see them: who the nodes are and who is up, from etcd.
 
-The live members come from `tierfs.cluster.membership` (each daemon's key under a lease; every
+The live members come from `coordination.membership` (each daemon's key under a lease; every
 node follows the member prefix). This module adds what the peer clients and the peer port ask
 of them: the address to connect to, the authenticated connections (kept alive in a pool),
 and the peers `status` lists (every node seen since this daemon started, up or down).
 There is no heartbeat of its own: a node is up while its lease lives. Connections follow who
-is *admitted* (live, or gone for less than a rejoin grace: `cluster.membership`), so a lease
+is *admitted* (live, or gone for less than a rejoin grace: `coordination.membership`), so a lease
 that ended in an etcd outage of a node that lives refuses none of its connections.
 """
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import trio
 
-from tierfs.cluster import membership as live_members
-from tierfs.replication.channel import PeerChannel, connect
-from tierfs.replication.pool import SWEEP_EVERY, PeerPool
+from tierfs.replication.coordination import membership as live_members
+from tierfs.replication.peers.channel import PeerChannel, connect
+from tierfs.replication.peers.pool import SWEEP_EVERY, PeerPool
 
 
 @dataclass

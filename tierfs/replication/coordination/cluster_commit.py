@@ -1,4 +1,4 @@
-"""The cluster-wide side of commits, on etcd (`tierfs.cluster.commit_records`): no shard moves.
+"""The cluster-wide side of commits, on etcd (`coordination.commit_records`): no shard moves.
 
 With DCP every rank writes its shard into the same step path on its own node's mount, and only
 rank 0's node sees `.metadata`. Each node records in etcd every file of a step it seals (its
@@ -29,7 +29,8 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from tierfs import manifest as mf
-from tierfs.cluster.commit_records import (
+from tierfs.fs.ports import CoordinationUnavailable
+from tierfs.replication.coordination.commit_records import (
     CommitEvent,
     CommitRecord,
     CommitRecords,
@@ -37,9 +38,7 @@ from tierfs.cluster.commit_records import (
     Deletion,
     FileRecord,
 )
-from tierfs.cluster.etcd import EtcdError, EtcdUnavailable, retry_unavailable
-from tierfs.fs.ports import CoordinationUnavailable
-from tierfs.replication.protocol import ProtocolError
+from tierfs.replication.coordination.etcd import EtcdError, EtcdUnavailable, retry_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +47,14 @@ PUBLISH_WAIT = 20.0  # seconds a commit record may take by default
 # (manifest, the nodes holding its files): list the step here (OtherTiers.learn)
 Learn = Callable[[mf.StepManifest, list[str]], None]
 StepNumber = Callable[[str], int | None]
-# (node, step path, version) -> that node's committed manifest of the step (peer_manifest)
+# (node, step path, version) -> that node's committed manifest of the step (peer_manifest);
+# raises ManifestUnavailable, OSError or trio.TooSlowError when that node cannot give it
 FetchManifest = Callable[[str, str, int], Awaitable[mf.StepManifest]]
+
+
+class ManifestUnavailable(Exception):
+    """The node asked for a step's manifest answered, but not with it (what a `FetchManifest`
+    raises for a reply it cannot use, beside OSError and trio.TooSlowError)."""
 # (step path, version) -> the manifest of that version if this node lists it committed
 Known = Callable[[str, int], mf.StepManifest | None]
 PEER_SOURCES = 3  # holders asked for a manifest before etcd's file records are read
@@ -412,7 +417,7 @@ class ClusterCommits:
         for source in sources[:PEER_SOURCES]:
             try:
                 manifest = await self._fetch(source, record.step, record.version)
-            except (OSError, ProtocolError, trio.TooSlowError) as exc:
+            except (OSError, ManifestUnavailable, trio.TooSlowError) as exc:
                 log.info("could not get the manifest of %s v%d from %s: %s", record.step,
                          record.version, source, exc or "timed out")
                 continue

@@ -15,9 +15,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from tierfs import manifest as mf
-from tierfs.replication import protocol as proto
-from tierfs.replication.channel import PeerChannel
-from tierfs.replication.membership import Membership
+from tierfs.replication.coordination.cluster_commit import ManifestUnavailable
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import PeerChannel
+from tierfs.replication.peers.membership import Membership
 
 CHUNK = 4 << 20  # bytes per MANIFEST_PART: well under the frame cap, few round trips
 MAX_MANIFEST = 1 << 30  # a total beyond this is a hostile peer's, not a step's
@@ -72,8 +73,14 @@ class ManifestFetcher:
         self.membership = membership
 
     async def fetch(self, node_id: str, path: str, version: int) -> mf.StepManifest:
-        """The manifest of `path` at `version` as `node_id` lists it, checked; ProtocolError
-        (or OSError, trio.TooSlowError) if it cannot give it."""
+        """The manifest of `path` at `version` as `node_id` lists it, checked; ManifestUnavailable
+        (or OSError, trio.TooSlowError) if it cannot give it (coordination's `FetchManifest`)."""
+        try:
+            return await self._fetch(node_id, path, version)
+        except proto.ProtocolError as exc:
+            raise ManifestUnavailable(str(exc)) from exc
+
+    async def _fetch(self, node_id: str, path: str, version: int) -> mf.StepManifest:
         parts: list[bytes] = []
         received = 0
         total: int | None = None

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import trio
 
-from tierfs.replication.channel import PeerChannel
-from tierfs.replication.server import IDLE_TIMEOUT
+from tierfs.replication.peers.channel import PeerChannel
+from tierfs.replication.peers.server import IDLE_TIMEOUT
 
 PER_PEER = 4
 MAX_IDLE = IDLE_TIMEOUT * 0.75  # the server closes at IDLE_TIMEOUT: leave a margin for clocks

@@ -44,7 +44,7 @@ from urllib.parse import quote, unquote
 
 import trio
 
-from tierfs.cluster.etcd import (
+from tierfs.replication.coordination.etcd import (
     ClusterUrl,
     Etcd,
     EtcdError,

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from tierfs import manifest as mf
-from tierfs.cluster.commit_records import FileRecord
-from tierfs.replication import protocol as proto
-from tierfs.replication.channel import PeerChannel
-from tierfs.replication.membership import Membership
+from tierfs.replication.coordination.commit_records import FileRecord
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import PeerChannel
+from tierfs.replication.peers.membership import Membership
 
 STATES = {"good", "bad", "missing", "repaired"}
 VERIFY_TIMEOUT = 600.0  # hashing a large file, and fetching it again if it was bad

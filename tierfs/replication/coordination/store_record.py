@@ -17,7 +17,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from tierfs.cluster.etcd import ClusterUrl, Etcd, EtcdError
+from tierfs.replication.coordination.etcd import ClusterUrl, Etcd, EtcdError
 
 
 @dataclass(frozen=True)

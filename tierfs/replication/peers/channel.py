@@ -16,7 +16,7 @@ from typing import Any
 import outcome
 import trio
 
-from tierfs.replication import protocol as proto
+from tierfs.replication.peers import protocol as proto
 
 IO_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 3.0

@@ -29,7 +29,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 import trio
 
-from tierfs.cluster.url import (  # noqa: F401  (re-exported: the etcd layer's one import)
+from tierfs.replication.coordination.url import (  # noqa: F401  (re-exported: the etcd layer's one import)
     ClusterUrl,
     ClusterUrlError,
     Endpoint,

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable, Container
 
 import trio
 
-from tierfs.replication import protocol as proto
-from tierfs.replication.channel import ConnectionClosed, PeerChannel, authenticate
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import ConnectionClosed, PeerChannel, authenticate
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ import xxhash
 
 from tierfs import manifest as mf
 from tierfs import reserved
-from tierfs.replication import protocol as proto
-from tierfs.replication.channel import PeerChannel
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import PeerChannel
 
 log = logging.getLogger(__name__)
 

@@ -32,11 +32,11 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from tierfs import manifest as mf
-from tierfs.cluster import placement
-from tierfs.cluster.commit_records import FileRecord
 from tierfs.observe import Events
-from tierfs.replication import protocol as proto
-from tierfs.replication.membership import Membership
+from tierfs.replication.coordination import placement
+from tierfs.replication.coordination.commit_records import FileRecord
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.membership import Membership
 from tierfs.retry import POLICY
 from tierfs.step_queue import StepQueue
 

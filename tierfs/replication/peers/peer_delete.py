@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from tierfs.fs.deletes import Tombstone
-from tierfs.replication import protocol as proto
-from tierfs.replication.channel import PeerChannel
-from tierfs.replication.membership import Membership
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import PeerChannel
+from tierfs.replication.peers.membership import Membership
 
 # (path, version, committed_ns, sender): drop what is covered and remember the delete.
 ApplyDelete = Callable[[str, int, int, str], None]
