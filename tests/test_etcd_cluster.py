@@ -5,6 +5,7 @@ in this process, and by a child process where a crash (kill -9) is the point."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -43,6 +44,7 @@ from tierfs.replication.coordination.etcd import (
     Etcd,
     EtcdUnavailable,
     LeaseExpired,
+    WatchCompacted,
     parse_cluster_url,
 )
 from tierfs.replication.coordination.membership import MemberEvent, Membership, NodeIdInUse
@@ -141,6 +143,23 @@ async def test_second_endpoint_answers_when_first_is_down(etcd_server: EtcdServe
     await etcd.put(cluster.key("k"), b"v")
     kv = await etcd.get(cluster.key("k"))
     assert kv is not None and kv.value == b"v"
+
+
+async def test_a_watch_from_compacted_history_is_watch_compacted(etcd_server: EtcdServer
+                                                                 ) -> None:
+    """etcd compacted the history a watch starts from (`--auto-compaction-retention`): the
+    watch says so (the follower reads the prefix again) instead of reopening for ever."""
+    cluster = new_cluster(etcd_server)
+    etcd = Etcd(cluster.endpoints, timeout=2)
+    first = await etcd.put(cluster.key("k"), b"1")
+    last = await etcd.put(cluster.key("k"), b"2")
+    compaction = json.dumps({"revision": str(last), "physical": True}).encode()
+    urllib.request.urlopen(urllib.request.Request(  # etcd's own API: tierfs never compacts
+        f"http://{cluster.endpoints[0]}/v3/kv/compaction", data=compaction), timeout=5).read()
+    send, _receive = trio.open_memory_channel[Any](10)
+    with trio.fail_after(10):
+        with pytest.raises(WatchCompacted):
+            await etcd.watch_prefix(cluster.key(""), first, send)
 
 
 # --- membership ------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The replicator and the receiver in one process, each with its collaborators injected: two
-endpoints on 127.0.0.1 (a Membership and Replicator for the sender, a PeerServer and
+endpoints on 127.0.0.1 (a PeerDirectory and Replicator for the sender, a PeerServer and
 ReplicaReceiver for the receiver), members of a real etcd, no mount. A failure here is in the
 peer layer."""
 
@@ -22,7 +22,7 @@ from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import connect
-from tierfs.replication.peers.membership import Membership
+from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.replication.peers.peer_reader import RangeServer
 from tierfs.replication.peers.protocol import ProtocolError
 from tierfs.replication.peers.receiver import INCOMING_PREFIX, ReplicaReceiver
@@ -96,7 +96,7 @@ def records_of(manifest: mf.StepManifest, holders: set[str]) -> dict[str, FileRe
             for e in manifest.files}
 
 
-def a_replicator(membership: Membership, objects: Path, placements: Any,
+def a_replicator(membership: PeerDirectory, objects: Path, placements: Any,
                  on_held: Any, **options: Any) -> Replicator:
     """Node a's replicator (K = 1) over the objects in `objects`, every step current."""
     return Replicator(membership, 1, lambda xxh3: str(objects / xxh3),
@@ -105,7 +105,7 @@ def a_replicator(membership: Membership, objects: Path, placements: Any,
 
 
 async def members_a_and_b(nursery: trio.Nursery, etcd_server: EtcdServer,
-                          b_port: int) -> Membership:
+                          b_port: int) -> PeerDirectory:
     """a's view of a two-node cluster {a, b} in a fresh prefix of the real etcd."""
     cluster = parse_cluster_url(etcd_server.cluster_url(f"layer/{uuid.uuid4().hex[:8]}"))
     etcd = Etcd(cluster.endpoints)
@@ -116,7 +116,7 @@ async def members_a_and_b(nursery: trio.Nursery, etcd_server: EtcdServer,
     with trio.fail_after(10):
         while live["a"].ring != ["a", "b"]:
             await live["a"].changed.wait()
-    return Membership(live["a"], TOKEN)
+    return PeerDirectory(live["a"], TOKEN)
 
 
 async def replicate_to_b(nursery: trio.Nursery, etcd_server: EtcdServer, b: Receiving,

@@ -1,4 +1,4 @@
-"""Kept-alive peer connections (Membership.channel and its pool) against a real PeerServer on
+"""Kept-alive peer connections (PeerDirectory.channel and its pool) against a real PeerServer on
 127.0.0.1, members of a real etcd: how many connections (handshakes) requests cost, that a
 connection left out of step with its peer is never lent again, that a peer's restart or
 departure does not leave dead connections to lend, and that borrowers wait beyond PER_PEER."""
@@ -17,8 +17,8 @@ from tierfs.replication.coordination import membership as live_members
 from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
 from tierfs.replication.peers import pool
 from tierfs.replication.peers import protocol as proto
-from tierfs.replication.peers.channel import PeerChannel
-from tierfs.replication.peers.membership import Membership
+from tierfs.replication.peers.channel import PeerChannel, connect
+from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.replication.peers.server import PeerServer
 
 pytestmark = pytest.mark.store
@@ -71,7 +71,7 @@ class Cluster:
         self.etcd = Etcd(self.url.endpoints)
         self.b = Peer(free_port())
         self.b_scope = trio.CancelScope()
-        self.a: Membership
+        self.a: PeerDirectory
 
     async def start(self, nursery: trio.Nursery) -> None:
         await nursery.start(self.b.serve)
@@ -81,7 +81,7 @@ class Cluster:
         with trio.fail_after(10):
             while live_a.ring != ["a", "b"]:
                 await live_a.changed.wait()
-        self.a = Membership(live_a, TOKEN)
+        self.a = PeerDirectory(live_a, TOKEN)
         nursery.start_soon(self.a.run)
 
     async def _b_member(self, task_status: trio.TaskStatus[None]) -> None:
@@ -172,3 +172,26 @@ async def test_idle_connections_close_before_the_server_drops_them(cluster: Clus
     await cluster.ping()
     assert cluster.a.pool.opened == 2
     assert pool.MAX_IDLE + pool.SWEEP_EVERY < pool.IDLE_TIMEOUT
+
+
+async def test_a_connection_under_this_nodes_own_id_may_only_ping() -> None:
+    """The peer port lets this node's own id in for the check at mount that the node reaches
+    itself at its advertised address: a PING. A second node started with the same id and the
+    token must not store, read or delete anything through it."""
+    token, port = b"t" * 32, free_port()
+    asked: list[str] = []
+
+    async def manifest(message: proto.Message, channel: PeerChannel) -> None:
+        asked.append(message.type)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(PeerServer("b", token, {"a", "b"}, {"MANIFEST": manifest}).run,
+                            "127.0.0.1", port)
+        channel = await connect("127.0.0.1", port, token, "b", {"a", "b"}, "b")
+        await channel.request("PING", node_id="b", expect="PONG")
+        await channel.send("MANIFEST", path="run/step_1", version=1, offset=0)
+        with pytest.raises(proto.ProtocolError):  # the server drops the connection
+            await channel.receive(timeout=5)
+        await channel.aclose()
+        assert asked == []
+        nursery.cancel_scope.cancel()

@@ -437,7 +437,7 @@ def _cluster(values: dict[str, Any], node_id: str
     if not values["cluster"]:
         for option in ("listen", "advertise", *ETCD_OPTIONS):
             if values[option]:
-                raise ConfigError(f"--{option} needs --cluster")
+                raise ConfigError(f"--{option.replace('_', '-')} needs --cluster")
         return None, None, None
     try:
         cluster = parse_cluster_url(str(values["cluster"]))

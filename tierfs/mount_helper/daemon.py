@@ -56,7 +56,7 @@ from tierfs.replication.coordination.commit_records import CommitRecords
 from tierfs.replication.coordination.etcd import Etcd, EtcdError
 from tierfs.replication.coordination.store_record import StoreRecord, StoreUse
 from tierfs.replication.peers.channel import SENT_TO
-from tierfs.replication.peers.membership import Membership
+from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.replication.peers.peer_delete import PeerDelete, delete_handler
 from tierfs.replication.peers.peer_manifest import ManifestFetcher, ManifestServer
 from tierfs.replication.peers.peer_reader import PeerReader, RangeServer
@@ -614,7 +614,7 @@ async def _terminate_on_signal() -> None:
             return
 
 
-def _members(cfg: MountConfig) -> Membership:
+def _members(cfg: MountConfig) -> PeerDirectory:
     """The cluster's members as this node sees them (from etcd), made before the tree: which
     steps can be read whole depends on who is up."""
     assert cfg.cluster is not None and cfg.advertise is not None and cfg.token is not None
@@ -622,28 +622,28 @@ def _members(cfg: MountConfig) -> Membership:
         etcd = Etcd(cfg.cluster.endpoints, security=cfg.cluster.security)
     except EtcdError as exc:  # a TLS file that does not load
         raise StartupError(str(exc)) from None
-    return Membership(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise),
+    return PeerDirectory(live_members.PeerDirectory(etcd, cfg.cluster, cfg.node_id, cfg.advertise),
                       cfg.token)
 
 
 class ClusterLinks:
     """This node's clients of its peers (with --cluster), made before the namespace, which is
     given them: reads from peers, other nodes' DCP shards, peer verification and deletes, over
-    the connections of `membership`. They ask the tree questions only (who holds a step, which
+    the connections of `directory`. They ask the tree questions only (who holds a step, which
     files are sealed)."""
 
-    def __init__(self, cfg: MountConfig, tree: Tree, membership: Membership) -> None:
+    def __init__(self, cfg: MountConfig, tree: Tree, directory: PeerDirectory) -> None:
         assert cfg.cluster is not None
-        self.membership = membership
-        self.live = membership.live
+        self.directory = directory
+        self.live = directory.live
         self.etcd = self.live.etcd
         self.sealed = ClusterCommits(CommitRecords(self.etcd, cfg.cluster), cfg.node_id,
-                                     tree.step_number, ManifestFetcher(self.membership).fetch,
+                                     tree.step_number, ManifestFetcher(self.directory).fetch,
                                      tree.committed_manifest)
         self.tree = tree
-        self.reader = PeerReader(self.membership, tree.holders_of, self._file_holders)
-        self.verify = PeerVerify(self.membership, self.sealed.placements)
-        self.delete = PeerDelete(self.membership)
+        self.reader = PeerReader(self.directory, tree.holders_of, self._file_holders)
+        self.verify = PeerVerify(self.directory, self.sealed.placements)
+        self.delete = PeerDelete(self.directory)
         self.store_record = StoreRecord(self.etcd, cfg.cluster)
         self.node_id = cfg.node_id
         self.replicas = cfg.replicas
@@ -683,13 +683,13 @@ class ClusterNode:
         self.namespace = namespace
         self.store = store
         self.live = links.live
-        self.membership = links.membership
+        self.directory = links.directory
         self.verifier = namespace.verifier
         self.peer_delete = links.delete
         self.sealed = links.sealed
         self.store_record = links.store_record
         tiers = namespace.tiers
-        self.replicator = Replicator(self.membership, cfg.replicas,
+        self.replicator = Replicator(self.directory, cfg.replicas,
                                      lambda digest: str(store.object_path(digest)),
                                      is_current=tiers.is_current,
                                      placements=self.sealed.placements,
@@ -722,7 +722,7 @@ class ClusterNode:
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
         }
-        server = PeerServer(self.cfg.node_id, self.cfg.token, self.membership.ids, handlers)
+        server = PeerServer(self.cfg.node_id, self.cfg.token, self.directory.ids, handlers)
         assert self.cfg.listen is not None
         host, port = self.cfg.listen
         try:
@@ -742,7 +742,7 @@ class ClusterNode:
                  self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
         self._follow_members()
         await self.sealed.learn_all(self._learn)  # every step of the cluster, from the start
-        for worker in (self.membership.run, self.replicator.run, self._restore_copies,
+        for worker in (self.directory.run, self.replicator.run, self._restore_copies,
                        self._follow_commits, self._publish_pending, self._recheck_losses):
             nursery.start_soon(worker)
         nursery.start_soon(self._catch_up)
@@ -866,7 +866,7 @@ class ClusterNode:
         """When a node goes or comes, every node re-plans the copies of the files it holds
         from fresh records (lost copies are restored; a node joining moves nothing)."""
         while True:
-            await self.membership.changed.wait()
+            await self.directory.changed.wait()
             self._follow_members()
             for manifest in self.namespace.tiers.held_manifests():
                 self.replicator.submit(manifest)
@@ -880,16 +880,16 @@ class ClusterNode:
         tiers = self.namespace.tiers
         tree = self.namespace.tree
         while True:
-            changed = self.membership.changed
-            generation = self.membership.generation
-            for manifest in tiers.doubtful_steps(self.membership.may_be_up):
+            changed = self.directory.changed
+            generation = self.directory.generation
+            for manifest in tiers.doubtful_steps(self.directory.may_be_up):
                 records = await self.sealed.placements(manifest)
                 if records is not None:
                     tiers.note_placements(manifest, {n: set(r.holders) for n, r in records.items()},
                                           {n: r.node for n, r in records.items()})
             for node in list(tree.steps()):
                 tree.recoverable.loss(node.step)
-            if self.membership.generation == generation:
+            if self.directory.generation == generation:
                 await changed.wait()
 
     async def record_store_use(self, url: str, used: trio.Event) -> None:
@@ -1004,7 +1004,7 @@ class Daemon:
             pending["persist"] = self._persist_waiting()
         if self.cluster is not None:
             pending["replica"] = self._replicas_waiting()
-        peers = self.cluster.membership.peers if self.cluster else []
+        peers = self.cluster.directory.peers if self.cluster else []
         store = self.namespace.store
         tree = self.namespace.tree
         incomplete = sum(1 for node in tree.steps()
@@ -1073,7 +1073,7 @@ class Daemon:
         if self.cluster is not None and step.committed:
             status.update(self._spread(step, recorded))
         else:
-            is_up = self.cluster.membership.is_up if self.cluster else (lambda _peer: False)
+            is_up = self.cluster.directory.is_up if self.cluster else (lambda _peer: False)
             status["copies"] = tree.copies(step, is_up)
         manifest = node.step.manifest
         status["committed_ns"] = manifest.committed_ns if manifest is not None else None
@@ -1094,7 +1094,7 @@ class Daemon:
             recorded = {e.name: tree.file_peers(step, e.name)
                         | ({me} if e.name in step.resident else set())
                         for e in step.manifest.files}
-        is_up = self.cluster.membership.is_up
+        is_up = self.cluster.directory.is_up
         held = spread(recorded, lambda peer: peer == me or is_up(peer))
         alone = not step.persisted and any(
             name in step.resident and not any(h != me and is_up(h) for h in nodes)
@@ -1117,7 +1117,7 @@ class Daemon:
             "ram_dir": str(self.cfg.ram_dir),
             "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes},
             "passthrough": self.passthrough is not None and self.passthrough.enabled,
-            "peers": self.cluster.membership.status() if self.cluster else [],
+            "peers": self.cluster.directory.status() if self.cluster else [],
             "served_to_peers": self.cluster.served() if self.cluster else None,
             "persist": self.persist_status(),
             "commits": self.commits,

@@ -452,6 +452,8 @@ class Etcd:
                             await deliver(events)
         except (httpx.HTTPError, ValueError) as exc:
             raise EtcdUnavailable(f"watch stream broke: {_detail(exc)}") from None
+        except WatchCompacted:
+            raise  # not a stream to reopen: the history is gone (`follow_prefix` reads again)
         except EtcdError as exc:  # the auth token, refused: a new one when it is reopened
             if self._auth_expired(exc):
                 self._auth_token = None

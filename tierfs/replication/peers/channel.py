@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import mmap
 import os
 import select
 import socket
@@ -26,6 +25,7 @@ WINDOW = 4  # requests in flight on one connection (pipeline)
 # segment on the trio thread, which serves the mount meanwhile.
 BULK = 1 << 18
 LOW_WATER = 1 << 20
+TAG_READ = 4 << 20  # bytes of a file read at a time for its MAC: bounded memory per send
 # Bytes of frames this process sent to each peer, by node id, once it authenticated (one
 # daemon per process): the `tierfs_peer_sent_bytes` metric and `served_to_peers` in status.
 SENT_TO: collections.Counter[str] = collections.Counter()
@@ -121,16 +121,18 @@ class PeerChannel:
                         **fields: Any) -> None:
         """A message whose payload is `length` bytes of the file `fd` from `offset`, sent from
         the file to the socket by the kernel (sendfile: no copy through Python), its MAC
-        computed first over the file's pages mapped in a worker thread. The message's own
-        fields (which may include an `offset` too) are the keyword arguments."""
+        computed meanwhile in a worker thread (on a descriptor of its own, which the caller's
+        close cannot take from it). The message's own fields (which may include an `offset`
+        too) are the keyword arguments."""
         header = proto.encode_header(kind, length, **fields)
         with self._io():
             if self._socket is None:
-                tag = await trio.to_thread.run_sync(self._tag_file, header, fd, offset, length)
+                tag = await trio.to_thread.run_sync(self._tag_file, header, os.dup(fd), offset,
+                                                    length)
                 data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
                 await self._send_frame(header, data, tag)
                 return
-            tagging = _in_thread(self._tag_file, header, fd, offset, length)
+            tagging = _in_thread(self._tag_file, header, os.dup(fd), offset, length)
             await self.stream.send_all(header)
             await _sendfile(self._socket, fd, offset, length)  # meanwhile, the tag is made
             await self.stream.send_all(await tagging())
@@ -138,19 +140,26 @@ class PeerChannel:
             self._count_sent(len(header) + length)
 
     def _tag_file(self, header: bytes, fd: int, offset: int, length: int) -> bytes:
-        """The tag of a frame whose payload is that part of the file (a file that changes
-        before it is sent fails its MAC at the peer: a dropped connection, never bad data)."""
-        if self._send_mac is None:
-            return b""
-        if not length:
-            return self._send_mac.tag(header)
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        """The tag of a frame whose payload is that part of the file, read with pread (a file
+        mapped instead would kill the daemon with SIGBUS if it shrank meanwhile; one that
+        changes before it is sent fails its MAC at the peer: a dropped connection, never bad
+        data). Closes `fd`, a duplicate made for this thread."""
         try:
-            with mmap.mmap(fd, offset + length - start, prot=mmap.PROT_READ,
-                           offset=start) as mapped, memoryview(mapped) as view:
-                return self._send_mac.tag(header, view[offset - start:])
-        except (ValueError, OSError) as exc:  # beyond the end of the file
-            raise proto.ProtocolError(f"cannot read the payload to send: {exc}") from None
+            if self._send_mac is None:
+                return b""
+            mac = self._send_mac.start()
+            mac.update(header)
+            end = offset + length
+            while offset < end:
+                piece = os.pread(fd, min(TAG_READ, end - offset), offset)
+                if not piece:
+                    raise proto.ProtocolError("cannot read the payload to send: the file is "
+                                              "shorter than it was")
+                mac.update(piece)
+                offset += len(piece)
+            return mac.finalize()
+        finally:
+            os.close(fd)
 
     def _count_sent(self, nbytes: int) -> None:
         if self.peer_id != "?":  # the handshake's few bytes are not counted

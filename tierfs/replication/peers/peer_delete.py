@@ -9,21 +9,21 @@ from collections.abc import Awaitable, Callable
 from tierfs.fs.deletes import Tombstone
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel
-from tierfs.replication.peers.membership import Membership
+from tierfs.replication.peers.directory import PeerDirectory
 
 # (path, version, committed_ns, sender): drop what is covered and remember the delete.
 ApplyDelete = Callable[[str, int, int, str], None]
 
 
 class PeerDelete:
-    def __init__(self, membership: Membership) -> None:
-        self.membership = membership
+    def __init__(self, directory: PeerDirectory) -> None:
+        self.directory = directory
 
     async def delete(self, tomb: Tombstone, node_id: str) -> None:
         """Have `node_id` drop the deleted step; raises while it cannot be reached."""
-        if node_id not in self.membership.ids:
+        if node_id not in self.directory.ids:
             return  # no longer a member of the cluster: nothing to clean there
-        async with self.membership.channel(node_id) as channel:
+        async with self.directory.channel(node_id) as channel:
             await channel.request("DELETE", path=tomb.path, version=tomb.version,
                                   committed_ns=tomb.committed_ns)
 

@@ -18,7 +18,7 @@ from tierfs import manifest as mf
 from tierfs.replication.coordination.cluster_commit import ManifestUnavailable
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel
-from tierfs.replication.peers.membership import Membership
+from tierfs.replication.peers.directory import PeerDirectory
 
 CHUNK = 4 << 20  # bytes per MANIFEST_PART: well under the frame cap, few round trips
 MAX_MANIFEST = 1 << 30  # a total beyond this is a hostile peer's, not a step's
@@ -69,8 +69,8 @@ class ManifestServer:
 class ManifestFetcher:
     """Asks a peer for a committed manifest."""
 
-    def __init__(self, membership: Membership) -> None:
-        self.membership = membership
+    def __init__(self, directory: PeerDirectory) -> None:
+        self.directory = directory
 
     async def fetch(self, node_id: str, path: str, version: int) -> mf.StepManifest:
         """The manifest of `path` at `version` as `node_id` lists it, checked; ManifestUnavailable
@@ -84,7 +84,7 @@ class ManifestFetcher:
         parts: list[bytes] = []
         received = 0
         total: int | None = None
-        async with self.membership.channel(node_id) as channel:
+        async with self.directory.channel(node_id) as channel:
             while total is None or received < total:
                 await channel.send("MANIFEST", path=path, version=version, offset=received)
                 reply = await channel.receive("MANIFEST_PART", timeout=FETCH_TIMEOUT)

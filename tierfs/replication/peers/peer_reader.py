@@ -17,7 +17,7 @@ from tierfs import manifest as mf
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers import sources
 from tierfs.replication.peers.channel import PeerChannel
-from tierfs.replication.peers.membership import Membership
+from tierfs.replication.peers.directory import PeerDirectory
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +27,9 @@ _HEX = set("0123456789abcdef")
 class PeerReader:
     name = "peer"
 
-    def __init__(self, membership: Membership, holders: Callable[[str, str], list[str]],
+    def __init__(self, directory: PeerDirectory, holders: Callable[[str, str], list[str]],
                  refresh: Callable[[str, str], Awaitable[list[str]]] | None = None) -> None:
-        self.membership = membership
+        self.directory = directory
         self._holders = holders
         # Who holds a file now, asked when every holder known here failed: copies made
         # since this node last read the file's record (e.g. of a file it holds nothing of).
@@ -54,7 +54,7 @@ class PeerReader:
         tried: set[str] = set()
         holders = self._holders(step_path, entry.name)
         for _attempt in range(2):
-            untried = [h for h in holders if h != self.membership.me and h not in tried]
+            untried = [h for h in holders if h != self.directory.me and h not in tried]
             tried.update(untried)
             data = await self._read_from(untried, step_path, entry, offset, length, into,
                                          failures)
@@ -70,7 +70,7 @@ class PeerReader:
                          failures: list[str]) -> memoryview | None:
         """The bytes from the first of `holders` that gives them, or from the reader it sends
         this node to (None if none does: each failure is added to `failures`)."""
-        for node_id in sources.holder_order(holders, entry.xxh3, offset, self.membership.is_up):
+        for node_id in sources.holder_order(holders, entry.xxh3, offset, self.directory.is_up):
             try:
                 return await self._from_holder(node_id, step_path, entry, offset, length, into)
             except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
@@ -86,7 +86,7 @@ class PeerReader:
                    "offset": offset, "length": length}
         avoid: list[str] = []
         while True:
-            async with self.membership.channel(holder) as channel:
+            async with self.directory.channel(holder) as channel:
                 if len(avoid) >= sources.MAX_HOPS:
                     await channel.send("GET", **request)
                 else:
@@ -104,7 +104,7 @@ class PeerReader:
 
     async def _get(self, node_id: str, request: dict[str, Any],
                    into: memoryview | None) -> memoryview:
-        async with self.membership.channel(node_id) as channel:
+        async with self.directory.channel(node_id) as channel:
             await channel.send("GET", **request)
             return _payload(channel, await channel.receive("DATA", into=into), into)
 

@@ -10,7 +10,7 @@ from tierfs import manifest as mf
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel
-from tierfs.replication.peers.membership import Membership
+from tierfs.replication.peers.directory import PeerDirectory
 
 STATES = {"good", "bad", "missing", "repaired"}
 VERIFY_TIMEOUT = 600.0  # hashing a large file, and fetching it again if it was bad
@@ -22,8 +22,8 @@ Placements = Callable[[mf.StepManifest], Awaitable[dict[str, FileRecord] | None]
 
 
 class PeerVerify:
-    def __init__(self, membership: Membership, placements: Placements) -> None:
-        self.membership = membership
+    def __init__(self, directory: PeerDirectory, placements: Placements) -> None:
+        self.directory = directory
         self._placements = placements
 
     async def file_holders(self, manifest: mf.StepManifest) -> dict[str, set[str]] | None:
@@ -36,7 +36,7 @@ class PeerVerify:
 
     async def verify(self, node_id: str, step_path: str, entry: mf.FileEntry,
                      repair: bool) -> str:
-        async with self.membership.channel(node_id) as channel:
+        async with self.directory.channel(node_id) as channel:
             await channel.send("VERIFY", path=step_path, name=entry.name, xxh3=entry.xxh3,
                                repair=repair)
             reply = await channel.receive("VERIFIED", timeout=VERIFY_TIMEOUT)

@@ -36,13 +36,13 @@ from tierfs.observe import Events
 from tierfs.replication.coordination import placement
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.peers import protocol as proto
-from tierfs.replication.peers.membership import Membership
+from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.retry import POLICY
 from tierfs.step_queue import StepQueue
 
 log = logging.getLogger(__name__)
 
-# The one retry policy, pausing at most RETRY_DELAY: a membership change (a peer back, a new
+# The one retry policy, pausing at most RETRY_DELAY: a directory change (a peer back, a new
 # node) ends the pause at once anyway, and each failure is logged by _send_to.
 RETRY_DELAY = 2.0
 RETRIES = POLICY.capped(RETRY_DELAY)
@@ -58,7 +58,7 @@ Recorded = Callable[[mf.StepManifest, str, list[str]], Awaitable[bool]]
 class Replicator:
     def __init__(
         self,
-        membership: Membership,
+        directory: PeerDirectory,
         replicas: int,
         object_path: Callable[[str], str],
         *,
@@ -69,7 +69,7 @@ class Replicator:
         may_copy: Callable[[mf.StepManifest, str], bool] = lambda _m, _peer: True,
         events: Events | None = None,
     ) -> None:
-        self.membership = membership
+        self.directory = directory
         self._events = events or Events()
         self.replicas = replicas
         self._object_path = object_path
@@ -124,7 +124,7 @@ class Replicator:
             if failures >= TRIES_BEFORE_ASIDE:  # the other steps' copies go first
                 self._later[manifest.path] = manifest
                 return
-            await RETRIES.pause(failures, wake=self.membership.changed)
+            await RETRIES.pause(failures, wake=self.directory.changed)
 
     def _not_waiting(self, manifest: mf.StepManifest,
                      copies: list[placement.Copy]) -> list[placement.Copy]:
@@ -153,8 +153,8 @@ class Replicator:
         here = {name: placement.Placement(r.node, frozenset(r.holders), frozenset(r.left))
                 for name, r in records.items()
                 if os.path.exists(self._object_path(r.xxh3))}
-        plan = placement.restore_plan(here, self.membership.live.ring, self.replicas)
-        return plan.for_source(self.membership.me)
+        plan = placement.restore_plan(here, self.directory.live.ring, self.replicas)
+        return plan.for_source(self.directory.me)
 
     async def _send_copies(self, manifest: mf.StepManifest,
                            copies: list[placement.Copy]) -> bool:
@@ -177,7 +177,7 @@ class Replicator:
         held: list[str] = []
         error: BaseException | None = None
         try:
-            async with self.membership.channel(target) as channel:
+            async with self.directory.channel(target) as channel:
                 for batch in _batches(names):
                     for name in batch:
                         await self._send_file(channel, manifest.path, manifest.entry(name))

@@ -49,6 +49,10 @@ class PeerServer:
                     except ConnectionClosed:
                         return
                     handler = self.handlers.get(message.type)
+                    if channel.peer_id == self.me and message.type != "PING":
+                        # this node's own id is let in for the check at mount that it
+                        # reaches itself (a PING), never to store, read or delete
+                        raise proto.ProtocolError(f"{message.type} from this node's own id")
                     if handler is None:
                         raise proto.ProtocolError(f"unexpected {message.type}")
                     await handler(message, channel)

@@ -40,17 +40,17 @@ class Member:
 class LiveIds:
     """`node in ids`: whether `node` is an admitted member now (checked at each connection)."""
 
-    def __init__(self, live: live_members.Membership) -> None:
+    def __init__(self, live: live_members.PeerDirectory) -> None:
         self._live = live
 
     def __contains__(self, node_id: object) -> bool:
         return isinstance(node_id, str) and self._live.admits(node_id)
 
 
-class Membership:
+class PeerDirectory:
     """The members of the cluster for this node's peer connections."""
 
-    def __init__(self, live: live_members.Membership, token: bytes) -> None:
+    def __init__(self, live: live_members.PeerDirectory, token: bytes) -> None:
         self.live = live
         self.me = live.node_id
         self.token = token
