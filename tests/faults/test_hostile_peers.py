@@ -187,6 +187,13 @@ class RawPeer:
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.decoder = proto.FrameDecoder()
+        self.send_mac: proto.FrameMac | None = None  # after the handshake: every frame's MAC
+
+    def send_frame(self, frame: bytes) -> None:
+        """A whole frame, with its MAC once authenticated (so it reaches the decoder and the
+        request's checks, not just the MAC check)."""
+        tag = self.send_mac.tag(frame) if self.send_mac is not None else b""
+        self.sock.sendall(frame + tag)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -204,9 +211,9 @@ class RawPeer:
                   replay_proof: bytes | None = None) -> tuple[bool, bytes]:
         """Authenticate as `me`; True if the server accepted. Returns the PROOF sent."""
         mac = b""
+        nonce = proto.new_nonce()
         try:
-            self.sock.sendall(b"".join(proto.encode("HELLO", node_id=me,
-                                                    nonce=proto.new_nonce())))
+            self.sock.sendall(b"".join(proto.encode("HELLO", node_id=me, nonce=nonce)))
             hello = self.receive()
             if hello is None or hello.type != "HELLO":
                 return False, b""
@@ -215,8 +222,12 @@ class RawPeer:
             answer = self.receive()
             if answer is None or answer.type != "PROOF":
                 return False, mac
-            ping = b"".join(proto.encode("PING", node_id=me))
-            self.sock.sendall(ping)  # the server has checked our proof once it answers this
+            self.send_mac = proto.FrameMac(proto.frame_key(token, me, server, nonce,
+                                                           hello["nonce"]))
+            self.decoder.mac = proto.FrameMac(proto.frame_key(token, server, me,
+                                                              hello["nonce"], nonce))
+            # the server has checked our proof once it answers this
+            self.send_frame(b"".join(proto.encode("PING", node_id=me)))
             pong = self.receive()
         except OSError:
             return False, mac
@@ -296,7 +307,7 @@ def test_fuzz_live_peer_port(mounts: MountFactory, token_file: Path, etcd_server
                 counts["sessions:unauthenticated"] += 1
             for frame in frames:
                 try:
-                    peer.sock.sendall(frame)
+                    peer.send_frame(frame)
                 except OSError:
                     break  # dropped already
                 counts["frames"] += 1
@@ -327,7 +338,7 @@ def test_fuzz_live_peer_port(mounts: MountFactory, token_file: Path, etcd_server
             peer = RawPeer(port)
             accepted, _mac = peer.handshake(token, "node1")
             assert accepted
-            peer.sock.sendall(frame)
+            peer.send_frame(frame)
             reply = peer.receive()
             counts["frames"] += 4
             counts["traversal_requests"] += 1
