@@ -622,7 +622,7 @@ def _members(cfg: MountConfig) -> PeerDirectory:
         etcd = Etcd(cfg.cluster.endpoints, security=cfg.cluster.security)
     except EtcdError as exc:  # a TLS file that does not load
         raise StartupError(str(exc)) from None
-    return PeerDirectory(live_members.PeerDirectory(etcd, cfg.cluster, cfg.node_id, cfg.advertise),
+    return PeerDirectory(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise),
                       cfg.token)
 
 

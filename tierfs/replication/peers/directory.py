@@ -40,7 +40,7 @@ class Member:
 class LiveIds:
     """`node in ids`: whether `node` is an admitted member now (checked at each connection)."""
 
-    def __init__(self, live: live_members.PeerDirectory) -> None:
+    def __init__(self, live: live_members.Membership) -> None:
         self._live = live
 
     def __contains__(self, node_id: object) -> bool:
@@ -50,7 +50,7 @@ class LiveIds:
 class PeerDirectory:
     """The members of the cluster for this node's peer connections."""
 
-    def __init__(self, live: live_members.PeerDirectory, token: bytes) -> None:
+    def __init__(self, live: live_members.Membership, token: bytes) -> None:
         self.live = live
         self.me = live.node_id
         self.token = token

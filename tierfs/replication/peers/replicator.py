@@ -42,7 +42,7 @@ from tierfs.step_queue import StepQueue
 
 log = logging.getLogger(__name__)
 
-# The one retry policy, pausing at most RETRY_DELAY: a directory change (a peer back, a new
+# The one retry policy, pausing at most RETRY_DELAY: a membership change (a peer back, a new
 # node) ends the pause at once anyway, and each failure is logged by _send_to.
 RETRY_DELAY = 2.0
 RETRIES = POLICY.capped(RETRY_DELAY)

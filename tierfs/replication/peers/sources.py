@@ -25,7 +25,7 @@ hand chunks out as a swarm does, but planned by the holder rather than discovere
 
 Why the holder decides, not the readers: the holder sees every first request for its chunks,
 so it knows exactly who has (or is getting) each chunk, with no extra messages, no etcd writes
-per chunk and no directory-wide state; a reader learns one address per chunk. The cost is
+per chunk and no membership-wide state; a reader learns one address per chunk. The cost is
 one small extra round trip for a routed chunk, and a holder's memory of one entry per
 (chunk, reader) while a file is being read (forgotten STATE_TTL after its last request).
 
