@@ -353,7 +353,7 @@ async def test_steps_of_many_chunks_go_over_one_kept_alive_connection(
             while len(done) < 2:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
-    assert replicator.membership.pool.opened == 1
+    assert replicator.directory.pool.opened == 1
     for i, entry in enumerate(entries):
         assert (b.objects / entry.xxh3).read_bytes() == data[i:]
 
