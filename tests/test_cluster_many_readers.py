@@ -1,6 +1,6 @@
 """One writer, many readers (a data-parallel restart): every node reads the file rank 0 saved
 on node0, at once. Readers serve the chunks they fetched to each other
-(`replication.sources`), so node0's uplink sends the file about once whatever the number of
+(`replication.peers.sources`), so node0's uplink sends the file about once whatever the number of
 readers (the `tierfs_peer_sent_bytes` metric), every reader gets the same bytes, and a reader
 that dies mid-way stalls nobody. Several ranks reading one file on one node start one fetch."""
 

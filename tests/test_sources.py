@@ -1,4 +1,4 @@
-"""`replication.sources`, the pure decision of where a reader gets each chunk of a file that
+"""`replication.peers.sources`, the pure decision of where a reader gets each chunk of a file that
 many nodes read at once: the holder sends each chunk about once, later readers go to earlier
 ones (never to one that waits on them), failed relays are avoided."""
 

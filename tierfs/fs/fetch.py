@@ -235,7 +235,7 @@ class Fetch:
                       exc)
 
     async def relay_chunk(self, index: int, wait: float = RELAY_WAIT) -> int | None:
-        """For another reader sent here for chunk `index` (`replication.sources`): a
+        """For another reader sent here for chunk `index` (`replication.peers.sources`): a
         duplicate of the partial file's fd once the chunk is in it, waiting up to `wait`
         seconds for one on its way; None if it is not here, not coming, or not kept."""
         if not 0 <= index < len(self.present):

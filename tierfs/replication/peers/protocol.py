@@ -1,5 +1,6 @@
 """The peer protocol, sans-IO: frames, message schemas and the authentication handshake as pure
-functions over bytes, tested without sockets; `replication.channel` adapts them to trio streams.
+functions over bytes, tested without sockets; `replication.peers.channel` adapts them to trio
+streams.
 
 A frame is `u32 header length | u32 payload length | msgpack header | raw payload`. The header is
 a map with a `type` and that type's fields, each checked against a schema; the payload carries
@@ -56,7 +57,7 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "HELD": {"names": list},
     "GET": {"path": str, "name": str, "xxh3": str, "offset": int, "length": int},
     # a GET to a holder of the file that may instead be answered by SOURCE: the node (another
-    # reader) to GET the chunk from (`replication.sources`); `avoid`: relays that failed
+    # reader) to GET the chunk from (`replication.peers.sources`); `avoid`: relays that failed
     "SWARM_GET": {"path": str, "name": str, "xxh3": str, "offset": int, "length": int,
                   "avoid": list},
     "SOURCE": {"node": str},
