@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -148,17 +148,25 @@ class FileBackend(Backend):
                 path.mkdir(self.DIR_MODE)
 
     def _write_atomically(self, key: str, writer) -> None:  # type: ignore[no-untyped-def]
+        def write(tmp: Path) -> None:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.FILE_MODE),
+                      "wb") as f:
+                writer(f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        self._place(key, write)
+
+    def _place(self, key: str, make: Callable[[Path], None]) -> None:
+        """The object `key` appears whole or not at all: `make` makes it under a temporary
+        name beside it, which is then renamed over it (and removed if anything fails)."""
         target = self._path(key)
         self._require_store()
         tmp = None
         try:
             self._make_dirs(target.parent)
             tmp = target.parent / f"{self.TMP_PREFIX}{os.getpid()}-{next(self._unique)}"
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.FILE_MODE),
-                      "wb") as f:
-                writer(f)
-                f.flush()
-                os.fsync(f.fileno())
+            make(tmp)
             os.rename(tmp, target)
         except OSError as exc:
             if tmp is not None:
@@ -180,25 +188,15 @@ class FileBackend(Backend):
     def copy(self, source: str, key: str) -> None:
         """A hard link: objects are never written in place (every write is a rename), so the
         two names may share an inode."""
-        origin, target = self._path(source), self._path(key)
-        self._require_store()
-        tmp = None
+        origin = self._path(source)
         try:
-            self._make_dirs(target.parent)
-            tmp = target.parent / f"{self.TMP_PREFIX}{os.getpid()}-{next(self._unique)}"
-            os.link(origin, tmp)
-            os.rename(tmp, target)
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            self._require_store()
+            self._place(key, lambda tmp: os.link(origin, tmp))
+        except StoreUnavailable:
+            raise
+        except BackendError:
             if not origin.is_file():
                 raise NotFound(source) from None
-            raise BackendError(f"{target}: {exc.strerror}", temporary=False) from exc
-        except OSError as exc:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-            self._require_store()
-            raise BackendError(f"{target}: {exc.strerror}", temporary=False) from exc
+            raise
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         try:
