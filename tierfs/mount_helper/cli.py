@@ -194,13 +194,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if fuse_helper.is_helper_form(argv, command_names()):  # as mount.fuse3 runs tierfs
+    parser, commands = _parser_and_commands()
+    if fuse_helper.is_helper_form(argv, commands):  # as mount.fuse3 runs tierfs
         try:
             argv = fuse_helper.to_mount_argv(argv)
         except ConfigError as exc:
             print(f"tierfs: {exc}", file=sys.stderr)
             return 1
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     try:
         if args.command == "mount":
             return _mount(args, argv)
