@@ -504,18 +504,15 @@ async def _adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> int:
     """List what the persistent tier holds, so a fresh node sees the job's history at once.
     The number of steps it holds."""
     try:
-        manifests = await uploader.stored_manifests()
+        objects = await uploader.listing()
+        manifests = await uploader.stored_manifests(objects)
     except BackendError as exc:
         log.warning("could not list the persistent tier yet: %s", exc)
         return 0
     added = sum(namespace.tiers.adopt_persisted(m) for m in manifests)
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
-    try:
-        stored_links = await uploader.stored_links()
-    except BackendError as exc:
-        log.warning("could not read the links the persistent tier keeps: %s", exc)
-        stored_links = {}
+    stored_links = await uploader.stored_links(objects)  # each unreadable one is logged
     made = sum(namespace.tree.adopt_links(d, links) for d, links in stored_links.items())
     if made:
         log.info("made %d symbolic links the persistent tier keeps", made)

@@ -46,7 +46,7 @@ from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs import links as symlinks
 from tierfs.observe import Events
-from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound
+from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, ObjectInfo
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
 from tierfs.step_queue import StepQueue
@@ -400,9 +400,14 @@ class Uploader:
                     steps[path] = number
         return steps
 
-    async def stored_manifests(self) -> list[mf.StepManifest]:
-        """Every complete step in the store; leftovers of interrupted uploads are removed."""
-        objects = await trio.to_thread.run_sync(lambda: list(self.backend.list("")))
+    async def listing(self) -> list[ObjectInfo]:
+        """Every object in the store (read once at mount, for `stored_manifests` and
+        `stored_links`)."""
+        return await trio.to_thread.run_sync(lambda: list(self.backend.list("")))
+
+    async def stored_manifests(self, objects: list[ObjectInfo]) -> list[mf.StepManifest]:
+        """Every complete step among the store's `objects`; leftovers of interrupted uploads
+        are removed."""
         manifests, step_dirs = [], {}
         for obj in objects:
             head, _, name = obj.key.rpartition("/")
@@ -446,9 +451,9 @@ class Uploader:
         else:
             await trio.to_thread.run_sync(self.backend.delete, [key], limiter=self._threads)
 
-    async def stored_links(self) -> dict[str, dict[str, str]]:
-        """Directory -> its links, for every directory the store keeps links of."""
-        objects = await trio.to_thread.run_sync(lambda: list(self.backend.list("")))
+    async def stored_links(self, objects: list[ObjectInfo]) -> dict[str, dict[str, str]]:
+        """Directory -> its links, for every directory whose links object is among the store's
+        `objects`."""
         found = {}
         for obj in objects:
             directory, _, name = obj.key.rpartition("/")
