@@ -343,12 +343,17 @@ class Tree:
         if dir_node.is_file:
             yield dir_node
             return
+        yield from Tree._walk_kind(dir_node, stat.S_IFREG)
+
+    @staticmethod
+    def _walk_kind(dir_node: Node, kind: int) -> Iterator[Node]:
+        """Every entry of this file type below the directory `dir_node`, in no order."""
         stack = [dir_node]
         while stack:
             for child in stack.pop().children.values():
                 if child.children is not None:
                     stack.append(child)
-                elif child.kind == stat.S_IFREG:
+                elif child.kind == kind:
                     yield child
 
     @staticmethod
@@ -1056,13 +1061,7 @@ class Tree:
         return sorted(p for p in map(self.relpath, self._all_links()) if p not in kept)
 
     def _all_links(self) -> Iterator[Node]:
-        stack = [self.root]
-        while stack:
-            for child in stack.pop().children.values():
-                if child.children is not None:
-                    stack.append(child)
-                elif child.kind == stat.S_IFLNK and not child.virtual:
-                    yield child
+        return (link for link in self._walk_kind(self.root, stat.S_IFLNK) if not link.virtual)
 
     def adopt_links(self, directory: str, links: dict[str, str]) -> int:
         """Make the links the store keeps for `directory` (a fresh RAM dir); an entry of
