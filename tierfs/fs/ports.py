@@ -2,7 +2,7 @@
 
 `fs` imports no tier, no peer protocol and no daemon: what it needs from them is handed to the
 constructors of its classes (see doc/ARCHITECTURE.md), in dependency order, by
-`mount_helper/daemon.py` (or by a test). The Protocols below say exactly what is asked.
+`mount_helper/daemon/assembly.py` (or by a test). The Protocols below say exactly what is asked.
 
 Outward (implemented outside `fs`):
 

@@ -234,9 +234,9 @@ def _run(argv: list[str] | None) -> int:
 def _mount(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = resolve(args.mountpoint, vars(args), os.environ, args.config)
     if cfg.foreground or args.ready_fd is not None:
-        from tierfs.mount_helper import daemon  # pyfuse3 and trio: only in the daemon
+        from tierfs.mount_helper.daemon import assembly  # pyfuse3 and trio: only in the daemon
 
-        return daemon.run(cfg, args.ready_fd)
+        return assembly.run(cfg, args.ready_fd)
     return _start_daemon(argv)
 
 

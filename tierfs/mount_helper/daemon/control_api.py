@@ -1,0 +1,211 @@
+"""The control API of one mount (what the control socket's requests are answered with):
+`tierfs status` (steps, tiers, peers, persist queue, verify progress), `commit`, `prefetch`,
+`verify` and `settle`, and the gauges of the metrics endpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from typing import Any
+
+from tierfs import manifest as mf
+from tierfs.fs.holders import RecordedHolders, spread
+from tierfs.fs.namespace import Namespace
+from tierfs.fs.nodes import FsError, Node, StepState
+from tierfs.fs.passthrough import PassthroughDevice
+from tierfs.fs.ram_store import RamFull
+from tierfs.fs.verify import StepReport, Verifier
+from tierfs.mount_helper.config import MountConfig
+from tierfs.mount_helper.daemon.cluster_service import ClusterNode
+from tierfs.mount_helper.daemon.commit_pipeline import CommitPipeline
+from tierfs.mount_helper.status_view import number_of
+from tierfs.observe import Levels
+from tierfs.replication.peers.channel import SENT_TO
+from tierfs.s3tier.uploader import Uploader
+
+log = logging.getLogger(__name__)
+
+
+class ControlApi:
+    """Answers the control socket's requests (`handle`) and the metrics endpoint's scrapes
+    (`levels`)."""
+
+    def __init__(self, cfg: MountConfig, namespace: Namespace, uploader: Uploader | None,
+                 cluster: ClusterNode | None, verifier: Verifier, pipeline: CommitPipeline,
+                 passthrough: PassthroughDevice | None = None, *, new_store: bool = False
+                 ) -> None:
+        self.cfg = cfg
+        self.new_store = new_store  # the persistent tier was empty when this mount began
+        self.namespace = namespace
+        self.uploader = uploader
+        self.cluster = cluster
+        self.verifier = verifier
+        self.passthrough = passthrough
+        self.pipeline = pipeline
+        # the records `tierfs status` takes copies, holders and TIERS from, in a cluster
+        self.recorded = RecordedHolders(cluster.recorded_holders) if cluster else None
+
+    def persist_status(self) -> dict[str, Any] | None:
+        if self.uploader is None:
+            return None
+        waiting = self._persist_waiting()
+        return {"url": self.uploader.backend.url, "new_store": self.new_store,
+                "every": self.cfg.persist_every,
+                "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
+                "pending_bytes": sum(m.total_bytes for m in waiting)}
+
+    def _persist_waits(self) -> dict[str, dict[str, Any]]:
+        """Per step due in the store and not there yet: why not, since when, and how many
+        requests of its upload failed (`persist_wait` in `tierfs status --json`)."""
+        if self.uploader is None:
+            return {}
+        waits = {}
+        for manifest in self._persist_waiting():
+            reason, since_ns, failures = self.uploader.waiting(manifest)
+            waits[manifest.path] = {"reason": reason, "since_ns": since_ns,
+                                    "failures": failures}
+        return waits
+
+    def _persist_waiting(self) -> list[mf.StepManifest]:
+        assert self.uploader is not None
+        return [m for m in self.namespace.tiers.committed_manifests()
+                if self.uploader.wanted(m)]
+
+    def _replicas_waiting(self) -> list[mf.StepManifest]:
+        """Steps made here that have fewer peer copies than --replicas."""
+        return [m for m in self.namespace.tiers.owned_manifests()
+                if self.namespace.tiers.short_of_copies(m, self.cfg.replicas)]
+
+    def levels(self) -> Levels:
+        """The gauges of the metrics endpoint (called in the trio thread at each scrape)."""
+        pending = {}
+        if self.uploader is not None:
+            pending["persist"] = self._persist_waiting()
+        if self.cluster is not None:
+            pending["replica"] = self._replicas_waiting()
+        peers = self.cluster.directory.peers if self.cluster else []
+        store = self.namespace.store
+        tree = self.namespace.tree
+        incomplete = sum(1 for node in tree.steps()
+                         if tree.recoverable.loss(node.step) is not None)
+        return Levels(store.used_bytes, store.limit_bytes,
+                      {tier: (len(steps), sum(m.total_bytes for m in steps))
+                       for tier, steps in pending.items()},
+                      len(peers), sum(1 for m in peers if m.up), incomplete, dict(SENT_TO))
+
+    async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        command = request.get("cmd")
+        if command == "status":
+            return {"ok": True, "status": await self.status()}
+        if command == "settle":
+            # `tierfs umount`, before it unmounts: commit the quiet steps now (as the unmount
+            # would), so that the status it is answered names what stays uncommitted.
+            await self.namespace.quiet.commit_quiet_steps()
+            return {"ok": True, "status": await self.status()}
+        if command not in ("commit", "commit_waits", "prefetch", "verify"):
+            return {"ok": False, "error": f"unknown command {command!r}"}
+        path = request.get("path")
+        if not isinstance(path, str):
+            return {"ok": False, "error": f"{command} needs a path"}
+        if command == "commit_waits":  # `tierfs commit` shows it while it waits
+            return {"ok": True, "waiting_for": self.namespace.commits.waiting_for(path)}
+        try:
+            if command == "verify":
+                reports = await self.verifier.verify(path, bool(request.get("repair", True)))
+                self._count_bad_copies(reports)
+                return {"ok": True, "steps": [r.as_dict() for r in reports]}
+            if command == "prefetch":
+                return {"ok": True, "bytes": await self.namespace.residency.prefetch(path)}
+            timeout = request.get("timeout", math.inf)
+            if not isinstance(timeout, (int, float)) or timeout < 0:
+                return {"ok": False, "error": "commit: timeout must be a number of seconds"}
+            manifest = await self.namespace.commits.commit_path(path, timeout)
+        except FsError as exc:
+            return {"ok": False, "error": f"{path}: {exc}"}
+        except RamFull:
+            return {"ok": False, "error": f"{path}: the RAM tier is full"}
+        except OSError as exc:
+            return {"ok": False, "error": f"{path}: {exc.strerror}"}
+        return {"ok": True, "path": manifest.path, "version": manifest.version,
+                "files": len(manifest.files), "bytes": manifest.total_bytes}
+
+    def _count_bad_copies(self, reports: list[StepReport]) -> None:
+        for report in reports:
+            for tier in report.tiers:
+                if tier.tier != "any tier":  # the same files again, summed over the tiers
+                    self.namespace.events.verify_failed(tier.tier.partition(":")[0],
+                                                        len(tier.bad) + len(tier.repaired))
+
+    def _step_status(self, node: Node, persist_waits: dict[str, dict[str, Any]],
+                     recorded: dict[str, set[str]] | None = None) -> dict[str, Any]:
+        """A step's status line, with the times `tierfs status` shows ages from:
+        `committed_ns` (when its newest committed version was made; None before the first)
+        and, for a step being written, `changed_ns` (its directory's last change); for a
+        step due in the store and not there yet, `persist_wait` (else None). In a cluster,
+        a committed step's `copies`, `holders` and `tiers` come from the cluster's records
+        of its files (`recorded`; this node's view only if they could not be read), the
+        same on every node (`fs.holders`), and `only_here` says whether a file of it is in
+        no live node's RAM but this one's (and not in the store)."""
+        tree = self.namespace.tree
+        step = node.step
+        status = dict(tree.step_status(node))
+        if self.cluster is not None and step.committed:
+            status.update(self._spread(step, recorded))
+        else:
+            is_up = self.cluster.directory.is_up if self.cluster else (lambda _peer: False)
+            status["copies"] = tree.copies(step, is_up)
+        manifest = node.step.manifest
+        status["committed_ns"] = manifest.committed_ns if manifest is not None else None
+        status["changed_ns"] = None
+        if status["state"] == "writing":
+            with contextlib.suppress(FsError, OSError):  # removed meanwhile
+                status["changed_ns"] = tree.stat(node).st_mtime_ns
+        status["persist_wait"] = persist_waits.get(status["path"])
+        return status
+
+    def _spread(self, step: StepState, recorded: dict[str, set[str]] | None
+                ) -> dict[str, Any]:
+        """`copies`, `holders`, `tiers` and `only_here` of a committed step in a cluster."""
+        assert self.cluster is not None
+        me = self.cfg.node_id
+        tree = self.namespace.tree
+        if recorded is None:  # etcd did not answer: what this node knows
+            recorded = {e.name: tree.file_peers(step, e.name)
+                        | ({me} if e.name in step.resident else set())
+                        for e in step.manifest.files}
+        is_up = self.cluster.directory.is_up
+        held = spread(recorded, lambda peer: peer == me or is_up(peer))
+        alone = not step.persisted and any(
+            name in step.resident and not any(h != me and is_up(h) for h in nodes)
+            for name, nodes in recorded.items())
+        return {"copies": held.copies, "holders": list(held.holders),
+                "tiers": held.tiers(step.persisted), "only_here": alone}
+
+    async def status(self) -> dict[str, Any]:
+        ns = self.namespace
+        persist_waits = self._persist_waits()
+        recorded = await self.recorded.of(ns.tiers.listed_manifests()) if self.recorded else {}
+        steps = sorted((self._step_status(node, persist_waits, recorded.get(
+                            node.step.manifest.path) if node.step.manifest else None)
+                        for node in ns.tree.steps()),
+                       key=lambda s: (os.path.dirname(s["path"]), number_of(s), s["path"]))
+        return {
+            "node_id": self.cfg.node_id,
+            "mountpoint": str(self.cfg.mountpoint),
+            "pid": os.getpid(),
+            "ram_dir": str(self.cfg.ram_dir),
+            "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes},
+            "passthrough": self.passthrough is not None and self.passthrough.enabled,
+            "peers": self.cluster.directory.status() if self.cluster else [],
+            "served_to_peers": self.cluster.served() if self.cluster else None,
+            "persist": self.persist_status(),
+            "commits": self.pipeline.commits,
+            "ram_check": dict(self.verifier.scan_counts, done=self.verifier.scan_done.is_set()),
+            "verify": self.verifier.progress,
+            "deletes": ns.deletes.status(),
+            "steps": steps,
+            "own_latest": ns.tree.own_latest_dirs(),
+            "ram_only_links": ns.tree.ram_only_links(),
+        }
