@@ -208,7 +208,7 @@ async def test_a_file_evicted_here_is_not_held_because_another_step_has_its_cont
             entry = manifest.entry("a")
             assert entry is not None and h.store.object_path(entry.xxh3).exists()
             await h.records.add_holders("run/step_1", "n0", {"a": entry.xxh3})  # over-counted
-            dropped = await h.sealed.drop_lost_copies(h.ns.tree.holds_copy, h.ns.tiers.in_store)
+            dropped = await h.sealed.drop_lost_copies(h.ns.view.holds_copy, h.ns.tiers.in_store)
             assert dropped == 1  # "a" only: the rest left as they should
             records = await h.recorded("run/step_1")
             assert records["a"].holders == () and records["a"].left == ()

@@ -8,7 +8,8 @@ peers. A multi-node step's files are spread over its writers and their replicas:
 the spread, `peer:node0-3 (2 copies each)` (files on node0 to node3, each file on two of
 them), where a step held whole by every holder shows `peer:node0,node1`.
 
-`spread` and `node_ranges` are pure functions over values; `RecordedHolders` keeps the records
+`Holdings` is the arithmetic over one step's state as this node knows it; `spread` and
+`node_ranges` are pure functions over values; `RecordedHolders` keeps the records
 the daemon reads for a status (briefly: a status polled in a loop does not read etcd each time).
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import trio
 
 from tierfs import manifest as mf
+from tierfs.fs.nodes import StepState
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 
@@ -135,3 +137,66 @@ class RecordedHolders:
         if patience.cancelled_caught:
             self._paused_until = trio.current_time() + RECORDS_PAUSE
         return {path: files for (path, _version), (_at, files) in self._cache.items()}
+
+
+class Holdings:
+    """The holder arithmetic of one node over a step's own state (`StepState`: its replicas,
+    the peers known to hold files of it, and per file the holders the cluster's records name):
+    who else holds the committed version, each file of it, or all of it, how many live copies
+    its least-held file has, and its TIERS. `node_id` is this node, never counted as a peer."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+
+    def peer_holders(self, step: StepState) -> list[str]:
+        """Other nodes known to hold the committed version: replicas of ours, or the owner."""
+        if not step.committed:
+            return []
+        known = step.replicas | step.holders
+        if step.manifest.node_id != self.node_id:
+            known = known | {step.manifest.node_id}
+        return sorted(known - {self.node_id})
+
+    def file_peers(self, step: StepState, name: str) -> set[str]:
+        """Other nodes holding this file of the committed version: its own holders once the
+        cluster's records told them, else those known for the step."""
+        known = step.file_holders.get(name)
+        if known is None or not step.committed:
+            return set(self.peer_holders(step))
+        return (known | step.replicas) - {self.node_id}
+
+    def verified_peers(self, step: StepState, name: str) -> set[str]:
+        """Other nodes known to hold a verified copy of this file: its holders in the
+        cluster's records, and the replicas of the whole step (never the nodes merely known to
+        hold some file of it)."""
+        return (step.file_holders.get(name, set()) | step.replicas) - {self.node_id}
+
+    def full_holders(self, step: StepState) -> list[str]:
+        """Other nodes holding every file of the committed version."""
+        if not step.committed:
+            return []
+        if not step.file_holders:
+            return self.peer_holders(step)
+        holders: set[str] | None = None
+        for entry in step.manifest.files:
+            peers = self.file_peers(step, entry.name)
+            holders = peers if holders is None else holders & peers
+        return sorted(holders or ())
+
+    def copies(self, step: StepState, is_up: Callable[[str], bool]) -> int:
+        """The fewest live copies of any file of the committed version (this node's RAM and
+        the live peers holding it); 0 for a step being written."""
+        if not step.committed:
+            return 0
+        return min((int(e.name in step.resident)
+                    + sum(1 for peer in self.file_peers(step, e.name) if is_up(peer))
+                    for e in step.manifest.files), default=0)
+
+    def tiers(self, step: StepState, in_ram: bool, name: str | None = None) -> str:
+        """`user.tierfs.tiers`: of one file (`name`) or of the whole step."""
+        tiers = ["ram"] if in_ram else []
+        peers = self.full_holders(step) if name is None else sorted(self.file_peers(step, name))
+        tiers += [f"peer:{peer}" for peer in peers]
+        if step.persisted:
+            tiers.append("persist")
+        return ",".join(tiers)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import trio
 
+from tierfs.fs import user_xattrs
 from tierfs.fs.background import Background
 from tierfs.fs.commits import SAVER_WAIT, Commits
 from tierfs.fs.deletes import DELETES_DIR, Deletes
@@ -52,6 +53,7 @@ from tierfs.fs.ram_store import RamStore
 from tierfs.fs.recovery import Recovery
 from tierfs.fs.residency import Residency
 from tierfs.fs.tree import Tree
+from tierfs.fs.tree_view import TreeView
 from tierfs.fs.verify import Verifier
 from tierfs.observe import Events
 
@@ -73,6 +75,7 @@ class Core:
         self.tree = Tree(store, self.watch, self.deletes, node_id=node_id,
                          step_pattern=step_pattern, file_step_pattern=file_step_pattern,
                          spawner=self.background, liveness=liveness)
+        self.view = TreeView(self.tree)  # what peers, status and xattrs read of it
         self.recovered = Recovery(self.tree).load()
 
 
@@ -87,6 +90,7 @@ class Namespace:
                  commit_timeout: float = SAVER_WAIT,
                  copies_wait: CopiesWait | None = None) -> None:
         self.tree = tree = core.tree
+        self.view = core.view
         self.events = events or Events()
         self.store = tree.store
         self.deletes = core.deletes
@@ -278,21 +282,21 @@ class Namespace:
     # -- xattrs ------------------------------------------------------------------------------
 
     def xattr_names(self, node: Node) -> list[bytes]:
-        return self.tree.xattr_names(node)
+        return self.view.xattr_names(node)
 
     async def xattr(self, node: Node, name: bytes) -> bytes:
-        return await self.tree.xattr(node, name)
+        return await self.view.xattr(node, name)
 
     def user_xattr_names(self, node: Node) -> list[bytes]:
-        return self.tree.user_xattr_names(node)
+        return user_xattrs.names(self.tree, node)
 
     def user_xattr(self, node: Node, name: bytes) -> bytes:
-        return self.tree.user_xattr(node, name)
+        return user_xattrs.get(self.tree, node, name)
 
     async def set_user_xattr(self, node: Node, name: bytes, value: bytes) -> None:
         if node.remote is not None:
             await self.residency.make_resident(node, empty=False)  # as chmod does
-        self.tree.set_user_xattr(node, name, value)
+        user_xattrs.set_value(self.tree, node, name, value)
 
     def remove_user_xattr(self, node: Node, name: bytes) -> None:
-        self.tree.remove_user_xattr(node, name)
+        user_xattrs.remove(self.tree, node, name)

@@ -25,6 +25,7 @@ from tierfs.fs.nodes import METADATA, FsError, Node, StepState, some_names
 from tierfs.fs.ports import SealedCollector, Spawner
 from tierfs.fs.residency import Residency
 from tierfs.fs.tree import Tree
+from tierfs.fs.tree_view import TreeView
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class OtherTiers:
     def __init__(self, tree: Tree, residency: Residency, deletes: Deletes,
                  background: Spawner, sealed: SealedCollector | None = None) -> None:
         self.tree = tree
+        self.view = TreeView(tree)  # the queries a rename's upload asks
         self.residency = residency
         self.deletes = deletes
         self.background = background
@@ -90,7 +92,7 @@ class OtherTiers:
         for node in self.tree.steps():
             step = node.step
             if step.committed and not step.persisted and \
-                    (step.in_ram or self.tree.in_ram_or_store(node)) and \
+                    (step.in_ram or self.view.in_ram_or_store(node)) and \
                     step.manifest.node_id == self.node_id and \
                     step.retired_version != step.manifest.version:
                 found.append(step.manifest)
@@ -113,7 +115,7 @@ class OtherTiers:
                and (other.path == new or other.path.startswith(new + "/"))
                for other in self.deletes.pending()):
             return False
-        if self.tree.reads_from_store(tomb.path):
+        if self.view.reads_from_store(tomb.path):
             return False  # a file not in RAM here still has its bytes under the old name
         node = self.tree.node_at(new)
         for step_node in self.tree.steps(under=node) if node is not None else ():
@@ -203,8 +205,9 @@ class OtherTiers:
         if found is None:
             return True
         step = found[1]
+        verified = self.tree.holdings.verified_peers
         return step is not None and step.committed and (step.persisted or all(
-            peer in self.tree.verified_peers(step, entry.name) for entry in step.manifest.files))
+            peer in verified(step, entry.name) for entry in step.manifest.files))
 
     def _tracked(self, manifest: mf.StepManifest) -> tuple[int, StepState | None] | None:
         """A tracker's step number and the step of that number in its directory, committed or
@@ -324,7 +327,7 @@ class OtherTiers:
         node = self.tree.find_step(manifest.path)
         if node is None or node.step.manifest is not manifest:
             return False
-        return any(len(self.tree.verified_peers(node.step, name)) < replicas
+        return any(len(self.tree.holdings.verified_peers(node.step, name)) < replicas
                    for name in node.step.resident)
 
     def note_placements(self, manifest: mf.StepManifest, holders: dict[str, set[str]],
@@ -350,7 +353,7 @@ class OtherTiers:
             for entry in step.manifest.files:
                 if entry.name in step.resident:
                     continue
-                peers = self.tree.file_peers(step, entry.name)
+                peers = self.tree.holdings.file_peers(step, entry.name)
                 if (not any(map(may_be_up, peers)) or entry.name not in step.file_holders
                         and not all(map(may_be_up, peers))):
                     found.append(step.manifest)

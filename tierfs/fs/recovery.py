@@ -19,12 +19,25 @@ from dataclasses import dataclass
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs.nodes import MANIFEST, PEERS_MARK
+from tierfs.fs.nodes import (
+    MANIFEST,
+    METADATA,
+    OWN_LATEST_MARK,
+    PEERS_MARK,
+    REPLICAS_MARK,
+    Node,
+    Seal,
+    StepState,
+)
 from tierfs.fs.ram_store import RamStore, is_reserved
 from tierfs.fs.records import StepRecords
-from tierfs.fs.tree import Recovered, Tree
+from tierfs.fs.tree import Tree
 
 log = logging.getLogger(__name__)
+
+# What start-up recovered: a step's records directory in the store (`Tree.records_path`) ->
+# (its manifest, names whose objects are here).
+Recovered = dict[bytes, tuple[mf.StepManifest, set[str]]]
 
 
 @dataclass(frozen=True)
@@ -67,7 +80,7 @@ class Recovery:
         tmp_removed = self.store.remove_tmp_files()
         with self.records.long_paths():  # the tree stands still until the mount serves it
             recovered = self._recover_committed_steps()
-            self.tree.load_tree(recovered)
+            self._load_tree(recovered)
         garbage = self.store.collect_garbage()
         self.store.scan_usage()
         log.info("loaded RAM store %s: %d committed steps, %d bytes; removed %d temporary "
@@ -191,3 +204,69 @@ class Recovery:
         target = reach(os.path.join(current, name))
         if os.path.isdir(target) and not os.path.islink(target):
             shutil.rmtree(target)  # start-up: nothing is served yet
+
+    # -- the nodes, built from the RAM store once it is in order --------------------------------
+
+    def _load_tree(self, recovered: Recovered) -> None:
+        """Build the nodes from the RAM store (`fs.recovery` put it in order first), and count
+        the references of the committed objects found in RAM."""
+        self._load_dir(self.tree.root, self._top, recovered)
+        for manifest, resident in recovered.values():
+            for entry in manifest.files:
+                if entry.name in resident:
+                    self.store.count_ref(entry.xxh3)
+
+    def _load_dir(self, dir_node: Node, path: bytes, recovered: Recovered,
+                  in_step: bool = False) -> None:
+        reach = self.records.reach
+        with os.scandir(reach(path)) as entries:
+            for entry in entries:
+                if entry.name == OWN_LATEST_MARK:
+                    dir_node.own_latest = True
+                if is_reserved(entry.name):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                kind = stat.S_IFMT(st.st_mode)
+                if kind not in (stat.S_IFDIR, stat.S_IFREG, stat.S_IFLNK, stat.S_IFIFO,
+                                stat.S_IFSOCK):
+                    continue
+                node = self.tree.attach(dir_node, entry.name, kind)
+                if kind == stat.S_IFDIR:
+                    child_path = os.path.join(path, entry.name)
+                    number = None if in_step else self.tree.step_number(entry.name)
+                    self._load_dir(node, child_path, recovered, in_step or number is not None)
+                    if number is not None:
+                        self._load_step(node, number, child_path, recovered)
+                elif kind == stat.S_IFREG and not in_step:
+                    state = self.tree.single_file_step(dir_node, entry.name)
+                    if state is not None:
+                        self._load_step(node, state.number, os.path.join(
+                            path, layout.records_name(entry.name)), recovered)
+
+    def _load_step(self, node: Node, number: int | None, path: bytes,
+                   recovered: Recovered) -> None:
+        """`path`: the step's records directory (`records_path`)."""
+        manifest, resident = recovered.get(path, (None, set()))
+        step = node.step = StepState(number, manifest)
+        step.resident = resident
+        # A DCP step whose .metadata came before its shards (a copy under way) commits when
+        # the last of them is closed, as before the restart.
+        step.commit_pending = manifest is None and node.is_dir and METADATA in node.children
+        if manifest is None:
+            return
+        mark = self.records.persist_mark(path)
+        if mark is not None and mark[0] == manifest.version:
+            if mark[1] == "persisted":
+                step.persisted_version = mark[0]
+            elif mark[1] == "retired":
+                step.retired_version = mark[0]
+        version = manifest.version
+        step.replicas = self.records.read_node_list(path, REPLICAS_MARK, version) or set()
+        step.holders = self.records.read_node_list(path, PEERS_MARK, version) or set()
+        for rel, file_node in self.tree.files_under(node):
+            entry = manifest.entry(rel)
+            if entry is not None:
+                ino = os.lstat(self.tree.backing(file_node)).st_ino
+                file_node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), ino)
+        self.tree.add_remote_files(node, [e for e in manifest.files if e.name not in resident],
+                                   in_store=step.persisted)

@@ -270,7 +270,7 @@ class Residency:
         holding some file of the step: if K + 1 of them are live, etcd is asked."""
         if step.persisted:
             return True
-        peers = self.tree.verified_peers(step, name)
+        peers = self.tree.holdings.verified_peers(step, name)
         if name not in step.file_holders and self.records is not None:
             peers = peers | (step.holders - {self.tree.node_id})
         if self.liveness is not None:
@@ -431,7 +431,7 @@ class Residency:
             if size is not None:
                 freed += size
                 evicted += 1
-                holders |= self.tree.verified_peers(step, entry.name)
+                holders |= self.tree.holdings.verified_peers(step, entry.name)
             if time.monotonic() > deadline:
                 yield
                 deadline = time.monotonic() + EVICT_SLICE

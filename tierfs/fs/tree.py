@@ -39,7 +39,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import trio
 
@@ -47,24 +47,19 @@ from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs import links as symlinks
 from tierfs.fs.fetch import Fetch, RemoteFile, apply_attributes
+from tierfs.fs.holders import Holdings
 from tierfs.fs.latest_pins import LatestPins
 from tierfs.fs.long_paths import LONG_PATH, anchor_path
 from tierfs.fs.nodes import (
     DEFAULT_FILE_STEP_PATTERN,
     DEFAULT_STEP_PATTERN,
-    ENOATTR,
     LATEST,
-    METADATA,
     NAME_MAX,
     OWN_LATEST_MARK,
     PEERS_MARK,
     RENAME_NOREPLACE,
     REPLICAS_MARK,
     ROOT_INODE,
-    XATTR_RESERVED,
-    XATTR_STATE,
-    XATTR_TIERS,
-    XATTR_XXH3,
     FsError,
     Handle,
     Node,
@@ -84,9 +79,6 @@ log = logging.getLogger(__name__)
 
 _DEEPSPEED_STEP = re.compile(os.fsencode(DEEPSPEED_STEP))
 
-# What start-up recovered: a step's records directory in the store (`records_path`) -> (its
-# manifest, names whose objects are here).
-Recovered = dict[bytes, tuple[mf.StepManifest, set[str]]]
 
 
 class Tree:
@@ -99,6 +91,7 @@ class Tree:
         self.store = store
         self.records = StepRecords()
         self.node_id = node_id
+        self.holdings = Holdings(node_id)  # who else holds a committed step's files
         self.pattern = re.compile(step_pattern)
         self.file_pattern = re.compile(file_step_pattern)
         self._watch = watch
@@ -117,7 +110,7 @@ class Tree:
         self.fetching: set[Node] = set()  # nodes with a partial fetch (fs.residency)
         self.links = symlinks.LinkChanges()  # directories whose links the store must learn
         # which committed steps can be read whole now (their state, `latest`)
-        self.recoverable = Recoverability(node_id, self.file_peers, liveness)
+        self.recoverable = Recoverability(node_id, self.holdings.file_peers, liveness)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -284,23 +277,6 @@ class Tree:
                 return None
         return node
 
-    def reads_from_store(self, path: str) -> bool:
-        """Whether a file renamed here, not in RAM, has its bytes in the store at `path` or
-        below (under its old name)."""
-        for rel, node in self.files_under(self.root):
-            remote = node.remote
-            if remote is not None and remote.in_store:
-                key = layout.object_key(remote.step_path, remote.entry.name)
-                if key != rel and (key == path or key.startswith(path + "/")):
-                    return True
-        return False
-
-    def in_ram_or_store(self, step_node: Node) -> bool:
-        """Whether every file of the step is in RAM or in the store (a renamed step's under
-        its old name): what an upload needs, with copies inside the store."""
-        return all(node.remote is None or node.remote.in_store
-                   for node in self.walk_files(step_node))
-
     def find_dir(self, relpath: str) -> Node:
         """The directory at `relpath` (`""` or `.` is the root); ENOTDIR if it is not one."""
         node = self.root
@@ -343,10 +319,10 @@ class Tree:
         if dir_node.is_file:
             yield dir_node
             return
-        yield from Tree._walk_kind(dir_node, stat.S_IFREG)
+        yield from Tree.walk_kind(dir_node, stat.S_IFREG)
 
     @staticmethod
-    def _walk_kind(dir_node: Node, kind: int) -> Iterator[Node]:
+    def walk_kind(dir_node: Node, kind: int) -> Iterator[Node]:
         """Every entry of this file type below the directory `dir_node`, in no order."""
         stack = [dir_node]
         while stack:
@@ -435,18 +411,6 @@ class Tree:
                 return step if step.committed else None
         return None
 
-    def _entry_name(self, node: Node) -> str | None:
-        """The name of a file in its step's manifest (None if not found)."""
-        step_node = next(self.enclosing_steps(node), None)
-        if step_node is None:
-            return None
-        if step_node is node:
-            return step_node.step.manifest.files[0].name
-        try:
-            return os.path.relpath(self.relpath(node), self.relpath(step_node))
-        except FsError:
-            return None
-
     def has_active_writers(self, dir_node: Node) -> bool:
         return any(node.active_writers for node in self.walk_files(dir_node))
 
@@ -456,50 +420,6 @@ class Tree:
 
     def has_partial_fetches(self, step_node: Node) -> bool:
         return any(self.holds(step_node, n) for n in self.fetching)
-
-    def peer_holders(self, step: StepState) -> list[str]:
-        """Other nodes known to hold the committed version: replicas of ours, or the owner."""
-        if not step.committed:
-            return []
-        known = step.replicas | step.holders
-        if step.manifest.node_id != self.node_id:
-            known = known | {step.manifest.node_id}
-        return sorted(known - {self.node_id})
-
-    def file_peers(self, step: StepState, name: str) -> set[str]:
-        """Other nodes holding this file of the committed version: its own holders once the
-        cluster's records told them, else those known for the step."""
-        known = step.file_holders.get(name)
-        if known is None or not step.committed:
-            return set(self.peer_holders(step))
-        return (known | step.replicas) - {self.node_id}
-
-    def verified_peers(self, step: StepState, name: str) -> set[str]:
-        """Other nodes known to hold a verified copy of this file: its holders in the
-        cluster's records, and the replicas of the whole step (never the nodes merely known to
-        hold some file of it)."""
-        return (step.file_holders.get(name, set()) | step.replicas) - {self.node_id}
-
-    def full_holders(self, step: StepState) -> list[str]:
-        """Other nodes holding every file of the committed version."""
-        if not step.committed:
-            return []
-        if not step.file_holders:
-            return self.peer_holders(step)
-        holders: set[str] | None = None
-        for entry in step.manifest.files:
-            peers = self.file_peers(step, entry.name)
-            holders = peers if holders is None else holders & peers
-        return sorted(holders or ())
-
-    def copies(self, step: StepState, is_up: Callable[[str], bool]) -> int:
-        """The fewest live copies of any file of the committed version (this node's RAM and
-        the live peers holding it); 0 for a step being written."""
-        if not step.committed:
-            return 0
-        return min((int(e.name in step.resident)
-                    + sum(1 for peer in self.file_peers(step, e.name) if is_up(peer))
-                    for e in step.manifest.files), default=0)
 
     def set_file_holders(self, step_node: Node, holders: dict[str, set[str]],
                          writers: dict[str, str] | None = None) -> None:
@@ -523,15 +443,6 @@ class Tree:
                 peer in step.file_holders.get(e.name, ()) for e in step.manifest.files):
             self.add_replica(step_node, peer)
 
-    def tiers(self, step: StepState, in_ram: bool, name: str | None = None) -> str:
-        """`user.tierfs.tiers`: of one file (`name`) or of the whole step."""
-        tiers = ["ram"] if in_ram else []
-        peers = self.full_holders(step) if name is None else sorted(self.file_peers(step, name))
-        tiers += [f"peer:{peer}" for peer in peers]
-        if step.persisted:
-            tiers.append("persist")
-        return ",".join(tiers)
-
     def seal_describes_file(self, node: Node) -> bool:
         """Whether the node's seal still describes its backing file (see `Seal`)."""
         if node.seal is None:
@@ -548,81 +459,13 @@ class Tree:
         return [node for _rel, node in files
                 if any(h.writable for h in node.handles) and not self.seal_describes_file(node)]
 
-    # -- what peers ask (queries) -------------------------------------------------------
-
-    def committed_manifest(self, step_path: str, version: int) -> mf.StepManifest | None:
-        """The manifest of the step's `version` if this node lists that version committed."""
-        node = self.find_step(step_path)
-        if node is None or not node.step.committed or node.step.manifest.version != version:
-            return None
-        return node.step.manifest
-
-    def holds_copy(self, step_path: str, name: str, xxh3: str) -> bool:
-        """Whether this node holds the committed step's file `name`, with this content, in
-        RAM: the step is listed here with that entry and the file is resident (not merely an
-        object with the same content, which another step's file may be)."""
-        node = self.find_step(step_path)
-        if node is None:
-            return False
-        if not node.step.committed:
-            # still `writing` here (a multi-node step committed elsewhere while this node was
-            # down): it joins that commit with its files sealed as the records say, once it
-            # learns it; a file not sealed so (not yet hashed again after a restart) is not
-            # counted: it may not be what was recorded
-            return self._sealed_as(node, name, xxh3)
-        entry = node.step.manifest.entry(name)
-        return entry is not None and entry.xxh3 == xxh3 and name in node.step.resident
-
-    def _sealed_as(self, step_node: Node, name: str, xxh3: str) -> bool:
-        """Whether the step's file `name` is here, closed, and sealed with this content."""
-        node: Node | None = step_node
-        for part in name.split("/"):
-            node = (node.children or {}).get(os.fsencode(part)) if node is not None else None
-        return (node is not None and node.remote is None and node.seal is not None
-                and node.seal.digest.xxh3 == xxh3 and node.active_writers == 0
-                and self.seal_describes_file(node))
-
-    def step_of_entry(self, data_dir: str, name: str | None) -> Node | None:
-        """The step a manifest entry named `name` under `data_dir` (`layout.data_dir`)
-        belongs to: the step at `data_dir`, or the single-file step `data_dir/name`."""
-        node = self.find_step(data_dir)
-        if node is None and name is not None:
-            node = self.find_step(os.path.join(data_dir, name))
-        return node
-
-    def holders_of(self, step_path: str, name: str | None = None) -> list[str]:
-        """Other nodes to read the step's file `name` from (its own holders once known).
-        `step_path` is the data dir of the file's entry (`layout.data_dir`): for a single-file
-        step, the directory the file is in."""
-        node = self.step_of_entry(step_path, name)
-        if node is None:
-            return []
-        step = node.step
-        if name is not None and name in step.file_holders and step.committed:
-            return sorted(self.file_peers(step, name))
-        return sorted((step.holders | set(self.peer_holders(step))) - {self.node_id})
-
-    def sealed_path(self, data_dir: str, name: str, xxh3: str) -> bytes | None:
-        """The RAM store path of a sealed file with exactly this content, if held here
-        (`name` relative to `data_dir`, see `layout.data_dir`)."""
-        node = self.root
-        try:
-            for part in layout.object_key(data_dir, name).split("/"):
-                node = self.child(node, os.fsencode(part))
-        except FsError:
-            return None
-        if (node.is_file and node.remote is None and node.seal is not None
-                and node.seal.digest.xxh3 == xxh3 and node.active_writers == 0):
-            return self.backing(node)
-        return None
-
     # -- directories -----------------------------------------------------------------------
 
     def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
         path = self._new_entry_path(parent, name)
         os.mkdir(path, mode & 0o7777)
         _chown(path, uid, gid)
-        node = self._attach(parent, name, stat.S_IFDIR)
+        node = self.attach(parent, name, stat.S_IFDIR)
         number = self.step_number_at(parent, name)
         if number is not None:
             node.step = StepState(number)
@@ -666,7 +509,7 @@ class Tree:
         os.symlink(target, path)
         _chown(path, uid, gid)
         self._mark_dirty(parent)
-        node = self._attach(parent, name, stat.S_IFLNK)
+        node = self.attach(parent, name, stat.S_IFLNK)
         self.links.note(self.relpath(parent))
         return node
 
@@ -700,7 +543,7 @@ class Tree:
         os.mknod(path, kind | (mode & 0o7777))
         os.chmod(path, mode & 0o7777)  # whatever the daemon's umask
         _chown(path, uid, gid)
-        node = self._attach(parent, name, kind)
+        node = self.attach(parent, name, kind)
         if kind == stat.S_IFREG:
             self.store.account_path(path)
             node.step = self.single_file_step(parent, name)
@@ -727,7 +570,7 @@ class Tree:
         except OSError:
             os.close(fd)
             raise
-        node = self._attach(parent, name, stat.S_IFREG)
+        node = self.attach(parent, name, stat.S_IFREG)
         node.step = self.single_file_step(parent, name)
         self.store.account_fd(fd)
         handle = self._new_handle(node, fd, writable=True, pid=pid)
@@ -1035,34 +878,6 @@ class Tree:
 
     # -- symbolic links as committed state (fs.links) ----------------------------------------
 
-    def links_of(self, directory: str) -> dict[str, str]:
-        """The links of `directory` that the store keeps (fs.links): outside any step, with a
-        relative target inside the mount."""
-        node = self.node_at(directory)
-        if node is None or not node.is_dir or next(self.enclosing_steps(node), None):
-            return {}
-        found = {}
-        for name, child in node.children.items():
-            if child.kind == stat.S_IFLNK and not child.virtual:
-                target = os.fsdecode(os.readlink(self.backing(child)))
-                link = layout.join(directory, os.fsdecode(name))
-                if symlinks.stays_inside(link, target):
-                    found[os.fsdecode(name)] = target
-        return found
-
-    def link_dirs(self) -> list[str]:
-        """Every directory holding a link (what a restart has the store learn again)."""
-        return sorted({self.relpath(node.parent) for node in self._all_links()})
-
-    def ram_only_links(self) -> list[str]:
-        """Links that live in this RAM dir only (status): absolute, out of the mount, or in a
-        step directory."""
-        kept = {layout.join(d, name) for d in self.link_dirs() for name in self.links_of(d)}
-        return sorted(p for p in map(self.relpath, self._all_links()) if p not in kept)
-
-    def _all_links(self) -> Iterator[Node]:
-        return (link for link in self._walk_kind(self.root, stat.S_IFLNK) if not link.virtual)
-
     def adopt_links(self, directory: str, links: dict[str, str]) -> int:
         """Make the links the store keeps for `directory` (a fresh RAM dir); an entry of
         that name here stays. The number made."""
@@ -1075,7 +890,7 @@ class Tree:
                 if self.step_number_at(parent, part) is not None:
                     return 0
                 os.mkdir(os.path.join(self.backing(parent), part), 0o755)
-                child = self._attach(parent, part, stat.S_IFDIR)
+                child = self.attach(parent, part, stat.S_IFDIR)
             parent = child
         made = 0
         for name, target in links.items():
@@ -1083,7 +898,7 @@ class Tree:
             if raw in parent.children or (raw == LATEST and self.owns_latest(parent)):
                 continue
             os.symlink(target, os.path.join(self.backing(parent), raw))
-            self._attach(parent, raw, stat.S_IFLNK)
+            self.attach(parent, raw, stat.S_IFLNK)
             made += 1
         return made
 
@@ -1370,7 +1185,7 @@ class Tree:
             parent, name = self._entry_parent(step_node, entry.name)
             node = parent.children.get(name)
             if node is None:
-                node = self._attach(parent, name, stat.S_IFREG)
+                node = self.attach(parent, name, stat.S_IFREG)
             # A file renamed before its new name reached the store: its old name holds it.
             moved = not in_store and bool(self._deletes.old_keys(
                 layout.object_key(data_dir, entry.name)))
@@ -1386,7 +1201,7 @@ class Tree:
             child = parent.children.get(part)
             if child is None:
                 os.makedirs(os.path.join(self.backing(parent), part), 0o755, exist_ok=True)
-                child = self._attach(parent, part, stat.S_IFDIR)
+                child = self.attach(parent, part, stat.S_IFDIR)
             parent = child
         return parent, os.fsencode(name)
 
@@ -1557,7 +1372,7 @@ class Tree:
             child = parent.children.get(part)
             if child is None:
                 os.mkdir(os.path.join(self.backing(parent), part), 0o755)
-                child = self._attach(parent, part, stat.S_IFDIR)
+                child = self.attach(parent, part, stat.S_IFDIR)
                 number = self.step_number_at(parent, part)
                 if number is not None:
                     child.step = StepState(number)
@@ -1587,7 +1402,7 @@ class Tree:
                 if self.step_number_at(parent, part) is not None:
                     break
                 os.mkdir(os.path.join(self.backing(parent), part), 0o755)
-                child = self._attach(parent, part, stat.S_IFDIR)
+                child = self.attach(parent, part, stat.S_IFDIR)
             elif not child.is_dir or child.step is not None:
                 break
             parent = child
@@ -1598,7 +1413,7 @@ class Tree:
             if state is not None:
                 if file_name == LATEST:
                     self.keep_own_latest(parent)  # a saver's own `latest`, from another tier
-                node = self._attach(parent, file_name, stat.S_IFREG)
+                node = self.attach(parent, file_name, stat.S_IFREG)
                 node.step = state
                 self.records.write_manifest(self.records_path(node), manifest)
                 state.manifest = manifest
@@ -1665,190 +1480,6 @@ class Tree:
                  manifest.version, ", ".join(sorted(others)), len(local))
         return True
 
-    # -- start-up ----------------------------------------------------------------------------
-
-    def load_tree(self, recovered: Recovered) -> None:
-        """Build the nodes from the RAM store (`fs.recovery` put it in order first), and count
-        the references of the committed objects found in RAM."""
-        self._load_dir(self.root, self._tree, recovered)
-        for manifest, resident in recovered.values():
-            for entry in manifest.files:
-                if entry.name in resident:
-                    self.store.count_ref(entry.xxh3)
-
-    def _load_dir(self, dir_node: Node, path: bytes, recovered: Recovered,
-                  in_step: bool = False) -> None:
-        reach = self.records.reach
-        with os.scandir(reach(path)) as entries:
-            for entry in entries:
-                if entry.name == OWN_LATEST_MARK:
-                    dir_node.own_latest = True
-                if is_reserved(entry.name):
-                    continue
-                st = entry.stat(follow_symlinks=False)
-                kind = stat.S_IFMT(st.st_mode)
-                if kind not in (stat.S_IFDIR, stat.S_IFREG, stat.S_IFLNK, stat.S_IFIFO,
-                                stat.S_IFSOCK):
-                    continue
-                node = self._attach(dir_node, entry.name, kind)
-                if kind == stat.S_IFDIR:
-                    child_path = os.path.join(path, entry.name)
-                    number = None if in_step else self.step_number(entry.name)
-                    self._load_dir(node, child_path, recovered, in_step or number is not None)
-                    if number is not None:
-                        self._load_step(node, number, child_path, recovered)
-                elif kind == stat.S_IFREG and not in_step:
-                    state = self.single_file_step(dir_node, entry.name)
-                    if state is not None:
-                        self._load_step(node, state.number, os.path.join(
-                            path, layout.records_name(entry.name)), recovered)
-
-    def _load_step(self, node: Node, number: int | None, path: bytes,
-                   recovered: Recovered) -> None:
-        """`path`: the step's records directory (`records_path`)."""
-        manifest, resident = recovered.get(path, (None, set()))
-        step = node.step = StepState(number, manifest)
-        step.resident = resident
-        # A DCP step whose .metadata came before its shards (a copy under way) commits when
-        # the last of them is closed, as before the restart.
-        step.commit_pending = manifest is None and node.is_dir and METADATA in node.children
-        if manifest is None:
-            return
-        mark = self.records.persist_mark(path)
-        if mark is not None and mark[0] == manifest.version:
-            if mark[1] == "persisted":
-                step.persisted_version = mark[0]
-            elif mark[1] == "retired":
-                step.retired_version = mark[0]
-        version = manifest.version
-        step.replicas = self.records.read_node_list(path, REPLICAS_MARK, version) or set()
-        step.holders = self.records.read_node_list(path, PEERS_MARK, version) or set()
-        for rel, file_node in self.files_under(node):
-            entry = manifest.entry(rel)
-            if entry is not None:
-                ino = os.lstat(self.backing(file_node)).st_ino
-                file_node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), ino)
-        self.add_remote_files(node, [e for e in manifest.files if e.name not in resident],
-                              in_store=step.persisted)
-
-    # -- status and xattrs -----------------------------------------------------------------
-
-    def step_status(self, step_node: Node) -> dict[str, object]:
-        """One step's line of `tierfs status`: cheap whatever the step's size (no disk access
-        for committed steps; a step being written costs one lstat per unsealed file)."""
-        step = step_node.step
-        if step.committed:
-            manifest = step.manifest
-            files, size = len(manifest.files), manifest.total_bytes
-            ram_bytes = size if step.in_ram else sum(
-                manifest.entry(name).size for name in step.resident)
-        else:
-            sizes = [self._status_size(n) for n in self.walk_files(step_node)]
-            files, size = len(sizes), sum(sizes)
-            ram_bytes = size
-        loss = self.recoverable.loss(step)
-        return {
-            "path": self.relpath(step_node), "step": step.number,
-            "state": "incomplete" if loss is not None else step.state,
-            "lost": loss.as_dict() if loss is not None else None,
-            "kind": "dir" if step_node.is_dir else "file",
-            "ram_bytes": ram_bytes,
-            "version": step.manifest.version if step.manifest else 0,
-            "files": files, "bytes": size, "ram": step.in_ram,
-            "replicas": self.full_holders(step),
-            "persisted": step.persisted,
-            "waiting_for": step.waiting_for if step.commit_pending or not step.committed else None,
-        }
-
-    def _status_size(self, node: Node) -> int:
-        if node.remote is not None:
-            return node.remote.entry.size
-        if node.seal is not None and not node.active_writers:
-            return node.seal.digest.size
-        try:
-            return self.stat(node).st_size
-        except (FsError, FileNotFoundError):
-            return 0  # removed meanwhile
-
-    def xattr_names(self, node: Node) -> list[bytes]:
-        if node.virtual:
-            return []
-        names = []
-        if node.is_dir and self.step_of(node) is not None:
-            names += [XATTR_STATE, XATTR_TIERS]
-        elif node.is_file:
-            names.append(XATTR_TIERS)
-            if node.seal is not None or node.active_writers == 0:
-                names.append(XATTR_XXH3)
-        return names
-
-    async def xattr(self, node: Node, name: bytes) -> bytes:
-        if name not in self.xattr_names(node):
-            raise FsError(ENOATTR)
-        if name == XATTR_STATE:
-            return self.state_of(node.step).encode()
-        if name == XATTR_TIERS:
-            if node.is_dir:
-                step = self.step_of(node)
-                return self.tiers(step, step.in_ram).encode()
-            step = self.committed_step_holding(node)
-            if step is None:
-                return b"ram"
-            return self.tiers(step, node.remote is None, self._entry_name(node)).encode()
-        if node.remote is not None:
-            return node.remote.entry.xxh3.encode()
-        if not self.seal_describes_file(node):
-            await self.seal(node)  # sealed before a restart, or written behind its seal
-        if node.seal is None:
-            raise FsError(ENOATTR)
-        return node.seal.digest.xxh3.encode()
-
-    # -- user xattrs: kept on the RAM tier's file, not step data ----------------------------
-
-    def user_xattr_names(self, node: Node) -> list[bytes]:
-        target = self._user_xattr_target(node)
-        if target is None:
-            return []
-        return [name for name in map(os.fsencode, os.listxattr(target))
-                if name.startswith(b"user.") and not name.startswith(XATTR_RESERVED)]
-
-    def user_xattr(self, node: Node, name: bytes) -> bytes:
-        target = self._user_xattr_target(node)
-        if target is None:
-            raise FsError(ENOATTR)
-        return os.getxattr(target, name)
-
-    def set_user_xattr(self, node: Node, name: bytes, value: bytes) -> None:
-        target = self._user_xattr_target(node)
-        if target is None:
-            raise FsError(errno.ENOTSUP)
-        os.setxattr(target, name, value)
-
-    def remove_user_xattr(self, node: Node, name: bytes) -> None:
-        target = self._user_xattr_target(node)
-        if target is None:
-            raise FsError(ENOATTR)
-        os.removexattr(target, name)
-
-    def _user_xattr_target(self, node: Node) -> bytes | int | None:
-        """Where a node's user xattrs live: its backing file or directory, the fd of an open
-        handle once it is unlinked, or nowhere (a file whose bytes are in another tier, the
-        virtual `latest`). They are not in the manifest, so no other tier keeps them."""
-        if node.virtual or node.remote is not None or not (node.is_file or node.is_dir):
-            return None
-        try:
-            return self.backing(node)
-        except FsError:
-            for handle in node.handles:
-                if handle.fd >= 0:
-                    return handle.fd
-            raise
-
-    def state_of(self, step: StepState) -> str:
-        """`writing`, `committed`, or `incomplete`: committed, but a file of it is reachable
-        on no tier now (`fs.recoverable`)."""
-        return "incomplete" if self.recoverable.loss(step) is not None else step.state
-
     # -- `latest` --------------------------------------------------------------------------
     #
     # Two questions, kept apart: whether a directory shows the virtual `latest` link at all
@@ -1885,13 +1516,6 @@ class Tree:
         os.close(os.open(os.path.join(self.backing(dir_node), OWN_LATEST_MARK),
                          os.O_WRONLY | os.O_CREAT, 0o600))
         dir_node.own_latest = True
-
-    def own_latest_dirs(self) -> list[str]:
-        """The directories holding steps whose `latest` is their own (status), relative to the
-        mount (`.` for the mount itself)."""
-        parents = {node.parent for node in self.steps()
-                   if node.parent is not None and node.is_dir}
-        return sorted(self.relpath(p) or "." for p in parents if self.owns_latest(p))
 
     def _latest_target(self, dir_node: Node) -> bytes | None:
         """The step the virtual `latest` of `dir_node` names: its committed step directory
@@ -1940,7 +1564,7 @@ class Tree:
         self._next_ino += 1
         return ino
 
-    def _attach(self, parent: Node, name: bytes, kind: int) -> Node:
+    def attach(self, parent: Node, name: bytes, kind: int) -> Node:
         node = Node(self._new_ino(), kind, name, parent)
         parent.children[name] = node
         self._inodes[node.ino] = node

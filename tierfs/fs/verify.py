@@ -186,7 +186,7 @@ class Verifier:
         work = [(n, n.step.manifest) for n in step_nodes if n.step.committed]
         if not work:
             raise FsError(errno.EINVAL, f"{relpath or '.'} holds no committed step")
-        total = sum(e.size * (1 + len(self.tree.file_peers(node.step, e.name))
+        total = sum(e.size * (1 + len(self.tree.holdings.file_peers(node.step, e.name))
                               + node.step.persisted)
                     for node, manifest in work for e in manifest.files)
         self.progress = {"checked_bytes": 0, "total_bytes": total, "steps": len(work),
@@ -282,7 +282,7 @@ class Verifier:
         asked = {}
         for entry in manifest.files:
             holders = (recorded or {}).get(entry.name)
-            asked[entry.name] = (self.tree.file_peers(step, entry.name) if holders is None
+            asked[entry.name] = (self.tree.holdings.file_peers(step, entry.name) if holders is None
                                  else (holders | step.replicas) - {self.tree.node_id})
         return asked
 
@@ -498,7 +498,7 @@ class Verifier:
         step_node = self.tree.find_step(manifest.path)
         if step_node is None or not self._current(step_node, manifest):
             return False
-        for peer in sorted(self.tree.file_peers(step_node.step, entry.name)):
+        for peer in sorted(self.tree.holdings.file_peers(step_node.step, entry.name)):
             with contextlib.suppress(Exception):  # an unreachable peer confirms nothing
                 if self.peers is not None and \
                         await self.peers.verify(peer, manifest.path, entry, False) == GOOD:

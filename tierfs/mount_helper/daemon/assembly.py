@@ -103,7 +103,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                 file_step_pattern=cfg.file_step_pattern,
                 commit_idle=cfg.commit_idle, delete_targets=delete_targets(cfg),
                 liveness=members)
-    links = ClusterLinks(cfg, core.tree, members) if members else None
+    links = ClusterLinks(cfg, core.view, members) if members else None
     backend, new_store = await open_persistent_tier(cfg, ready, core.tree,
                                                 links.store_record if links else None)
     persist = PersistentReader(backend, trio.CapacityLimiter(8),
@@ -180,7 +180,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                                              cluster.peer_delete if cluster else None,
                                              cluster.sealed if cluster else None).run)
             if uploader is not None:
-                nursery.start_soon(store_links, namespace.tree, uploader)
+                nursery.start_soon(store_links, namespace.tree, namespace.view, uploader)
             nursery.start_soon(_terminate_on_signal)
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers
             log.info("mounted %s (RAM dir %s, limit %d bytes, pid %d)", cfg.mountpoint,

@@ -13,7 +13,7 @@ import trio
 from tierfs import manifest as mf
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.ram_store import RamStore
-from tierfs.fs.tree import Tree
+from tierfs.fs.tree_view import TreeView
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon import admission
 from tierfs.mount_helper.daemon.commit_pipeline import PENDING_RETRY, delete_targets
@@ -61,16 +61,18 @@ class ClusterLinks:
     the connections of `directory`. They ask the tree questions only (who holds a step, which
     files are sealed)."""
 
-    def __init__(self, cfg: MountConfig, tree: Tree, directory: PeerDirectory) -> None:
+    def __init__(self, cfg: MountConfig, view: TreeView, directory: PeerDirectory) -> None:
+        tree = view.tree
         assert cfg.cluster is not None
         self.directory = directory
         self.live = directory.live
         self.etcd = self.live.etcd
         self.sealed = ClusterCommits(CommitRecords(self.etcd, cfg.cluster), cfg.node_id,
                                      tree.step_number, ManifestFetcher(self.directory).fetch,
-                                     tree.committed_manifest)
+                                     view.committed_manifest)
         self.tree = tree
-        self.reader = PeerReader(self.directory, tree.holders_of, self._file_holders)
+        self.view = view
+        self.reader = PeerReader(self.directory, view.holders_of, self._file_holders)
         self.verify = PeerVerify(self.directory, self.sealed.placements)
         self.delete = PeerDelete(self.directory)
         self.store_record = StoreRecord(self.etcd, cfg.cluster)
@@ -88,7 +90,7 @@ class ClusterLinks:
     async def _file_holders(self, data_dir: str, name: str) -> list[str]:
         """Who holds a file now, from its record in etcd (the holders known here failed):
         remembered for the next reads of the file."""
-        step_node = self.tree.step_of_entry(data_dir, name)
+        step_node = self.view.step_of_entry(data_dir, name)
         if step_node is None or not step_node.step.committed:
             return []
         manifest = step_node.step.manifest
@@ -126,9 +128,9 @@ class ClusterNode:
                                      on_held=self._held, may_copy=tiers.may_copy,
                                      events=events)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.hold_files)
-        self.ranges = RangeServer(store.objects, namespace.tree.sealed_path, cfg.node_id,
+        self.ranges = RangeServer(store.objects, namespace.view.sealed_path, cfg.node_id,
                                   namespace.residency.chunk_for_peer)
-        self.manifests = ManifestServer(namespace.tree.committed_manifest)
+        self.manifests = ManifestServer(namespace.view.committed_manifest)
 
     async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> bool:
         """A peer verified copies of these files: counted in etcd's records, then here (only
@@ -218,7 +220,7 @@ class ClusterNode:
             while True:
                 try:
                     dropped = await self.sealed.drop_lost_copies(
-                        self.namespace.tree.holds_copy, self.namespace.tiers.in_store)
+                        self.namespace.view.holds_copy, self.namespace.tiers.in_store)
                     break
                 except EtcdError as exc:
                     failures += 1

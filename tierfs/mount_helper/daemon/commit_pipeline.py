@@ -13,6 +13,7 @@ from tierfs import manifest as mf
 from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.tree import Tree
+from tierfs.fs.tree_view import TreeView
 from tierfs.mount_helper.config import MountConfig
 from tierfs.observe import Events
 from tierfs.replication.coordination.cluster_commit import ClusterCommits
@@ -80,17 +81,17 @@ async def verify_then_send(namespace: Namespace, uploader: Uploader | None,
             replicator.submit(manifest)  # copies due since before a restart
 
 
-async def store_links(tree: Tree, uploader: Uploader) -> None:
+async def store_links(tree: Tree, view: TreeView, uploader: Uploader) -> None:
     """The store learns the links of each directory whose links changed (fs.links); every
     directory holding links once after a start. Retried while the store cannot."""
-    for directory in tree.link_dirs():
+    for directory in view.link_dirs():
         tree.links.note(directory)
     failures = 0
     while True:
         changed = tree.links.changed
         for directory in sorted(tree.links.take()):
             try:
-                await uploader.put_links(directory, tree.links_of(directory))
+                await uploader.put_links(directory, view.links_of(directory))
                 failures = 0
             except BackendError as exc:
                 failures += 1

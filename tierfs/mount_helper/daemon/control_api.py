@@ -150,12 +150,12 @@ class ControlApi:
         no live node's RAM but this one's (and not in the store)."""
         tree = self.namespace.tree
         step = node.step
-        status = dict(tree.step_status(node))
+        status = dict(self.namespace.view.step_status(node))
         if self.cluster is not None and step.committed:
             status.update(self._spread(step, recorded))
         else:
             is_up = self.cluster.directory.is_up if self.cluster else (lambda _peer: False)
-            status["copies"] = tree.copies(step, is_up)
+            status["copies"] = tree.holdings.copies(step, is_up)
         manifest = node.step.manifest
         status["committed_ns"] = manifest.committed_ns if manifest is not None else None
         status["changed_ns"] = None
@@ -172,7 +172,7 @@ class ControlApi:
         me = self.cfg.node_id
         tree = self.namespace.tree
         if recorded is None:  # etcd did not answer: what this node knows
-            recorded = {e.name: tree.file_peers(step, e.name)
+            recorded = {e.name: tree.holdings.file_peers(step, e.name)
                         | ({me} if e.name in step.resident else set())
                         for e in step.manifest.files}
         is_up = self.cluster.directory.is_up
@@ -206,6 +206,6 @@ class ControlApi:
             "verify": self.verifier.progress,
             "deletes": ns.deletes.status(),
             "steps": steps,
-            "own_latest": ns.tree.own_latest_dirs(),
-            "ram_only_links": ns.tree.ram_only_links(),
+            "own_latest": ns.view.own_latest_dirs(),
+            "ram_only_links": ns.view.ram_only_links(),
         }
