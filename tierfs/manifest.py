@@ -8,6 +8,7 @@ come from disks and, later, from the network and S3: a malformed one raises Mani
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Iterable
@@ -25,6 +26,12 @@ RESERVED_PREFIX = reserved.PREFIX  # tierfs's own names: never a user's file, in
 # Files are also hashed per chunk (xxh3-64) so that a range fetched from another tier can be
 # checked before it is returned, long before the whole file's xxh3-128 can be.
 CHUNK_SIZE = 8 << 20
+# And per block (xxh3-64 of each BLOCK_SIZE piece, 8 raw bytes each, in the manifest's
+# "blocks"): a read of a few bytes of a file in another tier fetches and checks the blocks it
+# touches, not whole chunks. Manifests written before blocks existed have none: their ranges
+# are fetched and checked by chunk.
+BLOCK_SIZE = 1 << 20
+BLOCK_DIGEST_SIZE = 8
 _HEX128 = re.compile(r"^[0-9a-f]{32}$")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
 _MAX_FILES = 1_000_000
@@ -40,9 +47,10 @@ class ManifestError(ValueError):
 @dataclass(frozen=True)
 class FileEntry:
     """One sealed file of a step: `name` is relative to the step directory, '/'-separated;
-    `chunks` holds the xxh3-64 of each CHUNK_SIZE piece. Mode, mtime and owner are those of
-    the file at commit, restored wherever the file is made again; `uid`/`gid` are NO_OWNER in
-    manifests written before owners were recorded."""
+    `chunks` holds the xxh3-64 of each CHUNK_SIZE piece, `blocks` (empty in entries from
+    older manifests) the raw xxh3-64 of each BLOCK_SIZE piece, one after the other. Mode,
+    mtime and owner are those of the file at commit, restored wherever the file is made again;
+    `uid`/`gid` are NO_OWNER in manifests written before owners were recorded."""
 
     name: str
     size: int
@@ -52,6 +60,9 @@ class FileEntry:
     chunks: tuple[str, ...] = ()
     uid: int = NO_OWNER
     gid: int = NO_OWNER
+    # Derived from the bytes like `chunks`: two entries of the same file are equal with or
+    # without them (an entry read from an older manifest has none).
+    blocks: bytes = field(default=b"", compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -122,7 +133,7 @@ def check_relative_path(name: str) -> str:
 def entry_from_stat(name: str, digest: Digest, st: os.stat_result) -> FileEntry:
     """The entry of a sealed file as it is now: its digest, and its mode, mtime and owner."""
     return FileEntry(name, digest.size, digest.xxh3, st.st_mtime_ns, st.st_mode & 0o7777,
-                     digest.chunks, st.st_uid, st.st_gid)
+                     digest.chunks, st.st_uid, st.st_gid, digest.blocks)
 
 
 def entry_fields(entry: FileEntry) -> list[object]:
@@ -166,6 +177,9 @@ def encode(manifest: StepManifest) -> bytes:
             "node_id": manifest.node_id,
             "committed_ns": manifest.committed_ns,
             "files": [entry_fields(f) for f in manifest.files],
+            # Beside the entries, not in them: a reader that predates blocks ignores the key.
+            **({"blocks": [f.blocks for f in manifest.files]}
+               if any(f.blocks for f in manifest.files) else {}),
             # Only in single-file manifests: those of step directories are as they always were.
             **({"file": True} if manifest.single_file else {}),
         },
@@ -182,7 +196,8 @@ def decode(data: bytes) -> StepManifest:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_VERSION:
         raise ManifestError("unknown manifest format")
     try:
-        files = [entry_from_fields(fields) for fields in raw["files"]]
+        files = _with_blocks([entry_from_fields(fields) for fields in raw["files"]],
+                             raw.get("blocks"))
         manifest = StepManifest(
             path=check_relative_path(raw["path"]),
             step=int(raw["step"]),
@@ -204,6 +219,21 @@ def decode(data: bytes) -> StepManifest:
     return manifest
 
 
+def _with_blocks(files: list[FileEntry], blocks: object) -> list[FileEntry]:
+    """The entries with their block digests from the manifest's "blocks" (if any), each
+    validated: one digest per block of the file, or none."""
+    if blocks is None:
+        return files
+    if not isinstance(blocks, list) or len(blocks) != len(files):
+        raise ManifestError("bad block hashes")
+    for entry, digests in zip(files, blocks, strict=True):
+        if not isinstance(digests, bytes) or (
+                digests and len(digests) != block_count(entry.size) * BLOCK_DIGEST_SIZE):
+            raise ManifestError(f"bad block hashes for {entry.name!r}")
+    return [dataclasses.replace(entry, blocks=digests)
+            for entry, digests in zip(files, blocks, strict=True)]
+
+
 def _single_file_flag(value: object) -> bool:
     if not isinstance(value, bool):
         raise ManifestError(f"bad single-file flag {value!r}")
@@ -214,11 +244,21 @@ def chunk_count(size: int) -> int:
     return -(-size // CHUNK_SIZE)
 
 
+def block_count(size: int) -> int:
+    return -(-size // BLOCK_SIZE)
+
+
 @dataclass(frozen=True)
 class Digest:
     xxh3: str
     size: int
     chunks: tuple[str, ...]
+    blocks: bytes = b""
+
+    @classmethod
+    def of(cls, entry: FileEntry) -> Digest:
+        """The digest a committed entry records."""
+        return cls(entry.xxh3, entry.size, entry.chunks, entry.blocks)
 
 
 def hash_file(path: str | bytes | os.PathLike[str]) -> Digest:
@@ -231,9 +271,11 @@ def hash_file(path: str | bytes | os.PathLike[str]) -> Digest:
 
 
 def hash_fd(fd: int) -> Digest:
-    """Whole-file xxh3-128 and per-chunk xxh3-64, in one pass with pread (blocking)."""
+    """Whole-file xxh3-128, per-chunk and per-block xxh3-64, in one pass with pread
+    (blocking)."""
     whole = xxhash.xxh3_128()
     chunks = []
+    blocks = []
     buf = bytearray(CHUNK_SIZE)
     view = memoryview(buf)
     offset = 0
@@ -246,14 +288,26 @@ def hash_fd(fd: int) -> Digest:
         piece = view[:filled]
         whole.update(piece)
         chunks.append(xxhash.xxh3_64_hexdigest(piece))
+        blocks += [block_digest(piece[start:start + BLOCK_SIZE])
+                   for start in range(0, filled, BLOCK_SIZE)]
         offset += filled
         if filled < CHUNK_SIZE:
             break
-    return Digest(whole.hexdigest(), offset, tuple(chunks))
+    return Digest(whole.hexdigest(), offset, tuple(chunks), b"".join(blocks))
 
 
 def chunk_digest(data: bytes | memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
+
+
+def block_digest(data: bytes | memoryview) -> bytes:
+    return xxhash.xxh3_64_digest(data)
+
+
+def block_digest_of(entry: FileEntry, index: int) -> bytes:
+    """What the manifest says block `index` of the file hashes to (the entry has blocks)."""
+    start = index * BLOCK_DIGEST_SIZE
+    return entry.blocks[start:start + BLOCK_DIGEST_SIZE]
 
 
 def hash_bytes(data: bytes) -> str:

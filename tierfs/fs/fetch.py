@@ -1,17 +1,23 @@
 """Bringing a committed file that is not in RAM back from another tier, range by range.
 
-A read of a non-resident file fetches only the chunks (manifest.CHUNK_SIZE) it touches, from the
-first read source that has them (peers, then the persistent tier), checks each chunk's xxh3-64
-against the manifest before a byte of it is returned, and stores it in a partial file in the RAM
-store. Once every chunk is in and the whole file matches its xxh3-128, the partial file becomes
-the file's committed object again. A mismatch anywhere is an error and a log line, never data.
-The xxh3-128 runs as the chunks are stored (`_WholeHash`): a restore reads each byte once, not
-again for the check; only chunks stored ahead of the ones before them are read back.
-When the RAM tier has no room the chunk is still returned, just not kept.
+A read of a non-resident file fetches only what it touches, from the first read source that
+has it (peers, then the persistent tier), checks it against the manifest before a byte of it is
+returned, and stores it in a partial file in the RAM store. The unit is the block
+(manifest.BLOCK_SIZE, 1 MiB, checked against its xxh3-64) where the manifest has block digests,
+else the chunk (manifest.CHUNK_SIZE, 8 MiB, its xxh3-64): a read of one tensor of a large file
+moves the tensor's blocks, not the file. Once every unit is in and the whole file matches its
+xxh3-128, the partial file becomes the file's committed object again. A mismatch anywhere is an
+error and a log line, never data: no byte is served that its block's or chunk's check did not
+pass, and the file is not adopted unless the whole passes too. The xxh3-128 runs as the units are
+stored (`_WholeHash`): a restore reads each byte once, not again for the check; only units
+stored ahead of the ones before them are read back. When the RAM tier has no room the bytes are
+still returned, just not kept.
 
-A file opened for reading while passthrough is on is fetched whole before the open returns
-(`fill`, WHOLE_IN_FLIGHT chunks at a time), so that its reads go to the RAM store, not through
-the daemon (see `tierfs.fs.residency.Residency.fetch_whole`).
+Reads that follow each other (`_Pattern`) fetch whole chunks and read ahead; a file read back to
+back from its first byte is filled whole in the background (`Residency.read_remote`), and opens
+after that use passthrough. A small file opened for reading while passthrough is on is fetched
+whole before the open returns (`fill`, WHOLE_IN_FLIGHT chunks at a time), so that its reads go
+to the RAM store, not through the daemon (see `tierfs.fs.residency.Residency.fetch_whole`).
 
 Chunks of a partial file are served to other readers as soon as they are in (`relay_chunk`):
 after a data-parallel restart every node reads the same file, and the holders send readers
@@ -39,7 +45,9 @@ from tierfs.fs.ram_store import RamFull, RamStore
 log = logging.getLogger(__name__)
 
 PART_PREFIX = reserved.PART
-READ_AHEAD = 4  # chunks fetched ahead of a sequential reader
+READ_AHEAD = 4  # chunks fetched ahead of a sequential reader, at most
+SEQUENTIAL_RUN = 4 << 20  # bytes read back to back before a reader counts as sequential
+RUN_GAP = 2 << 20  # how far past a run's end a read still continues it
 WHOLE_IN_FLIGHT = 8  # chunks on their way at once when a file is fetched whole
 RELAY_WAIT = 8.0  # seconds a peer sent here for a chunk waits for it to come in (< IO_TIMEOUT)
 
@@ -91,35 +99,60 @@ _BUFFERS = _Buffers(keep=WHOLE_IN_FLIGHT)
 
 
 class _WholeHash:
-    """The file's xxh3-128 over its chunks in file order, fed as chunks are stored (in worker
-    threads, in any order): a stored chunk that is next in order is hashed from the bytes just
-    written; one stored ahead of the order is read back from the file once the chunks before
-    it are in."""
+    """The file's xxh3-128 over its units (chunks or blocks) in file order, fed as units are
+    stored (in worker threads, in any order): a stored unit that is next in order is hashed
+    from the bytes just written; one stored ahead of the order is read back from the file once
+    the units before it are in."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, unit: int) -> None:
         self._hasher = xxhash.xxh3_128()
         self._size = size
-        self._count = mf.chunk_count(size)
-        self._next = 0  # the first chunk not hashed yet
+        self._unit = unit
+        self._count = -(-size // unit)
+        self._next = 0  # the first unit not hashed yet
         self._ahead: set[int] = set()  # stored, not hashed yet
         self._lock = threading.Lock()
 
     def stored(self, fd: int, index: int, data: bytes | memoryview) -> None:
-        """Chunk `index` of the file `fd` now holds `data` (blocking: a worker thread's)."""
+        """Unit `index` of the file `fd` now holds `data` (blocking: a worker thread's)."""
         with self._lock:
             self._ahead.add(index)
             while self._next in self._ahead:
                 self._ahead.discard(self._next)
-                offset = self._next * mf.CHUNK_SIZE
+                offset = self._next * self._unit
                 self._hasher.update(data if self._next == index else
-                                    os.pread(fd, min(mf.CHUNK_SIZE, self._size - offset),
+                                    os.pread(fd, min(self._unit, self._size - offset),
                                              offset))
                 self._next += 1
 
     def digest(self) -> str | None:
-        """The whole file's xxh3-128, once every chunk is in; None before."""
+        """The whole file's xxh3-128, once every unit is in; None before."""
         with self._lock:
             return self._hasher.hexdigest() if self._next == self._count else None
+
+
+class _Pattern:
+    """How a file is being read: the run of back-to-back reads the last read belongs to. A
+    read up to RUN_GAP past the run's end continues it: the kernel's readahead requests may
+    arrive out of order."""
+
+    def __init__(self) -> None:
+        self.start = self.end = -1
+
+    def note(self, offset: int, size: int) -> None:
+        if 0 <= self.start <= offset <= self.end + RUN_GAP:
+            self.end = max(self.end, offset + size)
+        else:
+            self.start, self.end = offset, offset + size
+
+    @property
+    def sequential(self) -> bool:
+        return self.end - self.start >= SEQUENTIAL_RUN
+
+    @property
+    def from_start(self) -> bool:
+        """Read back to back from its first byte: a copy, a load; the file will be read whole."""
+        return self.sequential and self.start == 0
 
 
 class FetchError(Exception):
@@ -137,13 +170,27 @@ class RemoteFile:
     in_store: bool = False
 
 
-async def fetch_chunk(sources: list[ReadSource], remote: RemoteFile, index: int,
-                      buffer: memoryview | None = None) -> bytes | memoryview:
-    """Chunk `index` of `remote`, verified, from the first source that delivers it (into
+def _matches(entry: mf.FileEntry, offset: int, data: bytes | memoryview) -> bool:
+    """Whether `data`, the bytes at `offset` (a whole chunk, or whole blocks of an entry that
+    has block digests), are what the manifest says."""
+    whole_chunk = offset % mf.CHUNK_SIZE == 0 and \
+        len(data) == min(mf.CHUNK_SIZE, entry.size - offset)
+    if whole_chunk:
+        return mf.chunk_digest(data) == entry.chunks[offset // mf.CHUNK_SIZE]
+    if not entry.blocks or offset % mf.BLOCK_SIZE:
+        return False
+    view, first = memoryview(data), offset // mf.BLOCK_SIZE
+    return all(mf.block_digest(view[start:start + mf.BLOCK_SIZE])
+               == mf.block_digest_of(entry, first + start // mf.BLOCK_SIZE)
+               for start in range(0, len(view), mf.BLOCK_SIZE))
+
+
+async def fetch_range(sources: list[ReadSource], remote: RemoteFile, offset: int,
+                      length: int, buffer: memoryview | None = None) -> bytes | memoryview:
+    """`length` bytes at `offset` of `remote` (a whole chunk, or whole blocks inside one chunk
+    of an entry with block digests), verified, from the first source that delivers them (into
     `buffer`, a chunk's room, if given and the source can)."""
     entry = remote.entry
-    offset = index * mf.CHUNK_SIZE
-    length = min(mf.CHUNK_SIZE, entry.size - offset)
     failures = []
     for source in sources:
         read_into = getattr(source, "read_into", None)
@@ -155,183 +202,244 @@ async def fetch_chunk(sources: list[ReadSource], remote: RemoteFile, index: int,
         except Exception as exc:  # a source's failure is a reason to try the next one
             failures.append(f"{source.name}: {exc}")
             continue
-        if len(data) == length and mf.chunk_digest(data) == entry.chunks[index]:
+        if len(data) == length and _matches(entry, offset, data):
             return data
-        failures.append(f"{source.name}: chunk {index} does not match its checksum")
-        log.error("checksum mismatch: %s/%s chunk %d from %s", remote.step_path, entry.name,
-                  index, source.name)
-    raise FetchError(f"{remote.step_path}/{entry.name} chunk {index}: "
+        failures.append(f"{source.name}: bytes at {offset} do not match their checksum")
+        log.error("checksum mismatch: %s/%s bytes [%d, +%d) from %s", remote.step_path,
+                  entry.name, offset, length, source.name)
+    raise FetchError(f"{remote.step_path}/{entry.name} bytes at {offset}: "
                      + ("; ".join(failures) or "no tier holds it"))
 
 
+async def fetch_chunk(sources: list[ReadSource], remote: RemoteFile, index: int,
+                      buffer: memoryview | None = None) -> bytes | memoryview:
+    """Chunk `index` of `remote`, verified (`fetch_range`)."""
+    offset = index * mf.CHUNK_SIZE
+    return await fetch_range(sources, remote, offset,
+                             min(mf.CHUNK_SIZE, remote.entry.size - offset), buffer)
+
+
 class Fetch:
-    """The partial copy of one non-resident file in the RAM store, filled chunk by chunk."""
+    """The partial copy of one non-resident file in the RAM store, filled unit by unit: by
+    block (mf.BLOCK_SIZE) where the manifest has block digests, else by chunk.
+
+    A read that is not part of a sequential run fetches only the units it touches (its first
+    bytes come after one block's round trip, whatever the file's size); a sequential one
+    fetches whole chunks and reads ahead; a run from the file's first byte asks for the whole
+    file (`wants_whole`, which `Residency` fills in the background)."""
 
     def __init__(self, store: RamStore, remote: RemoteFile,
                  spawn: Callable[..., None] = trio.lowlevel.spawn_system_task) -> None:
         self.store = store
         self.remote = remote
         self._spawn = spawn  # read-ahead runs under the namespace's owner (fs.background)
-        count = mf.chunk_count(remote.entry.size)
-        self.present = [False] * count
-        self._inflight: dict[int, trio.Event] = {}
+        size = remote.entry.size
+        self._unit = mf.BLOCK_SIZE if remote.entry.blocks else mf.CHUNK_SIZE
+        self._per_chunk = mf.CHUNK_SIZE // self._unit
+        self._chunks = mf.chunk_count(size)
+        self._have = bytearray(-(-size // self._unit))  # 1: the unit is in the partial file
+        self._coming: dict[int, trio.Event] = {}  # unit -> the fetch bringing it
+        self._pattern = _Pattern()
+        self.filling = False  # a background fill of the whole file runs (Residency)
         self.path = os.path.join(os.fsencode(store.objects),
                                  f"{PART_PREFIX}{remote.entry.xxh3}-{id(self):x}".encode())
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.backing_ino = os.fstat(self.fd).st_ino
-        self._whole = _WholeHash(remote.entry.size)
+        self._whole = _WholeHash(size, self._unit)
 
     @property
     def complete(self) -> bool:
-        return all(self.present)
+        return all(self._have)
 
     @property
     def busy(self) -> bool:
-        """A chunk is on its way: the partial file must stay."""
-        return bool(self._inflight)
+        """Bytes are on their way: the partial file must stay."""
+        return bool(self._coming)
+
+    @property
+    def wants_whole(self) -> bool:
+        """The file is being read back to back from its start: fetch the rest of it."""
+        return self._pattern.from_start and not self.complete
+
+    def _unit_bytes(self, unit: int) -> int:
+        return min(self._unit, self.remote.entry.size - unit * self._unit)
 
     @property
     def missing_bytes(self) -> int:
         """What the RAM tier must still take for the file to be complete."""
-        size = self.remote.entry.size
-        return sum(min(mf.CHUNK_SIZE, size - index * mf.CHUNK_SIZE)
-                   for index, present in enumerate(self.present) if not present)
+        return sum(self._unit_bytes(unit) for unit, have in enumerate(self._have) if not have)
+
+    @property
+    def stored_bytes(self) -> int:
+        """What the partial file holds in the RAM tier."""
+        return self.remote.entry.size - self.missing_bytes
+
+    def _chunk_units(self, index: int) -> range:
+        return range(index * self._per_chunk,
+                     min((index + 1) * self._per_chunk, len(self._have)))
+
+    def _chunk_in(self, index: int) -> bool:
+        return all(self._have[unit] for unit in self._chunk_units(index))
 
     async def read(self, sources: list[ReadSource], offset: int, size: int) -> bytes:
         size = max(0, min(size, self.remote.entry.size - offset))
         if size == 0:
             return b""
-        first, last = offset // mf.CHUNK_SIZE, (offset + size - 1) // mf.CHUNK_SIZE
-        self._read_ahead(sources, last + 1)
-        unkept: dict[int, bytes] = {}
-        for index in range(first, last + 1):
-            data = await self._ensure(sources, index)
-            if data is not None:
-                unkept[index] = data
+        self._pattern.note(offset, size)
+        if self._pattern.sequential:  # whole chunks, and the next ones on their way
+            first, last = offset // mf.CHUNK_SIZE, (offset + size - 1) // mf.CHUNK_SIZE
+            run_chunks = (self._pattern.end - self._pattern.start) // mf.CHUNK_SIZE
+            self._read_ahead(sources, last + 1, min(READ_AHEAD, max(1, run_chunks)))
+            units = range(first * self._per_chunk, self._chunk_units(last).stop)
+        else:  # only what the read touches
+            units = range(offset // self._unit, (offset + size - 1) // self._unit + 1)
+        unkept = await self._ensure(sources, units)
+        data = os.pread(self.fd, size, offset)
         if not unkept:
-            return os.pread(self.fd, size, offset)
-        pieces = []
-        for index in range(first, last + 1):
-            chunk = unkept.get(index)
-            if chunk is None:
-                chunk = os.pread(self.fd, mf.CHUNK_SIZE, index * mf.CHUNK_SIZE)
-            pieces.append(chunk)
-        joined = b"".join(pieces)
-        start = offset - first * mf.CHUNK_SIZE
-        return joined[start:start + size]
+            return data
+        joined = bytearray(size)
+        joined[:len(data)] = data
+        for start, piece in unkept:  # over the holes those bytes left in the partial file
+            low, high = max(offset, start), min(offset + size, start + len(piece))
+            if low < high:
+                joined[low - offset:high - offset] = piece[low - start:high - start]
+        return bytes(joined)
 
-    def _read_ahead(self, sources: list[ReadSource], start: int) -> None:
-        """Fetch the next chunks in the background, in parallel: a file read from another tier
-        is usually read to its end, and one chunk at a time would wait on every round trip."""
-        for index in range(start, min(start + READ_AHEAD, len(self.present))):
-            if not self.present[index] and index not in self._inflight:
-                self._spawn(self._fetch_ahead, sources, index)
+    def _read_ahead(self, sources: list[ReadSource], start: int, count: int) -> None:
+        """Fetch the next chunks in the background, in parallel: a sequential reader will want
+        them, and one chunk at a time would wait on every round trip."""
+        for index in range(start, min(start + count, self._chunks)):
+            units = self._chunk_units(index)
+            if not self._chunk_in(index) and not any(u in self._coming for u in units):
+                self._spawn(self._fetch_ahead, sources, units)
 
-    async def _fetch_ahead(self, sources: list[ReadSource], index: int) -> None:
+    async def _fetch_ahead(self, sources: list[ReadSource], units: range) -> None:
         try:
-            await self._ensure(sources, index)
+            await self._ensure(sources, units)
         except Exception as exc:  # the read that needs the chunk will try again and report
-            log.debug("read-ahead of chunk %d of %s failed: %s", index, self.remote.entry.name,
-                      exc)
+            log.debug("read-ahead of %s at %d failed: %s", self.remote.entry.name,
+                      units.start * self._unit, exc)
 
     async def relay_chunk(self, index: int, wait: float = RELAY_WAIT) -> int | None:
         """For another reader sent here for chunk `index` (`replication.peers.sources`): a
         duplicate of the partial file's fd once the chunk is in it, waiting up to `wait`
-        seconds for one on its way; None if it is not here, not coming, or not kept."""
-        if not 0 <= index < len(self.present):
+        seconds for its bytes on their way; None if it is not here, not coming, or not kept."""
+        if not 0 <= index < self._chunks:
             return None
+        units = self._chunk_units(index)
         with trio.move_on_after(wait):
-            while not self.present[index] and self.fd >= 0:
-                pending = self._inflight.get(index)
+            while not self._chunk_in(index) and self.fd >= 0:
+                pending = next((self._coming[u] for u in units if u in self._coming), None)
                 if pending is None:
                     return None
                 await pending.wait()
-        if not self.present[index] or self.fd < 0:
+        if not self._chunk_in(index) or self.fd < 0:
             return None
         return os.dup(self.fd)
 
     async def fill(self, sources: list[ReadSource], in_flight: int = READ_AHEAD) -> None:
         """Fetch every missing chunk, `in_flight` at a time (for a writer, a prefetch, a
-        read-only open); raises RamFull if there is no room to keep them."""
+        read-only open, a sequential reader); raises RamFull if there is no room to keep
+        them."""
         limiter = trio.CapacityLimiter(in_flight)
         unkept = False
 
         async def fetch_one(index: int) -> None:
             nonlocal unkept
             async with limiter:
-                if await self._ensure(sources, index) is not None:
+                if await self._ensure(sources, self._chunk_units(index)):
                     unkept = True
 
         try:
             async with trio.open_nursery() as nursery:
-                for index in range(len(self.present)):
-                    nursery.start_soon(fetch_one, index)
+                for index in range(self._chunks):
+                    if not self._chunk_in(index):
+                        nursery.start_soon(fetch_one, index)
         except* FetchError as failures:
             raise failures.exceptions[0] from None
         if unkept:
             raise RamFull
 
-    async def _ensure(self, sources: list[ReadSource], index: int) -> bytes | None:
-        """Make chunk `index` present; return its bytes only if they could not be kept."""
-        while not self.present[index]:
-            pending = self._inflight.get(index)
-            if pending is not None:
-                await pending.wait()
+    async def _ensure(self, sources: list[ReadSource],
+                      units: range) -> list[tuple[int, bytes]]:
+        """Make `units` present; the bytes of those that could not be kept, as (offset, bytes).
+        Each fetch is one run of units inside one chunk that nobody else is bringing."""
+        unkept: list[tuple[int, bytes]] = []
+        covered: set[int] = set()  # not kept, but in `unkept`
+        while True:
+            missing = [u for u in units if not self._have[u] and u not in covered]
+            if not missing:
+                return unkept
+            free = {u for u in missing if u not in self._coming}
+            if not free:
+                await self._coming[missing[0]].wait()
                 continue
-            done = self._inflight[index] = trio.Event()
-            buffer = _BUFFERS.take()
-            try:
-                unkept = await self._fetch_and_store(sources, index, memoryview(buffer))
-                if unkept is not None:
-                    return unkept
-                self.present[index] = True
-            finally:
-                _BUFFERS.give(buffer)  # nothing refers to it any more: unkept bytes are a copy
-                del self._inflight[index]
-                done.set()
-        return None
+            low = high = min(free)
+            chunk_end = self._chunk_units(low // self._per_chunk).stop
+            while high + 1 < min(units.stop, chunk_end) and high + 1 in free:
+                high += 1
+            data = await self._fetch_units(sources, range(low, high + 1))
+            if data is not None:
+                unkept.append((low * self._unit, data))
+                covered.update(range(low, high + 1))
 
-    async def _fetch_and_store(self, sources: list[ReadSource], index: int,
-                               buffer: memoryview) -> bytes | None:
-        """Fetch chunk `index` (perhaps into `buffer`) and store it; its bytes if not kept."""
-        data = await fetch_chunk(sources, self.remote, index, buffer)
-        if self.fd < 0:
-            return bytes(data)  # discarded meanwhile: its fd number may be another file's now
-        try:  # chunks come in any order: each stores its own bytes, holes nothing
-            self.store.grow_by(self.backing_ino, len(data))
-        except RamFull:
-            return bytes(data)
-        if not await self._store_chunk(data, index):
-            return bytes(data)
-        return None
+    async def _fetch_units(self, sources: list[ReadSource], span: range) -> bytes | None:
+        """Fetch and store a run of units nobody is bringing; their bytes if not kept."""
+        done = trio.Event()
+        for unit in span:
+            self._coming[unit] = done
+        buffer = _BUFFERS.take()
+        try:
+            offset = span.start * self._unit
+            length = sum(self._unit_bytes(unit) for unit in span)
+            data = await fetch_range(sources, self.remote, offset, length, memoryview(buffer))
+            if self.fd < 0:
+                return bytes(data)  # discarded meanwhile: its fd number may be another file's
+            try:  # units come in any order: each stores its own bytes, holes nothing
+                self.store.grow_by(self.backing_ino, len(data))
+            except RamFull:
+                return bytes(data)
+            if not await self._store(data, span.start):
+                return bytes(data)
+            for unit in span:
+                self._have[unit] = 1
+            return None
+        finally:
+            _BUFFERS.give(buffer)  # nothing refers to it any more: unkept bytes are a copy
+            for unit in span:
+                del self._coming[unit]
+            done.set()
 
-    async def _store_chunk(self, data: bytes | memoryview, index: int) -> bool:
-        """Write a chunk into the partial file off the trio thread (up to 8 MiB); False if the
-        fetch was discarded meanwhile. The write goes to a duplicate of the fd, so a discard
-        during it cannot let it land in another file that reused the fd's number."""
+    async def _store(self, data: bytes | memoryview, first_unit: int) -> bool:
+        """Write fetched units into the partial file off the trio thread (up to 8 MiB); False
+        if the fetch was discarded meanwhile. The write goes to a duplicate of the fd, so a
+        discard during it cannot let it land in another file that reused the fd's number."""
         fd = os.dup(self.fd)
         try:
-            await trio.to_thread.run_sync(self._write, fd, data, index)
+            await trio.to_thread.run_sync(self._write, fd, data, first_unit)
         finally:
             os.close(fd)
         return self.fd >= 0
 
-    def _write(self, fd: int, data: bytes | memoryview, index: int) -> None:
-        """Store a chunk (a worker thread's): all of it, since the check that follows is over
+    def _write(self, fd: int, data: bytes | memoryview, first_unit: int) -> None:
+        """Store units (a worker thread's): all of them, since the check that follows is over
         `data`, not over what the file holds."""
-        view, offset = memoryview(data), index * mf.CHUNK_SIZE
+        view, offset = memoryview(data), first_unit * self._unit
         while view:
             written = os.pwrite(fd, view, offset)
             if not written:
-                raise OSError(errno.ENOSPC, "no room for a fetched chunk")
+                raise OSError(errno.ENOSPC, "no room for fetched bytes")
             view, offset = view[written:], offset + written
-        self._whole.stored(fd, index, data)
+        whole = memoryview(data)
+        for start in range(0, len(whole), self._unit):
+            self._whole.stored(fd, first_unit + start // self._unit,
+                               whole[start:start + self._unit])
 
     def verify(self) -> bool:
         """Whole-file check once complete; the partial file may then become the object."""
         if self.fd < 0:
             return False  # discarded (the node moved on): nothing to adopt
-        xxh3 = self._whole.digest()  # every stored chunk went into it (`_write`)
+        xxh3 = self._whole.digest()  # every stored unit went into it (`_write`)
         if xxh3 is None:
             return False  # not complete: nothing to adopt
         size = os.fstat(self.fd).st_size

@@ -207,7 +207,8 @@ class Operations(pyfuse3.Operations):
         if (node.remote is not None and (flags & os.O_ACCMODE) == os.O_RDONLY
                 and self.passthrough is not None and self.passthrough.enabled):
             # Reads of a file in another tier would each cross the daemon (the relay, a FUSE
-            # request per 128 KiB, a copy): fetch it whole now, answer with passthrough.
+            # request per 128 KiB, a copy): a small one comes whole now, answered with
+            # passthrough; a large one is read range by range (Residency.fetch_whole).
             await self.ns.residency.fetch_whole(node)
         handle = await self.ns.open(node, flags)
         self.ns.note_opened(handle, ctx.pid)

@@ -267,6 +267,6 @@ class Recovery:
             entry = manifest.entry(rel)
             if entry is not None:
                 ino = os.lstat(self.tree.backing(file_node)).st_ino
-                file_node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), ino)
+                file_node.seal = Seal(mf.Digest.of(entry), ino)
         self.tree.add_remote_files(node, [e for e in manifest.files if e.name not in resident],
                                    in_store=step.persisted)

@@ -41,6 +41,10 @@ FIRST_SLICE = 0.02
 # After etcd did not take a copy's leave of the records, no other is tried for this long (the
 # copies stay in RAM): a write waiting for room does not wait one etcd timeout per step.
 LEAVE_PAUSE = 5.0
+# A file this small is fetched whole before a read-only open returns (then read by
+# passthrough): three chunks take ~25 ms from a peer on loopback. A larger one would keep its
+# reader waiting for bytes it may never read (one tensor of a multi-GB shard).
+WHOLE_AT_OPEN = 3 * mf.CHUNK_SIZE
 
 
 class Residency:
@@ -66,7 +70,9 @@ class Residency:
     # -- coming back -----------------------------------------------------------------------
 
     async def read_remote(self, node: Node, offset: int, size: int) -> bytes:
-        """Bytes of a non-resident file, chunk-checked; a file read to its end stays in RAM."""
+        """Bytes of a non-resident file, checked by block or chunk; a file read to its end
+        stays in RAM, and one read back to back from its start is filled whole in the
+        background (`fill_behind`)."""
         fetch = self._fetch_of(node)
         try:
             data = await fetch.read(self.read_sources, offset, size)
@@ -76,7 +82,28 @@ class Residency:
             raise FsError(errno.EIO) from None
         if fetch.complete and node.fetch is fetch:
             self._adopt(node, fetch)
+        elif fetch.wants_whole and not fetch.filling:
+            self.fill_behind(node, fetch)
         return data
+
+    def fill_behind(self, node: Node, fetch: Fetch) -> None:
+        """Fetch the rest of a file being read sequentially, WHOLE_IN_FLIGHT chunks at a time,
+        while its reader goes on; whole and verified, it is the file's object again, and opens
+        from then on use passthrough. A failure leaves it to the reads (which report it)."""
+        fetch.filling = True
+
+        async def fill() -> None:
+            try:
+                if self.store.room_for(fetch.missing_bytes):
+                    await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
+                    self._adopt(node, fetch)
+            except (FetchError, RamFull) as exc:
+                log.info("%s is read range by range: %s", self.tree.relpath(node),
+                         exc or "no room in RAM")
+            finally:
+                fetch.filling = False
+
+        self.background.spawn(fill)
 
     def _fetch_of(self, node: Node) -> Fetch:
         if node.fetch is not None:
@@ -113,12 +140,15 @@ class Residency:
             raise FsError(errno.EIO)
 
     async def fetch_whole(self, node: Node) -> None:
-        """Before a read-only open that passthrough will answer: bring the whole non-resident
-        file into RAM (each chunk checked, then the whole), so that its reads go to the RAM
-        store, not through the daemon. Concurrent opens share the fetch. The file stays
-        non-resident (read range by range through the daemon) if the RAM tier has no room for
-        it, or a chunk cannot be fetched verified (the read that needs it gets EIO)."""
-        if node.remote is None:
+        """Before a read-only open that passthrough will answer: bring a small non-resident
+        file (up to WHOLE_AT_OPEN bytes) into RAM (each chunk checked, then the whole), so
+        that its reads go to the RAM store, not through the daemon. Concurrent opens share the
+        fetch. A larger file is not waited for: its reads fetch what they touch first, and it
+        comes in whole in the background once read sequentially from its start
+        (`read_remote`). The file stays non-resident (read range by range through the daemon)
+        if the RAM tier has no room for it, or a chunk cannot be fetched verified (the read
+        that needs it gets EIO)."""
+        if node.remote is None or node.remote.entry.size > WHOLE_AT_OPEN:
             return
         fetch = self._fetch_of(node)
         if not self.store.room_for(fetch.missing_bytes):

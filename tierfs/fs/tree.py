@@ -1100,7 +1100,7 @@ class Tree:
         os.unlink(fetch.path)
         entry = node.remote.entry
         node.remote = None
-        node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), fetch.backing_ino)
+        node.seal = Seal(mf.Digest.of(entry), fetch.backing_ino)
         step = self.committed_step_holding(node)
         if step is not None and entry.name not in step.resident:
             self.store.add_ref(entry.xxh3, path)
@@ -1127,7 +1127,7 @@ class Tree:
         in_ram = node.fetch is not None or node.remote is None
         freed = 0
         if node.fetch is not None:
-            freed += sum(node.fetch.present) * mf.CHUNK_SIZE
+            freed += node.fetch.stored_bytes
             self.drop_fetch(node)  # ranges read on demand leave with the step
         if node.remote is None:
             self._unlink_backing(self.backing(node), node)
@@ -1222,7 +1222,7 @@ class Tree:
             apply_attributes(tmp, entry)
             os.rename(tmp, path)
             node.remote = None
-            node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks),
+            node.seal = Seal(mf.Digest.of(entry),
                              os.lstat(path).st_ino)
             if entry.name not in step.resident:
                 self.store.add_ref(entry.xxh3, path)

@@ -84,10 +84,13 @@ class PeerReader:
         MAX_HOPS failed relays is asked for the bytes themselves (plain GET)."""
         request = {"path": step_path, "name": entry.name, "xxh3": entry.xxh3,
                    "offset": offset, "length": length}
+        # Relays serve whole chunks: a few blocks of one (a ranged read) come from the holder.
+        whole_chunk = offset % mf.CHUNK_SIZE == 0 and \
+            length == min(mf.CHUNK_SIZE, entry.size - offset)
         avoid: list[str] = []
         while True:
             async with self.directory.channel(holder) as channel:
-                if len(avoid) >= sources.MAX_HOPS:
+                if len(avoid) >= sources.MAX_HOPS or not whole_chunk:
                     await channel.send("GET", **request)
                 else:
                     await channel.send("SWARM_GET", avoid=avoid, **request)
