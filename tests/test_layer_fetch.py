@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.fetch import Fetch, FetchError, RemoteFile, fetch_chunk
+from tierfs.fs.fetch import SEQUENTIAL_RUN, Fetch, FetchError, RemoteFile, fetch_chunk
 from tierfs.fs.ram_store import RamFull, RamStore
 from tierfs.s3tier.backend import FileBackend
 from tierfs.s3tier.reader import PersistentReader
@@ -29,21 +29,35 @@ def ram(tmp_path: Path):  # type: ignore[no-untyped-def]
     store.release()
 
 
-def stored_file(tmp_path: Path, data: bytes, name: str = "shard") -> tuple[FileBackend,
-                                                                           RemoteFile]:
-    """A committed file that is only in the persistent tier."""
+def stored_file(tmp_path: Path, data: bytes, name: str = "shard", *,
+                blocks: bool = False) -> tuple[FileBackend, RemoteFile]:
+    """A committed file that is only in the persistent tier (its entry with block digests if
+    `blocks`, as sealed now; without, as in older manifests)."""
     root = tmp_path / "store"
     root.mkdir(exist_ok=True)
     backend = FileBackend(root)
     backend.claim()
     backend.put_bytes(f"{STEP}/{name}", data)
     digest = mf.hash_file(root / STEP / name)
-    entry = mf.FileEntry(name, digest.size, digest.xxh3, mode=0o640, chunks=digest.chunks)
+    entry = mf.FileEntry(name, digest.size, digest.xxh3, mode=0o640, chunks=digest.chunks,
+                         blocks=digest.blocks if blocks else b"")
     return backend, RemoteFile(STEP, entry)
 
 
 def persist(backend: FileBackend) -> list[PersistentReader]:
     return [PersistentReader(backend, trio.CapacityLimiter(2))]
+
+
+class CountedReader(PersistentReader):
+    """The persistent tier's read source, counting the bytes it delivers."""
+
+    delivered = 0
+
+    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
+                         length: int) -> bytes:
+        data = await super().read_range(step_path, entry, offset, length)
+        self.delivered += len(data)
+        return data
 
 
 async def test_a_file_comes_back_whole_and_verified(tmp_path: Path, ram: RamStore) -> None:
@@ -134,8 +148,8 @@ async def test_chunks_stored_out_of_order_still_make_the_whole_files_check(
     no_rereads(monkeypatch)
     fetch = Fetch(ram, remote)
     try:
-        for index in (3, 1, 2, 0):  # a reader jumping about, read-ahead off (in_flight)
-            await fetch._ensure(persist(backend), index)
+        for index in (3, 1, 2, 0):  # a reader jumping about: no read-ahead
+            await fetch.read(persist(backend), index * mf.CHUNK_SIZE, 1)
         assert fetch.complete and fetch.verify()
     finally:
         fetch.discard()
@@ -153,5 +167,65 @@ async def test_a_whole_that_does_not_match_its_manifest_is_never_adopted(
     try:
         await fetch.fill(persist(backend))
         assert fetch.complete and not fetch.verify()
+    finally:
+        fetch.discard()
+
+
+async def test_a_read_of_a_few_bytes_fetches_the_blocks_it_touches(tmp_path: Path,
+                                                                   ram: RamStore) -> None:
+    """An entry with block digests: a read here and there (a tensor of a large shard) moves
+    its blocks, checked one by one, not whole chunks, and leaves the file partial."""
+    data = os.urandom(4 * mf.CHUNK_SIZE + 99)
+    backend, remote = stored_file(tmp_path, data, blocks=True)
+    reader = CountedReader(backend, trio.CapacityLimiter(2))
+    fetch = Fetch(ram, remote)
+    try:
+        assert await fetch.read([reader], 0, 8) == data[:8]  # a safetensors header's length
+        assert reader.delivered == mf.BLOCK_SIZE
+        at = 2 * mf.CHUNK_SIZE + 3 * mf.BLOCK_SIZE - 100  # 2 MiB across three blocks
+        assert await fetch.read([reader], at, 2 << 20) == data[at:at + (2 << 20)]
+        assert reader.delivered == 4 * mf.BLOCK_SIZE
+        assert not fetch.complete and not fetch.wants_whole
+        assert fetch.stored_bytes == ram.used_bytes == 4 * mf.BLOCK_SIZE
+        await fetch.fill([reader])  # the rest, not what is in already
+        assert reader.delivered == len(data)
+        assert fetch.complete and fetch.verify()
+    finally:
+        fetch.discard()
+
+
+async def test_a_corrupt_block_is_an_error_and_the_others_still_read(tmp_path: Path,
+                                                                    ram: RamStore) -> None:
+    data = os.urandom(mf.CHUNK_SIZE + 5)
+    backend, remote = stored_file(tmp_path, data, blocks=True)
+    corrupt = bytearray(data)
+    corrupt[3 * mf.BLOCK_SIZE + 7] ^= 1
+    backend.put_bytes(f"{STEP}/shard", bytes(corrupt))
+    fetch = Fetch(ram, remote)
+    try:
+        with pytest.raises(FetchError, match="does not match its checksum"):
+            await fetch.read(persist(backend), 3 * mf.BLOCK_SIZE + 5, 10)
+        assert await fetch.read(persist(backend), mf.BLOCK_SIZE, 10) == \
+            data[mf.BLOCK_SIZE:mf.BLOCK_SIZE + 10]
+        with pytest.raises(FetchError):  # the chunk, whole, does not match either
+            await fetch.fill(persist(backend))
+        assert not fetch.complete
+    finally:
+        fetch.discard()
+
+
+async def test_a_file_read_back_to_back_from_its_start_asks_to_be_fetched_whole(
+        tmp_path: Path, ram: RamStore) -> None:
+    data = os.urandom(3 * mf.CHUNK_SIZE)
+    backend, remote = stored_file(tmp_path, data, blocks=True)
+    reader = CountedReader(backend, trio.CapacityLimiter(2))
+    fetch = Fetch(ram, remote, spawn=lambda *_args: None)  # no read-ahead: count the reads
+    try:
+        step = 128 << 10  # the kernel's requests
+        for offset in range(0, SEQUENTIAL_RUN, step):
+            assert not fetch.wants_whole
+            assert await fetch.read([reader], offset, step) == data[offset:offset + step]
+        assert fetch.wants_whole
+        assert reader.delivered == mf.CHUNK_SIZE  # once sequential: whole chunks
     finally:
         fetch.discard()

@@ -105,3 +105,28 @@ def test_owners_are_recorded_and_older_manifests_still_decode() -> None:
         old["files"][0] = bad
         with pytest.raises(mf.ManifestError):
             mf.decode(msgpack.packb(old))
+
+
+def test_block_digests_round_trip_and_older_readers_and_manifests_are_unaffected(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    data = bytes(range(256)) * 12_000  # 3,072,000 bytes: three blocks, the last one short
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    digest = mf.hash_file(path)
+    assert digest.blocks == b"".join(xxhash.xxh3_64_digest(data[i:i + mf.BLOCK_SIZE])
+                                     for i in range(0, len(data), mf.BLOCK_SIZE))
+    with_blocks = mf.FileEntry("x", len(data), digest.xxh3, 7, 0o640, digest.chunks,
+                               blocks=digest.blocks)
+    manifest = mf.StepManifest("s/step_1", 1, 1, "n", 0, (with_blocks, entry("y", 5)))
+    decoded = mf.decode(mf.encode(manifest)).files
+    assert [f.blocks for f in decoded] == [digest.blocks, b""]
+    assert mf.block_digest_of(decoded[0], 2) == xxhash.xxh3_64_digest(data[2 << 20:])
+    # beside the entries: a reader that predates blocks sees the entries it always saw
+    raw = msgpack.unpackb(mf.encode(manifest))
+    assert [len(fields) for fields in raw["files"]] == [8, 8]
+    # a manifest without them (older) decodes with none
+    del raw["blocks"]
+    assert mf.decode(msgpack.packb(raw)).files[0].blocks == b""
+    raw["blocks"] = [digest.blocks[:-1], b""]  # not one digest per block
+    with pytest.raises(mf.ManifestError, match="block hashes"):
+        mf.decode(msgpack.packb(raw))

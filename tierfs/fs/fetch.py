@@ -204,10 +204,10 @@ async def fetch_range(sources: list[ReadSource], remote: RemoteFile, offset: int
             continue
         if len(data) == length and _matches(entry, offset, data):
             return data
-        failures.append(f"{source.name}: bytes at {offset} do not match their checksum")
+        failures.append(f"{source.name}: the range at {offset} does not match its checksum")
         log.error("checksum mismatch: %s/%s bytes [%d, +%d) from %s", remote.step_path,
                   entry.name, offset, length, source.name)
-    raise FetchError(f"{remote.step_path}/{entry.name} bytes at {offset}: "
+    raise FetchError(f"{remote.step_path}/{entry.name} [{offset}, +{length}): "
                      + ("; ".join(failures) or "no tier holds it"))
 
 
