@@ -1,0 +1,97 @@
+"""Ranged read-back from a peer: a node reads part of a large file that only another node holds
+(a fresh node, a file evicted from its RAM). The read fetches the 1 MiB blocks it touches,
+each checked against its digest, and returns before the rest of the file is anywhere near:
+`safe_open` of one tensor moves that tensor and a few MiB, not the shard (node0's
+`tierfs_peer_sent_bytes` counts what it sent). A file read back to back from its first byte
+comes in whole in the background, and the next open of it is served by passthrough."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MountFactory, getxattr, wait_until
+from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.test_cluster_many_readers import committed_on, sent_bytes, start_cluster
+from tests.test_crash import save
+from tests.test_passthrough import daemon_io
+from tierfs import manifest as mf
+from tierfs.demo.etcd import Etcd
+
+pytestmark = pytest.mark.cluster
+
+STEP = "ddp/step_1"  # committed_on's step
+FILE = 64 << 20  # well above what an open fetches whole
+
+
+def two_nodes(mounts: MountFactory, token_file: Path,  # noqa: F811
+              etcd: Etcd, files: dict[str, bytes]) -> tuple[Cluster, int]:
+    """node0 saves `files` in STEP; node1 (which holds none of it) sees the step committed.
+    Returns the cluster and node0's metrics port."""
+    cluster, metrics = start_cluster(mounts, token_file, etcd, 2, "--replicas", "0")
+    save(cluster.nodes["node0"] / STEP, files | {".metadata": b"m"})
+    wait_until(lambda: committed_on(cluster.nodes["node1"]), timeout=15)
+    return cluster, metrics
+
+
+def sent_to_node1(metrics: int) -> float:
+    return sent_bytes(metrics).get("node1", 0)
+
+
+def test_a_small_range_of_a_large_file_on_a_peer_moves_its_blocks_not_the_file(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    data = os.urandom(FILE)
+    cluster, metrics = two_nodes(mounts, token_file, etcd_server, {"model.bin": data})
+    path = cluster.nodes["node1"] / STEP / "model.bin"
+    before = sent_to_node1(metrics)
+    at = FILE // 2 + 12345
+    with open(path, "rb") as f:
+        f.seek(at)
+        assert f.read(4096) == data[at:at + 4096]
+        sent = sent_to_node1(metrics) - before
+        assert sent <= 2 * mf.BLOCK_SIZE, f"{sent / 2**20:.1f} MiB moved for 4 KiB"
+        f.seek(1000)  # elsewhere, still only what is read
+        assert f.read(10) == data[1000:1010]
+    sent = sent_to_node1(metrics) - before
+    assert sent <= 4 * mf.BLOCK_SIZE, f"{sent / 2**20:.1f} MiB moved for two small reads"
+    assert "ram" not in getxattr(path, "user.tierfs.tiers").split(",")
+
+
+def test_safe_open_of_one_tensor_moves_the_tensor_and_a_few_mib(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from safetensors import safe_open
+
+    tensors = {f"layer{i}.weight": torch.randn(512, 1024) for i in range(32)}  # 2 MiB each
+    shard = safetensors_torch.save(tensors)
+    cluster, metrics = two_nodes(mounts, token_file, etcd_server, {"model.safetensors": shard})
+    before = sent_to_node1(metrics)
+    with safe_open(cluster.nodes["node1"] / STEP / "model.safetensors", "pt") as f:
+        tensor = f.get_tensor("layer17.weight")
+    assert torch.equal(tensor, tensors["layer17.weight"])
+    sent = sent_to_node1(metrics) - before
+    wanted = tensor.numel() * tensor.element_size()
+    print(f"one tensor of {wanted >> 20} MiB from a {len(shard) >> 20} MiB shard: "
+          f"{sent / 2**20:.1f} MiB moved")
+    assert sent <= wanted + 4 * mf.BLOCK_SIZE, f"{sent / 2**20:.1f} MiB moved"
+
+
+def test_a_file_read_from_its_start_comes_in_whole_and_passthrough_resumes(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    data = os.urandom(FILE)
+    cluster, metrics = two_nodes(mounts, token_file, etcd_server, {"model.bin": data})
+    node1 = cluster.nodes["node1"]
+    path = node1 / STEP / "model.bin"
+    before = sent_to_node1(metrics)
+    assert path.read_bytes() == data
+    wait_until(lambda: getxattr(path, "user.tierfs.tiers").startswith("ram"), timeout=30)
+    sent = sent_to_node1(metrics) - before
+    assert FILE <= sent < 1.05 * FILE, f"{sent / FILE:.2f}x the file moved"  # once
+    if node1.status()["passthrough"]:
+        read_before, written_before = daemon_io(node1)
+        assert path.read_bytes() == data
+        read_after, written_after = daemon_io(node1)
+        assert (read_after - read_before) + (written_after - written_before) < FILE // 10
