@@ -328,8 +328,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with Bench(args) as bench, PeakRss(bench.pid) as rss, \
             Profile(bench, args.profile and not args.cluster_only) as spy:
         targets = [*bench.mounts, *TARGETS[1:]]
-        for rep in range(0 if args.cluster_only else args.reps):
-            for target in [] if args.many_files_only else targets:
+        for rep in range(0 if args.cluster_only or args.ranged_only else args.reps):
+            for target in [] if args.many_files_only or args.ranged_only else targets:
                 if target != "s3" and target != "disk":
                     name = f"step_{rep * 10 + 2}"
                     record(UNIFORM_SAVE, target, timed(lambda t=target, n=name: dcp.save(
@@ -383,7 +383,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"repetition {rep + 1} of {args.reps} done", flush=True)
         spy.stop()
         try:
-            if not args.many_files_only:
+            if not args.many_files_only:  # (with --ranged-only: its row alone)
                 _cluster(bench, state, fresh, args.reps, extra, cluster_profiles)
         except Exception as exc:  # noqa: BLE001 - the table above is still worth reporting
             failures.append(f"cluster measurements: {type(exc).__name__}: {exc}")
@@ -487,8 +487,11 @@ def _cluster(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str, torc
     with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(os.urandom(16).hex())  # private from its first byte
     with Etcd(bench.work / "etcd") as etcd:  # membership and commits; stopped by pid
-        _cluster_runs(bench, state, fresh, reps, extra, token, etcd.cluster_url("bench"),
-                      profiles)
+        if not bench.args.ranged_only:
+            _cluster_runs(bench, state, fresh, reps, extra, token, etcd.cluster_url("bench"),
+                          profiles)
+        _ranged_readback(bench, state_bytes(state), extra, token,
+                         etcd.cluster_url("bench-ranged"))
 
 
 def _save_before_a_copy(state: dict[str, torch.Tensor], path: Path) -> None:
@@ -562,6 +565,49 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
                              if spy.functions})
             bench.stop_mount(name)
     _sync_replicas_save(bench, state, extra, node)
+
+
+def _ranged_readback(bench: Bench, size: int, extra: dict[str, list[float]], token: Path,
+                     url: str) -> None:
+    """A safetensors shard of `size` bytes (2 MiB tensors) on one node, read from another
+    that does not hold it (a fresh node; the same as a file evicted from its RAM): the first
+    byte of an open + read in the middle of the shard, then `safe_open` + one tensor, with
+    the bytes the holder sent for it (its `served_to_peers`)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    common = ("--cluster", url, "--token-file", str(token), "--replicas", "0",
+              "--ram-limit", "8G")
+    holder = bench.start_mount("ranged0", "--node-id", "ranged0",
+                               "--listen", f"127.0.0.1:{_free_port()}", *common)
+    reader = bench.start_mount("ranged1", "--node-id", "ranged1",
+                               "--listen", f"127.0.0.1:{_free_port()}", *common)
+    shape = (512, 1024)  # float32: 2 MiB
+    count = max(8, size // (2 << 20))
+    step = "step_9000"
+    (holder / "run" / step).mkdir(parents=True)
+    save_file({f"layer{i}.weight": torch.randn(shape) for i in range(count)},
+              str(holder / "run" / step / "model.safetensors"))
+    bench._tierfs("commit", str(holder / "run" / step))
+    bench.wait_for(step, lambda e: e["state"] == "committed", "ranged1")
+    shard = reader / "run" / step / "model.safetensors"
+
+    def sent() -> int:
+        return int(bench.status("ranged0")["served_to_peers"]["sent_bytes"].get("ranged1", 0))
+
+    started = time.perf_counter()
+    with open(shard, "rb") as f:
+        f.seek(shard.stat().st_size // 2)
+        f.read(1)
+    extra["ranged_first_byte"] = [time.perf_counter() - started]
+    before = sent()
+    with safe_open(str(shard), "pt") as f:
+        tensor = f.get_tensor(f"layer{count * 3 // 4}.weight")
+    moved = sent() - before
+    extra["ranged_tensor_extra_mib"] = [(moved - tensor.numel() * tensor.element_size()) / 2**20]
+    extra["ranged_shard_mib"] = [shard.stat().st_size / 2**20]
+    for name in ("ranged0", "ranged1"):
+        bench.stop_mount(name)
 
 
 def _sync_replicas_save(bench: Bench, state: dict[str, torch.Tensor],
@@ -754,6 +800,11 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         f"peer {extra['restore_from_s3'] / extra['restore_from_peer']:.1f}x faster "
         "(goal >= 3x)"
         if "restore_from_peer" in extra and "restore_from_s3" in extra else "-")
+    shard = f"{extra['ranged_shard_mib']:.0f} MiB" if "ranged_shard_mib" in extra else "a"
+    row("ranged_first_byte", f"first byte of a read in the middle of a {shard} file on a peer "
+        "(open + read, a fresh node)", "ms", "< 50 ms")
+    row("ranged_tensor_extra_mib", f"`safe_open` + one 2 MiB tensor of a {shard} safetensors "
+        "shard on a peer: MiB moved beyond the tensor", "MiB", "a few MiB (not the shard)")
     row("daemon_cpu_per_gib_saved_replicated_persisted",
         "daemon CPU-seconds per GiB saved + replicated + persisted (both daemons)", "s",
         "measured; halved")
@@ -804,6 +855,8 @@ def main() -> None:
                         help="only the cluster measurements (replication, restores)")
     parser.add_argument("--many-files-only", action="store_true",
                         help=f"only the {MANY_FILES:,}-file step (save, ls -l, read back)")
+    parser.add_argument("--ranged-only", action="store_true",
+                        help="only the ranged read-back from a peer (first byte, one tensor)")
     parser.add_argument("--compare", action="store_true",
                         help=f"also run a mount with --no-passthrough (column {DAEMON_PATH!r})")
     args = parser.parse_args()
