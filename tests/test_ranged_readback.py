@@ -95,3 +95,23 @@ def test_a_file_read_from_its_start_comes_in_whole_and_passthrough_resumes(
         assert path.read_bytes() == data
         read_after, written_after = daemon_io(node1)
         assert (read_after - read_before) + (written_after - written_before) < FILE // 10
+
+
+def test_a_load_of_a_step_brings_its_files_whole_and_reads_ahead(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """A DCP load opens `.metadata`, then each shard from its start: the shard comes whole
+    before its open returns (read by passthrough), and the next shard is fetched meanwhile,
+    before the loader opens it."""
+    shards = {f"__0_{i}.distcp": os.urandom(FILE // 2) for i in range(2)}
+    cluster, metrics = two_nodes(mounts, token_file, etcd_server, shards)
+    step = cluster.nodes["node1"] / STEP
+    assert (step / ".metadata").read_bytes() == b"m"  # the load starts
+    with open(step / "__0_0.distcp", "rb") as f:
+        assert getxattr(step / "__0_0.distcp", "user.tierfs.tiers").startswith("ram")
+        assert f.read() == shards["__0_0.distcp"]
+    # the next one came without being opened
+    wait_until(lambda: getxattr(step / "__0_1.distcp", "user.tierfs.tiers").startswith("ram"),
+               timeout=30)
+    assert (step / "__0_1.distcp").read_bytes() == shards["__0_1.distcp"]
+    sent = sent_to_node1(metrics)
+    assert sent < 1.05 * FILE, f"{sent / FILE:.2f}x the step moved"  # each byte once
