@@ -84,21 +84,22 @@ class Residency:
             raise FsError(errno.EIO) from None
         if fetch.complete and node.fetch is fetch:
             self._adopt(node, fetch)
-        elif fetch.wants_whole and not fetch.filling:
+        elif fetch.wants_whole and not fetch.filling and \
+                self.store.room_for(fetch.missing_bytes):
             self.fill_behind(node, fetch)
         return data
 
     def fill_behind(self, node: Node, fetch: Fetch) -> None:
         """Fetch the rest of a file being read sequentially, WHOLE_IN_FLIGHT chunks at a time,
         while its reader goes on; whole and verified, it is the file's object again, and opens
-        from then on use passthrough. A failure leaves it to the reads (which report it)."""
+        from then on use passthrough. Only into free room (the caller checks): a fill never
+        makes a copy leave RAM. A failure leaves it to the reads (which report it)."""
         fetch.filling = True
 
         async def fill() -> None:
             try:
-                if self.store.room_for(fetch.missing_bytes):
-                    await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
-                    self._adopt(node, fetch)
+                await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
+                self._adopt(node, fetch)
             except (FetchError, RamFull) as exc:
                 log.info("%s is read range by range: %s", self.tree.relpath(node),
                          exc or "no room in RAM")
