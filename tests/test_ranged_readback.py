@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MountFactory, getxattr, wait_until
+from tests.conftest import MountFactory, finish_dcp_ranks, getxattr, start_dcp_ranks, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_cluster_many_readers import committed_on, sent_bytes, start_cluster
 from tests.test_crash import save
@@ -115,3 +115,19 @@ def test_a_load_of_a_step_brings_its_files_whole_and_reads_ahead(
     assert (step / "__0_1.distcp").read_bytes() == shards["__0_1.distcp"]
     sent = sent_to_node1(metrics)
     assert sent < 1.05 * FILE, f"{sent / FILE:.2f}x the step moved"  # each byte once
+
+
+def test_a_load_on_the_node_that_holds_the_metadata_reads_the_other_shards_ahead(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """A multi-node DCP step: node0 holds rank 0's shard and `.metadata`, node1 rank 1's.
+    A load on node0 opens its own `.metadata` (in RAM): node1's shard comes meanwhile."""
+    cluster, _metrics = start_cluster(mounts, token_file, etcd_server, 2, "--replicas", "0")
+    node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
+    finish_dcp_ranks(start_dcp_ranks([node0 / STEP, node1 / STEP], "--save-only"),
+                     timeout=240)
+    wait_until(lambda: committed_on(node0), timeout=15)
+    shard = node0 / STEP / "__1_0.distcp"
+    assert getxattr(shard, "user.tierfs.tiers") == "peer:node1"
+    assert getxattr(node0 / STEP / ".metadata", "user.tierfs.tiers").startswith("ram")
+    (node0 / STEP / ".metadata").read_bytes()  # the load starts
+    wait_until(lambda: getxattr(shard, "user.tierfs.tiers").startswith("ram"), timeout=30)

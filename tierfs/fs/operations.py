@@ -204,11 +204,12 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def open(self, inode: int, flags: int, ctx: Any) -> FileInfo:
         node = self.ns.get(inode)
-        if (node.remote is not None and (flags & os.O_ACCMODE) == os.O_RDONLY
+        if ((flags & os.O_ACCMODE) == os.O_RDONLY
                 and self.passthrough is not None and self.passthrough.enabled):
             # Reads of a file in another tier would each cross the daemon (the relay, a FUSE
-            # request per 128 KiB, a copy): a small one comes whole now, answered with
-            # passthrough; a large one is read range by range (Residency.fetch_whole).
+            # request per 128 KiB, a copy): a small one, or one of a step being loaded (its
+            # .metadata opened), comes whole now, answered with passthrough; another large one
+            # is read range by range (Residency.fetch_whole).
             await self.ns.residency.fetch_whole(node)
         handle = await self.ns.open(node, flags)
         self.ns.note_opened(handle, ctx.pid)

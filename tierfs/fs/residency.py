@@ -26,7 +26,7 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs.fs.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError
-from tierfs.fs.nodes import FsError, Node, StepState
+from tierfs.fs.nodes import METADATA, FsError, Node, StepState
 from tierfs.fs.ports import Liveness, ReadSource, SealedCollector, Spawner
 from tierfs.fs.ram_store import RamFull
 from tierfs.fs.step_loads import StepLoads
@@ -143,7 +143,8 @@ class Residency:
             raise FsError(errno.EIO)
 
     async def fetch_whole(self, node: Node) -> None:
-        """Before a read-only open that passthrough will answer: bring a small non-resident
+        """Before a read-only open that passthrough will answer (of any file: nothing to do
+        for one in RAM but a step's `.metadata`): bring a small non-resident
         file (up to WHOLE_AT_OPEN bytes), or any file of a step being loaded (`StepLoads`: its
         `.metadata` was opened; that starts `read_ahead_step`), into RAM (each chunk checked,
         then the whole), so that its reads go to the RAM store, not through the daemon.
@@ -152,13 +153,13 @@ class Residency:
         sequentially from its start (`read_remote`). The file stays non-resident (read range
         by range through the daemon) if the RAM tier has no room for it, or a chunk cannot be
         fetched verified (the read that needs it gets EIO)."""
+        if node.name == METADATA:  # in RAM or not: a multi-node step's other shards are not
+            step_node = next(self.tree.enclosing_steps(node), None)
+            if step_node is not None and self.loads.opened(step_node, node):
+                self.read_ahead_step(step_node)
         if node.remote is None:
             return
-        step_node = next(self.tree.enclosing_steps(node), None)
-        if step_node is not None and self.loads.opened(step_node, node):
-            self.read_ahead_step(step_node)
-        if node.remote.entry.size > WHOLE_AT_OPEN and (
-                step_node is None or not self.loads.loading(step_node.step)):
+        if node.remote.entry.size > WHOLE_AT_OPEN and not self._being_loaded(node):
             return
         fetch = self._fetch_of(node)
         if not self.store.room_for(fetch.missing_bytes):
@@ -170,6 +171,10 @@ class Residency:
                      exc or "no room in RAM")
             return
         self._adopt(node, fetch)
+
+    def _being_loaded(self, node: Node) -> bool:
+        step_node = next(self.tree.enclosing_steps(node), None)
+        return step_node is not None and self.loads.loading(step_node.step)
 
     def read_ahead_step(self, step_node: Node) -> None:
         """A load of the step started: fetch its files not in RAM whole in the background, in
