@@ -8,7 +8,8 @@ waits until its own mount shows the step committed (on a cluster, the commit hap
 Options for jobs that save and resume as separate runs: `--seed N` makes the tensors of step N
 (each step's differ); `--save-only` and `--load-only` do half the job (a load checks the
 tensors of `--seed`, so a resume from `latest` shows which step it read);
-`--pause-after-write` has this rank print "written" once its shard is written (closed), and
+`--extra-mib N` adds a tensor of N MiB to each rank's shard; `--pause-after-write` has this
+rank print "written" once its shard is written (closed), and
 wait for a line on stdin before the save goes on (the test does something to the cluster in
 between: the commit on rank 0's node cannot happen before the save goes on)."""
 
@@ -25,11 +26,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 
-def state_for(rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def state_for(rank: int, seed: int = 0, extra_mib: int = 0) -> dict[str, torch.Tensor]:
+    """Each rank's tensors (`extra_mib`: one more of that many MiB, for large shards)."""
     generator = torch.Generator().manual_seed(1000 * (seed + 1) + rank)
-    return {f"rank{rank}.weight": torch.randn(256, 512, generator=generator),
-            f"rank{rank}.bias": torch.randn(512, generator=generator),
-            "shared.step": torch.tensor([42 + seed])}
+    state = {f"rank{rank}.weight": torch.randn(256, 512, generator=generator),
+             f"rank{rank}.bias": torch.randn(512, generator=generator),
+             "shared.step": torch.tensor([42 + seed])}
+    if extra_mib:
+        state[f"rank{rank}.extra"] = torch.randn(extra_mib << 18, generator=generator)
+    return state
 
 
 class PausingWriter(FileSystemWriter):
@@ -55,6 +60,7 @@ def main() -> None:
     parser.add_argument("--save-only", action="store_true")
     parser.add_argument("--load-only", action="store_true")
     parser.add_argument("--pause-after-write", action="store_true")
+    parser.add_argument("--extra-mib", type=int, default=0)
     args = parser.parse_args()
     rank, step_dir = args.rank, args.step_dir
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=args.port)
@@ -63,7 +69,7 @@ def main() -> None:
         if not args.load_only:
             writer = (PausingWriter if args.pause_after_write else FileSystemWriter)(
                 step_dir, thread_count=2)
-            dcp.save(state_for(rank, args.seed), storage_writer=writer)
+            dcp.save(state_for(rank, args.seed, args.extra_mib), storage_writer=writer)
             dist.barrier()
         if not args.save_only:
             deadline = time.monotonic() + 60
@@ -72,7 +78,7 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{step_dir} did not commit")
                 time.sleep(0.05)
-            expected = state_for(rank, args.seed)
+            expected = state_for(rank, args.seed, args.extra_mib)
             restored = {k: torch.zeros_like(v) for k, v in expected.items()}
             dcp.load(restored, storage_reader=FileSystemReader(step_dir))
             for key, value in expected.items():

@@ -146,8 +146,8 @@ class Residency:
         """Before a read-only open that passthrough will answer (of any file: nothing to do
         for one in RAM but a step's `.metadata`): bring a small non-resident
         file (up to WHOLE_AT_OPEN bytes), or any file of a step being loaded (`StepLoads`: its
-        `.metadata` was opened; that starts `read_ahead_step`), into RAM (each chunk checked,
-        then the whole), so that its reads go to the RAM store, not through the daemon.
+        `.metadata` was opened), into RAM (each chunk checked, then the whole), so that its
+        reads go to the RAM store, not through the daemon.
         Concurrent opens share the fetch. Another large file is not waited for: its reads
         fetch what they touch first, and it comes in whole in the background once read
         sequentially from its start (`read_remote`). The file stays non-resident (read range
@@ -155,8 +155,8 @@ class Residency:
         fetched verified (the read that needs it gets EIO)."""
         if node.name == METADATA:  # in RAM or not: a multi-node step's other shards are not
             step_node = next(self.tree.enclosing_steps(node), None)
-            if step_node is not None and self.loads.opened(step_node, node):
-                self.read_ahead_step(step_node)
+            if step_node is not None:
+                self.loads.opened(step_node, node)
         if node.remote is None:
             return
         if node.remote.entry.size > WHOLE_AT_OPEN and not self._being_loaded(node):
@@ -175,38 +175,6 @@ class Residency:
     def _being_loaded(self, node: Node) -> bool:
         step_node = next(self.tree.enclosing_steps(node), None)
         return step_node is not None and self.loads.loading(step_node.step)
-
-    def read_ahead_step(self, step_node: Node) -> None:
-        """A load of the step started: fetch its files not in RAM whole in the background, in
-        name order (DCP's), one after the other, WHOLE_IN_FLIGHT chunks at a time over pooled
-        connections, while the loader reads the one before; each that is whole and verified
-        is the file's object again, so its open waits for nothing and it is read by
-        passthrough. Only into free room: a read-ahead never makes a copy leave RAM."""
-        step = step_node.step
-        if not self.loads.start_read_ahead(step):
-            return
-        nodes = [node for _rel, node in self.tree.files_under(step_node)
-                 if node.remote is not None]
-
-        async def read_ahead() -> None:
-            try:
-                for node in nodes:
-                    if step_node.step is not step or not self.loads.loading(step):
-                        return  # re-saved, removed, or the load is over
-                    if node.remote is None:
-                        continue
-                    fetch = self._fetch_of(node)
-                    if not self.store.room_for(fetch.missing_bytes):
-                        return
-                    await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
-                    self._adopt(node, fetch)
-            except (FetchError, RamFull) as exc:  # the loader's own reads report it
-                log.info("read-ahead of %s stopped: %s", self.tree.relpath(step_node),
-                         exc or "no room in RAM")
-            finally:
-                self.loads.read_ahead_done(step)
-
-        self.background.spawn(read_ahead)
 
     def _unreachable(self, node: Node) -> str | None:
         """Why no tier can give this file, if its step is incomplete for want of it: its last
