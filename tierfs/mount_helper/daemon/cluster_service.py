@@ -13,6 +13,7 @@ import trio
 from tierfs import manifest as mf
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.ram_store import RamStore
+from tierfs.fs.step_versions import StepVersions
 from tierfs.fs.tree_view import TreeView
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon import admission
@@ -72,6 +73,7 @@ class ClusterLinks:
                                      view.committed_manifest)
         self.tree = tree
         self.view = view
+        self.versions = StepVersions(tree)
         self.reader = PeerReader(self.directory, view.holders_of, self._file_holders)
         self.verify = PeerVerify(self.directory, self.sealed.placements)
         self.delete = PeerDelete(self.directory)
@@ -99,7 +101,7 @@ class ClusterLinks:
         if record is None or entry is None or record.xxh3 != entry.xxh3:
             return []
         if self.tree.find_step(manifest.path) is step_node:  # not replaced meanwhile
-            self.tree.set_file_holders(step_node, {name: set(record.holders)})
+            self.versions.set_file_holders(step_node, {name: set(record.holders)})
         return list(record.holders)
 
 
