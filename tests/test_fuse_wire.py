@@ -130,6 +130,17 @@ def test_open_reply_of_an_offered_handle_passes_through(create: bool) -> None:
     assert wire.edit_open_reply(opcode, message, {41: 3}) == message  # not offered
 
 
+@pytest.mark.parametrize("offered", [False, True], ids=["page-cache", "passthrough"])
+def test_a_read_only_open_is_spared_its_flushes(offered: bool) -> None:
+    message = open_reply(42, wire.FOPEN_DIRECT_IO)
+    edited = wire.edit_open_reply(wire.Opcode.OPEN, message, {42: 3} if offered else {},
+                                  no_flush={42})
+    out = wire.open_out(wire.Opcode.OPEN, edited)
+    assert out.open_flags & wire.FOPEN_NOFLUSH
+    assert bool(out.open_flags & wire.FOPEN_PASSTHROUGH) == offered
+    assert wire.edit_open_reply(wire.Opcode.OPEN, message, {}, no_flush={41}) == message
+
+
 def test_a_short_open_reply_is_an_error_not_a_guess() -> None:
     with pytest.raises(wire.WireError):
         wire.edit_open_reply(wire.Opcode.CREATE, open_reply(42), {42: 3})

@@ -21,7 +21,7 @@ then aborts the connection rather than guess.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
@@ -245,16 +245,21 @@ def edit_init_reply(message: Message, offer: InitOffer, *, payload: int,
     return bytes(edited), passthrough
 
 
-def edit_open_reply(opcode: int, message: Message, offers: Mapping[int, int]) -> Message:
-    """Pass the opened file through to its backing file if the daemon offered its handle."""
+def edit_open_reply(opcode: int, message: Message, offers: Mapping[int, int],
+                    no_flush: Container[int] = ()) -> Message:
+    """Pass the opened file through to its backing file if the daemon offered its handle, and
+    spare its close() a FLUSH if the daemon has nothing to do then (`no_flush`)."""
     reply = open_out(opcode, message)
     backing_id = offers.get(reply.fh)
-    if backing_id is None:
+    flags, backing = reply.open_flags, reply.backing_id
+    if backing_id is not None:
+        flags, backing = (flags | FOPEN_PASSTHROUGH) & FOPEN_PASSTHROUGH_MASK, backing_id
+    if reply.fh in no_flush:
+        flags |= FOPEN_NOFLUSH
+    if (flags, backing) == (reply.open_flags, reply.backing_id):
         return message
     edited = bytearray(message)
-    OPEN_OUT.pack_into(edited, open_out_offset(opcode), reply.fh,
-                       (reply.open_flags | FOPEN_PASSTHROUGH) & FOPEN_PASSTHROUGH_MASK,
-                       backing_id)
+    OPEN_OUT.pack_into(edited, open_out_offset(opcode), reply.fh, flags, backing)
     return bytes(edited)
 
 
@@ -262,12 +267,15 @@ def edit_open_reply(opcode: int, message: Message, offers: Mapping[int, int]) ->
 class RelayState:
     """The relay's memory between a request and its reply, and the edits it makes (sans-IO).
 
-    `offers` maps a file handle the daemon offered for passthrough to its backing id; it is the
-    daemon's own dict, read here when the OPEN or CREATE reply goes by."""
+    `offers` maps a file handle the daemon offered for passthrough to its backing id, and
+    `no_flush` holds the handles whose close() needs no FLUSH (opened read-only: the daemon does
+    nothing at their flush); both are the daemon's own, read here when the OPEN or CREATE reply
+    goes by."""
 
     offers: Mapping[int, int]
     payload: int
     page_size: int
+    no_flush: Container[int] = field(default_factory=set)
     passthrough: bool = False  # the INIT reply turned it on
     initialized: bool = False  # the INIT reply went by
     offer: InitOffer | None = None
@@ -296,4 +304,4 @@ class RelayState:
                                                         page_size=self.page_size)
             self.initialized = True
             return message
-        return edit_open_reply(opcode, message, self.offers)
+        return edit_open_reply(opcode, message, self.offers, self.no_flush)
