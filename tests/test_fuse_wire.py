@@ -93,6 +93,21 @@ def test_init_reply_turns_passthrough_on_with_a_stack_depth() -> None:
     assert len(edited) == len(init_reply()) and edited[56:] == init_reply()[56:]
 
 
+def test_the_kernel_is_told_the_daemon_handles_killpriv_where_it_offers_to_be() -> None:
+    """Without FUSE_HANDLE_KILLPRIV_V2 the kernel asks the daemon for security.capability
+    before every write() (a round trip per 1 MiB written); the mount is nosuid, so the bits
+    that asks about have no effect there."""
+    flags = wire.FUSE_MAX_PAGES | wire.FUSE_HANDLE_KILLPRIV_V2
+    _edited, offer = wire.edit_init_request(init_request(flags=flags))
+    assert offer.killpriv_v2
+    edited, _on = wire.edit_init_reply(init_reply(), offer, payload=PAYLOAD_4K, page_size=4096)
+    assert wire.init_out(edited).flags & wire.FUSE_HANDLE_KILLPRIV_V2
+    _edited, old_kernel = wire.edit_init_request(init_request(flags=wire.FUSE_MAX_PAGES))
+    edited, _on = wire.edit_init_reply(init_reply(), old_kernel, payload=PAYLOAD_4K,
+                                       page_size=4096)
+    assert not wire.init_out(edited).flags & wire.FUSE_HANDLE_KILLPRIV_V2
+
+
 def test_init_reply_without_the_offer_or_with_writeback_cache_stays_without() -> None:
     plain = init_reply()
     no_offer = wire.InitOffer(minor=39, passthrough=False, max_pages=True)
