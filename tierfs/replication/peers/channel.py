@@ -36,6 +36,10 @@ class AuthError(proto.ProtocolError):
     """The peer does not know the token, or is not a member of the cluster."""
 
 
+class TokenRefused(AuthError):
+    """The peer's proof of the token is wrong: the two nodes were given different tokens."""
+
+
 class ConnectionClosed(proto.ProtocolError):
     """The peer closed the connection cleanly, between messages or within one."""
 
@@ -334,7 +338,7 @@ async def authenticate(channel: PeerChannel, token: bytes, my_id: str,
     await channel.send("PROOF", mac=proto.proof(token, hello["nonce"], my_id, peer))
     answer = await channel.receive("PROOF")
     if not proto.check_proof(token, nonce, peer, my_id, answer["mac"]):
-        raise AuthError(f"node {peer!r} does not know the cluster token")
+        raise TokenRefused(f"node {peer!r} does not know the cluster token")
     channel.authenticated(
         peer, send_key=proto.frame_key(token, my_id, peer, nonce, hello["nonce"]),
         receive_key=proto.frame_key(token, peer, my_id, hello["nonce"], nonce))

@@ -1,0 +1,163 @@
+"""Whether this node's peer handshake with each live member succeeds: a member that etcd says
+is up may still be one no exchange can reach (given another token, or advertised at an address
+the other nodes cannot reach, as `--advertise 127.0.0.1:PORT` on a cluster of several hosts).
+
+Each node proves it: a handshake and a PING with every member when it comes up (or comes back
+at another address), again every RETRY_EVERY seconds with a member whose handshake failed, and
+at once when a connection to a member fails elsewhere (`check_soon`). A probe is a PING on a
+connection of the pool: a new connection's handshake then serves the requests that follow. A
+failure counts only once a second probe, CONFIRM_AFTER later, fails too: a node that has just
+registered may not be known yet to the member it asks, which then closes the connection.
+
+A member's *link* is then `ok`, `refused (token)` (its proof of the token is wrong: the two
+nodes were given different tokens) or `unreachable` (nothing answers at its address, or not
+as a peer port). `tierfs status` shows a failing member as `up, refused (token)` or
+`up, unreachable`, and its copies do not count as reachable (`PeerDirectory.may_be_up`): a
+step that only such a node holds is not `latest` here until its files can be read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import TokenRefused
+
+log = logging.getLogger(__name__)
+
+OK = "ok"
+REFUSED = "refused (token)"
+UNREACHABLE = "unreachable"
+RETRY_EVERY = 5.0  # seconds between probes of a member whose handshake fails
+CONFIRM_AFTER = 0.5  # seconds before the probe that confirms a failure
+
+Probe = Callable[[str], Awaitable[None]]  # a handshake and a PING with this node (raises)
+
+
+@dataclass
+class Link:
+    """The last probe of one member, at one address."""
+
+    addr: str
+    state: str
+    error: str = ""
+    checked: float = -math.inf  # trio time of the probe
+
+
+def _classify(exc: BaseException) -> tuple[str, str]:
+    if isinstance(exc, TokenRefused):
+        return REFUSED, str(exc)
+    if isinstance(exc, trio.TooSlowError):
+        return UNREACHABLE, "timed out"
+    return UNREACHABLE, _oserror_reason(exc) or str(exc) or type(exc).__name__
+
+
+def _oserror_reason(exc: BaseException | None) -> str | None:
+    """`connection refused` from trio's `all attempts to connect ... failed` (its cause, or
+    the first of a group)."""
+    while exc is not None:
+        if getattr(exc, "strerror", None):
+            return str(exc.strerror).lower()  # type: ignore[attr-defined]
+        group = getattr(exc, "exceptions", None)
+        exc = exc.__cause__ or (group[0] if group else None)
+    return None
+
+
+class PeerLinks:
+    """The link to each live member, as this node's probes found it."""
+
+    def __init__(self, probe: Probe) -> None:
+        self._probe = probe
+        self._links: dict[str, Link] = {}
+        self._soon: set[str] = set()
+        self._probing: set[str] = set()
+        self._wake = trio.Event()
+        self.generation = 0  # counts every change of a member's link state
+
+    def state(self, node_id: str, addr: str) -> str:
+        """`ok`, `refused (token)` or `unreachable` for the member at `addr`; `ok` while it
+        has not been probed there yet."""
+        link = self._links.get(node_id)
+        return link.state if link is not None and link.addr == addr else OK
+
+    def error(self, node_id: str, addr: str) -> str:
+        link = self._links.get(node_id)
+        return link.error if link is not None and link.addr == addr else ""
+
+    def failing(self, node_id: str, addr: str) -> bool:
+        return self.state(node_id, addr) != OK
+
+    def check_soon(self, node_id: str) -> None:
+        """A connection to this member failed elsewhere: probe it now (unless its handshake
+        is known to fail: it is probed again every RETRY_EVERY seconds anyway)."""
+        link = self._links.get(node_id)
+        if link is None or link.state == OK:
+            self._soon.add(node_id)
+            self._wake.set()
+
+    async def run(self, members: Callable[[], dict[str, str]],
+                  changed: Callable[[], trio.Event]) -> None:
+        """Probe the members (`members()`: node id -> address, this node left out) as the
+        module docstring says, until cancelled; `changed()` is set at a change of them. Each
+        probe runs on its own: one that waits out a timeout holds up no other."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                change, self._wake = changed(), trio.Event()
+                now = trio.current_time()
+                current = members()
+                for gone in set(self._links) - set(current):
+                    del self._links[gone]
+                for node_id, addr in current.items():
+                    if node_id not in self._probing and self._due(node_id, addr, now):
+                        self._probing.add(node_id)
+                        nursery.start_soon(self._check, node_id, addr)
+                self._soon.clear()
+                failing = [link.checked for link in self._links.values() if link.state != OK]
+                with trio.move_on_at(min(failing, default=math.inf) + RETRY_EVERY):
+                    async with trio.open_nursery() as waits:
+                        for event in (change, self._wake):
+                            waits.start_soon(_set_then_cancel, event, waits.cancel_scope)
+
+    def _due(self, node_id: str, addr: str, now: float) -> bool:
+        link = self._links.get(node_id)
+        return (link is None or link.addr != addr or node_id in self._soon
+                or (link.state != OK and now - link.checked >= RETRY_EVERY))
+
+    async def _check(self, node_id: str, addr: str) -> None:
+        try:
+            state, error = await self._attempt(node_id)
+            if state != OK:  # confirmed by a second probe (see the module docstring)
+                await trio.sleep(CONFIRM_AFTER)
+                state, error = await self._attempt(node_id)
+        finally:
+            self._probing.discard(node_id)
+            self._wake.set()  # the loop sets its next retry from this probe's result
+        before = self._links.get(node_id)
+        self._links[node_id] = Link(addr, state, error, trio.current_time())
+        if before is not None and before.addr == addr and before.state == state:
+            return
+        if before is None and state == OK:
+            return
+        self.generation += 1
+        if state == OK:
+            log.warning("node %s at %s: peer handshake succeeds again", node_id, addr)
+        else:
+            log.error("node %s at %s is up, %s: %s; its copies do not count here until a "
+                      "handshake with it succeeds", node_id, addr, state, error)
+
+    async def _attempt(self, node_id: str) -> tuple[str, str]:
+        try:
+            await self._probe(node_id)
+        except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
+            return _classify(exc)
+        return OK, ""
+
+
+async def _set_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
