@@ -22,6 +22,7 @@ from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel, connect
 from tierfs.replication.peers.handshakes import OK, PeerLinks
 from tierfs.replication.peers.pool import SWEEP_EVERY, PeerPool
+from tierfs.replication.peers.tls import PeerTls
 
 
 @dataclass
@@ -52,10 +53,12 @@ class LiveIds:
 class PeerDirectory:
     """The members of the cluster for this node's peer connections."""
 
-    def __init__(self, live: live_members.Membership, token: bytes) -> None:
+    def __init__(self, live: live_members.Membership, token: bytes,
+                 tls: PeerTls | None = None) -> None:
         self.live = live
         self.me = live.node_id
         self.token = token
+        self.tls = tls  # --peer-tls: every connection in TLS, both ways
         self.ids = LiveIds(live)
         self._seen: dict[str, str] = {}  # every node seen since start: node id -> address
         self.pool = PeerPool(self.connect)
@@ -107,7 +110,7 @@ class PeerDirectory:
         member = self._member(node_id)
         try:
             return await connect(member.host, member.port, self.token, self.me, self.ids,
-                                 node_id)
+                                 node_id, self.tls.client if self.tls else None)
         except (OSError, proto.ProtocolError, trio.TooSlowError):
             self.links.check_soon(node_id)  # is its handshake failing for good?
             raise

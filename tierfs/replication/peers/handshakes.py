@@ -10,10 +10,12 @@ failure counts only once a second probe, CONFIRM_AFTER later, fails too: a node 
 registered may not be known yet to the member it asks, which then closes the connection.
 
 A member's *link* is then `ok`, `refused (token)` (its proof of the token is wrong: the two
-nodes were given different tokens) or `unreachable` (nothing answers at its address, or not
-as a peer port). `tierfs status` shows a failing member as `up, refused (token)` or
-`up, unreachable`, and its copies do not count as reachable (`PeerDirectory.may_be_up`): a
-step that only such a node holds is not `latest` here until its files can be read.
+nodes were given different tokens), `refused (TLS)` (with `--peer-tls`: a certificate not of
+the cluster's CA at either end) or `unreachable` (nothing answers at its address, or not as a
+peer port). `tierfs status` shows a failing member as `up, refused (token)`,
+`up, refused (TLS)` or `up, unreachable`, and its copies do not count as reachable
+(`PeerDirectory.may_be_up`): a step that only such a node holds is not `latest` here until
+its files can be read.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ from dataclasses import dataclass
 import trio
 
 from tierfs.replication.peers import protocol as proto
-from tierfs.replication.peers.channel import TokenRefused
+from tierfs.replication.peers.channel import TlsRefused, TokenRefused
 
 log = logging.getLogger(__name__)
 
 OK = "ok"
 REFUSED = "refused (token)"
+TLS_REFUSED = "refused (TLS)"
 UNREACHABLE = "unreachable"
 RETRY_EVERY = 5.0  # seconds between probes of a member whose handshake fails
 CONFIRM_AFTER = 0.5  # seconds before the probe that confirms a failure
@@ -52,6 +55,8 @@ class Link:
 def _classify(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, TokenRefused):
         return REFUSED, str(exc)
+    if isinstance(exc, TlsRefused):
+        return TLS_REFUSED, str(exc)
     if isinstance(exc, trio.TooSlowError):
         return UNREACHABLE, "timed out"
     return UNREACHABLE, _oserror_reason(exc) or str(exc) or type(exc).__name__
