@@ -5,6 +5,7 @@ all, is refused at mount with one line."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 from pathlib import Path
@@ -16,8 +17,21 @@ from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save, verify_committed
 from tests.test_etcd_tls import make_ca, make_cert
 from tierfs.demo.etcd import Etcd
+from tierfs.devtools import certificates
 
 pytestmark = pytest.mark.cluster
+
+
+def refused_at_mount(mounts: MountFactory, mountpoint: Path, options: list[str],
+                     message: str) -> None:
+    """A mount with these options fails with one line (warnings aside) saying `message`."""
+    done = tierfs("mount", str(mountpoint), "--ram-dir", str(mounts.new_ram_dir()), *options,
+                  check=False)
+    if done.returncode == 0:  # mounted after all: unmounted, its daemon ends with it
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+    assert done.returncode == 1 and message in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "warning:" not in line]
+    assert len(errors) == 1, done.stderr
 
 
 def test_two_nodes_replicate_over_peer_tls_and_a_node_without_the_right_cert_is_refused(
@@ -53,28 +67,32 @@ def test_two_nodes_replicate_over_peer_tls_and_a_node_without_the_right_cert_is_
         (tls("stranger", ca="rogue"), "the peer TLS handshake with node node"),
         ([], "the cluster's peers use TLS (--peer-tls)"),
     ]:
-        done = tierfs("mount", str(mountpoint), "--ram-dir", str(mounts.new_ram_dir()),
-                      *cluster.args("node2"), *options, check=False)
-        if done.returncode == 0:  # mounted after all: unmounted, its daemon ends with it
-            subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
-        assert done.returncode == 1 and message in done.stderr, done.stderr
-        errors = [line for line in done.stderr.splitlines() if "warning:" not in line]
-        assert len(errors) == 1, done.stderr
+        refused_at_mount(mounts, mountpoint, [*cluster.args("node2"), *options], message)
     assert [p["node_id"] for p in node0.status()["peers"]] == ["node1"]
     assert "TLS handshake failed" in node0.log()  # the stranger's attempt, in one line
 
 
-def test_peer_tls_options_go_together(tmp_path: Path) -> None:
+def test_peer_tls_options_go_together_and_an_expired_certificate_is_refused(
+        mounts: MountFactory, tmp_path: Path) -> None:
     key = tmp_path / "node.key"
     key.write_text("k")
     key.chmod(0o644)
     cluster = ["--cluster", "etcd://127.0.0.1:1/x", "--listen", "127.0.0.1:1", "--insecure"]
+    now = datetime.datetime.now(datetime.UTC)
+    certificates.make_ca(tmp_path, "ca")
+    certificates.make_cert(tmp_path, "ca", "old", ip="127.0.0.1",
+                           valid_from=now - 3 * certificates.DAY,
+                           valid_until=now - certificates.DAY)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    expired = ["--peer-tls", "--peer-cacert", str(tmp_path / "ca.crt"),
+               "--peer-cert", str(tmp_path / "old.crt"), "--peer-key", str(tmp_path / "old.key")]
     for options, message in [
         (["--peer-tls"], "--peer-tls needs --cluster"),
         (["--peer-tls", *cluster], "--peer-tls needs --peer-cacert FILE"),
         (["--peer-cert", str(key), *cluster], "--peer-cert needs --peer-tls"),
         (["--peer-tls", "--peer-cacert", str(key), "--peer-cert", str(key), "--peer-key",
           str(key), *cluster], "--peer-key " + str(key) + " is readable by others"),
+        ([*expired, *cluster], f"--peer-cert {tmp_path / 'old.crt'} expired on "),
     ]:
-        done = tierfs("mount", str(tmp_path), *options, check=False)
-        assert done.returncode == 1 and message in done.stderr, done.stderr
+        refused_at_mount(mounts, mountpoint, options, message)

@@ -29,6 +29,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 import trio
 
+from tierfs.replication.certificates import dates_problem
 from tierfs.replication.coordination.url import (  # noqa: F401  (re-exported: the etcd layer's one import)
     ClusterUrl,
     ClusterUrlError,
@@ -497,6 +498,8 @@ def _ssl_context(security: EtcdSecurity) -> ssl.SSLContext:
             context.load_cert_chain(security.cert, security.key)
     except (OSError, ssl.SSLError) as exc:
         raise EtcdError(f"cannot load the etcd TLS files: {exc}") from None
+    if security.cert and (problem := dates_problem(security.cert, "--etcd-cert")):
+        raise EtcdError(problem)  # etcd would only answer `bad certificate`
     return context
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass
 
+from tierfs.replication.certificates import dates_problem
+
 
 @dataclass(frozen=True)
 class PeerTlsFiles:
@@ -38,7 +40,10 @@ class PeerTls:
 
 
 def load(files: PeerTlsFiles) -> PeerTls:
-    """Both contexts; ValueError (one line) if a file does not load."""
+    """Both contexts; ValueError (one line) if a file does not load, or the certificate is
+    not valid now (the peers would only answer `bad certificate`)."""
+    if problem := dates_problem(files.cert, "--peer-cert"):
+        raise ValueError(problem)
     return PeerTls(_context(files, ssl.PROTOCOL_TLS_SERVER),
                    _context(files, ssl.PROTOCOL_TLS_CLIENT))
 
