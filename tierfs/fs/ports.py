@@ -93,7 +93,8 @@ class CopiesWait(Protocol):
 
 class Liveness(Protocol):
     """The cluster's live members (`replication.peers.directory.PeerDirectory`). `may_be_up`:
-    live, or gone so recently that its lease may have ended in an etcd outage while it lives;
+    live, or gone so recently that its lease may have ended in an etcd outage while it lives,
+    and not a member whose peer handshake fails (`replication.peers.handshakes`);
     `generation` changes whenever either answer may change."""
 
     def is_up(self, node_id: str) -> bool: ...
