@@ -58,6 +58,10 @@ class ConnectionClosed(proto.ProtocolError):
     """The peer closed the connection cleanly, between messages or within one."""
 
 
+class ConnectionLost(proto.ProtocolError):
+    """The connection broke (reset, or cut) under a send or a receive."""
+
+
 @contextlib.contextmanager
 def _connection_errors() -> Iterator[None]:
     try:
@@ -65,7 +69,7 @@ def _connection_errors() -> Iterator[None]:
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
         if (why := tls_failure(exc)) is not None:  # a TLS alert: the peer refused this end
             raise TlsRefused(f"TLS refused: {why}") from None
-        raise proto.ProtocolError(f"connection lost: {exc or type(exc).__name__}") from None
+        raise ConnectionLost(f"connection lost: {exc or type(exc).__name__}") from None
 
 
 class PeerChannel:

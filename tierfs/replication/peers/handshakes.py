@@ -6,8 +6,10 @@ Each node proves it: a handshake and a PING with every member when it comes up (
 at another address), again every RETRY_EVERY seconds with a member whose handshake failed, and
 at once when a connection to a member fails elsewhere (`check_soon`). A probe is a PING on a
 connection of the pool: a new connection's handshake then serves the requests that follow. A
-failure counts only once a second probe, CONFIRM_AFTER later, fails too: a node that has just
-registered may not be known yet to the member it asks, which then closes the connection.
+failure counts only once a second probe, CONFIRM_AFTER later, fails the same way; a member
+that closes the connection without a word says nothing (a node that has just registered may
+not be known yet to the member it asks): it is asked again for a few seconds, and its state
+stays as it was.
 
 A member's *link* is then `ok`, `refused (token)` (its proof of the token is wrong: the two
 nodes were given different tokens), `refused (TLS)` (with `--peer-tls`: a certificate not of
@@ -28,7 +30,12 @@ from dataclasses import dataclass
 import trio
 
 from tierfs.replication.peers import protocol as proto
-from tierfs.replication.peers.channel import TlsRefused, TokenRefused
+from tierfs.replication.peers.channel import (
+    ConnectionClosed,
+    ConnectionLost,
+    TlsRefused,
+    TokenRefused,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +45,8 @@ TLS_REFUSED = "refused (TLS)"
 UNREACHABLE = "unreachable"
 RETRY_EVERY = 5.0  # seconds between probes of a member whose handshake fails
 CONFIRM_AFTER = 0.5  # seconds before the probe that confirms a failure
+CLOSED_PATIENCE = 10  # probes a member may close without a word before nothing is concluded
+_CLOSED = "closed"  # the member closed the connection: nothing learnt
 
 Probe = Callable[[str], Awaitable[None]]  # a handshake and a PING with this node (raises)
 
@@ -135,13 +144,12 @@ class PeerLinks:
 
     async def _check(self, node_id: str, addr: str) -> None:
         try:
-            state, error = await self._attempt(node_id)
-            if state != OK:  # confirmed by a second probe (see the module docstring)
-                await trio.sleep(CONFIRM_AFTER)
-                state, error = await self._attempt(node_id)
+            state, error = await self._confirmed(node_id)
         finally:
             self._probing.discard(node_id)
             self._wake.set()  # the loop sets its next retry from this probe's result
+        if state == _CLOSED:  # nothing learnt: as it was (ok while never probed)
+            return
         before = self._links.get(node_id)
         self._links[node_id] = Link(addr, state, error, trio.current_time())
         if before is not None and before.addr == addr and before.state == state:
@@ -155,9 +163,26 @@ class PeerLinks:
             log.error("node %s at %s is up, %s: %s; its copies do not count here until a "
                       "handshake with it succeeds", node_id, addr, state, error)
 
+    async def _confirmed(self, node_id: str) -> tuple[str, str]:
+        """A probe's result, a failure only once the next probe, CONFIRM_AFTER later, fails
+        the same way. A member that closes the connection without a word may not know this
+        node yet (it has just registered): asked again, CLOSED_PATIENCE times at most."""
+        state, error = await self._attempt(node_id)
+        for _ in range(CLOSED_PATIENCE):
+            if state == OK:
+                break
+            await trio.sleep(CONFIRM_AFTER)
+            again, error = await self._attempt(node_id)
+            if again == state != _CLOSED:
+                break
+            state = again
+        return state, error
+
     async def _attempt(self, node_id: str) -> tuple[str, str]:
         try:
             await self._probe(node_id)
+        except (ConnectionClosed, ConnectionLost) as exc:
+            return _CLOSED, str(exc)
         except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
             return _classify(exc)
         return OK, ""
