@@ -563,15 +563,16 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
                              if spy.functions})
             bench.stop_mount(name)
     _sync_replicas_save(bench, state, extra, node)
-    _peer_tls_cost(bench, state, extra, node)
+    _peer_tls_cost(bench, state, extra, node, url)
 
 
 def _peer_tls_cost(bench: Bench, state: dict[str, torch.Tensor],
                    extra: dict[str, list[float]],
-                   node: Callable[[str], tuple[str, ...]]) -> None:
+                   node: Callable[[str], tuple[str, ...]], url: str) -> None:
     """The cost of --peer-tls: the same save on a fresh pair of nodes without it, then with
     it (certificates of a CA made here), timed from the save's return to its verified copy,
-    and both daemons' CPU-seconds per GiB for the save and the copy."""
+    and both daemons' CPU-seconds per GiB for the save and the copy. Each pair is a cluster
+    of its own (a cluster runs with TLS or without it)."""
     certs = bench.work / "peer-certs"
     certs.mkdir(exist_ok=True)
     certificates.make_ca(certs, "ca")
@@ -584,8 +585,10 @@ def _peer_tls_cost(bench: Bench, state: dict[str, torch.Tensor],
     size = state_bytes(state)
     for number, (label, options) in enumerate((("plain", lambda _name: ()), ("tls", tls))):
         names = (f"{label}0", f"{label}1")
-        writer = bench.start_mount(names[0], *node(names[0]), *options(names[0]))
-        bench.start_mount(names[1], *node(names[1]), *options(names[1]))
+        for name in names:
+            bench.start_mount(name, *(f"{url}-{label}" if arg == url else arg
+                                      for arg in node(name)), *options(name))
+        writer = bench.mounts[names[0]][0]
         daemons = [bench.mounts[name][1] for name in names]
         wait_for_quiet()
         step = f"step_{7100 + number}"
