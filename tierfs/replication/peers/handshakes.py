@@ -2,14 +2,14 @@
 is up may still be one no exchange can reach (given another token, or advertised at an address
 the other nodes cannot reach, as `--advertise 127.0.0.1:PORT` on a cluster of several hosts).
 
-Each node proves it: a handshake and a PING with every member when it comes up (or comes back
-at another address), again every RETRY_EVERY seconds with a member whose handshake failed, and
-at once when a connection to a member fails elsewhere (`check_soon`). A probe is a PING on a
-connection of the pool: a new connection's handshake then serves the requests that follow. A
-failure counts only once a second probe, CONFIRM_AFTER later, fails the same way; a member
-that closes the connection without a word says nothing (a node that has just registered may
-not be known yet to the member it asks): it is asked again for a few seconds, and its state
-stays as it was.
+Each node proves it: a handshake and a PING with every member FIRST_PROBE_AFTER seconds after
+it comes up (or comes back at another address), again every RETRY_EVERY seconds with a member
+whose handshake failed, and at once when a connection to a member fails elsewhere
+(`check_soon`). A probe is a PING on a connection of the pool: a new connection's handshake
+then serves the requests that follow. A failure counts only once a second probe,
+CONFIRM_AFTER later, fails the same way; a member that closes the connection without a word
+says nothing (one that has just registered may not know this node yet): it is asked again for
+a few seconds, and its state stays as it was.
 
 A member's *link* is then `ok`, `refused (token)` (its proof of the token is wrong: the two
 nodes were given different tokens), `refused (TLS)` (with `--peer-tls`: a certificate not of
@@ -44,6 +44,9 @@ REFUSED = "refused (token)"
 TLS_REFUSED = "refused (TLS)"
 UNREACHABLE = "unreachable"
 RETRY_EVERY = 5.0  # seconds between probes of a member whose handshake fails
+# Seconds from a member's coming up to its first probe: long enough for it to have read who
+# the members are (it refuses a node it does not know yet), short beside a step's commit.
+FIRST_PROBE_AFTER = 1.0
 CONFIRM_AFTER = 0.5  # seconds before the probe that confirms a failure
 CLOSED_PATIENCE = 10  # probes a member may close without a word before nothing is concluded
 _CLOSED = "closed"  # the member closed the connection: nothing learnt
@@ -90,6 +93,8 @@ class PeerLinks:
         self._links: dict[str, Link] = {}
         self._soon: set[str] = set()
         self._probing: set[str] = set()
+        # members not probed yet (or that gave no answer): address, and when to probe them
+        self._unprobed: dict[str, tuple[str, float]] = {}
         self._wake = trio.Event()
         self.generation = 0  # counts every change of a member's link state
 
@@ -126,21 +131,35 @@ class PeerLinks:
                 current = members()
                 for gone in set(self._links) - set(current):
                     del self._links[gone]
+                for gone in set(self._unprobed) - set(current):
+                    del self._unprobed[gone]
+                later = math.inf
                 for node_id, addr in current.items():
-                    if node_id not in self._probing and self._due(node_id, addr, now):
+                    if node_id in self._probing:
+                        continue
+                    due = self._due(node_id, addr, now)
+                    if due <= now:
                         self._probing.add(node_id)
                         nursery.start_soon(self._check, node_id, addr)
+                    later = min(later, due)
                 self._soon.clear()
-                failing = [link.checked for link in self._links.values() if link.state != OK]
-                with trio.move_on_at(min(failing, default=math.inf) + RETRY_EVERY):
+                with trio.move_on_at(later):
                     async with trio.open_nursery() as waits:
                         for event in (change, self._wake):
                             waits.start_soon(_set_then_cancel, event, waits.cancel_scope)
 
-    def _due(self, node_id: str, addr: str, now: float) -> bool:
+    def _due(self, node_id: str, addr: str, now: float) -> float:
+        """When the member at `addr` is to be probed next (trio time)."""
+        if node_id in self._soon:
+            return now
         link = self._links.get(node_id)
-        return (link is None or link.addr != addr or node_id in self._soon
-                or (link.state != OK and now - link.checked >= RETRY_EVERY))
+        if link is None or link.addr != addr:  # first seen there, or no answer yet
+            seen_addr, due = self._unprobed.get(node_id, ("", math.inf))
+            if seen_addr != addr:
+                due = now + FIRST_PROBE_AFTER
+                self._unprobed[node_id] = (addr, due)
+            return due
+        return link.checked + RETRY_EVERY if link.state != OK else math.inf
 
     async def _check(self, node_id: str, addr: str) -> None:
         try:
@@ -149,7 +168,10 @@ class PeerLinks:
             self._probing.discard(node_id)
             self._wake.set()  # the loop sets its next retry from this probe's result
         if state == _CLOSED:  # nothing learnt: as it was (ok while never probed)
+            if node_id not in self._links:
+                self._unprobed[node_id] = (addr, trio.current_time() + RETRY_EVERY)
             return
+        self._unprobed.pop(node_id, None)
         before = self._links.get(node_id)
         self._links[node_id] = Link(addr, state, error, trio.current_time())
         if before is not None and before.addr == addr and before.state == state:
