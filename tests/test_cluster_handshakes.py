@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.conftest import Mount, MountFactory, free_port, wait_until
+from tests.conftest import Mount, MountFactory, free_port, tierfs, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
 from tierfs.demo.etcd import Etcd
@@ -70,6 +70,10 @@ def test_a_member_with_another_token_is_up_refused_and_its_steps_are_not_latest(
                    timeout=15)
         assert peer(node, other_id)["up"] is True
         assert "does not know the cluster token" in str(peer(node, other_id)["link_error"])
+    shown = tierfs("status", str(node0.mountpoint)).stdout  # the human form says it too
+    assert f"node1 (127.0.0.1:{cluster.ports['node1']}) up, refused (token)" in shown
+    assert f"warning: node node1 at 127.0.0.1:{cluster.ports['node1']} is up, refused " \
+           "(token)" in shown
     second_step_seen_by(node0, node1)
     assert latest(node0) == "step_1"  # step_2 cannot be read here
     assert node0.step("run/step_2")["state"] == "incomplete"
