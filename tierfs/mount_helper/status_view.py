@@ -195,8 +195,8 @@ def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
 
 
 def peer_state(peer: dict[str, Any]) -> str:
-    """`up`, `up, refused (token)`, `up, unreachable` or `down` (`up`/`down` from a daemon
-    that predates the handshake states)."""
+    """`up`, `up, refused (token)`, `up, refused (TLS)`, `up, unreachable` or `down`
+    (`up`/`down` from a daemon that predates the handshake states)."""
     return str(peer.get("state") or ("up" if peer["up"] else "down"))
 
 

@@ -153,8 +153,8 @@ class PeerDirectory:
         return {(node_id, info.address) for node_id, info in self.live.admitted.items()}
 
     def status(self) -> list[dict[str, object]]:
-        """Each peer: `state` is `up`, `up, refused (token)`, `up, unreachable` or `down`;
-        `link_error` says why a live one's handshake fails."""
+        """Each peer: `state` is `up`, `up, refused (token)`, `up, refused (TLS)`,
+        `up, unreachable` or `down`; `link_error` says why a live one's handshake fails."""
         return [{"node_id": m.node_id, "addr": m.addr, "up": m.up, **self._link(m)}
                 for m in self.peers]
 

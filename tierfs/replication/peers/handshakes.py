@@ -99,8 +99,8 @@ class PeerLinks:
         self.generation = 0  # counts every change of a member's link state
 
     def state(self, node_id: str, addr: str) -> str:
-        """`ok`, `refused (token)` or `unreachable` for the member at `addr`; `ok` while it
-        has not been probed there yet."""
+        """`ok`, `refused (token)`, `refused (TLS)` or `unreachable` for the member at
+        `addr`; `ok` while it has not been probed there yet."""
         link = self._links.get(node_id)
         return link.state if link is not None and link.addr == addr else OK
 
@@ -167,16 +167,14 @@ class PeerLinks:
         finally:
             self._probing.discard(node_id)
             self._wake.set()  # the loop sets its next retry from this probe's result
-        if state == _CLOSED:  # nothing learnt: as it was (ok while never probed)
-            if node_id not in self._links:
+        before = self.state(node_id, addr)  # ok while never probed at this address
+        if state == _CLOSED:  # nothing learnt: as it was, asked again later
+            if (link := self._links.get(node_id)) is None or link.addr != addr:
                 self._unprobed[node_id] = (addr, trio.current_time() + RETRY_EVERY)
             return
         self._unprobed.pop(node_id, None)
-        before = self._links.get(node_id)
         self._links[node_id] = Link(addr, state, error, trio.current_time())
-        if before is not None and before.addr == addr and before.state == state:
-            return
-        if before is None and state == OK:
+        if before == state:
             return
         self.generation += 1
         if state == OK:
