@@ -18,11 +18,11 @@ Outward (implemented outside `fs`):
 Errors: a port that reaches another tier fails only with a `TierError` (its adapter
 translates whatever its client raises: boto's, the peer protocol's, etcd's): `ObjectMissing`
 (the tier holds no such object: the next may), `CoordinationUnavailable` (etcd did not answer
-or take the change by the deadline), or a plain `TierError` (down, refused, timed out); the types are in
-`fs.tier_errors`. So a caller in `fs` catches `TierError`, and anything else is a bug: logged
-with its traceback at the edge that catches everything (`fs.background`, the FUSE handlers'
-boundary), never taken for a tier's failure. `tests/fakes.py` has an in-memory fake of each
-outward port, to the same contracts.
+or take the change by the deadline), or a plain `TierError` (down, refused, timed out); the
+types are in `fs.tier_errors`. So a caller in `fs` catches `TierError`, and anything else is a
+bug: logged with its traceback at the edge that catches everything (`fs.background`, the FUSE
+handlers' boundary), never taken for a tier's failure. `tests/fakes.py` has an in-memory fake
+of each outward port, to the same contracts.
 
 Inward (implemented inside `fs`, injected so that the core imports no collaborator):
 
