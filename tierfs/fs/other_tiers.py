@@ -22,7 +22,7 @@ from tierfs import manifest as mf
 from tierfs.fs import dcp_metadata
 from tierfs.fs.deletes import PERSIST, Deletes, Tombstone, peer_target
 from tierfs.fs.nodes import METADATA, FsError, Node, StepState, some_names
-from tierfs.fs.ports import SealedCollector, Spawner
+from tierfs.fs.ports import SealedCollector, Spawner, TierError
 from tierfs.fs.residency import Residency
 from tierfs.fs.step_versions import StepVersions
 from tierfs.fs.tree import Tree
@@ -521,7 +521,7 @@ class OtherTiers:
             return True
         try:
             await self.sealed.publish(manifest, set(step_node.step.resident), deadline)
-        except Exception as exc:  # etcd unreachable, or a record refused: retried later
+        except TierError as exc:  # etcd unreachable, or a record refused: retried later
             log.warning("the cluster does not know of %s v%d yet: %s", manifest.path,
                         manifest.version, exc)
             self._unpublished[manifest.path] = manifest

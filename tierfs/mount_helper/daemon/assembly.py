@@ -184,9 +184,11 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         if device is not None:
             device.close()
         control.remove(cfg.control_socket)
-        if metrics is not None:
-            with trio.CancelScope(shield=True):
+        with trio.CancelScope(shield=True):
+            if metrics is not None:
                 await metrics.aclose()
+            if members is not None:
+                await members.live.etcd.aclose()
 
 
 async def _account_direct_writes(namespace: Namespace) -> None:
