@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 
 from tierfs.demo.etcd import Etcd
 from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools import certificates
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import parse_size
 
@@ -573,6 +574,43 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
             bench.stop_mount(name)
     shutil.rmtree(copied)
     _sync_replicas_save(bench, state, extra, node)
+    _peer_tls_cost(bench, state, extra, node, url)
+
+
+def _peer_tls_cost(bench: Bench, state: dict[str, torch.Tensor],
+                   extra: dict[str, list[float]],
+                   node: Callable[[str], tuple[str, ...]], url: str) -> None:
+    """The cost of --peer-tls: the same save on a fresh pair of nodes without it, then with
+    it (certificates of a CA made here), timed from the save's return to its verified copy,
+    and both daemons' CPU-seconds per GiB for the save and the copy. Each pair is a cluster
+    of its own (a cluster runs with TLS or without it)."""
+    certs = bench.work / "peer-certs"
+    certs.mkdir(exist_ok=True)
+    certificates.make_ca(certs, "ca")
+
+    def tls(name: str) -> tuple[str, ...]:
+        certificates.make_cert(certs, "ca", name, ip="127.0.0.1")
+        return ("--peer-tls", "--peer-cacert", str(certs / "ca.crt"), "--peer-cert",
+                str(certs / f"{name}.crt"), "--peer-key", str(certs / f"{name}.key"))
+
+    size = state_bytes(state)
+    for number, (label, options) in enumerate((("plain", lambda _name: ()), ("tls", tls))):
+        names = (f"{label}0", f"{label}1")
+        for name in names:
+            bench.start_mount(name, *(f"{url}-{label}" if arg == url else arg
+                                      for arg in node(name)), *options(name))
+        writer = bench.mounts[names[0]][0]
+        daemons = [bench.mounts[name][1] for name in names]
+        wait_for_quiet()
+        step = f"step_{7100 + number}"
+        cpu = cpu_seconds(*daemons)
+        _save_before_a_copy(state, writer / "run" / step)
+        extra[f"committed_to_replicated_peer_{label}"] = [
+            bench.wait_for(step, lambda e: bool(e["replicas"]), names[0])]
+        extra[f"daemon_cpu_per_gib_saved_replicated_peer_{label}"] = [
+            (cpu_seconds(*daemons) - cpu) / (size / 2**30)]
+        for name in names:
+            bench.stop_mount(name)
 
 
 def _ranged_readback(bench: Bench, size: int, extra: dict[str, list[float]], token: Path,
@@ -803,6 +841,13 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         "s", f"+{extra['save_sync_replicas'] - extra['save_async_copies']:.2f} s over the save "
         f"that returns at the commit ({extra['save_async_copies']:.2f} s)"
         if "save_async_copies" in extra and "save_sync_replicas" in extra else "-")
+    for label, what in (("plain", "without --peer-tls"), ("tls", "with --peer-tls")):
+        row(f"committed_to_replicated_peer_{label}",
+            f"committed -> replicated {what} (a fresh pair of nodes; nothing persisted)", "s",
+            f"{gb / extra[f'committed_to_replicated_peer_{label}']:.2f} GB/s"
+            if f"committed_to_replicated_peer_{label}" in extra else "-")
+        row(f"daemon_cpu_per_gib_saved_replicated_peer_{label}",
+            f"daemon CPU-seconds per GiB saved + replicated {what} (both daemons)", "s", "-")
     row("restore_from_peer", "restore into a fresh node from a peer (DCP load)", "s",
         f"{extra['restore_reference_cp'] / extra['restore_from_peer']:.2f}x a tmpfs `cp` of "
         f"the same bytes ({extra['restore_reference_cp']:.2f} s); goal >= 0.7x"

@@ -38,6 +38,7 @@ from tierfs.replication.coordination.commit_records import (
     FileRecord,
 )
 from tierfs.replication.coordination.etcd import (
+    POOL_SIZE,
     ClusterUrl,
     ClusterUrlError,
     Endpoint,
@@ -45,6 +46,7 @@ from tierfs.replication.coordination.etcd import (
     EtcdUnavailable,
     LeaseExpired,
     WatchCompacted,
+    WatchEvent,
     parse_cluster_url,
 )
 from tierfs.replication.coordination.membership import MemberEvent, Membership, NodeIdInUse
@@ -163,6 +165,28 @@ async def test_a_watch_from_compacted_history_is_watch_compacted(etcd_server: Et
 
 
 # --- membership ------------------------------------------------------------------------------
+
+
+async def test_calls_go_through_while_watches_hold_their_streams(etcd_server: EtcdServer
+                                                                 ) -> None:
+    """A watch is a stream held open for minutes. Sharing the calls' connection pool, enough
+    of them (a node follows several prefixes, a test many) left a call waiting for a
+    connection until it timed out, which read as etcd being down."""
+    cluster = new_cluster(etcd_server)
+    etcd = Etcd(cluster.endpoints, timeout=2)
+    send, _receive = trio.open_memory_channel[list[WatchEvent]](1000)
+    try:
+        async with trio.open_nursery() as nursery:
+            for index in range(POOL_SIZE):  # as many as the calls have connections
+                nursery.start_soon(etcd.watch_prefix, cluster.key(f"w{index}/"), 1, send)
+            await trio.sleep(0.5)  # the streams are open (etcd answers a watch at once)
+            with trio.fail_after(5):
+                for index in range(POOL_SIZE):
+                    await etcd.put(cluster.key(f"k{index}"), b"v")
+                assert (await etcd.get(cluster.key("k0"))).value == b"v"
+            nursery.cancel_scope.cancel()
+    finally:
+        await etcd.aclose()
 
 
 async def test_watch_sees_joins_and_clean_leaves(etcd_server: EtcdServer) -> None:

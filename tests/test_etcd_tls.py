@@ -5,6 +5,7 @@ password)."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import ssl
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 from tests.conftest import MountFactory, free_port, tierfs
 from tierfs.demo.etcd import Etcd
 from tierfs.demo.local_server import LOOPBACK
+from tierfs.devtools import certificates
 
 pytestmark = pytest.mark.cluster
 
@@ -149,3 +151,29 @@ def test_a_cluster_on_an_etcd_with_tls_client_certificates_and_a_password(
                              json={"key": b64encode(b"/tls/").decode(),
                                    "range_end": b64encode(b"/tls0").decode()})
         assert int(listed.json().get("count", 0)) > 0
+
+
+def test_an_expired_client_certificate_for_etcd_is_refused_at_mount_with_one_line(
+        mounts: MountFactory, tmp_path: Path, secure_etcd: SecureEtcd) -> None:
+    """A client certificate of etcd's CA that expired yesterday (made with `cryptography`)."""
+    certs = secure_etcd.certs
+    now = datetime.datetime.now(datetime.UTC)
+    certificates.make_cert(certs, "ca", "expired", client_only=True,
+                           valid_from=now - 3 * certificates.DAY,
+                           valid_until=now - certificates.DAY)
+    token = tmp_path / "cluster.token"
+    token.write_bytes(os.urandom(32).hex().encode())
+    token.chmod(0o600)
+    mountpoint = tmp_path / "refused"
+    mountpoint.mkdir()
+    done = tierfs("mount", str(mountpoint), "--ram-dir", str(mounts.new_ram_dir()),
+                  "--cluster", f"etcds://{secure_etcd.endpoint}/tls", "--node-id", "node0",
+                  "--listen", f"127.0.0.1:{free_port()}", "--token-file", str(token),
+                  "--etcd-cacert", str(certs / "ca.crt"), "--etcd-cert",
+                  str(certs / "expired.crt"), "--etcd-key", str(certs / "expired.key"),
+                  check=False, timeout=60)
+    if done.returncode == 0:  # mounted after all: unmounted, its daemon ends with it
+        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
+    assert done.returncode == 1 and "expired" in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "warning:" not in line]
+    assert len(errors) == 1, done.stderr

@@ -93,6 +93,21 @@ def test_init_reply_turns_passthrough_on_with_a_stack_depth() -> None:
     assert len(edited) == len(init_reply()) and edited[56:] == init_reply()[56:]
 
 
+def test_the_kernel_is_told_the_daemon_handles_killpriv_where_it_offers_to_be() -> None:
+    """Without FUSE_HANDLE_KILLPRIV_V2 the kernel asks the daemon for security.capability
+    before every write() (a round trip per 1 MiB written); the mount is nosuid, so the bits
+    that asks about have no effect there."""
+    flags = wire.FUSE_MAX_PAGES | wire.FUSE_HANDLE_KILLPRIV_V2
+    _edited, offer = wire.edit_init_request(init_request(flags=flags))
+    assert offer.killpriv_v2
+    edited, _on = wire.edit_init_reply(init_reply(), offer, payload=PAYLOAD_4K, page_size=4096)
+    assert wire.init_out(edited).flags & wire.FUSE_HANDLE_KILLPRIV_V2
+    _edited, old_kernel = wire.edit_init_request(init_request(flags=wire.FUSE_MAX_PAGES))
+    edited, _on = wire.edit_init_reply(init_reply(), old_kernel, payload=PAYLOAD_4K,
+                                       page_size=4096)
+    assert not wire.init_out(edited).flags & wire.FUSE_HANDLE_KILLPRIV_V2
+
+
 def test_init_reply_without_the_offer_or_with_writeback_cache_stays_without() -> None:
     plain = init_reply()
     no_offer = wire.InitOffer(minor=39, passthrough=False, max_pages=True)
@@ -128,6 +143,17 @@ def test_open_reply_of_an_offered_handle_passes_through(create: bool) -> None:
         42, wire.FOPEN_DIRECT_IO | wire.FOPEN_PASSTHROUGH, 3)  # KEEP_CACHE dropped
     assert edited[:wire.open_out_offset(opcode)] == message[:wire.open_out_offset(opcode)]
     assert wire.edit_open_reply(opcode, message, {41: 3}) == message  # not offered
+
+
+@pytest.mark.parametrize("offered", [False, True], ids=["page-cache", "passthrough"])
+def test_a_read_only_open_is_spared_its_flushes(offered: bool) -> None:
+    message = open_reply(42, wire.FOPEN_DIRECT_IO)
+    edited = wire.edit_open_reply(wire.Opcode.OPEN, message, {42: 3} if offered else {},
+                                  no_flush={42})
+    out = wire.open_out(wire.Opcode.OPEN, edited)
+    assert out.open_flags & wire.FOPEN_NOFLUSH
+    assert bool(out.open_flags & wire.FOPEN_PASSTHROUGH) == offered
+    assert wire.edit_open_reply(wire.Opcode.OPEN, message, {}, no_flush={41}) == message
 
 
 def test_a_short_open_reply_is_an_error_not_a_guess() -> None:

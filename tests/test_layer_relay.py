@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import trio
 
 from tierfs.fs import fuse_wire as wire
 from tierfs.fs.passthrough import MESSAGE_MAX, PassthroughDevice, PassthroughUnavailable
@@ -27,13 +28,19 @@ def relay(tmp_path: Path):  # type: ignore[no-untyped-def]
     except PassthroughUnavailable as exc:
         pytest.skip(f"cannot mount /dev/fuse here: {exc}")
     ended = threading.Event()
-    device.start(on_unmount=ended.set)
+    # The relay runs on a trio loop (the daemon's); here, on one of its own in a thread, while
+    # the test answers as libfuse.
+    loop = threading.Thread(target=trio.run, args=(device.run, ended.set), daemon=True)
+    loop.start()
     library = socket.socket(fileno=int(device.library_mountpoint.rsplit("/", 1)[1]))
     try:
         yield device, library, mountpoint, ended
     finally:
         library.close()
+        device.stop()
+        loop.join(timeout=20)
         device.close()
+        assert not loop.is_alive(), "the relay did not end"
 
 
 def stat_in_thread(path: Path) -> tuple[threading.Thread, list[BaseException]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import msgpack
 import pytest
 import xxhash
@@ -130,3 +132,22 @@ def test_block_digests_round_trip_and_older_readers_and_manifests_are_unaffected
     raw["blocks"] = [digest.blocks[:-1], b""]  # not one digest per block
     with pytest.raises(mf.ManifestError, match="block hashes"):
         mf.decode(msgpack.packb(raw))
+
+
+def test_hashing_a_small_file_allocates_no_chunk_sized_buffer(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A many-file step hashes thousands of small files: each hash allocates about the file's
+    size (bytearray zeroes what it gets; 8 MiB per 4 KiB file cost more than the hash)."""
+    path = tmp_path / "small"
+    path.write_bytes(b"s" * 4096)
+    tracemalloc.start()
+    try:
+        digest = mf.hash_file(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert digest == mf.Digest(xxhash.xxh3_128_hexdigest(b"s" * 4096), 4096,
+                               (xxhash.xxh3_64_hexdigest(b"s" * 4096),))
+    assert peak < 1 << 20
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert mf.hash_file(empty) == mf.Digest(xxhash.xxh3_128_hexdigest(b""), 0, ())

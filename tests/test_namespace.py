@@ -8,6 +8,7 @@ import os
 import stat
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pyfuse3
 import pytest
@@ -16,7 +17,7 @@ import trio.testing
 
 from tierfs import manifest as mf
 from tierfs.fs.background import Background
-from tierfs.fs.namespace import Namespace
+from tierfs.fs.namespace import Core, Namespace
 from tierfs.fs.nodes import ROOT_INODE
 from tierfs.fs.operations import Operations
 from tierfs.fs.ram_store import RamStore
@@ -28,14 +29,16 @@ CTX = SimpleNamespace(uid=os.geteuid(), gid=os.getegid(), umask=0o022, pid=os.ge
 
 
 class Harness:
-    """A namespace over a RAM store in a temp dir, with helpers that speak pyfuse3's calls."""
+    """A namespace over a RAM store in a temp dir, with helpers that speak pyfuse3's calls;
+    `tiers` are the Namespace's ports (none: a namespace with no other tier; the in-memory
+    fakes of tests/fakes.py for more)."""
 
-    def __init__(self, root: Path, limit: int = 1 << 30) -> None:
+    def __init__(self, root: Path, limit: int = 1 << 30, **tiers: Any) -> None:
         self.root = root
         self.store = RamStore(root, limit)
         self.store.acquire()
         self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
-        self.ns = Namespace.standalone(self.store, self.send, node_id="n0")
+        self.ns = Namespace(Core(self.store, node_id="n0"), self.send, **tiers)
         self.ops = Operations(self.ns)
 
     def close(self) -> None:
@@ -364,7 +367,7 @@ async def test_a_tracker_names_its_step_for_the_store_and_the_peers(harness: Har
     assert ns.tiers.may_copy(manifests["ds/notes.txt"], "b")
     assert not ns.tiers.may_copy(tracker, "b")  # b does not hold iter_0000150
     step_node = ns.tree.find_step("ckpt/iter_0000150")
-    ns.tree.add_file_holder(step_node, "b", [".metadata", "model.pt"])
+    ns.tiers.versions.add_file_holder(step_node, "b", [".metadata", "model.pt"])
     assert ns.tiers.may_copy(tracker, "b") and not ns.tiers.may_copy(tracker, "c")
     ns.tiers.mark_persisted(step_node.step.manifest)
     assert ns.tiers.tracked_step(tracker) == TrackedStep(150, True, True)

@@ -83,6 +83,9 @@ class Cluster:
                 await live_a.changed.wait()
         self.a = PeerDirectory(live_a, TOKEN)
         nursery.start_soon(self.a.run)
+        with trio.fail_after(10):  # a's probe of b's handshake: the pool's first connection
+            while self.a.pool.idle_count() != 1:
+                await trio.sleep(0.01)
 
     async def _b_member(self, task_status: trio.TaskStatus[None]) -> None:
         live_b = live_members.Membership(self.etcd, self.url, "b", f"127.0.0.1:{self.b.port}")

@@ -48,6 +48,17 @@ async def test_close_returns_before_the_hash(harness: Harness) -> None:
     assert digests["b"] == xxhash.xxh3_128_hexdigest(b"B" * 10)
 
 
+async def test_a_queued_background_hash_counts_as_pending(harness: Harness) -> None:
+    """Between a writer's close (its FLUSH queues the hash) and its RELEASE, the hash may not
+    have started yet: it counts as under way, so the RELEASE does not have the file hashed a
+    second time (each small file of a many-file step was hashed twice, or three times)."""
+    await harness.write_file("run/step_3/a", b"A" * 1000)
+    node = node_of(harness, "run/step_3/a")
+    assert node.seal is None and harness.ns.tree.sealing.pending(node)
+    node.gen += 1  # written again: the queued hash is of an older generation
+    assert not harness.ns.tree.sealing.pending(node)
+
+
 async def test_background_seal_after_close(harness: Harness) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(harness.ns.background.run)

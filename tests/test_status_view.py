@@ -108,6 +108,28 @@ def test_waiting_steps_and_a_lone_node_are_warnings() -> None:
         in lines
 
 
+def test_the_nodes_line_and_a_warning_for_each_peer_whose_handshake_fails() -> None:
+    status = document(step("r/step_1", 1, persisted=True))
+    status["peers"] = [
+        {"node_id": "n1", "addr": "10.0.0.2:7070", "up": True, "state": "up"},
+        {"node_id": "n2", "addr": "10.0.0.3:7070", "up": True, "state": "up, refused (token)",
+         "link_error": "node 'n2' does not know the cluster token"},
+        {"node_id": "n3", "addr": "10.0.0.4:7070", "up": True, "state": "up, unreachable",
+         "link_error": "connection refused"},
+        {"node_id": "n4", "addr": "10.0.0.5:7070", "up": False, "state": "down"}]
+    for steps in (status["steps"], []):
+        status["steps"] = steps
+        lines = format_status(status, now_ns=NOW).splitlines()
+        assert ("nodes: n1 (10.0.0.2:7070) up; n2 (10.0.0.3:7070) up, refused (token); "
+                "n3 (10.0.0.4:7070) up, unreachable; n4 (10.0.0.5:7070) down") in lines
+        assert [line for line in lines if line.startswith("warning:")] == [
+            "warning: node n2 at 10.0.0.3:7070 is up, refused (token): node 'n2' does not know "
+            "the cluster token; the steps only it holds are not `latest` here until their "
+            "files can be read",
+            "warning: node n3 at 10.0.0.4:7070 is up, unreachable: connection refused; the "
+            "steps only it holds are not `latest` here until their files can be read"]
+
+
 def test_nothing_to_warn_about_and_no_steps() -> None:
     text = format_status(document(step("r/1", 1, persisted=True)), now_ns=NOW)
     assert "warning" not in text

@@ -253,7 +253,7 @@ class Digest:
     xxh3: str
     size: int
     chunks: tuple[str, ...]
-    blocks: bytes = b""
+    blocks: bytes = field(default=b"", compare=False)  # derived, as in FileEntry
 
     @classmethod
     def of(cls, entry: FileEntry) -> Digest:
@@ -276,7 +276,10 @@ def hash_fd(fd: int) -> Digest:
     whole = xxhash.xxh3_128()
     chunks = []
     blocks = []
-    buf = bytearray(CHUNK_SIZE)
+    # A buffer no larger than the file: bytearray zeroes what it allocates, and 8 MiB zeroed
+    # for each small file of a many-file step cost more than hashing it. A file that grew
+    # since the fstat is hashed up to its old size; its seal then does not describe it.
+    buf = bytearray(min(CHUNK_SIZE, os.fstat(fd).st_size) or 1)
     view = memoryview(buf)
     offset = 0
     while True:

@@ -35,6 +35,7 @@ import trio
 import xxhash
 
 from tierfs import manifest as mf
+from tierfs.fs.ports import TierError
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ class DeleteWorker:
                     continue
                 try:
                     await cleaner(tomb, where)
-                except Exception as exc:  # unreachable, refused: tried again later
+                except TierError as exc:  # unreachable, refused: tried again later
                     log.info("removing deleted %s from %s failed, will retry: %s", tomb.path,
                              target, exc or type(exc).__name__)
                     left = True

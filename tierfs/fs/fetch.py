@@ -41,6 +41,7 @@ import xxhash
 from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.fs.ram_store import RamFull, RamStore
+from tierfs.fs.tier_errors import TierError
 
 log = logging.getLogger(__name__)
 
@@ -51,20 +52,6 @@ RUN_GAP = 2 << 20  # how far past a run's end a read still continues it
 WHOLE_IN_FLIGHT = 8  # chunks on their way at once when a file is fetched whole
 RELAY_WAIT = 8.0  # seconds a peer sent here for a chunk waits for it to come in (< IO_TIMEOUT)
 
-
-class ReadSource(Protocol):
-    """A tier that can serve byte ranges of committed files (injected; fs imports no tier).
-    `read_range` raises ObjectMissing if the tier has no object for the file."""
-
-    name: str
-
-    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
-                         length: int) -> bytes: ...
-
-
-class ObjectMissing(Exception):
-    """What a read source raises when it holds no object for the file: not a failure of the
-    source (the next may have it), and what `tierfs verify` reports as missing."""
 
 
 def apply_attributes(target: int | bytes | str, entry: mf.FileEntry) -> None:
@@ -129,6 +116,17 @@ class _WholeHash:
         """The whole file's xxh3-128, once every unit is in; None before."""
         with self._lock:
             return self._hasher.hexdigest() if self._next == self._count else None
+
+
+class ReadSource(Protocol):
+    """A tier that can serve byte ranges of committed files (peers, the persistent tier).
+    `read_range` raises ObjectMissing if the tier has no object for the file, TierError if it
+    cannot serve it now."""
+
+    name: str
+
+    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
+                         length: int) -> bytes: ...
 
 
 class _Pattern:
@@ -199,7 +197,7 @@ async def fetch_range(sources: list[ReadSource], remote: RemoteFile, offset: int
                 data = await read_into(remote.step_path, entry, offset, buffer[:length])
             else:
                 data = await source.read_range(remote.step_path, entry, offset, length)
-        except Exception as exc:  # a source's failure is a reason to try the next one
+        except TierError as exc:  # a source's failure is a reason to try the next one
             failures.append(f"{source.name}: {exc}")
             continue
         if len(data) == length and _matches(entry, offset, data):
@@ -316,7 +314,7 @@ class Fetch:
     async def _fetch_ahead(self, sources: list[ReadSource], units: range) -> None:
         try:
             await self._ensure(sources, units)
-        except Exception as exc:  # the read that needs the chunk will try again and report
+        except (FetchError, RamFull, OSError) as exc:  # the read that needs it will try again
             log.debug("read-ahead of %s at %d failed: %s", self.remote.entry.name,
                       units.start * self._unit, exc)
 

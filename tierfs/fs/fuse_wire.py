@@ -21,7 +21,7 @@ then aborts the connection rather than guess.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
@@ -48,6 +48,7 @@ FUSE_SPLICE_MOVE = 1 << 8
 FUSE_SPLICE_READ = 1 << 9
 FUSE_SPLICE_FLAGS = FUSE_SPLICE_WRITE | FUSE_SPLICE_MOVE | FUSE_SPLICE_READ
 FUSE_WRITEBACK_CACHE = 1 << 16
+FUSE_HANDLE_KILLPRIV_V2 = 1 << 28
 FUSE_MAX_PAGES = 1 << 22
 FUSE_INIT_EXT = 1 << 30
 FUSE_PASSTHROUGH_FLAGS2 = 1 << (37 - 32)  # FUSE_PASSTHROUGH is bit 37
@@ -192,6 +193,8 @@ class InitOffer:
     minor: int
     passthrough: bool  # FUSE_PASSTHROUGH offered (needs protocol 7.40 and FUSE_INIT_EXT)
     max_pages: bool  # FUSE_MAX_PAGES offered (7.28+): the reply's max_pages is honoured
+    # FUSE_HANDLE_KILLPRIV_V2 offered (7.33+): see `edit_init_reply`
+    killpriv_v2: bool = False
 
 
 def edit_init_request(message: Message) -> tuple[bytes, InitOffer]:
@@ -204,7 +207,8 @@ def edit_init_request(message: Message) -> tuple[bytes, InitOffer]:
                       passthrough=(init.minor >= PASSTHROUGH_MINOR
                                    and bool(init.flags & FUSE_INIT_EXT)
                                    and bool(init.flags2 & FUSE_PASSTHROUGH_FLAGS2)),
-                      max_pages=bool(init.flags & FUSE_MAX_PAGES))
+                      max_pages=bool(init.flags & FUSE_MAX_PAGES),
+                      killpriv_v2=bool(init.flags & FUSE_HANDLE_KILLPRIV_V2))
     return bytes(edited), offer
 
 
@@ -226,13 +230,21 @@ def edit_init_reply(message: Message, offer: InitOffer, *, payload: int,
 
     Returns the edited reply and whether passthrough is on. Passthrough stays off when the
     kernel did not offer it or libfuse asked for the writeback cache (the kernel allows one or
-    the other)."""
+    the other).
+
+    FUSE_HANDLE_KILLPRIV_V2 is turned on where offered: without it the kernel asks the daemon
+    for `security.capability` (GETXATTR) before every write() into a file, passthrough or not
+    (a 64 MiB file written 1 MiB at a time: 64 round trips; one per file with it). It means the
+    file system clears set-user-ID and set-group-ID bits itself on write; tierfs leaves them:
+    the mount is nosuid, where they and file capabilities have no effect (doc/SEMANTICS.md)."""
     reply = init_out(message)
     if reply.major != PROTOCOL_MAJOR:
         raise WireError(f"libfuse answered INIT with protocol {reply.major}.{reply.minor}")
     max_write = min(reply.max_write, payload)
     max_pages = max(1, min(reply.max_pages, payload // page_size))
     flags, flags2, depth = reply.flags, reply.flags2, reply.max_stack_depth
+    if offer.killpriv_v2:
+        flags |= FUSE_HANDLE_KILLPRIV_V2
     passthrough = offer.passthrough and not flags & FUSE_WRITEBACK_CACHE
     if passthrough:
         flags |= FUSE_INIT_EXT
@@ -245,16 +257,21 @@ def edit_init_reply(message: Message, offer: InitOffer, *, payload: int,
     return bytes(edited), passthrough
 
 
-def edit_open_reply(opcode: int, message: Message, offers: Mapping[int, int]) -> Message:
-    """Pass the opened file through to its backing file if the daemon offered its handle."""
+def edit_open_reply(opcode: int, message: Message, offers: Mapping[int, int],
+                    no_flush: Container[int] = ()) -> Message:
+    """Pass the opened file through to its backing file if the daemon offered its handle, and
+    spare its close() a FLUSH if the daemon has nothing to do then (`no_flush`)."""
     reply = open_out(opcode, message)
     backing_id = offers.get(reply.fh)
-    if backing_id is None:
+    flags, backing = reply.open_flags, reply.backing_id
+    if backing_id is not None:
+        flags, backing = (flags | FOPEN_PASSTHROUGH) & FOPEN_PASSTHROUGH_MASK, backing_id
+    if reply.fh in no_flush:
+        flags |= FOPEN_NOFLUSH
+    if (flags, backing) == (reply.open_flags, reply.backing_id):
         return message
     edited = bytearray(message)
-    OPEN_OUT.pack_into(edited, open_out_offset(opcode), reply.fh,
-                       (reply.open_flags | FOPEN_PASSTHROUGH) & FOPEN_PASSTHROUGH_MASK,
-                       backing_id)
+    OPEN_OUT.pack_into(edited, open_out_offset(opcode), reply.fh, flags, backing)
     return bytes(edited)
 
 
@@ -262,12 +279,15 @@ def edit_open_reply(opcode: int, message: Message, offers: Mapping[int, int]) ->
 class RelayState:
     """The relay's memory between a request and its reply, and the edits it makes (sans-IO).
 
-    `offers` maps a file handle the daemon offered for passthrough to its backing id; it is the
-    daemon's own dict, read here when the OPEN or CREATE reply goes by."""
+    `offers` maps a file handle the daemon offered for passthrough to its backing id, and
+    `no_flush` holds the handles whose close() needs no FLUSH (opened read-only: the daemon does
+    nothing at their flush); both are the daemon's own, read here when the OPEN or CREATE reply
+    goes by."""
 
     offers: Mapping[int, int]
     payload: int
     page_size: int
+    no_flush: Container[int] = field(default_factory=set)
     passthrough: bool = False  # the INIT reply turned it on
     initialized: bool = False  # the INIT reply went by
     offer: InitOffer | None = None
@@ -296,4 +316,4 @@ class RelayState:
                                                         page_size=self.page_size)
             self.initialized = True
             return message
-        return edit_open_reply(opcode, message, self.offers)
+        return edit_open_reply(opcode, message, self.offers, self.no_flush)

@@ -22,8 +22,9 @@ from tierfs import manifest as mf
 from tierfs.fs import dcp_metadata
 from tierfs.fs.deletes import PERSIST, Deletes, Tombstone, peer_target
 from tierfs.fs.nodes import METADATA, FsError, Node, StepState, some_names
-from tierfs.fs.ports import SealedCollector, Spawner
+from tierfs.fs.ports import SealedCollector, Spawner, TierError
 from tierfs.fs.residency import Residency
+from tierfs.fs.step_versions import StepVersions
 from tierfs.fs.tree import Tree
 from tierfs.fs.tree_view import TreeView
 
@@ -37,6 +38,7 @@ class OtherTiers:
                  background: Spawner, sealed: SealedCollector | None = None) -> None:
         self.tree = tree
         self.view = TreeView(tree)  # the queries a rename's upload asks
+        self.versions = StepVersions(tree)  # the changes of step versions it makes
         self.residency = residency
         self.deletes = deletes
         self.background = background
@@ -63,7 +65,7 @@ class OtherTiers:
             self._forget_step(node, f"deleted on {sender}")
             return
         # Being re-saved here: the files at hand stay, as a step that is not committed.
-        self.tree.drop_remote_files(node)
+        self.versions.drop_remote_files(node)
         log.info("%s was deleted on %s; the version being written here stays", path, sender)
 
     def _deleted(self, manifest: mf.StepManifest, offered_by: list[str]) -> bool:
@@ -74,7 +76,7 @@ class OtherTiers:
         return True
 
     def _forget_step(self, step_node: Node, why: str = "") -> None:
-        aside = self.tree.forget_step(step_node)
+        aside = self.versions.forget_step(step_node)
         self.background.spawn(trio.to_thread.run_sync, shutil.rmtree, aside)
         log.info("%s %s", os.fsdecode(step_node.name), why or "left the last tier that held it")
 
@@ -101,7 +103,7 @@ class OtherTiers:
     def mark_persisted(self, manifest: mf.StepManifest) -> None:
         node = self.tree.find_step(manifest.path)
         if node is not None and node.step.manifest is manifest:
-            self.tree.set_persisted(node, manifest.version)
+            self.versions.set_persisted(node, manifest.version)
             self.residency.enforce_keep_ram()
 
     def move_done(self, tomb: Tombstone,
@@ -153,7 +155,7 @@ class OtherTiers:
         if not node.step.in_ram and not node.step.dirty:
             self._forget_step(node)  # both policies let it go: it is gone from tierfs
             return
-        self.tree.set_retired(node, node.step.manifest.version)
+        self.versions.set_retired(node, node.step.manifest.version)
 
     def adopt_persisted(self, manifest: mf.StepManifest) -> bool:
         """Show a step found in the persistent tier (a fresh node, or one that left RAM).
@@ -167,18 +169,18 @@ class OtherTiers:
             step = node.step
             if (step.manifest is not None and step.manifest.version == manifest.version
                     and step.manifest.same_content(manifest) and not step.persisted):
-                self.tree.set_persisted(node, manifest.version)
+                self.versions.set_persisted(node, manifest.version)
             elif step.committed and self._supersede(
                     node, manifest, "the persistent tier",
-                    lambda: self.tree.write_persist_mark(node, manifest.version),
+                    lambda: self.versions.write_persist_mark(node, manifest.version),
                     release=True) is not None:
-                self.tree.set_persisted(node, manifest.version, recorded=True)
+                self.versions.set_persisted(node, manifest.version, recorded=True)
                 self.tree.add_remote_files(node, list(manifest.files))
             return False
-        step_node = self.tree.install_step(manifest, "the persistent tier")
+        step_node = self.versions.install_step(manifest, "the persistent tier")
         if step_node is None:
             return False
-        self.tree.set_persisted(step_node, manifest.version)
+        self.versions.set_persisted(step_node, manifest.version)
         self.tree.add_remote_files(step_node, list(manifest.files))
         return True
 
@@ -274,7 +276,7 @@ class OtherTiers:
             self.tree.fill_from_objects(node)
         held = [n for n in names if manifest.entry(n) is not None and n in node.step.resident]
         if held:
-            self.tree.add_file_holder(node, sender, held)
+            self.versions.add_file_holder(node, sender, held)
             log.info("holding %d files of %s v%d from %s", len(held), path, version, sender)
         return held
 
@@ -301,7 +303,7 @@ class OtherTiers:
             return None
         if record is not None:
             record()
-        return self.tree.supersede(step_node, manifest, source, release=release)
+        return self.versions.supersede(step_node, manifest, source, release=release)
 
     def held_manifests(self) -> list[mf.StepManifest]:
         """Committed steps with files in this node's RAM, whoever wrote them (the steps whose
@@ -336,7 +338,7 @@ class OtherTiers:
         (eviction judges each file by its writer: `Residency.file_leaves`)."""
         node = self.tree.find_step(manifest.path)
         if node is not None and node.step.manifest is manifest:
-            self.tree.set_file_holders(node, holders, writers)
+            self.versions.set_file_holders(node, holders, writers)
             self.tree.recoverable.loss(node.step, fresh=True)  # whole again, or not
 
     def doubtful_steps(self, may_be_up: Callable[[str], bool]) -> list[mf.StepManifest]:
@@ -364,7 +366,7 @@ class OtherTiers:
         """`peer` verified copies of these files of this version."""
         node = self.tree.find_step(manifest.path)
         if node is not None and node.step.manifest is manifest:
-            self.tree.add_file_holder(node, peer, names)
+            self.versions.add_file_holder(node, peer, names)
             self.residency.enforce_keep_ram()
 
     def unlisted(self, path: str) -> None:
@@ -389,20 +391,20 @@ class OtherTiers:
             step = node.step
             if step.manifest is not None and step.manifest.version == manifest.version:
                 if not others <= step.holders:
-                    self.tree.set_holders(node, step.holders | others, record=not step.in_ram)
+                    self.versions.set_holders(node, step.holders | others, record=not step.in_ram)
             elif not step.committed:
-                self.tree.join_commit(node, manifest, others)
+                self.versions.join_commit(node, manifest, others)
             elif self._supersede(node, manifest, ", ".join(sorted(others)),
-                                 lambda: self.tree.write_peers_mark(node, manifest.version,
+                                 lambda: self.versions.write_peers_mark(node, manifest.version,
                                                                     others),
                                  release=True) is not None:
-                self.tree.set_holders(node, others, record=False)
+                self.versions.set_holders(node, others, record=False)
                 self.tree.add_remote_files(node, list(manifest.files))
             return
-        step_node = self.tree.install_step(manifest, f"node {', '.join(sorted(others))}")
+        step_node = self.versions.install_step(manifest, f"node {', '.join(sorted(others))}")
         if step_node is None:
             return
-        self.tree.set_holders(step_node, others, record=True)
+        self.versions.set_holders(step_node, others, record=True)
         self.tree.add_remote_files(step_node, list(manifest.files))
         log.info("%s v%d is in the cluster (held by %s)", manifest.path, manifest.version,
                  ", ".join(sorted(others)))
@@ -452,7 +454,7 @@ class OtherTiers:
                     log.info("commit of %s waits: its old copy of %s here is open", step_path,
                              name)
                     return False
-            self.tree.add_holder(step_node, peer)
+            self.versions.add_holder(step_node, peer)
             self.tree.add_remote_files(step_node, [entry], step_path)
             elsewhere.add(name)
         if found:
@@ -519,7 +521,7 @@ class OtherTiers:
             return True
         try:
             await self.sealed.publish(manifest, set(step_node.step.resident), deadline)
-        except Exception as exc:  # etcd unreachable, or a record refused: retried later
+        except TierError as exc:  # etcd unreachable, or a record refused: retried later
             log.warning("the cluster does not know of %s v%d yet: %s", manifest.path,
                         manifest.version, exc)
             self._unpublished[manifest.path] = manifest

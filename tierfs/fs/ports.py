@@ -7,13 +7,22 @@ constructors of its classes (see doc/ARCHITECTURE.md), in dependency order, by
 Outward (implemented outside `fs`):
 
 * `CommitSink`: where a commit's manifest goes (the daemon's channel to uploads and replicas).
-* `ReadSource`: a tier that serves verified ranges of committed files (peers, the persistent
-  tier); defined beside `Fetch`, which uses it, and re-exported here.
+* `ReadSource`: a tier that serves ranges of committed files (peers, the persistent tier);
+  defined beside `Fetch`, which uses it, and re-exported here.
 * `SealedCollector`: the cluster's records of which node holds which file of a step.
 * `PeerCopies`, `PersistCopies`: the tiers `tierfs verify` checks and repairs.
 * `CopiesWait`: --sync-replicas: until every file of a committed version has its copies.
 * `Liveness`: which peers are live members of the cluster now (eviction counts only those), and
   which may be (a copy on such a peer still counts as reachable: `fs.recoverable`).
+
+Errors: a port that reaches another tier fails only with a `TierError` (its adapter
+translates whatever its client raises: boto's, the peer protocol's, etcd's): `ObjectMissing`
+(the tier holds no such object: the next may), `CoordinationUnavailable` (etcd did not answer
+or take the change by the deadline), or a plain `TierError` (down, refused, timed out); the
+types are in `fs.tier_errors`. So a caller in `fs` catches `TierError`, and anything else is a
+bug: logged with its traceback at the edge that catches everything (`fs.background`, the FUSE
+handlers' boundary), never taken for a tier's failure. `tests/fakes.py` has an in-memory fake
+of each outward port, to the same contracts.
 
 Inward (implemented inside `fs`, injected so that the core imports no collaborator):
 
@@ -32,10 +41,11 @@ from typing import Protocol
 from tierfs import manifest as mf
 from tierfs.fs.fetch import ReadSource
 from tierfs.fs.nodes import Node
+from tierfs.fs.tier_errors import ObjectMissing, TierError
 
 __all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "Liveness",
-           "PeerCopies", "PersistCopies", "ReadGate", "ReadSource", "SealedCollector", "Spawner",
-           "StepWatch"]
+           "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate", "ReadSource",
+           "SealedCollector", "Spawner", "StepWatch", "TierError"]
 
 
 class CommitSink(Protocol):
@@ -44,10 +54,11 @@ class CommitSink(Protocol):
     async def send(self, value: mf.StepManifest) -> None: ...
 
 
-class CoordinationUnavailable(Exception):
-    """The cluster's coordination (etcd) did not answer by the deadline it was given: what a
-    `SealedCollector` raises, so that the commit waiting for it fails the saver's call rather
-    than waiting on (or returning success for a step that did not commit)."""
+class CoordinationUnavailable(TierError):
+    """The cluster's coordination (etcd) did not answer, or take a change, by the deadline it
+    was given: what a `SealedCollector` raises, so that the commit waiting for it fails the
+    saver's call rather than waiting on (or returning success for a step that did not
+    commit)."""
 
 
 class SealedCollector(Protocol):
@@ -80,7 +91,8 @@ class SealedCollector(Protocol):
 
     async def drop_copies(self, manifest: mf.StepManifest, names: list[str]) -> None:
         """This node's copies of these files are gone (bad): the records stop counting it,
-        and the other holders restore them. Raises an exception if that could not be done."""
+        and the other holders restore them. CoordinationUnavailable if that could not be
+        done."""
 
 
 class CopiesWait(Protocol):
@@ -93,7 +105,8 @@ class CopiesWait(Protocol):
 
 class Liveness(Protocol):
     """The cluster's live members (`replication.peers.directory.PeerDirectory`). `may_be_up`:
-    live, or gone so recently that its lease may have ended in an etcd outage while it lives;
+    live, or gone so recently that its lease may have ended in an etcd outage while it lives,
+    and not a member whose peer handshake fails (`replication.peers.handshakes`);
     `generation` changes whenever either answer may change."""
 
     def is_up(self, node_id: str) -> bool: ...
@@ -106,7 +119,7 @@ class Liveness(Protocol):
 
 class PeerCopies(Protocol):
     """Asks a peer to check (and repair) its own copy of a file: good, bad, missing, repaired.
-    Raises OSError or another exception when the peer cannot be reached. `file_holders`:
+    Raises TierError when the peer cannot be reached or answers wrongly. `file_holders`:
     who holds each file of a committed version, from the cluster's records ({name: nodes},
     files without a record left out), or None if the records cannot be read."""
 
@@ -118,7 +131,9 @@ class PeerCopies(Protocol):
 
 class PersistCopies(Protocol):
     """The persistent tier, as much as verification needs (`step_path` of a file: the
-    directory its name is relative to, `layout.data_dir`)."""
+    directory its name is relative to, `layout.data_dir`). Raises TierError (ObjectMissing
+    for a missing object where a method has no None for it); `rewrite` also OSError if the
+    local file cannot be read."""
 
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
                          length: int) -> bytes: ...

@@ -1,7 +1,7 @@
 """The small records a step directory keeps in the RAM store beside its files: the committed
 manifest, the persistent tier's state (`persisted`/`retired`), the peers holding a replica and
 the peers a step was learned from. Written atomically (temp file, fsync, rename); read back at
-start-up by `fs.recovery` and `Tree.load_tree`.
+start-up by `fs.recovery`.
 
 Paths only, no nodes: the `Tree` decides when a record changes and keeps its `StepState` in
 step with it. During start-up the tree may be deeper than PATH_MAX: `long_paths()` switches

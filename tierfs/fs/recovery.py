@@ -1,11 +1,11 @@
-"""Start-up: putting the RAM store back in order after a restart or a crash, then having the
-`Tree` build its nodes from it.
+"""Start-up: putting the RAM store back in order after a restart or a crash, then building the
+tree's nodes from it (through the tree's own `attach`, before the mount serves anything).
 
 Committed steps are put back exactly as their manifests say (uncommitted writes into a committed
 step are dropped); files of persisted steps that left RAM come back as non-resident; leftovers
 of interrupted saves, fetches and commits are removed. Recovery works on paths in the store
-(through `StepRecords`, which reaches paths longer than PATH_MAX); only `Tree.load_tree` makes
-nodes.
+(through `StepRecords`, which reaches paths longer than PATH_MAX) until `_load_tree` makes
+the nodes.
 """
 
 from __future__ import annotations

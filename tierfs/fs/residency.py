@@ -27,7 +27,7 @@ import trio
 from tierfs import manifest as mf
 from tierfs.fs.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError
 from tierfs.fs.nodes import METADATA, FsError, Node, StepState
-from tierfs.fs.ports import Liveness, ReadSource, SealedCollector, Spawner
+from tierfs.fs.ports import Liveness, ReadSource, SealedCollector, Spawner, TierError
 from tierfs.fs.ram_store import RamFull
 from tierfs.fs.step_loads import StepLoads
 from tierfs.fs.tree import Tree
@@ -443,7 +443,7 @@ class Residency:
         async def drop() -> None:
             try:
                 await records.drop_copies(manifest, names)
-            except Exception as exc:
+            except TierError as exc:
                 log.warning("could not record in the cluster that the copies of %d files of "
                             "%s here are lost: %s", len(names), manifest.path, exc)
 

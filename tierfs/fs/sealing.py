@@ -44,18 +44,22 @@ class Sealing:
         self._backing = backing
         self._limiter = trio.CapacityLimiter(threads)
         self._running: dict[Node, tuple[int, trio.Event]] = {}
+        self._queued: dict[Node, int] = {}  # started, not yet running: node -> its generation
         # The owner of background hashes; without one, files are sealed when first needed.
         self.spawner = spawner
 
     def start(self, node: Node) -> None:
         """The last writer of `node` is done: seal it in the background."""
         if self.spawner is not None:
+            self._queued[node] = node.gen
             self.spawner.spawn(self._in_background, node, node.gen)
 
     def pending(self, node: Node) -> bool:
-        """Whether a hash of the node's current bytes is running."""
+        """Whether a hash of the node's current bytes is running or about to run (a file
+        whose hash is only queued is not hashed a second time at its RELEASE)."""
         running = self._running.get(node)
-        return running is not None and running[0] == node.gen
+        return ((running is not None and running[0] == node.gen)
+                or self._queued.get(node) == node.gen)
 
     async def seal(self, node: Node) -> None:
         """Seal `node` (join the hash of its current generation if one runs). The seal may
@@ -75,6 +79,8 @@ class Sealing:
             done.set()
 
     async def _in_background(self, node: Node, gen: int) -> None:
+        if self._queued.get(node) == gen:
+            del self._queued[node]
         if node.gen != gen or node.seal is not None or node.active_writers:
             return  # written again since (its next close seals it), or sealed by a commit
         try:

@@ -3,10 +3,15 @@
 The tree lives twice: as real files under the RAM store's `tree/` (the durable truth, so a crash
 loses nothing written) and as `Node` objects in memory (inode numbers, lookup counts, open
 handles, seals and step state). `Tree` alone changes either, and the RAM store's references to
-committed objects, so it alone keeps them in step; its collaborators (`fs.residency`,
+committed objects, so it alone keeps them in step, with one part of its core beside it:
+`fs.step_versions` (versions installed, joined, superseded or forgotten as the other tiers say,
+and which tiers hold them), which changes the tree only through the primitives here (`attach`,
+`detach`, `unlink_backing`...) and by the same rules. Its collaborators (`fs.residency`,
 `fs.other_tiers`, `fs.commits`, `fs.quiet_commits`, `fs.recovery`, `fs.verify`) decide *when*
-something changes and call its public methods to change it. It calls nothing outward but the
-ports it is given (`fs.ports`: `StepWatch`, `DeleteLog`).
+something changes and call those methods to change it. What only reads the tree is elsewhere:
+`fs.tree_view` (peers' questions, status, xattrs), `fs.holders.Holdings` (who else holds a
+step). It calls nothing outward but the ports it is given (`fs.ports`: `StepWatch`,
+`DeleteLog`).
 
 Invariants (S3QL-style note: where an `await` must not appear):
 
@@ -56,9 +61,7 @@ from tierfs.fs.nodes import (
     LATEST,
     NAME_MAX,
     OWN_LATEST_MARK,
-    PEERS_MARK,
     RENAME_NOREPLACE,
-    REPLICAS_MARK,
     ROOT_INODE,
     FsError,
     Handle,
@@ -96,7 +99,7 @@ class Tree:
         self.file_pattern = re.compile(file_step_pattern)
         self._watch = watch
         self._deletes = deletes
-        self._tree = os.fsencode(store.tree)
+        self.tree_path = os.fsencode(store.tree)
         self.root = Node(ROOT_INODE, stat.S_IFDIR, b"", None)
         self._inodes: dict[int, Node] = {ROOT_INODE: self.root}
         self._next_ino = ROOT_INODE + 1
@@ -184,7 +187,7 @@ class Tree:
             node = node.parent
         if node is not self.root:
             raise FsError(errno.ENOENT)
-        return b"/".join([anchor or self._tree, *reversed(parts)])
+        return b"/".join([anchor or self.tree_path, *reversed(parts)])
 
     def has_backing(self, node: Node) -> bool:
         try:
@@ -421,28 +424,6 @@ class Tree:
     def has_partial_fetches(self, step_node: Node) -> bool:
         return any(self.holds(step_node, n) for n in self.fetching)
 
-    def set_file_holders(self, step_node: Node, holders: dict[str, set[str]],
-                         writers: dict[str, str] | None = None) -> None:
-        """Who holds (and who wrote) these files of the committed version, as the cluster's
-        records say."""
-        step = step_node.step
-        for name, nodes in holders.items():
-            if step.manifest.entry(name) is not None:
-                step.file_holders[name] = set(nodes) - {self.node_id}
-        for name, writer in (writers or {}).items():
-            if step.manifest.entry(name) is not None:
-                step.file_writers[name] = writer
-
-    def add_file_holder(self, step_node: Node, peer: str, names: list[str]) -> None:
-        """`peer` holds verified copies of these files; once it holds every file of the step
-        it counts as a replica of the step (recorded on disk for a restart)."""
-        step = step_node.step
-        for name in names:  # until the records are read again, at least `peer` (never more)
-            step.file_holders.setdefault(name, set()).add(peer)
-        if peer != self.node_id and peer not in step.replicas and all(
-                peer in step.file_holders.get(e.name, ()) for e in step.manifest.files):
-            self.add_replica(step_node, peer)
-
     def seal_describes_file(self, node: Node) -> bool:
         """Whether the node's seal still describes its backing file (see `Seal`)."""
         if node.seal is None:
@@ -484,7 +465,7 @@ class Tree:
             self._step_removed(node.step)
         self.remove_hidden(node, path)
         os.rmdir(path)
-        self._detach(node)
+        self.detach(node)
         self._mark_dirty(parent)
 
     def _single_file_removed(self, node: Node) -> None:
@@ -687,9 +668,9 @@ class Tree:
             self.links.note(self.relpath(parent))
         self._single_file_removed(node)
         if node.remote is None:
-            self._unlink_backing(self.backing(node), node)
+            self.unlink_backing(self.backing(node), node)
         self.drop_fetch(node)
-        self._detach(node)
+        self.detach(node)
         self._mark_dirty(parent)
         return True
 
@@ -845,7 +826,7 @@ class Tree:
         if node.remote is None or node.is_dir:  # a file only in the store has no bytes here
             os.rename(old_path, new_path)
         if target is not None:
-            self._detach(target)
+            self.detach(target)
         self._mark_dirty(old_parent)
         del old_parent.children[old_name]
         node.name = new_name
@@ -1130,7 +1111,7 @@ class Tree:
             freed += node.fetch.stored_bytes
             self.drop_fetch(node)  # ranges read on demand leave with the step
         if node.remote is None:
-            self._unlink_backing(self.backing(node), node)
+            self.unlink_backing(self.backing(node), node)
             node.remote = RemoteFile(self.data_dir(step), entry, step.persisted)
             node.seal = None
             freed += entry.size
@@ -1158,7 +1139,7 @@ class Tree:
                         os.close(handle.fd)
                         handle.fd = -1
                         handle.backing_ino = 0
-                self._unlink_backing(self.backing(node), node)
+                self.unlink_backing(self.backing(node), node)
                 node.remote = RemoteFile(self.data_dir(step), entry, step.persisted)
                 node.seal = None
                 step.resident.discard(entry.name)
@@ -1233,252 +1214,6 @@ class Tree:
             for name in step.resident:
                 self.store.drop_ref(step.manifest.entry(name).xxh3)
         step.resident = set()
-
-    # -- steps from other tiers ------------------------------------------------------------
-
-    def set_persisted(self, step_node: Node, version: int, *, recorded: bool = False) -> None:
-        """This version of the step is in the persistent tier (recorded on disk first, unless
-        `write_persist_mark` did already). Its files not in RAM are read from there from now
-        on, under its own name (a renamed step's were read from the old name until now)."""
-        if not recorded:
-            self.write_persist_mark(step_node, version)
-        step = step_node.step
-        step.persisted_version = version
-        if step.manifest is None or step.manifest.version != version:
-            return
-        data_dir = self.data_dir(step)
-        for rel, node in self.files_under(step_node):
-            entry = step.manifest.entry(rel)
-            if node.remote is not None and entry is not None:
-                node.remote = RemoteFile(data_dir, entry, True)
-
-    def write_persist_mark(self, step_node: Node, version: int) -> None:
-        self.records.write_persist_mark(self.records_path(step_node), version, "persisted")
-
-    def set_retired(self, step_node: Node, version: int) -> None:
-        """Retention removed this version from the persistent tier: never upload it again."""
-        self.records.write_persist_mark(self.records_path(step_node), version, "retired")
-        step_node.step.persisted_version = 0
-        step_node.step.retired_version = version
-
-    def add_replica(self, step_node: Node, peer: str) -> None:
-        step_node.step.replicas.add(peer)
-        self._write_node_list(step_node, REPLICAS_MARK, step_node.step.replicas)
-
-    def set_holders(self, step_node: Node, holders: set[str], *, record: bool) -> None:
-        """Peers that hold files of this version (etcd); `record`ed on disk for a restart."""
-        step_node.step.holders = set(holders)
-        if record:
-            self._write_node_list(step_node, PEERS_MARK, step_node.step.holders)
-
-    def add_holder(self, step_node: Node, peer: str) -> None:
-        step_node.step.holders.add(peer)
-
-    def _write_node_list(self, step_node: Node, mark: bytes, nodes: set[str]) -> None:
-        self.records.write_node_list(self.records_path(step_node), mark,
-                                     step_node.step.manifest.version, nodes)
-
-    def write_peers_mark(self, step_node: Node, version: int, holders: set[str]) -> None:
-        self.records.write_node_list(self.records_path(step_node), PEERS_MARK, version,
-                                     holders)
-
-    def forget_step(self, step_node: Node) -> bytes:
-        """The step leaves the tree and the RAM store at once; its directory is renamed aside
-        (to a temporary name at the top of the tree: a short path, and start-up removes it if
-        a crash comes first) and returned, for the caller to remove off the trio thread. A
-        single-file step sets its records directory aside so, and its file goes."""
-        if step_node.is_file:
-            records = self.records_path(step_node)
-            if step_node.remote is None:
-                self._unlink_backing(self.backing(step_node), step_node)
-            self.drop_fetch(step_node)
-            self.drop_resident_refs(step_node.step)
-            aside = self.store.tmp_path(self._tree)
-            os.rename(records, aside)
-            self._detach(step_node)
-            return aside
-        for _rel, node in list(self.files_under(step_node)):
-            if node.remote is None:
-                self._unlink_backing(self.backing(node), node)
-            self.drop_fetch(node)
-            self._detach(node)
-        self.drop_resident_refs(step_node.step)
-        path = self.backing(step_node)
-        aside = self.store.tmp_path(self._tree)
-        os.rename(path, aside)
-        self._detach_tree(step_node)
-        return aside
-
-    def _detach_tree(self, node: Node) -> None:
-        for child in list((node.children or {}).values()):
-            self._detach_tree(child)
-        self._detach(node)
-
-    def drop_remote_files(self, step_node: Node) -> None:
-        """A step being re-saved here whose committed version was deleted elsewhere: the
-        files at hand stay, as a step that is not committed."""
-        for _rel, child in list(self.files_under(step_node)):
-            if child.remote is not None:
-                self.drop_fetch(child)
-                self._detach(child)
-        self.remove_hidden(step_node, self.backing(step_node))
-
-    def supersede(self, step_node: Node, manifest: mf.StepManifest, source: str, *,
-                  release: bool) -> list[str]:
-        """A newer version of a step committed elsewhere replaces the older committed version
-        held here (the caller checked that nothing here writes, commits or reads it, and
-        recorded where the new files are). The new manifest replaces the old one on disk, then
-        the old files leave the tree. The old version's object digests are released here
-        (`release`) or returned for the caller to release once the new version holds its own
-        references (objects both versions share must stay)."""
-        step = step_node.step
-        old = step.manifest
-        self.records.write_manifest(self.records_path(step_node), manifest)
-        old_refs = [old.entry(name).xxh3 for name in step.resident]
-        for _rel, node in list(self.files_under(step_node)):
-            if node.remote is None:
-                self._unlink_backing(self.backing(node), node)
-            self.drop_fetch(node)
-            if node is step_node:  # a single-file step: the node stays, its bytes are elsewhere
-                node.remote = RemoteFile(layout.data_dir(manifest.path, True), manifest.files[0])
-                node.seal = None
-            else:
-                self._detach(node)
-        step.manifest = manifest
-        step.resident = set()
-        step.replicas = set()
-        step.holders = set()
-        step.file_holders = {}
-        step.file_writers = {}
-        step.persisted_version = 0
-        step.retired_version = 0
-        log.warning("%s v%d here is superseded by v%d from %s", manifest.path,
-                    old.version, manifest.version, source)
-        if release:
-            self.release_refs(old_refs)
-            return []
-        return old_refs
-
-    def release_refs(self, digests: list[str]) -> None:
-        for digest in digests:
-            self.store.drop_ref(digest)
-
-    def install_step(self, manifest: mf.StepManifest, source: str) -> Node | None:
-        """The directories of a step committed elsewhere, and its manifest, written first."""
-        if manifest.single_file:
-            return self._install_single_file(manifest, source)
-        parent = self.root
-        for part in map(os.fsencode, manifest.path.split("/")):
-            child = parent.children.get(part)
-            if child is None:
-                os.mkdir(os.path.join(self.backing(parent), part), 0o755)
-                child = self.attach(parent, part, stat.S_IFDIR)
-                number = self.step_number_at(parent, part)
-                if number is not None:
-                    child.step = StepState(number)
-            elif not child.is_dir:
-                log.warning("step %s from %s is hidden by a file here", manifest.path, source)
-                return None
-            parent = child
-        step = self.step_of(parent)
-        if step is None or step.manifest is not None or parent.children:
-            log.warning("step %s from %s does not fit this namespace (step pattern, or a "
-                        "directory of that name in use)", manifest.path, source)
-            return None
-        self.records.write_manifest(self.records_path(parent), manifest)
-        step.manifest = manifest
-        step.dirty = False
-        step.resident = set()
-        return parent
-
-    def _install_single_file(self, manifest: mf.StepManifest, source: str) -> Node | None:
-        """A single-file step committed elsewhere: its directories (none of them a step),
-        its file's node (whose bytes the caller places) and its records, written first."""
-        *dirs, name = manifest.path.split("/")
-        parent = self.root
-        for part in map(os.fsencode, dirs):
-            child = parent.children.get(part)
-            if child is None:
-                if self.step_number_at(parent, part) is not None:
-                    break
-                os.mkdir(os.path.join(self.backing(parent), part), 0o755)
-                child = self.attach(parent, part, stat.S_IFDIR)
-            elif not child.is_dir or child.step is not None:
-                break
-            parent = child
-        else:
-            file_name = os.fsencode(name)
-            state = (None if file_name in parent.children
-                     else self.single_file_step(parent, file_name))
-            if state is not None:
-                if file_name == LATEST:
-                    self.keep_own_latest(parent)  # a saver's own `latest`, from another tier
-                node = self.attach(parent, file_name, stat.S_IFREG)
-                node.step = state
-                self.records.write_manifest(self.records_path(node), manifest)
-                state.manifest = manifest
-                state.dirty = False
-                state.resident = set()
-                return node
-        log.warning("file %s from %s does not fit this namespace (a step directory or a "
-                    "file of that name in use)", manifest.path, source)
-        return None
-
-    def join_commit(self, step_node: Node, manifest: mf.StepManifest, others: set[str]) -> bool:
-        """Another node committed this step (multi-node DCP) while ranks here wrote some of
-        its files: if every file written here is sealed with the content the manifest names,
-        this node's copy is committed as the same version; otherwise it stays `writing`
-        (False). Files of an older committed version that were not written here since (held
-        elsewhere, perhaps by nobody now, or a copy held here: a step saved again, also under
-        an old name) are no part of the question: the new manifest says what they are now."""
-        step = step_node.step
-        files = list(self.files_under(step_node))
-        old = [(rel, node) for rel, node in files if self.unchanged_since_commit(step, rel, node)]
-        local = [(rel, node) for rel, node in files
-                 if node.remote is None and (rel, node) not in old]
-        for rel, node in local:
-            entry = manifest.entry(rel)
-            why = ("is not in it" if entry is None else "is being written" if
-                   node.active_writers else "is not sealed yet" if node.seal is None else
-                   "has other content" if node.seal.digest.xxh3 != entry.xxh3 else None)
-            if why is not None:
-                log.warning("%s here differs from the version %s committed (its %s here %s): "
-                            "kept as writing", self.relpath(step_node),
-                            ", ".join(sorted(others)), rel, why)
-                return False
-        stale = [(rel, node) for rel, node in old
-                 if (entry := manifest.entry(rel)) is None or entry.xxh3 != node.seal.digest.xxh3]
-        if any(node.handles or (node.fetch is not None and node.fetch.busy)
-               for _rel, node in stale):
-            log.info("%s v%d committed on %s: it joins once its older files here are closed",
-                     manifest.path, manifest.version, ", ".join(sorted(others)))
-            return False
-        local += [found for found in old if found not in stale]  # saved again as they were
-        for rel, node in stale:  # the new version's file is elsewhere, or not in it
-            self.evict_file(step, step.manifest.entry(rel), node)
-        for rel, node in files:
-            if node.remote is not None:  # of the older version: its bytes are not the new ones
-                self.drop_fetch(node)
-                if manifest.entry(rel) is None:
-                    self._detach(node)
-        self.records.write_manifest(self.records_path(step_node), manifest)
-        self.drop_resident_refs(step)
-        for rel, node in local:
-            self.store.add_ref(manifest.entry(rel).xxh3, self.backing(node))
-        step.manifest = manifest
-        step.resident = {rel for rel, _node in local}
-        step.dirty = False
-        step.commit_pending = False
-        step.holders = others
-        step.replicas = set()  # who held copies of an older version holds none of this one
-        step.file_holders = {}
-        step.file_writers = {}
-        self._write_node_list(step_node, PEERS_MARK, others)
-        self.add_remote_files(step_node, [e for e in manifest.files
-                                          if e.name not in step.resident])
-        log.info("%s v%d committed on %s; this node holds %d of its files", manifest.path,
-                 manifest.version, ", ".join(sorted(others)), len(local))
-        return True
 
     # -- `latest` --------------------------------------------------------------------------
     #
@@ -1570,7 +1305,7 @@ class Tree:
         self._inodes[node.ino] = node
         return node
 
-    def _detach(self, node: Node) -> None:
+    def detach(self, node: Node) -> None:
         if node.parent is not None and node.parent.children.get(node.name) is node:
             del node.parent.children[node.name]
         node.parent = None
@@ -1632,7 +1367,7 @@ class Tree:
             raise FsError(errno.ENOENT)
         return node
 
-    def _unlink_backing(self, path: bytes, node: Node) -> None:
+    def unlink_backing(self, path: bytes, node: Node) -> None:
         st = self._forget_backing_if_last(path, node)
         self.store.remove(path, st, in_background=not self._is_open(node, st))
 

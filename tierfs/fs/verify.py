@@ -52,9 +52,8 @@ import xxhash
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs.fetch import ObjectMissing
 from tierfs.fs.nodes import FsError, Node, StepState
-from tierfs.fs.ports import PeerCopies, PersistCopies
+from tierfs.fs.ports import ObjectMissing, PeerCopies, PersistCopies, TierError
 from tierfs.fs.residency import Residency
 from tierfs.fs.tree import Tree
 
@@ -277,7 +276,7 @@ class Verifier:
         if self.peers is not None:
             try:
                 recorded = await self.peers.file_holders(manifest)
-            except Exception as exc:  # etcd away: what this node knows will do
+            except TierError as exc:  # etcd away: what this node knows will do
                 log.info("could not read the holders of %s: %s", manifest.path, exc)
         asked = {}
         for entry in manifest.files:
@@ -296,7 +295,7 @@ class Verifier:
         for entry in entries:
             try:
                 state = await self.peers.verify(peer, manifest.path, entry, repair)
-            except Exception as exc:  # down, refused, timed out: its copies do not count
+            except TierError as exc:  # down, refused, timed out: its copies do not count
                 tier.unreachable = f"could not ask {peer}: {exc or type(exc).__name__}"
                 return tier
             if state == MISSING:
@@ -316,7 +315,7 @@ class Verifier:
             try:
                 state = await self._check_persisted_file(
                     layout.data_dir(manifest.path, manifest.single_file), entry)
-            except Exception as exc:
+            except TierError as exc:
                 tier.error = f"cannot read the persistent tier: {exc}"
                 return tier
             if state != GOOD and repair:
@@ -334,7 +333,7 @@ class Verifier:
                             manifest.path, "missing" if stored is None else "wrong")
             elif not same:
                 (tier.missing if stored is None else tier.bad).append(mf.MANIFEST_NAME)
-        except Exception as exc:
+        except TierError as exc:
             tier.error = f"cannot check the manifest in the persistent tier: {exc}"
         return tier
 
@@ -386,7 +385,7 @@ class Verifier:
         try:
             await self.persist.rewrite(layout.data_dir(manifest.path, manifest.single_file),
                                        entry, os.fsdecode(self.tree.backing(node)))
-        except Exception as exc:
+        except (TierError, OSError) as exc:
             log.error("upload of %s/%s again failed: %s", manifest.path, entry.name, exc)
             return state
         log.warning("%s/%s in the persistent tier was %s: uploaded again from a verified copy",

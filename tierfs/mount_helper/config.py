@@ -26,6 +26,7 @@ from tierfs.replication.coordination.url import (
     EtcdSecurity,
     parse_cluster_url,
 )
+from tierfs.replication.peers.tls import PeerTlsFiles
 from tierfs.step_names import DEFAULT_FILE_STEP_PATTERN, DEFAULT_STEP_PATTERN
 
 
@@ -116,6 +117,19 @@ MOUNT_OPTIONS = [
            "others can read it", "path", "FILE"),
     Option("insecure", False, "allow `--cluster` without a token, on a closed, trusted network "
            "only", "flag"),
+    Option("peer-tls", False, "with `--cluster`: peer data in mutual TLS (1.3), each node with "
+           "a certificate of the cluster's CA (`--peer-cacert`, `--peer-cert`, `--peer-key`); "
+           "the token handshake and every frame's MAC stay. Every node of a cluster runs with "
+           "it or without it (its first node sets which): a node mounted the other way, or "
+           "whose certificate a live member refuses, is refused at mount (see doc/CLUSTER.md)",
+           "flag", default_help="off: peer data in clear, every frame MAC'd"),
+    Option("peer-cacert", None, "with `--peer-tls`: the cluster's CA certificate, which every "
+           "peer's certificate must be signed by", "path", "FILE"),
+    Option("peer-cert", None, "with `--peer-tls`: this node's certificate, signed by the "
+           "cluster's CA (no host name is checked: peers are reached by address, the token "
+           "handshake says which node it is)", "path", "FILE"),
+    Option("peer-key", None, "with `--peer-tls`: the private key of `--peer-cert`; refused if "
+           "others can read it", "path", "FILE"),
     Option("peers", None, "removed: given, it is refused with one line naming `--cluster` and "
            "`--listen`", metavar="LIST"),
     Option("step-pattern", DEFAULT_STEP_PATTERN, "which directory names are steps (a regular "
@@ -201,6 +215,7 @@ class MountConfig:
     root_gid: int | None = None
     root_mode: int | None = None
     metrics: tuple[str, int] | None = None
+    peer_tls: PeerTlsFiles | None = None  # --peer-tls
 
     @property
     def control_socket(self) -> str:
@@ -426,6 +441,7 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         sync_replicas=bool(values["sync_replicas"]),
         allow_other=bool(values["allow_other"]),
         metrics=parse_address(values["metrics"], "--metrics") if values["metrics"] else None,
+        peer_tls=_peer_tls(values),
         **_root_directory(values),
     )
 
@@ -435,7 +451,7 @@ def _cluster(values: dict[str, Any], node_id: str
     """--cluster, --listen and --advertise: (etcd and prefix, where to listen, the address
     peers use); all None on a single node."""
     if not values["cluster"]:
-        for option in ("listen", "advertise", *ETCD_OPTIONS):
+        for option in ("listen", "advertise", *ETCD_OPTIONS, "peer_tls"):
             if values[option]:
                 raise ConfigError(f"--{option.replace('_', '-')} needs --cluster")
         return None, None, None
@@ -487,6 +503,31 @@ def _etcd_security(values: dict[str, Any], tls: bool) -> EtcdSecurity:
     return EtcdSecurity(tls=tls or bool(files), cacert=files.get("etcd_cacert"),
                         cert=files.get("etcd_cert"), key=files.get("etcd_key"),
                         user=values["etcd_user"] or None, password=password)
+
+
+PEER_TLS_FILES = ("peer_cacert", "peer_cert", "peer_key")
+
+
+def _peer_tls(values: dict[str, Any]) -> PeerTlsFiles | None:
+    """--peer-tls and its three files (each required with it, none without it)."""
+    if not values["peer_tls"]:
+        for name in PEER_TLS_FILES:
+            if values[name]:
+                raise ConfigError(f"--{name.replace('_', '-')} needs --peer-tls")
+        return None
+    files = {}
+    for name in PEER_TLS_FILES:
+        flag = "--" + name.replace("_", "-")
+        if not values[name]:
+            raise ConfigError(f"--peer-tls needs {flag} FILE (and --peer-cacert, --peer-cert, "
+                              "--peer-key together)")
+        path = Path(values[name]).absolute()
+        if not path.is_file():
+            raise ConfigError(f"{flag} {values[name]}: no such file")
+        files[name] = str(path)
+    if os.stat(files["peer_key"]).st_mode & 0o077:
+        raise ConfigError(f"--peer-key {values['peer_key']} is readable by others: chmod 600 it")
+    return PeerTlsFiles(files["peer_cacert"], files["peer_cert"], files["peer_key"])
 
 
 def _root_directory(values: dict[str, Any]) -> dict[str, int | None]:

@@ -191,7 +191,27 @@ def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
                      f" {not_in_store(failing, now_ns)}")
     lines += [incomplete_warning(s, now_ns) for s in status["steps"]
               if s["state"] == "incomplete" and s.get("lost")]
-    return lines
+    return lines + failing_peers(status)
+
+
+def peer_state(peer: dict[str, Any]) -> str:
+    """`up`, `up, refused (token)`, `up, refused (TLS)`, `up, unreachable` or `down`
+    (`up`/`down` from a daemon that predates the handshake states)."""
+    return str(peer.get("state") or ("up" if peer["up"] else "down"))
+
+
+def nodes_line(peers: list[dict[str, Any]]) -> str:
+    """`nodes: node1 (10.0.0.2:7070) up; node2 (10.0.0.3:7070) up, refused (token)`."""
+    return "nodes: " + "; ".join(f"{p['node_id']} ({p['addr']}) {peer_state(p)}"
+                                 for p in peers)
+
+
+def failing_peers(status: dict[str, Any]) -> list[str]:
+    """A warning for each live peer whose handshake with this node fails."""
+    return [f"warning: node {p['node_id']} at {p['addr']} is {peer_state(p)}: "
+            f"{p.get('link_error') or 'its peer handshake fails'}; the steps only it holds "
+            f"are not `latest` here until their files can be read"
+            for p in status.get("peers", ()) if peer_state(p).startswith("up, ")]
 
 
 def incomplete_warning(step: Step, now_ns: int) -> str:
@@ -290,11 +310,13 @@ def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:
                 else "goes through the daemon")]
     if status.get("persist"):
         lines.append(persist_line(status["persist"]))
+    if status.get("peers"):
+        lines.append(nodes_line(status["peers"]))
     where = status.get("subtree", ".")
     steps = status["steps"]
     if not steps:
         lines.append("no step directories yet" if where == "." else f"no steps under {where}")
-        return "\n".join(lines)
+        return "\n".join(lines + failing_peers(status))
     own = set(status.get("own_latest", ()))
     lines += table(steps, now_ns, own)
     lines += [run_summary(run, members, now_ns, run in own)

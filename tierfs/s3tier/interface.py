@@ -19,12 +19,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from tierfs import reserved
-from tierfs.fs.fetch import ObjectMissing
+from tierfs.fs.ports import ObjectMissing, TierError
 
 MANIFEST_KEY = reserved.MANIFEST
 
 
-class BackendError(Exception):
+class BackendError(TierError):
+    """A request the store failed (to the file system's ports: a TierError)."""
+
     def __init__(self, message: str, *, temporary: bool) -> None:
         super().__init__(message)
         self.temporary = temporary

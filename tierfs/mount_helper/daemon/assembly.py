@@ -144,7 +144,6 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     pipeline = CommitPipeline(uploader, replicator)
     api = ControlApi(cfg, namespace, uploader, cluster, verifier, pipeline, device,
                      new_store=new_store)
-    serving = True
     metrics = None
     try:
         if cfg.metrics is not None:
@@ -153,13 +152,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             # Background work (hashes, evictions, read-ahead) is cancelled at unmount.
             await nursery.start(namespace.background.run)
             if device is not None:
-                token = trio.lowlevel.current_trio_token()
-
-                def terminate() -> None:
-                    if serving:  # not after pyfuse3.close below
-                        pyfuse3.terminate()
-
-                device.start(on_unmount=lambda: token.run_sync_soon(terminate))
+                nursery.start_soon(device.run, pyfuse3.terminate)
                 nursery.start_soon(_account_direct_writes, namespace)
             if cluster is not None:
                 await cluster.start(nursery)
@@ -187,14 +180,15 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                      cfg.ram_dir, cfg.ram_limit, os.getpid())
             ready.ok()
     finally:
-        serving = False
         pyfuse3.close(unmount=device is None and is_mounted(cfg.mountpoint))
         if device is not None:
             device.close()
         control.remove(cfg.control_socket)
-        if metrics is not None:
-            with trio.CancelScope(shield=True):
+        with trio.CancelScope(shield=True):
+            if metrics is not None:
                 await metrics.aclose()
+            if members is not None:
+                await members.live.etcd.aclose()
 
 
 async def _account_direct_writes(namespace: Namespace) -> None:

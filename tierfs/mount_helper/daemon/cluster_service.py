@@ -13,6 +13,7 @@ import trio
 from tierfs import manifest as mf
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.ram_store import RamStore
+from tierfs.fs.step_versions import StepVersions
 from tierfs.fs.tree_view import TreeView
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon import admission
@@ -29,6 +30,7 @@ from tierfs.replication.coordination.cluster_commit import ClusterCommits
 from tierfs.replication.coordination.commit_records import CommitRecords
 from tierfs.replication.coordination.etcd import Etcd, EtcdError
 from tierfs.replication.coordination.store_record import StoreRecord
+from tierfs.replication.peers import tls as peer_tls
 from tierfs.replication.peers.channel import SENT_TO
 from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.replication.peers.peer_delete import PeerDelete, delete_handler
@@ -51,8 +53,12 @@ def cluster_members(cfg: MountConfig) -> PeerDirectory:
         etcd = Etcd(cfg.cluster.endpoints, security=cfg.cluster.security)
     except EtcdError as exc:  # a TLS file that does not load
         raise StartupError(str(exc)) from None
+    try:
+        tls = peer_tls.load(cfg.peer_tls) if cfg.peer_tls is not None else None
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
     return PeerDirectory(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise),
-                      cfg.token)
+                      cfg.token, tls)
 
 
 class ClusterLinks:
@@ -72,6 +78,7 @@ class ClusterLinks:
                                      view.committed_manifest)
         self.tree = tree
         self.view = view
+        self.versions = StepVersions(tree)
         self.reader = PeerReader(self.directory, view.holders_of, self._file_holders)
         self.verify = PeerVerify(self.directory, self.sealed.placements)
         self.delete = PeerDelete(self.directory)
@@ -99,7 +106,7 @@ class ClusterLinks:
         if record is None or entry is None or record.xxh3 != entry.xxh3:
             return []
         if self.tree.find_step(manifest.path) is step_node:  # not replaced meanwhile
-            self.tree.set_file_holders(step_node, {name: set(record.holders)})
+            self.versions.set_file_holders(step_node, {name: set(record.holders)})
         return list(record.holders)
 
 
@@ -153,7 +160,9 @@ class ClusterNode:
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
         }
-        server = PeerServer(self.cfg.node_id, self.cfg.token, self.directory.ids, handlers)
+        tls = self.directory.tls
+        server = PeerServer(self.cfg.node_id, self.cfg.token, self.directory.ids, handlers,
+                            tls.server if tls else None)
         assert self.cfg.listen is not None
         host, port = self.cfg.listen
         try:
@@ -255,12 +264,15 @@ class ClusterNode:
     async def _admit(self) -> None:
         """Refuse, with one line, a node that could not work as a member (`admission`)."""
         assert self.cfg.advertise is not None and self.cfg.token is not None
+        tls = self.directory.tls.client if self.directory.tls else None
         try:
             await admission.check_reaches_itself(self.cfg.advertise, self.cfg.token,
-                                                 self.cfg.node_id)
+                                                 self.cfg.node_id, tls)
             with trio.move_on_after(CHECK_PATIENCE) as patience:
                 await admission.check_cluster_token(self.live.etcd, self.cfg.cluster,
                                                     self.cfg.token)
+                await admission.check_transport(self.live.etcd, self.cfg.cluster, tls,
+                                                self.cfg.node_id)
         except admission.AdmissionRefused as exc:
             raise StartupError(str(exc)) from None
         except EtcdError as exc:

@@ -157,12 +157,16 @@ class ClusterCommits:
         """After this node committed `manifest`: record the files it holds, drop records of
         files the step no longer has, and write the commit record, so that every node lists
         the step. By `deadline` (trio time; PUBLISH_WAIT from now if None), or
-        `CoordinationUnavailable`; raises EtcdError if etcd refuses it (the caller retries
-        either way)."""
+        `CoordinationUnavailable`, also if etcd refuses it (the caller retries either way)."""
         if deadline is None:
             deadline = trio.current_time() + PUBLISH_WAIT
         with trio.move_on_at(deadline) as scope:
-            await self._publish(manifest, held_here, deadline)
+            try:
+                await self._publish(manifest, held_here, deadline)
+            except EtcdError as exc:
+                raise CoordinationUnavailable(f"etcd refused the commit record of "
+                                              f"{manifest.path} v{manifest.version}: {exc}"
+                                              ) from None
         if scope.cancelled_caught:
             raise CoordinationUnavailable(f"etcd did not take the commit record of "
                                           f"{manifest.path} v{manifest.version} in time")
@@ -268,11 +272,14 @@ class ClusterCommits:
         """This node's copies of these files of `manifest` are gone (found bad and
         quarantined): the records stop counting it as their holder, not as one that left, and
         the step's commit record is touched, so that the other holders restore a copy. Raises
-        EtcdError if etcd does not take it."""
+        CoordinationUnavailable if etcd does not take it."""
         files = {n: e.xxh3 for n in names if (e := manifest.entry(n)) is not None}
-        found = await self.records.drop_holders(manifest.path, self.node_id, files)
-        if found:
-            await self.records.touch_commit(manifest.path)
+        try:
+            found = await self.records.drop_holders(manifest.path, self.node_id, files)
+            if found:
+                await self.records.touch_commit(manifest.path)
+        except EtcdError as exc:
+            raise CoordinationUnavailable(str(exc)) from None
 
     async def drop_lost_copies(self, holds: Callable[[str, str, str], bool],
                                stored: Callable[[str], bool]) -> int:
@@ -493,13 +500,17 @@ class ClusterCommits:
     async def forget(self, step_path: str, version: int, committed_ns: int) -> None:
         """A delete of the step (up to `version`, committed at `committed_ns`): a tombstone,
         then its records leave etcd (not those of a newer version, nor, when the step has no
-        commit record, the seal records of a re-save under way)."""
+        commit record, the seal records of a re-save under way). CoordinationUnavailable while
+        etcd does not take it."""
         deletion = Deletion(step_path, version, committed_ns)
-        record = await self.records.commit_of(step_path)
-        if record is None:
-            await self.records.add_tombstone(deletion)
-        elif record.version <= version:
-            await self.records.delete_step(deletion)
+        try:
+            record = await self.records.commit_of(step_path)
+            if record is None:
+                await self.records.add_tombstone(deletion)
+            elif record.version <= version:
+                await self.records.delete_step(deletion)
+        except EtcdError as exc:
+            raise CoordinationUnavailable(str(exc)) from None
 
 
 def _covers(deletion: Deletion | None, manifest: mf.StepManifest) -> bool:

@@ -29,6 +29,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 import trio
 
+from tierfs.replication.certificates import dates_problem
 from tierfs.replication.coordination.url import (  # noqa: F401  (re-exported: the etcd layer's one import)
     ClusterUrl,
     ClusterUrlError,
@@ -50,7 +51,8 @@ MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 # Bytes of keys and values per transaction: etcd refuses requests over --max-request-bytes
 # (1.5 MiB by default; the gateway sees them base64-encoded, 4/3 larger).
 MAX_TXN_BYTES = 768 << 10
-POOL_SIZE = 40  # connections kept to etcd (a few calls in flight at once, plus watches)
+POOL_SIZE = 40  # connections kept to etcd for calls (watches have a pool of their own)
+WATCH_POOL_SIZE = 16  # streams open at once (a daemon follows a handful of prefixes)
 RETRY_FIRST_DELAY = 0.05
 RETRY_MAX_DELAY = 1.0  # short: commits must resume within about a second of etcd coming back
 
@@ -160,11 +162,17 @@ class Etcd:
         self._urls = [f"{scheme}://{endpoint}/v3/" for endpoint in self.endpoints]
         self._security = security
         self._auth_token: str | None = None
-        self._http = httpx.AsyncClient(
-            verify=_ssl_context(security) if security.tls else True,
-            trust_env=False,  # never route etcd through an environment proxy
-            timeout=timeout, limits=httpx.Limits(max_connections=POOL_SIZE,
-                                                 max_keepalive_connections=POOL_SIZE))
+        self._auth_lock = trio.Lock()  # one token fetched at a time, shared by every call
+        verify = _ssl_context(security) if security.tls else True
+        # Watches are streams held open for minutes: in the calls' pool, a few of them would
+        # leave the calls waiting for a connection (a PoolTimeout, taken for etcd down).
+        self._http, self._watch_http = (
+            httpx.AsyncClient(verify=verify,
+                              trust_env=False,  # never route etcd through an environment proxy
+                              timeout=timeout,
+                              limits=httpx.Limits(max_connections=size,
+                                                  max_keepalive_connections=size))
+            for size in (POOL_SIZE, WATCH_POOL_SIZE))
         self.timeout = timeout  # seconds per request
         self._preferred = 0  # the endpoint that answered last: tried first
         # Why no endpoint answered the last request that failed so (None once one answers):
@@ -360,16 +368,23 @@ class Etcd:
         return await self._post(path, payload, await self._headers())
 
     async def _headers(self) -> dict[str, str]:
-        """The auth token etcd gave for the user and password, fetched when there is none."""
+        """The auth token etcd gave for the user and password, fetched when there is none
+        (by one caller: the others wait for it rather than each asking for a token)."""
         security = self._security
         if security.user is None:
             return {}
-        if self._auth_token is None:
-            reply = await self._post("auth/authenticate", {"name": security.user,
-                                                           "password": security.password or ""},
-                                     {})
-            self._auth_token = str(reply.get("token", ""))
-        return {"Authorization": self._auth_token}
+        async with self._auth_lock:
+            if self._auth_token is None:
+                reply = await self._post("auth/authenticate",
+                                         {"name": security.user,
+                                          "password": security.password or ""}, {})
+                self._auth_token = str(reply.get("token", ""))
+            return {"Authorization": self._auth_token}
+
+    async def aclose(self) -> None:
+        """Close the connections to etcd (the client is not used after)."""
+        await self._http.aclose()
+        await self._watch_http.aclose()
 
     def _auth_expired(self, exc: EtcdError) -> bool:
         return self._security.user is not None and (
@@ -440,7 +455,7 @@ class Etcd:
         url = self._urls[self._preferred] + "watch"
         try:
             headers = await self._headers()
-            async with self._http.stream(
+            async with self._watch_http.stream(
                     "POST", url, json=request, headers=headers,
                     timeout=httpx.Timeout(self.timeout, read=WATCH_IDLE_REOPEN)) as response:
                 if response.status_code != 200:
@@ -497,6 +512,8 @@ def _ssl_context(security: EtcdSecurity) -> ssl.SSLContext:
             context.load_cert_chain(security.cert, security.key)
     except (OSError, ssl.SSLError) as exc:
         raise EtcdError(f"cannot load the etcd TLS files: {exc}") from None
+    if security.cert and (problem := dates_problem(security.cert, "--etcd-cert")):
+        raise EtcdError(problem)  # etcd would only answer `bad certificate`
     return context
 
 

@@ -8,6 +8,7 @@ import contextlib
 import os
 import select
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Container, Iterable, Iterator
 from typing import Any
@@ -36,8 +37,29 @@ class AuthError(proto.ProtocolError):
     """The peer does not know the token, or is not a member of the cluster."""
 
 
+class TokenRefused(AuthError):
+    """The peer's proof of the token is wrong: the two nodes were given different tokens."""
+
+
+class TlsRefused(proto.ProtocolError):
+    """The TLS handshake failed (`--peer-tls`): a certificate not of the cluster's CA at
+    either end, or one end without TLS."""
+
+
+def tls_failure(exc: BaseException) -> str | None:
+    """Why TLS failed, if `exc` (a trio error wrapping an SSLError) says it did."""
+    cause = exc if isinstance(exc, ssl.SSLError) else exc.__cause__ or exc.__context__
+    if not isinstance(cause, ssl.SSLError):
+        return None
+    return str(cause.reason or cause).lower().replace("_", " ")
+
+
 class ConnectionClosed(proto.ProtocolError):
     """The peer closed the connection cleanly, between messages or within one."""
+
+
+class ConnectionLost(proto.ProtocolError):
+    """The connection broke (reset, or cut) under a send or a receive."""
 
 
 @contextlib.contextmanager
@@ -45,7 +67,9 @@ def _connection_errors() -> Iterator[None]:
     try:
         yield
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-        raise proto.ProtocolError(f"connection lost: {exc or type(exc).__name__}") from None
+        if (why := tls_failure(exc)) is not None:  # a TLS alert: the peer refused this end
+            raise TlsRefused(f"TLS refused: {why}") from None
+        raise ConnectionLost(f"connection lost: {exc or type(exc).__name__}") from None
 
 
 class PeerChannel:
@@ -235,6 +259,9 @@ class PeerChannel:
 
     async def aclose(self) -> None:
         self._broken = True
+        if isinstance(self.stream, trio.SSLStream):  # no close_notify to wait for: frames
+            await trio.aclose_forcefully(self.stream)  # are counted and MAC'd
+            return
         with trio.CancelScope(shield=True):  # closing must happen even in a cancelled task
             await self.stream.aclose()
 
@@ -334,21 +361,40 @@ async def authenticate(channel: PeerChannel, token: bytes, my_id: str,
     await channel.send("PROOF", mac=proto.proof(token, hello["nonce"], my_id, peer))
     answer = await channel.receive("PROOF")
     if not proto.check_proof(token, nonce, peer, my_id, answer["mac"]):
-        raise AuthError(f"node {peer!r} does not know the cluster token")
+        raise TokenRefused(f"node {peer!r} does not know the cluster token")
     channel.authenticated(
         peer, send_key=proto.frame_key(token, my_id, peer, nonce, hello["nonce"]),
         receive_key=proto.frame_key(token, peer, my_id, hello["nonce"], nonce))
     return peer
 
 
-async def connect(host: str, port: int, token: bytes, my_id: str, members: Container[str],
-                  peer_id: str) -> PeerChannel:
-    """An authenticated channel to `peer_id` at host:port (OSError or ProtocolError if not;
-    trio.TooSlowError if the connection is not made in CONNECT_TIMEOUT). `peer_id` may be
-    `my_id` (a node checking that it reaches itself)."""
+async def open_stream(host: str, port: int, tls: ssl.SSLContext | None = None
+                      ) -> trio.abc.Stream:
+    """A connection to a peer port, in TLS if `tls` (`--peer-tls`): OSError, TlsRefused, or
+    trio.TooSlowError if it is not made in CONNECT_TIMEOUT."""
     with trio.fail_after(CONNECT_TIMEOUT):
         stream = await trio.open_tcp_stream(host, port)
-    channel = PeerChannel(stream)
+        if tls is None:
+            return stream
+        secure = trio.SSLStream(stream, tls, https_compatible=True)  # see server._secure
+        try:
+            await secure.do_handshake()
+        except BaseException as exc:
+            await trio.aclose_forcefully(stream)
+            if isinstance(exc, trio.BrokenResourceError):
+                why = tls_failure(exc)
+                raise TlsRefused(f"TLS handshake failed: {why or exc.__cause__ or exc}") \
+                    from None
+            raise
+        return secure
+
+
+async def connect(host: str, port: int, token: bytes, my_id: str, members: Container[str],
+                  peer_id: str, tls: ssl.SSLContext | None = None) -> PeerChannel:
+    """An authenticated channel to `peer_id` at host:port (OSError or ProtocolError if not;
+    trio.TooSlowError if the connection is not made in CONNECT_TIMEOUT), in TLS if `tls`.
+    `peer_id` may be `my_id` (a node checking that it reaches itself)."""
+    channel = PeerChannel(await open_stream(host, port, tls))
     try:
         await authenticate(channel, token, my_id, members, expected_peer=peer_id,
                            allow_self=peer_id == my_id)

@@ -18,8 +18,11 @@ from dataclasses import dataclass
 import trio
 
 from tierfs.replication.coordination import membership as live_members
+from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel, connect
+from tierfs.replication.peers.handshakes import OK, PeerLinks
 from tierfs.replication.peers.pool import SWEEP_EVERY, PeerPool
+from tierfs.replication.peers.tls import PeerTls
 
 
 @dataclass
@@ -50,13 +53,16 @@ class LiveIds:
 class PeerDirectory:
     """The members of the cluster for this node's peer connections."""
 
-    def __init__(self, live: live_members.Membership, token: bytes) -> None:
+    def __init__(self, live: live_members.Membership, token: bytes,
+                 tls: PeerTls | None = None) -> None:
         self.live = live
         self.me = live.node_id
         self.token = token
+        self.tls = tls  # --peer-tls: every connection in TLS, both ways
         self.ids = LiveIds(live)
         self._seen: dict[str, str] = {}  # every node seen since start: node id -> address
         self.pool = PeerPool(self.connect)
+        self.links = PeerLinks(self._probe)  # whether each member's handshake succeeds
 
     @property
     def changed(self) -> trio.Event:
@@ -80,13 +86,17 @@ class PeerDirectory:
 
     def may_be_up(self, node_id: str) -> bool:
         """Live, or gone so recently that it may be registering again (`admits`), or not seen
-        yet while this node itself is just starting (a cluster starting together)."""
+        yet while this node itself is just starting (a cluster starting together); and not a
+        member whose peer handshake fails (`handshakes`): its copies cannot be read."""
+        info = self.live.admitted.get(node_id)
+        if info is not None and self.links.failing(node_id, info.address):
+            return False
         return self.live.admits(node_id) or self.live.starting
 
     @property
     def generation(self) -> int:
         """Changes whenever `is_up` or `may_be_up` may answer otherwise."""
-        return self.live.generation
+        return self.live.generation + self.links.generation
 
     def _member(self, node_id: str) -> Member:
         info = self.live.admitted.get(node_id)
@@ -98,7 +108,18 @@ class PeerDirectory:
         """A new authenticated channel to a live member (OSError if it is not one), for the
         caller to close."""
         member = self._member(node_id)
-        return await connect(member.host, member.port, self.token, self.me, self.ids, node_id)
+        try:
+            return await connect(member.host, member.port, self.token, self.me, self.ids,
+                                 node_id, self.tls.client if self.tls else None)
+        except (OSError, proto.ProtocolError, trio.TooSlowError):
+            self.links.check_soon(node_id)  # is its handshake failing for good?
+            raise
+
+    async def _probe(self, node_id: str) -> None:
+        """A PING to a live member (`links`), on a connection of the pool: a new one proves
+        the handshake, and then serves the requests that follow."""
+        async with self.channel(node_id) as channel:
+            await channel.request("PING", node_id=self.me, expect="PONG")
 
     @contextlib.asynccontextmanager
     async def channel(self, node_id: str) -> AsyncIterator[PeerChannel]:
@@ -112,17 +133,36 @@ class PeerDirectory:
 
     async def run(self) -> None:
         """Keep the pool tidy: idle connections close before the peer's server drops them,
-        and at once when their peer leaves; all of them close when this task ends."""
-        try:
-            while True:
-                with trio.move_on_after(SWEEP_EVERY):
-                    await self.changed.wait()
-                await self.pool.sweep(self._live_keys())
-        finally:
-            await self.pool.aclose()
+        and at once when their peer leaves; all of them close when this task ends. Meanwhile,
+        probe each member's handshake (`links`)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.links.run, self._others, lambda: self.live.changed)
+            try:
+                while True:
+                    with trio.move_on_after(SWEEP_EVERY):
+                        await self.changed.wait()
+                    await self.pool.sweep(self._live_keys())
+            finally:
+                await self.pool.aclose()
+
+    def _others(self) -> dict[str, str]:
+        return {node_id: info.address for node_id, info in self.live.members.items()
+                if node_id != self.me}
 
     def _live_keys(self) -> set[tuple[str, str]]:
         return {(node_id, info.address) for node_id, info in self.live.admitted.items()}
 
     def status(self) -> list[dict[str, object]]:
-        return [{"node_id": m.node_id, "addr": m.addr, "up": m.up} for m in self.peers]
+        """Each peer: `state` is `up`, `up, refused (token)`, `up, refused (TLS)`,
+        `up, unreachable` or `down`; `link_error` says why a live one's handshake fails."""
+        return [{"node_id": m.node_id, "addr": m.addr, "up": m.up, **self._link(m)}
+                for m in self.peers]
+
+    def _link(self, member: Member) -> dict[str, str]:
+        if not member.up:
+            return {"state": "down"}
+        state = self.links.state(member.node_id, member.addr)
+        if state == OK:
+            return {"state": "up"}
+        return {"state": f"up, {state}",
+                "link_error": self.links.error(member.node_id, member.addr)}

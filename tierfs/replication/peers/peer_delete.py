@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import trio
+
 from tierfs.fs.deletes import Tombstone
+from tierfs.fs.ports import TierError
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel
 from tierfs.replication.peers.directory import PeerDirectory
@@ -20,12 +23,15 @@ class PeerDelete:
         self.directory = directory
 
     async def delete(self, tomb: Tombstone, node_id: str) -> None:
-        """Have `node_id` drop the deleted step; raises while it cannot be reached."""
+        """Have `node_id` drop the deleted step; TierError while it cannot be reached."""
         if node_id not in self.directory.ids:
             return  # no longer a member of the cluster: nothing to clean there
-        async with self.directory.channel(node_id) as channel:
-            await channel.request("DELETE", path=tomb.path, version=tomb.version,
-                                  committed_ns=tomb.committed_ns)
+        try:
+            async with self.directory.channel(node_id) as channel:
+                await channel.request("DELETE", path=tomb.path, version=tomb.version,
+                                      committed_ns=tomb.committed_ns)
+        except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
+            raise TierError(f"{node_id}: {exc or 'timed out'}") from exc
 
 
 def delete_handler(apply: ApplyDelete) -> Callable[[proto.Message, PeerChannel],

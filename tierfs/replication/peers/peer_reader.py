@@ -14,6 +14,7 @@ from typing import Any
 import trio
 
 from tierfs import manifest as mf
+from tierfs.fs.ports import TierError
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers import sources
 from tierfs.replication.peers.channel import PeerChannel
@@ -63,7 +64,7 @@ class PeerReader:
             if self._refresh is None:
                 break
             holders = await self._refresh(step_path, entry.name)
-        raise proto.ProtocolError("; ".join(failures) or "no peer holds it")
+        raise TierError("; ".join(failures) or "no peer holds it")
 
     async def _read_from(self, holders: list[str], step_path: str, entry: mf.FileEntry,
                          offset: int, length: int, into: memoryview | None,

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import trio
+
 from tierfs import manifest as mf
+from tierfs.fs.ports import TierError
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel
@@ -36,12 +39,17 @@ class PeerVerify:
 
     async def verify(self, node_id: str, step_path: str, entry: mf.FileEntry,
                      repair: bool) -> str:
-        async with self.directory.channel(node_id) as channel:
-            await channel.send("VERIFY", path=step_path, name=entry.name, xxh3=entry.xxh3,
-                               repair=repair)
-            reply = await channel.receive("VERIFIED", timeout=VERIFY_TIMEOUT)
+        """The state of `node_id`'s copy (`fs.ports.PeerCopies`); TierError if the peer
+        cannot be reached, does not answer in time or answers wrongly."""
+        try:
+            async with self.directory.channel(node_id) as channel:
+                await channel.send("VERIFY", path=step_path, name=entry.name, xxh3=entry.xxh3,
+                                   repair=repair)
+                reply = await channel.receive("VERIFIED", timeout=VERIFY_TIMEOUT)
+        except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
+            raise TierError(f"{node_id}: {exc or 'timed out'}") from exc
         if reply["state"] not in STATES:
-            raise proto.ProtocolError(f"VERIFIED with an unknown state {reply['state']!r}")
+            raise TierError(f"{node_id}: VERIFIED with an unknown state {reply['state']!r}")
         return reply["state"]
 
 

@@ -5,12 +5,19 @@ line; whatever happens on one connection, the daemon keeps serving."""
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Container
 
 import trio
 
 from tierfs.replication.peers import protocol as proto
-from tierfs.replication.peers.channel import ConnectionClosed, PeerChannel, authenticate
+from tierfs.replication.peers.channel import (
+    IO_TIMEOUT,
+    ConnectionClosed,
+    PeerChannel,
+    authenticate,
+    tls_failure,
+)
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +27,9 @@ Handler = Callable[[proto.Message, PeerChannel], Awaitable[None]]
 
 class PeerServer:
     def __init__(self, me: str, token: bytes, members: Container[str],
-                 handlers: dict[str, Handler]) -> None:
+                 handlers: dict[str, Handler], tls: ssl.SSLContext | None = None) -> None:
         self.me = me
+        self.tls = tls  # --peer-tls: every connection is TLS, with a certificate of the CA
         self.token = token
         self.members = members
         self.handlers = {"PING": self._pong, **handlers}
@@ -38,11 +46,15 @@ class PeerServer:
             where = f"{host}:{port}"
         except OSError:
             where = "?"
-        channel = PeerChannel(stream)
+        channel = None
         try:
             async with stream:
-                await authenticate(channel, self.token, self.me, self.members,
-                                   allow_self=True)
+                channel = PeerChannel(await self._secure(stream, where))
+                try:
+                    await authenticate(channel, self.token, self.me, self.members,
+                                       allow_self=True)
+                except ConnectionClosed:  # before a word (a check of this port): no fault
+                    return
                 while True:
                     try:
                         message = await channel.receive(timeout=IDLE_TIMEOUT)
@@ -56,11 +68,36 @@ class PeerServer:
                     if handler is None:
                         raise proto.ProtocolError(f"unexpected {message.type}")
                     await handler(message, channel)
+        except _Refused:
+            return
         except (proto.ProtocolError, trio.TooSlowError) as exc:
-            log.warning("peer connection from %s (%s) dropped: %s", where, channel.peer_id,
-                        exc or "timed out")
+            log.warning("peer connection from %s (%s) dropped: %s", where,
+                        channel.peer_id if channel else "?", exc or "timed out")
         except Exception:
-            log.exception("peer connection from %s (%s) failed", where, channel.peer_id)
+            log.exception("peer connection from %s (%s) failed", where,
+                          channel.peer_id if channel else "?")
+
+    async def _secure(self, stream: trio.SocketStream, where: str) -> trio.abc.Stream:
+        """The connection as the protocol runs over it: in TLS with --peer-tls (_Refused,
+        logged, if its handshake fails)."""
+        if self.tls is None:
+            return stream
+        # https_compatible: a peer's close without TLS's close_notify is an end like a TCP
+        # close (pooled connections are closed so), not an error; the framing and every
+        # frame's MAC tell a cut frame from a whole one
+        secure = trio.SSLStream(stream, self.tls, server_side=True, https_compatible=True)
+        try:
+            with trio.fail_after(IO_TIMEOUT):
+                await secure.do_handshake()
+        except (trio.BrokenResourceError, trio.TooSlowError) as exc:
+            log.warning("peer connection from %s refused: TLS handshake failed: %s", where,
+                        tls_failure(exc) or exc.__cause__ or "timed out")
+            raise _Refused from None
+        return secure
 
     async def _pong(self, message: proto.Message, channel: PeerChannel) -> None:
         await channel.send("PONG", node_id=self.me)
+
+
+class _Refused(Exception):
+    """A connection refused before the protocol (logged where it was)."""

@@ -1,0 +1,298 @@
+"""The tree's changes that the other tiers drive: a step version committed elsewhere installed
+here, joined (multi-node DCP), superseded by a newer one or forgotten, and which tiers hold a
+version (persisted, retired, its replicas and holders, per-file holders), each recorded on disk
+before it counts. Part of the tree's core: with `Tree` the only code that changes nodes and
+step state, by the same rules (see `fs.tree`): each change is one synchronous method."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+
+from tierfs import layout
+from tierfs import manifest as mf
+from tierfs.fs.fetch import RemoteFile
+from tierfs.fs.nodes import LATEST, PEERS_MARK, REPLICAS_MARK, Node, StepState
+from tierfs.fs.tree import Tree
+
+log = logging.getLogger(__name__)
+
+
+class StepVersions:
+    """The step-version changes of one mount's tree (see the module docstring)."""
+
+    def __init__(self, tree: Tree) -> None:
+        self.tree = tree
+
+    # -- which tiers hold a version ----------------------------------------------------------
+
+    def set_persisted(self, step_node: Node, version: int, *, recorded: bool = False) -> None:
+        """This version of the step is in the persistent tier (recorded on disk first, unless
+        `write_persist_mark` did already). Its files not in RAM are read from there from now
+        on, under its own name (a renamed step's were read from the old name until now)."""
+        if not recorded:
+            self.write_persist_mark(step_node, version)
+        step = step_node.step
+        step.persisted_version = version
+        if step.manifest is None or step.manifest.version != version:
+            return
+        data_dir = self.tree.data_dir(step)
+        for rel, node in self.tree.files_under(step_node):
+            entry = step.manifest.entry(rel)
+            if node.remote is not None and entry is not None:
+                node.remote = RemoteFile(data_dir, entry, True)
+
+    def write_persist_mark(self, step_node: Node, version: int) -> None:
+        records = self.tree.records
+        records.write_persist_mark(self.tree.records_path(step_node), version, "persisted")
+
+    def set_retired(self, step_node: Node, version: int) -> None:
+        """Retention removed this version from the persistent tier: never upload it again."""
+        self.tree.records.write_persist_mark(self.tree.records_path(step_node), version, "retired")
+        step_node.step.persisted_version = 0
+        step_node.step.retired_version = version
+
+    def add_replica(self, step_node: Node, peer: str) -> None:
+        step_node.step.replicas.add(peer)
+        self._write_node_list(step_node, REPLICAS_MARK, step_node.step.replicas)
+
+    def set_holders(self, step_node: Node, holders: set[str], *, record: bool) -> None:
+        """Peers that hold files of this version (etcd); `record`ed on disk for a restart."""
+        step_node.step.holders = set(holders)
+        if record:
+            self._write_node_list(step_node, PEERS_MARK, step_node.step.holders)
+
+    def add_holder(self, step_node: Node, peer: str) -> None:
+        step_node.step.holders.add(peer)
+
+    def _write_node_list(self, step_node: Node, mark: bytes, nodes: set[str]) -> None:
+        self.tree.records.write_node_list(self.tree.records_path(step_node), mark,
+                                     step_node.step.manifest.version, nodes)
+
+    def write_peers_mark(self, step_node: Node, version: int, holders: set[str]) -> None:
+        self.tree.records.write_node_list(self.tree.records_path(step_node), PEERS_MARK, version,
+                                     holders)
+
+    def set_file_holders(self, step_node: Node, holders: dict[str, set[str]],
+                         writers: dict[str, str] | None = None) -> None:
+        """Who holds (and who wrote) these files of the committed version, as the cluster's
+        records say."""
+        step = step_node.step
+        for name, nodes in holders.items():
+            if step.manifest.entry(name) is not None:
+                step.file_holders[name] = set(nodes) - {self.tree.node_id}
+        for name, writer in (writers or {}).items():
+            if step.manifest.entry(name) is not None:
+                step.file_writers[name] = writer
+
+    def add_file_holder(self, step_node: Node, peer: str, names: list[str]) -> None:
+        """`peer` holds verified copies of these files; once it holds every file of the step
+        it counts as a replica of the step (recorded on disk for a restart)."""
+        step = step_node.step
+        for name in names:  # until the records are read again, at least `peer` (never more)
+            step.file_holders.setdefault(name, set()).add(peer)
+        if peer != self.tree.node_id and peer not in step.replicas and all(
+                peer in step.file_holders.get(e.name, ()) for e in step.manifest.files):
+            self.add_replica(step_node, peer)
+
+    # -- versions arriving and leaving ---------------------------------------------------------
+
+    def install_step(self, manifest: mf.StepManifest, source: str) -> Node | None:
+        """The directories of a step committed elsewhere, and its manifest, written first."""
+        if manifest.single_file:
+            return self._install_single_file(manifest, source)
+        parent = self.tree.root
+        for part in map(os.fsencode, manifest.path.split("/")):
+            child = parent.children.get(part)
+            if child is None:
+                os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
+                child = self.tree.attach(parent, part, stat.S_IFDIR)
+                number = self.tree.step_number_at(parent, part)
+                if number is not None:
+                    child.step = StepState(number)
+            elif not child.is_dir:
+                log.warning("step %s from %s is hidden by a file here", manifest.path, source)
+                return None
+            parent = child
+        step = self.tree.step_of(parent)
+        if step is None or step.manifest is not None or parent.children:
+            log.warning("step %s from %s does not fit this namespace (step pattern, or a "
+                        "directory of that name in use)", manifest.path, source)
+            return None
+        self.tree.records.write_manifest(self.tree.records_path(parent), manifest)
+        step.manifest = manifest
+        step.dirty = False
+        step.resident = set()
+        return parent
+
+    def _install_single_file(self, manifest: mf.StepManifest, source: str) -> Node | None:
+        """A single-file step committed elsewhere: its directories (none of them a step),
+        its file's node (whose bytes the caller places) and its records, written first."""
+        *dirs, name = manifest.path.split("/")
+        parent = self.tree.root
+        for part in map(os.fsencode, dirs):
+            child = parent.children.get(part)
+            if child is None:
+                if self.tree.step_number_at(parent, part) is not None:
+                    break
+                os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
+                child = self.tree.attach(parent, part, stat.S_IFDIR)
+            elif not child.is_dir or child.step is not None:
+                break
+            parent = child
+        else:
+            file_name = os.fsencode(name)
+            state = (None if file_name in parent.children
+                     else self.tree.single_file_step(parent, file_name))
+            if state is not None:
+                if file_name == LATEST:
+                    self.tree.keep_own_latest(parent)  # a saver's own `latest`, from another tier
+                node = self.tree.attach(parent, file_name, stat.S_IFREG)
+                node.step = state
+                self.tree.records.write_manifest(self.tree.records_path(node), manifest)
+                state.manifest = manifest
+                state.dirty = False
+                state.resident = set()
+                return node
+        log.warning("file %s from %s does not fit this namespace (a step directory or a "
+                    "file of that name in use)", manifest.path, source)
+        return None
+
+    def join_commit(self, step_node: Node, manifest: mf.StepManifest, others: set[str]) -> bool:
+        """Another node committed this step (multi-node DCP) while ranks here wrote some of
+        its files: if every file written here is sealed with the content the manifest names,
+        this node's copy is committed as the same version; otherwise it stays `writing`
+        (False). Files of an older committed version that were not written here since (held
+        elsewhere, perhaps by nobody now, or a copy held here: a step saved again, also under
+        an old name) are no part of the question: the new manifest says what they are now."""
+        step = step_node.step
+        files = list(self.tree.files_under(step_node))
+        unchanged = self.tree.unchanged_since_commit
+        old = [(rel, node) for rel, node in files if unchanged(step, rel, node)]
+        local = [(rel, node) for rel, node in files
+                 if node.remote is None and (rel, node) not in old]
+        for rel, node in local:
+            entry = manifest.entry(rel)
+            why = ("is not in it" if entry is None else "is being written" if
+                   node.active_writers else "is not sealed yet" if node.seal is None else
+                   "has other content" if node.seal.digest.xxh3 != entry.xxh3 else None)
+            if why is not None:
+                log.warning("%s here differs from the version %s committed (its %s here %s): "
+                            "kept as writing", self.tree.relpath(step_node),
+                            ", ".join(sorted(others)), rel, why)
+                return False
+        stale = [(rel, node) for rel, node in old
+                 if (entry := manifest.entry(rel)) is None or entry.xxh3 != node.seal.digest.xxh3]
+        if any(node.handles or (node.fetch is not None and node.fetch.busy)
+               for _rel, node in stale):
+            log.info("%s v%d committed on %s: it joins once its older files here are closed",
+                     manifest.path, manifest.version, ", ".join(sorted(others)))
+            return False
+        local += [found for found in old if found not in stale]  # saved again as they were
+        for rel, node in stale:  # the new version's file is elsewhere, or not in it
+            self.tree.evict_file(step, step.manifest.entry(rel), node)
+        for rel, node in files:
+            if node.remote is not None:  # of the older version: its bytes are not the new ones
+                self.tree.drop_fetch(node)
+                if manifest.entry(rel) is None:
+                    self.tree.detach(node)
+        self.tree.records.write_manifest(self.tree.records_path(step_node), manifest)
+        self.tree.drop_resident_refs(step)
+        for rel, node in local:
+            self.tree.store.add_ref(manifest.entry(rel).xxh3, self.tree.backing(node))
+        step.manifest = manifest
+        step.resident = {rel for rel, _node in local}
+        step.dirty = False
+        step.commit_pending = False
+        step.holders = others
+        step.replicas = set()  # who held copies of an older version holds none of this one
+        step.file_holders = {}
+        step.file_writers = {}
+        self._write_node_list(step_node, PEERS_MARK, others)
+        self.tree.add_remote_files(step_node, [e for e in manifest.files
+                                          if e.name not in step.resident])
+        log.info("%s v%d committed on %s; this node holds %d of its files", manifest.path,
+                 manifest.version, ", ".join(sorted(others)), len(local))
+        return True
+
+    def supersede(self, step_node: Node, manifest: mf.StepManifest, source: str, *,
+                  release: bool) -> list[str]:
+        """A newer version of a step committed elsewhere replaces the older committed version
+        held here (the caller checked that nothing here writes, commits or reads it, and
+        recorded where the new files are). The new manifest replaces the old one on disk, then
+        the old files leave the tree. The old version's object digests are released here
+        (`release`) or returned for the caller to release once the new version holds its own
+        references (objects both versions share must stay)."""
+        step = step_node.step
+        old = step.manifest
+        self.tree.records.write_manifest(self.tree.records_path(step_node), manifest)
+        old_refs = [old.entry(name).xxh3 for name in step.resident]
+        for _rel, node in list(self.tree.files_under(step_node)):
+            if node.remote is None:
+                self.tree.unlink_backing(self.tree.backing(node), node)
+            self.tree.drop_fetch(node)
+            if node is step_node:  # a single-file step: the node stays, its bytes are elsewhere
+                node.remote = RemoteFile(layout.data_dir(manifest.path, True), manifest.files[0])
+                node.seal = None
+            else:
+                self.tree.detach(node)
+        step.manifest = manifest
+        step.resident = set()
+        step.replicas = set()
+        step.holders = set()
+        step.file_holders = {}
+        step.file_writers = {}
+        step.persisted_version = 0
+        step.retired_version = 0
+        log.warning("%s v%d here is superseded by v%d from %s", manifest.path,
+                    old.version, manifest.version, source)
+        if release:
+            self.release_refs(old_refs)
+            return []
+        return old_refs
+
+    def release_refs(self, digests: list[str]) -> None:
+        for digest in digests:
+            self.tree.store.drop_ref(digest)
+
+    def forget_step(self, step_node: Node) -> bytes:
+        """The step leaves the tree and the RAM store at once; its directory is renamed aside
+        (to a temporary name at the top of the tree: a short path, and start-up removes it if
+        a crash comes first) and returned, for the caller to remove off the trio thread. A
+        single-file step sets its records directory aside so, and its file goes."""
+        if step_node.is_file:
+            records = self.tree.records_path(step_node)
+            if step_node.remote is None:
+                self.tree.unlink_backing(self.tree.backing(step_node), step_node)
+            self.tree.drop_fetch(step_node)
+            self.tree.drop_resident_refs(step_node.step)
+            aside = self.tree.store.tmp_path(self.tree.tree_path)
+            os.rename(records, aside)
+            self.tree.detach(step_node)
+            return aside
+        for _rel, node in list(self.tree.files_under(step_node)):
+            if node.remote is None:
+                self.tree.unlink_backing(self.tree.backing(node), node)
+            self.tree.drop_fetch(node)
+            self.tree.detach(node)
+        self.tree.drop_resident_refs(step_node.step)
+        path = self.tree.backing(step_node)
+        aside = self.tree.store.tmp_path(self.tree.tree_path)
+        os.rename(path, aside)
+        self._detach_tree(step_node)
+        return aside
+
+    def _detach_tree(self, node: Node) -> None:
+        for child in list((node.children or {}).values()):
+            self._detach_tree(child)
+        self.tree.detach(node)
+
+    def drop_remote_files(self, step_node: Node) -> None:
+        """A step being re-saved here whose committed version was deleted elsewhere: the
+        files at hand stay, as a step that is not committed."""
+        for _rel, child in list(self.tree.files_under(step_node)):
+            if child.remote is not None:
+                self.tree.drop_fetch(child)
+                self.tree.detach(child)
+        self.tree.remove_hidden(step_node, self.tree.backing(step_node))
