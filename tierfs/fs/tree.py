@@ -45,6 +45,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
+from tierfs.fs import appends
 from tierfs.fs import links as symlinks
 from tierfs.fs.fetch import Fetch, RemoteFile, apply_attributes
 from tierfs.fs.latest_pins import LatestPins
@@ -1191,6 +1192,10 @@ class Tree:
                 continue
             entries.append(mf.entry_from_stat(rel, node.seal.digest,
                                               os.lstat(self.backing(node))))
+        if step.number is None and step_node.is_file and files and files[0][1].remote is None:
+            node = files[0][1]  # a loose file: appended, only its new bytes go (fs.appends)
+            entries = [appends.lay_out(old, step_path, entries[0],
+                                       copies.get(node) or self.backing(node))]
         if (old is not None and old.path == step_path and old.step == number
                 and (old.same_entries(entries) if step.attributes_changed else
                      old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries))))):
