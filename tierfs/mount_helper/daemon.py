@@ -319,7 +319,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
                           replicas=cfg.replicas, events=events,
-                          commit_timeout=cfg.commit_timeout,
+                          commit_timeout=cfg.commit_timeout, append_every=cfg.append_every,
                           copies_wait=links.wait_for_copies if links and cfg.sync_replicas
                           else None)
     verifier = namespace.verifier
@@ -373,6 +373,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             nursery.start_soon(_verify_then_send, namespace, uploader, cluster)
             nursery.start_soon(_retry_pending_commits, namespace)
             nursery.start_soon(namespace.quiet.run)
+            if cfg.append_every:
+                nursery.start_soon(namespace.appends.run)
             nursery.start_soon(_delete_worker(namespace, uploader, cluster).run)
             if uploader is not None:
                 nursery.start_soon(_store_links, namespace.tree, uploader)
@@ -968,6 +970,8 @@ class Daemon:
             return None
         waiting = self._persist_waiting()
         return {"url": self.uploader.backend.url, "new_store": self.new_store,
+                "sent_bytes": self.uploader.bytes_sent,
+                "copied_bytes": self.uploader.bytes_copied,
                 "every": self.cfg.persist_every,
                 "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
                 "pending_bytes": sum(m.total_bytes for m in waiting)}
