@@ -52,6 +52,11 @@ def as_a_person_reads_it(s3: SeaweedS3, bucket: str, name: str) -> bytes:
     return data[:manifest.files[0].size]
 
 
+def stored_version(s3: SeaweedS3, bucket: str, name: str) -> int:
+    manifest = stored_manifest(s3, bucket, name)
+    return 0 if manifest is None else manifest.version
+
+
 def persisted_version(mnt: Mount, path: str) -> int:
     step = mnt.step(path)
     return step["version"] if step is not None and step["persisted"] else 0
@@ -168,3 +173,22 @@ def test_append_every_is_a_number_of_seconds_or_0(tmp_path: Path) -> None:
     result = tierfs("mount", str(tmp_path), "--append-every", "soon", check=False)
     assert result.returncode != 0
     assert "--append-every must be a number of seconds" in result.stderr
+
+
+def test_a_daemon_killed_after_appends_keeps_them_and_commits_them(
+        mounts: MountFactory, s3_server: SeaweedS3, bucket: str,
+        s3_env: dict[str, str]) -> None:
+    options = persist_args(s3_server, bucket, "--commit-idle", "60", "--append-every", "1")
+    mnt = mounts.mount(*options, env=s3_env)
+    (mnt / "run").mkdir()
+    log = mnt / "run/metrics.csv"
+    log.write_bytes(b"step,loss\n" * 400)
+    wait_until(lambda: stored_version(s3_server, bucket, "metrics.csv") == 1, timeout=20)
+    with open(log, "ab") as f:
+        f.write(b"401,0.5\n")
+    mnt.kill9()  # before --append-every commits the append
+    mnt = mounts.remount(mnt, *options, env=s3_env)
+    assert log.read_bytes() == b"step,loss\n" * 400 + b"401,0.5\n"
+    wait_until(lambda: stored_version(s3_server, bucket, "metrics.csv") == 2, timeout=20)
+    fresh = mounts.mount(*persist_args(s3_server, bucket), env=s3_env)
+    assert (fresh / "run/metrics.csv").read_bytes() == b"step,loss\n" * 400 + b"401,0.5\n"

@@ -73,6 +73,24 @@ def extends(old: mf.FileEntry, new: mf.FileEntry, new_bytes: bytes | str) -> boo
     return len(piece) == tail and xxhash.xxh3_64_hexdigest(piece) == old.chunks[whole]
 
 
+def appended_to(path: bytes | str, entry: mf.FileEntry) -> bool:
+    """Whether the file at `path` holds `entry`'s bytes and more after them (blocking: reads
+    the entry's bytes once). At start-up: a loose file appended after its last commit keeps
+    what was appended, instead of being put back as that commit."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size <= entry.size:
+                return False
+            hasher = xxhash.xxh3_128()
+            left = entry.size
+            while left and (piece := f.read(min(left, mf.CHUNK_SIZE))):
+                hasher.update(piece)
+                left -= len(piece)
+    except FileNotFoundError:
+        return False
+    return not left and hasher.hexdigest() == entry.xxh3
+
+
 def lay_out(old: mf.StepManifest | None, path: str, entry: mf.FileEntry,
             new_bytes: bytes | str) -> mf.FileEntry:
     """`entry`, the new version of the loose file at `path`, with the segments it is stored

@@ -1731,8 +1731,12 @@ class Tree:
         for rel, file_node in self.files_under(node):
             entry = manifest.entry(rel)
             if entry is not None:
-                ino = os.lstat(self.backing(file_node)).st_ino
-                file_node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), ino)
+                st = os.lstat(self.backing(file_node))
+                if number is None and rel in resident and st.st_size != entry.size:
+                    # a loose file appended since its commit, kept so by recovery (fs.appends)
+                    self._mark_dirty(file_node)
+                    continue
+                file_node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), st.st_ino)
         self.add_remote_files(node, [e for e in manifest.files if e.name not in resident],
                               in_store=step.persisted)
 
