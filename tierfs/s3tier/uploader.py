@@ -102,6 +102,7 @@ class Uploader:
         self._copy_sources = copy_sources  # key -> (old step path, old key) of renames
         self.bytes_sent = 0  # file bytes sent to the store (not those it copied itself)
         self.bytes_copied = 0  # file bytes the store copied inside itself (renames)
+        self.manifest_bytes_sent = 0  # the steps' manifests sent to the store
         self.queue = StepQueue()
         self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
@@ -268,8 +269,10 @@ class Uploader:
                 changed[0].segments or any(e.segments for e in stored.values())):
             await self._call(f"removing old segments of {prefix}", manifest,
                              self._remove_stale_segments, prefix, changed[0])
+        encoded = mf.encode(manifest)
         await self._call(f"upload of {manifest_key}", manifest,
-                         self.backend.put_bytes, manifest_key, mf.encode(manifest))
+                         self.backend.put_bytes, manifest_key, encoded)
+        self.manifest_bytes_sent += len(encoded)
         await self._call(f"removing old files of {prefix}", manifest, self._remove_stale,
                          manifest)
         self._clear_trouble(manifest)
