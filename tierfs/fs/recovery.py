@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs import appends
+from tierfs.fs import append_layout
 from tierfs.fs.nodes import MANIFEST, PEERS_MARK
 from tierfs.fs.ram_store import RamStore, is_reserved
 from tierfs.fs.records import StepRecords
@@ -167,7 +167,7 @@ class Recovery:
                     continue
             except FileNotFoundError:
                 pass
-            if manifest.step == mf.NO_STEP and appends.appended_to(reach(path), entry):
+            if manifest.step == mf.NO_STEP and append_layout.appended_to(reach(path), entry):
                 continue  # a loose file appended since: it keeps its bytes, and commits again
             self._clear_way(dir_path, os.fsencode(entry.name))
             tmp = self.store.tmp_path(os.path.dirname(path))

@@ -45,7 +45,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs import appends
+from tierfs.fs import append_layout
 from tierfs.fs import links as symlinks
 from tierfs.fs.fetch import Fetch, RemoteFile, apply_attributes
 from tierfs.fs.latest_pins import LatestPins
@@ -1193,8 +1193,8 @@ class Tree:
             entries.append(mf.entry_from_stat(rel, node.seal.digest,
                                               os.lstat(self.backing(node))))
         if step.number is None and step_node.is_file and files and files[0][1].remote is None:
-            node = files[0][1]  # a loose file: appended, only its new bytes go (fs.appends)
-            entries = [appends.lay_out(old, step_path, entries[0],
+            node = files[0][1]  # a loose file: appended, only its new bytes go (fs.append_layout)
+            entries = [append_layout.lay_out(old, step_path, entries[0],
                                        copies.get(node) or self.backing(node))]
         if (old is not None and old.path == step_path and old.step == number
                 and (old.same_entries(entries) if step.attributes_changed else
@@ -1733,7 +1733,7 @@ class Tree:
             if entry is not None:
                 st = os.lstat(self.backing(file_node))
                 if number is None and rel in resident and st.st_size != entry.size:
-                    # a loose file appended since its commit, kept so by recovery (fs.appends)
+                    # a loose file appended since its commit, kept so by recovery (fs.append_layout)
                     self._mark_dirty(file_node)
                     continue
                 file_node.seal = Seal(mf.Digest(entry.xxh3, entry.size, entry.chunks), st.st_ino)

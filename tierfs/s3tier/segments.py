@@ -19,7 +19,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs.appends import extends
+from tierfs.fs.append_layout import extends
 from tierfs.retry import POLICY, RetryPolicy
 from tierfs.s3tier.interface import Backend
 from tierfs.s3tier.sending import Call, send_range
