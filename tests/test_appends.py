@@ -7,6 +7,7 @@ that a crash cut short."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
@@ -136,6 +137,9 @@ def test_appends_to_a_big_file_send_only_the_new_bytes(
     segments = stored_objects(s3_server, bucket, "ckpt/run/.tierfs-file-train.log/append.")
     assert sorted(segments.values()) == [RECORD] * 9
     assert as_a_person_reads_it(s3_server, bucket, "train.log") == content
+    checked = tierfs("verify", str(mnt / "run"), "--json", "--no-repair", env=s3_env)
+    tiers = {t["tier"]: t for t in json.loads(checked.stdout)["steps"][0]["tiers"]}
+    assert tiers["persist"]["good"] == 1 and tiers["persist"]["ok"]  # every piece checked
 
     # An upload of the next segment cut short by a crash (its manifest never written) leaves
     # an object no manifest names: neither tierfs nor a person reads it as part of the file.
