@@ -5,6 +5,7 @@ upload cut short at any request never leaves the store's manifest with wrong byt
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -155,3 +156,33 @@ async def test_an_upload_cut_short_never_leaves_wrong_bytes(tmp_path: Path,
     await h.persist(nxt)
     assert as_a_person_reads_it(h) == data
     assert await read_back(h, stored(h).files[0]) == data
+
+
+async def test_a_renamed_file_in_segments_is_copied_piece_by_piece(tmp_path: Path) -> None:
+    """A file that left RAM and is renamed: the store copies each of its pieces (nothing is
+    sent, nor could be: its bytes are not here), and reads fall back to the old name until
+    then."""
+    h = Harness(tmp_path)
+    data = os.urandom(20_000)
+    manifest = version(h, data, None)
+    await h.persist(manifest)
+    data += os.urandom(700)
+    manifest = version(h, data, manifest)
+    h.persisted_paths.clear()
+    await h.persist(manifest)
+    entry = manifest.files[0]
+    assert entry.segments
+    (h.objects / entry.xxh3).unlink()  # evicted: only the store holds it
+    moved = dataclasses.replace(entry, name="old.log")
+    reader = PersistentReader(h.backend, trio.CapacityLimiter(2),
+                              lambda key: [PATH] if key == "run/old.log" else [])
+    assert await reader.read_range("run", moved, 0, moved.size) == data  # from the old name
+    h.uploader._copy_sources = lambda key: [(PATH, PATH)] if key == "run/old.log" else []
+    renamed = mf.StepManifest("run/old.log", mf.NO_STEP, 1, "n", 0, (moved,), single_file=True)
+    h.current.add("run/old.log")
+    sent = h.uploader.bytes_sent
+    h.persisted_paths.clear()
+    await h.persist(renamed)
+    assert h.uploader.bytes_sent == sent
+    assert await PersistentReader(h.backend, trio.CapacityLimiter(2)).read_range(
+        "run", moved, 0, moved.size) == data

@@ -36,16 +36,18 @@ class PersistentReader:
                          length: int) -> bytes:
         """`step_path`: the directory the entry is relative to (`layout.data_dir`)."""
         key = layout.object_key(step_path, entry.name)
-        if entry.segments:  # an appended loose file: its base and segments (s3tier.segments)
-            return await segments.read_pieces(self._get_range, key, entry, offset, length)
         try:
-            return await self._get_range(key, offset, length)
+            return await self._read(key, entry, offset, length)
         except NotFound:
             for old in self._old_keys(key):  # the fetch checks the bytes against the entry
                 with contextlib.suppress(NotFound):
-                    return await self._attempts(f"read of {old} [{offset}, +{length})",
-                                                self.backend.get_range, old, offset, length)
+                    return await self._read(old, entry, offset, length)
             raise
+
+    async def _read(self, key: str, entry: mf.FileEntry, offset: int, length: int) -> bytes:
+        if entry.segments:  # an appended loose file: its base and segments (s3tier.segments)
+            return await segments.read_pieces(self._get_range, key, entry, offset, length)
+        return await self._get_range(key, offset, length)
 
     async def _get_range(self, key: str, offset: int, length: int) -> bytes:
         return await self._attempts(f"read of {key} [{offset}, +{length})",

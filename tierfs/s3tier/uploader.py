@@ -306,16 +306,16 @@ class Uploader:
             return await self._call(what, manifest, func, *args)
 
         key = layout.object_key(data_dir, entry.name)
+        for old_path, old_key in [] if start else self._copy_sources(key):
+            if old_path != manifest.path and await self._copy(manifest, old_path, old_key, key,
+                                                              entry, checked):
+                self.bytes_copied += entry.size
+                return
         if entry.segments:  # an appended loose file: its pieces from `start` on
             self.bytes_sent += await segments.send_pieces(
                 self.backend, key, entry, self._object_path(entry.xxh3), start, call,
                 self._threads, still_wanted=lambda: self._is_current(manifest))
             return
-        for old_path, old_key in self._copy_sources(key):
-            if old_path != manifest.path and await self._copy(manifest, old_path, old_key, key,
-                                                              entry, checked):
-                self.bytes_copied += entry.size
-                return
         await send_file(self.backend, key, self._object_path(entry.xxh3), entry.size, call,
                         self._threads, still_wanted=lambda: self._is_current(manifest))
         self.bytes_sent += entry.size
@@ -334,10 +334,12 @@ class Uploader:
                     f"read of the manifest of {old_path}", manifest, self._stored_entries,
                     old_path, single_file)
             if _held(checked[old_path].get(name)) != _held(entry):
-                return False  # not those bytes, or in segments: not one object to copy
-            try:
-                await self._call(f"copy of {old_key} to {key}", manifest, self.backend.copy,
-                                 old_key, key)
+                return False  # not those bytes, or not in the same pieces
+            try:  # each piece: the object, and the segments of a file stored in segments
+                for source, target in zip(layout.piece_keys(old_key, entry.segments),
+                                          layout.piece_keys(key, entry.segments), strict=True):
+                    await self._call(f"copy of {source} to {target}", manifest,
+                                     self.backend.copy, source, target)
             except NotFound:
                 return False
         return True
