@@ -52,6 +52,19 @@ def as_a_person_reads_it(h: Harness) -> bytes:
     return data[:stored(h).files[0].size]
 
 
+async def persisted_in_two_pieces(h: Harness, base: int, appended: int
+                                  ) -> tuple[bytes, mf.StepManifest]:
+    """run/train.log of `base` random bytes, then `appended` more, each version persisted."""
+    data = os.urandom(base)
+    manifest = version(h, data, None)
+    await h.persist(manifest)
+    data += os.urandom(appended)
+    manifest = version(h, data, manifest)
+    h.persisted_paths.clear()
+    await h.persist(manifest)
+    return data, manifest
+
+
 async def read_back(h: Harness, entry: mf.FileEntry) -> bytes:
     reader = PersistentReader(h.backend, trio.CapacityLimiter(2))
     return await reader.read_range("run", entry, 0, entry.size)
@@ -125,13 +138,7 @@ async def test_an_upload_cut_short_never_leaves_wrong_bytes(tmp_path: Path,
     h = Harness(tmp_path)
     h.backend = CutShort(h.store)
     h.uploader.backend = h.backend
-    data = os.urandom(50_000)
-    manifest = version(h, data, None)
-    await h.persist(manifest)
-    data += os.urandom(300)
-    manifest = version(h, data, manifest)
-    h.persisted_paths.clear()
-    await h.persist(manifest)
+    data, manifest = await persisted_in_two_pieces(h, 50_000, 300)
     before = data
     # The next version's objects go up, its manifest does not.
     data = os.urandom(60_000) if rewritten else data + os.urandom(500)
@@ -163,13 +170,7 @@ async def test_a_renamed_file_in_segments_is_copied_piece_by_piece(tmp_path: Pat
     sent, nor could be: its bytes are not here), and reads fall back to the old name until
     then."""
     h = Harness(tmp_path)
-    data = os.urandom(20_000)
-    manifest = version(h, data, None)
-    await h.persist(manifest)
-    data += os.urandom(700)
-    manifest = version(h, data, manifest)
-    h.persisted_paths.clear()
-    await h.persist(manifest)
+    data, manifest = await persisted_in_two_pieces(h, 20_000, 700)
     entry = manifest.files[0]
     assert entry.segments
     (h.objects / entry.xxh3).unlink()  # evicted: only the store holds it
