@@ -93,10 +93,10 @@ def test_a_file_appended_all_the_time_reaches_the_store_while_it_is_appended(
                                                  "events.out.tfevents.1.host")) is not None
                    and m.files[0].segments, timeout=20, interval=0.2)
         assert thread.is_alive()
-        fresh = mounts.mount(*persist_args(s3_server, bucket, "--commit-idle", "60"),
-                             env=s3_env)
         manifest = stored_manifest(s3_server, bucket, "events.out.tfevents.1.host")
         assert manifest is not None
+        fresh = mounts.mount(*persist_args(s3_server, bucket, "--commit-idle", "60"),
+                             env=s3_env)
         seen = fresh.step("run/events.out.tfevents.1.host")
         assert seen is not None and seen["version"] >= manifest.version
         data = (fresh / "run/events.out.tfevents.1.host").read_bytes()
