@@ -8,6 +8,7 @@ come from disks and, later, from the network and S3: a malformed one raises Mani
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Iterable
@@ -42,7 +43,11 @@ class FileEntry:
     """One sealed file of a step: `name` is relative to the step directory, '/'-separated;
     `chunks` holds the xxh3-64 of each CHUNK_SIZE piece. Mode, mtime and owner are those of
     the file at commit, restored wherever the file is made again; `uid`/`gid` are NO_OWNER in
-    manifests written before owners were recorded."""
+    manifests written before owners were recorded. `segments`: how the persistent tier holds
+    an appended loose file (`tierfs.fs.appends`): empty, one object of the whole file; else
+    the offsets where each appended segment starts, the file's object holding the bytes
+    before the first one (its base) and each segment object those up to the next offset or
+    the end (`layout.segment_key`)."""
 
     name: str
     size: int
@@ -52,6 +57,13 @@ class FileEntry:
     chunks: tuple[str, ...] = ()
     uid: int = NO_OWNER
     gid: int = NO_OWNER
+    segments: tuple[int, ...] = ()
+
+    def pieces(self) -> list[tuple[int, int]]:
+        """(offset, length) of each stored object of the file, in order: its base, then each
+        segment (just the whole file when it has no segments)."""
+        bounds = [0, *self.segments, self.size]
+        return [(start, end - start) for start, end in itertools.pairwise(bounds)]
 
 
 @dataclass(frozen=True)
@@ -126,8 +138,11 @@ def entry_from_stat(name: str, digest: Digest, st: os.stat_result) -> FileEntry:
 
 
 def entry_fields(entry: FileEntry) -> list[object]:
-    return [entry.name, entry.size, entry.xxh3, entry.mtime_ns, entry.mode, list(entry.chunks),
-            entry.uid, entry.gid]
+    fields: list[object] = [entry.name, entry.size, entry.xxh3, entry.mtime_ns, entry.mode,
+                            list(entry.chunks), entry.uid, entry.gid]
+    if entry.segments:  # only for a file stored in segments: other entries are as they were
+        fields.append(list(entry.segments))
+    return fields
 
 
 def entry_from_fields(fields: object) -> FileEntry:
@@ -135,8 +150,11 @@ def entry_from_fields(fields: object) -> FileEntry:
     six fields come from manifests written before owners were recorded."""
     if isinstance(fields, list) and len(fields) == 6:
         fields = [*fields, NO_OWNER, NO_OWNER]
+    if isinstance(fields, list) and len(fields) == 8:
+        fields = [*fields, []]
     try:
-        name, size, digest, mtime_ns, mode, chunks, uid, gid = fields  # type: ignore[misc]
+        (name, size, digest, mtime_ns, mode, chunks, uid, gid,  # type: ignore[misc]
+         segments) = fields
     except (TypeError, ValueError):
         raise ManifestError("malformed file entry") from None
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (mtime_ns, mode, uid,
@@ -152,8 +170,13 @@ def entry_from_fields(fields: object) -> FileEntry:
     if (not isinstance(chunks, list) or len(chunks) != chunk_count(size)
             or not all(isinstance(c, str) and _HEX64.match(c) for c in chunks)):
         raise ManifestError(f"bad chunk hashes for {name!r}")
+    bounds = [0, *segments, size] if isinstance(segments, list) and segments else []
+    if (not isinstance(segments, list)
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in segments)
+            or any(a >= b for a, b in itertools.pairwise(bounds))):
+        raise ManifestError(f"bad segments for {name!r}")
     return FileEntry(check_relative_path(name), size, digest, mtime_ns, mode, tuple(chunks),
-                     uid, gid)
+                     uid, gid, tuple(segments))
 
 
 def encode(manifest: StepManifest) -> bytes:
