@@ -55,6 +55,9 @@ GOALS = {UNIFORM_SAVE: ">= 0.9x", "torch.save": ">= 0.9x", LOAD_DURING_UPLOAD: "
 # A step of many small files (per-tensor savers, sharded optimizer state): its own table, as
 # times and their ratio to tmpfs (issue 25's goals).
 MANY_FILES, MANY_FILE_BYTES = 10_000, 4096
+# A loose file appended (issue 24): a 1 MiB log, small appends.
+APPEND_BASE, APPEND_BYTES, APPENDS = 1 << 20, 200, 20
+APPEND_PERIOD, APPEND_SECONDS = 0.05, 5.0
 MANY_GOALS = {"save": "<= 3x", "`ls -l`": "<= 3x", "read back, evicted (a fresh node)": "<= 5x"}
 
 
@@ -329,7 +332,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with Bench(args) as bench, PeakRss(bench.pid) as rss, \
             Profile(bench, args.profile and not args.cluster_only) as spy:
         targets = [*bench.mounts, *TARGETS[1:]]
-        for rep in range(0 if args.cluster_only or args.ranged_only else args.reps):
+        if not args.cluster_only and not args.many_files_only and not args.ranged_only:
+            _appended_log(bench, extra, failures)
+        for rep in range(0 if args.cluster_only or args.appends_only or args.ranged_only
+                         else args.reps):
             for target in [] if args.many_files_only or args.ranged_only else targets:
                 if target != "s3" and target != "disk":
                     name = f"step_{rep * 10 + 2}"
@@ -384,7 +390,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"repetition {rep + 1} of {args.reps} done", flush=True)
         spy.stop()
         try:
-            if not args.many_files_only:  # (with --ranged-only: its row alone)
+            # (with --ranged-only: its row alone)
+            if not args.many_files_only and not args.appends_only:
                 _cluster(bench, state, fresh, args.reps, extra, cluster_profiles)
         except Exception as exc:  # noqa: BLE001 - the table above is still worth reporting
             failures.append(f"cluster measurements: {type(exc).__name__}: {exc}")
@@ -412,6 +419,54 @@ def _after_tierfs_save(bench: Bench, name: str, extra: dict[str, list[float]],
             bench.wait_for(name, lambda e: e["persisted"]))
     except TimeoutError as exc:
         failures.append(str(exc))
+
+
+def _appended_log(bench: Bench, extra: dict[str, list[float]], failures: list[str]) -> None:
+    """Bytes sent to the store per byte appended to a loose file of APPEND_BASE bytes (a log):
+    APPENDS appends of APPEND_BYTES, each committed once quiet; then one descriptor appending
+    every APPEND_PERIOD seconds for APPEND_SECONDS, committed by --append-every as it grows.
+    File bytes, and with the manifests (one per version) too."""
+    mount = bench.start_mount("appends", "--persist", f"s3://{BUCKET}/appends",
+                              "--commit-idle", "0.2", "--append-every", "1")
+    try:
+        (mount / "run").mkdir()
+
+        def sent() -> tuple[int, int]:
+            persist = bench.status("appends")["persist"]
+            return persist["sent_bytes"], persist["sent_bytes"] + persist["manifest_bytes"]
+
+        def record(key: str, before: tuple[int, int], appended: int) -> None:
+            after = sent()
+            extra.setdefault(key, []).append((after[0] - before[0]) / appended)
+            extra.setdefault(key + "_with_manifests", []).append(
+                (after[1] - before[1]) / appended)
+
+        log = mount / "run/train.log"
+        log.write_bytes(os.urandom(APPEND_BASE))
+        bench.wait_for("train.log", lambda e: e["persisted"], "appends")
+        before = sent()
+        for number in range(APPENDS):
+            with open(log, "ab") as f:
+                f.write(os.urandom(APPEND_BYTES))
+            bench.wait_for("train.log", lambda e, v=number + 2: e["persisted"]
+                           and e["version"] == v, "appends")
+        record("appended_bytes_sent_per_byte", before, APPENDS * APPEND_BYTES)
+
+        events = mount / "run/events.out.tfevents.1.bench"
+        events.write_bytes(os.urandom(APPEND_BASE))
+        bench.wait_for(events.name, lambda e: e["persisted"], "appends")
+        before, appended = sent(), 0
+        with open(events, "ab", buffering=0) as f:
+            ends = time.monotonic() + APPEND_SECONDS
+            while time.monotonic() < ends:
+                appended += f.write(os.urandom(APPEND_BYTES))
+                time.sleep(APPEND_PERIOD)
+        bench.wait_for(events.name, lambda e: e["persisted"], "appends")
+        record("streamed_bytes_sent_per_byte", before, appended)
+    except (OSError, TimeoutError, RuntimeError) as exc:
+        failures.append(f"appended log: {type(exc).__name__}: {exc}")
+    finally:
+        bench.stop_mount("appends")
 
 
 def _commit_latency(bench: Bench, rep: int) -> float:
@@ -869,6 +924,14 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     row("upload_running_after_load",
         "share of the loads during upload that ended before the upload did", "x", "1.00")
     row("ram_bytes_per_checkpoint_byte", "RAM tier bytes per checkpoint byte", "x", "<= 1.05")
+    for key, how in (("appended", f"{APPENDS} appends of {APPEND_BYTES} B, each committed once "
+                      "quiet"),
+                     ("streamed", f"appended every {APPEND_PERIOD * 1000:.0f} ms for "
+                      f"{APPEND_SECONDS:.0f} s, --append-every 1")):
+        row(f"{key}_bytes_sent_per_byte", f"bytes uploaded per byte appended ({APPEND_BASE >> 20} "
+            f"MiB log, {how})", "x", "~1 (before issue 24: the whole file per append)")
+        row(f"{key}_bytes_sent_per_byte_with_manifests", f"the same, with the manifests ({how})",
+            "x", "-")
     rows.append(("daemon RSS, peak during the runs (stored data lives in tmpfs files)",
                  f"{data['daemon_rss_peak_kib'] / 1024:.0f} MiB", "< 300 MiB"))
     return rows
@@ -913,6 +976,8 @@ def main() -> None:
                         help=f"only the {MANY_FILES:,}-file step (save, ls -l, read back)")
     parser.add_argument("--ranged-only", action="store_true",
                         help="only the ranged read-back from a peer (first byte, one tensor)")
+    parser.add_argument("--appends-only", action="store_true",
+                        help="only the appended log (bytes uploaded per byte appended)")
     parser.add_argument("--compare", action="store_true",
                         help=f"also run a mount with --no-passthrough (column {DAEMON_PATH!r})")
     args = parser.parse_args()

@@ -51,6 +51,9 @@ class MemoryTier:
         data = self.objects.get(layout.object_key(step_path, name))
         return None if data is None else len(data)
 
+    async def stored_size(self, step_path: str, entry: mf.FileEntry) -> int | None:
+        return await self.object_size(step_path, entry.name)  # one object per file here
+
     async def rewrite(self, step_path: str, entry: mf.FileEntry, path: str) -> None:
         self._check()
         with open(path, "rb") as f:

@@ -176,9 +176,10 @@ async def test_calls_go_through_while_watches_hold_their_streams(etcd_server: Et
     etcd = Etcd(cluster.endpoints, timeout=2)
     send, _receive = trio.open_memory_channel[list[WatchEvent]](1000)
     try:
+        now = await etcd.put(cluster.key("start"), b"")  # a revision not compacted away
         async with trio.open_nursery() as nursery:
             for index in range(POOL_SIZE):  # as many as the calls have connections
-                nursery.start_soon(etcd.watch_prefix, cluster.key(f"w{index}/"), 1, send)
+                nursery.start_soon(etcd.watch_prefix, cluster.key(f"w{index}/"), now, send)
             await trio.sleep(0.5)  # the streams are open (etcd answers a watch at once)
             with trio.fail_after(5):
                 for index in range(POOL_SIZE):

@@ -151,3 +151,16 @@ def test_hashing_a_small_file_allocates_no_chunk_sized_buffer(tmp_path) -> None:
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
     assert mf.hash_file(empty) == mf.Digest(xxhash.xxh3_128_hexdigest(b""), 0, ())
+
+
+def test_segments_roundtrip_and_are_validated() -> None:
+    size = 3000
+    segmented = mf.FileEntry("log", size, "a" * 32, 5, 0o644, ("0" * 16,), 0, 0, (1000, 2500))
+    manifest = mf.StepManifest("run/log", mf.NO_STEP, 2, "n", 1, (segmented,), single_file=True)
+    assert mf.decode(mf.encode(manifest)) == manifest
+    assert segmented.pieces() == [(0, 1000), (1000, 1500), (2500, 500)]
+    plain = mf.entry_fields(mf.FileEntry("log", size, "a" * 32, chunks=("0" * 16,)))
+    assert len(plain) == 8  # entries without segments are encoded as before
+    for bad in ([0], [1000, 1000], [2500, 1000], [size], [3001], ["x"], 7):
+        with pytest.raises(mf.ManifestError):
+            mf.entry_from_fields([*plain, bad])

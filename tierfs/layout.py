@@ -59,3 +59,18 @@ def file_of_records_name(name: bytes) -> bytes | None:
     """The file whose records directory this is, or None if it is no such directory."""
     prefix = reserved.FILE_RECORDS.encode()
     return name[len(prefix):] if name.startswith(prefix) else None
+
+
+SEGMENT_PREFIX = "append."  # + the offset (20 digits): a segment of an appended loose file
+
+
+def segment_key(file_key: str, offset: int) -> str:
+    """The object holding the segment of the appended loose file `file_key` (its path) that
+    starts at byte `offset`: in the file's records directory, named so that listing them in
+    key order lists them in file order."""
+    return f"{records_dir(file_key, True)}/{SEGMENT_PREFIX}{offset:020d}"
+
+
+def piece_keys(file_key: str, segments: tuple[int, ...]) -> list[str]:
+    """The objects that hold a file stored as a base and `segments`, in file order."""
+    return [file_key, *(segment_key(file_key, offset) for offset in segments)]

@@ -9,6 +9,7 @@ come from disks and, later, from the network and S3: a malformed one raises Mani
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 from collections.abc import Iterable
@@ -50,7 +51,12 @@ class FileEntry:
     `chunks` holds the xxh3-64 of each CHUNK_SIZE piece, `blocks` (empty in entries from
     older manifests) the raw xxh3-64 of each BLOCK_SIZE piece, one after the other. Mode,
     mtime and owner are those of the file at commit, restored wherever the file is made again;
-    `uid`/`gid` are NO_OWNER in manifests written before owners were recorded."""
+    `uid`/`gid` are NO_OWNER in manifests written before owners were recorded. `segments`:
+    how the persistent tier holds an appended loose file (`tierfs.fs.appends`): empty, one
+    object of the whole file; else
+    the offsets where each appended segment starts, the file's object holding the bytes
+    before the first one (its base) and each segment object those up to the next offset or
+    the end (`layout.segment_key`)."""
 
     name: str
     size: int
@@ -60,9 +66,16 @@ class FileEntry:
     chunks: tuple[str, ...] = ()
     uid: int = NO_OWNER
     gid: int = NO_OWNER
+    segments: tuple[int, ...] = ()
     # Derived from the bytes like `chunks`: two entries of the same file are equal with or
     # without them (an entry read from an older manifest has none).
     blocks: bytes = field(default=b"", compare=False, repr=False)
+
+    def pieces(self) -> list[tuple[int, int]]:
+        """(offset, length) of each stored object of the file, in order: its base, then each
+        segment (just the whole file when it has no segments)."""
+        bounds = [0, *self.segments, self.size]
+        return [(start, end - start) for start, end in itertools.pairwise(bounds)]
 
 
 @dataclass(frozen=True)
@@ -133,12 +146,15 @@ def check_relative_path(name: str) -> str:
 def entry_from_stat(name: str, digest: Digest, st: os.stat_result) -> FileEntry:
     """The entry of a sealed file as it is now: its digest, and its mode, mtime and owner."""
     return FileEntry(name, digest.size, digest.xxh3, st.st_mtime_ns, st.st_mode & 0o7777,
-                     digest.chunks, st.st_uid, st.st_gid, digest.blocks)
+                     digest.chunks, st.st_uid, st.st_gid, blocks=digest.blocks)
 
 
 def entry_fields(entry: FileEntry) -> list[object]:
-    return [entry.name, entry.size, entry.xxh3, entry.mtime_ns, entry.mode, list(entry.chunks),
-            entry.uid, entry.gid]
+    fields: list[object] = [entry.name, entry.size, entry.xxh3, entry.mtime_ns, entry.mode,
+                            list(entry.chunks), entry.uid, entry.gid]
+    if entry.segments:  # only for a file stored in segments: other entries are as they were
+        fields.append(list(entry.segments))
+    return fields
 
 
 def entry_from_fields(fields: object) -> FileEntry:
@@ -146,8 +162,11 @@ def entry_from_fields(fields: object) -> FileEntry:
     six fields come from manifests written before owners were recorded."""
     if isinstance(fields, list) and len(fields) == 6:
         fields = [*fields, NO_OWNER, NO_OWNER]
+    if isinstance(fields, list) and len(fields) == 8:
+        fields = [*fields, []]
     try:
-        name, size, digest, mtime_ns, mode, chunks, uid, gid = fields  # type: ignore[misc]
+        (name, size, digest, mtime_ns, mode, chunks, uid, gid,  # type: ignore[misc]
+         segments) = fields
     except (TypeError, ValueError):
         raise ManifestError("malformed file entry") from None
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (mtime_ns, mode, uid,
@@ -163,8 +182,13 @@ def entry_from_fields(fields: object) -> FileEntry:
     if (not isinstance(chunks, list) or len(chunks) != chunk_count(size)
             or not all(isinstance(c, str) and _HEX64.match(c) for c in chunks)):
         raise ManifestError(f"bad chunk hashes for {name!r}")
+    bounds = [0, *segments, size] if isinstance(segments, list) and segments else []
+    if (not isinstance(segments, list)
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in segments)
+            or any(a >= b for a, b in itertools.pairwise(bounds))):
+        raise ManifestError(f"bad segments for {name!r}")
     return FileEntry(check_relative_path(name), size, digest, mtime_ns, mode, tuple(chunks),
-                     uid, gid)
+                     uid, gid, tuple(segments))
 
 
 def encode(manifest: StepManifest) -> bytes:

@@ -15,9 +15,10 @@ DEFAULT_STEP_PATTERN = r"^(?:(?:(?:global_)?step|checkpoint|ckpt|iter(?:ation)?)
 # (Lightning: step 5; -v1 is its suffix for a name in use), model_1000.pt, ckpt-500.safetensors,
 # step_100.pt, checkpoint-7.bin, iter_0000100.pt; not last.ckpt, last-v1.ckpt, run11.pt,
 # config.json or latest_checkpointed_iteration.txt.
+CHECKPOINT_EXTENSIONS = r"\.(?:ckpt|pt|pth|bin|safetensors|pkl|pickle|h5|npz|npy|msgpack|tar)$"
 DEFAULT_FILE_STEP_PATTERN = (
     r"^(?:.*[-_=])?(?:(?:global_)?step|checkpoint|ckpt|iter(?:ation)?|model)?[-_=]?"
-    r"([0-9]+)(?:-v[0-9]+)?\.(?:ckpt|pt|pth|bin|safetensors|pkl|pickle|h5|npz|npy|msgpack|tar)$")
+    r"([0-9]+)(?:-v[0-9]+)?" + CHECKPOINT_EXTENSIONS)
 # DeepSpeed's step directories (its default tag, `global_step100`): DeepSpeed writes and reads
 # its own `latest` FILE beside them, so a directory holding one never shows tierfs's virtual
 # `latest` link (a link there would make DeepSpeed's `open("latest", "w")` fail with EISDIR).

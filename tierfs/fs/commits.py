@@ -125,10 +125,19 @@ class Commits:
             return None
         self.tree.note_waiting(step, None)
         if manifest is not old:
-            await self.tiers.publish(step_node, manifest, deadline)  # the cluster's record
-            self.events.committed(manifest, time.monotonic() - started)
-            await self.sink.send(manifest)
+            await self.announce(step_node, manifest, started, deadline)
         return manifest
+
+    async def announce(self, step_node: Node, manifest: mf.StepManifest, started: float,
+                       deadline: float | None = None) -> None:
+        """A new version was committed (`started`: monotonic time its commit began): the
+        cluster's record (waited for until `deadline`, trio time), the event, then its
+        uploads and replicas."""
+        if deadline is None:
+            deadline = trio.current_time() + BACKGROUND_WAIT
+        await self.tiers.publish(step_node, manifest, deadline)  # the cluster's record
+        self.events.committed(manifest, time.monotonic() - started)
+        await self.sink.send(manifest)
 
     def waiting_for(self, relpath: str) -> str | None:
         """What the commit in progress of the step at `relpath` waits for (None: none runs)."""

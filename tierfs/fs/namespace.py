@@ -8,7 +8,8 @@ Who owns what (doc/ARCHITECTURE.md):
 * `Residency` (fs.residency): bytes coming back from other tiers; steps leaving RAM.
 * `OtherTiers` (fs.other_tiers): copies in the persistent tier and on peers; deletes.
 * `Commits` (fs.commits): when a step commits, and the commit.
-* `QuietWatch`, `QuietCommits` (fs.quiet_commits): steps that commit once their saver is done.
+* `QuietWatch`, `QuietCommits` (fs.quiet_commits): steps that commit once their saver is done;
+  `AppendSnapshots` (fs.appends): loose files committed while they are still appended.
 * `Verifier` (fs.verify): RAM objects checked before use; `tierfs verify`.
 
 Everything outside `fs` comes in through the Protocols of `fs.ports`, given to `assemble`.
@@ -26,6 +27,7 @@ from pathlib import Path
 import trio
 
 from tierfs.fs import user_xattrs
+from tierfs.fs.appends import AppendSnapshots
 from tierfs.fs.background import Background
 from tierfs.fs.commits import SAVER_WAIT, Commits
 from tierfs.fs.deletes import DELETES_DIR, Deletes
@@ -87,7 +89,7 @@ class Namespace:
                  sealed: SealedCollector | None = None, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None, keep_ram: int = 3,
                  replicas: int = 0, events: Events | None = None,
-                 commit_timeout: float = SAVER_WAIT,
+                 commit_timeout: float = SAVER_WAIT, append_every: float = 0.0,
                  copies_wait: CopiesWait | None = None) -> None:
         self.tree = tree = core.tree
         self.view = core.view
@@ -104,6 +106,8 @@ class Namespace:
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
                                saver_wait=commit_timeout, copies_wait=copies_wait)
         self.quiet = QuietCommits(tree, core.watch, self.commits)
+        self.appends = AppendSnapshots(tree, core.watch, self.commits, self.residency,
+                                       append_every)
         self.verifier = Verifier(tree, self.residency, persist, peers)
         self.gate: ReadGate = self.verifier
 

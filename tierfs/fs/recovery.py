@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from tierfs import layout
 from tierfs import manifest as mf
+from tierfs.fs import append_layout
 from tierfs.fs.nodes import (
     MANIFEST,
     METADATA,
@@ -179,6 +180,8 @@ class Recovery:
                     continue
             except FileNotFoundError:
                 pass
+            if manifest.step == mf.NO_STEP and append_layout.appended_to(reach(path), entry):
+                continue  # a loose file appended since: it keeps its bytes, and commits again
             self._clear_way(dir_path, os.fsencode(entry.name))
             tmp = self.store.tmp_path(os.path.dirname(path))
             os.link(obj, reach(tmp))
@@ -266,7 +269,11 @@ class Recovery:
         for rel, file_node in self.tree.files_under(node):
             entry = manifest.entry(rel)
             if entry is not None:
-                ino = os.lstat(self.tree.backing(file_node)).st_ino
-                file_node.seal = Seal(mf.Digest.of(entry), ino)
+                st = os.lstat(self.tree.backing(file_node))
+                if number is None and rel in resident and st.st_size != entry.size:
+                    # a loose file appended since its commit, kept so above: it commits again
+                    self.tree.mark_dirty(file_node)
+                    continue
+                file_node.seal = Seal(mf.Digest.of(entry), st.st_ino)
         self.tree.add_remote_files(node, [e for e in manifest.files if e.name not in resident],
                                    in_store=step.persisted)

@@ -50,6 +50,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
+from tierfs.fs import append_layout
 from tierfs.fs import links as symlinks
 from tierfs.fs.fetch import Fetch, RemoteFile, apply_attributes
 from tierfs.fs.holders import Holdings
@@ -451,7 +452,7 @@ class Tree:
         if number is not None:
             node.step = StepState(number)
             self._watch.step_started(node)
-        self._mark_dirty(parent)
+        self.mark_dirty(parent)
         return node
 
     def rmdir(self, parent: Node, name: bytes) -> None:
@@ -466,7 +467,7 @@ class Tree:
         self.remove_hidden(node, path)
         os.rmdir(path)
         self.detach(node)
-        self._mark_dirty(parent)
+        self.mark_dirty(parent)
 
     def _single_file_removed(self, node: Node) -> None:
         """A single-file step leaves its name (unlink, rename, replaced by a rename): its
@@ -489,7 +490,7 @@ class Tree:
         path = self._new_entry_path(parent, name)
         os.symlink(target, path)
         _chown(path, uid, gid)
-        self._mark_dirty(parent)
+        self.mark_dirty(parent)
         node = self.attach(parent, name, stat.S_IFLNK)
         self.links.note(self.relpath(parent))
         return node
@@ -528,7 +529,7 @@ class Tree:
         if kind == stat.S_IFREG:
             self.store.account_path(path)
             node.step = self.single_file_step(parent, name)
-            self._mark_dirty(node)
+            self.mark_dirty(node)
         return node
 
     def check_special_destination(self, node: Node, new_parent: Node) -> None:
@@ -671,7 +672,7 @@ class Tree:
             self.unlink_backing(self.backing(node), node)
         self.drop_fetch(node)
         self.detach(node)
-        self._mark_dirty(parent)
+        self.mark_dirty(parent)
         return True
 
     def setattr(
@@ -709,7 +710,7 @@ class Tree:
         if node.is_file and size is None and (mode, uid, gid, mtime_ns) != (None,) * 4:
             # Mode, owner and mtime are committed state: the step commits again, as a
             # version with new attributes only (no byte goes anywhere again).
-            self._mark_dirty(node)
+            self.mark_dirty(node)
             for step_node in self.enclosing_steps(node):
                 step_node.step.attributes_changed = True
 
@@ -732,7 +733,7 @@ class Tree:
             return
         node.gen += 1
         node.seal = None
-        self._mark_dirty(node)
+        self.mark_dirty(node)
 
     # -- copy on write ---------------------------------------------------------------------
 
@@ -827,16 +828,16 @@ class Tree:
             os.rename(old_path, new_path)
         if target is not None:
             self.detach(target)
-        self._mark_dirty(old_parent)
+        self.mark_dirty(old_parent)
         del old_parent.children[old_name]
         node.name = new_name
         node.parent = new_parent
         new_parent.children[new_name] = node
         if node.is_file:
             node.step = self.single_file_step(new_parent, new_name)
-            self._mark_dirty(node)
+            self.mark_dirty(node)
         else:
-            self._mark_dirty(new_parent)
+            self.mark_dirty(new_parent)
         for below, _directory in self._dirs_with_links(node, new_rel):
             self.links.note(layout.join(new_rel, below) if below else
                             (new_rel if node.is_dir else self.relpath(new_parent)))
@@ -956,7 +957,7 @@ class Tree:
         node.active_writers += 1
         node.gen += 1
         node.seal = None
-        self._mark_dirty(node)
+        self.mark_dirty(node)
 
     def written_behind_seal(self, node: Node) -> None:
         """The kernel wrote `node` through a passthrough descriptor after its seal: it counts as
@@ -987,6 +988,10 @@ class Tree:
                 continue
             entries.append(mf.entry_from_stat(rel, node.seal.digest,
                                               os.lstat(self.backing(node))))
+        if step.number is None and step_node.is_file and files and files[0][1].remote is None:
+            node = files[0][1]  # a loose file: appended, only its new bytes go (fs.append_layout)
+            entries = [append_layout.lay_out(old, step_path, entries[0],
+                                       copies.get(node) or self.backing(node))]
         if (old is not None and old.path == step_path and old.step == number
                 and (old.same_entries(entries) if step.attributes_changed else
                      old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries))))):
@@ -1098,7 +1103,7 @@ class Tree:
             os.close(fd)
         self.drop_fetch(node)
         node.remote = None
-        self._mark_dirty(node)
+        self.mark_dirty(node)
 
     def evict_file(self, step: StepState, entry: mf.FileEntry, node: Node) -> int | None:
         """One file of a committed step leaves RAM unless it is in use; the bytes freed, or
@@ -1332,7 +1337,7 @@ class Tree:
         node.handles.append(handle)
         return handle
 
-    def _mark_dirty(self, node: Node | None) -> None:
+    def mark_dirty(self, node: Node | None) -> None:
         for step_node in self.enclosing_steps(node):
             step_node.step.dirty = True
             self._watch.touch(step_node)

@@ -338,7 +338,7 @@ class Verifier:
         return tier
 
     async def _check_persisted_file(self, step_path: str, entry: mf.FileEntry) -> str:
-        size = await self.persist.object_size(step_path, entry.name)
+        size = await self.persist.stored_size(step_path, entry)
         if size is None:
             return MISSING
         if size != entry.size:  # its chunks may all match: the size must, too

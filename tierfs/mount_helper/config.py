@@ -141,6 +141,11 @@ MOUNT_OPTIONS = [
            f"`model_1000.pt` (see \"File steps and loose files\" in {_SEMANTICS})"),
     Option("commit-idle", 5.0, "a step being written commits by itself once no file of it has "
            "been open for writing or changed for this long", "float", "SECONDS"),
+    Option("append-every", 60.0, "a loose file (outside step directories, no step number: a "
+           "log, a TensorBoard event file) that is still being appended commits what it holds "
+           "every this many seconds, so that the store and the peers have it at most this "
+           "stale; the store gets only the appended bytes (see \"Appended files\" in "
+           f"{_SEMANTICS}); `0`: off, such a file commits only once quiet", "float", "SECONDS"),
     Option("commit-timeout", 20.0, "with `--cluster`: the longest a saver's call that commits a "
            "step (the close or rename of DCP's `.metadata`) waits for etcd, in all; then it "
            "fails with `ETIMEDOUT` (the save raises), and the step stays `writing` and commits "
@@ -208,6 +213,7 @@ class MountConfig:
     passthrough: bool = True
     allow_non_empty: bool = False
     commit_idle: float = 5.0
+    append_every: float = 60.0
     commit_timeout: float = 20.0
     sync_replicas: bool = False
     allow_other: bool = False
@@ -437,6 +443,8 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         passthrough=not values["no_passthrough"],
         allow_non_empty=bool(values["allow_non_empty"]),
         commit_idle=_seconds(values, "commit_idle"),
+        append_every=0.0 if str(values["append_every"]) in ("0", "0.0") else _seconds(
+            values, "append_every"),
         commit_timeout=_seconds(values, "commit_timeout"),
         sync_replicas=bool(values["sync_replicas"]),
         allow_other=bool(values["allow_other"]),

@@ -89,6 +89,19 @@ class Backend(ABC):
     @abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None: ...
 
+    def put_range(self, key: str, path: str | bytes | os.PathLike[str], offset: int,
+                  length: int) -> None:
+        """Store `length` bytes of the file at `path` from `offset` under `key` (a segment of
+        an appended file). Read into memory here: callers send ranges larger than
+        `part_size` in parts."""
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+        if len(data) != length:
+            raise BackendError(f"{os.fsdecode(path)} is shorter than {offset + length} bytes",
+                               temporary=False)
+        self.put_bytes(key, data)
+
     def parts(self, size: int) -> list[tuple[int, int, int]]:
         """(number, offset, length) of each part of a file of `size` bytes, numbered from 1."""
         assert self.part_size is not None, "a backend without parts"

@@ -12,6 +12,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
+from tierfs.s3tier import segments
 from tierfs.s3tier.interface import Backend, NotFound
 from tierfs.s3tier.retry import POLICY, retry
 from tierfs.s3tier.sending import send_file
@@ -36,14 +37,21 @@ class PersistentReader:
         """`step_path`: the directory the entry is relative to (`layout.data_dir`)."""
         key = layout.object_key(step_path, entry.name)
         try:
-            return await self._attempts(f"read of {key} [{offset}, +{length})",
-                                        self.backend.get_range, key, offset, length)
+            return await self._read(key, entry, offset, length)
         except NotFound:
             for old in self._old_keys(key):  # the fetch checks the bytes against the entry
                 with contextlib.suppress(NotFound):
-                    return await self._attempts(f"read of {old} [{offset}, +{length})",
-                                                self.backend.get_range, old, offset, length)
+                    return await self._read(old, entry, offset, length)
             raise
+
+    async def _read(self, key: str, entry: mf.FileEntry, offset: int, length: int) -> bytes:
+        if entry.segments:  # an appended loose file: its base and segments (s3tier.segments)
+            return await segments.read_pieces(self._get_range, key, entry, offset, length)
+        return await self._get_range(key, offset, length)
+
+    async def _get_range(self, key: str, offset: int, length: int) -> bytes:
+        return await self._attempts(f"read of {key} [{offset}, +{length})",
+                                    self.backend.get_range, key, offset, length)
 
     async def _attempts(self, what: str, func: Callable[..., T], *args: object) -> T:
         """`func(*args)` in a worker thread, retried by the one policy, a few times at most."""
@@ -55,12 +63,36 @@ class PersistentReader:
     async def rewrite(self, step_path: str, entry: mf.FileEntry, path: str) -> None:
         """Upload a verified local copy over the object of a committed file, each of its
         requests retried as a read is: a few times at most."""
-        await send_file(self.backend, layout.object_key(step_path, entry.name), path,
-                        entry.size, self._attempts, self._limiter, policy=READS)
+        key = layout.object_key(step_path, entry.name)
+        if entry.segments:
+            await segments.send_pieces(self.backend, key, entry, path, 0, self._attempts,
+                                       self._limiter, policy=READS)
+            return
+        await send_file(self.backend, key, path, entry.size, self._attempts, self._limiter,
+                        policy=READS)
+
+    async def stored_size(self, step_path: str, entry: mf.FileEntry) -> int | None:
+        """The size of a committed file as the store holds it, None if an object of it is
+        missing: of a file stored in segments, the entry's size if its base object holds at
+        least the base and each segment object exactly its segment, else the sum of their
+        sizes (a base object longer than the base is the whole file, uploaded again)."""
+        if not entry.segments:
+            return await self.object_size(step_path, entry.name)
+        key = layout.object_key(step_path, entry.name)
+        sizes = []
+        for piece, (_offset, length) in zip(layout.piece_keys(key, entry.segments),
+                                            entry.pieces(), strict=True):
+            size = await self._size_of(piece)
+            if size is None:
+                return None
+            sizes.append(size if sizes else min(size, length))  # the base may be longer
+        return sum(sizes)
 
     async def object_size(self, step_path: str, name: str) -> int | None:
         """The size of a committed file's object, None if there is none."""
-        key = layout.object_key(step_path, name)
+        return await self._size_of(layout.object_key(step_path, name))
+
+    async def _size_of(self, key: str) -> int | None:
         found = await self._attempts(f"listing of {key}",
                                      lambda: [o for o in self.backend.list(key) if o.key == key])
         return found[0].size if found else None

@@ -37,8 +37,22 @@ async def send_file(backend: Backend, key: str, path: str, size: int, call: Call
                 policy=policy, still_wanted=still_wanted)
 
 
+async def send_range(backend: Backend, key: str, path: str, offset: int, length: int,
+                     call: Call, limiter: trio.CapacityLimiter, *, policy: RetryPolicy = POLICY,
+                     still_wanted: Callable[[], bool] = lambda: True) -> None:
+    """Store the `length` bytes of the file at `path` from `offset` under `key` (a piece of a
+    file stored in segments: `tierfs.s3tier.segments`)."""
+    if backend.part_size is None or length <= backend.part_size:
+        await call(f"upload of {key}", backend.put_range, key, path, offset, length)
+        return
+    await retry(lambda: _send_in_parts(backend, key, path, length, call, limiter, offset),
+                f"upload of {key}", retryable=lambda exc: isinstance(exc, UploadGone),
+                policy=policy, still_wanted=still_wanted)
+
+
 async def _send_in_parts(backend: Backend, key: str, path: str, size: int, call: Call,
-                         limiter: trio.CapacityLimiter) -> None:
+                         limiter: trio.CapacityLimiter, start: int = 0) -> None:
+    """The `size` bytes of `path` from `start` on, in parts."""
     upload_id = await call(f"start of the upload of {key}", backend.start_parts, key)
     parts = backend.parts(size)
     receipts: list[object] = [None] * len(parts)
@@ -46,7 +60,7 @@ async def _send_in_parts(backend: Backend, key: str, path: str, size: int, call:
     async def send(number: int, offset: int, length: int) -> None:
         receipts[number - 1] = await call(f"upload of {key} part {number}/{len(parts)}",
                                           backend.put_part, key, upload_id, number, path,
-                                          offset, length)
+                                          start + offset, length)
 
     gone = False
     try:

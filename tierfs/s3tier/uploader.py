@@ -46,6 +46,7 @@ from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs import links as symlinks
 from tierfs.observe import Events
+from tierfs.s3tier import segments
 from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, ObjectInfo
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
@@ -101,6 +102,7 @@ class Uploader:
         self._copy_sources = copy_sources  # key -> (old step path, old key) of renames
         self.bytes_sent = 0  # file bytes sent to the store (not those it copied itself)
         self.bytes_copied = 0  # file bytes the store copied inside itself (renames)
+        self.manifest_bytes_sent = 0  # the steps' manifests sent to the store
         self.queue = StepQueue()
         self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
@@ -249,18 +251,28 @@ class Uploader:
         stored = await self._call(f"read of {manifest_key}", manifest, self._stored_entries,
                                   prefix, manifest.single_file)
         changed = [entry for entry in manifest.files
-                   if stored.get(entry.name) != (entry.size, entry.xxh3)]
-        if changed:  # objects are replaced: the old version is never seen half replaced
+                   if _held(stored.get(entry.name)) != _held(entry)]
+        # A loose file appended since the stored version: only the new segments go, and the
+        # stored version stays listed until the new manifest replaces it (fs.appends).
+        start = await self._appended_from(manifest, stored) if changed else 0
+        if changed and not start:  # objects are replaced: never seen half replaced
             await self._call(f"removing old manifest of {prefix}", manifest,
                              self.backend.delete, [manifest_key])
-        checked: dict[str, dict[str, tuple[int, str]]] = {}  # what renames' sources hold
+        checked: dict[str, dict[str, mf.FileEntry]] = {}  # what renames' sources hold
         async with trio.open_nursery() as nursery:
             for entry in changed:
-                nursery.start_soon(self._upload_file, manifest, data_dir, entry, checked)
+                nursery.start_soon(self._upload_file, manifest, data_dir, entry, checked,
+                                   start)
         if not self._is_current(manifest):  # deleted or re-saved meanwhile: never list it
             raise NoLongerWanted(prefix)
+        if manifest.single_file and changed and (
+                changed[0].segments or any(e.segments for e in stored.values())):
+            await self._call(f"removing old segments of {prefix}", manifest,
+                             self._remove_stale_segments, prefix, changed[0])
+        encoded = mf.encode(manifest)
         await self._call(f"upload of {manifest_key}", manifest,
-                         self.backend.put_bytes, manifest_key, mf.encode(manifest))
+                         self.backend.put_bytes, manifest_key, encoded)
+        self.manifest_bytes_sent += len(encoded)
         await self._call(f"removing old files of {prefix}", manifest, self._remove_stale,
                          manifest)
         self._clear_trouble(manifest)
@@ -270,24 +282,46 @@ class Uploader:
         if self.keep_persist:
             await self._apply_retention(prefix.rpartition("/")[0])
 
+    async def _appended_from(self, manifest: mf.StepManifest,
+                             stored: dict[str, mf.FileEntry]) -> int:
+        """Where the pieces of a loose file stored in segments that the store lacks start
+        (0: all of them, or not such a file)."""
+        entry = manifest.files[0]
+        if not (manifest.single_file and entry.segments):
+            return 0
+        return await trio.to_thread.run_sync(segments.stored_start, stored.get(entry.name),
+                                             entry, self._object_path(entry.xxh3))
+
+    def _remove_stale_segments(self, path: str, entry: mf.FileEntry) -> None:
+        """Before the manifest of a single file goes up: no segment object it does not name
+        stays (blocking; see `tierfs.s3tier.segments`)."""
+        stale = segments.stale_segments(self.backend, path, entry)
+        if stale:
+            self.backend.delete(stale)
+
     async def _upload_file(self, manifest: mf.StepManifest, data_dir: str,
-                           entry: mf.FileEntry,
-                           checked: dict[str, dict[str, tuple[int, str]]]) -> None:
+                           entry: mf.FileEntry, checked: dict[str, dict[str, mf.FileEntry]],
+                           start: int = 0) -> None:
         async def call(what: str, func, *args) -> object:  # type: ignore[no-untyped-def]
             return await self._call(what, manifest, func, *args)
 
         key = layout.object_key(data_dir, entry.name)
-        for old_path, old_key in self._copy_sources(key):
+        for old_path, old_key in [] if start else self._copy_sources(key):
             if old_path != manifest.path and await self._copy(manifest, old_path, old_key, key,
                                                               entry, checked):
                 self.bytes_copied += entry.size
                 return
+        if entry.segments:  # an appended loose file: its pieces from `start` on
+            self.bytes_sent += await segments.send_pieces(
+                self.backend, key, entry, self._object_path(entry.xxh3), start, call,
+                self._threads, still_wanted=lambda: self._is_current(manifest))
+            return
         await send_file(self.backend, key, self._object_path(entry.xxh3), entry.size, call,
                         self._threads, still_wanted=lambda: self._is_current(manifest))
         self.bytes_sent += entry.size
 
     async def _copy(self, manifest: mf.StepManifest, old_path: str, old_key: str, key: str,
-                    entry: mf.FileEntry, checked: dict[str, dict[str, tuple[int, str]]]
+                    entry: mf.FileEntry, checked: dict[str, dict[str, mf.FileEntry]]
                     ) -> bool:
         """Copy `old_key`, the object of a renamed file, to `key` inside the store if the old
         name's manifest there says it holds `entry`'s bytes; whether it did. Under the old
@@ -299,25 +333,27 @@ class Uploader:
                 checked[old_path] = await self._call(
                     f"read of the manifest of {old_path}", manifest, self._stored_entries,
                     old_path, single_file)
-            if checked[old_path].get(name) != (entry.size, entry.xxh3):
-                return False
-            try:
-                await self._call(f"copy of {old_key} to {key}", manifest, self.backend.copy,
-                                 old_key, key)
+            if _held(checked[old_path].get(name)) != _held(entry):
+                return False  # not those bytes, or not in the same pieces
+            try:  # each piece: the object, and the segments of a file stored in segments
+                for source, target in zip(layout.piece_keys(old_key, entry.segments),
+                                          layout.piece_keys(key, entry.segments), strict=True):
+                    await self._call(f"copy of {source} to {target}", manifest,
+                                     self.backend.copy, source, target)
             except NotFound:
                 return False
         return True
 
-    def _stored_entries(self, path: str, single_file: bool) -> dict[str, tuple[int, str]]:
-        """Name -> (size, xxh3) of the files of the version of `path` in the store (blocking;
-        empty if none or unreadable)."""
+    def _stored_entries(self, path: str, single_file: bool) -> dict[str, mf.FileEntry]:
+        """Name -> entry of the files of the version of `path` in the store (blocking; empty
+        if none or unreadable)."""
         try:
             stored = mf.decode(self.backend.get_bytes(layout.manifest_key(path, single_file)))
         except (NotFound, mf.ManifestError):
             return {}
         if stored.path != path:
             return {}
-        return {f.name: (f.size, f.xxh3) for f in stored.files}
+        return {f.name: f for f in stored.files}
 
     def _remove_stale(self, manifest: mf.StepManifest) -> None:
         """Objects under the step that its new version does not name (a re-save with other
@@ -472,3 +508,8 @@ class Uploader:
         log.info("retention removed %s from %s (%d objects)", path, self.backend.url,
                  len(objects))
         self._on_retired(path)
+
+
+def _held(entry: mf.FileEntry | None) -> tuple[int, str, tuple[int, ...]] | None:
+    """What the store's objects of a file hold: its bytes, and the pieces they are in."""
+    return None if entry is None else (entry.size, entry.xxh3, entry.segments)

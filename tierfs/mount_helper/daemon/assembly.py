@@ -119,7 +119,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
                           replicas=cfg.replicas, events=events,
-                          commit_timeout=cfg.commit_timeout,
+                          commit_timeout=cfg.commit_timeout, append_every=cfg.append_every,
                           copies_wait=links.wait_for_copies if links and cfg.sync_replicas
                           else None)
     verifier = namespace.verifier
@@ -169,6 +169,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             nursery.start_soon(verify_then_send, namespace, uploader, replicator)
             nursery.start_soon(retry_pending_commits, namespace)
             nursery.start_soon(namespace.quiet.run)
+            if cfg.append_every:
+                nursery.start_soon(namespace.appends.run)
             nursery.start_soon(delete_worker(namespace, uploader,
                                              cluster.peer_delete if cluster else None,
                                              cluster.sealed if cluster else None).run)

@@ -52,6 +52,9 @@ class ControlApi:
             return None
         waiting = self._persist_waiting()
         return {"url": self.uploader.backend.url, "new_store": self.new_store,
+                "sent_bytes": self.uploader.bytes_sent,
+                "manifest_bytes": self.uploader.manifest_bytes_sent,
+                "copied_bytes": self.uploader.bytes_copied,
                 "every": self.cfg.persist_every,
                 "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
                 "pending_bytes": sum(m.total_bytes for m in waiting)}
