@@ -1,7 +1,7 @@
 """Peer data in mutual TLS (`--peer-tls`), real daemons on a real etcd, certificates made here
-(openssl, as for etcd's TLS): two nodes with certificates of the cluster's CA replicate a step;
-a node with a certificate of another CA, or of a CA the others do not use, or without TLS at
-all, is refused at mount with one line."""
+(`tierfs.devtools.certificates`, as for etcd's TLS): two nodes with certificates of the
+cluster's CA replicate a step; a node with a certificate of another CA, or of a CA the others
+do not use, or without TLS at all, is refused at mount with one line."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import pytest
 from tests.conftest import MountFactory, tierfs, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save, verify_committed
-from tests.test_etcd_tls import make_ca, make_cert
 from tierfs.demo.etcd import Etcd
 from tierfs.devtools import certificates
 
@@ -40,9 +39,9 @@ def test_two_nodes_replicate_over_peer_tls_and_a_node_without_the_right_cert_is_
     certs = tmp_path / "certs"
     certs.mkdir()
     for ca in ("ca", "rogue"):
-        make_ca(certs, ca)
+        certificates.make_ca(certs, ca)
     for name, ca in (("node0", "ca"), ("node1", "ca"), ("stranger", "rogue")):
-        make_cert(certs, ca, name, "127.0.0.1")
+        certificates.make_cert(certs, ca, name, ip="127.0.0.1")
 
     def tls(cert: str, ca: str = "ca") -> list[str]:
         return ["--peer-tls", "--peer-cacert", str(certs / f"{ca}.crt"),

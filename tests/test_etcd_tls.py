@@ -1,7 +1,7 @@
 """A cluster on an etcd that requires TLS, client certificates and a user's password, as
-production etcds do: a real etcd started so with a CA made here (openssl), a mount that works,
-and the mistakes a person makes refused at mount with one line each (a wrong CA, a wrong
-password)."""
+production etcds do: a real etcd started so with a CA made here
+(`tierfs.devtools.certificates`), a mount that works, and the mistakes a person makes refused
+at mount with one line each (a wrong CA, a wrong password)."""
 
 from __future__ import annotations
 
@@ -23,31 +23,6 @@ from tierfs.devtools import certificates
 pytestmark = pytest.mark.cluster
 
 PASSWORD = "s3cret-password"
-
-
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def make_ca(directory: Path, name: str) -> None:
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
-            f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.crt", cwd=directory)
-
-
-def make_cert(directory: Path, ca: str, name: str, ip: str | None = None) -> None:
-    """A certificate `name`.crt/.key signed by `ca` (for a server if `ip` is given). A client
-    certificate has no CommonName: etcd's JSON gateway refuses one that has (it would not
-    use it as the user name, as its gRPC port does)."""
-    subject = f"/CN={name}" if ip else f"/O={name}"
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout",
-            f"{name}.key", "-out", f"{name}.csr", cwd=directory)
-    extensions = directory / f"{name}.ext"
-    extensions.write_text(f"subjectAltName=IP:{ip}\n" if ip else
-                          "extendedKeyUsage=clientAuth\n")
-    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
-            "-CAcreateserial", "-days", "2", "-extfile", str(extensions), "-out",
-            f"{name}.crt", cwd=directory)
-    os.chmod(directory / f"{name}.key", 0o600)
 
 
 class SecureEtcd(Etcd):
@@ -95,10 +70,10 @@ class SecureEtcd(Etcd):
 def secure_etcd(tmp_path: Path) -> SecureEtcd:
     certs = tmp_path / "certs"
     certs.mkdir()
-    make_ca(certs, "ca")
-    make_ca(certs, "other-ca")
-    make_cert(certs, "ca", "server", ip=LOOPBACK)
-    make_cert(certs, "ca", "node")
+    certificates.make_ca(certs, "ca")
+    certificates.make_ca(certs, "other-ca")
+    certificates.make_cert(certs, "ca", "server", ip=LOOPBACK)
+    certificates.make_cert(certs, "ca", "node", client_only=True)
     (tmp_path / "etcd").mkdir()
     server = SecureEtcd(tmp_path / "etcd", certs)
     server.start()

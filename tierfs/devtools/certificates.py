@@ -31,7 +31,7 @@ def _write(directory: Path, name: str, certificate: x509.Certificate,
 
 def _load(directory: Path, name: str
           ) -> tuple[x509.Certificate, CertificateIssuerPrivateKeyTypes]:
-    """A CA's certificate and key (made here, or by openssl: any key type)."""
+    """A CA's certificate and key, as make_ca wrote them."""
     certificate = x509.load_pem_x509_certificate((directory / f"{name}.crt").read_bytes())
     key = serialization.load_pem_private_key((directory / f"{name}.key").read_bytes(), None)
     return certificate, key  # type: ignore[return-value]
