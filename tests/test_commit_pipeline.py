@@ -5,6 +5,9 @@ or after COPIES_FIRST seconds at most if they cannot be."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import pytest
 import trio
 import trio.testing
@@ -48,46 +51,48 @@ class HeldReplicator:
         await self.queue.serve(copy)
 
 
+@asynccontextmanager
+async def running(pipeline: CommitPipeline, replicator: HeldReplicator | None = None
+                  ) -> AsyncIterator[trio.MemorySendChannel[mf.StepManifest]]:
+    """The pipeline (and the replicator's worker) running; the channel its commits come by."""
+    send, receive = trio.open_memory_channel[mf.StepManifest](10)
+    async with trio.open_nursery() as nursery:
+        if replicator is not None:
+            nursery.start_soon(replicator.run)
+        nursery.start_soon(pipeline.run, receive)
+        yield send
+        nursery.cancel_scope.cancel()
+
+
 async def test_the_upload_of_a_step_waits_for_its_peer_copies() -> None:
     uploader, replicator = RecordingUploader(), HeldReplicator()
     pipeline = CommitPipeline(uploader, replicator)  # type: ignore[arg-type]
-    send, receive = trio.open_memory_channel[mf.StepManifest](10)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(replicator.run)
-        nursery.start_soon(pipeline.run, receive)
+    async with running(pipeline, replicator) as send:
         await send.send(committed("run/step_1"))
         await trio.testing.wait_all_tasks_blocked()
         assert replicator.submitted == ["run/step_1"] and uploader.submitted == []
         replicator.copies_made.set()
         await trio.testing.wait_all_tasks_blocked()
         assert uploader.submitted == ["run/step_1"] and pipeline.commits == 1
-        nursery.cancel_scope.cancel()
 
 
 async def test_an_upload_waits_for_copies_that_cannot_be_made_only_so_long(
         autojump_clock: trio.testing.MockClock) -> None:
     uploader, replicator = RecordingUploader(), HeldReplicator()
     pipeline = CommitPipeline(uploader, replicator)  # type: ignore[arg-type]
-    send, receive = trio.open_memory_channel[mf.StepManifest](10)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(replicator.run)
-        nursery.start_soon(pipeline.run, receive)
+    async with running(pipeline, replicator) as send:
         await send.send(committed("run/step_2"))
         started = trio.current_time()
         while not uploader.submitted:
             await trio.sleep(0.5)
         assert COPIES_FIRST <= trio.current_time() - started <= COPIES_FIRST + 0.5
-        nursery.cancel_scope.cancel()
 
 
 async def test_without_a_cluster_each_version_goes_straight_to_the_uploader() -> None:
     uploader = RecordingUploader()
     pipeline = CommitPipeline(uploader, None)  # type: ignore[arg-type]
-    send, receive = trio.open_memory_channel[mf.StepManifest](10)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pipeline.run, receive)
+    async with running(pipeline) as send:
         for version in (1, 2):
             await send.send(committed("run/step_3", version))
         await trio.testing.wait_all_tasks_blocked()
         assert uploader.submitted == ["run/step_3", "run/step_3"] and pipeline.commits == 2
-        nursery.cancel_scope.cancel()
