@@ -150,7 +150,7 @@ class AppendSnapshots:
         tmp = tree.records.write_temp(manifest_path, mf.encode(manifest))
         store.add_ref(entry.xxh3, tree.backing(node), copy)
         os.rename(tmp, manifest_path)
-        tree.drop_resident_refs(step)
+        tree.residents.drop_resident_refs(step)
         step.manifest = manifest
         step.resident = {entry.name}
         step.commit_pending = False

@@ -39,6 +39,7 @@ import time
 import trio
 
 from tierfs import manifest as mf
+from tierfs.fs import tree_walk
 from tierfs.fs.latest_pins import thread_group
 from tierfs.fs.nodes import METADATA, FsError, Node, Seal, StepState, some_names
 from tierfs.fs.other_tiers import OtherTiers
@@ -98,7 +99,7 @@ class Commits:
 
         Returns the manifest in force after the commit, or None when left pending.
         """
-        step = self.tree.step_of(step_node)
+        step = step_node.step
         if step is None:
             raise FsError(errno.EINVAL, "not a step directory")
         started = time.monotonic()
@@ -150,7 +151,7 @@ class Commits:
         if what != OPEN_WRITERS:
             return what
         writers = []
-        for node in self.tree.walk_files(step_node):
+        for node in tree_walk.walk_files(step_node):
             if node.active_writers:
                 pids = sorted({thread_group(h.pid) for h in node.handles if h.active and h.pid})
                 writers.append(self.tree.relpath(node)
@@ -169,7 +170,7 @@ class Commits:
             try:
                 while True:
                     released = tree.released
-                    if tree.has_active_writers(step_node):
+                    if tree_walk.has_active_writers(step_node):
                         if not wait_for_writers:
                             tree.leave_pending(step, "open writers")
                             log.info("commit of %s waits for open writers",
@@ -182,7 +183,7 @@ class Commits:
                     if not await self.tiers.locate_dcp_files(step_node, deadline):
                         tree.leave_pending(step, "files named by its .metadata")
                         return None, None  # retried by retry_pending_commits
-                    files = list(tree.files_under(step_node))
+                    files = list(tree_walk.files_under(step_node))
                     elsewhere = self.tiers.held_elsewhere(step_node)  # stay where they are
                     await self._resident_and_sealed(files, elsewhere, waiting)
                     waiting.what = COPIES
@@ -197,7 +198,7 @@ class Commits:
                     finally:
                         for copy in copies.values():  # those the manifest did not take
                             tree.store.discard(copy)
-                    if tree.step_of(step_node) is not step or step_node.parent is None:
+                    if step_node.step is not step or step_node.parent is None:
                         return None, None  # renamed away or removed while it was being sealed
             finally:
                 del self._waiting[step]
@@ -246,9 +247,9 @@ class Commits:
         stale = tree.stale_seals(files)
         for node in stale:  # open for writing with no seal of its bytes: being written
             tree.written_behind_seal(node)
-        return not (stale or tree.has_active_writers(step_node)
-                    or tree.step_of(step_node) is not step or step_node.parent is None
-                    or files != list(tree.files_under(step_node))
+        return not (stale or tree_walk.has_active_writers(step_node)
+                    or step_node.step is not step or step_node.parent is None
+                    or files != list(tree_walk.files_under(step_node))
                     or not all(self._file_ready(rel, node, elsewhere, cut_to)
                                for rel, node in files))
 
@@ -270,7 +271,7 @@ class Commits:
         """`tierfs commit PATH`: commit the step (a directory or a single file) at `relpath`,
         waiting for writers; after `timeout` seconds give up (FsError ETIMEDOUT)."""
         node = self.tree.find_step(relpath) or self.tree.find_dir(relpath)
-        if self.tree.step_of(node) is None:
+        if node.step is None:
             raise FsError(errno.EINVAL,
                           f"{relpath} is not a step directory (its name does not match "
                           f"--step-pattern {self.tree.pattern.pattern!r}, or it holds step "
@@ -357,7 +358,7 @@ class Commits:
             return
         self.tree.touch_enclosing(node)  # its step commits `commit_idle` seconds after this
         self.tiers.note_sealed(node)  # the cluster records which node holds the file
-        if node.name == METADATA and self.tree.step_of(parent) is not None:
+        if node.name == METADATA and parent.step is not None:
             await self.commit_for_saver(parent)
         await self.run_pending_commits(node)
 
@@ -380,14 +381,14 @@ class Commits:
             await self.commit_quietly(node)
 
     async def run_pending_commits(self, dir_node: Node | None) -> None:
-        for step_node in list(self.tree.enclosing_steps(dir_node)):
-            if step_node.step.commit_pending and not self.tree.has_active_writers(step_node):
+        for step_node in list(tree_walk.enclosing_steps(dir_node)):
+            if step_node.step.commit_pending and not tree_walk.has_active_writers(step_node):
                 await self.commit_quietly(step_node)
 
     async def retry_pending_commits(self) -> None:
         """Commits left pending (writers, or shards not yet found on other nodes) try again."""
         for step_node in list(self.tree.steps()):
-            if step_node.step.commit_pending and not self.tree.has_active_writers(step_node):
+            if step_node.step.commit_pending and not tree_walk.has_active_writers(step_node):
                 await self.commit_quietly(step_node)
 
     # -- renames ---------------------------------------------------------------------------
@@ -397,7 +398,7 @@ class Commits:
         being a step; a `.metadata` renamed into place commits its step."""
         if node.is_dir:
             await self._renamed_dir(node)
-        elif node.name == METADATA and self.tree.step_of(node.parent) is not None:
+        elif node.name == METADATA and node.parent.step is not None:
             await self.commit_for_saver(node.parent)
         else:
             await self._commit_file_step(node)  # `mv x.tmp epoch=0-step=5.ckpt`
@@ -416,9 +417,9 @@ class Commits:
                 await self._demote(node)
         else:
             tree.become_step(node, number)
-        for below in list(tree.dirs_under(node)):
+        for below in list(tree_walk.dirs_under(node)):
             await self._restep(below)
-        for file_node in list(tree.walk_files(node)):
+        for file_node in list(tree_walk.walk_files(node)):
             await self._refile(file_node)
         if node.step is not None:
             await self.commit_quietly(node)
@@ -454,7 +455,7 @@ class Commits:
 
     async def _demote(self, node: Node) -> None:
         """A committed directory that stops being a step keeps its files, not its manifest."""
-        for _rel, child in list(self.tree.files_under(node)):
+        for _rel, child in list(tree_walk.files_under(node)):
             if child.remote is not None and not child.remote.in_store:
                 await self.residency.make_resident(child, empty=False)
         self.tree.stop_being_step(node)

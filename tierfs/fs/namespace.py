@@ -203,7 +203,7 @@ class Namespace:
         return self.tree.open_backing(node, writable=writable, truncate=truncate)
 
     def note_opened(self, handle: Handle, pid: int) -> None:
-        self.tree.note_opened(handle, pid)
+        self.tree.latest.note_opened(handle, pid)
 
     async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         if not handle.active:

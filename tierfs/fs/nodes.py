@@ -157,7 +157,7 @@ class Node:
         self.remote: RemoteFile | None = None
         self.fetch: Fetch | None = None
         self.anchor_fd = -1  # a deep directory held open for long paths (fs.long_paths)
-        # A directory whose `latest` is its own, never the virtual link (Tree.owns_latest).
+        # A directory whose `latest` is its own, never the virtual link (VirtualLatest.is_own).
         self.own_latest = False
 
     @property

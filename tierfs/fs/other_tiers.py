@@ -19,7 +19,7 @@ import trio
 
 from tierfs import layout, trackers
 from tierfs import manifest as mf
-from tierfs.fs import dcp_metadata
+from tierfs.fs import dcp_metadata, tree_walk
 from tierfs.fs.deletes import PERSIST, Deletes, Tombstone, peer_target
 from tierfs.fs.nodes import METADATA, FsError, Node, StepState, some_names
 from tierfs.fs.ports import SealedCollector, Spawner, TierError
@@ -175,13 +175,13 @@ class OtherTiers:
                     lambda: self.versions.write_persist_mark(node, manifest.version),
                     release=True) is not None:
                 self.versions.set_persisted(node, manifest.version, recorded=True)
-                self.tree.add_remote_files(node, list(manifest.files))
+                self.tree.residents.add_remote_files(node, list(manifest.files))
             return False
         step_node = self.versions.install_step(manifest, "the persistent tier")
         if step_node is None:
             return False
         self.versions.set_persisted(step_node, manifest.version)
-        self.tree.add_remote_files(step_node, list(manifest.files))
+        self.tree.residents.add_remote_files(step_node, list(manifest.files))
         return True
 
     # -- trackers (tierfs.trackers): never in a tier without the step they name ------------
@@ -273,7 +273,7 @@ class OtherTiers:
             return None
         manifest = node.step.manifest
         if not node.step.in_ram:
-            self.tree.fill_from_objects(node)
+            self.tree.residents.fill_from_objects(node)
         held = [n for n in names if manifest.entry(n) is not None and n in node.step.resident]
         if held:
             self.versions.add_file_holder(node, sender, held)
@@ -299,7 +299,7 @@ class OtherTiers:
         step = step_node.step
         old = step.manifest
         if (old is None or manifest.version <= old.version or step.dirty
-                or step.commit_pending or self.tree.busy(step_node)):
+                or step.commit_pending or tree_walk.busy(step_node)):
             return None
         if record is not None:
             record()
@@ -378,7 +378,7 @@ class OtherTiers:
             return
         step = node.step
         if (step.committed and not step.resident and not step.persisted
-                and not step.commit_pending and not self.tree.busy(node)):
+                and not step.commit_pending and not tree_walk.busy(node)):
             self._forget_step(node, "is no longer in the cluster's records")
 
     def learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
@@ -399,13 +399,13 @@ class OtherTiers:
                                                                     others),
                                  release=True) is not None:
                 self.versions.set_holders(node, others, record=False)
-                self.tree.add_remote_files(node, list(manifest.files))
+                self.tree.residents.add_remote_files(node, list(manifest.files))
             return
         step_node = self.versions.install_step(manifest, f"node {', '.join(sorted(others))}")
         if step_node is None:
             return
         self.versions.set_holders(step_node, others, record=True)
-        self.tree.add_remote_files(step_node, list(manifest.files))
+        self.tree.residents.add_remote_files(step_node, list(manifest.files))
         log.info("%s v%d is in the cluster (held by %s)", manifest.path, manifest.version,
                  ", ".join(sorted(others)))
 
@@ -445,17 +445,17 @@ class OtherTiers:
                      some_names(old - set(found)))
         elsewhere = self._elsewhere.setdefault(step_path, set())
         for name, (peer, entry) in found.items():
-            node = self.tree.entry_node(step_node, name)
+            node = tree_walk.entry_node(step_node, name)
             if node is not None and node.remote is None:  # a copy of the committed version
                 if node.seal is not None and node.seal.digest.xxh3 == entry.xxh3:
                     continue  # saved again with the same bytes: the copy here is the file
-                if self.tree.evict_file(step, step.manifest.entry(name), node) is None \
+                if self.tree.residents.evict_file(step, step.manifest.entry(name), node) is None \
                         and node.remote is None:
                     log.info("commit of %s waits: its old copy of %s here is open", step_path,
                              name)
                     return False
             self.versions.add_holder(step_node, peer)
-            self.tree.add_remote_files(step_node, [entry], step_path)
+            self.tree.residents.add_remote_files(step_node, [entry], step_path)
             elsewhere.add(name)
         if found:
             log.info("commit of %s names %d files held on %s: they stay there", step_path,
@@ -465,7 +465,7 @@ class OtherTiers:
     def _old_copies(self, step_node: Node) -> set[str]:
         """Files its `.metadata` names that a step saved again has here only as they were in
         its committed version: a copy held here that was not written since
-        (`Tree.unchanged_since_commit`), or a file held elsewhere whose entry is still the
+        (`Residents.unchanged_since_commit`), or a file held elsewhere whose entry is still the
         old one; not those this commit located already."""
         step = step_node.step
         old = step.manifest
@@ -473,12 +473,12 @@ class OtherTiers:
             return set()
         located = self._elsewhere.get(self.tree.relpath(step_node), set())
         found = set()
-        for rel, node in self.tree.files_under(step_node):
+        for rel, node in tree_walk.files_under(step_node):
             entry = old.entry(rel)
             if entry is None or rel in located or rel not in step.dcp_files[1]:
                 continue
             if (node.remote.entry.xxh3 == entry.xxh3 if node.remote is not None
-                    else self.tree.unchanged_since_commit(step, rel, node)):
+                    else self.tree.residents.unchanged_since_commit(step, rel, node)):
                 found.add(rel)
         return found
 
@@ -489,7 +489,7 @@ class OtherTiers:
     def note_sealed(self, node: Node) -> None:
         """A file's last writer is done: the cluster records that this node holds it, once its
         seal (hashed in the background, `fs.sealing`) exists."""
-        step_node = next(self.tree.enclosing_steps(node.parent), None)
+        step_node = next(tree_walk.enclosing_steps(node.parent), None)
         if self.sealed is None or step_node is None or node.remote is not None:
             return
         self.background.spawn(self._record_sealed, node, step_node)
@@ -550,7 +550,7 @@ class OtherTiers:
         meanwhile (another node got its `.metadata`), list it committed now rather than at
         the watch event. Whether the step changed. Other names are not asked about: a saver
         creating a file looks its name up first, and must not wait for etcd each time."""
-        step_node = next(self.tree.enclosing_steps(dir_node), None)
+        step_node = next(tree_walk.enclosing_steps(dir_node), None)
         if (self.sealed is None or step_node is None or step_node.step.committed
                 or name != METADATA or dir_node is not step_node):
             return False
@@ -580,4 +580,4 @@ class OtherTiers:
                      exc)
             return set()
         expected = step_node.step.dcp_files[1]
-        return expected - {rel for rel, _node in self.tree.files_under(step_node)}
+        return expected - {rel for rel, _node in tree_walk.files_under(step_node)}

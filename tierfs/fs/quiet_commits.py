@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import trio
 
+from tierfs.fs import tree_walk
 from tierfs.fs.commits import Commits
 from tierfs.fs.nodes import METADATA, Node
 from tierfs.fs.tree import Tree
@@ -124,7 +125,7 @@ class QuietCommits:
         children = step_node.children or {}  # a single-file step has none
         if METADATA not in children and any(n.endswith(DCP_SHARD_SUFFIX) for n in children):
             return "its .metadata (a DCP save in progress or interrupted)"
-        for _rel, node in self.tree.files_under(step_node):
+        for _rel, node in tree_walk.files_under(step_node):
             if node.active_writers or any(h.writable for h in node.handles):
                 return "open writers"
         return None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs import append_layout
+from tierfs.fs import append_layout, tree_walk
 from tierfs.fs.nodes import (
     MANIFEST,
     METADATA,
@@ -266,7 +266,7 @@ class Recovery:
         version = manifest.version
         step.replicas = self.records.read_node_list(path, REPLICAS_MARK, version) or set()
         step.holders = self.records.read_node_list(path, PEERS_MARK, version) or set()
-        for rel, file_node in self.tree.files_under(node):
+        for rel, file_node in tree_walk.files_under(node):
             entry = manifest.entry(rel)
             if entry is not None:
                 st = os.lstat(self.tree.backing(file_node))
@@ -275,5 +275,5 @@ class Recovery:
                     self.tree.mark_dirty(file_node)
                     continue
                 file_node.seal = Seal(mf.Digest.of(entry), st.st_ino)
-        self.tree.add_remote_files(node, [e for e in manifest.files if e.name not in resident],
-                                   in_store=step.persisted)
+        self.tree.residents.add_remote_files(
+            node, [e for e in manifest.files if e.name not in resident], in_store=step.persisted)

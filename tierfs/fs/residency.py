@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Iterator
 import trio
 
 from tierfs import manifest as mf
+from tierfs.fs import tree_walk
 from tierfs.fs.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError
 from tierfs.fs.nodes import METADATA, FsError, Node, StepState
 from tierfs.fs.ports import Liveness, ReadSource, SealedCollector, Spawner, TierError
@@ -111,14 +112,14 @@ class Residency:
     def _fetch_of(self, node: Node) -> Fetch:
         if node.fetch is not None:
             return node.fetch
-        return self.tree.start_fetch(node, Fetch(self.store, node.remote,
+        return self.tree.residents.start_fetch(node, Fetch(self.store, node.remote,
                                                  spawn=self.background.spawn))
 
     async def chunk_for_peer(self, xxh3: str, index: int) -> int | None:
         """A peer was sent here for chunk `index` of the file with content `xxh3`, which this
         node is fetching: an fd of the partial copy once the chunk is in (`Fetch.relay_chunk`),
         or None."""
-        fetch = next((node.fetch for node in self.tree.fetching
+        fetch = next((node.fetch for node in self.tree.residents.fetching
                       if node.fetch is not None and node.fetch.remote.entry.xxh3 == xxh3),
                      None)
         return None if fetch is None else await fetch.relay_chunk(index)
@@ -128,7 +129,7 @@ class Residency:
         if node.remote is None:
             return
         if empty:
-            self.tree.make_empty_resident(node)
+            self.tree.residents.make_empty_resident(node)
             return
         fetch = self._fetch_of(node)
         try:
@@ -154,7 +155,7 @@ class Residency:
         by range through the daemon) if the RAM tier has no room for it, or a chunk cannot be
         fetched verified (the read that needs it gets EIO)."""
         if node.name == METADATA:  # in RAM or not: a multi-node step's other shards are not
-            step_node = next(self.tree.enclosing_steps(node), None)
+            step_node = next(tree_walk.enclosing_steps(node), None)
             if step_node is not None:
                 self.loads.opened(step_node, node)
         if node.remote is None:
@@ -173,13 +174,13 @@ class Residency:
         self._adopt(node, fetch)
 
     def _being_loaded(self, node: Node) -> bool:
-        step_node = next(self.tree.enclosing_steps(node), None)
+        step_node = next(tree_walk.enclosing_steps(node), None)
         return step_node is not None and self.loads.loading(step_node.step)
 
     def _unreachable(self, node: Node) -> str | None:
         """Why no tier can give this file, if its step is incomplete for want of it: its last
         holders and since when (`fs.recoverable`)."""
-        step = self.tree.committed_step_holding(node)
+        step = tree_walk.committed_step_holding(node)
         if step is None or node.remote is None:
             return None
         loss = self.tree.recoverable.loss(step, fresh=True)
@@ -199,7 +200,7 @@ class Residency:
             return
         good = fetch.verify()
         size = node.remote.entry.size if node.remote is not None else 0
-        if self.tree.adopt_fetch(node, fetch, good):
+        if self.tree.residents.adopt_fetch(node, fetch, good):
             log.info("%s is back in RAM (%d bytes, verified)", self.tree.relpath(node), size)
 
     async def prefetch(self, relpath: str) -> int:
@@ -208,7 +209,7 @@ class Residency:
         if step_node is None or not step_node.step.committed:
             raise FsError(errno.EINVAL, f"{relpath} is not a committed step")
         fetched = 0
-        for _rel, node in list(self.tree.files_under(step_node)):
+        for _rel, node in list(tree_walk.files_under(step_node)):
             if node.remote is not None:
                 size = node.remote.entry.size
                 await self.make_resident(node, empty=False)
@@ -222,7 +223,7 @@ class Residency:
     # none: the file is read from another tier). Files that are open, or whose bytes are on
     # their way in, stay. The work runs in slices of EVICT_SLICE seconds with a checkpoint in
     # between, so that evicting a step of 50,000 files never holds the FUSE loop; each file is
-    # checked and changed with no await in between (`Tree.evict_file`), so handlers see it
+    # checked and changed with no await in between (`Residents.evict_file`), so handlers see it
     # either in RAM or not. In a cluster, the records of a step not persisted change first
     # (`_leave`): a copy leaves the file's holders in etcd before its bytes leave RAM, never
     # after, so no node plans a copy from a node that no longer has it as if it were the last
@@ -252,7 +253,7 @@ class Residency:
             running = self._evictions
             candidates = [node for node in self._eviction_candidates(pressure=True)
                           if node.step not in running and node.step not in tried
-                          and not self.tree.holds(node, sparing)]
+                          and not tree_walk.holds(node, sparing)]
             if candidates:
                 tried.add(candidates[0].step)
                 await self._evict(candidates[0])
@@ -293,7 +294,7 @@ class Residency:
             for rank, node in enumerate(step_nodes):
                 step = node.step
                 if any(self.file_leaves(step, name) for name in step.resident) or (
-                        not step.resident and self.tree.has_partial_fetches(node)):
+                        not step.resident and self.tree.residents.has_partial_fetches(node)):
                     counted = node.step.number is not None and rank >= self.keep_ram
                     (beyond if counted else within).append(node)
         oldest_first = _number
@@ -450,7 +451,7 @@ class Residency:
         self.background.spawn(drop)
 
     def _in_use(self, step_node: Node, name: str) -> bool:
-        node = self.tree.entry_node(step_node, name)
+        node = tree_walk.entry_node(step_node, name)
         return node is not None and bool(node.handles or (node.fetch and node.fetch.busy))
 
     def _eviction_work(self, step_node: Node, first_slice: float = EVICT_SLICE,
@@ -471,8 +472,8 @@ class Residency:
                     not self.file_leaves(step, entry.name)
                     or (leaving is not None and entry.name not in leaving)):
                 continue  # not safe elsewhere (fewer than K + 1 other copies)
-            node = self.tree.entry_node(step_node, entry.name)
-            size = None if node is None else self.tree.evict_file(step, entry, node)
+            node = tree_walk.entry_node(step_node, entry.name)
+            size = None if node is None else self.tree.residents.evict_file(step, entry, node)
             if size is not None:
                 freed += size
                 evicted += 1

@@ -12,6 +12,7 @@ import stat
 
 from tierfs import layout
 from tierfs import manifest as mf
+from tierfs.fs import tree_walk
 from tierfs.fs.fetch import RemoteFile
 from tierfs.fs.nodes import LATEST, PEERS_MARK, REPLICAS_MARK, Node, StepState
 from tierfs.fs.tree import Tree
@@ -38,7 +39,7 @@ class StepVersions:
         if step.manifest is None or step.manifest.version != version:
             return
         data_dir = self.tree.data_dir(step)
-        for rel, node in self.tree.files_under(step_node):
+        for rel, node in tree_walk.files_under(step_node):
             entry = step.manifest.entry(rel)
             if node.remote is not None and entry is not None:
                 node.remote = RemoteFile(data_dir, entry, True)
@@ -115,7 +116,7 @@ class StepVersions:
                 log.warning("step %s from %s is hidden by a file here", manifest.path, source)
                 return None
             parent = child
-        step = self.tree.step_of(parent)
+        step = parent.step
         if step is None or step.manifest is not None or parent.children:
             log.warning("step %s from %s does not fit this namespace (step pattern, or a "
                         "directory of that name in use)", manifest.path, source)
@@ -147,7 +148,7 @@ class StepVersions:
                      else self.tree.single_file_step(parent, file_name))
             if state is not None:
                 if file_name == LATEST:
-                    self.tree.keep_own_latest(parent)  # a saver's own `latest`, from another tier
+                    self.tree.latest.keep_own(parent)  # a saver's own `latest`, from another tier
                 node = self.tree.attach(parent, file_name, stat.S_IFREG)
                 node.step = state
                 self.tree.records.write_manifest(self.tree.records_path(node), manifest)
@@ -167,8 +168,8 @@ class StepVersions:
         elsewhere, perhaps by nobody now, or a copy held here: a step saved again, also under
         an old name) are no part of the question: the new manifest says what they are now."""
         step = step_node.step
-        files = list(self.tree.files_under(step_node))
-        unchanged = self.tree.unchanged_since_commit
+        files = list(tree_walk.files_under(step_node))
+        unchanged = self.tree.residents.unchanged_since_commit
         old = [(rel, node) for rel, node in files if unchanged(step, rel, node)]
         local = [(rel, node) for rel, node in files
                  if node.remote is None and (rel, node) not in old]
@@ -191,14 +192,14 @@ class StepVersions:
             return False
         local += [found for found in old if found not in stale]  # saved again as they were
         for rel, node in stale:  # the new version's file is elsewhere, or not in it
-            self.tree.evict_file(step, step.manifest.entry(rel), node)
+            self.tree.residents.evict_file(step, step.manifest.entry(rel), node)
         for rel, node in files:
             if node.remote is not None:  # of the older version: its bytes are not the new ones
-                self.tree.drop_fetch(node)
+                self.tree.residents.drop_fetch(node)
                 if manifest.entry(rel) is None:
                     self.tree.detach(node)
         self.tree.records.write_manifest(self.tree.records_path(step_node), manifest)
-        self.tree.drop_resident_refs(step)
+        self.tree.residents.drop_resident_refs(step)
         for rel, node in local:
             self.tree.store.add_ref(manifest.entry(rel).xxh3, self.tree.backing(node))
         step.manifest = manifest
@@ -210,7 +211,7 @@ class StepVersions:
         step.file_holders = {}
         step.file_writers = {}
         self._write_node_list(step_node, PEERS_MARK, others)
-        self.tree.add_remote_files(step_node, [e for e in manifest.files
+        self.tree.residents.add_remote_files(step_node, [e for e in manifest.files
                                           if e.name not in step.resident])
         log.info("%s v%d committed on %s; this node holds %d of its files", manifest.path,
                  manifest.version, ", ".join(sorted(others)), len(local))
@@ -228,10 +229,10 @@ class StepVersions:
         old = step.manifest
         self.tree.records.write_manifest(self.tree.records_path(step_node), manifest)
         old_refs = [old.entry(name).xxh3 for name in step.resident]
-        for _rel, node in list(self.tree.files_under(step_node)):
+        for _rel, node in list(tree_walk.files_under(step_node)):
             if node.remote is None:
                 self.tree.unlink_backing(self.tree.backing(node), node)
-            self.tree.drop_fetch(node)
+            self.tree.residents.drop_fetch(node)
             if node is step_node:  # a single-file step: the node stays, its bytes are elsewhere
                 node.remote = RemoteFile(layout.data_dir(manifest.path, True), manifest.files[0])
                 node.seal = None
@@ -265,18 +266,18 @@ class StepVersions:
             records = self.tree.records_path(step_node)
             if step_node.remote is None:
                 self.tree.unlink_backing(self.tree.backing(step_node), step_node)
-            self.tree.drop_fetch(step_node)
-            self.tree.drop_resident_refs(step_node.step)
+            self.tree.residents.drop_fetch(step_node)
+            self.tree.residents.drop_resident_refs(step_node.step)
             aside = self.tree.store.tmp_path(self.tree.tree_path)
             os.rename(records, aside)
             self.tree.detach(step_node)
             return aside
-        for _rel, node in list(self.tree.files_under(step_node)):
+        for _rel, node in list(tree_walk.files_under(step_node)):
             if node.remote is None:
                 self.tree.unlink_backing(self.tree.backing(node), node)
-            self.tree.drop_fetch(node)
+            self.tree.residents.drop_fetch(node)
             self.tree.detach(node)
-        self.tree.drop_resident_refs(step_node.step)
+        self.tree.residents.drop_resident_refs(step_node.step)
         path = self.tree.backing(step_node)
         aside = self.tree.store.tmp_path(self.tree.tree_path)
         os.rename(path, aside)
@@ -291,8 +292,8 @@ class StepVersions:
     def drop_remote_files(self, step_node: Node) -> None:
         """A step being re-saved here whose committed version was deleted elsewhere: the
         files at hand stay, as a step that is not committed."""
-        for _rel, child in list(self.tree.files_under(step_node)):
+        for _rel, child in list(tree_walk.files_under(step_node)):
             if child.remote is not None:
-                self.tree.drop_fetch(child)
+                self.tree.residents.drop_fetch(child)
                 self.tree.detach(child)
         self.tree.remove_hidden(step_node, self.tree.backing(step_node))

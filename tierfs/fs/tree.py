@@ -50,25 +50,21 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs import append_layout
+from tierfs.fs import append_layout, tree_walk
 from tierfs.fs import links as symlinks
-from tierfs.fs.fetch import Fetch, RemoteFile, apply_attributes
 from tierfs.fs.holders import Holdings
-from tierfs.fs.latest_pins import LatestPins
 from tierfs.fs.long_paths import LONG_PATH, anchor_path
 from tierfs.fs.nodes import (
     DEFAULT_FILE_STEP_PATTERN,
     DEFAULT_STEP_PATTERN,
     LATEST,
     NAME_MAX,
-    OWN_LATEST_MARK,
     RENAME_NOREPLACE,
     ROOT_INODE,
     FsError,
     Handle,
     Node,
     RemoteAttrs,
-    Seal,
     StepState,
     size_in_blocks,
 )
@@ -76,12 +72,12 @@ from tierfs.fs.ports import DeleteLog, Liveness, Spawner, StepWatch
 from tierfs.fs.ram_store import RamStore, allocated, is_reserved
 from tierfs.fs.records import StepRecords
 from tierfs.fs.recoverable import Recoverability
+from tierfs.fs.residents import Residents
 from tierfs.fs.sealing import Sealing
-from tierfs.step_names import DEEPSPEED_STEP
+from tierfs.fs.virtual_latest import VirtualLatest
 
 log = logging.getLogger(__name__)
 
-_DEEPSPEED_STEP = re.compile(os.fsencode(DEEPSPEED_STEP))
 
 
 
@@ -106,15 +102,15 @@ class Tree:
         self._next_ino = ROOT_INODE + 1
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
-        self._latest: dict[int, Node] = {}
-        self._latest_pins = LatestPins()
         self._released = trio.Event()
         self.sealing = Sealing(self.backing, spawner)  # seals hashed off the writer's path
         self._unshare_locks: dict[Node, trio.Lock] = {}
-        self.fetching: set[Node] = set()  # nodes with a partial fetch (fs.residency)
+        self.residents = Residents(self, deletes)  # where committed files' bytes are
         self.links = symlinks.LinkChanges()  # directories whose links the store must learn
         # which committed steps can be read whole now (their state, `latest`)
         self.recoverable = Recoverability(node_id, self.holdings.file_peers, liveness)
+        # each directory's `latest` link
+        self.latest = VirtualLatest(self.backing, self.attach_virtual, self.recoverable)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -137,17 +133,17 @@ class Tree:
         node = parent.children.get(name)
         if node is not None:
             return node
-        if name == LATEST and self.shows_virtual_latest(parent):
-            return self._latest_node(parent)
+        if name == LATEST and self.latest.shows(parent):
+            return self.latest.node_in(parent)
         raise FsError(errno.ENOENT)
 
     def list_dir(self, node: Node) -> list[tuple[bytes, Node]]:
         if not node.is_dir:
             raise FsError(errno.ENOTDIR)
         entries = list(node.children.items())
-        if self.shows_virtual_latest(node):
+        if self.latest.shows(node):
             # First, so that `rm -r` meets it while it still exists (its unlink is a no-op).
-            entries.insert(0, (LATEST, self._latest_node(node)))
+            entries.insert(0, (LATEST, self.latest.node_in(node)))
         return entries
 
     @property
@@ -244,7 +240,7 @@ class Tree:
                 node = self.child(node, os.fsencode(part))
         except FsError:
             return None
-        return node if self.step_of(node) is not None else None
+        return node if node.step is not None else None
 
     def records_path(self, step_node: Node) -> bytes:
         """Where a step's records (manifest, marks) are in the store: in a step directory, or
@@ -290,99 +286,16 @@ class Tree:
             raise FsError(errno.ENOTDIR, f"{relpath} is not a directory")
         return node
 
-    @staticmethod
-    def entry_node(step_node: Node, name: str) -> Node | None:
-        """The file node of a manifest entry, if it is in the tree."""
-        if step_node.is_file:
-            return step_node if os.fsencode(name) == step_node.name else None
-        node = step_node
-        for part in name.split("/"):
-            if node.children is None:
-                return None
-            node = node.children.get(os.fsencode(part))
-            if node is None:
-                return None
-        return node if node.is_file else None
-
-    def files_under(self, dir_node: Node, prefix: str = "") -> Iterator[tuple[str, Node]]:
-        """Every file below `dir_node` with its path relative to it, in name order (a
-        single-file step: the file itself, by its name)."""
-        if dir_node.is_file:
-            yield prefix + os.fsdecode(dir_node.name), dir_node
-            return
-        for name, node in sorted(dir_node.children.items()):
-            rel = prefix + os.fsdecode(name)
-            if node.is_file:
-                yield rel, node
-            elif node.is_dir:
-                yield from self.files_under(node, rel + "/")
-
-    @staticmethod
-    def walk_files(dir_node: Node) -> Iterator[Node]:
-        """Every file below `dir_node`, in no particular order (cheaper than `files_under`)."""
-        if dir_node.is_file:
-            yield dir_node
-            return
-        yield from Tree.walk_kind(dir_node, stat.S_IFREG)
-
-    @staticmethod
-    def walk_kind(dir_node: Node, kind: int) -> Iterator[Node]:
-        """Every entry of this file type below the directory `dir_node`, in no order."""
-        stack = [dir_node]
-        while stack:
-            for child in stack.pop().children.values():
-                if child.children is not None:
-                    stack.append(child)
-                elif child.kind == kind:
-                    yield child
-
-    @staticmethod
-    def dirs_under(node: Node) -> Iterator[Node]:
-        """Every directory below `node`, parents before their children."""
-        stack = [c for c in node.children.values() if c.is_dir]
-        while stack:
-            below = stack.pop()
-            yield below
-            stack.extend(c for c in below.children.values() if c.is_dir)
-
-    @staticmethod
-    def enclosing_steps(node: Node | None) -> Iterator[Node]:
-        while node is not None:
-            if node.step is not None:
-                yield node
-            node = node.parent
-
-    @staticmethod
-    def holds(step_node: Node, node: Node | None) -> bool:
-        """Whether `node` is `step_node` or below it."""
-        while node is not None:
-            if node is step_node:
-                return True
-            node = node.parent
-        return False
-
     def steps(self, under: Node | None = None) -> Iterator[Node]:
         """Every step (below `under`, itself included), depth first: step directories and
         single-file steps."""
-        stack = [under or self.root]
-        while stack:
-            node = stack.pop()
-            if node.step is not None:
-                yield node  # nothing inside a step is a step
-                continue
-            stack.extend(c for c in node.children.values()
-                         if c.children is not None or c.step is not None)
-
-    @staticmethod
-    def step_of(node: Node) -> StepState | None:
-        """The node's step state if it is a step directory (see `step_number_at`)."""
-        return node.step
+        return tree_walk.steps_under(under or self.root)
 
     def step_number_at(self, parent: Node | None, name: bytes | str) -> int | None:
         """The step number of a directory `name` in `parent`: a step is a directory whose name
         matches the step pattern and that is not inside a step (whatever its name, a directory
         inside a step, such as Megatron's `mp_rank_00/`, is part of that step)."""
-        if next(self.enclosing_steps(parent), None) is not None:
+        if tree_walk.in_a_step(parent):
             return None
         return self.step_number(name)
 
@@ -391,7 +304,7 @@ class Tree:
         directory (then it is part of that step): a file step if its name carries a number
         (the file step pattern), else a loose file (no number). A name too long for its
         records directory beside it is a plain file, never persisted."""
-        if (next(self.enclosing_steps(parent), None) is not None
+        if (tree_walk.in_a_step(parent)
                 or len(layout.records_name(name)) > NAME_MAX):
             return None
         return StepState(self.step_number(name, self.file_pattern))
@@ -407,23 +320,6 @@ class Tree:
             return int(match.group(1))
         except (IndexError, TypeError, ValueError):
             return None
-
-    def committed_step_holding(self, node: Node) -> StepState | None:
-        for step_node in self.enclosing_steps(node):
-            step = self.step_of(step_node)
-            if step is not None:
-                return step if step.committed else None
-        return None
-
-    def has_active_writers(self, dir_node: Node) -> bool:
-        return any(node.active_writers for node in self.walk_files(dir_node))
-
-    def busy(self, step_node: Node) -> bool:
-        """A file of the step is open, or bytes of one are on their way in."""
-        return any(n.handles or (n.fetch and n.fetch.busy) for n in self.walk_files(step_node))
-
-    def has_partial_fetches(self, step_node: Node) -> bool:
-        return any(self.holds(step_node, n) for n in self.fetching)
 
     def seal_describes_file(self, node: Node) -> bool:
         """Whether the node's seal still describes its backing file (see `Seal`)."""
@@ -498,16 +394,7 @@ class Tree:
     def readlink(self, node: Node, pid: int | None = None) -> bytes:
         """A symbolic link's target; for `latest`, the one process `pid` sees (latest_pins)."""
         if node.virtual:
-            parent = node.parent
-            if self.owns_latest(parent):
-                raise FsError(errno.ENOENT)  # removed, or a real `latest` came since
-            target = self._latest_target(parent)
-            if pid is not None:
-                target = self._latest_pins.resolve(
-                    pid, parent.ino, target, lambda name: self._is_committed_step(parent, name))
-            if target is None:
-                raise FsError(errno.ENOENT)
-            return target
+            return self.latest.readlink(node, pid)
         if node.kind != stat.S_IFLNK:
             raise FsError(errno.EINVAL)
         return os.readlink(self.backing(node))
@@ -538,7 +425,7 @@ class Tree:
             self._check_special_parent(new_parent)
 
     def _check_special_parent(self, parent: Node) -> None:
-        if any(self.step_of(node) is not None for node in self.enclosing_steps(parent)):
+        if any(node.step is not None for node in tree_walk.enclosing_steps(parent)):
             raise FsError(errno.EPERM, "FIFOs and sockets cannot be part of a step")
 
     # -- files -----------------------------------------------------------------------------
@@ -637,8 +524,7 @@ class Tree:
     def close(self, handle: Handle) -> None:
         """The open file is gone (RELEASE, after `end_writer`)."""
         del self._handles[handle.fh]
-        if handle.pin is not None:
-            self._latest_pins.closed(handle.pin)
+        self.latest.closed(handle)
         node = handle.node
         node.handles.remove(handle)
         if handle.fd >= 0:
@@ -660,7 +546,7 @@ class Tree:
             # The virtual `latest` goes for good: the directory's `latest` is its own from now
             # on, so that `rm latest` then `open("latest", "w")` makes a real file (a saver
             # writing its own tracker), and `rm -r run1` works.
-            self.keep_own_latest(parent)
+            self.latest.keep_own(parent)
             return False
         node = self.existing_entry(parent, name)
         if node.is_dir:
@@ -670,7 +556,7 @@ class Tree:
         self._single_file_removed(node)
         if node.remote is None:
             self.unlink_backing(self.backing(node), node)
-        self.drop_fetch(node)
+        self.residents.drop_fetch(node)
         self.detach(node)
         self.mark_dirty(parent)
         return True
@@ -711,7 +597,7 @@ class Tree:
             # Mode, owner and mtime are committed state: the step commits again, as a
             # version with new attributes only (no byte goes anywhere again).
             self.mark_dirty(node)
-            for step_node in self.enclosing_steps(node):
+            for step_node in tree_walk.enclosing_steps(node):
                 step_node.step.attributes_changed = True
 
     @staticmethod
@@ -797,7 +683,7 @@ class Tree:
                 raise FsError(errno.EISDIR)
             if target.is_dir and target.children:
                 raise FsError(errno.ENOTEMPTY)
-        if node.is_dir and self.holds(node, new_parent):
+        if node.is_dir and tree_walk.holds(node, new_parent):
             raise FsError(errno.EINVAL)
         old_path = self.backing(node)
         new_path = os.path.join(self.backing(new_parent), new_name)
@@ -823,7 +709,7 @@ class Tree:
             self.remove_hidden(node, self.backing(node))
             node.step = None
         if new_name == LATEST:
-            self.keep_own_latest(new_parent)  # `mv -T tmp latest`: a real `latest` from now on
+            self.latest.keep_own(new_parent)  # `mv -T tmp latest`: a real `latest` from now on
         if node.remote is None or node.is_dir:  # a file only in the store has no bytes here
             os.rename(old_path, new_path)
         if target is not None:
@@ -852,7 +738,7 @@ class Tree:
         if not node.is_dir:
             return []
         found = []
-        for directory in (node, *self.dirs_under(node)):
+        for directory in (node, *tree_walk.dirs_under(node)):
             if any(c.kind == stat.S_IFLNK for c in directory.children.values()):
                 below = self.relpath(directory)[len(at) + 1:] if directory is not node else ""
                 found.append((below, layout.join(at, below) if below else at))
@@ -877,7 +763,7 @@ class Tree:
         made = 0
         for name, target in links.items():
             raw = os.fsencode(name)
-            if raw in parent.children or (raw == LATEST and self.owns_latest(parent)):
+            if raw in parent.children or (raw == LATEST and self.latest.is_own(parent)):
                 continue
             os.symlink(target, os.path.join(self.backing(parent), raw))
             self.attach(parent, raw, stat.S_IFLNK)
@@ -1011,26 +897,13 @@ class Tree:
                 self.store.add_ref(entry.xxh3, self.backing(node), copies.get(node))
                 copies.pop(node, None)  # the object now, or removed by add_ref
         os.rename(tmp, manifest_path)
-        self.drop_resident_refs(step)
+        self.residents.drop_resident_refs(step)
         step.manifest = manifest
         step.resident = {rel for rel, node in files if node.remote is None}
         step.attributes_changed = False
         step.dirty = False
         step.commit_pending = False
         return manifest
-
-    def unchanged_since_commit(self, step: StepState, rel: str, node: Node) -> bool:
-        """Whether a file of a step being saved again is still exactly what its committed
-        version holds: in RAM, sealed with that version's content, and still the committed
-        object itself (its inode shared with it: a write would have made it private)."""
-        entry = step.manifest.entry(rel) if step.manifest is not None else None
-        if (entry is None or node.remote is not None or rel not in step.resident
-                or node.seal is None or node.seal.digest.xxh3 != entry.xxh3):
-            return False
-        try:
-            return self.shared_backing(node) is not None
-        except (FsError, OSError):
-            return False
 
     @staticmethod
     def leave_pending(step: StepState, reason: str | None) -> None:
@@ -1050,252 +923,8 @@ class Tree:
 
     def touch_enclosing(self, node: Node | None) -> None:
         """Its steps commit `commit_idle` seconds after this (fs.quiet_commits)."""
-        for step_node in self.enclosing_steps(node):
+        for step_node in tree_walk.enclosing_steps(node):
             self._watch.touch(step_node)
-
-    # -- fetches and residency ---------------------------------------------------------------
-
-    def start_fetch(self, node: Node, fetch: Fetch) -> Fetch:
-        node.fetch = fetch
-        self.fetching.add(node)
-        return fetch
-
-    def drop_fetch(self, node: Node) -> None:
-        if node.fetch is not None:
-            node.fetch.discard()
-            self._unset_fetch(node)
-
-    def _unset_fetch(self, node: Node) -> None:
-        node.fetch = None
-        self.fetching.discard(node)
-
-    def adopt_fetch(self, node: Node, fetch: Fetch, good: bool) -> bool:
-        """A complete fetch, checked against its xxh3-128 (`good`), becomes the file's committed
-        object. False if the node moved on meanwhile (unlinked or evicted)."""
-        if node.fetch is not fetch or node.remote is None:
-            return False
-        self._unset_fetch(node)
-        if not good:
-            fetch.discard()
-            raise FsError(errno.EIO)
-        path = self.backing(node)
-        tmp = self.store.tmp_path(os.path.dirname(path))
-        os.link(fetch.path, tmp)
-        os.rename(tmp, path)
-        os.close(fetch.fd)
-        os.unlink(fetch.path)
-        entry = node.remote.entry
-        node.remote = None
-        node.seal = Seal(mf.Digest.of(entry), fetch.backing_ino)
-        step = self.committed_step_holding(node)
-        if step is not None and entry.name not in step.resident:
-            self.store.add_ref(entry.xxh3, path)
-            step.resident.add(entry.name)
-        return True
-
-    def make_empty_resident(self, node: Node) -> None:
-        """A non-resident file truncated to nothing: an empty file in RAM, as committed."""
-        path = self.backing(node)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            apply_attributes(fd, node.remote.entry)  # its owner and mode, not the daemon's
-        finally:
-            os.close(fd)
-        self.drop_fetch(node)
-        node.remote = None
-        self.mark_dirty(node)
-
-    def evict_file(self, step: StepState, entry: mf.FileEntry, node: Node) -> int | None:
-        """One file of a committed step leaves RAM unless it is in use; the bytes freed, or
-        None if it stays or had nothing in RAM."""
-        if node.handles or (node.fetch is not None and node.fetch.busy):
-            return None  # open, or bytes on their way in: it stays (a later eviction takes it)
-        in_ram = node.fetch is not None or node.remote is None
-        freed = 0
-        if node.fetch is not None:
-            freed += node.fetch.stored_bytes
-            self.drop_fetch(node)  # ranges read on demand leave with the step
-        if node.remote is None:
-            self.unlink_backing(self.backing(node), node)
-            node.remote = RemoteFile(self.data_dir(step), entry, step.persisted)
-            node.seal = None
-            freed += entry.size
-        if entry.name in step.resident:
-            step.resident.discard(entry.name)
-            self.store.drop_ref(entry.xxh3)
-        return freed if in_ram else None
-
-    def quarantine(self, ino: int, digest: str) -> list[tuple[mf.StepManifest, str]]:
-        """Every committed file on the bad inode `ino` becomes non-resident (readers go through
-        the other tiers from now on); the object goes (its bytes are kept aside by the caller).
-        The files that did: (their step's manifest, name)."""
-        gone: list[tuple[mf.StepManifest, str]] = []
-        for step_node in list(self.steps()):
-            step = step_node.step
-            if not step.committed:
-                continue
-            for rel, node in list(self.files_under(step_node)):
-                entry = step.manifest.entry(rel)
-                if (entry is None or node.remote is not None or rel not in step.resident
-                        or node.seal is None or node.seal.backing_ino != ino):
-                    continue
-                for handle in node.handles:
-                    if handle.fd >= 0 and not handle.writable:
-                        os.close(handle.fd)
-                        handle.fd = -1
-                        handle.backing_ino = 0
-                self.unlink_backing(self.backing(node), node)
-                node.remote = RemoteFile(self.data_dir(step), entry, step.persisted)
-                node.seal = None
-                step.resident.discard(entry.name)
-                self.store.drop_ref(entry.xxh3)
-                gone.append((step.manifest, entry.name))
-        obj = self.store.object_path(digest)
-        try:
-            st = os.lstat(obj)
-        except FileNotFoundError:
-            return gone
-        if st.st_ino == ino:  # still named by a step being re-saved: the bytes are bad anyway
-            os.unlink(obj)
-            if st.st_nlink == 1:
-                self.store.forget_inode(ino)
-        return gone
-
-    def add_remote_files(self, step_node: Node, entries: list[mf.FileEntry],
-                         step_path: str | None = None, *, in_store: bool = False) -> None:
-        """Nodes for committed files whose bytes are in another tier (with their directories);
-        `step_path` is the data dir (`layout.data_dir`) if the step's manifest is not yet its;
-        `in_store`: the persistent tier holds them."""
-        data_dir = step_path or self.data_dir(step_node.step)
-        for entry in entries:
-            parent, name = self._entry_parent(step_node, entry.name)
-            node = parent.children.get(name)
-            if node is None:
-                node = self.attach(parent, name, stat.S_IFREG)
-            # A file renamed before its new name reached the store: its old name holds it.
-            moved = not in_store and bool(self._deletes.old_keys(
-                layout.object_key(data_dir, entry.name)))
-            node.remote = RemoteFile(data_dir, entry, in_store or moved)
-
-    def _entry_parent(self, step_node: Node, relative: str) -> tuple[Node, bytes]:
-        """The directory node (made if missing) and the name of a manifest entry."""
-        if step_node.is_file:
-            return step_node.parent, step_node.name
-        *dirs, name = relative.split("/")
-        parent = step_node
-        for part in map(os.fsencode, dirs):
-            child = parent.children.get(part)
-            if child is None:
-                os.makedirs(os.path.join(self.backing(parent), part), 0o755, exist_ok=True)
-                child = self.attach(parent, part, stat.S_IFDIR)
-            parent = child
-        return parent, os.fsencode(name)
-
-    def fill_from_objects(self, step_node: Node) -> None:
-        """Files of this step that are not resident but whose objects are here become
-        resident (a replica sent them)."""
-        step = step_node.step
-        for _rel, node in self.files_under(step_node):
-            if node.remote is None or node.fetch is not None:
-                continue
-            entry = node.remote.entry
-            obj = self.store.object_path(entry.xxh3)
-            if not obj.exists():
-                continue
-            path = self.backing(node)
-            tmp = self.store.tmp_path(os.path.dirname(path))
-            os.link(obj, tmp)
-            apply_attributes(tmp, entry)
-            os.rename(tmp, path)
-            node.remote = None
-            node.seal = Seal(mf.Digest.of(entry),
-                             os.lstat(path).st_ino)
-            if entry.name not in step.resident:
-                self.store.add_ref(entry.xxh3, path)
-                step.resident.add(entry.name)
-
-    def drop_resident_refs(self, step: StepState) -> None:
-        if step.manifest is not None:
-            for name in step.resident:
-                self.store.drop_ref(step.manifest.entry(name).xxh3)
-        step.resident = set()
-
-    # -- `latest` --------------------------------------------------------------------------
-    #
-    # Two questions, kept apart: whether a directory shows the virtual `latest` link at all
-    # (`shows_virtual_latest`: not where the name is the saver's own), and which step it names
-    # (`_latest_target`).
-
-    def shows_virtual_latest(self, dir_node: Node) -> bool:
-        """Whether `dir_node` has the virtual `latest` link: it holds a committed step and its
-        `latest` is not its own."""
-        return not self.owns_latest(dir_node) and self._latest_target(dir_node) is not None
-
-    @staticmethod
-    def owns_latest(dir_node: Node) -> bool:
-        """Whether `latest` in this directory belongs to the saver, never to tierfs: a real
-        entry has the name, or had it once, or the virtual link was removed (all three
-        recorded in the directory: `keep_own_latest`), or it holds DeepSpeed's step
-        directories (`global_stepN`), beside which DeepSpeed writes its own `latest` file.
-
-        The kernel decides alone what an open with O_CREAT of a name whose lookup found a
-        symbolic link does: it follows the link (to a step directory: EISDIR). A lookup cannot
-        tell a create from a read, so the link must be absent wherever a saver writes a
-        `latest` of its own, before it does."""
-        return (dir_node.own_latest or LATEST in dir_node.children
-                or any(node.step is not None and _DEEPSPEED_STEP.match(name)
-                       for name, node in dir_node.children.items()))
-
-    def keep_own_latest(self, dir_node: Node) -> None:
-        """From now on `latest` in this directory is its own (`owns_latest`), also after a
-        restart: the mark is on disk before it counts. Not inside a step, where there is no
-        virtual link."""
-        if (dir_node.own_latest or not dir_node.is_dir
-                or next(self.enclosing_steps(dir_node), None) is not None):
-            return
-        os.close(os.open(os.path.join(self.backing(dir_node), OWN_LATEST_MARK),
-                         os.O_WRONLY | os.O_CREAT, 0o600))
-        dir_node.own_latest = True
-
-    def _latest_target(self, dir_node: Node) -> bytes | None:
-        """The step the virtual `latest` of `dir_node` names: its committed step directory
-        with the highest number that can be read whole now (None: none can)."""
-        committed = [(node.step.number, name, node.step)
-                     for name, node in dir_node.children.items()
-                     if node.is_dir and node.step is not None and node.step.committed]
-        if not committed:
-            return None
-        newest = max(committed, key=lambda found: found[:2])
-        if self.recoverable.whole(newest[2]):
-            return newest[1]  # as a rule: the newest step is whole
-        for _number, name, step in sorted(committed, key=lambda found: found[:2],
-                                          reverse=True):
-            if self.recoverable.whole(step):
-                return name
-        return None
-
-    def _is_committed_step(self, dir_node: Node, name: bytes) -> bool:
-        node = dir_node.children.get(name)
-        step = self.step_of(node) if node is not None and node.is_dir else None
-        return step is not None and step.committed
-
-    def note_opened(self, handle: Handle, pid: int) -> None:
-        """Process `pid` opened `handle` (the commit names it while it waits for it): if it
-        reached the file through its pinned `latest`, the pin lasts while the file is open."""
-        handle.pid = pid
-        step_node = next((n for n in self.enclosing_steps(handle.node.parent)
-                          if self.step_of(n) is not None), None)
-        if step_node is not None and step_node.parent is not None:
-            handle.pin = self._latest_pins.opened(pid, step_node.parent.ino, step_node.name)
-
-    def _latest_node(self, dir_node: Node) -> Node:
-        node = self._latest.get(dir_node.ino)
-        if node is None:
-            node = Node(self._new_ino(), stat.S_IFLNK, LATEST, dir_node)
-            node.virtual = True
-            self._latest[dir_node.ino] = node
-            self._inodes[node.ino] = node
-        return node
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -1303,6 +932,13 @@ class Tree:
         ino = self._next_ino
         self._next_ino += 1
         return ino
+
+    def attach_virtual(self, parent: Node, name: bytes) -> Node:
+        """A symbolic link node not in the RAM store and not among `parent`'s children."""
+        node = Node(self._new_ino(), stat.S_IFLNK, name, parent)
+        node.virtual = True
+        self._inodes[node.ino] = node
+        return node
 
     def attach(self, parent: Node, name: bytes, kind: int) -> Node:
         node = Node(self._new_ino(), kind, name, parent)
@@ -1315,7 +951,7 @@ class Tree:
             del node.parent.children[node.name]
         node.parent = None
         if node.is_dir:  # directories held open for long paths, in what leaves the tree
-            for gone in (node, *self.dirs_under(node)):
+            for gone in (node, *tree_walk.dirs_under(node)):
                 if gone.anchor_fd >= 0:
                     os.close(gone.anchor_fd)
                     gone.anchor_fd = -1
@@ -1325,7 +961,7 @@ class Tree:
         if node.lookups or node.handles:
             return
         if node.virtual:
-            self._latest.pop(node.parent.ino, None)
+            self.latest.dropped(node)
             del self._inodes[node.ino]
         elif node.parent is None and node.ino in self._inodes:
             del self._inodes[node.ino]
@@ -1338,7 +974,7 @@ class Tree:
         return handle
 
     def mark_dirty(self, node: Node | None) -> None:
-        for step_node in self.enclosing_steps(node):
+        for step_node in tree_walk.enclosing_steps(node):
             step_node.step.dirty = True
             self._watch.touch(step_node)
 
@@ -1359,7 +995,7 @@ class Tree:
         if name in parent.children:
             raise FsError(errno.EEXIST)
         if name == LATEST:
-            self.keep_own_latest(parent)  # marked before the entry is made
+            self.latest.keep_own(parent)  # marked before the entry is made
         return os.path.join(self.backing(parent), name)
 
     def existing_entry(self, parent: Node, name: bytes) -> Node:
@@ -1367,7 +1003,7 @@ class Tree:
             raise FsError(errno.ENOTDIR)
         node = parent.children.get(name)
         if node is None:
-            if name == LATEST and self.shows_virtual_latest(parent):
+            if name == LATEST and self.latest.shows(parent):
                 raise FsError(errno.EROFS)
             raise FsError(errno.ENOENT)
         return node
@@ -1392,7 +1028,7 @@ class Tree:
         the records directory of a single-file step (`path`: the file)."""
         step = dir_node.step
         if step is not None:
-            self.drop_resident_refs(step)
+            self.residents.drop_resident_refs(step)
             step.manifest = None
         elif dir_node.is_dir:  # a committed step renamed to a name that is not a step name
             manifest = self.records.read_manifest(path)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs import links as symlinks
+from tierfs.fs import tree_walk
 from tierfs.fs.nodes import ENOATTR, XATTR_STATE, XATTR_TIERS, XATTR_XXH3, FsError, Node, StepState
 from tierfs.fs.tree import Tree
 
@@ -104,7 +105,7 @@ class TreeView:
             ram_bytes = size if step.in_ram else sum(
                 manifest.entry(name).size for name in step.resident)
         else:
-            sizes = [self._status_size(n) for n in self.tree.walk_files(step_node)]
+            sizes = [self._status_size(n) for n in tree_walk.walk_files(step_node)]
             files, size = len(sizes), sum(sizes)
             ram_bytes = size
         loss = self.tree.recoverable.loss(step)
@@ -140,7 +141,7 @@ class TreeView:
         if node.virtual:
             return []
         names = []
-        if node.is_dir and self.tree.step_of(node) is not None:
+        if node.is_dir and node.step is not None:
             names += [XATTR_STATE, XATTR_TIERS]
         elif node.is_file:
             names.append(XATTR_TIERS)
@@ -155,9 +156,9 @@ class TreeView:
             return self.state_of(node.step).encode()
         if name == XATTR_TIERS:
             if node.is_dir:
-                step = self.tree.step_of(node)
+                step = node.step
                 return self.tree.holdings.tiers(step, step.in_ram).encode()
-            step = self.tree.committed_step_holding(node)
+            step = tree_walk.committed_step_holding(node)
             if step is None:
                 return b"ram"
             name = self._entry_name(node)
@@ -172,7 +173,7 @@ class TreeView:
 
     def _entry_name(self, node: Node) -> str | None:
         """The name of a file in its step's manifest (None if not found)."""
-        step_node = next(self.tree.enclosing_steps(node), None)
+        step_node = next(tree_walk.enclosing_steps(node), None)
         if step_node is None:
             return None
         if step_node is node:
@@ -187,7 +188,7 @@ class TreeView:
         mount (`.` for the mount itself)."""
         parents = {node.parent for node in self.tree.steps()
                    if node.parent is not None and node.is_dir}
-        return sorted(self.tree.relpath(p) or "." for p in parents if self.tree.owns_latest(p))
+        return sorted(self.tree.relpath(p) or "." for p in parents if self.tree.latest.is_own(p))
 
     # -- symbolic links the store keeps (fs.links) ---------------------------------------------
 
@@ -195,7 +196,7 @@ class TreeView:
         """The links of `directory` that the store keeps (fs.links): outside any step, with a
         relative target inside the mount."""
         node = self.tree.node_at(directory)
-        if node is None or not node.is_dir or next(self.tree.enclosing_steps(node), None):
+        if node is None or not node.is_dir or next(tree_walk.enclosing_steps(node), None):
             return {}
         found = {}
         for name, child in node.children.items():
@@ -217,7 +218,7 @@ class TreeView:
         return sorted(p for p in map(self.tree.relpath, self._all_links()) if p not in kept)
 
     def _all_links(self) -> Iterator[Node]:
-        links = self.tree.walk_kind(self.tree.root, stat.S_IFLNK)
+        links = tree_walk.walk_kind(self.tree.root, stat.S_IFLNK)
         return (link for link in links if not link.virtual)
 
     # -- what a rename's upload needs ---------------------------------------------------------
@@ -225,7 +226,7 @@ class TreeView:
     def reads_from_store(self, path: str) -> bool:
         """Whether a file renamed here, not in RAM, has its bytes in the store at `path` or
         below (under its old name)."""
-        for rel, node in self.tree.files_under(self.tree.root):
+        for rel, node in tree_walk.files_under(self.tree.root):
             remote = node.remote
             if remote is not None and remote.in_store:
                 key = layout.object_key(remote.step_path, remote.entry.name)
@@ -237,4 +238,4 @@ class TreeView:
         """Whether every file of the step is in RAM or in the store (a renamed step's under
         its old name): what an upload needs, with copies inside the store."""
         return all(node.remote is None or node.remote.in_store
-                   for node in self.tree.walk_files(step_node))
+                   for node in tree_walk.walk_files(step_node))

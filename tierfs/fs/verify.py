@@ -32,7 +32,7 @@ nothing: not this node's RAM, not a peer's copy, not the persistent tier.
 
 The tiers are injected (`PeerCopies`, `PersistCopies`, from `fs.ports`): `fs` imports
 neither.
-The `Verifier` holds the `Tree` (which takes a bad copy out of service: `Tree.quarantine`) and
+The `Verifier` holds the `Tree` (which takes a bad copy out of service: `Residents.quarantine`) and
 `Residency` (which brings a good copy back, verified); it is the `ReadGate` of
 `Namespace.open`.
 """
@@ -52,6 +52,7 @@ import xxhash
 
 from tierfs import layout
 from tierfs import manifest as mf
+from tierfs.fs import tree_walk
 from tierfs.fs.nodes import FsError, Node, StepState
 from tierfs.fs.ports import ObjectMissing, PeerCopies, PersistCopies, TierError
 from tierfs.fs.residency import Residency
@@ -167,7 +168,7 @@ class Verifier:
                 if step_node is None or not self._current_version(step_node, version):
                     continue
                 entry = step_node.step.manifest.entry(name)
-                node = self.tree.entry_node(step_node, entry.name) if entry else None
+                node = tree_walk.entry_node(step_node, entry.name) if entry else None
                 if node is not None and node.remote is not None:
                     await self._repair_quarantined(node, step_node.step.manifest, entry)
         finally:
@@ -206,7 +207,7 @@ class Verifier:
         step = step_node.step
         ram = TierReport("ram")
         for entry in manifest.files:
-            node = self.tree.entry_node(step_node, entry.name)
+            node = tree_walk.entry_node(step_node, entry.name)
             if not self._current(step_node, manifest):
                 ram.error = "the step changed while it was checked"
                 break
@@ -367,7 +368,7 @@ class Verifier:
     async def _reupload(self, step_node: Node, manifest: mf.StepManifest, entry: mf.FileEntry,
                         state: str) -> str:
         """Upload a verified copy over a bad or missing object of the persistent tier."""
-        node = self.tree.entry_node(step_node, entry.name)
+        node = tree_walk.entry_node(step_node, entry.name)
         if node is None:
             return state
         if node.remote is not None:
@@ -403,7 +404,7 @@ class Verifier:
         entry = step.manifest.entry(name)
         if entry is None or entry.xxh3 != xxh3:
             return MISSING
-        node = self.tree.entry_node(step_node, entry.name)
+        node = tree_walk.entry_node(step_node, entry.name)
         if node is None or node.remote is not None:
             return MISSING
         return await self._check_ram_file(step_node, step, entry, node,
@@ -453,7 +454,7 @@ class Verifier:
             self.kept[key] = self._keep_aside(key, path)
             log.error("checksum mismatch: %s: quarantined, reads go to other tiers; its bytes "
                       "are kept in %s", described, os.fsdecode(self.kept[key]))
-            gone = self.tree.quarantine(ino, entry.xxh3)
+            gone = self.tree.residents.quarantine(ino, entry.xxh3)
             # The cluster's records stop counting these copies (in the background): the
             # other holders restore them, and none is planned from this node meanwhile.
             by_step: dict[tuple[str, int], tuple[mf.StepManifest, list[str]]] = {}
@@ -552,17 +553,17 @@ class Verifier:
             step = step_node.step
             if not step.committed:
                 continue
-            for rel, node in self.tree.files_under(step_node):
+            for rel, node in tree_walk.files_under(step_node):
                 entry = step.manifest.entry(rel)
                 if entry is not None and node.remote is None and rel in step.resident:
                     found.append((step_node, step, entry, node))
         return found
 
     def _locate(self, node: Node) -> tuple[Node, StepState, mf.FileEntry, Node] | None:
-        step = self.tree.committed_step_holding(node)
+        step = tree_walk.committed_step_holding(node)
         if step is None or node.remote is not None:
             return None
-        for step_node in self.tree.enclosing_steps(node.parent):
+        for step_node in tree_walk.enclosing_steps(node.parent):
             if step_node.step is step:
                 rel = os.path.relpath(self.tree.relpath(node), self.tree.relpath(step_node))
                 entry = step.manifest.entry(rel)
