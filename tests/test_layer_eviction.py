@@ -39,7 +39,7 @@ class ClusterHarness(Harness):
         self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
         self.records = CommitRecords(Etcd(cluster.endpoints, timeout=0.5), cluster)
         core = Core(self.store, node_id="n0")
-        self.sealed = ClusterCommits(self.records, "n0", core.tree.step_number)
+        self.sealed = ClusterCommits(self.records, "n0", core.tree.identity.step_number)
         self.ns = Namespace(core, self.send, sealed=self.sealed, keep_ram=keep_ram,
                             replicas=replicas)
         self.ops = Operations(self.ns)

@@ -6,7 +6,7 @@ place, a directory renamed onto a step name, `tierfs commit`), when it falls qui
 the step, brings in what is missing (files from other tiers via `Residency`, other nodes' DCP
 shards via `OtherTiers`), seals what is unsealed, copies what an open handle could still write,
 and then has the `Tree` write the manifest with no await between the last check and the change
-(`Tree.write_manifest`). The new manifest goes to the `CommitSink` (uploads, replicas).
+(`StepManifests.write_manifest`). The new manifest goes to the `CommitSink` (uploads, replicas).
 
 One rule for everything a commit awaits (`Commits._commit_locked`): any await may let a writer
 come back, a file go, a seal be dropped or go stale. So an attempt prepares (residency, seals,
@@ -111,11 +111,11 @@ class Commits:
                 manifest, old = await self._commit_locked(step_node, step, wait_for_writers,
                                                           waiting, deadline)
         except CoordinationUnavailable:
-            self.tree.leave_pending(step, "etcd (the cluster's records of its files)")
+            self.tree.manifests.leave_pending(step, "etcd (the cluster's records of its files)")
             raise
         except (OSError, RamFull) as exc:
             # Retried (retry_pending_commits) until it succeeds; `status` shows why it waits.
-            self.tree.leave_pending(step, "space: " + (
+            self.tree.manifests.leave_pending(step, "space: " + (
                 "the RAM tier is full" if isinstance(exc, RamFull)
                 else exc.strerror or str(exc)))
             raise
@@ -124,7 +124,7 @@ class Commits:
                           f"waiting for {self._describe(step_node, waiting.what)}")
         if manifest is None:
             return None
-        self.tree.note_waiting(step, None)
+        self.tree.manifests.note_waiting(step, None)
         if manifest is not old:
             await self.announce(step_node, manifest, started, deadline)
         return manifest
@@ -172,7 +172,7 @@ class Commits:
                     released = tree.released
                     if tree_walk.has_active_writers(step_node):
                         if not wait_for_writers:
-                            tree.leave_pending(step, "open writers")
+                            tree.manifests.leave_pending(step, "open writers")
                             log.info("commit of %s waits for open writers",
                                      tree.relpath(step_node))
                             return None, None
@@ -181,7 +181,7 @@ class Commits:
                         continue
                     waiting.what = DCP_FILES
                     if not await self.tiers.locate_dcp_files(step_node, deadline):
-                        tree.leave_pending(step, "files named by its .metadata")
+                        tree.manifests.leave_pending(step, "files named by its .metadata")
                         return None, None  # retried by retry_pending_commits
                     files = list(tree_walk.files_under(step_node))
                     elsewhere = self.tiers.held_elsewhere(step_node)  # stay where they are
@@ -191,10 +191,10 @@ class Commits:
                     cut_to: dict[Node, Seal] = {}  # the seal each copy's bytes are
                     try:
                         await self._copy_open_files(files, copies, cut_to)
-                        # From here to the end of Tree.write_manifest there is no await.
+                        # From here to the end of StepManifests.write_manifest there is no await.
                         if self._still_ready(step_node, step, files, elsewhere, cut_to):
                             old = step.manifest
-                            return tree.write_manifest(step_node, files, copies), old
+                            return tree.manifests.write_manifest(step_node, files, copies), old
                     finally:
                         for copy in copies.values():  # those the manifest did not take
                             tree.store.discard(copy)
@@ -274,8 +274,8 @@ class Commits:
         if node.step is None:
             raise FsError(errno.EINVAL,
                           f"{relpath} is not a step directory (its name does not match "
-                          f"--step-pattern {self.tree.pattern.pattern!r}, or it holds step "
-                          "directories itself)")
+                          f"--step-pattern {self.tree.identity.pattern.pattern!r}, "
+                          "or it holds step directories itself)")
         try:
             manifest = await self.commit(node, wait_for_writers=True, patience=timeout)
         except CoordinationUnavailable as exc:
@@ -411,12 +411,12 @@ class Commits:
         then files of the step it is in); steps moved along with it commit again so that
         their manifests name where they are now."""
         tree = self.tree
-        number = tree.step_number_at(node.parent, node.name)
+        number = tree.identity.step_number_at(node.parent, node.name)
         if number is None:
             if node.step is not None:
                 await self._demote(node)
         else:
-            tree.become_step(node, number)
+            tree.identity.become_step(node, number)
         for below in list(tree_walk.dirs_under(node)):
             await self._restep(below)
         for file_node in list(tree_walk.walk_files(node)):
@@ -431,25 +431,25 @@ class Commits:
     async def _restep(self, node: Node) -> None:
         """After a rename above it: `node` is a step exactly when its name is a step name and
         no directory above it is a step (a directory inside a step is part of that step)."""
-        number = self.tree.step_number_at(node.parent, node.name)
+        number = self.tree.identity.step_number_at(node.parent, node.name)
         if number is None and node.step is not None:
             await self._demote(node)
         else:
-            self.tree.restep(node, number)
+            self.tree.identity.restep(node, number)
 
     async def _refile(self, node: Node) -> None:
         """After a rename above it: a file is a single-file step exactly when no directory
         above it is a step; one that moved commits again at its new path."""
         tree = self.tree
-        wanted = tree.single_file_step(node.parent, node.name)
+        wanted = tree.identity.single_file_step(node.parent, node.name)
         if wanted is None and node.step is not None:
             if node.remote is not None and not node.remote.in_store:
                 await self.residency.make_resident(node, empty=False)
-            tree.stop_being_single_file(node)
+            tree.identity.stop_being_single_file(node)
         elif wanted is not None and (node.step is None or (
                 node.step.manifest is not None
                 and node.step.manifest.path != tree.relpath(node))):
-            tree.become_single_file(node, wanted)
+            tree.identity.become_single_file(node, wanted)
         if node.step is not None and node.step.number is not None:
             await self.commit_quietly(node)
 
@@ -458,4 +458,4 @@ class Commits:
         for _rel, child in list(tree_walk.files_under(node)):
             if child.remote is not None and not child.remote.in_store:
                 await self.residency.make_resident(child, empty=False)
-        self.tree.stop_being_step(node)
+        self.tree.identity.stop_being_step(node)

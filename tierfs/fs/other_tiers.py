@@ -224,7 +224,7 @@ class OtherTiers:
         except FsError:
             return None
         if isinstance(named, str):
-            number = self.tree.step_number(named)
+            number = self.tree.identity.step_number(named)
             node = run_dir.children.get(os.fsencode(named))
         elif isinstance(named, int):
             number = named
@@ -574,7 +574,7 @@ class OtherTiers:
                 if step_node.step.dcp_files is None or step_node.step.dcp_files[0] != key:
                     data = f.read()
                     expected = await trio.to_thread.run_sync(dcp_metadata.shard_files, data)
-                    self.tree.note_dcp_files(step_node.step, key, expected)
+                    self.tree.manifests.note_dcp_files(step_node.step, key, expected)
         except (OSError, FsError, dcp_metadata.MetadataError) as exc:
             log.info("commit of %s uses the files at hand: %s", self.tree.relpath(step_node),
                      exc)

@@ -150,7 +150,7 @@ class QuietCommits:
         reason = self._not_quiet(step_node)
         if reason is not None:
             if reason != "open writers":
-                self.tree.note_waiting(step, reason)
+                self.tree.manifests.note_waiting(step, reason)
             self.watch.touch(step_node)
             return False
         del self.watch.due[step_node]

@@ -105,8 +105,8 @@ class Recovery:
                 in_steps.add(dirpath)
                 is_step = False  # a directory inside a step is part of it
             else:
-                is_step = (dirpath != self._top
-                           and self.tree.step_number(os.path.basename(dirpath)) is not None)
+                number = self.tree.identity.step_number(os.path.basename(dirpath))
+                is_step = dirpath != self._top and number is not None
                 if is_step:
                     in_steps.add(dirpath)
             if MANIFEST not in files:
@@ -236,12 +236,12 @@ class Recovery:
                 node = self.tree.attach(dir_node, entry.name, kind)
                 if kind == stat.S_IFDIR:
                     child_path = os.path.join(path, entry.name)
-                    number = None if in_step else self.tree.step_number(entry.name)
+                    number = None if in_step else self.tree.identity.step_number(entry.name)
                     self._load_dir(node, child_path, recovered, in_step or number is not None)
                     if number is not None:
                         self._load_step(node, number, child_path, recovered)
                 elif kind == stat.S_IFREG and not in_step:
-                    state = self.tree.single_file_step(dir_node, entry.name)
+                    state = self.tree.identity.single_file_step(dir_node, entry.name)
                     if state is not None:
                         self._load_step(node, state.number, os.path.join(
                             path, layout.records_name(entry.name)), recovered)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterator
-from typing import Protocol
 
 from tierfs import layout
 from tierfs import manifest as mf
@@ -19,21 +17,7 @@ from tierfs.fs import tree_walk
 from tierfs.fs.fetch import Fetch, RemoteFile, apply_attributes
 from tierfs.fs.nodes import FsError, Node, Seal, StepState
 from tierfs.fs.ports import DeleteLog
-from tierfs.fs.ram_store import RamStore
-
-
-class TreePrimitives(Protocol):
-    """What `Residents` changes the tree through: `fs.tree.Tree`'s primitives."""
-
-    store: RamStore
-
-    def backing(self, node: Node) -> bytes: ...
-    def data_dir(self, step: StepState) -> str: ...
-    def steps(self, under: Node | None = None) -> Iterator[Node]: ...
-    def shared_backing(self, node: Node) -> tuple[bytes, os.stat_result] | None: ...
-    def attach(self, parent: Node, name: bytes, kind: int) -> Node: ...
-    def mark_dirty(self, node: Node | None) -> None: ...
-    def unlink_backing(self, path: bytes, node: Node) -> None: ...
+from tierfs.fs.tree_primitives import TreePrimitives
 
 
 class Residents:

@@ -109,7 +109,7 @@ class StepVersions:
             if child is None:
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
-                number = self.tree.step_number_at(parent, part)
+                number = self.tree.identity.step_number_at(parent, part)
                 if number is not None:
                     child.step = StepState(number)
             elif not child.is_dir:
@@ -135,7 +135,7 @@ class StepVersions:
         for part in map(os.fsencode, dirs):
             child = parent.children.get(part)
             if child is None:
-                if self.tree.step_number_at(parent, part) is not None:
+                if self.tree.identity.step_number_at(parent, part) is not None:
                     break
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
@@ -145,7 +145,7 @@ class StepVersions:
         else:
             file_name = os.fsencode(name)
             state = (None if file_name in parent.children
-                     else self.tree.single_file_step(parent, file_name))
+                     else self.tree.identity.single_file_step(parent, file_name))
             if state is not None:
                 if file_name == LATEST:
                     self.tree.latest.keep_own(parent)  # a saver's own `latest`, from another tier

@@ -36,22 +36,19 @@ Invariants (S3QL-style note: where an `await` must not appear):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
-import re
 import shutil
 import stat
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs import append_layout, tree_walk
 from tierfs.fs import links as symlinks
+from tierfs.fs import tree_walk
 from tierfs.fs.holders import Holdings
 from tierfs.fs.long_paths import LONG_PATH, anchor_path
 from tierfs.fs.nodes import (
@@ -74,6 +71,8 @@ from tierfs.fs.records import StepRecords
 from tierfs.fs.recoverable import Recoverability
 from tierfs.fs.residents import Residents
 from tierfs.fs.sealing import Sealing
+from tierfs.fs.step_identity import StepIdentity
+from tierfs.fs.step_manifests import StepManifests
 from tierfs.fs.virtual_latest import VirtualLatest
 
 log = logging.getLogger(__name__)
@@ -92,8 +91,6 @@ class Tree:
         self.records = StepRecords()
         self.node_id = node_id
         self.holdings = Holdings(node_id)  # who else holds a committed step's files
-        self.pattern = re.compile(step_pattern)
-        self.file_pattern = re.compile(file_step_pattern)
         self._watch = watch
         self._deletes = deletes
         self.tree_path = os.fsencode(store.tree)
@@ -106,6 +103,9 @@ class Tree:
         self.sealing = Sealing(self.backing, spawner)  # seals hashed off the writer's path
         self._unshare_locks: dict[Node, trio.Lock] = {}
         self.residents = Residents(self, deletes)  # where committed files' bytes are
+        self.manifests = StepManifests(self, self.residents)  # the commit's change
+        # which directories and files are steps
+        self.identity = StepIdentity(self, watch, step_pattern, file_step_pattern)
         self.links = symlinks.LinkChanges()  # directories whose links the store must learn
         # which committed steps can be read whole now (their state, `latest`)
         self.recoverable = Recoverability(node_id, self.holdings.file_peers, liveness)
@@ -291,36 +291,6 @@ class Tree:
         single-file steps."""
         return tree_walk.steps_under(under or self.root)
 
-    def step_number_at(self, parent: Node | None, name: bytes | str) -> int | None:
-        """The step number of a directory `name` in `parent`: a step is a directory whose name
-        matches the step pattern and that is not inside a step (whatever its name, a directory
-        inside a step, such as Megatron's `mp_rank_00/`, is part of that step)."""
-        if tree_walk.in_a_step(parent):
-            return None
-        return self.step_number(name)
-
-    def single_file_step(self, parent: Node, name: bytes) -> StepState | None:
-        """A regular file `name` in `parent` is a single-file step unless it is inside a step
-        directory (then it is part of that step): a file step if its name carries a number
-        (the file step pattern), else a loose file (no number). A name too long for its
-        records directory beside it is a plain file, never persisted."""
-        if (tree_walk.in_a_step(parent)
-                or len(layout.records_name(name)) > NAME_MAX):
-            return None
-        return StepState(self.step_number(name, self.file_pattern))
-
-    def step_number(self, name: bytes | str, pattern: re.Pattern[str] | None = None
-                    ) -> int | None:
-        """The step number a directory name (or with the file pattern, a file name) carries,
-        or None if it is not a step name."""
-        match = (pattern or self.pattern).match(os.fsdecode(name))
-        if match is None:
-            return None
-        try:
-            return int(match.group(1))
-        except (IndexError, TypeError, ValueError):
-            return None
-
     def seal_describes_file(self, node: Node) -> bool:
         """Whether the node's seal still describes its backing file (see `Seal`)."""
         if node.seal is None:
@@ -344,7 +314,7 @@ class Tree:
         os.mkdir(path, mode & 0o7777)
         _chown(path, uid, gid)
         node = self.attach(parent, name, stat.S_IFDIR)
-        number = self.step_number_at(parent, name)
+        number = self.identity.step_number_at(parent, name)
         if number is not None:
             node.step = StepState(number)
             self._watch.step_started(node)
@@ -415,7 +385,7 @@ class Tree:
         node = self.attach(parent, name, kind)
         if kind == stat.S_IFREG:
             self.store.account_path(path)
-            node.step = self.single_file_step(parent, name)
+            node.step = self.identity.single_file_step(parent, name)
             self.mark_dirty(node)
         return node
 
@@ -440,7 +410,7 @@ class Tree:
             os.close(fd)
             raise
         node = self.attach(parent, name, stat.S_IFREG)
-        node.step = self.single_file_step(parent, name)
+        node.step = self.identity.single_file_step(parent, name)
         self.store.account_fd(fd)
         handle = self._new_handle(node, fd, writable=True, pid=pid)
         self.activate(handle)
@@ -720,7 +690,7 @@ class Tree:
         node.parent = new_parent
         new_parent.children[new_name] = node
         if node.is_file:
-            node.step = self.single_file_step(new_parent, new_name)
+            node.step = self.identity.single_file_step(new_parent, new_name)
             self.mark_dirty(node)
         else:
             self.mark_dirty(new_parent)
@@ -755,7 +725,7 @@ class Tree:
             if child is not None and (not child.is_dir or child.step is not None):
                 return 0  # a step directory holds no kept links
             if child is None:
-                if self.step_number_at(parent, part) is not None:
+                if self.identity.step_number_at(parent, part) is not None:
                     return 0
                 os.mkdir(os.path.join(self.backing(parent), part), 0o755)
                 child = self.attach(parent, part, stat.S_IFDIR)
@@ -795,41 +765,6 @@ class Tree:
         self._check_new_name(new_name)
         return node
 
-    def become_step(self, node: Node, number: int) -> None:
-        """A directory renamed onto a step name: a step being written (it commits once more)."""
-        if node.step is None:
-            node.step = StepState(number, self.records.read_manifest(self.backing(node)))
-        node.step.number = number
-        node.step.dirty = True  # whatever it held before, it is committed only once more
-        self._watch.touch(node)
-
-    def restep(self, node: Node, number: int | None) -> None:
-        """After a rename above it: a directory with a step name and no step above becomes a
-        step (a directory inside a step is part of that step)."""
-        if number is not None and node.step is None:
-            node.step = StepState(number, self.records.read_manifest(self.backing(node)))
-            self._watch.touch(node)
-
-    def stop_being_step(self, node: Node) -> None:
-        """A directory (its files all resident) stops being a step: its files stay, its
-        manifest goes."""
-        self.remove_hidden(node, self.backing(node))
-        node.step = None
-
-    def become_single_file(self, node: Node, state: StepState) -> None:
-        """A file moved (with a directory above it) to where it is a single-file step: one
-        being written again, at its new path (it commits once more)."""
-        if node.step is None:
-            node.step = state
-        node.step.number = state.number
-        node.step.dirty = True
-        self._watch.touch(node)
-
-    def stop_being_single_file(self, node: Node) -> None:
-        """A file (resident) moved into a step directory: part of that step from now on."""
-        self.remove_hidden(node, self.backing(node))
-        node.step = None
-
     # -- seals -----------------------------------------------------------------------------
 
     async def seal(self, node: Node) -> None:
@@ -856,70 +791,6 @@ class Tree:
         node.seal = None
 
     # -- commit ------------------------------------------------------------------------------
-
-    def write_manifest(self, step_node: Node, files: list[tuple[str, Node]],
-                       copies: dict[Node, bytes]) -> mf.StepManifest:
-        """The commit's change (see the module docstring: no await may come before it once
-        the step is checked): the manifest on disk, the objects' references, the step state.
-        Returns the old manifest if nothing changed since it. The private copies it makes
-        committed objects leave `copies`; the caller removes the rest."""
-        step = step_node.step
-        old = step.manifest
-        step_path = self.relpath(step_node)
-        number = mf.NO_STEP if step.number is None else step.number
-        entries = []
-        for rel, node in files:
-            if node.remote is not None:  # held by other nodes (a multi-node step's shards)
-                entries.append(dataclasses.replace(node.remote.entry, name=rel))
-                continue
-            entries.append(mf.entry_from_stat(rel, node.seal.digest,
-                                              os.lstat(self.backing(node))))
-        if step.number is None and step_node.is_file and files and files[0][1].remote is None:
-            node = files[0][1]  # a loose file: appended, only its new bytes go (fs.append_layout)
-            entries = [append_layout.lay_out(old, step_path, entries[0],
-                                       copies.get(node) or self.backing(node))]
-        if (old is not None and old.path == step_path and old.step == number
-                and (old.same_entries(entries) if step.attributes_changed else
-                     old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries))))):
-            step.attributes_changed = False
-            step.dirty = False
-            step.commit_pending = False
-            return old
-        manifest = mf.StepManifest(
-            path=step_path, step=number, version=old.version + 1 if old else 1,
-            node_id=self.node_id, committed_ns=time.time_ns(), files=tuple(entries),
-            single_file=step_node.is_file,
-        )
-        manifest_path = os.path.join(self.records_path(step_node), mf.MANIFEST_NAME.encode())
-        tmp = self.records.write_temp(manifest_path, mf.encode(manifest))  # may fail: ENOSPC
-        for (_rel, node), entry in zip(files, entries, strict=True):
-            if node.remote is None:
-                self.store.add_ref(entry.xxh3, self.backing(node), copies.get(node))
-                copies.pop(node, None)  # the object now, or removed by add_ref
-        os.rename(tmp, manifest_path)
-        self.residents.drop_resident_refs(step)
-        step.manifest = manifest
-        step.resident = {rel for rel, node in files if node.remote is None}
-        step.attributes_changed = False
-        step.dirty = False
-        step.commit_pending = False
-        return manifest
-
-    @staticmethod
-    def leave_pending(step: StepState, reason: str | None) -> None:
-        """The commit waits (`reason`, shown by status; None keeps the reason known)."""
-        step.commit_pending = True
-        if reason is not None:
-            step.waiting_for = reason
-
-    @staticmethod
-    def note_waiting(step: StepState, reason: str | None) -> None:
-        step.waiting_for = reason
-
-    @staticmethod
-    def note_dcp_files(step: StepState, key: tuple[int, int, int], names: set[str]) -> None:
-        """The files a DCP `.metadata` (inode, size, mtime) names: pending commits ask again."""
-        step.dcp_files = (key, names)
 
     def touch_enclosing(self, node: Node | None) -> None:
         """Its steps commit `commit_idle` seconds after this (fs.quiet_commits)."""

@@ -74,7 +74,8 @@ class ClusterLinks:
         self.live = directory.live
         self.etcd = self.live.etcd
         self.sealed = ClusterCommits(CommitRecords(self.etcd, cfg.cluster), cfg.node_id,
-                                     tree.step_number, ManifestFetcher(self.directory).fetch,
+                                     tree.identity.step_number,
+                                     ManifestFetcher(self.directory).fetch,
                                      view.committed_manifest)
         self.tree = tree
         self.view = view

@@ -1,0 +1,93 @@
+"""Which directories and files are steps: a step number from a name (`--step-pattern`,
+`--file-step-pattern`), nothing inside a step being a step, and a node's step identity changed
+by a rename (it becomes a step, or a single-file step, or stops being one). Part of the tree's
+core (see `fs.tree`): each change is one synchronous method; `fs.commits` decides when."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from tierfs import layout
+from tierfs.fs import tree_walk
+from tierfs.fs.nodes import NAME_MAX, Node, StepState
+from tierfs.fs.ports import StepWatch
+from tierfs.fs.tree_primitives import TreePrimitives
+
+
+class StepIdentity:
+    """The steps of one mount's tree (see the module docstring)."""
+
+    def __init__(self, tree: TreePrimitives, watch: StepWatch, step_pattern: str,
+                 file_step_pattern: str) -> None:
+        self.tree = tree
+        self._watch = watch
+        self.pattern = re.compile(step_pattern)
+        self.file_pattern = re.compile(file_step_pattern)
+
+    def step_number_at(self, parent: Node | None, name: bytes | str) -> int | None:
+        """The step number of a directory `name` in `parent`: a step is a directory whose name
+        matches the step pattern and that is not inside a step (whatever its name, a directory
+        inside a step, such as Megatron's `mp_rank_00/`, is part of that step)."""
+        if tree_walk.in_a_step(parent):
+            return None
+        return self.step_number(name)
+
+    def single_file_step(self, parent: Node, name: bytes) -> StepState | None:
+        """A regular file `name` in `parent` is a single-file step unless it is inside a step
+        directory (then it is part of that step): a file step if its name carries a number
+        (the file step pattern), else a loose file (no number). A name too long for its
+        records directory beside it is a plain file, never persisted."""
+        if (tree_walk.in_a_step(parent)
+                or len(layout.records_name(name)) > NAME_MAX):
+            return None
+        return StepState(self.step_number(name, self.file_pattern))
+
+    def step_number(self, name: bytes | str, pattern: re.Pattern[str] | None = None
+                    ) -> int | None:
+        """The step number a directory name (or with the file pattern, a file name) carries,
+        or None if it is not a step name."""
+        match = (pattern or self.pattern).match(os.fsdecode(name))
+        if match is None:
+            return None
+        try:
+            return int(match.group(1))
+        except (IndexError, TypeError, ValueError):
+            return None
+
+    # -- a step's identity after a rename --------------------------------------------------
+
+    def become_step(self, node: Node, number: int) -> None:
+        """A directory renamed onto a step name: a step being written (it commits once more)."""
+        if node.step is None:
+            node.step = StepState(number, self.tree.records.read_manifest(self.tree.backing(node)))
+        node.step.number = number
+        node.step.dirty = True  # whatever it held before, it is committed only once more
+        self._watch.touch(node)
+
+    def restep(self, node: Node, number: int | None) -> None:
+        """After a rename above it: a directory with a step name and no step above becomes a
+        step (a directory inside a step is part of that step)."""
+        if number is not None and node.step is None:
+            node.step = StepState(number, self.tree.records.read_manifest(self.tree.backing(node)))
+            self._watch.touch(node)
+
+    def stop_being_step(self, node: Node) -> None:
+        """A directory (its files all resident) stops being a step: its files stay, its
+        manifest goes."""
+        self.tree.remove_hidden(node, self.tree.backing(node))
+        node.step = None
+
+    def become_single_file(self, node: Node, state: StepState) -> None:
+        """A file moved (with a directory above it) to where it is a single-file step: one
+        being written again, at its new path (it commits once more)."""
+        if node.step is None:
+            node.step = state
+        node.step.number = state.number
+        node.step.dirty = True
+        self._watch.touch(node)
+
+    def stop_being_single_file(self, node: Node) -> None:
+        """A file (resident) moved into a step directory: part of that step from now on."""
+        self.tree.remove_hidden(node, self.tree.backing(node))
+        node.step = None
