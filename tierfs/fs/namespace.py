@@ -262,10 +262,10 @@ class Namespace:
     async def make_private(self, node: Node, *, keep: bool) -> None:
         """Copy on write: a tree file shared with a committed object gets its own inode (its
         bytes kept, or empty) before anything may change it. The copy is made in a thread,
-        after room is made for it (Residency); the Tree swaps it in."""
-        async with self.tree.unshare_lock(node):
+        after room is made for it (Residency); `CopyOnWrite` swaps it in."""
+        async with self.tree.copy_on_write.lock(node):
             while True:
-                shared = self.tree.shared_backing(node)
+                shared = self.tree.copy_on_write.shared_backing(node)
                 if shared is None:
                     return
                 path, st = shared
@@ -273,7 +273,7 @@ class Namespace:
                 await self.residency.make_room(size, sparing=node)
                 copy = await trio.to_thread.run_sync(self.store.copy, path,
                                                      os.path.dirname(path), size)
-                if self.tree.replace_shared(node, path, st, copy):
+                if self.tree.copy_on_write.replace_shared(node, path, st, copy):
                     return
 
     # -- files: a read-back --------------------------------------------------------------------

@@ -14,6 +14,7 @@ import stat
 from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs import tree_walk
+from tierfs.fs.copy_on_write import CopyOnWrite
 from tierfs.fs.fetch import Fetch, RemoteFile, apply_attributes
 from tierfs.fs.nodes import FsError, Node, Seal, StepState
 from tierfs.fs.ports import DeleteLog
@@ -23,8 +24,10 @@ from tierfs.fs.tree_primitives import TreePrimitives
 class Residents:
     """Where the bytes of one mount's committed files are (see the module docstring)."""
 
-    def __init__(self, tree: TreePrimitives, deletes: DeleteLog) -> None:
+    def __init__(self, tree: TreePrimitives, deletes: DeleteLog,
+                 copy_on_write: CopyOnWrite) -> None:
         self.tree = tree
+        self._copy_on_write = copy_on_write
         self._deletes = deletes
         self.fetching: set[Node] = set()  # nodes with a partial fetch (fs.residency)
 
@@ -206,6 +209,6 @@ class Residents:
                 or node.seal is None or node.seal.digest.xxh3 != entry.xxh3):
             return False
         try:
-            return self.tree.shared_backing(node) is not None
+            return self._copy_on_write.shared_backing(node) is not None
         except (FsError, OSError):
             return False

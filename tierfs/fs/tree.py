@@ -24,7 +24,8 @@ Invariants (S3QL-style note: where an `await` must not appear):
   either the old state or the new one, never a manifest that disagrees with the tree.
 * Committed objects are never written: a tree file whose inode is shared with `objects/` is
   unshared (copied, or recreated empty for O_TRUNC) before it is opened for writing or truncated
-  (`Namespace.make_private` copies, `replace_shared` swaps the copy in with no await).
+  (`Namespace.make_private` copies, `CopyOnWrite.replace_shared` swaps the copy in with no
+  await).
 * Order of a commit on disk: write manifest temp, fsync, link objects, rename. A crash before the
   rename leaves only unreferenced objects, which start-up removes; the step stays `writing`. A
   full RAM dir fails the first of these, before anything changed.
@@ -41,7 +42,7 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import trio
 
@@ -49,6 +50,7 @@ from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs import links as symlinks
 from tierfs.fs import tree_walk
+from tierfs.fs.copy_on_write import CopyOnWrite
 from tierfs.fs.holders import Holdings
 from tierfs.fs.long_paths import LONG_PATH, anchor_path
 from tierfs.fs.nodes import (
@@ -100,15 +102,17 @@ class Tree:
         self._handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._released = trio.Event()
-        self.sealing = Sealing(self.backing, spawner)  # seals hashed off the writer's path
-        self._unshare_locks: dict[Node, trio.Lock] = {}
-        self.residents = Residents(self, deletes)  # where committed files' bytes are
-        self.manifests = StepManifests(self, self.residents)  # the commit's change
-        # which directories and files are steps
-        self.identity = StepIdentity(self, watch, step_pattern, file_step_pattern)
         self.links = symlinks.LinkChanges()  # directories whose links the store must learn
         # which committed steps can be read whole now (their state, `latest`)
         self.recoverable = Recoverability(node_id, self.holdings.file_peers, liveness)
+        # The parts of the core, each changing the tree through the primitives here:
+        self.sealing = Sealing(self.backing, spawner)  # seals hashed off the writer's path
+        self.copy_on_write = CopyOnWrite(self)  # committed objects are never written
+        # where committed files' bytes are: fetched, evicted, quarantined
+        self.residents = Residents(self, deletes, self.copy_on_write)
+        self.manifests = StepManifests(self, self.residents)  # the commit's change
+        # which directories and files are steps
+        self.identity = StepIdentity(self, watch, step_pattern, file_step_pattern)
         # each directory's `latest` link
         self.latest = VirtualLatest(self.backing, self.attach_virtual, self.recoverable)
 
@@ -591,48 +595,6 @@ class Tree:
         node.seal = None
         self.mark_dirty(node)
 
-    # -- copy on write ---------------------------------------------------------------------
-
-    @contextlib.asynccontextmanager
-    async def unshare_lock(self, node: Node) -> AsyncIterator[None]:
-        """One copy on write at a time per file: two writers of the same committed file must
-        not each make a copy; writers of different files do not wait for each other."""
-        lock = self._unshare_locks.setdefault(node, trio.Lock())
-        try:
-            async with lock:
-                yield
-        finally:
-            if not lock.locked() and not lock.statistics().tasks_waiting:
-                self._unshare_locks.pop(node, None)
-
-    def shared_backing(self, node: Node) -> tuple[bytes, os.stat_result] | None:
-        """The node's backing path and stat if its inode is shared with a committed object."""
-        path = self.backing(node)
-        st = os.lstat(path)
-        return (path, st) if st.st_nlink > 1 else None
-
-    def replace_shared(self, node: Node, path: bytes, st: os.stat_result, copy: bytes) -> bool:
-        """Swap a private `copy` in for the shared inode `st` at `path`; False (the copy is
-        removed) if a rename moved things meanwhile, and the caller tries again."""
-        # No await here: the copy replaces the shared inode only if the node is still where
-        # it was and still that inode.
-        try:
-            unchanged = (self.backing(node) == path and os.lstat(path).st_ino == st.st_ino)
-        except (FsError, FileNotFoundError):
-            unchanged = False
-        if not unchanged:
-            os.unlink(copy)
-            return False
-        os.rename(copy, path)
-        backing_ino = self.store.account_path(path)
-        for handle in node.handles:  # open handles follow the file to its new inode
-            if handle.fd >= 0:
-                fresh = os.open(path, os.O_RDWR if handle.writable else os.O_RDONLY)
-                os.dup2(fresh, handle.fd)
-                os.close(fresh)
-                handle.backing_ino = backing_ino
-        return True
-
     # -- rename ----------------------------------------------------------------------------
 
     def rename(self, node: Node, old_parent: Node, old_name: bytes, new_parent: Node,
@@ -659,7 +621,7 @@ class Tree:
         new_path = os.path.join(self.backing(new_parent), new_name)
         old_rel = self.relpath(node)
         new_rel = layout.join(self.relpath(new_parent), os.fsdecode(new_name))
-        link_dirs = self._dirs_with_links(node, old_rel)
+        link_dirs = tree_walk.dirs_with_links(node, old_rel)
         if target is not None and target.kind == stat.S_IFLNK:
             link_dirs.append(("", self.relpath(new_parent)))
         for _below, directory in link_dirs:  # their objects in the store go or change
@@ -694,25 +656,10 @@ class Tree:
             self.mark_dirty(node)
         else:
             self.mark_dirty(new_parent)
-        for below, _directory in self._dirs_with_links(node, new_rel):
+        for below, _directory in tree_walk.dirs_with_links(node, new_rel):
             self.links.note(layout.join(new_rel, below) if below else
                             (new_rel if node.is_dir else self.relpath(new_parent)))
         return True
-
-    def _dirs_with_links(self, node: Node, at: str) -> list[tuple[str, str]]:
-        """For a rename of `node` (at `at`): (the path below it, or "", the path) of every
-        directory whose links it moves: the node's own directory if it is a link, else the
-        directories at or below it holding links."""
-        if node.kind == stat.S_IFLNK:
-            return [("", at.rpartition("/")[0])]
-        if not node.is_dir:
-            return []
-        found = []
-        for directory in (node, *tree_walk.dirs_under(node)):
-            if any(c.kind == stat.S_IFLNK for c in directory.children.values()):
-                below = self.relpath(directory)[len(at) + 1:] if directory is not node else ""
-                found.append((below, layout.join(at, below) if below else at))
-        return found
 
     # -- symbolic links as committed state (fs.links) ----------------------------------------
 

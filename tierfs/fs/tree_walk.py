@@ -10,6 +10,7 @@ import os
 import stat
 from collections.abc import Iterator
 
+from tierfs import layout
 from tierfs.fs.nodes import Node, StepState
 
 
@@ -117,3 +118,28 @@ def has_active_writers(dir_node: Node) -> bool:
 def busy(step_node: Node) -> bool:
     """A file of the step is open, or bytes of one are on their way in."""
     return any(n.handles or (n.fetch and n.fetch.busy) for n in walk_files(step_node))
+
+
+def dirs_with_links(node: Node, at: str) -> list[tuple[str, str]]:
+    """For a rename of `node` (at `at`): (the path below it, or "", the path) of every
+    directory whose links it moves: the node's own directory if it is a link, else the
+    directories at or below it holding links."""
+    if node.kind == stat.S_IFLNK:
+        return [("", at.rpartition("/")[0])]
+    if not node.is_dir:
+        return []
+    found = []
+    for directory in (node, *dirs_under(node)):
+        if any(c.kind == stat.S_IFLNK for c in directory.children.values()):
+            below = _path_below(node, directory)
+            found.append((below, layout.join(at, below) if below else at))
+    return found
+
+
+def _path_below(top: Node, node: Node) -> str:
+    """The path of `node` relative to `top`, which holds it ("" for `top` itself)."""
+    parts = []
+    while node is not top:
+        parts.append(node.name)
+        node = node.parent
+    return os.fsdecode(b"/".join(reversed(parts)))
