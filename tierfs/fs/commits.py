@@ -244,7 +244,7 @@ class Commits:
         """After an attempt's awaits: whether everything it checked and prepared still holds
         (no await here; the manifest is written right after a True)."""
         tree = self.tree
-        stale = tree.stale_seals(files)
+        stale = tree.sealing.stale(files)
         for node in stale:  # open for writing with no seal of its bytes: being written
             tree.written_behind_seal(node)
         return not (stale or tree_walk.has_active_writers(step_node)
@@ -356,7 +356,7 @@ class Commits:
         parent = node.parent
         if parent is None:
             return
-        self.tree.touch_enclosing(node)  # its step commits `commit_idle` seconds after this
+        self.tree.identity.touch_enclosing(node)  # its step commits `commit_idle` s after this
         self.tiers.note_sealed(node)  # the cluster records which node holds the file
         if node.name == METADATA and parent.step is not None:
             await self.commit_for_saver(parent)

@@ -78,7 +78,7 @@ class Core:
                          step_pattern=step_pattern, file_step_pattern=file_step_pattern,
                          spawner=self.background, liveness=liveness)
         self.view = TreeView(self.tree)  # what peers, status and xattrs read of it
-        self.recovered = Recovery(self.tree).load()
+        self.recovered = Recovery(self.tree, self.deletes).load()
 
 
 class Namespace:

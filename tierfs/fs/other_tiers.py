@@ -119,7 +119,7 @@ class OtherTiers:
             return False
         if self.view.reads_from_store(tomb.path):
             return False  # a file not in RAM here still has its bytes under the old name
-        node = self.tree.node_at(new)
+        node = tree_walk.node_at(self.tree.root, new)
         for step_node in self.tree.steps(under=node) if node is not None else ():
             step = step_node.step
             if not step.committed or step.manifest.path != self.tree.relpath(step_node):
@@ -134,7 +134,7 @@ class OtherTiers:
         uploaded, as (a step path whose manifest says so, the object): the old names of a
         file not in RAM here, then those of renames not finished in the store."""
         found = []
-        node = self.tree.node_at(key)
+        node = tree_walk.node_at(self.tree.root, key)
         remote = node.remote if node is not None else None
         if remote is not None and remote.in_store:
             old = layout.object_key(remote.step_path, remote.entry.name)

@@ -30,6 +30,7 @@ from tierfs.fs.nodes import (
     Seal,
     StepState,
 )
+from tierfs.fs.ports import DeleteLog
 from tierfs.fs.ram_store import RamStore, is_reserved
 from tierfs.fs.records import StepRecords
 from tierfs.fs.tree import Tree
@@ -64,13 +65,22 @@ class RecoveryReport:
 class Recovery:
     """Rebuilds one mount's tree from its RAM store (`load`, once, before the mount serves)."""
 
-    def __init__(self, tree: Tree) -> None:
+    def __init__(self, tree: Tree, deletes: DeleteLog) -> None:
         self.tree = tree
+        self._deletes = deletes
         self.store: RamStore = tree.store
         self.records: StepRecords = tree.records
         self._top = os.fsencode(self.store.tree)
         self._set_aside = 0
         self._damaged_files = 0
+
+    def _renamed_in_store(self, manifest: mf.StepManifest) -> bool:
+        """Whether the files of this version are in the store under the old names of a rename
+        not finished there (fs.deletes)."""
+        data_dir = layout.data_dir(manifest.path, manifest.single_file)
+        return bool(manifest.files) and all(
+            self._deletes.old_keys(layout.object_key(data_dir, entry.name))
+            for entry in manifest.files)
 
     def load(self) -> RecoveryReport:
         """Rebuild the namespace from the RAM store after a restart or a crash (see the module
@@ -121,7 +131,7 @@ class Recovery:
             held_elsewhere = (
                 self.records.persist_mark(dirpath) == (manifest.version, "persisted")
                 or self.records.read_node_list(dirpath, PEERS_MARK, manifest.version)
-                is not None or self.tree.renamed_in_store(manifest))
+                is not None or self._renamed_in_store(manifest))
             data = os.path.dirname(dirpath) if single is not None else dirpath
             try:
                 resident = self._restore_step(data, manifest, held_elsewhere, dirpath)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.nodes import FsError, Node, Seal
+from tierfs.fs.nodes import FsError, Node, RemoteAttrs, Seal
 from tierfs.fs.ports import Spawner
 
 log = logging.getLogger(__name__)
@@ -39,14 +39,32 @@ HASH_THREADS = 2
 class Sealing:
     """The seals of one mount's files (see the module docstring)."""
 
-    def __init__(self, backing: Callable[[Node], bytes], spawner: Spawner | None = None, *,
-                 threads: int = HASH_THREADS) -> None:
-        self._backing = backing
+    def __init__(self, backing: Callable[[Node], bytes],
+                 stat: Callable[[Node], os.stat_result | RemoteAttrs],
+                 spawner: Spawner | None = None, *, threads: int = HASH_THREADS) -> None:
+        self._backing = backing  # `Tree.backing`
+        self._stat = stat  # `Tree.stat`
         self._limiter = trio.CapacityLimiter(threads)
         self._running: dict[Node, tuple[int, trio.Event]] = {}
         self._queued: dict[Node, int] = {}  # started, not yet running: node -> its generation
         # The owner of background hashes; without one, files are sealed when first needed.
         self.spawner = spawner
+
+    def describes_file(self, node: Node) -> bool:
+        """Whether the node's seal still describes its backing file (see `Seal`)."""
+        if node.seal is None:
+            return False
+        try:
+            st = self._stat(node)
+        except (FsError, OSError):
+            return False
+        return isinstance(st, os.stat_result) and node.seal.describes(st)
+
+    def stale(self, files: list[tuple[str, Node]]) -> list[Node]:
+        """Files whose bytes may have changed behind their seal: only a file open for writing
+        can change without the daemon seeing it (passthrough), so only those are looked at."""
+        return [node for _rel, node in files
+                if any(h.writable for h in node.handles) and not self.describes_file(node)]
 
     def start(self, node: Node) -> None:
         """The last writer of `node` is done: seal it in the background."""

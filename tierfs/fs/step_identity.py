@@ -91,3 +91,8 @@ class StepIdentity:
         """A file (resident) moved into a step directory: part of that step from now on."""
         self.tree.remove_hidden(node, self.tree.backing(node))
         node.step = None
+
+    def touch_enclosing(self, node: Node | None) -> None:
+        """Its steps commit `commit_idle` seconds after this (fs.quiet_commits)."""
+        for step_node in tree_walk.enclosing_steps(node):
+            self._watch.touch(step_node)

@@ -2,7 +2,15 @@
 rename), its files' objects referenced in the RAM store and its state committed, all in one
 synchronous call (see `fs.tree`: no await may come between the commit's last check and this);
 and the step state a commit waits in (pending, what for, the files a DCP `.metadata` names).
-Part of the tree's core; `fs.commits` decides when."""
+Part of the tree's core; `fs.commits` decides when.
+
+* `write_manifest` runs without any `await` from the moment the commit re-checks the step (no
+  active writer, every file sealed, same set of files) until the manifest is renamed into place
+  and the in-memory state updated: a concurrent handler sees either the old state or the new
+  one, never a manifest that disagrees with the tree.
+* Order on disk: write the manifest's temp file, fsync, link the objects, rename. A crash before
+  the rename leaves only unreferenced objects, which start-up removes; the step stays
+  `writing`. A full RAM dir fails the first of these, before anything changed."""
 
 from __future__ import annotations
 

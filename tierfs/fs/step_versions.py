@@ -1,8 +1,9 @@
 """The tree's changes that the other tiers drive: a step version committed elsewhere installed
 here, joined (multi-node DCP), superseded by a newer one or forgotten, and which tiers hold a
 version (persisted, retired, its replicas and holders, per-file holders), each recorded on disk
-before it counts. Part of the tree's core: with `Tree` the only code that changes nodes and
-step state, by the same rules (see `fs.tree`): each change is one synchronous method."""
+before it counts; and the symbolic links the persistent tier keeps, made in a fresh RAM dir.
+Part of the tree's core (see `fs.tree`): it changes nodes and step state only through `Tree`'s
+primitives and by the same rules; each change is one synchronous method."""
 
 from __future__ import annotations
 
@@ -297,3 +298,29 @@ class StepVersions:
                 self.tree.residents.drop_fetch(child)
                 self.tree.detach(child)
         self.tree.remove_hidden(step_node, self.tree.backing(step_node))
+
+    # -- symbolic links the persistent tier keeps (fs.links) --------------------------------
+
+    def adopt_links(self, directory: str, links: dict[str, str]) -> int:
+        """Make the links the store keeps for `directory` (a fresh RAM dir); an entry of
+        that name here stays. The number made."""
+        parent = self.tree.root
+        for part in map(os.fsencode, directory.split("/") if directory else ()):
+            child = parent.children.get(part)
+            if child is not None and (not child.is_dir or child.step is not None):
+                return 0  # a step directory holds no kept links
+            if child is None:
+                if self.tree.identity.step_number_at(parent, part) is not None:
+                    return 0
+                os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
+                child = self.tree.attach(parent, part, stat.S_IFDIR)
+            parent = child
+        made = 0
+        for name, target in links.items():
+            raw = os.fsencode(name)
+            if raw in parent.children or (raw == LATEST and self.tree.latest.is_own(parent)):
+                continue
+            os.symlink(target, os.path.join(self.tree.backing(parent), raw))
+            self.tree.attach(parent, raw, stat.S_IFLNK)
+            made += 1
+        return made

@@ -2,35 +2,29 @@
 
 The tree lives twice: as real files under the RAM store's `tree/` (the durable truth, so a crash
 loses nothing written) and as `Node` objects in memory (inode numbers, lookup counts, open
-handles, seals and step state). `Tree` alone changes either, and the RAM store's references to
-committed objects, so it alone keeps them in step, with one part of its core beside it:
-`fs.step_versions` (versions installed, joined, superseded or forgotten as the other tiers say,
-and which tiers hold them), which changes the tree only through the primitives here (`attach`,
-`detach`, `unlink_backing`...) and by the same rules. Its collaborators (`fs.residency`,
-`fs.other_tiers`, `fs.commits`, `fs.quiet_commits`, `fs.recovery`, `fs.verify`) decide *when*
-something changes and call those methods to change it. What only reads the tree is elsewhere:
-`fs.tree_view` (peers' questions, status, xattrs), `fs.holders.Holdings` (who else holds a
-step). It calls nothing outward but the ports it is given (`fs.ports`: `StepWatch`,
-`DeleteLog`).
+handles, seals and step state). Only the tree's core changes either, and the RAM store's
+references to committed objects, so it alone keeps them in step: `Tree` (the file system calls'
+changes and the primitives: `attach`, `detach`, `unlink_backing`...) and its parts, which
+change the tree only through those primitives (`fs.tree_primitives`) and by the same rules:
+`fs.sealing` (seals), `fs.copy_on_write`, `fs.residents` (where committed files' bytes are),
+`fs.step_manifests` (the commit's change), `fs.step_identity` (which nodes are steps),
+`fs.virtual_latest` (each directory's `latest`) and `fs.step_versions` (versions the other
+tiers install, join, supersede or forget). Its collaborators (`fs.residency`, `fs.other_tiers`,
+`fs.commits`, `fs.quiet_commits`, `fs.recovery`, `fs.verify`) decide *when* something changes.
+What only reads the tree is elsewhere: `fs.tree_walk` (finding nodes), `fs.tree_view` (peers'
+questions, status, xattrs), `fs.holders.Holdings` (who else holds a step). It calls nothing
+outward but the ports it is given (`fs.ports`: `StepWatch`, `DeleteLog`).
 
 Invariants (S3QL-style note: where an `await` must not appear):
 
 * A file is *sealed* after its last active writer flushes: its xxh3-128 is computed in the
   background (`fs.sealing`) and kept only if no writer became active meanwhile (`Node.gen` did
   not move) and the backing file did not change; a commit waits for the seals of its files.
-* `write_manifest` runs without any `await` from the moment the commit re-checks the step (no
-  active writer, every file sealed, same set of files; `fs.commits`) until the manifest is
-  renamed into place and the in-memory state updated. A concurrent handler therefore sees
-  either the old state or the new one, never a manifest that disagrees with the tree.
-* Committed objects are never written: a tree file whose inode is shared with `objects/` is
-  unshared (copied, or recreated empty for O_TRUNC) before it is opened for writing or truncated
-  (`Namespace.make_private` copies, `CopyOnWrite.replace_shared` swaps the copy in with no
-  await).
-* Order of a commit on disk: write manifest temp, fsync, link objects, rename. A crash before the
-  rename leaves only unreferenced objects, which start-up removes; the step stays `writing`. A
-  full RAM dir fails the first of these, before anything changed.
-* Every other change here (a fetch adopted, a file evicted or quarantined, a step installed,
-  superseded or forgotten) is one synchronous method: handlers see a file either before or
+* The commit's change (`StepManifests.write_manifest`) runs without any `await` from the
+  moment the commit re-checks the step (`fs.commits`): handlers see the old state or the new.
+* Committed objects are never written (`fs.copy_on_write`).
+* Every other change (a file created, renamed or removed, a fetch adopted, a file evicted, a
+  step installed or forgotten) is one synchronous method: handlers see a file either before or
   after it, never half changed.
 """
 
@@ -106,7 +100,7 @@ class Tree:
         # which committed steps can be read whole now (their state, `latest`)
         self.recoverable = Recoverability(node_id, self.holdings.file_peers, liveness)
         # The parts of the core, each changing the tree through the primitives here:
-        self.sealing = Sealing(self.backing, spawner)  # seals hashed off the writer's path
+        self.sealing = Sealing(self.backing, self.stat, spawner)  # seals hashed off writers' path
         self.copy_on_write = CopyOnWrite(self)  # committed objects are never written
         # where committed files' bytes are: fetched, evicted, quarantined
         self.residents = Residents(self, deletes, self.copy_on_write)
@@ -259,27 +253,9 @@ class Tree:
     def data_dir(self, step: StepState) -> str:
         """The path its committed files are relative to (`layout.data_dir`)."""
         return layout.data_dir(step.manifest.path, step.manifest.single_file)
-    def renamed_in_store(self, manifest: mf.StepManifest) -> bool:
-        """Whether the files of this version are in the store under the old names of a rename
-        not finished there (fs.deletes)."""
-        data_dir = layout.data_dir(manifest.path, manifest.single_file)
-        return bool(manifest.files) and all(
-            self._deletes.old_keys(layout.object_key(data_dir, entry.name))
-            for entry in manifest.files)
-
     def moves_may_settle(self) -> None:
         """Steps renamed just now committed at their new names: their old names may go."""
         self._deletes.poke()
-
-    def node_at(self, relpath: str) -> Node | None:
-        """The entry at `relpath`, None if there is none."""
-        node = self.root
-        for part in relpath.split("/") if relpath else ():
-            children = node.children
-            node = children.get(os.fsencode(part)) if children is not None else None
-            if node is None:
-                return None
-        return node
 
     def find_dir(self, relpath: str) -> Node:
         """The directory at `relpath` (`""` or `.` is the root); ENOTDIR if it is not one."""
@@ -294,22 +270,6 @@ class Tree:
         """Every step (below `under`, itself included), depth first: step directories and
         single-file steps."""
         return tree_walk.steps_under(under or self.root)
-
-    def seal_describes_file(self, node: Node) -> bool:
-        """Whether the node's seal still describes its backing file (see `Seal`)."""
-        if node.seal is None:
-            return False
-        try:
-            st = self.stat(node)
-        except (FsError, OSError):
-            return False
-        return isinstance(st, os.stat_result) and node.seal.describes(st)
-
-    def stale_seals(self, files: list[tuple[str, Node]]) -> list[Node]:
-        """Files whose bytes may have changed behind their seal: only a file open for writing
-        can change without the daemon seeing it (passthrough), so only those are looked at."""
-        return [node for _rel, node in files
-                if any(h.writable for h in node.handles) and not self.seal_describes_file(node)]
 
     # -- directories -----------------------------------------------------------------------
 
@@ -477,7 +437,7 @@ class Tree:
         # and so is any seal taken before the last of several closes. A seal still being
         # computed checks the file's inode, size and mtime around its hash itself.
         if handle.passthrough and handle.writable and not handle.active and (
-                (final and handle.flushes > 1) or not (self.seal_describes_file(handle.node)
+                (final and handle.flushes > 1) or not (self.sealing.describes_file(handle.node)
                                                        or self.sealing.pending(handle.node))):
             self.activate(handle)
         if not final:
@@ -542,7 +502,7 @@ class Tree:
     ) -> None:
         """Change attributes of a resident file (private already if `size` is given)."""
         # A change of metadata alone (utime moves the mtime a seal is checked against) keeps it.
-        keeps_seal = size is None and node.is_file and self.seal_describes_file(node)
+        keeps_seal = size is None and node.is_file and self.sealing.describes_file(node)
         target: bytes | int
         try:
             target = self.backing(node)
@@ -661,32 +621,6 @@ class Tree:
                             (new_rel if node.is_dir else self.relpath(new_parent)))
         return True
 
-    # -- symbolic links as committed state (fs.links) ----------------------------------------
-
-    def adopt_links(self, directory: str, links: dict[str, str]) -> int:
-        """Make the links the store keeps for `directory` (a fresh RAM dir); an entry of
-        that name here stays. The number made."""
-        parent = self.root
-        for part in map(os.fsencode, directory.split("/") if directory else ()):
-            child = parent.children.get(part)
-            if child is not None and (not child.is_dir or child.step is not None):
-                return 0  # a step directory holds no kept links
-            if child is None:
-                if self.identity.step_number_at(parent, part) is not None:
-                    return 0
-                os.mkdir(os.path.join(self.backing(parent), part), 0o755)
-                child = self.attach(parent, part, stat.S_IFDIR)
-            parent = child
-        made = 0
-        for name, target in links.items():
-            raw = os.fsencode(name)
-            if raw in parent.children or (raw == LATEST and self.latest.is_own(parent)):
-                continue
-            os.symlink(target, os.path.join(self.backing(parent), raw))
-            self.attach(parent, raw, stat.S_IFLNK)
-            made += 1
-        return made
-
     def _record_moves(self, node: Node, new_path: str) -> None:
         """`node` moves to `new_path`: every committed step at or below it is renamed in every
         tier (fs.deletes: its old name leaves them once its new one is there). Recorded before
@@ -736,13 +670,6 @@ class Tree:
                 return
         node.gen += 1
         node.seal = None
-
-    # -- commit ------------------------------------------------------------------------------
-
-    def touch_enclosing(self, node: Node | None) -> None:
-        """Its steps commit `commit_idle` seconds after this (fs.quiet_commits)."""
-        for step_node in tree_walk.enclosing_steps(node):
-            self._watch.touch(step_node)
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -56,7 +56,7 @@ class TreeView:
             node = (node.children or {}).get(os.fsencode(part)) if node is not None else None
         return (node is not None and node.remote is None and node.seal is not None
                 and node.seal.digest.xxh3 == xxh3 and node.active_writers == 0
-                and self.tree.seal_describes_file(node))
+                and self.tree.sealing.describes_file(node))
 
     def step_of_entry(self, data_dir: str, name: str | None) -> Node | None:
         """The step a manifest entry named `name` under `data_dir` (`layout.data_dir`)
@@ -165,7 +165,7 @@ class TreeView:
             return self.tree.holdings.tiers(step, node.remote is None, name).encode()
         if node.remote is not None:
             return node.remote.entry.xxh3.encode()
-        if not self.tree.seal_describes_file(node):
+        if not self.tree.sealing.describes_file(node):
             await self.tree.seal(node)  # sealed before a restart, or written behind its seal
         if node.seal is None:
             raise FsError(ENOATTR)
@@ -195,7 +195,7 @@ class TreeView:
     def links_of(self, directory: str) -> dict[str, str]:
         """The links of `directory` that the store keeps (fs.links): outside any step, with a
         relative target inside the mount."""
-        node = self.tree.node_at(directory)
+        node = tree_walk.node_at(self.tree.root, directory)
         if node is None or not node.is_dir or next(tree_walk.enclosing_steps(node), None):
             return {}
         found = {}

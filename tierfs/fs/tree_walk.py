@@ -14,6 +14,17 @@ from tierfs import layout
 from tierfs.fs.nodes import Node, StepState
 
 
+def node_at(root: Node, relpath: str) -> Node | None:
+    """The entry at `relpath` below `root`, None if there is none."""
+    node = root
+    for part in relpath.split("/") if relpath else ():
+        children = node.children
+        node = children.get(os.fsencode(part)) if children is not None else None
+        if node is None:
+            return None
+    return node
+
+
 def entry_node(step_node: Node, name: str) -> Node | None:
     """The file node of a manifest entry, if it is in the tree."""
     if step_node.is_file:
