@@ -3,6 +3,7 @@ laid out as <linux/fuse.h> 7.40 has them: no mount, no root, no kernel support n
 
 from __future__ import annotations
 
+import errno
 import struct
 
 import pytest
@@ -187,3 +188,27 @@ def test_an_init_reply_without_its_request_is_an_error() -> None:
     state.awaiting[UNIQUE] = wire.Opcode.INIT
     with pytest.raises(wire.WireError):
         state.reply(init_reply())
+
+
+def getxattr_request(name: bytes, size: int = 0) -> bytes:
+    return request(wire.Opcode.GETXATTR, wire.GETXATTR_IN.pack(size, 0) + name + b"\0")
+
+
+@pytest.mark.parametrize("name", [b"security.selinux", b"system.posix_acl_access",
+                                  b"security.capability", b"trusted.overlay.opaque"])
+def test_a_getxattr_outside_user_is_answered_by_the_relay_with_enodata(name: bytes) -> None:
+    """`ls -l` asks for two of these per entry; the daemon's answer is always ENODATA."""
+    answer = wire.answer_here(getxattr_request(name, size=256))
+    assert answer is not None
+    assert wire.out_header(answer) == (wire.OUT_HEADER.size, -errno.ENODATA, UNIQUE)
+
+
+@pytest.mark.parametrize("name", [b"user.tierfs.state", b"user.mine", b"user."])
+def test_a_getxattr_in_user_and_other_requests_go_to_the_daemon(name: bytes) -> None:
+    assert wire.answer_here(getxattr_request(name)) is None
+    assert wire.answer_here(init_request()) is None
+
+
+def test_a_getxattr_without_a_name_is_an_error_not_a_guess() -> None:
+    with pytest.raises(wire.WireError):
+        wire.answer_here(request(wire.Opcode.GETXATTR, wire.GETXATTR_IN.pack(0, 0)))

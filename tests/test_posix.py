@@ -330,6 +330,9 @@ def test_user_xattrs_on_files_and_directories(mounts: MountFactory, tmp_path: Pa
     assert getxattr(step, "user.tierfs.state") == "writing"
     expect_errno(errno.EROFS, os.removexattr, step, "user.tierfs.other")
     expect_errno(errno.ENOTSUP, os.setxattr, shard, "trusted.foo", b"x")
+    for kept_by_no_file in ("security.selinux", "system.posix_acl_access", "trusted.foo"):
+        expect_errno(errno.ENODATA, os.getxattr, shard, kept_by_no_file)
+        expect_errno(errno.ENODATA, os.getxattr, step, kept_by_no_file)
     os.setxattr(shard, "user.gone", b"1")
     os.removexattr(shard, "user.gone")
     expect_errno(errno.ENODATA, os.removexattr, shard, "user.gone")

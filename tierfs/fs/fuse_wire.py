@@ -14,17 +14,25 @@ What the relay changes, and why:
   sizes them from the page size: 16 MiB with 64 KiB pages), and, when the kernel offered it,
   FUSE_PASSTHROUGH is turned on with a `max_stack_depth`.
 - OPEN and CREATE replies of files the daemon offered: FOPEN_PASSTHROUGH and the backing id.
+What the relay answers itself, without libfuse:
+- GETXATTR of a name outside `user.`: ENODATA, the daemon's answer for every file (tierfs keeps
+  no security labels, ACLs or capabilities: `nodes.XATTR_NAMESPACE`). GNU `ls -l` asks for two
+  such names per entry (security.selinux, system.posix_acl_access) and FUSE forwards both; as
+  round trips through libfuse and the daemon's loop they were most of an `ls -l`.
 Everything else passes unchanged. A message that does not parse raises WireError: the relay
 then aborts the connection rather than guess.
 """
 
 from __future__ import annotations
 
+import errno
 import struct
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
+
+from tierfs.fs.nodes import XATTR_NAMESPACE
 
 # A message's bytes: the relay hands over views of the buffers it reuses from message to
 # message (a fresh 2 MiB buffer per message cost about 20 us each way), which no function here
@@ -38,6 +46,7 @@ INIT_EXT_MINOR = 36  # the first with fuse_init_in.flags2 (FUSE_INIT_EXT)
 
 class Opcode(IntEnum):
     OPEN = 14
+    GETXATTR = 22
     INIT = 26
     CREATE = 35
 
@@ -88,6 +97,7 @@ OPEN_OUT = struct.Struct("<QIi")
 # struct fuse_entry_out (with its struct fuse_attr), which precedes fuse_open_out in a CREATE
 # reply: nodeid, generation, entry_valid, attr_valid, entry_valid_nsec, attr_valid_nsec, attr.
 ENTRY_OUT = struct.Struct("<QQQQII88x")
+GETXATTR_IN = struct.Struct("<II")  # size, padding; the name follows, NUL-terminated
 # struct fuse_write_in, which with the in-header precedes a WRITE's data.
 WRITE_IN_SIZE = 40
 
@@ -212,6 +222,20 @@ def edit_init_request(message: Message) -> tuple[bytes, InitOffer]:
     return bytes(edited), offer
 
 
+def answer_here(message: Message) -> bytes | None:
+    """The reply the relay gives the kernel itself for this request, or None: it goes to
+    libfuse. Only a GETXATTR of a name outside `XATTR_NAMESPACE` is answered here (ENODATA)."""
+    header = in_header(message)
+    if header.opcode != Opcode.GETXATTR:
+        return None
+    name_at = IN_HEADER.size + GETXATTR_IN.size
+    if len(message) <= name_at:
+        raise WireError(f"a GETXATTR request of {len(message)} bytes")
+    if bytes(message[name_at:name_at + len(XATTR_NAMESPACE)]) == XATTR_NAMESPACE:
+        return None
+    return OUT_HEADER.pack(OUT_HEADER.size, -errno.ENODATA, header.unique)
+
+
 def relay_payload(page_size: int, wanted: int = 1 << 20) -> int:
     """The data a relayed message may carry: `wanted`, but never less than a kernel that does
     not take max_pages (FUSE_DEFAULT_MAX_PAGES_PER_REQ pages) may send or ask for."""
@@ -294,7 +318,7 @@ class RelayState:
     awaiting: dict[int, int] = field(default_factory=dict)  # unique -> opcode to edit
 
     def request(self, message: Message) -> Message:
-        """A message from the kernel, as libfuse should see it."""
+        """A message from the kernel, as libfuse should see it (after `answer_here`)."""
         header = in_header(message)
         if header.opcode == Opcode.INIT:
             message, self.offer = edit_init_request(message)

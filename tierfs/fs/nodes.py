@@ -35,6 +35,7 @@ ENOATTR = errno.ENODATA
 XATTR_STATE = b"user.tierfs.state"
 XATTR_TIERS = b"user.tierfs.tiers"
 XATTR_XXH3 = b"user.tierfs.xxh3"
+XATTR_NAMESPACE = b"user."  # the only attributes tierfs keeps: users' own, and its own below
 XATTR_RESERVED = b"user.tierfs."  # tierfs's own attributes: read-only for users
 
 

@@ -20,7 +20,15 @@ import pyfuse3
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, StatvfsData
 
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.nodes import NAME_MAX, XATTR_RESERVED, FsError, Handle, Node, size_in_blocks
+from tierfs.fs.nodes import (
+    NAME_MAX,
+    XATTR_NAMESPACE,
+    XATTR_RESERVED,
+    FsError,
+    Handle,
+    Node,
+    size_in_blocks,
+)
 from tierfs.fs.passthrough import PassthroughDevice
 from tierfs.fs.ram_store import RamFull
 
@@ -334,7 +342,7 @@ class Operations(pyfuse3.Operations):
 
 def _is_user_xattr(name: bytes) -> bool:
     """A user's own attribute (`user.*`), kept on the RAM tier's file; `user.tierfs.*` is ours."""
-    return name.startswith(b"user.") and not name.startswith(XATTR_RESERVED)
+    return name.startswith(XATTR_NAMESPACE) and not name.startswith(XATTR_RESERVED)
 
 
 def _check_user_xattr(name: bytes) -> None:

@@ -270,7 +270,11 @@ class PassthroughDevice:
             if exc.errno == errno.ENODEV:
                 return False  # unmounted (or aborted)
             raise
-        message = self._wire.request(self._request_buffer[:length])
+        message = self._request_buffer[:length]
+        answer = wire.answer_here(message)
+        if answer is not None:
+            return self._to_kernel(answer)
+        message = self._wire.request(message)
         while True:
             try:
                 self._kernel_side.send(message)  # one whole message (SOCK_SEQPACKET)
@@ -316,14 +320,20 @@ class PassthroughDevice:
             log.info("FUSE passthrough on: file data moves between the kernel and the RAM store"
                      if self.enabled else
                      "the kernel does not offer FUSE passthrough: data goes through the daemon")
+        if not self._to_kernel(message):
+            return False
+        await trio.lowlevel.checkpoint_if_cancelled()
+        return True
+
+    def _to_kernel(self, reply: wire.Message) -> bool:
+        """Give the kernel a reply; False once it unmounted."""
         try:
-            os.write(self.dev_fd, message)  # the device takes a reply whole, never blocks
+            os.write(self.dev_fd, reply)  # the device takes a reply whole, never blocks
         except OSError as exc:
             if exc.errno == errno.ENODEV:
                 return False
             if exc.errno != errno.ENOENT:  # ENOENT: the request was interrupted
                 raise
-        await trio.lowlevel.checkpoint_if_cancelled()
         return True
 
 
