@@ -152,17 +152,25 @@ class ClusterNode:
             self.namespace.tiers.mark_held(manifest, peer, recorded)
         return len(recorded) == len(names)
 
-    async def start(self, nursery: trio.Nursery) -> None:
-        handlers: dict[str, Handler] = {
+    def handlers(self) -> dict[str, Handler]:
+        """The peer port's handler of each request type (PING is the server's own)."""
+        return {
             "PUT": self.receiver.put, "HOLD": self.receiver.hold,
             "GET": self.ranges.on_get, "SWARM_GET": self.ranges.on_swarm_get,
             "MANIFEST": self.manifests.on_manifest,
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
         }
+
+    def peer_server(self) -> PeerServer:
+        """The peer port: this node's handlers, open to the cluster's admitted members."""
+        assert self.cfg.token is not None
         tls = self.directory.tls
-        server = PeerServer(self.cfg.node_id, self.cfg.token, self.directory.ids, handlers,
-                            tls.server if tls else None)
+        return PeerServer(self.cfg.node_id, self.cfg.token, self.directory.ids,
+                          self.handlers(), tls.server if tls else None)
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        server = self.peer_server()
         assert self.cfg.listen is not None
         host, port = self.cfg.listen
         try:
