@@ -24,8 +24,8 @@ from tests.test_namespace import Harness, dcp_save
 from tierfs import manifest as mf
 from tierfs.fs.deletes import Tombstone
 from tierfs.fs.namespace import Core, Namespace
-from tierfs.fs.ports import TierError
 from tierfs.fs.operations import Operations
+from tierfs.fs.ports import TierError
 from tierfs.fs.ram_store import RamStore
 from tierfs.mount_helper.daemon import cluster_service
 from tierfs.mount_helper.daemon.cluster_service import ClusterLinks, ClusterNode

@@ -213,8 +213,10 @@ async def test_a_commit_waits_for_open_writers_and_says_so_while_it_waits(
                 replies.append(await api.handle({"cmd": "commit", "path": "run/step_4"}))
 
             nursery.start_soon(commit)
-            await trio.testing.wait_all_tasks_blocked()
-            waits = await api.handle({"cmd": "commit_waits", "path": "run/step_4"})
+            with trio.fail_after(10):  # until the commit is under way (it may hash first)
+                while not (waits := await api.handle({"cmd": "commit_waits",
+                                                      "path": "run/step_4"}))["waiting_for"]:
+                    await trio.sleep(0.01)
             assert waits["ok"] and waits["waiting_for"].startswith("open writers: ")
             assert "run/step_4/slow" in waits["waiting_for"]
             assert replies == []  # blocked on the writer, not answered
