@@ -159,7 +159,14 @@ def test_a_step_deleted_while_its_node_is_down_stays_deleted(
         shutil.rmtree(node1 / "run/step_1")
         assert state(node1, "run/step_1") is None
         node0 = cluster.start("node0")
-        wait_until(lambda: state(node0, "run/step_1") is None, timeout=30)
-        time.sleep(2)  # a commit record written again would be listed within a second
+        # node0 applied what it missed and wrote the commit records it found missing ...
+        wait_until(lambda: node0.status()["caught_up"], timeout=30)
+        assert state(node0, "run/step_1") is None
+        # ... and node1 took every commit record written before a later one (commit records
+        # reach each node in the order etcd wrote them)
+        (node0 / "run/step_2").mkdir(parents=True)
+        (node0 / "run/step_2/model.pt").write_bytes(b"later")
+        (node0 / "run/step_2/.metadata").write_bytes(b"m")
+        wait_until(lambda: state(node1, "run/step_2") == "committed", timeout=30)
         assert state(node1, "run/step_1") is None
         assert state(node0, "run/step_1") is None

@@ -65,6 +65,7 @@ class RecordedCluster:
     def __init__(self, up: set[str], records: dict[str, dict[str, set[str]]] | None) -> None:
         self.up = up
         self.records = records
+        self.caught_up = trio.Event()
         self.directory = SimpleNamespace(
             is_up=lambda node: node in self.up,
             peers=[SimpleNamespace(node_id=n, up=True) for n in sorted(up)],
@@ -116,7 +117,8 @@ async def test_status_names_each_step_its_state_and_the_times_ages_are_shown_fro
         assert done["committed_ns"] == manifest.committed_ns and done["changed_ns"] is None
         assert done["copies"] == 1 and done["persist_wait"] is None  # RAM only, no store
         assert status["persist"] is None and status["peers"] == []
-        assert status["served_to_peers"] is None and status["pid"] == os.getpid()
+        assert status["served_to_peers"] is None and status["caught_up"] is None
+        assert status["pid"] == os.getpid()
         assert status["ram"]["used_bytes"] == h.store.used_bytes > 0
 
 
@@ -166,8 +168,11 @@ async def test_in_a_cluster_copies_and_holders_come_from_the_records_else_from_t
         api.recorded = RecordedHolders(cluster.recorded_holders)
         step = by_path((await api.handle({"cmd": "status"}))["status"])["run/step_1"]
         assert (step["copies"], step["holders"], step["only_here"]) == (1, ["n0"], True)
-        assert (await api.handle({"cmd": "status"}))["status"]["peers"] == \
-            [{"node_id": "n1", "state": "up"}]
+        status = (await api.handle({"cmd": "status"}))["status"]
+        assert status["peers"] == [{"node_id": "n1", "state": "up"}]
+        assert status["caught_up"] is False
+        cluster.caught_up.set()
+        assert (await api.handle({"cmd": "status"}))["status"]["caught_up"] is True
 
 
 async def test_commit_commits_a_step_and_says_what_it_holds(tmp_path: Path) -> None:

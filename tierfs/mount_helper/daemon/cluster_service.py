@@ -138,6 +138,11 @@ class ClusterNode:
         self.ranges = RangeServer(store.objects, namespace.view.sealed_path, cfg.node_id,
                                   namespace.residency.chunk_for_peer)
         self.manifests = ManifestServer(namespace.view.committed_manifest)
+        # Set once what this node missed while it was down is applied and the commit records
+        # it found missing were written (or tried, if etcd refused them: they are retried
+        # every PENDING_RETRY); `caught_up` in `tierfs status`.
+        self.caught_up = trio.Event()
+        self._missed_taken = False  # `_catch_up` listed what this node missed
 
     async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> bool:
         """A peer verified copies of these files: counted in etcd's records, then here (only
@@ -216,6 +221,7 @@ class ClusterNode:
                                    "another node (a tombstone in etcd)")
         for manifest in unpublished:
             tiers.publish_later(manifest)
+        self._missed_taken = True
 
     async def _drop_lost_copies(self) -> None:
         """The records stop counting this node as a holder of files it does not hold in RAM
@@ -267,7 +273,10 @@ class ClusterNode:
         """Commit records etcd could not take (it was down) are written once it is back."""
         while True:
             await trio.sleep(PENDING_RETRY)
+            caught_up = self._missed_taken  # this round writes what the catch-up found
             await self.namespace.tiers.publish_pending()
+            if caught_up:
+                self.caught_up.set()
 
     async def _admit(self) -> None:
         """Refuse, with one line, a node that could not work as a member (`admission`)."""
