@@ -39,6 +39,7 @@ from tierfs.replication.coordination.commit_records import (
 )
 from tierfs.replication.coordination.etcd import (
     POOL_SIZE,
+    WATCH_POOL_SIZE,
     ClusterUrl,
     ClusterUrlError,
     Endpoint,
@@ -182,14 +183,16 @@ async def test_calls_go_through_while_watches_hold_their_streams(etcd_server: Et
         async with trio.open_nursery() as nursery:
             for index in range(POOL_SIZE):  # as many as the calls have connections
                 nursery.start_soon(etcd.watch_prefix, cluster.key(f"w{index}/"), now, send)
-            with trio.fail_after(10):  # until etcd received every stream's create request
+            with trio.fail_after(10):  # until the streams the watches' pool allows are open
                 while (await trio.to_thread.run_sync(grpc_requests, etcd_server))["Watch"] \
-                        < watches + POOL_SIZE:
+                        < watches + WATCH_POOL_SIZE:
                     await trio.sleep(0.05)
             with trio.fail_after(5):
                 for index in range(POOL_SIZE):
                     await etcd.put(cluster.key(f"k{index}"), b"v")
                 assert (await etcd.get(cluster.key("k0"))).value == b"v"
+            # the other watches wait for a stream of their own pool, not a call's connection
+            assert grpc_requests(etcd_server)["Watch"] == watches + WATCH_POOL_SIZE
             nursery.cancel_scope.cancel()
     finally:
         await etcd.aclose()
