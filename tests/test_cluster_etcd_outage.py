@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
 
 from tests.conftest import (
     MountFactory,
@@ -24,6 +25,9 @@ from tests.conftest import (
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_cluster_scale import dcp_metadata
 from tierfs.demo.etcd import Etcd
+from tierfs.replication.coordination.commit_records import CommitRecord, CommitRecords
+from tierfs.replication.coordination.etcd import Etcd as EtcdClient
+from tierfs.replication.coordination.etcd import parse_cluster_url
 
 pytestmark = pytest.mark.cluster
 
@@ -31,6 +35,19 @@ pytestmark = pytest.mark.cluster
 def state(node: object, step: str) -> str | None:
     found = node.step(step)  # type: ignore[attr-defined]
     return found["state"] if found is not None else None
+
+
+def commit_record(url: str, step: str) -> CommitRecord | None:
+    """The step's commit record in the cluster's etcd, as a node starting would read it."""
+    async def read() -> CommitRecord | None:
+        cluster = parse_cluster_url(url)
+        etcd = EtcdClient(cluster.endpoints)
+        try:
+            return await CommitRecords(etcd, cluster).commit_of(step)
+        finally:
+            await etcd.aclose()
+
+    return trio.run(read)
 
 
 @contextlib.contextmanager
@@ -170,3 +187,4 @@ def test_a_step_deleted_while_its_node_is_down_stays_deleted(
         wait_until(lambda: state(node1, "run/step_2") == "committed", timeout=30)
         assert state(node1, "run/step_1") is None
         assert state(node0, "run/step_1") is None
+        assert commit_record(cluster.url, "run/step_1") is None  # nor any node after them
