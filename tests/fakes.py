@@ -1,5 +1,6 @@
-"""In-memory fakes of the file system's outward ports (`tierfs.fs.ports`), for tests that drive
-the core in process, on no FUSE mount, S3 server, peer or etcd (the layers above test those).
+"""In-memory fakes of the outward ports (`tierfs.fs.ports`; etcd and the cluster's members for
+the coordination side), for tests that drive the core in process, on no FUSE mount, S3 server
+or etcd (the layers above test those).
 
 Each fake keeps to its port's contract, errors included: a tier that cannot answer raises
 `TierError`, a missing object `ObjectMissing`, and nothing else; `BuggySource` breaks the
@@ -8,11 +9,23 @@ failure."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+
+import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs.ports import ObjectMissing, TierError
+from tierfs.replication.coordination import placement
+from tierfs.replication.coordination.etcd import (
+    EtcdUnavailable,
+    KeyValue,
+    Snapshot,
+    WatchEvent,
+    retry_unavailable,
+)
+from tierfs.replication.coordination.membership import MemberInfo
 
 
 class MemoryTier:
@@ -113,3 +126,179 @@ class Liveness:
     def may_be_up(self, node_id: str) -> bool:
         return self.is_up(node_id) or (self._may_be_up is not None
                                        and self._may_be_up(node_id))
+
+
+class MemoryEtcd:
+    """The key-value part of `coordination.etcd.Etcd` in a dict, with etcd's revisions and
+    versions, its compare-and-swap transactions and its watches (`follow_prefix`: a snapshot,
+    then every change); no leases. `down` makes every call fail as an etcd that does not
+    answer (`EtcdUnavailable`), `fail_next` only the next few calls; `calls` counts the calls
+    that reached it."""
+
+    def __init__(self, timeout: float = 2.0) -> None:
+        self.timeout = timeout
+        self.endpoints = ["memory:2379"]
+        self.last_failure: str | None = None
+        self.kvs: dict[str, KeyValue] = {}
+        self.revision = 1
+        self.down = False
+        self.fail_next = 0
+        self.calls = 0
+        self._watchers: list[tuple[str, trio.MemorySendChannel[list[WatchEvent]]]] = []
+
+    def _answer(self) -> None:
+        if self.down or self.fail_next:
+            self.fail_next = max(0, self.fail_next - 1)
+            self.last_failure = "memory:2379 (connection refused)"
+            raise EtcdUnavailable("etcd does not answer: connection refused")
+        self.calls += 1
+
+    def _put(self, key: str, value: bytes, lease: int = 0) -> None:
+        self.revision += 1
+        old = self.kvs.get(key)
+        kv = KeyValue(key, value, old.version + 1 if old else 1, self.revision,
+                      old.create_revision if old else self.revision, lease)
+        self.kvs[key] = kv
+        self._notify(WatchEvent("put", kv))
+
+    def _delete(self, key: str) -> bool:
+        if self.kvs.pop(key, None) is None:
+            return False
+        self.revision += 1
+        self._notify(WatchEvent("delete", KeyValue(key, b"", 0, self.revision)))
+        return True
+
+    def _notify(self, event: WatchEvent) -> None:
+        for prefix, send in self._watchers:
+            if event.kv.key.startswith(prefix):
+                send.send_nowait([event])
+
+    def _version(self, key: str) -> int:
+        kv = self.kvs.get(key)
+        return kv.version if kv is not None else 0
+
+    async def get(self, key: str) -> KeyValue | None:
+        self._answer()
+        return self.kvs.get(key)
+
+    async def get_all(self, keys: Sequence[str]) -> dict[str, KeyValue]:
+        self._answer()
+        return {key: self.kvs[key] for key in keys if key in self.kvs}
+
+    async def get_prefix(self, prefix: str) -> Snapshot:
+        self._answer()
+        return Snapshot([kv for key, kv in sorted(self.kvs.items()) if key.startswith(prefix)],
+                        self.revision)
+
+    async def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        self._answer()
+        self._put(key, value, lease)
+        return self.revision
+
+    async def put_all(self, items: Sequence[tuple[str, bytes]]) -> None:
+        self._answer()
+        for key, value in items:
+            self._put(key, value)
+
+    async def put_if_version(self, key: str, value: bytes, version: int,
+                             lease: int = 0) -> bool:
+        self._answer()
+        if self._version(key) != version:
+            return False
+        self._put(key, value, lease)
+        return True
+
+    async def put_if_absent(self, key: str, value: bytes, lease: int = 0) -> bool:
+        return await self.put_if_version(key, value, 0, lease)
+
+    async def put_all_if_version(self, items: Sequence[tuple[str, bytes, int]]) -> bool:
+        self._answer()
+        if any(self._version(key) != version for key, _value, version in items):
+            return False
+        for key, value, _version in items:
+            self._put(key, value)
+        return True
+
+    async def delete(self, key: str) -> bool:
+        self._answer()
+        return self._delete(key)
+
+    async def delete_all(self, keys: Sequence[str]) -> None:
+        self._answer()
+        for key in keys:
+            self._delete(key)
+
+    async def delete_prefix(self, prefix: str) -> int:
+        self._answer()
+        return sum(self._delete(key) for key in [k for k in self.kvs if k.startswith(prefix)])
+
+    async def delete_if_unchanged(self, items: Sequence[tuple[str, int]]) -> bool:
+        self._answer()
+        if any(key not in self.kvs or self.kvs[key].mod_revision != revision
+               for key, revision in items):
+            return False
+        for key, _revision in items:
+            self._delete(key)
+        return True
+
+    async def follow_prefix(self, prefix: str,
+                            send: trio.abc.SendChannel[Snapshot | list[WatchEvent]]) -> None:
+        changes, receive = trio.open_memory_channel[list[WatchEvent]](math.inf)
+        snapshot = await retry_unavailable(lambda: self.get_prefix(prefix), f"reading {prefix}")
+        watcher = (prefix, changes)
+        self._watchers.append(watcher)
+        try:
+            await send.send(snapshot)
+            async for batch in receive:
+                await send.send(batch)
+        finally:
+            self._watchers.remove(watcher)
+
+    async def aclose(self) -> None:
+        pass
+
+
+class StaticMembership:
+    """`coordination.membership.Membership` without etcd's leases: the live members are the
+    ones a test sets (`set_members`: each change is an event, as a watch would bring), and
+    registering (`run`) only records that it happened."""
+
+    def __init__(self, etcd: MemoryEtcd, node_id: str, address: str) -> None:
+        self.etcd = etcd
+        self.node_id = node_id
+        self.info = MemberInfo(node_id, address, 0.0)
+        self.members: dict[str, MemberInfo] = {}
+        self.changed = trio.Event()
+        self.generation = 0
+        self.starting = False
+        self.registered = False
+
+    def set_members(self, members: dict[str, str]) -> None:
+        """The live members now: {node id: HOST:PORT}."""
+        self.members = {node: MemberInfo(node, address, 0.0)
+                        for node, address in members.items()}
+        self.generation += 1
+        self.changed.set()
+        self.changed = trio.Event()
+
+    @property
+    def ring(self) -> list[str]:
+        return placement.ring(self.members)
+
+    @property
+    def admitted(self) -> dict[str, MemberInfo]:
+        return dict(self.members)
+
+    def is_up(self, node_id: str) -> bool:
+        return node_id in self.members
+
+    def admits(self, node_id: str) -> bool:
+        return node_id in self.members
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        self.registered = True
+        self.set_members({**{n: i.address for n, i in self.members.items()},
+                          self.node_id: self.info.address})
+        task_status.started()
+        await trio.sleep_forever()

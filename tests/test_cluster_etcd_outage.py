@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
 
 from tests.conftest import (
     MountFactory,
@@ -24,6 +25,9 @@ from tests.conftest import (
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_cluster_scale import dcp_metadata
 from tierfs.demo.etcd import Etcd
+from tierfs.replication.coordination.commit_records import CommitRecord, CommitRecords
+from tierfs.replication.coordination.etcd import Etcd as EtcdClient
+from tierfs.replication.coordination.etcd import parse_cluster_url
 
 pytestmark = pytest.mark.cluster
 
@@ -31,6 +35,19 @@ pytestmark = pytest.mark.cluster
 def state(node: object, step: str) -> str | None:
     found = node.step(step)  # type: ignore[attr-defined]
     return found["state"] if found is not None else None
+
+
+def commit_record(url: str, step: str) -> CommitRecord | None:
+    """The step's commit record in the cluster's etcd, as a node starting would read it."""
+    async def read() -> CommitRecord | None:
+        cluster = parse_cluster_url(url)
+        etcd = EtcdClient(cluster.endpoints)
+        try:
+            return await CommitRecords(etcd, cluster).commit_of(step)
+        finally:
+            await etcd.aclose()
+
+    return trio.run(read)
 
 
 @contextlib.contextmanager
@@ -159,7 +176,15 @@ def test_a_step_deleted_while_its_node_is_down_stays_deleted(
         shutil.rmtree(node1 / "run/step_1")
         assert state(node1, "run/step_1") is None
         node0 = cluster.start("node0")
-        wait_until(lambda: state(node0, "run/step_1") is None, timeout=30)
-        time.sleep(2)  # a commit record written again would be listed within a second
+        # node0 applied what it missed and wrote the commit records it found missing ...
+        wait_until(lambda: node0.status()["caught_up"], timeout=30)
+        assert state(node0, "run/step_1") is None
+        # ... and node1 took every commit record written before a later one (commit records
+        # reach each node in the order etcd wrote them)
+        (node0 / "run/step_2").mkdir(parents=True)
+        (node0 / "run/step_2/model.pt").write_bytes(b"later")
+        (node0 / "run/step_2/.metadata").write_bytes(b"m")
+        wait_until(lambda: state(node1, "run/step_2") == "committed", timeout=30)
         assert state(node1, "run/step_1") is None
         assert state(node0, "run/step_1") is None
+        assert commit_record(cluster.url, "run/step_1") is None  # nor any node after them

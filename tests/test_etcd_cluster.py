@@ -39,12 +39,14 @@ from tierfs.replication.coordination.commit_records import (
 )
 from tierfs.replication.coordination.etcd import (
     POOL_SIZE,
+    WATCH_POOL_SIZE,
     ClusterUrl,
     ClusterUrlError,
     Endpoint,
     Etcd,
     EtcdUnavailable,
     LeaseExpired,
+    Snapshot,
     WatchCompacted,
     WatchEvent,
     parse_cluster_url,
@@ -177,14 +179,20 @@ async def test_calls_go_through_while_watches_hold_their_streams(etcd_server: Et
     send, _receive = trio.open_memory_channel[list[WatchEvent]](1000)
     try:
         now = await etcd.put(cluster.key("start"), b"")  # a revision not compacted away
+        watches = grpc_requests(etcd_server)["Watch"]
         async with trio.open_nursery() as nursery:
             for index in range(POOL_SIZE):  # as many as the calls have connections
                 nursery.start_soon(etcd.watch_prefix, cluster.key(f"w{index}/"), now, send)
-            await trio.sleep(0.5)  # the streams are open (etcd answers a watch at once)
+            with trio.fail_after(10):  # until the streams the watches' pool allows are open
+                while (await trio.to_thread.run_sync(grpc_requests, etcd_server))["Watch"] \
+                        < watches + WATCH_POOL_SIZE:
+                    await trio.sleep(0.05)
             with trio.fail_after(5):
                 for index in range(POOL_SIZE):
                     await etcd.put(cluster.key(f"k{index}"), b"v")
                 assert (await etcd.get(cluster.key("k0"))).value == b"v"
+            # the other watches wait for a stream of their own pool, not a call's connection
+            assert grpc_requests(etcd_server)["Watch"] == watches + WATCH_POOL_SIZE
             nursery.cancel_scope.cancel()
     finally:
         await etcd.aclose()
@@ -469,9 +477,28 @@ async def test_concurrent_committers_exactly_one_wins(etcd_server: EtcdServer) -
     assert await records.commit_of("run/step_10") == winner
 
 
+class Following(Etcd):
+    """The real client; `following` is set once a mirror of a prefix (`follow_prefix`) has
+    delivered its first snapshot: its reader has read the keys and waits for changes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.following = trio.Event()
+
+    async def follow_prefix(self, prefix: str,
+                            send: trio.abc.SendChannel[Snapshot | list[WatchEvent]]) -> None:
+        relay, receive = trio.open_memory_channel[Snapshot | list[WatchEvent]](0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(super().follow_prefix, prefix, relay)
+            async for item in receive:
+                await send.send(item)
+                self.following.set()
+
+
 async def test_commit_waits_for_every_record(etcd_server: EtcdServer) -> None:
     cluster = new_cluster(etcd_server)
-    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    etcd = Following(cluster.endpoints)
+    records = CommitRecords(etcd, cluster)
     names = ["a/__0_0.distcp", "__1_0.distcp", ".metadata"]
     await records.record_files("s/1", {".metadata": shard("n0", 0)})
     outcome = []
@@ -481,8 +508,9 @@ async def test_commit_waits_for_every_record(etcd_server: EtcdServer) -> None:
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(commit)
-        await trio.sleep(0.3)  # the committer is waiting; nothing may be committed yet
-        assert await records.commit_of("s/1") is None
+        with trio.fail_after(5):  # the committer read the records and waits for the others
+            await etcd.following.wait()
+        assert await records.commit_of("s/1") is None and not outcome
         await records.record_files("s/1", {"a/__0_0.distcp": shard("n1", 1)})
         await records.record_files("s/1", {"__1_0.distcp": shard("n2", 2)})
     assert outcome[0][1] is True

@@ -6,7 +6,6 @@ S3 outage, and mount-time mistakes are one clear line."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -98,7 +97,9 @@ def test_s3_outage_during_upload_loses_nothing(mounts: MountFactory, s3_env: dic
         save(mnt / "run/step_1", files[1])
         s3.stop()  # S3 goes away while step_1 is being uploaded
         save(mnt / "run/step_2", files[2])
-        time.sleep(2)  # let the uploader fail a few times against the dead endpoint
+        # until the uploader failed a few times against the dead endpoint (its status says)
+        wait_until(lambda: (mnt.step("run/step_1")["persist_wait"] or {}).get("failures", 0)
+                   >= 2, timeout=30, interval=0.1)
         status = {s["path"]: s for s in mnt.status()["steps"]}
         assert not status["run/step_1"]["persisted"] and status["run/step_1"]["ram"]
         assert mnt.status()["persist"]["pending_steps"] == 2

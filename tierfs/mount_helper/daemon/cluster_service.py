@@ -139,6 +139,11 @@ class ClusterNode:
         self.ranges = RangeServer(store.objects, namespace.view.sealed_path, cfg.node_id,
                                   namespace.residency.chunk_for_peer)
         self.manifests = ManifestServer(namespace.view.committed_manifest)
+        # Set once what this node missed while it was down is applied and the commit records
+        # it found missing were written (or tried, if etcd refused them: they are retried
+        # every PENDING_RETRY); `caught_up` in `tierfs status`.
+        self.caught_up = trio.Event()
+        self._missed_taken = False  # `_catch_up` listed what this node missed
 
     async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> bool:
         """A peer verified copies of these files: counted in etcd's records, then here (only
@@ -153,17 +158,25 @@ class ClusterNode:
             self.namespace.tiers.mark_held(manifest, peer, recorded)
         return len(recorded) == len(names)
 
-    async def start(self, nursery: trio.Nursery) -> None:
-        handlers: dict[str, Handler] = {
+    def handlers(self) -> dict[str, Handler]:
+        """The peer port's handler of each request type (PING is the server's own)."""
+        return {
             "PUT": self.receiver.put, "HOLD": self.receiver.hold,
             "GET": self.ranges.on_get, "SWARM_GET": self.ranges.on_swarm_get,
             "MANIFEST": self.manifests.on_manifest,
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
         }
+
+    def peer_server(self) -> PeerServer:
+        """The peer port: this node's handlers, open to the cluster's admitted members."""
+        assert self.cfg.token is not None
         tls = self.directory.tls
-        server = PeerServer(self.cfg.node_id, self.cfg.token, self.directory.ids, handlers,
-                            tls.server if tls else None)
+        return PeerServer(self.cfg.node_id, self.cfg.token, self.directory.ids,
+                          self.handlers(), tls.server if tls else None)
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        server = self.peer_server()
         assert self.cfg.listen is not None
         host, port = self.cfg.listen
         try:
@@ -209,6 +222,7 @@ class ClusterNode:
                                    "another node (a tombstone in etcd)")
         for manifest in unpublished:
             tiers.publish_later(manifest)
+        self._missed_taken = True
 
     async def _drop_lost_copies(self) -> None:
         """The records stop counting this node as a holder of files it does not hold in RAM
@@ -260,7 +274,10 @@ class ClusterNode:
         """Commit records etcd could not take (it was down) are written once it is back."""
         while True:
             await trio.sleep(PENDING_RETRY)
+            caught_up = self._missed_taken  # this round writes what the catch-up found
             await self.namespace.tiers.publish_pending()
+            if caught_up:
+                self.caught_up.set()
 
     async def _admit(self) -> None:
         """Refuse, with one line, a node that could not work as a member (`admission`)."""

@@ -203,6 +203,8 @@ class ControlApi:
             "passthrough": self.passthrough is not None and self.passthrough.enabled,
             "peers": self.cluster.directory.status() if self.cluster else [],
             "served_to_peers": self.cluster.served() if self.cluster else None,
+            # in a cluster: what this node missed while it was down is applied
+            "caught_up": self.cluster.caught_up.is_set() if self.cluster else None,
             "persist": self.persist_status(),
             "commits": self.pipeline.commits,
             "ram_check": dict(self.verifier.scan_counts, done=self.verifier.scan_done.is_set()),

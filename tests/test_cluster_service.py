@@ -1,0 +1,318 @@
+"""The node's side of the cluster (`mount_helper.daemon.cluster_service`) in process: two nodes,
+each a real namespace over a RAM dir in a temp dir with its real peer clients and peer port on
+127.0.0.1, no mount; etcd and the members' leases are the in-memory fakes of tests/fakes.py
+(`MemoryEtcd`, `StaticMembership`). What is shown: the peer port's handler table answering each
+request, the lost-copies rule at start, the catch-up after a node was down, and the one-line
+refusals of admission."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from tests.conftest import free_port
+from tests.fakes import MemoryEtcd, StaticMembership
+from tests.test_control_api import config
+from tests.test_namespace import Harness, dcp_save
+from tierfs import manifest as mf
+from tierfs.fs.deletes import Tombstone
+from tierfs.fs.namespace import Core, Namespace
+from tierfs.fs.operations import Operations
+from tierfs.fs.ports import TierError
+from tierfs.fs.ram_store import RamStore
+from tierfs.mount_helper.daemon import cluster_service
+from tierfs.mount_helper.daemon.cluster_service import ClusterLinks, ClusterNode
+from tierfs.mount_helper.daemon.commit_pipeline import delete_targets
+from tierfs.mount_helper.daemon.startup import StartupError
+from tierfs.observe import Events
+from tierfs.replication.coordination.commit_records import CommitRecords, Deletion
+from tierfs.replication.coordination.url import ClusterUrl, Endpoint
+from tierfs.replication.peers.directory import PeerDirectory
+
+pytestmark = pytest.mark.core
+
+TOKEN = b"the cluster's token, 32 bytes.."
+CLUSTER = ClusterUrl((Endpoint("127.0.0.1", 2379),), "tierfs-test")
+FILES = {"__0_0.distcp": b"weights" * 5000, "__1_0.distcp": b"optimizer" * 3000}
+
+
+class ClusterHarness(Harness):
+    """One node as `assembly` wires it (the namespace given the cluster's clients, then the
+    cluster service over both), on a shared in-memory etcd; its peer port is not open until
+    `serve`."""
+
+    def __init__(self, root: Path, node_id: str, etcd: MemoryEtcd, *, replicas: int = 1,
+                 keep_ram: int = 3, token: bytes = TOKEN) -> None:
+        self.root = root / node_id
+        self.port = free_port()
+        self.cfg = config(root / node_id, node_id=node_id, cluster=CLUSTER, token=token,
+                          listen=("127.0.0.1", self.port), advertise=f"127.0.0.1:{self.port}",
+                          replicas=replicas, keep_ram=keep_ram)
+        self.etcd = etcd
+        self.live = StaticMembership(etcd, node_id, f"127.0.0.1:{self.port}")
+        self.directory = PeerDirectory(self.live, token)  # type: ignore[arg-type]
+        self.store = RamStore(self.root, 1 << 30)
+        self.store.acquire()
+        core = Core(self.store, node_id=node_id, delete_targets=delete_targets(self.cfg),
+                    liveness=self.directory)
+        self.links = ClusterLinks(self.cfg, core.view, self.directory)
+        self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
+        self.ns = Namespace(core, self.send, read_sources=[self.links.reader],
+                            sealed=self.links.sealed, peers=self.links.verify,
+                            keep_ram=keep_ram, replicas=replicas)
+        self.ops = Operations(self.ns)
+        self.node = ClusterNode(self.cfg, self.links, self.ns, self.store, Events())
+
+    async def serve(self, nursery: trio.Nursery) -> None:
+        """Open the peer port (the handler table `ClusterNode.start` serves)."""
+        await nursery.start(self.node.peer_server().run, "127.0.0.1", self.port)
+
+
+def members(*nodes: ClusterHarness) -> None:
+    """Every node sees `nodes` as the live members."""
+    addresses = {n.cfg.node_id: n.cfg.advertise for n in nodes}
+    for node in nodes:
+        node.live.set_members(addresses)  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def cluster(tmp_path: Path, *node_ids: str, etcd: MemoryEtcd | None = None,
+                  serve: bool = True, **options: Any
+                  ) -> AsyncIterator[tuple[trio.Nursery, list[ClusterHarness]]]:
+    """Nodes on one etcd, live members of each other, their background work running and
+    (`serve`) their peer ports open; closed on the way out."""
+    etcd = etcd or MemoryEtcd()
+    nodes = [ClusterHarness(tmp_path, node_id, etcd, **options) for node_id in node_ids]
+    async with AsyncExitStack() as stack:
+        for node in nodes:
+            stack.callback(node.close)
+        async with trio.open_nursery() as nursery:
+            for node in nodes:
+                await nursery.start(node.ns.background.run)
+                if serve:
+                    await node.serve(nursery)
+            members(*nodes)
+            yield nursery, nodes
+            nursery.cancel_scope.cancel()
+
+
+async def committed_on(node: ClusterHarness, step: str) -> mf.StepManifest:
+    """A DCP save of `step` on `node`, committed there and in the cluster's records."""
+    await dcp_save(node, step, FILES)
+    manifest = node.commits.receive_nowait()
+    record = await node.links.sealed.records.commit_of(step)
+    assert record is not None and record.version == manifest.version
+    return manifest
+
+
+# -- the peer port's handler table ----------------------------------------------------------
+
+
+async def test_a_step_committed_on_one_node_is_listed_read_and_verified_from_another(
+        tmp_path: Path) -> None:
+    """n1 learns n0's commit from the records (MANIFEST: the manifest from n0), reads a file of
+    it from n0 (GET) and has n0 check its copies (VERIFY)."""
+    async with cluster(tmp_path, "n0", "n1") as (_nursery, (n0, n1)):
+        manifest = await committed_on(n0, "run/step_1")
+        await n1.links.sealed.learn_all(n1.node._learn)
+        assert n1.links.sealed.manifests_from_peers == 1  # from n0's MANIFEST handler
+        assert n0.node.manifests.served_parts == 1
+        assert await n1.state("run/step_1") == "committed"
+        assert await n1.read_file("run/step_1/__1_0.distcp") == FILES["__1_0.distcp"]
+        assert n0.node.ranges.served_requests >= 1
+        entry = manifest.entry("__0_0.distcp")
+        assert await n1.links.verify.verify("n0", "run/step_1", entry, False) == "good"
+        (n0.root / "objects" / entry.xxh3).write_bytes(b"flipped" * 5000)
+        assert await n1.links.verify.verify("n0", "run/step_1", entry, False) == "bad"
+
+
+async def test_a_copy_sent_to_a_peer_is_held_there_and_counted_in_the_records(
+        tmp_path: Path) -> None:
+    """PUT and HOLD: n0's replicator sends its copies to n1, which holds them; both nodes and
+    etcd's records then count n1 as a holder of every file."""
+    async with cluster(tmp_path, "n0", "n1") as (nursery, (n0, n1)):
+        nursery.start_soon(n0.node.replicator.run)
+        manifest = await committed_on(n0, "run/step_2")
+        n0.node.replicator.submit(manifest)
+        with trio.fail_after(10):
+            await n0.node.replicator.queue.settled(manifest.path)
+        placements = await n0.links.sealed.placements(manifest)
+        assert placements is not None
+        assert {name: set(r.holders) for name, r in placements.items()} == \
+            {e.name: {"n0", "n1"} for e in manifest.files}
+        step = n0.ns.tree.find_step("run/step_2").step
+        assert all(n0.ns.tree.holdings.file_peers(step, e.name) == {"n1"}
+                   for e in manifest.files)
+        assert all((n1.root / "objects" / e.xxh3).exists() for e in manifest.files)
+        assert await n1.node.recorded_holders(manifest) == \
+            {e.name: {"n0", "n1"} for e in manifest.files}
+
+
+async def test_a_delete_from_a_peer_removes_the_step_here(tmp_path: Path) -> None:
+    async with cluster(tmp_path, "n0", "n1") as (_nursery, (n0, n1)):
+        manifest = await committed_on(n0, "run/step_3")
+        await n1.links.delete.delete(
+            Tombstone("run/step_3", manifest.version, manifest.committed_ns), "n0")
+        assert n0.ns.tree.find_step("run/step_3") is None
+        assert n0.ns.deletes.covers(manifest)  # remembered: no copy brings it back
+
+
+async def test_the_peer_port_refuses_a_node_with_another_token(tmp_path: Path) -> None:
+    etcd = MemoryEtcd()
+    async with cluster(tmp_path, "n0", etcd=etcd) as (_nursery, (n0,)):
+        stranger = ClusterHarness(tmp_path, "n9", etcd, token=b"another token, of 32 bytes...")
+        try:
+            members(n0, stranger)
+            manifest = await committed_on(n0, "run/step_4")
+            with pytest.raises(TierError, match="^n0: "):
+                await stranger.links.verify.verify("n0", "run/step_4", manifest.files[0],
+                                                   False)
+            assert n0.node.manifests.served_parts == 0
+        finally:
+            stranger.close()
+
+
+# -- the lost-copies rule at start ----------------------------------------------------------
+
+
+async def holders_of(etcd: MemoryEtcd, step: str) -> tuple[set[str], dict[str, set[str]]]:
+    """(the commit record's holders, each file's) as the records in `etcd` say."""
+    reader = CommitRecords(etcd, CLUSTER)  # type: ignore[arg-type]
+    commit = await reader.commit_of(step)
+    assert commit is not None
+    files = await reader.files(step)
+    return set(commit.holders), {name: set(r.holders) for name, r in files.items()}
+
+
+async def test_a_node_back_with_an_empty_ram_dir_leaves_the_records_of_the_copies_it_lost(
+        tmp_path: Path) -> None:
+    etcd = MemoryEtcd()
+    async with cluster(tmp_path, "n0", "n1", etcd=etcd) as (nursery, (n0, n1)):
+        nursery.start_soon(n0.node.replicator.run)
+        manifest = await committed_on(n0, "run/step_5")
+        n0.node.replicator.submit(manifest)
+        with trio.fail_after(10):
+            await n0.node.replicator.queue.settled(manifest.path)
+        assert (await holders_of(etcd, "run/step_5"))[0] == {"n0", "n1"}
+    # n1 comes back with a new, empty RAM dir: every copy the records list there is lost
+    async with cluster(tmp_path / "again", "n1", etcd=etcd, serve=False) as (_nursery, (n1,)):
+        assert n1.ns.recovered.may_have_lost_copies
+        await n1.node._drop_lost_copies()
+        commit_holders, file_holders = await holders_of(etcd, "run/step_5")
+        assert commit_holders == {"n0"}
+        assert file_holders == {e.name: {"n0"} for e in manifest.files}
+
+
+async def test_a_node_that_kept_its_ram_dir_does_not_read_the_records_at_start(
+        tmp_path: Path) -> None:
+    etcd = MemoryEtcd()
+    async with cluster(tmp_path, "n0", etcd=etcd, serve=False) as (_nursery, (n0,)):
+        await committed_on(n0, "run/step_6")
+    async with cluster(tmp_path, "n0", etcd=etcd, serve=False) as (_nursery, (n0,)):
+        assert not n0.ns.recovered.may_have_lost_copies  # its step is still in RAM
+        calls = etcd.calls
+        await n0.node._drop_lost_copies()
+        assert etcd.calls == calls
+
+
+async def test_a_node_that_cannot_correct_the_records_of_its_lost_copies_does_not_join(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster_service, "CHECK_PATIENCE", 0.3)
+    etcd = MemoryEtcd()
+    async with cluster(tmp_path, "n0", etcd=etcd, serve=False) as (_nursery, (n0,)):
+        etcd.down = True
+        with pytest.raises(StartupError, match=r"etcd is unreachable at memory:2379 .*to "
+                                               r"correct the records of the copies this node "
+                                               r"lost; --cluster etcd://"):
+            await n0.node._drop_lost_copies()
+
+
+# -- catching up after a node was down ------------------------------------------------------
+
+
+async def test_catch_up_applies_deletes_made_meanwhile_and_publishes_commits_etcd_missed(
+        tmp_path: Path) -> None:
+    etcd = MemoryEtcd()
+    async with cluster(tmp_path, "n0", etcd=etcd, serve=False) as (_nursery, (n0,)):
+        deleted = await committed_on(n0, "run/step_7")
+        missed = await committed_on(n0, "run/step_8")
+    # while n0 was down: another node deleted step_7, and step_8's commit record is gone
+    # from etcd (the daemon died between its commit and the record)
+    records = n0.links.sealed.records
+    await records.delete_step(Deletion("run/step_7", deleted.version, deleted.committed_ns))
+    await etcd.delete(records.commit_key("run/step_8"))
+    etcd.fail_next = 2  # and etcd does not answer at first: tried until it does
+    async with cluster(tmp_path, "n0", etcd=etcd, serve=False) as (nursery, (n0,)):
+        assert n0.ns.tree.find_step("run/step_7") is not None
+        nursery.start_soon(n0.node._publish_pending)
+        await n0.node._catch_up()
+        assert etcd.fail_next == 0
+        assert n0.ns.tree.find_step("run/step_7") is None
+        with trio.fail_after(5):
+            await n0.node.caught_up.wait()
+        record = await records.commit_of("run/step_8")
+        assert record is not None and record.version == missed.version
+
+
+async def test_a_commit_of_another_node_is_listed_here_within_its_watch_event(
+        tmp_path: Path) -> None:
+    async with cluster(tmp_path, "n0", "n1") as (nursery, (n0, n1)):
+        nursery.start_soon(n1.node._follow_commits)
+        await trio.testing.wait_all_tasks_blocked()
+        await committed_on(n0, "run/step_9")
+        with trio.fail_after(10):
+            while n1.ns.tree.find_step("run/step_9") is None:
+                await trio.sleep(0.01)
+        assert await n1.state("run/step_9") == "committed"
+
+
+# -- admission -------------------------------------------------------------------------------
+
+
+async def test_a_node_whose_advertised_address_is_not_its_peer_port_is_refused(
+        tmp_path: Path) -> None:
+    async with cluster(tmp_path, "n0", "n1", serve=False) as (nursery, (n0, n1)):
+        with pytest.raises(StartupError, match=r"^this node cannot reach itself at its "
+                           r"advertised address 127\.0\.0\.1:\d+ \(.*failed\): "
+                           r"--advertise must be"):
+            await n0.node._admit()
+        await n1.serve(nursery)
+        n0.node.cfg = replace(n0.cfg, advertise=n1.cfg.advertise)  # another node answers there
+        with pytest.raises(StartupError, match=r"is not this node's peer port"):
+            await n0.node._admit()
+        assert not await n0.etcd.get(CLUSTER.key("token-check"))  # refused before etcd
+
+
+async def test_a_node_joins_only_with_the_clusters_token_and_transport(tmp_path: Path) -> None:
+    etcd = MemoryEtcd()
+    async with cluster(tmp_path, "n0", etcd=etcd) as (_nursery, (n0,)):
+        await n0.node._admit()  # the first node records the token's check and "no TLS"
+        assert await etcd.get(CLUSTER.key("token-check")) is not None
+        assert (await etcd.get(CLUSTER.key("peer-tls"))).value == b'{"tls": false}'
+    async with cluster(tmp_path / "b", "n1", etcd=etcd, token=b"not the token of n0's mount"
+                       ) as (_nursery, (n1,)):
+        with pytest.raises(StartupError, match="^this node's token is not the cluster's"):
+            await n1.node._admit()
+    await etcd.put(CLUSTER.key("peer-tls"), b'{"tls": true}')
+    async with cluster(tmp_path / "c", "n2", etcd=etcd) as (_nursery, (n2,)):
+        with pytest.raises(StartupError, match="^the cluster's peers use TLS"):
+            await n2.node._admit()
+
+
+async def test_a_node_that_cannot_reach_etcd_to_check_the_token_is_refused_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster_service, "CHECK_PATIENCE", 0.3)
+    etcd = MemoryEtcd()
+    async with cluster(tmp_path, "n0", etcd=etcd) as (_nursery, (n0,)):
+        etcd.down = True
+        with pytest.raises(StartupError, match=r"^etcd is unreachable at memory:2379 .*\(tried "
+                           r"for 0 s to check the cluster's token; --cluster etcd://"):
+            await n0.node._admit()
+        assert not n0.live.registered
