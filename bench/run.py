@@ -332,18 +332,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with Bench(args) as bench, PeakRss(bench.pid) as rss, \
             Profile(bench, args.profile and not args.cluster_only) as spy:
         targets = [*bench.mounts, *TARGETS[1:]]
-        if not args.cluster_only and not args.many_files_only and not args.ranged_only:
+        # --torch-only, --uniform-only: those rows alone (each on every target it applies to)
+        rows_only = args.torch_only or args.uniform_only
+        everything = not rows_only
+        if everything and not args.cluster_only and not args.many_files_only \
+                and not args.ranged_only:
             _appended_log(bench, extra, failures)
         for rep in range(0 if args.cluster_only or args.appends_only or args.ranged_only
                          else args.reps):
             for target in [] if args.many_files_only or args.ranged_only else targets:
-                if target != "s3" and target != "disk":
+                if target != "s3" and target != "disk" and (everything or args.uniform_only):
                     name = f"step_{rep * 10 + 2}"
+                    cpu = cpu_seconds(bench.pid)
                     record(UNIFORM_SAVE, target, timed(lambda t=target, n=name: dcp.save(
                         uniform, storage_writer=bench.writer(t, n, 2, file_per_tensor=True)),
                         size))
+                    if target == "tierfs":  # the save returns committed: its files hashed
+                        extra.setdefault("daemon_cpu_per_gib_uniform_save", []).append(
+                            (cpu_seconds(bench.pid) - cpu) / (size / 2**30))
                     bench.drop(target, name)
-                for threads in (1, 4):
+                for threads in (1, 4) if everything else ():
                     name = f"step_{rep * 10 + threads}"
                     cpu, store_cpu = cpu_seconds(bench.pid), cpu_seconds(bench.store_pid)
                     seconds = timed(lambda t=target, n=name, th=threads: dcp.save(
@@ -368,6 +376,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     bench.drop(target, name)
                 name = f"step_{rep * 10 + 5}"
                 future_holder: list[Any] = []
+                if not everything:
+                    if args.torch_only and target != "s3":
+                        _torch_rows(bench, state, size, target, rep, record)
+                    continue
                 record("DCP async_save, blocking part", target,
                        timed(lambda t=target, n=name, f=future_holder: f.append(dcp.async_save(
                            state, storage_writer=bench.writer(t, n, 1))), size))
@@ -378,20 +390,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         record("DCP async_save, blocking part", target, exc)
                 bench.drop(target, name)
                 if target != "s3":
-                    path = bench.location(target, f"model_{rep}.pt")
-                    Path(path).parent.mkdir(parents=True, exist_ok=True)
-                    record("torch.save", target,
-                           timed(lambda p=path: torch.save(state, p), size))
-                    record("torch.load", target,
-                           timed(lambda p=path: torch.load(p, weights_only=True), size))
-                    bench.drop(target, f"model_{rep}.pt")
+                    _torch_rows(bench, state, size, target, rep, record)
+            if rows_only:
+                continue
             extra.setdefault("metadata_to_committed", []).append(_commit_latency(bench, rep))
             _many_files(bench, rep, many, extra, failures)
             print(f"repetition {rep + 1} of {args.reps} done", flush=True)
         spy.stop()
         try:
             # (with --ranged-only: its row alone)
-            if not args.many_files_only and not args.appends_only:
+            if not args.many_files_only and not args.appends_only and everything:
                 _cluster(bench, state, fresh, args.reps, extra, cluster_profiles)
         except Exception as exc:  # noqa: BLE001 - the table above is still worth reporting
             failures.append(f"cluster measurements: {type(exc).__name__}: {exc}")
@@ -400,6 +408,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "extra": extra, "failures": failures, "daemon_rss_peak_kib": rss.peak_kib,
             "daemon_profile": spy.functions, "cluster_profiles": cluster_profiles,
             "machine": _machine()}
+
+
+def _torch_rows(bench: Bench, state: dict[str, torch.Tensor], size: int, target: str,
+                rep: int, record: Callable[[str, str, float | BaseException], None]) -> None:
+    """torch.save of the state into one file, then torch.load of it."""
+    path = bench.location(target, f"model_{rep}.pt")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    record("torch.save", target, timed(lambda: torch.save(state, path), size))
+    record("torch.load", target, timed(lambda: torch.load(path, weights_only=True), size))
+    bench.drop(target, f"model_{rep}.pt")
 
 
 def _persisted(bench: Bench, name: str) -> bool:
@@ -870,6 +888,9 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
 
     row("metadata_to_committed", f"`.metadata` -> committed, {METADATA_FILES:,}-file step", "ms",
         "< 50 ms")
+    row("daemon_cpu_per_gib_uniform_save",
+        f"daemon CPU-seconds per GiB of the {UNIFORM_FILES}-file save, until it returned "
+        "(committed: every file hashed)", "s", "-")
     gb = data["bytes"] / 1e9
     row("many_files_metadata_to_committed",
         f"`.metadata` -> committed, {MANY_FILES:,}-file step (the close that commits it)", "ms",
@@ -978,6 +999,10 @@ def main() -> None:
                         help="only the ranged read-back from a peer (first byte, one tensor)")
     parser.add_argument("--appends-only", action="store_true",
                         help="only the appended log (bytes uploaded per byte appended)")
+    parser.add_argument("--torch-only", action="store_true",
+                        help="only the torch.save and torch.load rows")
+    parser.add_argument("--uniform-only", action="store_true",
+                        help=f"only the row {UNIFORM_SAVE!r}")
     parser.add_argument("--compare", action="store_true",
                         help=f"also run a mount with --no-passthrough (column {DAEMON_PATH!r})")
     args = parser.parse_args()

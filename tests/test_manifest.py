@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tracemalloc
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -90,6 +91,22 @@ def test_hash_file_matches_xxh3_128(tmp_path) -> None:  # type: ignore[no-untype
     (tmp_path / "empty").write_bytes(b"")
     assert mf.hash_file(tmp_path / "empty").chunks == ()
     assert mf.hash_bytes(data) == xxhash.xxh3_128_hexdigest(data)
+
+
+@pytest.mark.parametrize("size", [1, mf.BLOCK_SIZE - 1, mf.BLOCK_SIZE, mf.BLOCK_SIZE + 1,
+                                  mf.CHUNK_SIZE, 2 * mf.CHUNK_SIZE + mf.BLOCK_SIZE + 7])
+def test_hash_file_digests_every_chunk_and_block(tmp_path: Path, size: int) -> None:
+    """hash_fd reads block by block: chunks and blocks still end where the manifest says."""
+    data = bytes(range(251)) * (size // 251 + 1)
+    data = data[:size]
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    digest = mf.hash_file(path)
+    assert (digest.xxh3, digest.size) == (xxhash.xxh3_128_hexdigest(data), size)
+    assert digest.chunks == tuple(xxhash.xxh3_64_hexdigest(data[i:i + mf.CHUNK_SIZE])
+                                  for i in range(0, size, mf.CHUNK_SIZE))
+    assert digest.blocks == b"".join(xxhash.xxh3_64_digest(data[i:i + mf.BLOCK_SIZE])
+                                     for i in range(0, size, mf.BLOCK_SIZE))
 
 
 def test_owners_are_recorded_and_older_manifests_still_decode() -> None:

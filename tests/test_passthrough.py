@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from tests.conftest import Mount, MountFactory, getxattr
+from tests.conftest import Mount, MountFactory, getxattr, wait_until
 
 pytestmark = pytest.mark.fuse
 
@@ -65,6 +65,26 @@ def test_file_data_bypasses_the_daemon_only_with_passthrough(mounts: MountFactor
     else:
         assert moved >= 2 * SIZE, moved  # received and stored, then read and sent
     assert getxattr(mnt / "step_1", "user.tierfs.state") == "committed"
+
+
+def test_a_committed_file_step_is_read_back_without_the_daemon(mnt: Mount) -> None:
+    """torch.save then torch.load of one file (a file step, as the bench's torch rows do): once
+    committed, each read-only open passes through to the RAM store's file; no READ reaches
+    the daemon, however often the file is opened again."""
+    if not mnt.status()["passthrough"] and not kernel_has_passthrough():
+        pytest.skip("this kernel has no FUSE passthrough (Linux 6.9+, CONFIG_FUSE_PASSTHROUGH)")
+    data = os.urandom(SIZE)
+    (mnt / "run").mkdir()
+    with open(mnt / "run/model_7.pt", "wb") as f:
+        f.write(data)
+    wait_until(lambda: (mnt.step("run/model_7.pt") or {}).get("state") == "committed")
+    read_before, written_before = daemon_io(mnt)
+    for _ in range(3):
+        with open(mnt / "run/model_7.pt", "rb") as f:
+            assert f.read() == data
+    read_after, written_after = daemon_io(mnt)
+    moved = (read_after - read_before) + (written_after - written_before)
+    assert moved < SIZE // 8, moved
 
 
 def test_concurrent_readers_share_one_backing_file(mnt: Mount) -> None:
