@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 
 import trio
@@ -46,6 +47,16 @@ LEAVE_PAUSE = 5.0
 # passthrough): three chunks take ~25 ms from a peer on loopback. A larger one would keep its
 # reader waiting for bytes it may never read (one tensor of a multi-GB shard).
 WHOLE_AT_OPEN = 3 * mf.CHUNK_SIZE
+# A small file fetched back brings the other small files of its step with it (`_fetch_small`):
+# savers that write a file per tensor or per parameter group make steps of thousands of small
+# files, read back one after another, and one request per file, each waited for at its open,
+# made such a read-back ~400x slower than tmpfs. Only files up to SMALL_FILE bytes come, at
+# most SMALL_STEP_BYTES per go: each rank of a multi-node DCP load reads only its own shards,
+# and another rank's large shards must not come to every node. SMALL_IN_FLIGHT requests are
+# on their way at once (the store's worker threads, the peers' pooled connections).
+SMALL_FILE = 1 << 20
+SMALL_STEP_BYTES = 64 << 20
+SMALL_IN_FLIGHT = 16
 
 
 class Residency:
@@ -68,6 +79,12 @@ class Residency:
         self._evictions: dict[StepState, trio.Event] = {}  # steps leaving RAM now
         self._pressure_relief = False  # whether a background relief runs
         self.loads = StepLoads()  # steps being loaded whole (DCP), for fetch_whole
+        # Steps whose small files are on their way (`_fetch_small`), and the manifests whose
+        # small files could not all come (no room, a failure): not tried again for each open.
+        self._small_running: set[StepState] = set()
+        self._small_given_up: weakref.WeakKeyDictionary[StepState, mf.StepManifest] = \
+            weakref.WeakKeyDictionary()
+        self.small_fetched = 0  # files brought in by `_fetch_small` (status, tests)
 
     # -- coming back -----------------------------------------------------------------------
 
@@ -76,6 +93,7 @@ class Residency:
         stays in RAM, and one read back to back from its start is filled whole in the
         background (`fill_behind`)."""
         fetch = self._fetch_of(node)
+        self._fetch_small(node)
         try:
             data = await fetch.read(self.read_sources, offset, size)
         except FetchError as exc:
@@ -164,6 +182,7 @@ class Residency:
         fetch = self._fetch_of(node)
         if not self.store.room_for(fetch.missing_bytes):
             return
+        self._fetch_small(node)
         try:
             await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
         except (FetchError, RamFull) as exc:
@@ -171,6 +190,90 @@ class Residency:
                      exc or "no room in RAM")
             return
         self._adopt(node, fetch)
+
+    def _fetch_small(self, node: Node) -> None:
+        """`node`, a small file (up to SMALL_FILE bytes) of a committed step, is being fetched
+        back: its step's other small files not in RAM come too, in the background, up to
+        SMALL_STEP_BYTES in manifest order from the one after it (then from the start),
+        SMALL_IN_FLIGHT at a time, each verified as any fetch is (its chunk, then its
+        xxh3-128) and shared with a reader that opens it meanwhile. Only into free room: this
+        never makes a copy leave RAM. One go per step at a time; a go that leaves small files
+        behind (no room, a failure) is not started again for the same version."""
+        if node.remote is None or node.remote.entry.size > SMALL_FILE:
+            return
+        step_node = next(self.tree.enclosing_steps(node), None)
+        if step_node is None or step_node.is_file:
+            return
+        step = step_node.step
+        manifest = step.manifest
+        if not step.committed or manifest is None or step in self._small_running \
+                or self._small_given_up.get(step) is manifest:
+            return
+        wanted = self._small_files(step_node, node)
+        if wanted is None:
+            self._small_given_up[step] = manifest  # no room for them: not at every open
+        if not wanted:
+            return
+        self._small_running.add(step)
+
+        async def fetch_all() -> None:
+            limiter = trio.CapacityLimiter(SMALL_IN_FLIGHT)
+            complete = True
+            nursery: trio.Nursery
+
+            async def one(sibling: Node) -> None:
+                nonlocal complete
+                async with limiter:
+                    if sibling.remote is None or step_node.step is not step \
+                            or step.manifest is not manifest:
+                        return  # in RAM already, or the step moved on
+                    fetch = self._fetch_of(sibling)
+                    if not self.store.room_for(fetch.missing_bytes):
+                        complete = False
+                        return
+                    try:
+                        await fetch.fill(self.read_sources, 1)
+                        if sibling.fetch is fetch:
+                            self._adopt(sibling, fetch)  # EIO if the whole does not match
+                            self.small_fetched += 1
+                    except (FetchError, RamFull, FsError) as exc:
+                        log.debug("%s did not come with its step's small files: %s",
+                                  self.tree.relpath(sibling), exc or "no room in RAM")
+                        complete = False
+                        if isinstance(exc, FetchError):  # no tier answers: the reads will say
+                            nursery.cancel_scope.cancel()
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    for sibling in wanted:  # in order: the limiter lets them go first come
+                        nursery.start_soon(one, sibling)
+            finally:
+                self._small_running.discard(step)
+            if not complete:
+                self._small_given_up[step] = manifest
+
+        self.background.spawn(fetch_all)
+
+    def _small_files(self, step_node: Node, node: Node) -> list[Node] | None:
+        """The files of the step that `_fetch_small` brings for `node`: small, not in RAM,
+        not on their way, up to SMALL_STEP_BYTES, the ones after `node` first (None: the RAM
+        tier has no room for them)."""
+        entries = step_node.step.manifest.files
+        name = node.remote.entry.name if node.remote is not None else ""
+        start = next((i + 1 for i, entry in enumerate(entries) if entry.name == name), 0)
+        wanted, total = [], 0
+        for entry in entries[start:] + entries[:start]:
+            if entry.size > SMALL_FILE or entry.name in step_node.step.resident \
+                    or entry.name == name:
+                continue
+            sibling = self.tree.entry_node(step_node, entry.name)
+            if sibling is None or sibling.remote is None or sibling.fetch is not None:
+                continue
+            if total + entry.size > SMALL_STEP_BYTES:
+                break
+            wanted.append(sibling)
+            total += entry.size
+        return wanted if self.store.room_for(total) else None
 
     def _being_loaded(self, node: Node) -> bool:
         step_node = next(self.tree.enclosing_steps(node), None)
