@@ -291,8 +291,14 @@ class Fetch:
             units = range(first * self._per_chunk, self._chunk_units(last).stop)
         else:  # only what the read touches
             units = range(offset // self._unit, (offset + size - 1) // self._unit + 1)
-        unkept = await self._ensure(sources, units)
-        data = os.pread(self.fd, size, offset)
+        # Read from a duplicate taken before the wait: another task may complete the fetch
+        # meanwhile and the file be adopted (its fd closed, its number free for another file).
+        fd = os.dup(self.fd)
+        try:
+            unkept = await self._ensure(sources, units)
+            data = os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
         if not unkept:
             return data
         joined = bytearray(size)
@@ -448,6 +454,11 @@ class Fetch:
                   self.remote.step_path, self.remote.entry.name, xxh3,
                   self.remote.entry.xxh3)
         return False
+
+    def adopted(self) -> None:
+        """The partial file became the file's object (`Tree.adopt_fetch` closed its fd): no
+        later use of this fetch may take the fd's number, which another file may have now."""
+        self.fd = -1
 
     def discard(self) -> None:
         os.close(self.fd)

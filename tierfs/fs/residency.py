@@ -303,6 +303,7 @@ class Residency:
         good = fetch.verify()
         size = node.remote.entry.size if node.remote is not None else 0
         if self.tree.adopt_fetch(node, fetch, good):
+            fetch.adopted()
             log.info("%s is back in RAM (%d bytes, verified)", self.tree.relpath(node), size)
 
     async def prefetch(self, relpath: str) -> int:
