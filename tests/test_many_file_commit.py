@@ -19,9 +19,17 @@ FILES = 500
 
 
 async def test_a_commit_makes_one_link_per_file_and_no_stat_of_objects(
-        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: each file's object was looked for first (pathlib's exists: a stat of
     objects/<xxh3>), then linked."""
+    harness = Harness(tmp_path / "ram")
+    try:
+        await commit_many(harness, monkeypatch)
+    finally:
+        harness.close()
+
+
+async def commit_many(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     files = {f"t{i:05}.distcp": i.to_bytes(8, "little") * 512 for i in range(FILES)}
     for name, data in files.items():
         await harness.write_file(f"run/step_2/{name}", data)
