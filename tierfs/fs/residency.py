@@ -215,14 +215,16 @@ class Residency:
         if not wanted:
             return
         self._small_running.add(step)
+        where = self.tree.relpath(step_node)
 
         async def fetch_all() -> None:
             limiter = trio.CapacityLimiter(SMALL_IN_FLIGHT)
             complete = True
+            fetched = 0
             nursery: trio.Nursery
 
             async def one(sibling: Node) -> None:
-                nonlocal complete
+                nonlocal complete, fetched
                 async with limiter:
                     if sibling.remote is None or step_node.step is not step \
                             or step.manifest is not manifest:
@@ -233,9 +235,10 @@ class Residency:
                         return
                     try:
                         await fetch.fill(self.read_sources, 1)
-                        if sibling.fetch is fetch:
-                            self._adopt(sibling, fetch)  # EIO if the whole does not match
+                        # EIO if the whole does not match
+                        if self._adopt(sibling, fetch, quiet=True):
                             self.small_fetched += 1
+                            fetched += 1
                     except (FetchError, RamFull, FsError) as exc:
                         log.debug("%s did not come with its step's small files: %s",
                                   self.tree.relpath(sibling), exc or "no room in RAM")
@@ -249,6 +252,8 @@ class Residency:
                         nursery.start_soon(one, sibling)
             finally:
                 self._small_running.discard(step)
+                log.info("%d small files of %s came back to RAM with one read of them "
+                         "(verified)", fetched, where)
             if not complete:
                 self._small_given_up[step] = manifest
 
@@ -295,16 +300,20 @@ class Residency:
                 f"{', '.join(lost.holders) or 'no node'}); its step is incomplete since "
                 f"{since}")
 
-    def _adopt(self, node: Node, fetch: Fetch) -> None:
+    def _adopt(self, node: Node, fetch: Fetch, *, quiet: bool = False) -> bool:
         """A complete fetch that matches its xxh3-128 becomes the file's committed object (a
-        second completer finds it adopted, or gone: no await in between)."""
+        second completer finds it adopted, or gone: no await in between); whether it did.
+        `quiet`: no log line of its own (a step's small files have one for them all)."""
         if node.fetch is not fetch:
-            return
+            return False
         good = fetch.verify()
         size = node.remote.entry.size if node.remote is not None else 0
-        if self.tree.adopt_fetch(node, fetch, good):
-            fetch.adopted()
+        if not self.tree.adopt_fetch(node, fetch, good):
+            return False
+        fetch.adopted()
+        if not quiet:
             log.info("%s is back in RAM (%d bytes, verified)", self.tree.relpath(node), size)
+        return True
 
     async def prefetch(self, relpath: str) -> int:
         """`tierfs prefetch`: bring every file of a committed step into RAM; bytes fetched."""
