@@ -11,7 +11,8 @@ import pytest
 import trio
 
 from tests.fakes import MemoryTier
-from tests.test_namespace import Harness, dcp_save
+from tests.test_namespace import Harness
+from tests.test_ports import persisted_and_evicted
 from tierfs import manifest as mf
 from tierfs.fs import residency
 
@@ -44,21 +45,6 @@ class GatedTier(MemoryTier):
         return await super().read_range(step_path, entry, offset, length)
 
 
-async def saved_and_evicted(h: Harness, store: MemoryTier, step: str,
-                            files: dict[str, bytes]) -> mf.StepManifest:
-    """Save `step` as DCP does, put it in `store` as the uploader would, and wait until it
-    left RAM (keep_ram=0)."""
-    await dcp_save(h, step, files)
-    manifest = h.commits.receive_nowait()
-    store.put_step(manifest, {**files, ".metadata": b"meta"})
-    h.ns.tiers.mark_persisted(manifest)
-    node = h.ns.tree.find_step(step)
-    with trio.fail_after(60):
-        while node.step.resident:
-            await trio.sleep(0.01)
-    return manifest
-
-
 async def test_the_small_files_of_an_evicted_step_come_back_many_at_once(
         tmp_path: Path) -> None:
     """Before: one request per file, each at its read, one after another (the gated store
@@ -69,7 +55,7 @@ async def test_the_small_files_of_an_evicted_step_come_back_many_at_once(
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(h.ns.background.run)
-            await saved_and_evicted(h, store, "run/step_1", files)
+            await persisted_and_evicted(h, store, "run/step_1", files)
             store.reads = 0
             with trio.fail_after(60):
                 for name, data in files.items():
@@ -97,7 +83,7 @@ async def test_large_files_do_not_come_with_a_small_one(tmp_path: Path) -> None:
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(h.ns.background.run)
-            await saved_and_evicted(h, store, "run/step_1", {**large, **small})
+            await persisted_and_evicted(h, store, "run/step_1", {**large, **small})
             assert await h.read_file("run/step_1/extra_0.pt") == small["extra_0.pt"]
             step = h.ns.tree.find_step("run/step_1").step
             with trio.fail_after(30):
