@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from tests.fakes import MemoryTier
 from tests.test_namespace import Harness
