@@ -51,9 +51,10 @@ WHOLE_AT_OPEN = 3 * mf.CHUNK_SIZE
 # savers that write a file per tensor or per parameter group make steps of thousands of small
 # files, read back one after another, and one request per file, each waited for at its open,
 # made such a read-back ~400x slower than tmpfs. Only files up to SMALL_FILE bytes come, at
-# most SMALL_STEP_BYTES per go: each rank of a multi-node DCP load reads only its own shards,
-# and another rank's large shards must not come to every node. SMALL_IN_FLIGHT requests are
-# on their way at once (the store's worker threads, the peers' pooled connections).
+# most SMALL_STEP_BYTES per go, and none of a step written on several nodes: each rank of a
+# multi-node DCP load reads only its own shards, and another rank's must not come to every
+# node. SMALL_IN_FLIGHT requests are on their way at once (the store's worker threads, the
+# peers' pooled connections).
 SMALL_FILE = 1 << 20
 SMALL_STEP_BYTES = 64 << 20
 SMALL_IN_FLIGHT = 16
@@ -209,9 +210,12 @@ class Residency:
         if not step.committed or manifest is None or step in self._small_running \
                 or self._small_given_up.get(step) is manifest:
             return
-        wanted = self._small_files(step_node, node)
-        if wanted is None:
-            self._small_given_up[step] = manifest  # no room for them: not at every open
+        # A multi-node step (its files written on several nodes, as the cluster's records
+        # say): each rank reads its own shards, however small; none comes unasked.
+        several_writers = len(set(step.file_writers.values())) > 1
+        wanted = None if several_writers else self._small_files(step_node, node)
+        if wanted is None:  # not again at every open of this version
+            self._small_given_up[step] = manifest
         if not wanted:
             return
         self._small_running.add(step)
@@ -263,13 +267,13 @@ class Residency:
         """The files of the step that `_fetch_small` brings for `node`: small, not in RAM,
         not on their way, up to SMALL_STEP_BYTES, the ones after `node` first (None: the RAM
         tier has no room for them)."""
-        entries = step_node.step.manifest.files
+        step = step_node.step
+        entries = step.manifest.files
         name = node.remote.entry.name if node.remote is not None else ""
         start = next((i + 1 for i, entry in enumerate(entries) if entry.name == name), 0)
         wanted, total = [], 0
         for entry in entries[start:] + entries[:start]:
-            if entry.size > SMALL_FILE or entry.name in step_node.step.resident \
-                    or entry.name == name:
+            if entry.size > SMALL_FILE or entry.name in step.resident or entry.name == name:
                 continue
             sibling = self.tree.entry_node(step_node, entry.name)
             if sibling is None or sibling.remote is None or sibling.fetch is not None:
