@@ -18,14 +18,16 @@ pytestmark = pytest.mark.core
 FILES = {"__0_0.distcp": b"weights" * 5000, "__1_0.distcp": b"optimizer" * 3000}
 
 
-async def persisted_and_evicted(h: Harness, store: MemoryTier, step: str) -> mf.StepManifest:
-    """Save `step`, put it in `store` as the uploader would, and wait until it left RAM."""
-    await dcp_save(h, step, FILES)
+async def persisted_and_evicted(h: Harness, store: MemoryTier, step: str,
+                                files: dict[str, bytes] = FILES) -> mf.StepManifest:
+    """Save `step` (DCP's way: `files`, then .metadata), put it in `store` as the uploader
+    would, and wait until it left RAM."""
+    await dcp_save(h, step, files)
     manifest = h.commits.receive_nowait()
-    store.put_step(manifest, {**FILES, ".metadata": b"meta"})
+    store.put_step(manifest, {**files, ".metadata": b"meta"})
     h.ns.tiers.mark_persisted(manifest)  # keep_ram=0: it leaves RAM
     node = h.ns.tree.find_step(step)
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         while node.step.resident:
             await trio.sleep(0.01)
     return manifest

@@ -50,6 +50,7 @@ READ_AHEAD = 4  # chunks fetched ahead of a sequential reader, at most
 SEQUENTIAL_RUN = 4 << 20  # bytes read back to back before a reader counts as sequential
 RUN_GAP = 2 << 20  # how far past a run's end a read still continues it
 WHOLE_IN_FLIGHT = 8  # chunks on their way at once when a file is fetched whole
+SMALL_RANGE = 64 << 10  # bytes stored from the trio thread, into a buffer of their own size
 RELAY_WAIT = 8.0  # seconds a peer sent here for a chunk waits for it to come in (< IO_TIMEOUT)
 
 
@@ -291,8 +292,14 @@ class Fetch:
             units = range(first * self._per_chunk, self._chunk_units(last).stop)
         else:  # only what the read touches
             units = range(offset // self._unit, (offset + size - 1) // self._unit + 1)
-        unkept = await self._ensure(sources, units)
-        data = os.pread(self.fd, size, offset)
+        # Read from a duplicate taken before the wait: another task may complete the fetch
+        # meanwhile and the file be adopted (its fd closed, its number free for another file).
+        fd = os.dup(self.fd)
+        try:
+            unkept = await self._ensure(sources, units)
+            data = os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
         if not unkept:
             return data
         joined = bytearray(size)
@@ -386,10 +393,12 @@ class Fetch:
         done = trio.Event()
         for unit in span:
             self._coming[unit] = done
-        buffer = _BUFFERS.take()
+        offset = span.start * self._unit
+        length = sum(self._unit_bytes(unit) for unit in span)
+        # A small range gets a buffer of its size: a fresh chunk buffer (when the kept ones
+        # are in use) is 8 MiB zeroed for each of a many-file step's 4 KiB files.
+        buffer = _BUFFERS.take() if length > SMALL_RANGE else bytearray(length)
         try:
-            offset = span.start * self._unit
-            length = sum(self._unit_bytes(unit) for unit in span)
             data = await fetch_range(sources, self.remote, offset, length, memoryview(buffer))
             if self.fd < 0:
                 return bytes(data)  # discarded meanwhile: its fd number may be another file's
@@ -403,7 +412,8 @@ class Fetch:
                 self._have[unit] = 1
             return None
         finally:
-            _BUFFERS.give(buffer)  # nothing refers to it any more: unkept bytes are a copy
+            if len(buffer) == mf.CHUNK_SIZE:
+                _BUFFERS.give(buffer)  # nothing refers to it any more: unkept bytes are a copy
             for unit in span:
                 del self._coming[unit]
             done.set()
@@ -414,7 +424,10 @@ class Fetch:
         discard during it cannot let it land in another file that reused the fd's number."""
         fd = os.dup(self.fd)
         try:
-            await trio.to_thread.run_sync(self._write, fd, data, first_unit)
+            if len(data) <= SMALL_RANGE:  # a few pages: less than the hop to a thread
+                self._write(fd, data, first_unit)
+            else:
+                await trio.to_thread.run_sync(self._write, fd, data, first_unit)
         finally:
             os.close(fd)
         return self.fd >= 0
@@ -448,6 +461,13 @@ class Fetch:
                   self.remote.step_path, self.remote.entry.name, xxh3,
                   self.remote.entry.xxh3)
         return False
+
+    def adopted(self) -> None:
+        """The partial file became the file's object (`Residents.adopt_fetch`): its fd closes,
+        and no later use of this fetch may take the fd's number, which another file may have
+        then."""
+        os.close(self.fd)
+        self.fd = -1
 
     def discard(self) -> None:
         os.close(self.fd)

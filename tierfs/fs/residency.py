@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 
 import trio
@@ -47,6 +48,17 @@ LEAVE_PAUSE = 5.0
 # passthrough): three chunks take ~25 ms from a peer on loopback. A larger one would keep its
 # reader waiting for bytes it may never read (one tensor of a multi-GB shard).
 WHOLE_AT_OPEN = 3 * mf.CHUNK_SIZE
+# A small file fetched back brings the other small files of its step with it (`_fetch_small`):
+# savers that write a file per tensor or per parameter group make steps of thousands of small
+# files, read back one after another, and one request per file, each waited for at its open,
+# made such a read-back ~400x slower than tmpfs. Only files up to SMALL_FILE bytes come, at
+# most SMALL_STEP_BYTES per go, and none of a step written on several nodes: each rank of a
+# multi-node DCP load reads only its own shards, and another rank's must not come to every
+# node. SMALL_IN_FLIGHT requests are on their way at once (the store's worker threads, the
+# peers' pooled connections).
+SMALL_FILE = 1 << 20
+SMALL_STEP_BYTES = 64 << 20
+SMALL_IN_FLIGHT = 16
 
 
 class Residency:
@@ -69,6 +81,12 @@ class Residency:
         self._evictions: dict[StepState, trio.Event] = {}  # steps leaving RAM now
         self._pressure_relief = False  # whether a background relief runs
         self.loads = StepLoads()  # steps being loaded whole (DCP), for fetch_whole
+        # Steps whose small files are on their way (`_fetch_small`), and the manifests whose
+        # small files could not all come (no room, a failure): not tried again for each open.
+        self._small_running: set[StepState] = set()
+        self._small_given_up: weakref.WeakKeyDictionary[StepState, mf.StepManifest] = \
+            weakref.WeakKeyDictionary()
+        self.small_fetched = 0  # files brought in by `_fetch_small` (status, tests)
 
     # -- coming back -----------------------------------------------------------------------
 
@@ -77,6 +95,7 @@ class Residency:
         stays in RAM, and one read back to back from its start is filled whole in the
         background (`fill_behind`)."""
         fetch = self._fetch_of(node)
+        self._fetch_small(node)
         try:
             data = await fetch.read(self.read_sources, offset, size)
         except FetchError as exc:
@@ -165,6 +184,7 @@ class Residency:
         fetch = self._fetch_of(node)
         if not self.store.room_for(fetch.missing_bytes):
             return
+        self._fetch_small(node)
         try:
             await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
         except (FetchError, RamFull) as exc:
@@ -172,6 +192,98 @@ class Residency:
                      exc or "no room in RAM")
             return
         self._adopt(node, fetch)
+
+    def _fetch_small(self, node: Node) -> None:
+        """`node`, a small file (up to SMALL_FILE bytes) of a committed step, is being fetched
+        back: its step's other small files not in RAM come too, in the background, up to
+        SMALL_STEP_BYTES in manifest order from the one after it (then from the start),
+        SMALL_IN_FLIGHT at a time, each verified as any fetch is (its chunk, then its
+        xxh3-128) and shared with a reader that opens it meanwhile. Only into free room: this
+        never makes a copy leave RAM. One go per step at a time; a go that leaves small files
+        behind (no room, a failure) is not started again for the same version."""
+        if node.remote is None or node.remote.entry.size > SMALL_FILE:
+            return
+        step_node = next(tree_walk.enclosing_steps(node), None)
+        if step_node is None or step_node.is_file:
+            return
+        step = step_node.step
+        manifest = step.manifest
+        if not step.committed or manifest is None or step in self._small_running \
+                or self._small_given_up.get(step) is manifest:
+            return
+        # A multi-node step (its files written on several nodes, as the cluster's records
+        # say): each rank reads its own shards, however small; none comes unasked.
+        several_writers = len(set(step.file_writers.values())) > 1
+        wanted = None if several_writers else self._small_files(step_node, node)
+        if wanted is None:  # not again at every open of this version
+            self._small_given_up[step] = manifest
+        if not wanted:
+            return
+        self._small_running.add(step)
+        where = self.tree.relpath(step_node)
+
+        async def fetch_all() -> None:
+            limiter = trio.CapacityLimiter(SMALL_IN_FLIGHT)
+            complete = True
+            fetched = 0
+            nursery: trio.Nursery
+
+            async def one(sibling: Node) -> None:
+                nonlocal complete, fetched
+                async with limiter:
+                    if sibling.remote is None or step_node.step is not step \
+                            or step.manifest is not manifest:
+                        return  # in RAM already, or the step moved on
+                    fetch = self._fetch_of(sibling)
+                    if not self.store.room_for(fetch.missing_bytes):
+                        complete = False
+                        return
+                    try:
+                        await fetch.fill(self.read_sources, 1)
+                        # EIO if the whole does not match
+                        if self._adopt(sibling, fetch, quiet=True):
+                            self.small_fetched += 1
+                            fetched += 1
+                    except (FetchError, RamFull, FsError) as exc:
+                        log.debug("%s did not come with its step's small files: %s",
+                                  self.tree.relpath(sibling), exc or "no room in RAM")
+                        complete = False
+                        if isinstance(exc, FetchError):  # no tier answers: the reads will say
+                            nursery.cancel_scope.cancel()
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    for sibling in wanted:  # in order: the limiter lets them go first come
+                        nursery.start_soon(one, sibling)
+            finally:
+                self._small_running.discard(step)
+                log.info("%d small files of %s came back to RAM with one read of them "
+                         "(verified)", fetched, where)
+            if not complete:
+                self._small_given_up[step] = manifest
+
+        self.background.spawn(fetch_all)
+
+    def _small_files(self, step_node: Node, node: Node) -> list[Node] | None:
+        """The files of the step that `_fetch_small` brings for `node`: small, not in RAM,
+        not on their way, up to SMALL_STEP_BYTES, the ones after `node` first (None: the RAM
+        tier has no room for them)."""
+        step = step_node.step
+        entries = step.manifest.files
+        name = node.remote.entry.name if node.remote is not None else ""
+        start = next((i + 1 for i, entry in enumerate(entries) if entry.name == name), 0)
+        wanted, total = [], 0
+        for entry in entries[start:] + entries[:start]:
+            if entry.size > SMALL_FILE or entry.name in step.resident or entry.name == name:
+                continue
+            sibling = tree_walk.entry_node(step_node, entry.name)
+            if sibling is None or sibling.remote is None or sibling.fetch is not None:
+                continue
+            if total + entry.size > SMALL_STEP_BYTES:
+                break
+            wanted.append(sibling)
+            total += entry.size
+        return wanted if self.store.room_for(total) else None
 
     def _being_loaded(self, node: Node) -> bool:
         step_node = next(tree_walk.enclosing_steps(node), None)
@@ -193,15 +305,19 @@ class Residency:
                 f"{', '.join(lost.holders) or 'no node'}); its step is incomplete since "
                 f"{since}")
 
-    def _adopt(self, node: Node, fetch: Fetch) -> None:
+    def _adopt(self, node: Node, fetch: Fetch, *, quiet: bool = False) -> bool:
         """A complete fetch that matches its xxh3-128 becomes the file's committed object (a
-        second completer finds it adopted, or gone: no await in between)."""
+        second completer finds it adopted, or gone: no await in between); whether it did.
+        `quiet`: no log line of its own (a step's small files have one for them all)."""
         if node.fetch is not fetch:
-            return
+            return False
         good = fetch.verify()
         size = node.remote.entry.size if node.remote is not None else 0
-        if self.tree.residents.adopt_fetch(node, fetch, good):
+        if not self.tree.residents.adopt_fetch(node, fetch, good):
+            return False
+        if not quiet:
             log.info("%s is back in RAM (%d bytes, verified)", self.tree.relpath(node), size)
+        return True
 
     async def prefetch(self, relpath: str) -> int:
         """`tierfs prefetch`: bring every file of a committed step into RAM; bytes fetched."""

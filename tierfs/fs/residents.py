@@ -58,7 +58,7 @@ class Residents:
         tmp = self.tree.store.tmp_path(os.path.dirname(path))
         os.link(fetch.path, tmp)
         os.rename(tmp, path)
-        os.close(fetch.fd)
+        fetch.adopted()
         os.unlink(fetch.path)
         entry = node.remote.entry
         node.remote = None

@@ -43,12 +43,14 @@ class StepManifests:
         step_path = self.tree.relpath(step_node)
         number = mf.NO_STEP if step.number is None else step.number
         entries = []
+        paths: list[bytes | None] = []  # each file's backing path, made once (10,000 files)
         for rel, node in files:
             if node.remote is not None:  # held by other nodes (a multi-node step's shards)
                 entries.append(dataclasses.replace(node.remote.entry, name=rel))
+                paths.append(None)
                 continue
-            entries.append(mf.entry_from_stat(rel, node.seal.digest,
-                                              os.lstat(self.tree.backing(node))))
+            paths.append(path := self.tree.backing(node))
+            entries.append(mf.entry_from_stat(rel, node.seal.digest, os.lstat(path)))
         if step.number is None and step_node.is_file and files and files[0][1].remote is None:
             node = files[0][1]  # a loose file: appended, only its new bytes go (fs.append_layout)
             entries = [append_layout.lay_out(old, step_path, entries[0],
@@ -67,9 +69,9 @@ class StepManifests:
         )
         manifest_path = os.path.join(self.tree.records_path(step_node), mf.MANIFEST_NAME.encode())
         tmp = self.tree.records.write_temp(manifest_path, mf.encode(manifest))  # may fail: ENOSPC
-        for (_rel, node), entry in zip(files, entries, strict=True):
-            if node.remote is None:
-                self.tree.store.add_ref(entry.xxh3, self.tree.backing(node), copies.get(node))
+        for (_rel, node), entry, path in zip(files, entries, paths, strict=True):
+            if path is not None:
+                self.tree.store.add_ref(entry.xxh3, path, copies.get(node))
                 copies.pop(node, None)  # the object now, or removed by add_ref
         os.rename(tmp, manifest_path)
         self._residents.drop_resident_refs(step)

@@ -22,6 +22,7 @@ from tierfs.fs.ram_store import RamDirBusy, RamStore
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon.cluster_service import ClusterLinks, ClusterNode, cluster_members
+from tierfs.mount_helper.daemon.collection import run_full_collections
 from tierfs.mount_helper.daemon.commit_pipeline import (
     CommitPipeline,
     delete_targets,
@@ -161,6 +162,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                                 trusted_uids(cfg))
             nursery.start_soon(pipeline.run, commits_recv)
             nursery.start_soon(events.run)
+            nursery.start_soon(run_full_collections)
             if uploader is not None:
                 nursery.start_soon(uploader.run)
                 if cluster is not None:

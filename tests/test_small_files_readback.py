@@ -1,0 +1,98 @@
+"""A step of many small files read back after it left RAM (per-tensor savers, sharded optimizer
+state): a small file fetched back brings its step's other small files with it, many requests
+on their way at once instead of one request per file waited for at each open; large files
+stay where they are (each rank of a multi-node DCP load reads only its own shards)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from tests.fakes import MemoryTier
+from tests.test_namespace import Harness
+from tests.test_ports import persisted_and_evicted
+from tierfs import manifest as mf
+from tierfs.fs import residency
+
+pytestmark = pytest.mark.core
+
+SMALL_FILES = 2000
+
+
+class GatedTier(MemoryTier):
+    """A store that answers no read until `at_once` reads wait on it together (then every read
+    at once, from then on): a reader that asks one file at a time never gets an answer."""
+
+    def __init__(self, at_once: int) -> None:
+        super().__init__("s3")
+        self.at_once = at_once
+        self.waiting = 0
+        self.most_waiting = 0
+        self.opened = trio.Event()
+
+    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
+                         length: int) -> bytes:
+        self.waiting += 1
+        self.most_waiting = max(self.most_waiting, self.waiting)
+        try:
+            if self.waiting >= self.at_once:
+                self.opened.set()
+            await self.opened.wait()
+        finally:
+            self.waiting -= 1
+        return await super().read_range(step_path, entry, offset, length)
+
+
+async def test_the_small_files_of_an_evicted_step_come_back_many_at_once(
+        tmp_path: Path) -> None:
+    """Before: one request per file, each at its read, one after another (the gated store
+    never saw two at once, and the first read never returned)."""
+    files = {f"t{i:05}.distcp": i.to_bytes(8, "little") * 512 for i in range(SMALL_FILES)}
+    store = GatedTier(at_once=8)
+    h = Harness(tmp_path / "ram", read_sources=[store], persist=store, keep_ram=0)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(h.ns.background.run)
+            await persisted_and_evicted(h, store, "run/step_1", files)
+            store.reads = 0
+            with trio.fail_after(60):
+                for name, data in files.items():
+                    assert await h.read_file(f"run/step_1/{name}") == data
+            assert store.most_waiting >= 8
+            # every file was asked for once: the reader's own and those that came with them
+            # (the step's .metadata among them)
+            assert store.reads == SMALL_FILES + 1
+            assert h.ns.residency.small_fetched >= SMALL_FILES // 2  # most, not the reader
+            step = h.ns.tree.find_step("run/step_1").step
+            assert len(step.resident) == SMALL_FILES + 1  # all verified and in RAM again
+            nursery.cancel_scope.cancel()
+    finally:
+        h.close()
+
+
+async def test_large_files_do_not_come_with_a_small_one(tmp_path: Path) -> None:
+    """Each rank of a multi-node DCP load reads only its own shards: reading a small file
+    brings the step's other small files, never a large one."""
+    large = {f"__{rank}_0.distcp": bytes([rank]) * (residency.SMALL_FILE + 1)
+             for rank in range(3)}
+    small = {f"extra_{i}.pt": bytes([i]) * 1000 for i in range(20)}
+    store = MemoryTier("s3")
+    h = Harness(tmp_path / "ram", read_sources=[store], persist=store, keep_ram=0)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(h.ns.background.run)
+            await persisted_and_evicted(h, store, "run/step_1", {**large, **small})
+            assert await h.read_file("run/step_1/extra_0.pt") == small["extra_0.pt"]
+            step = h.ns.tree.find_step("run/step_1").step
+            with trio.fail_after(30):
+                while len(step.resident) < len(small) + 1:
+                    await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()
+            assert step.resident == {*small, ".metadata"}
+            assert not h.ns.residency._small_running
+            nursery.cancel_scope.cancel()
+    finally:
+        h.close()
