@@ -1,9 +1,9 @@
 """The tree's changes to where a committed file's bytes are: coming back from another tier (a
 fetch started, adopted or dropped), leaving RAM (evicted, quarantined), arrived from a replica
 (filled from the objects it sent), or only elsewhere (remote files added), with the RAM store's
-references of a step's resident files. Part of the tree's core: with `Tree` and
-`fs.step_versions` the only code that changes nodes and step state, by the same rules (see
-`fs.tree`): each change is one synchronous method. `fs.residency` decides when."""
+references of a step's resident files. Part of the tree's core (see `fs.tree`): it changes
+nodes and step state only through `Tree`'s primitives and by the same rules; each change is one
+synchronous method. `fs.residency` decides when."""
 
 from __future__ import annotations
 
