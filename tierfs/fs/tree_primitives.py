@@ -1,6 +1,6 @@
 """What the parts of the tree's core (`fs.residents`, `fs.step_manifests`, `fs.step_identity`,
-`fs.copy_on_write`) change the tree through: `fs.tree.Tree`'s primitives, as a Protocol, so that `Tree` can hold its
-parts without their importing it (one-way dependencies, no cycle)."""
+`fs.copy_on_write`) change the tree through: `fs.tree.Tree`'s primitives, as a Protocol, so
+that `Tree` can hold its parts without their importing it (one-way dependencies, no cycle)."""
 
 from __future__ import annotations
 
