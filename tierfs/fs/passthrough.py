@@ -273,7 +273,10 @@ class PassthroughDevice:
         message = self._request_buffer[:length]
         answer = wire.answer_here(message)
         if answer is not None:
-            return self._to_kernel(answer)
+            if not self._to_kernel(answer):
+                return False
+            await trio.lowlevel.checkpoint_if_cancelled()  # as a relayed request does
+            return True
         message = self._wire.request(message)
         while True:
             try:

@@ -26,11 +26,11 @@ NEVER = 1 << 30  # young collections of the middle generation before a full one:
 async def run_full_collections(every: float = FULL_EVERY) -> None:
     """Take the full collections off the allocation path and run them every `every` seconds
     (until cancelled: then the thresholds are put back)."""
-    young, middle, _oldest = gc.get_threshold()
+    young, middle, oldest = gc.get_threshold()
     gc.set_threshold(young, middle, NEVER)
     try:
         while True:
             await trio.sleep(every)
             gc.collect()
     finally:
-        gc.set_threshold(young, middle, _oldest)
+        gc.set_threshold(young, middle, oldest)
