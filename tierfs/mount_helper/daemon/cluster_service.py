@@ -226,7 +226,7 @@ class ClusterNode:
 
     async def _drop_lost_copies(self) -> None:
         """The records stop counting this node as a holder of files it does not hold in RAM
-        (`Tree.holds_copy`: it was replaced with an empty RAM dir, or lost files): the
+        (`TreeView.holds_copy`: it was replaced with an empty RAM dir, or lost files): the
         survivors restore those copies (`ClusterCommits.drop_lost_copies`). At start, before
         the node is a live member, and only if start-up found this node may have lost copies
         (an empty RAM dir, steps set aside, objects removed: `RecoveryReport`), since it reads
