@@ -6,6 +6,8 @@ backends all use these without pulling in the file system."""
 PREFIX = ".tierfs-"
 
 MANIFEST = PREFIX + "manifest"    # a step's committed manifest (RAM tier and persistent tier)
+PENDING = PREFIX + "pending"      # a step committed whose files are not hashed yet (RAM tier)
+SNAPSHOT = PREFIX + "snapshot-"   # in objects/: a file of such a step, until its hash names it
 PERSISTED = PREFIX + "persisted"  # "<version> persisted|retired": the persistent tier's state
 REPLICAS = PREFIX + "replicas"    # "<version> <node id>...": peers that hold this version
 PEERS = PREFIX + "peers"          # "<version> <node id>...": a step learned from peers

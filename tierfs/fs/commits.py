@@ -22,6 +22,15 @@ cluster's coordination (etcd: other nodes' records of their shards, then the com
 most `saver_wait` seconds in all; then it fails with ETIMEDOUT, and the step stays `writing`,
 waiting for etcd, and commits by itself once etcd answers (`retry_pending_commits`).
 
+That call does not wait for the hashes of the step's files (`fs.pending_commits`): with every
+file of the step in RAM on this node it commits with a pending record (names, sizes, modes and a
+snapshot of each file, durable) and returns; the hashes, the manifest, the cluster's record and
+the `CommitSink` follow in the background, under the step's lock, which any other commit of the
+step takes first (so it finishes the pending one before it looks at the step). A step whose
+files other nodes hold (a multi-node DCP save: its commit record in etcd names every file's
+digest), `--sync-replicas`, and the other triggers (quiet, `tierfs commit`, renames) wait for
+the hashes as before.
+
 With --sync-replicas (a `CopiesWait`), that call returns only once every file of the step it
 committed has K + 1 verified copies on live nodes, waiting at most `saver_wait` seconds more;
 then it fails with ETIMEDOUT (the step stays committed, and its copies go on). Without it, the
@@ -89,15 +98,17 @@ class Commits:
         self._waiting: dict[StepState, Waiting] = {}  # the commit of each step that holds its lock
 
     async def commit(self, step_node: Node, *, wait_for_writers: bool,
-                     patience: float = math.inf,
-                     deadline: float | None = None) -> mf.StepManifest | None:
+                     patience: float = math.inf, deadline: float | None = None,
+                     hashes_later: bool = False) -> mf.StepManifest | None:
         """Commit `step_node` now; with writers still open either wait or leave it pending.
         After `patience` seconds of waiting and preparing, give up (FsError ETIMEDOUT) with
         nothing changed. What it waits for from the cluster (etcd) it waits for until
         `deadline` (trio time; by default BACKGROUND_WAIT from now), then leaves it pending and
-        raises `CoordinationUnavailable`.
+        raises `CoordinationUnavailable`. `hashes_later`: the commit may be made before its
+        files' hashes are in (see the module docstring).
 
-        Returns the manifest in force after the commit, or None when left pending.
+        Returns the manifest in force after the commit, or None when left pending or when
+        committed with its hashes to come (then the manifest follows in the background).
         """
         step = step_node.step
         if step is None:
@@ -109,7 +120,7 @@ class Commits:
         try:
             with trio.move_on_after(patience) as attempt:
                 manifest, old = await self._commit_locked(step_node, step, wait_for_writers,
-                                                          waiting, deadline)
+                                                          waiting, deadline, hashes_later)
         except CoordinationUnavailable:
             self.tree.manifests.leave_pending(step, "etcd (the cluster's records of its files)")
             raise
@@ -123,6 +134,14 @@ class Commits:
             raise FsError(errno.ETIMEDOUT, f"not committed: gave up after {patience:g} s "
                           f"waiting for {self._describe(step_node, waiting.what)}")
         if manifest is None:
+            if step.pending is not None and not step.commit_pending:  # committed, hashes later
+                self.tree.manifests.note_waiting(step, None)
+                log.info("%s v%d committed; its %d files are hashed in the background",
+                         self.tree.relpath(step_node), step.pending.record.version,
+                         len(step.pending.record.files))
+                assert self.tree.sealing.spawner is not None
+                self.tree.sealing.spawner.spawn(self._finish_in_background, step_node, step,
+                                                started)
             return None
         self.tree.manifests.note_waiting(step, None)
         if manifest is not old:
@@ -139,6 +158,43 @@ class Commits:
         await self.tiers.publish(step_node, manifest, deadline)  # the cluster's record
         self.events.committed(manifest, time.monotonic() - started)
         await self.sink.send(manifest)
+
+    async def _finish_in_background(self, step_node: Node, step: StepState,
+                                    started: float) -> None:
+        """Part 2 of a commit made before its hashes were in (see `fs.pending_commits`)."""
+        try:
+            async with step.lock:
+                await self._finish_pending(step_node, step, started)
+        except CoordinationUnavailable as exc:
+            log.info("commit of %s waits for etcd: %s", self.tree.relpath(step_node), exc)
+        except (OSError, FsError) as exc:  # left pending: the next commit or start-up finishes it
+            log.error("commit of %s: its hashes or manifest failed: %s",
+                      os.fsdecode(step_node.name), exc)
+
+    async def _finish_pending(self, step_node: Node, step: StepState,
+                              started: float | None = None) -> None:
+        """The step's pending commit, if any, finished: its files' hashes, its manifest, then
+        the cluster's record and the `CommitSink`. The caller holds the step's lock."""
+        pending = step.pending
+        if pending is None:
+            return
+        store = self.tree.store
+        digests = {}
+        for f in pending.record.files:
+            node, gen = pending.nodes[f.name]
+            digests[f.name] = await self.tree.sealing.hash_committed(
+                node, gen, store.snapshot_path(f.snapshot))
+        # From here to the end of StepManifests.finish_pending there is no await.
+        if step_node.step is not step or step_node.parent is None:
+            log.info("%s: its pending version %d went with it (removed or no longer a step)",
+                     os.fsdecode(step_node.name), pending.record.version)
+            self.tree.manifests.drop_pending(step_node, step)
+            return
+        old = step.manifest
+        manifest = self.tree.manifests.finish_pending(step_node, digests)
+        if manifest is not old:
+            await self.announce(step_node, manifest,
+                                time.monotonic() if started is None else started)
 
     def waiting_for(self, relpath: str) -> str | None:
         """What the commit in progress of the step at `relpath` waits for (None: none runs)."""
@@ -159,15 +215,19 @@ class Commits:
         return f"{what}: {some_names(writers)}" if writers else what
 
     async def _commit_locked(self, step_node: Node, step: StepState, wait_for_writers: bool,
-                             waiting: Waiting, deadline: float
+                             waiting: Waiting, deadline: float, hashes_later: bool
                              ) -> tuple[mf.StepManifest | None, mf.StepManifest | None]:
         """The commit itself: (the manifest in force after it, the one before), or (None, _)
-        when it is left pending. Attempts go round until one finds nothing moved (see the
-        module docstring)."""
+        when it is left pending or committed with its hashes to come (`step.pending`).
+        Attempts go round until one finds nothing moved (see the module docstring)."""
         tree = self.tree
         async with step.lock:
             self._waiting[step] = waiting
             try:
+                waiting.what = SEALS
+                await self._finish_pending(step_node, step)  # an earlier version's, first
+                if step_node.step is not step or step_node.parent is None:
+                    return None, None
                 while True:
                     released = tree.released
                     if tree_walk.has_active_writers(step_node):
@@ -185,15 +245,20 @@ class Commits:
                         return None, None  # retried by retry_pending_commits
                     files = list(tree_walk.files_under(step_node))
                     elsewhere = self.tiers.held_elsewhere(step_node)  # stay where they are
-                    await self._resident_and_sealed(files, elsewhere, waiting)
+                    later = hashes_later and self._may_hash_later(step_node, files, elsewhere)
+                    await self._resident_and_sealed(files, elsewhere, waiting, later)
                     waiting.what = COPIES
                     copies: dict[Node, bytes] = {}  # private copies made for this attempt
-                    cut_to: dict[Node, Seal] = {}  # the seal each copy's bytes are
+                    cut_to: dict[Node, Seal | tuple[int, int, int]] = {}  # what each copy is
                     try:
-                        await self._copy_open_files(files, copies, cut_to)
-                        # From here to the end of StepManifests.write_manifest there is no await.
-                        if self._still_ready(step_node, step, files, elsewhere, cut_to):
+                        await self._copy_open_files(files, copies, cut_to, later)
+                        # From here to the end of StepManifests.write_manifest (write_pending)
+                        # there is no await.
+                        if self._still_ready(step_node, step, files, elsewhere, cut_to, later):
                             old = step.manifest
+                            if later:
+                                tree.manifests.write_pending(step_node, files, copies)
+                                return None, old
                             return tree.manifests.write_manifest(step_node, files, copies), old
                     finally:
                         for copy in copies.values():  # those the manifest did not take
@@ -203,28 +268,46 @@ class Commits:
             finally:
                 del self._waiting[step]
 
+    def _may_hash_later(self, step_node: Node, files: list[tuple[str, Node]],
+                        elsewhere: set[str]) -> bool:
+        """Whether this commit may be made before its hashes are in: a step directory whose
+        files are all here, with a hash still to come, no --sync-replicas, and a background
+        to finish it in."""
+        return (step_node.is_dir and self.copies_wait is None and not elsewhere
+                and self.tree.sealing.spawner is not None
+                and all(node.remote is None for _rel, node in files)
+                and any(node.seal is None for _rel, node in files))
+
     async def _resident_and_sealed(self, files: list[tuple[str, Node]], elsewhere: set[str],
-                                   waiting: Waiting) -> None:
-        """Bring back the files held only by other tiers, and seal the unsealed ones."""
+                                   waiting: Waiting, later: bool = False) -> None:
+        """Bring back the files held only by other tiers, and seal the unsealed ones (unless
+        the hashes come `later`)."""
         for rel, node in files:
             if node.remote is not None and rel not in elsewhere and not node.remote.in_store:
                 waiting.what = OTHER_TIERS
                 await self.residency.make_resident(node, empty=False)
-            if node.seal is None and node.remote is None:
+            if node.seal is None and node.remote is None and not later:
                 waiting.what = SEALS
                 await self.tree.seal(node)  # may come back unsealed: _still_ready sees it
 
     async def _copy_open_files(self, files: list[tuple[str, Node]], copies: dict[Node, bytes],
-                               cut_to: dict[Node, Seal]) -> None:
+                               cut_to: dict[Node, Seal | tuple[int, int, int]],
+                               later: bool = False) -> None:
         """Private copies, for the objects, of sealed files that a handle could still write
         into (one whose object exists already needs none); each recorded as it is made, so
-        that the caller removes it whatever happens next."""
+        that the caller removes it whatever happens next. With the hashes to come `later`,
+        every such file is copied, sealed or not (its snapshot must be bytes no handle can
+        write, `fs.pending_commits`)."""
         tree = self.tree
         store = tree.store
         for _rel, node in files:
             seal = node.seal
-            if (seal is None or not any(h.writable for h in node.handles)
-                    or store.object_path(seal.digest.xxh3).exists()):
+            if not any(h.writable for h in node.handles):
+                continue
+            if later and (seal is None or store.object_path(seal.digest.xxh3).exists()):
+                await self._copy_unsealed(node, copies, cut_to)
+                continue
+            if seal is None or store.object_path(seal.digest.xxh3).exists():
                 continue
             await self.residency.make_room(seal.digest.size)
             if node.seal is not seal or not tree.has_backing(node):
@@ -239,33 +322,70 @@ class Commits:
             copies[node] = copy
             cut_to[node] = seal
 
+    async def _copy_unsealed(self, node: Node, copies: dict[Node, bytes],
+                             cut_to: dict[Node, Seal | tuple[int, int, int]]) -> None:
+        """A private copy of a file a handle could still write into, for a commit whose hashes
+        come later: recorded with the (inode, size, mtime) it was copied at, which
+        `_file_ready` checks the file still has (passthrough writes behind the daemon)."""
+        store = self.tree.store
+        try:
+            path = self.tree.backing(node)
+            before = os.lstat(path)
+            await self.residency.make_room(before.st_size)
+            copy = await trio.to_thread.run_sync(
+                store.copy, path, os.fsencode(store.objects), before.st_size)
+        except (FileNotFoundError, FsError):
+            return  # removed or renamed meanwhile: _still_ready sees it
+        store.account_path(copy)
+        copies[node] = copy
+        try:
+            after = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if _stat_key(before) == _stat_key(after):
+            cut_to[node] = _stat_key(after)
+
     def _still_ready(self, step_node: Node, step: StepState, files: list[tuple[str, Node]],
-                     elsewhere: set[str], cut_to: dict[Node, Seal]) -> bool:
+                     elsewhere: set[str], cut_to: dict[Node, Seal | tuple[int, int, int]],
+                     later: bool = False) -> bool:
         """After an attempt's awaits: whether everything it checked and prepared still holds
         (no await here; the manifest is written right after a True)."""
         tree = self.tree
-        stale = tree.sealing.stale(files)
+        # Unsealed files (hashes to come `later`) are checked against their copies instead.
+        stale = tree.sealing.stale([(rel, node) for rel, node in files
+                                    if not later or node.seal is not None])
         for node in stale:  # open for writing with no seal of its bytes: being written
             tree.written_behind_seal(node)
         return not (stale or tree_walk.has_active_writers(step_node)
                     or step_node.step is not step or step_node.parent is None
                     or files != list(tree_walk.files_under(step_node))
-                    or not all(self._file_ready(rel, node, elsewhere, cut_to)
+                    or not all(self._file_ready(rel, node, elsewhere, cut_to, later)
                                for rel, node in files))
 
     def _file_ready(self, rel: str, node: Node, elsewhere: set[str],
-                    cut_to: dict[Node, Seal]) -> bool:
+                    cut_to: dict[Node, Seal | tuple[int, int, int]], later: bool) -> bool:
         """A file can go into the manifest: held by other nodes, or sealed, with a private
         copy of exactly the sealed bytes if a handle could still write into it (or an object
-        of those bytes already)."""
+        of those bytes already). With the hashes to come `later`: in RAM, unsealed too, with
+        a private copy of its bytes as they still are if a handle could write into it."""
         if node.remote is not None:  # named as it is: its bytes stay where they are
             return rel in elsewhere or node.remote.in_store
+        writable = any(h.writable for h in node.handles)
+        if later:
+            if node in cut_to:
+                cut = cut_to[node]
+                if isinstance(cut, Seal):
+                    return node.seal is cut
+                try:
+                    return _stat_key(os.lstat(self.tree.backing(node))) == cut
+                except (FsError, FileNotFoundError):
+                    return False
+            return not writable
         if node.seal is None:
             return False
         if node in cut_to:
             return node.seal is cut_to[node]
-        return (not any(h.writable for h in node.handles)
-                or self.tree.store.object_path(node.seal.digest.xxh3).exists())
+        return not writable or self.tree.store.object_path(node.seal.digest.xxh3).exists()
 
     async def commit_path(self, relpath: str, timeout: float = math.inf) -> mf.StepManifest:
         """`tierfs commit PATH`: commit the step (a directory or a single file) at `relpath`,
@@ -312,7 +432,8 @@ class Commits:
         path = self.tree.relpath(step_node)
         try:
             manifest = await self.commit(step_node, wait_for_writers=False,
-                                         deadline=trio.current_time() + self.saver_wait)
+                                         deadline=trio.current_time() + self.saver_wait,
+                                         hashes_later=True)
         except CoordinationUnavailable as exc:
             log.error("commit of %s failed: %s within %.0f s; the step stays writing and "
                       "commits by itself once etcd answers", path, exc, self.saver_wait)
@@ -459,3 +580,8 @@ class Commits:
             if child.remote is not None and not child.remote.in_store:
                 await self.residency.make_resident(child, empty=False)
         self.tree.identity.stop_being_step(node)
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
+    """What a file's bytes are known by while no seal describes them: inode, size, mtime."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns)

@@ -7,6 +7,7 @@ import errno
 import os
 import stat
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -19,6 +20,9 @@ from tierfs.step_names import (  # noqa: F401 - re-exported
     DEFAULT_STEP_PATTERN,
     some_names,
 )
+
+if TYPE_CHECKING:
+    from tierfs.fs.pending_commits import Pending
 
 ROOT_INODE = 1
 LATEST = b"latest"
@@ -118,14 +122,24 @@ class StepState:
         # Per file of this version: the node that wrote it, as the cluster's file records say
         # (a file missing here has no known writer; `fs.recoverable` names it in a loss).
         self.file_writers: dict[str, str] = {}
+        # A version committed whose files' hashes are not in yet (fs.pending_commits): no
+        # manifest of it yet, so everything that needs one sees the step as being written.
+        self.pending: Pending | None = None
 
     @property
     def committed(self) -> bool:
+        """A committed version, its manifest in force and nothing changed since."""
         return self.manifest is not None and not self.dirty
 
     @property
+    def shown_committed(self) -> bool:
+        """Committed as the user sees it (state, `latest`): also a version whose hashes are
+        still being computed, until the step changes again."""
+        return self.committed or (self.pending is not None and not self.pending.superseded)
+
+    @property
     def state(self) -> str:
-        return "committed" if self.committed else "writing"
+        return "committed" if self.shown_committed else "writing"
 
     @property
     def persisted(self) -> bool:

@@ -189,6 +189,30 @@ class RamStore:
             self.discard(copy)
         self._refs[digest] += 1
 
+    def snapshot_path(self, key: str) -> bytes:
+        """Where a pending commit keeps a file until its hash names it (fs.pending_commits)."""
+        return os.path.join(self._objects_path, (reserved.SNAPSHOT + key).encode())
+
+    def adopt_snapshot(self, digest: str, snapshot: bytes) -> None:
+        """A pending commit's snapshot, now hashed, becomes the committed object `digest` (or
+        goes, if that object is here already), counted as one more use."""
+        if not os.path.lexists(os.path.join(self._objects_path, digest.encode())):
+            os.rename(snapshot, os.path.join(self._objects_path, digest.encode()))
+        else:
+            self.drop_snapshot(snapshot)
+        self._refs[digest] += 1
+
+    def drop_snapshot(self, snapshot: bytes) -> None:
+        """Remove a snapshot no commit takes; a private copy's bytes leave the accounting
+        (a hard link's stay: they are the tree file's)."""
+        try:
+            st = os.lstat(snapshot)
+        except FileNotFoundError:
+            return
+        self.remove(snapshot, st)
+        if st.st_nlink == 1:
+            self.forget_inode(st.st_ino)
+
     def count_ref(self, digest: str) -> None:
         """Count a use found while loading manifests at start."""
         self._refs[digest] += 1

@@ -15,10 +15,16 @@ The promises stay those of a seal taken at close (`fs.tree`, doc/SEMANTICS.md):
   leaves the node unverified.
 * At most `HASH_THREADS` hashes run at once, in worker threads; the rest wait their turn (trio
   tasks owned by the mount's `fs.background.Background`, cancelled at unmount).
+* A commit made before its files' hashes are in (`fs.pending_commits`) gets them from
+  `hash_committed`: a file's own seal when it is still the committed bytes, else a hash of its
+  snapshot; no byte is hashed twice for it.
+* `hold` takes every hash thread until `release` (the control socket's `hold_hashes`, for
+  tests that need hashing observably slow: real hashes, merely late).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -49,6 +55,8 @@ class Sealing:
         self._queued: dict[Node, int] = {}  # started, not yet running: node -> its generation
         # The owner of background hashes; without one, files are sealed when first needed.
         self.spawner = spawner
+        self._threads = threads
+        self._holders: list[object] = []  # `hold`'s borrowers of the limiter's tokens
 
     def describes_file(self, node: Node) -> bool:
         """Whether the node's seal still describes its backing file (see `Seal`)."""
@@ -95,6 +103,35 @@ class Sealing:
             if self._running.get(node, (gen, None))[1] is done:
                 del self._running[node]
             done.set()
+
+    async def hash_committed(self, node: Node, gen: int, snapshot: bytes) -> mf.Digest:
+        """The digest of `snapshot`, a pending commit's copy of `node` (its generation `gen`
+        then): the node's seal, joining its hash, while the node is still the snapshot's
+        inode at that generation (copy on write keeps that inode unwritten); else the
+        snapshot hashed itself."""
+        ino = os.lstat(snapshot).st_ino
+        if node.gen == gen:
+            with contextlib.suppress(FsError, OSError):  # removed: the snapshot is hashed
+                await self.seal(node)
+            seal = node.seal
+            if node.gen == gen and seal is not None and seal.backing_ino == ino:
+                return seal.digest
+        fd = os.open(snapshot, os.O_RDONLY)
+        try:
+            return await trio.to_thread.run_sync(mf.hash_fd, fd, limiter=self._limiter)
+        finally:
+            os.close(fd)
+
+    async def hold(self) -> None:
+        """Take every hash thread: no hash runs until `release` (see the module docstring)."""
+        while len(self._holders) < self._threads:
+            borrower = object()
+            await self._limiter.acquire_on_behalf_of(borrower)
+            self._holders.append(borrower)
+
+    def release(self) -> None:
+        while self._holders:
+            self._limiter.release_on_behalf_of(self._holders.pop())
 
     async def _in_background(self, node: Node, gen: int) -> None:
         if self._queued.get(node) == gen:

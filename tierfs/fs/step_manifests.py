@@ -14,13 +14,16 @@ Part of the tree's core; `fs.commits` decides when.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
+import uuid
 
 from tierfs import manifest as mf
 from tierfs.fs import append_layout
-from tierfs.fs.nodes import Node, StepState
+from tierfs.fs import pending_commits as pc
+from tierfs.fs.nodes import FsError, Node, Seal, StepState
 from tierfs.fs.residents import Residents
 from tierfs.fs.tree_primitives import TreePrimitives
 
@@ -81,6 +84,110 @@ class StepManifests:
         step.dirty = False
         step.commit_pending = False
         return manifest
+
+    # -- a commit whose hashes come later (fs.pending_commits) ------------------------------------
+
+    def write_pending(self, step_node: Node, files: list[tuple[str, Node]],
+                      copies: dict[Node, bytes]) -> pc.Pending:
+        """Part 1 of a pending commit, with no await since the commit's last check (as
+        `write_manifest`): each file's snapshot (its private copy from `copies`, which it
+        takes, else a hard link of its backing file), then the pending record, renamed into
+        place: the commit point. Every file is in RAM (no file held only elsewhere)."""
+        step = step_node.step
+        store = self.tree.store
+        made: list[bytes] = []
+        pending_files = []
+        nodes: dict[str, tuple[Node, int]] = {}
+        try:
+            for rel, node in files:
+                key = uuid.uuid4().hex
+                snapshot = store.snapshot_path(key)
+                copy = copies.pop(node, None)
+                if copy is not None:
+                    os.rename(copy, snapshot)
+                else:
+                    os.link(self.tree.backing(node), snapshot)
+                made.append(snapshot)
+                st = os.lstat(snapshot)
+                pending_files.append(pc.PendingFile(rel, st.st_size, st.st_mtime_ns,
+                                                    st.st_mode & 0o7777, st.st_uid, st.st_gid,
+                                                    key))
+                nodes[rel] = (node, node.gen)
+            record = pc.PendingRecord(step.manifest.version + 1 if step.manifest else 1,
+                                      time.time_ns(), tuple(pending_files))
+            self.tree.records.write_atomically(self._pending_path(step_node),
+                                               pc.encode(record))  # may fail: ENOSPC
+        except BaseException:
+            for snapshot in made:
+                store.drop_snapshot(snapshot)
+            raise
+        step.pending = pc.Pending(record, nodes)
+        step.commit_pending = False
+        return step.pending
+
+    def finish_pending(self, step_node: Node, digests: dict[str, mf.Digest]
+                       ) -> mf.StepManifest:
+        """Part 2, once every hash is in (no await): the manifest the commit would have
+        written had it waited, its snapshots made committed objects, the record removed.
+        Returns the old manifest if the content is the same as it (no new version)."""
+        step = step_node.step
+        pending = step.pending
+        assert pending is not None
+        old = step.manifest
+        store = self.tree.store
+        step_path = self.tree.relpath(step_node)
+        number = mf.NO_STEP if step.number is None else step.number
+        entries = [f.entry(digests[f.name]) for f in pending.record.files]
+        if (old is not None and old.path == step_path and old.step == number
+                and old.same_entries(entries)):
+            manifest = old
+            for f in pending.record.files:
+                store.drop_snapshot(store.snapshot_path(f.snapshot))
+        else:
+            manifest = mf.StepManifest(
+                path=step_path, step=number, version=pending.record.version,
+                node_id=self.tree.node_id, committed_ns=pending.record.committed_ns,
+                files=tuple(entries), single_file=step_node.is_file)
+            manifest_path = os.path.join(self.tree.records_path(step_node),
+                                         mf.MANIFEST_NAME.encode())
+            tmp = self.tree.records.write_temp(manifest_path, mf.encode(manifest))
+            for f, entry in zip(pending.record.files, entries, strict=True):
+                store.adopt_snapshot(entry.xxh3, store.snapshot_path(f.snapshot))
+            os.rename(tmp, manifest_path)
+            self._residents.drop_resident_refs(step)
+            step.manifest = manifest
+            step.resident = {f.name for f in pending.record.files}
+        self._remove_pending_record(step_node)
+        step.pending = None
+        # Changed since the pending commit: that change is a new version, still being written.
+        step.dirty = pending.superseded
+        for f, entry in zip(pending.record.files, entries, strict=True):
+            node, gen = pending.nodes[f.name]
+            if node.seal is None and node.gen == gen and not node.active_writers:
+                with contextlib.suppress(OSError):
+                    st = os.lstat(self.tree.backing(node))
+                    if st.st_ino == os.lstat(store.object_path(entry.xxh3)).st_ino:
+                        node.seal = Seal(mf.Digest.of(entry), st.st_ino, st.st_mtime_ns)
+        return manifest
+
+    def drop_pending(self, step_node: Node, step: StepState) -> None:
+        """A pending commit whose step was removed or stopped being a step: its snapshots and
+        record go (nothing of it left the node)."""
+        pending = step.pending
+        if pending is None:
+            return
+        for f in pending.record.files:
+            self.tree.store.drop_snapshot(self.tree.store.snapshot_path(f.snapshot))
+        with contextlib.suppress(OSError, FsError):  # its directory went with it
+            self._remove_pending_record(step_node)
+        step.pending = None
+
+    def _pending_path(self, step_node: Node) -> bytes:
+        return os.path.join(self.tree.records_path(step_node), pc.PENDING_NAME)
+
+    def _remove_pending_record(self, step_node: Node) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tree.records.reach(self._pending_path(step_node)))
 
     @staticmethod
     def leave_pending(step: StepState, reason: str | None) -> None:

@@ -721,6 +721,8 @@ class Tree:
     def mark_dirty(self, node: Node | None) -> None:
         for step_node in tree_walk.enclosing_steps(node):
             step_node.step.dirty = True
+            if step_node.step.pending is not None:  # a new version begins (fs.pending_commits)
+                step_node.step.pending.superseded = True
             self._watch.touch(step_node)
 
     def _check_new_name(self, name: bytes) -> None:

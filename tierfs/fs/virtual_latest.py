@@ -70,7 +70,7 @@ class VirtualLatest:
         with the highest number that can be read whole now (None: none can)."""
         committed = [(node.step.number, name, node.step)
                      for name, node in dir_node.children.items()
-                     if node.is_dir and node.step is not None and node.step.committed]
+                     if node.is_dir and node.step is not None and node.step.shown_committed]
         if not committed:
             return None
         newest = max(committed, key=lambda found: found[:2])
@@ -122,4 +122,4 @@ class VirtualLatest:
 def _is_committed_step(dir_node: Node, name: bytes) -> bool:
     node = dir_node.children.get(name)
     step = node.step if node is not None and node.is_dir else None
-    return step is not None and step.committed
+    return step is not None and step.shown_committed
