@@ -2,10 +2,11 @@
 tree's nodes from it (through the tree's own `attach`, before the mount serves anything).
 
 Committed steps are put back exactly as their manifests say (uncommitted writes into a committed
-step are dropped); files of persisted steps that left RAM come back as non-resident; leftovers
-of interrupted saves, fetches and commits are removed. Recovery works on paths in the store
-(through `StepRecords`, which reaches paths longer than PATH_MAX) until `_load_tree` makes
-the nodes.
+step are dropped); a step committed before its files' hashes were in (a pending record,
+`fs.pending_commits`) is finished first: its snapshots hashed, its manifest written. Files of
+persisted steps that left RAM come back as non-resident; leftovers of interrupted saves,
+fetches and commits are removed. Recovery works on paths in the store (through `StepRecords`,
+which reaches paths longer than PATH_MAX) until `_load_tree` makes the nodes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs import append_layout, tree_walk
+from tierfs.fs import pending_commits as pc
 from tierfs.fs.nodes import (
     MANIFEST,
     METADATA,
@@ -119,6 +121,11 @@ class Recovery:
                 is_step = dirpath != self._top and number is not None
                 if is_step:
                     in_steps.add(dirpath)
+            if pc.PENDING_NAME in files:
+                if is_step and single is None and self._finish_pending(dirpath):
+                    files = [*files, MANIFEST]
+                else:
+                    os.unlink(reach(os.path.join(dirpath, pc.PENDING_NAME)))
             if MANIFEST not in files:
                 continue
             if not is_step:
@@ -144,6 +151,53 @@ class Recovery:
             if resident is not None:
                 recovered[dirpath] = (manifest, resident)
         return recovered
+
+    def _finish_pending(self, dirpath: bytes) -> bool:
+        """A step directory's pending commit (fs.pending_commits), finished as the daemon that
+        made it would have: its snapshots hashed and made committed objects, its manifest
+        written, its record removed. False when there is nothing to finish (a newer manifest
+        is in place; the caller removes the record) or it cannot be (a snapshot lost)."""
+        reach = self.records.reach
+        record_path = os.path.join(dirpath, pc.PENDING_NAME)
+        try:
+            with open(reach(record_path), "rb") as f:
+                record = pc.decode(f.read())
+        except (OSError, pc.PendingError) as exc:
+            log.error("step %s: its pending commit cannot be read (%s); it stays writing",
+                      os.fsdecode(dirpath), exc)
+            return False
+        manifest = self.records.read_manifest(dirpath)
+        if manifest is not None and manifest.version >= record.version:
+            return False  # finished before the restart, the record not yet removed
+        relpath = os.fsdecode(os.path.relpath(dirpath, self._top))
+        entries = []
+        for f in record.files:
+            snapshot = self.store.snapshot_path(f.snapshot)
+            try:
+                size = os.lstat(snapshot).st_size
+            except FileNotFoundError:
+                size = -1
+            if size != f.size:
+                log.error("step %s v%d: the snapshot of %s is missing or has the wrong size; "
+                          "its pending commit is dropped", relpath, record.version, f.name)
+                return False
+            entries.append(f.entry(mf.hash_file(snapshot)))
+        number = self.tree.identity.step_number(os.path.basename(dirpath))
+        finished = mf.StepManifest(
+            path=relpath, step=mf.NO_STEP if number is None else number,
+            version=record.version, node_id=self.tree.node_id,
+            committed_ns=record.committed_ns, files=tuple(entries))
+        for f, entry in zip(record.files, entries, strict=True):
+            snapshot = self.store.snapshot_path(f.snapshot)
+            if os.path.lexists(self.store.object_path(entry.xxh3)):
+                os.unlink(snapshot)
+            else:
+                os.rename(snapshot, self.store.object_path(entry.xxh3))
+        self.records.write_manifest(dirpath, finished)
+        os.unlink(reach(record_path))
+        log.warning("step %s v%d was committed before a restart with its hashes to come: "
+                    "its %d files hashed now", relpath, record.version, len(entries))
+        return True
 
     def _restore_step(self, dir_path: bytes, manifest: mf.StepManifest,
                       persisted: bool, records: bytes) -> set[str] | None:
