@@ -115,7 +115,10 @@ class TreeView:
             "lost": loss.as_dict() if loss is not None else None,
             "kind": "dir" if step_node.is_dir else "file",
             "ram_bytes": ram_bytes,
-            "version": step.manifest.version if step.manifest else 0,
+            "version": (step.pending.record.version if _shown_pending(step)
+                        else step.manifest.version if step.manifest else 0),
+            # committed, its files' hashes still to come (nothing of it has left the node)
+            "hashing": _shown_pending(step),
             "files": files, "bytes": size, "ram": step.in_ram,
             "replicas": self.tree.holdings.full_holders(step),
             "persisted": step.persisted,
@@ -239,3 +242,8 @@ class TreeView:
         its old name): what an upload needs, with copies inside the store."""
         return all(node.remote is None or node.remote.in_store
                    for node in tree_walk.walk_files(step_node))
+
+
+def _shown_pending(step: StepState) -> bool:
+    """A step shown committed by a version whose hashes are still to come."""
+    return step.pending is not None and not step.pending.superseded

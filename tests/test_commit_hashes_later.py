@@ -1,0 +1,146 @@
+"""A saver's commit does not wait for its files' hashes (issue 25, fs.pending_commits).
+
+Hashing is made observably late for real: the daemon's hash threads are all taken (the control
+socket's `hold_hashes`) while an unmodified DCP save runs in a process of its own. The save
+returns, the step is `committed` and `latest` names it, yet nothing of it reaches the store
+until the hashes are in; a daemon killed in between comes back with the step committed,
+hashed, then persisted; a writer rewriting a file of the step meanwhile starts a new version
+and the committed bytes stay as they were."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
+from tierfs import manifest as mf
+from tierfs import reserved
+from tierfs.mount_helper import control
+
+pytestmark = pytest.mark.frameworks
+
+SAVE = """
+import sys, torch, torch.distributed.checkpoint as dcp
+state = {f"t{i}": torch.full((256, 1024), float(i)) for i in range(8)}  # 8 MiB
+dcp.save(state, storage_writer=dcp.FileSystemWriter(sys.argv[1], thread_count=2))
+"""
+
+
+def hold_hashes(mnt: Mount, hold: bool) -> None:
+    socket_path, _root, _rel = control.locate(str(mnt.mountpoint))
+    control.request(socket_path, {"cmd": "hold_hashes", "hold": hold})
+
+
+def save_with_hashes_held(mnt: Mount, step: Path) -> None:
+    """An unmodified DCP save into `step`, every hash thread of the daemon taken meanwhile: it
+    must return (a commit that waited for the hashes would wait until the timeout)."""
+    step.parent.mkdir(parents=True, exist_ok=True)
+    hold_hashes(mnt, True)
+    saved = subprocess.run([sys.executable, "-c", SAVE, str(step)], capture_output=True,
+                           text=True, timeout=60)
+    assert saved.returncode == 0, saved.stderr
+
+
+def hashes_of(step: Path) -> dict[str, str]:
+    return {p.name: xxhash.xxh3_128_hexdigest(p.read_bytes())
+            for p in sorted(step.iterdir()) if p.is_file()}
+
+
+def manifest_of(mnt: Mount, relpath: str) -> mf.StepManifest | None:
+    path = mnt.ram_dir / "tree" / relpath / mf.MANIFEST_NAME
+    return mf.decode(path.read_bytes()) if path.exists() else None
+
+
+def test_dcp_save_returns_before_its_files_are_hashed(mounts: MountFactory,
+                                                      tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}")
+    step = mnt / "run/step_1"
+    save_with_hashes_held(mnt, step)
+    # Committed and named by `latest` at once, its hashes not in: no manifest, nothing stored.
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    assert os.readlink(mnt / "run/latest") == "step_1"
+    line = mnt.step("run/step_1")
+    assert line is not None
+    assert (line["state"], line["hashing"], line["persisted"], line["version"]) == (
+        "committed", True, False, 1)
+    assert manifest_of(mnt, "run/step_1") is None
+    assert (mnt.ram_dir / "tree/run/step_1" / reserved.PENDING).exists()
+    assert not (store / "run").exists() or not any((store / "run").rglob("*"))
+    expected = hashes_of(step)  # read back while hashing is held: the committed bytes
+    hold_hashes(mnt, False)
+    line = wait_until(lambda: (s := mnt.step("run/step_1")) and s["persisted"] and s, 30)
+    assert (line["state"], line["hashing"], line["version"]) == ("committed", False, 1)
+    manifest = manifest_of(mnt, "run/step_1")
+    assert manifest is not None and manifest.version == 1
+    assert {e.name: e.xxh3 for e in manifest.files} == expected
+    for name, digest in expected.items():
+        assert getxattr(step / name, "user.tierfs.xxh3") == digest
+        assert xxhash.xxh3_128_hexdigest((store / "run/step_1" / name).read_bytes()) == digest
+    assert not (mnt.ram_dir / "tree/run/step_1" / reserved.PENDING).exists()
+    assert not [n for n in os.listdir(mnt.ram_dir / "objects") if n.startswith(reserved.SNAPSHOT)]
+    tierfs("verify", str(step), "--no-repair")
+    assert "Traceback" not in mnt.log()
+
+
+def test_daemon_killed_before_the_hashes_finishes_the_commit_at_start(
+        mounts: MountFactory, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}")
+    step = mnt / "run/step_3"
+    save_with_hashes_held(mnt, step)
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    expected = hashes_of(step)
+    mnt.kill9()  # the commit made, its hashes not: SIGKILL
+    assert not (store / "run/step_3").exists()
+    mnt = mounts.remount(mnt)
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    assert os.readlink(mnt / "run/latest") == "step_3"
+    manifest = manifest_of(mnt, "run/step_3")
+    assert manifest is not None and manifest.version == 1
+    assert {e.name: e.xxh3 for e in manifest.files} == expected
+    assert hashes_of(step) == expected
+    wait_until(lambda: (s := mnt.step("run/step_3")) and s["persisted"], 30)
+    assert {n: xxhash.xxh3_128_hexdigest((store / "run/step_3" / n).read_bytes())
+            for n in expected} == expected
+    assert "hashed now" in mnt.log()
+    tierfs("verify", str(step), "--no-repair")
+
+
+@pytest.mark.parametrize("passthrough", [True, False], ids=["passthrough", "no-passthrough"])
+def test_a_writer_during_the_hashes_starts_a_new_version(mounts: MountFactory,
+                                                          passthrough: bool) -> None:
+    mnt = mounts.mount(*(() if passthrough else ("--no-passthrough",)))
+    step = mnt / "run/step_5"
+    save_with_hashes_held(mnt, step)
+    expected = hashes_of(step)
+    shard = sorted(n for n in expected if n.endswith(".distcp"))[0]
+    with open(step / shard, "r+b") as f:  # rewrites the committed file while it is hashed
+        f.seek(4096)
+        f.write(b"x" * 8192)
+    rewritten = xxhash.xxh3_128_hexdigest((step / shard).read_bytes())
+    assert rewritten != expected[shard]
+    assert getxattr(step, "user.tierfs.state") == "writing"  # a new version, being written
+    hold_hashes(mnt, False)
+    # The committed version is the save's bytes, whole, and stays readable.
+    manifest = wait_until(lambda: manifest_of(mnt, "run/step_5"), 30)
+    assert manifest.version == 1
+    assert {e.name: e.xxh3 for e in manifest.files} == expected
+    for entry in manifest.files:
+        held = (mnt.ram_dir / "objects" / entry.xxh3).read_bytes()
+        assert xxhash.xxh3_128_hexdigest(held) == entry.xxh3
+    assert xxhash.xxh3_128_hexdigest((step / shard).read_bytes()) == rewritten
+    tierfs("commit", str(step))
+    second = manifest_of(mnt, "run/step_5")
+    assert second is not None and second.version == 2
+    assert second.entry(shard).xxh3 == rewritten
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    tierfs("verify", str(step), "--no-repair")
+    assert "Traceback" not in mnt.log()
