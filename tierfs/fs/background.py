@@ -25,6 +25,10 @@ class Background:
         self._nursery: trio.Nursery | None = None
         self._waiting: list[tuple[Work, tuple[object, ...]]] = []
 
+    @property
+    def running(self) -> bool:
+        return self._nursery is not None
+
     def spawn(self, work: Work, *args: object) -> None:
         """Run `work(*args)` in the background; a failure is logged, never fatal."""
         if self._nursery is None:

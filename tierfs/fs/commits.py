@@ -272,9 +272,11 @@ class Commits:
                         elsewhere: set[str]) -> bool:
         """Whether this commit may be made before its hashes are in: a step directory whose
         files are all here, with a hash still to come, no --sync-replicas, and a background
-        to finish it in."""
+        running to finish it in (a namespace driven in-process without one commits as
+        before)."""
+        spawner = self.tree.sealing.spawner
         return (step_node.is_dir and self.copies_wait is None and not elsewhere
-                and self.tree.sealing.spawner is not None
+                and spawner is not None and spawner.running
                 and all(node.remote is None for _rel, node in files)
                 and any(node.seal is None for _rel, node in files))
 

@@ -181,3 +181,8 @@ class Spawner(Protocol):
     a failure is logged, never fatal to the mount."""
 
     def spawn(self, work: Callable[..., Awaitable[object]], *args: object) -> None: ...
+
+    @property
+    def running(self) -> bool:
+        """Whether spawned work runs now (else it waits until the owner starts)."""
+        ...
