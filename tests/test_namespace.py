@@ -83,6 +83,16 @@ class Harness:
         await self.ops.rename(await self.inode(old_parent), old_name.encode(),
                               await self.inode(new_parent), new_name.encode(), 0, CTX)
 
+    async def hashed(self) -> None:
+        """Wait until every commit made before its files' hashes were in (the background runs:
+        fs.pending_commits) has its manifest, and has announced it."""
+        if not any(n.step.pending is not None for n in self.ns.tree.steps()):
+            return
+        with trio.fail_after(30):
+            while any(n.step.pending is not None for n in self.ns.tree.steps()):
+                await trio.sleep(0.005)
+            await trio.testing.wait_all_tasks_blocked()
+
     async def state(self, path: str) -> str:
         return (await self.ops.getxattr(await self.inode(path), b"user.tierfs.state",
                                         CTX)).decode()
@@ -95,11 +105,17 @@ def harness(tmp_path: Path):  # type: ignore[no-untyped-def]
     h.close()
 
 
-async def dcp_save(h: Harness, step: str, files: dict[str, bytes]) -> None:
+async def dcp_save(h: Harness, step: str, files: dict[str, bytes], *,
+                   hashed: bool = True) -> None:
+    """DCP's way: the shards, then `.metadata` renamed into place; then (`hashed`) until the
+    commit's hashes are in and its manifest announced, which with the background running
+    follow the rename."""
     for name, data in files.items():
         await h.write_file(f"{step}/{name}", data)
     await h.write_file(f"{step}/.metadata.tmp", b"meta")
     await h.rename(f"{step}/.metadata.tmp", f"{step}/.metadata")
+    if hashed:
+        await h.hashed()
 
 
 async def test_metadata_commits_and_announces(harness: Harness) -> None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import trio
 
@@ -15,14 +14,12 @@ from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.fs.fetch import Fetch, RemoteFile
 from tierfs.fs.latest_pins import Pin
+from tierfs.fs.pending_commits import PendingRecord
 from tierfs.step_names import (  # noqa: F401 - re-exported
     DEFAULT_FILE_STEP_PATTERN,
     DEFAULT_STEP_PATTERN,
     some_names,
 )
-
-if TYPE_CHECKING:
-    from tierfs.fs.pending_commits import Pending
 
 ROOT_INODE = 1
 LATEST = b"latest"
@@ -92,6 +89,17 @@ class Seal:
     def restamped(self, st: os.stat_result) -> Seal:
         """The same bytes after a change of metadata only (chmod, utime)."""
         return Seal(self.digest, self.backing_ino, st.st_mtime_ns)
+
+
+@dataclass
+class Pending:
+    """A step's commit made before its files' hashes were in (`fs.pending_commits`): its
+    record, and for each file the node and its generation at the commit (its seal is joined
+    while it is still those bytes)."""
+
+    record: PendingRecord
+    nodes: dict[str, tuple[Node, int]] = field(default_factory=dict)
+    superseded: bool = False  # the step was changed since: a new version is being written
 
 
 class StepState:

@@ -13,14 +13,14 @@ still being hashed. The commit then happens in two parts (`fs.commits`):
    snapshot) is written atomically into the step's records (`.tierfs-pending`, temp, fsync,
    rename): the commit point. The step is `committed` from here (`StepState.shown_committed`),
    `latest` may name it, and a crash brings it back committed.
-2. In the background, under the step's lock (`Commits.finish_pending`): each snapshot's hash
+2. In the background, under the step's lock (`Commits._finish_pending`): each snapshot's hash
    (the file's own seal when it is still those bytes: its background hash is joined, never
    repeated), then the manifest exactly as a commit that waited would have written it
    (`StepManifests.finish_pending`: snapshots become `objects/<xxh3>`, the manifest is renamed
    into place, the record removed), and only then the cluster's record and the `CommitSink`
    (peers, store). Nothing of the step leaves the node before.
 
-A step written again while its hashes run starts a new version (`Pending.superseded`, and its
+A step written again while its hashes run starts a new version (`nodes.Pending.superseded`, and its
 state is `writing` again); that version's commit waits for the pending one to be finished
 (the step's lock). A step removed or renamed away from a step name before its hashes are in
 loses the pending version with it (it never left the node). Start-up (`fs.recovery`) finishes
@@ -31,13 +31,12 @@ manifest before anything is served.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgpack
 
 from tierfs import manifest as mf
 from tierfs import reserved
-from tierfs.fs.nodes import Node
 
 PENDING_NAME = reserved.PENDING.encode()  # in a step's records directory
 SNAPSHOT_PREFIX = reserved.SNAPSHOT  # in objects/
@@ -74,16 +73,6 @@ class PendingRecord:
     version: int
     committed_ns: int
     files: tuple[PendingFile, ...]
-
-
-@dataclass
-class Pending:
-    """A step's pending commit in memory: its record, and for each file the node and its
-    generation at the commit (its seal is joined when it is still those bytes)."""
-
-    record: PendingRecord
-    nodes: dict[str, tuple[Node, int]] = field(default_factory=dict)
-    superseded: bool = False  # the step was changed since: a new version is being written
 
 
 def snapshot_name(key: str) -> str:

@@ -23,7 +23,7 @@ import uuid
 from tierfs import manifest as mf
 from tierfs.fs import append_layout
 from tierfs.fs import pending_commits as pc
-from tierfs.fs.nodes import FsError, Node, Seal, StepState
+from tierfs.fs.nodes import FsError, Node, Pending, Seal, StepState
 from tierfs.fs.residents import Residents
 from tierfs.fs.tree_primitives import TreePrimitives
 
@@ -88,7 +88,7 @@ class StepManifests:
     # -- a commit whose hashes come later (fs.pending_commits) ------------------------------------
 
     def write_pending(self, step_node: Node, files: list[tuple[str, Node]],
-                      copies: dict[Node, bytes]) -> pc.Pending:
+                      copies: dict[Node, bytes]) -> Pending:
         """Part 1 of a pending commit, with no await since the commit's last check (as
         `write_manifest`): each file's snapshot (its private copy from `copies`, which it
         takes, else a hard link of its backing file), then the pending record, renamed into
@@ -121,7 +121,7 @@ class StepManifests:
             for snapshot in made:
                 store.drop_snapshot(snapshot)
             raise
-        step.pending = pc.Pending(record, nodes)
+        step.pending = Pending(record, nodes)
         step.commit_pending = False
         return step.pending
 
