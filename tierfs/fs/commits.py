@@ -179,6 +179,8 @@ class Commits:
         if pending is None:
             return
         store = self.tree.store
+        self.tree.sealing.start_all([node for node, gen in pending.nodes.values()
+                                     if node.gen == gen])
         digests = {}
         for f in pending.record.files:
             node, gen = pending.nodes[f.name]
@@ -284,6 +286,8 @@ class Commits:
                                    waiting: Waiting, later: bool = False) -> None:
         """Bring back the files held only by other tiers, and seal the unsealed ones (unless
         the hashes come `later`)."""
+        if not later:
+            self.tree.sealing.start_all([node for _rel, node in files])
         for rel, node in files:
             if node.remote is not None and rel not in elsewhere and not node.remote.in_store:
                 waiting.what = OTHER_TIERS

@@ -15,6 +15,11 @@ The promises stay those of a seal taken at close (`fs.tree`, doc/SEMANTICS.md):
   leaves the node unverified.
 * At most `HASH_THREADS` hashes run at once, in worker threads; the rest wait their turn (trio
   tasks owned by the mount's `fs.background.Background`, cancelled at unmount).
+* A big file (HASH_AT_COMMIT bytes or more) in a step directory is not hashed at its close but
+  when its step commits (or anyone else needs its seal: `user.tierfs.xxh3`, the cluster's
+  record of it): re-reading it while the saver still writes the step's other files takes
+  memory bandwidth and CPU from the saver, and a commit no longer waits for hashes. Until then
+  its hash counts as pending (`pending`), as a queued one does.
 * A commit made before its files' hashes are in (`fs.pending_commits`) gets them from
   `hash_committed`: a file's own seal when it is still the committed bytes, else a hash of its
   snapshot; no byte is hashed twice for it.
@@ -27,7 +32,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import trio
 
@@ -40,6 +47,20 @@ log = logging.getLogger(__name__)
 # Hash threads: two keep up with a saver on this project's two-core machine (xxh3 runs at
 # memory speed; the cost is re-reading the file from tmpfs) without taking both cores from it.
 HASH_THREADS = 2
+# The hash threads' nice value: a commit no longer waits for hashes, so they give the CPU to
+# the saver while it writes (the saver's own threads, on a node whose cores it keeps busy)
+# and run in the time it leaves.
+HASH_NICE = 19
+# Files in a step directory at least this big are hashed when their step commits (see the
+# module docstring); smaller ones at once (cheap, and a step of thousands of small files
+# commits without a hash left to wait for).
+HASH_AT_COMMIT = 1 << 20
+
+
+def _lower_priority() -> None:
+    """A hash thread's own nice value (Linux: per thread); raising it needs no privilege."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HASH_NICE)
 
 
 class Sealing:
@@ -53,9 +74,13 @@ class Sealing:
         self._limiter = trio.CapacityLimiter(threads)
         self._running: dict[Node, tuple[int, trio.Event]] = {}
         self._queued: dict[Node, int] = {}  # started, not yet running: node -> its generation
+        self._at_commit: dict[Node, int] = {}  # hashed when needed: node -> its generation
         # The owner of background hashes; without one, files are sealed when first needed.
         self.spawner = spawner
         self._threads = threads
+        # Threads of their own, at HASH_NICE for good (trio's shared worker threads keep
+        # their priority); a trio worker waits for each hash under the limiter.
+        self._pool = ThreadPoolExecutor(threads, "tierfs-hash", initializer=_lower_priority)
         self._holders: list[object] = []  # `hold`'s borrowers of the limiter's tokens
 
     def describes_file(self, node: Node) -> bool:
@@ -74,8 +99,13 @@ class Sealing:
         return [node for _rel, node in files
                 if any(h.writable for h in node.handles) and not self.describes_file(node)]
 
-    def start(self, node: Node) -> None:
-        """The last writer of `node` is done: seal it in the background."""
+    def start(self, node: Node, *, at_commit: bool = False) -> None:
+        """The last writer of `node` is done: seal it in the background, or (`at_commit`)
+        when it is needed (see the module docstring)."""
+        if at_commit:
+            self._at_commit[node] = node.gen
+            return
+        self._at_commit.pop(node, None)
         if self.spawner is not None:
             self._queued[node] = node.gen
             self.spawner.spawn(self._in_background, node, node.gen)
@@ -85,7 +115,17 @@ class Sealing:
         whose hash is only queued is not hashed a second time at its RELEASE)."""
         running = self._running.get(node)
         return ((running is not None and running[0] == node.gen)
-                or self._queued.get(node) == node.gen)
+                or self._queued.get(node) == node.gen or self._at_commit.get(node) == node.gen)
+
+    def start_all(self, nodes: list[Node]) -> None:
+        """Hash these files in the background (a commit then joins each hash in turn, all
+        the hash threads at work) unless sealed, being written, or hashed already."""
+        for node in nodes:
+            running = self._running.get(node)
+            if (node.seal is None and not node.active_writers and node.remote is None
+                    and self._queued.get(node) != node.gen
+                    and (running is None or running[0] != node.gen)):
+                self.start(node)
 
     async def seal(self, node: Node) -> None:
         """Seal `node` (join the hash of its current generation if one runs). The seal may
@@ -95,6 +135,7 @@ class Sealing:
             await running[1].wait()
             return
         gen = node.gen
+        self._at_commit.pop(node, None)
         done = trio.Event()
         self._running[node] = (gen, done)
         try:
@@ -118,7 +159,7 @@ class Sealing:
                 return seal.digest
         fd = os.open(snapshot, os.O_RDONLY)
         try:
-            return await trio.to_thread.run_sync(mf.hash_fd, fd, limiter=self._limiter)
+            return await self._hash_fd(fd)
         finally:
             os.close(fd)
 
@@ -132,6 +173,11 @@ class Sealing:
     def release(self) -> None:
         while self._holders:
             self._limiter.release_on_behalf_of(self._holders.pop())
+
+    async def _hash_fd(self, fd: int) -> mf.Digest:
+        """`mf.hash_fd` in a hash thread (the caller keeps `fd` open until it returns)."""
+        return await trio.to_thread.run_sync(
+            lambda: self._pool.submit(mf.hash_fd, fd).result(), limiter=self._limiter)
 
     async def _in_background(self, node: Node, gen: int) -> None:
         if self._queued.get(node) == gen:
@@ -151,7 +197,7 @@ class Sealing:
             return
         try:
             before = os.fstat(fd)
-            digest = await trio.to_thread.run_sync(mf.hash_fd, fd, limiter=self._limiter)
+            digest = await self._hash_fd(fd)
             after = os.fstat(fd)
         finally:
             os.close(fd)

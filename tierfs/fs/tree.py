@@ -66,7 +66,7 @@ from tierfs.fs.ram_store import RamStore, allocated, is_reserved
 from tierfs.fs.records import StepRecords
 from tierfs.fs.recoverable import Recoverability
 from tierfs.fs.residents import Residents
-from tierfs.fs.sealing import Sealing
+from tierfs.fs.sealing import HASH_AT_COMMIT, Sealing
 from tierfs.fs.step_identity import StepIdentity
 from tierfs.fs.step_manifests import StepManifests
 from tierfs.fs.virtual_latest import VirtualLatest
@@ -449,8 +449,10 @@ class Tree:
         node = handle.node
         handle.active = False
         node.active_writers -= 1
-        if node.active_writers == 0:
-            self.sealing.start(node)  # off the writer's path: the close returns now
+        if node.active_writers == 0:  # off the writer's path: the close returns now
+            self.sealing.start(node, at_commit=(
+                handle.fd >= 0 and tree_walk.in_a_step(node.parent)
+                and os.fstat(handle.fd).st_size >= HASH_AT_COMMIT))
         self._released.set()
         self._released = trio.Event()
         return True
