@@ -60,14 +60,23 @@ async def test_a_queued_background_hash_counts_as_pending(harness: Harness) -> N
 
 
 async def test_background_seal_after_close(harness: Harness) -> None:
+    """A file outside any step directory is hashed in the background after its close; a big
+    one in a step directory only once its step commits (its hash counts as pending)."""
     async with trio.open_nursery() as nursery:
         await nursery.start(harness.ns.background.run)
-        await harness.write_file("run/step_2/a", b"A" * BIG)
-        node = node_of(harness, "run/step_2/a")
+        await harness.write_file("run/loose.bin", b"A" * BIG)
+        node = node_of(harness, "run/loose.bin")
         with trio.fail_after(30):
             while node.seal is None:
                 await trio.sleep(0.01)
         assert node.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(b"A" * BIG)
+        await harness.write_file("run/step_2/a", b"B" * BIG)
+        in_step = node_of(harness, "run/step_2/a")
+        await trio.testing.wait_all_tasks_blocked()
+        assert in_step.seal is None and harness.ns.tree.sealing.pending(in_step)
+        await dcp_save(harness, "run/step_2", {})
+        assert in_step.seal is not None
+        assert in_step.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(b"B" * BIG)
         nursery.cancel_scope.cancel()
 
 
