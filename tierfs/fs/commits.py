@@ -183,6 +183,8 @@ class Commits:
                                      if node.gen == gen])
         digests = {}
         for f in pending.record.files:
+            if step_node.step is not step or step_node.parent is None:
+                break  # gone: no hash needed
             node, gen = pending.nodes[f.name]
             digests[f.name] = await self.tree.sealing.hash_committed(
                 node, gen, store.snapshot_path(f.snapshot))

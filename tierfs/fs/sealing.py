@@ -32,9 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import trio
 
@@ -47,20 +45,10 @@ log = logging.getLogger(__name__)
 # Hash threads: two keep up with a saver on this project's two-core machine (xxh3 runs at
 # memory speed; the cost is re-reading the file from tmpfs) without taking both cores from it.
 HASH_THREADS = 2
-# The hash threads' nice value: a commit no longer waits for hashes, so they give the CPU to
-# the saver while it writes (the saver's own threads, on a node whose cores it keeps busy)
-# and run in the time it leaves.
-HASH_NICE = 19
 # Files in a step directory at least this big are hashed when their step commits (see the
 # module docstring); smaller ones at once (cheap, and a step of thousands of small files
 # commits without a hash left to wait for).
 HASH_AT_COMMIT = 1 << 20
-
-
-def _lower_priority() -> None:
-    """A hash thread's own nice value (Linux: per thread); raising it needs no privilege."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), HASH_NICE)
 
 
 class Sealing:
@@ -78,9 +66,6 @@ class Sealing:
         # The owner of background hashes; without one, files are sealed when first needed.
         self.spawner = spawner
         self._threads = threads
-        # Threads of their own, at HASH_NICE for good (trio's shared worker threads keep
-        # their priority); a trio worker waits for each hash under the limiter.
-        self._pool = ThreadPoolExecutor(threads, "tierfs-hash", initializer=_lower_priority)
         self._holders: list[object] = []  # `hold`'s borrowers of the limiter's tokens
 
     def describes_file(self, node: Node) -> bool:
@@ -176,8 +161,7 @@ class Sealing:
 
     async def _hash_fd(self, fd: int) -> mf.Digest:
         """`mf.hash_fd` in a hash thread (the caller keeps `fd` open until it returns)."""
-        return await trio.to_thread.run_sync(
-            lambda: self._pool.submit(mf.hash_fd, fd).result(), limiter=self._limiter)
+        return await trio.to_thread.run_sync(mf.hash_fd, fd, limiter=self._limiter)
 
     async def _in_background(self, node: Node, gen: int) -> None:
         if self._queued.get(node) == gen:
