@@ -347,7 +347,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     record(UNIFORM_SAVE, target, timed(lambda t=target, n=name: dcp.save(
                         uniform, storage_writer=bench.writer(t, n, 2, file_per_tensor=True)),
                         size))
-                    if target == "tierfs":  # the save returns committed: its files hashed
+                    if target == "tierfs":  # the save returns committed, before its hashes
                         extra.setdefault("daemon_cpu_per_gib_uniform_save", []).append(
                             (cpu_seconds(bench.pid) - cpu) / (size / 2**30))
                     bench.drop(target, name)
@@ -890,7 +890,7 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         "< 50 ms")
     row("daemon_cpu_per_gib_uniform_save",
         f"daemon CPU-seconds per GiB of the {UNIFORM_FILES}-file save, until it returned "
-        "(committed: every file hashed)", "s", "-")
+        "(committed; its files are hashed after)", "s", "-")
     gb = data["bytes"] / 1e9
     row("many_files_metadata_to_committed",
         f"`.metadata` -> committed, {MANY_FILES:,}-file step (the close that commits it)", "ms",
