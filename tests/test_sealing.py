@@ -133,7 +133,8 @@ async def test_a_saver_commit_does_not_wait_for_the_hashes(harness: Harness) -> 
         await nursery.start(harness.ns.background.run)
         sealing = harness.ns.tree.sealing
         await sealing.hold()
-        await dcp_save(harness, "run/step_6", {"a": b"A" * BIG}, hashed=False)
+        with trio.fail_after(10):  # a commit waiting for the hashes would wait for ever
+            await dcp_save(harness, "run/step_6", {"a": b"A" * BIG}, hashed=False)
         assert await harness.state("run/step_6") == "committed"
         with pytest.raises(trio.WouldBlock):
             harness.commits.receive_nowait()
