@@ -56,13 +56,21 @@ def manifest_of(mnt: Mount, relpath: str) -> mf.StepManifest | None:
     return mf.decode(path.read_bytes()) if path.exists() else None
 
 
-def test_dcp_save_returns_before_its_files_are_hashed(mounts: MountFactory,
-                                                      tmp_path: Path) -> None:
+def saved_to_a_store(mounts: MountFactory, tmp_path: Path, relpath: str
+                     ) -> tuple[Mount, Path, Path]:
+    """A mount persisting to a file:// store, and a DCP save into `relpath` with its hashes
+    held: (the mount, the store, the step)."""
     store = tmp_path / "store"
     store.mkdir()
     mnt = mounts.mount("--persist", f"file://{store}")
-    step = mnt / "run/step_1"
+    step = mnt / relpath
     save_with_hashes_held(mnt, step)
+    return mnt, store, step
+
+
+def test_dcp_save_returns_before_its_files_are_hashed(mounts: MountFactory,
+                                                      tmp_path: Path) -> None:
+    mnt, store, step = saved_to_a_store(mounts, tmp_path, "run/step_1")
     # Committed and named by `latest` at once, its hashes not in: no manifest, nothing stored.
     assert getxattr(step, "user.tierfs.state") == "committed"
     assert os.readlink(mnt / "run/latest") == "step_1"
@@ -91,11 +99,7 @@ def test_dcp_save_returns_before_its_files_are_hashed(mounts: MountFactory,
 
 def test_daemon_killed_before_the_hashes_finishes_the_commit_at_start(
         mounts: MountFactory, tmp_path: Path) -> None:
-    store = tmp_path / "store"
-    store.mkdir()
-    mnt = mounts.mount("--persist", f"file://{store}")
-    step = mnt / "run/step_3"
-    save_with_hashes_held(mnt, step)
+    mnt, store, step = saved_to_a_store(mounts, tmp_path, "run/step_3")
     assert getxattr(step, "user.tierfs.state") == "committed"
     expected = hashes_of(step)
     mnt.kill9()  # the commit made, its hashes not: SIGKILL
