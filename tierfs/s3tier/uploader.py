@@ -273,7 +273,9 @@ class Uploader:
                 changed[0].segments or any(e.segments for e in stored.values())):
             await self._call(f"removing old segments of {prefix}", manifest,
                              self._remove_stale_segments, prefix, changed[0])
-        kept_packs = await self._write_packs(manifest, data_dir, bool(changed))
+        # (a file gone since the stored version is a change too: no pack keeps its bytes)
+        kept_packs = await self._write_packs(manifest, data_dir, bool(changed) or any(
+            manifest.entry(name) is None for name in stored))
         encoded = mf.encode(manifest)
         await self._call(f"upload of {manifest_key}", manifest,
                          self.backend.put_bytes, manifest_key, encoded)
@@ -301,12 +303,14 @@ class Uploader:
                            changed: bool) -> set[str] | None:
         """Before the manifest goes up: the step's small files packed (`tierfs.s3tier.packs`),
         the packs then their index. The names of the pack objects the step keeps; None: keep
-        those there (no file changed, and the packs cannot be made here now).
+        those there (no file changed: they still hold its small files' bytes).
 
         Only a step written on one node is packed (each rank of a multi-node load reads its
         own shards), from its files in RAM here; a step renamed while its files were only in
         the store gets its old name's packs, copied inside the store, if their index is the one
         it would have, else none (its old name's go with that name)."""
+        if not changed:
+            return None  # the same bytes as the stored version: its packs (if any) hold them
         groups = packs.plan(manifest) if self._single_writer(manifest) else []
         if not groups:
             return set()
@@ -320,7 +324,7 @@ class Uploader:
                     return {*map(packs.pack_name, range(len(groups))), reserved.PACKS}
                 log.info("%s is not packed: not all its small files are in RAM here",
                          manifest.path)
-                return None if not changed else set()
+                return set()
             key = layout.object_key(data_dir, packs.pack_name(number))
             await self._call(f"upload of {key}", manifest, self.backend.put_bytes, key, data)
             self.pack_bytes_sent += len(data)
