@@ -48,6 +48,7 @@ class WaitingUploader:
     def __init__(self, reason: str = "retrying") -> None:
         self.backend = SimpleNamespace(url="s3://bucket/prefix")
         self.bytes_sent, self.manifest_bytes_sent, self.bytes_copied = 10, 2, 0
+        self.pack_bytes_sent = 0
         self.stored: set[str] = set()
         self.reason = reason
 

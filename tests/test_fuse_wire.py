@@ -209,6 +209,16 @@ def test_a_getxattr_in_user_and_other_requests_go_to_the_daemon(name: bytes) -> 
     assert wire.answer_here(init_request()) is None
 
 
+def test_an_ioctl_is_answered_by_the_relay_with_enotty() -> None:
+    """Python's `open()` asks `isatty` (TCGETS) of every file: a round trip per file saved.
+    tierfs has no ioctl; the kernel turns libfuse's ENOSYS into ENOTTY all the same."""
+    tcgets = 0x5401
+    answer = wire.answer_here(request(wire.Opcode.IOCTL, struct.pack("<QIIQII", 1, 0, tcgets,
+                                                                         0, 0, 60)))
+    assert answer is not None
+    assert wire.out_header(answer) == (wire.OUT_HEADER.size, -errno.ENOTTY, UNIQUE)
+
+
 def test_a_getxattr_without_a_name_is_an_error_not_a_guess() -> None:
     with pytest.raises(wire.WireError):
         wire.answer_here(request(wire.Opcode.GETXATTR, wire.GETXATTR_IN.pack(0, 0)))

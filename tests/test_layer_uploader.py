@@ -4,6 +4,7 @@ persistent tier's upload layer."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -15,7 +16,9 @@ import pytest
 import trio
 
 from tierfs import manifest as mf
+from tierfs.s3tier import packs
 from tierfs.s3tier.backend import MANIFEST_KEY, BackendError, FileBackend
+from tierfs.s3tier.reader import PersistentReader
 from tierfs.s3tier.uploader import Uploader
 from tierfs.trackers import TrackedStep, is_tracker_name
 
@@ -232,3 +235,67 @@ async def test_a_tracker_goes_up_only_after_the_step_it_names(tmp_path: Path, ca
                     until=lambda: h.persisted_paths.count(tracker) == 2)
     assert h.persisted_paths[-2:] == ["run/step_4", tracker]
     assert (h.store / tracker).read_text() == "4"
+
+
+async def test_packs_follow_each_version_of_a_step(tmp_path: Path) -> None:
+    """A step of many small files gets packs beside its plain objects; a version with the same
+    bytes keeps them as they are, one with other bytes gets new ones, one with too few small
+    files none; the packs hold every small file's bytes where the index says."""
+    h = Harness(tmp_path)
+
+    def version(number: int, files: dict[str, bytes]) -> mf.StepManifest:
+        manifest = h.step("run/step_1", files)
+        return dataclasses.replace(manifest, version=number)
+
+    def packed(files: dict[str, bytes]) -> None:
+        index = packs.decode_index(h.backend.get_bytes("run/step_1/.tierfs-packs"))
+        assert set(index.files) == set(files)
+        for name, where in index.files.items():
+            pack = h.backend.get_bytes(f"run/step_1/{where.pack}")
+            assert pack[where.offset:where.offset + where.size] == files[name]
+            assert (h.store / "run/step_1" / name).read_bytes() == files[name]  # plain too
+
+    first = {f"t{i:03}": os.urandom(100 + i) for i in range(packs.MIN_FILES + 6)}
+    await h.persist(version(1, first))
+    packed(first)
+    sent = h.uploader.pack_bytes_sent
+    assert sent > sum(map(len, first.values()))
+
+    h.persisted_paths.clear()  # the same bytes again (a change of modes): nothing new sent
+    await h.persist(version(2, first))
+    assert h.uploader.pack_bytes_sent == sent
+    packed(first)
+
+    h.persisted_paths.clear()
+    second = {**first, "t000": b"other bytes"}
+    del second["t001"]
+    await h.persist(version(3, second))
+    packed(second)
+
+    h.persisted_paths.clear()
+    few = dict(list(second.items())[:packs.MIN_FILES - 1])
+    await h.persist(version(4, few))
+    assert not [key for key in h.stored() if ".tierfs-pack" in key]
+
+
+async def test_a_packed_step_reads_back_with_few_requests_and_never_wrong(
+        tmp_path: Path) -> None:
+    """`PackedReader` serves each small file from its pack (one request for the index, one for
+    the pack); a pack with other bytes sends the step's reads to the plain objects."""
+    h = Harness(tmp_path)
+    files = {f"t{i:03}": os.urandom(4096) for i in range(200)}
+    manifest = h.step("run/step_1", files)
+    await h.persist(manifest)
+    plain = PersistentReader(h.backend, trio.CapacityLimiter(4))
+    reader = packs.PackedReader(plain)
+    for entry in manifest.files:
+        assert await reader.read_range("run/step_1", entry, 0, entry.size) == files[entry.name]
+    assert plain.requests == 2 and reader.files_from_packs == len(files)
+
+    pack = h.store / "run/step_1/.tierfs-pack-0"
+    pack.write_bytes(bytes(b ^ 1 for b in pack.read_bytes()))
+    plain = PersistentReader(h.backend, trio.CapacityLimiter(4))
+    reader = packs.PackedReader(plain)
+    for entry in manifest.files:
+        assert await reader.read_range("run/step_1", entry, 0, entry.size) == files[entry.name]
+    assert reader.files_from_packs == 0 and plain.requests == 2 + len(files)

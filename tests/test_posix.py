@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import socket
 import stat
 import subprocess
 import tempfile
+import termios
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -308,6 +310,18 @@ def test_fifos_sockets_and_mknod(mounts: MountFactory, tmp_path: Path) -> None:
     assert exchange_through_fifo(run / "pipe") == b"through the pipe"
     subprocess.run(["rm", "-r", str(run)], check=True)
     assert os.listdir(mnt) == ["plain"]
+
+
+@pytest.mark.parametrize("passthrough", [True, False], ids=["relay", "daemon"])
+def test_an_ioctl_on_a_file_is_not_a_tty(mounts: MountFactory, passthrough: bool) -> None:
+    """Python's `open()` asks `isatty` of every file; the relay answers it (ENOTTY) as
+    libfuse does without it."""
+    mnt = mounts.mount(*([] if passthrough else ["--no-passthrough"]))
+    (mnt / "f").write_bytes(b"x")
+    with open(mnt / "f", "rb") as f:
+        assert not os.isatty(f.fileno())
+        expect_errno(errno.ENOTTY, fcntl.ioctl, f.fileno(), termios.TCGETS, bytes(64))
+        assert f.read() == b"x"
 
 
 def test_user_xattrs_on_files_and_directories(mounts: MountFactory, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import xxhash
 from tests.conftest import Mount, MountFactory, getxattr, tierfs
 from tests.test_namespace import CTX, Harness, dcp_save
 from tierfs import manifest as mf
+from tierfs.fs.sealing import INLINE_HASH_BYTES
 
 pytestmark = pytest.mark.fuse
 
@@ -77,6 +78,32 @@ async def test_background_seal_after_close(harness: Harness) -> None:
         await dcp_save(harness, "run/step_2", {})
         assert in_step.seal is not None
         assert in_step.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(b"B" * BIG)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_small_file_is_hashed_on_the_loop_and_a_large_one_in_a_thread(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of 10,000 small files handed each file's hash to a thread and back: two
+    wake-ups across threads, which cost more than hashing 4 KiB. Small files are hashed
+    where they are; a large file still leaves the loop (and the FUSE requests) free."""
+    threaded: list[object] = []
+    real = trio.to_thread.run_sync
+
+    async def counted(func, *args, **kwargs):  # type: ignore[no-untyped-def]
+        threaded.append(func)
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", counted)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(harness.ns.background.run)
+        for name, size in (("small", INLINE_HASH_BYTES), ("large", INLINE_HASH_BYTES + 1)):
+            await harness.write_file(f"run/step_4/{name}", b"S" * size)
+            node = node_of(harness, f"run/step_4/{name}")
+            with trio.fail_after(30):
+                while node.seal is None:
+                    await trio.sleep(0.01)
+            assert node.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(b"S" * size)
+            assert threaded == ([] if name == "small" else [mf.hash_fd]), name
         nursery.cancel_scope.cancel()
 
 

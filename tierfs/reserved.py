@@ -20,5 +20,7 @@ INCOMING = PREFIX + "incoming-"   # a replica's file being received from a peer
 TRASH = PREFIX + "trash-"         # an object on its way out (removed at start)
 UPLOAD = PREFIX + "upload"        # an upload to a file:// persistent tier under way
 STORE = PREFIX + "store"          # marks the root of a persistent tier
+PACK = PREFIX + "pack-"           # + a number: in the persistent tier, small files packed
+PACKS = PREFIX + "packs"          # in the persistent tier: the index of a step's packs
 PROBE = PREFIX + "probe-"         # the start-up check that the RAM dir is writable
 TEMP_SUFFIX = ".tmp"              # a reserved file written beside its final name

@@ -49,6 +49,7 @@ class Opcode(IntEnum):
     GETXATTR = 22
     INIT = 26
     CREATE = 35
+    IOCTL = 39
 
 
 # fuse_init_in/out.flags (flags2 holds bits 32-63, FUSE_INIT_EXT says it is there)
@@ -224,8 +225,14 @@ def edit_init_request(message: Message) -> tuple[bytes, InitOffer]:
 
 def answer_here(message: Message) -> bytes | None:
     """The reply the relay gives the kernel itself for this request, or None: it goes to
-    libfuse. Only a GETXATTR of a name outside `XATTR_NAMESPACE` is answered here (ENODATA)."""
+    libfuse. Two requests whose answer never depends on the tree are answered here, without a
+    round trip through libfuse and the daemon's loop: a GETXATTR of a name outside
+    `XATTR_NAMESPACE` (ENODATA), and every IOCTL (ENOTTY: tierfs has none, as libfuse's own
+    answer, ENOSYS, tells the kernel; Python's `open()` asks `isatty` of every file it opens,
+    one round trip per file saved)."""
     header = in_header(message)
+    if header.opcode == Opcode.IOCTL:
+        return OUT_HEADER.pack(OUT_HEADER.size, -errno.ENOTTY, header.unique)
     if header.opcode != Opcode.GETXATTR:
         return None
     name_at = IN_HEADER.size + GETXATTR_IN.size

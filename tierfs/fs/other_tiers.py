@@ -142,6 +142,12 @@ class OtherTiers:
                 found += [(remote.step_path, old), (old, old)]
         return found + self.deletes.sources(key)
 
+    def single_writer(self, manifest: mf.StepManifest) -> bool:
+        """Whether the step's files were all written on one node, as far as this node knows
+        (a multi-node step's records name several writers)."""
+        node = self.tree.find_step(manifest.path)
+        return node is None or len(set(node.step.file_writers.values())) <= 1
+
     def in_store(self, relpath: str) -> bool:
         """Whether the persistent tier holds the step's committed version."""
         node = self.tree.find_step(relpath)

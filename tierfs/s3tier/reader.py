@@ -5,7 +5,7 @@ fails the read (EIO) instead of hanging the reader."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import trio
@@ -31,6 +31,7 @@ class PersistentReader:
         self.backend = backend
         self._limiter = limiter
         self._old_keys = old_keys  # a renamed file's old names, until its new one is stored
+        self.requests = 0  # requests sent to the store, each attempt counted (status, tests)
 
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
                          length: int) -> bytes:
@@ -53,10 +54,18 @@ class PersistentReader:
         return await self._attempts(f"read of {key} [{offset}, +{length})",
                                     self.backend.get_range, key, offset, length)
 
+    async def read_object(self, key: str) -> bytes:
+        """A whole object of the store (a pack, its index: `tierfs.s3tier.packs`); NotFound if
+        there is none."""
+        return await self._attempts(f"read of {key}", self.backend.get_bytes, key)
+
     async def _attempts(self, what: str, func: Callable[..., T], *args: object) -> T:
         """`func(*args)` in a worker thread, retried by the one policy, a few times at most."""
-        return await retry(lambda: trio.to_thread.run_sync(func, *args, limiter=self._limiter),
-                           what, policy=READS)
+        def attempt() -> Awaitable[T]:
+            self.requests += 1
+            return trio.to_thread.run_sync(func, *args, limiter=self._limiter)
+
+        return await retry(attempt, what, policy=READS)
 
     # -- for `tierfs verify`: reading manifests back and replacing bad objects --------------
 

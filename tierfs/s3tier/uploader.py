@@ -6,9 +6,10 @@ in parallel (`tierfs.s3tier.sending`): at most PARALLEL_REQUESTS requests at onc
 the RAM store's immutable committed objects so that nothing can change under an upload. Each
 request is retried alone, a part as much as a whole file.
 Order keeps "whole step or none" in the store: the old manifest object is deleted first, then the
-files are replaced, then the new manifest is written last, and objects of the old version that
-the new one does not name go. Temporary failures retry without limit for as long as the step is
-still the current version; the step stays in RAM meanwhile.
+files are replaced, then a step of many small files gets its packs (`tierfs.s3tier.packs`),
+then the new manifest is written last, and objects of the old version that the new one does not
+name go (packs not written again among them). Temporary failures retry without limit for as
+long as the step is still the current version; the step stays in RAM meanwhile.
 
 Whatever else fails a step's upload (a store that is unavailable, a refusal the store calls
 final, the unforeseen) the whole step is tried again by the same policy, for as long as it is
@@ -42,11 +43,11 @@ from dataclasses import dataclass
 
 import trio
 
-from tierfs import layout
+from tierfs import layout, reserved
 from tierfs import manifest as mf
 from tierfs.fs import links as symlinks
 from tierfs.observe import Events
-from tierfs.s3tier import segments
+from tierfs.s3tier import packs, segments
 from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, ObjectInfo
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
@@ -86,6 +87,7 @@ class Uploader:
         on_retired: Callable[[str], None],
         tracked_step: Callable[[mf.StepManifest], TrackedStep | None] = lambda _m: None,
         copy_sources: Callable[[str], list[tuple[str, str]]] = lambda _key: [],
+        single_writer: Callable[[mf.StepManifest], bool] = lambda _m: True,
         events: Events | None = None,
     ) -> None:
         self.backend = backend
@@ -100,9 +102,11 @@ class Uploader:
         self._on_retired = on_retired
         self._tracked_step = tracked_step
         self._copy_sources = copy_sources  # key -> (old step path, old key) of renames
+        self._single_writer = single_writer  # a step written on one node: packed (s3tier.packs)
         self.bytes_sent = 0  # file bytes sent to the store (not those it copied itself)
         self.bytes_copied = 0  # file bytes the store copied inside itself (renames)
         self.manifest_bytes_sent = 0  # the steps' manifests sent to the store
+        self.pack_bytes_sent = 0  # the steps' packs and their indexes (s3tier.packs)
         self.queue = StepQueue()
         self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
@@ -269,12 +273,15 @@ class Uploader:
                 changed[0].segments or any(e.segments for e in stored.values())):
             await self._call(f"removing old segments of {prefix}", manifest,
                              self._remove_stale_segments, prefix, changed[0])
+        # (a file gone since the stored version is a change too: no pack keeps its bytes)
+        kept_packs = await self._write_packs(manifest, data_dir, bool(changed) or any(
+            manifest.entry(name) is None for name in stored))
         encoded = mf.encode(manifest)
         await self._call(f"upload of {manifest_key}", manifest,
                          self.backend.put_bytes, manifest_key, encoded)
         self.manifest_bytes_sent += len(encoded)
         await self._call(f"removing old files of {prefix}", manifest, self._remove_stale,
-                         manifest)
+                         manifest, kept_packs)
         self._clear_trouble(manifest)
         self._events.persisted(manifest, self.backend.url, time.monotonic() - started)
         self._on_persisted(manifest)
@@ -291,6 +298,71 @@ class Uploader:
             return 0
         return await trio.to_thread.run_sync(segments.stored_start, stored.get(entry.name),
                                              entry, self._object_path(entry.xxh3))
+
+    async def _write_packs(self, manifest: mf.StepManifest, data_dir: str,
+                           changed: bool) -> set[str] | None:
+        """Before the manifest goes up: the step's small files packed (`tierfs.s3tier.packs`),
+        the packs then their index. The names of the pack objects the step keeps; None: keep
+        those there (no file changed: they still hold its small files' bytes).
+
+        Only a step written on one node is packed (each rank of a multi-node load reads its
+        own shards), from its files in RAM here; a step renamed while its files were only in
+        the store gets its old name's packs, copied inside the store, if their index is the one
+        it would have, else none (its old name's go with that name)."""
+        if not changed:
+            return None  # the same bytes as the stored version: its packs (if any) hold them
+        groups = packs.plan(manifest) if self._single_writer(manifest) else []
+        if not groups:
+            return set()
+        index = packs.encode_index(groups)
+        names = set()
+        for number, group in enumerate(groups):
+            data = await trio.to_thread.run_sync(packs.build, group, self._object_path,
+                                                 limiter=self._threads)
+            if data is None:
+                if await self._copy_packs(manifest, data_dir, groups, index):
+                    return {*map(packs.pack_name, range(len(groups))), reserved.PACKS}
+                log.info("%s is not packed: not all its small files are in RAM here",
+                         manifest.path)
+                return set()
+            key = layout.object_key(data_dir, packs.pack_name(number))
+            await self._call(f"upload of {key}", manifest, self.backend.put_bytes, key, data)
+            self.pack_bytes_sent += len(data)
+            names.add(packs.pack_name(number))
+        key = layout.object_key(data_dir, reserved.PACKS)
+        await self._call(f"upload of {key}", manifest, self.backend.put_bytes, key, index)
+        self.pack_bytes_sent += len(index)
+        return names | {reserved.PACKS}
+
+    async def _copy_packs(self, manifest: mf.StepManifest, data_dir: str,
+                          groups: list[list[mf.FileEntry]], index: bytes) -> bool:
+        """Copy the packs of the step a renamed one comes from, inside the store, if their
+        index there is `index` (the same files, bytes and order); whether it did. Under the
+        old name's lock: no upload or delete of it changes them meanwhile."""
+        first = layout.object_key(data_dir, groups[0][0].name)
+        for old_path, old_key in self._copy_sources(first):
+            suffix = "/" + groups[0][0].name
+            if old_path == manifest.path or not old_key.endswith(suffix):
+                continue  # not the same file of a step directory
+            old_dir = old_key[:-len(suffix)]
+            async with self._lock(old_path):
+                try:
+                    stored = await self._call(
+                        f"read of the packs of {old_path}", manifest, self.backend.get_bytes,
+                        layout.object_key(old_dir, reserved.PACKS))
+                    if stored != index:
+                        continue
+                    for number in range(len(groups)):
+                        name = packs.pack_name(number)
+                        await self._call(f"copy of {old_dir}/{name}", manifest,
+                                         self.backend.copy, layout.object_key(old_dir, name),
+                                         layout.object_key(data_dir, name))
+                except NotFound:
+                    continue
+            key = layout.object_key(data_dir, reserved.PACKS)
+            await self._call(f"upload of {key}", manifest, self.backend.put_bytes, key, index)
+            return True
+        return False
 
     def _remove_stale_segments(self, path: str, entry: mf.FileEntry) -> None:
         """Before the manifest of a single file goes up: no segment object it does not name
@@ -355,14 +427,21 @@ class Uploader:
             return {}
         return {f.name: f for f in stored.files}
 
-    def _remove_stale(self, manifest: mf.StepManifest) -> None:
+    def _remove_stale(self, manifest: mf.StepManifest, kept_packs: set[str] | None = None
+                      ) -> None:
         """Objects under the step that its new version does not name (a re-save with other
-        file names) take space for nothing: they go (blocking)."""
+        file names) take space for nothing: they go (blocking); so do packs other than
+        `kept_packs` (None: whatever packs are there stay)."""
         prefix = f"{manifest.path}/"
         if manifest.single_file:
             return  # one object, replaced in place
-        names = {entry.name for entry in manifest.files} | {MANIFEST_KEY}
-        stale = [o.key for o in self.backend.list(prefix) if o.key[len(prefix):] not in names]
+        names = {entry.name for entry in manifest.files} | {MANIFEST_KEY} | (kept_packs or set())
+
+        def is_stale(name: str) -> bool:
+            return name not in names and (kept_packs is not None or
+                                          not packs.is_pack_object(name))
+
+        stale = [o.key for o in self.backend.list(prefix) if is_stale(o.key[len(prefix):])]
         if stale:
             self.backend.delete(stale)
 

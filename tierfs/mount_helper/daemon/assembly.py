@@ -52,6 +52,7 @@ from tierfs.mount_helper.mounts import (
     mount_source,
 )
 from tierfs.observe import Events
+from tierfs.s3tier.packs import PackedReader
 from tierfs.s3tier.reader import PersistentReader
 
 log = logging.getLogger(__name__)
@@ -114,8 +115,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     sources = []
     if links is not None:
         sources.append(events.metered(links.reader, "peers"))
-    if persist is not None and backend is not None:
-        sources.append(events.metered(persist, backend.url))
+    if persist is not None and backend is not None:  # small files out of packs (s3tier.packs)
+        sources.append(events.metered(PackedReader(persist), backend.url))
     namespace = Namespace(core, commits_send, read_sources=sources,
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
@@ -144,7 +145,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     replicator = cluster.replicator if cluster else None
     pipeline = CommitPipeline(uploader, replicator)
     api = ControlApi(cfg, namespace, uploader, cluster, verifier, pipeline, device,
-                     new_store=new_store)
+                     new_store=new_store,
+                     persist_reads=(lambda: persist.requests) if persist else lambda: 0)
     metrics = None
     try:
         if cfg.metrics is not None:

@@ -64,7 +64,7 @@ def make_uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
         is_current=tiers.is_current,
         on_persisted=persisted, on_retired=tiers.mark_retired,
         tracked_step=tiers.tracked_step, copy_sources=tiers.copy_sources,
-        events=events,
+        single_writer=tiers.single_writer, events=events,
     )
 
 

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from tierfs import manifest as mf
@@ -34,10 +35,11 @@ class ControlApi:
 
     def __init__(self, cfg: MountConfig, namespace: Namespace, uploader: Uploader | None,
                  cluster: ClusterNode | None, verifier: Verifier, pipeline: CommitPipeline,
-                 passthrough: PassthroughDevice | None = None, *, new_store: bool = False
-                 ) -> None:
+                 passthrough: PassthroughDevice | None = None, *, new_store: bool = False,
+                 persist_reads: Callable[[], int] = lambda: 0) -> None:
         self.cfg = cfg
         self.new_store = new_store  # the persistent tier was empty when this mount began
+        self.persist_reads = persist_reads  # requests the read path sent to the store
         self.namespace = namespace
         self.uploader = uploader
         self.cluster = cluster
@@ -55,6 +57,8 @@ class ControlApi:
                 "sent_bytes": self.uploader.bytes_sent,
                 "manifest_bytes": self.uploader.manifest_bytes_sent,
                 "copied_bytes": self.uploader.bytes_copied,
+                "pack_bytes": self.uploader.pack_bytes_sent,
+                "read_requests": self.persist_reads(),
                 "every": self.cfg.persist_every,
                 "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
                 "pending_bytes": sum(m.total_bytes for m in waiting)}
