@@ -102,18 +102,20 @@ class Sealing:
     def pending(self, node: Node) -> bool:
         """Whether a hash of the node's current bytes is running or about to run (a file
         whose hash is only queued is not hashed a second time at its RELEASE)."""
+        return self._under_way(node) or self._at_commit.get(node) == node.gen
+
+    def _under_way(self, node: Node) -> bool:
+        """Whether a hash of the node's current bytes runs or is queued to run."""
         running = self._running.get(node)
         return ((running is not None and running[0] == node.gen)
-                or self._queued.get(node) == node.gen or self._at_commit.get(node) == node.gen)
+                or self._queued.get(node) == node.gen)
 
     def start_all(self, nodes: list[Node]) -> None:
         """Hash these files in the background (a commit then joins each hash in turn, all
         the hash threads at work) unless sealed, being written, or hashed already."""
         for node in nodes:
-            running = self._running.get(node)
             if (node.seal is None and not node.active_writers and node.remote is None
-                    and self._queued.get(node) != node.gen
-                    and (running is None or running[0] != node.gen)):
+                    and not self._under_way(node)):
                 self.start(node)
 
     async def seal(self, node: Node) -> None:
@@ -148,7 +150,7 @@ class Sealing:
                 return seal.digest
         fd = os.open(snapshot, os.O_RDONLY)
         try:
-            return await self._hash_fd(fd)
+            return await self._hash_fd(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
 
@@ -163,8 +165,11 @@ class Sealing:
         while self._holders:
             self._limiter.release_on_behalf_of(self._holders.pop())
 
-    async def _hash_fd(self, fd: int) -> mf.Digest:
-        """`mf.hash_fd` in a hash thread (the caller keeps `fd` open until it returns)."""
+    async def _hash_fd(self, fd: int, size: int) -> mf.Digest:
+        """`mf.hash_fd` of a file of `size` bytes: on the loop up to INLINE_HASH_BYTES, else in
+        a hash thread (the caller keeps `fd` open until it returns)."""
+        if size <= INLINE_HASH_BYTES:
+            return mf.hash_fd(fd)
         return await trio.to_thread.run_sync(mf.hash_fd, fd, limiter=self._limiter)
 
     async def _in_background(self, node: Node, gen: int) -> None:
@@ -185,10 +190,7 @@ class Sealing:
             return
         try:
             before = os.fstat(fd)
-            if before.st_size <= INLINE_HASH_BYTES:
-                digest = mf.hash_fd(fd)
-            else:
-                digest = await self._hash_fd(fd)
+            digest = await self._hash_fd(fd, before.st_size)
             after = os.fstat(fd)
         finally:
             os.close(fd)
