@@ -10,6 +10,7 @@ and the committed bytes stay as they were."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
+from tests.conftest import Mount, MountFactory, getxattr, pid_alive, tierfs, wait_until
 from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.mount_helper import control
@@ -115,6 +116,32 @@ def test_daemon_killed_before_the_hashes_finishes_the_commit_at_start(
     assert {n: xxhash.xxh3_128_hexdigest((store / "run/step_3" / n).read_bytes())
             for n in expected} == expected
     assert "hashed now" in mnt.log()
+    tierfs("verify", str(step), "--no-repair")
+
+
+def test_a_daemon_stopped_while_hashing_exits_and_finishes_the_commit_at_start(
+        mounts: MountFactory, tmp_path: Path) -> None:
+    """SIGTERM while a committed step's hashes are not in, and another step waits for a
+    hash at the unmount's last commits: the daemon stops (it used to wait for its held hash
+    threads forever), and the next one finishes both."""
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}", "--commit-idle", "300")
+    quiet = mnt / "run/step_8"  # committed by the unmount, its file hashed then, in a thread
+    quiet.mkdir(parents=True)
+    (quiet / "weights.bin").write_bytes(os.urandom(1 << 20))
+    step = mnt / "run/step_7"
+    save_with_hashes_held(mnt, step)
+    expected = hashes_of(step)
+    os.kill(mnt.pid, signal.SIGTERM)
+    wait_until(lambda: not pid_alive(mnt.pid), timeout=20)
+    mnt = mounts.remount(mnt)
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    assert getxattr(quiet, "user.tierfs.state") == "committed"
+    assert hashes_of(step) == expected
+    wait_until(lambda: all((s := mnt.step(f"run/step_{n}")) and s["persisted"]
+                           for n in (7, 8)), 30)
+    assert {e.name: e.xxh3 for e in manifest_of(mnt, "run/step_7").files} == expected
     tierfs("verify", str(step), "--no-repair")
 
 

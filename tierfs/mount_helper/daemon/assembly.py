@@ -206,6 +206,9 @@ async def _account_direct_writes(namespace: Namespace) -> None:
 
 async def _run_fuse(cancel_scope: trio.CancelScope, namespace: Namespace) -> None:
     await pyfuse3.main()
+    # Hash threads a test took (`hold_hashes`) are given back: the last commits below, and the
+    # stop itself, wait for the hashes under way.
+    namespace.tree.sealing.release()
     # A clean unmount (umount, SIGTERM): steps whose savers are done commit now, not later.
     await namespace.quiet.commit_quiet_steps()
     cancel_scope.cancel()  # unmounted or terminated: stop the other workers
