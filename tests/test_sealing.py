@@ -4,7 +4,9 @@ the file while it was being hashed."""
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ import xxhash
 from tests.conftest import Mount, MountFactory, getxattr, tierfs
 from tests.test_namespace import CTX, Harness, dcp_save
 from tierfs import manifest as mf
-from tierfs.fs.sealing import INLINE_HASH_BYTES
+from tierfs.fs.sealing import HASH_AT_COMMIT, INLINE_HASH_BYTES
 
 pytestmark = pytest.mark.fuse
 
@@ -175,3 +177,18 @@ async def test_a_saver_commit_does_not_wait_for_the_hashes(harness: Harness) -> 
         assert harness.store.object_path(digest).read_bytes() == b"A" * BIG
         assert await harness.read_file("run/step_6/a") == b"B" * BIG
         nursery.cancel_scope.cancel()
+
+
+async def test_a_big_file_removed_before_its_step_commits_is_not_kept(harness: Harness) -> None:
+    """A file of HASH_AT_COMMIT bytes or more in a step is hashed when its step commits; one
+    removed before that is gone from memory once the kernel forgets it (the sealing's books
+    kept it, and its node, for the daemon's life)."""
+    await harness.write_file("run/step_6/big", b"x" * HASH_AT_COMMIT)
+    node = node_of(harness, "run/step_6/big")
+    assert node.seal is None and harness.ns.tree.sealing.pending(node)
+    ino, lookups, gone = node.ino, node.lookups, weakref.ref(node)
+    del node
+    await harness.ops.unlink(await harness.inode("run/step_6"), b"big", CTX)
+    await harness.ops.forget([(ino, lookups)])
+    gc.collect()
+    assert gone() is None

@@ -161,7 +161,7 @@ class StepState:
 class Node:
     __slots__ = ("ino", "kind", "name", "parent", "children", "lookups", "handles",
                  "active_writers", "gen", "seal", "step", "virtual", "remote", "fetch",
-                 "anchor_fd", "own_latest")
+                 "anchor_fd", "own_latest", "__weakref__")
 
     def __init__(self, ino: int, kind: int, name: bytes, parent: Node | None) -> None:
         self.ino = ino

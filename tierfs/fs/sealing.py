@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Callable
 
 import trio
@@ -66,7 +67,9 @@ class Sealing:
         self._limiter = trio.CapacityLimiter(threads)
         self._running: dict[Node, tuple[int, trio.Event]] = {}
         self._queued: dict[Node, int] = {}  # started, not yet running: node -> its generation
-        self._at_commit: dict[Node, int] = {}  # hashed when needed: node -> its generation
+        # Hashed when needed: node -> its generation; weak, so a file removed before its
+        # step commits is not kept for it.
+        self._at_commit: weakref.WeakKeyDictionary[Node, int] = weakref.WeakKeyDictionary()
         # The owner of background hashes; without one, files are sealed when first needed.
         self.spawner = spawner
         self._threads = threads

@@ -19,6 +19,7 @@ import dataclasses
 import os
 import time
 import uuid
+from collections.abc import Callable
 
 from tierfs import manifest as mf
 from tierfs.fs import append_layout
@@ -70,16 +71,15 @@ class StepManifests:
             node_id=self.tree.node_id, committed_ns=time.time_ns(), files=tuple(entries),
             single_file=step_node.is_file,
         )
-        manifest_path = os.path.join(self.tree.records_path(step_node), mf.MANIFEST_NAME.encode())
-        tmp = self.tree.records.write_temp(manifest_path, mf.encode(manifest))  # may fail: ENOSPC
-        for (_rel, node), entry, path in zip(files, entries, paths, strict=True):
-            if path is not None:
-                self.tree.store.add_ref(entry.xxh3, path, copies.get(node))
-                copies.pop(node, None)  # the object now, or removed by add_ref
-        os.rename(tmp, manifest_path)
-        self._residents.drop_resident_refs(step)
-        step.manifest = manifest
-        step.resident = {rel for rel, node in files if node.remote is None}
+
+        def link_objects() -> None:
+            for (_rel, node), entry, path in zip(files, entries, paths, strict=True):
+                if path is not None:
+                    self.tree.store.add_ref(entry.xxh3, path, copies.get(node))
+                    copies.pop(node, None)  # the object now, or removed by add_ref
+
+        self._put_in_place(step_node, manifest, link_objects,
+                           {rel for rel, node in files if node.remote is None})
         step.attributes_changed = False
         step.dirty = False
         step.commit_pending = False
@@ -148,15 +148,13 @@ class StepManifests:
                 path=step_path, step=number, version=pending.record.version,
                 node_id=self.tree.node_id, committed_ns=pending.record.committed_ns,
                 files=tuple(entries), single_file=step_node.is_file)
-            manifest_path = os.path.join(self.tree.records_path(step_node),
-                                         mf.MANIFEST_NAME.encode())
-            tmp = self.tree.records.write_temp(manifest_path, mf.encode(manifest))
-            for f, entry in zip(pending.record.files, entries, strict=True):
-                store.adopt_snapshot(entry.xxh3, store.snapshot_path(f.snapshot))
-            os.rename(tmp, manifest_path)
-            self._residents.drop_resident_refs(step)
-            step.manifest = manifest
-            step.resident = {f.name for f in pending.record.files}
+
+            def adopt_snapshots() -> None:
+                for f, entry in zip(pending.record.files, entries, strict=True):
+                    store.adopt_snapshot(entry.xxh3, store.snapshot_path(f.snapshot))
+
+            self._put_in_place(step_node, manifest, adopt_snapshots,
+                               {f.name for f in pending.record.files})
         self._remove_pending_record(step_node)
         step.pending = None
         # Changed since the pending commit: that change is a new version, still being written.
@@ -169,6 +167,19 @@ class StepManifests:
                     if st.st_ino == os.lstat(store.object_path(entry.xxh3)).st_ino:
                         node.seal = Seal(mf.Digest.of(entry), st.st_ino, st.st_mtime_ns)
         return manifest
+
+    def _put_in_place(self, step_node: Node, manifest: mf.StepManifest,
+                      link_objects: Callable[[], None], resident: set[str]) -> None:
+        """A new manifest on disk, in the order of the module docstring (its temp file, the
+        objects linked by `link_objects`, the rename), then in the step's state."""
+        step = step_node.step
+        manifest_path = os.path.join(self.tree.records_path(step_node), mf.MANIFEST_NAME.encode())
+        tmp = self.tree.records.write_temp(manifest_path, mf.encode(manifest))  # may fail: ENOSPC
+        link_objects()
+        os.rename(tmp, manifest_path)
+        self._residents.drop_resident_refs(step)
+        step.manifest = manifest
+        step.resident = resident
 
     def drop_pending(self, step_node: Node, step: StepState) -> None:
         """A pending commit whose step was removed or stopped being a step: its snapshots and
