@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from tests.conftest import Mount, MountFactory, getxattr, pid_alive, tierfs, wai
 from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.mount_helper import control
+from tierfs.mount_helper.mounts import is_mounted
 
 pytestmark = pytest.mark.frameworks
 
@@ -143,6 +145,31 @@ def test_a_daemon_stopped_while_hashing_exits_and_finishes_the_commit_at_start(
                            for n in (7, 8)), 30)
     assert {e.name: e.xxh3 for e in manifest_of(mnt, "run/step_7").files} == expected
     tierfs("verify", str(step), "--no-repair")
+
+
+def test_umount_flush_waits_for_the_hashes_and_the_store(mounts: MountFactory,
+                                                          tmp_path: Path) -> None:
+    """`tierfs umount` right after a save whose hashes are still being computed: it refuses
+    (the step is due in the store and not there yet: `tierfs flush` said nothing waited, and
+    the unmount's last commits waited for the hashes), `tierfs flush` waits for it; with
+    --flush it waits for the hashes, then the store, then unmounts; nothing is left to
+    finish at the next start."""
+    mnt, store, step = saved_to_a_store(mounts, tmp_path, "run/step_9")
+    expected = hashes_of(step)
+    refused = tierfs("umount", str(mnt.mountpoint), check=False)
+    assert refused.returncode != 0 and "not unmounted" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and is_mounted(mnt.mountpoint)
+    waited = tierfs("flush", str(mnt.mountpoint), "--timeout", "1", check=False)
+    assert waited.returncode != 0 and "run/step_9 (hashing)" in waited.stderr, waited.stderr
+    threading.Timer(1.0, hold_hashes, (mnt, False)).start()  # the hashes finish meanwhile
+    tierfs("umount", "--flush", str(mnt.mountpoint))
+    assert not is_mounted(mnt.mountpoint)
+    assert {n: xxhash.xxh3_128_hexdigest((store / "run/step_9" / n).read_bytes())
+            for n in expected} == expected
+    assert not (mnt.ram_dir / "tree/run/step_9" / reserved.PENDING).exists()
+    mnt = mounts.remount(mnt)
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    assert "hashed now" not in mnt.log().split("mounted")[-1]
 
 
 @pytest.mark.parametrize("passthrough", [True, False], ids=["passthrough", "no-passthrough"])

@@ -144,8 +144,10 @@ class QuietCommits:
     async def _commit_if_quiet(self, step_node: Node) -> bool:
         """Commit `step_node` if nothing writes it; otherwise look again later."""
         step = step_node.step
-        if step is None or step_node.parent is None or step.committed:
-            self.watch.due.pop(step_node, None)  # removed, renamed away, or committed meanwhile
+        if step is None or step_node.parent is None or step.shown_committed:
+            # Removed, renamed away, or committed meanwhile (its hashes may still be coming:
+            # that commit is finished in the background, not waited for here).
+            self.watch.due.pop(step_node, None)
             return False
         reason = self._not_quiet(step_node)
         if reason is not None:

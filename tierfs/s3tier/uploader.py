@@ -120,13 +120,17 @@ class Uploader:
 
     def wanted(self, manifest: mf.StepManifest) -> bool:
         if manifest.step != mf.NO_STEP:
-            return manifest.step % self.persist_every == 0
+            return self.due(manifest.step)
         # A loose file (no step number) is always persisted: nothing else keeps it; but a
         # tracker only with the step it names, so only once that step is in the store or on
         # its way there from this node (not one naming a step that is nowhere).
         tracked = self._tracked_step(manifest)
         return tracked is None or tracked.persisted or (
             tracked.made_here and tracked.number % self.persist_every == 0)
+
+    def due(self, number: int) -> bool:
+        """Whether step `number` goes to the store (--persist-every)."""
+        return number % self.persist_every == 0
 
     def submit(self, manifest: mf.StepManifest) -> None:
         """Queue a committed step (a newer version of a queued step replaces it)."""

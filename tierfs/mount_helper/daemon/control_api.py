@@ -9,6 +9,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from tierfs import manifest as mf
@@ -27,6 +28,17 @@ from tierfs.replication.peers.channel import SENT_TO
 from tierfs.s3tier.uploader import Uploader
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DueInStore:
+    """A step the persistent tier should hold and does not yet: its committed manifest, or
+    None while its hashes are being computed (the manifest comes after them)."""
+
+    path: str
+    total_bytes: int
+    committed_ns: int
+    manifest: mf.StepManifest | None = None
 
 
 class ControlApi:
@@ -61,7 +73,7 @@ class ControlApi:
                 "read_requests": self.persist_reads(),
                 "every": self.cfg.persist_every,
                 "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
-                "pending_bytes": sum(m.total_bytes for m in waiting)}
+                "pending_bytes": sum(due.total_bytes for due in waiting)}
 
     def _persist_waits(self) -> dict[str, dict[str, Any]]:
         """Per step due in the store and not there yet: why not, since when, and how many
@@ -69,16 +81,33 @@ class ControlApi:
         if self.uploader is None:
             return {}
         waits = {}
-        for manifest in self._persist_waiting():
-            reason, since_ns, failures = self.uploader.waiting(manifest)
-            waits[manifest.path] = {"reason": reason, "since_ns": since_ns,
-                                    "failures": failures}
+        for due in self._persist_waiting():
+            reason, since_ns, failures = (
+                self.uploader.waiting(due.manifest) if due.manifest is not None
+                else ("hashing", due.committed_ns, 0))
+            waits[due.path] = {"reason": reason, "since_ns": since_ns, "failures": failures}
         return waits
 
-    def _persist_waiting(self) -> list[mf.StepManifest]:
+    def _persist_waiting(self) -> list[DueInStore]:
+        """The steps due in the store and not there yet: committed ones the uploader wants,
+        and those committed with their hashes still to come (`fs.pending_commits`) that it
+        will want once they are in (`tierfs flush` and `umount` wait for those too)."""
         assert self.uploader is not None
-        return [m for m in self.namespace.tiers.committed_manifests()
-                if self.uploader.wanted(m)]
+        waiting = [DueInStore(m.path, m.total_bytes, m.committed_ns, m)
+                   for m in self.namespace.tiers.committed_manifests()
+                   if self.uploader.wanted(m)]
+        named = {due.path for due in waiting}
+        tree = self.namespace.tree
+        for node in tree.steps():
+            step = node.step
+            if step.pending is None or step.pending.superseded or step.number is None:
+                continue
+            path = tree.relpath(node)
+            if self.uploader.due(step.number) and path not in named:
+                record = step.pending.record
+                waiting.append(DueInStore(path, sum(f.size for f in record.files),
+                                          record.committed_ns))
+        return waiting
 
     def _replicas_waiting(self) -> list[mf.StepManifest]:
         """Steps made here that have fewer peer copies than --replicas."""
