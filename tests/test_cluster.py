@@ -249,6 +249,26 @@ def test_committed_step_is_replicated_to_the_next_node(cluster3: Cluster) -> Non
     assert node1.step("run/step_10")["version"] == 1
 
 
+def test_nothing_of_a_step_reaches_a_peer_before_its_hashes(cluster3: Cluster) -> None:
+    """A saver's commit returns before its files are hashed (fs.pending_commits); the copy
+    to a peer, and the commit record the peers list steps from, wait for the hashes."""
+    from tests.test_commit_hashes_later import hold_hashes
+    from tests.test_crash import save, verify_committed
+
+    node0, node1, node2 = (cluster3.nodes[f"node{i}"] for i in range(3))
+    wait_until(lambda: all(cluster3.peers_up("node0").values()), timeout=15)
+    files = {"__0_0.distcp": os.urandom(8 << 20), ".metadata": b"meta"}
+    hold_hashes(node0, True)
+    save(node0 / "run/step_11", files)
+    assert node0.step("run/step_11")["hashing"]
+    time.sleep(2)  # far longer than the copy takes once it may go
+    assert node0.step("run/step_11")["replicas"] == []
+    assert node1.step("run/step_11") is None and node2.step("run/step_11") is None
+    hold_hashes(node0, False)
+    wait_until(lambda: node0.step("run/step_11")["replicas"] == ["node1"], timeout=30)
+    verify_committed(node1, {"run/step_11": files})
+
+
 def test_every_node_lists_every_step_and_a_replacement_reads_through_peers(
         cluster3: Cluster) -> None:
     import shutil
