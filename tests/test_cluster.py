@@ -251,7 +251,8 @@ def test_committed_step_is_replicated_to_the_next_node(cluster3: Cluster) -> Non
 
 def test_nothing_of_a_step_reaches_a_peer_before_its_hashes(cluster3: Cluster) -> None:
     """A saver's commit returns before its files are hashed (fs.pending_commits); the copy
-    to a peer, and the commit record the peers list steps from, wait for the hashes."""
+    to a peer, and the commit record the peers list steps from, wait for the hashes; and
+    `tierfs flush` waits for that copy."""
     from tests.test_commit_hashes_later import hold_hashes
     from tests.test_crash import save, verify_committed
 
@@ -264,8 +265,14 @@ def test_nothing_of_a_step_reaches_a_peer_before_its_hashes(cluster3: Cluster) -
     time.sleep(2)  # far longer than the copy takes once it may go
     assert node0.step("run/step_11")["replicas"] == []
     assert node1.step("run/step_11") is None and node2.step("run/step_11") is None
+    # `tierfs flush` waits for the copies too (it said "nothing to flush" without a store).
+    waited = tierfs("flush", str(node0.mountpoint), "--timeout", "1", check=False)
+    assert waited.returncode == 1, waited.stdout
+    assert "run/step_11 (hashing to peers)" in waited.stderr, waited.stderr
     hold_hashes(node0, False)
-    wait_until(lambda: node0.step("run/step_11")["replicas"] == ["node1"], timeout=30)
+    done = tierfs("flush", str(node0.mountpoint), "--timeout", "30")
+    assert "every committed step is on 1 peer" in done.stdout, done.stdout
+    assert node0.step("run/step_11")["replicas"] == ["node1"]
     verify_committed(node1, {"run/step_11": files})
 
 

@@ -329,13 +329,15 @@ class OtherTiers:
                        and n.step.manifest.node_id == self.node_id),
                       key=lambda m: (m.step, m.path))
 
-    def short_of_copies(self, manifest: mf.StepManifest, replicas: int) -> bool:
+    def short_of_copies(self, manifest: mf.StepManifest, replicas: int,
+                        is_up: Callable[[str], bool]) -> bool:
         """Whether a file of this version here has fewer than `replicas` verified copies on
-        peers (status and metrics: replication still due)."""
+        live peers (status, flush and metrics: replication still due)."""
         node = self.tree.find_step(manifest.path)
         if node is None or node.step.manifest is not manifest:
             return False
-        return any(len(self.tree.holdings.verified_peers(node.step, name)) < replicas
+        return any(sum(1 for peer in self.tree.holdings.verified_peers(node.step, name)
+                       if is_up(peer)) < replicas
                    for name in node.step.resident)
 
     def note_placements(self, manifest: mf.StepManifest, holders: dict[str, set[str]],

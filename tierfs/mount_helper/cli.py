@@ -95,16 +95,20 @@ def _parser_and_commands() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     umount = commands.add_parser("umount", help="unmount and stop the daemon")
     umount.add_argument("mountpoint", metavar="MOUNTPOINT")
     umount.add_argument("--flush", action="store_true",
-                        help="first wait until every committed step meets the persistence policy")
+                        help="first wait until every committed step meets the persistence and "
+                        "replication policy (as `tierfs flush`)")
     umount.add_argument("--force", action="store_true",
                         help="unmount even if committed steps due in the persistent tier are "
                         "not there yet and no peer holds them (they stay in the RAM dir, and "
                         "go up at its next mount); without it, umount refuses")
 
     flush = commands.add_parser(
-        "flush", help="wait until every committed step meets the persistence policy",
+        "flush", help="wait until every committed step meets the persistence and replication "
+        "policy",
         description="Wait until every committed step that --persist-every selects is in the "
-        "persistent tier, showing progress. Exits 1 if --timeout passes first.")
+        "persistent tier and, in a cluster, every step made here that the store does not hold "
+        "has --replicas verified copies on live peers (as many as there are other nodes, if "
+        "fewer), showing progress. Exits 1 if --timeout passes first.")
     flush.add_argument("mountpoint", metavar="MOUNTPOINT")
     flush.add_argument("--timeout", type=float, metavar="SECONDS",
                        help="give up after this many seconds (default: wait as long as it takes)")
@@ -419,8 +423,8 @@ def _seconds(text: str) -> float:
 
 
 def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
-    """Poll the daemon until nothing waits for the persistent tier; draw progress meanwhile.
-    With `report`, then name the steps that are not committed."""
+    """Poll the daemon until nothing waits for the persistent tier or for copies on peers;
+    draw progress meanwhile. With `report`, then name the steps that are not committed."""
     socket_path, _root, _rel = control.locate(mountpoint)
     started = time.monotonic()
     on_terminal = sys.stderr.isatty()
@@ -428,13 +432,16 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
     last_report = 0.0
     while True:
         status = control.request(socket_path, {"cmd": "status"})["status"]
-        persist = status.get("persist")
-        if persist is None:
-            print("no persistent tier is configured (--persist): nothing to flush")
+        persist, replication = status.get("persist"), status.get("replication")
+        if persist is None and not (replication and replication["replicas"]):
+            print("no persistent tier (--persist) and no peer copies (--replicas) are "
+                  "configured: nothing to flush")
             if report:
                 _warn_uncommitted(status)
             return 0
-        steps, pending = persist["pending_steps"], persist["pending_bytes"]
+        waits = [w for w in (persist, replication) if w is not None]
+        steps = sum(w["pending_steps"] for w in waits)
+        pending = sum(w["pending_bytes"] for w in waits)
         first_bytes = pending if first_bytes is None else max(first_bytes, pending)
         elapsed = time.monotonic() - started
         if steps == 0:
@@ -442,7 +449,7 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
                 print(file=sys.stderr)
             flushed = (f"{human_bytes(first_bytes)} flushed in {elapsed:.1f} s" if first_bytes
                        else "nothing was waiting")
-            print(f"every committed step is in {persist['url']} ({flushed})")
+            print(f"every committed step is {_flush_goal(persist, replication)} ({flushed})")
             if report:
                 _warn_uncommitted(status)
             return 0
@@ -450,8 +457,8 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
             if on_terminal:
                 print(file=sys.stderr)
             raise UserError(f"flush timed out after {timeout:g} s: {steps} steps "
-                            f"({human_bytes(pending)}) not yet in {persist['url']}: "
-                            + status_view.not_in_store(status_view.due_in_store(status)))
+                            f"({human_bytes(pending)}) not yet "
+                            f"{_flush_goal(persist, replication)}: {_flush_left(status)}")
         done = first_bytes - pending
         if on_terminal:
             draw_progress("flushing", done / first_bytes if first_bytes else 0.0,
@@ -460,8 +467,29 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
         elif time.monotonic() - last_report > 5:
             last_report = time.monotonic()
             print(f"flushing: {steps} steps ({human_bytes(pending)}) left: "
-                  + status_view.not_in_store(status_view.due_in_store(status)), flush=True)
+                  + _flush_left(status), flush=True)
         time.sleep(0.2)
+
+
+def _flush_goal(persist: dict[str, Any] | None, replication: dict[str, Any] | None) -> str:
+    """Where a flush puts the committed steps: `in s3://b/p or on 1 peer` (a step the store
+    holds needs no peer copies; one it is not due in does)."""
+    goals = [f"in {persist['url']}"] if persist is not None else []
+    if replication and replication["replicas"]:
+        wanted = replication["wanted"]
+        goals.append(f"on {wanted} peer{'s' * (wanted > 1)}" if wanted
+                     else "on no peer (no other node has joined)")
+    return " or ".join(goals)
+
+
+def _flush_left(status: dict[str, Any]) -> str:
+    """The steps a flush still waits for, and why: `run/step_1 (uploading), ...`."""
+    left = [f"{s['path']} ({status_view.persist_reason(s, time.time_ns())})"
+            for s in status_view.due_in_store(status)]
+    replication = status.get("replication") or {}
+    left += [f"{path} ({reason} to peers)"
+             for path, reason in replication.get("pending", {}).items()]
+    return status_view.some_names(left, status_view.NAMED)
 
 
 def _warn_uncommitted(status: dict[str, Any]) -> None:

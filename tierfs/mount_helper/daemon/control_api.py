@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DueInStore:
-    """A step the persistent tier should hold and does not yet: its committed manifest, or
-    None while its hashes are being computed (the manifest comes after them)."""
+class Due:
+    """A step a tier (the store, or peers) should hold and does not yet: its committed
+    manifest, or None while its hashes are being computed (the manifest comes after them)."""
 
     path: str
     total_bytes: int
@@ -88,31 +88,72 @@ class ControlApi:
             waits[due.path] = {"reason": reason, "since_ns": since_ns, "failures": failures}
         return waits
 
-    def _persist_waiting(self) -> list[DueInStore]:
+    def _persist_waiting(self) -> list[Due]:
         """The steps due in the store and not there yet: committed ones the uploader wants,
         and those committed with their hashes still to come (`fs.pending_commits`) that it
         will want once they are in (`tierfs flush` and `umount` wait for those too)."""
         assert self.uploader is not None
-        waiting = [DueInStore(m.path, m.total_bytes, m.committed_ns, m)
+        waiting = [Due(m.path, m.total_bytes, m.committed_ns, m)
                    for m in self.namespace.tiers.committed_manifests()
                    if self.uploader.wanted(m)]
-        named = {due.path for due in waiting}
+        uploader = self.uploader
+        return waiting + self._hashing(lambda number: uploader.due(number),
+                                       {due.path for due in waiting})
+
+    def _hashing(self, due: Callable[[int], bool], named: set[str]) -> list[Due]:
+        """The steps committed with their hashes still to come (`fs.pending_commits`) whose
+        number is `due` for a tier and that are not `named` already (an older version is)."""
         tree = self.namespace.tree
+        hashing = []
         for node in tree.steps():
             step = node.step
             if step.pending is None or step.pending.superseded or step.number is None:
                 continue
             path = tree.relpath(node)
-            if self.uploader.due(step.number) and path not in named:
+            if due(step.number) and path not in named:
                 record = step.pending.record
-                waiting.append(DueInStore(path, sum(f.size for f in record.files),
-                                          record.committed_ns))
-        return waiting
+                hashing.append(Due(path, sum(f.size for f in record.files),
+                                   record.committed_ns))
+        return hashing
 
-    def _replicas_waiting(self) -> list[mf.StepManifest]:
-        """Steps made here that have fewer peer copies than --replicas."""
-        return [m for m in self.namespace.tiers.owned_manifests()
-                if self.namespace.tiers.short_of_copies(m, self.cfg.replicas)]
+    def replicas_wanted(self) -> int:
+        """The peer copies each file made here should have: --replicas, or as many as there
+        are other nodes if fewer (every one seen since this daemon started, up or down: a
+        node down now still counts, its copy is missing)."""
+        if self.cluster is None:
+            return 0
+        return min(self.cfg.replicas, len(self.cluster.directory.peers))
+
+    def _replicas_waiting(self) -> list[Due]:
+        """Steps made here, not in the store, with a file here that has fewer verified copies
+        on live peers than `replicas_wanted`, and those committed with their hashes still to
+        come (nothing of them has left the node). `tierfs flush` waits for them; metrics count
+        them."""
+        wanted = self.replicas_wanted()
+        if wanted == 0:
+            return []
+        assert self.cluster is not None
+        tiers = self.namespace.tiers
+        waiting = [Due(m.path, m.total_bytes, m.committed_ns, m) for m in tiers.owned_manifests()
+                   if not self._persisted(m)
+                   and tiers.short_of_copies(m, wanted, self.cluster.directory.is_up)]
+        return waiting + self._hashing(lambda _number: True, {due.path for due in waiting})
+
+    def _persisted(self, manifest: mf.StepManifest) -> bool:
+        node = self.namespace.tree.find_step(manifest.path)
+        return node is not None and node.step.persisted
+
+    def replication_status(self) -> dict[str, Any] | None:
+        """`replication` in `tierfs status --json` (None outside a cluster): the copies each
+        file made here should have, and the steps that do not have them yet."""
+        if self.cluster is None:
+            return None
+        waiting = self._replicas_waiting()
+        return {"replicas": self.cfg.replicas, "wanted": self.replicas_wanted(),
+                "pending_steps": len(waiting),
+                "pending_bytes": sum(due.total_bytes for due in waiting),
+                "pending": {due.path: "hashing" if due.manifest is None else "copying"
+                            for due in waiting}}
 
     def levels(self) -> Levels:
         """The gauges of the metrics endpoint (called in the trio thread at each scrape)."""
@@ -249,6 +290,7 @@ class ControlApi:
             # in a cluster: what this node missed while it was down is applied
             "caught_up": self.cluster.caught_up.is_set() if self.cluster else None,
             "persist": self.persist_status(),
+            "replication": self.replication_status(),
             "commits": self.pipeline.commits,
             "ram_check": dict(self.verifier.scan_counts, done=self.verifier.scan_done.is_set()),
             "verify": self.verifier.progress,
