@@ -96,9 +96,7 @@ class ControlApi:
         waiting = [Due(m.path, m.total_bytes, m.committed_ns, m)
                    for m in self.namespace.tiers.committed_manifests()
                    if self.uploader.wanted(m)]
-        uploader = self.uploader
-        return waiting + self._hashing(lambda number: uploader.due(number),
-                                       {due.path for due in waiting})
+        return waiting + self._hashing(self.uploader.due, {due.path for due in waiting})
 
     def _hashing(self, due: Callable[[int], bool], named: set[str]) -> list[Due]:
         """The steps committed with their hashes still to come (`fs.pending_commits`) whose
