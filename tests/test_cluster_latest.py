@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -31,6 +32,7 @@ from tests.test_cluster import (  # noqa: F401
     cluster3,
     token_file,  # noqa: F401  (a fixture)
 )
+from tierfs.replication.coordination import membership
 
 pytestmark = pytest.mark.cluster
 
@@ -69,6 +71,15 @@ def test_latest_resumes_from_the_step_before_a_writer_lost_before_its_copies(
             rank.kill()
     assert node0.step("run/step_20")["state"] == "committed"
     node1.kill9()
+    # Once incomplete, it stays so while node1's lease ends and its grace to register again
+    # passes (node0 forgot node1's failed handshakes as it left the live members: the step
+    # looked whole for those 4 s).
+    seen = []
+    deadline = time.monotonic() + membership.DEFAULT_TTL + membership.REJOIN_MARGIN + 3
+    while time.monotonic() < deadline:
+        seen.append(getxattr(node0 / "run/step_20", "user.tierfs.state"))
+        time.sleep(0.05)
+    assert seen[-1] == "incomplete" and "committed" not in seen[seen.index("incomplete"):], seen
     rank1_files = sorted(n for n, r in _file_records(cluster3, "run/step_20").items()
                          if r.node == "node1")
 

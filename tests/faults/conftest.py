@@ -142,8 +142,8 @@ class Trainer:
         try:
             with open(f"/proc/{self.child}/stat") as f:
                 parent = int(f.read().rsplit(") ", 1)[1].split()[1])
-        except (FileNotFoundError, ValueError, IndexError):
-            return
+        except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
+            return  # gone (between the open and the read: ESRCH), or not a pid
         if self.child and parent == self.proc.pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.child, signal.SIGKILL)

@@ -146,7 +146,10 @@ class PeerDirectory:
                 await self.pool.aclose()
 
     def _others(self) -> dict[str, str]:
-        return {node_id: info.address for node_id, info in self.live.members.items()
+        """The members whose handshakes `links` keeps: the admitted ones, so that a node
+        whose handshake failed stays failing through its grace after it leaves (`may_be_up`
+        asks about those too; forgotten, its copies counted again for those seconds)."""
+        return {node_id: info.address for node_id, info in self.live.admitted.items()
                 if node_id != self.me}
 
     def _live_keys(self) -> set[tuple[str, str]]:
