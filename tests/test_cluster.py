@@ -276,6 +276,22 @@ def test_nothing_of_a_step_reaches_a_peer_before_its_hashes(cluster3: Cluster) -
     verify_committed(node1, {"run/step_11": files})
 
 
+def test_flush_does_not_wait_for_copies_on_a_peer_that_is_down(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
+    """The last node of a job that is ending: its peers are gone, no copy can be made, and
+    `tierfs flush` (a pod's preStop) returns instead of waiting out its timeout."""
+    from tests.test_crash import save
+
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start("node0"), cluster.start("node1")
+    wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+    node1.kill9()
+    wait_until(lambda: not any(cluster.peers_up("node0").values()), timeout=15)
+    save(node0 / "run/step_1", {"__0_0.distcp": os.urandom(1 << 20), ".metadata": b"meta"})
+    done = tierfs("flush", str(node0.mountpoint), "--timeout", "20")
+    assert "every committed step is on no peer (none is up)" in done.stdout, done.stdout
+
+
 def test_every_node_lists_every_step_and_a_replacement_reads_through_peers(
         cluster3: Cluster) -> None:
     import shutil

@@ -43,7 +43,8 @@ def config(root: Path, **changes: Any) -> MountConfig:
 
 class WaitingUploader:
     """What the control API asks of the uploader: which committed steps it still wants to
-    store (`wanted`), why each waits (`waiting`), and its byte counts."""
+    store (`wanted`), why each waits (`waiting`), whether a step number goes to the store at
+    all (`due`), and its byte counts."""
 
     def __init__(self, reason: str = "retrying") -> None:
         self.backend = SimpleNamespace(url="s3://bucket/prefix")
@@ -57,6 +58,9 @@ class WaitingUploader:
 
     def waiting(self, manifest: mf.StepManifest) -> tuple[str, int, int]:
         return self.reason, 123, 4
+
+    def due(self, number: int) -> bool:
+        return True
 
 
 class RecordedCluster:
@@ -129,6 +133,7 @@ async def test_status_says_why_a_step_due_in_the_store_is_not_there_yet(
     async with control_api(tmp_path, uploader=uploader) as (api, h):
         for step in ("run/step_1", "run/step_2"):
             await dcp_save(h, step, FILES)
+        await h.hashed()  # committed with their manifests: both wanted by the store until then
         uploader.stored.add("run/step_1")
         status = (await api.handle({"cmd": "status"}))["status"]
         steps = by_path(status)

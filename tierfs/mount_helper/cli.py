@@ -107,8 +107,8 @@ def _parser_and_commands() -> tuple[argparse.ArgumentParser, frozenset[str]]:
         "policy",
         description="Wait until every committed step that --persist-every selects is in the "
         "persistent tier and, in a cluster, every step made here that the store does not hold "
-        "has --replicas verified copies on live peers (as many as there are other nodes, if "
-        "fewer), showing progress. Exits 1 if --timeout passes first.")
+        "has --replicas verified copies on live peers (as many as are up, if fewer), showing "
+        "progress. Exits 1 if --timeout passes first.")
     flush.add_argument("mountpoint", metavar="MOUNTPOINT")
     flush.add_argument("--timeout", type=float, metavar="SECONDS",
                        help="give up after this many seconds (default: wait as long as it takes)")
@@ -478,7 +478,7 @@ def _flush_goal(persist: dict[str, Any] | None, replication: dict[str, Any] | No
     if replication and replication["replicas"]:
         wanted = replication["wanted"]
         goals.append(f"on {wanted} peer{'s' * (wanted > 1)}" if wanted
-                     else "on no peer (no other node has joined)")
+                     else "on no peer (none is up)")
     return " or ".join(goals)
 
 

@@ -114,20 +114,20 @@ class ControlApi:
                                    record.committed_ns))
         return hashing
 
-    def replicas_wanted(self) -> int:
-        """The peer copies each file made here should have: --replicas, or as many as there
-        are other nodes if fewer (every one seen since this daemon started, up or down: a
-        node down now still counts, its copy is missing)."""
+    def replicas_wanted(self, *, live_only: bool) -> int:
+        """The peer copies each file made here should have: --replicas, or fewer if there are
+        fewer other nodes: live ones (what `tierfs flush` can wait for), or every one seen
+        since this daemon started (metrics: a copy missing while its node is down counts)."""
         if self.cluster is None:
             return 0
-        return min(self.cfg.replicas, len(self.cluster.directory.peers))
+        peers = self.cluster.directory.peers
+        return min(self.cfg.replicas,
+                   sum(1 for peer in peers if peer.up) if live_only else len(peers))
 
-    def _replicas_waiting(self) -> list[Due]:
-        """Steps made here, not in the store, with a file here that has fewer verified copies
-        on live peers than `replicas_wanted`, and those committed with their hashes still to
-        come (nothing of them has left the node). `tierfs flush` waits for them; metrics count
-        them."""
-        wanted = self.replicas_wanted()
+    def _replicas_waiting(self, wanted: int) -> list[Due]:
+        """Steps made here, not in the store, with a file here that has fewer than `wanted`
+        verified copies on live peers, and those committed with their hashes still to come
+        (nothing of them has left the node)."""
         if wanted == 0:
             return []
         assert self.cluster is not None
@@ -143,11 +143,13 @@ class ControlApi:
 
     def replication_status(self) -> dict[str, Any] | None:
         """`replication` in `tierfs status --json` (None outside a cluster): the copies each
-        file made here should have, and the steps that do not have them yet."""
+        file made here should have on live peers, and the steps that do not have them yet
+        (what `tierfs flush` waits for besides the store)."""
         if self.cluster is None:
             return None
-        waiting = self._replicas_waiting()
-        return {"replicas": self.cfg.replicas, "wanted": self.replicas_wanted(),
+        wanted = self.replicas_wanted(live_only=True)
+        waiting = self._replicas_waiting(wanted)
+        return {"replicas": self.cfg.replicas, "wanted": wanted,
                 "pending_steps": len(waiting),
                 "pending_bytes": sum(due.total_bytes for due in waiting),
                 "pending": {due.path: "hashing" if due.manifest is None else "copying"
@@ -159,7 +161,7 @@ class ControlApi:
         if self.uploader is not None:
             pending["persist"] = self._persist_waiting()
         if self.cluster is not None:
-            pending["replica"] = self._replicas_waiting()
+            pending["replica"] = self._replicas_waiting(self.replicas_wanted(live_only=False))
         peers = self.cluster.directory.peers if self.cluster else []
         store = self.namespace.store
         tree = self.namespace.tree
