@@ -4,6 +4,7 @@ read; and the modes of everything tierfs creates outside the mount."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -181,15 +182,15 @@ def test_a_path_the_user_may_not_read_is_not_called_missing(tmp_path: Path) -> N
 def _group_or_other_writable(root: Path, users_file: str) -> list[str]:
     """Entries under `root` that group or others may write, except the user's file named
     `users_file` (and its hard links: committed objects share the user's inode)."""
-    entries = [Path(dirpath, name) for dirpath, dirs, files in os.walk(root)
-               for name in [*dirs, *files]]
-    users = {path.lstat().st_ino for path in entries if path.name == users_file}
-    found = []
-    for path in entries:
-        st = path.lstat()
-        if st.st_ino not in users and not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o022:
-            found.append(f"{path.relative_to(root)} {st.st_mode & 0o777:o}")
-    return found
+    stats = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            path = Path(dirpath, name)
+            with contextlib.suppress(FileNotFoundError):  # a temporary file renamed meanwhile
+                stats[path] = path.lstat()
+    users = {st.st_ino for path, st in stats.items() if path.name == users_file}
+    return [f"{path.relative_to(root)} {st.st_mode & 0o777:o}" for path, st in stats.items()
+            if st.st_ino not in users and not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o022]
 
 
 def test_nothing_tierfs_creates_is_writable_by_others(mounts: MountFactory,
