@@ -332,9 +332,10 @@ class OtherTiers:
     def short_of_copies(self, manifest: mf.StepManifest, replicas: int,
                         is_up: Callable[[str], bool]) -> bool:
         """Whether a file of this version here has fewer than `replicas` verified copies on
-        live peers (status, flush and metrics: replication still due)."""
+        live peers while the store does not hold it (status, flush and metrics: replication
+        still due)."""
         node = self.tree.find_step(manifest.path)
-        if node is None or node.step.manifest is not manifest:
+        if node is None or node.step.manifest is not manifest or node.step.persisted:
             return False
         return any(sum(1 for peer in self.tree.holdings.verified_peers(node.step, name)
                        if is_up(peer)) < replicas

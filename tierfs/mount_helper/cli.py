@@ -457,8 +457,8 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
             if on_terminal:
                 print(file=sys.stderr)
             raise UserError(f"flush timed out after {timeout:g} s: {steps} steps "
-                            f"({human_bytes(pending)}) not yet "
-                            f"{_flush_goal(persist, replication)}: {_flush_left(status)}")
+                            f"({human_bytes(pending)}) not yet {_flush_goal(persist, replication)}"
+                            f": {status_view.flush_left(status)}")
         done = first_bytes - pending
         if on_terminal:
             draw_progress("flushing", done / first_bytes if first_bytes else 0.0,
@@ -467,7 +467,7 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
         elif time.monotonic() - last_report > 5:
             last_report = time.monotonic()
             print(f"flushing: {steps} steps ({human_bytes(pending)}) left: "
-                  + _flush_left(status), flush=True)
+                  + status_view.flush_left(status), flush=True)
         time.sleep(0.2)
 
 
@@ -480,16 +480,6 @@ def _flush_goal(persist: dict[str, Any] | None, replication: dict[str, Any] | No
         goals.append(f"on {wanted} peer{'s' * (wanted > 1)}" if wanted
                      else "on no peer (none is up)")
     return " or ".join(goals)
-
-
-def _flush_left(status: dict[str, Any]) -> str:
-    """The steps a flush still waits for, and why: `run/step_1 (uploading), ...`."""
-    left = [f"{s['path']} ({status_view.persist_reason(s, time.time_ns())})"
-            for s in status_view.due_in_store(status)]
-    replication = status.get("replication") or {}
-    left += [f"{path} ({reason} to peers)"
-             for path, reason in replication.get("pending", {}).items()]
-    return status_view.some_names(left, status_view.NAMED)
 
 
 def _warn_uncommitted(status: dict[str, Any]) -> None:

@@ -248,8 +248,21 @@ def persist_reason(step: Step, now_ns: int) -> str:
 
 def not_in_store(steps: list[Step], now_ns: int | None = None) -> str:
     """`run/step_1 (queued), run/step_2 (failing for 12s: ...)`: steps and why."""
+    return some_names(_store_waits(steps, now_ns), NAMED)
+
+
+def _store_waits(steps: list[Step], now_ns: int | None = None) -> list[str]:
     now_ns = time.time_ns() if now_ns is None else now_ns
-    return some_names([f"{s['path']} ({persist_reason(s, now_ns)})" for s in steps], NAMED)
+    return [f"{s['path']} ({persist_reason(s, now_ns)})" for s in steps]
+
+
+def flush_left(status: dict[str, Any]) -> str:
+    """What `tierfs flush` still waits for, and why: the steps due in the store and not there
+    yet, then those short of their copies on peers (`run/step_2 (copying to peers)`)."""
+    replication = status.get("replication") or {}
+    return some_names(_store_waits(due_in_store(status))
+                      + [f"{path} ({reason} to peers)"
+                         for path, reason in replication.get("pending", {}).items()], NAMED)
 
 
 def due_in_store(status: dict[str, Any]) -> list[Step]:

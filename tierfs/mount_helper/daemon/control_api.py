@@ -133,13 +133,8 @@ class ControlApi:
         assert self.cluster is not None
         tiers = self.namespace.tiers
         waiting = [Due(m.path, m.total_bytes, m.committed_ns, m) for m in tiers.owned_manifests()
-                   if not self._persisted(m)
-                   and tiers.short_of_copies(m, wanted, self.cluster.directory.is_up)]
+                   if tiers.short_of_copies(m, wanted, self.cluster.directory.is_up)]
         return waiting + self._hashing(lambda _number: True, {due.path for due in waiting})
-
-    def _persisted(self, manifest: mf.StepManifest) -> bool:
-        node = self.namespace.tree.find_step(manifest.path)
-        return node is not None and node.step.persisted
 
     def replication_status(self) -> dict[str, Any] | None:
         """`replication` in `tierfs status --json` (None outside a cluster): the copies each
