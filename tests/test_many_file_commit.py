@@ -1,7 +1,10 @@
 """The commit of a step of many small files (a file per tensor): no await between its check and
 its change, while every FUSE request waits, so its cost per file is counted here in system
-calls (a timing would say nothing on a shared machine): one link per new object, and no look
-at objects/ before it (a link that finds the object there says so itself)."""
+calls (a timing would say nothing on a shared machine). A file settled before the commit (sealed,
+no writer left: `Tree.file_settled`) is its object already and carries its manifest entry, so
+the commit links and stats none of them; one sealed by the commit itself gets one link, and no
+look at objects/ before it (a link that finds the object there says so itself). The objects
+linked early go with their files when those go before any commit counted them."""
 
 from __future__ import annotations
 
@@ -10,8 +13,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import trio
+import xxhash
 
-from tests.test_namespace import Harness
+from tests.test_namespace import CTX, Harness
+from tierfs.fs.nodes import Node
+from tierfs.fs.ram_store import RamStore
 
 pytestmark = pytest.mark.core
 
@@ -27,6 +34,112 @@ async def test_a_commit_makes_one_link_per_file_and_no_stat_of_objects(
         await commit_many(harness, monkeypatch)
     finally:
         harness.close()
+
+
+async def test_a_step_of_settled_files_commits_with_no_link_and_no_stat_of_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the daemon runs: each file hashed after its close, in the background. Before: the
+    commit linked each file into objects/ and stat'ed it for its entry's mode, owner and mtime
+    (two system calls per file with every FUSE request waiting: most of a 10,000-file
+    commit)."""
+    harness = Harness(tmp_path / "ram")
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(harness.ns.background.run)
+            names = [f"t{i:05}.distcp" for i in range(FILES)]
+            for name in names:
+                await harness.write_file(f"run/step_3/{name}", name.encode() * 100)
+            await harness.write_file("run/step_3/.metadata.tmp", b"meta")
+            await settled(harness, "run/step_3", [*names, ".metadata.tmp"])
+            calls = Counter[str]()
+
+            def counted(name: str, real):  # type: ignore[no-untyped-def]
+                def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+                    calls[name] += 1
+                    return real(*args, **kwargs)
+                return call
+
+            for name in ("stat", "lstat", "link"):
+                monkeypatch.setattr(os, name, counted(name, getattr(os, name)))
+            await harness.rename("run/step_3/.metadata.tmp", "run/step_3/.metadata")
+            monkeypatch.undo()
+            assert await harness.state("run/step_3") == "committed"
+            manifest = harness.commits.receive_nowait()
+            assert [f.name for f in manifest.files] == [".metadata", *names]
+            assert manifest.entry(names[7]).xxh3 == xxhash.xxh3_128_hexdigest(
+                names[7].encode() * 100)
+            assert calls["link"] + calls["stat"] + calls["lstat"] < 20, calls
+            for entry in manifest.files:
+                assert (harness.root / "objects" / entry.xxh3).stat().st_nlink == 2
+            nursery.cancel_scope.cancel()
+    finally:
+        harness.close()
+
+
+async def test_an_object_linked_early_goes_with_its_file_before_a_commit(
+        tmp_path: Path) -> None:
+    """A settled file of a step is its object at once (a second link of its inode); removed,
+    or rewritten (a copy on write), before a commit counted it, the object goes too, and the
+    RAM tier counts its bytes no more. The commit then names the new bytes."""
+    harness = Harness(tmp_path / "ram")
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(harness.ns.background.run)
+            used = harness.store.used_bytes
+            objects = harness.root / "objects"
+            await harness.write_file("run/step_4/gone", b"G" * 50_000)
+            await harness.write_file("run/step_4/kept", b"1" * 50_000)
+            await settled(harness, "run/step_4", ["gone", "kept"])
+            first = xxhash.xxh3_128_hexdigest(b"1" * 50_000)
+            assert sorted(p.name for p in objects.iterdir()) == sorted(
+                [xxhash.xxh3_128_hexdigest(b"G" * 50_000), first])
+            assert (harness.root / "tree/run/step_4/kept").stat().st_nlink == 2
+            await harness.ops.unlink(await harness.inode("run/step_4"), b"gone", CTX)
+            assert [p.name for p in objects.iterdir()] == [first]
+            await harness.write_file("run/step_4/kept", b"2" * 40_000)
+            await settled(harness, "run/step_4", ["kept"])
+            second = xxhash.xxh3_128_hexdigest(b"2" * 40_000)
+            assert [p.name for p in objects.iterdir()] == [second]
+            assert harness.store.used_bytes - used == 40_960
+            await harness.rename("run/step_4/kept", "run/step_4/.metadata")  # its commit
+            manifest = harness.commits.receive_nowait()
+            assert [(f.name, f.xxh3) for f in manifest.files] == [(".metadata", second)]
+            nursery.cancel_scope.cancel()
+    finally:
+        harness.close()
+
+
+async def test_a_settled_file_changed_in_attributes_only_commits_them(
+        tmp_path: Path) -> None:
+    """chmod, chown and utime of a settled file move what its entry says (the commit takes
+    the settled entry, with no stat of its own)."""
+    harness = Harness(tmp_path / "ram")
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(harness.ns.background.run)
+            await harness.write_file("run/step_5/a", b"A" * 100)
+            await settled(harness, "run/step_5", ["a"])
+            node = harness.ns.tree.find_step("run/step_5").children[b"a"]
+            await harness.ns.setattr(node, None, mode=0o600, uid=1234, gid=5678,
+                                     mtime_ns=1_000_000_000_123)
+            await harness.rename("run/step_5/a", "run/step_5/.metadata")
+            entry = harness.commits.receive_nowait().entry(".metadata")
+            assert (entry.mode, entry.uid, entry.gid, entry.mtime_ns) == (
+                0o600, 1234, 5678, 1_000_000_000_123)
+            nursery.cancel_scope.cancel()
+    finally:
+        harness.close()
+
+
+async def settled(harness: Harness, step: str, names: list[str]) -> None:
+    """Until each file of `step` named is sealed with its manifest entry, as the background
+    does after the close."""
+    step_node = harness.ns.tree.find_step(step)
+    assert step_node is not None
+    nodes: list[Node] = [step_node.children[name.encode()] for name in names]
+    with trio.fail_after(30):
+        while not all(n.seal is not None and n.seal.settled is not None for n in nodes):
+            await trio.sleep(0.01)
 
 
 async def commit_many(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,3 +167,23 @@ async def commit_many(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None
     assert len(manifest.files) == FILES + 1
     assert calls["link"] == FILES + 1, calls
     assert calls["stat"] + calls["lstat"] == 0, calls
+
+
+def test_room_is_taken_back_from_objects_linked_early_whose_file_went_unseen(
+        tmp_path: Path) -> None:
+    """A tree file removed with no word to the store (a step directory set aside and removed
+    whole) leaves its early object alone: the first want of room removes it."""
+    store = RamStore(tmp_path / "ram", limit_bytes=100_000)
+    store.acquire()
+    try:
+        tree_file = store.tree / "f"
+        tree_file.write_bytes(b"x" * 60_000)
+        ino = store.account_path(tree_file)
+        store.link_early("ab" * 16, os.fsencode(tree_file), ino)
+        assert store.object_path("ab" * 16).stat().st_ino == ino
+        tree_file.unlink()
+        assert store.used_bytes == 61_440  # the object holds the bytes
+        assert store.room_for(50_000)
+        assert store.used_bytes == 0 and not store.object_path("ab" * 16).exists()
+    finally:
+        store.release()

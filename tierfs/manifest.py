@@ -71,6 +71,12 @@ class FileEntry:
     # without them (an entry read from an older manifest has none).
     blocks: bytes = field(default=b"", compare=False, repr=False)
 
+    @cached_property
+    def encoded(self) -> bytes:
+        """Its fields in msgpack, as a manifest holds them (`encode`): made once per entry, so
+        that a settled file's is ready before its step's commit (`fs.nodes.Seal`)."""
+        return msgpack.packb(entry_fields(self), use_bin_type=True)
+
     def pieces(self) -> list[tuple[int, int]]:
         """(offset, length) of each stored object of the file, in order: its base, then each
         segment (just the whole file when it has no segments)."""
@@ -192,23 +198,27 @@ def entry_from_fields(fields: object) -> FileEntry:
 
 
 def encode(manifest: StepManifest) -> bytes:
-    return msgpack.packb(
-        {
-            "format": FORMAT_VERSION,
-            "path": manifest.path,
-            "step": manifest.step,
-            "version": manifest.version,
-            "node_id": manifest.node_id,
-            "committed_ns": manifest.committed_ns,
-            "files": [entry_fields(f) for f in manifest.files],
-            # Beside the entries, not in them: a reader that predates blocks ignores the key.
-            **({"blocks": [f.blocks for f in manifest.files]}
-               if any(f.blocks for f in manifest.files) else {}),
-            # Only in single-file manifests: those of step directories are as they always were.
-            **({"file": True} if manifest.single_file else {}),
-        },
-        use_bin_type=True,
-    )
+    """The manifest's msgpack: a map of its fields, "files" the list of its entries' fields,
+    "blocks" beside them (a reader that predates blocks ignores the key), and "file" only in
+    single-file manifests (those of step directories are as they always were). The entries
+    come already packed (`FileEntry.encoded`): a 10,000-file commit packs none of them."""
+    files = manifest.files
+    packer = msgpack.Packer(use_bin_type=True)
+    head = {"format": FORMAT_VERSION, "path": manifest.path, "step": manifest.step,
+            "version": manifest.version, "node_id": manifest.node_id,
+            "committed_ns": manifest.committed_ns}
+    tail: dict[str, object] = {}
+    if any(f.blocks for f in files):
+        tail["blocks"] = [f.blocks for f in files]
+    if manifest.single_file:
+        tail["file"] = True
+    return b"".join([
+        packer.pack_map_header(len(head) + 1 + len(tail)),
+        *(packer.pack(item) for pair in head.items() for item in pair),
+        packer.pack("files"), packer.pack_array_header(len(files)),
+        *(f.encoded for f in files),
+        *(packer.pack(item) for pair in tail.items() for item in pair),
+    ])
 
 
 def decode(data: bytes) -> StepManifest:

@@ -247,6 +247,7 @@ class Commits:
                     if not await self.tiers.locate_dcp_files(step_node, deadline):
                         tree.manifests.leave_pending(step, "files named by its .metadata")
                         return None, None  # retried by retry_pending_commits
+                    shape = tree.shape
                     files = list(tree_walk.files_under(step_node))
                     elsewhere = self.tiers.held_elsewhere(step_node)  # stay where they are
                     later = hashes_later and self._may_hash_later(step_node, files, elsewhere)
@@ -258,7 +259,8 @@ class Commits:
                         await self._copy_open_files(files, copies, cut_to, later)
                         # From here to the end of StepManifests.write_manifest (write_pending)
                         # there is no await.
-                        if self._still_ready(step_node, step, files, elsewhere, cut_to, later):
+                        if self._still_ready(step_node, step, files, shape, elsewhere, cut_to,
+                                             later):
                             old = step.manifest
                             if later:
                                 tree.manifests.write_pending(step_node, files, copies)
@@ -310,7 +312,7 @@ class Commits:
         store = tree.store
         for _rel, node in files:
             seal = node.seal
-            if not any(h.writable for h in node.handles):
+            if not node.open_for_writing:
                 continue
             if later and (seal is None or store.object_path(seal.digest.xxh3).exists()):
                 await self._copy_unsealed(node, copies, cut_to)
@@ -354,10 +356,12 @@ class Commits:
             cut_to[node] = _stat_key(after)
 
     def _still_ready(self, step_node: Node, step: StepState, files: list[tuple[str, Node]],
-                     elsewhere: set[str], cut_to: dict[Node, Seal | tuple[int, int, int]],
-                     later: bool = False) -> bool:
+                     shape: int, elsewhere: set[str],
+                     cut_to: dict[Node, Seal | tuple[int, int, int]], later: bool = False
+                     ) -> bool:
         """After an attempt's awaits: whether everything it checked and prepared still holds
-        (no await here; the manifest is written right after a True)."""
+        (no await here; the manifest is written right after a True). `files` were listed
+        when the tree's shape was `shape`."""
         tree = self.tree
         # Unsealed files (hashes to come `later`) are checked against their copies instead.
         stale = tree.sealing.stale([(rel, node) for rel, node in files
@@ -366,7 +370,7 @@ class Commits:
             tree.written_behind_seal(node)
         return not (stale or tree_walk.has_active_writers(step_node)
                     or step_node.step is not step or step_node.parent is None
-                    or files != list(tree_walk.files_under(step_node))
+                    or (tree.shape != shape and files != list(tree_walk.files_under(step_node)))
                     or not all(self._file_ready(rel, node, elsewhere, cut_to, later)
                                for rel, node in files))
 
@@ -378,7 +382,7 @@ class Commits:
         a private copy of its bytes as they still are if a handle could write into it."""
         if node.remote is not None:  # named as it is: its bytes stay where they are
             return rel in elsewhere or node.remote.in_store
-        writable = any(h.writable for h in node.handles)
+        writable = node.open_for_writing
         if later:
             if node in cut_to:
                 cut = cut_to[node]
@@ -506,7 +510,7 @@ class Commits:
         step = node.step
         if (node.is_file and step is not None and step.number is not None
                 and not step.committed and not node.active_writers
-                and not any(h.writable for h in node.handles)):
+                and not node.open_for_writing):
             await self.commit_quietly(node)
 
     async def run_pending_commits(self, dir_node: Node | None) -> None:

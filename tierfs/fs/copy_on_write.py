@@ -53,6 +53,7 @@ class CopyOnWrite:
             os.unlink(copy)
             return False
         os.rename(copy, path)
+        self.tree.store.drop_early(st.st_ino)  # an object no commit counted yet goes with it
         backing_ino = self.tree.store.account_path(path)
         for handle in node.handles:  # open handles follow the file to its new inode
             if handle.fd >= 0:

@@ -3,6 +3,7 @@ knows beyond its files (StepState), seals, and the names and errors the namespac
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import stat
@@ -81,14 +82,30 @@ class Seal:
     digest: mf.Digest
     backing_ino: int
     mtime_ns: int = -1
+    # The file's manifest entry (named as it was then), made once it had no writer left
+    # (`Tree.file_settled`): a commit of 10,000 files makes and stats none of them.
+    settled: mf.FileEntry | None = None
 
     def describes(self, st: os.stat_result) -> bool:
         return (st.st_ino == self.backing_ino and st.st_size == self.digest.size
                 and self.mtime_ns in (-1, st.st_mtime_ns))
 
-    def restamped(self, st: os.stat_result) -> Seal:
-        """The same bytes after a change of metadata only (chmod, utime)."""
-        return Seal(self.digest, self.backing_ino, st.st_mtime_ns)
+    def restamped(self, st: os.stat_result, name: str | None = None) -> Seal:
+        """The same bytes after a change of metadata only (chmod, utime), or settled (no
+        writer left) as `name`: `st`'s mtime, and its manifest entry if settled before."""
+        if name is None and self.settled is not None:
+            name = self.settled.name
+        settled = None
+        if name is not None:
+            settled = mf.entry_from_stat(name, self.digest, st)
+            settled.encoded  # noqa: B018 -- packed now, off its commit's path
+        return Seal(self.digest, self.backing_ino, st.st_mtime_ns, settled)
+
+    def entry(self, name: str) -> mf.FileEntry:
+        """The manifest entry of a settled file, as `name`."""
+        assert self.settled is not None
+        return self.settled if self.settled.name == name else dataclasses.replace(
+            self.settled, name=name)
 
 
 @dataclass
@@ -190,6 +207,12 @@ class Node:
     @property
     def is_file(self) -> bool:
         return self.kind == stat.S_IFREG
+
+    @property
+    def open_for_writing(self) -> bool:
+        """Whether a handle could write the file (the kernel may, under passthrough, without
+        the daemon seeing)."""
+        return bool(self.handles) and any(h.writable for h in self.handles)
 
 
 class Handle:

@@ -126,7 +126,7 @@ class QuietCommits:
         if METADATA not in children and any(n.endswith(DCP_SHARD_SUFFIX) for n in children):
             return "its .metadata (a DCP save in progress or interrupted)"
         for _rel, node in tree_walk.files_under(step_node):
-            if node.active_writers or any(h.writable for h in node.handles):
+            if node.active_writers or node.open_for_writing:
                 return "open writers"
         return None
 

@@ -28,6 +28,7 @@ import os
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -74,6 +75,10 @@ class RamStore:
         self._sizes: dict[int, int] = {}
         self.used_bytes = 0
         self._refs: Counter[str] = Counter()
+        # Objects linked before any commit counted them (`link_early`): digest -> inode, and
+        # back.
+        self._early: dict[str, int] = {}
+        self._early_inodes: dict[int, str] = {}
         self._lock_fd: int | None = None
         self._last_full_log = 0.0
 
@@ -120,6 +125,8 @@ class RamStore:
         self.used_bytes = sum(self._sizes.values())
 
     def room_for(self, extra_bytes: int) -> bool:
+        if self.used_bytes + extra_bytes > self.limit_bytes and self._early_inodes:
+            self._drop_lone_early()  # RAM that nothing uses, before anything is refused
         return self.used_bytes + extra_bytes <= self.limit_bytes
 
     def grow(self, backing_ino: int, new_end: int) -> None:
@@ -168,15 +175,19 @@ class RamStore:
     def object_path(self, digest: str) -> Path:
         return self.objects / digest
 
-    def add_ref(self, digest: str, tree_file: bytes, copy: bytes | None = None) -> None:
-        """Make `tree_file` (sealed with `digest`) a committed object, or count another use.
+    def add_ref(self, digest: str, tree_file: bytes | Callable[[], bytes],
+                copy: bytes | None = None) -> None:
+        """Make `tree_file` (sealed with `digest`; or a function giving its path, called only
+        if the path is needed) a committed object, or count another use.
 
         The object is the tree file's own inode (a hard link), or `copy` when given: a private
         copy is used when the tree file is open for writing, so that no open handle can ever
         write into a committed object."""
-        if self._refs[digest] == 0:  # the object may exist all the same (found at start)
-            # A bytes path and no stat first: a commit of a step of 10,000 files makes 10,000
-            # of these, with no await, while every FUSE request waits (issue 25).
+        refs = self._refs.get(digest, 0)  # (not Counter's __missing__: 10,000 per commit)
+        if refs == 0 and not self._take_early(digest):
+            # The object may exist all the same (found at start). A bytes path and no stat
+            # first: a commit of a step of 10,000 files makes 10,000 of these, with no await,
+            # while every FUSE request waits (issue 25).
             target = os.path.join(self._objects_path, digest.encode())
             if copy is not None:
                 if not os.path.lexists(target):
@@ -184,10 +195,55 @@ class RamStore:
                     copy = None
             else:
                 with contextlib.suppress(FileExistsError):
-                    os.link(tree_file, target)
+                    os.link(tree_file if isinstance(tree_file, bytes) else tree_file(), target)
         if copy is not None:
             self.discard(copy)
-        self._refs[digest] += 1
+        self._refs[digest] = refs + 1
+
+    def link_early(self, digest: str, tree_file: bytes, ino: int) -> None:
+        """Make a tree file (inode `ino`, sealed with `digest`, no writer left) its committed
+        object now, before a commit counts it: the commit of a step of 10,000 small files then
+        links none of them, with no await while every FUSE request waits (issue 25). Copy on
+        write protects it as any object. Until a commit counts it (`add_ref`), it goes when
+        the tree file stops sharing its inode (`drop_early`) or when room is wanted
+        (`room_for`); start-up removes any left (`collect_garbage`)."""
+        if self._refs[digest] or digest in self._early:
+            return
+        try:
+            os.link(tree_file, os.path.join(self._objects_path, digest.encode()))
+        except FileExistsError:
+            return
+        self._early[digest] = ino
+        self._early_inodes[ino] = digest
+
+    def drop_early(self, ino: int) -> bool:
+        """The tree file linked early as inode `ino` no longer shares it (removed, replaced by
+        a copy on write): its object goes too. Whether there was one."""
+        digest = self._early_inodes.pop(ino, None)
+        if digest is None:
+            return False
+        del self._early[digest]
+        self._unlink_object(digest)
+        return True
+
+    def _take_early(self, digest: str) -> bool:
+        """A commit counts the object linked early for `digest`, if any: it stays."""
+        ino = self._early.pop(digest, None)
+        if ino is None:
+            return False
+        del self._early_inodes[ino]
+        return True
+
+    def _drop_lone_early(self) -> None:
+        """Remove the objects linked early whose tree file went without `drop_early` (a step
+        directory removed whole): they hold RAM that nothing uses."""
+        for ino, digest in list(self._early_inodes.items()):
+            try:
+                alone = os.lstat(self.object_path(digest)).st_nlink == 1
+            except FileNotFoundError:
+                alone = True
+            if alone:
+                self.drop_early(ino)
 
     def snapshot_path(self, key: str) -> bytes:
         """Where a pending commit keeps a file until its hash names it (fs.pending_commits)."""
@@ -196,7 +252,8 @@ class RamStore:
     def adopt_snapshot(self, digest: str, snapshot: bytes) -> None:
         """A pending commit's snapshot, now hashed, becomes the committed object `digest` (or
         goes, if that object is here already), counted as one more use."""
-        if not os.path.lexists(os.path.join(self._objects_path, digest.encode())):
+        if not (self._take_early(digest)
+                or os.path.lexists(os.path.join(self._objects_path, digest.encode()))):
             os.rename(snapshot, os.path.join(self._objects_path, digest.encode()))
         else:
             self.drop_snapshot(snapshot)
@@ -221,14 +278,18 @@ class RamStore:
         self._refs[digest] -= 1
         if self._refs[digest] <= 0:
             del self._refs[digest]
-            path = self.object_path(digest)
-            try:
-                st = os.lstat(path)
-                self.remove(path, st)
-            except FileNotFoundError:
-                return
-            if st.st_nlink == 1:
-                self.forget_inode(st.st_ino)
+            self._unlink_object(digest)
+
+    def _unlink_object(self, digest: str) -> None:
+        """Remove an object no one counts; its bytes leave the accounting with its last link."""
+        path = self.object_path(digest)
+        try:
+            st = os.lstat(path)
+            self.remove(path, st)
+        except FileNotFoundError:
+            return
+        if st.st_nlink == 1:
+            self.forget_inode(st.st_ino)
 
     def remove(self, path: bytes | str | Path, st: os.stat_result | None = None, *,
                in_background: bool = True) -> None:

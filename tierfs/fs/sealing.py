@@ -61,9 +61,11 @@ class Sealing:
 
     def __init__(self, backing: Callable[[Node], bytes],
                  stat: Callable[[Node], os.stat_result | RemoteAttrs],
-                 spawner: Spawner | None = None, *, threads: int = HASH_THREADS) -> None:
+                 spawner: Spawner | None = None, *, threads: int = HASH_THREADS,
+                 settled: Callable[[Node], None] = lambda node: None) -> None:
         self._backing = backing  # `Tree.backing`
         self._stat = stat  # `Tree.stat`
+        self._settled = settled  # `Tree.file_settled`: a seal came in with no writer left
         self._limiter = trio.CapacityLimiter(threads)
         self._running: dict[Node, tuple[int, trio.Event]] = {}
         self._queued: dict[Node, int] = {}  # started, not yet running: node -> its generation
@@ -89,7 +91,7 @@ class Sealing:
         """Files whose bytes may have changed behind their seal: only a file open for writing
         can change without the daemon seeing it (passthrough), so only those are looked at."""
         return [node for _rel, node in files
-                if any(h.writable for h in node.handles) and not self.describes_file(node)]
+                if node.open_for_writing and not self.describes_file(node)]
 
     def start(self, node: Node, *, at_commit: bool = False) -> None:
         """The last writer of `node` is done: seal it in the background, or (`at_commit`)
@@ -201,3 +203,5 @@ class Sealing:
         if (node.gen == gen and node.active_writers == 0 and seal.describes(before)
                 and seal.describes(after)):
             node.seal = seal
+            if not node.open_for_writing:
+                self._settled(node)

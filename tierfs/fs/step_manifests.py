@@ -47,14 +47,14 @@ class StepManifests:
         step_path = self.tree.relpath(step_node)
         number = mf.NO_STEP if step.number is None else step.number
         entries = []
-        paths: list[bytes | None] = []  # each file's backing path, made once (10,000 files)
         for rel, node in files:
             if node.remote is not None:  # held by other nodes (a multi-node step's shards)
                 entries.append(dataclasses.replace(node.remote.entry, name=rel))
-                paths.append(None)
-                continue
-            paths.append(path := self.tree.backing(node))
-            entries.append(mf.entry_from_stat(rel, node.seal.digest, os.lstat(path)))
+            elif node.seal.settled is not None and not node.open_for_writing:
+                entries.append(node.seal.entry(rel))  # no writer since it settled
+            else:
+                entries.append(mf.entry_from_stat(rel, node.seal.digest,
+                                                  os.lstat(self.tree.backing(node))))
         if step.number is None and step_node.is_file and files and files[0][1].remote is None:
             node = files[0][1]  # a loose file: appended, only its new bytes go (fs.append_layout)
             entries = [append_layout.lay_out(old, step_path, entries[0],
@@ -73,9 +73,10 @@ class StepManifests:
         )
 
         def link_objects() -> None:
-            for (_rel, node), entry, path in zip(files, entries, paths, strict=True):
-                if path is not None:
-                    self.tree.store.add_ref(entry.xxh3, path, copies.get(node))
+            for (_rel, node), entry in zip(files, entries, strict=True):
+                if node.remote is None:
+                    self.tree.store.add_ref(entry.xxh3, lambda node=node: self.tree.backing(node),
+                                            copies.get(node))
                     copies.pop(node, None)  # the object now, or removed by add_ref
 
         self._put_in_place(step_node, manifest, link_objects,

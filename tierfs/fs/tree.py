@@ -94,13 +94,17 @@ class Tree:
         self._inodes: dict[int, Node] = {ROOT_INODE: self.root}
         self._next_ino = ROOT_INODE + 1
         self._handles: dict[int, Handle] = {}
+        # Bumped at every entry attached, detached or renamed: a commit that finds it as it
+        # was when it listed a step's files needs no second walk to know they are the same.
+        self.shape = 0
         self._next_fh = 1
         self._released = trio.Event()
         self.links = symlinks.LinkChanges()  # directories whose links the store must learn
         # which committed steps can be read whole now (their state, `latest`)
         self.recoverable = Recoverability(node_id, self.holdings.file_peers, liveness)
         # The parts of the core, each changing the tree through the primitives here:
-        self.sealing = Sealing(self.backing, self.stat, spawner)  # seals hashed off writers' path
+        # seals hashed off writers' path
+        self.sealing = Sealing(self.backing, self.stat, spawner, settled=self.file_settled)
         self.copy_on_write = CopyOnWrite(self)  # committed objects are never written
         # where committed files' bytes are: fetched, evicted, quarantined
         self.residents = Residents(self, deletes, self.copy_on_write)
@@ -469,7 +473,30 @@ class Tree:
             if orphaned and not any(h.backing_ino == handle.backing_ino
                                     for h in node.handles):
                 self.store.forget_inode(handle.backing_ino)  # unlinked while open
+        if handle.writable and node.seal is not None and not node.open_for_writing:
+            self.file_settled(node)
         self._maybe_drop(node)
+
+    def file_settled(self, node: Node) -> None:
+        """`node` is sealed and no handle can write it any more: in a step, its seal takes the
+        manifest entry it has now (the commit of 10,000 files stats and makes none), and a
+        small file of a step directory becomes its committed object now
+        (`RamStore.link_early`: its commit links nothing; a big file's commit hashes it
+        anyway)."""
+        seal = node.seal
+        if seal is None or node.remote is not None:
+            return
+        try:
+            path = self.backing(node)
+            st = os.lstat(path)
+        except (FsError, FileNotFoundError):
+            return
+        if not seal.describes(st):  # written since: its next seal settles it
+            return
+        name = tree_walk.path_in_step(node)
+        node.seal = seal.restamped(st, name)
+        if name is not None and node.step is None and seal.digest.size < HASH_AT_COMMIT:
+            self.store.link_early(seal.digest.xxh3, path, st.st_ino)
 
     @staticmethod
     def fsync(handle: Handle) -> None:
@@ -609,6 +636,7 @@ class Tree:
         if target is not None:
             self.detach(target)
         self.mark_dirty(old_parent)
+        self.shape += 1
         del old_parent.children[old_name]
         node.name = new_name
         node.parent = new_parent
@@ -689,12 +717,14 @@ class Tree:
 
     def attach(self, parent: Node, name: bytes, kind: int) -> Node:
         node = Node(self._new_ino(), kind, name, parent)
+        self.shape += 1
         parent.children[name] = node
         self._inodes[node.ino] = node
         return node
 
     def detach(self, node: Node) -> None:
         if node.parent is not None and node.parent.children.get(node.name) is node:
+            self.shape += 1
             del node.parent.children[node.name]
         node.parent = None
         if node.is_dir:  # directories held open for long paths, in what leaves the tree
@@ -764,6 +794,8 @@ class Tree:
     def _forget_backing_if_last(self, path: bytes, node: Node) -> os.stat_result:
         """Space comes back when the last link goes, or at the last close if files are open."""
         st = os.lstat(path)
+        if self.store.drop_early(st.st_ino):  # its object, linked early, goes with it
+            st = os.lstat(path)
         if st.st_nlink == 1 and not self._is_open(node, st):
             self.store.forget_inode(st.st_ino)
         return st

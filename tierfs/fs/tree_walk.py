@@ -101,6 +101,15 @@ def enclosing_steps(node: Node | None) -> Iterator[Node]:
         node = node.parent
 
 
+def path_in_step(node: Node) -> str | None:
+    """`node`'s path in the innermost step it is or lies in (`files_under`'s name for it), or
+    None outside every step."""
+    step_node = next(enclosing_steps(node), None)
+    if step_node is None:
+        return None
+    return os.fsdecode(node.name) if step_node is node else _path_below(step_node, node)
+
+
 def in_a_step(node: Node | None) -> bool:
     """Whether `node` is a step or lies inside one."""
     return next(enclosing_steps(node), None) is not None
