@@ -175,7 +175,7 @@ class Namespace:
 
     async def rename(self, old_parent: Node, old_name: bytes, new_parent: Node,
                      new_name: bytes, flags: int) -> None:
-        node = self.tree.renames.check(old_parent, old_name, new_name, flags)
+        node = self.tree.renames.check_rename(old_parent, old_name, new_name, flags)
         if node.remote is not None and not node.remote.in_store:  # the store renames its own
             await self.residency.make_resident(node, empty=False)
         if self.tree.renames.rename(node, old_parent, old_name, new_parent, new_name, flags):

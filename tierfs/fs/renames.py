@@ -31,7 +31,8 @@ class Renames:
         self._identity = identity
         self._latest = latest
 
-    def check(self, old_parent: Node, old_name: bytes, new_name: bytes, flags: int) -> Node:
+    def check_rename(self, old_parent: Node, old_name: bytes, new_name: bytes,
+                     flags: int) -> Node:
         """The node a rename moves, after the checks that come before any await."""
         if flags & ~RENAME_NOREPLACE:
             raise FsError(errno.EINVAL)  # RENAME_EXCHANGE and friends: not supported
