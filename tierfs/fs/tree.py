@@ -1,20 +1,21 @@
 """The tree: inodes, directories, open files, step state and the RAM store's references.
 
 The tree lives twice: as real files under the RAM store's `tree/` (the durable truth, so a crash
-loses nothing written) and as `Node` objects in memory (inode numbers, lookup counts, open handles,
-seals and step state). Only the tree's core changes either, and the RAM store's references to
-committed objects, so it alone keeps them in step: `Tree` (the file system calls' changes and the
-primitives: `attach`, `detach`, `unlink_backing`...) and its parts, which change the tree only
-through those primitives (`fs.tree_primitives`) and by the same rules: `fs.sealing` (seals),
-`fs.copy_on_write`, `fs.residents` (where committed files' bytes are), `fs.step_manifests` (the
-commit's change), `fs.step_identity` (which nodes are steps), `fs.virtual_latest` (each directory's
-`latest`), `fs.renames` (an entry moved, the steps it moves recorded), `fs.attributes` (chmod,
-chown, utime, truncate) and `fs.step_versions` (versions the other tiers install, join, supersede
-or forget). Its collaborators (`fs.residency`, `fs.other_tiers`, `fs.commits`, `fs.quiet_commits`,
-`fs.recovery`, `fs.verify`) decide *when* something changes. What only reads the tree is elsewhere:
+loses nothing written) and as `Node` objects in memory (inode numbers, lookup counts, open
+handles, seals and step state). Only the tree's core changes either, and the RAM store's
+references to committed objects, so it alone keeps them in step: `Tree` (the file system calls'
+changes and the primitives: `attach`, `detach`, `unlink_backing`...) and its parts, which
+change the tree only through those primitives (`fs.tree_primitives`) and by the same rules:
+`fs.sealing` (seals), `fs.copy_on_write`, `fs.residents` (where committed files' bytes are),
+`fs.step_manifests` (the commit's change), `fs.step_identity` (which nodes are steps),
+`fs.virtual_latest` (each directory's `latest`), `fs.renames` (an entry moved, the steps it
+moves recorded), `fs.attributes` (chmod, chown, utime, truncate) and `fs.step_versions`
+(versions the other tiers install, join, supersede or forget). Its collaborators
+(`fs.residency`, `fs.other_tiers`, `fs.commits`, `fs.quiet_commits`, `fs.recovery`,
+`fs.verify`) decide *when* something changes. What only reads the tree is elsewhere:
 `fs.tree_walk` (finding nodes), `fs.tree_view` (peers' questions, status, xattrs),
-`fs.holders.Holdings` (who else holds a step). It calls nothing outward but the ports it is given
-(`fs.ports`: `StepWatch`, `DeleteLog`).
+`fs.holders.Holdings` (who else holds a step). It calls nothing outward but the ports it is
+given (`fs.ports`: `StepWatch`, `DeleteLog`).
 
 Invariants (S3QL-style note: where an `await` must not appear):
 
