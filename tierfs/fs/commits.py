@@ -536,7 +536,7 @@ class Commits:
         else:
             await self._commit_file_step(node)  # `mv x.tmp epoch=0-step=5.ckpt`
         await self.run_pending_commits(old_parent)
-        self.tree.moves_may_settle()
+        self.tree.renames.moves_may_settle()
 
     async def _renamed_dir(self, node: Node) -> None:
         """A directory renamed onto a step name commits it (the `mv tmp step_N` idiom); one

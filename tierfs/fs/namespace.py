@@ -175,10 +175,10 @@ class Namespace:
 
     async def rename(self, old_parent: Node, old_name: bytes, new_parent: Node,
                      new_name: bytes, flags: int) -> None:
-        node = self.tree.check_rename(old_parent, old_name, new_name, flags)
+        node = self.tree.renames.check_rename(old_parent, old_name, new_name, flags)
         if node.remote is not None and not node.remote.in_store:  # the store renames its own
             await self.residency.make_resident(node, empty=False)
-        if self.tree.rename(node, old_parent, old_name, new_parent, new_name, flags):
+        if self.tree.renames.rename(node, old_parent, old_name, new_parent, new_name, flags):
             await self.commits.after_rename(node, old_parent)
 
     # -- files: a write ----------------------------------------------------------------------
@@ -254,10 +254,10 @@ class Namespace:
         if node.remote is not None:
             await self.residency.make_resident(node, empty=size == 0)
         if size is not None and self.tree.has_backing(node):
-            self.tree.check_truncatable(node)
+            self.tree.attributes.check_truncatable(node)
             await self.make_private(node, keep=size > 0)
-        self.tree.setattr(node, handle, mode=mode, uid=uid, gid=gid, size=size,
-                          atime_ns=atime_ns, mtime_ns=mtime_ns)
+        self.tree.attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid, size=size,
+                                     atime_ns=atime_ns, mtime_ns=mtime_ns)
 
     async def make_private(self, node: Node, *, keep: bool) -> None:
         """Copy on write: a tree file shared with a committed object gets its own inode (its

@@ -8,12 +8,14 @@ changes and the primitives: `attach`, `detach`, `unlink_backing`...) and its par
 change the tree only through those primitives (`fs.tree_primitives`) and by the same rules:
 `fs.sealing` (seals), `fs.copy_on_write`, `fs.residents` (where committed files' bytes are),
 `fs.step_manifests` (the commit's change), `fs.step_identity` (which nodes are steps),
-`fs.virtual_latest` (each directory's `latest`) and `fs.step_versions` (versions the other
-tiers install, join, supersede or forget). Its collaborators (`fs.residency`, `fs.other_tiers`,
-`fs.commits`, `fs.quiet_commits`, `fs.recovery`, `fs.verify`) decide *when* something changes.
-What only reads the tree is elsewhere: `fs.tree_walk` (finding nodes), `fs.tree_view` (peers'
-questions, status, xattrs), `fs.holders.Holdings` (who else holds a step). It calls nothing
-outward but the ports it is given (`fs.ports`: `StepWatch`, `DeleteLog`).
+`fs.virtual_latest` (each directory's `latest`), `fs.renames` (an entry moved, the steps it
+moves recorded), `fs.attributes` (chmod, chown, utime, truncate) and `fs.step_versions`
+(versions the other tiers install, join, supersede or forget). Its collaborators
+(`fs.residency`, `fs.other_tiers`, `fs.commits`, `fs.quiet_commits`, `fs.recovery`,
+`fs.verify`) decide *when* something changes. What only reads the tree is elsewhere:
+`fs.tree_walk` (finding nodes), `fs.tree_view` (peers' questions, status, xattrs),
+`fs.holders.Holdings` (who else holds a step). It calls nothing outward but the ports it is
+given (`fs.ports`: `StepWatch`, `DeleteLog`).
 
 Invariants (S3QL-style note: where an `await` must not appear):
 
@@ -44,6 +46,7 @@ from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs import links as symlinks
 from tierfs.fs import tree_walk
+from tierfs.fs.attributes import Attributes
 from tierfs.fs.copy_on_write import CopyOnWrite
 from tierfs.fs.holders import Holdings
 from tierfs.fs.long_paths import LONG_PATH, anchor_path
@@ -52,7 +55,6 @@ from tierfs.fs.nodes import (
     DEFAULT_STEP_PATTERN,
     LATEST,
     NAME_MAX,
-    RENAME_NOREPLACE,
     ROOT_INODE,
     FsError,
     Handle,
@@ -65,6 +67,7 @@ from tierfs.fs.ports import DeleteLog, Liveness, Spawner, StepWatch
 from tierfs.fs.ram_store import RamStore, allocated, is_reserved
 from tierfs.fs.records import StepRecords
 from tierfs.fs.recoverable import Recoverability
+from tierfs.fs.renames import Renames
 from tierfs.fs.residents import Residents
 from tierfs.fs.sealing import HASH_AT_COMMIT, Sealing
 from tierfs.fs.step_identity import StepIdentity
@@ -113,6 +116,9 @@ class Tree:
         self.identity = StepIdentity(self, watch, step_pattern, file_step_pattern)
         # each directory's `latest` link
         self.latest = VirtualLatest(self.backing, self.attach_virtual, self.recoverable)
+        # renames: the entry moved, a target replaced, the steps moved recorded in every tier
+        self.renames = Renames(self, deletes, self.identity, self.latest)
+        self.attributes = Attributes(self, self.sealing)  # chmod, chown, utime, truncate
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -257,9 +263,6 @@ class Tree:
     def data_dir(self, step: StepState) -> str:
         """The path its committed files are relative to (`layout.data_dir`)."""
         return layout.data_dir(step.manifest.path, step.manifest.single_file)
-    def moves_may_settle(self) -> None:
-        """Steps renamed just now committed at their new names: their old names may go."""
-        self._deletes.poke()
 
     def find_dir(self, relpath: str) -> Node:
         """The directory at `relpath` (`""` or `.` is the root); ENOTDIR if it is not one."""
@@ -319,6 +322,20 @@ class Tree:
         if step.manifest is not None:
             self._deletes.record(step.manifest.path, step.manifest.version,
                                  step.manifest.committed_ns)
+
+    def clear_replaced(self, target: Node, path: bytes) -> None:
+        """A rename is about to put another entry in place of `target` (at `path`): it leaves
+        its name as rmdir or unlink would have it (a committed version deleted from every
+        tier, tierfs's own entries gone, its space forgotten with its bytes' last link). The
+        rename replaces its backing file; `detach` follows."""
+        if target.is_dir:
+            if target.step is not None:
+                self._step_removed(target.step)
+            self.remove_hidden(target, path)
+        else:
+            self._single_file_removed(target)
+            if target.remote is None:
+                self._forget_backing_if_last(path, target)
 
     def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
         path = self._new_entry_path(parent, name)
@@ -524,158 +541,6 @@ class Tree:
         self.mark_dirty(parent)
         return True
 
-    def setattr(
-        self, node: Node, handle: Handle | None, *, mode: int | None = None,
-        uid: int | None = None, gid: int | None = None, size: int | None = None,
-        atime_ns: int | None = None, mtime_ns: int | None = None,
-    ) -> None:
-        """Change attributes of a resident file (private already if `size` is given)."""
-        # A change of metadata alone (utime moves the mtime a seal is checked against) keeps it.
-        keeps_seal = size is None and node.is_file and self.sealing.describes_file(node)
-        target: bytes | int
-        try:
-            target = self.backing(node)
-        except FsError:
-            if handle is None:
-                raise
-            target = handle.fd
-        if size is not None:
-            self._truncate(node, handle, target, size)
-        if mode is not None and node.kind != stat.S_IFLNK:
-            os.chmod(target, mode & 0o7777)
-        if uid is not None or gid is not None:
-            os.chown(target, -1 if uid is None else uid, -1 if gid is None else gid,
-                     follow_symlinks=False)
-        if atime_ns is not None or mtime_ns is not None:
-            st = os.lstat(target) if isinstance(target, bytes) else os.fstat(target)
-            times = (st.st_atime_ns if atime_ns is None else atime_ns,
-                     st.st_mtime_ns if mtime_ns is None else mtime_ns)
-            if isinstance(target, bytes):
-                os.utime(target, ns=times, follow_symlinks=False)
-            else:
-                os.utime(target, ns=times)
-        if keeps_seal:
-            node.seal = node.seal.restamped(self.stat(node))
-        if node.is_file and size is None and (mode, uid, gid, mtime_ns) != (None,) * 4:
-            # Mode, owner and mtime are committed state: the step commits again, as a
-            # version with new attributes only (no byte goes anywhere again).
-            self.mark_dirty(node)
-            for step_node in tree_walk.enclosing_steps(node):
-                step_node.step.attributes_changed = True
-
-    @staticmethod
-    def check_truncatable(node: Node) -> None:
-        if not node.is_file:
-            raise FsError(errno.EISDIR if node.is_dir else errno.EINVAL)
-
-    def _truncate(self, node: Node, handle: Handle | None, target: bytes | int,
-                  size: int) -> None:
-        self.check_truncatable(node)
-        # A file grown by truncate stores nothing more (tmpfs keeps no holes): no room needed.
-        if isinstance(target, bytes):
-            os.truncate(target, size)
-            self.store.account_path(target)
-        else:
-            os.ftruncate(target, size)
-            self.store.account_fd(target)
-        if handle is not None and handle.active:
-            return
-        node.gen += 1
-        node.seal = None
-        self.mark_dirty(node)
-
-    # -- rename ----------------------------------------------------------------------------
-
-    def rename(self, node: Node, old_parent: Node, old_name: bytes, new_parent: Node,
-               new_name: bytes, flags: int) -> bool:
-        """Move `node` (the resident entry `old_name` of `old_parent`); False if it is there
-        already. Step identities below it are the caller's next step (`Commits.renamed_dir`)."""
-        if not new_parent.is_dir:
-            raise FsError(errno.ENOTDIR)
-        target = new_parent.children.get(new_name)
-        if target is node:
-            return False
-        if target is not None:
-            if flags & RENAME_NOREPLACE:
-                raise FsError(errno.EEXIST)
-            if node.is_dir and not target.is_dir:
-                raise FsError(errno.ENOTDIR)
-            if target.is_dir and not node.is_dir:
-                raise FsError(errno.EISDIR)
-            if target.is_dir and target.children:
-                raise FsError(errno.ENOTEMPTY)
-        if node.is_dir and tree_walk.holds(node, new_parent):
-            raise FsError(errno.EINVAL)
-        old_path = self.backing(node)
-        new_path = os.path.join(self.backing(new_parent), new_name)
-        old_rel = self.relpath(node)
-        new_rel = layout.join(self.relpath(new_parent), os.fsdecode(new_name))
-        link_dirs = tree_walk.dirs_with_links(node, old_rel)
-        if target is not None and target.kind == stat.S_IFLNK:
-            link_dirs.append(("", self.relpath(new_parent)))
-        for _below, directory in link_dirs:  # their objects in the store go or change
-            self.links.note(directory)
-        if target is not None:
-            if target.is_dir:
-                if target.step is not None:
-                    self._step_removed(target.step)
-                self.remove_hidden(target, new_path)
-            else:
-                self._single_file_removed(target)
-                if target.remote is None:
-                    self._forget_backing_if_last(new_path, target)
-        self._record_moves(node, new_rel)
-        if not node.is_dir and node.step is not None:
-            # a step at its new name (Commits.after_rename); the move is recorded
-            self.remove_hidden(node, self.backing(node))
-            node.step = None
-        if new_name == LATEST:
-            self.latest.keep_own(new_parent)  # `mv -T tmp latest`: a real `latest` from now on
-        if node.remote is None or node.is_dir:  # a file only in the store has no bytes here
-            os.rename(old_path, new_path)
-        if target is not None:
-            self.detach(target)
-        self.mark_dirty(old_parent)
-        self.shape += 1
-        del old_parent.children[old_name]
-        node.name = new_name
-        node.parent = new_parent
-        new_parent.children[new_name] = node
-        if node.is_file:
-            node.step = self.identity.single_file_step(new_parent, new_name)
-            self.mark_dirty(node)
-        else:
-            self.mark_dirty(new_parent)
-        for below, _directory in tree_walk.dirs_with_links(node, new_rel):
-            self.links.note(layout.join(new_rel, below) if below else
-                            (new_rel if node.is_dir else self.relpath(new_parent)))
-        return True
-
-    def _record_moves(self, node: Node, new_path: str) -> None:
-        """`node` moves to `new_path`: every committed step at or below it is renamed in every
-        tier (fs.deletes: its old name leaves them once its new one is there). Recorded before
-        the rename, so that no crash lets the old name come back."""
-        if not node.is_dir and node.step is None:
-            return  # a file inside a step: that step commits again
-        old_path = self.relpath(node)
-        for step_node in self.steps(under=node):
-            manifest = step_node.step.manifest
-            if manifest is None:
-                continue
-            at = self.relpath(step_node)
-            moved_to = new_path + at[len(old_path):]
-            self._deletes.record(at, manifest.version, manifest.committed_ns,
-                                 moved_to=moved_to)
-
-    def check_rename(self, old_parent: Node, old_name: bytes, new_name: bytes,
-                     flags: int) -> Node:
-        """The node a rename moves, after the checks that come before any await."""
-        if flags & ~RENAME_NOREPLACE:
-            raise FsError(errno.EINVAL)  # RENAME_EXCHANGE and friends: not supported
-        node = self.existing_entry(old_parent, old_name)
-        self._check_new_name(new_name)
-        return node
-
     # -- seals -----------------------------------------------------------------------------
 
     async def seal(self, node: Node) -> None:
@@ -757,7 +622,8 @@ class Tree:
                 step_node.step.pending.superseded = True
             self._watch.touch(step_node)
 
-    def _check_new_name(self, name: bytes) -> None:
+    def check_new_name(self, name: bytes) -> None:
+        """A name an entry may be made or renamed to (tierfs's own names are refused)."""
         if len(name) > NAME_MAX:
             raise FsError(errno.ENAMETOOLONG)
         if is_reserved(name) or b"/" in name or name in (b"", b".", b".."):
@@ -770,7 +636,7 @@ class Tree:
     def _new_entry_path(self, parent: Node, name: bytes) -> bytes:
         if not parent.is_dir:
             raise FsError(errno.ENOTDIR)
-        self._check_new_name(name)
+        self.check_new_name(name)
         if name in parent.children:
             raise FsError(errno.EEXIST)
         if name == LATEST:
