@@ -44,6 +44,8 @@ TRASH_PREFIX = reserved.TRASH
 # this are renamed away at once and unlinked in a worker thread, so that no handler waits.
 BIG_UNLINK = 16 << 20
 _unique = itertools.count()
+# Seconds between two looks for objects linked early whose tree file went (`room_for`).
+EARLY_SWEEP_EVERY = 1.0
 RESERVED_PREFIX = reserved.PREFIX.encode()
 
 
@@ -79,6 +81,7 @@ class RamStore:
         # back.
         self._early: dict[str, int] = {}
         self._early_inodes: dict[int, str] = {}
+        self._early_swept_at = -EARLY_SWEEP_EVERY
         self._lock_fd: int | None = None
         self._last_full_log = 0.0
 
@@ -125,7 +128,8 @@ class RamStore:
         self.used_bytes = sum(self._sizes.values())
 
     def room_for(self, extra_bytes: int) -> bool:
-        if self.used_bytes + extra_bytes > self.limit_bytes and self._early_inodes:
+        if (self.used_bytes + extra_bytes > self.limit_bytes and self._early_inodes
+                and time.monotonic() - self._early_swept_at >= EARLY_SWEEP_EVERY):
             self._drop_lone_early()  # RAM that nothing uses, before anything is refused
         return self.used_bytes + extra_bytes <= self.limit_bytes
 
@@ -236,7 +240,9 @@ class RamStore:
 
     def _drop_lone_early(self) -> None:
         """Remove the objects linked early whose tree file went without `drop_early` (a step
-        directory removed whole): they hold RAM that nothing uses."""
+        directory removed whole): they hold RAM that nothing uses. A stat per object linked
+        early: at most every EARLY_SWEEP_EVERY seconds, however often room is wanted."""
+        self._early_swept_at = time.monotonic()
         for ino, digest in list(self._early_inodes.items()):
             try:
                 alone = os.lstat(self.object_path(digest)).st_nlink == 1
