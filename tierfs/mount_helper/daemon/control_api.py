@@ -61,10 +61,10 @@ class ControlApi:
         # the records `tierfs status` takes copies, holders and TIERS from, in a cluster
         self.recorded = RecordedHolders(cluster.recorded_holders) if cluster else None
 
-    def persist_status(self) -> dict[str, Any] | None:
+    def persist_status(self, waiting: list[Due]) -> dict[str, Any] | None:
+        """`persist` in `tierfs status --json`; `waiting`: `_persist_waiting`'s list."""
         if self.uploader is None:
             return None
-        waiting = self._persist_waiting()
         return {"url": self.uploader.backend.url, "new_store": self.new_store,
                 "sent_bytes": self.uploader.bytes_sent,
                 "manifest_bytes": self.uploader.manifest_bytes_sent,
@@ -75,13 +75,14 @@ class ControlApi:
                 "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
                 "pending_bytes": sum(due.total_bytes for due in waiting)}
 
-    def _persist_waits(self) -> dict[str, dict[str, Any]]:
-        """Per step due in the store and not there yet: why not, since when, and how many
-        requests of its upload failed (`persist_wait` in `tierfs status --json`)."""
+    def _persist_waits(self, waiting: list[Due]) -> dict[str, dict[str, Any]]:
+        """Per step due in the store and not there yet (`waiting`: `_persist_waiting`'s
+        list): why not, since when, and how many requests of its upload failed
+        (`persist_wait` in `tierfs status --json`)."""
         if self.uploader is None:
             return {}
         waits = {}
-        for due in self._persist_waiting():
+        for due in waiting:
             reason, since_ns, failures = (
                 self.uploader.waiting(due.manifest) if due.manifest is not None
                 else ("hashing", due.committed_ns, 0))
@@ -267,7 +268,8 @@ class ControlApi:
 
     async def status(self) -> dict[str, Any]:
         ns = self.namespace
-        persist_waits = self._persist_waits()
+        persist_waiting = self._persist_waiting() if self.uploader is not None else []
+        persist_waits = self._persist_waits(persist_waiting)
         recorded = await self.recorded.of(ns.tiers.listed_manifests()) if self.recorded else {}
         steps = sorted((self._step_status(node, persist_waits, recorded.get(
                             node.step.manifest.path) if node.step.manifest else None)
@@ -284,7 +286,7 @@ class ControlApi:
             "served_to_peers": self.cluster.served() if self.cluster else None,
             # in a cluster: what this node missed while it was down is applied
             "caught_up": self.cluster.caught_up.is_set() if self.cluster else None,
-            "persist": self.persist_status(),
+            "persist": self.persist_status(persist_waiting),
             "replication": self.replication_status(),
             "commits": self.pipeline.commits,
             "ram_check": dict(self.verifier.scan_counts, done=self.verifier.scan_done.is_set()),
