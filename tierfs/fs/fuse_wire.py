@@ -15,10 +15,12 @@ What the relay changes, and why:
   FUSE_PASSTHROUGH is turned on with a `max_stack_depth`.
 - OPEN and CREATE replies of files the daemon offered: FOPEN_PASSTHROUGH and the backing id.
 What the relay answers itself, without libfuse:
-- GETXATTR of a name outside `user.`: ENODATA, the daemon's answer for every file (tierfs keeps
-  no security labels, ACLs or capabilities: `nodes.XATTR_NAMESPACE`). GNU `ls -l` asks for two
-  such names per entry (security.selinux, system.posix_acl_access) and FUSE forwards both; as
-  round trips through libfuse and the daemon's loop they were most of an `ls -l`.
+- GETXATTR of a name outside `user.`: EOPNOTSUPP, the daemon's answer for every file (tierfs
+  keeps no security labels, ACLs or capabilities: `nodes.XATTR_NAMESPACE`). GNU `ls -l` asks
+  for two such names per entry (security.selinux, system.posix_acl_access) and FUSE forwards
+  both; as round trips through libfuse and the daemon's loop they were most of an `ls -l`, and
+  even answered here (ENODATA, until 2026-12-03) two round trips per entry: told the file
+  system has none, `ls` stops asking for it.
 Everything else passes unchanged. A message that does not parse raises WireError: the relay
 then aborts the connection rather than guess.
 """
@@ -227,7 +229,7 @@ def answer_here(message: Message) -> bytes | None:
     """The reply the relay gives the kernel itself for this request, or None: it goes to
     libfuse. Two requests whose answer never depends on the tree are answered here, without a
     round trip through libfuse and the daemon's loop: a GETXATTR of a name outside
-    `XATTR_NAMESPACE` (ENODATA), and every IOCTL (ENOTTY: tierfs has none, as libfuse's own
+    `XATTR_NAMESPACE` (EOPNOTSUPP), and every IOCTL (ENOTTY: tierfs has none, as libfuse's own
     answer, ENOSYS, tells the kernel; Python's `open()` asks `isatty` of every file it opens,
     one round trip per file saved)."""
     header = in_header(message)
@@ -240,7 +242,7 @@ def answer_here(message: Message) -> bytes | None:
         raise WireError(f"a GETXATTR request of {len(message)} bytes")
     if bytes(message[name_at:name_at + len(XATTR_NAMESPACE)]) == XATTR_NAMESPACE:
         return None
-    return OUT_HEADER.pack(OUT_HEADER.size, -errno.ENODATA, header.unique)
+    return OUT_HEADER.pack(OUT_HEADER.size, -errno.EOPNOTSUPP, header.unique)
 
 
 def relay_payload(page_size: int, wanted: int = 1 << 20) -> int:

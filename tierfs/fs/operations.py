@@ -317,6 +317,8 @@ class Operations(pyfuse3.Operations):
         node = self.ns.get(inode)
         if _is_user_xattr(name):
             return self.ns.user_xattr(node, name)
+        if not name.startswith(XATTR_NAMESPACE):
+            raise FsError(errno.EOPNOTSUPP)  # as the relay answers (fs.fuse_wire.answer_here)
         return await self.ns.xattr(node, name)
 
     @_boundary
