@@ -9,8 +9,8 @@ moves the tensor's blocks, not the file. Once every unit is in and the whole fil
 xxh3-128, the partial file becomes the file's committed object again. A mismatch anywhere is an
 error and a log line, never data: no byte is served that its block's or chunk's check did not
 pass, and the file is not adopted unless the whole passes too. A fetched range is checked,
-written into the partial file and fed to the xxh3-128 (`_WholeHash`) in one pass, a 1 MiB slice
-at a time while it is in the CPU's cache (`Fetch._check_and_write`), and its units are marked
+written into the partial file and fed to the xxh3-128 (`_WholeHash`) in one worker thread's
+call (`Fetch._check_and_write`; a range of blocks a block at a time), and its units are marked
 present only once it matched (bytes written before a failed check stay in units no reader is
 given); only units stored ahead of the ones before them are read again for the whole-file
 hash. When the RAM tier has no room the bytes are still checked and returned, just not kept.
@@ -53,9 +53,12 @@ SEQUENTIAL_RUN = 4 << 20  # bytes read back to back before a reader counts as se
 RUN_GAP = 2 << 20  # how far past a run's end a read still continues it
 WHOLE_IN_FLIGHT = 8  # chunks on their way at once when a file is fetched whole
 SMALL_RANGE = 64 << 10  # bytes stored from the trio thread, into a buffer of their own size
-# Bytes of a fetched range checked, stored and hashed at a time (`Fetch._check_and_write`):
-# each slice is still in the CPU's cache for the second and third pass over it. A block, so
-# that a range of blocks is checked block by block.
+# Bytes of a range of blocks checked, stored and hashed at a time (`Fetch._check_and_write`):
+# a block, each checked against its own digest. A whole chunk goes as one piece: each call
+# that releases the GIL (a write) waits to take it back from the threads receiving other
+# chunks, whose MAC (Poly1305, in `cryptography`) holds it; eight 1 MiB slices per chunk
+# instead of one cost more in those waits than their cache locality saved (measured: the
+# fresh node's CPU per restore rose by about a tenth).
 STORE_SLICE = mf.BLOCK_SIZE
 RELAY_WAIT = 8.0  # seconds a peer sent here for a chunk waits for it to come in (< IO_TIMEOUT)
 
@@ -529,10 +532,10 @@ class Fetch:
                 os.close(fd)
 
     def _check_and_write(self, fd: int | None, data: bytes | memoryview, span: range) -> bool:
-        """One pass over the units, a slice (STORE_SLICE) at a time while it is in the CPU's
-        cache: its checksum (the chunk's xxh3-64 as it goes, or each block's), its write into
-        the partial file at `fd` (if given) and the whole-file hash (if it is next in order);
-        whether they matched (blocking: a worker thread's for large ranges)."""
+        """The units' checksum (a whole chunk's xxh3-64, or each block's, a block at a time),
+        their write into the partial file at `fd` (if given) and the whole-file hash (if they
+        are next in order), in one call; whether they matched (blocking: a worker thread's
+        for large ranges)."""
         entry = self.remote.entry
         offset = span.start * self._unit
         view = memoryview(data)
@@ -541,11 +544,12 @@ class Fetch:
         if not whole_chunk and (not entry.blocks or offset % mf.BLOCK_SIZE):
             return False
         chunk = xxhash.xxh3_64() if whole_chunk else None
+        pieces = len(view) if whole_chunk else STORE_SLICE
         feeding = fd is not None and self._whole.claim(span.start)
         good = False
         try:
-            for start in range(0, len(view), STORE_SLICE):
-                piece = view[start:start + STORE_SLICE]
+            for start in range(0, len(view), pieces):
+                piece = view[start:start + pieces]
                 if chunk is not None:
                     chunk.update(piece)
                 elif mf.block_digest(piece) != mf.block_digest_of(

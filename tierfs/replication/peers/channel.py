@@ -27,10 +27,11 @@ WINDOW = 4  # requests in flight on one connection (pipeline)
 # segment on the trio thread, which serves the mount meanwhile.
 BULK = 1 << 18
 LOW_WATER = 1 << 20
-# Bytes of a file read at a time for its MAC, into a buffer each worker thread keeps: small
-# enough to stay in the CPU's cache for the MAC that follows the read, and no new buffer (its
-# pages faulted in again) for every frame.
-TAG_READ = 256 << 10
+# Bytes of a file read at a time for its MAC, into a buffer each worker thread keeps (no new
+# buffer, its pages faulted in again, for every frame): small enough to stay in the CPU's
+# cache for the MAC that follows the read, large enough that the reads, each of which lets
+# the GIL go and waits to take it back, stay few.
+TAG_READ = 1 << 20
 # Bytes of frames this process sent to each peer, by node id, once it authenticated (one
 # daemon per process): the `tierfs_peer_sent_bytes` metric and `served_to_peers` in status.
 SENT_TO: collections.Counter[str] = collections.Counter()
