@@ -44,6 +44,7 @@ from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.fs.ram_store import RamFull, RamStore
 from tierfs.fs.tier_errors import TierError
+from tierfs.thread_buffers import ThreadBuffer
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +105,7 @@ class _Buffers:
 _BUFFERS = _Buffers(keep=WHOLE_IN_FLIGHT)
 
 
-_SLICE_BUFFERS = threading.local()
-
-
-def _slice_buffer() -> memoryview:
-    """This worker thread's buffer of STORE_SLICE bytes, for reading back stored units."""
-    buffer = getattr(_SLICE_BUFFERS, "buffer", None)
-    if buffer is None:
-        buffer = _SLICE_BUFFERS.buffer = memoryview(bytearray(STORE_SLICE))
-    return buffer
+_READ_BACK = ThreadBuffer(STORE_SLICE)  # units read back for the whole-file hash
 
 
 class _WholeHash:
@@ -167,7 +160,7 @@ class _WholeHash:
                 self._ahead.discard(self._next)
                 offset = self._next * self._unit
                 end = offset + min(self._unit, self._size - offset)
-                slice_buffer = _slice_buffer()
+                slice_buffer = _READ_BACK.get()
                 while offset < end:  # a slice at a time, into a buffer that stays in cache
                     count = os.preadv(fd, [slice_buffer[:end - offset]], offset)
                     if not count:

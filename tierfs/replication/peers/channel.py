@@ -9,7 +9,6 @@ import os
 import select
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Awaitable, Callable, Container, Iterable, Iterator
 from typing import Any
@@ -18,6 +17,7 @@ import outcome
 import trio
 
 from tierfs.replication.peers import protocol as proto
+from tierfs.thread_buffers import ThreadBuffer
 
 IO_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 3.0
@@ -32,6 +32,7 @@ LOW_WATER = 1 << 20
 # cache for the MAC that follows the read, large enough that the reads, each of which lets
 # the GIL go and waits to take it back, stay few.
 TAG_READ = 1 << 20
+_TAG_BUFFER = ThreadBuffer(TAG_READ)
 # Bytes of frames this process sent to each peer, by node id, once it authenticated (one
 # daemon per process): the `tierfs_peer_sent_bytes` metric and `served_to_peers` in status.
 SENT_TO: collections.Counter[str] = collections.Counter()
@@ -178,7 +179,7 @@ class PeerChannel:
                 return b""
             mac = self._send_mac.start()
             mac.update(header)
-            buffer = _tag_buffer()
+            buffer = _TAG_BUFFER.get()
             end = offset + length
             while offset < end:
                 count = os.preadv(fd, [buffer[:min(TAG_READ, end - offset)]], offset)
@@ -314,17 +315,6 @@ def _fill_blocking(sock: trio.socket.SocketType, buffer: memoryview, expires: fl
         if low_water != 1:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
     return filled
-
-
-_TAG_BUFFERS = threading.local()
-
-
-def _tag_buffer() -> memoryview:
-    """This worker thread's buffer for reading payloads to tag (`PeerChannel._tag_file`)."""
-    buffer = getattr(_TAG_BUFFERS, "buffer", None)
-    if buffer is None:
-        buffer = _TAG_BUFFERS.buffer = memoryview(bytearray(TAG_READ))
-    return buffer
 
 
 def _in_thread(function: Callable[..., bytes], *args: Any) -> Callable[[], Awaitable[bytes]]:
