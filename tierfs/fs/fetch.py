@@ -537,7 +537,7 @@ class Fetch:
         if not whole_chunk and (not entry.blocks or offset % mf.BLOCK_SIZE):
             return False
         chunk = xxhash.xxh3_64() if whole_chunk else None
-        pieces = len(view) if whole_chunk else STORE_SLICE
+        pieces = max(len(view), 1) if whole_chunk else STORE_SLICE
         feeding = fd is not None and self._whole.claim(span.start)
         good = False
         try:
