@@ -276,8 +276,9 @@ class Residency:
         reads this one (DCP reads a file, then opens the next). Only the writer's files: each
         node of a multi-node load reads the shards its own ranks wrote, and another node's
         must not come to every node (a node that wrote nothing here, a fresh one, reads
-        ahead the files of the writer of the file it opened). Only into free room; the
-        read-ahead stops at the first file that does not fit or does not come."""
+        ahead the files of the writer of the file it opened; in a cluster it asks the
+        records who that is, and reads nothing ahead if they do not say). Only into free
+        room; the read-ahead stops at the first file that does not fit or does not come."""
         step_node = next(tree_walk.enclosing_steps(node), None)
         if step_node is None or step_node.is_file:
             return
@@ -285,17 +286,22 @@ class Residency:
         manifest = step.manifest
         if manifest is None or step in self._reading_ahead:
             return
-        writer = step.file_writers.get(name)
-        wanted = [sibling for sibling in self._step_files_after(step_node, name)
-                  if sibling.remote is not None and sibling.remote.entry.size > SMALL_FILE
-                  and step.file_writers.get(sibling.remote.entry.name) == writer]
-        if not wanted:
-            return
         self._reading_ahead.add(step)
         where = self.tree.relpath(step_node)
+        records = self.records
 
         async def ahead() -> None:
             try:
+                writers = step.file_writers
+                if records is not None and name not in writers:
+                    # a node that holds nothing of the step has not read who wrote what
+                    writers = await records.writers_of(manifest) or {}
+                    if name not in writers:
+                        return  # unknown: no file comes unasked
+                wanted = [sibling for sibling in self._step_files_after(step_node, name)
+                          if sibling.remote is not None
+                          and sibling.remote.entry.size > SMALL_FILE
+                          and writers.get(sibling.remote.entry.name) == writers.get(name)]
                 for sibling in wanted:
                     if step_node.step is not step or step.manifest is not manifest:
                         return  # the step moved on
