@@ -229,3 +229,46 @@ async def test_a_file_read_back_to_back_from_its_start_asks_to_be_fetched_whole(
         assert reader.delivered == mf.CHUNK_SIZE  # once sequential: whole chunks
     finally:
         fetch.discard()
+
+
+class CorruptReader(PersistentReader):
+    """The persistent tier's read source, with one byte of every range it delivers flipped."""
+
+    name = "corrupt"
+
+    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
+                         length: int) -> bytes:
+        data = bytearray(await super().read_range(step_path, entry, offset, length))
+        data[len(data) // 2] ^= 1
+        return bytes(data)
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+async def test_a_range_that_fails_its_check_leaves_nothing_behind(
+        tmp_path: Path, ram: RamStore, blocks: bool) -> None:
+    """Each range comes first from a source that corrupts it, then from a good one: the bad
+    bytes (stored as they were checked) are neither counted in the RAM tier nor in the
+    whole-file hash, and the file is adopted as it is."""
+    data = os.urandom(3 * mf.CHUNK_SIZE + 5)
+    backend, remote = stored_file(tmp_path, data, blocks=blocks)
+    limiter = trio.CapacityLimiter(2)
+    sources = [CorruptReader(backend, limiter), PersistentReader(backend, limiter)]
+    fetch = Fetch(ram, remote)
+    try:
+        if blocks:  # single blocks first: the first in order, then one ahead of the order
+            for at in (7, 2 * mf.BLOCK_SIZE + 7):
+                assert await fetch.read(sources, at, 10) == data[at:at + 10]
+            assert ram.used_bytes == 2 * mf.BLOCK_SIZE
+        await fetch.fill(sources, in_flight=2)
+        assert fetch.complete and fetch.verify()
+        assert Path(os.fsdecode(fetch.path)).read_bytes() == data
+        assert ram.used_bytes == len(data)
+    finally:
+        fetch.discard()
+    fetch = Fetch(ram, remote)
+    try:
+        with pytest.raises(FetchError, match="does not match its checksum"):
+            await fetch.fill([CorruptReader(backend, limiter)])
+        assert ram.used_bytes == 0 and fetch.missing_bytes == len(data)
+    finally:
+        fetch.discard()

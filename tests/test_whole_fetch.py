@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, MountFactory, getxattr, tierfs
+from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
 from tests.test_crash import save
 from tests.test_passthrough import daemon_io, kernel_has_passthrough
 from tierfs import manifest as mf
@@ -101,3 +101,36 @@ def test_without_room_for_the_whole_file_it_is_read_range_by_range(mounts: Mount
         assert getxattr(path, "user.tierfs.tiers") == "persist"
         assert f.read() == data
     assert getxattr(path, "user.tierfs.tiers") == "persist"
+
+
+def fresh_node_with_step(mounts: MountFactory, tmp_path: Path,
+                         files: dict[str, bytes]) -> Mount:
+    """A new node (empty RAM dir) on a file:// store that holds run/step_1 = `files`."""
+    store = tmp_path / "store"
+    store.mkdir()
+    first = mounts.mount("--persist", f"file://{store}")
+    save(first / "run/step_1", files)
+    tierfs("flush", str(first.mountpoint), "--timeout", "60")
+    tierfs("umount", str(first.mountpoint))
+    fresh = mounts.mount("--persist", f"file://{store}")
+    if not fresh.status()["passthrough"]:
+        pytest.skip("this kernel has no FUSE passthrough (Linux 6.9+, CONFIG_FUSE_PASSTHROUGH)")
+    return fresh
+
+
+def test_a_load_brings_the_next_shards_while_it_reads_one(mounts: MountFactory,
+                                                         tmp_path: Path) -> None:
+    """A DCP load (its `.metadata` opened, then a shard): the step's other large files (one
+    writer) come into RAM in the background, verified, before the loader opens them; a shard
+    opened without a load (no `.metadata` first) brings nothing else."""
+    shards = {f"__0_{i}.distcp": os.urandom(2 * mf.BLOCK_SIZE + i) for i in range(3)}
+    mnt = fresh_node_with_step(mounts, tmp_path, {**shards, ".metadata": b"m"})
+    step = mnt / "run/step_1"
+    assert (step / "__0_2.distcp").read_bytes() == shards["__0_2.distcp"]  # not a load
+    assert getxattr(step / "__0_0.distcp", "user.tierfs.tiers") == "persist"
+    assert (step / ".metadata").read_bytes() == b"m"  # a load starts
+    with open(step / "__0_0.distcp", "rb") as f:
+        assert f.read() == shards["__0_0.distcp"]
+    wait_until(lambda: getxattr(step / "__0_1.distcp", "user.tierfs.tiers") == "ram,persist")
+    assert mnt.log().count("run/step_1/__0_1.distcp is back in RAM (") == 1
+    assert (step / "__0_1.distcp").read_bytes() == shards["__0_1.distcp"]

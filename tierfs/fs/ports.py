@@ -94,6 +94,11 @@ class SealedCollector(Protocol):
         and the other holders restore them. CoordinationUnavailable if that could not be
         done."""
 
+    async def writers_of(self, manifest: mf.StepManifest) -> dict[str, str] | None:
+        """Which node wrote each file of this committed version, from its records (None if
+        they cannot be read)."""
+        ...
+
 
 class CopiesWait(Protocol):
     """Returns once every file of this committed version has K + 1 verified copies on live

@@ -146,6 +146,15 @@ class RamStore:
         self._sizes[backing_ino] = self._sizes.get(backing_ino, 0) + delta
         self.used_bytes += delta
 
+    def give_back(self, backing_ino: int, delta: int) -> None:
+        """Un-account `delta` bytes charged by `grow_by` that were not kept after all (a
+        fetched range that failed its check). Nothing once the inode is forgotten: its
+        charges went with it."""
+        if delta > 0 and backing_ino in self._sizes:
+            delta = min(delta, self._sizes[backing_ino])
+            self._sizes[backing_ino] -= delta
+            self.used_bytes -= delta
+
     def account_fd(self, fd: int) -> int:
         """Account what the open file `fd` stores now (after a write or a truncate, or a copy
         whose room was checked before it was made); returns its inode."""

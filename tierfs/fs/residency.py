@@ -87,6 +87,7 @@ class Residency:
         self._small_given_up: weakref.WeakKeyDictionary[StepState, mf.StepManifest] = \
             weakref.WeakKeyDictionary()
         self.small_fetched = 0  # files brought in by `_fetch_small` (status, tests)
+        self._reading_ahead: set[StepState] = set()  # steps with a `_read_ahead` running
 
     # -- coming back -----------------------------------------------------------------------
 
@@ -192,6 +193,8 @@ class Residency:
                      exc or "no room in RAM")
             return
         self._adopt(node, fetch)
+        if self._being_loaded(node):  # once this file is in: it has the bandwidth first
+            self._read_ahead(node, fetch.remote.entry.name)
 
     def _fetch_small(self, node: Node) -> None:
         """`node`, a small file (up to SMALL_FILE bytes) of a committed step, is being fetched
@@ -264,25 +267,89 @@ class Residency:
 
         self.background.spawn(fetch_all)
 
+    def _read_ahead(self, node: Node, name: str) -> None:
+        """`node` (`name` in its step), a file of a step being loaded (`StepLoads`), came
+        whole for its open: the step's other large files not in RAM that the same node wrote
+        come now, in the background, one after another in manifest order from the one after
+        it, each fetched as `fetch_whole` does (WHOLE_IN_FLIGHT chunks at a time, verified,
+        shared with an open of it meanwhile). So the next file's bytes come while the loader
+        reads this one (DCP reads a file, then opens the next). Only the writer's files: each
+        node of a multi-node load reads the shards its own ranks wrote, and another node's
+        must not come to every node (a node that wrote nothing here, a fresh one, reads
+        ahead the files of the writer of the file it opened; in a cluster it asks the
+        records who that is, and reads nothing ahead if they do not say). Only into free
+        room; the read-ahead stops at the first file that does not fit or does not come."""
+        step_node = next(tree_walk.enclosing_steps(node), None)
+        if step_node is None or step_node.is_file:
+            return
+        step = step_node.step
+        manifest = step.manifest
+        if manifest is None or step in self._reading_ahead:
+            return
+        self._reading_ahead.add(step)
+        where = self.tree.relpath(step_node)
+        records = self.records
+
+        async def ahead() -> None:
+            try:
+                writers = step.file_writers
+                if records is not None and name not in writers:
+                    # a node that holds nothing of the step has not read who wrote what
+                    writers = await records.writers_of(manifest) or {}
+                    if name not in writers:
+                        return  # unknown: no file comes unasked
+                wanted = [sibling for sibling in self._step_files_after(step_node, name)
+                          if sibling.remote is not None
+                          and sibling.remote.entry.size > SMALL_FILE
+                          and writers.get(sibling.remote.entry.name) == writers.get(name)]
+                for sibling in wanted:
+                    if step_node.step is not step or step.manifest is not manifest:
+                        return  # the step moved on
+                    if sibling.remote is None:
+                        continue  # in RAM already (its open fetched it)
+                    fetch = self._fetch_of(sibling)
+                    if not self.store.room_for(fetch.missing_bytes):
+                        return
+                    try:
+                        await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
+                        self._adopt(sibling, fetch)
+                    except (FetchError, RamFull, FsError) as exc:
+                        log.info("read-ahead of %s stopped at %s: %s", where,
+                                 self.tree.relpath(sibling), exc or "no room in RAM")
+                        return
+            finally:
+                self._reading_ahead.discard(step)
+
+        self.background.spawn(ahead)
+
+    def _step_files_after(self, step_node: Node, name: str) -> list[Node]:
+        """The step's files not in RAM and not being fetched, in manifest order from the one
+        after `name` (then from the start)."""
+        entries = step_node.step.manifest.files
+        start = next((i + 1 for i, entry in enumerate(entries) if entry.name == name), 0)
+        found = []
+        for entry in entries[start:] + entries[:start]:
+            if entry.name == name or entry.name in step_node.step.resident:
+                continue
+            sibling = tree_walk.entry_node(step_node, entry.name)
+            if sibling is not None and sibling.remote is not None and sibling.fetch is None:
+                found.append(sibling)
+        return found
+
     def _small_files(self, step_node: Node, node: Node) -> list[Node] | None:
         """The files of the step that `_fetch_small` brings for `node`: small, not in RAM,
         not on their way, up to SMALL_STEP_BYTES, the ones after `node` first (None: the RAM
         tier has no room for them)."""
-        step = step_node.step
-        entries = step.manifest.files
-        name = node.remote.entry.name if node.remote is not None else ""
-        start = next((i + 1 for i, entry in enumerate(entries) if entry.name == name), 0)
         wanted, total = [], 0
-        for entry in entries[start:] + entries[:start]:
-            if entry.size > SMALL_FILE or entry.name in step.resident or entry.name == name:
+        name = node.remote.entry.name if node.remote is not None else ""
+        for sibling in self._step_files_after(step_node, name):
+            size = sibling.remote.entry.size if sibling.remote is not None else 0
+            if size > SMALL_FILE:
                 continue
-            sibling = tree_walk.entry_node(step_node, entry.name)
-            if sibling is None or sibling.remote is None or sibling.fetch is not None:
-                continue
-            if total + entry.size > SMALL_STEP_BYTES:
+            if total + size > SMALL_STEP_BYTES:
                 break
             wanted.append(sibling)
-            total += entry.size
+            total += size
         return wanted if self.store.room_for(total) else None
 
     def _being_loaded(self, node: Node) -> bool:

@@ -4,9 +4,9 @@ opens return (then read by passthrough, at memory speed, instead of range by ran
 daemon). Any other read of a large file not in RAM (one tensor of a shard) fetches only what it
 touches (`fs.fetch`).
 
-Only the files a load opens are fetched: the step's other files are not read ahead, since each
-rank of a multi-rank load reads its own shards only (a read-ahead of the whole step would
-bring every shard to every node).
+Beside the files a load opens, only the step's files written by the same node are read ahead
+(`Residency._read_ahead`): each rank of a multi-rank load reads its own shards only, and a
+read-ahead of the whole step would bring every shard to every node.
 
 This module only keeps the books: which steps are being loaded, and until when; `Residency`
 fetches."""

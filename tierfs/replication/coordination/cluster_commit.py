@@ -327,6 +327,11 @@ class ClusterCommits:
             log.info("could not read the record of %s/%s: %s", step_path, name, exc)
             return None
 
+    async def writers_of(self, manifest: mf.StepManifest) -> dict[str, str] | None:
+        """Which node wrote each file of this committed version, from its records."""
+        records = await self.placements(manifest)
+        return None if records is None else {name: r.node for name, r in records.items()}
+
     async def placements(self, manifest: mf.StepManifest) -> dict[str, FileRecord] | None:
         """Who holds each file of this committed version, from its records: None unless
         etcd has the step's commit record at this version (or does not answer)."""
