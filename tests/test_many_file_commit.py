@@ -16,7 +16,7 @@ import pytest
 import trio
 import xxhash
 
-from tests.test_namespace import CTX, Harness
+from tests.test_namespace import CTX, Harness, dcp_save
 from tierfs.fs.nodes import Node
 from tierfs.fs.ram_store import RamStore
 
@@ -187,3 +187,31 @@ def test_room_is_taken_back_from_objects_linked_early_whose_file_went_unseen(
         assert store.used_bytes == 0 and not store.object_path("ab" * 16).exists()
     finally:
         store.release()
+
+
+async def test_a_restart_keeps_objects_linked_early_and_counts_no_lost_copy(
+        tmp_path: Path) -> None:
+    """A node stopped with a step being written: each closed file of it is its object already
+    (linked early). The start keeps those objects (they hold no RAM of their own) and does not
+    count them as lost copies: a node that did dropped itself from the cluster's holders of its
+    own shards, and a multi-node step waiting for them never became whole (before: 2 objects
+    "removed" at start). Removed after the restart, the file takes its object with it."""
+    harness = Harness(tmp_path / "ram")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(harness.ns.background.run)
+        await dcp_save(harness, "run/step_1", {"a": b"A" * 100})
+        await harness.write_file("run/step_2/__1_0.distcp", b"S" * 50_000)
+        await settled(harness, "run/step_2", ["__1_0.distcp"])
+        nursery.cancel_scope.cancel()
+    harness.close()
+    digest = xxhash.xxh3_128_hexdigest(b"S" * 50_000)
+    again = Harness(tmp_path / "ram")
+    try:
+        assert again.ns.recovered.objects_removed == 0
+        assert not again.ns.recovered.may_have_lost_copies
+        tree_file = tmp_path / "ram/tree/run/step_2/__1_0.distcp"
+        assert again.store.object_path(digest).stat().st_ino == tree_file.stat().st_ino
+        await again.ops.unlink(await again.inode("run/step_2"), b"__1_0.distcp", CTX)
+        assert not again.store.object_path(digest).exists()
+    finally:
+        again.close()

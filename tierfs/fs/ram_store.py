@@ -219,7 +219,7 @@ class RamStore:
         links none of them, with no await while every FUSE request waits (issue 25). Copy on
         write protects it as any object. Until a commit counts it (`add_ref`), it goes when
         the tree file stops sharing its inode (`drop_early`) or when room is wanted
-        (`room_for`); start-up removes any left (`collect_garbage`)."""
+        (`room_for`); start-up keeps those a tree file still shares (`collect_garbage`)."""
         if self._refs[digest] or digest in self._early:
             return
         try:
@@ -326,12 +326,26 @@ class RamStore:
         trio.lowlevel.spawn_system_task(_unlink_in_thread, trash)
 
     def collect_garbage(self) -> int:
-        """Remove objects that no manifest names (left by an interrupted commit)."""
+        """At start, once every manifest is counted: remove tierfs's own leftovers in objects/
+        (snapshots, incoming copies, trash) and the objects no manifest names; the count
+        removed. An object a tree file still shares stays, as one linked early
+        (`link_early`, or by a commit a crash cut short): it holds no RAM of its own and is the
+        object that file's commit makes, and it is no lost copy (a node that counted it as
+        one dropped itself from the holders of its own unsaved shards: their step, committed
+        elsewhere, could then never be whole)."""
+        with os.scandir(self.objects) as entries:
+            unnamed = sorted((entry.name for entry in entries if entry.name not in self._refs),
+                             key=lambda name: not name.startswith(reserved.PREFIX))
         removed = 0
-        for entry in os.scandir(self.objects):
-            if entry.name not in self._refs:
-                os.unlink(entry.path)
-                removed += 1
+        for name in unnamed:  # the leftovers first: a snapshot may share an object's inode
+            path = os.path.join(self._objects_path, name.encode())
+            st = os.lstat(path)
+            if st.st_nlink > 1 and not name.startswith(reserved.PREFIX):
+                self._early[name] = st.st_ino
+                self._early_inodes[st.st_ino] = name
+                continue
+            os.unlink(path)
+            removed += 1
         return removed
 
     # -- copy on write ---------------------------------------------------------------------
