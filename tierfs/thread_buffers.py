@@ -4,7 +4,9 @@ faulted in and given back each time."""
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Iterator
 
 
 class ThreadBuffer:
@@ -19,3 +21,14 @@ class ThreadBuffer:
         if buffer is None:
             buffer = self._local.buffer = memoryview(bytearray(self.size))
         return buffer
+
+    def read(self, fd: int, offset: int, end: int) -> Iterator[memoryview]:
+        """The bytes [offset, end) of the file `fd`, a buffer at a time (each piece good until
+        the next); fewer if the file ends first (the caller counts what it was given)."""
+        buffer = self.get()
+        while offset < end:
+            count = os.preadv(fd, [buffer[:min(self.size, end - offset)]], offset)
+            if not count:
+                return
+            yield buffer[:count]
+            offset += count

@@ -159,14 +159,13 @@ class _WholeHash:
             while self._next in self._ahead:
                 self._ahead.discard(self._next)
                 offset = self._next * self._unit
-                end = offset + min(self._unit, self._size - offset)
-                slice_buffer = _READ_BACK.get()
-                while offset < end:  # a slice at a time, into a buffer that stays in cache
-                    count = os.preadv(fd, [slice_buffer[:end - offset]], offset)
-                    if not count:
-                        raise OSError(errno.EIO, "a stored unit is shorter than it was")
-                    self._hasher.update(slice_buffer[:count])
-                    offset += count
+                length = min(self._unit, self._size - offset)
+                # a slice at a time, into a buffer that stays in cache
+                for piece in _READ_BACK.read(fd, offset, offset + length):
+                    self._hasher.update(piece)
+                    length -= len(piece)
+                if length:
+                    raise OSError(errno.EIO, "a stored unit is shorter than it was")
                 self._next += 1
 
     def digest(self) -> str | None:

@@ -226,6 +226,9 @@ class RamStore:
             os.link(tree_file, os.path.join(self._objects_path, digest.encode()))
         except FileExistsError:
             return
+        self._note_early(digest, ino)
+
+    def _note_early(self, digest: str, ino: int) -> None:
         self._early[digest] = ino
         self._early_inodes[ino] = digest
 
@@ -341,8 +344,7 @@ class RamStore:
             path = os.path.join(self._objects_path, name.encode())
             st = os.lstat(path)
             if st.st_nlink > 1 and not name.startswith(reserved.PREFIX):
-                self._early[name] = st.st_ino
-                self._early_inodes[st.st_ino] = name
+                self._note_early(name, st.st_ino)
                 continue
             os.unlink(path)
             removed += 1

@@ -179,15 +179,12 @@ class PeerChannel:
                 return b""
             mac = self._send_mac.start()
             mac.update(header)
-            buffer = _TAG_BUFFER.get()
-            end = offset + length
-            while offset < end:
-                count = os.preadv(fd, [buffer[:min(TAG_READ, end - offset)]], offset)
-                if not count:
-                    raise proto.ProtocolError("cannot read the payload to send: the file is "
-                                              "shorter than it was")
-                mac.update(buffer[:count])
-                offset += count
+            for piece in _TAG_BUFFER.read(fd, offset, offset + length):
+                mac.update(piece)
+                length -= len(piece)
+            if length:
+                raise proto.ProtocolError("cannot read the payload to send: the file is "
+                                          "shorter than it was")
             return mac.finalize()
         finally:
             os.close(fd)
