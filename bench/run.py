@@ -163,6 +163,7 @@ class Bench:
         # committed -> persisted) is not slowed by it.
         self.s3 = SeaweedS3(self.work / "seaweed", volumes=2000, nice=STORE_NICE)
         self.mounts: dict[str, tuple[Path, int]] = {}  # name -> (mount point, daemon pid)
+        self.persisting: set[str] = set()  # the mounts started with --persist
         self.log = Path(self.args.out).absolute() / "tierfs.log"
 
     @property
@@ -200,10 +201,13 @@ class Bench:
         self._tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir),
                      "--log-file", str(self.log), "--s3-endpoint", self.s3.endpoint, *options)
         self.mounts[name] = (mountpoint, self.status(name)["pid"])
+        if "--persist" in options:
+            self.persisting.add(name)
         return mountpoint
 
     def stop_mount(self, name: str) -> None:
         mountpoint, pid = self.mounts.pop(name)
+        self.persisting.discard(name)
         subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
         if pid:
             with contextlib.suppress(ProcessLookupError):
@@ -280,6 +284,19 @@ class Bench:
         elif os.path.exists(path):
             os.unlink(path)
 
+    def wait_settled(self, name: str, step: str) -> None:
+        """Until run/`step` on mount `name` is what a resume would load: hashed, and in the
+        store if that mount persists (the --no-passthrough mount of --compare does not)."""
+        if name in self.persisting:
+            self.wait_for(step, lambda entry: entry["persisted"], name=name)
+            return
+        path = self.location(name, step)
+        started = time.monotonic()
+        while not _sealed(path):
+            if time.monotonic() - started > 600:
+                raise TimeoutError(f"run/{step} on {name}: not hashed within 600 s")
+            time.sleep(0.02)
+
     def wait_for(self, step: str, condition: Callable[[dict[str, Any]], bool],
                  name: str = "tierfs") -> float:
         """Seconds until the status entry of run/`step` on mount `name` meets `condition`."""
@@ -291,6 +308,15 @@ class Bench:
                 return time.monotonic() - started
             time.sleep(0.02)
         raise TimeoutError(f"run/{step} on {name}: condition not met within 600 s")
+
+
+def _sealed(path: str) -> bool:
+    """Whether tierfs has the file's hash (CONTRACT: `user.tierfs.xxh3` on sealed files)."""
+    try:
+        os.getxattr(path, "user.tierfs.xxh3")
+    except OSError:
+        return False
+    return True
 
 
 def _slug(name: str) -> str:
@@ -421,7 +447,7 @@ def _torch_rows(bench: Bench, state: dict[str, torch.Tensor], size: int, target:
     record("torch.save", target, timed(lambda: torch.save(state, path), size))
     record("torch.load", target, timed(lambda: torch.load(path, weights_only=True), size))
     if target in bench.mounts:
-        bench.wait_for(f"model_{rep}.pt", lambda entry: entry["persisted"], name=target)
+        bench.wait_settled(target, f"model_{rep}.pt")
     record(TORCH_LOAD_SETTLED, target,
            timed(lambda: torch.load(path, weights_only=True), size))
     bench.drop(target, f"model_{rep}.pt")
