@@ -7,11 +7,13 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs
+from tests.test_commit_hashes_later import hold_hashes
 from tests.test_crash import save
 
 pytestmark = pytest.mark.fuse
@@ -58,6 +60,29 @@ def test_read_back_copies_leave_ram_before_a_save_is_refused(mounts: MountFactor
     for number, files in saved.items():  # every step reads back whole, from RAM or the store
         for name, data in files.items():
             assert (mnt / f"run/step_{number}" / name).read_bytes() == data
+
+
+def test_a_save_waits_for_room_that_steps_on_their_way_to_the_store_give_back(
+        mounts: MountFactory, tmp_path: Path) -> None:
+    """A commit does not wait for its files' hashes, and nothing leaves the node before them:
+    a save that finds RAM full of committed steps still to be hashed and uploaded waits for
+    them to be persisted and to leave RAM, instead of failing with ENOSPC (it did, when the
+    hashes lagged behind the saves: a flaky run of the test above)."""
+    mnt = persisting_mount(mounts, tmp_path, "--ram-limit", "32M", "--keep-ram", "1")
+    hold_hashes(mnt, True)  # as a busy machine would: no hash, so no upload, for now
+    first = shards(1, 8 * MiB, 8 * MiB)
+    save(mnt / "run/step_1", first)
+    save(mnt / "run/step_2", shards(2, 8 * MiB, 4 * MiB))
+    assert not any(step["persisted"] for step in mnt.status()["steps"])
+    hashes_back = threading.Timer(1.0, hold_hashes, (mnt, False))
+    hashes_back.start()
+    try:
+        save(mnt / "run/step_3", shards(3, 8 * MiB))
+    finally:
+        hashes_back.join()
+    assert getxattr(mnt / "run/step_3", "user.tierfs.state") == "committed"
+    for name, data in first.items():  # the step that left RAM reads back from the store
+        assert (mnt / "run/step_1" / name).read_bytes() == data
 
 
 def test_persisted_steps_within_keep_ram_yield_to_a_save_and_a_half_step_stays(

@@ -58,6 +58,10 @@ WHOLE_AT_OPEN = 3 * mf.CHUNK_SIZE
 # peers' pooled connections).
 SMALL_FILE = 1 << 20
 SMALL_STEP_BYTES = 64 << 20
+# How long a write that needs room waits for a committed step on its way to the store or the
+# peers (hashed after its commit, then sent) to become safe there and leave RAM, before it is
+# refused with ENOSPC; each step that gets there starts the wait anew.
+ROOM_WAIT = 30.0
 SMALL_IN_FLIGHT = 16
 
 
@@ -79,6 +83,8 @@ class Residency:
         self.keep_ram = keep_ram
         self.replicas = replicas
         self._evictions: dict[StepState, trio.Event] = {}  # steps leaving RAM now
+        self._safer = trio.Event()  # set, then renewed, whenever a step gets safe elsewhere
+        self._room_stalled = False  # a wait for room saw no step get safe in ROOM_WAIT
         self._pressure_relief = False  # whether a background relief runs
         self.loads = StepLoads()  # steps being loaded whole (DCP), for fetch_whole
         # Steps whose small files are on their way (`_fetch_small`), and the manifests whose
@@ -417,14 +423,20 @@ class Residency:
         """Evict steps beyond the newest `keep_ram` of each run directory that are safe
         elsewhere (`file_leaves`: persisted, or K + 1 live copies on other nodes): without a
         store, the K + 1 copies of a file stay in RAM whatever --keep-ram says. The first
-        slice of the work is done at once; what remains continues in the background."""
+        slice of the work is done at once; what remains continues in the background. Called
+        whenever a step gets safer (persisted, or a copy held): a write waiting for room wakes."""
+        self._safer.set()
+        self._safer = trio.Event()
+        self._room_stalled = False
         for step_node in self._eviction_candidates(pressure=False):
             self._evict_soon(step_node)
 
     async def make_room(self, needed: int, sparing: Node | None = None) -> None:
         """Before a write that needs `needed` more bytes is refused: committed copies that are
         safe elsewhere leave RAM, read-back copies and steps beyond --keep-ram first, then the
-        newer ones (--keep-ram yields to a write), oldest first. `sparing`'s step stays. Raises
+        newer ones (--keep-ram yields to a write), oldest first; `sparing`'s step stays. If
+        none is safe yet but some are on their way (a commit does not wait for the hashes that
+        the store and the peers wait for), the write waits for them (ROOM_WAIT). Raises
         RamFull, with a log line naming what holds the RAM, if that is not enough."""
         if not await self._free_safe_copies(needed, sparing):
             self.store.check_room(needed, self._ram_holders())
@@ -442,9 +454,28 @@ class Residency:
                 await self._evict(candidates[0])
             elif running:
                 await next(iter(running.values())).wait()
+            elif self._on_their_way():
+                with trio.move_on_after(ROOM_WAIT) as waited:
+                    await self._safer.wait()
+                self._room_stalled = waited.cancelled_caught
             else:
                 break
         return self.store.room_for(needed)
+
+    def _on_their_way(self) -> bool:
+        """Whether a committed step in RAM may get safe elsewhere soon: there is another tier,
+        and the last wait for one did not run out (a store down: later writes are refused at
+        once, until a step gets there)."""
+        if not self.read_sources or self._room_stalled:
+            return False
+        return any(self._not_yet_safe(node.step) for node in self.tree.steps())
+
+    def _not_yet_safe(self, step: StepState) -> bool:
+        """A committed step in RAM that may not leave it yet: its hashes still to come (no
+        manifest, so nothing of it left the node), or not yet persisted or copied enough."""
+        if step.pending is not None and not step.pending.superseded:
+            return True
+        return step.committed and bool(step.resident) and not self.safe_elsewhere(step)
 
     def relieve_pressure(self) -> None:
         """The tier is over its limit (passthrough writers add bytes the daemon does not see
@@ -511,10 +542,10 @@ class Residency:
         writing, unsafe = [], []
         for node in self.tree.steps():
             step = node.step
-            if not step.committed:
-                writing.append(self.tree.relpath(node))
-            elif step.resident and not self.safe_elsewhere(step):
+            if self._not_yet_safe(step):
                 unsafe.append(self.tree.relpath(node))
+            elif not step.committed:
+                writing.append(self.tree.relpath(node))
         parts = []
         if writing:
             parts.append("steps being written (or left half-written by a failed save; "
