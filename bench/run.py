@@ -181,15 +181,20 @@ class Bench:
 
     def __enter__(self) -> Bench:
         self.s3.start()
-        self.s3.client().create_bucket(Bucket=BUCKET)
-        os.environ.update(AWS_ACCESS_KEY_ID=self.s3.access_key,
-                          AWS_SECRET_ACCESS_KEY=self.s3.secret_key,
-                          AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=self.s3.endpoint)
-        for directory in (self.tmpfs, self.disk):
-            directory.mkdir(parents=True)
-        self.start_mount("tierfs", "--ram-limit", "16G", "--persist", f"s3://{BUCKET}/tierfs")
-        if self.args.compare:
-            self.start_mount(DAEMON_PATH, "--ram-limit", "16G", "--no-passthrough")
+        try:  # a mount that fails to start leaves no S3 server or mount behind
+            self.s3.client().create_bucket(Bucket=BUCKET)
+            os.environ.update(AWS_ACCESS_KEY_ID=self.s3.access_key,
+                              AWS_SECRET_ACCESS_KEY=self.s3.secret_key,
+                              AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=self.s3.endpoint)
+            for directory in (self.tmpfs, self.disk):
+                directory.mkdir(parents=True)
+            self.start_mount("tierfs", "--ram-limit", "16G", "--persist",
+                             f"s3://{BUCKET}/tierfs")
+            if self.args.compare:
+                self.start_mount(DAEMON_PATH, "--ram-limit", "16G", "--no-passthrough")
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def start_mount(self, name: str, *options: str) -> Path:
