@@ -163,7 +163,6 @@ class Bench:
         # committed -> persisted) is not slowed by it.
         self.s3 = SeaweedS3(self.work / "seaweed", volumes=2000, nice=STORE_NICE)
         self.mounts: dict[str, tuple[Path, int]] = {}  # name -> (mount point, daemon pid)
-        self.persisting: set[str] = set()  # the mounts started with --persist
         self.log = Path(self.args.out).absolute() / "tierfs.log"
 
     @property
@@ -206,13 +205,10 @@ class Bench:
         self._tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir),
                      "--log-file", str(self.log), "--s3-endpoint", self.s3.endpoint, *options)
         self.mounts[name] = (mountpoint, self.status(name)["pid"])
-        if "--persist" in options:
-            self.persisting.add(name)
         return mountpoint
 
     def stop_mount(self, name: str) -> None:
         mountpoint, pid = self.mounts.pop(name)
-        self.persisting.discard(name)
         subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
         if pid:
             with contextlib.suppress(ProcessLookupError):
@@ -292,7 +288,7 @@ class Bench:
     def wait_settled(self, name: str, step: str) -> None:
         """Until run/`step` on mount `name` is what a resume would load: hashed, and in the
         store if that mount persists (the --no-passthrough mount of --compare does not)."""
-        if name in self.persisting:
+        if self.status(name)["persist"] is not None:
             self.wait_for(step, lambda entry: entry["persisted"], name=name)
             return
         path = self.location(name, step)
