@@ -282,3 +282,15 @@ def s3_env(s3_server: SeaweedS3) -> dict[str, str]:
     return dict(os.environ, AWS_ACCESS_KEY_ID=s3_server.access_key,
                 AWS_SECRET_ACCESS_KEY=s3_server.secret_key, AWS_DEFAULT_REGION="us-east-1",
                 AWS_ENDPOINT_URL=s3_server.endpoint)
+
+
+@pytest.fixture
+def small_shm(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs, as a small or shared /dev/shm would be."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(shm)], check=True)
+    try:
+        yield shm
+    finally:
+        subprocess.run(["umount", "-l", str(shm)], check=False)

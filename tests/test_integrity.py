@@ -12,7 +12,7 @@ import errno
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -195,18 +195,6 @@ def test_a_load_through_latest_never_mixes_two_steps(mnt: Mount) -> None:
 
 
 # -- a commit that fails for want of space ---------------------------------------------------------
-
-
-@pytest.fixture
-def small_shm(tmp_path: Path) -> Iterator[Path]:
-    """A 4 MiB tmpfs, as a small or shared /dev/shm would be."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(shm)], check=True)
-    try:
-        yield shm
-    finally:
-        subprocess.run(["umount", "-l", str(shm)], check=False)
 
 
 def fill(path: Path) -> None:

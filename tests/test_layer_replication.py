@@ -471,3 +471,26 @@ async def test_copies_etcd_did_not_record_are_sent_again_only_after_a_pause(
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     assert 1 < len(rounds) <= 5  # each failed round paused before the next
+
+
+async def test_a_chunk_the_ram_dir_has_no_room_for_is_refused_not_kept_short(
+        tmp_path: Path, small_shm: Path) -> None:
+    """A RAM dir on a /dev/shm that other processes fill (the RAM tier's own count has room):
+    a chunk written only in part is answered with an error and nothing of it is kept, never
+    taken as the whole file because its bytes in memory matched their checksum."""
+    data = os.urandom(3 << 20)
+    entry = committed_object(tmp_path / "a-objects", data, "shard")
+    b = Receiving(small_shm, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)))
+    stats = os.statvfs(b.objects)
+    (small_shm / "other-user").write_bytes(bytes(stats.f_bavail * stats.f_frsize - (1 << 20)))
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+        await channel.send("PUT", data, path="run/step_1", name="shard", xxh3=entry.xxh3,
+                           size=entry.size, offset=0)
+        answer = await channel.receive("ERROR")
+        assert "no room" in answer["message"]
+        await channel.aclose()
+        nursery.cancel_scope.cancel()
+    assert not (b.objects / entry.xxh3).exists()
+    assert incoming_files(b.objects) == [] and b.space.used == {}

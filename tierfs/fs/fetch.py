@@ -42,7 +42,7 @@ import xxhash
 
 from tierfs import manifest as mf
 from tierfs import reserved
-from tierfs.fs.ram_store import RamFull, RamStore
+from tierfs.fs.ram_store import RamFull, RamStore, write_all
 from tierfs.fs.tier_errors import TierError
 from tierfs.thread_buffers import ThreadBuffer
 
@@ -74,15 +74,6 @@ def apply_attributes(target: int | bytes | str, entry: mf.FileEntry) -> None:
     os.chmod(target, entry.mode)
     if entry.mtime_ns:
         os.utime(target, ns=(entry.mtime_ns, entry.mtime_ns))
-
-
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
-    """Write all of `data` at `offset` (a short write is continued; none at all is ENOSPC)."""
-    while data:
-        written = os.pwrite(fd, data, offset)
-        if not written:
-            raise OSError(errno.ENOSPC, "no room for fetched bytes")
-        data, offset = data[written:], offset + written
 
 
 class _Buffers:
@@ -548,7 +539,7 @@ class Fetch:
                         entry, (offset + start) // mf.BLOCK_SIZE):
                     return False
                 if fd is not None:
-                    _write_all(fd, piece, offset + start)
+                    write_all(fd, piece, offset + start)
                 if feeding:
                     self._whole.feed(piece)
             good = chunk is None or chunk.hexdigest() == entry.chunks[offset // mf.CHUNK_SIZE]

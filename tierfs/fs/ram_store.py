@@ -21,6 +21,7 @@ write with ENOSPC before tmpfs itself runs out.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import itertools
 import logging
@@ -47,6 +48,18 @@ _unique = itertools.count()
 # Seconds between two looks for objects linked early whose tree file went (`room_for`).
 EARLY_SWEEP_EVERY = 1.0
 RESERVED_PREFIX = reserved.PREFIX.encode()
+
+
+def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Write all of `data` into a RAM store file at `offset`: a short write (the file system
+    holding the RAM dir, a /dev/shm other processes use too, is nearly full) is continued, and
+    one that writes nothing is ENOSPC; bytes fetched or received are never kept in part."""
+    data = memoryview(data)
+    while data:
+        written = os.pwrite(fd, data, offset)
+        if not written:
+            raise OSError(errno.ENOSPC, "no room in the RAM dir's file system")
+        data, offset = data[written:], offset + written
 
 
 class RamDirBusy(Exception):

@@ -27,6 +27,7 @@ import xxhash
 
 from tierfs import manifest as mf
 from tierfs import reserved
+from tierfs.fs.ram_store import write_all
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel
 
@@ -95,9 +96,18 @@ class ReplicaReceiver:
                 await channel.send("ERROR", message="RAM tier full on the receiving node")
                 return
             running = self._running(incoming, offset)
-            # up to 8 MiB: off the trio thread, which serves the mount meanwhile
-            await trio.to_thread.run_sync(_write, fd, data, offset, running,
-                                          limiter=self._threads)
+            try:  # up to 8 MiB: off the trio thread, which serves the mount meanwhile
+                await trio.to_thread.run_sync(_write, fd, data, offset, running,
+                                              limiter=self._threads)
+            except OSError as exc:  # the RAM dir's file system is full (a shared /dev/shm)
+                self._hashing.pop(incoming, None)
+                self.space.forget_inode(ino)
+                incoming.unlink()
+                log.error("no room for a replica of %s/%s from %s: %s", message["path"],
+                          message["name"], channel.peer_id, exc.strerror or exc)
+                await channel.send("ERROR", message=f"no room on the receiving node: "
+                                                    f"{exc.strerror or exc}")
+                return
             running = self._written(incoming, running, offset + len(data))
             if offset + len(data) < size:
                 await channel.send("OK")
@@ -204,6 +214,6 @@ class _Running:
 
 def _write(fd: int, data: bytes | memoryview, offset: int, running: _Running | None) -> None:
     """In a worker thread: store a chunk and add it to its file's running hash."""
-    os.pwrite(fd, data, offset)
+    write_all(fd, data, offset)
     if running is not None:
         running.hasher.update(data)
