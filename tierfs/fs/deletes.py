@@ -24,6 +24,8 @@ in between leaves the tombstone pending, so the old name still goes after the re
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -95,6 +97,7 @@ class Deletes:
         self.targets: list[str] = list(targets or [])
         self.changed = trio.Event()
         self._tombs: dict[str, Tombstone] = {}
+        self._unsaved: set[str] = set()  # paths whose record on disk is behind (no room)
         directory.mkdir(mode=0o700, exist_ok=True)
         for entry in os.scandir(directory):
             if not entry.name.endswith(".json"):
@@ -115,17 +118,46 @@ class Deletes:
                targets: list[str] | None = None, *, moved_to: str | None = None) -> None:
         """A committed step at `path` was deleted (or renamed: `moved_to`): remember it (on
         disk before this returns) and have `targets` (by default every tier this node knows)
-        cleaned."""
-        tomb = self._tombs.get(path)
-        if tomb is None:
-            tomb = self._tombs[path] = Tombstone(path, version, committed_ns)
-            tomb.moved_to = moved_to
-        elif committed_ns > tomb.committed_ns:  # a later version at the same path
-            tomb.version, tomb.committed_ns, tomb.moved_to = version, committed_ns, moved_to
-        tomb.pending |= set(self.targets if targets is None else targets)
-        self._save(tomb)
-        log.info("deleted %s v%d; removing it from %s", path, version,
-                 ", ".join(sorted(tomb.pending)) or "this node only")
+        cleaned. Raises OSError (ENOSPC: the RAM dir's file system is full) with nothing
+        remembered, on disk or here: the delete or rename is refused and nothing cleans the
+        step from any tier."""
+        self.record_all([(path, version, committed_ns, moved_to)], targets)
+
+    def record_all(self, deleted: list[tuple[str, int, int, str | None]],
+                   targets: list[str] | None = None) -> None:
+        """`record` for several steps (path, version, committed_ns, moved_to) at once: all of
+        them are on disk when this returns, or none (a rename of a run directory moves each
+        of its steps, or none of them)."""
+        tombs = []
+        for path, version, committed_ns, moved_to in deleted:
+            tomb = self._tombs.get(path)
+            if tomb is None:
+                tomb = Tombstone(path, version, committed_ns, moved_to=moved_to)
+            else:  # changed only once the record is on disk
+                tomb = dataclasses.replace(tomb, pending=set(tomb.pending))
+                if committed_ns > tomb.committed_ns:  # a later version at the same path
+                    tomb.version, tomb.committed_ns, tomb.moved_to = (version, committed_ns,
+                                                                      moved_to)
+            tomb.pending |= set(self.targets if targets is None else targets)
+            tombs.append(tomb)
+        written: list[tuple[Path, Path]] = []
+        try:
+            for tomb in tombs:  # every record written before any takes the place of the old
+                written.append(self._write_temp(tomb))
+        except OSError:
+            for tmp, _path in written:
+                tmp.unlink()
+            raise
+        for (tmp, path), tomb in zip(written, tombs, strict=True):
+            os.rename(tmp, path)
+            known = self._tombs.setdefault(tomb.path, tomb)
+            if known is not tomb:  # in place: the delete worker may hold it as it cleans
+                known.version, known.committed_ns, known.moved_to, known.pending = (
+                    tomb.version, tomb.committed_ns, tomb.moved_to, tomb.pending)
+            self._unsaved.discard(tomb.path)
+            log.info("deleted %s v%d; removing it from %s", tomb.path, tomb.version,
+                     ", ".join(sorted(tomb.pending)) or "this node only")
+        self._changed()
 
     def remind(self, manifest: mf.StepManifest, tiers: list[str]) -> None:
         """A tier offers a deleted version again (a peer back from an absence, an upload that
@@ -134,14 +166,29 @@ class Deletes:
         if tomb is None or not tomb.covers(manifest) or set(tiers) <= tomb.pending:
             return
         tomb.pending |= set(tiers)
-        self._save(tomb)
+        self._save_later(tomb)  # if lost, the tier offers the version again after a restart
+        self._changed()
         log.info("%s v%d was deleted here, but %s still holds it: removing it there",
                  manifest.path, manifest.version, ", ".join(sorted(tiers)))
 
     def done(self, tomb: Tombstone, target: str) -> None:
         if target in tomb.pending:
             tomb.pending.discard(target)
-            self._save(tomb, quiet=True)
+            # If lost, a restart cleans that tier once more, which finds nothing to remove.
+            self._save_later(tomb)
+
+    def save_unsaved(self) -> bool:
+        """Write the records that changed while the RAM dir had no room for them; whether
+        all are on disk now."""
+        for path in sorted(self._unsaved):
+            tomb = self._tombs[path]
+            try:
+                os.rename(*self._write_temp(tomb))
+            except OSError as exc:
+                log.warning("delete record of %s not written yet: %s", path, exc)
+                return False
+            self._unsaved.discard(path)
+        return True
 
     def pending(self) -> list[Tombstone]:
         return [t for t in self._tombs.values() if t.pending]
@@ -177,19 +224,33 @@ class Deletes:
     def status(self) -> dict[str, int]:
         return {"recorded": len(self._tombs), "pending": len(self.pending())}
 
-    def _save(self, tomb: Tombstone, quiet: bool = False) -> None:
+    def _save_later(self, tomb: Tombstone) -> None:
+        """Write a change of `tomb` that is already made here; if the RAM dir has no room for
+        it (a /dev/shm other processes filled), the delete worker writes it once it has."""
+        self._unsaved.add(tomb.path)
+        self.save_unsaved()
+
+    def _write_temp(self, tomb: Tombstone) -> tuple[Path, Path]:
+        """`tomb` written and synced beside its record, for a rename into place: (temporary
+        file, record); nothing is left behind when that fails (no room)."""
         name = xxhash.xxh3_64_hexdigest(tomb.path.encode())
         path = self.directory / f"{name}.json"
         tmp = self.directory / f"{name}.tmp"
-        # explicit mode: the daemon's umask is 0, a plain open() would make it 0666
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-            f.write(tomb.encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-        if not quiet:
-            self.changed.set()
-            self.changed = trio.Event()
+        try:
+            # explicit mode: the daemon's umask is 0, a plain open() would make it 0666
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+                f.write(tomb.encode())
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        return tmp, path
+
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
 
 
 class DeleteWorker:
@@ -216,8 +277,9 @@ class DeleteWorker:
             delay = min(MAX_RETRY, delay * 2)
 
     async def _clean_all(self) -> bool:
-        """One pass over every pending tier of every tombstone; whether work is left."""
-        left = False
+        """One pass over every pending tier of every tombstone; whether work is left (also: a
+        record the RAM dir had no room for)."""
+        left = not self.deletes.save_unsaved()
         for tomb in self.deletes.pending():
             if tomb.moved_to is not None and not self.may_clean(tomb):
                 left = True  # poked (Deletes.poke) when the new name is there
@@ -237,7 +299,7 @@ class DeleteWorker:
                     continue
                 self.deletes.done(tomb, target)
                 log.info("deleted %s is gone from %s", tomb.path, target)
-        return left
+        return left or not self.deletes.save_unsaved()
 
 
 def peer_target(node_id: str) -> str:

@@ -174,7 +174,14 @@ class DeleteLog(Protocol):
     """The durable record of deleted steps (see `fs.deletes`)."""
 
     def record(self, path: str, version: int, committed_ns: int,
-               targets: list[str] | None = None, *, moved_to: str | None = None) -> None: ...
+               targets: list[str] | None = None, *, moved_to: str | None = None) -> None:
+        """On disk before it returns; OSError (no room) with nothing recorded."""
+        ...
+
+    def record_all(self, deleted: list[tuple[str, int, int, str | None]],
+                   targets: list[str] | None = None) -> None:
+        """`record` for several steps (path, version, committed_ns, moved_to): all or none."""
+        ...
 
     def old_keys(self, key: str) -> list[str]: ...
 

@@ -70,9 +70,16 @@ class Renames:
             link_dirs.append(("", tree.relpath(new_parent)))
         for _below, directory in link_dirs:  # their objects in the store go or change
             tree.links.note(directory)
+        # The deletes the rename makes, all on disk or none (ENOSPC: the rename is refused
+        # before anything changed): the entry it replaces, and the steps it moves.
+        deleted = self._moves(node, new_rel)
+        if target is not None and target.step is not None and target.step.manifest is not None:
+            replaced = target.step.manifest
+            deleted.append((replaced.path, replaced.version, replaced.committed_ns, None))
+        if deleted:
+            self._deletes.record_all(deleted)
         if target is not None:
             tree.clear_replaced(target, new_path)
-        self._record_moves(node, new_rel)
         if not node.is_dir and node.step is not None:
             # a step at its new name (Commits.after_rename); the move is recorded
             tree.remove_hidden(node, tree.backing(node))
@@ -99,21 +106,23 @@ class Renames:
                             (new_rel if node.is_dir else tree.relpath(new_parent)))
         return True
 
-    def _record_moves(self, node: Node, new_path: str) -> None:
+    def _moves(self, node: Node, new_path: str) -> list[tuple[str, int, int, str | None]]:
         """`node` moves to `new_path`: every committed step at or below it is renamed in every
-        tier (fs.deletes: its old name leaves them once its new one is there). Recorded before
-        the rename, so that no crash lets the old name come back."""
+        tier (fs.deletes: its old name leaves them once its new one is there), as a delete of
+        its old name (path, version, committed_ns, moved_to). Recorded before the rename, so
+        that no crash lets the old name come back."""
         if not node.is_dir and node.step is None:
-            return  # a file inside a step: that step commits again
+            return []  # a file inside a step: that step commits again
         old_path = self.tree.relpath(node)
+        moves: list[tuple[str, int, int, str | None]] = []
         for step_node in self.tree.steps(under=node):
             manifest = step_node.step.manifest
             if manifest is None:
                 continue
             at = self.tree.relpath(step_node)
-            moved_to = new_path + at[len(old_path):]
-            self._deletes.record(at, manifest.version, manifest.committed_ns,
-                                 moved_to=moved_to)
+            moves.append((at, manifest.version, manifest.committed_ns,
+                          new_path + at[len(old_path):]))
+        return moves
 
     def moves_may_settle(self) -> None:
         """Steps renamed just now committed at their new names: their old names may go."""

@@ -306,12 +306,14 @@ class Tree:
         self.detach(node)
         self.mark_dirty(parent)
 
-    def _single_file_removed(self, node: Node) -> None:
+    def _single_file_removed(self, node: Node, *, recorded: bool = False) -> None:
         """A single-file step leaves its name (unlink, rename, replaced by a rename): its
-        committed version is deleted from every tier, its records go."""
+        committed version is deleted from every tier (unless the caller `recorded` that), its
+        records go."""
         if node.step is None or node.is_dir:
             return
-        self._step_removed(node.step)
+        if not recorded:
+            self._step_removed(node.step)
         self.remove_hidden(node, self.backing(node))
         node.step = None
 
@@ -325,15 +327,14 @@ class Tree:
 
     def clear_replaced(self, target: Node, path: bytes) -> None:
         """A rename is about to put another entry in place of `target` (at `path`): it leaves
-        its name as rmdir or unlink would have it (a committed version deleted from every
-        tier, tierfs's own entries gone, its space forgotten with its bytes' last link). The
-        rename replaces its backing file; `detach` follows."""
+        its name as rmdir or unlink would have it (its committed version's delete from every
+        tier is recorded by the rename already, with the moves it makes: `fs.renames`;
+        tierfs's own entries gone, its space forgotten with its bytes' last link). The rename
+        replaces its backing file; `detach` follows."""
         if target.is_dir:
-            if target.step is not None:
-                self._step_removed(target.step)
             self.remove_hidden(target, path)
         else:
-            self._single_file_removed(target)
+            self._single_file_removed(target, recorded=True)
             if target.remote is None:
                 self._forget_backing_if_last(path, target)
 

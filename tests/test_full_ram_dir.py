@@ -1,0 +1,85 @@
+"""The RAM dir's file system full while the RAM tier's own count (--ram-limit) has room: a
+small or shared /dev/shm that other processes fill (the `small_shm` fixture). What tierfs
+writes there beside the user's bytes (delete records, manifests, ...) may then fail: the user
+gets ENOSPC with nothing changed, the daemon's workers live on, and once space comes back the
+work proceeds. In-process, over a real tmpfs; no mount."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pyfuse3
+import pytest
+import trio
+
+from tests.test_integrity import fill
+from tests.test_namespace import Harness, dcp_save
+from tierfs.fs.deletes import PERSIST, Deletes, DeleteWorker, Tombstone
+
+pytestmark = pytest.mark.core
+
+PAGE = 4096
+
+
+def leave_one_page(shm: Path) -> None:
+    """Fill `shm` but for one page: room for one small record, not two."""
+    spare = shm / "spare"
+    spare.write_bytes(bytes(PAGE))
+    fill(shm / "other-user")
+    spare.unlink()
+
+
+async def test_a_rename_with_no_room_for_its_records_moves_no_step_in_any_tier(
+        small_shm: Path) -> None:
+    """`mv run run-old` over two committed steps, with room for the record of one move only:
+    ENOSPC, and no record of either move, on disk or in memory (before, the first step's move
+    was recorded: the delete worker would have removed `run/step_1` from the store and the
+    peers although the rename failed and the step stayed, committed, under that name)."""
+    h = Harness(small_shm / "ram")
+    h.ns.deletes.targets = [PERSIST]
+    for number in (1, 2):
+        await dcp_save(h, f"run/step_{number}", {"shard": os.urandom(100_000)})
+    leave_one_page(small_shm)
+    with pytest.raises(pyfuse3.FUSEError) as refused:
+        await h.rename("run", "run-old")
+    assert refused.value.errno == errno.ENOSPC
+    assert h.ns.deletes.pending() == []
+    assert os.listdir(small_shm / "ram/deleted") == []  # no record, no temporary file
+    assert await h.state("run/step_1") == await h.state("run/step_2") == "committed"
+
+    (small_shm / "other-user").unlink()
+    await h.rename("run", "run-old")
+    assert sorted(t.moved_to or "" for t in Deletes(small_shm / "ram/deleted").pending()) == [
+        "run-old/step_1", "run-old/step_2"]
+    h.close()
+
+
+async def test_the_delete_worker_lives_on_when_its_records_have_no_room(
+        small_shm: Path) -> None:
+    """A tier cleaned while the RAM dir is full: its record cannot be updated. The worker goes
+    on (before, the OSError ended it, and the daemon with it) and writes the record once there
+    is room."""
+    deletes = Deletes(small_shm / "deleted", [PERSIST])
+    deletes.record("run/step_1", 1, 10)
+    cleaned: list[str] = []
+
+    async def clean(tomb: Tombstone, _where: str) -> None:
+        cleaned.append(tomb.path)
+
+    fill(small_shm / "other-user")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(DeleteWorker(deletes, {PERSIST: clean}).run)
+        with trio.fail_after(10):
+            while not cleaned:
+                await trio.sleep(0.01)
+        assert deletes.pending() == []
+        assert [t.pending for t in Deletes(small_shm / "deleted").pending()] == [{PERSIST}]
+        (small_shm / "other-user").unlink()
+        with trio.fail_after(10):
+            while Deletes(small_shm / "deleted").pending():
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert cleaned == ["run/step_1"]
+    assert [n.endswith(".json") for n in os.listdir(small_shm / "deleted")] == [True]
