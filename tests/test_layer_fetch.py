@@ -272,3 +272,32 @@ async def test_a_range_that_fails_its_check_leaves_nothing_behind(
         assert ram.used_bytes == 0 and fetch.missing_bytes == len(data)
     finally:
         fetch.discard()
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["by-chunk", "by-block"])
+async def test_with_the_ram_dirs_file_system_full_the_bytes_are_returned_not_kept(
+        tmp_path: Path, small_shm: Path, blocks: bool) -> None:
+    """The RAM dir on a /dev/shm that other processes fill while the RAM tier's own count has
+    room: the verified bytes go to the reader all the same (before, the read failed with
+    ENOSPC), nothing of them is counted as kept, and once there is room the file comes whole."""
+    data = os.urandom(3 * mf.BLOCK_SIZE // 2)  # a short single chunk, two blocks
+    backend, remote = stored_file(tmp_path, data, blocks=blocks)
+    store = RamStore(small_shm / "ram", 1 << 30)
+    store.acquire()
+    stats = os.statvfs(small_shm)
+    (small_shm / "other-user").write_bytes(bytes(stats.f_bavail * stats.f_frsize - (300 << 10)))
+    fetch = Fetch(store, remote)
+    try:
+        # by block: one block, checked and stored slice by slice; by chunk: the whole chunk
+        size = mf.BLOCK_SIZE if blocks else len(data)
+        assert await fetch.read(persist(backend), 0, size) == data[:size]
+        assert not fetch.complete and store.used_bytes == 0
+        with pytest.raises(RamFull):
+            await fetch.fill(persist(backend))
+        (small_shm / "other-user").unlink()
+        await fetch.fill(persist(backend))
+        assert fetch.complete and fetch.verify()
+        assert Path(os.fsdecode(fetch.path)).read_bytes() == data
+    finally:
+        fetch.discard()
+        store.release()

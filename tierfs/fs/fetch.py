@@ -457,7 +457,19 @@ class Fetch:
             nonlocal kept
             kept = self._charge(len(data))
             try:
-                good = await self._check_and_store(data, span, kept)
+                try:
+                    good = await self._check_and_store(data, span, kept)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    # The RAM dir's file system is full (a /dev/shm other processes fill)
+                    # though the RAM tier's count had room: as without room, the bytes go
+                    # to the reader, checked, and are not kept.
+                    self._uncharge(kept, len(data))
+                    kept = False
+                    log.info("%s/%s: no room in the RAM dir's file system; read without "
+                             "keeping it", self.remote.step_path, self.remote.entry.name)
+                    good = await self._check_and_store(data, span, False)
             except BaseException:
                 self._uncharge(kept, len(data))
                 kept = False
