@@ -19,6 +19,7 @@ import pytest
 import xxhash
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
+from tests.test_commit_hashes_later import hold_hashes
 
 pytestmark = pytest.mark.fuse
 
@@ -228,3 +229,29 @@ def test_a_commit_that_fails_for_space_fails_the_save_and_is_retried(
     wait_until(lambda: getxattr(step, "user.tierfs.state") == "committed")
     assert os.readlink(mnt / "run/latest") == "step_3"
     assert mnt.step("run/step_3")["waiting_for"] is None
+
+
+def test_a_commit_whose_manifest_had_no_room_is_finished_once_there_is(
+        small_shm: Path, mounts: MountFactory, tmp_path: Path) -> None:
+    """A save committed before its hashes were in (the saver's call returned), whose manifest
+    then found the RAM dir's file system full: once there is room its manifest is written and
+    it reaches the store (before, it stayed unhashed and on this node only until the same step
+    was committed again, or the daemon restarted)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--ram-limit", "1G", "--persist", f"file://{store}",
+                       ram_dir=small_shm / "ram")
+    step = mnt / "run/step_1"
+    step.mkdir(parents=True)
+    (step / "__0_0.distcp").write_bytes(os.urandom(1 << 20))
+    (step / ".metadata.tmp").write_bytes(b"metadata")
+    hold_hashes(mnt, True)
+    os.rename(step / ".metadata.tmp", step / ".metadata")  # committed, its hashes to come
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    fill(small_shm / "other-user")
+    hold_hashes(mnt, False)
+    wait_until(lambda: "its hashes or manifest failed" in mnt.log())
+    (small_shm / "other-user").unlink()
+    line = wait_until(lambda: (s := mnt.step("run/step_1")) and s["persisted"] and s, 30)
+    assert (line["state"], line["hashing"], line["version"]) == ("committed", False, 1)
+    assert (store / "run/step_1/__0_0.distcp").read_bytes() == (step / "__0_0.distcp").read_bytes()

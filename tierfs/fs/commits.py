@@ -63,6 +63,11 @@ log = logging.getLogger(__name__)
 SAVER_WAIT = 20.0  # seconds a saver's call that commits waits for etcd, by default
 # seconds a commit not made by a saver's call (quiet, retried, `tierfs commit`) waits for it
 BACKGROUND_WAIT = 20.0
+# Seconds before the first retry of a commit's finish that found no room for its manifest
+# (then doubled, up to FINISH_RETRY_MAX): the RAM dir's file system, a /dev/shm other processes
+# share, may have room again.
+FINISH_RETRY = 0.5
+FINISH_RETRY_MAX = 30.0
 
 # What a commit waits for (`tierfs commit` shows it after a second, and when it gives up).
 ANOTHER_COMMIT = "another commit of the step"
@@ -167,9 +172,16 @@ class Commits:
                 await self._finish_pending(step_node, step, started)
         except CoordinationUnavailable as exc:
             log.info("commit of %s waits for etcd: %s", self.tree.relpath(step_node), exc)
-        except (OSError, FsError) as exc:  # left pending: the next commit or start-up finishes it
-            log.error("commit of %s: its hashes or manifest failed: %s",
-                      os.fsdecode(step_node.name), exc)
+        except (OSError, FsError) as exc:  # left pending: finished by a retry (space may come
+            # back: a /dev/shm other processes filled), the step's next commit or start-up
+            pending = step.pending
+            if pending is not None and isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                pending.failures += 1
+                pending.retry_at = trio.current_time() + min(
+                    FINISH_RETRY_MAX, FINISH_RETRY * 2 ** (pending.failures - 1))
+            log.log(logging.ERROR if pending is None or pending.failures <= 1 else logging.DEBUG,
+                    "commit of %s: its hashes or manifest failed: %s",
+                    os.fsdecode(step_node.name), exc)
 
     async def _finish_pending(self, step_node: Node, step: StepState,
                               started: float | None = None) -> None:
@@ -519,9 +531,19 @@ class Commits:
                 await self.commit_quietly(step_node)
 
     async def retry_pending_commits(self) -> None:
-        """Commits left pending (writers, or shards not yet found on other nodes) try again."""
+        """Commits left pending (writers, or shards not yet found on other nodes) try again,
+        and so do the finishes of commits made before their hashes that failed (their step
+        may never be committed again: it would stay unhashed, on this node only)."""
         for step_node in list(self.tree.steps()):
-            if step_node.step.commit_pending and not tree_walk.has_active_writers(step_node):
+            step = step_node.step
+            pending = step.pending
+            if pending is not None and pending.retry_at is not None and \
+                    pending.retry_at <= trio.current_time() and not step.lock.locked():
+                pending.retry_at = None
+                await self._finish_in_background(step_node, step, time.monotonic())
+                if step_node.step is not step:
+                    continue  # removed, or no longer a step, meanwhile
+            if step.commit_pending and not tree_walk.has_active_writers(step_node):
                 await self.commit_quietly(step_node)
 
     # -- renames ---------------------------------------------------------------------------

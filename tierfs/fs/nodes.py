@@ -117,6 +117,12 @@ class Pending:
     record: PendingRecord
     nodes: dict[str, tuple[Node, int]] = field(default_factory=dict)
     superseded: bool = False  # the step was changed since: a new version is being written
+    # Finishes that failed for want of room for the manifest (the RAM dir's file system
+    # full): the daemon tries again from `retry_at` (trio time; with a growing pause, since a
+    # file changed since the commit is hashed again each time), not only at the step's next
+    # commit (`Commits.retry_pending_commits`).
+    failures: int = 0
+    retry_at: float | None = None
 
 
 class StepState:
