@@ -16,6 +16,7 @@ import trio
 
 from tests.test_integrity import fill
 from tests.test_namespace import Harness, dcp_save
+from tierfs import manifest as mf
 from tierfs.fs.deletes import PERSIST, Deletes, DeleteWorker, Tombstone
 
 pytestmark = pytest.mark.core
@@ -83,3 +84,26 @@ async def test_the_delete_worker_lives_on_when_its_records_have_no_room(
         nursery.cancel_scope.cancel()
     assert cleaned == ["run/step_1"]
     assert [n.endswith(".json") for n in os.listdir(small_shm / "deleted")] == [True]
+
+
+async def test_a_stored_step_with_no_room_for_its_records_is_not_hidden_by_an_empty_one(
+        tmp_path: Path, small_shm: Path) -> None:
+    """A fresh node shows a step of the persistent tier with no room for its records: the
+    error is raised with nothing left (before, its directories stayed: an empty step
+    directory, `writing`, that hid the stored step from then on, after a restart too, since a
+    step a node has is never adopted again)."""
+    (tmp_path / "shard").write_bytes(b"stored bytes")
+    digest = mf.hash_file(tmp_path / "shard")
+    entry = mf.FileEntry("shard", digest.size, digest.xxh3, mode=0o644, chunks=digest.chunks)
+    manifest = mf.StepManifest("run/step_2", 2, 1, "other", 10, (entry,))
+    h = Harness(small_shm / "ram")
+    fill(small_shm / "other-user")
+    with pytest.raises(OSError) as refused:
+        h.ns.tiers.adopt_persisted(manifest)
+    assert refused.value.errno == errno.ENOSPC
+    assert os.listdir(small_shm / "ram/tree") == [] and h.ns.tree.find_step("run/step_2") is None
+
+    (small_shm / "other-user").unlink()
+    assert h.ns.tiers.adopt_persisted(manifest)
+    assert await h.state("run/step_2") == "committed"
+    h.close()

@@ -7,6 +7,7 @@ primitives and by the same rules; each change is one synchronous method."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -105,11 +106,13 @@ class StepVersions:
         if manifest.single_file:
             return self._install_single_file(manifest, source)
         parent = self.tree.root
+        made: list[Node] = []
         for part in map(os.fsencode, manifest.path.split("/")):
             child = parent.children.get(part)
             if child is None:
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
+                made.append(child)
                 number = self.tree.identity.step_number_at(parent, part)
                 if number is not None:
                     child.step = StepState(number)
@@ -122,7 +125,14 @@ class StepVersions:
             log.warning("step %s from %s does not fit this namespace (step pattern, or a "
                         "directory of that name in use)", manifest.path, source)
             return None
-        self.tree.records.write_manifest(self.tree.records_path(parent), manifest)
+        try:
+            self.tree.records.write_manifest(self.tree.records_path(parent), manifest)
+        except OSError:
+            # No room (the RAM dir's file system full): the directories made for it go, or
+            # an empty step directory, `writing`, would hide the committed step from then on
+            # (also after a restart: a step this node has is never adopted again).
+            self._unmake(made)
+            raise
         step.manifest = manifest
         step.dirty = False
         step.resident = set()
@@ -133,6 +143,7 @@ class StepVersions:
         its file's node (whose bytes the caller places) and its records, written first."""
         *dirs, name = manifest.path.split("/")
         parent = self.tree.root
+        made: list[Node] = []
         for part in map(os.fsencode, dirs):
             child = parent.children.get(part)
             if child is None:
@@ -140,6 +151,7 @@ class StepVersions:
                     break
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
+                made.append(child)
             elif not child.is_dir or child.step is not None:
                 break
             parent = child
@@ -152,7 +164,15 @@ class StepVersions:
                     self.tree.latest.keep_own(parent)  # a saver's own `latest`, from another tier
                 node = self.tree.attach(parent, file_name, stat.S_IFREG)
                 node.step = state
-                self.tree.records.write_manifest(self.tree.records_path(node), manifest)
+                try:
+                    self.tree.records.write_manifest(self.tree.records_path(node), manifest)
+                except OSError:  # no room: nothing of it stays (as `install_step`)
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.join(self.tree.backing(parent),
+                                              layout.records_name(file_name)))
+                    self.tree.detach(node)
+                    self._unmake(made)
+                    raise
                 state.manifest = manifest
                 state.dirty = False
                 state.resident = set()
@@ -160,6 +180,12 @@ class StepVersions:
         log.warning("file %s from %s does not fit this namespace (a step directory or a "
                     "file of that name in use)", manifest.path, source)
         return None
+
+    def _unmake(self, made: list[Node]) -> None:
+        """Remove the directories an install made (empty), last made first."""
+        for node in reversed(made):
+            os.rmdir(self.tree.backing(node))
+            self.tree.detach(node)
 
     def join_commit(self, step_node: Node, manifest: mf.StepManifest, others: set[str]) -> bool:
         """Another node committed this step (multi-node DCP) while ranks here wrote some of
