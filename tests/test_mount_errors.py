@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import TIERFS, Mount, MountFactory, pid_alive, tierfs, wait_until
 from tests.test_cli import assert_one_line_error
 from tests.test_commit import write_step
+from tests.test_integrity import fill
 from tierfs.mount_helper.mounts import PATIENCE, is_mounted, mount_table
 
 pytestmark = pytest.mark.fuse
@@ -217,3 +218,15 @@ def test_nothing_tierfs_creates_is_writable_by_others(mounts: MountFactory,
     fresh = mounts.mount("--persist", f"file://{store}")  # reads the step back from the store
     assert (fresh / "run/step_1/sub/nested").read_bytes() == b"nested"
     assert _group_or_other_writable(fresh.ram_dir, "shared") == []
+
+
+def test_a_ram_dir_whose_file_system_is_full_is_one_line(small_shm: Path,
+                                                         mounts: MountFactory) -> None:
+    """A /dev/shm that other processes filled: the mount fails with one line that says so
+    (before: 'the daemon exited with status 1', and a traceback)."""
+    fill(small_shm / "other-user")
+    mountpoint = mounts.tmp_path / "mnt"
+    mountpoint.mkdir()
+    done = tierfs("mount", str(mountpoint), "--ram-dir", str(small_shm / "ram"), check=False)
+    last_line_error(done, "No space left on device")
+    assert str(small_shm / "ram") in done.stderr

@@ -116,8 +116,12 @@ class RamStore:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise RamDirBusy(f"RAM dir {self.root} is in use by tierfs pid {holder}") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:  # no room for the pid (the RAM dir's file system full): not ours
+            os.close(fd)
+            raise
         self._lock_fd = fd
 
     def release(self) -> None:

@@ -73,6 +73,9 @@ def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
     except (StartupError, RamDirBusy) as exc:
         ready.fail(str(exc))
         return 1
+    except OSError as exc:  # e.g. no room for the lock's pid: a /dev/shm other processes fill
+        ready.fail(f"RAM dir {cfg.ram_dir}: {exc.strerror or exc}")
+        return 1
     # From here on, modes of files under the mount come from the callers' requests, already
     # masked by the kernel with their umask; what tierfs makes for itself has explicit modes.
     os.umask(0)
