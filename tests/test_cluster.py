@@ -14,7 +14,16 @@ from typing import Any
 import pytest
 import trio
 
-from tests.conftest import Mount, MountFactory, free_port, run_dcp_ranks, tierfs, wait_until
+from tests.conftest import (
+    Mount,
+    MountFactory,
+    free_port,
+    pid_alive,
+    run_dcp_ranks,
+    tierfs,
+    wait_until,
+)
+from tests.test_integrity import fill
 from tierfs.demo.etcd import Etcd
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel, authenticate
@@ -682,3 +691,27 @@ def test_sync_replicas_returns_once_the_copies_are_made(
     assert "(--sync-replicas)" in node0.log()
     wait_until(lambda: _copies_everywhere(cluster, "run/step_2", set(cluster.ports), 2),
                timeout=30)
+
+
+def test_a_node_whose_ram_dir_is_full_lives_on_and_lists_a_peers_step_once_there_is_room(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd, small_shm: Path) -> None:
+    """node1's RAM dir on a /dev/shm that other processes filled: node0's commit cannot be
+    listed there (no room for its records). node1 lives on (before, the OSError ended its
+    watch of the commits, and the daemon with it) and lists the step once there is room."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0 = cluster.start("node0")
+    node1 = cluster.nodes["node1"] = mounts.mount(*cluster.args("node1"), "--ram-limit", "1G",
+                                                  ram_dir=small_shm / "ram")
+    wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+    fill(small_shm / "other-user")
+    step = node0 / "run/step_1"
+    step.mkdir(parents=True)
+    (step / "shard").write_bytes(os.urandom(100_000))
+    (step / ".metadata").write_bytes(b"metadata")
+    wait_until(lambda: "is not listed here yet" in node1.log() or not pid_alive(node1.pid),
+               timeout=15)
+    assert pid_alive(node1.pid), node1.log()[-3000:]
+    (small_shm / "other-user").unlink()
+    wait_until(lambda: (s := node1.step("run/step_1")) is not None and s["state"] == "committed",
+               timeout=15)
+    assert (node1 / "run/step_1/shard").read_bytes() == (step / "shard").read_bytes()

@@ -144,6 +144,9 @@ class ClusterNode:
         # every PENDING_RETRY); `caught_up` in `tierfs status`.
         self.caught_up = trio.Event()
         self._missed_taken = False  # `_catch_up` listed what this node missed
+        # Steps of the cluster not listed here for want of room for their records: path ->
+        # (manifest, holders), listed again each PENDING_RETRY.
+        self._unlearned: dict[str, tuple[mf.StepManifest, list[str]]] = {}
 
     async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> bool:
         """A peer verified copies of these files: counted in etcd's records, then here (only
@@ -260,7 +263,18 @@ class ClusterNode:
         """A step committed in the cluster is listed here; if this node holds files of that
         version (it wrote some, or holds copies), the step is planned again: copies may be
         due, and the records (touched when holders are added) say who holds each file now."""
-        self.namespace.tiers.learn(manifest, holders)
+        try:
+            self.namespace.tiers.learn(manifest, holders)
+        except OSError as exc:
+            # No room for its records (the RAM dir's file system full: a /dev/shm other
+            # processes fill): listed by a retry once there is (`_publish_pending`'s round);
+            # an error here would end the watch of the commits, and the daemon with it.
+            if manifest.path not in self._unlearned:
+                log.warning("%s v%d is not listed here yet: %s", manifest.path,
+                            manifest.version, exc.strerror or exc)
+            self._unlearned[manifest.path] = (manifest, holders)
+            return
+        self._unlearned.pop(manifest.path, None)
         node = self.namespace.tree.find_step(manifest.path)
         if node is not None and node.step.committed and node.step.resident and \
                 node.step.manifest.version == manifest.version:
@@ -271,11 +285,14 @@ class ClusterNode:
         await self.sealed.follow(self._learn, self.namespace.tiers.unlisted)
 
     async def _publish_pending(self) -> None:
-        """Commit records etcd could not take (it was down) are written once it is back."""
+        """Commit records etcd could not take (it was down) are written once it is back; steps
+        of the cluster this node had no room to list are listed once it has."""
         while True:
             await trio.sleep(PENDING_RETRY)
             caught_up = self._missed_taken  # this round writes what the catch-up found
             await self.namespace.tiers.publish_pending()
+            for manifest, holders in list(self._unlearned.values()):
+                self._learn(manifest, holders)
             if caught_up:
                 self.caught_up.set()
 
