@@ -715,3 +715,31 @@ def test_a_node_whose_ram_dir_is_full_lives_on_and_lists_a_peers_step_once_there
     wait_until(lambda: (s := node1.step("run/step_1")) is not None and s["state"] == "committed",
                timeout=15)
     assert (node1 / "run/step_1/shard").read_bytes() == (step / "shard").read_bytes()
+
+
+def test_a_node_back_on_a_full_ram_dir_applies_a_delete_it_missed_once_there_is_room(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd, small_shm: Path) -> None:
+    """A step deleted while node1 was down: node1 comes back on a /dev/shm other processes
+    filled, with no room to record the delete. It lives on (before, the OSError ended its
+    catch-up, and the daemon with it) and applies the delete once there is room."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0 = cluster.start("node0")
+    node1 = cluster.nodes["node1"] = mounts.mount(*cluster.args("node1"), "--ram-limit", "1G",
+                                                  ram_dir=small_shm / "ram")
+    wait_until(lambda: all(cluster.peers_up("node0").values()), timeout=15)
+    step = node0 / "run/step_1"
+    step.mkdir(parents=True)
+    (step / "shard").write_bytes(os.urandom(100_000))
+    (step / ".metadata").write_bytes(b"metadata")
+    wait_until(lambda: (s := node1.step("run/step_1")) is not None and s["state"] == "committed"
+               and "node1" in node0.step("run/step_1")["replicas"], timeout=15)
+    tierfs("umount", str(node1.mountpoint))
+    subprocess.run(["rm", "-r", str(step)], check=True)
+    fill(small_shm / "other-user")
+    node1 = cluster.start("node1")
+    wait_until(lambda: "not applied here yet" in node1.log() or not pid_alive(node1.pid),
+               timeout=15)
+    assert pid_alive(node1.pid), node1.log()[-3000:]
+    (small_shm / "other-user").unlink()
+    wait_until(lambda: node1.step("run/step_1") is None, timeout=15)
+    assert not (node1 / "run/step_1").exists()

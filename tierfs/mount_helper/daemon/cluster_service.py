@@ -221,8 +221,23 @@ class ClusterNode:
                          failures, exc)
                 await CATCH_UP_RETRIES.pause(failures)
         for deletion in deleted:
-            tiers.delete_from_peer(deletion.step, deletion.version, deletion.committed_ns,
-                                   "another node (a tombstone in etcd)")
+            failures = 0
+            while True:
+                try:
+                    tiers.delete_from_peer(deletion.step, deletion.version,
+                                           deletion.committed_ns,
+                                           "another node (a tombstone in etcd)")
+                    break
+                except OSError as exc:
+                    # No room for its record (the RAM dir's file system full: a /dev/shm
+                    # other processes fill): nothing was changed; tried again, never given
+                    # up (an error here would end the daemon).
+                    failures += 1
+                    if failures == 1:
+                        log.warning("delete of %s made while this node was down is not "
+                                    "applied here yet: %s", deletion.step,
+                                    exc.strerror or exc)
+                    await trio.sleep(PENDING_RETRY)
         for manifest in unpublished:
             tiers.publish_later(manifest)
         self._missed_taken = True
