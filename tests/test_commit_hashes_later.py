@@ -205,14 +205,17 @@ def test_a_writer_during_the_hashes_starts_a_new_version(mounts: MountFactory,
     assert "Traceback" not in mnt.log()
 
 
-def test_verify_right_after_the_save_waits_for_its_hashes(mounts: MountFactory,
-                                                          tmp_path: Path) -> None:
-    """`tierfs verify` on a step shown `committed` whose hashes are still to come: it waits
-    for them (hashing the only copy is what checks it) and reports the step; it used to fail
-    with "holds no committed step" while status and the xattr said committed."""
+def test_verify_and_prefetch_right_after_the_save(mounts: MountFactory,
+                                                  tmp_path: Path) -> None:
+    """A step shown `committed` whose hashes are still to come: `tierfs prefetch` finds it
+    whole in RAM at once, and `tierfs verify` waits for the hashes (hashing the only copy is
+    what checks it) and reports the step; both used to fail ("not a committed step", "holds
+    no committed step") while status and the xattr said committed."""
     mnt, _store, step = saved_to_a_store(mounts, tmp_path, "run/step_2")
     expected = hashes_of(step)
     assert getxattr(step, "user.tierfs.state") == "committed"
+    fetched = tierfs("prefetch", str(step), check=False, timeout=30)
+    assert fetched.returncode == 0, fetched.stderr
     threading.Timer(1.0, hold_hashes, (mnt, False)).start()  # the hashes finish meanwhile
     done = tierfs("verify", str(step), "--no-repair", "--json", check=False, timeout=60)
     assert done.returncode == 0, done.stderr
