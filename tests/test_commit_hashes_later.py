@@ -9,6 +9,7 @@ and the committed bytes stay as they were."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -202,3 +203,24 @@ def test_a_writer_during_the_hashes_starts_a_new_version(mounts: MountFactory,
     assert getxattr(step, "user.tierfs.state") == "committed"
     tierfs("verify", str(step), "--no-repair")
     assert "Traceback" not in mnt.log()
+
+
+def test_verify_and_prefetch_right_after_the_save(mounts: MountFactory,
+                                                  tmp_path: Path) -> None:
+    """A step shown `committed` whose hashes are still to come: `tierfs prefetch` finds it
+    whole in RAM at once, and `tierfs verify` waits for the hashes (hashing the only copy is
+    what checks it) and reports the step; both used to fail ("not a committed step", "holds
+    no committed step") while status and the xattr said committed."""
+    mnt, _store, step = saved_to_a_store(mounts, tmp_path, "run/step_2")
+    expected = hashes_of(step)
+    assert getxattr(step, "user.tierfs.state") == "committed"
+    fetched = tierfs("prefetch", str(step), check=False, timeout=30)
+    assert fetched.returncode == 0, fetched.stderr
+    threading.Timer(1.0, hold_hashes, (mnt, False)).start()  # the hashes finish meanwhile
+    done = tierfs("verify", str(step), "--no-repair", "--json", check=False, timeout=60)
+    assert done.returncode == 0, done.stderr
+    (report,) = json.loads(done.stdout)["steps"]
+    assert (report["path"], report["version"], report["files"], report["ok"]) == (
+        "run/step_2", 1, len(expected), True)
+    assert next(t for t in report["tiers"] if t["tier"] == "ram")["good"] == len(expected)
+    assert {e.name: e.xxh3 for e in manifest_of(mnt, "run/step_2").files} == expected

@@ -165,7 +165,7 @@ class Commits:
         await self.sink.send(manifest)
 
     async def _finish_in_background(self, step_node: Node, step: StepState,
-                                    started: float) -> None:
+                                    started: float | None) -> None:
         """Part 2 of a commit made before its hashes were in (see `fs.pending_commits`)."""
         try:
             async with step.lock:
@@ -182,6 +182,15 @@ class Commits:
             log.log(logging.ERROR if pending is None or pending.failures <= 1 else logging.DEBUG,
                     "commit of %s: its hashes or manifest failed: %s",
                     os.fsdecode(step_node.name), exc)
+
+    async def finish_pending(self, step_node: Node) -> None:
+        """The step's commit made before its hashes were in, if it still shows committed,
+        finished now (joining its hashes; at once if it was finished already): what
+        `tierfs verify` checks is its manifest, and hashing the only copy is that check."""
+        step = step_node.step
+        if step is None or step.pending is None or step.pending.superseded:
+            return
+        await self._finish_in_background(step_node, step, None)
 
     async def _finish_pending(self, step_node: Node, step: StepState,
                               started: float | None = None) -> None:

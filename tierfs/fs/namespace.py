@@ -108,7 +108,8 @@ class Namespace:
         self.quiet = QuietCommits(tree, core.watch, self.commits)
         self.appends = AppendSnapshots(tree, core.watch, self.commits, self.residency,
                                        append_every)
-        self.verifier = Verifier(tree, self.residency, persist, peers)
+        self.verifier = Verifier(tree, self.residency, persist, peers,
+                                 finish_pending=self.commits.finish_pending)
         self.gate: ReadGate = self.verifier
 
     @classmethod

@@ -395,7 +395,8 @@ class Residency:
     async def prefetch(self, relpath: str) -> int:
         """`tierfs prefetch`: bring every file of a committed step into RAM; bytes fetched."""
         step_node = self.tree.find_step(relpath)
-        if step_node is None or not step_node.step.committed:
+        # Also a step committed with its hashes to come: every file of it is here already.
+        if step_node is None or not step_node.step.shown_committed:
             raise FsError(errno.EINVAL, f"{relpath} is not a committed step")
         fetched = 0
         for _rel, node in list(tree_walk.files_under(step_node)):

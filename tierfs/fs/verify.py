@@ -44,6 +44,7 @@ import errno
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,8 +120,12 @@ class StepReport:
 
 class Verifier:
     def __init__(self, tree: Tree, residency: Residency, persist: PersistCopies | None = None,
-                 peers: PeerCopies | None = None) -> None:
+                 peers: PeerCopies | None = None,
+                 finish_pending: Callable[[Node], Awaitable[None]] | None = None) -> None:
         self.tree = tree
+        # `Commits.finish_pending`: a step committed with its hashes to come is verified
+        # once they are in (before, it has no manifest to check against).
+        self._finish_pending = finish_pending
         self.residency = residency
         self.persist = persist
         self.peers = peers
@@ -183,7 +188,11 @@ class Verifier:
 
     async def verify(self, relpath: str, repair: bool = True) -> list[StepReport]:
         step_nodes = self._steps_under(relpath)
-        work = [(n, n.step.manifest) for n in step_nodes if n.step.committed]
+        if self._finish_pending is not None:
+            for step_node in step_nodes:
+                await self._finish_pending(step_node)
+        work = [(n, n.step.manifest) for n in step_nodes
+                if n.step is not None and n.step.committed]
         if not work:
             raise FsError(errno.EINVAL, f"{relpath or '.'} holds no committed step")
         total = sum(e.size * (1 + len(self.tree.holdings.file_peers(node.step, e.name))

@@ -1,0 +1,33 @@
+"""bench/fuse_floor.c, the FUSE floor of the bench's many-file rows, still builds, mounts and
+keeps what is written to it (so that the reference `make bench` sets tierfs against cannot rot
+or quietly measure a file system that loses files)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bench import fuse_floor
+
+pytestmark = pytest.mark.fuse
+
+
+def test_the_floor_keeps_a_step_of_files(tmp_path: Path) -> None:
+    program = fuse_floor.build(tmp_path)
+    assert program is not None, "`make install` puts a compiler and libfuse3's headers here"
+    with fuse_floor.mounted(program, tmp_path / "mnt") as mountpoint:
+        step = mountpoint / "run" / "step_1"
+        step.mkdir(parents=True)
+        for i in range(300):  # more than one READDIR page
+            (step / f"t{i:03}.distcp").write_bytes(i.to_bytes(2, "little") * 2048)
+        (step / "t000.distcp").write_bytes(b"shorter")  # truncated and written again
+        listed = subprocess.run(["ls", "-l", str(step)], capture_output=True, text=True,
+                                check=True).stdout.splitlines()
+        assert len(listed) == 301  # "total" and every file once
+        assert sorted(os.listdir(step)) == [f"t{i:03}.distcp" for i in range(300)]
+        assert (step / "t000.distcp").read_bytes() == b"shorter"
+        assert (step / "t299.distcp").read_bytes() == (299).to_bytes(2, "little") * 2048
+    assert not os.path.ismount(tmp_path / "mnt")
