@@ -6,6 +6,7 @@ killed by its own pid (never by name), then its RAM dir is removed.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -294,3 +295,15 @@ def small_shm(tmp_path: Path) -> Iterator[Path]:
         yield shm
     finally:
         subprocess.run(["umount", "-l", str(shm)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Take every free byte of the file system `path` is on (another user of /dev/shm)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)

@@ -17,13 +17,13 @@ import trio
 from tests.conftest import (
     Mount,
     MountFactory,
+    fill,
     free_port,
     pid_alive,
     run_dcp_ranks,
     tierfs,
     wait_until,
 )
-from tests.test_integrity import fill
 from tierfs.demo.etcd import Etcd
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel, authenticate

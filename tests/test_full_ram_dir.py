@@ -14,7 +14,7 @@ import pyfuse3
 import pytest
 import trio
 
-from tests.test_integrity import fill
+from tests.conftest import fill
 from tests.test_namespace import Harness, dcp_save
 from tierfs import manifest as mf
 from tierfs.fs.deletes import PERSIST, Deletes, DeleteWorker, Tombstone

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
+from tests.conftest import Mount, MountFactory, fill, getxattr, tierfs, wait_until
 from tests.test_commit_hashes_later import hold_hashes
 
 pytestmark = pytest.mark.fuse
@@ -196,18 +196,6 @@ def test_a_load_through_latest_never_mixes_two_steps(mnt: Mount) -> None:
 
 
 # -- a commit that fails for want of space ---------------------------------------------------------
-
-
-def fill(path: Path) -> None:
-    """Take every free byte of the file system `path` is on (another user of /dev/shm)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
 
 
 def test_a_commit_that_fails_for_space_fails_the_save_and_is_retried(

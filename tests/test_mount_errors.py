@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TIERFS, Mount, MountFactory, pid_alive, tierfs, wait_until
+from tests.conftest import TIERFS, Mount, MountFactory, fill, pid_alive, tierfs, wait_until
 from tests.test_cli import assert_one_line_error
 from tests.test_commit import write_step
-from tests.test_integrity import fill
 from tierfs.mount_helper.mounts import PATIENCE, is_mounted, mount_table
 
 pytestmark = pytest.mark.fuse
