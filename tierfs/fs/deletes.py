@@ -278,8 +278,8 @@ class DeleteWorker:
 
     async def _clean_all(self) -> bool:
         """One pass over every pending tier of every tombstone; whether work is left (also: a
-        record the RAM dir had no room for)."""
-        left = not self.deletes.save_unsaved()
+        record the RAM dir had no room for, written again at the end of each pass)."""
+        left = False
         for tomb in self.deletes.pending():
             if tomb.moved_to is not None and not self.may_clean(tomb):
                 left = True  # poked (Deletes.poke) when the new name is there

@@ -100,13 +100,9 @@ class ReplicaReceiver:
                 await trio.to_thread.run_sync(_write, fd, data, offset, running,
                                               limiter=self._threads)
             except OSError as exc:  # the RAM dir's file system is full (a shared /dev/shm)
-                self._hashing.pop(incoming, None)
-                self.space.forget_inode(ino)
-                incoming.unlink()
-                log.error("no room for a replica of %s/%s from %s: %s", message["path"],
-                          message["name"], channel.peer_id, exc.strerror or exc)
-                await channel.send("ERROR", message=f"no room on the receiving node: "
-                                                    f"{exc.strerror or exc}")
+                why = exc.strerror or str(exc)
+                await self._discard(incoming, ino, message, channel, f"found no room ({why})",
+                                    f"no room on the receiving node: {why}")
                 return
             running = self._written(incoming, running, offset + len(data))
             if offset + len(data) < size:
@@ -121,14 +117,22 @@ class ReplicaReceiver:
         finally:
             os.close(fd)
         if found != digest or found_size != size:
-            self.space.forget_inode(ino)
-            incoming.unlink()
-            log.error("replica of %s/%s from %s does not match its checksum: discarded",
-                      message["path"], message["name"], channel.peer_id)
-            await channel.send("ERROR", message="checksum mismatch")
+            await self._discard(incoming, ino, message, channel, "does not match its checksum",
+                                "checksum mismatch")
             return
         os.rename(incoming, target)
         await channel.send("OK")
+
+    async def _discard(self, incoming: Path, ino: int, message: proto.Message,
+                       channel: PeerChannel, why: str, answer: str) -> None:
+        """A replica that is not kept: its incoming file, running hash and RAM count go, and
+        the sender is answered with an ERROR (it tries again later, or elsewhere)."""
+        self._hashing.pop(incoming, None)
+        self.space.forget_inode(ino)
+        incoming.unlink()
+        log.error("replica of %s/%s from %s %s: discarded", message["path"], message["name"],
+                  channel.peer_id, why)
+        await channel.send("ERROR", message=answer)
 
     def _running(self, incoming: Path, offset: int) -> _Running | None:
         """The running hash that the chunk at `offset` continues (a new one at offset 0), or
