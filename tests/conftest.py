@@ -297,6 +297,53 @@ def small_shm(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(shm)], check=False)
 
 
+class FuseRequestTrace:
+    """The kernel's `fuse_request_send` tracepoint, in a tracefs mount and trace instance of
+    the test's own: no machine needs tracefs mounted beforehand, and tests on other workers
+    tracing at the same time fill buffers of their own."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self._mountpoint = tmp_path / "tracefs"
+        self._instance = self._mountpoint / "instances" / f"tierfs-{uuid.uuid4().hex[:8]}"
+
+    def __enter__(self) -> FuseRequestTrace:
+        self._mountpoint.mkdir()
+        subprocess.run(["mount", "-t", "tracefs", "nodev", str(self._mountpoint)], check=True)
+        try:
+            self._instance.mkdir()
+        except BaseException:
+            subprocess.run(["umount", "-l", str(self._mountpoint)], check=False)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._event("enable", "0")
+        self._instance.rmdir()
+        subprocess.run(["umount", "-l", str(self._mountpoint)], check=False)
+
+    def _event(self, name: str, value: str) -> None:
+        (self._instance / "events/fuse/fuse_request_send" / name).write_text(value)
+
+    def start(self) -> None:
+        (self._instance / "trace").write_text("")
+        self._event("enable", "1")
+
+    def stop(self) -> None:
+        self._event("enable", "0")
+
+    def requests(self, pid: int) -> list[str]:
+        """The opcodes (`FUSE_GETATTR`, ...) of the requests process `pid` sent while tracing."""
+        lines = (self._instance / "trace").read_text().splitlines()
+        return [line.rsplit("(", 1)[1].split(")", 1)[0]
+                for line in lines if f"-{pid} " in line and "fuse_request_send" in line]
+
+
+@pytest.fixture
+def fuse_trace(tmp_path: Path) -> Iterator[FuseRequestTrace]:
+    with FuseRequestTrace(tmp_path) as trace:
+        yield trace
+
+
 def fill(path: Path) -> None:
     """Take every free byte of the file system `path` is on (another user of /dev/shm)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, MountFactory, getxattr, tierfs
+from tests.conftest import FuseRequestTrace, Mount, MountFactory, getxattr, tierfs
 
 pytestmark = pytest.mark.fuse
 
@@ -314,31 +314,28 @@ def test_fifos_sockets_and_mknod(mounts: MountFactory, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("passthrough", [True, False], ids=["relay", "daemon"])
 def test_ls_l_asks_for_labels_and_acls_once_not_once_per_file(mounts: MountFactory,
+                                                              fuse_trace: FuseRequestTrace,
                                                               passthrough: bool) -> None:
     """GNU `ls -l` asks each entry for its `security.selinux` and `system.posix_acl_access`,
     and FUSE forwards both: two round trips per file, most of an `ls -l` of a many-file step.
     tierfs supports neither (only `user.` attributes), and says so (ENOTSUP, as setxattr of
     them does): `ls` then stops asking for that file system. Counted with the kernel's
-    `fuse_request_send` tracepoint, for this `ls` only. Before: ENODATA, 2 per file."""
-    tracing = Path("/sys/kernel/tracing/events/fuse/fuse_request_send")
+    `fuse_request_send` tracepoint, for this `ls` only."""
     mnt = mounts.mount(*([] if passthrough else ["--no-passthrough"]))
     step = mnt / "run/step_1"
     step.mkdir(parents=True)
     for i in range(300):
         (step / f"t{i:03}").write_bytes(b"x")
-    (tracing.parents[2] / "trace").write_text("")
-    (tracing / "enable").write_text("1")
+    fuse_trace.start()
     try:
         ls = subprocess.Popen(["ls", "-l", str(step)], stdout=subprocess.PIPE, text=True)
         listing, _ = ls.communicate(timeout=60)
     finally:
-        (tracing / "enable").write_text("0")
+        fuse_trace.stop()
     assert ls.returncode == 0 and len(listing.splitlines()) == 301  # "total", every file
-    sent = (tracing.parents[2] / "trace").read_text().splitlines()
-    own = [line for line in sent if f" ls-{ls.pid} " in line]
-    assert any("(FUSE_READDIRPLUS)" in line for line in own)  # its requests are in the trace
-    getxattrs = [line for line in own if "(FUSE_GETXATTR)" in line]
-    assert len(getxattrs) <= 4, getxattrs[:6]
+    own = fuse_trace.requests(ls.pid)
+    assert "FUSE_READDIRPLUS" in own  # its requests are in the trace
+    assert own.count("FUSE_GETXATTR") <= 4, own[:20]
 
 
 @pytest.mark.parametrize("passthrough", [True, False], ids=["relay", "daemon"])
