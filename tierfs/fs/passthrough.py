@@ -106,7 +106,8 @@ class PassthroughDevice:
         self._closing = False
         self._aborted = False  # the connection was aborted
         self.connection: str | None = None  # the mount's directory under CONNECTIONS
-        where = os.path.realpath(mountpoint)  # not once mounted: that would wait for INIT
+        # not once mounted: that would wait for INIT
+        self._where = where = os.path.realpath(mountpoint)
         try:
             self.dev_fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
@@ -156,7 +157,11 @@ class PassthroughDevice:
             nursery.start_soon(self._relay_replies)
 
     def unmount(self) -> None:
-        """Lazy unmount; the relay tasks end when the kernel drops the connection."""
+        """Lazy unmount; the relay tasks end when the kernel drops the connection. Once this
+        mount is gone (`tierfs umount`), what is left at the mount point (a container's volume,
+        a bind mount) stays."""
+        if not _on_top(self._where, self.connection):
+            return
         if _libc().umount2(os.fsencode(self.mountpoint), MNT_DETACH) != 0:
             err = ctypes.get_errno()
             if err not in (errno.EINVAL, errno.ENOENT):  # already unmounted
@@ -340,23 +345,40 @@ class PassthroughDevice:
         return True
 
 
-def _connection_id(mountpoint: str) -> str | None:
-    """The FUSE connection of the mount at `mountpoint`, as fusectl names it: the kernel's
-    dev_t of the superblock, from /proc/self/mountinfo (a stat would wait for INIT)."""
+def _mounts_at(mountpoint: str) -> list[tuple[str, bool]]:
+    """The mounts at `mountpoint`, oldest first, from /proc/self/mountinfo (a stat would wait
+    for INIT): each one's FUSE connection as fusectl names it (the kernel's dev_t of the
+    superblock) and whether it is a tierfs mount."""
     escaped = mountpoint.replace("\\", "\\134").replace(" ", "\\040").replace(
         "\t", "\\011").replace("\n", "\\012")
-    found = None
+    found = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            if fields[4] == escaped and " - fuse.tierfs " in line:
-                found = fields[2]  # the newest mount on the point comes last
-    if found is None:
+            if fields[4] == escaped:
+                major, minor = (int(n) for n in fields[2].split(":"))
+                # the kernel's MKDEV, which fusectl prints
+                found.append((str(major << 20 | minor), " - fuse.tierfs " in line))
+    return found
+
+
+def _connection_id(mountpoint: str) -> str | None:
+    """The FUSE connection of the newest tierfs mount at `mountpoint`."""
+    found = [connection for connection, tierfs in _mounts_at(mountpoint) if tierfs]
+    if not found:
         log.warning("%s is not in /proc/self/mountinfo: a relay failure cannot abort it",
                     mountpoint)
         return None
-    major, minor = (int(n) for n in found.split(":"))
-    return str(major << 20 | minor)  # the kernel's MKDEV, which fusectl prints
+    return found[-1]
+
+
+def _on_top(mountpoint: str, connection: str | None) -> bool:
+    """The newest mount at `mountpoint` is this tierfs mount (any tierfs mount when its
+    connection is unknown)."""
+    mounts = _mounts_at(mountpoint)
+    if not mounts or not mounts[-1][1]:
+        return False
+    return connection is None or mounts[-1][0] == connection
 
 
 def _abort_connection(connection: str) -> None:

@@ -48,8 +48,8 @@ from tierfs.mount_helper.daemon.startup import (
     trusted_uids,
 )
 from tierfs.mount_helper.mounts import (
-    is_mounted,
     mount_source,
+    tierfs_on_top,
 )
 from tierfs.observe import Events
 from tierfs.s3tier.packs import PackedReader
@@ -189,7 +189,9 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                      cfg.ram_dir, cfg.ram_limit, os.getpid())
             ready.ok()
     finally:
-        pyfuse3.close(unmount=device is None and is_mounted(cfg.mountpoint))
+        # Not once unmounted (`tierfs umount`): what is left at the mount point (a
+        # container's volume, a bind mount) stays.
+        pyfuse3.close(unmount=device is None and tierfs_on_top(cfg.mountpoint, cfg.ram_dir))
         if device is not None:
             device.close()
         control.remove(cfg.control_socket)
