@@ -1,6 +1,7 @@
 """The service files in deploy/: the systemd units pass `systemd-analyze verify` (or, without
 systemd, their key settings are read with configparser), the Kubernetes YAML has what a FUSE
-daemon needs there, and the Slurm scripts are valid shell. Every tierfs command line in them
+daemon needs there and names the image `make image` builds (tests/test_image.py runs it as the
+YAML says), and the Slurm scripts are valid shell. Every tierfs command line in them
 is parsed by tierfs's own argument parser, so an option they use cannot drift away."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.daemonset_pod import made_image_name
 from tierfs.mount_helper.cli import build_parser
 
 pytestmark = pytest.mark.core
@@ -106,6 +108,7 @@ def test_daemonset_has_what_a_fuse_daemon_needs() -> None:
     assert ds["kind"] == "DaemonSet" and ds["apiVersion"] == "apps/v1"
     pod = ds["spec"]["template"]["spec"]
     (container,) = pod["containers"]
+    assert container["image"] == made_image_name()  # what `make image` builds
     assert container["securityContext"]["privileged"] is True
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
