@@ -79,10 +79,6 @@ class Node:
                  image: str) -> None:
         self.name = name
         self.host_dir = tmp_path / name / "checkpoints"
-        self.host_dir.mkdir(parents=True)
-        # Bidirectional propagation needs a shared mount on the host to propagate into.
-        subprocess.run(["mount", "--bind", str(self.host_dir), str(self.host_dir)], check=True)
-        subprocess.run(["mount", "--make-shared", str(self.host_dir)], check=True)
         self.ram_dir = Path("/dev/shm") / f"tierfs-image-{uuid.uuid4().hex[:12]}"
         secret = {"etcd-endpoints": servers.etcd.endpoint, "token": token,
                   "aws-access-key-id": servers.s3.access_key,
@@ -94,6 +90,13 @@ class Node:
                     options={"--ram-dir": str(self.ram_dir),
                              "--listen": f"$(NODE_IP):{free_port()}"})
         self.pod = DaemonSetPod(site, tmp_path / name, image)
+
+    def share(self) -> None:
+        """Make the host directory a shared mount: Bidirectional propagation needs one to
+        propagate into (a node's / is shared under systemd; this machine's is not)."""
+        self.host_dir.mkdir(parents=True)
+        subprocess.run(["mount", "--bind", str(self.host_dir), str(self.host_dir)], check=True)
+        subprocess.run(["mount", "--make-shared", str(self.host_dir)], check=True)
 
     def start(self) -> None:
         """A pod on this node, once ready: its mount on the host, its probe passing."""
@@ -144,6 +147,7 @@ def nodes(tmp_path: Path, servers: Servers, image: str) -> Iterator[Any]:
     def new(name: str) -> Node:
         node = Node(name, tmp_path, servers, token, image)
         made.append(node)
+        node.share()
         return node
 
     try:
