@@ -2,7 +2,7 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-APT    := fuse3 libfuse3-dev pkg-config gcc attr rsync etcd-server
+APT    := fuse3 libfuse3-dev pkg-config gcc attr rsync etcd-server systemd strace
 
 .PHONY: test test-fast test-faults test-repeat demo bench bench-quick simulate lint docs install clean \
 	image image-base image-tools image-name test-image
@@ -12,6 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@if ! command -v fusermount3 >/dev/null || ! command -v getfattr >/dev/null || \
 	   ! command -v rsync >/dev/null || ! command -v etcd >/dev/null || ! command -v cc >/dev/null || \
+	   ! command -v systemd-analyze >/dev/null || ! command -v strace >/dev/null || \
 	   ! pkg-config --exists fuse3 2>/dev/null; then \
 		echo "installing Debian packages: $(APT)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT) >/dev/null; \
