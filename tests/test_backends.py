@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tierfs import manifest as mf
 from tierfs.demo.seaweed import SeaweedS3
+from tierfs.s3tier import holdings
 from tierfs.s3tier.backend import (
     Backend,
     BackendError,
@@ -59,6 +61,32 @@ def test_put_get_list_delete(backend: Backend, tmp_path: Path) -> None:
     assert list(backend.list("run/step_1/")) == []
     with pytest.raises(NotFound):
         backend.get_bytes("run/step_1/big.bin")
+
+
+def test_what_the_store_holds_of_a_step_now(backend: Backend) -> None:
+    """`size` (a HEAD) and `holdings.held_now`: what tierfs asks before it acts on its belief
+    that the store holds a step (doc/SEMANTICS.md, "What tierfs checks")."""
+    entries = tuple(mf.FileEntry(name, len(data), mf.hash_bytes(data))
+                    for name, data in (("a.bin", b"aaaa"), ("sub/b.bin", b"bb")))
+    step = mf.StepManifest(path="run/step_7", step=7, version=1, node_id="n",
+                           committed_ns=1, files=entries)
+    loose = mf.StepManifest(path="run/last.ckpt", step=mf.NO_STEP, version=1, node_id="n",
+                            committed_ns=1, files=(mf.FileEntry("last.ckpt", 3, "0" * 32),),
+                            single_file=True)
+    assert backend.size("run/step_7/a.bin") is None
+    assert holdings.held_now(backend, step) == holdings.Held(False, frozenset())
+    backend.put_bytes("run/step_7/a.bin", b"aaaa")
+    backend.put_bytes("run/step_7/sub/b.bin", b"b")  # short: not what the manifest names
+    assert backend.size("run/step_7/a.bin") == 4
+    held = holdings.held_now(backend, step)
+    assert held.files == {"a.bin"} and not held.manifest and not held.whole(step)
+    backend.put_bytes("run/step_7/sub/b.bin", b"bb")
+    backend.put_bytes("run/step_7/.tierfs-manifest", b"m")
+    assert holdings.held_now(backend, step).whole(step)
+    backend.put_bytes("run/last.ckpt", b"ccc")
+    assert holdings.held_now(backend, loose).lacking(loose) == ["last.ckpt"]  # no manifest
+    backend.put_bytes("run/.tierfs-file-last.ckpt/.tierfs-manifest", b"m")
+    assert holdings.held_now(backend, loose).whole(loose)
 
 
 def test_copy_inside_the_store(backend: Backend, tmp_path: Path) -> None:

@@ -140,6 +140,9 @@ class StepState:
         self.lock = trio.Lock()
         self.persisted_version = 0
         self.retired_version = 0
+        # The store was seen to lack files of the committed version it was believed to hold
+        # (`StepVersions.set_store_lost`): a file of it in no tier now is lost with the store.
+        self.store_lost = False
         # chmod, chown or utime of a file since the last commit: a version of new attributes
         # (a file written again with the same bytes is no new version, whatever its mtime)
         self.attributes_changed = False

@@ -332,10 +332,16 @@ class Verifier:
                 state = await self._reupload(step_node, manifest, entry, state)
             self._tally(tier, state, entry.name)
             self._advance(entry.size)
+        lacking = [e.name for e in manifest.files if e.name not in tier.held_good]
+        if lacking and repair and self._current(step_node, manifest):
+            # Not in the store whole, and not to be made so from here: it is not persisted.
+            self.residency.store_lacks(step_node, lacking, "by tierfs verify")
         try:
             stored = await self.persist.manifest(manifest.path, manifest.single_file)
             same = stored is not None and _same_manifest(stored, manifest)
-            if not same and repair:
+            # Never a manifest whose files the store lacks: it would list a step that cannot
+            # be read, on this node and on every fresh one.
+            if not same and repair and not lacking:
                 await self.persist.write_manifest(manifest.path, mf.encode(manifest),
                                                   manifest.single_file)
                 tier.repaired.append(mf.MANIFEST_NAME)

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -236,6 +237,17 @@ class FileBackend(Backend):
                 key = os.path.relpath(full, self.root).replace(os.sep, "/")
                 if key.startswith(prefix):
                     yield ObjectInfo(key, os.lstat(full).st_size)
+
+    def size(self, key: str) -> int | None:
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            self._require_store()  # an absent store is not a missing object
+            return None
+        except OSError as exc:
+            self._require_store()
+            raise BackendError(f"{key}: {exc.strerror}", temporary=False) from exc
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def delete(self, keys: list[str]) -> None:
         if keys:

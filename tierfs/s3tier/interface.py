@@ -141,6 +141,10 @@ class Backend(ABC):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with `prefix`."""
 
+    def size(self, key: str) -> int | None:
+        """The size of the object `key` now (S3 HEAD), None if there is none."""
+        return next((o.size for o in self.list(key) if o.key == key), None)
+
     @abstractmethod
     def delete(self, keys: list[str]) -> None:
         """Delete these objects; missing ones are not an error."""

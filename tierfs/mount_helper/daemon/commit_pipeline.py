@@ -81,6 +81,13 @@ async def verify_then_send(namespace: Namespace, uploader: Uploader | None,
             replicator.submit(manifest)  # copies due since before a restart
 
 
+async def upload_again(namespace: Namespace, uploader: Uploader) -> None:
+    """Steps the store was found to lack, though they had reached it (a bucket deleted and
+    made again, a prefix emptied: `Residency.store_lacks`), go up again from RAM."""
+    async for manifest in namespace.residency.lost_from_store:
+        uploader.submit(manifest)
+
+
 async def store_links(tree: Tree, view: TreeView, uploader: Uploader) -> None:
     """The store learns the links of each directory whose links changed (fs.links); every
     directory holding links once after a start. Retried while the store cannot."""

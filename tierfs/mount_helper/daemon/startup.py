@@ -16,6 +16,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
+from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.passthrough import PassthroughDevice, PassthroughUnavailable
@@ -36,7 +37,8 @@ from tierfs.observe import Events, Levels, MetricsServer
 from tierfs.replication.coordination.etcd import EtcdError
 from tierfs.replication.coordination.store_record import StoreRecord, StoreUse
 from tierfs.retry import POLICY, retry
-from tierfs.s3tier.backend import Backend, BackendError, open_backend
+from tierfs.s3tier import holdings
+from tierfs.s3tier.backend import Backend, BackendError, ObjectInfo, open_backend
 from tierfs.s3tier.uploader import Uploader
 from tierfs.step_names import some_names
 
@@ -239,6 +241,14 @@ async def open_persistent_tier(cfg: MountConfig, ready: ReadyPipe, tree: Tree,
     there stops the mount, and so does a new (empty) store where the RAM dir or the cluster
     says steps were persisted: its volume is not mounted, or it is the wrong store."""
     if cfg.persist is None:
+        stored_only = [tree.relpath(node) for node in tree.steps()
+                       if node.step.persisted and not node.step.in_ram]
+        if stored_only:
+            raise StartupError(
+                f"RAM dir {cfg.ram_dir} records {len(stored_only)} "
+                f"step{'s' if len(stored_only) != 1 else ''} whose files are only in a "
+                f"persistent tier ({some_names(stored_only)}): mount with --persist and the "
+                "store they went to")
         warning = "no --persist given: committed steps live only in this node's RAM"
         log.warning("%s", warning)
         ready.warn(warning)
@@ -303,6 +313,7 @@ async def adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> int:
         log.warning("could not list the persistent tier yet: %s", exc)
         return 0
     added = sum(namespace.tiers.adopt_persisted(m) for m in manifests)
+    _check_persisted(namespace, manifests, objects)
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
     stored_links = await uploader.stored_links(objects)  # each unreadable one is logged
@@ -311,6 +322,25 @@ async def adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> int:
         log.info("made %d symbolic links the persistent tier keeps", made)
     namespace.residency.enforce_keep_ram()
     return len(manifests)
+
+
+def _check_persisted(namespace: Namespace, manifests: list[mf.StepManifest],
+                     objects: list[ObjectInfo]) -> None:
+    """The steps the RAM dir records as persisted, checked against what the store holds now
+    (its listing at this mount): one it lacks is no longer counted as persisted, and goes up
+    again if it is in RAM, or is listed as lost if not (`Residency.store_lacks`)."""
+    stored = {m.path: m for m in manifests}
+    for step_node in list(namespace.tree.steps()):
+        step = step_node.step
+        if not step.persisted:
+            continue
+        manifest = step.manifest
+        there = stored.get(manifest.path)
+        held = holdings.held_in(manifest, objects)
+        if there is not None and there.same_content(manifest) and held.whole(manifest):
+            continue
+        namespace.residency.store_lacks(step_node, held.lacking(manifest) if there is not None
+                                        else [e.name for e in manifest.files], "at this mount")
 
 
 def open_passthrough(cfg: MountConfig, source: str) -> PassthroughDevice | None:
