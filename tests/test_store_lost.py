@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import MountFactory, tierfs, wait_until
+from tests.conftest import MountFactory, fill, tierfs, wait_until
 from tests.test_crash import save
 from tierfs.demo.seaweed import SeaweedS3
 
@@ -123,3 +123,37 @@ def test_the_steps_a_store_lost_are_checked_at_mount(mounts: MountFactory,
     wait_until(lambda: again.step("run/step_2")["persisted"])
     assert (store / "run/step_2/shard.distcp").read_bytes() == saved[2]["shard.distcp"]
     assert not (store / "run/step_1").exists()
+
+
+def test_a_persisted_mark_with_no_room_waits_and_the_upload_is_not_repeated(
+        small_shm: Path, mounts: MountFactory, tmp_path: Path) -> None:
+    """The RAM dir's file system full (a shared /dev/shm) when an upload ends: the persisted
+    mark cannot be written. Before, the step went up again and again (about 100,000 log lines
+    in 5 minutes) and `flush` timed out with ENOSPC. Now the mark waits for room, the step
+    counts as persisted (the store holds it) but stays in RAM until its mark is on disk, and
+    the log says it once."""
+    store, away = tmp_path / "store", tmp_path / "store.away"
+    store.mkdir()
+    ram_dir = small_shm / "ram"
+    mnt = mounts.mount("--persist", f"file://{store}", ram_dir=ram_dir)
+    store.rename(away)  # the upload waits for the store...
+    files = {"shard.distcp": os.urandom(100_000), ".metadata": b"m"}
+    save(mnt / "run/step_1", files)
+    wait_until(lambda: "upload of run/step_1 v1 failed" in mnt.log())
+    fill(small_shm / "other-user")  # ...while another user fills /dev/shm
+    away.rename(store)
+
+    wait_until(lambda: "the persisted mark of run/step_1 v1 cannot be written" in mnt.log(),
+               timeout=60)
+    done = tierfs("flush", str(mnt.mountpoint), "--timeout", "20", check=False)
+    assert done.returncode == 0, done.stderr
+    assert mnt.step("run/step_1")["persisted"] is True and mnt.step("run/step_1")["ram"]
+    log = mnt.log()
+    assert log.count("Step run/step_1: persisted to") == 1
+    assert log.count("cannot be written") == 1 and "Traceback" not in log
+
+    (small_shm / "other-user").unlink()
+    mark = ram_dir / "tree/run/step_1/.tierfs-persisted"
+    wait_until(lambda: mark.exists() and mark.read_text() == "1 persisted\n", timeout=10)
+    assert "the persisted mark of run/step_1 v1 is written" in mnt.log()
+    assert mnt.log().count("Step run/step_1: persisted to") == 1

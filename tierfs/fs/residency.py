@@ -543,7 +543,8 @@ class Residency:
 
     def safe_elsewhere(self, step: StepState) -> bool:
         """Whether every file of the step in RAM here may leave it (`file_leaves`)."""
-        return step.persisted or all(self.file_leaves(step, name) for name in step.resident)
+        return step.persisted_on_record or all(self.file_leaves(step, name)
+                                               for name in step.resident)
 
     def file_leaves(self, step: StepState, name: str) -> bool:
         """Whether this node's copy of one file of a committed step may leave RAM (the K + 1
@@ -554,7 +555,7 @@ class Residency:
         what this node knows; the records in etcd have the last word (`_leave`). A file
         whose holders this node has not read (a copy read back here) is judged by the nodes
         holding some file of the step: if K + 1 of them are live, etcd is asked."""
-        return step.persisted or self._copies_elsewhere(step, name)
+        return step.persisted_on_record or self._copies_elsewhere(step, name)
 
     def _copies_elsewhere(self, step: StepState, name: str) -> bool:
         """The K + 1 rule of `file_leaves` without the store: K + 1 live peers hold verified
@@ -591,7 +592,7 @@ class Residency:
         if step in self._evictions:
             return
         work = None
-        if (self.records is None or step.persisted) and not self._asks_store(step):
+        if (self.records is None or step.persisted_on_record) and not self._asks_store(step):
             self._leave_later(step_node)
             work = self._eviction_work(step_node, FIRST_SLICE)
             try:
@@ -648,7 +649,7 @@ class Residency:
         it has started."""
         step = step_node.step
         manifest = step.manifest
-        if step.persisted:
+        if step.persisted_on_record:
             if not self._asks_store(step):
                 self._leave_later(step_node)
                 return None
@@ -663,7 +664,7 @@ class Residency:
                                              if e.name not in held], "before leaving RAM")
         if self.records is None:  # the peers this node knows of decide (`file_leaves`)
             return {name for name in step.resident if self._copies_elsewhere(step, name)} \
-                if step.persisted else None
+                if step.persisted_on_record else None
         names = [name for name in sorted(step.resident) if self._copies_elsewhere(step, name)
                  and not self._in_use(step_node, name)]
         if not names or trio.current_time() < self._leaves_paused_until:
@@ -680,7 +681,7 @@ class Residency:
     def _asks_store(self, step: StepState) -> bool:
         """Whether the copies of this step may leave RAM on the store's word only after
         the store is seen to hold them (`_leave`)."""
-        return step.persisted and self.store_check is not None
+        return step.persisted_on_record and self.store_check is not None
 
     async def _held_in_store(self, step_node: Node) -> set[str] | None:
         """The files of the step's committed version the store holds now; None if it could

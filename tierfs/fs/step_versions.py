@@ -39,6 +39,7 @@ class StepVersions:
         step = step_node.step
         step.persisted_version = version
         step.store_lost = False
+        step.persist_mark_owed = False
         if step.manifest is None or step.manifest.version != version:
             return
         data_dir = self.tree.data_dir(step)
@@ -64,9 +65,21 @@ class StepVersions:
         records = self.tree.records
         records.write_persist_mark(self.tree.records_path(step_node), version, "persisted")
 
-    def set_retired(self, step_node: Node, version: int) -> None:
-        """Retention removed this version from the persistent tier: never upload it again."""
-        self.tree.records.write_persist_mark(self.tree.records_path(step_node), version, "retired")
+    def set_persisted_unrecorded(self, step_node: Node, version: int) -> None:
+        """The store holds this version, but its mark could not be written (the RAM dir's
+        file system full): it counts as persisted, and nothing of it leaves RAM for the store
+        until the mark is written (`StepState.persisted_on_record`)."""
+        self.set_persisted(step_node, version, recorded=True)
+        step_node.step.persist_mark_owed = True
+
+    def set_retired(self, step_node: Node, version: int, *, write_mark: bool = True) -> None:
+        """Retention removed this version from the persistent tier: never upload it again
+        (recorded on disk first, unless not `write_mark`: the RAM dir had no room for it, and
+        a restart may upload it again, which retention then removes again)."""
+        if write_mark:
+            self.tree.records.write_persist_mark(self.tree.records_path(step_node), version,
+                                                 "retired")
+        step_node.step.persist_mark_owed = False
         step_node.step.persisted_version = 0
         step_node.step.retired_version = version
 

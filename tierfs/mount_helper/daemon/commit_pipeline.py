@@ -32,10 +32,12 @@ COPIES_FIRST = 10.0  # seconds at most that an upload waits for the peer copies 
 
 
 async def retry_pending_commits(namespace: Namespace) -> None:
-    """Commits that wait for other nodes' shards, or failed (a full RAM dir), try again."""
+    """Commits that wait for other nodes' shards, or failed (a full RAM dir), try again; so
+    do the persisted marks a full RAM dir had no room for."""
     while True:
         await trio.sleep(PENDING_RETRY)
         await namespace.commits.retry_pending_commits()
+        namespace.tiers.write_owed_marks()
 
 
 def delete_targets(cfg: MountConfig, peers: list[str] | None = None) -> list[str]:
