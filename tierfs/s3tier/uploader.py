@@ -178,7 +178,17 @@ class Uploader:
     async def run(self) -> None:
         async with trio.open_nursery() as retries:
             self._retries = retries
+            retries.start_soon(self._remove_leftovers)
             await self.queue.serve(self._upload_or_retry)
+
+    async def _remove_leftovers(self) -> None:
+        """What uploads cut short before this start left in the store goes (in the
+        background: a file:// store is walked)."""
+        try:
+            await trio.to_thread.run_sync(self.backend.remove_leftovers, limiter=self._threads)
+        except BackendError as exc:
+            log.warning("could not look for what uploads cut short left in %s: %s",
+                        self.backend.url, exc)
 
     async def _upload_or_retry(self, manifest: mf.StepManifest) -> None:
         self._uploading = manifest.path
