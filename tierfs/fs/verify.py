@@ -459,8 +459,12 @@ class Verifier:
             described = (f"{step.manifest.path}/{entry.name} in this node's RAM has xxh3 "
                          f"{digest.xxh3} ({digest.size} bytes), manifest says {entry.xxh3} "
                          f"({entry.size} bytes)")
-            if act == REPORT:  # stays unverified: an open still checks it before a read
-                log.error("checksum mismatch: %s: reported only, nothing changed", described)
+            if act == REPORT:
+                # Unverified again (if it was not: the scan at start passed it), so that its
+                # next open hashes it and takes it out of service: never served again.
+                self.unverified.add(ino)
+                log.error("checksum mismatch: %s: reported only, nothing changed now; its next "
+                          "open takes it out of service", described)
                 return BAD
             self.unverified.discard(ino)
             key = (step.manifest.path, step.manifest.version, entry.name)
