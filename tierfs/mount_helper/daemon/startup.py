@@ -22,7 +22,7 @@ from tierfs.fs.namespace import Namespace
 from tierfs.fs.passthrough import PassthroughDevice, PassthroughUnavailable
 from tierfs.fs.ram_store import RamStore
 from tierfs.fs.tree import Tree
-from tierfs.mount_helper.config import MountConfig
+from tierfs.mount_helper.config import MountConfig, memory_bytes
 from tierfs.mount_helper.mounts import (
     TIERFS_TYPE,
     MountEntry,
@@ -33,6 +33,7 @@ from tierfs.mount_helper.mounts import (
     ram_dir_of,
     with_patience,
 )
+from tierfs.mount_helper.status_view import human_bytes
 from tierfs.observe import Events, Levels, MetricsServer
 from tierfs.replication.coordination.etcd import EtcdError
 from tierfs.replication.coordination.store_record import StoreRecord, StoreUse
@@ -110,7 +111,33 @@ def preflight(cfg: MountConfig) -> list[str]:
     if fstype != "tmpfs":
         warnings.append(f"RAM dir {cfg.ram_dir} is on {fstype}, not tmpfs: writes go to that "
                         "file system, not to memory")
+    warnings += _ram_limit_warnings(cfg)
     return warnings
+
+
+# A limit this much above what holds it is worth a word (the default, 50% of memory, is the
+# size of a default /dev/shm, give or take its rounding).
+LIMIT_SLACK = 1.02
+
+
+def _ram_limit_warnings(cfg: MountConfig) -> list[str]:
+    """--ram-limit above the RAM dir's file system's size or the host's memory: one line.
+    The mount goes on (the RAM dir may be a small tmpfs on purpose), but the limit does not
+    hold: the file system fills first (ENOSPC from it), or the host swaps or kills."""
+    limit = cfg.ram_limit
+    above = []
+    stats = os.statvfs(cfg.ram_dir)
+    room = stats.f_blocks * stats.f_frsize
+    if limit > room * LIMIT_SLACK:
+        above.append(f"the RAM dir's file system ({human_bytes(room)} at {cfg.ram_dir})")
+    memory = memory_bytes()
+    if limit > memory * LIMIT_SLACK:
+        above.append(f"this host's memory ({human_bytes(memory)})")
+    if not above:
+        return []
+    return [f"--ram-limit {human_bytes(limit)} is more than {' and '.join(above)}: the RAM "
+            "tier never reaches it (writes fail with ENOSPC once the file system is full, "
+            "or the host runs out of memory first)"]
 
 
 def set_root_directory(cfg: MountConfig, store: RamStore) -> None:
