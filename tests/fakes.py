@@ -29,9 +29,9 @@ from tierfs.replication.coordination.membership import MemberInfo
 
 
 class MemoryTier:
-    """A persistent tier (`ReadSource` and `PersistCopies`) in a dict: objects by their key
-    (`layout.object_key`), manifests by step. `down` makes every call fail as an unreachable
-    store does; `reads` counts the ranges served."""
+    """A persistent tier (`ReadSource`, `PersistCopies` and `StoreCheck`) in a dict: objects
+    by their key (`layout.object_key`), manifests by step. `down` makes every call fail as an
+    unreachable store does; `reads` counts the ranges served."""
 
     def __init__(self, name: str = "memory") -> None:
         self.name = name
@@ -80,6 +80,15 @@ class MemoryTier:
                              single_file: bool = False) -> None:
         self._check()
         self.manifests[step_path] = data
+
+    async def held_files(self, manifest: mf.StepManifest) -> set[str]:
+        self._check()
+        if manifest.path not in self.manifests:
+            return set()
+        data_dir = layout.data_dir(manifest.path, manifest.single_file)
+        return {e.name for e in manifest.files
+                if len(self.objects.get(layout.object_key(data_dir, e.name), b"")) == e.size
+                and layout.object_key(data_dir, e.name) in self.objects}
 
 
 class BuggySource(MemoryTier):

@@ -53,6 +53,31 @@ def test_ram_dir_off_tmpfs_is_a_warning(mounts: MountFactory, tmp_path: Path) ->
     assert oct(ram_dir.stat().st_mode & 0o777) == "0o700"
 
 
+def test_a_ram_limit_above_the_ram_dir_or_the_memory_is_a_warning(mounts: MountFactory,
+                                                                   small_shm: Path) -> None:
+    """Before, `--ram-limit 64g` (or `999999T`) on a 23 GiB host mounted without a word. The
+    mount goes on (a small RAM dir may be meant), with one line saying the limit cannot hold."""
+    said = []
+    for number, (ram_dir, limit) in enumerate([(small_shm / "ram", "64M"),
+                                               (mounts.new_ram_dir(), "999999T")]):
+        mountpoint = mounts.tmp_path / f"limit{number}"
+        mountpoint.mkdir()
+        done = tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir), "--ram-limit", limit)
+        mounts.mounts.append(Mount(mountpoint, ram_dir, ram_dir / "tierfs.log"))
+        mounts.ram_dirs.append(ram_dir)
+        mounts.mounts[-1].pid = mounts.mounts[-1].status()["pid"]
+        warnings = [line for line in done.stderr.splitlines() if "--ram-limit" in line]
+        assert len(warnings) == 1, done.stderr
+        said.append(warnings[0])
+    assert said[0] == (f"tierfs: warning: --ram-limit 64.0 MiB is more than the RAM dir's file "
+                       f"system (4.0 MiB at {small_shm / 'ram'}): the RAM tier never reaches "
+                       "it (writes fail with ENOSPC once the file system is full, or the host "
+                       "runs out of memory first)")
+    assert said[1].startswith("tierfs: warning: --ram-limit 999999.0 TiB is more than the RAM "
+                              "dir's file system (")
+    assert " and this host's memory (" in said[1]
+
+
 def test_status_table_and_umount(mnt: Mount) -> None:
     write_step(mnt / "run/step_100", {"__0_0.distcp": b"x" * 3000})
     (mnt / "run/step_200").mkdir()

@@ -92,3 +92,21 @@ def test_binary_config_file_and_unknown_flag_words(tmp_path) -> None:  # type: i
     with pytest.raises(ConfigError, match="TIERFS_FOREGROUND='maybe'"):
         resolve("/mnt", {}, {"TIERFS_FOREGROUND": "maybe"}, None)
     assert not resolve("/mnt", {}, {"TIERFS_FOREGROUND": "off"}, None).foreground
+
+
+@pytest.mark.parametrize("cli, message", [
+    ({"ram_limit": "1"}, "--ram-limit 1 is 1 byte: give at least 1M (a size without a unit "
+                         "is in bytes"),
+    ({"ram_limit": "512K"}, "--ram-limit 512K is 524288 bytes: give at least 1M"),
+    ({"ram_limit": "99999999999P"}, "not a size any machine has: '99999999999P'"),
+    ({"commit_idle": "1e308"}, "--commit-idle 1e308 is more than a week: give at most 604800 "
+                               "seconds"),
+    ({"append_every": "1e9"}, "--append-every 1e9 is more than a week"),
+    ({"commit_timeout": "inf"}, "--commit-timeout must be a positive number of seconds"),
+])
+def test_options_that_cannot_be_right_are_refused(cli: dict[str, str], message: str) -> None:
+    """Before, `--ram-limit 1` (one byte, meant as 1G) and `--commit-idle 1e308` mounted
+    silently."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve("/mnt", cli, {}, None)
+    resolve("/mnt", {"ram_limit": "1M", "commit_idle": "604800"}, {}, None)

@@ -140,6 +140,12 @@ class StepState:
         self.lock = trio.Lock()
         self.persisted_version = 0
         self.retired_version = 0
+        # The store was seen to lack files of the committed version it was believed to hold
+        # (`StepVersions.set_store_lost`): a file of it in no tier now is lost with the store.
+        self.store_lost = False
+        # Persisted, but the mark could not be written yet (the RAM dir's file system full):
+        # nothing leaves RAM for the store until it is (`OtherTiers.write_owed_marks`).
+        self.persist_mark_owed = False
         # chmod, chown or utime of a file since the last commit: a version of new attributes
         # (a file written again with the same bytes is no new version, whatever its mtime)
         self.attributes_changed = False
@@ -175,6 +181,12 @@ class StepState:
     @property
     def persisted(self) -> bool:
         return self.committed and self.persisted_version == self.manifest.version
+
+    @property
+    def persisted_on_record(self) -> bool:
+        """Persisted, and its mark on disk: copies may leave RAM for the store (a restart
+        that found no mark would take a step whose files are not here for a damaged one)."""
+        return self.persisted and not self.persist_mark_owed
 
     @property
     def in_ram(self) -> bool:

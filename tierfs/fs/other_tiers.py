@@ -48,6 +48,7 @@ class OtherTiers:
         self._elsewhere: dict[str, set[str]] = {}
         self._unpublished: dict[str, mf.StepManifest] = {}  # committed while etcd was away
         self._tracker_texts: dict[str, str | int | None] = {}  # tracker object -> what it names
+        self._owed_marks: dict[str, mf.StepManifest] = {}  # persisted, the RAM dir full
 
     # -- deletes -----------------------------------------------------------------------------
 
@@ -101,9 +102,39 @@ class OtherTiers:
         return sorted(found, key=lambda m: (m.step, m.path))
 
     def mark_persisted(self, manifest: mf.StepManifest) -> None:
+        """The uploader put this version in the store. Its mark is written first; if the RAM
+        dir's file system has no room for it, the version counts as persisted all the same
+        (the store holds it: it is not uploaded again), stays in RAM until the mark is
+        written (`write_owed_marks`), and the log says so once."""
         node = self.tree.find_step(manifest.path)
-        if node is not None and node.step.manifest is manifest:
+        if node is None or node.step.manifest is not manifest:
+            return
+        try:
             self.versions.set_persisted(node, manifest.version)
+        except OSError as exc:
+            self.versions.set_persisted_unrecorded(node, manifest.version)
+            self._owed_marks[manifest.path] = manifest
+            log.warning("the persisted mark of %s v%d cannot be written (%s): it is written "
+                        "once the RAM dir has room; the step stays in RAM until then",
+                        manifest.path, manifest.version, exc.strerror or exc)
+            return
+        self.residency.enforce_keep_ram()
+
+    def write_owed_marks(self) -> None:
+        """Write the persisted marks the RAM dir had no room for (`mark_persisted`); a step
+        whose mark is written may leave RAM now. Called every half second."""
+        for path, manifest in list(self._owed_marks.items()):
+            node = self.tree.find_step(path)
+            if node is None or node.step.manifest is not manifest or \
+                    not node.step.persist_mark_owed:
+                del self._owed_marks[path]  # saved again, removed, or retired meanwhile
+                continue
+            try:
+                self.versions.set_persisted(node, manifest.version)
+            except OSError:
+                return  # still no room: the next call tries again
+            del self._owed_marks[path]
+            log.info("the persisted mark of %s v%d is written", path, manifest.version)
             self.residency.enforce_keep_ram()
 
     def move_done(self, tomb: Tombstone,
@@ -161,7 +192,13 @@ class OtherTiers:
         if not node.step.in_ram and not node.step.dirty:
             self._forget_step(node)  # both policies let it go: it is gone from tierfs
             return
-        self.versions.set_retired(node, node.step.manifest.version)
+        try:
+            self.versions.set_retired(node, node.step.manifest.version)
+        except OSError as exc:  # no room: it counts as retired, and a restart may upload it
+            self.versions.set_retired(node, node.step.manifest.version, write_mark=False)
+            log.warning("the retired mark of %s cannot be written (%s): after a restart it "
+                        "may be uploaded again, and removed again", relpath,
+                        exc.strerror or exc)
 
     def adopt_persisted(self, manifest: mf.StepManifest) -> bool:
         """Show a step found in the persistent tier (a fresh node, or one that left RAM).

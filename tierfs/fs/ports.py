@@ -11,6 +11,8 @@ Outward (implemented outside `fs`):
   defined beside `Fetch`, which uses it, and re-exported here.
 * `SealedCollector`: the cluster's records of which node holds which file of a step.
 * `PeerCopies`, `PersistCopies`: the tiers `tierfs verify` checks and repairs.
+* `StoreCheck`: what the persistent tier holds of a step now, asked before the last copy of
+  a file leaves RAM on the strength of the store.
 * `CopiesWait`: --sync-replicas: until every file of a committed version has its copies.
 * `Liveness`: which peers are live members of the cluster now (eviction counts only those), and
   which may be (a copy on such a peer still counts as reachable: `fs.recoverable`).
@@ -45,7 +47,7 @@ from tierfs.fs.tier_errors import ObjectMissing, TierError
 
 __all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "Liveness",
            "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate", "ReadSource",
-           "SealedCollector", "Spawner", "StepWatch", "TierError"]
+           "SealedCollector", "Spawner", "StepWatch", "StoreCheck", "TierError"]
 
 
 class CommitSink(Protocol):
@@ -153,6 +155,16 @@ class PersistCopies(Protocol):
 
     async def write_manifest(self, step_path: str, data: bytes,
                              single_file: bool = False) -> None: ...
+
+
+class StoreCheck(Protocol):
+    """The persistent tier asked what it holds of a committed version at this moment (a
+    listing of the step's objects, or a HEAD of a single file's; never a mark written
+    earlier): the files whose objects are there at their sizes, and none at all unless the
+    step's manifest is there too (a step without one is never served, and is removed).
+    Raises TierError when the store cannot answer."""
+
+    async def held_files(self, manifest: mf.StepManifest) -> set[str]: ...
 
 
 class ReadGate(Protocol):

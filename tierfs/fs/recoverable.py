@@ -39,8 +39,11 @@ class LostFile:
     name: str
     holders: tuple[str, ...]  # the nodes that held it last (none: each lost its copy)
     writer: str | None  # the node that wrote it, if the cluster's records said
+    store_lost: bool = False  # the store held it, and was seen to lack it since
 
     def why(self) -> str:
+        if self.store_lost and not self.holders:
+            return "the persistent tier held it and no longer does"
         if not self.holders:
             return "no node holds it any more (its holders lost their copies)"
         if self.writer is not None and self.holders == (self.writer,):
@@ -133,7 +136,7 @@ class Recoverability:
             holders = self._peers_of(step, entry.name)
             if not any(reachable(peer) for peer in holders):
                 lost.append(LostFile(entry.name, tuple(sorted(holders)),
-                                     step.file_writers.get(entry.name)))
+                                     step.file_writers.get(entry.name), step.store_lost))
         return tuple(lost)
 
 

@@ -38,6 +38,8 @@ class StepVersions:
             self.write_persist_mark(step_node, version)
         step = step_node.step
         step.persisted_version = version
+        step.store_lost = False
+        step.persist_mark_owed = False
         if step.manifest is None or step.manifest.version != version:
             return
         data_dir = self.tree.data_dir(step)
@@ -46,13 +48,38 @@ class StepVersions:
             if node.remote is not None and entry is not None:
                 node.remote = RemoteFile(data_dir, entry, True)
 
+    def set_store_lost(self, step_node: Node) -> None:
+        """The persistent tier was seen to lack files of the committed version it was believed
+        to hold (a bucket emptied or made again, a prefix pruned by hand): the version no
+        longer counts as persisted. In memory only: the mark on disk stays, and the next mount
+        asks the store again (a mark rewritten here would make a restart set the step aside
+        as damaged, though the right store may still come back)."""
+        step = step_node.step
+        step.persisted_version = 0
+        step.store_lost = True
+        for _rel, node in tree_walk.files_under(step_node):
+            if node.remote is not None and node.remote.in_store:  # not to be copied from there
+                node.remote = RemoteFile(node.remote.step_path, node.remote.entry, False)
+
     def write_persist_mark(self, step_node: Node, version: int) -> None:
         records = self.tree.records
         records.write_persist_mark(self.tree.records_path(step_node), version, "persisted")
 
-    def set_retired(self, step_node: Node, version: int) -> None:
-        """Retention removed this version from the persistent tier: never upload it again."""
-        self.tree.records.write_persist_mark(self.tree.records_path(step_node), version, "retired")
+    def set_persisted_unrecorded(self, step_node: Node, version: int) -> None:
+        """The store holds this version, but its mark could not be written (the RAM dir's
+        file system full): it counts as persisted, and nothing of it leaves RAM for the store
+        until the mark is written (`StepState.persisted_on_record`)."""
+        self.set_persisted(step_node, version, recorded=True)
+        step_node.step.persist_mark_owed = True
+
+    def set_retired(self, step_node: Node, version: int, *, write_mark: bool = True) -> None:
+        """Retention removed this version from the persistent tier: never upload it again
+        (recorded on disk first, unless not `write_mark`: the RAM dir had no room for it, and
+        a restart may upload it again, which retention then removes again)."""
+        if write_mark:
+            self.tree.records.write_persist_mark(self.tree.records_path(step_node), version,
+                                                 "retired")
+        step_node.step.persist_mark_owed = False
         step_node.step.persisted_version = 0
         step_node.step.retired_version = version
 

@@ -332,10 +332,16 @@ class Verifier:
                 state = await self._reupload(step_node, manifest, entry, state)
             self._tally(tier, state, entry.name)
             self._advance(entry.size)
+        lacking = [e.name for e in manifest.files if e.name not in tier.held_good]
+        if lacking and repair and self._current(step_node, manifest):
+            # Not in the store whole, and not to be made so from here: it is not persisted.
+            self.residency.store_lacks(step_node, lacking, "by tierfs verify")
         try:
             stored = await self.persist.manifest(manifest.path, manifest.single_file)
             same = stored is not None and _same_manifest(stored, manifest)
-            if not same and repair:
+            # Never a manifest whose files the store lacks: it would list a step that cannot
+            # be read, on this node and on every fresh one.
+            if not same and repair and not lacking:
                 await self.persist.write_manifest(manifest.path, mf.encode(manifest),
                                                   manifest.single_file)
                 tier.repaired.append(mf.MANIFEST_NAME)
@@ -453,8 +459,12 @@ class Verifier:
             described = (f"{step.manifest.path}/{entry.name} in this node's RAM has xxh3 "
                          f"{digest.xxh3} ({digest.size} bytes), manifest says {entry.xxh3} "
                          f"({entry.size} bytes)")
-            if act == REPORT:  # stays unverified: an open still checks it before a read
-                log.error("checksum mismatch: %s: reported only, nothing changed", described)
+            if act == REPORT:
+                # Unverified again (if it was not: the scan at start passed it), so that its
+                # next open hashes it and takes it out of service: never served again.
+                self.unverified.add(ino)
+                log.error("checksum mismatch: %s: reported only, nothing changed now; its next "
+                          "open takes it out of service", described)
                 return BAD
             self.unverified.discard(ino)
             key = (step.manifest.path, step.manifest.version, entry.name)

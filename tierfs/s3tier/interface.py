@@ -141,6 +141,16 @@ class Backend(ABC):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with `prefix`."""
 
+    def size(self, key: str) -> int | None:
+        """The size of the object `key` now (S3 HEAD), None if there is none."""
+        return next((o.size for o in self.list(key) if o.key == key), None)
+
+    def remove_leftovers(self) -> int:
+        """At start: remove what uploads cut short left in the store that its listing does
+        not show (a file:// store's temporary objects); the number removed. S3 has nothing
+        of the kind: a multipart upload given up is aborted by the uploader."""
+        return 0
+
     @abstractmethod
     def delete(self, keys: list[str]) -> None:
         """Delete these objects; missing ones are not an error."""

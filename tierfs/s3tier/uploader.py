@@ -25,9 +25,11 @@ has meanwhile, so a fresh node never reads a tracker that points past the store.
 
 Bytes the store holds already never travel again: a file whose object is there with the same
 content (a version that changed only modes, owners or mtimes) is not sent, and then the old
-manifest is simply replaced; a file renamed under the mount whose old name the store still holds
-(`copy_sources`, from `fs.deletes`) is copied inside the store (`Backend.copy`), after the old
-name's manifest, read under that name's lock, says the object holds those bytes.
+manifest is simply replaced (whether the object is there is seen in a listing of the step at
+that moment: the stored manifest says what was sent, not what the store still holds); a file
+renamed under the mount whose old name the store still holds (`copy_sources`, from
+`fs.deletes`) is copied inside the store (`Backend.copy`), after the old name's manifest, read
+under that name's lock, says the object holds those bytes.
 
 A deleted step is removed the same way round (`delete_step`: manifest first, then data), never
 at the same time as an upload of the same path, so that a late upload cannot bring it back.
@@ -47,7 +49,7 @@ from tierfs import layout, reserved
 from tierfs import manifest as mf
 from tierfs.fs import links as symlinks
 from tierfs.observe import Events
-from tierfs.s3tier import packs, segments
+from tierfs.s3tier import holdings, packs, segments
 from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, ObjectInfo
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
@@ -176,7 +178,17 @@ class Uploader:
     async def run(self) -> None:
         async with trio.open_nursery() as retries:
             self._retries = retries
+            retries.start_soon(self._remove_leftovers)
             await self.queue.serve(self._upload_or_retry)
+
+    async def _remove_leftovers(self) -> None:
+        """What uploads cut short before this start left in the store goes (in the
+        background: a file:// store is walked)."""
+        try:
+            await trio.to_thread.run_sync(self.backend.remove_leftovers, limiter=self._threads)
+        except BackendError as exc:
+            log.warning("could not look for what uploads cut short left in %s: %s",
+                        self.backend.url, exc)
 
     async def _upload_or_retry(self, manifest: mf.StepManifest) -> None:
         self._uploading = manifest.path
@@ -258,6 +270,13 @@ class Uploader:
         data_dir = layout.data_dir(prefix, manifest.single_file)
         stored = await self._call(f"read of {manifest_key}", manifest, self._stored_entries,
                                   prefix, manifest.single_file)
+        if any(_held(stored.get(entry.name)) == _held(entry) for entry in manifest.files):
+            # A file the stored manifest names as it is goes up only if its objects are not
+            # there now: the manifest says what was sent, not what the store still holds.
+            held = await self._call(f"listing of {prefix}", manifest, holdings.held_now,
+                                    self.backend, manifest)
+            stored = {name: entry for name, entry in stored.items() if name in held.files
+                      or _held(entry) != _held(manifest.entry(name))}
         changed = [entry for entry in manifest.files
                    if _held(stored.get(entry.name)) != _held(entry)]
         # A loose file appended since the stored version: only the new segments go, and the

@@ -30,6 +30,7 @@ from tierfs.mount_helper.daemon.commit_pipeline import (
     make_uploader,
     retry_pending_commits,
     store_links,
+    upload_again,
     verify_then_send,
 )
 from tierfs.mount_helper.daemon.control_api import ControlApi
@@ -126,7 +127,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           replicas=cfg.replicas, events=events,
                           commit_timeout=cfg.commit_timeout, append_every=cfg.append_every,
                           copies_wait=links.wait_for_copies if links and cfg.sync_replicas
-                          else None)
+                          else None, store_check=persist)
     verifier = namespace.verifier
     verifier.collect_unverified()
     store_used = trio.Event()  # this node persisted a step, or found the store holding some
@@ -170,6 +171,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             nursery.start_soon(run_full_collections)
             if uploader is not None:
                 nursery.start_soon(uploader.run)
+                nursery.start_soon(upload_again, namespace, uploader)
                 if cluster is not None:
                     nursery.start_soon(cluster.record_store_use, uploader.backend.url,
                                        store_used)

@@ -32,10 +32,12 @@ COPIES_FIRST = 10.0  # seconds at most that an upload waits for the peer copies 
 
 
 async def retry_pending_commits(namespace: Namespace) -> None:
-    """Commits that wait for other nodes' shards, or failed (a full RAM dir), try again."""
+    """Commits that wait for other nodes' shards, or failed (a full RAM dir), try again; so
+    do the persisted marks a full RAM dir had no room for."""
     while True:
         await trio.sleep(PENDING_RETRY)
         await namespace.commits.retry_pending_commits()
+        namespace.tiers.write_owed_marks()
 
 
 def delete_targets(cfg: MountConfig, peers: list[str] | None = None) -> list[str]:
@@ -79,6 +81,13 @@ async def verify_then_send(namespace: Namespace, uploader: Uploader | None,
     if replicator is not None:
         for manifest in namespace.tiers.held_manifests():
             replicator.submit(manifest)  # copies due since before a restart
+
+
+async def upload_again(namespace: Namespace, uploader: Uploader) -> None:
+    """Steps the store was found to lack, though they had reached it (a bucket deleted and
+    made again, a prefix emptied: `Residency.store_lacks`), go up again from RAM."""
+    async for manifest in namespace.residency.lost_from_store:
+        uploader.submit(manifest)
 
 
 async def store_links(tree: Tree, view: TreeView, uploader: Uploader) -> None:
