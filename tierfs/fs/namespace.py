@@ -49,6 +49,7 @@ from tierfs.fs.ports import (
     ReadGate,
     ReadSource,
     SealedCollector,
+    ShardsOnPeers,
 )
 from tierfs.fs.quiet_commits import QuietCommits, QuietWatch
 from tierfs.fs.ram_store import RamStore
@@ -90,7 +91,8 @@ class Namespace:
                  peers: PeerCopies | None = None, keep_ram: int = 3,
                  replicas: int = 0, events: Events | None = None,
                  commit_timeout: float = SAVER_WAIT, append_every: float = 0.0,
-                 copies_wait: CopiesWait | None = None) -> None:
+                 copies_wait: CopiesWait | None = None,
+                 shards: ShardsOnPeers | None = None) -> None:
         self.tree = tree = core.tree
         self.view = core.view
         self.events = events or Events()
@@ -102,7 +104,8 @@ class Namespace:
                                    keep_ram=keep_ram, replicas=replicas,
                                    liveness=core.liveness,
                                    records=sealed)
-        self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)
+        self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed,
+                                shards)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
                                saver_wait=commit_timeout, copies_wait=copies_wait)
         self.quiet = QuietCommits(tree, core.watch, self.commits)

@@ -126,7 +126,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           replicas=cfg.replicas, events=events,
                           commit_timeout=cfg.commit_timeout, append_every=cfg.append_every,
                           copies_wait=links.wait_for_copies if links and cfg.sync_replicas
-                          else None)
+                          else None, shards=links.files if links else None)
     verifier = namespace.verifier
     verifier.collect_unverified()
     store_used = trio.Event()  # this node persisted a step, or found the store holding some

@@ -34,6 +34,7 @@ from tierfs.replication.peers import tls as peer_tls
 from tierfs.replication.peers.channel import SENT_TO
 from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.replication.peers.peer_delete import PeerDelete, delete_handler
+from tierfs.replication.peers.peer_files import PeerFiles, files_handler
 from tierfs.replication.peers.peer_manifest import ManifestFetcher, ManifestServer
 from tierfs.replication.peers.peer_reader import PeerReader, RangeServer
 from tierfs.replication.peers.peer_verify import PeerVerify, verify_handler
@@ -83,6 +84,7 @@ class ClusterLinks:
         self.reader = PeerReader(self.directory, view.holders_of, self._file_holders)
         self.verify = PeerVerify(self.directory, self.sealed.placements)
         self.delete = PeerDelete(self.directory)
+        self.files = PeerFiles(self.directory)  # shards whose records a commit lacks
         self.store_record = StoreRecord(self.etcd, cfg.cluster)
         self.node_id = cfg.node_id
         self.replicas = cfg.replicas
@@ -169,6 +171,7 @@ class ClusterNode:
             "MANIFEST": self.manifests.on_manifest,
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
+            "FILES": files_handler(self.namespace.view.files_written),
         }
 
     def peer_server(self) -> PeerServer:
