@@ -34,6 +34,7 @@ from tierfs.fs.residency import Residency
 from tierfs.fs.step_versions import StepVersions
 from tierfs.fs.tree import Tree
 from tierfs.fs.tree_view import TreeView
+from tierfs.shared_uploads import PERSISTED, RETIRED
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +102,31 @@ class OtherTiers:
         return node is not None and node.step.manifest is manifest
 
     def committed_manifests(self) -> list[mf.StepManifest]:
-        """Committed steps in RAM (or renamed, with files the store holds under their old
-        names) whose version has not reached the persistent tier."""
+        """Committed steps whose version has not reached the persistent tier and that this
+        node uploads: those made here with every file in RAM (or renamed, with files the
+        store holds under their old names); in a cluster, whose uploads are shared
+        (`tierfs.shared_uploads`), every step made here and every one with a file in RAM
+        here, whoever made it."""
         found = []
         for node in self.tree.steps():
             step = node.step
-            if step.committed and not step.persisted and \
-                    (step.in_ram or self.view.in_ram_or_store(node)) and \
-                    step.manifest.node_id == self.node_id and \
-                    step.retired_version != step.manifest.version:
+            if not step.committed or step.persisted or \
+                    step.retired_version == step.manifest.version:
+                continue
+            made_here = step.manifest.node_id == self.node_id
+            if (made_here and (step.in_ram or self.view.in_ram_or_store(node))) or (
+                    self.sealed is not None and (made_here or step.resident)):
                 found.append(step.manifest)
         return sorted(found, key=lambda m: (m.step, m.path))
+
+    def not_in_store(self) -> list[mf.StepManifest]:
+        """Every committed step listed here whose version the persistent tier does not hold
+        (nor retired from it): in a cluster, what `tierfs flush` on any node waits for,
+        whichever nodes upload it."""
+        return sorted((n.step.manifest for n in self.tree.steps()
+                       if n.step.committed and not n.step.persisted
+                       and n.step.retired_version != n.step.manifest.version),
+                      key=lambda m: (m.step, m.path))
 
     def mark_persisted(self, manifest: mf.StepManifest) -> None:
         node = self.tree.find_step(manifest.path)
@@ -165,6 +180,25 @@ class OtherTiers:
         """Whether the persistent tier holds the step's committed version."""
         node = self.tree.find_step(relpath)
         return node is not None and node.step.persisted
+
+    def store_state(self, relpath: str, version: int, state: str) -> None:
+        """The cluster's records say what the persistent tier holds of the step's `version`
+        (whichever node wrote it there): PERSISTED, or RETIRED by --keep-persist."""
+        node = self.tree.find_step(relpath)
+        if node is None or not node.step.committed or node.step.manifest.version != version:
+            return
+        if state == PERSISTED and not node.step.persisted:
+            try:
+                self.versions.set_persisted(node, version)
+            except OSError as exc:  # no room for its mark (a full /dev/shm): shown as not
+                log.warning("%s v%d is in the persistent tier, but this node could not "
+                            "record it: %s", relpath, version, exc.strerror or exc)
+                return
+            log.info("%s v%d is in the persistent tier (the cluster's records say so)",
+                     relpath, version)
+            self.residency.enforce_keep_ram()
+        elif state == RETIRED and node.step.retired_version != version:
+            self.mark_retired(relpath)
 
     def mark_retired(self, relpath: str) -> None:
         """Retention removed the step from the persistent tier: never upload it again."""
