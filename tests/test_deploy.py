@@ -71,12 +71,14 @@ def test_systemd_unit_orders_mount_before_training_and_flushes_on_stop(
     assert start[:3] == [INSTALLED, "mount", "/checkpoints"] and "--foreground" in start
     assert "--allow-other" in start
     _parses(start[1:])
-    stops = [shlex.split(line.lstrip("-")) for line in _exec_lines("tierfs.service", "ExecStop")]
-    assert stops[0][1:3] == ["flush", "/checkpoints"] and "--timeout" in stops[0]
-    assert stops[-1][1:3] == ["umount", "/checkpoints"]
-    for stop in stops:
-        _parses(stop[1:])
-    flush_timeout = float(stops[0][stops[0].index("--timeout") + 1])
+    # one command: the quiet steps commit, the flush (bounded), then the unmount whatever
+    # the flush left (a flush before a separate umount left the last step uncommitted)
+    (stop,) = [shlex.split(line.lstrip("-")) for line in _exec_lines("tierfs.service",
+                                                                      "ExecStop")]
+    assert stop[1:3] == ["umount", "/checkpoints"]
+    assert {"--flush", "--timeout", "--force"} <= set(stop)
+    _parses(stop[1:])
+    flush_timeout = float(stop[stop.index("--timeout") + 1])
     assert int(unit["Service"]["TimeoutStopSec"]) > flush_timeout
     training = _unit("training.service")
     assert "tierfs.service" in training["Unit"]["After"]
@@ -130,7 +132,8 @@ def test_daemonset_has_what_a_fuse_daemon_needs() -> None:
     token_volume = volumes[token_mount["name"]]["secret"]
     assert token_volume["secretName"] == "tierfs" and token_volume["defaultMode"] & 0o077 == 0
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert pre_stop[:3] == ["tierfs", "flush", "/checkpoints"]
+    assert pre_stop[:3] == ["tierfs", "umount", "/checkpoints"]
+    assert {"--flush", "--timeout", "--force"} <= set(pre_stop)
     _parses(pre_stop[1:])
     flush_timeout = float(pre_stop[pre_stop.index("--timeout") + 1])
     assert pod["terminationGracePeriodSeconds"] > flush_timeout
@@ -156,3 +159,16 @@ def test_slurm_scripts_are_valid_shell(script: str) -> None:
     done = subprocess.run(["sh", "-n", str(path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert path.stat().st_mode & 0o111
+
+
+def test_slurm_epilog_commits_flushes_and_unmounts_in_one_command() -> None:
+    """After the job its last steps commit first (`umount` settles them), then the bounded
+    flush, then the unmount: a `flush` before a separate `umount` left the last step
+    uncommitted, so in no store."""
+    lines = [line.strip() for line in (DEPLOY / "slurm/epilog.sh").read_text().splitlines()
+             if line.strip().startswith('"$TIERFS"')]
+    assert len(lines) == 1, lines
+    argv = shlex.split(lines[0])[1:]
+    assert argv[:2] == ["umount", "/checkpoints"]
+    assert {"--flush", "--timeout", "--force"} <= set(argv)
+    _parses(argv)

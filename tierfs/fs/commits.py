@@ -126,8 +126,9 @@ class Commits:
             with trio.move_on_after(patience) as attempt:
                 manifest, old = await self._commit_locked(step_node, step, wait_for_writers,
                                                           waiting, deadline, hashes_later)
-        except CoordinationUnavailable:
-            self.tree.manifests.leave_pending(step, "etcd (the cluster's records of its files)")
+        except CoordinationUnavailable as exc:
+            self.tree.manifests.leave_pending(
+                step, f"etcd (the cluster's records of its files): {exc}")
             raise
         except (OSError, RamFull) as exc:
             # Retried (retry_pending_commits) until it succeeds; `status` shows why it waits.

@@ -49,6 +49,7 @@ from tierfs.fs.ports import (
     ReadGate,
     ReadSource,
     SealedCollector,
+    ShardsOnPeers,
     StoreCheck,
 )
 from tierfs.fs.quiet_commits import QuietCommits, QuietWatch
@@ -92,7 +93,8 @@ class Namespace:
                  replicas: int = 0, events: Events | None = None,
                  commit_timeout: float = SAVER_WAIT, append_every: float = 0.0,
                  copies_wait: CopiesWait | None = None,
-                 store_check: StoreCheck | None = None) -> None:
+                 store_check: StoreCheck | None = None,
+                 shards: ShardsOnPeers | None = None) -> None:
         self.tree = tree = core.tree
         self.view = core.view
         self.events = events or Events()
@@ -104,7 +106,8 @@ class Namespace:
                                    keep_ram=keep_ram, replicas=replicas,
                                    liveness=core.liveness,
                                    records=sealed, store_check=store_check)
-        self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)
+        self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed,
+                                shards)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
                                saver_wait=commit_timeout, copies_wait=copies_wait)
         self.quiet = QuietCommits(tree, core.watch, self.commits)

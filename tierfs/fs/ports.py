@@ -10,6 +10,7 @@ Outward (implemented outside `fs`):
 * `ReadSource`: a tier that serves ranges of committed files (peers, the persistent tier);
   defined beside `Fetch`, which uses it, and re-exported here.
 * `SealedCollector`: the cluster's records of which node holds which file of a step.
+* `ShardsOnPeers`: which other nodes have files of a step being written (their records late).
 * `PeerCopies`, `PersistCopies`: the tiers `tierfs verify` checks and repairs.
 * `StoreCheck`: what the persistent tier holds of a step now, asked before the last copy of
   a file leaves RAM on the strength of the store.
@@ -38,6 +39,7 @@ Inward (implemented inside `fs`, injected so that the core imports no collaborat
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from tierfs import manifest as mf
@@ -45,9 +47,10 @@ from tierfs.fs.fetch import ReadSource
 from tierfs.fs.nodes import Node
 from tierfs.fs.tier_errors import ObjectMissing, TierError
 
-__all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "Liveness",
-           "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate", "ReadSource",
-           "SealedCollector", "Spawner", "StepWatch", "StoreCheck", "TierError"]
+__all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "FilesOnPeers",
+           "Liveness", "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate",
+           "ReadSource", "SealedCollector", "ShardsOnPeers", "Spawner", "StepWatch",
+           "StoreCheck", "TierError"]
 
 
 class CommitSink(Protocol):
@@ -100,6 +103,24 @@ class SealedCollector(Protocol):
         """Which node wrote each file of this committed version, from its records (None if
         they cannot be read)."""
         ...
+
+
+@dataclass
+class FilesOnPeers:
+    """What the other nodes said of files of a step: `held`, name -> a node that has it;
+    `unanswered`, the nodes that could not say (down, unreachable, too slow): they may have
+    any of them."""
+
+    held: dict[str, str]
+    unanswered: set[str]
+
+
+class ShardsOnPeers(Protocol):
+    """Asks every other node which of these files of a step it has in its tree (written
+    there, recorded in etcd or not), by `deadline` (trio time); never raises (a node that
+    cannot answer is in `unanswered`)."""
+
+    async def ask(self, step_path: str, names: set[str], deadline: float) -> FilesOnPeers: ...
 
 
 class CopiesWait(Protocol):

@@ -270,6 +270,12 @@ def due_in_store(status: dict[str, Any]) -> list[Step]:
     return [s for s in status["steps"] if s.get("persist_wait")]
 
 
+def blocked_in_store(status: dict[str, Any]) -> list[Step]:
+    """Steps due in the store that can never get there whole as things are (a file on no
+    live node and not in the store): a flush waiting for them waits for nothing."""
+    return [s for s in due_in_store(status) if s["persist_wait"].get("blocked")]
+
+
 def ram_only_committed(status: dict[str, Any]) -> list[Step]:
     """Committed steps due in the store that no other tier holds: not in the store, and no
     peer holds a copy of every file (in a cluster, a step held by peers too is safe there)."""
@@ -307,7 +313,7 @@ def uncommitted(status: dict[str, Any]) -> str | None:
         return None
     named = [s["path"] + (f" (waits for {s['waiting_for']})" if s.get("waiting_for") else "")
              for s in writing]
-    return (f"{len(writing)} steps are not committed, so only in this node's RAM: "
+    return (f"{_count(writing, 'step')} not committed, so in no tier but this node's RAM: "
             f"{some_names(named)}")
 
 

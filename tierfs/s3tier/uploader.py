@@ -33,6 +33,13 @@ under that name's lock, says the object holds those bytes.
 
 A deleted step is removed the same way round (`delete_step`: manifest first, then data), never
 at the same time as an upload of the same path, so that a late upload cannot bring it back.
+
+In a cluster (`shares`, `tierfs.shared_uploads`) a step's upload is shared: this node sends the
+files its plan gives it (those it wrote, or holds for a writer that is gone), deleting the old
+manifest first as above, and marks them stored in the cluster's records; the node that writes
+the manifest waits (without holding up the queue) until every other file is marked, then
+writes it and records the version as persisted, which every node then shows. Whoever
+uploads, the manifest goes last, after every file of the version is in the store.
 """
 
 from __future__ import annotations
@@ -53,12 +60,22 @@ from tierfs.s3tier import holdings, packs, segments
 from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, ObjectInfo
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
+from tierfs.shared_uploads import (
+    PERSISTED,
+    RETIRED,
+    SharedUploads,
+    SharesUnavailable,
+    UploadPlan,
+)
 from tierfs.step_queue import StepQueue
 from tierfs.trackers import TrackedStep
 
 log = logging.getLogger(__name__)
 
 PARALLEL_REQUESTS = 4
+# Seconds the manifest's writer of a shared upload follows the records for the other nodes'
+# files before it plans again (a sender may have gone meanwhile)
+STORED_WAIT = 30.0
 
 
 @dataclass
@@ -91,6 +108,7 @@ class Uploader:
         copy_sources: Callable[[str], list[tuple[str, str]]] = lambda _key: [],
         single_writer: Callable[[mf.StepManifest], bool] = lambda _m: True,
         events: Events | None = None,
+        shares: SharedUploads | None = None,
     ) -> None:
         self.backend = backend
         self._events = events or Events()
@@ -116,6 +134,9 @@ class Uploader:
         self.troubles: dict[str, UploadTrouble] = {}
         self._uploading: str | None = None
         self._retries: trio.Nursery | None = None  # steps waiting to be tried again
+        self._shares = shares  # in a cluster: each node uploads its share of a step
+        # (path, version) of shared uploads waiting for other nodes' files (`_await_others`)
+        self._awaiting: set[tuple[str, int]] = set()
 
     def _lock(self, path: str) -> trio.Lock:
         return self._path_locks.setdefault(path, trio.Lock())
@@ -219,7 +240,7 @@ class Uploader:
         trouble.step_failures += 1
         # (the predicate sees the groups too: a group is not in itself unforeseen)
         unforeseen = failures.subgroup(
-            lambda e: not isinstance(e, (BackendError, BaseExceptionGroup)))
+            lambda e: not isinstance(e, (BackendError, SharesUnavailable, BaseExceptionGroup)))
         delay = POLICY.delay(trouble.step_failures)
         log.log(POLICY.level(trouble.step_failures),
                 "upload of %s v%d failed (attempt %d), retrying in %.1f s: %s", manifest.path,
@@ -265,6 +286,9 @@ class Uploader:
         if self._holds_back(manifest):
             return
         started = time.monotonic()
+        plan = await self._plan(manifest)
+        if plan is None:
+            return  # not the cluster's committed version: a newer one follows
         prefix = manifest.path
         manifest_key = layout.manifest_key(prefix, manifest.single_file)
         data_dir = layout.data_dir(prefix, manifest.single_file)
@@ -277,8 +301,8 @@ class Uploader:
                                     self.backend, manifest)
             stored = {name: entry for name, entry in stored.items() if name in held.files
                       or _held(entry) != _held(manifest.entry(name))}
-        changed = [entry for entry in manifest.files
-                   if _held(stored.get(entry.name)) != _held(entry)]
+        changed = [entry for entry in manifest.files if entry.name in plan.mine
+                   and _held(stored.get(entry.name)) != _held(entry)]
         # A loose file appended since the stored version: only the new segments go, and the
         # stored version stays listed until the new manifest replaces it (fs.appends).
         start = await self._appended_from(manifest, stored) if changed else 0
@@ -292,6 +316,8 @@ class Uploader:
                                    start)
         if not self._is_current(manifest):  # deleted or re-saved meanwhile: never list it
             raise NoLongerWanted(prefix)
+        if not await self._others_stored(manifest, plan, started):
+            return
         if manifest.single_file and changed and (
                 changed[0].segments or any(e.segments for e in stored.values())):
             await self._call(f"removing old segments of {prefix}", manifest,
@@ -305,12 +331,70 @@ class Uploader:
         self.manifest_bytes_sent += len(encoded)
         await self._call(f"removing old files of {prefix}", manifest, self._remove_stale,
                          manifest, kept_packs)
+        if self._shares is not None:
+            await self._shares.note_store(manifest.path, manifest.version, PERSISTED)
         self._clear_trouble(manifest)
         self._events.persisted(manifest, self.backend.url, time.monotonic() - started)
         self._on_persisted(manifest)
         self._release_held()
         if self.keep_persist:
             await self._apply_retention(prefix.rpartition("/")[0])
+
+    async def _plan(self, manifest: mf.StepManifest) -> UploadPlan | None:
+        """This node's share of the upload: on a single node, everything."""
+        if self._shares is None:
+            return UploadPlan(frozenset(e.name for e in manifest.files), frozenset(),
+                              writes_manifest=True)
+        return await self._shares.plan(manifest)
+
+    async def _others_stored(self, manifest: mf.StepManifest, plan: UploadPlan,
+                             started: float) -> bool:
+        """After this node sent its share of a shared upload: whether the manifest goes up
+        now (every other file is stored and this node writes it). Otherwise its files are
+        marked stored for the writer, and the writer waits for the others' files
+        (`_await_others`)."""
+        if self._shares is None:
+            return True
+        missing = set(plan.others)
+        if plan.writes_manifest and not missing:
+            return True  # every file went up from here, or was marked already
+        if plan.mine:
+            await self._shares.mark_stored(manifest, set(plan.mine))
+            log.info("%s v%d: %d files sent to %s in %.1f s, for %s to write its manifest",
+                     manifest.path, manifest.version, len(plan.mine), self.backend.url,
+                     time.monotonic() - started,
+                     "this node" if plan.writes_manifest else "another node")
+        if not plan.writes_manifest:
+            self._clear_trouble(manifest)
+            return False
+        senders = sorted({node or "no live node" for node in plan.others.values()})
+        self._note_waiting(manifest, f"waits for {len(missing)} files from "
+                                     f"{', '.join(senders)}")
+        key = (manifest.path, manifest.version)
+        if key not in self._awaiting:
+            self._awaiting.add(key)
+            assert self._retries is not None, "uploads run under run()"
+            self._retries.start_soon(self._await_others, manifest, missing)
+        return False
+
+    async def _await_others(self, manifest: mf.StepManifest, names: set[str]) -> None:
+        """Until the other nodes' files of a shared upload are stored (or STORED_WAIT passed:
+        a sender may have gone, the plan is made again), then the step is queued again."""
+        assert self._shares is not None
+        try:
+            await self._shares.wait_stored(manifest, names, trio.current_time() + STORED_WAIT)
+        finally:
+            self._awaiting.discard((manifest.path, manifest.version))
+        if self._is_current(manifest):
+            self.queue.put(manifest)
+
+    def _note_waiting(self, manifest: mf.StepManifest, reason: str) -> None:
+        """Why the version is not in the store yet, where no request failed."""
+        trouble = self.troubles.get(manifest.path)
+        if trouble is None or trouble.version != manifest.version:
+            trouble = UploadTrouble(manifest.version, reason, time.time_ns())
+            self.troubles[manifest.path] = trouble
+        trouble.reason = reason
 
     async def _appended_from(self, manifest: mf.StepManifest,
                              stored: dict[str, mf.FileEntry]) -> int:
@@ -545,7 +629,9 @@ class Uploader:
 
     async def stored_manifests(self, objects: list[ObjectInfo]) -> list[mf.StepManifest]:
         """Every complete step among the store's `objects`; leftovers of interrupted uploads
-        are removed."""
+        are removed (not in a cluster: there, other nodes may be sending their shares of a
+        step whose manifest is not up yet; a retried upload replaces such objects, and the
+        manifest's writer removes those its version does not name)."""
         manifests, step_dirs = [], {}
         for obj in objects:
             head, _, name = obj.key.rpartition("/")
@@ -564,7 +650,7 @@ class Uploader:
             if step_dir is not None:
                 step_dirs.setdefault(step_dir, []).append(obj.key)
         complete = {m.path for m in manifests}
-        for step_dir, keys in step_dirs.items():
+        for step_dir, keys in step_dirs.items() if self._shares is None else ():
             if step_dir not in complete and step_dir not in self.queue.pending:
                 log.info("removing %d objects of the incomplete upload %s", len(keys), step_dir)
                 await trio.to_thread.run_sync(self.backend.delete, keys)
@@ -610,6 +696,12 @@ class Uploader:
         log.info("retention removed %s from %s (%d objects)", path, self.backend.url,
                  len(objects))
         self._on_retired(path)
+        if self._shares is not None:
+            try:
+                await self._shares.note_store(path, None, RETIRED)
+            except SharesUnavailable as exc:
+                log.warning("the other nodes do not know yet that %s left %s: %s", path,
+                            self.backend.url, exc)
 
 
 def _held(entry: mf.FileEntry | None) -> tuple[int, str, tuple[int, ...]] | None:

@@ -68,6 +68,10 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # MANIFEST_PART (a chunk of it, `total` its whole length) or ERROR (not committed here)
     "MANIFEST": {"path": str, "version": int, "offset": int},
     "MANIFEST_PART": {"total": int},
+    # which of these files of a step being written are in your tree (written there, sealed or
+    # not, recorded in etcd or not): answered by HAVE naming them (`peers.peer_files`)
+    "FILES": {"path": str, "names": list},
+    "HAVE": {"names": list},
     "DATA": {},
     "OK": {},
     "ERROR": {"message": str},
@@ -75,7 +79,8 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
 PATH_FIELDS = ("path", "name")
 NAME_LISTS = ("names",)  # lists of paths inside a step, each checked as a path field
 MAX_AVOID = 16  # relays a SWARM_GET names as failed
-MAX_NAMES = 1000  # names per HOLD or HELD: with paths of at most 4 KiB, under MAX_HEADER
+# names per HOLD, HELD, FILES or HAVE: with paths of at most 4 KiB, under MAX_HEADER
+MAX_NAMES = 1000
 
 PAYLOAD_TYPES = {"PUT", "DATA", "MANIFEST_PART"}
 
