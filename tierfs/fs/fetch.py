@@ -9,7 +9,7 @@ moves the tensor's blocks, not the file. Once every unit is in and the whole fil
 xxh3-128, the partial file becomes the file's committed object again. A mismatch anywhere is an
 error and a log line, never data: no byte is served that its block's or chunk's check did not
 pass, and the file is not adopted unless the whole passes too. A fetched range is checked,
-written into the partial file and fed to the xxh3-128 (`_WholeHash`) in one worker thread's
+written into the partial file and fed to the xxh3-128 (`tierfs.whole_hash`) in one worker thread's
 call (`Fetch._check_and_write`; a range of blocks a block at a time), and its units are marked
 present only once it matched (bytes written before a failed check stay in units no reader is
 given); only units stored ahead of the ones before them are read again for the whole-file
@@ -32,10 +32,9 @@ import contextlib
 import errno
 import logging
 import os
-import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 import xxhash
@@ -44,7 +43,7 @@ from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.fs.ram_store import RamFull, RamStore, write_all
 from tierfs.fs.tier_errors import TierError
-from tierfs.thread_buffers import ThreadBuffer
+from tierfs.whole_hash import WholeHash
 
 log = logging.getLogger(__name__)
 
@@ -94,75 +93,6 @@ class _Buffers:
 
 
 _BUFFERS = _Buffers(keep=WHOLE_IN_FLIGHT)
-
-
-_READ_BACK = ThreadBuffer(STORE_SLICE)  # units read back for the whole-file hash
-
-
-class _WholeHash:
-    """The file's xxh3-128 over its units (chunks or blocks) in file order, fed as units are
-    stored (in worker threads, in any order). A range that is next in order is fed as it is
-    checked and stored, slice by slice from the CPU's cache (`claim`, `feed`); one stored
-    ahead of the order is read back from the file once the units before it are in, a slice at
-    a time into a buffer the thread keeps (in cache, and no new buffer for every unit)."""
-
-    def __init__(self, size: int, unit: int) -> None:
-        self._hasher = xxhash.xxh3_128()
-        self._size = size
-        self._unit = unit
-        self._count = -(-size // unit)
-        self._next = 0  # the first unit not hashed yet
-        self._ahead: set[int] = set()  # stored, not hashed yet
-        self._lock = threading.Lock()
-        self._claimed = False  # a range that is next in order is being fed
-        self._before: Any = None  # the hash before that range: a range that fails its check
-
-    def claim(self, first: int) -> bool:
-        """Whether the caller, about to store units from `first` on, may `feed` them as it
-        goes: `first` is next in order and no other range is being fed."""
-        with self._lock:
-            if self._claimed or first != self._next:
-                return False
-            self._claimed = True
-            self._before = self._hasher.copy()
-            return True
-
-    def feed(self, piece: bytes | memoryview) -> None:
-        """The next bytes of the claimed range (its claimer only, in order)."""
-        self._hasher.update(piece)
-
-    def stored(self, fd: int, span: range, good: bool, claimed: bool) -> None:
-        """Units `span` of the file `fd` were checked (`good`: they matched and are stored);
-        `claimed`: they were fed as they went, and are taken back if they did not match
-        (blocking: a worker thread's)."""
-        with self._lock:
-            if claimed:
-                self._claimed = False
-                if good:
-                    self._next = span.stop
-                else:
-                    self._hasher = self._before
-                self._before = None
-            elif good:
-                self._ahead.update(span)
-            if self._claimed:
-                return  # its claimer reads the units stored ahead once it is done
-            while self._next in self._ahead:
-                self._ahead.discard(self._next)
-                offset = self._next * self._unit
-                length = min(self._unit, self._size - offset)
-                # a slice at a time, into a buffer that stays in cache
-                for piece in _READ_BACK.read(fd, offset, offset + length):
-                    self._hasher.update(piece)
-                    length -= len(piece)
-                if length:
-                    raise OSError(errno.EIO, "a stored unit is shorter than it was")
-                self._next += 1
-
-    def digest(self) -> str | None:
-        """The whole file's xxh3-128, once every unit is in; None before."""
-        with self._lock:
-            return self._hasher.hexdigest() if self._next == self._count else None
 
 
 class ReadSource(Protocol):
@@ -297,7 +227,7 @@ class Fetch:
                                  f"{PART_PREFIX}{remote.entry.xxh3}-{id(self):x}".encode())
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.backing_ino = os.fstat(self.fd).st_ino
-        self._whole = _WholeHash(size, self._unit)
+        self._whole = WholeHash(size, self._unit)
 
     @property
     def complete(self) -> bool:

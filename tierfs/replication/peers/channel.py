@@ -161,7 +161,7 @@ class PeerChannel:
     async def send_file(self, kind: str, fd: int, offset: int, length: int, /,
                         **fields: Any) -> None:
         """A message whose payload is `length` bytes of the file `fd` from `offset`, sent by a
-        worker thread (`_Blocking.send_file`). The message's own fields (which may include an
+        worker thread (`BlockingChannel.send_file`). The message's own fields (which may include an
         `offset` too) are the keyword arguments."""
         await self.in_thread(lambda io: io.send_file(kind, fd, offset, length, **fields))
 
@@ -188,10 +188,10 @@ class PeerChannel:
 
     async def in_thread(self, function: Callable[..., T], *args: Any) -> T:
         """`function(io, *args)` in a worker thread, `io` this channel's blocking face
-        (`_Blocking`): each of its waits on the peer gives up after the channel's timeout (or
+        (`BlockingChannel`): each of its waits on the peer gives up after the channel's timeout (or
         at the trio deadline in force), and a cancellation of the calling task is noticed
         while it waits. The channel is broken by any error, as on trio."""
-        io = _Blocking(self, self._expires(math.inf))
+        io = BlockingChannel(self, self._expires(math.inf))
         try:
             with _connection_errors():
                 return await trio.to_thread.run_sync(function, io, *args)
@@ -273,7 +273,7 @@ class PeerChannel:
             decoder.advance(count)
 
 
-class _Blocking:
+class BlockingChannel:
     """A channel lent to a worker thread (`PeerChannel.in_thread`): the same frames, sent and
     received with blocking waits, each within the channel's timeout (and the deadline of the
     task that lent it, `expires`)."""
