@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import math
+import os
 import socket
 import ssl
 import threading
@@ -134,13 +134,10 @@ class PeerChannel:
             raise
 
     def _expires(self, timeout: float | None = None) -> float:
-        """When a worker's wait for the peer gives up (time.monotonic()): after `timeout` (the
-        channel's), or at the trio deadline in force if that comes first."""
-        expires = time.monotonic() + (timeout or self.timeout)
-        deadline = trio.current_effective_deadline()
-        if deadline != math.inf:
-            expires = min(expires, time.monotonic() + deadline - trio.current_time())
-        return expires
+        """When a worker's wait for the peer gives up (time.monotonic(), TooSlowError): after
+        `timeout` (the channel's). A deadline of the calling task (a cancel scope's) reaches
+        the worker as a cancellation, which it notices while it waits."""
+        return time.monotonic() + (timeout or self.timeout)
 
     # -- on trio --------------------------------------------------------------------------
 
@@ -161,8 +158,15 @@ class PeerChannel:
     async def send_file(self, kind: str, fd: int, offset: int, length: int, /,
                         **fields: Any) -> None:
         """A message whose payload is `length` bytes of the file `fd` from `offset`, sent by a
-        worker thread (`BlockingChannel.send_file`). The message's own fields (which may include an
+        worker thread (`BlockingChannel.send_file`), or from trio if it is small (a few pages
+        read: less than the hop to a thread). The message's own fields (which may include an
         `offset` too) are the keyword arguments."""
+        if length < BULK:
+            data = os.pread(fd, length, offset)
+            if len(data) < length:
+                raise proto.ProtocolError("the file is shorter than the payload announced")
+            await self.send(kind, data, **fields)
+            return
         await self.in_thread(lambda io: io.send_file(kind, fd, offset, length, **fields))
 
     async def receive(self, *expected: str, timeout: float | None = None,
@@ -188,10 +192,10 @@ class PeerChannel:
 
     async def in_thread(self, function: Callable[..., T], *args: Any) -> T:
         """`function(io, *args)` in a worker thread, `io` this channel's blocking face
-        (`BlockingChannel`): each of its waits on the peer gives up after the channel's timeout (or
-        at the trio deadline in force), and a cancellation of the calling task is noticed
+        (`BlockingChannel`): each of its waits on the peer gives up after the channel's
+        timeout, and a cancellation of the calling task (a deadline of its, too) is noticed
         while it waits. The channel is broken by any error, as on trio."""
-        io = BlockingChannel(self, self._expires(math.inf))
+        io = BlockingChannel(self)
         try:
             with _connection_errors():
                 return await trio.to_thread.run_sync(function, io, *args)
@@ -275,16 +279,15 @@ class PeerChannel:
 
 class BlockingChannel:
     """A channel lent to a worker thread (`PeerChannel.in_thread`): the same frames, sent and
-    received with blocking waits, each within the channel's timeout (and the deadline of the
-    task that lent it, `expires`)."""
+    received with blocking waits, each within the channel's timeout; a cancellation of the
+    task that lent it is noticed while it waits."""
 
-    def __init__(self, channel: PeerChannel, expires: float) -> None:
+    def __init__(self, channel: PeerChannel) -> None:
         self.channel = channel
         self.peer_id = channel.peer_id
-        self._outer = expires
 
     def _expires(self) -> float:
-        return min(self._outer, time.monotonic() + self.channel.timeout)
+        return self.channel._expires()
 
     def send(self, kind: str, payload: bytes | memoryview = b"", **fields: Any) -> None:
         channel = self.channel
