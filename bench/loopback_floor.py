@@ -6,7 +6,13 @@ framing beyond one 16-byte header per connection, no hash, no MAC, no event loop
 ratio to it is the share of this machine's copy rate tierfs reaches; no implementation that
 puts the bytes into RAM on the other side over kernel TCP does much better.
 
-    python bench/loopback_floor.py --size 1G --connections 1,4
+With `--tls` (certificates of a CA in the given directory, `ca.crt`, `node.crt`,
+`node.key`) the same in TLS 1.3 through Python's `ssl` (OpenSSL, AES-GCM), as `--peer-tls`
+runs: the sender reads each MiB into its buffer and writes it through OpenSSL (no `sendfile`
+through it without kernel TLS), the receiver reads through OpenSSL and `pwrite`s. That is the
+floor of any TLS data plane built on Python's `ssl` here.
+
+    python bench/loopback_floor.py --size 1G --connections 1,4 [--tls CERT_DIR]
 
 Each measurement runs the two processes afresh (`measure`): the receiver listens, the sender
 connects once told to go, and each reports the CPU seconds (all threads) it spent from the go
@@ -20,6 +26,7 @@ import argparse
 import json
 import os
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -43,18 +50,21 @@ class Floor:
         return size / self.seconds / 1e9
 
 
-def measure(source: Path, dest_dir: Path, connections: int) -> Floor:
+def measure(source: Path, dest_dir: Path, connections: int, tls: Path | None = None) -> Floor:
     """Move `source` (a tmpfs file) into a new file in `dest_dir` (tmpfs) over `connections`
-    loopback connections, in two fresh processes; the new file is removed after."""
+    loopback connections, in two fresh processes (in TLS with the certificates in `tls`); the
+    new file is removed after."""
+    secure = ["--tls", str(tls)] if tls is not None else []
     receiver = subprocess.Popen([sys.executable, __file__, "--receive", str(dest_dir),
-                                 "--connections", str(connections)],
+                                 "--connections", str(connections), *secure],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     sender = None
     try:
         assert receiver.stdout is not None
         port = int(receiver.stdout.readline())
         sender = subprocess.Popen([sys.executable, __file__, "--send", str(source),
-                                   "--port", str(port), "--connections", str(connections)],
+                                   "--port", str(port), "--connections", str(connections),
+                                   *secure],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert sender.stdin is not None and sender.stdout is not None
         sender.stdout.readline()  # ready: imports done, file open
@@ -78,7 +88,21 @@ def _shares(size: int, connections: int) -> list[tuple[int, int]]:
     return [(start, min(step, size - start)) for start in range(0, size, step)] or [(0, 0)]
 
 
-def _send(source: Path, port: int, connections: int) -> None:
+def _context(certs: Path | None, server: bool) -> ssl.SSLContext | None:
+    """TLS 1.3 both ways with certificates of the CA in `certs`, as --peer-tls."""
+    if certs is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cafile=str(certs / "ca.crt"))
+    context.load_cert_chain(str(certs / "node.crt"), str(certs / "node.key"))
+    return context
+
+
+def _send(source: Path, port: int, connections: int, certs: Path | None) -> None:
+    context = _context(certs, server=False)
     fd = os.open(source, os.O_RDONLY)
     size = os.fstat(fd).st_size
     print("ready", flush=True)
@@ -87,12 +111,20 @@ def _send(source: Path, port: int, connections: int) -> None:
     shares = _shares(size, connections)
 
     def one(offset: int, length: int) -> None:
-        with socket.create_connection(("127.0.0.1", port)) as sock:
+        with socket.create_connection(("127.0.0.1", port)) as plain:
+            sock = plain if context is None else context.wrap_socket(plain)
             sock.sendall(HEADER.pack(offset, length))
             end = offset + length
+            buffer = memoryview(bytearray(BUFFER))
             while offset < end:
-                offset += os.sendfile(sock.fileno(), fd, offset, end - offset)
-            sock.shutdown(socket.SHUT_WR)
+                if context is None:
+                    offset += os.sendfile(sock.fileno(), fd, offset, end - offset)
+                    continue
+                count = os.preadv(fd, [buffer[:min(BUFFER, end - offset)]], offset)
+                sock.sendall(buffer[:count])
+                offset += count
+            if context is None:
+                sock.shutdown(socket.SHUT_WR)
             sock.recv(1)  # the receiver closes once it wrote the share
 
     threads = [threading.Thread(target=one, args=share) for share in shares]
@@ -103,7 +135,8 @@ def _send(source: Path, port: int, connections: int) -> None:
     print(json.dumps({"cpu": time.process_time() - cpu}), flush=True)
 
 
-def _receive(dest_dir: Path, connections: int) -> None:
+def _receive(dest_dir: Path, connections: int, certs: Path | None) -> None:
+    context = _context(certs, server=True)
     listener = socket.create_server(("127.0.0.1", 0), backlog=connections)
     fd, path = tempfile.mkstemp(prefix="loopback-floor-", dir=dest_dir)
     print(listener.getsockname()[1], flush=True)
@@ -113,8 +146,12 @@ def _receive(dest_dir: Path, connections: int) -> None:
     def one(sock: socket.socket) -> None:
         buffer = bytearray(BUFFER)
         view = memoryview(buffer)
+        if context is not None:
+            sock = context.wrap_socket(sock, server_side=True)
         with sock:
-            header = sock.recv(HEADER.size, socket.MSG_WAITALL)
+            header = bytearray()
+            while len(header) < HEADER.size:
+                header += sock.recv(HEADER.size - len(header))
             offset, length = HEADER.unpack(header)
             end = offset + length
             while offset < end:
@@ -155,15 +192,17 @@ def main() -> None:
     parser.add_argument("--connections", default="1,4",
                         help="connection counts to measure, comma-separated")
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--tls", type=Path, default=None, metavar="CERT_DIR",
+                        help="in TLS, with ca.crt, node.crt and node.key from CERT_DIR")
     parser.add_argument("--send", help=argparse.SUPPRESS)
     parser.add_argument("--receive", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.send:
-        _send(Path(args.send), args.port, int(args.connections))
+        _send(Path(args.send), args.port, int(args.connections), args.tls)
         return
     if args.receive:
-        _receive(Path(args.receive), int(args.connections))
+        _receive(Path(args.receive), int(args.connections), args.tls)
         return
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     size = int(args.size[:-1]) * units[args.size[-1]] if args.size[-1] in units \
@@ -176,7 +215,7 @@ def main() -> None:
                 f.write(os.urandom(min(64 << 20, size - f.tell())))
         for _ in range(args.reps):
             for count in (int(c) for c in args.connections.split(",")):
-                floor = measure(source, work, count)
+                floor = measure(source, work, count, args.tls)
                 print(f"{count} connection(s): {floor.seconds:.2f} s, "
                       f"{floor.gb_per_s(size):.2f} GB/s, "
                       f"{floor.cpu_seconds / (size / 2**30):.2f} CPU-s/GiB", flush=True)

@@ -54,10 +54,11 @@ SEQUENTIAL_RUN = 4 << 20  # bytes read back to back before a reader counts as se
 RUN_GAP = 2 << 20  # how far past a run's end a read still continues it
 WHOLE_IN_FLIGHT = 8  # chunks on their way at once when a file is fetched whole
 SMALL_RANGE = 64 << 10  # bytes stored from the trio thread, into a buffer of their own size
-# Bytes of a range of blocks checked, stored and hashed at a time (`Fetch._check_and_write`):
-# a block, each checked against its own digest. A whole chunk goes as one piece (measured
-# when the frames' MAC held the GIL: eight 1 MiB slices per chunk cost more in waits for the
-# GIL than their cache locality saved).
+# Bytes of a fetched range checked, stored and hashed at a time (`Fetch._check_and_write`):
+# a block, each checked against its own digest (a whole chunk's digest is fed slice by slice
+# and checked at its end), so that each slice is read from the CPU's cache by the write and
+# the hashes after the first. (When the frames' MAC held the GIL, eight slices per chunk cost
+# more in waits for the GIL than their cache locality saved; it no longer does.)
 STORE_SLICE = mf.BLOCK_SIZE
 RELAY_WAIT = 8.0  # seconds a peer sent here for a chunk waits for it to come in (< IO_TIMEOUT)
 
@@ -471,7 +472,7 @@ class Fetch:
         if not whole_chunk and (not entry.blocks or offset % mf.BLOCK_SIZE):
             return False
         chunk = xxhash.xxh3_64() if whole_chunk else None
-        pieces = max(len(view), 1) if whole_chunk else STORE_SLICE
+        pieces = STORE_SLICE
         feeding = fd is not None and self._whole.claim(span.start)
         good = False
         try:

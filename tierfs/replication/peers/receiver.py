@@ -48,6 +48,7 @@ RUNNING_LIMIT = 64
 RUNNING_IDLE = 120.0
 # Chunks written at once (worker threads): one per connection a few senders keep busy.
 WRITERS = 16
+WRITE_SLICE = 1 << 20  # bytes of a chunk written, then hashed, at a time
 
 
 class Space(Protocol):
@@ -251,15 +252,19 @@ class _Incoming:
 
 def _write(fd: int, data: bytes | memoryview, offset: int, whole: WholeHash | None) -> None:
     """In a worker thread: store a chunk and add it to its file's hash (`whole`, unless the
-    chunk came before)."""
+    chunk came before), a slice at a time: each is hashed while the write left it in the
+    CPU's cache."""
     index = offset // mf.CHUNK_SIZE
     claimed = whole is not None and whole.claim(index)
     good = False
+    view = memoryview(data)
     try:
-        write_all(fd, data, offset)
-        if claimed:
-            assert whole is not None
-            whole.feed(data)
+        for start in range(0, max(len(view), 1), WRITE_SLICE):
+            piece = view[start:start + WRITE_SLICE]
+            write_all(fd, piece, offset + start)
+            if claimed:
+                assert whole is not None
+                whole.feed(piece)
         good = True
     finally:
         if whole is not None:
