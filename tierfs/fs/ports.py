@@ -8,7 +8,9 @@ Outward (implemented outside `fs`):
 
 * `CommitSink`: where a commit's manifest goes (the daemon's channel to uploads and replicas).
 * `ReadSource`: a tier that serves ranges of committed files (peers, the persistent tier);
-  defined beside `Fetch`, which uses it, and re-exported here.
+  defined beside `Fetch`, which uses it, and re-exported here, with `Store`: the check and
+  write of fetched bytes that a source which can (`can_store`, peers) calls where they came
+  in.
 * `SealedCollector`: the cluster's records of which node holds which file of a step.
 * `ShardsOnPeers`: which other nodes have files of a step being written (their records late).
 * `PeerCopies`, `PersistCopies`: the tiers `tierfs verify` checks and repairs.
@@ -43,13 +45,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tierfs import manifest as mf
-from tierfs.fs.fetch import ReadSource
+from tierfs.fs.fetch import ReadSource, Store
 from tierfs.fs.nodes import Node
 from tierfs.fs.tier_errors import ObjectMissing, TierError
 
 __all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "FilesOnPeers",
            "Liveness", "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate",
-           "ReadSource", "SealedCollector", "ShardsOnPeers", "Spawner", "StepWatch",
+           "ReadSource", "SealedCollector", "ShardsOnPeers", "Spawner", "StepWatch", "Store",
            "StoreCheck", "TierError"]
 
 

@@ -64,7 +64,7 @@ def cluster_members(cfg: MountConfig) -> PeerDirectory:
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     return PeerDirectory(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise),
-                      cfg.token, tls)
+                         cfg.token, tls, connections=cfg.peer_connections)
 
 
 class ClusterLinks:
