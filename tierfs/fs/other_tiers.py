@@ -182,12 +182,14 @@ class OtherTiers:
                     release=True) is not None:
                 self.versions.set_persisted(node, manifest.version, recorded=True)
                 self.tree.residents.add_remote_files(node, list(manifest.files))
+                self.versions.give_dir_attributes(manifest)
             return False
         step_node = self.versions.install_step(manifest, "the persistent tier")
         if step_node is None:
             return False
         self.versions.set_persisted(step_node, manifest.version)
         self.tree.residents.add_remote_files(step_node, list(manifest.files))
+        self.versions.give_dir_attributes(manifest)
         return True
 
     # -- trackers (tierfs.trackers): never in a tier without the step they name ------------
@@ -409,12 +411,14 @@ class OtherTiers:
                                  release=True) is not None:
                 self.versions.set_holders(node, others, record=False)
                 self.tree.residents.add_remote_files(node, list(manifest.files))
+            self.versions.give_dir_attributes(manifest)
             return
         step_node = self.versions.install_step(manifest, f"node {', '.join(sorted(others))}")
         if step_node is None:
             return
         self.versions.set_holders(step_node, others, record=True)
         self.tree.residents.add_remote_files(step_node, list(manifest.files))
+        self.versions.give_dir_attributes(manifest)
         log.info("%s v%d is in the cluster (held by %s)", manifest.path, manifest.version,
                  ", ".join(sorted(others)))
 

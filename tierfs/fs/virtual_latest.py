@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable
 
 from tierfs.fs import tree_walk
+from tierfs.fs.dir_attributes import times_kept
 from tierfs.fs.latest_pins import LatestPins
 from tierfs.fs.nodes import LATEST, OWN_LATEST_MARK, FsError, Handle, Node
 from tierfs.fs.recoverable import Recoverability
@@ -61,8 +62,10 @@ class VirtualLatest:
         link."""
         if dir_node.own_latest or not dir_node.is_dir or tree_walk.in_a_step(dir_node):
             return
-        os.close(os.open(os.path.join(self._backing(dir_node), OWN_LATEST_MARK),
-                         os.O_WRONLY | os.O_CREAT, 0o600))
+        path = self._backing(dir_node)
+        with times_kept(path):  # tierfs's mark, not the saver's change
+            os.close(os.open(os.path.join(path, OWN_LATEST_MARK), os.O_WRONLY | os.O_CREAT,
+                             0o600))
         dir_node.own_latest = True
 
     def target(self, dir_node: Node) -> bytes | None:
