@@ -194,10 +194,12 @@ class OtherTiers:
 
     # -- trackers (tierfs.trackers): never in a tier without the step they name ------------
 
-    def tracked_step(self, manifest: mf.StepManifest) -> trackers.TrackedStep | None:
+    def tracked_step(self, manifest: mf.StepManifest, content: bytes | None = None
+                     ) -> trackers.TrackedStep | None:
         """If this version is a tracker, the step it names (the uploader holds its upload until
-        that step is in the store); None if it is no tracker."""
-        found = self._tracked(manifest)
+        that step is in the store); None if it is no tracker. `content`: the tracker's bytes
+        (an older version's, or the store's), else those of this version in RAM."""
+        found = self._tracked(manifest, content)
         if found is None:
             return None
         number, step = found
@@ -219,14 +221,17 @@ class OtherTiers:
         return step is not None and step.committed and (step.persisted or all(
             peer in verified(step, entry.name) for entry in step.manifest.files))
 
-    def _tracked(self, manifest: mf.StepManifest) -> tuple[int, StepState | None] | None:
+    def _tracked(self, manifest: mf.StepManifest, content: bytes | None = None
+                 ) -> tuple[int, StepState | None] | None:
         """A tracker's step number and the step of that number in its directory, committed or
         being written (None if there is none here); None if `manifest` is no tracker (another
-        file, a content that names no step, bytes not in RAM here)."""
+        file, a content that names no step, bytes not in RAM here). `content`: the bytes to
+        read instead of this version's."""
         if not (manifest.single_file and manifest.step == mf.NO_STEP
                 and trackers.is_tracker_name(manifest.path)):
             return None
-        named = self._tracker_text(manifest.files[0])
+        named = (self._tracker_text(manifest.files[0]) if content is None
+                 else trackers.named_step(content))
         try:
             run_dir = self.tree.find_dir(manifest.path.rpartition("/")[0])
         except FsError:

@@ -118,7 +118,8 @@ class Tree:
         # which directories and files are steps
         self.identity = StepIdentity(self, watch, step_pattern, file_step_pattern)
         # each directory's `latest` link
-        self.latest = VirtualLatest(self.backing, self.attach_virtual, self.recoverable)
+        self.latest = VirtualLatest(self.backing, self.attach_virtual, self.recoverable,
+                                    self.identity.tracked_number)
         # renames: the entry moved, a target replaced, the steps moved recorded in every tier
         self.renames = Renames(self, deletes, self.identity, self.latest)
         self.attributes = Attributes(self, self.sealing)  # chmod, chown, utime, truncate
