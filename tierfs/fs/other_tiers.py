@@ -266,20 +266,24 @@ class OtherTiers:
                     release=True) is not None:
                 self.versions.set_persisted(node, manifest.version, recorded=True)
                 self.tree.residents.add_remote_files(node, list(manifest.files))
+                self.versions.give_dir_attributes(manifest)
             return False
         step_node = self.versions.install_step(manifest, "the persistent tier")
         if step_node is None:
             return False
         self.versions.set_persisted(step_node, manifest.version)
         self.tree.residents.add_remote_files(step_node, list(manifest.files))
+        self.versions.give_dir_attributes(manifest)
         return True
 
     # -- trackers (tierfs.trackers): never in a tier without the step they name ------------
 
-    def tracked_step(self, manifest: mf.StepManifest) -> trackers.TrackedStep | None:
+    def tracked_step(self, manifest: mf.StepManifest, content: bytes | None = None
+                     ) -> trackers.TrackedStep | None:
         """If this version is a tracker, the step it names (the uploader holds its upload until
-        that step is in the store); None if it is no tracker."""
-        found = self._tracked(manifest)
+        that step is in the store); None if it is no tracker. `content`: the tracker's bytes
+        (an older version's, or the store's), else those of this version in RAM."""
+        found = self._tracked(manifest, content)
         if found is None:
             return None
         number, step = found
@@ -301,14 +305,17 @@ class OtherTiers:
         return step is not None and step.committed and (step.persisted or all(
             peer in verified(step, entry.name) for entry in step.manifest.files))
 
-    def _tracked(self, manifest: mf.StepManifest) -> tuple[int, StepState | None] | None:
+    def _tracked(self, manifest: mf.StepManifest, content: bytes | None = None
+                 ) -> tuple[int, StepState | None] | None:
         """A tracker's step number and the step of that number in its directory, committed or
         being written (None if there is none here); None if `manifest` is no tracker (another
-        file, a content that names no step, bytes not in RAM here)."""
+        file, a content that names no step, bytes not in RAM here). `content`: the bytes to
+        read instead of this version's."""
         if not (manifest.single_file and manifest.step == mf.NO_STEP
                 and trackers.is_tracker_name(manifest.path)):
             return None
-        named = self._tracker_text(manifest.files[0])
+        named = (self._tracker_text(manifest.files[0]) if content is None
+                 else trackers.named_step(content))
         try:
             run_dir = self.tree.find_dir(manifest.path.rpartition("/")[0])
         except FsError:
@@ -493,12 +500,14 @@ class OtherTiers:
                                  release=True) is not None:
                 self.versions.set_holders(node, others, record=False)
                 self.tree.residents.add_remote_files(node, list(manifest.files))
+            self.versions.give_dir_attributes(manifest)
             return
         step_node = self.versions.install_step(manifest, f"node {', '.join(sorted(others))}")
         if step_node is None:
             return
         self.versions.set_holders(step_node, others, record=True)
         self.tree.residents.add_remote_files(step_node, list(manifest.files))
+        self.versions.give_dir_attributes(manifest)
         log.info("%s v%d is in the cluster (held by %s)", manifest.path, manifest.version,
                  ", ".join(sorted(others)))
 

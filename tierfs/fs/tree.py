@@ -48,6 +48,7 @@ from tierfs.fs import links as symlinks
 from tierfs.fs import tree_walk
 from tierfs.fs.attributes import Attributes
 from tierfs.fs.copy_on_write import CopyOnWrite
+from tierfs.fs.dir_attributes import DirAttributes, times_kept
 from tierfs.fs.holders import Holdings
 from tierfs.fs.long_paths import LONG_PATH, anchor_path
 from tierfs.fs.nodes import (
@@ -103,6 +104,8 @@ class Tree:
         self._next_fh = 1
         self._released = trio.Event()
         self.links = symlinks.LinkChanges()  # directories whose links the store must learn
+        # directories made here for other tiers' steps, given the attributes recorded for them
+        self.dir_attributes = DirAttributes()
         # which committed steps can be read whole now (their state, `latest`)
         self.recoverable = Recoverability(node_id, self.holdings.file_peers, liveness)
         # The parts of the core, each changing the tree through the primitives here:
@@ -115,7 +118,8 @@ class Tree:
         # which directories and files are steps
         self.identity = StepIdentity(self, watch, step_pattern, file_step_pattern)
         # each directory's `latest` link
-        self.latest = VirtualLatest(self.backing, self.attach_virtual, self.recoverable)
+        self.latest = VirtualLatest(self.backing, self.attach_virtual, self.recoverable,
+                                    self.identity.tracked_number)
         # renames: the entry moved, a target replaced, the steps moved recorded in every tier
         self.renames = Renames(self, deletes, self.identity, self.latest)
         self.attributes = Attributes(self, self.sealing)  # chmod, chown, utime, truncate
@@ -255,9 +259,11 @@ class Tree:
         for a single-file step in its records directory beside the file (made if missing)."""
         if step_node.is_dir:
             return self.backing(step_node)
-        path = os.path.join(self.backing(step_node.parent), layout.records_name(step_node.name))
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
+        parent = self.backing(step_node.parent)
+        path = os.path.join(parent, layout.records_name(step_node.name))
+        if not os.path.isdir(path):
+            with times_kept(parent), contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
         return path
 
     def data_dir(self, step: StepState) -> str:

@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from typing import Protocol
 
+from tierfs.fs.dir_attributes import DirAttributes
 from tierfs.fs.links import LinkChanges
 from tierfs.fs.nodes import Node, RemoteAttrs, StepState
 from tierfs.fs.ram_store import RamStore
@@ -22,6 +23,7 @@ class TreePrimitives(Protocol):
     records: StepRecords
     node_id: str
     links: LinkChanges
+    dir_attributes: DirAttributes
     shape: int  # bumped at every entry attached, detached or renamed
 
     def backing(self, node: Node) -> bytes: ...

@@ -142,7 +142,17 @@ class TreeView:
             "replicas": self.tree.holdings.full_holders(step),
             "persisted": step.persisted,
             "waiting_for": step.waiting_for if step.commit_pending or not step.committed else None,
+            # committed without its saver's mark of a finished save (`fs.completion`)
+            "unfinished": self.unfinished(step_node),
         }
+
+    def unfinished(self, step_node: Node) -> str | None:
+        """The saver's mark a committed step directory lacks while the steps before it carry
+        it (`fs.completion`: `latest` skips it), else None."""
+        parent = step_node.parent
+        if not step_node.is_dir or parent is None or not step_node.step.committed:
+            return None
+        return self.tree.latest.unfinished(parent).get(step_node.step)
 
     def _status_size(self, node: Node) -> int:
         if node.remote is not None:

@@ -169,8 +169,8 @@ def names(steps: list[Step]) -> str:
 
 def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
     """What a person must know: data only in this node's RAM, steps whose commit waits, steps
-    whose upload fails (why, and for how long), and committed steps that cannot be read
-    whole."""
+    whose upload fails (why, and for how long), committed steps that cannot be read whole,
+    and those committed without their saver's mark of a finished save."""
     lines = []
     ram_only = [s for s in status["steps"] if only_in_ram(s)]
     if ram_only:
@@ -191,6 +191,9 @@ def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
                      f" {not_in_store(failing, now_ns)}")
     lines += [incomplete_warning(s, now_ns) for s in status["steps"]
               if s["state"] == "incomplete" and s.get("lost")]
+    lines += [f"warning: {s['path']} was committed without {s['unfinished']}, which the "
+              "steps before it have (its saver stopped in the middle of a save?): `latest` "
+              "names an older step" for s in status["steps"] if s.get("unfinished")]
     return lines + failing_peers(status)
 
 

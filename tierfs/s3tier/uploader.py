@@ -21,7 +21,11 @@ A tracker file (`tierfs.trackers`: DeepSpeed's `latest`, Megatron-LM's
 `latest_checkpointed_iteration.txt`) goes up only once the step it names is in the store: a
 version naming a step not there yet waits (and goes up right after that step), one naming a
 step `--persist-every` never selects is not due at all, and the store keeps the version it
-has meanwhile, so a fresh node never reads a tracker that points past the store.
+has meanwhile, so a fresh node never reads a tracker that points past the store. A saver that
+rewrites its tracker faster than its steps reach the store does not starve it: whenever a step
+reaches the store, the version (current or older) naming the newest step the store holds goes
+up (`tierfs.s3tier.tracker_versions`). Retention never removes the step that the store's
+tracker names.
 
 Bytes the store holds already never travel again: a file whose object is there with the same
 content (a version that changed only modes, owners or mtimes) is not sent, and then the old
@@ -52,7 +56,7 @@ from dataclasses import dataclass
 
 import trio
 
-from tierfs import layout, reserved
+from tierfs import layout, reserved, trackers
 from tierfs import manifest as mf
 from tierfs.fs import links as symlinks
 from tierfs.observe import Events
@@ -60,6 +64,7 @@ from tierfs.s3tier import holdings, packs, segments
 from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, ObjectInfo
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
+from tierfs.s3tier.tracker_versions import TrackerVersion, TrackerVersions
 from tierfs.shared_uploads import (
     PERSISTED,
     RETIRED,
@@ -68,7 +73,7 @@ from tierfs.shared_uploads import (
     UploadPlan,
 )
 from tierfs.step_queue import StepQueue
-from tierfs.trackers import TrackedStep
+from tierfs.trackers import MAX_BYTES, TrackedStep
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +109,7 @@ class Uploader:
         is_current: Callable[[mf.StepManifest], bool],
         on_persisted: Callable[[mf.StepManifest], None],
         on_retired: Callable[[str], None],
-        tracked_step: Callable[[mf.StepManifest], TrackedStep | None] = lambda _m: None,
+        tracked_step: Callable[..., TrackedStep | None] = lambda _m, _content=None: None,
         copy_sources: Callable[[str], list[tuple[str, str]]] = lambda _key: [],
         single_writer: Callable[[mf.StepManifest], bool] = lambda _m: True,
         events: Events | None = None,
@@ -129,6 +134,7 @@ class Uploader:
         self.pack_bytes_sent = 0  # the steps' packs and their indexes (s3tier.packs)
         self.queue = StepQueue()
         self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
+        self.trackers = TrackerVersions()  # their versions that may still go up
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
         self._path_locks: dict[str, trio.Lock] = {}  # an upload and a delete of one path
         self.troubles: dict[str, UploadTrouble] = {}
@@ -158,8 +164,46 @@ class Uploader:
     def submit(self, manifest: mf.StepManifest) -> None:
         """Queue a committed step (a newer version of a queued step replaces it)."""
         self._held.pop(manifest.path, None)  # a tracker's older version: no longer current
+        tracked = self._tracked_step(manifest) if manifest.step == mf.NO_STEP else None
+        if tracked is not None:
+            content = self._tracker_bytes(manifest)
+            self.trackers.note(manifest, TrackerVersion(manifest, content, tracked.number)
+                               if content is not None and (tracked.persisted or
+                                                           self.due(tracked.number)) else None)
+            if self.wanted(manifest) or self._ready_version(manifest.path) is not None:
+                self.queue.put(manifest)
+            return
         if self.wanted(manifest):
             self.queue.put(manifest)
+
+    def _tracker_bytes(self, manifest: mf.StepManifest) -> bytes | None:
+        """A tracker version's few bytes, from its committed object (None if gone already)."""
+        entry = manifest.files[0]
+        if entry.size > MAX_BYTES:
+            return None
+        try:
+            with open(self._object_path(entry.xxh3), "rb") as f:
+                return f.read(MAX_BYTES + 1)
+        except OSError:
+            return None
+
+    def _ready_version(self, path: str) -> TrackerVersion | None:
+        """The tracker version to put in the store now: the one naming the newest step that is
+        in the store, newer than the step the store's tracker names; None if there is none."""
+        for version in self.trackers.candidates(path):
+            tracked = self._tracked_step(version.manifest, version.content)
+            if tracked is not None and tracked.persisted and tracked.number == version.number:
+                return version
+        return None
+
+    def _current(self, manifest: mf.StepManifest) -> bool:
+        """Whether `manifest` is worth uploading: the step's current version, or an older
+        version of a tracker that is still there, chosen to go up (`_upload_tracker`)."""
+        if self._is_current(manifest):
+            return True
+        current = self.trackers.current(manifest.path)
+        return (self.trackers.uploading.get(manifest.path) is manifest and current is not None
+                and self._is_current(current))
 
     def waiting(self, manifest: mf.StepManifest) -> tuple[str, int, int]:
         """Why a step due in the store is not there yet, since when (ns) and after how many
@@ -186,7 +230,8 @@ class Uploader:
         return True
 
     def _release_held(self) -> None:
-        """A step reached the store: the trackers that named it go up now."""
+        """A step reached the store: the trackers that named it go up now (a version naming
+        the newest step the store holds, if not the current one)."""
         for path, manifest in list(self._held.items()):
             if not self._is_current(manifest):
                 del self._held[path]
@@ -195,6 +240,13 @@ class Uploader:
             if tracked is None or tracked.persisted:
                 del self._held[path]
                 self.queue.put(manifest)
+        for path in self.trackers.paths():
+            current = self.trackers.current(path)
+            if current is None or not self._is_current(current):
+                self.trackers.forget(path)
+            elif self._ready_version(path) is not None:
+                self._held.pop(path, None)
+                self.queue.put(current)
 
     async def run(self) -> None:
         async with trio.open_nursery() as retries:
@@ -278,13 +330,55 @@ class Uploader:
                 self._note_trouble(manifest, exc)
                 raise
 
-        return await retry(attempt, what, still_wanted=lambda: self._is_current(manifest))
+        return await retry(attempt, what, still_wanted=lambda: self._current(manifest))
 
     async def _upload(self, manifest: mf.StepManifest) -> None:
         if not self._is_current(manifest):
             raise NoLongerWanted(manifest.path)
+        ready = self._ready_version(manifest.path) if manifest.step == mf.NO_STEP else None
+        if ready is not None:
+            await self._upload_tracker(manifest, ready)
+            return
         if self._holds_back(manifest):
             return
+        tracked = self._tracked_step(manifest) if manifest.step == mf.NO_STEP else None
+        await self._put_version(manifest, tracks=tracked.number if tracked else None)
+
+    async def _upload_tracker(self, current: mf.StepManifest, ready: TrackerVersion) -> None:
+        """Put the tracker version `ready` (the one naming the newest step in the store) in
+        the store, unless the store's tracker names that step or a newer one already; the
+        current version goes up itself once its own step is there."""
+        path = current.path
+        stored = await self._call(f"read of {path}", current, self._stored_tracker, path)
+        tracked = self._tracked_step(current, stored) if stored is not None else None
+        if tracked is not None and tracked.number >= ready.number:
+            self.trackers.stored(path, tracked.number)
+        elif ready.manifest is current:
+            await self._put_version(current, ready.content, ready.number)
+        else:
+            self.trackers.uploading[path] = ready.manifest
+            try:
+                await self._put_version(ready.manifest, ready.content, ready.number)
+            finally:
+                self.trackers.uploading.pop(path, None)
+            log.info("%s: its v%d (naming step %d, the newest in %s that it named) went up; "
+                     "v%d follows its own step", path, ready.manifest.version, ready.number,
+                     self.backend.url, current.version)
+        if self._current(current) and not self._holds_back(current):
+            self.queue.put(current)  # names a step in the store too: up it goes
+
+    def _stored_tracker(self, path: str) -> bytes | None:
+        """The bytes of the tracker the store holds at `path` (blocking; None: none)."""
+        try:
+            data = self.backend.get_bytes(path)
+        except NotFound:
+            return None
+        return data if len(data) <= MAX_BYTES else None
+
+    async def _put_version(self, manifest: mf.StepManifest, content: bytes | None = None,
+                           tracks: int | None = None) -> None:
+        """The upload of one version (`content`: its one file's bytes, a tracker's, sent as
+        they are instead of read from the RAM store; `tracks`: the step a tracker's names)."""
         started = time.monotonic()
         plan = await self._plan(manifest)
         if plan is None:
@@ -312,9 +406,14 @@ class Uploader:
         checked: dict[str, dict[str, mf.FileEntry]] = {}  # what renames' sources hold
         async with trio.open_nursery() as nursery:
             for entry in changed:
+                if content is not None:
+                    key = layout.object_key(data_dir, entry.name)
+                    nursery.start_soon(self._call, f"upload of {key}", manifest,
+                                       self.backend.put_bytes, key, content)
+                    continue
                 nursery.start_soon(self._upload_file, manifest, data_dir, entry, checked,
                                    start)
-        if not self._is_current(manifest):  # deleted or re-saved meanwhile: never list it
+        if not self._current(manifest):  # deleted or re-saved meanwhile: never list it
             raise NoLongerWanted(prefix)
         if not await self._others_stored(manifest, plan, started):
             return
@@ -336,6 +435,8 @@ class Uploader:
         self._clear_trouble(manifest)
         self._events.persisted(manifest, self.backend.url, time.monotonic() - started)
         self._on_persisted(manifest)
+        if tracks is not None:
+            self.trackers.stored(manifest.path, tracks)
         self._release_held()
         if self.keep_persist:
             await self._apply_retention(prefix.rpartition("/")[0])
@@ -493,10 +594,10 @@ class Uploader:
         if entry.segments:  # an appended loose file: its pieces from `start` on
             self.bytes_sent += await segments.send_pieces(
                 self.backend, key, entry, self._object_path(entry.xxh3), start, call,
-                self._threads, still_wanted=lambda: self._is_current(manifest))
+                self._threads, still_wanted=lambda: self._current(manifest))
             return
         await send_file(self.backend, key, self._object_path(entry.xxh3), entry.size, call,
-                        self._threads, still_wanted=lambda: self._is_current(manifest))
+                        self._threads, still_wanted=lambda: self._current(manifest))
         self.bytes_sent += entry.size
 
     async def _copy(self, manifest: mf.StepManifest, old_path: str, old_key: str, key: str,
@@ -594,33 +695,57 @@ class Uploader:
 
     async def _apply_retention(self, run_dir: str) -> None:
         """Delete all but the newest `keep_persist` steps of `run_dir` from the store (the
-        next persisted step tries again if the store cannot list them now)."""
+        next persisted step tries again if the store cannot list them now), never the step
+        that a tracker in the store names: a fresh node resumes from it."""
         try:
-            steps = await self.persisted_steps(run_dir)
+            steps, tracker_paths = await self._stored_in(run_dir)
+            kept = set()
+            for tracker in tracker_paths:
+                kept |= await trio.to_thread.run_sync(self._named_by_stored, tracker, steps)
         except BackendError as exc:
             log.warning("retention in %s could not list %s yet: %s", self.backend.url,
                         run_dir or ".", exc)
             return
         for path in sorted(steps, key=steps.__getitem__)[:-self.keep_persist]:
+            if path in kept:
+                log.info("retention keeps %s in %s: the tracker there names it", path,
+                         self.backend.url)
+                continue
             try:
                 await self.retire(path)
             except BackendError as exc:
                 log.warning("retention could not delete %s yet: %s", path, exc)
 
+    def _named_by_stored(self, tracker: str, steps: dict[str, int]) -> set[str]:
+        """The steps of `steps` that the store's tracker at `tracker` names (blocking)."""
+        named = trackers.named_step(self._stored_tracker(tracker) or b"")
+        run_dir = tracker.rpartition("/")[0]
+        if isinstance(named, str):
+            path = layout.join(run_dir, named)
+            return {path} if path in steps else set()
+        return {path for path, number in steps.items() if number == named}
+
     async def persisted_steps(self, run_dir: str) -> dict[str, int]:
         """Step path -> step number for every step of `run_dir` with a manifest in the store."""
+        return (await self._stored_in(run_dir))[0]
+
+    async def _stored_in(self, run_dir: str) -> tuple[dict[str, int], list[str]]:
+        """The steps of `run_dir` with a manifest in the store (path -> number), and its
+        trackers there."""
         prefix = f"{run_dir}/" if run_dir else ""
         objects = await trio.to_thread.run_sync(lambda: list(self.backend.list(prefix)))
-        steps = {}
+        steps, tracker_paths = {}, []
         for obj in objects:
             head, _, name = obj.key.rpartition("/")
             path, single_file = layout.step_of_records_dir(head)
             parent, _, base = path.rpartition("/")
             if name == MANIFEST_KEY and parent == run_dir:
+                if single_file and base in trackers.TRACKER_NAMES:
+                    tracker_paths.append(path)
                 number = (self._file_step_number if single_file else self._step_number)(base)
                 if number is not None:
                     steps[path] = number
-        return steps
+        return steps, tracker_paths
 
     async def listing(self) -> list[ObjectInfo]:
         """Every object in the store (read once at mount, for `stored_manifests` and
