@@ -2,7 +2,8 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-APT    := fuse3 libfuse3-dev pkg-config gcc attr rsync etcd-server
+# iproute2 (ip, tc) and iptables (iptables-legacy): the partition suite's network namespaces
+APT    := fuse3 libfuse3-dev pkg-config gcc attr rsync etcd-server iproute2 iptables
 
 .PHONY: test test-fast test-faults test-repeat demo bench bench-quick simulate lint docs install clean
 
@@ -11,6 +12,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	@if ! command -v fusermount3 >/dev/null || ! command -v getfattr >/dev/null || \
 	   ! command -v rsync >/dev/null || ! command -v etcd >/dev/null || ! command -v cc >/dev/null || \
+	   ! command -v ip >/dev/null || ! command -v tc >/dev/null || \
+	   ! command -v iptables-legacy >/dev/null || \
 	   ! pkg-config --exists fuse3 2>/dev/null; then \
 		echo "installing Debian packages: $(APT)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT) >/dev/null; \
