@@ -480,6 +480,8 @@ class OtherTiers:
         old = step.manifest
         if old is None or step.committed or step.dcp_files is None:
             return set()
+        if old.path != self.tree.relpath(step_node):
+            return set()  # renamed since: its files are its own, nobody saves them again there
         located = self._elsewhere.get(self.tree.relpath(step_node), set())
         found = set()
         for rel, node in tree_walk.files_under(step_node):
