@@ -2,7 +2,8 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-APT    := fuse3 libfuse3-dev pkg-config gcc attr rsync etcd-server systemd strace
+# iproute2 (ip, tc) and iptables (iptables-legacy): the partition suite's network namespaces
+APT    := fuse3 libfuse3-dev pkg-config gcc attr rsync etcd-server systemd strace iproute2 iptables
 
 .PHONY: test test-fast test-faults test-repeat demo bench bench-quick simulate lint docs install clean \
 	image image-base image-tools image-name test-image
@@ -13,6 +14,8 @@ $(STAMP): pyproject.toml
 	@if ! command -v fusermount3 >/dev/null || ! command -v getfattr >/dev/null || \
 	   ! command -v rsync >/dev/null || ! command -v etcd >/dev/null || ! command -v cc >/dev/null || \
 	   ! command -v systemd-analyze >/dev/null || ! command -v strace >/dev/null || \
+	   ! command -v ip >/dev/null || ! command -v tc >/dev/null || \
+	   ! command -v iptables-legacy >/dev/null || \
 	   ! pkg-config --exists fuse3 2>/dev/null; then \
 		echo "installing Debian packages: $(APT)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT) >/dev/null; \

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import trio
 
-from tierfs.fs import user_xattrs
+from tierfs.fs import tree_walk, user_xattrs
 from tierfs.fs.appends import AppendSnapshots
 from tierfs.fs.background import Background
 from tierfs.fs.commits import SAVER_WAIT, Commits
@@ -181,9 +181,19 @@ class Namespace:
 
     async def rename(self, old_parent: Node, old_name: bytes, new_parent: Node,
                      new_name: bytes, flags: int) -> None:
-        node = self.tree.renames.check_rename(old_parent, old_name, new_name, flags)
-        if node.remote is not None and not node.remote.in_store:  # the store renames its own
-            await self.residency.make_resident(node, empty=False)
+        while True:
+            node = self.tree.renames.check_rename(old_parent, old_name, new_name, flags)
+            # Files only peers hold come here first (the store renames its own): under the new
+            # name they are this node's to commit and serve, and the peers' copies go with the
+            # old name. A step renamed here while other nodes held some of its files could not
+            # commit at its new name (their holders were known by the old one): it stayed
+            # `writing` here and the peers kept the old name.
+            elsewhere = [file_node for file_node in tree_walk.walk_files(node)
+                         if file_node.remote is not None and not file_node.remote.in_store]
+            if not elsewhere:
+                break
+            for file_node in elsewhere:  # then check again: the awaits may have seen changes
+                await self.residency.make_resident(file_node, empty=False)
         if self.tree.renames.rename(node, old_parent, old_name, new_parent, new_name, flags):
             await self.commits.after_rename(node, old_parent)
 

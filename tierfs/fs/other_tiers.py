@@ -611,6 +611,8 @@ class OtherTiers:
         old = step.manifest
         if old is None or step.committed or step.dcp_files is None:
             return set()
+        if old.path != self.tree.relpath(step_node):
+            return set()  # renamed since: its files are its own, nobody saves them again there
         located = self._elsewhere.get(self.tree.relpath(step_node), set())
         found = set()
         for rel, node in tree_walk.files_under(step_node):
@@ -689,12 +691,15 @@ class OtherTiers:
         step's `.metadata` (where a DCP load starts) and the cluster committed the step
         meanwhile (another node got its `.metadata`), list it committed now rather than at
         the watch event. Whether the step changed. Other names are not asked about: a saver
-        creating a file looks its name up first, and must not wait for etcd each time."""
+        creating a file looks its name up first, and must not wait for etcd each time. Nor
+        is etcd asked while it is known not to answer: the lookups of `.metadata` on the way
+        to its rename, the saver's call that commits, would each wait a request's timeout
+        on top of --commit-timeout."""
         step_node = next(tree_walk.enclosing_steps(dir_node), None)
         if (self.sealed is None or step_node is None or step_node.step.committed
                 or name != METADATA or dir_node is not step_node):
             return False
-        found = await self.sealed.manifest_of(self.tree.relpath(step_node))
+        found = await self.sealed.manifest_of(self.tree.relpath(step_node), patient=False)
         if found is None:
             return False
         self.learn(*found)

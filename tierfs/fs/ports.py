@@ -87,8 +87,10 @@ class SealedCollector(Protocol):
                       deadline: float | None) -> None:
         """This node committed `manifest`: the cluster's commit record."""
 
-    async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:
-        """The step's committed manifest in the cluster and the nodes holding its files."""
+    async def manifest_of(self, step_path: str, *, patient: bool = True
+                          ) -> tuple[mf.StepManifest, list[str]] | None:
+        """The step's committed manifest in the cluster and the nodes holding its files (not
+        `patient`: None at once while etcd is known not to answer)."""
 
     async def leave_files(self, manifest: mf.StepManifest, names: list[str], need: int,
                           live: Callable[[str], bool]) -> set[str] | None:

@@ -388,9 +388,14 @@ class ClusterCommits:
         gone = [deleted[m.path] for m in listed if _covers(deleted.get(m.path), m)]
         return unpublished, gone
 
-    async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:
+    async def manifest_of(self, step_path: str, *, patient: bool = True
+                          ) -> tuple[mf.StepManifest, list[str]] | None:
         """The step's committed manifest and the nodes holding its files, as etcd says (None
-        if it is not committed in the cluster, or etcd does not answer)."""
+        if it is not committed in the cluster, or etcd does not answer). Not `patient`: None
+        at once while etcd does not answer (its last request found no endpoint answering):
+        a question asked on the way to something else does not wait a request's timeout."""
+        if not patient and self.records.etcd.last_failure is not None:
+            return None
         try:
             record = await self.records.commit_of(step_path)
             if record is None:
