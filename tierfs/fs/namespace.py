@@ -155,20 +155,29 @@ class Namespace:
 
     # -- directories and entries -----------------------------------------------------------
 
+    # The calls below are the kernel's requests: it knows of the change it asked for
+    # (`KernelCache.kernel_knows`), and keeps its own view of the entry up to date itself.
+
     def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        return self.tree.mkdir(parent, name, mode, uid, gid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.mkdir(parent, name, mode, uid, gid)
 
     def mknod(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        return self.tree.mknod(parent, name, mode, uid, gid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.mknod(parent, name, mode, uid, gid)
 
     def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
-        return self.tree.symlink(parent, name, target, uid, gid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.symlink(parent, name, target, uid, gid)
 
     def rmdir(self, parent: Node, name: bytes) -> None:
-        self.tree.rmdir(parent, name)
+        with self.tree.kernel_cache.kernel_knows():
+            self.tree.rmdir(parent, name)
 
     async def unlink(self, parent: Node, name: bytes) -> None:
-        if self.tree.unlink(parent, name):
+        with self.tree.kernel_cache.kernel_knows():
+            removed = self.tree.unlink(parent, name)
+        if removed:
             await self.commits.run_pending_commits(parent)
 
     def check_special_destination(self, node: Node, new_parent: Node) -> None:
@@ -179,14 +188,18 @@ class Namespace:
         node = self.tree.renames.check_rename(old_parent, old_name, new_name, flags)
         if node.remote is not None and not node.remote.in_store:  # the store renames its own
             await self.residency.make_resident(node, empty=False)
-        if self.tree.renames.rename(node, old_parent, old_name, new_parent, new_name, flags):
+        with self.tree.kernel_cache.kernel_knows():
+            moved = self.tree.renames.rename(node, old_parent, old_name, new_parent, new_name,
+                                             flags)
+        if moved:
             await self.commits.after_rename(node, old_parent)
 
     # -- files: a write ----------------------------------------------------------------------
 
     def create(self, parent: Node, name: bytes, mode: int, flags: int, uid: int,
                gid: int, pid: int = 0) -> tuple[Node, Handle]:
-        return self.tree.create(parent, name, mode, flags, uid, gid, pid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.create(parent, name, mode, flags, uid, gid, pid)
 
     async def open(self, node: Node, flags: int) -> Handle:
         self.tree.check_openable(node)

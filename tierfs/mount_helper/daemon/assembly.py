@@ -144,6 +144,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         if device is not None:
             device.close()
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
+    namespace.tree.kernel_cache.start()  # the session exists: invalidations can go
     cluster = ClusterNode(cfg, links, namespace, store, events) if links else None
     replicator = cluster.replicator if cluster else None
     pipeline = CommitPipeline(uploader, replicator)
@@ -189,6 +190,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                      cfg.ram_dir, cfg.ram_limit, os.getpid())
             ready.ok()
     finally:
+        namespace.tree.kernel_cache.stop()  # before the session it sends on is gone
         pyfuse3.close(unmount=device is None and is_mounted(cfg.mountpoint))
         if device is not None:
             device.close()
