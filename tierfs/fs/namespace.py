@@ -31,6 +31,7 @@ from tierfs.fs.appends import AppendSnapshots
 from tierfs.fs.background import Background
 from tierfs.fs.commits import SAVER_WAIT, Commits
 from tierfs.fs.deletes import DELETES_DIR, Deletes
+from tierfs.fs.foreground import Foreground
 from tierfs.fs.nodes import (
     DEFAULT_FILE_STEP_PATTERN,
     DEFAULT_STEP_PATTERN,
@@ -111,6 +112,8 @@ class Namespace:
         self.verifier = Verifier(tree, self.residency, persist, peers,
                                  finish_pending=self.commits.finish_pending)
         self.gate: ReadGate = self.verifier
+        # when the mount's users last asked something (background work waits for a pause)
+        self.foreground = Foreground()
 
     @classmethod
     def standalone(cls, store: RamStore, sink: CommitSink, *,

@@ -44,6 +44,7 @@ T = TypeVar("T")
 def _boundary(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(handler)
     async def wrapper(self: Operations, *args: Any) -> T:
+        self.ns.foreground.request()  # background work waits while users' requests come
         try:
             return await handler(self, *args)
         except FUSEError:

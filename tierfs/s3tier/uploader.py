@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -89,6 +89,7 @@ class Uploader:
         copy_sources: Callable[[str], list[tuple[str, str]]] = lambda _key: [],
         single_writer: Callable[[mf.StepManifest], bool] = lambda _m: True,
         events: Events | None = None,
+        yield_to_users: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.backend = backend
         self._events = events or Events()
@@ -110,6 +111,8 @@ class Uploader:
         self.queue = StepQueue()
         self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
+        # Each file waits for a pause in the mount users' requests before it is sent.
+        self._yield_to_users = yield_to_users
         self._path_locks: dict[str, trio.Lock] = {}  # an upload and a delete of one path
         self.troubles: dict[str, UploadTrouble] = {}
         self._uploading: str | None = None
@@ -267,10 +270,17 @@ class Uploader:
             await self._call(f"removing old manifest of {prefix}", manifest,
                              self.backend.delete, [manifest_key])
         checked: dict[str, dict[str, mf.FileEntry]] = {}  # what renames' sources hold
+        # PARALLEL_REQUESTS files at a time, each by a worker of its own that takes the next:
+        # a task per file was 10,000 tasks on the loop for a step of many small files.
+        files = iter(changed)
+
+        async def send_next() -> None:
+            for entry in files:
+                await self._upload_file(manifest, data_dir, entry, checked, start)
+
         async with trio.open_nursery() as nursery:
-            for entry in changed:
-                nursery.start_soon(self._upload_file, manifest, data_dir, entry, checked,
-                                   start)
+            for _ in range(min(PARALLEL_REQUESTS, len(changed))):
+                nursery.start_soon(send_next)
         if not self._is_current(manifest):  # deleted or re-saved meanwhile: never list it
             raise NoLongerWanted(prefix)
         if manifest.single_file and changed and (
@@ -381,6 +391,13 @@ class Uploader:
         async def call(what: str, func, *args) -> object:  # type: ignore[no-untyped-def]
             return await self._call(what, manifest, func, *args)
 
+        if self._yield_to_users is not None:  # the mount's users first (fs.foreground)
+            await self._yield_to_users()
+        await self._send_file(manifest, data_dir, entry, checked, start, call)
+
+    async def _send_file(self, manifest: mf.StepManifest, data_dir: str, entry: mf.FileEntry,
+                         checked: dict[str, dict[str, mf.FileEntry]], start: int,
+                         call: Callable[..., Awaitable[object]]) -> None:
         key = layout.object_key(data_dir, entry.name)
         for old_path, old_key in [] if start else self._copy_sources(key):
             if old_path != manifest.path and await self._copy(manifest, old_path, old_key, key,
