@@ -31,6 +31,7 @@ from tierfs.fs.appends import AppendSnapshots
 from tierfs.fs.background import Background
 from tierfs.fs.commits import SAVER_WAIT, Commits
 from tierfs.fs.deletes import DELETES_DIR, Deletes
+from tierfs.fs.foreground import Foreground
 from tierfs.fs.nodes import (
     DEFAULT_FILE_STEP_PATTERN,
     DEFAULT_STEP_PATTERN,
@@ -116,6 +117,8 @@ class Namespace:
         self.verifier = Verifier(tree, self.residency, persist, peers,
                                  finish_pending=self.commits.finish_pending)
         self.gate: ReadGate = self.verifier
+        # when the mount's users last asked something (background work waits for a pause)
+        self.foreground = Foreground()
 
     @classmethod
     def standalone(cls, store: RamStore, sink: CommitSink, *,
@@ -160,20 +163,29 @@ class Namespace:
 
     # -- directories and entries -----------------------------------------------------------
 
+    # The calls below are the kernel's requests: it knows of the change it asked for
+    # (`KernelCache.kernel_knows`), and keeps its own view of the entry up to date itself.
+
     def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        return self.tree.mkdir(parent, name, mode, uid, gid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.mkdir(parent, name, mode, uid, gid)
 
     def mknod(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        return self.tree.mknod(parent, name, mode, uid, gid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.mknod(parent, name, mode, uid, gid)
 
     def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
-        return self.tree.symlink(parent, name, target, uid, gid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.symlink(parent, name, target, uid, gid)
 
     def rmdir(self, parent: Node, name: bytes) -> None:
-        self.tree.rmdir(parent, name)
+        with self.tree.kernel_cache.kernel_knows():
+            self.tree.rmdir(parent, name)
 
     async def unlink(self, parent: Node, name: bytes) -> None:
-        if self.tree.unlink(parent, name):
+        with self.tree.kernel_cache.kernel_knows():
+            removed = self.tree.unlink(parent, name)
+        if removed:
             await self.commits.run_pending_commits(parent)
 
     def check_special_destination(self, node: Node, new_parent: Node) -> None:
@@ -194,14 +206,18 @@ class Namespace:
                 break
             for file_node in elsewhere:  # then check again: the awaits may have seen changes
                 await self.residency.make_resident(file_node, empty=False)
-        if self.tree.renames.rename(node, old_parent, old_name, new_parent, new_name, flags):
+        with self.tree.kernel_cache.kernel_knows():
+            moved = self.tree.renames.rename(node, old_parent, old_name, new_parent, new_name,
+                                             flags)
+        if moved:
             await self.commits.after_rename(node, old_parent)
 
     # -- files: a write ----------------------------------------------------------------------
 
     def create(self, parent: Node, name: bytes, mode: int, flags: int, uid: int,
                gid: int, pid: int = 0) -> tuple[Node, Handle]:
-        return self.tree.create(parent, name, mode, flags, uid, gid, pid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.create(parent, name, mode, flags, uid, gid, pid)
 
     async def open(self, node: Node, flags: int) -> Handle:
         self.tree.check_openable(node)

@@ -34,9 +34,11 @@ import errno
 import fcntl
 import logging
 import os
+import queue
 import socket
 import struct
 import subprocess
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -103,6 +105,9 @@ class PassthroughDevice:
         # Each relay task's buffer, reused for every message it moves (fuse_wire.Message).
         self._request_buffer = memoryview(bytearray(MESSAGE_MAX))
         self._reply_buffer = memoryview(bytearray(MESSAGE_MAX))
+        # The daemon's notifications to the kernel, for the thread that writes them
+        # (`_send_notices`); None ends it.
+        self._notices: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._closing = False
         self._aborted = False  # the connection was aborted
         self.connection: str | None = None  # the mount's directory under CONNECTIONS
@@ -152,9 +157,30 @@ class PassthroughDevice:
     async def run(self, on_unmount: Callable[[], None]) -> None:
         """Relay until the kernel unmounts (then `on_unmount` is called) and libfuse ends its
         session, or until cancelled."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._relay_requests, on_unmount)
-            nursery.start_soon(self._relay_replies)
+        notices = threading.Thread(target=self._send_notices, name="fuse-notices", daemon=True)
+        notices.start()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._relay_requests, on_unmount)
+                nursery.start_soon(self._relay_replies)
+        finally:
+            self._notices.put(None)
+
+    def _send_notices(self) -> None:
+        """Give the kernel the daemon's notifications (`fs.kernel_cache`), in order, from a
+        thread of their own: the kernel handles an entry's by taking its directory's lock,
+        which a request in that directory holds until the daemon answers it. Written on the
+        daemon's loop, such a notification would wait for a reply the loop can no longer
+        relay."""
+        while (notice := self._notices.get()) is not None:
+            try:
+                os.write(self.dev_fd, notice)
+            except OSError as exc:
+                if exc.errno == errno.ENODEV:
+                    return  # unmounted
+                # ENOENT: the kernel holds nothing of that entry or inode (nothing to drop)
+                if exc.errno != errno.ENOENT:
+                    log.warning("a notification to the kernel failed: %s", exc.strerror)
 
     def unmount(self) -> None:
         """Lazy unmount; the relay tasks end when the kernel drops the connection. Once this
@@ -322,6 +348,9 @@ class PassthroughDevice:
             return False
         if flags & socket.MSG_TRUNC:
             raise wire.WireError(f"a reply longer than the relay's {MESSAGE_MAX} bytes")
+        if wire.is_notification(self._reply_buffer[:length]):
+            self._notices.put(bytes(self._reply_buffer[:length]))
+            return True
         initialized = self._wire.initialized
         message = self._wire.reply(self._reply_buffer[:length])
         if self._wire.initialized and not initialized:

@@ -152,6 +152,8 @@ class Residents:
             node = parent.children.get(name)
             if node is None:
                 node = self.tree.attach(parent, name, stat.S_IFREG)
+            elif node.remote is None or node.remote.entry != entry:
+                self.tree.attrs_changed(node)  # the name stands for this version's file now
             # A file renamed before its new name reached the store: its old name holds it.
             moved = not in_store and bool(self._deletes.old_keys(
                 layout.object_key(data_dir, entry.name)))

@@ -298,6 +298,7 @@ class StepVersions:
             if node is step_node:  # a single-file step: the node stays, its bytes are elsewhere
                 node.remote = RemoteFile(layout.data_dir(manifest.path, True), manifest.files[0])
                 node.seal = None
+                self.tree.attrs_changed(node)
             else:
                 self.tree.detach(node)
         step.manifest = manifest

@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -114,6 +114,7 @@ class Uploader:
         single_writer: Callable[[mf.StepManifest], bool] = lambda _m: True,
         events: Events | None = None,
         shares: SharedUploads | None = None,
+        yield_to_users: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.backend = backend
         self._events = events or Events()
@@ -136,6 +137,8 @@ class Uploader:
         self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
         self.trackers = TrackerVersions()  # their versions that may still go up
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
+        # Each file waits for a pause in the mount users' requests before it is sent.
+        self._yield_to_users = yield_to_users
         self._path_locks: dict[str, trio.Lock] = {}  # an upload and a delete of one path
         self.troubles: dict[str, UploadTrouble] = {}
         self._uploading: str | None = None
@@ -404,15 +407,22 @@ class Uploader:
             await self._call(f"removing old manifest of {prefix}", manifest,
                              self.backend.delete, [manifest_key])
         checked: dict[str, dict[str, mf.FileEntry]] = {}  # what renames' sources hold
-        async with trio.open_nursery() as nursery:
-            for entry in changed:
-                if content is not None:
+        # PARALLEL_REQUESTS files at a time, each by a worker of its own that takes the next:
+        # a task per file was 10,000 tasks on the loop for a step of many small files.
+        files = iter(changed)
+
+        async def send_next() -> None:
+            for entry in files:
+                if content is None:
+                    await self._upload_file(manifest, data_dir, entry, checked, start)
+                else:  # a tracker's version, sent as it was
                     key = layout.object_key(data_dir, entry.name)
-                    nursery.start_soon(self._call, f"upload of {key}", manifest,
-                                       self.backend.put_bytes, key, content)
-                    continue
-                nursery.start_soon(self._upload_file, manifest, data_dir, entry, checked,
-                                   start)
+                    await self._call(f"upload of {key}", manifest, self.backend.put_bytes, key,
+                                     content)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(PARALLEL_REQUESTS, len(changed))):
+                nursery.start_soon(send_next)
         if not self._current(manifest):  # deleted or re-saved meanwhile: never list it
             raise NoLongerWanted(prefix)
         if not await self._others_stored(manifest, plan, started):
@@ -585,6 +595,13 @@ class Uploader:
         async def call(what: str, func, *args) -> object:  # type: ignore[no-untyped-def]
             return await self._call(what, manifest, func, *args)
 
+        if self._yield_to_users is not None:  # the mount's users first (fs.foreground)
+            await self._yield_to_users()
+        await self._send_file(manifest, data_dir, entry, checked, start, call)
+
+    async def _send_file(self, manifest: mf.StepManifest, data_dir: str, entry: mf.FileEntry,
+                         checked: dict[str, dict[str, mf.FileEntry]], start: int,
+                         call: Callable[..., Awaitable[object]]) -> None:
         key = layout.object_key(data_dir, entry.name)
         for old_path, old_key in [] if start else self._copy_sources(key):
             if old_path != manifest.path and await self._copy(manifest, old_path, old_key, key,

@@ -149,6 +149,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         if device is not None:
             device.close()
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
+    namespace.tree.kernel_cache.start()  # the session exists: invalidations can go
     cluster = ClusterNode(cfg, links, namespace, store, events, uploader) if links else None
     replicator = cluster.replicator if cluster else None
     pipeline = CommitPipeline(uploader, replicator)
@@ -195,6 +196,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                      cfg.ram_dir, cfg.ram_limit, os.getpid())
             ready.ok()
     finally:
+        namespace.tree.kernel_cache.stop()  # before the session it sends on is gone
         # Not once unmounted (`tierfs umount`): what is left at the mount point (a
         # container's volume, a bind mount) stays.
         pyfuse3.close(unmount=device is None and tierfs_on_top(cfg.mountpoint, cfg.ram_dir))

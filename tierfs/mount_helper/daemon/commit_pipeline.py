@@ -70,6 +70,7 @@ def make_uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
         on_persisted=persisted, on_retired=tiers.mark_retired,
         tracked_step=tiers.tracked_step, copy_sources=tiers.copy_sources,
         single_writer=tiers.single_writer, events=events, shares=shares,
+        yield_to_users=namespace.foreground.wait_quiet,
     )
 
 
