@@ -65,6 +65,8 @@ MANY_FILES, MANY_FILE_BYTES = 10_000, 4096
 APPEND_BASE, APPEND_BYTES, APPENDS = 1 << 20, 200, 20
 APPEND_PERIOD, APPEND_SECONDS = 0.05, 5.0
 FLOOR = "FUSE floor"  # the many-file rows on bench/fuse_floor.c: no FUSE daemon does better
+# ... and on bench/pyfuse3_floor.py: no daemon on pyfuse3 and trio (as tierfs's) does better
+PY_FLOOR = "pyfuse3 floor"
 # The peer data plane (issue 45): the loopback floor's connections (as --peer-connections'
 # default), and the pairs of nodes each copy is timed on (label, what, options).
 FLOOR_CONNECTIONS = 4
@@ -573,6 +575,9 @@ def _many_files(bench: Bench, rep: int, many: dict[str, dict[str, list[float]]],
         if bench.floor is not None:
             floor = stack.enter_context(fuse_floor.mounted(bench.floor, bench.work / "floor"))
             steps[FLOOR] = floor / name
+        python_floor = stack.enter_context(fuse_floor.mounted(
+            [sys.executable, str(fuse_floor.PYTHON_FLOOR)], bench.work / "pyfuse3-floor"))
+        steps[PY_FLOOR] = python_floor / name
         _many_files_on(bench, name, steps, record, extra)
 
 
@@ -996,15 +1001,20 @@ def report(data: dict[str, Any], out: Path) -> str:
         lines += ["", f"A step of {MANY_FILES:,} files x {MANY_FILE_BYTES // 1024} KiB "
                   "(seconds, median; a ratio is a time over tmpfs's, pair by pair; the FUSE "
                   "floor is a FUSE file system in C that only keeps the files in memory, "
-                  "bench/fuse_floor.c: no FUSE daemon's ratio can be below its own; the goals "
-                  "are tierfs / floor):", "",
-                  f"| workload | tierfs | tmpfs | {FLOOR} | tierfs / tmpfs | {FLOOR} / tmpfs "
-                  f"| tierfs / {FLOOR} | goal |", "|---|---|---|---|---|---|---|---|"]
+                  "bench/fuse_floor.c: no FUSE daemon's ratio can be below its own; the "
+                  "pyfuse3 floor the same file system on pyfuse3 and trio, as tierfs's daemon "
+                  "is, bench/pyfuse3_floor.py; the goals are tierfs / FUSE floor):", "",
+                  f"| workload | tierfs | tmpfs | {FLOOR} | {PY_FLOOR} | tierfs / tmpfs "
+                  f"| {FLOOR} / tmpfs | {PY_FLOOR} / {FLOOR} | tierfs / {FLOOR} | goal |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for workload, by_target in many.items():
-            tier, tmp, floor = (by_target.get(t, []) for t in ("tierfs", "tmpfs", FLOOR))
+            tier, tmp, floor, python_floor = (by_target.get(t, []) for t in
+                                              ("tierfs", "tmpfs", FLOOR, PY_FLOOR))
             ratios = [f"{statistics.median(a / b for a, b in zip(x, y, strict=False)):.1f}x"
-                      if x and y else "-" for x, y in ((tier, tmp), (floor, tmp), (tier, floor))]
-            cells = [f"{statistics.median(t):.2f} s" if t else "-" for t in (tier, tmp, floor)]
+                      if x and y else "-" for x, y in ((tier, tmp), (floor, tmp),
+                                                       (python_floor, floor), (tier, floor))]
+            cells = [f"{statistics.median(t):.2f} s" if t else "-"
+                     for t in (tier, tmp, floor, python_floor)]
             lines.append(f"| {workload} | {' | '.join(cells)} | {' | '.join(ratios)} | "
                          f"{MANY_GOALS.get(workload, '-')} |")
     lines += ["", "| measurement | median | target |", "|---|---|---|"]
