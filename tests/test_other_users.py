@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import MountFactory
+from tierfs.mount_helper.mounts import is_mounted
 
 pytestmark = pytest.mark.fuse
 
@@ -135,3 +136,19 @@ def test_other_users_may_only_read_status(public_dir: Path, trainer: str, run_as
     # the sticky, world-writable root lets the user make a directory of its own
     run_as(trainer, "-c", f"import os; os.mkdir({str(mnt / 'mine')!r})")
     assert os.stat(mnt / "mine").st_uid == pwd.getpwnam(trainer).pw_uid
+
+
+def test_another_user_s_umount_says_who_may(public_dir: Path, trainer: str, run_as: RunAs,
+                                           mounts: MountFactory) -> None:
+    """Before: "fusermount3: entry for ... not found in /etc/mtab"."""
+    mountpoint = public_dir / "shared"
+    mountpoint.mkdir(mode=0o755)
+    mnt = mounts.mount("--allow-other", mountpoint=mountpoint)
+    for extra in ([], ["--flush"]):
+        refused = run_as(trainer, "-m", "tierfs", "umount", str(mnt.mountpoint), *extra,
+                         check=False)
+        assert refused.returncode == 1
+        assert refused.stderr == (f"tierfs: cannot unmount {mnt.mountpoint}: it was mounted by "
+                                  "root, and only root may unmount it\n")
+    assert is_mounted(mnt.mountpoint)
+

@@ -93,6 +93,17 @@ class StepVersions:
         if record:
             self._write_node_list(step_node, PEERS_MARK, step_node.step.holders)
 
+    def forget_holders(self, step_node: Node) -> None:
+        """The cluster's etcd has no commit record of this version, which this node made: the
+        copies its marks name (replicas, holders) were counted by records that are gone (a
+        new cluster, a prefix wiped), on nodes that may not be members at all. Forgotten, on
+        disk too (in memory only if the RAM dir has no room: a restart forgets them again)."""
+        step = step_node.step
+        step.replicas, step.holders, step.file_holders = set(), set(), {}
+        with contextlib.suppress(OSError):
+            self._write_node_list(step_node, REPLICAS_MARK, set())
+            self._write_node_list(step_node, PEERS_MARK, set())
+
     def add_holder(self, step_node: Node, peer: str) -> None:
         step_node.step.holders.add(peer)
 
