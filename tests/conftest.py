@@ -31,7 +31,7 @@ from tierfs.mount_helper.mounts import is_mounted
 TIERFS = [sys.executable, "-m", "tierfs"]
 
 
-LAYERS = ("core", "store", "fuse", "cluster", "frameworks", "faults")
+LAYERS = ("core", "store", "fuse", "cluster", "frameworks", "faults", "image")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -45,9 +45,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def tierfs(*args: str, check: bool = True, timeout: float = 120,
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([*TIERFS, *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+           env: dict[str, str] | None = None,
+           prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the command line; `prefix` runs it through a wrapper (`nsenter --net=...`)."""
+    done = subprocess.run([*(prefix or []), *TIERFS, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
     if check and done.returncode != 0:
         raise AssertionError(f"tierfs {' '.join(args)} failed ({done.returncode}): "
                              f"{done.stderr.strip()}")
@@ -84,6 +86,7 @@ class Mount:
     log_file: Path
     extra: list[str] = field(default_factory=list)
     pid: int = 0
+    prefix: list[str] = field(default_factory=list)  # the daemon's wrapper (a netns)
 
     def __truediv__(self, relative: str) -> Path:
         return self.mountpoint / relative
@@ -124,7 +127,9 @@ class MountFactory:
         return ram_dir
 
     def mount(self, *extra: str, ram_dir: Path | None = None, mountpoint: Path | None = None,
-              env: dict[str, str] | None = None) -> Mount:
+              env: dict[str, str] | None = None, prefix: list[str] | None = None) -> Mount:
+        """Mount through the command line (run through `prefix`, e.g. `nsenter --net=...`,
+        when given: the daemon then lives in that network namespace)."""
         with self._lock:
             ram_dir = ram_dir or self.new_ram_dir()
             if ram_dir not in self.ram_dirs:
@@ -132,17 +137,17 @@ class MountFactory:
             mountpoint = mountpoint or self.tmp_path / f"mnt{len(self.mounts)}"
             mountpoint.mkdir(exist_ok=True)
             log_file = self.tmp_path / f"tierfs{len(self.mounts)}.log"
-            mount = Mount(mountpoint, ram_dir, log_file, list(extra))
+            mount = Mount(mountpoint, ram_dir, log_file, list(extra), prefix=list(prefix or []))
             self.mounts.append(mount)
         tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir), "--log-file", str(log_file),
-               *extra, env=env)
+               *extra, env=env, prefix=prefix)
         assert is_mounted(mountpoint)
         mount.pid = mount.status()["pid"]
         return mount
 
     def remount(self, old: Mount, *extra: str, env: dict[str, str] | None = None) -> Mount:
         return self.mount(*(extra or old.extra), ram_dir=old.ram_dir, mountpoint=old.mountpoint,
-                          env=env)
+                          env=env, prefix=old.prefix)
 
     def cleanup(self) -> None:
         for mount in reversed(self.mounts):

@@ -16,7 +16,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs.ports import ObjectMissing, TierError
+from tierfs.fs.ports import FilesOnPeers, ObjectMissing, TierError
 from tierfs.replication.coordination import placement
 from tierfs.replication.coordination.etcd import (
     EtcdUnavailable,
@@ -311,3 +311,22 @@ class StaticMembership:
                           self.node_id: self.info.address})
         task_status.started()
         await trio.sleep_forever()
+
+
+class MemoryShards:
+    """`ShardsOnPeers`: what each other node has written of each step (`files`: node ->
+    step path -> names); the nodes in `down` cannot answer."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, dict[str, set[str]]] = {}
+        self.down: set[str] = set()
+
+    async def ask(self, step_path: str, names: set[str], deadline: float) -> FilesOnPeers:
+        found = FilesOnPeers({}, set())
+        for node, steps in sorted(self.files.items()):
+            if node in self.down:
+                found.unanswered.add(node)
+                continue
+            for name in sorted(names & steps.get(step_path, set())):
+                found.held.setdefault(name, node)
+        return found

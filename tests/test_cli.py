@@ -148,8 +148,11 @@ def test_config_file_mistakes_are_one_line(tmp_path: Path) -> None:
                           "foreground must be true or false")
 
 
-def test_flush_names_the_steps_that_are_not_committed(mounts: MountFactory,
-                                                      tmp_path: Path) -> None:
+def test_flush_fails_naming_the_steps_that_are_not_committed(mounts: MountFactory,
+                                                             tmp_path: Path) -> None:
+    """A step still being written is in no tier but this node's RAM: `tierfs flush` does not
+    exit 0 (an epilog would unmount on its word), it names the step; once the step is
+    committed and stored, the flush exits 0."""
     store = tmp_path / "store"
     store.mkdir()
     mnt = mounts.mount("--persist", f"file://{store}")
@@ -157,8 +160,14 @@ def test_flush_names_the_steps_that_are_not_committed(mounts: MountFactory,
     (mnt / "run/step_2").mkdir()
     with open(mnt / "run/step_2/model.pt", "wb") as writer:  # a save still going on
         writer.write(b"weights")
-        done = tierfs("flush", str(mnt.mountpoint))
+        done = tierfs("flush", str(mnt.mountpoint), check=False)
+    assert done.returncode == 1, (done.stdout, done.stderr)
     assert "every committed step is in" in done.stdout
-    assert "1 steps are not committed" in done.stderr and "run/step_2" in done.stderr, \
+    assert "1 step is not committed" in done.stderr and "run/step_2" in done.stderr, \
         done.stderr
     assert "run/step_1" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    tierfs("commit", str(mnt / "run/step_2"))
+    done = tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    assert "not committed" not in done.stderr
+    assert (store / "run/step_2/model.pt").read_bytes() == b"weights"

@@ -18,9 +18,11 @@ import trio
 from tests.conftest import (
     MountFactory,
     finish_dcp_ranks,
+    resume_rank,
     run_dcp_ranks,
     start_dcp_ranks,
     wait_until,
+    wait_written,
 )
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_cluster_scale import dcp_metadata
@@ -139,6 +141,36 @@ def test_a_save_while_etcd_hangs_fails_within_its_bound_and_commits_once_etcd_is
         run_dcp_ranks([node0 / "run/step_2", node1 / "run/step_2"], timeout=120)
         for node in (node0, node1):
             assert "is not a member" not in node.log()
+        mounts.cleanup()  # the daemons go before their etcd
+
+
+def test_the_saver_call_that_commits_waits_no_longer_than_its_bound_when_etcd_hangs(
+        mounts: MountFactory, token_file: Path, tmp_path: Path) -> None:  # noqa: F811
+    """etcd hangs (SIGSTOP) once both ranks' shards are written: the save fails within
+    --commit-timeout of going on (4 s; a little more for DCP's own steps), not that plus two
+    etcd request timeouts: the kernel's lookups of `.metadata` on the way to its rename asked
+    etcd whether another node had committed the step, 2 s each (found by the partition suite:
+    the call took 14 s with --commit-timeout 10)."""
+    with Etcd(tmp_path / "etcd") as server:
+        cluster = Cluster(mounts, token_file, 2, server)
+        node0, node1 = cluster.start_all("--commit-timeout", "4")
+        assert server.pid is not None
+        ranks = start_dcp_ranks([node0 / "run/step_1", node1 / "run/step_1"], "--save-only",
+                                paused=0)
+        wait_written(ranks[0])
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            # the leases' keepalives find etcd silent (2 s each): it is known to be away
+            wait_until(lambda: "lease keepalive failed" in node0.log(), timeout=15)
+            started = time.monotonic()
+            resume_rank(ranks[0])
+            outputs = [rank.communicate(timeout=120) for rank in ranks]
+            took = time.monotonic() - started
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        assert all(rank.returncode != 0 for rank in ranks), outputs
+        assert "[Errno 110] Connection timed out" in outputs[0][1], outputs[0][1][-3000:]
+        assert took < 4 + 1.5, f"the save failed {took:.1f} s after it went on"
         mounts.cleanup()  # the daemons go before their etcd
 
 

@@ -139,7 +139,8 @@ async def test_status_says_why_a_step_due_in_the_store_is_not_there_yet(
         steps = by_path(status)
         assert steps["run/step_1"]["persist_wait"] is None
         assert steps["run/step_2"]["persist_wait"] == {
-            "reason": "the store does not answer", "since_ns": 123, "failures": 4}
+            "reason": "the store does not answer", "since_ns": 123, "failures": 4,
+            "blocked": False}
         persist = status["persist"]
         assert (persist["url"], persist["pending_steps"], persist["sent_bytes"]) == \
             ("s3://bucket/prefix", 1, 10)

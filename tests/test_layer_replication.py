@@ -21,7 +21,7 @@ from tierfs.replication.coordination import membership as live_members
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
 from tierfs.replication.peers import protocol as proto
-from tierfs.replication.peers.channel import connect
+from tierfs.replication.peers.channel import PeerChannel, connect
 from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.replication.peers.peer_reader import RangeServer
 from tierfs.replication.peers.protocol import ProtocolError
@@ -73,6 +73,7 @@ class Receiving:
         self.held: list[tuple[str, int, list[str], str]] = []
         self.receiver = ReplicaReceiver(self.objects, self.space, self._hold, **options)
         self.port = free_port()
+        self.put_channels: set[int] = set()  # the connections PUTs came over
 
     async def _hold(self, path: str, version: int, names: list[str],
                     peer: str) -> list[str] | None:
@@ -84,8 +85,12 @@ class Receiving:
         self.held.append((path, version, here, peer))
         return here
 
+    async def _put(self, message: proto.Message, channel: PeerChannel) -> None:
+        self.put_channels.add(id(channel))
+        await self.receiver.put(message, channel)
+
     async def start(self, nursery: trio.Nursery) -> None:
-        server = PeerServer("b", TOKEN, {"a", "b"}, {"PUT": self.receiver.put,
+        server = PeerServer("b", TOKEN, {"a", "b"}, {"PUT": self._put,
                                                     "HOLD": self.receiver.hold})
         await nursery.start(server.run, "127.0.0.1", self.port)
 
@@ -282,6 +287,33 @@ async def test_a_chunk_written_again_out_of_order_is_checked_in_the_file(
         assert target.read_bytes() == data
 
 
+async def test_chunks_over_several_connections_in_any_order_make_the_file(
+        tmp_path: Path) -> None:
+    """A file's chunks come over three connections, the last first: the file is whole and
+    verified once the last one is in, whatever the order; a chunk of a file that is already
+    here is answered OK at once."""
+    data = os.urandom(3 * mf.CHUNK_SIZE - 5)
+    entry = committed_object(tmp_path / "a-objects", data, "shard")
+    b = Receiving(tmp_path, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)))
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        channels = [await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+                    for _ in range(3)]
+        for index, channel in zip((2, 0, 1), channels, strict=True):
+            offset = index * mf.CHUNK_SIZE
+            await channel.request("PUT", data[offset:offset + mf.CHUNK_SIZE],
+                                  path="run/step_1", name="shard", xxh3=entry.xxh3,
+                                  size=entry.size, offset=offset)
+            assert (b.objects / entry.xxh3).exists() == (index == 1)
+        await channels[0].request("PUT", data[:mf.CHUNK_SIZE], path="run/step_1",
+                                  name="shard", xxh3=entry.xxh3, size=entry.size, offset=0)
+        for channel in channels:
+            await channel.aclose()
+        nursery.cancel_scope.cancel()
+    assert (b.objects / entry.xxh3).read_bytes() == data
+    assert incoming_files(b.objects) == [] and b.receiver._incoming_files == {}
+
+
 async def test_running_hashes_of_abandoned_transfers_are_dropped(tmp_path: Path) -> None:
     """Senders killed after a file's first chunk leave its running hash behind: the receiver
     keeps at most `running_limit` of them, and drops any idle for `running_idle` seconds; a
@@ -297,14 +329,14 @@ async def test_running_hashes_of_abandoned_transfers_are_dropped(tmp_path: Path)
             await channel.request("PUT", chunk, path="run/step_1", name=f"big{i}",
                                   xxh3=f"{i:032x}", size=2 * mf.CHUNK_SIZE, offset=0)
             await channel.aclose()  # the sender is gone, its file half sent
-        assert len(b.receiver._hashing) <= 4
+        assert len(b.receiver._incoming_files) <= 4
         assert len(incoming_files(b.objects)) == 10
         await trio.sleep(1.1)  # the abandoned ones are idle for longer than running_idle
         channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
         await channel.request("PUT", b"a whole small file", path="run/step_1", name="shard",
                               xxh3=entry.xxh3, size=entry.size, offset=0)
         await channel.aclose()
-        assert b.receiver._hashing == {}
+        assert b.receiver._incoming_files == {}
         assert incoming_files(b.objects) == []  # nor their half-sent files, nor their RAM
         nursery.cancel_scope.cancel()
     assert (b.objects / entry.xxh3).read_bytes() == b"a whole small file"
@@ -329,9 +361,10 @@ async def test_a_full_receiver_answers_an_error_and_keeps_nothing(tmp_path: Path
     assert not (b.objects / entry.xxh3).exists()
 
 
-async def test_steps_of_many_chunks_go_over_one_kept_alive_connection(
+async def test_steps_of_many_chunks_go_over_the_same_kept_alive_connections(
         tmp_path: Path, etcd_server: EtcdServer) -> None:
-    """Chunks pipelined from the RAM store (sendfile), two steps, one handshake in all."""
+    """Chunks pipelined from the RAM store (sendfile), each file's spread over the directory's
+    `connections` at once; two steps, one handshake per connection in all."""
     data = os.urandom(3 * mf.CHUNK_SIZE + 777)
     entries = [committed_object(tmp_path / "a-objects", data[i:], f"shard{i}") for i in (0, 1)]
     manifests = [mf.StepManifest(f"run/step_{i}", 1, 1, "a", 0, (e,))
@@ -353,7 +386,8 @@ async def test_steps_of_many_chunks_go_over_one_kept_alive_connection(
             while len(done) < 2:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
-    assert replicator.directory.pool.opened == 1
+    assert replicator.directory.pool.opened == replicator.directory.connections == 4
+    assert len(b.put_channels) == 4
     for i, entry in enumerate(entries):
         assert (b.objects / entry.xxh3).read_bytes() == data[i:]
 

@@ -122,6 +122,31 @@ def test_mountpoint_must_be_empty_unless_allowed(mounts: MountFactory, tmp_path:
     assert os.listdir(mnt.mountpoint) == []
 
 
+def test_a_mountpoint_that_is_a_mount_itself_is_mounted_over(mounts: MountFactory,
+                                                            tmp_path: Path) -> None:
+    """A container's volume is a bind mount (the DaemonSet's hostPath /checkpoints): tierfs
+    mounts over it as over any directory (it was refused as busy); what is in it is what
+    counts, as for a directory."""
+    mountpoint = tmp_path / "volume"
+    mountpoint.mkdir()
+    subprocess.run(["mount", "--bind", str(mountpoint), str(mountpoint)], check=True)
+    try:
+        mnt = mounts.mount(mountpoint=mountpoint)
+        stacked = [e.fstype for e in mount_table() if e.mountpoint == str(mountpoint)]
+        assert stacked[-1] == "fuse.tierfs" and len(stacked) == 2, stacked
+        (mnt / "run").mkdir()
+        assert os.listdir(mnt.mountpoint) == ["run"]
+        tierfs("umount", str(mountpoint))
+        assert [e.fstype for e in mount_table() if e.mountpoint == str(mountpoint)] == \
+            stacked[:1]
+        (mountpoint / "data.txt").write_text("hidden by a mount")
+        done = refused_mount(mounts, mountpoint)
+        last_line_error(done, f"mountpoint {mountpoint} is not empty")
+    finally:
+        for _ in [e for e in mount_table() if e.mountpoint == str(mountpoint)]:
+            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
+
+
 def test_mount_through_a_symlink_to_a_mount_is_refused(mounts: MountFactory,
                                                        tmp_path: Path) -> None:
     mnt = mounts.mount()

@@ -55,8 +55,10 @@ class Attributes:
                 os.utime(target, ns=times)
         if keeps_seal:
             node.seal = node.seal.restamped(self.tree.stat(node))
-        if node.is_file and size is None and (mode, uid, gid, mtime_ns) != (None,) * 4:
-            # Mode, owner and mtime are committed state: the step commits again, as a
+        if (node.is_file or node.is_dir and tree_walk.in_a_step(node)) and size is None \
+                and (mode, uid, gid, mtime_ns) != (None,) * 4:
+            # Mode, owner and mtime are committed state, a step directory's and those of the
+            # directories in it too (`fs.dir_attributes`): the step commits again, as a
             # version with new attributes only (no byte goes anywhere again).
             self.tree.mark_dirty(node)
             for step_node in tree_walk.enclosing_steps(node):

@@ -126,8 +126,9 @@ class Commits:
             with trio.move_on_after(patience) as attempt:
                 manifest, old = await self._commit_locked(step_node, step, wait_for_writers,
                                                           waiting, deadline, hashes_later)
-        except CoordinationUnavailable:
-            self.tree.manifests.leave_pending(step, "etcd (the cluster's records of its files)")
+        except CoordinationUnavailable as exc:
+            self.tree.manifests.leave_pending(
+                step, f"etcd (the cluster's records of its files): {exc}")
             raise
         except (OSError, RamFull) as exc:
             # Retried (retry_pending_commits) until it succeeds; `status` shows why it waits.
@@ -527,11 +528,26 @@ class Commits:
         which writes through a duplicate of the descriptor may still come. So its bytes become
         the committed object as they are, where a commit at the FLUSH had to copy the whole
         file first (`Commits._copy_open_files`: twice the RAM, and a close that waited
-        for the copy)."""
+        for the copy).
+
+        A tracker (DeepSpeed's `latest`, Megatron-LM's `latest_checkpointed_iteration.txt`)
+        commits so too, each version: a saver rewrites it at every save, often more often
+        than `--commit-idle`, and a tracker that waited to be quiet never reached another
+        tier. Its saver writes it once the step it names is complete, so that step commits
+        first (the saver's mark, as `.metadata` is DCP's)."""
         step = node.step
-        if (node.is_file and step is not None and step.number is not None
-                and not step.committed and not node.active_writers
-                and not node.open_for_writing):
+        if not (node.is_file and step is not None and not step.committed
+                and not node.active_writers and not node.open_for_writing):
+            return
+        identity = self.tree.identity
+        if step.number is None and not identity.is_tracker(node):
+            return  # a loose file: once quiet
+        if step.number is None:
+            named = identity.tracked_dir(node)
+            if named is not None and not named.step.shown_committed and \
+                    not tree_walk.has_active_writers(named):
+                await self.commit_quietly(named)
+        if node.step is step and node.parent is not None:
             await self.commit_quietly(node)
 
     async def run_pending_commits(self, dir_node: Node | None) -> None:

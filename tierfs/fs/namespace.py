@@ -26,11 +26,12 @@ from pathlib import Path
 
 import trio
 
-from tierfs.fs import user_xattrs
+from tierfs.fs import tree_walk, user_xattrs
 from tierfs.fs.appends import AppendSnapshots
 from tierfs.fs.background import Background
 from tierfs.fs.commits import SAVER_WAIT, Commits
 from tierfs.fs.deletes import DELETES_DIR, Deletes
+from tierfs.fs.foreground import Foreground
 from tierfs.fs.nodes import (
     DEFAULT_FILE_STEP_PATTERN,
     DEFAULT_STEP_PATTERN,
@@ -49,6 +50,7 @@ from tierfs.fs.ports import (
     ReadGate,
     ReadSource,
     SealedCollector,
+    ShardsOnPeers,
     StoreCheck,
 )
 from tierfs.fs.quiet_commits import QuietCommits, QuietWatch
@@ -92,7 +94,8 @@ class Namespace:
                  replicas: int = 0, events: Events | None = None,
                  commit_timeout: float = SAVER_WAIT, append_every: float = 0.0,
                  copies_wait: CopiesWait | None = None,
-                 store_check: StoreCheck | None = None) -> None:
+                 store_check: StoreCheck | None = None,
+                 shards: ShardsOnPeers | None = None) -> None:
         self.tree = tree = core.tree
         self.view = core.view
         self.events = events or Events()
@@ -104,7 +107,8 @@ class Namespace:
                                    keep_ram=keep_ram, replicas=replicas,
                                    liveness=core.liveness,
                                    records=sealed, store_check=store_check)
-        self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)
+        self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed,
+                                shards)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
                                saver_wait=commit_timeout, copies_wait=copies_wait)
         self.quiet = QuietCommits(tree, core.watch, self.commits)
@@ -113,6 +117,8 @@ class Namespace:
         self.verifier = Verifier(tree, self.residency, persist, peers,
                                  finish_pending=self.commits.finish_pending)
         self.gate: ReadGate = self.verifier
+        # when the mount's users last asked something (background work waits for a pause)
+        self.foreground = Foreground()
 
     @classmethod
     def standalone(cls, store: RamStore, sink: CommitSink, *,
@@ -157,20 +163,29 @@ class Namespace:
 
     # -- directories and entries -----------------------------------------------------------
 
+    # The calls below are the kernel's requests: it knows of the change it asked for
+    # (`KernelCache.kernel_knows`), and keeps its own view of the entry up to date itself.
+
     def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        return self.tree.mkdir(parent, name, mode, uid, gid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.mkdir(parent, name, mode, uid, gid)
 
     def mknod(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        return self.tree.mknod(parent, name, mode, uid, gid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.mknod(parent, name, mode, uid, gid)
 
     def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
-        return self.tree.symlink(parent, name, target, uid, gid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.symlink(parent, name, target, uid, gid)
 
     def rmdir(self, parent: Node, name: bytes) -> None:
-        self.tree.rmdir(parent, name)
+        with self.tree.kernel_cache.kernel_knows():
+            self.tree.rmdir(parent, name)
 
     async def unlink(self, parent: Node, name: bytes) -> None:
-        if self.tree.unlink(parent, name):
+        with self.tree.kernel_cache.kernel_knows():
+            removed = self.tree.unlink(parent, name)
+        if removed:
             await self.commits.run_pending_commits(parent)
 
     def check_special_destination(self, node: Node, new_parent: Node) -> None:
@@ -178,17 +193,31 @@ class Namespace:
 
     async def rename(self, old_parent: Node, old_name: bytes, new_parent: Node,
                      new_name: bytes, flags: int) -> None:
-        node = self.tree.renames.check_rename(old_parent, old_name, new_name, flags)
-        if node.remote is not None and not node.remote.in_store:  # the store renames its own
-            await self.residency.make_resident(node, empty=False)
-        if self.tree.renames.rename(node, old_parent, old_name, new_parent, new_name, flags):
+        while True:
+            node = self.tree.renames.check_rename(old_parent, old_name, new_name, flags)
+            # Files only peers hold come here first (the store renames its own): under the new
+            # name they are this node's to commit and serve, and the peers' copies go with the
+            # old name. A step renamed here while other nodes held some of its files could not
+            # commit at its new name (their holders were known by the old one): it stayed
+            # `writing` here and the peers kept the old name.
+            elsewhere = [file_node for file_node in tree_walk.walk_files(node)
+                         if file_node.remote is not None and not file_node.remote.in_store]
+            if not elsewhere:
+                break
+            for file_node in elsewhere:  # then check again: the awaits may have seen changes
+                await self.residency.make_resident(file_node, empty=False)
+        with self.tree.kernel_cache.kernel_knows():
+            moved = self.tree.renames.rename(node, old_parent, old_name, new_parent, new_name,
+                                             flags)
+        if moved:
             await self.commits.after_rename(node, old_parent)
 
     # -- files: a write ----------------------------------------------------------------------
 
     def create(self, parent: Node, name: bytes, mode: int, flags: int, uid: int,
                gid: int, pid: int = 0) -> tuple[Node, Handle]:
-        return self.tree.create(parent, name, mode, flags, uid, gid, pid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.create(parent, name, mode, flags, uid, gid, pid)
 
     async def open(self, node: Node, flags: int) -> Handle:
         self.tree.check_openable(node)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import pyfuse3
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, StatvfsData
 
+from tierfs.fs.kernel_cache import timeout_for
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.nodes import (
     NAME_MAX,
@@ -35,7 +36,6 @@ from tierfs.fs.ram_store import RamFull
 log = logging.getLogger(__name__)
 
 XATTR_CONTROL = b"user.tierfs.control"
-ATTR_TIMEOUT = 1.0
 BLOCK = 4096
 
 T = TypeVar("T")
@@ -44,6 +44,7 @@ T = TypeVar("T")
 def _boundary(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(handler)
     async def wrapper(self: Operations, *args: Any) -> T:
+        self.ns.foreground.request()  # background work waits while users' requests come
         try:
             return await handler(self, *args)
         except FUSEError:
@@ -89,7 +90,7 @@ class Operations(pyfuse3.Operations):
             attrs.st_uid, attrs.st_gid = parent.st_uid, parent.st_gid
             attrs.st_size = len(target)
             attrs.st_atime_ns = attrs.st_mtime_ns = attrs.st_ctime_ns = parent.st_mtime_ns
-            attrs.entry_timeout = attrs.attr_timeout = 0
+            attrs.entry_timeout = attrs.attr_timeout = timeout_for(node)
             return attrs
         st = self.ns.stat(node)
         attrs.st_mode = st.st_mode
@@ -106,7 +107,9 @@ class Operations(pyfuse3.Operations):
         attrs.st_atime_ns = st.st_atime_ns
         attrs.st_mtime_ns = st.st_mtime_ns
         attrs.st_ctime_ns = st.st_ctime_ns
-        attrs.entry_timeout = attrs.attr_timeout = ATTR_TIMEOUT
+        # How long the kernel may keep them (fs.kernel_cache: the daemon tells it of the
+        # changes it cannot see).
+        attrs.entry_timeout = attrs.attr_timeout = timeout_for(node)
         return attrs
 
     def _entry(self, node: Node) -> EntryAttributes:

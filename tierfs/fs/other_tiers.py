@@ -22,20 +22,33 @@ from tierfs import manifest as mf
 from tierfs.fs import dcp_metadata, tree_walk
 from tierfs.fs.deletes import PERSIST, Deletes, Tombstone, peer_target
 from tierfs.fs.nodes import METADATA, FsError, Node, StepState, some_names
-from tierfs.fs.ports import SealedCollector, Spawner, TierError
+from tierfs.fs.ports import (
+    CoordinationUnavailable,
+    FilesOnPeers,
+    SealedCollector,
+    ShardsOnPeers,
+    Spawner,
+    TierError,
+)
 from tierfs.fs.residency import Residency
 from tierfs.fs.step_versions import StepVersions
 from tierfs.fs.tree import Tree
 from tierfs.fs.tree_view import TreeView
+from tierfs.shared_uploads import PERSISTED, RETIRED
 
 log = logging.getLogger(__name__)
+
+# Seconds a commit waits for other nodes' records of the shards its `.metadata` names before
+# it asks the nodes themselves (`locate_dcp_files`): records come as the shards' hashes do.
+ASK_PEERS_AFTER = 1.0
 
 
 class OtherTiers:
     """Copies of steps in the persistent tier and on peers, as this node knows them."""
 
     def __init__(self, tree: Tree, residency: Residency, deletes: Deletes,
-                 background: Spawner, sealed: SealedCollector | None = None) -> None:
+                 background: Spawner, sealed: SealedCollector | None = None,
+                 shards: ShardsOnPeers | None = None) -> None:
         self.tree = tree
         self.view = TreeView(tree)  # the queries a rename's upload asks
         self.versions = StepVersions(tree)  # the changes of step versions it makes
@@ -43,6 +56,7 @@ class OtherTiers:
         self.deletes = deletes
         self.background = background
         self.sealed = sealed  # the cluster's records of who holds which file (etcd)
+        self.shards = shards  # asks the peers for files of a step their records lack
         self.node_id = tree.node_id
         # files of steps being committed here that stay on the other nodes that wrote them
         self._elsewhere: dict[str, set[str]] = {}
@@ -89,17 +103,31 @@ class OtherTiers:
         return node is not None and node.step.manifest is manifest
 
     def committed_manifests(self) -> list[mf.StepManifest]:
-        """Committed steps in RAM (or renamed, with files the store holds under their old
-        names) whose version has not reached the persistent tier."""
+        """Committed steps whose version has not reached the persistent tier and that this
+        node uploads: those made here with every file in RAM (or renamed, with files the
+        store holds under their old names); in a cluster, whose uploads are shared
+        (`tierfs.shared_uploads`), every step made here and every one with a file in RAM
+        here, whoever made it."""
         found = []
         for node in self.tree.steps():
             step = node.step
-            if step.committed and not step.persisted and \
-                    (step.in_ram or self.view.in_ram_or_store(node)) and \
-                    step.manifest.node_id == self.node_id and \
-                    step.retired_version != step.manifest.version:
+            if not step.committed or step.persisted or \
+                    step.retired_version == step.manifest.version:
+                continue
+            made_here = step.manifest.node_id == self.node_id
+            if (made_here and (step.in_ram or self.view.in_ram_or_store(node))) or (
+                    self.sealed is not None and (made_here or step.resident)):
                 found.append(step.manifest)
         return sorted(found, key=lambda m: (m.step, m.path))
+
+    def not_in_store(self) -> list[mf.StepManifest]:
+        """Every committed step listed here whose version the persistent tier does not hold
+        (nor retired from it): in a cluster, what `tierfs flush` on any node waits for,
+        whichever nodes upload it."""
+        return sorted((n.step.manifest for n in self.tree.steps()
+                       if n.step.committed and not n.step.persisted
+                       and n.step.retired_version != n.step.manifest.version),
+                      key=lambda m: (m.step, m.path))
 
     def mark_persisted(self, manifest: mf.StepManifest) -> None:
         """The uploader put this version in the store. Its mark is written first; if the RAM
@@ -184,6 +212,25 @@ class OtherTiers:
         node = self.tree.find_step(relpath)
         return node is not None and node.step.persisted
 
+    def store_state(self, relpath: str, version: int, state: str) -> None:
+        """The cluster's records say what the persistent tier holds of the step's `version`
+        (whichever node wrote it there): PERSISTED, or RETIRED by --keep-persist."""
+        node = self.tree.find_step(relpath)
+        if node is None or not node.step.committed or node.step.manifest.version != version:
+            return
+        if state == PERSISTED and not node.step.persisted:
+            try:
+                self.versions.set_persisted(node, version)
+            except OSError as exc:  # no room for its mark (a full /dev/shm): shown as not
+                log.warning("%s v%d is in the persistent tier, but this node could not "
+                            "record it: %s", relpath, version, exc.strerror or exc)
+                return
+            log.info("%s v%d is in the persistent tier (the cluster's records say so)",
+                     relpath, version)
+            self.residency.enforce_keep_ram()
+        elif state == RETIRED and node.step.retired_version != version:
+            self.mark_retired(relpath)
+
     def mark_retired(self, relpath: str) -> None:
         """Retention removed the step from the persistent tier: never upload it again."""
         node = self.tree.find_step(relpath)
@@ -219,20 +266,24 @@ class OtherTiers:
                     release=True) is not None:
                 self.versions.set_persisted(node, manifest.version, recorded=True)
                 self.tree.residents.add_remote_files(node, list(manifest.files))
+                self.versions.give_dir_attributes(manifest)
             return False
         step_node = self.versions.install_step(manifest, "the persistent tier")
         if step_node is None:
             return False
         self.versions.set_persisted(step_node, manifest.version)
         self.tree.residents.add_remote_files(step_node, list(manifest.files))
+        self.versions.give_dir_attributes(manifest)
         return True
 
     # -- trackers (tierfs.trackers): never in a tier without the step they name ------------
 
-    def tracked_step(self, manifest: mf.StepManifest) -> trackers.TrackedStep | None:
+    def tracked_step(self, manifest: mf.StepManifest, content: bytes | None = None
+                     ) -> trackers.TrackedStep | None:
         """If this version is a tracker, the step it names (the uploader holds its upload until
-        that step is in the store); None if it is no tracker."""
-        found = self._tracked(manifest)
+        that step is in the store); None if it is no tracker. `content`: the tracker's bytes
+        (an older version's, or the store's), else those of this version in RAM."""
+        found = self._tracked(manifest, content)
         if found is None:
             return None
         number, step = found
@@ -254,14 +305,17 @@ class OtherTiers:
         return step is not None and step.committed and (step.persisted or all(
             peer in verified(step, entry.name) for entry in step.manifest.files))
 
-    def _tracked(self, manifest: mf.StepManifest) -> tuple[int, StepState | None] | None:
+    def _tracked(self, manifest: mf.StepManifest, content: bytes | None = None
+                 ) -> tuple[int, StepState | None] | None:
         """A tracker's step number and the step of that number in its directory, committed or
         being written (None if there is none here); None if `manifest` is no tracker (another
-        file, a content that names no step, bytes not in RAM here)."""
+        file, a content that names no step, bytes not in RAM here). `content`: the bytes to
+        read instead of this version's."""
         if not (manifest.single_file and manifest.step == mf.NO_STEP
                 and trackers.is_tracker_name(manifest.path)):
             return None
-        named = self._tracker_text(manifest.files[0])
+        named = (self._tracker_text(manifest.files[0]) if content is None
+                 else trackers.named_step(content))
         try:
             run_dir = self.tree.find_dir(manifest.path.rpartition("/")[0])
         except FsError:
@@ -446,12 +500,14 @@ class OtherTiers:
                                  release=True) is not None:
                 self.versions.set_holders(node, others, record=False)
                 self.tree.residents.add_remote_files(node, list(manifest.files))
+            self.versions.give_dir_attributes(manifest)
             return
         step_node = self.versions.install_step(manifest, f"node {', '.join(sorted(others))}")
         if step_node is None:
             return
         self.versions.set_holders(step_node, others, record=True)
         self.tree.residents.add_remote_files(step_node, list(manifest.files))
+        self.versions.give_dir_attributes(manifest)
         log.info("%s v%d is in the cluster (held by %s)", manifest.path, manifest.version,
                  ", ".join(sorted(others)))
 
@@ -462,12 +518,17 @@ class OtherTiers:
         single node (`cp -r`, `rsync`, `tar` may write `.metadata` first) by waiting for them,
         on several nodes by finding the records of the shards other nodes' ranks sealed (the
         shards stay where they were written: the manifest names their holders), waiting for
-        them until `deadline` (trio time). A step saved again over its committed version
-        asks the same of the files it has only as they were in that version (`_old_copies`):
-        a node that saved one again has its new record taken (the step must not mix two
-        saves); one that nobody saved again by the deadline stays as it is. False while
-        some are missing (`missing_dcp_files` names them); `CoordinationUnavailable` if etcd
-        does not answer by the deadline."""
+        them until `deadline` (trio time). Records still missing after ASK_PEERS_AFTER are
+        asked of the peers themselves (`_unrecorded`): shards no node has are still to come
+        here (False at once); shards a node has that it did not record by the deadline (it
+        is cut off from etcd), or that a node which cannot answer may have, make the commit
+        fail (`CoordinationUnavailable`), so that the saver's call never returns success for
+        a step that did not commit. A step saved again over its committed version asks the
+        same of the files it has only as they were in that version (`_old_copies`): a node
+        that saved one again has its new record taken (the step must not mix two saves);
+        one that nobody saved again by the deadline stays as it is. False while some are
+        missing (`missing_dcp_files` names them); `CoordinationUnavailable` if etcd does
+        not answer by the deadline."""
         missing = await self.missing_dcp_files(step_node)
         step_path = self.tree.relpath(step_node)
         old = self._old_copies(step_node) if self.sealed is not None else set()
@@ -479,8 +540,25 @@ class OtherTiers:
             return False
         step = step_node.step
         base = step.manifest.version if step.manifest else 0
-        found = await self.sealed.collect(step_path, missing | old, deadline, base)
+        early = min(deadline, trio.current_time() + ASK_PEERS_AFTER)
+        try:
+            found = await self.sealed.collect(step_path, missing | old, early, base)
+        except CoordinationUnavailable:
+            if early >= deadline:
+                raise
+            found = {}  # etcd slow for a moment: the wait below is the one that counts
+        on_peers = None
+        if not missing <= set(found) and self.shards is not None:
+            on_peers = await self.shards.ask(step_path, missing - set(found), deadline)
+            if not on_peers.held and not on_peers.unanswered:
+                log.info("commit of %s waits for %s, named by its .metadata: no node has "
+                         "them yet", step_path, some_names(missing - set(found)))
+                return False
+        if not (missing | old) <= set(found) and early < deadline:
+            found = await self.sealed.collect(step_path, missing | old, deadline, base)
         if not missing <= set(found):
+            if on_peers is not None:
+                raise CoordinationUnavailable(self._unrecorded(missing - set(found), on_peers))
             log.info("commit of %s waits for %s from other nodes", step_path,
                      ", ".join(sorted(missing - set(found))))
             return False
@@ -508,6 +586,22 @@ class OtherTiers:
                      len(found), ", ".join(sorted({peer for peer, _e in found.values()})))
         return True
 
+    @staticmethod
+    def _unrecorded(names: set[str], on_peers: FilesOnPeers) -> str:
+        """Why files a `.metadata` names have no record in etcd by the commit's deadline."""
+        held: dict[str, list[str]] = {}
+        for name in names & set(on_peers.held):
+            held.setdefault(on_peers.held[name], []).append(name)
+        why = [f"{node} wrote {some_names(files)} and did not record "
+               f"{'them' if len(files) > 1 else 'it'} in etcd (cut off from etcd?)"
+               for node, files in sorted(held.items())]
+        rest = names - set(on_peers.held)
+        if rest:
+            why.append(f"{some_names(rest)} may be on {', '.join(sorted(on_peers.unanswered))}, "
+                       "which did not answer (down?)" if on_peers.unanswered
+                       else f"{some_names(rest)} had no record in time")
+        return "; ".join(why)
+
     def _old_copies(self, step_node: Node) -> set[str]:
         """Files its `.metadata` names that a step saved again has here only as they were in
         its committed version: a copy held here that was not written since
@@ -517,6 +611,8 @@ class OtherTiers:
         old = step.manifest
         if old is None or step.committed or step.dcp_files is None:
             return set()
+        if old.path != self.tree.relpath(step_node):
+            return set()  # renamed since: its files are its own, nobody saves them again there
         located = self._elsewhere.get(self.tree.relpath(step_node), set())
         found = set()
         for rel, node in tree_walk.files_under(step_node):
@@ -605,12 +701,15 @@ class OtherTiers:
         step's `.metadata` (where a DCP load starts) and the cluster committed the step
         meanwhile (another node got its `.metadata`), list it committed now rather than at
         the watch event. Whether the step changed. Other names are not asked about: a saver
-        creating a file looks its name up first, and must not wait for etcd each time."""
+        creating a file looks its name up first, and must not wait for etcd each time. Nor
+        is etcd asked while it is known not to answer: the lookups of `.metadata` on the way
+        to its rename, the saver's call that commits, would each wait a request's timeout
+        on top of --commit-timeout."""
         step_node = next(tree_walk.enclosing_steps(dir_node), None)
         if (self.sealed is None or step_node is None or step_node.step.committed
                 or name != METADATA or dir_node is not step_node):
             return False
-        found = await self.sealed.manifest_of(self.tree.relpath(step_node))
+        found = await self.sealed.manifest_of(self.tree.relpath(step_node), patient=False)
         if found is None:
             return False
         self.learn(*found)

@@ -8,8 +8,11 @@ Outward (implemented outside `fs`):
 
 * `CommitSink`: where a commit's manifest goes (the daemon's channel to uploads and replicas).
 * `ReadSource`: a tier that serves ranges of committed files (peers, the persistent tier);
-  defined beside `Fetch`, which uses it, and re-exported here.
+  defined beside `Fetch`, which uses it, and re-exported here, with `Store`: the check and
+  write of fetched bytes that a source which can (`can_store`, peers) calls where they came
+  in.
 * `SealedCollector`: the cluster's records of which node holds which file of a step.
+* `ShardsOnPeers`: which other nodes have files of a step being written (their records late).
 * `PeerCopies`, `PersistCopies`: the tiers `tierfs verify` checks and repairs.
 * `StoreCheck`: what the persistent tier holds of a step now, asked before the last copy of
   a file leaves RAM on the strength of the store.
@@ -38,16 +41,18 @@ Inward (implemented inside `fs`, injected so that the core imports no collaborat
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from tierfs import manifest as mf
-from tierfs.fs.fetch import ReadSource
+from tierfs.fs.fetch import ReadSource, Store
 from tierfs.fs.nodes import Node
 from tierfs.fs.tier_errors import ObjectMissing, TierError
 
-__all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "Liveness",
-           "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate", "ReadSource",
-           "SealedCollector", "Spawner", "StepWatch", "StoreCheck", "TierError"]
+__all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "FilesOnPeers",
+           "Liveness", "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate",
+           "ReadSource", "SealedCollector", "ShardsOnPeers", "Spawner", "StepWatch", "Store",
+           "StoreCheck", "TierError"]
 
 
 class CommitSink(Protocol):
@@ -82,8 +87,10 @@ class SealedCollector(Protocol):
                       deadline: float | None) -> None:
         """This node committed `manifest`: the cluster's commit record."""
 
-    async def manifest_of(self, step_path: str) -> tuple[mf.StepManifest, list[str]] | None:
-        """The step's committed manifest in the cluster and the nodes holding its files."""
+    async def manifest_of(self, step_path: str, *, patient: bool = True
+                          ) -> tuple[mf.StepManifest, list[str]] | None:
+        """The step's committed manifest in the cluster and the nodes holding its files (not
+        `patient`: None at once while etcd is known not to answer)."""
 
     async def leave_files(self, manifest: mf.StepManifest, names: list[str], need: int,
                           live: Callable[[str], bool]) -> set[str] | None:
@@ -100,6 +107,24 @@ class SealedCollector(Protocol):
         """Which node wrote each file of this committed version, from its records (None if
         they cannot be read)."""
         ...
+
+
+@dataclass
+class FilesOnPeers:
+    """What the other nodes said of files of a step: `held`, name -> a node that has it;
+    `unanswered`, the nodes that could not say (down, unreachable, too slow): they may have
+    any of them."""
+
+    held: dict[str, str]
+    unanswered: set[str]
+
+
+class ShardsOnPeers(Protocol):
+    """Asks every other node which of these files of a step it has in its tree (written
+    there, recorded in etcd or not), by `deadline` (trio time); never raises (a node that
+    cannot answer is in `unanswered`)."""
+
+    async def ask(self, step_path: str, names: set[str], deadline: float) -> FilesOnPeers: ...
 
 
 class CopiesWait(Protocol):

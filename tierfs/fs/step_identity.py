@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import re
+import weakref
 
-from tierfs import layout
+from tierfs import layout, trackers
 from tierfs.fs import tree_walk
 from tierfs.fs.nodes import NAME_MAX, Node, StepState
 from tierfs.fs.ports import StepWatch
@@ -24,6 +25,10 @@ class StepIdentity:
         self._watch = watch
         self.pattern = re.compile(step_pattern)
         self.file_pattern = re.compile(file_step_pattern)
+        # tracker node -> (its generation and seal when read, the step directory it named):
+        # `latest` asks at every lookup, the tracker's bytes are read once per version
+        self._tracked: weakref.WeakKeyDictionary[Node, tuple[object, Node | None]] = \
+            weakref.WeakKeyDictionary()
 
     def step_number_at(self, parent: Node | None, name: bytes | str) -> int | None:
         """The step number of a directory `name` in `parent`: a step is a directory whose name
@@ -54,6 +59,50 @@ class StepIdentity:
             return int(match.group(1))
         except (IndexError, TypeError, ValueError):
             return None
+
+    # -- trackers (tierfs.trackers) ----------------------------------------------------------
+
+    def is_tracker(self, node: Node) -> bool:
+        """Whether `node` is a tracker file: a loose file named `latest`,
+        `latest_checkpointed_iteration.txt`, ... (a file inside a step is part of it)."""
+        return (node.is_file and node.step is not None and node.step.number is None
+                and trackers.is_tracker_name(os.fsdecode(node.name)))
+
+    def tracked_number(self, dir_node: Node) -> int | None:
+        """The number of the step that the tracker in `dir_node` names (the highest, if it
+        holds several trackers), None if none names one (or its bytes are not in RAM here)."""
+        numbers = []
+        for name in trackers.TRACKER_NAMES:
+            node = dir_node.children.get(name.encode())
+            if node is None or not self.is_tracker(node) or node.remote is not None:
+                continue
+            key = (node.gen, node.seal, node.active_writers)
+            cached = self._tracked.get(node)
+            if cached is None or cached[0] != key:
+                cached = self._tracked[node] = (key, self.tracked_dir(node))
+            named = cached[1]
+            if named is not None and named.step is not None and named.parent is dir_node \
+                    and named.step.number is not None:
+                numbers.append(named.step.number)
+        return max(numbers, default=None)
+
+    def tracked_dir(self, tracker: Node) -> Node | None:
+        """The step directory beside `tracker` that its bytes in RAM name (a name, or a step
+        number), or None (no such directory, or content that names none)."""
+        try:
+            with open(self.tree.backing(tracker), "rb") as f:
+                named = trackers.named_step(f.read(trackers.MAX_BYTES + 1))
+        except OSError:
+            return None
+        parent = tracker.parent
+        if parent is None or named is None:
+            return None
+        if isinstance(named, str):
+            node = parent.children.get(os.fsencode(named))
+        else:
+            node = next((n for n in parent.children.values()
+                         if n.is_dir and n.step is not None and n.step.number == named), None)
+        return node if node is not None and node.is_dir and node.step is not None else None
 
     # -- a step's identity after a rename --------------------------------------------------
 

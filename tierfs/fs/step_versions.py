@@ -15,6 +15,7 @@ import stat
 from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs import tree_walk
+from tierfs.fs.dir_attributes import times_kept
 from tierfs.fs.fetch import RemoteFile
 from tierfs.fs.nodes import LATEST, PEERS_MARK, REPLICAS_MARK, Node, StepState
 from tierfs.fs.tree import Tree
@@ -151,6 +152,7 @@ class StepVersions:
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
                 made.append(child)
+                self.tree.dir_attributes.made(child)  # given its recorded attributes
                 number = self.tree.identity.step_number_at(parent, part)
                 if number is not None:
                     child.step = StepState(number)
@@ -190,6 +192,7 @@ class StepVersions:
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
                 made.append(child)
+                self.tree.dir_attributes.made(child)
             elif not child.is_dir or child.step is not None:
                 break
             parent = child
@@ -218,6 +221,11 @@ class StepVersions:
         log.warning("file %s from %s does not fit this namespace (a step directory or a "
                     "file of that name in use)", manifest.path, source)
         return None
+
+    def give_dir_attributes(self, manifest: mf.StepManifest) -> None:
+        """The directories made here for other tiers' steps that `manifest` records get the
+        attributes it (or a newer commit) records for them (`fs.dir_attributes`)."""
+        self.tree.dir_attributes.give(self.tree.root, manifest, self.tree.backing)
 
     def _unmake(self, made: list[Node]) -> None:
         """Remove the directories an install made (empty), last made first."""
@@ -301,6 +309,7 @@ class StepVersions:
             if node is step_node:  # a single-file step: the node stays, its bytes are elsewhere
                 node.remote = RemoteFile(layout.data_dir(manifest.path, True), manifest.files[0])
                 node.seal = None
+                self.tree.attrs_changed(node)
             else:
                 self.tree.detach(node)
         step.manifest = manifest
@@ -378,13 +387,15 @@ class StepVersions:
                     return 0
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
+                self.tree.dir_attributes.made(child)
             parent = child
         made = 0
         for name, target in links.items():
             raw = os.fsencode(name)
             if raw in parent.children or (raw == LATEST and self.tree.latest.is_own(parent)):
                 continue
-            os.symlink(target, os.path.join(self.tree.backing(parent), raw))
+            with times_kept(self.tree.backing(parent)):  # made again, not a change
+                os.symlink(target, os.path.join(self.tree.backing(parent), raw))
             self.tree.attach(parent, raw, stat.S_IFLNK)
             made += 1
         return made

@@ -48,7 +48,9 @@ from tierfs.fs import links as symlinks
 from tierfs.fs import tree_walk
 from tierfs.fs.attributes import Attributes
 from tierfs.fs.copy_on_write import CopyOnWrite
+from tierfs.fs.dir_attributes import DirAttributes, times_kept
 from tierfs.fs.holders import Holdings
+from tierfs.fs.kernel_cache import KernelCache
 from tierfs.fs.long_paths import LONG_PATH, anchor_path
 from tierfs.fs.nodes import (
     DEFAULT_FILE_STEP_PATTERN,
@@ -103,6 +105,10 @@ class Tree:
         self._next_fh = 1
         self._released = trio.Event()
         self.links = symlinks.LinkChanges()  # directories whose links the store must learn
+        # directories made here for other tiers' steps, given the attributes recorded for them
+        self.dir_attributes = DirAttributes()
+        # what the kernel keeps of the tree, told of the changes it cannot see
+        self.kernel_cache = KernelCache()
         # which committed steps can be read whole now (their state, `latest`)
         self.recoverable = Recoverability(node_id, self.holdings.file_peers, liveness)
         # The parts of the core, each changing the tree through the primitives here:
@@ -115,7 +121,8 @@ class Tree:
         # which directories and files are steps
         self.identity = StepIdentity(self, watch, step_pattern, file_step_pattern)
         # each directory's `latest` link
-        self.latest = VirtualLatest(self.backing, self.attach_virtual, self.recoverable)
+        self.latest = VirtualLatest(self.backing, self.attach_virtual, self.recoverable,
+                                    self.identity.tracked_number)
         # renames: the entry moved, a target replaced, the steps moved recorded in every tier
         self.renames = Renames(self, deletes, self.identity, self.latest)
         self.attributes = Attributes(self, self.sealing)  # chmod, chown, utime, truncate
@@ -255,9 +262,11 @@ class Tree:
         for a single-file step in its records directory beside the file (made if missing)."""
         if step_node.is_dir:
             return self.backing(step_node)
-        path = os.path.join(self.backing(step_node.parent), layout.records_name(step_node.name))
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
+        parent = self.backing(step_node.parent)
+        path = os.path.join(parent, layout.records_name(step_node.name))
+        if not os.path.isdir(path):
+            with times_kept(parent), contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
         return path
 
     def data_dir(self, step: StepState) -> str:
@@ -567,6 +576,11 @@ class Tree:
         node.gen += 1
         node.seal = None
 
+    def attrs_changed(self, node: Node) -> None:
+        """`node` now stands for other content (a newer version's file): its size, mode,
+        owner or times may differ from what the kernel was told."""
+        self.kernel_cache.attrs_changed(node)
+
     # -- helpers ---------------------------------------------------------------------------
 
     def _new_ino(self) -> int:
@@ -586,12 +600,14 @@ class Tree:
         self.shape += 1
         parent.children[name] = node
         self._inodes[node.ino] = node
+        self.kernel_cache.entry_added(parent)
         return node
 
     def detach(self, node: Node) -> None:
         if node.parent is not None and node.parent.children.get(node.name) is node:
             self.shape += 1
             del node.parent.children[node.name]
+            self.kernel_cache.entry_gone(node.parent, node.name, node)
         node.parent = None
         if node.is_dir:  # directories held open for long paths, in what leaves the tree
             for gone in (node, *tree_walk.dirs_under(node)):

@@ -125,6 +125,10 @@ MOUNT_OPTIONS = [
            "it or without it (its first node sets which): a node mounted the other way, or "
            "whose certificate a live member refuses, is refused at mount (see doc/CLUSTER.md)",
            "flag", default_help="off: peer data in clear, every frame MAC'd"),
+    Option("peer-connections", 4, "with `--cluster`: connections a node uses at once to move "
+           "files to or from one peer (replicas, restores); each carries its share of the "
+           "chunks in a worker thread of its own, so one transfer can use that many cores",
+           "int", "N"),
     Option("peer-cacert", None, "with `--peer-tls`: the cluster's CA certificate, which every "
            "peer's certificate must be signed by", "path", "FILE"),
     Option("peer-cert", None, "with `--peer-tls`: this node's certificate, signed by the "
@@ -225,6 +229,7 @@ class MountConfig:
     root_mode: int | None = None
     metrics: tuple[str, int] | None = None
     peer_tls: PeerTlsFiles | None = None  # --peer-tls
+    peer_connections: int = 4  # --peer-connections
 
     @property
     def control_socket(self) -> str:
@@ -469,6 +474,7 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         allow_other=bool(values["allow_other"]),
         metrics=parse_address(values["metrics"], "--metrics") if values["metrics"] else None,
         peer_tls=_peer_tls(values),
+        peer_connections=_whole_number(values, "peer_connections", 1),
         **_root_directory(values),
     )
 

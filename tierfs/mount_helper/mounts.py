@@ -59,6 +59,14 @@ def is_mounted(path: str | os.PathLike[str]) -> bool:
     return mount_at(path) is not None
 
 
+def tierfs_on_top(path: str | os.PathLike[str], ram_dir: Path) -> bool:
+    """The newest mount at `path` is the tierfs mount of this RAM dir (not, once that is
+    unmounted, the mount it was made over: a container's volume, a bind mount)."""
+    entry = mount_at(path)
+    return entry is not None and entry.fstype == TIERFS_TYPE and \
+        entry.source == mount_source(ram_dir)
+
+
 def real_path(path: str | os.PathLike[str]) -> str:
     """os.path.realpath, except for a mount point (never a symbolic link itself): that is not
     touched, since a stat of a mount whose daemon is stopped blocks until it resumes."""

@@ -169,8 +169,8 @@ def names(steps: list[Step]) -> str:
 
 def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
     """What a person must know: data only in this node's RAM, steps whose commit waits, steps
-    whose upload fails (why, and for how long), and committed steps that cannot be read
-    whole."""
+    whose upload fails (why, and for how long), committed steps that cannot be read whole,
+    and those committed without their saver's mark of a finished save."""
     lines = []
     ram_only = [s for s in status["steps"] if only_in_ram(s)]
     if ram_only:
@@ -191,6 +191,9 @@ def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
                      f" {not_in_store(failing, now_ns)}")
     lines += [incomplete_warning(s, now_ns) for s in status["steps"]
               if s["state"] == "incomplete" and s.get("lost")]
+    lines += [f"warning: {s['path']} was committed without {s['unfinished']}, which the "
+              "steps before it have (its saver stopped in the middle of a save?): `latest` "
+              "names an older step" for s in status["steps"] if s.get("unfinished")]
     return lines + failing_peers(status)
 
 
@@ -270,6 +273,12 @@ def due_in_store(status: dict[str, Any]) -> list[Step]:
     return [s for s in status["steps"] if s.get("persist_wait")]
 
 
+def blocked_in_store(status: dict[str, Any]) -> list[Step]:
+    """Steps due in the store that can never get there whole as things are (a file on no
+    live node and not in the store): a flush waiting for them waits for nothing."""
+    return [s for s in due_in_store(status) if s["persist_wait"].get("blocked")]
+
+
 def ram_only_committed(status: dict[str, Any]) -> list[Step]:
     """Committed steps due in the store that no other tier holds: not in the store, and no
     peer holds a copy of every file (in a cluster, a step held by peers too is safe there)."""
@@ -307,7 +316,7 @@ def uncommitted(status: dict[str, Any]) -> str | None:
         return None
     named = [s["path"] + (f" (waits for {s['waiting_for']})" if s.get("waiting_for") else "")
              for s in writing]
-    return (f"{len(writing)} steps are not committed, so only in this node's RAM: "
+    return (f"{_count(writing, 'step')} not committed, so in no tier but this node's RAM: "
             f"{some_names(named)}")
 
 

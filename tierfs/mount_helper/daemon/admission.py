@@ -28,7 +28,7 @@ from tierfs.replication.peers.channel import (
     PeerChannel,
     TlsRefused,
     connect,
-    open_stream,
+    open_socket,
 )
 
 TLS_PROBES = 3  # live members asked whether they take this node's certificate
@@ -133,12 +133,12 @@ async def _takes_certificate(address: str, tls: ssl.SSLContext, member: str) -> 
     the other's certificate; False if it does not answer (down, or not yet listening)."""
     host, port = parse_address(address, "the member address")
     try:
-        stream = await open_stream(host, port, tls)
+        sock = await open_socket(host, port, tls)
     except TlsRefused as exc:
         raise _certificate_refused(member, address, exc) from None
     except (OSError, trio.TooSlowError):
         return False
-    channel = PeerChannel(stream)
+    channel = PeerChannel(sock)
     try:
         await channel.receive("HELLO", timeout=CONNECT_TIMEOUT)
     except TlsRefused as exc:

@@ -82,20 +82,36 @@ class ControlApi:
         if self.uploader is None:
             return {}
         waits = {}
+        tree = self.namespace.tree
         for due in waiting:
             reason, since_ns, failures = (
                 self.uploader.waiting(due.manifest) if due.manifest is not None
                 else ("hashing", due.committed_ns, 0))
-            waits[due.path] = {"reason": reason, "since_ns": since_ns, "failures": failures}
+            blocked = False
+            step_node = tree.find_step(due.path)
+            loss = (tree.recoverable.loss(step_node.step)
+                    if step_node is not None and due.manifest is not None else None)
+            if loss is not None:  # no upload can make it whole in the store
+                reason, since_ns, blocked = (f"cannot be stored: {loss.summary()}",
+                                             loss.since_ns, True)
+            elif (due.manifest is not None and self.cluster is not None
+                  and reason == "queued" and due.path not in self.uploader.queue.pending):
+                reason = "uploaded by other nodes"  # its share here is done, or none
+            waits[due.path] = {"reason": reason, "since_ns": since_ns, "failures": failures,
+                               "blocked": blocked}
         return waits
 
     def _persist_waiting(self) -> list[Due]:
-        """The steps due in the store and not there yet: committed ones the uploader wants,
-        and those committed with their hashes still to come (`fs.pending_commits`) that it
-        will want once they are in (`tierfs flush` and `umount` wait for those too)."""
+        """The steps due in the store and not there yet: committed ones the uploader wants
+        (in a cluster, every committed step of the cluster: a copy on a peer is not the
+        store, and the uploads are shared), and those committed with their hashes still to
+        come (`fs.pending_commits`) that it will want once they are in (`tierfs flush` and
+        `umount` wait for those too)."""
         assert self.uploader is not None
+        tiers = self.namespace.tiers
         waiting = [Due(m.path, m.total_bytes, m.committed_ns, m)
-                   for m in self.namespace.tiers.committed_manifests()
+                   for m in (tiers.not_in_store() if self.cluster is not None
+                             else tiers.committed_manifests())
                    if self.uploader.wanted(m)]
         return waiting + self._hashing(self.uploader.due, {due.path for due in waiting})
 

@@ -167,7 +167,10 @@ def trusted_uids(cfg: MountConfig) -> frozenset[int]:
 
 def _clear_dead_mounts(mountpoint: Path) -> list[str]:
     """Lazily unmount what a killed tierfs daemon left at `mountpoint` (every access to it
-    fails with ENOTCONN, so nothing can use it); refuse any live or foreign mount there."""
+    fails with ENOTCONN, so nothing can use it); refuse a live tierfs mount there, a dead
+    foreign one, and one that does not answer. A live mount of another file system is mounted
+    over, as a directory is: a container's volume is a bind mount (what is in it is checked
+    as a directory's content is)."""
     warnings = []
     while (entry := mount_at(mountpoint)) is not None:
         ram_dir = ram_dir_of(entry)
@@ -195,8 +198,9 @@ def _clear_dead_mounts(mountpoint: Path) -> list[str]:
             warnings.append(f"removed the dead tierfs mount at {mountpoint} (its daemon was "
                             "gone)")
             continue
-        what = "tierfs is" if entry.fstype == TIERFS_TYPE else f"{entry.fstype} is"
-        raise StartupError(f"mountpoint {mountpoint} is busy: {what} already mounted there"
+        if entry.fstype != TIERFS_TYPE:
+            break
+        raise StartupError(f"mountpoint {mountpoint} is busy: tierfs is already mounted there"
                            + _daemon_clause(entry, True))
     return warnings
 

@@ -8,9 +8,12 @@ records list only real holders, `commit_records`). Every node computes the same 
 same records, so each copy is made once, by its planned source; this node carries out the
 copies it is the source of, grouped by target, in parallel across targets.
 
-To a target, each file is streamed in chunks from the RAM store's immutable committed objects
-(channel.WINDOW in flight: the peer's OKs are the backpressure), then HOLD names them (at most
-MAX_NAMES per message); the target answers HELD with those it now holds, verified. Only then
+To a target, the files' chunks go from the RAM store's immutable committed objects over the
+directory's `connections` connections at once (`--peer-connections`), dealt out in turn so
+that each file's chunks arrive about in order; each connection is driven by a worker thread
+of its own (`sendfile`, the chunks' tags, channel.WINDOW PUTs ahead of the peer's OKs, which
+are the backpressure). Then HOLD names them (at most MAX_NAMES per message); the target
+answers HELD with those it now holds, verified. Only then
 are they counted: the target is added to their records in etcd (batched transactions) and to
 this node's view. Only steps whose commit record is in etcd are replicated (the target asks
 etcd about a version it does not know). Failures retry while the step is still the current
@@ -36,6 +39,7 @@ from tierfs.observe import Events
 from tierfs.replication.coordination import placement
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import WINDOW, BlockingChannel
 from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.retry import POLICY
 from tierfs.step_queue import StepQueue
@@ -177,15 +181,15 @@ class Replicator:
         held: list[str] = []
         error: BaseException | None = None
         try:
-            async with self.directory.channel(target) as channel:
-                for batch in _batches(names):
-                    for name in batch:
-                        await self._send_file(channel, manifest.path, manifest.entry(name))
+            for batch in _batches(names):
+                entries = [entry for name in batch if (entry := manifest.entry(name)) is not None]
+                await self._send_files(target, manifest.path, entries)
+                async with self.directory.channel(target) as channel:
                     reply = await channel.request("HOLD", path=manifest.path,
                                                   version=manifest.version, names=batch,
                                                   expect="HELD")
-                    sent = set(batch)
-                    held += [n for n in reply["names"] if isinstance(n, str) and n in sent]
+                sent = set(batch)
+                held += [n for n in reply["names"] if isinstance(n, str) and n in sent]
         except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
             error = exc
         recorded = not held or await self._on_held(manifest, target, held)
@@ -199,20 +203,55 @@ class Replicator:
         self._events.replicated(manifest, target, sent, time.monotonic() - started)
         return True
 
-    async def _send_file(self, channel, step_path: str,  # type: ignore[no-untyped-def]
-                         entry: mf.FileEntry) -> None:
-        """The file's chunks as PUTs, sent from the RAM store's object by the kernel
-        (sendfile), several in flight (channel.pipeline): the peer's OKs pace the sender."""
-        fd = os.open(self._object_path(entry.xxh3), os.O_RDONLY)
+    async def _send_files(self, target: str, step_path: str,
+                          entries: list[mf.FileEntry]) -> None:
+        """The files' chunks as PUTs to `target`, over as many pooled connections at once as
+        the directory says (each driven by a worker thread, `_put_chunks`): chunk i of the
+        whole run goes over connection i mod n. The first failure raises (the other
+        connections stop)."""
+        chunks = [(entry, offset) for entry in entries
+                  for offset in range(0, max(entry.size, 1), mf.CHUNK_SIZE)]
+        lanes = max(1, min(self.directory.connections, len(chunks)))
+        failures: list[BaseException] = []
 
-        def put(offset: int) -> Callable[[], Awaitable[None]]:
-            return lambda: channel.send_file(
-                "PUT", fd, offset, min(mf.CHUNK_SIZE, entry.size - offset), path=step_path,
-                name=entry.name, xxh3=entry.xxh3, size=entry.size, offset=offset)
+        async def lane(share: list[tuple[mf.FileEntry, int]], scope: trio.CancelScope) -> None:
+            try:
+                async with self.directory.channel(target) as channel:
+                    await channel.in_thread(_put_chunks, share, step_path, self._object_path)
+            except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
+                failures.append(exc)
+                scope.cancel()
 
-        try:
-            await channel.pipeline(map(put, range(0, max(entry.size, 1), mf.CHUNK_SIZE)), "OK")
-        finally:
+        async with trio.open_nursery() as nursery:
+            for i in range(lanes):
+                nursery.start_soon(lane, chunks[i::lanes], nursery.cancel_scope)
+        if failures:
+            raise failures[0]
+
+
+def _put_chunks(io: BlockingChannel, chunks: list[tuple[mf.FileEntry, int]], step_path: str,
+                object_path: Callable[[str], str]) -> None:
+    """In a worker thread, on a channel lent to it (`PeerChannel.in_thread`): each chunk as a
+    PUT sent from its object by the kernel (`sendfile`), WINDOW of them ahead of the peer's
+    OKs."""
+    fds: dict[str, int] = {}
+    unanswered = 0
+    try:
+        for entry, offset in chunks:
+            fd = fds.get(entry.xxh3)
+            if fd is None:
+                fd = fds[entry.xxh3] = os.open(object_path(entry.xxh3), os.O_RDONLY)
+            io.send_file("PUT", fd, offset, min(mf.CHUNK_SIZE, entry.size - offset),
+                         path=step_path, name=entry.name, xxh3=entry.xxh3, size=entry.size,
+                         offset=offset)
+            unanswered += 1
+            if unanswered == WINDOW:
+                io.receive("OK")
+                unanswered -= 1
+        for _ in range(unanswered):
+            io.receive("OK")
+    finally:
+        for fd in fds.values():
             os.close(fd)
 
 

@@ -18,6 +18,7 @@ import ssl
 from dataclasses import dataclass
 
 from tierfs.replication.certificates import dates_problem
+from tierfs.replication.peers.wire import OP_ENABLE_KTLS
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,13 @@ def load(files: PeerTlsFiles) -> PeerTls:
 def _context(files: PeerTlsFiles, protocol: int) -> ssl.SSLContext:
     context = ssl.SSLContext(protocol)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
+    # Records encrypted by the kernel where it and OpenSSL can (a no-op where they cannot:
+    # `wire.ktls_active` says which a connection got).
+    context.options |= OP_ENABLE_KTLS
+    if protocol == ssl.PROTOCOL_TLS_SERVER:
+        # No session tickets: no connection is resumed, and a ticket nobody read would make
+        # an idle pooled connection look closed by its peer.
+        context.num_tickets = 0
     context.check_hostname = False  # peers are reached by address: the CA says who is one
     context.verify_mode = ssl.CERT_REQUIRED
     for what, loading in (
