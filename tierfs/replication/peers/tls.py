@@ -18,7 +18,9 @@ import ssl
 from dataclasses import dataclass
 
 from tierfs.replication.certificates import dates_problem
-from tierfs.replication.peers.wire import OP_ENABLE_KTLS
+
+# ssl.OP_ENABLE_KTLS from Python 3.12; the same bit (SSL_OP_ENABLE_KTLS) for OpenSSL 3 before
+OP_ENABLE_KTLS = getattr(ssl, "OP_ENABLE_KTLS", 1 << 3)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,6 @@ POLL_SLICE_MS = 100  # how soon a worker waiting on the socket notices a cancell
 TLS_FILE_READ = 1 << 20
 _TLS_FILE_BUFFER = ThreadBuffer(TLS_FILE_READ)
 SOL_TLS, TLS_TX, TLS_RX = 282, 1, 2  # linux/tls.h: getsockopt succeeds once kTLS is on
-# ssl.OP_ENABLE_KTLS from Python 3.12; the same bit (SSL_OP_ENABLE_KTLS) for OpenSSL 3 before
-OP_ENABLE_KTLS = getattr(ssl, "OP_ENABLE_KTLS", 1 << 3)
 
 
 class Closed(Exception):
