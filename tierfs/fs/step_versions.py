@@ -59,8 +59,9 @@ class StepVersions:
         step.persisted_version = 0
         step.store_lacking = frozenset(lacking)
         for _rel, node in tree_walk.files_under(step_node):
-            if node.remote is not None and node.remote.in_store:  # not to be copied from there
-                node.remote = RemoteFile(node.remote.step_path, node.remote.entry, False)
+            remote = node.remote
+            if remote is not None and remote.in_store and remote.entry.name in lacking:
+                node.remote = RemoteFile(remote.step_path, remote.entry, False)  # not there
 
     def write_persist_mark(self, step_node: Node, version: int) -> None:
         records = self.tree.records
