@@ -244,6 +244,20 @@ def test_nothing_tierfs_creates_is_writable_by_others(mounts: MountFactory,
     assert _group_or_other_writable(fresh.ram_dir, "shared") == []
 
 
+def test_a_log_file_that_was_there_becomes_the_daemon_s_own(mounts: MountFactory) -> None:
+    """Before, an existing --log-file kept its mode 0644 (the daemon's files are 0600); a
+    device given as the log is left as it is."""
+    log_file = mounts.tmp_path / f"tierfs{len(mounts.mounts)}.log"  # the one mount() gives
+    log_file.write_text("an older log\n")
+    log_file.chmod(0o644)
+    mnt = mounts.mount()
+    assert mnt.log_file == log_file and mnt.log().startswith("an older log\n")
+    assert stat.S_IMODE(log_file.stat().st_mode) == 0o600
+    null_mode = os.stat("/dev/null").st_mode
+    mounts.mount("--log-file", "/dev/null")
+    assert os.stat("/dev/null").st_mode == null_mode
+
+
 def test_a_ram_dir_whose_file_system_is_full_is_one_line(small_shm: Path,
                                                          mounts: MountFactory) -> None:
     """A /dev/shm that other processes filled: the mount fails with one line that says so

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import MountFactory, tierfs, wait_until
+from tierfs.mount_helper.mounts import is_mounted
 
 pytestmark = pytest.mark.fuse
 
@@ -191,3 +192,18 @@ def test_a_job_as_its_own_user_resumes_on_a_fresh_node(
     assert resumed == {"global_step": 6, "steps_run": 2}
     # its rotation removed checkpoint-2, a directory this node made from the store
     assert sorted(os.listdir(fresh / "out")) == ["checkpoint-4", "checkpoint-6", "latest"]
+
+
+def test_another_user_s_umount_says_who_may(public_dir: Path, trainer: str, run_as: RunAs,
+                                           mounts: MountFactory) -> None:
+    """Before: "fusermount3: entry for ... not found in /etc/mtab"."""
+    mountpoint = public_dir / "shared"
+    mountpoint.mkdir(mode=0o755)
+    mnt = mounts.mount("--allow-other", mountpoint=mountpoint)
+    for extra in ([], ["--flush"]):
+        refused = run_as(trainer, "-m", "tierfs", "umount", str(mnt.mountpoint), *extra,
+                         check=False)
+        assert refused.returncode == 1
+        assert refused.stderr == (f"tierfs: cannot unmount {mnt.mountpoint}: it was mounted by "
+                                  "root, and only root may unmount it\n")
+    assert is_mounted(mnt.mountpoint)

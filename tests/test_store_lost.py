@@ -72,26 +72,33 @@ def test_a_bucket_made_again_gets_its_steps_again_before_they_leave_ram(
 
 def test_verify_writes_no_manifest_whose_files_the_store_lacks(mounts: MountFactory,
                                                                tmp_path: Path) -> None:
-    """A step that left RAM, then the store lost it: `tierfs verify` reports it lost and
-    writes nothing into the store; the step is shown lost, no longer persisted."""
+    """Steps that left RAM, then the store lost them (step_1 whole, step_2 one file):
+    `tierfs verify` reports the lost files and writes nothing into the store; the steps are
+    shown incomplete, no longer persisted, and what the store still holds stays readable."""
     store = tmp_path / "store"
     store.mkdir()
     mnt = mounts.mount("--persist", f"file://{store}", "--keep-ram", "1")
-    for number in (1, 2):
-        save(mnt / f"run/step_{number}", step_files(number))
+    saved = {number: step_files(number) for number in (1, 2, 3)}
+    for number, files in saved.items():
+        save(mnt / f"run/step_{number}", files)
     tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
-    wait_until(lambda: mnt.step("run/step_1")["ram"] is False)
+    wait_until(lambda: not mnt.step("run/step_1")["ram"] and not mnt.step("run/step_2")["ram"])
     shutil.rmtree(store / "run/step_1")  # the store loses it; its mark stays
+    (store / "run/step_2/shard.distcp").unlink()
 
-    done = tierfs("verify", str(mnt / "run/step_1"), "--json", check=False)
+    done = tierfs("verify", str(mnt / "run"), "--json", check=False)
     assert done.returncode == 1, done.stderr
-    (step,) = json.loads(done.stdout)["steps"]
-    assert sorted(step["lost"]) == [".metadata", "shard.distcp"]
+    lost = {step["path"]: sorted(step["lost"]) for step in json.loads(done.stdout)["steps"]}
+    assert lost == {"run/step_1": [".metadata", "shard.distcp"], "run/step_2": ["shard.distcp"],
+                    "run/step_3": []}
     assert not (store / "run/step_1").exists()  # no manifest written back, nothing else
-    status = mnt.step("run/step_1")
-    assert status["persisted"] is False and status["state"] == "incomplete"
-    assert "the persistent tier held it and no longer does" in json.dumps(status["lost"])
-    assert os.readlink(mnt / "run/latest") == "step_2"
+    for number, files in ((1, 2), (2, 1)):
+        status = mnt.step(f"run/step_{number}")
+        assert status["persisted"] is False and status["state"] == "incomplete"
+        assert status["lost"]["files"] == files
+        assert "the persistent tier held it and no longer does" in json.dumps(status["lost"])
+    assert (mnt / "run/step_2/.metadata").read_bytes() == saved[2][".metadata"]
+    assert os.readlink(mnt / "run/latest") == "step_3"
 
 
 def test_the_steps_a_store_lost_are_checked_at_mount(mounts: MountFactory,

@@ -140,9 +140,9 @@ class StepState:
         self.lock = trio.Lock()
         self.persisted_version = 0
         self.retired_version = 0
-        # The store was seen to lack files of the committed version it was believed to hold
-        # (`StepVersions.set_store_lost`): a file of it in no tier now is lost with the store.
-        self.store_lost = False
+        # The files of the committed version the store was seen to lack, though it was
+        # believed to hold it (`StepVersions.set_store_lost`): the others it still holds.
+        self.store_lacking: frozenset[str] = frozenset()
         # Persisted, but the mark could not be written yet (the RAM dir's file system full):
         # nothing leaves RAM for the store until it is (`OtherTiers.write_owed_marks`).
         self.persist_mark_owed = False

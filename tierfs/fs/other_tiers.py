@@ -675,7 +675,17 @@ class OtherTiers:
         return self._unpublished.get(manifest.path) is manifest
 
     def publish_later(self, manifest: mf.StepManifest) -> None:
-        """A step committed here whose commit record etcd lacks: written by `publish_pending`."""
+        """A step committed here whose commit record etcd lacks: written by `publish_pending`.
+        The copies this node's marks name for it are forgotten (`StepVersions.forget_holders`:
+        no copy is made before its commit record, so they belong to records that are gone);
+        the record written names this node, and the copies are made anew."""
+        node = self.tree.find_step(manifest.path)
+        if node is not None and node.step.manifest is manifest and \
+                (node.step.replicas or node.step.holders):
+            log.info("%s v%d: etcd has no record of it; the copies this node knew of (%s) "
+                     "are not counted", manifest.path, manifest.version,
+                     ", ".join(sorted(node.step.replicas | node.step.holders)))
+            self.versions.forget_holders(node)
         self._unpublished[manifest.path] = manifest
 
     async def publish_pending(self) -> None:

@@ -705,7 +705,7 @@ class Residency:
         tier makes it incomplete (`fs.recoverable`)."""
         step = step_node.step
         manifest = step.manifest
-        self.versions.set_store_lost(step_node)
+        self.versions.set_store_lost(step_node, lacking)
         self.tree.recoverable.loss(step, fresh=True)  # lost now, if no other tier has it
         again = step.in_ram
         log.error("the persistent tier lacks %d of the %d files of %s v%d (%s), seen %s: "

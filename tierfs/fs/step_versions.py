@@ -39,7 +39,7 @@ class StepVersions:
             self.write_persist_mark(step_node, version)
         step = step_node.step
         step.persisted_version = version
-        step.store_lost = False
+        step.store_lacking = frozenset()
         step.persist_mark_owed = False
         if step.manifest is None or step.manifest.version != version:
             return
@@ -49,7 +49,7 @@ class StepVersions:
             if node.remote is not None and entry is not None:
                 node.remote = RemoteFile(data_dir, entry, True)
 
-    def set_store_lost(self, step_node: Node) -> None:
+    def set_store_lost(self, step_node: Node, lacking: list[str]) -> None:
         """The persistent tier was seen to lack files of the committed version it was believed
         to hold (a bucket emptied or made again, a prefix pruned by hand): the version no
         longer counts as persisted. In memory only: the mark on disk stays, and the next mount
@@ -57,10 +57,11 @@ class StepVersions:
         as damaged, though the right store may still come back)."""
         step = step_node.step
         step.persisted_version = 0
-        step.store_lost = True
+        step.store_lacking = frozenset(lacking)
         for _rel, node in tree_walk.files_under(step_node):
-            if node.remote is not None and node.remote.in_store:  # not to be copied from there
-                node.remote = RemoteFile(node.remote.step_path, node.remote.entry, False)
+            remote = node.remote
+            if remote is not None and remote.in_store and remote.entry.name in lacking:
+                node.remote = RemoteFile(remote.step_path, remote.entry, False)  # not there
 
     def write_persist_mark(self, step_node: Node, version: int) -> None:
         records = self.tree.records
@@ -93,6 +94,17 @@ class StepVersions:
         step_node.step.holders = set(holders)
         if record:
             self._write_node_list(step_node, PEERS_MARK, step_node.step.holders)
+
+    def forget_holders(self, step_node: Node) -> None:
+        """The cluster's etcd has no commit record of this version, which this node made: the
+        copies its marks name (replicas, holders) were counted by records that are gone (a
+        new cluster, a prefix wiped), on nodes that may not be members at all. Forgotten, on
+        disk too (in memory only if the RAM dir has no room: a restart forgets them again)."""
+        step = step_node.step
+        step.replicas, step.holders, step.file_holders = set(), set(), {}
+        with contextlib.suppress(OSError):
+            self._write_node_list(step_node, REPLICAS_MARK, set())
+            self._write_node_list(step_node, PEERS_MARK, set())
 
     def add_holder(self, step_node: Node, peer: str) -> None:
         step_node.step.holders.add(peer)

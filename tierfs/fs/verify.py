@@ -239,7 +239,8 @@ class Verifier:
         for peer in sorted({p for peers in asked.values() for p in peers}):
             entries = [e for e in manifest.files if peer in asked[e.name]]
             report.tiers.append(await self._verify_peer(peer, manifest, entries, repair))
-        if step.persisted and self._current(step_node, manifest):
+        # (a step the store was seen to lack files of: the others are still there)
+        if (step.persisted or step.store_lacking) and self._current(step_node, manifest):
             report.tiers.append(await self._verify_persisted(step_node, manifest, repair))
         self._judge(report, manifest, asked, ram)
         return report
@@ -333,9 +334,11 @@ class Verifier:
             self._tally(tier, state, entry.name)
             self._advance(entry.size)
         lacking = [e.name for e in manifest.files if e.name not in tier.held_good]
-        if lacking and repair and self._current(step_node, manifest):
-            # Not in the store whole, and not to be made so from here: it is not persisted.
-            self.residency.store_lacks(step_node, lacking, "by tierfs verify")
+        if tier.missing and repair and self._current(step_node, manifest) and \
+                set(tier.missing) != step_node.step.store_lacking:
+            # Objects gone, and not to be put back from here: the step is not persisted (a
+            # bad object is only reported: it is there, and may be put right by hand).
+            self.residency.store_lacks(step_node, tier.missing, "by tierfs verify")
         try:
             stored = await self.persist.manifest(manifest.path, manifest.single_file)
             same = stored is not None and _same_manifest(stored, manifest)

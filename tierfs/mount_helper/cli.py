@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import pwd
 import select
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from tierfs.mount_helper import control, fuse_helper, status_view
 from tierfs.mount_helper.config import MOUNT_OPTIONS, ConfigError, resolve
 from tierfs.mount_helper.mounts import (
     DaemonState,
+    MountEntry,
     daemon_state,
     mount_at,
     process_state,
@@ -305,6 +307,7 @@ def _umount(mountpoint: str) -> int:
     entry = mount_at(path)
     if entry is None:
         raise UserError(f"{mountpoint} is not mounted")
+    _may_unmount(mountpoint, entry)
     ram_dir = ram_dir_of(entry)
     daemon = daemon_state(ram_dir) if ram_dir is not None else _ask_pid(path)
     done = subprocess.run(["fusermount3", "-u", path], capture_output=True, text=True)
@@ -323,6 +326,21 @@ def _umount(mountpoint: str) -> int:
     if outcome != "gone":
         raise UserError(f"unmounted {mountpoint}, but daemon pid {daemon.pid} is still running")
     return 0
+
+
+def _may_unmount(mountpoint: str, entry: MountEntry) -> None:
+    """Only root and the user who mounted it may unmount a FUSE mount; say so, rather than
+    fusermount3's "entry ... not found in /etc/mtab"."""
+    user = os.geteuid()
+    if user == 0 or entry.owner is None or entry.owner == user:
+        return
+    try:
+        owner = pwd.getpwuid(entry.owner).pw_name
+    except KeyError:
+        owner = f"uid {entry.owner}"
+    who = "root" if entry.owner == 0 else f"{owner} or root"
+    raise UserError(f"cannot unmount {mountpoint}: it was mounted by {owner}, and only {who} "
+                    "may unmount it")
 
 
 def _ask_pid(path: str) -> DaemonState:
@@ -354,6 +372,9 @@ def _umount_reporting(mountpoint: str, flush: bool, force: bool = False,
     committed steps that would stay only in this node's RAM, though due in the store, and with
     --flush any committed step the store does not hold, stop the unmount unless --force; then
     the unmount, and the steps left uncommitted or not in the store are named."""
+    entry = mount_at(os.path.abspath(mountpoint))
+    if entry is not None:
+        _may_unmount(mountpoint, entry)  # before a flush it could not finish with
     status = _settle(mountpoint)
     if flush:
         try:

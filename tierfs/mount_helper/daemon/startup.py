@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -243,6 +244,11 @@ def setup_logging(cfg: MountConfig, to_stderr: bool) -> None:
         try:
             cfg.log_file.parent.mkdir(parents=True, exist_ok=True)
             log_fd = os.open(cfg.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            st = os.fstat(log_fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
+                # A log that was there already is the daemon's file from now on: 0600 like
+                # every other (never a device or a pipe given as the log: /dev/null stays).
+                os.fchmod(log_fd, 0o600)
         except OSError as exc:
             raise StartupError(f"cannot write log file {cfg.log_file}: {exc.strerror}") from None
         os.dup2(log_fd, 1)
