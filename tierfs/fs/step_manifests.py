@@ -187,6 +187,11 @@ class StepManifests:
         self._residents.drop_resident_refs(step)
         step.manifest = manifest
         step.resident = resident
+        # Peers acknowledge a version: those of the one before hold none of this one until
+        # the cluster's records say so (a peer may have dropped its copy meanwhile: a step
+        # renamed away and back was deleted there), as after a first commit.
+        step.replicas = set()
+        step.file_holders = {}
 
     def drop_pending(self, step_node: Node, step: StepState) -> None:
         """A pending commit whose step was removed or stopped being a step: its snapshots and

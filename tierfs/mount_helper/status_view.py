@@ -261,11 +261,15 @@ def _store_waits(steps: list[Step], now_ns: int | None = None) -> list[str]:
 
 def flush_left(status: dict[str, Any]) -> str:
     """What `tierfs flush` still waits for, and why: the steps due in the store and not there
-    yet, then those short of their copies on peers (`run/step_2 (copying to peers)`)."""
+    yet, then those short of their copies on peers (`run/step_2 (copying to peers)`), then
+    the deleted steps and old names of renamed ones the store still holds."""
     replication = status.get("replication") or {}
     return some_names(_store_waits(due_in_store(status))
                       + [f"{path} ({reason} to peers)"
-                         for path, reason in replication.get("pending", {}).items()], NAMED)
+                         for path, reason in replication.get("pending", {}).items()]
+                      + [f"{path} (to leave the store)"
+                         for path in (status.get("persist") or {}).get("pending_deletes", ())],
+                      NAMED)
 
 
 def due_in_store(status: dict[str, Any]) -> list[Step]:

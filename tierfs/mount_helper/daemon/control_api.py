@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierfs import manifest as mf
+from tierfs.fs.deletes import PERSIST
 from tierfs.fs.holders import RecordedHolders, spread
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.nodes import FsError, Node, StepState
@@ -73,7 +74,11 @@ class ControlApi:
                 "read_requests": self.persist_reads(),
                 "every": self.cfg.persist_every,
                 "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
-                "pending_bytes": sum(due.total_bytes for due in waiting)}
+                "pending_bytes": sum(due.total_bytes for due in waiting),
+                # deletes and the old names of renames the store still holds (`tierfs flush`
+                # waits for them too: a fresh node would list them)
+                "pending_deletes": sorted(t.path for t in self.namespace.deletes.pending()
+                                          if PERSIST in t.pending)}
 
     def _persist_waits(self, waiting: list[Due]) -> dict[str, dict[str, Any]]:
         """Per step due in the store and not there yet (`waiting`: `_persist_waiting`'s
