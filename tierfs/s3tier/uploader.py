@@ -372,6 +372,7 @@ class Uploader:
                                    start)
         if not self._current(manifest):  # deleted or re-saved meanwhile: never list it
             raise NoLongerWanted(prefix)
+        await self._restrict(manifest, data_dir, changed, stored)
         if manifest.single_file and changed and (
                 changed[0].segments or any(e.segments for e in stored.values())):
             await self._call(f"removing old segments of {prefix}", manifest,
@@ -393,6 +394,26 @@ class Uploader:
         self._release_held()
         if self.keep_persist:
             await self._apply_retention(prefix.rpartition("/")[0])
+
+    async def _restrict(self, manifest: mf.StepManifest, data_dir: str,
+                        changed: list[mf.FileEntry], stored: dict[str, mf.FileEntry]) -> None:
+        """Before the manifest goes up: each file's objects readable in the store by no more
+        users than the file under the mount (a store that can say so: file://), those sent
+        now and those whose mode or group changed since the stored version."""
+        if not self.backend.restricts:
+            return
+        sent = {entry.name for entry in changed}
+        objects = []
+        for entry in manifest.files:
+            old = stored.get(entry.name)
+            if entry.name in sent or old is None or (old.mode, old.gid) != (entry.mode,
+                                                                              entry.gid):
+                key = layout.object_key(data_dir, entry.name)
+                objects += [(piece, entry.mode, entry.gid)
+                            for piece in layout.piece_keys(key, entry.segments)]
+        if objects:
+            await self._call(f"access of the files of {manifest.path}", manifest,
+                             self.backend.restrict, objects)
 
     async def _appended_from(self, manifest: mf.StepManifest,
                              stored: dict[str, mf.FileEntry]) -> int:
