@@ -542,7 +542,7 @@ class Commits:
         if step.number is None and not identity.is_tracker(node):
             return  # a loose file: once quiet
         if step.number is None:
-            named = identity.tracked_dir(node)
+            named = identity.tracked_dir(node, adopt=True)
             if named is not None and not named.step.shown_committed and \
                     not tree_walk.has_active_writers(named):
                 await self.commit_quietly(named)

@@ -115,12 +115,17 @@ class Deletes:
         return tomb is not None and tomb.covers(manifest)
 
     def record(self, path: str, version: int, committed_ns: int,
-               targets: list[str] | None = None, *, moved_to: str | None = None) -> None:
+               targets: list[str] | None = None, *, moved_to: str | None = None,
+               keep_store: bool = False) -> None:
         """A committed step at `path` was deleted (or renamed: `moved_to`): remember it (on
         disk before this returns) and have `targets` (by default every tier this node knows)
         cleaned. Raises OSError (ENOSPC: the RAM dir's file system is full) with nothing
         remembered, on disk or here: the delete or rename is refused and nothing cleans the
-        step from any tier."""
+        step from any tier. `keep_store`: every tier but the persistent one (a loose file
+        that became part of a step directory at the same key, `fs.step_identity`)."""
+        if keep_store:
+            targets = [t for t in (self.targets if targets is None else targets)
+                       if t != PERSIST]
         self.record_all([(path, version, committed_ns, moved_to)], targets)
 
     def record_all(self, deleted: list[tuple[str, int, int, str | None]],

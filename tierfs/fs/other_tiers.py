@@ -238,8 +238,9 @@ class OtherTiers:
         except FsError:
             return None
         if isinstance(named, str):
-            number = self.tree.identity.step_number(named)
             node = run_dir.children.get(os.fsencode(named))
+            number = (node.step.number if node is not None and node.is_dir
+                      and node.step is not None else self.tree.identity.step_number(named))
         elif isinstance(named, int):
             number = named
             node = next((n for n in run_dir.children.values()

@@ -108,7 +108,8 @@ class StepVersions:
             return self._install_single_file(manifest, source)
         parent = self.tree.root
         made: list[Node] = []
-        for part in map(os.fsencode, manifest.path.split("/")):
+        parts = list(map(os.fsencode, manifest.path.split("/")))
+        for depth, part in enumerate(parts, 1):
             child = parent.children.get(part)
             if child is None:
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
@@ -118,6 +119,9 @@ class StepVersions:
                 number = self.tree.identity.step_number_at(parent, part)
                 if number is not None:
                     child.step = StepState(number)
+                elif depth == len(parts) and not tree_walk.in_a_step(parent):
+                    # a step with no step name: a directory its saver's tracker named
+                    self.tree.identity.become_named_step(child, manifest.step)
             elif not child.is_dir:
                 log.warning("step %s from %s is hidden by a file here", manifest.path, source)
                 return None

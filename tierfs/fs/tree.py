@@ -312,24 +312,32 @@ class Tree:
         self.detach(node)
         self.mark_dirty(parent)
 
-    def _single_file_removed(self, node: Node, *, recorded: bool = False) -> None:
+    def _single_file_removed(self, node: Node, *, recorded: bool = False,
+                             keep_store: bool = False) -> None:
         """A single-file step leaves its name (unlink, rename, replaced by a rename): its
         committed version is deleted from every tier (unless the caller `recorded` that), its
         records go."""
         if node.step is None or node.is_dir:
             return
         if not recorded:
-            self._step_removed(node.step)
+            self._step_removed(node.step, keep_store=keep_store)
         self.remove_hidden(node, self.backing(node))
         node.step = None
 
-    def _step_removed(self, step: StepState) -> None:
+    def joins_step(self, node: Node) -> None:
+        """A single-file step becomes a file of the directory it is in, which became a step
+        (a directory a tracker named, `fs.step_identity`): a committed version of it is
+        deleted from the peers and the cluster's records; in the store its object is the
+        step's file at the same key, and its records there go with the step's upload."""
+        self._single_file_removed(node, keep_store=True)
+
+    def _step_removed(self, step: StepState, *, keep_store: bool = False) -> None:
         """A step directory leaves the tree (rmdir, or a directory renamed over it). If it held
         a committed version (even one being re-saved), that version is deleted from every tier,
         and never listed again (fs.deletes)."""
         if step.manifest is not None:
             self._deletes.record(step.manifest.path, step.manifest.version,
-                                 step.manifest.committed_ns)
+                                 step.manifest.committed_ns, keep_store=keep_store)
 
     def clear_replaced(self, target: Node, path: bytes) -> None:
         """A rename is about to put another entry in place of `target` (at `path`): it leaves

@@ -661,9 +661,19 @@ class Uploader:
                 if single_file and base in trackers.TRACKER_NAMES:
                     tracker_paths.append(path)
                 number = (self._file_step_number if single_file else self._step_number)(base)
+                if number is None and not single_file:  # a step with no step name, named
+                    number = await trio.to_thread.run_sync(self._stored_number, obj.key)
                 if number is not None:
                     steps[path] = number
         return steps, tracker_paths
+
+    def _stored_number(self, manifest_key: str) -> int | None:
+        """The step number the stored manifest at `manifest_key` gives (blocking)."""
+        try:
+            number = mf.decode(self.backend.get_bytes(manifest_key)).step
+        except (NotFound, mf.ManifestError):
+            return None
+        return None if number == mf.NO_STEP else number
 
     async def listing(self) -> list[ObjectInfo]:
         """Every object in the store (read once at mount, for `stored_manifests` and
