@@ -225,7 +225,8 @@ class ControlApi:
                                                         len(tier.bad) + len(tier.repaired))
 
     def _step_status(self, node: Node, persist_waits: dict[str, dict[str, Any]],
-                     recorded: dict[str, set[str]] | None = None) -> dict[str, Any]:
+                     recorded: dict[str, set[str]] | None = None,
+                     dirs: dict[Node, dict[StepState, str]] | None = None) -> dict[str, Any]:
         """A step's status line, with the times `tierfs status` shows ages from:
         `committed_ns` (when its newest committed version was made; None before the first)
         and, for a step being written, `changed_ns` (its directory's last change); for a
@@ -236,7 +237,7 @@ class ControlApi:
         no live node's RAM but this one's (and not in the store)."""
         tree = self.namespace.tree
         step = node.step
-        status = dict(self.namespace.view.step_status(node))
+        status = dict(self.namespace.view.step_status(node, dirs))
         if self.cluster is not None and step.committed:
             status.update(self._spread(step, recorded))
         else:
@@ -276,8 +277,9 @@ class ControlApi:
         persist_waiting = self._persist_waiting() if self.uploader is not None else []
         persist_waits = self._persist_waits(persist_waiting)
         recorded = await self.recorded.of(ns.tiers.listed_manifests()) if self.recorded else {}
+        dirs: dict[Node, dict[StepState, str]] = {}  # unfinished steps, per directory
         steps = sorted((self._step_status(node, persist_waits, recorded.get(
-                            node.step.manifest.path) if node.step.manifest else None)
+                            node.step.manifest.path) if node.step.manifest else None, dirs)
                         for node in ns.tree.steps()),
                        key=lambda s: (os.path.dirname(s["path"]), number_of(s), s["path"]))
         return {
