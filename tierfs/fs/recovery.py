@@ -323,6 +323,8 @@ class Recovery:
         manifest, resident = recovered.get(path, (None, set()))
         step = node.step = StepState(number, manifest)
         step.resident = resident
+        step.empty = (manifest is None and node.is_dir
+                      and next(tree_walk.walk_files(node), None) is None)
         # A DCP step whose .metadata came before its shards (a copy under way) commits when
         # the last of them is closed, as before the restart.
         step.commit_pending = manifest is None and node.is_dir and METADATA in node.children

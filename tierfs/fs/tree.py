@@ -295,6 +295,7 @@ class Tree:
         if number is not None:
             node.step = StepState(number)
             self._watch.step_started(node)
+            self._watch.touch(node)  # quiet and still empty, it shows `empty` (fs.quiet_commits)
         self.mark_dirty(parent)
         return node
 
@@ -633,6 +634,7 @@ class Tree:
     def mark_dirty(self, node: Node | None) -> None:
         for step_node in tree_walk.enclosing_steps(node):
             step_node.step.dirty = True
+            step_node.step.empty = False
             if step_node.step.pending is not None:  # a new version begins (fs.pending_commits)
                 step_node.step.pending.superseded = True
             self._watch.touch(step_node)

@@ -81,6 +81,8 @@ def only_in_ram(step: Step) -> bool:
     replicated yet (or not selected by --persist-every, with no peer). In a cluster, a
     committed step's `only_here` says it (from the records of its files: a step whose files
     are spread over several nodes, or held by peers and read back here, is not only here)."""
+    if step["state"] == "empty":
+        return False  # nothing in it
     if step.get("only_here") is not None:
         return bool(step["only_here"])
     return bool(step["ram"]) and not step["persisted"] and not step["replicas"]
@@ -104,7 +106,7 @@ def latest_paths(steps: Iterable[Step], own_latest: Iterable[str] = ()) -> set[s
 def step_age(step: Step, now_ns: int) -> float | None:
     """Seconds since the step was committed, or for a step being written since it last changed
     (None from a daemon that does not say)."""
-    stamp = step.get("committed_ns") if step["state"] != "writing" else (
+    stamp = step.get("committed_ns") if step["state"] not in ("writing", "empty") else (
         step.get("changed_ns") or step.get("committed_ns"))
     return None if stamp is None else (now_ns - stamp) / 1e9
 

@@ -248,7 +248,7 @@ class ControlApi:
         if status["hashing"]:
             status["committed_ns"] = step.pending.record.committed_ns
         status["changed_ns"] = None
-        if status["state"] == "writing":
+        if status["state"] in ("writing", "empty"):
             with contextlib.suppress(FsError, OSError):  # removed meanwhile
                 status["changed_ns"] = tree.stat(node).st_mtime_ns
         status["persist_wait"] = persist_waits.get(status["path"])
