@@ -197,7 +197,7 @@ class QuietCommits:
                 self.watch.touch(step_node)
             return False
         del self.watch.due[step_node]
-        await self.commits.commit_quietly(step_node)
+        await self.commits.commit_quietly(step_node, by_idle=True)
         return True
 
     async def commit_quiet_steps(self) -> None:
