@@ -156,6 +156,10 @@ def test_urls_are_checked() -> None:
 
 
 def test_file_store_is_writable_by_its_owner_only(tmp_path: Path) -> None:
+    """Nothing in a file:// store is writable by group or others, and an object is readable
+    by no more users than its file under the mount: its owner only until `restrict` gives it
+    the file's read bits for group and others, and the file's group (it was 0644 whatever the
+    file's mode: any local user read a 0600 checkpoint in the store)."""
     old = os.umask(0)  # as in the daemon
     try:
         backend = open_backend(f"file://{tmp_path}")
@@ -165,13 +169,21 @@ def test_file_store_is_writable_by_its_owner_only(tmp_path: Path) -> None:
         source = tmp_path / "src"
         source.write_bytes(b"data")
         backend.put_file("run/step_1/shard", source)
+        backend.put_file("run/step_1/public", source)
     finally:
         os.umask(old)
-    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777
-             for p in tmp_path.rglob("*") if p.name != "src"}
-    assert modes == {".tierfs-store": 0o644, "run": 0o755, "run/step_1": 0o755,
-                     "run/step_1/sub": 0o755, "run/step_1/sub/.tierfs-manifest": 0o644,
-                     "run/step_1/shard": 0o644}
+
+    def modes() -> dict[str, int]:
+        return {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777
+                for p in tmp_path.rglob("*") if p.name != "src"}
+
+    assert modes() == {".tierfs-store": 0o644, "run": 0o755, "run/step_1": 0o755,
+                       "run/step_1/sub": 0o755, "run/step_1/sub/.tierfs-manifest": 0o600,
+                       "run/step_1/shard": 0o600, "run/step_1/public": 0o600}
+    backend.restrict([("run/step_1/shard", 0o700, 4321), ("run/step_1/public", 0o666, -1)])
+    assert modes()["run/step_1/shard"] == 0o600 and modes()["run/step_1/public"] == 0o644
+    assert (tmp_path / "run/step_1/shard").stat().st_gid == 4321
+    assert (tmp_path / "run/step_1/public").stat().st_gid == os.getegid()
 
 
 def test_file_store_root_must_be_empty_or_a_store(tmp_path: Path) -> None:

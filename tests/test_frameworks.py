@@ -270,3 +270,39 @@ def test_hf_trainer_killed_in_a_save_leaves_latest_on_the_step_before(
     assert (fresh / "out/checkpoint-4/trainer_state.json").exists()
     assert fresh.step("out/checkpoint-4")["unfinished"] is None
     assert os.readlink(fresh / "out/latest") == "checkpoint-6"
+
+
+@needs("deepspeed")
+def test_deepspeed_custom_tags_are_steps(mounts: MountFactory, tmp_path: Path) -> None:
+    """`save_checkpoint(dir, tag="mytag_N")`: no step name, but DeepSpeed's `latest` names each
+    tag, so each is a step (numbered N), committed whole, subject to --persist-every, a step
+    again after a restart and on a fresh node, which resumes from it (their files committed
+    one by one as loose files, --persist-every ignored)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    args = ("--persist", f"file://{store}", "--commit-idle", IDLE, "--persist-every", "4")
+    node = mounts.mount(*args)
+    first = run_job(tmp_path, "deepspeed", str(node / "ds"), "6", str(free_port()), "nowait",
+                    "tag=mytag_")
+    tags = ["ds/mytag_2", "ds/mytag_4", "ds/mytag_6"]
+    wait_until(lambda: all((node.step(t) or {}).get("state") == "committed" for t in tags),
+               timeout=15)
+    assert [(node.step(t)["step"], node.step(t)["kind"]) for t in tags] == [
+        (2, "dir"), (4, "dir"), (6, "dir")]
+    assert not [s["path"] for s in node.status()["steps"] if s["path"].startswith("ds/mytag_")
+                and s["path"] not in tags]
+    tierfs("flush", str(node.mountpoint), "--timeout", "60")
+    assert sorted(n for n in os.listdir(store / "ds") if n.startswith("mytag")) == ["mytag_4"]
+    assert (store / "ds/mytag_4/.tierfs-manifest").is_file()
+    assert (store / "ds/latest").read_text() == "mytag_4"
+    tierfs("umount", str(node.mountpoint))
+    again = mounts.remount(node, *args)
+    assert [(again.step(t) or {}).get("state") for t in tags] == ["committed"] * 3
+    tierfs("umount", str(again.mountpoint))
+
+    fresh = store_node(mounts, store)
+    assert fresh.step("ds/mytag_4")["step"] == 4
+    resumed = run_job(tmp_path, "deepspeed", str(fresh / "ds"), "8", str(free_port()),
+                      "resume", "nowait", "tag=mytag_")
+    assert resumed["loaded_step"] == 4
+    assert resumed["weights_at_load"] == first["saved"]["4"]

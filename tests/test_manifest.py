@@ -195,6 +195,10 @@ def test_directories_round_trip_are_validated_and_are_no_part_of_the_version() -
     assert decoded.dirs == dirs and decoded == plain
     assert mf.decode(mf.encode(plain)).dirs == ()
     assert "dirs" not in msgpack.unpackb(mf.encode(plain))
+    # so is how it was committed (fs.completion)
+    idle = mf.StepManifest("run/step_1", 1, 1, "n", 0, (entry("x", 3),), by_idle=True)
+    assert mf.decode(mf.encode(idle)).by_idle and not mf.decode(mf.encode(plain)).by_idle
+    assert "idle" not in msgpack.unpackb(mf.encode(plain))
     # the step's own directories, not those above it, make a change of attributes
     moved_run = (dataclass_replace(dirs[0], mtime_ns=999), dirs[1])
     assert with_dirs.same_own_dirs(moved_run)

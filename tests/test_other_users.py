@@ -207,3 +207,34 @@ def test_another_user_s_umount_says_who_may(public_dir: Path, trainer: str, run_
         assert refused.stderr == (f"tierfs: cannot unmount {mnt.mountpoint}: it was mounted by "
                                   "root, and only root may unmount it\n")
     assert is_mounted(mnt.mountpoint)
+
+
+@pytest.mark.parametrize("passthrough", [True, False], ids=["passthrough", "no-passthrough"])
+def test_a_write_by_another_user_clears_set_id_bits(public_dir: Path, run_as: RunAs,
+                                                     mounts: MountFactory,
+                                                     passthrough: bool) -> None:
+    """pjdfstest chmod/12.t: a file 04777, 02777 or 06777 written by another user (uid
+    65534) is 0777 right after the write, as on every other Linux file system (with
+    passthrough the bits stayed: the daemon takes clearing them on, and saw no write). A copy
+    with `cp -a` or `rsync -a` to another file system would keep them."""
+    mountpoint = public_dir / "shared"
+    mountpoint.mkdir(mode=0o755)
+    mnt = mounts.mount("--allow-other", "--root-mode", "1777",
+                       *([] if passthrough else ["--no-passthrough"]), mountpoint=mountpoint)
+    assert mnt.status()["passthrough"] is passthrough
+    for mode, flags in ((0o4777, "O_WRONLY"), (0o2777, "O_RDWR"), (0o6777, "O_RDWR")):
+        path = mnt / f"setid-{mode:o}"
+        path.write_bytes(b"0")
+        os.chmod(path, mode)
+        assert stat.S_IMODE(os.stat(path).st_mode) == mode
+        done = run_as("nobody", "-c", f"import os; fd = os.open({str(path)!r}, os.{flags}); "
+                      "os.write(fd, b'x'); print(oct(os.fstat(fd).st_mode & 0o7777))")
+        assert done.stdout.strip() == "0o777", mode
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o777, mode
+    # root keeps them (CAP_FSETID)
+    kept = mnt / "kept"
+    kept.write_bytes(b"0")
+    os.chmod(kept, 0o4755)
+    with open(kept, "r+b") as f:
+        f.write(b"x")
+    assert stat.S_IMODE(os.stat(kept).st_mode) == 0o4755

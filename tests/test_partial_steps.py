@@ -59,3 +59,40 @@ def test_an_interrupted_rm_of_a_step_is_no_new_version(mounts: MountFactory,
     tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
     wait_until(lambda: not (store / "run/step_2").exists(), timeout=15)
     assert [s["path"] for s in mnt.status()["steps"]] == ["run/step_1"]
+
+
+def test_empty_step_directories_settle_as_empty(mounts: MountFactory, tmp_path: Path) -> None:
+    """`cp -al` of a run (its hard links refused: EPERM) leaves the step directories it made
+    empty, and so does a `mkdir` a saver never filled: once quiet they are `empty`, nothing
+    only in RAM, named by no warning, flush or unmount, also after a restart (they stayed
+    `writing` for ever, under a standing warning); a file written into one makes it a step
+    being written again, which commits."""
+    store = tmp_path / "store"
+    store.mkdir()
+    args = ("--persist", f"file://{store}", "--commit-idle", "1")
+    mnt = mounts.mount(*args)
+    for number in (1, 2):
+        (mnt / f"run/step_{number}").mkdir(parents=True)
+        (mnt / f"run/step_{number}/model.pt").write_bytes(b"%d" % number)
+    wait_until(lambda: all(s["state"] == "committed" for s in mnt.status()["steps"])
+               and len(mnt.status()["steps"]) == 2, timeout=15)
+    copied = subprocess.run(["cp", "-al", str(mnt / "run"), str(mnt / "run2")],
+                            capture_output=True, text=True)
+    assert copied.returncode == 1 and "Operation not permitted" in copied.stderr
+    (mnt / "other/step_5").mkdir(parents=True)
+    empty = ["other/step_5", "run2/step_1", "run2/step_2"]
+    wait_until(lambda: [s["path"] for s in mnt.status()["steps"] if s["state"] == "empty"]
+               == empty, timeout=15)
+    assert getxattr(mnt / "run2/step_1", "user.tierfs.state") == "empty"
+    human = tierfs("status", str(mnt.mountpoint)).stdout
+    assert "warning" not in human, human
+    flushed = tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    assert "not committed" not in flushed.stderr, flushed.stderr
+    tierfs("umount", str(mnt.mountpoint))
+    again = mounts.remount(mnt, *args)
+    assert [s["path"] for s in again.status()["steps"] if s["state"] == "empty"] == empty
+
+    (again / "run2/step_2/model.pt").write_bytes(b"again")
+    assert again.step("run2/step_2")["state"] == "writing"
+    wait_until(lambda: again.step("run2/step_2")["state"] == "committed", timeout=15)
+    assert os.readlink(again / "run2/latest") == "step_2"

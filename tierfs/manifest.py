@@ -116,6 +116,10 @@ class StepManifest:
     # makes them again gives them. Not part of what the version is (a run directory's mtime
     # moves at every step made in it); empty in manifests from before they were recorded.
     dirs: tuple[DirEntry, ...] = field(default=(), compare=False)
+    # Committed by the quiet rules (idle, the next step made, an unmount), not by its saver's
+    # mark or call (`.metadata`, a rename into place, a tracker, `tierfs commit`): whether its
+    # saver finished is for `tierfs.fs.completion` to judge.
+    by_idle: bool = field(default=False, compare=False)
 
     # A manifest never changes, so its totals and its index by name are computed once: steps
     # of 50,000 files are looked up file by file (status, eviction, start-up), which a linear
@@ -241,6 +245,8 @@ def encode(manifest: StepManifest) -> bytes:
         tail["blocks"] = [f.blocks for f in files]
     if manifest.single_file:
         tail["file"] = True
+    if manifest.by_idle:
+        tail["idle"] = True
     if manifest.dirs:
         tail["dirs"] = [[d.path, d.mode, d.uid, d.gid, d.mtime_ns] for d in manifest.dirs]
     return b"".join([
@@ -272,6 +278,7 @@ def decode(data: bytes) -> StepManifest:
             files=tuple(files),
             single_file=_single_file_flag(raw.get("file", False)),
             dirs=_dirs(raw.get("dirs", [])),
+            by_idle=_flag(raw.get("idle", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ManifestError):
@@ -322,8 +329,12 @@ def dir_entry_from_stat(path: str, st: os.stat_result) -> DirEntry:
 
 
 def _single_file_flag(value: object) -> bool:
+    return _flag(value, "single-file")
+
+
+def _flag(value: object, what: str = "idle") -> bool:
     if not isinstance(value, bool):
-        raise ManifestError(f"bad single-file flag {value!r}")
+        raise ManifestError(f"bad {what} flag {value!r}")
     return value
 
 

@@ -64,6 +64,18 @@ class Attributes:
             for step_node in tree_walk.enclosing_steps(node):
                 step_node.step.attributes_changed = True
 
+    def drop_setid(self, node: Node) -> None:
+        """A writer that may not keep them (any user but root) opened or truncated `node`: its
+        set-user-ID bit goes, and its set-group-ID bit if it is group-executable, as the kernel
+        clears them at a write on every other Linux file system. Under the relay tierfs takes
+        this on (FUSE_HANDLE_KILLPRIV_V2, `fs.fuse_wire`) and with passthrough the kernel
+        writes the backing file without the daemon, so it is done at the open
+        (`fs.operations`), before the first write."""
+        mode = stat.S_IMODE(self.tree.stat(node).st_mode)
+        kept = mode & ~stat.S_ISUID & ~(stat.S_ISGID if mode & stat.S_IXGRP else 0)
+        if kept != mode:
+            self.setattr(node, None, mode=kept)
+
     @staticmethod
     def check_truncatable(node: Node) -> None:
         if not node.is_file:

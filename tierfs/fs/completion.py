@@ -5,8 +5,10 @@ last, HF Trainer `trainer_state.json` after the model, optimizer, scheduler and 
 Megatron-LM and DeepSpeed name the step in a tracker beside it (`tierfs.trackers`) once every
 rank is done. A step without a marker commits once it is quiet, so a saver killed in the middle
 of a save leaves a committed step without its saver's mark: in a directory whose older steps
-carry a mark, a step that lacks it is *unfinished*. `latest` never names it while an older
-finished step exists, and `tierfs status` says which mark it lacks. Pure functions of the steps'
+carry a mark, a step committed by the quiet rules (`StepManifest.by_idle`; not one its saver
+committed by a rename into place, `tierfs commit`...) that lacks it is *unfinished*.
+`latest` never names it while an older finished step exists, and `tierfs status` says which
+mark it lacks. Pure functions of the steps'
 manifests (the same on every node) and of what the directory's tracker names.
 """
 
@@ -33,7 +35,7 @@ def unfinished(steps: Iterable[StepState], tracked: int | None) -> dict[StepStat
         marks = [m for m in MARKS if manifest.entry(m) is not None]
         if tracked is not None and step.number <= tracked:
             marks.append(TRACKER_MARK)
-        if seen and not set(marks) & set(seen):
+        if seen and manifest.by_idle and not set(marks) & set(seen):
             found[step] = seen[0]
             continue
         seen += [m for m in marks if m not in seen]

@@ -234,6 +234,11 @@ class Namespace:
         # The path is taken only now: the awaits above may have seen renames.
         return self.tree.open_backing(node, writable=writable, truncate=truncate)
 
+    def drop_setid(self, node: Node) -> None:
+        """A writer that may not keep set-id bits opened `node` (`Attributes.drop_setid`)."""
+        if self.tree.has_backing(node):
+            self.tree.attributes.drop_setid(node)
+
     def note_opened(self, handle: Handle, pid: int) -> None:
         self.tree.latest.note_opened(handle, pid)
 

@@ -133,6 +133,10 @@ class StepState:
         self.number = number
         self.manifest = manifest
         self.dirty = manifest is None
+        # A step directory never committed that went quiet holding no file (a `mkdir` whose
+        # saver wrote nothing, `cp -al` of a run, whose hard links are refused): nothing to
+        # commit, and nothing only in RAM; it shows `empty` until something changes in it.
+        self.empty = False
         self.commit_pending = False
         self.waiting_for: str | None = None  # why a commit is pending (status shows it)
         # The files its DCP .metadata names, and which .metadata (inode, size, mtime) said so.
@@ -176,7 +180,9 @@ class StepState:
 
     @property
     def state(self) -> str:
-        return "committed" if self.shown_committed else "writing"
+        if self.shown_committed:
+            return "committed"
+        return "empty" if self.empty else "writing"
 
     @property
     def persisted(self) -> bool:

@@ -158,6 +158,8 @@ class Operations(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
+        if fields.update_size and not fields.update_mode:
+            self._writer_opened(node, ctx)  # a truncate writes too
         return self._attrs(node)
 
     @_boundary
@@ -210,6 +212,7 @@ class Operations(pyfuse3.Operations):
                      ctx: Any) -> tuple[FileInfo, EntryAttributes]:
         node, handle = self.ns.create(self.ns.get(parent_inode), name, mode & ~ctx.umask,
                                       flags, ctx.uid, ctx.gid, ctx.pid)
+        self._writer_opened(node, ctx)
         return await self._file_info(handle), self._entry(node)
 
     @_boundary
@@ -224,7 +227,16 @@ class Operations(pyfuse3.Operations):
             await self.ns.residency.fetch_whole(node)
         handle = await self.ns.open(node, flags)
         self.ns.note_opened(handle, ctx.pid)
+        if handle.writable:
+            self._writer_opened(node, ctx)
         return await self._file_info(handle)
+
+    def _writer_opened(self, node: Node, ctx: Any) -> None:
+        """Under the relay the daemon clears set-id bits itself (FUSE_HANDLE_KILLPRIV_V2), and
+        with passthrough it sees no write: a writer that may not keep them (a user but root,
+        who has CAP_FSETID) makes them go at its open (`Attributes.drop_setid`)."""
+        if self.passthrough is not None and ctx.uid != 0:
+            self.ns.drop_setid(node)
 
     async def _file_info(self, handle: Handle) -> FileInfo:
         """The reply to an open: passthrough to the backing file where the kernel allows it."""

@@ -172,7 +172,7 @@ class OtherTiers:
         name that its own new name still reads through this one comes first."""
         assert tomb.moved_to is not None
         new = tomb.moved_to
-        if any(other.moved_to is not None and other is not tomb
+        if any(other.moved_to is not None and other is not tomb and PERSIST in other.pending
                and (other.path == new or other.path.startswith(new + "/"))
                for other in self.deletes.pending()):
             return False
@@ -265,7 +265,8 @@ class OtherTiers:
                     lambda: self.versions.write_persist_mark(node, manifest.version),
                     release=True) is not None:
                 self.versions.set_persisted(node, manifest.version, recorded=True)
-                self.tree.residents.add_remote_files(node, list(manifest.files))
+                self.tree.residents.add_remote_files(
+                    node, [e for e in manifest.files if e.name not in step.resident])
                 self.versions.give_dir_attributes(manifest)
             return False
         step_node = self.versions.install_step(manifest, "the persistent tier")
@@ -321,8 +322,9 @@ class OtherTiers:
         except FsError:
             return None
         if isinstance(named, str):
-            number = self.tree.identity.step_number(named)
             node = run_dir.children.get(os.fsencode(named))
+            number = (node.step.number if node is not None and node.is_dir
+                      and node.step is not None else self.tree.identity.step_number(named))
         elif isinstance(named, int):
             number = named
             node = next((n for n in run_dir.children.values()
@@ -499,7 +501,8 @@ class OtherTiers:
                                                                     others),
                                  release=True) is not None:
                 self.versions.set_holders(node, others, record=False)
-                self.tree.residents.add_remote_files(node, list(manifest.files))
+                self.tree.residents.add_remote_files(
+                    node, [e for e in manifest.files if e.name not in step.resident])
             self.versions.give_dir_attributes(manifest)
             return
         step_node = self.versions.install_step(manifest, f"node {', '.join(sorted(others))}")

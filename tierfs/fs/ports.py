@@ -211,8 +211,10 @@ class DeleteLog(Protocol):
     """The durable record of deleted steps (see `fs.deletes`)."""
 
     def record(self, path: str, version: int, committed_ns: int,
-               targets: list[str] | None = None, *, moved_to: str | None = None) -> None:
-        """On disk before it returns; OSError (no room) with nothing recorded."""
+               targets: list[str] | None = None, *, moved_to: str | None = None,
+               keep_store: bool = False) -> None:
+        """On disk before it returns; OSError (no room) with nothing recorded. `keep_store`:
+        every tier but the persistent one."""
         ...
 
     def record_all(self, deleted: list[tuple[str, int, int, str | None]],

@@ -18,7 +18,9 @@ Only steps changed while this daemon runs are watched (`QuietWatch`, step node -
 due), so the work is proportional to the steps being written, never a scan of the tree. The
 `Tree` tells the watch of every change (the `StepWatch` port); `QuietCommits` runs the commits
 through `Commits`. A step left `writing` by a crash is not committed by these rules (it may be
-partial); writing into it again, or `tierfs commit`, does. A step holding DCP shards
+partial); writing into it again, or `tierfs commit`, does. A step directory that goes quiet
+holding no file at all is `empty`, not written for ever: nothing commits. A step holding DCP
+shards
 (`*.distcp`) waits for its `.metadata`, the end of a DCP save, which stays the immediate trigger.
 """
 
@@ -178,6 +180,12 @@ class QuietCommits:
             # that commit is finished in the background, not waited for here).
             self.watch.due.pop(step_node, None)
             return False
+        if (step_node.is_dir and step.manifest is None and step.pending is None
+                and next(tree_walk.walk_files(step_node), None) is None):
+            step.empty = True  # nothing to commit (`StepState.empty`)
+            self.tree.manifests.note_waiting(step, None)
+            del self.watch.due[step_node]
+            return False
         reason = self._not_quiet(step_node)
         if reason is not None:
             if reason != "open writers":
@@ -189,7 +197,7 @@ class QuietCommits:
                 self.watch.touch(step_node)
             return False
         del self.watch.due[step_node]
-        await self.commits.commit_quietly(step_node)
+        await self.commits.commit_quietly(step_node, by_idle=True)
         return True
 
     async def commit_quiet_steps(self) -> None:

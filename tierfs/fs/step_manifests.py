@@ -38,7 +38,8 @@ class StepManifests:
         self._residents = residents
 
     def write_manifest(self, step_node: Node, files: list[tuple[str, Node]],
-                       copies: dict[Node, bytes]) -> mf.StepManifest:
+                       copies: dict[Node, bytes], *, by_idle: bool = False
+                       ) -> mf.StepManifest:
         """The commit's change (see the module docstring: no await may come before it once
         the step is checked): the manifest on disk, the objects' references, the step state.
         Returns the old manifest if nothing changed since it. The private copies it makes
@@ -72,7 +73,7 @@ class StepManifests:
         manifest = mf.StepManifest(
             path=step_path, step=number, version=old.version + 1 if old else 1,
             node_id=self.tree.node_id, committed_ns=time.time_ns(), files=tuple(entries),
-            single_file=step_node.is_file, dirs=dirs,
+            single_file=step_node.is_file, dirs=dirs, by_idle=by_idle,
         )
 
         def link_objects() -> None:
@@ -187,6 +188,11 @@ class StepManifests:
         self._residents.drop_resident_refs(step)
         step.manifest = manifest
         step.resident = resident
+        # Peers acknowledge a version: those of the one before hold none of this one until
+        # the cluster's records say so (a peer may have dropped its copy meanwhile: a step
+        # renamed away and back was deleted there), as after a first commit.
+        step.replicas = set()
+        step.file_holders = {}
 
     def drop_pending(self, step_node: Node, step: StepState) -> None:
         """A pending commit whose step was removed or stopped being a step: its snapshots and

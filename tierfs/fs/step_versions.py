@@ -16,8 +16,8 @@ from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs import tree_walk
 from tierfs.fs.dir_attributes import times_kept
-from tierfs.fs.fetch import RemoteFile
-from tierfs.fs.nodes import LATEST, PEERS_MARK, REPLICAS_MARK, Node, StepState
+from tierfs.fs.fetch import RemoteFile, apply_attributes
+from tierfs.fs.nodes import LATEST, PEERS_MARK, REPLICAS_MARK, Node, Seal, StepState
 from tierfs.fs.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,8 @@ class StepVersions:
             return self._install_single_file(manifest, source)
         parent = self.tree.root
         made: list[Node] = []
-        for part in map(os.fsencode, manifest.path.split("/")):
+        parts = list(map(os.fsencode, manifest.path.split("/")))
+        for depth, part in enumerate(parts, 1):
             child = parent.children.get(part)
             if child is None:
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
@@ -157,6 +158,9 @@ class StepVersions:
                 number = self.tree.identity.step_number_at(parent, part)
                 if number is not None:
                     child.step = StepState(number)
+                elif depth == len(parts) and not tree_walk.in_a_step(parent):
+                    # a step with no step name: a directory its saver's tracker named
+                    self.tree.identity.become_named_step(child, manifest.step)
             elif not child.is_dir:
                 log.warning("step %s from %s is hidden by a file here", manifest.path, source)
                 return None
@@ -296,14 +300,26 @@ class StepVersions:
         """A newer version of a step committed elsewhere replaces the older committed version
         held here (the caller checked that nothing here writes, commits or reads it, and
         recorded where the new files are). The new manifest replaces the old one on disk, then
-        the old files leave the tree. The old version's object digests are released here
-        (`release`) or returned for the caller to release once the new version holds its own
-        references (objects both versions share must stay)."""
+        the old files leave the tree, but those in RAM here with the bytes the new version
+        names at the same name: they are its copy (a step renamed and renamed back is committed
+        again with the same files, and the cluster's records count this node as holding them).
+        The old version's object digests are released here (`release`) or returned for the
+        caller to release once the new version holds its own references (objects both
+        versions share must stay)."""
         step = step_node.step
         old = step.manifest
         self.tree.records.write_manifest(self.tree.records_path(step_node), manifest)
-        old_refs = [old.entry(name).xxh3 for name in step.resident]
-        for _rel, node in list(tree_walk.files_under(step_node)):
+        kept = set()
+        for rel, node in list(tree_walk.files_under(step_node)):
+            entry, before = manifest.entry(rel), old.entry(rel)
+            if (node.remote is None and rel in step.resident and entry is not None
+                    and before is not None and (entry.size, entry.xxh3) == (before.size,
+                                                                            before.xxh3)):
+                path = self.tree.backing(node)
+                apply_attributes(path, entry)
+                node.seal = Seal(mf.Digest.of(entry), os.lstat(path).st_ino)
+                kept.add(rel)
+                continue
             if node.remote is None:
                 self.tree.unlink_backing(self.tree.backing(node), node)
             self.tree.residents.drop_fetch(node)
@@ -313,16 +329,18 @@ class StepVersions:
                 self.tree.attrs_changed(node)
             else:
                 self.tree.detach(node)
+        old_refs = [old.entry(name).xxh3 for name in step.resident - kept]
         step.manifest = manifest
-        step.resident = set()
+        step.resident = kept
         step.replicas = set()
         step.holders = set()
         step.file_holders = {}
         step.file_writers = {}
         step.persisted_version = 0
         step.retired_version = 0
-        log.warning("%s v%d here is superseded by v%d from %s", manifest.path,
-                    old.version, manifest.version, source)
+        log.warning("%s v%d here is superseded by v%d from %s%s", manifest.path,
+                    old.version, manifest.version, source,
+                    f"; {len(kept)} of its files here are unchanged in it" if kept else "")
         if release:
             self.release_refs(old_refs)
             return []

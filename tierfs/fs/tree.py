@@ -298,6 +298,7 @@ class Tree:
         if number is not None:
             node.step = StepState(number)
             self._watch.step_started(node)
+            self._watch.touch(node)  # quiet and still empty, it shows `empty` (fs.quiet_commits)
         self.mark_dirty(parent)
         return node
 
@@ -315,24 +316,32 @@ class Tree:
         self.detach(node)
         self.mark_dirty(parent)
 
-    def _single_file_removed(self, node: Node, *, recorded: bool = False) -> None:
+    def _single_file_removed(self, node: Node, *, recorded: bool = False,
+                             keep_store: bool = False) -> None:
         """A single-file step leaves its name (unlink, rename, replaced by a rename): its
         committed version is deleted from every tier (unless the caller `recorded` that), its
         records go."""
         if node.step is None or node.is_dir:
             return
         if not recorded:
-            self._step_removed(node.step)
+            self._step_removed(node.step, keep_store=keep_store)
         self.remove_hidden(node, self.backing(node))
         node.step = None
 
-    def _step_removed(self, step: StepState) -> None:
+    def joins_step(self, node: Node) -> None:
+        """A single-file step becomes a file of the directory it is in, which became a step
+        (a directory a tracker named, `fs.step_identity`): a committed version of it is
+        deleted from the peers and the cluster's records; in the store its object is the
+        step's file at the same key, and its records there go with the step's upload."""
+        self._single_file_removed(node, keep_store=True)
+
+    def _step_removed(self, step: StepState, *, keep_store: bool = False) -> None:
         """A step directory leaves the tree (rmdir, or a directory renamed over it). If it held
         a committed version (even one being re-saved), that version is deleted from every tier,
         and never listed again (fs.deletes)."""
         if step.manifest is not None:
             self._deletes.record(step.manifest.path, step.manifest.version,
-                                 step.manifest.committed_ns)
+                                 step.manifest.committed_ns, keep_store=keep_store)
 
     def clear_replaced(self, target: Node, path: bytes) -> None:
         """A rename is about to put another entry in place of `target` (at `path`): it leaves
@@ -635,6 +644,7 @@ class Tree:
     def mark_dirty(self, node: Node | None) -> None:
         for step_node in tree_walk.enclosing_steps(node):
             step_node.step.dirty = True
+            step_node.step.empty = False
             if step_node.step.pending is not None:  # a new version begins (fs.pending_commits)
                 step_node.step.pending.superseded = True
             self._watch.touch(step_node)

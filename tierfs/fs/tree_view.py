@@ -114,9 +114,12 @@ class TreeView:
 
     # -- status and xattrs -------------------------------------------------------------------
 
-    def step_status(self, step_node: Node) -> dict[str, object]:
+    def step_status(self, step_node: Node, dirs: dict[Node, dict[StepState, str]] | None = None
+                    ) -> dict[str, object]:
         """One step's line of `tierfs status`: cheap whatever the step's size (no disk access
-        for committed steps; a step being written costs one lstat per unsealed file)."""
+        for committed steps; a step being written costs one lstat per unsealed file).
+        `dirs`: the unfinished steps of each directory, kept across the lines of one status
+        (a directory of many steps is judged once, not once per step)."""
         step = step_node.step
         if step.committed:
             manifest = step.manifest
@@ -143,16 +146,19 @@ class TreeView:
             "persisted": step.persisted,
             "waiting_for": step.waiting_for if step.commit_pending or not step.committed else None,
             # committed without its saver's mark of a finished save (`fs.completion`)
-            "unfinished": self.unfinished(step_node),
+            "unfinished": self.unfinished(step_node, {} if dirs is None else dirs),
         }
 
-    def unfinished(self, step_node: Node) -> str | None:
+    def unfinished(self, step_node: Node, dirs: dict[Node, dict[StepState, str]]
+                   ) -> str | None:
         """The saver's mark a committed step directory lacks while the steps before it carry
         it (`fs.completion`: `latest` skips it), else None."""
         parent = step_node.parent
         if not step_node.is_dir or parent is None or not step_node.step.committed:
             return None
-        return self.tree.latest.unfinished(parent).get(step_node.step)
+        if parent not in dirs:
+            dirs[parent] = self.tree.latest.unfinished(parent)
+        return dirs[parent].get(step_node.step)
 
     def _status_size(self, node: Node) -> int:
         if node.remote is not None:

@@ -480,7 +480,8 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
                 _refuse_uncommitted(status)
             return 0
         waits = [w for w in (persist, replication) if w is not None]
-        steps = sum(w["pending_steps"] for w in waits)
+        steps = sum(w["pending_steps"] for w in waits) + len(
+            (persist or {}).get("pending_deletes", ()))
         pending = sum(w["pending_bytes"] for w in waits)
         first_bytes = pending if first_bytes is None else max(first_bytes, pending)
         elapsed = time.monotonic() - started

@@ -81,6 +81,8 @@ def only_in_ram(step: Step) -> bool:
     replicated yet (or not selected by --persist-every, with no peer). In a cluster, a
     committed step's `only_here` says it (from the records of its files: a step whose files
     are spread over several nodes, or held by peers and read back here, is not only here)."""
+    if step["state"] == "empty":
+        return False  # nothing in it
     if step.get("only_here") is not None:
         return bool(step["only_here"])
     return bool(step["ram"]) and not step["persisted"] and not step["replicas"]
@@ -104,7 +106,7 @@ def latest_paths(steps: Iterable[Step], own_latest: Iterable[str] = ()) -> set[s
 def step_age(step: Step, now_ns: int) -> float | None:
     """Seconds since the step was committed, or for a step being written since it last changed
     (None from a daemon that does not say)."""
-    stamp = step.get("committed_ns") if step["state"] != "writing" else (
+    stamp = step.get("committed_ns") if step["state"] not in ("writing", "empty") else (
         step.get("changed_ns") or step.get("committed_ns"))
     return None if stamp is None else (now_ns - stamp) / 1e9
 
@@ -261,11 +263,15 @@ def _store_waits(steps: list[Step], now_ns: int | None = None) -> list[str]:
 
 def flush_left(status: dict[str, Any]) -> str:
     """What `tierfs flush` still waits for, and why: the steps due in the store and not there
-    yet, then those short of their copies on peers (`run/step_2 (copying to peers)`)."""
+    yet, then those short of their copies on peers (`run/step_2 (copying to peers)`), then
+    the deleted steps and old names of renamed ones the store still holds."""
     replication = status.get("replication") or {}
     return some_names(_store_waits(due_in_store(status))
                       + [f"{path} ({reason} to peers)"
-                         for path, reason in replication.get("pending", {}).items()], NAMED)
+                         for path, reason in replication.get("pending", {}).items()]
+                      + [f"{path} (to leave the store)"
+                         for path in (status.get("persist") or {}).get("pending_deletes", ())],
+                      NAMED)
 
 
 def due_in_store(status: dict[str, Any]) -> list[Step]:

@@ -55,8 +55,12 @@ def open_backend(url: str, endpoint: str | None = None) -> Backend:
 class FileBackend(Backend):
     """A directory with the same layout as the bucket; writes are atomic (temp, fsync, rename).
 
-    What it creates is never writable by group or others (directories 0755, files 0644, as in a
-    bucket only the owner writes; the daemon's umask is 0). The root must be empty or already a
+    What it creates is never writable by group or others (directories 0755, as in a bucket only
+    the owner writes; the daemon's umask is 0), and an object is readable by its owner only
+    (0600) until `restrict` gives it the read bits and group of the file it holds under the
+    mount: no local user reads a checkpoint directly from the store that may not read it under
+    the mount (tierfs's own records, packs among them, stay 0600). The root must be empty or
+    already a
     store (marked by STORE_MARK), since the store's contents are listed and incomplete uploads
     removed: `file:///` or a home directory is refused rather than walked and pruned.
 
@@ -77,7 +81,8 @@ class FileBackend(Backend):
     # `<name>.<pid>.tierfs-upload`, left by older versions
     OLD_TMP_SUFFIX = reserved.UPLOAD
     STORE_MARK = reserved.STORE
-    DIR_MODE, FILE_MODE = 0o755, 0o644
+    DIR_MODE, FILE_MODE, OBJECT_MODE = 0o755, 0o644, 0o600
+    restricts = True
     LEGACY_SCAN = 4, 2000  # depth and entries searched for the manifests of an older store
     # A temporary object of another host is removed at start only once unchanged this long
     # (seconds): that host's upload may still be writing it (a shared NFS or Lustre store).
@@ -168,7 +173,7 @@ class FileBackend(Backend):
 
     def _write_atomically(self, key: str, writer) -> None:  # type: ignore[no-untyped-def]
         def write(tmp: Path) -> None:
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.FILE_MODE),
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, self.OBJECT_MODE),
                       "wb") as f:
                 writer(f)
                 f.flush()
@@ -298,6 +303,22 @@ class FileBackend(Backend):
             if not origin.is_file():
                 raise NotFound(source) from None
             raise
+
+    def restrict(self, objects: list[tuple[str, int, int]]) -> None:
+        """Read bits for group and others as each file has them, its group (as root), never
+        more: the owner stays the daemon's user, the only one that writes."""
+        as_root = os.geteuid() == 0
+        for key, mode, gid in objects:
+            path = self._path(key)
+            try:
+                if gid >= 0 and as_root:
+                    os.chown(path, -1, gid)
+                os.chmod(path, self.OBJECT_MODE | (mode & 0o044))
+            except FileNotFoundError:
+                raise NotFound(key) from None
+            except OSError as exc:
+                self._require_store()
+                raise BackendError(f"{key}: {exc.strerror}", temporary=False) from exc
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         try:

@@ -71,6 +71,8 @@ class Backend(ABC):
     # `parts(size)`, `finish_parts`), each part a request of its own that can be retried
     # alone; None: the backend has no parts, and `put_file` takes any size.
     part_size: int | None = None
+    # Whether `restrict` does anything (the uploader calls it only then).
+    restricts = False
 
     @abstractmethod
     def check(self) -> bool:
@@ -157,3 +159,10 @@ class Backend(ABC):
 
     def get_bytes(self, key: str) -> bytes:
         return self.get_range(key, 0, -1)
+
+    def restrict(self, objects: list[tuple[str, int, int]]) -> None:
+        """Each (key, mode, gid): the object holds a file whose mode and group under the mount
+        are these; let no more users read it directly in the store than may read the file
+        there. (A bucket's objects are read with the store's own credentials: nothing to
+        do.)"""
+        return None

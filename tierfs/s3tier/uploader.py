@@ -425,6 +425,7 @@ class Uploader:
                 nursery.start_soon(send_next)
         if not self._current(manifest):  # deleted or re-saved meanwhile: never list it
             raise NoLongerWanted(prefix)
+        await self._restrict(manifest, data_dir, changed, stored, plan.mine)
         if not await self._others_stored(manifest, plan, started):
             return
         if manifest.single_file and changed and (
@@ -506,6 +507,30 @@ class Uploader:
             trouble = UploadTrouble(manifest.version, reason, time.time_ns())
             self.troubles[manifest.path] = trouble
         trouble.reason = reason
+
+    async def _restrict(self, manifest: mf.StepManifest, data_dir: str,
+                        changed: list[mf.FileEntry], stored: dict[str, mf.FileEntry],
+                        mine: frozenset[str]) -> None:
+        """Before the manifest goes up: each file's objects readable in the store by no more
+        users than the file under the mount (a store that can say so: file://), those sent
+        now and those whose mode or group changed since the stored version; of a step several
+        nodes upload, this node's share (`mine`)."""
+        if not self.backend.restricts:
+            return
+        sent = {entry.name for entry in changed}
+        objects = []
+        for entry in manifest.files:
+            if entry.name not in mine:
+                continue
+            old = stored.get(entry.name)
+            if entry.name in sent or old is None or (old.mode, old.gid) != (entry.mode,
+                                                                              entry.gid):
+                key = layout.object_key(data_dir, entry.name)
+                objects += [(piece, entry.mode, entry.gid)
+                            for piece in layout.piece_keys(key, entry.segments)]
+        if objects:
+            await self._call(f"access of the files of {manifest.path}", manifest,
+                             self.backend.restrict, objects)
 
     async def _appended_from(self, manifest: mf.StepManifest,
                              stored: dict[str, mf.FileEntry]) -> int:
@@ -760,9 +785,19 @@ class Uploader:
                 if single_file and base in trackers.TRACKER_NAMES:
                     tracker_paths.append(path)
                 number = (self._file_step_number if single_file else self._step_number)(base)
+                if number is None and not single_file:  # a step with no step name, named
+                    number = await trio.to_thread.run_sync(self._stored_number, obj.key)
                 if number is not None:
                     steps[path] = number
         return steps, tracker_paths
+
+    def _stored_number(self, manifest_key: str) -> int | None:
+        """The step number the stored manifest at `manifest_key` gives (blocking)."""
+        try:
+            number = mf.decode(self.backend.get_bytes(manifest_key)).step
+        except (NotFound, mf.ManifestError):
+            return None
+        return None if number == mf.NO_STEP else number
 
     async def listing(self) -> list[ObjectInfo]:
         """Every object in the store (read once at mount, for `stored_manifests` and

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierfs import manifest as mf
+from tierfs.fs.deletes import PERSIST
 from tierfs.fs.holders import RecordedHolders, spread
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.nodes import FsError, Node, StepState
@@ -73,7 +74,11 @@ class ControlApi:
                 "read_requests": self.persist_reads(),
                 "every": self.cfg.persist_every,
                 "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
-                "pending_bytes": sum(due.total_bytes for due in waiting)}
+                "pending_bytes": sum(due.total_bytes for due in waiting),
+                # deletes and the old names of renames the store still holds (`tierfs flush`
+                # waits for them too: a fresh node would list them)
+                "pending_deletes": sorted(t.path for t in self.namespace.deletes.pending()
+                                          if PERSIST in t.pending)}
 
     def _persist_waits(self, waiting: list[Due]) -> dict[str, dict[str, Any]]:
         """Per step due in the store and not there yet (`waiting`: `_persist_waiting`'s
@@ -236,7 +241,8 @@ class ControlApi:
                                                         len(tier.bad) + len(tier.repaired))
 
     def _step_status(self, node: Node, persist_waits: dict[str, dict[str, Any]],
-                     recorded: dict[str, set[str]] | None = None) -> dict[str, Any]:
+                     recorded: dict[str, set[str]] | None = None,
+                     dirs: dict[Node, dict[StepState, str]] | None = None) -> dict[str, Any]:
         """A step's status line, with the times `tierfs status` shows ages from:
         `committed_ns` (when its newest committed version was made; None before the first)
         and, for a step being written, `changed_ns` (its directory's last change); for a
@@ -247,7 +253,7 @@ class ControlApi:
         no live node's RAM but this one's (and not in the store)."""
         tree = self.namespace.tree
         step = node.step
-        status = dict(self.namespace.view.step_status(node))
+        status = dict(self.namespace.view.step_status(node, dirs))
         if self.cluster is not None and step.committed:
             status.update(self._spread(step, recorded))
         else:
@@ -258,7 +264,7 @@ class ControlApi:
         if status["hashing"]:
             status["committed_ns"] = step.pending.record.committed_ns
         status["changed_ns"] = None
-        if status["state"] == "writing":
+        if status["state"] in ("writing", "empty"):
             with contextlib.suppress(FsError, OSError):  # removed meanwhile
                 status["changed_ns"] = tree.stat(node).st_mtime_ns
         status["persist_wait"] = persist_waits.get(status["path"])
@@ -287,8 +293,9 @@ class ControlApi:
         persist_waiting = self._persist_waiting() if self.uploader is not None else []
         persist_waits = self._persist_waits(persist_waiting)
         recorded = await self.recorded.of(ns.tiers.listed_manifests()) if self.recorded else {}
+        dirs: dict[Node, dict[StepState, str]] = {}  # unfinished steps, per directory
         steps = sorted((self._step_status(node, persist_waits, recorded.get(
-                            node.step.manifest.path) if node.step.manifest else None)
+                            node.step.manifest.path) if node.step.manifest else None, dirs)
                         for node in ns.tree.steps()),
                        key=lambda s: (os.path.dirname(s["path"]), number_of(s), s["path"]))
         return {
