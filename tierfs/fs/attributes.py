@@ -55,11 +55,14 @@ class Attributes:
                 os.utime(target, ns=times)
         if keeps_seal:
             node.seal = node.seal.restamped(self.tree.stat(node))
+        # Mode, owner and mtime are committed state, a step directory's and those of the
+        # directories in it too (`fs.dir_attributes`): the step commits again, as a version
+        # with new attributes only (no byte goes anywhere again). A directory's new times
+        # alone wait for the step's next commit: `rsync -a` and `cp -a` set them last, after
+        # the step committed, and would leave it `writing` for --commit-idle after every copy.
+        changed = (mode, uid, gid, mtime_ns if node.is_file else None)
         if (node.is_file or node.is_dir and tree_walk.in_a_step(node)) and size is None \
-                and (mode, uid, gid, mtime_ns) != (None,) * 4:
-            # Mode, owner and mtime are committed state, a step directory's and those of the
-            # directories in it too (`fs.dir_attributes`): the step commits again, as a
-            # version with new attributes only (no byte goes anywhere again).
+                and changed != (None,) * 4:
             self.tree.mark_dirty(node)
             for step_node in tree_walk.enclosing_steps(node):
                 step_node.step.attributes_changed = True
