@@ -1,15 +1,17 @@
 """Receiving replicas from peers into this node's RAM store.
 
 A sender spreads a file's chunks over several connections (`--peer-connections`), so they
-arrive in any order, each connection's in a worker thread of its own: each chunk's frame is
-received and its tags checked, then the chunk is written at its offset into a private incoming
-file next to the committed objects (the incoming file of that content from that sender: one
-per file and peer, whatever the connection). A complete file becomes the object named by its
-xxh3-128 only if its bytes hash to exactly that. HOLD comes after the files it names: this
-node holds those whose objects are here (verified) in its copy of the step's committed version
-(`OtherTiers.hold_files`) and names them in HELD; only those does the sender count this node
-as a holder of. Paths and sizes were validated by the protocol; offsets and lengths are
-checked here against what was announced.
+arrive in any order, each connection's in a worker thread of its own: a chunk is streamed
+(`PeerChannel.stream`) a MiB at a time into a private incoming file next to the committed
+objects, at its offset (the incoming file of that content from that sender: one per file and
+peer, whatever the connection), and its tags are checked at its end; a chunk whose tags fail
+or that is cut off makes the whole transfer forgotten and its file removed, so that bytes that
+are not the sender's never count, even if they hashed right. A complete file becomes the
+object named by its xxh3-128 only if its bytes hash to exactly that. HOLD comes after the
+files it names: this node holds those whose objects are here (verified) in its copy of the
+step's committed version (`OtherTiers.hold_files`) and names them in HELD; only those does the
+sender count this node as a holder of. Paths and sizes were validated by the protocol;
+offsets and lengths are checked here against what was announced.
 
 A file is hashed as its chunks are written (`tierfs.whole_hash`: a chunk next in order from
 the bytes in hand, one ahead of the order read back once the ones before it are in); a chunk
