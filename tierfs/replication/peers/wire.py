@@ -34,7 +34,6 @@ POLL_SLICE_MS = 100  # how soon a worker waiting on the socket notices a cancell
 # into a buffer each worker thread keeps.
 TLS_FILE_READ = 1 << 20
 _TLS_FILE_BUFFER = ThreadBuffer(TLS_FILE_READ)
-SOL_TLS, TLS_TX, TLS_RX = 282, 1, 2  # linux/tls.h: getsockopt succeeds once kTLS is on
 # ssl.OP_ENABLE_KTLS from Python 3.12; the same bit (SSL_OP_ENABLE_KTLS) for OpenSSL 3 before
 OP_ENABLE_KTLS = getattr(ssl, "OP_ENABLE_KTLS", 1 << 3)
 
@@ -298,14 +297,3 @@ async def secure(sock: socket.socket, context: ssl.SSLContext, *, server_side: b
     except BaseException:
         tls.close()
         raise
-
-
-def ktls_active(sock: socket.socket) -> tuple[bool, bool]:
-    """Whether the kernel encrypts (TX) and decrypts (RX) this TLS socket's records."""
-    def on(direction: int) -> bool:
-        try:
-            sock.getsockopt(SOL_TLS, direction, 64)
-        except OSError:
-            return False
-        return True
-    return on(TLS_TX), on(TLS_RX)
