@@ -655,7 +655,10 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
     def node(node_id: str) -> tuple[str, ...]:
         return ("--node-id", node_id, "--listen", f"127.0.0.1:{_free_port()}", *common)
 
-    _loopback_floor(bench, state_bytes(state), max(2, reps), extra)
+    floors = FloorSource(bench, state_bytes(state))
+    for _ in range(max(2, reps)):  # beside the restores below (and their floors)
+        for key in ("1", f"{FLOOR_CONNECTIONS}"):
+            floors.measure(key, extra)
     persist = ("--persist", f"s3://{BUCKET}/cluster")
     writer = bench.start_mount("node0", *node("node0"), *persist)
     bench.start_mount("node1", *node("node1"))
@@ -733,7 +736,10 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
             bench.stop_mount(name)
     shutil.rmtree(copied)
     _sync_replicas_save(bench, state, extra, node)
-    _copy_pairs(bench, state, extra, node, url)
+    try:
+        _copy_pairs(bench, state, extra, node, url, reps, floors)
+    finally:
+        floors.close()
 
 
 def _own_cpu() -> float:
@@ -748,33 +754,38 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _loopback_floor(bench: Bench, size: int, reps: int, extra: dict[str, list[float]]) -> None:
-    """The loopback floor (`loopback_floor.py`): two plain processes move `size` bytes from a
-    tmpfs file into fresh tmpfs pages over TCP on 127.0.0.1, with 1 and FLOOR_CONNECTIONS
-    connections, and with FLOOR_CONNECTIONS in TLS (Python's `ssl`, certificates of a CA made
-    here); its time and both processes' CPU-seconds per GiB."""
-    certs = bench.work / "floor-certs"
-    certs.mkdir(exist_ok=True)
-    certificates.make_ca(certs, "ca")
-    certificates.make_cert(certs, "ca", "node", ip="127.0.0.1")
-    source = bench.tmpfs / "floor-source"
-    block = os.urandom(64 << 20)
-    with open(source, "wb") as f:
-        for start in range(0, size, len(block)):
-            f.write(block[:size - start])
-    try:
-        for _ in range(reps):
-            for connections, tls, key in ((1, None, "1"),
-                                          (FLOOR_CONNECTIONS, None, f"{FLOOR_CONNECTIONS}"),
-                                          (FLOOR_CONNECTIONS, certs, "tls")):
-                warm_memory(size)
-                wait_for_quiet()
-                floor = loopback_floor.measure(source, bench.tmpfs, connections, tls)
-                extra.setdefault(f"loopback_floor_{key}", []).append(floor.seconds)
-                extra.setdefault(f"loopback_floor_cpu_per_gib_{key}", []).append(
-                    floor.cpu_seconds / (size / 2**30))
-    finally:
-        source.unlink()
+class FloorSource:
+    """A tmpfs file of `size` bytes for the loopback floor (`loopback_floor.py`), and the
+    certificates of a CA made here for its TLS runs."""
+
+    def __init__(self, bench: Bench, size: int) -> None:
+        self.size = size
+        self.certs = bench.work / "floor-certs"
+        self.certs.mkdir(exist_ok=True)
+        certificates.make_ca(self.certs, "ca")
+        certificates.make_cert(self.certs, "ca", "node", ip="127.0.0.1")
+        self.path = bench.tmpfs / "floor-source"
+        self.dest = bench.tmpfs
+        block = os.urandom(64 << 20)
+        with open(self.path, "wb") as f:
+            for start in range(0, size, len(block)):
+                f.write(block[:size - start])
+
+    def measure(self, key: str, extra: dict[str, list[float]]) -> float:
+        """One run of the floor `key` (`1`, FLOOR_CONNECTIONS or `tls`) in warm memory on a
+        quiet machine: its seconds, also recorded with its CPU-seconds per GiB."""
+        connections = 1 if key == "1" else FLOOR_CONNECTIONS
+        warm_memory(self.size)
+        wait_for_quiet()
+        floor = loopback_floor.measure(self.path, self.dest, connections,
+                                       self.certs if key == "tls" else None)
+        extra.setdefault(f"loopback_floor_{key}", []).append(floor.seconds)
+        extra.setdefault(f"loopback_floor_cpu_per_gib_{key}", []).append(
+            floor.cpu_seconds / (self.size / 2**30))
+        return floor.seconds
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def _copy_seconds(bench: Bench, step: str, target: str) -> float | None:
@@ -790,13 +801,16 @@ def _copy_seconds(bench: Bench, step: str, target: str) -> float | None:
 
 
 def _copy_pairs(bench: Bench, state: dict[str, torch.Tensor], extra: dict[str, list[float]],
-                node: Callable[[str], tuple[str, ...]], url: str) -> None:
+                node: Callable[[str], tuple[str, ...]], url: str, reps: int,
+                floors: FloorSource) -> None:
     """The peer copy on a fresh pair of nodes for each of COPY_PAIRS (with the default 4
-    connections, with 1, and with --peer-tls, certificates of a CA made here): the same save,
-    timed from its return to its verified copy on the other node (and the copy alone, from
-    the log), both daemons' CPU-seconds per GiB for the save and the copy, and each one's for
-    the copy alone (from the save's return). Each pair is a cluster of its own (a cluster
-    runs with TLS or without it)."""
+    connections, with 1, and with --peer-tls, certificates of a CA made here), `reps` times
+    (at least 3), each right after a run of the loopback floor it is set against (the plain
+    one with FLOOR_CONNECTIONS, or the TLS one), so that each ratio is taken pair by pair: the
+    same save, timed from its return to its verified copy on the other node (and the copy
+    alone, from the log), both daemons' CPU-seconds per GiB for the save and the copy, and
+    each one's for the copy alone (from the save's return); the step is deleted after. Each
+    pair is a cluster of its own (a cluster runs with TLS or without it)."""
     certs = bench.work / "peer-certs"
     certs.mkdir(exist_ok=True)
     certificates.make_ca(certs, "ca")
@@ -816,22 +830,26 @@ def _copy_pairs(bench: Bench, state: dict[str, torch.Tensor], extra: dict[str, l
                               *(tls(name) if options is None else options))
         writer = bench.mounts[names[0]][0]
         daemons = [bench.mounts[name][1] for name in names]
-        wait_for_quiet()
-        step = f"step_{7100 + number}"
-        cpu = cpu_seconds(*daemons)
-        _save_before_a_copy(state, writer / "run" / step)
-        returned = [cpu_seconds(daemon) for daemon in daemons]
-        extra[f"committed_to_replicated_peer_{label}"] = [
-            bench.wait_for(step, lambda e: bool(e["replicas"]), names[0])]
-        extra[f"daemon_cpu_per_gib_saved_replicated_peer_{label}"] = [
-            (cpu_seconds(*daemons) - cpu) / gib]
-        for role, daemon, before in zip(("sender", "receiver"), daemons, returned,
-                                        strict=True):
-            extra[f"{role}_cpu_per_gib_copy_peer_{label}"] = [
-                (cpu_seconds(daemon) - before) / gib]
-        copy = _copy_seconds(bench, step, names[1])
-        if copy is not None:
-            extra[f"copy_alone_peer_{label}"] = [copy]
+        for rep in range(max(3, reps)):
+            floor = floors.measure("tls" if label == "tls" else f"{FLOOR_CONNECTIONS}", extra)
+            wait_for_quiet()
+            step = f"step_{7100 + 10 * number + rep}"
+            cpu = cpu_seconds(*daemons)
+            _save_before_a_copy(state, writer / "run" / step)
+            returned = [cpu_seconds(daemon) for daemon in daemons]
+            seconds = bench.wait_for(step, lambda e: bool(e["replicas"]), names[0])
+            extra.setdefault(f"committed_to_replicated_peer_{label}", []).append(seconds)
+            extra.setdefault(f"floor_ratio_peer_{label}", []).append(floor / seconds)
+            extra.setdefault(f"daemon_cpu_per_gib_saved_replicated_peer_{label}", []).append(
+                (cpu_seconds(*daemons) - cpu) / gib)
+            for role, daemon, before in zip(("sender", "receiver"), daemons, returned,
+                                            strict=True):
+                extra.setdefault(f"{role}_cpu_per_gib_copy_peer_{label}", []).append(
+                    (cpu_seconds(daemon) - before) / gib)
+            copy = _copy_seconds(bench, step, names[1])
+            if copy is not None:
+                extra.setdefault(f"copy_alone_peer_{label}", []).append(copy)
+            shutil.rmtree(writer / "run" / step)  # from both nodes: RAM is finite
         for name in names:
             bench.stop_mount(name)
 
@@ -1101,11 +1119,18 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     goals = {"plain": ">= 0.7x", "tls": ">= 0.5x"}
     for label, what, _options in COPY_PAIRS:
         key = f"committed_to_replicated_peer_{label}"
-        tls_floor = f", {extra['loopback_floor_tls'] / extra[key]:.2f}x the TLS floor" \
-            if label == "tls" and {"loopback_floor_tls", key} <= set(extra) else ""
-        row(f"committed_to_replicated_peer_{label}",
-            f"committed -> replicated {what} (a fresh pair of nodes; nothing persisted)", "s",
-            to_floor(f"committed_to_replicated_peer_{label}", goals.get(label, "")) + tls_floor)
+        pairwise = extra.get(f"floor_ratio_peer_{label}")
+        against = "the TLS floor" if label == "tls" else "the floor"
+        target = to_floor(key, goals.get(label, ""))
+        if key in extra and pairwise is not None:
+            target = (f"{gb / extra[key]:.2f} GB/s, {pairwise:.2f}x {against} run just before "
+                      "it (median of the pairs)")
+            if label == "tls" and floor:
+                target += f"; {floor / extra[key]:.2f}x the plain floor (medians)"
+            if label in goals:
+                target += f"; goal {goals[label]} the plain floor"
+        row(key, f"committed -> replicated {what} (a fresh pair of nodes; nothing persisted; "
+            "each copy right after a run of the floor it is set against)", "s", target)
         row(f"copy_alone_peer_{label}", f"the copy alone {what} (its \"replicated to\" log "
             "line: from the first chunk sent to the copy verified and recorded)", "s",
             to_floor(f"copy_alone_peer_{label}"))

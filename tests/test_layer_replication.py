@@ -91,7 +91,8 @@ class Receiving:
 
     async def start(self, nursery: trio.Nursery) -> None:
         server = PeerServer("b", TOKEN, {"a", "b"}, {"PUT": self._put,
-                                                    "HOLD": self.receiver.hold})
+                                                    "HOLD": self.receiver.hold},
+                            streamed={"PUT"})
         await nursery.start(server.run, "127.0.0.1", self.port)
 
 
@@ -312,6 +313,40 @@ async def test_chunks_over_several_connections_in_any_order_make_the_file(
         nursery.cancel_scope.cancel()
     assert (b.objects / entry.xxh3).read_bytes() == data
     assert incoming_files(b.objects) == [] and b.receiver._incoming_files == {}
+
+
+async def test_a_streamed_chunk_that_fails_its_tags_makes_the_file_count_for_nothing(
+        tmp_path: Path) -> None:
+    """A chunk's slices go into the incoming file as they arrive, its tags checked at its end:
+    one altered in flight (its tags wrong) is refused, the connection dropped, and the file's
+    whole transfer forgotten (its incoming file and RAM count too), although the good chunk
+    before it was in; the file comes whole only when every chunk comes again, authentic."""
+    data = os.urandom(2 * mf.CHUNK_SIZE)
+    entry = committed_object(tmp_path / "a-objects", data, "shard")
+    b = Receiving(tmp_path, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)))
+    put = {"path": "run/step_1", "name": "shard", "xxh3": entry.xxh3, "size": entry.size}
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+        await channel.request("PUT", data[:mf.CHUNK_SIZE], offset=0, **put)
+        assert len(incoming_files(b.objects)) == 1 and b.space.used
+        header, body = proto.encode("PUT", data[mf.CHUNK_SIZE:], offset=mf.CHUNK_SIZE, **put)
+        forged = bytes(proto.tag_length(len(body)))  # an attacker's: not the key's tags
+        await channel.wire.send_all(header + body + forged)
+        with pytest.raises(proto.ProtocolError):
+            await channel.receive("OK")
+        await channel.aclose()
+        with trio.fail_after(5):
+            while incoming_files(b.objects) or b.space.used:
+                await trio.sleep(0.01)
+        assert b.receiver._incoming_files == {} and not (b.objects / entry.xxh3).exists()
+        channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+        for offset in (mf.CHUNK_SIZE, 0):
+            await channel.request("PUT", data[offset:offset + mf.CHUNK_SIZE], offset=offset,
+                                  **put)
+        await channel.aclose()
+        nursery.cancel_scope.cancel()
+    assert (b.objects / entry.xxh3).read_bytes() == data
 
 
 async def test_running_hashes_of_abandoned_transfers_are_dropped(tmp_path: Path) -> None:

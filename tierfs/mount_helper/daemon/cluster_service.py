@@ -187,7 +187,7 @@ class ClusterNode:
         assert self.cfg.token is not None
         tls = self.directory.tls
         return PeerServer(self.cfg.node_id, self.cfg.token, self.directory.ids,
-                          self.handlers(), tls.server if tls else None)
+                          self.handlers(), tls.server if tls else None, streamed={"PUT"})
 
     async def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery

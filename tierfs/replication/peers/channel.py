@@ -39,6 +39,10 @@ BULK = 1 << 18
 # keeps (no new buffer, its pages faulted in again, for every frame): a slice stays in the
 # CPU's cache for the tag that follows the read.
 _TAG_BUFFER = ThreadBuffer(proto.TAG_SLICE)
+_STREAM_BUFFER = ThreadBuffer(proto.TAG_SLICE)  # a streamed payload's slices, received
+# What takes a streamed payload's slices (a slice, its offset in the payload), in the worker
+# thread that receives them.
+Sink = Callable[[memoryview, int], None]
 # Bytes of frames this process sent to each peer, by node id, once it authenticated (one
 # daemon per process): the `tierfs_peer_sent_bytes` metric and `served_to_peers` in status.
 SENT_TO: collections.Counter[str] = collections.Counter()
@@ -209,6 +213,12 @@ class PeerChannel:
         self._decoder.give_away_payload()
         return memoryview(message.payload)
 
+    def stream(self, types: Iterable[str]) -> None:
+        """Large payloads of these message types are streamed: their message is returned with
+        the payload `pending`, which the receiver takes with `BlockingChannel.stream_payload`
+        (in a worker thread) before anything else is received."""
+        self._decoder.streamed = frozenset(types)
+
     async def request(self, kind: str, payload: bytes = b"", *, expect: str = "OK",
                       **fields: Any) -> proto.Message:
         await self.send(kind, payload, **fields)
@@ -352,6 +362,41 @@ class BlockingChannel:
 
     def take_payload(self, message: proto.Message) -> memoryview:
         return self.channel.take_payload(message)
+
+    def stream_payload(self, sink: Sink | None) -> None:
+        """Take the payload of the streamed message just received (`PeerChannel.stream`), a
+        tag slice at a time into a buffer this thread keeps (it stays in the CPU's cache):
+        each slice is tagged, then given to `sink(slice, its offset in the payload)` (None:
+        dropped). Then its tags are checked: ProtocolError if they fail, after the sink took
+        every slice. So the sink's caller must treat what it took as unchecked until this
+        returns, and undo it if this raises."""
+        channel = self.channel
+        decoder = channel._decoder
+        length, tags = decoder.take_stream()
+        buffer = _STREAM_BUFFER.get()
+        expires = self._expires()
+        done = 0
+        while done < length:
+            piece = buffer[:min(proto.TAG_SLICE, length - done)]
+            if channel.wire.fill_blocking(piece, expires, _ignore) < len(piece):
+                raise ConnectionClosed("connection closed by the peer")
+            if tags is not None:
+                tags.slice(piece)
+            if sink is not None:
+                sink(piece, done)
+            done += len(piece)
+        if tags is not None:
+            trailer = bytearray(proto.tag_length(length))
+            if channel.wire.fill_blocking(memoryview(trailer), expires, _ignore) < len(trailer):
+                raise ConnectionClosed("connection closed by the peer")
+            if not tags.matches(trailer):
+                raise proto.ProtocolError("a frame failed its MAC (injected, replayed, "
+                                          "reordered or altered)")
+        decoder.stream_done()
+
+
+def _ignore(_count: int) -> None:
+    pass
 
 
 def _file_slices(fd: int, offset: int, length: int) -> Iterator[memoryview]:

@@ -88,6 +88,7 @@ MAX_AVOID = 16  # relays a SWARM_GET names as failed
 MAX_NAMES = 1000
 
 PAYLOAD_TYPES = {"PUT", "DATA", "MANIFEST_PART"}
+STREAM_FROM = 1 << 18  # payload bytes from which a streamed type's payload is streamed
 
 
 class ProtocolError(Exception):
@@ -114,11 +115,14 @@ HANDSHAKE_LIMITS = FrameLimits("before authentication", 4096, 0)
 class Message:
     """One decoded message. A received `payload` is a memoryview of the receiver's reused
     buffer: valid until the next message is received on that channel (or decoded by that
-    FrameDecoder), unless the receiver takes it (PeerChannel.take_payload)."""
+    FrameDecoder), unless the receiver takes it (PeerChannel.take_payload). A message whose
+    payload is streamed (`FrameDecoder.streamed`) comes with none: `pending` says how many
+    bytes of it follow, to be taken with `FrameDecoder.take_stream` before anything else."""
 
     type: str
     fields: dict[str, Any]
     payload: bytes | memoryview = b""
+    pending: int = 0
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]
@@ -220,9 +224,17 @@ class FrameDecoder:
         self._tag = bytearray()  # the tags of the frame being read, once its payload is in
         self._running: FrameTags | None = None  # the tags of the frame being read
         self._payload: bytes | memoryview = b""  # of the frame whose tags are being read
+        # Types whose payloads of STREAM_FROM bytes or more are not buffered: their message
+        # comes once its header is in (checked then), and the caller takes the payload and its
+        # tags itself (`take_stream`), a slice at a time, straight where it goes.
+        self.streamed: frozenset[str] = frozenset()
+        self._stream: tuple[int, FrameTags | None] | None = None  # announced, not taken
+        self._streaming = False  # a streamed payload is being taken: no frame until it ends
 
     def writable(self) -> memoryview:
         """Where the next bytes of the current frame go (empty while a message is ready)."""
+        if self._streaming:
+            raise ProtocolError("a streamed payload was not taken")
         if self._ready is not None:
             return memoryview(b"")
         return memoryview(self._part)[self._filled:]
@@ -252,6 +264,8 @@ class FrameDecoder:
             self._header = bytes(self._part)
             if self._running is not None:
                 self._running.head(bytes(self._prefix) + self._header)
+            if self.streamed and self._payload_len >= STREAM_FROM and self._stream_it():
+                return
             self._part = self._payload_view()
         elif self._part is not self._tag:
             self._payload = self._part if self._payload_len else b""
@@ -267,6 +281,34 @@ class FrameDecoder:
                                     "or altered)")
             self._running = None
             self._frame_done()
+
+    def _stream_it(self) -> bool:
+        """The header of a frame with a large payload is in: if its type is streamed, its
+        message is ready now (its header checked), with its payload `pending`."""
+        assert self._header is not None
+        kind, fields = _decode_header(self._header, self._payload_len)
+        if kind not in self.streamed:
+            return False
+        self._ready = Message(kind, fields, pending=self._payload_len)
+        self._stream = (self._payload_len, self._running)
+        self._streaming = True
+        self._header = None
+        self._running = None
+        self._part = self._prefix
+        return True
+
+    def take_stream(self) -> tuple[int, FrameTags | None]:
+        """The streamed payload announced by the last message: its length, and its tags so
+        far (None before authentication), to be fed its slices (`FrameTags.slice`) and
+        checked against the tag bytes after it (`tag_length`); `stream_done` once it is
+        taken."""
+        if self._stream is None:
+            raise ProtocolError("no streamed payload to take")
+        stream, self._stream = self._stream, None
+        return stream
+
+    def stream_done(self) -> None:
+        self._streaming = False
 
     def _frame_done(self) -> None:
         # checked once the whole frame is in: a refused frame leaves nothing unread, so the
@@ -330,7 +372,7 @@ class FrameDecoder:
     def idle(self) -> bool:
         """Between frames: nothing of a next frame read yet, no message waiting."""
         return (self._ready is None and self._part is self._prefix and not self._filled
-                and not self._fed)
+                and not self._fed and not self._streaming)
 
 
 def _decode_header(raw: bytes, payload_len: int) -> tuple[str, dict[str, Any]]:

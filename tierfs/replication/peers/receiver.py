@@ -1,15 +1,17 @@
 """Receiving replicas from peers into this node's RAM store.
 
 A sender spreads a file's chunks over several connections (`--peer-connections`), so they
-arrive in any order, each connection's in a worker thread of its own: each chunk's frame is
-received and its tags checked, then the chunk is written at its offset into a private incoming
-file next to the committed objects (the incoming file of that content from that sender: one
-per file and peer, whatever the connection). A complete file becomes the object named by its
-xxh3-128 only if its bytes hash to exactly that. HOLD comes after the files it names: this
-node holds those whose objects are here (verified) in its copy of the step's committed version
-(`OtherTiers.hold_files`) and names them in HELD; only those does the sender count this node
-as a holder of. Paths and sizes were validated by the protocol; offsets and lengths are
-checked here against what was announced.
+arrive in any order, each connection's in a worker thread of its own: a chunk is streamed
+(`PeerChannel.stream`) a MiB at a time into a private incoming file next to the committed
+objects, at its offset (the incoming file of that content from that sender: one per file and
+peer, whatever the connection), and its tags are checked at its end; a chunk whose tags fail
+or that is cut off makes the whole transfer forgotten and its file removed, so that bytes that
+are not the sender's never count, even if they hashed right. A complete file becomes the
+object named by its xxh3-128 only if its bytes hash to exactly that. HOLD comes after the
+files it names: this node holds those whose objects are here (verified) in its copy of the
+step's committed version (`OtherTiers.hold_files`) and names them in HELD; only those does the
+sender count this node as a holder of. Paths and sizes were validated by the protocol;
+offsets and lengths are checked here against what was announced.
 
 A file is hashed as its chunks are written (`tierfs.whole_hash`: a chunk next in order from
 the bytes in hand, one ahead of the order read back once the ones before it are in); a chunk
@@ -35,7 +37,7 @@ from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.fs.ram_store import write_all
 from tierfs.replication.peers import protocol as proto
-from tierfs.replication.peers.channel import PeerChannel
+from tierfs.replication.peers.channel import BlockingChannel, PeerChannel
 from tierfs.whole_hash import WholeHash
 
 log = logging.getLogger(__name__)
@@ -82,40 +84,60 @@ class ReplicaReceiver:
         return self.objects_dir / f"{INCOMING_PREFIX}{digest}-{peer}"
 
     async def put(self, message: proto.Message, channel: PeerChannel) -> None:
+        """A chunk of a file: its payload in hand, or streamed (`message.pending`: received,
+        written and hashed a slice at a time by one worker thread, `_receive_chunk`)."""
         digest, size, offset = message["xxh3"], message["size"], message["offset"]
-        data = message.payload
+        length = message.pending or len(message.payload)
         if len(digest) != 32 or any(c not in "0123456789abcdef" for c in digest):
             raise proto.ProtocolError("PUT with a malformed xxh3")
-        if offset % mf.CHUNK_SIZE or offset + len(data) > size or (
-                len(data) != min(mf.CHUNK_SIZE, size - offset)):
+        if offset % mf.CHUNK_SIZE or offset + length > size or (
+                length != min(mf.CHUNK_SIZE, size - offset)):
             raise proto.ProtocolError("PUT chunk does not fit the announced file")
         if (self.objects_dir / digest).exists():
+            await _drop_payload(message, channel)
             await channel.send("OK")  # already here (another step, or an earlier attempt)
             return
         path = self._incoming(digest, channel.peer_id)
         incoming = self._transfer(path, size)
         try:
-            self.space.grow(incoming.ino, offset + len(data))
+            self.space.grow(incoming.ino, offset + length)
         except Exception:
+            await _drop_payload(message, channel)
             await channel.send("ERROR", message="RAM tier full on the receiving node")
             return
         index = offset // mf.CHUNK_SIZE
         again = index in incoming.have or index in incoming.writing
         incoming.writing[index] += 1
         fd = os.dup(incoming.fd)  # its own: a discard meanwhile closes the transfer's
+        whole = None if again else incoming.whole
+        no_room: list[str] = []
         try:  # off the trio thread, which serves the mount meanwhile
-            await trio.to_thread.run_sync(_write, fd, data, offset, None if again
-                                          else incoming.whole, limiter=self._threads)
-        except OSError as exc:  # the RAM dir's file system is full (a shared /dev/shm)
-            why = exc.strerror or str(exc)
-            await self._discard(path, incoming, message, channel, f"found no room ({why})",
-                                f"no room on the receiving node: {why}")
-            return
+            if message.pending:
+                await channel.in_thread(_receive_chunk, fd, offset, whole, no_room)
+            else:
+                try:
+                    await trio.to_thread.run_sync(_write, fd, message.payload, offset, whole,
+                                                  limiter=self._threads)
+                except OSError as exc:
+                    no_room.append(exc.strerror or str(exc))
+        except BaseException:
+            # a streamed chunk whose tags failed, or cut off: bytes that are not the sender's
+            # may be in the file, which must never count (even if its xxh3 matched)
+            if message.pending:
+                self._forget(path, incoming)
+                log.warning("replica of %s/%s from %s discarded: a chunk of it did not "
+                            "arrive whole and authentic", message["path"], message["name"],
+                            channel.peer_id)
+            raise
         finally:
             os.close(fd)
             incoming.writing[index] -= 1
             if not incoming.writing[index]:
                 del incoming.writing[index]
+        if no_room:  # the RAM dir's file system is full (a shared /dev/shm)
+            await self._discard(path, incoming, message, channel, f"found no room "
+                                f"({no_room[0]})", f"no room on the receiving node: {no_room[0]}")
+            return
         if self._incoming_files.get(path) is not incoming:
             await channel.send("OK")  # discarded meanwhile: nothing of it counts
             return
@@ -165,18 +187,24 @@ class ReplicaReceiver:
                        channel: PeerChannel, why: str, answer: str) -> None:
         """A replica that is not kept: its incoming file, its transfer and its RAM count go,
         and the sender is answered with an ERROR (it tries again later, or elsewhere)."""
+        self._forget(path, incoming)
+        log.error("replica of %s/%s from %s %s: discarded", message["path"], message["name"],
+                  channel.peer_id, why)
+        await channel.send("ERROR", message=answer)
+
+    def _forget(self, path: Path, incoming: _Incoming) -> None:
+        """A transfer's end without its object: its state, its incoming file (unless a newer
+        transfer's has the name now) and the RAM tier's count of it go. Chunks of it still
+        being written go to the removed file, and count for nothing."""
         if self._incoming_files.get(path) is incoming:
             del self._incoming_files[path]
             self._drop(incoming)
         self.space.forget_inode(incoming.ino)
         try:
-            if os.stat(path).st_ino == incoming.ino:  # not a newer transfer's file
+            if os.stat(path).st_ino == incoming.ino:
                 path.unlink()
         except FileNotFoundError:
             pass
-        log.error("replica of %s/%s from %s %s: discarded", message["path"], message["name"],
-                  channel.peer_id, why)
-        await channel.send("ERROR", message=answer)
 
     @staticmethod
     def _drop(incoming: _Incoming) -> None:
@@ -248,6 +276,44 @@ class _Incoming:
         self.whole = WholeHash(size, mf.CHUNK_SIZE)
         self.rewritten = False  # a chunk came twice: the running hash says nothing
         self.used = 0.0  # time.monotonic() of its last chunk
+
+
+async def _drop_payload(message: proto.Message, channel: PeerChannel) -> None:
+    """A streamed chunk that is not kept: its bytes are taken off the connection (and their
+    tags checked) before the answer."""
+    if message.pending:
+        await channel.in_thread(lambda io: io.stream_payload(None))
+
+
+def _receive_chunk(io: BlockingChannel, fd: int, offset: int, whole: WholeHash | None,
+                   no_room: list[str]) -> None:
+    """In a worker thread, on the channel lent to it: a streamed chunk's slices, each written
+    at its place and hashed (`whole`, unless the chunk came before) while in the CPU's cache,
+    then the chunk's tags checked (ProtocolError if they fail: the caller forgets the file).
+    No room in the RAM dir's file system: the rest is taken off the connection unwritten and
+    the reason put in `no_room`."""
+    index = offset // mf.CHUNK_SIZE
+    claimed = whole is not None and whole.claim(index)
+    good = False
+
+    def sink(piece: memoryview, at: int) -> None:
+        if no_room:
+            return
+        try:
+            write_all(fd, piece, offset + at)
+        except OSError as exc:
+            no_room.append(exc.strerror or str(exc))
+            return
+        if claimed:
+            assert whole is not None
+            whole.feed(piece)
+
+    try:
+        io.stream_payload(sink)
+        good = not no_room
+    finally:
+        if whole is not None:
+            whole.stored(fd, range(index, index + 1), good, claimed)
 
 
 def _write(fd: int, data: bytes | memoryview, offset: int, whole: WholeHash | None) -> None:

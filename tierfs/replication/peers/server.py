@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Container
+from collections.abc import Awaitable, Callable, Container, Iterable
 
 import trio
 
@@ -29,8 +29,12 @@ Handler = Callable[[proto.Message, PeerChannel], Awaitable[None]]
 
 class PeerServer:
     def __init__(self, me: str, token: bytes, members: Container[str],
-                 handlers: dict[str, Handler], tls: ssl.SSLContext | None = None) -> None:
+                 handlers: dict[str, Handler], tls: ssl.SSLContext | None = None,
+                 streamed: Iterable[str] = ()) -> None:
         self.me = me
+        # message types whose large payloads their handler takes itself, a slice at a time
+        # (`PeerChannel.stream`): a replica's chunk goes straight into its file
+        self.streamed = frozenset(streamed)
         self.tls = tls  # --peer-tls: every connection is TLS, with a certificate of the CA
         self.token = token
         self.members = members
@@ -62,6 +66,7 @@ class PeerServer:
                                    allow_self=True)
             except ConnectionClosed:  # before a word (a check of this port): no fault
                 return
+            channel.stream(self.streamed)
             while True:
                 try:
                     message = await channel.receive(timeout=IDLE_TIMEOUT)

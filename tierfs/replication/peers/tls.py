@@ -54,8 +54,8 @@ def load(files: PeerTlsFiles) -> PeerTls:
 def _context(files: PeerTlsFiles, protocol: int) -> ssl.SSLContext:
     context = ssl.SSLContext(protocol)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
-    # Records encrypted by the kernel where it and OpenSSL can (a no-op where they cannot:
-    # `wire.ktls_active` says which a connection got).
+    # Records encrypted and decrypted by the kernel where it and OpenSSL can (a no-op where
+    # they cannot: this project's kernel has no kernel TLS).
     context.options |= OP_ENABLE_KTLS
     if protocol == ssl.PROTOCOL_TLS_SERVER:
         # No session tickets: no connection is resumed, and a ticket nobody read would make

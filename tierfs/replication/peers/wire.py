@@ -152,12 +152,13 @@ class SocketWire:
 
     def fill_blocking(self, view: memoryview, expires: float,
                       received: Callable[[int], None]) -> int:
-        """Fill `view`, calling `received` with the count of each read; the total (short if
-        the peer closed first). A plain socket is woken once LOW_WATER bytes (or the rest)
-        are in; SO_RCVLOWAT goes back to 1 before returning, for trio's waits on small
-        frames. (Not on TLS: OpenSSL may hold part of a record, which the kernel's count
-        would not see.)"""
-        filled = 0
+        """Fill `view`, calling `received` with the count of bytes read, LOW_WATER or more at a
+        time (the rest at the end); the total (short if the peer closed first). A plain socket
+        is woken once LOW_WATER bytes (or the rest) are in; SO_RCVLOWAT goes back to 1 before
+        returning, for trio's waits on small frames. (Not on TLS: OpenSSL may hold part of a
+        record, which the kernel's count would not see; there a read returns one record, 16
+        KiB at most, and they are counted together.)"""
+        filled = pending = 0
         try:
             while filled < len(view):
                 if not self.tls:
@@ -165,11 +166,16 @@ class SocketWire:
                 count = self.recv_blocking(view[filled:], expires)
                 if not count:
                     break
-                received(count)
                 filled += count
+                pending += count
+                if pending >= LOW_WATER:
+                    received(pending)
+                    pending = 0
         finally:
             if not self.tls:
                 self._set_low_water(1)
+        if pending:
+            received(pending)
         return filled
 
     def _set_low_water(self, count: int) -> None:
@@ -290,14 +296,3 @@ async def secure(sock: socket.socket, context: ssl.SSLContext, *, server_side: b
     except BaseException:
         tls.close()
         raise
-
-
-def ktls_active(sock: socket.socket) -> tuple[bool, bool]:
-    """Whether the kernel encrypts (TX) and decrypts (RX) this TLS socket's records."""
-    def on(direction: int) -> bool:
-        try:
-            sock.getsockopt(SOL_TLS, direction, 64)
-        except OSError:
-            return False
-        return True
-    return on(TLS_TX), on(TLS_RX)
