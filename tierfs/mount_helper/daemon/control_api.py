@@ -266,7 +266,8 @@ class ControlApi:
 
     def _spread(self, step: StepState, recorded: dict[str, set[str]] | None
                 ) -> dict[str, Any]:
-        """`copies`, `holders`, `tiers` and `only_here` of a committed step in a cluster."""
+        """`copies`, `holders`, `replicas`, `tiers` and `only_here` of a committed step in a
+        cluster, from the cluster's records of its files and the live members."""
         assert self.cluster is not None
         me = self.cfg.node_id
         tree = self.namespace.tree
@@ -279,7 +280,10 @@ class ControlApi:
         alone = not step.persisted and any(
             name in step.resident and not any(h != me and is_up(h) for h in nodes)
             for name, nodes in recorded.items())
+        # `replicas` too: the other live nodes holding every file, from the same records
+        # (this node's own view named nodes that were gone, and differed from node to node)
         return {"copies": held.copies, "holders": list(held.holders),
+                "replicas": [h for h in held.whole if h != me and is_up(h)],
                 "tiers": held.tiers(step.persisted), "only_here": alone}
 
     async def status(self) -> dict[str, Any]:
