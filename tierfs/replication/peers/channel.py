@@ -60,6 +60,11 @@ def tls_failure(exc: BaseException) -> str | None:
     return str(cause.reason or cause).lower().replace("_", " ")
 
 
+class NoRoom(proto.ProtocolError):
+    """The peer refused a request for want of room (NO_ROOM): its RAM tier, or the file system
+    of its RAM dir, is full."""
+
+
 class ConnectionClosed(proto.ProtocolError):
     """The peer closed the connection cleanly, between messages or within one."""
 
@@ -222,6 +227,8 @@ class PeerChannel:
         if expected and message.type not in expected:
             if message.type == "ERROR":
                 raise proto.ProtocolError(f"peer {self.peer_id}: {message['message']}")
+            if message.type == "NO_ROOM":
+                raise NoRoom(f"{self.peer_id} has no room ({message['message']})")
             raise proto.ProtocolError(f"expected {'/'.join(expected)}, got {message.type}")
         return message
 

@@ -27,7 +27,7 @@ import xxhash
 
 from tierfs import manifest as mf
 from tierfs import reserved
-from tierfs.fs.ram_store import write_all
+from tierfs.fs.ram_store import RamFull, write_all
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel
 
@@ -45,7 +45,8 @@ RUNNING_IDLE = 120.0
 class Space(Protocol):
     """The RAM store's accounting, as much of it as a receiver needs."""
 
-    def grow(self, backing_ino: int, new_end: int) -> None: ...
+    def grow(self, backing_ino: int, new_end: int) -> None:
+        """Count the file as ending at `new_end`; RamFull if the RAM tier has no room."""
 
     def forget_inode(self, backing_ino: int) -> None: ...
 
@@ -69,6 +70,8 @@ class ReplicaReceiver:
         self._running_limit = running_limit
         self._running_idle = running_idle
         self._swept_at = time.monotonic()
+        # incoming files refused for want of room -> why (their later chunks are refused too)
+        self._refused: dict[Path, str] = {}
 
     def _incoming(self, digest: str, peer: str) -> Path:
         return self.objects_dir / f"{INCOMING_PREFIX}{digest}-{peer}"
@@ -86,14 +89,26 @@ class ReplicaReceiver:
             await channel.send("OK")  # already here (another step, or an earlier attempt)
             return
         incoming = self._incoming(digest, channel.peer_id)
-        fd = os.open(incoming, os.O_RDWR | os.O_CREAT | (os.O_TRUNC if offset == 0 else 0),
-                     0o600)
+        try:
+            fd = os.open(incoming, os.O_RDWR | (os.O_CREAT | os.O_TRUNC if offset == 0 else 0),
+                         0o600)
+        except FileNotFoundError:
+            # a later chunk of a transfer whose earlier chunk was refused (the sender had it
+            # in flight): not written, or it would make a file with a hole, refused again
+            refused = self._refused.get(incoming)
+            await channel.send(*(("NO_ROOM", refused) if refused is not None else (
+                "ERROR", "the file's earlier chunks are not here: send it again")))
+            return
+        except OSError as exc:  # no room for the file itself (a full /dev/shm)
+            await self._no_room(incoming, None, message, channel, exc.strerror or str(exc))
+            return
+        self._refused.pop(incoming, None)
         try:
             ino = os.fstat(fd).st_ino
             try:
                 self.space.grow(ino, offset + len(data))
-            except Exception:
-                await channel.send("ERROR", message="RAM tier full on the receiving node")
+            except RamFull:
+                await self._no_room(incoming, ino, message, channel, "its RAM tier is full")
                 return
             running = self._running(incoming, offset)
             try:  # up to 8 MiB: off the trio thread, which serves the mount meanwhile
@@ -101,8 +116,8 @@ class ReplicaReceiver:
                                               limiter=self._threads)
             except OSError as exc:  # the RAM dir's file system is full (a shared /dev/shm)
                 why = exc.strerror or str(exc)
-                await self._discard(incoming, ino, message, channel, f"found no room ({why})",
-                                    f"no room on the receiving node: {why}")
+                await self._no_room(incoming, ino, message, channel,
+                                    f"the file system of its RAM dir: {why}")
                 return
             running = self._written(incoming, running, offset + len(data))
             if offset + len(data) < size:
@@ -123,16 +138,30 @@ class ReplicaReceiver:
         os.rename(incoming, target)
         await channel.send("OK")
 
-    async def _discard(self, incoming: Path, ino: int, message: proto.Message,
-                       channel: PeerChannel, why: str, answer: str) -> None:
+    async def _discard(self, incoming: Path, ino: int | None, message: proto.Message,
+                       channel: PeerChannel, why: str, answer: str,
+                       kind: str = "ERROR", level: int = logging.ERROR) -> None:
         """A replica that is not kept: its incoming file, running hash and RAM count go, and
-        the sender is answered with an ERROR (it tries again later, or elsewhere)."""
+        the sender is answered (`kind`: ERROR, or NO_ROOM: it makes the copy elsewhere)."""
         self._hashing.pop(incoming, None)
-        self.space.forget_inode(ino)
-        incoming.unlink()
-        log.error("replica of %s/%s from %s %s: discarded", message["path"], message["name"],
-                  channel.peer_id, why)
-        await channel.send("ERROR", message=answer)
+        if ino is not None:
+            self.space.forget_inode(ino)
+        incoming.unlink(missing_ok=True)
+        log.log(level, "replica of %s/%s from %s %s: discarded", message["path"],
+                message["name"], channel.peer_id, why)
+        await channel.send(kind, message=answer)
+
+    async def _no_room(self, incoming: Path, ino: int | None, message: proto.Message,
+                       channel: PeerChannel, why: str) -> None:
+        """No room for a replica here: discarded, its later chunks refused too without a
+        write (`_refused`), and the sender told NO_ROOM. One warning per refusal, no more:
+        the sender tries another node."""
+        answer = f"no room on {why}"
+        self._refused[incoming] = answer
+        while len(self._refused) > RUNNING_LIMIT:
+            del self._refused[next(iter(self._refused))]
+        await self._discard(incoming, ino, message, channel, f"found no room ({why})", answer,
+                            "NO_ROOM", logging.WARNING)
 
     def _running(self, incoming: Path, offset: int) -> _Running | None:
         """The running hash that the chunk at `offset` continues (a new one at offset 0), or
