@@ -305,7 +305,8 @@ async def test_a_node_whose_advertised_address_is_not_its_peer_port_is_refused(
             await n0.node._admit()
         await n1.serve(nursery)
         n0.node.cfg = replace(n0.cfg, advertise=n1.cfg.advertise)  # another node answers there
-        with pytest.raises(StartupError, match=r"is not this node's peer port"):
+        with pytest.raises(StartupError, match=r"is the peer port of node 'n1', not this "
+                           r"node's \('n0'\)"):
             await n0.node._admit()
         assert not await n0.etcd.get(CLUSTER.key("token-check"))  # refused before etcd
 

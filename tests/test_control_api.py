@@ -75,6 +75,7 @@ class RecordedCluster:
             is_up=lambda node: node in self.up,
             peers=[SimpleNamespace(node_id=n, up=True) for n in sorted(up)],
             status=lambda: [{"node_id": n, "state": "up"} for n in sorted(self.up)])
+        self.replicator = SimpleNamespace(trouble=lambda _path: None)  # copies all made
 
     def served(self) -> dict[str, Any]:
         return {"requests": 0}

@@ -17,6 +17,7 @@ import trio
 from tests.conftest import free_port
 from tierfs import manifest as mf
 from tierfs.demo.etcd import Etcd as EtcdServer
+from tierfs.fs.ram_store import RamFull
 from tierfs.replication.coordination import membership as live_members
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
@@ -43,7 +44,7 @@ class Space:
 
     def grow(self, backing_ino: int, new_end: int) -> None:
         if sum(self.used.values()) - self.used.get(backing_ino, 0) + new_end > self.limit:
-            raise OSError("full")
+            raise RamFull(f"{new_end} bytes do not fit in {self.limit}")
         self.used[backing_ino] = max(self.used.get(backing_ino, 0), new_end)
 
     def forget_inode(self, backing_ino: int) -> None:
@@ -381,7 +382,7 @@ def incoming_files(objects: Path) -> list[str]:
     return [p.name for p in objects.iterdir() if p.name.startswith(INCOMING_PREFIX)]
 
 
-async def test_a_full_receiver_answers_an_error_and_keeps_nothing(tmp_path: Path) -> None:
+async def test_a_full_receiver_answers_no_room_and_keeps_nothing(tmp_path: Path) -> None:
     entry = committed_object(tmp_path / "a-objects", b"more than ten bytes", "shard")
     b = Receiving(tmp_path, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)), limit=10)
     async with trio.open_nursery() as nursery:
@@ -389,8 +390,8 @@ async def test_a_full_receiver_answers_an_error_and_keeps_nothing(tmp_path: Path
         channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
         await channel.send("PUT", b"more than ten bytes", path="run/step_1", name="shard",
                            xxh3=entry.xxh3, size=entry.size, offset=0)
-        answer = await channel.receive("ERROR")
-        assert "RAM tier full" in answer["message"]
+        answer = await channel.receive("NO_ROOM")
+        assert "RAM tier is full" in answer["message"]
         await channel.aclose()
         nursery.cancel_scope.cancel()
     assert not (b.objects / entry.xxh3).exists()
@@ -545,8 +546,9 @@ async def test_copies_etcd_did_not_record_are_sent_again_only_after_a_pause(
 async def test_a_chunk_the_ram_dir_has_no_room_for_is_refused_not_kept_short(
         tmp_path: Path, small_shm: Path) -> None:
     """A RAM dir on a /dev/shm that other processes fill (the RAM tier's own count has room):
-    a chunk written only in part is answered with an error and nothing of it is kept, never
-    taken as the whole file because its bytes in memory matched their checksum."""
+    a chunk written only in part is answered NO_ROOM (the sender makes the copy elsewhere)
+    and nothing of it is kept, never taken as the whole file because its bytes in memory
+    matched their checksum."""
     data = os.urandom(3 << 20)
     entry = committed_object(tmp_path / "a-objects", data, "shard")
     b = Receiving(small_shm, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)))
@@ -557,7 +559,7 @@ async def test_a_chunk_the_ram_dir_has_no_room_for_is_refused_not_kept_short(
         channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
         await channel.send("PUT", data, path="run/step_1", name="shard", xxh3=entry.xxh3,
                            size=entry.size, offset=0)
-        answer = await channel.receive("ERROR")
+        answer = await channel.receive("NO_ROOM")
         assert "no room" in answer["message"]
         await channel.aclose()
         nursery.cancel_scope.cancel()

@@ -452,7 +452,12 @@ class Commits:
 
     async def commit_quietly(self, step_node: Node, *, by_idle: bool = False) -> None:
         """Commit triggered as a side effect of a user's call: failures are logged, not raised.
-        `by_idle`: by the quiet rules (`commit`)."""
+        `by_idle`: by the quiet rules (`commit`). A step holding a file a write into failed
+        for want of room does not commit so (`fs.cut_short`): it stays `writing`, saying why."""
+        cut = self.tree.cut_short.in_step(step_node)
+        if cut is not None and step_node.step is not None:
+            self.tree.manifests.note_waiting(step_node.step, cut_short_reason(cut))
+            return
         try:
             await self.commit(step_node, wait_for_writers=False, by_idle=by_idle)
         except CoordinationUnavailable as exc:
@@ -650,3 +655,9 @@ class Commits:
 def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
     """What a file's bytes are known by while no seal describes them: inode, size, mtime."""
     return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def cut_short_reason(path: str) -> str:
+    """What a step holding a file that may be cut short waits for (status `waiting_for`)."""
+    return (f"{path} to be written again: a write into it failed for want of room, so it "
+            "may be cut short (or `tierfs commit` it as it is)")

@@ -54,7 +54,7 @@ from tierfs.fs.ports import (
     StoreCheck,
 )
 from tierfs.fs.quiet_commits import QuietCommits, QuietWatch
-from tierfs.fs.ram_store import RamStore
+from tierfs.fs.ram_store import RamFull, RamStore
 from tierfs.fs.recovery import Recovery
 from tierfs.fs.residency import Residency
 from tierfs.fs.tree import Tree
@@ -232,7 +232,10 @@ class Namespace:
         if writable:
             await self.make_private(node, keep=not truncate)
         # The path is taken only now: the awaits above may have seen renames.
-        return self.tree.open_backing(node, writable=writable, truncate=truncate)
+        handle = self.tree.open_backing(node, writable=writable, truncate=truncate)
+        if truncate:
+            self.tree.cut_short.clear(node)  # written again from the start
+        return handle
 
     def drop_setid(self, node: Node) -> None:
         """A writer that may not keep set-id bits opened `node` (`Attributes.drop_setid`)."""
@@ -245,9 +248,17 @@ class Namespace:
     async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         if not handle.active:
             self.tree.activate(handle)
-        if self.tree.needs_room(handle, offset, len(data)):
-            await self.residency.make_room(len(data), sparing=handle.node)
-        return self.tree.write(handle, offset, data)
+        try:
+            if self.tree.needs_room(handle, offset, len(data)):
+                await self.residency.make_room(len(data), sparing=handle.node)
+            return self.tree.write(handle, offset, data)
+        except RamFull:
+            self.tree.cut_short.note(handle.node, "the RAM tier is full")
+            raise
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self.tree.cut_short.note(handle.node, "the RAM dir's file system is full")
+            raise
 
     async def expect_direct_writes(self, handle: Handle) -> None:
         """The kernel will write this handle's backing file without asking us (passthrough):
@@ -268,6 +279,8 @@ class Namespace:
         """End of a close() (FLUSH), or of the open file (`final`, its RELEASE): seal what this
         handle wrote (Tree), then fire any commit it completes (Commits)."""
         if await self.tree.end_writer(handle, final=final):
+            if handle.passthrough:  # its writes' errors went to the writer, not to us
+                self.tree.cut_short.note_if_full(handle.node, str(self.store.root))
             await self.commits.after_writer(handle.node)
 
     async def release(self, handle: Handle) -> None:
@@ -293,6 +306,8 @@ class Namespace:
         if size is not None and self.tree.has_backing(node):
             self.tree.attributes.check_truncatable(node)
             await self.make_private(node, keep=size > 0)
+            if size == 0:
+                self.tree.cut_short.clear(node)  # to be written again from the start
         self.tree.attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid, size=size,
                                      atime_ns=atime_ns, mtime_ns=mtime_ns)
 

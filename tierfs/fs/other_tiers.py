@@ -63,6 +63,11 @@ class OtherTiers:
         self._unpublished: dict[str, mf.StepManifest] = {}  # committed while etcd was away
         self._tracker_texts: dict[str, str | int | None] = {}  # tracker object -> what it names
         self._owed_marks: dict[str, mf.StepManifest] = {}  # persisted, the RAM dir full
+        # Steps whose file records are read again to judge them (`doubtful_steps`): a node
+        # dropped out of their holders (it came back without its copies), or this node came
+        # back without its own. Set (and replaced) when one is added.
+        self._recheck: set[str] = set()
+        self.recheck_wanted = trio.Event()
 
     # -- deletes -----------------------------------------------------------------------------
 
@@ -443,16 +448,31 @@ class OtherTiers:
             self.versions.set_file_holders(node, holders, writers)
             self.tree.recoverable.loss(node.step, fresh=True)  # whole again, or not
 
+    def want_recheck(self, paths: list[str] | None = None) -> None:
+        """Have the file records of these steps (None: every committed step not wholly in RAM
+        here) read again before they are judged (`doubtful_steps`)."""
+        if paths is None:
+            paths = [self.tree.relpath(n) for n in self.tree.steps()
+                     if n.step.committed and not n.step.in_ram]
+        if paths:
+            self._recheck.update(paths)
+            self.recheck_wanted.set()
+            self.recheck_wanted = trio.Event()
+
     def doubtful_steps(self, may_be_up: Callable[[str], bool]) -> list[mf.StepManifest]:
         """Committed steps, not persisted, with a file not in RAM here whose holders as known
         here are none that `may_be_up`, or are known only for the whole step (a node that
-        holds no file of a step knows who holds *some* file of it) with one of them not up:
-        their records are read again (`note_placements`) before the step is called
-        incomplete, or whole again."""
+        holds no file of a step knows who holds *some* file of it) with one of them not up,
+        and those `want_recheck` named: their records are read again (`note_placements`)
+        before the step is called incomplete, or whole again."""
         found = []
+        recheck, self._recheck = self._recheck, set()
         for node in self.tree.steps():
             step = node.step
             if not step.committed or step.persisted or step.in_ram:
+                continue
+            if self.tree.relpath(node) in recheck:
+                found.append(step.manifest)
                 continue
             for entry in step.manifest.files:
                 if entry.name in step.resident:
@@ -492,8 +512,13 @@ class OtherTiers:
         if node is not None:
             step = node.step
             if step.manifest is not None and step.manifest.version == manifest.version:
-                if not others <= step.holders:
-                    self.versions.set_holders(node, step.holders | others, record=not step.in_ram)
+                if others != step.holders - {self.node_id}:
+                    # the commit record names the holders now: one that dropped out (it came
+                    # back without its copies) may have held the only copy of a file, which
+                    # no holder that remains can tell: the file records say
+                    if step.holders - {self.node_id} - others and not step.in_ram:
+                        self.want_recheck([manifest.path])
+                    self.versions.set_holders(node, others, record=not step.in_ram)
             elif not step.committed:
                 self.versions.join_commit(node, manifest, others)
             elif self._supersede(node, manifest, ", ".join(sorted(others)),

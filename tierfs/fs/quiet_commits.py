@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import trio
 
 from tierfs.fs import tree_walk
-from tierfs.fs.commits import Commits
+from tierfs.fs.commits import Commits, cut_short_reason
 from tierfs.fs.nodes import METADATA, Node
 from tierfs.fs.tree import Tree
 
@@ -136,6 +136,9 @@ class QuietCommits:
         for _rel, node in tree_walk.files_under(step_node):
             if node.active_writers or node.open_for_writing:
                 return "open writers"
+        cut = self.tree.cut_short.in_step(step_node)
+        if cut is not None:
+            return cut_short_reason(cut)
         removed = self._removed_only(step_node)
         if removed:
             return (f"the end of its removal: {removed} of its "

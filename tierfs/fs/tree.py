@@ -48,6 +48,7 @@ from tierfs.fs import links as symlinks
 from tierfs.fs import tree_walk
 from tierfs.fs.attributes import Attributes
 from tierfs.fs.copy_on_write import CopyOnWrite
+from tierfs.fs.cut_short import CutShort
 from tierfs.fs.dir_attributes import DirAttributes, times_kept
 from tierfs.fs.holders import Holdings
 from tierfs.fs.kernel_cache import KernelCache
@@ -126,6 +127,7 @@ class Tree:
         # renames: the entry moved, a target replaced, the steps moved recorded in every tier
         self.renames = Renames(self, deletes, self.identity, self.latest)
         self.attributes = Attributes(self, self.sealing)  # chmod, chown, utime, truncate
+        self.cut_short = CutShort(self.relpath)  # files a write into failed (no room)
 
     # -- lookups ---------------------------------------------------------------------------
 

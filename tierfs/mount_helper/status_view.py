@@ -196,7 +196,28 @@ def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
     lines += [f"warning: {s['path']} was committed without {s['unfinished']}, which the "
               "steps before it have (its saver stopped in the middle of a save?): `latest` "
               "names an older step" for s in status["steps"] if s.get("unfinished")]
-    return lines + failing_peers(status)
+    lines += [f"warning: {s['path']} has fewer copies than --replicas asks "
+              f"(for {human_age((now_ns - s['copies_wait']['since_ns']) / 1e9)}): "
+              f"{s['copies_wait']['reason']}"
+              for s in status["steps"] if s.get("copies_wait")]
+    return ram_dir_warning(status) + lines + failing_peers(status)
+
+
+FULL_SHARE = 0.9  # a RAM dir's file system this full earns a warning
+
+
+def ram_dir_warning(status: dict[str, Any]) -> list[str]:
+    """A warning when the RAM dir's file system is nearly full, whatever the RAM tier's own
+    count says (others write to a shared /dev/shm): writes and copies from peers then find no
+    room before --ram-limit."""
+    ram = status["ram"]
+    size, free = ram.get("fs_size_bytes"), ram.get("fs_free_bytes")
+    if not size or free is None or free > (1 - FULL_SHARE) * size:
+        return []
+    return [f"warning: the file system of the RAM dir {status.get('ram_dir', '')} is "
+            f"{100 * (size - free) / size:.0f}% full ({human_bytes(free)} free of "
+            f"{human_bytes(size)}): writes, and copies from peers, find no room before the "
+            "RAM tier's limit"]
 
 
 def peer_state(peer: dict[str, Any]) -> str:
@@ -344,7 +365,7 @@ def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:
     steps = status["steps"]
     if not steps:
         lines.append("no step directories yet" if where == "." else f"no steps under {where}")
-        return "\n".join(lines + failing_peers(status))
+        return "\n".join(lines + ram_dir_warning(status) + failing_peers(status))
     own = set(status.get("own_latest", ()))
     lines += table(steps, now_ns, own)
     lines += [run_summary(run, members, now_ns, run in own)

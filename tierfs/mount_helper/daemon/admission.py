@@ -27,6 +27,7 @@ from tierfs.replication.peers.channel import (
     AuthError,
     PeerChannel,
     TlsRefused,
+    WrongPeer,
     connect,
     open_socket,
 )
@@ -52,6 +53,10 @@ async def check_reaches_itself(advertise: str, token: bytes, node_id: str,
         raise AdmissionRefused(f"this node's own peer port refuses it over TLS at {advertise} "
                                f"({exc}): --peer-cert must be a certificate of --peer-cacert, "
                                f"the cluster's CA") from None
+    except WrongPeer as exc:
+        raise AdmissionRefused(f"the advertised address {advertise} is the peer port of node "
+                               f"{exc.found!r}, not this node's ({node_id!r}): {advice}"
+                               ) from None
     except AuthError as exc:
         raise AdmissionRefused(f"the advertised address {advertise} is not this node's peer "
                                f"port ({exc}): {advice}") from None

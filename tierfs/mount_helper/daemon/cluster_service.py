@@ -212,6 +212,12 @@ class ClusterNode:
         self._follow_members()
         # every step of the cluster, from the start
         await self.sealed.learn_all(self._learn, self.namespace.tiers.store_state)
+        if self.namespace.recovered.may_have_lost_copies:
+            # back without (some of) its copies: a step whose holders as its commit record
+            # names them are live may still have lost every copy of a file, here and on
+            # another node that came back empty too; the file records say (before `latest`
+            # names such a step here)
+            self.namespace.tiers.want_recheck()
         for worker in (self.directory.run, self.replicator.run, self._restore_copies,
                        self._follow_commits, self._publish_pending, self._recheck_losses):
             nursery.start_soon(worker)
@@ -408,9 +414,9 @@ class ClusterNode:
                     tiers.note_placements(manifest, {n: set(r.holders) for n, r in records.items()},
                                           {n: r.node for n, r in records.items()})
             for node in list(tree.steps()):
-                tree.recoverable.loss(node.step)
+                tree.recoverable.loss(node.step, fresh=True)
             if self.directory.generation == generation:
-                await changed.wait()
+                await _either(changed, tiers.recheck_wanted)
 
     async def record_store_use(self, url: str, used: trio.Event) -> None:
         """Once this node persisted a step, or found the store holding some, the cluster
@@ -440,3 +446,14 @@ class ClusterNode:
                 and record.xxh3 == entry.xxh3 else set()
                 for entry in manifest.files
                 for record in (records.get(entry.name),)}
+
+
+async def _either(*events: trio.Event) -> None:
+    """Until one of `events` is set."""
+    async with trio.open_nursery() as nursery:
+        for event in events:
+            async def wait(event: trio.Event = event) -> None:
+                await event.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(wait)

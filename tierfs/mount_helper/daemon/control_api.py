@@ -268,11 +268,15 @@ class ControlApi:
             with contextlib.suppress(FsError, OSError):  # removed meanwhile
                 status["changed_ns"] = tree.stat(node).st_mtime_ns
         status["persist_wait"] = persist_waits.get(status["path"])
+        # why the step is short of the copies this node owes it (a target with no room...)
+        status["copies_wait"] = (self.cluster.replicator.trouble(status["path"])
+                                 if self.cluster is not None and step.committed else None)
         return status
 
     def _spread(self, step: StepState, recorded: dict[str, set[str]] | None
                 ) -> dict[str, Any]:
-        """`copies`, `holders`, `tiers` and `only_here` of a committed step in a cluster."""
+        """`copies`, `holders`, `replicas`, `tiers` and `only_here` of a committed step in a
+        cluster, from the cluster's records of its files and the live members."""
         assert self.cluster is not None
         me = self.cfg.node_id
         tree = self.namespace.tree
@@ -285,8 +289,21 @@ class ControlApi:
         alone = not step.persisted and any(
             name in step.resident and not any(h != me and is_up(h) for h in nodes)
             for name, nodes in recorded.items())
+        # `replicas` too: the other live nodes holding every file, from the same records
+        # (this node's own view named nodes that were gone, and differed from node to node)
         return {"copies": held.copies, "holders": list(held.holders),
+                "replicas": [h for h in held.whole if h != me and is_up(h)],
                 "tiers": held.tiers(step.persisted), "only_here": alone}
+
+    def _ram_dir_space(self) -> dict[str, int]:
+        """The size and free bytes of the RAM dir's file system (a /dev/shm others share
+        fills whatever the RAM tier's own count says); none if it cannot be read."""
+        try:
+            found = os.statvfs(self.cfg.ram_dir)
+        except OSError:
+            return {}
+        return {"fs_size_bytes": found.f_blocks * found.f_frsize,
+                "fs_free_bytes": found.f_bavail * found.f_frsize}
 
     async def status(self) -> dict[str, Any]:
         ns = self.namespace
@@ -303,7 +320,8 @@ class ControlApi:
             "mountpoint": str(self.cfg.mountpoint),
             "pid": os.getpid(),
             "ram_dir": str(self.cfg.ram_dir),
-            "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes},
+            "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes,
+                    **self._ram_dir_space()},
             "passthrough": self.passthrough is not None and self.passthrough.enabled,
             "peers": self.cluster.directory.status() if self.cluster else [],
             "served_to_peers": self.cluster.served() if self.cluster else None,

@@ -80,7 +80,7 @@ class RestorePlan:
 
 
 def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
-                 replicas: int) -> RestorePlan:
+                 replicas: int, avoid: frozenset[str] = frozenset()) -> RestorePlan:
     """The copies that bring every file back to K + 1 live copies (fewer if fewer nodes live),
     less one for each live node that let its copy go because the store holds the file
     (`Placement.left`).
@@ -100,6 +100,11 @@ def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
     computes it.
     Holders beyond the count are left alone: dropping them is retention's decision, made only
     once the new copies are verified.
+
+    `avoid`: nodes that take no copy now (one refused a copy for want of room): the next
+    node clockwise takes it instead (the same on every node that knows of the refusal; a
+    file has one source, so it is copied once whatever the others know), and a file short
+    of targets gets fewer copies for now.
     """
     live = set(ring_ids)
     copies: list[Copy] = []
@@ -117,7 +122,7 @@ def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
         order = clockwise(ring_ids, placement.writer)
         source = next(node for node in order if node in live_holders)
         # never short: `missing` is at most the number of these (see above)
-        targets = [node for node in order
-                   if node not in live_holders and node not in left][:missing]
+        targets = [node for node in order if node not in live_holders and node not in left
+                   and node not in avoid][:missing]
         copies.extend(Copy(name, source, target) for target in targets)
     return RestorePlan(copies, lost)

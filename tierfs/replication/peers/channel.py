@@ -55,6 +55,15 @@ class AuthError(proto.ProtocolError):
     """The peer does not know the token, or is not a member of the cluster."""
 
 
+class WrongPeer(AuthError):
+    """Another node than the one asked for answered (`found`): a member of the cluster all
+    the same, at an address the caller took for another node's."""
+
+    def __init__(self, found: str, expected: str) -> None:
+        super().__init__(f"the node answering is {found!r}, not {expected!r}")
+        self.found = found
+
+
 class TokenRefused(AuthError):
     """The peer's proof of the token is wrong: the two nodes were given different tokens."""
 
@@ -70,6 +79,11 @@ def tls_failure(exc: BaseException) -> str | None:
     if not isinstance(cause, ssl.SSLError):
         return None
     return str(cause.reason or cause).lower().replace("_", " ")
+
+
+class NoRoom(proto.ProtocolError):
+    """The peer refused a request for want of room (NO_ROOM): its RAM tier, or the file system
+    of its RAM dir, is full."""
 
 
 class ConnectionClosed(proto.ProtocolError):
@@ -262,6 +276,8 @@ class PeerChannel:
         if expected and message.type not in expected:
             if message.type == "ERROR":
                 raise proto.ProtocolError(f"peer {self.peer_id}: {message['message']}")
+            if message.type == "NO_ROOM":
+                raise NoRoom(f"{self.peer_id} has no room ({message['message']})")
             raise proto.ProtocolError(f"expected {'/'.join(expected)}, got {message.type}")
         return message
 
@@ -422,8 +438,9 @@ async def authenticate(channel: PeerChannel, token: bytes, my_id: str,
     hello = await channel.receive("HELLO")
     peer = hello["node_id"]
     itself = peer == my_id
-    if not ((itself and allow_self) or (peer in members and not itself)) or \
-            (expected_peer and peer != expected_peer):
+    if expected_peer and peer != expected_peer:
+        raise WrongPeer(peer, expected_peer)
+    if not ((itself and allow_self) or (peer in members and not itself)):
         raise AuthError(f"node {peer!r} is not a member of this cluster")
     await channel.send("PROOF", mac=proto.proof(token, hello["nonce"], my_id, peer))
     answer = await channel.receive("PROOF")

@@ -22,14 +22,25 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs.fs.ports import Store, TierError
+from tierfs.replication.coordination import membership
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers import sources
-from tierfs.replication.peers.channel import BULK, BlockingChannel, PeerChannel
+from tierfs.replication.peers.channel import (
+    BULK,
+    BlockingChannel,
+    ConnectionClosed,
+    ConnectionLost,
+    PeerChannel,
+)
 from tierfs.replication.peers.directory import PeerDirectory
 
 log = logging.getLogger(__name__)
 
 _HEX = set("0123456789abcdef")
+# Seconds a read waits for a holder that does not answer while its lease lives: a killed
+# daemon's lease ends within its ttl after its last keepalive, and the watch tells every node.
+HOLDER_WAIT = membership.DEFAULT_TTL + membership.REJOIN_MARGIN
+RETRY_EVERY = 0.5  # seconds between tries meanwhile (a holder restarted at the same address)
 
 
 class PeerReader:
@@ -68,33 +79,69 @@ class PeerReader:
 
     async def _read(self, step_path: str, entry: mf.FileEntry, offset: int, length: int,
                     into: memoryview | None, store: Store | None) -> tuple[memoryview, bool]:
-        failures: list[str] = []
+        """The bytes (and whether `store` took them) from the file's holders (those known
+        here, then those its record names now). When none gives them and one that could not
+        be reached is still a live member (its lease lives: a daemon just killed, or
+        restarting), the read waits for it, or for its loss to be known, at most HOLDER_WAIT
+        seconds, trying again at each change of the members and every RETRY_EVERY: a node
+        learns a loss only when the lease ends, and a holder back within it serves the read
+        (TierError, EIO to the reader, otherwise)."""
+        deadline = None
+        while True:
+            failures: list[str] = []
+            unreachable: set[str] = set()
+            got = await self._read_once(step_path, entry, offset, length, into, store,
+                                        failures, unreachable)
+            if got is not None:
+                return got
+            waiting = sorted(h for h in unreachable if self.directory.is_up(h))
+            now = trio.current_time()
+            if deadline is None and waiting:
+                deadline = now + HOLDER_WAIT
+                log.warning("%s/%s: %s does not answer but is a live member: the read waits "
+                            "up to %.0f s for it or for its loss", step_path, entry.name,
+                            ", ".join(waiting), HOLDER_WAIT)
+            if not waiting or deadline is None or now >= deadline:
+                raise TierError("; ".join(failures) or "no peer holds it")
+            changed = self.directory.changed
+            with trio.move_on_at(min(deadline, now + RETRY_EVERY)):
+                await changed.wait()
+
+    async def _read_once(self, step_path: str, entry: mf.FileEntry, offset: int, length: int,
+                         into: memoryview | None, store: Store | None, failures: list[str],
+                         unreachable: set[str]) -> tuple[memoryview, bool] | None:
+        """One round: the holders known here, then those the file's record names now."""
         tried: set[str] = set()
         holders = self._holders(step_path, entry.name)
         for _attempt in range(2):
             untried = [h for h in holders if h != self.directory.me and h not in tried]
             tried.update(untried)
             got = await self._read_from(untried, step_path, entry, offset, length, into, store,
-                                        failures)
+                                        failures, unreachable)
             if got is not None:
                 return got
             if self._refresh is None:
                 break
             holders = await self._refresh(step_path, entry.name)
-        raise TierError("; ".join(failures) or "no peer holds it")
+        return None
 
     async def _read_from(self, holders: list[str], step_path: str, entry: mf.FileEntry,
                          offset: int, length: int, into: memoryview | None,
-                         store: Store | None, failures: list[str]
+                         store: Store | None, failures: list[str], unreachable: set[str]
                          ) -> tuple[memoryview, bool] | None:
         """The bytes from the first of `holders` that gives them, or from the reader it sends
-        this node to (None if none does: each failure is added to `failures`)."""
+        this node to (None if none does: each failure is added to `failures`, and a holder
+        that could not be reached, not one that answered without the bytes, to
+        `unreachable`)."""
         for node_id in sources.holder_order(holders, entry.xxh3, offset, self.directory.is_up):
             try:
                 return await self._from_holder(node_id, step_path, entry, offset, length, into,
                                                store)
-            except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
+            except (OSError, trio.TooSlowError, ConnectionClosed, ConnectionLost) as exc:
                 failures.append(f"{node_id}: {exc or 'timed out'}")
+                unreachable.add(node_id)
+            except proto.ProtocolError as exc:
+                failures.append(f"{node_id}: {exc}")
         return None
 
     async def _from_holder(self, holder: str, step_path: str, entry: mf.FileEntry,

@@ -80,6 +80,9 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "DATA": {},
     "OK": {},
     "ERROR": {"message": str},
+    # a PUT refused for want of room on the receiving node (its RAM tier or the file system
+    # of its RAM dir is full): the sender makes its copies on another node meanwhile
+    "NO_ROOM": {"message": str},
 }
 PATH_FIELDS = ("path", "name")
 NAME_LISTS = ("names",)  # lists of paths inside a step, each checked as a path field

@@ -35,7 +35,7 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs import reserved
-from tierfs.fs.ram_store import write_all
+from tierfs.fs.ram_store import RamFull, write_all
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import BlockingChannel, PeerChannel
 from tierfs.whole_hash import WholeHash
@@ -56,7 +56,8 @@ WRITE_SLICE = 1 << 20  # bytes of a chunk written, then hashed, at a time
 class Space(Protocol):
     """The RAM store's accounting, as much of it as a receiver needs."""
 
-    def grow(self, backing_ino: int, new_end: int) -> None: ...
+    def grow(self, backing_ino: int, new_end: int) -> None:
+        """Count the file as ending at `new_end`; RamFull if the RAM tier has no room."""
 
     def forget_inode(self, backing_ino: int) -> None: ...
 
@@ -79,6 +80,8 @@ class ReplicaReceiver:
         self._running_limit = running_limit
         self._running_idle = running_idle
         self._swept_at = time.monotonic()
+        # incoming files refused for want of room -> why (their later chunks are refused too)
+        self._refused: dict[Path, str] = {}
 
     def _incoming(self, digest: str, peer: str) -> Path:
         return self.objects_dir / f"{INCOMING_PREFIX}{digest}-{peer}"
@@ -98,12 +101,25 @@ class ReplicaReceiver:
             await channel.send("OK")  # already here (another step, or an earlier attempt)
             return
         path = self._incoming(digest, channel.peer_id)
-        incoming = self._transfer(path, size)
+        refused = self._refused.get(path)
+        if refused is not None and offset:
+            # a later chunk of a transfer refused for want of room (the sender had it in
+            # flight): not written, refused again; its first chunk sent again starts it over
+            await _drop_payload(message, channel)
+            await channel.send("NO_ROOM", message=refused)
+            return
+        self._refused.pop(path, None)
+        try:
+            incoming = self._transfer(path, size)
+        except OSError as exc:  # no room for the file itself (a full /dev/shm)
+            await _drop_payload(message, channel)
+            await self._no_room(path, None, message, channel, exc.strerror or str(exc))
+            return
         try:
             self.space.grow(incoming.ino, offset + length)
-        except Exception:
+        except RamFull:
             await _drop_payload(message, channel)
-            await channel.send("ERROR", message="RAM tier full on the receiving node")
+            await self._no_room(path, incoming, message, channel, "its RAM tier is full")
             return
         index = offset // mf.CHUNK_SIZE
         again = index in incoming.have or index in incoming.writing
@@ -135,8 +151,8 @@ class ReplicaReceiver:
             if not incoming.writing[index]:
                 del incoming.writing[index]
         if no_room:  # the RAM dir's file system is full (a shared /dev/shm)
-            await self._discard(path, incoming, message, channel, f"found no room "
-                                f"({no_room[0]})", f"no room on the receiving node: {no_room[0]}")
+            await self._no_room(path, incoming, message, channel,
+                                f"the file system of its RAM dir: {no_room[0]}")
             return
         if self._incoming_files.get(path) is not incoming:
             await channel.send("OK")  # discarded meanwhile: nothing of it counts
@@ -183,14 +199,31 @@ class ReplicaReceiver:
         self._prune(incoming.used)
         return incoming
 
-    async def _discard(self, path: Path, incoming: _Incoming, message: proto.Message,
-                       channel: PeerChannel, why: str, answer: str) -> None:
+    async def _discard(self, path: Path, incoming: _Incoming | None, message: proto.Message,
+                       channel: PeerChannel, why: str, answer: str,
+                       kind: str = "ERROR", level: int = logging.ERROR) -> None:
         """A replica that is not kept: its incoming file, its transfer and its RAM count go,
-        and the sender is answered with an ERROR (it tries again later, or elsewhere)."""
-        self._forget(path, incoming)
-        log.error("replica of %s/%s from %s %s: discarded", message["path"], message["name"],
-                  channel.peer_id, why)
-        await channel.send("ERROR", message=answer)
+        and the sender is answered (`kind`: ERROR, it tries again later; or NO_ROOM, it
+        makes the copy elsewhere)."""
+        if incoming is not None:
+            self._forget(path, incoming)
+        else:
+            path.unlink(missing_ok=True)
+        log.log(level, "replica of %s/%s from %s %s: discarded", message["path"],
+                message["name"], channel.peer_id, why)
+        await channel.send(kind, message=answer)
+
+    async def _no_room(self, path: Path, incoming: _Incoming | None, message: proto.Message,
+                       channel: PeerChannel, why: str) -> None:
+        """No room for a replica here: discarded, its later chunks refused too without a
+        write (`_refused`), and the sender told NO_ROOM. One warning per refusal, no more:
+        the sender tries another node."""
+        answer = f"no room on {why}"
+        self._refused[path] = answer
+        while len(self._refused) > RUNNING_LIMIT:
+            del self._refused[next(iter(self._refused))]
+        await self._discard(path, incoming, message, channel, f"found no room ({why})", answer,
+                            "NO_ROOM", logging.WARNING)
 
     def _forget(self, path: Path, incoming: _Incoming) -> None:
         """A transfer's end without its object: its state, its incoming file (unless a newer

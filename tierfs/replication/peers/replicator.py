@@ -20,6 +20,12 @@ etcd about a version it does not know). Failures retry while the step is still t
 version; a step that keeps failing (etcd does not know it yet, a target refuses it) waits aside
 and is tried again a few seconds later, without holding up the other steps.
 
+A target that refuses a copy for want of room (NO_ROOM: its RAM tier, or its RAM dir's file
+system, is full) takes no copy from this node for NO_ROOM_PAUSE seconds: the plan is made
+again at once without it, so the copy goes to the next node on the ring; a step that no other
+node can take waits aside and is tried again (`troubles` says why it is short of copies, for
+`tierfs status`).
+
 A tracker file (`tierfs.trackers`) goes to a peer only once that peer holds the step it names
 (`may_copy`): until then its copies to that peer wait, and are planned again each time another
 step's copies are done.
@@ -39,7 +45,7 @@ from tierfs.observe import Events
 from tierfs.replication.coordination import placement
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.peers import protocol as proto
-from tierfs.replication.peers.channel import WINDOW, BlockingChannel
+from tierfs.replication.peers.channel import WINDOW, BlockingChannel, NoRoom
 from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.retry import POLICY
 from tierfs.step_queue import StepQueue
@@ -53,6 +59,7 @@ RETRIES = POLICY.capped(RETRY_DELAY)
 TRIES_BEFORE_ASIDE = 5  # failed rounds of a step before it waits aside for RETRY_LATER
 RETRY_LATER = 5.0  # seconds between tries of the steps waiting aside
 HOLD_NAME_BYTES = 256 << 10  # names per HOLD: at most this many bytes (and MAX_NAMES)
+NO_ROOM_PAUSE = 30.0  # seconds a target that had no room for a copy is not sent another
 
 Placements = Callable[[mf.StepManifest], Awaitable[dict[str, FileRecord] | None]]
 # Count a target as holding files it verified; whether etcd recorded every one.
@@ -85,6 +92,10 @@ class Replicator:
         self.queue = StepQueue()
         self._later: dict[str, mf.StepManifest] = {}  # steps that kept failing: tried again
         self._waiting: dict[str, mf.StepManifest] = {}  # trackers waiting for a peer's copies
+        self._no_room: dict[str, tuple[float, str]] = {}  # target -> (trio time until, why)
+        self._refusals = 0  # NO_ROOM answers so far
+        # step path -> (why it is short of the copies this node owes, since when, wall ns)
+        self.troubles: dict[str, tuple[str, int]] = {}
 
     def submit(self, manifest: mf.StepManifest) -> None:
         if self.replicas > 0:
@@ -118,17 +129,24 @@ class Replicator:
             if copies is not None:
                 copies = self._not_waiting(manifest, copies)
             if copies is not None and not copies:
+                if manifest.path in self.troubles:  # short for want of room: tried later
+                    self._later[manifest.path] = manifest
+                    return
                 if manifest.path not in self._waiting:
                     self._plan_waiting_again()  # this step's copies are done
                 return
+            refusals = self._refusals
             if copies is not None and await self._send_copies(manifest, copies):
                 failures = 0
                 continue  # the records changed: check whether more copies are due
+            if self._refusals != refusals:
+                continue  # a target had no room: planned again at once without it
             failures += 1
             if failures >= TRIES_BEFORE_ASIDE:  # the other steps' copies go first
                 self._later[manifest.path] = manifest
                 return
             await RETRIES.pause(failures, wake=self.directory.changed)
+        self.troubles.pop(manifest.path, None)  # no longer the step's version here
 
     def _not_waiting(self, manifest: mf.StepManifest,
                      copies: list[placement.Copy]) -> list[placement.Copy]:
@@ -157,8 +175,36 @@ class Replicator:
         here = {name: placement.Placement(r.node, frozenset(r.holders), frozenset(r.left))
                 for name, r in records.items()
                 if os.path.exists(self._object_path(r.xxh3))}
-        plan = placement.restore_plan(here, self.directory.live.ring, self.replicas)
-        return plan.for_source(self.directory.me)
+        ring, me = self.directory.live.ring, self.directory.me
+        full = self._full_targets()
+        copies = placement.restore_plan(here, ring, self.replicas, full).for_source(me)
+        wanted = placement.restore_plan(here, ring, self.replicas).for_source(me) if full \
+            else copies
+        if len(copies) < len(wanted):  # some copy has no target with room now
+            refused = sorted({c.target for c in wanted} & full)
+            self._note_trouble(manifest, "; ".join(self._no_room[t][1] for t in refused)
+                               + ": no other live node can take its copies")
+        elif manifest.path in self.troubles and not copies:
+            del self.troubles[manifest.path]  # every copy it owes is made
+        return copies
+
+    def _full_targets(self) -> frozenset[str]:
+        """The targets that had no room for a copy less than NO_ROOM_PAUSE ago."""
+        now = trio.current_time()
+        for target, (until, _why) in list(self._no_room.items()):
+            if until <= now:
+                del self._no_room[target]
+        return frozenset(self._no_room)
+
+    def _note_trouble(self, manifest: mf.StepManifest, why: str) -> None:
+        known = self.troubles.get(manifest.path)
+        self.troubles[manifest.path] = (why, known[1] if known else time.time_ns())
+
+    def trouble(self, path: str) -> dict[str, object] | None:
+        """Why the step at `path` is short of copies this node owes, and since when (ns);
+        None when it is not (as far as this node's last try knows)."""
+        known = self.troubles.get(path)
+        return None if known is None else {"reason": known[0], "since_ns": known[1]}
 
     async def _send_copies(self, manifest: mf.StepManifest,
                            copies: list[placement.Copy]) -> bool:
@@ -190,14 +236,21 @@ class Replicator:
                                                   expect="HELD")
                 sent = set(batch)
                 held += [n for n in reply["names"] if isinstance(n, str) and n in sent]
+        except NoRoom as exc:  # the copies go to another node meanwhile
+            error = exc
+            self._refusals += 1
+            self._no_room[target] = (trio.current_time() + NO_ROOM_PAUSE, str(exc))
         except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
             error = exc
         recorded = not held or await self._on_held(manifest, target, held)
         if error is not None or len(held) < len(names) or not recorded:
-            log.warning("replication of %d files of %s v%d to %s failed, will retry: %s",
+            why = str(error or ("not all held there" if len(held) < len(names)
+                                else "etcd did not record the copies"))
+            log.warning("replication of %d files of %s v%d to %s failed, %s: %s",
                         len(names) - len(held), manifest.path, manifest.version, target,
-                        error or ("not all held there" if len(held) < len(names)
-                                  else "etcd did not record the copies"))
+                        f"its copies go to another node for {NO_ROOM_PAUSE:.0f} s"
+                        if isinstance(error, NoRoom) else "will retry", why)
+            self._note_trouble(manifest, f"copies to {target} failed: {why}")
             return False
         sent = sum(entry.size for name in names if (entry := manifest.entry(name)) is not None)
         self._events.replicated(manifest, target, sent, time.monotonic() - started)
