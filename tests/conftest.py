@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from tierfs.demo.etcd import Etcd
-from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools.etcd import Etcd
+from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import is_mounted
 
 TIERFS = [sys.executable, "-m", "tierfs"]

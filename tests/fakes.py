@@ -1,4 +1,4 @@
-"""In-memory fakes of the outward ports (`tierfs.fs.ports`; etcd and the cluster's members for
+"""In-memory fakes of the outward ports (`tierfs.fs.model.ports`; etcd and the cluster's members for
 the coordination side), for tests that drive the core in process, on no FUSE mount, S3 server
 or etcd (the layers above test those).
 
@@ -16,7 +16,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs.ports import FilesOnPeers, ObjectMissing, TierError
+from tierfs.fs.model.ports import FilesOnPeers, ObjectMissing, TierError
 from tierfs.replication.coordination import placement
 from tierfs.replication.coordination.etcd import (
     EtcdUnavailable,

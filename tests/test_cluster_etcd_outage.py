@@ -27,7 +27,7 @@ from tests.conftest import (
 )
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_cluster_scale import dcp_metadata
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 from tierfs.replication.coordination.commit_records import CommitRecord, CommitRecords
 from tierfs.replication.coordination.etcd import Etcd as EtcdClient
 from tierfs.replication.coordination.etcd import parse_cluster_url

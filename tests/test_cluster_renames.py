@@ -21,7 +21,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.cluster
 

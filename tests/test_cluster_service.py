@@ -22,11 +22,11 @@ from tests.fakes import MemoryEtcd, StaticMembership
 from tests.test_control_api import config
 from tests.test_namespace import Harness, dcp_save
 from tierfs import manifest as mf
-from tierfs.fs.deletes import Tombstone
+from tierfs.fs.fuse.operations import Operations
+from tierfs.fs.lifecycle.deletes import Tombstone
+from tierfs.fs.model.ports import TierError
 from tierfs.fs.namespace import Core, Namespace
-from tierfs.fs.operations import Operations
-from tierfs.fs.ports import TierError
-from tierfs.fs.ram_store import RamStore
+from tierfs.fs.store.ram_store import RamStore
 from tierfs.mount_helper.daemon import cluster_service
 from tierfs.mount_helper.daemon.cluster_service import ClusterLinks, ClusterNode
 from tierfs.mount_helper.daemon.commit_pipeline import delete_targets

@@ -26,7 +26,7 @@ from tests.conftest import TIERFS, Mount, MountFactory, getxattr, tierfs
 from tests.test_namespace import CTX, Harness
 from tierfs import manifest as mf
 from tierfs import reserved
-from tierfs.fs.nodes import FsError, Node
+from tierfs.fs.model.nodes import FsError, Node
 
 pytestmark = pytest.mark.fuse
 

@@ -21,7 +21,7 @@ from tests.fakes import MemoryTier
 from tests.test_namespace import CTX, Harness, dcp_save
 from tests.test_ports import persisted_and_evicted
 from tierfs import manifest as mf
-from tierfs.fs.holders import RecordedHolders
+from tierfs.fs.tree.holders import RecordedHolders
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon.commit_pipeline import CommitPipeline
 from tierfs.mount_helper.daemon.control_api import ControlApi

@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierfs import manifest as mf
-from tierfs.demo.etcd import Etcd as EtcdServer
+from tierfs.devtools.etcd import Etcd as EtcdServer
 from tierfs.replication.coordination import placement
 from tierfs.replication.coordination.cluster_commit import ClusterCommits
 from tierfs.replication.coordination.commit_records import (

@@ -17,7 +17,7 @@ import trio
 from tests.conftest import fill
 from tests.test_namespace import Harness, dcp_save
 from tierfs import manifest as mf
-from tierfs.fs.deletes import PERSIST, Deletes, DeleteWorker, Tombstone
+from tierfs.fs.lifecycle.deletes import PERSIST, Deletes, DeleteWorker, Tombstone
 
 pytestmark = pytest.mark.core
 

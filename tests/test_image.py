@@ -31,8 +31,8 @@ from tests.conftest import (
     wait_until,
 )
 from tests.daemonset_pod import DaemonSetPod, Site, image_name, manifest_pod, podman
-from tierfs.demo.etcd import Etcd
-from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools.etcd import Etcd
+from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import mount_at, mount_table
 
 pytestmark = pytest.mark.image

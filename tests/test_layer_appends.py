@@ -1,5 +1,5 @@
 """Appended loose files in the upload layer, in one process against a file:// store in tmp (the
-uploader harness of test_layer_uploader): versions laid out by `fs.append_layout` go up as
+uploader harness of test_layer_uploader): versions laid out by `fs.model.append_layout` go up as
 segments, read back exactly through the read source and as a person concatenates them, and an
 upload cut short at any request never leaves the store's manifest with wrong bytes."""
 
@@ -15,7 +15,7 @@ import trio
 from tests.test_layer_uploader import Harness
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs.append_layout import MAX_SEGMENTS, lay_out
+from tierfs.fs.model.append_layout import MAX_SEGMENTS, lay_out
 from tierfs.s3tier.backend import BackendError, FileBackend
 from tierfs.s3tier.reader import PersistentReader
 

@@ -16,11 +16,11 @@ import trio
 
 from tests.test_namespace import Harness, dcp_save
 from tierfs import manifest as mf
-from tierfs.demo.etcd import Etcd as EtcdServer
+from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.fs.fuse.operations import Operations
+from tierfs.fs.model.nodes import StepState
 from tierfs.fs.namespace import Core, Namespace
-from tierfs.fs.nodes import StepState
-from tierfs.fs.operations import Operations
-from tierfs.fs.ram_store import RamStore
+from tierfs.fs.store.ram_store import RamStore
 from tierfs.replication.coordination.cluster_commit import ClusterCommits
 from tierfs.replication.coordination.commit_records import CommitRecords, FileRecord
 from tierfs.replication.coordination.etcd import ClusterUrl, Etcd, parse_cluster_url

@@ -16,8 +16,8 @@ import trio
 
 from tests.conftest import free_port
 from tierfs import manifest as mf
-from tierfs.demo.etcd import Etcd as EtcdServer
-from tierfs.fs.ram_store import RamFull
+from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.fs.store.ram_store import RamFull
 from tierfs.replication.coordination import membership as live_members
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url

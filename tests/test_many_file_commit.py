@@ -17,8 +17,8 @@ import trio
 import xxhash
 
 from tests.test_namespace import CTX, Harness, dcp_save
-from tierfs.fs.nodes import Node
-from tierfs.fs.ram_store import RamStore
+from tierfs.fs.model.nodes import Node
+from tierfs.fs.store.ram_store import RamStore
 
 pytestmark = pytest.mark.core
 

@@ -16,11 +16,11 @@ import trio
 import trio.testing
 
 from tierfs import manifest as mf
-from tierfs.fs.background import Background
+from tierfs.fs.fuse.operations import Operations
+from tierfs.fs.lifecycle.background import Background
+from tierfs.fs.model.nodes import ROOT_INODE
 from tierfs.fs.namespace import Core, Namespace
-from tierfs.fs.nodes import ROOT_INODE
-from tierfs.fs.operations import Operations
-from tierfs.fs.ram_store import RamStore
+from tierfs.fs.store.ram_store import RamStore
 from tierfs.trackers import TrackedStep
 
 pytestmark = pytest.mark.core
@@ -85,7 +85,7 @@ class Harness:
 
     async def hashed(self) -> None:
         """Wait until every commit made before its files' hashes were in (the background runs:
-        fs.pending_commits) has its manifest, and has announced it."""
+        fs.model.pending_commits) has its manifest, and has announced it."""
         if not any(n.step.pending is not None for n in self.ns.tree.steps()):
             return
         with trio.fail_after(30):

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from tests.conftest import free_port
-from tierfs.demo.etcd import Etcd as EtcdServer
+from tierfs.devtools.etcd import Etcd as EtcdServer
 from tierfs.replication.coordination import membership as live_members
 from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
 from tierfs.replication.peers import pool

@@ -12,7 +12,7 @@ import trio
 from tests.fakes import BuggySource, MemoryPeers, MemoryTier
 from tests.test_namespace import Harness, dcp_save
 from tierfs import manifest as mf
-from tierfs.fs import residency
+from tierfs.fs.lifecycle import residency
 
 pytestmark = pytest.mark.core
 

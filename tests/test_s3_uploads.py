@@ -20,7 +20,7 @@ import trio
 from tests.faults.s3_proxy import Fault, Request, S3Proxy
 from tests.test_layer_uploader import committed_step
 from tierfs import manifest as mf
-from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.s3tier.backend import MANIFEST_KEY, open_backend
 from tierfs.s3tier.s3_backend import PARALLEL_PARTS, UPLOAD_NICE
 from tierfs.s3tier.uploader import Uploader

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
-from tierfs.fs.nodes import DEFAULT_STEP_PATTERN
+from tierfs.fs.model.nodes import DEFAULT_STEP_PATTERN
 from tierfs.mount_helper.config import ConfigError, resolve
 
 pytestmark = pytest.mark.frameworks

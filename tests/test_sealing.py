@@ -1,4 +1,4 @@
-"""Seals off the writer's path (`fs.sealing`): the close of a file returns without waiting for
+"""Seals off the writer's path (`fs.tree.sealing`): the close of a file returns without waiting for
 its hash, and the seal a commit uses still describes the committed bytes, whatever happened to
 the file while it was being hashed."""
 
@@ -17,7 +17,7 @@ import xxhash
 from tests.conftest import Mount, MountFactory, getxattr, tierfs
 from tests.test_namespace import CTX, Harness, dcp_save
 from tierfs import manifest as mf
-from tierfs.fs.sealing import HASH_AT_COMMIT, INLINE_HASH_BYTES
+from tierfs.fs.tree.sealing import HASH_AT_COMMIT, INLINE_HASH_BYTES
 
 pytestmark = pytest.mark.fuse
 

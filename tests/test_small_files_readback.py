@@ -15,7 +15,7 @@ from tests.fakes import MemoryTier
 from tests.test_namespace import Harness
 from tests.test_ports import persisted_and_evicted
 from tierfs import manifest as mf
-from tierfs.fs import residency
+from tierfs.fs.lifecycle import residency
 
 pytestmark = pytest.mark.core
 

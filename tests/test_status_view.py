@@ -259,7 +259,7 @@ def test_a_cluster_step_shows_its_spread_and_warns_only_when_it_is_only_here() -
     """In a cluster a committed step's TIERS and the "only in RAM" warning come from the
     records of its files (`tiers`, `only_here`): a multi-node step spread over four nodes,
     read back here, is not only here; the spread is shown as the records say."""
-    from tierfs.fs import holders
+    from tierfs.fs.tree import holders
 
     files = {"__0_0.distcp": {"node0", "node1"}, "__1_0.distcp": {"node1", "node2"},
              "__2_0.distcp": {"node2", "node3"}, "__3_0.distcp": {"node3", "node0"}}

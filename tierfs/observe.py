@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tierfs import manifest as mf
-from tierfs.fs.ports import ReadSource, Store
+from tierfs.fs.model.ports import ReadSource, Store
 
 log = logging.getLogger("tierfs.events")
 

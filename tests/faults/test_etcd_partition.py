@@ -22,7 +22,7 @@ from tests.conftest import (
 )
 from tests.faults.tcp_proxy import TcpProxy
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.faults
 

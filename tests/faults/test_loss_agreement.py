@@ -20,7 +20,7 @@ import pytest
 from tests.conftest import MountFactory, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 from tierfs.replication.peers.peer_reader import HOLDER_WAIT
 
 pytestmark = pytest.mark.faults

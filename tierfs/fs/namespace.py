@@ -1,18 +1,20 @@
 """The namespace of one mount: the `Tree` and its collaborators, put together in dependency
-order, behind the one object `fs.operations` talks to.
+order, behind the one object `fs.fuse.operations` talks to.
 
 Who owns what (doc/ARCHITECTURE.md):
 
-* `Tree` (fs.tree): nodes, handles, step state, the RAM store's references; the invariants.
-* `Recovery` (fs.recovery): the RAM store put back in order at start, before the Tree is built.
-* `Residency` (fs.residency): bytes coming back from other tiers; steps leaving RAM.
-* `OtherTiers` (fs.other_tiers): copies in the persistent tier and on peers; deletes.
-* `Commits` (fs.commits): when a step commits, and the commit.
-* `QuietWatch`, `QuietCommits` (fs.quiet_commits): steps that commit once their saver is done;
-  `AppendSnapshots` (fs.appends): loose files committed while they are still appended.
-* `Verifier` (fs.verify): RAM objects checked before use; `tierfs verify`.
+* `Tree` (fs.tree.tree): nodes, handles, step state, the RAM store's references; the invariants.
+* `Recovery` (fs.lifecycle.recovery): the RAM store put back in order at start, before the Tree is
+  built.
+* `Residency` (fs.lifecycle.residency): bytes coming back from other tiers; steps leaving RAM.
+* `OtherTiers` (fs.lifecycle.other_tiers): copies in the persistent tier and on peers; deletes.
+* `Commits` (fs.lifecycle.commits): when a step commits, and the commit.
+* `QuietWatch`, `QuietCommits` (fs.lifecycle.quiet_commits): steps that commit once their saver
+  is done; `AppendSnapshots` (fs.lifecycle.appends): loose files committed while they are
+  still appended.
+* `Verifier` (fs.lifecycle.verify): RAM objects checked before use; `tierfs verify`.
 
-Everything outside `fs` comes in through the Protocols of `fs.ports`, given to `assemble`.
+Everything outside `fs` comes in through the Protocols of `fs.model.ports`, given to `assemble`.
 
 `Namespace` itself holds no state: each method is one file system call, spelled as the calls to
 the collaborators it takes, so that a write, a commit and a read-back can be followed here.
@@ -26,13 +28,18 @@ from pathlib import Path
 
 import trio
 
-from tierfs.fs import tree_walk, user_xattrs
-from tierfs.fs.appends import AppendSnapshots
-from tierfs.fs.background import Background
-from tierfs.fs.commits import SAVER_WAIT, Commits
-from tierfs.fs.deletes import DELETES_DIR, Deletes
-from tierfs.fs.foreground import Foreground
-from tierfs.fs.nodes import (
+from tierfs.fs.lifecycle.appends import AppendSnapshots
+from tierfs.fs.lifecycle.background import Background
+from tierfs.fs.lifecycle.commits import SAVER_WAIT, Commits
+from tierfs.fs.lifecycle.deletes import DELETES_DIR, Deletes
+from tierfs.fs.lifecycle.foreground import Foreground
+from tierfs.fs.lifecycle.other_tiers import OtherTiers
+from tierfs.fs.lifecycle.quiet_commits import QuietCommits, QuietWatch
+from tierfs.fs.lifecycle.recovery import Recovery
+from tierfs.fs.lifecycle.residency import Residency
+from tierfs.fs.lifecycle.verify import Verifier
+from tierfs.fs.model import tree_walk
+from tierfs.fs.model.nodes import (
     DEFAULT_FILE_STEP_PATTERN,
     DEFAULT_STEP_PATTERN,
     FsError,
@@ -40,8 +47,7 @@ from tierfs.fs.nodes import (
     Node,
     RemoteAttrs,
 )
-from tierfs.fs.other_tiers import OtherTiers
-from tierfs.fs.ports import (
+from tierfs.fs.model.ports import (
     CommitSink,
     CopiesWait,
     Liveness,
@@ -53,13 +59,10 @@ from tierfs.fs.ports import (
     ShardsOnPeers,
     StoreCheck,
 )
-from tierfs.fs.quiet_commits import QuietCommits, QuietWatch
-from tierfs.fs.ram_store import RamFull, RamStore
-from tierfs.fs.recovery import Recovery
-from tierfs.fs.residency import Residency
-from tierfs.fs.tree import Tree
-from tierfs.fs.tree_view import TreeView
-from tierfs.fs.verify import Verifier
+from tierfs.fs.store.ram_store import RamFull, RamStore
+from tierfs.fs.tree import user_xattrs
+from tierfs.fs.tree.tree import Tree
+from tierfs.fs.tree.tree_view import TreeView
 from tierfs.observe import Events
 
 

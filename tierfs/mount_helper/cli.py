@@ -628,7 +628,7 @@ def verify_outcome(steps: list[dict[str, Any]], repair: bool) -> int:
     """0 when every file has a good copy on a tier reached (a warning line on stderr for
     files with fewer than K + 1 copies); a one-line error naming each file with no reachable
     copy and its last holders, or the first bad copy not repaired, otherwise."""
-    from tierfs.fs.verify import lost_files, short_files
+    from tierfs.fs.lifecycle.verify import lost_files, short_files
 
     lost = [lost_files(s["path"], s["lost"]) for s in steps if s.get("lost")]
     if lost:
@@ -655,7 +655,7 @@ def verify_outcome(steps: list[dict[str, Any]], repair: bool) -> int:
 
 
 def format_verify(steps: list[dict[str, Any]]) -> str:
-    from tierfs.fs.verify import TierReport, describe, lost_files
+    from tierfs.fs.lifecycle.verify import TierReport, describe, lost_files
 
     lines = []
     for step in steps:

@@ -113,7 +113,7 @@ def step_age(step: Step, now_ns: int) -> float | None:
 
 def tiers_of(step: Step) -> str:
     """Where the step is: in a cluster, a committed step's `tiers` (from the records of its
-    files, the same on every node: `fs.holders`); else this node's RAM, the peers holding
+    files, the same on every node: `fs.tree.holders`); else this node's RAM, the peers holding
     the whole step, and the store."""
     if step.get("tiers"):
         return str(step["tiers"])

@@ -32,8 +32,8 @@ content (a version that changed only modes, owners or mtimes) is not sent, and t
 manifest is simply replaced (whether the object is there is seen in a listing of the step at
 that moment: the stored manifest says what was sent, not what the store still holds); a file
 renamed under the mount whose old name the store still holds (`copy_sources`, from
-`fs.deletes`) is copied inside the store (`Backend.copy`), after the old name's manifest, read
-under that name's lock, says the object holds those bytes.
+`fs.lifecycle.deletes`) is copied inside the store (`Backend.copy`), after the old name's manifest,
+read under that name's lock, says the object holds those bytes.
 
 A deleted step is removed the same way round (`delete_step`: manifest first, then data), never
 at the same time as an upload of the same path, so that a late upload cannot bring it back.
@@ -58,7 +58,7 @@ import trio
 
 from tierfs import layout, reserved, trackers
 from tierfs import manifest as mf
-from tierfs.fs import links as symlinks
+from tierfs.fs.model import links as symlinks
 from tierfs.observe import Events
 from tierfs.s3tier import holdings, packs, segments
 from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, ObjectInfo
@@ -401,7 +401,7 @@ class Uploader:
         changed = [entry for entry in manifest.files if entry.name in plan.mine
                    and _held(stored.get(entry.name)) != _held(entry)]
         # A loose file appended since the stored version: only the new segments go, and the
-        # stored version stays listed until the new manifest replaces it (fs.appends).
+        # stored version stays listed until the new manifest replaces it (fs.lifecycle.appends).
         start = await self._appended_from(manifest, stored) if changed else 0
         if changed and not start:  # objects are replaced: never seen half replaced
             await self._call(f"removing old manifest of {prefix}", manifest,
@@ -620,7 +620,7 @@ class Uploader:
         async def call(what: str, func, *args) -> object:  # type: ignore[no-untyped-def]
             return await self._call(what, manifest, func, *args)
 
-        if self._yield_to_users is not None:  # the mount's users first (fs.foreground)
+        if self._yield_to_users is not None:  # the mount's users first (fs.lifecycle.foreground)
             await self._yield_to_users()
         await self._send_file(manifest, data_dir, entry, checked, start, call)
 
@@ -840,7 +840,7 @@ class Uploader:
                 return "/".join(parts[:depth])
         return None
 
-    # -- symbolic links (fs.links): one small object per directory ------------------------
+    # -- symbolic links (fs.model.links): one small object per directory ------------------------
 
     async def put_links(self, directory: str, links: dict[str, str]) -> None:
         """The store keeps these links of `directory` (none: its object goes). Raises

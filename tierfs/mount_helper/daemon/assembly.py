@@ -16,9 +16,9 @@ import pyfuse3
 import trio
 
 from tierfs import manifest as mf
+from tierfs.fs.fuse.operations import Operations
 from tierfs.fs.namespace import Core, Namespace
-from tierfs.fs.operations import Operations
-from tierfs.fs.ram_store import RamDirBusy, RamStore
+from tierfs.fs.store.ram_store import RamDirBusy, RamStore
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon.cluster_service import ClusterLinks, ClusterNode, cluster_members
@@ -100,7 +100,7 @@ def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
 
 
 async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
-    # Made in dependency order, each given what it calls at construction (fs.ports): the
+    # Made in dependency order, each given what it calls at construction (fs.model.ports): the
     # tree (loaded from the RAM store), the clients of the other tiers that serve it, the
     # namespace over both, then what follows its commits and serves the peers.
     commits_send, commits_recv = trio.open_memory_channel[mf.StepManifest](64)

@@ -11,10 +11,10 @@ from typing import Any
 import trio
 
 from tierfs import manifest as mf
+from tierfs.fs.lifecycle.step_versions import StepVersions
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.ram_store import RamStore
-from tierfs.fs.step_versions import StepVersions
-from tierfs.fs.tree_view import TreeView
+from tierfs.fs.store.ram_store import RamStore
+from tierfs.fs.tree.tree_view import TreeView
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon import admission
 from tierfs.mount_helper.daemon.commit_pipeline import (
@@ -95,7 +95,7 @@ class ClusterLinks:
         self.replicas = cfg.replicas
 
     async def wait_for_copies(self, manifest: mf.StepManifest, deadline: float) -> None:
-        """--sync-replicas (`fs.ports.CopiesWait`): every file of the committed version has
+        """--sync-replicas (`fs.model.ports.CopiesWait`): every file of the committed version has
         K + 1 verified copies on live nodes, or as many as there are live nodes."""
         want = min(self.replicas + 1, len(self.live.ring))
         await self.sealed.wait_for_copies(

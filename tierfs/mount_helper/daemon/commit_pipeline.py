@@ -10,10 +10,10 @@ import logging
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
+from tierfs.fs.lifecycle.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.tree import Tree
-from tierfs.fs.tree_view import TreeView
+from tierfs.fs.tree.tree import Tree
+from tierfs.fs.tree.tree_view import TreeView
 from tierfs.mount_helper.config import MountConfig
 from tierfs.observe import Events
 from tierfs.replication.coordination.cluster_commit import ClusterCommits
@@ -95,7 +95,7 @@ async def upload_again(namespace: Namespace, uploader: Uploader) -> None:
 
 
 async def store_links(tree: Tree, view: TreeView, uploader: Uploader) -> None:
-    """The store learns the links of each directory whose links changed (fs.links); every
+    """The store learns the links of each directory whose links changed (fs.model.links); every
     directory holding links once after a start. Retried while the store cannot."""
     for directory in view.link_dirs():
         tree.links.note(directory)

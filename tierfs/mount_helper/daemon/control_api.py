@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierfs import manifest as mf
-from tierfs.fs.deletes import PERSIST
-from tierfs.fs.holders import RecordedHolders, spread
+from tierfs.fs.fuse.passthrough import PassthroughDevice
+from tierfs.fs.lifecycle.deletes import PERSIST
+from tierfs.fs.lifecycle.verify import StepReport, Verifier
+from tierfs.fs.model.nodes import FsError, Node, StepState
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.nodes import FsError, Node, StepState
-from tierfs.fs.passthrough import PassthroughDevice
-from tierfs.fs.ram_store import RamFull
-from tierfs.fs.verify import StepReport, Verifier
+from tierfs.fs.store.ram_store import RamFull
+from tierfs.fs.tree.holders import RecordedHolders, spread
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon.cluster_service import ClusterNode
 from tierfs.mount_helper.daemon.commit_pipeline import CommitPipeline
@@ -110,7 +110,7 @@ class ControlApi:
         """The steps due in the store and not there yet: committed ones the uploader wants
         (in a cluster, every committed step of the cluster: a copy on a peer is not the
         store, and the uploads are shared), and those committed with their hashes still to
-        come (`fs.pending_commits`) that it will want once they are in (`tierfs flush` and
+        come (`fs.model.pending_commits`) that it will want once they are in (`tierfs flush` and
         `umount` wait for those too)."""
         assert self.uploader is not None
         tiers = self.namespace.tiers
@@ -121,7 +121,7 @@ class ControlApi:
         return waiting + self._hashing(self.uploader.due, {due.path for due in waiting})
 
     def _hashing(self, due: Callable[[int], bool], named: set[str]) -> list[Due]:
-        """The steps committed with their hashes still to come (`fs.pending_commits`) whose
+        """The steps committed with their hashes still to come (`fs.model.pending_commits`) whose
         number is `due` for a tier and that are not `named` already (an older version is)."""
         tree = self.namespace.tree
         hashing = []
@@ -249,7 +249,7 @@ class ControlApi:
         step due in the store and not there yet, `persist_wait` (else None). In a cluster,
         a committed step's `copies`, `holders` and `tiers` come from the cluster's records
         of its files (`recorded`; this node's view only if they could not be read), the
-        same on every node (`fs.holders`), and `only_here` says whether a file of it is in
+        same on every node (`fs.tree.holders`), and `only_here` says whether a file of it is in
         no live node's RAM but this one's (and not in the store)."""
         tree = self.namespace.tree
         step = node.step

@@ -19,10 +19,10 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs import reserved
+from tierfs.fs.fuse.passthrough import PassthroughDevice, PassthroughUnavailable
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.passthrough import PassthroughDevice, PassthroughUnavailable
-from tierfs.fs.ram_store import RamStore
-from tierfs.fs.tree import Tree
+from tierfs.fs.store.ram_store import RamStore
+from tierfs.fs.tree.tree import Tree
 from tierfs.mount_helper.config import MountConfig, memory_bytes
 from tierfs.mount_helper.mounts import (
     TIERFS_TYPE,

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.ports import CoordinationUnavailable
+from tierfs.fs.model.ports import CoordinationUnavailable
 from tierfs.replication.coordination.commit_records import (
     CommitEvent,
     CommitRecord,

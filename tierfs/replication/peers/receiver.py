@@ -35,7 +35,7 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs import reserved
-from tierfs.fs.ram_store import RamFull, write_all
+from tierfs.fs.store.ram_store import RamFull, write_all
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import BlockingChannel, PeerChannel
 from tierfs.whole_hash import WholeHash
