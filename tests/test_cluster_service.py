@@ -66,7 +66,7 @@ class ClusterHarness(Harness):
         self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
         self.ns = Namespace(core, self.send, read_sources=[self.links.reader],
                             sealed=self.links.sealed, peers=self.links.verify,
-                            keep_ram=keep_ram, replicas=replicas)
+                            keep_ram=keep_ram, replicas=replicas, events=Events())
         self.ops = Operations(self.ns)
         self.node = ClusterNode(self.cfg, self.links, self.ns, self.store, Events())
 

@@ -90,7 +90,7 @@ async def control_api(tmp_path: Path, *, uploader: Any = None, cluster: Any = No
     """A control API over a fresh namespace whose background work runs."""
     h = Harness(tmp_path / "ram", **tiers)
     api = ControlApi(config(tmp_path), h.ns, uploader, cluster, h.ns.verifier,
-                     CommitPipeline(None, None))
+                     CommitPipeline(None, None), events=h.events)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(h.ns.background.run)
@@ -271,7 +271,7 @@ async def test_verify_reports_a_bad_ram_copy_and_counts_it(tmp_path: Path) -> No
         assert good["ok"] and [s["path"] for s in good["steps"]] == ["run/step_8"]
         bad_entry = manifest.entry("__0_0.distcp")
         (h.root / "objects" / bad_entry.xxh3).write_bytes(b"flipped" * 500)
-        failures = h.ns.events.verify_failures.labels("ram")
+        failures = h.events.verify_failures.labels("ram")
         before = failures._value.get()
         reply = await api.handle({"cmd": "verify", "path": "run/step_8", "repair": False})
         assert reply["ok"]

@@ -21,6 +21,7 @@ from tierfs.fs.fuse.operations import Operations
 from tierfs.fs.model.nodes import StepState
 from tierfs.fs.namespace import Core, Namespace
 from tierfs.fs.store.ram_store import RamStore
+from tierfs.observe import Events
 from tierfs.replication.coordination.cluster_commit import ClusterCommits
 from tierfs.replication.coordination.commit_records import CommitRecords, FileRecord
 from tierfs.replication.coordination.etcd import ClusterUrl, Etcd, parse_cluster_url
@@ -41,7 +42,7 @@ class ClusterHarness(Harness):
         core = Core(self.store, node_id="n0")
         self.sealed = ClusterCommits(self.records, "n0", core.tree.identity.step_number)
         self.ns = Namespace(core, self.send, sealed=self.sealed, keep_ram=keep_ram,
-                            replicas=replicas)
+                            replicas=replicas, events=Events())
         self.ops = Operations(self.ns)
 
     def step(self, path: str) -> StepState:

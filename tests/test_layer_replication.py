@@ -18,6 +18,7 @@ from tests.conftest import free_port
 from tierfs import manifest as mf
 from tierfs.devtools.etcd import Etcd as EtcdServer
 from tierfs.fs.store.ram_store import RamFull
+from tierfs.observe import Events
 from tierfs.replication.coordination import membership as live_members
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
@@ -108,7 +109,8 @@ def a_replicator(membership: PeerDirectory, objects: Path, placements: Any,
     """Node a's replicator (K = 1) over the objects in `objects`, every step current."""
     return Replicator(membership, 1, lambda xxh3: str(objects / xxh3),
                       is_current=lambda m: True, placements=placements,
-                      on_placements=lambda *_: None, on_held=on_held, **options)
+                      on_placements=lambda *_: None, on_held=on_held, events=Events(),
+                      **options)
 
 
 async def members_a_and_b(nursery: trio.Nursery, etcd_server: EtcdServer,

@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from tierfs import manifest as mf
+from tierfs.observe import Events
 from tierfs.s3tier import packs
 from tierfs.s3tier.backend import MANIFEST_KEY, BackendError, FileBackend
 from tierfs.s3tier.reader import PersistentReader
@@ -71,7 +72,7 @@ class Harness:
             keep_persist=keep, step_number=self._number,
             is_current=lambda m: m.path in self.current and self.versions.get(m.path, m) is m,
             on_persisted=self._on_persisted,
-            on_retired=self.retired.append, tracked_step=self._tracked)
+            on_retired=self.retired.append, tracked_step=self._tracked, events=Events())
 
     @staticmethod
     def _number(name: str) -> int | None:

@@ -21,6 +21,7 @@ from tierfs.fs.lifecycle.background import Background
 from tierfs.fs.model.nodes import ROOT_INODE
 from tierfs.fs.namespace import Core, Namespace
 from tierfs.fs.store.ram_store import RamStore
+from tierfs.observe import Events
 from tierfs.trackers import TrackedStep
 
 pytestmark = pytest.mark.core
@@ -38,7 +39,9 @@ class Harness:
         self.store = RamStore(root, limit)
         self.store.acquire()
         self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
-        self.ns = Namespace(Core(self.store, node_id="n0"), self.send, **tiers)
+        self.events = Events()  # what operators would see: the metrics a test may read
+        self.ns = Namespace(Core(self.store, node_id="n0"), self.send, events=self.events,
+                            **tiers)
         self.ops = Operations(self.ns)
 
     def close(self) -> None:

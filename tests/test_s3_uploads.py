@@ -21,6 +21,7 @@ from tests.faults.s3_proxy import Fault, Request, S3Proxy
 from tests.test_layer_uploader import committed_step
 from tierfs import manifest as mf
 from tierfs.devtools.seaweed import SeaweedS3
+from tierfs.observe import Events
 from tierfs.s3tier.backend import MANIFEST_KEY, open_backend
 from tierfs.s3tier.s3_backend import PARALLEL_PARTS, UPLOAD_NICE
 from tierfs.s3tier.uploader import Uploader
@@ -80,7 +81,8 @@ class ThrottledStore:
             self.backend, lambda xxh3: str(self.objects / xxh3), persist_every=1,
             keep_persist=0, step_number=lambda name: int(name.rpartition("_")[2]),
             is_current=lambda m: m.path in self.current,
-            on_persisted=lambda m: self.persisted.append(m.path), on_retired=lambda _p: None)
+            on_persisted=lambda m: self.persisted.append(m.path), on_retired=lambda _p: None,
+            events=Events())
         self.direct = server.client()  # not through the proxy
         self.bucket = bucket
 

@@ -50,6 +50,7 @@ from tierfs.fs.model.nodes import (
 from tierfs.fs.model.ports import (
     CommitSink,
     CopiesWait,
+    EventSink,
     Liveness,
     PeerCopies,
     PersistCopies,
@@ -63,7 +64,6 @@ from tierfs.fs.store.ram_store import RamFull, RamStore
 from tierfs.fs.tree import user_xattrs
 from tierfs.fs.tree.tree import Tree
 from tierfs.fs.tree.tree_view import TreeView
-from tierfs.observe import Events
 
 
 class Core:
@@ -94,14 +94,14 @@ class Namespace:
                  read_sources: list[ReadSource] | None = None,
                  sealed: SealedCollector | None = None, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None, keep_ram: int = 3,
-                 replicas: int = 0, events: Events | None = None,
+                 replicas: int = 0, events: EventSink,
                  commit_timeout: float = SAVER_WAIT, append_every: float = 0.0,
                  copies_wait: CopiesWait | None = None,
                  store_check: StoreCheck | None = None,
                  shards: ShardsOnPeers | None = None) -> None:
         self.tree = tree = core.tree
         self.view = core.view
-        self.events = events or Events()
+        self.events = events
         self.store = tree.store
         self.deletes = core.deletes
         self.background = core.background

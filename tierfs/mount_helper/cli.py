@@ -235,9 +235,9 @@ def _run(argv: list[str] | None) -> int:
         if args.command == "verify":
             return _verify(args.path, args.json, not args.no_repair)
         if args.command == "demo":
-            from tierfs.demo.run import run_demo  # imports torch: only when asked
-
-            return run_demo()
+            # a program of its own (torch, the local servers of tierfs.devtools), which runs
+            # `tierfs` as its user would: started, not imported
+            os.execv(sys.executable, [sys.executable, "-m", "tierfs.demo"])
     except (UserError, ConfigError, control.ControlError) as exc:
         print(f"tierfs: {exc}", file=sys.stderr)
         return 1

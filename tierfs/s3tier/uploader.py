@@ -112,12 +112,12 @@ class Uploader:
         tracked_step: Callable[..., TrackedStep | None] = lambda _m, _content=None: None,
         copy_sources: Callable[[str], list[tuple[str, str]]] = lambda _key: [],
         single_writer: Callable[[mf.StepManifest], bool] = lambda _m: True,
-        events: Events | None = None,
+        events: Events,
         shares: SharedUploads | None = None,
         yield_to_users: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.backend = backend
-        self._events = events or Events()
+        self._events = events
         self._object_path = object_path
         self.persist_every = persist_every
         self.keep_persist = keep_persist

@@ -53,10 +53,9 @@ from tierfs.fs.lifecycle.residency import Residency
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.latest_pins import thread_group
 from tierfs.fs.model.nodes import METADATA, FsError, Node, Seal, StepState, some_names
-from tierfs.fs.model.ports import CommitSink, CoordinationUnavailable, CopiesWait
+from tierfs.fs.model.ports import CommitSink, CoordinationUnavailable, CopiesWait, EventSink
 from tierfs.fs.store.ram_store import RamFull
 from tierfs.fs.tree.tree import Tree
-from tierfs.observe import Events
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +90,7 @@ class Commits:
     """Commits of step directories (see the module docstring)."""
 
     def __init__(self, tree: Tree, residency: Residency, tiers: OtherTiers,
-                 sink: CommitSink, events: Events, saver_wait: float = SAVER_WAIT,
+                 sink: CommitSink, events: EventSink, saver_wait: float = SAVER_WAIT,
                  copies_wait: CopiesWait | None = None) -> None:
         self.tree = tree
         self.residency = residency

@@ -7,6 +7,8 @@ constructors of its classes (see doc/ARCHITECTURE.md), in dependency order, by
 Outward (implemented outside `fs`):
 
 * `CommitSink`: where a commit's manifest goes (the daemon's channel to uploads and replicas).
+* `EventSink`: what operators watch: a step committed in RAM, a write refused for want of room
+  (`tierfs.observe.Events` implements it: fs imports neither it nor prometheus_client).
 * `ReadSource`: a tier that serves ranges of committed files (peers, the persistent tier);
   defined beside `Fetch`, which uses it, and re-exported here, with `Store`: the check and
   write of fetched bytes that a source which can (`can_store`, peers) calls where they came
@@ -50,7 +52,8 @@ from tierfs.fs.model.nodes import Node
 from tierfs.fs.store.fetch import ReadSource, Store
 from tierfs.fs.store.tier_errors import ObjectMissing, TierError
 
-__all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "FilesOnPeers",
+__all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "EventSink",
+           "FilesOnPeers",
            "Liveness", "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate",
            "ReadSource", "SealedCollector", "ShardsOnPeers", "Spawner", "StepWatch", "Store",
            "StoreCheck", "TierError"]
@@ -60,6 +63,16 @@ class CommitSink(Protocol):
     """Receives the manifest of every new commit (a trio memory channel's send end)."""
 
     async def send(self, value: mf.StepManifest) -> None: ...
+
+
+class EventSink(Protocol):
+    """The observer fs reports to: each report writes its event line and moves its metrics."""
+
+    def committed(self, manifest: mf.StepManifest, seconds: float) -> None:
+        """A step committed in RAM, its commit taking `seconds`."""
+
+    def write_refused(self) -> None:
+        """A call answered ENOSPC because the RAM tier was full."""
 
 
 class CoordinationUnavailable(TierError):

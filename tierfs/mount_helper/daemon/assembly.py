@@ -18,6 +18,7 @@ import trio
 from tierfs import manifest as mf
 from tierfs.fs.fuse.operations import Operations
 from tierfs.fs.namespace import Core, Namespace
+from tierfs.fs.store.metered import MeteredSource
 from tierfs.fs.store.ram_store import RamDirBusy, RamStore
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
@@ -119,9 +120,9 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     # metered: read-backs are event lines and metrics.
     sources = []
     if links is not None:
-        sources.append(events.metered(links.reader, "peers"))
+        sources.append(MeteredSource(links.reader, "peers", events))
     if persist is not None and backend is not None:  # small files out of packs (s3tier.packs)
-        sources.append(events.metered(PackedReader(persist), backend.url))
+        sources.append(MeteredSource(PackedReader(persist), backend.url, events))
     namespace = Namespace(core, commits_send, read_sources=sources,
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
@@ -154,7 +155,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     replicator = cluster.replicator if cluster else None
     pipeline = CommitPipeline(uploader, replicator)
     api = ControlApi(cfg, namespace, uploader, cluster, verifier, pipeline, device,
-                     new_store=new_store,
+                     events=events, new_store=new_store,
                      persist_reads=(lambda: persist.requests) if persist else lambda: 0)
     metrics = None
     try:

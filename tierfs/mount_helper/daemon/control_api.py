@@ -24,7 +24,7 @@ from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon.cluster_service import ClusterNode
 from tierfs.mount_helper.daemon.commit_pipeline import CommitPipeline
 from tierfs.mount_helper.status_view import number_of
-from tierfs.observe import Levels
+from tierfs.observe import Events, Levels
 from tierfs.replication.peers.channel import SENT_TO
 from tierfs.s3tier.uploader import Uploader
 
@@ -48,9 +48,10 @@ class ControlApi:
 
     def __init__(self, cfg: MountConfig, namespace: Namespace, uploader: Uploader | None,
                  cluster: ClusterNode | None, verifier: Verifier, pipeline: CommitPipeline,
-                 passthrough: PassthroughDevice | None = None, *, new_store: bool = False,
-                 persist_reads: Callable[[], int] = lambda: 0) -> None:
+                 passthrough: PassthroughDevice | None = None, *, events: Events,
+                 new_store: bool = False, persist_reads: Callable[[], int] = lambda: 0) -> None:
         self.cfg = cfg
+        self.events = events  # bad copies `tierfs verify` found count in the metrics
         self.new_store = new_store  # the persistent tier was empty when this mount began
         self.persist_reads = persist_reads  # requests the read path sent to the store
         self.namespace = namespace
@@ -237,8 +238,8 @@ class ControlApi:
         for report in reports:
             for tier in report.tiers:
                 if tier.tier != "any tier":  # the same files again, summed over the tiers
-                    self.namespace.events.verify_failed(tier.tier.partition(":")[0],
-                                                        len(tier.bad) + len(tier.repaired))
+                    self.events.verify_failed(tier.tier.partition(":")[0],
+                                              len(tier.bad) + len(tier.repaired))
 
     def _step_status(self, node: Node, persist_waits: dict[str, dict[str, Any]],
                      recorded: dict[str, set[str]] | None = None,

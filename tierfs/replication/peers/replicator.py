@@ -78,10 +78,10 @@ class Replicator:
         on_placements: Callable[[mf.StepManifest, dict[str, set[str]], dict[str, str]], None],
         on_held: Recorded,
         may_copy: Callable[[mf.StepManifest, str], bool] = lambda _m, _peer: True,
-        events: Events | None = None,
+        events: Events,
     ) -> None:
         self.directory = directory
-        self._events = events or Events()
+        self._events = events
         self.replicas = replicas
         self._object_path = object_path
         self._is_current = is_current
