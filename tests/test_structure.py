@@ -16,15 +16,23 @@ pytestmark = pytest.mark.core
 PACKAGE = Path(__file__).resolve().parent.parent / "tierfs"
 
 
-def module_imports() -> dict[str, set[str]]:
-    """Each tierfs module -> the tierfs modules it imports (at the top or inside a function)."""
+def module_imports(typing_only: bool = True) -> dict[str, set[str]]:
+    """Each tierfs module -> the tierfs modules it imports (at the top or inside a function;
+    with `typing_only` False, not those imported only for type checking)."""
     modules = {}
     for path in PACKAGE.rglob("*.py"):
         name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
         modules[name.removesuffix(".__init__")] = path
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        skipped = set() if typing_only else {
+            id(inner) for block in ast.walk(tree)
+            if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+            for inner in ast.walk(block)}
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 named = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
             elif isinstance(node, ast.Import):
@@ -167,3 +175,33 @@ def test_no_import_cycles_between_folders(depth: int) -> None:
     """An import from a folder into one that imports it back (the observer and the file system,
     the command line and the demo) is an arrow running back up, whichever module holds it."""
     assert cycles(folders(module_imports(), depth)) == []
+
+
+def longest_chain(graph: dict[str, set[str]], among: str) -> list[str]:
+    """The longest path of imports between the modules whose names start with `among`."""
+    inside = {name: {other for other in imported if other.startswith(among)}
+              for name, imported in graph.items() if name.startswith(among)}
+    longest: dict[str, list[str]] = {}
+
+    def chain(name: str) -> list[str]:
+        if name not in longest:
+            longest[name] = [name, *max((chain(other) for other in inside[name]), key=len,
+                                        default=[])]
+        return longest[name]
+
+    return max((chain(name) for name in inside), key=len)
+
+
+def test_the_chain_of_imports_inside_fs_stays_short() -> None:
+    """A module of fs imports at run time what it builds or calls, and the types it is handed
+    only for type checking: the chain a reader follows to load one module stays short (19
+    modules deep before issue 47; print it with `python -m tests.test_structure`)."""
+    assert longest_chain({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}, "") == ["a", "b", "c"]
+    assert len(longest_chain(module_imports(typing_only=False), "tierfs.fs.")) <= 8
+
+
+if __name__ == "__main__":
+    for typing_only in (False, True):
+        found = longest_chain(module_imports(typing_only), "tierfs.fs.")
+        print(f"{len(found)} modules, {'with' if typing_only else 'without'} the imports made "
+              f"only for type checking: {' -> '.join(found)}")

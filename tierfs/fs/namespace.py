@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -47,23 +48,25 @@ from tierfs.fs.model.nodes import (
     Node,
     RemoteAttrs,
 )
-from tierfs.fs.model.ports import (
-    CommitSink,
-    CopiesWait,
-    EventSink,
-    Liveness,
-    PeerCopies,
-    PersistCopies,
-    ReadGate,
-    ReadSource,
-    SealedCollector,
-    ShardsOnPeers,
-    StoreCheck,
-)
 from tierfs.fs.store.ram_store import RamFull, RamStore
 from tierfs.fs.tree import user_xattrs
 from tierfs.fs.tree.tree import Tree
 from tierfs.fs.tree.tree_view import TreeView
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.ports import (
+        CommitSink,
+        CopiesWait,
+        EventSink,
+        Liveness,
+        PeerCopies,
+        PersistCopies,
+        ReadGate,
+        ReadSource,
+        SealedCollector,
+        ShardsOnPeers,
+        StoreCheck,
+    )
 
 
 class Core:

@@ -14,12 +14,11 @@ import logging
 import os
 import stat
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyfuse3
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, StatvfsData
 
-from tierfs.fs.fuse.passthrough import PassthroughDevice
 from tierfs.fs.model.nodes import (
     NAME_MAX,
     XATTR_NAMESPACE,
@@ -29,9 +28,12 @@ from tierfs.fs.model.nodes import (
     Node,
     size_in_blocks,
 )
-from tierfs.fs.namespace import Namespace
 from tierfs.fs.store.ram_store import RamFull
 from tierfs.fs.tree.kernel_cache import timeout_for
+
+if TYPE_CHECKING:
+    from tierfs.fs.fuse.passthrough import PassthroughDevice
+    from tierfs.fs.namespace import Namespace
 
 log = logging.getLogger(__name__)
 

@@ -44,18 +44,21 @@ import logging
 import math
 import os
 import time
+from typing import TYPE_CHECKING
 
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.lifecycle.other_tiers import OtherTiers
-from tierfs.fs.lifecycle.residency import Residency
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.latest_pins import thread_group
 from tierfs.fs.model.nodes import METADATA, FsError, Node, Seal, StepState, some_names
 from tierfs.fs.model.ports import CommitSink, CoordinationUnavailable, CopiesWait, EventSink
 from tierfs.fs.store.ram_store import RamFull
-from tierfs.fs.tree.tree import Tree
+
+if TYPE_CHECKING:
+    from tierfs.fs.lifecycle.other_tiers import OtherTiers
+    from tierfs.fs.lifecycle.residency import Residency
+    from tierfs.fs.tree.tree import Tree
 
 log = logging.getLogger(__name__)
 

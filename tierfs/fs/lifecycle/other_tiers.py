@@ -14,13 +14,13 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
 from tierfs import layout, trackers
 from tierfs import manifest as mf
 from tierfs.fs.lifecycle.deletes import PERSIST, Deletes, Tombstone, peer_target
-from tierfs.fs.lifecycle.residency import Residency
 from tierfs.fs.lifecycle.step_versions import StepVersions
 from tierfs.fs.model import dcp_metadata, tree_walk
 from tierfs.fs.model.nodes import METADATA, FsError, Node, StepState, some_names
@@ -32,9 +32,12 @@ from tierfs.fs.model.ports import (
     Spawner,
     TierError,
 )
-from tierfs.fs.tree.tree import Tree
 from tierfs.fs.tree.tree_view import TreeView
 from tierfs.shared_uploads import PERSISTED, RETIRED
+
+if TYPE_CHECKING:
+    from tierfs.fs.lifecycle.residency import Residency
+    from tierfs.fs.tree.tree import Tree
 
 log = logging.getLogger(__name__)
 

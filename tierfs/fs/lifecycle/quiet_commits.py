@@ -32,13 +32,16 @@ import logging
 import math
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import trio
 
 from tierfs.fs.lifecycle.commits import Commits, cut_short_reason
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import METADATA, Node
-from tierfs.fs.tree.tree import Tree
+
+if TYPE_CHECKING:
+    from tierfs.fs.tree.tree import Tree
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ import shutil
 import stat
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tierfs import layout
 from tierfs import manifest as mf
@@ -32,11 +33,13 @@ from tierfs.fs.model.nodes import (
     Seal,
     StepState,
 )
-from tierfs.fs.model.ports import DeleteLog
 from tierfs.fs.store.ram_store import RamStore, is_reserved
-from tierfs.fs.tree.records import StepRecords
 from tierfs.fs.tree.step_identity import marked_number
-from tierfs.fs.tree.tree import Tree
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.ports import DeleteLog
+    from tierfs.fs.tree.records import StepRecords
+    from tierfs.fs.tree.tree import Tree
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,7 @@ import math
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -44,7 +45,9 @@ from tierfs.fs.model.ports import (
 )
 from tierfs.fs.store.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError
 from tierfs.fs.store.ram_store import RamFull
-from tierfs.fs.tree.tree import Tree
+
+if TYPE_CHECKING:
+    from tierfs.fs.tree.tree import Tree
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import stat
+from typing import TYPE_CHECKING
 
 from tierfs import layout
 from tierfs import manifest as mf
@@ -18,7 +19,9 @@ from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import LATEST, PEERS_MARK, REPLICAS_MARK, Node, Seal, StepState
 from tierfs.fs.store.fetch import RemoteFile, apply_attributes
 from tierfs.fs.tree.dir_attributes import times_kept
-from tierfs.fs.tree.tree import Tree
+
+if TYPE_CHECKING:
+    from tierfs.fs.tree.tree import Tree
 
 log = logging.getLogger(__name__)
 

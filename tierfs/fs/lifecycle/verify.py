@@ -46,18 +46,20 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 import xxhash
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs.lifecycle.residency import Residency
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import FsError, Node, StepState
 from tierfs.fs.model.ports import ObjectMissing, PeerCopies, PersistCopies, TierError
-from tierfs.fs.tree.tree import Tree
+
+if TYPE_CHECKING:
+    from tierfs.fs.lifecycle.residency import Residency
+    from tierfs.fs.tree.tree import Tree
 
 __all__ = ["PeerCopies", "PersistCopies", "StepReport", "TierReport", "Verifier", "describe",
            "lost_files", "short_files"]

@@ -15,8 +15,11 @@ manifests (the same on every node) and of what the directory's tracker names.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from tierfs.fs.model.nodes import StepState
+if TYPE_CHECKING:
+    from tierfs.fs.model.nodes import StepState
+
 
 MARKS = (".metadata", "trainer_state.json")
 TRACKER_MARK = "a tracker naming it"

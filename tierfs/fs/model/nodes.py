@@ -8,19 +8,22 @@ import errno
 import os
 import stat
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
 from tierfs import manifest as mf
 from tierfs import reserved
-from tierfs.fs.model.latest_pins import Pin
-from tierfs.fs.model.pending_commits import PendingRecord
-from tierfs.fs.store.fetch import Fetch, RemoteFile
 from tierfs.step_names import (  # noqa: F401 - re-exported
     DEFAULT_FILE_STEP_PATTERN,
     DEFAULT_STEP_PATTERN,
     some_names,
 )
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.latest_pins import Pin
+    from tierfs.fs.model.pending_commits import PendingRecord
+    from tierfs.fs.store.fetch import Fetch, RemoteFile
 
 ROOT_INODE = 1
 LATEST = b"latest"

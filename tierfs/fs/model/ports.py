@@ -45,16 +45,17 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tierfs import manifest as mf
-from tierfs.fs.model.nodes import Node
 from tierfs.fs.store.fetch import ReadSource, Store
 from tierfs.fs.store.tier_errors import ObjectMissing, TierError
 
+if TYPE_CHECKING:
+    from tierfs.fs.model.nodes import Node
+
 __all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "EventSink",
-           "FilesOnPeers",
-           "Liveness", "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate",
+           "FilesOnPeers", "Liveness", "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate",
            "ReadSource", "SealedCollector", "ShardsOnPeers", "Spawner", "StepWatch", "Store",
            "StoreCheck", "TierError"]
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from tierfs import layout
-from tierfs.fs.model.nodes import Node, StepState
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.nodes import Node, StepState
 
 
 def node_at(root: Node, relpath: str) -> Node | None:

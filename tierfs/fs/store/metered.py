@@ -5,10 +5,12 @@ is the meter; the daemon wraps each read source it gives the namespace)."""
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tierfs import manifest as mf
-from tierfs.fs.store.fetch import ReadSource, Store
+
+if TYPE_CHECKING:
+    from tierfs.fs.store.fetch import ReadSource, Store
 
 
 class ReadMeter(Protocol):

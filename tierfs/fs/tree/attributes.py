@@ -9,11 +9,14 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from typing import TYPE_CHECKING
 
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import FsError, Handle, Node
-from tierfs.fs.tree.sealing import Sealing
-from tierfs.fs.tree.tree_primitives import TreePrimitives
+
+if TYPE_CHECKING:
+    from tierfs.fs.tree.sealing import Sealing
+    from tierfs.fs.tree.tree_primitives import TreePrimitives
 
 
 class Attributes:

@@ -8,11 +8,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import trio
 
 from tierfs.fs.model.nodes import FsError, Node
-from tierfs.fs.tree.tree_primitives import TreePrimitives
+
+if TYPE_CHECKING:
+    from tierfs.fs.tree.tree_primitives import TreePrimitives
 
 
 class CopyOnWrite:

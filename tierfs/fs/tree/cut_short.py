@@ -19,9 +19,12 @@ import logging
 import os
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tierfs.fs.model import tree_walk
-from tierfs.fs.model.nodes import Node
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.nodes import Node
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,13 @@ import contextlib
 import os
 import weakref
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from tierfs import manifest as mf
 from tierfs.fs.model import tree_walk
-from tierfs.fs.model.nodes import Node
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.nodes import Node
 
 
 @contextlib.contextmanager

@@ -19,11 +19,14 @@ import math
 import re
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.model.nodes import StepState
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.nodes import StepState
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 

@@ -33,10 +33,13 @@ import errno
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pyfuse3
 
-from tierfs.fs.model.nodes import Node
+if TYPE_CHECKING:
+    from tierfs.fs.model.nodes import Node
+
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,13 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tierfs import manifest as mf
-from tierfs.fs.model.nodes import StepState
-from tierfs.fs.model.ports import Liveness
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.nodes import StepState
+    from tierfs.fs.model.ports import Liveness
 
 log = logging.getLogger(__name__)
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from typing import TYPE_CHECKING
 
 from tierfs import layout
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import LATEST, RENAME_NOREPLACE, FsError, Node
-from tierfs.fs.model.ports import DeleteLog
-from tierfs.fs.tree.step_identity import StepIdentity
-from tierfs.fs.tree.tree_primitives import TreePrimitives
-from tierfs.fs.tree.virtual_latest import VirtualLatest
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.ports import DeleteLog
+    from tierfs.fs.tree.step_identity import StepIdentity
+    from tierfs.fs.tree.tree_primitives import TreePrimitives
+    from tierfs.fs.tree.virtual_latest import VirtualLatest
 
 
 class Renames:

@@ -10,16 +10,19 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from typing import TYPE_CHECKING
 
 from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import FsError, Node, Seal, StepState
-from tierfs.fs.model.ports import DeleteLog
 from tierfs.fs.store.fetch import Fetch, RemoteFile, apply_attributes
-from tierfs.fs.tree.copy_on_write import CopyOnWrite
 from tierfs.fs.tree.dir_attributes import times_kept
-from tierfs.fs.tree.tree_primitives import TreePrimitives
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.ports import DeleteLog
+    from tierfs.fs.tree.copy_on_write import CopyOnWrite
+    from tierfs.fs.tree.tree_primitives import TreePrimitives
 
 
 class Residents:

@@ -34,12 +34,15 @@ import logging
 import os
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
 from tierfs import manifest as mf
 from tierfs.fs.model.nodes import FsError, Node, RemoteAttrs, Seal
-from tierfs.fs.model.ports import Spawner
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.ports import Spawner
 
 log = logging.getLogger(__name__)
 

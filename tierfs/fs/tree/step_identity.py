@@ -9,13 +9,16 @@ from __future__ import annotations
 import os
 import re
 import weakref
+from typing import TYPE_CHECKING
 
 from tierfs import layout, reserved, trackers
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import NAME_MAX, Node, StepState
-from tierfs.fs.model.ports import StepWatch
 from tierfs.fs.tree.dir_attributes import times_kept
-from tierfs.fs.tree.tree_primitives import TreePrimitives
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.ports import StepWatch
+    from tierfs.fs.tree.tree_primitives import TreePrimitives
 
 NAMED_STEP_MARK = reserved.NAMED_STEP.encode()
 

@@ -20,14 +20,17 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tierfs import manifest as mf
 from tierfs.fs.model import append_layout
 from tierfs.fs.model import pending_commits as pc
 from tierfs.fs.model.nodes import FsError, Node, Pending, Seal, StepState
 from tierfs.fs.tree.dir_attributes import recorded, times_kept
-from tierfs.fs.tree.residents import Residents
-from tierfs.fs.tree.tree_primitives import TreePrimitives
+
+if TYPE_CHECKING:
+    from tierfs.fs.tree.residents import Residents
+    from tierfs.fs.tree.tree_primitives import TreePrimitives
 
 
 class StepManifests:

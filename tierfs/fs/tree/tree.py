@@ -41,6 +41,7 @@ import os
 import shutil
 import stat
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -61,7 +62,6 @@ from tierfs.fs.model.nodes import (
     StepState,
     size_in_blocks,
 )
-from tierfs.fs.model.ports import DeleteLog, Liveness, Spawner, StepWatch
 from tierfs.fs.store.long_paths import LONG_PATH, anchor_path
 from tierfs.fs.store.ram_store import RamStore, allocated, is_reserved
 from tierfs.fs.tree.attributes import Attributes
@@ -78,6 +78,9 @@ from tierfs.fs.tree.sealing import HASH_AT_COMMIT, Sealing
 from tierfs.fs.tree.step_identity import StepIdentity
 from tierfs.fs.tree.step_manifests import StepManifests
 from tierfs.fs.tree.virtual_latest import VirtualLatest
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.ports import DeleteLog, Liveness, Spawner, StepWatch
 
 log = logging.getLogger(__name__)
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from tierfs.fs.model.links import LinkChanges
-from tierfs.fs.model.nodes import Node, RemoteAttrs, StepState
-from tierfs.fs.store.ram_store import RamStore
-from tierfs.fs.tree.dir_attributes import DirAttributes
-from tierfs.fs.tree.records import StepRecords
+if TYPE_CHECKING:
+    from tierfs.fs.model.links import LinkChanges
+    from tierfs.fs.model.nodes import Node, RemoteAttrs, StepState
+    from tierfs.fs.store.ram_store import RamStore
+    from tierfs.fs.tree.dir_attributes import DirAttributes
+    from tierfs.fs.tree.records import StepRecords
+
 
 
 class TreePrimitives(Protocol):

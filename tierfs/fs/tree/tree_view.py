@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from tierfs import layout
 from tierfs import manifest as mf
@@ -23,7 +24,9 @@ from tierfs.fs.model.nodes import (
     Node,
     StepState,
 )
-from tierfs.fs.tree.tree import Tree
+
+if TYPE_CHECKING:
+    from tierfs.fs.tree.tree import Tree
 
 
 class TreeView:

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import TYPE_CHECKING
 
 from tierfs.fs.model.nodes import ENOATTR, XATTR_RESERVED, FsError, Node
-from tierfs.fs.tree.tree import Tree
+
+if TYPE_CHECKING:
+    from tierfs.fs.tree.tree import Tree
 
 
 def names(tree: Tree, node: Node) -> list[bytes]:

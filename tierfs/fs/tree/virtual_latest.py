@@ -13,14 +13,17 @@ import errno
 import os
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tierfs.fs.model import completion, tree_walk
 from tierfs.fs.model.latest_pins import LatestPins
 from tierfs.fs.model.nodes import LATEST, OWN_LATEST_MARK, FsError, Handle, Node, StepState
 from tierfs.fs.tree.dir_attributes import times_kept
-from tierfs.fs.tree.recoverable import Recoverability
 from tierfs.step_names import DEEPSPEED_STEP
 from tierfs.trackers import TRACKER_NAMES
+
+if TYPE_CHECKING:
+    from tierfs.fs.tree.recoverable import Recoverability
 
 _DEEPSPEED_STEP = re.compile(os.fsencode(DEEPSPEED_STEP))
 
