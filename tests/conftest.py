@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from tests.waiting import wait_until
 from tierfs.devtools.etcd import Etcd
 from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import is_mounted
@@ -54,17 +54,6 @@ def tierfs(*args: str, check: bool = True, timeout: float = 120,
         raise AssertionError(f"tierfs {' '.join(args)} failed ({done.returncode}): "
                              f"{done.stderr.strip()}")
     return done
-
-
-def wait_until(predicate: Any, timeout: float = 10, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(interval)
 
 
 def pid_alive(pid: int) -> bool:

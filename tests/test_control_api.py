@@ -20,6 +20,7 @@ import trio.testing
 from tests.fakes import MemoryTier
 from tests.test_namespace import CTX, Harness, dcp_save
 from tests.test_ports import persisted_and_evicted
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.fs.tree.holders import RecordedHolders
 from tierfs.mount_helper.config import MountConfig
@@ -226,10 +227,12 @@ async def test_a_commit_waits_for_open_writers_and_says_so_while_it_waits(
                 replies.append(await api.handle({"cmd": "commit", "path": "run/step_4"}))
 
             nursery.start_soon(commit)
-            with trio.fail_after(10):  # until the commit is under way (it may hash first)
-                while not (waits := await api.handle({"cmd": "commit_waits",
-                                                      "path": "run/step_4"}))["waiting_for"]:
-                    await trio.sleep(0.01)
+            async def commit_waits() -> dict[str, Any] | None:
+                waits = await api.handle({"cmd": "commit_waits", "path": "run/step_4"})
+                return waits if waits["waiting_for"] else None
+
+            # until the commit is under way (it may hash first)
+            waits = await wait_until_async(commit_waits, timeout=10)
             assert waits["ok"] and waits["waiting_for"].startswith("open writers: ")
             assert "run/step_4/slow" in waits["waiting_for"]
             assert replies == []  # blocked on the writer, not answered

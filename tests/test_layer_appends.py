@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from tests.test_layer_uploader import Harness
+from tests.waiting import wait_until_async
 from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs.model.append_layout import MAX_SEGMENTS, lay_out
@@ -147,9 +148,7 @@ async def test_an_upload_cut_short_never_leaves_wrong_bytes(tmp_path: Path,
     h.uploader.submit(nxt)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(h.uploader.run)
-        with trio.fail_after(20):
-            while PATH not in h.uploader.troubles:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: PATH in h.uploader.troubles, timeout=20)
         nursery.cancel_scope.cancel()
     if rewritten:  # its manifest went first: the file is not listed at all (never wrong)
         with pytest.raises(BackendError):

@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from tests.conftest import free_port
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.devtools.etcd import Etcd as EtcdServer
 from tierfs.fs.store.ram_store import RamFull
@@ -339,9 +340,8 @@ async def test_a_streamed_chunk_that_fails_its_tags_makes_the_file_count_for_not
         with pytest.raises(proto.ProtocolError):
             await channel.receive("OK")
         await channel.aclose()
-        with trio.fail_after(5):
-            while incoming_files(b.objects) or b.space.used:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: not incoming_files(b.objects) and not b.space.used,
+                               timeout=5)
         assert b.receiver._incoming_files == {} and not (b.objects / entry.xxh3).exists()
         channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
         for offset in (mf.CHUNK_SIZE, 0):
@@ -420,9 +420,7 @@ async def test_steps_of_many_chunks_go_over_the_same_kept_alive_connections(
     async with trio.open_nursery() as nursery:
         replicator = await replicate_to_b(nursery, etcd_server, b, tmp_path / "a-objects",
                                           placements, on_held, *manifests)
-        with trio.fail_after(20):
-            while len(done) < 2:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: len(done) >= 2, timeout=20)
         nursery.cancel_scope.cancel()
     assert replicator.directory.pool.opened == replicator.directory.connections == 4
     assert len(b.put_channels) == 4
@@ -538,9 +536,7 @@ async def test_copies_etcd_did_not_record_are_sent_again_only_after_a_pause(
     async with trio.open_nursery() as nursery:
         replicator = await replicate_to_b(nursery, etcd_server, b, tmp_path / "a-objects",
                                           placements, on_held, manifest)
-        with trio.fail_after(30):
-            while manifest.path not in replicator._later:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: manifest.path in replicator._later, timeout=30)
         nursery.cancel_scope.cancel()
     assert 1 < len(rounds) <= 5  # each failed round paused before the next
 

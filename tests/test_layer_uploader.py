@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.observe import Events
 from tierfs.s3tier import packs
@@ -122,9 +123,7 @@ class Harness:
             return condition() and not self.uploader.queue.pending
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.uploader.run)
-            with trio.fail_after(20):
-                while not done():
-                    await trio.sleep(0.01)
+            await wait_until_async(done, timeout=20)
             nursery.cancel_scope.cancel()
 
     def stored(self) -> list[str]:
@@ -170,11 +169,9 @@ async def test_a_step_removed_during_an_outage_is_dropped(tmp_path: Path, caplog
     async with trio.open_nursery() as nursery:
         nursery.start_soon(h.uploader.run)
         with trio.fail_after(10):
-            while "failed (attempt" not in caplog.text:
-                await trio.sleep(0.01)
+            await wait_until_async(lambda: "failed (attempt" in caplog.text, timeout=60)
             h.current.clear()  # the step was deleted: the next retry gives up
-            while "dropped" not in caplog.text:
-                await trio.sleep(0.01)
+            await wait_until_async(lambda: "dropped" in caplog.text, timeout=60)
         nursery.cancel_scope.cancel()
     assert h.persisted_paths == [] and h.stored() == []
 
@@ -193,14 +190,13 @@ async def test_a_store_away_for_a_while_gets_the_step_once_back(tmp_path: Path, 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(h.uploader.run)
         with trio.fail_after(20):
-            while h.uploader.waiting(manifest)[2] < 2:  # failed, and tried again
-                await trio.sleep(0.01)
+            # failed, and tried again
+            await wait_until_async(lambda: h.uploader.waiting(manifest)[2] >= 2, timeout=60)
             reason, since_ns, _failures = h.uploader.waiting(manifest)
             assert reason == f"the store file://{h.store} is unavailable: {h.store} is missing"
             assert since_ns <= time.time_ns()
             away.rename(h.store)
-            while h.persisted_paths != ["run/step_1"]:
-                await trio.sleep(0.01)
+            await wait_until_async(lambda: h.persisted_paths == ["run/step_1"], timeout=60)
         nursery.cancel_scope.cancel()
     assert (h.store / "run/step_1/shard").read_bytes() == b"data"
     assert h.uploader.troubles == {}

@@ -17,6 +17,7 @@ import trio
 import xxhash
 
 from tests.test_namespace import CTX, Harness, dcp_save
+from tests.waiting import wait_until_async
 from tierfs.fs.model.nodes import Node
 from tierfs.fs.store.ram_store import RamStore
 
@@ -137,9 +138,8 @@ async def settled(harness: Harness, step: str, names: list[str]) -> None:
     step_node = harness.ns.tree.find_step(step)
     assert step_node is not None
     nodes: list[Node] = [step_node.children[name.encode()] for name in names]
-    with trio.fail_after(30):
-        while not all(n.seal is not None and n.seal.settled is not None for n in nodes):
-            await trio.sleep(0.01)
+    await wait_until_async(lambda: all(n.seal is not None and n.seal.settled is not None
+                                       for n in nodes), timeout=30)
 
 
 async def commit_many(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:

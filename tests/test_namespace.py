@@ -15,6 +15,7 @@ import pytest
 import trio
 import trio.testing
 
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.fs.fuse.operations import Operations
 from tierfs.fs.lifecycle.background import Background
@@ -92,8 +93,9 @@ class Harness:
         if not any(n.step.pending is not None for n in self.ns.tree.steps()):
             return
         with trio.fail_after(30):
-            while any(n.step.pending is not None for n in self.ns.tree.steps()):
-                await trio.sleep(0.005)
+            await wait_until_async(lambda: not any(n.step.pending is not None
+                                                       for n in self.ns.tree.steps()),
+                                   timeout=60, interval=0.005)
             await trio.testing.wait_all_tasks_blocked()
 
     async def state(self, path: str) -> str:

@@ -11,6 +11,7 @@ import trio
 
 from tests.fakes import BuggySource, MemoryPeers, MemoryTier
 from tests.test_namespace import Harness, dcp_save
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.fs.lifecycle import residency
 
@@ -28,9 +29,7 @@ async def persisted_and_evicted(h: Harness, store: MemoryTier, step: str,
     store.put_step(manifest, {**files, ".metadata": b"meta"})
     h.ns.tiers.mark_persisted(manifest)  # keep_ram=0: it leaves RAM
     node = h.ns.tree.find_step(step)
-    with trio.fail_after(60):
-        while node.step.resident:
-            await trio.sleep(0.01)
+    await wait_until_async(lambda: not node.step.resident, timeout=60)
     return manifest
 
 
@@ -53,9 +52,8 @@ async def test_a_copy_leaves_ram_only_for_a_store_seen_to_hold_it(
             names = {entry.name for entry in manifest.files}
             store.down = True
             h.ns.tiers.mark_persisted(manifest)  # as the uploader does once it is up
-            with trio.fail_after(10):
-                while "the persistent tier cannot say" not in caplog.text:
-                    await trio.sleep(0.01)
+            await wait_until_async(lambda: "the persistent tier cannot say" in caplog.text,
+                                   timeout=10)
             assert node.step.resident == names and node.step.persisted
 
             store.down = False  # it answers: it holds nothing of the step
@@ -67,9 +65,7 @@ async def test_a_copy_leaves_ram_only_for_a_store_seen_to_hold_it(
 
             store.put_step(manifest, {**FILES, ".metadata": b"meta"})  # uploaded again
             h.ns.tiers.mark_persisted(manifest)
-            with trio.fail_after(10):
-                while node.step.resident:
-                    await trio.sleep(0.01)
+            await wait_until_async(lambda: not node.step.resident, timeout=10)
             assert await h.read_file("run/step_1/__0_0.distcp") == FILES["__0_0.distcp"]
             nursery.cancel_scope.cancel()
     finally:

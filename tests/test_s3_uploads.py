@@ -19,6 +19,7 @@ import trio
 
 from tests.faults.s3_proxy import Fault, Request, S3Proxy
 from tests.test_layer_uploader import committed_step
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.observe import Events
@@ -113,9 +114,7 @@ class ThrottledStore:
 
 
 async def wait_for(done: Callable[[], bool], timeout: float) -> None:
-    with trio.fail_after(timeout):
-        while not done():
-            await trio.sleep(0.01)
+    await wait_until_async(done, timeout=timeout)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import xxhash
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs
 from tests.test_namespace import CTX, Harness, dcp_save
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.fs.tree.sealing import HASH_AT_COMMIT, INLINE_HASH_BYTES
 
@@ -69,9 +70,7 @@ async def test_background_seal_after_close(harness: Harness) -> None:
         await nursery.start(harness.ns.background.run)
         await harness.write_file("run/loose.bin", b"A" * BIG)
         node = node_of(harness, "run/loose.bin")
-        with trio.fail_after(30):
-            while node.seal is None:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: node.seal is not None, timeout=30)
         assert node.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(b"A" * BIG)
         await harness.write_file("run/step_2/a", b"B" * BIG)
         in_step = node_of(harness, "run/step_2/a")
@@ -101,9 +100,7 @@ async def test_a_small_file_is_hashed_on_the_loop_and_a_large_one_in_a_thread(
         for name, size in (("small", INLINE_HASH_BYTES), ("large", INLINE_HASH_BYTES + 1)):
             await harness.write_file(f"run/step_4/{name}", b"S" * size)
             node = node_of(harness, f"run/step_4/{name}")
-            with trio.fail_after(30):
-                while node.seal is None:
-                    await trio.sleep(0.01)
+            await wait_until_async(lambda n=node: n.seal is not None, timeout=30)
             assert node.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(b"S" * size)
             assert threaded == ([] if name == "small" else [mf.hash_fd]), name
         nursery.cancel_scope.cancel()

@@ -14,6 +14,7 @@ import trio.testing
 from tests.fakes import MemoryTier
 from tests.test_namespace import Harness
 from tests.test_ports import persisted_and_evicted
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.fs.lifecycle import residency
 
@@ -87,9 +88,7 @@ async def test_large_files_do_not_come_with_a_small_one(tmp_path: Path) -> None:
             await persisted_and_evicted(h, store, "run/step_1", {**large, **small})
             assert await h.read_file("run/step_1/extra_0.pt") == small["extra_0.pt"]
             step = h.ns.tree.find_step("run/step_1").step
-            with trio.fail_after(30):
-                while len(step.resident) < len(small) + 1:
-                    await trio.sleep(0.01)
+            await wait_until_async(lambda: len(step.resident) >= len(small) + 1, timeout=30)
             await trio.testing.wait_all_tasks_blocked()
             assert step.resident == {*small, ".metadata"}
             assert not h.ns.residency._small_running
