@@ -20,6 +20,7 @@ import msgpack
 import xxhash
 
 from tierfs import reserved
+from tierfs.msgpack_map import decode_map
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = reserved.MANIFEST
@@ -260,12 +261,8 @@ def encode(manifest: StepManifest) -> bytes:
 
 def decode(data: bytes) -> StepManifest:
     """Decode and validate; raises ManifestError for anything malformed."""
-    try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=_MAX_FILES)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise ManifestError(f"not a manifest: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT_VERSION:
-        raise ManifestError("unknown manifest format")
+    raw = decode_map(data, ManifestError, "manifest", kind=FORMAT_VERSION,
+                     max_array_len=_MAX_FILES)
     try:
         files = _with_blocks([entry_from_fields(fields) for fields in raw["files"]],
                              raw.get("blocks"))

@@ -17,6 +17,7 @@ import msgpack
 import trio
 
 from tierfs import reserved
+from tierfs.msgpack_map import decode_map
 
 LINKS_OBJECT = reserved.LINKS
 FORMAT = 1
@@ -39,13 +40,9 @@ def encode(links: dict[str, str]) -> bytes:
 def decode(directory: str, data: bytes) -> dict[str, str]:
     """The links of a directory's object; ValueError if it is malformed or a link would
     point out of the mount."""
-    try:
-        raw = msgpack.unpackb(data, raw=False, max_map_len=MAX_LINKS)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise ValueError(f"not a links object: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT or \
-            not isinstance(raw.get("links"), dict):
-        raise ValueError("unknown links format")
+    raw = decode_map(data, ValueError, "links object", kind=FORMAT, max_map_len=MAX_LINKS)
+    if not isinstance(raw.get("links"), dict):
+        raise ValueError("unknown links object format")
     links = raw["links"]
     for name, target in links.items():
         if not (isinstance(name, str) and isinstance(target, str)) or not name or "/" in name \

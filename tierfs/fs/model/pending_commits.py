@@ -37,6 +37,7 @@ import msgpack
 
 from tierfs import manifest as mf
 from tierfs import reserved
+from tierfs.msgpack_map import decode_map
 
 PENDING_NAME = reserved.PENDING.encode()  # in a step's records directory
 SNAPSHOT_PREFIX = reserved.SNAPSHOT  # in objects/
@@ -88,10 +89,8 @@ def encode(record: PendingRecord) -> bytes:
 
 def decode(data: bytes) -> PendingRecord:
     """Decode and validate (PendingError if malformed: it came off the RAM dir)."""
+    raw = decode_map(data, PendingError, "pending record", kind=FORMAT)
     try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise PendingError("unknown pending record format")
         files = []
         for name, size, mtime_ns, mode, uid, gid, key in raw["files"]:
             if not (isinstance(name, str) and isinstance(key, str) and _KEY.match(key)
