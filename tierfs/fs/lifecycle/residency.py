@@ -25,7 +25,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import trio
@@ -519,7 +519,7 @@ class Residency:
             finally:
                 self._pressure_relief = False
 
-        self._spawn(relieve)
+        self.background.spawn(relieve)
 
     def _eviction_candidates(self, *, pressure: bool) -> list[Node]:
         """Committed steps with bytes in RAM that are safe elsewhere, in the order they leave:
@@ -603,7 +603,7 @@ class Residency:
             except StopIteration:
                 return
         self._evictions[step] = trio.Event()
-        self._spawn(lambda: self._finish_eviction(step_node, work))
+        self.background.spawn(self._finish_eviction, step_node, work)
 
     async def _evict(self, step_node: Node) -> None:
         """Evict a step, a slice at a time, in this task."""
@@ -735,7 +735,7 @@ class Residency:
             while await records.leave_files(manifest, names, 0, _anyone) is None:
                 await trio.sleep(LEAVE_PAUSE)
 
-        self._spawn(leave)
+        self.background.spawn(leave)
 
     def copies_lost(self, manifest: mf.StepManifest, names: list[str]) -> None:
         """This node's copies of these files are gone (found bad): the records stop counting
@@ -791,17 +791,6 @@ class Residency:
                  "the persistent tier" if step.persisted else
                  f"peers {', '.join(sorted(holders))} (each file on at least "
                  f"{self.replicas + 1} of them)")
-
-    def _spawn(self, work: Callable[[], Awaitable[None]]) -> None:
-        """Run `work` in the background; a failure is logged, never fatal to the mount."""
-
-        async def guarded() -> None:
-            try:
-                await work()
-            except Exception:
-                log.exception("eviction from RAM failed")
-
-        self.background.spawn(guarded)
 
 
 def _anyone(_node: str) -> bool:
