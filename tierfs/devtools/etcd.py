@@ -7,7 +7,7 @@ stopped by its own pid only; `restart()` keeps the ports and the data (an etcd o
 test).
 
     with Etcd(tmp_path) as etcd:
-        url = etcd.cluster_url("tierfs/test")  # etcd://127.0.0.1:PORT/tierfs/test
+        url = etcd.cluster_url("my-cluster")  # etcd://127.0.0.1:PORT/my-cluster
         etcd.restart()
 """
 
