@@ -63,7 +63,7 @@ class ClusterHarness(Harness):
         self.store.acquire()
         core = Core(self.store, node_id=node_id, delete_targets=delete_targets(self.cfg),
                     liveness=self.directory)
-        self.links = ClusterLinks(self.cfg, core.view, self.directory)
+        self.links = ClusterLinks(self.cfg, core, self.directory)
         self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
         self.ns = Namespace(core, self.send, read_sources=[self.links.reader],
                             sealed=self.links.sealed, peers=self.links.verify,

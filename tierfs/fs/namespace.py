@@ -38,6 +38,7 @@ from tierfs.fs.lifecycle.other_tiers import OtherTiers
 from tierfs.fs.lifecycle.quiet_commits import QuietCommits, QuietWatch
 from tierfs.fs.lifecycle.recovery import Recovery
 from tierfs.fs.lifecycle.residency import Residency
+from tierfs.fs.lifecycle.step_versions import StepVersions
 from tierfs.fs.lifecycle.verify import Verifier
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import (
@@ -87,6 +88,7 @@ class Core:
                          step_pattern=step_pattern, file_step_pattern=file_step_pattern,
                          spawner=self.background, liveness=liveness)
         self.view = TreeView(self.tree)  # what peers, status and xattrs read of it
+        self.versions = StepVersions(self.tree)  # the tree's changes the other tiers drive
         self.recovered = Recovery(self.tree, self.deletes).load()
 
 
@@ -109,12 +111,13 @@ class Namespace:
         self.deletes = core.deletes
         self.background = core.background
         self.recovered = core.recovered  # what start-up found (lost copies?)
-        self.residency = Residency(tree, list(read_sources or []), self.background,
+        self.residency = Residency(tree, core.versions, list(read_sources or []),
+                                   self.background,
                                    keep_ram=keep_ram, replicas=replicas,
                                    liveness=core.liveness,
                                    records=sealed, store_check=store_check)
-        self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed,
-                                shards)
+        self.tiers = OtherTiers(tree, core.view, core.versions, self.residency, self.deletes,
+                                self.background, sealed, shards)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
                                saver_wait=commit_timeout, copies_wait=copies_wait)
         self.quiet = QuietCommits(tree, core.watch, self.commits)

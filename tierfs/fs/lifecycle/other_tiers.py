@@ -21,7 +21,6 @@ import trio
 from tierfs import layout, trackers
 from tierfs import manifest as mf
 from tierfs.fs.lifecycle.deletes import PERSIST, Deletes, Tombstone, peer_target
-from tierfs.fs.lifecycle.step_versions import StepVersions
 from tierfs.fs.model import dcp_metadata, tree_walk
 from tierfs.fs.model.nodes import METADATA, FsError, Node, StepState, some_names
 from tierfs.fs.model.ports import (
@@ -32,12 +31,13 @@ from tierfs.fs.model.ports import (
     Spawner,
     TierError,
 )
-from tierfs.fs.tree.tree_view import TreeView
 from tierfs.shared_uploads import PERSISTED, RETIRED
 
 if TYPE_CHECKING:
     from tierfs.fs.lifecycle.residency import Residency
+    from tierfs.fs.lifecycle.step_versions import StepVersions
     from tierfs.fs.tree.tree import Tree
+    from tierfs.fs.tree.tree_view import TreeView
 
 log = logging.getLogger(__name__)
 
@@ -49,12 +49,12 @@ ASK_PEERS_AFTER = 1.0
 class OtherTiers:
     """Copies of steps in the persistent tier and on peers, as this node knows them."""
 
-    def __init__(self, tree: Tree, residency: Residency, deletes: Deletes,
-                 background: Spawner, sealed: SealedCollector | None = None,
+    def __init__(self, tree: Tree, view: TreeView, versions: StepVersions, residency: Residency,
+                 deletes: Deletes, background: Spawner, sealed: SealedCollector | None = None,
                  shards: ShardsOnPeers | None = None) -> None:
         self.tree = tree
-        self.view = TreeView(tree)  # the queries a rename's upload asks
-        self.versions = StepVersions(tree)  # the changes of step versions it makes
+        self.view = view  # the queries a rename's upload asks
+        self.versions = versions  # the changes of step versions it makes
         self.residency = residency
         self.deletes = deletes
         self.background = background

@@ -32,7 +32,6 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs.fs.lifecycle.step_loads import StepLoads
-from tierfs.fs.lifecycle.step_versions import StepVersions
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import METADATA, FsError, Node, StepState, some_names
 from tierfs.fs.model.ports import (
@@ -47,6 +46,7 @@ from tierfs.fs.store.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError
 from tierfs.fs.store.ram_store import RamFull
 
 if TYPE_CHECKING:
+    from tierfs.fs.lifecycle.step_versions import StepVersions
     from tierfs.fs.tree.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,8 @@ SMALL_IN_FLIGHT = 16
 class Residency:
     """Files whose bytes are in another tier: fetched back, prefetched, evicted."""
 
-    def __init__(self, tree: Tree, read_sources: list[ReadSource], background: Spawner, *,
+    def __init__(self, tree: Tree, versions: StepVersions, read_sources: list[ReadSource],
+                 background: Spawner, *,
                  keep_ram: int = 3, replicas: int = 0,
                  liveness: Liveness | None = None,
                  records: SealedCollector | None = None,
@@ -99,7 +100,7 @@ class Residency:
         # word is its mark, as in tests without a store).
         self.store_check = store_check
         self._store_paused_until = 0.0  # trio time: the store did not answer the last check
-        self.versions = StepVersions(tree)
+        self.versions = versions  # the tree's changes of versions (a version evicted...)
         # Committed versions the store was found to lack, all of whose files are here: the
         # daemon hands them to its uploader again.
         self._lost_send, self.lost_from_store = \

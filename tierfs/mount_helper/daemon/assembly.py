@@ -111,7 +111,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                 file_step_pattern=cfg.file_step_pattern,
                 commit_idle=cfg.commit_idle, delete_targets=delete_targets(cfg),
                 liveness=members)
-    links = ClusterLinks(cfg, core.view, members) if members else None
+    links = ClusterLinks(cfg, core, members) if members else None
     backend, new_store = await open_persistent_tier(cfg, ready, core.tree,
                                                 links.store_record if links else None)
     persist = PersistentReader(backend, trio.CapacityLimiter(8),

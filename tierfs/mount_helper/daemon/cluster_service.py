@@ -11,10 +11,8 @@ from typing import Any
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.lifecycle.step_versions import StepVersions
-from tierfs.fs.namespace import Namespace
+from tierfs.fs.namespace import Core, Namespace
 from tierfs.fs.store.ram_store import RamStore
-from tierfs.fs.tree.tree_view import TreeView
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon import admission
 from tierfs.mount_helper.daemon.commit_pipeline import (
@@ -73,8 +71,8 @@ class ClusterLinks:
     the connections of `directory`. They ask the tree questions only (who holds a step, which
     files are sealed)."""
 
-    def __init__(self, cfg: MountConfig, view: TreeView, directory: PeerDirectory) -> None:
-        tree = view.tree
+    def __init__(self, cfg: MountConfig, core: Core, directory: PeerDirectory) -> None:
+        tree, view = core.tree, core.view
         assert cfg.cluster is not None
         self.directory = directory
         self.live = directory.live
@@ -85,7 +83,7 @@ class ClusterLinks:
                                      view.committed_manifest)
         self.tree = tree
         self.view = view
-        self.versions = StepVersions(tree)
+        self.versions = core.versions
         self.reader = PeerReader(self.directory, view.holders_of, self._file_holders)
         self.verify = PeerVerify(self.directory, self.sealed.placements)
         self.delete = PeerDelete(self.directory)
