@@ -388,7 +388,7 @@ async def test_a_tracker_names_its_step_for_the_store_and_the_peers(harness: Har
     assert ns.tiers.may_copy(manifests["ds/notes.txt"], "b")
     assert not ns.tiers.may_copy(tracker, "b")  # b does not hold iter_0000150
     step_node = ns.tree.find_step("ckpt/iter_0000150")
-    ns.tiers.versions.add_file_holder(step_node, "b", [".metadata", "model.pt"])
+    ns.versions.add_file_holder(step_node, "b", [".metadata", "model.pt"])
     assert ns.tiers.may_copy(tracker, "b") and not ns.tiers.may_copy(tracker, "c")
     ns.tiers.mark_persisted(step_node.step.manifest)
     assert ns.tiers.tracked_step(tracker) == TrackedStep(150, True, True)

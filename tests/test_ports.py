@@ -4,6 +4,8 @@ error outside the contract is a bug, which surfaces instead of passing for a tie
 
 from __future__ import annotations
 
+import ast
+import inspect
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ from tests.test_namespace import Harness, dcp_save
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.fs.lifecycle import residency
+from tierfs.fs.lifecycle.other_tiers import OtherTiers
+from tierfs.fs.model.ports import StepCopies
 
 pytestmark = pytest.mark.core
 
@@ -122,7 +126,7 @@ async def test_verify_reports_an_unreachable_peer_and_a_store_that_is_down(
         store.put_step(manifest, {**FILES, ".metadata": b"meta"})
         h.ns.tiers.mark_persisted(manifest)
         step = h.ns.tree.find_step("run/step_2")
-        h.ns.tiers.versions.add_file_holder(step, "n1", [e.name for e in manifest.files])
+        h.ns.versions.add_file_holder(step, "n1", [e.name for e in manifest.files])
         peers.unreachable.add("n1")
         store.down = True
         [report] = await h.ns.verifier.verify("run/step_2", repair=False)
@@ -133,3 +137,35 @@ async def test_verify_reports_an_unreachable_peer_and_a_store_that_is_down(
         assert not report.lost  # the RAM copies are good
     finally:
         h.close()
+
+
+def uses_of_tiers(source: str) -> set[str]:
+    """The members read of `<x>.tiers` in `source`, and of a name bound to such a value."""
+    tree = ast.parse(source)
+    names = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+             and isinstance(node.value, ast.Attribute) and node.value.attr == "tiers"
+             for target in node.targets if isinstance(target, ast.Name)}
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and ((isinstance(node.value, ast.Attribute) and node.value.attr == "tiers")
+                 or (isinstance(node.value, ast.Name) and node.value.id in names))}
+
+
+def test_other_tiers_is_the_step_copies_port() -> None:
+    """`OtherTiers` implements each call of the inward port `StepCopies` as the port declares
+    it, and the daemon, the replication and the persistent tier use it through those alone."""
+    members = {name for name in vars(StepCopies) if not name.startswith("_")}
+    assert "mark_persisted" in members and "recheck_wanted" in StepCopies.__annotations__
+    for name in members:
+        declared, implemented = getattr(StepCopies, name), getattr(OtherTiers, name)
+        assert [(p.name, p.kind, p.default) for p in
+                inspect.signature(declared).parameters.values()] == \
+            [(p.name, p.kind, p.default) for p in
+             inspect.signature(implemented).parameters.values()], name
+        assert inspect.iscoroutinefunction(declared) == \
+            inspect.iscoroutinefunction(implemented), name
+    assert uses_of_tiers("t = ns.tiers\nt.learn(m)\nns.tiers.unlisted(p)\nx.append(1)") == {
+        "learn", "unlisted"}
+    package = Path(__file__).resolve().parent.parent / "tierfs"
+    used = set().union(*(uses_of_tiers(path.read_text()) for path in package.rglob("*.py")
+                         if path.relative_to(package).parts[0] != "fs"))
+    assert used and used <= members | {"recheck_wanted"}, used - members

@@ -106,6 +106,7 @@ class Namespace:
                  shards: ShardsOnPeers | None = None) -> None:
         self.tree = tree = core.tree
         self.view = core.view
+        self.versions = core.versions
         self.events = events
         self.store = tree.store
         self.deletes = core.deletes
@@ -116,6 +117,7 @@ class Namespace:
                                    keep_ram=keep_ram, replicas=replicas,
                                    liveness=core.liveness,
                                    records=sealed, store_check=store_check)
+        # what the other tiers' parts use of it is the StepCopies port (fs.model.ports)
         self.tiers = OtherTiers(tree, core.view, core.versions, self.residency, self.deletes,
                                 self.background, sealed, shards)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,

@@ -33,6 +33,9 @@ of each outward port, to the same contracts.
 
 Inward (implemented inside `fs`, injected so that the core imports no collaborator):
 
+* `StepCopies`: what the other tiers tell the file system of a step's copies and ask it
+  (`fs.lifecycle.other_tiers.OtherTiers`; the uploader, the replicator, the daemon).
+
 * `ReadGate`: hashes a RAM object found at start before its first read (`fs.lifecycle.verify`).
 * `StepWatch`: told when a step changes or a newer one starts (`fs.lifecycle.quiet_commits`).
 * `DeleteLog`: records a deleted committed step so that it leaves every tier
@@ -52,12 +55,16 @@ from tierfs.fs.store.fetch import ReadSource, Store
 from tierfs.fs.store.tier_errors import ObjectMissing, TierError
 
 if TYPE_CHECKING:
+    import trio
+
     from tierfs.fs.model.nodes import Node
+    from tierfs.fs.model.tombstones import Tombstone
+    from tierfs.trackers import TrackedStep
 
 __all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "EventSink",
            "FilesOnPeers", "Liveness", "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate",
-           "ReadSource", "SealedCollector", "ShardsOnPeers", "Spawner", "StepWatch", "Store",
-           "StoreCheck", "TierError"]
+           "ReadSource", "SealedCollector", "ShardsOnPeers", "Spawner", "StepCopies", "StepWatch",
+           "Store", "StoreCheck", "TierError"]
 
 
 class CommitSink(Protocol):
@@ -205,6 +212,141 @@ class StoreCheck(Protocol):
     Raises TierError when the store cannot answer."""
 
     async def held_files(self, manifest: mf.StepManifest) -> set[str]: ...
+
+
+class StepCopies(Protocol):
+    """Inward: the file system's view of the copies of its steps elsewhere, as the parts that
+    make and find those copies use it: the uploader, the replicator and the receiver, the
+    cluster's commit follower, start-up and `tierfs status` (`fs.lifecycle.other_tiers`
+    implements it). They tell it what became of a step's copies and ask it what to copy."""
+
+    recheck_wanted: trio.Event  # set when steps' file records are to be read again
+
+    def is_current(self, manifest: mf.StepManifest) -> bool:
+        """Whether `manifest` is still the committed version of its step (worth uploading)."""
+
+    def committed_manifests(self) -> list[mf.StepManifest]:
+        """Committed steps whose version has not reached the persistent tier and that this node
+        uploads: those made here with every file in RAM (or renamed, with files the store holds
+        under their old names); in a cluster, whose uploads are shared
+        (`tierfs.shared_uploads`), every step made here and every one with a file in RAM here,
+        whoever made it."""
+
+    def listed_manifests(self) -> list[mf.StepManifest]:
+        """Every committed step listed here, wherever its files are."""
+
+    def held_manifests(self) -> list[mf.StepManifest]:
+        """Committed steps with files in this node's RAM, whoever wrote them (the steps whose
+        copies this node may have to send)."""
+
+    def owned_manifests(self) -> list[mf.StepManifest]:
+        """Committed steps this node made and holds (not replicas it holds for others)."""
+
+    def not_in_store(self) -> list[mf.StepManifest]:
+        """Every committed step listed here whose version the persistent tier does not hold
+        (nor retired from it): in a cluster, what `tierfs flush` on any node waits for,
+        whichever nodes upload it."""
+
+    def in_store(self, relpath: str) -> bool:
+        """Whether the persistent tier holds the step's committed version."""
+
+    def single_writer(self, manifest: mf.StepManifest) -> bool:
+        """Whether the step's files were all written on one node, as far as this node knows (a
+        multi-node step's records name several writers)."""
+
+    def tracked_step(self, manifest: mf.StepManifest, content: bytes | None = None
+                     ) -> TrackedStep | None:
+        """If this version is a tracker, the step it names (the uploader holds its upload until
+        that step is in the store); None if it is no tracker. `content`: the tracker's bytes
+        (an older version's, or the store's), else those of this version in RAM."""
+
+    def copy_sources(self, key: str) -> list[tuple[str, str]]:
+        """Objects in the store that may hold the bytes of the object `key` of a step being
+        uploaded, as (a step path whose manifest says so, the object): the old names of a file
+        not in RAM here, then those of renames not finished in the store."""
+
+    def may_copy(self, manifest: mf.StepManifest, peer: str) -> bool:
+        """Whether `peer` may get a copy of this version now: not a tracker whose step `peer`
+        does not hold (every file verified there) and the store does not have."""
+
+    def short_of_copies(self, manifest: mf.StepManifest, replicas: int, is_up: Callable[[str],
+                        bool]) -> bool:
+        """Whether a file of this version here has fewer than `replicas` verified copies on
+        live peers while the store does not hold it (status, flush and metrics: replication
+        still due)."""
+
+    def doubtful_steps(self, may_be_up: Callable[[str], bool]) -> list[mf.StepManifest]:
+        """Committed steps, not persisted, with a file not in RAM here whose holders as known
+        here are none that `may_be_up`, or are known only for the whole step (a node that holds
+        no file of a step knows who holds *some* file of it) with one of them not up, and those
+        `want_recheck` named: their records are read again (`note_placements`) before the step
+        is called incomplete, or whole again."""
+
+    def move_done(self, tomb: Tombstone, wanted: Callable[[mf.StepManifest], bool] | None) -> bool:
+        """Whether a renamed step's old name may leave the tiers: every step at its new name is
+        committed there and, with a store, in the store if due there; a rename of the new name
+        that its own new name still reads through this one comes first."""
+
+    def mark_persisted(self, manifest: mf.StepManifest) -> None:
+        """The uploader put this version in the store. Its mark is written first; if the RAM
+        dir's file system has no room for it, the version counts as persisted all the same (the
+        store holds it: it is not uploaded again), stays in RAM until the mark is written
+        (`write_owed_marks`), and the log says so once."""
+
+    def write_owed_marks(self) -> None:
+        """Write the persisted marks the RAM dir had no room for (`mark_persisted`); a step
+        whose mark is written may leave RAM now. Called every half second."""
+
+    def mark_retired(self, relpath: str) -> None:
+        """Retention removed the step from the persistent tier: never upload it again."""
+
+    def adopt_persisted(self, manifest: mf.StepManifest) -> bool:
+        """Show a step found in the persistent tier (a fresh node, or one that left RAM)."""
+
+    def store_state(self, relpath: str, version: int, state: str) -> None:
+        """The cluster's records say what the persistent tier holds of the step's `version`
+        (whichever node wrote it there): PERSISTED, or RETIRED by --keep-persist."""
+
+    def mark_held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> None:
+        """`peer` verified copies of these files of this version."""
+
+    async def hold_files(self, path: str, version: int, names: list[str], sender: str
+                         ) -> list[str] | None:
+        """A peer sent verified copies of these files of the step's committed `version` (their
+        objects are here): this node holds them now, in its copy of that version (listed from
+        etcd first if this node does not know that version yet). The names now held, or None if
+        this node cannot hold that version (another version is here, the name is in use, or the
+        cluster does not know the step at that version)."""
+
+    def note_placements(self, manifest: mf.StepManifest, holders: dict[str, set[str]],
+                        writers: dict[str, str]) -> None:
+        """Who holds and who wrote each file of this version, from the cluster's records
+        (eviction judges each file by its writer: `Residency.file_leaves`)."""
+
+    def learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
+        """A peer holds this committed step: list it here, readable from those holders."""
+
+    def unlisted(self, path: str) -> None:
+        """The cluster's commit record of the step left etcd (a delete, or no node held it any
+        more): a step listed here only from it (no file in RAM here, not in the store, not
+        being written) is no longer listed."""
+
+    def delete_from_peer(self, path: str, version: int, committed_ns: int, sender: str) -> None:
+        """A peer deleted this step: drop this node's copy of it (if not newer), remember the
+        delete, and remove it from the persistent tier too (an upload from here may be late)."""
+
+    def publish_later(self, manifest: mf.StepManifest) -> None:
+        """A step committed here whose commit record etcd lacks: written by `publish_pending`.
+        The copies this node's marks name for it are forgotten (`StepVersions.forget_holders`:
+        no copy is made before its commit record, so they belong to records that are gone); the
+        record written names this node, and the copies are made anew."""
+
+    async def publish_pending(self) -> None:
+        """Commit records that etcd could not take before (it was down): try again."""
+
+    def want_recheck(self, paths: list[str] | None = None) -> None:
+        """Have the file records of these steps (None: every committed step not wholly in RAM
+        here) read again before they are judged (`doubtful_steps`)."""
 
 
 class ReadGate(Protocol):

@@ -354,7 +354,7 @@ async def adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> int:
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
     stored_links = await uploader.stored_links(objects)  # each unreadable one is logged
-    made = sum(namespace.tiers.versions.adopt_links(d, links) for d, links in stored_links.items())
+    made = sum(namespace.versions.adopt_links(d, links) for d, links in stored_links.items())
     if made:
         log.info("made %d symbolic links the persistent tier keeps", made)
     namespace.residency.enforce_keep_ram()
