@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -330,3 +332,22 @@ class MemoryShards:
             for name in sorted(names & steps.get(step_path, set())):
                 found.held.setdefault(name, node)
         return found
+
+
+@dataclass
+class StepsForUploads:
+    """The uploader's port to the file system (`s3tier.uploader.UploadedSteps`) for an uploader
+    tested alone: each answer a function the test gives, the rest those of plain steps."""
+
+    object_path: Callable[[str], str]
+    step_number: Callable[[str], int | None]
+    is_current: Callable[[mf.StepManifest], bool]
+    persisted: Callable[[mf.StepManifest], None]
+    retired: Callable[[str], None] = lambda _path: None
+    file_step_number: Callable[[str], int | None] = lambda _name: None
+    tracked_step: Callable[..., Any] = lambda _manifest, _content=None: None
+    copy_sources: Callable[[str], list[tuple[str, str]]] = lambda _key: []
+    single_writer: Callable[[mf.StepManifest], bool] = lambda _manifest: True
+
+    async def users_quiet(self) -> None:
+        """No mount, no users to wait for."""

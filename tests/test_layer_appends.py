@@ -177,7 +177,7 @@ async def test_a_renamed_file_in_segments_is_copied_piece_by_piece(tmp_path: Pat
     reader = PersistentReader(h.backend, trio.CapacityLimiter(2),
                               lambda key: [PATH] if key == "run/old.log" else [])
     assert await reader.read_range("run", moved, 0, moved.size) == data  # from the old name
-    h.uploader._copy_sources = lambda key: [(PATH, PATH)] if key == "run/old.log" else []
+    h.steps.copy_sources = lambda key: [(PATH, PATH)] if key == "run/old.log" else []
     renamed = mf.StepManifest("run/old.log", mf.NO_STEP, 1, "n", 0, (moved,), single_file=True)
     h.current.add("run/old.log")
     sent = h.uploader.bytes_sent

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from tests.fakes import StepsForUploads
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.observe import Events
@@ -68,12 +69,12 @@ class Harness:
         self.versions: dict[str, mf.StepManifest] = {}  # a tracker's current version
         self.persisted_paths: list[str] = []
         self.retired: list[str] = []
-        self.uploader = Uploader(
-            self.backend, lambda xxh3: str(self.objects / xxh3), persist_every=every,
-            keep_persist=keep, step_number=self._number,
-            is_current=lambda m: m.path in self.current and self.versions.get(m.path, m) is m,
-            on_persisted=self._on_persisted,
-            on_retired=self.retired.append, tracked_step=self._tracked, events=Events())
+        self.steps = StepsForUploads(
+            lambda xxh3: str(self.objects / xxh3), self._number,
+            lambda m: m.path in self.current and self.versions.get(m.path, m) is m,
+            self._on_persisted, self.retired.append, tracked_step=self._tracked)
+        self.uploader = Uploader(self.backend, self.steps, persist_every=every,
+                                 keep_persist=keep, events=Events())
 
     @staticmethod
     def _number(name: str) -> int | None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from tests.fakes import StepsForUploads
 from tests.faults.s3_proxy import Fault, Request, S3Proxy
 from tests.test_layer_uploader import committed_step
 from tests.waiting import wait_until_async
@@ -78,12 +79,12 @@ class ThrottledStore:
         self.objects = tmp / "objects"
         self.current: set[str] = set()
         self.persisted: list[str] = []
-        self.uploader = Uploader(
-            self.backend, lambda xxh3: str(self.objects / xxh3), persist_every=1,
-            keep_persist=0, step_number=lambda name: int(name.rpartition("_")[2]),
-            is_current=lambda m: m.path in self.current,
-            on_persisted=lambda m: self.persisted.append(m.path), on_retired=lambda _p: None,
-            events=Events())
+        steps = StepsForUploads(lambda xxh3: str(self.objects / xxh3),
+                                lambda name: int(name.rpartition("_")[2]),
+                                lambda m: m.path in self.current,
+                                lambda m: self.persisted.append(m.path))
+        self.uploader = Uploader(self.backend, steps, persist_every=1, keep_persist=0,
+                                 events=Events())
         self.direct = server.client()  # not through the proxy
         self.bucket = bucket
 
