@@ -131,13 +131,6 @@ class Namespace:
         # when the mount's users last asked something (background work waits for a pause)
         self.foreground = Foreground()
 
-    @classmethod
-    def standalone(cls, store: RamStore, sink: CommitSink, *,
-                   node_id: str = "local") -> Namespace:
-        """A namespace with no other tier, loaded from `store` (tests drive it without a
-        mount)."""
-        return cls(Core(store, node_id=node_id), sink)
-
     # -- lookups: the Tree's ---------------------------------------------------------------
 
     @property
