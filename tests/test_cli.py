@@ -55,8 +55,9 @@ def test_ram_dir_off_tmpfs_is_a_warning(mounts: MountFactory, tmp_path: Path) ->
 
 def test_a_ram_limit_above_the_ram_dir_or_the_memory_is_a_warning(mounts: MountFactory,
                                                                    small_shm: Path) -> None:
-    """Before, `--ram-limit 64g` (or `999999T`) on a 23 GiB host mounted without a word. The
-    mount goes on (a small RAM dir may be meant), with one line saying the limit cannot hold."""
+    """A --ram-limit the RAM dir or the host cannot hold (64M on a small tmpfs, 999999T):
+    the mount goes on (a small RAM dir may be meant), with one line saying the limit cannot
+    hold."""
     said = []
     for number, (ram_dir, limit) in enumerate([(small_shm / "ram", "64M"),
                                                (mounts.new_ram_dir(), "999999T")]):

@@ -105,8 +105,8 @@ def test_binary_config_file_and_unknown_flag_words(tmp_path) -> None:  # type: i
     ({"commit_timeout": "inf"}, "--commit-timeout must be a positive number of seconds"),
 ])
 def test_options_that_cannot_be_right_are_refused(cli: dict[str, str], message: str) -> None:
-    """Before, `--ram-limit 1` (one byte, meant as 1G) and `--commit-idle 1e308` mounted
-    silently."""
+    """Values no one means (`--ram-limit 1`: one byte, meant as 1G; `--commit-idle 1e308`)
+    are refused with one line; sensible ones next to them are taken."""
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve("/mnt", cli, {}, None)
     resolve("/mnt", {"ram_limit": "1M", "commit_idle": "604800"}, {}, None)

@@ -28,8 +28,8 @@ FILES = 500
 
 async def test_a_commit_makes_one_link_per_file_and_no_stat_of_objects(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: each file's object was looked for first (pathlib's exists: a stat of
-    objects/<xxh3>), then linked."""
+    """A commit of many files links each file's object once, without first looking for it
+    (no stat of objects/<xxh3>)."""
     harness = Harness(tmp_path / "ram")
     try:
         await commit_many(harness, monkeypatch)

@@ -94,8 +94,9 @@ async def test_a_read_goes_past_a_tier_that_is_down_to_one_that_has_the_file(
 
 async def test_a_source_failing_outside_its_contract_is_a_bug_not_a_tier_failure(
         tmp_path: Path) -> None:
-    """Before the ports declared their errors, any exception of a source was taken for "this
-    tier cannot serve it" and the next one was asked: a bug in an adapter went unseen."""
+    """A read source raising outside its contract (not a TierError) is a bug: the read fails
+    with it, instead of its passing for "this tier cannot serve it" while the next source is
+    asked."""
     buggy, store = BuggySource("peers"), MemoryTier("s3")
     h = Harness(tmp_path / "ram", read_sources=[buggy, store], persist=store, keep_ram=0)
     try:

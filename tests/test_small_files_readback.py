@@ -49,8 +49,9 @@ class GatedTier(MemoryTier):
 
 async def test_the_small_files_of_an_evicted_step_come_back_many_at_once(
         tmp_path: Path) -> None:
-    """Before: one request per file, each at its read, one after another (the gated store
-    never saw two at once, and the first read never returned)."""
+    """The small files of an evicted step come back many at once, in the background, when
+    the first of them is read: the gated store sees several requests together, and the first
+    read returns."""
     files = {f"t{i:05}.distcp": i.to_bytes(8, "little") * 512 for i in range(SMALL_FILES)}
     store = GatedTier(at_once=8)
     h = Harness(tmp_path / "ram", read_sources=[store], persist=store, keep_ram=0)
