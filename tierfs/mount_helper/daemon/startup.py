@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 CHECK_PATIENCE = 10.0  # seconds a mount waits for an unreachable persistent tier
 CATCH_UP_RETRIES = POLICY.capped(5.0)  # reading etcd after a start, until it answers
+STORE_CHECK_RETRIES = POLICY.capped(1.0)  # the store at start, for CHECK_PATIENCE at most
 
 
 class StartupError(Exception):
@@ -294,16 +295,16 @@ async def open_persistent_tier(cfg: MountConfig, ready: ReadyPipe, tree: Tree,
         backend = open_backend(cfg.persist, cfg.s3_endpoint)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
+    async def check() -> bool:
+        return await trio.to_thread.run_sync(backend.check)
+
     with trio.move_on_after(CHECK_PATIENCE) as patience:
-        while True:
-            try:
-                new = await trio.to_thread.run_sync(backend.check)
-                break
-            except BackendError as exc:
-                if not exc.temporary:
-                    raise StartupError(f"persistent tier: {exc}") from None
-                log.info("persistent tier not reachable yet: %s", exc)
-                await trio.sleep(1)
+        try:
+            new = await retry(check, "reaching the persistent tier",
+                              retryable=lambda exc: isinstance(exc, BackendError)
+                              and exc.temporary, policy=STORE_CHECK_RETRIES)
+        except BackendError as exc:
+            raise StartupError(f"persistent tier: {exc}") from None
     if patience.cancelled_caught:
         raise StartupError(f"persistent tier {cfg.persist} is unreachable (tried for "
                            f"{CHECK_PATIENCE:.0f} s): check --s3-endpoint and the network")
