@@ -150,7 +150,8 @@ def test_fs_sub_packages_import_only_downward() -> None:
 
 def folders(graph: dict[str, set[str]], depth: int) -> dict[str, set[str]]:
     """The import graph between folders: each module stands for its name's first `depth` parts
-    (depth 2: tierfs.fs, tierfs.observe, tierfs.mount_helper...; 3: tierfs.fs.tree...)."""
+    (depth 2: tierfs.fs, tierfs.observe, tierfs.mount_helper...; 3: tierfs.fs.lifecycle,
+    tierfs.fs.store...)."""
     folded: dict[str, set[str]] = {}
     for name, imported in graph.items():
         folder = ".".join(name.split(".")[:depth])
