@@ -11,6 +11,7 @@ from typing import Any
 import trio
 
 from tierfs import manifest as mf
+from tierfs.fs.holders import RecordedHolders
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.ram_store import RamStore
 from tierfs.fs.step_versions import StepVersions
@@ -157,6 +158,8 @@ class ClusterNode:
         # Steps of the cluster not listed here for want of room for their records: path ->
         # (manifest, holders), listed again each PENDING_RETRY.
         self._unlearned: dict[str, tuple[mf.StepManifest, list[str]]] = {}
+        # the records `tierfs status` takes copies, holders and TIERS from
+        self.recorded = RecordedHolders(self.recorded_holders)
 
     async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> bool:
         """A peer verified copies of these files: counted in etcd's records, then here (only
@@ -169,6 +172,8 @@ class ClusterNode:
                     and found[name].xxh3 == entry.xxh3]
         if recorded:
             self.namespace.tiers.mark_held(manifest, peer, recorded)
+            # status shows the new copies at once, as `tierfs flush` counts them
+            self.recorded.forget(manifest.path)
         return len(recorded) == len(names)
 
     def handlers(self) -> dict[str, Handler]:
