@@ -77,6 +77,7 @@ class RecordedCluster:
             peers=[SimpleNamespace(node_id=n, up=True) for n in sorted(up)],
             status=lambda: [{"node_id": n, "state": "up"} for n in sorted(self.up)])
         self.replicator = SimpleNamespace(trouble=lambda _path: None)  # copies all made
+        self.recorded = RecordedHolders(self.recorded_holders)
 
     def served(self) -> dict[str, Any]:
         return {"requests": 0}

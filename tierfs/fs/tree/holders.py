@@ -141,6 +141,10 @@ class RecordedHolders:
             self._paused_until = trio.current_time() + RECORDS_PAUSE
         return {path: files for (path, _version), (_at, files) in self._cache.items()}
 
+    def forget(self, path: str) -> None:
+        """The step's records changed (this node recorded new holders): read them again."""
+        self._cache = {key: value for key, value in self._cache.items() if key[0] != path}
+
 
 class Holdings:
     """The holder arithmetic of one node over a step's own state (`StepState`: its replicas,

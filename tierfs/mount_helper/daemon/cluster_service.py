@@ -13,6 +13,7 @@ import trio
 from tierfs import manifest as mf
 from tierfs.fs.namespace import Core, Namespace
 from tierfs.fs.store.ram_store import RamStore
+from tierfs.fs.tree.holders import RecordedHolders
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon import admission
 from tierfs.mount_helper.daemon.commit_pipeline import (
@@ -155,6 +156,8 @@ class ClusterNode:
         # Steps of the cluster not listed here for want of room for their records: path ->
         # (manifest, holders), listed again each PENDING_RETRY.
         self._unlearned: dict[str, tuple[mf.StepManifest, list[str]]] = {}
+        # the records `tierfs status` takes copies, holders and TIERS from
+        self.recorded = RecordedHolders(self.recorded_holders)
 
     async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> bool:
         """A peer verified copies of these files: counted in etcd's records, then here (only
@@ -167,6 +170,8 @@ class ClusterNode:
                     and found[name].xxh3 == entry.xxh3]
         if recorded:
             self.namespace.tiers.mark_held(manifest, peer, recorded)
+            # status shows the new copies at once, as `tierfs flush` counts them
+            self.recorded.forget(manifest.path)
         return len(recorded) == len(names)
 
     def handlers(self) -> dict[str, Handler]:
