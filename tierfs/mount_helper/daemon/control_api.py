@@ -250,7 +250,8 @@ class ControlApi:
 
     def _spread(self, step: StepState, recorded: dict[str, set[str]] | None
                 ) -> dict[str, Any]:
-        """`copies`, `holders`, `tiers` and `only_here` of a committed step in a cluster."""
+        """`copies`, `holders`, `tiers` and `only_here` of a committed step in a cluster, and
+        `domains`: the failure domain of each holder that has one."""
         assert self.cluster is not None
         me = self.cfg.node_id
         tree = self.namespace.tree
@@ -263,8 +264,11 @@ class ControlApi:
         alone = not step.persisted and any(
             name in step.resident and not any(h != me and is_up(h) for h in nodes)
             for name, nodes in recorded.items())
+        domain_of = self.cluster.directory.domain_of
+        domains = {h: d for h in held.holders if (d := domain_of(h)) is not None}
         return {"copies": held.copies, "holders": list(held.holders),
-                "tiers": held.tiers(step.persisted), "only_here": alone}
+                "tiers": held.tiers(step.persisted), "only_here": alone,
+                **({"domains": domains} if domains else {})}
 
     async def status(self) -> dict[str, Any]:
         ns = self.namespace
@@ -282,6 +286,7 @@ class ControlApi:
             "ram_dir": str(self.cfg.ram_dir),
             "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes},
             "passthrough": self.passthrough is not None and self.passthrough.enabled,
+            "failure_domain": self.cfg.failure_domain,
             "peers": self.cluster.directory.status() if self.cluster else [],
             "served_to_peers": self.cluster.served() if self.cluster else None,
             # in a cluster: what this node missed while it was down is applied

@@ -153,7 +153,8 @@ class Replicator:
         here = {name: placement.Placement(r.node, frozenset(r.holders), frozenset(r.left))
                 for name, r in records.items()
                 if os.path.exists(self._object_path(r.xxh3))}
-        plan = placement.restore_plan(here, self.directory.live.ring, self.replicas)
+        live = self.directory.live
+        plan = placement.restore_plan(here, live.ring, self.replicas, live.domains)
         return plan.for_source(self.directory.me)
 
     async def _send_copies(self, manifest: mf.StepManifest,
