@@ -1,7 +1,9 @@
 """The FUSE floor of the bench's many-file rows: `fuse_floor.c` (a FUSE file system in C that
 keeps files in memory and does nothing else) built with the machine's compiler and libfuse 3
 (which `make install` puts there for pyfuse3) and mounted for one measurement. A row's ratio
-to tmpfs on it is the least any FUSE daemon could reach on this machine."""
+to tmpfs on it is the least any FUSE daemon could reach on this machine. `pyfuse3_floor.py`
+beside it is the same file system on pyfuse3 and trio: the least a daemon built as tierfs's
+is (pyfuse3's dispatch and trio's loop per round trip) could reach."""
 
 from __future__ import annotations
 
@@ -35,12 +37,17 @@ def build(work: Path) -> Path | None:
     return program
 
 
+PYTHON_FLOOR = Path(__file__).with_name("pyfuse3_floor.py")
+
+
 @contextlib.contextmanager
-def mounted(program: Path, mountpoint: Path) -> Iterator[Path]:
-    """The floor mounted at `mountpoint` until the block ends (then lazily unmounted, and its
-    process killed by pid if it has not ended by itself)."""
+def mounted(program: Path | list[str], mountpoint: Path) -> Iterator[Path]:
+    """A floor (`program`, or a command line to which the mount point is added) mounted at
+    `mountpoint` until the block ends (then lazily unmounted, and its process killed by pid if
+    it has not ended by itself)."""
     mountpoint.mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen([str(program), str(mountpoint)])
+    command = [str(program)] if isinstance(program, Path) else list(program)
+    process = subprocess.Popen([*command, str(mountpoint)])
     try:
         deadline = time.monotonic() + 10
         while not os.path.ismount(mountpoint):

@@ -25,6 +25,8 @@ What is modelled (all parameters are command-line options, defaults in `Params`)
 - network: each node's NIC is full duplex at link_gbps each way, shared fairly among its
   concurrent flows (a flow gets min(sender's up / its flows out, receiver's down / its flows
   in)); one kept-alive connection per (sender, receiver) carries that pair's files in turn.
+  A node's daemon moves peer bytes at node_gbps each way at most (its data plane: the CPU it
+  spends per byte sent and received, `--node-rates`; 0: it keeps up with the link).
   Receivers verify each file (xxh3) at verify_gbps before it counts.
 - S3: uploads start at the commit; the store holds the step after
   max(total / s3_gbps, per node / min(link, s3_node_gbps)) (a fluid bound, not flows).
@@ -83,6 +85,8 @@ class Params:
     bytes_per_param: float = 14.0
     metadata_mb: float = 8.0  # the step's .metadata, written by rank 0's node
     link_gbps: float = 100.0
+    # the peer data plane's rate one daemon sustains each way, Gb/s (0: the link's)
+    node_gbps: float = 0.0
     replicas: int = 1  # K: copies on other nodes
     etcd_rps: float = 15_000.0  # one-key requests a second
     etcd_key_us: float = 2.0  # each further key read or written by a request
@@ -115,6 +119,29 @@ class Params:
     @property
     def link_bytes(self) -> float:
         return self.link_gbps * GB / 8
+
+    @property
+    def peer_bytes(self) -> float:
+        """Bytes a second a node moves to or from its peers, each way: its link's, or less if
+        its daemon's data plane cannot keep up (`node_gbps`)."""
+        if self.node_gbps <= 0:
+            return self.link_bytes
+        return min(self.link_bytes, self.node_gbps * GB / 8)
+
+
+# The peer data plane as bench/run.py measured it on this project's machine (2 cores shared by
+# both daemons, the saver and the S3 server; doc/BENCHMARKS.md, "The peer data plane"): committed
+# -> replicated of a 1 GiB step, and the daemons' CPU-seconds per GiB copied (the sender's and
+# the receiver's, from the save's return to the verified copy).
+MEASURED_GBPS = 7.4  # 0.93 GB/s x 8: the copy's rate here, Gb/s
+MEASURED_CPU_PER_GIB = 1.83  # sender 0.61 + receiver 1.22 CPU-seconds per GiB
+DAEMON_CORES = 8  # cores a training node's daemon may use for the data plane (projection)
+
+
+def projected_gbps(cpu_per_gib: float, cores: int) -> float:
+    """Gb/s each way a daemon with `cores` moves, sending and receiving at once as every node
+    does in a checkpoint: a GiB out and a GiB in cost `cpu_per_gib` CPU-seconds."""
+    return cores / cpu_per_gib * 2**30 * 8 / GB
 
 
 # --- the real etcd client against an in-memory store that records requests ----------------
@@ -320,7 +347,7 @@ class _Pair:
 class Network:
     def __init__(self, sim: Sim, p: Params) -> None:
         self.sim = sim
-        self.capacity = p.link_bytes
+        self.capacity = p.peer_bytes
         self.out: dict[str, set[int]] = defaultdict(set)
         self.into: dict[str, set[int]] = defaultdict(set)
         self.pairs: dict[int, _Pair] = {}
@@ -780,6 +807,7 @@ class DdpResult:
     nodes: int
     ranks: int
     link_gbps: float
+    node_gbps: float
     file_gb: float
     swarm: bool
     seconds: float
@@ -823,24 +851,25 @@ def ddp_restore(p: Params, file_gb: float, swarm: bool, sample_chunks: int = 256
         if swarm:
             depth = max(depth, max(books[holder]._chunks[chunk].depth.values(), default=1))
     scale = chunks / routed * mf.CHUNK_SIZE  # bytes per routed chunk
-    link = p.link_bytes
+    link = p.peer_bytes
     busiest = max(max(sent.values()) * scale, size)  # a reader receives the file once
     one_node = size / link
-    return DdpResult(p.nodes, p.ranks, p.link_gbps, file_gb, swarm,
+    return DdpResult(p.nodes, p.ranks, p.link_gbps, p.node_gbps, file_gb, swarm,
                      busiest / link + depth * mf.CHUNK_SIZE / link, one_node,
                      max(sent[h] for h in holders) * scale / size,
                      max((sent[r] for r in readers), default=0) * scale / size,
                      depth if swarm else 1)
 
 
-DDP_COLUMNS = [("sources", 16), ("link Gb/s", 9), ("file GB", 7), ("every rank has it", 17),
-               ("one node", 8), ("ratio", 7), ("writer sends", 12), ("a reader sends", 14),
-               ("relay depth", 11)]
+DDP_COLUMNS = [("sources", 16), ("link Gb/s", 9), ("node Gb/s", 9), ("file GB", 7),
+               ("every rank has it", 17), ("one node", 8), ("ratio", 7), ("writer sends", 12),
+               ("a reader sends", 14), ("relay depth", 11)]
 
 
 def ddp_row(r: DdpResult) -> str:
     cells = ["swarm (now)" if r.swarm else "holders (before)", f"{r.link_gbps:g}",
-             f"{r.file_gb:g}", f"{r.seconds:,.1f} s", f"{r.one_node:.2f} s",
+             "link" if r.node_gbps <= 0 else f"{r.node_gbps:.0f}", f"{r.file_gb:g}",
+             f"{r.seconds:,.1f} s", f"{r.one_node:.2f} s",
              f"{r.seconds / r.one_node:,.2f}", f"{r.holder_sent:,.2f} x",
              f"{r.relay_sent:.2f} x", str(r.depth)]
     return " | ".join(c.rjust(w) for c, (_, w) in zip(cells, DDP_COLUMNS, strict=True))
@@ -956,7 +985,8 @@ def s3_table(p: Params, limits: S3Limits, ddp_gb: float) -> list[S3Result]:
 
 # --- the command line -------------------------------------------------------------------------
 
-COLUMNS = [("link Gb/s", 9), ("K", 2), ("holders", 7), ("follow", 7), ("committed", 9),
+COLUMNS = [("link Gb/s", 9), ("node Gb/s", 9), ("K", 2), ("holders", 7), ("follow", 7),
+           ("committed", 9),
            ("visible all", 11), ("K copies RAM", 12), ("K recorded", 10), ("in S3", 6),
            ("etcd req/s peak", 15), ("mean", 6), ("idle", 5), ("requests", 8), ("MB", 6),
            ("restore peers", 13), ("from S3", 7)]
@@ -964,13 +994,17 @@ COLUMNS = [("link Gb/s", 9), ("K", 2), ("holders", 7), ("follow", 7), ("committe
 
 def row(r: Result) -> str:
     p = r.params
-    cells = [f"{p.link_gbps:g}", str(p.replicas), p.holder_updates, p.follow,
+    cells = [f"{p.link_gbps:g}", _node_rate(p), str(p.replicas), p.holder_updates, p.follow,
              f"{r.committed:.2f}", f"{r.visible_all:.2f}", f"{r.copies_ram:.2f}",
              f"{r.copies_recorded:.2f}", f"{r.stored:.1f}", f"{r.etcd_peak:,.0f}",
              f"{r.etcd_mean:,.0f}", f"{r.etcd_idle:,.0f}", f"{r.requests:,}",
              f"{r.etcd_mb:,.0f}",
              f"{r.restore_peers:.2f}", f"{r.restore_s3:.2f}"]
     return " | ".join(c.rjust(w) for c, (_, w) in zip(cells, COLUMNS, strict=True))
+
+
+def _node_rate(p: Params) -> str:
+    return "link" if p.node_gbps <= 0 else f"{p.node_gbps:.0f}"
 
 
 def header() -> str:
@@ -983,6 +1017,17 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in vars(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--links", default="100,400", help="link speeds to run, Gb/s")
+    parser.add_argument("--node-rates", default=None,
+                        help="per-node data-plane rates to run, Gb/s each way (0: the link's); "
+                        "default: 0 and the rate projected from --measured-cpu-per-gib at "
+                        "--daemon-cores")
+    parser.add_argument("--measured-gbps", type=float, default=MEASURED_GBPS,
+                        help="the peer copy's rate bench/run.py measured on this machine, Gb/s")
+    parser.add_argument("--measured-cpu-per-gib", type=float, default=MEASURED_CPU_PER_GIB,
+                        help="the daemons' CPU-seconds per GiB copied, sender + receiver, as "
+                        "bench/run.py measured it")
+    parser.add_argument("--daemon-cores", type=int, default=DAEMON_CORES,
+                        help="cores a node's daemon gives its data plane, for the projection")
     parser.add_argument("--ks", default="1,2", help="replica counts to run")
     parser.add_argument("--variants", default="cas:records@100:1,batch:peer",
                         help="holder-updates:follow pairs to run (@LINK:K: that one only)")
@@ -1004,9 +1049,18 @@ def main(argv: list[str] | None = None) -> None:
     links = [float(x) for x in args.pop("links").split(",")]
     ks = [int(x) for x in args.pop("ks").split(",")]
     variants = args.pop("variants").split(",")
+    measured, cpu, cores = (args.pop("measured_gbps"), args.pop("measured_cpu_per_gib"),
+                            args.pop("daemon_cores"))
+    projected = projected_gbps(cpu, cores)
+    rates = args.pop("node_rates")
+    node_rates = [float(x) for x in rates.split(",")] if rates else [0.0, round(projected)]
+    print(f"The peer data plane measured here: {measured:g} Gb/s ({measured / 8:.2f} GB/s) on "
+          f"2 cores shared by both daemons, {cpu:g} CPU-seconds per GiB sent and received: "
+          f"{projected_gbps(cpu, 1):.1f} Gb/s each way per core, {projected:.0f} Gb/s at "
+          f"{cores} cores (node Gb/s below: `link` = a daemon that keeps up with its NIC)\n")
     base = Params(**args)
     if "checkpoint" in parts:
-        checkpoints(base, links, ks, variants)
+        checkpoints(base, links, ks, variants, node_rates)
     if "rack" in parts:
         racks(base, rack_count, links[0])
     if "ddp" in parts:
@@ -1014,7 +1068,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{base.replicas}); all {base.nodes:,} nodes x {base.ranks} ranks load it at once "
               "(a node's ranks share one fetch)")
         print(" | ".join(name.rjust(w) for name, w in DDP_COLUMNS))
-        runs = [replace(base, link_gbps=link) for link in links]
+        runs = [replace(base, link_gbps=link, node_gbps=rate) for link in links
+                for rate in node_rates]
         for p in runs:
             for swarm in (False, True):
                 print(ddp_row(ddp_restore(p, ddp_gb, swarm, sample)), flush=True)
@@ -1051,8 +1106,8 @@ RACK_COLUMNS = [("placement", 9), ("nodes lost", 10), ("racks per file", 14),
                 ("restore from peers s", 20)]
 
 
-def checkpoints(base: Params, links: list[float], ks: list[int], variants: list[str]
-                ) -> None:
+def checkpoints(base: Params, links: list[float], ks: list[int], variants: list[str],
+                node_rates: list[float] = (0.0,)) -> None:  # type: ignore[assignment]
     """The table of one checkpoint and a node lost, one row per variant, link and K."""
     print(f"{base.nodes} nodes x {base.ranks} ranks, {base.params_b:g}B parameters x "
           f"{base.bytes_per_param:g} B = {base.total_bytes / 1e12:.2f} TB in "
@@ -1068,10 +1123,10 @@ def checkpoints(base: Params, links: list[float], ks: list[int], variants: list[
     for variant in variants:
         kind, _, only = variant.partition("@")
         holders, follow = kind.split(":")
-        points = [(float(only.split(":")[0]), int(only.split(":")[1]))] if only else [
-            (link, k) for link in links for k in ks]
-        runs += [replace(base, link_gbps=link, replicas=k, holder_updates=holders,
-                         follow=follow) for link, k in points]
+        points = [(float(only.split(":")[0]), int(only.split(":")[1]), 0.0)] if only else [
+            (link, k, rate) for link in links for k in ks for rate in node_rates]
+        runs += [replace(base, link_gbps=link, node_gbps=rate, replicas=k,
+                         holder_updates=holders, follow=follow) for link, k, rate in points]
     manifest_mb = 0.0
     with ProcessPoolExecutor(min(len(runs), os.cpu_count() or 1)) as pool:
         for result in pool.map(simulate, runs):  # in order, each as soon as it and those

@@ -31,7 +31,7 @@ from tierfs.mount_helper.mounts import is_mounted
 TIERFS = [sys.executable, "-m", "tierfs"]
 
 
-LAYERS = ("core", "store", "fuse", "cluster", "frameworks", "faults")
+LAYERS = ("core", "store", "fuse", "cluster", "frameworks", "faults", "image")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

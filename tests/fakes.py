@@ -16,7 +16,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs.ports import ObjectMissing, TierError
+from tierfs.fs.ports import FilesOnPeers, ObjectMissing, TierError
 from tierfs.replication.coordination import placement
 from tierfs.replication.coordination.etcd import (
     EtcdUnavailable,
@@ -29,9 +29,9 @@ from tierfs.replication.coordination.membership import MemberInfo
 
 
 class MemoryTier:
-    """A persistent tier (`ReadSource` and `PersistCopies`) in a dict: objects by their key
-    (`layout.object_key`), manifests by step. `down` makes every call fail as an unreachable
-    store does; `reads` counts the ranges served."""
+    """A persistent tier (`ReadSource`, `PersistCopies` and `StoreCheck`) in a dict: objects
+    by their key (`layout.object_key`), manifests by step. `down` makes every call fail as an
+    unreachable store does; `reads` counts the ranges served."""
 
     def __init__(self, name: str = "memory") -> None:
         self.name = name
@@ -80,6 +80,15 @@ class MemoryTier:
                              single_file: bool = False) -> None:
         self._check()
         self.manifests[step_path] = data
+
+    async def held_files(self, manifest: mf.StepManifest) -> set[str]:
+        self._check()
+        if manifest.path not in self.manifests:
+            return set()
+        data_dir = layout.data_dir(manifest.path, manifest.single_file)
+        return {e.name for e in manifest.files
+                if len(self.objects.get(layout.object_key(data_dir, e.name), b"")) == e.size
+                and layout.object_key(data_dir, e.name) in self.objects}
 
 
 class BuggySource(MemoryTier):
@@ -306,3 +315,22 @@ class StaticMembership:
                           self.node_id: self.info.address})
         task_status.started()
         await trio.sleep_forever()
+
+
+class MemoryShards:
+    """`ShardsOnPeers`: what each other node has written of each step (`files`: node ->
+    step path -> names); the nodes in `down` cannot answer."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, dict[str, set[str]]] = {}
+        self.down: set[str] = set()
+
+    async def ask(self, step_path: str, names: set[str], deadline: float) -> FilesOnPeers:
+        found = FilesOnPeers({}, set())
+        for node, steps in sorted(self.files.items()):
+            if node in self.down:
+                found.unanswered.add(node)
+                continue
+            for name in sorted(names & steps.get(step_path, set())):
+                found.held.setdefault(name, node)
+        return found

@@ -3,10 +3,10 @@
 from a config in code, random data, no hub download (HF_HUB_OFFLINE=1). Each job prints one JSON
 line with what the test checks.
 
-    python tests/framework_jobs.py hf OUTPUT_DIR MAX_STEPS [resume]
+    python tests/framework_jobs.py hf OUTPUT_DIR MAX_STEPS [resume|resume=PATH] [die-at=N]
     python tests/framework_jobs.py lightning DIRPATH MAX_STEPS [CKPT_PATH]
     python tests/framework_jobs.py lightning-link DIRPATH MAX_STEPS [CKPT_PATH]  (save_last="link")
-    python tests/framework_jobs.py deepspeed SAVE_DIR MAX_STEPS PORT [resume]
+    python tests/framework_jobs.py deepspeed SAVE_DIR MAX_STEPS PORT [resume] [nowait] [tag=T]
     python tests/framework_jobs.py save RUN_DIR STEP...       # torch.save + safetensors
     python tests/framework_jobs.py load RUN_DIR STEP...       # torch.load(mmap) + safe_open
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -29,8 +30,13 @@ def tokens(seed: int) -> torch.Tensor:
     return torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(seed))
 
 
-def hf(output_dir: str, max_steps: int, resume: bool) -> dict[str, Any]:
-    """transformers' Trainer with save_steps and save_total_limit=2, resumable."""
+def hf(output_dir: str, max_steps: int, resume: bool | str,
+       die_at: int | None = None) -> dict[str, Any]:
+    """transformers' Trainer with save_steps and save_total_limit=2, resumable (`resume`: True
+    for its own choice, the newest checkpoint-N, or a checkpoint's path). `die_at`: the
+    process is killed (SIGKILL) in the middle of its save at that step, once the model, the
+    optimizer and the scheduler are written and before its RNG state and trainer_state.json
+    (a node's OOM killer, a job preempted)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -58,7 +64,16 @@ def hf(output_dir: str, max_steps: int, resume: bool) -> dict[str, Any]:
         per_device_train_batch_size=4, report_to=[], use_cpu=True, logging_steps=1000,
         disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[CountSteps()])
-    trainer.train(resume_from_checkpoint=True if resume else None)
+    if die_at is not None:
+        save_rng_state = Trainer._save_rng_state
+
+        def dying(self: Trainer, output_dir: str | None) -> None:
+            if self.state.global_step == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            save_rng_state(self, output_dir)
+
+        Trainer._save_rng_state = dying  # type: ignore[method-assign]
+    trainer.train(resume_from_checkpoint=resume or None)
     return {"global_step": trainer.state.global_step, "steps_run": CountSteps.done}
 
 
@@ -100,7 +115,8 @@ def lightning(dirpath: str, max_steps: int, ckpt_path: str | None,
     return {"global_step": trainer.global_step, "start_step": started[0]}
 
 
-def deepspeed_job(save_dir: str, max_steps: int, port: str, resume: bool) -> dict[str, Any]:
+def deepspeed_job(save_dir: str, max_steps: int, port: str, resume: bool,
+                  wait: bool = True, tag: str | None = None) -> dict[str, Any]:
     """DeepSpeed's engine on CPU (one gloo rank, ZeRO stage 1), `save_checkpoint(save_dir)`
     every SAVE_EVERY steps: `global_stepN/` with model and optimizer states, then, on rank 0,
     its own `latest` file naming the tag; resumed by `load_checkpoint(save_dir)`, which reads
@@ -110,7 +126,9 @@ def deepspeed_job(save_dir: str, max_steps: int, port: str, resume: bool) -> dic
     Here that call lasts until tierfs committed the step (by its idle rule), as a barrier
     with slower ranks on other nodes or an engine that waits for durability lasts: the
     `latest` file comes after the commit, the order in which tierfs's own `latest` link
-    used to be in its way."""
+    used to be in its way. Not `wait`: DeepSpeed's own engine, which goes on at once (saves
+    as fast as training goes). `tag`: `save_checkpoint(save_dir, tag=f"{tag}{step}")`, a
+    custom tag (no step name) instead of DeepSpeed's `global_stepN`."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
@@ -139,7 +157,8 @@ def deepspeed_job(save_dir: str, max_steps: int, port: str, resume: bool) -> dic
               "steps_per_print": 10**6}
     engine, _optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01), config=config)
-    engine.checkpoint_engine = CommitAfterTierfs(engine._config)
+    if wait:
+        engine.checkpoint_engine = CommitAfterTierfs(engine._config)
 
     def weights() -> list[float]:
         return torch.cat([p.detach().flatten() for p in engine.module.parameters()]).tolist()
@@ -156,7 +175,8 @@ def deepspeed_job(save_dir: str, max_steps: int, port: str, resume: bool) -> dic
         engine.backward(loss)
         engine.step()
         if engine.global_steps % SAVE_EVERY == 0:
-            engine.save_checkpoint(save_dir)
+            engine.save_checkpoint(save_dir, tag=None if tag is None
+                                   else f"{tag}{engine.global_steps}")
             result["saved"][str(engine.global_steps)] = weights()
     return result | {"global_step": engine.global_steps}
 
@@ -199,12 +219,17 @@ def main(argv: list[str]) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"  # nothing may come from a hub
     job, where, *rest = argv
     if job == "hf":
-        result = hf(where, int(rest[0]), rest[1:] == ["resume"])
+        options = dict(o.partition("=")[::2] for o in rest[1:])
+        resume = options.get("resume")
+        result = hf(where, int(rest[0]), True if resume == "" else resume or False,
+                    int(options["die-at"]) if "die-at" in options else None)
     elif job in ("lightning", "lightning-link"):
         result = lightning(where, int(rest[0]), rest[1] if len(rest) > 1 else None,
                            "link" if job == "lightning-link" else None)
     elif job == "deepspeed":
-        result = deepspeed_job(where, int(rest[0]), rest[1], rest[2:] == ["resume"])
+        tag = next((o[4:] for o in rest[2:] if o.startswith("tag=")), None)
+        result = deepspeed_job(where, int(rest[0]), rest[1], "resume" in rest[2:],
+                               "nowait" not in rest[2:], tag)
     elif job == "save":
         result = save(Path(where), [int(s) for s in rest])
     elif job == "load":

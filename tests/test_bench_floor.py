@@ -1,11 +1,12 @@
-"""bench/fuse_floor.c, the FUSE floor of the bench's many-file rows, still builds, mounts and
-keeps what is written to it (so that the reference `make bench` sets tierfs against cannot rot
-or quietly measure a file system that loses files)."""
+"""bench/fuse_floor.c and bench/pyfuse3_floor.py, the FUSE floors of the bench's many-file
+rows, still build, mount and keep what is written to them (so that the references `make bench`
+sets tierfs against cannot rot or quietly measure a file system that loses files)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,14 @@ from bench import fuse_floor
 pytestmark = pytest.mark.fuse
 
 
-def test_the_floor_keeps_a_step_of_files(tmp_path: Path) -> None:
-    program = fuse_floor.build(tmp_path)
-    assert program is not None, "`make install` puts a compiler and libfuse3's headers here"
+@pytest.mark.parametrize("floor", ["c", "pyfuse3"])
+def test_the_floor_keeps_a_step_of_files(tmp_path: Path, floor: str) -> None:
+    program: Path | list[str] | None
+    if floor == "c":
+        program = fuse_floor.build(tmp_path)
+        assert program is not None, "`make install` puts a compiler and libfuse3's headers here"
+    else:
+        program = [sys.executable, str(fuse_floor.PYTHON_FLOOR)]
     with fuse_floor.mounted(program, tmp_path / "mnt") as mountpoint:
         step = mountpoint / "run" / "step_1"
         step.mkdir(parents=True)

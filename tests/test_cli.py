@@ -53,6 +53,31 @@ def test_ram_dir_off_tmpfs_is_a_warning(mounts: MountFactory, tmp_path: Path) ->
     assert oct(ram_dir.stat().st_mode & 0o777) == "0o700"
 
 
+def test_a_ram_limit_above_the_ram_dir_or_the_memory_is_a_warning(mounts: MountFactory,
+                                                                   small_shm: Path) -> None:
+    """Before, `--ram-limit 64g` (or `999999T`) on a 23 GiB host mounted without a word. The
+    mount goes on (a small RAM dir may be meant), with one line saying the limit cannot hold."""
+    said = []
+    for number, (ram_dir, limit) in enumerate([(small_shm / "ram", "64M"),
+                                               (mounts.new_ram_dir(), "999999T")]):
+        mountpoint = mounts.tmp_path / f"limit{number}"
+        mountpoint.mkdir()
+        done = tierfs("mount", str(mountpoint), "--ram-dir", str(ram_dir), "--ram-limit", limit)
+        mounts.mounts.append(Mount(mountpoint, ram_dir, ram_dir / "tierfs.log"))
+        mounts.ram_dirs.append(ram_dir)
+        mounts.mounts[-1].pid = mounts.mounts[-1].status()["pid"]
+        warnings = [line for line in done.stderr.splitlines() if "--ram-limit" in line]
+        assert len(warnings) == 1, done.stderr
+        said.append(warnings[0])
+    assert said[0] == (f"tierfs: warning: --ram-limit 64.0 MiB is more than the RAM dir's file "
+                       f"system (4.0 MiB at {small_shm / 'ram'}): the RAM tier never reaches "
+                       "it (writes fail with ENOSPC once the file system is full, or the host "
+                       "runs out of memory first)")
+    assert said[1].startswith("tierfs: warning: --ram-limit 999999.0 TiB is more than the RAM "
+                              "dir's file system (")
+    assert " and this host's memory (" in said[1]
+
+
 def test_status_table_and_umount(mnt: Mount) -> None:
     write_step(mnt / "run/step_100", {"__0_0.distcp": b"x" * 3000})
     (mnt / "run/step_200").mkdir()
@@ -123,8 +148,11 @@ def test_config_file_mistakes_are_one_line(tmp_path: Path) -> None:
                           "foreground must be true or false")
 
 
-def test_flush_names_the_steps_that_are_not_committed(mounts: MountFactory,
-                                                      tmp_path: Path) -> None:
+def test_flush_fails_naming_the_steps_that_are_not_committed(mounts: MountFactory,
+                                                             tmp_path: Path) -> None:
+    """A step still being written is in no tier but this node's RAM: `tierfs flush` does not
+    exit 0 (an epilog would unmount on its word), it names the step; once the step is
+    committed and stored, the flush exits 0."""
     store = tmp_path / "store"
     store.mkdir()
     mnt = mounts.mount("--persist", f"file://{store}")
@@ -132,8 +160,14 @@ def test_flush_names_the_steps_that_are_not_committed(mounts: MountFactory,
     (mnt / "run/step_2").mkdir()
     with open(mnt / "run/step_2/model.pt", "wb") as writer:  # a save still going on
         writer.write(b"weights")
-        done = tierfs("flush", str(mnt.mountpoint))
+        done = tierfs("flush", str(mnt.mountpoint), check=False)
+    assert done.returncode == 1, (done.stdout, done.stderr)
     assert "every committed step is in" in done.stdout
-    assert "1 steps are not committed" in done.stderr and "run/step_2" in done.stderr, \
+    assert "1 step is not committed" in done.stderr and "run/step_2" in done.stderr, \
         done.stderr
     assert "run/step_1" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    tierfs("commit", str(mnt / "run/step_2"))
+    done = tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    assert "not committed" not in done.stderr
+    assert (store / "run/step_2/model.pt").read_bytes() == b"weights"

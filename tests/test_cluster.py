@@ -220,13 +220,15 @@ def test_a_wrong_token_or_advertised_address_is_refused_at_mount(
         (["--token-file", str(token_file), *listen, "--advertise", f"127.0.0.1:{free_port()}"],
          "cannot reach itself at its advertised address 127.0.0.1:"),
         (["--token-file", str(token_file), *listen, "--advertise",
-          f"127.0.0.1:{cluster.ports['node0']}"], "is not this node's peer port"),
+          f"127.0.0.1:{cluster.ports['node0']}"],
+         "is the peer port of node 'node0', not this node's ('node1')"),
     ]:
         done = tierfs("mount", str(mountpoint), "--ram-dir", str(mounts.new_ram_dir()),
                       "--cluster", cluster.url, "--node-id", "node1", *args, check=False)
         if done.returncode == 0:  # mounted after all: unmounted, its daemon ends with it
             subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
         assert done.returncode == 1 and message in done.stderr, done.stderr
+        assert "is not a member" not in done.stderr  # node0 is one: what is wrong is said
         errors = [line for line in done.stderr.splitlines() if "warning:" not in line]
         assert len(errors) == 1, done.stderr
     assert [p["node_id"] for p in cluster.nodes["node0"].status()["peers"]] == []

@@ -86,14 +86,20 @@ def test_a_copy_let_go_once_persisted_is_not_replaced_and_a_lost_one_is_elsewher
         mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
         tmp_path: Path) -> None:
     """K = 2 on four nodes with a store: node0's step is copied to node1 and node2, persisted,
-    then leaves node0's RAM (--keep-ram 1): the records list node1 and node2 only, node0 as
-    one that left (the store holds the file). node1 dies: the file is copied from node2 to
+    then leaves node0's RAM (--keep-ram 1 there; the others keep 3, so their copies stay,
+    though every node knows the store holds it): the records list node1 and node2 only, node0
+    as one that left (the store holds the file). node1 dies: the file is copied from node2 to
     node3 (not back to node0), every listed holder has it, and it reads byte-identical on
     every live node."""
     store = tmp_path / "store"
     store.mkdir()
     cluster = Cluster(mounts, token_file, 4, etcd_server)
-    cluster.start_all("--keep-ram", "1", "--replicas", "2", "--persist", f"file://{store}")
+    for node_id in cluster.ports:
+        cluster.nodes[node_id] = mounts.mount(
+            *cluster.args(node_id), "--replicas", "2", "--persist", f"file://{store}",
+            *(["--keep-ram", "1"] if node_id == "node0" else []))
+    for node_id in cluster.ports:
+        wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)
     node0 = cluster.nodes["node0"]
     step = "run/step_1"
     save(node0 / step, {"f": os.urandom(1 << 20), ".metadata": b"m"})

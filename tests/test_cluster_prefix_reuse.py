@@ -20,6 +20,7 @@ from tests.conftest import (
     pid_alive,
     run_dcp_ranks,
     start_dcp_ranks,
+    tierfs,
     wait_until,
 )
 from tests.test_cluster import (  # noqa: F401
@@ -29,6 +30,7 @@ from tests.test_cluster import (  # noqa: F401
     cluster3,
     token_file,
 )
+from tests.test_commit import write_step
 from tierfs.demo.etcd import Etcd
 from tierfs.replication.coordination.commit_records import CommitRecords
 from tierfs.replication.coordination.etcd import Etcd as EtcdClient
@@ -115,3 +117,27 @@ def test_a_step_saved_again_by_ranks_on_other_nodes_takes_their_new_files(
             assert getxattr(node0 / step / name, "user.tierfs.xxh3") == records[name].xxh3
     for node in (node0, node1):
         assert node.step(step)["version"] == 2 and node.step(step)["state"] == "committed"
+
+
+def test_a_new_cluster_does_not_count_the_copies_an_old_one_made(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """A node mounted with its RAM dir into a new cluster (another prefix): its step's copy on
+    a node of the old cluster is no copy here. Before, status listed that node as a replica
+    (from the marks its RAM dir kept)."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all()
+    write_step(node0 / "run/step_1", {"a.bin": b"x" * 5000})
+    wait_until(lambda: node0.step("run/step_1")["replicas"] == ["node1"], timeout=30)
+    for node in (node0, node1):
+        subprocess.run(["fusermount3", "-u", str(node.mountpoint)], check=True)
+        wait_until(lambda n=node: not pid_alive(n.pid), timeout=30)
+
+    new = etcd_server.cluster_url(f"test/{mounts.tmp_path.name}-new")
+    again = mounts.mount("--node-id", "node0", "--cluster", new, "--listen",
+                         f"127.0.0.1:{cluster.ports['node0']}", "--token-file", str(token_file),
+                         ram_dir=node0.ram_dir, mountpoint=node0.mountpoint)
+    wait_until(lambda: again.status()["caught_up"], timeout=30)
+    step = again.step("run/step_1")
+    assert step["replicas"] == [] and step["holders"] == ["node0"], step
+    assert step["copies"] == 1 and step["only_here"] is True
+    assert "node1" not in tierfs("status", str(again.mountpoint)).stdout

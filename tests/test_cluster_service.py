@@ -166,6 +166,24 @@ async def test_a_delete_from_a_peer_removes_the_step_here(tmp_path: Path) -> Non
         assert n0.ns.deletes.covers(manifest)  # remembered: no copy brings it back
 
 
+async def test_a_peer_says_which_files_of_a_step_being_written_it_has(tmp_path: Path) -> None:
+    """FILES and HAVE: a committer whose records of shards are late asks the other nodes: n1
+    has the shard its rank wrote for the save under way (recorded or not), not the files of a
+    version already committed, nor files it does not have; a node that is down cannot
+    answer, and may have them."""
+    async with cluster(tmp_path, "n0", "n1") as (_nursery, (n0, n1)):
+        await committed_on(n1, "run/step_5")
+        await n1.write_file("run/step_6/__1_0.distcp", b"rank 1")
+        names = {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+        asked = await n0.links.files.ask("run/step_6", names, trio.current_time() + 5)
+        assert (asked.held, asked.unanswered) == ({"__1_0.distcp": "n1"}, set())
+        asked = await n0.links.files.ask("run/step_5", names, trio.current_time() + 5)
+        assert (asked.held, asked.unanswered) == ({}, set())  # committed: not being written
+        n0.live.set_members({"n0": n0.cfg.advertise})  # n1 is down for n0
+        asked = await n0.links.files.ask("run/step_6", names, trio.current_time() + 5)
+        assert (asked.held, asked.unanswered) == ({}, {"n1"})
+
+
 async def test_the_peer_port_refuses_a_node_with_another_token(tmp_path: Path) -> None:
     etcd = MemoryEtcd()
     async with cluster(tmp_path, "n0", etcd=etcd) as (_nursery, (n0,)):
@@ -287,7 +305,8 @@ async def test_a_node_whose_advertised_address_is_not_its_peer_port_is_refused(
             await n0.node._admit()
         await n1.serve(nursery)
         n0.node.cfg = replace(n0.cfg, advertise=n1.cfg.advertise)  # another node answers there
-        with pytest.raises(StartupError, match=r"is not this node's peer port"):
+        with pytest.raises(StartupError, match=r"is the peer port of node 'n1', not this "
+                           r"node's \('n0'\)"):
             await n0.node._admit()
         assert not await n0.etcd.get(CLUSTER.key("token-check"))  # refused before etcd
 

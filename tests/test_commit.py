@@ -43,7 +43,8 @@ def test_metadata_rename_commits_with_xattrs(mnt: Mount) -> None:
                       "files": 2, "bytes": len(shard) + 4, "ram": True,
                       "ram_bytes": len(shard) + 4, "replicas": [], "copies": 1,
                       "persisted": False, "waiting_for": None, "kind": "dir",
-                      "persist_wait": None, "lost": None, "hashing": False}
+                      "persist_wait": None, "copies_wait": None, "lost": None,
+                      "hashing": False, "unfinished": None}
     assert mnt.step("run1") is None  # holds steps: a run directory, not a step
     with pytest.raises(OSError) as info:
         os.setxattr(step, "user.tierfs.state", b"writing")

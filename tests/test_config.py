@@ -105,3 +105,21 @@ def test_failure_domain_from_the_toml_file(tmp_path) -> None:  # type: ignore[no
                            "listen": "127.0.0.1:7070"}, {}, str(config))
     assert cfg.failure_domain == "us-east-1a"
     assert resolve("/mnt", {}, {}, None).failure_domain is None
+
+
+@pytest.mark.parametrize("cli, message", [
+    ({"ram_limit": "1"}, "--ram-limit 1 is 1 byte: give at least 1M (a size without a unit "
+                         "is in bytes"),
+    ({"ram_limit": "512K"}, "--ram-limit 512K is 524288 bytes: give at least 1M"),
+    ({"ram_limit": "99999999999P"}, "not a size any machine has: '99999999999P'"),
+    ({"commit_idle": "1e308"}, "--commit-idle 1e308 is more than a week: give at most 604800 "
+                               "seconds"),
+    ({"append_every": "1e9"}, "--append-every 1e9 is more than a week"),
+    ({"commit_timeout": "inf"}, "--commit-timeout must be a positive number of seconds"),
+])
+def test_options_that_cannot_be_right_are_refused(cli: dict[str, str], message: str) -> None:
+    """Before, `--ram-limit 1` (one byte, meant as 1G) and `--commit-idle 1e308` mounted
+    silently."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve("/mnt", cli, {}, None)
+    resolve("/mnt", {"ram_limit": "1M", "commit_idle": "604800"}, {}, None)

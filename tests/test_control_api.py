@@ -73,8 +73,10 @@ class RecordedCluster:
         self.caught_up = trio.Event()
         self.directory = SimpleNamespace(
             is_up=lambda node: node in self.up,
+            domain_of=lambda node: None,  # no --failure-domain
             peers=[SimpleNamespace(node_id=n, up=True) for n in sorted(up)],
             status=lambda: [{"node_id": n, "state": "up"} for n in sorted(self.up)])
+        self.replicator = SimpleNamespace(trouble=lambda _path: None)  # copies all made
 
     def served(self) -> dict[str, Any]:
         return {"requests": 0}
@@ -139,7 +141,8 @@ async def test_status_says_why_a_step_due_in_the_store_is_not_there_yet(
         steps = by_path(status)
         assert steps["run/step_1"]["persist_wait"] is None
         assert steps["run/step_2"]["persist_wait"] == {
-            "reason": "the store does not answer", "since_ns": 123, "failures": 4}
+            "reason": "the store does not answer", "since_ns": 123, "failures": 4,
+            "blocked": False}
         persist = status["persist"]
         assert (persist["url"], persist["pending_steps"], persist["sent_bytes"]) == \
             ("s3://bucket/prefix", 1, 10)

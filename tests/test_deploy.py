@@ -1,6 +1,7 @@
-"""The service files in deploy/: the systemd units pass `systemd-analyze verify` (or, without
-systemd, their key settings are read with configparser), the Kubernetes YAML has what a FUSE
-daemon needs there, and the Slurm scripts are valid shell. Every tierfs command line in them
+"""The service files in deploy/: the systemd units' key settings (read with configparser) and
+`systemd-analyze verify` (installed by the Makefile), the Kubernetes YAML has what a FUSE
+daemon needs there and names the image `make image` builds (tests/test_image.py runs it as the
+YAML says), and the Slurm scripts are valid shell. Every tierfs command line in them
 is parsed by tierfs's own argument parser, so an option they use cannot drift away."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.daemonset_pod import made_image_name
 from tierfs.mount_helper.cli import build_parser
 from tierfs.mount_helper.config import resolve
 
@@ -70,18 +72,20 @@ def test_systemd_unit_orders_mount_before_training_and_flushes_on_stop(
     assert start[:3] == [INSTALLED, "mount", "/checkpoints"] and "--foreground" in start
     assert "--allow-other" in start
     _parses(start[1:])
-    stops = [shlex.split(line.lstrip("-")) for line in _exec_lines("tierfs.service", "ExecStop")]
-    assert stops[0][1:3] == ["flush", "/checkpoints"] and "--timeout" in stops[0]
-    assert stops[-1][1:3] == ["umount", "/checkpoints"]
-    for stop in stops:
-        _parses(stop[1:])
-    flush_timeout = float(stops[0][stops[0].index("--timeout") + 1])
+    # one command: the quiet steps commit, the flush (bounded), then the unmount whatever
+    # the flush left (a flush before a separate umount left the last step uncommitted)
+    (stop,) = [shlex.split(line.lstrip("-")) for line in _exec_lines("tierfs.service",
+                                                                      "ExecStop")]
+    assert stop[1:3] == ["umount", "/checkpoints"]
+    assert {"--flush", "--timeout", "--force"} <= set(stop)
+    _parses(stop[1:])
+    flush_timeout = float(stop[stop.index("--timeout") + 1])
     assert int(unit["Service"]["TimeoutStopSec"]) > flush_timeout
     training = _unit("training.service")
     assert "tierfs.service" in training["Unit"]["After"]
     assert "tierfs.service" in training["Unit"]["Requires"]
-    if shutil.which("systemd-analyze") is None:
-        return
+    # systemd-analyze comes with the Makefile's Debian packages: its absence is a failure.
+    assert shutil.which("systemd-analyze"), "systemd-analyze missing: run `make install`"
     # verify checks that the programs exist: point the units at this tree's tierfs
     for name in ("tierfs.service", "training.service"):
         text = (DEPLOY / "systemd" / name).read_text()
@@ -107,6 +111,7 @@ def test_daemonset_has_what_a_fuse_daemon_needs() -> None:
     assert ds["kind"] == "DaemonSet" and ds["apiVersion"] == "apps/v1"
     pod = ds["spec"]["template"]["spec"]
     (container,) = pod["containers"]
+    assert container["image"] == made_image_name()  # what `make image` builds
     assert container["securityContext"]["privileged"] is True
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
@@ -128,7 +133,8 @@ def test_daemonset_has_what_a_fuse_daemon_needs() -> None:
     token_volume = volumes[token_mount["name"]]["secret"]
     assert token_volume["secretName"] == "tierfs" and token_volume["defaultMode"] & 0o077 == 0
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert pre_stop[:3] == ["tierfs", "flush", "/checkpoints"]
+    assert pre_stop[:3] == ["tierfs", "umount", "/checkpoints"]
+    assert {"--flush", "--timeout", "--force"} <= set(pre_stop)
     _parses(pre_stop[1:])
     flush_timeout = float(pre_stop[pre_stop.index("--timeout") + 1])
     assert pod["terminationGracePeriodSeconds"] > flush_timeout
@@ -187,3 +193,16 @@ def test_slurm_scripts_are_valid_shell(script: str) -> None:
     done = subprocess.run(["sh", "-n", str(path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert path.stat().st_mode & 0o111
+
+
+def test_slurm_epilog_commits_flushes_and_unmounts_in_one_command() -> None:
+    """After the job its last steps commit first (`umount` settles them), then the bounded
+    flush, then the unmount: a `flush` before a separate `umount` left the last step
+    uncommitted, so in no store."""
+    lines = [line.strip() for line in (DEPLOY / "slurm/epilog.sh").read_text().splitlines()
+             if line.strip().startswith('"$TIERFS"')]
+    assert len(lines) == 1, lines
+    argv = shlex.split(lines[0])[1:]
+    assert argv[:2] == ["umount", "/checkpoints"]
+    assert {"--flush", "--timeout", "--force"} <= set(argv)
+    _parses(argv)

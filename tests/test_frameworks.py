@@ -204,3 +204,105 @@ def test_deepspeed_save_and_resume_on_a_fresh_node(mounts: MountFactory, tmp_pat
     assert resumed["weights_at_load"] == first["saved"]["4"]
     assert resumed["global_step"] == 8 and sorted(resumed["saved"]) == ["6", "8"]
     assert (fresh / "ds/latest").read_text() == "global_step8"
+
+
+@needs("deepspeed")
+def test_deepspeed_saving_fast_leaves_the_store_a_tracker_to_resume_from(
+        mounts: MountFactory, tmp_path: Path) -> None:
+    """DeepSpeed's own engine, saving at steps 2, 4 and 6 faster than --commit-idle (30 s
+    here; 5 s by default against saves seconds apart): its `latest` commits at each close,
+    with the step it names, and with --persist-every 4 the store gets the version naming
+    global_step4, the newest step it holds, although the current one names global_step6. A
+    flush right after the job, then the node is lost: a fresh node's `load_checkpoint`
+    resumes from step 4 (the store had no tracker: it returned None, training restarted at
+    step 0)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    node = mounts.mount("--persist", f"file://{store}", "--commit-idle", "30",
+                        "--persist-every", "4")
+    first = run_job(tmp_path, "deepspeed", str(node / "ds"), "6", str(free_port()), "nowait")
+    assert sorted(first["saved"]) == ["2", "4", "6"]
+    tierfs("flush", str(node.mountpoint), "--timeout", "60")
+    assert (store / "ds/latest").read_text() == "global_step4"
+    assert (node / "ds/latest").read_text() == "global_step6"
+    node.kill9()
+
+    fresh = store_node(mounts, store)
+    resumed = run_job(tmp_path, "deepspeed", str(fresh / "ds"), "8", str(free_port()),
+                      "resume", "nowait")
+    assert resumed["loaded_step"] == 4
+    assert resumed["weights_at_load"] == first["saved"]["4"]
+
+
+@needs("transformers", "safetensors", "accelerate")
+def test_hf_trainer_killed_in_a_save_leaves_latest_on_the_step_before(
+        mounts: MountFactory, tmp_path: Path) -> None:
+    """HF Trainer killed (SIGKILL) in the middle of writing checkpoint-4, before its RNG state
+    and trainer_state.json: the files it wrote commit once quiet, but checkpoint-2 has
+    trainer_state.json and checkpoint-4 does not, so `latest` names checkpoint-2, here and on
+    a fresh node, and status says what checkpoint-4 lacks (`latest` named checkpoint-4, and a
+    resume from it failed on the missing trainer_state.json). The Trainer resumes from
+    `latest` on the fresh node and saves checkpoint-4 whole again."""
+    store = tmp_path / "store"
+    store.mkdir()
+    node = store_node(mounts, store)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
+    died = subprocess.run([sys.executable, str(JOBS), "hf", str(node / "out"), "6",
+                           "die-at=4"], capture_output=True, text=True, timeout=180, env=env)
+    assert died.returncode == -9, died.stderr[-2000:]
+    assert not (node / "out/checkpoint-4/trainer_state.json").exists()
+    wait_committed(node, "out", ["out/checkpoint-2", "out/checkpoint-4"])
+    assert os.readlink(node / "out/latest") == "checkpoint-2"
+    assert node.step("out/checkpoint-4")["unfinished"] == "trainer_state.json"
+    assert node.step("out/checkpoint-2")["unfinished"] is None
+    assert ("warning: out/checkpoint-4 was committed without trainer_state.json" in
+            tierfs("status", str(node.mountpoint)).stdout)
+    tierfs("flush", str(node.mountpoint), "--timeout", "60")
+    tierfs("umount", str(node.mountpoint))
+
+    fresh = store_node(mounts, store)
+    assert os.readlink(fresh / "out/latest") == "checkpoint-2"
+    assert fresh.step("out/checkpoint-4")["unfinished"] == "trainer_state.json"
+    resumed = run_job(tmp_path, "hf", str(fresh / "out"), "6",
+                      f"resume={fresh / 'out/latest'}")
+    assert resumed == {"global_step": 6, "steps_run": 4}
+    wait_committed(fresh, "out", ["out/checkpoint-4", "out/checkpoint-6"])
+    assert (fresh / "out/checkpoint-4/trainer_state.json").exists()
+    assert fresh.step("out/checkpoint-4")["unfinished"] is None
+    assert os.readlink(fresh / "out/latest") == "checkpoint-6"
+
+
+@needs("deepspeed")
+def test_deepspeed_custom_tags_are_steps(mounts: MountFactory, tmp_path: Path) -> None:
+    """`save_checkpoint(dir, tag="mytag_N")`: no step name, but DeepSpeed's `latest` names each
+    tag, so each is a step (numbered N), committed whole, subject to --persist-every, a step
+    again after a restart and on a fresh node, which resumes from it (their files committed
+    one by one as loose files, --persist-every ignored)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    args = ("--persist", f"file://{store}", "--commit-idle", IDLE, "--persist-every", "4")
+    node = mounts.mount(*args)
+    first = run_job(tmp_path, "deepspeed", str(node / "ds"), "6", str(free_port()), "nowait",
+                    "tag=mytag_")
+    tags = ["ds/mytag_2", "ds/mytag_4", "ds/mytag_6"]
+    wait_until(lambda: all((node.step(t) or {}).get("state") == "committed" for t in tags),
+               timeout=15)
+    assert [(node.step(t)["step"], node.step(t)["kind"]) for t in tags] == [
+        (2, "dir"), (4, "dir"), (6, "dir")]
+    assert not [s["path"] for s in node.status()["steps"] if s["path"].startswith("ds/mytag_")
+                and s["path"] not in tags]
+    tierfs("flush", str(node.mountpoint), "--timeout", "60")
+    assert sorted(n for n in os.listdir(store / "ds") if n.startswith("mytag")) == ["mytag_4"]
+    assert (store / "ds/mytag_4/.tierfs-manifest").is_file()
+    assert (store / "ds/latest").read_text() == "mytag_4"
+    tierfs("umount", str(node.mountpoint))
+    again = mounts.remount(node, *args)
+    assert [(again.step(t) or {}).get("state") for t in tags] == ["committed"] * 3
+    tierfs("umount", str(again.mountpoint))
+
+    fresh = store_node(mounts, store)
+    assert fresh.step("ds/mytag_4")["step"] == 4
+    resumed = run_job(tmp_path, "deepspeed", str(fresh / "ds"), "8", str(free_port()),
+                      "resume", "nowait", "tag=mytag_")
+    assert resumed["loaded_step"] == 4
+    assert resumed["weights_at_load"] == first["saved"]["4"]

@@ -223,3 +223,11 @@ def test_an_ioctl_is_answered_by_the_relay_with_enotty() -> None:
 def test_a_getxattr_without_a_name_is_an_error_not_a_guess() -> None:
     with pytest.raises(wire.WireError):
         wire.answer_here(request(wire.Opcode.GETXATTR, wire.GETXATTR_IN.pack(0, 0)))
+
+
+def test_a_notification_is_told_from_a_reply() -> None:
+    """The daemon's invalidations (unique 0, the notification code in `error`) go to the
+    kernel from the relay's notice thread; replies to requests do not."""
+    inval_entry = wire.OUT_HEADER.pack(wire.OUT_HEADER.size + 16, 3, 0) + bytes(16)
+    assert wire.is_notification(inval_entry)
+    assert not wire.is_notification(wire.OUT_HEADER.pack(wire.OUT_HEADER.size, 0, 7))

@@ -17,11 +17,12 @@ import trio
 from tests.conftest import free_port
 from tierfs import manifest as mf
 from tierfs.demo.etcd import Etcd as EtcdServer
+from tierfs.fs.ram_store import RamFull
 from tierfs.replication.coordination import membership as live_members
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
 from tierfs.replication.peers import protocol as proto
-from tierfs.replication.peers.channel import connect
+from tierfs.replication.peers.channel import PeerChannel, connect
 from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.replication.peers.peer_reader import RangeServer
 from tierfs.replication.peers.protocol import ProtocolError
@@ -43,7 +44,7 @@ class Space:
 
     def grow(self, backing_ino: int, new_end: int) -> None:
         if sum(self.used.values()) - self.used.get(backing_ino, 0) + new_end > self.limit:
-            raise OSError("full")
+            raise RamFull(f"{new_end} bytes do not fit in {self.limit}")
         self.used[backing_ino] = max(self.used.get(backing_ino, 0), new_end)
 
     def forget_inode(self, backing_ino: int) -> None:
@@ -73,6 +74,7 @@ class Receiving:
         self.held: list[tuple[str, int, list[str], str]] = []
         self.receiver = ReplicaReceiver(self.objects, self.space, self._hold, **options)
         self.port = free_port()
+        self.put_channels: set[int] = set()  # the connections PUTs came over
 
     async def _hold(self, path: str, version: int, names: list[str],
                     peer: str) -> list[str] | None:
@@ -84,9 +86,14 @@ class Receiving:
         self.held.append((path, version, here, peer))
         return here
 
+    async def _put(self, message: proto.Message, channel: PeerChannel) -> None:
+        self.put_channels.add(id(channel))
+        await self.receiver.put(message, channel)
+
     async def start(self, nursery: trio.Nursery) -> None:
-        server = PeerServer("b", TOKEN, {"a", "b"}, {"PUT": self.receiver.put,
-                                                    "HOLD": self.receiver.hold})
+        server = PeerServer("b", TOKEN, {"a", "b"}, {"PUT": self._put,
+                                                    "HOLD": self.receiver.hold},
+                            streamed={"PUT"})
         await nursery.start(server.run, "127.0.0.1", self.port)
 
 
@@ -282,6 +289,67 @@ async def test_a_chunk_written_again_out_of_order_is_checked_in_the_file(
         assert target.read_bytes() == data
 
 
+async def test_chunks_over_several_connections_in_any_order_make_the_file(
+        tmp_path: Path) -> None:
+    """A file's chunks come over three connections, the last first: the file is whole and
+    verified once the last one is in, whatever the order; a chunk of a file that is already
+    here is answered OK at once."""
+    data = os.urandom(3 * mf.CHUNK_SIZE - 5)
+    entry = committed_object(tmp_path / "a-objects", data, "shard")
+    b = Receiving(tmp_path, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)))
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        channels = [await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+                    for _ in range(3)]
+        for index, channel in zip((2, 0, 1), channels, strict=True):
+            offset = index * mf.CHUNK_SIZE
+            await channel.request("PUT", data[offset:offset + mf.CHUNK_SIZE],
+                                  path="run/step_1", name="shard", xxh3=entry.xxh3,
+                                  size=entry.size, offset=offset)
+            assert (b.objects / entry.xxh3).exists() == (index == 1)
+        await channels[0].request("PUT", data[:mf.CHUNK_SIZE], path="run/step_1",
+                                  name="shard", xxh3=entry.xxh3, size=entry.size, offset=0)
+        for channel in channels:
+            await channel.aclose()
+        nursery.cancel_scope.cancel()
+    assert (b.objects / entry.xxh3).read_bytes() == data
+    assert incoming_files(b.objects) == [] and b.receiver._incoming_files == {}
+
+
+async def test_a_streamed_chunk_that_fails_its_tags_makes_the_file_count_for_nothing(
+        tmp_path: Path) -> None:
+    """A chunk's slices go into the incoming file as they arrive, its tags checked at its end:
+    one altered in flight (its tags wrong) is refused, the connection dropped, and the file's
+    whole transfer forgotten (its incoming file and RAM count too), although the good chunk
+    before it was in; the file comes whole only when every chunk comes again, authentic."""
+    data = os.urandom(2 * mf.CHUNK_SIZE)
+    entry = committed_object(tmp_path / "a-objects", data, "shard")
+    b = Receiving(tmp_path, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)))
+    put = {"path": "run/step_1", "name": "shard", "xxh3": entry.xxh3, "size": entry.size}
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+        await channel.request("PUT", data[:mf.CHUNK_SIZE], offset=0, **put)
+        assert len(incoming_files(b.objects)) == 1 and b.space.used
+        header, body = proto.encode("PUT", data[mf.CHUNK_SIZE:], offset=mf.CHUNK_SIZE, **put)
+        forged = bytes(proto.tag_length(len(body)))  # an attacker's: not the key's tags
+        await channel.wire.send_all(header + body + forged)
+        with pytest.raises(proto.ProtocolError):
+            await channel.receive("OK")
+        await channel.aclose()
+        with trio.fail_after(5):
+            while incoming_files(b.objects) or b.space.used:
+                await trio.sleep(0.01)
+        assert b.receiver._incoming_files == {} and not (b.objects / entry.xxh3).exists()
+        channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+        for offset in (mf.CHUNK_SIZE, 0):
+            await channel.request("PUT", data[offset:offset + mf.CHUNK_SIZE], offset=offset,
+                                  **put)
+        await channel.aclose()
+        nursery.cancel_scope.cancel()
+    assert (b.objects / entry.xxh3).read_bytes() == data
+
+
 async def test_running_hashes_of_abandoned_transfers_are_dropped(tmp_path: Path) -> None:
     """Senders killed after a file's first chunk leave its running hash behind: the receiver
     keeps at most `running_limit` of them, and drops any idle for `running_idle` seconds; a
@@ -297,14 +365,14 @@ async def test_running_hashes_of_abandoned_transfers_are_dropped(tmp_path: Path)
             await channel.request("PUT", chunk, path="run/step_1", name=f"big{i}",
                                   xxh3=f"{i:032x}", size=2 * mf.CHUNK_SIZE, offset=0)
             await channel.aclose()  # the sender is gone, its file half sent
-        assert len(b.receiver._hashing) <= 4
+        assert len(b.receiver._incoming_files) <= 4
         assert len(incoming_files(b.objects)) == 10
         await trio.sleep(1.1)  # the abandoned ones are idle for longer than running_idle
         channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
         await channel.request("PUT", b"a whole small file", path="run/step_1", name="shard",
                               xxh3=entry.xxh3, size=entry.size, offset=0)
         await channel.aclose()
-        assert b.receiver._hashing == {}
+        assert b.receiver._incoming_files == {}
         assert incoming_files(b.objects) == []  # nor their half-sent files, nor their RAM
         nursery.cancel_scope.cancel()
     assert (b.objects / entry.xxh3).read_bytes() == b"a whole small file"
@@ -314,7 +382,7 @@ def incoming_files(objects: Path) -> list[str]:
     return [p.name for p in objects.iterdir() if p.name.startswith(INCOMING_PREFIX)]
 
 
-async def test_a_full_receiver_answers_an_error_and_keeps_nothing(tmp_path: Path) -> None:
+async def test_a_full_receiver_answers_no_room_and_keeps_nothing(tmp_path: Path) -> None:
     entry = committed_object(tmp_path / "a-objects", b"more than ten bytes", "shard")
     b = Receiving(tmp_path, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)), limit=10)
     async with trio.open_nursery() as nursery:
@@ -322,16 +390,17 @@ async def test_a_full_receiver_answers_an_error_and_keeps_nothing(tmp_path: Path
         channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
         await channel.send("PUT", b"more than ten bytes", path="run/step_1", name="shard",
                            xxh3=entry.xxh3, size=entry.size, offset=0)
-        answer = await channel.receive("ERROR")
-        assert "RAM tier full" in answer["message"]
+        answer = await channel.receive("NO_ROOM")
+        assert "RAM tier is full" in answer["message"]
         await channel.aclose()
         nursery.cancel_scope.cancel()
     assert not (b.objects / entry.xxh3).exists()
 
 
-async def test_steps_of_many_chunks_go_over_one_kept_alive_connection(
+async def test_steps_of_many_chunks_go_over_the_same_kept_alive_connections(
         tmp_path: Path, etcd_server: EtcdServer) -> None:
-    """Chunks pipelined from the RAM store (sendfile), two steps, one handshake in all."""
+    """Chunks pipelined from the RAM store (sendfile), each file's spread over the directory's
+    `connections` at once; two steps, one handshake per connection in all."""
     data = os.urandom(3 * mf.CHUNK_SIZE + 777)
     entries = [committed_object(tmp_path / "a-objects", data[i:], f"shard{i}") for i in (0, 1)]
     manifests = [mf.StepManifest(f"run/step_{i}", 1, 1, "a", 0, (e,))
@@ -353,7 +422,8 @@ async def test_steps_of_many_chunks_go_over_one_kept_alive_connection(
             while len(done) < 2:
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
-    assert replicator.directory.pool.opened == 1
+    assert replicator.directory.pool.opened == replicator.directory.connections == 4
+    assert len(b.put_channels) == 4
     for i, entry in enumerate(entries):
         assert (b.objects / entry.xxh3).read_bytes() == data[i:]
 
@@ -476,8 +546,9 @@ async def test_copies_etcd_did_not_record_are_sent_again_only_after_a_pause(
 async def test_a_chunk_the_ram_dir_has_no_room_for_is_refused_not_kept_short(
         tmp_path: Path, small_shm: Path) -> None:
     """A RAM dir on a /dev/shm that other processes fill (the RAM tier's own count has room):
-    a chunk written only in part is answered with an error and nothing of it is kept, never
-    taken as the whole file because its bytes in memory matched their checksum."""
+    a chunk written only in part is answered NO_ROOM (the sender makes the copy elsewhere)
+    and nothing of it is kept, never taken as the whole file because its bytes in memory
+    matched their checksum."""
     data = os.urandom(3 << 20)
     entry = committed_object(tmp_path / "a-objects", data, "shard")
     b = Receiving(small_shm, mf.StepManifest("run/step_1", 1, 1, "a", 0, (entry,)))
@@ -488,7 +559,7 @@ async def test_a_chunk_the_ram_dir_has_no_room_for_is_refused_not_kept_short(
         channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
         await channel.send("PUT", data, path="run/step_1", name="shard", xxh3=entry.xxh3,
                            size=entry.size, offset=0)
-        answer = await channel.receive("ERROR")
+        answer = await channel.receive("NO_ROOM")
         assert "no room" in answer["message"]
         await channel.aclose()
         nursery.cancel_scope.cancel()

@@ -63,12 +63,14 @@ class Harness:
         self.backend = FailingFirst(self.store, failures)
         self.backend.claim()
         self.current: set[str] = set()
+        self.versions: dict[str, mf.StepManifest] = {}  # a tracker's current version
         self.persisted_paths: list[str] = []
         self.retired: list[str] = []
         self.uploader = Uploader(
             self.backend, lambda xxh3: str(self.objects / xxh3), persist_every=every,
             keep_persist=keep, step_number=self._number,
-            is_current=lambda m: m.path in self.current, on_persisted=self._on_persisted,
+            is_current=lambda m: m.path in self.current and self.versions.get(m.path, m) is m,
+            on_persisted=self._on_persisted,
             on_retired=self.retired.append, tracked_step=self._tracked)
 
     @staticmethod
@@ -76,11 +78,15 @@ class Harness:
         found = re.fullmatch(r"step_(\d+)", name)
         return int(found[1]) if found else None
 
-    def _tracked(self, manifest: mf.StepManifest) -> TrackedStep | None:
-        """A tracker names `run/step_<its content>` (as `OtherTiers.tracked_step` reads it)."""
+    def _tracked(self, manifest: mf.StepManifest, content: bytes | None = None
+                 ) -> TrackedStep | None:
+        """A tracker names `run/step_<its content>` (as `OtherTiers.tracked_step` reads it:
+        these bytes, else those of its object)."""
         if manifest.step != mf.NO_STEP or not is_tracker_name(manifest.path):
             return None
-        number = int((self.objects / manifest.files[0].xxh3).read_text())
+        if content is None:
+            content = (self.objects / manifest.files[0].xxh3).read_bytes()
+        number = int(content)
         path = f"run/step_{number}"
         return TrackedStep(number, path in self.current, path in self.persisted_paths)
 
@@ -90,7 +96,10 @@ class Harness:
         self.current.add(path)
         entry = committed_step(self.objects, "run/step_0", {
             "latest_checkpointed_iteration.txt": str(names).encode()}).files[0]
-        return mf.StepManifest(path, mf.NO_STEP, version, "n", 0, (entry,), single_file=True)
+        manifest = mf.StepManifest(path, mf.NO_STEP, version, "n", 0, (entry,),
+                                   single_file=True)
+        self.versions[path] = manifest  # the tracker's current version from now on
+        return manifest
 
     def _on_persisted(self, manifest: mf.StepManifest) -> None:
         self.persisted_paths.append(manifest.path)
@@ -102,11 +111,14 @@ class Harness:
     async def persist(self, *manifests: mf.StepManifest,
                       until: Callable[[], bool] | None = None) -> None:
         """Submit the steps and run the uploader until it persisted those it wants (or until
-        `until()` holds)."""
+        `until()` holds) and has nothing left to do."""
         wanted = [m.path for m in manifests if self.uploader.wanted(m)]
         for manifest in manifests:
             self.uploader.submit(manifest)
-        done = until or (lambda: all(p in self.persisted_paths for p in wanted))
+        condition = until or (lambda: all(p in self.persisted_paths for p in wanted))
+
+        def done() -> bool:  # and no upload cut short by the end of the run
+            return condition() and not self.uploader.queue.pending
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.uploader.run)
             with trio.fail_after(20):
@@ -234,6 +246,55 @@ async def test_a_tracker_goes_up_only_after_the_step_it_names(tmp_path: Path, ca
     await h.persist(h.tracker(4, 3), step_4,
                     until=lambda: h.persisted_paths.count(tracker) == 2)
     assert h.persisted_paths[-2:] == ["run/step_4", tracker]
+    assert (h.store / tracker).read_text() == "4"
+
+
+async def test_the_stores_tracker_follows_its_steps_however_fast_the_saver_rewrites_it(
+        tmp_path: Path) -> None:
+    """Saves faster than uploads: the version naming a step is superseded before that step is
+    in the store, by one naming a step --persist-every skips, or one not there yet. The store
+    still gets a tracker naming the newest step it holds that a version named (it got none,
+    or kept naming an old step)."""
+    h = Harness(tmp_path, every=2)
+    tracker = "run/latest_checkpointed_iteration.txt"
+    step_2 = h.step("run/step_2", {"shard": b"2"})
+    first = h.tracker(2, 1)
+    second = h.tracker(3, 2)  # step 3: never in the store
+    await h.persist(first, second, step_2,
+                    until=lambda: (h.store / tracker).is_file())
+    assert (h.store / tracker).read_text() == "2"
+    assert mf.decode(h.backend.get_bytes(
+        "run/.tierfs-file-latest_checkpointed_iteration.txt/.tierfs-manifest")).version == 1
+
+    step_4, step_6 = (h.step(f"run/step_{n}", {"shard": str(n).encode()}) for n in (4, 6))
+    third, fourth = h.tracker(4, 3), h.tracker(6, 4)  # step 6 follows step 4 up
+    manifest_key = "run/.tierfs-file-latest_checkpointed_iteration.txt/.tierfs-manifest"
+
+    def stored_version() -> int:
+        try:
+            return mf.decode(h.backend.get_bytes(manifest_key)).version
+        except BackendError:
+            return 0
+
+    await h.persist(third, fourth, step_4, step_6, until=lambda: stored_version() == 4)
+    assert (h.store / tracker).read_text() == "6"
+    assert h.persisted_paths.index("run/step_6") < h.persisted_paths.index(tracker, 2)
+
+
+async def test_retention_keeps_the_step_the_stores_tracker_names(tmp_path: Path) -> None:
+    """--keep-persist 2 with a tracker in the store naming step 1 while steps 2 to 4 go up
+    (the versions naming them not committed yet): step 1 stays, since a fresh node resumes
+    from it (it was removed, and the store's tracker named a step it lacked)."""
+    h = Harness(tmp_path, keep=2)
+    tracker = "run/latest_checkpointed_iteration.txt"
+    step_1 = h.step("run/step_1", {"shard": b"1"})
+    await h.persist(step_1, h.tracker(1, 1), until=lambda: (h.store / tracker).is_file())
+    later = [h.step(f"run/step_{n}", {"shard": str(n).encode()}) for n in (2, 3, 4)]
+    await h.persist(*later, until=lambda: h.retired == ["run/step_2"])
+    assert {k.split("/")[1] for k in h.stored() if "step_" in k} == {
+        "step_1", "step_3", "step_4"}
+    # once the store's tracker names a newer step, step 1 goes at the next retention
+    await h.persist(h.tracker(4, 2), until=lambda: "run/step_1" in h.retired)
     assert (h.store / tracker).read_text() == "4"
 
 

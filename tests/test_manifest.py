@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tracemalloc
+from dataclasses import replace as dataclass_replace
 from pathlib import Path
 
 import msgpack
@@ -181,3 +182,30 @@ def test_segments_roundtrip_and_are_validated() -> None:
     for bad in ([0], [1000, 1000], [2500, 1000], [size], [3001], ["x"], 7):
         with pytest.raises(mf.ManifestError):
             mf.entry_from_fields([*plain, bad])
+
+
+def test_directories_round_trip_are_validated_and_are_no_part_of_the_version() -> None:
+    """A manifest records the directories above its files (fs.dir_attributes); older readers
+    and manifests are unaffected, and two manifests that differ only there are equal."""
+    dirs = (mf.DirEntry("run", 0o750, 1000, 1000, 123), mf.DirEntry("run/step_1", 0o700, 1000,
+                                                                    100, -5))
+    plain = mf.StepManifest("run/step_1", 1, 1, "n", 0, (entry("x", 3),))
+    with_dirs = mf.StepManifest("run/step_1", 1, 1, "n", 0, (entry("x", 3),), dirs=dirs)
+    decoded = mf.decode(mf.encode(with_dirs))
+    assert decoded.dirs == dirs and decoded == plain
+    assert mf.decode(mf.encode(plain)).dirs == ()
+    assert "dirs" not in msgpack.unpackb(mf.encode(plain))
+    # so is how it was committed (fs.completion)
+    idle = mf.StepManifest("run/step_1", 1, 1, "n", 0, (entry("x", 3),), by_idle=True)
+    assert mf.decode(mf.encode(idle)).by_idle and not mf.decode(mf.encode(plain)).by_idle
+    assert "idle" not in msgpack.unpackb(mf.encode(plain))
+    # the step's own directories, not those above it, make a change of attributes
+    moved_run = (dataclass_replace(dirs[0], mtime_ns=999), dirs[1])
+    assert with_dirs.same_own_dirs(moved_run)
+    assert not with_dirs.same_own_dirs((dirs[0], dataclass_replace(dirs[1], mode=0o755)))
+    raw = msgpack.unpackb(mf.encode(with_dirs))
+    for bad in (["run", 0o750, 1, 1], ["../x", 0o750, 1, 1, 0], ["run", 0o17777, 1, 1, 0],
+                ["run", 0o750, -1, 1, 0], ["run", "0750", 1, 1, 0], "run"):
+        raw["dirs"] = [bad]
+        with pytest.raises(mf.ManifestError):
+            mf.decode(msgpack.packb(raw))

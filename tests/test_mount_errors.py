@@ -122,6 +122,31 @@ def test_mountpoint_must_be_empty_unless_allowed(mounts: MountFactory, tmp_path:
     assert os.listdir(mnt.mountpoint) == []
 
 
+def test_a_mountpoint_that_is_a_mount_itself_is_mounted_over(mounts: MountFactory,
+                                                            tmp_path: Path) -> None:
+    """A container's volume is a bind mount (the DaemonSet's hostPath /checkpoints): tierfs
+    mounts over it as over any directory (it was refused as busy); what is in it is what
+    counts, as for a directory."""
+    mountpoint = tmp_path / "volume"
+    mountpoint.mkdir()
+    subprocess.run(["mount", "--bind", str(mountpoint), str(mountpoint)], check=True)
+    try:
+        mnt = mounts.mount(mountpoint=mountpoint)
+        stacked = [e.fstype for e in mount_table() if e.mountpoint == str(mountpoint)]
+        assert stacked[-1] == "fuse.tierfs" and len(stacked) == 2, stacked
+        (mnt / "run").mkdir()
+        assert os.listdir(mnt.mountpoint) == ["run"]
+        tierfs("umount", str(mountpoint))
+        assert [e.fstype for e in mount_table() if e.mountpoint == str(mountpoint)] == \
+            stacked[:1]
+        (mountpoint / "data.txt").write_text("hidden by a mount")
+        done = refused_mount(mounts, mountpoint)
+        last_line_error(done, f"mountpoint {mountpoint} is not empty")
+    finally:
+        for _ in [e for e in mount_table() if e.mountpoint == str(mountpoint)]:
+            subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
+
+
 def test_mount_through_a_symlink_to_a_mount_is_refused(mounts: MountFactory,
                                                        tmp_path: Path) -> None:
     mnt = mounts.mount()
@@ -217,6 +242,20 @@ def test_nothing_tierfs_creates_is_writable_by_others(mounts: MountFactory,
     fresh = mounts.mount("--persist", f"file://{store}")  # reads the step back from the store
     assert (fresh / "run/step_1/sub/nested").read_bytes() == b"nested"
     assert _group_or_other_writable(fresh.ram_dir, "shared") == []
+
+
+def test_a_log_file_that_was_there_becomes_the_daemon_s_own(mounts: MountFactory) -> None:
+    """Before, an existing --log-file kept its mode 0644 (the daemon's files are 0600); a
+    device given as the log is left as it is."""
+    log_file = mounts.tmp_path / f"tierfs{len(mounts.mounts)}.log"  # the one mount() gives
+    log_file.write_text("an older log\n")
+    log_file.chmod(0o644)
+    mnt = mounts.mount()
+    assert mnt.log_file == log_file and mnt.log().startswith("an older log\n")
+    assert stat.S_IMODE(log_file.stat().st_mode) == 0o600
+    null_mode = os.stat("/dev/null").st_mode
+    mounts.mount("--log-file", "/dev/null")
+    assert os.stat("/dev/null").st_mode == null_mode
 
 
 def test_a_ram_dir_whose_file_system_is_full_is_one_line(small_shm: Path,

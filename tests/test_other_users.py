@@ -1,5 +1,6 @@
 """Other users: a daemon run by root with --allow-other --uid USER serves a job running as
-USER (torch.save and a DCP save and load), and `tierfs status`/`flush` work for that user and
+USER (torch.save and a DCP save and load; HF Trainer resumed on a fresh node, which shows the
+job's directories as they were), and `tierfs status`/`flush` work for that user and
 for any other; only root, the daemon's user and the root's owner may commit. (Without
 --allow-other other users get EACCES: tests/faults/test_permissions.py.)
 
@@ -12,9 +13,11 @@ mounting.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pwd
+import shutil
 import stat
 import subprocess
 import sys
@@ -24,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MountFactory
+from tests.conftest import MountFactory, tierfs, wait_until
+from tierfs.mount_helper.mounts import is_mounted
 
 pytestmark = pytest.mark.fuse
 
@@ -63,9 +67,10 @@ def run_as(public_dir: Path) -> RunAs:
     # may each lie under a directory the user cannot enter.
     blocked = _blocked_ancestors([python.resolve(), python, WORKTREE])
 
-    def run(user: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(user: str, *args: str, check: bool = True,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         command = ["runuser", "-u", user, "--", "env", f"PYTHONPATH={WORKTREE}",
-                   str(python), *args]
+                   *(f"{k}={v}" for k, v in (env or {}).items()), str(python), *args]
         if blocked:
             # In a private mount namespace, each blocked directory is covered by an enterable
             # one that holds only the entries on those paths (bound first, covered outermost
@@ -135,3 +140,101 @@ def test_other_users_may_only_read_status(public_dir: Path, trainer: str, run_as
     # the sticky, world-writable root lets the user make a directory of its own
     run_as(trainer, "-c", f"import os; os.mkdir({str(mnt / 'mine')!r})")
     assert os.stat(mnt / "mine").st_uid == pwd.getpwnam(trainer).pw_uid
+
+
+def dir_attributes(root: Path, *relative: str) -> dict[str, tuple[int, int, int, int]]:
+    """Owner, group, mode and mtime of each directory, as `ls -l` shows them."""
+    found = {}
+    for rel in relative:
+        st = os.stat(root / rel)
+        found[rel] = (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode), st.st_mtime_ns)
+    return found
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="not installed: transformers")
+def test_a_job_as_its_own_user_resumes_on_a_fresh_node(
+        public_dir: Path, trainer: str, run_as: RunAs, mounts: MountFactory) -> None:
+    """The documented deployment (daemon as root, --allow-other --uid USER), HF Trainer run
+    as USER: a fresh node made from the store shows the job's directories with their owner,
+    mode and times (they came back root:root 0755: the resumed Trainer's mkdir of its next
+    checkpoint and its rotation's rm got EACCES, and a directory that kept other users out
+    let them in), and the Trainer resumes, saves and rotates there."""
+    store = public_dir / "store"
+    store.mkdir()
+    (public_dir / "hf-home").mkdir()
+    shutil.chown(public_dir / "hf-home", trainer)
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(public_dir / "hf-home"),
+           "TOKENIZERS_PARALLELISM": "false"}
+    options = ("--allow-other", "--uid", trainer, "--persist", f"file://{store}",
+               "--commit-idle", "1")
+    first = mounts.mount(*options, mountpoint=public_dir / "node0")
+    job = str(WORKTREE / "tests" / "framework_jobs.py")
+    run_as(trainer, "-c", f"import os; os.mkdir({str(first / 'out')!r}, 0o750)")
+    run_as(trainer, job, "hf", str(first / "out"), "4", env=env)
+    dirs = ("out", "out/checkpoint-2", "out/checkpoint-4")
+    wait_until(lambda: {s["path"]: s["state"] for s in first.status()["steps"]} == {
+        "out/checkpoint-2": "committed", "out/checkpoint-4": "committed"}, timeout=20)
+    tierfs("flush", str(first.mountpoint), "--timeout", "60")
+    before = dir_attributes(first.mountpoint, *dirs)
+    uid = pwd.getpwnam(trainer).pw_uid
+    assert {owner for owner, _gid, _mode, _mtime in before.values()} == {uid}
+    assert before["out"][2] == 0o750
+    tierfs("umount", str(first.mountpoint))
+
+    fresh = mounts.mount(*options, mountpoint=public_dir / "node1")
+    assert dir_attributes(fresh.mountpoint, *dirs) == before
+    refused = run_as("nobody", "-c", f"import os; os.listdir({str(fresh / 'out')!r})",
+                     check=False)
+    assert "PermissionError" in refused.stderr
+    resumed = json.loads(run_as(trainer, job, "hf", str(fresh / "out"), "6", "resume",
+                                env=env).stdout.strip().splitlines()[-1])
+    assert resumed == {"global_step": 6, "steps_run": 2}
+    # its rotation removed checkpoint-2, a directory this node made from the store
+    assert sorted(os.listdir(fresh / "out")) == ["checkpoint-4", "checkpoint-6", "latest"]
+
+
+def test_another_user_s_umount_says_who_may(public_dir: Path, trainer: str, run_as: RunAs,
+                                           mounts: MountFactory) -> None:
+    """Before: "fusermount3: entry for ... not found in /etc/mtab"."""
+    mountpoint = public_dir / "shared"
+    mountpoint.mkdir(mode=0o755)
+    mnt = mounts.mount("--allow-other", mountpoint=mountpoint)
+    for extra in ([], ["--flush"]):
+        refused = run_as(trainer, "-m", "tierfs", "umount", str(mnt.mountpoint), *extra,
+                         check=False)
+        assert refused.returncode == 1
+        assert refused.stderr == (f"tierfs: cannot unmount {mnt.mountpoint}: it was mounted by "
+                                  "root, and only root may unmount it\n")
+    assert is_mounted(mnt.mountpoint)
+
+
+@pytest.mark.parametrize("passthrough", [True, False], ids=["passthrough", "no-passthrough"])
+def test_a_write_by_another_user_clears_set_id_bits(public_dir: Path, run_as: RunAs,
+                                                     mounts: MountFactory,
+                                                     passthrough: bool) -> None:
+    """pjdfstest chmod/12.t: a file 04777, 02777 or 06777 written by another user (uid
+    65534) is 0777 right after the write, as on every other Linux file system (with
+    passthrough the bits stayed: the daemon takes clearing them on, and saw no write). A copy
+    with `cp -a` or `rsync -a` to another file system would keep them."""
+    mountpoint = public_dir / "shared"
+    mountpoint.mkdir(mode=0o755)
+    mnt = mounts.mount("--allow-other", "--root-mode", "1777",
+                       *([] if passthrough else ["--no-passthrough"]), mountpoint=mountpoint)
+    assert mnt.status()["passthrough"] is passthrough
+    for mode, flags in ((0o4777, "O_WRONLY"), (0o2777, "O_RDWR"), (0o6777, "O_RDWR")):
+        path = mnt / f"setid-{mode:o}"
+        path.write_bytes(b"0")
+        os.chmod(path, mode)
+        assert stat.S_IMODE(os.stat(path).st_mode) == mode
+        done = run_as("nobody", "-c", f"import os; fd = os.open({str(path)!r}, os.{flags}); "
+                      "os.write(fd, b'x'); print(oct(os.fstat(fd).st_mode & 0o7777))")
+        assert done.stdout.strip() == "0o777", mode
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o777, mode
+    # root keeps them (CAP_FSETID)
+    kept = mnt / "kept"
+    kept.write_bytes(b"0")
+    os.chmod(kept, 0o4755)
+    with open(kept, "r+b") as f:
+        f.write(b"x")
+    assert stat.S_IMODE(os.stat(kept).st_mode) == 0o4755

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -219,6 +220,32 @@ def test_a_store_away_for_a_while_gets_its_steps_once_back(mounts: MountFactory,
         assert (store / "run/step_3" / name).read_bytes() == data
     assert mnt.step("run/step_3")["persisted"] and mnt.step("run/step_3")["persist_wait"] is None
     tierfs("umount", str(mnt.mountpoint))
+
+
+def test_a_mount_removes_what_uploads_cut_short_left_in_a_file_store(mounts: MountFactory,
+                                                                      tmp_path: Path) -> None:
+    """Temporary objects a killed daemon's uploads left (the listing never shows them, so
+    before they stayed for good, also after `rm -rf` of their step): gone after a mount."""
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}")
+    save(mnt / "run/step_1", step_files(1))
+    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    tierfs("umount", str(mnt.mountpoint))
+    killed = subprocess.Popen(["true"])  # a daemon that is gone
+    killed.wait()
+    left = [store / f"run/step_1/.tierfs-upload-{socket.gethostname()}-{killed.pid}-0",
+            store / f"run/step_2/.tierfs-upload-{socket.gethostname()}-{killed.pid}-1"]
+    for path in left:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(bytes(1 << 20))
+
+    again = mounts.remount(mnt)
+    wait_until(lambda: not any(path.exists() for path in left))
+    assert not (store / "run/step_2").exists()
+    assert "removed 2 temporary objects of uploads cut short" in again.log()
+    subprocess.run(["rm", "-rf", str(again / "run/step_1")], check=True)
+    wait_until(lambda: not (store / "run/step_1").exists())
 
 
 def test_umount_force_leaves_unpersisted_steps_in_ram(mounts: MountFactory,

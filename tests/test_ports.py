@@ -12,6 +12,7 @@ import trio
 from tests.fakes import BuggySource, MemoryPeers, MemoryTier
 from tests.test_namespace import Harness, dcp_save
 from tierfs import manifest as mf
+from tierfs.fs import residency
 
 pytestmark = pytest.mark.core
 
@@ -31,6 +32,48 @@ async def persisted_and_evicted(h: Harness, store: MemoryTier, step: str,
         while node.step.resident:
             await trio.sleep(0.01)
     return manifest
+
+
+async def test_a_copy_leaves_ram_only_for_a_store_seen_to_hold_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's word is asked at the moment a copy would leave RAM for it: a store that
+    does not answer keeps the step in RAM, one that lacks it makes it not persisted (and
+    hands it back for another upload), and only a store seen holding it lets it go."""
+    monkeypatch.setattr(residency, "STORE_PAUSE", 0.0)  # the next check comes at once
+    store = MemoryTier("s3")
+    h = Harness(tmp_path / "ram", read_sources=[store], persist=store, store_check=store,
+                keep_ram=0)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(h.ns.background.run)
+            await dcp_save(h, "run/step_1", FILES)
+            manifest = h.commits.receive_nowait()
+            node = h.ns.tree.find_step("run/step_1")
+            names = {entry.name for entry in manifest.files}
+            store.down = True
+            h.ns.tiers.mark_persisted(manifest)  # as the uploader does once it is up
+            with trio.fail_after(10):
+                while "the persistent tier cannot say" not in caplog.text:
+                    await trio.sleep(0.01)
+            assert node.step.resident == names and node.step.persisted
+
+            store.down = False  # it answers: it holds nothing of the step
+            h.ns.residency.enforce_keep_ram()
+            with trio.fail_after(10):
+                again = await h.ns.residency.lost_from_store.receive()
+            assert again is manifest
+            assert node.step.resident == names and not node.step.persisted
+
+            store.put_step(manifest, {**FILES, ".metadata": b"meta"})  # uploaded again
+            h.ns.tiers.mark_persisted(manifest)
+            with trio.fail_after(10):
+                while node.step.resident:
+                    await trio.sleep(0.01)
+            assert await h.read_file("run/step_1/__0_0.distcp") == FILES["__0_0.distcp"]
+            nursery.cancel_scope.cancel()
+    finally:
+        h.close()
 
 
 async def test_a_read_goes_past_a_tier_that_is_down_to_one_that_has_the_file(

@@ -215,10 +215,42 @@ def test_every_frame_after_the_handshake_needs_its_mac_in_sequence() -> None:
     refused(first + first)                                          # replayed
     refused(frame("PING", node_id="node0") + b"\0" * proto.TAG_BYTES)  # injected
     altered = bytearray(second)
-    altered[-proto.TAG_BYTES - 1] ^= 1                               # one payload bit
+    altered[-proto.tag_length(100) - 1] ^= 1                         # one payload bit
     refused(first + bytes(altered))
     back = proto.frame_key(TOKEN, "node1", "node0", proto.new_nonce(), proto.new_nonce())
     refused(sealed(proto.FrameMac(back), "PING", node_id="node0"))  # the other key
+
+
+def test_a_large_payload_is_tagged_slice_by_slice_each_in_its_place() -> None:
+    """A payload of several TAG_SLICEs carries a tag per slice, each bound to its frame and
+    its place in it: the frame as sent is accepted, also fed in odd pieces (the receiver tags
+    each slice once it is whole); two slices swapped, or one slice's bytes altered with every
+    tag kept, are refused."""
+    key = proto.frame_key(TOKEN, "node0", "node1", proto.new_nonce(), proto.new_nonce())
+    payload = os.urandom(2 * proto.TAG_SLICE + 12345)
+    put = {**PUT, "size": len(payload)}
+    good = sealed(proto.FrameMac(key), "PUT", payload, **put)
+    assert len(good) - len(frame("PUT", payload, **put)) == proto.tag_length(len(payload)) \
+        == 4 * proto.TAG_BYTES
+    decoder = receiving(key)
+    for start in range(0, len(good), 999_983):
+        decoder.feed(good[start:start + 999_983])
+    message = decoder.next_message()
+    assert message is not None and bytes(message.payload) == payload
+
+    def refused(data: bytes) -> None:
+        with pytest.raises(proto.ProtocolError, match="MAC"):
+            decode_with(receiving(key), data)
+
+    at = len(good) - proto.tag_length(len(payload)) - len(payload)  # the payload's start
+    first, second = slice(at, at + proto.TAG_SLICE), slice(at + proto.TAG_SLICE,
+                                                            at + 2 * proto.TAG_SLICE)
+    swapped = bytearray(good)
+    swapped[first], swapped[second] = good[second], good[first]
+    refused(bytes(swapped))
+    altered = bytearray(good)
+    altered[at + proto.TAG_SLICE + 7] ^= 0x40
+    refused(bytes(altered))
 
 
 def decode_with(decoder: proto.FrameDecoder, data: bytes) -> list[proto.Message]:
@@ -242,6 +274,6 @@ async def test_a_frame_injected_into_an_authenticated_channel_is_refused() -> No
         nursery.start_soon(lambda: sender.send("PUT", payload, **PUT))
         message = await receiver.receive("PUT")
     assert bytes(message.payload) == payload
-    await left.send_all(frame("PUT", b"evil", **PUT) + b"\0" * proto.TAG_BYTES)
+    await left.send_all(frame("PUT", b"evil", **PUT) + b"\0" * proto.tag_length(4))
     with pytest.raises(proto.ProtocolError, match="MAC"):
         await receiver.receive()

@@ -77,11 +77,24 @@ def test_records_go_in_put_alls_transactions() -> None:
 
 def test_command_line_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     main(["--nodes", "8", "--ranks", "2", "--params-b", "0.02", "--links", "100",
-          "--ks", "1", "--variants", "batch:event"])
+          "--ks", "1", "--variants", "batch:event", "--node-rates", "0,20"])
     out = capsys.readouterr().out
     assert "committed" in out and "restore peers" in out
     assert "swarm (now)" in out and "holders (before)" in out and "SlowDown" in out
-    assert len([line for line in out.splitlines() if line.strip().startswith("100 |")]) == 1
+    assert "Gb/s each way per core" in out  # the measured rate, and what it projects
+    rows = [line.split("|") for line in out.splitlines() if line.strip().startswith("100 |")]
+    assert sorted(row[1].strip() for row in rows) == ["20", "link"]
+
+
+def test_a_data_plane_slower_than_the_link_slows_the_copies() -> None:
+    """The per-node rate caps what a node moves to and from its peers: copies and a restore
+    from peers take longer at 10 Gb/s than at the link's 100; the commit does not."""
+    at_link = Cluster(small()).run_checkpoint()
+    slow = Cluster(small(node_gbps=10.0)).run_checkpoint()
+    assert slow.committed == at_link.committed
+    assert slow.copies_ram > at_link.copies_ram
+    assert ddp_restore(small(node_gbps=10.0), 1.0, True, 8).seconds > \
+        ddp_restore(small(), 1.0, True, 8).seconds
 
 
 def test_one_writer_many_readers_the_swarm_loads_in_about_one_nodes_time() -> None:

@@ -65,6 +65,24 @@ def test_no_repair_changes_nothing(mounts: MountFactory, tmp_path: Path) -> None
     assert not (mnt.ram_dir / "quarantine").exists()
 
 
+def test_a_copy_no_repair_found_bad_is_not_served_again(mounts: MountFactory,
+                                                        tmp_path: Path) -> None:
+    """`--no-repair` changes nothing, but the bad RAM copy it found is never served: before,
+    the next read returned the flipped byte (the copy had been verified at start, so no open
+    checked it again). Now its next open takes it out of service (its bytes kept) and the
+    read comes from the store, verified."""
+    mnt, store, data = persisted_step(mounts, tmp_path)
+    path = mnt / "run/step_1" / SHARD
+    obj = object_of(mnt, path)
+    flip_byte(obj, 1000)
+    code, report = verify(mnt, "run/step_1", "--no-repair")
+    assert code == 1 and tier(report, "ram")["bad"] == [SHARD]
+    assert not (mnt.ram_dir / "quarantine").exists()  # nothing changed by the report
+    assert path.read_bytes() == data
+    assert (mnt.ram_dir / "quarantine/run/step_1" / f"{SHARD}.v1").exists()
+    assert "its next open takes it out of service" in mnt.log()
+
+
 def test_repair_comes_only_from_a_verified_copy(mounts: MountFactory, tmp_path: Path) -> None:
     """A RAM copy and a store copy that agree with each other but not with the manifest (a
     wrong seal, or the same bytes damaged twice): neither replaces the other, the RAM copy's

@@ -36,6 +36,7 @@ BLOCK_DIGEST_SIZE = 8
 _HEX128 = re.compile(r"^[0-9a-f]{32}$")
 _HEX64 = re.compile(r"^[0-9a-f]{16}$")
 _MAX_FILES = 1_000_000
+_MAX_DIRS = 1_000_000
 NO_OWNER = -1  # an entry from before owners were recorded
 NO_STEP = -1  # the step number of a loose file's manifest (its name carries none)
 _MAX_ID = (1 << 32) - 1
@@ -85,6 +86,19 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class DirEntry:
+    """A directory's own attributes as they were at a commit (`path` relative to the mount,
+    '/'-separated): given back to the directories a node makes for a step it did not write
+    (`tierfs.fs.dir_attributes`)."""
+
+    path: str
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True)
 class StepManifest:
     """The committed content of one step at one version: a step directory, or a single file
     (`single_file`: a file step or a loose file, `files` holds that one file, named as it is
@@ -97,6 +111,15 @@ class StepManifest:
     committed_ns: int
     files: tuple[FileEntry, ...] = field(default_factory=tuple)
     single_file: bool = False
+    # The directories above the step's files as they were at the commit (those from the top
+    # of the mount down to the step, and those inside a step directory): what a node that
+    # makes them again gives them. Not part of what the version is (a run directory's mtime
+    # moves at every step made in it); empty in manifests from before they were recorded.
+    dirs: tuple[DirEntry, ...] = field(default=(), compare=False)
+    # Committed by the quiet rules (idle, the next step made, an unmount), not by its saver's
+    # mark or call (`.metadata`, a rename into place, a tracker, `tierfs commit`): whether its
+    # saver finished is for `tierfs.fs.completion` to judge.
+    by_idle: bool = field(default=False, compare=False)
 
     # A manifest never changes, so its totals and its index by name are computed once: steps
     # of 50,000 files are looked up file by file (status, eviction, start-up), which a linear
@@ -118,6 +141,16 @@ class StepManifest:
         key = lambda files: sorted((f.name, f.size, f.xxh3, f.mode, f.uid, f.gid,  # noqa: E731
                                     f.mtime_ns) for f in files)
         return key(self.files) == key(entries)
+
+    def same_own_dirs(self, dirs: Iterable[DirEntry]) -> bool:
+        """Whether `dirs` give the step's own directories (the step directory and those in it,
+        not those above it) the attributes this version records for them."""
+        def own(entries: Iterable[DirEntry]) -> list[DirEntry]:
+            prefix = self.path + "/"
+            return sorted((d for d in entries if d.path == self.path
+                           or d.path.startswith(prefix)), key=lambda d: d.path)
+
+        return self.single_file or own(self.dirs) == own(dirs)
 
     def same_content(self, other: StepManifest) -> bool:
         key = lambda m: sorted((f.name, f.size, f.xxh3) for f in m.files)  # noqa: E731
@@ -212,6 +245,10 @@ def encode(manifest: StepManifest) -> bytes:
         tail["blocks"] = [f.blocks for f in files]
     if manifest.single_file:
         tail["file"] = True
+    if manifest.by_idle:
+        tail["idle"] = True
+    if manifest.dirs:
+        tail["dirs"] = [[d.path, d.mode, d.uid, d.gid, d.mtime_ns] for d in manifest.dirs]
     return b"".join([
         packer.pack_map_header(len(head) + 1 + len(tail)),
         *(packer.pack(item) for pair in head.items() for item in pair),
@@ -240,6 +277,8 @@ def decode(data: bytes) -> StepManifest:
             committed_ns=int(raw["committed_ns"]),
             files=tuple(files),
             single_file=_single_file_flag(raw.get("file", False)),
+            dirs=_dirs(raw.get("dirs", [])),
+            by_idle=_flag(raw.get("idle", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, ManifestError):
@@ -268,9 +307,34 @@ def _with_blocks(files: list[FileEntry], blocks: object) -> list[FileEntry]:
             for entry, digests in zip(files, blocks, strict=True)]
 
 
+def _dirs(raw: object) -> tuple[DirEntry, ...]:
+    """The directories a manifest records, validated (ManifestError if malformed)."""
+    if not isinstance(raw, list) or len(raw) > _MAX_DIRS:
+        raise ManifestError("bad directory entries")
+    dirs = []
+    for fields in raw:
+        if not (isinstance(fields, list) and len(fields) == 5 and isinstance(fields[0], str)
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in fields[1:])):
+            raise ManifestError("malformed directory entry")
+        path, mode, uid, gid, mtime_ns = fields
+        if not (0 <= mode <= 0o7777 and 0 <= uid <= _MAX_ID and 0 <= gid <= _MAX_ID):
+            raise ManifestError(f"bad attributes for directory {path!r}")
+        dirs.append(DirEntry(check_relative_path(path), mode, uid, gid, mtime_ns))
+    return tuple(dirs)
+
+
+def dir_entry_from_stat(path: str, st: os.stat_result) -> DirEntry:
+    """A directory's entry as it is now."""
+    return DirEntry(path, st.st_mode & 0o7777, st.st_uid, st.st_gid, st.st_mtime_ns)
+
+
 def _single_file_flag(value: object) -> bool:
+    return _flag(value, "single-file")
+
+
+def _flag(value: object, what: str = "idle") -> bool:
     if not isinstance(value, bool):
-        raise ManifestError(f"bad single-file flag {value!r}")
+        raise ManifestError(f"bad {what} flag {value!r}")
     return value
 
 

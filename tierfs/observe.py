@@ -30,7 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tierfs import manifest as mf
-from tierfs.fs.ports import ReadSource
+from tierfs.fs.ports import ReadSource, Store
 
 log = logging.getLogger("tierfs.events")
 
@@ -186,6 +186,7 @@ class MeteredSource:
     def __init__(self, source: ReadSource, where: str, events: Events) -> None:
         self.source = source
         self.name = source.name
+        self.can_store = getattr(source, "can_store", False)
         self.where = where
         self._events = events
 
@@ -206,6 +207,16 @@ class MeteredSource:
         data = await read_into(step_path, entry, offset, buffer)
         self._events.read_range(step_path, self.where, len(data), started)
         return data  # type: ignore[no-any-return]
+
+    async def read_and_store(self, step_path: str, entry: mf.FileEntry, offset: int,
+                             buffer: memoryview, store: Store
+                             ) -> tuple[bytes | memoryview, bool]:
+        """As the source's read_and_store (only where `can_store`)."""
+        started = time.monotonic()
+        data, good = await self.source.read_and_store(  # type: ignore[attr-defined]
+            step_path, entry, offset, buffer, store)
+        self._events.read_range(step_path, self.where, len(data), started)
+        return data, good
 
 
 # -- levels, read at scrape time ---------------------------------------------------------------

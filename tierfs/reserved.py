@@ -14,6 +14,8 @@ PEERS = PREFIX + "peers"          # "<version> <node id>...": a step learned fro
 FILE_RECORDS = PREFIX + "file-"  # + a file's name: the records of that single-file step
 LINKS = PREFIX + "links"          # in the persistent tier: a directory's symbolic links
 OWN_LATEST = PREFIX + "own-latest"  # in a directory: its `latest` is its own, never virtual
+NAMED_STEP = PREFIX + "named-step"  # "<number>": a directory a tracker named, a step whatever
+                                    # its name (a DeepSpeed tag of the job's own)
 TMP = PREFIX + "tmp-"             # a file on its way into place (removed at start)
 PART = PREFIX + "part-"           # a file being fetched from another tier
 INCOMING = PREFIX + "incoming-"   # a replica's file being received from a peer

@@ -33,6 +33,7 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs.fs.append_layout import extends, lay_out, never_snapshot
+from tierfs.fs.dir_attributes import recorded
 from tierfs.fs.ports import CoordinationUnavailable
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ class AppendSnapshots:
         manifest = mf.StepManifest(
             path=path, step=mf.NO_STEP, version=old.version + 1 if old else 1,
             node_id=tree.node_id, committed_ns=time.time_ns(), files=(entry,),
-            single_file=True)
+            single_file=True, dirs=recorded(node, tree.backing, tree.relpath))
         manifest_path = os.path.join(tree.records_path(node), mf.MANIFEST_NAME.encode())
         tmp = tree.records.write_temp(manifest_path, mf.encode(manifest))
         store.add_ref(entry.xxh3, tree.backing(node), copy)

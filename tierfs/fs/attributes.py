@@ -55,12 +55,29 @@ class Attributes:
                 os.utime(target, ns=times)
         if keeps_seal:
             node.seal = node.seal.restamped(self.tree.stat(node))
-        if node.is_file and size is None and (mode, uid, gid, mtime_ns) != (None,) * 4:
-            # Mode, owner and mtime are committed state: the step commits again, as a
-            # version with new attributes only (no byte goes anywhere again).
+        # Mode, owner and mtime are committed state, a step directory's and those of the
+        # directories in it too (`fs.dir_attributes`): the step commits again, as a version
+        # with new attributes only (no byte goes anywhere again). A directory's new times
+        # alone wait for the step's next commit: `rsync -a` and `cp -a` set them last, after
+        # the step committed, and would leave it `writing` for --commit-idle after every copy.
+        changed = (mode, uid, gid, mtime_ns if node.is_file else None)
+        if (node.is_file or node.is_dir and tree_walk.in_a_step(node)) and size is None \
+                and changed != (None,) * 4:
             self.tree.mark_dirty(node)
             for step_node in tree_walk.enclosing_steps(node):
                 step_node.step.attributes_changed = True
+
+    def drop_setid(self, node: Node) -> None:
+        """A writer that may not keep them (any user but root) opened or truncated `node`: its
+        set-user-ID bit goes, and its set-group-ID bit if it is group-executable, as the kernel
+        clears them at a write on every other Linux file system. Under the relay tierfs takes
+        this on (FUSE_HANDLE_KILLPRIV_V2, `fs.fuse_wire`) and with passthrough the kernel
+        writes the backing file without the daemon, so it is done at the open
+        (`fs.operations`), before the first write."""
+        mode = stat.S_IMODE(self.tree.stat(node).st_mode)
+        kept = mode & ~stat.S_ISUID & ~(stat.S_ISGID if mode & stat.S_IXGRP else 0)
+        if kept != mode:
+            self.setattr(node, None, mode=kept)
 
     @staticmethod
     def check_truncatable(node: Node) -> None:

@@ -104,13 +104,15 @@ class Commits:
 
     async def commit(self, step_node: Node, *, wait_for_writers: bool,
                      patience: float = math.inf, deadline: float | None = None,
-                     hashes_later: bool = False) -> mf.StepManifest | None:
+                     hashes_later: bool = False, by_idle: bool = False
+                     ) -> mf.StepManifest | None:
         """Commit `step_node` now; with writers still open either wait or leave it pending.
         After `patience` seconds of waiting and preparing, give up (FsError ETIMEDOUT) with
         nothing changed. What it waits for from the cluster (etcd) it waits for until
         `deadline` (trio time; by default BACKGROUND_WAIT from now), then leaves it pending and
         raises `CoordinationUnavailable`. `hashes_later`: the commit may be made before its
-        files' hashes are in (see the module docstring).
+        files' hashes are in (see the module docstring). `by_idle`: made by the quiet rules
+        (`fs.quiet_commits`), not by its saver (`StepManifest.by_idle`).
 
         Returns the manifest in force after the commit, or None when left pending or when
         committed with its hashes to come (then the manifest follows in the background).
@@ -125,9 +127,11 @@ class Commits:
         try:
             with trio.move_on_after(patience) as attempt:
                 manifest, old = await self._commit_locked(step_node, step, wait_for_writers,
-                                                          waiting, deadline, hashes_later)
-        except CoordinationUnavailable:
-            self.tree.manifests.leave_pending(step, "etcd (the cluster's records of its files)")
+                                                          waiting, deadline, hashes_later,
+                                                          by_idle)
+        except CoordinationUnavailable as exc:
+            self.tree.manifests.leave_pending(
+                step, f"etcd (the cluster's records of its files): {exc}")
             raise
         except (OSError, RamFull) as exc:
             # Retried (retry_pending_commits) until it succeeds; `status` shows why it waits.
@@ -240,7 +244,8 @@ class Commits:
         return f"{what}: {some_names(writers)}" if writers else what
 
     async def _commit_locked(self, step_node: Node, step: StepState, wait_for_writers: bool,
-                             waiting: Waiting, deadline: float, hashes_later: bool
+                             waiting: Waiting, deadline: float, hashes_later: bool,
+                             by_idle: bool = False
                              ) -> tuple[mf.StepManifest | None, mf.StepManifest | None]:
         """The commit itself: (the manifest in force after it, the one before), or (None, _)
         when it is left pending or committed with its hashes to come (`step.pending`).
@@ -286,7 +291,8 @@ class Commits:
                             if later:
                                 tree.manifests.write_pending(step_node, files, copies)
                                 return None, old
-                            return tree.manifests.write_manifest(step_node, files, copies), old
+                            return tree.manifests.write_manifest(step_node, files, copies,
+                                                                 by_idle=by_idle), old
                     finally:
                         for copy in copies.values():  # those the manifest did not take
                             tree.store.discard(copy)
@@ -444,10 +450,16 @@ class Commits:
             raise FsError(errno.EAGAIN, f"{relpath} could not commit yet (see the log)")
         return manifest
 
-    async def commit_quietly(self, step_node: Node) -> None:
-        """Commit triggered as a side effect of a user's call: failures are logged, not raised."""
+    async def commit_quietly(self, step_node: Node, *, by_idle: bool = False) -> None:
+        """Commit triggered as a side effect of a user's call: failures are logged, not raised.
+        `by_idle`: by the quiet rules (`commit`). A step holding a file a write into failed
+        for want of room does not commit so (`fs.cut_short`): it stays `writing`, saying why."""
+        cut = self.tree.cut_short.in_step(step_node)
+        if cut is not None and step_node.step is not None:
+            self.tree.manifests.note_waiting(step_node.step, cut_short_reason(cut))
+            return
         try:
-            await self.commit(step_node, wait_for_writers=False)
+            await self.commit(step_node, wait_for_writers=False, by_idle=by_idle)
         except CoordinationUnavailable as exc:
             log.info("commit of %s waits for etcd: %s", self.tree.relpath(step_node), exc)
         except (OSError, FsError) as exc:
@@ -527,11 +539,26 @@ class Commits:
         which writes through a duplicate of the descriptor may still come. So its bytes become
         the committed object as they are, where a commit at the FLUSH had to copy the whole
         file first (`Commits._copy_open_files`: twice the RAM, and a close that waited
-        for the copy)."""
+        for the copy).
+
+        A tracker (DeepSpeed's `latest`, Megatron-LM's `latest_checkpointed_iteration.txt`)
+        commits so too, each version: a saver rewrites it at every save, often more often
+        than `--commit-idle`, and a tracker that waited to be quiet never reached another
+        tier. Its saver writes it once the step it names is complete, so that step commits
+        first (the saver's mark, as `.metadata` is DCP's)."""
         step = node.step
-        if (node.is_file and step is not None and step.number is not None
-                and not step.committed and not node.active_writers
-                and not node.open_for_writing):
+        if not (node.is_file and step is not None and not step.committed
+                and not node.active_writers and not node.open_for_writing):
+            return
+        identity = self.tree.identity
+        if step.number is None and not identity.is_tracker(node):
+            return  # a loose file: once quiet
+        if step.number is None:
+            named = identity.tracked_dir(node, adopt=True)
+            if named is not None and not named.step.shown_committed and \
+                    not tree_walk.has_active_writers(named):
+                await self.commit_quietly(named)
+        if node.step is step and node.parent is not None:
             await self.commit_quietly(node)
 
     async def run_pending_commits(self, dir_node: Node | None) -> None:
@@ -628,3 +655,9 @@ class Commits:
 def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
     """What a file's bytes are known by while no seal describes them: inode, size, mtime."""
     return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def cut_short_reason(path: str) -> str:
+    """What a step holding a file that may be cut short waits for (status `waiting_for`)."""
+    return (f"{path} to be written again: a write into it failed for want of room, so it "
+            "may be cut short (or `tierfs commit` it as it is)")

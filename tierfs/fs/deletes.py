@@ -115,12 +115,17 @@ class Deletes:
         return tomb is not None and tomb.covers(manifest)
 
     def record(self, path: str, version: int, committed_ns: int,
-               targets: list[str] | None = None, *, moved_to: str | None = None) -> None:
+               targets: list[str] | None = None, *, moved_to: str | None = None,
+               keep_store: bool = False) -> None:
         """A committed step at `path` was deleted (or renamed: `moved_to`): remember it (on
         disk before this returns) and have `targets` (by default every tier this node knows)
         cleaned. Raises OSError (ENOSPC: the RAM dir's file system is full) with nothing
         remembered, on disk or here: the delete or rename is refused and nothing cleans the
-        step from any tier."""
+        step from any tier. `keep_store`: every tier but the persistent one (a loose file
+        that became part of a step directory at the same key, `fs.step_identity`)."""
+        if keep_store:
+            targets = [t for t in (self.targets if targets is None else targets)
+                       if t != PERSIST]
         self.record_all([(path, version, committed_ns, moved_to)], targets)
 
     def record_all(self, deleted: list[tuple[str, int, int, str | None]],
@@ -129,6 +134,7 @@ class Deletes:
         them are on disk when this returns, or none (a rename of a run directory moves each
         of its steps, or none of them)."""
         tombs = []
+        back = self._renamed_back(deleted)
         for path, version, committed_ns, moved_to in deleted:
             tomb = self._tombs.get(path)
             if tomb is None:
@@ -140,6 +146,7 @@ class Deletes:
                                                                       moved_to)
             tomb.pending |= set(self.targets if targets is None else targets)
             tombs.append(tomb)
+        tombs += back
         written: list[tuple[Path, Path]] = []
         try:
             for tomb in tombs:  # every record written before any takes the place of the old
@@ -155,9 +162,27 @@ class Deletes:
                 known.version, known.committed_ns, known.moved_to, known.pending = (
                     tomb.version, tomb.committed_ns, tomb.moved_to, tomb.pending)
             self._unsaved.discard(tomb.path)
-            log.info("deleted %s v%d; removing it from %s", tomb.path, tomb.version,
-                     ", ".join(sorted(tomb.pending)) or "this node only")
+            if not any(tomb is b for b in back):
+                log.info("deleted %s v%d; removing it from %s", tomb.path, tomb.version,
+                         ", ".join(sorted(tomb.pending)) or "this node only")
         self._changed()
+
+    def _renamed_back(self, deleted: list[tuple[str, int, int, str | None]]
+                      ) -> list[Tombstone]:
+        """A rename onto a name whose own rename away has not left the store yet (`mv a b;
+        mv b a`): that name is a step again, so its old objects must stay in the store (its
+        next version replaces them, moving no byte that did not change). The tombstones of
+        those earlier renames, changed to clean the store no more (their other tiers still
+        drop the old version); each would otherwise wait for the other for ever (`may_clean`)
+        and the middle name would stay in the store."""
+        back = []
+        for _path, _version, _committed_ns, moved_to in deleted:
+            tomb = self._tombs.get(moved_to) if moved_to is not None else None
+            if tomb is not None and tomb.moved_to is not None and PERSIST in tomb.pending:
+                back.append(dataclasses.replace(tomb, pending=tomb.pending - {PERSIST}))
+                log.info("%s is back before its rename to %s left the store: it stays there",
+                         tomb.path, tomb.moved_to)
+        return back
 
     def remind(self, manifest: mf.StepManifest, tiers: list[str]) -> None:
         """A tier offers a deleted version again (a peer back from an absence, an upload that

@@ -9,8 +9,9 @@ moves the tensor's blocks, not the file. Once every unit is in and the whole fil
 xxh3-128, the partial file becomes the file's committed object again. A mismatch anywhere is an
 error and a log line, never data: no byte is served that its block's or chunk's check did not
 pass, and the file is not adopted unless the whole passes too. A fetched range is checked,
-written into the partial file and fed to the xxh3-128 (`_WholeHash`) in one worker thread's
-call (`Fetch._check_and_write`; a range of blocks a block at a time), and its units are marked
+written into the partial file and fed to the xxh3-128 (`tierfs.whole_hash`) in one call
+(`Fetch._check_and_write`; a range of blocks a block at a time), made by the worker thread that
+received it from a peer (the source's `read_and_store`), and its units are marked
 present only once it matched (bytes written before a failed check stay in units no reader is
 given); only units stored ahead of the ones before them are read again for the whole-file
 hash. When the RAM tier has no room the bytes are still checked and returned, just not kept.
@@ -32,10 +33,9 @@ import contextlib
 import errno
 import logging
 import os
-import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 import xxhash
@@ -44,7 +44,7 @@ from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.fs.ram_store import RamFull, RamStore, write_all
 from tierfs.fs.tier_errors import TierError
-from tierfs.thread_buffers import ThreadBuffer
+from tierfs.whole_hash import WholeHash
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,11 @@ SEQUENTIAL_RUN = 4 << 20  # bytes read back to back before a reader counts as se
 RUN_GAP = 2 << 20  # how far past a run's end a read still continues it
 WHOLE_IN_FLIGHT = 8  # chunks on their way at once when a file is fetched whole
 SMALL_RANGE = 64 << 10  # bytes stored from the trio thread, into a buffer of their own size
-# Bytes of a range of blocks checked, stored and hashed at a time (`Fetch._check_and_write`):
-# a block, each checked against its own digest. A whole chunk goes as one piece: each call
-# that releases the GIL (a write) waits to take it back from the threads receiving other
-# chunks, whose MAC (Poly1305, in `cryptography`) holds it; eight 1 MiB slices per chunk
-# instead of one cost more in those waits than their cache locality saved (measured: the
-# fresh node's CPU per restore rose by about a tenth).
+# Bytes of a fetched range checked, stored and hashed at a time (`Fetch._check_and_write`):
+# a block, each checked against its own digest (a whole chunk's digest is fed slice by slice
+# and checked at its end), so that each slice is read from the CPU's cache by the write and
+# the hashes after the first. (When the frames' MAC held the GIL, eight slices per chunk cost
+# more in waits for the GIL than their cache locality saved; it no longer does.)
 STORE_SLICE = mf.BLOCK_SIZE
 RELAY_WAIT = 8.0  # seconds a peer sent here for a chunk waits for it to come in (< IO_TIMEOUT)
 
@@ -96,79 +95,13 @@ class _Buffers:
 _BUFFERS = _Buffers(keep=WHOLE_IN_FLIGHT)
 
 
-_READ_BACK = ThreadBuffer(STORE_SLICE)  # units read back for the whole-file hash
-
-
-class _WholeHash:
-    """The file's xxh3-128 over its units (chunks or blocks) in file order, fed as units are
-    stored (in worker threads, in any order). A range that is next in order is fed as it is
-    checked and stored, slice by slice from the CPU's cache (`claim`, `feed`); one stored
-    ahead of the order is read back from the file once the units before it are in, a slice at
-    a time into a buffer the thread keeps (in cache, and no new buffer for every unit)."""
-
-    def __init__(self, size: int, unit: int) -> None:
-        self._hasher = xxhash.xxh3_128()
-        self._size = size
-        self._unit = unit
-        self._count = -(-size // unit)
-        self._next = 0  # the first unit not hashed yet
-        self._ahead: set[int] = set()  # stored, not hashed yet
-        self._lock = threading.Lock()
-        self._claimed = False  # a range that is next in order is being fed
-        self._before: Any = None  # the hash before that range: a range that fails its check
-
-    def claim(self, first: int) -> bool:
-        """Whether the caller, about to store units from `first` on, may `feed` them as it
-        goes: `first` is next in order and no other range is being fed."""
-        with self._lock:
-            if self._claimed or first != self._next:
-                return False
-            self._claimed = True
-            self._before = self._hasher.copy()
-            return True
-
-    def feed(self, piece: bytes | memoryview) -> None:
-        """The next bytes of the claimed range (its claimer only, in order)."""
-        self._hasher.update(piece)
-
-    def stored(self, fd: int, span: range, good: bool, claimed: bool) -> None:
-        """Units `span` of the file `fd` were checked (`good`: they matched and are stored);
-        `claimed`: they were fed as they went, and are taken back if they did not match
-        (blocking: a worker thread's)."""
-        with self._lock:
-            if claimed:
-                self._claimed = False
-                if good:
-                    self._next = span.stop
-                else:
-                    self._hasher = self._before
-                self._before = None
-            elif good:
-                self._ahead.update(span)
-            if self._claimed:
-                return  # its claimer reads the units stored ahead once it is done
-            while self._next in self._ahead:
-                self._ahead.discard(self._next)
-                offset = self._next * self._unit
-                length = min(self._unit, self._size - offset)
-                # a slice at a time, into a buffer that stays in cache
-                for piece in _READ_BACK.read(fd, offset, offset + length):
-                    self._hasher.update(piece)
-                    length -= len(piece)
-                if length:
-                    raise OSError(errno.EIO, "a stored unit is shorter than it was")
-                self._next += 1
-
-    def digest(self) -> str | None:
-        """The whole file's xxh3-128, once every unit is in; None before."""
-        with self._lock:
-            return self._hasher.hexdigest() if self._next == self._count else None
-
-
 class ReadSource(Protocol):
     """A tier that can serve byte ranges of committed files (peers, the persistent tier).
     `read_range` raises ObjectMissing if the tier has no object for the file, TierError if it
-    cannot serve it now."""
+    cannot serve it now. A source may also offer `read_into(step_path, entry, offset, buffer)`
+    (the bytes received into `buffer`) and, with `can_store = True`,
+    `read_and_store(step_path, entry, offset, buffer, store)`: `store` (a `Store`) called by
+    the thread that received the bytes; (the bytes, whether `store` took them)."""
 
     name: str
 
@@ -200,8 +133,9 @@ class _Pattern:
         return self.sequential and self.start == 0
 
 
-# A check of fetched bytes against the manifest: whether they match (`fetch_range`).
-Accept = Callable[[bytes | memoryview], Awaitable[bool]]
+# Fetched bytes checked against the manifest and stored (`Fetch`): whether they matched. A
+# source that can (`can_store`) calls it in the worker thread that received them.
+Store = Callable[[bytes | memoryview], bool]
 
 
 class FetchError(Exception):
@@ -236,31 +170,47 @@ def _matches(entry: mf.FileEntry, offset: int, data: bytes | memoryview) -> bool
 
 async def fetch_range(sources: list[ReadSource], remote: RemoteFile, offset: int,
                       length: int, buffer: memoryview | None = None,
-                      accept: Accept | None = None) -> bytes | memoryview:
+                      store: Store | None = None) -> bytes | memoryview:
     """`length` bytes at `offset` of `remote` (a whole chunk, or whole blocks inside one chunk
     of an entry with block digests), verified, from the first source that delivers them (into
-    `buffer`, a chunk's room, if given and the source can). `accept` checks them (and may
-    store them as it does: `Fetch`); without it, `_matches` does."""
+    `buffer`, a chunk's room, if given and the source can). `store` checks them and stores
+    them as it does (`Fetch`): called by a source that can (`can_store`: a peer) in the worker
+    thread that received the bytes, else off the trio thread once they are in; without it,
+    `_matches` checks them."""
     entry = remote.entry
     failures = []
     for source in sources:
         read_into = getattr(source, "read_into", None)
         try:
-            if buffer is not None and read_into is not None:
-                data = await read_into(remote.step_path, entry, offset, buffer[:length])
+            if store is not None and buffer is not None and getattr(source, "can_store", False):
+                data, good = await source.read_and_store(  # type: ignore[attr-defined]
+                    remote.step_path, entry, offset, buffer[:length], store)
             else:
-                data = await source.read_range(remote.step_path, entry, offset, length)
+                if buffer is not None and read_into is not None:
+                    data = await read_into(remote.step_path, entry, offset, buffer[:length])
+                else:
+                    data = await source.read_range(remote.step_path, entry, offset, length)
+                good = len(data) == length and (
+                    _matches(entry, offset, data) if store is None
+                    else await _store_off_trio(store, data))
         except TierError as exc:  # a source's failure is a reason to try the next one
             failures.append(f"{source.name}: {exc}")
             continue
-        if len(data) == length and (_matches(entry, offset, data) if accept is None
-                                    else await accept(data)):
+        if good:
             return data
         failures.append(f"{source.name}: the range at {offset} does not match its checksum")
         log.error("checksum mismatch: %s/%s bytes [%d, +%d) from %s", remote.step_path,
                   entry.name, offset, length, source.name)
     raise FetchError(f"{remote.step_path}/{entry.name} [{offset}, +{length}): "
                      + ("; ".join(failures) or "no tier holds it"))
+
+
+async def _store_off_trio(store: Store, data: bytes | memoryview) -> bool:
+    """`store(data)`, in a worker thread unless the bytes are few (a few pages: less than the
+    hop to a thread)."""
+    if len(data) <= SMALL_RANGE:
+        return store(data)
+    return await trio.to_thread.run_sync(store, data)
 
 
 async def fetch_chunk(sources: list[ReadSource], remote: RemoteFile, index: int,
@@ -297,7 +247,7 @@ class Fetch:
                                  f"{PART_PREFIX}{remote.entry.xxh3}-{id(self):x}".encode())
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.backing_ino = os.fstat(self.fd).st_ino
-        self._whole = _WholeHash(size, self._unit)
+        self._whole = WholeHash(size, self._unit)
 
     @property
     def complete(self) -> bool:
@@ -442,7 +392,11 @@ class Fetch:
                 covered.update(range(low, high + 1))
 
     async def _fetch_units(self, sources: list[ReadSource], span: range) -> bytes | None:
-        """Fetch, check and store a run of units nobody is bringing; their bytes if not kept."""
+        """Fetch, check and store a run of units nobody is bringing; their bytes if not kept.
+        The RAM tier's room for them is taken first; the thread that receives them checks them,
+        writes them into the partial file and feeds the whole-file hash (`_check_and_write`)
+        in one go. The write goes to a duplicate of the fd, so a discard meanwhile cannot let
+        it land in another file that reused the fd's number."""
         done = trio.Event()
         for unit in span:
             self._coming[unit] = done
@@ -451,44 +405,39 @@ class Fetch:
         # A small range gets a buffer of its size: a fresh chunk buffer (when the kept ones
         # are in use) is 8 MiB zeroed for each of a many-file step's 4 KiB files.
         buffer = _BUFFERS.take() if length > SMALL_RANGE else bytearray(length)
-        kept = False  # the bytes that matched are in the partial file, and accounted
+        kept = self._charge(length)  # room for them in the RAM tier (False: store nothing)
+        fd = os.dup(self.fd) if kept else None
+        no_room = False  # the RAM dir's file system was full although the count had room
 
-        async def check_and_keep(data: bytes | memoryview) -> bool:
-            nonlocal kept
-            kept = self._charge(len(data))
-            try:
+        def store(data: bytes | memoryview) -> bool:
+            nonlocal no_room
+            if fd is not None and not no_room:
                 try:
-                    good = await self._check_and_store(data, span, kept)
+                    return self._check_and_write(fd, data, span)
                 except OSError as exc:
                     if exc.errno != errno.ENOSPC:
                         raise
-                    # The RAM dir's file system is full (a /dev/shm other processes fill)
-                    # though the RAM tier's count had room: as without room, the bytes go
-                    # to the reader, checked, and are not kept.
-                    self._uncharge(kept, len(data))
-                    kept = False
-                    log.info("%s/%s: no room in the RAM dir's file system; read without "
-                             "keeping it", self.remote.step_path, self.remote.entry.name)
-                    good = await self._check_and_store(data, span, False)
-            except BaseException:
-                self._uncharge(kept, len(data))
-                kept = False
-                raise
-            if not good:
-                self._uncharge(kept, len(data))
-                kept = False
-            return good
+                    no_room = True  # as without room: checked, returned, not kept
+            return self._check_and_write(None, data, span)
 
+        stored = False
         try:
             data = await fetch_range(sources, self.remote, offset, length, memoryview(buffer),
-                                     accept=check_and_keep)
-            if not kept or self.fd < 0:
+                                     store)
+            if no_room:
+                log.info("%s/%s: no room in the RAM dir's file system; read without keeping "
+                         "it", self.remote.step_path, self.remote.entry.name)
+            if not kept or no_room or self.fd < 0:
                 # no room, or discarded meanwhile (its fd number may be another file's now)
                 return bytes(data)
+            stored = True
             for unit in span:
                 self._have[unit] = 1
             return None
         finally:
+            if fd is not None:
+                os.close(fd)
+            self._uncharge(kept and not stored, length)
             if len(buffer) == mf.CHUNK_SIZE:
                 _BUFFERS.give(buffer)  # nothing refers to it any more: unkept bytes are a copy
             for unit in span:
@@ -510,22 +459,6 @@ class Fetch:
         if charged:
             self.store.give_back(self.backing_ino, nbytes)
 
-    async def _check_and_store(self, data: bytes | memoryview, span: range, keep: bool
-                               ) -> bool:
-        """Check fetched units against the manifest and, if `keep`, store them (off the trio
-        thread when large); whether they matched. The store goes to a duplicate of the fd, so
-        a discard meanwhile cannot let it land in another file that reused the fd's number.
-        Bytes stored before their check ends are in units not marked present: no reader sees
-        them unless they match (`_have` is set after)."""
-        fd = os.dup(self.fd) if keep else None
-        try:
-            if len(data) <= SMALL_RANGE:  # a few pages: less than the hop to a thread
-                return self._check_and_write(fd, data, span)
-            return await trio.to_thread.run_sync(self._check_and_write, fd, data, span)
-        finally:
-            if fd is not None:
-                os.close(fd)
-
     def _check_and_write(self, fd: int | None, data: bytes | memoryview, span: range) -> bool:
         """The units' checksum (a whole chunk's xxh3-64, or each block's, a block at a time),
         their write into the partial file at `fd` (if given) and the whole-file hash (if they
@@ -539,7 +472,7 @@ class Fetch:
         if not whole_chunk and (not entry.blocks or offset % mf.BLOCK_SIZE):
             return False
         chunk = xxhash.xxh3_64() if whole_chunk else None
-        pieces = max(len(view), 1) if whole_chunk else STORE_SLICE
+        pieces = STORE_SLICE
         feeding = fd is not None and self._whole.claim(span.start)
         good = False
         try:

@@ -21,6 +21,9 @@ What the relay answers itself, without libfuse:
   both; as round trips through libfuse and the daemon's loop they were most of an `ls -l`, and
   even answered here (ENODATA, until 2026-12-03) two round trips per entry: told the file
   system has none, `ls` stops asking for it.
+What the relay takes aside:
+- Notifications (a message from libfuse with `unique` 0: the daemon's invalidations,
+  `fs.kernel_cache`): written to the kernel by a thread of their own (`fs.passthrough`).
 Everything else passes unchanged. A message that does not parse raises WireError: the relay
 then aborts the connection rather than guess.
 """
@@ -243,6 +246,12 @@ def answer_here(message: Message) -> bytes | None:
     if bytes(message[name_at:name_at + len(XATTR_NAMESPACE)]) == XATTR_NAMESPACE:
         return None
     return OUT_HEADER.pack(OUT_HEADER.size, -errno.EOPNOTSUPP, header.unique)
+
+
+def is_notification(message: Message) -> bool:
+    """A message from libfuse that answers no request: a notification the daemon sends the
+    kernel on its own (its `unique` is 0; its `error` field holds the notification's code)."""
+    return out_header(message).unique == 0
 
 
 def relay_payload(page_size: int, wanted: int = 1 << 20) -> int:

@@ -31,6 +31,7 @@ from tierfs.fs.appends import AppendSnapshots
 from tierfs.fs.background import Background
 from tierfs.fs.commits import SAVER_WAIT, Commits
 from tierfs.fs.deletes import DELETES_DIR, Deletes
+from tierfs.fs.foreground import Foreground
 from tierfs.fs.nodes import (
     DEFAULT_FILE_STEP_PATTERN,
     DEFAULT_STEP_PATTERN,
@@ -49,9 +50,11 @@ from tierfs.fs.ports import (
     ReadGate,
     ReadSource,
     SealedCollector,
+    ShardsOnPeers,
+    StoreCheck,
 )
 from tierfs.fs.quiet_commits import QuietCommits, QuietWatch
-from tierfs.fs.ram_store import RamStore
+from tierfs.fs.ram_store import RamFull, RamStore
 from tierfs.fs.recovery import Recovery
 from tierfs.fs.residency import Residency
 from tierfs.fs.tree import Tree
@@ -90,7 +93,9 @@ class Namespace:
                  peers: PeerCopies | None = None, keep_ram: int = 3,
                  replicas: int = 0, events: Events | None = None,
                  commit_timeout: float = SAVER_WAIT, append_every: float = 0.0,
-                 copies_wait: CopiesWait | None = None) -> None:
+                 copies_wait: CopiesWait | None = None,
+                 store_check: StoreCheck | None = None,
+                 shards: ShardsOnPeers | None = None) -> None:
         self.tree = tree = core.tree
         self.view = core.view
         self.events = events or Events()
@@ -101,8 +106,9 @@ class Namespace:
         self.residency = Residency(tree, list(read_sources or []), self.background,
                                    keep_ram=keep_ram, replicas=replicas,
                                    liveness=core.liveness,
-                                   records=sealed)
-        self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed)
+                                   records=sealed, store_check=store_check)
+        self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed,
+                                shards)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
                                saver_wait=commit_timeout, copies_wait=copies_wait)
         self.quiet = QuietCommits(tree, core.watch, self.commits)
@@ -111,6 +117,8 @@ class Namespace:
         self.verifier = Verifier(tree, self.residency, persist, peers,
                                  finish_pending=self.commits.finish_pending)
         self.gate: ReadGate = self.verifier
+        # when the mount's users last asked something (background work waits for a pause)
+        self.foreground = Foreground()
 
     @classmethod
     def standalone(cls, store: RamStore, sink: CommitSink, *,
@@ -155,20 +163,29 @@ class Namespace:
 
     # -- directories and entries -----------------------------------------------------------
 
+    # The calls below are the kernel's requests: it knows of the change it asked for
+    # (`KernelCache.kernel_knows`), and keeps its own view of the entry up to date itself.
+
     def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        return self.tree.mkdir(parent, name, mode, uid, gid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.mkdir(parent, name, mode, uid, gid)
 
     def mknod(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        return self.tree.mknod(parent, name, mode, uid, gid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.mknod(parent, name, mode, uid, gid)
 
     def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
-        return self.tree.symlink(parent, name, target, uid, gid)
+        with self.tree.kernel_cache.kernel_knows():
+            return self.tree.symlink(parent, name, target, uid, gid)
 
     def rmdir(self, parent: Node, name: bytes) -> None:
-        self.tree.rmdir(parent, name)
+        with self.tree.kernel_cache.kernel_knows():
+            self.tree.rmdir(parent, name)
 
     async def unlink(self, parent: Node, name: bytes) -> None:
-        if self.tree.unlink(parent, name):
+        with self.tree.kernel_cache.kernel_knows():
+            removed = self.tree.unlink(parent, name)
+        if removed:
             await self.commits.run_pending_commits(parent)
 
     def check_special_destination(self, node: Node, new_parent: Node) -> None:
@@ -189,14 +206,18 @@ class Namespace:
                 break
             for file_node in elsewhere:  # then check again: the awaits may have seen changes
                 await self.residency.make_resident(file_node, empty=False)
-        if self.tree.renames.rename(node, old_parent, old_name, new_parent, new_name, flags):
+        with self.tree.kernel_cache.kernel_knows():
+            moved = self.tree.renames.rename(node, old_parent, old_name, new_parent, new_name,
+                                             flags)
+        if moved:
             await self.commits.after_rename(node, old_parent)
 
     # -- files: a write ----------------------------------------------------------------------
 
     def create(self, parent: Node, name: bytes, mode: int, flags: int, uid: int,
                gid: int, pid: int = 0) -> tuple[Node, Handle]:
-        node, handle = self.tree.create(parent, name, mode, flags, uid, gid, pid)
+        with self.tree.kernel_cache.kernel_knows():
+            node, handle = self.tree.create(parent, name, mode, flags, uid, gid, pid)
         self.tree.latest.note_created(node, pid)
         return node, handle
 
@@ -213,7 +234,15 @@ class Namespace:
         if writable:
             await self.make_private(node, keep=not truncate)
         # The path is taken only now: the awaits above may have seen renames.
-        return self.tree.open_backing(node, writable=writable, truncate=truncate)
+        handle = self.tree.open_backing(node, writable=writable, truncate=truncate)
+        if truncate:
+            self.tree.cut_short.clear(node)  # written again from the start
+        return handle
+
+    def drop_setid(self, node: Node) -> None:
+        """A writer that may not keep set-id bits opened `node` (`Attributes.drop_setid`)."""
+        if self.tree.has_backing(node):
+            self.tree.attributes.drop_setid(node)
 
     def note_opened(self, handle: Handle, pid: int) -> None:
         self.tree.latest.note_opened(handle, pid)
@@ -221,9 +250,17 @@ class Namespace:
     async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         if not handle.active:
             self.tree.activate(handle)
-        if self.tree.needs_room(handle, offset, len(data)):
-            await self.residency.make_room(len(data), sparing=handle.node)
-        return self.tree.write(handle, offset, data)
+        try:
+            if self.tree.needs_room(handle, offset, len(data)):
+                await self.residency.make_room(len(data), sparing=handle.node)
+            return self.tree.write(handle, offset, data)
+        except RamFull:
+            self.tree.cut_short.note(handle.node, "the RAM tier is full")
+            raise
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self.tree.cut_short.note(handle.node, "the RAM dir's file system is full")
+            raise
 
     async def expect_direct_writes(self, handle: Handle) -> None:
         """The kernel will write this handle's backing file without asking us (passthrough):
@@ -244,6 +281,8 @@ class Namespace:
         """End of a close() (FLUSH), or of the open file (`final`, its RELEASE): seal what this
         handle wrote (Tree), then fire any commit it completes (Commits)."""
         if await self.tree.end_writer(handle, final=final):
+            if handle.passthrough:  # its writes' errors went to the writer, not to us
+                self.tree.cut_short.note_if_full(handle.node, str(self.store.root))
             await self.commits.after_writer(handle.node)
 
     async def release(self, handle: Handle) -> None:
@@ -269,6 +308,8 @@ class Namespace:
         if size is not None and self.tree.has_backing(node):
             self.tree.attributes.check_truncatable(node)
             await self.make_private(node, keep=size > 0)
+            if size == 0:
+                self.tree.cut_short.clear(node)  # to be written again from the start
         self.tree.attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid, size=size,
                                      atime_ns=atime_ns, mtime_ns=mtime_ns)
 

@@ -133,6 +133,10 @@ class StepState:
         self.number = number
         self.manifest = manifest
         self.dirty = manifest is None
+        # A step directory never committed that went quiet holding no file (a `mkdir` whose
+        # saver wrote nothing, `cp -al` of a run, whose hard links are refused): nothing to
+        # commit, and nothing only in RAM; it shows `empty` until something changes in it.
+        self.empty = False
         self.commit_pending = False
         self.waiting_for: str | None = None  # why a commit is pending (status shows it)
         # The files its DCP .metadata names, and which .metadata (inode, size, mtime) said so.
@@ -140,6 +144,12 @@ class StepState:
         self.lock = trio.Lock()
         self.persisted_version = 0
         self.retired_version = 0
+        # The files of the committed version the store was seen to lack, though it was
+        # believed to hold it (`StepVersions.set_store_lost`): the others it still holds.
+        self.store_lacking: frozenset[str] = frozenset()
+        # Persisted, but the mark could not be written yet (the RAM dir's file system full):
+        # nothing leaves RAM for the store until it is (`OtherTiers.write_owed_marks`).
+        self.persist_mark_owed = False
         # chmod, chown or utime of a file since the last commit: a version of new attributes
         # (a file written again with the same bytes is no new version, whatever its mtime)
         self.attributes_changed = False
@@ -170,11 +180,19 @@ class StepState:
 
     @property
     def state(self) -> str:
-        return "committed" if self.shown_committed else "writing"
+        if self.shown_committed:
+            return "committed"
+        return "empty" if self.empty else "writing"
 
     @property
     def persisted(self) -> bool:
         return self.committed and self.persisted_version == self.manifest.version
+
+    @property
+    def persisted_on_record(self) -> bool:
+        """Persisted, and its mark on disk: copies may leave RAM for the store (a restart
+        that found no mark would take a step whose files are not here for a damaged one)."""
+        return self.persisted and not self.persist_mark_owed
 
     @property
     def in_ram(self) -> bool:

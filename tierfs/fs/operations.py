@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import pyfuse3
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, StatvfsData
 
+from tierfs.fs.kernel_cache import timeout_for
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.nodes import (
     NAME_MAX,
@@ -35,7 +36,6 @@ from tierfs.fs.ram_store import RamFull
 log = logging.getLogger(__name__)
 
 XATTR_CONTROL = b"user.tierfs.control"
-ATTR_TIMEOUT = 1.0
 BLOCK = 4096
 
 T = TypeVar("T")
@@ -44,6 +44,7 @@ T = TypeVar("T")
 def _boundary(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(handler)
     async def wrapper(self: Operations, *args: Any) -> T:
+        self.ns.foreground.request()  # background work waits while users' requests come
         try:
             return await handler(self, *args)
         except FUSEError:
@@ -89,7 +90,7 @@ class Operations(pyfuse3.Operations):
             attrs.st_uid, attrs.st_gid = parent.st_uid, parent.st_gid
             attrs.st_size = len(target)
             attrs.st_atime_ns = attrs.st_mtime_ns = attrs.st_ctime_ns = parent.st_mtime_ns
-            attrs.entry_timeout = attrs.attr_timeout = 0
+            attrs.entry_timeout = attrs.attr_timeout = timeout_for(node)
             return attrs
         st = self.ns.stat(node)
         attrs.st_mode = st.st_mode
@@ -106,7 +107,9 @@ class Operations(pyfuse3.Operations):
         attrs.st_atime_ns = st.st_atime_ns
         attrs.st_mtime_ns = st.st_mtime_ns
         attrs.st_ctime_ns = st.st_ctime_ns
-        attrs.entry_timeout = attrs.attr_timeout = ATTR_TIMEOUT
+        # How long the kernel may keep them (fs.kernel_cache: the daemon tells it of the
+        # changes it cannot see).
+        attrs.entry_timeout = attrs.attr_timeout = timeout_for(node)
         return attrs
 
     def _entry(self, node: Node) -> EntryAttributes:
@@ -155,6 +158,8 @@ class Operations(pyfuse3.Operations):
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
+        if fields.update_size and not fields.update_mode:
+            self._writer_opened(node, ctx)  # a truncate writes too
         return self._attrs(node)
 
     @_boundary
@@ -207,6 +212,7 @@ class Operations(pyfuse3.Operations):
                      ctx: Any) -> tuple[FileInfo, EntryAttributes]:
         node, handle = self.ns.create(self.ns.get(parent_inode), name, mode & ~ctx.umask,
                                       flags, ctx.uid, ctx.gid, ctx.pid)
+        self._writer_opened(node, ctx)
         return await self._file_info(handle), self._entry(node)
 
     @_boundary
@@ -221,7 +227,16 @@ class Operations(pyfuse3.Operations):
             await self.ns.residency.fetch_whole(node)
         handle = await self.ns.open(node, flags)
         self.ns.note_opened(handle, ctx.pid)
+        if handle.writable:
+            self._writer_opened(node, ctx)
         return await self._file_info(handle)
+
+    def _writer_opened(self, node: Node, ctx: Any) -> None:
+        """Under the relay the daemon clears set-id bits itself (FUSE_HANDLE_KILLPRIV_V2), and
+        with passthrough it sees no write: a writer that may not keep them (a user but root,
+        who has CAP_FSETID) makes them go at its open (`Attributes.drop_setid`)."""
+        if self.passthrough is not None and ctx.uid != 0:
+            self.ns.drop_setid(node)
 
     async def _file_info(self, handle: Handle) -> FileInfo:
         """The reply to an open: passthrough to the backing file where the kernel allows it."""

@@ -22,20 +22,33 @@ from tierfs import manifest as mf
 from tierfs.fs import dcp_metadata, tree_walk
 from tierfs.fs.deletes import PERSIST, Deletes, Tombstone, peer_target
 from tierfs.fs.nodes import METADATA, FsError, Node, StepState, some_names
-from tierfs.fs.ports import SealedCollector, Spawner, TierError
+from tierfs.fs.ports import (
+    CoordinationUnavailable,
+    FilesOnPeers,
+    SealedCollector,
+    ShardsOnPeers,
+    Spawner,
+    TierError,
+)
 from tierfs.fs.residency import Residency
 from tierfs.fs.step_versions import StepVersions
 from tierfs.fs.tree import Tree
 from tierfs.fs.tree_view import TreeView
+from tierfs.shared_uploads import PERSISTED, RETIRED
 
 log = logging.getLogger(__name__)
+
+# Seconds a commit waits for other nodes' records of the shards its `.metadata` names before
+# it asks the nodes themselves (`locate_dcp_files`): records come as the shards' hashes do.
+ASK_PEERS_AFTER = 1.0
 
 
 class OtherTiers:
     """Copies of steps in the persistent tier and on peers, as this node knows them."""
 
     def __init__(self, tree: Tree, residency: Residency, deletes: Deletes,
-                 background: Spawner, sealed: SealedCollector | None = None) -> None:
+                 background: Spawner, sealed: SealedCollector | None = None,
+                 shards: ShardsOnPeers | None = None) -> None:
         self.tree = tree
         self.view = TreeView(tree)  # the queries a rename's upload asks
         self.versions = StepVersions(tree)  # the changes of step versions it makes
@@ -43,11 +56,18 @@ class OtherTiers:
         self.deletes = deletes
         self.background = background
         self.sealed = sealed  # the cluster's records of who holds which file (etcd)
+        self.shards = shards  # asks the peers for files of a step their records lack
         self.node_id = tree.node_id
         # files of steps being committed here that stay on the other nodes that wrote them
         self._elsewhere: dict[str, set[str]] = {}
         self._unpublished: dict[str, mf.StepManifest] = {}  # committed while etcd was away
         self._tracker_texts: dict[str, str | int | None] = {}  # tracker object -> what it names
+        self._owed_marks: dict[str, mf.StepManifest] = {}  # persisted, the RAM dir full
+        # Steps whose file records are read again to judge them (`doubtful_steps`): a node
+        # dropped out of their holders (it came back without its copies), or this node came
+        # back without its own. Set (and replaced) when one is added.
+        self._recheck: set[str] = set()
+        self.recheck_wanted = trio.Event()
 
     # -- deletes -----------------------------------------------------------------------------
 
@@ -88,22 +108,66 @@ class OtherTiers:
         return node is not None and node.step.manifest is manifest
 
     def committed_manifests(self) -> list[mf.StepManifest]:
-        """Committed steps in RAM (or renamed, with files the store holds under their old
-        names) whose version has not reached the persistent tier."""
+        """Committed steps whose version has not reached the persistent tier and that this
+        node uploads: those made here with every file in RAM (or renamed, with files the
+        store holds under their old names); in a cluster, whose uploads are shared
+        (`tierfs.shared_uploads`), every step made here and every one with a file in RAM
+        here, whoever made it."""
         found = []
         for node in self.tree.steps():
             step = node.step
-            if step.committed and not step.persisted and \
-                    (step.in_ram or self.view.in_ram_or_store(node)) and \
-                    step.manifest.node_id == self.node_id and \
-                    step.retired_version != step.manifest.version:
+            if not step.committed or step.persisted or \
+                    step.retired_version == step.manifest.version:
+                continue
+            made_here = step.manifest.node_id == self.node_id
+            if (made_here and (step.in_ram or self.view.in_ram_or_store(node))) or (
+                    self.sealed is not None and (made_here or step.resident)):
                 found.append(step.manifest)
         return sorted(found, key=lambda m: (m.step, m.path))
 
+    def not_in_store(self) -> list[mf.StepManifest]:
+        """Every committed step listed here whose version the persistent tier does not hold
+        (nor retired from it): in a cluster, what `tierfs flush` on any node waits for,
+        whichever nodes upload it."""
+        return sorted((n.step.manifest for n in self.tree.steps()
+                       if n.step.committed and not n.step.persisted
+                       and n.step.retired_version != n.step.manifest.version),
+                      key=lambda m: (m.step, m.path))
+
     def mark_persisted(self, manifest: mf.StepManifest) -> None:
+        """The uploader put this version in the store. Its mark is written first; if the RAM
+        dir's file system has no room for it, the version counts as persisted all the same
+        (the store holds it: it is not uploaded again), stays in RAM until the mark is
+        written (`write_owed_marks`), and the log says so once."""
         node = self.tree.find_step(manifest.path)
-        if node is not None and node.step.manifest is manifest:
+        if node is None or node.step.manifest is not manifest:
+            return
+        try:
             self.versions.set_persisted(node, manifest.version)
+        except OSError as exc:
+            self.versions.set_persisted_unrecorded(node, manifest.version)
+            self._owed_marks[manifest.path] = manifest
+            log.warning("the persisted mark of %s v%d cannot be written (%s): it is written "
+                        "once the RAM dir has room; the step stays in RAM until then",
+                        manifest.path, manifest.version, exc.strerror or exc)
+            return
+        self.residency.enforce_keep_ram()
+
+    def write_owed_marks(self) -> None:
+        """Write the persisted marks the RAM dir had no room for (`mark_persisted`); a step
+        whose mark is written may leave RAM now. Called every half second."""
+        for path, manifest in list(self._owed_marks.items()):
+            node = self.tree.find_step(path)
+            if node is None or node.step.manifest is not manifest or \
+                    not node.step.persist_mark_owed:
+                del self._owed_marks[path]  # saved again, removed, or retired meanwhile
+                continue
+            try:
+                self.versions.set_persisted(node, manifest.version)
+            except OSError:
+                return  # still no room: the next call tries again
+            del self._owed_marks[path]
+            log.info("the persisted mark of %s v%d is written", path, manifest.version)
             self.residency.enforce_keep_ram()
 
     def move_done(self, tomb: Tombstone,
@@ -113,7 +177,7 @@ class OtherTiers:
         name that its own new name still reads through this one comes first."""
         assert tomb.moved_to is not None
         new = tomb.moved_to
-        if any(other.moved_to is not None and other is not tomb
+        if any(other.moved_to is not None and other is not tomb and PERSIST in other.pending
                and (other.path == new or other.path.startswith(new + "/"))
                for other in self.deletes.pending()):
             return False
@@ -153,6 +217,25 @@ class OtherTiers:
         node = self.tree.find_step(relpath)
         return node is not None and node.step.persisted
 
+    def store_state(self, relpath: str, version: int, state: str) -> None:
+        """The cluster's records say what the persistent tier holds of the step's `version`
+        (whichever node wrote it there): PERSISTED, or RETIRED by --keep-persist."""
+        node = self.tree.find_step(relpath)
+        if node is None or not node.step.committed or node.step.manifest.version != version:
+            return
+        if state == PERSISTED and not node.step.persisted:
+            try:
+                self.versions.set_persisted(node, version)
+            except OSError as exc:  # no room for its mark (a full /dev/shm): shown as not
+                log.warning("%s v%d is in the persistent tier, but this node could not "
+                            "record it: %s", relpath, version, exc.strerror or exc)
+                return
+            log.info("%s v%d is in the persistent tier (the cluster's records say so)",
+                     relpath, version)
+            self.residency.enforce_keep_ram()
+        elif state == RETIRED and node.step.retired_version != version:
+            self.mark_retired(relpath)
+
     def mark_retired(self, relpath: str) -> None:
         """Retention removed the step from the persistent tier: never upload it again."""
         node = self.tree.find_step(relpath)
@@ -161,7 +244,13 @@ class OtherTiers:
         if not node.step.in_ram and not node.step.dirty:
             self._forget_step(node)  # both policies let it go: it is gone from tierfs
             return
-        self.versions.set_retired(node, node.step.manifest.version)
+        try:
+            self.versions.set_retired(node, node.step.manifest.version)
+        except OSError as exc:  # no room: it counts as retired, and a restart may upload it
+            self.versions.set_retired(node, node.step.manifest.version, write_mark=False)
+            log.warning("the retired mark of %s cannot be written (%s): after a restart it "
+                        "may be uploaded again, and removed again", relpath,
+                        exc.strerror or exc)
 
     def adopt_persisted(self, manifest: mf.StepManifest) -> bool:
         """Show a step found in the persistent tier (a fresh node, or one that left RAM).
@@ -181,21 +270,26 @@ class OtherTiers:
                     lambda: self.versions.write_persist_mark(node, manifest.version),
                     release=True) is not None:
                 self.versions.set_persisted(node, manifest.version, recorded=True)
-                self.tree.residents.add_remote_files(node, list(manifest.files))
+                self.tree.residents.add_remote_files(
+                    node, [e for e in manifest.files if e.name not in step.resident])
+                self.versions.give_dir_attributes(manifest)
             return False
         step_node = self.versions.install_step(manifest, "the persistent tier")
         if step_node is None:
             return False
         self.versions.set_persisted(step_node, manifest.version)
         self.tree.residents.add_remote_files(step_node, list(manifest.files))
+        self.versions.give_dir_attributes(manifest)
         return True
 
     # -- trackers (tierfs.trackers): never in a tier without the step they name ------------
 
-    def tracked_step(self, manifest: mf.StepManifest) -> trackers.TrackedStep | None:
+    def tracked_step(self, manifest: mf.StepManifest, content: bytes | None = None
+                     ) -> trackers.TrackedStep | None:
         """If this version is a tracker, the step it names (the uploader holds its upload until
-        that step is in the store); None if it is no tracker."""
-        found = self._tracked(manifest)
+        that step is in the store); None if it is no tracker. `content`: the tracker's bytes
+        (an older version's, or the store's), else those of this version in RAM."""
+        found = self._tracked(manifest, content)
         if found is None:
             return None
         number, step = found
@@ -217,21 +311,25 @@ class OtherTiers:
         return step is not None and step.committed and (step.persisted or all(
             peer in verified(step, entry.name) for entry in step.manifest.files))
 
-    def _tracked(self, manifest: mf.StepManifest) -> tuple[int, StepState | None] | None:
+    def _tracked(self, manifest: mf.StepManifest, content: bytes | None = None
+                 ) -> tuple[int, StepState | None] | None:
         """A tracker's step number and the step of that number in its directory, committed or
         being written (None if there is none here); None if `manifest` is no tracker (another
-        file, a content that names no step, bytes not in RAM here)."""
+        file, a content that names no step, bytes not in RAM here). `content`: the bytes to
+        read instead of this version's."""
         if not (manifest.single_file and manifest.step == mf.NO_STEP
                 and trackers.is_tracker_name(manifest.path)):
             return None
-        named = self._tracker_text(manifest.files[0])
+        named = (self._tracker_text(manifest.files[0]) if content is None
+                 else trackers.named_step(content))
         try:
             run_dir = self.tree.find_dir(manifest.path.rpartition("/")[0])
         except FsError:
             return None
         if isinstance(named, str):
-            number = self.tree.identity.step_number(named)
             node = run_dir.children.get(os.fsencode(named))
+            number = (node.step.number if node is not None and node.is_dir
+                      and node.step is not None else self.tree.identity.step_number(named))
         elif isinstance(named, int):
             number = named
             node = next((n for n in run_dir.children.values()
@@ -350,16 +448,31 @@ class OtherTiers:
             self.versions.set_file_holders(node, holders, writers)
             self.tree.recoverable.loss(node.step, fresh=True)  # whole again, or not
 
+    def want_recheck(self, paths: list[str] | None = None) -> None:
+        """Have the file records of these steps (None: every committed step not wholly in RAM
+        here) read again before they are judged (`doubtful_steps`)."""
+        if paths is None:
+            paths = [self.tree.relpath(n) for n in self.tree.steps()
+                     if n.step.committed and not n.step.in_ram]
+        if paths:
+            self._recheck.update(paths)
+            self.recheck_wanted.set()
+            self.recheck_wanted = trio.Event()
+
     def doubtful_steps(self, may_be_up: Callable[[str], bool]) -> list[mf.StepManifest]:
         """Committed steps, not persisted, with a file not in RAM here whose holders as known
         here are none that `may_be_up`, or are known only for the whole step (a node that
-        holds no file of a step knows who holds *some* file of it) with one of them not up:
-        their records are read again (`note_placements`) before the step is called
-        incomplete, or whole again."""
+        holds no file of a step knows who holds *some* file of it) with one of them not up,
+        and those `want_recheck` named: their records are read again (`note_placements`)
+        before the step is called incomplete, or whole again."""
         found = []
+        recheck, self._recheck = self._recheck, set()
         for node in self.tree.steps():
             step = node.step
             if not step.committed or step.persisted or step.in_ram:
+                continue
+            if self.tree.relpath(node) in recheck:
+                found.append(step.manifest)
                 continue
             for entry in step.manifest.files:
                 if entry.name in step.resident:
@@ -399,8 +512,13 @@ class OtherTiers:
         if node is not None:
             step = node.step
             if step.manifest is not None and step.manifest.version == manifest.version:
-                if not others <= step.holders:
-                    self.versions.set_holders(node, step.holders | others, record=not step.in_ram)
+                if others != step.holders - {self.node_id}:
+                    # the commit record names the holders now: one that dropped out (it came
+                    # back without its copies) may have held the only copy of a file, which
+                    # no holder that remains can tell: the file records say
+                    if step.holders - {self.node_id} - others and not step.in_ram:
+                        self.want_recheck([manifest.path])
+                    self.versions.set_holders(node, others, record=not step.in_ram)
             elif not step.committed:
                 self.versions.join_commit(node, manifest, others)
             elif self._supersede(node, manifest, ", ".join(sorted(others)),
@@ -408,13 +526,16 @@ class OtherTiers:
                                                                     others),
                                  release=True) is not None:
                 self.versions.set_holders(node, others, record=False)
-                self.tree.residents.add_remote_files(node, list(manifest.files))
+                self.tree.residents.add_remote_files(
+                    node, [e for e in manifest.files if e.name not in step.resident])
+            self.versions.give_dir_attributes(manifest)
             return
         step_node = self.versions.install_step(manifest, f"node {', '.join(sorted(others))}")
         if step_node is None:
             return
         self.versions.set_holders(step_node, others, record=True)
         self.tree.residents.add_remote_files(step_node, list(manifest.files))
+        self.versions.give_dir_attributes(manifest)
         log.info("%s v%d is in the cluster (held by %s)", manifest.path, manifest.version,
                  ", ".join(sorted(others)))
 
@@ -425,12 +546,17 @@ class OtherTiers:
         single node (`cp -r`, `rsync`, `tar` may write `.metadata` first) by waiting for them,
         on several nodes by finding the records of the shards other nodes' ranks sealed (the
         shards stay where they were written: the manifest names their holders), waiting for
-        them until `deadline` (trio time). A step saved again over its committed version
-        asks the same of the files it has only as they were in that version (`_old_copies`):
-        a node that saved one again has its new record taken (the step must not mix two
-        saves); one that nobody saved again by the deadline stays as it is. False while
-        some are missing (`missing_dcp_files` names them); `CoordinationUnavailable` if etcd
-        does not answer by the deadline."""
+        them until `deadline` (trio time). Records still missing after ASK_PEERS_AFTER are
+        asked of the peers themselves (`_unrecorded`): shards no node has are still to come
+        here (False at once); shards a node has that it did not record by the deadline (it
+        is cut off from etcd), or that a node which cannot answer may have, make the commit
+        fail (`CoordinationUnavailable`), so that the saver's call never returns success for
+        a step that did not commit. A step saved again over its committed version asks the
+        same of the files it has only as they were in that version (`_old_copies`): a node
+        that saved one again has its new record taken (the step must not mix two saves);
+        one that nobody saved again by the deadline stays as it is. False while some are
+        missing (`missing_dcp_files` names them); `CoordinationUnavailable` if etcd does
+        not answer by the deadline."""
         missing = await self.missing_dcp_files(step_node)
         step_path = self.tree.relpath(step_node)
         old = self._old_copies(step_node) if self.sealed is not None else set()
@@ -442,8 +568,25 @@ class OtherTiers:
             return False
         step = step_node.step
         base = step.manifest.version if step.manifest else 0
-        found = await self.sealed.collect(step_path, missing | old, deadline, base)
+        early = min(deadline, trio.current_time() + ASK_PEERS_AFTER)
+        try:
+            found = await self.sealed.collect(step_path, missing | old, early, base)
+        except CoordinationUnavailable:
+            if early >= deadline:
+                raise
+            found = {}  # etcd slow for a moment: the wait below is the one that counts
+        on_peers = None
+        if not missing <= set(found) and self.shards is not None:
+            on_peers = await self.shards.ask(step_path, missing - set(found), deadline)
+            if not on_peers.held and not on_peers.unanswered:
+                log.info("commit of %s waits for %s, named by its .metadata: no node has "
+                         "them yet", step_path, some_names(missing - set(found)))
+                return False
+        if not (missing | old) <= set(found) and early < deadline:
+            found = await self.sealed.collect(step_path, missing | old, deadline, base)
         if not missing <= set(found):
+            if on_peers is not None:
+                raise CoordinationUnavailable(self._unrecorded(missing - set(found), on_peers))
             log.info("commit of %s waits for %s from other nodes", step_path,
                      ", ".join(sorted(missing - set(found))))
             return False
@@ -470,6 +613,22 @@ class OtherTiers:
             log.info("commit of %s names %d files held on %s: they stay there", step_path,
                      len(found), ", ".join(sorted({peer for peer, _e in found.values()})))
         return True
+
+    @staticmethod
+    def _unrecorded(names: set[str], on_peers: FilesOnPeers) -> str:
+        """Why files a `.metadata` names have no record in etcd by the commit's deadline."""
+        held: dict[str, list[str]] = {}
+        for name in names & set(on_peers.held):
+            held.setdefault(on_peers.held[name], []).append(name)
+        why = [f"{node} wrote {some_names(files)} and did not record "
+               f"{'them' if len(files) > 1 else 'it'} in etcd (cut off from etcd?)"
+               for node, files in sorted(held.items())]
+        rest = names - set(on_peers.held)
+        if rest:
+            why.append(f"{some_names(rest)} may be on {', '.join(sorted(on_peers.unanswered))}, "
+                       "which did not answer (down?)" if on_peers.unanswered
+                       else f"{some_names(rest)} had no record in time")
+        return "; ".join(why)
 
     def _old_copies(self, step_node: Node) -> set[str]:
         """Files its `.metadata` names that a step saved again has here only as they were in
@@ -544,7 +703,17 @@ class OtherTiers:
         return self._unpublished.get(manifest.path) is manifest
 
     def publish_later(self, manifest: mf.StepManifest) -> None:
-        """A step committed here whose commit record etcd lacks: written by `publish_pending`."""
+        """A step committed here whose commit record etcd lacks: written by `publish_pending`.
+        The copies this node's marks name for it are forgotten (`StepVersions.forget_holders`:
+        no copy is made before its commit record, so they belong to records that are gone);
+        the record written names this node, and the copies are made anew."""
+        node = self.tree.find_step(manifest.path)
+        if node is not None and node.step.manifest is manifest and \
+                (node.step.replicas or node.step.holders):
+            log.info("%s v%d: etcd has no record of it; the copies this node knew of (%s) "
+                     "are not counted", manifest.path, manifest.version,
+                     ", ".join(sorted(node.step.replicas | node.step.holders)))
+            self.versions.forget_holders(node)
         self._unpublished[manifest.path] = manifest
 
     async def publish_pending(self) -> None:

@@ -34,9 +34,11 @@ import errno
 import fcntl
 import logging
 import os
+import queue
 import socket
 import struct
 import subprocess
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -103,10 +105,14 @@ class PassthroughDevice:
         # Each relay task's buffer, reused for every message it moves (fuse_wire.Message).
         self._request_buffer = memoryview(bytearray(MESSAGE_MAX))
         self._reply_buffer = memoryview(bytearray(MESSAGE_MAX))
+        # The daemon's notifications to the kernel, for the thread that writes them
+        # (`_send_notices`); None ends it.
+        self._notices: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._closing = False
         self._aborted = False  # the connection was aborted
         self.connection: str | None = None  # the mount's directory under CONNECTIONS
-        where = os.path.realpath(mountpoint)  # not once mounted: that would wait for INIT
+        # not once mounted: that would wait for INIT
+        self._where = where = os.path.realpath(mountpoint)
         try:
             self.dev_fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
@@ -151,12 +157,37 @@ class PassthroughDevice:
     async def run(self, on_unmount: Callable[[], None]) -> None:
         """Relay until the kernel unmounts (then `on_unmount` is called) and libfuse ends its
         session, or until cancelled."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._relay_requests, on_unmount)
-            nursery.start_soon(self._relay_replies)
+        notices = threading.Thread(target=self._send_notices, name="fuse-notices", daemon=True)
+        notices.start()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._relay_requests, on_unmount)
+                nursery.start_soon(self._relay_replies)
+        finally:
+            self._notices.put(None)
+
+    def _send_notices(self) -> None:
+        """Give the kernel the daemon's notifications (`fs.kernel_cache`), in order, from a
+        thread of their own: the kernel handles an entry's by taking its directory's lock,
+        which a request in that directory holds until the daemon answers it. Written on the
+        daemon's loop, such a notification would wait for a reply the loop can no longer
+        relay."""
+        while (notice := self._notices.get()) is not None:
+            try:
+                os.write(self.dev_fd, notice)
+            except OSError as exc:
+                if exc.errno == errno.ENODEV:
+                    return  # unmounted
+                # ENOENT: the kernel holds nothing of that entry or inode (nothing to drop)
+                if exc.errno != errno.ENOENT:
+                    log.warning("a notification to the kernel failed: %s", exc.strerror)
 
     def unmount(self) -> None:
-        """Lazy unmount; the relay tasks end when the kernel drops the connection."""
+        """Lazy unmount; the relay tasks end when the kernel drops the connection. Once this
+        mount is gone (`tierfs umount`), what is left at the mount point (a container's volume,
+        a bind mount) stays."""
+        if not _on_top(self._where, self.connection):
+            return
         if _libc().umount2(os.fsencode(self.mountpoint), MNT_DETACH) != 0:
             err = ctypes.get_errno()
             if err not in (errno.EINVAL, errno.ENOENT):  # already unmounted
@@ -317,6 +348,9 @@ class PassthroughDevice:
             return False
         if flags & socket.MSG_TRUNC:
             raise wire.WireError(f"a reply longer than the relay's {MESSAGE_MAX} bytes")
+        if wire.is_notification(self._reply_buffer[:length]):
+            self._notices.put(bytes(self._reply_buffer[:length]))
+            return True
         initialized = self._wire.initialized
         message = self._wire.reply(self._reply_buffer[:length])
         if self._wire.initialized and not initialized:
@@ -340,23 +374,40 @@ class PassthroughDevice:
         return True
 
 
-def _connection_id(mountpoint: str) -> str | None:
-    """The FUSE connection of the mount at `mountpoint`, as fusectl names it: the kernel's
-    dev_t of the superblock, from /proc/self/mountinfo (a stat would wait for INIT)."""
+def _mounts_at(mountpoint: str) -> list[tuple[str, bool]]:
+    """The mounts at `mountpoint`, oldest first, from /proc/self/mountinfo (a stat would wait
+    for INIT): each one's FUSE connection as fusectl names it (the kernel's dev_t of the
+    superblock) and whether it is a tierfs mount."""
     escaped = mountpoint.replace("\\", "\\134").replace(" ", "\\040").replace(
         "\t", "\\011").replace("\n", "\\012")
-    found = None
+    found = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            if fields[4] == escaped and " - fuse.tierfs " in line:
-                found = fields[2]  # the newest mount on the point comes last
-    if found is None:
+            if fields[4] == escaped:
+                major, minor = (int(n) for n in fields[2].split(":"))
+                # the kernel's MKDEV, which fusectl prints
+                found.append((str(major << 20 | minor), " - fuse.tierfs " in line))
+    return found
+
+
+def _connection_id(mountpoint: str) -> str | None:
+    """The FUSE connection of the newest tierfs mount at `mountpoint`."""
+    found = [connection for connection, tierfs in _mounts_at(mountpoint) if tierfs]
+    if not found:
         log.warning("%s is not in /proc/self/mountinfo: a relay failure cannot abort it",
                     mountpoint)
         return None
-    major, minor = (int(n) for n in found.split(":"))
-    return str(major << 20 | minor)  # the kernel's MKDEV, which fusectl prints
+    return found[-1]
+
+
+def _on_top(mountpoint: str, connection: str | None) -> bool:
+    """The newest mount at `mountpoint` is this tierfs mount (any tierfs mount when its
+    connection is unknown)."""
+    mounts = _mounts_at(mountpoint)
+    if not mounts or not mounts[-1][1]:
+        return False
+    return connection is None or mounts[-1][0] == connection
 
 
 def _abort_connection(connection: str) -> None:

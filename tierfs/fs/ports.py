@@ -8,9 +8,14 @@ Outward (implemented outside `fs`):
 
 * `CommitSink`: where a commit's manifest goes (the daemon's channel to uploads and replicas).
 * `ReadSource`: a tier that serves ranges of committed files (peers, the persistent tier);
-  defined beside `Fetch`, which uses it, and re-exported here.
+  defined beside `Fetch`, which uses it, and re-exported here, with `Store`: the check and
+  write of fetched bytes that a source which can (`can_store`, peers) calls where they came
+  in.
 * `SealedCollector`: the cluster's records of which node holds which file of a step.
+* `ShardsOnPeers`: which other nodes have files of a step being written (their records late).
 * `PeerCopies`, `PersistCopies`: the tiers `tierfs verify` checks and repairs.
+* `StoreCheck`: what the persistent tier holds of a step now, asked before the last copy of
+  a file leaves RAM on the strength of the store.
 * `CopiesWait`: --sync-replicas: until every file of a committed version has its copies.
 * `Liveness`: which peers are live members of the cluster now (eviction counts only those), and
   which may be (a copy on such a peer still counts as reachable: `fs.recoverable`).
@@ -36,16 +41,18 @@ Inward (implemented inside `fs`, injected so that the core imports no collaborat
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from tierfs import manifest as mf
-from tierfs.fs.fetch import ReadSource
+from tierfs.fs.fetch import ReadSource, Store
 from tierfs.fs.nodes import Node
 from tierfs.fs.tier_errors import ObjectMissing, TierError
 
-__all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "Liveness",
-           "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate", "ReadSource",
-           "SealedCollector", "Spawner", "StepWatch", "TierError"]
+__all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "FilesOnPeers",
+           "Liveness", "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate",
+           "ReadSource", "SealedCollector", "ShardsOnPeers", "Spawner", "StepWatch", "Store",
+           "StoreCheck", "TierError"]
 
 
 class CommitSink(Protocol):
@@ -100,6 +107,24 @@ class SealedCollector(Protocol):
         """Which node wrote each file of this committed version, from its records (None if
         they cannot be read)."""
         ...
+
+
+@dataclass
+class FilesOnPeers:
+    """What the other nodes said of files of a step: `held`, name -> a node that has it;
+    `unanswered`, the nodes that could not say (down, unreachable, too slow): they may have
+    any of them."""
+
+    held: dict[str, str]
+    unanswered: set[str]
+
+
+class ShardsOnPeers(Protocol):
+    """Asks every other node which of these files of a step it has in its tree (written
+    there, recorded in etcd or not), by `deadline` (trio time); never raises (a node that
+    cannot answer is in `unanswered`)."""
+
+    async def ask(self, step_path: str, names: set[str], deadline: float) -> FilesOnPeers: ...
 
 
 class CopiesWait(Protocol):
@@ -157,6 +182,16 @@ class PersistCopies(Protocol):
                              single_file: bool = False) -> None: ...
 
 
+class StoreCheck(Protocol):
+    """The persistent tier asked what it holds of a committed version at this moment (a
+    listing of the step's objects, or a HEAD of a single file's; never a mark written
+    earlier): the files whose objects are there at their sizes, and none at all unless the
+    step's manifest is there too (a step without one is never served, and is removed).
+    Raises TierError when the store cannot answer."""
+
+    async def held_files(self, manifest: mf.StepManifest) -> set[str]: ...
+
+
 class ReadGate(Protocol):
     """Called before a resident file is opened for reading; may take it out of service (then
     it is non-resident and its reads go to the other tiers)."""
@@ -176,8 +211,10 @@ class DeleteLog(Protocol):
     """The durable record of deleted steps (see `fs.deletes`)."""
 
     def record(self, path: str, version: int, committed_ns: int,
-               targets: list[str] | None = None, *, moved_to: str | None = None) -> None:
-        """On disk before it returns; OSError (no room) with nothing recorded."""
+               targets: list[str] | None = None, *, moved_to: str | None = None,
+               keep_store: bool = False) -> None:
+        """On disk before it returns; OSError (no room) with nothing recorded. `keep_store`:
+        every tier but the persistent one."""
         ...
 
     def record_all(self, deleted: list[tuple[str, int, int, str | None]],

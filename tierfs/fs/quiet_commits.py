@@ -8,11 +8,19 @@ when a checkpoint is complete. A step being written therefore commits by itself 
   directory): the older one is done, so it commits at once if no file of it is open for writing,
 * the file system is unmounted cleanly (every quiet step commits before the daemon exits).
 
+A committed step whose only change since its commit is files removed (an `rm -r` of it cut
+short: killed, or its `rmdir` refused for want of room) is not saved again by these rules: a
+removal is no new version. It stays `writing` (so `latest` names an older step), and every
+other tier keeps its last whole version, until the removal completes (its delete) or a file of
+it is written again; `tierfs commit` makes the half-removed step a version of its own.
+
 Only steps changed while this daemon runs are watched (`QuietWatch`, step node -> when it is
 due), so the work is proportional to the steps being written, never a scan of the tree. The
 `Tree` tells the watch of every change (the `StepWatch` port); `QuietCommits` runs the commits
 through `Commits`. A step left `writing` by a crash is not committed by these rules (it may be
-partial); writing into it again, or `tierfs commit`, does. A step holding DCP shards
+partial); writing into it again, or `tierfs commit`, does. A step directory that goes quiet
+holding no file at all is `empty`, not written for ever: nothing commits. A step holding DCP
+shards
 (`*.distcp`) waits for its `.metadata`, the end of a DCP save, which stays the immediate trigger.
 """
 
@@ -28,7 +36,7 @@ from collections.abc import Iterator
 import trio
 
 from tierfs.fs import tree_walk
-from tierfs.fs.commits import Commits
+from tierfs.fs.commits import Commits, cut_short_reason
 from tierfs.fs.nodes import METADATA, Node
 from tierfs.fs.tree import Tree
 
@@ -128,7 +136,33 @@ class QuietCommits:
         for _rel, node in tree_walk.files_under(step_node):
             if node.active_writers or node.open_for_writing:
                 return "open writers"
+        cut = self.tree.cut_short.in_step(step_node)
+        if cut is not None:
+            return cut_short_reason(cut)
+        removed = self._removed_only(step_node)
+        if removed:
+            return (f"the end of its removal: {removed} of its "
+                    f"{len(step_node.step.manifest.files)} files removed, none written "
+                    "(a removal is no new version; `rm -r` it, or save it again)")
         return None
+
+    def _removed_only(self, step_node: Node) -> int:
+        """How many files of its committed version a step directory lacks, if that is its
+        only change since its commit (every file left is that version's, as it was); else 0."""
+        step = step_node.step
+        manifest = step.manifest
+        if (manifest is None or not step_node.is_dir or step.attributes_changed
+                or step.pending is not None):
+            return 0
+        present = 0
+        for rel, node in tree_walk.files_under(step_node):
+            entry = manifest.entry(rel)
+            if entry is None or not (
+                    node.remote.entry.xxh3 == entry.xxh3 if node.remote is not None
+                    else self.tree.residents.unchanged_since_commit(step, rel, node)):
+                return 0
+            present += 1
+        return len(manifest.files) - present
 
     async def run(self) -> None:
         """The daemon's background task: commit each step once it is due and quiet."""
@@ -149,14 +183,24 @@ class QuietCommits:
             # that commit is finished in the background, not waited for here).
             self.watch.due.pop(step_node, None)
             return False
+        if (step_node.is_dir and step.manifest is None and step.pending is None
+                and next(tree_walk.walk_files(step_node), None) is None):
+            step.empty = True  # nothing to commit (`StepState.empty`)
+            self.tree.manifests.note_waiting(step, None)
+            del self.watch.due[step_node]
+            return False
         reason = self._not_quiet(step_node)
         if reason is not None:
             if reason != "open writers":
                 self.tree.manifests.note_waiting(step, reason)
-            self.watch.touch(step_node)
+            if reason.startswith("the end of its removal"):
+                del self.watch.due[step_node]  # until it changes again (`Tree.mark_dirty`)
+                log.info("%s: %s", self.tree.relpath(step_node), reason)
+            else:
+                self.watch.touch(step_node)
             return False
         del self.watch.due[step_node]
-        await self.commits.commit_quietly(step_node)
+        await self.commits.commit_quietly(step_node, by_idle=True)
         return True
 
     async def commit_quiet_steps(self) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 from tierfs import manifest as mf
 from tierfs import reserved
+from tierfs.fs.dir_attributes import times_kept
 from tierfs.fs.long_paths import PathReach
 from tierfs.fs.nodes import MANIFEST, PERSISTED_MARK
 
@@ -65,7 +66,10 @@ class StepRecords:
     # -- writing -----------------------------------------------------------------------------
 
     def write_atomically(self, path: bytes, data: bytes) -> None:
-        os.rename(self.reach(self.write_temp(path, data)), self.reach(path))
+        """`path` replaced by `data` as a whole; its directory's times stay as they were (a
+        step's records are not the job's change: `fs.dir_attributes`)."""
+        with times_kept(self.reach(os.path.dirname(path))):
+            os.rename(self.reach(self.write_temp(path, data)), self.reach(path))
 
     def write_temp(self, path: bytes, data: bytes) -> bytes:
         """`data` written and synced beside `path`, for a rename into place; nothing is left

@@ -1,13 +1,13 @@
 """Whether a committed step can be read whole right now; `latest` names only such steps.
 
 A file of a committed step is *reachable* when this node holds it in RAM, the persistent tier
-holds the step, or a peer that may be up holds a verified copy (its holders as the cluster's
-records say; `Liveness.may_be_up`: a node whose lease ended moments ago counts until its lease
-is known dead, so an etcd outage that ends every lease at once moves nothing). A committed step
-with a file that is reachable nowhere is *incomplete*: its state says so, `latest` skips it,
-`tierfs status` names each such file, its last holders and since when, and the daemon logs it
-once. It is whole again (and named by `latest` again) as soon as a holder of its files comes
-back or a copy is found.
+holds the step (or held it and was seen to lack other files of it since), or a peer that may be
+up holds a verified copy (its holders as the cluster's records say; `Liveness.may_be_up`: a
+node whose lease ended moments ago counts until its lease is known dead, so an etcd outage that
+ends every lease at once moves nothing). A committed step with a file that is reachable nowhere
+is *incomplete*: its state says so, `latest` skips it, `tierfs status` names each such file,
+its last holders and since when, and the daemon logs it once. It is whole again (and named by
+`latest` again) as soon as a holder of its files comes back or a copy is found.
 
 `latest` is resolved at every path lookup through it and a step may have thousands of files,
 so the answer for a step is kept for FRESH seconds, and computed again at once when the live
@@ -39,8 +39,11 @@ class LostFile:
     name: str
     holders: tuple[str, ...]  # the nodes that held it last (none: each lost its copy)
     writer: str | None  # the node that wrote it, if the cluster's records said
+    store_lost: bool = False  # the store held it, and was seen to lack it since
 
     def why(self) -> str:
+        if self.store_lost and not self.holders:
+            return "the persistent tier held it and no longer does"
         if not self.holders:
             return "no node holds it any more (its holders lost their copies)"
         if self.writer is not None and self.holders == (self.writer,):
@@ -130,10 +133,13 @@ class Recoverability:
         for entry in step.manifest.files:
             if entry.name in step.resident:
                 continue
+            if step.store_lacking and entry.name not in step.store_lacking:
+                continue  # the store lost other files of the step, not this one
             holders = self._peers_of(step, entry.name)
             if not any(reachable(peer) for peer in holders):
                 lost.append(LostFile(entry.name, tuple(sorted(holders)),
-                                     step.file_writers.get(entry.name)))
+                                     step.file_writers.get(entry.name),
+                                     entry.name in step.store_lacking))
         return tuple(lost)
 
 

@@ -35,6 +35,7 @@ from tierfs.fs.nodes import (
 from tierfs.fs.ports import DeleteLog
 from tierfs.fs.ram_store import RamStore, is_reserved
 from tierfs.fs.records import StepRecords
+from tierfs.fs.step_identity import marked_number
 from tierfs.fs.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ class Recovery:
                 is_step = False  # a directory inside a step is part of it
             else:
                 number = self.tree.identity.step_number(os.path.basename(dirpath))
+                if number is None and dirpath != self._top:  # named by a tracker
+                    number = marked_number(reach(dirpath))
                 is_step = dirpath != self._top and number is not None
                 if is_step:
                     in_steps.add(dirpath)
@@ -183,6 +186,8 @@ class Recovery:
                 return False
             entries.append(f.entry(mf.hash_file(snapshot)))
         number = self.tree.identity.step_number(os.path.basename(dirpath))
+        if number is None:
+            number = marked_number(reach(dirpath))
         finished = mf.StepManifest(
             path=relpath, step=mf.NO_STEP if number is None else number,
             version=record.version, node_id=self.tree.node_id,
@@ -301,6 +306,8 @@ class Recovery:
                 if kind == stat.S_IFDIR:
                     child_path = os.path.join(path, entry.name)
                     number = None if in_step else self.tree.identity.step_number(entry.name)
+                    if number is None and not in_step:  # a directory a tracker named
+                        number = marked_number(reach(child_path))
                     self._load_dir(node, child_path, recovered, in_step or number is not None)
                     if number is not None:
                         self._load_step(node, number, child_path, recovered)
@@ -316,6 +323,8 @@ class Recovery:
         manifest, resident = recovered.get(path, (None, set()))
         step = node.step = StepState(number, manifest)
         step.resident = resident
+        step.empty = (manifest is None and node.is_dir
+                      and next(tree_walk.walk_files(node), None) is None)
         # A DCP step whose .metadata came before its shards (a copy under way) commits when
         # the last of them is closed, as before the restart.
         step.commit_pending = manifest is None and node.is_dir and METADATA in node.children

@@ -8,8 +8,11 @@ only after the cluster's file records stopped counting this node as its holder
 (`SealedCollector.leave_files`, which refuses unless the record lists K + 1 other live
 holders: no eviction leaves a file with fewer than K + 1 copies, and the records never say
 there are more copies than there are of a file that exists nowhere else). A persisted step's
-copies leave at once, and the records are told in the background (best effort: the
-persistent tier holds the file, so a holder counted too many is no loss). A copy found bad
+copies leave only once the store is seen to hold them at that moment (`StoreCheck`: a listing
+of the step's objects, not the mark written when it was uploaded); a step the store was found
+to lack is no longer counted as persisted, and goes up again (`lost_from_store`). Then they
+leave at once, and the records are told in the background (best effort: the persistent tier
+holds the file, so a holder counted too many is no loss). A copy found bad
 (`copies_lost`) leaves the records in the background too, as a lost copy (the other holders
 restore it). The tiers it reads from are `ReadSource`s (peers first, then the persistent
 tier), and its background work runs under the `Spawner` it is given.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
@@ -28,10 +32,18 @@ import trio
 from tierfs import manifest as mf
 from tierfs.fs import tree_walk
 from tierfs.fs.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError
-from tierfs.fs.nodes import METADATA, FsError, Node, StepState
-from tierfs.fs.ports import Liveness, ReadSource, SealedCollector, Spawner, TierError
+from tierfs.fs.nodes import METADATA, FsError, Node, StepState, some_names
+from tierfs.fs.ports import (
+    Liveness,
+    ReadSource,
+    SealedCollector,
+    Spawner,
+    StoreCheck,
+    TierError,
+)
 from tierfs.fs.ram_store import RamFull
 from tierfs.fs.step_loads import StepLoads
+from tierfs.fs.step_versions import StepVersions
 from tierfs.fs.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -44,6 +56,9 @@ FIRST_SLICE = 0.02
 # After etcd did not take a copy's leave of the records, no other is tried for this long (the
 # copies stay in RAM): a write waiting for room does not wait one etcd timeout per step.
 LEAVE_PAUSE = 5.0
+# After the store could not say what it holds, no copy leaves RAM on its word for this long:
+# a write waiting for room does not wait for one failed listing per step.
+STORE_PAUSE = 5.0
 # A file this small is fetched whole before a read-only open returns (then read by
 # passthrough): three chunks take ~25 ms from a peer on loopback. A larger one would keep its
 # reader waiting for bytes it may never read (one tensor of a multi-GB shard).
@@ -71,11 +86,21 @@ class Residency:
     def __init__(self, tree: Tree, read_sources: list[ReadSource], background: Spawner, *,
                  keep_ram: int = 3, replicas: int = 0,
                  liveness: Liveness | None = None,
-                 records: SealedCollector | None = None) -> None:
+                 records: SealedCollector | None = None,
+                 store_check: StoreCheck | None = None) -> None:
         self.tree = tree
         # The cluster's file records (None on a single node): a copy leaves them, then RAM.
         self.records = records
         self._leaves_paused_until = 0.0  # trio time: etcd did not take the last leave
+        # The persistent tier, asked before a copy leaves RAM on its word (None: the store's
+        # word is its mark, as in tests without a store).
+        self.store_check = store_check
+        self._store_paused_until = 0.0  # trio time: the store did not answer the last check
+        self.versions = StepVersions(tree)
+        # Committed versions the store was found to lack, all of whose files are here: the
+        # daemon hands them to its uploader again.
+        self._lost_send, self.lost_from_store = \
+            trio.open_memory_channel[mf.StepManifest](math.inf)
         self.liveness = liveness  # who is up: a dead peer's copy does not count
         self.store = tree.store
         self.read_sources = read_sources
@@ -518,7 +543,8 @@ class Residency:
 
     def safe_elsewhere(self, step: StepState) -> bool:
         """Whether every file of the step in RAM here may leave it (`file_leaves`)."""
-        return step.persisted or all(self.file_leaves(step, name) for name in step.resident)
+        return step.persisted_on_record or all(self.file_leaves(step, name)
+                                               for name in step.resident)
 
     def file_leaves(self, step: StepState, name: str) -> bool:
         """Whether this node's copy of one file of a committed step may leave RAM (the K + 1
@@ -529,8 +555,11 @@ class Residency:
         what this node knows; the records in etcd have the last word (`_leave`). A file
         whose holders this node has not read (a copy read back here) is judged by the nodes
         holding some file of the step: if K + 1 of them are live, etcd is asked."""
-        if step.persisted:
-            return True
+        return step.persisted_on_record or self._copies_elsewhere(step, name)
+
+    def _copies_elsewhere(self, step: StepState, name: str) -> bool:
+        """The K + 1 rule of `file_leaves` without the store: K + 1 live peers hold verified
+        copies of the file without this one."""
         peers = self.tree.holdings.verified_peers(step, name)
         if name not in step.file_holders and self.records is not None:
             peers = peers | (step.holders - {self.tree.node_id})
@@ -563,7 +592,7 @@ class Residency:
         if step in self._evictions:
             return
         work = None
-        if self.records is None or step.persisted:
+        if (self.records is None or step.persisted_on_record) and not self._asks_store(step):
             self._leave_later(step_node)
             work = self._eviction_work(step_node, FIRST_SLICE)
             try:
@@ -594,15 +623,22 @@ class Residency:
             self._evictions.pop(step).set()
 
     async def _leave(self, step_node: Node) -> set[str] | None:
-        """In a cluster: the files of the step whose copies here may leave RAM, once the
-        records stopped counting this node as their holder (None: no records, all may).
+        """The files of the step whose copies here may leave RAM now (None: all may).
 
-        Records first, bytes second: between the two the records count one copy fewer than
-        there are (a restore may make one more), never one more (a restore that does not
-        happen). If etcd does not take the change, the files stay in RAM: evicting them
-        anyway would leave records that overstate the copies until a restart, and a later
-        eviction tries again (under pressure a write is refused, which the writer sees).
-        A file opened between the two stays in RAM uncounted: again one copy fewer.
+        A persisted step: those the store is seen to hold now (`_held_in_store`), once it
+        holds every file of the step; the records are told later (`_leave_later`). A step
+        the store lacks files of is no longer persisted (`store_lacks`), and one the store
+        cannot be asked about stays persisted; in both cases nothing leaves on the store's
+        word, and the cluster's rule below decides.
+
+        In a cluster: those whose copies here may leave RAM once the records stopped
+        counting this node as their holder. Records first, bytes second: between the two
+        the records count one copy fewer than there are (a restore may make one more),
+        never one more (a restore that does not happen). If etcd does not take the change,
+        the files stay in RAM: evicting them anyway would leave records that overstate the
+        copies until a restart, and a later eviction tries again (under pressure a write is
+        refused, which the writer sees). A file opened between the two stays in RAM
+        uncounted: again one copy fewer.
 
         The change is guarded where it is made (in etcd's transaction): only records that
         still list K + 1 other live holders let this node go, so a holder that dropped
@@ -610,15 +646,26 @@ class Residency:
         with an empty RAM dir drops itself before it registers as a live member. Not closed
         by this: a holder whose RAM dir is wiped and which comes back under the same id
         before its lease ran out (a few seconds) is counted live with copies it lost until
-        it has started. A persisted step needs no
-        other copy: all may leave now, and the records are told later (`_leave_later`)."""
-        if self.records is None:
-            return None
+        it has started."""
         step = step_node.step
-        if step.persisted:
-            self._leave_later(step_node)
-            return None
-        names = [name for name in sorted(step.resident) if self.file_leaves(step, name)
+        manifest = step.manifest
+        if step.persisted_on_record:
+            if not self._asks_store(step):
+                self._leave_later(step_node)
+                return None
+            held = await self._held_in_store(step_node)
+            if step_node.step is not step or step.manifest is not manifest:
+                return set()  # re-saved or removed meanwhile
+            if held is not None and all(e.name in held for e in manifest.files):
+                self._leave_later(step_node)
+                return None
+            if held is not None and step.persisted:
+                self.store_lacks(step_node, [e.name for e in manifest.files
+                                             if e.name not in held], "before leaving RAM")
+        if self.records is None:  # the peers this node knows of decide (`file_leaves`)
+            return {name for name in step.resident if self._copies_elsewhere(step, name)} \
+                if step.persisted_on_record else None
+        names = [name for name in sorted(step.resident) if self._copies_elsewhere(step, name)
                  and not self._in_use(step_node, name)]
         if not names or trio.current_time() < self._leaves_paused_until:
             return set()
@@ -630,6 +677,44 @@ class Residency:
             self._leaves_paused_until = trio.current_time() + LEAVE_PAUSE
             return set()
         return allowed
+
+    def _asks_store(self, step: StepState) -> bool:
+        """Whether the copies of this step may leave RAM on the store's word only after
+        the store is seen to hold them (`_leave`)."""
+        return step.persisted_on_record and self.store_check is not None
+
+    async def _held_in_store(self, step_node: Node) -> set[str] | None:
+        """The files of the step's committed version the store holds now; None if it could
+        not say (nothing leaves on its word then, and for STORE_PAUSE no other is asked)."""
+        step = step_node.step
+        if self.store_check is None or trio.current_time() < self._store_paused_until:
+            return None
+        try:
+            return await self.store_check.held_files(step.manifest)
+        except TierError as exc:
+            self._store_paused_until = trio.current_time() + STORE_PAUSE
+            log.warning("%s stays in RAM: the persistent tier cannot say now whether it holds "
+                        "it (%s)", step.manifest.path, exc)
+            return None
+
+    def store_lacks(self, step_node: Node, lacking: list[str], seen: str) -> None:
+        """The store was seen (`seen`: when) to lack these files of the step's committed
+        version, which it was believed to hold: the step no longer counts as persisted
+        (`StepVersions.set_store_lost`): nothing of it leaves RAM on the store's word, and
+        `status` says so. With every file of it here it goes up again; a file of it in no
+        tier makes it incomplete (`fs.recoverable`)."""
+        step = step_node.step
+        manifest = step.manifest
+        self.versions.set_store_lost(step_node, lacking)
+        self.tree.recoverable.loss(step, fresh=True)  # lost now, if no other tier has it
+        again = step.in_ram
+        log.error("the persistent tier lacks %d of the %d files of %s v%d (%s), seen %s: "
+                  "it no longer counts as persisted; %s", len(lacking), len(manifest.files),
+                  manifest.path, manifest.version, some_names(lacking), seen,
+                  "its files stay in RAM, and it is uploaded again" if again else
+                  "its files not in RAM here are readable only from peers that hold them")
+        if again:
+            self._lost_send.send_nowait(manifest)
 
     def _leave_later(self, step_node: Node) -> None:
         """A persisted step leaves RAM now: its files in RAM (not in use) leave the records in

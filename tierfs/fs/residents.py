@@ -15,6 +15,7 @@ from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs import tree_walk
 from tierfs.fs.copy_on_write import CopyOnWrite
+from tierfs.fs.dir_attributes import times_kept
 from tierfs.fs.fetch import Fetch, RemoteFile, apply_attributes
 from tierfs.fs.nodes import FsError, Node, Seal, StepState
 from tierfs.fs.ports import DeleteLog
@@ -56,8 +57,9 @@ class Residents:
             raise FsError(errno.EIO)
         path = self.tree.backing(node)
         tmp = self.tree.store.tmp_path(os.path.dirname(path))
-        os.link(fetch.path, tmp)
-        os.rename(tmp, path)
+        with times_kept(os.path.dirname(path)):  # back in RAM: no change of the directory
+            os.link(fetch.path, tmp)
+            os.rename(tmp, path)
         fetch.adopted()
         os.unlink(fetch.path)
         entry = node.remote.entry
@@ -92,7 +94,9 @@ class Residents:
             freed += node.fetch.stored_bytes
             self.drop_fetch(node)  # ranges read on demand leave with the step
         if node.remote is None:
-            self.tree.unlink_backing(self.tree.backing(node), node)
+            path = self.tree.backing(node)
+            with times_kept(os.path.dirname(path)):  # out of RAM: no change of the directory
+                self.tree.unlink_backing(path, node)
             node.remote = RemoteFile(self.tree.data_dir(step), entry, step.persisted)
             node.seal = None
             freed += entry.size
@@ -148,6 +152,8 @@ class Residents:
             node = parent.children.get(name)
             if node is None:
                 node = self.tree.attach(parent, name, stat.S_IFREG)
+            elif node.remote is None or node.remote.entry != entry:
+                self.tree.attrs_changed(node)  # the name stands for this version's file now
             # A file renamed before its new name reached the store: its old name holds it.
             moved = not in_store and bool(self._deletes.old_keys(
                 layout.object_key(data_dir, entry.name)))
@@ -164,6 +170,7 @@ class Residents:
             if child is None:
                 os.makedirs(os.path.join(self.tree.backing(parent), part), 0o755, exist_ok=True)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
+                self.tree.dir_attributes.made(child)  # as its step's manifest records it
             parent = child
         return parent, os.fsencode(name)
 
@@ -180,9 +187,10 @@ class Residents:
                 continue
             path = self.tree.backing(node)
             tmp = self.tree.store.tmp_path(os.path.dirname(path))
-            os.link(obj, tmp)
-            apply_attributes(tmp, entry)
-            os.rename(tmp, path)
+            with times_kept(os.path.dirname(path)):
+                os.link(obj, tmp)
+                apply_attributes(tmp, entry)
+                os.rename(tmp, path)
             node.remote = None
             node.seal = Seal(mf.Digest.of(entry),
                              os.lstat(path).st_ino)

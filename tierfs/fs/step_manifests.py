@@ -24,6 +24,7 @@ from collections.abc import Callable
 from tierfs import manifest as mf
 from tierfs.fs import append_layout
 from tierfs.fs import pending_commits as pc
+from tierfs.fs.dir_attributes import recorded, times_kept
 from tierfs.fs.nodes import FsError, Node, Pending, Seal, StepState
 from tierfs.fs.residents import Residents
 from tierfs.fs.tree_primitives import TreePrimitives
@@ -37,7 +38,8 @@ class StepManifests:
         self._residents = residents
 
     def write_manifest(self, step_node: Node, files: list[tuple[str, Node]],
-                       copies: dict[Node, bytes]) -> mf.StepManifest:
+                       copies: dict[Node, bytes], *, by_idle: bool = False
+                       ) -> mf.StepManifest:
         """The commit's change (see the module docstring: no await may come before it once
         the step is checked): the manifest on disk, the objects' references, the step state.
         Returns the old manifest if nothing changed since it. The private copies it makes
@@ -59,8 +61,10 @@ class StepManifests:
             node = files[0][1]  # a loose file: appended, only its new bytes go (fs.append_layout)
             entries = [append_layout.lay_out(old, step_path, entries[0],
                                        copies.get(node) or self.tree.backing(node))]
+        dirs = recorded(step_node, self.tree.backing, self.tree.relpath)
         if (old is not None and old.path == step_path and old.step == number
-                and (old.same_entries(entries) if step.attributes_changed else
+                and (old.same_entries(entries) and old.same_own_dirs(dirs)
+                     if step.attributes_changed else
                      old.same_content(mf.StepManifest(step_path, 0, 1, "", 0, tuple(entries))))):
             step.attributes_changed = False
             step.dirty = False
@@ -69,7 +73,7 @@ class StepManifests:
         manifest = mf.StepManifest(
             path=step_path, step=number, version=old.version + 1 if old else 1,
             node_id=self.tree.node_id, committed_ns=time.time_ns(), files=tuple(entries),
-            single_file=step_node.is_file,
+            single_file=step_node.is_file, dirs=dirs, by_idle=by_idle,
         )
 
         def link_objects() -> None:
@@ -148,7 +152,8 @@ class StepManifests:
             manifest = mf.StepManifest(
                 path=step_path, step=number, version=pending.record.version,
                 node_id=self.tree.node_id, committed_ns=pending.record.committed_ns,
-                files=tuple(entries), single_file=step_node.is_file)
+                files=tuple(entries), single_file=step_node.is_file,
+                dirs=recorded(step_node, self.tree.backing, self.tree.relpath))
 
             def adopt_snapshots() -> None:
                 for f, entry in zip(pending.record.files, entries, strict=True):
@@ -174,13 +179,20 @@ class StepManifests:
         """A new manifest on disk, in the order of the module docstring (its temp file, the
         objects linked by `link_objects`, the rename), then in the step's state."""
         step = step_node.step
-        manifest_path = os.path.join(self.tree.records_path(step_node), mf.MANIFEST_NAME.encode())
-        tmp = self.tree.records.write_temp(manifest_path, mf.encode(manifest))  # may fail: ENOSPC
-        link_objects()
-        os.rename(tmp, manifest_path)
+        records = self.tree.records_path(step_node)
+        manifest_path = os.path.join(records, mf.MANIFEST_NAME.encode())
+        with times_kept(records):
+            tmp = self.tree.records.write_temp(manifest_path, mf.encode(manifest))  # ENOSPC
+            link_objects()
+            os.rename(tmp, manifest_path)
         self._residents.drop_resident_refs(step)
         step.manifest = manifest
         step.resident = resident
+        # Peers acknowledge a version: those of the one before hold none of this one until
+        # the cluster's records say so (a peer may have dropped its copy meanwhile: a step
+        # renamed away and back was deleted there), as after a first commit.
+        step.replicas = set()
+        step.file_holders = {}
 
     def drop_pending(self, step_node: Node, step: StepState) -> None:
         """A pending commit whose step was removed or stopped being a step: its snapshots and
@@ -198,8 +210,9 @@ class StepManifests:
         return os.path.join(self.tree.records_path(step_node), pc.PENDING_NAME)
 
     def _remove_pending_record(self, step_node: Node) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.tree.records.reach(self._pending_path(step_node)))
+        path = self.tree.records.reach(self._pending_path(step_node))
+        with times_kept(os.path.dirname(path)), contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
     @staticmethod
     def leave_pending(step: StepState, reason: str | None) -> None:

@@ -15,8 +15,9 @@ import stat
 from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs import tree_walk
-from tierfs.fs.fetch import RemoteFile
-from tierfs.fs.nodes import LATEST, PEERS_MARK, REPLICAS_MARK, Node, StepState
+from tierfs.fs.dir_attributes import times_kept
+from tierfs.fs.fetch import RemoteFile, apply_attributes
+from tierfs.fs.nodes import LATEST, PEERS_MARK, REPLICAS_MARK, Node, Seal, StepState
 from tierfs.fs.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class StepVersions:
             self.write_persist_mark(step_node, version)
         step = step_node.step
         step.persisted_version = version
+        step.store_lacking = frozenset()
+        step.persist_mark_owed = False
         if step.manifest is None or step.manifest.version != version:
             return
         data_dir = self.tree.data_dir(step)
@@ -46,13 +49,39 @@ class StepVersions:
             if node.remote is not None and entry is not None:
                 node.remote = RemoteFile(data_dir, entry, True)
 
+    def set_store_lost(self, step_node: Node, lacking: list[str]) -> None:
+        """The persistent tier was seen to lack files of the committed version it was believed
+        to hold (a bucket emptied or made again, a prefix pruned by hand): the version no
+        longer counts as persisted. In memory only: the mark on disk stays, and the next mount
+        asks the store again (a mark rewritten here would make a restart set the step aside
+        as damaged, though the right store may still come back)."""
+        step = step_node.step
+        step.persisted_version = 0
+        step.store_lacking = frozenset(lacking)
+        for _rel, node in tree_walk.files_under(step_node):
+            remote = node.remote
+            if remote is not None and remote.in_store and remote.entry.name in lacking:
+                node.remote = RemoteFile(remote.step_path, remote.entry, False)  # not there
+
     def write_persist_mark(self, step_node: Node, version: int) -> None:
         records = self.tree.records
         records.write_persist_mark(self.tree.records_path(step_node), version, "persisted")
 
-    def set_retired(self, step_node: Node, version: int) -> None:
-        """Retention removed this version from the persistent tier: never upload it again."""
-        self.tree.records.write_persist_mark(self.tree.records_path(step_node), version, "retired")
+    def set_persisted_unrecorded(self, step_node: Node, version: int) -> None:
+        """The store holds this version, but its mark could not be written (the RAM dir's
+        file system full): it counts as persisted, and nothing of it leaves RAM for the store
+        until the mark is written (`StepState.persisted_on_record`)."""
+        self.set_persisted(step_node, version, recorded=True)
+        step_node.step.persist_mark_owed = True
+
+    def set_retired(self, step_node: Node, version: int, *, write_mark: bool = True) -> None:
+        """Retention removed this version from the persistent tier: never upload it again
+        (recorded on disk first, unless not `write_mark`: the RAM dir had no room for it, and
+        a restart may upload it again, which retention then removes again)."""
+        if write_mark:
+            self.tree.records.write_persist_mark(self.tree.records_path(step_node), version,
+                                                 "retired")
+        step_node.step.persist_mark_owed = False
         step_node.step.persisted_version = 0
         step_node.step.retired_version = version
 
@@ -65,6 +94,17 @@ class StepVersions:
         step_node.step.holders = set(holders)
         if record:
             self._write_node_list(step_node, PEERS_MARK, step_node.step.holders)
+
+    def forget_holders(self, step_node: Node) -> None:
+        """The cluster's etcd has no commit record of this version, which this node made: the
+        copies its marks name (replicas, holders) were counted by records that are gone (a
+        new cluster, a prefix wiped), on nodes that may not be members at all. Forgotten, on
+        disk too (in memory only if the RAM dir has no room: a restart forgets them again)."""
+        step = step_node.step
+        step.replicas, step.holders, step.file_holders = set(), set(), {}
+        with contextlib.suppress(OSError):
+            self._write_node_list(step_node, REPLICAS_MARK, set())
+            self._write_node_list(step_node, PEERS_MARK, set())
 
     def add_holder(self, step_node: Node, peer: str) -> None:
         step_node.step.holders.add(peer)
@@ -107,15 +147,20 @@ class StepVersions:
             return self._install_single_file(manifest, source)
         parent = self.tree.root
         made: list[Node] = []
-        for part in map(os.fsencode, manifest.path.split("/")):
+        parts = list(map(os.fsencode, manifest.path.split("/")))
+        for depth, part in enumerate(parts, 1):
             child = parent.children.get(part)
             if child is None:
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
                 made.append(child)
+                self.tree.dir_attributes.made(child)  # given its recorded attributes
                 number = self.tree.identity.step_number_at(parent, part)
                 if number is not None:
                     child.step = StepState(number)
+                elif depth == len(parts) and not tree_walk.in_a_step(parent):
+                    # a step with no step name: a directory its saver's tracker named
+                    self.tree.identity.become_named_step(child, manifest.step)
             elif not child.is_dir:
                 log.warning("step %s from %s is hidden by a file here", manifest.path, source)
                 return None
@@ -152,6 +197,7 @@ class StepVersions:
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
                 made.append(child)
+                self.tree.dir_attributes.made(child)
             elif not child.is_dir or child.step is not None:
                 break
             parent = child
@@ -180,6 +226,11 @@ class StepVersions:
         log.warning("file %s from %s does not fit this namespace (a step directory or a "
                     "file of that name in use)", manifest.path, source)
         return None
+
+    def give_dir_attributes(self, manifest: mf.StepManifest) -> None:
+        """The directories made here for other tiers' steps that `manifest` records get the
+        attributes it (or a newer commit) records for them (`fs.dir_attributes`)."""
+        self.tree.dir_attributes.give(self.tree.root, manifest, self.tree.backing)
 
     def _unmake(self, made: list[Node]) -> None:
         """Remove the directories an install made (empty), last made first."""
@@ -249,32 +300,47 @@ class StepVersions:
         """A newer version of a step committed elsewhere replaces the older committed version
         held here (the caller checked that nothing here writes, commits or reads it, and
         recorded where the new files are). The new manifest replaces the old one on disk, then
-        the old files leave the tree. The old version's object digests are released here
-        (`release`) or returned for the caller to release once the new version holds its own
-        references (objects both versions share must stay)."""
+        the old files leave the tree, but those in RAM here with the bytes the new version
+        names at the same name: they are its copy (a step renamed and renamed back is committed
+        again with the same files, and the cluster's records count this node as holding them).
+        The old version's object digests are released here (`release`) or returned for the
+        caller to release once the new version holds its own references (objects both
+        versions share must stay)."""
         step = step_node.step
         old = step.manifest
         self.tree.records.write_manifest(self.tree.records_path(step_node), manifest)
-        old_refs = [old.entry(name).xxh3 for name in step.resident]
-        for _rel, node in list(tree_walk.files_under(step_node)):
+        kept = set()
+        for rel, node in list(tree_walk.files_under(step_node)):
+            entry, before = manifest.entry(rel), old.entry(rel)
+            if (node.remote is None and rel in step.resident and entry is not None
+                    and before is not None and (entry.size, entry.xxh3) == (before.size,
+                                                                            before.xxh3)):
+                path = self.tree.backing(node)
+                apply_attributes(path, entry)
+                node.seal = Seal(mf.Digest.of(entry), os.lstat(path).st_ino)
+                kept.add(rel)
+                continue
             if node.remote is None:
                 self.tree.unlink_backing(self.tree.backing(node), node)
             self.tree.residents.drop_fetch(node)
             if node is step_node:  # a single-file step: the node stays, its bytes are elsewhere
                 node.remote = RemoteFile(layout.data_dir(manifest.path, True), manifest.files[0])
                 node.seal = None
+                self.tree.attrs_changed(node)
             else:
                 self.tree.detach(node)
+        old_refs = [old.entry(name).xxh3 for name in step.resident - kept]
         step.manifest = manifest
-        step.resident = set()
+        step.resident = kept
         step.replicas = set()
         step.holders = set()
         step.file_holders = {}
         step.file_writers = {}
         step.persisted_version = 0
         step.retired_version = 0
-        log.warning("%s v%d here is superseded by v%d from %s", manifest.path,
-                    old.version, manifest.version, source)
+        log.warning("%s v%d here is superseded by v%d from %s%s", manifest.path,
+                    old.version, manifest.version, source,
+                    f"; {len(kept)} of its files here are unchanged in it" if kept else "")
         if release:
             self.release_refs(old_refs)
             return []
@@ -340,13 +406,15 @@ class StepVersions:
                     return 0
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
+                self.tree.dir_attributes.made(child)
             parent = child
         made = 0
         for name, target in links.items():
             raw = os.fsencode(name)
             if raw in parent.children or (raw == LATEST and self.tree.latest.is_own(parent)):
                 continue
-            os.symlink(target, os.path.join(self.tree.backing(parent), raw))
+            with times_kept(self.tree.backing(parent)):  # made again, not a change
+                os.symlink(target, os.path.join(self.tree.backing(parent), raw))
             self.tree.attach(parent, raw, stat.S_IFLNK)
             made += 1
         return made

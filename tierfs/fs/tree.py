@@ -48,7 +48,10 @@ from tierfs.fs import links as symlinks
 from tierfs.fs import tree_walk
 from tierfs.fs.attributes import Attributes
 from tierfs.fs.copy_on_write import CopyOnWrite
+from tierfs.fs.cut_short import CutShort
+from tierfs.fs.dir_attributes import DirAttributes, times_kept
 from tierfs.fs.holders import Holdings
+from tierfs.fs.kernel_cache import KernelCache
 from tierfs.fs.long_paths import LONG_PATH, anchor_path
 from tierfs.fs.nodes import (
     DEFAULT_FILE_STEP_PATTERN,
@@ -103,6 +106,10 @@ class Tree:
         self._next_fh = 1
         self._released = trio.Event()
         self.links = symlinks.LinkChanges()  # directories whose links the store must learn
+        # directories made here for other tiers' steps, given the attributes recorded for them
+        self.dir_attributes = DirAttributes()
+        # what the kernel keeps of the tree, told of the changes it cannot see
+        self.kernel_cache = KernelCache()
         # which committed steps can be read whole now (their state, `latest`)
         self.recoverable = Recoverability(node_id, self.holdings.file_peers, liveness)
         # The parts of the core, each changing the tree through the primitives here:
@@ -115,10 +122,12 @@ class Tree:
         # which directories and files are steps
         self.identity = StepIdentity(self, watch, step_pattern, file_step_pattern)
         # each directory's `latest` link
-        self.latest = VirtualLatest(self.backing, self.attach_virtual, self.recoverable)
+        self.latest = VirtualLatest(self.backing, self.attach_virtual, self.recoverable,
+                                    self.identity.tracked_number)
         # renames: the entry moved, a target replaced, the steps moved recorded in every tier
         self.renames = Renames(self, deletes, self.identity, self.latest)
         self.attributes = Attributes(self, self.sealing)  # chmod, chown, utime, truncate
+        self.cut_short = CutShort(self.relpath)  # files a write into failed (no room)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -255,9 +264,11 @@ class Tree:
         for a single-file step in its records directory beside the file (made if missing)."""
         if step_node.is_dir:
             return self.backing(step_node)
-        path = os.path.join(self.backing(step_node.parent), layout.records_name(step_node.name))
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
+        parent = self.backing(step_node.parent)
+        path = os.path.join(parent, layout.records_name(step_node.name))
+        if not os.path.isdir(path):
+            with times_kept(parent), contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
         return path
 
     def data_dir(self, step: StepState) -> str:
@@ -289,6 +300,7 @@ class Tree:
         if number is not None:
             node.step = StepState(number)
             self._watch.step_started(node)
+            self._watch.touch(node)  # quiet and still empty, it shows `empty` (fs.quiet_commits)
         self.mark_dirty(parent)
         return node
 
@@ -306,24 +318,32 @@ class Tree:
         self.detach(node)
         self.mark_dirty(parent)
 
-    def _single_file_removed(self, node: Node, *, recorded: bool = False) -> None:
+    def _single_file_removed(self, node: Node, *, recorded: bool = False,
+                             keep_store: bool = False) -> None:
         """A single-file step leaves its name (unlink, rename, replaced by a rename): its
         committed version is deleted from every tier (unless the caller `recorded` that), its
         records go."""
         if node.step is None or node.is_dir:
             return
         if not recorded:
-            self._step_removed(node.step)
+            self._step_removed(node.step, keep_store=keep_store)
         self.remove_hidden(node, self.backing(node))
         node.step = None
 
-    def _step_removed(self, step: StepState) -> None:
+    def joins_step(self, node: Node) -> None:
+        """A single-file step becomes a file of the directory it is in, which became a step
+        (a directory a tracker named, `fs.step_identity`): a committed version of it is
+        deleted from the peers and the cluster's records; in the store its object is the
+        step's file at the same key, and its records there go with the step's upload."""
+        self._single_file_removed(node, keep_store=True)
+
+    def _step_removed(self, step: StepState, *, keep_store: bool = False) -> None:
         """A step directory leaves the tree (rmdir, or a directory renamed over it). If it held
         a committed version (even one being re-saved), that version is deleted from every tier,
         and never listed again (fs.deletes)."""
         if step.manifest is not None:
             self._deletes.record(step.manifest.path, step.manifest.version,
-                                 step.manifest.committed_ns)
+                                 step.manifest.committed_ns, keep_store=keep_store)
 
     def clear_replaced(self, target: Node, path: bytes) -> None:
         """A rename is about to put another entry in place of `target` (at `path`): it leaves
@@ -567,6 +587,11 @@ class Tree:
         node.gen += 1
         node.seal = None
 
+    def attrs_changed(self, node: Node) -> None:
+        """`node` now stands for other content (a newer version's file): its size, mode,
+        owner or times may differ from what the kernel was told."""
+        self.kernel_cache.attrs_changed(node)
+
     # -- helpers ---------------------------------------------------------------------------
 
     def _new_ino(self) -> int:
@@ -586,12 +611,14 @@ class Tree:
         self.shape += 1
         parent.children[name] = node
         self._inodes[node.ino] = node
+        self.kernel_cache.entry_added(parent)
         return node
 
     def detach(self, node: Node) -> None:
         if node.parent is not None and node.parent.children.get(node.name) is node:
             self.shape += 1
             del node.parent.children[node.name]
+            self.kernel_cache.entry_gone(node.parent, node.name, node)
         node.parent = None
         if node.is_dir:  # directories held open for long paths, in what leaves the tree
             for gone in (node, *tree_walk.dirs_under(node)):
@@ -619,6 +646,7 @@ class Tree:
     def mark_dirty(self, node: Node | None) -> None:
         for step_node in tree_walk.enclosing_steps(node):
             step_node.step.dirty = True
+            step_node.step.empty = False
             if step_node.step.pending is not None:  # a new version begins (fs.pending_commits)
                 step_node.step.pending.superseded = True
             self._watch.touch(step_node)

@@ -58,6 +58,25 @@ class TreeView:
                 and node.seal.digest.xxh3 == xxh3 and node.active_writers == 0
                 and self.tree.sealing.describes_file(node))
 
+    def files_written(self, step_path: str, names: list[str]) -> list[str]:
+        """Which of `names` this node has in the step at `step_path` as files written here
+        for the save under way (sealed or not): not a copy of its committed version as it
+        was, not a file only other nodes hold (a `FILES` request from a committer)."""
+        node = self.tree.find_step(step_path)
+        if node is None or not node.is_dir:
+            return []
+        step = node.step
+        found = []
+        for name in names:
+            file_node = tree_walk.entry_node(node, name)
+            if file_node is None or file_node.remote is not None:
+                continue
+            if step.committed or self.tree.residents.unchanged_since_commit(step, name,
+                                                                             file_node):
+                continue
+            found.append(name)
+        return found
+
     def step_of_entry(self, data_dir: str, name: str | None) -> Node | None:
         """The step a manifest entry named `name` under `data_dir` (`layout.data_dir`)
         belongs to: the step at `data_dir`, or the single-file step `data_dir/name`."""
@@ -95,9 +114,12 @@ class TreeView:
 
     # -- status and xattrs -------------------------------------------------------------------
 
-    def step_status(self, step_node: Node) -> dict[str, object]:
+    def step_status(self, step_node: Node, dirs: dict[Node, dict[StepState, str]] | None = None
+                    ) -> dict[str, object]:
         """One step's line of `tierfs status`: cheap whatever the step's size (no disk access
-        for committed steps; a step being written costs one lstat per unsealed file)."""
+        for committed steps; a step being written costs one lstat per unsealed file).
+        `dirs`: the unfinished steps of each directory, kept across the lines of one status
+        (a directory of many steps is judged once, not once per step)."""
         step = step_node.step
         if step.committed:
             manifest = step.manifest
@@ -123,7 +145,20 @@ class TreeView:
             "replicas": self.tree.holdings.full_holders(step),
             "persisted": step.persisted,
             "waiting_for": step.waiting_for if step.commit_pending or not step.committed else None,
+            # committed without its saver's mark of a finished save (`fs.completion`)
+            "unfinished": self.unfinished(step_node, {} if dirs is None else dirs),
         }
+
+    def unfinished(self, step_node: Node, dirs: dict[Node, dict[StepState, str]]
+                   ) -> str | None:
+        """The saver's mark a committed step directory lacks while the steps before it carry
+        it (`fs.completion`: `latest` skips it), else None."""
+        parent = step_node.parent
+        if not step_node.is_dir or parent is None or not step_node.step.committed:
+            return None
+        if parent not in dirs:
+            dirs[parent] = self.tree.latest.unfinished(parent)
+        return dirs[parent].get(step_node.step)
 
     def _status_size(self, node: Node) -> int:
         if node.remote is not None:

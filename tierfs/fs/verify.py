@@ -239,7 +239,8 @@ class Verifier:
         for peer in sorted({p for peers in asked.values() for p in peers}):
             entries = [e for e in manifest.files if peer in asked[e.name]]
             report.tiers.append(await self._verify_peer(peer, manifest, entries, repair))
-        if step.persisted and self._current(step_node, manifest):
+        # (a step the store was seen to lack files of: the others are still there)
+        if (step.persisted or step.store_lacking) and self._current(step_node, manifest):
             report.tiers.append(await self._verify_persisted(step_node, manifest, repair))
         self._judge(report, manifest, asked, ram)
         return report
@@ -332,10 +333,18 @@ class Verifier:
                 state = await self._reupload(step_node, manifest, entry, state)
             self._tally(tier, state, entry.name)
             self._advance(entry.size)
+        lacking = [e.name for e in manifest.files if e.name not in tier.held_good]
+        if tier.missing and repair and self._current(step_node, manifest) and \
+                set(tier.missing) != step_node.step.store_lacking:
+            # Objects gone, and not to be put back from here: the step is not persisted (a
+            # bad object is only reported: it is there, and may be put right by hand).
+            self.residency.store_lacks(step_node, tier.missing, "by tierfs verify")
         try:
             stored = await self.persist.manifest(manifest.path, manifest.single_file)
             same = stored is not None and _same_manifest(stored, manifest)
-            if not same and repair:
+            # Never a manifest whose files the store lacks: it would list a step that cannot
+            # be read, on this node and on every fresh one.
+            if not same and repair and not lacking:
                 await self.persist.write_manifest(manifest.path, mf.encode(manifest),
                                                   manifest.single_file)
                 tier.repaired.append(mf.MANIFEST_NAME)
@@ -453,8 +462,12 @@ class Verifier:
             described = (f"{step.manifest.path}/{entry.name} in this node's RAM has xxh3 "
                          f"{digest.xxh3} ({digest.size} bytes), manifest says {entry.xxh3} "
                          f"({entry.size} bytes)")
-            if act == REPORT:  # stays unverified: an open still checks it before a read
-                log.error("checksum mismatch: %s: reported only, nothing changed", described)
+            if act == REPORT:
+                # Unverified again (if it was not: the scan at start passed it), so that its
+                # next open hashes it and takes it out of service: never served again.
+                self.unverified.add(ino)
+                log.error("checksum mismatch: %s: reported only, nothing changed now; its next "
+                          "open takes it out of service", described)
                 return BAD
             self.unverified.discard(ino)
             key = (step.manifest.path, step.manifest.version, entry.name)

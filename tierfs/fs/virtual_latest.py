@@ -14,11 +14,13 @@ import os
 import re
 from collections.abc import Callable
 
-from tierfs.fs import tree_walk
+from tierfs.fs import completion, tree_walk
+from tierfs.fs.dir_attributes import times_kept
 from tierfs.fs.latest_pins import LatestPins
-from tierfs.fs.nodes import LATEST, OWN_LATEST_MARK, FsError, Handle, Node
+from tierfs.fs.nodes import LATEST, OWN_LATEST_MARK, FsError, Handle, Node, StepState
 from tierfs.fs.recoverable import Recoverability
 from tierfs.step_names import DEEPSPEED_STEP
+from tierfs.trackers import TRACKER_NAMES
 
 _DEEPSPEED_STEP = re.compile(os.fsencode(DEEPSPEED_STEP))
 
@@ -28,10 +30,12 @@ class VirtualLatest:
 
     def __init__(self, backing: Callable[[Node], bytes],
                  attach_virtual: Callable[[Node, bytes], Node],
-                 recoverable: Recoverability) -> None:
+                 recoverable: Recoverability,
+                 tracked_number: Callable[[Node], int | None] = lambda _dir: None) -> None:
         self._backing = backing  # `Tree.backing`
         self._attach_virtual = attach_virtual  # `Tree.attach_virtual`
         self._recoverable = recoverable
+        self._tracked_number = tracked_number  # `StepIdentity.tracked_number`
         self._nodes: dict[int, Node] = {}  # directory inode -> its link's node
         self._pins = LatestPins()
 
@@ -61,26 +65,39 @@ class VirtualLatest:
         link."""
         if dir_node.own_latest or not dir_node.is_dir or tree_walk.in_a_step(dir_node):
             return
-        os.close(os.open(os.path.join(self._backing(dir_node), OWN_LATEST_MARK),
-                         os.O_WRONLY | os.O_CREAT, 0o600))
+        path = self._backing(dir_node)
+        with times_kept(path):  # tierfs's mark, not the saver's change
+            os.close(os.open(os.path.join(path, OWN_LATEST_MARK), os.O_WRONLY | os.O_CREAT,
+                             0o600))
         dir_node.own_latest = True
 
     def target(self, dir_node: Node) -> bytes | None:
         """The step the virtual `latest` of `dir_node` names: its committed step directory
-        with the highest number that can be read whole now (None: none can)."""
+        with the highest number that can be read whole now and is not unfinished (its saver's
+        mark missing, `fs.completion`), unless no older one is finished (None: none)."""
         committed = [(node.step.number, name, node.step)
                      for name, node in dir_node.children.items()
                      if node.is_dir and node.step is not None and node.step.shown_committed]
         if not committed:
             return None
         newest = max(committed, key=lambda found: found[:2])
-        if self._recoverable.whole(newest[2]):
+        unfinished = self.unfinished(dir_node)
+        if self._recoverable.whole(newest[2]) and newest[2] not in unfinished:
             return newest[1]  # as a rule: the newest step is whole
         for _number, name, step in sorted(committed, key=lambda found: found[:2],
                                           reverse=True):
-            if self._recoverable.whole(step):
+            if self._recoverable.whole(step) and step not in unfinished:
                 return name
         return None
+
+    def unfinished(self, dir_node: Node) -> dict[StepState, str]:
+        """The committed step directories of `dir_node` whose saver's mark is missing, and
+        which mark each lacks (`fs.completion`)."""
+        return completion.unfinished(
+            (node.step for node in dir_node.children.values()
+             if node.is_dir and node.step is not None and node.step.committed),
+            self._tracked_number(dir_node) if any(
+                name.encode() in dir_node.children for name in TRACKER_NAMES) else None)
 
     def readlink(self, link: Node, pid: int | None) -> bytes:
         """The target process `pid` sees (None: the newest whole step, for anyone)."""

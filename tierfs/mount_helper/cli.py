@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import pwd
 import select
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from tierfs.mount_helper import control, fuse_helper, status_view
 from tierfs.mount_helper.config import MOUNT_OPTIONS, ConfigError, resolve
 from tierfs.mount_helper.mounts import (
     DaemonState,
+    MountEntry,
     daemon_state,
     mount_at,
     process_state,
@@ -101,14 +103,21 @@ def _parser_and_commands() -> tuple[argparse.ArgumentParser, frozenset[str]]:
                         help="unmount even if committed steps due in the persistent tier are "
                         "not there yet and no peer holds them (they stay in the RAM dir, and "
                         "go up at its next mount); without it, umount refuses")
+    umount.add_argument("--timeout", type=_seconds, metavar="SECONDS",
+                        help="with --flush: stop waiting after this many seconds (then "
+                        "umount refuses, as for steps not in the store, unless --force)")
 
     flush = commands.add_parser(
         "flush", help="wait until every committed step meets the persistence and replication "
         "policy",
         description="Wait until every committed step that --persist-every selects is in the "
-        "persistent tier and, in a cluster, every step made here that the store does not hold "
-        "has --replicas verified copies on live peers (as many as are up, if fewer), showing "
-        "progress. Exits 1 if --timeout passes first.")
+        "persistent tier (in a cluster, every step of the cluster, whichever nodes hold its "
+        "files: a copy on a peer is not the store) and, in a cluster, every step made here "
+        "that the store does not hold has --replicas verified copies on live peers (as many "
+        "as are up, if fewer), showing progress. Exits 0 only then, and only if no step is "
+        "still being written (such a step is in no tier but this node's RAM); exits 1 naming "
+        "the steps if --timeout passes first, at once if what is left can never reach the "
+        "store (a file of it is on no live node), or if steps are not committed.")
     flush.add_argument("mountpoint", metavar="MOUNTPOINT")
     flush.add_argument("--timeout", type=float, metavar="SECONDS",
                        help="give up after this many seconds (default: wait as long as it takes)")
@@ -210,7 +219,9 @@ def _run(argv: list[str] | None) -> int:
         if args.command == "mount":
             return _mount(args, argv)
         if args.command == "umount":
-            return _umount_reporting(args.mountpoint, args.flush, args.force)
+            if args.timeout is not None and not args.flush:
+                raise UserError("umount --timeout needs --flush (it bounds the flush)")
+            return _umount_reporting(args.mountpoint, args.flush, args.force, args.timeout)
         if args.command == "flush":
             return _flush(args.mountpoint, args.timeout)
         if args.command == "status":
@@ -296,6 +307,7 @@ def _umount(mountpoint: str) -> int:
     entry = mount_at(path)
     if entry is None:
         raise UserError(f"{mountpoint} is not mounted")
+    _may_unmount(mountpoint, entry)
     ram_dir = ram_dir_of(entry)
     daemon = daemon_state(ram_dir) if ram_dir is not None else _ask_pid(path)
     done = subprocess.run(["fusermount3", "-u", path], capture_output=True, text=True)
@@ -314,6 +326,21 @@ def _umount(mountpoint: str) -> int:
     if outcome != "gone":
         raise UserError(f"unmounted {mountpoint}, but daemon pid {daemon.pid} is still running")
     return 0
+
+
+def _may_unmount(mountpoint: str, entry: MountEntry) -> None:
+    """Only root and the user who mounted it may unmount a FUSE mount; say so, rather than
+    fusermount3's "entry ... not found in /etc/mtab"."""
+    user = os.geteuid()
+    if user == 0 or entry.owner is None or entry.owner == user:
+        return
+    try:
+        owner = pwd.getpwuid(entry.owner).pw_name
+    except KeyError:
+        owner = f"uid {entry.owner}"
+    who = "root" if entry.owner == 0 else f"{owner} or root"
+    raise UserError(f"cannot unmount {mountpoint}: it was mounted by {owner}, and only {who} "
+                    "may unmount it")
 
 
 def _ask_pid(path: str) -> DaemonState:
@@ -338,14 +365,24 @@ def _wait_for_exit(pid: int, timeout: float) -> str:
     return "running"
 
 
-def _umount_reporting(mountpoint: str, flush: bool, force: bool = False) -> int:
-    """`tierfs umount [--flush] [--force]`: the quiet steps commit first (so that --flush
-    persists them too); committed steps that would stay only in this node's RAM, though due in
-    the store, stop the unmount unless --force; then the unmount, and the steps left
-    uncommitted or not in the store are named."""
+def _umount_reporting(mountpoint: str, flush: bool, force: bool = False,
+                      timeout: float | None = None) -> int:
+    """`tierfs umount [--flush [--timeout S]] [--force]`: the quiet steps commit first (so
+    that --flush persists them too: the way to end a job, deploy/'s epilog and unit);
+    committed steps that would stay only in this node's RAM, though due in the store, and with
+    --flush any committed step the store does not hold, stop the unmount unless --force; then
+    the unmount, and the steps left uncommitted or not in the store are named."""
+    entry = mount_at(os.path.abspath(mountpoint))
+    if entry is not None:
+        _may_unmount(mountpoint, entry)  # before a flush it could not finish with
     status = _settle(mountpoint)
     if flush:
-        _flush(mountpoint, None, report=False)
+        try:
+            _flush(mountpoint, timeout, report=False)
+        except UserError as exc:
+            if not force:
+                raise UserError(f"not unmounted: {exc}; --force unmounts anyway") from None
+            print(f"tierfs: warning: {exc}", file=sys.stderr)
         status = _settle(mountpoint)  # what the flush left, and steps that turned quiet
     alone, held = status_view.store_lines(status) if status is not None else (None, None)
     if alone is not None and not force:
@@ -424,7 +461,10 @@ def _seconds(text: str) -> float:
 
 def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
     """Poll the daemon until nothing waits for the persistent tier or for copies on peers;
-    draw progress meanwhile. With `report`, then name the steps that are not committed."""
+    draw progress meanwhile. UserError (exit 1) if the timeout passes first, or at once when
+    every step left is one the store can never get whole (a file on no live node). With
+    `report`, then UserError naming the steps that are not committed (they are in no tier
+    but this node's RAM: a flush that says 0 promises the store holds the job's steps)."""
     socket_path, _root, _rel = control.locate(mountpoint)
     started = time.monotonic()
     on_terminal = sys.stderr.isatty()
@@ -437,10 +477,11 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
             print("no persistent tier (--persist) and no peer copies (--replicas) are "
                   "configured: nothing to flush")
             if report:
-                _warn_uncommitted(status)
+                _refuse_uncommitted(status)
             return 0
         waits = [w for w in (persist, replication) if w is not None]
-        steps = sum(w["pending_steps"] for w in waits)
+        steps = sum(w["pending_steps"] for w in waits) + len(
+            (persist or {}).get("pending_deletes", ()))
         pending = sum(w["pending_bytes"] for w in waits)
         first_bytes = pending if first_bytes is None else max(first_bytes, pending)
         elapsed = time.monotonic() - started
@@ -451,8 +492,15 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
                        else "nothing was waiting")
             print(f"every committed step is {_flush_goal(persist, replication)} ({flushed})")
             if report:
-                _warn_uncommitted(status)
+                _refuse_uncommitted(status)
             return 0
+        blocked = status_view.blocked_in_store(status)
+        if blocked and len(blocked) == steps:  # nothing left that waiting can bring
+            if on_terminal and first_bytes:
+                print(file=sys.stderr)
+            raise UserError(f"flush cannot complete: {len(blocked)} steps can never be whole "
+                            f"in {persist['url'] if persist else 'the store'}: "
+                            + status_view.flush_left(status))
         if timeout is not None and elapsed > timeout:
             if on_terminal:
                 print(file=sys.stderr)
@@ -480,6 +528,16 @@ def _flush_goal(persist: dict[str, Any] | None, replication: dict[str, Any] | No
         goals.append(f"on {wanted} peer{'s' * (wanted > 1)}" if wanted
                      else "on no peer (none is up)")
     return " or ".join(goals)
+
+
+def _refuse_uncommitted(status: dict[str, Any]) -> None:
+    """After a flush: steps still being written are in no tier but this node's RAM, so the
+    flush fails (exit 1) naming them."""
+    line = status_view.uncommitted(status)
+    if line is not None:
+        raise UserError(f"{line}; `tierfs flush` exits 0 only once every step is committed "
+                        "(a step whose saver is done commits by itself within --commit-idle, "
+                        "or at `tierfs umount`)")
 
 
 def _warn_uncommitted(status: dict[str, Any]) -> None:

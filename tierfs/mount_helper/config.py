@@ -73,7 +73,9 @@ MOUNT_OPTIONS = [
     Option("ram-dir", "/dev/shm/tierfs", "where the RAM tier keeps its data; must be on tmpfs "
            "to be RAM", "path", "DIR"),
     Option("ram-limit", "50%", "bytes (`64G`, `512M`) or percent of memory (`50%`) the RAM "
-           "tier may hold", "size", "SIZE"),
+           "tier may hold; at least `1M` (a number without a unit is bytes); a limit above "
+           "the RAM dir's file system's size or the host's memory mounts with a warning", "size",
+           "SIZE"),
     Option("keep-ram", 3, "committed steps kept in RAM per run directory; a copy of an older "
            "one leaves RAM only once the persistent tier holds it, or K+1 other live nodes do: "
            "without `--persist` a cluster keeps its K+1 copies of every file in RAM; kept ones "
@@ -128,6 +130,10 @@ MOUNT_OPTIONS = [
            "it or without it (its first node sets which): a node mounted the other way, or "
            "whose certificate a live member refuses, is refused at mount (see doc/CLUSTER.md)",
            "flag", default_help="off: peer data in clear, every frame MAC'd"),
+    Option("peer-connections", 4, "with `--cluster`: connections a node uses at once to move "
+           "files to or from one peer (replicas, restores); each carries its share of the "
+           "chunks in a worker thread of its own, so one transfer can use that many cores",
+           "int", "N"),
     Option("peer-cacert", None, "with `--peer-tls`: the cluster's CA certificate, which every "
            "peer's certificate must be signed by", "path", "FILE"),
     Option("peer-cert", None, "with `--peer-tls`: this node's certificate, signed by the "
@@ -145,16 +151,17 @@ MOUNT_OPTIONS = [
            default_help="the number before a checkpoint extension: `epoch=0-step=5.ckpt`, "
            f"`model_1000.pt` (see \"File steps and loose files\" in {_SEMANTICS})"),
     Option("commit-idle", 5.0, "a step being written commits by itself once no file of it has "
-           "been open for writing or changed for this long", "float", "SECONDS"),
+           "been open for writing or changed for this long (at most a week)", "float", "SECONDS"),
     Option("append-every", 60.0, "a loose file (outside step directories, no step number: a "
            "log, a TensorBoard event file) that is still being appended commits what it holds "
            "every this many seconds, so that the store and the peers have it at most this "
            "stale; the store gets only the appended bytes (see \"Appended files\" in "
-           f"{_SEMANTICS}); `0`: off, such a file commits only once quiet", "float", "SECONDS"),
+           f"{_SEMANTICS}); `0`: off, such a file commits only once quiet; at most a week", "float",
+           "SECONDS"),
     Option("commit-timeout", 20.0, "with `--cluster`: the longest a saver's call that commits a "
            "step (the close or rename of DCP's `.metadata`) waits for etcd, in all; then it "
            "fails with `ETIMEDOUT` (the save raises), and the step stays `writing` and commits "
-           "by itself once etcd answers (see doc/CLUSTER.md)", "float", "SECONDS"),
+           "by itself once etcd answers (see doc/CLUSTER.md); at most a week", "float", "SECONDS"),
     Option("sync-replicas", False, "with `--cluster`: the saver's call that commits a step (the "
            "close or rename of DCP's `.metadata`) returns only once every file of the step has "
            "K+1 verified copies on live nodes (as many as there are live nodes, if fewer), "
@@ -228,6 +235,7 @@ class MountConfig:
     metrics: tuple[str, int] | None = None
     peer_tls: PeerTlsFiles | None = None  # --peer-tls
     failure_domain: str | None = None  # --failure-domain
+    peer_connections: int = 4  # --peer-connections
 
     @property
     def control_socket(self) -> str:
@@ -252,6 +260,14 @@ def abstract_socket_name(ram_dir: Path) -> str:
 
 
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)i?b?\s*$", re.IGNORECASE)
+# A RAM tier smaller than this holds no checkpoint: `--ram-limit 1` is one byte, most likely
+# meant as 1G. Sizes from 2**63 on fit no file system's counters (statfs, df).
+MIN_RAM_LIMIT = 1 << 20
+MAX_SIZE = (1 << 63) - 1
+# The longest a duration option may be: none of them means anything beyond a week (a step that
+# commits by itself a week after its last change), and a value like 1e308 overflows the
+# timers it sets.
+MAX_SECONDS = 7 * 24 * 3600.0
 
 
 def parse_size(text: str | int, total_memory: int | None = None) -> int:
@@ -271,7 +287,10 @@ def parse_size(text: str | int, total_memory: int | None = None) -> int:
     if not match:
         raise ConfigError(f"not a size: {text!r} (use e.g. 64G, 512M or 50%)")
     number, unit = match.groups()
-    return int(float(number) * 1024 ** "bkmgtp".index(unit.lower() or "b"))
+    size = int(float(number) * 1024 ** "bkmgtp".index(unit.lower() or "b"))
+    if size > MAX_SIZE:
+        raise ConfigError(f"not a size any machine has: {text!r}")
+    return size
 
 
 def parse_address(text: str, option: str) -> tuple[str, int]:
@@ -383,6 +402,9 @@ def _seconds(values: dict[str, Any], key: str) -> float:
         raise ConfigError(f"{flag} must be a number of seconds, not {values[key]!r}") from None
     if not 0 < seconds < float("inf"):
         raise ConfigError(f"{flag} must be a positive number of seconds")
+    if seconds > MAX_SECONDS:
+        raise ConfigError(f"{flag} {values[key]} is more than a week: give at most "
+                          f"{MAX_SECONDS:.0f} seconds")
     return seconds
 
 
@@ -425,8 +447,10 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         token = b"insecure"
     ram_dir = Path(values["ram_dir"]).absolute()
     limit = parse_size(values["ram_limit"])
-    if limit <= 0:
-        raise ConfigError("--ram-limit must be positive")
+    if limit < MIN_RAM_LIMIT:
+        raise ConfigError(f"--ram-limit {values['ram_limit']} is {limit} "
+                          f"byte{'' if limit == 1 else 's'}: give at least 1M (a size without "
+                          "a unit is in bytes: 64G, 512M, or 50% of memory)")
     return MountConfig(
         # The real path: a symlink to a mounted directory must be seen as that mount.
         mountpoint=Path(real_path(mountpoint)),
@@ -458,6 +482,7 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         metrics=parse_address(values["metrics"], "--metrics") if values["metrics"] else None,
         peer_tls=_peer_tls(values),
         failure_domain=domain,
+        peer_connections=_whole_number(values, "peer_connections", 1),
         **_root_directory(values),
     )
 

@@ -25,6 +25,7 @@ class MountEntry(NamedTuple):
     mountpoint: str
     fstype: str
     source: str
+    owner: int | None = None  # a FUSE mount's user (its `user_id` option): who may unmount it
 
 
 def _unescape(field: str) -> str:
@@ -39,8 +40,11 @@ def mount_table() -> list[MountEntry]:
     with open("/proc/self/mountinfo") as f:
         for line in f:
             left, _, right = line.partition(" - ")
-            fstype, source = (right.split() + ["", ""])[:2]
-            table.append(MountEntry(_unescape(left.split()[4]), fstype, _unescape(source)))
+            fstype, source, options = (right.split() + ["", "", ""])[:3]
+            owner = next((int(option[len("user_id="):]) for option in options.split(",")
+                          if option.startswith("user_id=")), None)
+            table.append(MountEntry(_unescape(left.split()[4]), fstype, _unescape(source),
+                                    owner))
     return table
 
 
@@ -53,6 +57,14 @@ def mount_at(path: str | os.PathLike[str]) -> MountEntry | None:
 
 def is_mounted(path: str | os.PathLike[str]) -> bool:
     return mount_at(path) is not None
+
+
+def tierfs_on_top(path: str | os.PathLike[str], ram_dir: Path) -> bool:
+    """The newest mount at `path` is the tierfs mount of this RAM dir (not, once that is
+    unmounted, the mount it was made over: a container's volume, a bind mount)."""
+    entry = mount_at(path)
+    return entry is not None and entry.fstype == TIERFS_TYPE and \
+        entry.source == mount_source(ram_dir)
 
 
 def real_path(path: str | os.PathLike[str]) -> str:

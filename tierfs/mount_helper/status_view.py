@@ -81,6 +81,8 @@ def only_in_ram(step: Step) -> bool:
     replicated yet (or not selected by --persist-every, with no peer). In a cluster, a
     committed step's `only_here` says it (from the records of its files: a step whose files
     are spread over several nodes, or held by peers and read back here, is not only here)."""
+    if step["state"] == "empty":
+        return False  # nothing in it
     if step.get("only_here") is not None:
         return bool(step["only_here"])
     return bool(step["ram"]) and not step["persisted"] and not step["replicas"]
@@ -104,7 +106,7 @@ def latest_paths(steps: Iterable[Step], own_latest: Iterable[str] = ()) -> set[s
 def step_age(step: Step, now_ns: int) -> float | None:
     """Seconds since the step was committed, or for a step being written since it last changed
     (None from a daemon that does not say)."""
-    stamp = step.get("committed_ns") if step["state"] != "writing" else (
+    stamp = step.get("committed_ns") if step["state"] not in ("writing", "empty") else (
         step.get("changed_ns") or step.get("committed_ns"))
     return None if stamp is None else (now_ns - stamp) / 1e9
 
@@ -177,8 +179,8 @@ def names(steps: list[Step]) -> str:
 
 def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
     """What a person must know: data only in this node's RAM, steps whose commit waits, steps
-    whose upload fails (why, and for how long), and committed steps that cannot be read
-    whole."""
+    whose upload fails (why, and for how long), committed steps that cannot be read whole,
+    and those committed without their saver's mark of a finished save."""
     lines = []
     ram_only = [s for s in status["steps"] if only_in_ram(s)]
     if ram_only:
@@ -199,7 +201,31 @@ def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
                      f" {not_in_store(failing, now_ns)}")
     lines += [incomplete_warning(s, now_ns) for s in status["steps"]
               if s["state"] == "incomplete" and s.get("lost")]
-    return lines + failing_peers(status)
+    lines += [f"warning: {s['path']} was committed without {s['unfinished']}, which the "
+              "steps before it have (its saver stopped in the middle of a save?): `latest` "
+              "names an older step" for s in status["steps"] if s.get("unfinished")]
+    lines += [f"warning: {s['path']} has fewer copies than --replicas asks "
+              f"(for {human_age((now_ns - s['copies_wait']['since_ns']) / 1e9)}): "
+              f"{s['copies_wait']['reason']}"
+              for s in status["steps"] if s.get("copies_wait")]
+    return ram_dir_warning(status) + lines + failing_peers(status)
+
+
+FULL_SHARE = 0.9  # a RAM dir's file system this full earns a warning
+
+
+def ram_dir_warning(status: dict[str, Any]) -> list[str]:
+    """A warning when the RAM dir's file system is nearly full, whatever the RAM tier's own
+    count says (others write to a shared /dev/shm): writes and copies from peers then find no
+    room before --ram-limit."""
+    ram = status["ram"]
+    size, free = ram.get("fs_size_bytes"), ram.get("fs_free_bytes")
+    if not size or free is None or free > (1 - FULL_SHARE) * size:
+        return []
+    return [f"warning: the file system of the RAM dir {status.get('ram_dir', '')} is "
+            f"{100 * (size - free) / size:.0f}% full ({human_bytes(free)} free of "
+            f"{human_bytes(size)}): writes, and copies from peers, find no room before the "
+            "RAM tier's limit"]
 
 
 def peer_state(peer: dict[str, Any]) -> str:
@@ -268,16 +294,26 @@ def _store_waits(steps: list[Step], now_ns: int | None = None) -> list[str]:
 
 def flush_left(status: dict[str, Any]) -> str:
     """What `tierfs flush` still waits for, and why: the steps due in the store and not there
-    yet, then those short of their copies on peers (`run/step_2 (copying to peers)`)."""
+    yet, then those short of their copies on peers (`run/step_2 (copying to peers)`), then
+    the deleted steps and old names of renamed ones the store still holds."""
     replication = status.get("replication") or {}
     return some_names(_store_waits(due_in_store(status))
                       + [f"{path} ({reason} to peers)"
-                         for path, reason in replication.get("pending", {}).items()], NAMED)
+                         for path, reason in replication.get("pending", {}).items()]
+                      + [f"{path} (to leave the store)"
+                         for path in (status.get("persist") or {}).get("pending_deletes", ())],
+                      NAMED)
 
 
 def due_in_store(status: dict[str, Any]) -> list[Step]:
     """Committed steps that --persist-every selects and the store does not hold yet."""
     return [s for s in status["steps"] if s.get("persist_wait")]
+
+
+def blocked_in_store(status: dict[str, Any]) -> list[Step]:
+    """Steps due in the store that can never get there whole as things are (a file on no
+    live node and not in the store): a flush waiting for them waits for nothing."""
+    return [s for s in due_in_store(status) if s["persist_wait"].get("blocked")]
 
 
 def ram_only_committed(status: dict[str, Any]) -> list[Step]:
@@ -317,7 +353,7 @@ def uncommitted(status: dict[str, Any]) -> str | None:
         return None
     named = [s["path"] + (f" (waits for {s['waiting_for']})" if s.get("waiting_for") else "")
              for s in writing]
-    return (f"{len(writing)} steps are not committed, so only in this node's RAM: "
+    return (f"{_count(writing, 'step')} not committed, so in no tier but this node's RAM: "
             f"{some_names(named)}")
 
 
@@ -342,7 +378,7 @@ def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:
     steps = status["steps"]
     if not steps:
         lines.append("no step directories yet" if where == "." else f"no steps under {where}")
-        return "\n".join(lines + failing_peers(status))
+        return "\n".join(lines + ram_dir_warning(status) + failing_peers(status))
     own = set(status.get("own_latest", ()))
     lines += table(steps, now_ns, own, status["node_id"])
     lines += [run_summary(run, members, now_ns, run in own)

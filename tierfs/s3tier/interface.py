@@ -71,6 +71,8 @@ class Backend(ABC):
     # `parts(size)`, `finish_parts`), each part a request of its own that can be retried
     # alone; None: the backend has no parts, and `put_file` takes any size.
     part_size: int | None = None
+    # Whether `restrict` does anything (the uploader calls it only then).
+    restricts = False
 
     @abstractmethod
     def check(self) -> bool:
@@ -141,9 +143,26 @@ class Backend(ABC):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with `prefix`."""
 
+    def size(self, key: str) -> int | None:
+        """The size of the object `key` now (S3 HEAD), None if there is none."""
+        return next((o.size for o in self.list(key) if o.key == key), None)
+
+    def remove_leftovers(self) -> int:
+        """At start: remove what uploads cut short left in the store that its listing does
+        not show (a file:// store's temporary objects); the number removed. S3 has nothing
+        of the kind: a multipart upload given up is aborted by the uploader."""
+        return 0
+
     @abstractmethod
     def delete(self, keys: list[str]) -> None:
         """Delete these objects; missing ones are not an error."""
 
     def get_bytes(self, key: str) -> bytes:
         return self.get_range(key, 0, -1)
+
+    def restrict(self, objects: list[tuple[str, int, int]]) -> None:
+        """Each (key, mode, gid): the object holds a file whose mode and group under the mount
+        are these; let no more users read it directly in the store than may read the file
+        there. (A bucket's objects are read with the store's own credentials: nothing to
+        do.)"""
+        return None

@@ -12,7 +12,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.s3tier import segments
+from tierfs.s3tier import holdings, segments
 from tierfs.s3tier.interface import Backend, NotFound
 from tierfs.s3tier.retry import POLICY, retry
 from tierfs.s3tier.sending import send_file
@@ -66,6 +66,13 @@ class PersistentReader:
             return trio.to_thread.run_sync(func, *args, limiter=self._limiter)
 
         return await retry(attempt, what, policy=READS)
+
+    async def held_files(self, manifest: mf.StepManifest) -> set[str]:
+        """The `StoreCheck` of the file system: the files of this version whose objects the
+        store holds now at their sizes; none if its manifest is not there."""
+        held = await self._attempts(f"listing of {manifest.path}", holdings.held_now,
+                                    self.backend, manifest)
+        return set(held.files) if held.manifest else set()
 
     # -- for `tierfs verify`: reading manifests back and replacing bad objects --------------
 

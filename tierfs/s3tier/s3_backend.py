@@ -220,6 +220,14 @@ class S3Backend(Backend):
                 for item in page.get("Contents", []):
                     yield ObjectInfo(item["Key"][len(self.prefix):], item["Size"])
 
+    def size(self, key: str) -> int | None:
+        try:
+            with self._errors(key):
+                reply = self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except NotFound:
+            return None
+        return int(reply["ContentLength"])
+
     def delete(self, keys: list[str]) -> None:
         for start in range(0, len(keys), 1000):
             batch = [{"Key": self._key(k)} for k in keys[start:start + 1000]]

@@ -21,16 +21,29 @@ A tracker file (`tierfs.trackers`: DeepSpeed's `latest`, Megatron-LM's
 `latest_checkpointed_iteration.txt`) goes up only once the step it names is in the store: a
 version naming a step not there yet waits (and goes up right after that step), one naming a
 step `--persist-every` never selects is not due at all, and the store keeps the version it
-has meanwhile, so a fresh node never reads a tracker that points past the store.
+has meanwhile, so a fresh node never reads a tracker that points past the store. A saver that
+rewrites its tracker faster than its steps reach the store does not starve it: whenever a step
+reaches the store, the version (current or older) naming the newest step the store holds goes
+up (`tierfs.s3tier.tracker_versions`). Retention never removes the step that the store's
+tracker names.
 
 Bytes the store holds already never travel again: a file whose object is there with the same
 content (a version that changed only modes, owners or mtimes) is not sent, and then the old
-manifest is simply replaced; a file renamed under the mount whose old name the store still holds
-(`copy_sources`, from `fs.deletes`) is copied inside the store (`Backend.copy`), after the old
-name's manifest, read under that name's lock, says the object holds those bytes.
+manifest is simply replaced (whether the object is there is seen in a listing of the step at
+that moment: the stored manifest says what was sent, not what the store still holds); a file
+renamed under the mount whose old name the store still holds (`copy_sources`, from
+`fs.deletes`) is copied inside the store (`Backend.copy`), after the old name's manifest, read
+under that name's lock, says the object holds those bytes.
 
 A deleted step is removed the same way round (`delete_step`: manifest first, then data), never
 at the same time as an upload of the same path, so that a late upload cannot bring it back.
+
+In a cluster (`shares`, `tierfs.shared_uploads`) a step's upload is shared: this node sends the
+files its plan gives it (those it wrote, or holds for a writer that is gone), deleting the old
+manifest first as above, and marks them stored in the cluster's records; the node that writes
+the manifest waits (without holding up the queue) until every other file is marked, then
+writes it and records the version as persisted, which every node then shows. Whoever
+uploads, the manifest goes last, after every file of the version is in the store.
 """
 
 from __future__ import annotations
@@ -38,25 +51,36 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
 
-from tierfs import layout, reserved
+from tierfs import layout, reserved, trackers
 from tierfs import manifest as mf
 from tierfs.fs import links as symlinks
 from tierfs.observe import Events
-from tierfs.s3tier import packs, segments
+from tierfs.s3tier import holdings, packs, segments
 from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, ObjectInfo
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
+from tierfs.s3tier.tracker_versions import TrackerVersion, TrackerVersions
+from tierfs.shared_uploads import (
+    PERSISTED,
+    RETIRED,
+    SharedUploads,
+    SharesUnavailable,
+    UploadPlan,
+)
 from tierfs.step_queue import StepQueue
-from tierfs.trackers import TrackedStep
+from tierfs.trackers import MAX_BYTES, TrackedStep
 
 log = logging.getLogger(__name__)
 
 PARALLEL_REQUESTS = 4
+# Seconds the manifest's writer of a shared upload follows the records for the other nodes'
+# files before it plans again (a sender may have gone meanwhile)
+STORED_WAIT = 30.0
 
 
 @dataclass
@@ -85,10 +109,12 @@ class Uploader:
         is_current: Callable[[mf.StepManifest], bool],
         on_persisted: Callable[[mf.StepManifest], None],
         on_retired: Callable[[str], None],
-        tracked_step: Callable[[mf.StepManifest], TrackedStep | None] = lambda _m: None,
+        tracked_step: Callable[..., TrackedStep | None] = lambda _m, _content=None: None,
         copy_sources: Callable[[str], list[tuple[str, str]]] = lambda _key: [],
         single_writer: Callable[[mf.StepManifest], bool] = lambda _m: True,
         events: Events | None = None,
+        shares: SharedUploads | None = None,
+        yield_to_users: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.backend = backend
         self._events = events or Events()
@@ -109,11 +135,17 @@ class Uploader:
         self.pack_bytes_sent = 0  # the steps' packs and their indexes (s3tier.packs)
         self.queue = StepQueue()
         self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
+        self.trackers = TrackerVersions()  # their versions that may still go up
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
+        # Each file waits for a pause in the mount users' requests before it is sent.
+        self._yield_to_users = yield_to_users
         self._path_locks: dict[str, trio.Lock] = {}  # an upload and a delete of one path
         self.troubles: dict[str, UploadTrouble] = {}
         self._uploading: str | None = None
         self._retries: trio.Nursery | None = None  # steps waiting to be tried again
+        self._shares = shares  # in a cluster: each node uploads its share of a step
+        # (path, version) of shared uploads waiting for other nodes' files (`_await_others`)
+        self._awaiting: set[tuple[str, int]] = set()
 
     def _lock(self, path: str) -> trio.Lock:
         return self._path_locks.setdefault(path, trio.Lock())
@@ -135,8 +167,46 @@ class Uploader:
     def submit(self, manifest: mf.StepManifest) -> None:
         """Queue a committed step (a newer version of a queued step replaces it)."""
         self._held.pop(manifest.path, None)  # a tracker's older version: no longer current
+        tracked = self._tracked_step(manifest) if manifest.step == mf.NO_STEP else None
+        if tracked is not None:
+            content = self._tracker_bytes(manifest)
+            self.trackers.note(manifest, TrackerVersion(manifest, content, tracked.number)
+                               if content is not None and (tracked.persisted or
+                                                           self.due(tracked.number)) else None)
+            if self.wanted(manifest) or self._ready_version(manifest.path) is not None:
+                self.queue.put(manifest)
+            return
         if self.wanted(manifest):
             self.queue.put(manifest)
+
+    def _tracker_bytes(self, manifest: mf.StepManifest) -> bytes | None:
+        """A tracker version's few bytes, from its committed object (None if gone already)."""
+        entry = manifest.files[0]
+        if entry.size > MAX_BYTES:
+            return None
+        try:
+            with open(self._object_path(entry.xxh3), "rb") as f:
+                return f.read(MAX_BYTES + 1)
+        except OSError:
+            return None
+
+    def _ready_version(self, path: str) -> TrackerVersion | None:
+        """The tracker version to put in the store now: the one naming the newest step that is
+        in the store, newer than the step the store's tracker names; None if there is none."""
+        for version in self.trackers.candidates(path):
+            tracked = self._tracked_step(version.manifest, version.content)
+            if tracked is not None and tracked.persisted and tracked.number == version.number:
+                return version
+        return None
+
+    def _current(self, manifest: mf.StepManifest) -> bool:
+        """Whether `manifest` is worth uploading: the step's current version, or an older
+        version of a tracker that is still there, chosen to go up (`_upload_tracker`)."""
+        if self._is_current(manifest):
+            return True
+        current = self.trackers.current(manifest.path)
+        return (self.trackers.uploading.get(manifest.path) is manifest and current is not None
+                and self._is_current(current))
 
     def waiting(self, manifest: mf.StepManifest) -> tuple[str, int, int]:
         """Why a step due in the store is not there yet, since when (ns) and after how many
@@ -163,7 +233,8 @@ class Uploader:
         return True
 
     def _release_held(self) -> None:
-        """A step reached the store: the trackers that named it go up now."""
+        """A step reached the store: the trackers that named it go up now (a version naming
+        the newest step the store holds, if not the current one)."""
         for path, manifest in list(self._held.items()):
             if not self._is_current(manifest):
                 del self._held[path]
@@ -172,11 +243,28 @@ class Uploader:
             if tracked is None or tracked.persisted:
                 del self._held[path]
                 self.queue.put(manifest)
+        for path in self.trackers.paths():
+            current = self.trackers.current(path)
+            if current is None or not self._is_current(current):
+                self.trackers.forget(path)
+            elif self._ready_version(path) is not None:
+                self._held.pop(path, None)
+                self.queue.put(current)
 
     async def run(self) -> None:
         async with trio.open_nursery() as retries:
             self._retries = retries
+            retries.start_soon(self._remove_leftovers)
             await self.queue.serve(self._upload_or_retry)
+
+    async def _remove_leftovers(self) -> None:
+        """What uploads cut short before this start left in the store goes (in the
+        background: a file:// store is walked)."""
+        try:
+            await trio.to_thread.run_sync(self.backend.remove_leftovers, limiter=self._threads)
+        except BackendError as exc:
+            log.warning("could not look for what uploads cut short left in %s: %s",
+                        self.backend.url, exc)
 
     async def _upload_or_retry(self, manifest: mf.StepManifest) -> None:
         self._uploading = manifest.path
@@ -207,7 +295,7 @@ class Uploader:
         trouble.step_failures += 1
         # (the predicate sees the groups too: a group is not in itself unforeseen)
         unforeseen = failures.subgroup(
-            lambda e: not isinstance(e, (BackendError, BaseExceptionGroup)))
+            lambda e: not isinstance(e, (BackendError, SharesUnavailable, BaseExceptionGroup)))
         delay = POLICY.delay(trouble.step_failures)
         log.log(POLICY.level(trouble.step_failures),
                 "upload of %s v%d failed (attempt %d), retrying in %.1f s: %s", manifest.path,
@@ -245,21 +333,73 @@ class Uploader:
                 self._note_trouble(manifest, exc)
                 raise
 
-        return await retry(attempt, what, still_wanted=lambda: self._is_current(manifest))
+        return await retry(attempt, what, still_wanted=lambda: self._current(manifest))
 
     async def _upload(self, manifest: mf.StepManifest) -> None:
         if not self._is_current(manifest):
             raise NoLongerWanted(manifest.path)
+        ready = self._ready_version(manifest.path) if manifest.step == mf.NO_STEP else None
+        if ready is not None:
+            await self._upload_tracker(manifest, ready)
+            return
         if self._holds_back(manifest):
             return
+        tracked = self._tracked_step(manifest) if manifest.step == mf.NO_STEP else None
+        await self._put_version(manifest, tracks=tracked.number if tracked else None)
+
+    async def _upload_tracker(self, current: mf.StepManifest, ready: TrackerVersion) -> None:
+        """Put the tracker version `ready` (the one naming the newest step in the store) in
+        the store, unless the store's tracker names that step or a newer one already; the
+        current version goes up itself once its own step is there."""
+        path = current.path
+        stored = await self._call(f"read of {path}", current, self._stored_tracker, path)
+        tracked = self._tracked_step(current, stored) if stored is not None else None
+        if tracked is not None and tracked.number >= ready.number:
+            self.trackers.stored(path, tracked.number)
+        elif ready.manifest is current:
+            await self._put_version(current, ready.content, ready.number)
+        else:
+            self.trackers.uploading[path] = ready.manifest
+            try:
+                await self._put_version(ready.manifest, ready.content, ready.number)
+            finally:
+                self.trackers.uploading.pop(path, None)
+            log.info("%s: its v%d (naming step %d, the newest in %s that it named) went up; "
+                     "v%d follows its own step", path, ready.manifest.version, ready.number,
+                     self.backend.url, current.version)
+        if self._current(current) and not self._holds_back(current):
+            self.queue.put(current)  # names a step in the store too: up it goes
+
+    def _stored_tracker(self, path: str) -> bytes | None:
+        """The bytes of the tracker the store holds at `path` (blocking; None: none)."""
+        try:
+            data = self.backend.get_bytes(path)
+        except NotFound:
+            return None
+        return data if len(data) <= MAX_BYTES else None
+
+    async def _put_version(self, manifest: mf.StepManifest, content: bytes | None = None,
+                           tracks: int | None = None) -> None:
+        """The upload of one version (`content`: its one file's bytes, a tracker's, sent as
+        they are instead of read from the RAM store; `tracks`: the step a tracker's names)."""
         started = time.monotonic()
+        plan = await self._plan(manifest)
+        if plan is None:
+            return  # not the cluster's committed version: a newer one follows
         prefix = manifest.path
         manifest_key = layout.manifest_key(prefix, manifest.single_file)
         data_dir = layout.data_dir(prefix, manifest.single_file)
         stored = await self._call(f"read of {manifest_key}", manifest, self._stored_entries,
                                   prefix, manifest.single_file)
-        changed = [entry for entry in manifest.files
-                   if _held(stored.get(entry.name)) != _held(entry)]
+        if any(_held(stored.get(entry.name)) == _held(entry) for entry in manifest.files):
+            # A file the stored manifest names as it is goes up only if its objects are not
+            # there now: the manifest says what was sent, not what the store still holds.
+            held = await self._call(f"listing of {prefix}", manifest, holdings.held_now,
+                                    self.backend, manifest)
+            stored = {name: entry for name, entry in stored.items() if name in held.files
+                      or _held(entry) != _held(manifest.entry(name))}
+        changed = [entry for entry in manifest.files if entry.name in plan.mine
+                   and _held(stored.get(entry.name)) != _held(entry)]
         # A loose file appended since the stored version: only the new segments go, and the
         # stored version stays listed until the new manifest replaces it (fs.appends).
         start = await self._appended_from(manifest, stored) if changed else 0
@@ -267,12 +407,27 @@ class Uploader:
             await self._call(f"removing old manifest of {prefix}", manifest,
                              self.backend.delete, [manifest_key])
         checked: dict[str, dict[str, mf.FileEntry]] = {}  # what renames' sources hold
+        # PARALLEL_REQUESTS files at a time, each by a worker of its own that takes the next:
+        # a task per file was 10,000 tasks on the loop for a step of many small files.
+        files = iter(changed)
+
+        async def send_next() -> None:
+            for entry in files:
+                if content is None:
+                    await self._upload_file(manifest, data_dir, entry, checked, start)
+                else:  # a tracker's version, sent as it was
+                    key = layout.object_key(data_dir, entry.name)
+                    await self._call(f"upload of {key}", manifest, self.backend.put_bytes, key,
+                                     content)
+
         async with trio.open_nursery() as nursery:
-            for entry in changed:
-                nursery.start_soon(self._upload_file, manifest, data_dir, entry, checked,
-                                   start)
-        if not self._is_current(manifest):  # deleted or re-saved meanwhile: never list it
+            for _ in range(min(PARALLEL_REQUESTS, len(changed))):
+                nursery.start_soon(send_next)
+        if not self._current(manifest):  # deleted or re-saved meanwhile: never list it
             raise NoLongerWanted(prefix)
+        await self._restrict(manifest, data_dir, changed, stored, plan.mine)
+        if not await self._others_stored(manifest, plan, started):
+            return
         if manifest.single_file and changed and (
                 changed[0].segments or any(e.segments for e in stored.values())):
             await self._call(f"removing old segments of {prefix}", manifest,
@@ -286,12 +441,96 @@ class Uploader:
         self.manifest_bytes_sent += len(encoded)
         await self._call(f"removing old files of {prefix}", manifest, self._remove_stale,
                          manifest, kept_packs)
+        if self._shares is not None:
+            await self._shares.note_store(manifest.path, manifest.version, PERSISTED)
         self._clear_trouble(manifest)
         self._events.persisted(manifest, self.backend.url, time.monotonic() - started)
         self._on_persisted(manifest)
+        if tracks is not None:
+            self.trackers.stored(manifest.path, tracks)
         self._release_held()
         if self.keep_persist:
             await self._apply_retention(prefix.rpartition("/")[0])
+
+    async def _plan(self, manifest: mf.StepManifest) -> UploadPlan | None:
+        """This node's share of the upload: on a single node, everything."""
+        if self._shares is None:
+            return UploadPlan(frozenset(e.name for e in manifest.files), frozenset(),
+                              writes_manifest=True)
+        return await self._shares.plan(manifest)
+
+    async def _others_stored(self, manifest: mf.StepManifest, plan: UploadPlan,
+                             started: float) -> bool:
+        """After this node sent its share of a shared upload: whether the manifest goes up
+        now (every other file is stored and this node writes it). Otherwise its files are
+        marked stored for the writer, and the writer waits for the others' files
+        (`_await_others`)."""
+        if self._shares is None:
+            return True
+        missing = set(plan.others)
+        if plan.writes_manifest and not missing:
+            return True  # every file went up from here, or was marked already
+        if plan.mine:
+            await self._shares.mark_stored(manifest, set(plan.mine))
+            log.info("%s v%d: %d files sent to %s in %.1f s, for %s to write its manifest",
+                     manifest.path, manifest.version, len(plan.mine), self.backend.url,
+                     time.monotonic() - started,
+                     "this node" if plan.writes_manifest else "another node")
+        if not plan.writes_manifest:
+            self._clear_trouble(manifest)
+            return False
+        senders = sorted({node or "no live node" for node in plan.others.values()})
+        self._note_waiting(manifest, f"waits for {len(missing)} files from "
+                                     f"{', '.join(senders)}")
+        key = (manifest.path, manifest.version)
+        if key not in self._awaiting:
+            self._awaiting.add(key)
+            assert self._retries is not None, "uploads run under run()"
+            self._retries.start_soon(self._await_others, manifest, missing)
+        return False
+
+    async def _await_others(self, manifest: mf.StepManifest, names: set[str]) -> None:
+        """Until the other nodes' files of a shared upload are stored (or STORED_WAIT passed:
+        a sender may have gone, the plan is made again), then the step is queued again."""
+        assert self._shares is not None
+        try:
+            await self._shares.wait_stored(manifest, names, trio.current_time() + STORED_WAIT)
+        finally:
+            self._awaiting.discard((manifest.path, manifest.version))
+        if self._is_current(manifest):
+            self.queue.put(manifest)
+
+    def _note_waiting(self, manifest: mf.StepManifest, reason: str) -> None:
+        """Why the version is not in the store yet, where no request failed."""
+        trouble = self.troubles.get(manifest.path)
+        if trouble is None or trouble.version != manifest.version:
+            trouble = UploadTrouble(manifest.version, reason, time.time_ns())
+            self.troubles[manifest.path] = trouble
+        trouble.reason = reason
+
+    async def _restrict(self, manifest: mf.StepManifest, data_dir: str,
+                        changed: list[mf.FileEntry], stored: dict[str, mf.FileEntry],
+                        mine: frozenset[str]) -> None:
+        """Before the manifest goes up: each file's objects readable in the store by no more
+        users than the file under the mount (a store that can say so: file://), those sent
+        now and those whose mode or group changed since the stored version; of a step several
+        nodes upload, this node's share (`mine`)."""
+        if not self.backend.restricts:
+            return
+        sent = {entry.name for entry in changed}
+        objects = []
+        for entry in manifest.files:
+            if entry.name not in mine:
+                continue
+            old = stored.get(entry.name)
+            if entry.name in sent or old is None or (old.mode, old.gid) != (entry.mode,
+                                                                              entry.gid):
+                key = layout.object_key(data_dir, entry.name)
+                objects += [(piece, entry.mode, entry.gid)
+                            for piece in layout.piece_keys(key, entry.segments)]
+        if objects:
+            await self._call(f"access of the files of {manifest.path}", manifest,
+                             self.backend.restrict, objects)
 
     async def _appended_from(self, manifest: mf.StepManifest,
                              stored: dict[str, mf.FileEntry]) -> int:
@@ -381,6 +620,13 @@ class Uploader:
         async def call(what: str, func, *args) -> object:  # type: ignore[no-untyped-def]
             return await self._call(what, manifest, func, *args)
 
+        if self._yield_to_users is not None:  # the mount's users first (fs.foreground)
+            await self._yield_to_users()
+        await self._send_file(manifest, data_dir, entry, checked, start, call)
+
+    async def _send_file(self, manifest: mf.StepManifest, data_dir: str, entry: mf.FileEntry,
+                         checked: dict[str, dict[str, mf.FileEntry]], start: int,
+                         call: Callable[..., Awaitable[object]]) -> None:
         key = layout.object_key(data_dir, entry.name)
         for old_path, old_key in [] if start else self._copy_sources(key):
             if old_path != manifest.path and await self._copy(manifest, old_path, old_key, key,
@@ -390,10 +636,10 @@ class Uploader:
         if entry.segments:  # an appended loose file: its pieces from `start` on
             self.bytes_sent += await segments.send_pieces(
                 self.backend, key, entry, self._object_path(entry.xxh3), start, call,
-                self._threads, still_wanted=lambda: self._is_current(manifest))
+                self._threads, still_wanted=lambda: self._current(manifest))
             return
         await send_file(self.backend, key, self._object_path(entry.xxh3), entry.size, call,
-                        self._threads, still_wanted=lambda: self._is_current(manifest))
+                        self._threads, still_wanted=lambda: self._current(manifest))
         self.bytes_sent += entry.size
 
     async def _copy(self, manifest: mf.StepManifest, old_path: str, old_key: str, key: str,
@@ -491,33 +737,67 @@ class Uploader:
 
     async def _apply_retention(self, run_dir: str) -> None:
         """Delete all but the newest `keep_persist` steps of `run_dir` from the store (the
-        next persisted step tries again if the store cannot list them now)."""
+        next persisted step tries again if the store cannot list them now), never the step
+        that a tracker in the store names: a fresh node resumes from it."""
         try:
-            steps = await self.persisted_steps(run_dir)
+            steps, tracker_paths = await self._stored_in(run_dir)
+            kept = set()
+            for tracker in tracker_paths:
+                kept |= await trio.to_thread.run_sync(self._named_by_stored, tracker, steps)
         except BackendError as exc:
             log.warning("retention in %s could not list %s yet: %s", self.backend.url,
                         run_dir or ".", exc)
             return
         for path in sorted(steps, key=steps.__getitem__)[:-self.keep_persist]:
+            if path in kept:
+                log.info("retention keeps %s in %s: the tracker there names it", path,
+                         self.backend.url)
+                continue
             try:
                 await self.retire(path)
             except BackendError as exc:
                 log.warning("retention could not delete %s yet: %s", path, exc)
 
+    def _named_by_stored(self, tracker: str, steps: dict[str, int]) -> set[str]:
+        """The steps of `steps` that the store's tracker at `tracker` names (blocking)."""
+        named = trackers.named_step(self._stored_tracker(tracker) or b"")
+        run_dir = tracker.rpartition("/")[0]
+        if isinstance(named, str):
+            path = layout.join(run_dir, named)
+            return {path} if path in steps else set()
+        return {path for path, number in steps.items() if number == named}
+
     async def persisted_steps(self, run_dir: str) -> dict[str, int]:
         """Step path -> step number for every step of `run_dir` with a manifest in the store."""
+        return (await self._stored_in(run_dir))[0]
+
+    async def _stored_in(self, run_dir: str) -> tuple[dict[str, int], list[str]]:
+        """The steps of `run_dir` with a manifest in the store (path -> number), and its
+        trackers there."""
         prefix = f"{run_dir}/" if run_dir else ""
         objects = await trio.to_thread.run_sync(lambda: list(self.backend.list(prefix)))
-        steps = {}
+        steps, tracker_paths = {}, []
         for obj in objects:
             head, _, name = obj.key.rpartition("/")
             path, single_file = layout.step_of_records_dir(head)
             parent, _, base = path.rpartition("/")
             if name == MANIFEST_KEY and parent == run_dir:
+                if single_file and base in trackers.TRACKER_NAMES:
+                    tracker_paths.append(path)
                 number = (self._file_step_number if single_file else self._step_number)(base)
+                if number is None and not single_file:  # a step with no step name, named
+                    number = await trio.to_thread.run_sync(self._stored_number, obj.key)
                 if number is not None:
                     steps[path] = number
-        return steps
+        return steps, tracker_paths
+
+    def _stored_number(self, manifest_key: str) -> int | None:
+        """The step number the stored manifest at `manifest_key` gives (blocking)."""
+        try:
+            number = mf.decode(self.backend.get_bytes(manifest_key)).step
+        except (NotFound, mf.ManifestError):
+            return None
+        return None if number == mf.NO_STEP else number
 
     async def listing(self) -> list[ObjectInfo]:
         """Every object in the store (read once at mount, for `stored_manifests` and
@@ -526,7 +806,9 @@ class Uploader:
 
     async def stored_manifests(self, objects: list[ObjectInfo]) -> list[mf.StepManifest]:
         """Every complete step among the store's `objects`; leftovers of interrupted uploads
-        are removed."""
+        are removed (not in a cluster: there, other nodes may be sending their shares of a
+        step whose manifest is not up yet; a retried upload replaces such objects, and the
+        manifest's writer removes those its version does not name)."""
         manifests, step_dirs = [], {}
         for obj in objects:
             head, _, name = obj.key.rpartition("/")
@@ -545,7 +827,7 @@ class Uploader:
             if step_dir is not None:
                 step_dirs.setdefault(step_dir, []).append(obj.key)
         complete = {m.path for m in manifests}
-        for step_dir, keys in step_dirs.items():
+        for step_dir, keys in step_dirs.items() if self._shares is None else ():
             if step_dir not in complete and step_dir not in self.queue.pending:
                 log.info("removing %d objects of the incomplete upload %s", len(keys), step_dir)
                 await trio.to_thread.run_sync(self.backend.delete, keys)
@@ -591,6 +873,12 @@ class Uploader:
         log.info("retention removed %s from %s (%d objects)", path, self.backend.url,
                  len(objects))
         self._on_retired(path)
+        if self._shares is not None:
+            try:
+                await self._shares.note_store(path, None, RETIRED)
+            except SharesUnavailable as exc:
+                log.warning("the other nodes do not know yet that %s left %s: %s", path,
+                            self.backend.url, exc)
 
 
 def _held(entry: mf.FileEntry | None) -> tuple[int, str, tuple[int, ...]] | None:

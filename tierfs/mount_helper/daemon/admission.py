@@ -27,8 +27,9 @@ from tierfs.replication.peers.channel import (
     AuthError,
     PeerChannel,
     TlsRefused,
+    WrongPeer,
     connect,
-    open_stream,
+    open_socket,
 )
 
 TLS_PROBES = 3  # live members asked whether they take this node's certificate
@@ -52,6 +53,10 @@ async def check_reaches_itself(advertise: str, token: bytes, node_id: str,
         raise AdmissionRefused(f"this node's own peer port refuses it over TLS at {advertise} "
                                f"({exc}): --peer-cert must be a certificate of --peer-cacert, "
                                f"the cluster's CA") from None
+    except WrongPeer as exc:
+        raise AdmissionRefused(f"the advertised address {advertise} is the peer port of node "
+                               f"{exc.found!r}, not this node's ({node_id!r}): {advice}"
+                               ) from None
     except AuthError as exc:
         raise AdmissionRefused(f"the advertised address {advertise} is not this node's peer "
                                f"port ({exc}): {advice}") from None
@@ -133,12 +138,12 @@ async def _takes_certificate(address: str, tls: ssl.SSLContext, member: str) -> 
     the other's certificate; False if it does not answer (down, or not yet listening)."""
     host, port = parse_address(address, "the member address")
     try:
-        stream = await open_stream(host, port, tls)
+        sock = await open_socket(host, port, tls)
     except TlsRefused as exc:
         raise _certificate_refused(member, address, exc) from None
     except (OSError, trio.TooSlowError):
         return False
-    channel = PeerChannel(stream)
+    channel = PeerChannel(sock)
     try:
         await channel.receive("HELLO", timeout=CONNECT_TIMEOUT)
     except TlsRefused as exc:

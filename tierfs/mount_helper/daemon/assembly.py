@@ -30,6 +30,7 @@ from tierfs.mount_helper.daemon.commit_pipeline import (
     make_uploader,
     retry_pending_commits,
     store_links,
+    upload_again,
     verify_then_send,
 )
 from tierfs.mount_helper.daemon.control_api import ControlApi
@@ -48,10 +49,11 @@ from tierfs.mount_helper.daemon.startup import (
     trusted_uids,
 )
 from tierfs.mount_helper.mounts import (
-    is_mounted,
     mount_source,
+    tierfs_on_top,
 )
 from tierfs.observe import Events
+from tierfs.replication.coordination.upload_plans import UploadPlans
 from tierfs.s3tier.packs import PackedReader
 from tierfs.s3tier.reader import PersistentReader
 
@@ -126,11 +128,14 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                           replicas=cfg.replicas, events=events,
                           commit_timeout=cfg.commit_timeout, append_every=cfg.append_every,
                           copies_wait=links.wait_for_copies if links and cfg.sync_replicas
-                          else None)
+                          else None, store_check=persist,
+                          shards=links.files if links else None)
     verifier = namespace.verifier
     verifier.collect_unverified()
     store_used = trio.Event()  # this node persisted a step, or found the store holding some
-    uploader = make_uploader(cfg, backend, namespace, events, store_used) if backend else None
+    shares = UploadPlans(links.sealed, cfg.node_id, links.directory.is_up) if links else None
+    uploader = make_uploader(cfg, backend, namespace, events, store_used,
+                             shares) if backend else None
     if uploader is not None and await adopt_stored_steps(namespace, uploader):
         store_used.set()
     source = mount_source(cfg.ram_dir)  # names the RAM dir: the command line finds us by it
@@ -144,7 +149,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         if device is not None:
             device.close()
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
-    cluster = ClusterNode(cfg, links, namespace, store, events) if links else None
+    namespace.tree.kernel_cache.start()  # the session exists: invalidations can go
+    cluster = ClusterNode(cfg, links, namespace, store, events, uploader) if links else None
     replicator = cluster.replicator if cluster else None
     pipeline = CommitPipeline(uploader, replicator)
     api = ControlApi(cfg, namespace, uploader, cluster, verifier, pipeline, device,
@@ -170,6 +176,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             nursery.start_soon(run_full_collections)
             if uploader is not None:
                 nursery.start_soon(uploader.run)
+                nursery.start_soon(upload_again, namespace, uploader)
                 if cluster is not None:
                     nursery.start_soon(cluster.record_store_use, uploader.backend.url,
                                        store_used)
@@ -189,7 +196,10 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                      cfg.ram_dir, cfg.ram_limit, os.getpid())
             ready.ok()
     finally:
-        pyfuse3.close(unmount=device is None and is_mounted(cfg.mountpoint))
+        namespace.tree.kernel_cache.stop()  # before the session it sends on is gone
+        # Not once unmounted (`tierfs umount`): what is left at the mount point (a
+        # container's volume, a bind mount) stays.
+        pyfuse3.close(unmount=device is None and tierfs_on_top(cfg.mountpoint, cfg.ram_dir))
         if device is not None:
             device.close()
         control.remove(cfg.control_socket)

@@ -17,7 +17,11 @@ from tierfs.fs.step_versions import StepVersions
 from tierfs.fs.tree_view import TreeView
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon import admission
-from tierfs.mount_helper.daemon.commit_pipeline import PENDING_RETRY, delete_targets
+from tierfs.mount_helper.daemon.commit_pipeline import (
+    PENDING_RETRY,
+    delete_targets,
+    upload_after_copies,
+)
 from tierfs.mount_helper.daemon.startup import (
     CATCH_UP_RETRIES,
     CHECK_PATIENCE,
@@ -34,6 +38,7 @@ from tierfs.replication.peers import tls as peer_tls
 from tierfs.replication.peers.channel import SENT_TO
 from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.replication.peers.peer_delete import PeerDelete, delete_handler
+from tierfs.replication.peers.peer_files import PeerFiles, files_handler
 from tierfs.replication.peers.peer_manifest import ManifestFetcher, ManifestServer
 from tierfs.replication.peers.peer_reader import PeerReader, RangeServer
 from tierfs.replication.peers.peer_verify import PeerVerify, verify_handler
@@ -41,6 +46,7 @@ from tierfs.replication.peers.receiver import ReplicaReceiver
 from tierfs.replication.peers.replicator import Replicator
 from tierfs.replication.peers.server import Handler, PeerServer
 from tierfs.retry import retry
+from tierfs.s3tier.uploader import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +64,8 @@ def cluster_members(cfg: MountConfig) -> PeerDirectory:
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     return PeerDirectory(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise,
-                                                 domain=cfg.failure_domain), cfg.token, tls)
+                                                 domain=cfg.failure_domain),
+                         cfg.token, tls, connections=cfg.peer_connections)
 
 
 class ClusterLinks:
@@ -83,6 +90,7 @@ class ClusterLinks:
         self.reader = PeerReader(self.directory, view.holders_of, self._file_holders)
         self.verify = PeerVerify(self.directory, self.sealed.placements)
         self.delete = PeerDelete(self.directory)
+        self.files = PeerFiles(self.directory)  # shards whose records a commit lacks
         self.store_record = StoreRecord(self.etcd, cfg.cluster)
         self.node_id = cfg.node_id
         self.replicas = cfg.replicas
@@ -117,8 +125,11 @@ class ClusterNode:
     this node's namespace and store."""
 
     def __init__(self, cfg: MountConfig, links: ClusterLinks, namespace: Namespace,
-                 store: RamStore, events: Events) -> None:
+                 store: RamStore, events: Events, uploader: Uploader | None = None) -> None:
         self.cfg = cfg
+        # this node's share of the uploads of steps committed elsewhere (shared_uploads)
+        self.uploader = uploader
+        self._nursery: trio.Nursery | None = None  # the service's, from `start`
         self.namespace = namespace
         self.store = store
         self.live = links.live
@@ -169,6 +180,7 @@ class ClusterNode:
             "MANIFEST": self.manifests.on_manifest,
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
+            "FILES": files_handler(self.namespace.view.files_written),
         }
 
     def peer_server(self) -> PeerServer:
@@ -176,9 +188,10 @@ class ClusterNode:
         assert self.cfg.token is not None
         tls = self.directory.tls
         return PeerServer(self.cfg.node_id, self.cfg.token, self.directory.ids,
-                          self.handlers(), tls.server if tls else None)
+                          self.handlers(), tls.server if tls else None, streamed={"PUT"})
 
     async def start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
         server = self.peer_server()
         assert self.cfg.listen is not None
         host, port = self.cfg.listen
@@ -198,7 +211,14 @@ class ClusterNode:
         log.info("node %s listening for peers on %s:%d (advertised as %s); live members: %s",
                  self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
         self._follow_members()
-        await self.sealed.learn_all(self._learn)  # every step of the cluster, from the start
+        # every step of the cluster, from the start
+        await self.sealed.learn_all(self._learn, self.namespace.tiers.store_state)
+        if self.namespace.recovered.may_have_lost_copies:
+            # back without (some of) its copies: a step whose holders as its commit record
+            # names them are live may still have lost every copy of a file, here and on
+            # another node that came back empty too; the file records say (before `latest`
+            # names such a step here)
+            self.namespace.tiers.want_recheck()
         for worker in (self.directory.run, self.replicator.run, self._restore_copies,
                        self._follow_commits, self._publish_pending, self._recheck_losses):
             nursery.start_soon(worker)
@@ -294,10 +314,23 @@ class ClusterNode:
         if node is not None and node.step.committed and node.step.resident and \
                 node.step.manifest.version == manifest.version:
             self.replicator.submit(node.step.manifest)
+            self._upload_share(node.step.manifest)
+
+    def _upload_share(self, manifest: mf.StepManifest) -> None:
+        """This node's share of a step's upload (it holds files of it: it may be the one to
+        send some to the store), after its copies (`shared_uploads`)."""
+        step = self.namespace.tree.find_step(manifest.path)
+        if (self.uploader is None or self._nursery is None or step is None
+                or step.step.persisted or not self.uploader.wanted(manifest)):
+            return
+        self._nursery.start_soon(upload_after_copies, manifest, self.uploader,
+                                 self.replicator.queue)
 
     async def _follow_commits(self) -> None:
-        """Every commit of the other nodes is listed here within a watch event."""
-        await self.sealed.follow(self._learn, self.namespace.tiers.unlisted)
+        """Every commit of the other nodes is listed here within a watch event, and what the
+        store holds of each step, whoever uploaded it."""
+        await self.sealed.follow(self._learn, self.namespace.tiers.unlisted,
+                                 self.namespace.tiers.store_state)
 
     async def _publish_pending(self) -> None:
         """Commit records etcd could not take (it was down) are written once it is back; steps
@@ -363,6 +396,7 @@ class ClusterNode:
             self._follow_members()
             for manifest in self.namespace.tiers.held_manifests():
                 self.replicator.submit(manifest)
+                self._upload_share(manifest)  # a sender of its files may be gone
 
     async def _recheck_losses(self) -> None:
         """When a node goes or comes (or its grace ends), the steps that may have lost every
@@ -381,9 +415,9 @@ class ClusterNode:
                     tiers.note_placements(manifest, {n: set(r.holders) for n, r in records.items()},
                                           {n: r.node for n, r in records.items()})
             for node in list(tree.steps()):
-                tree.recoverable.loss(node.step)
+                tree.recoverable.loss(node.step, fresh=True)
             if self.directory.generation == generation:
-                await changed.wait()
+                await _either(changed, tiers.recheck_wanted)
 
     async def record_store_use(self, url: str, used: trio.Event) -> None:
         """Once this node persisted a step, or found the store holding some, the cluster
@@ -413,3 +447,14 @@ class ClusterNode:
                 and record.xxh3 == entry.xxh3 else set()
                 for entry in manifest.files
                 for record in (records.get(entry.name),)}
+
+
+async def _either(*events: trio.Event) -> None:
+    """Until one of `events` is set."""
+    async with trio.open_nursery() as nursery:
+        for event in events:
+            async def wait(event: trio.Event = event) -> None:
+                await event.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(wait)

@@ -22,6 +22,7 @@ from tierfs.replication.peers.replicator import Replicator
 from tierfs.retry import POLICY
 from tierfs.s3tier.backend import Backend, BackendError
 from tierfs.s3tier.uploader import Uploader
+from tierfs.shared_uploads import SharedUploads
 from tierfs.step_queue import StepQueue
 
 log = logging.getLogger(__name__)
@@ -32,10 +33,12 @@ COPIES_FIRST = 10.0  # seconds at most that an upload waits for the peer copies 
 
 
 async def retry_pending_commits(namespace: Namespace) -> None:
-    """Commits that wait for other nodes' shards, or failed (a full RAM dir), try again."""
+    """Commits that wait for other nodes' shards, or failed (a full RAM dir), try again; so
+    do the persisted marks a full RAM dir had no room for."""
     while True:
         await trio.sleep(PENDING_RETRY)
         await namespace.commits.retry_pending_commits()
+        namespace.tiers.write_owed_marks()
 
 
 def delete_targets(cfg: MountConfig, peers: list[str] | None = None) -> list[str]:
@@ -46,8 +49,10 @@ def delete_targets(cfg: MountConfig, peers: list[str] | None = None) -> list[str
 
 
 def make_uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
-              events: Events, store_used: trio.Event) -> Uploader:
-    """Uploads of committed steps; it tells the namespace's other tiers what it persisted."""
+                  events: Events, store_used: trio.Event,
+                  shares: SharedUploads | None = None) -> Uploader:
+    """Uploads of committed steps (in a cluster, each node's share of them: `shares`); it
+    tells the namespace's other tiers what it persisted."""
     tiers = namespace.tiers
 
     def persisted(manifest: mf.StepManifest) -> None:
@@ -64,7 +69,8 @@ def make_uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
         is_current=tiers.is_current,
         on_persisted=persisted, on_retired=tiers.mark_retired,
         tracked_step=tiers.tracked_step, copy_sources=tiers.copy_sources,
-        single_writer=tiers.single_writer, events=events,
+        single_writer=tiers.single_writer, events=events, shares=shares,
+        yield_to_users=namespace.foreground.wait_quiet,
     )
 
 
@@ -79,6 +85,13 @@ async def verify_then_send(namespace: Namespace, uploader: Uploader | None,
     if replicator is not None:
         for manifest in namespace.tiers.held_manifests():
             replicator.submit(manifest)  # copies due since before a restart
+
+
+async def upload_again(namespace: Namespace, uploader: Uploader) -> None:
+    """Steps the store was found to lack, though they had reached it (a bucket deleted and
+    made again, a prefix emptied: `Residency.store_lacks`), go up again from RAM."""
+    async for manifest in namespace.residency.lost_from_store:
+        uploader.submit(manifest)
 
 
 async def store_links(tree: Tree, view: TreeView, uploader: Uploader) -> None:
@@ -128,6 +141,19 @@ def delete_worker(namespace: Namespace, uploader: Uploader | None,
                         lambda tomb: namespace.tiers.move_done(tomb, wanted))
 
 
+async def upload_after_copies(manifest: mf.StepManifest, uploader: Uploader,
+                              copies: StepQueue) -> None:
+    """Peer copies go first: they end the single-copy window within seconds, and an upload
+    beside them takes the network and CPU they need (1 GiB on loopback took 5.3 s to
+    replicate beside its upload, 0.34 s alone). The upload waits until this node made its
+    copies of the step, or gave up for now (no live peer: the store is then the only other
+    tier), at most COPIES_FIRST seconds. (In a cluster, also this node's share of a step
+    committed on another node: `ClusterNode`.)"""
+    with trio.move_on_after(COPIES_FIRST):
+        await copies.settled(manifest.path)
+    uploader.submit(manifest)
+
+
 class CommitPipeline:
     """Follows the commit events of the namespace: each committed version goes to the
     replicator (peer copies) and, once they are made or given up for now, to the uploader."""
@@ -148,17 +174,6 @@ class CommitPipeline:
                 if self.replicator is None:
                     self.uploader.submit(manifest)
                 else:
-                    nursery.start_soon(self._upload_after_copies, manifest, self.uploader,
+                    nursery.start_soon(upload_after_copies, manifest, self.uploader,
                                        self.replicator.queue)
 
-    @staticmethod
-    async def _upload_after_copies(manifest: mf.StepManifest, uploader: Uploader,
-                                   copies: StepQueue) -> None:
-        """Peer copies go first: they end the single-copy window within seconds, and an upload
-        beside them takes the network and CPU they need (1 GiB on loopback took 5.3 s to
-        replicate beside its upload, 0.34 s alone). The upload waits until this node made its
-        copies of the step, or gave up for now (no live peer: the store is then the only other
-        tier), at most COPIES_FIRST seconds."""
-        with trio.move_on_after(COPIES_FIRST):
-            await copies.settled(manifest.path)
-        uploader.submit(manifest)

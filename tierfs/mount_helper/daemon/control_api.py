@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierfs import manifest as mf
+from tierfs.fs.deletes import PERSIST
 from tierfs.fs.holders import RecordedHolders, spread
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.nodes import FsError, Node, StepState
@@ -73,7 +74,11 @@ class ControlApi:
                 "read_requests": self.persist_reads(),
                 "every": self.cfg.persist_every,
                 "keep": self.cfg.keep_persist, "pending_steps": len(waiting),
-                "pending_bytes": sum(due.total_bytes for due in waiting)}
+                "pending_bytes": sum(due.total_bytes for due in waiting),
+                # deletes and the old names of renames the store still holds (`tierfs flush`
+                # waits for them too: a fresh node would list them)
+                "pending_deletes": sorted(t.path for t in self.namespace.deletes.pending()
+                                          if PERSIST in t.pending)}
 
     def _persist_waits(self, waiting: list[Due]) -> dict[str, dict[str, Any]]:
         """Per step due in the store and not there yet (`waiting`: `_persist_waiting`'s
@@ -82,20 +87,36 @@ class ControlApi:
         if self.uploader is None:
             return {}
         waits = {}
+        tree = self.namespace.tree
         for due in waiting:
             reason, since_ns, failures = (
                 self.uploader.waiting(due.manifest) if due.manifest is not None
                 else ("hashing", due.committed_ns, 0))
-            waits[due.path] = {"reason": reason, "since_ns": since_ns, "failures": failures}
+            blocked = False
+            step_node = tree.find_step(due.path)
+            loss = (tree.recoverable.loss(step_node.step)
+                    if step_node is not None and due.manifest is not None else None)
+            if loss is not None:  # no upload can make it whole in the store
+                reason, since_ns, blocked = (f"cannot be stored: {loss.summary()}",
+                                             loss.since_ns, True)
+            elif (due.manifest is not None and self.cluster is not None
+                  and reason == "queued" and due.path not in self.uploader.queue.pending):
+                reason = "uploaded by other nodes"  # its share here is done, or none
+            waits[due.path] = {"reason": reason, "since_ns": since_ns, "failures": failures,
+                               "blocked": blocked}
         return waits
 
     def _persist_waiting(self) -> list[Due]:
-        """The steps due in the store and not there yet: committed ones the uploader wants,
-        and those committed with their hashes still to come (`fs.pending_commits`) that it
-        will want once they are in (`tierfs flush` and `umount` wait for those too)."""
+        """The steps due in the store and not there yet: committed ones the uploader wants
+        (in a cluster, every committed step of the cluster: a copy on a peer is not the
+        store, and the uploads are shared), and those committed with their hashes still to
+        come (`fs.pending_commits`) that it will want once they are in (`tierfs flush` and
+        `umount` wait for those too)."""
         assert self.uploader is not None
+        tiers = self.namespace.tiers
         waiting = [Due(m.path, m.total_bytes, m.committed_ns, m)
-                   for m in self.namespace.tiers.committed_manifests()
+                   for m in (tiers.not_in_store() if self.cluster is not None
+                             else tiers.committed_manifests())
                    if self.uploader.wanted(m)]
         return waiting + self._hashing(self.uploader.due, {due.path for due in waiting})
 
@@ -220,7 +241,8 @@ class ControlApi:
                                                         len(tier.bad) + len(tier.repaired))
 
     def _step_status(self, node: Node, persist_waits: dict[str, dict[str, Any]],
-                     recorded: dict[str, set[str]] | None = None) -> dict[str, Any]:
+                     recorded: dict[str, set[str]] | None = None,
+                     dirs: dict[Node, dict[StepState, str]] | None = None) -> dict[str, Any]:
         """A step's status line, with the times `tierfs status` shows ages from:
         `committed_ns` (when its newest committed version was made; None before the first)
         and, for a step being written, `changed_ns` (its directory's last change); for a
@@ -231,7 +253,7 @@ class ControlApi:
         no live node's RAM but this one's (and not in the store)."""
         tree = self.namespace.tree
         step = node.step
-        status = dict(self.namespace.view.step_status(node))
+        status = dict(self.namespace.view.step_status(node, dirs))
         if self.cluster is not None and step.committed:
             status.update(self._spread(step, recorded))
         else:
@@ -242,16 +264,20 @@ class ControlApi:
         if status["hashing"]:
             status["committed_ns"] = step.pending.record.committed_ns
         status["changed_ns"] = None
-        if status["state"] == "writing":
+        if status["state"] in ("writing", "empty"):
             with contextlib.suppress(FsError, OSError):  # removed meanwhile
                 status["changed_ns"] = tree.stat(node).st_mtime_ns
         status["persist_wait"] = persist_waits.get(status["path"])
+        # why the step is short of the copies this node owes it (a target with no room...)
+        status["copies_wait"] = (self.cluster.replicator.trouble(status["path"])
+                                 if self.cluster is not None and step.committed else None)
         return status
 
     def _spread(self, step: StepState, recorded: dict[str, set[str]] | None
                 ) -> dict[str, Any]:
-        """`copies`, `holders`, `tiers` and `only_here` of a committed step in a cluster, and
-        `domains`: the failure domain of each holder that has one."""
+        """`copies`, `holders`, `replicas`, `tiers` and `only_here` of a committed step in a
+        cluster, from the cluster's records of its files and the live members, and `domains`:
+        the failure domain of each holder that has one."""
         assert self.cluster is not None
         me = self.cfg.node_id
         tree = self.namespace.tree
@@ -266,17 +292,31 @@ class ControlApi:
             for name, nodes in recorded.items())
         domain_of = self.cluster.directory.domain_of
         domains = {h: d for h in held.holders if (d := domain_of(h)) is not None}
+        # `replicas` too: the other live nodes holding every file, from the same records
+        # (this node's own view named nodes that were gone, and differed from node to node)
         return {"copies": held.copies, "holders": list(held.holders),
+                "replicas": [h for h in held.whole if h != me and is_up(h)],
                 "tiers": held.tiers(step.persisted), "only_here": alone,
                 **({"domains": domains} if domains else {})}
+
+    def _ram_dir_space(self) -> dict[str, int]:
+        """The size and free bytes of the RAM dir's file system (a /dev/shm others share
+        fills whatever the RAM tier's own count says); none if it cannot be read."""
+        try:
+            found = os.statvfs(self.cfg.ram_dir)
+        except OSError:
+            return {}
+        return {"fs_size_bytes": found.f_blocks * found.f_frsize,
+                "fs_free_bytes": found.f_bavail * found.f_frsize}
 
     async def status(self) -> dict[str, Any]:
         ns = self.namespace
         persist_waiting = self._persist_waiting() if self.uploader is not None else []
         persist_waits = self._persist_waits(persist_waiting)
         recorded = await self.recorded.of(ns.tiers.listed_manifests()) if self.recorded else {}
+        dirs: dict[Node, dict[StepState, str]] = {}  # unfinished steps, per directory
         steps = sorted((self._step_status(node, persist_waits, recorded.get(
-                            node.step.manifest.path) if node.step.manifest else None)
+                            node.step.manifest.path) if node.step.manifest else None, dirs)
                         for node in ns.tree.steps()),
                        key=lambda s: (os.path.dirname(s["path"]), number_of(s), s["path"]))
         return {
@@ -284,7 +324,8 @@ class ControlApi:
             "mountpoint": str(self.cfg.mountpoint),
             "pid": os.getpid(),
             "ram_dir": str(self.cfg.ram_dir),
-            "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes},
+            "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes,
+                    **self._ram_dir_space()},
             "passthrough": self.passthrough is not None and self.passthrough.enabled,
             "failure_domain": self.cfg.failure_domain,
             "peers": self.cluster.directory.status() if self.cluster else [],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -16,12 +17,13 @@ from pathlib import Path
 import pyfuse3
 import trio
 
+from tierfs import manifest as mf
 from tierfs import reserved
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.passthrough import PassthroughDevice, PassthroughUnavailable
 from tierfs.fs.ram_store import RamStore
 from tierfs.fs.tree import Tree
-from tierfs.mount_helper.config import MountConfig
+from tierfs.mount_helper.config import MountConfig, memory_bytes
 from tierfs.mount_helper.mounts import (
     TIERFS_TYPE,
     MountEntry,
@@ -32,11 +34,13 @@ from tierfs.mount_helper.mounts import (
     ram_dir_of,
     with_patience,
 )
+from tierfs.mount_helper.status_view import human_bytes
 from tierfs.observe import Events, Levels, MetricsServer
 from tierfs.replication.coordination.etcd import EtcdError
 from tierfs.replication.coordination.store_record import StoreRecord, StoreUse
 from tierfs.retry import POLICY, retry
-from tierfs.s3tier.backend import Backend, BackendError, open_backend
+from tierfs.s3tier import holdings
+from tierfs.s3tier.backend import Backend, BackendError, ObjectInfo, open_backend
 from tierfs.s3tier.uploader import Uploader
 from tierfs.step_names import some_names
 
@@ -108,7 +112,33 @@ def preflight(cfg: MountConfig) -> list[str]:
     if fstype != "tmpfs":
         warnings.append(f"RAM dir {cfg.ram_dir} is on {fstype}, not tmpfs: writes go to that "
                         "file system, not to memory")
+    warnings += _ram_limit_warnings(cfg)
     return warnings
+
+
+# A limit this much above what holds it is worth a word (the default, 50% of memory, is the
+# size of a default /dev/shm, give or take its rounding).
+LIMIT_SLACK = 1.02
+
+
+def _ram_limit_warnings(cfg: MountConfig) -> list[str]:
+    """--ram-limit above the RAM dir's file system's size or the host's memory: one line.
+    The mount goes on (the RAM dir may be a small tmpfs on purpose), but the limit does not
+    hold: the file system fills first (ENOSPC from it), or the host swaps or kills."""
+    limit = cfg.ram_limit
+    above = []
+    stats = os.statvfs(cfg.ram_dir)
+    room = stats.f_blocks * stats.f_frsize
+    if limit > room * LIMIT_SLACK:
+        above.append(f"the RAM dir's file system ({human_bytes(room)} at {cfg.ram_dir})")
+    memory = memory_bytes()
+    if limit > memory * LIMIT_SLACK:
+        above.append(f"this host's memory ({human_bytes(memory)})")
+    if not above:
+        return []
+    return [f"--ram-limit {human_bytes(limit)} is more than {' and '.join(above)}: the RAM "
+            "tier never reaches it (writes fail with ENOSPC once the file system is full, "
+            "or the host runs out of memory first)"]
 
 
 def set_root_directory(cfg: MountConfig, store: RamStore) -> None:
@@ -137,7 +167,10 @@ def trusted_uids(cfg: MountConfig) -> frozenset[int]:
 
 def _clear_dead_mounts(mountpoint: Path) -> list[str]:
     """Lazily unmount what a killed tierfs daemon left at `mountpoint` (every access to it
-    fails with ENOTCONN, so nothing can use it); refuse any live or foreign mount there."""
+    fails with ENOTCONN, so nothing can use it); refuse a live tierfs mount there, a dead
+    foreign one, and one that does not answer. A live mount of another file system is mounted
+    over, as a directory is: a container's volume is a bind mount (what is in it is checked
+    as a directory's content is)."""
     warnings = []
     while (entry := mount_at(mountpoint)) is not None:
         ram_dir = ram_dir_of(entry)
@@ -165,8 +198,9 @@ def _clear_dead_mounts(mountpoint: Path) -> list[str]:
             warnings.append(f"removed the dead tierfs mount at {mountpoint} (its daemon was "
                             "gone)")
             continue
-        what = "tierfs is" if entry.fstype == TIERFS_TYPE else f"{entry.fstype} is"
-        raise StartupError(f"mountpoint {mountpoint} is busy: {what} already mounted there"
+        if entry.fstype != TIERFS_TYPE:
+            break
+        raise StartupError(f"mountpoint {mountpoint} is busy: tierfs is already mounted there"
                            + _daemon_clause(entry, True))
     return warnings
 
@@ -210,6 +244,11 @@ def setup_logging(cfg: MountConfig, to_stderr: bool) -> None:
         try:
             cfg.log_file.parent.mkdir(parents=True, exist_ok=True)
             log_fd = os.open(cfg.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            st = os.fstat(log_fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
+                # A log that was there already is the daemon's file from now on: 0600 like
+                # every other (never a device or a pipe given as the log: /dev/null stays).
+                os.fchmod(log_fd, 0o600)
         except OSError as exc:
             raise StartupError(f"cannot write log file {cfg.log_file}: {exc.strerror}") from None
         os.dup2(log_fd, 1)
@@ -239,6 +278,14 @@ async def open_persistent_tier(cfg: MountConfig, ready: ReadyPipe, tree: Tree,
     there stops the mount, and so does a new (empty) store where the RAM dir or the cluster
     says steps were persisted: its volume is not mounted, or it is the wrong store."""
     if cfg.persist is None:
+        stored_only = [tree.relpath(node) for node in tree.steps()
+                       if node.step.persisted and not node.step.in_ram]
+        if stored_only:
+            raise StartupError(
+                f"RAM dir {cfg.ram_dir} records {len(stored_only)} "
+                f"step{'s' if len(stored_only) != 1 else ''} whose files are only in a "
+                f"persistent tier ({some_names(stored_only)}): mount with --persist and the "
+                "store they went to")
         warning = "no --persist given: committed steps live only in this node's RAM"
         log.warning("%s", warning)
         ready.warn(warning)
@@ -303,6 +350,7 @@ async def adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> int:
         log.warning("could not list the persistent tier yet: %s", exc)
         return 0
     added = sum(namespace.tiers.adopt_persisted(m) for m in manifests)
+    _check_persisted(namespace, manifests, objects)
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
     stored_links = await uploader.stored_links(objects)  # each unreadable one is logged
@@ -311,6 +359,25 @@ async def adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> int:
         log.info("made %d symbolic links the persistent tier keeps", made)
     namespace.residency.enforce_keep_ram()
     return len(manifests)
+
+
+def _check_persisted(namespace: Namespace, manifests: list[mf.StepManifest],
+                     objects: list[ObjectInfo]) -> None:
+    """The steps the RAM dir records as persisted, checked against what the store holds now
+    (its listing at this mount): one it lacks is no longer counted as persisted, and goes up
+    again if it is in RAM, or is listed as lost if not (`Residency.store_lacks`)."""
+    stored = {m.path: m for m in manifests}
+    for step_node in list(namespace.tree.steps()):
+        step = step_node.step
+        if not step.persisted:
+            continue
+        manifest = step.manifest
+        there = stored.get(manifest.path)
+        held = holdings.held_in(manifest, objects)
+        if there is not None and there.same_content(manifest) and held.whole(manifest):
+            continue
+        namespace.residency.store_lacks(step_node, held.lacking(manifest) if there is not None
+                                        else [e.name for e in manifest.files], "at this mount")
 
 
 def open_passthrough(cfg: MountConfig, source: str) -> PassthroughDevice | None:

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 PUBLISH_WAIT = 20.0  # seconds a commit record may take by default
 # (manifest, the nodes holding its files): list the step here (OtherTiers.learn)
 Learn = Callable[[mf.StepManifest, list[str]], None]
+# (step path, version, CommitRecord.store): the persistent tier's state of that version
+StoreState = Callable[[str, int, str], None]
 StepNumber = Callable[[str], int | None]
 # (node, step path, version) -> that node's committed manifest of the step (peer_manifest);
 # raises ManifestUnavailable, OSError or trio.TooSlowError when that node cannot give it
@@ -346,19 +348,20 @@ class ClusterCommits:
         return {e.name: files[e.name] for e in manifest.files
                 if e.name in files and files[e.name].xxh3 == e.xxh3}
 
-    async def learn_all(self, learn: Learn) -> None:
+    async def learn_all(self, learn: Learn, stored: StoreState | None = None) -> None:
         """List every step committed in the cluster now (at start, before the mount answers;
         `follow` keeps the list current from then on, and lists a step missed here at its
-        next change)."""
+        next change), with the persistent tier's state of each (`stored`)."""
         try:
             records = await self.records.commits()
         except EtcdError as exc:
             log.info("could not list the cluster's steps yet: %s", exc)
             return
         for record in records:
-            await self._learn_one(record, learn)
+            await self._learn_one(record, learn, stored)
 
-    async def _learn_one(self, record: CommitRecord, learn: Learn) -> None:
+    async def _learn_one(self, record: CommitRecord, learn: Learn,
+                         stored: StoreState | None = None) -> None:
         """List one committed step (from its manifest, its holders); a step whose records
         etcd does not give now is listed at its next change."""
         try:
@@ -368,6 +371,8 @@ class ClusterCommits:
             return
         if found is not None:
             learn(*found)
+            if record.store is not None and stored is not None:
+                stored(record.step, record.version, record.store)
 
     async def missed(self, owned: list[mf.StepManifest], listed: list[mf.StepManifest]
                      ) -> tuple[list[mf.StepManifest], list[Deletion]]:
@@ -478,10 +483,12 @@ class ClusterCommits:
         return manifest, holders
 
     async def follow(self, learn: Learn,
-                     removed: Callable[[str], None] = lambda _step: None) -> None:
+                     removed: Callable[[str], None] = lambda _step: None,
+                     stored: StoreState | None = None) -> None:
         """List every commit of the other nodes as it happens (the existing ones first); a
         commit record that leaves etcd (a delete, or a step no node holds any more) is
-        `removed(step path)`."""
+        `removed(step path)`; the persistent tier's state of a version (`CommitRecord.store`:
+        in the store, or retired from it), whoever wrote it there, is `stored(...)`."""
         send, receive = trio.open_memory_channel[CommitEvent](64)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.records.follow_commits, send)
@@ -493,10 +500,12 @@ class ClusterCommits:
                 if self._own_commit(event):
                     continue
                 known = self._known(record.step, record.version) if self._known else None
-                if known is not None and record.holders:  # a touch: holders added
+                if known is not None and record.holders:  # a touch: holders added, stored
                     learn(known, sorted({*record.holders, record.committer}))
+                    if record.store is not None and stored is not None:
+                        stored(record.step, record.version, record.store)
                     continue
-                await self._learn_one(record, learn)
+                await self._learn_one(record, learn, stored)
 
     def _own_commit(self, event: CommitEvent) -> bool:
         """Whether the event is this node's own commit record, just written by `publish`:

@@ -25,6 +25,9 @@ rule, so no eviction ever leaves a file with fewer copies; a node that leaves on
 strength is listed in `left`, so that `restore_plan` does not replace that copy; a node that
 finds at start that it lost copies (an empty RAM dir) takes itself out without being listed in
 `left` (`drop_holders`): the survivors restore those.
+A node that sent a file to the persistent tier marks it `stored` (`mark_stored`), and the node
+that wrote a step's manifest there sets the commit record's `store` (`note_store`): a step's
+upload is shared by the nodes holding its files (`coordination.upload_plans`).
 `left` is absent from records written before it existed (read as empty). Every change is a
 batch of compare-and-swap transactions on the records' versions (`_change_holders`), so
 concurrent updates are never lost. Values are small JSON; a step is many small keys, never
@@ -54,6 +57,7 @@ from tierfs.replication.coordination.etcd import (
     WatchEvent,
     retry_unavailable,
 )
+from tierfs.shared_uploads import PERSISTED, RETIRED
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,11 @@ class FileRecord:
     # a record of an older save has a lower one, so a re-save's commit does not take it for
     # one of its own files (`fresh_for`). None in a record written before the field was.
     base: int | None = None
+    # The persistent tier holds this content under the step's path (the node that uploaded
+    # it says so once its request succeeded): the node writing the step's manifest to the
+    # store waits for every file's mark (`coordination.upload_plans`). A record written again
+    # (a re-save) has none.
+    stored: bool = False
 
     def encode(self) -> bytes:
         fields: dict[str, Any] = {"node": self.node, "size": self.size, "xxh3": self.xxh3,
@@ -98,6 +107,8 @@ class FileRecord:
             fields["left"] = list(self.left)
         if self.base is not None:
             fields["base"] = self.base
+        if self.stored:  # absent when not: older daemons' records read the same
+            fields["stored"] = True
         return _json(fields)
 
     @classmethod
@@ -109,7 +120,7 @@ class FileRecord:
         base = fields.get("base")
         return cls(str(fields["node"]), int(fields["size"]), str(fields["xxh3"]),
                    holders, tuple(entry) if isinstance(entry, list) else None, left,
-                   None if base is None else int(base))
+                   None if base is None else int(base), fields.get("stored") is True)
 
     def fresh_for(self, base: int) -> bool:
         """Whether the record may be of a file saved over committed version `base` (0: a
@@ -160,12 +171,17 @@ class CommitRecord:
     # digest. None in a record written before digests were: such a record vouches for no
     # manifest made from records (ClusterCommits._from_records refuses them).
     digest: str | None = None
+    # This version in the persistent tier: PERSISTED once its manifest is there (written by
+    # the node that wrote it), RETIRED once --keep-persist removed it; None: not (yet). Every
+    # node takes it from the record's watch event, so each shows the step as the store has it.
+    store: str | None = None
 
     def encode(self) -> bytes:
         return _json({"committer": self.committer, "files": self.files, "at": self.at,
                       "version": self.version, "committed_ns": self.committed_ns,
                       "holders": list(self.holders), "number": self.number,
-                      "single_file": self.single_file, "digest": self.digest})
+                      "single_file": self.single_file, "digest": self.digest,
+                      "store": self.store})
 
     @classmethod
     def decode(cls, step: str, value: bytes) -> CommitRecord:
@@ -177,10 +193,13 @@ class CommitRecord:
         digest = fields.get("digest")
         if digest is not None and not isinstance(digest, str):
             raise ValueError("digest must be a string")
+        store = fields.get("store")
+        if store not in (None, PERSISTED, RETIRED):
+            raise ValueError(f"store must be {PERSISTED}, {RETIRED} or null")
         return cls(step, str(fields["committer"]), int(fields["files"]), float(fields["at"]),
                    int(fields.get("version", 1)), int(fields.get("committed_ns", 0)),
                    tuple(sorted(holders)), None if number is None else int(number),
-                   bool(fields.get("single_file", False)), digest)
+                   bool(fields.get("single_file", False)), digest, store)
 
 
 @dataclass(frozen=True)
@@ -300,6 +319,12 @@ class CommitRecords:
         any content}): its copies are lost (not there at start). Not listed in `left`, so the
         survivors restore them. Batched as `add_holders`."""
         return await self._change_holders(step, files, lambda r: r.without_holder(node))
+
+    async def mark_stored(self, step: str, files: Mapping[str, str]) -> dict[str, FileRecord]:
+        """The persistent tier holds each file of `files` ({path: xxh3}) with that content:
+        marked in its record (not in a record of another content). Batched as
+        `add_holders`; the records as they are now."""
+        return await self._change_holders(step, files, lambda r: replace(r, stored=True))
 
     async def _change_holders(self, step: str, files: Mapping[str, str | None],
                               change: Callable[[FileRecord], FileRecord]
@@ -458,6 +483,14 @@ class CommitRecords:
                 return current
             if await self.etcd.put_if_version(key, updated.encode(), kv.version):
                 return updated
+
+    async def note_store(self, step: str, version: int, store: str) -> CommitRecord | None:
+        """The persistent tier's state of the step's `version` (PERSISTED, RETIRED) in its
+        commit record (nothing if the record is of another version): one watch event, from
+        which every node takes it. The record as it is then."""
+        return await self._change_commit(step, lambda record: None if (
+            record.version != version or record.store == store) else replace(record,
+                                                                             store=store))
 
     async def touch_commit(self, step: str, drop: str | None = None) -> CommitRecord | None:
         """Write the step's commit record again, without `drop` among its holders: a watch

@@ -144,7 +144,8 @@ class RestorePlan:
 
 
 def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
-                 replicas: int, domains: Mapping[str, str] | None = None) -> RestorePlan:
+                 replicas: int, domains: Mapping[str, str] | None = None,
+                 avoid: frozenset[str] = frozenset()) -> RestorePlan:
     """The copies that bring every file back to K + 1 live copies (fewer if fewer nodes live),
     less one for each live node that let its copy go because the store holds the file
     (`Placement.left`).
@@ -166,6 +167,11 @@ def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
     node that computes it.
     Holders beyond the count are left alone: dropping them is retention's decision, made only
     once the new copies are verified.
+
+    `avoid`: nodes that take no copy now (one refused a copy for want of room): the next
+    node clockwise takes it instead (the same on every node that knows of the refusal; a
+    file has one source, so it is copied once whatever the others know), and a file short
+    of targets gets fewer copies for now.
     """
     live = set(ring_ids)
     index = {node: i for i, node in enumerate(ring_ids)}
@@ -187,9 +193,10 @@ def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
         start = placement.writer if placement.writer in index else min(live_holders)
         order = clockwise(ring_ids, start, index)
         source = next(node for node in order if node in live_holders)
-        # never short: `missing` is at most the number of these (see above)
+        # never short but for `avoid`: `missing` is at most the number of the others
         targets = _spread([node for node in order
-                           if node not in live_holders and node not in left], missing,
+                           if node not in live_holders and node not in left
+                           and node not in avoid], missing,
                           {_domain(node, domains) for node in live_holders}, domains)
         copies.extend(Copy(name, source, target) for target in targets)
     return RestorePlan(copies, lost)

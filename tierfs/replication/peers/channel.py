@@ -1,46 +1,67 @@
-"""The peer protocol over a trio stream: framed send and receive with timeouts, connecting to a
-peer, and the mutual authentication that must succeed before anything else is accepted."""
+"""The peer protocol over one connection: framed send and receive with timeouts, connecting to
+a peer, and the mutual authentication that must succeed before anything else is accepted.
+
+trio keeps the control: the handshake, requests and answers, small frames. File payloads move
+in worker threads that let the GIL go while they copy: a frame of a file goes out with
+`sendfile` from the RAM store's file (its tags made from a buffer the thread keeps), and a
+payload comes in with `recv_into` a reused buffer, its slices tagged as they arrive
+(`protocol.FrameTags`), in the same thread. A caller that does more than one frame's work per
+round trip (send a run of chunks and read their answers, receive a chunk and store it) hands
+the channel to one worker thread for all of it (`in_thread`: the same frames, blocking, the
+same counts and tags). One task or one thread uses a channel at a time.
+"""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import os
-import select
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Awaitable, Callable, Container, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
-import outcome
 import trio
 
 from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers import wire as wires
 from tierfs.thread_buffers import ThreadBuffer
 
 IO_TIMEOUT = 10.0
 CONNECT_TIMEOUT = 3.0
 WINDOW = 4  # requests in flight on one connection (pipeline)
-# A payload at least this large is received in a worker thread, in blocking steps woken only
-# once LOW_WATER bytes (or the rest) are in: a few wakeups per chunk instead of one per
-# segment on the trio thread, which serves the mount meanwhile.
+# A payload at least this large moves in a worker thread (the rest of its frame after the
+# header): a few wakeups per chunk off the trio thread, which serves the mount meanwhile.
 BULK = 1 << 18
-LOW_WATER = 1 << 20
-# Bytes of a file read at a time for its MAC, into a buffer each worker thread keeps (no new
-# buffer, its pages faulted in again, for every frame): small enough to stay in the CPU's
-# cache for the MAC that follows the read, large enough that the reads, each of which lets
-# the GIL go and waits to take it back, stay few.
-TAG_READ = 1 << 20
-_TAG_BUFFER = ThreadBuffer(TAG_READ)
+# A file's bytes are read for their tags a slice at a time, into a buffer each worker thread
+# keeps (no new buffer, its pages faulted in again, for every frame): a slice stays in the
+# CPU's cache for the tag that follows the read.
+_TAG_BUFFER = ThreadBuffer(proto.TAG_SLICE)
+_STREAM_BUFFER = ThreadBuffer(proto.TAG_SLICE)  # a streamed payload's slices, received
+# What takes a streamed payload's slices (a slice, its offset in the payload), in the worker
+# thread that receives them.
+Sink = Callable[[memoryview, int], None]
 # Bytes of frames this process sent to each peer, by node id, once it authenticated (one
 # daemon per process): the `tierfs_peer_sent_bytes` metric and `served_to_peers` in status.
 SENT_TO: collections.Counter[str] = collections.Counter()
-_POLL_SLICE_MS = 100  # how soon a blocking receive notices a cancellation
+_SENT_LOCK = threading.Lock()  # worker threads count too
+
+T = TypeVar("T")
 
 
 class AuthError(proto.ProtocolError):
     """The peer does not know the token, or is not a member of the cluster."""
+
+
+class WrongPeer(AuthError):
+    """Another node than the one asked for answered (`found`): a member of the cluster all
+    the same, at an address the caller took for another node's."""
+
+    def __init__(self, found: str, expected: str) -> None:
+        super().__init__(f"the node answering is {found!r}, not {expected!r}")
+        self.found = found
 
 
 class TokenRefused(AuthError):
@@ -53,11 +74,16 @@ class TlsRefused(proto.ProtocolError):
 
 
 def tls_failure(exc: BaseException) -> str | None:
-    """Why TLS failed, if `exc` (a trio error wrapping an SSLError) says it did."""
+    """Why TLS failed, if `exc` (an SSLError, or a trio error wrapping one) says it did."""
     cause = exc if isinstance(exc, ssl.SSLError) else exc.__cause__ or exc.__context__
     if not isinstance(cause, ssl.SSLError):
         return None
     return str(cause.reason or cause).lower().replace("_", " ")
+
+
+class NoRoom(proto.ProtocolError):
+    """The peer refused a request for want of room (NO_ROOM): its RAM tier, or the file system
+    of its RAM dir, is full."""
 
 
 class ConnectionClosed(proto.ProtocolError):
@@ -72,6 +98,8 @@ class ConnectionLost(proto.ProtocolError):
 def _connection_errors() -> Iterator[None]:
     try:
         yield
+    except wires.ShortFile as exc:
+        raise proto.ProtocolError(str(exc)) from None
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
         if (why := tls_failure(exc)) is not None:  # a TLS alert: the peer refused this end
             raise TlsRefused(f"TLS refused: {why}") from None
@@ -79,10 +107,8 @@ def _connection_errors() -> Iterator[None]:
 
 
 class PeerChannel:
-    """Framed messages over one stream. Over a TCP socket, payloads are received straight into
-    the decoder's reused buffer (recv_into) and file bytes are sent straight from their file
-    (sendfile); any other stream (tests) goes through the stream's own calls. Large payloads
-    are tagged and checked (their MAC) in worker threads.
+    """Framed messages over one connection: a socket (`socket.socket`, or an `ssl.SSLSocket`
+    with --peer-tls), or any trio stream (tests), whose worker-thread calls then run on trio.
 
     A channel is `reusable` (for the pool) only while it is in step with its peer: no I/O
     failed, timed out or was cancelled on it, no frame is half read, and every request sent
@@ -91,21 +117,22 @@ class PeerChannel:
     A new channel accepts only handshake-sized frames (proto.HANDSHAKE_LIMITS) until
     `authenticate` has checked the peer's proof."""
 
-    def __init__(self, stream: trio.abc.Stream, timeout: float = IO_TIMEOUT) -> None:
-        self.stream = stream
+    def __init__(self, transport: trio.abc.Stream | socket.socket,
+                 timeout: float = IO_TIMEOUT) -> None:
+        self.wire: wires.Wire = wires.SocketWire(transport) \
+            if isinstance(transport, socket.socket) else wires.StreamWire(transport)
         self.timeout = timeout
         self.peer_id = "?"
         self._decoder = proto.FrameDecoder(proto.HANDSHAKE_LIMITS)
-        self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._sent = 0
         self._received = 0
         self._broken = False
         self._send_mac: proto.FrameMac | None = None  # from the handshake on
 
     def authenticated(self, peer_id: str, send_key: bytes, receive_key: bytes) -> None:
-        """The peer proved the token: full-sized frames from now on, each with its MAC, both
+        """The peer proved the token: full-sized frames from now on, each with its tags, both
         ways (called between frames, so the next frame is the first checked against the new
-        limits and its MAC)."""
+        limits and its tags)."""
         self.peer_id = peer_id
         self._decoder.limits = proto.LIMITS
         self._decoder.mac = proto.FrameMac(receive_key)
@@ -124,112 +151,87 @@ class PeerChannel:
             self._broken = True
             raise
 
+    def _expires(self, timeout: float | None = None) -> float:
+        """When a worker's wait for the peer gives up (time.monotonic(), TooSlowError): after
+        `timeout` (the channel's). A deadline of the calling task (a cancel scope's) reaches
+        the worker as a cancellation, which it notices while it waits."""
+        return time.monotonic() + (timeout or self.timeout)
+
+    # -- on trio --------------------------------------------------------------------------
+
     async def send(self, kind: str, payload: bytes | memoryview = b"", **fields: Any) -> None:
+        if len(payload) >= BULK and self.wire.threaded:  # tagged and sent by a worker
+            await self.in_thread(lambda io: io.send(kind, payload, **fields))
+            return
         header = proto.encode_header(kind, len(payload), **fields)
         with self._io():
-            if self._send_mac is not None and len(payload) >= BULK:
-                tag = await trio.to_thread.run_sync(self._send_mac.tag, header, payload)
+            tags = self._tags(header, payload)
+            if len(payload) <= 1 << 16:  # small: one write
+                await self.wire.send_all(b"".join([header, payload, tags]))
             else:
-                tag = self._tag(header, payload)
-            await self._send_frame(header, payload, tag)
-
-    async def _send_frame(self, header: bytes, payload: bytes | memoryview,
-                          tag: bytes) -> None:
-        if len(payload) <= 1 << 16:  # small: one write
-            await self.stream.send_all(b"".join([header, payload, tag]))
-        else:
-            await self.stream.send_all(header)
-            await self.stream.send_all(payload)
-            await self.stream.send_all(tag)
-        self._sent += 1
-        self._count_sent(len(header) + len(payload))
-
-    def _tag(self, header: bytes, payload: bytes | memoryview) -> bytes:
-        return b"" if self._send_mac is None else self._send_mac.tag(header, payload)
+                for part in (header, payload, tags):
+                    await self.wire.send_all(part)
+            self._count_sent(len(header) + len(payload))
 
     async def send_file(self, kind: str, fd: int, offset: int, length: int, /,
                         **fields: Any) -> None:
-        """A message whose payload is `length` bytes of the file `fd` from `offset`, sent from
-        the file to the socket by the kernel (sendfile: no copy through Python), its MAC
-        computed meanwhile in a worker thread (on a descriptor of its own, which the caller's
-        close cannot take from it). The message's own fields (which may include an `offset`
-        too) are the keyword arguments."""
-        header = proto.encode_header(kind, length, **fields)
-        with self._io():
-            if self._socket is None:
-                tag = await trio.to_thread.run_sync(self._tag_file, header, os.dup(fd), offset,
-                                                    length)
-                data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
-                await self._send_frame(header, data, tag)
-                return
-            tagging = _in_thread(self._tag_file, header, os.dup(fd), offset, length)
-            await self.stream.send_all(header)
-            await _sendfile(self._socket, fd, offset, length)  # meanwhile, the tag is made
-            await self.stream.send_all(await tagging())
-            self._sent += 1
-            self._count_sent(len(header) + length)
-
-    def _tag_file(self, header: bytes, fd: int, offset: int, length: int) -> bytes:
-        """The tag of a frame whose payload is that part of the file, read with pread (a file
-        mapped instead would kill the daemon with SIGBUS if it shrank meanwhile; one that
-        changes before it is sent fails its MAC at the peer: a dropped connection, never bad
-        data). Closes `fd`, a duplicate made for this thread."""
-        try:
-            if self._send_mac is None:
-                return b""
-            mac = self._send_mac.start()
-            mac.update(header)
-            for piece in _TAG_BUFFER.read(fd, offset, offset + length):
-                mac.update(piece)
-                length -= len(piece)
-            if length:
-                raise proto.ProtocolError("cannot read the payload to send: the file is "
-                                          "shorter than it was")
-            return mac.finalize()
-        finally:
-            os.close(fd)
-
-    def _count_sent(self, nbytes: int) -> None:
-        if self.peer_id != "?":  # the handshake's few bytes are not counted
-            SENT_TO[self.peer_id] += nbytes
+        """A message whose payload is `length` bytes of the file `fd` from `offset`, sent by a
+        worker thread (`BlockingChannel.send_file`), or from trio if it is small (a few pages
+        read: less than the hop to a thread). The message's own fields (which may include an
+        `offset` too) are the keyword arguments."""
+        if length < BULK:
+            data = os.pread(fd, length, offset)
+            if len(data) < length:
+                raise proto.ProtocolError("the file is shorter than the payload announced")
+            await self.send(kind, data, **fields)
+            return
+        await self.in_thread(lambda io: io.send_file(kind, fd, offset, length, **fields))
 
     async def receive(self, *expected: str, timeout: float | None = None,
                       into: memoryview | None = None) -> proto.Message:
         """The next message, which must be of one of the `expected` types (if any are given).
         Its payload is valid until the next receive (see proto.Message), unless it was
-        received `into` the caller's buffer (if it fits there), which it then is a view of."""
+        received `into` the caller's buffer (if it fits there), which it then is a view of.
+        A large payload is received (and its slices tagged) by a worker thread."""
         self._decoder.offer(into)
         with self._io(timeout):
             while (message := self._decoder.next_message()) is None:
                 buffer = self._decoder.writable()
-                if self._socket is not None:
-                    if self._decoder.in_payload and len(buffer) >= BULK:
-                        # the decoder is advanced in the worker thread, chunk by chunk: the
-                        # payload's MAC is computed there as the bytes come
-                        if not await _receive_bulk(self._socket, buffer, self._decoder.advance):
-                            raise ConnectionClosed("connection closed by the peer")
-                        continue
-                    count = await self._socket.recv_into(buffer)
-                else:
-                    data = await self.stream.receive_some(len(buffer))
-                    count = len(data)
-                    buffer[:count] = data
+                if self._decoder.in_payload and len(buffer) >= BULK and self.wire.threaded:
+                    await trio.to_thread.run_sync(self._rest_of_frame,
+                                                  self._expires(timeout))
+                    continue
+                count = await self.wire.recv_into(buffer)
                 if not count:
                     raise ConnectionClosed("connection closed by the peer")
                 self._decoder.advance(count)
         self._decoder.offer(None)
-        self._received += 1
-        if expected and message.type not in expected:
-            if message.type == "ERROR":
-                raise proto.ProtocolError(f"peer {self.peer_id}: {message['message']}")
-            raise proto.ProtocolError(f"expected {'/'.join(expected)}, got {message.type}")
-        return message
+        return self._accept(message, expected)
+
+    async def in_thread(self, function: Callable[..., T], *args: Any) -> T:
+        """`function(io, *args)` in a worker thread, `io` this channel's blocking face
+        (`BlockingChannel`): each of its waits on the peer gives up after the channel's
+        timeout, and a cancellation of the calling task (a deadline of its, too) is noticed
+        while it waits. The channel is broken by any error, as on trio."""
+        io = BlockingChannel(self)
+        try:
+            with _connection_errors():
+                return await trio.to_thread.run_sync(function, io, *args)
+        except BaseException:
+            self._broken = True
+            raise
 
     def take_payload(self, message: proto.Message) -> memoryview:
         """The payload of `message`, the last one received, for keeps: the channel receives
         the next payload elsewhere (no copy of this one)."""
         self._decoder.give_away_payload()
         return memoryview(message.payload)
+
+    def stream(self, types: Iterable[str]) -> None:
+        """Large payloads of these message types are streamed: their message is returned with
+        the payload `pending`, which the receiver takes with `BlockingChannel.stream_payload`
+        (in a worker thread) before anything else is received."""
+        self._decoder.streamed = frozenset(types)
 
     async def request(self, kind: str, payload: bytes = b"", *, expect: str = "OK",
                       **fields: Any) -> proto.Message:
@@ -255,97 +257,174 @@ class PeerChannel:
     def closed_by_peer(self) -> bool:
         """Whether the peer closed (or wrote unasked) while the channel sat idle: such a
         channel must not be used again. Never blocks."""
-        if self._socket is None:
-            return False
-        poll = select.poll()
-        poll.register(self._socket.fileno(), select.POLLIN)
-        return bool(poll.poll(0))  # readable: at its end, or bytes nobody asked for
+        return self.wire.readable_now()
 
     async def aclose(self) -> None:
         self._broken = True
-        if isinstance(self.stream, trio.SSLStream):  # no close_notify to wait for: frames
-            await trio.aclose_forcefully(self.stream)  # are counted and MAC'd
-            return
-        with trio.CancelScope(shield=True):  # closing must happen even in a cancelled task
-            await self.stream.aclose()
+        # closing must happen even in a cancelled task
+        with trio.CancelScope(shield=True), contextlib.suppress(OSError,
+                                                                trio.BrokenResourceError):
+            await self.wire.aclose()
 
+    # -- shared by both faces -------------------------------------------------------------
 
-async def _receive_bulk(sock: trio.socket.SocketType, buffer: memoryview,
-                        received: Callable[[int], None]) -> int:
-    """Fill `buffer` from the socket in a worker thread, calling `received` there with the
-    count of each read (the total, 0 if the peer closed first). The trio deadline in force
-    applies; a cancellation is noticed within _POLL_SLICE_MS."""
-    deadline = trio.current_effective_deadline()
-    remaining = deadline - trio.current_time()
-    expires = time.monotonic() + remaining if remaining != float("inf") else float("inf")
-    return await trio.to_thread.run_sync(_fill_blocking, sock, buffer, expires, received)
+    def _tags(self, header: bytes, payload: bytes | memoryview) -> bytes:
+        return b"" if self._send_mac is None else self._send_mac.tag(header, payload)
 
+    def _accept(self, message: proto.Message, expected: tuple[str, ...]) -> proto.Message:
+        self._received += 1
+        if expected and message.type not in expected:
+            if message.type == "ERROR":
+                raise proto.ProtocolError(f"peer {self.peer_id}: {message['message']}")
+            if message.type == "NO_ROOM":
+                raise NoRoom(f"{self.peer_id} has no room ({message['message']})")
+            raise proto.ProtocolError(f"expected {'/'.join(expected)}, got {message.type}")
+        return message
 
-def _fill_blocking(sock: trio.socket.SocketType, buffer: memoryview, expires: float,
-                   received: Callable[[int], None]) -> int:
-    """In a worker thread: read the socket (non-blocking, as trio keeps it) until `buffer` is
-    full, waiting in poll for LOW_WATER bytes at a time. SO_RCVLOWAT is set back to 1
-    before returning, for the trio side's waits on small frames."""
-    fd = sock.fileno()
-    poll = select.poll()
-    poll.register(fd, select.POLLIN)
-    filled = low_water = 0
-    try:
-        while filled < len(buffer):
-            if low_water != (wanted := min(LOW_WATER, len(buffer) - filled)):
-                low_water = wanted
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, low_water)
-            try:
-                count = os.readv(fd, [buffer[filled:]])
-            except BlockingIOError:
-                left = expires - time.monotonic()
-                if left <= 0:
-                    raise trio.TooSlowError from None
-                trio.from_thread.check_cancelled()
-                poll.poll(min(_POLL_SLICE_MS, int(left * 1000) + 1))
+    def _count_sent(self, nbytes: int) -> None:
+        self._sent += 1
+        if self.peer_id != "?":  # the handshake's few bytes are not counted
+            with _SENT_LOCK:
+                SENT_TO[self.peer_id] += nbytes
+
+    def _rest_of_frame(self, expires: float) -> None:
+        """In a worker thread: the rest of the frame being read (its payload, tagged slice by
+        slice as it comes, and its tags), until the decoder holds the message."""
+        decoder = self._decoder
+        while not decoder.ready:
+            buffer = decoder.writable()
+            if decoder.in_payload:
+                if self.wire.fill_blocking(buffer, expires, decoder.advance) < len(buffer):
+                    raise ConnectionClosed("connection closed by the peer")
                 continue
+            count = self.wire.recv_blocking(buffer, expires)
             if not count:
-                break
-            received(count)
-            filled += count
-    finally:
-        if low_water != 1:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
-    return filled
+                raise ConnectionClosed("connection closed by the peer")
+            decoder.advance(count)
 
 
-def _in_thread(function: Callable[..., bytes], *args: Any) -> Callable[[], Awaitable[bytes]]:
-    """Start `function(*args)` in a worker thread now; the call returned waits for its result
-    (a cancelled wait leaves the thread to finish alone)."""
-    done = trio.Event()
-    token = trio.lowlevel.current_trio_token()
-    results: list[outcome.Outcome[bytes]] = []
+class BlockingChannel:
+    """A channel lent to a worker thread (`PeerChannel.in_thread`): the same frames, sent and
+    received with blocking waits, each within the channel's timeout; a cancellation of the
+    task that lent it is noticed while it waits."""
 
-    def deliver(result: outcome.Outcome[bytes]) -> None:
-        results.append(result)
-        with contextlib.suppress(trio.RunFinishedError):
-            token.run_sync_soon(done.set)
+    def __init__(self, channel: PeerChannel) -> None:
+        self.channel = channel
+        self.peer_id = channel.peer_id
 
-    trio.lowlevel.start_thread_soon(lambda: function(*args), deliver)
+    def _expires(self) -> float:
+        return self.channel._expires()
 
-    async def result() -> bytes:
-        await done.wait()
-        return results[0].unwrap()
-    return result
+    def send(self, kind: str, payload: bytes | memoryview = b"", **fields: Any) -> None:
+        channel = self.channel
+        header = proto.encode_header(kind, len(payload), **fields)
+        tags = channel._tags(header, payload)
+        expires = self._expires()
+        for part in (header, payload, tags):
+            if part:
+                channel.wire.send_all_blocking(part, expires)
+        channel._count_sent(len(header) + len(payload))
+
+    def send_file(self, kind: str, fd: int, offset: int, length: int, /,
+                  **fields: Any) -> None:
+        """A message whose payload is `length` bytes of the file `fd` from `offset`. Its tags
+        are made from the file read a slice at a time (pread into this thread's buffer, never
+        a mapping: a file that shrank would kill the daemon with SIGBUS; one that changes
+        before it is sent fails its tags at the peer, a dropped connection, never bad data);
+        then the header, the payload by `sendfile` (the kernel's copy, no Python buffer) and
+        the tags go. Over TLS each slice is sent from the buffer it was tagged in."""
+        channel = self.channel
+        wire = channel.wire
+        header = proto.encode_header(kind, length, **fields)
+        expires = self._expires()
+        if channel._send_mac is None:
+            wire.send_all_blocking(header, expires)
+            wire.sendfile_blocking(fd, offset, length, expires)
+            channel._count_sent(len(header) + length)
+            return
+        tags = channel._send_mac.start(length)
+        tags.head(header)
+        zero_copy = isinstance(wire, wires.SocketWire) and not wire.tls
+        if not zero_copy:
+            wire.send_all_blocking(header, expires)
+        for piece in _file_slices(fd, offset, length):
+            tags.slice(piece)
+            if not zero_copy:
+                wire.send_all_blocking(piece, self._expires())
+        if zero_copy:
+            wire.send_all_blocking(header, expires)
+            wire.sendfile_blocking(fd, offset, length, self._expires())
+        wire.send_all_blocking(tags.digest(), self._expires())
+        channel._count_sent(len(header) + length)
+
+    def receive(self, *expected: str, into: memoryview | None = None) -> proto.Message:
+        """The next message (as PeerChannel.receive), waiting in this thread."""
+        channel = self.channel
+        decoder = channel._decoder
+        decoder.offer(into)
+        expires = self._expires()
+        while (message := decoder.next_message()) is None:
+            buffer = decoder.writable()
+            if decoder.in_payload and len(buffer) >= BULK:
+                if channel.wire.fill_blocking(buffer, expires, decoder.advance) < len(buffer):
+                    raise ConnectionClosed("connection closed by the peer")
+                continue
+            count = channel.wire.recv_blocking(buffer, expires)
+            if not count:
+                raise ConnectionClosed("connection closed by the peer")
+            decoder.advance(count)
+        decoder.offer(None)
+        return channel._accept(message, expected)
+
+    def take_payload(self, message: proto.Message) -> memoryview:
+        return self.channel.take_payload(message)
+
+    def stream_payload(self, sink: Sink | None) -> None:
+        """Take the payload of the streamed message just received (`PeerChannel.stream`), a
+        tag slice at a time into a buffer this thread keeps (it stays in the CPU's cache):
+        each slice is tagged, then given to `sink(slice, its offset in the payload)` (None:
+        dropped). Then its tags are checked: ProtocolError if they fail, after the sink took
+        every slice. So the sink's caller must treat what it took as unchecked until this
+        returns, and undo it if this raises."""
+        channel = self.channel
+        decoder = channel._decoder
+        length, tags = decoder.take_stream()
+        buffer = _STREAM_BUFFER.get()
+        expires = self._expires()
+        done = 0
+        while done < length:
+            piece = buffer[:min(proto.TAG_SLICE, length - done)]
+            if channel.wire.fill_blocking(piece, expires, _ignore) < len(piece):
+                raise ConnectionClosed("connection closed by the peer")
+            if tags is not None:
+                tags.slice(piece)
+            if sink is not None:
+                sink(piece, done)
+            done += len(piece)
+        if tags is not None:
+            trailer = bytearray(proto.tag_length(length))
+            if channel.wire.fill_blocking(memoryview(trailer), expires, _ignore) < len(trailer):
+                raise ConnectionClosed("connection closed by the peer")
+            if not tags.matches(trailer):
+                raise proto.ProtocolError("a frame failed its MAC (injected, replayed, "
+                                          "reordered or altered)")
+        decoder.stream_done()
 
 
-async def _sendfile(sock: trio.socket.SocketType, fd: int, offset: int, length: int) -> None:
+def _ignore(_count: int) -> None:
+    pass
+
+
+def _file_slices(fd: int, offset: int, length: int) -> Iterator[memoryview]:
+    """The bytes [offset, offset + length) of the file `fd`, a tag slice at a time, in this
+    thread's buffer (each piece good until the next); ShortFile if the file ends first."""
     end = offset + length
-    while offset < end:
-        try:
-            sent = os.sendfile(sock.fileno(), fd, offset, end - offset)
-        except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
-            continue
-        if sent == 0:
-            raise proto.ProtocolError("the file is shorter than the payload announced")
-        offset += sent
-    await trio.lowlevel.checkpoint()
+    for piece in _TAG_BUFFER.read(fd, offset, end):
+        yield piece
+        offset += len(piece)
+    if offset < end:
+        raise wires.ShortFile("cannot read the payload to send: the file is shorter than it "
+                              "was")
 
 
 async def authenticate(channel: PeerChannel, token: bytes, my_id: str,
@@ -359,8 +438,9 @@ async def authenticate(channel: PeerChannel, token: bytes, my_id: str,
     hello = await channel.receive("HELLO")
     peer = hello["node_id"]
     itself = peer == my_id
-    if not ((itself and allow_self) or (peer in members and not itself)) or \
-            (expected_peer and peer != expected_peer):
+    if expected_peer and peer != expected_peer:
+        raise WrongPeer(peer, expected_peer)
+    if not ((itself and allow_self) or (peer in members and not itself)):
         raise AuthError(f"node {peer!r} is not a member of this cluster")
     await channel.send("PROOF", mac=proto.proof(token, hello["nonce"], my_id, peer))
     answer = await channel.receive("PROOF")
@@ -372,25 +452,24 @@ async def authenticate(channel: PeerChannel, token: bytes, my_id: str,
     return peer
 
 
-async def open_stream(host: str, port: int, tls: ssl.SSLContext | None = None
-                      ) -> trio.abc.Stream:
-    """A connection to a peer port, in TLS if `tls` (`--peer-tls`): OSError, TlsRefused, or
-    trio.TooSlowError if it is not made in CONNECT_TIMEOUT."""
+async def open_socket(host: str, port: int, tls: ssl.SSLContext | None = None
+                      ) -> socket.socket:
+    """A connection to a peer port, in TLS if `tls` (`--peer-tls`: an `ssl.SSLSocket`, its
+    handshake done): OSError, TlsRefused, or trio.TooSlowError if it is not made in
+    CONNECT_TIMEOUT."""
     with trio.fail_after(CONNECT_TIMEOUT):
         stream = await trio.open_tcp_stream(host, port)
+        sock = socket.socket(fileno=stream.socket.detach())
         if tls is None:
-            return stream
-        secure = trio.SSLStream(stream, tls, https_compatible=True)  # see server._secure
+            return sock
         try:
-            await secure.do_handshake()
+            return await wires.secure(sock, tls, server_side=False)
         except BaseException as exc:
-            await trio.aclose_forcefully(stream)
-            if isinstance(exc, trio.BrokenResourceError):
-                why = tls_failure(exc)
-                raise TlsRefused(f"TLS handshake failed: {why or exc.__cause__ or exc}") \
-                    from None
+            sock.close()
+            if isinstance(exc, ssl.SSLError) or (isinstance(exc, OSError)
+                                                 and tls_failure(exc)):
+                raise TlsRefused(f"TLS handshake failed: {tls_failure(exc) or exc}") from None
             raise
-        return secure
 
 
 async def connect(host: str, port: int, token: bytes, my_id: str, members: Container[str],
@@ -398,7 +477,7 @@ async def connect(host: str, port: int, token: bytes, my_id: str, members: Conta
     """An authenticated channel to `peer_id` at host:port (OSError or ProtocolError if not;
     trio.TooSlowError if the connection is not made in CONNECT_TIMEOUT), in TLS if `tls`.
     `peer_id` may be `my_id` (a node checking that it reaches itself)."""
-    channel = PeerChannel(await open_stream(host, port, tls))
+    channel = PeerChannel(await open_socket(host, port, tls))
     try:
         await authenticate(channel, token, my_id, members, expected_peer=peer_id,
                            allow_self=peer_id == my_id)

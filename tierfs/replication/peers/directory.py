@@ -21,7 +21,7 @@ from tierfs.replication.coordination import membership as live_members
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel, connect
 from tierfs.replication.peers.handshakes import OK, PeerLinks
-from tierfs.replication.peers.pool import SWEEP_EVERY, PeerPool
+from tierfs.replication.peers.pool import CONNECTIONS, SPARE, SWEEP_EVERY, PeerPool
 from tierfs.replication.peers.tls import PeerTls
 
 
@@ -54,7 +54,7 @@ class PeerDirectory:
     """The members of the cluster for this node's peer connections."""
 
     def __init__(self, live: live_members.Membership, token: bytes,
-                 tls: PeerTls | None = None) -> None:
+                 tls: PeerTls | None = None, connections: int = CONNECTIONS) -> None:
         self.live = live
         self.me = live.node_id
         self.token = token
@@ -62,7 +62,9 @@ class PeerDirectory:
         self.ids = LiveIds(live)
         self._seen: dict[str, str] = {}  # every node seen since start: node id -> address
         self._domains: dict[str, str] = {}  # their --failure-domain, those that have one
-        self.pool = PeerPool(self.connect)
+        # a transfer to or from one peer uses this many connections at once
+        self.connections = connections
+        self.pool = PeerPool(self.connect, per_peer=connections + SPARE)
         self.links = PeerLinks(self._probe)  # whether each member's handshake succeeds
 
     @property
@@ -137,8 +139,8 @@ class PeerDirectory:
     async def channel(self, node_id: str) -> AsyncIterator[PeerChannel]:
         """An authenticated channel to a live member for a few requests (OSError if it is not
         one), lent by the pool: a connection kept alive from an earlier block, or a new one
-        (waiting while PER_PEER are busy). It goes back to the pool when the block ends
-        normally with every request answered, and is closed otherwise."""
+        (waiting while as many as the pool lends per peer are busy). It goes back to the pool
+        when the block ends normally with every request answered, and is closed otherwise."""
         member = self._member(node_id)
         async with self.pool.channel((node_id, member.addr)) as channel:
             yield channel

@@ -1,32 +1,51 @@
 """Peers as a read source: byte ranges of committed files from a node that holds them, and
 serving such ranges to peers. Reads of the same file are spread over its holders by offset,
 and each holder sends a chunk it already sent to readers that have it (`sources`), so that
-a restore on every node at once (DDP) leaves the writer's uplink about once."""
+a restore on every node at once (DDP) leaves the writer's uplink about once.
+
+A large range (a block or a chunk) is asked for, received, checked and stored by one worker
+thread (`read_and_store`, `PeerChannel.in_thread`): the request, the reply's payload into the
+fetch's buffer with its tags, and the fetch's check and write into the RAM tier's partial file,
+with no hop through the event loop in between; the holder sends it from its RAM file by
+`sendfile` from a worker thread of its own (`RangeServer`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.ports import TierError
+from tierfs.fs.ports import Store, TierError
+from tierfs.replication.coordination import membership
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers import sources
-from tierfs.replication.peers.channel import PeerChannel
+from tierfs.replication.peers.channel import (
+    BULK,
+    BlockingChannel,
+    ConnectionClosed,
+    ConnectionLost,
+    PeerChannel,
+)
 from tierfs.replication.peers.directory import PeerDirectory
 
 log = logging.getLogger(__name__)
 
 _HEX = set("0123456789abcdef")
+# Seconds a read waits for a holder that does not answer while its lease lives: a killed
+# daemon's lease ends within its ttl after its last keepalive, and the watch tells every node.
+HOLDER_WAIT = membership.DEFAULT_TTL + membership.REJOIN_MARGIN
+RETRY_EVERY = 0.5  # seconds between tries meanwhile (a holder restarted at the same address)
 
 
 class PeerReader:
     name = "peer"
+    can_store = True  # `read_and_store`: the bytes checked and stored where they came in
 
     def __init__(self, directory: PeerDirectory, holders: Callable[[str, str], list[str]],
                  refresh: Callable[[str, str], Awaitable[list[str]]] | None = None) -> None:
@@ -41,45 +60,93 @@ class PeerReader:
         """The bytes (a view the caller owns: received in place, not copied) from the first
         of the file's own holders that answers (a multi-node step's files are on different
         nodes), over a pooled connection."""
-        return await self._read(step_path, entry, offset, length, None)
+        data, _good = await self._read(step_path, entry, offset, length, None, None)
+        return data
 
     async def read_into(self, step_path: str, entry: mf.FileEntry, offset: int,
                         buffer: memoryview) -> memoryview:
         """As read_range for len(buffer) bytes, received straight into `buffer` (the view of
         it that holds the bytes, which may be shorter)."""
-        return await self._read(step_path, entry, offset, len(buffer), buffer)
+        data, _good = await self._read(step_path, entry, offset, len(buffer), buffer, None)
+        return data
+
+    async def read_and_store(self, step_path: str, entry: mf.FileEntry, offset: int,
+                             buffer: memoryview, store: Store) -> tuple[memoryview, bool]:
+        """As read_into, and `store(the bytes)` (`fetch.Store`: they are checked and stored)
+        called by the thread that received them, if they are the whole range; the bytes and
+        whether they matched."""
+        return await self._read(step_path, entry, offset, len(buffer), buffer, store)
 
     async def _read(self, step_path: str, entry: mf.FileEntry, offset: int, length: int,
-                    into: memoryview | None) -> memoryview:
-        failures: list[str] = []
+                    into: memoryview | None, store: Store | None) -> tuple[memoryview, bool]:
+        """The bytes (and whether `store` took them) from the file's holders (those known
+        here, then those its record names now). When none gives them and one that could not
+        be reached is still a live member (its lease lives: a daemon just killed, or
+        restarting), the read waits for it, or for its loss to be known, at most HOLDER_WAIT
+        seconds, trying again at each change of the members and every RETRY_EVERY: a node
+        learns a loss only when the lease ends, and a holder back within it serves the read
+        (TierError, EIO to the reader, otherwise)."""
+        deadline = None
+        while True:
+            failures: list[str] = []
+            unreachable: set[str] = set()
+            got = await self._read_once(step_path, entry, offset, length, into, store,
+                                        failures, unreachable)
+            if got is not None:
+                return got
+            waiting = sorted(h for h in unreachable if self.directory.is_up(h))
+            now = trio.current_time()
+            if deadline is None and waiting:
+                deadline = now + HOLDER_WAIT
+                log.warning("%s/%s: %s does not answer but is a live member: the read waits "
+                            "up to %.0f s for it or for its loss", step_path, entry.name,
+                            ", ".join(waiting), HOLDER_WAIT)
+            if not waiting or deadline is None or now >= deadline:
+                raise TierError("; ".join(failures) or "no peer holds it")
+            changed = self.directory.changed
+            with trio.move_on_at(min(deadline, now + RETRY_EVERY)):
+                await changed.wait()
+
+    async def _read_once(self, step_path: str, entry: mf.FileEntry, offset: int, length: int,
+                         into: memoryview | None, store: Store | None, failures: list[str],
+                         unreachable: set[str]) -> tuple[memoryview, bool] | None:
+        """One round: the holders known here, then those the file's record names now."""
         tried: set[str] = set()
         holders = self._holders(step_path, entry.name)
         for _attempt in range(2):
             untried = [h for h in holders if h != self.directory.me and h not in tried]
             tried.update(untried)
-            data = await self._read_from(untried, step_path, entry, offset, length, into,
-                                         failures)
-            if data is not None:
-                return data
+            got = await self._read_from(untried, step_path, entry, offset, length, into, store,
+                                        failures, unreachable)
+            if got is not None:
+                return got
             if self._refresh is None:
                 break
             holders = await self._refresh(step_path, entry.name)
-        raise TierError("; ".join(failures) or "no peer holds it")
+        return None
 
     async def _read_from(self, holders: list[str], step_path: str, entry: mf.FileEntry,
                          offset: int, length: int, into: memoryview | None,
-                         failures: list[str]) -> memoryview | None:
+                         store: Store | None, failures: list[str], unreachable: set[str]
+                         ) -> tuple[memoryview, bool] | None:
         """The bytes from the first of `holders` that gives them, or from the reader it sends
-        this node to (None if none does: each failure is added to `failures`)."""
+        this node to (None if none does: each failure is added to `failures`, and a holder
+        that could not be reached, not one that answered without the bytes, to
+        `unreachable`)."""
         for node_id in sources.holder_order(holders, entry.xxh3, offset, self.directory.is_up):
             try:
-                return await self._from_holder(node_id, step_path, entry, offset, length, into)
-            except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
+                return await self._from_holder(node_id, step_path, entry, offset, length, into,
+                                               store)
+            except (OSError, trio.TooSlowError, ConnectionClosed, ConnectionLost) as exc:
                 failures.append(f"{node_id}: {exc or 'timed out'}")
+                unreachable.add(node_id)
+            except proto.ProtocolError as exc:
+                failures.append(f"{node_id}: {exc}")
         return None
 
     async def _from_holder(self, holder: str, step_path: str, entry: mf.FileEntry,
-                           offset: int, length: int, into: memoryview | None) -> memoryview:
+                           offset: int, length: int, into: memoryview | None,
+                           store: Store | None) -> tuple[memoryview, bool]:
         """The bytes from `holder`, or from the relay it names (`sources.ChunkRoutes`); a
         relay that fails is named back to the holder, which chooses again, and after
         MAX_HOPS failed relays is asked for the bytes themselves (plain GET)."""
@@ -92,29 +159,64 @@ class PeerReader:
         while True:
             async with self.directory.channel(holder) as channel:
                 if len(avoid) >= sources.MAX_HOPS or not whole_chunk:
-                    await channel.send("GET", **request)
+                    reply = await _ask(channel, "GET", request, into, store)
                 else:
-                    await channel.send("SWARM_GET", avoid=avoid, **request)
-                reply = await channel.receive("DATA", "SOURCE", into=into)
-                if reply.type == "DATA":
-                    return _payload(channel, reply, into)
-            relay = reply["node"]
+                    reply = await _ask(channel, "SWARM_GET", {**request, "avoid": avoid}, into,
+                                       store)
+            if reply.relay is None:
+                return reply.data, reply.good
             try:
-                return await self._get(relay, request, into)
+                async with self.directory.channel(reply.relay) as channel:
+                    reply = await _ask(channel, "GET", request, into, store)
+                return reply.data, reply.good
             except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
                 log.info("chunk at %d of %s/%s: relay %s failed (%s); asking %s again",
-                         offset, step_path, entry.name, relay, exc or "timed out", holder)
-                avoid.append(relay)
-
-    async def _get(self, node_id: str, request: dict[str, Any],
-                   into: memoryview | None) -> memoryview:
-        async with self.directory.channel(node_id) as channel:
-            await channel.send("GET", **request)
-            return _payload(channel, await channel.receive("DATA", into=into), into)
+                         offset, step_path, entry.name, reply.relay, exc or "timed out", holder)
+                avoid.append(reply.relay)
 
 
-def _payload(channel: PeerChannel, reply: proto.Message, into: memoryview | None
-             ) -> memoryview:
+@dataclass
+class _Reply:
+    """A holder's answer: the bytes and whether `store` took them, or the relay it names."""
+
+    data: memoryview = memoryview(b"")
+    good: bool = False
+    relay: str | None = None
+
+
+async def _ask(channel: PeerChannel, kind: str, request: dict[str, Any],
+               into: memoryview | None, store: Store | None) -> _Reply:
+    """`kind` (GET or SWARM_GET) and its answer, DATA (its bytes given to `store`, if any) or
+    SOURCE: a range large enough to be worth it in one worker thread, start to end, else on
+    trio."""
+    if store is not None and request["length"] >= BULK:
+        return await channel.in_thread(_ask_blocking, kind, request, into, store)
+    await channel.send(kind, **request)
+    reply = await channel.receive(*_ANSWERS[kind], into=into)
+    if reply.type == "SOURCE":
+        return _Reply(relay=reply["node"])
+    data = _payload(channel, reply, into)
+    good = store is not None and len(data) == request["length"] and store(data)
+    return _Reply(data, good)
+
+
+_ANSWERS = {"GET": ("DATA",), "SWARM_GET": ("DATA", "SOURCE")}
+
+
+def _ask_blocking(io: BlockingChannel, kind: str, request: dict[str, Any],
+                  into: memoryview | None, store: Store) -> _Reply:
+    """`_ask` in a worker thread: the request, its answer's payload (tagged as it comes) and
+    the fetch's check and write of it, in one go."""
+    io.send(kind, **request)
+    reply = io.receive(*_ANSWERS[kind], into=into)
+    if reply.type == "SOURCE":
+        return _Reply(relay=reply["node"])
+    data = _payload(io, reply, into)
+    return _Reply(data, len(data) == request["length"] and store(data))
+
+
+def _payload(channel: PeerChannel | BlockingChannel, reply: proto.Message,
+             into: memoryview | None) -> memoryview:
     """A DATA reply's bytes: the view of `into` they were received in, or taken from the
     channel's buffer."""
     payload = reply.payload

@@ -13,12 +13,15 @@ Authentication comes first, both ways, over fresh nonces: each side sends HELLO 
 a random nonce) and answers the other's HELLO with PROOF = HMAC-SHA256(token, context, the
 other's nonce, both node ids). A replayed PROOF fails because the nonce it answers is new.
 
-Every frame after the handshake carries a MAC (FrameMac): TAG_BYTES after its payload, a
-Poly1305 tag over its prefix, header and payload under a one-time key derived from a key of
-its direction of this connection (from the token and both nonces, frame_key) and the frame's
-number. A frame injected into an established connection, replayed, reordered, reflected back
-or altered fails its MAC, and the connection is dropped. Frames are authenticated, not
-encrypted: an eavesdropper sees file bytes (TLS is for that).
+Every frame after the handshake carries its tags (FrameMac), sent after its payload: GMAC
+(AES-GCM with nothing to encrypt) under a key of its direction of this connection (from the
+token and both nonces, frame_key), one tag over its prefix and header and one over each
+TAG_SLICE bytes of its payload, each under a nonce of the frame's number and the part's
+place in it. A frame injected into an established connection, replayed, reordered, reflected
+back or altered (a slice moved within it included) fails its tags, and the connection is
+dropped. GMAC runs in OpenSSL with the GIL let go (`cryptography`'s AESGCM), in whichever
+thread moves the frame's bytes: a worker thread's for file payloads. Frames are
+authenticated, not encrypted: an eavesdropper sees file bytes (TLS is for that).
 """
 
 from __future__ import annotations
@@ -31,8 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.poly1305 import Poly1305
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tierfs.manifest import ManifestError, check_relative_path
 
@@ -42,7 +44,10 @@ MAX_PAYLOAD = 16 << 20
 NONCE_BYTES = 32
 PROOF_CONTEXT = b"tierfs-peer-v1"
 FRAME_KEY_CONTEXT = b"tierfs-frames-v1"
-TAG_BYTES = 16
+TAG_BYTES = 16  # one tag
+# Payload bytes per tag: a slice is authenticated in one call while it is in the CPU's cache
+# (the receiver tags each as its bytes come), and the tags of a frame stay few (17 at most).
+TAG_SLICE = 1 << 20
 
 # type -> {field: python type}; every field is required, no other field is allowed.
 SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -68,16 +73,25 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # MANIFEST_PART (a chunk of it, `total` its whole length) or ERROR (not committed here)
     "MANIFEST": {"path": str, "version": int, "offset": int},
     "MANIFEST_PART": {"total": int},
+    # which of these files of a step being written are in your tree (written there, sealed or
+    # not, recorded in etcd or not): answered by HAVE naming them (`peers.peer_files`)
+    "FILES": {"path": str, "names": list},
+    "HAVE": {"names": list},
     "DATA": {},
     "OK": {},
     "ERROR": {"message": str},
+    # a PUT refused for want of room on the receiving node (its RAM tier or the file system
+    # of its RAM dir is full): the sender makes its copies on another node meanwhile
+    "NO_ROOM": {"message": str},
 }
 PATH_FIELDS = ("path", "name")
 NAME_LISTS = ("names",)  # lists of paths inside a step, each checked as a path field
 MAX_AVOID = 16  # relays a SWARM_GET names as failed
-MAX_NAMES = 1000  # names per HOLD or HELD: with paths of at most 4 KiB, under MAX_HEADER
+# names per HOLD, HELD, FILES or HAVE: with paths of at most 4 KiB, under MAX_HEADER
+MAX_NAMES = 1000
 
 PAYLOAD_TYPES = {"PUT", "DATA", "MANIFEST_PART"}
+STREAM_FROM = 1 << 18  # payload bytes from which a streamed type's payload is streamed
 
 
 class ProtocolError(Exception):
@@ -104,11 +118,14 @@ HANDSHAKE_LIMITS = FrameLimits("before authentication", 4096, 0)
 class Message:
     """One decoded message. A received `payload` is a memoryview of the receiver's reused
     buffer: valid until the next message is received on that channel (or decoded by that
-    FrameDecoder), unless the receiver takes it (PeerChannel.take_payload)."""
+    FrameDecoder), unless the receiver takes it (PeerChannel.take_payload). A message whose
+    payload is streamed (`FrameDecoder.streamed`) comes with none: `pending` says how many
+    bytes of it follow, to be taken with `FrameDecoder.take_stream` before anything else."""
 
     type: str
     fields: dict[str, Any]
     payload: bytes | memoryview = b""
+    pending: int = 0
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]
@@ -205,24 +222,32 @@ class FrameDecoder:
         self._target: memoryview | None = None  # where the next payload goes, if offered
         self._ready: Message | None = None
         self._fed = bytearray()  # bytes given to feed() beyond the current frame
-        # once set (after the handshake, between frames), every frame ends with its tag
+        # once set (after the handshake, between frames), every frame ends with its tags
         self.mac: FrameMac | None = None
-        self._tag = bytearray(TAG_BYTES)
-        self._running: Poly1305 | None = None  # the MAC of the frame being read
-        self._payload: bytes | memoryview = b""  # of the frame whose tag is being read
+        self._tag = bytearray()  # the tags of the frame being read, once its payload is in
+        self._running: FrameTags | None = None  # the tags of the frame being read
+        self._payload: bytes | memoryview = b""  # of the frame whose tags are being read
+        # Types whose payloads of STREAM_FROM bytes or more are not buffered: their message
+        # comes once its header is in (checked then), and the caller takes the payload and its
+        # tags itself (`take_stream`), a slice at a time, straight where it goes.
+        self.streamed: frozenset[str] = frozenset()
+        self._stream: tuple[int, FrameTags | None] | None = None  # announced, not taken
+        self._streaming = False  # a streamed payload is being taken: no frame until it ends
 
     def writable(self) -> memoryview:
         """Where the next bytes of the current frame go (empty while a message is ready)."""
+        if self._streaming:
+            raise ProtocolError("a streamed payload was not taken")
         if self._ready is not None:
             return memoryview(b"")
         return memoryview(self._part)[self._filled:]
 
     def advance(self, count: int) -> None:
-        """`count` bytes were written at the start of `writable()`. A payload's bytes go into
-        its frame's MAC as they come (in the caller's thread: a worker's for bulk data)."""
-        if self._running is not None and self.in_payload:
-            self._running.update(memoryview(self._part)[self._filled:self._filled + count])
+        """`count` bytes were written at the start of `writable()`. A payload's slices are
+        tagged as they come in (in the caller's thread: a worker's for bulk data)."""
         self._filled += count
+        if self._running is not None and self.in_payload:
+            self._running.payload(memoryview(self._part), self._filled)
         while self._ready is None and self._filled == len(self._part):
             self._part_done()
 
@@ -236,29 +261,57 @@ class FrameDecoder:
                     f"frame too large {limits.name} ({header_len}+{self._payload_len} bytes, "
                     f"at most {limits.header}+{limits.payload})")
             if self.mac is not None:
-                self._running = self.mac.start()
-                self._running.update(self._prefix)
+                self._running = self.mac.start(self._payload_len)
             self._part = bytearray(header_len)
         elif self._header is None:
             self._header = bytes(self._part)
             if self._running is not None:
-                self._running.update(self._header)
+                self._running.head(bytes(self._prefix) + self._header)
+            if self.streamed and self._payload_len >= STREAM_FROM and self._stream_it():
+                return
             self._part = self._payload_view()
         elif self._part is not self._tag:
             self._payload = self._part if self._payload_len else b""
             if self._running is None:
                 self._frame_done()
             else:
+                self._tag = bytearray(tag_length(self._payload_len))
                 self._part = self._tag
         else:
             assert self._running is not None
-            try:
-                self._running.verify(bytes(self._tag))
-            except InvalidSignature:
+            if not self._running.matches(self._tag):
                 raise ProtocolError("a frame failed its MAC (injected, replayed, reordered "
-                                    "or altered)") from None
+                                    "or altered)")
             self._running = None
             self._frame_done()
+
+    def _stream_it(self) -> bool:
+        """The header of a frame with a large payload is in: if its type is streamed, its
+        message is ready now (its header checked), with its payload `pending`."""
+        assert self._header is not None
+        kind, fields = _decode_header(self._header, self._payload_len)
+        if kind not in self.streamed:
+            return False
+        self._ready = Message(kind, fields, pending=self._payload_len)
+        self._stream = (self._payload_len, self._running)
+        self._streaming = True
+        self._header = None
+        self._running = None
+        self._part = self._prefix
+        return True
+
+    def take_stream(self) -> tuple[int, FrameTags | None]:
+        """The streamed payload announced by the last message: its length, and its tags so
+        far (None before authentication), to be fed its slices (`FrameTags.slice`) and
+        checked against the tag bytes after it (`tag_length`); `stream_done` once it is
+        taken."""
+        if self._stream is None:
+            raise ProtocolError("no streamed payload to take")
+        stream, self._stream = self._stream, None
+        return stream
+
+    def stream_done(self) -> None:
+        self._streaming = False
 
     def _frame_done(self) -> None:
         # checked once the whole frame is in: a refused frame leaves nothing unread, so the
@@ -287,7 +340,13 @@ class FrameDecoder:
     @property
     def in_payload(self) -> bool:
         """The part being filled is a payload (its frame's lengths were checked)."""
-        return self._header is not None and self._ready is None and self._part is not self._tag
+        return self._header is not None and self._ready is None and \
+            self._part is not self._tag
+
+    @property
+    def ready(self) -> bool:
+        """A whole message is waiting (`next_message`)."""
+        return self._ready is not None
 
     def give_away_payload(self) -> None:
         """The last message's payload now belongs to its receiver: the next payload goes to a
@@ -316,7 +375,7 @@ class FrameDecoder:
     def idle(self) -> bool:
         """Between frames: nothing of a next frame read yet, no message waiting."""
         return (self._ready is None and self._part is self._prefix and not self._filled
-                and not self._fed)
+                and not self._fed and not self._streaming)
 
 
 def _decode_header(raw: bytes, payload_len: int) -> tuple[str, dict[str, Any]]:
@@ -355,26 +414,81 @@ def frame_key(token: bytes, sender: str, receiver: str, sender_nonce: bytes,
     return hmac.new(token, message, hashlib.sha256).digest()
 
 
+def tag_length(payload_len: int) -> int:
+    """The bytes of tags after a frame with `payload_len` payload bytes: one for its prefix
+    and header, one per TAG_SLICE of payload (a last short slice included)."""
+    return TAG_BYTES * (1 + -(-payload_len // TAG_SLICE))
+
+
 class FrameMac:
-    """The MACs of one direction of a connection, frame after frame: frame n (from 0, the first
-    after the handshake) is tagged by Poly1305 (a few GB/s) under the one-time key
-    HMAC-SHA256(key, n), over its prefix, header and payload. The sender and the receiver each
-    hold one, made from the same key; their counts move together, frame by frame."""
+    """The tags of one direction of a connection, frame after frame: frame n (from 0, the
+    first after the handshake) has a GMAC tag (AES-256-GCM, nothing encrypted) of its prefix
+    and header under the nonce (n, 0), and one of its payload's slice i (TAG_SLICE bytes)
+    under (n, i + 1). The sender and the receiver each hold one, made from the same key;
+    their counts move together, frame by frame. OpenSSL computes each tag with the GIL let
+    go, at well over the copy rate of memory."""
 
     def __init__(self, key: bytes) -> None:
-        self._key = key
+        self._aead = AESGCM(key)
         self._sequence = 0
 
-    def start(self) -> Poly1305:
-        """The MAC of the next frame, to be fed its bytes in order."""
-        one_time = hmac.new(self._key, self._sequence.to_bytes(8, "big"),
-                            hashlib.sha256).digest()
+    def start(self, payload_len: int) -> FrameTags:
+        """The tags of the next frame, to be given its parts in order."""
+        tags = FrameTags(self._aead, self._sequence, payload_len)
         self._sequence += 1
-        return Poly1305(one_time)
+        return tags
 
     def tag(self, *parts: bytes | memoryview) -> bytes:
-        """The tag of the next frame, made of `parts` (its prefix and header, its payload)."""
-        mac = self.start()
-        for part in parts:
-            mac.update(part)
-        return mac.finalize()
+        """The tags of the next frame, given whole: `parts` joined are its prefix, header and
+        payload (as `encode` makes them)."""
+        frame = b"".join(parts)
+        # (bytes that are no frame get tags too, of their first bytes and the rest: what a
+        # hostile peer's test sends must get past the tags to the checks behind them)
+        header_len = PREFIX.unpack_from(frame)[0] if len(frame) >= PREFIX.size else 0
+        split = min(len(frame), PREFIX.size + header_len)
+        payload = memoryview(frame)[split:]
+        tags = self.start(len(payload))
+        tags.head(frame[:split])
+        tags.payload(payload, len(payload))
+        return tags.digest()
+
+
+class FrameTags:
+    """The tags of one frame, made as its parts come: `head` (prefix and header), then
+    `payload` as its bytes arrive, a slice tagged once it is whole (a last short one once the
+    payload is complete)."""
+
+    def __init__(self, aead: AESGCM, sequence: int, payload_len: int) -> None:
+        self._aead = aead
+        self._nonce = sequence.to_bytes(8, "big")
+        self._payload_len = payload_len
+        self._tags: list[bytes] = []
+        self._tagged = 0  # payload bytes tagged so far
+
+    def _tag(self, data: bytes | memoryview) -> None:
+        nonce = self._nonce + len(self._tags).to_bytes(4, "big")
+        self._tags.append(self._aead.encrypt(nonce, b"", data))
+
+    def head(self, prefix_and_header: bytes) -> None:
+        self._tag(prefix_and_header)
+
+    def payload(self, payload: memoryview, filled: int) -> None:
+        """`payload[:filled]` of the frame's payload are in: tag the slices now whole."""
+        while self._tagged < filled and (filled - self._tagged >= TAG_SLICE
+                                         or filled == self._payload_len):
+            end = min(self._tagged + TAG_SLICE, filled)
+            self._tag(payload[self._tagged:end])
+            self._tagged = end
+
+    def slice(self, data: bytes | memoryview) -> None:
+        """The next slice of the payload, whole (TAG_SLICE bytes, or the last ones)."""
+        self._tag(data)
+        self._tagged += len(data)
+
+    def digest(self) -> bytes:
+        if self._tagged != self._payload_len or not self._tags:
+            raise ProtocolError("a frame's tags were asked for before its payload was in")
+        return b"".join(self._tags)
+
+    def matches(self, received: bytes | bytearray) -> bool:
+        return hmac.compare_digest(self.digest(), bytes(received))

@@ -1,16 +1,24 @@
 """Receiving replicas from peers into this node's RAM store.
 
-Chunks arrive in order per file into a private incoming file next to the committed objects;
-a complete file becomes the object named by its xxh3-128 only if its bytes hash to exactly that.
-HOLD comes after the files it names: this node holds those whose objects are here (verified) in
-its copy of the step's committed version (`OtherTiers.hold_files`) and names them in HELD; only
-those does the sender count this node as a holder of. Paths and sizes were validated
-by the protocol; offsets and lengths are checked here against what was announced.
+A sender spreads a file's chunks over several connections (`--peer-connections`), so they
+arrive in any order, each connection's in a worker thread of its own: a chunk is streamed
+(`PeerChannel.stream`) a MiB at a time into a private incoming file next to the committed
+objects, at its offset (the incoming file of that content from that sender: one per file and
+peer, whatever the connection), and its tags are checked at its end; a chunk whose tags fail
+or that is cut off makes the whole transfer forgotten and its file removed, so that bytes that
+are not the sender's never count, even if they hashed right. A complete file becomes the
+object named by its xxh3-128 only if its bytes hash to exactly that. HOLD comes after the
+files it names: this node holds those whose objects are here (verified) in its copy of the
+step's committed version (`OtherTiers.hold_files`) and names them in HELD; only those does the
+sender count this node as a holder of. Paths and sizes were validated by the protocol;
+offsets and lengths are checked here against what was announced.
 
-A file whose chunks arrive in order is hashed as it arrives; the running hashes of transfers
-abandoned midway (a sender killed, or gone to a newer version) are dropped once idle for
-RUNNING_IDLE seconds or beyond the RUNNING_LIMIT most recently used. Dropping one is always
-safe: if that file's chunks do come after all, it is read back and hashed whole at its end.
+A file is hashed as its chunks are written (`tierfs.whole_hash`: a chunk next in order from
+the bytes in hand, one ahead of the order read back once the ones before it are in); a chunk
+written twice (a sender that tried again) makes it read back whole at its end. The states of
+transfers abandoned midway (a sender killed, or gone to a newer version) are dropped once idle
+for RUNNING_IDLE seconds or beyond the RUNNING_LIMIT most recently used; dropping one is
+always safe: the file then never completes until its chunks are all sent again.
 """
 
 from __future__ import annotations
@@ -18,34 +26,38 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
 
 import trio
-import xxhash
 
 from tierfs import manifest as mf
 from tierfs import reserved
-from tierfs.fs.ram_store import write_all
+from tierfs.fs.ram_store import RamFull, write_all
 from tierfs.replication.peers import protocol as proto
-from tierfs.replication.peers.channel import PeerChannel
+from tierfs.replication.peers.channel import BlockingChannel, PeerChannel
+from tierfs.whole_hash import WholeHash
 
 log = logging.getLogger(__name__)
 
 INCOMING_PREFIX = reserved.INCOMING
-# Files hashed as they arrive at once: many more than the senders keep in flight (a window of
-# a few chunks per connection, one connection or two per peer).
+# Files being received at once: many more than the senders keep in flight (a few per peer).
 RUNNING_LIMIT = 64
 # Seconds without a chunk after which a file's transfer is taken as abandoned: a live sender
 # fails its connection after IO_TIMEOUT (10 s) without an answer.
 RUNNING_IDLE = 120.0
+# Chunks written at once (worker threads): one per connection a few senders keep busy.
+WRITERS = 16
+WRITE_SLICE = 1 << 20  # bytes of a chunk written, then hashed, at a time
 
 
 class Space(Protocol):
     """The RAM store's accounting, as much of it as a receiver needs."""
 
-    def grow(self, backing_ino: int, new_end: int) -> None: ...
+    def grow(self, backing_ino: int, new_end: int) -> None:
+        """Count the file as ending at `new_end`; RamFull if the RAM tier has no room."""
 
     def forget_inode(self, backing_ino: int) -> None: ...
 
@@ -61,104 +73,190 @@ class ReplicaReceiver:
         self.objects_dir = objects_dir
         self.space = space
         self._hold = hold
-        self._threads = trio.CapacityLimiter(2)
-        # incoming file -> the xxh3-128 of every byte written to it so far, while its chunks
-        # arrive in order, one at a time: the file is checked as it arrives, not read back.
-        # In order of last use (a used entry is put back at the end), for _prune.
-        self._hashing: dict[Path, _Running] = {}
+        self._threads = trio.CapacityLimiter(WRITERS)
+        # incoming file -> its transfer (fd, chunks written, running hash), in order of last
+        # use (a used entry is put back at the end), for _prune
+        self._incoming_files: dict[Path, _Incoming] = {}
         self._running_limit = running_limit
         self._running_idle = running_idle
         self._swept_at = time.monotonic()
+        # incoming files refused for want of room -> why (their later chunks are refused too)
+        self._refused: dict[Path, str] = {}
 
     def _incoming(self, digest: str, peer: str) -> Path:
         return self.objects_dir / f"{INCOMING_PREFIX}{digest}-{peer}"
 
     async def put(self, message: proto.Message, channel: PeerChannel) -> None:
+        """A chunk of a file: its payload in hand, or streamed (`message.pending`: received,
+        written and hashed a slice at a time by one worker thread, `_receive_chunk`)."""
         digest, size, offset = message["xxh3"], message["size"], message["offset"]
-        data = message.payload
+        length = message.pending or len(message.payload)
         if len(digest) != 32 or any(c not in "0123456789abcdef" for c in digest):
             raise proto.ProtocolError("PUT with a malformed xxh3")
-        if offset % mf.CHUNK_SIZE or offset + len(data) > size or (
-                len(data) != min(mf.CHUNK_SIZE, size - offset)):
+        if offset % mf.CHUNK_SIZE or offset + length > size or (
+                length != min(mf.CHUNK_SIZE, size - offset)):
             raise proto.ProtocolError("PUT chunk does not fit the announced file")
-        target = self.objects_dir / digest
-        if target.exists():
+        if (self.objects_dir / digest).exists():
+            await _drop_payload(message, channel)
             await channel.send("OK")  # already here (another step, or an earlier attempt)
             return
-        incoming = self._incoming(digest, channel.peer_id)
-        fd = os.open(incoming, os.O_RDWR | os.O_CREAT | (os.O_TRUNC if offset == 0 else 0),
-                     0o600)
+        path = self._incoming(digest, channel.peer_id)
+        refused = self._refused.get(path)
+        if refused is not None and offset:
+            # a later chunk of a transfer refused for want of room (the sender had it in
+            # flight): not written, refused again; its first chunk sent again starts it over
+            await _drop_payload(message, channel)
+            await channel.send("NO_ROOM", message=refused)
+            return
+        self._refused.pop(path, None)
         try:
-            ino = os.fstat(fd).st_ino
-            try:
-                self.space.grow(ino, offset + len(data))
-            except Exception:
-                await channel.send("ERROR", message="RAM tier full on the receiving node")
-                return
-            running = self._running(incoming, offset)
-            try:  # up to 8 MiB: off the trio thread, which serves the mount meanwhile
-                await trio.to_thread.run_sync(_write, fd, data, offset, running,
-                                              limiter=self._threads)
-            except OSError as exc:  # the RAM dir's file system is full (a shared /dev/shm)
-                why = exc.strerror or str(exc)
-                await self._discard(incoming, ino, message, channel, f"found no room ({why})",
-                                    f"no room on the receiving node: {why}")
-                return
-            running = self._written(incoming, running, offset + len(data))
-            if offset + len(data) < size:
-                await channel.send("OK")
-                return
-            self._hashing.pop(incoming, None)
-            if running is not None:
-                found, found_size = running.hasher.hexdigest(), size
-            else:  # written out of order or by two at once: read the file back
-                whole = await trio.to_thread.run_sync(mf.hash_fd, fd, limiter=self._threads)
-                found, found_size = whole.xxh3, whole.size
+            incoming = self._transfer(path, size)
+        except OSError as exc:  # no room for the file itself (a full /dev/shm)
+            await _drop_payload(message, channel)
+            await self._no_room(path, None, message, channel, exc.strerror or str(exc))
+            return
+        try:
+            self.space.grow(incoming.ino, offset + length)
+        except RamFull:
+            await _drop_payload(message, channel)
+            await self._no_room(path, incoming, message, channel, "its RAM tier is full")
+            return
+        index = offset // mf.CHUNK_SIZE
+        again = index in incoming.have or index in incoming.writing
+        incoming.writing[index] += 1
+        fd = os.dup(incoming.fd)  # its own: a discard meanwhile closes the transfer's
+        whole = None if again else incoming.whole
+        no_room: list[str] = []
+        try:  # off the trio thread, which serves the mount meanwhile
+            if message.pending:
+                await channel.in_thread(_receive_chunk, fd, offset, whole, no_room)
+            else:
+                try:
+                    await trio.to_thread.run_sync(_write, fd, message.payload, offset, whole,
+                                                  limiter=self._threads)
+                except OSError as exc:
+                    no_room.append(exc.strerror or str(exc))
+        except BaseException:
+            # a streamed chunk whose tags failed, or cut off: bytes that are not the sender's
+            # may be in the file, which must never count (even if its xxh3 matched)
+            if message.pending:
+                self._forget(path, incoming)
+                log.warning("replica of %s/%s from %s discarded: a chunk of it did not "
+                            "arrive whole and authentic", message["path"], message["name"],
+                            channel.peer_id)
+            raise
         finally:
             os.close(fd)
+            incoming.writing[index] -= 1
+            if not incoming.writing[index]:
+                del incoming.writing[index]
+        if no_room:  # the RAM dir's file system is full (a shared /dev/shm)
+            await self._no_room(path, incoming, message, channel,
+                                f"the file system of its RAM dir: {no_room[0]}")
+            return
+        if self._incoming_files.get(path) is not incoming:
+            await channel.send("OK")  # discarded meanwhile: nothing of it counts
+            return
+        incoming.rewritten |= again
+        incoming.have.add(index)
+        if len(incoming.have) < incoming.chunks or incoming.writing:
+            await channel.send("OK")
+            return
+        del self._incoming_files[path]
+        try:
+            found, found_size = incoming.whole.digest(), size
+            if incoming.rewritten or found is None:  # read the file back
+                whole = await trio.to_thread.run_sync(mf.hash_fd, incoming.fd,
+                                                      limiter=self._threads)
+                found, found_size = whole.xxh3, whole.size
+        finally:
+            os.close(incoming.fd)
         if found != digest or found_size != size:
-            await self._discard(incoming, ino, message, channel, "does not match its checksum",
+            await self._discard(path, incoming, message, channel, "does not match its checksum",
                                 "checksum mismatch")
             return
-        os.rename(incoming, target)
+        os.rename(path, self.objects_dir / digest)
         await channel.send("OK")
 
-    async def _discard(self, incoming: Path, ino: int, message: proto.Message,
-                       channel: PeerChannel, why: str, answer: str) -> None:
-        """A replica that is not kept: its incoming file, running hash and RAM count go, and
-        the sender is answered with an ERROR (it tries again later, or elsewhere)."""
-        self._hashing.pop(incoming, None)
-        self.space.forget_inode(ino)
-        incoming.unlink()
-        log.error("replica of %s/%s from %s %s: discarded", message["path"], message["name"],
-                  channel.peer_id, why)
-        await channel.send("ERROR", message=answer)
+    def _transfer(self, path: Path, size: int) -> _Incoming:
+        """The transfer of the incoming file at `path` (put back as the most recently used),
+        or a new one: the file made `size` long (holes until its chunks come; an abandoned
+        attempt's bytes count for nothing, each chunk must come again)."""
+        incoming = self._incoming_files.pop(path, None)
+        if incoming is not None and incoming.size != size:
+            self._drop(incoming)  # another size for that content: a lying or broken sender
+            incoming = None
+        if incoming is None:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, size)
+            except BaseException:
+                os.close(fd)
+                raise
+            incoming = _Incoming(fd, os.fstat(fd).st_ino, size)
+        incoming.used = time.monotonic()
+        self._incoming_files[path] = incoming
+        self._prune(incoming.used)
+        return incoming
 
-    def _running(self, incoming: Path, offset: int) -> _Running | None:
-        """The running hash that the chunk at `offset` continues (a new one at offset 0), or
-        None; any other write breaks the file's running hash (it is then read back)."""
-        running = self._hashing.pop(incoming, None)
-        if offset == 0:
-            running = _Running()
-        elif running is None or running.busy or running.position != offset:
-            return None
-        running.busy = True
-        running.used = time.monotonic()
-        self._hashing[incoming] = running
-        self._prune(running.used)
-        return running
+    async def _discard(self, path: Path, incoming: _Incoming | None, message: proto.Message,
+                       channel: PeerChannel, why: str, answer: str,
+                       kind: str = "ERROR", level: int = logging.ERROR) -> None:
+        """A replica that is not kept: its incoming file, its transfer and its RAM count go,
+        and the sender is answered (`kind`: ERROR, it tries again later; or NO_ROOM, it
+        makes the copy elsewhere)."""
+        if incoming is not None:
+            self._forget(path, incoming)
+        else:
+            path.unlink(missing_ok=True)
+        log.log(level, "replica of %s/%s from %s %s: discarded", message["path"],
+                message["name"], channel.peer_id, why)
+        await channel.send(kind, message=answer)
+
+    async def _no_room(self, path: Path, incoming: _Incoming | None, message: proto.Message,
+                       channel: PeerChannel, why: str) -> None:
+        """No room for a replica here: discarded, its later chunks refused too without a
+        write (`_refused`), and the sender told NO_ROOM. One warning per refusal, no more:
+        the sender tries another node."""
+        answer = f"no room on {why}"
+        self._refused[path] = answer
+        while len(self._refused) > RUNNING_LIMIT:
+            del self._refused[next(iter(self._refused))]
+        await self._discard(path, incoming, message, channel, f"found no room ({why})", answer,
+                            "NO_ROOM", logging.WARNING)
+
+    def _forget(self, path: Path, incoming: _Incoming) -> None:
+        """A transfer's end without its object: its state, its incoming file (unless a newer
+        transfer's has the name now) and the RAM tier's count of it go. Chunks of it still
+        being written go to the removed file, and count for nothing."""
+        if self._incoming_files.get(path) is incoming:
+            del self._incoming_files[path]
+            self._drop(incoming)
+        self.space.forget_inode(incoming.ino)
+        try:
+            if os.stat(path).st_ino == incoming.ino:
+                path.unlink()
+        except FileNotFoundError:
+            pass
+
+    @staticmethod
+    def _drop(incoming: _Incoming) -> None:
+        if incoming.fd >= 0:
+            os.close(incoming.fd)
+            incoming.fd = -1
 
     def _prune(self, now: float) -> None:
-        """Drop the running hashes of transfers abandoned midway: idle for longer than
-        running_idle, or the least recently used beyond running_limit (a chunk being written
-        keeps its own). Every running_idle seconds, the incoming files left by abandoned
-        transfers go too (`_sweep`)."""
-        for incoming, running in list(self._hashing.items()):  # least recently used first
-            if (len(self._hashing) <= self._running_limit
-                    and now - running.used < self._running_idle):
+        """Drop the transfers abandoned midway: idle for longer than running_idle, or the
+        least recently used beyond running_limit (one with a chunk being written stays).
+        Every running_idle seconds, the incoming files left by abandoned transfers go too
+        (`_sweep`)."""
+        for path, incoming in list(self._incoming_files.items()):  # least recently used first
+            if (len(self._incoming_files) <= self._running_limit
+                    and now - incoming.used < self._running_idle):
                 break  # the rest were used later still
-            if not running.busy:
-                del self._hashing[incoming]
+            if not incoming.writing:
+                del self._incoming_files[path]
+                self._drop(incoming)
         if now - self._swept_at >= self._running_idle:
             self._swept_at = now
             self._sweep()
@@ -174,22 +272,13 @@ class ReplicaReceiver:
                     continue
                 try:
                     info = entry.stat()
-                    if info.st_mtime >= oldest or Path(entry.path) in self._hashing:
+                    if info.st_mtime >= oldest or Path(entry.path) in self._incoming_files:
                         continue
                     os.unlink(entry.path)
                 except FileNotFoundError:
                     continue
                 self.space.forget_inode(info.st_ino)
                 log.info("removed %s: its transfer was abandoned", entry.name)
-
-    def _written(self, incoming: Path, running: _Running | None,
-                 end: int) -> _Running | None:
-        """After a chunk's write: its running hash, if no other write to the file came in
-        between (which removed or replaced it), now up to `end`."""
-        if running is None or self._hashing.get(incoming) is not running:
-            return None
-        running.busy, running.position = False, end
-        return running
 
     async def hold(self, message: proto.Message, channel: PeerChannel) -> None:
         """HOLD: the sender has PUT these files of the step's committed version; this node
@@ -206,18 +295,76 @@ class ReplicaReceiver:
         await channel.send("HELD", names=held)
 
 
-class _Running:
-    """The xxh3-128 of an incoming file's bytes [0, position), written in order."""
+class _Incoming:
+    """One file being received from one peer: its open incoming file, the chunks written to
+    it (and being written now), and its xxh3-128 so far."""
 
-    def __init__(self) -> None:
-        self.hasher = xxhash.xxh3_128()
-        self.position = 0
-        self.busy = False  # a chunk is being written: a write meanwhile breaks the hash
+    def __init__(self, fd: int, ino: int, size: int) -> None:
+        self.fd = fd
+        self.ino = ino
+        self.size = size
+        self.chunks = max(1, mf.chunk_count(size))  # an empty file comes as one empty PUT
+        self.have: set[int] = set()
+        self.writing: Counter[int] = Counter()  # chunk -> its writes in progress
+        self.whole = WholeHash(size, mf.CHUNK_SIZE)
+        self.rewritten = False  # a chunk came twice: the running hash says nothing
         self.used = 0.0  # time.monotonic() of its last chunk
 
 
-def _write(fd: int, data: bytes | memoryview, offset: int, running: _Running | None) -> None:
-    """In a worker thread: store a chunk and add it to its file's running hash."""
-    write_all(fd, data, offset)
-    if running is not None:
-        running.hasher.update(data)
+async def _drop_payload(message: proto.Message, channel: PeerChannel) -> None:
+    """A streamed chunk that is not kept: its bytes are taken off the connection (and their
+    tags checked) before the answer."""
+    if message.pending:
+        await channel.in_thread(lambda io: io.stream_payload(None))
+
+
+def _receive_chunk(io: BlockingChannel, fd: int, offset: int, whole: WholeHash | None,
+                   no_room: list[str]) -> None:
+    """In a worker thread, on the channel lent to it: a streamed chunk's slices, each written
+    at its place and hashed (`whole`, unless the chunk came before) while in the CPU's cache,
+    then the chunk's tags checked (ProtocolError if they fail: the caller forgets the file).
+    No room in the RAM dir's file system: the rest is taken off the connection unwritten and
+    the reason put in `no_room`."""
+    index = offset // mf.CHUNK_SIZE
+    claimed = whole is not None and whole.claim(index)
+    good = False
+
+    def sink(piece: memoryview, at: int) -> None:
+        if no_room:
+            return
+        try:
+            write_all(fd, piece, offset + at)
+        except OSError as exc:
+            no_room.append(exc.strerror or str(exc))
+            return
+        if claimed:
+            assert whole is not None
+            whole.feed(piece)
+
+    try:
+        io.stream_payload(sink)
+        good = not no_room
+    finally:
+        if whole is not None:
+            whole.stored(fd, range(index, index + 1), good, claimed)
+
+
+def _write(fd: int, data: bytes | memoryview, offset: int, whole: WholeHash | None) -> None:
+    """In a worker thread: store a chunk and add it to its file's hash (`whole`, unless the
+    chunk came before), a slice at a time: each is hashed while the write left it in the
+    CPU's cache."""
+    index = offset // mf.CHUNK_SIZE
+    claimed = whole is not None and whole.claim(index)
+    good = False
+    view = memoryview(data)
+    try:
+        for start in range(0, max(len(view), 1), WRITE_SLICE):
+            piece = view[start:start + WRITE_SLICE]
+            write_all(fd, piece, offset + start)
+            if claimed:
+                assert whole is not None
+                whole.feed(piece)
+        good = True
+    finally:
+        if whole is not None:
+            whole.stored(fd, range(index, index + 1), good, claimed)

@@ -8,14 +8,23 @@ records list only real holders, `commit_records`). Every node computes the same 
 same records, so each copy is made once, by its planned source; this node carries out the
 copies it is the source of, grouped by target, in parallel across targets.
 
-To a target, each file is streamed in chunks from the RAM store's immutable committed objects
-(channel.WINDOW in flight: the peer's OKs are the backpressure), then HOLD names them (at most
-MAX_NAMES per message); the target answers HELD with those it now holds, verified. Only then
+To a target, the files' chunks go from the RAM store's immutable committed objects over the
+directory's `connections` connections at once (`--peer-connections`), dealt out in turn so
+that each file's chunks arrive about in order; each connection is driven by a worker thread
+of its own (`sendfile`, the chunks' tags, channel.WINDOW PUTs ahead of the peer's OKs, which
+are the backpressure). Then HOLD names them (at most MAX_NAMES per message); the target
+answers HELD with those it now holds, verified. Only then
 are they counted: the target is added to their records in etcd (batched transactions) and to
 this node's view. Only steps whose commit record is in etcd are replicated (the target asks
 etcd about a version it does not know). Failures retry while the step is still the current
 version; a step that keeps failing (etcd does not know it yet, a target refuses it) waits aside
 and is tried again a few seconds later, without holding up the other steps.
+
+A target that refuses a copy for want of room (NO_ROOM: its RAM tier, or its RAM dir's file
+system, is full) takes no copy from this node for NO_ROOM_PAUSE seconds: the plan is made
+again at once without it, so the copy goes to the next node on the ring; a step that no other
+node can take waits aside and is tried again (`troubles` says why it is short of copies, for
+`tierfs status`).
 
 A tracker file (`tierfs.trackers`) goes to a peer only once that peer holds the step it names
 (`may_copy`): until then its copies to that peer wait, and are planned again each time another
@@ -36,6 +45,7 @@ from tierfs.observe import Events
 from tierfs.replication.coordination import placement
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import WINDOW, BlockingChannel, NoRoom
 from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.retry import POLICY
 from tierfs.step_queue import StepQueue
@@ -49,6 +59,7 @@ RETRIES = POLICY.capped(RETRY_DELAY)
 TRIES_BEFORE_ASIDE = 5  # failed rounds of a step before it waits aside for RETRY_LATER
 RETRY_LATER = 5.0  # seconds between tries of the steps waiting aside
 HOLD_NAME_BYTES = 256 << 10  # names per HOLD: at most this many bytes (and MAX_NAMES)
+NO_ROOM_PAUSE = 30.0  # seconds a target that had no room for a copy is not sent another
 
 Placements = Callable[[mf.StepManifest], Awaitable[dict[str, FileRecord] | None]]
 # Count a target as holding files it verified; whether etcd recorded every one.
@@ -81,6 +92,10 @@ class Replicator:
         self.queue = StepQueue()
         self._later: dict[str, mf.StepManifest] = {}  # steps that kept failing: tried again
         self._waiting: dict[str, mf.StepManifest] = {}  # trackers waiting for a peer's copies
+        self._no_room: dict[str, tuple[float, str]] = {}  # target -> (trio time until, why)
+        self._refusals = 0  # NO_ROOM answers so far
+        # step path -> (why it is short of the copies this node owes, since when, wall ns)
+        self.troubles: dict[str, tuple[str, int]] = {}
 
     def submit(self, manifest: mf.StepManifest) -> None:
         if self.replicas > 0:
@@ -114,17 +129,24 @@ class Replicator:
             if copies is not None:
                 copies = self._not_waiting(manifest, copies)
             if copies is not None and not copies:
+                if manifest.path in self.troubles:  # short for want of room: tried later
+                    self._later[manifest.path] = manifest
+                    return
                 if manifest.path not in self._waiting:
                     self._plan_waiting_again()  # this step's copies are done
                 return
+            refusals = self._refusals
             if copies is not None and await self._send_copies(manifest, copies):
                 failures = 0
                 continue  # the records changed: check whether more copies are due
+            if self._refusals != refusals:
+                continue  # a target had no room: planned again at once without it
             failures += 1
             if failures >= TRIES_BEFORE_ASIDE:  # the other steps' copies go first
                 self._later[manifest.path] = manifest
                 return
             await RETRIES.pause(failures, wake=self.directory.changed)
+        self.troubles.pop(manifest.path, None)  # no longer the step's version here
 
     def _not_waiting(self, manifest: mf.StepManifest,
                      copies: list[placement.Copy]) -> list[placement.Copy]:
@@ -153,9 +175,37 @@ class Replicator:
         here = {name: placement.Placement(r.node, frozenset(r.holders), frozenset(r.left))
                 for name, r in records.items()
                 if os.path.exists(self._object_path(r.xxh3))}
-        live = self.directory.live
-        plan = placement.restore_plan(here, live.ring, self.replicas, live.domains)
-        return plan.for_source(self.directory.me)
+        live, me = self.directory.live, self.directory.me
+        ring, domains = live.ring, live.domains
+        full = self._full_targets()
+        copies = placement.restore_plan(here, ring, self.replicas, domains, full).for_source(me)
+        wanted = placement.restore_plan(here, ring, self.replicas, domains).for_source(me) \
+            if full else copies
+        if len(copies) < len(wanted):  # some copy has no target with room now
+            refused = sorted({c.target for c in wanted} & full)
+            self._note_trouble(manifest, "; ".join(self._no_room[t][1] for t in refused)
+                               + ": no other live node can take its copies")
+        elif manifest.path in self.troubles and not copies:
+            del self.troubles[manifest.path]  # every copy it owes is made
+        return copies
+
+    def _full_targets(self) -> frozenset[str]:
+        """The targets that had no room for a copy less than NO_ROOM_PAUSE ago."""
+        now = trio.current_time()
+        for target, (until, _why) in list(self._no_room.items()):
+            if until <= now:
+                del self._no_room[target]
+        return frozenset(self._no_room)
+
+    def _note_trouble(self, manifest: mf.StepManifest, why: str) -> None:
+        known = self.troubles.get(manifest.path)
+        self.troubles[manifest.path] = (why, known[1] if known else time.time_ns())
+
+    def trouble(self, path: str) -> dict[str, object] | None:
+        """Why the step at `path` is short of copies this node owes, and since when (ns);
+        None when it is not (as far as this node's last try knows)."""
+        known = self.troubles.get(path)
+        return None if known is None else {"reason": known[0], "since_ns": known[1]}
 
     async def _send_copies(self, manifest: mf.StepManifest,
                            copies: list[placement.Copy]) -> bool:
@@ -178,42 +228,84 @@ class Replicator:
         held: list[str] = []
         error: BaseException | None = None
         try:
-            async with self.directory.channel(target) as channel:
-                for batch in _batches(names):
-                    for name in batch:
-                        await self._send_file(channel, manifest.path, manifest.entry(name))
+            for batch in _batches(names):
+                entries = [entry for name in batch if (entry := manifest.entry(name)) is not None]
+                await self._send_files(target, manifest.path, entries)
+                async with self.directory.channel(target) as channel:
                     reply = await channel.request("HOLD", path=manifest.path,
                                                   version=manifest.version, names=batch,
                                                   expect="HELD")
-                    sent = set(batch)
-                    held += [n for n in reply["names"] if isinstance(n, str) and n in sent]
+                sent = set(batch)
+                held += [n for n in reply["names"] if isinstance(n, str) and n in sent]
+        except NoRoom as exc:  # the copies go to another node meanwhile
+            error = exc
+            self._refusals += 1
+            self._no_room[target] = (trio.current_time() + NO_ROOM_PAUSE, str(exc))
         except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
             error = exc
         recorded = not held or await self._on_held(manifest, target, held)
         if error is not None or len(held) < len(names) or not recorded:
-            log.warning("replication of %d files of %s v%d to %s failed, will retry: %s",
+            why = str(error or ("not all held there" if len(held) < len(names)
+                                else "etcd did not record the copies"))
+            log.warning("replication of %d files of %s v%d to %s failed, %s: %s",
                         len(names) - len(held), manifest.path, manifest.version, target,
-                        error or ("not all held there" if len(held) < len(names)
-                                  else "etcd did not record the copies"))
+                        f"its copies go to another node for {NO_ROOM_PAUSE:.0f} s"
+                        if isinstance(error, NoRoom) else "will retry", why)
+            self._note_trouble(manifest, f"copies to {target} failed: {why}")
             return False
         sent = sum(entry.size for name in names if (entry := manifest.entry(name)) is not None)
         self._events.replicated(manifest, target, sent, time.monotonic() - started)
         return True
 
-    async def _send_file(self, channel, step_path: str,  # type: ignore[no-untyped-def]
-                         entry: mf.FileEntry) -> None:
-        """The file's chunks as PUTs, sent from the RAM store's object by the kernel
-        (sendfile), several in flight (channel.pipeline): the peer's OKs pace the sender."""
-        fd = os.open(self._object_path(entry.xxh3), os.O_RDONLY)
+    async def _send_files(self, target: str, step_path: str,
+                          entries: list[mf.FileEntry]) -> None:
+        """The files' chunks as PUTs to `target`, over as many pooled connections at once as
+        the directory says (each driven by a worker thread, `_put_chunks`): chunk i of the
+        whole run goes over connection i mod n. The first failure raises (the other
+        connections stop)."""
+        chunks = [(entry, offset) for entry in entries
+                  for offset in range(0, max(entry.size, 1), mf.CHUNK_SIZE)]
+        lanes = max(1, min(self.directory.connections, len(chunks)))
+        failures: list[BaseException] = []
 
-        def put(offset: int) -> Callable[[], Awaitable[None]]:
-            return lambda: channel.send_file(
-                "PUT", fd, offset, min(mf.CHUNK_SIZE, entry.size - offset), path=step_path,
-                name=entry.name, xxh3=entry.xxh3, size=entry.size, offset=offset)
+        async def lane(share: list[tuple[mf.FileEntry, int]], scope: trio.CancelScope) -> None:
+            try:
+                async with self.directory.channel(target) as channel:
+                    await channel.in_thread(_put_chunks, share, step_path, self._object_path)
+            except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
+                failures.append(exc)
+                scope.cancel()
 
-        try:
-            await channel.pipeline(map(put, range(0, max(entry.size, 1), mf.CHUNK_SIZE)), "OK")
-        finally:
+        async with trio.open_nursery() as nursery:
+            for i in range(lanes):
+                nursery.start_soon(lane, chunks[i::lanes], nursery.cancel_scope)
+        if failures:
+            raise failures[0]
+
+
+def _put_chunks(io: BlockingChannel, chunks: list[tuple[mf.FileEntry, int]], step_path: str,
+                object_path: Callable[[str], str]) -> None:
+    """In a worker thread, on a channel lent to it (`PeerChannel.in_thread`): each chunk as a
+    PUT sent from its object by the kernel (`sendfile`), WINDOW of them ahead of the peer's
+    OKs."""
+    fds: dict[str, int] = {}
+    unanswered = 0
+    try:
+        for entry, offset in chunks:
+            fd = fds.get(entry.xxh3)
+            if fd is None:
+                fd = fds[entry.xxh3] = os.open(object_path(entry.xxh3), os.O_RDONLY)
+            io.send_file("PUT", fd, offset, min(mf.CHUNK_SIZE, entry.size - offset),
+                         path=step_path, name=entry.name, xxh3=entry.xxh3, size=entry.size,
+                         offset=offset)
+            unanswered += 1
+            if unanswered == WINDOW:
+                io.receive("OK")
+                unanswered -= 1
+        for _ in range(unanswered):
+            io.receive("OK")
+    finally:
+        for fd in fds.values():
             os.close(fd)
 
 

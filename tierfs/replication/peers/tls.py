@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 from tierfs.replication.certificates import dates_problem
 
+# ssl.OP_ENABLE_KTLS from Python 3.12; the same bit (SSL_OP_ENABLE_KTLS) for OpenSSL 3 before
+OP_ENABLE_KTLS = getattr(ssl, "OP_ENABLE_KTLS", 1 << 3)
+
 
 @dataclass(frozen=True)
 class PeerTlsFiles:
@@ -51,6 +54,13 @@ def load(files: PeerTlsFiles) -> PeerTls:
 def _context(files: PeerTlsFiles, protocol: int) -> ssl.SSLContext:
     context = ssl.SSLContext(protocol)
     context.minimum_version = ssl.TLSVersion.TLSv1_3
+    # Records encrypted and decrypted by the kernel where it and OpenSSL can (a no-op where
+    # they cannot: this project's kernel has no kernel TLS).
+    context.options |= OP_ENABLE_KTLS
+    if protocol == ssl.PROTOCOL_TLS_SERVER:
+        # No session tickets: no connection is resumed, and a ticket nobody read would make
+        # an idle pooled connection look closed by its peer.
+        context.num_tickets = 0
     context.check_hostname = False  # peers are reached by address: the CA says who is one
     context.verify_mode = ssl.CERT_REQUIRED
     for what, loading in (

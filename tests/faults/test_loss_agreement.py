@@ -1,0 +1,147 @@
+"""After a node loss every node tells the same story, within a stated bound: `latest`, the
+step's state, `copies` and `replicas` come from the cluster's records and its live members (a
+node learns a loss from etcd once the lost node's lease is gone: doc/CLUSTER.md states the
+bound), also on nodes that come back empty under the lost ids; and a read that finds no live
+holder while the holder's lease still lives waits for it (or for its loss) instead of failing
+at once."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import MountFactory, wait_until
+from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.test_crash import save
+from tierfs.demo.etcd import Etcd
+from tierfs.replication.peers.peer_reader import HOLDER_WAIT
+
+pytestmark = pytest.mark.faults
+
+# Seconds until every node agrees after a node's loss is known (doc/CLUSTER.md): its lease
+# ends within the ttl (3 s) after its last keepalive, the watch event reaches every node,
+# and each reads the records of the steps that loss may touch.
+AGREE = 5.0
+
+
+def story(cluster: Cluster, node_id: str, step: str) -> dict[str, Any]:
+    """What a node says of a step: its state, copies and replicas, and its run's `latest`."""
+    node = cluster.nodes[node_id]
+    found = node.step(step) or {}
+    latest = node / os.path.dirname(step) / "latest"
+    return {"state": found.get("state"), "copies": found.get("copies"),
+            "replicas": found.get("replicas"),
+            "latest": os.readlink(latest) if os.path.islink(latest) else None}
+
+
+def agreed(cluster: Cluster, step: str, expected: dict[str, Any]) -> bool:
+    return all(story(cluster, node_id, step) == expected for node_id in cluster.nodes)
+
+
+def save_across(cluster: Cluster, step: str) -> None:
+    """A multi-node DCP step: node i writes rank i's shard, node0 the `.metadata` naming
+    them all, which commits it across the cluster."""
+    from tests.test_cluster_scale import dcp_metadata
+
+    names = []
+    for rank, node_id in enumerate(sorted(cluster.nodes)):
+        node = cluster.nodes[node_id]
+        (node / step).mkdir(parents=True, exist_ok=True)
+        (node / step / f"__{rank}_0.distcp").write_bytes(os.urandom(256 << 10))
+        names.append(f"__{rank}_0.distcp")
+    (cluster.nodes["node0"] / step / ".metadata").write_bytes(dcp_metadata(names))
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["back_at_once", "back_later"])
+@pytest.mark.parametrize("lost_ids", [("node2", "node3"), ("node0", "node1")],
+                         ids=["rank2", "committer"])
+def test_nodes_back_empty_under_lost_ids_agree_with_the_survivors(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
+        lost_ids: tuple[str, str], later: bool) -> None:
+    """K = 1 on four nodes (each file's copy on the next node): step_5 written on node0,
+    step_10 across all four. Two neighbours are lost at once (a shard and its copy: rank 2's,
+    or rank 0's with the `.metadata`, the committer's, and step_5 whole) and come back with
+    empty RAM dirs under the same ids. Every node, the two that came back too, says within
+    AGREE that step_10 is incomplete (no copy of that shard, no node holding every file) and
+    that `latest` is step_5 (none when step_5 went too): whether they come back at once or
+    once the survivors know the loss."""
+    cluster = Cluster(mounts, token_file, 4, etcd_server)
+    cluster.start_all()
+    save(cluster.nodes["node0"] / "run/step_5", {"__0_0.distcp": b"five", ".metadata": b"m"})
+    save_across(cluster, "run/step_10")
+    wait_until(lambda: all(story(cluster, n, "run/step_10")["copies"] == 2
+                           and story(cluster, n, "run/step_5")["copies"] == 2
+                           for n in cluster.nodes), timeout=30)
+    assert agreed(cluster, "run/step_10", {"state": "committed", "copies": 2, "replicas": [],
+                                           "latest": "step_10"})
+    for node_id in lost_ids:
+        cluster.nodes[node_id].kill9()
+        shutil.rmtree(cluster.nodes[node_id].ram_dir)
+    if later:  # the survivors know the loss first
+        survivor = next(n for n in cluster.nodes if n not in lost_ids)
+        wait_until(lambda: story(cluster, survivor, "run/step_10")["state"] != "committed",
+                   timeout=30)
+    for node_id in lost_ids:
+        cluster.start(node_id)
+    back = time.monotonic()
+    lost = {"state": "incomplete", "copies": 0, "replicas": [],
+            "latest": None if "node0" in lost_ids else "step_5"}
+    try:
+        wait_until(lambda: agreed(cluster, "run/step_10", lost), timeout=AGREE)
+    except AssertionError:
+        raise AssertionError({n: story(cluster, n, "run/step_10")
+                              for n in cluster.nodes}) from None
+    print(f"\nevery node agrees {time.monotonic() - back:.1f} s after the last mount")
+
+
+def read_in_background(path: Path) -> tuple[threading.Thread, dict[str, Any]]:
+    """Read `path` whole in a thread: the result holds `data` or `error`, and `seconds`."""
+    result: dict[str, Any] = {}
+
+    def read() -> None:
+        started = time.monotonic()
+        try:
+            result["data"] = path.read_bytes()
+        except OSError as exc:
+            result["error"] = exc
+        result["seconds"] = time.monotonic() - started
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    return reader, result
+
+
+def test_a_read_waits_for_a_holder_whose_lease_lives(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """No copies (--replicas 0): node0 alone holds step_1. Its daemon is killed and a read on
+    node1 begins at once: the holder's lease still lives, so the read waits instead of
+    failing, and gets the bytes once node0 is back on its RAM dir. Killed for good, the next
+    read fails (EIO) once the loss is known, within the bound, and the step is incomplete."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all("--replicas", "0")
+    data, other = os.urandom(3 << 20), os.urandom(1 << 20)
+    save(node0 / "run/step_1", {"__0_0.distcp": data, "__0_1.distcp": other,
+                                ".metadata": b"m"})
+    wait_until(lambda: story(cluster, "node1", "run/step_1")["state"] == "committed",
+               timeout=10)
+    node0.kill9()
+    reader, result = read_in_background(node1 / "run/step_1/__0_0.distcp")
+    cluster.start("node0")  # the same RAM dir, within the lease's ttl
+    reader.join(timeout=60)
+    assert result.get("data") == data, result.get("error")
+
+    cluster.nodes["node0"].kill9()  # (the file read is in node1's RAM now: the other one)
+    reader, result = read_in_background(node1 / "run/step_1/__0_1.distcp")
+    reader.join(timeout=60)
+    assert isinstance(result.get("error"), OSError) and result["error"].errno == errno.EIO, \
+        result
+    assert result["seconds"] < HOLDER_WAIT + 3, result["seconds"]
+    wait_until(lambda: story(cluster, "node1", "run/step_1")["state"] == "incomplete",
+               timeout=AGREE)

@@ -1,0 +1,60 @@
+"""fs.foreground: background work waits for a pause in the mount users' requests, and never
+longer than MOST_WAIT (a mount that is never quiet slows its uploads, never stops them)."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from tierfs.fs.foreground import MOST_WAIT, QUIET, Foreground
+
+pytestmark = pytest.mark.core
+
+
+async def _waited(foreground: Foreground) -> float:
+    started = trio.current_time()
+    await foreground.wait_quiet()
+    return trio.current_time() - started
+
+
+def run(test: object) -> None:
+    trio.run(test, clock=trio.testing.MockClock(autojump_threshold=0))  # type: ignore[arg-type]
+
+
+def test_no_request_no_wait() -> None:
+    async def test() -> None:
+        assert await _waited(Foreground()) == 0
+
+    run(test)
+
+
+def test_a_pause_after_the_last_request() -> None:
+    async def test() -> None:
+        foreground = Foreground()
+        foreground.request()
+        await trio.sleep(QUIET / 5)
+        assert await _waited(foreground) == pytest.approx(QUIET * 4 / 5)
+
+    run(test)
+
+
+def test_requests_that_never_pause_hold_it_back_at_most_most_wait() -> None:
+    async def test() -> None:
+        foreground = Foreground()
+
+        async def user(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            foreground.request()
+            task_status.started()
+            while True:
+                await trio.sleep(QUIET / 10)
+                foreground.request()
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(user)
+            assert await _waited(foreground) == pytest.approx(MOST_WAIT)
+            assert await _waited(foreground) == pytest.approx(MOST_WAIT)
+            nursery.cancel_scope.cancel()
+        assert foreground.waited == pytest.approx(2 * MOST_WAIT)
+
+    run(test)

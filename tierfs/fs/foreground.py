@@ -1,0 +1,43 @@
+"""The mount's users first: background work that competes with their requests for the daemon's
+loop and its GIL waits while those requests keep coming.
+
+A step of 10,000 small files uploads as 10,000 PUTs, each about 1.5-2 ms of boto3's Python
+under the GIL, beside the loop that answers FUSE requests: an `ls -l` of the step while it
+uploaded took 6-14x tmpfs's time against 2-4x once it was persisted (doc/BENCHMARKS.md). So
+each request the daemon answers is noted here (`request`), and the uploader asks before each
+file (`wait_quiet`) for a pause of QUIET seconds in them. It waits at most MOST_WAIT per
+file: a mount that is never quiet (a job reading through it all the time) slows its uploads
+down, and never stops them."""
+
+from __future__ import annotations
+
+import math
+
+import trio
+
+QUIET = 0.05  # seconds without a request: the users are done for now
+MOST_WAIT = 0.5  # the longest one piece of background work waits for such a pause
+
+
+class Foreground:
+    """When the mount's users last made a request (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._last = -math.inf
+        self.waited = 0.0  # seconds background work waited for the users (status, tests)
+
+    def request(self) -> None:
+        """A request of a user's is being answered (the daemon's loop)."""
+        self._last = trio.current_time()
+
+    async def wait_quiet(self) -> None:
+        """Return once no request came for QUIET seconds, or after MOST_WAIT."""
+        started = trio.current_time()
+        deadline = started + MOST_WAIT
+        while True:
+            now = trio.current_time()
+            idle = now - self._last
+            if idle >= QUIET or now >= deadline:
+                break
+            await trio.sleep(min(QUIET - idle, deadline - now))
+        self.waited += trio.current_time() - started

@@ -1,0 +1,69 @@
+"""Which other nodes have files of a step being written (`FILES`, answered by `HAVE`), and
+the answers to such requests.
+
+A multi-node DCP commit waits for the records other nodes write in etcd of the shards their
+ranks sealed. When they are late, the committer asks the peers themselves: a node that has a
+shard its records do not show wrote it and cannot record it (cut off from etcd), and then the
+save cannot commit and must fail within its bound, never return success; when no node has them
+and every node answered, they are still to come (`cp -r` writes `.metadata` before the shards)
+and the commit waits for them here. A node that is down, or does not answer, may have them:
+the commit cannot tell, and treats it as the first case."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from tierfs.fs.ports import FilesOnPeers
+from tierfs.replication.peers import protocol as proto
+from tierfs.replication.peers.channel import PeerChannel
+from tierfs.replication.peers.directory import PeerDirectory
+
+ASK_TIMEOUT = 5.0  # seconds a peer has to answer (it only looks in its tree)
+
+# (step path, names) -> the names of files of that step in this node's tree
+FilesHere = Callable[[str, list[str]], list[str]]
+
+
+class PeerFiles:
+    def __init__(self, directory: PeerDirectory) -> None:
+        self.directory = directory
+
+    async def ask(self, step_path: str, names: set[str], deadline: float) -> FilesOnPeers:
+        """`fs.ports.ShardsOnPeers`: every node seen since this daemon started is asked
+        (at once) which of `names` it has in the step, by `deadline` (trio time) and within
+        ASK_TIMEOUT."""
+        found = FilesOnPeers({}, set())
+        wanted = sorted(names)
+
+        async def ask_one(node_id: str) -> None:
+            if not self.directory.is_up(node_id):
+                found.unanswered.add(node_id)  # down: it may hold them, and cannot say
+                return
+            try:
+                with trio.fail_after(max(0.0, min(ASK_TIMEOUT,
+                                                  deadline - trio.current_time()))):
+                    async with self.directory.channel(node_id) as channel:
+                        for start in range(0, len(wanted), proto.MAX_NAMES):
+                            reply = await channel.request(
+                                "FILES", path=step_path,
+                                names=wanted[start:start + proto.MAX_NAMES], expect="HAVE")
+                            for name in reply["names"]:
+                                if name in names:
+                                    found.held.setdefault(name, node_id)
+            except (OSError, proto.ProtocolError, trio.TooSlowError):
+                found.unanswered.add(node_id)
+
+        async with trio.open_nursery() as nursery:
+            for peer in self.directory.peers:
+                nursery.start_soon(ask_one, peer.node_id)
+        return found
+
+
+def files_handler(files_here: FilesHere) -> Callable[[proto.Message, PeerChannel],
+                                                     Awaitable[None]]:
+    async def on_files(message: proto.Message, channel: PeerChannel) -> None:
+        await channel.send("HAVE", names=files_here(message["path"], message["names"]))
+
+    return on_files
