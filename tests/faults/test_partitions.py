@@ -7,10 +7,11 @@ ever reads mixed or wrong bytes, `latest` never goes back and never names a step
 read, every node agrees within the documented bound after each heal, and a saver's call is
 bounded. doc/RELIABILITY.md lists the faults and properties.
 
-`make test` runs a seeded sample (one episode, and a failure domain cut off whole);
-`make test-faults` (TIERFS_FAULTS=full) runs every episode on a cluster of its own, and the
-whole schedule in a seeded order on one cluster. TIERFS_FAULTS_SEED=N replays (or explores)
-another seed; each run's counts and history go to tests/faults/results/partitions-*.
+`make test` runs a seeded sample (two episodes one after the other on one cluster, and a
+failure domain cut off whole); `make test-faults` (TIERFS_FAULTS=full) runs every episode on a
+cluster of its own, and the whole schedule in a seeded order on one cluster.
+TIERFS_FAULTS_SEED=N replays (or explores) another seed; each run's counts and history go to
+tests/faults/results/partitions-*.
 """
 
 from __future__ import annotations
@@ -29,19 +30,20 @@ from tests.faults.results_io import FULL
 pytestmark = pytest.mark.faults
 
 SEED = int(os.environ.get("TIERFS_FAULTS_SEED") or 46)
-QUICK_SAMPLE = 1  # episodes `make test` runs
+QUICK_SAMPLE = 2  # episodes `make test` runs, on one cluster
 
 
-def sampled(episode: str) -> bool:
-    """Whether this run has `episode` (the full run has every one)."""
-    return FULL or episode in random.Random(SEED).sample(sorted(EPISODES), QUICK_SAMPLE)
+def schedule() -> list[str]:
+    """The episodes of the schedule, in the seed's order: all of them in the full run, the
+    first QUICK_SAMPLE in the quick one."""
+    order = random.Random(SEED).sample(sorted(EPISODES), len(EPISODES))
+    return order if FULL else order[:QUICK_SAMPLE]
 
 
+@pytest.mark.skipif(not FULL, reason="every episode alone runs in make test-faults")
 @pytest.mark.parametrize("episode", sorted(EPISODES))
 def test_episode(episode: str, tmp_path: Path, mounts: MountFactory, token_file: Path) -> None:
     """One episode on a 3-node cluster of its own, K = 1, between saves before and after."""
-    if not sampled(episode):
-        pytest.skip(f"not in the quick sample of seed {SEED} (TIERFS_FAULTS=full runs it)")
     with PartitionRun.open(tmp_path, mounts, token_file, f"partitions-{episode}",
                            SEED) as run:
         run.save()
@@ -63,12 +65,11 @@ def test_a_failure_domain_cut_off_whole_loses_no_step(tmp_path: Path, mounts: Mo
         run.finish(episodes=["domain-cut"])
 
 
-@pytest.mark.skipif(not FULL, reason="the whole schedule runs in make test-faults")
-def test_the_whole_schedule_on_one_cluster(tmp_path: Path, mounts: MountFactory,
-                                           token_file: Path) -> None:
-    """Every episode, in an order drawn from the seed, one after the other on one cluster
-    and one job, judged as one history."""
-    order = random.Random(SEED).sample(sorted(EPISODES), len(EPISODES))
+def test_the_schedule_on_one_cluster(tmp_path: Path, mounts: MountFactory,
+                                    token_file: Path) -> None:
+    """The episodes of the schedule (all of them in the full run), in an order drawn from the
+    seed, one after the other on one cluster and one job, judged as one history."""
+    order = schedule()
     with PartitionRun.open(tmp_path, mounts, token_file, "partitions-schedule", SEED) as run:
         run.save()
         for episode in order:
