@@ -159,8 +159,8 @@ def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
 
     Only missing copies are made: a file that still has the copies it wants stays where it
     is, so a node joining the ring moves no data. A missing copy goes to the first live nodes
-    clockwise from the writer's place (a writer that is gone: its first live holder's, by id)
-    that do not hold the file and did not leave it, each
+    clockwise from the writer's place (a writer that is gone, with failure domains: its first
+    live holder's, by id) that do not hold the file and did not leave it, each
     from a failure domain that holds no live copy yet while there is one (`_spread`: a fresh
     file's copies go to its replica targets). Its source is the first live holder clockwise
     from there (the writer itself while it holds it). The plan is therefore the same on every
@@ -187,10 +187,13 @@ def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
         missing = min(replicas + 1, len(ring_ids)) - len(left) - len(live_holders)
         if missing <= 0:
             continue
-        # From the writer's place; a writer that is gone: from its first live holder's (from
-        # the place the writer would have, the files of a rack of consecutive ids lost would
-        # all start at one node, and their copies would all go to its next ones).
-        start = placement.writer if placement.writer in index else min(live_holders)
+        # From the writer's place, also for a writer that is gone (the place it would have:
+        # a replacement node with the next id takes its copies); with failure domains, a
+        # writer that is gone: from its first live holder's (from the writer's place, the
+        # files of a rack lost whole would all start at one node, and their copies would all
+        # go to its next ones).
+        start = placement.writer if placement.writer in index or not domains \
+            else min(live_holders)
         order = clockwise(ring_ids, start, index)
         source = next(node for node in order if node in live_holders)
         # never short but for `avoid`: `missing` is at most the number of the others
