@@ -193,6 +193,9 @@ def _load(event: Event, start: float, model: Model, windows: Windows,
           counts: dict[str, Any]) -> list[str]:
     value = event.value
     node = value["node"]
+    # how long a load blocked (reported, not bounded: a read whose holders are cut off waits
+    # for each of them, doc/RELIABILITY.md)
+    counts["load_seconds_max"] = max(counts["load_seconds_max"], value.get("seconds", 0.0))
     if event.kind == "fail":
         if windows.disturbed(node, start, event.time):
             counts["loads_failed_in_cuts"] += 1
