@@ -37,6 +37,15 @@ def test_without_domains_placement_is_the_sorted_ring() -> None:
     assert placement.replica_targets(ring, "n0", 1) == ["n1"]
 
 
+def test_without_domains_a_gone_writer_s_copies_go_from_its_own_place() -> None:
+    """A writer lost for good and a node with the next id in its place: that node takes the
+    lost writer's copies, as before failure domains (b0d0c24 started from the file's first
+    live holder's place in every cluster, and the copy went to node1)."""
+    file = placement.Placement("node2", frozenset({"node2", "node0"}))
+    plan = placement.restore_plan({"f": file}, ["node0", "node1", "node3"], 1)
+    assert plan.copies == [placement.Copy("f", "node0", "node3")]
+
+
 def test_k_copies_spread_over_as_many_domains_as_there_are() -> None:
     domains = {"a1": "A", "a2": "A", "b1": "B", "b2": "B", "c1": "C"}
     ring = placement.ring(domains, domains)
