@@ -25,7 +25,7 @@ import pytest
 from tests.conftest import MountFactory
 from tests.faults.episodes import EPISODES, domain_cut
 from tests.faults.partition_run import PartitionRun
-from tests.faults.results_io import FULL
+from tests.faults.results_io import FULL, pick
 
 pytestmark = pytest.mark.faults
 
@@ -65,6 +65,9 @@ def test_a_failure_domain_cut_off_whole_loses_no_step(tmp_path: Path, mounts: Mo
         run.finish(episodes=["domain-cut"])
 
 
+# the whole schedule: about 5 minutes, and loads through a node cut off from the holders of
+# what they read block for up to 100 s each (doc/RELIABILITY.md): beyond the 300 s default
+@pytest.mark.timeout(pick(300, 1200))
 def test_the_schedule_on_one_cluster(tmp_path: Path, mounts: MountFactory,
                                     token_file: Path) -> None:
     """The episodes of the schedule (all of them in the full run), in an order drawn from the
