@@ -73,6 +73,7 @@ class RecordedCluster:
         self.caught_up = trio.Event()
         self.directory = SimpleNamespace(
             is_up=lambda node: node in self.up,
+            domain_of=lambda node: None,  # no --failure-domain
             peers=[SimpleNamespace(node_id=n, up=True) for n in sorted(up)],
             status=lambda: [{"node_id": n, "state": "up"} for n in sorted(self.up)])
         self.replicator = SimpleNamespace(trouble=lambda _path: None)  # copies all made

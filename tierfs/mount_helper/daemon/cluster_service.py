@@ -64,7 +64,8 @@ def cluster_members(cfg: MountConfig) -> PeerDirectory:
         tls = peer_tls.load(cfg.peer_tls) if cfg.peer_tls is not None else None
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    return PeerDirectory(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise),
+    return PeerDirectory(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise,
+                                                 domain=cfg.failure_domain),
                          cfg.token, tls, connections=cfg.peer_connections)
 
 

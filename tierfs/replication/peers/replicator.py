@@ -175,11 +175,12 @@ class Replicator:
         here = {name: placement.Placement(r.node, frozenset(r.holders), frozenset(r.left))
                 for name, r in records.items()
                 if os.path.exists(self._object_path(r.xxh3))}
-        ring, me = self.directory.live.ring, self.directory.me
+        live, me = self.directory.live, self.directory.me
+        ring, domains = live.ring, live.domains
         full = self._full_targets()
-        copies = placement.restore_plan(here, ring, self.replicas, full).for_source(me)
-        wanted = placement.restore_plan(here, ring, self.replicas).for_source(me) if full \
-            else copies
+        copies = placement.restore_plan(here, ring, self.replicas, domains, full).for_source(me)
+        wanted = placement.restore_plan(here, ring, self.replicas, domains).for_source(me) \
+            if full else copies
         if len(copies) < len(wanted):  # some copy has no target with room now
             refused = sorted({c.target for c in wanted} & full)
             self._note_trouble(manifest, "; ".join(self._no_room[t][1] for t in refused)
