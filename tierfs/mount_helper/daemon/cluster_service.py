@@ -11,6 +11,7 @@ from typing import Any
 import trio
 
 from tierfs import manifest as mf
+from tierfs.fs.holders import RecordedHolders
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.ram_store import RamStore
 from tierfs.fs.step_versions import StepVersions
@@ -145,6 +146,8 @@ class ClusterNode:
                                      on_placements=tiers.note_placements,
                                      on_held=self._held, may_copy=tiers.may_copy,
                                      events=events)
+        # the records `tierfs status` takes copies, holders and TIERS from
+        self.recorded = RecordedHolders(self.recorded_holders)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.hold_files)
         self.ranges = RangeServer(store.objects, namespace.view.sealed_path, cfg.node_id,
                                   namespace.residency.chunk_for_peer)
@@ -169,6 +172,7 @@ class ClusterNode:
                     and found[name].xxh3 == entry.xxh3]
         if recorded:
             self.namespace.tiers.mark_held(manifest, peer, recorded)
+            self.recorded.changed(manifest.path, manifest.version)
         return len(recorded) == len(names)
 
     def handlers(self) -> dict[str, Handler]:

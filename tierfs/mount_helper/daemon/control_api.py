@@ -60,7 +60,7 @@ class ControlApi:
         self.passthrough = passthrough
         self.pipeline = pipeline
         # the records `tierfs status` takes copies, holders and TIERS from, in a cluster
-        self.recorded = RecordedHolders(cluster.recorded_holders) if cluster else None
+        self.recorded: RecordedHolders | None = cluster.recorded if cluster else None
 
     def persist_status(self, waiting: list[Due]) -> dict[str, Any] | None:
         """`persist` in `tierfs status --json`; `waiting`: `_persist_waiting`'s list."""
