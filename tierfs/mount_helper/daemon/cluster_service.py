@@ -147,6 +147,8 @@ class ClusterNode:
                                      on_placements=tiers.note_placements,
                                      on_held=self._held, may_copy=tiers.may_copy,
                                      events=events)
+        # the records `tierfs status` takes copies, holders and TIERS from
+        self.recorded = RecordedHolders(self.recorded_holders)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.hold_files)
         self.ranges = RangeServer(store.objects, namespace.view.sealed_path, cfg.node_id,
                                   namespace.residency.chunk_for_peer)
@@ -159,8 +161,6 @@ class ClusterNode:
         # Steps of the cluster not listed here for want of room for their records: path ->
         # (manifest, holders), listed again each PENDING_RETRY.
         self._unlearned: dict[str, tuple[mf.StepManifest, list[str]]] = {}
-        # the records `tierfs status` takes copies, holders and TIERS from
-        self.recorded = RecordedHolders(self.recorded_holders)
 
     async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> bool:
         """A peer verified copies of these files: counted in etcd's records, then here (only
@@ -173,8 +173,7 @@ class ClusterNode:
                     and found[name].xxh3 == entry.xxh3]
         if recorded:
             self.namespace.tiers.mark_held(manifest, peer, recorded)
-            # status shows the new copies at once, as `tierfs flush` counts them
-            self.recorded.forget(manifest.path)
+            self.recorded.changed(manifest.path, manifest.version)
         return len(recorded) == len(names)
 
     def handlers(self) -> dict[str, Handler]:
