@@ -297,6 +297,10 @@ class StaticMembership:
         return placement.ring(self.members)
 
     @property
+    def domains(self) -> dict[str, str]:
+        return {}
+
+    @property
     def admitted(self) -> dict[str, MemberInfo]:
         return dict(self.members)
 

@@ -41,6 +41,9 @@ def test_precedence_command_line_then_environment_then_file(tmp_path) -> None:  
     ({"step_pattern": "step_[0-9]+"}, "needs a group"),
     ({"step_pattern": "("}, "not a regular expression"),
     ({"ram_limit": "huge"}, "not a size"),
+    ({"failure_domain": "rack1"}, "--failure-domain needs --cluster"),
+    ({"failure_domain": "rack 1", "cluster": "etcd://127.0.0.1:2379/x", "insecure": True,
+      "listen": "127.0.0.1:7070"}, "use 1 to 63 letters, digits and ._:-"),
 ])
 def test_mistakes_are_one_clear_line(cli, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match=message):
@@ -92,6 +95,16 @@ def test_binary_config_file_and_unknown_flag_words(tmp_path) -> None:  # type: i
     with pytest.raises(ConfigError, match="TIERFS_FOREGROUND='maybe'"):
         resolve("/mnt", {}, {"TIERFS_FOREGROUND": "maybe"}, None)
     assert not resolve("/mnt", {}, {"TIERFS_FOREGROUND": "off"}, None).foreground
+
+
+def test_failure_domain_from_the_toml_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The DaemonSet writes the node's topology label into a config file of this form."""
+    config = tmp_path / "node.toml"
+    config.write_text('failure-domain = "us-east-1a"\n')
+    cfg = resolve("/mnt", {"cluster": "etcd://127.0.0.1:2379/x", "insecure": True,
+                           "listen": "127.0.0.1:7070"}, {}, str(config))
+    assert cfg.failure_domain == "us-east-1a"
+    assert resolve("/mnt", {}, {}, None).failure_domain is None
 
 
 @pytest.mark.parametrize("cli, message", [

@@ -88,7 +88,9 @@ class Node:
                     host_paths={"/dev/fuse": Path("/dev/fuse"), "/dev/shm": Path("/dev/shm"),
                                 MOUNT_IN_POD: self.host_dir},
                     options={"--ram-dir": str(self.ram_dir),
-                             "--listen": f"$(NODE_IP):{free_port()}"})
+                             "--listen": f"$(NODE_IP):{free_port()}"},
+                    # the init container makes it the node's --failure-domain
+                    labels={"topology.kubernetes.io/zone": f"zone-{name}"})
         self.pod = DaemonSetPod(site, tmp_path / name, image)
 
     def share(self) -> None:

@@ -189,3 +189,35 @@ async def test_a_big_file_removed_before_its_step_commits_is_not_kept(harness: H
     await harness.ops.forget([(ino, lookups)])
     gc.collect()
     assert gone() is None
+
+
+async def test_a_file_sealed_before_its_step_commits_is_not_hashed_again(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a cluster each file of a step is sealed at its close, for its record in etcd: the
+    step's commit, made while another file's hash is still to come, takes that seal and
+    hashes none of its bytes a second time (it did: every byte of a cluster's step was hashed
+    at its close and again after the commit, before any copy to a peer could start)."""
+    hashed: list[int] = []
+    real = mf.hash_fd
+
+    def counted(fd: int) -> mf.Digest:
+        hashed.append(os.fstat(fd).st_size)
+        return real(fd)
+
+    monkeypatch.setattr(mf, "hash_fd", counted)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(harness.ns.background.run)
+        sealing = harness.ns.tree.sealing
+        await harness.write_file("run/step_7/a", b"A" * BIG)
+        node = node_of(harness, "run/step_7/a")
+        await harness.ns.tree.seal(node)  # as the cluster's record of it does at its close
+        assert node.seal is not None and hashed == [BIG]
+        await sealing.hold()  # b's hash comes after the commit: the commit is pending
+        await dcp_save(harness, "run/step_7", {"b": b"B" * (BIG + 1)}, hashed=False)
+        sealing.release()
+        with trio.fail_after(30):
+            manifest = await harness.commits.receive()
+        assert manifest.entry("a").xxh3 == xxhash.xxh3_128_hexdigest(b"A" * BIG)
+        assert manifest.entry("b").xxh3 == xxhash.xxh3_128_hexdigest(b"B" * (BIG + 1))
+        assert hashed.count(BIG) == 1 and hashed.count(BIG + 1) == 1
+        nursery.cancel_scope.cancel()

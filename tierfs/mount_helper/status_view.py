@@ -111,19 +111,27 @@ def step_age(step: Step, now_ns: int) -> float | None:
     return None if stamp is None else (now_ns - stamp) / 1e9
 
 
-def tiers_of(step: Step) -> str:
+def tiers_of(step: Step, me: str = "") -> str:
     """Where the step is: in a cluster, a committed step's `tiers` (from the records of its
-    files, the same on every node: `fs.tree.holders`); else this node's RAM, the peers holding
-    the whole step, and the store."""
+    files, the same on every node: `fs.tree.holders`), each copy with its failure domain when it
+    has one (`ram(rack1),peer:node2(rack2)`; `me`: this node's id); else this node's RAM, the
+    peers holding the whole step, and the store."""
     if step.get("tiers"):
-        return str(step["tiers"])
+        domains = step.get("domains") or {}
+        if not domains:
+            return str(step["tiers"])
+        return ",".join(
+            f"{tier}({domain})" if (domain := domains.get(
+                me if tier == "ram" else tier.removeprefix("peer:"))) else tier
+            for tier in str(step["tiers"]).split(","))
     tiers = (["ram"] if step["ram"] else []) + [f"peer:{p}" for p in step["replicas"]]
     if step["persisted"]:
         tiers.append("persist")
     return ",".join(tiers) or "-"
 
 
-def table(steps: list[Step], now_ns: int, own_latest: Iterable[str] = ()) -> list[str]:
+def table(steps: list[Step], now_ns: int, own_latest: Iterable[str] = (),
+          me: str = "") -> list[str]:
     latest = latest_paths(steps, own_latest)
     rows = [("PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "AGE", "TIERS", "")]
     for step in steps:
@@ -131,7 +139,7 @@ def table(steps: list[Step], now_ns: int, own_latest: Iterable[str] = ()) -> lis
         rows.append((step["path"], "-" if step["step"] is None else str(step["step"]),
                      step["state"], str(step["version"]),
                      str(step["files"]), human_bytes(step["bytes"]),
-                     "-" if age is None else human_age(age), tiers_of(step),
+                     "-" if age is None else human_age(age), tiers_of(step, me),
                      LATEST if step["path"] in latest else ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     numeric = {1, 3, 4, 5, 6}
@@ -227,9 +235,11 @@ def peer_state(peer: dict[str, Any]) -> str:
 
 
 def nodes_line(peers: list[dict[str, Any]]) -> str:
-    """`nodes: node1 (10.0.0.2:7070) up; node2 (10.0.0.3:7070) up, refused (token)`."""
-    return "nodes: " + "; ".join(f"{p['node_id']} ({p['addr']}) {peer_state(p)}"
-                                 for p in peers)
+    """`nodes: node1 (10.0.0.2:7070) up; node2 (10.0.0.3:7070, rack2) up, refused (token)`
+    (a failure domain after the address)."""
+    return "nodes: " + "; ".join(
+        f"{p['node_id']} ({p['addr']}{', ' + p['domain'] if p.get('domain') else ''}) "
+        f"{peer_state(p)}" for p in peers)
 
 
 def failing_peers(status: dict[str, Any]) -> list[str]:
@@ -352,7 +362,10 @@ def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:
     now_ns = time.time_ns() if now_ns is None else now_ns
     ram = status["ram"]
     share = 100 * ram["used_bytes"] / max(ram["limit_bytes"], 1)
-    lines = [f"tierfs at {status['mountpoint']}  node {status['node_id']}  pid {status['pid']}",
+    domain = f" (failure domain {status['failure_domain']})" if status.get(
+        "failure_domain") else ""
+    lines = [f"tierfs at {status['mountpoint']}  node {status['node_id']}{domain}  "
+             f"pid {status['pid']}",
              f"RAM tier {human_bytes(ram['used_bytes'])} of {human_bytes(ram['limit_bytes'])} "
              f"({share:.0f}%) in {status.get('ram_dir', '?')}; file data "
              + ("passes straight to it (FUSE passthrough)" if status.get("passthrough")
@@ -367,7 +380,7 @@ def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:
         lines.append("no step directories yet" if where == "." else f"no steps under {where}")
         return "\n".join(lines + ram_dir_warning(status) + failing_peers(status))
     own = set(status.get("own_latest", ()))
-    lines += table(steps, now_ns, own)
+    lines += table(steps, now_ns, own, status["node_id"])
     lines += [run_summary(run, members, now_ns, run in own)
               for run, members in by_run(steps).items()]
     lines += warnings(status, now_ns)

@@ -148,8 +148,14 @@ class Sealing:
         """The digest of `snapshot`, a pending commit's copy of `node` (its generation `gen`
         then): the node's seal, joining its hash, while the node is still the snapshot's
         inode at that generation (copy on write keeps that inode unwritten); else the
-        snapshot hashed itself."""
-        ino = os.lstat(snapshot).st_ino
+        snapshot hashed itself. A seal the node already has that describes the snapshot is
+        taken as it is: in a cluster every file of a step is sealed at its close, for its
+        record in etcd (`OtherTiers.note_sealed`), and hashing it again here put a second
+        pass over every byte between the saver's return and the first copy to a peer."""
+        st = os.lstat(snapshot)
+        ino = st.st_ino
+        if node.gen == gen and node.seal is not None and node.seal.describes(st):
+            return node.seal.digest
         if node.gen == gen:
             with contextlib.suppress(FsError, OSError):  # removed: the snapshot is hashed
                 await self.seal(node)

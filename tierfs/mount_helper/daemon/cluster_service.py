@@ -62,7 +62,8 @@ def cluster_members(cfg: MountConfig) -> PeerDirectory:
         tls = peer_tls.load(cfg.peer_tls) if cfg.peer_tls is not None else None
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    return PeerDirectory(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise),
+    return PeerDirectory(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise,
+                                                 domain=cfg.failure_domain),
                          cfg.token, tls, connections=cfg.peer_connections)
 
 
@@ -144,6 +145,8 @@ class ClusterNode:
                                      on_placements=tiers.note_placements,
                                      on_held=self._held, may_copy=tiers.may_copy,
                                      events=events)
+        # the records `tierfs status` takes copies, holders and TIERS from
+        self.recorded = RecordedHolders(self.recorded_holders)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.hold_files)
         self.ranges = RangeServer(store.objects, namespace.view.sealed_path, cfg.node_id,
                                   namespace.residency.chunk_for_peer)
@@ -156,8 +159,6 @@ class ClusterNode:
         # Steps of the cluster not listed here for want of room for their records: path ->
         # (manifest, holders), listed again each PENDING_RETRY.
         self._unlearned: dict[str, tuple[mf.StepManifest, list[str]]] = {}
-        # the records `tierfs status` takes copies, holders and TIERS from
-        self.recorded = RecordedHolders(self.recorded_holders)
 
     async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> bool:
         """A peer verified copies of these files: counted in etcd's records, then here (only
@@ -170,8 +171,7 @@ class ClusterNode:
                     and found[name].xxh3 == entry.xxh3]
         if recorded:
             self.namespace.tiers.mark_held(manifest, peer, recorded)
-            # status shows the new copies at once, as `tierfs flush` counts them
-            self.recorded.forget(manifest.path)
+            self.recorded.changed(manifest.path, manifest.version)
         return len(recorded) == len(names)
 
     def handlers(self) -> dict[str, Handler]:

@@ -277,7 +277,8 @@ class ControlApi:
     def _spread(self, step: StepState, recorded: dict[str, set[str]] | None
                 ) -> dict[str, Any]:
         """`copies`, `holders`, `replicas`, `tiers` and `only_here` of a committed step in a
-        cluster, from the cluster's records of its files and the live members."""
+        cluster, from the cluster's records of its files and the live members, and `domains`:
+        the failure domain of each holder that has one."""
         assert self.cluster is not None
         me = self.cfg.node_id
         tree = self.namespace.tree
@@ -290,11 +291,14 @@ class ControlApi:
         alone = not step.persisted and any(
             name in step.resident and not any(h != me and is_up(h) for h in nodes)
             for name, nodes in recorded.items())
+        domain_of = self.cluster.directory.domain_of
+        domains = {h: d for h in held.holders if (d := domain_of(h)) is not None}
         # `replicas` too: the other live nodes holding every file, from the same records
         # (this node's own view named nodes that were gone, and differed from node to node)
         return {"copies": held.copies, "holders": list(held.holders),
                 "replicas": [h for h in held.whole if h != me and is_up(h)],
-                "tiers": held.tiers(step.persisted), "only_here": alone}
+                "tiers": held.tiers(step.persisted), "only_here": alone,
+                **({"domains": domains} if domains else {})}
 
     def _ram_dir_space(self) -> dict[str, int]:
         """The size and free bytes of the RAM dir's file system (a /dev/shm others share
@@ -324,6 +328,7 @@ class ControlApi:
             "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes,
                     **self._ram_dir_space()},
             "passthrough": self.passthrough is not None and self.passthrough.enabled,
+            "failure_domain": self.cfg.failure_domain,
             "peers": self.cluster.directory.status() if self.cluster else [],
             "served_to_peers": self.cluster.served() if self.cluster else None,
             # in a cluster: what this node missed while it was down is applied
