@@ -49,6 +49,16 @@ class PausingWriter(FileSystemWriter):
         return future
 
 
+class PausingFirstWriter(FileSystemWriter):
+    """The plain writer, which tells the test when this rank is about to write its files and
+    waits for its go-ahead (stdin) before it does."""
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        print("writing", flush=True)
+        sys.stdin.readline()
+        return super().write_data(plan, planner)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("rank", "world"):
@@ -60,6 +70,7 @@ def main() -> None:
     parser.add_argument("--save-only", action="store_true")
     parser.add_argument("--load-only", action="store_true")
     parser.add_argument("--pause-after-write", action="store_true")
+    parser.add_argument("--pause-before-write", action="store_true")
     parser.add_argument("--extra-mib", type=int, default=0)
     args = parser.parse_args()
     rank, step_dir = args.rank, args.step_dir
@@ -67,8 +78,9 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     try:
         if not args.load_only:
-            writer = (PausingWriter if args.pause_after_write else FileSystemWriter)(
-                step_dir, thread_count=2)
+            writer = (PausingWriter if args.pause_after_write
+                      else PausingFirstWriter if args.pause_before_write
+                      else FileSystemWriter)(step_dir, thread_count=2)
             dcp.save(state_for(rank, args.seed, args.extra_mib), storage_writer=writer)
             dist.barrier()
         if not args.save_only:

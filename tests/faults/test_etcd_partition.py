@@ -65,9 +65,10 @@ def test_a_save_with_a_writer_cut_off_from_etcd_fails_and_commits_once_healed(
                              "--commit-timeout", str(COMMIT_TIMEOUT))
     nodes = [cluster.nodes[f"node{i}"] for i in range(size)]
     steps = [node / "run/step_20" for node in nodes]
-    # one rank per node; rank 1 writes its shard on node1, which then loses etcd
-    ranks = start_dcp_ranks(steps, "--save-only", paused=1)
-    wait_written(ranks[1])
+    # one rank per node; node1 loses etcd, then rank 1 writes its shard there (cut once the
+    # shard was written, node1 could record it in etcd first, and the step commit rightly)
+    ranks = start_dcp_ranks(steps, "--save-only", paused=1, pause="before")
+    wait_written(ranks[1], said="writing")
     etcd_proxy.cut()
     try:
         started = time.monotonic()
