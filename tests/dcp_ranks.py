@@ -11,7 +11,9 @@ tensors of `--seed`, so a resume from `latest` shows which step it read);
 `--extra-mib N` adds a tensor of N MiB to each rank's shard; `--pause-after-write` has this
 rank print "written" once its shard is written (closed), and
 wait for a line on stdin before the save goes on (the test does something to the cluster in
-between: the commit on rank 0's node cannot happen before the save goes on)."""
+between: the commit on rank 0's node cannot happen before the save goes on); if that save then
+fails, the rank prints how long after the go-ahead it failed. `--pause-before-write` has it
+print "writing" and wait for that line before it writes its shard."""
 
 from __future__ import annotations
 
@@ -41,11 +43,14 @@ class PausingWriter(FileSystemWriter):
     """The plain writer, which tells the test when this rank's files are written and waits
     for its go-ahead (stdin) before the save goes on."""
 
+    resumed_at: float | None = None  # time.monotonic() of the go-ahead
+
     def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
         future = super().write_data(plan, planner)
         future.wait()
         print("written", flush=True)
         sys.stdin.readline()
+        PausingWriter.resumed_at = time.monotonic()
         return future
 
 
@@ -81,7 +86,15 @@ def main() -> None:
             writer = (PausingWriter if args.pause_after_write
                       else PausingFirstWriter if args.pause_before_write
                       else FileSystemWriter)(step_dir, thread_count=2)
-            dcp.save(state_for(rank, args.seed, args.extra_mib), storage_writer=writer)
+            try:
+                dcp.save(state_for(rank, args.seed, args.extra_mib), storage_writer=writer)
+            except BaseException:
+                if PausingWriter.resumed_at is not None:
+                    # how long the saver's call blocked, without the process's teardown
+                    took = time.monotonic() - PausingWriter.resumed_at
+                    print(f"the save failed {took:.2f} s after it went on", file=sys.stderr,
+                          flush=True)
+                raise
             dist.barrier()
         if not args.save_only:
             deadline = time.monotonic() + 60

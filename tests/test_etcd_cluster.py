@@ -841,3 +841,31 @@ async def test_single_file_steps_are_made_again_from_their_records(
         await node0.publish(manifest, {name})
         found = await node1.manifest_of(path)
         assert found is not None and found[0] == manifest
+
+
+async def test_a_version_published_while_an_older_one_is_forgotten_keeps_its_records(
+        etcd_server: EtcdServer) -> None:
+    """A step renamed away and back at once (`mv run run_q; mv run_q run`): the writer's
+    delete of the old version from etcd and its commit of the new one at the same path run
+    at the same time. The new version keeps its commit record and every file record, and
+    neither names a node that held only the old version (the delete removed the new
+    version's file records, and the commit record took the old one's holders: the
+    replicator saw no copy to make, and status counted a copy nobody had)."""
+    cluster = new_cluster(etcd_server)
+    node0, _etcd = commits(cluster, "n0")
+    names = ["a", "b", "c"]
+    for attempt in range(12):
+        path = f"run/step_{attempt}"
+        old = step_manifest(path, names, "n0")
+        await node0.publish(old, set(names))
+        await node0.add_holders(old, "n1", names)
+        new = replace(old, version=3, committed_ns=time.time_ns())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node0.forget, path, old.version, old.committed_ns)
+            nursery.start_soon(node0.publish, new, set(names))
+        record = await node0.records.commit_of(path)
+        assert record is not None and record.version == 3, (attempt, record)
+        assert record.holders == ("n0",), (attempt, record)
+        files = await node0.records.files(path)
+        assert sorted(files) == names, (attempt, files)
+        assert all(f.holders == ("n0",) for f in files.values()), (attempt, files)

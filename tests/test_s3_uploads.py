@@ -189,3 +189,20 @@ async def test_an_upload_given_up_drops_its_parts(
         await wait_for(lambda: "dropped" in caplog.text, timeout=30)
     assert store.unfinished_uploads() == []
     assert store.persisted == []
+
+
+async def test_an_upload_cancelled_by_the_daemon_stopping_drops_its_parts(
+        throttled: tuple[ThrottledStore, S3Proxy], caplog: pytest.LogCaptureFixture) -> None:
+    """The uploader is cancelled (the daemon stops) while a part is being retried: the store
+    is asked to drop the parts it holds, as for an upload given up (the cancellation went
+    past the cleanup, which caught Exception only: the parts stayed in the bucket)."""
+    caplog.set_level(logging.INFO)
+    store, proxy = throttled
+    proxy.plan = lambda r: Fault("slowdown") if r.is_upload_part and r.part_number == 3 \
+        else None
+    store.step("run/step_1", {"shard": os.urandom(3 * 5 << 20)})
+    async with store.running():
+        await wait_for(lambda: "part 3/3 failed (attempt 1)" in caplog.text, timeout=30)
+        assert store.unfinished_uploads() == ["up/run/step_1/shard"]
+    assert store.unfinished_uploads() == []
+    assert store.persisted == []
