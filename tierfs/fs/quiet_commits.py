@@ -155,10 +155,10 @@ class QuietCommits:
     def outlook(self, step_node: Node) -> Outlook:
         """When `step_node`, a step being written, commits by itself (see `Outlook`)."""
         step = step_node.step
-        writers = [rel for rel, node in tree_walk.files_under(step_node)
-                   if node.active_writers or node.open_for_writing]
-        if writers:
-            return Outlook("writers", files=writers)
+        if any(n.active_writers or n.open_for_writing for n in tree_walk.walk_files(step_node)):
+            return Outlook("writers", files=[
+                rel for rel, node in tree_walk.files_under(step_node)  # named in order
+                if node.active_writers or node.open_for_writing])
         if step.commit_pending:  # retried (`Commits.retry_pending_commits`)
             return Outlook("waits", reason=step.waiting_for)
         cut = self.tree.cut_short.in_step(step_node)
