@@ -208,28 +208,31 @@ def run_dcp_ranks(step_dirs: list[Path], timeout: float, at_once: bool = False) 
     finish_dcp_ranks(start_dcp_ranks(step_dirs, *(["--at-once"] if at_once else [])), timeout)
 
 
-def start_dcp_ranks(step_dirs: list[Path], *options: str,
-                    paused: int | None = None) -> list[subprocess.Popen[str]]:
+def start_dcp_ranks(step_dirs: list[Path], *options: str, paused: int | None = None,
+                    pause: str = "after") -> list[subprocess.Popen[str]]:
     """Start the ranks of tests/dcp_ranks.py (see `run_dcp_ranks`) with these options; rank
-    `paused` also gets --pause-after-write (its stdin is a pipe: `resume_rank`)."""
+    `paused` also gets --pause-after-write, or with `pause` "before" --pause-before-write
+    (its stdin is a pipe: `resume_rank`)."""
     script = Path(__file__).with_name("dcp_ranks.py")
     port = str(free_port())
     return [subprocess.Popen([sys.executable, str(script), str(rank), str(len(step_dirs)),
                               port, str(step_dir), *options,
-                              *(["--pause-after-write"] if rank == paused else [])],
+                              *([f"--pause-{pause}-write"] if rank == paused else [])],
                              stdin=subprocess.PIPE if rank == paused else subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for rank, step_dir in enumerate(step_dirs)]
 
 
-def wait_written(rank: subprocess.Popen[str], timeout: float = 120) -> None:
-    """Until a rank started with --pause-after-write has written its shard."""
+def wait_written(rank: subprocess.Popen[str], timeout: float = 120,
+                 said: str = "written") -> None:
+    """Until a rank started with --pause-after-write has written its shard (`said`
+    "writing": one started with --pause-before-write is about to write it)."""
     assert rank.stdout is not None
     ready: list[str] = []
     reader = threading.Thread(target=lambda: ready.append(rank.stdout.readline()), daemon=True)
     reader.start()
     reader.join(timeout)
-    assert ready and ready[0].strip() == "written", f"rank did not write: {ready}"
+    assert ready and ready[0].strip() == said, f"rank did not say {said!r}: {ready}"
 
 
 def resume_rank(rank: subprocess.Popen[str]) -> None:

@@ -13,6 +13,8 @@ import pytest
 from tests.conftest import MountFactory, tierfs
 from tests.test_savers import write
 from tierfs.mount_helper.status_view import (
+    cannot_commit,
+    commit_waits,
     format_status,
     human_age,
     in_subtree,
@@ -182,6 +184,29 @@ def test_ages_and_the_uncommitted_line() -> None:
                                 step("r/w", 9, "writing", waiting_for="its .metadata")))
     assert line.startswith("8 steps are not committed, so in no tier but this node's RAM: r/0, r/1")
     assert line.endswith("and 3 more")
+
+
+def test_what_flush_gives_up_on_among_the_steps_being_written() -> None:
+    """A step with a file held open for writing (seen so for a while), one that never commits
+    by itself, and one due after the flush's deadline cannot be waited for; one due before
+    it, one that waits for what may come, and a file open a moment only, can."""
+    def writing(path: str, **outlook: Any) -> dict[str, Any]:
+        return dict(step(path, 1, "writing"), commit_outlook={
+            "due_ns": None, "reason": None, "files": [], **outlook})
+
+    soon = writing("r/due_soon", kind="due", due_ns=NOW + 3 * 10**9)
+    late = writing("r/due_late", kind="due", due_ns=NOW + 600 * 10**9)
+    held = writing("r/held", kind="writers", files=["model.pt"])
+    moment = writing("r/moment", kind="writers", files=["a.pt"])
+    never = writing("r/never", kind="never", reason="the rest of its save")
+    waits = writing("r/waits", kind="waits", reason="files named by its .metadata")
+    steps = [soon, late, held, moment, never, waits]
+    assert cannot_commit(steps, NOW + 60 * 10**9, {"r/held"}) == [late, held, never]
+    assert cannot_commit(steps, float("inf"), set()) == [never]
+    assert commit_waits(steps, NOW) == (
+        "r/due_late (commits by itself in 10m00s), r/due_soon (commits by itself in 3s), "
+        "r/held (files open for writing: model.pt), r/moment (files open for writing: a.pt), "
+        "r/never (does not commit by itself: it waits for the rest of its save) and 1 more")
 
 
 def test_status_of_a_path_through_a_mount(mounts: MountFactory, tmp_path: Path) -> None:

@@ -197,7 +197,7 @@ def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
               for s in status["steps"] if s.get("waiting_for")]
     failing = [s for s in due_in_store(status) if s["persist_wait"]["failures"]]
     if failing:
-        lines.append(f"warning: {_count(failing, 'step')} not yet in {status['persist']['url']}:"
+        lines.append(f"warning: {steps_are(failing, 'step')} not yet in {status['persist']['url']}:"
                      f" {not_in_store(failing, now_ns)}")
     lines += [incomplete_warning(s, now_ns) for s in status["steps"]
               if s["state"] == "incomplete" and s.get("lost")]
@@ -336,13 +336,14 @@ def store_lines(status: dict[str, Any]) -> tuple[str | None, str | None]:
     url = status["persist"]["url"] if status.get("persist") else ""
     alone = ram_only_committed(status)
     held = [s for s in due_in_store(status) if not _no_peer_copy(s)]
-    return ((f"{_count(alone, 'committed step')} only in this node's RAM, not in {url}: "
+    return ((f"{steps_are(alone, 'committed step')} only in this node's RAM, not in {url}: "
              f"{not_in_store(alone)}") if alone else None,
-            (f"{_count(held, 'committed step')} not in {url} yet (peers hold copies): "
+            (f"{steps_are(held, 'committed step')} not in {url} yet (peers hold copies): "
              f"{not_in_store(held)}") if held else None)
 
 
-def _count(steps: list[Step], what: str) -> str:
+def steps_are(steps: list[Step], what: str) -> str:
+    """`1 step is`, `3 steps are` (`what` in place of step)."""
     return f"1 {what} is" if len(steps) == 1 else f"{len(steps)} {what}s are"
 
 
@@ -353,8 +354,52 @@ def uncommitted(status: dict[str, Any]) -> str | None:
         return None
     named = [s["path"] + (f" (waits for {s['waiting_for']})" if s.get("waiting_for") else "")
              for s in writing]
-    return (f"{_count(writing, 'step')} not committed, so in no tier but this node's RAM: "
+    return (f"{steps_are(writing, 'step')} not committed, so in no tier but this node's RAM: "
             f"{some_names(named)}")
+
+
+def being_written(status: dict[str, Any]) -> list[Step]:
+    """The steps (and loose files) not committed: in no tier but this node's RAM."""
+    return [s for s in status["steps"] if s["state"] == "writing"]
+
+
+def commit_wait(step: Step, now_ns: int) -> str:
+    """When a step being written commits by itself, from its `commit_outlook`:
+    `commits by itself in 3s`, `files open for writing: a.pt`, `waits for ...`."""
+    outlook = step.get("commit_outlook") or {}
+    kind = outlook.get("kind")
+    if kind == "due":
+        left = (outlook["due_ns"] - now_ns) / 1e9
+        return ("commits by itself in " + human_age(left)) if left >= 1 else \
+            "commits by itself now"
+    if kind == "writers":
+        return f"files open for writing: {some_names(outlook['files'], 3)}"
+    if kind == "never":
+        return f"does not commit by itself: it waits for {outlook['reason']}"
+    reason = outlook.get("reason") or step.get("waiting_for")
+    return f"waits for {reason}" if reason else "being written"
+
+
+def cannot_commit(writing: list[Step], deadline_ns: float, held_open: set[str]
+                  ) -> list[Step]:
+    """The steps being written that `tierfs flush` cannot see committed: a file of them held
+    open for writing (`held_open`: the paths of steps seen so for a while), none that commits
+    by itself (a save cut short), or none before `deadline_ns` (--commit-idle after their
+    last change is later). Those that wait for something that may come are not here."""
+    stuck = []
+    for step in writing:
+        outlook = step.get("commit_outlook") or {}
+        kind = outlook.get("kind")
+        if (kind == "never" or (kind == "writers" and step["path"] in held_open)
+                or (kind == "due" and outlook["due_ns"] > deadline_ns)):
+            stuck.append(step)
+    return stuck
+
+
+def commit_waits(steps: list[Step], now_ns: int | None = None) -> str:
+    """`run/step_2 (commits by itself in 3s), ...`: steps being written and when they commit."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    return some_names([f"{s['path']} ({commit_wait(s, now_ns)})" for s in steps], NAMED)
 
 
 def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:

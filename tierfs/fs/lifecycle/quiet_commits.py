@@ -32,6 +32,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
@@ -46,6 +47,29 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DCP_SHARD_SUFFIX = b".distcp"
+AWAIT_METADATA = "its .metadata (a DCP save in progress or interrupted)"
+CUT_SHORT_DCP = ("its .metadata, which will not come: a newer step began beside it, so its "
+                 "DCP save was cut short (remove it, or `tierfs commit` it as it is)")
+LEFT_WRITING = ("the rest of its save: it was left being written by an earlier run of the "
+                "daemon (a save cut short), so it does not commit by itself; `tierfs commit` "
+                "it as it is, write it again, or remove it")
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """When a step being written commits by itself (`QuietCommits.outlook`; `tierfs flush`
+    waits for it): `kind` is
+
+    * `due`: at `due` (monotonic seconds), once quiet for `--commit-idle`, if nothing changes;
+    * `writers`: once the files in `files`, open for writing, are closed (then `due`);
+    * `waits`: once what `reason` names comes (a DCP `.metadata`, files other nodes write,
+      etcd, room): it may, or may never;
+    * `never`: it does not commit by itself, `reason` says why (a save cut short)."""
+
+    kind: str
+    due: float | None = None
+    reason: str | None = None
+    files: list[str] = field(default_factory=list)
 
 
 class QuietWatch:
@@ -131,11 +155,44 @@ class QuietCommits:
         self.watch = watch
         self.commits = commits
 
+    def outlook(self, step_node: Node) -> Outlook:
+        """When `step_node`, a step being written, commits by itself (see `Outlook`)."""
+        step = step_node.step
+        if any(n.active_writers or n.open_for_writing for n in tree_walk.walk_files(step_node)):
+            return Outlook("writers", files=[
+                rel for rel, node in tree_walk.files_under(step_node)  # named in order
+                if node.active_writers or node.open_for_writing])
+        if step.commit_pending:  # retried (`Commits.retry_pending_commits`)
+            return Outlook("waits", reason=step.waiting_for)
+        cut = self.tree.cut_short.in_step(step_node)
+        if cut is not None:
+            return Outlook("never", reason=cut_short_reason(cut))
+        due = self.watch.due.get(step_node)
+        if due is None:  # not watched: left writing by a crash, or removed in part
+            return Outlook("never", reason=step.waiting_for or LEFT_WRITING)
+        reason = self._not_quiet(step_node)
+        if reason == AWAIT_METADATA:
+            if self._newer_step_beside(step_node):
+                return Outlook("never", reason=CUT_SHORT_DCP)
+            return Outlook("waits", reason=reason)  # rank 0 may still write it, or its node
+        if reason is not None and reason != "open writers":
+            return Outlook("never", reason=reason)
+        return Outlook("due", due=due)
+
+    @staticmethod
+    def _newer_step_beside(step_node: Node) -> bool:
+        """Whether the saver began a newer step directory beside `step_node`: it is done
+        with this one."""
+        number = step_node.step.number
+        return number is not None and step_node.parent is not None and any(
+            sibling.is_dir and sibling.step is not None and sibling.step.number is not None
+            and sibling.step.number > number for sibling in step_node.parent.children.values())
+
     def _not_quiet(self, step_node: Node) -> str | None:
         """Why `step_node` may not commit by itself now, or None if it may."""
         children = step_node.children or {}  # a single-file step has none
         if METADATA not in children and any(n.endswith(DCP_SHARD_SUFFIX) for n in children):
-            return "its .metadata (a DCP save in progress or interrupted)"
+            return AWAIT_METADATA
         for _rel, node in tree_walk.files_under(step_node):
             if node.active_writers or node.open_for_writing:
                 return "open writers"

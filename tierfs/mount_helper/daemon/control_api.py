@@ -8,6 +8,7 @@ import contextlib
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -268,11 +269,24 @@ class ControlApi:
         if status["state"] in ("writing", "empty"):
             with contextlib.suppress(FsError, OSError):  # removed meanwhile
                 status["changed_ns"] = tree.stat(node).st_mtime_ns
+        status["commit_outlook"] = (self._outlook(node) if status["state"] == "writing"
+                                    else None)
         status["persist_wait"] = persist_waits.get(status["path"])
         # why the step is short of the copies this node owes it (a target with no room...)
         status["copies_wait"] = (self.cluster.replicator.trouble(status["path"])
                                  if self.cluster is not None and step.committed else None)
         return status
+
+    def _outlook(self, node: Node) -> dict[str, Any]:
+        """`commit_outlook` of a step being written: when it commits by itself (what
+        `tierfs flush` waits for, or gives up on at once), as `fs.lifecycle.quiet_commits.Outlook`,
+        its time as `due_ns` (the wall clock; null unless `kind` is `due`)."""
+        outlook = self.namespace.quiet.outlook(node)
+        due_ns = None
+        if outlook.due is not None:
+            due_ns = time.time_ns() + int(max(0.0, outlook.due - time.monotonic()) * 1e9)
+        return {"kind": outlook.kind, "due_ns": due_ns, "reason": outlook.reason,
+                "files": outlook.files}
 
     def _spread(self, step: StepState, recorded: dict[str, set[str]] | None
                 ) -> dict[str, Any]:
