@@ -6,6 +6,7 @@ killed by its own pid (never by name), then its RAM dir is removed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -282,16 +283,31 @@ def s3_env(s3_server: SeaweedS3) -> dict[str, str]:
                 AWS_ENDPOINT_URL=s3_server.endpoint)
 
 
+@contextlib.contextmanager
+def own_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's spelling: 4m) of the test's own at `path`, lazily
+    unmounted after it."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 @pytest.fixture
 def small_shm(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs, as a small or shared /dev/shm would be."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(shm)], check=True)
-    try:
+    with own_tmpfs(tmp_path / "shm", "4m") as shm:
         yield shm
-    finally:
-        subprocess.run(["umount", "-l", str(shm)], check=False)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB tmpfs of the test's own (a RAM dir's file system that fills)."""
+    with own_tmpfs(tmp_path / "small", "24m") as path:
+        yield path
 
 
 class FuseRequestTrace:

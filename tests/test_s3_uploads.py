@@ -175,29 +175,14 @@ async def test_an_upload_the_store_lost_is_sent_again(
     assert store.unfinished_uploads() == []
 
 
-async def test_an_upload_given_up_drops_its_parts(
-        throttled: tuple[ThrottledStore, S3Proxy], caplog: pytest.LogCaptureFixture) -> None:
-    """A step deleted while its parts are refused: the upload stops and the store is asked
-    to drop the parts it holds (they would take space until a lifecycle rule removed them)."""
-    caplog.set_level(logging.INFO)
-    store, proxy = throttled
-    proxy.plan = lambda r: Fault("slowdown") if r.is_upload_part and r.part_number == 3 \
-        else None
-    store.step("run/step_1", {"shard": os.urandom(3 * 5 << 20)})
-    async with store.running():
-        await wait_for(lambda: "part 3/3 failed (attempt 2)" in caplog.text, timeout=30)
-        assert store.unfinished_uploads() == ["up/run/step_1/shard"]
-        store.current.clear()  # deleted: the next retry gives up
-        await wait_for(lambda: "dropped" in caplog.text, timeout=30)
-    assert store.unfinished_uploads() == []
-    assert store.persisted == []
-
-
-async def test_an_upload_cancelled_by_the_daemon_stopping_drops_its_parts(
-        throttled: tuple[ThrottledStore, S3Proxy], caplog: pytest.LogCaptureFixture) -> None:
-    """The uploader is cancelled (the daemon stops) while a part is being retried: the store
-    is asked to drop the parts it holds, as for an upload given up (the cancellation went
-    past the cleanup, which caught Exception only: the parts stayed in the bucket)."""
+@pytest.mark.parametrize("ended_by", ["delete", "daemon-stop"])
+async def test_an_upload_ended_midway_drops_its_parts(
+        throttled: tuple[ThrottledStore, S3Proxy], caplog: pytest.LogCaptureFixture,
+        ended_by: str) -> None:
+    """An upload in parts ended while a part is refused: its step deleted (the next retry
+    gives up), or the uploader cancelled as the daemon stops. The store is asked to drop the
+    parts it holds: they would take space until a lifecycle rule removed them (a cancellation
+    went past the clean-up, which caught Exception only, and left them)."""
     caplog.set_level(logging.INFO)
     store, proxy = throttled
     proxy.plan = lambda r: Fault("slowdown") if r.is_upload_part and r.part_number == 3 \
@@ -206,5 +191,8 @@ async def test_an_upload_cancelled_by_the_daemon_stopping_drops_its_parts(
     async with store.running():
         await wait_for(lambda: "part 3/3 failed (attempt 1)" in caplog.text, timeout=30)
         assert store.unfinished_uploads() == ["up/run/step_1/shard"]
+        if ended_by == "delete":
+            store.current.clear()  # the next retry gives up
+            await wait_for(lambda: "dropped" in caplog.text, timeout=30)
     assert store.unfinished_uploads() == []
     assert store.persisted == []

@@ -6,8 +6,6 @@ its file system is full, and its refusals are what they are (no checksum mismatc
 from __future__ import annotations
 
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,18 +16,6 @@ from tests.test_crash import save
 from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.faults
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 24 MiB tmpfs of the test's own."""
-    path = tmp_path / "small"
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.mark.parametrize("size", [3, 4])
