@@ -62,20 +62,3 @@ def test_a_pinned_step_that_is_gone_gives_way_and_other_directories_are_apart() 
     committed.clear()
     assert pins.resolve(me, 7, b"step_2", committed.__contains__) == b"step_2"
     assert pins.opened(me, 7, b"step_1") is None  # a file of a step it no longer names
-
-
-def test_a_process_that_saves_another_step_is_done_loading() -> None:
-    clock = Clock()
-    pins = LatestPins(clock)
-    me, committed = os.getpid(), {b"step_1", b"step_2", b"step_3"}
-    alive = committed.__contains__
-    assert pins.resolve(me, 7, b"step_1", alive) == b"step_1"
-    pin = pins.opened(me, 7, b"step_1")
-    assert pin is not None
-    pins.saving(me, 7, b"step_2")  # a file of step_1 still open: still loading
-    assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"
-    pins.closed(pin)
-    pins.saving(me, 7, b"step_1")  # writing into the pinned step itself: still its step
-    assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"
-    pins.saving(me, 7, b"step_3")
-    assert pins.resolve(me, 7, b"step_3", alive) == b"step_3"

@@ -221,9 +221,7 @@ class Namespace:
     def create(self, parent: Node, name: bytes, mode: int, flags: int, uid: int,
                gid: int, pid: int = 0) -> tuple[Node, Handle]:
         with self.tree.kernel_cache.kernel_knows():
-            node, handle = self.tree.create(parent, name, mode, flags, uid, gid, pid)
-        self.tree.latest.note_created(node, pid)
-        return node, handle
+            return self.tree.create(parent, name, mode, flags, uid, gid, pid)
 
     async def open(self, node: Node, flags: int) -> Handle:
         self.tree.check_openable(node)

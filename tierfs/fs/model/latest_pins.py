@@ -5,10 +5,9 @@ at every path lookup through it. A load through `latest` opens `.metadata` and t
 by path, so a commit landing mid-load would otherwise send the later opens to another step and
 mix two checkpoints. So a process that opened a file through `latest` keeps seeing that step
 while it has files of it open, and for `GRACE` seconds after it last closed one; then it sees
-the newest step again, or at once when it creates a file in another step of that directory
-(a save: it is done loading). A process that only looks at the link (`readlink`, a monitor),
-or opens the step's files by the step's own name, always sees the newest step. Other
-processes are not affected: each resolves on its own.
+the newest step again. A process that only looks at the link (`readlink`, a monitor), or opens
+the step's files by the step's own name, always sees the newest step. Other processes are not
+affected: each resolves on its own.
 
 Processes are told apart by thread-group id: FUSE reports the thread, and a load's threads are
 one reader.
@@ -73,14 +72,6 @@ class LatestPins:
         pin.open_files += 1
         pin.reading = True
         return pin
-
-    def saving(self, pid: int, dir_ino: int, step_name: bytes) -> None:
-        """A process created a file of step `step_name`: a save, so a load it made through
-        `latest` is over; unless it still reads the pinned step, it sees the newest one."""
-        key = (thread_group(pid), dir_ino)
-        pin = self._pins.get(key)
-        if pin is not None and pin.target != step_name and not pin.open_files:
-            del self._pins[key]
 
     def closed(self, pin: Pin) -> None:
         pin.open_files -= 1

@@ -134,13 +134,6 @@ class VirtualLatest:
         if step_node is not None and step_node.parent is not None:
             handle.pin = self._pins.opened(pid, step_node.parent.ino, step_node.name)
 
-    def note_created(self, node: Node, pid: int) -> None:
-        """Process `pid` created the file `node`: in a step, that is a save, and ends the
-        process's pin on the step's directory (`LatestPins.saving`)."""
-        step_node = next(tree_walk.enclosing_steps(node.parent), None)
-        if pid and step_node is not None and step_node.parent is not None:
-            self._pins.saving(pid, step_node.parent.ino, step_node.name)
-
     def closed(self, handle: Handle) -> None:
         if handle.pin is not None:
             self._pins.closed(handle.pin)
