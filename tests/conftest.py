@@ -10,6 +10,7 @@ import contextlib
 import errno
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -196,10 +197,28 @@ def getxattr(path: Path | str, name: str) -> str:
     return os.getxattr(path, name).decode()
 
 
+def _below_ephemeral() -> range:
+    """Ports the kernel never gives an outgoing connection: those below its ephemeral range."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    return range(max(1024, low - 12000), low)
+
+
+_TEST_PORTS = _below_ephemeral()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port for a server a test starts, below the ephemeral range: a port the
+    kernel chose (bind to 0) could be taken by any outgoing connection before the server
+    bound it ("cannot listen for peers ...: Address already in use" in a CI run)."""
+    while True:
+        port = random.choice(_TEST_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or waiting out a closed connection
+            return port
 
 
 def run_dcp_ranks(step_dirs: list[Path], timeout: float, at_once: bool = False) -> None:
