@@ -205,20 +205,26 @@ def _below_ephemeral() -> range:
 
 
 _TEST_PORTS = _below_ephemeral()
+_HANDED_OUT: set[int] = set()  # a cluster takes its ports before any node binds one
 
 
 def free_port() -> int:
     """A free loopback port for a server a test starts, below the ephemeral range: a port the
     kernel chose (bind to 0) could be taken by any outgoing connection before the server
     bound it ("cannot listen for peers ...: Address already in use" in a CI run)."""
+    if len(_HANDED_OUT) > len(_TEST_PORTS) // 2:
+        _HANDED_OUT.clear()  # the servers given the first ones are long gone
     while True:
         port = random.choice(_TEST_PORTS)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue  # in use, or waiting out a closed connection
-            return port
+        _HANDED_OUT.add(port)
+        return port
 
 
 def run_dcp_ranks(step_dirs: list[Path], timeout: float, at_once: bool = False) -> None:
