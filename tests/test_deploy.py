@@ -133,8 +133,7 @@ def test_daemonset_has_what_a_fuse_daemon_needs() -> None:
     token_volume = volumes[token_mount["name"]]["secret"]
     assert token_volume["secretName"] == "tierfs" and token_volume["defaultMode"] & 0o077 == 0
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert pre_stop[:3] == ["tierfs", "umount", "/checkpoints"]
-    assert {"--flush", "--timeout", "--force"} <= set(pre_stop)
+    assert pre_stop[:3] == ["tierfs", "flush", "/checkpoints"]
     _parses(pre_stop[1:])
     flush_timeout = float(pre_stop[pre_stop.index("--timeout") + 1])
     assert pod["terminationGracePeriodSeconds"] > flush_timeout
