@@ -195,6 +195,35 @@ def test_a_load_through_latest_never_mixes_two_steps(mnt: Mount) -> None:
     assert torch.equal(loaded["a"], state(1.0)["a"]) and torch.equal(loaded["b"], state(1.0)["b"])
 
 
+def test_a_new_load_through_latest_reads_the_newest_step_at_once(mnt: Mount) -> None:
+    """A process that loads through `latest` again right after a load reads the newest step:
+    after its own save (a job checking what it saved) and after another process's (an
+    evaluator polling the run), not the step it loaded a moment before."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    run = mnt / "run"
+
+    def save(step: int, value: float) -> None:
+        dcp.save({"w": torch.full((64,), value)},
+                 storage_writer=dcp.FileSystemWriter(str(run / f"step_{step}")))
+
+    def load_latest() -> float:
+        loaded = {"w": torch.zeros(64)}
+        dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(run / "latest")))
+        return float(loaded["w"][0])
+
+    save(1, 1.0)
+    assert load_latest() == 1.0
+    save(2, 2.0)  # this process's own save
+    assert load_latest() == 2.0
+    other = ("import sys, torch, torch.distributed.checkpoint as dcp; "
+             "dcp.save({'w': torch.full((64,), 3.0)}, "
+             "storage_writer=dcp.FileSystemWriter(sys.argv[1]))")
+    subprocess.run([sys.executable, "-c", other, str(run / "step_3")], check=True, timeout=120)
+    assert load_latest() == 3.0
+
+
 # -- a commit that fails for want of space ---------------------------------------------------------
 
 

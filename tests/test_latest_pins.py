@@ -62,3 +62,28 @@ def test_a_pinned_step_that_is_gone_gives_way_and_other_directories_are_apart() 
     committed.clear()
     assert pins.resolve(me, 7, b"step_2", committed.__contains__) == b"step_2"
     assert pins.opened(me, 7, b"step_1") is None  # a file of a step it no longer names
+
+
+def test_the_first_file_of_a_load_opened_again_starts_a_new_load() -> None:
+    """A DCP load opens `.metadata` once, first: opened again through the link with nothing
+    of the step open, a new load begins, and it may see the newest step; opened again while
+    a shard is open, or by a process that never read it, it is the same load."""
+    clock = Clock()
+    pins = LatestPins(clock)
+    me, committed = os.getpid(), {b"step_1", b"step_2"}
+    alive = committed.__contains__
+    assert pins.resolve(me, 7, b"step_1", alive) == b"step_1"
+    metadata = pins.opened(me, 7, b"step_1", b".metadata")
+    assert metadata is not None
+    pins.closed(metadata)
+    shard = pins.opened(me, 7, b"step_1", b"__0_0.distcp")
+    assert shard is not None
+    assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"  # step_2 committed mid-load
+    assert not pins.starts_again(me, 7, b"step_1", b".metadata", b"step_2")  # a shard is open
+    pins.closed(shard)
+    assert not pins.starts_again(me, 7, b"step_1", b"__0_0.distcp", b"step_2")
+    assert not pins.starts_again(me + 1, 7, b"step_1", b".metadata", b"step_2")  # another
+    assert not pins.starts_again(me, 7, b"step_1", b".metadata", b"step_1")  # not older
+    assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"
+    assert pins.starts_again(me, 7, b"step_1", b".metadata", b"step_2")
+    assert pins.resolve(me, 7, b"step_2", alive) == b"step_2"

@@ -246,6 +246,11 @@ class Namespace:
         if self.tree.has_backing(node):
             self.tree.attributes.drop_setid(node)
 
+    def check_open(self, node: Node, pid: int) -> None:
+        """`ESTALE` when this open starts a new load through an older `latest`
+        (`VirtualLatest.check_open`): the kernel walks the path again."""
+        self.tree.latest.check_open(node, pid)
+
     def note_opened(self, handle: Handle, pid: int) -> None:
         self.tree.latest.note_opened(handle, pid)
 

@@ -220,6 +220,7 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def open(self, inode: int, flags: int, ctx: Any) -> FileInfo:
         node = self.ns.get(inode)
+        self.ns.check_open(node, ctx.pid)
         if ((flags & os.O_ACCMODE) == os.O_RDONLY
                 and self.passthrough is not None and self.passthrough.enabled):
             # Reads of a file in another tier would each cross the daemon (the relay, a FUSE

@@ -5,9 +5,13 @@ at every path lookup through it. A load through `latest` opens `.metadata` and t
 by path, so a commit landing mid-load would otherwise send the later opens to another step and
 mix two checkpoints. So a process that opened a file through `latest` keeps seeing that step
 while it has files of it open, and for `GRACE` seconds after it last closed one; then it sees
-the newest step again. A process that only looks at the link (`readlink`, a monitor), or opens
-the step's files by the step's own name, always sees the newest step. Other processes are not
-affected: each resolves on its own.
+the newest step again. A DCP load reads `.metadata` once, first: a process that opens it again
+through the link with no file of its step open starts a new load, and sees the newest step
+(its open is answered `ESTALE`, and the kernel walks the path again, asking for the link's
+target anew), so a process that loads `latest` again soon after a load, or after its own save,
+is not held on the older step. A process that only looks at the link (`readlink`, a
+monitor), or opens the step's files by the step's own name, always sees the newest step.
+Other processes are not affected: each resolves on its own.
 
 Processes are told apart by thread-group id: FUSE reports the thread, and a load's threads are
 one reader.
@@ -17,12 +21,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GRACE = 10.0  # seconds a process keeps its target after its last use of it
 # An open of a file of the step within this long after the same process resolved `latest` to
 # it went through `latest` (the kernel asks for the link's target at every path lookup).
 THROUGH_LINK = 1.0
+# The file a load through `latest` opens first, and once (DCP's `dcp.load`): opened again, it
+# is a new load. (HF Trainer reads its `trainer_state.json` more than once in one resume.)
+LOAD_STARTS = b".metadata"
 
 
 @dataclass
@@ -32,6 +39,7 @@ class Pin:
     resolved: float = 0.0  # when the process last asked for the link's target
     open_files: int = 0
     reading: bool = False  # it opened a file of `target` through the link (until it expires)
+    read: set[bytes] = field(default_factory=set)  # the step's own files it opened so
 
 
 class LatestPins:
@@ -60,17 +68,41 @@ class LatestPins:
             self._pins[key] = Pin(newest, now, resolved=now)
         return newest
 
-    def opened(self, pid: int, dir_ino: int, step_name: bytes) -> Pin | None:
-        """A process opened a file of step `step_name`: its pin, if it names that step, lasts
-        while the file is open. Returns the pin to pass to `closed`."""
+    def opened(self, pid: int, dir_ino: int, step_name: bytes,
+               file_name: bytes | None = None) -> Pin | None:
+        """A process opened a file of step `step_name` (`file_name`: one at the step's top
+        level): its pin, if it names that step, lasts while the file is open. Returns the pin
+        to pass to `closed`."""
+        pin = self._through_link(pid, dir_ino, step_name)
+        if pin is None:
+            return None
+        pin.open_files += 1
+        pin.reading = True
+        if file_name is not None:
+            pin.read.add(file_name)
+        return pin
+
+    def starts_again(self, pid: int, dir_ino: int, step_name: bytes, file_name: bytes,
+                     newest: bytes | None) -> bool:
+        """A process is about to open `file_name` at the top of step `step_name`. True if that
+        begins a new load through an older step than the newest (the first file of a load,
+        `LOAD_STARTS`, read again through the link with nothing of the step open): the pin
+        ends, and the caller has the open walked again."""
+        pin = self._through_link(pid, dir_ino, step_name)
+        if (file_name != LOAD_STARTS or pin is None or pin.open_files
+                or newest in (None, pin.target) or file_name not in pin.read):
+            return False
+        del self._pins[(thread_group(pid), dir_ino)]
+        return True
+
+    def _through_link(self, pid: int, dir_ino: int, step_name: bytes) -> Pin | None:
+        """The process's pin, if a file of `step_name` it opens now comes through the link."""
         if not self._pins:
             return None
         pin = self._pins.get((thread_group(pid), dir_ino))
         if pin is None or pin.target != step_name or not (
                 pin.reading or self._clock() - pin.resolved <= THROUGH_LINK):
             return None  # not through the link: a file of the step opened by its own name
-        pin.open_files += 1
-        pin.reading = True
         return pin
 
     def closed(self, pin: Pin) -> None:

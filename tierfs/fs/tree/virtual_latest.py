@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tierfs.fs.model import completion, tree_walk
-from tierfs.fs.model.latest_pins import LatestPins
+from tierfs.fs.model.latest_pins import LOAD_STARTS, LatestPins
 from tierfs.fs.model.nodes import LATEST, OWN_LATEST_MARK, FsError, Handle, Node, StepState
 from tierfs.fs.tree.dir_attributes import times_kept
 from tierfs.step_names import DEEPSPEED_STEP
@@ -126,13 +126,28 @@ class VirtualLatest:
         """The kernel forgot the link's node."""
         self._nodes.pop(link.parent.ino, None)
 
+    def check_open(self, node: Node, pid: int) -> None:
+        """Process `pid` is about to open `node`: `ESTALE` if that starts a new load through
+        an older step than its directory's newest (`LatestPins.starts_again`: a DCP load's
+        `.metadata`); the kernel then walks the path again, `latest` naming the newest step."""
+        step_node = node.parent
+        if (node.name != LOAD_STARTS or step_node is None or step_node.step is None
+                or step_node.parent is None):
+            return
+        newest = self.target(step_node.parent)
+        if self._pins.starts_again(pid, step_node.parent.ino, step_node.name, node.name,
+                                   newest):
+            raise FsError(errno.ESTALE)
+
     def note_opened(self, handle: Handle, pid: int) -> None:
         """Process `pid` opened `handle` (the commit names it while it waits for it): if it
         reached the file through its pinned `latest`, the pin lasts while the file is open."""
         handle.pid = pid
         step_node = next(tree_walk.enclosing_steps(handle.node.parent), None)
         if step_node is not None and step_node.parent is not None:
-            handle.pin = self._pins.opened(pid, step_node.parent.ino, step_node.name)
+            handle.pin = self._pins.opened(
+                pid, step_node.parent.ino, step_node.name,
+                handle.node.name if handle.node.parent is step_node else None)
 
     def closed(self, handle: Handle) -> None:
         if handle.pin is not None:
