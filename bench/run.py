@@ -1201,7 +1201,7 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
                      ("streamed", f"appended every {APPEND_PERIOD * 1000:.0f} ms for "
                       f"{APPEND_SECONDS:.0f} s, --append-every 1")):
         row(f"{key}_bytes_sent_per_byte", f"bytes uploaded per byte appended ({APPEND_BASE >> 20} "
-            f"MiB log, {how})", "x", "~1 (before issue 24: the whole file per append)")
+            f"MiB log, {how})", "x", "~1")
         row(f"{key}_bytes_sent_per_byte_with_manifests", f"the same, with the manifests ({how})",
             "x", "-")
     rows.append(("daemon RSS, peak during the runs (stored data lives in tmpfs files)",
