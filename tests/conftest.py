@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -29,6 +29,9 @@ from tests.waiting import wait_until
 from tierfs.devtools.etcd import Etcd
 from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import is_mounted
+
+if TYPE_CHECKING:
+    from tests.harness import Cluster  # which imports this module
 
 TIERFS = [sys.executable, "-m", "tierfs"]
 
@@ -392,3 +395,21 @@ def fill(path: Path) -> None:
         assert exc.errno == errno.ENOSPC
     finally:
         os.close(fd)
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "cluster.token"
+    path.write_bytes(os.urandom(32).hex().encode())
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def cluster3(mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> Cluster:
+    from tests.harness import Cluster
+
+    cluster = Cluster(mounts, token_file, 3, etcd_server)
+    for node_id in cluster.ports:
+        cluster.start(node_id)
+    return cluster

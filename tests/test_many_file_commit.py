@@ -16,7 +16,7 @@ import pytest
 import trio
 import xxhash
 
-from tests.test_namespace import CTX, Harness, dcp_save
+from tests.harness import CTX, Harness, dcp_save
 from tests.waiting import wait_until_async
 from tierfs.fs.model.nodes import Node
 from tierfs.fs.store.ram_store import RamStore
