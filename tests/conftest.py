@@ -10,10 +10,8 @@ import contextlib
 import errno
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +25,7 @@ import pytest
 
 from tests.waiting import wait_until
 from tierfs.devtools.etcd import Etcd
+from tierfs.devtools.free_ports import free_port  # noqa: F401 - the tests' port picker
 from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import is_mounted
 
@@ -198,36 +197,6 @@ def public_dir() -> Iterator[Path]:
 
 def getxattr(path: Path | str, name: str) -> str:
     return os.getxattr(path, name).decode()
-
-
-def _below_ephemeral() -> range:
-    """Ports the kernel never gives an outgoing connection: those below its ephemeral range."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low = int(f.read().split()[0])
-    return range(max(1024, low - 12000), low)
-
-
-_TEST_PORTS = _below_ephemeral()
-_HANDED_OUT: set[int] = set()  # a cluster takes its ports before any node binds one
-
-
-def free_port() -> int:
-    """A free loopback port for a server a test starts, below the ephemeral range: a port the
-    kernel chose (bind to 0) could be taken by any outgoing connection before the server
-    bound it ("cannot listen for peers ...: Address already in use" in a CI run)."""
-    if len(_HANDED_OUT) > len(_TEST_PORTS) // 2:
-        _HANDED_OUT.clear()  # the servers given the first ones are long gone
-    while True:
-        port = random.choice(_TEST_PORTS)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # in use, or waiting out a closed connection
-        _HANDED_OUT.add(port)
-        return port
 
 
 def run_dcp_ranks(step_dirs: list[Path], timeout: float, at_once: bool = False) -> None:
