@@ -1,9 +1,9 @@
 """Which S3 client should upload a committed step? One run, same SeaweedFS, same files:
 
-* `classic`: boto3's classic client as `S3Backend.put_file` uses it now (its own multipart
+* `classic`: boto3's classic client as `S3Backend.put_file` uses it (its own multipart
   upload: 16 MiB parts streamed from the file, 4 requests in flight in all, low-priority
-  threads) and its transfer manager as tierfs used it before issue 14 (a manager per file, 4
-  parts per file), 4 files at once as the uploader sends them;
+  threads) and its transfer manager (a manager per file, 4 parts per
+  file), 4 files at once as the uploader sends them;
 * `boto3-crt`: boto3's `TransferConfig(preferred_transfer_client="crt")` (needs `boto3[crt]`);
 * `crt`: the same CRT transfer manager (`s3transfer.crt`) built for a custom endpoint;
 * `s3torchconnector`: its client's streaming `put_object`, 4 files at once;
@@ -129,7 +129,7 @@ def _clients(backend_class: type, endpoint: str) -> dict[str, Callable[[Path, st
     per_file = TransferConfig(multipart_threshold=16 << 20, multipart_chunksize=16 << 20,
                               max_concurrency=4)
 
-    def put_classic_per_file(path: Path, key: str) -> None:  # S3Backend before issue 14
+    def put_classic_per_file(path: Path, key: str) -> None:  # a transfer manager per file
         boto_client.upload_file(str(path), BUCKET, key, Config=per_file)
 
     clients["classic boto3, a transfer manager per file"] = put_classic_per_file

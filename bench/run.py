@@ -23,7 +23,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 
 from tierfs.devtools import certificates
 from tierfs.devtools.etcd import Etcd
+from tierfs.devtools.free_ports import free_port
 from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import parse_size
@@ -653,7 +653,7 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
     common = ("--cluster", url, "--token-file", str(token), "--ram-limit", "8G")
 
     def node(node_id: str) -> tuple[str, ...]:
-        return ("--node-id", node_id, "--listen", f"127.0.0.1:{_free_port()}", *common)
+        return ("--node-id", node_id, "--listen", f"127.0.0.1:{free_port()}", *common)
 
     floors = FloorSource(bench, state_bytes(state))
     for _ in range(max(2, reps)):  # beside the restores below (and their floors)
@@ -866,9 +866,9 @@ def _ranged_readback(bench: Bench, size: int, extra: dict[str, list[float]], tok
     common = ("--cluster", url, "--token-file", str(token), "--replicas", "0",
               "--ram-limit", "8G")
     holder = bench.start_mount("ranged0", "--node-id", "ranged0",
-                               "--listen", f"127.0.0.1:{_free_port()}", *common)
+                               "--listen", f"127.0.0.1:{free_port()}", *common)
     reader = bench.start_mount("ranged1", "--node-id", "ranged1",
-                               "--listen", f"127.0.0.1:{_free_port()}", *common)
+                               "--listen", f"127.0.0.1:{free_port()}", *common)
     shape = (512, 1024)  # float32: 2 MiB
     count = max(8, size // (2 << 20))
     step = "step_9000"
@@ -910,12 +910,6 @@ def _sync_replicas_save(bench: Bench, state: dict[str, torch.Tensor],
     extra["save_sync_replicas"] = [time.perf_counter() - started]
     for name in ("sync0", "sync1"):
         bench.stop_mount(name)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Profile:
@@ -1201,7 +1195,7 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
                      ("streamed", f"appended every {APPEND_PERIOD * 1000:.0f} ms for "
                       f"{APPEND_SECONDS:.0f} s, --append-every 1")):
         row(f"{key}_bytes_sent_per_byte", f"bytes uploaded per byte appended ({APPEND_BASE >> 20} "
-            f"MiB log, {how})", "x", "~1 (before issue 24: the whole file per append)")
+            f"MiB log, {how})", "x", "~1")
         row(f"{key}_bytes_sent_per_byte_with_manifests", f"the same, with the manifests ({how})",
             "x", "-")
     rows.append(("daemon RSS, peak during the runs (stored data lives in tmpfs files)",

@@ -10,10 +10,8 @@ import contextlib
 import errno
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,14 +19,18 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.waiting import wait_until
 from tierfs.devtools.etcd import Etcd
+from tierfs.devtools.free_ports import free_port  # noqa: F401 - the tests' port picker
 from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import is_mounted
+
+if TYPE_CHECKING:
+    from tests.harness import Cluster  # which imports this module
 
 TIERFS = [sys.executable, "-m", "tierfs"]
 
@@ -197,36 +199,6 @@ def getxattr(path: Path | str, name: str) -> str:
     return os.getxattr(path, name).decode()
 
 
-def _below_ephemeral() -> range:
-    """Ports the kernel never gives an outgoing connection: those below its ephemeral range."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low = int(f.read().split()[0])
-    return range(max(1024, low - 12000), low)
-
-
-_TEST_PORTS = _below_ephemeral()
-_HANDED_OUT: set[int] = set()  # a cluster takes its ports before any node binds one
-
-
-def free_port() -> int:
-    """A free loopback port for a server a test starts, below the ephemeral range: a port the
-    kernel chose (bind to 0) could be taken by any outgoing connection before the server
-    bound it ("cannot listen for peers ...: Address already in use" in a CI run)."""
-    if len(_HANDED_OUT) > len(_TEST_PORTS) // 2:
-        _HANDED_OUT.clear()  # the servers given the first ones are long gone
-    while True:
-        port = random.choice(_TEST_PORTS)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # in use, or waiting out a closed connection
-        _HANDED_OUT.add(port)
-        return port
-
-
 def run_dcp_ranks(step_dirs: list[Path], timeout: float, at_once: bool = False) -> None:
     """Run tests/dcp_ranks.py as one gloo job, rank i saving to and loading from step_dirs[i]
     (each rank's path to the step on its own node's mount); every rank must succeed. With
@@ -392,3 +364,21 @@ def fill(path: Path) -> None:
         assert exc.errno == errno.ENOSPC
     finally:
         os.close(fd)
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "cluster.token"
+    path.write_bytes(os.urandom(32).hex().encode())
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def cluster3(mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> Cluster:
+    from tests.harness import Cluster
+
+    cluster = Cluster(mounts, token_file, 3, etcd_server)
+    for node_id in cluster.ports:
+        cluster.start(node_id)
+    return cluster

@@ -125,8 +125,8 @@ def deepspeed_job(save_dir: str, max_steps: int, port: str, resume: bool,
     DeepSpeed calls its checkpoint engine's `commit()` right before rank 0 writes `latest`.
     Here that call lasts until tierfs committed the step (by its idle rule), as a barrier
     with slower ranks on other nodes or an engine that waits for durability lasts: the
-    `latest` file comes after the commit, the order in which tierfs's own `latest` link
-    used to be in its way. Not `wait`: DeepSpeed's own engine, which goes on at once (saves
+    `latest` file comes after the commit, which tierfs's own `latest` link must not stand
+    in the way of. Not `wait`: DeepSpeed's own engine, which goes on at once (saves
     as fast as training goes). `tag`: `save_checkpoint(save_dir, tag=f"{tag}{step}")`, a
     custom tag (no step name) instead of DeepSpeed's `global_stepN`."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -24,61 +24,12 @@ from tests.conftest import (
     tierfs,
     wait_until,
 )
+from tests.harness import Cluster, check_step_bytes, copies_everywhere, file_records
 from tierfs.devtools.etcd import Etcd
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel, authenticate
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture
-def token_file(tmp_path: Path) -> Path:
-    path = tmp_path / "cluster.token"
-    path.write_bytes(os.urandom(32).hex().encode())
-    path.chmod(0o600)
-    return path
-
-
-class Cluster:
-    def __init__(self, mounts: MountFactory, token_file: Path, size: int, etcd: Etcd) -> None:
-        self.mounts = mounts
-        self.ports = {f"node{i}": free_port() for i in range(size)}
-        # a cluster of its own in the shared etcd: its prefix is the test's tmp dir's name
-        self.url = etcd.cluster_url(f"test/{mounts.tmp_path.name}")
-        self.token_file = token_file
-        self.nodes: dict[str, Mount] = {}
-
-    def args(self, node_id: str) -> list[str]:
-        return ["--node-id", node_id, "--cluster", self.url,
-                "--listen", f"127.0.0.1:{self.ports[node_id]}",
-                "--token-file", str(self.token_file)]
-
-    def start(self, node_id: str) -> Mount:
-        old = self.nodes.get(node_id)
-        if old is None:
-            self.nodes[node_id] = self.mounts.mount(*self.args(node_id))
-        else:
-            self.nodes[node_id] = self.mounts.remount(old)
-        return self.nodes[node_id]
-
-    def start_all(self, *options: str) -> list[Mount]:
-        """Every node, with these options too, once each sees all the others up."""
-        for node_id in self.ports:
-            self.nodes[node_id] = self.mounts.mount(*self.args(node_id), *options)
-        for node_id in self.ports:
-            wait_until(lambda n=node_id: all(self.peers_up(n).values()), timeout=15)
-        return list(self.nodes.values())
-
-    def peers_up(self, node_id: str) -> dict[str, bool]:
-        return {p["node_id"]: p["up"] for p in self.nodes[node_id].status()["peers"]}
-
-
-@pytest.fixture
-def cluster3(mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> Cluster:
-    cluster = Cluster(mounts, token_file, 3, etcd_server)
-    for node_id in cluster.ports:
-        cluster.start(node_id)
-    return cluster
 
 
 def test_membership_heartbeats_and_a_node_coming_back(cluster3: Cluster) -> None:
@@ -273,13 +224,13 @@ def test_nothing_of_a_step_reaches_a_peer_before_its_hashes(cluster3: Cluster) -
     hold_hashes(node0, True)
     save(node0 / "run/step_11", files)
     assert node0.step("run/step_11")["hashing"]
-    time.sleep(2)  # far longer than the copy takes once it may go
-    assert node0.step("run/step_11")["replicas"] == []
-    assert node1.step("run/step_11") is None and node2.step("run/step_11") is None
-    # `tierfs flush` waits for the copies too (it said "nothing to flush" without a store).
+    # `tierfs flush` waits for the copies too (not "nothing to flush" without a store), and
+    # the daemon names the copy it holds back for the hashes
     waited = tierfs("flush", str(node0.mountpoint), "--timeout", "1", check=False)
     assert waited.returncode == 1, waited.stdout
     assert "run/step_11 (hashing to peers)" in waited.stderr, waited.stderr
+    assert node0.step("run/step_11")["replicas"] == []
+    assert node1.step("run/step_11") is None and node2.step("run/step_11") is None
     hold_hashes(node0, False)
     done = tierfs("flush", str(node0.mountpoint), "--timeout", "30")
     assert "every committed step is on 1 peer" in done.stdout, done.stdout
@@ -414,37 +365,6 @@ def test_reads_of_one_file_by_another_node_are_spread_over_its_holders(
     assert all(b > 0 for b in served) and sum(served) >= len(data), served
 
 
-def _file_records(cluster: Cluster, step: str) -> dict[str, Any]:
-    """The etcd file records of a step (name -> FileRecord): who holds which file."""
-    from tierfs.replication.coordination.commit_records import CommitRecords
-    from tierfs.replication.coordination.etcd import Etcd as EtcdClient
-    from tierfs.replication.coordination.etcd import parse_cluster_url
-
-    url = parse_cluster_url(cluster.url)
-    return trio.run(CommitRecords(EtcdClient(url.endpoints), url).files, step)
-
-
-def _copies_everywhere(cluster: Cluster, step: str, live: set[str], copies: int) -> bool:
-    """Every file of the step is recorded on `copies` live nodes, each holding its object."""
-    records = _file_records(cluster, step)
-    for record in records.values():
-        holders = set(record.holders) & live
-        if len(holders) < copies:
-            return False
-        for holder in holders:
-            if not (cluster.nodes[holder].ram_dir / "objects" / record.xxh3).exists():
-                return False
-    return bool(records)
-
-
-def _check_step_bytes(node: Mount, step: str, expected: dict[str, str]) -> None:
-    """Every file of the step reads back on `node` with the bytes its manifest names."""
-    from tierfs import manifest as mf
-
-    for name, xxh3 in expected.items():
-        assert mf.hash_bytes((node / f"{step}/{name}").read_bytes()) == xxh3, name
-
-
 def test_multi_node_dcp_step_survives_the_loss_of_each_writer(cluster3: Cluster) -> None:
     """Two ranks on two nodes save one DCP step (K = 1): each node's shard gets a copy on
     another node; killing either writer loses nothing, and the survivors restore K copies."""
@@ -454,8 +374,8 @@ def test_multi_node_dcp_step_survives_the_loss_of_each_writer(cluster3: Cluster)
     step = "run/step_7"
     run_dcp_ranks([cluster3.nodes[n] / step for n in writers], timeout=240)
     every = set(cluster3.ports)
-    wait_until(lambda: _copies_everywhere(cluster3, step, every, 2), timeout=30)
-    records = _file_records(cluster3, step)
+    wait_until(lambda: copies_everywhere(cluster3, step, every, 2), timeout=30)
+    records = file_records(cluster3, step)
     assert {r.node for r in records.values()} == set(writers)
     expected = {name: r.xxh3 for name, r in records.items()}
     # each file names its own holders: rank 0's shard is node1's (copy on node2), rank 1's
@@ -471,8 +391,8 @@ def test_multi_node_dcp_step_survives_the_loss_of_each_writer(cluster3: Cluster)
         cluster3.nodes[victim].kill9()
         live = every - {victim}
         survivor = cluster3.nodes[sorted(live)[0]]
-        _check_step_bytes(survivor, step, expected)  # nothing lost
-        wait_until(lambda lv=live: _copies_everywhere(cluster3, step, lv, 2), timeout=30)
+        check_step_bytes(survivor, step, expected)  # nothing lost
+        wait_until(lambda lv=live: copies_everywhere(cluster3, step, lv, 2), timeout=30)
         assert survivor.step(step)["state"] == "committed"
         wait_until(lambda s=survivor: s.step(step)["copies"] == 2, timeout=10)
         back = cluster3.start(victim)  # with its RAM dir: it still holds its part of the step
@@ -492,17 +412,17 @@ def test_a_replacement_node_takes_the_copies_of_a_lost_writer(cluster3: Cluster)
         wait_until(lambda n=node_id: all(cluster3.peers_up(n).values()), timeout=15)
     step = "run/step_8"
     run_dcp_ranks([cluster3.nodes[n] / step for n in ("node1", "node2")], timeout=240)
-    wait_until(lambda: _copies_everywhere(cluster3, step, set(cluster3.ports), 2), timeout=30)
-    expected = {name: r.xxh3 for name, r in _file_records(cluster3, step).items()}
+    wait_until(lambda: copies_everywhere(cluster3, step, set(cluster3.ports), 2), timeout=30)
+    expected = {name: r.xxh3 for name, r in file_records(cluster3, step).items()}
     lost = cluster3.nodes["node2"]
     lost.kill9()
     shutil.rmtree(lost.ram_dir)
     cluster3.ports["node3"] = free_port()
     fresh = cluster3.start("node3")
     live = {"node0", "node1", "node3"}
-    wait_until(lambda: _copies_everywhere(cluster3, step, live, 2), timeout=30)
-    assert all("node3" in r.holders for r in _file_records(cluster3, step).values())
-    _check_step_bytes(fresh, step, expected)
+    wait_until(lambda: copies_everywhere(cluster3, step, live, 2), timeout=30)
+    assert all("node3" in r.holders for r in file_records(cluster3, step).values())
+    check_step_bytes(fresh, step, expected)
     wait_until(lambda: fresh.step(step)["ram"] and fresh.step(step)["copies"] == 2, timeout=10)
 
 
@@ -519,8 +439,8 @@ def test_the_writers_of_a_multi_node_step_keep_both_copies_beyond_keep_ram(
     node0, node1 = cluster.start_all("--keep-ram", "1")
     step = "run/step_1"
     run_dcp_ranks([node0 / step, node1 / step], timeout=240)
-    wait_until(lambda: _copies_everywhere(cluster, step, set(cluster.ports), 2), timeout=30)
-    expected = {name: r.xxh3 for name, r in _file_records(cluster, step).items()}
+    wait_until(lambda: copies_everywhere(cluster, step, set(cluster.ports), 2), timeout=30)
+    expected = {name: r.xxh3 for name, r in file_records(cluster, step).items()}
     # step_1 is beyond --keep-ram on both nodes; each node's copies of its newer step are
     # verified, which is when retention runs
     save(node1 / "run/step_2", {"f": b"2", ".metadata": b"m"})
@@ -535,7 +455,7 @@ def test_the_writers_of_a_multi_node_step_keep_both_copies_beyond_keep_ram(
         assert tiers(node0, name) == "ram,peer:node1"
         assert tiers(node1, name) == "ram,peer:node0"
     node1.kill9()
-    _check_step_bytes(node0, step, expected)
+    check_step_bytes(node0, step, expected)
 
 
 def test_a_dead_peers_copy_does_not_let_a_step_leave_ram(
@@ -569,7 +489,7 @@ def test_verify_asks_each_peer_only_about_the_files_it_holds(
     node0, node1, node2 = cluster.start_all("--replicas", "0")
     step = "run/step_5"
     run_dcp_ranks([node0 / step, node1 / step], timeout=240)
-    records = _file_records(cluster, step)
+    records = file_records(cluster, step)
     # (each rank loads the whole step back: a node may also hold fetched copies of the
     # other's files, which are not in their records' holders and not asked about)
     held = {node: sorted(n for n, r in records.items() if node in r.holders)
@@ -677,7 +597,7 @@ def test_sync_replicas_returns_once_the_copies_are_made(
     finally:
         wake.join()
         os.kill(node1.pid, signal.SIGCONT)
-    records = _file_records(cluster, "run/step_1")
+    records = file_records(cluster, "run/step_1")
     assert set(records) == set(files)
     assert all(r.holders == ("node0", "node1") for r in records.values()), records
     assert took >= 1.0 and "every file has its copies" in node0.log()
@@ -691,7 +611,7 @@ def test_sync_replicas_returns_once_the_copies_are_made(
     finally:
         os.kill(node1.pid, signal.SIGCONT)
     assert "(--sync-replicas)" in node0.log()
-    wait_until(lambda: _copies_everywhere(cluster, "run/step_2", set(cluster.ports), 2),
+    wait_until(lambda: copies_everywhere(cluster, "run/step_2", set(cluster.ports), 2),
                timeout=30)
 
 

@@ -25,7 +25,7 @@ from tests.conftest import (
     wait_until,
     wait_written,
 )
-from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.harness import Cluster
 from tests.test_cluster_scale import dcp_metadata
 from tierfs.devtools.etcd import Etcd
 from tierfs.replication.coordination.commit_records import CommitRecord, CommitRecords

@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from tests.conftest import Mount, MountFactory, free_port, tierfs, wait_until
-from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.harness import Cluster
 from tests.test_crash import save
 from tierfs.devtools.etcd import Etcd
 from tierfs.replication.coordination.etcd import Etcd as EtcdClient

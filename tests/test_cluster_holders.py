@@ -17,14 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import MountFactory, run_dcp_ranks, wait_until
-from tests.test_cluster import (  # noqa: F401  (cluster3, token_file: fixtures)
-    Cluster,
-    _check_step_bytes,
-    _copies_everywhere,
-    _file_records,
-    cluster3,
-    token_file,
-)
+from tests.harness import Cluster, check_step_bytes, copies_everywhere, file_records
 from tests.test_crash import save
 from tierfs.devtools.etcd import Etcd
 
@@ -45,7 +38,7 @@ def own_etcd(mounts: MountFactory, tmp_path: Path) -> Iterator[Etcd]:
 def _only_real_holders(cluster: Cluster, step: str, live: set[str]) -> bool:
     """Every live node the records list as a holder of a file of the step has its object."""
     return all((cluster.nodes[h].ram_dir / "objects" / r.xxh3).exists()
-               for r in _file_records(cluster, step).values() for h in set(r.holders) & live)
+               for r in file_records(cluster, step).values() for h in set(r.holders) & live)
 
 
 def test_after_retention_any_one_node_may_be_lost_without_a_store(
@@ -61,8 +54,8 @@ def test_after_retention_any_one_node_may_be_lost_without_a_store(
     step = "run/step_1"
     run_dcp_ranks([node / step for node in nodes], timeout=240)
     every = set(cluster.ports)
-    wait_until(lambda: _copies_everywhere(cluster, step, every, 2), timeout=30)
-    expected = {name: r.xxh3 for name, r in _file_records(cluster, step).items()}
+    wait_until(lambda: copies_everywhere(cluster, step, every, 2), timeout=30)
+    expected = {name: r.xxh3 for name, r in file_records(cluster, step).items()}
     for number, node in enumerate(nodes, start=2):  # each node's copies verified: retention
         save(node / f"run/step_{number}", {"f": b"%d" % number, ".metadata": b"m"})
     for number, node in enumerate(nodes, start=2):
@@ -75,11 +68,11 @@ def test_after_retention_any_one_node_may_be_lost_without_a_store(
     for node_id in sorted(every):
         cluster.nodes[node_id].kill9()
         for survivor in sorted(every - {node_id}):
-            _check_step_bytes(cluster.nodes[survivor], step, expected)
+            check_step_bytes(cluster.nodes[survivor], step, expected)
         cluster.start(node_id)
         for other in sorted(every):
             wait_until(lambda n=other: all(cluster.peers_up(n).values()), timeout=15)
-        wait_until(lambda: _copies_everywhere(cluster, step, every, 2), timeout=30)
+        wait_until(lambda: copies_everywhere(cluster, step, every, 2), timeout=30)
 
 
 def test_a_copy_let_go_once_persisted_is_not_replaced_and_a_lost_one_is_elsewhere(
@@ -106,20 +99,20 @@ def test_a_copy_let_go_once_persisted_is_not_replaced_and_a_lost_one_is_elsewher
     wait_until(lambda: node0.step(step)["replicas"] == ["node1", "node2"], timeout=30)
     save(node0 / "run/step_2", {"f": b"2", ".metadata": b"m2"})  # step_1 beyond --keep-ram
     wait_until(lambda: not node0.step(step)["ram"], timeout=30)
-    expected = {name: r.xxh3 for name, r in _file_records(cluster, step).items()}
-    wait_until(lambda: all(r.left == ("node0",) for r in _file_records(cluster, step).values()),
+    expected = {name: r.xxh3 for name, r in file_records(cluster, step).items()}
+    wait_until(lambda: all(r.left == ("node0",) for r in file_records(cluster, step).values()),
                timeout=10)
 
     cluster.nodes["node1"].kill9()
     live = {"node0", "node2", "node3"}
-    wait_until(lambda: _copies_everywhere(cluster, step, live, 2), timeout=30)
-    records = _file_records(cluster, step)
+    wait_until(lambda: copies_everywhere(cluster, step, live, 2), timeout=30)
+    records = file_records(cluster, step)
     assert {name: (r.holders, r.left) for name, r in records.items()} == {
         name: (("node1", "node2", "node3"), ("node0",)) for name in expected}
     assert _only_real_holders(cluster, step, live)
     assert not any((node0.ram_dir / "objects" / x).exists() for x in expected.values())
     for node_id in sorted(live):
-        _check_step_bytes(cluster.nodes[node_id], step, expected)
+        check_step_bytes(cluster.nodes[node_id], step, expected)
 
 
 def test_a_node_back_with_an_empty_ram_dir_is_no_holder_and_its_copies_are_restored(
@@ -133,19 +126,19 @@ def test_a_node_back_with_an_empty_ram_dir_is_no_holder_and_its_copies_are_resto
     step = "run/step_3"
     save(node0 / step, {"f": os.urandom(1 << 20), "g": b"g" * 1000, ".metadata": b"m"})
     every = set(cluster3.ports)
-    wait_until(lambda: _copies_everywhere(cluster3, step, every, 2), timeout=30)
-    expected = {name: r.xxh3 for name, r in _file_records(cluster3, step).items()}
-    assert all(r.holders == ("node0", "node1") for r in _file_records(cluster3, step).values())
+    wait_until(lambda: copies_everywhere(cluster3, step, every, 2), timeout=30)
+    expected = {name: r.xxh3 for name, r in file_records(cluster3, step).items()}
+    assert all(r.holders == ("node0", "node1") for r in file_records(cluster3, step).values())
 
     replaced = cluster3.nodes["node1"]
     replaced.kill9()
     shutil.rmtree(replaced.ram_dir)
     back = cluster3.start("node1")
-    wait_until(lambda: _copies_everywhere(cluster3, step, every, 2), timeout=30)
+    wait_until(lambda: copies_everywhere(cluster3, step, every, 2), timeout=30)
     assert _only_real_holders(cluster3, step, every)
     assert "not in RAM (lost)" in back.log()
     for node_id in sorted(every):
-        _check_step_bytes(cluster3.nodes[node_id], step, expected)
+        check_step_bytes(cluster3.nodes[node_id], step, expected)
     wait_until(lambda: node0.step(step)["copies"] == 2, timeout=10)
 
 
@@ -168,8 +161,8 @@ def test_status_of_a_step_is_the_same_on_every_node(cluster3: Cluster) -> None: 
     step = "run/step_1"
     run_dcp_ranks([nodes[0] / step, nodes[1] / step], timeout=240)
     every = set(cluster3.ports)
-    wait_until(lambda: _copies_everywhere(cluster3, step, every, 2), timeout=30)
-    records = _file_records(cluster3, step)
+    wait_until(lambda: copies_everywhere(cluster3, step, every, 2), timeout=30)
+    records = file_records(cluster3, step)
     holders = sorted({h for r in records.values() for h in r.holders})
 
     def seen(node: Any) -> tuple[Any, ...]:
@@ -238,9 +231,9 @@ def test_a_copy_stays_in_ram_while_etcd_cannot_record_that_it_leaves(
 
         wait_until(saved, timeout=30, interval=0.5)
         assert not node0.step(step)["ram"]
-        records = _file_records(cluster, step)
+        records = file_records(cluster, step)
         assert all(r.holders == ("node1", "node2") and r.left == () for r in records.values())
-        _check_step_bytes(node0, step, {n: r.xxh3 for n, r in records.items()})
+        check_step_bytes(node0, step, {n: r.xxh3 for n, r in records.items()})
 
 
 def test_a_copy_read_back_leaves_ram_while_k_plus_1_others_hold_it(
@@ -254,14 +247,14 @@ def test_a_copy_read_back_leaves_ram_while_k_plus_1_others_hold_it(
     step = "run/step_1"
     files = {"f": os.urandom(1 << 20), ".metadata": b"m"}
     save(node0 / step, files)
-    wait_until(lambda: _copies_everywhere(cluster, step, {"node0", "node1"}, 2), timeout=30)
+    wait_until(lambda: copies_everywhere(cluster, step, {"node0", "node1"}, 2), timeout=30)
     wait_until(lambda: (node2.step(step) or {}).get("state") == "committed", timeout=10)
     for name, data in files.items():
         assert (node2 / step / name).read_bytes() == data
     wait_until(lambda: node2.step(step)["ram"], timeout=10)
-    before = _file_records(cluster, step)
+    before = file_records(cluster, step)
     save(node2 / "run/step_2", {"f": b"2", ".metadata": b"m2"})  # step_1 beyond --keep-ram
     wait_until(lambda: not node2.step(step)["ram"], timeout=30)
-    assert _file_records(cluster, step) == before
+    assert file_records(cluster, step) == before
     assert node0.step(step)["ram"] and node1.step(step)["ram"]
-    assert _copies_everywhere(cluster, step, set(cluster.ports), 2)
+    assert copies_everywhere(cluster, step, set(cluster.ports), 2)

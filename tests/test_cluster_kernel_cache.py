@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Mount, MountFactory, wait_until
-from tests.test_cluster import Cluster
+from tests.harness import Cluster
 from tests.test_crash import save
 from tierfs.devtools.etcd import Etcd
 

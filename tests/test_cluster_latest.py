@@ -25,13 +25,7 @@ from tests.conftest import (
     wait_until,
     wait_written,
 )
-from tests.test_cluster import (  # noqa: F401
-    Cluster,
-    _copies_everywhere,
-    _file_records,
-    cluster3,
-    token_file,  # noqa: F401  (a fixture)
-)
+from tests.harness import Cluster, copies_everywhere, file_records
 from tierfs.replication.coordination import membership
 
 pytestmark = pytest.mark.cluster
@@ -52,7 +46,7 @@ def test_latest_resumes_from_the_step_before_a_writer_lost_before_its_copies(
     writers = [node0, node1]
     # step_10: saved, and every file copied to a second node
     run_dcp_ranks([n / "run/step_10" for n in writers], timeout=240)
-    wait_until(lambda: _copies_everywhere(cluster3, "run/step_10", set(cluster3.ports), 2),
+    wait_until(lambda: copies_everywhere(cluster3, "run/step_10", set(cluster3.ports), 2),
                timeout=30)
 
     # step_20: rank 1's shard is written and recorded in etcd; then node1 hangs (no copy can
@@ -62,7 +56,7 @@ def test_latest_resumes_from_the_step_before_a_writer_lost_before_its_copies(
     try:
         wait_written(ranks[1])
         written = set(os.listdir(node1 / "run/step_20"))
-        wait_until(lambda: written <= set(_file_records(cluster3, "run/step_20")), timeout=30)
+        wait_until(lambda: written <= set(file_records(cluster3, "run/step_20")), timeout=30)
         os.kill(node1.pid, signal.SIGSTOP)
         resume_rank(ranks[1])
         finish_dcp_ranks(ranks, timeout=120)  # dcp.save returned on every rank
@@ -80,7 +74,7 @@ def test_latest_resumes_from_the_step_before_a_writer_lost_before_its_copies(
         seen.append(getxattr(node0 / "run/step_20", "user.tierfs.state"))
         time.sleep(0.05)
     assert seen[-1] == "incomplete" and "committed" not in seen[seen.index("incomplete"):], seen
-    rank1_files = sorted(n for n, r in _file_records(cluster3, "run/step_20").items()
+    rank1_files = sorted(n for n, r in file_records(cluster3, "run/step_20").items()
                          if r.node == "node1")
 
     for node in (node0, node2):

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from tests.conftest import Mount, MountFactory, free_port, getxattr, wait_until
-from tests.test_cluster import Cluster, token_file  # noqa: F401
+from tests.harness import Cluster
 from tests.test_crash import save
 from tests.test_etcd_cluster import commits, grpc_requests, new_cluster, step_manifest
 from tests.test_layer_replication import TOKEN, members_a_and_b

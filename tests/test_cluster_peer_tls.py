@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import MountFactory, tierfs, wait_until
-from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.harness import Cluster
 from tests.test_crash import save, verify_committed
 from tierfs.devtools import certificates
 from tierfs.devtools.etcd import Etcd

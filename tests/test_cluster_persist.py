@@ -20,7 +20,7 @@ from tests.conftest import (
     tierfs,
     wait_until,
 )
-from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.harness import Cluster
 from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.cluster

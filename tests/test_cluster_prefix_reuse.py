@@ -23,13 +23,7 @@ from tests.conftest import (
     tierfs,
     wait_until,
 )
-from tests.test_cluster import (  # noqa: F401
-    Cluster,
-    _copies_everywhere,
-    _file_records,
-    cluster3,
-    token_file,
-)
+from tests.harness import Cluster, copies_everywhere, file_records
 from tests.test_commit import write_step
 from tierfs.devtools.etcd import Etcd
 from tierfs.replication.coordination.commit_records import CommitRecords
@@ -71,8 +65,8 @@ def test_a_requeued_job_saves_again_under_the_same_prefix(
                    timeout=10)
         assert os.readlink(node / "run/latest") == "step_10"
         assert "kept as writing" not in node.log()
-    records = _file_records(cluster, "run/step_10")
-    wait_until(lambda: all(len(r.holders) == 2 for r in _file_records(
+    records = file_records(cluster, "run/step_10")
+    wait_until(lambda: all(len(r.holders) == 2 for r in file_records(
         cluster, "run/step_10").values()), timeout=30)
     assert {r.node for r in records.values()} == {"node0", "node1"}
 
@@ -88,7 +82,7 @@ def test_a_step_saved_again_commits_on_a_node_that_held_only_part_of_it(
     step = "run/step_10"
     finish_dcp_ranks(start_dcp_ranks([node1 / step, node0 / step], "--save-only"),
                      timeout=240)
-    wait_until(lambda: _copies_everywhere(cluster3, step, set(cluster3.ports), 2), timeout=30)
+    wait_until(lambda: copies_everywhere(cluster3, step, set(cluster3.ports), 2), timeout=30)
     assert not getxattr(node0 / step / ".metadata", "user.tierfs.tiers").startswith("ram")
     finish_dcp_ranks(start_dcp_ranks([node1 / step, node0 / step], "--seed", "1"),
                      timeout=240)
@@ -110,7 +104,7 @@ def test_a_step_saved_again_by_ranks_on_other_nodes_takes_their_new_files(
                      timeout=240)
     finish_dcp_ranks(start_dcp_ranks([node0 / step, node1 / step], "--seed", "1"),
                      timeout=240)
-    records = _file_records(cluster, step)
+    records = file_records(cluster, step)
     for name in ("__1_0.distcp", "__1_1.distcp"):
         if name in records:
             assert records[name].node == "node1"

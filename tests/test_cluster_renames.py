@@ -18,7 +18,7 @@ from tests.conftest import (
     start_dcp_ranks,
     wait_until,
 )
-from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.harness import Cluster
 from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.cluster

@@ -19,8 +19,8 @@ import trio.testing
 
 from tests.conftest import free_port
 from tests.fakes import MemoryEtcd, StaticMembership
+from tests.harness import Harness, dcp_save
 from tests.test_control_api import config
-from tests.test_namespace import Harness, dcp_save
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.fs.fuse.operations import Operations

@@ -125,8 +125,8 @@ def test_daemon_killed_before_the_hashes_finishes_the_commit_at_start(
 def test_a_daemon_stopped_while_hashing_exits_and_finishes_the_commit_at_start(
         mounts: MountFactory, tmp_path: Path) -> None:
     """SIGTERM while a committed step's hashes are not in, and another step waits for a
-    hash at the unmount's last commits: the daemon stops (it used to wait for its held hash
-    threads forever), and the next one finishes both."""
+    hash at the unmount's last commits: the daemon stops without waiting for its held hash
+    threads, and the next one finishes both."""
     store = tmp_path / "store"
     store.mkdir()
     mnt = mounts.mount("--persist", f"file://{store}", "--commit-idle", "300")
@@ -209,8 +209,8 @@ def test_verify_and_prefetch_right_after_the_save(mounts: MountFactory,
                                                   tmp_path: Path) -> None:
     """A step shown `committed` whose hashes are still to come: `tierfs prefetch` finds it
     whole in RAM at once, and `tierfs verify` waits for the hashes (hashing the only copy is
-    what checks it) and reports the step; both used to fail ("not a committed step", "holds
-    no committed step") while status and the xattr said committed."""
+    what checks it) and reports the step, as status and the xattr do: neither says "not a
+    committed step" or "holds no committed step"."""
     mnt, _store, step = saved_to_a_store(mounts, tmp_path, "run/step_2")
     expected = hashes_of(step)
     assert getxattr(step, "user.tierfs.state") == "committed"

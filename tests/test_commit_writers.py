@@ -23,7 +23,7 @@ import trio.testing
 import xxhash
 
 from tests.conftest import TIERFS, Mount, MountFactory, getxattr, tierfs
-from tests.test_namespace import CTX, Harness
+from tests.harness import CTX, Harness
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs import reserved

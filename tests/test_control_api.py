@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 from tests.fakes import MemoryTier
-from tests.test_namespace import CTX, Harness, dcp_save
+from tests.harness import CTX, Harness, dcp_save
 from tests.test_ports import persisted_and_evicted
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Mount, MountFactory, tierfs, wait_until
-from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.harness import Cluster
 from tests.test_crash import save
 from tests.test_s3 import persist_args
 from tierfs.devtools.etcd import Etcd

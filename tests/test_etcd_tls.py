@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import MountFactory, free_port, tierfs
 from tierfs.devtools import certificates
 from tierfs.devtools.etcd import Etcd
-from tierfs.devtools.local_server import LOOPBACK
+from tierfs.devtools.free_ports import LOOPBACK
 
 pytestmark = pytest.mark.cluster
 

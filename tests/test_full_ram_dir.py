@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from tests.conftest import fill
-from tests.test_namespace import Harness, dcp_save
+from tests.harness import Harness, dcp_save
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.fs.lifecycle.deletes import PERSIST, Deletes, DeleteWorker, Tombstone

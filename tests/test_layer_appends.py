@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.test_layer_uploader import Harness
+from tests.harness import UploaderHarness
 from tests.waiting import wait_until_async
 from tierfs import layout
 from tierfs import manifest as mf
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.store
 PATH = "run/train.log"
 
 
-def version(h: Harness, data: bytes, old: mf.StepManifest | None) -> mf.StepManifest:
+def version(h: UploaderHarness, data: bytes, old: mf.StepManifest | None) -> mf.StepManifest:
     """The next committed version of run/train.log holding `data`, laid out as a commit does."""
     h.objects.mkdir(exist_ok=True)
     staging = h.objects / "staging"
@@ -39,11 +39,11 @@ def version(h: Harness, data: bytes, old: mf.StepManifest | None) -> mf.StepMani
                            single_file=True)
 
 
-def stored(h: Harness) -> mf.StepManifest:
+def stored(h: UploaderHarness) -> mf.StepManifest:
     return mf.decode(h.backend.get_bytes(layout.manifest_key(PATH, True)))
 
 
-def as_a_person_reads_it(h: Harness) -> bytes:
+def as_a_person_reads_it(h: UploaderHarness) -> bytes:
     """The object, then the `append.*` objects in key order, cut at the manifest's size."""
     data = (h.store / PATH).read_bytes()
     records = h.store / layout.records_dir(PATH, True)
@@ -53,7 +53,7 @@ def as_a_person_reads_it(h: Harness) -> bytes:
     return data[:stored(h).files[0].size]
 
 
-async def persisted_in_two_pieces(h: Harness, base: int, appended: int
+async def persisted_in_two_pieces(h: UploaderHarness, base: int, appended: int
                                   ) -> tuple[bytes, mf.StepManifest]:
     """run/train.log of `base` random bytes, then `appended` more, each version persisted."""
     data = os.urandom(base)
@@ -66,7 +66,7 @@ async def persisted_in_two_pieces(h: Harness, base: int, appended: int
     return data, manifest
 
 
-async def read_back(h: Harness, entry: mf.FileEntry) -> bytes:
+async def read_back(h: UploaderHarness, entry: mf.FileEntry) -> bytes:
     reader = PersistentReader(h.backend, trio.CapacityLimiter(2))
     return await reader.read_range("run", entry, 0, entry.size)
 
@@ -81,7 +81,7 @@ def test_the_layout_of_versions() -> None:
 
 
 async def test_appended_versions_go_up_as_segments(tmp_path: Path) -> None:
-    h = Harness(tmp_path)
+    h = UploaderHarness(tmp_path)
     data = os.urandom(100_000)
     manifest = version(h, data, None)
     await h.persist(manifest)
@@ -110,7 +110,7 @@ async def test_appended_versions_go_up_as_segments(tmp_path: Path) -> None:
 
 
 async def test_many_small_appends_become_one_object_after_max_segments(tmp_path: Path) -> None:
-    h = Harness(tmp_path)
+    h = UploaderHarness(tmp_path)
     data = os.urandom(1 << 20)
     manifest = version(h, data, None)
     for _ in range(MAX_SEGMENTS):
@@ -136,7 +136,7 @@ class CutShort(FileBackend):
 @pytest.mark.parametrize("rewritten", [False, True], ids=["appended", "rewritten"])
 async def test_an_upload_cut_short_never_leaves_wrong_bytes(tmp_path: Path,
                                                             rewritten: bool) -> None:
-    h = Harness(tmp_path)
+    h = UploaderHarness(tmp_path)
     h.backend = CutShort(h.store)
     h.uploader.backend = h.backend
     data, manifest = await persisted_in_two_pieces(h, 50_000, 300)
@@ -168,7 +168,7 @@ async def test_a_renamed_file_in_segments_is_copied_piece_by_piece(tmp_path: Pat
     """A file that left RAM and is renamed: the store copies each of its pieces (nothing is
     sent, nor could be: its bytes are not here), and reads fall back to the old name until
     then."""
-    h = Harness(tmp_path)
+    h = UploaderHarness(tmp_path)
     data, manifest = await persisted_in_two_pieces(h, 20_000, 700)
     entry = manifest.files[0]
     assert entry.segments

@@ -14,15 +14,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.test_namespace import Harness, dcp_save
+from tests.harness import Harness, dcp_save
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.devtools.etcd import Etcd as EtcdServer
-from tierfs.fs.fuse.operations import Operations
 from tierfs.fs.model.nodes import StepState
-from tierfs.fs.namespace import Core, Namespace
-from tierfs.fs.store.ram_store import RamStore
-from tierfs.observe import Events
 from tierfs.replication.coordination.cluster_commit import ClusterCommits
 from tierfs.replication.coordination.commit_records import CommitRecords, FileRecord
 from tierfs.replication.coordination.etcd import ClusterUrl, Etcd, parse_cluster_url
@@ -30,21 +26,15 @@ from tierfs.replication.coordination.etcd import ClusterUrl, Etcd, parse_cluster
 pytestmark = pytest.mark.store
 
 
-class ClusterHarness(Harness):
+class EtcdHarness(Harness):
     """`Harness`, as node n0 of a cluster whose records are in etcd."""
 
     def __init__(self, root: Path, cluster: ClusterUrl, *, keep_ram: int = 1,
-                 replicas: int = 0) -> None:  # not super().__init__: it makes a standalone one
-        self.root = root
-        self.store = RamStore(root, 1 << 30)
-        self.store.acquire()
-        self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
+                 replicas: int = 0) -> None:
         self.records = CommitRecords(Etcd(cluster.endpoints, timeout=0.5), cluster)
-        core = Core(self.store, node_id="n0")
-        self.sealed = ClusterCommits(self.records, "n0", core.tree.identity.step_number)
-        self.ns = Namespace(core, self.send, sealed=self.sealed, keep_ram=keep_ram,
-                            replicas=replicas, events=Events())
-        self.ops = Operations(self.ns)
+        super().__init__(root, sealed_by=lambda core: ClusterCommits(
+            self.records, "n0", core.tree.identity.step_number),
+            keep_ram=keep_ram, replicas=replicas)
 
     def step(self, path: str) -> StepState:
         node = self.ns.tree.find_step(path)
@@ -63,7 +53,7 @@ def new_cluster(server: EtcdServer) -> ClusterUrl:
 
 
 
-async def wait_for_records(h: ClusterHarness, path: str, check: Callable[
+async def wait_for_records(h: EtcdHarness, path: str, check: Callable[
         [dict[str, FileRecord]], bool], timeout: float = 10) -> dict[str, FileRecord]:
     async def matching() -> dict[str, FileRecord] | None:
         found = await h.recorded(path)
@@ -72,7 +62,7 @@ async def wait_for_records(h: ClusterHarness, path: str, check: Callable[
     return await wait_until_async(matching, timeout=timeout, interval=0.05)  # type: ignore[no-any-return]
 
 
-async def save_two_steps(h: ClusterHarness, first: dict[str, bytes]) -> None:
+async def save_two_steps(h: EtcdHarness, first: dict[str, bytes]) -> None:
     """run/step_1 (`first`), recorded in etcd, then run/step_2: step_1 is beyond --keep-ram 1."""
     await dcp_save(h, "run/step_1", first)
     names = {e.name for e in h.manifest("run/step_1").files}
@@ -86,7 +76,7 @@ async def test_a_persisted_step_leaves_ram_while_etcd_is_down_and_the_records_fo
     holds them), not once etcd answers; when etcd is back, the records list n0 among those
     that left."""
     with EtcdServer(tmp_path / "etcd") as server:
-        h = ClusterHarness(tmp_path / "ram", new_cluster(server))
+        h = EtcdHarness(tmp_path / "ram", new_cluster(server))
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(h.ns.background.run)
@@ -111,7 +101,7 @@ async def test_a_writer_keeps_its_copy_when_another_holder_dropped_itself(
     from the record of "a". n0's eviction of "a" is refused (the records have one other
     holder): that copy stays in RAM and in the records; the other files leave, and n0 is no
     longer their holder (not one that `left`: the store does not hold them)."""
-    h = ClusterHarness(tmp_path / "ram", new_cluster(etcd_server), replicas=1)
+    h = EtcdHarness(tmp_path / "ram", new_cluster(etcd_server), replicas=1)
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(h.ns.background.run)
@@ -139,7 +129,7 @@ async def test_a_quarantined_copy_stops_being_counted(etcd_server: EtcdServer,
                                                       tmp_path: Path) -> None:
     """A RAM copy found bad is quarantined: the records stop counting n0 as its holder (not
     as one that left), so that the other holders restore it."""
-    h = ClusterHarness(tmp_path / "ram", new_cluster(etcd_server))
+    h = EtcdHarness(tmp_path / "ram", new_cluster(etcd_server))
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(h.ns.background.run)
@@ -187,7 +177,7 @@ async def test_a_file_evicted_here_is_not_held_because_another_step_has_its_cont
     """step_1 and step_2 have a file of the same content; step_1's left RAM (persisted) but
     the records still count n0 (that leave never reached etcd). At start n0 is dropped from
     step_1's record, though the object is here for step_2's file."""
-    h = ClusterHarness(tmp_path / "ram", new_cluster(etcd_server))
+    h = EtcdHarness(tmp_path / "ram", new_cluster(etcd_server))
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(h.ns.background.run)

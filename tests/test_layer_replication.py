@@ -451,9 +451,7 @@ async def test_files_that_spread_evenly_go_whole_over_a_connection_each(
     async with trio.open_nursery() as nursery:
         await replicate_to_b(nursery, etcd_server, b, tmp_path / "a-objects", placements,
                              on_held, manifest)
-        with trio.fail_after(20):
-            while not done:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: done, timeout=20)
         nursery.cancel_scope.cancel()
     assert len(b.put_channels) == 4
     for entry, data in zip(entries, files, strict=True):

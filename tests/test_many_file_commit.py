@@ -16,7 +16,7 @@ import pytest
 import trio
 import xxhash
 
-from tests.test_namespace import CTX, Harness, dcp_save
+from tests.harness import CTX, Harness, dcp_save
 from tests.waiting import wait_until_async
 from tierfs.fs.model.nodes import Node
 from tierfs.fs.store.ram_store import RamStore
@@ -39,9 +39,9 @@ async def test_a_commit_makes_one_link_per_file_and_no_stat_of_objects(
 
 async def test_a_step_of_settled_files_commits_with_no_link_and_no_stat_of_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """As the daemon runs: each file hashed after its close, in the background. Before: the
-    commit linked each file into objects/ and stat'ed it for its entry's mode, owner and mtime
-    (two system calls per file with every FUSE request waiting: most of a 10,000-file
+    """As the daemon runs: each file hashed after its close, in the background. The commit
+    neither links a file into objects/ nor stats it for its entry's mode, owner and mtime (two
+    system calls per file with every FUSE request waiting would be most of a 10,000-file
     commit)."""
     harness = Harness(tmp_path / "ram")
     try:
@@ -193,9 +193,9 @@ async def test_a_restart_keeps_objects_linked_early_and_counts_no_lost_copy(
         tmp_path: Path) -> None:
     """A node stopped with a step being written: each closed file of it is its object already
     (linked early). The start keeps those objects (they hold no RAM of their own) and does not
-    count them as lost copies: a node that did dropped itself from the cluster's holders of its
-    own shards, and a multi-node step waiting for them never became whole (before: 2 objects
-    "removed" at start). Removed after the restart, the file takes its object with it."""
+    count them as lost copies (none "removed" at start): a node that did would drop itself from
+    the cluster's holders of its own shards, and a multi-node step waiting for them would never
+    become whole. Removed after the restart, the file takes its object with it."""
     harness = Harness(tmp_path / "ram")
     async with trio.open_nursery() as nursery:
         await nursery.start(harness.ns.background.run)

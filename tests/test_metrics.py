@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import MountFactory, free_port, tierfs, wait_until
-from tests.test_cluster import Cluster
+from tests.harness import Cluster
 from tests.test_crash import save
 from tierfs.devtools.etcd import Etcd
 from tierfs.mount_helper.config import ConfigError, resolve

@@ -260,8 +260,8 @@ def test_a_log_file_that_was_there_becomes_the_daemon_s_own(mounts: MountFactory
 
 def test_a_ram_dir_whose_file_system_is_full_is_one_line(small_shm: Path,
                                                          mounts: MountFactory) -> None:
-    """A /dev/shm that other processes filled: the mount fails with one line that says so
-    (before: 'the daemon exited with status 1', and a traceback)."""
+    """A /dev/shm that other processes filled: the mount fails with one line that says so,
+    not 'the daemon exited with status 1' and a traceback."""
     fill(small_shm / "other-user")
     mountpoint = mounts.tmp_path / "mnt"
     mountpoint.mkdir()

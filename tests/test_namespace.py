@@ -7,120 +7,25 @@ import errno
 import os
 import stat
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import pyfuse3
 import pytest
 import trio
 import trio.testing
 
-from tests.waiting import wait_until_async
+from tests.harness import CTX, Harness, dcp_save
 from tierfs import manifest as mf
-from tierfs.fs.fuse.operations import Operations
 from tierfs.fs.lifecycle.background import Background
 from tierfs.fs.model.nodes import ROOT_INODE
-from tierfs.fs.namespace import Core, Namespace
-from tierfs.fs.store.ram_store import RamStore
-from tierfs.observe import Events
 from tierfs.trackers import TrackedStep
 
 pytestmark = pytest.mark.core
-
-CTX = SimpleNamespace(uid=os.geteuid(), gid=os.getegid(), umask=0o022, pid=os.getpid())
-
-
-class Harness:
-    """A namespace over a RAM store in a temp dir, with helpers that speak pyfuse3's calls;
-    `tiers` are the Namespace's ports (none: a namespace with no other tier; the in-memory
-    fakes of tests/fakes.py for more)."""
-
-    def __init__(self, root: Path, limit: int = 1 << 30, **tiers: Any) -> None:
-        self.root = root
-        self.store = RamStore(root, limit)
-        self.store.acquire()
-        self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
-        self.events = Events()  # what operators would see: the metrics a test may read
-        self.ns = Namespace(Core(self.store, node_id="n0"), self.send, events=self.events,
-                            **tiers)
-        self.ops = Operations(self.ns)
-
-    def close(self) -> None:
-        self.store.release()
-
-    async def inode(self, path: str) -> int:
-        ino = ROOT_INODE
-        for part in filter(None, path.split("/")):
-            ino = (await self.ops.lookup(ino, part.encode(), CTX)).st_ino
-        return ino
-
-    async def mkdirs(self, path: str) -> int:
-        ino = ROOT_INODE
-        for part in filter(None, path.split("/")):
-            try:
-                ino = (await self.ops.lookup(ino, part.encode(), CTX)).st_ino
-            except pyfuse3.FUSEError:
-                ino = (await self.ops.mkdir(ino, part.encode(), 0o755, CTX)).st_ino
-        return ino
-
-    async def write_file(self, path: str, data: bytes) -> None:
-        parent, _, name = path.rpartition("/")
-        try:
-            info = await self.ops.open(await self.inode(path), os.O_WRONLY | os.O_TRUNC, CTX)
-        except pyfuse3.FUSEError:
-            info, _attrs = await self.ops.create(await self.mkdirs(parent), name.encode(),
-                                                 0o644, os.O_WRONLY, CTX)
-        await self.ops.write(info.fh, 0, data)
-        await self.ops.flush(info.fh)
-        await self.ops.release(info.fh)
-
-    async def read_file(self, path: str) -> bytes:
-        info = await self.ops.open(await self.inode(path), os.O_RDONLY, CTX)
-        try:
-            return await self.ops.read(info.fh, 0, 1 << 30)
-        finally:
-            await self.ops.release(info.fh)
-
-    async def rename(self, old: str, new: str) -> None:
-        old_parent, _, old_name = old.rpartition("/")
-        new_parent, _, new_name = new.rpartition("/")
-        await self.ops.rename(await self.inode(old_parent), old_name.encode(),
-                              await self.inode(new_parent), new_name.encode(), 0, CTX)
-
-    async def hashed(self) -> None:
-        """Wait until every commit made before its files' hashes were in (the background runs:
-        fs.model.pending_commits) has its manifest, and has announced it."""
-        if not any(n.step.pending is not None for n in self.ns.tree.steps()):
-            return
-        with trio.fail_after(30):
-            await wait_until_async(lambda: not any(n.step.pending is not None
-                                                       for n in self.ns.tree.steps()),
-                                   timeout=60, interval=0.005)
-            await trio.testing.wait_all_tasks_blocked()
-
-    async def state(self, path: str) -> str:
-        return (await self.ops.getxattr(await self.inode(path), b"user.tierfs.state",
-                                        CTX)).decode()
-
 
 @pytest.fixture
 def harness(tmp_path: Path):  # type: ignore[no-untyped-def]
     h = Harness(tmp_path / "ram")
     yield h
     h.close()
-
-
-async def dcp_save(h: Harness, step: str, files: dict[str, bytes], *,
-                   hashed: bool = True) -> None:
-    """DCP's way: the shards, then `.metadata` renamed into place; then (`hashed`) until the
-    commit's hashes are in and its manifest announced, which with the background running
-    follow the rename."""
-    for name, data in files.items():
-        await h.write_file(f"{step}/{name}", data)
-    await h.write_file(f"{step}/.metadata.tmp", b"meta")
-    await h.rename(f"{step}/.metadata.tmp", f"{step}/.metadata")
-    if hashed:
-        await h.hashed()
 
 
 async def test_metadata_commits_and_announces(harness: Harness) -> None:

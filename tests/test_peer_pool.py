@@ -66,7 +66,9 @@ class Peer:
         self.scope = trio.CancelScope()
 
 
-class Cluster:
+class PeerPair:
+    """Node a's peer directory and the peer b it reaches, members of one cluster in etcd."""
+
     def __init__(self, etcd_server: EtcdServer) -> None:
         self.url = parse_cluster_url(etcd_server.cluster_url(f"pool/{uuid.uuid4().hex[:8]}"))
         self.etcd = Etcd(self.url.endpoints)
@@ -98,21 +100,21 @@ class Cluster:
 
 
 @pytest.fixture
-async def cluster(etcd_server: EtcdServer) -> AsyncIterator[Cluster]:
-    cluster = Cluster(etcd_server)
+async def cluster(etcd_server: EtcdServer) -> AsyncIterator[PeerPair]:
+    cluster = PeerPair(etcd_server)
     async with trio.open_nursery() as nursery:
         await cluster.start(nursery)
         yield cluster
         nursery.cancel_scope.cancel()
 
 
-async def test_many_requests_share_one_connection(cluster: Cluster) -> None:
+async def test_many_requests_share_one_connection(cluster: PeerPair) -> None:
     for _ in range(20):
         await cluster.ping()
     assert len(cluster.b.connections) == 1 and cluster.a.pool.opened == 1
 
 
-async def test_a_connection_out_of_step_is_never_lent_again(cluster: Cluster) -> None:
+async def test_a_connection_out_of_step_is_never_lent_again(cluster: PeerPair) -> None:
     await cluster.ping()
     cluster.b.slow = 30.0
     with trio.move_on_after(0.3):  # cancelled while the peer works on the request
@@ -130,7 +132,7 @@ async def test_a_connection_out_of_step_is_never_lent_again(cluster: Cluster) ->
     assert cluster.a.pool.opened == 4  # the first, then one after each of the three
 
 
-async def test_a_dead_peers_idle_connection_is_replaced(cluster: Cluster) -> None:
+async def test_a_dead_peers_idle_connection_is_replaced(cluster: PeerPair) -> None:
     await cluster.ping()
     cluster.b.stop()
     async with trio.open_nursery() as nursery:  # back at the same address
@@ -140,7 +142,7 @@ async def test_a_dead_peers_idle_connection_is_replaced(cluster: Cluster) -> Non
     assert cluster.a.pool.opened == 2
 
 
-async def test_borrowers_beyond_per_peer_wait(cluster: Cluster) -> None:
+async def test_borrowers_beyond_per_peer_wait(cluster: PeerPair) -> None:
     cluster.b.slow = 0.2
 
     async def verify() -> None:
@@ -155,7 +157,7 @@ async def test_borrowers_beyond_per_peer_wait(cluster: Cluster) -> None:
     assert cluster.a.pool.opened == pool.PER_PEER == cluster.a.pool.idle_count()
 
 
-async def test_idle_connections_close_when_the_peer_leaves(cluster: Cluster) -> None:
+async def test_idle_connections_close_when_the_peer_leaves(cluster: PeerPair) -> None:
     await cluster.ping()
     assert cluster.a.pool.idle_count() == 1
     cluster.b_scope.cancel()  # b leaves the live members (its lease revoked)
@@ -164,7 +166,7 @@ async def test_idle_connections_close_when_the_peer_leaves(cluster: Cluster) -> 
         await cluster.ping()
 
 
-async def test_idle_connections_close_before_the_server_drops_them(cluster: Cluster) -> None:
+async def test_idle_connections_close_before_the_server_drops_them(cluster: PeerPair) -> None:
     await cluster.ping()
     cluster.a.pool.max_idle = 0.1  # the server's IDLE_TIMEOUT, scaled down
     await trio.sleep(0.2)

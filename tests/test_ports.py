@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from tests.fakes import BuggySource, MemoryPeers, MemoryTier
-from tests.test_namespace import Harness, dcp_save
+from tests.harness import Harness, dcp_save
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.fs.lifecycle import residency

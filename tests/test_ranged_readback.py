@@ -8,13 +8,12 @@ comes in whole in the background, and the next open of it is served by passthrou
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import MountFactory, finish_dcp_ranks, getxattr, start_dcp_ranks, wait_until
-from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.harness import Cluster
 from tests.test_cluster_many_readers import committed_on, sent_bytes, start_cluster
 from tests.test_crash import save
 from tests.test_passthrough import daemon_io
@@ -153,6 +152,8 @@ def test_a_load_reads_ahead_only_the_shards_of_the_writer_of_the_one_it_opened(
         assert f.read() == (node0 / STEP / "__0_0.distcp").read_bytes()
     wait_until(lambda: getxattr(step / "__1_0.distcp", "user.tierfs.tiers").startswith("ram"),
                timeout=30)
-    time.sleep(2)  # a read-ahead that went on past node0's shards would have them by now
+    # the read-ahead the open started has ended: one that went on past node0's shards would
+    # have fetched node1's before it
+    wait_until(lambda: f"read-ahead of {STEP} ended" in node2.log(), timeout=30)
     for theirs in ("__2_0.distcp", "__3_0.distcp"):
         assert not getxattr(step / theirs, "user.tierfs.tiers").startswith("ram"), theirs

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Mount, MountFactory, tierfs, wait_until
-from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.harness import Cluster
 from tests.test_deletes import assert_files, deletes_done, files, listed, save_step
 from tests.test_s3 import persist_args
 from tierfs.devtools.etcd import Etcd

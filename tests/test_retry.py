@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 
 from tierfs.s3tier.interface import BackendError, NotFound
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, RetryPolicy, retry
@@ -72,5 +73,5 @@ async def test_a_pause_ends_early_when_woken() -> None:
     with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: long.pause(1, wake=wake))
-            await trio.sleep(0.01)
+            await trio.testing.wait_all_tasks_blocked()  # the pause has begun
             wake.set()

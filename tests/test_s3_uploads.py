@@ -19,7 +19,7 @@ import trio
 
 from tests.fakes import StepsForUploads
 from tests.faults.s3_proxy import Fault, Request, S3Proxy
-from tests.test_layer_uploader import committed_step
+from tests.harness import committed_step
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.devtools.seaweed import SeaweedS3

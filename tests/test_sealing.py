@@ -15,7 +15,7 @@ import trio.testing
 import xxhash
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs
-from tests.test_namespace import CTX, Harness, dcp_save
+from tests.harness import CTX, Harness, dcp_save
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.fs.tree.sealing import HASH_AT_COMMIT, INLINE_HASH_BYTES

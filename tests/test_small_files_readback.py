@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from tests.fakes import MemoryTier
-from tests.test_namespace import Harness
+from tests.harness import Harness
 from tests.test_ports import persisted_and_evicted
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf

@@ -195,8 +195,8 @@ def longest_chain(graph: dict[str, set[str]], among: str) -> list[str]:
 
 def test_the_chain_of_imports_inside_fs_stays_short() -> None:
     """A module of fs imports at run time what it builds or calls, and the types it is handed
-    only for type checking: the chain a reader follows to load one module stays short (19
-    modules deep before issue 47; print it with `python -m tests.test_structure`)."""
+    only for type checking: the chain a reader follows to load one module stays short (print
+    it with `python -m tests.test_structure`)."""
     assert longest_chain({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}, "") == ["a", "b", "c"]
     assert len(longest_chain(module_imports(typing_only=False), "tierfs.fs.")) <= 8
 

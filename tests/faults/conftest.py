@@ -23,7 +23,6 @@ import xxhash
 
 from tests.conftest import Mount, getxattr
 from tests.faults.results_io import FULL, pick, write_results  # noqa: F401  (FULL: for the modules)
-from tests.test_cluster import token_file  # noqa: F401  (a fixture)
 
 # One switch and one place for the counts, shared with the other fault modules.
 scale = pick

@@ -46,6 +46,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.waiting import wait_until
+
 PREFIX = "tierfs-"  # every namespace made here: tierfs-<pid>-<net id>-<host>
 IPTABLES = "iptables-legacy"
 PROXY_PORT = 15000  # the delaying proxy's port inside each node's namespace
@@ -235,12 +237,12 @@ class Network:
                              "--control", str(host.proxy_control)),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         self._pids.append(proc.pid)
-        deadline = time.monotonic() + 20
-        while not host.proxy_control.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise NetworkError(f"the delaying proxy of {host.name} did not start: "
-                                   f"{(self.workdir / f'proxy-{host.name}.log').read_text()}")
-            time.sleep(0.02)
+        with contextlib.suppress(AssertionError):  # not within the time: said below
+            wait_until(lambda: host.proxy_control.exists() or proc.poll() is not None,
+                       timeout=20)
+        if not host.proxy_control.exists():
+            raise NetworkError(f"the delaying proxy of {host.name} did not start: "
+                               f"{(self.workdir / f'proxy-{host.name}.log').read_text()}")
         # Every TCP connection the node opens to another host goes through the proxy; its
         # own address (a daemon reaching itself) and the test's link do not.
         for argv in (["-d", f"{host.address}/32", "-j", "RETURN"],

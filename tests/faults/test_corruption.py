@@ -20,7 +20,7 @@ import xxhash
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
 from tests.faults.results_io import flip_byte, pick, write_results
-from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.harness import Cluster
 from tests.test_crash import save
 from tierfs import manifest as mf
 from tierfs.devtools.etcd import Etcd

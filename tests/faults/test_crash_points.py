@@ -30,7 +30,7 @@ import pytest
 
 from tests.conftest import Mount, MountFactory, getxattr, pid_alive, wait_until
 from tests.faults.conftest import FULL, Trainer, report, scale, step_problems
-from tests.test_cluster import Cluster
+from tests.harness import Cluster
 from tierfs import manifest as mf
 from tierfs.devtools.etcd import Etcd
 from tierfs.devtools.seaweed import SeaweedS3
@@ -279,6 +279,13 @@ def calibrate(run: CrashRun, reached: Any) -> float:
     return seconds
 
 
+def released(mnt: Mount, relpath: str) -> bool:
+    """No file of the step at `relpath` is open for writing any more, as the daemon tells it
+    (the files of a killed process are let go when the kernel releases them)."""
+    step = mnt.step(relpath)
+    return step is None or (step["commit_outlook"] or {}).get("kind") != "writers"
+
+
 def crash_trainer_during_save(run: CrashRun, delay: float) -> None:
     """Kill the training process instead: the daemon lives on, the step must not commit."""
     relpath = run.next_path()
@@ -287,7 +294,7 @@ def crash_trainer_during_save(run: CrashRun, delay: float) -> None:
     time.sleep(delay)
     run.trainer.kill_child()
     done = run.trainer.expect("done")
-    time.sleep(0.05)  # the kernel releases the dead process's files; the daemon seals them
+    wait_until(lambda: released(run.mnt, relpath))  # the kernel let the dead process's files go
     phase = "trainer killed: " + disk_phase(run.mnt.ram_dir, relpath, 0)
     run.record("training process killed", relpath, phase, done, seed, None)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Mount, MountFactory, wait_until
-from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.harness import Cluster
 from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.faults

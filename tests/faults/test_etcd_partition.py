@@ -22,7 +22,7 @@ from tests.conftest import (
     wait_written,
 )
 from tests.faults.tcp_proxy import TcpProxy
-from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.harness import Cluster
 from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.faults

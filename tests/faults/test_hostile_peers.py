@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import MountFactory, wait_until
 from tests.faults.results_io import pick, write_results
-from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.harness import Cluster
 from tests.test_crash import save, verify_committed
 from tierfs import manifest as mf
 from tierfs.devtools.etcd import Etcd

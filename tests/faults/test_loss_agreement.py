@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import MountFactory, wait_until
-from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
+from tests.harness import Cluster
 from tests.test_crash import save
 from tierfs.devtools.etcd import Etcd
 from tierfs.replication.peers.peer_reader import HOLDER_WAIT

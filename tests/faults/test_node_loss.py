@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import Mount, MountFactory, wait_until
 from tests.faults.conftest import FULL, Trainer, report, scale, step_problems
-from tests.test_cluster import Cluster
+from tests.harness import Cluster
 from tests.test_crash import save
 from tierfs.devtools.etcd import Etcd
 

@@ -180,11 +180,11 @@ def phases(rng: random.Random) -> list[tuple[str, PlanMaker]]:
 
 
 def watch_until_persisted(mnt: Mount, ledger: Ledger, step: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not mnt.step(step)["persisted"]:
-        assert time.monotonic() < deadline, f"{step} not persisted within {timeout} s"
+    def persisted() -> bool:
         ledger.check(mnt)
-        time.sleep(0.3)
+        return mnt.step(step)["persisted"]
+
+    wait_until(persisted, timeout=timeout, interval=0.3)
     ledger.check(mnt)
 
 

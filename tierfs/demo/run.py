@@ -286,9 +286,9 @@ def _cluster_demo(root: Path, mounts: list[DemoMount], cluster_url: str) -> bool
     token = root / "cluster.token"
     with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(os.urandom(24).hex())  # private from its first byte
-    from tierfs.devtools.local_server import free_ports
+    from tierfs.devtools.free_ports import free_ports
 
-    ports = free_ports(3)  # distinct: all held open while chosen
+    ports = free_ports(3)  # distinct: none handed out twice
     nodes = []
     for i in range(3):
         node = DemoMount(root / f"node{i}", Path("/dev/shm") / f"tierfs-demo-{os.getpid()}-n{i}",

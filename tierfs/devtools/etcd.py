@@ -18,7 +18,8 @@ import shutil
 import subprocess
 import urllib.request
 
-from tierfs.devtools.local_server import LOOPBACK, LocalServer
+from tierfs.devtools.free_ports import LOOPBACK
+from tierfs.devtools.local_server import LocalServer
 
 NAME = "tierfs"
 

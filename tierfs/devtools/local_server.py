@@ -1,42 +1,26 @@
 """The life cycle the throwaway servers of tests and the demo share (SeaweedFS, etcd).
 
-A `LocalServer` runs one binary on free 127.0.0.1 ports in its own data dir, logs to a file
-there (never to the test output), waits until the server answers, and stops it by its own pid
-only: SIGTERM, then SIGKILL after a grace period. `restart()` keeps the ports and the data, so
-a test can take the server away and bring it back at the same endpoint. A subclass says which
-ports it needs, its command line and how to tell that it is ready.
+A `LocalServer` runs one binary on free 127.0.0.1 ports (`free_ports`) in its own data dir,
+logs to a file there (never to the test output), waits until the server answers, and stops it
+by its own pid only: SIGTERM, then SIGKILL after a grace period. `restart()` keeps the ports
+and the data, so a test can take the server away and bring it back at the same endpoint. A
+subclass says which ports it needs, its command line and how to tell that it is ready.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-LOOPBACK = "127.0.0.1"
+from tierfs.devtools.free_ports import free_ports
+
 MAX_PORT = 45000  # weed derives unset grpc ports as port+10000; they must stay below 65536
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free loopback ports below MAX_PORT, chosen by the kernel."""
-    with ExitStack() as stack:
-        ports: list[int] = []
-        for _ in range(50 * count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((LOOPBACK, 0))
-            port = sock.getsockname()[1]
-            if port < MAX_PORT:
-                ports.append(port)
-                if len(ports) == count:
-                    return ports
-    raise RuntimeError(f"could not find {count} free ports below {MAX_PORT}")
 
 
 class LocalServer:
@@ -106,8 +90,8 @@ class LocalServer:
         fresh_ports = not self.ports
         for attempt in range(3 if fresh_ports else 1):
             if fresh_ports:
-                self.ports.update(zip(self.PORT_NAMES, free_ports(len(self.PORT_NAMES)),
-                                      strict=True))
+                ports = free_ports(len(self.PORT_NAMES), below=MAX_PORT)
+                self.ports.update(zip(self.PORT_NAMES, ports, strict=True))
             try:
                 self._launch(self.START_TIMEOUT if timeout is None else timeout)
                 return

@@ -28,7 +28,8 @@ import boto3
 from botocore.client import BaseClient
 from botocore.config import Config
 
-from tierfs.devtools.local_server import LOOPBACK, LocalServer
+from tierfs.devtools.free_ports import LOOPBACK
+from tierfs.devtools.local_server import LocalServer
 
 SERVICES = ("master", "volume", "filer", "s3")  # each gets an http port and a grpc port
 GLOG_RECORD = re.compile(r"[IWEF]\d{4} ")  # e.g. "E1130 04:16:25.819461 s3api_server.go:403 ..."

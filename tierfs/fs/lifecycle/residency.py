@@ -326,6 +326,7 @@ class Residency:
         records = self.records
 
         async def ahead() -> None:
+            fetched = 0
             try:
                 writers = step.file_writers
                 if records is not None and name not in writers:
@@ -348,12 +349,14 @@ class Residency:
                     try:
                         await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
                         self._adopt(sibling, fetch)
+                        fetched += 1
                     except (FetchError, RamFull, FsError) as exc:
                         log.info("read-ahead of %s stopped at %s: %s", where,
                                  self.tree.relpath(sibling), exc or "no room in RAM")
                         return
             finally:
                 self._reading_ahead.discard(step)
+                log.info("read-ahead of %s ended: %d files came to RAM", where, fetched)
 
         self.background.spawn(ahead)
 

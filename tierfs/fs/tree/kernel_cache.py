@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SETTLED_TIMEOUT = 60.0  # seconds the kernel keeps a settled entry and its attributes
-CHANGING_TIMEOUT = 1.0  # a file being written, as every entry had before issue 49
+CHANGING_TIMEOUT = 1.0  # a file being written: its size and mtime move
 
 ROOT = pyfuse3.ROOT_INODE
 
