@@ -25,11 +25,9 @@ from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon.cluster_service import ClusterLinks, ClusterNode, cluster_members
 from tierfs.mount_helper.daemon.collection import run_full_collections
 from tierfs.mount_helper.daemon.commit_pipeline import (
-    CommitPipeline,
     delete_targets,
     delete_worker,
     make_uploader,
-    retry_pending_commits,
     store_links,
     upload_again,
     verify_then_send,
@@ -54,6 +52,7 @@ from tierfs.mount_helper.mounts import (
     tierfs_on_top,
 )
 from tierfs.observe import Events
+from tierfs.replication.commit_order import CommitPipeline
 from tierfs.replication.coordination.upload_plans import UploadPlans
 from tierfs.s3tier.packs import PackedReader
 from tierfs.s3tier.reader import PersistentReader
@@ -182,7 +181,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                     nursery.start_soon(cluster.record_store_use, uploader.backend.url,
                                        store_used)
             nursery.start_soon(verify_then_send, namespace, uploader, replicator)
-            nursery.start_soon(retry_pending_commits, namespace)
+            nursery.start_soon(namespace.commits.keep_retrying)
             nursery.start_soon(namespace.quiet.run)
             if cfg.append_every:
                 nursery.start_soon(namespace.appends.run)
