@@ -1,6 +1,6 @@
 """The parts that follow a commit on this node, built and connected: the uploader over the
 namespace (`make_uploader`); what was due before a restart, once the RAM objects are checked
-(`verify_then_send`); the links the store keeps; and deletes, which leave every tier they
+(`verify_then_send`); and deletes, which leave every tier they
 reached (`delete_worker`). In what order a step's copies and upload go is
 `tierfs.replication.commit_order`'s; when pending commits try again, the core's
 (`Commits.keep_retrying`)."""
@@ -14,15 +14,12 @@ import trio
 from tierfs import manifest as mf
 from tierfs.fs.lifecycle.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.tree.tree import Tree
-from tierfs.fs.tree.tree_view import TreeView
 from tierfs.mount_helper.config import MountConfig
 from tierfs.observe import Events
 from tierfs.replication.coordination.cluster_commit import ClusterCommits
 from tierfs.replication.peers.peer_delete import PeerDelete
 from tierfs.replication.peers.replicator import Replicator
-from tierfs.retry import POLICY
-from tierfs.s3tier.backend import Backend, BackendError
+from tierfs.s3tier.backend import Backend
 from tierfs.s3tier.uploader import Uploader
 from tierfs.shared_uploads import SharedUploads
 
@@ -95,30 +92,6 @@ async def upload_again(namespace: Namespace, uploader: Uploader) -> None:
     made again, a prefix emptied: `Residency.store_lacks`), go up again from RAM."""
     async for manifest in namespace.residency.lost_from_store:
         uploader.submit(manifest)
-
-
-async def store_links(tree: Tree, view: TreeView, uploader: Uploader) -> None:
-    """The store learns the links of each directory whose links changed (fs.model.links); every
-    directory holding links once after a start. Retried while the store cannot."""
-    for directory in view.link_dirs():
-        tree.links.note(directory)
-    failures = 0
-    while True:
-        changed = tree.links.changed
-        for directory in sorted(tree.links.take()):
-            try:
-                await uploader.put_links(directory, view.links_of(directory))
-                failures = 0
-            except BackendError as exc:
-                failures += 1
-                log.log(POLICY.level(failures), "the links of %s could not be stored yet: %s",
-                        directory or ".", exc)
-                tree.links.dirs.add(directory)  # again after the pause
-        if tree.links.dirs:
-            with trio.move_on_after(POLICY.delay(failures)):
-                await tree.links.changed.wait()
-        else:
-            await changed.wait()
 
 
 def delete_worker(namespace: Namespace, uploader: Uploader | None,
