@@ -122,7 +122,7 @@ async def test_a_step_committed_on_one_node_is_listed_read_and_verified_from_ano
     it from n0 (GET) and has n0 check its copies (VERIFY)."""
     async with cluster(tmp_path, "n0", "n1") as (_nursery, (n0, n1)):
         manifest = await committed_on(n0, "run/step_1")
-        await n1.links.sealed.learn_all(n1.node._learn)
+        await n1.links.sealed.learn_all(n1.node.steps.learn)
         assert n1.links.sealed.manifests_from_peers == 1  # from n0's MANIFEST handler
         assert n0.node.manifests.served_parts == 1
         assert await n1.state("run/step_1") == "committed"
@@ -271,8 +271,8 @@ async def test_catch_up_applies_deletes_made_meanwhile_and_publishes_commits_etc
     etcd.fail_next = 2  # and etcd does not answer at first: tried until it does
     async with cluster(tmp_path, "n0", etcd=etcd, serve=False) as (nursery, (n0,)):
         assert n0.ns.tree.find_step("run/step_7") is not None
-        nursery.start_soon(n0.node._publish_pending)
-        await n0.node._catch_up()
+        nursery.start_soon(n0.node.steps.publish_pending)
+        await n0.node.steps.catch_up()
         assert etcd.fail_next == 0
         assert n0.ns.tree.find_step("run/step_7") is None
         with trio.fail_after(5):
@@ -284,7 +284,7 @@ async def test_catch_up_applies_deletes_made_meanwhile_and_publishes_commits_etc
 async def test_a_commit_of_another_node_is_listed_here_within_its_watch_event(
         tmp_path: Path) -> None:
     async with cluster(tmp_path, "n0", "n1") as (nursery, (n0, n1)):
-        nursery.start_soon(n1.node._follow_commits)
+        nursery.start_soon(n1.node.steps.follow)
         await trio.testing.wait_all_tasks_blocked()
         await committed_on(n0, "run/step_9")
         await wait_until_async(lambda: n1.ns.tree.find_step("run/step_9") is not None, timeout=10)

@@ -1,4 +1,4 @@
-"""What follows a commit on this node (`mount_helper.daemon.commit_pipeline.CommitPipeline`),
+"""What follows a commit on this node (`replication.commit_order.CommitPipeline`),
 in process, with an uploader and a replicator that only record what they are given: every
 committed version goes to the replicator at once and to the uploader once its copies are made,
 or after COPIES_FIRST seconds at most if they cannot be."""
@@ -14,7 +14,7 @@ import trio.testing
 
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
-from tierfs.mount_helper.daemon.commit_pipeline import COPIES_FIRST, CommitPipeline
+from tierfs.replication.commit_order import COPIES_FIRST, CommitPipeline
 from tierfs.step_queue import StepQueue
 
 pytestmark = pytest.mark.core

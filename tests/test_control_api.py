@@ -24,8 +24,8 @@ from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.fs.tree.holders import RecordedHolders
 from tierfs.mount_helper.config import MountConfig
-from tierfs.mount_helper.daemon.commit_pipeline import CommitPipeline
 from tierfs.mount_helper.daemon.control_api import ControlApi
+from tierfs.replication.commit_order import CommitPipeline
 from tierfs.step_names import DEFAULT_STEP_PATTERN
 
 pytestmark = pytest.mark.core

@@ -206,3 +206,39 @@ if __name__ == "__main__":
         found = longest_chain(module_imports(typing_only), "tierfs.fs.")
         print(f"{len(found)} modules, {'with' if typing_only else 'without'} the imports made "
               f"only for type checking: {' -> '.join(found)}")
+
+
+# The daemon's own timer: when the process's garbage collector runs its full passes.
+DAEMON_TIMERS = {"collection.py"}
+
+
+def paced_calls(source: str) -> list[str]:
+    """The calls in `source` that pace work: a fixed sleep, a retry policy's pause or delay,
+    or a retry policy made (`RetryPolicy(...)`, `.capped`, `.limited`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = ast.unparse(node.func)
+        if name in ("trio.sleep", "RetryPolicy") or name.rsplit(".", 1)[-1] in (
+                "pause", "delay", "capped", "limited"):
+            found.append(name)
+    return found
+
+
+def test_the_pacing_check_sees_a_retry_loop() -> None:
+    assert paced_calls("async def f():\n    while True:\n        await trio.sleep(0.5)\n"
+                       "        await CATCH_UP.pause(2)\n") == ["trio.sleep", "CATCH_UP.pause"]
+
+
+def test_the_daemon_package_holds_no_policy() -> None:
+    """`tierfs.mount_helper.daemon` builds and connects parts: how often work is retried or
+    polled, and in what order copies and uploads go, are the parts' own (`tierfs.retry`,
+    `tierfs.replication`, the core), so no module of the daemon paces work, and none defines
+    the replica-count rule (`placement.copies_wanted`)."""
+    daemon = PACKAGE / "mount_helper" / "daemon"
+    for path in sorted(daemon.glob("*.py")):
+        source = path.read_text()
+        if path.name not in DAEMON_TIMERS:
+            assert paced_calls(source) == [], path.name
+        assert "replicas + 1" not in source and "min(self.cfg.replicas" not in source, path.name

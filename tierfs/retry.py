@@ -65,6 +65,8 @@ class RetryPolicy:
 
 
 POLICY = RetryPolicy()
+CATCH_UP_RETRIES = POLICY.capped(5.0)  # reading etcd after a start, until it answers
+STORE_CHECK_RETRIES = POLICY.capped(1.0)  # the store at start, for the mount's patience at most
 
 
 async def retry(call: Callable[[], Awaitable[T]], what: str, *,

@@ -69,6 +69,8 @@ if TYPE_CHECKING:
         StoreCheck,
     )
 
+DIRECT_WRITES_EVERY = 0.5  # seconds between updates of the RAM tier's usage by passthrough
+
 
 class Core:
     """The tree of a RAM store, loaded, with what it reports to (made first: the cluster's
@@ -283,6 +285,13 @@ class Namespace:
         """Bring the RAM tier's accounting up to date with passthrough writes in progress."""
         self.tree.account_direct_writes()
         self.residency.relieve_pressure()
+
+    async def keep_accounting_direct_writes(self) -> None:
+        """Passthrough writes bypass the daemon: the RAM tier's usage figures are brought up
+        to date every DIRECT_WRITES_EVERY seconds."""
+        while True:
+            await trio.sleep(DIRECT_WRITES_EVERY)
+            self.account_direct_writes()
 
     async def flush(self, handle: Handle, *, final: bool = False) -> None:
         """End of a close() (FLUSH), or of the open file (`final`, its RELEASE): seal what this

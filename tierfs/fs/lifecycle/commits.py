@@ -70,6 +70,8 @@ BACKGROUND_WAIT = 20.0
 # share, may have room again.
 FINISH_RETRY = 0.5
 FINISH_RETRY_MAX = 30.0
+# Seconds between the rounds that try pending commits again (shards elsewhere, no space).
+PENDING_RETRY = 0.5
 
 # What a commit waits for (`tierfs commit` shows it after a second, and when it gives up).
 ANOTHER_COMMIT = "another commit of the step"
@@ -568,6 +570,15 @@ class Commits:
         for step_node in list(tree_walk.enclosing_steps(dir_node)):
             if step_node.step.commit_pending and not tree_walk.has_active_writers(step_node):
                 await self.commit_quietly(step_node)
+
+    async def keep_retrying(self) -> None:
+        """Every PENDING_RETRY: the commits that wait for other nodes' shards, or failed (a full
+        RAM dir), try again (`retry_pending_commits`); so do the persisted marks a full RAM dir
+        had no room for."""
+        while True:
+            await trio.sleep(PENDING_RETRY)
+            await self.retry_pending_commits()
+            self.tiers.write_owed_marks()
 
     async def retry_pending_commits(self) -> None:
         """Commits left pending (writers, or shards not yet found on other nodes) try again,

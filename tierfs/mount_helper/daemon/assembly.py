@@ -25,12 +25,9 @@ from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon.cluster_service import ClusterLinks, ClusterNode, cluster_members
 from tierfs.mount_helper.daemon.collection import run_full_collections
 from tierfs.mount_helper.daemon.commit_pipeline import (
-    CommitPipeline,
     delete_targets,
     delete_worker,
     make_uploader,
-    retry_pending_commits,
-    store_links,
     upload_again,
     verify_then_send,
 )
@@ -54,9 +51,11 @@ from tierfs.mount_helper.mounts import (
     tierfs_on_top,
 )
 from tierfs.observe import Events
+from tierfs.replication.commit_order import CommitPipeline
 from tierfs.replication.coordination.upload_plans import UploadPlans
 from tierfs.s3tier.packs import PackedReader
 from tierfs.s3tier.reader import PersistentReader
+from tierfs.s3tier.stored_links import store_links
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +165,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
             await nursery.start(namespace.background.run)
             if device is not None:
                 nursery.start_soon(device.run, pyfuse3.terminate)
-                nursery.start_soon(_account_direct_writes, namespace)
+                nursery.start_soon(namespace.keep_accounting_direct_writes)
             if cluster is not None:
                 await cluster.start(nursery)
             nursery.start_soon(_run_fuse, nursery.cancel_scope, namespace)
@@ -182,7 +181,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                     nursery.start_soon(cluster.record_store_use, uploader.backend.url,
                                        store_used)
             nursery.start_soon(verify_then_send, namespace, uploader, replicator)
-            nursery.start_soon(retry_pending_commits, namespace)
+            nursery.start_soon(namespace.commits.keep_retrying)
             nursery.start_soon(namespace.quiet.run)
             if cfg.append_every:
                 nursery.start_soon(namespace.appends.run)
@@ -190,7 +189,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                                              cluster.peer_delete if cluster else None,
                                              cluster.sealed if cluster else None).run)
             if uploader is not None:
-                nursery.start_soon(store_links, namespace.tree, namespace.view, uploader)
+                nursery.start_soon(store_links, namespace.tree.links, namespace.view.link_dirs,
+                                   namespace.view.links_of, uploader)
             nursery.start_soon(_terminate_on_signal)
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers
             log.info("mounted %s (RAM dir %s, limit %d bytes, pid %d)", cfg.mountpoint,
@@ -209,13 +209,6 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                 await metrics.aclose()
             if members is not None:
                 await members.live.etcd.aclose()
-
-
-async def _account_direct_writes(namespace: Namespace) -> None:
-    """Passthrough writes bypass the daemon: keep the RAM tier's usage figures current."""
-    while True:
-        await trio.sleep(0.5)
-        namespace.account_direct_writes()
 
 
 async def _run_fuse(cancel_scope: trio.CancelScope, namespace: Namespace) -> None:

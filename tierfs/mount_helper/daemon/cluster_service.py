@@ -1,7 +1,9 @@
-"""The node's side of the cluster (with --cluster): its clients of the peers, made before the
-namespace (`ClusterLinks`), and the service made after it (`ClusterNode`): the peer port and its
-handler table, admission and registration in etcd, the commits it follows, the lost-copies rule
-at start, and the copies it plans again when members come and go."""
+"""The node's side of the cluster (with --cluster), built and connected: its clients of the
+peers, made before the namespace (`ClusterLinks`), and the service made after it
+(`ClusterNode`): the peer port and its handler table, admission and registration in etcd, and
+the workers of `tierfs.replication` started in order (the lost copies corrected before the node
+joins, the commits it follows, the copies it plans again when members come and go). What they
+decide is theirs; here a refusal becomes the mount's one line."""
 
 from __future__ import annotations
 
@@ -16,22 +18,18 @@ from tierfs.fs.store.ram_store import RamStore
 from tierfs.fs.tree.holders import RecordedHolders
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon import admission
-from tierfs.mount_helper.daemon.commit_pipeline import (
-    PENDING_RETRY,
-    delete_targets,
-    upload_after_copies,
-)
-from tierfs.mount_helper.daemon.startup import (
-    CATCH_UP_RETRIES,
-    CHECK_PATIENCE,
-    StartupError,
-    first_leaf,
-)
+from tierfs.mount_helper.daemon.commit_pipeline import delete_targets
+from tierfs.mount_helper.daemon.startup import CHECK_PATIENCE, StartupError, first_leaf
 from tierfs.observe import Events
+from tierfs.replication import recorded_copies
+from tierfs.replication.catch_up import drop_lost_copies
+from tierfs.replication.cluster_steps import ClusterSteps
+from tierfs.replication.commit_order import CopyPlans
 from tierfs.replication.coordination import membership as live_members
 from tierfs.replication.coordination.cluster_commit import ClusterCommits
 from tierfs.replication.coordination.commit_records import CommitRecords
 from tierfs.replication.coordination.etcd import Etcd, EtcdError
+from tierfs.replication.coordination.placement import copies_wanted
 from tierfs.replication.coordination.store_record import StoreRecord
 from tierfs.replication.peers import tls as peer_tls
 from tierfs.replication.peers.channel import SENT_TO
@@ -44,7 +42,7 @@ from tierfs.replication.peers.peer_verify import PeerVerify, verify_handler
 from tierfs.replication.peers.receiver import ReplicaReceiver
 from tierfs.replication.peers.replicator import Replicator
 from tierfs.replication.peers.server import Handler, PeerServer
-from tierfs.retry import retry
+from tierfs.retry import CATCH_UP_RETRIES, retry
 from tierfs.s3tier.uploader import Uploader
 
 log = logging.getLogger(__name__)
@@ -97,7 +95,7 @@ class ClusterLinks:
     async def wait_for_copies(self, manifest: mf.StepManifest, deadline: float) -> None:
         """--sync-replicas (`fs.model.ports.CopiesWait`): every file of the committed version has
         K + 1 verified copies on live nodes, or as many as there are live nodes."""
-        want = min(self.replicas + 1, len(self.live.ring))
+        want = copies_wanted(self.replicas, len(self.live.ring))
         await self.sealed.wait_for_copies(
             manifest, want, lambda node: node == self.node_id or self.live.is_up(node),
             deadline)
@@ -110,9 +108,9 @@ class ClusterLinks:
             return []
         manifest = step_node.step.manifest
         record = await self.sealed.file_record(manifest.path, name)
-        entry = manifest.entry(name)
-        if record is None or entry is None or record.xxh3 != entry.xxh3:
+        if not recorded_copies.of_content(record, manifest.entry(name)):
             return []
+        assert record is not None
         if self.tree.find_step(manifest.path) is step_node:  # not replaced meanwhile
             self.versions.set_file_holders(step_node, {name: set(record.holders)})
         return list(record.holders)
@@ -126,9 +124,6 @@ class ClusterNode:
     def __init__(self, cfg: MountConfig, links: ClusterLinks, namespace: Namespace,
                  store: RamStore, events: Events, uploader: Uploader | None = None) -> None:
         self.cfg = cfg
-        # this node's share of the uploads of steps committed elsewhere (shared_uploads)
-        self.uploader = uploader
-        self._nursery: trio.Nursery | None = None  # the service's, from `start`
         self.namespace = namespace
         self.store = store
         self.live = links.live
@@ -151,24 +146,20 @@ class ClusterNode:
         self.ranges = RangeServer(store.objects, namespace.view.sealed_path, cfg.node_id,
                                   namespace.residency.chunk_for_peer)
         self.manifests = ManifestServer(namespace.view.committed_manifest)
-        # Set once what this node missed while it was down is applied and the commit records
-        # it found missing were written (or tried, if etcd refused them: they are retried
-        # every PENDING_RETRY); `caught_up` in `tierfs status`.
-        self.caught_up = trio.Event()
-        self._missed_taken = False  # `_catch_up` listed what this node missed
-        # Steps of the cluster not listed here for want of room for their records: path ->
-        # (manifest, holders), listed again each PENDING_RETRY.
-        self._unlearned: dict[str, tuple[mf.StepManifest, list[str]]] = {}
+        # the steps planned again, with this node's share of the uploads of steps committed
+        # elsewhere (shared_uploads)
+        self.plans = CopyPlans(self.replicator, uploader, namespace.tree.find_step,
+                               tiers.held_manifests)
+        self.steps = ClusterSteps(self.sealed, tiers, self.plans)
+        # `caught_up` in `tierfs status`
+        self.caught_up = self.steps.caught_up
 
     async def _held(self, manifest: mf.StepManifest, peer: str, names: list[str]) -> bool:
         """A peer verified copies of these files: counted in etcd's records, then here (only
         those etcd took, for this content). Whether every one was recorded (if not, the
         replicator pauses before it tries again)."""
         found = await self.sealed.add_holders(manifest, peer, names)
-        recorded = [name for name in names
-                    if name in found and peer in found[name].holders
-                    and (entry := manifest.entry(name)) is not None
-                    and found[name].xxh3 == entry.xxh3]
+        recorded = recorded_copies.recorded_holders_of(manifest, peer, names, found)
         if recorded:
             self.namespace.tiers.mark_held(manifest, peer, recorded)
             self.recorded.changed(manifest.path, manifest.version)
@@ -193,7 +184,7 @@ class ClusterNode:
                           self.handlers(), tls.server if tls else None, streamed={"PUT"})
 
     async def start(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
+        self.plans.start(nursery)
         server = self.peer_server()
         assert self.cfg.listen is not None
         host, port = self.cfg.listen
@@ -214,7 +205,7 @@ class ClusterNode:
                  self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
         self._follow_members()
         # every step of the cluster, from the start
-        await self.sealed.learn_all(self._learn, self.namespace.tiers.store_state)
+        await self.steps.learn_all()
         if self.namespace.recovered.may_have_lost_copies:
             # back without (some of) its copies: a step whose holders as its commit record
             # names them are live may still have lost every copy of a file, here and on
@@ -222,129 +213,19 @@ class ClusterNode:
             # names such a step here)
             self.namespace.tiers.want_recheck()
         for worker in (self.directory.run, self.replicator.run, self._restore_copies,
-                       self._follow_commits, self._publish_pending, self._recheck_losses):
+                       self.steps.follow, self.steps.publish_pending, self._recheck_losses):
             nursery.start_soon(worker)
-        nursery.start_soon(self._catch_up)
-
-    async def _catch_up(self) -> None:
-        """What this node missed while it was down, once etcd answers (tried until it does):
-        deletes made meanwhile are applied here, and the steps it committed whose commit
-        record never reached etcd are published (by `_publish_pending`)."""
-        tiers = self.namespace.tiers
-        failures = 0
-        while True:
-            try:
-                unpublished, deleted = await self.sealed.missed(tiers.owned_manifests(),
-                                                                tiers.listed_manifests())
-                break
-            except EtcdError as exc:
-                failures += 1
-                log.info("could not compare this node's steps with etcd yet (attempt %d): %s",
-                         failures, exc)
-                await CATCH_UP_RETRIES.pause(failures)
-        for deletion in deleted:
-            failures = 0
-            while True:
-                try:
-                    tiers.delete_from_peer(deletion.step, deletion.version,
-                                           deletion.committed_ns,
-                                           "another node (a tombstone in etcd)")
-                    break
-                except OSError as exc:
-                    # No room for its record (the RAM dir's file system full: a /dev/shm
-                    # other processes fill): nothing was changed; tried again, never given
-                    # up (an error here would end the daemon).
-                    failures += 1
-                    if failures == 1:
-                        log.warning("delete of %s made while this node was down is not "
-                                    "applied here yet: %s", deletion.step,
-                                    exc.strerror or exc)
-                    await trio.sleep(PENDING_RETRY)
-        for manifest in unpublished:
-            tiers.publish_later(manifest)
-        self._missed_taken = True
+        nursery.start_soon(self.steps.catch_up)
 
     async def _drop_lost_copies(self) -> None:
-        """The records stop counting this node as a holder of files it does not hold in RAM
-        (`TreeView.holds_copy`: it was replaced with an empty RAM dir, or lost files): the
-        survivors restore those copies (`ClusterCommits.drop_lost_copies`). At start, before
-        the node is a live member, and only if start-up found this node may have lost copies
-        (an empty RAM dir, steps set aside, objects removed: `RecoveryReport`), since it reads
-        every step listing this node: from then on a copy of a step not persisted leaves RAM
-        only after it left the records (`Residency._leave`), and a bad one leaves them when
-        it is quarantined. Tried for CHECK_PATIENCE: a node that cannot correct the records
-        does not join (peers would count the copies it lost)."""
-        recovered = self.namespace.recovered
-        if not recovered.may_have_lost_copies:
-            log.info("the RAM store holds every copy it held (%d committed steps): the "
-                     "cluster's records are not read for lost copies", recovered.steps)
-            return
-        failures = 0
-        with trio.move_on_after(CHECK_PATIENCE) as patience:
-            while True:
-                try:
-                    dropped = await self.sealed.drop_lost_copies(
-                        self.namespace.view.holds_copy, self.namespace.tiers.in_store)
-                    break
-                except EtcdError as exc:
-                    failures += 1
-                    log.info("could not compare the cluster's records with the copies here "
-                             "(attempt %d): %s", failures, exc)
-                    await CATCH_UP_RETRIES.pause(failures)
-        if patience.cancelled_caught:
+        """The records stop counting this node as a holder of the copies it lost
+        (`catch_up.drop_lost_copies`), before it is a live member; tried for CHECK_PATIENCE:
+        a node that cannot correct them does not join (one line)."""
+        namespace = self.namespace
+        if not await drop_lost_copies(self.sealed, namespace.recovered,
+                                      namespace.view.holds_copy, namespace.tiers.in_store,
+                                      CHECK_PATIENCE):
             raise self._unreachable("to correct the records of the copies this node lost")
-        if dropped:
-            log.warning("%d copies the cluster's records listed here are not in RAM: the other "
-                        "holders restore them", dropped)
-    def _learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
-        """A step committed in the cluster is listed here; if this node holds files of that
-        version (it wrote some, or holds copies), the step is planned again: copies may be
-        due, and the records (touched when holders are added) say who holds each file now."""
-        try:
-            self.namespace.tiers.learn(manifest, holders)
-        except OSError as exc:
-            # No room for its records (the RAM dir's file system full: a /dev/shm other
-            # processes fill): listed by a retry once there is (`_publish_pending`'s round);
-            # an error here would end the watch of the commits, and the daemon with it.
-            if manifest.path not in self._unlearned:
-                log.warning("%s v%d is not listed here yet: %s", manifest.path,
-                            manifest.version, exc.strerror or exc)
-            self._unlearned[manifest.path] = (manifest, holders)
-            return
-        self._unlearned.pop(manifest.path, None)
-        node = self.namespace.tree.find_step(manifest.path)
-        if node is not None and node.step.committed and node.step.resident and \
-                node.step.manifest.version == manifest.version:
-            self.replicator.submit(node.step.manifest)
-            self._upload_share(node.step.manifest)
-
-    def _upload_share(self, manifest: mf.StepManifest) -> None:
-        """This node's share of a step's upload (it holds files of it: it may be the one to
-        send some to the store), after its copies (`shared_uploads`)."""
-        step = self.namespace.tree.find_step(manifest.path)
-        if (self.uploader is None or self._nursery is None or step is None
-                or step.step.persisted or not self.uploader.wanted(manifest)):
-            return
-        self._nursery.start_soon(upload_after_copies, manifest, self.uploader,
-                                 self.replicator.queue)
-
-    async def _follow_commits(self) -> None:
-        """Every commit of the other nodes is listed here within a watch event, and what the
-        store holds of each step, whoever uploaded it."""
-        await self.sealed.follow(self._learn, self.namespace.tiers.unlisted,
-                                 self.namespace.tiers.store_state)
-
-    async def _publish_pending(self) -> None:
-        """Commit records etcd could not take (it was down) are written once it is back; steps
-        of the cluster this node had no room to list are listed once it has."""
-        while True:
-            await trio.sleep(PENDING_RETRY)
-            caught_up = self._missed_taken  # this round writes what the catch-up found
-            await self.namespace.tiers.publish_pending()
-            for manifest, holders in list(self._unlearned.values()):
-                self._learn(manifest, holders)
-            if caught_up:
-                self.caught_up.set()
 
     async def _admit(self) -> None:
         """Refuse, with one line, a node that could not work as a member (`admission`)."""
@@ -391,35 +272,24 @@ class ClusterNode:
         self.namespace.deletes.targets = delete_targets(self.cfg, self.live.ring)
 
     async def _restore_copies(self) -> None:
-        """When a node goes or comes, every node re-plans the copies of the files it holds
-        from fresh records (lost copies are restored; a node joining moves nothing)."""
+        """When a node goes or comes, deletes go to the new set of peers and every step held
+        here is planned again (`CopyPlans.members_changed`)."""
         while True:
             await self.directory.changed.wait()
             self._follow_members()
-            for manifest in self.namespace.tiers.held_manifests():
-                self.replicator.submit(manifest)
-                self._upload_share(manifest)  # a sender of its files may be gone
+            self.plans.members_changed()
 
     async def _recheck_losses(self) -> None:
-        """When a node goes or comes (or its grace ends), the steps that may have lost every
-        copy of a file have their records read again, so that every node, also one holding
-        nothing of a step, calls it incomplete (and `latest` skips it) or whole on what the
-        records say now; then every step is judged (the daemon logs a step that became
-        incomplete or whole again)."""
-        tiers = self.namespace.tiers
+        """Steps that may have lost every copy of a file, judged again from the records when
+        members come and go (`recorded_copies.recheck_losses`)."""
         tree = self.namespace.tree
-        while True:
-            changed = self.directory.changed
-            generation = self.directory.generation
-            for manifest in tiers.doubtful_steps(self.directory.may_be_up):
-                records = await self.sealed.placements(manifest)
-                if records is not None:
-                    tiers.note_placements(manifest, {n: set(r.holders) for n, r in records.items()},
-                                          {n: r.node for n, r in records.items()})
+
+        def judge_all() -> None:
             for node in list(tree.steps()):
                 tree.recoverable.loss(node.step, fresh=True)
-            if self.directory.generation == generation:
-                await _either(changed, tiers.recheck_wanted)
+
+        await recorded_copies.recheck_losses(self.namespace.tiers, self.directory, self.sealed,
+                                             judge_all)
 
     async def record_store_use(self, url: str, used: trio.Event) -> None:
         """Once this node persisted a step, or found the store holding some, the cluster
@@ -443,20 +313,5 @@ class ClusterNode:
         """Who holds each file of this committed version, as the cluster's records say (a
         record of another content holds nothing of it); None if they cannot be read."""
         records = await self.sealed.placements(manifest)
-        if records is None:
-            return None
-        return {entry.name: set(record.holders) if record is not None
-                and record.xxh3 == entry.xxh3 else set()
-                for entry in manifest.files
-                for record in (records.get(entry.name),)}
+        return None if records is None else recorded_copies.holders_by_file(manifest, records)
 
-
-async def _either(*events: trio.Event) -> None:
-    """Until one of `events` is set."""
-    async with trio.open_nursery() as nursery:
-        for event in events:
-            async def wait(event: trio.Event = event) -> None:
-                await event.wait()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(wait)

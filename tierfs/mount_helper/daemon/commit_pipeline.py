@@ -1,7 +1,9 @@
-"""What happens after a commit on this node, and in what order: the step's peer copies first,
-then its upload (`CommitPipeline`); what was due before a restart, once the RAM objects are
-checked (`verify_then_send`); retries of commits that wait; the links the store keeps; and
-deletes, which leave every tier they reached (`delete_worker`)."""
+"""The parts that follow a commit on this node, built and connected: the uploader over the
+namespace (`make_uploader`); what was due before a restart, once the RAM objects are checked
+(`verify_then_send`); and deletes, which leave every tier they
+reached (`delete_worker`). In what order a step's copies and upload go is
+`tierfs.replication.commit_order`'s; when pending commits try again, the core's
+(`Commits.keep_retrying`)."""
 
 from __future__ import annotations
 
@@ -12,33 +14,18 @@ import trio
 from tierfs import manifest as mf
 from tierfs.fs.lifecycle.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.tree.tree import Tree
-from tierfs.fs.tree.tree_view import TreeView
 from tierfs.mount_helper.config import MountConfig
 from tierfs.observe import Events
 from tierfs.replication.coordination.cluster_commit import ClusterCommits
 from tierfs.replication.peers.peer_delete import PeerDelete
 from tierfs.replication.peers.replicator import Replicator
-from tierfs.retry import POLICY
-from tierfs.s3tier.backend import Backend, BackendError
+from tierfs.s3tier.backend import Backend
 from tierfs.s3tier.uploader import Uploader
 from tierfs.shared_uploads import SharedUploads
-from tierfs.step_queue import StepQueue
 
 log = logging.getLogger(__name__)
 
 CLUSTER_RECORDS = "etcd"  # the delete target of a step's records in the cluster's etcd
-PENDING_RETRY = 0.5  # seconds between tries of pending commits (shards elsewhere, no space)
-COPIES_FIRST = 10.0  # seconds at most that an upload waits for the peer copies of its step
-
-
-async def retry_pending_commits(namespace: Namespace) -> None:
-    """Commits that wait for other nodes' shards, or failed (a full RAM dir), try again; so
-    do the persisted marks a full RAM dir had no room for."""
-    while True:
-        await trio.sleep(PENDING_RETRY)
-        await namespace.commits.retry_pending_commits()
-        namespace.tiers.write_owed_marks()
 
 
 def delete_targets(cfg: MountConfig, peers: list[str] | None = None) -> list[str]:
@@ -107,30 +94,6 @@ async def upload_again(namespace: Namespace, uploader: Uploader) -> None:
         uploader.submit(manifest)
 
 
-async def store_links(tree: Tree, view: TreeView, uploader: Uploader) -> None:
-    """The store learns the links of each directory whose links changed (fs.model.links); every
-    directory holding links once after a start. Retried while the store cannot."""
-    for directory in view.link_dirs():
-        tree.links.note(directory)
-    failures = 0
-    while True:
-        changed = tree.links.changed
-        for directory in sorted(tree.links.take()):
-            try:
-                await uploader.put_links(directory, view.links_of(directory))
-                failures = 0
-            except BackendError as exc:
-                failures += 1
-                log.log(POLICY.level(failures), "the links of %s could not be stored yet: %s",
-                        directory or ".", exc)
-                tree.links.dirs.add(directory)  # again after the pause
-        if tree.links.dirs:
-            with trio.move_on_after(POLICY.delay(failures)):
-                await tree.links.changed.wait()
-        else:
-            await changed.wait()
-
-
 def delete_worker(namespace: Namespace, uploader: Uploader | None,
                    peer_delete: PeerDelete | None, records: ClusterCommits | None
                    ) -> DeleteWorker:
@@ -152,41 +115,3 @@ def delete_worker(namespace: Namespace, uploader: Uploader | None,
     wanted = uploader.wanted if uploader is not None else None
     return DeleteWorker(namespace.deletes, cleaners,
                         lambda tomb: namespace.tiers.move_done(tomb, wanted))
-
-
-async def upload_after_copies(manifest: mf.StepManifest, uploader: Uploader,
-                              copies: StepQueue) -> None:
-    """Peer copies go first: they end the single-copy window within seconds, and an upload
-    beside them takes the network and CPU they need (1 GiB on loopback took 5.3 s to
-    replicate beside its upload, 0.34 s alone). The upload waits until this node made its
-    copies of the step, or gave up for now (no live peer: the store is then the only other
-    tier), at most COPIES_FIRST seconds. (In a cluster, also this node's share of a step
-    committed on another node: `ClusterNode`.)"""
-    with trio.move_on_after(COPIES_FIRST):
-        await copies.settled(manifest.path)
-    uploader.submit(manifest)
-
-
-class CommitPipeline:
-    """Follows the commit events of the namespace: each committed version goes to the
-    replicator (peer copies) and, once they are made or given up for now, to the uploader."""
-
-    def __init__(self, uploader: Uploader | None, replicator: Replicator | None) -> None:
-        self.uploader = uploader
-        self.replicator = replicator
-        self.commits = 0  # versions committed since the mount (`tierfs status`)
-
-    async def run(self, events: trio.MemoryReceiveChannel[mf.StepManifest]) -> None:
-        async with trio.open_nursery() as nursery:
-            async for manifest in events:
-                self.commits += 1
-                if self.replicator is not None:
-                    self.replicator.submit(manifest)
-                if self.uploader is None:
-                    continue
-                if self.replicator is None:
-                    self.uploader.submit(manifest)
-                else:
-                    nursery.start_soon(upload_after_copies, manifest, self.uploader,
-                                       self.replicator.queue)
-

@@ -23,9 +23,10 @@ from tierfs.fs.store.ram_store import RamFull
 from tierfs.fs.tree.holders import RecordedHolders, spread
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon.cluster_service import ClusterNode
-from tierfs.mount_helper.daemon.commit_pipeline import CommitPipeline
 from tierfs.mount_helper.status_view import number_of
 from tierfs.observe import Events, Levels
+from tierfs.replication.commit_order import CommitPipeline
+from tierfs.replication.coordination.placement import peer_copies_wanted
 from tierfs.replication.peers.channel import SENT_TO
 from tierfs.s3tier.uploader import Uploader
 
@@ -145,8 +146,8 @@ class ControlApi:
         if self.cluster is None:
             return 0
         peers = self.cluster.directory.peers
-        return min(self.cfg.replicas,
-                   sum(1 for peer in peers if peer.up) if live_only else len(peers))
+        return peer_copies_wanted(self.cfg.replicas, sum(1 for peer in peers if peer.up)
+                                  if live_only else len(peers))
 
     def _replicas_waiting(self, wanted: int) -> list[Due]:
         """Steps made here, not in the store, with a file here that has fewer than `wanted`

@@ -38,7 +38,7 @@ from tierfs.mount_helper.status_view import human_bytes
 from tierfs.observe import Events, Levels, MetricsServer
 from tierfs.replication.coordination.etcd import EtcdError
 from tierfs.replication.coordination.store_record import StoreRecord, StoreUse
-from tierfs.retry import POLICY, retry
+from tierfs.retry import CATCH_UP_RETRIES, STORE_CHECK_RETRIES, retry
 from tierfs.s3tier import holdings
 from tierfs.s3tier.backend import Backend, BackendError, ObjectInfo, open_backend
 from tierfs.s3tier.uploader import Uploader
@@ -47,8 +47,6 @@ from tierfs.step_names import some_names
 log = logging.getLogger(__name__)
 
 CHECK_PATIENCE = 10.0  # seconds a mount waits for an unreachable persistent tier
-CATCH_UP_RETRIES = POLICY.capped(5.0)  # reading etcd after a start, until it answers
-STORE_CHECK_RETRIES = POLICY.capped(1.0)  # the store at start, for CHECK_PATIENCE at most
 
 
 class StartupError(Exception):

@@ -35,6 +35,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
+def copies_wanted(replicas: int, nodes: int) -> int:
+    """The replica-count rule: the copies of each file the cluster keeps, the writer's and K
+    (`replicas`) more, or one on each of the `nodes` there are if they are fewer than K + 1."""
+    return min(replicas + 1, nodes)
+
+
+def peer_copies_wanted(replicas: int, peers: int) -> int:
+    """The same rule seen from the writer: the copies it makes on the other nodes (`peers`)."""
+    return copies_wanted(replicas, peers + 1) - 1
+
+
 def _domain(node: str, domains: Mapping[str, str] | None) -> str:
     """The node's failure domain; a node without one is a domain of its own (a NUL cannot be
     part of a domain's name)."""
@@ -184,7 +195,7 @@ def restore_plan(files: Mapping[str, Placement], ring_ids: list[str],
             lost.append(name)
             continue
         left = (placement.left - placement.holders) & live
-        missing = min(replicas + 1, len(ring_ids)) - len(left) - len(live_holders)
+        missing = copies_wanted(replicas, len(ring_ids)) - len(left) - len(live_holders)
         if missing <= 0:
             continue
         # From the writer's place, also for a writer that is gone (the place it would have:
