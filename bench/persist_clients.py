@@ -66,7 +66,7 @@ def main() -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from tierfs.demo.seaweed import SeaweedS3
+    from tierfs.devtools.seaweed import SeaweedS3
     from tierfs.mount_helper.config import parse_size
     from tierfs.s3tier.s3_backend import S3Backend
 

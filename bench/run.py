@@ -40,9 +40,9 @@ import loopback_floor  # beside this script
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierfs.demo.etcd import Etcd
-from tierfs.demo.seaweed import SeaweedS3
 from tierfs.devtools import certificates
+from tierfs.devtools.etcd import Etcd
+from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import parse_size
 

@@ -102,6 +102,10 @@ class Params:
     # records: each node reads the step's records on the commit event; peer: it fetches the
     # manifest from the committer (today's code); event: the commit event alone (a bound)
     follow: str = "records"
+    # failure domains: the nodes in this many racks of consecutive ids (0: none); placement
+    # `domains` spreads copies over them (--failure-domain), `ring` ignores them (before)
+    racks: int = 0
+    placement: str = "domains"
     seed: int = 1
 
     @property
@@ -431,13 +435,18 @@ class Cluster:
         self.url = parse_cluster_url("etcd://sim:2379/tierfs/sim")
         self.records = CommitRecords(self.store, self.url)
         self.nodes = [f"n{i:05d}" for i in range(p.nodes)]
-        self.ring = placement.ring(self.nodes)
+        # rack r holds the nodes r * N / racks .. (r + 1) * N / racks - 1
+        self.racks = {node: f"rack{i * p.racks // p.nodes:03d}"
+                      for i, node in enumerate(self.nodes)} if p.racks else {}
+        self.domains = self.racks if p.placement == "domains" else {}
+        self.ring = placement.ring(self.nodes, self.domains)
         self.files = self._files()  # name -> (writer, entry)
         self.by_node: dict[str, list[str]] = defaultdict(list)
         for name, (writer, _) in self.files.items():
             self.by_node[writer].append(name)
         self.committer = self.nodes[0]
-        self.targets = {node: placement.replica_targets(self.ring, node, p.replicas)
+        self.targets = {node: placement.replica_targets(self.ring, node, p.replicas,
+                                                        self.domains)
                         for node in self.by_node}
         self.quiet = False  # keepalives stop once everything is done
         self.result = Result(p)
@@ -684,10 +693,12 @@ class Cluster:
         p, r = self.p, self.result
         r.lost_node = victim
         held = drive(self.records.files(STEP))
-        live = placement.ring(n for n in self.nodes if n != victim)
+        survivors = [n for n in self.nodes if n != victim]
+        live = placement.ring(survivors, self.domains)
         plan = placement.restore_plan(
             {name: placement.Placement(rec.node, frozenset(rec.holders))
-             for name, rec in held.items()}, live, p.replicas)
+             for name, rec in held.items()}, live, p.replicas,
+            {n: d for n, d in self.domains.items() if n != victim})
         if plan.lost:
             raise AssertionError(f"files with no live holder: {plan.lost[:3]}")
         self.sim = Sim()
@@ -713,6 +724,38 @@ class Cluster:
                      for n, rec in drive(self.records.files(STEP)).items()}
         return r
 
+    def lose_rack(self, rack: str) -> RackResult:
+        """Every node of `rack` lost at once (its switch, its power) after the checkpoint:
+        which files lost every copy, and how long the survivors take to bring the others
+        back to K + 1 copies (their part of the same restore_plan, as for one node)."""
+        p = self.p
+        held = drive(self.records.files(STEP))
+        gone = {n for n, r in self.racks.items() if r == rack}
+        survivors = [n for n in self.nodes if n not in gone]
+        domains = {n: d for n, d in self.domains.items() if n not in gone}
+        plan = placement.restore_plan(
+            {name: placement.Placement(rec.node, frozenset(rec.holders))
+             for name, rec in held.items()}, placement.ring(survivors, domains), p.replicas,
+            domains)
+        self.sim = Sim()
+        self.etcd = EtcdServer(self.sim, p)
+        self.net = Network(self.sim, p)
+        self.quiet = True
+        self.restoring = len(plan.copies)
+        self.restored_at = 0.0
+        by_pair: dict[tuple[str, str], list[tuple[str, int]]] = defaultdict(list)
+        for copy in plan.copies:
+            by_pair[(copy.source, copy.target)].append((copy.file, self._size(copy.file)))
+        for (src, dst), files in sorted(by_pair.items()):
+            self.net.send(src, dst, files, self._restored_file)
+        self.sim.run()
+        return RackResult(p, len(gone), len(plan.lost),
+                          sum(self._size(n) for n in plan.lost),
+                          sum(self._size(c.file) for c in plan.copies),
+                          self.restored_at if plan.copies else 0.0,
+                          min((len({self.racks[h] for h in rec.holders})
+                               for rec in held.values()), default=0))
+
     def _restored_file(self, name: str, src: str, dst: str) -> None:
         verify = self._size(name) / (self.p.verify_gbps * GB / 8)
 
@@ -725,6 +768,26 @@ class Cluster:
                     self.restored_at = self.sim.now
             self.etcd.chain(trace, recorded)
         self.sim.at(self.sim.now + verify, verified)
+
+
+@dataclass(frozen=True)
+class RackResult:
+    """A whole rack (failure domain) lost after a checkpoint."""
+
+    params: Params
+    nodes_lost: int
+    files_lost: int  # files with no copy left outside the rack
+    bytes_lost: int
+    restore_bytes: int  # copies the survivors make to get back to K + 1
+    restore_peers: float  # seconds for them (from the loss seen)
+    min_racks: int  # the fewest racks any file's copies were in before the loss
+
+
+def rack_loss(p: Params) -> RackResult:
+    """One checkpoint, then the rack in the middle of the node ids lost."""
+    cluster = Cluster(p)
+    cluster.run_checkpoint()
+    return cluster.lose_rack(cluster.racks[cluster.nodes[len(cluster.nodes) // 2]])
 
 
 def simulate(p: Params) -> Result:
@@ -968,9 +1031,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ks", default="1,2", help="replica counts to run")
     parser.add_argument("--variants", default="cas:records@100:1,batch:peer",
                         help="holder-updates:follow pairs to run (@LINK:K: that one only)")
-    parser.add_argument("--parts", default="checkpoint,ddp,s3",
-                        help="what to run: checkpoint (and a node lost), ddp (one writer, "
-                        "every node reads), s3 (request limits)")
+    parser.add_argument("--parts", default="checkpoint,rack,ddp,s3",
+                        help="what to run: checkpoint (and a node lost), rack (a rack of "
+                        "--rack-count lost whole), ddp (one writer, every node reads), s3 "
+                        "(request limits)")
+    parser.add_argument("--rack-count", type=int, default=50,
+                        help="racks (failure domains) the nodes are in for --parts rack")
     parser.add_argument("--ddp-gb", type=float, default=20.0,
                         help="the DDP checkpoint every node loads, GB")
     parser.add_argument("--sample-chunks", type=int, default=256,
@@ -978,6 +1044,7 @@ def main(argv: list[str] | None = None) -> None:
     args = vars(parser.parse_args(argv))
     parts = set(args.pop("parts").split(","))
     ddp_gb = args.pop("ddp_gb")
+    rack_count = args.pop("rack_count")
     sample = args.pop("sample_chunks")
     links = [float(x) for x in args.pop("links").split(",")]
     ks = [int(x) for x in args.pop("ks").split(",")]
@@ -994,6 +1061,8 @@ def main(argv: list[str] | None = None) -> None:
     base = Params(**args)
     if "checkpoint" in parts:
         checkpoints(base, links, ks, variants, node_rates)
+    if "rack" in parts:
+        racks(base, rack_count, links[0])
     if "ddp" in parts:
         print(f"\nOne writer, many readers: node 0 wrote a {ddp_gb:g} GB DDP checkpoint (K = "
               f"{base.replicas}); all {base.nodes:,} nodes x {base.ranks} ranks load it at once "
@@ -1013,6 +1082,28 @@ def main(argv: list[str] | None = None) -> None:
         for result in s3_table(base, limits, ddp_gb):
             print(f"{result.what:>60} | {result.requests:>9,} | {result.slowdowns:>9,} | "
                   f"{result.seconds:>8.1f}", flush=True)
+
+
+def racks(base: Params, count: int, link: float) -> None:
+    """The table of a rack lost whole after a checkpoint, K = 1, copies placed on the ring
+    alone (before) and across the racks (`--failure-domain`)."""
+    print(f"\nA rack lost whole: {base.nodes:,} nodes in {count} racks of consecutive ids, "
+          f"K = 1, {link:g} Gb/s; one checkpoint, then the middle rack's nodes all lost")
+    print(" | ".join(name.rjust(w) for name, w in RACK_COLUMNS))
+    runs = [replace(base, racks=count, replicas=1, link_gbps=link, holder_updates="batch",
+                    follow="event", placement=kind) for kind in ("ring", "domains")]
+    with ProcessPoolExecutor(min(len(runs), os.cpu_count() or 1)) as pool:
+        for r in pool.map(rack_loss, runs):
+            cells = [r.params.placement, f"{r.nodes_lost}", f"{r.min_racks}",
+                     f"{r.files_lost:,}", f"{r.bytes_lost / 1e9:,.1f}",
+                     f"{r.restore_bytes / 1e9:,.1f}", f"{r.restore_peers:.2f}"]
+            print(" | ".join(c.rjust(w) for c, (_, w) in zip(cells, RACK_COLUMNS, strict=True)),
+                  flush=True)
+
+
+RACK_COLUMNS = [("placement", 9), ("nodes lost", 10), ("racks per file", 14),
+                ("files lost", 10), ("GB lost", 8), ("GB restored", 11),
+                ("restore from peers s", 20)]
 
 
 def checkpoints(base: Params, links: list[float], ks: list[int], variants: list[str],

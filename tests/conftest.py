@@ -6,16 +6,17 @@ killed by its own pid (never by name), then its RAM dir is removed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,8 +25,9 @@ from typing import Any
 
 import pytest
 
-from tierfs.demo.etcd import Etcd
-from tierfs.demo.seaweed import SeaweedS3
+from tests.waiting import wait_until
+from tierfs.devtools.etcd import Etcd
+from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import is_mounted
 
 TIERFS = [sys.executable, "-m", "tierfs"]
@@ -54,17 +56,6 @@ def tierfs(*args: str, check: bool = True, timeout: float = 120,
         raise AssertionError(f"tierfs {' '.join(args)} failed ({done.returncode}): "
                              f"{done.stderr.strip()}")
     return done
-
-
-def wait_until(predicate: Any, timeout: float = 10, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(interval)
 
 
 def pid_alive(pid: int) -> bool:
@@ -206,10 +197,34 @@ def getxattr(path: Path | str, name: str) -> str:
     return os.getxattr(path, name).decode()
 
 
+def _below_ephemeral() -> range:
+    """Ports the kernel never gives an outgoing connection: those below its ephemeral range."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    return range(max(1024, low - 12000), low)
+
+
+_TEST_PORTS = _below_ephemeral()
+_HANDED_OUT: set[int] = set()  # a cluster takes its ports before any node binds one
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port for a server a test starts, below the ephemeral range: a port the
+    kernel chose (bind to 0) could be taken by any outgoing connection before the server
+    bound it ("cannot listen for peers ...: Address already in use" in a CI run)."""
+    if len(_HANDED_OUT) > len(_TEST_PORTS) // 2:
+        _HANDED_OUT.clear()  # the servers given the first ones are long gone
+    while True:
+        port = random.choice(_TEST_PORTS)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or waiting out a closed connection
+        _HANDED_OUT.add(port)
+        return port
 
 
 def run_dcp_ranks(step_dirs: list[Path], timeout: float, at_once: bool = False) -> None:
@@ -219,28 +234,31 @@ def run_dcp_ranks(step_dirs: list[Path], timeout: float, at_once: bool = False) 
     finish_dcp_ranks(start_dcp_ranks(step_dirs, *(["--at-once"] if at_once else [])), timeout)
 
 
-def start_dcp_ranks(step_dirs: list[Path], *options: str,
-                    paused: int | None = None) -> list[subprocess.Popen[str]]:
+def start_dcp_ranks(step_dirs: list[Path], *options: str, paused: int | None = None,
+                    pause: str = "after") -> list[subprocess.Popen[str]]:
     """Start the ranks of tests/dcp_ranks.py (see `run_dcp_ranks`) with these options; rank
-    `paused` also gets --pause-after-write (its stdin is a pipe: `resume_rank`)."""
+    `paused` also gets --pause-after-write, or with `pause` "before" --pause-before-write
+    (its stdin is a pipe: `resume_rank`)."""
     script = Path(__file__).with_name("dcp_ranks.py")
     port = str(free_port())
     return [subprocess.Popen([sys.executable, str(script), str(rank), str(len(step_dirs)),
                               port, str(step_dir), *options,
-                              *(["--pause-after-write"] if rank == paused else [])],
+                              *([f"--pause-{pause}-write"] if rank == paused else [])],
                              stdin=subprocess.PIPE if rank == paused else subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for rank, step_dir in enumerate(step_dirs)]
 
 
-def wait_written(rank: subprocess.Popen[str], timeout: float = 120) -> None:
-    """Until a rank started with --pause-after-write has written its shard."""
+def wait_written(rank: subprocess.Popen[str], timeout: float = 120,
+                 said: str = "written") -> None:
+    """Until a rank started with --pause-after-write has written its shard (`said`
+    "writing": one started with --pause-before-write is about to write it)."""
     assert rank.stdout is not None
     ready: list[str] = []
     reader = threading.Thread(target=lambda: ready.append(rank.stdout.readline()), daemon=True)
     reader.start()
     reader.join(timeout)
-    assert ready and ready[0].strip() == "written", f"rank did not write: {ready}"
+    assert ready and ready[0].strip() == said, f"rank did not say {said!r}: {ready}"
 
 
 def resume_rank(rank: subprocess.Popen[str]) -> None:
@@ -290,16 +308,31 @@ def s3_env(s3_server: SeaweedS3) -> dict[str, str]:
                 AWS_ENDPOINT_URL=s3_server.endpoint)
 
 
+@contextlib.contextmanager
+def own_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's spelling: 4m) of the test's own at `path`, lazily
+    unmounted after it."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 @pytest.fixture
 def small_shm(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs, as a small or shared /dev/shm would be."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(shm)], check=True)
-    try:
+    with own_tmpfs(tmp_path / "shm", "4m") as shm:
         yield shm
-    finally:
-        subprocess.run(["umount", "-l", str(shm)], check=False)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB tmpfs of the test's own (a RAM dir's file system that fills)."""
+    with own_tmpfs(tmp_path / "small", "24m") as path:
+        yield path
 
 
 class FuseRequestTrace:

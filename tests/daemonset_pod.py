@@ -1,7 +1,9 @@
 """The pod of deploy/kubernetes/tierfs-daemonset.yaml run with podman, as a kubelet runs it on
 a node: the manifest's image command, privileges, host network, environment and volumes
 (hostPath volumes bind-mounted with the manifest's mount propagation, the Secret's items as
-files with its modes), all read from the manifest, so that the image is tested with the options
+files with its modes, emptyDir volumes as fresh directories), its init containers first (in
+the tierfs image: no registry here, with a `kubectl` that answers for the node's labels as the
+API server would), all read from the manifest, so that the image is tested with the options
 deploy/ ships. The test gives what differs from site to site: the node's name and address, the
 Secret's values, the host directories behind the hostPath volumes, and new values for some
 options of the command (a RAM dir and a peer port of its own).
@@ -75,6 +77,7 @@ class Site:
     secret: dict[str, str]
     host_paths: dict[str, Path]
     options: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)  # the node's, for the init containers
 
 
 class DaemonSetPod:
@@ -91,12 +94,12 @@ class DaemonSetPod:
 
     # The manifest, read as the kubelet reads it.
 
-    def environment(self) -> dict[str, str]:
+    def environment(self, container: dict[str, Any] | None = None) -> dict[str, str]:
         """The container's variables: literal values, the node's fields, the Secret's keys
         (an optional key that is missing leaves its variable unset)."""
         fields = {"spec.nodeName": self.site.node_name, "status.hostIP": self.site.node_ip}
         env: dict[str, str] = {}
-        for item in self.container.get("env", []):
+        for item in (container or self.container).get("env", []):
             if "value" in item:
                 env[item["name"]] = expand(str(item["value"]), env)
                 continue
@@ -121,15 +124,19 @@ class DaemonSetPod:
             argv[argv.index(option) + 1] = expand(value, env)
         return argv
 
-    def volume_args(self) -> list[str]:
+    def volume_args(self, container: dict[str, Any] | None = None) -> list[str]:
         """`--volume` per volumeMount: hostPath volumes from the site's host paths, with the
-        mount's propagation; a secret volume as files with the manifest's modes."""
+        mount's propagation; a secret volume as files with the manifest's modes; an emptyDir
+        as a directory of the pod's."""
         volumes = {volume["name"]: volume for volume in self.pod["volumes"]}
         args: list[str] = []
-        for mount in self.container["volumeMounts"]:
+        for mount in (container or self.container)["volumeMounts"]:
             volume = volumes[mount["name"]]
             if "hostPath" in volume:
                 source = self._host_path(volume["hostPath"])
+            elif "emptyDir" in volume:
+                source = self.work_dir / f"empty-{self.site.node_name}-{volume['name']}"
+                source.mkdir(parents=True, exist_ok=True)
             else:
                 source = self._secret_dir(volume["name"], volume["secret"])
             options = [PROPAGATION[mount.get("mountPropagation", "None")]]
@@ -172,11 +179,36 @@ class DaemonSetPod:
     # The pod's life.
 
     def start(self) -> None:
-        """Run the container (a new one after `stop`, as a restarted pod)."""
+        """Run the init containers, then the container (a new one after `stop`, as a
+        restarted pod)."""
         if self.started:
             self.name = f"{self.name.rsplit('-', 1)[0]}-{uuid.uuid4().hex[:8]}"
+        for init in self.pod.get("initContainers", []):
+            self._run_init(init)
         self.started.append(self.name)
         podman("run", *self.run_args(), self.image, *self.command())
+
+    def _run_init(self, init: dict[str, Any]) -> None:
+        """One init container, to its end, in the tierfs image with a `kubectl` that prints
+        the node's label its jsonpath names (the API server's answer for this node)."""
+        tools = self.work_dir / f"kubectl-{self.site.node_name}"
+        tools.mkdir(parents=True, exist_ok=True)
+        script = ["#!/bin/sh", 'case "$*" in']
+        for label, value in self.site.labels.items():
+            escaped = label.replace(".", "\\.")
+            script.append(f"  *'{escaped}'*) printf '%s' '{value}' ;;")
+        script += ["esac", ""]
+        (tools / "kubectl").write_text("\n".join(script))
+        (tools / "kubectl").chmod(0o755)
+        env = self.environment(init)
+        name = f"{self.name}-init-{init['name']}"
+        self.started.append(name)
+        args = ["--name", name, "--volume", f"{tools}:/opt/kubectl:ro",
+                "--env", "PATH=/opt/kubectl:/usr/local/bin:/usr/bin:/bin"]
+        for variable, value in env.items():
+            args += ["--env", f"{variable}={value}"]
+        podman("run", *args, *self.volume_args(init), self.image,
+               *[expand(arg, env) for arg in init["command"]])
 
     def running(self) -> bool:
         done = podman("inspect", "--format", "{{.State.Running}}", self.name, check=False)

@@ -11,7 +11,9 @@ tensors of `--seed`, so a resume from `latest` shows which step it read);
 `--extra-mib N` adds a tensor of N MiB to each rank's shard; `--pause-after-write` has this
 rank print "written" once its shard is written (closed), and
 wait for a line on stdin before the save goes on (the test does something to the cluster in
-between: the commit on rank 0's node cannot happen before the save goes on)."""
+between: the commit on rank 0's node cannot happen before the save goes on); if that save then
+fails, the rank prints how long after the go-ahead it failed. `--pause-before-write` has it
+print "writing" and wait for that line before it writes its shard."""
 
 from __future__ import annotations
 
@@ -41,12 +43,25 @@ class PausingWriter(FileSystemWriter):
     """The plain writer, which tells the test when this rank's files are written and waits
     for its go-ahead (stdin) before the save goes on."""
 
+    resumed_at: float | None = None  # time.monotonic() of the go-ahead
+
     def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
         future = super().write_data(plan, planner)
         future.wait()
         print("written", flush=True)
         sys.stdin.readline()
+        PausingWriter.resumed_at = time.monotonic()
         return future
+
+
+class PausingFirstWriter(FileSystemWriter):
+    """The plain writer, which tells the test when this rank is about to write its files and
+    waits for its go-ahead (stdin) before it does."""
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        print("writing", flush=True)
+        sys.stdin.readline()
+        return super().write_data(plan, planner)
 
 
 def main() -> None:
@@ -60,6 +75,7 @@ def main() -> None:
     parser.add_argument("--save-only", action="store_true")
     parser.add_argument("--load-only", action="store_true")
     parser.add_argument("--pause-after-write", action="store_true")
+    parser.add_argument("--pause-before-write", action="store_true")
     parser.add_argument("--extra-mib", type=int, default=0)
     args = parser.parse_args()
     rank, step_dir = args.rank, args.step_dir
@@ -67,9 +83,18 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.world)
     try:
         if not args.load_only:
-            writer = (PausingWriter if args.pause_after_write else FileSystemWriter)(
-                step_dir, thread_count=2)
-            dcp.save(state_for(rank, args.seed, args.extra_mib), storage_writer=writer)
+            writer = (PausingWriter if args.pause_after_write
+                      else PausingFirstWriter if args.pause_before_write
+                      else FileSystemWriter)(step_dir, thread_count=2)
+            try:
+                dcp.save(state_for(rank, args.seed, args.extra_mib), storage_writer=writer)
+            except BaseException:
+                if PausingWriter.resumed_at is not None:
+                    # how long the saver's call blocked, without the process's teardown
+                    took = time.monotonic() - PausingWriter.resumed_at
+                    print(f"the save failed {took:.2f} s after it went on", file=sys.stderr,
+                          flush=True)
+                raise
             dist.barrier()
         if not args.save_only:
             deadline = time.monotonic() + 60

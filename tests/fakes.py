@@ -1,4 +1,4 @@
-"""In-memory fakes of the outward ports (`tierfs.fs.ports`; etcd and the cluster's members for
+"""In-memory fakes of the outward ports (`tierfs.fs.model.ports`; etcd and the cluster's members for
 the coordination side), for tests that drive the core in process, on no FUSE mount, S3 server
 or etcd (the layers above test those).
 
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs.ports import FilesOnPeers, ObjectMissing, TierError
+from tierfs.fs.model.ports import FilesOnPeers, ObjectMissing, TierError
 from tierfs.replication.coordination import placement
 from tierfs.replication.coordination.etcd import (
     EtcdUnavailable,
@@ -295,6 +297,10 @@ class StaticMembership:
         return placement.ring(self.members)
 
     @property
+    def domains(self) -> dict[str, str]:
+        return {}
+
+    @property
     def admitted(self) -> dict[str, MemberInfo]:
         return dict(self.members)
 
@@ -330,3 +336,22 @@ class MemoryShards:
             for name in sorted(names & steps.get(step_path, set())):
                 found.held.setdefault(name, node)
         return found
+
+
+@dataclass
+class StepsForUploads:
+    """The uploader's port to the file system (`s3tier.uploader.UploadedSteps`) for an uploader
+    tested alone: each answer a function the test gives, the rest those of plain steps."""
+
+    object_path: Callable[[str], str]
+    step_number: Callable[[str], int | None]
+    is_current: Callable[[mf.StepManifest], bool]
+    persisted: Callable[[mf.StepManifest], None]
+    retired: Callable[[str], None] = lambda _path: None
+    file_step_number: Callable[[str], int | None] = lambda _name: None
+    tracked_step: Callable[..., Any] = lambda _manifest, _content=None: None
+    copy_sources: Callable[[str], list[tuple[str, str]]] = lambda _key: []
+    single_writer: Callable[[mf.StepManifest], bool] = lambda _manifest: True
+
+    async def users_quiet(self) -> None:
+        """No mount, no users to wait for."""

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import Mount, MountFactory, tierfs, wait_until
 from tests.test_s3 import persist_args
 from tierfs import manifest as mf
-from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.fuse
 

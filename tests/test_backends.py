@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import wait_until
 from tierfs import manifest as mf
-from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.s3tier import holdings
 from tierfs.s3tier.backend import (
     Backend,

@@ -24,7 +24,7 @@ from tests.conftest import (
     tierfs,
     wait_until,
 )
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel, authenticate
 
@@ -261,7 +261,7 @@ def test_committed_step_is_replicated_to_the_next_node(cluster3: Cluster) -> Non
 
 
 def test_nothing_of_a_step_reaches_a_peer_before_its_hashes(cluster3: Cluster) -> None:
-    """A saver's commit returns before its files are hashed (fs.pending_commits); the copy
+    """A saver's commit returns before its files are hashed (fs.model.pending_commits); the copy
     to a peer, and the commit record the peers list steps from, wait for the hashes; and
     `tierfs flush` waits for that copy."""
     from tests.test_commit_hashes_later import hold_hashes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import threading
@@ -26,7 +27,7 @@ from tests.conftest import (
 )
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_cluster_scale import dcp_metadata
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 from tierfs.replication.coordination.commit_records import CommitRecord, CommitRecords
 from tierfs.replication.coordination.etcd import Etcd as EtcdClient
 from tierfs.replication.coordination.etcd import parse_cluster_url
@@ -162,14 +163,17 @@ def test_the_saver_call_that_commits_waits_no_longer_than_its_bound_when_etcd_ha
         try:
             # the leases' keepalives find etcd silent (2 s each): it is known to be away
             wait_until(lambda: "lease keepalive failed" in node0.log(), timeout=15)
-            started = time.monotonic()
             resume_rank(ranks[0])
             outputs = [rank.communicate(timeout=120) for rank in ranks]
-            took = time.monotonic() - started
         finally:
             os.kill(server.pid, signal.SIGCONT)
         assert all(rank.returncode != 0 for rank in ranks), outputs
         assert "[Errno 110] Connection timed out" in outputs[0][1], outputs[0][1][-3000:]
+        # the saver's call, as the rank timed it (the process's teardown after it is not the
+        # save's: gloo and torch take a second or more to exit on a busy machine)
+        timed = re.search(r"the save failed ([\d.]+) s after", outputs[0][1])
+        assert timed, outputs[0][1][-3000:]
+        took = float(timed.group(1))
         assert took < 4 + 1.5, f"the save failed {took:.1f} s after it went on"
         mounts.cleanup()  # the daemons go before their etcd
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import MountFactory, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.cluster
 

@@ -19,7 +19,7 @@ import trio
 from tests.conftest import Mount, MountFactory, free_port, tierfs, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 from tierfs.replication.coordination.etcd import Etcd as EtcdClient
 from tierfs.replication.coordination.etcd import parse_cluster_url
 

@@ -26,7 +26,7 @@ from tests.test_cluster import (  # noqa: F401  (cluster3, token_file: fixtures)
     token_file,
 )
 from tests.test_crash import save
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.cluster
 

@@ -1,5 +1,5 @@
 """A peer's change is seen at once through every mount, although the kernel keeps settled
-entries and attributes for a minute (fs.kernel_cache): a new step committed by a peer, a step
+entries and attributes for a minute (fs.tree.kernel_cache): a new step committed by a peer, a step
 saved again with other files, renamed and deleted there. Each is first looked at on the other
 node (listed, stat'ed, read), so that its kernel holds what would be stale."""
 
@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import Mount, MountFactory, wait_until
 from tests.test_cluster import Cluster
 from tests.test_crash import save
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.cluster
 

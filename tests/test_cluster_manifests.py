@@ -20,7 +20,7 @@ from tests.test_crash import save
 from tests.test_etcd_cluster import commits, grpc_requests, new_cluster, step_manifest
 from tests.test_layer_replication import TOKEN, members_a_and_b
 from tierfs import manifest as mf
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 from tierfs.replication.coordination.cluster_commit import ManifestUnavailable
 from tierfs.replication.coordination.commit_records import CommitRecord
 from tierfs.replication.coordination.etcd import PAGE_SIZE

@@ -15,8 +15,8 @@ import pytest
 from tests.conftest import MountFactory, tierfs, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save, verify_committed
-from tierfs.demo.etcd import Etcd
 from tierfs.devtools import certificates
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.cluster
 

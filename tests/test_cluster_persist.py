@@ -21,7 +21,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.cluster
 
@@ -82,6 +82,27 @@ def test_a_requeued_job_on_new_nodes_finds_every_step_in_the_store(
     finish_dcp_ranks(start_dcp_ranks([node / "run/latest" for node in fresh_nodes],
                                      "--load-only", "--seed", "0"), timeout=180)
 
+
+
+def test_every_node_shows_a_stored_step_persisted_whoever_uploaded_it(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
+        tmp_path: Path) -> None:
+    """3 nodes, K = 1: node0 writes step_10, node1 holds its copy, node2 nothing of it. Once
+    `tierfs flush` on node0 exits 0, every node's status says the step is persisted, with
+    `persist` among its tiers (the nodes that did not upload it said `persisted: false`)."""
+    from tests.test_crash import save
+
+    store = tmp_path / "store"
+    store.mkdir()
+    cluster = Cluster(mounts, token_file, 3, etcd_server)
+    node0, _node1, _node2 = cluster.start_all("--persist", f"file://{store}")
+    save(node0 / "run/step_10", {"__0_0.distcp": b"shard" * 1000, ".metadata": b"m"})
+    tierfs("flush", str(node0.mountpoint), "--timeout", "60")
+    assert (store / "run/step_10/.tierfs-manifest").exists()
+    for node_id, node in cluster.nodes.items():
+        wait_until(lambda n=node: n.step("run/step_10")["persisted"], timeout=5)
+        step = node.step("run/step_10")
+        assert "persist" in step["tiers"] and step["state"] == "committed", (node_id, step)
 
 
 def test_the_files_of_a_lost_writer_reach_the_store_from_their_copies(

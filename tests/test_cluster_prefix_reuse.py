@@ -31,7 +31,7 @@ from tests.test_cluster import (  # noqa: F401
     token_file,
 )
 from tests.test_commit import write_step
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 from tierfs.replication.coordination.commit_records import CommitRecords
 from tierfs.replication.coordination.etcd import Etcd as EtcdClient
 from tierfs.replication.coordination.etcd import parse_cluster_url

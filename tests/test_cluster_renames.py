@@ -1,9 +1,7 @@
 """Renames of steps whose files several nodes wrote (a multi-node DCP save), on a node that holds
 only some of them: the rename is a delete of the old name and a commit of the new one on every
-node, promptly, and the step reads back whole everywhere under its new name (found by the
-partition suite's checker, tests/faults/test_partitions.py: the renamed step stayed `writing`
-on the renaming node for good, its files held elsewhere unreadable there, while the others kept
-the old name; and the rename blocked ~18 s)."""
+node, promptly (the rename does not block), and the step reads back whole everywhere under its
+new name, committed on the renaming node too, none keeping the old name."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.cluster
 

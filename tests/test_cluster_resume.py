@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import Mount, MountFactory, free_port, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401 - a fixture
 from tests.test_other_users import WORKTREE, RunAs, dir_attributes, run_as, trainer  # noqa: F401
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.cluster
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Mount, MountFactory, free_port, getxattr, pid_alive, wait_until
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.cluster
 

@@ -21,12 +21,13 @@ from tests.conftest import free_port
 from tests.fakes import MemoryEtcd, StaticMembership
 from tests.test_control_api import config
 from tests.test_namespace import Harness, dcp_save
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
-from tierfs.fs.deletes import Tombstone
+from tierfs.fs.fuse.operations import Operations
+from tierfs.fs.lifecycle.deletes import Tombstone
+from tierfs.fs.model.ports import TierError
 from tierfs.fs.namespace import Core, Namespace
-from tierfs.fs.operations import Operations
-from tierfs.fs.ports import TierError
-from tierfs.fs.ram_store import RamStore
+from tierfs.fs.store.ram_store import RamStore
 from tierfs.mount_helper.daemon import cluster_service
 from tierfs.mount_helper.daemon.cluster_service import ClusterLinks, ClusterNode
 from tierfs.mount_helper.daemon.commit_pipeline import delete_targets
@@ -62,11 +63,11 @@ class ClusterHarness(Harness):
         self.store.acquire()
         core = Core(self.store, node_id=node_id, delete_targets=delete_targets(self.cfg),
                     liveness=self.directory)
-        self.links = ClusterLinks(self.cfg, core.view, self.directory)
+        self.links = ClusterLinks(self.cfg, core, self.directory)
         self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
         self.ns = Namespace(core, self.send, read_sources=[self.links.reader],
                             sealed=self.links.sealed, peers=self.links.verify,
-                            keep_ram=keep_ram, replicas=replicas)
+                            keep_ram=keep_ram, replicas=replicas, events=Events())
         self.ops = Operations(self.ns)
         self.node = ClusterNode(self.cfg, self.links, self.ns, self.store, Events())
 
@@ -126,9 +127,8 @@ async def test_a_step_committed_on_one_node_is_listed_read_and_verified_from_ano
         assert n0.node.manifests.served_parts == 1
         assert await n1.state("run/step_1") == "committed"
         assert await n1.read_file("run/step_1/__1_0.distcp") == FILES["__1_0.distcp"]
-        with trio.fail_after(5):  # n0 counts a GET once its DATA is sent: after n1 has it
-            while n0.node.ranges.served_requests < 1:
-                await trio.sleep(0.01)
+        # n0 counts a GET once its DATA is sent: after n1 has it
+        await wait_until_async(lambda: n0.node.ranges.served_requests >= 1, timeout=5)
         entry = manifest.entry("__0_0.distcp")
         assert await n1.links.verify.verify("n0", "run/step_1", entry, False) == "good"
         (n0.root / "objects" / entry.xxh3).write_bytes(b"flipped" * 5000)
@@ -287,9 +287,7 @@ async def test_a_commit_of_another_node_is_listed_here_within_its_watch_event(
         nursery.start_soon(n1.node._follow_commits)
         await trio.testing.wait_all_tasks_blocked()
         await committed_on(n0, "run/step_9")
-        with trio.fail_after(10):
-            while n1.ns.tree.find_step("run/step_9") is None:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: n1.ns.tree.find_step("run/step_9") is not None, timeout=10)
         assert await n1.state("run/step_9") == "committed"
 
 

@@ -9,6 +9,7 @@ import pytest
 import trio
 import trio.testing
 
+from tests.waiting import wait_until_async
 from tierfs.mount_helper.daemon.collection import run_full_collections
 
 pytestmark = pytest.mark.core
@@ -33,8 +34,7 @@ async def test_a_burst_of_allocations_runs_no_full_collection_and_the_timer_does
         del kept
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run_full_collections, 0.01)
-            while 2 not in passes:  # the timer's pass
-                await trio.sleep(0.01)
+            await wait_until_async(lambda: 2 in passes, timeout=60)  # the timer's pass
             nursery.cancel_scope.cancel()
     finally:
         gc.callbacks.remove(note)

@@ -42,7 +42,7 @@ def test_metadata_rename_commits_with_xattrs(mnt: Mount) -> None:
                       "ram_bytes": len(shard) + 4, "replicas": [], "copies": 1,
                       "persisted": False, "waiting_for": None, "kind": "dir",
                       "persist_wait": None, "copies_wait": None, "lost": None,
-                      "hashing": False, "unfinished": None}
+                      "hashing": False, "unfinished": None, "commit_outlook": None}
     assert mnt.step("run1") is None  # holds steps: a run directory, not a step
     with pytest.raises(OSError) as info:
         os.setxattr(step, "user.tierfs.state", b"writing")

@@ -1,4 +1,4 @@
-"""A saver's commit does not wait for its files' hashes (issue 25, fs.pending_commits).
+"""A saver's commit does not wait for its files' hashes (issue 25, fs.model.pending_commits).
 
 Hashing is made observably late for real: the daemon's hash threads are all taken (the control
 socket's `hold_hashes`) while an unmodified DCP save runs in a process of its own. The save

@@ -12,6 +12,7 @@ import pytest
 import trio
 import trio.testing
 
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.mount_helper.daemon.commit_pipeline import COPIES_FIRST, CommitPipeline
 from tierfs.step_queue import StepQueue
@@ -83,8 +84,7 @@ async def test_an_upload_waits_for_copies_that_cannot_be_made_only_so_long(
     async with running(pipeline, replicator) as send:
         await send.send(committed("run/step_2"))
         started = trio.current_time()
-        while not uploader.submitted:
-            await trio.sleep(0.5)
+        await wait_until_async(lambda: uploader.submitted, timeout=60, interval=0.5)
         assert COPIES_FIRST <= trio.current_time() - started <= COPIES_FIRST + 0.5
 
 

@@ -24,9 +24,10 @@ import xxhash
 
 from tests.conftest import TIERFS, Mount, MountFactory, getxattr, tierfs
 from tests.test_namespace import CTX, Harness
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs import reserved
-from tierfs.fs.nodes import FsError, Node
+from tierfs.fs.model.nodes import FsError, Node
 
 pytestmark = pytest.mark.fuse
 
@@ -49,9 +50,8 @@ def node_of(h: Harness, path: str) -> Node:
 
 async def objects(h: Harness) -> set[str]:
     """objects/, once the big files removed from it in a thread (the trash) are gone."""
-    with trio.fail_after(30):
-        while any(n.startswith(reserved.TRASH) for n in os.listdir(h.root / "objects")):
-            await trio.sleep(0.01)
+    await wait_until_async(lambda: not any(n.startswith(reserved.TRASH)
+                                           for n in os.listdir(h.root / "objects")), timeout=30)
     return set(os.listdir(h.root / "objects"))
 
 
@@ -81,9 +81,8 @@ async def commit_in_background(h: Harness, nursery: trio.Nursery, relpath: str
 
 async def settled(h: Harness, outcome: dict[str, object]) -> None:
     """Until the commit is done, or waits for a writer to close (the writer's next step)."""
-    with trio.fail_after(30):
-        while not outcome and not h.ns.tree.released.statistics().tasks_waiting:
-            await trio.sleep(0.001)
+    await wait_until_async(lambda: outcome or h.ns.tree.released.statistics().tasks_waiting,
+                           timeout=30, interval=0.001)
 
 
 async def test_a_writer_back_while_its_seal_is_computed_is_waited_for(harness: Harness) -> None:

@@ -41,6 +41,9 @@ def test_precedence_command_line_then_environment_then_file(tmp_path) -> None:  
     ({"step_pattern": "step_[0-9]+"}, "needs a group"),
     ({"step_pattern": "("}, "not a regular expression"),
     ({"ram_limit": "huge"}, "not a size"),
+    ({"failure_domain": "rack1"}, "--failure-domain needs --cluster"),
+    ({"failure_domain": "rack 1", "cluster": "etcd://127.0.0.1:2379/x", "insecure": True,
+      "listen": "127.0.0.1:7070"}, "use 1 to 63 letters, digits and ._:-"),
 ])
 def test_mistakes_are_one_clear_line(cli, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match=message):
@@ -94,6 +97,16 @@ def test_binary_config_file_and_unknown_flag_words(tmp_path) -> None:  # type: i
     assert not resolve("/mnt", {}, {"TIERFS_FOREGROUND": "off"}, None).foreground
 
 
+def test_failure_domain_from_the_toml_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The DaemonSet writes the node's topology label into a config file of this form."""
+    config = tmp_path / "node.toml"
+    config.write_text('failure-domain = "us-east-1a"\n')
+    cfg = resolve("/mnt", {"cluster": "etcd://127.0.0.1:2379/x", "insecure": True,
+                           "listen": "127.0.0.1:7070"}, {}, str(config))
+    assert cfg.failure_domain == "us-east-1a"
+    assert resolve("/mnt", {}, {}, None).failure_domain is None
+
+
 @pytest.mark.parametrize("cli, message", [
     ({"ram_limit": "1"}, "--ram-limit 1 is 1 byte: give at least 1M (a size without a unit "
                          "is in bytes"),
@@ -105,8 +118,8 @@ def test_binary_config_file_and_unknown_flag_words(tmp_path) -> None:  # type: i
     ({"commit_timeout": "inf"}, "--commit-timeout must be a positive number of seconds"),
 ])
 def test_options_that_cannot_be_right_are_refused(cli: dict[str, str], message: str) -> None:
-    """Before, `--ram-limit 1` (one byte, meant as 1G) and `--commit-idle 1e308` mounted
-    silently."""
+    """Values no one means (`--ram-limit 1`: one byte, meant as 1G; `--commit-idle 1e308`)
+    are refused with one line; sensible ones next to them are taken."""
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve("/mnt", cli, {}, None)
     resolve("/mnt", {"ram_limit": "1M", "commit_idle": "604800"}, {}, None)

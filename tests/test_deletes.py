@@ -15,8 +15,8 @@ from tests.conftest import Mount, MountFactory, tierfs, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
 from tests.test_s3 import persist_args
-from tierfs.demo.etcd import Etcd
-from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools.etcd import Etcd
+from tierfs.devtools.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.cluster
 

@@ -19,6 +19,7 @@ import yaml
 
 from tests.daemonset_pod import made_image_name
 from tierfs.mount_helper.cli import build_parser
+from tierfs.mount_helper.config import resolve
 
 pytestmark = pytest.mark.core
 
@@ -132,11 +133,43 @@ def test_daemonset_has_what_a_fuse_daemon_needs() -> None:
     token_volume = volumes[token_mount["name"]]["secret"]
     assert token_volume["secretName"] == "tierfs" and token_volume["defaultMode"] & 0o077 == 0
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
-    assert pre_stop[:3] == ["tierfs", "umount", "/checkpoints"]
-    assert {"--flush", "--timeout", "--force"} <= set(pre_stop)
+    assert pre_stop[:3] == ["tierfs", "flush", "/checkpoints"]
     _parses(pre_stop[1:])
     flush_timeout = float(pre_stop[pre_stop.index("--timeout") + 1])
     assert pod["terminationGracePeriodSeconds"] > flush_timeout
+
+
+def test_daemonset_gives_each_node_its_failure_domain(tmp_path: Path) -> None:
+    """The init container writes the node's topology label as a TOML config file that the
+    daemon reads (--config); its ServiceAccount may read nodes, and nothing more."""
+    pod = _load("tierfs-daemonset.yaml")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    script = init["command"][-1]
+    assert "kubectl get node" in script and "topology\\.kubernetes\\.io/zone" in script
+    written = script.rsplit(">", 1)[1].strip()
+    command = pod["containers"][0]["command"]
+    assert command[command.index("--config") + 1] == written
+    shared = {m["name"] for m in init["volumeMounts"]} & {
+        m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    assert shared and "emptyDir" in _by_name(pod["volumes"], shared.pop())
+    # run the script with a kubectl that prints the label: what it writes, tierfs takes
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl").write_text("#!/bin/sh\nprintf us-east-1a\n")
+    (bin_dir / "kubectl").chmod(0o755)
+    mount_dir = next(m["mountPath"] for m in init["volumeMounts"])
+    subprocess.run(["sh", "-c", script.replace(mount_dir, str(tmp_path))], check=True,
+                   env={"PATH": f"{bin_dir}:/usr/bin:/bin", "NODE_NAME": "gpu-7"})
+    config = tmp_path / Path(written).name
+    cfg = resolve("/mnt", {"cluster": "etcd://127.0.0.1:2379/x", "insecure": True,
+                           "listen": "127.0.0.1:7070"}, {}, str(config))
+    assert cfg.failure_domain == "us-east-1a"
+    rbac = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "tierfs-rbac.yaml").read_text()))
+    kinds = {doc["kind"]: doc for doc in rbac}
+    assert kinds["ServiceAccount"]["metadata"]["name"] == pod["serviceAccountName"]
+    assert kinds["ClusterRole"]["rules"] == [{"apiGroups": [""], "resources": ["nodes"],
+                                              "verbs": ["get"]}]
+    assert kinds["ClusterRoleBinding"]["subjects"][0]["name"] == pod["serviceAccountName"]
 
 
 def test_training_pod_sees_the_mount() -> None:

@@ -1,11 +1,14 @@
 """The documentation matches the code: doc/CONFIGURATION.md is what `make docs` makes from the
-mount options' table, and every relative link in README.md and doc/*.md reaches a file and,
-where it names one, a heading there. In process, no mount."""
+mount options' table, every relative link in README.md and doc/*.md reaches a file and,
+where it names one, a heading there, and every path of this repository that the docs, the
+docstrings or the comments name exists. In process, no mount."""
 
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -125,3 +128,53 @@ def test_architecture_names_code_that_exists() -> None:
         elif re.fullmatch(r"_?[a-z]\w*_\w*", token) and not re.search(rf"\b{token}\b", source):
             wrong.append(f"{token}: not in tierfs/")
     assert not wrong, "; ".join(wrong)
+
+
+# A path of this repository as prose names it: from its top (tierfs/..., tests/..., doc/...) or
+# from inside the package (fs/model/ports.py, mount_helper/daemon/).
+REPO_PATH = re.compile(r"(?<![\w./-])((?:tierfs|tests|bench|doc|\.ci|fs|s3tier|replication|cluster|"
+                       r"mount_helper|demo|devtools)/(?:[\w.-]+/)*[\w.-]*)")
+
+
+def named_paths(text: str) -> set[str]:
+    return {found.rstrip(".") for found in REPO_PATH.findall(text)}
+
+
+def test_the_path_check_sees_a_path() -> None:
+    assert named_paths("see `fs/model/ports.py`, tests/faults/ and s3tier/x.py.") == {
+        "fs/model/ports.py", "tests/faults/", "s3tier/x.py"}
+    assert named_paths("a/tierfs/x.py, my_fs/y.py, (doc/<page>.md)") == {"doc/"}
+
+
+def prose(source: Path) -> str:
+    """What a reader reads in `source`: a page whole; of a module, its docstrings and comments
+    (its other strings are data: etcd keys, file names made at run time)."""
+    text = source.read_text()
+    if source.suffix != ".py":
+        return text
+    parts = [token.string for token in tokenize.generate_tokens(io.StringIO(text).readline)
+             if token.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            parts.append(ast.get_docstring(node) or "")
+    return "\n".join(parts)
+
+
+def test_every_path_named_exists() -> None:
+    """A module moved or a folder renamed fails here until the docs, docstrings and comments
+    that name it follow (paths written at run time, as .gitignore lists them, count too; a C
+    header or source is the kernel's or libfuse's)."""
+    ignored = [line.strip().strip("/") for line in (ROOT / ".gitignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    sources = [*PAGES, *sorted((ROOT / "tierfs").rglob("*.py")),
+               *sorted((ROOT / "tests").rglob("*.py")), *sorted((ROOT / "bench").glob("*.py"))]
+    wrong = []
+    for source in sources:
+        if source == Path(__file__).resolve():
+            continue  # names paths to show what the check sees
+        for path in named_paths(prose(source)):
+            if not ((ROOT / path).exists() or (ROOT / "tierfs" / path).exists()
+                    or path.endswith((".h", ".c"))
+                    or any(path.startswith(entry) for entry in ignored)):
+                wrong.append(f"{source.relative_to(ROOT)}: {path}")
+    assert not wrong, "; ".join(sorted(wrong))

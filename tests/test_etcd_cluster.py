@@ -15,7 +15,7 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -26,8 +26,9 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
-from tierfs.demo.etcd import Etcd as EtcdServer
+from tierfs.devtools.etcd import Etcd as EtcdServer
 from tierfs.replication.coordination import placement
 from tierfs.replication.coordination.cluster_commit import ClusterCommits
 from tierfs.replication.coordination.commit_records import (
@@ -72,11 +73,6 @@ def new_cluster(server: EtcdServer) -> ClusterUrl:
     """A fresh cluster prefix on the shared server, so tests never see each other's keys."""
     return parse_cluster_url(server.cluster_url(f"tierfs-test/{uuid.uuid4().hex[:10]}"))
 
-
-async def wait_for(predicate: Callable[[], object], timeout: float = 5) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.02)
 
 
 @asynccontextmanager
@@ -183,10 +179,12 @@ async def test_calls_go_through_while_watches_hold_their_streams(etcd_server: Et
         async with trio.open_nursery() as nursery:
             for index in range(POOL_SIZE):  # as many as the calls have connections
                 nursery.start_soon(etcd.watch_prefix, cluster.key(f"w{index}/"), now, send)
-            with trio.fail_after(10):  # until the streams the watches' pool allows are open
-                while (await trio.to_thread.run_sync(grpc_requests, etcd_server))["Watch"] \
-                        < watches + WATCH_POOL_SIZE:
-                    await trio.sleep(0.05)
+            async def watches_open() -> bool:
+                requests = await trio.to_thread.run_sync(grpc_requests, etcd_server)
+                return requests["Watch"] >= watches + WATCH_POOL_SIZE  # type: ignore[no-any-return]
+
+            # until the streams the watches' pool allows are open
+            await wait_until_async(watches_open, timeout=10, interval=0.05)
             with trio.fail_after(5):
                 for index in range(POOL_SIZE):
                     await etcd.put(cluster.key(f"k{index}"), b"v")
@@ -203,13 +201,13 @@ async def test_watch_sees_joins_and_clean_leaves(etcd_server: EtcdServer) -> Non
     async with members(cluster, "n2", "n1") as nodes:
         observer = nodes["n1"]
         events = observer.subscribe()
-        await wait_for(lambda: observer.ring == ["n1", "n2"])
+        await wait_until_async(lambda: observer.ring == ["n1", "n2"])
         assert observer.members["n2"].address == "127.0.0.1:7000"
         async with members(cluster, "n3") as late:
-            await wait_for(lambda: observer.ring == ["n1", "n2", "n3"])
+            await wait_until_async(lambda: observer.ring == ["n1", "n2", "n3"])
             assert late["n3"].ring == ["n1", "n2", "n3"]  # a joiner sees everyone at once
         left = time.monotonic()
-        await wait_for(lambda: observer.ring == ["n1", "n2"], timeout=1)
+        await wait_until_async(lambda: observer.ring == ["n1", "n2"], timeout=1)
         assert time.monotonic() - left < 1  # a clean leave revokes the lease: no ttl wait
         seen = drain(events)
         assert [(e.kind, e.node_id) for e in seen if e.node_id == "n3"] == \
@@ -233,7 +231,7 @@ async def test_idle_members_cost_one_keepalive_each(etcd_server: EtcdServer) -> 
     cluster = new_cluster(etcd_server)
     ids = [f"n{i}" for i in range(8)]
     async with members(cluster, *ids) as nodes:
-        await wait_for(lambda: all(node.ring == ids for node in nodes.values()))
+        await wait_until_async(lambda: all(node.ring == ids for node in nodes.values()))
         before = grpc_requests(etcd_server)
         idle = 2.0
         await trio.sleep(idle)  # the measured idle period
@@ -263,16 +261,16 @@ async def test_killed_member_is_down_within_ttl(etcd_server: EtcdServer) -> None
                                    str(TTL)], stdin=subprocess.DEVNULL,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
-            await wait_for(lambda: observer.is_up("crash"), timeout=15)
+            await wait_until_async(lambda: observer.is_up("crash"), timeout=15)
             os.kill(daemon.pid, signal.SIGKILL)  # no lease revoke: only expiry can tell
             killed = time.monotonic()
             await trio.to_thread.run_sync(daemon.wait)
-            await wait_for(lambda: not observer.is_up("crash"), timeout=TTL + 1)
+            await wait_until_async(lambda: not observer.is_up("crash"), timeout=TTL + 1)
             down_after = time.monotonic() - killed
             # admitted until its lease is known dead: it did not register again in its grace
             generation = observer.generation
             assert observer.admits("crash")
-            await wait_for(lambda: not observer.admits("crash"),
+            await wait_until_async(lambda: not observer.admits("crash"),
                            timeout=observer.rejoin_grace + 1)
             assert observer.generation > generation
         finally:
@@ -711,7 +709,7 @@ async def test_etcd_restart_membership_stays_and_commits_resume(tmp_path: Path) 
             # Membership went on: both still registered, and a new node joining is seen.
             assert n1.ring == ["n1", "n2"]
             async with members(cluster, "n3"):
-                await wait_for(lambda: n1.ring == ["n1", "n2", "n3"], timeout=3)
+                await wait_until_async(lambda: n1.ring == ["n1", "n2", "n3"], timeout=3)
             nursery.cancel_scope.cancel()
         # Registration survived or was renewed: nobody was seen down for long, if at all.
         seen = drain(events)
@@ -806,10 +804,10 @@ async def test_follow_does_not_read_this_nodes_own_commit_again(
     learned: list[tuple[str, list[str]]] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(node0.follow, lambda m, holders: learned.append((m.path, holders)))
-        await wait_for(lambda: etcd.calls["kv/range"] >= 1)  # following
+        await wait_until_async(lambda: etcd.calls["kv/range"] >= 1)  # following
         await node0.publish(step_manifest("a/step_1", ["x"], "n0"), {"x"})
         await node1.publish(step_manifest("b/step_1", ["y"], "n1"), {"y"})
-        await wait_for(lambda: learned)
+        await wait_until_async(lambda: learned)
         nursery.cancel_scope.cancel()
     assert learned == [("b/step_1", ["n1"])]  # its own commit a/step_1: not read again
 
@@ -841,3 +839,31 @@ async def test_single_file_steps_are_made_again_from_their_records(
         await node0.publish(manifest, {name})
         found = await node1.manifest_of(path)
         assert found is not None and found[0] == manifest
+
+
+async def test_a_version_published_while_an_older_one_is_forgotten_keeps_its_records(
+        etcd_server: EtcdServer) -> None:
+    """A step renamed away and back at once (`mv run run_q; mv run_q run`): the writer's
+    delete of the old version from etcd and its commit of the new one at the same path run
+    at the same time. The new version keeps its commit record and every file record, and
+    neither names a node that held only the old version (the delete removed the new
+    version's file records, and the commit record took the old one's holders: the
+    replicator saw no copy to make, and status counted a copy nobody had)."""
+    cluster = new_cluster(etcd_server)
+    node0, _etcd = commits(cluster, "n0")
+    names = ["a", "b", "c"]
+    for attempt in range(12):
+        path = f"run/step_{attempt}"
+        old = step_manifest(path, names, "n0")
+        await node0.publish(old, set(names))
+        await node0.add_holders(old, "n1", names)
+        new = replace(old, version=3, committed_ns=time.time_ns())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node0.forget, path, old.version, old.committed_ns)
+            nursery.start_soon(node0.publish, new, set(names))
+        record = await node0.records.commit_of(path)
+        assert record is not None and record.version == 3, (attempt, record)
+        assert record.holders == ("n0",), (attempt, record)
+        files = await node0.records.files(path)
+        assert sorted(files) == names, (attempt, files)
+        assert all(f.holders == ("n0",) for f in files.values()), (attempt, files)

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from tests.conftest import MountFactory, free_port, tierfs
-from tierfs.demo.etcd import Etcd
-from tierfs.demo.local_server import LOOPBACK
 from tierfs.devtools import certificates
+from tierfs.devtools.etcd import Etcd
+from tierfs.devtools.local_server import LOOPBACK
 
 pytestmark = pytest.mark.cluster
 

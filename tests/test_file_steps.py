@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Mount, MountFactory, tierfs, wait_until
-from tierfs.fs.nodes import DEFAULT_FILE_STEP_PATTERN
+from tierfs.fs.model.nodes import DEFAULT_FILE_STEP_PATTERN
 
 pytestmark = pytest.mark.fuse
 

@@ -1,5 +1,5 @@
-"""fs.foreground: background work waits for a pause in the mount users' requests, and never
-longer than MOST_WAIT (a mount that is never quiet slows its uploads, never stops them)."""
+"""fs.lifecycle.foreground: background work waits for a pause in the mount users' requests, and
+never longer than MOST_WAIT (a mount that is never quiet slows its uploads, never stops them)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from tierfs.fs.foreground import MOST_WAIT, QUIET, Foreground
+from tierfs.fs.lifecycle.foreground import MOST_WAIT, QUIET, Foreground
 
 pytestmark = pytest.mark.core
 

@@ -16,8 +16,9 @@ import trio
 
 from tests.conftest import fill
 from tests.test_namespace import Harness, dcp_save
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
-from tierfs.fs.deletes import PERSIST, Deletes, DeleteWorker, Tombstone
+from tierfs.fs.lifecycle.deletes import PERSIST, Deletes, DeleteWorker, Tombstone
 
 pytestmark = pytest.mark.core
 
@@ -72,15 +73,12 @@ async def test_the_delete_worker_lives_on_when_its_records_have_no_room(
     fill(small_shm / "other-user")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(DeleteWorker(deletes, {PERSIST: clean}).run)
-        with trio.fail_after(10):
-            while not cleaned:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: cleaned, timeout=10)
         assert deletes.pending() == []
         assert [t.pending for t in Deletes(small_shm / "deleted").pending()] == [{PERSIST}]
         (small_shm / "other-user").unlink()
-        with trio.fail_after(10):
-            while Deletes(small_shm / "deleted").pending():
-                await trio.sleep(0.05)
+        await wait_until_async(lambda: not Deletes(small_shm / "deleted").pending(), timeout=10,
+                               interval=0.05)
         nursery.cancel_scope.cancel()
     assert cleaned == ["run/step_1"]
     assert [n.endswith(".json") for n in os.listdir(small_shm / "deleted")] == [True]

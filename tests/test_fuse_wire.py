@@ -1,4 +1,4 @@
-"""The passthrough relay's edits of FUSE messages (tierfs.fs.fuse_wire), on constructed bytes
+"""The passthrough relay's edits of FUSE messages (tierfs.fs.fuse.fuse_wire), on constructed bytes
 laid out as <linux/fuse.h> 7.40 has them: no mount, no root, no kernel support needed."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from tierfs.fs import fuse_wire as wire
+from tierfs.fs.fuse import fuse_wire as wire
 
 pytestmark = pytest.mark.core
 

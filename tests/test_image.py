@@ -31,8 +31,8 @@ from tests.conftest import (
     wait_until,
 )
 from tests.daemonset_pod import DaemonSetPod, Site, image_name, manifest_pod, podman
-from tierfs.demo.etcd import Etcd
-from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools.etcd import Etcd
+from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import mount_at, mount_table
 
 pytestmark = pytest.mark.image
@@ -88,7 +88,9 @@ class Node:
                     host_paths={"/dev/fuse": Path("/dev/fuse"), "/dev/shm": Path("/dev/shm"),
                                 MOUNT_IN_POD: self.host_dir},
                     options={"--ram-dir": str(self.ram_dir),
-                             "--listen": f"$(NODE_IP):{free_port()}"})
+                             "--listen": f"$(NODE_IP):{free_port()}"},
+                    # the init container makes it the node's --failure-domain
+                    labels={"topology.kubernetes.io/zone": f"zone-{name}"})
         self.pod = DaemonSetPod(site, tmp_path / name, image)
 
     def share(self) -> None:

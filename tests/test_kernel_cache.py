@@ -1,4 +1,4 @@
-"""What the kernel keeps of a mount's answers (fs.kernel_cache), counted with its
+"""What the kernel keeps of a mount's answers (fs.tree.kernel_cache), counted with its
 `fuse_request_send` tracepoint: a settled entry and its attributes are kept for
 SETTLED_TIMEOUT, so a listed step is read back, and listed again, without a LOOKUP or a
 GETATTR per file once the old one-second timeout has passed."""
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import FuseRequestTrace, MountFactory, wait_until
-from tierfs.fs.kernel_cache import CHANGING_TIMEOUT
+from tierfs.fs.tree.kernel_cache import CHANGING_TIMEOUT
 
 pytestmark = pytest.mark.fuse
 

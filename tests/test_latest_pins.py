@@ -1,4 +1,4 @@
-"""`latest` per process (tierfs.fs.latest_pins), driven by a clock the test moves."""
+"""`latest` per process (tierfs.fs.model.latest_pins), driven by a clock the test moves."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tierfs.fs.latest_pins import GRACE, THROUGH_LINK, LatestPins
+from tierfs.fs.model.latest_pins import GRACE, THROUGH_LINK, LatestPins
 
 pytestmark = pytest.mark.core
 

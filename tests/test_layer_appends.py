@@ -1,5 +1,5 @@
 """Appended loose files in the upload layer, in one process against a file:// store in tmp (the
-uploader harness of test_layer_uploader): versions laid out by `fs.append_layout` go up as
+uploader harness of test_layer_uploader): versions laid out by `fs.model.append_layout` go up as
 segments, read back exactly through the read source and as a person concatenates them, and an
 upload cut short at any request never leaves the store's manifest with wrong bytes."""
 
@@ -13,9 +13,10 @@ import pytest
 import trio
 
 from tests.test_layer_uploader import Harness
+from tests.waiting import wait_until_async
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs.append_layout import MAX_SEGMENTS, lay_out
+from tierfs.fs.model.append_layout import MAX_SEGMENTS, lay_out
 from tierfs.s3tier.backend import BackendError, FileBackend
 from tierfs.s3tier.reader import PersistentReader
 
@@ -147,9 +148,7 @@ async def test_an_upload_cut_short_never_leaves_wrong_bytes(tmp_path: Path,
     h.uploader.submit(nxt)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(h.uploader.run)
-        with trio.fail_after(20):
-            while PATH not in h.uploader.troubles:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: PATH in h.uploader.troubles, timeout=20)
         nursery.cancel_scope.cancel()
     if rewritten:  # its manifest went first: the file is not listed at all (never wrong)
         with pytest.raises(BackendError):
@@ -178,7 +177,7 @@ async def test_a_renamed_file_in_segments_is_copied_piece_by_piece(tmp_path: Pat
     reader = PersistentReader(h.backend, trio.CapacityLimiter(2),
                               lambda key: [PATH] if key == "run/old.log" else [])
     assert await reader.read_range("run", moved, 0, moved.size) == data  # from the old name
-    h.uploader._copy_sources = lambda key: [(PATH, PATH)] if key == "run/old.log" else []
+    h.steps.copy_sources = lambda key: [(PATH, PATH)] if key == "run/old.log" else []
     renamed = mf.StepManifest("run/old.log", mf.NO_STEP, 1, "n", 0, (moved,), single_file=True)
     h.current.add("run/old.log")
     sent = h.uploader.bytes_sent

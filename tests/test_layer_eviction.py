@@ -15,12 +15,14 @@ import pytest
 import trio
 
 from tests.test_namespace import Harness, dcp_save
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
-from tierfs.demo.etcd import Etcd as EtcdServer
+from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.fs.fuse.operations import Operations
+from tierfs.fs.model.nodes import StepState
 from tierfs.fs.namespace import Core, Namespace
-from tierfs.fs.nodes import StepState
-from tierfs.fs.operations import Operations
-from tierfs.fs.ram_store import RamStore
+from tierfs.fs.store.ram_store import RamStore
+from tierfs.observe import Events
 from tierfs.replication.coordination.cluster_commit import ClusterCommits
 from tierfs.replication.coordination.commit_records import CommitRecords, FileRecord
 from tierfs.replication.coordination.etcd import ClusterUrl, Etcd, parse_cluster_url
@@ -41,7 +43,7 @@ class ClusterHarness(Harness):
         core = Core(self.store, node_id="n0")
         self.sealed = ClusterCommits(self.records, "n0", core.tree.identity.step_number)
         self.ns = Namespace(core, self.send, sealed=self.sealed, keep_ram=keep_ram,
-                            replicas=replicas)
+                            replicas=replicas, events=Events())
         self.ops = Operations(self.ns)
 
     def step(self, path: str) -> StepState:
@@ -60,20 +62,14 @@ def new_cluster(server: EtcdServer) -> ClusterUrl:
     return parse_cluster_url(server.cluster_url(f"tierfs-test/{uuid.uuid4().hex[:10]}"))
 
 
-async def wait_for(predicate: Callable[[], object], timeout: float = 10) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.05)
-
 
 async def wait_for_records(h: ClusterHarness, path: str, check: Callable[
         [dict[str, FileRecord]], bool], timeout: float = 10) -> dict[str, FileRecord]:
-    with trio.fail_after(timeout):
-        while True:
-            found = await h.recorded(path)
-            if found and check(found):
-                return found
-            await trio.sleep(0.05)
+    async def matching() -> dict[str, FileRecord] | None:
+        found = await h.recorded(path)
+        return found if found and check(found) else None
+
+    return await wait_until_async(matching, timeout=timeout, interval=0.05)  # type: ignore[no-any-return]
 
 
 async def save_two_steps(h: ClusterHarness, first: dict[str, bytes]) -> None:
@@ -99,7 +95,7 @@ async def test_a_persisted_step_leaves_ram_while_etcd_is_down_and_the_records_fo
                 assert step.resident  # not persisted, no replica: it stays
                 await trio.to_thread.run_sync(server.stop)
                 h.ns.tiers.mark_persisted(step.manifest)
-                await wait_for(lambda: not step.resident, timeout=5)
+                await wait_until_async(lambda: not step.resident, timeout=5)
                 await trio.to_thread.run_sync(server.start)
                 await wait_for_records(h, "run/step_1", lambda r: all(
                     x.holders == () and x.left == ("n0",) for x in r.values()), timeout=20)
@@ -128,8 +124,8 @@ async def test_a_writer_keeps_its_copy_when_another_holder_dropped_itself(
             await h.records.drop_holders("run/step_1", "n1", {"a": None})  # n1 lost "a"
             h.ns.tiers.mark_held(manifest, "n2", names)
             h.ns.tiers.mark_held(manifest, "n1", names)  # n0's view: both hold every file
-            await wait_for(lambda: h.step("run/step_1").resident == {"a"})
-            await wait_for(lambda: not h.ns.residency._evictions)
+            await wait_until_async(lambda: h.step("run/step_1").resident == {"a"})
+            await wait_until_async(lambda: not h.ns.residency._evictions)
             records = await h.recorded("run/step_1")
             assert records["a"].holders == ("n0", "n2") and records["a"].left == ()
             assert all(r.holders == ("n1", "n2") and r.left == ()

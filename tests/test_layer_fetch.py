@@ -1,6 +1,6 @@
-"""Fetching a committed file back from another tier, in one process: tierfs.fs.fetch with a real
-RAM store in tmp and the persistent tier's read source over a file:// store, no mount. A failure
-here is in the fetch layer (chunk checks, partial file, whole-file check), not in FUSE."""
+"""Fetching a committed file back from another tier, in one process: tierfs.fs.store.fetch with a
+real RAM store in tmp and the persistent tier's read source over a file:// store, no mount. A
+failure here is in the fetch layer (chunk checks, partial file, whole-file check), not in FUSE."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.fetch import SEQUENTIAL_RUN, Fetch, FetchError, RemoteFile, fetch_chunk
-from tierfs.fs.ram_store import RamFull, RamStore
+from tierfs.fs.store.fetch import SEQUENTIAL_RUN, Fetch, FetchError, RemoteFile, fetch_chunk
+from tierfs.fs.store.ram_store import RamFull, RamStore
 from tierfs.s3tier.backend import FileBackend
 from tierfs.s3tier.reader import PersistentReader
 

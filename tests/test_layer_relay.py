@@ -1,4 +1,4 @@
-"""The passthrough relay (tierfs.fs.passthrough) with the test as libfuse: a real /dev/fuse
+"""The passthrough relay (tierfs.fs.fuse.passthrough) with the test as libfuse: a real /dev/fuse
 mount whose library end this test answers. A reply the relay cannot pass on aborts the
 connection, so the process waiting on the mount gets ENOTCONN instead of hanging."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from tierfs.fs import fuse_wire as wire
-from tierfs.fs.passthrough import MESSAGE_MAX, PassthroughDevice, PassthroughUnavailable
+from tierfs.fs.fuse import fuse_wire as wire
+from tierfs.fs.fuse.passthrough import MESSAGE_MAX, PassthroughDevice, PassthroughUnavailable
 
 pytestmark = pytest.mark.core
 

@@ -15,9 +15,11 @@ import pytest
 import trio
 
 from tests.conftest import free_port
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
-from tierfs.demo.etcd import Etcd as EtcdServer
-from tierfs.fs.ram_store import RamFull
+from tierfs.devtools.etcd import Etcd as EtcdServer
+from tierfs.fs.store.ram_store import RamFull
+from tierfs.observe import Events
 from tierfs.replication.coordination import membership as live_members
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
@@ -27,7 +29,7 @@ from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.replication.peers.peer_reader import RangeServer
 from tierfs.replication.peers.protocol import ProtocolError
 from tierfs.replication.peers.receiver import INCOMING_PREFIX, ReplicaReceiver
-from tierfs.replication.peers.replicator import Replicator
+from tierfs.replication.peers.replicator import Replicator, deal
 from tierfs.replication.peers.server import PeerServer
 
 pytestmark = pytest.mark.store
@@ -108,7 +110,8 @@ def a_replicator(membership: PeerDirectory, objects: Path, placements: Any,
     """Node a's replicator (K = 1) over the objects in `objects`, every step current."""
     return Replicator(membership, 1, lambda xxh3: str(objects / xxh3),
                       is_current=lambda m: True, placements=placements,
-                      on_placements=lambda *_: None, on_held=on_held, **options)
+                      on_placements=lambda *_: None, on_held=on_held, events=Events(),
+                      **options)
 
 
 async def members_a_and_b(nursery: trio.Nursery, etcd_server: EtcdServer,
@@ -337,9 +340,8 @@ async def test_a_streamed_chunk_that_fails_its_tags_makes_the_file_count_for_not
         with pytest.raises(proto.ProtocolError):
             await channel.receive("OK")
         await channel.aclose()
-        with trio.fail_after(5):
-            while incoming_files(b.objects) or b.space.used:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: not incoming_files(b.objects) and not b.space.used,
+                               timeout=5)
         assert b.receiver._incoming_files == {} and not (b.objects / entry.xxh3).exists()
         channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
         for offset in (mf.CHUNK_SIZE, 0):
@@ -418,14 +420,70 @@ async def test_steps_of_many_chunks_go_over_the_same_kept_alive_connections(
     async with trio.open_nursery() as nursery:
         replicator = await replicate_to_b(nursery, etcd_server, b, tmp_path / "a-objects",
                                           placements, on_held, *manifests)
-        with trio.fail_after(20):
-            while len(done) < 2:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: len(done) >= 2, timeout=20)
         nursery.cancel_scope.cancel()
     assert replicator.directory.pool.opened == replicator.directory.connections == 4
     assert len(b.put_channels) == 4
     for i, entry in enumerate(entries):
         assert (b.objects / entry.xxh3).read_bytes() == data[i:]
+
+
+async def test_files_that_spread_evenly_go_whole_over_a_connection_each(
+        tmp_path: Path, etcd_server: EtcdServer) -> None:
+    """A step of four equal files over four connections: each file goes over one of them,
+    its chunks in order, so that the receiver hashes every chunk from the bytes it just wrote
+    and reads nothing back for the files' xxh3-128 (with chunks dealt out in turn, three in
+    four came ahead of their file's order and were read back from the file)."""
+    files = [os.urandom(3 * mf.CHUNK_SIZE + i) for i in range(4)]
+    entries = tuple(committed_object(tmp_path / "a-objects", data, f"__{i}_0.distcp")
+                    for i, data in enumerate(files))
+    manifest = mf.StepManifest("run/step_1", 1, 1, "a", 0, entries)
+    b = Receiving(tmp_path, manifest)
+    done: list[str] = []
+
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
+        return records_of(step, {"a", "b"} if done else {"a"})
+
+    async def on_held(step: mf.StepManifest, target: str, names: list[str]) -> bool:
+        done.append(step.path)
+        return True
+
+    async with trio.open_nursery() as nursery:
+        await replicate_to_b(nursery, etcd_server, b, tmp_path / "a-objects", placements,
+                             on_held, manifest)
+        with trio.fail_after(20):
+            while not done:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert len(b.put_channels) == 4
+    for entry, data in zip(entries, files, strict=True):
+        assert (b.objects / entry.xxh3).read_bytes() == data
+    assert b.receiver.read_back == 0
+
+
+def test_chunks_are_dealt_whole_files_to_a_connection_when_they_spread_evenly() -> None:
+    """`deal`: files that spread evenly go whole to a connection each, in order; one large file
+    (or unequal ones) is dealt out chunk by chunk over every connection."""
+    def entry(name: str, size: int) -> mf.FileEntry:
+        return mf.FileEntry(name, size, "0" * 32)
+
+    equal = [entry(f"f{i}", 3 * mf.CHUNK_SIZE) for i in range(4)] + [entry(".metadata", 900)]
+    shares = deal(equal, 4)
+    assert len(shares) == 4
+    for share in shares:
+        for name in {e.name for e, _ in share}:
+            offsets = [offset for e, offset in share if e.name == name]
+            assert offsets == sorted(offsets) and len(offsets) == \
+                max(1, -(-next(e.size for e in equal if e.name == name) // mf.CHUNK_SIZE))
+    assert sorted(e.name for share in shares for e, _ in share if _ == 0) == \
+        sorted(e.name for e in equal)
+    one = [entry("model.pt", 10 * mf.CHUNK_SIZE)]
+    shares = deal(one, 4)
+    assert [len(share) for share in shares] == [3, 3, 2, 2]
+    assert shares[0][:2] == [(one[0], 0), (one[0], 4 * mf.CHUNK_SIZE)]
+    assert deal(one, 1) == [[(one[0], i * mf.CHUNK_SIZE) for i in range(10)]]
+    unequal = [entry("big", 9 * mf.CHUNK_SIZE), entry("small", mf.CHUNK_SIZE)]
+    assert [len(share) for share in deal(unequal, 2)] == [5, 5]
 
 
 async def test_ranges_are_served_from_the_ram_store_in_order(tmp_path: Path) -> None:
@@ -536,9 +594,7 @@ async def test_copies_etcd_did_not_record_are_sent_again_only_after_a_pause(
     async with trio.open_nursery() as nursery:
         replicator = await replicate_to_b(nursery, etcd_server, b, tmp_path / "a-objects",
                                           placements, on_held, manifest)
-        with trio.fail_after(30):
-            while manifest.path not in replicator._later:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: manifest.path in replicator._later, timeout=30)
         nursery.cancel_scope.cancel()
     assert 1 < len(rounds) <= 5  # each failed round paused before the next
 

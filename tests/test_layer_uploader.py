@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import trio
 
+from tests.fakes import StepsForUploads
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
+from tierfs.observe import Events
 from tierfs.s3tier import packs
 from tierfs.s3tier.backend import MANIFEST_KEY, BackendError, FileBackend
 from tierfs.s3tier.reader import PersistentReader
@@ -66,12 +69,12 @@ class Harness:
         self.versions: dict[str, mf.StepManifest] = {}  # a tracker's current version
         self.persisted_paths: list[str] = []
         self.retired: list[str] = []
-        self.uploader = Uploader(
-            self.backend, lambda xxh3: str(self.objects / xxh3), persist_every=every,
-            keep_persist=keep, step_number=self._number,
-            is_current=lambda m: m.path in self.current and self.versions.get(m.path, m) is m,
-            on_persisted=self._on_persisted,
-            on_retired=self.retired.append, tracked_step=self._tracked)
+        self.steps = StepsForUploads(
+            lambda xxh3: str(self.objects / xxh3), self._number,
+            lambda m: m.path in self.current and self.versions.get(m.path, m) is m,
+            self._on_persisted, self.retired.append, tracked_step=self._tracked)
+        self.uploader = Uploader(self.backend, self.steps, persist_every=every,
+                                 keep_persist=keep, events=Events())
 
     @staticmethod
     def _number(name: str) -> int | None:
@@ -121,9 +124,7 @@ class Harness:
             return condition() and not self.uploader.queue.pending
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.uploader.run)
-            with trio.fail_after(20):
-                while not done():
-                    await trio.sleep(0.01)
+            await wait_until_async(done, timeout=20)
             nursery.cancel_scope.cancel()
 
     def stored(self) -> list[str]:
@@ -169,11 +170,9 @@ async def test_a_step_removed_during_an_outage_is_dropped(tmp_path: Path, caplog
     async with trio.open_nursery() as nursery:
         nursery.start_soon(h.uploader.run)
         with trio.fail_after(10):
-            while "failed (attempt" not in caplog.text:
-                await trio.sleep(0.01)
+            await wait_until_async(lambda: "failed (attempt" in caplog.text, timeout=60)
             h.current.clear()  # the step was deleted: the next retry gives up
-            while "dropped" not in caplog.text:
-                await trio.sleep(0.01)
+            await wait_until_async(lambda: "dropped" in caplog.text, timeout=60)
         nursery.cancel_scope.cancel()
     assert h.persisted_paths == [] and h.stored() == []
 
@@ -192,14 +191,13 @@ async def test_a_store_away_for_a_while_gets_the_step_once_back(tmp_path: Path, 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(h.uploader.run)
         with trio.fail_after(20):
-            while h.uploader.waiting(manifest)[2] < 2:  # failed, and tried again
-                await trio.sleep(0.01)
+            # failed, and tried again
+            await wait_until_async(lambda: h.uploader.waiting(manifest)[2] >= 2, timeout=60)
             reason, since_ns, _failures = h.uploader.waiting(manifest)
             assert reason == f"the store file://{h.store} is unavailable: {h.store} is missing"
             assert since_ns <= time.time_ns()
             away.rename(h.store)
-            while h.persisted_paths != ["run/step_1"]:
-                await trio.sleep(0.01)
+            await wait_until_async(lambda: h.persisted_paths == ["run/step_1"], timeout=60)
         nursery.cancel_scope.cancel()
     assert (h.store / "run/step_1/shard").read_bytes() == b"data"
     assert h.uploader.troubles == {}

@@ -185,7 +185,7 @@ def test_segments_roundtrip_and_are_validated() -> None:
 
 
 def test_directories_round_trip_are_validated_and_are_no_part_of_the_version() -> None:
-    """A manifest records the directories above its files (fs.dir_attributes); older readers
+    """A manifest records the directories above its files (fs.tree.dir_attributes); older readers
     and manifests are unaffected, and two manifests that differ only there are equal."""
     dirs = (mf.DirEntry("run", 0o750, 1000, 1000, 123), mf.DirEntry("run/step_1", 0o700, 1000,
                                                                     100, -5))
@@ -195,7 +195,7 @@ def test_directories_round_trip_are_validated_and_are_no_part_of_the_version() -
     assert decoded.dirs == dirs and decoded == plain
     assert mf.decode(mf.encode(plain)).dirs == ()
     assert "dirs" not in msgpack.unpackb(mf.encode(plain))
-    # so is how it was committed (fs.completion)
+    # so is how it was committed (fs.model.completion)
     idle = mf.StepManifest("run/step_1", 1, 1, "n", 0, (entry("x", 3),), by_idle=True)
     assert mf.decode(mf.encode(idle)).by_idle and not mf.decode(mf.encode(plain)).by_idle
     assert "idle" not in msgpack.unpackb(mf.encode(plain))

@@ -17,8 +17,9 @@ import trio
 import xxhash
 
 from tests.test_namespace import CTX, Harness, dcp_save
-from tierfs.fs.nodes import Node
-from tierfs.fs.ram_store import RamStore
+from tests.waiting import wait_until_async
+from tierfs.fs.model.nodes import Node
+from tierfs.fs.store.ram_store import RamStore
 
 pytestmark = pytest.mark.core
 
@@ -27,8 +28,8 @@ FILES = 500
 
 async def test_a_commit_makes_one_link_per_file_and_no_stat_of_objects(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: each file's object was looked for first (pathlib's exists: a stat of
-    objects/<xxh3>), then linked."""
+    """A commit of many files links each file's object once, without first looking for it
+    (no stat of objects/<xxh3>)."""
     harness = Harness(tmp_path / "ram")
     try:
         await commit_many(harness, monkeypatch)
@@ -137,9 +138,8 @@ async def settled(harness: Harness, step: str, names: list[str]) -> None:
     step_node = harness.ns.tree.find_step(step)
     assert step_node is not None
     nodes: list[Node] = [step_node.children[name.encode()] for name in names]
-    with trio.fail_after(30):
-        while not all(n.seal is not None and n.seal.settled is not None for n in nodes):
-            await trio.sleep(0.01)
+    await wait_until_async(lambda: all(n.seal is not None and n.seal.settled is not None
+                                       for n in nodes), timeout=30)
 
 
 async def commit_many(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:

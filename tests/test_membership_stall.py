@@ -10,7 +10,7 @@ import uuid
 import pytest
 import trio
 
-from tierfs.demo.etcd import Etcd as EtcdServer
+from tierfs.devtools.etcd import Etcd as EtcdServer
 from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
 from tierfs.replication.coordination.membership import Membership
 

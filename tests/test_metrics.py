@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import MountFactory, free_port, tierfs, wait_until
 from tests.test_cluster import Cluster
 from tests.test_crash import save
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 from tierfs.mount_helper.config import ConfigError, resolve
 from tierfs.mount_helper.fuse_helper import to_mount_argv
 

@@ -245,8 +245,8 @@ def test_nothing_tierfs_creates_is_writable_by_others(mounts: MountFactory,
 
 
 def test_a_log_file_that_was_there_becomes_the_daemon_s_own(mounts: MountFactory) -> None:
-    """Before, an existing --log-file kept its mode 0644 (the daemon's files are 0600); a
-    device given as the log is left as it is."""
+    """An existing --log-file becomes the daemon's own, mode 0600 like its other files, its
+    older lines kept; a device given as the log is left as it is."""
     log_file = mounts.tmp_path / f"tierfs{len(mounts.mounts)}.log"  # the one mount() gives
     log_file.write_text("an older log\n")
     log_file.chmod(0o644)

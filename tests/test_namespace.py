@@ -15,12 +15,14 @@ import pytest
 import trio
 import trio.testing
 
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
-from tierfs.fs.background import Background
+from tierfs.fs.fuse.operations import Operations
+from tierfs.fs.lifecycle.background import Background
+from tierfs.fs.model.nodes import ROOT_INODE
 from tierfs.fs.namespace import Core, Namespace
-from tierfs.fs.nodes import ROOT_INODE
-from tierfs.fs.operations import Operations
-from tierfs.fs.ram_store import RamStore
+from tierfs.fs.store.ram_store import RamStore
+from tierfs.observe import Events
 from tierfs.trackers import TrackedStep
 
 pytestmark = pytest.mark.core
@@ -38,7 +40,9 @@ class Harness:
         self.store = RamStore(root, limit)
         self.store.acquire()
         self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
-        self.ns = Namespace(Core(self.store, node_id="n0"), self.send, **tiers)
+        self.events = Events()  # what operators would see: the metrics a test may read
+        self.ns = Namespace(Core(self.store, node_id="n0"), self.send, events=self.events,
+                            **tiers)
         self.ops = Operations(self.ns)
 
     def close(self) -> None:
@@ -85,12 +89,13 @@ class Harness:
 
     async def hashed(self) -> None:
         """Wait until every commit made before its files' hashes were in (the background runs:
-        fs.pending_commits) has its manifest, and has announced it."""
+        fs.model.pending_commits) has its manifest, and has announced it."""
         if not any(n.step.pending is not None for n in self.ns.tree.steps()):
             return
         with trio.fail_after(30):
-            while any(n.step.pending is not None for n in self.ns.tree.steps()):
-                await trio.sleep(0.005)
+            await wait_until_async(lambda: not any(n.step.pending is not None
+                                                       for n in self.ns.tree.steps()),
+                                   timeout=60, interval=0.005)
             await trio.testing.wait_all_tasks_blocked()
 
     async def state(self, path: str) -> str:
@@ -383,7 +388,7 @@ async def test_a_tracker_names_its_step_for_the_store_and_the_peers(harness: Har
     assert ns.tiers.may_copy(manifests["ds/notes.txt"], "b")
     assert not ns.tiers.may_copy(tracker, "b")  # b does not hold iter_0000150
     step_node = ns.tree.find_step("ckpt/iter_0000150")
-    ns.tiers.versions.add_file_holder(step_node, "b", [".metadata", "model.pt"])
+    ns.versions.add_file_holder(step_node, "b", [".metadata", "model.pt"])
     assert ns.tiers.may_copy(tracker, "b") and not ns.tiers.may_copy(tracker, "c")
     ns.tiers.mark_persisted(step_node.step.manifest)
     assert ns.tiers.tracked_step(tracker) == TrackedStep(150, True, True)

@@ -196,7 +196,8 @@ def test_a_job_as_its_own_user_resumes_on_a_fresh_node(
 
 def test_another_user_s_umount_says_who_may(public_dir: Path, trainer: str, run_as: RunAs,
                                            mounts: MountFactory) -> None:
-    """Before: "fusermount3: entry for ... not found in /etc/mtab"."""
+    """Another user's `tierfs umount` of a mount they may not unmount says who may, not
+    fusermount3's "entry ... not found in /etc/mtab"."""
     mountpoint = public_dir / "shared"
     mountpoint.mkdir(mode=0o755)
     mnt = mounts.mount("--allow-other", mountpoint=mountpoint)

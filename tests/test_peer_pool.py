@@ -12,7 +12,8 @@ import pytest
 import trio
 
 from tests.conftest import free_port
-from tierfs.demo.etcd import Etcd as EtcdServer
+from tests.waiting import wait_until_async
+from tierfs.devtools.etcd import Etcd as EtcdServer
 from tierfs.replication.coordination import membership as live_members
 from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
 from tierfs.replication.peers import pool
@@ -83,9 +84,8 @@ class Cluster:
                 await live_a.changed.wait()
         self.a = PeerDirectory(live_a, TOKEN)
         nursery.start_soon(self.a.run)
-        with trio.fail_after(10):  # a's probe of b's handshake: the pool's first connection
-            while self.a.pool.idle_count() != 1:
-                await trio.sleep(0.01)
+        # a's probe of b's handshake: the pool's first connection
+        await wait_until_async(lambda: self.a.pool.idle_count() == 1, timeout=10)
 
     async def _b_member(self, task_status: trio.TaskStatus[None]) -> None:
         live_b = live_members.Membership(self.etcd, self.url, "b", f"127.0.0.1:{self.b.port}")
@@ -159,9 +159,7 @@ async def test_idle_connections_close_when_the_peer_leaves(cluster: Cluster) -> 
     await cluster.ping()
     assert cluster.a.pool.idle_count() == 1
     cluster.b_scope.cancel()  # b leaves the live members (its lease revoked)
-    with trio.fail_after(10):
-        while cluster.a.pool.idle_count():
-            await trio.sleep(0.02)
+    await wait_until_async(lambda: not cluster.a.pool.idle_count(), timeout=10, interval=0.02)
     with pytest.raises(OSError, match="not a live member"):
         await cluster.ping()
 

@@ -89,6 +89,65 @@ def test_flush_without_persistent_tier(mounts: MountFactory) -> None:
     assert "nothing to flush" in tierfs("flush", str(mnt.mountpoint)).stdout
 
 
+def test_flush_right_after_a_save_waits_for_the_step_to_commit(mounts: MountFactory,
+                                                               tmp_path: Path) -> None:
+    """The job's last save (a saver with no completion mark, as `torch.save`), then `tierfs
+    flush` at once, as an epilog does: the step and a loose file commit by themselves within
+    --commit-idle, the flush waits for that and for the store, and exits 0 with both there
+    (it exited 1 at once, saying they were not committed)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}", "--commit-idle", "3")
+    model = os.urandom(1 << 20)
+    (mnt / "run/step_5").mkdir(parents=True)
+    (mnt / "run/step_5/model.pt").write_bytes(model)
+    (mnt / "run/train.log").write_bytes(b"loss 0.1\n")
+    assert mnt.step("run/step_5")["state"] == "writing"
+    started = time.monotonic()
+    done = tierfs("flush", str(mnt.mountpoint), "--timeout", "60", check=False)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 30
+    assert (store / "run/step_5/model.pt").read_bytes() == model
+    assert (store / "run/step_5/.tierfs-manifest").exists()
+    assert (store / "run/train.log").read_bytes() == b"loss 0.1\n"
+    assert mnt.step("run/step_5")["persisted"] is True
+
+
+def test_flush_says_at_once_what_keeps_a_step_from_committing(mounts: MountFactory,
+                                                             tmp_path: Path) -> None:
+    """A file held open for writing, or --commit-idle past the flush's --timeout: waiting
+    cannot finish, so the flush exits 1 at once, naming the step and why; once the writer
+    closes, the same flush waits for the quiet commit and exits 0."""
+    store = tmp_path / "store"
+    store.mkdir()
+    mnt = mounts.mount("--persist", f"file://{store}", "--commit-idle", "3")
+    (mnt / "run/step_1").mkdir(parents=True)
+    with open(mnt / "run/step_1/model.pt", "wb") as held:
+        held.write(b"half")
+        held.flush()
+        started = time.monotonic()
+        done = tierfs("flush", str(mnt.mountpoint), "--timeout", "120", check=False)
+        assert done.returncode == 1
+        assert time.monotonic() - started < 30  # not its timeout
+        assert ("1 step is not committed, so in no tier but this node's RAM, and waiting will "
+                "not commit 1 of them within --timeout: run/step_1 (files open for writing: "
+                "model.pt)") in done.stderr, done.stderr
+        held.write(b" and the rest")
+    done = tierfs("flush", str(mnt.mountpoint), "--timeout", "60", check=False)
+    assert done.returncode == 0, done.stderr
+    assert (store / "run/step_1/model.pt").read_bytes() == b"half and the rest"
+
+    other = tmp_path / "other"
+    other.mkdir()
+    slow = mounts.mount("--persist", f"file://{other}", "--commit-idle", "600")
+    (slow / "r/step_2").mkdir(parents=True)
+    (slow / "r/step_2/model.pt").write_bytes(b"two")
+    started = time.monotonic()
+    done = tierfs("flush", str(slow.mountpoint), "--timeout", "60", check=False)
+    assert done.returncode == 1 and time.monotonic() - started < 30
+    assert "r/step_2 (commits by itself in 9m5" in done.stderr, done.stderr
+
+
 def test_keep_ram_evicts_persisted_steps_and_reads_them_back(mounts: MountFactory,
                                                             tmp_path: Path) -> None:
     store = tmp_path / "store"

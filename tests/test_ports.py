@@ -4,6 +4,8 @@ error outside the contract is a bug, which surfaces instead of passing for a tie
 
 from __future__ import annotations
 
+import ast
+import inspect
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,11 @@ import trio
 
 from tests.fakes import BuggySource, MemoryPeers, MemoryTier
 from tests.test_namespace import Harness, dcp_save
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
-from tierfs.fs import residency
+from tierfs.fs.lifecycle import residency
+from tierfs.fs.lifecycle.other_tiers import OtherTiers
+from tierfs.fs.model.ports import StepCopies
 
 pytestmark = pytest.mark.core
 
@@ -28,9 +33,7 @@ async def persisted_and_evicted(h: Harness, store: MemoryTier, step: str,
     store.put_step(manifest, {**files, ".metadata": b"meta"})
     h.ns.tiers.mark_persisted(manifest)  # keep_ram=0: it leaves RAM
     node = h.ns.tree.find_step(step)
-    with trio.fail_after(60):
-        while node.step.resident:
-            await trio.sleep(0.01)
+    await wait_until_async(lambda: not node.step.resident, timeout=60)
     return manifest
 
 
@@ -53,9 +56,8 @@ async def test_a_copy_leaves_ram_only_for_a_store_seen_to_hold_it(
             names = {entry.name for entry in manifest.files}
             store.down = True
             h.ns.tiers.mark_persisted(manifest)  # as the uploader does once it is up
-            with trio.fail_after(10):
-                while "the persistent tier cannot say" not in caplog.text:
-                    await trio.sleep(0.01)
+            await wait_until_async(lambda: "the persistent tier cannot say" in caplog.text,
+                                   timeout=10)
             assert node.step.resident == names and node.step.persisted
 
             store.down = False  # it answers: it holds nothing of the step
@@ -67,9 +69,7 @@ async def test_a_copy_leaves_ram_only_for_a_store_seen_to_hold_it(
 
             store.put_step(manifest, {**FILES, ".metadata": b"meta"})  # uploaded again
             h.ns.tiers.mark_persisted(manifest)
-            with trio.fail_after(10):
-                while node.step.resident:
-                    await trio.sleep(0.01)
+            await wait_until_async(lambda: not node.step.resident, timeout=10)
             assert await h.read_file("run/step_1/__0_0.distcp") == FILES["__0_0.distcp"]
             nursery.cancel_scope.cancel()
     finally:
@@ -94,8 +94,9 @@ async def test_a_read_goes_past_a_tier_that_is_down_to_one_that_has_the_file(
 
 async def test_a_source_failing_outside_its_contract_is_a_bug_not_a_tier_failure(
         tmp_path: Path) -> None:
-    """Before the ports declared their errors, any exception of a source was taken for "this
-    tier cannot serve it" and the next one was asked: a bug in an adapter went unseen."""
+    """A read source raising outside its contract (not a TierError) is a bug: the read fails
+    with it, instead of its passing for "this tier cannot serve it" while the next source is
+    asked."""
     buggy, store = BuggySource("peers"), MemoryTier("s3")
     h = Harness(tmp_path / "ram", read_sources=[buggy, store], persist=store, keep_ram=0)
     try:
@@ -126,7 +127,7 @@ async def test_verify_reports_an_unreachable_peer_and_a_store_that_is_down(
         store.put_step(manifest, {**FILES, ".metadata": b"meta"})
         h.ns.tiers.mark_persisted(manifest)
         step = h.ns.tree.find_step("run/step_2")
-        h.ns.tiers.versions.add_file_holder(step, "n1", [e.name for e in manifest.files])
+        h.ns.versions.add_file_holder(step, "n1", [e.name for e in manifest.files])
         peers.unreachable.add("n1")
         store.down = True
         [report] = await h.ns.verifier.verify("run/step_2", repair=False)
@@ -137,3 +138,35 @@ async def test_verify_reports_an_unreachable_peer_and_a_store_that_is_down(
         assert not report.lost  # the RAM copies are good
     finally:
         h.close()
+
+
+def uses_of_tiers(source: str) -> set[str]:
+    """The members read of `<x>.tiers` in `source`, and of a name bound to such a value."""
+    tree = ast.parse(source)
+    names = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+             and isinstance(node.value, ast.Attribute) and node.value.attr == "tiers"
+             for target in node.targets if isinstance(target, ast.Name)}
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and ((isinstance(node.value, ast.Attribute) and node.value.attr == "tiers")
+                 or (isinstance(node.value, ast.Name) and node.value.id in names))}
+
+
+def test_other_tiers_is_the_step_copies_port() -> None:
+    """`OtherTiers` implements each call of the inward port `StepCopies` as the port declares
+    it, and the daemon, the replication and the persistent tier use it through those alone."""
+    members = {name for name in vars(StepCopies) if not name.startswith("_")}
+    assert "mark_persisted" in members and "recheck_wanted" in StepCopies.__annotations__
+    for name in members:
+        declared, implemented = getattr(StepCopies, name), getattr(OtherTiers, name)
+        assert [(p.name, p.kind, p.default) for p in
+                inspect.signature(declared).parameters.values()] == \
+            [(p.name, p.kind, p.default) for p in
+             inspect.signature(implemented).parameters.values()], name
+        assert inspect.iscoroutinefunction(declared) == \
+            inspect.iscoroutinefunction(implemented), name
+    assert uses_of_tiers("t = ns.tiers\nt.learn(m)\nns.tiers.unlisted(p)\nx.append(1)") == {
+        "learn", "unlisted"}
+    package = Path(__file__).resolve().parent.parent / "tierfs"
+    used = set().union(*(uses_of_tiers(path.read_text()) for path in package.rglob("*.py")
+                         if path.relative_to(package).parts[0] != "fs"))
+    assert used and used <= members | {"recheck_wanted"}, used - members

@@ -1,5 +1,5 @@
-"""The watch of steps being written (`fs.quiet_commits.QuietWatch`): which steps are due to
-commit by themselves, found without a scan of every watched step (a run dir of thousands of
+"""The watch of steps being written (`fs.lifecycle.quiet_commits.QuietWatch`): which steps are due
+to commit by themselves, found without a scan of every watched step (a run dir of thousands of
 loose files being written made each change cost a pass over all of them)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import stat
 
 import pytest
 
-from tierfs.fs.nodes import Node, StepState
-from tierfs.fs.quiet_commits import QuietWatch
+from tierfs.fs.lifecycle.quiet_commits import QuietWatch
+from tierfs.fs.model.nodes import Node, StepState
 
 pytestmark = pytest.mark.core
 
@@ -28,7 +28,7 @@ def steps(count: int) -> tuple[Node, list[Node]]:
 
 def test_due_steps_come_in_deadline_order_once_each(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     clock = [100.0]
-    monkeypatch.setattr("tierfs.fs.quiet_commits.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("tierfs.fs.lifecycle.quiet_commits.time.monotonic", lambda: clock[0])
     watch = QuietWatch(commit_idle=5.0)
     _parent, (a, b, c) = steps(3)
     assert watch.next_due() == math.inf and list(watch.due_steps(1e9)) == []
@@ -48,7 +48,7 @@ def test_due_steps_come_in_deadline_order_once_each(monkeypatch) -> None:  # typ
 
 
 def test_a_newer_step_makes_the_older_ones_due_at_once(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr("tierfs.fs.quiet_commits.time.monotonic", lambda: 50.0)
+    monkeypatch.setattr("tierfs.fs.lifecycle.quiet_commits.time.monotonic", lambda: 50.0)
     watch = QuietWatch(commit_idle=5.0)
     _parent, (old, new) = steps(2)
     watch.touch(old)
@@ -63,7 +63,7 @@ def test_a_newer_step_makes_the_older_ones_due_at_once(monkeypatch) -> None:  # 
 
 def test_thousands_of_watched_steps_each_come_up_once(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     clock = [0.0]
-    monkeypatch.setattr("tierfs.fs.quiet_commits.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("tierfs.fs.lifecycle.quiet_commits.time.monotonic", lambda: clock[0])
     watch = QuietWatch(commit_idle=1.0)
     _parent, made = steps(5000)
     for index, node in enumerate(made):

@@ -19,7 +19,7 @@ from tests.test_cluster_many_readers import committed_on, sent_bytes, start_clus
 from tests.test_crash import save
 from tests.test_passthrough import daemon_io
 from tierfs import manifest as mf
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.cluster
 

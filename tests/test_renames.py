@@ -17,9 +17,9 @@ from tests.conftest import Mount, MountFactory, tierfs, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_deletes import assert_files, deletes_done, files, listed, save_step
 from tests.test_s3 import persist_args
-from tierfs.demo.etcd import Etcd
-from tierfs.demo.seaweed import SeaweedS3
-from tierfs.fs.deletes import PERSIST, Deletes
+from tierfs.devtools.etcd import Etcd
+from tierfs.devtools.seaweed import SeaweedS3
+from tierfs.fs.lifecycle.deletes import PERSIST, Deletes
 
 pytestmark = pytest.mark.fuse
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from tests.conftest import MountFactory, tierfs, wait_until
 from tests.test_crash import save
 from tests.test_torch import assert_state_equal
-from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools.seaweed import SeaweedS3
 
 pytestmark = [pytest.mark.fuse, pytest.mark.filterwarnings("ignore::UserWarning")]
 

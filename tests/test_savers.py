@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs, wait_until
-from tierfs.fs.nodes import DEFAULT_STEP_PATTERN
+from tierfs.fs.model.nodes import DEFAULT_STEP_PATTERN
 from tierfs.mount_helper.config import ConfigError, resolve
 
 pytestmark = pytest.mark.frameworks
@@ -89,7 +89,11 @@ def test_torch_save_steps_commit_by_idle_and_next_step(mounts: MountFactory,
     wait_until(lambda: committed(mnt, "run/step_1"))
     torch.save(tensors, mnt / "run/step_2/model.pt")
     assert state(mnt, "run/step_2") == "writing"
-    tierfs("flush", str(mnt.mountpoint), "--timeout", "60")
+    # step_2 commits by itself only 600 s after its last change: the flush says so at once
+    flushed = tierfs("flush", str(mnt.mountpoint), "--timeout", "60", check=False)
+    assert flushed.returncode == 1 and "run/step_2 (commits by itself in " in flushed.stderr, \
+        flushed.stderr
+    wait_until(lambda: (store / "run/step_1/.tierfs-manifest").exists(), timeout=60)
     assert (store / "run/step_1/model.pt").exists()
     fresh = mounts.mount("--persist", f"file://{store}")
     loaded = torch.load(fresh / "run/step_1/model.pt", mmap=True)

@@ -1,4 +1,4 @@
-"""Seals off the writer's path (`fs.sealing`): the close of a file returns without waiting for
+"""Seals off the writer's path (`fs.tree.sealing`): the close of a file returns without waiting for
 its hash, and the seal a commit uses still describes the committed bytes, whatever happened to
 the file while it was being hashed."""
 
@@ -16,8 +16,9 @@ import xxhash
 
 from tests.conftest import Mount, MountFactory, getxattr, tierfs
 from tests.test_namespace import CTX, Harness, dcp_save
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
-from tierfs.fs.sealing import HASH_AT_COMMIT, INLINE_HASH_BYTES
+from tierfs.fs.tree.sealing import HASH_AT_COMMIT, INLINE_HASH_BYTES
 
 pytestmark = pytest.mark.fuse
 
@@ -69,9 +70,7 @@ async def test_background_seal_after_close(harness: Harness) -> None:
         await nursery.start(harness.ns.background.run)
         await harness.write_file("run/loose.bin", b"A" * BIG)
         node = node_of(harness, "run/loose.bin")
-        with trio.fail_after(30):
-            while node.seal is None:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: node.seal is not None, timeout=30)
         assert node.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(b"A" * BIG)
         await harness.write_file("run/step_2/a", b"B" * BIG)
         in_step = node_of(harness, "run/step_2/a")
@@ -101,9 +100,7 @@ async def test_a_small_file_is_hashed_on_the_loop_and_a_large_one_in_a_thread(
         for name, size in (("small", INLINE_HASH_BYTES), ("large", INLINE_HASH_BYTES + 1)):
             await harness.write_file(f"run/step_4/{name}", b"S" * size)
             node = node_of(harness, f"run/step_4/{name}")
-            with trio.fail_after(30):
-                while node.seal is None:
-                    await trio.sleep(0.01)
+            await wait_until_async(lambda n=node: n.seal is not None, timeout=30)
             assert node.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(b"S" * size)
             assert threaded == ([] if name == "small" else [mf.hash_fd]), name
         nursery.cancel_scope.cancel()
@@ -192,3 +189,35 @@ async def test_a_big_file_removed_before_its_step_commits_is_not_kept(harness: H
     await harness.ops.forget([(ino, lookups)])
     gc.collect()
     assert gone() is None
+
+
+async def test_a_file_sealed_before_its_step_commits_is_not_hashed_again(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a cluster each file of a step is sealed at its close, for its record in etcd: the
+    step's commit, made while another file's hash is still to come, takes that seal and
+    hashes none of its bytes a second time (it did: every byte of a cluster's step was hashed
+    at its close and again after the commit, before any copy to a peer could start)."""
+    hashed: list[int] = []
+    real = mf.hash_fd
+
+    def counted(fd: int) -> mf.Digest:
+        hashed.append(os.fstat(fd).st_size)
+        return real(fd)
+
+    monkeypatch.setattr(mf, "hash_fd", counted)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(harness.ns.background.run)
+        sealing = harness.ns.tree.sealing
+        await harness.write_file("run/step_7/a", b"A" * BIG)
+        node = node_of(harness, "run/step_7/a")
+        await harness.ns.tree.seal(node)  # as the cluster's record of it does at its close
+        assert node.seal is not None and hashed == [BIG]
+        await sealing.hold()  # b's hash comes after the commit: the commit is pending
+        await dcp_save(harness, "run/step_7", {"b": b"B" * (BIG + 1)}, hashed=False)
+        sealing.release()
+        with trio.fail_after(30):
+            manifest = await harness.commits.receive()
+        assert manifest.entry("a").xxh3 == xxhash.xxh3_128_hexdigest(b"A" * BIG)
+        assert manifest.entry("b").xxh3 == xxhash.xxh3_128_hexdigest(b"B" * (BIG + 1))
+        assert hashed.count(BIG) == 1 and hashed.count(BIG + 1) == 1
+        nursery.cancel_scope.cancel()

@@ -18,6 +18,7 @@ from bench.simulate_cluster import (
     get_requests,
     main,
     put_requests,
+    rack_loss,
     s3_transfer,
 )
 from tierfs.replication.coordination import placement
@@ -123,3 +124,18 @@ def test_above_s3s_request_rate_requests_are_slowed_down_never_lost() -> None:
     assert result.seconds >= 250 / limits.put_rps * 0.9
     assert put_requests(10 << 20, 16 << 20) == [10 << 20]  # one PUT when it fits a part
     assert len(get_requests(61_000_000, 8 << 20)) == 8
+
+
+def test_a_rack_lost_whole_loses_nothing_with_copies_across_racks() -> None:
+    """Racks of consecutive node ids, K = 1: on the plain ring a node's copy is its neighbour's,
+    in its own rack, and a rack lost takes files with it; with the racks as failure domains
+    (the real `placement` with domains) every file has a copy in another rack, none is lost,
+    and the survivors bring every file back to K + 1 copies."""
+    before = rack_loss(small(nodes=40, racks=4, replicas=1, placement="ring",
+                             holder_updates="batch", follow="event"))
+    now = rack_loss(small(nodes=40, racks=4, replicas=1, placement="domains",
+                          holder_updates="batch", follow="event"))
+    assert before.nodes_lost == now.nodes_lost == 10
+    assert before.min_racks == 1 and before.files_lost > 0
+    assert now.min_racks == 2 and now.files_lost == 0 and now.bytes_lost == 0
+    assert now.restore_bytes > 0 and now.restore_peers > 0

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import Mount, MountFactory, tierfs, wait_until
 from tests.test_s3 import persist_args
-from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.fuse
 
@@ -57,7 +57,8 @@ def requests(node: Mount) -> int:
 def test_a_fresh_node_reads_a_packed_step_back_with_a_handful_of_requests(
         mounts: MountFactory, s3_server: SeaweedS3, bucket: str, s3_env: dict[str, str]
         ) -> None:
-    """Before packs: one GET per file (401 requests from the fresh node)."""
+    """A fresh node reads a step of 400 small files back out of its packs: a handful of GETs
+    (the index and the packs), not one per file."""
     mnt = mounts.mount(*persist_args(s3_server, bucket), env=s3_env)
     files = small_files(1)
     save_step(mnt / "run/step_1", files)

@@ -14,8 +14,9 @@ import trio.testing
 from tests.fakes import MemoryTier
 from tests.test_namespace import Harness
 from tests.test_ports import persisted_and_evicted
+from tests.waiting import wait_until_async
 from tierfs import manifest as mf
-from tierfs.fs import residency
+from tierfs.fs.lifecycle import residency
 
 pytestmark = pytest.mark.core
 
@@ -48,8 +49,9 @@ class GatedTier(MemoryTier):
 
 async def test_the_small_files_of_an_evicted_step_come_back_many_at_once(
         tmp_path: Path) -> None:
-    """Before: one request per file, each at its read, one after another (the gated store
-    never saw two at once, and the first read never returned)."""
+    """The small files of an evicted step come back many at once, in the background, when
+    the first of them is read: the gated store sees several requests together, and the first
+    read returns."""
     files = {f"t{i:05}.distcp": i.to_bytes(8, "little") * 512 for i in range(SMALL_FILES)}
     store = GatedTier(at_once=8)
     h = Harness(tmp_path / "ram", read_sources=[store], persist=store, keep_ram=0)
@@ -87,9 +89,7 @@ async def test_large_files_do_not_come_with_a_small_one(tmp_path: Path) -> None:
             await persisted_and_evicted(h, store, "run/step_1", {**large, **small})
             assert await h.read_file("run/step_1/extra_0.pt") == small["extra_0.pt"]
             step = h.ns.tree.find_step("run/step_1").step
-            with trio.fail_after(30):
-                while len(step.resident) < len(small) + 1:
-                    await trio.sleep(0.01)
+            await wait_until_async(lambda: len(step.resident) >= len(small) + 1, timeout=30)
             await trio.testing.wait_all_tasks_blocked()
             assert step.resident == {*small, ".metadata"}
             assert not h.ns.residency._small_running

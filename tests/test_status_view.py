@@ -13,6 +13,8 @@ import pytest
 from tests.conftest import MountFactory, tierfs
 from tests.test_savers import write
 from tierfs.mount_helper.status_view import (
+    cannot_commit,
+    commit_waits,
     format_status,
     human_age,
     in_subtree,
@@ -184,6 +186,29 @@ def test_ages_and_the_uncommitted_line() -> None:
     assert line.endswith("and 3 more")
 
 
+def test_what_flush_gives_up_on_among_the_steps_being_written() -> None:
+    """A step with a file held open for writing (seen so for a while), one that never commits
+    by itself, and one due after the flush's deadline cannot be waited for; one due before
+    it, one that waits for what may come, and a file open a moment only, can."""
+    def writing(path: str, **outlook: Any) -> dict[str, Any]:
+        return dict(step(path, 1, "writing"), commit_outlook={
+            "due_ns": None, "reason": None, "files": [], **outlook})
+
+    soon = writing("r/due_soon", kind="due", due_ns=NOW + 3 * 10**9)
+    late = writing("r/due_late", kind="due", due_ns=NOW + 600 * 10**9)
+    held = writing("r/held", kind="writers", files=["model.pt"])
+    moment = writing("r/moment", kind="writers", files=["a.pt"])
+    never = writing("r/never", kind="never", reason="the rest of its save")
+    waits = writing("r/waits", kind="waits", reason="files named by its .metadata")
+    steps = [soon, late, held, moment, never, waits]
+    assert cannot_commit(steps, NOW + 60 * 10**9, {"r/held"}) == [late, held, never]
+    assert cannot_commit(steps, float("inf"), set()) == [never]
+    assert commit_waits(steps, NOW) == (
+        "r/due_late (commits by itself in 10m00s), r/due_soon (commits by itself in 3s), "
+        "r/held (files open for writing: model.pt), r/moment (files open for writing: a.pt), "
+        "r/never (does not commit by itself: it waits for the rest of its save) and 1 more")
+
+
 def test_status_of_a_path_through_a_mount(mounts: MountFactory, tmp_path: Path) -> None:
     store = tmp_path / "store"
     store.mkdir()
@@ -259,7 +284,7 @@ def test_a_cluster_step_shows_its_spread_and_warns_only_when_it_is_only_here() -
     """In a cluster a committed step's TIERS and the "only in RAM" warning come from the
     records of its files (`tiers`, `only_here`): a multi-node step spread over four nodes,
     read back here, is not only here; the spread is shown as the records say."""
-    from tierfs.fs import holders
+    from tierfs.fs.tree import holders
 
     files = {"__0_0.distcp": {"node0", "node1"}, "__1_0.distcp": {"node1", "node2"},
              "__2_0.distcp": {"node2", "node3"}, "__3_0.distcp": {"node3", "node0"}}

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import MountFactory, fill, tierfs, wait_until
 from tests.test_crash import save
-from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.fuse
 

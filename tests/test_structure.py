@@ -1,6 +1,8 @@
-"""The package's shape, checked from its source: no import cycles among tierfs's modules (a
-cycle makes the order of imports matter and hides which part depends on which), and no
-product module imports the developer tooling (`tierfs.devtools`)."""
+"""The package's shape, checked from its source: no import cycles among tierfs's modules, nor
+among its folders (a cycle makes the order of imports matter and hides which part depends on
+which); the file system's sub-packages importing only those below them; and no
+product module imports the developer tooling (`tierfs.devtools`) but the demo, which runs on its
+local servers."""
 
 from __future__ import annotations
 
@@ -14,15 +16,23 @@ pytestmark = pytest.mark.core
 PACKAGE = Path(__file__).resolve().parent.parent / "tierfs"
 
 
-def module_imports() -> dict[str, set[str]]:
-    """Each tierfs module -> the tierfs modules it imports (at the top or inside a function)."""
+def module_imports(typing_only: bool = True) -> dict[str, set[str]]:
+    """Each tierfs module -> the tierfs modules it imports (at the top or inside a function;
+    with `typing_only` False, not those imported only for type checking)."""
     modules = {}
     for path in PACKAGE.rglob("*.py"):
         name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
         modules[name.removesuffix(".__init__")] = path
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        skipped = set() if typing_only else {
+            id(inner) for block in ast.walk(tree)
+            if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+            for inner in ast.walk(block)}
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 named = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
             elif isinstance(node, ast.Import):
@@ -77,7 +87,7 @@ def test_no_import_cycles() -> None:
 
 def test_the_product_never_imports_devtools() -> None:
     importers = {name for name, imported in module_imports().items()
-                 if not name.startswith("tierfs.devtools")
+                 if not name.startswith(("tierfs.devtools", "tierfs.demo"))
                  and any(other.startswith("tierfs.devtools") for other in imported)}
     assert importers == set()
 
@@ -92,5 +102,107 @@ def test_layers_depend_one_way() -> None:
                 and any(other.startswith(of) for other in imported)}
 
     assert importers("tierfs.replication.peers", "tierfs.replication.coordination") == set()
-    for outer in ("tierfs.replication", "tierfs.s3tier", "tierfs.mount_helper"):
+    for outer in ("tierfs.replication", "tierfs.s3tier", "tierfs.mount_helper", "tierfs.observe"):
         assert importers(outer, "tierfs.fs") == set(), outer
+
+
+def test_the_file_system_reports_to_a_port() -> None:
+    """fs reports events through its `EventSink` port: it imports neither the observer nor
+    the metrics library, which would tie the core to them."""
+    for path in (PACKAGE / "fs").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("prometheus_client"), path
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("prometheus_client") for a in node.names), path
+
+
+# The file system's sub-packages, from the ground up: each imports only those before it here
+# (namespace.py, at fs's root, composes the layers below it for the FUSE face above).
+FS_LAYERS = ("store", "model", "tree", "lifecycle", "namespace", "fuse")
+
+
+def fs_layer(module: str) -> str | None:
+    """The layer of a module of tierfs.fs (None for fs's own __init__ and for other modules)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["tierfs", "fs"] else None
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The imports from a layer of fs to a layer above it."""
+    return sorted((name, other) for name, imported in graph.items() for other in imported
+                  if fs_layer(name) and fs_layer(other)
+                  and FS_LAYERS.index(fs_layer(other)) > FS_LAYERS.index(fs_layer(name)))
+
+
+def test_the_layer_check_sees_an_arrow_up() -> None:
+    graph = {"tierfs.fs.tree.tree": {"tierfs.fs.model.nodes"},
+             "tierfs.fs.model.nodes": {"tierfs.fs.lifecycle.commits"}}
+    assert arrows_up(graph) == [("tierfs.fs.model.nodes", "tierfs.fs.lifecycle.commits")]
+
+
+def test_fs_sub_packages_import_only_downward() -> None:
+    graph = module_imports()
+    fs_modules = {name for name in graph if name.startswith("tierfs.fs.")}
+    assert {fs_layer(name) for name in fs_modules} == set(FS_LAYERS)  # every module in a layer
+    assert arrows_up(graph) == []
+
+
+def folders(graph: dict[str, set[str]], depth: int) -> dict[str, set[str]]:
+    """The import graph between folders: each module stands for its name's first `depth` parts
+    (depth 2: tierfs.fs, tierfs.observe, tierfs.mount_helper...; 3: tierfs.fs.lifecycle,
+    tierfs.fs.store...)."""
+    folded: dict[str, set[str]] = {}
+    for name, imported in graph.items():
+        folder = ".".join(name.split(".")[:depth])
+        folded.setdefault(folder, set())
+        for other in imported:
+            other_folder = ".".join(other.split(".")[:depth])
+            folded.setdefault(other_folder, set())
+            if other_folder != folder:
+                folded[folder].add(other_folder)
+    return folded
+
+
+def test_the_folder_check_sees_a_cycle() -> None:
+    graph = {"tierfs.a.x": {"tierfs.b.y"}, "tierfs.b.z": {"tierfs.a.w"}, "tierfs.b.y": set(),
+             "tierfs.a.w": set()}
+    assert cycles(graph) == []
+    assert cycles(folders(graph, 2)) == [["tierfs.a", "tierfs.b"]]
+
+
+@pytest.mark.parametrize("depth", [2, 3, 4])
+def test_no_import_cycles_between_folders(depth: int) -> None:
+    """An import from a folder into one that imports it back (the observer and the file system,
+    the command line and the demo) is an arrow running back up, whichever module holds it."""
+    assert cycles(folders(module_imports(), depth)) == []
+
+
+def longest_chain(graph: dict[str, set[str]], among: str) -> list[str]:
+    """The longest path of imports between the modules whose names start with `among`."""
+    inside = {name: {other for other in imported if other.startswith(among)}
+              for name, imported in graph.items() if name.startswith(among)}
+    longest: dict[str, list[str]] = {}
+
+    def chain(name: str) -> list[str]:
+        if name not in longest:
+            longest[name] = [name, *max((chain(other) for other in inside[name]), key=len,
+                                        default=[])]
+        return longest[name]
+
+    return max((chain(name) for name in inside), key=len)
+
+
+def test_the_chain_of_imports_inside_fs_stays_short() -> None:
+    """A module of fs imports at run time what it builds or calls, and the types it is handed
+    only for type checking: the chain a reader follows to load one module stays short (19
+    modules deep before issue 47; print it with `python -m tests.test_structure`)."""
+    assert longest_chain({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}, "") == ["a", "b", "c"]
+    assert len(longest_chain(module_imports(typing_only=False), "tierfs.fs.")) <= 8
+
+
+if __name__ == "__main__":
+    for typing_only in (False, True):
+        found = longest_chain(module_imports(typing_only), "tierfs.fs.")
+        print(f"{len(found)} modules, {'with' if typing_only else 'without'} the imports made "
+              f"only for type checking: {' -> '.join(found)}")

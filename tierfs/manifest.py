@@ -20,6 +20,7 @@ import msgpack
 import xxhash
 
 from tierfs import reserved
+from tierfs.msgpack_map import decode_map
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = reserved.MANIFEST
@@ -53,7 +54,7 @@ class FileEntry:
     older manifests) the raw xxh3-64 of each BLOCK_SIZE piece, one after the other. Mode,
     mtime and owner are those of the file at commit, restored wherever the file is made again;
     `uid`/`gid` are NO_OWNER in manifests written before owners were recorded. `segments`:
-    how the persistent tier holds an appended loose file (`tierfs.fs.appends`): empty, one
+    how the persistent tier holds an appended loose file (`tierfs.fs.lifecycle.appends`): empty, one
     object of the whole file; else
     the offsets where each appended segment starts, the file's object holding the bytes
     before the first one (its base) and each segment object those up to the next offset or
@@ -75,7 +76,7 @@ class FileEntry:
     @cached_property
     def encoded(self) -> bytes:
         """Its fields in msgpack, as a manifest holds them (`encode`): made once per entry, so
-        that a settled file's is ready before its step's commit (`fs.nodes.Seal`)."""
+        that a settled file's is ready before its step's commit (`fs.model.nodes.Seal`)."""
         return msgpack.packb(entry_fields(self), use_bin_type=True)
 
     def pieces(self) -> list[tuple[int, int]]:
@@ -89,7 +90,7 @@ class FileEntry:
 class DirEntry:
     """A directory's own attributes as they were at a commit (`path` relative to the mount,
     '/'-separated): given back to the directories a node makes for a step it did not write
-    (`tierfs.fs.dir_attributes`)."""
+    (`tierfs.fs.tree.dir_attributes`)."""
 
     path: str
     mode: int
@@ -118,7 +119,7 @@ class StepManifest:
     dirs: tuple[DirEntry, ...] = field(default=(), compare=False)
     # Committed by the quiet rules (idle, the next step made, an unmount), not by its saver's
     # mark or call (`.metadata`, a rename into place, a tracker, `tierfs commit`): whether its
-    # saver finished is for `tierfs.fs.completion` to judge.
+    # saver finished is for `tierfs.fs.model.completion` to judge.
     by_idle: bool = field(default=False, compare=False)
 
     # A manifest never changes, so its totals and its index by name are computed once: steps
@@ -260,12 +261,8 @@ def encode(manifest: StepManifest) -> bytes:
 
 def decode(data: bytes) -> StepManifest:
     """Decode and validate; raises ManifestError for anything malformed."""
-    try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True, max_array_len=_MAX_FILES)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise ManifestError(f"not a manifest: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT_VERSION:
-        raise ManifestError("unknown manifest format")
+    raw = decode_map(data, ManifestError, "manifest", kind=FORMAT_VERSION,
+                     max_array_len=_MAX_FILES)
     try:
         files = _with_blocks([entry_from_fields(fields) for fields in raw["files"]],
                              raw.get("blocks"))

@@ -1,8 +1,9 @@
 """What operators watch: one log line per step and tier, and the Prometheus metrics.
 
 `Events` is the one observer the workers report to (the namespace for commits, the uploader,
-the replicator, the read sources for read-backs, the FUSE boundary for refused writes, the
-verifier's reports): each report writes its event line, as in
+the replicator, the read sources for read-backs (`fs.store.metered`), the FUSE boundary for
+refused writes, the verifier's reports); it implements the file system's `EventSink` port
+(`fs.model.ports`) and imports nothing of fs: each report writes its event line, as in
 
     Step run1/step_240: RAM commit in 18 ms (12.4 GB, 3.1 GB/s)
     Step run1/step_240: replicated to node-b in 3.2 s (12.4 GB, 3.9 GB/s)
@@ -30,7 +31,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tierfs import manifest as mf
-from tierfs.fs.ports import ReadSource, Store
 
 log = logging.getLogger("tierfs.events")
 
@@ -144,10 +144,6 @@ class Events:
 
     # -- read-backs: reads come range by range; a step's read-back is one event ---------------
 
-    def metered(self, source: ReadSource, where: str) -> MeteredSource:
-        """`source` (a read source of the namespace), reporting its reads here as `where`."""
-        return MeteredSource(source, where, self)
-
     def read_range(self, step_path: str, where: str, nbytes: int, started: float) -> None:
         now = time.monotonic()
         current = self._read_backs.get((step_path, where))
@@ -178,45 +174,6 @@ class Events:
                 self.end_read_backs()
         finally:
             self.end_read_backs(idle=0)
-
-
-class MeteredSource:
-    """A read source that reports each range it delivers to `Events` (bytes and time)."""
-
-    def __init__(self, source: ReadSource, where: str, events: Events) -> None:
-        self.source = source
-        self.name = source.name
-        self.can_store = getattr(source, "can_store", False)
-        self.where = where
-        self._events = events
-
-    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
-                         length: int) -> bytes:
-        started = time.monotonic()
-        data = await self.source.read_range(step_path, entry, offset, length)
-        self._events.read_range(step_path, self.where, len(data), started)
-        return data
-
-    async def read_into(self, step_path: str, entry: mf.FileEntry, offset: int,
-                        buffer: memoryview) -> bytes | memoryview:
-        """As the source's read_into (the bytes, perhaps in `buffer`), or its read_range."""
-        read_into = getattr(self.source, "read_into", None)
-        if read_into is None:
-            return await self.read_range(step_path, entry, offset, len(buffer))
-        started = time.monotonic()
-        data = await read_into(step_path, entry, offset, buffer)
-        self._events.read_range(step_path, self.where, len(data), started)
-        return data  # type: ignore[no-any-return]
-
-    async def read_and_store(self, step_path: str, entry: mf.FileEntry, offset: int,
-                             buffer: memoryview, store: Store
-                             ) -> tuple[bytes | memoryview, bool]:
-        """As the source's read_and_store (only where `can_store`)."""
-        started = time.monotonic()
-        data, good = await self.source.read_and_store(  # type: ignore[attr-defined]
-            step_path, entry, offset, buffer, store)
-        self._events.read_range(step_path, self.where, len(data), started)
-        return data, good
 
 
 # -- levels, read at scrape time ---------------------------------------------------------------

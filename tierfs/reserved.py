@@ -1,6 +1,6 @@
 """Names tierfs keeps for itself, spelled once: inside a step directory, in the RAM dir and in
 the persistent tier. Every one starts with PREFIX, which the mount never shows and users can
-never create (`fs.ram_store.is_reserved`). No imports: the CLI, the manifest codec and the
+never create (`fs.store.ram_store.is_reserved`). No imports: the CLI, the manifest codec and the
 backends all use these without pulling in the file system."""
 
 PREFIX = ".tierfs-"

@@ -18,7 +18,7 @@ from typing import Any
 
 from tests.conftest import Mount, MountFactory, wait_until
 from tests.faults.network import Network
-from tierfs.demo.etcd import etcd_binary
+from tierfs.devtools.etcd import etcd_binary
 
 ETCD = "etcd"  # the etcd host's name in the network
 ETCD_PORT = 2379

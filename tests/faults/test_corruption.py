@@ -23,8 +23,8 @@ from tests.faults.results_io import flip_byte, pick, write_results
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
 from tierfs import manifest as mf
-from tierfs.demo.etcd import Etcd
-from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools.etcd import Etcd
+from tierfs.devtools.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.faults
 

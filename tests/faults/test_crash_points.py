@@ -32,8 +32,8 @@ from tests.conftest import Mount, MountFactory, getxattr, pid_alive, wait_until
 from tests.faults.conftest import FULL, Trainer, report, scale, step_problems
 from tests.test_cluster import Cluster
 from tierfs import manifest as mf
-from tierfs.demo.etcd import Etcd
-from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools.etcd import Etcd
+from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper.mounts import is_mounted
 
 pytestmark = pytest.mark.faults

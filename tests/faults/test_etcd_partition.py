@@ -17,12 +17,13 @@ from tests.conftest import (
     finish_dcp_ranks,
     resume_rank,
     start_dcp_ranks,
+    tierfs,
     wait_until,
     wait_written,
 )
 from tests.faults.tcp_proxy import TcpProxy
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.faults
 
@@ -64,9 +65,10 @@ def test_a_save_with_a_writer_cut_off_from_etcd_fails_and_commits_once_healed(
                              "--commit-timeout", str(COMMIT_TIMEOUT))
     nodes = [cluster.nodes[f"node{i}"] for i in range(size)]
     steps = [node / "run/step_20" for node in nodes]
-    # one rank per node; rank 1 writes its shard on node1, which then loses etcd
-    ranks = start_dcp_ranks(steps, "--save-only", paused=1)
-    wait_written(ranks[1])
+    # one rank per node; node1 loses etcd, then rank 1 writes its shard there (cut once the
+    # shard was written, node1 could record it in etcd first, and the step commit rightly)
+    ranks = start_dcp_ranks(steps, "--save-only", paused=1, pause="before")
+    wait_written(ranks[1], said="writing")
     etcd_proxy.cut()
     try:
         started = time.monotonic()
@@ -82,6 +84,11 @@ def test_a_save_with_a_writer_cut_off_from_etcd_fails_and_commits_once_healed(
         waiting = cluster.nodes["node0"].step("run/step_20")
         assert waiting["state"] == "writing" and "etcd" in waiting["waiting_for"], waiting
         assert "node1" in cluster.nodes["node0"].log()  # the log names the node cut off
+        # `tierfs flush` does not call that done: it waits, and names the step and why
+        flushed = tierfs("flush", str(nodes[0].mountpoint), "--timeout", "2", check=False)
+        assert flushed.returncode == 1, flushed.stdout
+        assert "1 step is not committed yet: run/step_20 (waits for etcd" in flushed.stderr, \
+            flushed.stderr
     finally:
         etcd_proxy.heal()
     healed = time.monotonic()
@@ -89,6 +96,8 @@ def test_a_save_with_a_writer_cut_off_from_etcd_fails_and_commits_once_healed(
         wait_until(lambda n=node_id: state(cluster, n, "run/step_20") == "committed",
                    timeout=60)
     print(f"\ncommitted on every node {time.monotonic() - healed:.1f} s after the heal")
+    for node in nodes:  # each shard has its copy on a live peer
+        tierfs("flush", str(node.mountpoint), "--timeout", "60")
     finish_dcp_ranks(start_dcp_ranks(steps, "--load-only"), timeout=180)
 
 

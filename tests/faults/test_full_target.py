@@ -6,8 +6,6 @@ its file system is full, and its refusals are what they are (no checksum mismatc
 from __future__ import annotations
 
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,30 +13,20 @@ import pytest
 from tests.conftest import MountFactory, fill, tierfs, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.faults
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 24 MiB tmpfs of the test's own."""
-    path = tmp_path / "small"
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
+@pytest.mark.parametrize("size", [3, 4])
 def test_copies_go_to_another_node_when_a_target_has_no_room(
         mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
-        small_tmpfs: Path) -> None:
-    """K = 1 on three nodes; node1, the writer node0's replica target, has its RAM dir on a
-    tmpfs another process filled. node0's step gets its second copy on node2; meanwhile its
-    status said node1 had no room; node1's status warns that its file system is full."""
-    cluster = Cluster(mounts, token_file, 3, etcd_server)
+        small_tmpfs: Path, size: int) -> None:
+    """K = 1 on three and four nodes; node1, the writer node0's replica target, has its RAM
+    dir on a tmpfs another process filled. node0's step gets its second copy on another live
+    node (node2, the next on the ring); meanwhile its status said node1 had no room; node1's
+    status warns that its file system is full, and every node counts the same 2 copies."""
+    cluster = Cluster(mounts, token_file, size, etcd_server)
     for node_id in cluster.ports:
         ram_dir = small_tmpfs / "ram" if node_id == "node1" else None
         cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), ram_dir=ram_dir)
@@ -57,6 +45,17 @@ def test_copies_go_to_another_node_when_a_target_has_no_room(
     assert "warning: the file system of the RAM dir" in text and "% full" in text, text
     assert node1.status()["ram"]["fs_free_bytes"] < 1 << 20
     assert "checksum" not in node1.log()
+    # Every node with room tells the same story; the full one cannot record the step, so it
+    # lists it only once it has room again (and says so meanwhile), with the same holders.
+    for node_id, node in cluster.nodes.items():
+        if node_id != "node1":
+            wait_until(lambda n=node: n.step("run/step_1")["holders"] == ["node0", "node2"],
+                       timeout=10)
+    assert node1.step("run/step_1") is None
+    assert "run/step_1 v1 is not listed here yet: No space left on device" in node1.log()
+    (small_tmpfs / "hog").unlink()
+    wait_until(lambda: (node1.step("run/step_1") or {}).get("holders") == ["node0", "node2"],
+               timeout=30)
 
 
 def test_a_step_short_of_copies_says_why(

@@ -28,7 +28,7 @@ from tests.faults.results_io import pick, write_results
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save, verify_committed
 from tierfs import manifest as mf
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 from tierfs.replication.peers import protocol as proto
 
 pytestmark = pytest.mark.faults

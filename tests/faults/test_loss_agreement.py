@@ -20,7 +20,7 @@ import pytest
 from tests.conftest import MountFactory, wait_until
 from tests.test_cluster import Cluster, token_file  # noqa: F401  (a fixture)
 from tests.test_crash import save
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 from tierfs.replication.peers.peer_reader import HOLDER_WAIT
 
 pytestmark = pytest.mark.faults
@@ -118,14 +118,17 @@ def read_in_background(path: Path) -> tuple[threading.Thread, dict[str, Any]]:
     return reader, result
 
 
+@pytest.mark.parametrize("size", [2, 4])
 def test_a_read_waits_for_a_holder_whose_lease_lives(
-        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
+        size: int) -> None:
     """No copies (--replicas 0): node0 alone holds step_1. Its daemon is killed and a read on
     node1 begins at once: the holder's lease still lives, so the read waits instead of
     failing, and gets the bytes once node0 is back on its RAM dir. Killed for good, the next
-    read fails (EIO) once the loss is known, within the bound, and the step is incomplete."""
-    cluster = Cluster(mounts, token_file, 2, etcd_server)
-    node0, node1 = cluster.start_all("--replicas", "0")
+    read fails (EIO) once the loss is known, within the bound, and the step is incomplete on
+    every live node."""
+    cluster = Cluster(mounts, token_file, size, etcd_server)
+    node0, node1, *_others = cluster.start_all("--replicas", "0")
     data, other = os.urandom(3 << 20), os.urandom(1 << 20)
     save(node0 / "run/step_1", {"__0_0.distcp": data, "__0_1.distcp": other,
                                 ".metadata": b"m"})
@@ -143,5 +146,7 @@ def test_a_read_waits_for_a_holder_whose_lease_lives(
     assert isinstance(result.get("error"), OSError) and result["error"].errno == errno.EIO, \
         result
     assert result["seconds"] < HOLDER_WAIT + 3, result["seconds"]
-    wait_until(lambda: story(cluster, "node1", "run/step_1")["state"] == "incomplete",
-               timeout=AGREE)
+    for node_id in cluster.nodes:
+        if node_id != "node0":
+            wait_until(lambda n=node_id: story(cluster, n, "run/step_1")["state"]
+                       == "incomplete", timeout=AGREE)

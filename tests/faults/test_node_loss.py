@@ -19,7 +19,7 @@ from tests.conftest import Mount, MountFactory, wait_until
 from tests.faults.conftest import FULL, Trainer, report, scale, step_problems
 from tests.test_cluster import Cluster
 from tests.test_crash import save
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.faults
 

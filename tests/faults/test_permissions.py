@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import MountFactory, free_port, tierfs
 from tests.faults.conftest import report
-from tierfs.demo.etcd import Etcd
+from tierfs.devtools.etcd import Etcd
 
 pytestmark = pytest.mark.faults
 

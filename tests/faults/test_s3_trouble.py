@@ -29,7 +29,7 @@ from tests.conftest import Mount, MountFactory, tierfs, wait_until
 from tests.faults.results_io import pick, write_results
 from tests.faults.s3_proxy import Fault, Request, S3Proxy
 from tests.test_torch import assert_state_equal
-from tierfs.demo.seaweed import SeaweedS3
+from tierfs.devtools.seaweed import SeaweedS3
 
 pytestmark = [pytest.mark.faults, pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -1,3 +1,2 @@
-"""`tierfs demo` (run.py: train, checkpoint, crash and resume on a local mount) and the throwaway
-local servers it starts on loopback (seaweed.py: SeaweedFS as an S3 store; etcd.py: etcd for
-the cluster; local_server.py: what they share), which the tests and the benchmark start too."""
+"""`tierfs demo` (run.py: train, checkpoint, crash and resume on a local mount), on the throwaway
+local servers of `tierfs.devtools` (SeaweedFS as an S3 store, etcd for the cluster)."""

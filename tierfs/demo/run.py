@@ -137,11 +137,8 @@ class DemoMount:
         print(f"$ tierfs umount {self.mountpoint}")
 
     def cleanup(self) -> None:
-        from tierfs.mount_helper.mounts import is_mounted
-
-        if is_mounted(self.mountpoint):
-            subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)],
-                           capture_output=True)
+        # lazily unmounted whether or not it still is mounted (then fusermount3 only complains)
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
         if self.pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
@@ -149,7 +146,7 @@ class DemoMount:
 
 
 def run_demo() -> int:
-    from tierfs.demo.seaweed import SeaweedS3
+    from tierfs.devtools.seaweed import SeaweedS3
 
     warnings.filterwarnings("ignore")  # DCP warns that it runs without a process group
     started = time.monotonic()
@@ -272,7 +269,7 @@ def run_cluster_part(root: Path, mounts: list[DemoMount]) -> bool:
     """Three nodes on loopback, members of a cluster in a real etcd (started here, stopped by
     pid): a job saves on node0, node0 dies and is replaced by a fresh node with an empty RAM
     dir, and the job resumes there from the replicas."""
-    from tierfs.demo.etcd import Etcd
+    from tierfs.devtools.etcd import Etcd
 
     first = len(mounts)
     with Etcd(root / "etcd") as etcd:
@@ -289,7 +286,7 @@ def _cluster_demo(root: Path, mounts: list[DemoMount], cluster_url: str) -> bool
     token = root / "cluster.token"
     with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(os.urandom(24).hex())  # private from its first byte
-    from tierfs.demo.local_server import free_ports
+    from tierfs.devtools.local_server import free_ports
 
     ports = free_ports(3)  # distinct: all held open while chosen
     nodes = []

@@ -50,7 +50,7 @@ is in [SEMANTICS.md](SEMANTICS.md) (`status`, `verify`, `flush`, `commit`) and
 
 
 def _markdown(text: str) -> str:
-    """Help text as markdown: `doc/X.md` becomes a link beside this page, `<NAME>` outside
+    """Help text as markdown: `doc/<page>.md` becomes a link beside this page, `<NAME>` outside
     code stays visible (markdown would take it for an HTML tag)."""
     parts = text.split("`")
     for i in range(0, len(parts), 2):  # outside code spans

@@ -1,18 +1,20 @@
 """The namespace of one mount: the `Tree` and its collaborators, put together in dependency
-order, behind the one object `fs.operations` talks to.
+order, behind the one object `fs.fuse.operations` talks to.
 
 Who owns what (doc/ARCHITECTURE.md):
 
-* `Tree` (fs.tree): nodes, handles, step state, the RAM store's references; the invariants.
-* `Recovery` (fs.recovery): the RAM store put back in order at start, before the Tree is built.
-* `Residency` (fs.residency): bytes coming back from other tiers; steps leaving RAM.
-* `OtherTiers` (fs.other_tiers): copies in the persistent tier and on peers; deletes.
-* `Commits` (fs.commits): when a step commits, and the commit.
-* `QuietWatch`, `QuietCommits` (fs.quiet_commits): steps that commit once their saver is done;
-  `AppendSnapshots` (fs.appends): loose files committed while they are still appended.
-* `Verifier` (fs.verify): RAM objects checked before use; `tierfs verify`.
+* `Tree` (fs.tree.tree): nodes, handles, step state, the RAM store's references; the invariants.
+* `Recovery` (fs.lifecycle.recovery): the RAM store put back in order at start, before the Tree is
+  built.
+* `Residency` (fs.lifecycle.residency): bytes coming back from other tiers; steps leaving RAM.
+* `OtherTiers` (fs.lifecycle.other_tiers): copies in the persistent tier and on peers; deletes.
+* `Commits` (fs.lifecycle.commits): when a step commits, and the commit.
+* `QuietWatch`, `QuietCommits` (fs.lifecycle.quiet_commits): steps that commit once their saver
+  is done; `AppendSnapshots` (fs.lifecycle.appends): loose files committed while they are
+  still appended.
+* `Verifier` (fs.lifecycle.verify): RAM objects checked before use; `tierfs verify`.
 
-Everything outside `fs` comes in through the Protocols of `fs.ports`, given to `assemble`.
+Everything outside `fs` comes in through the Protocols of `fs.model.ports`, given to `assemble`.
 
 `Namespace` itself holds no state: each method is one file system call, spelled as the calls to
 the collaborators it takes, so that a write, a commit and a read-back can be followed here.
@@ -23,16 +25,23 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
-from tierfs.fs import tree_walk, user_xattrs
-from tierfs.fs.appends import AppendSnapshots
-from tierfs.fs.background import Background
-from tierfs.fs.commits import SAVER_WAIT, Commits
-from tierfs.fs.deletes import DELETES_DIR, Deletes
-from tierfs.fs.foreground import Foreground
-from tierfs.fs.nodes import (
+from tierfs.fs.lifecycle.appends import AppendSnapshots
+from tierfs.fs.lifecycle.background import Background
+from tierfs.fs.lifecycle.commits import SAVER_WAIT, Commits
+from tierfs.fs.lifecycle.deletes import DELETES_DIR, Deletes
+from tierfs.fs.lifecycle.foreground import Foreground
+from tierfs.fs.lifecycle.other_tiers import OtherTiers
+from tierfs.fs.lifecycle.quiet_commits import QuietCommits, QuietWatch
+from tierfs.fs.lifecycle.recovery import Recovery
+from tierfs.fs.lifecycle.residency import Residency
+from tierfs.fs.lifecycle.step_versions import StepVersions
+from tierfs.fs.lifecycle.verify import Verifier
+from tierfs.fs.model import tree_walk
+from tierfs.fs.model.nodes import (
     DEFAULT_FILE_STEP_PATTERN,
     DEFAULT_STEP_PATTERN,
     FsError,
@@ -40,27 +49,25 @@ from tierfs.fs.nodes import (
     Node,
     RemoteAttrs,
 )
-from tierfs.fs.other_tiers import OtherTiers
-from tierfs.fs.ports import (
-    CommitSink,
-    CopiesWait,
-    Liveness,
-    PeerCopies,
-    PersistCopies,
-    ReadGate,
-    ReadSource,
-    SealedCollector,
-    ShardsOnPeers,
-    StoreCheck,
-)
-from tierfs.fs.quiet_commits import QuietCommits, QuietWatch
-from tierfs.fs.ram_store import RamFull, RamStore
-from tierfs.fs.recovery import Recovery
-from tierfs.fs.residency import Residency
-from tierfs.fs.tree import Tree
-from tierfs.fs.tree_view import TreeView
-from tierfs.fs.verify import Verifier
-from tierfs.observe import Events
+from tierfs.fs.store.ram_store import RamFull, RamStore
+from tierfs.fs.tree import user_xattrs
+from tierfs.fs.tree.tree import Tree
+from tierfs.fs.tree.tree_view import TreeView
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.ports import (
+        CommitSink,
+        CopiesWait,
+        EventSink,
+        Liveness,
+        PeerCopies,
+        PersistCopies,
+        ReadGate,
+        ReadSource,
+        SealedCollector,
+        ShardsOnPeers,
+        StoreCheck,
+    )
 
 
 class Core:
@@ -81,6 +88,7 @@ class Core:
                          step_pattern=step_pattern, file_step_pattern=file_step_pattern,
                          spawner=self.background, liveness=liveness)
         self.view = TreeView(self.tree)  # what peers, status and xattrs read of it
+        self.versions = StepVersions(self.tree)  # the tree's changes the other tiers drive
         self.recovered = Recovery(self.tree, self.deletes).load()
 
 
@@ -91,24 +99,27 @@ class Namespace:
                  read_sources: list[ReadSource] | None = None,
                  sealed: SealedCollector | None = None, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None, keep_ram: int = 3,
-                 replicas: int = 0, events: Events | None = None,
+                 replicas: int = 0, events: EventSink,
                  commit_timeout: float = SAVER_WAIT, append_every: float = 0.0,
                  copies_wait: CopiesWait | None = None,
                  store_check: StoreCheck | None = None,
                  shards: ShardsOnPeers | None = None) -> None:
         self.tree = tree = core.tree
         self.view = core.view
-        self.events = events or Events()
+        self.versions = core.versions
+        self.events = events
         self.store = tree.store
         self.deletes = core.deletes
         self.background = core.background
         self.recovered = core.recovered  # what start-up found (lost copies?)
-        self.residency = Residency(tree, list(read_sources or []), self.background,
+        self.residency = Residency(tree, core.versions, list(read_sources or []),
+                                   self.background,
                                    keep_ram=keep_ram, replicas=replicas,
                                    liveness=core.liveness,
                                    records=sealed, store_check=store_check)
-        self.tiers = OtherTiers(tree, self.residency, self.deletes, self.background, sealed,
-                                shards)
+        # what the other tiers' parts use of it is the StepCopies port (fs.model.ports)
+        self.tiers = OtherTiers(tree, core.view, core.versions, self.residency, self.deletes,
+                                self.background, sealed, shards)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
                                saver_wait=commit_timeout, copies_wait=copies_wait)
         self.quiet = QuietCommits(tree, core.watch, self.commits)
@@ -119,13 +130,6 @@ class Namespace:
         self.gate: ReadGate = self.verifier
         # when the mount's users last asked something (background work waits for a pause)
         self.foreground = Foreground()
-
-    @classmethod
-    def standalone(cls, store: RamStore, sink: CommitSink, *,
-                   node_id: str = "local") -> Namespace:
-        """A namespace with no other tier, loaded from `store` (tests drive it without a
-        mount)."""
-        return cls(Core(store, node_id=node_id), sink)
 
     # -- lookups: the Tree's ---------------------------------------------------------------
 

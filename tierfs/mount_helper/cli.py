@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import pwd
 import select
@@ -110,14 +111,16 @@ def _parser_and_commands() -> tuple[argparse.ArgumentParser, frozenset[str]]:
     flush = commands.add_parser(
         "flush", help="wait until every committed step meets the persistence and replication "
         "policy",
-        description="Wait until every committed step that --persist-every selects is in the "
-        "persistent tier (in a cluster, every step of the cluster, whichever nodes hold its "
-        "files: a copy on a peer is not the store) and, in a cluster, every step made here "
-        "that the store does not hold has --replicas verified copies on live peers (as many "
-        "as are up, if fewer), showing progress. Exits 0 only then, and only if no step is "
-        "still being written (such a step is in no tier but this node's RAM); exits 1 naming "
-        "the steps if --timeout passes first, at once if what is left can never reach the "
-        "store (a file of it is on no live node), or if steps are not committed.")
+        description="Wait until every step being written has committed (a step whose saver "
+        "is done commits by itself within --commit-idle), every committed step that "
+        "--persist-every selects is in the persistent tier (in a cluster, every step of the "
+        "cluster, whichever nodes hold its files: a copy on a peer is not the store) and, in a "
+        "cluster, every step made here that the store does not hold has --replicas verified "
+        "copies on live peers (as many as are up, if fewer), showing progress. Exits 0 only "
+        "then; exits 1 naming each step left and why if --timeout passes first, or at once "
+        "when waiting cannot finish: a file of a step held open for writing, a step that does "
+        "not commit by itself (a save cut short) or not before --timeout, or a step that can "
+        "never reach the store (a file of it on no live node).")
     flush.add_argument("mountpoint", metavar="MOUNTPOINT")
     flush.add_argument("--timeout", type=float, metavar="SECONDS",
                        help="give up after this many seconds (default: wait as long as it takes)")
@@ -235,9 +238,9 @@ def _run(argv: list[str] | None) -> int:
         if args.command == "verify":
             return _verify(args.path, args.json, not args.no_repair)
         if args.command == "demo":
-            from tierfs.demo.run import run_demo  # imports torch: only when asked
-
-            return run_demo()
+            # a program of its own (torch, the local servers of tierfs.devtools), which runs
+            # `tierfs` as its user would: started, not imported
+            os.execv(sys.executable, [sys.executable, "-m", "tierfs.demo"])
     except (UserError, ConfigError, control.ControlError) as exc:
         print(f"tierfs: {exc}", file=sys.stderr)
         return 1
@@ -459,43 +462,68 @@ def _seconds(text: str) -> float:
     return seconds
 
 
+WRITER_GRACE = 1.0  # seconds: a file closed just before a flush may be seen open this long
+# (FUSE's RELEASE of a closed file reaches the daemon after close() has returned)
+
+
 def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
-    """Poll the daemon until nothing waits for the persistent tier or for copies on peers;
-    draw progress meanwhile. UserError (exit 1) if the timeout passes first, or at once when
-    every step left is one the store can never get whole (a file on no live node). With
-    `report`, then UserError naming the steps that are not committed (they are in no tier
-    but this node's RAM: a flush that says 0 promises the store holds the job's steps)."""
+    """Poll the daemon until no step is being written (with `report`; `umount --flush` has
+    committed the quiet ones and names those left) and nothing waits for the persistent tier
+    or for copies on peers; draw progress meanwhile. A step being written whose saver is
+    done commits by itself within --commit-idle (`fs.lifecycle.quiet_commits`): the flush waits for
+    that, as a user who flushes right after the job expects. UserError (exit 1) if the
+    timeout passes first, or at once when what is left cannot finish: a step with a file
+    held open for writing, one that does not commit by itself (a save cut short) or not
+    before the timeout, or, with nothing else left, steps the store can never get whole (a
+    file on no live node)."""
     socket_path, _root, _rel = control.locate(mountpoint)
     started = time.monotonic()
+    deadline_ns = math.inf if timeout is None else time.time_ns() + timeout * 1e9
     on_terminal = sys.stderr.isatty()
     first_bytes: int | None = None
     last_report = 0.0
+    writers_since: dict[str, float] = {}  # steps seen with files open for writing, since when
     while True:
         status = control.request(socket_path, {"cmd": "status"})["status"]
         persist, replication = status.get("persist"), status.get("replication")
+        writing = status_view.being_written(status) if report else []
+        now = time.monotonic()
+        writers_since = {s["path"]: writers_since.get(s["path"], now) for s in writing
+                         if (s.get("commit_outlook") or {}).get("kind") == "writers"}
+        held_open = {path for path, since in writers_since.items()
+                     if now - since >= WRITER_GRACE}
+        stuck = status_view.cannot_commit(writing, deadline_ns, held_open)
+        if stuck:
+            if on_terminal and first_bytes:
+                print(file=sys.stderr)
+            raise UserError(f"flush cannot complete: {status_view.steps_are(writing, 'step')} "
+                            "not committed, so in no tier but this node's RAM, and waiting "
+                            f"will not commit {len(stuck)} of them"
+                            f"{' within --timeout' if timeout is not None else ''}: "
+                            f"{status_view.commit_waits(writing)} (`tierfs commit PATH` commits "
+                            "one as it is)")
         if persist is None and not (replication and replication["replicas"]):
-            print("no persistent tier (--persist) and no peer copies (--replicas) are "
-                  "configured: nothing to flush")
-            if report:
-                _refuse_uncommitted(status)
-            return 0
+            if not writing:
+                print("no persistent tier (--persist) and no peer copies (--replicas) are "
+                      "configured: nothing to flush")
+                return 0
+            persist = replication = None
         waits = [w for w in (persist, replication) if w is not None]
         steps = sum(w["pending_steps"] for w in waits) + len(
             (persist or {}).get("pending_deletes", ()))
         pending = sum(w["pending_bytes"] for w in waits)
         first_bytes = pending if first_bytes is None else max(first_bytes, pending)
         elapsed = time.monotonic() - started
-        if steps == 0:
+        if steps == 0 and not writing:
             if on_terminal and first_bytes:
                 print(file=sys.stderr)
             flushed = (f"{human_bytes(first_bytes)} flushed in {elapsed:.1f} s" if first_bytes
                        else "nothing was waiting")
-            print(f"every committed step is {_flush_goal(persist, replication)} ({flushed})")
-            if report:
-                _refuse_uncommitted(status)
+            print(f"every committed step is {_flush_goal(persist, replication)} ({flushed})"
+                  if waits else f"every step is committed ({elapsed:.1f} s)")
             return 0
         blocked = status_view.blocked_in_store(status)
-        if blocked and len(blocked) == steps:  # nothing left that waiting can bring
+        if blocked and len(blocked) == steps and not writing:  # nothing that waiting brings
             if on_terminal and first_bytes:
                 print(file=sys.stderr)
             raise UserError(f"flush cannot complete: {len(blocked)} steps can never be whole "
@@ -504,18 +532,23 @@ def _flush(mountpoint: str, timeout: float | None, report: bool = True) -> int:
         if timeout is not None and elapsed > timeout:
             if on_terminal:
                 print(file=sys.stderr)
-            raise UserError(f"flush timed out after {timeout:g} s: {steps} steps "
-                            f"({human_bytes(pending)}) not yet {_flush_goal(persist, replication)}"
-                            f": {status_view.flush_left(status)}")
+            left = ([f"{status_view.steps_are(writing, 'step')} not committed yet: "
+                     + status_view.commit_waits(writing)] if writing else []) + (
+                [f"{steps} steps ({human_bytes(pending)}) not yet "
+                 f"{_flush_goal(persist, replication)}: {status_view.flush_left(status)}"]
+                if steps else [])
+            raise UserError(f"flush timed out after {timeout:g} s: " + "; ".join(left))
         done = first_bytes - pending
         if on_terminal:
             draw_progress("flushing", done / first_bytes if first_bytes else 0.0,
                           f"{human_bytes(done)} of {human_bytes(first_bytes)}, "
-                          f"{steps} steps left")
+                          f"{steps + len(writing)} steps left")
         elif time.monotonic() - last_report > 5:
             last_report = time.monotonic()
-            print(f"flushing: {steps} steps ({human_bytes(pending)}) left: "
-                  + status_view.flush_left(status), flush=True)
+            print(f"flushing: {steps + len(writing)} steps ({human_bytes(pending)}) left: "
+                  + "; ".join(([status_view.commit_waits(writing)] if writing else [])
+                              + ([status_view.flush_left(status)] if steps else [])),
+                  flush=True)
         time.sleep(0.2)
 
 
@@ -528,16 +561,6 @@ def _flush_goal(persist: dict[str, Any] | None, replication: dict[str, Any] | No
         goals.append(f"on {wanted} peer{'s' * (wanted > 1)}" if wanted
                      else "on no peer (none is up)")
     return " or ".join(goals)
-
-
-def _refuse_uncommitted(status: dict[str, Any]) -> None:
-    """After a flush: steps still being written are in no tier but this node's RAM, so the
-    flush fails (exit 1) naming them."""
-    line = status_view.uncommitted(status)
-    if line is not None:
-        raise UserError(f"{line}; `tierfs flush` exits 0 only once every step is committed "
-                        "(a step whose saver is done commits by itself within --commit-idle, "
-                        "or at `tierfs umount`)")
 
 
 def _warn_uncommitted(status: dict[str, Any]) -> None:
@@ -628,7 +651,7 @@ def verify_outcome(steps: list[dict[str, Any]], repair: bool) -> int:
     """0 when every file has a good copy on a tier reached (a warning line on stderr for
     files with fewer than K + 1 copies); a one-line error naming each file with no reachable
     copy and its last holders, or the first bad copy not repaired, otherwise."""
-    from tierfs.fs.verify import lost_files, short_files
+    from tierfs.fs.lifecycle.verify import lost_files, short_files
 
     lost = [lost_files(s["path"], s["lost"]) for s in steps if s.get("lost")]
     if lost:
@@ -655,7 +678,7 @@ def verify_outcome(steps: list[dict[str, Any]], repair: bool) -> int:
 
 
 def format_verify(steps: list[dict[str, Any]]) -> str:
-    from tierfs.fs.verify import TierReport, describe, lost_files
+    from tierfs.fs.lifecycle.verify import TierReport, describe, lost_files
 
     lines = []
     for step in steps:

@@ -112,6 +112,11 @@ MOUNT_OPTIONS = [
     Option("advertise", None, "the address peers connect to, when not `--listen`'s (required "
            "when `--listen` is `0.0.0.0` or `::`)", metavar="HOST:PORT",
            default_help="`--listen`"),
+    Option("failure-domain", None, "with `--cluster`: this node's failure domain (a rack, a "
+           "switch, a zone: what fails together), letters, digits and `._:-`; a file's "
+           "copies go to nodes of other domains than its writer's first, each copy to another "
+           "domain while there are some (see doc/CLUSTER.md)", metavar="NAME",
+           default_help="none: every node its own"),
     Option("replicas", None, "extra copies of each committed file on other nodes (see "
            "doc/CLUSTER.md); needs `--cluster`", "int", "K", default_help="`1` in a cluster"),
     Option("token-file", None, "file holding the shared secret (at least 16 bytes) peer data "
@@ -229,6 +234,7 @@ class MountConfig:
     root_mode: int | None = None
     metrics: tuple[str, int] | None = None
     peer_tls: PeerTlsFiles | None = None  # --peer-tls
+    failure_domain: str | None = None  # --failure-domain
     peer_connections: int = 4  # --peer-connections
 
     @property
@@ -432,6 +438,7 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         raise ConfigError(f"--replicas {replicas} needs --cluster")
     if values["sync_replicas"] and cluster is None:
         raise ConfigError("--sync-replicas needs --cluster")
+    domain = _failure_domain(values["failure_domain"], cluster is not None)
     token = read_token(values["token_file"]) if values["token_file"] else None
     if cluster and token is None:
         if not values["insecure"]:
@@ -474,9 +481,23 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         allow_other=bool(values["allow_other"]),
         metrics=parse_address(values["metrics"], "--metrics") if values["metrics"] else None,
         peer_tls=_peer_tls(values),
+        failure_domain=domain,
         peer_connections=_whole_number(values, "peer_connections", 1),
         **_root_directory(values),
     )
+
+
+_DOMAIN = re.compile(r"^[A-Za-z0-9._:-]{1,63}$")
+
+
+def _failure_domain(value: Any, cluster: bool) -> str | None:
+    if value is None or value == "":
+        return None
+    if not cluster:
+        raise ConfigError("--failure-domain needs --cluster")
+    if not _DOMAIN.match(str(value)):
+        raise ConfigError(f"--failure-domain {value!r}: use 1 to 63 letters, digits and ._:-")
+    return str(value)
 
 
 def _cluster(values: dict[str, Any], node_id: str

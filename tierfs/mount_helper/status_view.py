@@ -111,19 +111,27 @@ def step_age(step: Step, now_ns: int) -> float | None:
     return None if stamp is None else (now_ns - stamp) / 1e9
 
 
-def tiers_of(step: Step) -> str:
+def tiers_of(step: Step, me: str = "") -> str:
     """Where the step is: in a cluster, a committed step's `tiers` (from the records of its
-    files, the same on every node: `fs.holders`); else this node's RAM, the peers holding
-    the whole step, and the store."""
+    files, the same on every node: `fs.tree.holders`), each copy with its failure domain when it
+    has one (`ram(rack1),peer:node2(rack2)`; `me`: this node's id); else this node's RAM, the
+    peers holding the whole step, and the store."""
     if step.get("tiers"):
-        return str(step["tiers"])
+        domains = step.get("domains") or {}
+        if not domains:
+            return str(step["tiers"])
+        return ",".join(
+            f"{tier}({domain})" if (domain := domains.get(
+                me if tier == "ram" else tier.removeprefix("peer:"))) else tier
+            for tier in str(step["tiers"]).split(","))
     tiers = (["ram"] if step["ram"] else []) + [f"peer:{p}" for p in step["replicas"]]
     if step["persisted"]:
         tiers.append("persist")
     return ",".join(tiers) or "-"
 
 
-def table(steps: list[Step], now_ns: int, own_latest: Iterable[str] = ()) -> list[str]:
+def table(steps: list[Step], now_ns: int, own_latest: Iterable[str] = (),
+          me: str = "") -> list[str]:
     latest = latest_paths(steps, own_latest)
     rows = [("PATH", "STEP", "STATE", "VERSION", "FILES", "SIZE", "AGE", "TIERS", "")]
     for step in steps:
@@ -131,7 +139,7 @@ def table(steps: list[Step], now_ns: int, own_latest: Iterable[str] = ()) -> lis
         rows.append((step["path"], "-" if step["step"] is None else str(step["step"]),
                      step["state"], str(step["version"]),
                      str(step["files"]), human_bytes(step["bytes"]),
-                     "-" if age is None else human_age(age), tiers_of(step),
+                     "-" if age is None else human_age(age), tiers_of(step, me),
                      LATEST if step["path"] in latest else ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     numeric = {1, 3, 4, 5, 6}
@@ -189,7 +197,7 @@ def warnings(status: dict[str, Any], now_ns: int) -> list[str]:
               for s in status["steps"] if s.get("waiting_for")]
     failing = [s for s in due_in_store(status) if s["persist_wait"]["failures"]]
     if failing:
-        lines.append(f"warning: {_count(failing, 'step')} not yet in {status['persist']['url']}:"
+        lines.append(f"warning: {steps_are(failing, 'step')} not yet in {status['persist']['url']}:"
                      f" {not_in_store(failing, now_ns)}")
     lines += [incomplete_warning(s, now_ns) for s in status["steps"]
               if s["state"] == "incomplete" and s.get("lost")]
@@ -227,9 +235,11 @@ def peer_state(peer: dict[str, Any]) -> str:
 
 
 def nodes_line(peers: list[dict[str, Any]]) -> str:
-    """`nodes: node1 (10.0.0.2:7070) up; node2 (10.0.0.3:7070) up, refused (token)`."""
-    return "nodes: " + "; ".join(f"{p['node_id']} ({p['addr']}) {peer_state(p)}"
-                                 for p in peers)
+    """`nodes: node1 (10.0.0.2:7070) up; node2 (10.0.0.3:7070, rack2) up, refused (token)`
+    (a failure domain after the address)."""
+    return "nodes: " + "; ".join(
+        f"{p['node_id']} ({p['addr']}{', ' + p['domain'] if p.get('domain') else ''}) "
+        f"{peer_state(p)}" for p in peers)
 
 
 def failing_peers(status: dict[str, Any]) -> list[str]:
@@ -326,13 +336,14 @@ def store_lines(status: dict[str, Any]) -> tuple[str | None, str | None]:
     url = status["persist"]["url"] if status.get("persist") else ""
     alone = ram_only_committed(status)
     held = [s for s in due_in_store(status) if not _no_peer_copy(s)]
-    return ((f"{_count(alone, 'committed step')} only in this node's RAM, not in {url}: "
+    return ((f"{steps_are(alone, 'committed step')} only in this node's RAM, not in {url}: "
              f"{not_in_store(alone)}") if alone else None,
-            (f"{_count(held, 'committed step')} not in {url} yet (peers hold copies): "
+            (f"{steps_are(held, 'committed step')} not in {url} yet (peers hold copies): "
              f"{not_in_store(held)}") if held else None)
 
 
-def _count(steps: list[Step], what: str) -> str:
+def steps_are(steps: list[Step], what: str) -> str:
+    """`1 step is`, `3 steps are` (`what` in place of step)."""
     return f"1 {what} is" if len(steps) == 1 else f"{len(steps)} {what}s are"
 
 
@@ -343,8 +354,52 @@ def uncommitted(status: dict[str, Any]) -> str | None:
         return None
     named = [s["path"] + (f" (waits for {s['waiting_for']})" if s.get("waiting_for") else "")
              for s in writing]
-    return (f"{_count(writing, 'step')} not committed, so in no tier but this node's RAM: "
+    return (f"{steps_are(writing, 'step')} not committed, so in no tier but this node's RAM: "
             f"{some_names(named)}")
+
+
+def being_written(status: dict[str, Any]) -> list[Step]:
+    """The steps (and loose files) not committed: in no tier but this node's RAM."""
+    return [s for s in status["steps"] if s["state"] == "writing"]
+
+
+def commit_wait(step: Step, now_ns: int) -> str:
+    """When a step being written commits by itself, from its `commit_outlook`:
+    `commits by itself in 3s`, `files open for writing: a.pt`, `waits for ...`."""
+    outlook = step.get("commit_outlook") or {}
+    kind = outlook.get("kind")
+    if kind == "due":
+        left = (outlook["due_ns"] - now_ns) / 1e9
+        return ("commits by itself in " + human_age(left)) if left >= 1 else \
+            "commits by itself now"
+    if kind == "writers":
+        return f"files open for writing: {some_names(outlook['files'], 3)}"
+    if kind == "never":
+        return f"does not commit by itself: it waits for {outlook['reason']}"
+    reason = outlook.get("reason") or step.get("waiting_for")
+    return f"waits for {reason}" if reason else "being written"
+
+
+def cannot_commit(writing: list[Step], deadline_ns: float, held_open: set[str]
+                  ) -> list[Step]:
+    """The steps being written that `tierfs flush` cannot see committed: a file of them held
+    open for writing (`held_open`: the paths of steps seen so for a while), none that commits
+    by itself (a save cut short), or none before `deadline_ns` (--commit-idle after their
+    last change is later). Those that wait for something that may come are not here."""
+    stuck = []
+    for step in writing:
+        outlook = step.get("commit_outlook") or {}
+        kind = outlook.get("kind")
+        if (kind == "never" or (kind == "writers" and step["path"] in held_open)
+                or (kind == "due" and outlook["due_ns"] > deadline_ns)):
+            stuck.append(step)
+    return stuck
+
+
+def commit_waits(steps: list[Step], now_ns: int | None = None) -> str:
+    """`run/step_2 (commits by itself in 3s), ...`: steps being written and when they commit."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    return some_names([f"{s['path']} ({commit_wait(s, now_ns)})" for s in steps], NAMED)
 
 
 def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:
@@ -352,7 +407,10 @@ def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:
     now_ns = time.time_ns() if now_ns is None else now_ns
     ram = status["ram"]
     share = 100 * ram["used_bytes"] / max(ram["limit_bytes"], 1)
-    lines = [f"tierfs at {status['mountpoint']}  node {status['node_id']}  pid {status['pid']}",
+    domain = f" (failure domain {status['failure_domain']})" if status.get(
+        "failure_domain") else ""
+    lines = [f"tierfs at {status['mountpoint']}  node {status['node_id']}{domain}  "
+             f"pid {status['pid']}",
              f"RAM tier {human_bytes(ram['used_bytes'])} of {human_bytes(ram['limit_bytes'])} "
              f"({share:.0f}%) in {status.get('ram_dir', '?')}; file data "
              + ("passes straight to it (FUSE passthrough)" if status.get("passthrough")
@@ -367,7 +425,7 @@ def format_status(status: dict[str, Any], now_ns: int | None = None) -> str:
         lines.append("no step directories yet" if where == "." else f"no steps under {where}")
         return "\n".join(lines + ram_dir_warning(status) + failing_peers(status))
     own = set(status.get("own_latest", ()))
-    lines += table(steps, now_ns, own)
+    lines += table(steps, now_ns, own, status["node_id"])
     lines += [run_summary(run, members, now_ns, run in own)
               for run, members in by_run(steps).items()]
     lines += warnings(status, now_ns)

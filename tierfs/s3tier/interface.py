@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from tierfs import reserved
-from tierfs.fs.ports import ObjectMissing, TierError
+from tierfs.fs.model.ports import ObjectMissing, TierError
 
 MANIFEST_KEY = reserved.MANIFEST
 

@@ -37,12 +37,14 @@ import xxhash
 
 from tierfs import layout, reserved
 from tierfs import manifest as mf
+from tierfs.msgpack_map import decode_map
 from tierfs.s3tier.interface import BackendError, NotFound
 from tierfs.s3tier.reader import PersistentReader
 
 log = logging.getLogger(__name__)
 
-SMALL_FILE = 1 << 20  # as `fs.residency.SMALL_FILE`: the files that come back with each other
+# as `fs.lifecycle.residency.SMALL_FILE`: the files that come back with each other
+SMALL_FILE = 1 << 20
 MIN_FILES = 64  # fewer small files: their GETs cost less than a pack's upload
 PACK_BYTES = 64 << 20
 INDEX_FORMAT = 1
@@ -131,12 +133,8 @@ def encode_index(groups: list[list[mf.FileEntry]]) -> bytes:
 
 def decode_index(data: bytes) -> PackIndex:
     """Decode and validate an index; PackIndexError for anything malformed."""
-    try:
-        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise PackIndexError(f"not a pack index: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("format") != INDEX_FORMAT or \
-            not isinstance(raw.get("packs"), list):
+    raw = decode_map(data, PackIndexError, "pack index", kind=INDEX_FORMAT)
+    if not isinstance(raw.get("packs"), list):
         raise PackIndexError("unknown pack index format")
     sizes, counts, files = {}, {}, {}
     try:

@@ -1,5 +1,6 @@
 """A loose file stored as a base and segments (`FileEntry.segments`, decided by
-`tierfs.fs.appends`): sending only the pieces the store lacks, reading a range across pieces.
+`tierfs.fs.lifecycle.appends`): sending only the pieces the store lacks, reading a range across
+pieces.
 
 The store holds the file's object (its base: the bytes before the first segment) and one
 object per segment, `layout.segment_key`, in its records directory. The uploader keeps one
@@ -19,7 +20,7 @@ import trio
 
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs.append_layout import extends
+from tierfs.fs.model.append_layout import extends
 from tierfs.retry import POLICY, RetryPolicy
 from tierfs.s3tier.interface import Backend
 from tierfs.s3tier.sending import Call, send_range

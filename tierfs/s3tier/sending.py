@@ -22,7 +22,9 @@ from tierfs.s3tier.interface import Backend, BackendError, UploadGone
 # call(what, func, *args): func(*args) in a worker thread, retried by the caller's policy.
 Call = Callable[..., Awaitable[Any]]
 
-ABANDON_TIMEOUT = 30.0  # dropping the parts of an upload given up is only good manners
+# Seconds to drop the parts of an upload given up: one request, and only good manners (a
+# stopping daemon waits for it, so it stays short when the store does not answer).
+ABANDON_TIMEOUT = 5.0
 
 
 async def send_file(backend: Backend, key: str, path: str, size: int, call: Call,
@@ -73,10 +75,14 @@ async def _send_in_parts(backend: Backend, key: str, path: str, size: int, call:
         if not gone:
             await call(f"completion of the upload of {key}", backend.finish_parts, key,
                        upload_id, receipts)
-    except Exception:  # not wanted any more, or refused for good: the parts are dropped
-        with trio.move_on_after(ABANDON_TIMEOUT), contextlib.suppress(BackendError):
+    except BaseException:
+        # not wanted any more, refused for good, or cancelled (the daemon stops; no upload is
+        # ever resumed): the parts are dropped, or the bucket keeps them until a lifecycle
+        # rule removes them. Shielded, as a cancellation would skip it; bounded all the same.
+        with trio.CancelScope(shield=True), trio.move_on_after(ABANDON_TIMEOUT), \
+                contextlib.suppress(BackendError):
             await trio.to_thread.run_sync(backend.abandon_parts, key, upload_id,
-                                          limiter=limiter)
+                                          limiter=limiter, abandon_on_cancel=True)
         raise
     if gone:
         raise UploadGone(f"{key}: the store lost the upload in parts")

@@ -32,8 +32,8 @@ content (a version that changed only modes, owners or mtimes) is not sent, and t
 manifest is simply replaced (whether the object is there is seen in a listing of the step at
 that moment: the stored manifest says what was sent, not what the store still holds); a file
 renamed under the mount whose old name the store still holds (`copy_sources`, from
-`fs.deletes`) is copied inside the store (`Backend.copy`), after the old name's manifest, read
-under that name's lock, says the object holds those bytes.
+`fs.lifecycle.deletes`) is copied inside the store (`Backend.copy`), after the old name's manifest,
+read under that name's lock, says the object holds those bytes.
 
 A deleted step is removed the same way round (`delete_step`: manifest first, then data), never
 at the same time as an upload of the same path, so that a late upload cannot bring it back.
@@ -53,12 +53,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
 from tierfs import layout, reserved, trackers
 from tierfs import manifest as mf
-from tierfs.fs import links as symlinks
+from tierfs.fs.model import links as symlinks
 from tierfs.observe import Events
 from tierfs.s3tier import holdings, packs, segments
 from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, ObjectInfo
@@ -96,39 +97,61 @@ class UploadTrouble:
     step_failures: int = 0
 
 
+class UploadedSteps(Protocol):
+    """What the uploader asks of the file system about the steps it uploads, and tells it of
+    them, as one object (the daemon's `commit_pipeline.NamespaceSteps` over the namespace;
+    a test's own)."""
+
+    def object_path(self, xxh3: str) -> str:
+        """Where the bytes of a committed object are read from (the RAM store)."""
+
+    def step_number(self, name: str) -> int | None:
+        """The step number of a directory's name (--step-pattern), None for no step."""
+
+    def file_step_number(self, name: str) -> int | None:
+        """The step number of a single-file step's name (--file-step-pattern), None else."""
+
+    def is_current(self, manifest: mf.StepManifest) -> bool:
+        """Whether `manifest` is still the committed version of its step (worth uploading)."""
+
+    def persisted(self, manifest: mf.StepManifest) -> None:
+        """This version of the step is in the store now."""
+
+    def retired(self, relpath: str) -> None:
+        """Retention removed the step from the store: never upload it again."""
+
+    def tracked_step(self, manifest: mf.StepManifest, content: bytes | None = None
+                     ) -> TrackedStep | None:
+        """If this version is a tracker, the step it names (its upload waits for that step's);
+        `content`: the tracker's bytes, else this version's."""
+
+    def copy_sources(self, key: str) -> list[tuple[str, str]]:
+        """Objects in the store that may hold the bytes of `key` (a renamed step's old names),
+        as (step path, object key)."""
+
+    def single_writer(self, manifest: mf.StepManifest) -> bool:
+        """Whether the step's files were all written on one node (then it may be packed)."""
+
+    async def users_quiet(self) -> None:
+        """Returns once the mount's users pause (each file waits for it: users first)."""
+
+
 class Uploader:
     def __init__(
         self,
         backend: Backend,
-        object_path: Callable[[str], str],
+        steps: UploadedSteps,
         *,
         persist_every: int,
         keep_persist: int,
-        step_number: Callable[[str], int | None],
-        file_step_number: Callable[[str], int | None] = lambda _name: None,
-        is_current: Callable[[mf.StepManifest], bool],
-        on_persisted: Callable[[mf.StepManifest], None],
-        on_retired: Callable[[str], None],
-        tracked_step: Callable[..., TrackedStep | None] = lambda _m, _content=None: None,
-        copy_sources: Callable[[str], list[tuple[str, str]]] = lambda _key: [],
-        single_writer: Callable[[mf.StepManifest], bool] = lambda _m: True,
-        events: Events | None = None,
+        events: Events,
         shares: SharedUploads | None = None,
-        yield_to_users: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.backend = backend
-        self._events = events or Events()
-        self._object_path = object_path
+        self._events = events
+        self._steps = steps  # the file system's side of each upload
         self.persist_every = persist_every
         self.keep_persist = keep_persist
-        self._step_number = step_number
-        self._file_step_number = file_step_number
-        self._is_current = is_current
-        self._on_persisted = on_persisted
-        self._on_retired = on_retired
-        self._tracked_step = tracked_step
-        self._copy_sources = copy_sources  # key -> (old step path, old key) of renames
-        self._single_writer = single_writer  # a step written on one node: packed (s3tier.packs)
         self.bytes_sent = 0  # file bytes sent to the store (not those it copied itself)
         self.bytes_copied = 0  # file bytes the store copied inside itself (renames)
         self.manifest_bytes_sent = 0  # the steps' manifests sent to the store
@@ -137,8 +160,6 @@ class Uploader:
         self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
         self.trackers = TrackerVersions()  # their versions that may still go up
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
-        # Each file waits for a pause in the mount users' requests before it is sent.
-        self._yield_to_users = yield_to_users
         self._path_locks: dict[str, trio.Lock] = {}  # an upload and a delete of one path
         self.troubles: dict[str, UploadTrouble] = {}
         self._uploading: str | None = None
@@ -156,7 +177,7 @@ class Uploader:
         # A loose file (no step number) is always persisted: nothing else keeps it; but a
         # tracker only with the step it names, so only once that step is in the store or on
         # its way there from this node (not one naming a step that is nowhere).
-        tracked = self._tracked_step(manifest)
+        tracked = self._steps.tracked_step(manifest)
         return tracked is None or tracked.persisted or (
             tracked.made_here and tracked.number % self.persist_every == 0)
 
@@ -167,7 +188,7 @@ class Uploader:
     def submit(self, manifest: mf.StepManifest) -> None:
         """Queue a committed step (a newer version of a queued step replaces it)."""
         self._held.pop(manifest.path, None)  # a tracker's older version: no longer current
-        tracked = self._tracked_step(manifest) if manifest.step == mf.NO_STEP else None
+        tracked = self._steps.tracked_step(manifest) if manifest.step == mf.NO_STEP else None
         if tracked is not None:
             content = self._tracker_bytes(manifest)
             self.trackers.note(manifest, TrackerVersion(manifest, content, tracked.number)
@@ -185,7 +206,7 @@ class Uploader:
         if entry.size > MAX_BYTES:
             return None
         try:
-            with open(self._object_path(entry.xxh3), "rb") as f:
+            with open(self._steps.object_path(entry.xxh3), "rb") as f:
                 return f.read(MAX_BYTES + 1)
         except OSError:
             return None
@@ -194,7 +215,7 @@ class Uploader:
         """The tracker version to put in the store now: the one naming the newest step that is
         in the store, newer than the step the store's tracker names; None if there is none."""
         for version in self.trackers.candidates(path):
-            tracked = self._tracked_step(version.manifest, version.content)
+            tracked = self._steps.tracked_step(version.manifest, version.content)
             if tracked is not None and tracked.persisted and tracked.number == version.number:
                 return version
         return None
@@ -202,11 +223,11 @@ class Uploader:
     def _current(self, manifest: mf.StepManifest) -> bool:
         """Whether `manifest` is worth uploading: the step's current version, or an older
         version of a tracker that is still there, chosen to go up (`_upload_tracker`)."""
-        if self._is_current(manifest):
+        if self._steps.is_current(manifest):
             return True
         current = self.trackers.current(manifest.path)
         return (self.trackers.uploading.get(manifest.path) is manifest and current is not None
-                and self._is_current(current))
+                and self._steps.is_current(current))
 
     def waiting(self, manifest: mf.StepManifest) -> tuple[str, int, int]:
         """Why a step due in the store is not there yet, since when (ns) and after how many
@@ -214,7 +235,7 @@ class Uploader:
         trouble = self.troubles.get(manifest.path)
         if trouble is not None and trouble.version == manifest.version:
             return trouble.reason, trouble.since_ns, trouble.failures
-        tracked = self._tracked_step(manifest) if self._held.get(manifest.path) is manifest \
+        tracked = self._steps.tracked_step(manifest) if self._held.get(manifest.path) is manifest \
             else None
         if tracked is not None:
             return f"waits for step {tracked.number} to be there", manifest.committed_ns, 0
@@ -223,7 +244,7 @@ class Uploader:
 
     def _holds_back(self, manifest: mf.StepManifest) -> bool:
         """A tracker whose step is not in the store yet waits (`_release_held`)."""
-        tracked = self._tracked_step(manifest) if manifest.step == mf.NO_STEP else None
+        tracked = self._steps.tracked_step(manifest) if manifest.step == mf.NO_STEP else None
         if tracked is None or tracked.persisted:
             return False
         if manifest.path not in self._held:
@@ -236,16 +257,16 @@ class Uploader:
         """A step reached the store: the trackers that named it go up now (a version naming
         the newest step the store holds, if not the current one)."""
         for path, manifest in list(self._held.items()):
-            if not self._is_current(manifest):
+            if not self._steps.is_current(manifest):
                 del self._held[path]
                 continue
-            tracked = self._tracked_step(manifest)
+            tracked = self._steps.tracked_step(manifest)
             if tracked is None or tracked.persisted:
                 del self._held[path]
                 self.queue.put(manifest)
         for path in self.trackers.paths():
             current = self.trackers.current(path)
-            if current is None or not self._is_current(current):
+            if current is None or not self._steps.is_current(current):
                 self.trackers.forget(path)
             elif self._ready_version(path) is not None:
                 self._held.pop(path, None)
@@ -280,7 +301,7 @@ class Uploader:
         """One line per failed attempt of a step, and the step tried again after the policy's
         pause (the uploader goes on with the next step meanwhile); a traceback only for the
         unforeseen, the first time."""
-        if not self._is_current(manifest) or failures.subgroup(NoLongerWanted) is not None:
+        if not self._steps.is_current(manifest) or failures.subgroup(NoLongerWanted) is not None:
             self._clear_trouble(manifest)
             log.info("upload of %s v%d dropped: the step changed or was removed", manifest.path,
                      manifest.version)
@@ -306,7 +327,7 @@ class Uploader:
 
     async def _submit_after(self, manifest: mf.StepManifest, delay: float) -> None:
         await trio.sleep(delay)
-        if self._is_current(manifest):
+        if self._steps.is_current(manifest):
             self.queue.put(manifest)
         else:
             self._clear_trouble(manifest)
@@ -336,7 +357,7 @@ class Uploader:
         return await retry(attempt, what, still_wanted=lambda: self._current(manifest))
 
     async def _upload(self, manifest: mf.StepManifest) -> None:
-        if not self._is_current(manifest):
+        if not self._steps.is_current(manifest):
             raise NoLongerWanted(manifest.path)
         ready = self._ready_version(manifest.path) if manifest.step == mf.NO_STEP else None
         if ready is not None:
@@ -344,7 +365,7 @@ class Uploader:
             return
         if self._holds_back(manifest):
             return
-        tracked = self._tracked_step(manifest) if manifest.step == mf.NO_STEP else None
+        tracked = self._steps.tracked_step(manifest) if manifest.step == mf.NO_STEP else None
         await self._put_version(manifest, tracks=tracked.number if tracked else None)
 
     async def _upload_tracker(self, current: mf.StepManifest, ready: TrackerVersion) -> None:
@@ -353,7 +374,7 @@ class Uploader:
         current version goes up itself once its own step is there."""
         path = current.path
         stored = await self._call(f"read of {path}", current, self._stored_tracker, path)
-        tracked = self._tracked_step(current, stored) if stored is not None else None
+        tracked = self._steps.tracked_step(current, stored) if stored is not None else None
         if tracked is not None and tracked.number >= ready.number:
             self.trackers.stored(path, tracked.number)
         elif ready.manifest is current:
@@ -401,7 +422,7 @@ class Uploader:
         changed = [entry for entry in manifest.files if entry.name in plan.mine
                    and _held(stored.get(entry.name)) != _held(entry)]
         # A loose file appended since the stored version: only the new segments go, and the
-        # stored version stays listed until the new manifest replaces it (fs.appends).
+        # stored version stays listed until the new manifest replaces it (fs.lifecycle.appends).
         start = await self._appended_from(manifest, stored) if changed else 0
         if changed and not start:  # objects are replaced: never seen half replaced
             await self._call(f"removing old manifest of {prefix}", manifest,
@@ -445,7 +466,7 @@ class Uploader:
             await self._shares.note_store(manifest.path, manifest.version, PERSISTED)
         self._clear_trouble(manifest)
         self._events.persisted(manifest, self.backend.url, time.monotonic() - started)
-        self._on_persisted(manifest)
+        self._steps.persisted(manifest)
         if tracks is not None:
             self.trackers.stored(manifest.path, tracks)
         self._release_held()
@@ -497,7 +518,7 @@ class Uploader:
             await self._shares.wait_stored(manifest, names, trio.current_time() + STORED_WAIT)
         finally:
             self._awaiting.discard((manifest.path, manifest.version))
-        if self._is_current(manifest):
+        if self._steps.is_current(manifest):
             self.queue.put(manifest)
 
     def _note_waiting(self, manifest: mf.StepManifest, reason: str) -> None:
@@ -540,7 +561,7 @@ class Uploader:
         if not (manifest.single_file and entry.segments):
             return 0
         return await trio.to_thread.run_sync(segments.stored_start, stored.get(entry.name),
-                                             entry, self._object_path(entry.xxh3))
+                                             entry, self._steps.object_path(entry.xxh3))
 
     async def _write_packs(self, manifest: mf.StepManifest, data_dir: str,
                            changed: bool) -> set[str] | None:
@@ -554,13 +575,13 @@ class Uploader:
         it would have, else none (its old name's go with that name)."""
         if not changed:
             return None  # the same bytes as the stored version: its packs (if any) hold them
-        groups = packs.plan(manifest) if self._single_writer(manifest) else []
+        groups = packs.plan(manifest) if self._steps.single_writer(manifest) else []
         if not groups:
             return set()
         index = packs.encode_index(groups)
         names = set()
         for number, group in enumerate(groups):
-            data = await trio.to_thread.run_sync(packs.build, group, self._object_path,
+            data = await trio.to_thread.run_sync(packs.build, group, self._steps.object_path,
                                                  limiter=self._threads)
             if data is None:
                 if await self._copy_packs(manifest, data_dir, groups, index):
@@ -583,7 +604,7 @@ class Uploader:
         index there is `index` (the same files, bytes and order); whether it did. Under the
         old name's lock: no upload or delete of it changes them meanwhile."""
         first = layout.object_key(data_dir, groups[0][0].name)
-        for old_path, old_key in self._copy_sources(first):
+        for old_path, old_key in self._steps.copy_sources(first):
             suffix = "/" + groups[0][0].name
             if old_path == manifest.path or not old_key.endswith(suffix):
                 continue  # not the same file of a step directory
@@ -620,25 +641,24 @@ class Uploader:
         async def call(what: str, func, *args) -> object:  # type: ignore[no-untyped-def]
             return await self._call(what, manifest, func, *args)
 
-        if self._yield_to_users is not None:  # the mount's users first (fs.foreground)
-            await self._yield_to_users()
+        await self._steps.users_quiet()  # the mount's users first (fs.lifecycle.foreground)
         await self._send_file(manifest, data_dir, entry, checked, start, call)
 
     async def _send_file(self, manifest: mf.StepManifest, data_dir: str, entry: mf.FileEntry,
                          checked: dict[str, dict[str, mf.FileEntry]], start: int,
                          call: Callable[..., Awaitable[object]]) -> None:
         key = layout.object_key(data_dir, entry.name)
-        for old_path, old_key in [] if start else self._copy_sources(key):
+        for old_path, old_key in [] if start else self._steps.copy_sources(key):
             if old_path != manifest.path and await self._copy(manifest, old_path, old_key, key,
                                                               entry, checked):
                 self.bytes_copied += entry.size
                 return
         if entry.segments:  # an appended loose file: its pieces from `start` on
             self.bytes_sent += await segments.send_pieces(
-                self.backend, key, entry, self._object_path(entry.xxh3), start, call,
+                self.backend, key, entry, self._steps.object_path(entry.xxh3), start, call,
                 self._threads, still_wanted=lambda: self._current(manifest))
             return
-        await send_file(self.backend, key, self._object_path(entry.xxh3), entry.size, call,
+        await send_file(self.backend, key, self._steps.object_path(entry.xxh3), entry.size, call,
                         self._threads, still_wanted=lambda: self._current(manifest))
         self.bytes_sent += entry.size
 
@@ -784,7 +804,8 @@ class Uploader:
             if name == MANIFEST_KEY and parent == run_dir:
                 if single_file and base in trackers.TRACKER_NAMES:
                     tracker_paths.append(path)
-                number = (self._file_step_number if single_file else self._step_number)(base)
+                number = (self._steps.file_step_number if single_file
+                          else self._steps.step_number)(base)
                 if number is None and not single_file:  # a step with no step name, named
                     number = await trio.to_thread.run_sync(self._stored_number, obj.key)
                 if number is not None:
@@ -836,11 +857,11 @@ class Uploader:
     def _enclosing_step_dir(self, key: str) -> str | None:
         parts = key.split("/")[:-1]
         for depth in range(1, len(parts) + 1):  # the outermost: nothing inside a step is one
-            if self._step_number(parts[depth - 1]) is not None:
+            if self._steps.step_number(parts[depth - 1]) is not None:
                 return "/".join(parts[:depth])
         return None
 
-    # -- symbolic links (fs.links): one small object per directory ------------------------
+    # -- symbolic links (fs.model.links): one small object per directory ------------------------
 
     async def put_links(self, directory: str, links: dict[str, str]) -> None:
         """The store keeps these links of `directory` (none: its object goes). Raises
@@ -872,7 +893,7 @@ class Uploader:
         objects = await trio.to_thread.run_sync(self._remove, path)
         log.info("retention removed %s from %s (%d objects)", path, self.backend.url,
                  len(objects))
-        self._on_retired(path)
+        self._steps.retired(path)
         if self._shares is not None:
             try:
                 await self._shares.note_store(path, None, RETIRED)

@@ -16,9 +16,10 @@ import pyfuse3
 import trio
 
 from tierfs import manifest as mf
+from tierfs.fs.fuse.operations import Operations
 from tierfs.fs.namespace import Core, Namespace
-from tierfs.fs.operations import Operations
-from tierfs.fs.ram_store import RamDirBusy, RamStore
+from tierfs.fs.store.metered import MeteredSource
+from tierfs.fs.store.ram_store import RamDirBusy, RamStore
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon.cluster_service import ClusterLinks, ClusterNode, cluster_members
@@ -100,7 +101,7 @@ def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
 
 
 async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
-    # Made in dependency order, each given what it calls at construction (fs.ports): the
+    # Made in dependency order, each given what it calls at construction (fs.model.ports): the
     # tree (loaded from the RAM store), the clients of the other tiers that serve it, the
     # namespace over both, then what follows its commits and serves the peers.
     commits_send, commits_recv = trio.open_memory_channel[mf.StepManifest](64)
@@ -110,7 +111,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                 file_step_pattern=cfg.file_step_pattern,
                 commit_idle=cfg.commit_idle, delete_targets=delete_targets(cfg),
                 liveness=members)
-    links = ClusterLinks(cfg, core.view, members) if members else None
+    links = ClusterLinks(cfg, core, members) if members else None
     backend, new_store = await open_persistent_tier(cfg, ready, core.tree,
                                                 links.store_record if links else None)
     persist = PersistentReader(backend, trio.CapacityLimiter(8),
@@ -119,9 +120,9 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     # metered: read-backs are event lines and metrics.
     sources = []
     if links is not None:
-        sources.append(events.metered(links.reader, "peers"))
+        sources.append(MeteredSource(links.reader, "peers", events))
     if persist is not None and backend is not None:  # small files out of packs (s3tier.packs)
-        sources.append(events.metered(PackedReader(persist), backend.url))
+        sources.append(MeteredSource(PackedReader(persist), backend.url, events))
     namespace = Namespace(core, commits_send, read_sources=sources,
                           sealed=links.sealed if links else None, persist=persist,
                           peers=links.verify if links else None, keep_ram=cfg.keep_ram,
@@ -154,7 +155,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     replicator = cluster.replicator if cluster else None
     pipeline = CommitPipeline(uploader, replicator)
     api = ControlApi(cfg, namespace, uploader, cluster, verifier, pipeline, device,
-                     new_store=new_store,
+                     events=events, new_store=new_store,
                      persist_reads=(lambda: persist.requests) if persist else lambda: 0)
     metrics = None
     try:

@@ -11,10 +11,9 @@ from typing import Any
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.namespace import Namespace
-from tierfs.fs.ram_store import RamStore
-from tierfs.fs.step_versions import StepVersions
-from tierfs.fs.tree_view import TreeView
+from tierfs.fs.namespace import Core, Namespace
+from tierfs.fs.store.ram_store import RamStore
+from tierfs.fs.tree.holders import RecordedHolders
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon import admission
 from tierfs.mount_helper.daemon.commit_pipeline import (
@@ -63,7 +62,8 @@ def cluster_members(cfg: MountConfig) -> PeerDirectory:
         tls = peer_tls.load(cfg.peer_tls) if cfg.peer_tls is not None else None
     except ValueError as exc:
         raise StartupError(str(exc)) from None
-    return PeerDirectory(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise),
+    return PeerDirectory(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise,
+                                                 domain=cfg.failure_domain),
                          cfg.token, tls, connections=cfg.peer_connections)
 
 
@@ -73,8 +73,8 @@ class ClusterLinks:
     the connections of `directory`. They ask the tree questions only (who holds a step, which
     files are sealed)."""
 
-    def __init__(self, cfg: MountConfig, view: TreeView, directory: PeerDirectory) -> None:
-        tree = view.tree
+    def __init__(self, cfg: MountConfig, core: Core, directory: PeerDirectory) -> None:
+        tree, view = core.tree, core.view
         assert cfg.cluster is not None
         self.directory = directory
         self.live = directory.live
@@ -85,7 +85,7 @@ class ClusterLinks:
                                      view.committed_manifest)
         self.tree = tree
         self.view = view
-        self.versions = StepVersions(tree)
+        self.versions = core.versions
         self.reader = PeerReader(self.directory, view.holders_of, self._file_holders)
         self.verify = PeerVerify(self.directory, self.sealed.placements)
         self.delete = PeerDelete(self.directory)
@@ -95,7 +95,7 @@ class ClusterLinks:
         self.replicas = cfg.replicas
 
     async def wait_for_copies(self, manifest: mf.StepManifest, deadline: float) -> None:
-        """--sync-replicas (`fs.ports.CopiesWait`): every file of the committed version has
+        """--sync-replicas (`fs.model.ports.CopiesWait`): every file of the committed version has
         K + 1 verified copies on live nodes, or as many as there are live nodes."""
         want = min(self.replicas + 1, len(self.live.ring))
         await self.sealed.wait_for_copies(
@@ -145,6 +145,8 @@ class ClusterNode:
                                      on_placements=tiers.note_placements,
                                      on_held=self._held, may_copy=tiers.may_copy,
                                      events=events)
+        # the records `tierfs status` takes copies, holders and TIERS from
+        self.recorded = RecordedHolders(self.recorded_holders)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.hold_files)
         self.ranges = RangeServer(store.objects, namespace.view.sealed_path, cfg.node_id,
                                   namespace.residency.chunk_for_peer)
@@ -169,6 +171,7 @@ class ClusterNode:
                     and found[name].xxh3 == entry.xxh3]
         if recorded:
             self.namespace.tiers.mark_held(manifest, peer, recorded)
+            self.recorded.changed(manifest.path, manifest.version)
         return len(recorded) == len(names)
 
     def handlers(self) -> dict[str, Handler]:

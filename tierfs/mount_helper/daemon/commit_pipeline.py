@@ -10,10 +10,10 @@ import logging
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
+from tierfs.fs.lifecycle.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.tree import Tree
-from tierfs.fs.tree_view import TreeView
+from tierfs.fs.tree.tree import Tree
+from tierfs.fs.tree.tree_view import TreeView
 from tierfs.mount_helper.config import MountConfig
 from tierfs.observe import Events
 from tierfs.replication.coordination.cluster_commit import ClusterCommits
@@ -48,30 +48,43 @@ def delete_targets(cfg: MountConfig, peers: list[str] | None = None) -> list[str
         peer_target(node_id) for node_id in sorted(peers or []) if node_id != cfg.node_id]
 
 
+class NamespaceSteps:
+    """The uploader's side of the namespace (`s3tier.uploader.UploadedSteps`): what it asks of
+    the steps it uploads and tells of them, as the namespace's tree and other tiers answer."""
+
+    def __init__(self, namespace: Namespace, store_used: trio.Event) -> None:
+        self._namespace = namespace
+        self._tiers = namespace.tiers
+        self._identity = namespace.tree.identity
+        self._store_used = store_used  # set once a step reached the store
+        self.is_current = self._tiers.is_current
+        self.retired = self._tiers.mark_retired
+        self.tracked_step = self._tiers.tracked_step
+        self.copy_sources = self._tiers.copy_sources
+        self.single_writer = self._tiers.single_writer
+        self.users_quiet = namespace.foreground.wait_quiet
+        self.step_number = self._identity.step_number
+
+    def object_path(self, xxh3: str) -> str:
+        return str(self._namespace.store.object_path(xxh3))
+
+    def file_step_number(self, name: str) -> int | None:
+        return self._identity.step_number(name, self._identity.file_pattern)
+
+    def persisted(self, manifest: mf.StepManifest) -> None:
+        self._tiers.mark_persisted(manifest)
+        self._store_used.set()
+        self._namespace.deletes.poke()  # a rename's old name may leave the store now
+
+
 def make_uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
                   events: Events, store_used: trio.Event,
                   shares: SharedUploads | None = None) -> Uploader:
     """Uploads of committed steps (in a cluster, each node's share of them: `shares`); it
     tells the namespace's other tiers what it persisted."""
-    tiers = namespace.tiers
-
-    def persisted(manifest: mf.StepManifest) -> None:
-        tiers.mark_persisted(manifest)
-        store_used.set()
-        namespace.deletes.poke()  # a rename's old name may leave the store now
-
-    return Uploader(
-        backend, lambda digest: str(namespace.store.object_path(digest)),
-        persist_every=cfg.persist_every, keep_persist=cfg.keep_persist,
-        step_number=namespace.tree.identity.step_number,
-        file_step_number=lambda name: namespace.tree.identity.step_number(name,
-                                                                 namespace.tree.identity.file_pattern),
-        is_current=tiers.is_current,
-        on_persisted=persisted, on_retired=tiers.mark_retired,
-        tracked_step=tiers.tracked_step, copy_sources=tiers.copy_sources,
-        single_writer=tiers.single_writer, events=events, shares=shares,
-        yield_to_users=namespace.foreground.wait_quiet,
-    )
+    return Uploader(backend, NamespaceSteps(namespace, store_used),
+                    persist_every=cfg.persist_every, keep_persist=cfg.keep_persist,
+                    events=events, shares=shares)
 
 
 async def verify_then_send(namespace: Namespace, uploader: Uploader | None,
@@ -95,7 +108,7 @@ async def upload_again(namespace: Namespace, uploader: Uploader) -> None:
 
 
 async def store_links(tree: Tree, view: TreeView, uploader: Uploader) -> None:
-    """The store learns the links of each directory whose links changed (fs.links); every
+    """The store learns the links of each directory whose links changed (fs.model.links); every
     directory holding links once after a start. Retried while the store cannot."""
     for directory in view.link_dirs():
         tree.links.note(directory)

@@ -8,23 +8,24 @@ import contextlib
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tierfs import manifest as mf
-from tierfs.fs.deletes import PERSIST
-from tierfs.fs.holders import RecordedHolders, spread
+from tierfs.fs.fuse.passthrough import PassthroughDevice
+from tierfs.fs.lifecycle.deletes import PERSIST
+from tierfs.fs.lifecycle.verify import StepReport, Verifier
+from tierfs.fs.model.nodes import FsError, Node, StepState
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.nodes import FsError, Node, StepState
-from tierfs.fs.passthrough import PassthroughDevice
-from tierfs.fs.ram_store import RamFull
-from tierfs.fs.verify import StepReport, Verifier
+from tierfs.fs.store.ram_store import RamFull
+from tierfs.fs.tree.holders import RecordedHolders, spread
 from tierfs.mount_helper.config import MountConfig
 from tierfs.mount_helper.daemon.cluster_service import ClusterNode
 from tierfs.mount_helper.daemon.commit_pipeline import CommitPipeline
 from tierfs.mount_helper.status_view import number_of
-from tierfs.observe import Levels
+from tierfs.observe import Events, Levels
 from tierfs.replication.peers.channel import SENT_TO
 from tierfs.s3tier.uploader import Uploader
 
@@ -48,9 +49,10 @@ class ControlApi:
 
     def __init__(self, cfg: MountConfig, namespace: Namespace, uploader: Uploader | None,
                  cluster: ClusterNode | None, verifier: Verifier, pipeline: CommitPipeline,
-                 passthrough: PassthroughDevice | None = None, *, new_store: bool = False,
-                 persist_reads: Callable[[], int] = lambda: 0) -> None:
+                 passthrough: PassthroughDevice | None = None, *, events: Events,
+                 new_store: bool = False, persist_reads: Callable[[], int] = lambda: 0) -> None:
         self.cfg = cfg
+        self.events = events  # bad copies `tierfs verify` found count in the metrics
         self.new_store = new_store  # the persistent tier was empty when this mount began
         self.persist_reads = persist_reads  # requests the read path sent to the store
         self.namespace = namespace
@@ -60,7 +62,7 @@ class ControlApi:
         self.passthrough = passthrough
         self.pipeline = pipeline
         # the records `tierfs status` takes copies, holders and TIERS from, in a cluster
-        self.recorded = RecordedHolders(cluster.recorded_holders) if cluster else None
+        self.recorded: RecordedHolders | None = cluster.recorded if cluster else None
 
     def persist_status(self, waiting: list[Due]) -> dict[str, Any] | None:
         """`persist` in `tierfs status --json`; `waiting`: `_persist_waiting`'s list."""
@@ -110,7 +112,7 @@ class ControlApi:
         """The steps due in the store and not there yet: committed ones the uploader wants
         (in a cluster, every committed step of the cluster: a copy on a peer is not the
         store, and the uploads are shared), and those committed with their hashes still to
-        come (`fs.pending_commits`) that it will want once they are in (`tierfs flush` and
+        come (`fs.model.pending_commits`) that it will want once they are in (`tierfs flush` and
         `umount` wait for those too)."""
         assert self.uploader is not None
         tiers = self.namespace.tiers
@@ -121,7 +123,7 @@ class ControlApi:
         return waiting + self._hashing(self.uploader.due, {due.path for due in waiting})
 
     def _hashing(self, due: Callable[[int], bool], named: set[str]) -> list[Due]:
-        """The steps committed with their hashes still to come (`fs.pending_commits`) whose
+        """The steps committed with their hashes still to come (`fs.model.pending_commits`) whose
         number is `due` for a tier and that are not `named` already (an older version is)."""
         tree = self.namespace.tree
         hashing = []
@@ -237,8 +239,8 @@ class ControlApi:
         for report in reports:
             for tier in report.tiers:
                 if tier.tier != "any tier":  # the same files again, summed over the tiers
-                    self.namespace.events.verify_failed(tier.tier.partition(":")[0],
-                                                        len(tier.bad) + len(tier.repaired))
+                    self.events.verify_failed(tier.tier.partition(":")[0],
+                                              len(tier.bad) + len(tier.repaired))
 
     def _step_status(self, node: Node, persist_waits: dict[str, dict[str, Any]],
                      recorded: dict[str, set[str]] | None = None,
@@ -249,7 +251,7 @@ class ControlApi:
         step due in the store and not there yet, `persist_wait` (else None). In a cluster,
         a committed step's `copies`, `holders` and `tiers` come from the cluster's records
         of its files (`recorded`; this node's view only if they could not be read), the
-        same on every node (`fs.holders`), and `only_here` says whether a file of it is in
+        same on every node (`fs.tree.holders`), and `only_here` says whether a file of it is in
         no live node's RAM but this one's (and not in the store)."""
         tree = self.namespace.tree
         step = node.step
@@ -267,16 +269,30 @@ class ControlApi:
         if status["state"] in ("writing", "empty"):
             with contextlib.suppress(FsError, OSError):  # removed meanwhile
                 status["changed_ns"] = tree.stat(node).st_mtime_ns
+        status["commit_outlook"] = (self._outlook(node) if status["state"] == "writing"
+                                    else None)
         status["persist_wait"] = persist_waits.get(status["path"])
         # why the step is short of the copies this node owes it (a target with no room...)
         status["copies_wait"] = (self.cluster.replicator.trouble(status["path"])
                                  if self.cluster is not None and step.committed else None)
         return status
 
+    def _outlook(self, node: Node) -> dict[str, Any]:
+        """`commit_outlook` of a step being written: when it commits by itself (what
+        `tierfs flush` waits for, or gives up on at once), as `fs.lifecycle.quiet_commits.Outlook`,
+        its time as `due_ns` (the wall clock; null unless `kind` is `due`)."""
+        outlook = self.namespace.quiet.outlook(node)
+        due_ns = None
+        if outlook.due is not None:
+            due_ns = time.time_ns() + int(max(0.0, outlook.due - time.monotonic()) * 1e9)
+        return {"kind": outlook.kind, "due_ns": due_ns, "reason": outlook.reason,
+                "files": outlook.files}
+
     def _spread(self, step: StepState, recorded: dict[str, set[str]] | None
                 ) -> dict[str, Any]:
         """`copies`, `holders`, `replicas`, `tiers` and `only_here` of a committed step in a
-        cluster, from the cluster's records of its files and the live members."""
+        cluster, from the cluster's records of its files and the live members, and `domains`:
+        the failure domain of each holder that has one."""
         assert self.cluster is not None
         me = self.cfg.node_id
         tree = self.namespace.tree
@@ -289,11 +305,14 @@ class ControlApi:
         alone = not step.persisted and any(
             name in step.resident and not any(h != me and is_up(h) for h in nodes)
             for name, nodes in recorded.items())
+        domain_of = self.cluster.directory.domain_of
+        domains = {h: d for h in held.holders if (d := domain_of(h)) is not None}
         # `replicas` too: the other live nodes holding every file, from the same records
         # (this node's own view named nodes that were gone, and differed from node to node)
         return {"copies": held.copies, "holders": list(held.holders),
                 "replicas": [h for h in held.whole if h != me and is_up(h)],
-                "tiers": held.tiers(step.persisted), "only_here": alone}
+                "tiers": held.tiers(step.persisted), "only_here": alone,
+                **({"domains": domains} if domains else {})}
 
     def _ram_dir_space(self) -> dict[str, int]:
         """The size and free bytes of the RAM dir's file system (a /dev/shm others share
@@ -323,6 +342,7 @@ class ControlApi:
             "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes,
                     **self._ram_dir_space()},
             "passthrough": self.passthrough is not None and self.passthrough.enabled,
+            "failure_domain": self.cfg.failure_domain,
             "peers": self.cluster.directory.status() if self.cluster else [],
             "served_to_peers": self.cluster.served() if self.cluster else None,
             # in a cluster: what this node missed while it was down is applied

@@ -19,10 +19,10 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs import reserved
+from tierfs.fs.fuse.passthrough import PassthroughDevice, PassthroughUnavailable
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.passthrough import PassthroughDevice, PassthroughUnavailable
-from tierfs.fs.ram_store import RamStore
-from tierfs.fs.tree import Tree
+from tierfs.fs.store.ram_store import RamStore
+from tierfs.fs.tree.tree import Tree
 from tierfs.mount_helper.config import MountConfig, memory_bytes
 from tierfs.mount_helper.mounts import (
     TIERFS_TYPE,
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 CHECK_PATIENCE = 10.0  # seconds a mount waits for an unreachable persistent tier
 CATCH_UP_RETRIES = POLICY.capped(5.0)  # reading etcd after a start, until it answers
+STORE_CHECK_RETRIES = POLICY.capped(1.0)  # the store at start, for CHECK_PATIENCE at most
 
 
 class StartupError(Exception):
@@ -294,16 +295,16 @@ async def open_persistent_tier(cfg: MountConfig, ready: ReadyPipe, tree: Tree,
         backend = open_backend(cfg.persist, cfg.s3_endpoint)
     except ValueError as exc:
         raise StartupError(str(exc)) from None
+    async def check() -> bool:
+        return await trio.to_thread.run_sync(backend.check)
+
     with trio.move_on_after(CHECK_PATIENCE) as patience:
-        while True:
-            try:
-                new = await trio.to_thread.run_sync(backend.check)
-                break
-            except BackendError as exc:
-                if not exc.temporary:
-                    raise StartupError(f"persistent tier: {exc}") from None
-                log.info("persistent tier not reachable yet: %s", exc)
-                await trio.sleep(1)
+        try:
+            new = await retry(check, "reaching the persistent tier",
+                              retryable=lambda exc: isinstance(exc, BackendError)
+                              and exc.temporary, policy=STORE_CHECK_RETRIES)
+        except BackendError as exc:
+            raise StartupError(f"persistent tier: {exc}") from None
     if patience.cancelled_caught:
         raise StartupError(f"persistent tier {cfg.persist} is unreachable (tried for "
                            f"{CHECK_PATIENCE:.0f} s): check --s3-endpoint and the network")
@@ -354,7 +355,7 @@ async def adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> int:
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              uploader.backend.url, len(manifests), added)
     stored_links = await uploader.stored_links(objects)  # each unreadable one is logged
-    made = sum(namespace.tiers.versions.adopt_links(d, links) for d, links in stored_links.items())
+    made = sum(namespace.versions.adopt_links(d, links) for d, links in stored_links.items())
     if made:
         log.info("made %d symbolic links the persistent tier keeps", made)
     namespace.residency.enforce_keep_ram()

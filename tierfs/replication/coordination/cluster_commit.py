@@ -22,14 +22,15 @@ committed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.ports import CoordinationUnavailable
+from tierfs.fs.model.ports import CoordinationUnavailable
 from tierfs.replication.coordination.commit_records import (
     CommitEvent,
     CommitRecord,
@@ -83,6 +84,22 @@ class ClusterCommits:
         self._batch_written = trio.Event()  # set when the batch being gathered is written
         # versions of steps this node commits in etcd whose watch event it has not seen yet
         self._published: dict[str, int] = {}
+        # steps whose records this node is changing (a commit, a delete), one change at a
+        # time in the order they came: a delete of an old version took the records of a new
+        # one published meanwhile at the same path (a rename undone), and that commit took
+        # the old version's holders
+        self._changing: dict[str, trio.Lock] = {}
+
+    @contextlib.asynccontextmanager
+    async def _one_change(self, step_path: str) -> AsyncIterator[None]:
+        lock = self._changing.setdefault(step_path, trio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if self._changing.get(step_path) is lock and not lock.locked() and \
+                    not lock.statistics().tasks_waiting:
+                del self._changing[step_path]
 
     # -- this node's files
 
@@ -164,7 +181,8 @@ class ClusterCommits:
             deadline = trio.current_time() + PUBLISH_WAIT
         with trio.move_on_at(deadline) as scope:
             try:
-                await self._publish(manifest, held_here, deadline)
+                async with self._one_change(manifest.path):
+                    await self._publish(manifest, held_here, deadline)
             except EtcdError as exc:
                 raise CoordinationUnavailable(f"etcd refused the commit record of "
                                               f"{manifest.path} v{manifest.version}: {exc}"
@@ -192,6 +210,7 @@ class ClusterCommits:
         # step's holders (not the holders of an earlier save's records)
         holders = {h for n, r in recorded.items()
                    if (e := manifest.entry(n)) is not None and r.xxh3 == e.xxh3
+                   and r.fresh_for(manifest.version - 1)
                    for h in (r.node, *r.holders)}
         holders.add(self.node_id)
         self._published[step_path] = manifest.version  # before: its watch event may come first
@@ -523,11 +542,12 @@ class ClusterCommits:
         etcd does not take it."""
         deletion = Deletion(step_path, version, committed_ns)
         try:
-            record = await self.records.commit_of(step_path)
-            if record is None:
-                await self.records.add_tombstone(deletion)
-            elif record.version <= version:
-                await self.records.delete_step(deletion)
+            async with self._one_change(step_path):
+                record = await self.records.commit_of(step_path)
+                if record is None:
+                    await self.records.add_tombstone(deletion)
+                elif record.version <= version:
+                    await self.records.delete_step(deletion)
         except EtcdError as exc:
             raise CoordinationUnavailable(str(exc)) from None
 

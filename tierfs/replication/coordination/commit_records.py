@@ -556,7 +556,7 @@ class CommitRecords:
 
     async def deletions(self) -> dict[str, Deletion]:
         """Every step deleted in the cluster, by path: the last version deleted (versions
-        committed no later are deleted, as `fs.deletes.Tombstone.covers`)."""
+        committed no later are deleted, as `fs.lifecycle.deletes.Tombstone.covers`)."""
         snapshot = await self.etcd.get_prefix(self._deleted)
         found = {}
         for kv in snapshot.kvs:

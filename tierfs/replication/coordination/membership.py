@@ -68,17 +68,23 @@ class MemberInfo:
     node_id: str
     address: str  # HOST:PORT peers connect to (--advertise, else --listen)
     started: float  # Unix time the daemon registered
+    domain: str | None = None  # --failure-domain
 
     def encode(self) -> bytes:
-        return json.dumps({"address": self.address, "started": self.started},
-                          separators=(",", ":")).encode()
+        fields: dict[str, object] = {"address": self.address, "started": self.started}
+        if self.domain is not None:
+            fields["domain"] = self.domain
+        return json.dumps(fields, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, node_id: str, value: bytes) -> MemberInfo:
         fields = json.loads(value)
         if not isinstance(fields.get("address"), str):
             raise ValueError("no address")
-        return cls(node_id, fields["address"], float(fields.get("started", 0.0)))
+        domain = fields.get("domain")
+        if domain is not None and not isinstance(domain, str):
+            raise ValueError("a domain that is not a string")
+        return cls(node_id, fields["address"], float(fields.get("started", 0.0)), domain)
 
 
 @dataclass(frozen=True)
@@ -92,13 +98,13 @@ class Membership:
     """This node's registration and its view of the live members."""
 
     def __init__(self, etcd: Etcd, cluster: ClusterUrl, node_id: str, address: str,
-                 ttl: int = DEFAULT_TTL) -> None:
+                 ttl: int = DEFAULT_TTL, domain: str | None = None) -> None:
         if not node_id or "/" in node_id:
             raise ValueError(f"node id {node_id!r} must be non-empty and contain no '/'")
         self.etcd = etcd
         self.node_id = node_id
         self.ttl = ttl
-        self.info = MemberInfo(node_id, address, time.time())
+        self.info = MemberInfo(node_id, address, time.time(), domain)
         self.prefix = cluster.key("members") + "/"
         self.key = self.prefix + node_id
         self.members: dict[str, MemberInfo] = {}  # the live ones, as etcd says
@@ -116,8 +122,15 @@ class Membership:
 
     @property
     def ring(self) -> list[str]:
-        """The live members' ids, sorted: the ring replication follows."""
-        return placement.ring(self.members)
+        """The live members' ids in ring order (sorted, failure domains interleaved): the
+        ring replication follows."""
+        return placement.ring(self.members, self.domains)
+
+    @property
+    def domains(self) -> dict[str, str]:
+        """The failure domain of each live member that has one (`--failure-domain`)."""
+        return {node: info.domain for node, info in self.members.items()
+                if info.domain is not None}
 
     def is_up(self, node_id: str) -> bool:
         return node_id in self.members

@@ -61,6 +61,7 @@ class PeerDirectory:
         self.tls = tls  # --peer-tls: every connection in TLS, both ways
         self.ids = LiveIds(live)
         self._seen: dict[str, str] = {}  # every node seen since start: node id -> address
+        self._domains: dict[str, str] = {}  # their --failure-domain, those that have one
         # a transfer to or from one peer uses this many connections at once
         self.connections = connections
         self.pool = PeerPool(self.connect, per_peer=connections + SPARE)
@@ -76,12 +77,23 @@ class PeerDirectory:
         """Every node seen since this daemon started, this one included, up or down."""
         for node_id, info in self.live.members.items():
             self._seen[node_id] = info.address
+            if info.domain is not None:
+                self._domains[node_id] = info.domain
         return {node_id: Member(node_id, addr, node_id in self.live.members)
                 for node_id, addr in sorted(self._seen.items())}
 
     @property
     def peers(self) -> list[Member]:
         return [m for m in self.members.values() if m.node_id != self.me]
+
+    def domain_of(self, node_id: str) -> str | None:
+        """The failure domain `node_id` registered with (also after it left), if any."""
+        info = self.live.members.get(node_id)
+        if info is not None and info.domain is not None:
+            self._domains[node_id] = info.domain
+        if node_id == self.me:
+            return self.live.info.domain
+        return self._domains.get(node_id)
 
     def is_up(self, node_id: str) -> bool:
         return self.live.is_up(node_id)
@@ -160,7 +172,8 @@ class PeerDirectory:
     def status(self) -> list[dict[str, object]]:
         """Each peer: `state` is `up`, `up, refused (token)`, `up, refused (TLS)`,
         `up, unreachable` or `down`; `link_error` says why a live one's handshake fails."""
-        return [{"node_id": m.node_id, "addr": m.addr, "up": m.up, **self._link(m)}
+        return [{"node_id": m.node_id, "addr": m.addr, "up": m.up, **self._link(m),
+                 **({"domain": domain} if (domain := self.domain_of(m.node_id)) else {})}
                 for m in self.peers]
 
     def _link(self, member: Member) -> dict[str, str]:

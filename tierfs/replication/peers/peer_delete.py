@@ -1,6 +1,6 @@
 """Deletes across the cluster: telling a peer that a committed step was deleted (it drops its
 copy, if not newer, and remembers the delete so that no copy brings the step back), and
-answering such requests. The durable record and the retries are `fs.deletes`'."""
+answering such requests. The durable record and the retries are `fs.lifecycle.deletes`'."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from tierfs.fs.deletes import Tombstone
-from tierfs.fs.ports import TierError
+from tierfs.fs.lifecycle.deletes import Tombstone
+from tierfs.fs.model.ports import TierError
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel
 from tierfs.replication.peers.directory import PeerDirectory

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from tierfs.fs.ports import FilesOnPeers
+from tierfs.fs.model.ports import FilesOnPeers
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel
 from tierfs.replication.peers.directory import PeerDirectory
@@ -31,7 +31,7 @@ class PeerFiles:
         self.directory = directory
 
     async def ask(self, step_path: str, names: set[str], deadline: float) -> FilesOnPeers:
-        """`fs.ports.ShardsOnPeers`: every node seen since this daemon started is asked
+        """`fs.model.ports.ShardsOnPeers`: every node seen since this daemon started is asked
         (at once) which of `names` it has in the step, by `deadline` (trio time) and within
         ASK_TIMEOUT."""
         found = FilesOnPeers({}, set())

@@ -46,9 +46,10 @@ class ManifestServer:
             return
         if offset > len(data):
             raise proto.ProtocolError(f"MANIFEST offset {offset} beyond {len(data)} bytes")
+        # counted before the send: the reader may have the last part before this task resumes
+        self.served_parts += 1
         await channel.send("MANIFEST_PART", memoryview(data)[offset:offset + CHUNK],
                            total=len(data))
-        self.served_parts += 1
 
     def _encode(self, path: str, version: int) -> bytes | None:
         manifest = self._committed(path, version)

@@ -21,7 +21,7 @@ from typing import Any
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.ports import Store, TierError
+from tierfs.fs.model.ports import Store, TierError
 from tierfs.replication.coordination import membership
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers import sources

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.ports import TierError
+from tierfs.fs.model.ports import TierError
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel
@@ -39,7 +39,7 @@ class PeerVerify:
 
     async def verify(self, node_id: str, step_path: str, entry: mf.FileEntry,
                      repair: bool) -> str:
-        """The state of `node_id`'s copy (`fs.ports.PeerCopies`); TierError if the peer
+        """The state of `node_id`'s copy (`fs.model.ports.PeerCopies`); TierError if the peer
         cannot be reached, does not answer in time or answers wrongly."""
         try:
             async with self.directory.channel(node_id) as channel:

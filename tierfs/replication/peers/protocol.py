@@ -37,6 +37,7 @@ import msgpack
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tierfs.manifest import ManifestError, check_relative_path
+from tierfs.msgpack_map import decode_map
 
 PREFIX = struct.Struct(">II")
 MAX_HEADER = 1 << 20
@@ -379,12 +380,7 @@ class FrameDecoder:
 
 
 def _decode_header(raw: bytes, payload_len: int) -> tuple[str, dict[str, Any]]:
-    try:
-        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise ProtocolError(f"malformed header: {exc}") from None
-    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
-        raise ProtocolError("header is not a typed map")
+    header = decode_map(raw, ProtocolError, "message header", key="type")
     kind = header.pop("type")
     validate(Message(kind, header))
     _check_payload(kind, payload_len)

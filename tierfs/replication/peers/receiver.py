@@ -35,7 +35,7 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs import reserved
-from tierfs.fs.ram_store import RamFull, write_all
+from tierfs.fs.store.ram_store import RamFull, write_all
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import BlockingChannel, PeerChannel
 from tierfs.whole_hash import WholeHash
@@ -82,6 +82,9 @@ class ReplicaReceiver:
         self._swept_at = time.monotonic()
         # incoming files refused for want of room -> why (their later chunks are refused too)
         self._refused: dict[Path, str] = {}
+        # bytes of completed transfers read back from their files for the whole-file hash
+        # (chunks that came ahead of their file's order, or twice)
+        self.read_back = 0
 
     def _incoming(self, digest: str, peer: str) -> Path:
         return self.objects_dir / f"{INCOMING_PREFIX}{digest}-{peer}"
@@ -165,10 +168,12 @@ class ReplicaReceiver:
         del self._incoming_files[path]
         try:
             found, found_size = incoming.whole.digest(), size
+            self.read_back += incoming.whole.read_back
             if incoming.rewritten or found is None:  # read the file back
                 whole = await trio.to_thread.run_sync(mf.hash_fd, incoming.fd,
                                                       limiter=self._threads)
                 found, found_size = whole.xxh3, whole.size
+                self.read_back += size
         finally:
             os.close(incoming.fd)
         if found != digest or found_size != size:

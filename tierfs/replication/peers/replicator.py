@@ -9,8 +9,10 @@ same records, so each copy is made once, by its planned source; this node carrie
 copies it is the source of, grouped by target, in parallel across targets.
 
 To a target, the files' chunks go from the RAM store's immutable committed objects over the
-directory's `connections` connections at once (`--peer-connections`), dealt out in turn so
-that each file's chunks arrive about in order; each connection is driven by a worker thread
+directory's `connections` connections at once (`--peer-connections`): whole files to each
+where they spread evenly, so that each file's chunks arrive in order and are hashed by the
+receiver as they are written, else dealt out in turn (`deal`); each connection is driven by a
+worker thread
 of its own (`sendfile`, the chunks' tags, channel.WINDOW PUTs ahead of the peer's OKs, which
 are the backpressure). Then HOLD names them (at most MAX_NAMES per message); the target
 answers HELD with those it now holds, verified. Only then
@@ -60,6 +62,9 @@ TRIES_BEFORE_ASIDE = 5  # failed rounds of a step before it waits aside for RETR
 RETRY_LATER = 5.0  # seconds between tries of the steps waiting aside
 HOLD_NAME_BYTES = 256 << 10  # names per HOLD: at most this many bytes (and MAX_NAMES)
 NO_ROOM_PAUSE = 30.0  # seconds a target that had no room for a copy is not sent another
+# Whole files go to a connection each when no connection gets more than this times its even
+# share of the bytes (`deal`).
+BALANCE = 1.25
 
 Placements = Callable[[mf.StepManifest], Awaitable[dict[str, FileRecord] | None]]
 # Count a target as holding files it verified; whether etcd recorded every one.
@@ -78,10 +83,10 @@ class Replicator:
         on_placements: Callable[[mf.StepManifest, dict[str, set[str]], dict[str, str]], None],
         on_held: Recorded,
         may_copy: Callable[[mf.StepManifest, str], bool] = lambda _m, _peer: True,
-        events: Events | None = None,
+        events: Events,
     ) -> None:
         self.directory = directory
-        self._events = events or Events()
+        self._events = events
         self.replicas = replicas
         self._object_path = object_path
         self._is_current = is_current
@@ -175,11 +180,12 @@ class Replicator:
         here = {name: placement.Placement(r.node, frozenset(r.holders), frozenset(r.left))
                 for name, r in records.items()
                 if os.path.exists(self._object_path(r.xxh3))}
-        ring, me = self.directory.live.ring, self.directory.me
+        live, me = self.directory.live, self.directory.me
+        ring, domains = live.ring, live.domains
         full = self._full_targets()
-        copies = placement.restore_plan(here, ring, self.replicas, full).for_source(me)
-        wanted = placement.restore_plan(here, ring, self.replicas).for_source(me) if full \
-            else copies
+        copies = placement.restore_plan(here, ring, self.replicas, domains, full).for_source(me)
+        wanted = placement.restore_plan(here, ring, self.replicas, domains).for_source(me) \
+            if full else copies
         if len(copies) < len(wanted):  # some copy has no target with room now
             refused = sorted({c.target for c in wanted} & full)
             self._note_trouble(manifest, "; ".join(self._no_room[t][1] for t in refused)
@@ -259,12 +265,9 @@ class Replicator:
     async def _send_files(self, target: str, step_path: str,
                           entries: list[mf.FileEntry]) -> None:
         """The files' chunks as PUTs to `target`, over as many pooled connections at once as
-        the directory says (each driven by a worker thread, `_put_chunks`): chunk i of the
-        whole run goes over connection i mod n. The first failure raises (the other
-        connections stop)."""
-        chunks = [(entry, offset) for entry in entries
-                  for offset in range(0, max(entry.size, 1), mf.CHUNK_SIZE)]
-        lanes = max(1, min(self.directory.connections, len(chunks)))
+        the directory says (each driven by a worker thread, `_put_chunks`), dealt out by
+        `deal`. The first failure raises (the other connections stop)."""
+        shares = deal(entries, self.directory.connections)
         failures: list[BaseException] = []
 
         async def lane(share: list[tuple[mf.FileEntry, int]], scope: trio.CancelScope) -> None:
@@ -276,10 +279,42 @@ class Replicator:
                 scope.cancel()
 
         async with trio.open_nursery() as nursery:
-            for i in range(lanes):
-                nursery.start_soon(lane, chunks[i::lanes], nursery.cancel_scope)
+            for share in shares:
+                nursery.start_soon(lane, share, nursery.cancel_scope)
         if failures:
             raise failures[0]
+
+
+def _chunks(entry: mf.FileEntry) -> list[tuple[mf.FileEntry, int]]:
+    return [(entry, offset) for offset in range(0, max(entry.size, 1), mf.CHUNK_SIZE)]
+
+
+def deal(entries: list[mf.FileEntry], connections: int
+         ) -> list[list[tuple[mf.FileEntry, int]]]:
+    """The files' chunks (entry, offset) dealt out to at most `connections` connections, each
+    connection's in the order it sends them. Whole files to a connection, each file's chunks
+    in order, when the files can be spread so that no connection carries more than
+    BALANCE x its even share (largest first, each to the least loaded): the receiver then
+    hashes every chunk from the bytes it just wrote, in its CPU's cache. Otherwise (one large
+    file, or a few unequal ones) chunk i goes over connection i mod n, so that one file still
+    uses every connection; chunks ahead of their file's order are read back once for its hash
+    (`tierfs.whole_hash`)."""
+    chunks = [chunk for entry in entries for chunk in _chunks(entry)]
+    lanes = max(1, min(connections, len(chunks)))
+    if lanes == 1:
+        return [chunks]
+    loads = [0] * lanes
+    owner: dict[int, int] = {}  # index in entries -> lane
+    for index in sorted(range(len(entries)), key=lambda i: -entries[i].size):
+        lane = loads.index(min(loads))
+        owner[index] = lane
+        loads[lane] += max(entries[index].size, 1)
+    if max(loads) <= BALANCE * sum(loads) / lanes:
+        shares: list[list[tuple[mf.FileEntry, int]]] = [[] for _ in range(lanes)]
+        for index, entry in enumerate(entries):  # in the step's order on each connection
+            shares[owner[index]] += _chunks(entry)
+        return [share for share in shares if share]
+    return [chunks[i::lanes] for i in range(lanes)]
 
 
 def _put_chunks(io: BlockingChannel, chunks: list[tuple[mf.FileEntry, int]], step_path: str,

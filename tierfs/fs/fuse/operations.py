@@ -1,0 +1,373 @@
+"""The pyfuse3 Operations of tierfs: thin handlers over the Namespace.
+
+Each handler looks up its arguments, calls one Namespace method and builds the reply. Errors
+are translated in one place (`_boundary`): domain refusals become their errno, a full RAM tier
+ENOSPC, and anything unexpected is logged with its traceback and answered with EIO, because any
+other exception escaping a handler would stop the filesystem.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import pyfuse3
+from pyfuse3 import EntryAttributes, FileInfo, FUSEError, StatvfsData
+
+from tierfs.fs.model.nodes import (
+    NAME_MAX,
+    XATTR_NAMESPACE,
+    XATTR_RESERVED,
+    FsError,
+    Handle,
+    Node,
+    size_in_blocks,
+)
+from tierfs.fs.store.ram_store import RamFull
+from tierfs.fs.tree.kernel_cache import timeout_for
+
+if TYPE_CHECKING:
+    from tierfs.fs.fuse.passthrough import PassthroughDevice
+    from tierfs.fs.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+XATTR_CONTROL = b"user.tierfs.control"
+BLOCK = 4096
+
+T = TypeVar("T")
+
+
+def _boundary(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    @functools.wraps(handler)
+    async def wrapper(self: Operations, *args: Any) -> T:
+        self.ns.foreground.request()  # background work waits while users' requests come
+        try:
+            return await handler(self, *args)
+        except FUSEError:
+            raise
+        except FsError as exc:
+            if exc.errno == errno.ENOSPC:  # a commit the saver's call waited for had no room
+                self.ns.events.write_refused()
+            raise FUSEError(exc.errno) from None
+        except RamFull:
+            self.ns.events.write_refused()
+            raise FUSEError(errno.ENOSPC) from None
+        except OSError as exc:
+            raise FUSEError(exc.errno or errno.EIO) from None
+        except Exception:
+            log.exception("internal error in %s%r", handler.__name__, args[:2])
+            raise FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+class Operations(pyfuse3.Operations):
+    enable_writeback_cache = False
+
+    def __init__(self, namespace: Namespace, control_path: str = "",
+                 passthrough: PassthroughDevice | None = None) -> None:
+        super().__init__()
+        self.ns = namespace
+        self.passthrough = passthrough
+        self.control_path = control_path.encode()
+        self._dirs: dict[int, tuple[Node, list[tuple[bytes, Node]] | None]] = {}
+        self._next_dir_fh = 1
+
+    # -- entries ---------------------------------------------------------------------------
+
+    def _attrs(self, node: Node) -> EntryAttributes:
+        attrs = EntryAttributes()
+        attrs.st_ino = node.ino
+        if node.virtual:
+            parent = self.ns.stat(node.parent)
+            target = self.ns.readlink(node)
+            attrs.st_mode = stat.S_IFLNK | 0o777
+            attrs.st_nlink = 1
+            attrs.st_uid, attrs.st_gid = parent.st_uid, parent.st_gid
+            attrs.st_size = len(target)
+            attrs.st_atime_ns = attrs.st_mtime_ns = attrs.st_ctime_ns = parent.st_mtime_ns
+            attrs.entry_timeout = attrs.attr_timeout = timeout_for(node)
+            return attrs
+        st = self.ns.stat(node)
+        attrs.st_mode = st.st_mode
+        # Tree files share their inode with committed objects: users see one link, or none
+        # once the name is gone (fstat of an open, unlinked file).
+        attrs.st_nlink = st.st_nlink if node.is_dir else int(node.parent is not None)
+        attrs.st_uid = st.st_uid
+        attrs.st_gid = st.st_gid
+        attrs.st_size = st.st_size
+        attrs.st_blksize = BLOCK
+        # A file's size whichever tier holds it (a RAM file's own blocks would say 0 once it
+        # left RAM, and less than its size while sparse): `du` answers "how much is there".
+        attrs.st_blocks = size_in_blocks(st.st_size) if node.is_file else st.st_blocks
+        attrs.st_atime_ns = st.st_atime_ns
+        attrs.st_mtime_ns = st.st_mtime_ns
+        attrs.st_ctime_ns = st.st_ctime_ns
+        # How long the kernel may keep them (fs.tree.kernel_cache: the daemon tells it of the
+        # changes it cannot see).
+        attrs.entry_timeout = attrs.attr_timeout = timeout_for(node)
+        return attrs
+
+    def _entry(self, node: Node) -> EntryAttributes:
+        attrs = self._attrs(node)
+        self.ns.remember(node)
+        return attrs
+
+    @_boundary
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any) -> EntryAttributes:
+        parent = self.ns.get(parent_inode)
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)  # the kernel leaves this check to us
+        if name == b".":
+            node = parent
+        elif name == b"..":
+            node = parent.parent or parent
+        else:
+            try:
+                node = self.ns.child(parent, name)
+            except FsError as exc:
+                # A step being written here may have been committed by another node a moment
+                # ago (a load right after the save's barrier): ask the cluster, then look again.
+                if exc.errno != errno.ENOENT or not await self.ns.tiers.catch_up(parent, name):
+                    raise
+                node = self.ns.child(parent, name)
+        return self._entry(node)
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for inode, count in inode_list:
+            self.ns.forget(inode, count)
+
+    @_boundary
+    async def getattr(self, inode: int, ctx: Any) -> EntryAttributes:
+        return self._attrs(self.ns.get(inode))
+
+    @_boundary
+    async def setattr(self, inode: int, attr: EntryAttributes, fields: Any, fh: int | None,
+                      ctx: Any) -> EntryAttributes:
+        node = self.ns.get(inode)
+        await self.ns.setattr(
+            node, self.ns.handle(fh) if fh is not None else None,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            size=attr.st_size if fields.update_size else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+        )
+        if fields.update_size and not fields.update_mode:
+            self._writer_opened(node, ctx)  # a truncate writes too
+        return self._attrs(node)
+
+    @_boundary
+    async def readlink(self, inode: int, ctx: Any) -> bytes:
+        return self.ns.readlink(self.ns.get(inode), ctx.pid)
+
+    @_boundary
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> EntryAttributes:
+        node = self.ns.mkdir(self.ns.get(parent_inode), name, mode & ~ctx.umask, ctx.uid, ctx.gid)
+        return self._entry(node)
+
+    @_boundary
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: Any) -> EntryAttributes:
+        node = self.ns.mknod(self.ns.get(parent_inode), name, mode & ~ctx.umask, ctx.uid,
+                             ctx.gid)
+        return self._entry(node)
+
+    @_boundary
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        self.ns.rmdir(self.ns.get(parent_inode), name)
+
+    @_boundary
+    async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        await self.ns.unlink(self.ns.get(parent_inode), name)
+
+    @_boundary
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: Any) -> EntryAttributes:
+        node = self.ns.symlink(self.ns.get(parent_inode), name, target, ctx.uid, ctx.gid)
+        return self._entry(node)
+
+    @_boundary
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: Any) -> None:
+        old_parent = self.ns.get(parent_inode_old)
+        new_parent = self.ns.get(parent_inode_new)
+        self.ns.check_special_destination(self.ns.child(old_parent, name_old), new_parent)
+        await self.ns.rename(old_parent, name_old, new_parent, name_new, flags)
+
+    @_boundary
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: Any) -> EntryAttributes:
+        raise FsError(errno.EPERM)  # hard links would defeat per-step copy on write
+
+    # -- files -----------------------------------------------------------------------------
+
+    @_boundary
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: Any) -> tuple[FileInfo, EntryAttributes]:
+        node, handle = self.ns.create(self.ns.get(parent_inode), name, mode & ~ctx.umask,
+                                      flags, ctx.uid, ctx.gid, ctx.pid)
+        self._writer_opened(node, ctx)
+        return await self._file_info(handle), self._entry(node)
+
+    @_boundary
+    async def open(self, inode: int, flags: int, ctx: Any) -> FileInfo:
+        node = self.ns.get(inode)
+        if ((flags & os.O_ACCMODE) == os.O_RDONLY
+                and self.passthrough is not None and self.passthrough.enabled):
+            # Reads of a file in another tier would each cross the daemon (the relay, a FUSE
+            # request per 128 KiB, a copy): a small one, or one of a step being loaded (its
+            # .metadata opened), comes whole now, answered with passthrough; another large one
+            # is read range by range (Residency.fetch_whole).
+            await self.ns.residency.fetch_whole(node)
+        handle = await self.ns.open(node, flags)
+        self.ns.note_opened(handle, ctx.pid)
+        if handle.writable:
+            self._writer_opened(node, ctx)
+        return await self._file_info(handle)
+
+    def _writer_opened(self, node: Node, ctx: Any) -> None:
+        """Under the relay the daemon clears set-id bits itself (FUSE_HANDLE_KILLPRIV_V2), and
+        with passthrough it sees no write: a writer that may not keep them (a user but root,
+        who has CAP_FSETID) makes them go at its open (`Attributes.drop_setid`)."""
+        if self.passthrough is not None and ctx.uid != 0:
+            self.ns.drop_setid(node)
+
+    async def _file_info(self, handle: Handle) -> FileInfo:
+        """The reply to an open: passthrough to the backing file where the kernel allows it."""
+        if self.passthrough is not None:
+            try:
+                if self.passthrough.choose(handle):
+                    await self.ns.expect_direct_writes(handle)
+            except BaseException:
+                self.passthrough.withdraw(handle)
+                await self.ns.release(handle)  # the kernel will not release a failed open
+                raise
+        return FileInfo(fh=handle.fh)
+
+    @_boundary
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return await self.ns.read(self.ns.handle(fh), off, size)
+
+    @_boundary
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return await self.ns.write(self.ns.handle(fh), off, buf)
+
+    @_boundary
+    async def flush(self, fh: int) -> None:
+        await self.ns.flush(self.ns.handle(fh))
+
+    @_boundary
+    async def release(self, fh: int) -> None:
+        handle = self.ns.handle(fh)
+        if self.passthrough is not None:
+            self.passthrough.withdraw(handle)
+        await self.ns.release(handle)
+
+    @_boundary
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        self.ns.fsync(self.ns.handle(fh))
+
+    # -- directories -----------------------------------------------------------------------
+
+    @_boundary
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        node = self.ns.get(inode)
+        if not node.is_dir:
+            raise FsError(errno.ENOTDIR)
+        fh = self._next_dir_fh
+        self._next_dir_fh += 1
+        self._dirs[fh] = (node, None)
+        return fh
+
+    @_boundary
+    async def readdir(self, fh: int, start_id: int, token: Any) -> None:
+        node, snapshot = self._dirs[fh]
+        if snapshot is None or start_id == 0:
+            # One snapshot per pass keeps offsets stable while the directory changes.
+            snapshot = [(b".", node), (b"..", node.parent or node), *self.ns.list_dir(node)]
+            self._dirs[fh] = (node, snapshot)
+        for index in range(start_id, len(snapshot)):
+            name, child = snapshot[index]
+            try:
+                attrs = self._attrs(child)
+            except (FsError, OSError):
+                continue  # removed since the snapshot
+            if not pyfuse3.readdir_reply(token, name, attrs, index + 1):
+                break
+            if index >= 2:  # the kernel takes no reference for "." and ".."
+                self.ns.remember(child)
+
+    @_boundary
+    async def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    @_boundary
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        return None  # metadata changes are in the RAM store as soon as they are made
+
+    @_boundary
+    async def statfs(self, ctx: Any) -> StatvfsData:
+        store = self.ns.store
+        stats = StatvfsData()
+        stats.f_bsize = stats.f_frsize = BLOCK
+        stats.f_blocks = store.limit_bytes // BLOCK
+        stats.f_bfree = stats.f_bavail = max(0, store.limit_bytes - store.used_bytes) // BLOCK
+        stats.f_files = 1 << 32
+        stats.f_ffree = stats.f_favail = (1 << 32) - self.ns.inode_count
+        stats.f_namemax = 255
+        return stats
+
+    # -- extended attributes ---------------------------------------------------------------
+
+    @_boundary
+    async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        if name == XATTR_CONTROL and self.control_path:
+            return self.control_path
+        node = self.ns.get(inode)
+        if _is_user_xattr(name):
+            return self.ns.user_xattr(node, name)
+        if not name.startswith(XATTR_NAMESPACE):
+            raise FsError(errno.EOPNOTSUPP)  # as the relay answers (fs.fuse.fuse_wire.answer_here)
+        return await self.ns.xattr(node, name)
+
+    @_boundary
+    async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
+        node = self.ns.get(inode)
+        return self.ns.xattr_names(node) + self.ns.user_xattr_names(node)
+
+    @_boundary
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
+        _check_user_xattr(name)
+        await self.ns.set_user_xattr(self.ns.get(inode), name, value)
+
+    @_boundary
+    async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        node = self.ns.get(inode)
+        if name.startswith(XATTR_RESERVED) and name in self.ns.xattr_names(node):
+            # Derived, not stored (like `latest`): removing one succeeds and changes nothing,
+            # so that `rsync -X` into the mount, which drops what its source lacks, works.
+            return
+        _check_user_xattr(name)
+        self.ns.remove_user_xattr(node, name)
+
+
+def _is_user_xattr(name: bytes) -> bool:
+    """A user's own attribute (`user.*`), kept on the RAM tier's file; `user.tierfs.*` is ours."""
+    return name.startswith(XATTR_NAMESPACE) and not name.startswith(XATTR_RESERVED)
+
+
+def _check_user_xattr(name: bytes) -> None:
+    """Only a user's own attributes change: tierfs's are read-only, other namespaces
+    (trusted, security, system) are not supported."""
+    if name.startswith(XATTR_RESERVED):
+        raise FsError(errno.EROFS)
+    if not _is_user_xattr(name):
+        raise FsError(errno.ENOTSUP)

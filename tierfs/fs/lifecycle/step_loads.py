@@ -1,0 +1,48 @@
+"""Steps being loaded, as a DCP load does: it opens the step's `.metadata`, then reads each
+shard it needs from its start. Such a step's large files are worth bringing whole before their
+opens return (then read by passthrough, at memory speed, instead of range by range through the
+daemon). Any other read of a large file not in RAM (one tensor of a shard) fetches only what it
+touches (`fs.store.fetch`).
+
+Beside the files a load opens, only the step's files written by the same node are read ahead
+(`Residency._read_ahead`): each rank of a multi-rank load reads its own shards only, and a
+read-ahead of the whole step would bring every shard to every node.
+
+This module only keeps the books: which steps are being loaded, and until when; `Residency`
+fetches."""
+
+from __future__ import annotations
+
+import trio
+
+from tierfs.fs.model.nodes import METADATA, Node, StepState
+
+# How long a step counts as being loaded after its `.metadata` was opened, or after one of its
+# files was brought whole for the load (a DCP load opens them one after the other).
+LOAD_WINDOW = 30.0
+
+
+class StepLoads:
+    def __init__(self) -> None:
+        self._until: dict[StepState, float] = {}  # trio time
+
+    def opened(self, step_node: Node, node: Node) -> None:
+        """A file of the step is opened for reading: if it is the step's `.metadata`, a load
+        starts."""
+        if node.name != METADATA or node.parent is not step_node:
+            return
+        self._forget_old()
+        self._until[step_node.step] = trio.current_time() + LOAD_WINDOW
+
+    def loading(self, step: StepState) -> bool:
+        """Whether the step is being loaded (and stays so for another window)."""
+        until = self._until.get(step)
+        if until is None or until < trio.current_time():
+            return False
+        self._until[step] = trio.current_time() + LOAD_WINDOW
+        return True
+
+    def _forget_old(self) -> None:
+        now = trio.current_time()
+        for step in [s for s, until in self._until.items() if until < now]:
+            del self._until[step]

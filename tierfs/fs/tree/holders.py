@@ -1,0 +1,212 @@
+"""Who holds a committed step, told the same way on every node.
+
+`tierfs status` shows a step's `copies`, `holders` and TIERS. In a cluster they are computed
+here from one source, the same on every node: the cluster's file records (who holds a verified
+copy of each file, in etcd) and whether the store holds the step; never from what one node
+happens to hold (a copy read back into its RAM is not a recorded copy) or believes of its
+peers. A multi-node step's files are spread over its writers and their replicas: its TIERS show
+the spread, `peer:node0-3 (2 copies each)` (files on node0 to node3, each file on two of
+them), where a step held whole by every holder shows `peer:node0,node1`.
+
+`Holdings` is the arithmetic over one step's state as this node knows it; `spread` and
+`node_ranges` are pure functions over values; `RecordedHolders` keeps the records
+the daemon reads for a status (briefly: a status polled in a loop does not read etcd each time).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from tierfs import manifest as mf
+
+if TYPE_CHECKING:
+    from tierfs.fs.model.nodes import StepState
+
+_NUMBERED = re.compile(r"^(.*?)(\d+)$")
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How the files of one committed step are held: `holders`, every node holding some
+    file; `whole`, those holding every file; `copies` and `most`, the fewest and the most
+    live copies of any file (the store not counted)."""
+
+    holders: tuple[str, ...]
+    whole: tuple[str, ...]
+    copies: int
+    most: int
+
+    def tiers(self, persisted: bool) -> str:
+        """TIERS of `tierfs status`: the holders (and the copies of each file, when not
+        every holder holds every file), then `persist`; `-` if none."""
+        parts = []
+        if self.holders:
+            named = "peer:" + node_ranges(self.holders)
+            if self.whole != self.holders:
+                each = (f"{self.copies} copies each" if self.copies == self.most
+                        else f"{self.copies}-{self.most} copies")
+                named += f" ({each})"
+            parts.append(named)
+        if persisted:
+            parts.append("persist")
+        return ",".join(parts) or "-"
+
+
+def spread(files: Mapping[str, Collection[str]], is_up: Callable[[str], bool]) -> Spread:
+    """The spread of a step whose files (every one, by name) are held by these nodes (a
+    file with no holder: an empty collection). Only live holders count as copies; every
+    recorded holder is named."""
+    holders: set[str] = set()
+    whole: set[str] | None = None
+    counts = []
+    for nodes in files.values():
+        holders.update(nodes)
+        whole = set(nodes) if whole is None else whole & set(nodes)
+        counts.append(sum(1 for node in nodes if is_up(node)))
+    return Spread(tuple(sorted(holders)), tuple(sorted(whole or ())), min(counts, default=0),
+                  max(counts, default=0))
+
+
+def node_ranges(nodes: Collection[str]) -> str:
+    """Node ids, sorted, consecutive numbered ones of one prefix as a range:
+    `node0-3,spare` for node0, node1, node2, node3 and spare (a run of two stays a list)."""
+    runs: list[list[tuple[str, int, str]]] = []
+    for node in sorted(nodes, key=_numbered_key):
+        match = _NUMBERED.match(node)
+        prefix, number = (match.group(1), int(match.group(2))) if match else (node, -1)
+        last = runs[-1][-1] if runs else None
+        if (last is not None and match and last[1] >= 0 and last[0] == prefix
+                and last[1] + 1 == number):
+            runs[-1].append((prefix, number, node))
+        else:
+            runs.append([(prefix, number, node)])
+    named = []
+    for run in runs:
+        if len(run) > 2:
+            named.append(f"{run[0][2]}-{run[-1][1]}")
+        else:
+            named += [node for _prefix, _number, node in run]
+    return ",".join(named)
+
+
+def _numbered_key(node: str) -> tuple[str, int, str]:
+    match = _NUMBERED.match(node)
+    return (match.group(1), int(match.group(2)), node) if match else (node, -1, node)
+
+
+# The records of a step are read again for `tierfs status` at most this often: a status polled
+# in a loop costs etcd one read of each step per second, not one per call.
+RECORDS_FRESH = 1.0
+RECORDS_PATIENCE = 1.0  # seconds a status waits for etcd before it shows this node's view
+# After etcd did not answer a status in time, the statuses of this many seconds do not ask it
+# (a status polled during an etcd outage answers at once, from this node's view).
+RECORDS_PAUSE = 5.0
+
+# (manifest) -> {file name: its holders, from the cluster's records}, None if unknown
+ReadHolders = Callable[[mf.StepManifest], Awaitable[dict[str, set[str]] | None]]
+
+
+class RecordedHolders:
+    """The cluster's file records of the committed steps, as `tierfs status` shows them: read
+    on demand (`ReadHolders`), kept for RECORDS_FRESH seconds per step version, or until this
+    node changed them itself (`changed`: it recorded copies it made)."""
+
+    def __init__(self, read: ReadHolders) -> None:
+        self._read = read
+        self._cache: dict[tuple[str, int], tuple[float, dict[str, set[str]]]] = {}
+        self._paused_until = -math.inf  # trio time: etcd did not answer the last status
+
+    async def of(self, manifests: list[mf.StepManifest]) -> dict[str, dict[str, set[str]]]:
+        """{step path: {file name: holders}} for those of `manifests` whose records could be
+        read by RECORDS_PATIENCE (or were, less than RECORDS_FRESH ago)."""
+        now = trio.current_time()
+        wanted = {(m.path, m.version): m for m in manifests}
+        self._cache = {key: value for key, value in self._cache.items() if key in wanted}
+        if now < self._paused_until:
+            wanted = {}
+        with trio.move_on_after(RECORDS_PATIENCE) as patience:
+            for key, manifest in wanted.items():
+                cached = self._cache.get(key)
+                if cached is not None and now - cached[0] < RECORDS_FRESH:
+                    continue
+                files = await self._read(manifest)
+                if files is not None:
+                    self._cache[key] = (trio.current_time(), files)
+        if patience.cancelled_caught:
+            self._paused_until = trio.current_time() + RECORDS_PAUSE
+        return {path: files for (path, _version), (_at, files) in self._cache.items()}
+
+    def changed(self, path: str, version: int) -> None:
+        """This node changed the records of that step version (it recorded copies it made):
+        the next status reads them again, so that a copy shows there as soon as it counts
+        (kept, they hid it for up to RECORDS_FRESH: a copy verified in 0.7 s showed after 1 s)."""
+        self._cache.pop((path, version), None)
+
+
+class Holdings:
+    """The holder arithmetic of one node over a step's own state (`StepState`: its replicas,
+    the peers known to hold files of it, and per file the holders the cluster's records name):
+    who else holds the committed version, each file of it, or all of it, how many live copies
+    its least-held file has, and its TIERS. `node_id` is this node, never counted as a peer."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+
+    def peer_holders(self, step: StepState) -> list[str]:
+        """Other nodes known to hold the committed version: replicas of ours, or the owner."""
+        if not step.committed:
+            return []
+        known = step.replicas | step.holders
+        if step.manifest.node_id != self.node_id:
+            known = known | {step.manifest.node_id}
+        return sorted(known - {self.node_id})
+
+    def file_peers(self, step: StepState, name: str) -> set[str]:
+        """Other nodes holding this file of the committed version: its own holders once the
+        cluster's records told them, else those known for the step."""
+        known = step.file_holders.get(name)
+        if known is None or not step.committed:
+            return set(self.peer_holders(step))
+        return (known | step.replicas) - {self.node_id}
+
+    def verified_peers(self, step: StepState, name: str) -> set[str]:
+        """Other nodes known to hold a verified copy of this file: its holders in the
+        cluster's records, and the replicas of the whole step (never the nodes merely known to
+        hold some file of it)."""
+        return (step.file_holders.get(name, set()) | step.replicas) - {self.node_id}
+
+    def full_holders(self, step: StepState) -> list[str]:
+        """Other nodes holding every file of the committed version."""
+        if not step.committed:
+            return []
+        if not step.file_holders:
+            return self.peer_holders(step)
+        holders: set[str] | None = None
+        for entry in step.manifest.files:
+            peers = self.file_peers(step, entry.name)
+            holders = peers if holders is None else holders & peers
+        return sorted(holders or ())
+
+    def copies(self, step: StepState, is_up: Callable[[str], bool]) -> int:
+        """The fewest live copies of any file of the committed version (this node's RAM and
+        the live peers holding it); 0 for a step being written."""
+        if not step.committed:
+            return 0
+        return min((int(e.name in step.resident)
+                    + sum(1 for peer in self.file_peers(step, e.name) if is_up(peer))
+                    for e in step.manifest.files), default=0)
+
+    def tiers(self, step: StepState, in_ram: bool, name: str | None = None) -> str:
+        """`user.tierfs.tiers`: of one file (`name`) or of the whole step."""
+        tiers = ["ram"] if in_ram else []
+        peers = self.full_holders(step) if name is None else sorted(self.file_peers(step, name))
+        tiers += [f"peer:{peer}" for peer in peers]
+        if step.persisted:
+            tiers.append("persist")
+        return ",".join(tiers)
