@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -822,6 +823,27 @@ async def test_publish_does_not_write_again_what_the_seals_recorded(
     await node0.publish(step_manifest("s/step_2", names, "n0"), set(names))
     assert dict(etcd.calls) == {"kv/range": 1, "kv/txn": 1}  # one read, the commit
     assert (await node0.records.commit_of("s/step_2")).files == 1000
+
+
+async def test_a_temp_file_sealed_before_the_commit_leaves_no_record_after_it(
+        etcd_server: EtcdServer) -> None:
+    """DCP's `.metadata.tmp` is sealed at its close, renamed to `.metadata`, and the step
+    commits: its seal waits in the next batch while another batch is written, and the
+    commit that follows drops it. The step's records are its files alone (the temp file's
+    record was written after the commit had dropped it, and `sync-replicas` waited for
+    copies of a file the step does not have)."""
+    cluster = new_cluster(etcd_server)
+    node0, _etcd = commits(cluster, "n0")
+    names = ["__0_0.distcp", "__1_0.distcp", ".metadata"]
+    for attempt in range(6):
+        path = f"run/step_{attempt}"
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node0.record_sealed, path, entries(names[:2]))
+            await trio.testing.wait_all_tasks_blocked()  # that batch is being written
+            nursery.start_soon(node0.record_sealed, path, entries([".metadata.tmp"]))
+            await trio.testing.wait_all_tasks_blocked()  # the temp file waits for the next
+            nursery.start_soon(node0.publish, step_manifest(path, names, "n0"), set(names))
+        assert sorted(await node0.records.files(path)) == sorted(names), attempt
 
 
 async def test_single_file_steps_are_made_again_from_their_records(

@@ -84,24 +84,28 @@ async def test_the_delete_worker_lives_on_when_its_records_have_no_room(
     assert [n.endswith(".json") for n in os.listdir(small_shm / "deleted")] == [True]
 
 
+@pytest.mark.parametrize("path", ["run/step_2", "run/epoch=0-step=2.ckpt"])
 async def test_a_stored_step_with_no_room_for_its_records_is_not_hidden_by_an_empty_one(
-        tmp_path: Path, small_shm: Path) -> None:
-    """A fresh node shows a step of the persistent tier with no room for its records: the
-    error is raised with nothing left (before, its directories stayed: an empty step
-    directory, `writing`, that hid the stored step from then on, after a restart too, since a
-    step a node has is never adopted again)."""
-    (tmp_path / "shard").write_bytes(b"stored bytes")
-    digest = mf.hash_file(tmp_path / "shard")
-    entry = mf.FileEntry("shard", digest.size, digest.xxh3, mode=0o644, chunks=digest.chunks)
-    manifest = mf.StepManifest("run/step_2", 2, 1, "other", 10, (entry,))
+        tmp_path: Path, small_shm: Path, path: str) -> None:
+    """A fresh node shows a step of the persistent tier (a directory, a single file) with no
+    room for its records: the error is raised with nothing left, no directory made for it
+    (an empty step directory, `writing`, would hide the stored step from then on, after a
+    restart too, since a step a node has is never adopted again)."""
+    single_file = not path.endswith("step_2")
+    name = path.rpartition("/")[2] if single_file else "shard"
+    (tmp_path / name).write_bytes(b"stored bytes")
+    digest = mf.hash_file(tmp_path / name)
+    entry = mf.FileEntry(name, digest.size, digest.xxh3, mode=0o644, chunks=digest.chunks)
+    manifest = mf.StepManifest(path, 2, 1, "other", 10, (entry,), single_file=single_file)
     h = Harness(small_shm / "ram")
     fill(small_shm / "other-user")
     with pytest.raises(OSError) as refused:
         h.ns.tiers.adopt_persisted(manifest)
     assert refused.value.errno == errno.ENOSPC
-    assert os.listdir(small_shm / "ram/tree") == [] and h.ns.tree.find_step("run/step_2") is None
+    assert os.listdir(small_shm / "ram/tree") == [] and h.ns.tree.find_step(path) is None
 
     (small_shm / "other-user").unlink()
     assert h.ns.tiers.adopt_persisted(manifest)
-    assert await h.state("run/step_2") == "committed"
+    step = h.ns.tree.find_step(path)
+    assert step is not None and step.step.manifest == manifest
     h.close()

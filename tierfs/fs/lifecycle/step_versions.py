@@ -8,6 +8,7 @@ primitives and by the same rules; each change is one synchronous method."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import stat
@@ -21,6 +22,8 @@ from tierfs.fs.store.fetch import RemoteFile, apply_attributes
 from tierfs.fs.tree.dir_attributes import times_kept
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tierfs.fs.tree.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -173,17 +176,7 @@ class StepVersions:
             log.warning("step %s from %s does not fit this namespace (step pattern, or a "
                         "directory of that name in use)", manifest.path, source)
             return None
-        try:
-            self.tree.records.write_manifest(self.tree.records_path(parent), manifest)
-        except OSError:
-            # No room (the RAM dir's file system full): the directories made for it go, or
-            # an empty step directory, `writing`, would hide the committed step from then on
-            # (also after a restart: a step this node has is never adopted again).
-            self._unmake(made)
-            raise
-        step.manifest = manifest
-        step.dirty = False
-        step.resident = set()
+        self._take_manifest(parent, step, manifest, made)
         return parent
 
     def _install_single_file(self, manifest: mf.StepManifest, source: str) -> Node | None:
@@ -213,27 +206,41 @@ class StepVersions:
                     self.tree.latest.keep_own(parent)  # a saver's own `latest`, from another tier
                 node = self.tree.attach(parent, file_name, stat.S_IFREG)
                 node.step = state
-                try:
-                    self.tree.records.write_manifest(self.tree.records_path(node), manifest)
-                except OSError:  # no room: nothing of it stays (as `install_step`)
-                    with contextlib.suppress(OSError):
-                        os.rmdir(os.path.join(self.tree.backing(parent),
-                                              layout.records_name(file_name)))
-                    self.tree.detach(node)
-                    self._unmake(made)
-                    raise
-                state.manifest = manifest
-                state.dirty = False
-                state.resident = set()
+                self._take_manifest(node, state, manifest, made,
+                                    functools.partial(self._unmake_file, parent, node))
                 return node
         log.warning("file %s from %s does not fit this namespace (a step directory or a "
                     "file of that name in use)", manifest.path, source)
         return None
 
+    def _take_manifest(self, node: Node, state: StepState, manifest: mf.StepManifest,
+                       made: list[Node], undo: Callable[[], None] | None = None) -> None:
+        """An installed step's manifest written to its records, then its state: committed
+        here, no byte resident yet. No room (the RAM dir's file system full): what the install
+        made goes (`undo`, then the directories made for it), or an empty step directory,
+        `writing`, would hide the committed step from then on (also after a restart: a step
+        this node has is never adopted again)."""
+        try:
+            self.tree.records.write_manifest(self.tree.records_path(node), manifest)
+        except OSError:
+            if undo is not None:
+                undo()
+            self._unmake(made)
+            raise
+        state.manifest = manifest
+        state.dirty = False
+        state.resident = set()
+
     def give_dir_attributes(self, manifest: mf.StepManifest) -> None:
         """The directories made here for other tiers' steps that `manifest` records get the
         attributes it (or a newer commit) records for them (`fs.tree.dir_attributes`)."""
         self.tree.dir_attributes.give(self.tree.root, manifest, self.tree.backing)
+
+    def _unmake_file(self, parent: Node, node: Node) -> None:
+        """Remove the file node a single-file install made, and its records directory."""
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(self.tree.backing(parent), layout.records_name(node.name)))
+        self.tree.detach(node)
 
     def _unmake(self, made: list[Node]) -> None:
         """Remove the directories an install made (empty), last made first."""

@@ -82,6 +82,7 @@ class ClusterCommits:
         self._unrecorded: dict[str, dict[str, FileRecord]] = {}
         self._recording = False
         self._batch_written = trio.Event()  # set when the batch being gathered is written
+        self._writing: dict[str, trio.Event] = {}  # steps in the batch being written -> its end
         # versions of steps this node commits in etcd whose watch event it has not seen yet
         self._published: dict[str, int] = {}
         # steps whose records this node is changing (a commit, a delete), one change at a
@@ -119,14 +120,28 @@ class ClusterCommits:
             while self._unrecorded:
                 batch, self._unrecorded = self._unrecorded, {}
                 done, self._batch_written = self._batch_written, trio.Event()
+                self._writing = dict.fromkeys(batch, done)
                 try:
                     await self._record_batch(batch)
                 finally:
+                    self._writing = {}
                     done.set()
         finally:
             self._recording = False
             self._batch_written.set()  # cancelled with seals left: their callers are not stuck
             self._batch_written = trio.Event()
+
+    async def _seals_recorded(self, step_path: str) -> None:
+        """Returns once the seals of this step that came so far are written (or no task is
+        left to write them): a commit that drops the records of files the step does not have
+        (a temp file renamed into place) must come after them, or they come back."""
+        while True:
+            if step_path in self._writing:
+                await self._writing[step_path].wait()
+            elif step_path in self._unrecorded and self._recording:
+                await self._batch_written.wait()
+            else:
+                return
 
     async def _record_batch(self, batch: dict[str, dict[str, FileRecord]]) -> None:
         """Written once etcd answers: the committer of a multi-node step waits for these
@@ -195,6 +210,7 @@ class ClusterCommits:
                        deadline: float) -> None:
         step_path = manifest.path
         names = {e.name for e in manifest.files}
+        await self._seals_recorded(step_path)
         recorded = await self.records.files(step_path)  # the step's one read
         mine = {e.name: self._record(e, manifest.version - 1) for e in manifest.files
                 if e.name in held_here}
