@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 # iproute2 (ip, tc) and iptables (iptables-legacy): the partition suite's network namespaces
-APT    := fuse3 libfuse3-dev pkg-config gcc attr rsync etcd-server systemd strace iproute2 iptables
+APT    := fuse3 libfuse3-dev pkg-config gcc attr rsync etcd-server systemd strace iproute2 iptables bindfs
 
 .PHONY: test test-fast test-faults test-repeat demo bench bench-quick simulate lint docs install clean \
 	image image-base image-tools image-name test-image

@@ -67,6 +67,10 @@ APPEND_PERIOD, APPEND_SECONDS = 0.05, 5.0
 FLOOR = "FUSE floor"  # the many-file rows on bench/fuse_floor.c: no FUSE daemon does better
 # ... and on bench/pyfuse3_floor.py: no daemon on pyfuse3 and trio (as tierfs's) does better
 PY_FLOOR = "pyfuse3 floor"
+# ... and through bindfs over tmpfs (a Debian package; the row is left out where it is not
+# installed): a kernel FUSE passthrough daemon in C as users run it, every request answered
+# by system calls on the directory below it
+BINDFS = "bindfs over tmpfs"
 # The peer data plane (issue 45): the loopback floor's connections (as --peer-connections'
 # default), and the pairs of nodes each copy is timed on (label, what, options).
 FLOOR_CONNECTIONS = 4
@@ -578,7 +582,30 @@ def _many_files(bench: Bench, rep: int, many: dict[str, dict[str, list[float]]],
         python_floor = stack.enter_context(fuse_floor.mounted(
             [sys.executable, str(fuse_floor.PYTHON_FLOOR)], bench.work / "pyfuse3-floor"))
         steps[PY_FLOOR] = python_floor / name
+        bindfs = _bindfs(bench, stack)
+        if bindfs is not None:
+            steps[BINDFS] = bindfs / name
         _many_files_on(bench, name, steps, record, extra)
+
+
+def _bindfs(bench: Bench, stack: contextlib.ExitStack) -> Path | None:
+    """A bindfs mount of a tmpfs directory (default options: one thread), unmounted and its
+    directory emptied when `stack` closes; None where bindfs is not installed."""
+    if shutil.which("bindfs") is None:
+        return None
+    source, mountpoint = bench.tmpfs / "bindfs-source", bench.work / "bindfs"
+    source.mkdir(parents=True, exist_ok=True)
+    mountpoint.mkdir(exist_ok=True)
+    stack.callback(shutil.rmtree, source, ignore_errors=True)  # after the unmount below
+    try:
+        subprocess.run(["bindfs", str(source), str(mountpoint)], check=True,
+                       capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:  # a reference row: the rest goes on
+        print(f"bindfs row left out: {exc}", flush=True)
+        return None
+    stack.callback(subprocess.run, ["fusermount3", "-u", "-z", str(mountpoint)],
+                   capture_output=True)
+    return mountpoint
 
 
 def _many_files_on(bench: Bench, name: str, steps: dict[str, Path],
@@ -1016,17 +1043,19 @@ def report(data: dict[str, Any], out: Path) -> str:
                   "bench/fuse_floor.c: no FUSE daemon's ratio can be below its own; the "
                   "pyfuse3 floor the same file system on pyfuse3 and trio, as tierfs's daemon "
                   "is, bench/pyfuse3_floor.py; the goals are tierfs / FUSE floor):", "",
-                  f"| workload | tierfs | tmpfs | {FLOOR} | {PY_FLOOR} | tierfs / tmpfs "
-                  f"| {FLOOR} / tmpfs | {PY_FLOOR} / {FLOOR} | tierfs / {FLOOR} | goal |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| workload | tierfs | tmpfs | {FLOOR} | {PY_FLOOR} | {BINDFS} "
+                  f"| tierfs / tmpfs | {FLOOR} / tmpfs | {PY_FLOOR} / {FLOOR} "
+                  f"| {BINDFS} / {FLOOR} | tierfs / {FLOOR} | goal |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for workload, by_target in many.items():
-            tier, tmp, floor, python_floor = (by_target.get(t, []) for t in
-                                              ("tierfs", "tmpfs", FLOOR, PY_FLOOR))
+            tier, tmp, floor, python_floor, bindfs = (
+                by_target.get(t, []) for t in ("tierfs", "tmpfs", FLOOR, PY_FLOOR, BINDFS))
             ratios = [f"{statistics.median(a / b for a, b in zip(x, y, strict=False)):.1f}x"
                       if x and y else "-" for x, y in ((tier, tmp), (floor, tmp),
-                                                       (python_floor, floor), (tier, floor))]
+                                                       (python_floor, floor), (bindfs, floor),
+                                                       (tier, floor))]
             cells = [f"{statistics.median(t):.2f} s" if t else "-"
-                     for t in (tier, tmp, floor, python_floor)]
+                     for t in (tier, tmp, floor, python_floor, bindfs)]
             lines.append(f"| {workload} | {' | '.join(cells)} | {' | '.join(ratios)} | "
                          f"{MANY_GOALS.get(workload, '-')} |")
     lines += ["", "| measurement | median | target |", "|---|---|---|"]

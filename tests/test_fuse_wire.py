@@ -4,7 +4,9 @@ laid out as <linux/fuse.h> 7.40 has them: no mount, no root, no kernel support n
 from __future__ import annotations
 
 import errno
+import os
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -231,3 +233,31 @@ def test_a_notification_is_told_from_a_reply() -> None:
     inval_entry = wire.OUT_HEADER.pack(wire.OUT_HEADER.size + 16, 3, 0) + bytes(16)
     assert wire.is_notification(inval_entry)
     assert not wire.is_notification(wire.OUT_HEADER.pack(wire.OUT_HEADER.size, 0, 7))
+
+
+def test_a_getattr_reply_carries_the_attributes_as_fuse_attr_out(tmp_path: Path) -> None:
+    """The relay's own GETATTR reply (`attr_reply`) is the kernel's fuse_attr_out, as
+    libfuse's `fuse_reply_attr` writes it: every field at its place, the validity split into
+    seconds and nanoseconds, times before 1970 too."""
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 5000)
+    os.utime(path, ns=(-1_500_000_000, 1_700_000_000_123_456_789))
+    st = os.stat(path)
+    message = wire.attr_reply(UNIQUE, st, 1.25)
+    assert wire.out_header(message) == (16 + 104, 0, UNIQUE)
+    fields = struct.unpack("<QII QQQ qqq IIIIIIIIII", message[16:])
+    assert fields == (1, 250_000_000, 0, st.st_ino, 5000, st.st_blocks,
+                      -2, 1_700_000_000, st.st_ctime_ns // 10**9,
+                      500_000_000, 123_456_789, st.st_ctime_ns % 10**9,
+                      st.st_mode, st.st_nlink, st.st_uid, st.st_gid, st.st_rdev,
+                      st.st_blksize, 0)
+    assert wire.attr_reply(UNIQUE, st, 0)[16:32] == bytes(16)  # no validity: asked again
+    assert wire.error_reply(UNIQUE, errno.ENOENT) == reply(b"", error=-errno.ENOENT)
+
+
+def test_a_request_tells_its_node() -> None:
+    message = wire.IN_HEADER.pack(40, wire.Opcode.GETATTR, UNIQUE, 1234, 0, 0, 1, 0, 0)
+    assert (wire.opcode_of(message), wire.unique_of(message), wire.nodeid_of(message)) == (
+        wire.Opcode.GETATTR, UNIQUE, 1234)
+    with pytest.raises(wire.WireError):
+        wire.nodeid_of(message[:20])

@@ -20,6 +20,7 @@ from tests.harness import CTX, Harness, dcp_save
 from tests.waiting import wait_until_async
 from tierfs.fs.model.nodes import Node
 from tierfs.fs.store.ram_store import RamStore
+from tierfs.fs.tree.sealing import INLINE_HASH_BYTES
 
 pytestmark = pytest.mark.core
 
@@ -144,8 +145,6 @@ async def settled(harness: Harness, step: str, names: list[str]) -> None:
 
 async def commit_many(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     files = {f"t{i:05}.distcp": i.to_bytes(8, "little") * 512 for i in range(FILES)}
-    for name, data in files.items():
-        await harness.write_file(f"run/step_2/{name}", data)
     objects = os.fsencode(harness.root / "objects")
     calls: Counter[str] = Counter()
 
@@ -159,6 +158,10 @@ async def commit_many(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None
 
     for name in ("stat", "lstat", "link"):
         monkeypatch.setattr(os, name, counted(name, getattr(os, name)))
+    # Counted from the first write: a small file sealed by its close is linked as its object
+    # then (`RamStore.link_early`), the others by the commit; once each either way.
+    for name, data in files.items():
+        await harness.write_file(f"run/step_2/{name}", data)
     await harness.write_file("run/step_2/.metadata.tmp", b"meta")  # DCP's last file
     await harness.rename("run/step_2/.metadata.tmp", "run/step_2/.metadata")  # its commit
     monkeypatch.undo()
@@ -215,3 +218,35 @@ async def test_a_restart_keeps_objects_linked_early_and_counts_no_lost_copy(
         assert not again.store.object_path(digest).exists()
     finally:
         again.close()
+
+
+async def test_a_small_file_is_sealed_at_its_close_without_a_task_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small file (up to INLINE_HASH_BYTES) is sealed and becomes its object as its writer
+    ends, on the loop: no background task for it (a step of 10,000 small files paid a task, its
+    start and its turns of the loop, per file). A bigger one is still hashed in the
+    background, off the writer's path."""
+    harness = Harness(tmp_path / "ram")
+    spawned: list[str] = []
+    spawn = harness.ns.background.spawn
+
+    def counted(work, *args):  # type: ignore[no-untyped-def]
+        spawned.append(getattr(work, "__name__", repr(work)))
+        spawn(work, *args)
+
+    monkeypatch.setattr(harness.ns.background, "spawn", counted)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(harness.ns.background.run)
+            small = b"s" * INLINE_HASH_BYTES
+            await harness.write_file("run/step_4/small.distcp", small)
+            node = harness.ns.tree.find_step("run/step_4").children[b"small.distcp"]
+            assert node.seal is not None and node.seal.settled is not None
+            assert (tmp_path / "ram/objects" / xxhash.xxh3_128_hexdigest(small)).exists()
+            assert "_in_background" not in spawned, spawned
+            await harness.write_file("run/step_4/bigger.distcp", b"b" * (INLINE_HASH_BYTES + 1))
+            assert spawned.count("_in_background") == 1, spawned
+            await settled(harness, "run/step_4", ["small.distcp", "bigger.distcp"])
+            nursery.cancel_scope.cancel()
+    finally:
+        harness.close()

@@ -40,23 +40,25 @@ def node_of(h: Harness, path: str):  # type: ignore[no-untyped-def]
 
 
 async def test_close_returns_before_the_hash(harness: Harness) -> None:
-    """The background owner has not run yet: the file is closed and still unsealed; the first
-    one who needs the seal (the commit) computes it, with the digest of the bytes."""
-    await harness.write_file("run/step_1/a", b"A" * 1000)
+    """The background owner has not run yet: the file (bigger than what is hashed at once, on
+    the loop) is closed and still unsealed; the first one who needs the seal (the commit)
+    computes it, with the digest of the bytes."""
+    await harness.write_file("run/step_1/a", b"A" * (INLINE_HASH_BYTES + 1))
     assert node_of(harness, "run/step_1/a").seal is None
     await dcp_save(harness, "run/step_1", {"b": b"B" * 10})
     assert await harness.state("run/step_1") == "committed"
     manifest = harness.commits.receive_nowait()
     digests = {f.name: f.xxh3 for f in manifest.files}
-    assert digests["a"] == xxhash.xxh3_128_hexdigest(b"A" * 1000)
+    assert digests["a"] == xxhash.xxh3_128_hexdigest(b"A" * (INLINE_HASH_BYTES + 1))
     assert digests["b"] == xxhash.xxh3_128_hexdigest(b"B" * 10)
 
 
 async def test_a_queued_background_hash_counts_as_pending(harness: Harness) -> None:
     """Between a writer's close (its FLUSH queues the hash) and its RELEASE, the hash may not
     have started yet: it counts as under way, so the RELEASE does not have the file hashed a
-    second time (each small file of a many-file step was hashed twice, or three times)."""
-    await harness.write_file("run/step_3/a", b"A" * 1000)
+    second time (each small file of a many-file step was hashed twice, or three times; a file
+    up to INLINE_HASH_BYTES is sealed at its close, on the loop)."""
+    await harness.write_file("run/step_3/a", b"A" * (INLINE_HASH_BYTES + 1))
     node = node_of(harness, "run/step_3/a")
     assert node.seal is None and harness.ns.tree.sealing.pending(node)
     node.gen += 1  # written again: the queued hash is of an older generation

@@ -51,20 +51,25 @@ def _boundary(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T
             return await handler(self, *args)
         except FUSEError:
             raise
-        except FsError as exc:
-            if exc.errno == errno.ENOSPC:  # a commit the saver's call waited for had no room
-                self.ns.events.write_refused()
-            raise FUSEError(exc.errno) from None
-        except RamFull:
-            self.ns.events.write_refused()
-            raise FUSEError(errno.ENOSPC) from None
-        except OSError as exc:
-            raise FUSEError(exc.errno or errno.EIO) from None
-        except Exception:
-            log.exception("internal error in %s%r", handler.__name__, args[:2])
-            raise FUSEError(errno.EIO) from None
+        except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
+            raise FUSEError(_errno_of(self, exc, handler.__name__, args)) from None
 
     return wrapper
+
+
+def _errno_of(self: Operations, exc: Exception, handler: str, args: tuple[Any, ...]) -> int:
+    """The errno a handler's exception answers the kernel with (see the module docstring)."""
+    if isinstance(exc, FsError):
+        if exc.errno == errno.ENOSPC:  # a commit the saver's call waited for had no room
+            self.ns.events.write_refused()
+        return exc.errno
+    if isinstance(exc, RamFull):
+        self.ns.events.write_refused()
+        return errno.ENOSPC
+    if isinstance(exc, OSError):
+        return exc.errno or errno.EIO
+    log.error("internal error in %s%r", handler, args[:2], exc_info=exc)
+    return errno.EIO
 
 
 class Operations(pyfuse3.Operations):
@@ -75,6 +80,8 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.ns = namespace
         self.passthrough = passthrough
+        if passthrough is not None:
+            passthrough.getattr_now = self.getattr_now
         self.control_path = control_path.encode()
         self._dirs: dict[int, tuple[Node, list[tuple[bytes, Node]] | None]] = {}
         self._next_dir_fh = 1
@@ -146,6 +153,15 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def getattr(self, inode: int, ctx: Any) -> EntryAttributes:
         return self._attrs(self.ns.get(inode))
+
+    def getattr_now(self, inode: int) -> EntryAttributes | int:
+        """`getattr` with no await, for the relay to answer a GETATTR on its own turn of the
+        loop (`fs.fuse.passthrough`): the attributes, or the errno that fails the request."""
+        self.ns.foreground.request()
+        try:
+            return self._attrs(self.ns.get(inode))
+        except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
+            return _errno_of(self, exc, "getattr", (inode,))
 
     @_boundary
     async def setattr(self, inode: int, attr: EntryAttributes, fields: Any, fh: int | None,

@@ -18,6 +18,8 @@ about 90 us of a request's 135 us round trip; on the loop it is one more turn of
 other message passes unchanged, so the handlers stay ordinary pyfuse3 code. The messages and
 the edits are in `tierfs.fs.fuse.fuse_wire` (pure functions over bytes); this module moves them, and
 aborts the connection if the relay fails, so that no process waits forever on the mount.
+A GETATTR is answered by the relay itself, from the daemon's handler with no await
+(`_answer_now`): one turn of the loop instead of three.
 
 The kernel requires all concurrent opens of an inode to agree: once one is a passthrough open,
 every other must pass through to the same backing file; once one is an ordinary (page-cached)
@@ -41,11 +43,15 @@ import subprocess
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
 from tierfs.fs.fuse import fuse_wire as wire
 from tierfs.fs.model.nodes import FsError, Handle
+
+if TYPE_CHECKING:
+    from pyfuse3 import EntryAttributes
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +114,9 @@ class PassthroughDevice:
         # The daemon's notifications to the kernel, for the thread that writes them
         # (`_send_notices`); None ends it.
         self._notices: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        # A GETATTR's answer with no await (`Operations.getattr_now`): the attributes, or the
+        # errno that fails it; the relay answers GETATTR itself with it (`_answer_now`).
+        self.getattr_now: Callable[[int], EntryAttributes | int] | None = None
         self._closing = False
         self._aborted = False  # the connection was aborted
         self.connection: str | None = None  # the mount's directory under CONNECTIONS
@@ -303,6 +312,8 @@ class PassthroughDevice:
             raise
         message = self._request_buffer[:length]
         answer = wire.answer_here(message)
+        if answer is None:
+            answer = self._answer_now(message)
         if answer is not None:
             if not self._to_kernel(answer):
                 return False
@@ -321,6 +332,25 @@ class PassthroughDevice:
                 return False
         await trio.lowlevel.checkpoint_if_cancelled()
         return True
+
+    def _answer_now(self, message: wire.Message) -> bytes | None:
+        """A GETATTR answered by the daemon on this turn of the loop, or None: a request
+        relayed to libfuse is three turns of the loop (this task, the pyfuse3 worker's, the
+        reply relay's), and a GETATTR's handler never waits (a step of many files saved asks
+        it of the step's directory once per file: the kernel checks its permissions). The
+        answer is the handler's, only sooner: requests are answered in no particular order
+        anyway (pyfuse3 runs several at once), and the kernel discards attributes that raced
+        with a change of them (`fuse_change_attributes`, by attr_version)."""
+        offer = self._wire.offer
+        if (self.getattr_now is None or wire.opcode_of(message) != wire.Opcode.GETATTR
+                or not self._wire.initialized or offer is None
+                or offer.minor < wire.ATTR_OUT_MINOR):
+            return None
+        attrs = self.getattr_now(wire.nodeid_of(message))
+        unique = wire.unique_of(message)
+        if isinstance(attrs, int):
+            return wire.error_reply(unique, attrs)
+        return wire.attr_reply(unique, attrs, attrs.attr_timeout)
 
     async def _relay_replies(self) -> None:
         try:

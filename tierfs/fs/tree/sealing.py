@@ -96,13 +96,20 @@ class Sealing:
         return [node for _rel, node in files
                 if node.open_for_writing and not self.describes_file(node)]
 
-    def start(self, node: Node, *, at_commit: bool = False) -> None:
+    def start(self, node: Node, *, at_commit: bool = False, size: int | None = None) -> None:
         """The last writer of `node` is done: seal it in the background, or (`at_commit`)
-        when it is needed (see the module docstring)."""
+        when it is needed (see the module docstring). A file of `size` up to
+        INLINE_HASH_BYTES is sealed at once, on the loop: its hash there costs less than a
+        task of its own (a step of 10,000 small files paid a task, its start and its turns of
+        the loop, per file)."""
         if at_commit:
             self._at_commit[node] = node.gen
             return
         self._at_commit.pop(node, None)
+        if self.spawner is not None and size is not None and size <= INLINE_HASH_BYTES \
+                and not self._under_way(node):
+            self._seal_now(node, node.gen)
+            return
         if self.spawner is not None:
             self._queued[node] = node.gen
             self.spawner.spawn(self._in_background, node, node.gen)
@@ -196,6 +203,28 @@ class Sealing:
         except (FsError, OSError) as exc:  # removed or evicted meanwhile: nothing to seal
             log.debug("background seal of inode %d skipped: %s", node.ino, exc)
 
+    def _seal_now(self, node: Node, gen: int) -> None:
+        """`start`'s seal of a small file, with no await: no other hash of it can run
+        meanwhile. One that grew past INLINE_HASH_BYTES since its size was taken goes to the
+        background as any other."""
+        try:
+            fd = os.open(self._backing(node), os.O_RDONLY)
+        except (FsError, OSError) as exc:  # removed or evicted meanwhile: nothing to seal
+            log.debug("seal of inode %d skipped: %s", node.ino, exc)
+            return
+        try:
+            before = os.fstat(fd)
+            if before.st_size > INLINE_HASH_BYTES:
+                assert self.spawner is not None
+                self._queued[node] = gen
+                self.spawner.spawn(self._in_background, node, gen)
+                return
+            digest = mf.hash_fd(fd)
+            after = os.fstat(fd)
+        finally:
+            os.close(fd)
+        self._keep(node, gen, digest, before, after)
+
     async def _hash(self, node: Node, gen: int) -> None:
         """Hash the node's content in a thread; keep the seal only if nothing wrote meanwhile."""
         try:
@@ -208,6 +237,12 @@ class Sealing:
             after = os.fstat(fd)
         finally:
             os.close(fd)
+        self._keep(node, gen, digest, before, after)
+
+    def _keep(self, node: Node, gen: int, digest: mf.Digest, before: os.stat_result,
+              after: os.stat_result) -> None:
+        """Keep the seal of a hash taken between `before` and `after` only if nothing wrote the
+        file meanwhile."""
         seal = Seal(digest, after.st_ino, after.st_mtime_ns)
         if (node.gen == gen and node.active_writers == 0 and seal.describes(before)
                 and seal.describes(after)):

@@ -492,15 +492,17 @@ class Tree:
             handle.flushes += 1
         if not handle.active:
             return False
-        if handle.passthrough:
-            self.store.account_fd(handle.fd)
+        st = os.fstat(handle.fd) if handle.fd >= 0 else None
+        if handle.passthrough and st is not None:
+            self.store.account(st.st_ino, allocated(st))  # as `account_fd`, one fstat
         node = handle.node
         handle.active = False
         node.active_writers -= 1
-        if node.active_writers == 0:  # off the writer's path: the close returns now
-            self.sealing.start(node, at_commit=(
-                handle.fd >= 0 and tree_walk.in_a_step(node.parent)
-                and os.fstat(handle.fd).st_size >= HASH_AT_COMMIT))
+        if node.active_writers == 0:  # a big file's hash is off the writer's path
+            size = st.st_size if st is not None else None
+            self.sealing.start(node, size=size, at_commit=(
+                size is not None and size >= HASH_AT_COMMIT
+                and tree_walk.in_a_step(node.parent)))
         self._released.set()
         self._released = trio.Event()
         return True
