@@ -227,9 +227,8 @@ class Residency:
         fetched verified (the read that needs it gets EIO)."""
         if node.name == METADATA:  # in RAM or not: a multi-node step's other shards are not
             step_node = next(tree_walk.enclosing_steps(node), None)
-            if step_node is not None and self.loads.opened(step_node, node):
-                # the shards come from now on, while the loader reads `.metadata` and plans
-                self._read_ahead(node, METADATA, one_writer=True)
+            if step_node is not None:
+                self.loads.opened(step_node, node)
         if node.remote is None:
             return
         if node.remote.entry.size > WHOLE_AT_OPEN and not self._being_loaded(node):
@@ -319,7 +318,7 @@ class Residency:
 
         self.background.spawn(fetch_all)
 
-    def _read_ahead(self, node: Node, name: str, *, one_writer: bool = False) -> None:
+    def _read_ahead(self, node: Node, name: str) -> None:
         """`node` (`name` in its step), a file of a step being loaded (`StepLoads`), came
         whole for its open: the step's other large files not in RAM that the same node wrote
         come now, in the background, one after another in manifest order from the one after
@@ -329,9 +328,8 @@ class Residency:
         node of a multi-node load reads the shards its own ranks wrote, and another node's
         must not come to every node (a node that wrote nothing here, a fresh one, reads
         ahead the files of the writer of the file it opened; in a cluster it asks the
-        records who that is, and reads nothing ahead if they do not say). `one_writer` (a
-        load that starts at its `.metadata`, before it opened a shard): only if one node wrote
-        the whole step, whose loader then wants all of it. Only into free room; the
+        records who that is, and reads nothing ahead if they do not say). Only into free
+        room; the
         read-ahead stops at the first file that does not fit or does not come. Each file
         comes as any fetch does: WHOLE_IN_FLIGHT chunks at a time over the peers' pooled
         connections, each received, checked and written into the RAM tier's partial file by
@@ -358,8 +356,6 @@ class Residency:
                     writers = await records.writers_of(manifest) or {}
                     if name not in writers:
                         return  # unknown: no file comes unasked
-                if one_writer and len(set(writers.values())) > 1:
-                    return  # a multi-node step: each node's ranks read their own shards
                 wanted = [sibling for sibling in self._step_files_after(step_node, name)
                           if sibling.remote is not None
                           and sibling.remote.entry.size > SMALL_FILE
