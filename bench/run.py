@@ -661,8 +661,9 @@ def _cluster(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str, torc
         if not bench.args.ranged_only:
             _cluster_runs(bench, state, fresh, reps, extra, token, etcd.cluster_url("bench"),
                           profiles)
-        _ranged_readback(bench, state_bytes(state), extra, token,
-                         etcd.cluster_url("bench-ranged"))
+        if not bench.args.restores_only:
+            _ranged_readback(bench, state_bytes(state), extra, token,
+                             etcd.cluster_url("bench-ranged"))
 
 
 def _save_before_a_copy(state: dict[str, torch.Tensor], path: Path) -> None:
@@ -757,11 +758,19 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
                         str(mountpoint / "run" / step)))
                 extra.setdefault(f"restore_from_{source.replace(' ', '_')}", []).append(
                     time.perf_counter() - started)
+            # files the fresh node fetched ahead of their open (absent from older daemons)
+            ahead = bench.status(name).get("fetched_ahead")
+            if ahead is not None:
+                extra.setdefault(f"restore_from_{source.replace(' ', '_')}_files_ahead",
+                                 []).append(ahead["files"])
             shutil.rmtree(copied / "copy", ignore_errors=True)
             profiles.update({label: spy.functions for label, spy in spies.items()
                              if spy.functions})
             bench.stop_mount(name)
     shutil.rmtree(copied)
+    if bench.args.restores_only:
+        floors.close()
+        return
     _sync_replicas_save(bench, state, extra, node)
     try:
         _copy_pairs(bench, state, extra, node, url, reps, floors)
@@ -1174,6 +1183,8 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     row("restore_from_peer_cp", "restore into a fresh node from a peer (`cp -r` of the step)",
         "s", f"{extra['restore_reference_cp'] / extra['restore_from_peer_cp']:.2f}x a tmpfs "
         "`cp -r` of the same bytes; goal >= 0.7x"
+        + (f"; {extra['restore_from_peer_cp_files_ahead']:.0f} files fetched ahead of their "
+           "open" if "restore_from_peer_cp_files_ahead" in extra else "")
         if "restore_reference_cp" in extra and "restore_from_peer_cp" in extra else "-")
     if {"restore_reference_cp", "restore_reference_cp_cpu", f"loopback_floor_{FLOOR_CONNECTIONS}",
             f"loopback_floor_cpu_per_gib_{FLOOR_CONNECTIONS}"} <= set(extra):
@@ -1267,6 +1278,9 @@ def main() -> None:
                              "and on the daemons of the replication and of a peer restore")
     parser.add_argument("--cluster-only", action="store_true",
                         help="only the cluster measurements (replication, restores)")
+    parser.add_argument("--restores-only", action="store_true",
+                        help="of the cluster measurements, the floors, the first pair's "
+                             "replication and the restores into fresh nodes only")
     parser.add_argument("--many-files-only", action="store_true",
                         help=f"only the {MANY_FILES:,}-file step (save, ls -l, read back)")
     parser.add_argument("--ranged-only", action="store_true",
@@ -1280,6 +1294,7 @@ def main() -> None:
     parser.add_argument("--compare", action="store_true",
                         help=f"also run a mount with --no-passthrough (column {DAEMON_PATH!r})")
     args = parser.parse_args()
+    args.cluster_only = args.cluster_only or args.restores_only
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(report(run(args), out))

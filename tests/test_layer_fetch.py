@@ -155,6 +155,49 @@ async def test_chunks_stored_out_of_order_still_make_the_whole_files_check(
         fetch.discard()
 
 
+class IntoReader(PersistentReader):
+    """The persistent tier's read source receiving into the fetch's buffer, as a peer does
+    (`read_into`)."""
+
+    async def read_into(self, step_path: str, entry: mf.FileEntry, offset: int,
+                        buffer: memoryview) -> memoryview:
+        data = await self.read_range(step_path, entry, offset, len(buffer))
+        buffer[:len(data)] = data
+        return buffer[:len(data)]
+
+
+@pytest.mark.parametrize("flipped", [None, 2], ids=["intact", "a-chunk-ahead-flipped"])
+async def test_chunks_ahead_of_the_order_are_hashed_from_their_buffers_not_read_back(
+        tmp_path: Path, ram: RamStore, flipped: int | None) -> None:
+    """Chunks received into the fetch's buffers ahead of the file's order are hashed for the
+    whole-file check from those buffers once the chunks before them are in (none is read
+    back from the partial file), and a chunk that does not match is still refused."""
+    data = os.urandom(4 * mf.CHUNK_SIZE - 3)
+    backend, remote = stored_file(tmp_path, data)
+    if flipped is not None:
+        bad = bytearray(data)
+        bad[flipped * mf.CHUNK_SIZE + 99] ^= 1
+        backend.put_bytes(f"{STEP}/shard", bytes(bad))
+    source = [IntoReader(backend, trio.CapacityLimiter(2))]
+    fetch = Fetch(ram, remote)
+    try:
+        for index in (3, 1, 2, 0):  # a reader jumping about: no read-ahead
+            if index == flipped:
+                with pytest.raises(FetchError, match="does not match its checksum"):
+                    await fetch.read(source, index * mf.CHUNK_SIZE, 1)
+            else:
+                assert await fetch.read(source, index * mf.CHUNK_SIZE, 10) == \
+                    data[index * mf.CHUNK_SIZE:index * mf.CHUNK_SIZE + 10]
+        assert fetch._whole.read_back == 0
+        if flipped is None:
+            assert fetch.complete and fetch.verify()
+            assert Path(os.fsdecode(fetch.path)).read_bytes() == data
+        else:
+            assert not fetch.complete and not fetch.verify()
+    finally:
+        fetch.discard()
+
+
 async def test_a_whole_that_does_not_match_its_manifest_is_never_adopted(
         tmp_path: Path, ram: RamStore) -> None:
     """Every chunk matches its own checksum, the whole does not match the manifest's xxh3-128

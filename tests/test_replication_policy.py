@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from tests.test_namespace import Harness, dcp_save
+from tests.harness import Harness, dcp_save
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.replication.commit_order import CopyPlans

@@ -123,6 +123,11 @@ class Residency:
             weakref.WeakKeyDictionary()
         self.small_fetched = 0  # files brought in by `_fetch_small` (status, tests)
         self._reading_ahead: set[StepState] = set()  # steps with a `_read_ahead` running
+        # Fetches a read-ahead started (before any open of their file), and the files and
+        # bytes they brought into RAM, verified (status `fetched_ahead`, tests, the bench).
+        self._ahead: weakref.WeakSet[Fetch] = weakref.WeakSet()
+        self.ahead_files = 0
+        self.ahead_bytes = 0
 
     # -- coming back -----------------------------------------------------------------------
 
@@ -143,7 +148,18 @@ class Residency:
         elif fetch.wants_whole and not fetch.filling and \
                 self.store.room_for(fetch.missing_bytes):
             self.fill_behind(node, fetch)
+            self._read_through(node)
         return data
+
+    def _read_through(self, node: Node) -> None:
+        """`node` is read back to back from its first byte (`cp -r`, `torch.load`): its step
+        counts as being loaded (the next files' opens fetch them whole), and its next files of
+        the same writer are read ahead (`_read_ahead`)."""
+        step_node = next(tree_walk.enclosing_steps(node), None)
+        if step_node is None or step_node.is_file or node.remote is None:
+            return
+        self.loads.read_through(step_node.step)
+        self._read_ahead(node, node.remote.entry.name)
 
     def fill_behind(self, node: Node, fetch: Fetch) -> None:
         """Fetch the rest of a file being read sequentially, WHOLE_IN_FLIGHT chunks at a time,
@@ -313,7 +329,11 @@ class Residency:
         must not come to every node (a node that wrote nothing here, a fresh one, reads
         ahead the files of the writer of the file it opened; in a cluster it asks the
         records who that is, and reads nothing ahead if they do not say). Only into free
-        room; the read-ahead stops at the first file that does not fit or does not come."""
+        room; the
+        read-ahead stops at the first file that does not fit or does not come. Each file
+        comes as any fetch does: WHOLE_IN_FLIGHT chunks at a time over the peers' pooled
+        connections, each received, checked and written into the RAM tier's partial file by
+        a worker thread, never through the FUSE request path."""
         step_node = next(tree_walk.enclosing_steps(node), None)
         if step_node is None or step_node.is_file:
             return
@@ -321,6 +341,9 @@ class Residency:
         manifest = step.manifest
         if manifest is None or step in self._reading_ahead:
             return
+        if not any(sibling.remote is not None and sibling.remote.entry.size > SMALL_FILE
+                   for sibling in self._step_files_after(step_node, name)):
+            return  # all in RAM or on their way (a load of a step this node holds)
         self._reading_ahead.add(step)
         where = self.tree.relpath(step_node)
         records = self.records
@@ -346,6 +369,7 @@ class Residency:
                     fetch = self._fetch_of(sibling)
                     if not self.store.room_for(fetch.missing_bytes):
                         return
+                    self._ahead.add(fetch)
                     try:
                         await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
                         self._adopt(sibling, fetch)
@@ -420,6 +444,9 @@ class Residency:
         size = node.remote.entry.size if node.remote is not None else 0
         if not self.tree.residents.adopt_fetch(node, fetch, good):
             return False
+        if fetch in self._ahead:
+            self.ahead_files += 1
+            self.ahead_bytes += size
         if not quiet:
             log.info("%s is back in RAM (%d bytes, verified)", self.tree.relpath(node), size)
         return True

@@ -1,5 +1,6 @@
 """Steps being loaded, as a DCP load does: it opens the step's `.metadata`, then reads each
-shard it needs from its start. Such a step's large files are worth bringing whole before their
+shard it needs from its start; `cp -r` and other readers of whole files read one file after
+another from its first byte. Such a step's large files are worth bringing whole before their
 opens return (then read by passthrough, at memory speed, instead of range by range through the
 daemon). Any other read of a large file not in RAM (one tensor of a shard) fetches only what it
 touches (`fs.store.fetch`).
@@ -26,13 +27,20 @@ class StepLoads:
     def __init__(self) -> None:
         self._until: dict[StepState, float] = {}  # trio time
 
-    def opened(self, step_node: Node, node: Node) -> None:
+    def opened(self, step_node: Node, node: Node) -> bool:
         """A file of the step is opened for reading: if it is the step's `.metadata`, a load
-        starts."""
+        starts (whether it did)."""
         if node.name != METADATA or node.parent is not step_node:
-            return
+            return False
+        self.read_through(step_node.step)
+        return True
+
+    def read_through(self, step: StepState) -> None:
+        """A file of the step is read back to back from its first byte (`cp -r`,
+        `torch.load`, a loader of its own): the step is being loaded, as at a `.metadata`
+        open, and the next files it opens come whole before their opens return."""
         self._forget_old()
-        self._until[step_node.step] = trio.current_time() + LOAD_WINDOW
+        self._until[step] = trio.current_time() + LOAD_WINDOW
 
     def loading(self, step: StepState) -> bool:
         """Whether the step is being loaded (and stays so for another window)."""

@@ -13,8 +13,10 @@ written into the partial file and fed to the xxh3-128 (`tierfs.whole_hash`) in o
 (`Fetch._check_and_write`; a range of blocks a block at a time), made by the worker thread that
 received it from a peer (the source's `read_and_store`), and its units are marked
 present only once it matched (bytes written before a failed check stay in units no reader is
-given); only units stored ahead of the ones before them are read again for the whole-file
-hash. When the RAM tier has no room the bytes are still checked and returned, just not kept.
+given); a chunk stored ahead of the ones before it (several are in flight) is hashed for the
+whole file from the buffer it was received in, kept until those are in (`HASH_HOLD` bytes of
+them at most; beyond, read again from the partial file). When the RAM tier has no room the
+bytes are still checked and returned, just not kept.
 
 Reads that follow each other (`_Pattern`) fetch whole chunks and read ahead; a file read back to
 back from its first byte is filled whole in the background (`Residency.read_remote`), and opens
@@ -93,7 +95,24 @@ class _Buffers:
             self._free.append(buffer)
 
 
-_BUFFERS = _Buffers(keep=WHOLE_IN_FLIGHT)
+# Chunk buffers kept: those of the chunks in flight, and as many lent to whole-file hashes.
+_BUFFERS = _Buffers(keep=2 * WHOLE_IN_FLIGHT)
+# Bytes of chunks stored ahead of their file's order that a fetch's whole-file hash keeps in
+# the buffers they arrived in until the chunks before them are in (hashed from there, not
+# read back from the partial file); beyond it, they are read back.
+HASH_HOLD = WHOLE_IN_FLIGHT * mf.CHUNK_SIZE
+
+
+@dataclass
+class _Loan:
+    """A chunk buffer offered to the whole-file hash (`WholeHash.stored`); `taken`: it keeps
+    it, and gives it back to the pool once it hashed it."""
+
+    buffer: bytearray
+    taken: bool = False
+
+    def give_back(self) -> None:
+        _BUFFERS.give(self.buffer)
 
 
 class ReadSource(Protocol):
@@ -248,7 +267,7 @@ class Fetch:
                                  f"{PART_PREFIX}{remote.entry.xxh3}-{id(self):x}".encode())
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.backing_ino = os.fstat(self.fd).st_ino
-        self._whole = WholeHash(size, self._unit)
+        self._whole = WholeHash(size, self._unit, hold=HASH_HOLD)
 
     @property
     def complete(self) -> bool:
@@ -409,12 +428,17 @@ class Fetch:
         kept = self._charge(length)  # room for them in the RAM tier (False: store nothing)
         fd = os.dup(self.fd) if kept else None
         no_room = False  # the RAM dir's file system was full although the count had room
+        # The buffer may be lent to the whole-file hash if the bytes are in it (a source that
+        # received them elsewhere, a channel's own buffer, must have them back).
+        loan = _Loan(buffer) if len(buffer) == mf.CHUNK_SIZE else None
 
         def store(data: bytes | memoryview) -> bool:
             nonlocal no_room
             if fd is not None and not no_room:
                 try:
-                    return self._check_and_write(fd, data, span)
+                    lend = loan if isinstance(data, memoryview) and data.obj is buffer \
+                        else None
+                    return self._check_and_write(fd, data, span, lend)
                 except OSError as exc:
                     if exc.errno != errno.ENOSPC:
                         raise
@@ -428,6 +452,10 @@ class Fetch:
             if no_room:
                 log.info("%s/%s: no room in the RAM dir's file system; read without keeping "
                          "it", self.remote.step_path, self.remote.entry.name)
+            if loan is not None and loan.taken and self.fd < 0:
+                # discarded meanwhile, its bytes lent to the hash (given back to the pool at
+                # any time): fetched again, unkept, by the caller's loop
+                return None
             if not kept or no_room or self.fd < 0:
                 # no room, or discarded meanwhile (its fd number may be another file's now)
                 return bytes(data)
@@ -439,7 +467,7 @@ class Fetch:
             if fd is not None:
                 os.close(fd)
             self._uncharge(kept and not stored, length)
-            if len(buffer) == mf.CHUNK_SIZE:
+            if loan is not None and not loan.taken:
                 _BUFFERS.give(buffer)  # nothing refers to it any more: unkept bytes are a copy
             for unit in span:
                 del self._coming[unit]
@@ -460,11 +488,13 @@ class Fetch:
         if charged:
             self.store.give_back(self.backing_ino, nbytes)
 
-    def _check_and_write(self, fd: int | None, data: bytes | memoryview, span: range) -> bool:
+    def _check_and_write(self, fd: int | None, data: bytes | memoryview, span: range,
+                         lend: _Loan | None = None) -> bool:
         """The units' checksum (a whole chunk's xxh3-64, or each block's, a block at a time),
         their write into the partial file at `fd` (if given) and the whole-file hash (if they
-        are next in order), in one call; whether they matched (blocking: a worker thread's
-        for large ranges)."""
+        are next in order; if not, from `lend`'s buffer, which holds `data`, once they are,
+        if the hash takes it), in one call; whether they matched (blocking: a worker
+        thread's for large ranges)."""
         entry = self.remote.entry
         offset = span.start * self._unit
         view = memoryview(data)
@@ -492,7 +522,10 @@ class Fetch:
             return good
         finally:
             if fd is not None:
-                self._whole.stored(fd, span, good, feeding)
+                kept = self._whole.stored(fd, span, good, feeding,
+                                          None if lend is None else (view, lend.give_back))
+                if lend is not None:
+                    lend.taken = kept
 
     def verify(self) -> bool:
         """Whole-file check once complete; the partial file may then become the object."""

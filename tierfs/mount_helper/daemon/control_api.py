@@ -346,6 +346,10 @@ class ControlApi:
             "failure_domain": self.cfg.failure_domain,
             "peers": self.cluster.directory.status() if self.cluster else [],
             "served_to_peers": self.cluster.served() if self.cluster else None,
+            # committed files brought back into RAM before their open asked for them
+            "fetched_ahead": {"files": ns.residency.ahead_files,
+                              "bytes": ns.residency.ahead_bytes,
+                              "small_files": ns.residency.small_fetched},
             # in a cluster: what this node missed while it was down is applied
             "caught_up": self.cluster.caught_up.is_set() if self.cluster else None,
             "persist": self.persist_status(persist_waiting),
