@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import MountFactory, getxattr, tierfs, wait_until
-from tests.test_cluster import token_file  # noqa: F401  (a fixture)
 from tests.test_cluster_many_readers import committed_on, start_cluster
 from tests.test_crash import save
 from tierfs import manifest as mf
@@ -29,7 +28,7 @@ SHARD = 4 * mf.CHUNK_SIZE + 4321  # larger than a file an open alone fetches who
 
 @pytest.mark.parametrize("metadata", [True, False], ids=["dcp-step", "files-step"])
 def test_a_fresh_node_reading_a_peers_step_fetches_its_next_files_ahead(
-        mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd,
         tmp_path: Path, metadata: bool) -> None:
     """node1 holds nothing of the step (K = 0: node0 alone holds it). Once it starts reading
     the step as a restore does (a DCP load opens `.metadata`; `cp -r` or `torch.load` of
