@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	   ! command -v rsync >/dev/null || ! command -v etcd >/dev/null || ! command -v cc >/dev/null || \
 	   ! command -v systemd-analyze >/dev/null || ! command -v strace >/dev/null || \
 	   ! command -v ip >/dev/null || ! command -v tc >/dev/null || \
-	   ! command -v iptables-legacy >/dev/null || \
+	   ! command -v iptables-legacy >/dev/null || ! command -v bindfs >/dev/null || \
 	   ! pkg-config --exists fuse3 2>/dev/null; then \
 		echo "installing Debian packages: $(APT)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT) >/dev/null; \
