@@ -114,7 +114,7 @@ async def test_a_manifest_from_records_mixing_two_versions_is_refused(
 
     shard = replace(v1.entry("__0_0.distcp"), size=99, xxh3="f" * 32,  # type: ignore[arg-type]
                     chunks=("f" * 16,))
-    await n0.record_sealed(v1.path, [shard])  # the re-save's first seal
+    await n0.record_sealed(v1.path, [shard], base=1)  # the re-save's first seal (over v1)
     assert await n1.manifest_of(v1.path) is None
     assert record_v1.digest == v1.content_digest
 

@@ -82,7 +82,12 @@ class ClusterCommits:
         self._unrecorded: dict[str, dict[str, FileRecord]] = {}
         self._recording = False
         self._batch_written = trio.Event()  # set when the batch being gathered is written
-        self._writing: dict[str, trio.Event] = {}  # steps in the batch being written -> its end
+        # Steps whose seals are on their way to etcd now -> set when that request ends.
+        self._on_the_wire: dict[str, trio.Event] = {}
+        # The last version of each step this node published: a seal of that save or an
+        # earlier one that comes after the commit is not written (the commit wrote the
+        # records of its files held here, and dropped the rest: a temp file renamed away).
+        self._last_published: dict[str, int] = {}
         # versions of steps this node commits in etcd whose watch event it has not seen yet
         self._published: dict[str, int] = {}
         # steps whose records this node is changing (a commit, a delete), one change at a
@@ -120,28 +125,14 @@ class ClusterCommits:
             while self._unrecorded:
                 batch, self._unrecorded = self._unrecorded, {}
                 done, self._batch_written = self._batch_written, trio.Event()
-                self._writing = dict.fromkeys(batch, done)
                 try:
                     await self._record_batch(batch)
                 finally:
-                    self._writing = {}
                     done.set()
         finally:
             self._recording = False
             self._batch_written.set()  # cancelled with seals left: their callers are not stuck
             self._batch_written = trio.Event()
-
-    async def _seals_recorded(self, step_path: str) -> None:
-        """Returns once the seals of this step that came so far are written (or no task is
-        left to write them): a commit that drops the records of files the step does not have
-        (a temp file renamed into place) must come after them, or they come back."""
-        while True:
-            if step_path in self._writing:
-                await self._writing[step_path].wait()
-            elif step_path in self._unrecorded and self._recording:
-                await self._batch_written.wait()
-            else:
-                return
 
     async def _record_batch(self, batch: dict[str, dict[str, FileRecord]]) -> None:
         """Written once etcd answers: the committer of a multi-node step waits for these
@@ -149,11 +140,27 @@ class ClusterCommits:
         for step_path, records in batch.items():
             try:
                 await retry_unavailable(
-                    lambda s=step_path, r=records: self.records.record_files(s, r),
+                    lambda s=step_path, r=records: self._write_seals(s, r),
                     f"recording {len(records)} sealed files of {step_path}")
             except EtcdError as exc:
                 log.info("could not record %d sealed files of %s in etcd yet: %s",
                          len(records), step_path, exc)
+
+    async def _write_seals(self, step_path: str, records: dict[str, FileRecord]) -> None:
+        """One attempt at writing seals, but those its commit here has made stale since
+        (`_last_published`; `_publish` waits for an attempt under way)."""
+        version = self._last_published.get(step_path)
+        if version is not None:
+            records = {n: r for n, r in records.items() if r.fresh_for(version)}
+        if not records:
+            return
+        done = self._on_the_wire[step_path] = trio.Event()
+        try:
+            await self.records.record_files(step_path, records)
+        finally:
+            done.set()
+            if self._on_the_wire.get(step_path) is done:
+                del self._on_the_wire[step_path]
 
     def _record(self, entry: mf.FileEntry, base: int) -> FileRecord:
         return FileRecord.sealed(self.node_id, entry.size, entry.xxh3,
@@ -210,7 +217,12 @@ class ClusterCommits:
                        deadline: float) -> None:
         step_path = manifest.path
         names = {e.name for e in manifest.files}
-        await self._seals_recorded(step_path)
+        # Seals of this save not written yet (a temp file's, renamed away) are not written
+        # after the stale records go; one already on its way to etcd is waited for.
+        self._last_published[step_path] = manifest.version
+        attempt = self._on_the_wire.get(step_path)
+        if attempt is not None:
+            await attempt.wait()
         recorded = await self.records.files(step_path)  # the step's one read
         mine = {e.name: self._record(e, manifest.version - 1) for e in manifest.files
                 if e.name in held_here}
