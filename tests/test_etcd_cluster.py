@@ -846,6 +846,22 @@ async def test_a_temp_file_sealed_before_the_commit_leaves_no_record_after_it(
         assert sorted(await node0.records.files(path)) == sorted(names), attempt
 
 
+async def test_the_seals_of_a_step_saved_again_after_a_delete_are_recorded(
+        etcd_server: EtcdServer) -> None:
+    """A step committed here, deleted, and saved again at the same path (its versions start
+    over): the new save's seals are recorded, for the node that commits it to find."""
+    cluster = new_cluster(etcd_server)
+    node0, _etcd = commits(cluster, "n0")
+    names = ["__0_0.distcp", ".metadata"]
+    first = step_manifest("run/step_1", names, "n0")
+    await node0.record_sealed(first.path, list(first.files))
+    await node0.publish(first, set(names))
+    await node0.forget(first.path, first.version, first.committed_ns)
+    assert await node0.records.files(first.path) == {}
+    await node0.record_sealed(first.path, entries(["__0_0.distcp"]), base=0)
+    assert sorted(await node0.records.files(first.path)) == ["__0_0.distcp"]
+
+
 async def test_single_file_steps_are_made_again_from_their_records(
         etcd_server: EtcdServer) -> None:
     """A file step and a loose file (no step number in its name) come back from etcd's

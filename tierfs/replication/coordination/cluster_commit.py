@@ -84,10 +84,12 @@ class ClusterCommits:
         self._batch_written = trio.Event()  # set when the batch being gathered is written
         # Steps whose seals are on their way to etcd now -> set when that request ends.
         self._on_the_wire: dict[str, trio.Event] = {}
-        # The last version of each step this node published: a seal of that save or an
-        # earlier one that comes after the commit is not written (the commit wrote the
-        # records of its files held here, and dropped the rest: a temp file renamed away).
-        self._last_published: dict[str, int] = {}
+        self._batches_taken = 0  # seal batches taken for writing so far, numbered from 1
+        # Steps this node published while seals of them could still be waiting: the version
+        # published and the last batch such a seal can be in. Those seals, of that save or an
+        # earlier one, are not written after the commit (it wrote the records of its files
+        # held here, and dropped the rest: a temp file renamed away).
+        self._stale_seals: dict[str, tuple[int, int]] = {}
         # versions of steps this node commits in etcd whose watch event it has not seen yet
         self._published: dict[str, int] = {}
         # steps whose records this node is changing (a commit, a delete), one change at a
@@ -124,34 +126,39 @@ class ClusterCommits:
         try:
             while self._unrecorded:
                 batch, self._unrecorded = self._unrecorded, {}
+                self._batches_taken += 1
                 done, self._batch_written = self._batch_written, trio.Event()
                 try:
-                    await self._record_batch(batch)
+                    await self._record_batch(batch, self._batches_taken)
                 finally:
                     done.set()
         finally:
             self._recording = False
+            self._stale_seals = {step: mark for step, mark in self._stale_seals.items()
+                                 if mark[1] > self._batches_taken}
             self._batch_written.set()  # cancelled with seals left: their callers are not stuck
             self._batch_written = trio.Event()
 
-    async def _record_batch(self, batch: dict[str, dict[str, FileRecord]]) -> None:
+    async def _record_batch(self, batch: dict[str, dict[str, FileRecord]], number: int
+                            ) -> None:
         """Written once etcd answers: the committer of a multi-node step waits for these
         records, and only this node can write them (seals meanwhile wait for the next batch)."""
         for step_path, records in batch.items():
             try:
                 await retry_unavailable(
-                    lambda s=step_path, r=records: self._write_seals(s, r),
+                    lambda s=step_path, r=records: self._write_seals(s, r, number),
                     f"recording {len(records)} sealed files of {step_path}")
             except EtcdError as exc:
                 log.info("could not record %d sealed files of %s in etcd yet: %s",
                          len(records), step_path, exc)
 
-    async def _write_seals(self, step_path: str, records: dict[str, FileRecord]) -> None:
-        """One attempt at writing seals, but those its commit here has made stale since
-        (`_last_published`; `_publish` waits for an attempt under way)."""
-        version = self._last_published.get(step_path)
-        if version is not None:
-            records = {n: r for n, r in records.items() if r.fresh_for(version)}
+    async def _write_seals(self, step_path: str, records: dict[str, FileRecord],
+                           number: int) -> None:
+        """One attempt at writing seals of batch `number`, but those a commit here has made
+        stale since (`_stale_seals`; `_publish` waits for an attempt under way)."""
+        mark = self._stale_seals.get(step_path)
+        if mark is not None and number <= mark[1]:
+            records = {n: r for n, r in records.items() if r.fresh_for(mark[0])}
         if not records:
             return
         done = self._on_the_wire[step_path] = trio.Event()
@@ -219,7 +226,8 @@ class ClusterCommits:
         names = {e.name for e in manifest.files}
         # Seals of this save not written yet (a temp file's, renamed away) are not written
         # after the stale records go; one already on its way to etcd is waited for.
-        self._last_published[step_path] = manifest.version
+        waiting = self._batches_taken + (step_path in self._unrecorded)  # the last batch
+        self._stale_seals[step_path] = (manifest.version, waiting)
         attempt = self._on_the_wire.get(step_path)
         if attempt is not None:
             await attempt.wait()
