@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 GRACE = 10.0  # seconds a process keeps its target after its last use of it
 # An open of a file of the step within this long after the same process resolved `latest` to
@@ -39,7 +39,7 @@ class Pin:
     resolved: float = 0.0  # when the process last asked for the link's target
     open_files: int = 0
     reading: bool = False  # it opened a file of `target` through the link (until it expires)
-    read: set[bytes] = field(default_factory=set)  # the step's own files it opened so
+    load_started: bool = False  # it opened a load's first file (`LOAD_STARTS`) through the link
 
 
 class LatestPins:
@@ -78,8 +78,8 @@ class LatestPins:
             return None
         pin.open_files += 1
         pin.reading = True
-        if file_name is not None:
-            pin.read.add(file_name)
+        if file_name == LOAD_STARTS:
+            pin.load_started = True
         return pin
 
     def starts_again(self, pid: int, dir_ino: int, step_name: bytes, file_name: bytes,
@@ -90,7 +90,7 @@ class LatestPins:
         ends, and the caller has the open walked again."""
         pin = self._through_link(pid, dir_ino, step_name)
         if (file_name != LOAD_STARTS or pin is None or pin.open_files
-                or newest in (None, pin.target) or file_name not in pin.read):
+                or newest in (None, pin.target) or not pin.load_started):
             return False
         del self._pins[(thread_group(pid), dir_ino)]
         return True
