@@ -91,7 +91,8 @@ class Core:
                          spawner=self.background, liveness=liveness)
         self.view = TreeView(self.tree)  # what peers, status and xattrs read of it
         self.versions = StepVersions(self.tree)  # the tree's changes the other tiers drive
-        self.recovered = Recovery(self.tree, self.deletes).load()
+        self.recovered = Recovery(self.tree, self.deletes, identity=self.tree.identity,
+                                  residents=self.tree.residents).load()
 
 
 class Namespace:
@@ -124,11 +125,14 @@ class Namespace:
                                 self.background, sealed, shards)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
                                saver_wait=commit_timeout, copies_wait=copies_wait)
-        self.quiet = QuietCommits(tree, core.watch, self.commits)
+        self.quiet = QuietCommits(tree, core.watch, self.commits, cut_short=tree.cut_short,
+                                  residents=tree.residents, manifests=tree.manifests)
         self.appends = AppendSnapshots(tree, core.watch, self.commits, self.residency,
                                        append_every)
         self.verifier = Verifier(tree, self.residency, persist, peers,
-                                 finish_pending=self.commits.finish_pending)
+                                 finish_pending=self.commits.finish_pending,
+                                 store=tree.store, holdings=tree.holdings,
+                                 residents=tree.residents)
         self.gate: ReadGate = self.verifier
         # when the mount's users last asked something (background work waits for a pause)
         self.foreground = Foreground()
