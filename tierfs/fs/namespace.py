@@ -124,7 +124,10 @@ class Namespace:
         self.tiers = OtherTiers(tree, core.view, core.versions, self.residency, self.deletes,
                                 self.background, sealed, shards)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
-                               saver_wait=commit_timeout, copies_wait=copies_wait)
+                               saver_wait=commit_timeout, copies_wait=copies_wait,
+                               identity=tree.identity, manifests=tree.manifests,
+                               sealing=tree.sealing, renames=tree.renames,
+                               cut_short=tree.cut_short, store=tree.store)
         self.quiet = QuietCommits(tree, core.watch, self.commits, cut_short=tree.cut_short,
                                   residents=tree.residents, manifests=tree.manifests)
         self.appends = AppendSnapshots(tree, core.watch, self.commits, self.residency,
