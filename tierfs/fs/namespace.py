@@ -90,7 +90,12 @@ class Core:
                          step_pattern=step_pattern, file_step_pattern=file_step_pattern,
                          spawner=self.background, liveness=liveness)
         self.view = TreeView(self.tree)  # what peers, status and xattrs read of it
-        self.versions = StepVersions(self.tree)  # the tree's changes the other tiers drive
+        tree = self.tree
+        # the tree's changes the other tiers drive
+        self.versions = StepVersions(tree, dir_attributes=tree.dir_attributes,
+                                     identity=tree.identity, latest=tree.latest,
+                                     records=tree.records, residents=tree.residents,
+                                     store=tree.store)
         self.recovered = Recovery(self.tree, self.deletes, identity=self.tree.identity,
                                   residents=self.tree.residents).load()
 
