@@ -124,10 +124,15 @@ class Namespace:
                                    self.background,
                                    keep_ram=keep_ram, replicas=replicas,
                                    liveness=core.liveness,
-                                   records=sealed, store_check=store_check)
+                                   records=sealed, store_check=store_check,
+                                   holdings=tree.holdings, recoverable=tree.recoverable,
+                                   residents=tree.residents)
         # what the other tiers' parts use of it is the StepCopies port (fs.model.ports)
         self.tiers = OtherTiers(tree, core.view, core.versions, self.residency, self.deletes,
-                                self.background, sealed, shards)
+                                self.background, sealed, shards, holdings=tree.holdings,
+                                identity=tree.identity, manifests=tree.manifests,
+                                recoverable=tree.recoverable, residents=tree.residents,
+                                store=tree.store)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
                                saver_wait=commit_timeout, copies_wait=copies_wait,
                                identity=tree.identity, manifests=tree.manifests,

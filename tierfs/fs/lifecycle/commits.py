@@ -168,7 +168,7 @@ class Commits:
                          len(step.pending.record.files))
                 assert self._sealing.spawner is not None
                 self._sealing.spawner.spawn(self._finish_in_background, step_node, step,
-                                                started)
+                                            started)
             return None
         self._manifests.note_waiting(step, None)
         if manifest is not old:
@@ -223,7 +223,7 @@ class Commits:
             return
         store = self._store
         self._sealing.start_all([node for node, gen in pending.nodes.values()
-                                     if node.gen == gen])
+                                 if node.gen == gen])
         digests = {}
         for f in pending.record.files:
             if step_node.step is not step or step_node.parent is None:
@@ -310,7 +310,7 @@ class Commits:
                                 self._manifests.write_pending(step_node, files, copies)
                                 return None, old
                             return self._manifests.write_manifest(step_node, files, copies,
-                                                                 by_idle=by_idle), old
+                                                                  by_idle=by_idle), old
                     finally:
                         for copy in copies.values():  # those the manifest did not take
                             self._store.discard(copy)
@@ -410,7 +410,7 @@ class Commits:
         tree = self.tree
         # Unsealed files (hashes to come `later`) are checked against their copies instead.
         stale = self._sealing.stale([(rel, node) for rel, node in files
-                                    if not later or node.seal is not None])
+                                     if not later or node.seal is not None])
         for node in stale:  # open for writing with no seal of its bytes: being written
             tree.written_behind_seal(node)
         return not (stale or tree_walk.has_active_writers(step_node)

@@ -100,7 +100,7 @@ class StepVersions:
         a restart may upload it again, which retention then removes again)."""
         if write_mark:
             self._records.write_persist_mark(self.tree.records_path(step_node), version,
-                                                 "retired")
+                                             "retired")
         step_node.step.persist_mark_owed = False
         step_node.step.persisted_version = 0
         step_node.step.retired_version = version
