@@ -141,7 +141,8 @@ class Namespace:
         self.quiet = QuietCommits(tree, core.watch, self.commits, cut_short=tree.cut_short,
                                   residents=tree.residents, manifests=tree.manifests)
         self.appends = AppendSnapshots(tree, core.watch, self.commits, self.residency,
-                                       append_every)
+                                       append_every, records=tree.records,
+                                       residents=tree.residents, store=tree.store)
         self.verifier = Verifier(tree, self.residency, persist, peers,
                                  finish_pending=self.commits.finish_pending,
                                  store=tree.store, holdings=tree.holdings,
