@@ -120,6 +120,7 @@ class Namespace:
         self._attributes = tree.attributes  # chmod, chown, utime, truncate
         self._latest = tree.latest  # `latest`: which step a load through it reads
         self._copy_on_write = tree.copy_on_write  # committed objects are never written
+        self._sealing = tree.sealing  # hash threads
         self.view = core.view
         self.versions = core.versions
         self.events = events
@@ -157,6 +158,21 @@ class Namespace:
         self.gate: ReadGate = self.verifier
         # when the mount's users last asked something (background work waits for a pause)
         self.foreground = Foreground()
+
+    # -- the FUSE session's start and end ----------------------------------------------------
+
+    def session_started(self) -> None:
+        """The kernel's session exists (after pyfuse3.init): invalidations may be sent."""
+        self._kernel_cache.start()
+
+    def session_ending(self) -> None:
+        """Before the session goes: no more invalidations."""
+        self._kernel_cache.stop()
+
+    def release_hash_threads(self) -> None:
+        """Give back the hash threads a test held (`Sealing.release`): the last commits, and
+        the stop itself, wait for the hashes under way."""
+        self._sealing.release()
 
     # -- lookups: the Tree's ---------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from tierfs import layout
@@ -26,6 +26,7 @@ from tierfs.fs.model.nodes import (
 )
 
 if TYPE_CHECKING:
+    from tierfs.fs.tree.recoverable import Loss
     from tierfs.fs.tree.tree import Tree
 
 
@@ -34,6 +35,24 @@ class TreeView:
 
     def __init__(self, tree: Tree) -> None:
         self.tree = tree
+
+    # -- what the daemon asks of a step's copies ----------------------------------------------
+
+    def step_number(self, name: str) -> int | None:
+        """The step number a directory's name carries (--step-pattern), None if none."""
+        return self.tree.identity.step_number(name)
+
+    def loss(self, step: StepState, *, fresh: bool = False) -> Loss | None:
+        """Why the committed step cannot be read whole now (`Recoverability.loss`)."""
+        return self.tree.recoverable.loss(step, fresh=fresh)
+
+    def copies(self, step: StepState, is_up: Callable[[str], bool]) -> int:
+        """The fewest live copies of any file of the committed version (`Holdings.copies`)."""
+        return self.tree.holdings.copies(step, is_up)
+
+    def file_peers(self, step: StepState, name: str) -> set[str]:
+        """Other nodes holding this file of the committed version (`Holdings.file_peers`)."""
+        return self.tree.holdings.file_peers(step, name)
 
     # -- what peers ask ---------------------------------------------------------------------
 

@@ -78,7 +78,7 @@ class ClusterLinks:
         self.live = directory.live
         self.etcd = self.live.etcd
         self.sealed = ClusterCommits(CommitRecords(self.etcd, cfg.cluster), cfg.node_id,
-                                     tree.identity.step_number,
+                                     view.step_number,
                                      ManifestFetcher(self.directory).fetch,
                                      view.committed_manifest)
         self.tree = tree
@@ -286,7 +286,7 @@ class ClusterNode:
 
         def judge_all() -> None:
             for node in list(tree.steps()):
-                tree.recoverable.loss(node.step, fresh=True)
+                self.namespace.view.loss(node.step, fresh=True)
 
         await recorded_copies.recheck_losses(self.namespace.tiers, self.directory, self.sealed,
                                              judge_all)

@@ -97,7 +97,7 @@ class ControlApi:
                 else ("hashing", due.committed_ns, 0))
             blocked = False
             step_node = tree.find_step(due.path)
-            loss = (tree.recoverable.loss(step_node.step)
+            loss = (self.namespace.view.loss(step_node.step)
                     if step_node is not None and due.manifest is not None else None)
             if loss is not None:  # no upload can make it whole in the store
                 reason, since_ns, blocked = (f"cannot be stored: {loss.summary()}",
@@ -186,7 +186,7 @@ class ControlApi:
         store = self.namespace.store
         tree = self.namespace.tree
         incomplete = sum(1 for node in tree.steps()
-                         if tree.recoverable.loss(node.step) is not None)
+                         if self.namespace.view.loss(node.step) is not None)
         return Levels(store.used_bytes, store.limit_bytes,
                       {tier: (len(steps), sum(m.total_bytes for m in steps))
                        for tier, steps in pending.items()},
@@ -261,7 +261,7 @@ class ControlApi:
             status.update(self._spread(step, recorded))
         else:
             is_up = self.cluster.directory.is_up if self.cluster else (lambda _peer: False)
-            status["copies"] = tree.holdings.copies(step, is_up)
+            status["copies"] = self.namespace.view.copies(step, is_up)
         manifest = node.step.manifest
         status["committed_ns"] = manifest.committed_ns if manifest is not None else None
         if status["hashing"]:
@@ -296,9 +296,8 @@ class ControlApi:
         the failure domain of each holder that has one."""
         assert self.cluster is not None
         me = self.cfg.node_id
-        tree = self.namespace.tree
         if recorded is None:  # etcd did not answer: what this node knows
-            recorded = {e.name: tree.holdings.file_peers(step, e.name)
+            recorded = {e.name: self.namespace.view.file_peers(step, e.name)
                         | ({me} if e.name in step.resident else set())
                         for e in step.manifest.files}
         is_up = self.cluster.directory.is_up
