@@ -169,6 +169,10 @@ class Namespace:
         """Before the session goes: no more invalidations."""
         self._kernel_cache.stop()
 
+    async def hold_hash_threads(self) -> None:
+        """Take every hash thread (`Sealing.hold`): hashes observably late, for tests."""
+        await self._sealing.hold()
+
     def release_hash_threads(self) -> None:
         """Give back the hash threads a test held (`Sealing.release`): the last commits, and
         the stop itself, wait for the hashes under way."""

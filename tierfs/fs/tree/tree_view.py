@@ -42,6 +42,11 @@ class TreeView:
         """The step number a directory's name carries (--step-pattern), None if none."""
         return self.tree.identity.step_number(name)
 
+    def file_step_number(self, name: str) -> int | None:
+        """The step number a single-file step's name carries (--file-step-pattern)."""
+        identity = self.tree.identity
+        return identity.step_number(name, identity.file_pattern)
+
     def loss(self, step: StepState, *, fresh: bool = False) -> Loss | None:
         """Why the committed step cannot be read whole now (`Recoverability.loss`)."""
         return self.tree.recoverable.loss(step, fresh=fresh)

@@ -203,11 +203,10 @@ class ControlApi:
             return {"ok": True, "status": await self.status()}
         if command == "hold_hashes":
             # Hashes observably late, for tests: every hash thread taken, or given back.
-            sealing = self.namespace.tree.sealing
             if request.get("hold"):
-                await sealing.hold()
+                await self.namespace.hold_hash_threads()
             else:
-                sealing.release()
+                self.namespace.release_hash_threads()
             return {"ok": True}
         if command not in ("commit", "commit_waits", "prefetch", "verify"):
             return {"ok": False, "error": f"unknown command {command!r}"}
