@@ -97,7 +97,8 @@ class Core:
                                      records=tree.records, residents=tree.residents,
                                      store=tree.store)
         self.recovered = Recovery(self.tree, self.deletes, identity=self.tree.identity,
-                                  residents=self.tree.residents).load()
+                                  residents=self.tree.residents,
+                                  records=self.tree.records).load()
 
 
 class Namespace:

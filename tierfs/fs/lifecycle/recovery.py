@@ -74,13 +74,13 @@ class Recovery:
     """Rebuilds one mount's tree from its RAM store (`load`, once, before the mount serves)."""
 
     def __init__(self, tree: Tree, deletes: DeleteLog, *, identity: StepIdentity,
-                 residents: Residents) -> None:
+                 residents: Residents, records: StepRecords) -> None:
         self.tree = tree
         self._identity = identity  # which directories are steps
         self._residents = residents  # the files of steps held elsewhere
         self._deletes = deletes
         self.store: RamStore = tree.store
-        self.records: StepRecords = tree.records
+        self.records = records  # the steps' records in the RAM store (manifests, marks)
         self._top = os.fsencode(self.store.tree)
         self._set_aside = 0
         self._damaged_files = 0
