@@ -89,8 +89,11 @@ class Core:
         self.tree = Tree(store, self.watch, self.deletes, node_id=node_id,
                          step_pattern=step_pattern, file_step_pattern=file_step_pattern,
                          spawner=self.background, liveness=liveness)
-        self.view = TreeView(self.tree)  # what peers, status and xattrs read of it
         tree = self.tree
+        # what peers, status and xattrs read of it
+        self.view = TreeView(tree, holdings=tree.holdings, identity=tree.identity,
+                             latest=tree.latest, recoverable=tree.recoverable,
+                             residents=tree.residents, sealing=tree.sealing)
         # the tree's changes the other tiers drive
         self.versions = StepVersions(tree, dir_attributes=tree.dir_attributes,
                                      identity=tree.identity, latest=tree.latest,
