@@ -120,18 +120,22 @@ class Tree:
         # The parts of the core, each changing the tree through the primitives here:
         # seals hashed off writers' path
         self.sealing = Sealing(self.backing, self.stat, spawner, settled=self.file_settled)
-        self.copy_on_write = CopyOnWrite(self)  # committed objects are never written
+        self.copy_on_write = CopyOnWrite(self, store=store)  # committed objects never change
         # where committed files' bytes are: fetched, evicted, quarantined
-        self.residents = Residents(self, deletes, self.copy_on_write)
-        self.manifests = StepManifests(self, self.residents)  # the commit's change
+        self.residents = Residents(self, deletes, self.copy_on_write,
+                                   dir_attributes=self.dir_attributes, store=store)
+        self.manifests = StepManifests(self, self.residents, records=self.records,
+                                       store=store)  # the commit's change
         # which directories and files are steps
-        self.identity = StepIdentity(self, watch, step_pattern, file_step_pattern)
+        self.identity = StepIdentity(self, watch, step_pattern, file_step_pattern,
+                                     records=self.records)
         # each directory's `latest` link
         self.latest = VirtualLatest(self.backing, self.attach_virtual, self.recoverable,
                                     self.identity.tracked_number)
         # renames: the entry moved, a target replaced, the steps moved recorded in every tier
         self.renames = Renames(self, deletes, self.identity, self.latest)
-        self.attributes = Attributes(self, self.sealing)  # chmod, chown, utime, truncate
+        # chmod, chown, utime, truncate
+        self.attributes = Attributes(self, self.sealing, store=store)
         self.cut_short = CutShort(self.relpath)  # files a write into failed (no room)
 
     # -- lookups ---------------------------------------------------------------------------
