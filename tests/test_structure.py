@@ -250,7 +250,7 @@ PARTS_HANDED_OUT = {"fs/namespace.py"}
 
 def tree_parts() -> set[str]:
     """The parts `Tree.__init__` builds: its attributes made by a constructor of fs/tree
-    (`self.residents = Residents(...)`)."""
+    (`self._residents = Residents(...)`), by name without the underscore."""
     source = ast.parse((PACKAGE / "fs" / "tree" / "tree.py").read_text())
     of_tree = {alias.asname or alias.name for node in ast.walk(source)
                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
@@ -259,7 +259,8 @@ def tree_parts() -> set[str]:
                 and node.name == "Tree").body
     init_def = next(node for node in init if isinstance(node, ast.FunctionDef)
                     and node.name == "__init__")
-    return {target.attr for node in ast.walk(init_def) if isinstance(node, ast.Assign)
+    return {target.attr.removeprefix("_") for node in ast.walk(init_def)
+            if isinstance(node, ast.Assign)
             and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
             and node.value.func.id in of_tree
             for target in node.targets if isinstance(target, ast.Attribute)

@@ -86,22 +86,22 @@ class Core:
         self.liveness = liveness  # who is up in the cluster (None: a single node)
         self.watch = QuietWatch(commit_idle)
         self.deletes = Deletes(Path(store.root) / DELETES_DIR, delete_targets)
-        self.tree = Tree(store, self.watch, self.deletes, node_id=node_id,
-                         step_pattern=step_pattern, file_step_pattern=file_step_pattern,
-                         spawner=self.background, liveness=liveness)
-        tree = self.tree
+        self.tree = tree = Tree(store, self.watch, self.deletes, node_id=node_id,
+                                step_pattern=step_pattern, file_step_pattern=file_step_pattern,
+                                spawner=self.background, liveness=liveness)
+        parts = tree.parts  # handed to the collaborators below, each the ones it uses
         # what peers, status and xattrs read of it
-        self.view = TreeView(tree, holdings=tree.holdings, identity=tree.identity,
-                             latest=tree.latest, recoverable=tree.recoverable,
-                             residents=tree.residents, sealing=tree.sealing)
+        self.view = TreeView(tree, holdings=parts.holdings, identity=parts.identity,
+                             latest=parts.latest, recoverable=parts.recoverable,
+                             residents=parts.residents, sealing=parts.sealing)
         # the tree's changes the other tiers drive
-        self.versions = StepVersions(tree, dir_attributes=tree.dir_attributes,
-                                     identity=tree.identity, latest=tree.latest,
-                                     records=tree.records, residents=tree.residents,
+        self.versions = StepVersions(tree, dir_attributes=parts.dir_attributes,
+                                     identity=parts.identity, latest=parts.latest,
+                                     records=parts.records, residents=parts.residents,
                                      store=tree.store)
-        self.recovered = Recovery(self.tree, self.deletes, identity=self.tree.identity,
-                                  residents=self.tree.residents,
-                                  records=self.tree.records).load()
+        self.recovered = Recovery(self.tree, self.deletes, identity=parts.identity,
+                                  residents=parts.residents,
+                                  records=parts.records).load()
 
 
 class Namespace:
@@ -117,14 +117,15 @@ class Namespace:
                  store_check: StoreCheck | None = None,
                  shards: ShardsOnPeers | None = None) -> None:
         self.tree = tree = core.tree
+        parts = tree.parts  # handed to the collaborators below, each the ones it uses
         # the Tree's parts that the file system calls below use directly
-        self._kernel_cache = tree.kernel_cache  # what the kernel already knows of a change
-        self._renames = tree.renames
-        self._cut_short = tree.cut_short  # files a write into failed (no room)
-        self._attributes = tree.attributes  # chmod, chown, utime, truncate
-        self._latest = tree.latest  # `latest`: which step a load through it reads
-        self._copy_on_write = tree.copy_on_write  # committed objects are never written
-        self._sealing = tree.sealing  # hash threads
+        self._kernel_cache = parts.kernel_cache  # what the kernel already knows of a change
+        self._renames = parts.renames
+        self._cut_short = parts.cut_short  # files a write into failed (no room)
+        self._attributes = parts.attributes  # chmod, chown, utime, truncate
+        self._latest = parts.latest  # `latest`: which step a load through it reads
+        self._copy_on_write = parts.copy_on_write  # committed objects are never written
+        self._sealing = parts.sealing  # hash threads
         self.view = core.view
         self.versions = core.versions
         self.events = events
@@ -137,28 +138,28 @@ class Namespace:
                                    keep_ram=keep_ram, replicas=replicas,
                                    liveness=core.liveness,
                                    records=sealed, store_check=store_check,
-                                   holdings=tree.holdings, recoverable=tree.recoverable,
-                                   residents=tree.residents)
+                                   holdings=parts.holdings, recoverable=parts.recoverable,
+                                   residents=parts.residents)
         # what the other tiers' parts use of it is the StepCopies port (fs.model.ports)
         self.tiers = OtherTiers(tree, core.view, core.versions, self.residency, self.deletes,
-                                self.background, sealed, shards, holdings=tree.holdings,
-                                identity=tree.identity, manifests=tree.manifests,
-                                recoverable=tree.recoverable, residents=tree.residents,
+                                self.background, sealed, shards, holdings=parts.holdings,
+                                identity=parts.identity, manifests=parts.manifests,
+                                recoverable=parts.recoverable, residents=parts.residents,
                                 store=tree.store)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
                                saver_wait=commit_timeout, copies_wait=copies_wait,
-                               identity=tree.identity, manifests=tree.manifests,
-                               sealing=tree.sealing, renames=tree.renames,
-                               cut_short=tree.cut_short, store=tree.store)
-        self.quiet = QuietCommits(tree, core.watch, self.commits, cut_short=tree.cut_short,
-                                  residents=tree.residents, manifests=tree.manifests)
+                               identity=parts.identity, manifests=parts.manifests,
+                               sealing=parts.sealing, renames=parts.renames,
+                               cut_short=parts.cut_short, store=tree.store)
+        self.quiet = QuietCommits(tree, core.watch, self.commits, cut_short=parts.cut_short,
+                                  residents=parts.residents, manifests=parts.manifests)
         self.appends = AppendSnapshots(tree, core.watch, self.commits, self.residency,
-                                       append_every, records=tree.records,
-                                       residents=tree.residents, store=tree.store)
+                                       append_every, records=parts.records,
+                                       residents=parts.residents, store=tree.store)
         self.verifier = Verifier(tree, self.residency, persist, peers,
                                  finish_pending=self.commits.finish_pending,
-                                 store=tree.store, holdings=tree.holdings,
-                                 residents=tree.residents)
+                                 store=tree.store, holdings=parts.holdings,
+                                 residents=parts.residents)
         self.gate: ReadGate = self.verifier
         # when the mount's users last asked something (background work waits for a pause)
         self.foreground = Foreground()
