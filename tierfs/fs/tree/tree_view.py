@@ -22,6 +22,7 @@ from tierfs.fs.model.nodes import (
     XATTR_XXH3,
     FsError,
     Node,
+    RemoteAttrs,
     StepState,
 )
 
@@ -48,6 +49,22 @@ class TreeView:
         self._recoverable = recoverable
         self._residents = residents
         self._sealing = sealing
+
+    # -- the steps, for status and the daemon's rounds -----------------------------------------
+
+    def steps(self) -> list[Node]:
+        """Every step, depth first (a list: the tree may change while the caller awaits)."""
+        return list(self.tree.steps())
+
+    def find_step(self, relpath: str) -> Node | None:
+        """The step at this path, None if there is none."""
+        return self.tree.find_step(relpath)
+
+    def relpath(self, node: Node) -> str:
+        return self.tree.relpath(node)
+
+    def stat(self, node: Node) -> os.stat_result | RemoteAttrs:
+        return self.tree.stat(node)
 
     # -- what the daemon asks of a step's copies ----------------------------------------------
 
