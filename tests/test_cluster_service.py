@@ -150,7 +150,7 @@ async def test_a_copy_sent_to_a_peer_is_held_there_and_counted_in_the_records(
         assert {name: set(r.holders) for name, r in placements.items()} == \
             {e.name: {"n0", "n1"} for e in manifest.files}
         step = n0.ns.tree.find_step("run/step_2").step
-        assert all(n0.ns.tree.holdings.file_peers(step, e.name) == {"n1"}
+        assert all(n0.ns.tree.parts.holdings.file_peers(step, e.name) == {"n1"}
                    for e in manifest.files)
         assert all((n1.root / "objects" / e.xxh3).exists() for e in manifest.files)
         assert await n1.node.recorded_holders(manifest) == \

@@ -94,7 +94,7 @@ async def test_a_writer_back_while_its_seal_is_computed_is_waited_for(harness: H
     info = await harness.ops.open(node.ino, os.O_WRONLY, CTX)
     async with trio.open_nursery() as nursery:
         outcome = await commit_in_background(harness, nursery, "run/step_7")
-        assert harness.ns.tree.sealing.pending(node)  # the commit's hash is in its thread
+        assert harness.ns.tree.parts.sealing.pending(node)  # the commit's hash is in its thread
         await harness.ops.write(info.fh, 0, b"B" * 4096)  # the writer comes back meanwhile
         await settled(harness, outcome)
         assert not outcome  # it waits for the writer's close

@@ -33,7 +33,7 @@ class EtcdHarness(Harness):
                  replicas: int = 0) -> None:
         self.records = CommitRecords(Etcd(cluster.endpoints, timeout=0.5), cluster)
         super().__init__(root, sealed_by=lambda core: ClusterCommits(
-            self.records, "n0", core.tree.identity.step_number),
+            self.records, "n0", core.tree.parts.identity.step_number),
             keep_ram=keep_ram, replicas=replicas)
 
     def step(self, path: str) -> StepState:

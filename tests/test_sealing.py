@@ -60,9 +60,9 @@ async def test_a_queued_background_hash_counts_as_pending(harness: Harness) -> N
     up to INLINE_HASH_BYTES is sealed at its close, on the loop)."""
     await harness.write_file("run/step_3/a", b"A" * (INLINE_HASH_BYTES + 1))
     node = node_of(harness, "run/step_3/a")
-    assert node.seal is None and harness.ns.tree.sealing.pending(node)
+    assert node.seal is None and harness.ns.tree.parts.sealing.pending(node)
     node.gen += 1  # written again: the queued hash is of an older generation
-    assert not harness.ns.tree.sealing.pending(node)
+    assert not harness.ns.tree.parts.sealing.pending(node)
 
 
 async def test_background_seal_after_close(harness: Harness) -> None:
@@ -77,7 +77,7 @@ async def test_background_seal_after_close(harness: Harness) -> None:
         await harness.write_file("run/step_2/a", b"B" * BIG)
         in_step = node_of(harness, "run/step_2/a")
         await trio.testing.wait_all_tasks_blocked()
-        assert in_step.seal is None and harness.ns.tree.sealing.pending(in_step)
+        assert in_step.seal is None and harness.ns.tree.parts.sealing.pending(in_step)
         await dcp_save(harness, "run/step_2", {})
         assert in_step.seal is not None
         assert in_step.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(b"B" * BIG)
@@ -159,7 +159,7 @@ async def test_a_saver_commit_does_not_wait_for_the_hashes(harness: Harness) -> 
     file meanwhile is a new version, and the committed one keeps the saved bytes."""
     async with trio.open_nursery() as nursery:
         await nursery.start(harness.ns.background.run)
-        sealing = harness.ns.tree.sealing
+        sealing = harness.ns.tree.parts.sealing
         await sealing.hold()
         with trio.fail_after(10):  # a commit waiting for the hashes would wait for ever
             await dcp_save(harness, "run/step_6", {"a": b"A" * BIG}, hashed=False)
@@ -184,7 +184,7 @@ async def test_a_big_file_removed_before_its_step_commits_is_not_kept(harness: H
     kept it, and its node, for the daemon's life)."""
     await harness.write_file("run/step_6/big", b"x" * HASH_AT_COMMIT)
     node = node_of(harness, "run/step_6/big")
-    assert node.seal is None and harness.ns.tree.sealing.pending(node)
+    assert node.seal is None and harness.ns.tree.parts.sealing.pending(node)
     ino, lookups, gone = node.ino, node.lookups, weakref.ref(node)
     del node
     await harness.ops.unlink(await harness.inode("run/step_6"), b"big", CTX)
@@ -209,7 +209,7 @@ async def test_a_file_sealed_before_its_step_commits_is_not_hashed_again(
     monkeypatch.setattr(mf, "hash_fd", counted)
     async with trio.open_nursery() as nursery:
         await nursery.start(harness.ns.background.run)
-        sealing = harness.ns.tree.sealing
+        sealing = harness.ns.tree.parts.sealing
         await harness.write_file("run/step_7/a", b"A" * BIG)
         node = node_of(harness, "run/step_7/a")
         await harness.ns.tree.seal(node)  # as the cluster's record of it does at its close

@@ -242,3 +242,56 @@ def test_the_daemon_package_holds_no_policy() -> None:
         if path.name not in DAEMON_TIMERS:
             assert paced_calls(source) == [], path.name
         assert "replicas + 1" not in source and "min(self.cfg.replicas" not in source, path.name
+
+
+# Where the Tree's parts are handed to the collaborators that use them (Core and Namespace).
+PARTS_HANDED_OUT = {"fs/namespace.py"}
+
+
+def tree_parts() -> set[str]:
+    """The parts `Tree.__init__` builds: its attributes made by a constructor of fs/tree
+    (`self._residents = Residents(...)`), by name without the underscore."""
+    source = ast.parse((PACKAGE / "fs" / "tree" / "tree.py").read_text())
+    of_tree = {alias.asname or alias.name for node in ast.walk(source)
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                   "tierfs.fs.tree.") for alias in node.names}
+    init = next(node for node in ast.walk(source) if isinstance(node, ast.ClassDef)
+                and node.name == "Tree").body
+    init_def = next(node for node in init if isinstance(node, ast.FunctionDef)
+                    and node.name == "__init__")
+    return {target.attr.removeprefix("_") for node in ast.walk(init_def)
+            if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+            and node.value.func.id in of_tree
+            for target in node.targets if isinstance(target, ast.Attribute)
+            and ast.unparse(target.value) == "self"}
+
+
+def reach_throughs(source: str, parts: set[str]) -> list[str]:
+    """`tree.<part>` or `<x>.tree.<part>` in `source`: a Tree part taken from the Tree."""
+    return [ast.unparse(node) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in parts
+            and (isinstance(node.value, ast.Name) and node.value.id == "tree"
+                 or isinstance(node.value, ast.Attribute) and node.value.attr == "tree")]
+
+
+def test_the_reach_through_check_sees_one() -> None:
+    assert reach_throughs("self.tree.residents.drop(x)\nns.tree.find_step(p)\n"
+                          "tree.holdings.copies(s)\n", {"residents", "holdings"}) == [
+        "self.tree.residents", "tree.holdings"]
+
+
+def test_tree_parts_are_handed_out_not_reached_through() -> None:
+    """A collaborator of the Tree is given the parts it uses (by its constructor) instead of
+    reaching them through the Tree: outside fs/tree only the assembly of the namespace names
+    a Tree part through the Tree."""
+    parts = tree_parts()
+    assert {"residents", "sealing", "holdings", "identity"} <= parts
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("fs/tree/") or rel in PARTS_HANDED_OUT:
+            continue
+        if reached := reach_throughs(path.read_text(), parts):
+            found[rel] = reached
+    assert found == {}

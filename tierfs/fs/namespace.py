@@ -86,12 +86,22 @@ class Core:
         self.liveness = liveness  # who is up in the cluster (None: a single node)
         self.watch = QuietWatch(commit_idle)
         self.deletes = Deletes(Path(store.root) / DELETES_DIR, delete_targets)
-        self.tree = Tree(store, self.watch, self.deletes, node_id=node_id,
-                         step_pattern=step_pattern, file_step_pattern=file_step_pattern,
-                         spawner=self.background, liveness=liveness)
-        self.view = TreeView(self.tree)  # what peers, status and xattrs read of it
-        self.versions = StepVersions(self.tree)  # the tree's changes the other tiers drive
-        self.recovered = Recovery(self.tree, self.deletes).load()
+        self.tree = tree = Tree(store, self.watch, self.deletes, node_id=node_id,
+                                step_pattern=step_pattern, file_step_pattern=file_step_pattern,
+                                spawner=self.background, liveness=liveness)
+        parts = tree.parts  # handed to the collaborators below, each the ones it uses
+        # what peers, status and xattrs read of it
+        self.view = TreeView(tree, holdings=parts.holdings, identity=parts.identity,
+                             latest=parts.latest, recoverable=parts.recoverable,
+                             residents=parts.residents, sealing=parts.sealing)
+        # the tree's changes the other tiers drive
+        self.versions = StepVersions(tree, dir_attributes=parts.dir_attributes,
+                                     identity=parts.identity, latest=parts.latest,
+                                     records=parts.records, residents=parts.residents,
+                                     store=tree.store)
+        self.recovered = Recovery(self.tree, self.deletes, identity=parts.identity,
+                                  residents=parts.residents,
+                                  records=parts.records).load()
 
 
 class Namespace:
@@ -107,6 +117,15 @@ class Namespace:
                  store_check: StoreCheck | None = None,
                  shards: ShardsOnPeers | None = None) -> None:
         self.tree = tree = core.tree
+        parts = tree.parts  # handed to the collaborators below, each the ones it uses
+        # the Tree's parts that the file system calls below use directly
+        self._kernel_cache = parts.kernel_cache  # what the kernel already knows of a change
+        self._renames = parts.renames
+        self._cut_short = parts.cut_short  # files a write into failed (no room)
+        self._attributes = parts.attributes  # chmod, chown, utime, truncate
+        self._latest = parts.latest  # `latest`: which step a load through it reads
+        self._copy_on_write = parts.copy_on_write  # committed objects are never written
+        self._sealing = parts.sealing  # hash threads
         self.view = core.view
         self.versions = core.versions
         self.events = events
@@ -118,20 +137,51 @@ class Namespace:
                                    self.background,
                                    keep_ram=keep_ram, replicas=replicas,
                                    liveness=core.liveness,
-                                   records=sealed, store_check=store_check)
+                                   records=sealed, store_check=store_check,
+                                   holdings=parts.holdings, recoverable=parts.recoverable,
+                                   residents=parts.residents)
         # what the other tiers' parts use of it is the StepCopies port (fs.model.ports)
         self.tiers = OtherTiers(tree, core.view, core.versions, self.residency, self.deletes,
-                                self.background, sealed, shards)
+                                self.background, sealed, shards, holdings=parts.holdings,
+                                identity=parts.identity, manifests=parts.manifests,
+                                recoverable=parts.recoverable, residents=parts.residents,
+                                store=tree.store)
         self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
-                               saver_wait=commit_timeout, copies_wait=copies_wait)
-        self.quiet = QuietCommits(tree, core.watch, self.commits)
+                               saver_wait=commit_timeout, copies_wait=copies_wait,
+                               identity=parts.identity, manifests=parts.manifests,
+                               sealing=parts.sealing, renames=parts.renames,
+                               cut_short=parts.cut_short, store=tree.store)
+        self.quiet = QuietCommits(tree, core.watch, self.commits, cut_short=parts.cut_short,
+                                  residents=parts.residents, manifests=parts.manifests)
         self.appends = AppendSnapshots(tree, core.watch, self.commits, self.residency,
-                                       append_every)
+                                       append_every, records=parts.records,
+                                       residents=parts.residents, store=tree.store)
         self.verifier = Verifier(tree, self.residency, persist, peers,
-                                 finish_pending=self.commits.finish_pending)
+                                 finish_pending=self.commits.finish_pending,
+                                 store=tree.store, holdings=parts.holdings,
+                                 residents=parts.residents)
         self.gate: ReadGate = self.verifier
         # when the mount's users last asked something (background work waits for a pause)
         self.foreground = Foreground()
+
+    # -- the FUSE session's start and end ----------------------------------------------------
+
+    def session_started(self) -> None:
+        """The kernel's session exists (after pyfuse3.init): invalidations may be sent."""
+        self._kernel_cache.start()
+
+    def session_ending(self) -> None:
+        """Before the session goes: no more invalidations."""
+        self._kernel_cache.stop()
+
+    async def hold_hash_threads(self) -> None:
+        """Take every hash thread (`Sealing.hold`): hashes observably late, for tests."""
+        await self._sealing.hold()
+
+    def release_hash_threads(self) -> None:
+        """Give back the hash threads a test held (`Sealing.release`): the last commits, and
+        the stop itself, wait for the hashes under way."""
+        self._sealing.release()
 
     # -- lookups: the Tree's ---------------------------------------------------------------
 
@@ -173,23 +223,23 @@ class Namespace:
     # (`KernelCache.kernel_knows`), and keeps its own view of the entry up to date itself.
 
     def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        with self.tree.kernel_cache.kernel_knows():
+        with self._kernel_cache.kernel_knows():
             return self.tree.mkdir(parent, name, mode, uid, gid)
 
     def mknod(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        with self.tree.kernel_cache.kernel_knows():
+        with self._kernel_cache.kernel_knows():
             return self.tree.mknod(parent, name, mode, uid, gid)
 
     def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
-        with self.tree.kernel_cache.kernel_knows():
+        with self._kernel_cache.kernel_knows():
             return self.tree.symlink(parent, name, target, uid, gid)
 
     def rmdir(self, parent: Node, name: bytes) -> None:
-        with self.tree.kernel_cache.kernel_knows():
+        with self._kernel_cache.kernel_knows():
             self.tree.rmdir(parent, name)
 
     async def unlink(self, parent: Node, name: bytes) -> None:
-        with self.tree.kernel_cache.kernel_knows():
+        with self._kernel_cache.kernel_knows():
             removed = self.tree.unlink(parent, name)
         if removed:
             await self.commits.run_pending_commits(parent)
@@ -200,7 +250,7 @@ class Namespace:
     async def rename(self, old_parent: Node, old_name: bytes, new_parent: Node,
                      new_name: bytes, flags: int) -> None:
         while True:
-            node = self.tree.renames.check_rename(old_parent, old_name, new_name, flags)
+            node = self._renames.check_rename(old_parent, old_name, new_name, flags)
             # Files only peers hold come here first (the store renames its own): under the new
             # name they are this node's to commit and serve, and the peers' copies go with the
             # old name. A step renamed here while other nodes held some of its files could not
@@ -212,9 +262,9 @@ class Namespace:
                 break
             for file_node in elsewhere:  # then check again: the awaits may have seen changes
                 await self.residency.make_resident(file_node, empty=False)
-        with self.tree.kernel_cache.kernel_knows():
-            moved = self.tree.renames.rename(node, old_parent, old_name, new_parent, new_name,
-                                             flags)
+        with self._kernel_cache.kernel_knows():
+            moved = self._renames.rename(node, old_parent, old_name, new_parent, new_name,
+                                         flags)
         if moved:
             await self.commits.after_rename(node, old_parent)
 
@@ -222,7 +272,7 @@ class Namespace:
 
     def create(self, parent: Node, name: bytes, mode: int, flags: int, uid: int,
                gid: int, pid: int = 0) -> tuple[Node, Handle]:
-        with self.tree.kernel_cache.kernel_knows():
+        with self._kernel_cache.kernel_knows():
             return self.tree.create(parent, name, mode, flags, uid, gid, pid)
 
     async def open(self, node: Node, flags: int) -> Handle:
@@ -240,21 +290,21 @@ class Namespace:
         # The path is taken only now: the awaits above may have seen renames.
         handle = self.tree.open_backing(node, writable=writable, truncate=truncate)
         if truncate:
-            self.tree.cut_short.clear(node)  # written again from the start
+            self._cut_short.clear(node)  # written again from the start
         return handle
 
     def drop_setid(self, node: Node) -> None:
         """A writer that may not keep set-id bits opened `node` (`Attributes.drop_setid`)."""
         if self.tree.has_backing(node):
-            self.tree.attributes.drop_setid(node)
+            self._attributes.drop_setid(node)
 
     def check_open(self, node: Node, pid: int) -> None:
         """`ESTALE` when this open starts a new load through an older `latest`
         (`VirtualLatest.check_open`): the kernel walks the path again."""
-        self.tree.latest.check_open(node, pid)
+        self._latest.check_open(node, pid)
 
     def note_opened(self, handle: Handle, pid: int) -> None:
-        self.tree.latest.note_opened(handle, pid)
+        self._latest.note_opened(handle, pid)
 
     async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         if not handle.active:
@@ -264,11 +314,11 @@ class Namespace:
                 await self.residency.make_room(len(data), sparing=handle.node)
             return self.tree.write(handle, offset, data)
         except RamFull:
-            self.tree.cut_short.note(handle.node, "the RAM tier is full")
+            self._cut_short.note(handle.node, "the RAM tier is full")
             raise
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
-                self.tree.cut_short.note(handle.node, "the RAM dir's file system is full")
+                self._cut_short.note(handle.node, "the RAM dir's file system is full")
             raise
 
     async def expect_direct_writes(self, handle: Handle) -> None:
@@ -298,7 +348,7 @@ class Namespace:
         handle wrote (Tree), then fire any commit it completes (Commits)."""
         if await self.tree.end_writer(handle, final=final):
             if handle.passthrough:  # its writes' errors went to the writer, not to us
-                self.tree.cut_short.note_if_full(handle.node, str(self.store.root))
+                self._cut_short.note_if_full(handle.node, str(self.store.root))
             await self.commits.after_writer(handle.node)
 
     async def release(self, handle: Handle) -> None:
@@ -322,20 +372,20 @@ class Namespace:
         if node.remote is not None:
             await self.residency.make_resident(node, empty=size == 0)
         if size is not None and self.tree.has_backing(node):
-            self.tree.attributes.check_truncatable(node)
+            self._attributes.check_truncatable(node)
             await self.make_private(node, keep=size > 0)
             if size == 0:
-                self.tree.cut_short.clear(node)  # to be written again from the start
-        self.tree.attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid, size=size,
-                                     atime_ns=atime_ns, mtime_ns=mtime_ns)
+                self._cut_short.clear(node)  # to be written again from the start
+        self._attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid, size=size,
+                                 atime_ns=atime_ns, mtime_ns=mtime_ns)
 
     async def make_private(self, node: Node, *, keep: bool) -> None:
         """Copy on write: a tree file shared with a committed object gets its own inode (its
         bytes kept, or empty) before anything may change it. The copy is made in a thread,
         after room is made for it (Residency); `CopyOnWrite` swaps it in."""
-        async with self.tree.copy_on_write.lock(node):
+        async with self._copy_on_write.lock(node):
             while True:
-                shared = self.tree.copy_on_write.shared_backing(node)
+                shared = self._copy_on_write.shared_backing(node)
                 if shared is None:
                     return
                 path, st = shared
@@ -343,7 +393,7 @@ class Namespace:
                 await self.residency.make_room(size, sparing=node)
                 copy = await trio.to_thread.run_sync(self.store.copy, path,
                                                      os.path.dirname(path), size)
-                if self.tree.copy_on_write.replace_shared(node, path, st, copy):
+                if self._copy_on_write.replace_shared(node, path, st, copy):
                     return
 
     # -- files: a read-back --------------------------------------------------------------------

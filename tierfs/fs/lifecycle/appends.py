@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from tierfs.fs.lifecycle.quiet_commits import QuietWatch
     from tierfs.fs.lifecycle.residency import Residency
     from tierfs.fs.model.nodes import Node
+    from tierfs.fs.store.ram_store import RamStore
+    from tierfs.fs.tree.records import StepRecords
+    from tierfs.fs.tree.residents import Residents
     from tierfs.fs.tree.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -50,8 +53,12 @@ class AppendSnapshots:
     docstring). Works on the steps the quiet watch holds: those being written."""
 
     def __init__(self, tree: Tree, watch: QuietWatch, commits: Commits, residency: Residency,
-                 append_every: float) -> None:
+                 append_every: float, *, records: StepRecords, residents: Residents,
+                 store: RamStore) -> None:
         self.tree = tree
+        self._records = records
+        self._residents = residents
+        self._store = store
         self.watch = watch
         self.commits = commits
         self.residency = residency
@@ -95,7 +102,7 @@ class AppendSnapshots:
         return None
 
     async def _snapshot(self, node: Node) -> mf.StepManifest | None:
-        tree, store = self.tree, self.tree.store
+        tree, store = self.tree, self._store
         step = node.step
         assert step is not None
         started = time.monotonic()
@@ -135,7 +142,7 @@ class AppendSnapshots:
         step's new version. The step stays `writing`: the file is still being written, and
         commits again (by this or once quiet) with what is added. None if the copy does not
         extend the last version (the copy is then removed)."""
-        tree, store = self.tree, self.tree.store
+        tree, store = self.tree, self._store
         step = node.step
         entry = mf.entry_from_stat(os.fsdecode(node.name), digest, os.lstat(copy))
         if old is not None and old.path == path:
@@ -148,10 +155,10 @@ class AppendSnapshots:
             node_id=tree.node_id, committed_ns=time.time_ns(), files=(entry,),
             single_file=True, dirs=recorded(node, tree.backing, tree.relpath))
         manifest_path = os.path.join(tree.records_path(node), mf.MANIFEST_NAME.encode())
-        tmp = tree.records.write_temp(manifest_path, mf.encode(manifest))
+        tmp = self._records.write_temp(manifest_path, mf.encode(manifest))
         store.add_ref(entry.xxh3, tree.backing(node), copy)
         os.rename(tmp, manifest_path)
-        tree.residents.drop_resident_refs(step)
+        self._residents.drop_resident_refs(step)
         step.manifest = manifest
         step.resident = {entry.name}
         step.commit_pending = False

@@ -58,6 +58,12 @@ from tierfs.fs.store.ram_store import RamFull
 if TYPE_CHECKING:
     from tierfs.fs.lifecycle.other_tiers import OtherTiers
     from tierfs.fs.lifecycle.residency import Residency
+    from tierfs.fs.store.ram_store import RamStore
+    from tierfs.fs.tree.cut_short import CutShort
+    from tierfs.fs.tree.renames import Renames
+    from tierfs.fs.tree.sealing import Sealing
+    from tierfs.fs.tree.step_identity import StepIdentity
+    from tierfs.fs.tree.step_manifests import StepManifests
     from tierfs.fs.tree.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -96,8 +102,16 @@ class Commits:
 
     def __init__(self, tree: Tree, residency: Residency, tiers: OtherTiers,
                  sink: CommitSink, events: EventSink, saver_wait: float = SAVER_WAIT,
-                 copies_wait: CopiesWait | None = None) -> None:
+                 copies_wait: CopiesWait | None = None, *, identity: StepIdentity,
+                 manifests: StepManifests, sealing: Sealing, renames: Renames,
+                 cut_short: CutShort, store: RamStore) -> None:
         self.tree = tree
+        self._identity = identity  # which directories are steps, single files or neither
+        self._manifests = manifests  # the commit's change of the tree: pending, then written
+        self._sealing = sealing  # the files' hashes
+        self._renames = renames
+        self._cut_short = cut_short  # files a write into failed (no room)
+        self._store = store  # the RAM store: the commit's copies of files still open
         self.residency = residency
         self.tiers = tiers
         self.sink = sink
@@ -134,12 +148,12 @@ class Commits:
                                                           waiting, deadline, hashes_later,
                                                           by_idle)
         except CoordinationUnavailable as exc:
-            self.tree.manifests.leave_pending(
+            self._manifests.leave_pending(
                 step, f"etcd (the cluster's records of its files): {exc}")
             raise
         except (OSError, RamFull) as exc:
             # Retried (retry_pending_commits) until it succeeds; `status` shows why it waits.
-            self.tree.manifests.leave_pending(step, "space: " + (
+            self._manifests.leave_pending(step, "space: " + (
                 "the RAM tier is full" if isinstance(exc, RamFull)
                 else exc.strerror or str(exc)))
             raise
@@ -148,15 +162,15 @@ class Commits:
                           f"waiting for {self._describe(step_node, waiting.what)}")
         if manifest is None:
             if step.pending is not None and not step.commit_pending:  # committed, hashes later
-                self.tree.manifests.note_waiting(step, None)
+                self._manifests.note_waiting(step, None)
                 log.info("%s v%d committed; its %d files are hashed in the background",
                          self.tree.relpath(step_node), step.pending.record.version,
                          len(step.pending.record.files))
-                assert self.tree.sealing.spawner is not None
-                self.tree.sealing.spawner.spawn(self._finish_in_background, step_node, step,
-                                                started)
+                assert self._sealing.spawner is not None
+                self._sealing.spawner.spawn(self._finish_in_background, step_node, step,
+                                            started)
             return None
-        self.tree.manifests.note_waiting(step, None)
+        self._manifests.note_waiting(step, None)
         if manifest is not old:
             await self.announce(step_node, manifest, started, deadline)
         return manifest
@@ -207,24 +221,24 @@ class Commits:
         pending = step.pending
         if pending is None:
             return
-        store = self.tree.store
-        self.tree.sealing.start_all([node for node, gen in pending.nodes.values()
-                                     if node.gen == gen])
+        store = self._store
+        self._sealing.start_all([node for node, gen in pending.nodes.values()
+                                 if node.gen == gen])
         digests = {}
         for f in pending.record.files:
             if step_node.step is not step or step_node.parent is None:
                 break  # gone: no hash needed
             node, gen = pending.nodes[f.name]
-            digests[f.name] = await self.tree.sealing.hash_committed(
+            digests[f.name] = await self._sealing.hash_committed(
                 node, gen, store.snapshot_path(f.snapshot))
         # From here to the end of StepManifests.finish_pending there is no await.
         if step_node.step is not step or step_node.parent is None:
             log.info("%s: its pending version %d went with it (removed or no longer a step)",
                      os.fsdecode(step_node.name), pending.record.version)
-            self.tree.manifests.drop_pending(step_node, step)
+            self._manifests.drop_pending(step_node, step)
             return
         old = step.manifest
-        manifest = self.tree.manifests.finish_pending(step_node, digests)
+        manifest = self._manifests.finish_pending(step_node, digests)
         if manifest is not old:
             await self.announce(step_node, manifest,
                                 time.monotonic() if started is None else started)
@@ -266,7 +280,7 @@ class Commits:
                     released = tree.released
                     if tree_walk.has_active_writers(step_node):
                         if not wait_for_writers:
-                            tree.manifests.leave_pending(step, "open writers")
+                            self._manifests.leave_pending(step, "open writers")
                             log.info("commit of %s waits for open writers",
                                      tree.relpath(step_node))
                             return None, None
@@ -275,7 +289,7 @@ class Commits:
                         continue
                     waiting.what = DCP_FILES
                     if not await self.tiers.locate_dcp_files(step_node, deadline):
-                        tree.manifests.leave_pending(step, "files named by its .metadata")
+                        self._manifests.leave_pending(step, "files named by its .metadata")
                         return None, None  # retried by retry_pending_commits
                     shape = tree.shape
                     files = list(tree_walk.files_under(step_node))
@@ -293,13 +307,13 @@ class Commits:
                                              later):
                             old = step.manifest
                             if later:
-                                tree.manifests.write_pending(step_node, files, copies)
+                                self._manifests.write_pending(step_node, files, copies)
                                 return None, old
-                            return tree.manifests.write_manifest(step_node, files, copies,
-                                                                 by_idle=by_idle), old
+                            return self._manifests.write_manifest(step_node, files, copies,
+                                                                  by_idle=by_idle), old
                     finally:
                         for copy in copies.values():  # those the manifest did not take
-                            tree.store.discard(copy)
+                            self._store.discard(copy)
                     if step_node.step is not step or step_node.parent is None:
                         return None, None  # renamed away or removed while it was being sealed
             finally:
@@ -311,7 +325,7 @@ class Commits:
         files are all here, with a hash still to come, no --sync-replicas, and a background
         running to finish it in (a namespace driven in-process without one commits as
         before)."""
-        spawner = self.tree.sealing.spawner
+        spawner = self._sealing.spawner
         return (step_node.is_dir and self.copies_wait is None and not elsewhere
                 and spawner is not None and spawner.running
                 and all(node.remote is None for _rel, node in files)
@@ -322,7 +336,7 @@ class Commits:
         """Bring back the files held only by other tiers, and seal the unsealed ones (unless
         the hashes come `later`)."""
         if not later:
-            self.tree.sealing.start_all([node for _rel, node in files])
+            self._sealing.start_all([node for _rel, node in files])
         for rel, node in files:
             if node.remote is not None and rel not in elsewhere and not node.remote.in_store:
                 waiting.what = OTHER_TIERS
@@ -340,7 +354,7 @@ class Commits:
         every such file is copied, sealed or not (its snapshot must be bytes no handle can
         write, `fs.model.pending_commits`)."""
         tree = self.tree
-        store = tree.store
+        store = self._store
         for _rel, node in files:
             seal = node.seal
             if not node.open_for_writing:
@@ -368,7 +382,7 @@ class Commits:
         """A private copy of a file a handle could still write into, for a commit whose hashes
         come later: recorded with the (inode, size, mtime) it was copied at, which
         `_file_ready` checks the file still has (passthrough writes behind the daemon)."""
-        store = self.tree.store
+        store = self._store
         try:
             path = self.tree.backing(node)
             before = os.lstat(path)
@@ -395,8 +409,8 @@ class Commits:
         when the tree's shape was `shape`."""
         tree = self.tree
         # Unsealed files (hashes to come `later`) are checked against their copies instead.
-        stale = tree.sealing.stale([(rel, node) for rel, node in files
-                                    if not later or node.seal is not None])
+        stale = self._sealing.stale([(rel, node) for rel, node in files
+                                     if not later or node.seal is not None])
         for node in stale:  # open for writing with no seal of its bytes: being written
             tree.written_behind_seal(node)
         return not (stale or tree_walk.has_active_writers(step_node)
@@ -428,7 +442,7 @@ class Commits:
             return False
         if node in cut_to:
             return node.seal is cut_to[node]
-        return not writable or self.tree.store.object_path(node.seal.digest.xxh3).exists()
+        return not writable or self._store.object_path(node.seal.digest.xxh3).exists()
 
     async def commit_path(self, relpath: str, timeout: float = math.inf) -> mf.StepManifest:
         """`tierfs commit PATH`: commit the step (a directory or a single file) at `relpath`,
@@ -437,7 +451,7 @@ class Commits:
         if node.step is None:
             raise FsError(errno.EINVAL,
                           f"{relpath} is not a step directory (its name does not match "
-                          f"--step-pattern {self.tree.identity.pattern.pattern!r}, "
+                          f"--step-pattern {self._identity.pattern.pattern!r}, "
                           "or it holds step directories itself)")
         try:
             manifest = await self.commit(node, wait_for_writers=True, patience=timeout)
@@ -459,9 +473,9 @@ class Commits:
         `by_idle`: by the quiet rules (`commit`). A step holding a file a write into failed
         for want of room does not commit so (`fs.tree.cut_short`): it stays `writing`, saying
         why."""
-        cut = self.tree.cut_short.in_step(step_node)
+        cut = self._cut_short.in_step(step_node)
         if cut is not None and step_node.step is not None:
-            self.tree.manifests.note_waiting(step_node.step, cut_short_reason(cut))
+            self._manifests.note_waiting(step_node.step, cut_short_reason(cut))
             return
         try:
             await self.commit(step_node, wait_for_writers=False, by_idle=by_idle)
@@ -527,7 +541,7 @@ class Commits:
         parent = node.parent
         if parent is None:
             return
-        self.tree.identity.touch_enclosing(node)  # its step commits `commit_idle` s after this
+        self._identity.touch_enclosing(node)  # its step commits `commit_idle` s after this
         self.tiers.note_sealed(node)  # the cluster records which node holds the file
         if node.name == METADATA and parent.step is not None:
             await self.commit_for_saver(parent)
@@ -555,7 +569,7 @@ class Commits:
         if not (node.is_file and step is not None and not step.committed
                 and not node.active_writers and not node.open_for_writing):
             return
-        identity = self.tree.identity
+        identity = self._identity
         if step.number is None and not identity.is_tracker(node):
             return  # a loose file: once quiet
         if step.number is None:
@@ -608,7 +622,7 @@ class Commits:
         else:
             await self._commit_file_step(node)  # `mv x.tmp epoch=0-step=5.ckpt`
         await self.run_pending_commits(old_parent)
-        self.tree.renames.moves_may_settle()
+        self._renames.moves_may_settle()
 
     async def _renamed_dir(self, node: Node) -> None:
         """A directory renamed onto a step name commits it (the `mv tmp step_N` idiom); one
@@ -616,12 +630,12 @@ class Commits:
         then files of the step it is in); steps moved along with it commit again so that
         their manifests name where they are now."""
         tree = self.tree
-        number = tree.identity.step_number_at(node.parent, node.name)
+        number = self._identity.step_number_at(node.parent, node.name)
         if number is None:
             if node.step is not None:
                 await self._demote(node)
         else:
-            tree.identity.become_step(node, number)
+            self._identity.become_step(node, number)
         for below in list(tree_walk.dirs_under(node)):
             await self._restep(below)
         for file_node in list(tree_walk.walk_files(node)):
@@ -636,25 +650,25 @@ class Commits:
     async def _restep(self, node: Node) -> None:
         """After a rename above it: `node` is a step exactly when its name is a step name and
         no directory above it is a step (a directory inside a step is part of that step)."""
-        number = self.tree.identity.step_number_at(node.parent, node.name)
+        number = self._identity.step_number_at(node.parent, node.name)
         if number is None and node.step is not None:
             await self._demote(node)
         else:
-            self.tree.identity.restep(node, number)
+            self._identity.restep(node, number)
 
     async def _refile(self, node: Node) -> None:
         """After a rename above it: a file is a single-file step exactly when no directory
         above it is a step; one that moved commits again at its new path."""
         tree = self.tree
-        wanted = tree.identity.single_file_step(node.parent, node.name)
+        wanted = self._identity.single_file_step(node.parent, node.name)
         if wanted is None and node.step is not None:
             if node.remote is not None and not node.remote.in_store:
                 await self.residency.make_resident(node, empty=False)
-            tree.identity.stop_being_single_file(node)
+            self._identity.stop_being_single_file(node)
         elif wanted is not None and (node.step is None or (
                 node.step.manifest is not None
                 and node.step.manifest.path != tree.relpath(node))):
-            tree.identity.become_single_file(node, wanted)
+            self._identity.become_single_file(node, wanted)
         if node.step is not None and node.step.number is not None:
             await self.commit_quietly(node)
 
@@ -663,7 +677,7 @@ class Commits:
         for _rel, child in list(tree_walk.files_under(node)):
             if child.remote is not None and not child.remote.in_store:
                 await self.residency.make_resident(child, empty=False)
-        self.tree.identity.stop_being_step(node)
+        self._identity.stop_being_step(node)
 
 
 def _stat_key(st: os.stat_result) -> tuple[int, int, int]:

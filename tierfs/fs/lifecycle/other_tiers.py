@@ -36,6 +36,12 @@ from tierfs.shared_uploads import PERSISTED, RETIRED
 if TYPE_CHECKING:
     from tierfs.fs.lifecycle.residency import Residency
     from tierfs.fs.lifecycle.step_versions import StepVersions
+    from tierfs.fs.store.ram_store import RamStore
+    from tierfs.fs.tree.holders import Holdings
+    from tierfs.fs.tree.recoverable import Recoverability
+    from tierfs.fs.tree.residents import Residents
+    from tierfs.fs.tree.step_identity import StepIdentity
+    from tierfs.fs.tree.step_manifests import StepManifests
     from tierfs.fs.tree.tree import Tree
     from tierfs.fs.tree.tree_view import TreeView
 
@@ -51,8 +57,16 @@ class OtherTiers:
 
     def __init__(self, tree: Tree, view: TreeView, versions: StepVersions, residency: Residency,
                  deletes: Deletes, background: Spawner, sealed: SealedCollector | None = None,
-                 shards: ShardsOnPeers | None = None) -> None:
+                 shards: ShardsOnPeers | None = None, *, holdings: Holdings,
+                 identity: StepIdentity, manifests: StepManifests, recoverable: Recoverability,
+                 residents: Residents, store: RamStore) -> None:
         self.tree = tree
+        self._holdings = holdings
+        self._identity = identity
+        self._manifests = manifests
+        self._recoverable = recoverable
+        self._residents = residents
+        self._store = store
         self.view = view  # the queries a rename's upload asks
         self.versions = versions  # the changes of step versions it makes
         self.residency = residency
@@ -273,7 +287,7 @@ class OtherTiers:
                     lambda: self.versions.write_persist_mark(node, manifest.version),
                     release=True) is not None:
                 self.versions.set_persisted(node, manifest.version, recorded=True)
-                self.tree.residents.add_remote_files(
+                self._residents.add_remote_files(
                     node, [e for e in manifest.files if e.name not in step.resident])
                 self.versions.give_dir_attributes(manifest)
             return False
@@ -281,7 +295,7 @@ class OtherTiers:
         if step_node is None:
             return False
         self.versions.set_persisted(step_node, manifest.version)
-        self.tree.residents.add_remote_files(step_node, list(manifest.files))
+        self._residents.add_remote_files(step_node, list(manifest.files))
         self.versions.give_dir_attributes(manifest)
         return True
 
@@ -310,7 +324,7 @@ class OtherTiers:
         if found is None:
             return True
         step = found[1]
-        verified = self.tree.holdings.verified_peers
+        verified = self._holdings.verified_peers
         return step is not None and step.committed and (step.persisted or all(
             peer in verified(step, entry.name) for entry in step.manifest.files))
 
@@ -332,7 +346,7 @@ class OtherTiers:
         if isinstance(named, str):
             node = run_dir.children.get(os.fsencode(named))
             number = (node.step.number if node is not None and node.is_dir
-                      and node.step is not None else self.tree.identity.step_number(named))
+                      and node.step is not None else self._identity.step_number(named))
         elif isinstance(named, int):
             number = named
             node = next((n for n in run_dir.children.values()
@@ -350,7 +364,7 @@ class OtherTiers:
             if entry.size > trackers.MAX_BYTES:
                 return None
             try:
-                with open(self.tree.store.object_path(entry.xxh3), "rb") as f:
+                with open(self._store.object_path(entry.xxh3), "rb") as f:
                     content = f.read(trackers.MAX_BYTES + 1)
             except FileNotFoundError:
                 return None
@@ -380,7 +394,7 @@ class OtherTiers:
             return None
         manifest = node.step.manifest
         if not node.step.in_ram:
-            self.tree.residents.fill_from_objects(node)
+            self._residents.fill_from_objects(node)
         held = [n for n in names if manifest.entry(n) is not None and n in node.step.resident]
         if held:
             self.versions.add_file_holder(node, sender, held)
@@ -438,7 +452,7 @@ class OtherTiers:
         node = self.tree.find_step(manifest.path)
         if node is None or node.step.manifest is not manifest or node.step.persisted:
             return False
-        return any(sum(1 for peer in self.tree.holdings.verified_peers(node.step, name)
+        return any(sum(1 for peer in self._holdings.verified_peers(node.step, name)
                        if is_up(peer)) < replicas
                    for name in node.step.resident)
 
@@ -449,7 +463,7 @@ class OtherTiers:
         node = self.tree.find_step(manifest.path)
         if node is not None and node.step.manifest is manifest:
             self.versions.set_file_holders(node, holders, writers)
-            self.tree.recoverable.loss(node.step, fresh=True)  # whole again, or not
+            self._recoverable.loss(node.step, fresh=True)  # whole again, or not
 
     def want_recheck(self, paths: list[str] | None = None) -> None:
         """Have the file records of these steps (None: every committed step not wholly in RAM
@@ -480,7 +494,7 @@ class OtherTiers:
             for entry in step.manifest.files:
                 if entry.name in step.resident:
                     continue
-                peers = self.tree.holdings.file_peers(step, entry.name)
+                peers = self._holdings.file_peers(step, entry.name)
                 if (not any(map(may_be_up, peers)) or entry.name not in step.file_holders
                         and not all(map(may_be_up, peers))):
                     found.append(step.manifest)
@@ -529,7 +543,7 @@ class OtherTiers:
                                                                     others),
                                  release=True) is not None:
                 self.versions.set_holders(node, others, record=False)
-                self.tree.residents.add_remote_files(
+                self._residents.add_remote_files(
                     node, [e for e in manifest.files if e.name not in step.resident])
             self.versions.give_dir_attributes(manifest)
             return
@@ -537,7 +551,7 @@ class OtherTiers:
         if step_node is None:
             return
         self.versions.set_holders(step_node, others, record=True)
-        self.tree.residents.add_remote_files(step_node, list(manifest.files))
+        self._residents.add_remote_files(step_node, list(manifest.files))
         self.versions.give_dir_attributes(manifest)
         log.info("%s v%d is in the cluster (held by %s)", manifest.path, manifest.version,
                  ", ".join(sorted(others)))
@@ -604,13 +618,13 @@ class OtherTiers:
             if node is not None and node.remote is None:  # a copy of the committed version
                 if node.seal is not None and node.seal.digest.xxh3 == entry.xxh3:
                     continue  # saved again with the same bytes: the copy here is the file
-                if self.tree.residents.evict_file(step, step.manifest.entry(name), node) is None \
+                if self._residents.evict_file(step, step.manifest.entry(name), node) is None \
                         and node.remote is None:
                     log.info("commit of %s waits: its old copy of %s here is open", step_path,
                              name)
                     return False
             self.versions.add_holder(step_node, peer)
-            self.tree.residents.add_remote_files(step_node, [entry], step_path)
+            self._residents.add_remote_files(step_node, [entry], step_path)
             elsewhere.add(name)
         if found:
             log.info("commit of %s names %d files held on %s: they stay there", step_path,
@@ -651,7 +665,7 @@ class OtherTiers:
             if entry is None or rel in located or rel not in step.dcp_files[1]:
                 continue
             if (node.remote.entry.xxh3 == entry.xxh3 if node.remote is not None
-                    else self.tree.residents.unchanged_since_commit(step, rel, node)):
+                    else self._residents.unchanged_since_commit(step, rel, node)):
                 found.add(rel)
         return found
 
@@ -760,7 +774,7 @@ class OtherTiers:
                 if step_node.step.dcp_files is None or step_node.step.dcp_files[0] != key:
                     data = f.read()
                     expected = await trio.to_thread.run_sync(dcp_metadata.shard_files, data)
-                    self.tree.manifests.note_dcp_files(step_node.step, key, expected)
+                    self._manifests.note_dcp_files(step_node.step, key, expected)
         except (OSError, FsError, dcp_metadata.MetadataError) as exc:
             log.info("commit of %s uses the files at hand: %s", self.tree.relpath(step_node),
                      exc)

@@ -42,6 +42,9 @@ from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import METADATA, Node
 
 if TYPE_CHECKING:
+    from tierfs.fs.tree.cut_short import CutShort
+    from tierfs.fs.tree.residents import Residents
+    from tierfs.fs.tree.step_manifests import StepManifests
     from tierfs.fs.tree.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -150,8 +153,12 @@ class QuietWatch:
 class QuietCommits:
     """Commits each watched step once it is due and quiet."""
 
-    def __init__(self, tree: Tree, watch: QuietWatch, commits: Commits) -> None:
+    def __init__(self, tree: Tree, watch: QuietWatch, commits: Commits, *, cut_short: CutShort,
+                 residents: Residents, manifests: StepManifests) -> None:
         self.tree = tree
+        self._cut_short = cut_short  # files a write into failed: the step waits for them
+        self._residents = residents  # whether a file changed since its step's commit
+        self._manifests = manifests  # why a step waits (status)
         self.watch = watch
         self.commits = commits
 
@@ -164,7 +171,7 @@ class QuietCommits:
                 if node.active_writers or node.open_for_writing])
         if step.commit_pending:  # retried (`Commits.retry_pending_commits`)
             return Outlook("waits", reason=step.waiting_for)
-        cut = self.tree.cut_short.in_step(step_node)
+        cut = self._cut_short.in_step(step_node)
         if cut is not None:
             return Outlook("never", reason=cut_short_reason(cut))
         due = self.watch.due.get(step_node)
@@ -196,7 +203,7 @@ class QuietCommits:
         for _rel, node in tree_walk.files_under(step_node):
             if node.active_writers or node.open_for_writing:
                 return "open writers"
-        cut = self.tree.cut_short.in_step(step_node)
+        cut = self._cut_short.in_step(step_node)
         if cut is not None:
             return cut_short_reason(cut)
         removed = self._removed_only(step_node)
@@ -219,7 +226,7 @@ class QuietCommits:
             entry = manifest.entry(rel)
             if entry is None or not (
                     node.remote.entry.xxh3 == entry.xxh3 if node.remote is not None
-                    else self.tree.residents.unchanged_since_commit(step, rel, node)):
+                    else self._residents.unchanged_since_commit(step, rel, node)):
                 return 0
             present += 1
         return len(manifest.files) - present
@@ -246,13 +253,13 @@ class QuietCommits:
         if (step_node.is_dir and step.manifest is None and step.pending is None
                 and next(tree_walk.walk_files(step_node), None) is None):
             step.empty = True  # nothing to commit (`StepState.empty`)
-            self.tree.manifests.note_waiting(step, None)
+            self._manifests.note_waiting(step, None)
             del self.watch.due[step_node]
             return False
         reason = self._not_quiet(step_node)
         if reason is not None:
             if reason != "open writers":
-                self.tree.manifests.note_waiting(step, reason)
+                self._manifests.note_waiting(step, reason)
             if reason.startswith("the end of its removal"):
                 del self.watch.due[step_node]  # until it changes again (`Tree.mark_dirty`)
                 log.info("%s: %s", self.tree.relpath(step_node), reason)

@@ -39,6 +39,8 @@ from tierfs.fs.tree.step_identity import marked_number
 if TYPE_CHECKING:
     from tierfs.fs.model.ports import DeleteLog
     from tierfs.fs.tree.records import StepRecords
+    from tierfs.fs.tree.residents import Residents
+    from tierfs.fs.tree.step_identity import StepIdentity
     from tierfs.fs.tree.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -71,11 +73,14 @@ class RecoveryReport:
 class Recovery:
     """Rebuilds one mount's tree from its RAM store (`load`, once, before the mount serves)."""
 
-    def __init__(self, tree: Tree, deletes: DeleteLog) -> None:
+    def __init__(self, tree: Tree, deletes: DeleteLog, *, identity: StepIdentity,
+                 residents: Residents, records: StepRecords) -> None:
         self.tree = tree
+        self._identity = identity  # which directories are steps
+        self._residents = residents  # the files of steps held elsewhere
         self._deletes = deletes
         self.store: RamStore = tree.store
-        self.records: StepRecords = tree.records
+        self.records = records  # the steps' records in the RAM store (manifests, marks)
         self._top = os.fsencode(self.store.tree)
         self._set_aside = 0
         self._damaged_files = 0
@@ -121,7 +126,7 @@ class Recovery:
                 in_steps.add(dirpath)
                 is_step = False  # a directory inside a step is part of it
             else:
-                number = self.tree.identity.step_number(os.path.basename(dirpath))
+                number = self._identity.step_number(os.path.basename(dirpath))
                 if number is None and dirpath != self._top:  # named by a tracker
                     number = marked_number(reach(dirpath))
                 is_step = dirpath != self._top and number is not None
@@ -188,7 +193,7 @@ class Recovery:
                           "its pending commit is dropped", relpath, record.version, f.name)
                 return False
             entries.append(f.entry(mf.hash_file(snapshot)))
-        number = self.tree.identity.step_number(os.path.basename(dirpath))
+        number = self._identity.step_number(os.path.basename(dirpath))
         if number is None:
             number = marked_number(reach(dirpath))
         finished = mf.StepManifest(
@@ -308,14 +313,14 @@ class Recovery:
                 node = self.tree.attach(dir_node, entry.name, kind)
                 if kind == stat.S_IFDIR:
                     child_path = os.path.join(path, entry.name)
-                    number = None if in_step else self.tree.identity.step_number(entry.name)
+                    number = None if in_step else self._identity.step_number(entry.name)
                     if number is None and not in_step:  # a directory a tracker named
                         number = marked_number(reach(child_path))
                     self._load_dir(node, child_path, recovered, in_step or number is not None)
                     if number is not None:
                         self._load_step(node, number, child_path, recovered)
                 elif kind == stat.S_IFREG and not in_step:
-                    state = self.tree.identity.single_file_step(dir_node, entry.name)
+                    state = self._identity.single_file_step(dir_node, entry.name)
                     if state is not None:
                         self._load_step(node, state.number, os.path.join(
                             path, layout.records_name(entry.name)), recovered)
@@ -351,5 +356,5 @@ class Recovery:
                     self.tree.mark_dirty(file_node)
                     continue
                 file_node.seal = Seal(mf.Digest.of(entry), st.st_ino)
-        self.tree.residents.add_remote_files(
+        self._residents.add_remote_files(
             node, [e for e in manifest.files if e.name not in resident], in_store=step.persisted)

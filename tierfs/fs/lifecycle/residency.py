@@ -47,6 +47,9 @@ from tierfs.fs.store.ram_store import RamFull
 
 if TYPE_CHECKING:
     from tierfs.fs.lifecycle.step_versions import StepVersions
+    from tierfs.fs.tree.holders import Holdings
+    from tierfs.fs.tree.recoverable import Recoverability
+    from tierfs.fs.tree.residents import Residents
     from tierfs.fs.tree.tree import Tree
 
 log = logging.getLogger(__name__)
@@ -91,8 +94,12 @@ class Residency:
                  keep_ram: int = 3, replicas: int = 0,
                  liveness: Liveness | None = None,
                  records: SealedCollector | None = None,
-                 store_check: StoreCheck | None = None) -> None:
+                 store_check: StoreCheck | None = None, holdings: Holdings,
+                 recoverable: Recoverability, residents: Residents) -> None:
         self.tree = tree
+        self._holdings = holdings
+        self._recoverable = recoverable
+        self._residents = residents
         # The cluster's file records (None on a single node): a copy leaves them, then RAM.
         self.records = records
         self._leaves_paused_until = 0.0  # trio time: etcd did not take the last leave
@@ -183,14 +190,14 @@ class Residency:
     def _fetch_of(self, node: Node) -> Fetch:
         if node.fetch is not None:
             return node.fetch
-        return self.tree.residents.start_fetch(node, Fetch(self.store, node.remote,
-                                                 spawn=self.background.spawn))
+        return self._residents.start_fetch(node, Fetch(self.store, node.remote,
+                                             spawn=self.background.spawn))
 
     async def chunk_for_peer(self, xxh3: str, index: int) -> int | None:
         """A peer was sent here for chunk `index` of the file with content `xxh3`, which this
         node is fetching: an fd of the partial copy once the chunk is in (`Fetch.relay_chunk`),
         or None."""
-        fetch = next((node.fetch for node in self.tree.residents.fetching
+        fetch = next((node.fetch for node in self._residents.fetching
                       if node.fetch is not None and node.fetch.remote.entry.xxh3 == xxh3),
                      None)
         return None if fetch is None else await fetch.relay_chunk(index)
@@ -200,7 +207,7 @@ class Residency:
         if node.remote is None:
             return
         if empty:
-            self.tree.residents.make_empty_resident(node)
+            self._residents.make_empty_resident(node)
             return
         fetch = self._fetch_of(node)
         try:
@@ -424,7 +431,7 @@ class Residency:
         step = tree_walk.committed_step_holding(node)
         if step is None or node.remote is None:
             return None
-        loss = self.tree.recoverable.loss(step, fresh=True)
+        loss = self._recoverable.loss(step, fresh=True)
         lost = next((f for f in loss.files if f.name == node.remote.entry.name), None) \
             if loss is not None else None
         if lost is None:
@@ -442,7 +449,7 @@ class Residency:
             return False
         good = fetch.verify()
         size = node.remote.entry.size if node.remote is not None else 0
-        if not self.tree.residents.adopt_fetch(node, fetch, good):
+        if not self._residents.adopt_fetch(node, fetch, good):
             return False
         if fetch in self._ahead:
             self.ahead_files += 1
@@ -568,7 +575,7 @@ class Residency:
             for rank, node in enumerate(step_nodes):
                 step = node.step
                 if any(self.file_leaves(step, name) for name in step.resident) or (
-                        not step.resident and self.tree.residents.has_partial_fetches(node)):
+                        not step.resident and self._residents.has_partial_fetches(node)):
                     counted = node.step.number is not None and rank >= self.keep_ram
                     (beyond if counted else within).append(node)
         oldest_first = _number
@@ -594,7 +601,7 @@ class Residency:
     def _copies_elsewhere(self, step: StepState, name: str) -> bool:
         """The K + 1 rule of `file_leaves` without the store: K + 1 live peers hold verified
         copies of the file without this one."""
-        peers = self.tree.holdings.verified_peers(step, name)
+        peers = self._holdings.verified_peers(step, name)
         if name not in step.file_holders and self.records is not None:
             peers = peers | (step.holders - {self.tree.node_id})
         if self.liveness is not None:
@@ -740,7 +747,7 @@ class Residency:
         step = step_node.step
         manifest = step.manifest
         self.versions.set_store_lost(step_node, lacking)
-        self.tree.recoverable.loss(step, fresh=True)  # lost now, if no other tier has it
+        self._recoverable.loss(step, fresh=True)  # lost now, if no other tier has it
         again = step.in_ram
         log.error("the persistent tier lacks %d of the %d files of %s v%d (%s), seen %s: "
                   "it no longer counts as persisted; %s", len(lacking), len(manifest.files),
@@ -807,11 +814,11 @@ class Residency:
                     or (leaving is not None and entry.name not in leaving)):
                 continue  # not safe elsewhere (fewer than K + 1 other copies)
             node = tree_walk.entry_node(step_node, entry.name)
-            size = None if node is None else self.tree.residents.evict_file(step, entry, node)
+            size = None if node is None else self._residents.evict_file(step, entry, node)
             if size is not None:
                 freed += size
                 evicted += 1
-                holders |= self.tree.holdings.verified_peers(step, entry.name)
+                holders |= self._holdings.verified_peers(step, entry.name)
             if time.monotonic() > deadline:
                 yield
                 deadline = time.monotonic() + EVICT_SLICE

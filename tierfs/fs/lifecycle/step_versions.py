@@ -24,7 +24,13 @@ from tierfs.fs.tree.dir_attributes import times_kept
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from tierfs.fs.store.ram_store import RamStore
+    from tierfs.fs.tree.dir_attributes import DirAttributes
+    from tierfs.fs.tree.records import StepRecords
+    from tierfs.fs.tree.residents import Residents
+    from tierfs.fs.tree.step_identity import StepIdentity
     from tierfs.fs.tree.tree import Tree
+    from tierfs.fs.tree.virtual_latest import VirtualLatest
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +38,16 @@ log = logging.getLogger(__name__)
 class StepVersions:
     """The step-version changes of one mount's tree (see the module docstring)."""
 
-    def __init__(self, tree: Tree) -> None:
+    def __init__(self, tree: Tree, *, dir_attributes: DirAttributes, identity: StepIdentity,
+                 latest: VirtualLatest, records: StepRecords, residents: Residents,
+                 store: RamStore) -> None:
         self.tree = tree
+        self._dir_attributes = dir_attributes
+        self._identity = identity
+        self._latest = latest
+        self._records = records
+        self._residents = residents
+        self._store = store
 
     # -- which tiers hold a version ----------------------------------------------------------
 
@@ -70,7 +84,7 @@ class StepVersions:
                 node.remote = RemoteFile(remote.step_path, remote.entry, False)  # not there
 
     def write_persist_mark(self, step_node: Node, version: int) -> None:
-        records = self.tree.records
+        records = self._records
         records.write_persist_mark(self.tree.records_path(step_node), version, "persisted")
 
     def set_persisted_unrecorded(self, step_node: Node, version: int) -> None:
@@ -85,8 +99,8 @@ class StepVersions:
         (recorded on disk first, unless not `write_mark`: the RAM dir had no room for it, and
         a restart may upload it again, which retention then removes again)."""
         if write_mark:
-            self.tree.records.write_persist_mark(self.tree.records_path(step_node), version,
-                                                 "retired")
+            self._records.write_persist_mark(self.tree.records_path(step_node), version,
+                                             "retired")
         step_node.step.persist_mark_owed = False
         step_node.step.persisted_version = 0
         step_node.step.retired_version = version
@@ -116,11 +130,11 @@ class StepVersions:
         step_node.step.holders.add(peer)
 
     def _write_node_list(self, step_node: Node, mark: bytes, nodes: set[str]) -> None:
-        self.tree.records.write_node_list(self.tree.records_path(step_node), mark,
+        self._records.write_node_list(self.tree.records_path(step_node), mark,
                                      step_node.step.manifest.version, nodes)
 
     def write_peers_mark(self, step_node: Node, version: int, holders: set[str]) -> None:
-        self.tree.records.write_node_list(self.tree.records_path(step_node), PEERS_MARK, version,
+        self._records.write_node_list(self.tree.records_path(step_node), PEERS_MARK, version,
                                      holders)
 
     def set_file_holders(self, step_node: Node, holders: dict[str, set[str]],
@@ -160,13 +174,13 @@ class StepVersions:
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
                 made.append(child)
-                self.tree.dir_attributes.made(child)  # given its recorded attributes
-                number = self.tree.identity.step_number_at(parent, part)
+                self._dir_attributes.made(child)  # given its recorded attributes
+                number = self._identity.step_number_at(parent, part)
                 if number is not None:
                     child.step = StepState(number)
                 elif depth == len(parts) and not tree_walk.in_a_step(parent):
                     # a step with no step name: a directory its saver's tracker named
-                    self.tree.identity.become_named_step(child, manifest.step)
+                    self._identity.become_named_step(child, manifest.step)
             elif not child.is_dir:
                 log.warning("step %s from %s is hidden by a file here", manifest.path, source)
                 return None
@@ -188,22 +202,22 @@ class StepVersions:
         for part in map(os.fsencode, dirs):
             child = parent.children.get(part)
             if child is None:
-                if self.tree.identity.step_number_at(parent, part) is not None:
+                if self._identity.step_number_at(parent, part) is not None:
                     break
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
                 made.append(child)
-                self.tree.dir_attributes.made(child)
+                self._dir_attributes.made(child)
             elif not child.is_dir or child.step is not None:
                 break
             parent = child
         else:
             file_name = os.fsencode(name)
             state = (None if file_name in parent.children
-                     else self.tree.identity.single_file_step(parent, file_name))
+                     else self._identity.single_file_step(parent, file_name))
             if state is not None:
                 if file_name == LATEST:
-                    self.tree.latest.keep_own(parent)  # a saver's own `latest`, from another tier
+                    self._latest.keep_own(parent)  # a saver's own `latest`, from another tier
                 node = self.tree.attach(parent, file_name, stat.S_IFREG)
                 node.step = state
                 self._take_manifest(node, state, manifest, made,
@@ -221,7 +235,7 @@ class StepVersions:
         `writing`, would hide the committed step from then on (also after a restart: a step
         this node has is never adopted again)."""
         try:
-            self.tree.records.write_manifest(self.tree.records_path(node), manifest)
+            self._records.write_manifest(self.tree.records_path(node), manifest)
         except OSError:
             if undo is not None:
                 undo()
@@ -234,7 +248,7 @@ class StepVersions:
     def give_dir_attributes(self, manifest: mf.StepManifest) -> None:
         """The directories made here for other tiers' steps that `manifest` records get the
         attributes it (or a newer commit) records for them (`fs.tree.dir_attributes`)."""
-        self.tree.dir_attributes.give(self.tree.root, manifest, self.tree.backing)
+        self._dir_attributes.give(self.tree.root, manifest, self.tree.backing)
 
     def _unmake_file(self, parent: Node, node: Node) -> None:
         """Remove the file node a single-file install made, and its records directory."""
@@ -257,7 +271,7 @@ class StepVersions:
         an old name) are no part of the question: the new manifest says what they are now."""
         step = step_node.step
         files = list(tree_walk.files_under(step_node))
-        unchanged = self.tree.residents.unchanged_since_commit
+        unchanged = self._residents.unchanged_since_commit
         old = [(rel, node) for rel, node in files if unchanged(step, rel, node)]
         local = [(rel, node) for rel, node in files
                  if node.remote is None and (rel, node) not in old]
@@ -280,16 +294,16 @@ class StepVersions:
             return False
         local += [found for found in old if found not in stale]  # saved again as they were
         for rel, node in stale:  # the new version's file is elsewhere, or not in it
-            self.tree.residents.evict_file(step, step.manifest.entry(rel), node)
+            self._residents.evict_file(step, step.manifest.entry(rel), node)
         for rel, node in files:
             if node.remote is not None:  # of the older version: its bytes are not the new ones
-                self.tree.residents.drop_fetch(node)
+                self._residents.drop_fetch(node)
                 if manifest.entry(rel) is None:
                     self.tree.detach(node)
-        self.tree.records.write_manifest(self.tree.records_path(step_node), manifest)
-        self.tree.residents.drop_resident_refs(step)
+        self._records.write_manifest(self.tree.records_path(step_node), manifest)
+        self._residents.drop_resident_refs(step)
         for rel, node in local:
-            self.tree.store.add_ref(manifest.entry(rel).xxh3, self.tree.backing(node))
+            self._store.add_ref(manifest.entry(rel).xxh3, self.tree.backing(node))
         step.manifest = manifest
         step.resident = {rel for rel, _node in local}
         step.dirty = False
@@ -299,7 +313,7 @@ class StepVersions:
         step.file_holders = {}
         step.file_writers = {}
         self._write_node_list(step_node, PEERS_MARK, others)
-        self.tree.residents.add_remote_files(step_node, [e for e in manifest.files
+        self._residents.add_remote_files(step_node, [e for e in manifest.files
                                           if e.name not in step.resident])
         log.info("%s v%d committed on %s; this node holds %d of its files", manifest.path,
                  manifest.version, ", ".join(sorted(others)), len(local))
@@ -318,7 +332,7 @@ class StepVersions:
         versions share must stay)."""
         step = step_node.step
         old = step.manifest
-        self.tree.records.write_manifest(self.tree.records_path(step_node), manifest)
+        self._records.write_manifest(self.tree.records_path(step_node), manifest)
         kept = set()
         for rel, node in list(tree_walk.files_under(step_node)):
             entry, before = manifest.entry(rel), old.entry(rel)
@@ -332,7 +346,7 @@ class StepVersions:
                 continue
             if node.remote is None:
                 self.tree.unlink_backing(self.tree.backing(node), node)
-            self.tree.residents.drop_fetch(node)
+            self._residents.drop_fetch(node)
             if node is step_node:  # a single-file step: the node stays, its bytes are elsewhere
                 node.remote = RemoteFile(layout.data_dir(manifest.path, True), manifest.files[0])
                 node.seal = None
@@ -358,7 +372,7 @@ class StepVersions:
 
     def release_refs(self, digests: list[str]) -> None:
         for digest in digests:
-            self.tree.store.drop_ref(digest)
+            self._store.drop_ref(digest)
 
     def forget_step(self, step_node: Node) -> bytes:
         """The step leaves the tree and the RAM store at once; its directory is renamed aside
@@ -369,20 +383,20 @@ class StepVersions:
             records = self.tree.records_path(step_node)
             if step_node.remote is None:
                 self.tree.unlink_backing(self.tree.backing(step_node), step_node)
-            self.tree.residents.drop_fetch(step_node)
-            self.tree.residents.drop_resident_refs(step_node.step)
-            aside = self.tree.store.tmp_path(self.tree.tree_path)
+            self._residents.drop_fetch(step_node)
+            self._residents.drop_resident_refs(step_node.step)
+            aside = self._store.tmp_path(self.tree.tree_path)
             os.rename(records, aside)
             self.tree.detach(step_node)
             return aside
         for _rel, node in list(tree_walk.files_under(step_node)):
             if node.remote is None:
                 self.tree.unlink_backing(self.tree.backing(node), node)
-            self.tree.residents.drop_fetch(node)
+            self._residents.drop_fetch(node)
             self.tree.detach(node)
-        self.tree.residents.drop_resident_refs(step_node.step)
+        self._residents.drop_resident_refs(step_node.step)
         path = self.tree.backing(step_node)
-        aside = self.tree.store.tmp_path(self.tree.tree_path)
+        aside = self._store.tmp_path(self.tree.tree_path)
         os.rename(path, aside)
         self._detach_tree(step_node)
         return aside
@@ -397,7 +411,7 @@ class StepVersions:
         files at hand stay, as a step that is not committed."""
         for _rel, child in list(tree_walk.files_under(step_node)):
             if child.remote is not None:
-                self.tree.residents.drop_fetch(child)
+                self._residents.drop_fetch(child)
                 self.tree.detach(child)
         self.tree.remove_hidden(step_node, self.tree.backing(step_node))
 
@@ -412,16 +426,16 @@ class StepVersions:
             if child is not None and (not child.is_dir or child.step is not None):
                 return 0  # a step directory holds no kept links
             if child is None:
-                if self.tree.identity.step_number_at(parent, part) is not None:
+                if self._identity.step_number_at(parent, part) is not None:
                     return 0
                 os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
-                self.tree.dir_attributes.made(child)
+                self._dir_attributes.made(child)
             parent = child
         made = 0
         for name, target in links.items():
             raw = os.fsencode(name)
-            if raw in parent.children or (raw == LATEST and self.tree.latest.is_own(parent)):
+            if raw in parent.children or (raw == LATEST and self._latest.is_own(parent)):
                 continue
             with times_kept(self.tree.backing(parent)):  # made again, not a change
                 os.symlink(target, os.path.join(self.tree.backing(parent), raw))

@@ -59,6 +59,9 @@ from tierfs.fs.model.ports import ObjectMissing, PeerCopies, PersistCopies, Tier
 
 if TYPE_CHECKING:
     from tierfs.fs.lifecycle.residency import Residency
+    from tierfs.fs.store.ram_store import RamStore
+    from tierfs.fs.tree.holders import Holdings
+    from tierfs.fs.tree.residents import Residents
     from tierfs.fs.tree.tree import Tree
 
 __all__ = ["PeerCopies", "PersistCopies", "StepReport", "TierReport", "Verifier", "describe",
@@ -123,8 +126,12 @@ class StepReport:
 class Verifier:
     def __init__(self, tree: Tree, residency: Residency, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None,
-                 finish_pending: Callable[[Node], Awaitable[None]] | None = None) -> None:
+                 finish_pending: Callable[[Node], Awaitable[None]] | None = None, *,
+                 store: RamStore, holdings: Holdings, residents: Residents) -> None:
         self.tree = tree
+        self._store = store  # where a damaged object is set aside
+        self._holdings = holdings  # which peers hold a file (checked there too)
+        self._residents = residents  # a damaged object leaves its files
         # `Commits.finish_pending`: a step committed with its hashes to come is verified
         # once they are in (before, it has no manifest to check against).
         self._finish_pending = finish_pending
@@ -197,7 +204,7 @@ class Verifier:
                 if n.step is not None and n.step.committed]
         if not work:
             raise FsError(errno.EINVAL, f"{relpath or '.'} holds no committed step")
-        total = sum(e.size * (1 + len(self.tree.holdings.file_peers(node.step, e.name))
+        total = sum(e.size * (1 + len(self._holdings.file_peers(node.step, e.name))
                               + node.step.persisted)
                     for node, manifest in work for e in manifest.files)
         self.progress = {"checked_bytes": 0, "total_bytes": total, "steps": len(work),
@@ -294,7 +301,7 @@ class Verifier:
         asked = {}
         for entry in manifest.files:
             holders = (recorded or {}).get(entry.name)
-            asked[entry.name] = (self.tree.holdings.file_peers(step, entry.name) if holders is None
+            asked[entry.name] = (self._holdings.file_peers(step, entry.name) if holders is None
                                  else (holders | step.replicas) - {self.tree.node_id})
         return asked
 
@@ -478,7 +485,7 @@ class Verifier:
             self.kept[key] = self._keep_aside(key, path)
             log.error("checksum mismatch: %s: quarantined, reads go to other tiers; its bytes "
                       "are kept in %s", described, os.fsdecode(self.kept[key]))
-            gone = self.tree.residents.quarantine(ino, entry.xxh3)
+            gone = self._residents.quarantine(ino, entry.xxh3)
             # The cluster's records stop counting these copies (in the background): the
             # other holders restore them, and none is planned from this node meanwhile.
             by_step: dict[tuple[str, int], tuple[mf.StepManifest, list[str]]] = {}
@@ -522,7 +529,7 @@ class Verifier:
         step_node = self.tree.find_step(manifest.path)
         if step_node is None or not self._current(step_node, manifest):
             return False
-        for peer in sorted(self.tree.holdings.file_peers(step_node.step, entry.name)):
+        for peer in sorted(self._holdings.file_peers(step_node.step, entry.name)):
             with contextlib.suppress(Exception):  # an unreachable peer confirms nothing
                 if self.peers is not None and \
                         await self.peers.verify(peer, manifest.path, entry, False) == GOOD:
@@ -537,7 +544,7 @@ class Verifier:
         """A link to a bad RAM copy's bytes outside the tree and the objects, so that taking
         it out of service destroys nothing (a wrong manifest would make them the only copy)."""
         step_path, version, name = key
-        kept = os.path.join(os.fsencode(self.tree.store.root), QUARANTINE_DIR.encode(),
+        kept = os.path.join(os.fsencode(self._store.root), QUARANTINE_DIR.encode(),
                             os.fsencode(step_path), os.fsencode(f"{name}.v{version}"))
         os.makedirs(os.path.dirname(kept), mode=0o700, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
@@ -556,7 +563,7 @@ class Verifier:
         except FileNotFoundError:
             return
         if st.st_nlink == 1:
-            self.tree.store.forget_inode(st.st_ino)
+            self._store.forget_inode(st.st_ino)
 
     # -- helpers -----------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import FsError, Handle, Node
 
 if TYPE_CHECKING:
+    from tierfs.fs.store.ram_store import RamStore
     from tierfs.fs.tree.sealing import Sealing
     from tierfs.fs.tree.tree_primitives import TreePrimitives
 
@@ -22,8 +23,9 @@ if TYPE_CHECKING:
 class Attributes:
     """The attribute changes of one mount's tree (see the module docstring)."""
 
-    def __init__(self, tree: TreePrimitives, sealing: Sealing) -> None:
+    def __init__(self, tree: TreePrimitives, sealing: Sealing, *, store: RamStore) -> None:
         self.tree = tree
+        self._store = store
         self._sealing = sealing
 
     def setattr(
@@ -93,10 +95,10 @@ class Attributes:
         # A file grown by truncate stores nothing more (tmpfs keeps no holes): no room needed.
         if isinstance(target, bytes):
             os.truncate(target, size)
-            self.tree.store.account_path(target)
+            self._store.account_path(target)
         else:
             os.ftruncate(target, size)
-            self.tree.store.account_fd(target)
+            self._store.account_fd(target)
         if handle is not None and handle.active:
             return
         node.gen += 1

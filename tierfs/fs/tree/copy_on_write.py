@@ -15,14 +15,16 @@ import trio
 from tierfs.fs.model.nodes import FsError, Node
 
 if TYPE_CHECKING:
+    from tierfs.fs.store.ram_store import RamStore
     from tierfs.fs.tree.tree_primitives import TreePrimitives
 
 
 class CopyOnWrite:
     """The copies on write of one mount's tree (see the module docstring)."""
 
-    def __init__(self, tree: TreePrimitives) -> None:
+    def __init__(self, tree: TreePrimitives, *, store: RamStore) -> None:
         self.tree = tree
+        self._store = store
         self._locks: dict[Node, trio.Lock] = {}
 
     @contextlib.asynccontextmanager
@@ -56,8 +58,8 @@ class CopyOnWrite:
             os.unlink(copy)
             return False
         os.rename(copy, path)
-        self.tree.store.drop_early(st.st_ino)  # an object no commit counted yet goes with it
-        backing_ino = self.tree.store.account_path(path)
+        self._store.drop_early(st.st_ino)  # an object no commit counted yet goes with it
+        backing_ino = self._store.account_path(path)
         for handle in node.handles:  # open handles follow the file to its new inode
             if handle.fd >= 0:
                 fresh = os.open(path, os.O_RDWR if handle.writable else os.O_RDONLY)

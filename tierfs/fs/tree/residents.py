@@ -21,7 +21,9 @@ from tierfs.fs.tree.dir_attributes import times_kept
 
 if TYPE_CHECKING:
     from tierfs.fs.model.ports import DeleteLog
+    from tierfs.fs.store.ram_store import RamStore
     from tierfs.fs.tree.copy_on_write import CopyOnWrite
+    from tierfs.fs.tree.dir_attributes import DirAttributes
     from tierfs.fs.tree.tree_primitives import TreePrimitives
 
 
@@ -29,8 +31,11 @@ class Residents:
     """Where the bytes of one mount's committed files are (see the module docstring)."""
 
     def __init__(self, tree: TreePrimitives, deletes: DeleteLog,
-                 copy_on_write: CopyOnWrite) -> None:
+                 copy_on_write: CopyOnWrite, *, dir_attributes: DirAttributes,
+                 store: RamStore) -> None:
         self.tree = tree
+        self._dir_attributes = dir_attributes
+        self._store = store
         self._copy_on_write = copy_on_write
         self._deletes = deletes
         self.fetching: set[Node] = set()  # nodes with a partial fetch (fs.lifecycle.residency)
@@ -59,7 +64,7 @@ class Residents:
             fetch.discard()
             raise FsError(errno.EIO)
         path = self.tree.backing(node)
-        tmp = self.tree.store.tmp_path(os.path.dirname(path))
+        tmp = self._store.tmp_path(os.path.dirname(path))
         with times_kept(os.path.dirname(path)):  # back in RAM: no change of the directory
             os.link(fetch.path, tmp)
             os.rename(tmp, path)
@@ -70,7 +75,7 @@ class Residents:
         node.seal = Seal(mf.Digest.of(entry), fetch.backing_ino)
         step = tree_walk.committed_step_holding(node)
         if step is not None and entry.name not in step.resident:
-            self.tree.store.add_ref(entry.xxh3, path)
+            self._store.add_ref(entry.xxh3, path)
             step.resident.add(entry.name)
         return True
 
@@ -105,7 +110,7 @@ class Residents:
             freed += entry.size
         if entry.name in step.resident:
             step.resident.discard(entry.name)
-            self.tree.store.drop_ref(entry.xxh3)
+            self._store.drop_ref(entry.xxh3)
         return freed if in_ram else None
 
     def quarantine(self, ino: int, digest: str) -> list[tuple[mf.StepManifest, str]]:
@@ -131,9 +136,9 @@ class Residents:
                 node.remote = RemoteFile(self.tree.data_dir(step), entry, step.persisted)
                 node.seal = None
                 step.resident.discard(entry.name)
-                self.tree.store.drop_ref(entry.xxh3)
+                self._store.drop_ref(entry.xxh3)
                 gone.append((step.manifest, entry.name))
-        obj = self.tree.store.object_path(digest)
+        obj = self._store.object_path(digest)
         try:
             st = os.lstat(obj)
         except FileNotFoundError:
@@ -141,7 +146,7 @@ class Residents:
         if st.st_ino == ino:  # still named by a step being re-saved: the bytes are bad anyway
             os.unlink(obj)
             if st.st_nlink == 1:
-                self.tree.store.forget_inode(ino)
+                self._store.forget_inode(ino)
         return gone
 
     def add_remote_files(self, step_node: Node, entries: list[mf.FileEntry],
@@ -173,7 +178,7 @@ class Residents:
             if child is None:
                 os.makedirs(os.path.join(self.tree.backing(parent), part), 0o755, exist_ok=True)
                 child = self.tree.attach(parent, part, stat.S_IFDIR)
-                self.tree.dir_attributes.made(child)  # as its step's manifest records it
+                self._dir_attributes.made(child)  # as its step's manifest records it
             parent = child
         return parent, os.fsencode(name)
 
@@ -185,11 +190,11 @@ class Residents:
             if node.remote is None or node.fetch is not None:
                 continue
             entry = node.remote.entry
-            obj = self.tree.store.object_path(entry.xxh3)
+            obj = self._store.object_path(entry.xxh3)
             if not obj.exists():
                 continue
             path = self.tree.backing(node)
-            tmp = self.tree.store.tmp_path(os.path.dirname(path))
+            tmp = self._store.tmp_path(os.path.dirname(path))
             with times_kept(os.path.dirname(path)):
                 os.link(obj, tmp)
                 apply_attributes(tmp, entry)
@@ -198,13 +203,13 @@ class Residents:
             node.seal = Seal(mf.Digest.of(entry),
                              os.lstat(path).st_ino)
             if entry.name not in step.resident:
-                self.tree.store.add_ref(entry.xxh3, path)
+                self._store.add_ref(entry.xxh3, path)
                 step.resident.add(entry.name)
 
     def drop_resident_refs(self, step: StepState) -> None:
         if step.manifest is not None:
             for name in step.resident:
-                self.tree.store.drop_ref(step.manifest.entry(name).xxh3)
+                self._store.drop_ref(step.manifest.entry(name).xxh3)
         step.resident = set()
 
 

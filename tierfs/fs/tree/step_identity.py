@@ -18,6 +18,7 @@ from tierfs.fs.tree.dir_attributes import times_kept
 
 if TYPE_CHECKING:
     from tierfs.fs.model.ports import StepWatch
+    from tierfs.fs.tree.records import StepRecords
     from tierfs.fs.tree.tree_primitives import TreePrimitives
 
 NAMED_STEP_MARK = reserved.NAMED_STEP.encode()
@@ -43,8 +44,9 @@ class StepIdentity:
     """The steps of one mount's tree (see the module docstring)."""
 
     def __init__(self, tree: TreePrimitives, watch: StepWatch, step_pattern: str,
-                 file_step_pattern: str) -> None:
+                 file_step_pattern: str, *, records: StepRecords) -> None:
         self.tree = tree
+        self._records = records
         self._watch = watch
         self.pattern = re.compile(step_pattern)
         self.file_pattern = re.compile(file_step_pattern)
@@ -162,7 +164,7 @@ class StepIdentity:
     def become_step(self, node: Node, number: int) -> None:
         """A directory renamed onto a step name: a step being written (it commits once more)."""
         if node.step is None:
-            node.step = StepState(number, self.tree.records.read_manifest(self.tree.backing(node)))
+            node.step = StepState(number, self._records.read_manifest(self.tree.backing(node)))
         node.step.number = number
         node.step.dirty = True  # whatever it held before, it is committed only once more
         self._watch.touch(node)
@@ -171,7 +173,7 @@ class StepIdentity:
         """After a rename above it: a directory with a step name and no step above becomes a
         step (a directory inside a step is part of that step)."""
         if number is not None and node.step is None:
-            node.step = StepState(number, self.tree.records.read_manifest(self.tree.backing(node)))
+            node.step = StepState(number, self._records.read_manifest(self.tree.backing(node)))
             self._watch.touch(node)
 
     def stop_being_step(self, node: Node) -> None:

@@ -29,6 +29,8 @@ from tierfs.fs.model.nodes import FsError, Node, Pending, Seal, StepState
 from tierfs.fs.tree.dir_attributes import recorded, times_kept
 
 if TYPE_CHECKING:
+    from tierfs.fs.store.ram_store import RamStore
+    from tierfs.fs.tree.records import StepRecords
     from tierfs.fs.tree.residents import Residents
     from tierfs.fs.tree.tree_primitives import TreePrimitives
 
@@ -36,8 +38,11 @@ if TYPE_CHECKING:
 class StepManifests:
     """The commits of one mount's tree (see the module docstring)."""
 
-    def __init__(self, tree: TreePrimitives, residents: Residents) -> None:
+    def __init__(self, tree: TreePrimitives, residents: Residents, *, records: StepRecords,
+                 store: RamStore) -> None:
         self.tree = tree
+        self._records = records
+        self._store = store
         self._residents = residents
 
     def write_manifest(self, step_node: Node, files: list[tuple[str, Node]],
@@ -83,8 +88,8 @@ class StepManifests:
         def link_objects() -> None:
             for (_rel, node), entry in zip(files, entries, strict=True):
                 if node.remote is None:
-                    self.tree.store.add_ref(entry.xxh3, lambda node=node: self.tree.backing(node),
-                                            copies.get(node))
+                    self._store.add_ref(entry.xxh3, lambda node=node: self.tree.backing(node),
+                                        copies.get(node))
                     copies.pop(node, None)  # the object now, or removed by add_ref
 
         self._put_in_place(step_node, manifest, link_objects,
@@ -104,7 +109,7 @@ class StepManifests:
         takes, else a hard link of its backing file), then the pending record, renamed into
         place: the commit point. Every file is in RAM (no file held only elsewhere)."""
         step = step_node.step
-        store = self.tree.store
+        store = self._store
         made: list[bytes] = []
         pending_files = []
         nodes: dict[str, tuple[Node, int]] = {}
@@ -125,8 +130,8 @@ class StepManifests:
                 nodes[rel] = (node, node.gen)
             record = pc.PendingRecord(step.manifest.version + 1 if step.manifest else 1,
                                       time.time_ns(), tuple(pending_files))
-            self.tree.records.write_atomically(self._pending_path(step_node),
-                                               pc.encode(record))  # may fail: ENOSPC
+            self._records.write_atomically(self._pending_path(step_node),
+                                           pc.encode(record))  # may fail: ENOSPC
         except BaseException:
             for snapshot in made:
                 store.drop_snapshot(snapshot)
@@ -144,7 +149,7 @@ class StepManifests:
         pending = step.pending
         assert pending is not None
         old = step.manifest
-        store = self.tree.store
+        store = self._store
         step_path = self.tree.relpath(step_node)
         number = mf.NO_STEP if step.number is None else step.number
         entries = [f.entry(digests[f.name]) for f in pending.record.files]
@@ -187,7 +192,7 @@ class StepManifests:
         records = self.tree.records_path(step_node)
         manifest_path = os.path.join(records, mf.MANIFEST_NAME.encode())
         with times_kept(records):
-            tmp = self.tree.records.write_temp(manifest_path, mf.encode(manifest))  # ENOSPC
+            tmp = self._records.write_temp(manifest_path, mf.encode(manifest))  # ENOSPC
             link_objects()
             os.rename(tmp, manifest_path)
         self._residents.drop_resident_refs(step)
@@ -206,7 +211,7 @@ class StepManifests:
         if pending is None:
             return
         for f in pending.record.files:
-            self.tree.store.drop_snapshot(self.tree.store.snapshot_path(f.snapshot))
+            self._store.drop_snapshot(self._store.snapshot_path(f.snapshot))
         with contextlib.suppress(OSError, FsError):  # its directory went with it
             self._remove_pending_record(step_node)
         step.pending = None
@@ -215,7 +220,7 @@ class StepManifests:
         return os.path.join(self.tree.records_path(step_node), pc.PENDING_NAME)
 
     def _remove_pending_record(self, step_node: Node) -> None:
-        path = self.tree.records.reach(self._pending_path(step_node))
+        path = self._records.reach(self._pending_path(step_node))
         with times_kept(os.path.dirname(path)), contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 

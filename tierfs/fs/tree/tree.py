@@ -41,6 +41,7 @@ import os
 import shutil
 import stat
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
@@ -87,6 +88,28 @@ log = logging.getLogger(__name__)
 
 
 
+@dataclass(frozen=True)
+class TreeParts:
+    """The Tree's parts, handed once to whoever builds its collaborators (`fs.namespace.Core`
+    and `Namespace`), which give each collaborator the parts it uses: no one else takes a part
+    through the Tree (tests/test_structure.py)."""
+
+    records: StepRecords
+    holdings: Holdings
+    dir_attributes: DirAttributes
+    kernel_cache: KernelCache
+    recoverable: Recoverability
+    sealing: Sealing
+    copy_on_write: CopyOnWrite
+    residents: Residents
+    manifests: StepManifests
+    identity: StepIdentity
+    latest: VirtualLatest
+    renames: Renames
+    attributes: Attributes
+    cut_short: CutShort
+
+
 class Tree:
     """The tree of one mount; see the module docstring for its invariants."""
 
@@ -95,9 +118,9 @@ class Tree:
                  file_step_pattern: str = DEFAULT_FILE_STEP_PATTERN,
                  spawner: Spawner | None = None, liveness: Liveness | None = None) -> None:
         self.store = store
-        self.records = StepRecords()
+        self._records = StepRecords()
         self.node_id = node_id
-        self.holdings = Holdings(node_id)  # who else holds a committed step's files
+        self._holdings = Holdings(node_id)  # who else holds a committed step's files
         self._watch = watch
         self._deletes = deletes
         self.tree_path = os.fsencode(store.tree)
@@ -112,27 +135,37 @@ class Tree:
         self._released = trio.Event()
         self.links = symlinks.LinkChanges()  # directories whose links the store must learn
         # directories made here for other tiers' steps, given the attributes recorded for them
-        self.dir_attributes = DirAttributes()
+        self._dir_attributes = DirAttributes()
         # what the kernel keeps of the tree, told of the changes it cannot see
-        self.kernel_cache = KernelCache()
+        self._kernel_cache = KernelCache()
         # which committed steps can be read whole now (their state, `latest`)
-        self.recoverable = Recoverability(node_id, self.holdings.file_peers, liveness)
+        self._recoverable = Recoverability(node_id, self._holdings.file_peers, liveness)
         # The parts of the core, each changing the tree through the primitives here:
         # seals hashed off writers' path
-        self.sealing = Sealing(self.backing, self.stat, spawner, settled=self.file_settled)
-        self.copy_on_write = CopyOnWrite(self)  # committed objects are never written
+        self._sealing = Sealing(self.backing, self.stat, spawner, settled=self.file_settled)
+        self._copy_on_write = CopyOnWrite(self, store=store)  # committed objects never change
         # where committed files' bytes are: fetched, evicted, quarantined
-        self.residents = Residents(self, deletes, self.copy_on_write)
-        self.manifests = StepManifests(self, self.residents)  # the commit's change
+        self._residents = Residents(self, deletes, self._copy_on_write,
+                                   dir_attributes=self._dir_attributes, store=store)
+        self._manifests = StepManifests(self, self._residents, records=self._records,
+                                       store=store)  # the commit's change
         # which directories and files are steps
-        self.identity = StepIdentity(self, watch, step_pattern, file_step_pattern)
+        self._identity = StepIdentity(self, watch, step_pattern, file_step_pattern,
+                                     records=self._records)
         # each directory's `latest` link
-        self.latest = VirtualLatest(self.backing, self.attach_virtual, self.recoverable,
-                                    self.identity.tracked_number)
+        self._latest = VirtualLatest(self.backing, self.attach_virtual, self._recoverable,
+                                    self._identity.tracked_number)
         # renames: the entry moved, a target replaced, the steps moved recorded in every tier
-        self.renames = Renames(self, deletes, self.identity, self.latest)
-        self.attributes = Attributes(self, self.sealing)  # chmod, chown, utime, truncate
-        self.cut_short = CutShort(self.relpath)  # files a write into failed (no room)
+        self._renames = Renames(self, deletes, self._identity, self._latest)
+        # chmod, chown, utime, truncate
+        self._attributes = Attributes(self, self._sealing, store=store)
+        self._cut_short = CutShort(self.relpath)  # files a write into failed (no room)
+        self.parts = TreeParts(
+            records=self._records, holdings=self._holdings, dir_attributes=self._dir_attributes,
+            kernel_cache=self._kernel_cache, recoverable=self._recoverable,
+            sealing=self._sealing, copy_on_write=self._copy_on_write, residents=self._residents,
+            manifests=self._manifests, identity=self._identity, latest=self._latest,
+            renames=self._renames, attributes=self._attributes, cut_short=self._cut_short)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -155,17 +188,17 @@ class Tree:
         node = parent.children.get(name)
         if node is not None:
             return node
-        if name == LATEST and self.latest.shows(parent):
-            return self.latest.node_in(parent)
+        if name == LATEST and self._latest.shows(parent):
+            return self._latest.node_in(parent)
         raise FsError(errno.ENOENT)
 
     def list_dir(self, node: Node) -> list[tuple[bytes, Node]]:
         if not node.is_dir:
             raise FsError(errno.ENOTDIR)
         entries = list(node.children.items())
-        if self.latest.shows(node):
+        if self._latest.shows(node):
             # First, so that `rm -r` meets it while it still exists (its unlink is a no-op).
-            entries.insert(0, (LATEST, self.latest.node_in(node)))
+            entries.insert(0, (LATEST, self._latest.node_in(node)))
         return entries
 
     @property
@@ -301,7 +334,7 @@ class Tree:
         os.mkdir(path, mode & 0o7777)
         _chown(path, uid, gid)
         node = self.attach(parent, name, stat.S_IFDIR)
-        number = self.identity.step_number_at(parent, name)
+        number = self._identity.step_number_at(parent, name)
         if number is not None:
             node.step = StepState(number)
             self._watch.step_started(node)
@@ -376,7 +409,7 @@ class Tree:
     def readlink(self, node: Node, pid: int | None = None) -> bytes:
         """A symbolic link's target; for `latest`, the one process `pid` sees (latest_pins)."""
         if node.virtual:
-            return self.latest.readlink(node, pid)
+            return self._latest.readlink(node, pid)
         if node.kind != stat.S_IFLNK:
             raise FsError(errno.EINVAL)
         return os.readlink(self.backing(node))
@@ -397,7 +430,7 @@ class Tree:
         node = self.attach(parent, name, kind)
         if kind == stat.S_IFREG:
             self.store.account_path(path)
-            node.step = self.identity.single_file_step(parent, name)
+            node.step = self._identity.single_file_step(parent, name)
             self.mark_dirty(node)
         return node
 
@@ -422,7 +455,7 @@ class Tree:
             os.close(fd)
             raise
         node = self.attach(parent, name, stat.S_IFREG)
-        node.step = self.identity.single_file_step(parent, name)
+        node.step = self._identity.single_file_step(parent, name)
         self.store.account_fd(fd)
         handle = self._new_handle(node, fd, writable=True, pid=pid)
         self.activate(handle)
@@ -485,8 +518,8 @@ class Tree:
         # and so is any seal taken before the last of several closes. A seal still being
         # computed checks the file's inode, size and mtime around its hash itself.
         if handle.passthrough and handle.writable and not handle.active and (
-                (final and handle.flushes > 1) or not (self.sealing.describes_file(handle.node)
-                                                       or self.sealing.pending(handle.node))):
+                (final and handle.flushes > 1) or not (self._sealing.describes_file(handle.node)
+                                                       or self._sealing.pending(handle.node))):
             self.activate(handle)
         if not final:
             handle.flushes += 1
@@ -500,7 +533,7 @@ class Tree:
         node.active_writers -= 1
         if node.active_writers == 0:  # a big file's hash is off the writer's path
             size = st.st_size if st is not None else None
-            self.sealing.start(node, size=size, at_commit=(
+            self._sealing.start(node, size=size, at_commit=(
                 size is not None and size >= HASH_AT_COMMIT
                 and tree_walk.in_a_step(node.parent)))
         self._released.set()
@@ -510,7 +543,7 @@ class Tree:
     def close(self, handle: Handle) -> None:
         """The open file is gone (RELEASE, after `end_writer`)."""
         del self._handles[handle.fh]
-        self.latest.closed(handle)
+        self._latest.closed(handle)
         node = handle.node
         node.handles.remove(handle)
         if handle.fd >= 0:
@@ -555,7 +588,7 @@ class Tree:
             # The virtual `latest` goes for good: the directory's `latest` is its own from now
             # on, so that `rm latest` then `open("latest", "w")` makes a real file (a saver
             # writing its own tracker), and `rm -r run1` works.
-            self.latest.keep_own(parent)
+            self._latest.keep_own(parent)
             return False
         node = self.existing_entry(parent, name)
         if node.is_dir:
@@ -565,7 +598,7 @@ class Tree:
         self._single_file_removed(node)
         if node.remote is None:
             self.unlink_backing(self.backing(node), node)
-        self.residents.drop_fetch(node)
+        self._residents.drop_fetch(node)
         self.detach(node)
         self.mark_dirty(parent)
         return True
@@ -574,7 +607,7 @@ class Tree:
 
     async def seal(self, node: Node) -> None:
         """Seal the node now, or join the hash of it already running (`fs.tree.sealing`)."""
-        await self.sealing.seal(node)
+        await self._sealing.seal(node)
 
     def activate(self, handle: Handle) -> None:
         """First write since open or flush: the file is no longer sealed; its step is dirty."""
@@ -598,7 +631,7 @@ class Tree:
     def attrs_changed(self, node: Node) -> None:
         """`node` now stands for other content (a newer version's file): its size, mode,
         owner or times may differ from what the kernel was told."""
-        self.kernel_cache.attrs_changed(node)
+        self._kernel_cache.attrs_changed(node)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -619,14 +652,14 @@ class Tree:
         self.shape += 1
         parent.children[name] = node
         self._inodes[node.ino] = node
-        self.kernel_cache.entry_added(parent)
+        self._kernel_cache.entry_added(parent)
         return node
 
     def detach(self, node: Node) -> None:
         if node.parent is not None and node.parent.children.get(node.name) is node:
             self.shape += 1
             del node.parent.children[node.name]
-            self.kernel_cache.entry_gone(node.parent, node.name, node)
+            self._kernel_cache.entry_gone(node.parent, node.name, node)
         node.parent = None
         if node.is_dir:  # directories held open for long paths, in what leaves the tree
             for gone in (node, *tree_walk.dirs_under(node)):
@@ -639,7 +672,7 @@ class Tree:
         if node.lookups or node.handles:
             return
         if node.virtual:
-            self.latest.dropped(node)
+            self._latest.dropped(node)
             del self._inodes[node.ino]
         elif node.parent is None and node.ino in self._inodes:
             del self._inodes[node.ino]
@@ -678,7 +711,7 @@ class Tree:
         if name in parent.children:
             raise FsError(errno.EEXIST)
         if name == LATEST:
-            self.latest.keep_own(parent)  # marked before the entry is made
+            self._latest.keep_own(parent)  # marked before the entry is made
         return os.path.join(self.backing(parent), name)
 
     def existing_entry(self, parent: Node, name: bytes) -> Node:
@@ -686,7 +719,7 @@ class Tree:
             raise FsError(errno.ENOTDIR)
         node = parent.children.get(name)
         if node is None:
-            if name == LATEST and self.latest.shows(parent):
+            if name == LATEST and self._latest.shows(parent):
                 raise FsError(errno.EROFS)
             raise FsError(errno.ENOENT)
         return node
@@ -713,10 +746,10 @@ class Tree:
         the records directory of a single-file step (`path`: the file)."""
         step = dir_node.step
         if step is not None:
-            self.residents.drop_resident_refs(step)
+            self._residents.drop_resident_refs(step)
             step.manifest = None
         elif dir_node.is_dir:  # a committed step renamed to a name that is not a step name
-            manifest = self.records.read_manifest(path)
+            manifest = self._records.read_manifest(path)
             for entry in manifest.files if manifest else ():
                 if os.path.exists(os.path.join(path, os.fsencode(entry.name))):
                     self.store.drop_ref(entry.xxh3)

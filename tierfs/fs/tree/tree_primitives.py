@@ -13,8 +13,6 @@ if TYPE_CHECKING:
     from tierfs.fs.model.links import LinkChanges
     from tierfs.fs.model.nodes import Node, RemoteAttrs, StepState
     from tierfs.fs.store.ram_store import RamStore
-    from tierfs.fs.tree.dir_attributes import DirAttributes
-    from tierfs.fs.tree.records import StepRecords
 
 
 
@@ -22,10 +20,8 @@ class TreePrimitives(Protocol):
     """`Tree`'s state and primitives its parts use (see `fs.tree.tree` for the rules)."""
 
     store: RamStore
-    records: StepRecords
     node_id: str
     links: LinkChanges
-    dir_attributes: DirAttributes
     shape: int  # bumped at every entry attached, detached or renamed
 
     def backing(self, node: Node) -> bytes: ...

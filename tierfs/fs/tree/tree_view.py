@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from tierfs import layout
@@ -22,18 +22,72 @@ from tierfs.fs.model.nodes import (
     XATTR_XXH3,
     FsError,
     Node,
+    RemoteAttrs,
     StepState,
 )
 
 if TYPE_CHECKING:
+    from tierfs.fs.tree.holders import Holdings
+    from tierfs.fs.tree.recoverable import Loss, Recoverability
+    from tierfs.fs.tree.residents import Residents
+    from tierfs.fs.tree.sealing import Sealing
+    from tierfs.fs.tree.step_identity import StepIdentity
     from tierfs.fs.tree.tree import Tree
+    from tierfs.fs.tree.virtual_latest import VirtualLatest
 
 
 class TreeView:
     """Read-only queries over one mount's tree (see the module docstring)."""
 
-    def __init__(self, tree: Tree) -> None:
+    def __init__(self, tree: Tree, *, holdings: Holdings, identity: StepIdentity,
+                 latest: VirtualLatest, recoverable: Recoverability, residents: Residents,
+                 sealing: Sealing) -> None:
         self.tree = tree
+        self._holdings = holdings
+        self._identity = identity
+        self._latest = latest
+        self._recoverable = recoverable
+        self._residents = residents
+        self._sealing = sealing
+
+    # -- the steps, for status and the daemon's rounds -----------------------------------------
+
+    def steps(self) -> list[Node]:
+        """Every step, depth first (a list: the tree may change while the caller awaits)."""
+        return list(self.tree.steps())
+
+    def find_step(self, relpath: str) -> Node | None:
+        """The step at this path, None if there is none."""
+        return self.tree.find_step(relpath)
+
+    def relpath(self, node: Node) -> str:
+        return self.tree.relpath(node)
+
+    def stat(self, node: Node) -> os.stat_result | RemoteAttrs:
+        return self.tree.stat(node)
+
+    # -- what the daemon asks of a step's copies ----------------------------------------------
+
+    def step_number(self, name: str) -> int | None:
+        """The step number a directory's name carries (--step-pattern), None if none."""
+        return self._identity.step_number(name)
+
+    def file_step_number(self, name: str) -> int | None:
+        """The step number a single-file step's name carries (--file-step-pattern)."""
+        identity = self._identity
+        return identity.step_number(name, identity.file_pattern)
+
+    def loss(self, step: StepState, *, fresh: bool = False) -> Loss | None:
+        """Why the committed step cannot be read whole now (`Recoverability.loss`)."""
+        return self._recoverable.loss(step, fresh=fresh)
+
+    def copies(self, step: StepState, is_up: Callable[[str], bool]) -> int:
+        """The fewest live copies of any file of the committed version (`Holdings.copies`)."""
+        return self._holdings.copies(step, is_up)
+
+    def file_peers(self, step: StepState, name: str) -> set[str]:
+        """Other nodes holding this file of the committed version (`Holdings.file_peers`)."""
+        return self._holdings.file_peers(step, name)
 
     # -- what peers ask ---------------------------------------------------------------------
 
@@ -67,7 +121,7 @@ class TreeView:
             node = (node.children or {}).get(os.fsencode(part)) if node is not None else None
         return (node is not None and node.remote is None and node.seal is not None
                 and node.seal.digest.xxh3 == xxh3 and node.active_writers == 0
-                and self.tree.sealing.describes_file(node))
+                and self._sealing.describes_file(node))
 
     def files_written(self, step_path: str, names: list[str]) -> list[str]:
         """Which of `names` this node has in the step at `step_path` as files written here
@@ -82,7 +136,7 @@ class TreeView:
             file_node = tree_walk.entry_node(node, name)
             if file_node is None or file_node.remote is not None:
                 continue
-            if step.committed or self.tree.residents.unchanged_since_commit(step, name,
+            if step.committed or self._residents.unchanged_since_commit(step, name,
                                                                              file_node):
                 continue
             found.append(name)
@@ -105,8 +159,8 @@ class TreeView:
             return []
         step = node.step
         if name is not None and name in step.file_holders and step.committed:
-            return sorted(self.tree.holdings.file_peers(step, name))
-        peers = step.holders | set(self.tree.holdings.peer_holders(step))
+            return sorted(self._holdings.file_peers(step, name))
+        peers = step.holders | set(self._holdings.peer_holders(step))
         return sorted(peers - {self.tree.node_id})
 
     def sealed_path(self, data_dir: str, name: str, xxh3: str) -> bytes | None:
@@ -141,7 +195,7 @@ class TreeView:
             sizes = [self._status_size(n) for n in tree_walk.walk_files(step_node)]
             files, size = len(sizes), sum(sizes)
             ram_bytes = size
-        loss = self.tree.recoverable.loss(step)
+        loss = self._recoverable.loss(step)
         return {
             "path": self.tree.relpath(step_node), "step": step.number,
             "state": "incomplete" if loss is not None else step.state,
@@ -153,7 +207,7 @@ class TreeView:
             # committed, its files' hashes still to come (nothing of it has left the node)
             "hashing": _shown_pending(step),
             "files": files, "bytes": size, "ram": step.in_ram,
-            "replicas": self.tree.holdings.full_holders(step),
+            "replicas": self._holdings.full_holders(step),
             "persisted": step.persisted,
             "waiting_for": step.waiting_for if step.commit_pending or not step.committed else None,
             # committed without its saver's mark of a finished save (`fs.model.completion`)
@@ -168,7 +222,7 @@ class TreeView:
         if not step_node.is_dir or parent is None or not step_node.step.committed:
             return None
         if parent not in dirs:
-            dirs[parent] = self.tree.latest.unfinished(parent)
+            dirs[parent] = self._latest.unfinished(parent)
         return dirs[parent].get(step_node.step)
 
     def _status_size(self, node: Node) -> int:
@@ -184,7 +238,7 @@ class TreeView:
     def state_of(self, step: StepState) -> str:
         """`writing`, `committed`, or `incomplete`: committed, but a file of it is reachable
         on no tier now (`fs.tree.recoverable`)."""
-        return "incomplete" if self.tree.recoverable.loss(step) is not None else step.state
+        return "incomplete" if self._recoverable.loss(step) is not None else step.state
 
     def xattr_names(self, node: Node) -> list[bytes]:
         if node.virtual:
@@ -206,15 +260,15 @@ class TreeView:
         if name == XATTR_TIERS:
             if node.is_dir:
                 step = node.step
-                return self.tree.holdings.tiers(step, step.in_ram).encode()
+                return self._holdings.tiers(step, step.in_ram).encode()
             step = tree_walk.committed_step_holding(node)
             if step is None:
                 return b"ram"
             name = self._entry_name(node)
-            return self.tree.holdings.tiers(step, node.remote is None, name).encode()
+            return self._holdings.tiers(step, node.remote is None, name).encode()
         if node.remote is not None:
             return node.remote.entry.xxh3.encode()
-        if not self.tree.sealing.describes_file(node):
+        if not self._sealing.describes_file(node):
             await self.tree.seal(node)  # sealed before a restart, or written behind its seal
         if node.seal is None:
             raise FsError(ENOATTR)
@@ -237,7 +291,7 @@ class TreeView:
         mount (`.` for the mount itself)."""
         parents = {node.parent for node in self.tree.steps()
                    if node.parent is not None and node.is_dir}
-        return sorted(self.tree.relpath(p) or "." for p in parents if self.tree.latest.is_own(p))
+        return sorted(self.tree.relpath(p) or "." for p in parents if self._latest.is_own(p))
 
     # -- symbolic links the store keeps (fs.model.links)
     # ---------------------------------------------

@@ -149,7 +149,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
         if device is not None:
             device.close()
         raise StartupError(f"cannot mount {cfg.mountpoint}: {exc}") from None
-    namespace.tree.kernel_cache.start()  # the session exists: invalidations can go
+    namespace.session_started()  # invalidations can go
     cluster = ClusterNode(cfg, links, namespace, store, events, uploader) if links else None
     replicator = cluster.replicator if cluster else None
     pipeline = CommitPipeline(uploader, replicator)
@@ -197,7 +197,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                      cfg.ram_dir, cfg.ram_limit, os.getpid())
             ready.ok()
     finally:
-        namespace.tree.kernel_cache.stop()  # before the session it sends on is gone
+        namespace.session_ending()  # before the session it sends on is gone
         # Not once unmounted (`tierfs umount`): what is left at the mount point (a
         # container's volume, a bind mount) stays.
         pyfuse3.close(unmount=device is None and tierfs_on_top(cfg.mountpoint, cfg.ram_dir))
@@ -213,9 +213,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
 
 async def _run_fuse(cancel_scope: trio.CancelScope, namespace: Namespace) -> None:
     await pyfuse3.main()
-    # Hash threads a test took (`hold_hashes`) are given back: the last commits below, and the
-    # stop itself, wait for the hashes under way.
-    namespace.tree.sealing.release()
+    namespace.release_hash_threads()  # those a test took (`hold_hashes`)
     # A clean unmount (umount, SIGTERM): steps whose savers are done commit now, not later.
     await namespace.quiet.commit_quiet_steps()
     cancel_scope.cancel()  # unmounted or terminated: stop the other workers

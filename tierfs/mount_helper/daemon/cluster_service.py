@@ -78,7 +78,7 @@ class ClusterLinks:
         self.live = directory.live
         self.etcd = self.live.etcd
         self.sealed = ClusterCommits(CommitRecords(self.etcd, cfg.cluster), cfg.node_id,
-                                     tree.identity.step_number,
+                                     view.step_number,
                                      ManifestFetcher(self.directory).fetch,
                                      view.committed_manifest)
         self.tree = tree
@@ -148,7 +148,7 @@ class ClusterNode:
         self.manifests = ManifestServer(namespace.view.committed_manifest)
         # the steps planned again, with this node's share of the uploads of steps committed
         # elsewhere (shared_uploads)
-        self.plans = CopyPlans(self.replicator, uploader, namespace.tree.find_step,
+        self.plans = CopyPlans(self.replicator, uploader, namespace.view.find_step,
                                tiers.held_manifests)
         self.steps = ClusterSteps(self.sealed, tiers, self.plans)
         # `caught_up` in `tierfs status`
@@ -282,11 +282,11 @@ class ClusterNode:
     async def _recheck_losses(self) -> None:
         """Steps that may have lost every copy of a file, judged again from the records when
         members come and go (`recorded_copies.recheck_losses`)."""
-        tree = self.namespace.tree
+        view = self.namespace.view
 
         def judge_all() -> None:
-            for node in list(tree.steps()):
-                tree.recoverable.loss(node.step, fresh=True)
+            for node in view.steps():
+                view.loss(node.step, fresh=True)
 
         await recorded_copies.recheck_losses(self.namespace.tiers, self.directory, self.sealed,
                                              judge_all)

@@ -42,7 +42,6 @@ class NamespaceSteps:
     def __init__(self, namespace: Namespace, store_used: trio.Event) -> None:
         self._namespace = namespace
         self._tiers = namespace.tiers
-        self._identity = namespace.tree.identity
         self._store_used = store_used  # set once a step reached the store
         self.is_current = self._tiers.is_current
         self.retired = self._tiers.mark_retired
@@ -50,13 +49,11 @@ class NamespaceSteps:
         self.copy_sources = self._tiers.copy_sources
         self.single_writer = self._tiers.single_writer
         self.users_quiet = namespace.foreground.wait_quiet
-        self.step_number = self._identity.step_number
+        self.step_number = namespace.view.step_number
+        self.file_step_number = namespace.view.file_step_number
 
     def object_path(self, xxh3: str) -> str:
         return str(self._namespace.store.object_path(xxh3))
-
-    def file_step_number(self, name: str) -> int | None:
-        return self._identity.step_number(name, self._identity.file_pattern)
 
     def persisted(self, manifest: mf.StepManifest) -> None:
         self._tiers.mark_persisted(manifest)

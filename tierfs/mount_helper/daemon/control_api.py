@@ -90,14 +90,14 @@ class ControlApi:
         if self.uploader is None:
             return {}
         waits = {}
-        tree = self.namespace.tree
+        view = self.namespace.view
         for due in waiting:
             reason, since_ns, failures = (
                 self.uploader.waiting(due.manifest) if due.manifest is not None
                 else ("hashing", due.committed_ns, 0))
             blocked = False
-            step_node = tree.find_step(due.path)
-            loss = (tree.recoverable.loss(step_node.step)
+            step_node = view.find_step(due.path)
+            loss = (self.namespace.view.loss(step_node.step)
                     if step_node is not None and due.manifest is not None else None)
             if loss is not None:  # no upload can make it whole in the store
                 reason, since_ns, blocked = (f"cannot be stored: {loss.summary()}",
@@ -126,13 +126,13 @@ class ControlApi:
     def _hashing(self, due: Callable[[int], bool], named: set[str]) -> list[Due]:
         """The steps committed with their hashes still to come (`fs.model.pending_commits`) whose
         number is `due` for a tier and that are not `named` already (an older version is)."""
-        tree = self.namespace.tree
+        view = self.namespace.view
         hashing = []
-        for node in tree.steps():
+        for node in view.steps():
             step = node.step
             if step.pending is None or step.pending.superseded or step.number is None:
                 continue
-            path = tree.relpath(node)
+            path = view.relpath(node)
             if due(step.number) and path not in named:
                 record = step.pending.record
                 hashing.append(Due(path, sum(f.size for f in record.files),
@@ -184,9 +184,9 @@ class ControlApi:
             pending["replica"] = self._replicas_waiting(self.replicas_wanted(live_only=False))
         peers = self.cluster.directory.peers if self.cluster else []
         store = self.namespace.store
-        tree = self.namespace.tree
-        incomplete = sum(1 for node in tree.steps()
-                         if tree.recoverable.loss(node.step) is not None)
+        view = self.namespace.view
+        incomplete = sum(1 for node in view.steps()
+                         if self.namespace.view.loss(node.step) is not None)
         return Levels(store.used_bytes, store.limit_bytes,
                       {tier: (len(steps), sum(m.total_bytes for m in steps))
                        for tier, steps in pending.items()},
@@ -203,11 +203,10 @@ class ControlApi:
             return {"ok": True, "status": await self.status()}
         if command == "hold_hashes":
             # Hashes observably late, for tests: every hash thread taken, or given back.
-            sealing = self.namespace.tree.sealing
             if request.get("hold"):
-                await sealing.hold()
+                await self.namespace.hold_hash_threads()
             else:
-                sealing.release()
+                self.namespace.release_hash_threads()
             return {"ok": True}
         if command not in ("commit", "commit_waits", "prefetch", "verify"):
             return {"ok": False, "error": f"unknown command {command!r}"}
@@ -254,14 +253,14 @@ class ControlApi:
         of its files (`recorded`; this node's view only if they could not be read), the
         same on every node (`fs.tree.holders`), and `only_here` says whether a file of it is in
         no live node's RAM but this one's (and not in the store)."""
-        tree = self.namespace.tree
+        view = self.namespace.view
         step = node.step
         status = dict(self.namespace.view.step_status(node, dirs))
         if self.cluster is not None and step.committed:
             status.update(self._spread(step, recorded))
         else:
             is_up = self.cluster.directory.is_up if self.cluster else (lambda _peer: False)
-            status["copies"] = tree.holdings.copies(step, is_up)
+            status["copies"] = self.namespace.view.copies(step, is_up)
         manifest = node.step.manifest
         status["committed_ns"] = manifest.committed_ns if manifest is not None else None
         if status["hashing"]:
@@ -269,7 +268,7 @@ class ControlApi:
         status["changed_ns"] = None
         if status["state"] in ("writing", "empty"):
             with contextlib.suppress(FsError, OSError):  # removed meanwhile
-                status["changed_ns"] = tree.stat(node).st_mtime_ns
+                status["changed_ns"] = view.stat(node).st_mtime_ns
         status["commit_outlook"] = (self._outlook(node) if status["state"] == "writing"
                                     else None)
         status["persist_wait"] = persist_waits.get(status["path"])
@@ -296,9 +295,8 @@ class ControlApi:
         the failure domain of each holder that has one."""
         assert self.cluster is not None
         me = self.cfg.node_id
-        tree = self.namespace.tree
         if recorded is None:  # etcd did not answer: what this node knows
-            recorded = {e.name: tree.holdings.file_peers(step, e.name)
+            recorded = {e.name: self.namespace.view.file_peers(step, e.name)
                         | ({me} if e.name in step.resident else set())
                         for e in step.manifest.files}
         is_up = self.cluster.directory.is_up
@@ -333,7 +331,7 @@ class ControlApi:
         dirs: dict[Node, dict[StepState, str]] = {}  # unfinished steps, per directory
         steps = sorted((self._step_status(node, persist_waits, recorded.get(
                             node.step.manifest.path) if node.step.manifest else None, dirs)
-                        for node in ns.tree.steps()),
+                        for node in ns.view.steps()),
                        key=lambda s: (os.path.dirname(s["path"]), number_of(s), s["path"]))
         return {
             "node_id": self.cfg.node_id,

@@ -366,7 +366,7 @@ def _check_persisted(namespace: Namespace, manifests: list[mf.StepManifest],
     (its listing at this mount): one it lacks is no longer counted as persisted, and goes up
     again if it is in RAM, or is listed as lost if not (`Residency.store_lacks`)."""
     stored = {m.path: m for m in manifests}
-    for step_node in list(namespace.tree.steps()):
+    for step_node in namespace.view.steps():
         step = step_node.step
         if not step.persisted:
             continue
