@@ -105,6 +105,9 @@ class Tree:
         self._inodes: dict[int, Node] = {ROOT_INODE: self.root}
         self._next_ino = ROOT_INODE + 1
         self._handles: dict[int, Handle] = {}
+        # Handles written (or, under passthrough, opened for writing) since their last close:
+        # a save in progress, for which background hashes step aside (fs.tree.sealing).
+        self._writers = 0
         # Bumped at every entry attached, detached or renamed: a commit that finds it as it
         # was when it listed a step's files needs no second walk to know they are the same.
         self.shape = 0
@@ -119,7 +122,8 @@ class Tree:
         self.recoverable = Recoverability(node_id, self.holdings.file_peers, liveness)
         # The parts of the core, each changing the tree through the primitives here:
         # seals hashed off writers' path
-        self.sealing = Sealing(self.backing, self.stat, spawner, settled=self.file_settled)
+        self.sealing = Sealing(self.backing, self.stat, spawner, settled=self.file_settled,
+                               writing=lambda: self._writers > 0)
         self.copy_on_write = CopyOnWrite(self)  # committed objects are never written
         # where committed files' bytes are: fetched, evicted, quarantined
         self.residents = Residents(self, deletes, self.copy_on_write)
@@ -498,6 +502,7 @@ class Tree:
         node = handle.node
         handle.active = False
         node.active_writers -= 1
+        self._writers -= 1
         if node.active_writers == 0:  # a big file's hash is off the writer's path
             size = st.st_size if st is not None else None
             self.sealing.start(node, size=size, at_commit=(
@@ -581,6 +586,7 @@ class Tree:
         handle.active = True
         node = handle.node
         node.active_writers += 1
+        self._writers += 1
         node.gen += 1
         node.seal = None
         self.mark_dirty(node)
