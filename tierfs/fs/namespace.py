@@ -131,7 +131,7 @@ class Namespace:
                                  finish_pending=self.commits.finish_pending)
         self.gate: ReadGate = self.verifier
         # when the mount's users last asked something (background work waits for a pause)
-        self.foreground = Foreground()
+        self.foreground = Foreground(writing=tree.writing)
 
     # -- lookups: the Tree's ---------------------------------------------------------------
 

@@ -123,7 +123,7 @@ class Tree:
         # The parts of the core, each changing the tree through the primitives here:
         # seals hashed off writers' path
         self.sealing = Sealing(self.backing, self.stat, spawner, settled=self.file_settled,
-                               writing=lambda: self._writers > 0)
+                               writing=self.writing)
         self.copy_on_write = CopyOnWrite(self)  # committed objects are never written
         # where committed files' bytes are: fetched, evicted, quarantined
         self.residents = Residents(self, deletes, self.copy_on_write)
@@ -580,6 +580,10 @@ class Tree:
     async def seal(self, node: Node) -> None:
         """Seal the node now, or join the hash of it already running (`fs.tree.sealing`)."""
         await self.sealing.seal(node)
+
+    def writing(self) -> bool:
+        """Whether a file is being written (a save in progress: background work steps aside)."""
+        return self._writers > 0
 
     def activate(self, handle: Handle) -> None:
         """First write since open or flush: the file is no longer sealed; its step is dirty."""
