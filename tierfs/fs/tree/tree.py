@@ -515,6 +515,8 @@ class Tree:
     def close(self, handle: Handle) -> None:
         """The open file is gone (RELEASE, after `end_writer`)."""
         del self._handles[handle.fh]
+        if handle.active:  # its end_writer failed: it is not written any more all the same
+            self._writers -= 1
         self.latest.closed(handle)
         node = handle.node
         node.handles.remove(handle)
