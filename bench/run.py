@@ -346,9 +346,12 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name)
 
 
-def timed(func: Callable[[], object], warm: int) -> float | BaseException:
-    """Seconds `func` took (or what it raised), after `warm_memory(warm)`."""
+def timed(func: Callable[[], object], warm: int,
+          before: Callable[[], object] | None = None) -> float | BaseException:
+    """Seconds `func` took (or what it raised), after `warm_memory(warm)` and `before`."""
     warm_memory(warm)
+    if before is not None:  # untimed, right before: what it leaves running runs beside func
+        before()
     started = time.perf_counter()
     try:
         func()
@@ -396,16 +399,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if target != "s3" and target != "disk" and (everything or args.uniform_only):
                     name = f"step_{rep * 10 + 2}"
                     previous = f"step_{rep * 10 + 1}"
-                    if args.beside_previous:  # as in the full run: the previous step's
-                        # hashes and upload (on tierfs) run beside the timed save
-                        dcp.save(uniform, storage_writer=bench.writer(
-                            target, previous, 2, file_per_tensor=True))
                     cpu = cpu_seconds(bench.pid)
                     yielded = (bench.status().get("hashes_yielded_seconds", 0.0)
                                if target == "tierfs" else 0.0)
                     record(UNIFORM_SAVE, target, timed(lambda t=target, n=name: dcp.save(
                         uniform, storage_writer=bench.writer(t, n, 2, file_per_tensor=True)),
-                        size))
+                        size, before=(lambda t=target, p=previous: dcp.save(
+                            uniform, storage_writer=bench.writer(t, p, 2, file_per_tensor=True)))
+                        if args.beside_previous else None))  # as in the full run: the
+                    # previous step's hashes and upload (on tierfs) run beside the timed save
                     if target == "tierfs":  # the save returns committed, before its hashes
                         extra.setdefault("daemon_cpu_per_gib_uniform_save", []).append(
                             (cpu_seconds(bench.pid) - cpu) / (size / 2**30))
