@@ -72,8 +72,10 @@ HASH_AT_COMMIT = 1 << 20
 # files paid that hand-off once per file.
 INLINE_HASH_BYTES = 64 << 10
 # While a file is being written, a hash thread pauses this many times as long as its last
-# chunk took (see the module docstring): a hash beside a saver runs at a fifth of its speed.
-YIELD_RATIO = 4
+# chunk took (see the module docstring): beside a saver a hash runs at a tenth of its speed.
+# The 16-file save of doc/BENCHMARKS.md beside the previous step's hashes: 0.72x tmpfs with
+# no pause, 0.82x with 4, 0.86x with 9.
+YIELD_RATIO = 9
 
 
 class Sealing:
