@@ -346,9 +346,12 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name)
 
 
-def timed(func: Callable[[], object], warm: int) -> float | BaseException:
-    """Seconds `func` took (or what it raised), after `warm_memory(warm)`."""
+def timed(func: Callable[[], object], warm: int,
+          before: Callable[[], object] | None = None) -> float | BaseException:
+    """Seconds `func` took (or what it raised), after `warm_memory(warm)` and `before`."""
     warm_memory(warm)
+    if before is not None:  # untimed, right before: what it leaves running runs beside func
+        before()
     started = time.perf_counter()
     try:
         func()
@@ -395,14 +398,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for target in [] if args.many_files_only or args.ranged_only else targets:
                 if target != "s3" and target != "disk" and (everything or args.uniform_only):
                     name = f"step_{rep * 10 + 2}"
+                    previous = f"step_{rep * 10 + 1}"
                     cpu = cpu_seconds(bench.pid)
+                    yielded = (bench.status().get("hashes_yielded_seconds", 0.0)
+                               if target == "tierfs" else 0.0)
                     record(UNIFORM_SAVE, target, timed(lambda t=target, n=name: dcp.save(
                         uniform, storage_writer=bench.writer(t, n, 2, file_per_tensor=True)),
-                        size))
+                        size, before=(lambda t=target, p=previous: dcp.save(
+                            uniform, storage_writer=bench.writer(t, p, 2, file_per_tensor=True)))
+                        if args.beside_previous else None))  # as in the full run: the
+                    # previous step's hashes and upload (on tierfs) run beside the timed save
                     if target == "tierfs":  # the save returns committed, before its hashes
                         extra.setdefault("daemon_cpu_per_gib_uniform_save", []).append(
                             (cpu_seconds(bench.pid) - cpu) / (size / 2**30))
+                        extra.setdefault("hashes_yielded_uniform_save", []).append(
+                            bench.status().get("hashes_yielded_seconds", 0.0) - yielded)
                     bench.drop(target, name)
+                    if args.beside_previous:
+                        bench.drop(target, previous)
                 for threads in (1, 4) if everything else ():
                     name = f"step_{rep * 10 + threads}"
                     cpu, store_cpu = cpu_seconds(bench.pid), cpu_seconds(bench.store_pid)
@@ -1100,6 +1113,9 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     row("daemon_cpu_per_gib_uniform_save",
         f"daemon CPU-seconds per GiB of the {UNIFORM_FILES}-file save, until it returned "
         "(committed; its files are hashed after)", "s", "-")
+    row("hashes_yielded_uniform_save",
+        f"seconds the hashes paused for the {UNIFORM_FILES}-file save while it ran "
+        "(`hashes_yielded_seconds`; with --beside-previous, the previous step's)", "s", "-")
     gb = data["bytes"] / 1e9
     row("many_files_metadata_to_committed",
         f"`.metadata` -> committed, {MANY_FILES:,}-file step (the close that commits it)", "ms",
@@ -1291,6 +1307,10 @@ def main() -> None:
                         help="only the torch.save and torch.load rows")
     parser.add_argument("--uniform-only", action="store_true",
                         help=f"only the row {UNIFORM_SAVE!r}")
+    parser.add_argument("--beside-previous", action="store_true",
+                        help=f"with --uniform-only: save a previous step just before each "
+                             f"{UNIFORM_SAVE!r}, whose hashes and upload run beside it, as "
+                             "in the full run")
     parser.add_argument("--compare", action="store_true",
                         help=f"also run a mount with --no-passthrough (column {DAEMON_PATH!r})")
     args = parser.parse_args()

@@ -58,3 +58,24 @@ def test_requests_that_never_pause_hold_it_back_at_most_most_wait() -> None:
         assert foreground.waited == pytest.approx(2 * MOST_WAIT)
 
     run(test)
+
+
+def test_a_file_being_written_holds_it_back_until_it_closes() -> None:
+    """A save under passthrough makes no requests while the kernel writes its files: a file
+    being written counts as the users not being done, and its close lets the work go on."""
+    async def test() -> None:
+        writing = [True]
+        foreground = Foreground(writing=lambda: writing[0])
+
+        async def closes() -> None:
+            await trio.sleep(MOST_WAIT / 2)
+            writing[0] = False
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(closes)
+            waited = await _waited(foreground)
+        assert MOST_WAIT / 2 <= waited < MOST_WAIT
+        writing[0] = True  # a writer that never closes: held back at most MOST_WAIT
+        assert await _waited(foreground) == pytest.approx(MOST_WAIT)
+
+    run(test)

@@ -18,6 +18,7 @@ from tests.conftest import Mount, MountFactory, getxattr, tierfs
 from tests.harness import CTX, Harness, dcp_save
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
+from tierfs.fs.tree import tree as tree_module
 from tierfs.fs.tree.sealing import HASH_AT_COMMIT, INLINE_HASH_BYTES
 
 pytestmark = pytest.mark.fuse
@@ -104,7 +105,8 @@ async def test_a_small_file_is_hashed_on_the_loop_and_a_large_one_in_a_thread(
             node = node_of(harness, f"run/step_4/{name}")
             await wait_until_async(lambda n=node: n.seal is not None, timeout=30)
             assert node.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(b"S" * size)
-            assert threaded == ([] if name == "small" else [mf.hash_fd]), name
+            paced = harness.ns.tree.parts.sealing._hash_paced  # mf.hash_fd, in a hash thread
+            assert threaded == ([] if name == "small" else [paced]), name
         nursery.cancel_scope.cancel()
 
 
@@ -202,9 +204,9 @@ async def test_a_file_sealed_before_its_step_commits_is_not_hashed_again(
     hashed: list[int] = []
     real = mf.hash_fd
 
-    def counted(fd: int) -> mf.Digest:
+    def counted(fd: int, between: object = None) -> mf.Digest:
         hashed.append(os.fstat(fd).st_size)
-        return real(fd)
+        return real(fd, between)  # type: ignore[arg-type]
 
     monkeypatch.setattr(mf, "hash_fd", counted)
     async with trio.open_nursery() as nursery:
@@ -222,4 +224,53 @@ async def test_a_file_sealed_before_its_step_commits_is_not_hashed_again(
         assert manifest.entry("a").xxh3 == xxhash.xxh3_128_hexdigest(b"A" * BIG)
         assert manifest.entry("b").xxh3 == xxhash.xxh3_128_hexdigest(b"B" * (BIG + 1))
         assert hashed.count(BIG) == 1 and hashed.count(BIG + 1) == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_hashes_step_aside_while_a_file_is_open_for_writing(harness: Harness) -> None:
+    """A save in progress (a file open for writing: under passthrough the daemon sees only the
+    opens) has the background hashes pause between chunks, so the saver keeps the cores; they
+    still finish, with the right digest, and run without pausing once the writer closed."""
+    sealing = harness.ns.tree.parts.sealing
+    data = b"P" * (3 * mf.CHUNK_SIZE)  # a few chunks: pauses come between them
+    async with trio.open_nursery() as nursery:
+        await nursery.start(harness.ns.background.run)
+        await harness.mkdirs("run/step_9")
+        writer, _attrs = await harness.ops.create(await harness.inode("run/step_9"), b"open",
+                                                  0o644, os.O_WRONLY, CTX)
+        await harness.write_file("data/paced", data)
+        node = node_of(harness, "data/paced")
+        await wait_until_async(lambda: node.seal is not None, timeout=60)
+        assert node.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(data)
+        paused = sealing.yielded
+        assert paused > 0  # it stepped aside for the writer, and still finished
+        await harness.ops.flush(writer.fh)
+        await harness.ops.release(writer.fh)
+        await harness.write_file("data/unpaced", data)
+        node = node_of(harness, "data/unpaced")
+        await wait_until_async(lambda: node.seal is not None, timeout=60)
+        assert node.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(data)
+        assert sealing.yielded == paused  # no writer left: no pause
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_file_kept_open_for_writing_alone_does_not_hold_the_hashes_back(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file held open for writing long after it began (a log) is no save in progress: once
+    SAVE_WINDOW has passed since a file began to be written, the hashes run without pausing."""
+    monkeypatch.setattr(tree_module, "SAVE_WINDOW", 0.0)  # every writer began "long ago"
+    sealing = harness.ns.tree.parts.sealing
+    data = b"L" * (3 * mf.CHUNK_SIZE)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(harness.ns.background.run)
+        await harness.mkdirs("logs")
+        log_file, _attrs = await harness.ops.create(await harness.inode("logs"), b"train.log",
+                                                    0o644, os.O_WRONLY, CTX)
+        await harness.ops.write(log_file.fh, 0, b"step 1\n")
+        await harness.write_file("data/unpaced", data)
+        node = node_of(harness, "data/unpaced")
+        await wait_until_async(lambda: node.seal is not None, timeout=60)
+        assert node.seal.digest.xxh3 == xxhash.xxh3_128_hexdigest(data)
+        assert sealing.yielded == 0  # the log open for writing held nothing back
+        await harness.ops.release(log_file.fh)
         nursery.cancel_scope.cancel()

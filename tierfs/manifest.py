@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -365,9 +365,10 @@ def hash_file(path: str | bytes | os.PathLike[str]) -> Digest:
         os.close(fd)
 
 
-def hash_fd(fd: int) -> Digest:
+def hash_fd(fd: int, between: Callable[[], None] | None = None) -> Digest:
     """Whole-file xxh3-128, per-chunk and per-block xxh3-64, in one pass with pread
-    (blocking).
+    (blocking). `between`, if given, is called after each whole chunk (the hash's owner may
+    pause there: `fs.tree.sealing`).
 
     The file is read one block (1 MiB) at a time and each block goes to all three digests
     while it is in the CPU's cache; a chunk's xxh3-64 is streamed over its blocks. (Reading a
@@ -397,6 +398,8 @@ def hash_fd(fd: int) -> Digest:
         if offset % CHUNK_SIZE == 0:
             chunks.append(chunk.hexdigest())
             chunk.reset()
+            if between is not None:
+                between()
         if filled < BLOCK_SIZE:
             break
     if offset % CHUNK_SIZE:

@@ -162,7 +162,7 @@ class Namespace:
                                  residents=parts.residents)
         self.gate: ReadGate = self.verifier
         # when the mount's users last asked something (background work waits for a pause)
-        self.foreground = Foreground()
+        self.foreground = Foreground(writing=tree.writing)
 
     # -- the FUSE session's start and end ----------------------------------------------------
 

@@ -7,11 +7,17 @@ uploaded took 6-14x tmpfs's time against 2-4x once it was persisted (doc/BENCHMA
 each request the daemon answers is noted here (`request`), and the uploader asks before each
 file (`wait_quiet`) for a pause of QUIET seconds in them. It waits at most MOST_WAIT per
 file: a mount that is never quiet (a job reading through it all the time) slows its uploads
-down, and never stops them."""
+down, and never stops them.
+
+A save under passthrough makes almost no requests (the kernel writes its files without the
+daemon), so a file being written (`writing`: `Tree.writing`) also counts as the users not
+being done: the next file of an upload starts once the save's files are closed, or after
+MOST_WAIT."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import trio
 
@@ -22,7 +28,8 @@ MOST_WAIT = 0.5  # the longest one piece of background work waits for such a pau
 class Foreground:
     """When the mount's users last made a request (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, writing: Callable[[], bool] = lambda: False) -> None:
+        self._writing = writing  # whether a file of the mount is being written (a save)
         self._last = -math.inf
         self.waited = 0.0  # seconds background work waited for the users (status, tests)
 
@@ -31,13 +38,14 @@ class Foreground:
         self._last = trio.current_time()
 
     async def wait_quiet(self) -> None:
-        """Return once no request came for QUIET seconds, or after MOST_WAIT."""
+        """Return once no request came for QUIET seconds and no file is being written, or
+        after MOST_WAIT."""
         started = trio.current_time()
         deadline = started + MOST_WAIT
         while True:
             now = trio.current_time()
             idle = now - self._last
-            if idle >= QUIET or now >= deadline:
+            if (idle >= QUIET and not self._writing()) or now >= deadline:
                 break
-            await trio.sleep(min(QUIET - idle, deadline - now))
+            await trio.sleep(min(max(QUIET - idle, 0) or QUIET, deadline - now))
         self.waited += trio.current_time() - started

@@ -23,6 +23,18 @@ The promises stay those of a seal taken at close (`fs.tree.tree`, doc/SEMANTICS.
 * A commit made before its files' hashes are in (`fs.model.pending_commits`) gets them from
   `hash_committed`: a file's own seal when it is still the committed bytes, else a hash of its
   snapshot; no byte is hashed twice for it.
+* A hash steps aside for a save in progress (`writing`: a file of the mount is being written,
+  under passthrough open for writing, one of them begun within `fs.tree.tree.SAVE_WINDOW`):
+  a hash thread pauses after each chunk it hashed for YIELD_RATIO times as long as that chunk
+  took, so hashes run at about 1 / (1 + YIELD_RATIO) of their speed beside a saver, and at
+  full speed otherwise. Under passthrough the daemon does not see the writes themselves, only
+  the opens and closes: a writer open is the one sign of a save it has. The hashes are never
+  stopped: during a save a step is hashed, and so uploaded and replicated, at most
+  1 + YIELD_RATIO times later (a log kept open alone stops counting); so are the hashes a
+  `tierfs commit` or a quiet commit waits for while another file is written. `yielded` counts
+  the seconds paused. Per-thread nice would not do this: the daemon runs in a session of its
+  own, and with the kernel's autogroups a session's threads share one weight against the
+  saver's, whatever their nice.
 * `hold` takes every hash thread until `release` (the control socket's `hold_hashes`, for
   tests that need hashing observably slow: real hashes, merely late).
 """
@@ -32,6 +44,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -57,6 +71,11 @@ HASH_AT_COMMIT = 1 << 20
 # thread and back costs more than hashing 64 KiB (about 10 us), and a step of 10,000 small
 # files paid that hand-off once per file.
 INLINE_HASH_BYTES = 64 << 10
+# While a file is being written, a hash thread pauses this many times as long as its last
+# chunk took (see the module docstring): beside a saver a hash runs at a tenth of its speed.
+# The 16-file save of doc/BENCHMARKS.md beside the previous step's hashes: 0.72x tmpfs with
+# no pause, 0.82x with 4, 0.86x with 9.
+YIELD_RATIO = 9
 
 
 class Sealing:
@@ -65,7 +84,8 @@ class Sealing:
     def __init__(self, backing: Callable[[Node], bytes],
                  stat: Callable[[Node], os.stat_result | RemoteAttrs],
                  spawner: Spawner | None = None, *, threads: int = HASH_THREADS,
-                 settled: Callable[[Node], None] = lambda node: None) -> None:
+                 settled: Callable[[Node], None] = lambda node: None,
+                 writing: Callable[[], bool] = lambda: False) -> None:
         self._backing = backing  # `Tree.backing`
         self._stat = stat  # `Tree.stat`
         self._settled = settled  # `Tree.file_settled`: a seal came in with no writer left
@@ -79,6 +99,9 @@ class Sealing:
         self.spawner = spawner
         self._threads = threads
         self._holders: list[object] = []  # `hold`'s borrowers of the limiter's tokens
+        self._writing = writing  # whether a file of the mount is being written (a save)
+        self._yielded_lock = threading.Lock()
+        self.yielded = 0.0  # seconds hash threads paused for a save in progress (status, tests)
 
     def describes_file(self, node: Node) -> bool:
         """Whether the node's seal still describes its backing file (see `Seal`)."""
@@ -191,7 +214,25 @@ class Sealing:
         a hash thread (the caller keeps `fd` open until it returns)."""
         if size <= INLINE_HASH_BYTES:
             return mf.hash_fd(fd)
-        return await trio.to_thread.run_sync(mf.hash_fd, fd, limiter=self._limiter)
+        return await trio.to_thread.run_sync(self._hash_paced, fd, limiter=self._limiter)
+
+    def _hash_paced(self, fd: int) -> mf.Digest:
+        """`mf.hash_fd` in a hash thread, pausing between chunks while a file is being written
+        (see the module docstring)."""
+        last = time.monotonic()
+
+        def between() -> None:
+            nonlocal last
+            now = time.monotonic()
+            if self._writing():
+                pause = (now - last) * YIELD_RATIO
+                time.sleep(pause)
+                with self._yielded_lock:
+                    self.yielded += pause
+                now = time.monotonic()
+            last = now
+
+        return mf.hash_fd(fd, between)
 
     async def _in_background(self, node: Node, gen: int) -> None:
         if self._queued.get(node) == gen:

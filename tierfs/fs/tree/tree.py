@@ -37,9 +37,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import shutil
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -85,7 +87,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
+# How long after a file began to be written the mount counts as saving (`Tree.writing`): a
+# save opens its files one after another, while a file kept open for writing alone (a log)
+# must not hold the hashes and uploads back for good.
+SAVE_WINDOW = 30.0
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,10 @@ class Tree:
         self._inodes: dict[int, Node] = {ROOT_INODE: self.root}
         self._next_ino = ROOT_INODE + 1
         self._handles: dict[int, Handle] = {}
+        # Handles written (or, under passthrough, opened for writing) since their last close:
+        # a save in progress, for which background hashes step aside (fs.tree.sealing).
+        self._writers = 0
+        self._writer_started = -math.inf  # time.monotonic() of the last one's first write
         # Bumped at every entry attached, detached or renamed: a commit that finds it as it
         # was when it listed a step's files needs no second walk to know they are the same.
         self.shape = 0
@@ -142,7 +151,8 @@ class Tree:
         self._recoverable = Recoverability(node_id, self._holdings.file_peers, liveness)
         # The parts of the core, each changing the tree through the primitives here:
         # seals hashed off writers' path
-        self._sealing = Sealing(self.backing, self.stat, spawner, settled=self.file_settled)
+        self._sealing = Sealing(self.backing, self.stat, spawner, settled=self.file_settled,
+                                writing=self.writing)
         self._copy_on_write = CopyOnWrite(self, store=store)  # committed objects never change
         # where committed files' bytes are: fetched, evicted, quarantined
         self._residents = Residents(self, deletes, self._copy_on_write,
@@ -531,6 +541,7 @@ class Tree:
         node = handle.node
         handle.active = False
         node.active_writers -= 1
+        self._writers -= 1
         if node.active_writers == 0:  # a big file's hash is off the writer's path
             size = st.st_size if st is not None else None
             self._sealing.start(node, size=size, at_commit=(
@@ -543,6 +554,8 @@ class Tree:
     def close(self, handle: Handle) -> None:
         """The open file is gone (RELEASE, after `end_writer`)."""
         del self._handles[handle.fh]
+        if handle.active:  # its end_writer failed: it is not written any more all the same
+            self._writers -= 1
         self._latest.closed(handle)
         node = handle.node
         node.handles.remove(handle)
@@ -609,11 +622,20 @@ class Tree:
         """Seal the node now, or join the hash of it already running (`fs.tree.sealing`)."""
         await self._sealing.seal(node)
 
+    def writing(self) -> bool:
+        """Whether a save is in progress: a file is being written and one began to be within
+        SAVE_WINDOW (background work steps aside). A file held open for writing on its own (a
+        log) stops counting after that, so hashes and uploads do not stay slow beside it. Read
+        from hash threads: two plain reads, no lock needed for a hint."""
+        return self._writers > 0 and time.monotonic() - self._writer_started < SAVE_WINDOW
+
     def activate(self, handle: Handle) -> None:
         """First write since open or flush: the file is no longer sealed; its step is dirty."""
         handle.active = True
         node = handle.node
         node.active_writers += 1
+        self._writers += 1
+        self._writer_started = time.monotonic()
         node.gen += 1
         node.seal = None
         self.mark_dirty(node)

@@ -77,6 +77,10 @@ class TreeView:
         identity = self._identity
         return identity.step_number(name, identity.file_pattern)
 
+    def hashes_yielded(self) -> float:
+        """Seconds the background hashes paused for a save in progress (`fs.tree.sealing`)."""
+        return self._sealing.yielded
+
     def loss(self, step: StepState, *, fresh: bool = False) -> Loss | None:
         """Why the committed step cannot be read whole now (`Recoverability.loss`)."""
         return self._recoverable.loss(step, fresh=fresh)

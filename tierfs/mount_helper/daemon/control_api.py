@@ -348,6 +348,9 @@ class ControlApi:
             "fetched_ahead": {"files": ns.residency.ahead_files,
                               "bytes": ns.residency.ahead_bytes,
                               "small_files": ns.residency.small_fetched},
+            # seconds the hashes of committed files paused for a save in progress
+            # (fs.tree.sealing: a file open for writing)
+            "hashes_yielded_seconds": round(ns.view.hashes_yielded(), 3),
             # in a cluster: what this node missed while it was down is applied
             "caught_up": self.cluster.caught_up.is_set() if self.cluster else None,
             "persist": self.persist_status(persist_waiting),
