@@ -344,3 +344,76 @@ async def test_with_the_ram_dirs_file_system_full_the_bytes_are_returned_not_kep
     finally:
         fetch.discard()
         store.release()
+
+
+class GatedReader(PersistentReader):
+    """The persistent tier's read source, each request held until the test lets it go:
+    which ranges were asked for, in what order, and how many are on their way at once."""
+
+    def __init__(self, backend: FileBackend) -> None:
+        super().__init__(backend, trio.CapacityLimiter(8))
+        self.asked: list[tuple[str, int]] = []
+        self.gates: dict[tuple[str, int], trio.Event] = {}
+        self.in_flight = self.most_in_flight = 0
+
+    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
+                         length: int) -> bytes:
+        key = (entry.name, offset // mf.CHUNK_SIZE)
+        self.asked.append(key)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await self.gates.setdefault(key, trio.Event()).wait()
+            return await super().read_range(step_path, entry, offset, length)
+        finally:
+            self.in_flight -= 1
+
+    def let_go(self, name: str, index: int) -> None:
+        self.gates.setdefault((name, index), trio.Event()).set()
+
+
+async def until(condition: object) -> None:
+    with trio.fail_after(10):
+        while not condition():  # type: ignore[operator]
+            await trio.sleep(0.005)
+
+
+async def test_fills_sharing_a_limiter_overlap_in_order_and_say_when_all_is_on_its_way(
+        tmp_path: Path, ram: RamStore) -> None:
+    """A step's read-ahead fills its files one after another over one limiter: each fill asks
+    for its chunks in the file's order and says (`underway`) once its last chunk is on its
+    way, before the file is whole, so that the next file starts while the last chunks of the
+    one before come; the chunks in flight never exceed the limiter's, and both files come
+    whole and verified."""
+    first_data, second_data = os.urandom(3 * mf.CHUNK_SIZE), os.urandom(2 * mf.CHUNK_SIZE - 5)
+    backend, first_remote = stored_file(tmp_path, first_data, "first")
+    _backend, second_remote = stored_file(tmp_path, second_data, "second")
+    source = GatedReader(backend)
+    first, second = Fetch(ram, first_remote), Fetch(ram, second_remote)
+    limiter = trio.CapacityLimiter(2)
+    first_underway, second_underway = trio.Event(), trio.Event()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: first.fill([source], limiter=limiter,
+                                                  underway=first_underway))
+            await until(lambda: len(source.asked) == 2)
+            assert not first_underway.is_set()  # its third chunk waits for a place
+            source.let_go("first", 0)
+            await first_underway.wait()
+            assert not first.complete  # the last chunks are still on their way
+            nursery.start_soon(lambda: second.fill([source], limiter=limiter,
+                                                   underway=second_underway))
+            await trio.sleep(0.05)
+            assert ("second", 0) not in source.asked  # the places are the first file's
+            for name, index in [("first", 1), ("first", 2), ("second", 0), ("second", 1)]:
+                source.let_go(name, index)
+        assert second_underway.is_set()
+        assert source.asked == [("first", 0), ("first", 1), ("first", 2), ("second", 0),
+                                ("second", 1)]
+        assert source.most_in_flight == 2
+        assert first.complete and first.verify() and second.complete and second.verify()
+        assert Path(os.fsdecode(first.path)).read_bytes() == first_data
+        assert Path(os.fsdecode(second.path)).read_bytes() == second_data
+    finally:
+        first.discard()
+        second.discard()

@@ -328,10 +328,13 @@ class Residency:
     def _read_ahead(self, node: Node, name: str) -> None:
         """`node` (`name` in its step), a file of a step being loaded (`StepLoads`), came
         whole for its open: the step's other large files not in RAM that the same node wrote
-        come now, in the background, one after another in manifest order from the one after
-        it, each fetched as `fetch_whole` does (WHOLE_IN_FLIGHT chunks at a time, verified,
-        shared with an open of it meanwhile). So the next file's bytes come while the loader
-        reads this one (DCP reads a file, then opens the next). Only the writer's files: each
+        come now, in the background, in manifest order from the one after it (the order of
+        the step's listing, and of its inode numbers, which `cp -r` sorts by here; DCP's
+        shards), each fetched as `fetch_whole` does (verified, shared with an open of it
+        meanwhile), WHOLE_IN_FLIGHT chunks in flight over them all: the next file starts once
+        every chunk of the one before is on its way, so the pipe does not drain at each
+        file's end. So the next file's bytes come while the loader reads this one (DCP reads
+        a file, then opens the next). Only the writer's files: each
         node of a multi-node load reads the shards its own ranks wrote, and another node's
         must not come to every node (a node that wrote nothing here, a fresh one, reads
         ahead the files of the writer of the file it opened; in a cluster it asks the
@@ -355,8 +358,22 @@ class Residency:
         where = self.tree.relpath(step_node)
         records = self.records
 
+        fetched = 0
+        stopped = False  # a file did not come: no other starts
+
+        async def one(sibling: Node, fetch: Fetch, limiter: trio.CapacityLimiter,
+                      underway: trio.Event) -> None:
+            nonlocal fetched, stopped
+            try:
+                await fetch.fill(self.read_sources, limiter=limiter, underway=underway)
+                self._adopt(sibling, fetch)
+                fetched += 1
+            except (FetchError, RamFull, FsError) as exc:
+                stopped = True
+                log.info("read-ahead of %s stopped at %s: %s", where,
+                         self.tree.relpath(sibling), exc or "no room in RAM")
+
         async def ahead() -> None:
-            fetched = 0
             try:
                 writers = step.file_writers
                 if records is not None and name not in writers:
@@ -368,23 +385,27 @@ class Residency:
                           if sibling.remote is not None
                           and sibling.remote.entry.size > SMALL_FILE
                           and writers.get(sibling.remote.entry.name) == writers.get(name)]
-                for sibling in wanted:
-                    if step_node.step is not step or step.manifest is not manifest:
-                        return  # the step moved on
-                    if sibling.remote is None:
-                        continue  # in RAM already (its open fetched it)
-                    fetch = self._fetch_of(sibling)
-                    if not self.store.room_for(fetch.missing_bytes):
-                        return
-                    self._ahead.add(fetch)
-                    try:
-                        await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
-                        self._adopt(sibling, fetch)
-                        fetched += 1
-                    except (FetchError, RamFull, FsError) as exc:
-                        log.info("read-ahead of %s stopped at %s: %s", where,
-                                 self.tree.relpath(sibling), exc or "no room in RAM")
-                        return
+                # One file after another, WHOLE_IN_FLIGHT chunks in flight over them all: the
+                # next file starts once every chunk of the one before is on its way, so the
+                # pipe stays full across files and the file a reader opens next comes first.
+                limiter = trio.CapacityLimiter(WHOLE_IN_FLIGHT)
+                coming: Fetch | None = None  # the file before, its last chunks on their way
+                async with trio.open_nursery() as nursery:
+                    for sibling in wanted:
+                        if stopped or step_node.step is not step or step.manifest is not manifest:
+                            return  # a file did not come, or the step moved on
+                        if sibling.remote is None:
+                            continue  # in RAM already (its open fetched it)
+                        fetch = self._fetch_of(sibling)
+                        before = coming.missing_bytes if coming is not None and \
+                            coming.fd >= 0 else 0
+                        if not self.store.room_for(fetch.missing_bytes + before):
+                            return
+                        self._ahead.add(fetch)
+                        underway = trio.Event()
+                        nursery.start_soon(one, sibling, fetch, limiter, underway)
+                        await underway.wait()
+                        coming = fetch
             finally:
                 self._reading_ahead.discard(step)
                 log.info("read-ahead of %s ended: %d files came to RAM", where, fetched)

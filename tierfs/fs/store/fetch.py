@@ -365,26 +365,42 @@ class Fetch:
             return None
         return os.dup(self.fd)
 
-    async def fill(self, sources: list[ReadSource], in_flight: int = READ_AHEAD) -> None:
+    async def fill(self, sources: list[ReadSource], in_flight: int = READ_AHEAD, *,
+                   limiter: trio.CapacityLimiter | None = None,
+                   underway: trio.Event | None = None) -> None:
         """Fetch every missing chunk, `in_flight` at a time (for a writer, a prefetch, a
-        read-only open, a sequential reader); raises RamFull if there is no room to keep
-        them."""
-        limiter = trio.CapacityLimiter(in_flight)
+        read-only open, a sequential reader), asked for in the file's order; raises RamFull
+        if there is no room to keep them. `limiter`, if given, bounds the chunks in flight
+        instead (shared by the fills of a step's read-ahead: the files overlap, the earlier
+        file's chunks first); `underway` is set once every missing chunk is on its way (or the
+        fill ended): the next file's fill may start then, so that the pipe does not drain at
+        each file's end."""
+        limiter = limiter if limiter is not None else trio.CapacityLimiter(in_flight)
         unkept = False
 
-        async def fetch_one(index: int) -> None:
+        async def fetch_one(index: int, borrower: object) -> None:
             nonlocal unkept
-            async with limiter:
+            try:
                 if await self._ensure(sources, self._chunk_units(index)):
                     unkept = True
+            finally:
+                limiter.release_on_behalf_of(borrower)
 
         try:
             async with trio.open_nursery() as nursery:
                 for index in range(self._chunks):
                     if not self._chunk_in(index):
-                        nursery.start_soon(fetch_one, index)
+                        # taken here, in order, so that the chunks go out in the file's order
+                        borrower = object()
+                        await limiter.acquire_on_behalf_of(borrower)
+                        nursery.start_soon(fetch_one, index, borrower)
+                if underway is not None:
+                    underway.set()
         except* FetchError as failures:
             raise failures.exceptions[0] from None
+        finally:
+            if underway is not None:
+                underway.set()
         if unkept:
             raise RamFull
 
