@@ -367,7 +367,7 @@ def hash_file(path: str | bytes | os.PathLike[str]) -> Digest:
 
 def hash_fd(fd: int, between: Callable[[], None] | None = None) -> Digest:
     """Whole-file xxh3-128, per-chunk and per-block xxh3-64, in one pass with pread
-    (blocking). `between`, if given, is called after each whole chunk (the hash's owner may
+    (blocking). `between`, if given, is called between whole chunks (the hash's owner may
     pause there: `fs.tree.sealing`).
 
     The file is read one block (1 MiB) at a time and each block goes to all three digests
@@ -381,7 +381,8 @@ def hash_fd(fd: int, between: Callable[[], None] | None = None) -> Digest:
     # A buffer no larger than the file: bytearray zeroes what it allocates, and a zeroed
     # buffer for each small file of a many-file step cost more than hashing it. A file that
     # grew since the fstat is hashed up to its old size; its seal then does not describe it.
-    buf = bytearray(min(BLOCK_SIZE, os.fstat(fd).st_size) or 1)
+    size = os.fstat(fd).st_size
+    buf = bytearray(min(BLOCK_SIZE, size) or 1)
     view = memoryview(buf)
     offset = 0
     while True:
@@ -398,7 +399,7 @@ def hash_fd(fd: int, between: Callable[[], None] | None = None) -> Digest:
         if offset % CHUNK_SIZE == 0:
             chunks.append(chunk.hexdigest())
             chunk.reset()
-            if between is not None:
+            if between is not None and offset < size:  # not after the last one
                 between()
         if filled < BLOCK_SIZE:
             break
