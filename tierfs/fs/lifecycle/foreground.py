@@ -47,5 +47,7 @@ class Foreground:
             idle = now - self._last
             if (idle >= QUIET and not self._writing()) or now >= deadline:
                 break
-            await trio.sleep(min(max(QUIET - idle, 0) or QUIET, deadline - now))
+            # until the requests have paused long enough; while only a file is being written,
+            # look again a QUIET later
+            await trio.sleep(min(QUIET - idle if idle < QUIET else QUIET, deadline - now))
         self.waited += trio.current_time() - started

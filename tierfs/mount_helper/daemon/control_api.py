@@ -97,7 +97,7 @@ class ControlApi:
                 else ("hashing", due.committed_ns, 0))
             blocked = False
             step_node = view.find_step(due.path)
-            loss = (self.namespace.view.loss(step_node.step)
+            loss = (view.loss(step_node.step)
                     if step_node is not None and due.manifest is not None else None)
             if loss is not None:  # no upload can make it whole in the store
                 reason, since_ns, blocked = (f"cannot be stored: {loss.summary()}",
@@ -185,8 +185,7 @@ class ControlApi:
         peers = self.cluster.directory.peers if self.cluster else []
         store = self.namespace.store
         view = self.namespace.view
-        incomplete = sum(1 for node in view.steps()
-                         if self.namespace.view.loss(node.step) is not None)
+        incomplete = sum(1 for node in view.steps() if view.loss(node.step) is not None)
         return Levels(store.used_bytes, store.limit_bytes,
                       {tier: (len(steps), sum(m.total_bytes for m in steps))
                        for tier, steps in pending.items()},
@@ -255,12 +254,12 @@ class ControlApi:
         no live node's RAM but this one's (and not in the store)."""
         view = self.namespace.view
         step = node.step
-        status = dict(self.namespace.view.step_status(node, dirs))
+        status = dict(view.step_status(node, dirs))
         if self.cluster is not None and step.committed:
             status.update(self._spread(step, recorded))
         else:
             is_up = self.cluster.directory.is_up if self.cluster else (lambda _peer: False)
-            status["copies"] = self.namespace.view.copies(step, is_up)
+            status["copies"] = view.copies(step, is_up)
         manifest = node.step.manifest
         status["committed_ns"] = manifest.committed_ns if manifest is not None else None
         if status["hashing"]:
