@@ -37,6 +37,7 @@ read under that name's lock, says the object holds those bytes.
 
 A deleted step is removed the same way round (`delete_step`: manifest first, then data), never
 at the same time as an upload of the same path, so that a late upload cannot bring it back.
+What the store holds, read and removed, is `tierfs.s3tier.stored_steps`.
 
 In a cluster (`shares`, `tierfs.shared_uploads`) a step's upload is shared: this node sends the
 files its plan gives it (those it wrote, or holds for a writer that is gone), deleting the old
@@ -57,14 +58,15 @@ from typing import Protocol
 
 import trio
 
-from tierfs import layout, reserved, trackers
+from tierfs import layout, reserved
 from tierfs import manifest as mf
 from tierfs.fs.model import links as symlinks
 from tierfs.observe import Events
 from tierfs.s3tier import holdings, packs, segments
-from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound, ObjectInfo
+from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
+from tierfs.s3tier.stored_steps import StoredSteps
 from tierfs.s3tier.tracker_versions import TrackerVersion, TrackerVersions
 from tierfs.shared_uploads import (
     PERSISTED,
@@ -157,6 +159,9 @@ class Uploader:
         self.manifest_bytes_sent = 0  # the steps' manifests sent to the store
         self.pack_bytes_sent = 0  # the steps' packs and their indexes (s3tier.packs)
         self.queue = StepQueue()
+        # What the store holds: compared with at each upload, read at mount (`startup`)
+        self.stored = StoredSteps(backend, steps, shared=shares is not None,
+                                  pending=self.queue.pending)
         self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
         self.trackers = TrackerVersions()  # their versions that may still go up
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
@@ -373,7 +378,7 @@ class Uploader:
         the store, unless the store's tracker names that step or a newer one already; the
         current version goes up itself once its own step is there."""
         path = current.path
-        stored = await self._call(f"read of {path}", current, self._stored_tracker, path)
+        stored = await self._call(f"read of {path}", current, self.stored.tracker, path)
         tracked = self._steps.tracked_step(current, stored) if stored is not None else None
         if tracked is not None and tracked.number >= ready.number:
             self.trackers.stored(path, tracked.number)
@@ -391,14 +396,6 @@ class Uploader:
         if self._current(current) and not self._holds_back(current):
             self.queue.put(current)  # names a step in the store too: up it goes
 
-    def _stored_tracker(self, path: str) -> bytes | None:
-        """The bytes of the tracker the store holds at `path` (blocking; None: none)."""
-        try:
-            data = self.backend.get_bytes(path)
-        except NotFound:
-            return None
-        return data if len(data) <= MAX_BYTES else None
-
     async def _put_version(self, manifest: mf.StepManifest, content: bytes | None = None,
                            tracks: int | None = None) -> None:
         """The upload of one version (`content`: its one file's bytes, a tracker's, sent as
@@ -410,7 +407,7 @@ class Uploader:
         prefix = manifest.path
         manifest_key = layout.manifest_key(prefix, manifest.single_file)
         data_dir = layout.data_dir(prefix, manifest.single_file)
-        stored = await self._call(f"read of {manifest_key}", manifest, self._stored_entries,
+        stored = await self._call(f"read of {manifest_key}", manifest, self.stored.entries,
                                   prefix, manifest.single_file)
         if any(_held(stored.get(entry.name)) == _held(entry) for entry in manifest.files):
             # A file the stored manifest names as it is goes up only if its objects are not
@@ -673,7 +670,7 @@ class Uploader:
         async with self._lock(old_path):
             if old_path not in checked:
                 checked[old_path] = await self._call(
-                    f"read of the manifest of {old_path}", manifest, self._stored_entries,
+                    f"read of the manifest of {old_path}", manifest, self.stored.entries,
                     old_path, single_file)
             if _held(checked[old_path].get(name)) != _held(entry):
                 return False  # not those bytes, or not in the same pieces
@@ -685,17 +682,6 @@ class Uploader:
             except NotFound:
                 return False
         return True
-
-    def _stored_entries(self, path: str, single_file: bool) -> dict[str, mf.FileEntry]:
-        """Name -> entry of the files of the version of `path` in the store (blocking; empty
-        if none or unreadable)."""
-        try:
-            stored = mf.decode(self.backend.get_bytes(layout.manifest_key(path, single_file)))
-        except (NotFound, mf.ManifestError):
-            return {}
-        if stored.path != path:
-            return {}
-        return {f.name: f for f in stored.files}
 
     def _remove_stale(self, manifest: mf.StepManifest, kept_packs: set[str] | None = None
                       ) -> None:
@@ -720,50 +706,27 @@ class Uploader:
         gone, then its data. A version committed after the delete (saved again) stays.
         Raises BackendError while the store cannot do it."""
         async with self._lock(path):
-            single_file, stored = await trio.to_thread.run_sync(self._stored_manifest, path)
+            single_file, stored = await trio.to_thread.run_sync(self.stored.manifest, path)
             if stored is not None:
                 with contextlib.suppress(mf.ManifestError):
                     if mf.decode(stored).committed_ns > committed_ns:
                         log.info("%s in %s was saved again after its delete: kept", path,
                                  self.backend.url)
                         return
-            objects = await trio.to_thread.run_sync(self._remove, path, single_file)
+            objects = await trio.to_thread.run_sync(self.stored.remove, path, single_file)
         log.info("deleted %s from %s (%d objects, %d bytes)", path, self.backend.url,
                  len(objects), sum(o.size for o in objects))
-
-    def _stored_manifest(self, path: str) -> tuple[bool, bytes | None]:
-        """Whether the step at `path` is stored as a single file, and its manifest (None if
-        there is none: then it is taken for a directory). Blocking."""
-        for single_file in (True, False):
-            try:
-                return single_file, self.backend.get_bytes(layout.manifest_key(path, single_file))
-            except NotFound:
-                continue
-        return False, None
-
-    def _remove(self, path: str, single_file: bool | None = None) -> list:  # type: ignore[type-arg]
-        """Remove the step at `path` from the store: its manifest first, so it is never seen
-        half gone, then its data (blocking). A single file's object is `path` itself."""
-        if single_file is None:
-            single_file = self._stored_manifest(path)[0]
-        self.backend.delete([layout.manifest_key(path, single_file)])
-        if single_file:
-            objects = [o for o in self.backend.list(path) if o.key == path]
-            objects += list(self.backend.list(layout.records_dir(path, True) + "/"))
-        else:
-            objects = list(self.backend.list(f"{path}/"))
-        self.backend.delete([o.key for o in objects])
-        return objects
 
     async def _apply_retention(self, run_dir: str) -> None:
         """Delete all but the newest `keep_persist` steps of `run_dir` from the store (the
         next persisted step tries again if the store cannot list them now), never the step
         that a tracker in the store names: a fresh node resumes from it."""
         try:
-            steps, tracker_paths = await self._stored_in(run_dir)
+            steps, tracker_paths = await self.stored.steps_in(run_dir)
             kept = set()
             for tracker in tracker_paths:
-                kept |= await trio.to_thread.run_sync(self._named_by_stored, tracker, steps)
+                kept |= await trio.to_thread.run_sync(self.stored.named_by_tracker, tracker,
+                                                    steps)
         except BackendError as exc:
             log.warning("retention in %s could not list %s yet: %s", self.backend.url,
                         run_dir or ".", exc)
@@ -778,88 +741,19 @@ class Uploader:
             except BackendError as exc:
                 log.warning("retention could not delete %s yet: %s", path, exc)
 
-    def _named_by_stored(self, tracker: str, steps: dict[str, int]) -> set[str]:
-        """The steps of `steps` that the store's tracker at `tracker` names (blocking)."""
-        named = trackers.named_step(self._stored_tracker(tracker) or b"")
-        run_dir = tracker.rpartition("/")[0]
-        if isinstance(named, str):
-            path = layout.join(run_dir, named)
-            return {path} if path in steps else set()
-        return {path for path, number in steps.items() if number == named}
+    async def retire(self, path: str) -> None:
+        """Remove a step from the store: its manifest first, so it is never seen half gone."""
+        objects = await trio.to_thread.run_sync(self.stored.remove, path)
+        log.info("retention removed %s from %s (%d objects)", path, self.backend.url,
+                 len(objects))
+        self._steps.retired(path)
+        if self._shares is not None:
+            try:
+                await self._shares.note_store(path, None, RETIRED)
+            except SharesUnavailable as exc:
+                log.warning("the other nodes do not know yet that %s left %s: %s", path,
+                            self.backend.url, exc)
 
-    async def persisted_steps(self, run_dir: str) -> dict[str, int]:
-        """Step path -> step number for every step of `run_dir` with a manifest in the store."""
-        return (await self._stored_in(run_dir))[0]
-
-    async def _stored_in(self, run_dir: str) -> tuple[dict[str, int], list[str]]:
-        """The steps of `run_dir` with a manifest in the store (path -> number), and its
-        trackers there."""
-        prefix = f"{run_dir}/" if run_dir else ""
-        objects = await trio.to_thread.run_sync(lambda: list(self.backend.list(prefix)))
-        steps, tracker_paths = {}, []
-        for obj in objects:
-            head, _, name = obj.key.rpartition("/")
-            path, single_file = layout.step_of_records_dir(head)
-            parent, _, base = path.rpartition("/")
-            if name == MANIFEST_KEY and parent == run_dir:
-                if single_file and base in trackers.TRACKER_NAMES:
-                    tracker_paths.append(path)
-                number = (self._steps.file_step_number if single_file
-                          else self._steps.step_number)(base)
-                if number is None and not single_file:  # a step with no step name, named
-                    number = await trio.to_thread.run_sync(self._stored_number, obj.key)
-                if number is not None:
-                    steps[path] = number
-        return steps, tracker_paths
-
-    def _stored_number(self, manifest_key: str) -> int | None:
-        """The step number the stored manifest at `manifest_key` gives (blocking)."""
-        try:
-            number = mf.decode(self.backend.get_bytes(manifest_key)).step
-        except (NotFound, mf.ManifestError):
-            return None
-        return None if number == mf.NO_STEP else number
-
-    async def listing(self) -> list[ObjectInfo]:
-        """Every object in the store (read once at mount, for `stored_manifests` and
-        `stored_links`)."""
-        return await trio.to_thread.run_sync(lambda: list(self.backend.list("")))
-
-    async def stored_manifests(self, objects: list[ObjectInfo]) -> list[mf.StepManifest]:
-        """Every complete step among the store's `objects`; leftovers of interrupted uploads
-        are removed (not in a cluster: there, other nodes may be sending their shares of a
-        step whose manifest is not up yet; a retried upload replaces such objects, and the
-        manifest's writer removes those its version does not name)."""
-        manifests, step_dirs = [], {}
-        for obj in objects:
-            head, _, name = obj.key.rpartition("/")
-            if name == MANIFEST_KEY:
-                try:
-                    data = await trio.to_thread.run_sync(self.backend.get_bytes, obj.key)
-                    manifest = mf.decode(data)
-                except (BackendError, mf.ManifestError) as exc:
-                    log.error("skipping unreadable manifest %s: %s", obj.key, exc)
-                    continue
-                if layout.records_dir(manifest.path, manifest.single_file) != head:
-                    log.error("skipping manifest %s: it names step %s", obj.key, manifest.path)
-                    continue
-                manifests.append(manifest)
-            step_dir = self._enclosing_step_dir(obj.key)
-            if step_dir is not None:
-                step_dirs.setdefault(step_dir, []).append(obj.key)
-        complete = {m.path for m in manifests}
-        for step_dir, keys in step_dirs.items() if self._shares is None else ():
-            if step_dir not in complete and step_dir not in self.queue.pending:
-                log.info("removing %d objects of the incomplete upload %s", len(keys), step_dir)
-                await trio.to_thread.run_sync(self.backend.delete, keys)
-        return sorted(manifests, key=lambda m: (m.step, m.path))
-
-    def _enclosing_step_dir(self, key: str) -> str | None:
-        parts = key.split("/")[:-1]
-        for depth in range(1, len(parts) + 1):  # the outermost: nothing inside a step is one
-            if self._steps.step_number(parts[depth - 1]) is not None:
-                return "/".join(parts[:depth])
-        return None
 
     # -- symbolic links (fs.model.links): one small object per directory ------------------------
 
@@ -872,34 +766,6 @@ class Uploader:
                                           limiter=self._threads)
         else:
             await trio.to_thread.run_sync(self.backend.delete, [key], limiter=self._threads)
-
-    async def stored_links(self, objects: list[ObjectInfo]) -> dict[str, dict[str, str]]:
-        """Directory -> its links, for every directory whose links object is among the store's
-        `objects`."""
-        found = {}
-        for obj in objects:
-            directory, _, name = obj.key.rpartition("/")
-            if name != symlinks.LINKS_OBJECT:
-                continue
-            try:
-                data = await trio.to_thread.run_sync(self.backend.get_bytes, obj.key)
-                found[directory] = symlinks.decode(directory, data)
-            except (BackendError, ValueError) as exc:
-                log.error("skipping the links in %s: %s", obj.key, exc)
-        return found
-
-    async def retire(self, path: str) -> None:
-        """Remove a step from the store: its manifest first, so it is never seen half gone."""
-        objects = await trio.to_thread.run_sync(self._remove, path)
-        log.info("retention removed %s from %s (%d objects)", path, self.backend.url,
-                 len(objects))
-        self._steps.retired(path)
-        if self._shares is not None:
-            try:
-                await self._shares.note_store(path, None, RETIRED)
-            except SharesUnavailable as exc:
-                log.warning("the other nodes do not know yet that %s left %s: %s", path,
-                            self.backend.url, exc)
 
 
 def _held(entry: mf.FileEntry | None) -> tuple[int, str, tuple[int, ...]] | None:

@@ -136,7 +136,7 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
     shares = UploadPlans(links.sealed, cfg.node_id, links.directory.is_up) if links else None
     uploader = make_uploader(cfg, backend, namespace, events, store_used,
                              shares) if backend else None
-    if uploader is not None and await adopt_stored_steps(namespace, uploader):
+    if uploader is not None and await adopt_stored_steps(namespace, uploader.stored):
         store_used.set()
     source = mount_source(cfg.ram_dir)  # names the RAM dir: the command line finds us by it
     device = open_passthrough(cfg, source)

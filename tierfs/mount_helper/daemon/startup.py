@@ -41,7 +41,7 @@ from tierfs.replication.coordination.store_record import StoreRecord, StoreUse
 from tierfs.retry import CATCH_UP_RETRIES, STORE_CHECK_RETRIES, retry
 from tierfs.s3tier import holdings
 from tierfs.s3tier.backend import Backend, BackendError, ObjectInfo, open_backend
-from tierfs.s3tier.uploader import Uploader
+from tierfs.s3tier.stored_steps import StoredSteps
 from tierfs.step_names import some_names
 
 log = logging.getLogger(__name__)
@@ -339,20 +339,20 @@ async def _cluster_store_use(cfg: MountConfig, record: StoreRecord) -> StoreUse 
                        "store)")
 
 
-async def adopt_stored_steps(namespace: Namespace, uploader: Uploader) -> int:
+async def adopt_stored_steps(namespace: Namespace, stored: StoredSteps) -> int:
     """List what the persistent tier holds, so a fresh node sees the job's history at once.
     The number of steps it holds."""
     try:
-        objects = await uploader.listing()
-        manifests = await uploader.stored_manifests(objects)
+        objects = await stored.listing()
+        manifests = await stored.complete_steps(objects)
     except BackendError as exc:
         log.warning("could not list the persistent tier yet: %s", exc)
         return 0
     added = sum(namespace.tiers.adopt_persisted(m) for m in manifests)
     _check_persisted(namespace, manifests, objects)
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
-             uploader.backend.url, len(manifests), added)
-    stored_links = await uploader.stored_links(objects)  # each unreadable one is logged
+             stored.backend.url, len(manifests), added)
+    stored_links = await stored.links(objects)  # each unreadable one is logged
     made = sum(namespace.versions.adopt_links(d, links) for d, links in stored_links.items())
     if made:
         log.info("made %d symbolic links the persistent tier keeps", made)
