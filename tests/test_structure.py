@@ -295,3 +295,76 @@ def test_tree_parts_are_handed_out_not_reached_through() -> None:
         if reached := reach_throughs(path.read_text(), parts):
             found[rel] = reached
     assert found == {}
+
+
+# What the FUSE layer and the daemon are given of the namespace besides its methods: the
+# read-only view of the tree, and the faces of the tiers and of the checks (typed by what
+# their users call). Everything else Core and Namespace hold is a collaborator of theirs.
+NAMESPACE_FACES = {"view", "background", "foreground", "gate", "recovered", "events", "liveness",
+                   "versions", "watch"}
+# The reaches still to turn into methods or faces (shrinks to empty).
+NAMESPACE_REACHES_LEFT: dict[str, list[str]] = {
+    "fs/fuse/operations.py": ["self.ns.residency", "self.ns.store", "self.ns.tiers"],
+    "mount_helper/daemon/assembly.py": [
+        "core.deletes", "core.tree", "namespace.appends", "namespace.commits", "namespace.quiet",
+        "namespace.tree", "namespace.verifier"],
+    "mount_helper/daemon/cluster_service.py": [
+        "core.tree", "namespace.residency", "namespace.tiers", "namespace.verifier",
+        "self.namespace.deletes", "self.namespace.tiers"],
+    "mount_helper/daemon/commit_pipeline.py": [
+        "namespace.deletes", "namespace.residency", "namespace.tiers", "namespace.verifier",
+        "self._namespace.deletes", "self._namespace.store"],
+    "mount_helper/daemon/control_api.py": [
+        "ns.deletes", "ns.residency", "ns.store", "ns.tiers", "self.namespace.commits",
+        "self.namespace.deletes", "self.namespace.quiet", "self.namespace.residency",
+        "self.namespace.store", "self.namespace.tiers"],
+    "mount_helper/daemon/startup.py": ["namespace.residency", "namespace.tiers"],
+}
+
+
+def namespace_collaborators() -> set[str]:
+    """The attributes `Core.__init__` and `Namespace.__init__` set that are not faces, by
+    name without the underscore."""
+    source = ast.parse((PACKAGE / "fs" / "namespace.py").read_text())
+    found = set()
+    for cls in (node for node in source.body if isinstance(node, ast.ClassDef)
+                and node.name in ("Core", "Namespace")):
+        init = next(node for node in cls.body if isinstance(node, ast.FunctionDef)
+                    and node.name == "__init__")
+        found |= {target.attr.removeprefix("_") for node in ast.walk(init)
+                  if isinstance(node, ast.Assign) for target in node.targets
+                  for target in ast.walk(target) if isinstance(target, ast.Attribute)
+                  and ast.unparse(target.value) == "self"}
+    return found - NAMESPACE_FACES
+
+
+def namespace_reaches(source: str, collaborators: set[str]) -> list[str]:
+    """`<namespace>.<collaborator>` in `source` (its holder named namespace, ns or core, as a
+    name or an attribute; the collaborator with or without its underscore)."""
+    holders = {"namespace", "_namespace", "ns", "_ns", "core", "_core"}
+    return [ast.unparse(node) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute)
+            and node.attr.removeprefix("_") in collaborators
+            and (isinstance(node.value, ast.Name) and node.value.id in holders
+                 or isinstance(node.value, ast.Attribute) and node.value.attr in holders)]
+
+
+def test_the_namespace_reach_check_sees_one() -> None:
+    assert sorted(namespace_reaches("self.ns.residency.fetch_whole(n)\ncore.tree\n"
+                                    "ns.view.steps()\nnamespace._tiers.x\nself.tree.x\n",
+                                    {"residency", "tree", "tiers"})) == [
+        "core.tree", "namespace._tiers", "self.ns.residency"]
+
+
+def test_the_namespace_is_the_one_way_in() -> None:
+    """The FUSE layer and the daemon call Namespace's methods and use its faces (the tree's
+    view, the tiers' port): none reaches one of its collaborators (Residency, Commits...)."""
+    collaborators = namespace_collaborators()
+    assert {"residency", "commits", "tree", "store", "deletes"} <= collaborators
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel != "fs/namespace.py" and (
+                reached := sorted(set(namespace_reaches(path.read_text(), collaborators)))):
+            found[rel] = reached
+    assert found == NAMESPACE_REACHES_LEFT
