@@ -300,26 +300,8 @@ def test_tree_parts_are_handed_out_not_reached_through() -> None:
 # What the FUSE layer and the daemon are given of the namespace besides its methods: the
 # read-only view of the tree, and the faces of the tiers and of the checks (typed by what
 # their users call). Everything else Core and Namespace hold is a collaborator of theirs.
-NAMESPACE_FACES = {"view", "background", "foreground", "gate", "recovered", "events", "liveness",
-                   "versions", "watch"}
-# The reaches still to turn into methods or faces (shrinks to empty).
-NAMESPACE_REACHES_LEFT: dict[str, list[str]] = {
-    "fs/fuse/operations.py": ["self.ns.residency", "self.ns.store", "self.ns.tiers"],
-    "mount_helper/daemon/assembly.py": [
-        "core.deletes", "core.tree", "namespace.appends", "namespace.commits", "namespace.quiet",
-        "namespace.tree", "namespace.verifier"],
-    "mount_helper/daemon/cluster_service.py": [
-        "core.tree", "namespace.residency", "namespace.tiers", "namespace.verifier",
-        "self.namespace.deletes", "self.namespace.tiers"],
-    "mount_helper/daemon/commit_pipeline.py": [
-        "namespace.deletes", "namespace.residency", "namespace.tiers", "namespace.verifier",
-        "self._namespace.deletes", "self._namespace.store"],
-    "mount_helper/daemon/control_api.py": [
-        "ns.deletes", "ns.residency", "ns.store", "ns.tiers", "self.namespace.commits",
-        "self.namespace.deletes", "self.namespace.quiet", "self.namespace.residency",
-        "self.namespace.store", "self.namespace.tiers"],
-    "mount_helper/daemon/startup.py": ["namespace.residency", "namespace.tiers"],
-}
+NAMESPACE_FACES = {"view", "verifier", "background", "foreground", "gate", "recovered", "events",
+                   "liveness", "versions", "watch"}
 
 
 def namespace_collaborators() -> set[str]:
@@ -367,4 +349,4 @@ def test_the_namespace_is_the_one_way_in() -> None:
         if rel != "fs/namespace.py" and (
                 reached := sorted(set(namespace_reaches(path.read_text(), collaborators)))):
             found[rel] = reached
-    assert found == NAMESPACE_REACHES_LEFT
+    assert found == {}
