@@ -35,7 +35,8 @@ from tierfs.fs.lifecycle.commits import SAVER_WAIT, Commits
 from tierfs.fs.lifecycle.deletes import DELETES_DIR, Cleaner, Deletes, DeleteWorker
 from tierfs.fs.lifecycle.foreground import Foreground
 from tierfs.fs.lifecycle.other_tiers import OtherTiers
-from tierfs.fs.lifecycle.quiet_commits import QuietCommits, QuietWatch
+from tierfs.fs.lifecycle.quiet_commits import QuietCommits
+from tierfs.fs.lifecycle.quiet_watch import QuietWatch
 from tierfs.fs.lifecycle.recovery import Recovery
 from tierfs.fs.lifecycle.residency import Residency
 from tierfs.fs.lifecycle.step_versions import StepVersions

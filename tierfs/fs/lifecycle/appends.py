@@ -38,7 +38,7 @@ from tierfs.fs.tree.dir_attributes import recorded
 
 if TYPE_CHECKING:
     from tierfs.fs.lifecycle.commits import Commits
-    from tierfs.fs.lifecycle.quiet_commits import QuietWatch
+    from tierfs.fs.lifecycle.quiet_watch import QuietWatch
     from tierfs.fs.lifecycle.residency import Residency
     from tierfs.fs.model.nodes import Node
     from tierfs.fs.store.ram_store import RamStore
