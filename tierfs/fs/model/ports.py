@@ -46,6 +46,10 @@ Inward (implemented inside `fs`, injected so that the core imports no collaborat
   (`fs.lifecycle.commits.Commits.announce`; for append snapshots).
 * `StoreLoss`: a step the persistent tier was found to lack (`StepVersions.set_store_lost`;
   for `Residency`).
+* `KeepRam`, `Repairs`: the steps beyond --keep-ram leave RAM; bad or missing copies brought
+  back and reported (`Residency`; for `OtherTiers` and `Verifier`).
+* `ManifestReader`: a step directory's committed manifest (`fs.tree.records.StepRecords`; for
+  `fs.tree.step_identity`).
 
 The lifecycle's parts name one another through these, not by their classes: each module of
 `fs.lifecycle` then imports no other's, and the chain of imports stays short.
@@ -73,10 +77,10 @@ if TYPE_CHECKING:
     from tierfs.trackers import TrackedStep
 
 __all__ = ["Announcer", "CommitSink", "CommitTiers", "CoordinationUnavailable", "CopiesWait",
-           "DeleteLog", "EventSink", "FilesOnPeers", "Liveness", "ObjectMissing", "PeerCopies",
-           "PersistCopies", "ReadGate", "ReadSource", "RoomInRam", "SealedCollector",
-           "ShardsOnPeers", "Spawner", "StepCopies", "StepWatch", "Store", "StoreCheck",
-           "StoreLoss", "TierError"]
+           "DeleteLog", "EventSink", "FilesOnPeers", "KeepRam", "Liveness", "ManifestReader",
+           "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate", "ReadSource", "Repairs",
+           "RoomInRam", "SealedCollector", "ShardsOnPeers", "Spawner", "StepCopies", "StepWatch",
+           "Store", "StoreCheck", "StoreLoss", "TierError"]
 
 
 class CommitSink(Protocol):
@@ -451,3 +455,27 @@ class StoreLoss(Protocol):
     """Takes note that the persistent tier lacks files of a step it held."""
 
     def set_store_lost(self, step_node: Node, lacking: list[str]) -> None: ...
+
+
+class KeepRam(Protocol):
+    """Keeps the RAM tier to --keep-ram steps of each run directory (those other tiers hold)."""
+
+    def enforce_keep_ram(self) -> None: ...
+
+
+class Repairs(Protocol):
+    """What checks of copies (`fs.lifecycle.verify`) ask when they find a copy bad or missing."""
+
+    replicas: int  # the peer copies each file should have (--replicas)
+
+    async def make_resident(self, node: Node, *, empty: bool) -> None: ...
+
+    def store_lacks(self, step_node: Node, lacking: list[str], seen: str) -> None: ...
+
+    def copies_lost(self, manifest: mf.StepManifest, names: list[str]) -> None: ...
+
+
+class ManifestReader(Protocol):
+    """Reads the committed manifest a step directory holds (None: none, or a damaged one)."""
+
+    def read_manifest(self, dir_path: bytes) -> mf.StepManifest | None: ...
