@@ -9,12 +9,16 @@ Who owns what (doc/ARCHITECTURE.md):
 * `Residency` (fs.lifecycle.residency): bytes coming back from other tiers; steps leaving RAM.
 * `OtherTiers` (fs.lifecycle.other_tiers): copies in the persistent tier and on peers; deletes.
 * `Commits` (fs.lifecycle.commits): when a step commits, and the commit.
-* `QuietWatch`, `QuietCommits` (fs.lifecycle.quiet_commits): steps that commit once their saver
-  is done; `AppendSnapshots` (fs.lifecycle.appends): loose files committed while they are
-  still appended.
+* `QuietWatch` (fs.lifecycle.quiet_watch), `QuietCommits` (fs.lifecycle.quiet_commits): steps
+  that commit once their saver is done; `AppendSnapshots` (fs.lifecycle.appends): loose
+  files committed while they are still appended.
 * `Verifier` (fs.lifecycle.verify): RAM objects checked before use; `tierfs verify`.
 
 Everything outside `fs` comes in through the Protocols of `fs.model.ports`, given to `assemble`.
+
+`Namespace` is the one way in for the FUSE face and the daemon: they call its methods, or
+use its three faces (`view`, the tree read-only; `copies`, the other tiers' `StepCopies` port;
+`verifier`), and never reach its collaborators (tests/test_structure.py checks it).
 
 `Namespace` itself holds no state: each method is one file system call, spelled as the calls to
 the collaborators it takes, so that a write, a commit and a read-back can be followed here.
