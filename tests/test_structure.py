@@ -301,10 +301,10 @@ def test_tree_parts_are_handed_out_not_reached_through() -> None:
 
 
 # What the FUSE layer and the daemon are given of the namespace besides its methods: the
-# read-only view of the tree, and the faces of the tiers and of the checks (typed by what
-# their users call). Everything else Core and Namespace hold is a collaborator of theirs.
-NAMESPACE_FACES = {"view", "verifier", "background", "foreground", "gate", "recovered", "events",
-                   "liveness", "versions", "watch"}
+# read-only view of the tree, the checks (`tierfs verify`), what start-up found, the owners of
+# background and foreground work, the event sink (`copies`, the tiers' port, is a property).
+# Everything else Core and Namespace hold is a collaborator of theirs.
+NAMESPACE_FACES = {"view", "verifier", "recovered", "background", "foreground", "events"}
 
 
 def namespace_collaborators() -> set[str]:
@@ -345,7 +345,7 @@ def test_the_namespace_is_the_one_way_in() -> None:
     """The FUSE layer and the daemon call Namespace's methods and use its faces (the tree's
     view, the tiers' port): none reaches one of its collaborators (Residency, Commits...)."""
     collaborators = namespace_collaborators()
-    assert {"residency", "commits", "tree", "store", "deletes"} <= collaborators
+    assert {"residency", "commits", "tree", "store", "deletes", "versions"} <= collaborators
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()

@@ -114,6 +114,11 @@ class Core:
                                   residents=parts.residents,
                                   records=parts.records).load()
 
+    def learn_holders(self, step_node: Node, holders: dict[str, set[str]]) -> None:
+        """Who holds these files of a committed step, as the cluster's records say (the peer
+        clients learn it when the holders known here failed them)."""
+        self.versions.set_file_holders(step_node, holders)
+
     def old_keys(self, key: str) -> list[str]:
         """The store keys a renamed step's object `key` may still be found under (its names
         before renames that have not reached the store: `Deletes.old_keys`)."""
@@ -499,6 +504,11 @@ class Namespace:
         it (a rename's old name may leave the store now) go on."""
         self.tiers.mark_persisted(manifest)
         self.deletes.poke()
+
+    def adopt_links(self, directory: str, links: dict[str, str]) -> int:
+        """Make the symbolic links the persistent tier keeps for `directory` (a fresh RAM
+        dir; an entry of that name here stays). The number made."""
+        return self.versions.adopt_links(directory, links)
 
     def store_lacks(self, step_node: Node, lacking: list[str], seen: str) -> None:
         """The persistent tier lacks these files of a step it held (`Residency.store_lacks`)."""

@@ -82,7 +82,7 @@ class ClusterLinks:
                                      ManifestFetcher(self.directory).fetch,
                                      view.committed_manifest)
         self.view = view
-        self.versions = core.versions
+        self.learn_holders = core.learn_holders
         self.reader = PeerReader(self.directory, view.holders_of, self._file_holders)
         self.verify = PeerVerify(self.directory, self.sealed.placements)
         self.delete = PeerDelete(self.directory)
@@ -111,7 +111,7 @@ class ClusterLinks:
             return []
         assert record is not None
         if self.view.find_step(manifest.path) is step_node:  # not replaced meanwhile
-            self.versions.set_file_holders(step_node, {name: set(record.holders)})
+            self.learn_holders(step_node, {name: set(record.holders)})
         return list(record.holders)
 
 

@@ -353,7 +353,7 @@ async def adopt_stored_steps(namespace: Namespace, stored: StoredSteps) -> int:
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              stored.backend.url, len(manifests), added)
     stored_links = await stored.links(objects)  # each unreadable one is logged
-    made = sum(namespace.versions.adopt_links(d, links) for d, links in stored_links.items())
+    made = sum(namespace.adopt_links(d, links) for d, links in stored_links.items())
     if made:
         log.info("made %d symbolic links the persistent tier keeps", made)
     namespace.keep_ram()
