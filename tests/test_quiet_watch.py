@@ -1,4 +1,4 @@
-"""The watch of steps being written (`fs.lifecycle.quiet_commits.QuietWatch`): which steps are due
+"""The watch of steps being written (`fs.lifecycle.quiet_watch.QuietWatch`): which steps are due
 to commit by themselves, found without a scan of every watched step (a run dir of thousands of
 loose files being written made each change cost a pass over all of them)."""
 
@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from tierfs.fs.lifecycle.quiet_commits import QuietWatch
+from tierfs.fs.lifecycle.quiet_watch import QuietWatch
 from tierfs.fs.model.nodes import Node, StepState
 
 pytestmark = pytest.mark.core

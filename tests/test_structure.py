@@ -199,6 +199,9 @@ def test_the_chain_of_imports_inside_fs_stays_short() -> None:
     it with `python -m tests.test_structure`)."""
     assert longest_chain({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"c"}}, "") == ["a", "b", "c"]
     assert len(longest_chain(module_imports(typing_only=False), "tierfs.fs.")) <= 8
+    # with the types: the parts of fs.lifecycle name one another by the ports of
+    # fs.model.ports, not by their classes (was 17 modules before them)
+    assert len(longest_chain(module_imports(typing_only=True), "tierfs.fs.")) <= 12
 
 
 if __name__ == "__main__":
@@ -293,5 +296,60 @@ def test_tree_parts_are_handed_out_not_reached_through() -> None:
         if rel.startswith("fs/tree/") or rel in PARTS_HANDED_OUT:
             continue
         if reached := reach_throughs(path.read_text(), parts):
+            found[rel] = reached
+    assert found == {}
+
+
+# What the FUSE layer and the daemon are given of the namespace besides its methods: the
+# read-only view of the tree, the checks (`tierfs verify`), what start-up found, the owners of
+# background and foreground work, the event sink (`copies`, the tiers' port, is a property).
+# Everything else Core and Namespace hold is a collaborator of theirs.
+NAMESPACE_FACES = {"view", "verifier", "recovered", "background", "foreground", "events"}
+
+
+def namespace_collaborators() -> set[str]:
+    """The attributes `Core.__init__` and `Namespace.__init__` set that are not faces, by
+    name without the underscore."""
+    source = ast.parse((PACKAGE / "fs" / "namespace.py").read_text())
+    found = set()
+    for cls in (node for node in source.body if isinstance(node, ast.ClassDef)
+                and node.name in ("Core", "Namespace")):
+        init = next(node for node in cls.body if isinstance(node, ast.FunctionDef)
+                    and node.name == "__init__")
+        found |= {target.attr.removeprefix("_") for node in ast.walk(init)
+                  if isinstance(node, ast.Assign) for target in node.targets
+                  for target in ast.walk(target) if isinstance(target, ast.Attribute)
+                  and ast.unparse(target.value) == "self"}
+    return found - NAMESPACE_FACES
+
+
+def namespace_reaches(source: str, collaborators: set[str]) -> list[str]:
+    """`<namespace>.<collaborator>` in `source` (its holder named namespace, ns or core, as a
+    name or an attribute; the collaborator with or without its underscore)."""
+    holders = {"namespace", "_namespace", "ns", "_ns", "core", "_core"}
+    return [ast.unparse(node) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute)
+            and node.attr.removeprefix("_") in collaborators
+            and (isinstance(node.value, ast.Name) and node.value.id in holders
+                 or isinstance(node.value, ast.Attribute) and node.value.attr in holders)]
+
+
+def test_the_namespace_reach_check_sees_one() -> None:
+    assert sorted(namespace_reaches("self.ns.residency.fetch_whole(n)\ncore.tree\n"
+                                    "ns.view.steps()\nnamespace._tiers.x\nself.tree.x\n",
+                                    {"residency", "tree", "tiers"})) == [
+        "core.tree", "namespace._tiers", "self.ns.residency"]
+
+
+def test_the_namespace_is_the_one_way_in() -> None:
+    """The FUSE layer and the daemon call Namespace's methods and use its faces (the tree's
+    view, the tiers' port): none reaches one of its collaborators (Residency, Commits...)."""
+    collaborators = namespace_collaborators()
+    assert {"residency", "commits", "tree", "store", "deletes", "versions"} <= collaborators
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel != "fs/namespace.py" and (
+                reached := sorted(set(namespace_reaches(path.read_text(), collaborators)))):
             found[rel] = reached
     assert found == {}

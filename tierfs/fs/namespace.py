@@ -9,12 +9,16 @@ Who owns what (doc/ARCHITECTURE.md):
 * `Residency` (fs.lifecycle.residency): bytes coming back from other tiers; steps leaving RAM.
 * `OtherTiers` (fs.lifecycle.other_tiers): copies in the persistent tier and on peers; deletes.
 * `Commits` (fs.lifecycle.commits): when a step commits, and the commit.
-* `QuietWatch`, `QuietCommits` (fs.lifecycle.quiet_commits): steps that commit once their saver
-  is done; `AppendSnapshots` (fs.lifecycle.appends): loose files committed while they are
-  still appended.
+* `QuietWatch` (fs.lifecycle.quiet_watch), `QuietCommits` (fs.lifecycle.quiet_commits): steps
+  that commit once their saver is done; `AppendSnapshots` (fs.lifecycle.appends): loose
+  files committed while they are still appended.
 * `Verifier` (fs.lifecycle.verify): RAM objects checked before use; `tierfs verify`.
 
 Everything outside `fs` comes in through the Protocols of `fs.model.ports`, given to `assemble`.
+
+`Namespace` is the one way in for the FUSE face and the daemon: they call its methods, or
+use its three faces (`view`, the tree read-only; `copies`, the other tiers' `StepCopies` port;
+`verifier`), and never reach its collaborators (tests/test_structure.py checks it).
 
 `Namespace` itself holds no state: each method is one file system call, spelled as the calls to
 the collaborators it takes, so that a write, a commit and a read-back can be followed here.
@@ -32,10 +36,11 @@ import trio
 from tierfs.fs.lifecycle.appends import AppendSnapshots
 from tierfs.fs.lifecycle.background import Background
 from tierfs.fs.lifecycle.commits import SAVER_WAIT, Commits
-from tierfs.fs.lifecycle.deletes import DELETES_DIR, Deletes
+from tierfs.fs.lifecycle.deletes import DELETES_DIR, Cleaner, Deletes, DeleteWorker
 from tierfs.fs.lifecycle.foreground import Foreground
 from tierfs.fs.lifecycle.other_tiers import OtherTiers
-from tierfs.fs.lifecycle.quiet_commits import QuietCommits, QuietWatch
+from tierfs.fs.lifecycle.quiet_commits import QuietCommits
+from tierfs.fs.lifecycle.quiet_watch import QuietWatch
 from tierfs.fs.lifecycle.recovery import Recovery
 from tierfs.fs.lifecycle.residency import Residency
 from tierfs.fs.lifecycle.step_versions import StepVersions
@@ -55,6 +60,11 @@ from tierfs.fs.tree.tree import Tree
 from tierfs.fs.tree.tree_view import TreeView
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from tierfs import manifest as mf
+    from tierfs.fs.lifecycle.quiet_commits import Outlook
+    from tierfs.fs.model.links import LinkChanges
     from tierfs.fs.model.ports import (
         CommitSink,
         CopiesWait,
@@ -66,6 +76,7 @@ if TYPE_CHECKING:
         ReadSource,
         SealedCollector,
         ShardsOnPeers,
+        StepCopies,
         StoreCheck,
     )
 
@@ -102,6 +113,16 @@ class Core:
         self.recovered = Recovery(self.tree, self.deletes, identity=parts.identity,
                                   residents=parts.residents,
                                   records=parts.records).load()
+
+    def learn_holders(self, step_node: Node, holders: dict[str, set[str]]) -> None:
+        """Who holds these files of a committed step, as the cluster's records say (the peer
+        clients learn it when the holders known here failed them)."""
+        self.versions.set_file_holders(step_node, holders)
+
+    def old_keys(self, key: str) -> list[str]:
+        """The store keys a renamed step's object `key` may still be found under (its names
+        before renames that have not reached the store: `Deletes.old_keys`)."""
+        return self.deletes.old_keys(key)
 
 
 class Namespace:
@@ -424,3 +445,112 @@ class Namespace:
 
     def remove_user_xattr(self, node: Node, name: bytes) -> None:
         user_xattrs.remove(self.tree, node, name)
+
+
+    # -- what the daemon asks and tells the namespace ----------------------------------------
+    # (besides `view`, the tree read-only, and `verifier`, `tierfs verify`'s checks)
+
+    @property
+    def copies(self) -> StepCopies:
+        """The other tiers' port into the namespace: what they tell of a step's copies and
+        ask of it (the uploader's steps, replication, catch-up, status)."""
+        return self.tiers
+
+    async def catch_up(self, parent: Node, name: bytes) -> bool:
+        """`name` is not in `parent`: whether it is now, a step another node committed a
+        moment ago and this node had not heard of (`OtherTiers.catch_up`)."""
+        return await self.tiers.catch_up(parent, name)
+
+    async def fetch_whole(self, node: Node) -> None:
+        """A read-only open of a file in another tier that passthrough will answer: a small
+        one, or one of a step being loaded, comes whole into RAM first (`Residency`)."""
+        await self.residency.fetch_whole(node)
+
+    def ram_bytes(self) -> tuple[int, int]:
+        """The RAM tier's bytes used and its limit."""
+        return self.store.used_bytes, self.store.limit_bytes
+
+    def object_path(self, xxh3: str) -> str:
+        """Where the RAM store keeps the object of hash `xxh3` (what an upload reads)."""
+        return str(self.store.object_path(xxh3))
+
+    def fetched_ahead(self) -> dict[str, int]:
+        """Committed files brought back into RAM before their open asked for them."""
+        return {"files": self.residency.ahead_files, "bytes": self.residency.ahead_bytes,
+                "small_files": self.residency.small_fetched}
+
+    async def settle(self) -> None:
+        """Commit now the steps whose savers are done (unmount, `tierfs umount`)."""
+        await self.quiet.commit_quiet_steps()
+
+    async def commit(self, relpath: str, timeout: float) -> mf.StepManifest:
+        """`tierfs commit`: the step at `relpath` committed (`Commits.commit_path`)."""
+        return await self.commits.commit_path(relpath, timeout)
+
+    def commit_waits(self, relpath: str) -> str | None:
+        """What a `tierfs commit` of `relpath` waits for now, if anything."""
+        return self.commits.waiting_for(relpath)
+
+    def commit_outlook(self, step_node: Node) -> Outlook:
+        """When a step being written commits by itself (`QuietCommits.outlook`)."""
+        return self.quiet.outlook(step_node)
+
+    async def prefetch(self, relpath: str) -> int:
+        """`tierfs prefetch`: the files under `relpath` brought into RAM; their bytes."""
+        return await self.residency.prefetch(relpath)
+
+    def persisted(self, manifest: mf.StepManifest) -> None:
+        """The uploader stored `manifest`'s step: marked so, and the deletes that waited for
+        it (a rename's old name may leave the store now) go on."""
+        self.tiers.mark_persisted(manifest)
+        self.deletes.poke()
+
+    def adopt_links(self, directory: str, links: dict[str, str]) -> int:
+        """Make the symbolic links the persistent tier keeps for `directory` (a fresh RAM
+        dir; an entry of that name here stays). The number made."""
+        return self.versions.adopt_links(directory, links)
+
+    def store_lacks(self, step_node: Node, lacking: list[str], seen: str) -> None:
+        """The persistent tier lacks these files of a step it held (`Residency.store_lacks`)."""
+        self.residency.store_lacks(step_node, lacking, seen)
+
+    def keep_ram(self) -> None:
+        """Steps beyond --keep-ram that other tiers hold leave RAM (after an adoption)."""
+        self.residency.enforce_keep_ram()
+
+    def lost_from_store(self) -> trio.MemoryReceiveChannel[mf.StepManifest]:
+        """The steps the store was found to lack though they had reached it: to upload again."""
+        return self.residency.lost_from_store
+
+    async def chunk_for_peer(self, xxh3: str, index: int) -> int | None:
+        return await self.residency.chunk_for_peer(xxh3, index)
+
+    def deletes_status(self) -> dict[str, int]:
+        return self.deletes.status()
+
+    def deletes_pending_in(self, target: str) -> list[str]:
+        """The deleted (or renamed-away) steps `target` still holds, by path."""
+        return sorted(t.path for t in self.deletes.pending() if target in t.pending)
+
+    def delete_everywhere(self, targets: list[str]) -> None:
+        """What a delete made from now on must clean (the store, etcd, the live peers)."""
+        self.deletes.targets = targets
+
+    def delete_worker(self, cleaners: dict[str, Cleaner],
+                      wanted: Callable[[mf.StepManifest], bool] | None) -> DeleteWorker:
+        """The worker that takes deleted steps out of the tiers (`cleaners`, by target)."""
+        return DeleteWorker(self.deletes, cleaners,
+                            lambda tomb: self.tiers.move_done(tomb, wanted))
+
+    def link_changes(self) -> LinkChanges:
+        """The directories whose symbolic links the persistent tier must learn."""
+        return self.tree.links
+
+    async def keep_committing(self) -> None:
+        """The namespace's own background commits, until cancelled: retries of failed commits,
+        quiet steps, and append snapshots if asked for."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.commits.keep_retrying)
+            nursery.start_soon(self.quiet.run)
+            if self.appends.append_every:
+                nursery.start_soon(self.appends.run)

@@ -141,7 +141,7 @@ class Operations(pyfuse3.Operations):
             except FsError as exc:
                 # A step being written here may have been committed by another node a moment
                 # ago (a load right after the save's barrier): ask the cluster, then look again.
-                if exc.errno != errno.ENOENT or not await self.ns.tiers.catch_up(parent, name):
+                if exc.errno != errno.ENOENT or not await self.ns.catch_up(parent, name):
                     raise
                 node = self.ns.child(parent, name)
         return self._entry(node)
@@ -243,7 +243,7 @@ class Operations(pyfuse3.Operations):
             # request per 128 KiB, a copy): a small one, or one of a step being loaded (its
             # .metadata opened), comes whole now, answered with passthrough; another large one
             # is read range by range (Residency.fetch_whole).
-            await self.ns.residency.fetch_whole(node)
+            await self.ns.fetch_whole(node)
         handle = await self.ns.open(node, flags)
         self.ns.note_opened(handle, ctx.pid)
         if handle.writable:
@@ -332,11 +332,11 @@ class Operations(pyfuse3.Operations):
 
     @_boundary
     async def statfs(self, ctx: Any) -> StatvfsData:
-        store = self.ns.store
+        used, limit = self.ns.ram_bytes()
         stats = StatvfsData()
         stats.f_bsize = stats.f_frsize = BLOCK
-        stats.f_blocks = store.limit_bytes // BLOCK
-        stats.f_bfree = stats.f_bavail = max(0, store.limit_bytes - store.used_bytes) // BLOCK
+        stats.f_blocks = limit // BLOCK
+        stats.f_bfree = stats.f_bavail = max(0, limit - used) // BLOCK
         stats.f_files = 1 << 32
         stats.f_ffree = stats.f_favail = (1 << 32) - self.ns.inode_count
         stats.f_namemax = 255

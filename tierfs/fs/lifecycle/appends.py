@@ -33,13 +33,11 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs.fs.model.append_layout import extends, lay_out, never_snapshot
-from tierfs.fs.model.ports import CoordinationUnavailable
+from tierfs.fs.model.ports import Announcer, CoordinationUnavailable, RoomInRam
 from tierfs.fs.tree.dir_attributes import recorded
 
 if TYPE_CHECKING:
-    from tierfs.fs.lifecycle.commits import Commits
-    from tierfs.fs.lifecycle.quiet_commits import QuietWatch
-    from tierfs.fs.lifecycle.residency import Residency
+    from tierfs.fs.lifecycle.quiet_watch import QuietWatch
     from tierfs.fs.model.nodes import Node
     from tierfs.fs.store.ram_store import RamStore
     from tierfs.fs.tree.records import StepRecords
@@ -52,7 +50,7 @@ class AppendSnapshots:
     """Commits loose files still being written every `append_every` seconds (see the module
     docstring). Works on the steps the quiet watch holds: those being written."""
 
-    def __init__(self, tree: Tree, watch: QuietWatch, commits: Commits, residency: Residency,
+    def __init__(self, tree: Tree, watch: QuietWatch, commits: Announcer, residency: RoomInRam,
                  append_every: float, *, records: StepRecords, residents: Residents,
                  store: RamStore) -> None:
         self.tree = tree

@@ -52,12 +52,17 @@ from tierfs import manifest as mf
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.latest_pins import thread_group
 from tierfs.fs.model.nodes import METADATA, FsError, Node, Seal, StepState, some_names
-from tierfs.fs.model.ports import CommitSink, CoordinationUnavailable, CopiesWait, EventSink
+from tierfs.fs.model.ports import (
+    CommitSink,
+    CommitTiers,
+    CoordinationUnavailable,
+    CopiesWait,
+    EventSink,
+    RoomInRam,
+)
 from tierfs.fs.store.ram_store import RamFull
 
 if TYPE_CHECKING:
-    from tierfs.fs.lifecycle.other_tiers import OtherTiers
-    from tierfs.fs.lifecycle.residency import Residency
     from tierfs.fs.store.ram_store import RamStore
     from tierfs.fs.tree.cut_short import CutShort
     from tierfs.fs.tree.renames import Renames
@@ -100,7 +105,7 @@ class Waiting:
 class Commits:
     """Commits of step directories (see the module docstring)."""
 
-    def __init__(self, tree: Tree, residency: Residency, tiers: OtherTiers,
+    def __init__(self, tree: Tree, residency: RoomInRam, tiers: CommitTiers,
                  sink: CommitSink, events: EventSink, saver_wait: float = SAVER_WAIT,
                  copies_wait: CopiesWait | None = None, *, identity: StepIdentity,
                  manifests: StepManifests, sealing: Sealing, renames: Renames,

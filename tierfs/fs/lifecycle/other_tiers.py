@@ -26,6 +26,7 @@ from tierfs.fs.model.nodes import METADATA, FsError, Node, StepState, some_names
 from tierfs.fs.model.ports import (
     CoordinationUnavailable,
     FilesOnPeers,
+    KeepRam,
     SealedCollector,
     ShardsOnPeers,
     Spawner,
@@ -34,7 +35,6 @@ from tierfs.fs.model.ports import (
 from tierfs.shared_uploads import PERSISTED, RETIRED
 
 if TYPE_CHECKING:
-    from tierfs.fs.lifecycle.residency import Residency
     from tierfs.fs.lifecycle.step_versions import StepVersions
     from tierfs.fs.store.ram_store import RamStore
     from tierfs.fs.tree.holders import Holdings
@@ -55,7 +55,7 @@ ASK_PEERS_AFTER = 1.0
 class OtherTiers:
     """Copies of steps in the persistent tier and on peers, as this node knows them."""
 
-    def __init__(self, tree: Tree, view: TreeView, versions: StepVersions, residency: Residency,
+    def __init__(self, tree: Tree, view: TreeView, versions: StepVersions, residency: KeepRam,
                  deletes: Deletes, background: Spawner, sealed: SealedCollector | None = None,
                  shards: ShardsOnPeers | None = None, *, holdings: Holdings,
                  identity: StepIdentity, manifests: StepManifests, recoverable: Recoverability,

@@ -14,24 +14,20 @@ removal is no new version. It stays `writing` (so `latest` names an older step),
 other tier keeps its last whole version, until the removal completes (its delete) or a file of
 it is written again; `tierfs commit` makes the half-removed step a version of its own.
 
-Only steps changed while this daemon runs are watched (`QuietWatch`, step node -> when it is
-due), so the work is proportional to the steps being written, never a scan of the tree. The
-`Tree` tells the watch of every change (the `StepWatch` port); `QuietCommits` runs the commits
-through `Commits`. A step left `writing` by a crash is not committed by these rules (it may be
-partial); writing into it again, or `tierfs commit`, does. A step directory that goes quiet
-holding no file at all is `empty`, not written for ever: nothing commits. A step holding DCP
-shards
-(`*.distcp`) waits for its `.metadata`, the end of a DCP save, which stays the immediate trigger.
+Only steps changed while this daemon runs are watched (`fs.lifecycle.quiet_watch.QuietWatch`,
+step node -> when it is due), so the work is proportional to the steps being written, never a
+scan of the tree. The `Tree` tells the watch of every change (the `StepWatch` port);
+`QuietCommits` runs the commits through `Commits`. A step left `writing` by a crash is not
+committed by these rules (it may be partial); writing into it again, or `tierfs commit`, does.
+A step directory that goes quiet holding no file at all is `empty`, not written for ever:
+nothing commits. A step holding DCP shards (`*.distcp`) waits for its `.metadata`, the end of a
+DCP save, which stays the immediate trigger.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
-import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,6 +38,7 @@ from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import METADATA, Node
 
 if TYPE_CHECKING:
+    from tierfs.fs.lifecycle.quiet_watch import QuietWatch
     from tierfs.fs.tree.cut_short import CutShort
     from tierfs.fs.tree.residents import Residents
     from tierfs.fs.tree.step_manifests import StepManifests
@@ -73,81 +70,6 @@ class Outlook:
     due: float | None = None
     reason: str | None = None
     files: list[str] = field(default_factory=list)
-
-
-class QuietWatch:
-    """The steps being written and when each is due to commit (the Tree's `StepWatch`).
-
-    `due` says when each watched step is due. A heap holds one entry per watched step (at the
-    deadline it had when it went in, or an earlier one), so that the next due steps are found
-    without a scan: an entry that comes up early for a step touched since goes back in at the
-    step's deadline. Thousands of loose files being written cost O(log n) each, not O(n)."""
-
-    def __init__(self, commit_idle: float = 5.0) -> None:
-        self.commit_idle = commit_idle
-        self.due: dict[Node, float] = {}
-        self.wake = trio.Event()
-        self._deadlines: list[tuple[float, int, Node]] = []
-        self._entry: dict[Node, float] = {}  # a step's entry in the heap, at this deadline
-        self._order = itertools.count()  # ties broken by insertion (nodes do not compare)
-
-    def _set_due(self, step_node: Node, due: float) -> None:
-        self.due[step_node] = due
-        entry = self._entry.get(step_node)
-        if entry is None or due < entry:  # a later deadline waits for the entry to come up
-            self._entry[step_node] = due
-            heapq.heappush(self._deadlines, (due, next(self._order), step_node))
-
-    def touch(self, step_node: Node) -> None:
-        """`step_node` changed: it commits `commit_idle` seconds after its last change."""
-        if step_node not in self.due:
-            self.wake.set()  # a new deadline: the watch may be asleep until a later one
-        self._set_due(step_node, time.monotonic() + self.commit_idle)
-
-    def step_started(self, step_node: Node) -> None:
-        """A saver made `step_node`: the older steps beside it that it was writing are done."""
-        number = step_node.step.number
-        for sibling in step_node.parent.children.values():
-            if (sibling in self.due and sibling.is_dir and sibling.step is not None
-                    and sibling.step.number < number):
-                self._set_due(sibling, 0.0)
-                self.wake.set()
-
-    def rearm(self) -> trio.Event:
-        """A fresh wake-up event, set by the next new deadline."""
-        self.wake = trio.Event()
-        return self.wake
-
-    def due_steps(self, now: float) -> Iterator[Node]:
-        """The watched steps due by `now`, each once (the caller commits or touches it)."""
-        while (step_node := self._next_entry(now)) is not None:
-            yield step_node
-
-    def next_due(self) -> float:
-        """When the next watched step is due (inf: none is watched)."""
-        self._next_entry(-math.inf)  # settles the entries of steps touched or gone since
-        return self._deadlines[0][0] if self._deadlines else math.inf
-
-    def _next_entry(self, now: float) -> Node | None:
-        """Take the heap's first entry if it is due by `now` and its step still is; entries of
-        steps gone or superseded are dropped, those of steps touched since go back in."""
-        deadlines = self._deadlines
-        while deadlines:
-            deadline, _order, step_node = deadlines[0]
-            if self._entry.get(step_node) != deadline:
-                heapq.heappop(deadlines)  # superseded by an earlier entry of the same step
-                continue
-            due = self.due.get(step_node)
-            if due == deadline and deadline > now:
-                return None  # the first entry is current and not due yet
-            heapq.heappop(deadlines)
-            del self._entry[step_node]
-            if due is None:
-                continue  # no longer watched
-            if due <= now:
-                return step_node
-            self._set_due(step_node, due)  # touched since: back in at its deadline
-        return None
 
 
 class QuietCommits:

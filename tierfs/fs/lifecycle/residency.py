@@ -40,13 +40,13 @@ from tierfs.fs.model.ports import (
     SealedCollector,
     Spawner,
     StoreCheck,
+    StoreLoss,
     TierError,
 )
 from tierfs.fs.store.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError
 from tierfs.fs.store.ram_store import RamFull
 
 if TYPE_CHECKING:
-    from tierfs.fs.lifecycle.step_versions import StepVersions
     from tierfs.fs.tree.holders import Holdings
     from tierfs.fs.tree.recoverable import Recoverability
     from tierfs.fs.tree.residents import Residents
@@ -89,7 +89,7 @@ SMALL_IN_FLIGHT = 16
 class Residency:
     """Files whose bytes are in another tier: fetched back, prefetched, evicted."""
 
-    def __init__(self, tree: Tree, versions: StepVersions, read_sources: list[ReadSource],
+    def __init__(self, tree: Tree, versions: StoreLoss, read_sources: list[ReadSource],
                  background: Spawner, *,
                  keep_ram: int = 3, replicas: int = 0,
                  liveness: Liveness | None = None,

@@ -55,10 +55,9 @@ from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import FsError, Node, StepState
-from tierfs.fs.model.ports import ObjectMissing, PeerCopies, PersistCopies, TierError
+from tierfs.fs.model.ports import ObjectMissing, PeerCopies, PersistCopies, Repairs, TierError
 
 if TYPE_CHECKING:
-    from tierfs.fs.lifecycle.residency import Residency
     from tierfs.fs.store.ram_store import RamStore
     from tierfs.fs.tree.holders import Holdings
     from tierfs.fs.tree.residents import Residents
@@ -124,7 +123,7 @@ class StepReport:
 
 
 class Verifier:
-    def __init__(self, tree: Tree, residency: Residency, persist: PersistCopies | None = None,
+    def __init__(self, tree: Tree, residency: Repairs, persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None,
                  finish_pending: Callable[[Node], Awaitable[None]] | None = None, *,
                  store: RamStore, holdings: Holdings, residents: Residents) -> None:

@@ -37,7 +37,22 @@ Inward (implemented inside `fs`, injected so that the core imports no collaborat
   (`fs.lifecycle.other_tiers.OtherTiers`; the uploader, the replicator, the daemon).
 
 * `ReadGate`: hashes a RAM object found at start before its first read (`fs.lifecycle.verify`).
-* `StepWatch`: told when a step changes or a newer one starts (`fs.lifecycle.quiet_commits`).
+* `StepWatch`: told when a step changes or a newer one starts (`fs.lifecycle.quiet_watch`).
+* `RoomInRam`: room made in the RAM tier, files brought back into it
+  (`fs.lifecycle.residency.Residency`; for commits and append snapshots).
+* `CommitTiers`: what a commit asks of the other tiers: the DCP shards other nodes hold, the
+  cluster's record of the commit (`fs.lifecycle.other_tiers.OtherTiers`; for `Commits`).
+* `Announcer`: a version committed outside a commit call, reported as commits are
+  (`fs.lifecycle.commits.Commits.announce`; for append snapshots).
+* `StoreLoss`: a step the persistent tier was found to lack (`StepVersions.set_store_lost`;
+  for `Residency`).
+* `KeepRam`, `Repairs`: the steps beyond --keep-ram leave RAM; bad or missing copies brought
+  back and reported (`Residency`; for `OtherTiers` and `Verifier`).
+* `ManifestReader`: a step directory's committed manifest (`fs.tree.records.StepRecords`; for
+  `fs.tree.step_identity`).
+
+The lifecycle's parts name one another through these, not by their classes: each module of
+`fs.lifecycle` then imports no other's, and the chain of imports stays short.
 * `DeleteLog`: records a deleted committed step so that it leaves every tier
   (`fs.lifecycle.deletes`).
 * `Spawner`: runs background work under an owner that cancels it at unmount
@@ -61,10 +76,11 @@ if TYPE_CHECKING:
     from tierfs.fs.model.tombstones import Tombstone
     from tierfs.trackers import TrackedStep
 
-__all__ = ["CommitSink", "CoordinationUnavailable", "CopiesWait", "DeleteLog", "EventSink",
-           "FilesOnPeers", "Liveness", "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate",
-           "ReadSource", "SealedCollector", "ShardsOnPeers", "Spawner", "StepCopies", "StepWatch",
-           "Store", "StoreCheck", "TierError"]
+__all__ = ["Announcer", "CommitSink", "CommitTiers", "CoordinationUnavailable", "CopiesWait",
+           "DeleteLog", "EventSink", "FilesOnPeers", "KeepRam", "Liveness", "ManifestReader",
+           "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate", "ReadSource", "Repairs",
+           "RoomInRam", "SealedCollector", "ShardsOnPeers", "Spawner", "StepCopies", "StepWatch",
+           "Store", "StoreCheck", "StoreLoss", "TierError"]
 
 
 class CommitSink(Protocol):
@@ -357,7 +373,7 @@ class ReadGate(Protocol):
 
 
 class StepWatch(Protocol):
-    """Follows the steps being written (see `fs.lifecycle.quiet_commits`)."""
+    """Follows the steps being written (see `fs.lifecycle.quiet_watch`)."""
 
     def touch(self, step_node: Node) -> None: ...
 
@@ -394,3 +410,72 @@ class Spawner(Protocol):
     def running(self) -> bool:
         """Whether spawned work runs now (else it waits until the owner starts)."""
         ...
+
+
+class RoomInRam(Protocol):
+    """Room in the RAM tier, and files of other tiers brought back into it."""
+
+    async def make_room(self, needed: int, sparing: Node | None = None) -> None:
+        """`needed` bytes free in the RAM tier (evicting what other tiers hold), `sparing`'s
+        step kept; `RamFull` if they cannot be."""
+        ...
+
+    async def make_resident(self, node: Node, *, empty: bool) -> None:
+        """A file whose bytes are in another tier brought into RAM (or made empty there)."""
+        ...
+
+
+class CommitTiers(Protocol):
+    """What a commit asks of the other tiers (see `fs.lifecycle.commits`)."""
+
+    async def locate_dcp_files(self, step_node: Node, deadline: float) -> bool: ...
+
+    async def missing_dcp_files(self, step_node: Node) -> set[str]: ...
+
+    def held_elsewhere(self, step_node: Node) -> set[str]: ...
+
+    def note_sealed(self, node: Node) -> None: ...
+
+    async def publish(self, step_node: Node, manifest: mf.StepManifest,
+                      deadline: float | None) -> bool: ...
+
+    def awaits_publication(self, manifest: mf.StepManifest) -> bool: ...
+
+    def write_owed_marks(self) -> None: ...
+
+
+class Announcer(Protocol):
+    """Reports a committed version as a commit does: the cluster's record, the event."""
+
+    async def announce(self, step_node: Node, manifest: mf.StepManifest, started: float,
+                       deadline: float | None = None) -> None: ...
+
+
+class StoreLoss(Protocol):
+    """Takes note that the persistent tier lacks files of a step it held."""
+
+    def set_store_lost(self, step_node: Node, lacking: list[str]) -> None: ...
+
+
+class KeepRam(Protocol):
+    """Keeps the RAM tier to --keep-ram steps of each run directory (those other tiers hold)."""
+
+    def enforce_keep_ram(self) -> None: ...
+
+
+class Repairs(Protocol):
+    """What checks of copies (`fs.lifecycle.verify`) ask when they find a copy bad or missing."""
+
+    replicas: int  # the peer copies each file should have (--replicas)
+
+    async def make_resident(self, node: Node, *, empty: bool) -> None: ...
+
+    def store_lacks(self, step_node: Node, lacking: list[str], seen: str) -> None: ...
+
+    def copies_lost(self, manifest: mf.StepManifest, names: list[str]) -> None: ...
+
+
+class ManifestReader(Protocol):
+    """Reads the committed manifest a step directory holds (None: none, or a damaged one)."""
+
+    def read_manifest(self, dir_path: bytes) -> mf.StepManifest | None: ...

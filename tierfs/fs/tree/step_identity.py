@@ -17,8 +17,7 @@ from tierfs.fs.model.nodes import NAME_MAX, Node, StepState
 from tierfs.fs.tree.dir_attributes import times_kept
 
 if TYPE_CHECKING:
-    from tierfs.fs.model.ports import StepWatch
-    from tierfs.fs.tree.records import StepRecords
+    from tierfs.fs.model.ports import ManifestReader, StepWatch
     from tierfs.fs.tree.tree_primitives import TreePrimitives
 
 NAMED_STEP_MARK = reserved.NAMED_STEP.encode()
@@ -44,7 +43,7 @@ class StepIdentity:
     """The steps of one mount's tree (see the module docstring)."""
 
     def __init__(self, tree: TreePrimitives, watch: StepWatch, step_pattern: str,
-                 file_step_pattern: str, *, records: StepRecords) -> None:
+                 file_step_pattern: str, *, records: ManifestReader) -> None:
         self.tree = tree
         self._records = records
         self._watch = watch

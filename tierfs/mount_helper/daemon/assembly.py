@@ -111,10 +111,10 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                 commit_idle=cfg.commit_idle, delete_targets=delete_targets(cfg),
                 liveness=members)
     links = ClusterLinks(cfg, core, members) if members else None
-    backend, new_store = await open_persistent_tier(cfg, ready, core.tree,
+    backend, new_store = await open_persistent_tier(cfg, ready, core.view,
                                                 links.store_record if links else None)
     persist = PersistentReader(backend, trio.CapacityLimiter(8),
-                               core.deletes.old_keys) if backend else None
+                               core.old_keys) if backend else None
     # Peers come first among the read sources: faster than the persistent tier. Each is
     # metered: read-backs are event lines and metrics.
     sources = []
@@ -181,15 +181,12 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                     nursery.start_soon(cluster.record_store_use, uploader.backend.url,
                                        store_used)
             nursery.start_soon(verify_then_send, namespace, uploader, replicator)
-            nursery.start_soon(namespace.commits.keep_retrying)
-            nursery.start_soon(namespace.quiet.run)
-            if cfg.append_every:
-                nursery.start_soon(namespace.appends.run)
+            nursery.start_soon(namespace.keep_committing)
             nursery.start_soon(delete_worker(namespace, uploader,
                                              cluster.peer_delete if cluster else None,
                                              cluster.sealed if cluster else None).run)
             if uploader is not None:
-                nursery.start_soon(store_links, namespace.tree.links, namespace.view.link_dirs,
+                nursery.start_soon(store_links, namespace.link_changes(), namespace.view.link_dirs,
                                    namespace.view.links_of, uploader)
             nursery.start_soon(_terminate_on_signal)
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers
@@ -215,7 +212,7 @@ async def _run_fuse(cancel_scope: trio.CancelScope, namespace: Namespace) -> Non
     await pyfuse3.main()
     namespace.release_hash_threads()  # those a test took (`hold_hashes`)
     # A clean unmount (umount, SIGTERM): steps whose savers are done commit now, not later.
-    await namespace.quiet.commit_quiet_steps()
+    await namespace.settle()
     cancel_scope.cancel()  # unmounted or terminated: stop the other workers
 
 

@@ -72,7 +72,7 @@ class ClusterLinks:
     files are sealed)."""
 
     def __init__(self, cfg: MountConfig, core: Core, directory: PeerDirectory) -> None:
-        tree, view = core.tree, core.view
+        view = core.view
         assert cfg.cluster is not None
         self.directory = directory
         self.live = directory.live
@@ -81,9 +81,8 @@ class ClusterLinks:
                                      view.step_number,
                                      ManifestFetcher(self.directory).fetch,
                                      view.committed_manifest)
-        self.tree = tree
         self.view = view
-        self.versions = core.versions
+        self.learn_holders = core.learn_holders
         self.reader = PeerReader(self.directory, view.holders_of, self._file_holders)
         self.verify = PeerVerify(self.directory, self.sealed.placements)
         self.delete = PeerDelete(self.directory)
@@ -111,8 +110,8 @@ class ClusterLinks:
         if not recorded_copies.of_content(record, manifest.entry(name)):
             return []
         assert record is not None
-        if self.tree.find_step(manifest.path) is step_node:  # not replaced meanwhile
-            self.versions.set_file_holders(step_node, {name: set(record.holders)})
+        if self.view.find_step(manifest.path) is step_node:  # not replaced meanwhile
+            self.learn_holders(step_node, {name: set(record.holders)})
         return list(record.holders)
 
 
@@ -132,7 +131,7 @@ class ClusterNode:
         self.peer_delete = links.delete
         self.sealed = links.sealed
         self.store_record = links.store_record
-        tiers = namespace.tiers
+        tiers = namespace.copies
         self.replicator = Replicator(self.directory, cfg.replicas,
                                      lambda digest: str(store.object_path(digest)),
                                      is_current=tiers.is_current,
@@ -144,7 +143,7 @@ class ClusterNode:
         self.recorded = RecordedHolders(self.recorded_holders)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.hold_files)
         self.ranges = RangeServer(store.objects, namespace.view.sealed_path, cfg.node_id,
-                                  namespace.residency.chunk_for_peer)
+                                  namespace.chunk_for_peer)
         self.manifests = ManifestServer(namespace.view.committed_manifest)
         # the steps planned again, with this node's share of the uploads of steps committed
         # elsewhere (shared_uploads)
@@ -161,7 +160,7 @@ class ClusterNode:
         found = await self.sealed.add_holders(manifest, peer, names)
         recorded = recorded_copies.recorded_holders_of(manifest, peer, names, found)
         if recorded:
-            self.namespace.tiers.mark_held(manifest, peer, recorded)
+            self.namespace.copies.mark_held(manifest, peer, recorded)
             self.recorded.changed(manifest.path, manifest.version)
         return len(recorded) == len(names)
 
@@ -172,7 +171,7 @@ class ClusterNode:
             "GET": self.ranges.on_get, "SWARM_GET": self.ranges.on_swarm_get,
             "MANIFEST": self.manifests.on_manifest,
             "VERIFY": verify_handler(self.verifier.check_held_file),
-            "DELETE": delete_handler(self.namespace.tiers.delete_from_peer),
+            "DELETE": delete_handler(self.namespace.copies.delete_from_peer),
             "FILES": files_handler(self.namespace.view.files_written),
         }
 
@@ -211,7 +210,7 @@ class ClusterNode:
             # names them are live may still have lost every copy of a file, here and on
             # another node that came back empty too; the file records say (before `latest`
             # names such a step here)
-            self.namespace.tiers.want_recheck()
+            self.namespace.copies.want_recheck()
         for worker in (self.directory.run, self.replicator.run, self._restore_copies,
                        self.steps.follow, self.steps.publish_pending, self._recheck_losses):
             nursery.start_soon(worker)
@@ -223,7 +222,7 @@ class ClusterNode:
         a node that cannot correct them does not join (one line)."""
         namespace = self.namespace
         if not await drop_lost_copies(self.sealed, namespace.recovered,
-                                      namespace.view.holds_copy, namespace.tiers.in_store,
+                                      namespace.view.holds_copy, namespace.copies.in_store,
                                       CHECK_PATIENCE):
             raise self._unreachable("to correct the records of the copies this node lost")
 
@@ -269,7 +268,7 @@ class ClusterNode:
 
     def _follow_members(self) -> None:
         """Deletes made here go to the live peers."""
-        self.namespace.deletes.targets = delete_targets(self.cfg, self.live.ring)
+        self.namespace.delete_everywhere(delete_targets(self.cfg, self.live.ring))
 
     async def _restore_copies(self) -> None:
         """When a node goes or comes, deletes go to the new set of peers and every step held
@@ -288,7 +287,7 @@ class ClusterNode:
             for node in view.steps():
                 view.loss(node.step, fresh=True)
 
-        await recorded_copies.recheck_losses(self.namespace.tiers, self.directory, self.sealed,
+        await recorded_copies.recheck_losses(self.namespace.copies, self.directory, self.sealed,
                                              judge_all)
 
     async def record_store_use(self, url: str, used: trio.Event) -> None:

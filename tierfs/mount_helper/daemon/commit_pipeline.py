@@ -41,7 +41,7 @@ class NamespaceSteps:
 
     def __init__(self, namespace: Namespace, store_used: trio.Event) -> None:
         self._namespace = namespace
-        self._tiers = namespace.tiers
+        self._tiers = namespace.copies
         self._store_used = store_used  # set once a step reached the store
         self.is_current = self._tiers.is_current
         self.retired = self._tiers.mark_retired
@@ -53,12 +53,11 @@ class NamespaceSteps:
         self.file_step_number = namespace.view.file_step_number
 
     def object_path(self, xxh3: str) -> str:
-        return str(self._namespace.store.object_path(xxh3))
+        return self._namespace.object_path(xxh3)
 
     def persisted(self, manifest: mf.StepManifest) -> None:
-        self._tiers.mark_persisted(manifest)
+        self._namespace.persisted(manifest)
         self._store_used.set()
-        self._namespace.deletes.poke()  # a rename's old name may leave the store now
 
 
 def make_uploader(cfg: MountConfig, backend: Backend, namespace: Namespace,
@@ -77,17 +76,17 @@ async def verify_then_send(namespace: Namespace, uploader: Uploader | None,
     the restart: a copy that changed while no daemon watched is never sent anywhere."""
     await namespace.verifier.scan_at_start()
     if uploader is not None:
-        for manifest in namespace.tiers.committed_manifests():
+        for manifest in namespace.copies.committed_manifests():
             uploader.submit(manifest)  # committed before a restart, not yet uploaded
     if replicator is not None:
-        for manifest in namespace.tiers.held_manifests():
+        for manifest in namespace.copies.held_manifests():
             replicator.submit(manifest)  # copies due since before a restart
 
 
 async def upload_again(namespace: Namespace, uploader: Uploader) -> None:
     """Steps the store was found to lack, though they had reached it (a bucket deleted and
     made again, a prefix emptied: `Residency.store_lacks`), go up again from RAM."""
-    async for manifest in namespace.residency.lost_from_store:
+    async for manifest in namespace.lost_from_store():
         uploader.submit(manifest)
 
 
@@ -110,5 +109,4 @@ def delete_worker(namespace: Namespace, uploader: Uploader | None,
 
         cleaners[CLUSTER_RECORDS] = from_etcd
     wanted = uploader.wanted if uploader is not None else None
-    return DeleteWorker(namespace.deletes, cleaners,
-                        lambda tomb: namespace.tiers.move_done(tomb, wanted))
+    return namespace.delete_worker(cleaners, wanted)

@@ -80,8 +80,7 @@ class ControlApi:
                 "pending_bytes": sum(due.total_bytes for due in waiting),
                 # deletes and the old names of renames the store still holds (`tierfs flush`
                 # waits for them too: a fresh node would list them)
-                "pending_deletes": sorted(t.path for t in self.namespace.deletes.pending()
-                                          if PERSIST in t.pending)}
+                "pending_deletes": self.namespace.deletes_pending_in(PERSIST)}
 
     def _persist_waits(self, waiting: list[Due]) -> dict[str, dict[str, Any]]:
         """Per step due in the store and not there yet (`waiting`: `_persist_waiting`'s
@@ -116,7 +115,7 @@ class ControlApi:
         come (`fs.model.pending_commits`) that it will want once they are in (`tierfs flush` and
         `umount` wait for those too)."""
         assert self.uploader is not None
-        tiers = self.namespace.tiers
+        tiers = self.namespace.copies
         waiting = [Due(m.path, m.total_bytes, m.committed_ns, m)
                    for m in (tiers.not_in_store() if self.cluster is not None
                              else tiers.committed_manifests())
@@ -156,7 +155,7 @@ class ControlApi:
         if wanted == 0:
             return []
         assert self.cluster is not None
-        tiers = self.namespace.tiers
+        tiers = self.namespace.copies
         waiting = [Due(m.path, m.total_bytes, m.committed_ns, m) for m in tiers.owned_manifests()
                    if tiers.short_of_copies(m, wanted, self.cluster.directory.is_up)]
         return waiting + self._hashing(lambda _number: True, {due.path for due in waiting})
@@ -183,10 +182,9 @@ class ControlApi:
         if self.cluster is not None:
             pending["replica"] = self._replicas_waiting(self.replicas_wanted(live_only=False))
         peers = self.cluster.directory.peers if self.cluster else []
-        store = self.namespace.store
         view = self.namespace.view
         incomplete = sum(1 for node in view.steps() if view.loss(node.step) is not None)
-        return Levels(store.used_bytes, store.limit_bytes,
+        return Levels(*self.namespace.ram_bytes(),
                       {tier: (len(steps), sum(m.total_bytes for m in steps))
                        for tier, steps in pending.items()},
                       len(peers), sum(1 for m in peers if m.up), incomplete, dict(SENT_TO))
@@ -198,7 +196,7 @@ class ControlApi:
         if command == "settle":
             # `tierfs umount`, before it unmounts: commit the quiet steps now (as the unmount
             # would), so that the status it is answered names what stays uncommitted.
-            await self.namespace.quiet.commit_quiet_steps()
+            await self.namespace.settle()
             return {"ok": True, "status": await self.status()}
         if command == "hold_hashes":
             # Hashes observably late, for tests: every hash thread taken, or given back.
@@ -213,18 +211,18 @@ class ControlApi:
         if not isinstance(path, str):
             return {"ok": False, "error": f"{command} needs a path"}
         if command == "commit_waits":  # `tierfs commit` shows it while it waits
-            return {"ok": True, "waiting_for": self.namespace.commits.waiting_for(path)}
+            return {"ok": True, "waiting_for": self.namespace.commit_waits(path)}
         try:
             if command == "verify":
                 reports = await self.verifier.verify(path, bool(request.get("repair", True)))
                 self._count_bad_copies(reports)
                 return {"ok": True, "steps": [r.as_dict() for r in reports]}
             if command == "prefetch":
-                return {"ok": True, "bytes": await self.namespace.residency.prefetch(path)}
+                return {"ok": True, "bytes": await self.namespace.prefetch(path)}
             timeout = request.get("timeout", math.inf)
             if not isinstance(timeout, (int, float)) or timeout < 0:
                 return {"ok": False, "error": "commit: timeout must be a number of seconds"}
-            manifest = await self.namespace.commits.commit_path(path, timeout)
+            manifest = await self.namespace.commit(path, timeout)
         except FsError as exc:
             return {"ok": False, "error": f"{path}: {exc}"}
         except RamFull:
@@ -280,7 +278,7 @@ class ControlApi:
         """`commit_outlook` of a step being written: when it commits by itself (what
         `tierfs flush` waits for, or gives up on at once), as `fs.lifecycle.quiet_commits.Outlook`,
         its time as `due_ns` (the wall clock; null unless `kind` is `due`)."""
-        outlook = self.namespace.quiet.outlook(node)
+        outlook = self.namespace.commit_outlook(node)
         due_ns = None
         if outlook.due is not None:
             due_ns = time.time_ns() + int(max(0.0, outlook.due - time.monotonic()) * 1e9)
@@ -326,27 +324,26 @@ class ControlApi:
         ns = self.namespace
         persist_waiting = self._persist_waiting() if self.uploader is not None else []
         persist_waits = self._persist_waits(persist_waiting)
-        recorded = await self.recorded.of(ns.tiers.listed_manifests()) if self.recorded else {}
+        recorded = await self.recorded.of(ns.copies.listed_manifests()) if self.recorded else {}
         dirs: dict[Node, dict[StepState, str]] = {}  # unfinished steps, per directory
         steps = sorted((self._step_status(node, persist_waits, recorded.get(
                             node.step.manifest.path) if node.step.manifest else None, dirs)
                         for node in ns.view.steps()),
                        key=lambda s: (os.path.dirname(s["path"]), number_of(s), s["path"]))
+        used, limit = ns.ram_bytes()
         return {
             "node_id": self.cfg.node_id,
             "mountpoint": str(self.cfg.mountpoint),
             "pid": os.getpid(),
             "ram_dir": str(self.cfg.ram_dir),
-            "ram": {"used_bytes": ns.store.used_bytes, "limit_bytes": ns.store.limit_bytes,
+            "ram": {"used_bytes": used, "limit_bytes": limit,
                     **self._ram_dir_space()},
             "passthrough": self.passthrough is not None and self.passthrough.enabled,
             "failure_domain": self.cfg.failure_domain,
             "peers": self.cluster.directory.status() if self.cluster else [],
             "served_to_peers": self.cluster.served() if self.cluster else None,
             # committed files brought back into RAM before their open asked for them
-            "fetched_ahead": {"files": ns.residency.ahead_files,
-                              "bytes": ns.residency.ahead_bytes,
-                              "small_files": ns.residency.small_fetched},
+            "fetched_ahead": ns.fetched_ahead(),
             # seconds the hashes of committed files paused for a save in progress
             # (fs.tree.sealing: a file open for writing)
             "hashes_yielded_seconds": round(ns.view.hashes_yielded(), 3),
@@ -357,7 +354,7 @@ class ControlApi:
             "commits": self.pipeline.commits,
             "ram_check": dict(self.verifier.scan_counts, done=self.verifier.scan_done.is_set()),
             "verify": self.verifier.progress,
-            "deletes": ns.deletes.status(),
+            "deletes": ns.deletes_status(),
             "steps": steps,
             "own_latest": ns.view.own_latest_dirs(),
             "ram_only_links": ns.view.ram_only_links(),

@@ -22,7 +22,7 @@ from tierfs import reserved
 from tierfs.fs.fuse.passthrough import PassthroughDevice, PassthroughUnavailable
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.store.ram_store import RamStore
-from tierfs.fs.tree.tree import Tree
+from tierfs.fs.tree.tree_view import TreeView
 from tierfs.mount_helper.config import MountConfig, memory_bytes
 from tierfs.mount_helper.mounts import (
     TIERFS_TYPE,
@@ -271,13 +271,13 @@ def serve_metrics(cfg: MountConfig, events: Events, levels: Callable[[], Levels]
                            f"{exc.strerror or exc}") from None
 
 
-async def open_persistent_tier(cfg: MountConfig, ready: ReadyPipe, tree: Tree,
+async def open_persistent_tier(cfg: MountConfig, ready: ReadyPipe, view: TreeView,
                            store_record: StoreRecord | None) -> tuple[Backend | None, bool]:
     """Open and check the persistent tier, and whether it is a new store; a user's mistake
     there stops the mount, and so does a new (empty) store where the RAM dir or the cluster
     says steps were persisted: its volume is not mounted, or it is the wrong store."""
     if cfg.persist is None:
-        stored_only = [tree.relpath(node) for node in tree.steps()
+        stored_only = [view.relpath(node) for node in view.steps()
                        if node.step.persisted and not node.step.in_ram]
         if stored_only:
             raise StartupError(
@@ -307,7 +307,7 @@ async def open_persistent_tier(cfg: MountConfig, ready: ReadyPipe, tree: Tree,
         raise StartupError(f"persistent tier {cfg.persist} is unreachable (tried for "
                            f"{CHECK_PATIENCE:.0f} s): check --s3-endpoint and the network")
     if new:
-        persisted = [tree.relpath(node) for node in tree.steps() if node.step.persisted]
+        persisted = [view.relpath(node) for node in view.steps() if node.step.persisted]
         if persisted:
             raise StartupError(
                 f"persistent tier {backend.url} is empty, but RAM dir {cfg.ram_dir} records "
@@ -348,15 +348,15 @@ async def adopt_stored_steps(namespace: Namespace, stored: StoredSteps) -> int:
     except BackendError as exc:
         log.warning("could not list the persistent tier yet: %s", exc)
         return 0
-    added = sum(namespace.tiers.adopt_persisted(m) for m in manifests)
+    added = sum(namespace.copies.adopt_persisted(m) for m in manifests)
     _check_persisted(namespace, manifests, objects)
     log.info("persistent tier %s holds %d steps; %d of them not in RAM here",
              stored.backend.url, len(manifests), added)
     stored_links = await stored.links(objects)  # each unreadable one is logged
-    made = sum(namespace.versions.adopt_links(d, links) for d, links in stored_links.items())
+    made = sum(namespace.adopt_links(d, links) for d, links in stored_links.items())
     if made:
         log.info("made %d symbolic links the persistent tier keeps", made)
-    namespace.residency.enforce_keep_ram()
+    namespace.keep_ram()
     return len(manifests)
 
 
@@ -375,8 +375,8 @@ def _check_persisted(namespace: Namespace, manifests: list[mf.StepManifest],
         held = holdings.held_in(manifest, objects)
         if there is not None and there.same_content(manifest) and held.whole(manifest):
             continue
-        namespace.residency.store_lacks(step_node, held.lacking(manifest) if there is not None
-                                        else [e.name for e in manifest.files], "at this mount")
+        namespace.store_lacks(step_node, held.lacking(manifest) if there is not None
+                              else [e.name for e in manifest.files], "at this mount")
 
 
 def open_passthrough(cfg: MountConfig, source: str) -> PassthroughDevice | None:
