@@ -24,6 +24,9 @@ What the relay answers itself, without libfuse:
 - GETATTR, from the daemon's own answer with no await (`attr_reply`, `fs.fuse.passthrough`):
   the kernel asks it of a directory before every file created in it (its permissions); through
   libfuse it was three turns of the daemon's loop, answered here one.
+- LOOKUP of a name the directory does not hold, when the daemon has nothing to ask first
+  (`Operations.lookup_absent`): ENOENT, the daemon's answer. The kernel looks up every file's
+  name before it creates it, so a step of many files saved asks one such LOOKUP per file.
 What the relay takes aside:
 - Notifications (a message from libfuse with `unique` 0: the daemon's invalidations,
   `fs.tree.kernel_cache`): written to the kernel by a thread of their own (`fs.fuse.passthrough`).
@@ -53,6 +56,7 @@ INIT_EXT_MINOR = 36  # the first with fuse_init_in.flags2 (FUSE_INIT_EXT)
 
 
 class Opcode(IntEnum):
+    LOOKUP = 1
     GETATTR = 3
     OPEN = 14
     GETXATTR = 22
@@ -208,6 +212,15 @@ def nodeid_of(message: Message) -> int:
     if len(message) < IN_HEADER.size:
         raise WireError(f"request header: {len(message)} bytes, needs {IN_HEADER.size}")
     return _NODEID.unpack_from(message, 16)[0]
+
+
+def lookup_name(message: Message) -> bytes:
+    """The name a LOOKUP request asks for in its directory (`nodeid_of`): the body is the name,
+    NUL-terminated."""
+    end = bytes(message[IN_HEADER.size:]).find(b"\0")
+    if end < 0:
+        raise WireError(f"a LOOKUP request of {len(message)} bytes with no NUL")
+    return bytes(message[IN_HEADER.size:IN_HEADER.size + end])
 
 
 def out_header(message: Message) -> OutHeader:
