@@ -232,6 +232,15 @@ def test_a_lookup_names_what_it_looks_for_and_is_left_to_the_daemon() -> None:
     assert wire.lookup_name(request(wire.Opcode.LOOKUP, b"\xff" * 255 + b"\0")) == b"\xff" * 255
 
 
+def test_a_flush_names_the_handle_it_closes_and_is_left_to_the_daemon() -> None:
+    """The relay answers a FLUSH only with the daemon's own (`Operations.flush_now`)."""
+    flush = request(wire.Opcode.FLUSH, struct.pack("<QIIQ", 1 << 40 | 5, 0, 0, 99))
+    assert wire.flush_fh(flush) == 1 << 40 | 5
+    assert wire.answer_here(flush) is None
+    with pytest.raises(wire.WireError):
+        wire.flush_fh(request(wire.Opcode.FLUSH, b"\0" * 4))
+
+
 def test_a_lookup_without_its_nul_is_an_error_not_a_guess() -> None:
     with pytest.raises(wire.WireError):
         wire.lookup_name(request(wire.Opcode.LOOKUP, b"name"))

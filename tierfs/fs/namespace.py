@@ -346,10 +346,24 @@ class Namespace:
     async def flush(self, handle: Handle, *, final: bool = False) -> None:
         """End of a close() (FLUSH), or of the open file (`final`, its RELEASE): seal what this
         handle wrote (Tree), then fire any commit it completes (Commits)."""
-        if await self.tree.end_writer(handle, final=final):
-            if handle.passthrough:  # its writes' errors went to the writer, not to us
-                self._cut_short.note_if_full(handle.node, str(self.store.root))
+        if self._end_writer(handle, final):
             await self.commits.after_writer(handle.node)
+
+    def flush_now(self, handle: Handle) -> bool:
+        """`flush` of a close() with no await, where it needs none: the close of a file whose
+        writer's end commits nothing (not a step's `.metadata`, no commit pending: most files
+        of a step saved). False, having done nothing, for the others: `flush` does them."""
+        if self.commits.commits_after_writer(handle.node):
+            return False
+        if self._end_writer(handle, False):
+            self.commits.after_writer_now(handle.node)
+        return True
+
+    def _end_writer(self, handle: Handle, final: bool) -> bool:
+        ended = self.tree.end_writer(handle, final=final)
+        if ended and handle.passthrough:  # its writes' errors went to the writer, not to us
+            self._cut_short.note_if_full(handle.node, str(self.store.root))
+        return ended
 
     async def release(self, handle: Handle) -> None:
         try:

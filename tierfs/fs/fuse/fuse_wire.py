@@ -27,6 +27,8 @@ What the relay answers itself, without libfuse:
 - LOOKUP of a name the directory does not hold, when the daemon has nothing to ask first
   (`Operations.lookup_absent`): ENOENT, the daemon's answer. The kernel looks up every file's
   name before it creates it, so a step of many files saved asks one such LOOKUP per file.
+- FLUSH of a file whose writer's end commits nothing (`Operations.flush_now`): done by the
+  daemon on the relay's turn of the loop, as its handler would, and answered.
 What the relay takes aside:
 - Notifications (a message from libfuse with `unique` 0: the daemon's invalidations,
   `fs.tree.kernel_cache`): written to the kernel by a thread of their own (`fs.fuse.passthrough`).
@@ -60,6 +62,7 @@ class Opcode(IntEnum):
     GETATTR = 3
     OPEN = 14
     GETXATTR = 22
+    FLUSH = 25
     INIT = 26
     CREATE = 35
     IOCTL = 39
@@ -191,6 +194,7 @@ def in_header(message: Message) -> InHeader:
 _OPCODE = struct.Struct("<I")  # fuse_in_header.opcode, at offset 4
 _UNIQUE = struct.Struct("<Q")  # fuse_in_header.unique and fuse_out_header.unique, at offset 8
 _NODEID = struct.Struct("<Q")  # fuse_in_header.nodeid, at offset 16
+_FH = struct.Struct("<Q")  # the fh that begins fuse_flush_in
 
 
 def opcode_of(message: Message) -> int:
@@ -221,6 +225,13 @@ def lookup_name(message: Message) -> bytes:
     if end < 0:
         raise WireError(f"a LOOKUP request of {len(message)} bytes with no NUL")
     return bytes(message[IN_HEADER.size:IN_HEADER.size + end])
+
+
+def flush_fh(message: Message) -> int:
+    """The file handle a FLUSH request closes (fuse_flush_in.fh, right after the header)."""
+    if len(message) < IN_HEADER.size + 8:
+        raise WireError(f"a FLUSH request of {len(message)} bytes")
+    return _FH.unpack_from(message, IN_HEADER.size)[0]
 
 
 def out_header(message: Message) -> OutHeader:

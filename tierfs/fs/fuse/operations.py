@@ -83,6 +83,7 @@ class Operations(pyfuse3.Operations):
         if passthrough is not None:
             passthrough.getattr_now = self.getattr_now
             passthrough.lookup_absent = self.lookup_absent
+            passthrough.flush_now = self.flush_now
         self.control_path = control_path.encode()
         self._dirs: dict[int, tuple[Node, list[tuple[bytes, Node]] | None]] = {}
         self._next_dir_fh = 1
@@ -301,6 +302,16 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def flush(self, fh: int) -> None:
         await self.ns.flush(self.ns.handle(fh))
+
+    def flush_now(self, fh: int) -> int | None:
+        """`flush` with no await, for the relay to answer a FLUSH on its own turn of the loop
+        (`fs.fuse.passthrough`): 0, the errno that fails it, or None when the close may commit
+        a step (then `flush` does it)."""
+        self.ns.foreground.request()
+        try:
+            return 0 if self.ns.flush_now(self.ns.handle(fh)) else None
+        except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
+            return _errno_of(self, exc, "flush", (fh,))
 
     @_boundary
     async def release(self, fh: int) -> None:
