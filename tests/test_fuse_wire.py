@@ -232,11 +232,15 @@ def test_a_lookup_names_what_it_looks_for_and_is_left_to_the_daemon() -> None:
     assert wire.lookup_name(request(wire.Opcode.LOOKUP, b"\xff" * 255 + b"\0")) == b"\xff" * 255
 
 
-def test_a_flush_names_the_handle_it_closes_and_is_left_to_the_daemon() -> None:
-    """The relay answers a FLUSH only with the daemon's own (`Operations.flush_now`)."""
+def test_a_flush_or_release_names_the_handle_it_closes_and_is_left_to_the_daemon() -> None:
+    """The relay answers a FLUSH or RELEASE only with the daemon's own
+    (`Operations.flush_now`, `release_now`)."""
     flush = request(wire.Opcode.FLUSH, struct.pack("<QIIQ", 1 << 40 | 5, 0, 0, 99))
     assert wire.flush_fh(flush) == 1 << 40 | 5
     assert wire.answer_here(flush) is None
+    release = request(wire.Opcode.RELEASE, struct.pack("<QIIQ", 6, os.O_WRONLY, 0, 99))
+    assert wire.flush_fh(release) == 6
+    assert wire.answer_here(release) is None
     with pytest.raises(wire.WireError):
         wire.flush_fh(request(wire.Opcode.FLUSH, b"\0" * 4))
 

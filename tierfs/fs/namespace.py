@@ -359,6 +359,21 @@ class Namespace:
             self.commits.after_writer_now(handle.node)
         return True
 
+    def releases_now(self, handle: Handle) -> bool:
+        """Whether `release_now` may release `handle`: as `flush_now`, and the file is not a
+        step of its own that its release commits."""
+        node = handle.node
+        return not (self.commits.commits_after_writer(node) or (
+            handle.writable and self.commits.commits_after_release(node)))
+
+    def release_now(self, handle: Handle) -> None:
+        """`release` with no await, of a handle `releases_now` allows."""
+        try:
+            if self._end_writer(handle, True):
+                self.commits.after_writer_now(handle.node)
+        finally:
+            self.tree.close(handle)
+
     def _end_writer(self, handle: Handle, final: bool) -> bool:
         ended = self.tree.end_writer(handle, final=final)
         if ended and handle.passthrough:  # its writes' errors went to the writer, not to us

@@ -27,8 +27,9 @@ What the relay answers itself, without libfuse:
 - LOOKUP of a name the directory does not hold, when the daemon has nothing to ask first
   (`Operations.lookup_absent`): ENOENT, the daemon's answer. The kernel looks up every file's
   name before it creates it, so a step of many files saved asks one such LOOKUP per file.
-- FLUSH of a file whose writer's end commits nothing (`Operations.flush_now`): done by the
-  daemon on the relay's turn of the loop, as its handler would, and answered.
+- FLUSH and RELEASE of a file whose writer's end commits nothing (`Operations.flush_now`,
+  `release_now`): done by the daemon on the relay's turn of the loop, as its handlers would,
+  and answered.
 What the relay takes aside:
 - Notifications (a message from libfuse with `unique` 0: the daemon's invalidations,
   `fs.tree.kernel_cache`): written to the kernel by a thread of their own (`fs.fuse.passthrough`).
@@ -61,6 +62,7 @@ class Opcode(IntEnum):
     LOOKUP = 1
     GETATTR = 3
     OPEN = 14
+    RELEASE = 18
     GETXATTR = 22
     FLUSH = 25
     INIT = 26
@@ -194,7 +196,7 @@ def in_header(message: Message) -> InHeader:
 _OPCODE = struct.Struct("<I")  # fuse_in_header.opcode, at offset 4
 _UNIQUE = struct.Struct("<Q")  # fuse_in_header.unique and fuse_out_header.unique, at offset 8
 _NODEID = struct.Struct("<Q")  # fuse_in_header.nodeid, at offset 16
-_FH = struct.Struct("<Q")  # the fh that begins fuse_flush_in
+_FH = struct.Struct("<Q")  # the fh that begins fuse_flush_in and fuse_release_in
 
 
 def opcode_of(message: Message) -> int:
@@ -228,9 +230,10 @@ def lookup_name(message: Message) -> bytes:
 
 
 def flush_fh(message: Message) -> int:
-    """The file handle a FLUSH request closes (fuse_flush_in.fh, right after the header)."""
+    """The file handle a FLUSH or RELEASE request closes (the fh that begins fuse_flush_in and
+    fuse_release_in, right after the header)."""
     if len(message) < IN_HEADER.size + 8:
-        raise WireError(f"a FLUSH request of {len(message)} bytes")
+        raise WireError(f"a FLUSH or RELEASE request of {len(message)} bytes")
     return _FH.unpack_from(message, IN_HEADER.size)[0]
 
 

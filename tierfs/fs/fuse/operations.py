@@ -84,6 +84,7 @@ class Operations(pyfuse3.Operations):
             passthrough.getattr_now = self.getattr_now
             passthrough.lookup_absent = self.lookup_absent
             passthrough.flush_now = self.flush_now
+            passthrough.release_now = self.release_now
         self.control_path = control_path.encode()
         self._dirs: dict[int, tuple[Node, list[tuple[bytes, Node]] | None]] = {}
         self._next_dir_fh = 1
@@ -312,6 +313,20 @@ class Operations(pyfuse3.Operations):
             return 0 if self.ns.flush_now(self.ns.handle(fh)) else None
         except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
             return _errno_of(self, exc, "flush", (fh,))
+
+    def release_now(self, fh: int) -> int | None:
+        """`release` with no await, as `flush_now`."""
+        self.ns.foreground.request()
+        try:
+            handle = self.ns.handle(fh)
+            if not self.ns.releases_now(handle):
+                return None
+            if self.passthrough is not None:
+                self.passthrough.withdraw(handle)
+            self.ns.release_now(handle)
+            return 0
+        except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
+            return _errno_of(self, exc, "release", (fh,))
 
     @_boundary
     async def release(self, fh: int) -> None:

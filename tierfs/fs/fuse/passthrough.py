@@ -123,6 +123,7 @@ class PassthroughDevice:
         # A FLUSH done with no await (`Operations.flush_now`): 0 or the errno that fails it,
         # or None (libfuse answers it).
         self.flush_now: Callable[[int], int | None] | None = None
+        self.release_now: Callable[[int], int | None] | None = None  # the same for a RELEASE
         self._closing = False
         self._aborted = False  # the connection was aborted
         self.connection: str | None = None  # the mount's directory under CONNECTIONS
@@ -340,16 +341,16 @@ class PassthroughDevice:
         return True
 
     def _answer_now(self, message: wire.Message) -> bytes | None:
-        """A GETATTR, a LOOKUP of an absent name or a FLUSH that commits nothing, answered by
-        the daemon on this turn of the loop, or None: a request relayed to libfuse is three
-        turns of the loop (this task, the pyfuse3 worker's, the reply relay's), and these
-        handlers never wait (a step of many files saved asks all three once per file: the
-        kernel checks the step directory's permissions, looks each new name up before it
-        creates it, and flushes it at its close). The answer is the handler's, only sooner:
-        requests are answered in no particular order anyway (pyfuse3 runs several at once),
-        the kernel discards attributes that raced with a change of them
-        (`fuse_change_attributes`, by attr_version), and it holds the directory's lock over a
-        LOOKUP as over the requests that change its names."""
+        """A GETATTR, a LOOKUP of an absent name, a FLUSH or RELEASE that commits nothing,
+        answered by the daemon on this turn of the loop, or None: a request relayed to
+        libfuse is three turns of the loop (this task, the pyfuse3 worker's, the reply
+        relay's), and these handlers never wait (a step of many files saved asks each once per
+        file: the kernel checks the step directory's permissions, looks each new name up
+        before it creates it, flushes it at its close and releases it). The answer is the
+        handler's, only sooner: requests are answered in no particular order anyway (pyfuse3
+        runs several at once), the kernel discards attributes that raced with a change of
+        them (`fuse_change_attributes`, by attr_version), and it holds the directory's lock
+        over a LOOKUP as over the requests that change its names."""
         offer = self._wire.offer
         if not self._wire.initialized or offer is None or offer.minor < wire.ATTR_OUT_MINOR:
             return None
@@ -359,7 +360,9 @@ class PassthroughDevice:
             error = self.lookup_absent(wire.nodeid_of(message), wire.lookup_name(message))
         elif code == wire.Opcode.FLUSH and self.flush_now is not None:
             error = self.flush_now(wire.flush_fh(message))
-        if code in (wire.Opcode.LOOKUP, wire.Opcode.FLUSH):
+        elif code == wire.Opcode.RELEASE and self.release_now is not None:
+            error = self.release_now(wire.flush_fh(message))
+        if code in (wire.Opcode.LOOKUP, wire.Opcode.FLUSH, wire.Opcode.RELEASE):
             return None if error is None else wire.error_reply(wire.unique_of(message), error)
         if code != wire.Opcode.GETATTR or self.getattr_now is None:
             return None

@@ -555,6 +555,12 @@ class Commits:
             (node.name == METADATA and parent.step is not None)
             or any(step_node.step.commit_pending for step_node in tree_walk.enclosing_steps(node)))
 
+    @staticmethod
+    def commits_after_release(node: Node) -> bool:
+        """Whether `after_release(node)` may commit a step (a file step not yet committed)."""
+        return (node.parent is not None and node.is_file and node.step is not None
+                and not node.step.committed)
+
     def after_writer_now(self, node: Node) -> None:
         """`after_writer` of a node for which `commits_after_writer` is False."""
         if node.parent is not None:
