@@ -222,6 +222,34 @@ def test_an_ioctl_is_answered_by_the_relay_with_enotty() -> None:
     assert wire.out_header(answer) == (wire.OUT_HEADER.size, -errno.ENOTTY, UNIQUE)
 
 
+def test_a_lookup_names_what_it_looks_for_and_is_left_to_the_daemon() -> None:
+    """The relay answers a LOOKUP only with the daemon's own verdict (`Operations.lookup_absent`,
+    `fs.fuse.passthrough`): `answer_here` never does."""
+    lookup = request(wire.Opcode.LOOKUP, b"t00042.distcp\0")
+    assert wire.lookup_name(lookup) == b"t00042.distcp"
+    assert wire.nodeid_of(lookup) == 1
+    assert wire.answer_here(lookup) is None
+    assert wire.lookup_name(request(wire.Opcode.LOOKUP, b"\xff" * 255 + b"\0")) == b"\xff" * 255
+
+
+def test_a_flush_or_release_names_the_handle_it_closes_and_is_left_to_the_daemon() -> None:
+    """The relay answers a FLUSH or RELEASE only with the daemon's own
+    (`Operations.flush_now`, `release_now`)."""
+    flush = request(wire.Opcode.FLUSH, struct.pack("<QIIQ", 1 << 40 | 5, 0, 0, 99))
+    assert wire.flush_fh(flush) == 1 << 40 | 5
+    assert wire.answer_here(flush) is None
+    release = request(wire.Opcode.RELEASE, struct.pack("<QIIQ", 6, os.O_WRONLY, 0, 99))
+    assert wire.flush_fh(release) == 6
+    assert wire.answer_here(release) is None
+    with pytest.raises(wire.WireError):
+        wire.flush_fh(request(wire.Opcode.FLUSH, b"\0" * 4))
+
+
+def test_a_lookup_without_its_nul_is_an_error_not_a_guess() -> None:
+    with pytest.raises(wire.WireError):
+        wire.lookup_name(request(wire.Opcode.LOOKUP, b"name"))
+
+
 def test_a_getxattr_without_a_name_is_an_error_not_a_guess() -> None:
     with pytest.raises(wire.WireError):
         wire.answer_here(request(wire.Opcode.GETXATTR, wire.GETXATTR_IN.pack(0, 0)))

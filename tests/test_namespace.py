@@ -305,3 +305,40 @@ async def test_a_tracker_names_its_step_for_the_store_and_the_peers(harness: Har
     await ns.commits.commit_quietly(node)
     assert ns.tiers.tracked_step(node.step.manifest) == TrackedStep(6, True, False)
     assert not ns.tiers.may_copy(node.step.manifest, "b")
+
+
+async def test_closes_that_commit_nothing_are_done_with_no_await_the_others_by_the_handlers(
+        harness: Harness) -> None:
+    """The relay has the daemon answer a LOOKUP of an absent name, and the FLUSH and RELEASE of
+    a file whose close commits nothing, on its own turn of the loop (`Operations.lookup_absent`,
+    `flush_now`, `release_now`); a close that may commit a step (its `.metadata`, the last
+    writer of a pending commit, a file step) is left to the handlers, which may wait."""
+    ops = harness.ops
+    step = await harness.mkdirs("run/step_1")
+    assert ops.lookup_absent(step, b"a") == errno.ENOENT
+    assert ops.lookup_absent(step, b"x" * 256) == errno.ENAMETOOLONG
+    shard, _ = await ops.create(step, b"a", 0o644, os.O_WRONLY, CTX)
+    assert ops.lookup_absent(step, b"a") is None  # there: `lookup` answers with its entry
+    assert ops.lookup_absent(await harness.inode("run/step_1/a"), b"b") == errno.ENOTDIR
+    await ops.write(shard.fh, 0, b"A" * 4096)
+    assert ops.flush_now(shard.fh) == 0
+    assert ops.release_now(shard.fh) == 0
+    assert ops.release_now(shard.fh) == errno.EBADF  # released: its handle is gone
+    assert harness.ns.child(harness.ns.get(step), b"a").active_writers == 0
+
+    slow, _ = await ops.create(step, b"slow", 0o644, os.O_WRONLY, CTX)
+    await ops.write(slow.fh, 0, b"part one")
+    metadata, _ = await ops.create(step, b".metadata", 0o644, os.O_WRONLY, CTX)
+    await ops.write(metadata.fh, 0, b"m")
+    assert ops.flush_now(metadata.fh) is None  # the saver's close: it commits
+    await ops.flush(metadata.fh)
+    assert ops.release_now(metadata.fh) is None
+    await ops.release(metadata.fh)
+    assert await harness.state("run/step_1") == "writing"  # waits for `slow`
+    assert ops.flush_now(slow.fh) is None  # its last writer's close commits it
+    await ops.flush(slow.fh)
+    await ops.release(slow.fh)
+    assert await harness.state("run/step_1") == "committed"
+    event = harness.commits.receive_nowait()
+    assert [(f.name, f.size) for f in event.files] == [
+        (".metadata", 1), ("a", 4096), ("slow", len(b"part one"))]

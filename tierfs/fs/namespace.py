@@ -367,10 +367,39 @@ class Namespace:
     async def flush(self, handle: Handle, *, final: bool = False) -> None:
         """End of a close() (FLUSH), or of the open file (`final`, its RELEASE): seal what this
         handle wrote (Tree), then fire any commit it completes (Commits)."""
-        if await self.tree.end_writer(handle, final=final):
-            if handle.passthrough:  # its writes' errors went to the writer, not to us
-                self._cut_short.note_if_full(handle.node, str(self.store.root))
+        if self._end_writer(handle, final):
             await self.commits.after_writer(handle.node)
+
+    def flush_now(self, handle: Handle) -> bool:
+        """`flush` of a close() with no await, where it needs none: the close of a file whose
+        writer's end commits nothing (not a step's `.metadata`, no commit pending: most files
+        of a step saved). False, having done nothing, for the others: `flush` does them."""
+        if self.commits.commits_after_writer(handle.node):
+            return False
+        if self._end_writer(handle, False):
+            self.commits.after_writer_now(handle.node)
+        return True
+
+    def releases_now(self, handle: Handle) -> bool:
+        """Whether `release_now` may release `handle`: as `flush_now`, and the file is not a
+        step of its own that its release commits."""
+        node = handle.node
+        return not (self.commits.commits_after_writer(node) or (
+            handle.writable and self.commits.commits_after_release(node)))
+
+    def release_now(self, handle: Handle) -> None:
+        """`release` with no await, of a handle `releases_now` allows."""
+        try:
+            if self._end_writer(handle, True):
+                self.commits.after_writer_now(handle.node)
+        finally:
+            self.tree.close(handle)
+
+    def _end_writer(self, handle: Handle, final: bool) -> bool:
+        ended = self.tree.end_writer(handle, final=final)
+        if ended and handle.passthrough:  # its writes' errors went to the writer, not to us
+            self._cut_short.note_if_full(handle.node, str(self.store.root))
+        return ended
 
     async def release(self, handle: Handle) -> None:
         try:

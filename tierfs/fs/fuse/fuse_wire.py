@@ -24,6 +24,12 @@ What the relay answers itself, without libfuse:
 - GETATTR, from the daemon's own answer with no await (`attr_reply`, `fs.fuse.passthrough`):
   the kernel asks it of a directory before every file created in it (its permissions); through
   libfuse it was three turns of the daemon's loop, answered here one.
+- LOOKUP of a name the directory does not hold, when the daemon has nothing to ask first
+  (`Operations.lookup_absent`): ENOENT, the daemon's answer. The kernel looks up every file's
+  name before it creates it, so a step of many files saved asks one such LOOKUP per file.
+- FLUSH and RELEASE of a file whose writer's end commits nothing (`Operations.flush_now`,
+  `release_now`): done by the daemon on the relay's turn of the loop, as its handlers would,
+  and answered.
 What the relay takes aside:
 - Notifications (a message from libfuse with `unique` 0: the daemon's invalidations,
   `fs.tree.kernel_cache`): written to the kernel by a thread of their own (`fs.fuse.passthrough`).
@@ -53,9 +59,12 @@ INIT_EXT_MINOR = 36  # the first with fuse_init_in.flags2 (FUSE_INIT_EXT)
 
 
 class Opcode(IntEnum):
+    LOOKUP = 1
     GETATTR = 3
     OPEN = 14
+    RELEASE = 18
     GETXATTR = 22
+    FLUSH = 25
     INIT = 26
     CREATE = 35
     IOCTL = 39
@@ -187,6 +196,7 @@ def in_header(message: Message) -> InHeader:
 _OPCODE = struct.Struct("<I")  # fuse_in_header.opcode, at offset 4
 _UNIQUE = struct.Struct("<Q")  # fuse_in_header.unique and fuse_out_header.unique, at offset 8
 _NODEID = struct.Struct("<Q")  # fuse_in_header.nodeid, at offset 16
+_FH = struct.Struct("<Q")  # the fh that begins fuse_flush_in and fuse_release_in
 
 
 def opcode_of(message: Message) -> int:
@@ -208,6 +218,23 @@ def nodeid_of(message: Message) -> int:
     if len(message) < IN_HEADER.size:
         raise WireError(f"request header: {len(message)} bytes, needs {IN_HEADER.size}")
     return _NODEID.unpack_from(message, 16)[0]
+
+
+def lookup_name(message: Message) -> bytes:
+    """The name a LOOKUP request asks for in its directory (`nodeid_of`): the body is the name,
+    NUL-terminated."""
+    end = bytes(message[IN_HEADER.size:]).find(b"\0")
+    if end < 0:
+        raise WireError(f"a LOOKUP request of {len(message)} bytes with no NUL")
+    return bytes(message[IN_HEADER.size:IN_HEADER.size + end])
+
+
+def flush_fh(message: Message) -> int:
+    """The file handle a FLUSH or RELEASE request closes (the fh that begins fuse_flush_in and
+    fuse_release_in, right after the header)."""
+    if len(message) < IN_HEADER.size + 8:
+        raise WireError(f"a FLUSH or RELEASE request of {len(message)} bytes")
+    return _FH.unpack_from(message, IN_HEADER.size)[0]
 
 
 def out_header(message: Message) -> OutHeader:

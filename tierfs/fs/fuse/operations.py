@@ -82,6 +82,9 @@ class Operations(pyfuse3.Operations):
         self.passthrough = passthrough
         if passthrough is not None:
             passthrough.getattr_now = self.getattr_now
+            passthrough.lookup_absent = self.lookup_absent
+            passthrough.flush_now = self.flush_now
+            passthrough.release_now = self.release_now
         self.control_path = control_path.encode()
         self._dirs: dict[int, tuple[Node, list[tuple[bytes, Node]] | None]] = {}
         self._next_dir_fh = 1
@@ -145,6 +148,26 @@ class Operations(pyfuse3.Operations):
                     raise
                 node = self.ns.child(parent, name)
         return self._entry(node)
+
+    def lookup_absent(self, parent_inode: int, name: bytes) -> int | None:
+        """`lookup` with no await, for the relay to answer a LOOKUP on its own turn of the loop
+        (`fs.fuse.passthrough`) when it fails: the errno, or None when the name is there or the
+        cluster may have to be asked first (then `lookup` answers)."""
+        self.ns.foreground.request()
+        try:
+            parent = self.ns.get(parent_inode)
+            if len(name) > NAME_MAX:
+                raise FsError(errno.ENAMETOOLONG)
+            if name in (b".", b".."):
+                return None
+            try:
+                self.ns.child(parent, name)
+            except FsError as exc:
+                if exc.errno != errno.ENOENT or not self.ns.tiers.may_catch_up(parent, name):
+                    raise
+            return None
+        except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
+            return _errno_of(self, exc, "lookup", (parent_inode, name))
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for inode, count in inode_list:
@@ -280,6 +303,30 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def flush(self, fh: int) -> None:
         await self.ns.flush(self.ns.handle(fh))
+
+    def flush_now(self, fh: int) -> int | None:
+        """`flush` with no await, for the relay to answer a FLUSH on its own turn of the loop
+        (`fs.fuse.passthrough`): 0, the errno that fails it, or None when the close may commit
+        a step (then `flush` does it)."""
+        self.ns.foreground.request()
+        try:
+            return 0 if self.ns.flush_now(self.ns.handle(fh)) else None
+        except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
+            return _errno_of(self, exc, "flush", (fh,))
+
+    def release_now(self, fh: int) -> int | None:
+        """`release` with no await, as `flush_now`."""
+        self.ns.foreground.request()
+        try:
+            handle = self.ns.handle(fh)
+            if not self.ns.releases_now(handle):
+                return None
+            if self.passthrough is not None:
+                self.passthrough.withdraw(handle)
+            self.ns.release_now(handle)
+            return 0
+        except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
+            return _errno_of(self, exc, "release", (fh,))
 
     @_boundary
     async def release(self, fh: int) -> None:

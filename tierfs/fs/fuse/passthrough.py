@@ -117,6 +117,13 @@ class PassthroughDevice:
         # A GETATTR's answer with no await (`Operations.getattr_now`): the attributes, or the
         # errno that fails it; the relay answers GETATTR itself with it (`_answer_now`).
         self.getattr_now: Callable[[int], EntryAttributes | int] | None = None
+        # Whether a LOOKUP of (directory inode, name) fails with an errno the daemon knows with
+        # no await (`Operations.lookup_absent`): that errno, or None (libfuse answers it).
+        self.lookup_absent: Callable[[int, bytes], int | None] | None = None
+        # A FLUSH done with no await (`Operations.flush_now`): 0 or the errno that fails it,
+        # or None (libfuse answers it).
+        self.flush_now: Callable[[int], int | None] | None = None
+        self.release_now: Callable[[int], int | None] | None = None  # the same for a RELEASE
         self._closing = False
         self._aborted = False  # the connection was aborted
         self.connection: str | None = None  # the mount's directory under CONNECTIONS
@@ -334,17 +341,30 @@ class PassthroughDevice:
         return True
 
     def _answer_now(self, message: wire.Message) -> bytes | None:
-        """A GETATTR answered by the daemon on this turn of the loop, or None: a request
-        relayed to libfuse is three turns of the loop (this task, the pyfuse3 worker's, the
-        reply relay's), and a GETATTR's handler never waits (a step of many files saved asks
-        it of the step's directory once per file: the kernel checks its permissions). The
-        answer is the handler's, only sooner: requests are answered in no particular order
-        anyway (pyfuse3 runs several at once), and the kernel discards attributes that raced
-        with a change of them (`fuse_change_attributes`, by attr_version)."""
+        """A GETATTR, a LOOKUP of an absent name, a FLUSH or RELEASE that commits nothing,
+        answered by the daemon on this turn of the loop, or None: a request relayed to
+        libfuse is three turns of the loop (this task, the pyfuse3 worker's, the reply
+        relay's), and these handlers never wait (a step of many files saved asks each once per
+        file: the kernel checks the step directory's permissions, looks each new name up
+        before it creates it, flushes it at its close and releases it). The answer is the
+        handler's, only sooner: requests are answered in no particular order anyway (pyfuse3
+        runs several at once), the kernel discards attributes that raced with a change of
+        them (`fuse_change_attributes`, by attr_version), and it holds the directory's lock
+        over a LOOKUP as over the requests that change its names."""
         offer = self._wire.offer
-        if (self.getattr_now is None or wire.opcode_of(message) != wire.Opcode.GETATTR
-                or not self._wire.initialized or offer is None
-                or offer.minor < wire.ATTR_OUT_MINOR):
+        if not self._wire.initialized or offer is None or offer.minor < wire.ATTR_OUT_MINOR:
+            return None
+        code = wire.opcode_of(message)
+        error: int | None = None
+        if code == wire.Opcode.LOOKUP and self.lookup_absent is not None:
+            error = self.lookup_absent(wire.nodeid_of(message), wire.lookup_name(message))
+        elif code == wire.Opcode.FLUSH and self.flush_now is not None:
+            error = self.flush_now(wire.flush_fh(message))
+        elif code == wire.Opcode.RELEASE and self.release_now is not None:
+            error = self.release_now(wire.flush_fh(message))
+        if code in (wire.Opcode.LOOKUP, wire.Opcode.FLUSH, wire.Opcode.RELEASE):
+            return None if error is None else wire.error_reply(wire.unique_of(message), error)
+        if code != wire.Opcode.GETATTR or self.getattr_now is None:
             return None
         attrs = self.getattr_now(wire.nodeid_of(message))
         unique = wire.unique_of(message)

@@ -552,6 +552,26 @@ class Commits:
             await self.commit_for_saver(parent)
         await self.run_pending_commits(node)
 
+    def commits_after_writer(self, node: Node) -> bool:
+        """Whether `after_writer(node)` may commit a step (else it never waits: a writer's
+        close() then needs no turn of the loop of its own, `Namespace.flush_now`)."""
+        parent = node.parent
+        return parent is not None and (
+            (node.name == METADATA and parent.step is not None)
+            or any(step_node.step.commit_pending for step_node in tree_walk.enclosing_steps(node)))
+
+    @staticmethod
+    def commits_after_release(node: Node) -> bool:
+        """Whether `after_release(node)` may commit a step (a file step not yet committed)."""
+        return (node.parent is not None and node.is_file and node.step is not None
+                and not node.step.committed)
+
+    def after_writer_now(self, node: Node) -> None:
+        """`after_writer` of a node for which `commits_after_writer` is False."""
+        if node.parent is not None:
+            self._identity.touch_enclosing(node)
+            self.tiers.note_sealed(node)
+
     async def after_release(self, node: Node) -> None:
         """An open file of `node` that could write into it is gone (its RELEASE)."""
         if node.parent is not None:

@@ -741,6 +741,13 @@ class OtherTiers:
             if node is not None and node.step.manifest is manifest:
                 await self.publish(node, manifest, None)
 
+    def may_catch_up(self, dir_node: Node, name: bytes) -> bool:
+        """Whether `catch_up` would ask the cluster about `name` (else a LOOKUP of it that
+        finds nothing fails at once, `Operations.lookup_absent`)."""
+        step_node = next(tree_walk.enclosing_steps(dir_node), None)
+        return not (self.sealed is None or step_node is None or step_node.step.committed
+                    or name != METADATA or dir_node is not step_node)
+
     async def catch_up(self, dir_node: Node, name: bytes) -> bool:
         """`name` was not found in a step this node holds as being written: if it is the
         step's `.metadata` (where a DCP load starts) and the cluster committed the step
@@ -750,10 +757,9 @@ class OtherTiers:
         is etcd asked while it is known not to answer: the lookups of `.metadata` on the way
         to its rename, the saver's call that commits, would each wait a request's timeout
         on top of --commit-timeout."""
-        step_node = next(tree_walk.enclosing_steps(dir_node), None)
-        if (self.sealed is None or step_node is None or step_node.step.committed
-                or name != METADATA or dir_node is not step_node):
+        if not self.may_catch_up(dir_node, name):
             return False
+        step_node = dir_node
         found = await self.sealed.manifest_of(self.tree.relpath(step_node), patient=False)
         if found is None:
             return False

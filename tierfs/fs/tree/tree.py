@@ -519,7 +519,7 @@ class Tree:
             if handle.passthrough and handle.writable and handle.fd >= 0:
                 self.store.account_fd(handle.fd)
 
-    async def end_writer(self, handle: Handle, *, final: bool) -> bool:
+    def end_writer(self, handle: Handle, *, final: bool) -> bool:
         """End of a close() (FLUSH), or of the open file (`final`, its RELEASE): seal what this
         handle wrote. Whether a writer ended (then its step may commit: `fs.lifecycle.commits`)."""
         # The kernel writes passthrough files without us, and flushes at the close of every
