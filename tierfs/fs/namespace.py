@@ -485,6 +485,11 @@ class Namespace:
         ask of it (the uploader's steps, replication, catch-up, status)."""
         return self.tiers
 
+    def may_catch_up(self, parent: Node, name: bytes) -> bool:
+        """Whether `catch_up` would ask the cluster about `name` (else a LOOKUP of it that
+        finds nothing fails at once)."""
+        return self.tiers.may_catch_up(parent, name)
+
     async def catch_up(self, parent: Node, name: bytes) -> bool:
         """`name` is not in `parent`: whether it is now, a step another node committed a
         moment ago and this node had not heard of (`OtherTiers.catch_up`)."""

@@ -163,7 +163,7 @@ class Operations(pyfuse3.Operations):
             try:
                 self.ns.child(parent, name)
             except FsError as exc:
-                if exc.errno != errno.ENOENT or not self.ns.tiers.may_catch_up(parent, name):
+                if exc.errno != errno.ENOENT or not self.ns.may_catch_up(parent, name):
                     raise
             return None
         except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
