@@ -475,7 +475,6 @@ class Namespace:
     def remove_user_xattr(self, node: Node, name: bytes) -> None:
         user_xattrs.remove(self.tree, node, name)
 
-
     # -- what the daemon asks and tells the namespace ----------------------------------------
     # (besides `view`, the tree read-only, and `verifier`, `tierfs verify`'s checks)
 
@@ -557,9 +556,12 @@ class Namespace:
         return self.residency.lost_from_store
 
     async def chunk_for_peer(self, xxh3: str, index: int) -> int | None:
+        """An fd of this node's partial copy of `xxh3` once its chunk `index` is in, for a
+        peer sent here for it (`Residency.chunk_for_peer`); None if not being fetched."""
         return await self.residency.chunk_for_peer(xxh3, index)
 
     def deletes_status(self) -> dict[str, int]:
+        """Deletes recorded, and those still owed to a tier, for `tierfs status`."""
         return self.deletes.status()
 
     def deletes_pending_in(self, target: str) -> list[str]:
