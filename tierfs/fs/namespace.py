@@ -377,7 +377,7 @@ class Namespace:
         if self.commits.commits_after_writer(handle.node):
             return False
         if self._end_writer(handle, False):
-            self.commits.after_writer_now(handle.node)
+            self.commits.writer_done(handle.node)
         return True
 
     def releases_now(self, handle: Handle) -> bool:
@@ -391,7 +391,7 @@ class Namespace:
         """`release` with no await, of a handle `releases_now` allows."""
         try:
             if self._end_writer(handle, True):
-                self.commits.after_writer_now(handle.node)
+                self.commits.writer_done(handle.node)
         finally:
             self.tree.close(handle)
 

@@ -57,6 +57,20 @@ def _boundary(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T
     return wrapper
 
 
+def _answer_now(handler: Callable[..., T]) -> Callable[..., T | int]:
+    """`_boundary` for the handlers the relay calls on its own turn of the loop, with no await
+    (`fs.fuse.passthrough`): what the handler returns, or the errno its exception answers."""
+    @functools.wraps(handler)
+    def wrapper(self: Operations, *args: Any) -> T | int:
+        self.ns.foreground.request()  # background work waits while users' requests come
+        try:
+            return handler(self, *args)
+        except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
+            return _errno_of(self, exc, handler.__name__, args)
+
+    return wrapper
+
+
 def _errno_of(self: Operations, exc: Exception, handler: str, args: tuple[Any, ...]) -> int:
     """The errno a handler's exception answers the kernel with (see the module docstring)."""
     if isinstance(exc, FsError):
@@ -149,25 +163,21 @@ class Operations(pyfuse3.Operations):
                 node = self.ns.child(parent, name)
         return self._entry(node)
 
-    def lookup_absent(self, parent_inode: int, name: bytes) -> int | None:
+    @_answer_now
+    def lookup_absent(self, parent_inode: int, name: bytes) -> None:
         """`lookup` with no await, for the relay to answer a LOOKUP on its own turn of the loop
-        (`fs.fuse.passthrough`) when it fails: the errno, or None when the name is there or the
-        cluster may have to be asked first (then `lookup` answers)."""
-        self.ns.foreground.request()
+        when it fails: the errno, or None when the name is there or the cluster may have to be
+        asked first (then `lookup` answers)."""
+        parent = self.ns.get(parent_inode)
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG)
+        if name in (b".", b".."):
+            return
         try:
-            parent = self.ns.get(parent_inode)
-            if len(name) > NAME_MAX:
-                raise FsError(errno.ENAMETOOLONG)
-            if name in (b".", b".."):
-                return None
-            try:
-                self.ns.child(parent, name)
-            except FsError as exc:
-                if exc.errno != errno.ENOENT or not self.ns.may_catch_up(parent, name):
-                    raise
-            return None
-        except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
-            return _errno_of(self, exc, "lookup", (parent_inode, name))
+            self.ns.child(parent, name)
+        except FsError as exc:
+            if exc.errno != errno.ENOENT or not self.ns.may_catch_up(parent, name):
+                raise
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for inode, count in inode_list:
@@ -177,14 +187,11 @@ class Operations(pyfuse3.Operations):
     async def getattr(self, inode: int, ctx: Any) -> EntryAttributes:
         return self._attrs(self.ns.get(inode))
 
-    def getattr_now(self, inode: int) -> EntryAttributes | int:
+    @_answer_now
+    def getattr_now(self, inode: int) -> EntryAttributes:
         """`getattr` with no await, for the relay to answer a GETATTR on its own turn of the
-        loop (`fs.fuse.passthrough`): the attributes, or the errno that fails the request."""
-        self.ns.foreground.request()
-        try:
-            return self._attrs(self.ns.get(inode))
-        except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
-            return _errno_of(self, exc, "getattr", (inode,))
+        loop: the attributes, or the errno that fails the request."""
+        return self._attrs(self.ns.get(inode))
 
     @_boundary
     async def setattr(self, inode: int, attr: EntryAttributes, fields: Any, fh: int | None,
@@ -304,29 +311,23 @@ class Operations(pyfuse3.Operations):
     async def flush(self, fh: int) -> None:
         await self.ns.flush(self.ns.handle(fh))
 
+    @_answer_now
     def flush_now(self, fh: int) -> int | None:
-        """`flush` with no await, for the relay to answer a FLUSH on its own turn of the loop
-        (`fs.fuse.passthrough`): 0, the errno that fails it, or None when the close may commit
-        a step (then `flush` does it)."""
-        self.ns.foreground.request()
-        try:
-            return 0 if self.ns.flush_now(self.ns.handle(fh)) else None
-        except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
-            return _errno_of(self, exc, "flush", (fh,))
+        """`flush` with no await, for the relay to answer a FLUSH on its own turn of the loop:
+        0, the errno that fails it, or None when the close may commit a step (then `flush`
+        does it)."""
+        return 0 if self.ns.flush_now(self.ns.handle(fh)) else None
 
+    @_answer_now
     def release_now(self, fh: int) -> int | None:
         """`release` with no await, as `flush_now`."""
-        self.ns.foreground.request()
-        try:
-            handle = self.ns.handle(fh)
-            if not self.ns.releases_now(handle):
-                return None
-            if self.passthrough is not None:
-                self.passthrough.withdraw(handle)
-            self.ns.release_now(handle)
-            return 0
-        except Exception as exc:  # noqa: BLE001 - every error becomes an errno (_errno_of)
-            return _errno_of(self, exc, "release", (fh,))
+        handle = self.ns.handle(fh)
+        if not self.ns.releases_now(handle):
+            return None
+        if self.passthrough is not None:
+            self.passthrough.withdraw(handle)
+        self.ns.release_now(handle)
+        return 0
 
     @_boundary
     async def release(self, fh: int) -> None:

@@ -543,14 +543,20 @@ class Commits:
         """A writer of `node` is done (the FLUSH of a close()): a `.metadata` closed after
         writing, or a pending commit whose last writer this was, commits its step now (a file
         step at its RELEASE, `after_release`; a loose file once quiet)."""
+        self.writer_done(node)
         parent = node.parent
         if parent is None:
             return
-        self._identity.touch_enclosing(node)  # its step commits `commit_idle` s after this
-        self.tiers.note_sealed(node)  # the cluster records which node holds the file
         if node.name == METADATA and parent.step is not None:
             await self.commit_for_saver(parent)
         await self.run_pending_commits(node)
+
+    def writer_done(self, node: Node) -> None:
+        """What every writer's end does, whether or not it commits (`after_writer`; alone for
+        one that `commits_after_writer` says commits nothing)."""
+        if node.parent is not None:
+            self._identity.touch_enclosing(node)  # its step commits `commit_idle` s after this
+            self.tiers.note_sealed(node)  # the cluster records which node holds the file
 
     def commits_after_writer(self, node: Node) -> bool:
         """Whether `after_writer(node)` may commit a step (else it never waits: a writer's
@@ -565,12 +571,6 @@ class Commits:
         """Whether `after_release(node)` may commit a step (a file step not yet committed)."""
         return (node.parent is not None and node.is_file and node.step is not None
                 and not node.step.committed)
-
-    def after_writer_now(self, node: Node) -> None:
-        """`after_writer` of a node for which `commits_after_writer` is False."""
-        if node.parent is not None:
-            self._identity.touch_enclosing(node)
-            self.tiers.note_sealed(node)
 
     async def after_release(self, node: Node) -> None:
         """An open file of `node` that could write into it is gone (its RELEASE)."""
@@ -591,8 +591,7 @@ class Commits:
         tier. Its saver writes it once the step it names is complete, so that step commits
         first (the saver's mark, as `.metadata` is DCP's)."""
         step = node.step
-        if not (node.is_file and step is not None and not step.committed
-                and not node.active_writers and not node.open_for_writing):
+        if not self.commits_after_release(node) or node.active_writers or node.open_for_writing:
             return
         identity = self._identity
         if step.number is None and not identity.is_tracker(node):
