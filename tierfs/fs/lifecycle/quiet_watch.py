@@ -1,7 +1,8 @@
 """The steps being written and when each is due to commit by itself: the Tree tells it of
 every change (the `StepWatch` port of fs.model.ports), `QuietCommits`
 (fs.lifecycle.quiet_commits) commits the due ones, `AppendSnapshots` (fs.lifecycle.appends)
-reads which files are being appended. Apart from those it uses, so that each imports it alone."""
+reads which files are being appended. A module of its own, so that those two import it
+without importing each other."""
 
 from __future__ import annotations
 

@@ -50,13 +50,14 @@ Inward (implemented inside `fs`, injected so that the core imports no collaborat
   back and reported (`Residency`; for `OtherTiers` and `Verifier`).
 * `ManifestReader`: a step directory's committed manifest (`fs.tree.records.StepRecords`; for
   `fs.tree.step_identity`).
-
-The lifecycle's parts name one another through these, not by their classes: each module of
-`fs.lifecycle` then imports no other's, and the chain of imports stays short.
 * `DeleteLog`: records a deleted committed step so that it leaves every tier
   (`fs.lifecycle.deletes`).
 * `Spawner`: runs background work under an owner that cancels it at unmount
   (`fs.lifecycle.background`).
+
+The lifecycle's parts name one another through these rather than by their classes, so that
+its modules seldom import one another and the chain of imports inside `fs` stays short
+(tests/test_structure.py holds it).
 """
 
 from __future__ import annotations
