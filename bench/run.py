@@ -79,6 +79,7 @@ COPY_PAIRS = (("plain", "without --peer-tls", ()),
               ("tls", "with --peer-tls", None))  # None: certificates made by the bench
 LS_UPLOADING, LS_QUIET = "`ls -l`, while the step uploads", "`ls -l`, the step persisted"
 READ_BACK = "read back, evicted (a fresh node)"
+READ_BACK_PEER = "read back from a peer (a fresh node)"
 # Issue 49's goals, set against the FUSE floor measured in the same run (tierfs / floor).
 MANY_GOALS = {"save": "<= 4x", LS_UPLOADING: "<= 2x", LS_QUIET: "<= 2x", READ_BACK: "<= 4x"}
 
@@ -626,15 +627,9 @@ def _many_files_on(bench: Bench, name: str, steps: dict[str, Path],
                    extra: dict[str, list[float]]) -> None:
     for target, step in steps.items():
         def save(step: Path = step, target: str = target) -> None:
-            step.mkdir(parents=True)
-            for i in range(MANY_FILES):
-                with open(step / f"t{i:05}.distcp", "wb") as f:
-                    f.write(i.to_bytes(8, "little") * (MANY_FILE_BYTES // 8))
-            started = time.perf_counter()
-            (step / ".metadata").write_bytes(b"m" * MANY_FILE_BYTES)
+            took = _write_many(step)
             if target == "tierfs":
-                extra.setdefault("many_files_metadata_to_committed", []).append(
-                    time.perf_counter() - started)
+                extra.setdefault("many_files_metadata_to_committed", []).append(took)
 
         def ls(step: Path = step) -> None:
             subprocess.run(["ls", "-l", str(step)], stdout=subprocess.DEVNULL, check=True)
@@ -649,16 +644,60 @@ def _many_files_on(bench: Bench, name: str, steps: dict[str, Path],
     fresh = bench.start_mount("fresh node", "--persist", f"s3://{BUCKET}/tierfs")
     try:
         for target, step in {**steps, "tierfs": fresh / "run" / name}.items():
-            def read_back(step: Path = step) -> None:
-                for entry in os.scandir(step):
-                    with open(entry.path, "rb") as f:
-                        f.read()
-
-            record(READ_BACK, target, timed(read_back, 0))
+            record(READ_BACK, target, timed(lambda s=step: _read_all(s), 0))
     finally:
         bench.stop_mount("fresh node")
+    _many_files_from_peer(bench, name, steps, record)
     shutil.rmtree(steps["tmpfs"])
     bench.drop("tierfs", name)
+
+
+def _write_many(step: Path) -> float:
+    """The 10,000-file step, DCP's way: its files, then `.metadata` (which commits it on
+    tierfs); the seconds from the start of `.metadata` to its close."""
+    step.mkdir(parents=True)
+    for i in range(MANY_FILES):
+        with open(step / f"t{i:05}.distcp", "wb") as f:
+            f.write(i.to_bytes(8, "little") * (MANY_FILE_BYTES // 8))
+    started = time.perf_counter()
+    (step / ".metadata").write_bytes(b"m" * MANY_FILE_BYTES)
+    return time.perf_counter() - started
+
+
+def _read_all(step: Path) -> None:
+    for entry in os.scandir(step):
+        with open(entry.path, "rb") as f:
+            f.read()
+
+
+def _many_files_from_peer(bench: Bench, name: str, steps: dict[str, Path],
+                          record: Callable[[str, str, float | BaseException], None]) -> None:
+    """A fresh node reads the step back from the peer that wrote it (a cluster of two, no
+    store: the read-back after a node loss); the other targets read theirs again beside it."""
+    token = bench.work / "many-files.token"
+    if not token.exists():
+        with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(os.urandom(16).hex())
+    with Etcd(bench.work / f"etcd-{name}") as etcd:  # stopped by pid
+        def node(node_id: str) -> tuple[str, ...]:
+            return ("--node-id", node_id, "--listen", f"127.0.0.1:{free_port()}",
+                    "--cluster", etcd.cluster_url(f"many-{name}"), "--token-file", str(token))
+
+        try:
+            writer = bench.start_mount("many-files writer", *node("writer"))
+            _write_many(writer / "run" / name)
+            reader = bench.start_mount("many-files reader", *node("reader"))
+            record(READ_BACK_PEER, "tierfs",
+                   timed(lambda: _read_all(reader / "run" / name), 0))
+        except Exception as exc:  # noqa: BLE001 - reported like the others
+            record(READ_BACK_PEER, "tierfs", exc)
+        finally:
+            for mount in ("many-files reader", "many-files writer"):
+                if mount in bench.mounts:
+                    bench.stop_mount(mount)
+    for target, step in steps.items():
+        if target != "tierfs":
+            record(READ_BACK_PEER, target, timed(lambda s=step: _read_all(s), 0))
 
 
 def _cluster(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor],

@@ -26,7 +26,7 @@ from tierfs.replication.coordination.etcd import Etcd, parse_cluster_url
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel, connect
 from tierfs.replication.peers.directory import PeerDirectory
-from tierfs.replication.peers.peer_reader import RangeServer
+from tierfs.replication.peers.peer_reader import PeerReader, RangeServer
 from tierfs.replication.peers.protocol import ProtocolError
 from tierfs.replication.peers.receiver import INCOMING_PREFIX, ReplicaReceiver
 from tierfs.replication.peers.replicator import Replicator, deal
@@ -512,6 +512,32 @@ async def test_ranges_are_served_from_the_ram_store_in_order(tmp_path: Path) -> 
         nursery.cancel_scope.cancel()
     assert replies == [data[o:o + n] for o, n in wanted]
     assert ranges.served_bytes == sum(len(r) for r in replies) + 1
+
+
+async def test_small_files_come_many_in_one_request_only_as_held(
+        tmp_path: Path, etcd_server: EtcdServer) -> None:
+    """A reader asks a holder for a step's small files in one GET_FILES per MAX_NAMES names
+    and gets those the holder has in RAM, whole, by name; one it does not hold, or holds at
+    another size than the reader's manifest says, is not among them (read one by one then)."""
+    objects = tmp_path / "b-objects"
+    files = {f"t{i:05}": i.to_bytes(4, "little") * 100 for i in range(proto.MAX_NAMES + 200)}
+    entries = [committed_object(objects, data, name) for name, data in files.items()]
+    entries.append(mf.FileEntry("missing", 5, "0" * 32, chunks=("0" * 16,)))
+    resized = entries[7]
+    entries[7] = mf.FileEntry(resized.name, resized.size + 1, resized.xxh3,
+                              chunks=resized.chunks)
+    ranges = RangeServer(objects, lambda path, name, digest: None)
+    port = free_port()
+    async with trio.open_nursery() as nursery:
+        server = PeerServer("b", TOKEN, {"a", "b"}, {"GET_FILES": ranges.on_get_files})
+        await nursery.start(server.run, "127.0.0.1", port)
+        reader = PeerReader(await members_a_and_b(nursery, etcd_server, port),
+                            lambda path, name: ["b"])
+        got = await reader.read_files("run/step_1", entries)
+        nursery.cancel_scope.cancel()
+    assert {name: bytes(data) for name, data in got.items()} == \
+        {name: data for name, data in files.items() if name != resized.name}
+    assert ranges.served_requests == 2
 
 
 async def test_holders_are_added_in_batches_and_none_is_lost_to_a_race(

@@ -81,11 +81,28 @@ def test_a_payload_goes_into_the_buffer_offered_if_it_fits() -> None:
     ("GET", {"path": "a", "name": "x", "xxh3": "a", "offset": -1, "length": 1}, b""),
     ("GET", {"path": "a", "name": "x", "xxh3": "a", "offset": 0, "length": 1 << 30}, b""),
     ("HELLO", {"node_id": "a", "nonce": b"short"}, b""),
+    ("GET_FILES", {"path": "a", "names": ["x", "y"], "digests": ["0" * 32]}, b""),  # unpaired
+    ("GET_FILES", {"path": "a", "names": ["x"], "digests": ["0" * 31 + "G"]}, b""),
+    ("GET_FILES", {"path": "a", "names": ["../x"], "digests": ["0" * 32]}, b""),
+    ("GET_FILES", {"path": "a", "names": ["x"] * 1001, "digests": ["0" * 32] * 1001}, b""),
+    ("FILES_DATA", {"names": ["x"], "sizes": [-1]}, b""),
+    ("FILES_DATA", {"names": ["x"], "sizes": [True]}, b"x"),
+    ("FILES_DATA", {"names": ["x"], "sizes": []}, b"x"),
 ])
 def test_bad_messages_are_protocol_errors(kind: str, fields: dict, payload: bytes) -> None:  # type: ignore[type-arg]
     header = msgpack.packb({"type": kind, **fields}, use_bin_type=True)
     with pytest.raises(proto.ProtocolError):
         decode_all(proto.PREFIX.pack(len(header), len(payload)) + header + payload)
+
+
+def test_many_files_asked_and_sent_in_one_frame_each() -> None:
+    """GET_FILES names files with their digests, FILES_DATA sends their bytes one after the
+    other with their names and sizes."""
+    ask = {"path": "run/step_1", "names": ["a/x", "y"], "digests": ["0" * 32, "f" * 32]}
+    answer = {"names": ["y"], "sizes": [3]}
+    messages = decode_all(frame("GET_FILES", **ask) + frame("FILES_DATA", b"abc", **answer))
+    assert [(m.type, m.fields, bytes(m.payload)) for m in messages] == [
+        ("GET_FILES", ask, b""), ("FILES_DATA", answer, b"abc")]
 
 
 def test_oversized_frames_are_refused_before_buffering() -> None:

@@ -15,6 +15,7 @@ from tests.fakes import MemoryTier
 from tests.harness import Harness
 from tests.test_ports import persisted_and_evicted
 from tests.waiting import wait_until_async
+from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs.lifecycle import residency
 
@@ -70,6 +71,54 @@ async def test_the_small_files_of_an_evicted_step_come_back_many_at_once(
             assert h.ns.residency.small_fetched >= SMALL_FILES // 2  # most, not the reader
             step = h.ns.tree.find_step("run/step_1").step
             assert len(step.resident) == SMALL_FILES + 1  # all verified and in RAM again
+            nursery.cancel_scope.cancel()
+    finally:
+        h.close()
+
+
+class ManyAtOnceTier(MemoryTier):
+    """A source that gives many small files of a step in one request, as a peer does
+    (`fetch.FilesSource`), with a byte of one of them flipped on the way."""
+
+    def __init__(self, flipped: str) -> None:
+        super().__init__("peer")
+        self.flipped = flipped
+        self.requests = 0
+
+    async def read_files(self, step_path: str, entries: list[mf.FileEntry]
+                         ) -> dict[str, memoryview]:
+        self.requests += 1
+        got = {}
+        for entry in entries:
+            data = self.objects[layout.object_key(step_path, entry.name)]
+            if entry.name == self.flipped:
+                data = bytes([data[0] ^ 1]) + data[1:]
+            got[entry.name] = memoryview(data)
+        return got
+
+
+async def test_small_files_come_many_in_one_request_each_checked(tmp_path: Path) -> None:
+    """A source that gives many small files at once is asked once for hundreds of them; each
+    file's bytes are checked as any fetch's, and one that does not match is read again on its
+    own: the reader never sees it."""
+    files = {f"t{i:05}.distcp": i.to_bytes(8, "little") * 512 for i in range(SMALL_FILES)}
+    tier = ManyAtOnceTier(flipped="t01000.distcp")
+    h = Harness(tmp_path / "ram", read_sources=[tier], persist=tier, keep_ram=0)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(h.ns.background.run)
+            await persisted_and_evicted(h, tier, "run/step_1", files)
+            tier.reads = 0
+            with trio.fail_after(60):
+                assert await h.read_file("run/step_1/t00000.distcp") == files["t00000.distcp"]
+                step = h.ns.tree.find_step("run/step_1").step
+                await wait_until_async(lambda: len(step.resident) == SMALL_FILES + 1,
+                                       timeout=30)
+                for name, data in files.items():
+                    assert await h.read_file(f"run/step_1/{name}") == data
+            # the reader's first file, and the flipped one again on its own
+            assert tier.reads == 2
+            assert tier.requests <= SMALL_FILES // residency.SMALL_AT_ONCE + 1
             nursery.cancel_scope.cancel()
     finally:
         h.close()

@@ -43,7 +43,7 @@ from tierfs.fs.model.ports import (
     StoreLoss,
     TierError,
 )
-from tierfs.fs.store.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError
+from tierfs.fs.store.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError, GivenBytes
 from tierfs.fs.store.ram_store import RamFull
 
 if TYPE_CHECKING:
@@ -84,6 +84,11 @@ SMALL_STEP_BYTES = 64 << 20
 # refused with ENOSPC; each step that gets there starts the wait anew.
 ROOM_WAIT = 30.0
 SMALL_IN_FLIGHT = 16
+# A source that can (a peer, `fetch.FilesSource`) is asked for this many of them at once, in
+# one request: one request per file made a peer's read-back of a step of 10,000 small files
+# 3.5x slower than the store's out of its packs.
+SMALL_AT_ONCE = 512
+SMALL_AT_ONCE_BYTES = 4 << 20
 
 
 class Residency:
@@ -289,7 +294,7 @@ class Residency:
             fetched = 0
             nursery: trio.Nursery
 
-            async def one(sibling: Node) -> None:
+            async def one(sibling: Node, given: dict[str, memoryview]) -> None:
                 nonlocal complete, fetched
                 async with limiter:
                     if sibling.remote is None or step_node.step is not step \
@@ -299,8 +304,11 @@ class Residency:
                     if not self.store.room_for(fetch.missing_bytes):
                         complete = False
                         return
+                    came = given.get(sibling.remote.entry.name)
+                    sources = self.read_sources if came is None else \
+                        [GivenBytes(came, "peers"), *self.read_sources]
                     try:
-                        await fetch.fill(self.read_sources, 1)
+                        await fetch.fill(sources, 1)
                         # EIO if the whole does not match
                         if self._adopt(sibling, fetch, quiet=True):
                             self.small_fetched += 1
@@ -314,8 +322,10 @@ class Residency:
 
             try:
                 async with trio.open_nursery() as nursery:
-                    for sibling in wanted:  # in order: the limiter lets them go first come
-                        nursery.start_soon(one, sibling)
+                    for batch in _at_once(wanted):  # in order: the limiter lets them go first come
+                        given = await self._read_files(batch)
+                        for sibling in batch:
+                            nursery.start_soon(one, sibling, given)
             finally:
                 self._small_running.discard(step)
                 log.info("%d small files of %s came back to RAM with one read of them "
@@ -324,6 +334,26 @@ class Residency:
                 self._small_given_up[step] = manifest
 
         self.background.spawn(fetch_all)
+
+    async def _read_files(self, files: list[Node]) -> dict[str, memoryview]:
+        """The bytes of these small files of one step, unchecked, from the first source that
+        gives many at once (`fetch.FilesSource`); none if no source can."""
+        remotes = [node.remote for node in files if node.remote is not None]
+        if not remotes:
+            return {}
+        for source in self.read_sources:
+            read_files = getattr(source, "read_files", None)
+            if read_files is None:
+                continue
+            try:
+                given: dict[str, memoryview] = await read_files(
+                    remotes[0].step_path, [remote.entry for remote in remotes
+                                           if remote.step_path == remotes[0].step_path])
+            except TierError:
+                continue
+            if given:
+                return given
+        return {}
 
     def _read_ahead(self, node: Node, name: str) -> None:
         """`node` (`name` in its step), a file of a step being loaded (`StepLoads`), came
@@ -861,3 +891,19 @@ def _number(step_node: Node) -> int:
     """A step's number for ordering; a loose file (none) comes first."""
     number = step_node.step.number
     return -1 if number is None else number
+
+
+def _at_once(files: list[Node]) -> Iterator[list[Node]]:
+    """`files` (small, not in RAM) in runs a source may give at once: SMALL_AT_ONCE files and
+    SMALL_AT_ONCE_BYTES at most each."""
+    run: list[Node] = []
+    size = 0
+    for node in files:
+        node_size = node.remote.entry.size if node.remote is not None else 0
+        if run and (len(run) >= SMALL_AT_ONCE or size + node_size > SMALL_AT_ONCE_BYTES):
+            yield run
+            run, size = [], 0
+        run.append(node)
+        size += node_size
+    if run:
+        yield run

@@ -129,6 +129,29 @@ class ReadSource(Protocol):
                          length: int) -> bytes: ...
 
 
+class FilesSource(Protocol):
+    """A source that can also give many whole small files of one step at once (a peer: one
+    request for them all): `read_files` returns those of `entries` it got, by name, unchecked
+    (a fetch checks them as it checks any range, `GivenBytes`); the rest are read one by one."""
+
+    async def read_files(self, step_path: str, entries: list[mf.FileEntry]
+                         ) -> dict[str, memoryview]: ...
+
+
+class GivenBytes:
+    """The bytes of one file that came with others (`FilesSource.read_files`), as the first
+    source of its fetch: checked as any source's (a range that does not match its digest sends
+    the fetch to the next source)."""
+
+    def __init__(self, data: bytes | memoryview, name: str) -> None:
+        self.data = data
+        self.name = name  # the source they came from: for the log of a mismatch
+
+    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
+                         length: int) -> bytes | memoryview:
+        return self.data[offset:offset + length]
+
+
 class _Pattern:
     """How a file is being read: the run of back-to-back reads the last read belongs to. A
     read up to RUN_GAP past the run's end continues it: the kernel's readahead requests may

@@ -55,3 +55,14 @@ class MeteredSource:
             step_path, entry, offset, buffer, store)
         self._meter.read_range(step_path, self.where, len(data), started)
         return data, good
+
+    async def read_files(self, step_path: str, entries: list[mf.FileEntry]
+                         ) -> dict[str, memoryview]:
+        """As the source's read_files (`fetch.FilesSource`), or none where it has none."""
+        read_files = getattr(self.source, "read_files", None)
+        if read_files is None:
+            return {}
+        started = time.monotonic()
+        files: dict[str, memoryview] = await read_files(step_path, entries)
+        self._meter.read_range(step_path, self.where, sum(map(len, files.values())), started)
+        return files

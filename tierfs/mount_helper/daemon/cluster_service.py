@@ -169,6 +169,7 @@ class ClusterNode:
         return {
             "PUT": self.receiver.put, "HOLD": self.receiver.hold,
             "GET": self.ranges.on_get, "SWARM_GET": self.ranges.on_swarm_get,
+            "GET_FILES": self.ranges.on_get_files,
             "MANIFEST": self.manifests.on_manifest,
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.copies.delete_from_peer),

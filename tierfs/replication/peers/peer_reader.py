@@ -36,11 +36,13 @@ from tierfs.replication.peers.directory import PeerDirectory
 
 log = logging.getLogger(__name__)
 
-_HEX = set("0123456789abcdef")
 # Seconds a read waits for a holder that does not answer while its lease lives: a killed
 # daemon's lease ends within its ttl after its last keepalive, and the watch tells every node.
 HOLDER_WAIT = membership.DEFAULT_TTL + membership.REJOIN_MARGIN
 RETRY_EVERY = 0.5  # seconds between tries meanwhile (a holder restarted at the same address)
+# Bytes of names one GET_FILES carries at most (and proto.MAX_NAMES names): its header stays
+# far under proto.MAX_HEADER.
+FILES_NAME_BYTES = 256 << 10
 
 
 class PeerReader:
@@ -76,6 +78,33 @@ class PeerReader:
         called by the thread that received them, if they are the whole range; the bytes and
         whether they matched."""
         return await self._read(step_path, entry, offset, len(buffer), buffer, store)
+
+    async def read_files(self, step_path: str, entries: list[mf.FileEntry]
+                         ) -> dict[str, memoryview]:
+        """`fs.store.fetch.FilesSource`: whole small files of one step, by name, as many of
+        `entries` as the first holder of the first that answers has in RAM, in one GET_FILES
+        per MAX_NAMES names ({} if none answers: each file is then read on its own, which
+        waits for a holder as `_read` does). Unchecked: the caller's fetch checks each."""
+        got: dict[str, memoryview] = {}
+        if not entries:
+            return got
+        holders = [h for h in self._holders(step_path, entries[0].name)
+                   if h != self.directory.me]
+        for node_id in sources.holder_order(holders, entries[0].xxh3, 0, self.directory.is_up):
+            try:
+                async with self.directory.channel(node_id) as channel:
+                    for batch in _name_batches(entries):
+                        await channel.send("GET_FILES", path=step_path,
+                                           names=[entry.name for entry in batch],
+                                           digests=[entry.xxh3 for entry in batch])
+                        reply = await channel.receive("FILES_DATA")
+                        got.update(_cut(batch, reply, channel.take_payload(reply)))
+                return got
+            except (OSError, trio.TooSlowError, ConnectionClosed, ConnectionLost,
+                    proto.ProtocolError) as exc:
+                log.info("%s: small files of %s not read at once from %s (%s); one by one",
+                         step_path, node_id, exc or "timed out")
+        return got
 
     async def _read(self, step_path: str, entry: mf.FileEntry, offset: int, length: int,
                     into: memoryview | None, store: Store | None) -> tuple[memoryview, bool]:
@@ -175,6 +204,36 @@ class PeerReader:
                 avoid.append(reply.relay)
 
 
+def _name_batches(entries: list[mf.FileEntry]) -> list[list[mf.FileEntry]]:
+    """`entries` in GET_FILES-sized batches."""
+    batches: list[list[mf.FileEntry]] = [[]]
+    size = 0
+    for entry in entries:
+        name_bytes = len(entry.name.encode())
+        if batches[-1] and (len(batches[-1]) >= proto.MAX_NAMES
+                            or size + name_bytes > FILES_NAME_BYTES):
+            batches.append([])
+            size = 0
+        batches[-1].append(entry)
+        size += name_bytes
+    return batches
+
+
+def _cut(asked: list[mf.FileEntry], reply: proto.Message,
+         payload: memoryview) -> dict[str, memoryview]:
+    """A FILES_DATA's files by name: those it names that were asked for at their sizes."""
+    sizes: list[int] = reply["sizes"]
+    if sum(sizes) != len(payload):
+        raise proto.ProtocolError(f"FILES_DATA of {len(payload)} bytes names {sum(sizes)}")
+    wanted = {entry.name: entry.size for entry in asked}
+    got, at = {}, 0
+    for name, size in zip(reply["names"], sizes, strict=True):
+        if wanted.get(name) == size:
+            got[name] = payload[at:at + size]
+        at += size
+    return got
+
+
 @dataclass
 class _Reply:
     """A holder's answer: the bytes and whether `store` took them, or the relay it names."""
@@ -246,7 +305,7 @@ class RangeServer:
 
     def _held(self, message: proto.Message) -> bytes | Path | None:
         digest = message["xxh3"]
-        if len(digest) != 32 or not set(digest) <= _HEX:
+        if not proto.is_xxh3_128(digest):
             raise proto.ProtocolError(f"{message.type} with a malformed xxh3")
         path = self.objects_dir / digest
         if path.exists():
@@ -274,6 +333,38 @@ class RangeServer:
                 await channel.send("SOURCE", node=source)
                 return
         await self._serve(message, channel, path)
+
+    async def on_get_files(self, message: proto.Message, channel: PeerChannel) -> None:
+        """GET_FILES: the asked objects this node holds whole in RAM, in the asked order, as
+        many as one payload takes."""
+        names, sizes, parts = await trio.to_thread.run_sync(
+            self._objects, message["names"], message["digests"])
+        payload = b"".join(parts)
+        await channel.send("FILES_DATA", payload, names=names, sizes=sizes)
+        self.served_requests += 1
+        self.served_bytes += len(payload)
+
+    def _objects(self, names: list[str], digests: list[str]
+                 ) -> tuple[list[str], list[int], list[bytes]]:
+        """The names, sizes and bytes of those of the objects (by digest) in RAM here, up to
+        proto.MAX_PAYLOAD bytes in all."""
+        found: list[str] = []
+        sizes: list[int] = []
+        parts: list[bytes] = []
+        room = proto.MAX_PAYLOAD
+        for name, digest in zip(names, digests, strict=True):
+            try:
+                with open(self.objects_dir / digest, "rb") as file:
+                    data = file.read(room + 1)
+            except FileNotFoundError:
+                continue
+            if len(data) > room:
+                break
+            room -= len(data)
+            found.append(name)
+            sizes.append(len(data))
+            parts.append(data)
+        return found, sizes, parts
 
     async def _from_partial(self, message: proto.Message) -> int | None:
         """An fd of this node's partial copy of the file once the asked chunk is in it (a

@@ -17,7 +17,6 @@ from tierfs.replication.peers.directory import PeerDirectory
 
 STATES = {"good", "bad", "missing", "repaired"}
 VERIFY_TIMEOUT = 600.0  # hashing a large file, and fetching it again if it was bad
-_HEX = set("0123456789abcdef")
 
 CheckHeld = Callable[[str, str, str, bool], Awaitable[str]]
 # the file records of a committed version (`ClusterCommits.placements`)
@@ -57,7 +56,7 @@ def verify_handler(check_held: CheckHeld) -> Callable[[proto.Message, PeerChanne
                                                       Awaitable[None]]:
     async def on_verify(message: proto.Message, channel: PeerChannel) -> None:
         digest = message["xxh3"]
-        if len(digest) != 32 or not set(digest) <= _HEX:
+        if not proto.is_xxh3_128(digest):
             raise proto.ProtocolError("VERIFY with a malformed xxh3")
         state = await check_held(message["path"], message["name"], digest, message["repair"])
         await channel.send("VERIFIED", state=state)

@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,12 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "SWARM_GET": {"path": str, "name": str, "xxh3": str, "offset": int, "length": int,
                   "avoid": list},
     "SOURCE": {"node": str},
+    # the small files of a step read back many at once (`PeerReader.read_files`): whichever of
+    # these objects (by the names and xxh3-128 digests of the asker's manifest, in the same
+    # order) this node holds whole in RAM, answered by FILES_DATA: the names and sizes of
+    # those it sends, their bytes one after the other as its payload
+    "GET_FILES": {"path": str, "names": list, "digests": list},
+    "FILES_DATA": {"names": list, "sizes": list},
     "VERIFY": {"path": str, "name": str, "xxh3": str, "repair": bool},  # check your copy
     "VERIFIED": {"state": str},             # good, bad, missing or repaired
     "DELETE": {"path": str, "version": int, "committed_ns": int},  # a step was deleted
@@ -88,10 +95,11 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
 PATH_FIELDS = ("path", "name")
 NAME_LISTS = ("names",)  # lists of paths inside a step, each checked as a path field
 MAX_AVOID = 16  # relays a SWARM_GET names as failed
-# names per HOLD, HELD, FILES or HAVE: with paths of at most 4 KiB, under MAX_HEADER
+# names per HOLD, HELD, FILES, HAVE, GET_FILES or FILES_DATA: with paths of at most 4 KiB,
+# under MAX_HEADER
 MAX_NAMES = 1000
 
-PAYLOAD_TYPES = {"PUT", "DATA", "MANIFEST_PART"}
+PAYLOAD_TYPES = {"PUT", "DATA", "MANIFEST_PART", "FILES_DATA"}
 STREAM_FROM = 1 << 18  # payload bytes from which a streamed type's payload is streamed
 
 
@@ -182,7 +190,26 @@ def validate(message: Message) -> Message:
         _check_node_ids(message.fields["avoid"])
     if message.type in ("GET", "SWARM_GET") and message.fields["length"] > MAX_PAYLOAD:
         raise ProtocolError("GET asks for too much at once")
+    if message.type == "GET_FILES":
+        _check_paired(message, "digests", lambda d: isinstance(d, str) and is_xxh3_128(d))
+    if message.type == "FILES_DATA":
+        _check_paired(message, "sizes", lambda n: type(n) is int and 0 <= n <= MAX_PAYLOAD)
     return message
+
+
+def is_xxh3_128(value: str) -> bool:
+    """A file's xxh3-128 as manifests and object names spell it: 32 lowercase hex digits."""
+    return len(value) == 32 and not set(value) - _HEX_DIGITS
+
+
+_HEX_DIGITS = set("0123456789abcdef")
+
+
+def _check_paired(message: Message, field: str, good: Callable[[Any], bool]) -> None:
+    """`field` holds one good value for each of the message's names."""
+    values = message.fields[field]
+    if len(values) != len(message.fields["names"]) or not all(map(good, values)):
+        raise ProtocolError(f"{message.type}.{field} is not one value for each name")
 
 
 def _check_node_ids(nodes: list[Any]) -> None:
