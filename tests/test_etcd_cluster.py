@@ -778,6 +778,22 @@ async def test_seals_are_recorded_in_batches_not_one_request_each(
     assert etcd.calls["kv/txn"] <= 20, etcd.calls
 
 
+async def test_seals_one_after_another_are_gathered_into_few_requests(
+        etcd_server: EtcdServer) -> None:
+    """A save of many small files seals one every half millisecond or so: each batch gathers
+    the seals of a while (SEAL_GATHER), not the one or two that came during the last
+    request (one request per file or two made such a save 2.5x slower on a cluster node)."""
+    cluster = new_cluster(etcd_server)
+    node, etcd = commits(cluster, "n0")
+    names = [f"t{i:05}.distcp" for i in range(400)]
+    async with trio.open_nursery() as nursery:
+        for entry in entries(names):
+            nursery.start_soon(node.record_sealed, "run/step_1", [entry])
+            await trio.sleep(0.0005)
+    assert sorted(await node.records.files("run/step_1")) == sorted(names)
+    assert etcd.calls["kv/txn"] <= 40, etcd.calls
+
+
 async def test_publish_reads_the_step_once_and_drops_stale_records_in_batches(
         etcd_server: EtcdServer) -> None:
     cluster = new_cluster(etcd_server)
