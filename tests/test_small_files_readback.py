@@ -5,6 +5,8 @@ stay where they are (each rank of a multi-node DCP load reads only its own shard
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,24 @@ from tierfs.fs.lifecycle import residency
 pytestmark = pytest.mark.core
 
 SMALL_FILES = 2000
+FILES = {f"t{i:05}.distcp": i.to_bytes(8, "little") * 512 for i in range(SMALL_FILES)}
+
+
+@contextlib.asynccontextmanager
+async def evicted(tmp_path: Path, tier: MemoryTier,
+                  files: dict[str, bytes] = FILES) -> AsyncIterator[Harness]:
+    """A namespace whose step run/step_1 (`files`) is in `tier` only, its reads counted from
+    then on."""
+    h = Harness(tmp_path / "ram", read_sources=[tier], persist=tier, keep_ram=0)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(h.ns.background.run)
+            await persisted_and_evicted(h, tier, "run/step_1", files)
+            tier.reads = 0
+            yield h
+            nursery.cancel_scope.cancel()
+    finally:
+        h.close()
 
 
 class GatedTier(MemoryTier):
@@ -53,27 +73,18 @@ async def test_the_small_files_of_an_evicted_step_come_back_many_at_once(
     """The small files of an evicted step come back many at once, in the background, when
     the first of them is read: the gated store sees several requests together, and the first
     read returns."""
-    files = {f"t{i:05}.distcp": i.to_bytes(8, "little") * 512 for i in range(SMALL_FILES)}
     store = GatedTier(at_once=8)
-    h = Harness(tmp_path / "ram", read_sources=[store], persist=store, keep_ram=0)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(h.ns.background.run)
-            await persisted_and_evicted(h, store, "run/step_1", files)
-            store.reads = 0
-            with trio.fail_after(60):
-                for name, data in files.items():
-                    assert await h.read_file(f"run/step_1/{name}") == data
-            assert store.most_waiting >= 8
-            # every file was asked for once: the reader's own and those that came with them
-            # (the step's .metadata among them)
-            assert store.reads == SMALL_FILES + 1
-            assert h.ns.residency.small_fetched >= SMALL_FILES // 2  # most, not the reader
-            step = h.ns.tree.find_step("run/step_1").step
-            assert len(step.resident) == SMALL_FILES + 1  # all verified and in RAM again
-            nursery.cancel_scope.cancel()
-    finally:
-        h.close()
+    async with evicted(tmp_path, store) as h:
+        with trio.fail_after(60):
+            for name, data in FILES.items():
+                assert await h.read_file(f"run/step_1/{name}") == data
+        assert store.most_waiting >= 8
+        # every file was asked for once: the reader's own and those that came with them
+        # (the step's .metadata among them)
+        assert store.reads == SMALL_FILES + 1
+        assert h.ns.residency.small_fetched >= SMALL_FILES // 2  # most, not the reader
+        step = h.ns.tree.find_step("run/step_1").step
+        assert len(step.resident) == SMALL_FILES + 1  # all verified and in RAM again
 
 
 class ManyAtOnceTier(MemoryTier):
@@ -101,27 +112,17 @@ async def test_small_files_come_many_in_one_request_each_checked(tmp_path: Path)
     """A source that gives many small files at once is asked once for hundreds of them; each
     file's bytes are checked as any fetch's, and one that does not match is read again on its
     own: the reader never sees it."""
-    files = {f"t{i:05}.distcp": i.to_bytes(8, "little") * 512 for i in range(SMALL_FILES)}
     tier = ManyAtOnceTier(flipped="t01000.distcp")
-    h = Harness(tmp_path / "ram", read_sources=[tier], persist=tier, keep_ram=0)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(h.ns.background.run)
-            await persisted_and_evicted(h, tier, "run/step_1", files)
-            tier.reads = 0
-            with trio.fail_after(60):
-                assert await h.read_file("run/step_1/t00000.distcp") == files["t00000.distcp"]
-                step = h.ns.tree.find_step("run/step_1").step
-                await wait_until_async(lambda: len(step.resident) == SMALL_FILES + 1,
-                                       timeout=30)
-                for name, data in files.items():
-                    assert await h.read_file(f"run/step_1/{name}") == data
-            # the reader's first file, and the flipped one again on its own
-            assert tier.reads == 2
-            assert tier.requests <= SMALL_FILES // residency.SMALL_AT_ONCE + 1
-            nursery.cancel_scope.cancel()
-    finally:
-        h.close()
+    async with evicted(tmp_path, tier) as h:
+        with trio.fail_after(60):
+            assert await h.read_file("run/step_1/t00000.distcp") == FILES["t00000.distcp"]
+            step = h.ns.tree.find_step("run/step_1").step
+            await wait_until_async(lambda: len(step.resident) == SMALL_FILES + 1, timeout=30)
+            for name, data in FILES.items():
+                assert await h.read_file(f"run/step_1/{name}") == data
+        # the reader's first file, and the flipped one again on its own
+        assert tier.reads == 2
+        assert tier.requests <= SMALL_FILES // residency.SMALL_AT_ONCE + 1
 
 
 async def test_large_files_do_not_come_with_a_small_one(tmp_path: Path) -> None:
@@ -130,18 +131,10 @@ async def test_large_files_do_not_come_with_a_small_one(tmp_path: Path) -> None:
     large = {f"__{rank}_0.distcp": bytes([rank]) * (residency.SMALL_FILE + 1)
              for rank in range(3)}
     small = {f"extra_{i}.pt": bytes([i]) * 1000 for i in range(20)}
-    store = MemoryTier("s3")
-    h = Harness(tmp_path / "ram", read_sources=[store], persist=store, keep_ram=0)
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(h.ns.background.run)
-            await persisted_and_evicted(h, store, "run/step_1", {**large, **small})
-            assert await h.read_file("run/step_1/extra_0.pt") == small["extra_0.pt"]
-            step = h.ns.tree.find_step("run/step_1").step
-            await wait_until_async(lambda: len(step.resident) >= len(small) + 1, timeout=30)
-            await trio.testing.wait_all_tasks_blocked()
-            assert step.resident == {*small, ".metadata"}
-            assert not h.ns.residency._small_running
-            nursery.cancel_scope.cancel()
-    finally:
-        h.close()
+    async with evicted(tmp_path, MemoryTier("s3"), {**large, **small}) as h:
+        assert await h.read_file("run/step_1/extra_0.pt") == small["extra_0.pt"]
+        step = h.ns.tree.find_step("run/step_1").step
+        await wait_until_async(lambda: len(step.resident) >= len(small) + 1, timeout=30)
+        await trio.testing.wait_all_tasks_blocked()
+        assert step.resident == {*small, ".metadata"}
+        assert not h.ns.residency._small_running
