@@ -10,7 +10,13 @@ from collections import Counter
 import pytest
 
 from tierfs.replication.peers import protocol as proto
-from tierfs.replication.peers.sources import FANOUT, ChunkRoutes, RouteBook, holder_order
+from tierfs.replication.peers.sources import (
+    FANOUT,
+    ChunkRoutes,
+    RouteBook,
+    StepReaders,
+    holder_order,
+)
 
 pytestmark = pytest.mark.core
 
@@ -65,6 +71,20 @@ def test_a_books_routes_are_forgotten_after_the_ttl() -> None:
     assert book.route("x" * 32, "b", 0, (), now=1.0) == "a"
     assert book.relayed() == 1
     assert book.route("x" * 32, "b", 0, (), now=20.0) == "h"  # a new read of the file
+
+
+def test_a_steps_small_files_go_at_once_to_its_first_readers_only() -> None:
+    """A holder gives a step's small files many at once to its first FILES_READERS readers
+    (again to each of them), none to a later one until the step was not asked for a while;
+    another step has readers of its own."""
+    readers = StepReaders(ttl=10.0, most=2)
+    assert readers.admit("run/step_1", "a", now=0.0)
+    assert readers.admit("run/step_1", "b", now=1.0)
+    assert not readers.admit("run/step_1", "c", now=2.0)
+    assert readers.admit("run/step_1", "a", now=3.0)
+    assert readers.admit("run/step_2", "c", now=4.0)
+    assert not readers.admit("run/step_1", "c", now=12.0)  # asked at 3 (and by c at 12)
+    assert readers.admit("run/step_1", "c", now=23.0)
 
 
 @pytest.mark.parametrize("avoid", [list(range(3)), ["n"] * (proto.MAX_AVOID + 1), [""]])

@@ -298,6 +298,7 @@ class RangeServer:
         self._sealed_path = sealed_path
         self._partial = partial
         self.routes = sources.RouteBook(me)
+        self.step_readers = sources.StepReaders()  # whom GET_FILES answers in full
         self.served_requests = 0
         self.served_bytes = 0
         self.relayed_requests = 0  # GETs answered from a file being fetched here
@@ -336,7 +337,11 @@ class RangeServer:
 
     async def on_get_files(self, message: proto.Message, channel: PeerChannel) -> None:
         """GET_FILES: the asked objects this node holds whole in RAM, in the asked order, as
-        many as one payload takes."""
+        many as one payload takes; none for a reader beyond the step's first FILES_READERS
+        (`sources.StepReaders`: it reads them one by one, through the swarm)."""
+        if not self.step_readers.admit(message["path"], channel.peer_id, trio.current_time()):
+            await channel.send("FILES_DATA", names=[], sizes=[])
+            return
         names, sizes, parts = await trio.to_thread.run_sync(
             self._objects, message["names"], message["digests"])
         payload = b"".join(parts)

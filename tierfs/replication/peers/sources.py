@@ -44,6 +44,11 @@ FANOUT = 2  # readers one relay is given per chunk: a tree of depth ~log2(reader
 CHOICES = 4  # relays of a chunk weighed for each reader: the earliest that may take one more
 MAX_HOPS = 3  # failed relays for one chunk before the reader asks the holder to serve it
 STATE_TTL = 600.0  # seconds after a file's last request that its routes are forgotten
+# Readers a holder gives a step's small files many at once (GET_FILES), within STATE_TTL of
+# the step's last such request: beyond them (a data-parallel restart, every node reading the
+# step), a reader gets none that way and reads them one by one through the swarm, which
+# spreads them over the readers instead of sending each its own copy of them all.
+FILES_READERS = 8
 
 
 def holder_order(holders: Iterable[str], xxh3: str, offset: int,
@@ -154,3 +159,27 @@ class RouteBook:
     def relayed(self) -> int:
         """Chunks of the files being read that readers fetched from other readers."""
         return sum(sum(routes.load.values()) for routes in self._files.values())
+
+
+class StepReaders:
+    """The readers a holder gave a step's small files many at once (GET_FILES), forgotten
+    STATE_TTL after the step's last such request: at most FILES_READERS per step."""
+
+    def __init__(self, ttl: float = STATE_TTL, most: int = FILES_READERS) -> None:
+        self.ttl = ttl
+        self.most = most
+        self._steps: dict[str, tuple[set[str], float]] = {}
+
+    def admit(self, step_path: str, reader: str, now: float) -> bool:
+        """Whether `reader` gets the step's small files at once (it did before, or there is
+        room for one more)."""
+        for step, (_readers, last) in list(self._steps.items()):
+            if now - last > self.ttl:
+                del self._steps[step]
+        readers, _last = self._steps.setdefault(step_path, (set(), now))
+        if reader not in readers and len(readers) >= self.most:
+            self._steps[step_path] = (readers, now)
+            return False
+        readers.add(reader)
+        self._steps[step_path] = (readers, now)
+        return True
