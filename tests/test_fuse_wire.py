@@ -8,6 +8,7 @@ import os
 import struct
 from pathlib import Path
 
+import pyfuse3
 import pytest
 
 from tierfs.fs.fuse import fuse_wire as wire
@@ -289,3 +290,69 @@ def test_a_request_tells_its_node() -> None:
         wire.Opcode.GETATTR, UNIQUE, 1234)
     with pytest.raises(wire.WireError):
         wire.nodeid_of(message[:20])
+
+
+def create_request(name: bytes, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                   mode: int = 0o100644, umask: int = 0o022, extension: bytes = b"") -> bytes:
+    """A kernel's CREATE request (7.12+): fuse_create_in, the name, any request extensions."""
+    return request(wire.Opcode.CREATE,
+                   wire.CREATE_IN.pack(flags, mode, umask, 1) + name + b"\0" + extension)
+
+
+def test_a_create_names_its_file_its_mode_and_umask_and_is_left_to_the_daemon() -> None:
+    """The relay answers a CREATE only with the daemon's own making of it
+    (`Operations.create_now`, `fs.fuse.passthrough`): `answer_here` never does."""
+    message = create_request(b"shard_00042.bin")
+    assert wire.create_in(message) == wire.CreateIn(
+        os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o100644, 0o022, 1, b"shard_00042.bin")
+    assert wire.nodeid_of(message) == 1
+    assert wire.answer_here(message) is None
+    # the name ends at its NUL, whatever follows it (extensions, 8-byte aligned)
+    assert wire.create_in(create_request(b"a", extension=bytes(16))).name == b"a"
+    assert wire.create_in(create_request(b"\xff" * 255)).name == b"\xff" * 255
+
+
+@pytest.mark.parametrize("body", [b"", bytes(15), wire.CREATE_IN.pack(0, 0o644, 0, 0),
+                                  wire.CREATE_IN.pack(0, 0o644, 0, 0) + b"name"],
+                         ids=["empty", "short", "no-name", "no-nul"])
+def test_a_malformed_create_is_an_error_not_a_guess(body: bytes) -> None:
+    with pytest.raises(wire.WireError):
+        wire.create_in(request(wire.Opcode.CREATE, body))
+
+
+def test_a_create_reply_is_what_libfuse_writes_for_pyfuse3_then_edited_as_any(
+        tmp_path: Path) -> None:
+    """The relay's own CREATE reply (`create_reply`) is fuse_entry_out and fuse_open_out as
+    libfuse's `fuse_reply_create` writes them for pyfuse3's `FileInfo(fh=...)`: the entry's
+    node, generation and validities, the attributes, the handle and no open flags. The relay's
+    edits of a CREATE reply (passthrough with its backing id) then apply to it as to one from
+    libfuse."""
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 5000)
+    os.utime(path, ns=(-1_500_000_000, 1_700_000_000_123_456_789))
+    entry = pyfuse3.EntryAttributes()
+    st = os.stat(path)
+    for field in ("st_ino", "st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_blocks",
+                  "st_atime_ns", "st_mtime_ns", "st_ctime_ns"):
+        setattr(entry, field, getattr(st, field))
+    entry.st_blksize = 4096
+    entry.generation = 3
+    entry.entry_timeout, entry.attr_timeout = 60.5, 1.25
+    message = wire.create_reply(UNIQUE, entry, 42)
+    assert wire.out_header(message) == (16 + 128 + 16, 0, UNIQUE)
+    fields = struct.unpack("<QQQQII QQQ qqq IIIIIIIIII QIi", message[16:])
+    assert fields == (st.st_ino, 3, 60, 1, 500_000_000, 250_000_000,
+                      st.st_ino, 5000, st.st_blocks,
+                      -2, 1_700_000_000, st.st_ctime_ns // 10**9,
+                      500_000_000, 123_456_789, st.st_ctime_ns % 10**9,
+                      st.st_mode, st.st_nlink, st.st_uid, st.st_gid, 0, 4096, 0,
+                      42, 0, 0)
+    assert message[16:16 + 40] == wire.ENTRY_OUT.pack(st.st_ino, 3, 60, 1, 500_000_000,
+                                                      250_000_000)[:40]
+    # the attributes are those a GETATTR reply carries
+    assert message[16 + 40:16 + 128] == wire.attr_reply(UNIQUE, entry, 0)[16 + 16:]
+    edited = wire.edit_open_reply(wire.Opcode.CREATE, message, {42: 3})
+    assert wire.open_out(wire.Opcode.CREATE, edited) == wire.OpenOut(
+        42, wire.FOPEN_PASSTHROUGH, 3)
+    assert edited[:16 + 128] == message[:16 + 128]
+    assert wire.edit_open_reply(wire.Opcode.CREATE, message, {}) == message  # not offered

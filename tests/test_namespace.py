@@ -7,6 +7,7 @@ import errno
 import os
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyfuse3
 import pytest
@@ -305,6 +306,43 @@ async def test_a_tracker_names_its_step_for_the_store_and_the_peers(harness: Har
     await ns.commits.commit_quietly(node)
     assert ns.tiers.tracked_step(node.step.manifest) == TrackedStep(6, True, False)
     assert not ns.tiers.may_copy(node.step.manifest, "b")
+
+
+async def test_a_create_is_made_with_no_await_where_the_tier_has_room_else_by_the_handler(
+        tmp_path: Path) -> None:
+    """The relay has the daemon make a new file on its own turn of the loop
+    (`Operations.create_now`) as `create` would: its mode after the umask, its owner, its
+    entry, its errors. Where the RAM tier has no room for the file's first byte, the open may
+    have to make room first (evict, wait for copies on their way, refuse it with ENOSPC:
+    `Residency.make_room`): it is left to the handler, with nothing made."""
+    page = 4096
+    h = Harness(tmp_path / "ram", limit=2 * page)
+    step = await h.mkdirs("run/step_1")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    ctx = SimpleNamespace(uid=CTX.uid, gid=CTX.gid, umask=0o027, pid=CTX.pid)
+    made = h.ops.create_now(step, b"a", 0o100666, flags, 0o027, ctx.uid, ctx.gid, ctx.pid)
+    assert isinstance(made, tuple)
+    fh, entry = made
+    info, expected = await h.ops.create(step, b"b", 0o100666, flags, ctx)
+    for attrs in (entry, expected):
+        assert (attrs.st_mode, attrs.st_uid, attrs.st_gid, attrs.st_size, attrs.st_nlink) == (
+            stat.S_IFREG | 0o640, ctx.uid, ctx.gid, 0, 1)
+        assert (attrs.entry_timeout, attrs.attr_timeout) == (expected.entry_timeout,
+                                                             expected.attr_timeout)
+    assert entry.st_ino == await h.inode("run/step_1/a")
+    assert h.ns.handle(fh).writable and h.ns.handle(fh).active  # writing, as after `create`
+    assert h.ops.create_now(step, b"a", 0o100644, flags, 0, ctx.uid, ctx.gid, 1) == errno.EEXIST
+    assert h.ops.create_now(entry.st_ino, b"x", 0o100644, flags, 0, 0, 0, 1) == errno.ENOTDIR
+    assert h.ops.create_now(step, b".tierfs-x", 0o100644, flags, 0, 0, 0, 1) == errno.EPERM
+    assert h.ops.create_now(step, b"x" * 256, 0o100644, flags, 0, 0, 0, 1) == errno.ENAMETOOLONG
+
+    await h.ops.write(fh, 0, b"A" * 2 * page)  # the tier is full
+    assert h.ops.create_now(step, b"c", 0o100644, flags, 0, ctx.uid, ctx.gid, 1) is None
+    assert h.ops.lookup_absent(step, b"c") == errno.ENOENT  # nothing made
+    for handle in (fh, info.fh):
+        assert h.ops.flush_now(handle) == 0
+        assert h.ops.release_now(handle) == 0
+    h.close()
 
 
 async def test_closes_that_commit_nothing_are_done_with_no_await_the_others_by_the_handlers(

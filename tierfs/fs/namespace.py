@@ -352,6 +352,19 @@ class Namespace:
         if not handle.active:
             self.tree.activate(handle)
 
+    def creates_now(self) -> bool:
+        """Whether a file created now (`create`, then `expect_direct_writes`) waits for
+        nothing: the RAM tier has room for its first byte. Else `make_room` may evict a step,
+        wait for copies on their way elsewhere, or refuse the open with ENOSPC. Nothing else
+        of a create waits: its writer's end, which may commit (a `.metadata`), comes at its
+        FLUSH and RELEASE."""
+        return self.store.room_for(1)
+
+    def expect_direct_writes_now(self, handle: Handle) -> None:
+        """`expect_direct_writes` of a handle created where `creates_now` found room."""
+        if handle.writable and not handle.active:
+            self.tree.activate(handle)
+
     def account_direct_writes(self) -> None:
         """Bring the RAM tier's accounting up to date with passthrough writes in progress."""
         self.tree.account_direct_writes()

@@ -30,6 +30,9 @@ What the relay answers itself, without libfuse:
 - FLUSH and RELEASE of a file whose writer's end commits nothing (`Operations.flush_now`,
   `release_now`): done by the daemon on the relay's turn of the loop, as its handlers would,
   and answered.
+- CREATE of a file whose create waits for nothing (`Operations.create_now`): made by the daemon
+  on the relay's turn of the loop, answered with the reply libfuse's `fuse_reply_create` would
+  write for pyfuse3 (`create_reply`), then edited as every CREATE reply (`edit_open_reply`).
 What the relay takes aside:
 - Notifications (a message from libfuse with `unique` 0: the daemon's invalidations,
   `fs.tree.kernel_cache`): written to the kernel by a thread of their own (`fs.fuse.passthrough`).
@@ -113,20 +116,29 @@ INIT_IN_BEFORE_EXT = struct.Struct("<IIII")
 INIT_OUT = struct.Struct("<IIIIHHIIHHII")
 # struct fuse_open_out: fh, open_flags, backing_id (padding before 7.40)
 OPEN_OUT = struct.Struct("<QIi")
+# struct fuse_attr (7.9+): ino, size, blocks, atime, mtime, ctime, atimensec, mtimensec,
+# ctimensec, mode, nlink, uid, gid, rdev, blksize, flags; times signed, as the kernel reads them.
+FUSE_ATTR = "3Q3q10I"
 # struct fuse_entry_out (with its struct fuse_attr), which precedes fuse_open_out in a CREATE
 # reply: nodeid, generation, entry_valid, attr_valid, entry_valid_nsec, attr_valid_nsec, attr.
 ENTRY_OUT = struct.Struct("<QQQQII88x")
 # struct fuse_attr_out (7.9+) with its struct fuse_attr: attr_valid, attr_valid_nsec, dummy;
-# ino, size, blocks, atime, mtime, ctime, atimensec, mtimensec, ctimensec, mode, nlink, uid,
-# gid, rdev, blksize, flags.
-ATTR_OUT = struct.Struct("<QII3Q3q10I")  # times signed, as the kernel reads them
-ATTR_OUT_MINOR = 9  # the first minor version with this layout (before: no blksize, flags)
+# then the attributes.
+ATTR_OUT = struct.Struct("<QII" + FUSE_ATTR)
+ATTR_OUT_MINOR = 9  # the first minor version with these layouts (before: no blksize, flags)
+# A CREATE reply's body: fuse_entry_out, then fuse_open_out (fh, open_flags, backing_id).
+CREATE_OUT = struct.Struct("<QQQQII" + FUSE_ATTR + "QIi")
+# struct fuse_create_in (7.12+): flags, mode, umask, open_flags; the name follows,
+# NUL-terminated (then any request extensions, `total_extlen`, which libfuse does not read).
+CREATE_IN = struct.Struct("<IIII")
+CREATE_IN_MINOR = 12  # the first minor version with this layout (before: no umask)
 GETXATTR_IN = struct.Struct("<II")  # size, padding; the name follows, NUL-terminated
 # struct fuse_write_in, which with the in-header precedes a WRITE's data.
 WRITE_IN_SIZE = 40
 
 assert IN_HEADER.size == 40 and OUT_HEADER.size == 16 and OPEN_OUT.size == 16
 assert INIT_OUT.size == 40 and ENTRY_OUT.size == 128 and ATTR_OUT.size == 104
+assert CREATE_OUT.size == ENTRY_OUT.size + OPEN_OUT.size and CREATE_IN.size == 16
 
 
 class WireError(Exception):
@@ -178,6 +190,14 @@ class OpenOut(NamedTuple):
     fh: int
     open_flags: int
     backing_id: int
+
+
+class CreateIn(NamedTuple):
+    flags: int  # open(2)'s flags
+    mode: int  # the new file's mode, before the umask
+    umask: int
+    open_flags: int  # FUSE_OPEN_KILL_SUIDGID; libfuse does not read it
+    name: bytes
 
 
 def _unpack(layout: struct.Struct, message: Message, at: int, what: str) -> tuple[int, ...]:
@@ -235,6 +255,17 @@ def flush_fh(message: Message) -> int:
     if len(message) < IN_HEADER.size + 8:
         raise WireError(f"a FLUSH or RELEASE request of {len(message)} bytes")
     return _FH.unpack_from(message, IN_HEADER.size)[0]
+
+
+def create_in(message: Message) -> CreateIn:
+    """A CREATE request's arguments and the name it makes in its directory (`nodeid_of`), as
+    libfuse reads them at protocol 7.12 and later."""
+    fields = _unpack(CREATE_IN, message, IN_HEADER.size, "CREATE request")
+    name_at = IN_HEADER.size + CREATE_IN.size
+    end = bytes(message[name_at:]).find(b"\0")
+    if end < 0:
+        raise WireError(f"a CREATE request of {len(message)} bytes with no NUL")
+    return CreateIn(*fields, bytes(message[name_at:name_at + end]))
 
 
 def out_header(message: Message) -> OutHeader:
@@ -343,6 +374,17 @@ class Attributes(Protocol):
     def st_ctime_ns(self) -> int: ...
 
 
+class Entry(Attributes, Protocol):
+    """What a CREATE (or LOOKUP) reply carries of a file: pyfuse3's `EntryAttributes`."""
+
+    @property
+    def generation(self) -> int: ...
+    @property
+    def entry_timeout(self) -> float: ...
+    @property
+    def attr_timeout(self) -> float: ...
+
+
 def _timeout(seconds: float) -> tuple[int, int]:
     """A validity in seconds as the kernel takes it, whole seconds and nanoseconds (libfuse's
     `calc_timeout_sec` and `calc_timeout_nsec`)."""
@@ -352,17 +394,32 @@ def _timeout(seconds: float) -> tuple[int, int]:
     return whole, min(int((seconds - whole) * 1e9), 999_999_999)
 
 
+def _fuse_attr(attrs: Attributes) -> tuple[int, ...]:
+    """struct fuse_attr's fields, as libfuse's `convert_stat` fills them (flags 0)."""
+    atime, atime_ns = divmod(attrs.st_atime_ns, 1_000_000_000)
+    mtime, mtime_ns = divmod(attrs.st_mtime_ns, 1_000_000_000)
+    ctime, ctime_ns = divmod(attrs.st_ctime_ns, 1_000_000_000)
+    return (attrs.st_ino, attrs.st_size, attrs.st_blocks, atime, mtime, ctime,
+            atime_ns, mtime_ns, ctime_ns, attrs.st_mode, attrs.st_nlink, attrs.st_uid,
+            attrs.st_gid, attrs.st_rdev, attrs.st_blksize, 0)
+
+
 def attr_reply(unique: int, attrs: Attributes, timeout: float) -> bytes:
     """The reply to a GETATTR: what libfuse's `fuse_reply_attr` writes for the same
     attributes (`answer_now` in `fs.fuse.passthrough` answers GETATTR without libfuse)."""
-    valid, valid_nsec = _timeout(timeout)
-    times = [divmod(ns, 1_000_000_000) for ns in (attrs.st_atime_ns, attrs.st_mtime_ns,
-                                                   attrs.st_ctime_ns)]
     return OUT_HEADER.pack(OUT_HEADER.size + ATTR_OUT.size, 0, unique) + ATTR_OUT.pack(
-        valid, valid_nsec, 0, attrs.st_ino, attrs.st_size, attrs.st_blocks,
-        *(sec for sec, _ns in times), *(ns for _sec, ns in times),
-        attrs.st_mode, attrs.st_nlink, attrs.st_uid, attrs.st_gid, attrs.st_rdev,
-        attrs.st_blksize, 0)
+        *_timeout(timeout), 0, *_fuse_attr(attrs))
+
+
+def create_reply(unique: int, entry: Entry, fh: int) -> bytes:
+    """The reply to a CREATE of file handle `fh`: what libfuse's `fuse_reply_create` writes
+    for pyfuse3's `FileInfo(fh=fh)` (no open flags; `edit_open_reply` then adds passthrough
+    as to every CREATE reply)."""
+    entry_valid, entry_valid_nsec = _timeout(entry.entry_timeout)
+    attr_valid, attr_valid_nsec = _timeout(entry.attr_timeout)
+    return OUT_HEADER.pack(OUT_HEADER.size + CREATE_OUT.size, 0, unique) + CREATE_OUT.pack(
+        entry.st_ino, entry.generation, entry_valid, attr_valid, entry_valid_nsec,
+        attr_valid_nsec, *_fuse_attr(entry), fh, 0, 0)
 
 
 def error_reply(unique: int, error: int) -> bytes:

@@ -99,6 +99,7 @@ class Operations(pyfuse3.Operations):
             passthrough.lookup_absent = self.lookup_absent
             passthrough.flush_now = self.flush_now
             passthrough.release_now = self.release_now
+            passthrough.create_now = self.create_now
         self.control_path = control_path.encode()
         self._dirs: dict[int, tuple[Node, list[tuple[bytes, Node]] | None]] = {}
         self._next_dir_fh = 1
@@ -207,7 +208,7 @@ class Operations(pyfuse3.Operations):
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
         if fields.update_size and not fields.update_mode:
-            self._writer_opened(node, ctx)  # a truncate writes too
+            self._writer_opened(node, ctx.uid)  # a truncate writes too
         return self._attrs(node)
 
     @_boundary
@@ -258,10 +259,40 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: Any) -> tuple[FileInfo, EntryAttributes]:
-        node, handle = self.ns.create(self.ns.get(parent_inode), name, mode & ~ctx.umask,
-                                      flags, ctx.uid, ctx.gid, ctx.pid)
-        self._writer_opened(node, ctx)
+        node, handle = self._create(parent_inode, name, mode & ~ctx.umask, flags, ctx.uid,
+                                    ctx.gid, ctx.pid)
         return await self._file_info(handle), self._entry(node)
+
+    @_answer_now
+    def create_now(self, parent_inode: int, name: bytes, mode: int, flags: int, umask: int,
+                   uid: int, gid: int, pid: int) -> tuple[int, EntryAttributes] | None:
+        """`create` with no await, for the relay to answer a CREATE on its own turn of the
+        loop: the new file's handle and entry, the errno that fails it, or None, having made
+        nothing, when its open may wait for room in the RAM tier (`Namespace.creates_now`;
+        then `create` answers)."""
+        if not self.ns.creates_now():
+            return None
+        node, handle = self._create(parent_inode, name, mode & ~umask, flags, uid, gid, pid)
+        try:
+            if self.passthrough is not None and self.passthrough.choose(handle):
+                self.ns.expect_direct_writes_now(handle)
+        except BaseException:
+            # Not for a new inode (`choose` refuses only an open of another backing file of
+            # an inode open already), but the kernel would not release a failed open.
+            if self.passthrough is not None:
+                self.passthrough.withdraw(handle)
+            self.ns.background.spawn(self.ns.release, handle)
+            raise
+        return handle.fh, self._entry(node)
+
+    def _create(self, parent_inode: int, name: bytes, mode: int, flags: int, uid: int,
+                gid: int, pid: int) -> tuple[Node, Handle]:
+        """What `create` and `create_now` do before the open's reply (`mode` after the
+        umask)."""
+        node, handle = self.ns.create(self.ns.get(parent_inode), name, mode, flags, uid, gid,
+                                      pid)
+        self._writer_opened(node, uid)
+        return node, handle
 
     @_boundary
     async def open(self, inode: int, flags: int, ctx: Any) -> FileInfo:
@@ -277,14 +308,14 @@ class Operations(pyfuse3.Operations):
         handle = await self.ns.open(node, flags)
         self.ns.note_opened(handle, ctx.pid)
         if handle.writable:
-            self._writer_opened(node, ctx)
+            self._writer_opened(node, ctx.uid)
         return await self._file_info(handle)
 
-    def _writer_opened(self, node: Node, ctx: Any) -> None:
+    def _writer_opened(self, node: Node, uid: int) -> None:
         """Under the relay the daemon clears set-id bits itself (FUSE_HANDLE_KILLPRIV_V2), and
         with passthrough it sees no write: a writer that may not keep them (a user but root,
         who has CAP_FSETID) makes them go at its open (`Attributes.drop_setid`)."""
-        if self.passthrough is not None and ctx.uid != 0:
+        if self.passthrough is not None and uid != 0:
             self.ns.drop_setid(node)
 
     async def _file_info(self, handle: Handle) -> FileInfo:

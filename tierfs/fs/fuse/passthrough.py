@@ -19,7 +19,8 @@ other message passes unchanged, so the handlers stay ordinary pyfuse3 code. The 
 the edits are in `tierfs.fs.fuse.fuse_wire` (pure functions over bytes); this module moves them, and
 aborts the connection if the relay fails, so that no process waits forever on the mount.
 A GETATTR is answered by the relay itself, from the daemon's handler with no await
-(`_answer_now`): one turn of the loop instead of three.
+(`_answer_now`): one turn of the loop instead of three; so are a LOOKUP of an absent name, a
+CREATE, a FLUSH and a RELEASE where the handler would never wait.
 
 The kernel requires all concurrent opens of an inode to agree: once one is a passthrough open,
 every other must pass through to the same backing file; once one is an ordinary (page-cached)
@@ -124,6 +125,11 @@ class PassthroughDevice:
         # or None (libfuse answers it).
         self.flush_now: Callable[[int], int | None] | None = None
         self.release_now: Callable[[int], int | None] | None = None  # the same for a RELEASE
+        # A CREATE done with no await (`Operations.create_now`: directory inode, name, mode,
+        # flags, umask, uid, gid, pid): the new file's handle and entry, the errno that fails
+        # it, or None (libfuse answers it).
+        self.create_now: Callable[[int, bytes, int, int, int, int, int, int],
+                                  tuple[int, EntryAttributes] | int | None] | None = None
         self._closing = False
         self._aborted = False  # the connection was aborted
         self.connection: str | None = None  # the mount's directory under CONNECTIONS
@@ -341,12 +347,13 @@ class PassthroughDevice:
         return True
 
     def _answer_now(self, message: wire.Message) -> bytes | None:
-        """A GETATTR, a LOOKUP of an absent name, a FLUSH or RELEASE that commits nothing,
-        answered by the daemon on this turn of the loop, or None: a request relayed to
-        libfuse is three turns of the loop (this task, the pyfuse3 worker's, the reply
-        relay's), and these handlers never wait (a step of many files saved asks each once per
-        file: the kernel checks the step directory's permissions, looks each new name up
-        before it creates it, flushes it at its close and releases it). The answer is the
+        """A GETATTR, a LOOKUP of an absent name, a CREATE with room in the RAM tier, a FLUSH
+        or RELEASE that commits nothing, answered by the daemon on this turn of the loop, or
+        None: a request relayed to libfuse is three turns of the loop (this task, the pyfuse3
+        worker's, the reply relay's), and these handlers never wait (a step of many files
+        saved asks each once per file: the kernel checks the step directory's permissions,
+        looks each new name up before it creates it, creates it, flushes it at its close and
+        releases it). The answer is the
         handler's, only sooner: requests are answered in no particular order anyway (pyfuse3
         runs several at once), the kernel discards attributes that raced with a change of
         them (`fuse_change_attributes`, by attr_version), and it holds the directory's lock
@@ -364,6 +371,8 @@ class PassthroughDevice:
             error = self.release_now(wire.flush_fh(message))
         if code in (wire.Opcode.LOOKUP, wire.Opcode.FLUSH, wire.Opcode.RELEASE):
             return None if error is None else wire.error_reply(wire.unique_of(message), error)
+        if code == wire.Opcode.CREATE:
+            return self._create_now(message) if offer.minor >= wire.CREATE_IN_MINOR else None
         if code != wire.Opcode.GETATTR or self.getattr_now is None:
             return None
         attrs = self.getattr_now(wire.nodeid_of(message))
@@ -371,6 +380,24 @@ class PassthroughDevice:
         if isinstance(attrs, int):
             return wire.error_reply(unique, attrs)
         return wire.attr_reply(unique, attrs, attrs.attr_timeout)
+
+    def _create_now(self, message: wire.Message) -> bytes | None:
+        """A CREATE made by the daemon on this turn of the loop (`_answer_now`), answered as
+        libfuse would with pyfuse3's reply and the relay's edits of it (passthrough, its
+        backing id), or None."""
+        if self.create_now is None:
+            return None
+        header = wire.in_header(message)
+        request = wire.create_in(message)
+        made = self.create_now(header.nodeid, request.name, request.mode, request.flags,
+                               request.umask, header.uid, header.gid, header.pid)
+        if made is None:
+            return None
+        if isinstance(made, int):
+            return wire.error_reply(header.unique, made)
+        fh, entry = made
+        return wire.edit_open_reply(wire.Opcode.CREATE, wire.create_reply(header.unique, entry, fh),
+                                    self._offers, self._no_flush)
 
     async def _relay_replies(self) -> None:
         try:

@@ -250,11 +250,15 @@ class Handle:
     __slots__ = ("fh", "node", "fd", "backing_ino", "writable", "active", "passthrough",
                  "flushes", "pin", "pid")
 
-    def __init__(self, fh: int, node: Node, fd: int, writable: bool, pid: int = 0) -> None:
+    def __init__(self, fh: int, node: Node, fd: int, writable: bool, pid: int = 0,
+                 backing_ino: int | None = None) -> None:
         self.fh = fh
         self.node = node
         self.fd = fd  # -1 while the node's bytes are fetched from another tier
-        self.backing_ino = os.fstat(fd).st_ino if fd >= 0 else 0
+        # the fd's inode (given where the opener has fstat it already)
+        if backing_ino is None:
+            backing_ino = os.fstat(fd).st_ino if fd >= 0 else 0
+        self.backing_ino = backing_ino
         self.writable = writable
         self.active = False
         self.passthrough = False

@@ -119,19 +119,21 @@ class Sealing:
         return [node for _rel, node in files
                 if node.open_for_writing and not self.describes_file(node)]
 
-    def start(self, node: Node, *, at_commit: bool = False, size: int | None = None) -> None:
+    def start(self, node: Node, *, at_commit: bool = False, size: int | None = None,
+              opened: tuple[int, os.stat_result] | None = None) -> None:
         """The last writer of `node` is done: seal it in the background, or (`at_commit`)
         when it is needed (see the module docstring). A file of `size` up to
         INLINE_HASH_BYTES is sealed at once, on the loop: its hash there costs less than a
         task of its own (a step of 10,000 small files paid a task, its start and its turns of
-        the loop, per file)."""
+        the loop, per file); through the writer's descriptor of its backing file and its fstat
+        (`opened`), where given, instead of an open of its own."""
         if at_commit:
             self._at_commit[node] = node.gen
             return
         self._at_commit.pop(node, None)
         if self.spawner is not None and size is not None and size <= INLINE_HASH_BYTES \
                 and not self._under_way(node):
-            self._seal_now(node, node.gen)
+            self._seal_now(node, node.gen, opened)
             return
         if self.spawner is not None:
             self._queued[node] = node.gen
@@ -244,17 +246,26 @@ class Sealing:
         except (FsError, OSError) as exc:  # removed or evicted meanwhile: nothing to seal
             log.debug("background seal of inode %d skipped: %s", node.ino, exc)
 
-    def _seal_now(self, node: Node, gen: int) -> None:
+    def _seal_now(self, node: Node, gen: int,
+                  opened: tuple[int, os.stat_result] | None = None) -> None:
         """`start`'s seal of a small file, with no await: no other hash of it can run
         meanwhile. One that grew past INLINE_HASH_BYTES since its size was taken goes to the
-        background as any other."""
+        background as any other. `opened`: a descriptor of its backing file (read with
+        pread, which leaves its offset) and its fstat a moment ago; a file unlinked
+        meanwhile is not sealed, as where it is opened here."""
+        before: os.stat_result | None = None
+        own = True  # a descriptor opened here, closed here
+        if opened is not None and node.parent is not None:
+            (fd, before), own = opened, False
+        else:
+            try:
+                fd = os.open(self._backing(node), os.O_RDONLY)
+            except (FsError, OSError) as exc:  # removed or evicted meanwhile: nothing to seal
+                log.debug("seal of inode %d skipped: %s", node.ino, exc)
+                return
         try:
-            fd = os.open(self._backing(node), os.O_RDONLY)
-        except (FsError, OSError) as exc:  # removed or evicted meanwhile: nothing to seal
-            log.debug("seal of inode %d skipped: %s", node.ino, exc)
-            return
-        try:
-            before = os.fstat(fd)
+            if before is None:
+                before = os.fstat(fd)
             if before.st_size > INLINE_HASH_BYTES:
                 assert self.spawner is not None
                 self._queued[node] = gen
@@ -263,7 +274,8 @@ class Sealing:
             digest = mf.hash_fd(fd)
             after = os.fstat(fd)
         finally:
-            os.close(fd)
+            if own:
+                os.close(fd)
         self._keep(node, gen, digest, before, after)
 
     async def _hash(self, node: Node, gen: int) -> None:

@@ -466,8 +466,8 @@ class Tree:
             raise
         node = self.attach(parent, name, stat.S_IFREG)
         node.step = self._identity.single_file_step(parent, name)
-        self.store.account_fd(fd)
-        handle = self._new_handle(node, fd, writable=True, pid=pid)
+        backing_ino = self.store.account_fd(fd)
+        handle = self._new_handle(node, fd, writable=True, pid=pid, backing_ino=backing_ino)
         self.activate(handle)
         return node, handle
 
@@ -546,7 +546,8 @@ class Tree:
             size = st.st_size if st is not None else None
             self._sealing.start(node, size=size, at_commit=(
                 size is not None and size >= HASH_AT_COMMIT
-                and tree_walk.in_a_step(node.parent)))
+                and tree_walk.in_a_step(node.parent)),
+                opened=(handle.fd, st) if st is not None else None)
         self._released.set()
         self._released = trio.Event()
         return True
@@ -699,8 +700,9 @@ class Tree:
         elif node.parent is None and node.ino in self._inodes:
             del self._inodes[node.ino]
 
-    def _new_handle(self, node: Node, fd: int, writable: bool, pid: int = 0) -> Handle:
-        handle = Handle(self._next_fh, node, fd, writable, pid)
+    def _new_handle(self, node: Node, fd: int, writable: bool, pid: int = 0,
+                    backing_ino: int | None = None) -> Handle:
+        handle = Handle(self._next_fh, node, fd, writable, pid, backing_ino)
         self._next_fh += 1
         self._handles[handle.fh] = handle
         node.handles.append(handle)
