@@ -4,14 +4,23 @@ failure here is in the fetch layer (chunk checks, partial file, whole-file check
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
 import pytest
 import trio
+from trio.testing import wait_all_tasks_blocked
 
 from tierfs import manifest as mf
-from tierfs.fs.store.fetch import SEQUENTIAL_RUN, Fetch, FetchError, RemoteFile, fetch_chunk
+from tierfs.fs.store.fetch import (
+    SEQUENTIAL_RUN,
+    Fetch,
+    FetchError,
+    RemoteFile,
+    Slots,
+    fetch_chunk,
+)
 from tierfs.fs.store.ram_store import RamFull, RamStore
 from tierfs.s3tier.backend import FileBackend
 from tierfs.s3tier.reader import PersistentReader
@@ -417,3 +426,48 @@ async def test_fills_sharing_a_limiter_overlap_in_order_and_say_when_all_is_on_i
     finally:
         first.discard()
         second.discard()
+
+
+class OrderedReader(PersistentReader):
+    """The persistent tier's read source, noting which file each range it is asked for is of,
+    in the order asked."""
+
+    def __init__(self, backend: FileBackend) -> None:
+        super().__init__(backend, trio.CapacityLimiter(2))
+        self.asked: list[str] = []
+
+    async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
+                         length: int) -> bytes:
+        self.asked.append(entry.name)
+        return await super().read_range(step_path, entry, offset, length)
+
+
+async def test_a_read_ahead_gives_way_to_a_reader_waiting_for_another_file(
+        tmp_path: Path, ram: RamStore) -> None:
+    """A step's read-ahead fills its files over shared `Slots`; a reader's open waits for
+    another file whole (a DCP load opens its files in its plan's order, not the listing's):
+    while it waits, no chunk of the read-ahead starts, so the file waited for gets the
+    bandwidth; then the read-ahead goes on, and both files come whole and verified."""
+    ahead_data, opened_data = os.urandom(6 * mf.CHUNK_SIZE), os.urandom(4 * mf.CHUNK_SIZE)
+    backend, ahead_remote = stored_file(tmp_path, ahead_data, "ahead")
+    _, opened_remote = stored_file(tmp_path, opened_data, "opened")
+    reader = OrderedReader(backend)
+    ahead, opened = Fetch(ram, ahead_remote), Fetch(ram, opened_remote)
+    slots = Slots(2)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(ahead.fill, [reader], limiter=slots))
+            await wait_all_tasks_blocked()  # the read-ahead's first chunks on their way
+            before = len(reader.asked)
+            assert 2 <= before < 6 and set(reader.asked) == {"ahead"}
+            with slots.urgent():
+                await opened.fill([reader], 8)
+                while_waiting = reader.asked[before:]
+        assert while_waiting == ["opened"] * 4
+        assert reader.asked[before + 4:] == ["ahead"] * (6 - before)
+        for fetch, data in ((ahead, ahead_data), (opened, opened_data)):
+            assert fetch.complete and fetch.verify()
+            assert Path(os.fsdecode(fetch.path)).read_bytes() == data
+    finally:
+        ahead.discard()
+        opened.discard()

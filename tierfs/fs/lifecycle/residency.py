@@ -20,6 +20,7 @@ tier), and its background work runs under the `Spawner` it is given.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -43,7 +44,7 @@ from tierfs.fs.model.ports import (
     StoreLoss,
     TierError,
 )
-from tierfs.fs.store.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError, GivenBytes
+from tierfs.fs.store.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError, GivenBytes, Slots
 from tierfs.fs.store.ram_store import RamFull
 
 if TYPE_CHECKING:
@@ -135,6 +136,8 @@ class Residency:
             weakref.WeakKeyDictionary()
         self.small_fetched = 0  # files brought in by `_fetch_small` (status, tests)
         self._reading_ahead: set[StepState] = set()  # steps with a `_read_ahead` running
+        # Their chunks in flight, which give way to an open waiting for a file (`fetch_whole`).
+        self._ahead_slots: dict[StepState, Slots] = {}
         # Fetches a read-ahead started (before any open of their file), and the files and
         # bytes they brought into RAM, verified (status `fetched_ahead`, tests, the bench).
         self._ahead: weakref.WeakSet[Fetch] = weakref.WeakSet()
@@ -250,7 +253,9 @@ class Residency:
             return
         self._fetch_small(node)
         try:
-            await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
+            # the step's read-ahead, if one runs, gives way: its reader waits for this file
+            with self._ahead_slots_of(node):
+                await fetch.fill(self.read_sources, WHOLE_IN_FLIGHT)
         except (FetchError, RamFull) as exc:
             log.info("%s is read range by range: %s", self.tree.relpath(node),
                      exc or "no room in RAM")
@@ -418,7 +423,7 @@ class Residency:
                 # One file after another, WHOLE_IN_FLIGHT chunks in flight over them all: the
                 # next file starts once every chunk of the one before is on its way, so the
                 # pipe stays full across files and the file a reader opens next comes first.
-                limiter = trio.CapacityLimiter(WHOLE_IN_FLIGHT)
+                limiter = self._ahead_slots[step] = Slots(WHOLE_IN_FLIGHT)
                 coming: Fetch | None = None  # the file before, its last chunks on their way
                 async with trio.open_nursery() as nursery:
                     for sibling in wanted:
@@ -438,6 +443,7 @@ class Residency:
                         coming = fetch
             finally:
                 self._reading_ahead.discard(step)
+                self._ahead_slots.pop(step, None)
                 log.info("read-ahead of %s ended: %d files came to RAM", where, fetched)
 
         self.background.spawn(ahead)
@@ -471,6 +477,14 @@ class Residency:
             wanted.append(sibling)
             total += size
         return wanted if self.store.room_for(total) else None
+
+    def _ahead_slots_of(self, node: Node) -> contextlib.AbstractContextManager[None]:
+        """While an open waits for `node` whole: its step's read-ahead, if one runs, starts no
+        chunk (`Slots.urgent`). A loader opens the step's files in an order of its own (a DCP
+        load: its plan's), not the manifest's the read-ahead follows."""
+        step_node = next(tree_walk.enclosing_steps(node), None)
+        slots = None if step_node is None else self._ahead_slots.get(step_node.step)
+        return contextlib.nullcontext() if slots is None else slots.urgent()
 
     def _being_loaded(self, node: Node) -> bool:
         step_node = next(tree_walk.enclosing_steps(node), None)

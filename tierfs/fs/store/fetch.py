@@ -36,7 +36,7 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -113,6 +113,45 @@ class _Loan:
 
     def give_back(self) -> None:
         _BUFFERS.give(self.buffer)
+
+
+class Slots:
+    """Chunks in flight shared by the fills of a step's read-ahead (a `trio.CapacityLimiter`
+    of them), which give way to a reader waiting for a file: while any `urgent()` block runs
+    (an open waiting for its file whole, fetched by its own fill), no chunk of the read-ahead
+    starts (those on their way finish). A loader opens its files in an order of its own (a DCP
+    load: its plan's, not the step's listing): the file it waits for gets the bandwidth, and
+    the read-ahead goes on once it came."""
+
+    def __init__(self, total: int) -> None:
+        self._limiter = trio.CapacityLimiter(total)
+        self._urgent = 0
+        self._clear = trio.Event()
+        self._clear.set()
+
+    @contextlib.contextmanager
+    def urgent(self) -> Iterator[None]:
+        """A reader waits for a file: no read-ahead chunk starts until it is in."""
+        if not self._urgent:
+            self._clear = trio.Event()
+        self._urgent += 1
+        try:
+            yield
+        finally:
+            self._urgent -= 1
+            if not self._urgent:
+                self._clear.set()
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        while True:
+            await self._clear.wait()
+            await self._limiter.acquire_on_behalf_of(borrower)
+            if not self._urgent:
+                return
+            self._limiter.release_on_behalf_of(borrower)  # a reader began to wait meanwhile
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        self._limiter.release_on_behalf_of(borrower)
 
 
 class ReadSource(Protocol):
@@ -389,7 +428,7 @@ class Fetch:
         return os.dup(self.fd)
 
     async def fill(self, sources: list[ReadSource], in_flight: int = READ_AHEAD, *,
-                   limiter: trio.CapacityLimiter | None = None,
+                   limiter: trio.CapacityLimiter | Slots | None = None,
                    underway: trio.Event | None = None) -> None:
         """Fetch every missing chunk, `in_flight` at a time (for a writer, a prefetch, a
         read-only open, a sequential reader), asked for in the file's order; raises RamFull
