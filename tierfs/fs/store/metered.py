@@ -64,5 +64,7 @@ class MeteredSource:
             return {}
         started = time.monotonic()
         files: dict[str, memoryview] = await read_files(step_path, entries)
-        self._meter.read_range(step_path, self.where, sum(map(len, files.values())), started)
+        if files:  # none came: no read-back to report
+            self._meter.read_range(step_path, self.where, sum(map(len, files.values())),
+                                   started)
         return files
