@@ -386,8 +386,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with Bench(args) as bench, PeakRss(bench.pid) as rss, \
             Profile(bench, args.profile and not args.cluster_only) as spy:
         targets = [*bench.mounts, *TARGETS[1:]]
-        # --torch-only, --uniform-only: those rows alone (each on every target it applies to)
-        rows_only = args.torch_only or args.uniform_only
+        # --torch-only, --uniform-only, --persist-only: those rows alone (each on every target
+        # it applies to)
+        rows_only = args.torch_only or args.uniform_only or args.persist_only
         everything = not rows_only
         if everything and not (args.cluster_only or args.appends_only or args.ranged_only):
             bench.floor = fuse_floor.build(bench.work)  # for the many-file rows
@@ -397,7 +398,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for rep in range(0 if args.cluster_only or args.appends_only or args.ranged_only
                          else args.reps):
             for target in [] if args.many_files_only or args.ranged_only else targets:
-                if target != "s3" and target != "disk" and (everything or args.uniform_only):
+                if args.persist_only and target not in ("tierfs", "s3"):
+                    continue
+                if target != "s3" and target != "disk" and (
+                        everything or args.uniform_only or args.persist_only):
                     name = f"step_{rep * 10 + 2}"
                     previous = f"step_{rep * 10 + 1}"
                     cpu = cpu_seconds(bench.pid)
@@ -417,7 +421,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     bench.drop(target, name)
                     if args.beside_previous:
                         bench.drop(target, previous)
-                for threads in (1, 4) if everything else ():
+                for threads in (1, 4) if everything or args.persist_only else ():
                     name = f"step_{rep * 10 + threads}"
                     cpu, store_cpu = cpu_seconds(bench.pid), cpu_seconds(bench.store_pid)
                     seconds = timed(lambda t=target, n=name, th=threads: dcp.save(
@@ -1346,6 +1350,11 @@ def main() -> None:
                         help="only the torch.save and torch.load rows")
     parser.add_argument("--uniform-only", action="store_true",
                         help=f"only the row {UNIFORM_SAVE!r}")
+    parser.add_argument("--persist-only", action="store_true",
+                        help="only tierfs and direct S3, and of their rows those the full "
+                             "run has up to committed -> persisted (the 16-file save, the "
+                             "1- and 4-thread saves and their loads): the uploads of the "
+                             "steps before it are as in the full run")
     parser.add_argument("--beside-previous", action="store_true",
                         help=f"with --uniform-only: save a previous step just before each "
                              f"{UNIFORM_SAVE!r}, whose hashes and upload run beside it, as "
