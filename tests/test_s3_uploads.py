@@ -26,7 +26,7 @@ from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.observe import Events
 from tierfs.s3tier.backend import MANIFEST_KEY, open_backend
 from tierfs.s3tier.s3_backend import PARALLEL_PARTS, UPLOAD_NICE
-from tierfs.s3tier.uploader import Uploader
+from tierfs.s3tier.uploader import PARALLEL_REQUESTS, Uploader
 
 pytestmark = pytest.mark.store
 
@@ -196,3 +196,35 @@ async def test_an_upload_ended_midway_drops_its_parts(
             await wait_for(lambda: "dropped" in caplog.text, timeout=30)
     assert store.unfinished_uploads() == []
     assert store.persisted == []
+
+
+async def test_a_step_deleted_while_it_uploads_stops_after_the_requests_in_flight(
+        throttled: tuple[ThrottledStore, S3Proxy], caplog: pytest.LogCaptureFixture) -> None:
+    """A step deleted (or saved again) midway sends no more of its bytes: the requests in
+    flight end, the others are not made, and the step queued behind it goes up at once. Every
+    part of its files was sent before (the check came only after a failed request), in the
+    bench a dropped step's whole upload ahead of the next save's."""
+    caplog.set_level(logging.INFO)
+    store, proxy = throttled
+    parts: list[str] = []
+
+    def plan(r: Request) -> Fault | None:
+        if r.is_upload_part and "/step_1/" in r.path:
+            parts.append(r.path)
+            return Fault("slow", delay=0.3)  # an upload long enough to delete it midway
+        return None
+
+    proxy.plan = plan
+    files = {f"shard{i}": os.urandom(8 * 5 << 20) for i in range(2)}  # 16 parts in all
+    store.step("run/step_1", files)
+    async with store.running():
+        await wait_for(lambda: bool(parts), timeout=30)
+        store.current.discard("run/step_1")  # deleted
+        store.step("run/step_2", {"small": b"x"})
+        await wait_for(lambda: store.persisted == ["run/step_2"], timeout=60)
+        await wait_for(lambda: bool(re.search(r"upload of run/step_1 v\d+ dropped",
+                                              caplog.text)), timeout=30)
+    # at most the requests in flight when it was deleted, and the ones already let through
+    assert len(parts) <= 2 * PARALLEL_REQUESTS, f"{len(parts)} of 16 parts sent"
+    assert store.unfinished_uploads() == []
+    assert store.stored("run/step_2/small") == b"x"

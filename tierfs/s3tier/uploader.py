@@ -9,7 +9,9 @@ Order keeps "whole step or none" in the store: the old manifest object is delete
 files are replaced, then a step of many small files gets its packs (`tierfs.s3tier.packs`),
 then the new manifest is written last, and objects of the old version that the new one does not
 name go (packs not written again among them). Temporary failures retry without limit for as
-long as the step is still the current version; the step stays in RAM meanwhile.
+long as the step is still the current version; the step stays in RAM meanwhile. A version that
+is no longer current (deleted, saved again) makes no new request: its upload ends with the
+requests in flight, and the steps queued behind it go on.
 
 Whatever else fails a step's upload (a store that is unavailable, a refusal the store calls
 final, the unforeseen) the whole step is tried again by the same policy, for as long as it is
@@ -354,7 +356,14 @@ class Uploader:
     async def _call(self, what: str, manifest: mf.StepManifest, func, *args) -> object:  # type: ignore[no-untyped-def]
         async def attempt() -> object:
             try:
-                return await trio.to_thread.run_sync(func, *args, limiter=self._threads)
+                # Whether the version is still wanted is asked once a request's turn has
+                # come, not before it queued: a step deleted or saved again stops after the
+                # requests in flight, instead of sending every byte left (ahead of the steps
+                # queued behind it, as a save's next step).
+                async with self._threads:
+                    if not self._current(manifest):
+                        raise NoLongerWanted(what)
+                    return await trio.to_thread.run_sync(func, *args)
             except BackendError as exc:
                 self._note_trouble(manifest, exc)
                 raise
