@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -167,6 +168,9 @@ class Uploader:
         self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
         self.trackers = TrackerVersions()  # their versions that may still go up
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
+        # The thread of a request `_call` holds a `_threads` token for: bounded by that alone,
+        # not by trio's default limiter as well (which other work of the daemon shares).
+        self._token_held = trio.CapacityLimiter(math.inf)
         self._path_locks: dict[str, trio.Lock] = {}  # an upload and a delete of one path
         self.troubles: dict[str, UploadTrouble] = {}
         self._uploading: str | None = None
@@ -363,7 +367,8 @@ class Uploader:
                 async with self._threads:
                     if not self._current(manifest):
                         raise NoLongerWanted(what)
-                    return await trio.to_thread.run_sync(func, *args)
+                    return await trio.to_thread.run_sync(func, *args,
+                                                         limiter=self._token_held)
             except BackendError as exc:
                 self._note_trouble(manifest, exc)
                 raise

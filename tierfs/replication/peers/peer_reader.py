@@ -40,9 +40,6 @@ log = logging.getLogger(__name__)
 # daemon's lease ends within its ttl after its last keepalive, and the watch tells every node.
 HOLDER_WAIT = membership.DEFAULT_TTL + membership.REJOIN_MARGIN
 RETRY_EVERY = 0.5  # seconds between tries meanwhile (a holder restarted at the same address)
-# Bytes of names one GET_FILES carries at most (and proto.MAX_NAMES names): its header stays
-# far under proto.MAX_HEADER.
-FILES_NAME_BYTES = 256 << 10
 
 
 class PeerReader:
@@ -93,7 +90,7 @@ class PeerReader:
         for node_id in sources.holder_order(holders, entries[0].xxh3, 0, self.directory.is_up):
             try:
                 async with self.directory.channel(node_id) as channel:
-                    for batch in _name_batches(entries):
+                    for batch in proto.name_batches(entries, lambda e: e.name):
                         await channel.send("GET_FILES", path=step_path,
                                            names=[entry.name for entry in batch],
                                            digests=[entry.xxh3 for entry in batch])
@@ -202,21 +199,6 @@ class PeerReader:
                 log.info("chunk at %d of %s/%s: relay %s failed (%s); asking %s again",
                          offset, step_path, entry.name, reply.relay, exc or "timed out", holder)
                 avoid.append(reply.relay)
-
-
-def _name_batches(entries: list[mf.FileEntry]) -> list[list[mf.FileEntry]]:
-    """`entries` in GET_FILES-sized batches."""
-    batches: list[list[mf.FileEntry]] = [[]]
-    size = 0
-    for entry in entries:
-        name_bytes = len(entry.name.encode())
-        if batches[-1] and (len(batches[-1]) >= proto.MAX_NAMES
-                            or size + name_bytes > FILES_NAME_BYTES):
-            batches.append([])
-            size = 0
-        batches[-1].append(entry)
-        size += name_bytes
-    return batches
 
 
 def _cut(asked: list[mf.FileEntry], reply: proto.Message,

@@ -30,15 +30,17 @@ import hashlib
 import hmac
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tierfs.manifest import ManifestError, check_relative_path
 from tierfs.msgpack_map import decode_map
+
+T = TypeVar("T")
 
 PREFIX = struct.Struct(">II")
 MAX_HEADER = 1 << 20
@@ -98,6 +100,7 @@ MAX_AVOID = 16  # relays a SWARM_GET names as failed
 # names per HOLD, HELD, FILES, HAVE, GET_FILES or FILES_DATA: with paths of at most 4 KiB,
 # under MAX_HEADER
 MAX_NAMES = 1000
+MAX_NAME_BYTES = 256 << 10  # bytes of names one such message carries at most
 
 PAYLOAD_TYPES = {"PUT", "DATA", "MANIFEST_PART", "FILES_DATA"}
 STREAM_FROM = 1 << 18  # payload bytes from which a streamed type's payload is streamed
@@ -195,6 +198,22 @@ def validate(message: Message) -> Message:
     if message.type == "FILES_DATA":
         _check_paired(message, "sizes", lambda n: type(n) is int and 0 <= n <= MAX_PAYLOAD)
     return message
+
+
+def name_batches(items: Sequence[T], name: Callable[[T], str]) -> list[list[T]]:
+    """`items` in batches one message may name (`name(item)`): MAX_NAMES names and
+    MAX_NAME_BYTES of them at most each, so that a frame's header stays far under its cap."""
+    batches: list[list[T]] = [[]]
+    size = 0
+    for item in items:
+        name_bytes = len(name(item).encode())
+        if batches[-1] and (len(batches[-1]) >= MAX_NAMES
+                            or size + name_bytes > MAX_NAME_BYTES):
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
+        size += name_bytes
+    return batches
 
 
 def is_xxh3_128(value: str) -> bool:

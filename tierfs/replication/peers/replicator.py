@@ -60,7 +60,6 @@ RETRY_DELAY = 2.0
 RETRIES = POLICY.capped(RETRY_DELAY)
 TRIES_BEFORE_ASIDE = 5  # failed rounds of a step before it waits aside for RETRY_LATER
 RETRY_LATER = 5.0  # seconds between tries of the steps waiting aside
-HOLD_NAME_BYTES = 256 << 10  # names per HOLD: at most this many bytes (and MAX_NAMES)
 NO_ROOM_PAUSE = 30.0  # seconds a target that had no room for a copy is not sent another
 # Whole files go to a connection each when no connection gets more than this times its even
 # share of the bytes (`deal`).
@@ -233,7 +232,7 @@ class Replicator:
         held: list[str] = []
         error: BaseException | None = None
         try:
-            for batch in _batches(names):
+            for batch in proto.name_batches(names, str):
                 entries = [entry for name in batch if (entry := manifest.entry(name)) is not None]
                 await self._send_files(target, manifest.path, entries)
                 async with self.directory.channel(target) as channel:
@@ -341,16 +340,3 @@ def _put_chunks(io: BlockingChannel, chunks: list[tuple[mf.FileEntry, int]], ste
     finally:
         for fd in fds.values():
             os.close(fd)
-
-
-def _batches(names: list[str]) -> list[list[str]]:
-    """The names in HOLD-sized batches (a frame's header stays far under its cap)."""
-    batches: list[list[str]] = [[]]
-    size = 0
-    for name in names:
-        if len(batches[-1]) >= proto.MAX_NAMES or size + len(name.encode()) > HOLD_NAME_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(name)
-        size += len(name.encode())
-    return batches

@@ -176,10 +176,9 @@ class StepReaders:
         for step, (_readers, last) in list(self._steps.items()):
             if now - last > self.ttl:
                 del self._steps[step]
-        readers, _last = self._steps.setdefault(step_path, (set(), now))
-        if reader not in readers and len(readers) >= self.most:
-            self._steps[step_path] = (readers, now)
-            return False
-        readers.add(reader)
-        self._steps[step_path] = (readers, now)
-        return True
+        readers = self._steps.get(step_path, (set(), now))[0]
+        admitted = reader in readers or len(readers) < self.most
+        if admitted:
+            readers.add(reader)
+        self._steps[step_path] = (readers, now)  # asked now, admitted or not
+        return admitted
