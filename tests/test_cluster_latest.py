@@ -99,7 +99,8 @@ def test_latest_resumes_from_the_step_before_a_writer_lost_before_its_copies(
         raise AssertionError("a file no node holds was read")
     except OSError as exc:
         assert exc.errno == 5
-    assert "no live node and no store holds it (lost with node1 before" in node2.log()
+    assert ("no node reachable from here and no store holds it (lost with node1 before"
+            in node2.log())
 
     # its writer comes back with its RAM: the step is whole again, and `latest` with it
     cluster3.start("node1")

@@ -1,9 +1,9 @@
 """After a node loss every node tells the same story, within a stated bound: `latest`, the
 step's state, `copies` and `replicas` come from the cluster's records and its live members (a
 node learns a loss from etcd once the lost node's lease is gone: doc/CLUSTER.md states the
-bound), also on nodes that come back empty under the lost ids; and a read that finds no live
+bound), also on nodes that come back empty under the lost ids; a read that finds no live
 holder while the holder's lease still lives waits for it (or for its loss) instead of failing
-at once."""
+at once; and a holder cut off while its lease lives is waited for once, not by every read."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import MountFactory, wait_until
+from tests.faults.tcp_proxy import TcpProxy
 from tests.harness import Cluster
 from tests.test_crash import save
 from tierfs.devtools.etcd import Etcd
@@ -150,3 +151,46 @@ def test_a_read_waits_for_a_holder_whose_lease_lives(
         if node_id != "node0":
             wait_until(lambda n=node_id: story(cluster, n, "run/step_1")["state"]
                        == "incomplete", timeout=AGREE)
+
+
+def test_reads_wait_once_for_a_live_holder_nobody_reaches(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """No copies (--replicas 0): node0 alone holds step_1, and its peers reach it only
+    through a proxy, which is then cut as a partition would be (node0 keeps its lease: it
+    reaches etcd). A read on node1 waits for node0 (HOLDER_WAIT) and fails (EIO); once
+    node1's probes find node0's link failing, each later read fails at once instead of
+    waiting for it again (a load of many files waited tens of seconds). Healed, the files
+    read whole again."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    files = {f"__0_{i}.distcp": os.urandom(1 << 20) for i in range(4)}
+    with TcpProxy(("127.0.0.1", cluster.ports["node0"])) as proxy:
+        node0 = cluster.nodes["node0"] = mounts.mount(
+            *cluster.args("node0"), "--advertise", proxy.endpoint, "--replicas", "0")
+        node1 = cluster.nodes["node1"] = mounts.mount(*cluster.args("node1"), "--replicas", "0")
+        wait_until(lambda: all(cluster.peers_up("node1").values()), timeout=15)
+        save(node0 / "run/step_1", {**files, ".metadata": b"m"})
+        wait_until(lambda: story(cluster, "node1", "run/step_1")["state"] == "committed",
+                   timeout=10)
+        proxy.cut()
+        names = sorted(files)
+        reader, result = read_in_background(node1 / "run/step_1" / names[0])
+        reader.join(timeout=90)
+        assert isinstance(result.get("error"), OSError), result.get("seconds")
+        assert result["error"].errno == errno.EIO, result
+
+        def link() -> object:
+            return next(p for p in node1.status()["peers"] if p["node_id"] == "node0")["state"]
+
+        wait_until(lambda: link() == "up, unreachable", timeout=30)
+        for name in names[1:]:
+            reader, result = read_in_background(node1 / "run/step_1" / name)
+            reader.join(timeout=90)
+            assert isinstance(result.get("error"), OSError) and \
+                result["error"].errno == errno.EIO, result
+            assert result["seconds"] < 1.0, (name, result["seconds"])
+        # the log says where the file is, not that it was lost with a node that lives
+        assert "(held by node0, up but not reachable from this node;" in node1.log()
+        proxy.heal()
+        wait_until(lambda: link() == "up", timeout=30)
+        for name in names:
+            assert (node1 / "run/step_1" / name).read_bytes() == files[name]

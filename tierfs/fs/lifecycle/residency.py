@@ -502,9 +502,9 @@ class Residency:
         if lost is None:
             return None
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(loss.since_ns / 1e9))
-        return (f"no live node and no store holds it ({lost.why()}; last held by "
-                f"{', '.join(lost.holders) or 'no node'}); its step is incomplete since "
-                f"{since}")
+        return (f"no node reachable from here and no store holds it ({lost.why()}; last "
+                f"held by {', '.join(lost.holders) or 'no node'}); its step is incomplete "
+                f"since {since}")
 
     def _adopt(self, node: Node, fetch: Fetch, *, quiet: bool = False) -> bool:
         """A complete fetch that matches its xxh3-128 becomes the file's committed object (a

@@ -43,8 +43,11 @@ class LostFile:
     holders: tuple[str, ...]  # the nodes that held it last (none: each lost its copy)
     writer: str | None  # the node that wrote it, if the cluster's records said
     store_lost: bool = False  # the store held it, and was seen to lack it since
+    cut_off: tuple[str, ...] = ()  # holders that are up but that this node cannot reach
 
     def why(self) -> str:
+        if self.cut_off:
+            return f"held by {', '.join(self.cut_off)}, up but not reachable from this node"
         if self.store_lost and not self.holders:
             return "the persistent tier held it and no longer does"
         if not self.holders:
@@ -132,6 +135,7 @@ class Recoverability:
             return ()
         reachable = (self._liveness.may_be_up if self._liveness is not None
                      else _anyone)
+        up = self._liveness.is_up if self._liveness is not None else _anyone
         lost = []
         for entry in step.manifest.files:
             if entry.name in step.resident:
@@ -142,7 +146,8 @@ class Recoverability:
             if not any(reachable(peer) for peer in holders):
                 lost.append(LostFile(entry.name, tuple(sorted(holders)),
                                      step.file_writers.get(entry.name),
-                                     entry.name in step.store_lacking))
+                                     entry.name in step.store_lacking,
+                                     tuple(sorted(h for h in holders if up(h)))))
         return tuple(lost)
 
 

@@ -475,12 +475,16 @@ async def open_socket(host: str, port: int, tls: ssl.SSLContext | None = None
 async def connect(host: str, port: int, token: bytes, my_id: str, members: Container[str],
                   peer_id: str, tls: ssl.SSLContext | None = None) -> PeerChannel:
     """An authenticated channel to `peer_id` at host:port (OSError or ProtocolError if not;
-    trio.TooSlowError if the connection is not made in CONNECT_TIMEOUT), in TLS if `tls`.
-    `peer_id` may be `my_id` (a node checking that it reaches itself)."""
+    trio.TooSlowError if the connection is not made, or its handshake not done, in
+    CONNECT_TIMEOUT each), in TLS if `tls`. `peer_id` may be `my_id` (a node checking that it
+    reaches itself). The handshake is bounded as the server bounds it (`admission`): a peer
+    that takes the connection and then says nothing is as unreachable as one that never
+    takes it, and a read waiting for it would otherwise wait IO_TIMEOUT per try."""
     channel = PeerChannel(await open_socket(host, port, tls))
     try:
-        await authenticate(channel, token, my_id, members, expected_peer=peer_id,
-                           allow_self=peer_id == my_id)
+        with trio.fail_after(CONNECT_TIMEOUT):
+            await authenticate(channel, token, my_id, members, expected_peer=peer_id,
+                               allow_self=peer_id == my_id)
     except BaseException:
         await channel.aclose()
         raise

@@ -36,10 +36,23 @@ from tierfs.replication.peers.directory import PeerDirectory
 
 log = logging.getLogger(__name__)
 
-# Seconds a read waits for a holder that does not answer while its lease lives: a killed
-# daemon's lease ends within its ttl after its last keepalive, and the watch tells every node.
+# Seconds the reads wait for a holder that does not answer while its lease lives, from the
+# first read it failed: a killed daemon's lease ends within its ttl after its last keepalive,
+# and the watch tells every node; a daemon restarting at its address answers within it.
 HOLDER_WAIT = membership.DEFAULT_TTL + membership.REJOIN_MARGIN
 RETRY_EVERY = 0.5  # seconds between tries meanwhile (a holder restarted at the same address)
+# Seconds between two failed reads of a holder beyond which the second starts a new outage
+# (and a new HOLDER_WAIT): a holder no read asked meanwhile may have come back and gone again.
+OUTAGE_GAP = 10.0
+
+
+@dataclass
+class _Outage:
+    """Reads of one holder failing since `since` (trio time), the last at `last`."""
+
+    since: float
+    last: float
+    told: bool = False  # the wait for it was logged
 
 
 class PeerReader:
@@ -53,6 +66,7 @@ class PeerReader:
         # Who holds a file now, asked when every holder known here failed: copies made
         # since this node last read the file's record (e.g. of a file it holds nothing of).
         self._refresh = refresh
+        self._outages: dict[str, _Outage] = {}  # holders that reads here failed to reach
 
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
                          length: int) -> memoryview:
@@ -87,7 +101,7 @@ class PeerReader:
             return got
         holders = [h for h in self._holders(step_path, entries[0].name)
                    if h != self.directory.me]
-        for node_id in sources.holder_order(holders, entries[0].xxh3, 0, self.directory.is_up):
+        for node_id in self._ask_order(holders, entries[0].xxh3, 0):
             try:
                 async with self.directory.channel(node_id) as channel:
                     for batch in proto.name_batches(entries, lambda e: e.name):
@@ -108,11 +122,12 @@ class PeerReader:
         """The bytes (and whether `store` took them) from the file's holders (those known
         here, then those its record names now). When none gives them and one that could not
         be reached is still a live member (its lease lives: a daemon just killed, or
-        restarting), the read waits for it, or for its loss to be known, at most HOLDER_WAIT
-        seconds, trying again at each change of the members and every RETRY_EVERY: a node
-        learns a loss only when the lease ends, and a holder back within it serves the read
-        (TierError, EIO to the reader, otherwise)."""
-        deadline = None
+        restarting), the read waits for it, or for its loss to be known, trying again at each
+        change of the members and every RETRY_EVERY: a node learns a loss only when the lease
+        ends, and a holder back within it serves the read. The reads of this node wait for a
+        holder HOLDER_WAIT seconds from the first that failed to reach it, not each as long
+        (a load of many files through a node cut off from a live holder would wait for it
+        file by file, chunk by chunk); then TierError, EIO to the reader."""
         while True:
             failures: list[str] = []
             unreachable: set[str] = set()
@@ -120,18 +135,46 @@ class PeerReader:
                                         failures, unreachable)
             if got is not None:
                 return got
-            waiting = sorted(h for h in unreachable if self.directory.is_up(h))
             now = trio.current_time()
-            if deadline is None and waiting:
-                deadline = now + HOLDER_WAIT
-                log.warning("%s/%s: %s does not answer but is a live member: the read waits "
-                            "up to %.0f s for it or for its loss", step_path, entry.name,
-                            ", ".join(waiting), HOLDER_WAIT)
-            if not waiting or deadline is None or now >= deadline:
+            waiting = {h: self._outages[h] for h in unreachable
+                       if h in self._outages and self.directory.is_up(h)}
+            deadline = max((o.since + HOLDER_WAIT for o in waiting.values()), default=now)
+            if deadline <= now:
                 raise TierError("; ".join(failures) or "no peer holds it")
+            untold = sorted(h for h, o in waiting.items() if not o.told)
+            if untold:
+                for node_id in untold:
+                    waiting[node_id].told = True
+                log.warning("%s/%s: %s does not answer but is a live member: reads of its "
+                            "files wait up to %.0f s for it or for its loss", step_path,
+                            entry.name, ", ".join(untold), HOLDER_WAIT)
             changed = self.directory.changed
             with trio.move_on_at(min(deadline, now + RETRY_EVERY)):
                 await changed.wait()
+
+    def _ask_order(self, holders: list[str], xxh3: str, offset: int) -> list[str]:
+        """`sources.holder_order`, without the holders this node's reads have failed to
+        reach for HOLDER_WAIT seconds or more and whose peer handshake still fails here (or
+        whose lease ended): a read does not wait out a connection timeout for each of them
+        (`handshakes` probes them every few seconds; once one answers, reads ask it again)."""
+        now = trio.current_time()
+        asked = []
+        for node_id in sources.holder_order(holders, xxh3, offset, self.directory.is_up):
+            outage = self._outages.get(node_id)
+            if outage is not None and now - outage.since >= HOLDER_WAIT \
+                    and not self.directory.may_be_up(node_id):
+                outage.last = now  # the outage goes on, untried
+                continue
+            asked.append(node_id)
+        return asked
+
+    def _unreached(self, node_id: str) -> None:
+        now = trio.current_time()
+        outage = self._outages.get(node_id)
+        if outage is None or now - outage.last > OUTAGE_GAP:
+            self._outages[node_id] = _Outage(now, now)
+        else:
+            outage.last = now
 
     async def _read_once(self, step_path: str, entry: mf.FileEntry, offset: int, length: int,
                          into: memoryview | None, store: Store | None, failures: list[str],
@@ -159,13 +202,19 @@ class PeerReader:
         this node to (None if none does: each failure is added to `failures`, and a holder
         that could not be reached, not one that answered without the bytes, to
         `unreachable`)."""
-        for node_id in sources.holder_order(holders, entry.xxh3, offset, self.directory.is_up):
+        asked = self._ask_order(holders, entry.xxh3, offset)
+        failures += [f"{node_id}: not reachable from this node" for node_id in holders
+                     if node_id not in asked]
+        for node_id in asked:
             try:
-                return await self._from_holder(node_id, step_path, entry, offset, length, into,
-                                               store)
+                got = await self._from_holder(node_id, step_path, entry, offset, length, into,
+                                              store)
+                self._outages.pop(node_id, None)
+                return got
             except (OSError, trio.TooSlowError, ConnectionClosed, ConnectionLost) as exc:
                 failures.append(f"{node_id}: {exc or 'timed out'}")
                 unreachable.add(node_id)
+                self._unreached(node_id)
             except proto.ProtocolError as exc:
                 failures.append(f"{node_id}: {exc}")
         return None
