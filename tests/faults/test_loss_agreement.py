@@ -153,25 +153,34 @@ def test_a_read_waits_for_a_holder_whose_lease_lives(
                        == "incomplete", timeout=AGREE)
 
 
+@pytest.mark.parametrize("etcd_too", [False, True], ids=["holder_cut", "etcd_cut_too"])
 def test_reads_wait_once_for_a_live_holder_nobody_reaches(
-        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
+        etcd_too: bool) -> None:
     """No copies (--replicas 0): node0 alone holds step_1, and its peers reach it only
     through a proxy, which is then cut as a partition would be (node0 keeps its lease: it
     reaches etcd). A read on node1 waits for node0 (HOLDER_WAIT) and fails (EIO); once
     node1's probes find node0's link failing, each later read fails at once instead of
-    waiting for it again (a load of many files waited tens of seconds). Healed, the files
-    read whole again."""
+    waiting for it again (a load of many files waited tens of seconds), also when node1 is
+    cut off from etcd as well (a minority cut: each read asked etcd who holds the file,
+    2 s each). Healed, the files read whole again."""
     cluster = Cluster(mounts, token_file, 2, etcd_server)
     files = {f"__0_{i}.distcp": os.urandom(1 << 20) for i in range(4)}
-    with TcpProxy(("127.0.0.1", cluster.ports["node0"])) as proxy:
+    host, port = etcd_server.endpoint.split(":")
+    with TcpProxy(("127.0.0.1", cluster.ports["node0"])) as proxy, \
+            TcpProxy((host, int(port))) as etcd_proxy:
         node0 = cluster.nodes["node0"] = mounts.mount(
             *cluster.args("node0"), "--advertise", proxy.endpoint, "--replicas", "0")
-        node1 = cluster.nodes["node1"] = mounts.mount(*cluster.args("node1"), "--replicas", "0")
+        node1_args = [arg.replace(etcd_server.endpoint, etcd_proxy.endpoint)
+                      for arg in cluster.args("node1")]
+        node1 = cluster.nodes["node1"] = mounts.mount(*node1_args, "--replicas", "0")
         wait_until(lambda: all(cluster.peers_up("node1").values()), timeout=15)
         save(node0 / "run/step_1", {**files, ".metadata": b"m"})
         wait_until(lambda: story(cluster, "node1", "run/step_1")["state"] == "committed",
                    timeout=10)
         proxy.cut()
+        if etcd_too:
+            etcd_proxy.cut()
         names = sorted(files)
         reader, result = read_in_background(node1 / "run/step_1" / names[0])
         reader.join(timeout=90)
@@ -191,6 +200,7 @@ def test_reads_wait_once_for_a_live_holder_nobody_reaches(
         # the log says where the file is, not that it was lost with a node that lives
         assert "(held by node0, up but not reachable from this node;" in node1.log()
         proxy.heal()
+        etcd_proxy.heal()
         wait_until(lambda: link() == "up", timeout=30)
         for name in names:
             assert (node1 / "run/step_1" / name).read_bytes() == files[name]

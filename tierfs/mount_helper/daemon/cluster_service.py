@@ -101,12 +101,20 @@ class ClusterLinks:
 
     async def _file_holders(self, data_dir: str, name: str) -> list[str]:
         """Who holds a file now, from its record in etcd (the holders known here failed):
-        remembered for the next reads of the file."""
+        remembered for the next reads of the file. Not asked while etcd leaves this node's
+        lease keepalives unanswered: cut off from etcd, every read whose holders fail would
+        wait out a request's timeout (2 s) before its EIO."""
         step_node = self.view.step_of_entry(data_dir, name)
         if step_node is None or not step_node.step.committed:
             return []
         manifest = step_node.step.manifest
-        record = await self.sealed.file_record(manifest.path, name)
+        if not self.live.etcd_answers:
+            return []
+        try:
+            record = await self.sealed.file_record(manifest.path, name)
+        except EtcdError as exc:
+            log.info("could not ask etcd who holds %s/%s: %s", manifest.path, name, exc)
+            return []
         if not recorded_copies.of_content(record, manifest.entry(name)):
             return []
         assert record is not None

@@ -382,11 +382,12 @@ class ClusterCommits:
         return dropped
 
     async def file_record(self, step_path: str, name: str) -> FileRecord | None:
-        """One file's record as etcd has it now (None if none, or etcd does not answer)."""
+        """One file's record as etcd has it now (None if none, or unreadable; EtcdError if
+        etcd does not answer)."""
+        kv = await self.records.etcd.get(self.records.file_key(step_path, name))
         try:
-            kv = await self.records.etcd.get(self.records.file_key(step_path, name))
             return FileRecord.decode(kv.value) if kv is not None else None
-        except (EtcdError, ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             log.info("could not read the record of %s/%s: %s", step_path, name, exc)
             return None
 

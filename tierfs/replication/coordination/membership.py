@@ -118,6 +118,8 @@ class Membership:
         # Counts every change of who is up or admitted (a cache of answers keys on it).
         self.generation = 0
         self._lease = 0
+        # whether etcd answered this node's last lease keepalive (sent every ttl/3 seconds)
+        self.etcd_answers = True
         self._subscribers: list[trio.MemorySendChannel[MemberEvent]] = []
 
     @property
@@ -223,7 +225,6 @@ class Membership:
             return "an unknown address (malformed record)"
 
     async def _keep_alive(self) -> None:
-        unavailable = False
         while True:
             await trio.sleep(self.ttl / 3)
             try:
@@ -233,13 +234,13 @@ class Membership:
                             self.node_id)
                 await self._register()
             except EtcdUnavailable as exc:
-                if not unavailable:
+                if self.etcd_answers:
                     log.warning("node %s: lease keepalive failed: %s", self.node_id, exc)
-                unavailable = True
+                self.etcd_answers = False
                 continue
-            if unavailable:
+            if not self.etcd_answers:
                 log.info("node %s: etcd answers keepalives again", self.node_id)
-                unavailable = False
+                self.etcd_answers = True
 
     async def _follow(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                       ) -> None:
