@@ -227,8 +227,9 @@ def test_corruption_in_replicas(mounts: MountFactory, token_file: Path,  # noqa:
         saved = {n: step_files(rng, megabytes) for n in (1, 2)}
         for number, files in saved.items():
             save(node0 / f"{run}/step_{number}", files)
-        wait_until(lambda r=run, n=node0: n.step(f"{r}/step_2")["replicas"] == ["node1"],
-                   timeout=60)
+        # both steps copied (step_2's copy may be recorded before step_1's)
+        wait_until(lambda r=run, n=node0: all(n.step(f"{r}/step_{k}")["replicas"] == ["node1"]
+                                              for k in (1, 2)), timeout=60)
         shard1, shard2 = saved[1][SHARD], saved[2][SHARD]
 
         # 1. The only live copy of step_1 (node1's replica: its writer node0 is down) goes
