@@ -20,7 +20,9 @@ the edits are in `tierfs.fs.fuse.fuse_wire` (pure functions over bytes); this mo
 aborts the connection if the relay fails, so that no process waits forever on the mount.
 A GETATTR is answered by the relay itself, from the daemon's handler with no await
 (`_answer_now`): one turn of the loop instead of three; so are a LOOKUP of an absent name, a
-CREATE, a FLUSH and a RELEASE where the handler would never wait.
+CREATE, a FLUSH and a RELEASE where the handler would never wait; right after such an answer
+the relay retries its read of the next request for a few microseconds before it waits on epoll
+(`_read_request`), as a synchronous saver's next request comes that soon.
 
 The kernel requires all concurrent opens of an inode to agree: once one is a passthrough open,
 every other must pass through to the same backing file; once one is an ordinary (page-cached)
