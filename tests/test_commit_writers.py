@@ -204,7 +204,9 @@ def test_tierfs_commit_beside_a_writer_rewriting_the_step(mounts: MountFactory, 
     assert writer.returncode == 0
     closes = set(closes_file.read_text().split())
     assert not failures, f"{len(failures)} failed commits, the first: {failures[0]}"
-    assert len(committed) >= 10, committed  # the commits did run against the writer
+    # the commits did run against the writer (each `tierfs commit` is a new process: on two
+    # busy cores, beside other tests, a dozen seconds gave fewer than 10 of them)
+    assert len(committed) >= 5, committed
     not_closed = {v: d for v, d in committed.items() if d not in closes}
     assert not not_closed, f"versions whose bytes the writer never closed with: {not_closed}"
     # The writer is done: a last commit, then only what the manifest names is in objects/.

@@ -10,6 +10,7 @@ call (the daemon hands them its bound methods); it decides, and the `Tree` chang
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -85,6 +86,7 @@ class OtherTiers:
         # back without its own. Set (and replaced) when one is added.
         self._recheck: set[str] = set()
         self.recheck_wanted = trio.Event()
+        self._writing_seals = False  # a task writes the queued seals (`note_sealed`)
 
     # -- deletes -----------------------------------------------------------------------------
 
@@ -675,26 +677,53 @@ class OtherTiers:
 
     def note_sealed(self, node: Node) -> None:
         """A file's last writer is done: the cluster records that this node holds it, once its
-        seal (hashed in the background, `fs.tree.sealing`) exists."""
+        seal (hashed in the background, `fs.tree.sealing`) exists. A file sealed already (a
+        small one, at its close) joins the seals' next batch at once, and one task writes the
+        batches: a save of many small files spawns no task per file."""
         step_node = next(tree_walk.enclosing_steps(node.parent), None)
         if self.sealed is None or step_node is None or node.remote is not None:
             return
-        self.background.spawn(self._record_sealed, node, step_node)
+        if node.seal is None:
+            self.background.spawn(self._record_sealed, node, step_node)
+            return
+        if self._queue_sealed(node, step_node) and not self._writing_seals:
+            self._writing_seals = True
+            self.background.spawn(self._write_seals)
 
     async def _record_sealed(self, node: Node, step_node: Node) -> None:
+        """`note_sealed` of a file whose hash runs: recorded once the hash is joined."""
+        assert self.sealed is not None
+        with contextlib.suppress(OSError, FsError):  # gone meanwhile
+            await self.tree.seal(node)  # joins the background hash
+        if node.seal is not None and self._queue_sealed(node, step_node):
+            await self.sealed.write_queued()
+        # (no seal: written again meanwhile, and its next close records it)
+
+    def _queue_sealed(self, node: Node, step_node: Node) -> bool:
+        """Queue `node`'s seal for its record (False: it left the step meanwhile). Its entry
+        is taken now: a seal queued before a commit of its step is in the batches that commit
+        knows of (`ClusterCommits.publish` drops those a rename left stale)."""
+        assert self.sealed is not None and node.seal is not None
+        rel = tree_walk.path_below(step_node, node)
+        if rel is None:
+            return False
+        try:
+            entry = mf.entry_from_stat(rel, node.seal.digest, os.lstat(self.tree.backing(node)))
+            step_path = self.tree.relpath(step_node)
+        except (OSError, FsError):
+            return False  # gone meanwhile
+        manifest = step_node.step.manifest if step_node.step is not None else None
+        self.sealed.queue_sealed(step_path, [entry],
+                                 manifest.version if manifest is not None else 0)
+        return True
+
+    async def _write_seals(self) -> None:
         assert self.sealed is not None
         try:
-            if node.seal is None:
-                await self.tree.seal(node)  # joins the background hash
-            if node.seal is None:
-                return  # written again meanwhile: its next close records it
-            rel = os.path.relpath(self.tree.relpath(node), self.tree.relpath(step_node))
-            entry = mf.entry_from_stat(rel, node.seal.digest, os.lstat(self.tree.backing(node)))
-        except (OSError, FsError):
-            return  # gone meanwhile
-        manifest = step_node.step.manifest if step_node.step is not None else None
-        await self.sealed.record_sealed(self.tree.relpath(step_node), [entry],
-                                        manifest.version if manifest is not None else 0)
+            while self.sealed.seals_queued:
+                await self.sealed.write_queued()
+        finally:
+            self._writing_seals = False
 
     async def publish(self, step_node: Node, manifest: mf.StepManifest,
                       deadline: float | None) -> bool:

@@ -117,6 +117,17 @@ class SealedCollector(Protocol):
         """Record files this node sealed into a step over its committed version `base` (0:
         none)."""
 
+    def queue_sealed(self, step_path: str, entries: list[mf.FileEntry], base: int) -> None:
+        """`record_sealed` without waiting: written by the next `write_queued`."""
+
+    @property
+    def seals_queued(self) -> bool:
+        """Whether seals wait for `write_queued`."""
+        ...
+
+    async def write_queued(self) -> None:
+        """Returns once the seals queued so far are recorded."""
+
     async def collect(self, step_path: str, names: set[str], deadline: float, base: int
                       ) -> dict[str, tuple[str, mf.FileEntry]]:
         """Which other nodes hold these files of a step saved over its committed version

@@ -160,10 +160,21 @@ def dirs_with_links(node: Node, at: str) -> list[tuple[str, str]]:
     return found
 
 
-def _path_below(top: Node, node: Node) -> str:
-    """The path of `node` relative to `top`, which holds it ("" for `top` itself)."""
+def path_below(top: Node, node: Node) -> str | None:
+    """The path of `node` relative to `top` ("" for `top` itself), None if `top` does not
+    hold it (any more)."""
     parts = []
-    while node is not top:
-        parts.append(node.name)
-        node = node.parent
+    at: Node | None = node
+    while at is not top:
+        if at is None:
+            return None
+        parts.append(at.name)
+        at = at.parent
     return os.fsdecode(b"/".join(reversed(parts)))
+
+
+def _path_below(top: Node, node: Node) -> str:
+    """`path_below` of a node `top` holds."""
+    path = path_below(top, node)
+    assert path is not None
+    return path

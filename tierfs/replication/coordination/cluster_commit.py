@@ -121,8 +121,22 @@ class ClusterCommits:
         """Record files this node sealed into a step over its committed version `base` (0:
         none) (their writer and only holder: here); returns once they are written with
         others sealed meanwhile. While etcd is away they wait, retried until it answers."""
+        self.queue_sealed(step_path, entries, base)
+        await self.write_queued()
+
+    def queue_sealed(self, step_path: str, entries: list[mf.FileEntry], base: int = 0) -> None:
+        """`record_sealed` without waiting: these seals join the batch being gathered, written
+        by the next `write_queued` (or one under way)."""
         self._unrecorded.setdefault(step_path, {}).update(
             (e.name, self._record(e, base)) for e in entries)
+
+    @property
+    def seals_queued(self) -> bool:
+        return bool(self._unrecorded)
+
+    async def write_queued(self) -> None:
+        """Returns once the seals queued so far are written, with others queued meanwhile (one
+        writer at a time: a second call waits for the batch being gathered)."""
         done = self._batch_written
         if self._recording:
             await done.wait()
