@@ -317,3 +317,37 @@ async def test_prefetch_brings_a_step_back_from_the_store_and_says_how_much(
         assert h.ns.tree.find_step("run/step_9").step.in_ram
         assert await api.handle({"cmd": "prefetch", "path": "run/step_9"}) == \
             {"ok": True, "bytes": 0}  # nothing left to fetch
+
+
+async def test_a_steps_records_are_read_again_no_sooner_than_ten_times_their_last_read(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A status polled in a loop, or asked for while this node records the copies it makes,
+    reads a step's records again after a second, or at once after a change of its own; never,
+    though, before ten times as long as their last read took (a 50,000-file step's read took
+    about a second, and such statuses spent most of the daemon's loop reading it)."""
+    took = {"run/big": 0.5, "run/small": 0.001}
+    reads: list[str] = []
+
+    async def read(manifest: mf.StepManifest) -> dict[str, set[str]]:
+        reads.append(manifest.path)
+        await trio.sleep(took[manifest.path])
+        return {"a": {"n0", "n1"}}
+
+    steps = [mf.StepManifest(path, 1, 1, "n0", 1, (mf.FileEntry("a", 1, "0" * 32),))
+             for path in took]
+    recorded = RecordedHolders(read)
+
+    async def status_after(seconds: float, changed: bool = False) -> list[str]:
+        await trio.sleep(seconds)
+        if changed:
+            for step in steps:
+                recorded.changed(step.path, step.version)
+        reads.clear()
+        assert set(await recorded.of(steps)) == set(took)
+        return sorted(reads)
+
+    assert await status_after(0) == ["run/big", "run/small"]
+    assert await status_after(0.1, changed=True) == ["run/small"]
+    assert await status_after(0.5) == []
+    assert await status_after(1.5) == ["run/small"]  # a second since its last read
+    assert await status_after(3) == ["run/big", "run/small"]  # 5 s since the big one's

@@ -103,6 +103,11 @@ def _numbered_key(node: str) -> tuple[str, int, str]:
 # The records of a step are read again for `tierfs status` at most this often: a status polled
 # in a loop costs etcd one read of each step per second, not one per call.
 RECORDS_FRESH = 1.0
+# ... and, however often a status is asked for or this node changes the records, not before
+# READ_SHARE times as long as the last read took has passed: a step of 50,000 files takes
+# about a second to read and decode, and a status polled in a loop (or asked for while this
+# node records the copies it makes, each `changed`) spent most of the daemon's loop on it.
+READ_SHARE = 10
 RECORDS_PATIENCE = 1.0  # seconds a status waits for etcd before it shows this node's view
 # After etcd did not answer a status in time, the statuses of this many seconds do not ask it
 # (a status polled during an etcd outage answers at once, from this node's view).
@@ -112,14 +117,30 @@ RECORDS_PAUSE = 5.0
 ReadHolders = Callable[[mf.StepManifest], Awaitable[dict[str, set[str]] | None]]
 
 
+@dataclass
+class _Read:
+    """One step version's records as last read (trio times)."""
+
+    at: float
+    took: float
+    files: dict[str, set[str]]
+    changed: bool = False  # this node changed them since
+
+    def due(self, now: float) -> bool:
+        if now - self.at < READ_SHARE * self.took:
+            return False
+        return self.changed or now - self.at >= RECORDS_FRESH
+
+
 class RecordedHolders:
     """The cluster's file records of the committed steps, as `tierfs status` shows them: read
     on demand (`ReadHolders`), kept for RECORDS_FRESH seconds per step version, or until this
-    node changed them itself (`changed`: it recorded copies it made)."""
+    node changed them itself (`changed`: it recorded copies it made), and never read again
+    before READ_SHARE times the last read's duration."""
 
     def __init__(self, read: ReadHolders) -> None:
         self._read = read
-        self._cache: dict[tuple[str, int], tuple[float, dict[str, set[str]]]] = {}
+        self._cache: dict[tuple[str, int], _Read] = {}
         self._paused_until = -math.inf  # trio time: etcd did not answer the last status
 
     async def of(self, manifests: list[mf.StepManifest]) -> dict[str, dict[str, set[str]]]:
@@ -133,20 +154,25 @@ class RecordedHolders:
         with trio.move_on_after(RECORDS_PATIENCE) as patience:
             for key, manifest in wanted.items():
                 cached = self._cache.get(key)
-                if cached is not None and now - cached[0] < RECORDS_FRESH:
+                if cached is not None and not cached.due(now):
                     continue
+                started = trio.current_time()
                 files = await self._read(manifest)
                 if files is not None:
-                    self._cache[key] = (trio.current_time(), files)
+                    at = trio.current_time()
+                    self._cache[key] = _Read(at, at - started, files)
         if patience.cancelled_caught:
             self._paused_until = trio.current_time() + RECORDS_PAUSE
-        return {path: files for (path, _version), (_at, files) in self._cache.items()}
+        return {path: read.files for (path, _version), read in self._cache.items()}
 
     def changed(self, path: str, version: int) -> None:
         """This node changed the records of that step version (it recorded copies it made):
         the next status reads them again, so that a copy shows there as soon as it counts
-        (kept, they hid it for up to RECORDS_FRESH: a copy verified in 0.7 s showed after 1 s)."""
-        self._cache.pop((path, version), None)
+        (kept, they hid it for up to RECORDS_FRESH: a copy verified in 0.7 s showed after 1 s),
+        unless the last read was too recent for its cost (READ_SHARE)."""
+        cached = self._cache.get((path, version))
+        if cached is not None:
+            cached.changed = True
 
 
 class Holdings:
