@@ -5,6 +5,7 @@ peer layer."""
 
 from __future__ import annotations
 
+import collections
 import os
 import uuid
 from collections.abc import Awaitable, Callable
@@ -237,6 +238,46 @@ async def test_a_step_of_many_files_is_held_in_several_messages(
         nursery.cancel_scope.cancel()
     assert [len(names) for _p, _v, names, _peer in b.held] == [proto.MAX_NAMES, 200]
     assert sorted(held) == sorted(e.name for e in entries)
+
+
+async def test_small_files_are_written_on_the_receivers_loop_not_a_thread_each(
+        tmp_path: Path, etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of many small files: each file's one chunk, in hand, is written and hashed on
+    the receiver's loop (handing each to a worker thread and back made replicating 20,000
+    files of 0.5-4 KiB take 14 s, against 8 s written on the loop)."""
+    objects = tmp_path / "a-objects"
+    entries = tuple(committed_object(objects, os.urandom(512 + 13 * i), f"f{i:03d}")
+                    for i in range(300))
+    manifest = mf.StepManifest("run/step_3", 3, 1, "a", 0, entries)
+    b = Receiving(tmp_path, manifest)
+    held: list[str] = []
+    done = trio.Event()
+    in_threads: collections.Counter[str] = collections.Counter()
+    run_sync = trio.to_thread.run_sync
+
+    async def counted(work: Callable[..., Any], *args: Any, **options: Any) -> Any:
+        in_threads[work.__name__] += 1
+        return await run_sync(work, *args, **options)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", counted)
+
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
+        return records_of(step, {"a", *held})
+
+    async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> bool:
+        held.extend(names)
+        if len(held) == len(entries):
+            done.set()
+        return True
+
+    async with trio.open_nursery() as nursery:
+        await replicate_to_b(nursery, etcd_server, b, objects, placements, on_held, manifest)
+        with trio.fail_after(60):
+            await done.wait()
+        nursery.cancel_scope.cancel()
+    for entry in entries:
+        assert mf.hash_file(b.objects / entry.xxh3).xxh3 == entry.xxh3
+    assert in_threads["_write"] == 0, in_threads
 
 
 async def test_the_receiver_refuses_bytes_that_do_not_match_their_checksum(

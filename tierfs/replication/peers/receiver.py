@@ -51,6 +51,9 @@ RUNNING_IDLE = 120.0
 # Chunks written at once (worker threads): one per connection a few senders keep busy.
 WRITERS = 16
 WRITE_SLICE = 1 << 20  # bytes of a chunk written, then hashed, at a time
+# Chunks up to this size, in hand, are written and hashed on the loop: handing them to a
+# thread and back costs more than the write (a step of many small files paid it per file).
+INLINE_WRITE_BYTES = 64 << 10
 
 
 class Space(Protocol):
@@ -135,8 +138,11 @@ class ReplicaReceiver:
                 await channel.in_thread(_receive_chunk, fd, offset, whole, no_room)
             else:
                 try:
-                    await trio.to_thread.run_sync(_write, fd, message.payload, offset, whole,
-                                                  limiter=self._threads)
+                    if len(message.payload) <= INLINE_WRITE_BYTES:
+                        _write(fd, message.payload, offset, whole)
+                    else:
+                        await trio.to_thread.run_sync(_write, fd, message.payload, offset,
+                                                      whole, limiter=self._threads)
                 except OSError as exc:
                     no_room.append(exc.strerror or str(exc))
         except BaseException:
