@@ -18,6 +18,7 @@ import xxhash
 
 from tests.harness import CTX, Harness, dcp_save
 from tests.waiting import wait_until_async
+from tierfs import manifest as mf
 from tierfs.fs.model.nodes import Node
 from tierfs.fs.store.ram_store import RamStore
 from tierfs.fs.tree.sealing import INLINE_HASH_BYTES
@@ -248,5 +249,42 @@ async def test_a_small_file_is_sealed_at_its_close_without_a_task_of_its_own(
             assert spawned.count("_in_background") == 1, spawned
             await settled(harness, "run/step_4", ["small.distcp", "bigger.distcp"])
             nursery.cancel_scope.cancel()
+    finally:
+        harness.close()
+
+
+async def test_a_hold_of_some_files_of_a_large_step_looks_only_at_those(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer's replicas of a step of many files are held a batch at a time (HOLD names up to
+    1,000): each batch looks for the objects of the files it names, not of every file of the
+    step not held yet (a 20,000-file step's twenty batches took 0.35 s each)."""
+    harness = Harness(tmp_path / "ram")
+    try:
+        files = {f"f{i:05}": i.to_bytes(8, "little") * 64 for i in range(2000)}
+        entries = tuple(mf.FileEntry(name, len(data), xxhash.xxh3_128_hexdigest(data))
+                        for name, data in files.items())
+        manifest = mf.StepManifest("run/step_5", 5, 1, "n1", 1, entries)
+        harness.ns.tiers.learn(manifest, ["n1"])
+        sent = [e.name for e in entries[:100]]
+        for entry in entries[:300]:  # 200 more arrived, held in a later batch
+            harness.store.object_path(entry.xxh3).write_bytes(files[entry.name])
+        objects = os.fsencode(harness.root / "objects")
+        looks: Counter[str] = Counter()
+        stat = os.stat
+
+        def counted(path: object, *args: object, **kwargs: object) -> os.stat_result:
+            if isinstance(path, str | bytes | Path) and os.fsencode(path).startswith(objects):
+                looks["stat"] += 1
+            return stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "stat", counted)
+        held = await harness.ns.tiers.hold_files("run/step_5", 1, sent, "n1")
+        monkeypatch.undo()
+        assert held == sent
+        assert looks["stat"] <= len(sent), looks
+        step = harness.ns.tree.find_step("run/step_5")
+        assert step is not None and step.step.resident == set(sent)
+        for name in sent:
+            assert (harness.root / "tree/run/step_5" / name).read_bytes() == files[name]
     finally:
         harness.close()

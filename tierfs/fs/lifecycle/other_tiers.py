@@ -396,7 +396,7 @@ class OtherTiers:
             return None
         manifest = node.step.manifest
         if not node.step.in_ram:
-            self._residents.fill_from_objects(node)
+            self._residents.fill_from_objects(node, names)
         held = [n for n in names if manifest.entry(n) is not None and n in node.step.resident]
         if held:
             self.versions.add_file_holder(node, sender, held)

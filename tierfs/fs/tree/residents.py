@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from tierfs import layout
@@ -182,12 +183,14 @@ class Residents:
             parent = child
         return parent, os.fsencode(name)
 
-    def fill_from_objects(self, step_node: Node) -> None:
-        """Files of this step that are not resident but whose objects are here become
-        resident (a replica sent them)."""
+    def fill_from_objects(self, step_node: Node, names: Collection[str]) -> None:
+        """These files of this step, not resident but whose objects are here, become resident
+        (a replica sent them). Only those named: a step of 20,000 files is held 1,000 at a
+        time, and looking at every file of it each time cost a third of a second per 1,000."""
         step = step_node.step
-        for _rel, node in tree_walk.files_under(step_node):
-            if node.remote is None or node.fetch is not None:
+        for name in names:
+            node = tree_walk.entry_node(step_node, name)
+            if node is None or node.remote is None or node.fetch is not None:
                 continue
             entry = node.remote.entry
             obj = self._store.object_path(entry.xxh3)
