@@ -30,6 +30,14 @@ def holders_by_file(manifest: mf.StepManifest, records: Mapping[str, FileRecord]
             for record in (records.get(entry.name),)}
 
 
+def holders_of_recorded(manifest: mf.StepManifest, records: Mapping[str, FileRecord]
+                        ) -> dict[str, set[str]]:
+    """`holders_by_file` of only the files of `manifest` that `records` has."""
+    return {name: set(record.holders) if of_content(record, entry) else set()
+            for name, record in records.items()
+            if (entry := manifest.entry(name)) is not None}
+
+
 def recorded_holders_of(manifest: mf.StepManifest, peer: str, names: Iterable[str],
                         found: Mapping[str, FileRecord]) -> list[str]:
     """Those of `names` whose records, as etcd took them (`found`), count `peer` as a holder

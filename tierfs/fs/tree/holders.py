@@ -103,11 +103,10 @@ def _numbered_key(node: str) -> tuple[str, int, str]:
 # The records of a step are read again for `tierfs status` at most this often: a status polled
 # in a loop costs etcd one read of each step per second, not one per call.
 RECORDS_FRESH = 1.0
-# ... and, however often a status is asked for or this node changes the records, not before
-# READ_SHARE times as long as the last read took has passed: a step of 50,000 files takes
-# about a second to read and decode, and a status polled in a loop (or asked for while this
-# node records the copies it makes, each `changed`) spent most of the daemon's loop on it.
-READ_SHARE = 10
+# ... and, however often a status is asked for, not before READ_SHARE times as long as the last
+# read took has passed: a step of 20,000 files takes about half a second to read and decode,
+# and a status polled in a loop spent most of the daemon's loop on it.
+READ_SHARE = 5
 RECORDS_PATIENCE = 1.0  # seconds a status waits for etcd before it shows this node's view
 # After etcd did not answer a status in time, the statuses of this many seconds do not ask it
 # (a status polled during an etcd outage answers at once, from this node's view).
@@ -119,24 +118,22 @@ ReadHolders = Callable[[mf.StepManifest], Awaitable[dict[str, set[str]] | None]]
 
 @dataclass
 class _Read:
-    """One step version's records as last read (trio times)."""
+    """One step version's records as last read (trio times), with this node's own changes
+    since."""
 
     at: float
     took: float
     files: dict[str, set[str]]
-    changed: bool = False  # this node changed them since
 
     def due(self, now: float) -> bool:
-        if now - self.at < READ_SHARE * self.took:
-            return False
-        return self.changed or now - self.at >= RECORDS_FRESH
+        return now - self.at >= max(RECORDS_FRESH, READ_SHARE * self.took)
 
 
 class RecordedHolders:
     """The cluster's file records of the committed steps, as `tierfs status` shows them: read
-    on demand (`ReadHolders`), kept for RECORDS_FRESH seconds per step version, or until this
-    node changed them itself (`changed`: it recorded copies it made), and never read again
-    before READ_SHARE times the last read's duration."""
+    on demand (`ReadHolders`), kept for RECORDS_FRESH seconds per step version (or READ_SHARE
+    times as long as their read took), with the changes this node made meanwhile (`changed`:
+    the copies it recorded)."""
 
     def __init__(self, read: ReadHolders) -> None:
         self._read = read
@@ -165,14 +162,14 @@ class RecordedHolders:
             self._paused_until = trio.current_time() + RECORDS_PAUSE
         return {path: read.files for (path, _version), read in self._cache.items()}
 
-    def changed(self, path: str, version: int) -> None:
-        """This node changed the records of that step version (it recorded copies it made):
-        the next status reads them again, so that a copy shows there as soon as it counts
-        (kept, they hid it for up to RECORDS_FRESH: a copy verified in 0.7 s showed after 1 s),
-        unless the last read was too recent for its cost (READ_SHARE)."""
+    def changed(self, path: str, version: int, holders: Mapping[str, set[str]]) -> None:
+        """This node changed the records of these files of that step version (it recorded
+        copies it made), which now name `holders`: a status shows them at once (re-reading
+        every record for it cost a status of a 20,000-file step half a second, at each batch
+        of copies; kept as read, they hid a copy verified in 0.7 s until the next read)."""
         cached = self._cache.get((path, version))
         if cached is not None:
-            cached.changed = True
+            cached.files.update(holders)
 
 
 class Holdings:

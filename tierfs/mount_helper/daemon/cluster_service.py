@@ -169,7 +169,8 @@ class ClusterNode:
         recorded = recorded_copies.recorded_holders_of(manifest, peer, names, found)
         if recorded:
             self.namespace.copies.mark_held(manifest, peer, recorded)
-            self.recorded.changed(manifest.path, manifest.version)
+            self.recorded.changed(manifest.path, manifest.version,
+                                  recorded_copies.holders_of_recorded(manifest, found))
         return len(recorded) == len(names)
 
     def handlers(self) -> dict[str, Handler]:
