@@ -46,6 +46,7 @@ from tierfs.replication.coordination.etcd import (
     ClusterUrlError,
     Endpoint,
     Etcd,
+    EtcdError,
     EtcdUnavailable,
     LeaseExpired,
     Snapshot,
@@ -654,6 +655,44 @@ async def test_get_all_reads_many_keys_in_few_transactions(etcd_server: EtcdServ
     found = await etcd.get_all(wanted)
     assert sorted(found) == wanted[:150]
     assert all(found[k].value == b"%d" % int(k[-4:]) for k in found)
+
+
+class OverlapEtcd(Etcd):
+    """An `Etcd` that notes the most transactions it had in flight at once, and may fail the
+    n-th (`fail_at`) with an EtcdError."""
+
+    def __init__(self, endpoints: Any, fail_at: int = 0) -> None:
+        super().__init__(endpoints)
+        self.in_flight = self.most = self.sent = 0
+        self.fail_at = fail_at
+
+    async def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        self.sent += 1
+        if self.sent == self.fail_at:
+            raise EtcdError("refused (the test's)")
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            return await super()._call(path, payload)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_many_keys_go_in_transactions_at_once_and_a_failure_is_the_callers(
+        etcd_server: EtcdServer) -> None:
+    """The transactions of one call over many keys go several at a time (etcd syncs its log
+    once for the writes that reach it together: one after the other, each waited for a disk
+    sync of its own); one refused makes the call raise that EtcdError, as before."""
+    cluster = new_cluster(etcd_server)
+    etcd = OverlapEtcd(cluster.endpoints)
+    items = [(cluster.key(f"m/{i:04d}"), b"%d" % i) for i in range(1000)]  # 8 transactions
+    await etcd.put_all(items)
+    assert etcd.most > 1
+    found = await etcd.get_all([key for key, _value in items])
+    assert {k: kv.value for k, kv in found.items()} == dict(items)
+    failing = OverlapEtcd(cluster.endpoints, fail_at=3)
+    with pytest.raises(EtcdError, match="the test's"):
+        await failing.put_all(items)
 
 
 async def test_holders_grow_per_file_under_concurrent_updates(etcd_server: EtcdServer) -> None:
