@@ -356,3 +356,35 @@ def test_a_create_reply_is_what_libfuse_writes_for_pyfuse3_then_edited_as_any(
         42, wire.FOPEN_PASSTHROUGH, 3)
     assert edited[:16 + 128] == message[:16 + 128]
     assert wire.edit_open_reply(wire.Opcode.CREATE, message, {}) == message  # not offered
+
+
+def setattr_request(valid: int, *, fh: int = 0, size: int = 0, atime: tuple[int, int] = (0, 0),
+                    mtime: tuple[int, int] = (0, 0), mode: int = 0, uid: int = 0,
+                    gid: int = 0) -> bytes:
+    return request(wire.Opcode.SETATTR, wire.SETATTR_IN.pack(
+        valid, 0, fh, size, 0, atime[0], mtime[0], 1, atime[1], mtime[1], 2, mode, 0, uid, gid,
+        0))
+
+
+def test_a_setattr_says_what_it_sets_as_libfuse_tells_pyfuse3() -> None:
+    """The relay has the daemon set a mode, an owner or times on its own turn of the loop
+    (`Operations.setattr_now`): the fields the request marks valid, times in nanoseconds, `now`
+    for ATIME_NOW and MTIME_NOW; a size, a set-id bit to clear or a field it does not know
+    leaves the request to libfuse (None). `answer_here` never answers it."""
+    chmod = setattr_request(wire.FATTR_MODE | wire.FATTR_CTIME, mode=0o100640)
+    assert wire.setattr_in(chmod, now_ns=7) == wire.SetattrIn(None, 0o100640, None, None,
+                                                              None, None)
+    assert wire.answer_here(chmod) is None
+    chown = setattr_request(wire.FATTR_UID | wire.FATTR_GID | wire.FATTR_FH, fh=9, uid=1001,
+                            gid=1002)
+    assert wire.setattr_in(chown, now_ns=7) == wire.SetattrIn(9, None, 1001, 1002, None, None)
+    utime = setattr_request(wire.FATTR_ATIME | wire.FATTR_MTIME, atime=(5, 6), mtime=(7, 8))
+    assert wire.setattr_in(utime, now_ns=7) == wire.SetattrIn(
+        None, None, None, None, 5_000_000_006, 7_000_000_008)
+    touch = setattr_request(wire.FATTR_ATIME | wire.FATTR_MTIME | wire.FATTR_ATIME_NOW
+                            | wire.FATTR_MTIME_NOW, atime=(5, 6), mtime=(7, 8))
+    assert wire.setattr_in(touch, now_ns=42) == wire.SetattrIn(None, None, None, None, 42, 42)
+    for valid in (wire.FATTR_SIZE, wire.FATTR_MODE | 1 << 11, 1 << 20):  # 1 << 11: KILL_SUIDGID
+        assert wire.setattr_in(setattr_request(valid), now_ns=7) is None
+    with pytest.raises(wire.WireError):
+        wire.setattr_in(request(wire.Opcode.SETATTR, bytes(80)), now_ns=7)

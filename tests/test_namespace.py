@@ -16,6 +16,7 @@ import trio.testing
 
 from tests.harness import CTX, Harness, dcp_save
 from tierfs import manifest as mf
+from tierfs.fs.fuse import fuse_wire as wire
 from tierfs.fs.lifecycle.background import Background
 from tierfs.fs.model.nodes import ROOT_INODE
 from tierfs.trackers import TrackedStep
@@ -380,3 +381,28 @@ async def test_closes_that_commit_nothing_are_done_with_no_await_the_others_by_t
     event = harness.commits.receive_nowait()
     assert [(f.name, f.size) for f in event.files] == [
         (".metadata", 1), ("a", 4096), ("slow", len(b"part one"))]
+
+
+async def test_a_setattr_of_mode_owner_or_times_is_done_with_no_await_where_it_needs_none(
+        harness: Harness) -> None:
+    """The relay has the daemon set a mode, an owner and times on its own turn of the loop
+    (`Operations.setattr_now`), as `setattr` would: `tar x` and `rsync -a` set all three on
+    every file they write, each a round trip through libfuse before. A file whose bytes are
+    elsewhere (a step a peer holds) is left to `setattr`, which brings it back first."""
+    ops = harness.ops
+    await harness.write_file("run/step_1/a", b"x")
+    a = await harness.inode("run/step_1/a")
+    change = wire.SetattrIn(None, stat.S_IFREG | 0o600, 1234, 5678, 1_000_000_007,
+                            2_000_000_009)
+    attrs = ops.setattr_now(a, change)
+    assert isinstance(attrs, pyfuse3.EntryAttributes)
+    st = os.lstat(harness.root / "tree/run/step_1/a")
+    for seen in (attrs, st):
+        assert (seen.st_mode, seen.st_uid, seen.st_gid, seen.st_atime_ns, seen.st_mtime_ns) == (
+            stat.S_IFREG | 0o600, 1234, 5678, 1_000_000_007, 2_000_000_009)
+    assert ops.setattr_now(999_999, change) == errno.ENOENT
+    entries = (mf.FileEntry("f", 1, "0" * 32),)
+    harness.ns.tiers.learn(mf.StepManifest("run/step_2", 2, 1, "n1", 1, entries), ["n1"])
+    remote = await harness.inode("run/step_2/f")
+    assert ops.setattr_now(remote, change) is None
+    assert (await ops.getattr(remote, CTX)).st_uid != 1234  # nothing done

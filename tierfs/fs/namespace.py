@@ -442,6 +442,20 @@ class Namespace:
         self._attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid, size=size,
                                  atime_ns=atime_ns, mtime_ns=mtime_ns)
 
+    def setattr_now(self, node: Node, handle: Handle | None, *, mode: int | None,
+                    uid: int | None, gid: int | None, atime_ns: int | None,
+                    mtime_ns: int | None) -> bool:
+        """`setattr` of anything but the size, with no await, where it needs none: False,
+        having done nothing, for a file whose bytes are elsewhere (`setattr` brings it back
+        first). `tar x`, `cp -a` and `rsync -a` set a mode, an owner and times on every file."""
+        if node.virtual:
+            raise FsError(errno.EROFS)
+        if node.remote is not None:
+            return False
+        self._attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid,
+                                 atime_ns=atime_ns, mtime_ns=mtime_ns)
+        return True
+
     async def make_private(self, node: Node, *, keep: bool) -> None:
         """Copy on write: a tree file shared with a committed object gets its own inode (its
         bytes kept, or empty) before anything may change it. The copy is made in a thread,

@@ -64,6 +64,7 @@ INIT_EXT_MINOR = 36  # the first with fuse_init_in.flags2 (FUSE_INIT_EXT)
 class Opcode(IntEnum):
     LOOKUP = 1
     GETATTR = 3
+    SETATTR = 4
     OPEN = 14
     RELEASE = 18
     GETXATTR = 22
@@ -133,11 +134,19 @@ CREATE_OUT = struct.Struct("<QQQQII" + FUSE_ATTR + "QIi")
 CREATE_IN = struct.Struct("<IIII")
 CREATE_IN_MINOR = 12  # the first minor version with this layout (before: no umask)
 GETXATTR_IN = struct.Struct("<II")  # size, padding; the name follows, NUL-terminated
+# struct fuse_setattr_in: valid, padding, fh, size, lock_owner, atime, mtime, ctime, atimensec,
+# mtimensec, ctimensec, mode, unused4, uid, gid, unused5
+SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
+# fuse_setattr_in.valid
+FATTR_MODE, FATTR_UID, FATTR_GID, FATTR_SIZE = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FATTR_ATIME, FATTR_MTIME, FATTR_FH = 1 << 4, 1 << 5, 1 << 6
+FATTR_ATIME_NOW, FATTR_MTIME_NOW, FATTR_LOCKOWNER, FATTR_CTIME = 1 << 7, 1 << 8, 1 << 9, 1 << 10
 # struct fuse_write_in, which with the in-header precedes a WRITE's data.
 WRITE_IN_SIZE = 40
 
 assert IN_HEADER.size == 40 and OUT_HEADER.size == 16 and OPEN_OUT.size == 16
 assert INIT_OUT.size == 40 and ENTRY_OUT.size == 128 and ATTR_OUT.size == 104
+assert SETATTR_IN.size == 88
 assert CREATE_OUT.size == ENTRY_OUT.size + OPEN_OUT.size and CREATE_IN.size == 16
 
 
@@ -198,6 +207,41 @@ class CreateIn(NamedTuple):
     umask: int
     open_flags: int  # FUSE_OPEN_KILL_SUIDGID; libfuse does not read it
     name: bytes
+
+
+class SetattrIn(NamedTuple):
+    """What a SETATTR request sets (None: left as it is), as libfuse hands it to pyfuse3;
+    times in nanoseconds, `now` for ATIME_NOW and MTIME_NOW."""
+
+    fh: int | None
+    mode: int | None
+    uid: int | None
+    gid: int | None
+    atime_ns: int | None
+    mtime_ns: int | None
+
+
+# The SETATTR fields `setattr_in` reads; a request with any other (a size, a set-id bit to
+# clear: FATTR_KILL_SUIDGID) goes to libfuse.
+SETATTR_READ = (FATTR_MODE | FATTR_UID | FATTR_GID | FATTR_ATIME | FATTR_MTIME | FATTR_FH
+                | FATTR_ATIME_NOW | FATTR_MTIME_NOW | FATTR_LOCKOWNER | FATTR_CTIME)
+
+
+def setattr_in(message: Message, now_ns: int) -> SetattrIn | None:
+    """A SETATTR request's changes, or None for one that sets more than `SETATTR_READ` (the
+    ctime the kernel sends with them is not kept: pyfuse3 hands it to no handler)."""
+    (valid, _pad, fh, _size, _lock_owner, atime, mtime, _ctime, atimensec, mtimensec,
+     _ctimensec, mode, _unused4, uid, gid, _unused5) = _unpack(SETATTR_IN, message,
+                                                              IN_HEADER.size, "SETATTR request")
+    if valid & ~SETATTR_READ:
+        return None
+    atime_ns = now_ns if valid & FATTR_ATIME_NOW else (
+        atime * 1_000_000_000 + atimensec if valid & FATTR_ATIME else None)
+    mtime_ns = now_ns if valid & FATTR_MTIME_NOW else (
+        mtime * 1_000_000_000 + mtimensec if valid & FATTR_MTIME else None)
+    return SetattrIn(fh if valid & FATTR_FH else None,
+                     mode if valid & FATTR_MODE else None, uid if valid & FATTR_UID else None,
+                     gid if valid & FATTR_GID else None, atime_ns, mtime_ns)
 
 
 def _unpack(layout: struct.Struct, message: Message, at: int, what: str) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ from tierfs.fs.store.ram_store import RamFull
 from tierfs.fs.tree.kernel_cache import timeout_for
 
 if TYPE_CHECKING:
+    from tierfs.fs.fuse.fuse_wire import SetattrIn
     from tierfs.fs.fuse.passthrough import PassthroughDevice
     from tierfs.fs.namespace import Namespace
 
@@ -100,6 +101,7 @@ class Operations(pyfuse3.Operations):
             passthrough.flush_now = self.flush_now
             passthrough.release_now = self.release_now
             passthrough.create_now = self.create_now
+            passthrough.setattr_now = self.setattr_now
         self.control_path = control_path.encode()
         self._dirs: dict[int, tuple[Node, list[tuple[bytes, Node]] | None]] = {}
         self._next_dir_fh = 1
@@ -209,6 +211,19 @@ class Operations(pyfuse3.Operations):
         )
         if fields.update_size and not fields.update_mode:
             self._writer_opened(node, ctx.uid)  # a truncate writes too
+        return self._attrs(node)
+
+    @_answer_now
+    def setattr_now(self, inode: int, change: SetattrIn) -> EntryAttributes | None:
+        """`setattr` of anything but the size with no await, for the relay to answer a
+        SETATTR on its own turn of the loop: the attributes, the errno that fails it, or None
+        (then `setattr` does it)."""
+        node = self.ns.get(inode)
+        handle = self.ns.handle(change.fh) if change.fh is not None else None
+        if not self.ns.setattr_now(node, handle, mode=change.mode, uid=change.uid,
+                                   gid=change.gid, atime_ns=change.atime_ns,
+                                   mtime_ns=change.mtime_ns):
+            return None
         return self._attrs(node)
 
     @_boundary

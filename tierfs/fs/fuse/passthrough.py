@@ -20,9 +20,10 @@ the edits are in `tierfs.fs.fuse.fuse_wire` (pure functions over bytes); this mo
 aborts the connection if the relay fails, so that no process waits forever on the mount.
 A GETATTR is answered by the relay itself, from the daemon's handler with no await
 (`_answer_now`): one turn of the loop instead of three; so are a LOOKUP of an absent name, a
-CREATE, a FLUSH and a RELEASE where the handler would never wait; right after such an answer
-the relay retries its read of the next request for a few microseconds before it waits on epoll
-(`_read_request`), as a synchronous saver's next request comes that soon.
+CREATE, a FLUSH, a RELEASE and a SETATTR (but of a size) where the handler would never wait;
+right after such an answer the relay retries its read of the next request for a few
+microseconds before it waits on epoll (`_read_request`), as a synchronous saver's next request
+comes that soon.
 
 The kernel requires all concurrent opens of an inode to agree: once one is a passthrough open,
 every other must pass through to the same backing file; once one is an ordinary (page-cached)
@@ -138,6 +139,10 @@ class PassthroughDevice:
         # it, or None (libfuse answers it).
         self.create_now: Callable[[int, bytes, int, int, int, int, int, int],
                                   tuple[int, EntryAttributes] | int | None] | None = None
+        # A SETATTR of anything but the size done with no await (`Operations.setattr_now`:
+        # inode, the change): the attributes, the errno that fails it, or None.
+        self.setattr_now: Callable[[int, wire.SetattrIn],
+                                   EntryAttributes | int | None] | None = None
         self._closing = False
         self._aborted = False  # the connection was aborted
         self.connection: str | None = None  # the mount's directory under CONNECTIONS
@@ -374,7 +379,9 @@ class PassthroughDevice:
 
     def _answer_now(self, message: wire.Message) -> bytes | None:
         """A GETATTR, a LOOKUP of an absent name, a CREATE with room in the RAM tier, a FLUSH
-        or RELEASE that commits nothing, answered by the daemon on this turn of the loop, or
+        or RELEASE that commits nothing, a SETATTR of a mode, an owner or times (`tar x` and
+        `rsync -a` set all three on every file) of a file in RAM, answered by the daemon on
+        this turn of the loop, or
         None: a request relayed to libfuse is three turns of the loop (this task, the pyfuse3
         worker's, the reply relay's), and these handlers never wait (a step of many files
         saved asks each once per file: the kernel checks the step directory's permissions,
@@ -399,9 +406,17 @@ class PassthroughDevice:
             return None if error is None else wire.error_reply(wire.unique_of(message), error)
         if code == wire.Opcode.CREATE:
             return self._create_now(message) if offer.minor >= wire.CREATE_IN_MINOR else None
-        if code != wire.Opcode.GETATTR or self.getattr_now is None:
+        attrs: EntryAttributes | int | None
+        if code == wire.Opcode.SETATTR and self.setattr_now is not None:
+            change = wire.setattr_in(message, time.time_ns())
+            attrs = None if change is None else self.setattr_now(wire.nodeid_of(message),
+                                                                 change)
+        elif code == wire.Opcode.GETATTR and self.getattr_now is not None:
+            attrs = self.getattr_now(wire.nodeid_of(message))
+        else:
             return None
-        attrs = self.getattr_now(wire.nodeid_of(message))
+        if attrs is None:
+            return None
         unique = wire.unique_of(message)
         if isinstance(attrs, int):
             return wire.error_reply(unique, attrs)
