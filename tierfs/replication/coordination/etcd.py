@@ -54,7 +54,7 @@ MAX_TXN_BYTES = 768 << 10
 POOL_SIZE = 40  # connections kept to etcd for calls (watches have a pool of their own)
 # The transactions of one call over many keys (`put_all`, `get_all`...) in flight at once: etcd
 # syncs its log to disk once for the writes that reach it together, and one after the other
-# each paid a disk sync of its own (the holders of a 20,000-file step, 157 transactions: 9 s).
+# each paid a disk sync of its own (the holders of a 20,000-file step added 2.9 s -> 1.85 s).
 TXNS_AT_ONCE = 8
 WATCH_POOL_SIZE = 16  # streams open at once (a daemon follows a handful of prefixes)
 RETRY_FIRST_DELAY = 0.05
@@ -195,8 +195,7 @@ class Etcd:
         (each one consistent; a few requests, not one per key)."""
         found: dict[str, KeyValue] = {}
         for reply in await self._txns([
-                {"compare": [], "failure": [],
-                 "success": [{"request_range": {"key": _b64(key)}} for key in chunk]}
+                _unconditional([{"request_range": {"key": _b64(key)}} for key in chunk])
                 for chunk in _txn_chunks(keys, len)]):
             for response in reply.get("responses", []):
                 for fields in response.get("response_range", {}).get("kvs", []):
