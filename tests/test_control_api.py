@@ -356,3 +356,27 @@ async def test_a_steps_records_are_read_again_no_sooner_than_five_times_their_la
     assert await status_after(0.5) == []
     assert await status_after(0.45) == ["run/big"]  # 2.55 s since the big one's read (0.5 s)
     assert shown["run/big"] == {"a": {"n0"}, "b": {"n0"}}  # as etcd has them
+
+
+async def test_a_read_of_records_that_outlasts_a_status_goes_on_for_the_next(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A status waits a second for a step's records; a read that takes longer (a 50,000-file
+    step's took 1.5 s here, and, cancelled, its records were never shown) goes on, once per
+    step, and the next status shows what it read."""
+    reads: list[str] = []
+
+    async def read(manifest: mf.StepManifest) -> dict[str, set[str]]:
+        reads.append(manifest.path)
+        await trio.sleep(1.6)
+        return {"a": {"n0", "n1"}}
+
+    step = mf.StepManifest("run/step_1", 1, 1, "n0", 1, (mf.FileEntry("a", 1, "0" * 32),))
+    recorded = RecordedHolders(read)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(recorded.run)
+        assert await recorded.of([step]) == {}  # not in a second: this node's view
+        assert await recorded.of([step]) == {}  # paused: at once, no second read
+        await trio.sleep(1)
+        assert await recorded.of([step]) == {"run/step_1": {"a": {"n0", "n1"}}}
+        assert reads == ["run/step_1"]
+        nursery.cancel_scope.cancel()

@@ -15,6 +15,7 @@ the daemon reads for a status (briefly: a status polled in a loop does not read 
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -27,6 +28,8 @@ from tierfs import manifest as mf
 
 if TYPE_CHECKING:
     from tierfs.fs.model.nodes import StepState
+
+log = logging.getLogger(__name__)
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 
@@ -139,28 +142,69 @@ class RecordedHolders:
         self._read = read
         self._cache: dict[tuple[str, int], _Read] = {}
         self._paused_until = -math.inf  # trio time: etcd did not answer the last status
+        # Where reads run once `run` owns a nursery: a read that outlasts a status's patience
+        # goes on, for the next status (the records of a 50,000-file step take longer than
+        # RECORDS_PATIENCE to read, and, cancelled, were never shown), one per step at a time.
+        self._nursery: trio.Nursery | None = None
+        self._reading: dict[tuple[str, int], trio.Event] = {}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Own the reads that outlast a status, until cancelled."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
 
     async def of(self, manifests: list[mf.StepManifest]) -> dict[str, dict[str, set[str]]]:
         """{step path: {file name: holders}} for those of `manifests` whose records could be
-        read by RECORDS_PATIENCE (or were, less than RECORDS_FRESH ago)."""
+        read by RECORDS_PATIENCE (or were, less than RECORDS_FRESH ago, or by a read that
+        outlasted an earlier status)."""
         now = trio.current_time()
         wanted = {(m.path, m.version): m for m in manifests}
         self._cache = {key: value for key, value in self._cache.items() if key in wanted}
         if now < self._paused_until:
             wanted = {}
+        due = [(key, manifest) for key, manifest in wanted.items()
+               if (cached := self._cache.get(key)) is None or cached.due(now)]
         with trio.move_on_after(RECORDS_PATIENCE) as patience:
-            for key, manifest in wanted.items():
-                cached = self._cache.get(key)
-                if cached is not None and not cached.due(now):
-                    continue
-                started = trio.current_time()
-                files = await self._read(manifest)
-                if files is not None:
-                    at = trio.current_time()
-                    self._cache[key] = _Read(at, at - started, files)
+            nursery = self._nursery
+            if nursery is None:  # no `run`: each read is the status's own
+                for key, manifest in due:
+                    await self._read_into_cache(key, manifest)
+            else:
+                for done in [self._reading.get(key) or self._read_later(nursery, key, manifest)
+                             for key, manifest in due]:
+                    await done.wait()
         if patience.cancelled_caught:
             self._paused_until = trio.current_time() + RECORDS_PAUSE
         return {path: read.files for (path, _version), read in self._cache.items()}
+
+    def _read_later(self, nursery: trio.Nursery, key: tuple[str, int],
+                    manifest: mf.StepManifest) -> trio.Event:
+        done = self._reading[key] = trio.Event()
+
+        async def read() -> None:
+            try:
+                await self._read_into_cache(key, manifest)
+            except Exception as exc:  # noqa: BLE001 - a status's read never ends the daemon
+                log.warning("reading the records of %s for a status failed: %r", key[0], exc)
+            finally:
+                del self._reading[key]
+                done.set()
+
+        nursery.start_soon(read)
+        return done
+
+    async def _read_into_cache(self, key: tuple[str, int], manifest: mf.StepManifest) -> None:
+        started = trio.current_time()
+        files = await self._read(manifest)
+        if files is not None:
+            at = trio.current_time()
+            self._cache[key] = _Read(at, at - started, files)
 
     def changed(self, path: str, version: int, holders: Mapping[str, set[str]]) -> None:
         """This node changed the records of these files of that step version (it recorded

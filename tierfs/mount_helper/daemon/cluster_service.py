@@ -194,6 +194,7 @@ class ClusterNode:
 
     async def start(self, nursery: trio.Nursery) -> None:
         self.plans.start(nursery)
+        nursery.start_soon(self.recorded.run)
         server = self.peer_server()
         assert self.cfg.listen is not None
         host, port = self.cfg.listen
