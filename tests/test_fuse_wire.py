@@ -368,9 +368,9 @@ def setattr_request(valid: int, *, fh: int = 0, size: int = 0, atime: tuple[int,
 
 def test_a_setattr_says_what_it_sets_as_libfuse_tells_pyfuse3() -> None:
     """The relay has the daemon set a mode, an owner or times on its own turn of the loop
-    (`Operations.setattr_now`): the fields the request marks valid, times in nanoseconds, `now`
-    for ATIME_NOW and MTIME_NOW; a size, a set-id bit to clear or a field it does not know
-    leaves the request to libfuse (None). `answer_here` never answers it."""
+    (`Operations.setattr_now`): the fields the request marks valid, as pyfuse3 hands them to
+    `setattr` (times in nanoseconds); a size or a field it does not know leaves the request to
+    libfuse (None). `answer_here` never answers it."""
     chmod = setattr_request(wire.FATTR_MODE | wire.FATTR_CTIME, mode=0o100640)
     assert wire.setattr_in(chmod, now_ns=7) == wire.SetattrIn(None, 0o100640, None, None,
                                                               None, None)
@@ -381,10 +381,20 @@ def test_a_setattr_says_what_it_sets_as_libfuse_tells_pyfuse3() -> None:
     utime = setattr_request(wire.FATTR_ATIME | wire.FATTR_MTIME, atime=(5, 6), mtime=(7, 8))
     assert wire.setattr_in(utime, now_ns=7) == wire.SetattrIn(
         None, None, None, None, 5_000_000_006, 7_000_000_008)
+    # `touch`: the kernel sends its now with ATIME_NOW and MTIME_NOW, and pyfuse3 keeps it
     touch = setattr_request(wire.FATTR_ATIME | wire.FATTR_MTIME | wire.FATTR_ATIME_NOW
                             | wire.FATTR_MTIME_NOW, atime=(5, 6), mtime=(7, 8))
-    assert wire.setattr_in(touch, now_ns=42) == wire.SetattrIn(None, None, None, None, 42, 42)
-    for valid in (wire.FATTR_SIZE, wire.FATTR_MODE | 1 << 11, 1 << 20):  # 1 << 11: KILL_SUIDGID
+    assert wire.setattr_in(touch, now_ns=42) == wire.SetattrIn(
+        None, None, None, None, 5_000_000_006, 7_000_000_008)
+    now_alone = setattr_request(wire.FATTR_ATIME_NOW | wire.FATTR_MTIME_NOW)
+    assert wire.setattr_in(now_alone, now_ns=42) == wire.SetattrIn(None, None, None, None,
+                                                                   42, 42)
+    # every chown of a file comes with FATTR_KILL_SUIDGID: read as libfuse and pyfuse3 read it
+    chown_file = setattr_request(wire.FATTR_UID | wire.FATTR_KILL_SUIDGID, uid=1001)
+    assert wire.setattr_in(chown_file, now_ns=7) == wire.SetattrIn(None, None, 1001, None,
+                                                                   None, None)
+    for valid in (wire.FATTR_SIZE, wire.FATTR_SIZE | wire.FATTR_KILL_SUIDGID,
+                  wire.FATTR_MODE | wire.FATTR_KILL_SUIDGID, 1 << 20):
         assert wire.setattr_in(setattr_request(valid), now_ns=7) is None
     with pytest.raises(wire.WireError):
         wire.setattr_in(request(wire.Opcode.SETATTR, bytes(80)), now_ns=7)

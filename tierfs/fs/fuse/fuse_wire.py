@@ -141,6 +141,7 @@ SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")
 FATTR_MODE, FATTR_UID, FATTR_GID, FATTR_SIZE = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 FATTR_ATIME, FATTR_MTIME, FATTR_FH = 1 << 4, 1 << 5, 1 << 6
 FATTR_ATIME_NOW, FATTR_MTIME_NOW, FATTR_LOCKOWNER, FATTR_CTIME = 1 << 7, 1 << 8, 1 << 9, 1 << 10
+FATTR_KILL_SUIDGID = 1 << 11
 # struct fuse_write_in, which with the in-header precedes a WRITE's data.
 WRITE_IN_SIZE = 40
 
@@ -210,8 +211,8 @@ class CreateIn(NamedTuple):
 
 
 class SetattrIn(NamedTuple):
-    """What a SETATTR request sets (None: left as it is), as libfuse hands it to pyfuse3;
-    times in nanoseconds, `now` for ATIME_NOW and MTIME_NOW."""
+    """What a SETATTR request sets (None: left as it is), as pyfuse3 hands it to `setattr`;
+    times in nanoseconds."""
 
     fh: int | None
     mode: int | None
@@ -221,24 +222,31 @@ class SetattrIn(NamedTuple):
     mtime_ns: int | None
 
 
-# The SETATTR fields `setattr_in` reads; a request with any other (a size, a set-id bit to
-# clear: FATTR_KILL_SUIDGID) goes to libfuse.
+# The SETATTR fields `setattr_in` reads; a request with any other (a size, a field it does not
+# know) goes to libfuse. FATTR_KILL_SUIDGID, which the kernel sends with every chown of a file
+# (FUSE_HANDLE_KILLPRIV_V2), is left as libfuse leaves it to pyfuse3, which hands it to no
+# handler: the mount is nosuid (`edit_init_reply`).
 SETATTR_READ = (FATTR_MODE | FATTR_UID | FATTR_GID | FATTR_ATIME | FATTR_MTIME | FATTR_FH
-                | FATTR_ATIME_NOW | FATTR_MTIME_NOW | FATTR_LOCKOWNER | FATTR_CTIME)
+                | FATTR_ATIME_NOW | FATTR_MTIME_NOW | FATTR_LOCKOWNER | FATTR_CTIME
+                | FATTR_KILL_SUIDGID)
 
 
 def setattr_in(message: Message, now_ns: int) -> SetattrIn | None:
-    """A SETATTR request's changes, or None for one that sets more than `SETATTR_READ` (the
-    ctime the kernel sends with them is not kept: pyfuse3 hands it to no handler)."""
+    """A SETATTR request's changes, or None for one that sets more than `SETATTR_READ` or
+    clears set-id bits with a new size (the ctime the kernel sends with them is not kept:
+    pyfuse3 hands it to no handler)."""
     (valid, _pad, fh, _size, _lock_owner, atime, mtime, _ctime, atimensec, mtimensec,
      _ctimensec, mode, _unused4, uid, gid, _unused5) = _unpack(SETATTR_IN, message,
                                                               IN_HEADER.size, "SETATTR request")
-    if valid & ~SETATTR_READ:
+    if valid & ~SETATTR_READ or (valid & FATTR_KILL_SUIDGID
+                                 and not valid & (FATTR_UID | FATTR_GID)):
         return None
-    atime_ns = now_ns if valid & FATTR_ATIME_NOW else (
-        atime * 1_000_000_000 + atimensec if valid & FATTR_ATIME else None)
-    mtime_ns = now_ns if valid & FATTR_MTIME_NOW else (
-        mtime * 1_000_000_000 + mtimensec if valid & FATTR_MTIME else None)
+    # as pyfuse3: the kernel's time where it sends one (with ATIME_NOW it sends its now), else
+    # now for ATIME_NOW alone
+    atime_ns = atime * 1_000_000_000 + atimensec if valid & FATTR_ATIME else (
+        now_ns if valid & FATTR_ATIME_NOW else None)
+    mtime_ns = mtime * 1_000_000_000 + mtimensec if valid & FATTR_MTIME else (
+        now_ns if valid & FATTR_MTIME_NOW else None)
     return SetattrIn(fh if valid & FATTR_FH else None,
                      mode if valid & FATTR_MODE else None, uid if valid & FATTR_UID else None,
                      gid if valid & FATTR_GID else None, atime_ns, mtime_ns)
