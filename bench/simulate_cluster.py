@@ -186,6 +186,11 @@ class TraceEtcd(Etcd):
         trace, self.trace = self.trace, []
         return trace
 
+    async def _txns(self, txns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The transactions the real client built, one after the other: `drive` runs no trio
+        to send them at once, and the order changes nothing the simulation counts."""
+        return [await self._call("kv/txn", txn) for txn in txns]
+
     async def _call(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         reply, keys, write = self._answer(path, payload)
         size = sum(len(kv.get("value", "")) * 3 // 4 for kv in reply.get("kvs", ())) + sum(
