@@ -379,16 +379,17 @@ class PassthroughDevice:
 
     def _answer_now(self, message: wire.Message) -> bytes | None:
         """A GETATTR, a LOOKUP of an absent name, a CREATE with room in the RAM tier, a FLUSH or
-        RELEASE that commits nothing, a SETATTR of a mode, an owner or times of a file in RAM (`tar
-        x` and `rsync -a` set all three on every file), answered by the daemon on this turn of the
-        loop, or None: a request relayed to libfuse is three turns of the loop (this task, the
-        pyfuse3 worker's, the reply relay's), and these handlers never wait (a step of many files
-        saved asks each once per file: the kernel checks the step directory's permissions, looks
-        each new name up before it creates it, creates it, flushes it at its close and releases it).
-        The answer is the handler's, only sooner: requests are answered in no particular order
-        anyway (pyfuse3 runs several at once), the kernel discards attributes that raced with a
-        change of them (`fuse_change_attributes`, by attr_version), and it holds the directory's
-        lock over a LOOKUP as over the requests that change its names."""
+        RELEASE that commits nothing, a SETATTR of a mode, an owner or times of a file in RAM
+        (`tar x` and `rsync -a` set all three on every file), answered by the daemon on this
+        turn of the loop, or None: a request relayed to libfuse is three turns of the loop (this
+        task, the pyfuse3 worker's, the reply relay's), and these handlers never wait (a step of
+        many files saved asks each once per file: the kernel checks the step directory's
+        permissions, looks each new name up before it creates it, creates it, flushes it at its
+        close and releases it). The answer is the handler's, only sooner: requests are answered
+        in no particular order anyway (pyfuse3 runs several at once), the kernel discards
+        attributes that raced with a change of them (`fuse_change_attributes`, by attr_version),
+        and it holds the directory's lock over a LOOKUP as over the requests that change its
+        names."""
         offer = self._wire.offer
         if not self._wire.initialized or offer is None or offer.minor < wire.ATTR_OUT_MINOR:
             return None
