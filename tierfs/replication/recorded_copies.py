@@ -22,19 +22,20 @@ def of_content(record: FileRecord | None, entry: mf.FileEntry | None) -> bool:
     return record is not None and entry is not None and record.xxh3 == entry.xxh3
 
 
+def _held_by(record: FileRecord | None, entry: mf.FileEntry) -> set[str]:
+    return set(record.holders) if record is not None and of_content(record, entry) else set()
+
+
 def holders_by_file(manifest: mf.StepManifest, records: Mapping[str, FileRecord]
                     ) -> dict[str, set[str]]:
     """Who holds each file of `manifest` (nobody, for a file without a record of its content)."""
-    return {entry.name: set(record.holders) if of_content(record, entry) else set()
-            for entry in manifest.files
-            for record in (records.get(entry.name),)}
+    return {entry.name: _held_by(records.get(entry.name), entry) for entry in manifest.files}
 
 
 def holders_of_recorded(manifest: mf.StepManifest, records: Mapping[str, FileRecord]
                         ) -> dict[str, set[str]]:
     """`holders_by_file` of only the files of `manifest` that `records` has."""
-    return {name: set(record.holders) if of_content(record, entry) else set()
-            for name, record in records.items()
+    return {name: _held_by(record, entry) for name, record in records.items()
             if (entry := manifest.entry(name)) is not None}
 
 
