@@ -383,19 +383,20 @@ class Namespace:
         if self._end_writer(handle, final):
             await self.commits.after_writer(handle.node)
 
-    def flush_now(self, handle: Handle) -> bool:
-        """`flush` of a close() with no await, where it needs none: the close of a file whose
-        writer's end commits nothing (not a step's `.metadata`, no commit pending: most files
-        of a step saved). False, having done nothing, for the others: `flush` does them."""
-        if self.commits.commits_after_writer(handle.node):
-            return False
+    def flushes_now(self, handle: Handle) -> bool:
+        """Whether `flush_now` may do the FLUSH of `handle`'s close(): its writer's end
+        commits nothing (not a step's `.metadata`, no commit pending: most files of a step
+        saved). `flush` does the others."""
+        return not self.commits.commits_after_writer(handle.node)
+
+    def flush_now(self, handle: Handle) -> None:
+        """`flush` with no await, of a handle `flushes_now` allows."""
         if self._end_writer(handle, False):
             self.commits.writer_done(handle.node)
-        return True
 
     def releases_now(self, handle: Handle) -> bool:
-        """Whether `release_now` may release `handle`: as `flush_now`, and the file is not a
-        step of its own that its release commits."""
+        """Whether `release_now` may release `handle`: as `flushes_now`, and the file is not
+        a step of its own that its release commits."""
         node = handle.node
         return not (self.commits.commits_after_writer(node) or (
             handle.writable and self.commits.commits_after_release(node)))
