@@ -4,7 +4,15 @@
  * tmpfs: whatever a FUSE daemon does, a file costs it at least these round trips through
  * the kernel, so a ratio to tmpfs below this one's is out of reach for any of them.
  *
- * Built and mounted by bench/fuse_floor.py: fuse_floor MOUNTPOINT (until unmounted).
+ * With --as-tierfs it also does the two things tierfs's contract asks of any daemon, and
+ * nothing more: it answers GETXATTR (ENODATA: `getfattr user.tierfs.*` needs the kernel to
+ * keep asking, where a daemon without it answers ENOSYS once and is never asked again), and
+ * the kernel checks permissions (`default_permissions`: a job runs as another user). Each
+ * costs round trips: `ls -l` asks every file for its security.selinux attribute, and the
+ * kernel asks for a directory's attributes before each CREATE in it.
+ *
+ * Built and mounted by bench/fuse_floor.py: fuse_floor [--as-tierfs] MOUNTPOINT (until
+ * unmounted).
  * Files and directories are kept in one table by (parent, name); nothing is ever removed
  * (the bench mounts a fresh one for each run). */
 #define FUSE_USE_VERSION 34
@@ -162,6 +170,13 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
   fuse_reply_buf(req, node->data + off, size);
 }
 
+static void op_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name, size_t size) {
+  (void)ino;
+  (void)name;
+  (void)size;
+  fuse_reply_err(req, ENODATA);
+}
+
 static void op_done(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
   (void)ino;
   (void)fi;
@@ -220,12 +235,18 @@ static const struct fuse_lowlevel_ops operations = {
 int main(int argc, char *argv[]) {
   struct fuse_args args = FUSE_ARGS_INIT(0, NULL);
   struct fuse_session *session;
+  struct fuse_lowlevel_ops ops = operations;
   int failed;
-  if (argc != 2) return 2;
+  int as_tierfs = argc == 3 && strcmp(argv[1], "--as-tierfs") == 0;
+  if (argc != 2 && !as_tierfs) return 2;
   nodes[FUSE_ROOT_ID] = (struct node){.name = "", .mode = S_IFDIR | 0755};
   fuse_opt_add_arg(&args, argv[0]);
-  session = fuse_session_new(&args, &operations, sizeof operations, NULL);
-  if (!session || fuse_session_mount(session, argv[1])) return 1;
+  if (as_tierfs) {
+    ops.getxattr = op_getxattr;
+    fuse_opt_add_arg(&args, "-odefault_permissions");
+  }
+  session = fuse_session_new(&args, &ops, sizeof ops, NULL);
+  if (!session || fuse_session_mount(session, argv[argc - 1])) return 1;
   failed = fuse_session_loop(session);
   fuse_session_unmount(session);
   fuse_session_destroy(session);

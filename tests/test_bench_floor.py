@@ -4,6 +4,7 @@ sets tierfs against cannot rot or quietly measure a file system that loses files
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -16,12 +17,13 @@ from bench import fuse_floor
 pytestmark = pytest.mark.fuse
 
 
-@pytest.mark.parametrize("floor", ["c", "pyfuse3"])
+@pytest.mark.parametrize("floor", ["c", "c --as-tierfs", "pyfuse3"])
 def test_the_floor_keeps_a_step_of_files(tmp_path: Path, floor: str) -> None:
     program: Path | list[str] | None
-    if floor == "c":
-        program = fuse_floor.build(tmp_path)
-        assert program is not None, "`make install` puts a compiler and libfuse3's headers here"
+    if floor.startswith("c"):
+        built = fuse_floor.build(tmp_path)
+        assert built is not None, "`make install` puts a compiler and libfuse3's headers here"
+        program = [str(built), *floor.split()[1:]]
     else:
         program = [sys.executable, str(fuse_floor.PYTHON_FLOOR)]
     with fuse_floor.mounted(program, tmp_path / "mnt") as mountpoint:
@@ -36,4 +38,21 @@ def test_the_floor_keeps_a_step_of_files(tmp_path: Path, floor: str) -> None:
         assert sorted(os.listdir(step)) == [f"t{i:03}.distcp" for i in range(300)]
         assert (step / "t000.distcp").read_bytes() == b"shorter"
         assert (step / "t299.distcp").read_bytes() == (299).to_bytes(2, "little") * 2048
+        with pytest.raises(OSError) as raised:
+            os.getxattr(step / "t001.distcp", "user.tierfs.state")
+        # --as-tierfs answers extended attributes as tierfs does a name a file lacks; the
+        # plain floor has none, and the kernel stops asking it
+        assert raised.value.errno == (errno.ENODATA if "--as-tierfs" in floor
+                                      else errno.EOPNOTSUPP)
+        if "--as-tierfs" in floor:
+            assert "default_permissions" in _options_of(mountpoint)
     assert not os.path.ismount(tmp_path / "mnt")
+
+
+def _options_of(mountpoint: Path) -> str:
+    """The mount options /proc/self/mountinfo shows for `mountpoint`."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == str(mountpoint):
+            return line
+    raise AssertionError(f"{mountpoint} is not in mountinfo")
