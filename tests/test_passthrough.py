@@ -14,6 +14,7 @@ import os
 import threading
 
 import pytest
+import xxhash
 
 from tests.conftest import Mount, MountFactory, getxattr, wait_until
 
@@ -140,3 +141,25 @@ def test_writing_a_committed_file_that_is_being_read_is_refused_not_mixed(mnt: M
         writer.write(b"new")
     assert (mnt / "step_1/shard").read_bytes()[:12] == b"newmitted" + b"com"
     assert getxattr(mnt / "step_1", "user.tierfs.state") == "writing"
+
+
+def test_a_closed_files_seal_is_there_as_its_close_returns(mnt: Mount) -> None:
+    """The relay answers a small file's FLUSH and RELEASE before it seals and settles the
+    file (`PassthroughDevice.after_answer`); anything that asks about the file next (its
+    seal, a rename, a listing, a re-open) is answered only after that work."""
+    step = mnt / "run" / "step_1"
+    step.mkdir(parents=True)
+    for i in range(200):
+        data = os.urandom(100 + i)
+        path = step / f"f{i:03}"
+        with open(path, "wb") as f:
+            f.write(data)
+        assert getxattr(path, "user.tierfs.xxh3") == xxhash.xxh3_128_hexdigest(data)
+        if i % 2:
+            os.rename(path, step / f"g{i:03}")
+            path = step / f"g{i:03}"
+        with open(path, "rb") as f:
+            assert f.read() == data
+    assert len(os.listdir(step)) == 200
+    (step / ".metadata").write_bytes(b"m")
+    wait_until(lambda: getxattr(step, "user.tierfs.state") == "committed", timeout=10)
