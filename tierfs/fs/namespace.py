@@ -389,9 +389,19 @@ class Namespace:
         saved). `flush` does the others."""
         return not self.commits.commits_after_writer(handle.node)
 
-    def flush_now(self, handle: Handle) -> None:
-        """`flush` with no await, of a handle `flushes_now` allows."""
-        if self._end_writer(handle, False):
+    def full_at_close(self, handle: Handle) -> bool | None:
+        """Whether the RAM dir's file system is full as `handle`'s close() comes, for a
+        `flush_now` done after the close's answer (`Operations.flush_now`): the saver acts
+        on the answer, and a file system it fills afterwards must not make the file look cut
+        short. None for a handle that wrote nothing through passthrough."""
+        if not (handle.passthrough and handle.writable):
+            return None
+        return self._cut_short.full(str(self.store.root))
+
+    def flush_now(self, handle: Handle, full: bool | None = None) -> None:
+        """`flush` with no await, of a handle `flushes_now` allows (`full`: `full_at_close`,
+        where taken before)."""
+        if self._end_writer(handle, False, full):
             self.commits.writer_done(handle.node)
 
     def releases_now(self, handle: Handle) -> bool:
@@ -409,10 +419,10 @@ class Namespace:
         finally:
             self.tree.close(handle)
 
-    def _end_writer(self, handle: Handle, final: bool) -> bool:
+    def _end_writer(self, handle: Handle, final: bool, full: bool | None = None) -> bool:
         ended = self.tree.end_writer(handle, final=final)
         if ended and handle.passthrough:  # its writes' errors went to the writer, not to us
-            self._cut_short.note_if_full(handle.node, str(self.store.root))
+            self._cut_short.note_if_full(handle.node, str(self.store.root), full)
         return ended
 
     async def release(self, handle: Handle) -> None:

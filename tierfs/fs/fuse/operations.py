@@ -365,7 +365,8 @@ class Operations(pyfuse3.Operations):
         handle = self.ns.handle(fh)
         if not self.ns.flushes_now(handle):
             return None
-        self._after_answer(handle, self.ns.flush_now)
+        full = self.ns.full_at_close(handle)
+        self._after_answer("flush", handle, functools.partial(self.ns.flush_now, full=full))
         return 0
 
     @_answer_now
@@ -374,7 +375,7 @@ class Operations(pyfuse3.Operations):
         handle = self.ns.handle(fh)
         if not self.ns.releases_now(handle):
             return None
-        self._after_answer(handle, self._release_now)
+        self._after_answer("release", handle, self._release_now)
         return 0
 
     def _release_now(self, handle: Handle) -> None:
@@ -382,7 +383,7 @@ class Operations(pyfuse3.Operations):
             self.passthrough.withdraw(handle)
         self.ns.release_now(handle)
 
-    def _after_answer(self, handle: Handle, work: Callable[[Handle], None]) -> None:
+    def _after_answer(self, what: str, handle: Handle, work: Callable[[Handle], None]) -> None:
         """`work(handle)`, the rest of a FLUSH's or a RELEASE's work, after the relay's answer
         (`PassthroughDevice.after_answer`; at once without a relay). The kernel takes no error
         from it any more: one is logged (a passthrough file's write errors went to its
@@ -391,7 +392,7 @@ class Operations(pyfuse3.Operations):
             try:
                 work(handle)
             except Exception as exc:  # noqa: BLE001 - the relay must go on
-                error = _errno_of(self, exc, work.__name__, (handle.fh,))
+                error = _errno_of(self, exc, what, (handle.fh,))
                 log.warning("the close of inode %d, after its answer: %s", handle.node.ino,
                             os.strerror(error))
 
