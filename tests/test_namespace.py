@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,11 +14,9 @@ import pytest
 import trio
 import trio.testing
 
-from tests.conftest import fill
 from tests.harness import CTX, Harness, dcp_save
 from tierfs import manifest as mf
 from tierfs.fs.fuse import fuse_wire as wire
-from tierfs.fs.fuse.passthrough import PassthroughDevice
 from tierfs.fs.lifecycle.background import Background
 from tierfs.fs.model.nodes import ROOT_INODE
 from tierfs.trackers import TrackedStep
@@ -409,32 +406,3 @@ async def test_a_setattr_of_mode_owner_or_times_is_done_with_no_await_where_it_n
     remote = await harness.inode("run/step_2/f")
     assert ops.setattr_now(remote, change) is None
     assert (await ops.getattr(remote, CTX)).st_uid != 1234  # nothing done
-
-
-async def test_a_close_answered_before_its_work_finds_the_ram_dir_as_it_was_at_the_close(
-        small_tmpfs: Path) -> None:
-    """The relay answers a small file's FLUSH first and does its work after
-    (`PassthroughDevice.after_answer`): a RAM dir's file system the saver fills once its
-    close() returned must not make the file it closed look cut short (its step would not
-    commit by itself); one full at the close still does."""
-    h = Harness(small_tmpfs / "ram")
-    await h.mkdirs("run/step_1")
-    step = await h.inode("run/step_1")
-    made = []
-    for name in (b"a", b"b"):
-        fh, _entry = h.ops.create_now(step, name, 0o100644, os.O_WRONLY, 0, 0, 0, 1)
-        os.pwrite(h.ns.handle(fh).fd, b"x" * 4096, 0)
-        h.ns.handle(fh).passthrough = True  # as the kernel wrote it (its offer needs a mount)
-        made.append(fh)
-    relay = object.__new__(PassthroughDevice)  # only its work after answers: no mount
-    relay._after_answers = deque()
-    h.ops.passthrough = relay
-    assert h.ops.flush_now(made[0]) == 0  # answered; its seal is still to do
-    assert relay._after_answers
-    fill(small_tmpfs / "another-user")  # the saver's next act, or another user's
-    relay._finish_answered()
-    assert h.ns._cut_short.in_step(h.ns.get(step)) is None
-    assert h.ops.flush_now(made[1]) == 0  # this writer closes while the file system is full
-    relay._finish_answered()
-    assert h.ns._cut_short.in_step(h.ns.get(step)) == "run/step_1/b"
-    h.close()

@@ -144,9 +144,8 @@ def test_writing_a_committed_file_that_is_being_read_is_refused_not_mixed(mnt: M
 
 
 def test_a_closed_files_seal_is_there_as_its_close_returns(mnt: Mount) -> None:
-    """The relay answers a small file's FLUSH and RELEASE before it seals and settles the
-    file (`PassthroughDevice.after_answer`); anything that asks about the file next (its
-    seal, a rename, a listing, a re-open) is answered only after that work."""
+    """A small file closed through passthrough is sealed when its close() returns: its
+    `user.tierfs.xxh3` at once, then a rename, a re-read, a listing and its step's commit."""
     step = mnt / "run" / "step_1"
     step.mkdir(parents=True)
     for i in range(200):

@@ -383,30 +383,19 @@ class Namespace:
         if self._end_writer(handle, final):
             await self.commits.after_writer(handle.node)
 
-    def flushes_now(self, handle: Handle) -> bool:
-        """Whether `flush_now` may do the FLUSH of `handle`'s close(): its writer's end
-        commits nothing (not a step's `.metadata`, no commit pending: most files of a step
-        saved). `flush` does the others."""
-        return not self.commits.commits_after_writer(handle.node)
-
-    def full_at_close(self, handle: Handle) -> bool | None:
-        """Whether the RAM dir's file system is full as `handle`'s close() comes, for a
-        `flush_now` done after the close's answer (`Operations.flush_now`): the saver acts
-        on the answer, and a file system it fills afterwards must not make the file look cut
-        short. None for a handle that wrote nothing through passthrough."""
-        if not (handle.passthrough and handle.writable):
-            return None
-        return self._cut_short.full(str(self.store.root))
-
-    def flush_now(self, handle: Handle, full: bool | None = None) -> None:
-        """`flush` with no await, of a handle `flushes_now` allows (`full`: `full_at_close`,
-        where taken before)."""
-        if self._end_writer(handle, False, full):
+    def flush_now(self, handle: Handle) -> bool:
+        """`flush` of a close() with no await, where it needs none: the close of a file whose
+        writer's end commits nothing (not a step's `.metadata`, no commit pending: most files
+        of a step saved). False, having done nothing, for the others: `flush` does them."""
+        if self.commits.commits_after_writer(handle.node):
+            return False
+        if self._end_writer(handle, False):
             self.commits.writer_done(handle.node)
+        return True
 
     def releases_now(self, handle: Handle) -> bool:
-        """Whether `release_now` may release `handle`: as `flushes_now`, and the file is not
-        a step of its own that its release commits."""
+        """Whether `release_now` may release `handle`: as `flush_now`, and the file is not a
+        step of its own that its release commits."""
         node = handle.node
         return not (self.commits.commits_after_writer(node) or (
             handle.writable and self.commits.commits_after_release(node)))
@@ -419,10 +408,10 @@ class Namespace:
         finally:
             self.tree.close(handle)
 
-    def _end_writer(self, handle: Handle, final: bool, full: bool | None = None) -> bool:
+    def _end_writer(self, handle: Handle, final: bool) -> bool:
         ended = self.tree.end_writer(handle, final=final)
         if ended and handle.passthrough:  # its writes' errors went to the writer, not to us
-            self._cut_short.note_if_full(handle.node, str(self.store.root), full)
+            self._cut_short.note_if_full(handle.node, str(self.store.root))
         return ended
 
     async def release(self, handle: Handle) -> None:

@@ -361,13 +361,8 @@ class Operations(pyfuse3.Operations):
     def flush_now(self, fh: int) -> int | None:
         """`flush` with no await, for the relay to answer a FLUSH on its own turn of the loop:
         0, the errno that fails it, or None when the close may commit a step (then `flush`
-        does it). The close's work (a small file's seal) is done after the answer."""
-        handle = self.ns.handle(fh)
-        if not self.ns.flushes_now(handle):
-            return None
-        full = self.ns.full_at_close(handle)
-        self._after_answer("flush", handle, functools.partial(self.ns.flush_now, full=full))
-        return 0
+        does it)."""
+        return 0 if self.ns.flush_now(self.ns.handle(fh)) else None
 
     @_answer_now
     def release_now(self, fh: int) -> int | None:
@@ -375,31 +370,10 @@ class Operations(pyfuse3.Operations):
         handle = self.ns.handle(fh)
         if not self.ns.releases_now(handle):
             return None
-        self._after_answer("release", handle, self._release_now)
-        return 0
-
-    def _release_now(self, handle: Handle) -> None:
         if self.passthrough is not None:
             self.passthrough.withdraw(handle)
         self.ns.release_now(handle)
-
-    def _after_answer(self, what: str, handle: Handle, work: Callable[[Handle], None]) -> None:
-        """`work(handle)`, the rest of a FLUSH's or a RELEASE's work, after the relay's answer
-        (`PassthroughDevice.after_answer`; at once without a relay). The kernel takes no error
-        from it any more: one is logged (a passthrough file's write errors went to its
-        writer; a close's own work fails only on a fault of the daemon's)."""
-        def finish() -> None:
-            try:
-                work(handle)
-            except Exception as exc:  # noqa: BLE001 - the relay must go on
-                error = _errno_of(self, exc, what, (handle.fh,))
-                log.warning("the close of inode %d, after its answer: %s", handle.node.ino,
-                            os.strerror(error))
-
-        if self.passthrough is None:
-            finish()
-        else:
-            self.passthrough.after_answer(handle.node.ino, finish)
+        return 0
 
     @_boundary
     async def release(self, fh: int) -> None:

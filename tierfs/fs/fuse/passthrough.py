@@ -23,10 +23,7 @@ A GETATTR is answered by the relay itself, from the daemon's handler with no awa
 CREATE, a FLUSH, a RELEASE and a SETATTR (but of a size) where the handler would never wait;
 right after such an answer the relay retries its read of the next request for a few
 microseconds before it waits on epoll (`_read_request`), as a synchronous saver's next request
-comes that soon. What a FLUSH or a RELEASE answered so still has to do (a small file's seal, its
-settling) is done after the answer, in those microseconds (`after_answer`): a saver's close
-and its next open wait for the answers, not for that work, which is still done before anything
-could see it undone.
+comes that soon.
 
 The kernel requires all concurrent opens of an inode to agree: once one is a passthrough open,
 every other must pass through to the same backing file; once one is an ordinary (page-cached)
@@ -49,7 +46,6 @@ import struct
 import subprocess
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -125,9 +121,6 @@ class PassthroughDevice:
         self._reply_buffer = memoryview(bytearray(MESSAGE_MAX))
         self._request_buffers = [self._request_buffer]
         self._answered = False  # the last request was answered on the relay's own turn
-        # The rest of the work of requests answered on the relay's own turn, with the inode
-        # each is about (`after_answer`).
-        self._after_answers: deque[tuple[int, Callable[[], None]]] = deque()
         # The daemon's notifications to the kernel, for the thread that writes them
         # (`_send_notices`); None ends it.
         self._notices: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
@@ -320,39 +313,12 @@ class PassthroughDevice:
                 fcntl.ioctl(self.dev_fd, FUSE_DEV_IOC_BACKING_CLOSE,
                             bytearray(struct.pack("<I", shared.backing_id)))
 
-    def after_answer(self, ino: int, work: Callable[[], None]) -> None:
-        """Do `work`, the rest of a request about inode `ino` answered on the relay's own turn,
-        after its answer: while the relay waits for the next request, and in any case before
-        it answers a request that could see the work undone (any but a GETATTR or a LOOKUP of
-        another inode, or one the relay answers without the daemon), before libfuse is given a
-        request, and before the relay leaves the loop to other tasks. So the daemon's state
-        that anything but the kernel sees is as if the work was done before the answer."""
-        self._after_answers.append((ino, work))
-
-    def _finish_answered(self) -> None:
-        """Do all the work left by answered requests (`after_answer`), oldest first."""
-        while self._after_answers:
-            self._after_answers.popleft()[1]()
-
-    def _comes_before_pending(self, message: wire.Message) -> bool:
-        """Whether the relay may answer `message` before the work left by answered requests:
-        a GETATTR or a LOOKUP (of a name absent, or libfuse answers it after that work) of an
-        inode no such work is about. The work is a file's close: it changes neither a
-        directory's attributes nor which names exist."""
-        if wire.opcode_of(message) not in (wire.Opcode.GETATTR, wire.Opcode.LOOKUP):
-            return False
-        nodeid = wire.nodeid_of(message)
-        return all(ino != nodeid for ino, _work in self._after_answers)
-
     # -- the relays -----------------------------------------------------------------------
 
     async def _relay_requests(self, on_unmount: Callable[[], None]) -> None:
         try:
-            try:
-                while await self._relay_request():
-                    pass
-            finally:
-                self._finish_answered()
+            while await self._relay_request():
+                pass
         except Exception as exc:  # noqa: BLE001 - any failure: abort, never hang the mount
             self.abort(f"relaying a request: {exc!r}")
         on_unmount()
@@ -362,7 +328,6 @@ class PassthroughDevice:
         try:
             length = self._read_request()
         except BlockingIOError:
-            self._finish_answered()  # none is left here; the loop's other tasks run next
             await trio.lowlevel.wait_readable(self.dev_fd)
             return True
         except OSError as exc:
@@ -374,8 +339,6 @@ class PassthroughDevice:
         message = self._request_buffer[:length]
         answer = wire.answer_here(message)
         if answer is None:
-            if self._after_answers and not self._comes_before_pending(message):
-                self._finish_answered()
             answer = self._answer_now(message)
         if answer is not None:
             if not self._to_kernel(answer):
@@ -383,7 +346,6 @@ class PassthroughDevice:
             self._answered = True
             await trio.lowlevel.checkpoint_if_cancelled()  # as a relayed request does
             return True
-        self._finish_answered()  # libfuse's handlers see the daemon as it is
         message = self._wire.request(message)
         while True:
             try:
@@ -403,9 +365,7 @@ class PassthroughDevice:
         none came. Right after the relay answered one itself, a few microseconds of retries
         first: a saver's next request (the close after the CREATE, the RELEASE after the
         FLUSH, the next file's LOOKUP) comes that soon, and each wait on epoll is another
-        turn of the loop. Never when idle: the first miss after a wait is the last. Between
-        the retries, the work answered requests left (`after_answer`), one piece at a time;
-        the retries last until none is left."""
+        turn of the loop. Never when idle: the first miss after a wait is the last."""
         if not self._answered:
             return os.readv(self.dev_fd, self._request_buffers)
         self._answered = False
@@ -414,10 +374,7 @@ class PassthroughDevice:
             try:
                 return os.readv(self.dev_fd, self._request_buffers)
             except BlockingIOError:
-                if self._after_answers:
-                    self._after_answers.popleft()[1]()
-                    deadline = time.perf_counter_ns() + SPIN_NS
-                elif time.perf_counter_ns() >= deadline:
+                if time.perf_counter_ns() >= deadline:
                     raise
 
     def _answer_now(self, message: wire.Message) -> bytes | None:

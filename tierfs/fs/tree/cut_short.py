@@ -47,19 +47,14 @@ class CutShort:
                         "does not commit by itself (write it again, remove it, or `tierfs "
                         "commit` the step)", self._relpath(node), why)
 
-    @staticmethod
-    def full(ram_dir: str) -> bool:
-        """Whether the RAM dir's file system has no room left (`FULL_MARGIN`)."""
+    def note_if_full(self, node: Node, ram_dir: str) -> None:
+        """A passthrough writer of `node` finished: if the RAM dir's file system is full, its
+        last write may have failed unseen."""
         try:
             found = os.statvfs(ram_dir)
         except OSError:
-            return False
-        return found.f_bavail * found.f_frsize < FULL_MARGIN
-
-    def note_if_full(self, node: Node, ram_dir: str, full: bool | None = None) -> None:
-        """A passthrough writer of `node` finished: if the RAM dir's file system is full (or
-        was, `full`, taken as the writer closed it), its last write may have failed unseen."""
-        if full if full is not None else self.full(ram_dir):
+            return
+        if found.f_bavail * found.f_frsize < FULL_MARGIN:
             self.note(node, "the RAM dir's file system was full when its writer finished")
 
     def clear(self, node: Node) -> None:
