@@ -199,6 +199,16 @@ def getxattr(path: Path | str, name: str) -> str:
     return os.getxattr(path, name).decode()
 
 
+def mount_options(mountpoint: Path) -> str:
+    """The line /proc/self/mountinfo shows for `mountpoint` (its options among them)."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if fields[4] == str(mountpoint):
+                return line
+    raise AssertionError(f"{mountpoint} is not in mountinfo")
+
+
 def run_dcp_ranks(step_dirs: list[Path], timeout: float, at_once: bool = False) -> None:
     """Run tests/dcp_ranks.py as one gloo job, rank i saving to and loading from step_dirs[i]
     (each rank's path to the step on its own node's mount); every rank must succeed. With

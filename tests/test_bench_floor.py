@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import fuse_floor
+from tests.conftest import mount_options
 
 pytestmark = pytest.mark.fuse
 
@@ -45,14 +46,5 @@ def test_the_floor_keeps_a_step_of_files(tmp_path: Path, floor: str) -> None:
         assert raised.value.errno == (errno.ENODATA if "--as-tierfs" in floor
                                       else errno.EOPNOTSUPP)
         if "--as-tierfs" in floor:
-            assert "default_permissions" in _options_of(mountpoint)
+            assert "default_permissions" in mount_options(mountpoint)
     assert not os.path.ismount(tmp_path / "mnt")
-
-
-def _options_of(mountpoint: Path) -> str:
-    """The mount options /proc/self/mountinfo shows for `mountpoint`."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        if fields[4] == str(mountpoint):
-            return line
-    raise AssertionError(f"{mountpoint} is not in mountinfo")

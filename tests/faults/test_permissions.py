@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MountFactory, free_port, tierfs
+from tests.conftest import MountFactory, free_port, mount_options, tierfs
 from tests.faults.conftest import report
 from tierfs.devtools.etcd import Etcd
 
@@ -80,17 +80,8 @@ def test_only_the_mounting_user_reaches_the_mount(public_dir: Path,
     CHECKS["refusals_checked"] += 4
     CHECKS["accesses_checked"] += 2
     assert not (mnt / "new.txt").exists()
-    assert "allow_other" not in _mount_options(mnt.mountpoint)
-    assert "default_permissions" in _mount_options(mnt.mountpoint)
-
-
-def _mount_options(mountpoint: Path) -> str:
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4] == str(mountpoint):
-                return line
-    raise AssertionError(f"{mountpoint} is not in mountinfo")
+    assert "allow_other" not in mount_options(mnt.mountpoint)
+    assert "default_permissions" in mount_options(mnt.mountpoint)
 
 
 # A root process without the capabilities that bypass file modes: the mounting user (uid 0),
