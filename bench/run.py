@@ -785,8 +785,9 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
     # mount puts every byte into new pages twice (the RAM tier's file, then cp's copy), and
     # one warm-up of `size` left the second copy to memory this VM had handed back to its
     # host (0.8 s per 252 MiB shard written by the `cp`, strace -T, against 0.1 s warm).
+    two_copies = 2 * size
     for rep in range(reps):
-        warm_memory(2 * size)
+        warm_memory(two_copies)
         children = _children_cpu()
         started = time.perf_counter()
         subprocess.run(["cp", "-r", str(copied / step), str(copied / "copy")], check=True)
@@ -794,7 +795,7 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
         extra.setdefault("restore_reference_cp_cpu", []).append(_children_cpu() - children)
         shutil.rmtree(copied / "copy")
         # DCP's own load of those bytes from tmpfs: the most a DCP restore can get near `cp`
-        warm_memory(2 * size)
+        warm_memory(two_copies)
         mine = _own_cpu()
         started = time.perf_counter()
         dcp.load(fresh, storage_reader=dcp.FileSystemReader(str(copied / step)))
@@ -815,7 +816,7 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
                 spies = {f"restore from a peer, {who}": stack.enter_context(
                              Profile(bench, bench.args.profile, bench.mounts[who][1], who))
                          for who in profiled}
-                warm_memory(2 * size)
+                warm_memory(two_copies)
                 started = time.perf_counter()
                 if source == "peer cp":
                     subprocess.run(["cp", "-r", str(mountpoint / "run" / step),
