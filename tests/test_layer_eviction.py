@@ -115,7 +115,7 @@ async def test_a_writer_keeps_its_copy_when_another_holder_dropped_itself(
             h.ns.tiers.mark_held(manifest, "n2", names)
             h.ns.tiers.mark_held(manifest, "n1", names)  # n0's view: both hold every file
             await wait_until_async(lambda: h.step("run/step_1").resident == {"a"})
-            await wait_until_async(lambda: not h.ns.residency._evictions)
+            await wait_until_async(lambda: not h.ns.eviction._evictions)
             records = await h.recorded("run/step_1")
             assert records["a"].holders == ("n0", "n2") and records["a"].left == ()
             assert all(r.holders == ("n1", "n2") and r.left == ()

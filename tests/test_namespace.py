@@ -315,7 +315,7 @@ async def test_a_create_is_made_with_no_await_where_the_tier_has_room_else_by_th
     (`Operations.create_now`) as `create` would: its mode after the umask, its owner, its
     entry, its errors. Where the RAM tier has no room for the file's first byte, the open may
     have to make room first (evict, wait for copies on their way, refuse it with ENOSPC:
-    `Residency.make_room`): it is left to the handler, with nothing made."""
+    `Eviction.make_room`): it is left to the handler, with nothing made."""
     page = 4096
     h = Harness(tmp_path / "ram", limit=2 * page)
     step = await h.mkdirs("run/step_1")

@@ -15,7 +15,7 @@ from tests.fakes import BuggySource, MemoryPeers, MemoryTier
 from tests.harness import Harness, dcp_save
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
-from tierfs.fs.lifecycle import residency
+from tierfs.fs.lifecycle import eviction
 from tierfs.fs.lifecycle.other_tiers import OtherTiers
 from tierfs.fs.model.ports import StepCopies
 
@@ -43,7 +43,7 @@ async def test_a_copy_leaves_ram_only_for_a_store_seen_to_hold_it(
     """The store's word is asked at the moment a copy would leave RAM for it: a store that
     does not answer keeps the step in RAM, one that lacks it makes it not persisted (and
     hands it back for another upload), and only a store seen holding it lets it go."""
-    monkeypatch.setattr(residency, "STORE_PAUSE", 0.0)  # the next check comes at once
+    monkeypatch.setattr(eviction, "STORE_PAUSE", 0.0)  # the next check comes at once
     store = MemoryTier("s3")
     h = Harness(tmp_path / "ram", read_sources=[store], persist=store, store_check=store,
                 keep_ram=0)
@@ -61,9 +61,9 @@ async def test_a_copy_leaves_ram_only_for_a_store_seen_to_hold_it(
             assert node.step.resident == names and node.step.persisted
 
             store.down = False  # it answers: it holds nothing of the step
-            h.ns.residency.enforce_keep_ram()
+            h.ns.eviction.enforce_keep_ram()
             with trio.fail_after(10):
-                again = await h.ns.residency.lost_from_store.receive()
+                again = await h.ns.eviction.lost_from_store.receive()
             assert again is manifest
             assert node.step.resident == names and not node.step.persisted
 

@@ -19,7 +19,7 @@ from tests.test_ports import persisted_and_evicted
 from tests.waiting import wait_until_async
 from tierfs import layout
 from tierfs import manifest as mf
-from tierfs.fs.lifecycle import residency
+from tierfs.fs.lifecycle import fetch_back
 
 pytestmark = pytest.mark.core
 
@@ -82,7 +82,7 @@ async def test_the_small_files_of_an_evicted_step_come_back_many_at_once(
         # every file was asked for once: the reader's own and those that came with them
         # (the step's .metadata among them)
         assert store.reads == SMALL_FILES + 1
-        assert h.ns.residency.small_fetched >= SMALL_FILES // 2  # most, not the reader
+        assert h.ns.fetch_back.small_fetched >= SMALL_FILES // 2  # most, not the reader
         step = h.ns.tree.find_step("run/step_1").step
         assert len(step.resident) == SMALL_FILES + 1  # all verified and in RAM again
 
@@ -122,13 +122,13 @@ async def test_small_files_come_many_in_one_request_each_checked(tmp_path: Path)
                 assert await h.read_file(f"run/step_1/{name}") == data
         # the reader's first file, and the flipped one again on its own
         assert tier.reads == 2
-        assert tier.requests <= SMALL_FILES // residency.SMALL_AT_ONCE + 1
+        assert tier.requests <= SMALL_FILES // fetch_back.SMALL_AT_ONCE + 1
 
 
 async def test_large_files_do_not_come_with_a_small_one(tmp_path: Path) -> None:
     """Each rank of a multi-node DCP load reads only its own shards: reading a small file
     brings the step's other small files, never a large one."""
-    large = {f"__{rank}_0.distcp": bytes([rank]) * (residency.SMALL_FILE + 1)
+    large = {f"__{rank}_0.distcp": bytes([rank]) * (fetch_back.SMALL_FILE + 1)
              for rank in range(3)}
     small = {f"extra_{i}.pt": bytes([i]) * 1000 for i in range(20)}
     async with evicted(tmp_path, MemoryTier("s3"), {**large, **small}) as h:
@@ -137,4 +137,4 @@ async def test_large_files_do_not_come_with_a_small_one(tmp_path: Path) -> None:
         await wait_until_async(lambda: len(step.resident) >= len(small) + 1, timeout=30)
         await trio.testing.wait_all_tasks_blocked()
         assert step.resident == {*small, ".metadata"}
-        assert not h.ns.residency._small_running
+        assert not h.ns.fetch_back._small_running

@@ -335,17 +335,18 @@ def namespace_reaches(source: str, collaborators: set[str]) -> list[str]:
 
 
 def test_the_namespace_reach_check_sees_one() -> None:
-    assert sorted(namespace_reaches("self.ns.residency.fetch_whole(n)\ncore.tree\n"
+    assert sorted(namespace_reaches("self.ns.fetch_back.fetch_whole(n)\ncore.tree\n"
                                     "ns.view.steps()\nnamespace._tiers.x\nself.tree.x\n",
-                                    {"residency", "tree", "tiers"})) == [
-        "core.tree", "namespace._tiers", "self.ns.residency"]
+                                    {"fetch_back", "tree", "tiers"})) == [
+        "core.tree", "namespace._tiers", "self.ns.fetch_back"]
 
 
 def test_the_namespace_is_the_one_way_in() -> None:
     """The FUSE layer and the daemon call Namespace's methods and use its faces (the tree's
-    view, the tiers' port): none reaches one of its collaborators (Residency, Commits...)."""
+    view, the tiers' port): none reaches one of its collaborators (Eviction, Commits...)."""
     collaborators = namespace_collaborators()
-    assert {"residency", "commits", "tree", "store", "deletes", "versions"} <= collaborators
+    assert {"fetch_back", "eviction", "commits", "tree", "store", "deletes",
+            "versions"} <= collaborators
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()

@@ -6,7 +6,8 @@ Who owns what (doc/ARCHITECTURE.md):
 * `Tree` (fs.tree.tree): nodes, handles, step state, the RAM store's references; the invariants.
 * `Recovery` (fs.lifecycle.recovery): the RAM store put back in order at start, before the Tree is
   built.
-* `Residency` (fs.lifecycle.residency): bytes coming back from other tiers; steps leaving RAM.
+* `FetchBack` (fs.lifecycle.fetch_back): bytes coming back from other tiers.
+* `Eviction` (fs.lifecycle.eviction): steps leaving RAM once safe elsewhere.
 * `OtherTiers` (fs.lifecycle.other_tiers): copies in the persistent tier and on peers; deletes.
 * `Commits` (fs.lifecycle.commits): when a step commits, and the commit.
 * `QuietWatch` (fs.lifecycle.quiet_watch), `QuietCommits` (fs.lifecycle.quiet_commits): steps
@@ -37,12 +38,13 @@ from tierfs.fs.lifecycle.appends import AppendSnapshots
 from tierfs.fs.lifecycle.background import Background
 from tierfs.fs.lifecycle.commits import SAVER_WAIT, Commits
 from tierfs.fs.lifecycle.deletes import DELETES_DIR, Cleaner, Deletes, DeleteWorker
+from tierfs.fs.lifecycle.eviction import Eviction
+from tierfs.fs.lifecycle.fetch_back import FetchBack
 from tierfs.fs.lifecycle.foreground import Foreground
 from tierfs.fs.lifecycle.other_tiers import OtherTiers
 from tierfs.fs.lifecycle.quiet_commits import QuietCommits
 from tierfs.fs.lifecycle.quiet_watch import QuietWatch
 from tierfs.fs.lifecycle.recovery import Recovery
-from tierfs.fs.lifecycle.residency import Residency
 from tierfs.fs.lifecycle.step_versions import StepVersions
 from tierfs.fs.lifecycle.verify import Verifier
 from tierfs.fs.model import tree_walk
@@ -154,30 +156,31 @@ class Namespace:
         self.deletes = core.deletes
         self.background = core.background
         self.recovered = core.recovered  # what start-up found (lost copies?)
-        self.residency = Residency(tree, core.versions, list(read_sources or []),
-                                   self.background,
-                                   keep_ram=keep_ram, replicas=replicas,
-                                   liveness=core.liveness,
-                                   records=sealed, store_check=store_check,
-                                   holdings=parts.holdings, recoverable=parts.recoverable,
-                                   residents=parts.residents)
+        sources = list(read_sources or [])
+        self.fetch_back = FetchBack(tree, sources, self.background, records=sealed,
+                                    recoverable=parts.recoverable, residents=parts.residents)
+        self.eviction = Eviction(tree, core.versions, self.background,
+                                 other_tiers=bool(sources), keep_ram=keep_ram,
+                                 replicas=replicas, liveness=core.liveness, records=sealed,
+                                 store_check=store_check, holdings=parts.holdings,
+                                 recoverable=parts.recoverable, residents=parts.residents)
         # what the other tiers' parts use of it is the StepCopies port (fs.model.ports)
-        self.tiers = OtherTiers(tree, core.view, core.versions, self.residency, self.deletes,
+        self.tiers = OtherTiers(tree, core.view, core.versions, self.eviction, self.deletes,
                                 self.background, sealed, shards, holdings=parts.holdings,
                                 identity=parts.identity, manifests=parts.manifests,
                                 recoverable=parts.recoverable, residents=parts.residents,
                                 store=tree.store)
-        self.commits = Commits(tree, self.residency, self.tiers, sink, self.events,
+        self.commits = Commits(tree, self.eviction, self.fetch_back, self.tiers, sink, self.events,
                                saver_wait=commit_timeout, copies_wait=copies_wait,
                                identity=parts.identity, manifests=parts.manifests,
                                sealing=parts.sealing, renames=parts.renames,
                                cut_short=parts.cut_short, store=tree.store)
         self.quiet = QuietCommits(tree, core.watch, self.commits, cut_short=parts.cut_short,
                                   residents=parts.residents, manifests=parts.manifests)
-        self.appends = AppendSnapshots(tree, core.watch, self.commits, self.residency,
+        self.appends = AppendSnapshots(tree, core.watch, self.commits, self.eviction,
                                        append_every, records=parts.records,
                                        residents=parts.residents, store=tree.store)
-        self.verifier = Verifier(tree, self.residency, persist, peers,
+        self.verifier = Verifier(tree, self.eviction, self.fetch_back, persist, peers,
                                  finish_pending=self.commits.finish_pending,
                                  store=tree.store, holdings=parts.holdings,
                                  residents=parts.residents)
@@ -282,7 +285,7 @@ class Namespace:
             if not elsewhere:
                 break
             for file_node in elsewhere:  # then check again: the awaits may have seen changes
-                await self.residency.make_resident(file_node, empty=False)
+                await self.fetch_back.make_resident(file_node, empty=False)
         with self._kernel_cache.kernel_knows():
             moved = self._renames.rename(node, old_parent, old_name, new_parent, new_name,
                                          flags)
@@ -305,7 +308,7 @@ class Namespace:
         if node.remote is not None:
             if not writable:
                 return self.tree.open_remote(node)  # bytes come on demand: read()
-            await self.residency.make_resident(node, empty=truncate)
+            await self.fetch_back.make_resident(node, empty=truncate)
         if writable:
             await self.make_private(node, keep=not truncate)
         # The path is taken only now: the awaits above may have seen renames.
@@ -332,7 +335,7 @@ class Namespace:
             self.tree.activate(handle)
         try:
             if self.tree.needs_room(handle, offset, len(data)):
-                await self.residency.make_room(len(data), sparing=handle.node)
+                await self.eviction.make_room(len(data), sparing=handle.node)
             return self.tree.write(handle, offset, data)
         except RamFull:
             self._cut_short.note(handle.node, "the RAM tier is full")
@@ -348,7 +351,7 @@ class Namespace:
         such writes cannot be refused one by one."""
         if not handle.writable:
             return
-        await self.residency.make_room(1, sparing=handle.node)
+        await self.eviction.make_room(1, sparing=handle.node)
         if not handle.active:
             self.tree.activate(handle)
 
@@ -368,7 +371,7 @@ class Namespace:
     def account_direct_writes(self) -> None:
         """Bring the RAM tier's accounting up to date with passthrough writes in progress."""
         self.tree.account_direct_writes()
-        self.residency.relieve_pressure()
+        self.eviction.relieve_pressure()
 
     async def keep_accounting_direct_writes(self) -> None:
         """Passthrough writes bypass the daemon: the RAM tier's usage figures are brought up
@@ -433,7 +436,7 @@ class Namespace:
         if node.virtual:
             raise FsError(errno.EROFS)
         if node.remote is not None:
-            await self.residency.make_resident(node, empty=size == 0)
+            await self.fetch_back.make_resident(node, empty=size == 0)
         if size is not None and self.tree.has_backing(node):
             self._attributes.check_truncatable(node)
             await self.make_private(node, keep=size > 0)
@@ -459,7 +462,7 @@ class Namespace:
     async def make_private(self, node: Node, *, keep: bool) -> None:
         """Copy on write: a tree file shared with a committed object gets its own inode (its
         bytes kept, or empty) before anything may change it. The copy is made in a thread,
-        after room is made for it (Residency); `CopyOnWrite` swaps it in."""
+        after room is made for it (`Eviction`); `CopyOnWrite` swaps it in."""
         async with self._copy_on_write.lock(node):
             while True:
                 shared = self._copy_on_write.shared_backing(node)
@@ -467,7 +470,7 @@ class Namespace:
                     return
                 path, st = shared
                 size = st.st_size if keep else 0
-                await self.residency.make_room(size, sparing=node)
+                await self.eviction.make_room(size, sparing=node)
                 copy = await trio.to_thread.run_sync(self.store.copy, path,
                                                      os.path.dirname(path), size)
                 if self._copy_on_write.replace_shared(node, path, st, copy):
@@ -477,7 +480,7 @@ class Namespace:
 
     async def read(self, handle: Handle, offset: int, size: int) -> bytes:
         if handle.fd < 0 and handle.node.remote is not None:
-            return await self.residency.read_remote(handle.node, offset, size)
+            return await self.fetch_back.read_remote(handle.node, offset, size)
         return self.tree.read(handle, offset, size)
 
     # -- xattrs ------------------------------------------------------------------------------
@@ -496,7 +499,7 @@ class Namespace:
 
     async def set_user_xattr(self, node: Node, name: bytes, value: bytes) -> None:
         if node.remote is not None:
-            await self.residency.make_resident(node, empty=False)  # as chmod does
+            await self.fetch_back.make_resident(node, empty=False)  # as chmod does
         user_xattrs.set_value(self.tree, node, name, value)
 
     def remove_user_xattr(self, node: Node, name: bytes) -> None:
@@ -523,8 +526,8 @@ class Namespace:
 
     async def fetch_whole(self, node: Node) -> None:
         """A read-only open of a file in another tier that passthrough will answer: a small
-        one, or one of a step being loaded, comes whole into RAM first (`Residency`)."""
-        await self.residency.fetch_whole(node)
+        one, or one of a step being loaded, comes whole into RAM first (`FetchBack`)."""
+        await self.fetch_back.fetch_whole(node)
 
     def ram_bytes(self) -> tuple[int, int]:
         """The RAM tier's bytes used and its limit."""
@@ -536,8 +539,8 @@ class Namespace:
 
     def fetched_ahead(self) -> dict[str, int]:
         """Committed files brought back into RAM before their open asked for them."""
-        return {"files": self.residency.ahead_files, "bytes": self.residency.ahead_bytes,
-                "small_files": self.residency.small_fetched}
+        return {"files": self.fetch_back.ahead_files, "bytes": self.fetch_back.ahead_bytes,
+                "small_files": self.fetch_back.small_fetched}
 
     async def settle(self) -> None:
         """Commit now the steps whose savers are done (unmount, `tierfs umount`)."""
@@ -557,7 +560,7 @@ class Namespace:
 
     async def prefetch(self, relpath: str) -> int:
         """`tierfs prefetch`: the files under `relpath` brought into RAM; their bytes."""
-        return await self.residency.prefetch(relpath)
+        return await self.fetch_back.prefetch(relpath)
 
     def persisted(self, manifest: mf.StepManifest) -> None:
         """The uploader stored `manifest`'s step: marked so, and the deletes that waited for
@@ -571,21 +574,21 @@ class Namespace:
         return self.versions.adopt_links(directory, links)
 
     def store_lacks(self, step_node: Node, lacking: list[str], seen: str) -> None:
-        """The persistent tier lacks these files of a step it held (`Residency.store_lacks`)."""
-        self.residency.store_lacks(step_node, lacking, seen)
+        """The persistent tier lacks these files of a step it held (`Eviction.store_lacks`)."""
+        self.eviction.store_lacks(step_node, lacking, seen)
 
     def keep_ram(self) -> None:
         """Steps beyond --keep-ram that other tiers hold leave RAM (after an adoption)."""
-        self.residency.enforce_keep_ram()
+        self.eviction.enforce_keep_ram()
 
     def lost_from_store(self) -> trio.MemoryReceiveChannel[mf.StepManifest]:
         """The steps the store was found to lack though they had reached it: to upload again."""
-        return self.residency.lost_from_store
+        return self.eviction.lost_from_store
 
     async def chunk_for_peer(self, xxh3: str, index: int) -> int | None:
         """An fd of this node's partial copy of `xxh3` once its chunk `index` is in, for a
-        peer sent here for it (`Residency.chunk_for_peer`); None if not being fetched."""
-        return await self.residency.chunk_for_peer(xxh3, index)
+        peer sent here for it (`FetchBack.chunk_for_peer`); None if not being fetched."""
+        return await self.fetch_back.chunk_for_peer(xxh3, index)
 
     def deletes_status(self) -> dict[str, int]:
         """Deletes recorded, and those still owed to a tier, for `tierfs status`."""

@@ -33,7 +33,7 @@ async def drop_lost_copies(sealed: ClusterCommits, recovered: RecoveryReport,
     live member, and only if start-up found this node may have lost copies (an empty RAM dir,
     steps set aside, objects removed: `RecoveryReport`), since it reads every step listing
     this node: from then on a copy of a step not persisted leaves RAM only after it left the
-    records (`Residency._leave`), and a bad one leaves them when it is quarantined. Tried for
+    records (`Eviction._leave`), and a bad one leaves them when it is quarantined. Tried for
     `patience` seconds; False if the records could not be corrected in that time: such a node
     must not join (peers would count the copies it lost)."""
     if not recovered.may_have_lost_copies:

@@ -43,7 +43,7 @@ from tierfs.s3tier.reader import PersistentReader
 
 log = logging.getLogger(__name__)
 
-# as `fs.lifecycle.residency.SMALL_FILE`: the files that come back with each other
+# as `fs.lifecycle.fetch_back.SMALL_FILE`: the files that come back with each other
 SMALL_FILE = 1 << 20
 MIN_FILES = 64  # fewer small files: their GETs cost less than a pack's upload
 PACK_BYTES = 64 << 20

@@ -318,7 +318,7 @@ class Operations(pyfuse3.Operations):
             # Reads of a file in another tier would each cross the daemon (the relay, a FUSE
             # request per 128 KiB, a copy): a small one, or one of a step being loaded (its
             # .metadata opened), comes whole now, answered with passthrough; another large one
-            # is read range by range (Residency.fetch_whole).
+            # is read range by range (FetchBack.fetch_whole).
             await self.ns.fetch_whole(node)
         handle = await self.ns.open(node, flags)
         self.ns.note_opened(handle, ctx.pid)

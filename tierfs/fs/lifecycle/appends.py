@@ -50,7 +50,7 @@ class AppendSnapshots:
     """Commits loose files still being written every `append_every` seconds (see the module
     docstring). Works on the steps the quiet watch holds: those being written."""
 
-    def __init__(self, tree: Tree, watch: QuietWatch, commits: Announcer, residency: RoomInRam,
+    def __init__(self, tree: Tree, watch: QuietWatch, commits: Announcer, room: RoomInRam,
                  append_every: float, *, records: StepRecords, residents: Residents,
                  store: RamStore) -> None:
         self.tree = tree
@@ -59,7 +59,7 @@ class AppendSnapshots:
         self._store = store
         self.watch = watch
         self.commits = commits
-        self.residency = residency
+        self._room = room  # room in RAM for a snapshot of the file
         self.append_every = append_every
         self._since: dict[Node, float] = {}  # file -> when its current stretch of writes began
 
@@ -112,7 +112,7 @@ class AppendSnapshots:
             size = os.lstat(tree.backing(node)).st_size
             if old is not None and old.path == path and size <= old.files[0].size:
                 return None  # nothing new (or shorter: not an append)
-            await self.residency.make_room(size)
+            await self._room.make_room(size)
             if not self._candidate(node) or node.step is not step or step.manifest is not old:
                 return None
             copy = await trio.to_thread.run_sync(store.copy, tree.backing(node),

@@ -3,7 +3,7 @@
 A step commits when its saver says so (a DCP `.metadata` closed after writing or renamed into
 place, a directory renamed onto a step name, `tierfs commit`), when it falls quiet
 (`fs.lifecycle.quiet_commits`), or when the last writer of a pending commit is done. `Commits`
-checks the step, brings in what is missing (files from other tiers via `Residency`, other nodes' DCP
+checks the step, brings in what is missing (files from other tiers via `BringBack`, other nodes' DCP
 shards via `OtherTiers`), seals what is unsealed, copies what an open handle could still write,
 and then has the `Tree` write the manifest with no await between the last check and the change
 (`StepManifests.write_manifest`). The new manifest goes to the `CommitSink` (uploads, replicas).
@@ -53,6 +53,7 @@ from tierfs.fs.model import tree_walk
 from tierfs.fs.model.latest_pins import thread_group
 from tierfs.fs.model.nodes import METADATA, FsError, Node, Seal, StepState, some_names
 from tierfs.fs.model.ports import (
+    BringBack,
     CommitSink,
     CommitTiers,
     CoordinationUnavailable,
@@ -105,7 +106,7 @@ class Waiting:
 class Commits:
     """Commits of step directories (see the module docstring)."""
 
-    def __init__(self, tree: Tree, residency: RoomInRam, tiers: CommitTiers,
+    def __init__(self, tree: Tree, room: RoomInRam, bring_back: BringBack, tiers: CommitTiers,
                  sink: CommitSink, events: EventSink, saver_wait: float = SAVER_WAIT,
                  copies_wait: CopiesWait | None = None, *, identity: StepIdentity,
                  manifests: StepManifests, sealing: Sealing, renames: Renames,
@@ -117,7 +118,8 @@ class Commits:
         self._renames = renames
         self._cut_short = cut_short  # files a write into failed (no room)
         self._store = store  # the RAM store: the commit's copies of files still open
-        self.residency = residency
+        self._room = room  # room in RAM for a commit's copies of open files
+        self._bring_back = bring_back  # files of other tiers a commit needs in RAM
         self.tiers = tiers
         self.sink = sink
         self.events = events  # the commit's event line and metrics
@@ -345,7 +347,7 @@ class Commits:
         for rel, node in files:
             if node.remote is not None and rel not in elsewhere and not node.remote.in_store:
                 waiting.what = OTHER_TIERS
-                await self.residency.make_resident(node, empty=False)
+                await self._bring_back.make_resident(node, empty=False)
             if node.seal is None and node.remote is None and not later:
                 waiting.what = SEALS
                 await self.tree.seal(node)  # may come back unsealed: _still_ready sees it
@@ -369,7 +371,7 @@ class Commits:
                 continue
             if seal is None or store.object_path(seal.digest.xxh3).exists():
                 continue
-            await self.residency.make_room(seal.digest.size)
+            await self._room.make_room(seal.digest.size)
             if node.seal is not seal or not tree.has_backing(node):
                 continue  # written or removed meanwhile: _still_ready sees it
             try:
@@ -391,7 +393,7 @@ class Commits:
         try:
             path = self.tree.backing(node)
             before = os.lstat(path)
-            await self.residency.make_room(before.st_size)
+            await self._room.make_room(before.st_size)
             copy = await trio.to_thread.run_sync(
                 store.copy, path, os.fsencode(store.objects), before.st_size)
         except (FileNotFoundError, FsError):
@@ -687,7 +689,7 @@ class Commits:
         wanted = self._identity.single_file_step(node.parent, node.name)
         if wanted is None and node.step is not None:
             if node.remote is not None and not node.remote.in_store:
-                await self.residency.make_resident(node, empty=False)
+                await self._bring_back.make_resident(node, empty=False)
             self._identity.stop_being_single_file(node)
         elif wanted is not None and (node.step is None or (
                 node.step.manifest is not None
@@ -700,7 +702,7 @@ class Commits:
         """A committed directory that stops being a step keeps its files, not its manifest."""
         for _rel, child in list(tree_walk.files_under(node)):
             if child.remote is not None and not child.remote.in_store:
-                await self.residency.make_resident(child, empty=False)
+                await self._bring_back.make_resident(child, empty=False)
         self._identity.stop_being_step(node)
 
 

@@ -56,7 +56,7 @@ ASK_PEERS_AFTER = 1.0
 class OtherTiers:
     """Copies of steps in the persistent tier and on peers, as this node knows them."""
 
-    def __init__(self, tree: Tree, view: TreeView, versions: StepVersions, residency: KeepRam,
+    def __init__(self, tree: Tree, view: TreeView, versions: StepVersions, eviction: KeepRam,
                  deletes: Deletes, background: Spawner, sealed: SealedCollector | None = None,
                  shards: ShardsOnPeers | None = None, *, holdings: Holdings,
                  identity: StepIdentity, manifests: StepManifests, recoverable: Recoverability,
@@ -70,7 +70,7 @@ class OtherTiers:
         self._store = store
         self.view = view  # the queries a rename's upload asks
         self.versions = versions  # the changes of step versions it makes
-        self.residency = residency
+        self.eviction = eviction
         self.deletes = deletes
         self.background = background
         self.sealed = sealed  # the cluster's records of who holds which file (etcd)
@@ -170,7 +170,7 @@ class OtherTiers:
                         "once the RAM dir has room; the step stays in RAM until then",
                         manifest.path, manifest.version, exc.strerror or exc)
             return
-        self.residency.enforce_keep_ram()
+        self.eviction.enforce_keep_ram()
 
     def write_owed_marks(self) -> None:
         """Write the persisted marks the RAM dir had no room for (`mark_persisted`); a step
@@ -187,7 +187,7 @@ class OtherTiers:
                 return  # still no room: the next call tries again
             del self._owed_marks[path]
             log.info("the persisted mark of %s v%d is written", path, manifest.version)
-            self.residency.enforce_keep_ram()
+            self.eviction.enforce_keep_ram()
 
     def move_done(self, tomb: Tombstone,
                   wanted: Callable[[mf.StepManifest], bool] | None) -> bool:
@@ -251,7 +251,7 @@ class OtherTiers:
                 return
             log.info("%s v%d is in the persistent tier (the cluster's records say so)",
                      relpath, version)
-            self.residency.enforce_keep_ram()
+            self.eviction.enforce_keep_ram()
         elif state == RETIRED and node.step.retired_version != version:
             self.mark_retired(relpath)
 
@@ -461,7 +461,7 @@ class OtherTiers:
     def note_placements(self, manifest: mf.StepManifest, holders: dict[str, set[str]],
                         writers: dict[str, str]) -> None:
         """Who holds and who wrote each file of this version, from the cluster's records
-        (eviction judges each file by its writer: `Residency.file_leaves`)."""
+        (eviction judges each file by its writer: `Eviction.file_leaves`)."""
         node = self.tree.find_step(manifest.path)
         if node is not None and node.step.manifest is manifest:
             self.versions.set_file_holders(node, holders, writers)
@@ -508,7 +508,7 @@ class OtherTiers:
         node = self.tree.find_step(manifest.path)
         if node is not None and node.step.manifest is manifest:
             self.versions.add_file_holder(node, peer, names)
-            self.residency.enforce_keep_ram()
+            self.eviction.enforce_keep_ram()
 
     def unlisted(self, path: str) -> None:
         """The cluster's commit record of the step left etcd (a delete, or no node held it any

@@ -6,10 +6,10 @@ daemon). Any other read of a large file not in RAM (one tensor of a shard) fetch
 touches (`fs.store.fetch`).
 
 Beside the files a load opens, only the step's files written by the same node are read ahead
-(`Residency._read_ahead`): each rank of a multi-rank load reads its own shards only, and a
+(`FetchBack._read_ahead`): each rank of a multi-rank load reads its own shards only, and a
 read-ahead of the whole step would bring every shard to every node.
 
-This module only keeps the books: which steps are being loaded, and until when; `Residency`
+This module only keeps the books: which steps are being loaded, and until when; `FetchBack`
 fetches."""
 
 from __future__ import annotations

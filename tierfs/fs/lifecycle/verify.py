@@ -32,9 +32,9 @@ nothing: not this node's RAM, not a peer's copy, not the persistent tier.
 
 The tiers are injected (`PeerCopies`, `PersistCopies`, from `fs.model.ports`): `fs` imports
 neither.
-The `Verifier` holds the `Tree` (which takes a bad copy out of service: `Residents.quarantine`) and
-`Residency` (which brings a good copy back, verified); it is the `ReadGate` of
-`Namespace.open`.
+The `Verifier` holds the `Tree` (which takes a bad copy out of service: `Residents.quarantine`),
+`BringBack` (which brings a good copy back, verified) and `Repairs` (which reports what is bad
+or missing); it is the `ReadGate` of `Namespace.open`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,14 @@ from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import FsError, Node, StepState
-from tierfs.fs.model.ports import ObjectMissing, PeerCopies, PersistCopies, Repairs, TierError
+from tierfs.fs.model.ports import (
+    BringBack,
+    ObjectMissing,
+    PeerCopies,
+    PersistCopies,
+    Repairs,
+    TierError,
+)
 
 if TYPE_CHECKING:
     from tierfs.fs.store.ram_store import RamStore
@@ -123,7 +130,8 @@ class StepReport:
 
 
 class Verifier:
-    def __init__(self, tree: Tree, residency: Repairs, persist: PersistCopies | None = None,
+    def __init__(self, tree: Tree, repairs: Repairs, bring_back: BringBack,
+                 persist: PersistCopies | None = None,
                  peers: PeerCopies | None = None,
                  finish_pending: Callable[[Node], Awaitable[None]] | None = None, *,
                  store: RamStore, holdings: Holdings, residents: Residents) -> None:
@@ -134,7 +142,8 @@ class Verifier:
         # `Commits.finish_pending`: a step committed with its hashes to come is verified
         # once they are in (before, it has no manifest to check against).
         self._finish_pending = finish_pending
-        self.residency = residency
+        self._repairs = repairs  # bad or missing copies reported
+        self._bring_back = bring_back  # a good copy brought back from another tier
         self.persist = persist
         self.peers = peers
         self._threads = trio.CapacityLimiter(1)  # hashing must not starve the data path
@@ -257,7 +266,7 @@ class Verifier:
                asked: dict[str, set[str]], ram: TierReport) -> None:
         """The step's verdict: its lost files (no good copy on a tier reached: an "any
         tier" line), its short ones, and one log line."""
-        report.wanted = self.residency.replicas + 1
+        report.wanted = self._repairs.replicas + 1
         in_ram = [t for t in report.tiers if t.tier == "ram" or t.tier.startswith("peer:")]
         stored = {name for t in report.tiers if t.tier == "persist" for name in t.held_good}
         for entry in manifest.files:
@@ -346,7 +355,7 @@ class Verifier:
                 set(tier.missing) != step_node.step.store_lacking:
             # Objects gone, and not to be put back from here: the step is not persisted (a
             # bad object is only reported: it is there, and may be put right by hand).
-            self.residency.store_lacks(step_node, tier.missing, "by tierfs verify")
+            self._repairs.store_lacks(step_node, tier.missing, "by tierfs verify")
         try:
             stored = await self.persist.manifest(manifest.path, manifest.single_file)
             same = stored is not None and _same_manifest(stored, manifest)
@@ -399,7 +408,8 @@ class Verifier:
             return state
         if node.remote is not None:
             try:
-                await self.residency.make_resident(node, empty=False)  # peers first; chunk-checked
+                # peers first; chunk-checked
+                await self._bring_back.make_resident(node, empty=False)
             except (FsError, OSError) as exc:
                 log.error("no good copy of %s/%s to upload again: %s", manifest.path,
                           entry.name, exc)
@@ -492,7 +502,7 @@ class Verifier:
                 by_step.setdefault((manifest.path, manifest.version),
                                    (manifest, []))[1].append(name)
             for manifest, names in by_step.values():
-                self.residency.copies_lost(manifest, names)
+                self._repairs.copies_lost(manifest, names)
         finally:
             del self._checking[ino]
             done.set()
@@ -509,7 +519,7 @@ class Verifier:
                 # An empty fetch reads nothing, so it proves nothing: the manifest may be
                 # the wrong one (a wrong seal), and the kept bytes the right ones.
                 raise FsError(errno.EIO, "no other tier holds it empty")
-            await self.residency.make_resident(node, empty=False)
+            await self._bring_back.make_resident(node, empty=False)
         except (FsError, OSError) as exc:
             kept = self.kept.get(key)
             log.error("%s/%s could not be repaired: no good copy reachable (%s); its reads "

@@ -38,16 +38,18 @@ Inward (implemented inside `fs`, injected so that the core imports no collaborat
 
 * `ReadGate`: hashes a RAM object found at start before its first read (`fs.lifecycle.verify`).
 * `StepWatch`: told when a step changes or a newer one starts (`fs.lifecycle.quiet_watch`).
-* `RoomInRam`: room made in the RAM tier, files brought back into it
-  (`fs.lifecycle.residency.Residency`; for commits and append snapshots).
+* `RoomInRam`: room made in the RAM tier (`fs.lifecycle.eviction.Eviction`; for commits and
+  append snapshots).
+* `BringBack`: files brought back into the RAM tier from the others
+  (`fs.lifecycle.fetch_back.FetchBack`; for commits and checks of copies).
 * `CommitTiers`: what a commit asks of the other tiers: the DCP shards other nodes hold, the
   cluster's record of the commit (`fs.lifecycle.other_tiers.OtherTiers`; for `Commits`).
 * `Announcer`: a version committed outside a commit call, reported as commits are
   (`fs.lifecycle.commits.Commits.announce`; for append snapshots).
 * `StoreLoss`: a step the persistent tier was found to lack (`StepVersions.set_store_lost`;
-  for `Residency`).
-* `KeepRam`, `Repairs`: the steps beyond --keep-ram leave RAM; bad or missing copies brought
-  back and reported (`Residency`; for `OtherTiers` and `Verifier`).
+  for `Eviction`).
+* `KeepRam`, `Repairs`: the steps beyond --keep-ram leave RAM; bad or missing copies reported
+  (`Eviction`; for `OtherTiers` and `Verifier`).
 * `ManifestReader`: a step directory's committed manifest (`fs.tree.records.StepRecords`; for
   `fs.tree.step_identity`).
 * `DeleteLog`: records a deleted committed step so that it leaves every tier
@@ -349,7 +351,7 @@ class StepCopies(Protocol):
     def note_placements(self, manifest: mf.StepManifest, holders: dict[str, set[str]],
                         writers: dict[str, str]) -> None:
         """Who holds and who wrote each file of this version, from the cluster's records
-        (eviction judges each file by its writer: `Residency.file_leaves`)."""
+        (eviction judges each file by its writer: `Eviction.file_leaves`)."""
 
     def learn(self, manifest: mf.StepManifest, holders: list[str]) -> None:
         """A peer holds this committed step: list it here, readable from those holders."""
@@ -425,15 +427,20 @@ class Spawner(Protocol):
 
 
 class RoomInRam(Protocol):
-    """Room in the RAM tier, and files of other tiers brought back into it."""
+    """Room in the RAM tier, made by evicting what other tiers hold."""
 
     async def make_room(self, needed: int, sparing: Node | None = None) -> None:
         """`needed` bytes free in the RAM tier (evicting what other tiers hold), `sparing`'s
         step kept; `RamFull` if they cannot be."""
         ...
 
+
+class BringBack(Protocol):
+    """Files of other tiers brought back into the RAM tier."""
+
     async def make_resident(self, node: Node, *, empty: bool) -> None:
-        """A file whose bytes are in another tier brought into RAM (or made empty there)."""
+        """A file whose bytes are in another tier brought into RAM (or made empty there),
+        each chunk checked, then the whole; FsError(EIO) if no tier gives it."""
         ...
 
 
@@ -476,11 +483,10 @@ class KeepRam(Protocol):
 
 
 class Repairs(Protocol):
-    """What checks of copies (`fs.lifecycle.verify`) ask when they find a copy bad or missing."""
+    """What checks of copies (`fs.lifecycle.verify`) report when they find a copy bad or
+    missing (a good copy comes back through `BringBack`)."""
 
     replicas: int  # the peer copies each file should have (--replicas)
-
-    async def make_resident(self, node: Node, *, empty: bool) -> None: ...
 
     def store_lacks(self, step_node: Node, lacking: list[str], seen: str) -> None: ...
 

@@ -2,7 +2,7 @@
 
 Pure functions of the nodes (no RAM store, no state of their own), shared by the core and every
 collaborator that has to find its way in the tree (`fs.tree.tree`, `fs.lifecycle.commits`,
-`fs.lifecycle.residency`...).
+`fs.lifecycle.fetch_back`...).
 """
 
 from __future__ import annotations

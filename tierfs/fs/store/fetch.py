@@ -19,11 +19,11 @@ them at most; beyond, read again from the partial file). When the RAM tier has n
 bytes are still checked and returned, just not kept.
 
 Reads that follow each other (`_Pattern`) fetch whole chunks and read ahead; a file read back to
-back from its first byte is filled whole in the background (`Residency.read_remote`), and opens
+back from its first byte is filled whole in the background (`FetchBack.read_remote`), and opens
 after that use passthrough. A small file opened for reading while passthrough is on is fetched
 whole before the open returns (`fill`, WHOLE_IN_FLIGHT chunks at a time), so that its reads go
 to the RAM store, not through the daemon (see
-`tierfs.fs.lifecycle.residency.Residency.fetch_whole`).
+`tierfs.fs.lifecycle.fetch_back.FetchBack.fetch_whole`).
 
 Chunks of a partial file are served to other readers as soon as they are in (`relay_chunk`):
 after a data-parallel restart every node reads the same file, and the holders send readers
@@ -310,7 +310,7 @@ class Fetch:
     A read that is not part of a sequential run fetches only the units it touches (its first
     bytes come after one block's round trip, whatever the file's size); a sequential one
     fetches whole chunks and reads ahead; a run from the file's first byte asks for the whole
-    file (`wants_whole`, which `Residency` fills in the background)."""
+    file (`wants_whole`, which `FetchBack` fills in the background)."""
 
     def __init__(self, store: RamStore, remote: RemoteFile,
                  spawn: Callable[..., None] = trio.lowlevel.spawn_system_task) -> None:
@@ -324,7 +324,7 @@ class Fetch:
         self._have = bytearray(-(-size // self._unit))  # 1: the unit is in the partial file
         self._coming: dict[int, trio.Event] = {}  # unit -> the fetch bringing it
         self._pattern = _Pattern()
-        self.filling = False  # a background fill of the whole file runs (Residency)
+        self.filling = False  # a background fill of the whole file runs (FetchBack)
         self.path = os.path.join(os.fsencode(store.objects),
                                  f"{PART_PREFIX}{remote.entry.xxh3}-{id(self):x}".encode())
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -3,7 +3,8 @@ fetch started, adopted or dropped), leaving RAM (evicted, quarantined), arrived 
 (filled from the objects it sent), or only elsewhere (remote files added), with the RAM store's
 references of a step's resident files. Part of the tree's core (see `fs.tree.tree`): it changes
 nodes and step state only through `Tree`'s primitives and by the same rules; each change is one
-synchronous method. `fs.lifecycle.residency` decides when."""
+synchronous method. `fs.lifecycle.fetch_back` and
+`fs.lifecycle.eviction` decide when."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class Residents:
         self._store = store
         self._copy_on_write = copy_on_write
         self._deletes = deletes
-        self.fetching: set[Node] = set()  # nodes with a partial fetch (fs.lifecycle.residency)
+        self.fetching: set[Node] = set()  # nodes with a partial fetch (fs.lifecycle.fetch_back)
 
     def start_fetch(self, node: Node, fetch: Fetch) -> Fetch:
         node.fetch = fetch

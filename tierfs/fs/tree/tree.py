@@ -11,12 +11,12 @@ bytes are), `fs.tree.step_manifests` (the commit's change), `fs.tree.step_identi
 are steps), `fs.tree.virtual_latest` (each directory's `latest`), `fs.tree.renames` (an entry
 moved, the steps it moves recorded), `fs.tree.attributes` (chmod, chown, utime, truncate) and
 `fs.lifecycle.step_versions` (versions the other tiers install, join, supersede or forget). Its
-collaborators (`fs.lifecycle.residency`, `fs.lifecycle.other_tiers`, `fs.lifecycle.commits`,
-`fs.lifecycle.quiet_commits`, `fs.lifecycle.recovery`, `fs.lifecycle.verify`) decide *when*
-something changes. What only reads the tree is elsewhere: `fs.model.tree_walk` (finding nodes),
-`fs.tree.tree_view` (peers' questions, status, xattrs), `fs.tree.holders.Holdings` (who else holds
-a step). It calls nothing outward but the ports it is given (`fs.model.ports`: `StepWatch`,
-`DeleteLog`).
+collaborators (`fs.lifecycle.fetch_back`, `fs.lifecycle.eviction`, `fs.lifecycle.other_tiers`,
+`fs.lifecycle.commits`, `fs.lifecycle.quiet_commits`, `fs.lifecycle.recovery`,
+`fs.lifecycle.verify`) decide *when* something changes. What only reads the tree is
+elsewhere: `fs.model.tree_walk` (finding nodes), `fs.tree.tree_view` (peers' questions, status,
+xattrs), `fs.tree.holders.Holdings` (who else holds a step). It calls nothing outward but the
+ports it is given (`fs.model.ports`: `StepWatch`, `DeleteLog`).
 
 Invariants (S3QL-style note: where an `await` must not appear):
 
@@ -479,7 +479,7 @@ class Tree:
             raise FsError(errno.EISDIR if node.is_dir else errno.EINVAL)
 
     def open_remote(self, node: Node) -> Handle:
-        """A read-only handle of a file whose bytes come on demand (`Residency.read_remote`)."""
+        """A read-only handle of a file whose bytes come on demand (`FetchBack.read_remote`)."""
         return self._new_handle(node, -1, writable=False)
 
     def open_backing(self, node: Node, *, writable: bool, truncate: bool) -> Handle:

@@ -85,7 +85,7 @@ async def verify_then_send(namespace: Namespace, uploader: Uploader | None,
 
 async def upload_again(namespace: Namespace, uploader: Uploader) -> None:
     """Steps the store was found to lack, though they had reached it (a bucket deleted and
-    made again, a prefix emptied: `Residency.store_lacks`), go up again from RAM."""
+    made again, a prefix emptied: `Eviction.store_lacks`), go up again from RAM."""
     async for manifest in namespace.lost_from_store():
         uploader.submit(manifest)
 

@@ -364,7 +364,7 @@ def _check_persisted(namespace: Namespace, manifests: list[mf.StepManifest],
                      objects: list[ObjectInfo]) -> None:
     """The steps the RAM dir records as persisted, checked against what the store holds now
     (its listing at this mount): one it lacks is no longer counted as persisted, and goes up
-    again if it is in RAM, or is listed as lost if not (`Residency.store_lacks`)."""
+    again if it is in RAM, or is listed as lost if not (`Eviction.store_lacks`)."""
     stored = {m.path: m for m in manifests}
     for step_node in namespace.view.steps():
         step = step_node.step

@@ -312,7 +312,7 @@ class ClusterCommits:
         do not list this node (now, or never did: a copy read back here) and list `need`
         other live holders; a file whose record does not (too few other holders, no record
         yet, another content) stays. None if etcd did not take it (then none may: see
-        `Residency._leave`)."""
+        `Eviction._leave`)."""
         files = {n: e.xxh3 for n in names if (e := manifest.entry(n)) is not None}
         try:
             found = await self.records.leave_files(manifest.path, self.node_id, files, need,
