@@ -9,6 +9,8 @@ Who owns what (doc/ARCHITECTURE.md):
 * `FetchBack` (fs.lifecycle.fetch_back): bytes coming back from other tiers.
 * `Eviction` (fs.lifecycle.eviction): steps leaving RAM once safe elsewhere.
 * `OtherTiers` (fs.lifecycle.other_tiers): copies in the persistent tier and on peers; deletes.
+* `ClusterWrites` (fs.lifecycle.cluster_writes): what this node's saves and commits record in the
+  cluster, and the shards of a multi-node DCP step other nodes hold.
 * `Commits` (fs.lifecycle.commits): when a step commits, and the commit.
 * `QuietWatch` (fs.lifecycle.quiet_watch), `QuietCommits` (fs.lifecycle.quiet_commits): steps
   that commit once their saver is done; `AppendSnapshots` (fs.lifecycle.appends): loose
@@ -36,6 +38,7 @@ import trio
 
 from tierfs.fs.lifecycle.appends import AppendSnapshots
 from tierfs.fs.lifecycle.background import Background
+from tierfs.fs.lifecycle.cluster_writes import ClusterWrites
 from tierfs.fs.lifecycle.commits import SAVER_WAIT, Commits
 from tierfs.fs.lifecycle.deletes import DELETES_DIR, Cleaner, Deletes, DeleteWorker
 from tierfs.fs.lifecycle.eviction import Eviction
@@ -164,15 +167,18 @@ class Namespace:
                                  replicas=replicas, liveness=core.liveness, records=sealed,
                                  store_check=store_check, holdings=parts.holdings,
                                  recoverable=parts.recoverable, residents=parts.residents)
+        self.cluster_writes = ClusterWrites(tree, core.versions, self.background, sealed, shards,
+                                            manifests=parts.manifests, residents=parts.residents)
         # what the other tiers' parts use of it is the StepCopies port (fs.model.ports)
         self.tiers = OtherTiers(tree, core.view, core.versions, self.eviction, self.deletes,
-                                self.background, sealed, shards, holdings=parts.holdings,
-                                identity=parts.identity, manifests=parts.manifests,
+                                self.background, self.cluster_writes, sealed,
+                                holdings=parts.holdings, identity=parts.identity,
                                 recoverable=parts.recoverable, residents=parts.residents,
                                 store=tree.store)
-        self.commits = Commits(tree, self.eviction, self.fetch_back, self.tiers, sink, self.events,
-                               saver_wait=commit_timeout, copies_wait=copies_wait,
-                               identity=parts.identity, manifests=parts.manifests,
+        self.commits = Commits(tree, self.eviction, self.fetch_back, self.cluster_writes,
+                               self.tiers, sink, self.events, saver_wait=commit_timeout,
+                               copies_wait=copies_wait, identity=parts.identity,
+                               manifests=parts.manifests,
                                sealing=parts.sealing, renames=parts.renames,
                                cut_short=parts.cut_short, store=tree.store)
         self.quiet = QuietCommits(tree, core.watch, self.commits, cut_short=parts.cut_short,

@@ -3,10 +3,11 @@
 A step commits when its saver says so (a DCP `.metadata` closed after writing or renamed into
 place, a directory renamed onto a step name, `tierfs commit`), when it falls quiet
 (`fs.lifecycle.quiet_commits`), or when the last writer of a pending commit is done. `Commits`
-checks the step, brings in what is missing (files from other tiers via `BringBack`, other nodes' DCP
-shards via `OtherTiers`), seals what is unsealed, copies what an open handle could still write,
-and then has the `Tree` write the manifest with no await between the last check and the change
-(`StepManifests.write_manifest`). The new manifest goes to the `CommitSink` (uploads, replicas).
+checks the step, brings in what is missing (files from other tiers via `BringBack`, other
+nodes' DCP shards via `CommitTiers`), seals what is unsealed, copies what an open handle could
+still write, and then has the `Tree` write the manifest with no await between the last check and
+the change (`StepManifests.write_manifest`). The new manifest goes to the `CommitSink` (uploads,
+replicas), and its record to the cluster (`CommitTiers.publish`).
 
 One rule for everything a commit awaits (`Commits._commit_locked`): any await may let a writer
 come back, a file go, a seal be dropped or go stale. So an attempt prepares (residency, seals,
@@ -59,6 +60,7 @@ from tierfs.fs.model.ports import (
     CoordinationUnavailable,
     CopiesWait,
     EventSink,
+    OwedMarks,
     RoomInRam,
 )
 from tierfs.fs.store.ram_store import RamFull
@@ -106,11 +108,11 @@ class Waiting:
 class Commits:
     """Commits of step directories (see the module docstring)."""
 
-    def __init__(self, tree: Tree, room: RoomInRam, bring_back: BringBack, tiers: CommitTiers,
-                 sink: CommitSink, events: EventSink, saver_wait: float = SAVER_WAIT,
-                 copies_wait: CopiesWait | None = None, *, identity: StepIdentity,
-                 manifests: StepManifests, sealing: Sealing, renames: Renames,
-                 cut_short: CutShort, store: RamStore) -> None:
+    def __init__(self, tree: Tree, room: RoomInRam, bring_back: BringBack,
+                 cluster: CommitTiers, marks: OwedMarks, sink: CommitSink, events: EventSink,
+                 saver_wait: float = SAVER_WAIT, copies_wait: CopiesWait | None = None, *,
+                 identity: StepIdentity, manifests: StepManifests, sealing: Sealing,
+                 renames: Renames, cut_short: CutShort, store: RamStore) -> None:
         self.tree = tree
         self._identity = identity  # which directories are steps, single files or neither
         self._manifests = manifests  # the commit's change of the tree: pending, then written
@@ -120,7 +122,8 @@ class Commits:
         self._store = store  # the RAM store: the commit's copies of files still open
         self._room = room  # room in RAM for a commit's copies of open files
         self._bring_back = bring_back  # files of other tiers a commit needs in RAM
-        self.tiers = tiers
+        self._cluster = cluster  # the shards other nodes hold; the records of seals and commits
+        self._marks = marks  # persisted marks owed
         self.sink = sink
         self.events = events  # the commit's event line and metrics
         self.saver_wait = saver_wait  # see the module docstring
@@ -189,7 +192,7 @@ class Commits:
         uploads and replicas."""
         if deadline is None:
             deadline = trio.current_time() + BACKGROUND_WAIT
-        await self.tiers.publish(step_node, manifest, deadline)  # the cluster's record
+        await self._cluster.publish(step_node, manifest, deadline)  # the cluster's record
         self.events.committed(manifest, time.monotonic() - started)
         await self.sink.send(manifest)
 
@@ -295,12 +298,12 @@ class Commits:
                         await released.wait()
                         continue
                     waiting.what = DCP_FILES
-                    if not await self.tiers.locate_dcp_files(step_node, deadline):
+                    if not await self._cluster.locate_dcp_files(step_node, deadline):
                         self._manifests.leave_pending(step, "files named by its .metadata")
                         return None, None  # retried by retry_pending_commits
                     shape = tree.shape
                     files = list(tree_walk.files_under(step_node))
-                    elsewhere = self.tiers.held_elsewhere(step_node)  # stay where they are
+                    elsewhere = self._cluster.held_elsewhere(step_node)  # stay where they are
                     later = hashes_later and self._may_hash_later(step_node, files, elsewhere)
                     await self._resident_and_sealed(files, elsewhere, waiting, later)
                     waiting.what = COPIES
@@ -466,7 +469,7 @@ class Commits:
             raise FsError(errno.ETIMEDOUT, f"{relpath} could not commit: {exc}; it commits "
                           "by itself once etcd answers") from None
         if manifest is None:
-            missing = await self.tiers.missing_dcp_files(node)
+            missing = await self._cluster.missing_dcp_files(node)
             if missing:
                 raise FsError(errno.EAGAIN, f"{relpath} is not complete: its .metadata names "
                               f"{len(missing)} files that are not there yet "
@@ -518,7 +521,7 @@ class Commits:
                       self.tree.relpath(step_node), exc.strerror or exc)
             raise FsError(exc.errno or errno.EIO) from None
         step = step_node.step
-        if (manifest is not None and self.tiers.awaits_publication(manifest)
+        if (manifest is not None and self._cluster.awaits_publication(manifest)
                 and step is not None and step.manifest is manifest and not step.in_ram):
             log.error("%s is committed on this node, but etcd did not take its commit record "
                       "within %.0f s: the nodes holding its other files list it once etcd "
@@ -558,7 +561,7 @@ class Commits:
         one that `commits_after_writer` says commits nothing)."""
         if node.parent is not None:
             self._identity.touch_enclosing(node)  # its step commits `commit_idle` s after this
-            self.tiers.note_sealed(node)  # the cluster records which node holds the file
+            self._cluster.note_sealed(node)  # the cluster records which node holds the file
 
     def commits_after_writer(self, node: Node) -> bool:
         """Whether `after_writer(node)` may commit a step (else it never waits: a writer's
@@ -618,7 +621,7 @@ class Commits:
         while True:
             await trio.sleep(PENDING_RETRY)
             await self.retry_pending_commits()
-            self.tiers.write_owed_marks()
+            self._marks.write_owed_marks()
 
     async def retry_pending_commits(self) -> None:
         """Commits left pending (writers, or shards not yet found on other nodes) try again,

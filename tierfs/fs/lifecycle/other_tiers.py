@@ -1,16 +1,15 @@
 """This node's view of copies elsewhere: steps in the persistent tier, replicas on peers (per
-file, as the cluster's records in etcd say), steps committed in the cluster, the files of a
-multi-node DCP step written on other nodes, and deletes, which must reach all of them
-(`fs.lifecycle.deletes`).
+file, as the cluster's records in etcd say), steps committed in the cluster, and deletes, which
+must reach all of them (`fs.lifecycle.deletes`). What this node's own saves and commits tell
+the cluster is `fs.lifecycle.cluster_writes`'s.
 
 `OtherTiers` is what the uploader, the replicator, the receiver, the commit follower and the
-peer handlers
-call (the daemon hands them its bound methods); it decides, and the `Tree` changes the nodes.
+peer handlers call (the daemon hands them its bound methods; the commit records etcd could not
+take are handed on to `ClusterWrites`); it decides, and the `Tree` changes the nodes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -22,16 +21,13 @@ import trio
 from tierfs import layout, trackers
 from tierfs import manifest as mf
 from tierfs.fs.lifecycle.deletes import PERSIST, Deletes, Tombstone, peer_target
-from tierfs.fs.model import dcp_metadata, tree_walk
-from tierfs.fs.model.nodes import METADATA, FsError, Node, StepState, some_names
+from tierfs.fs.model import tree_walk
+from tierfs.fs.model.nodes import METADATA, FsError, Node, StepState
 from tierfs.fs.model.ports import (
-    CoordinationUnavailable,
-    FilesOnPeers,
     KeepRam,
+    LatePublication,
     SealedCollector,
-    ShardsOnPeers,
     Spawner,
-    TierError,
 )
 from tierfs.shared_uploads import PERSISTED, RETIRED
 
@@ -42,29 +38,23 @@ if TYPE_CHECKING:
     from tierfs.fs.tree.recoverable import Recoverability
     from tierfs.fs.tree.residents import Residents
     from tierfs.fs.tree.step_identity import StepIdentity
-    from tierfs.fs.tree.step_manifests import StepManifests
     from tierfs.fs.tree.tree import Tree
     from tierfs.fs.tree.tree_view import TreeView
 
 log = logging.getLogger(__name__)
-
-# Seconds a commit waits for other nodes' records of the shards its `.metadata` names before
-# it asks the nodes themselves (`locate_dcp_files`): records come as the shards' hashes do.
-ASK_PEERS_AFTER = 1.0
 
 
 class OtherTiers:
     """Copies of steps in the persistent tier and on peers, as this node knows them."""
 
     def __init__(self, tree: Tree, view: TreeView, versions: StepVersions, eviction: KeepRam,
-                 deletes: Deletes, background: Spawner, sealed: SealedCollector | None = None,
-                 shards: ShardsOnPeers | None = None, *, holdings: Holdings,
-                 identity: StepIdentity, manifests: StepManifests, recoverable: Recoverability,
+                 deletes: Deletes, background: Spawner, writes: LatePublication,
+                 sealed: SealedCollector | None = None, *, holdings: Holdings,
+                 identity: StepIdentity, recoverable: Recoverability,
                  residents: Residents, store: RamStore) -> None:
         self.tree = tree
         self._holdings = holdings
         self._identity = identity
-        self._manifests = manifests
         self._recoverable = recoverable
         self._residents = residents
         self._store = store
@@ -74,11 +64,8 @@ class OtherTiers:
         self.deletes = deletes
         self.background = background
         self.sealed = sealed  # the cluster's records of who holds which file (etcd)
-        self.shards = shards  # asks the peers for files of a step their records lack
+        self._writes = writes  # this node's records in the cluster: commits etcd lacks
         self.node_id = tree.node_id
-        # files of steps being committed here that stay on the other nodes that wrote them
-        self._elsewhere: dict[str, set[str]] = {}
-        self._unpublished: dict[str, mf.StepManifest] = {}  # committed while etcd was away
         self._tracker_texts: dict[str, str | int | None] = {}  # tracker object -> what it names
         self._owed_marks: dict[str, mf.StepManifest] = {}  # persisted, the RAM dir full
         # Steps whose file records are read again to judge them (`doubtful_steps`): a node
@@ -86,7 +73,6 @@ class OtherTiers:
         # back without its own. Set (and replaced) when one is added.
         self._recheck: set[str] = set()
         self.recheck_wanted = trio.Event()
-        self._writing_seals = False  # a task writes the queued seals (`note_sealed`)
 
     # -- deletes -----------------------------------------------------------------------------
 
@@ -558,217 +544,15 @@ class OtherTiers:
         log.info("%s v%d is in the cluster (held by %s)", manifest.path, manifest.version,
                  ", ".join(sorted(others)))
 
-    # -- multi-node DCP steps ----------------------------------------------------------------
-
-    async def locate_dcp_files(self, step_node: Node, deadline: float) -> bool:
-        """Before a DCP step commits, every shard its `.metadata` names must be known: on a
-        single node (`cp -r`, `rsync`, `tar` may write `.metadata` first) by waiting for them,
-        on several nodes by finding the records of the shards other nodes' ranks sealed (the
-        shards stay where they were written: the manifest names their holders), waiting for
-        them until `deadline` (trio time). Records still missing after ASK_PEERS_AFTER are
-        asked of the peers themselves (`_unrecorded`): shards no node has are still to come
-        here (False at once); shards a node has that it did not record by the deadline (it
-        is cut off from etcd), or that a node which cannot answer may have, make the commit
-        fail (`CoordinationUnavailable`), so that the saver's call never returns success for
-        a step that did not commit. A step saved again over its committed version asks the
-        same of the files it has only as they were in that version (`_old_copies`): a node
-        that saved one again has its new record taken (the step must not mix two saves);
-        one that nobody saved again by the deadline stays as it is. False while some are
-        missing (`missing_dcp_files` names them); `CoordinationUnavailable` if etcd does
-        not answer by the deadline."""
-        missing = await self.missing_dcp_files(step_node)
-        step_path = self.tree.relpath(step_node)
-        old = self._old_copies(step_node) if self.sealed is not None else set()
-        if not missing and not old:
-            return True
-        if self.sealed is None:
-            log.info("commit of %s waits for %s, named by its .metadata", step_path,
-                     some_names(missing))
-            return False
-        step = step_node.step
-        base = step.manifest.version if step.manifest else 0
-        early = min(deadline, trio.current_time() + ASK_PEERS_AFTER)
-        try:
-            found = await self.sealed.collect(step_path, missing | old, early, base)
-        except CoordinationUnavailable:
-            if early >= deadline:
-                raise
-            found = {}  # etcd slow for a moment: the wait below is the one that counts
-        on_peers = None
-        if not missing <= set(found) and self.shards is not None:
-            on_peers = await self.shards.ask(step_path, missing - set(found), deadline)
-            if not on_peers.held and not on_peers.unanswered:
-                log.info("commit of %s waits for %s, named by its .metadata: no node has "
-                         "them yet", step_path, some_names(missing - set(found)))
-                return False
-        if not (missing | old) <= set(found) and early < deadline:
-            found = await self.sealed.collect(step_path, missing | old, deadline, base)
-        if not missing <= set(found):
-            if on_peers is not None:
-                raise CoordinationUnavailable(self._unrecorded(missing - set(found), on_peers))
-            log.info("commit of %s waits for %s from other nodes", step_path,
-                     ", ".join(sorted(missing - set(found))))
-            return False
-        if self.tree.find_step(step_path) is not step_node or step_node.step is not step:
-            return False
-        if old - set(found):
-            log.info("commit of %s: no node saved %s again; as it was", step_path,
-                     some_names(old - set(found)))
-        elsewhere = self._elsewhere.setdefault(step_path, set())
-        for name, (peer, entry) in found.items():
-            node = tree_walk.entry_node(step_node, name)
-            if node is not None and node.remote is None:  # a copy of the committed version
-                if node.seal is not None and node.seal.digest.xxh3 == entry.xxh3:
-                    continue  # saved again with the same bytes: the copy here is the file
-                if self._residents.evict_file(step, step.manifest.entry(name), node) is None \
-                        and node.remote is None:
-                    log.info("commit of %s waits: its old copy of %s here is open", step_path,
-                             name)
-                    return False
-            self.versions.add_holder(step_node, peer)
-            self._residents.add_remote_files(step_node, [entry], step_path)
-            elsewhere.add(name)
-        if found:
-            log.info("commit of %s names %d files held on %s: they stay there", step_path,
-                     len(found), ", ".join(sorted({peer for peer, _e in found.values()})))
-        return True
-
-    @staticmethod
-    def _unrecorded(names: set[str], on_peers: FilesOnPeers) -> str:
-        """Why files a `.metadata` names have no record in etcd by the commit's deadline."""
-        held: dict[str, list[str]] = {}
-        for name in names & set(on_peers.held):
-            held.setdefault(on_peers.held[name], []).append(name)
-        why = [f"{node} wrote {some_names(files)} and did not record "
-               f"{'them' if len(files) > 1 else 'it'} in etcd (cut off from etcd?)"
-               for node, files in sorted(held.items())]
-        rest = names - set(on_peers.held)
-        if rest:
-            why.append(f"{some_names(rest)} may be on {', '.join(sorted(on_peers.unanswered))}, "
-                       "which did not answer (down?)" if on_peers.unanswered
-                       else f"{some_names(rest)} had no record in time")
-        return "; ".join(why)
-
-    def _old_copies(self, step_node: Node) -> set[str]:
-        """Files its `.metadata` names that a step saved again has here only as they were in
-        its committed version: a copy held here that was not written since
-        (`Residents.unchanged_since_commit`), or a file held elsewhere whose entry is still the
-        old one; not those this commit located already."""
-        step = step_node.step
-        old = step.manifest
-        if old is None or step.committed or step.dcp_files is None:
-            return set()
-        if old.path != self.tree.relpath(step_node):
-            return set()  # renamed since: its files are its own, nobody saves them again there
-        located = self._elsewhere.get(self.tree.relpath(step_node), set())
-        found = set()
-        for rel, node in tree_walk.files_under(step_node):
-            entry = old.entry(rel)
-            if entry is None or rel in located or rel not in step.dcp_files[1]:
-                continue
-            if (node.remote.entry.xxh3 == entry.xxh3 if node.remote is not None
-                    else self._residents.unchanged_since_commit(step, rel, node)):
-                found.add(rel)
-        return found
-
-    def held_elsewhere(self, step_node: Node) -> set[str]:
-        """Files of the step being committed here that other nodes wrote and keep."""
-        return self._elsewhere.get(self.tree.relpath(step_node), set())
-
-    def note_sealed(self, node: Node) -> None:
-        """A file's last writer is done: the cluster records that this node holds it, once its
-        seal (hashed in the background, `fs.tree.sealing`) exists. A file sealed already (a
-        small one, at its close) joins the seals' next batch at once, and one task writes the
-        batches: a save of many small files spawns no task per file."""
-        step_node = next(tree_walk.enclosing_steps(node.parent), None)
-        if self.sealed is None or step_node is None or node.remote is not None:
-            return
-        if node.seal is None:
-            self.background.spawn(self._record_sealed, node, step_node)
-            return
-        if self._queue_sealed(node, step_node) and not self._writing_seals:
-            self._writing_seals = True
-            self.background.spawn(self._write_seals)
-
-    async def _record_sealed(self, node: Node, step_node: Node) -> None:
-        """`note_sealed` of a file whose hash runs: recorded once the hash is joined."""
-        assert self.sealed is not None
-        with contextlib.suppress(OSError, FsError):  # gone meanwhile
-            await self.tree.seal(node)  # joins the background hash
-        if node.seal is not None and self._queue_sealed(node, step_node):
-            await self.sealed.write_queued()
-        # (no seal: written again meanwhile, and its next close records it)
-
-    def _queue_sealed(self, node: Node, step_node: Node) -> bool:
-        """Queue `node`'s seal for its record (False: it left the step meanwhile). Its entry
-        is taken now: a seal queued before a commit of its step is in the batches that commit
-        knows of (`ClusterCommits.publish` drops those a rename left stale)."""
-        assert self.sealed is not None and node.seal is not None
-        rel = tree_walk.path_below(step_node, node)
-        if rel is None:
-            return False
-        try:
-            entry = mf.entry_from_stat(rel, node.seal.digest, os.lstat(self.tree.backing(node)))
-            step_path = self.tree.relpath(step_node)
-        except (OSError, FsError):
-            return False  # gone meanwhile
-        manifest = step_node.step.manifest if step_node.step is not None else None
-        self.sealed.queue_sealed(step_path, [entry],
-                                 manifest.version if manifest is not None else 0)
-        return True
-
-    async def _write_seals(self) -> None:
-        assert self.sealed is not None
-        try:
-            while self.sealed.seals_queued:
-                await self.sealed.write_queued()
-        finally:
-            self._writing_seals = False
-
-    async def publish(self, step_node: Node, manifest: mf.StepManifest,
-                      deadline: float | None) -> bool:
-        """This node committed `manifest`: the cluster learns it (a commit record in etcd),
-        before the saver's call returns, by `deadline` (trio time; None: the collector's
-        own). Without etcd the step is
-        committed here and its record is written by a later retry (`publish_pending`): False
-        (`awaits_publication`)."""
-        self._elsewhere.pop(manifest.path, None)
-        if self.sealed is None:
-            return True
-        try:
-            await self.sealed.publish(manifest, set(step_node.step.resident), deadline)
-        except TierError as exc:  # etcd unreachable, or a record refused: retried later
-            log.warning("the cluster does not know of %s v%d yet: %s", manifest.path,
-                        manifest.version, exc)
-            self._unpublished[manifest.path] = manifest
-            return False
-        return True
-
-    def awaits_publication(self, manifest: mf.StepManifest) -> bool:
-        """Whether `manifest` is committed here but etcd lacks its commit record."""
-        return self._unpublished.get(manifest.path) is manifest
-
     def publish_later(self, manifest: mf.StepManifest) -> None:
-        """A step committed here whose commit record etcd lacks: written by `publish_pending`.
-        The copies this node's marks name for it are forgotten (`StepVersions.forget_holders`:
-        no copy is made before its commit record, so they belong to records that are gone);
-        the record written names this node, and the copies are made anew."""
-        node = self.tree.find_step(manifest.path)
-        if node is not None and node.step.manifest is manifest and \
-                (node.step.replicas or node.step.holders):
-            log.info("%s v%d: etcd has no record of it; the copies this node knew of (%s) "
-                     "are not counted", manifest.path, manifest.version,
-                     ", ".join(sorted(node.step.replicas | node.step.holders)))
-            self.versions.forget_holders(node)
-        self._unpublished[manifest.path] = manifest
+        """A step committed here whose commit record etcd lacks: written later
+        (`ClusterWrites.publish_later`)."""
+        self._writes.publish_later(manifest)
 
     async def publish_pending(self) -> None:
-        """Commit records that etcd could not take before (it was down): try again."""
-        for path, manifest in list(self._unpublished.items()):
-            node = self.tree.find_step(path)
-            del self._unpublished[path]
-            if node is not None and node.step.manifest is manifest:
-                await self.publish(node, manifest, None)
+        """Commit records etcd could not take before: tried again
+        (`ClusterWrites.publish_pending`)."""
+        await self._writes.publish_pending()
 
     def may_catch_up(self, dir_node: Node, name: bytes) -> bool:
         """Whether `catch_up` would ask the cluster about `name` (else a LOOKUP of it that
@@ -794,25 +578,3 @@ class OtherTiers:
             return False
         self.learn(*found)
         return step_node.step.committed
-
-    async def missing_dcp_files(self, step_node: Node) -> set[str]:
-        """Files the step's DCP `.metadata` names that are not in the directory (none when it
-        has no readable `.metadata`: such a step commits with the files at hand). The
-        `.metadata` is decoded in a thread."""
-        metadata = (step_node.children or {}).get(METADATA)  # none for a single file
-        if metadata is None or metadata.remote is not None:
-            return set()
-        try:
-            with open(self.tree.backing(metadata), "rb") as f:
-                st = os.fstat(f.fileno())
-                key = (st.st_ino, st.st_size, st.st_mtime_ns)
-                if step_node.step.dcp_files is None or step_node.step.dcp_files[0] != key:
-                    data = f.read()
-                    expected = await trio.to_thread.run_sync(dcp_metadata.shard_files, data)
-                    self._manifests.note_dcp_files(step_node.step, key, expected)
-        except (OSError, FsError, dcp_metadata.MetadataError) as exc:
-            log.info("commit of %s uses the files at hand: %s", self.tree.relpath(step_node),
-                     exc)
-            return set()
-        expected = step_node.step.dcp_files[1]
-        return expected - {rel for rel, _node in tree_walk.files_under(step_node)}

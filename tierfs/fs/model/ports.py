@@ -42,8 +42,12 @@ Inward (implemented inside `fs`, injected so that the core imports no collaborat
   append snapshots).
 * `BringBack`: files brought back into the RAM tier from the others
   (`fs.lifecycle.fetch_back.FetchBack`; for commits and checks of copies).
-* `CommitTiers`: what a commit asks of the other tiers: the DCP shards other nodes hold, the
-  cluster's record of the commit (`fs.lifecycle.other_tiers.OtherTiers`; for `Commits`).
+* `CommitTiers`: what a commit asks of the cluster: the DCP shards other nodes hold, the
+  records of sealed files and of the commit (`fs.lifecycle.cluster_writes.ClusterWrites`; for
+  `Commits`); `LatePublication`: the commit records etcd could not take, written later
+  (`ClusterWrites`; for `OtherTiers`, whose `StepCopies` the daemon calls).
+* `OwedMarks`: persisted marks written once the RAM dir has room (`OtherTiers`; for the
+  commits' retry round).
 * `Announcer`: a version committed outside a commit call, reported as commits are
   (`fs.lifecycle.commits.Commits.announce`; for append snapshots).
 * `StoreLoss`: a step the persistent tier was found to lack (`StepVersions.set_store_lost`;
@@ -79,11 +83,12 @@ if TYPE_CHECKING:
     from tierfs.fs.model.tombstones import Tombstone
     from tierfs.trackers import TrackedStep
 
-__all__ = ["Announcer", "CommitSink", "CommitTiers", "CoordinationUnavailable", "CopiesWait",
-           "DeleteLog", "EventSink", "FilesOnPeers", "KeepRam", "Liveness", "ManifestReader",
-           "ObjectMissing", "PeerCopies", "PersistCopies", "ReadGate", "ReadSource", "Repairs",
-           "RoomInRam", "SealedCollector", "ShardsOnPeers", "Spawner", "StepCopies", "StepWatch",
-           "Store", "StoreCheck", "StoreLoss", "TierError"]
+__all__ = ["Announcer", "BringBack", "CommitSink", "CommitTiers", "CoordinationUnavailable",
+           "CopiesWait", "DeleteLog", "EventSink", "FilesOnPeers", "KeepRam",
+           "LatePublication", "Liveness", "ManifestReader", "ObjectMissing", "OwedMarks",
+           "PeerCopies", "PersistCopies", "ReadGate", "ReadSource", "Repairs", "RoomInRam",
+           "SealedCollector", "ShardsOnPeers", "Spawner", "StepCopies", "StepWatch", "Store",
+           "StoreCheck", "StoreLoss", "TierError"]
 
 
 class CommitSink(Protocol):
@@ -444,6 +449,14 @@ class BringBack(Protocol):
         ...
 
 
+class LatePublication(Protocol):
+    """Commit records etcd could not take when their step committed, written later."""
+
+    def publish_later(self, manifest: mf.StepManifest) -> None: ...
+
+    async def publish_pending(self) -> None: ...
+
+
 class CommitTiers(Protocol):
     """What a commit asks of the other tiers (see `fs.lifecycle.commits`)."""
 
@@ -459,6 +472,11 @@ class CommitTiers(Protocol):
                       deadline: float | None) -> bool: ...
 
     def awaits_publication(self, manifest: mf.StepManifest) -> bool: ...
+
+
+class OwedMarks(Protocol):
+    """Persisted marks the RAM dir had no room for, written once it has (`StepCopies`'s
+    `mark_persisted`)."""
 
     def write_owed_marks(self) -> None: ...
 

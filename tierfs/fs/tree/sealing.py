@@ -182,7 +182,7 @@ class Sealing:
         inode at that generation (copy on write keeps that inode unwritten); else the
         snapshot hashed itself. A seal the node already has that describes the snapshot is
         taken as it is: in a cluster every file of a step is sealed at its close, for its
-        record in etcd (`OtherTiers.note_sealed`), and hashing it again here put a second
+        record in etcd (`ClusterWrites.note_sealed`), and hashing it again here put a second
         pass over every byte between the saver's return and the first copy to a peer."""
         st = os.lstat(snapshot)
         ino = st.st_ino
