@@ -44,8 +44,8 @@ def test_verify_tells_whole_from_short_from_lost(
     done = verify(node0, "run/step_2")
     assert done.returncode == 0, done.stderr
     assert done.stderr == ("tierfs: warning: 2 files of run/step_2 have fewer than 2 copies "
-                           "reachable (K + 1) and none in the persistent tier: .metadata "
-                           "(1 copy), model.pt (1 copy)\n"), done.stderr
+                           "reachable (K + 1, at most one per node) and none in the "
+                           "persistent tier: .metadata (1 copy), model.pt (1 copy)\n"), done.stderr
 
     # node1 unmounts cleanly: nothing of step_1 is lost (node0 holds it), all of step_2 is
     subprocess.run(["fusermount3", "-u", str(node1.mountpoint)], check=True)
@@ -64,3 +64,22 @@ def test_verify_tells_whole_from_short_from_lost(
     assert by_path["run/step_2"]["lost"] == {".metadata": ["node1"], "model.pt": ["node1"]}
     assert by_path["run/step_1"]["lost"] == {} and by_path["run/step_1"]["short"] == {
         ".metadata": 1, "model.pt": 1}
+
+
+def test_verify_wants_no_more_copies_than_there_are_nodes(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """--replicas 2 on a cluster of two nodes: each file has a copy on both, all the nodes
+    there are (the replica-count rule's cap, as status has it): verify finds nothing short."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, _node1 = cluster.start_all("--replicas", "2")
+    save(node0 / "run/step_1", {"model.pt": os.urandom(1 << 20), ".metadata": b"m1"})
+    wait_until(lambda: node0.step("run/step_1")["replicas"] == ["node1"], timeout=30)
+    done = verify(node0, "run/step_1")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert "every copy good" in done.stdout
+    # one of the two gone: a file on one node is short of the two there were
+    subprocess.run(["fusermount3", "-u", str(cluster.nodes["node1"].mountpoint)], check=True)
+    wait_until(lambda: not cluster.peers_up("node0")["node1"], timeout=15)
+    done = verify(node0, "run/step_1")
+    assert done.returncode == 0, done.stderr
+    assert "fewer than 2 copies reachable" in done.stderr, done.stderr

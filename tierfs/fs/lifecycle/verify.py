@@ -266,7 +266,10 @@ class Verifier:
                asked: dict[str, set[str]], ram: TierReport) -> None:
         """The step's verdict: its lost files (no good copy on a tier reached: an "any
         tier" line), its short ones, and one log line."""
-        report.wanted = self._repairs.replicas + 1
+        # the replica-count rule (`replication.coordination.placement.copies_wanted`): K + 1
+        # copies, or one on each node if there are fewer
+        nodes = self.peers.nodes() if self.peers is not None else 1
+        report.wanted = min(self._repairs.replicas + 1, nodes)
         in_ram = [t for t in report.tiers if t.tier == "ram" or t.tier.startswith("peer:")]
         stored = {name for t in report.tiers if t.tier == "persist" for name in t.held_good}
         for entry in manifest.files:
@@ -674,12 +677,12 @@ def lost_files(step_path: str, lost: dict[str, list[str]], shown: int = 5) -> st
 
 
 def short_files(step_path: str, short: dict[str, int], wanted: int, shown: int = 5) -> str:
-    """`1 file of run/step_1 has fewer than 2 copies reachable (K + 1) and none in the
-    persistent tier: model.pt (1 copy)`."""
+    """`1 file of run/step_1 has fewer than 2 copies reachable (K + 1, at most one per
+    node) and none in the persistent tier: model.pt (1 copy)`."""
     named = ", ".join(f"{name} ({count} cop{'y' if count == 1 else 'ies'})"
                       for name, count in sorted(short.items())[:shown])
     more = f" and {len(short) - shown} more" if len(short) > shown else ""
     files = "1 file" if len(short) == 1 else f"{len(short)} files"
     verb = "has" if len(short) == 1 else "have"
-    return (f"{files} of {step_path} {verb} fewer than {wanted} copies reachable (K + 1) and "
-            f"none in the persistent tier: {named}{more}")
+    return (f"{files} of {step_path} {verb} fewer than {wanted} copies reachable (K + 1, at "
+            f"most one per node) and none in the persistent tier: {named}{more}")

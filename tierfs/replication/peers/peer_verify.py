@@ -36,6 +36,11 @@ class PeerVerify:
             return None
         return {name: set(record.holders) for name, record in records.items()}
 
+    def nodes(self) -> int:
+        """The cluster's nodes known here, up or not, this one included (as status counts
+        them for the copies a step wants)."""
+        return len(self.directory.peers) + 1
+
     async def verify(self, node_id: str, step_path: str, entry: mf.FileEntry,
                      repair: bool) -> str:
         """The state of `node_id`'s copy (`fs.model.ports.PeerCopies`); TierError if the peer
