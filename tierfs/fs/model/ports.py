@@ -462,7 +462,8 @@ class LatePublication(Protocol):
 
 
 class CommitTiers(Protocol):
-    """What a commit asks of the other tiers (see `fs.lifecycle.commits`)."""
+    """What a commit asks of the cluster (see `fs.lifecycle.commits`): the shards of a DCP
+    step that other nodes hold, and the records of its sealed files and of the commit."""
 
     async def locate_dcp_files(self, step_node: Node, deadline: float) -> bool: ...
 
