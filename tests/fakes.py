@@ -104,11 +104,11 @@ class BuggySource(MemoryTier):
 class MemoryPeers:
     """`PeerCopies`: each peer's answer about its copy of a file (`states[(peer, name)]`,
     "good" by default), peers that cannot be reached (`unreachable`), and the cluster's
-    records of who holds each file (`holders`; None: the records cannot be read), in a
-    cluster of `nodes` nodes."""
+    records of who holds each file (`holders`; None: the records cannot be read), and the
+    copies each file should have (`copies`)."""
 
-    def __init__(self, holders: dict[str, set[str]] | None = None, nodes: int = 2) -> None:
-        self.node_count = nodes
+    def __init__(self, holders: dict[str, set[str]] | None = None, copies: int = 2) -> None:
+        self.copies = copies
         self.states: dict[tuple[str, str], str] = {}
         self.unreachable: set[str] = set()
         self.holders = holders
@@ -124,8 +124,8 @@ class MemoryPeers:
     async def file_holders(self, manifest: mf.StepManifest) -> dict[str, set[str]] | None:
         return self.holders
 
-    def nodes(self) -> int:
-        return self.node_count
+    def copies_wanted(self) -> int:
+        return self.copies
 
 
 class Liveness:

@@ -266,10 +266,8 @@ class Verifier:
                asked: dict[str, set[str]], ram: TierReport) -> None:
         """The step's verdict: its lost files (no good copy on a tier reached: an "any
         tier" line), its short ones, and one log line."""
-        # the replica-count rule (`replication.coordination.placement.copies_wanted`): K + 1
-        # copies, or one on each node if there are fewer
-        nodes = self.peers.nodes() if self.peers is not None else 1
-        report.wanted = min(self._repairs.replicas + 1, nodes)
+        report.wanted = self.peers.copies_wanted() if self.peers is not None \
+            else self._repairs.replicas + 1
         in_ram = [t for t in report.tiers if t.tier == "ram" or t.tier.startswith("peer:")]
         stored = {name for t in report.tiers if t.tier == "persist" for name in t.held_good}
         for entry in manifest.files:

@@ -210,16 +210,16 @@ class PeerCopies(Protocol):
     """Asks a peer to check (and repair) its own copy of a file: good, bad, missing, repaired.
     Raises TierError when the peer cannot be reached or answers wrongly. `file_holders`:
     who holds each file of a committed version, from the cluster's records ({name: nodes},
-    files without a record left out), or None if the records cannot be read. `nodes`: the
-    cluster's nodes this one knows of, up or not, itself included (a file has at most one
-    copy on each)."""
+    files without a record left out), or None if the records cannot be read.
+    `copies_wanted`: the copies each file should have on nodes, K + 1 or one on each of the
+    cluster's nodes (up or not) if there are fewer (the replica-count rule)."""
 
     async def verify(self, node_id: str, step_path: str, entry: mf.FileEntry,
                      repair: bool) -> str: ...
 
     async def file_holders(self, manifest: mf.StepManifest) -> dict[str, set[str]] | None: ...
 
-    def nodes(self) -> int: ...
+    def copies_wanted(self) -> int: ...
 
 
 class PersistCopies(Protocol):

@@ -84,7 +84,7 @@ class ClusterLinks:
         self.view = view
         self.learn_holders = core.learn_holders
         self.reader = PeerReader(self.directory, view.holders_of, self._file_holders)
-        self.verify = PeerVerify(self.directory, self.sealed.placements)
+        self.verify = PeerVerify(self.directory, self.sealed.placements, cfg.replicas)
         self.delete = PeerDelete(self.directory)
         self.files = PeerFiles(self.directory)  # shards whose records a commit lacks
         self.store_record = StoreRecord(self.etcd, cfg.cluster)

@@ -11,6 +11,7 @@ import trio
 from tierfs import manifest as mf
 from tierfs.fs.model.ports import TierError
 from tierfs.replication.coordination.commit_records import FileRecord
+from tierfs.replication.coordination.placement import copies_wanted
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel
 from tierfs.replication.peers.directory import PeerDirectory
@@ -24,9 +25,10 @@ Placements = Callable[[mf.StepManifest], Awaitable[dict[str, FileRecord] | None]
 
 
 class PeerVerify:
-    def __init__(self, directory: PeerDirectory, placements: Placements) -> None:
+    def __init__(self, directory: PeerDirectory, placements: Placements, replicas: int) -> None:
         self.directory = directory
         self._placements = placements
+        self.replicas = replicas  # --replicas: K
 
     async def file_holders(self, manifest: mf.StepManifest) -> dict[str, set[str]] | None:
         """Who holds each file of this committed version, as its record says: the peers a
@@ -36,10 +38,10 @@ class PeerVerify:
             return None
         return {name: set(record.holders) for name, record in records.items()}
 
-    def nodes(self) -> int:
-        """The cluster's nodes known here, up or not, this one included (as status counts
-        them for the copies a step wants)."""
-        return len(self.directory.peers) + 1
+    def copies_wanted(self) -> int:
+        """The copies each file should have on nodes (`placement.copies_wanted`) in the
+        cluster known here, its nodes up or not, this one included (as status counts them)."""
+        return copies_wanted(self.replicas, len(self.directory.peers) + 1)
 
     async def verify(self, node_id: str, step_path: str, entry: mf.FileEntry,
                      repair: bool) -> str:
