@@ -130,3 +130,32 @@ def test_a_replaced_node_resumes_deepspeed_from_the_tracker_its_peer_holds(
                       "resume", "nowait")
     assert resumed["loaded_step"] == 6
     assert resumed["weights_at_load"] == first["saved"]["6"]
+
+
+def test_a_tracker_of_a_multi_node_step_reaches_a_peer_once_every_file_has_its_copies(
+        cluster3: Cluster) -> None:
+    """Megatron-LM's torch_dist format on three nodes (K = 1, no store): ranks on node0 and
+    node2 save `iter_0000010` with DCP, rank 0 writes the tracker on node0. The tracker's copy
+    goes to node1, which holds none of node2's shards (their copy is on node0, node2's next on
+    the ring): it goes once every file of the step has its two copies, wherever they are (it
+    waited for node1 to hold every file, which it never would), and a node that replaces node0
+    resumes from it."""
+    from tests.conftest import run_dcp_ranks
+    from tests.harness import check_step_bytes, copies_everywhere, file_records
+
+    node0, node1, node2 = (cluster3.nodes[f"node{i}"] for i in range(3))
+    for node_id in cluster3.ports:
+        wait_until(lambda n=node_id: all(cluster3.peers_up(n).values()), timeout=15)
+    step, tracker = "run/iter_0000010", "run/latest_checkpointed_iteration.txt"
+    run_dcp_ranks([node0 / step, node2 / step], timeout=240)
+    wait_until(lambda: copies_everywhere(cluster3, step, set(cluster3.ports), 2), timeout=30)
+    expected = {name: r.xxh3 for name, r in file_records(cluster3, step).items()}
+    assert any("node1" not in r.holders for r in file_records(cluster3, step).values())
+    (node0 / tracker).write_text("10")
+    wait_until(lambda: (node0.step(tracker) or {}).get("replicas") == ["node1"], timeout=30)
+
+    node0.kill9()
+    shutil.rmtree(node0.ram_dir)
+    fresh = cluster3.start("node0")
+    assert (fresh / tracker).read_text() == "10"
+    check_step_bytes(fresh, step, expected)

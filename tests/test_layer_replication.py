@@ -30,7 +30,7 @@ from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.replication.peers.peer_reader import PeerReader, RangeServer
 from tierfs.replication.peers.protocol import ProtocolError
 from tierfs.replication.peers.receiver import INCOMING_PREFIX, ReplicaReceiver
-from tierfs.replication.peers.replicator import Replicator, deal
+from tierfs.replication.peers.replicator import RETRY_LATER, Replicator, deal
 from tierfs.replication.peers.server import PeerServer
 
 pytestmark = pytest.mark.store
@@ -109,10 +109,10 @@ def records_of(manifest: mf.StepManifest, holders: set[str]) -> dict[str, FileRe
 def a_replicator(membership: PeerDirectory, objects: Path, placements: Any,
                  on_held: Any, **options: Any) -> Replicator:
     """Node a's replicator (K = 1) over the objects in `objects`, every step current."""
+    options.setdefault("on_placements", lambda *_: None)
     return Replicator(membership, 1, lambda xxh3: str(objects / xxh3),
-                      is_current=lambda m: True, placements=placements,
-                      on_placements=lambda *_: None, on_held=on_held, events=Events(),
-                      **options)
+                      is_current=lambda m: True, placements=placements, on_held=on_held,
+                      events=Events(), **options)
 
 
 async def members_a_and_b(nursery: trio.Nursery, etcd_server: EtcdServer,
@@ -199,7 +199,8 @@ async def test_a_tracker_goes_to_a_peer_only_once_it_holds_the_step_it_names(
             both.set()
         return True
 
-    def may_copy(manifest: mf.StepManifest, peer: str) -> bool:
+    def may_copy(manifest: mf.StepManifest, peer: str, _wanted: int,
+                 _up: Callable[[str], bool]) -> bool:
         return manifest is not tracker or peer in holders[step.path]
 
     async with trio.open_nursery() as nursery:
@@ -209,6 +210,53 @@ async def test_a_tracker_goes_to_a_peer_only_once_it_holds_the_step_it_names(
             await both.wait()
         nursery.cancel_scope.cancel()
     assert [path for path, _v, _names, _peer in b.held] == [step.path, tracker.path]
+
+
+async def test_a_waiting_tracker_goes_once_other_nodes_made_its_steps_copies(
+        tmp_path: Path, etcd_server: EtcdServer) -> None:
+    """The step a tracker names got its copies from other nodes (a multi-node save: none of
+    them made by this replicator, so no step's copies end here): while the tracker waits, the
+    step is planned again every RETRY_LATER seconds, which reads its records anew, and the
+    tracker goes (it waited for good)."""
+    objects = tmp_path / "a-objects"
+    step = mf.StepManifest("run/iter_0000150", 150, 1, "a", 0, (
+        committed_object(objects, os.urandom(1000), "mp_rank_00/model.pt"),))
+    tracker = mf.StepManifest("run/latest_checkpointed_iteration.txt", mf.NO_STEP, 1, "a", 0,
+                              (committed_object(objects, b"150", "latest_checkpointed_"
+                                                "iteration.txt"),), single_file=True)
+    b = Receiving(tmp_path, step, tracker)
+    records = {step.path: {"a"}, tracker.path: {"a"}}
+    seen: set[str] = set()  # the step's holders, as a's last plan of it read them
+    tracker_held = trio.Event()
+
+    async def placements(manifest: mf.StepManifest) -> dict[str, FileRecord]:
+        return records_of(manifest, records[manifest.path])
+
+    def on_placements(manifest: mf.StepManifest, holders: dict[str, set[str]],
+                      _writers: dict[str, str]) -> None:
+        if manifest is step:
+            seen.update(*holders.values())
+
+    async def on_held(manifest: mf.StepManifest, target: str, _names: list[str]) -> bool:
+        assert manifest is tracker
+        tracker_held.set()
+        return True
+
+    def may_copy(manifest: mf.StepManifest, peer: str, _wanted: int,
+                 _up: Callable[[str], bool]) -> bool:
+        return manifest is not tracker or peer in seen
+
+    async with trio.open_nursery() as nursery:
+        replicator = await replicate_to_b(
+            nursery, etcd_server, b, objects, placements, on_held, tracker,
+            may_copy=may_copy, on_placements=on_placements,
+            named_step=lambda m: step if m is tracker else None)
+        await wait_until_async(lambda: tracker.path in replicator._waiting, timeout=10)
+        records[step.path].add("b")  # the step's copies, made by other nodes
+        with trio.fail_after(RETRY_LATER + 10):
+            await tracker_held.wait()
+        nursery.cancel_scope.cancel()
+    assert [path for path, _v, _names, _peer in b.held] == [tracker.path]
 
 
 async def test_a_step_of_many_files_is_held_in_several_messages(

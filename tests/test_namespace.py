@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -273,7 +274,7 @@ async def test_fifos_and_sockets_are_kept_across_a_restart_and_never_in_a_step(
 async def test_a_tracker_names_its_step_for_the_store_and_the_peers(harness: Harness) -> None:
     """What the uploader and the replicator ask of a tracker (OtherTiers): the step its content
     names in its directory (by name for DeepSpeed, by number for Megatron-LM), whether it is in
-    the store, and whether a peer holds every file of it."""
+    the store, and whether a peer holds every file of it or each file has its K + 1 copies."""
     ns = harness.ns
     await dcp_save(harness, "ckpt/iter_0000150", {"model.pt": b"w"})
     await harness.write_file("ckpt/latest_checkpointed_iteration.txt", b"150\n")
@@ -292,21 +293,34 @@ async def test_a_tracker_names_its_step_for_the_store_and_the_peers(harness: Har
     assert ns.tiers.tracked_step(manifests["ds/latest"]) == TrackedStep(4, True, False)
     assert ns.tiers.tracked_step(manifests["ds/latest_universal"]) is None
     assert ns.tiers.tracked_step(manifests["ds/notes.txt"]) is None
-    assert ns.tiers.may_copy(manifests["ds/notes.txt"], "b")
-    assert not ns.tiers.may_copy(tracker, "b")  # b does not hold iter_0000150
+
+    def may_copy(manifest: mf.StepManifest, peer: str,
+                 up: Callable[[str], bool] = lambda _node: True) -> bool:
+        return ns.tiers.may_copy(manifest, peer, 2, up)  # K = 1
+
+    assert may_copy(manifests["ds/notes.txt"], "b")
+    assert not may_copy(tracker, "b")  # no other node holds a file of iter_0000150 yet
     step_node = ns.tree.find_step("ckpt/iter_0000150")
-    ns.versions.add_file_holder(step_node, "b", [".metadata", "model.pt"])
-    assert ns.tiers.may_copy(tracker, "b") and not ns.tiers.may_copy(tracker, "c")
+    ns.versions.add_file_holder(step_node, "c", [".metadata"])
+    assert not may_copy(tracker, "b")  # model.pt is in RAM here alone
+    ns.versions.add_file_holder(step_node, "b", ["model.pt"])
+    # two copies of each file (a multi-node save's spread) though no other node holds both
+    assert may_copy(tracker, "d")
+    assert not may_copy(tracker, "d", up=lambda node: node != "c")  # c's copy while c is up
+    ns.versions.add_file_holder(step_node, "b", [".metadata"])
+    assert may_copy(tracker, "b", up=lambda _node: False)  # b holds every file
+    assert ns.tiers.named_step(tracker) is step_node.step.manifest
+    assert ns.tiers.named_step(manifests["ds/notes.txt"]) is None
     ns.tiers.mark_persisted(step_node.step.manifest)
     assert ns.tiers.tracked_step(tracker) == TrackedStep(150, True, True)
-    assert ns.tiers.may_copy(tracker, "c")  # c can read it from the store
+    assert may_copy(tracker, "c", up=lambda _node: False)  # c can read it from the store
     # a tracker that commits before the step it names (still being written): it waits for it
     await harness.write_file("ds/global_step6/model.pt", b"w")
     await harness.write_file("ds/latest", b"global_step6")
     node = ns.tree.find_step("ds/latest")
     await ns.commits.commit_quietly(node)
     assert ns.tiers.tracked_step(node.step.manifest) == TrackedStep(6, True, False)
-    assert not ns.tiers.may_copy(node.step.manifest, "b")
+    assert not may_copy(node.step.manifest, "b")
 
 
 async def test_a_create_is_made_with_no_await_where_the_tier_has_room_else_by_the_handler(

@@ -305,16 +305,31 @@ class OtherTiers:
         made_here = not step.committed or step.manifest.node_id == self.node_id
         return trackers.TrackedStep(number, made_here=made_here, persisted=step.persisted)
 
-    def may_copy(self, manifest: mf.StepManifest, peer: str) -> bool:
-        """Whether `peer` may get a copy of this version now: not a tracker whose step `peer`
-        does not hold (every file verified there) and the store does not have."""
+    def may_copy(self, manifest: mf.StepManifest, peer: str, wanted: int,
+                 is_up: Callable[[str], bool]) -> bool:
+        """Whether `peer` may get a copy of this version now: not a tracker whose step is
+        neither in the store, nor held whole by `peer` (every file verified there), nor at
+        `wanted` verified copies of every file on live nodes (`is_up`; this node's RAM counts):
+        the step of a multi-node save is safe with its copies spread over nodes none of which
+        holds it all."""
         found = self._tracked(manifest)
         if found is None:
             return True
         step = found[1]
+        if step is None or not step.committed:
+            return False
         verified = self._holdings.verified_peers
-        return step is not None and step.committed and (step.persisted or all(
-            peer in verified(step, entry.name) for entry in step.manifest.files))
+        files = step.manifest.files
+        return step.persisted or all(peer in verified(step, e.name) for e in files) or all(
+            int(e.name in step.resident) + sum(1 for p in verified(step, e.name) if is_up(p))
+            >= wanted for e in files)
+
+    def named_step(self, manifest: mf.StepManifest) -> mf.StepManifest | None:
+        """The committed version of the step a tracker names, as this node lists it; None if
+        `manifest` is no tracker or that step is not committed here."""
+        found = self._tracked(manifest)
+        step = found[1] if found is not None else None
+        return step.manifest if step is not None and step.committed else None
 
     def _tracked(self, manifest: mf.StepManifest, content: bytes | None = None
                  ) -> tuple[int, StepState | None] | None:

@@ -304,9 +304,15 @@ class StepCopies(Protocol):
         uploaded, as (a step path whose manifest says so, the object): the old names of a file
         not in RAM here, then those of renames not finished in the store."""
 
-    def may_copy(self, manifest: mf.StepManifest, peer: str) -> bool:
-        """Whether `peer` may get a copy of this version now: not a tracker whose step `peer`
-        does not hold (every file verified there) and the store does not have."""
+    def may_copy(self, manifest: mf.StepManifest, peer: str, wanted: int,
+                 is_up: Callable[[str], bool]) -> bool:
+        """Whether `peer` may get a copy of this version now: not a tracker whose step is
+        neither in the store, nor held whole by `peer`, nor at `wanted` verified copies of
+        every file on live nodes (`is_up`; this node's counts)."""
+
+    def named_step(self, manifest: mf.StepManifest) -> mf.StepManifest | None:
+        """The committed version of the step a tracker names, as this node lists it; None if
+        `manifest` is no tracker or that step is not committed here."""
 
     def short_of_copies(self, manifest: mf.StepManifest, replicas: int, is_up: Callable[[str],
                         bool]) -> bool:

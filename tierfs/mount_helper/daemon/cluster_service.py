@@ -146,6 +146,7 @@ class ClusterNode:
                                      placements=self.sealed.placements,
                                      on_placements=tiers.note_placements,
                                      on_held=self._held, may_copy=tiers.may_copy,
+                                     named_step=tiers.named_step,
                                      events=events)
         # the records `tierfs status` takes copies, holders and TIERS from
         self.recorded = RecordedHolders(self.recorded_holders)

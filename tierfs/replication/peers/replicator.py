@@ -28,9 +28,12 @@ again at once without it, so the copy goes to the next node on the ring; a step 
 node can take waits aside and is tried again (`troubles` says why it is short of copies, for
 `tierfs status`).
 
-A tracker file (`tierfs.trackers`) goes to a peer only once that peer holds the step it names
-(`may_copy`): until then its copies to that peer wait, and are planned again each time another
-step's copies are done.
+A tracker file (`tierfs.trackers`) goes to a peer only once the step it names is safe
+(`may_copy`: in the store, held whole by that peer, or every file at K + 1 verified copies on
+live nodes, as a multi-node save's files are without any node holding them all): until then its
+copies wait, and are planned again each time another step's copies are done here, and every
+RETRY_LATER seconds after the step it names is planned again (its records read anew: the
+copies other nodes made of their files count).
 """
 
 from __future__ import annotations
@@ -81,7 +84,9 @@ class Replicator:
         placements: Placements,
         on_placements: Callable[[mf.StepManifest, dict[str, set[str]], dict[str, str]], None],
         on_held: Recorded,
-        may_copy: Callable[[mf.StepManifest, str], bool] = lambda _m, _peer: True,
+        may_copy: Callable[[mf.StepManifest, str, int, Callable[[str], bool]], bool]
+        = lambda _m, _peer, _wanted, _up: True,
+        named_step: Callable[[mf.StepManifest], mf.StepManifest | None] = lambda _m: None,
         events: Events,
     ) -> None:
         self.directory = directory
@@ -93,6 +98,7 @@ class Replicator:
         self._on_placements = on_placements
         self._on_held = on_held
         self._may_copy = may_copy
+        self._named_step = named_step
         self.queue = StepQueue()
         self._later: dict[str, mf.StepManifest] = {}  # steps that kept failing: tried again
         self._waiting: dict[str, mf.StepManifest] = {}  # trackers waiting for a peer's copies
@@ -116,6 +122,7 @@ class Replicator:
             waiting, self._later = self._later, {}
             for manifest in waiting.values():
                 self.submit(manifest)
+            self._plan_named_steps_again()
 
     async def _replicate_or_log(self, manifest: mf.StepManifest) -> None:
         try:
@@ -154,13 +161,25 @@ class Replicator:
 
     def _not_waiting(self, manifest: mf.StepManifest,
                      copies: list[placement.Copy]) -> list[placement.Copy]:
-        """The copies that may go now; a tracker's copies to a peer that lacks its step wait."""
-        ready = [copy for copy in copies if self._may_copy(manifest, copy.target)]
+        """The copies that may go now; a tracker's copies wait while the step it names is not
+        safe (`may_copy`)."""
+        wanted = placement.copies_wanted(self.replicas, len(self.directory.live.ring))
+        ready = [copy for copy in copies
+                 if self._may_copy(manifest, copy.target, wanted, self.directory.is_up)]
         if len(ready) < len(copies):
             self._waiting[manifest.path] = manifest
         else:
             self._waiting.pop(manifest.path, None)
         return ready
+
+    def _plan_named_steps_again(self) -> None:
+        """The steps the waiting trackers name are planned again: each plan reads the step's
+        records anew, and one that owes no copy from here plans the trackers again."""
+        for path, manifest in list(self._waiting.items()):
+            if not self._is_current(manifest):
+                del self._waiting[path]
+            elif (step := self._named_step(manifest)) is not None:
+                self.submit(step)
 
     def _plan_waiting_again(self) -> None:
         for path, manifest in list(self._waiting.items()):
