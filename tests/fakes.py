@@ -288,6 +288,7 @@ class StaticMembership:
         self.generation = 0
         self.starting = False
         self.registered = False
+        self.etcd_answers = True  # its lease's keepalives answered (there is none to lose)
 
     def set_members(self, members: dict[str, str]) -> None:
         """The live members now: {node id: HOST:PORT}."""

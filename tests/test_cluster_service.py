@@ -7,6 +7,7 @@ refusals of admission."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
@@ -19,7 +20,7 @@ import trio.testing
 
 from tests.conftest import free_port
 from tests.fakes import MemoryEtcd, StaticMembership
-from tests.harness import Harness, dcp_save
+from tests.harness import CTX, Harness, dcp_save
 from tests.test_control_api import config
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
@@ -182,6 +183,37 @@ async def test_a_peer_says_which_files_of_a_step_being_written_it_has(tmp_path: 
         n0.live.set_members({"n0": n0.cfg.advertise})  # n1 is down for n0
         asked = await n0.links.files.ask("run/step_6", names, trio.current_time() + 5)
         assert (asked.held, asked.unanswered) == ({}, {"n1"})
+
+
+async def test_a_node_records_the_saves_it_writes_and_names_their_files_page_by_page(
+        tmp_path: Path) -> None:
+    """WRITTEN and WRITES, for a step saved on several nodes with no `.metadata`: n1 records
+    in etcd that it writes `ds/global_step6` (over no committed version), and names, in pages
+    of MAX_NAMES, the 2,100 files it wrote of it, the one still open among them, and the
+    version it committed (none); asked every live peer while etcd cannot say who writes it.
+    Once n1 committed the save it names no file and its version."""
+    from tierfs.replication.peers.protocol import MAX_NAMES
+
+    async with cluster(tmp_path, "n0", "n1") as (_nursery, (n0, n1)):
+        names = [f"zero_pp_rank_{i}_mp_rank_00_optim_states.pt" for i in range(2100)]
+        for name in names[:-1]:
+            await n1.write_file(f"ds/global_step6/{name}", b"z")
+        held_open, _attrs = await n1.ops.create(await n1.inode("ds/global_step6"),
+                                                names[-1].encode(), 0o644, os.O_WRONLY, CTX)
+        deadline = trio.current_time() + 5
+        assert await wait_until_async(
+            lambda: n0.links.sealed.other_writers("ds/global_step6", 0, deadline)) == {"n1"}
+        assert await n1.links.sealed.other_writers("ds/global_step6", 0, deadline) == set()
+        for nodes in ({"n1"}, None):
+            said = await n0.links.files.written("ds/global_step6", nodes, deadline)
+            assert sorted(said.held) == sorted(names) and set(said.held.values()) == {"n1"}
+            assert (said.writing, said.versions, said.unanswered) == \
+                ({names[-1]: "n1"}, {"n1": 0}, set())
+        assert len(names) > 2 * MAX_NAMES  # three pages
+        await n1.ops.release(held_open.fh)
+        await n1.ns.commits.commit_quietly(n1.ns.tree.find_step("ds/global_step6"))
+        said = await n0.links.files.written("ds/global_step6", {"n1"}, deadline)
+        assert (said.held, said.writing, said.versions) == ({}, {}, {"n1": 1})
 
 
 async def test_the_peer_port_refuses_a_node_with_another_token(tmp_path: Path) -> None:

@@ -169,6 +169,8 @@ class Namespace:
                                  recoverable=parts.recoverable, residents=parts.residents)
         self.cluster_writes = ClusterWrites(tree, core.versions, self.background, sealed, shards,
                                             manifests=parts.manifests, residents=parts.residents)
+        if sealed is not None:
+            core.watch.save_begun = self.cluster_writes.note_saving
         # what the other tiers' parts use of it is the StepCopies port (fs.model.ports)
         self.tiers = OtherTiers(tree, core.view, core.versions, self.eviction, self.deletes,
                                 self.background, self.cluster_writes, sealed,

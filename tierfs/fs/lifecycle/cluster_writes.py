@@ -1,6 +1,7 @@
 """What this node's saves tell the cluster, and what its commits need from it: the record of
-each file it sealed (that this node holds it), the shards of a multi-node DCP step that other
-nodes wrote (found by their records, else by asking the nodes), and the commit's own record,
+each file it sealed (that this node holds it) and of each save it writes, the files of a step
+that other nodes wrote (a multi-node DCP step's shards, a step saved on several nodes without a
+`.metadata`: found by their records, else by asking the nodes), and the commit's own record,
 written before the saver's call returns, or later while etcd is away.
 
 `ClusterWrites` is the `CommitTiers` port of `fs.lifecycle.commits`; on a single node (no
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Seconds a commit waits for other nodes' records of the shards its `.metadata` names before
-# it asks the nodes themselves (`locate_dcp_files`): records come as the shards' hashes do.
+# it asks the nodes themselves (`locate_files`): records come as the shards' hashes do.
 ASK_PEERS_AFTER = 1.0
 
 
@@ -59,12 +60,16 @@ class ClusterWrites:
         # files of steps being committed here that stay on the other nodes that wrote them
         self._elsewhere: dict[str, set[str]] = {}
         self._unpublished: dict[str, mf.StepManifest] = {}  # committed while etcd was away
+        self._saving: dict[str, int] = {}  # step -> the base of the save this node writes
         self._writing_seals = False  # a task writes the queued seals (`note_sealed`)
 
     # -- multi-node DCP steps ----------------------------------------------------------------
 
-    async def locate_dcp_files(self, step_node: Node, deadline: float) -> bool:
-        """Before a DCP step commits, every shard its `.metadata` names must be known: on a
+    async def locate_files(self, step_node: Node, deadline: float) -> bool:
+        """Before a step commits, every file of it must be known: those other nodes write of
+        a step without `.metadata` (`_other_writers_files`: DeepSpeed's and Megatron-LM's
+        ranks on several nodes) are found as a DCP step's shards are. Every shard a DCP
+        step's `.metadata` names must be known: on a
         single node (`cp -r`, `rsync`, `tar` may write `.metadata` first) by waiting for them,
         on several nodes by finding the records of the shards other nodes' ranks sealed (the
         shards stay where they were written: the manifest names their holders), waiting for
@@ -80,6 +85,10 @@ class ClusterWrites:
         missing (`missing_dcp_files` names them); `CoordinationUnavailable` if etcd does
         not answer by the deadline."""
         missing = await self.missing_dcp_files(step_node)
+        others = await self._other_writers_files(step_node, deadline)
+        if others is None:
+            return False
+        missing |= others
         step_path = self.tree.relpath(step_node)
         old = self._old_copies(step_node) if self.sealed is not None else set()
         if not missing and not old:
@@ -135,6 +144,63 @@ class ClusterWrites:
             log.info("commit of %s names %d files held on %s: they stay there", step_path,
                      len(found), ", ".join(sorted({peer for peer, _e in found.values()})))
         return True
+
+    def note_saving(self, step_node: Node) -> None:
+        """A save of this step began here (its first change since its commit, or its mkdir):
+        in a cluster, the nodes record that they write it (`SealedCollector.note_writer`),
+        once per save, so that its committer takes their files (`_other_writers_files`)."""
+        if self.sealed is None or not step_node.is_dir or step_node.step is None:
+            return
+        manifest = step_node.step.manifest
+        base = manifest.version if manifest is not None else 0
+        try:
+            step_path = self.tree.relpath(step_node)
+        except FsError:
+            return
+        if self._saving.get(step_path) != base:
+            self._saving[step_path] = base
+            self.background.spawn(self.sealed.note_writer, step_path, base)
+
+    async def _other_writers_files(self, step_node: Node, deadline: float) -> set[str] | None:
+        """The files other nodes write of this save of a step directory, which its commit
+        takes with those written here: DeepSpeed's and Megatron-LM's ranks write their files
+        of one step on every node, with no `.metadata` naming them (a DCP step's names them
+        all: none asked). The nodes are those that recorded that they write it
+        (`note_saving`), each asked which files; while etcd cannot say, every live peer.
+        None while one
+        of them has a file of it open for writing (its save goes on: the commit waits), or
+        another node committed this save already (this node joins its commit instead);
+        `CoordinationUnavailable` if one cannot say (down, unreachable) by `deadline`: the
+        step must not commit without its files."""
+        if self.sealed is None or self.shards is None or not step_node.is_dir \
+                or METADATA in (step_node.children or {}):  # a DCP step: it names its files
+            return set()
+        step_path = self.tree.relpath(step_node)
+        manifest = step_node.step.manifest
+        base = manifest.version if manifest is not None else 0
+        writers = await self.sealed.other_writers(step_path, base, deadline)
+        if writers is not None and not writers:
+            return set()  # (None: etcd cannot say, every live peer is asked)
+        said = await self.shards.written(step_path, writers, deadline)
+        committed = sorted(node for node, version in said.versions.items() if version > base)
+        if committed:
+            log.info("commit of %s waits: %s committed this save, which this node joins",
+                     step_path, ", ".join(committed))
+            return None
+        if said.unanswered:
+            nodes = sorted(said.unanswered)
+            raise CoordinationUnavailable(
+                f"{', '.join(nodes)} {'write' if len(nodes) > 1 else 'writes'} files of "
+                f"{step_path} and did not say which (down, or unreachable?)")
+        if said.writing:
+            log.info("commit of %s waits for %s, being written on %s", step_path,
+                     some_names(set(said.writing)), ", ".join(sorted(set(said.writing.values()))))
+            return None
+        step = step_node.step
+        unchanged = self._residents.unchanged_since_commit
+        written_here = {rel for rel, node in tree_walk.files_under(step_node)
+                        if node.remote is None and not unchanged(step, rel, node)}
+        return set(said.held) - written_here
 
     @staticmethod
     def _unrecorded(names: set[str], on_peers: FilesOnPeers) -> str:
@@ -262,6 +328,7 @@ class ClusterWrites:
         committed here and its record is written by a later retry (`publish_pending`): False
         (`awaits_publication`)."""
         self._elsewhere.pop(manifest.path, None)
+        self._saving.pop(manifest.path, None)
         if self.sealed is None:
             return True
         try:

@@ -298,8 +298,9 @@ class Commits:
                         await released.wait()
                         continue
                     waiting.what = DCP_FILES
-                    if not await self._cluster.locate_dcp_files(step_node, deadline):
-                        self._manifests.leave_pending(step, "files named by its .metadata")
+                    if not await self._cluster.locate_files(step_node, deadline):
+                        self._manifests.leave_pending(
+                            step, "files named by its .metadata or written on other nodes")
                         return None, None  # retried by retry_pending_commits
                     shape = tree.shape
                     files = list(tree_walk.files_under(step_node))

@@ -10,7 +10,7 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import trio
@@ -34,6 +34,9 @@ class QuietWatch:
         self._deadlines: list[tuple[float, int, Node]] = []
         self._entry: dict[Node, float] = {}  # a step's entry in the heap, at this deadline
         self._order = itertools.count()  # ties broken by insertion (nodes do not compare)
+        # told of each step that begins to be watched: a save of it began here (in a cluster
+        # the other nodes learn that this one writes it: `ClusterWrites.note_saving`)
+        self.save_begun: Callable[[Node], None] | None = None
 
     def _set_due(self, step_node: Node, due: float) -> None:
         self.due[step_node] = due
@@ -46,6 +49,8 @@ class QuietWatch:
         """`step_node` changed: it commits `commit_idle` seconds after its last change."""
         if step_node not in self.due:
             self.wake.set()  # a new deadline: the watch may be asleep until a later one
+            if self.save_begun is not None:
+                self.save_begun(step_node)
         self._set_due(step_node, time.monotonic() + self.commit_idle)
 
     def step_started(self, step_node: Node) -> None:

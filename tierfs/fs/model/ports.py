@@ -69,7 +69,7 @@ its modules seldom import one another and the chain of imports inside `fs` stays
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from tierfs import manifest as mf
@@ -124,6 +124,15 @@ class SealedCollector(Protocol):
         """Record files this node sealed into a step over its committed version `base` (0:
         none)."""
 
+    async def note_writer(self, step_path: str, base: int) -> None:
+        """This node writes files of a save of a step over its committed version `base`: the
+        step's committer, wherever it is, asks this node for them (`other_writers`)."""
+
+    async def other_writers(self, step_path: str, base: int, deadline: float
+                            ) -> set[str] | None:
+        """The other nodes that write files of the save of a step over `base`; None if etcd
+        cannot say now (away, slow)."""
+
     def queue_sealed(self, step_path: str, entries: list[mf.FileEntry], base: int) -> None:
         """`record_sealed` without waiting: written by the next `write_queued`."""
 
@@ -174,6 +183,10 @@ class FilesOnPeers:
 
     held: dict[str, str]
     unanswered: set[str]
+    # of the files a node writes (`ShardsOnPeers.written`): those it has still open for
+    # writing, and the version of the step each node has committed (0: none)
+    writing: dict[str, str] = field(default_factory=dict)
+    versions: dict[str, int] = field(default_factory=dict)
 
 
 class ShardsOnPeers(Protocol):
@@ -182,6 +195,12 @@ class ShardsOnPeers(Protocol):
     cannot answer is in `unanswered`)."""
 
     async def ask(self, step_path: str, names: set[str], deadline: float) -> FilesOnPeers: ...
+
+    async def written(self, step_path: str, nodes: set[str] | None,
+                      deadline: float) -> FilesOnPeers:
+        """Asks these nodes (None: every live peer) which files of the save under way of a
+        step they write (`held`), which of those they have still open for writing
+        (`writing`), and which version of the step they have committed (`versions`)."""
 
 
 class CopiesWait(Protocol):
@@ -468,10 +487,11 @@ class LatePublication(Protocol):
 
 
 class CommitTiers(Protocol):
-    """What a commit asks of the cluster (see `fs.lifecycle.commits`): the shards of a DCP
-    step that other nodes hold, and the records of its sealed files and of the commit."""
+    """What a commit asks of the cluster (see `fs.lifecycle.commits`): the files of a step
+    that other nodes hold (a DCP step's shards, the files of a save on several nodes), and the
+    records of its sealed files and of the commit."""
 
-    async def locate_dcp_files(self, step_node: Node, deadline: float) -> bool: ...
+    async def locate_files(self, step_node: Node, deadline: float) -> bool: ...
 
     async def missing_dcp_files(self, step_node: Node) -> set[str]: ...
 

@@ -146,6 +146,29 @@ class TreeView:
             found.append(name)
         return found
 
+    def files_being_saved(self, step_path: str) -> tuple[list[str], set[str], int]:
+        """The files this node writes of the save under way of the step directory at
+        `step_path` (sealed or not; not copies of its committed version as they were, not
+        files other nodes hold), in name order, of those the ones open for writing, and the
+        version of the step committed here (0: none; a `WRITTEN` request from a committer of
+        the step, which waits if this node committed the save it is about)."""
+        node = self.tree.find_step(step_path)
+        if node is None or not node.is_dir:
+            return [], set(), 0
+        step = node.step
+        version = step.manifest.version if step.manifest is not None else 0
+        if step.committed:
+            return [], set(), version
+        names, still_open = [], set()
+        for name, file_node in tree_walk.files_under(node):
+            if file_node.remote is not None or \
+                    self._residents.unchanged_since_commit(step, name, file_node):
+                continue
+            names.append(name)
+            if file_node.active_writers or file_node.open_for_writing:
+                still_open.add(name)
+        return sorted(names), still_open, version
+
     def step_of_entry(self, data_dir: str, name: str | None) -> Node | None:
         """The step a manifest entry named `name` under `data_dir` (`layout.data_dir`)
         belongs to: the step at `data_dir`, or the single-file step `data_dir/name`."""

@@ -35,7 +35,7 @@ from tierfs.replication.peers import tls as peer_tls
 from tierfs.replication.peers.channel import SENT_TO
 from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.replication.peers.peer_delete import PeerDelete, delete_handler
-from tierfs.replication.peers.peer_files import PeerFiles, files_handler
+from tierfs.replication.peers.peer_files import PeerFiles, files_handler, written_handler
 from tierfs.replication.peers.peer_manifest import ManifestFetcher, ManifestServer
 from tierfs.replication.peers.peer_reader import PeerReader, RangeServer
 from tierfs.replication.peers.peer_verify import PeerVerify, verify_handler
@@ -80,7 +80,8 @@ class ClusterLinks:
         self.sealed = ClusterCommits(CommitRecords(self.etcd, cfg.cluster), cfg.node_id,
                                      view.step_number,
                                      ManifestFetcher(self.directory).fetch,
-                                     view.committed_manifest)
+                                     view.committed_manifest,
+                                     etcd_answers=lambda: self.live.etcd_answers)
         self.view = view
         self.learn_holders = core.learn_holders
         self.reader = PeerReader(self.directory, view.holders_of, self._file_holders)
@@ -184,6 +185,7 @@ class ClusterNode:
             "VERIFY": verify_handler(self.verifier.check_held_file),
             "DELETE": delete_handler(self.namespace.copies.delete_from_peer),
             "FILES": files_handler(self.namespace.view.files_written),
+            "WRITTEN": written_handler(self.namespace.view.files_being_saved),
         }
 
     def peer_server(self) -> PeerServer:

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 
 
 PUBLISH_WAIT = 20.0  # seconds a commit record may take by default
+# Seconds a commit waits for etcd to say which nodes write its step before it asks every peer
+# (etcd slow or away: the saves go on, as their commits do while etcd is away).
+WRITERS_WAIT = 1.0
 # Seconds the seals of a batch are gathered before it is written: a save of many small files
 # seals one every ~0.5 ms, and one etcd request per file or two (each ~1 ms of the daemon's
 # CPU in httpx) made such a save 2.5x slower on a cluster node than on a lone one. A
@@ -75,8 +78,10 @@ class ClusterCommits:
     """This node's side of the cluster's shard and commit records."""
 
     def __init__(self, records: CommitRecords, node_id: str, step_number: StepNumber,
-                 fetch: FetchManifest | None = None, known: Known | None = None) -> None:
+                 fetch: FetchManifest | None = None, known: Known | None = None,
+                 etcd_answers: Callable[[], bool] = lambda: True) -> None:
         self.records = records
+        self._etcd_answers = etcd_answers  # False while this node's lease goes unanswered
         self.node_id = node_id
         self._step_number = step_number
         self._fetch = fetch
@@ -129,6 +134,32 @@ class ClusterCommits:
         by the next `write_queued` (or one under way)."""
         self._unrecorded.setdefault(step_path, {}).update(
             (e.name, self._record(e, base)) for e in entries)
+
+    async def note_writer(self, step_path: str, base: int) -> None:
+        """This node writes files of a save of the step over its committed version `base`
+        (0: none): recorded once etcd answers, retried while it is away."""
+        try:
+            await retry_unavailable(lambda: self.records.note_writer(step_path, self.node_id,
+                                                                     base),
+                                    f"recording that this node writes {step_path}")
+        except EtcdError as exc:
+            log.info("could not record in etcd that this node writes %s: %s", step_path, exc)
+
+    async def other_writers(self, step_path: str, base: int, deadline: float
+                            ) -> set[str] | None:
+        """The other nodes that write files of the save of the step over `base`; None if
+        etcd is known not to answer (`etcd_answers`) or does not by `deadline` (trio time) or
+        WRITERS_WAIT."""
+        if not self._etcd_answers():
+            return None
+        with trio.move_on_at(min(deadline, trio.current_time() + WRITERS_WAIT)):
+            try:
+                return await self.records.writers(step_path, base) - {self.node_id}
+            except EtcdError as exc:
+                log.info("etcd did not say which nodes write %s: %s", step_path, exc)
+                return None
+        log.info("etcd did not say in time which nodes write %s", step_path)
+        return None
 
     @property
     def seals_queued(self) -> bool:

@@ -12,6 +12,14 @@ writes
 
     /<prefix>/commits/<step>              {"committer", "files", "at"}
 
+Before its files, each node that writes into a step directory says so, once per save:
+
+    /<prefix>/steps/<step>/writers/<node> {"base": the committed version the save is over}
+
+so that whichever node commits the step (a tracker's close, its quiet rules) asks the others
+for the files they write, and the commit takes them all: DeepSpeed's and Megatron-LM's ranks
+write their files of one step on every node, with no `.metadata` to name them.
+
 in one transaction that succeeds only if the key is absent, so of two racing committers exactly
 one wins and both learn the same commit. Every node follows `/<prefix>/commits/`: it learns each
 commit there within one watch event, and no node ever sees the other nodes' per-file records
@@ -251,6 +259,28 @@ class CommitRecords:
 
     def commit_key(self, step: str) -> str:
         return self.commits_prefix + quote(step, safe="")
+
+    def writers_prefix(self, step: str) -> str:
+        return f"{self._steps}{quote(step, safe='')}/writers/"
+
+    # -- the nodes that write a save of a step
+
+    async def note_writer(self, step: str, node: str, base: int) -> None:
+        """`node` writes files of a save of the step over its committed version `base`."""
+        await self.etcd.put(self.writers_prefix(step) + node,
+                            json.dumps({"base": base}).encode())
+
+    async def writers(self, step: str, base: int) -> set[str]:
+        """The nodes that wrote files of the save of the step over `base` (a record of an
+        earlier save, committed since, names another base)."""
+        prefix = self.writers_prefix(step)
+        snapshot = await self.etcd.get_prefix(prefix)
+        found = set()
+        for kv in snapshot.kvs:
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                if json.loads(kv.value).get("base") == base:
+                    found.add(kv.key[len(prefix):])
+        return found
 
     # -- file records
 

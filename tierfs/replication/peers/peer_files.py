@@ -24,6 +24,9 @@ ASK_TIMEOUT = 5.0  # seconds a peer has to answer (it only looks in its tree)
 
 # (step path, names) -> the names of files of that step in this node's tree
 FilesHere = Callable[[str, list[str]], list[str]]
+# step path -> the files this node writes of the save under way of that step, of those the
+# ones still open for writing, and the version of the step committed here (0: none)
+FilesWritten = Callable[[str], tuple[list[str], set[str], int]]
 
 
 class PeerFiles:
@@ -59,6 +62,60 @@ class PeerFiles:
             for peer in self.directory.peers:
                 nursery.start_soon(ask_one, peer.node_id)
         return found
+
+
+    async def written(self, step_path: str, nodes: set[str] | None,
+                      deadline: float) -> FilesOnPeers:
+        """`fs.model.ports.ShardsOnPeers.written`: these nodes (None: every peer that is up)
+        are asked (at once, page by page) which files of the save under way of the step they
+        write, by `deadline` (trio time) and within ASK_TIMEOUT; a node down or not answering
+        is `unanswered`."""
+        found = FilesOnPeers({}, set())
+        if nodes is None:
+            nodes = {p.node_id for p in self.directory.peers if self.directory.is_up(p.node_id)}
+
+        async def ask_one(node_id: str) -> None:
+            if not self.directory.is_up(node_id):
+                found.unanswered.add(node_id)
+                return
+            try:
+                with trio.fail_after(max(0.0, min(ASK_TIMEOUT,
+                                                  deadline - trio.current_time()))):
+                    async with self.directory.channel(node_id) as channel:
+                        after, more = "", True
+                        while more:
+                            reply = await channel.request("WRITTEN", path=step_path,
+                                                          after=after, expect="WRITES")
+                            names = reply["names"]
+                            for name in names:
+                                found.held.setdefault(name, node_id)
+                            for name in reply["open"]:
+                                found.writing.setdefault(name, node_id)
+                            found.versions[node_id] = reply["version"]
+                            more = bool(reply["more"]) and bool(names)
+                            after = names[-1] if names else after
+            except (OSError, proto.ProtocolError, trio.TooSlowError):
+                found.unanswered.add(node_id)
+
+        async with trio.open_nursery() as nursery:
+            for node_id in sorted(nodes):
+                nursery.start_soon(ask_one, node_id)
+        return found
+
+
+def written_handler(files_written: FilesWritten) -> Callable[[proto.Message, PeerChannel],
+                                                           Awaitable[None]]:
+    """WRITTEN: a page of the files this node writes of the step, after `after` in name
+    order."""
+    async def on_written(message: proto.Message, channel: PeerChannel) -> None:
+        names, still_open, version = files_written(message["path"])
+        after = message["after"]
+        rest = [name for name in names if name > after]
+        page = proto.name_batches(rest, str)[0]
+        await channel.send("WRITES", names=page, open=[n for n in page if n in still_open],
+                           more=len(page) < len(rest), version=version)
+
+    return on_written
 
 
 def files_handler(files_here: FilesHere) -> Callable[[proto.Message, PeerChannel],

@@ -87,6 +87,11 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     # not, recorded in etcd or not): answered by HAVE naming them (`peers.peer_files`)
     "FILES": {"path": str, "names": list},
     "HAVE": {"names": list},
+    # the files you write of the save under way of a step, in name order after `after`
+    # (a page): answered by WRITES naming them, those of them still open for writing,
+    # whether more follow, and the version of the step committed there (`peers.peer_files`)
+    "WRITTEN": {"path": str, "after": str},
+    "WRITES": {"names": list, "open": list, "more": bool, "version": int},
     "DATA": {},
     "OK": {},
     "ERROR": {"message": str},
@@ -95,9 +100,9 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "NO_ROOM": {"message": str},
 }
 PATH_FIELDS = ("path", "name")
-NAME_LISTS = ("names",)  # lists of paths inside a step, each checked as a path field
+NAME_LISTS = ("names", "open")  # lists of paths inside a step, each checked as a path field
 MAX_AVOID = 16  # relays a SWARM_GET names as failed
-# names per HOLD, HELD, FILES, HAVE, GET_FILES or FILES_DATA: with paths of at most 4 KiB,
+# names per HOLD, HELD, FILES, HAVE, WRITES, GET_FILES or FILES_DATA: with paths of at most 4 KiB,
 # under MAX_HEADER
 MAX_NAMES = 1000
 MAX_NAME_BYTES = 256 << 10  # bytes of names one such message carries at most

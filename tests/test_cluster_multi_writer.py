@@ -1,0 +1,130 @@
+"""Steps whose files are written on several nodes with nothing naming them all: DeepSpeed's
+ZeRO and Megatron-LM's `torch` format save each rank's files into one step directory on its own
+node's mount, and rank 0 writes the tracker after a barrier. Whichever node commits the step
+takes every node's files of it, or waits: never a step committed with one node's files alone
+(each node committed its own part as a version of its own, and the store got a mix)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Mount, MountFactory, wait_until
+from tests.harness import Cluster, check_step_bytes, file_records
+from tests.test_cluster_persist import flush_all
+from tierfs import manifest as mf
+from tierfs.devtools.etcd import Etcd
+
+pytestmark = pytest.mark.cluster
+
+MODEL = "mp_rank_00_model_states.pt"
+
+
+def zero_files(rank: int) -> list[str]:
+    """The files DeepSpeed's rank `rank` writes into a step (ZeRO, one model-parallel rank)."""
+    return [MODEL] * (rank == 0) + [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
+
+
+def save_zero_step(ranks: list[Mount], step: str) -> dict[str, bytes]:
+    """Each rank's files written on its node's mount, as DeepSpeed's ranks do before the
+    barrier that precedes rank 0's `latest`."""
+    saved = {}
+    for rank, node in enumerate(ranks):
+        (node / step).mkdir(parents=True, exist_ok=True)
+        for name in zero_files(rank):
+            saved[name] = os.urandom(1 << 20)
+            (node / step / name).write_bytes(saved[name])
+    return saved
+
+
+def committed_with(node: Mount, step: str, names: set[str]) -> bool:
+    found = node.step(step) or {}
+    return found.get("state") == "committed" and found.get("files") == len(names) \
+        and set(os.listdir(node / step)) == names
+
+
+def test_a_step_saved_on_every_node_commits_whole_everywhere_and_in_the_store(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
+        tmp_path: Path) -> None:
+    """Three nodes, one rank each, two saves and their `latest`: every node lists each step
+    committed once (version 1) with every rank's files, `tierfs flush` exits 0 with every file
+    in the store, and a requeued job on new nodes finds `latest` and every byte."""
+    store = tmp_path / "store"
+    store.mkdir()
+    cluster = Cluster(mounts, token_file, 3, etcd_server)
+    nodes = cluster.start_all("--persist", f"file://{store}")
+    saved = {}
+    for number in (2, 4):
+        step = f"ds/global_step{number}"
+        saved[step] = save_zero_step(nodes, step)
+        (nodes[0] / "ds/latest").write_text(f"global_step{number}")
+    for node in nodes:
+        for step, files in saved.items():
+            wait_until(lambda n=node, s=step, f=files: committed_with(n, s, set(f)), timeout=15)
+            assert node.step(step)["version"] == 1
+    assert {r.node for r in file_records(cluster, "ds/global_step4").values()} == \
+        {"node0", "node1", "node2"}
+    for status, out, err in flush_all(cluster):
+        assert status == 0, (out, err)
+    for step, files in saved.items():
+        for name, data in files.items():
+            assert (store / step / name).read_bytes() == data
+    assert (store / "ds/latest").read_text() == "global_step4"
+
+    requeued = Cluster(mounts, token_file, 1, etcd_server)
+    requeued.url = requeued.url + "-requeued"
+    fresh, = requeued.start_all("--persist", f"file://{store}")
+    assert (fresh / "ds/latest").read_text() == "global_step4"
+    check_step_bytes(fresh, "ds/global_step4",
+                     {name: mf.hash_bytes(data) for name, data in saved["ds/global_step4"].items()})
+
+
+def test_a_step_waits_for_a_file_another_node_still_writes_and_for_a_writer_that_cannot_say(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """Rank 1 still has its file open on node1 when rank 0's tracker closes on node0: the
+    step commits nowhere (not by the tracker, not by the quiet rules on either node) until the
+    file is closed, then with it. A writer that cannot say which files it wrote (stopped)
+    holds the next save back the same way until it answers."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all("--commit-idle", "1")
+    step = "ds/global_step2"
+    (node0 / step).mkdir(parents=True)
+    (node0 / step / MODEL).write_bytes(b"m" * 1000)
+    (node1 / step).mkdir(parents=True, exist_ok=True)
+    names = {MODEL, "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    with open(node1 / step / "zero_pp_rank_1_mp_rank_00_optim_states.pt", "wb") as late:
+        late.write(b"z" * 1000)
+        (node0 / "ds/latest").write_text("global_step2")
+        time.sleep(3)  # three times --commit-idle
+        for node in (node0, node1):
+            assert (node.step(step) or {}).get("state") != "committed", node.step(step)
+        late.write(b"z" * 1000)
+    for node in (node0, node1):
+        wait_until(lambda n=node: committed_with(n, step, names), timeout=15)
+    assert (node0 / step / "zero_pp_rank_1_mp_rank_00_optim_states.pt").read_bytes() == \
+        b"z" * 2000
+
+    step = "ds/global_step4"
+    (node1 / step).mkdir(parents=True)
+    (node1 / step / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"y" * 1000)
+    wait_until(lambda: "node1" in file_records_writers(cluster, step), timeout=10)
+    os.kill(node1.pid, signal.SIGSTOP)
+    try:
+        (node0 / step).mkdir(parents=True, exist_ok=True)
+        (node0 / step / MODEL).write_bytes(b"n" * 1000)
+        time.sleep(8)  # the quiet rule's tries, each asking node1 for up to 5 s
+        assert (node0.step(step) or {}).get("state") != "committed", node0.step(step)
+        assert "did not say which" in node0.log()
+    finally:
+        os.kill(node1.pid, signal.SIGCONT)
+    for node in (node0, node1):
+        wait_until(lambda n=node: committed_with(
+            n, step, {MODEL, "zero_pp_rank_1_mp_rank_00_optim_states.pt"}), timeout=20)
+
+
+def file_records_writers(cluster: Cluster, step: str) -> set[str]:
+    return {r.node for r in file_records(cluster, step).values()}
