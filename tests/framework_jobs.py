@@ -7,6 +7,7 @@ line with what the test checks.
     python tests/framework_jobs.py lightning DIRPATH MAX_STEPS [CKPT_PATH]
     python tests/framework_jobs.py lightning-link DIRPATH MAX_STEPS [CKPT_PATH]  (save_last="link")
     python tests/framework_jobs.py deepspeed SAVE_DIR MAX_STEPS PORT [resume] [nowait] [tag=T]
+                                   [rank=R/W]   (rank R of W, each rank's SAVE_DIR on its node)
     python tests/framework_jobs.py save RUN_DIR STEP...       # torch.save + safetensors
     python tests/framework_jobs.py load RUN_DIR STEP...       # torch.load(mmap) + safe_open
 """
@@ -116,8 +117,10 @@ def lightning(dirpath: str, max_steps: int, ckpt_path: str | None,
 
 
 def deepspeed_job(save_dir: str, max_steps: int, port: str, resume: bool,
-                  wait: bool = True, tag: str | None = None) -> dict[str, Any]:
-    """DeepSpeed's engine on CPU (one gloo rank, ZeRO stage 1), `save_checkpoint(save_dir)`
+                  wait: bool = True, tag: str | None = None,
+                  rank: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+    """DeepSpeed's engine on CPU (gloo, ZeRO stage 1; `rank`: this rank and the world size,
+    one by default), `save_checkpoint(save_dir)`
     every SAVE_EVERY steps: `global_stepN/` with model and optimizer states, then, on rank 0,
     its own `latest` file naming the tag; resumed by `load_checkpoint(save_dir)`, which reads
     that file.
@@ -130,8 +133,8 @@ def deepspeed_job(save_dir: str, max_steps: int, port: str, resume: bool,
     as fast as training goes). `tag`: `save_checkpoint(save_dir, tag=f"{tag}{step}")`, a
     custom tag (no step name) instead of DeepSpeed's `global_stepN`."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank[0]),
+                      WORLD_SIZE=str(rank[1]), LOCAL_RANK="0")
     import deepspeed
 
     # One rank: DeepSpeed's shared-memory all-reduce op (for several ranks on one host) is
@@ -228,8 +231,9 @@ def main(argv: list[str]) -> None:
                            "link" if job == "lightning-link" else None)
     elif job == "deepspeed":
         tag = next((o[4:] for o in rest[2:] if o.startswith("tag=")), None)
+        rank, world = next((o[5:] for o in rest[2:] if o.startswith("rank=")), "0/1").split("/")
         result = deepspeed_job(where, int(rest[0]), rest[1], "resume" in rest[2:],
-                               "nowait" not in rest[2:], tag)
+                               "nowait" not in rest[2:], tag, (int(rank), int(world)))
     elif job == "save":
         result = save(Path(where), [int(s) for s in rest])
     elif job == "load":

@@ -7,9 +7,11 @@ takes every node's files of it, or waits: never a step committed with one node's
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -128,3 +130,60 @@ def test_a_step_waits_for_a_file_another_node_still_writes_and_for_a_writer_that
 
 def file_records_writers(cluster: Cluster, step: str) -> set[str]:
     return {r.node for r in file_records(cluster, step).values()}
+
+
+def run_deepspeed_ranks(tmp_path: Path, save_dirs: list[Path], *args: str
+                        ) -> list[dict[str, Any]]:
+    """DeepSpeed's engine (tests/framework_jobs.py), rank i saving to `save_dirs[i]` (its own
+    node's mount), all ranks at once; each must succeed. Their JSON results."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+    from tests.test_frameworks import JOBS
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, str(JOBS), "deepspeed", str(save_dir),
+                               *args[:1], port, *args[1:], f"rank={rank}/{len(save_dirs)}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for rank, save_dir in enumerate(save_dirs)]
+    results = []
+    try:
+        for rank in ranks:
+            out, err = rank.communicate(timeout=240)
+            assert rank.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for rank in ranks:
+            rank.kill()
+    return results
+
+
+def test_deepspeed_on_two_nodes_resumes_on_the_node_that_replaced_rank_0s(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
+        tmp_path: Path) -> None:
+    """DeepSpeed's own engine, two gloo ranks (ZeRO stage 1: each rank saves its optimizer
+    partition), each saving to its own node's mount, no store: every step commits on both
+    nodes with both ranks' files, rank 0's `latest` reaches node1, and once node0 is replaced
+    by a fresh node both ranks resume at step 6 with the weights they saved."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all()
+    first = run_deepspeed_ranks(tmp_path, [node0 / "ds", node1 / "ds"], "6", "nowait")
+    names = {MODEL, *(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))}
+    for node in (node0, node1):
+        for number in (2, 4, 6):
+            wait_until(lambda n=node, s=f"ds/global_step{number}": committed_with(n, s, names),
+                       timeout=15)
+    wait_until(lambda: (node0.step("ds/latest") or {}).get("replicas") == ["node1"]
+               and node0.step("ds/global_step6")["copies"] == 2, timeout=30)
+
+    node0.kill9()
+    shutil.rmtree(node0.ram_dir)
+    fresh = cluster.start("node0")
+    resumed = run_deepspeed_ranks(tmp_path, [fresh / "ds", node1 / "ds"], "8", "resume",
+                                  "nowait")
+    for rank in (0, 1):
+        assert resumed[rank]["loaded_step"] == 6
+        assert resumed[rank]["weights_at_load"] == first[rank]["saved"]["6"]
