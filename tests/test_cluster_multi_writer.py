@@ -94,9 +94,9 @@ def test_a_step_waits_for_a_file_another_node_still_writes_and_for_a_writer_that
     cluster = Cluster(mounts, token_file, 2, etcd_server)
     node0, node1 = cluster.start_all("--commit-idle", "1")
     step = "ds/global_step2"
-    (node0 / step).mkdir(parents=True)
+    for node in (node0, node1):  # each rank makes the directory, then writes its files
+        (node / step).mkdir(parents=True)
     (node0 / step / MODEL).write_bytes(b"m" * 1000)
-    (node1 / step).mkdir(parents=True, exist_ok=True)
     names = {MODEL, "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
     with open(node1 / step / "zero_pp_rank_1_mp_rank_00_optim_states.pt", "wb") as late:
         late.write(b"z" * 1000)

@@ -216,6 +216,32 @@ async def test_a_node_records_the_saves_it_writes_and_names_their_files_page_by_
         assert (said.held, said.writing, said.versions) == ({}, {}, {"n1": 1})
 
 
+async def test_a_commit_waits_for_the_writers_of_the_step_saved_before_it(
+        tmp_path: Path) -> None:
+    """DeepSpeed's rank 0 writes `latest` without waiting for the other ranks: the commit of
+    global_step4 on n0 waits until n1, which wrote global_step2, records that it writes
+    global_step4 too; by the deadline without it, the commit goes on without it."""
+    async with cluster(tmp_path, "n0", "n1") as (nursery, (n0, n1)):
+        for node in (n0, n1):
+            await node.links.sealed.note_writer("ds/global_step2", 0)
+        sealed = n0.links.sealed
+
+        async def n1_begins_later() -> None:
+            await trio.sleep(0.3)
+            await n1.links.sealed.note_writer("ds/global_step4", 0)
+
+        nursery.start_soon(n1_begins_later)
+        started = trio.current_time()
+        assert await sealed.other_writers("ds/global_step4", 0, started + 5,
+                                          "ds/global_step2") == {"n1"}
+        assert trio.current_time() - started >= 0.3
+        started = trio.current_time()
+        assert await sealed.other_writers("ds/global_step6", 0, started + 0.5,
+                                          "ds/global_step4") == set()
+        assert trio.current_time() - started >= 0.5
+        assert await sealed.other_writers("ds/global_step6", 0, started + 5) == set()
+
+
 async def test_the_peer_port_refuses_a_node_with_another_token(tmp_path: Path) -> None:
     etcd = MemoryEtcd()
     async with cluster(tmp_path, "n0", etcd=etcd) as (_nursery, (n0,)):

@@ -258,6 +258,13 @@ class Namespace:
         with self._kernel_cache.kernel_knows():
             return self.tree.mkdir(parent, name, mode, uid, gid)
 
+    async def dir_made(self, node: Node) -> None:
+        """After `mkdir`: a step directory made on a node of a cluster is answered once etcd
+        knows this node writes its save (`ClusterWrites.saving_recorded`, bounded), so that
+        a commit of the step that another node begins after this mkdir takes its files."""
+        if node.is_dir and node.step is not None:
+            await self.cluster_writes.saving_recorded(node)
+
     def mknod(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
         with self._kernel_cache.kernel_knows():
             return self.tree.mknod(parent, name, mode, uid, gid)

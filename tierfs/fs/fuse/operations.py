@@ -233,6 +233,7 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any) -> EntryAttributes:
         node = self.ns.mkdir(self.ns.get(parent_inode), name, mode & ~ctx.umask, ctx.uid, ctx.gid)
+        await self.ns.dir_made(node)
         return self._entry(node)
 
     @_boundary

@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 # Seconds a commit waits for other nodes' records of the shards its `.metadata` names before
 # it asks the nodes themselves (`locate_files`): records come as the shards' hashes do.
 ASK_PEERS_AFTER = 1.0
+# Seconds the mkdir of a step directory in a cluster waits for etcd to record that this node
+# writes it (`saving_recorded`): a commit another node begins after the mkdir then asks this
+# one for its files.
+WRITER_WAIT = 0.5
 
 
 class ClusterWrites:
@@ -60,7 +64,8 @@ class ClusterWrites:
         # files of steps being committed here that stay on the other nodes that wrote them
         self._elsewhere: dict[str, set[str]] = {}
         self._unpublished: dict[str, mf.StepManifest] = {}  # committed while etcd was away
-        self._saving: dict[str, int] = {}  # step -> the base of the save this node writes
+        # step -> the base of the save this node writes, and whether etcd knows it yet
+        self._saving: dict[str, tuple[int, trio.Event]] = {}
         self._writing_seals = False  # a task writes the queued seals (`note_sealed`)
 
     # -- multi-node DCP steps ----------------------------------------------------------------
@@ -157,9 +162,29 @@ class ClusterWrites:
             step_path = self.tree.relpath(step_node)
         except FsError:
             return
-        if self._saving.get(step_path) != base:
-            self._saving[step_path] = base
-            self.background.spawn(self.sealed.note_writer, step_path, base)
+        known = self._saving.get(step_path)
+        if known is None or known[0] != base:
+            recorded = trio.Event()
+            self._saving[step_path] = (base, recorded)
+            self.background.spawn(self._note_writer, step_path, base, recorded)
+
+    async def _note_writer(self, step_path: str, base: int, recorded: trio.Event) -> None:
+        assert self.sealed is not None
+        try:
+            await self.sealed.note_writer(step_path, base)
+        finally:
+            recorded.set()
+
+    async def saving_recorded(self, step_node: Node) -> None:
+        """Returns once etcd knows that this node writes the save of the step under way
+        (`note_saving`), or after WRITER_WAIT (etcd slow or away: the record follows)."""
+        try:
+            known = self._saving.get(self.tree.relpath(step_node))
+        except FsError:
+            return
+        if known is not None:
+            with trio.move_on_after(WRITER_WAIT):
+                await known[1].wait()
 
     async def _other_writers_files(self, step_node: Node, deadline: float) -> set[str] | None:
         """The files other nodes write of this save of a step directory, which its commit
@@ -178,7 +203,8 @@ class ClusterWrites:
         step_path = self.tree.relpath(step_node)
         manifest = step_node.step.manifest
         base = manifest.version if manifest is not None else 0
-        writers = await self.sealed.other_writers(step_path, base, deadline)
+        writers = await self.sealed.other_writers(step_path, base, deadline,
+                                                  self._previous_step(step_node))
         if writers is not None and not writers:
             return set()  # (None: etcd cannot say, every live peer is asked)
         said = await self.shards.written(step_path, writers, deadline)
@@ -201,6 +227,21 @@ class ClusterWrites:
         written_here = {rel for rel, node in tree_walk.files_under(step_node)
                         if node.remote is None and not unchanged(step, rel, node)}
         return set(said.held) - written_here
+
+    def _previous_step(self, step_node: Node) -> str | None:
+        """The committed step saved before this one beside it (the highest number below
+        its), whose writers this one's commit expects (`SealedCollector.other_writers`)."""
+        number, parent = step_node.step.number, step_node.parent
+        if number is None or parent is None:
+            return None
+        older = [n for n in parent.children.values() if n.is_dir and n.step is not None
+                 and n.step.committed and n.step.number is not None and n.step.number < number]
+        if not older:
+            return None
+        try:
+            return self.tree.relpath(max(older, key=lambda n: n.step.number))
+        except FsError:
+            return None
 
     @staticmethod
     def _unrecorded(names: set[str], on_peers: FilesOnPeers) -> str:

@@ -128,10 +128,11 @@ class SealedCollector(Protocol):
         """This node writes files of a save of a step over its committed version `base`: the
         step's committer, wherever it is, asks this node for them (`other_writers`)."""
 
-    async def other_writers(self, step_path: str, base: int, deadline: float
-                            ) -> set[str] | None:
-        """The other nodes that write files of the save of a step over `base`; None if etcd
-        cannot say now (away, slow)."""
+    async def other_writers(self, step_path: str, base: int, deadline: float,
+                            previous: str | None = None) -> set[str] | None:
+        """The other nodes that write files of the save of a step over `base` (once those
+        that wrote the step `previous` do, or at `deadline`); None if etcd cannot say now
+        (away, slow)."""
 
     def queue_sealed(self, step_path: str, entries: list[mf.FileEntry], base: int) -> None:
         """`record_sealed` without waiting: written by the next `write_queued`."""

@@ -48,6 +48,7 @@ PUBLISH_WAIT = 20.0  # seconds a commit record may take by default
 # Seconds a commit waits for etcd to say which nodes write its step before it asks every peer
 # (etcd slow or away: the saves go on, as their commits do while etcd is away).
 WRITERS_WAIT = 1.0
+WRITERS_POLL = 0.05  # seconds between reads while a commit waits for a step's writers
 # Seconds the seals of a batch are gathered before it is written: a save of many small files
 # seals one every ~0.5 ms, and one etcd request per file or two (each ~1 ms of the daemon's
 # CPU in httpx) made such a save 2.5x slower on a cluster node than on a lone one. A
@@ -145,21 +146,34 @@ class ClusterCommits:
         except EtcdError as exc:
             log.info("could not record in etcd that this node writes %s: %s", step_path, exc)
 
-    async def other_writers(self, step_path: str, base: int, deadline: float
-                            ) -> set[str] | None:
-        """The other nodes that write files of the save of the step over `base`; None if
-        etcd is known not to answer (`etcd_answers`) or does not by `deadline` (trio time) or
-        WRITERS_WAIT."""
+    async def other_writers(self, step_path: str, base: int, deadline: float,
+                            previous: str | None = None) -> set[str] | None:
+        """The other nodes that write files of the save of the step over `base`. With
+        `previous` (the step saved before it beside it), first waits until every other node
+        that wrote that one writes this one too, until `deadline` (trio time): DeepSpeed's
+        rank 0 writes its tracker without waiting for the other ranks, which may not have
+        begun. None if etcd is known not to answer (`etcd_answers`), or does not answer
+        within WRITERS_WAIT."""
         if not self._etcd_answers():
             return None
-        with trio.move_on_at(min(deadline, trio.current_time() + WRITERS_WAIT)):
-            try:
-                return await self.records.writers(step_path, base) - {self.node_id}
-            except EtcdError as exc:
-                log.info("etcd did not say which nodes write %s: %s", step_path, exc)
-                return None
-        log.info("etcd did not say in time which nodes write %s", step_path)
-        return None
+        try:
+            with trio.fail_after(max(0.0, min(deadline - trio.current_time(), WRITERS_WAIT))):
+                expected = set() if previous is None else \
+                    await self.records.writers(previous, None) - {self.node_id}
+                writers = await self.records.writers(step_path, base) - {self.node_id}
+        except (EtcdError, trio.TooSlowError) as exc:
+            log.info("etcd did not say which nodes write %s: %s", step_path,
+                     exc or "no answer in time")
+            return None
+        while not expected <= writers and trio.current_time() < deadline:
+            await trio.sleep(WRITERS_POLL)
+            with contextlib.suppress(EtcdError):
+                writers = await self.records.writers(step_path, base) - {self.node_id}
+        if not expected <= writers:
+            log.warning("%s: %s, which wrote %s, did not begin to write it by its commit's "
+                        "deadline: committed without them", step_path,
+                        ", ".join(sorted(expected - writers)), previous)
+        return writers
 
     @property
     def seals_queued(self) -> bool:

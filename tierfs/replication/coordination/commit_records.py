@@ -270,15 +270,15 @@ class CommitRecords:
         await self.etcd.put(self.writers_prefix(step) + node,
                             json.dumps({"base": base}).encode())
 
-    async def writers(self, step: str, base: int) -> set[str]:
+    async def writers(self, step: str, base: int | None) -> set[str]:
         """The nodes that wrote files of the save of the step over `base` (a record of an
-        earlier save, committed since, names another base)."""
+        earlier save, committed since, names another base); of any save if `base` is None."""
         prefix = self.writers_prefix(step)
         snapshot = await self.etcd.get_prefix(prefix)
         found = set()
         for kv in snapshot.kvs:
             with contextlib.suppress(ValueError, TypeError, AttributeError):
-                if json.loads(kv.value).get("base") == base:
+                if base is None or json.loads(kv.value).get("base") == base:
                     found.add(kv.key[len(prefix):])
         return found
 
