@@ -132,6 +132,30 @@ def file_records_writers(cluster: Cluster, step: str) -> set[str]:
     return {r.node for r in file_records(cluster, step).values()}
 
 
+def test_a_rank_that_begins_after_the_commit_has_its_files_in_the_next_version(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """A run's first save: rank 0 writes its files and `latest` before rank 1 even made the
+    directory on node1 (DeepSpeed's rank 0 does not wait for the others before its tracker),
+    so version 1 has rank 0's files alone; rank 1's file, written after, is in version 2 on
+    both nodes (also when node1 wrote it before it learned of version 1:
+    test_cluster_service)."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all("--commit-idle", "1")
+    step = "ds/global_step2"
+    (node0 / step).mkdir(parents=True)
+    (node0 / step / MODEL).write_bytes(b"m" * 1000)
+    (node0 / "ds/latest").write_text("global_step2")
+    wait_until(lambda: committed_with(node0, step, {MODEL}), timeout=10)
+    (node1 / step).mkdir(parents=True, exist_ok=True)
+    late = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (node1 / step / late).write_bytes(b"z" * 1000)
+    for node in (node0, node1):
+        wait_until(lambda n=node: committed_with(n, step, {MODEL, late})
+                   and n.step(step)["version"] == 2, timeout=20)
+    assert (node0 / step / late).read_bytes() == b"z" * 1000
+    assert (node1 / step / MODEL).read_bytes() == b"m" * 1000
+
+
 def run_deepspeed_ranks(tmp_path: Path, save_dirs: list[Path], *args: str
                         ) -> list[dict[str, Any]]:
     """DeepSpeed's engine (tests/framework_jobs.py), rank i saving to `save_dirs[i]` (its own

@@ -242,6 +242,29 @@ async def test_a_commit_waits_for_the_writers_of_the_step_saved_before_it(
         assert await sealed.other_writers("ds/global_step6", 0, started + 5) == set()
 
 
+async def test_a_rank_that_wrote_after_another_node_committed_the_step_makes_its_next_version(
+        tmp_path: Path) -> None:
+    """n0 commits `ds/global_step2` (no `.metadata`) with its file alone; n1's rank wrote its
+    file of the step after that commit and before n1 learned of it: n1 joins version 1 and
+    keeps its file, written over it, and its next commit makes version 2 with both files (the
+    step stayed `writing` there for good, its file in no version)."""
+    async with cluster(tmp_path, "n0", "n1") as (_nursery, (n0, n1)):
+        model, late = "mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        await n0.write_file(f"ds/global_step2/{model}", b"m")
+        await n0.ns.commits.commit_quietly(n0.ns.tree.find_step("ds/global_step2"))
+        first = n0.ns.tree.find_step("ds/global_step2").step.manifest
+        assert [e.name for e in first.files] == [model]
+        await n1.write_file(f"ds/global_step2/{late}", b"z")
+        n1.ns.tiers.learn(first, ["n0"])
+        step_node = n1.ns.tree.find_step("ds/global_step2")
+        assert step_node.step.manifest is first and not step_node.step.committed
+        await n1.ns.commits.commit_quietly(step_node)
+        second = step_node.step.manifest
+        assert second.version == 2 and sorted(e.name for e in second.files) == [model, late]
+        record = await n1.links.sealed.records.commit_of("ds/global_step2")
+        assert record is not None and record.version == 2
+
+
 async def test_the_peer_port_refuses_a_node_with_another_token(tmp_path: Path) -> None:
     etcd = MemoryEtcd()
     async with cluster(tmp_path, "n0", etcd=etcd) as (_nursery, (n0,)):

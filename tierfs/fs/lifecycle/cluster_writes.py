@@ -151,9 +151,10 @@ class ClusterWrites:
         return True
 
     def note_saving(self, step_node: Node) -> None:
-        """A save of this step began here (its first change since its commit, or its mkdir):
-        in a cluster, the nodes record that they write it (`SealedCollector.note_writer`),
-        once per save, so that its committer takes their files (`_other_writers_files`)."""
+        """A save of this step goes on here (its first change since its commit, its mkdir, a
+        file's close): in a cluster, the nodes record that they write it
+        (`SealedCollector.note_writer`), once per save, so that its committer takes their
+        files (`_other_writers_files`)."""
         if self.sealed is None or not step_node.is_dir or step_node.step is None:
             return
         manifest = step_node.step.manifest
@@ -192,11 +193,10 @@ class ClusterWrites:
         of one step on every node, with no `.metadata` naming them (a DCP step's names them
         all: none asked). The nodes are those that recorded that they write it
         (`note_saving`), each asked which files; while etcd cannot say, every live peer.
-        None while one
-        of them has a file of it open for writing (its save goes on: the commit waits), or
-        another node committed this save already (this node joins its commit instead);
-        `CoordinationUnavailable` if one cannot say (down, unreachable) by `deadline`: the
-        step must not commit without its files."""
+        None while one of them has a file of it open for writing (its save goes on: the
+        commit waits), or another node committed this save already (this node joins its
+        commit instead); `CoordinationUnavailable` if one cannot say (down, unreachable) by
+        `deadline`: the step must not commit without its files."""
         if self.sealed is None or self.shards is None or not step_node.is_dir \
                 or METADATA in (step_node.children or {}):  # a DCP step: it names its files
             return set()
@@ -317,6 +317,7 @@ class ClusterWrites:
         step_node = next(tree_walk.enclosing_steps(node.parent), None)
         if self.sealed is None or step_node is None or node.remote is not None:
             return
+        self.note_saving(step_node)  # a save begun while the step was still watched
         if node.seal is None:
             self.background.spawn(self._record_sealed, node, step_node)
             return

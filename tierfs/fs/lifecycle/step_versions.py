@@ -17,7 +17,16 @@ from typing import TYPE_CHECKING
 from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs.model import tree_walk
-from tierfs.fs.model.nodes import LATEST, PEERS_MARK, REPLICAS_MARK, Node, Seal, StepState
+from tierfs.fs.model.nodes import (
+    LATEST,
+    METADATA,
+    PEERS_MARK,
+    REPLICAS_MARK,
+    Node,
+    Seal,
+    StepState,
+    some_names,
+)
 from tierfs.fs.store.fetch import RemoteFile, apply_attributes
 from tierfs.fs.tree.dir_attributes import times_kept
 
@@ -275,6 +284,11 @@ class StepVersions:
         old = [(rel, node) for rel, node in files if unchanged(step, rel, node)]
         local = [(rel, node) for rel, node in files
                  if node.remote is None and (rel, node) not in old]
+        # Files written here that the version lacks, of a step without `.metadata` (a rank
+        # that began its save after another node committed it): they go in the next version.
+        late = [] if manifest.entry(os.fsdecode(METADATA)) is not None else \
+            [(rel, node) for rel, node in local if manifest.entry(rel) is None]
+        local = [found for found in local if found not in late]
         for rel, node in local:
             entry = manifest.entry(rel)
             why = ("is not in it" if entry is None else "is being written" if
@@ -317,6 +331,11 @@ class StepVersions:
                                           if e.name not in step.resident])
         log.info("%s v%d committed on %s; this node holds %d of its files", manifest.path,
                  manifest.version, ", ".join(sorted(others)), len(local))
+        if late:
+            self.tree.mark_dirty(step_node)  # written over that version: committed next
+            log.warning("%s: %s written here after %s committed it: in its next version",
+                        manifest.path, some_names({rel for rel, _node in late}),
+                        ", ".join(sorted(others)))
         return True
 
     def supersede(self, step_node: Node, manifest: mf.StepManifest, source: str, *,
