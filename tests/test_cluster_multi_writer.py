@@ -1,6 +1,7 @@
 """Steps whose files are written on several nodes with nothing naming them all: DeepSpeed's
 ZeRO and Megatron-LM's `torch` format save each rank's files into one step directory on its own
-node's mount, and rank 0 writes the tracker after a barrier. Whichever node commits the step
+node's mount, and rank 0 writes the tracker (DeepSpeed's without waiting for the other ranks:
+its barrier comes after). Whichever node commits the step
 takes every node's files of it, or waits: never a step committed with one node's files alone
 (each node committed its own part as a version of its own, and the store got a mix)."""
 
@@ -32,8 +33,8 @@ def zero_files(rank: int) -> list[str]:
 
 
 def save_zero_step(ranks: list[Mount], step: str) -> dict[str, bytes]:
-    """Each rank's files written on its node's mount, as DeepSpeed's ranks do before the
-    barrier that precedes rank 0's `latest`."""
+    """Each rank's files written on its node's mount, as DeepSpeed's ranks do before rank 0
+    writes `latest`."""
     saved = {}
     for rank, node in enumerate(ranks):
         (node / step).mkdir(parents=True, exist_ok=True)
