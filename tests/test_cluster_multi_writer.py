@@ -190,15 +190,17 @@ def test_deepspeed_on_two_nodes_resumes_on_the_node_that_replaced_rank_0s(
         mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
         tmp_path: Path) -> None:
     """DeepSpeed's own engine, two gloo ranks (ZeRO stage 1: each rank saves its optimizer
-    partition), each saving to its own node's mount, no store: every step commits on both
+    partition), each saving to its own node's mount, no store: steps 4 and 6 commit on both
     nodes with both ranks' files, rank 0's `latest` reaches node1, and once node0 is replaced
     by a fresh node both ranks resume at step 6 with the weights they saved."""
     cluster = Cluster(mounts, token_file, 2, etcd_server)
     node0, node1 = cluster.start_all()
     first = run_deepspeed_ranks(tmp_path, [node0 / "ds", node1 / "ds"], "6", "nowait")
     names = {MODEL, *(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))}
+    # (a run's first save may commit rank 0's files alone, rank 1's in its next version:
+    # the bound in doc/CLUSTER.md; the later saves wait for the writers of the one before)
     for node in (node0, node1):
-        for number in (2, 4, 6):
+        for number in (4, 6):
             wait_until(lambda n=node, s=f"ds/global_step{number}": committed_with(n, s, names),
                        timeout=15)
     wait_until(lambda: (node0.step("ds/latest") or {}).get("replicas") == ["node1"]
