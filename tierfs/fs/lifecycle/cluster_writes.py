@@ -103,7 +103,7 @@ class ClusterWrites:
                      some_names(missing))
             return False
         step = step_node.step
-        base = step.manifest.version if step.manifest else 0
+        base = step.base
         early = min(deadline, trio.current_time() + ASK_PEERS_AFTER)
         try:
             found = await self.sealed.collect(step_path, missing | old, early, base)
@@ -157,8 +157,7 @@ class ClusterWrites:
         files (`_other_writers_files`)."""
         if self.sealed is None or not step_node.is_dir or step_node.step is None:
             return
-        manifest = step_node.step.manifest
-        base = manifest.version if manifest is not None else 0
+        base = step_node.step.base
         try:
             step_path = self.tree.relpath(step_node)
         except FsError:
@@ -201,8 +200,7 @@ class ClusterWrites:
                 or METADATA in (step_node.children or {}):  # a DCP step: it names its files
             return set()
         step_path = self.tree.relpath(step_node)
-        manifest = step_node.step.manifest
-        base = manifest.version if manifest is not None else 0
+        base = step_node.step.base
         writers = await self.sealed.other_writers(step_path, base, deadline,
                                                   self._previous_step(step_node))
         if writers is not None and not writers:
@@ -222,11 +220,9 @@ class ClusterWrites:
             log.info("commit of %s waits for %s, being written on %s", step_path,
                      some_names(set(said.writing)), ", ".join(sorted(set(said.writing.values()))))
             return None
-        step = step_node.step
-        unchanged = self._residents.unchanged_since_commit
-        written_here = {rel for rel, node in tree_walk.files_under(step_node)
-                        if node.remote is None and not unchanged(step, rel, node)}
-        return set(said.held) - written_here
+        written = self._residents.written_in_save
+        return set(said.held) - {rel for rel, node in tree_walk.files_under(step_node)
+                                 if written(step_node.step, rel, node)}
 
     def _previous_step(self, step_node: Node) -> str | None:
         """The committed step saved before this one beside it (the highest number below
@@ -347,9 +343,8 @@ class ClusterWrites:
             step_path = self.tree.relpath(step_node)
         except (OSError, FsError):
             return False  # gone meanwhile
-        manifest = step_node.step.manifest if step_node.step is not None else None
         self.sealed.queue_sealed(step_path, [entry],
-                                 manifest.version if manifest is not None else 0)
+                                 step_node.step.base if step_node.step is not None else 0)
         return True
 
     async def _write_seals(self) -> None:

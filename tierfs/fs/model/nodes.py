@@ -176,6 +176,12 @@ class StepState:
         return self.manifest is not None and not self.dirty
 
     @property
+    def base(self) -> int:
+        """The version of its manifest (0: none): the committed version a save of it is
+        over, which its seal and writer records name."""
+        return self.manifest.version if self.manifest is not None else 0
+
+    @property
     def shown_committed(self) -> bool:
         """Committed as the user sees it (state, `latest`): also a version whose hashes are
         still being computed, until the step changes again."""

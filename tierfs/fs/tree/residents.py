@@ -220,6 +220,12 @@ class Residents:
     def has_partial_fetches(self, step_node: Node) -> bool:
         return any(tree_walk.holds(step_node, n) for n in self.fetching)
 
+    def written_in_save(self, step: StepState, rel: str, node: Node) -> bool:
+        """Whether a file of a step is one this node wrote for the save under way (sealed or
+        not): in the tree here, not a copy of the committed version as it was, not a file
+        only other nodes hold."""
+        return node.remote is None and not self.unchanged_since_commit(step, rel, node)
+
     def unchanged_since_commit(self, step: StepState, rel: str, node: Node) -> bool:
         """Whether a file of a step being saved again is still exactly what its committed
         version holds: in RAM, sealed with that version's content, and still the committed

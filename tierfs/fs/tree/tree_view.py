@@ -135,16 +135,11 @@ class TreeView:
         if node is None or not node.is_dir:
             return []
         step = node.step
-        found = []
-        for name in names:
-            file_node = tree_walk.entry_node(node, name)
-            if file_node is None or file_node.remote is not None:
-                continue
-            if step.committed or self._residents.unchanged_since_commit(step, name,
-                                                                             file_node):
-                continue
-            found.append(name)
-        return found
+        if step.committed:
+            return []
+        written = self._residents.written_in_save
+        return [name for name in names if (file_node := tree_walk.entry_node(node, name))
+                is not None and written(step, name, file_node)]
 
     def files_being_saved(self, step_path: str) -> tuple[list[str], set[str], int]:
         """The files this node writes of the save under way of the step directory at
@@ -156,18 +151,16 @@ class TreeView:
         if node is None or not node.is_dir:
             return [], set(), 0
         step = node.step
-        version = step.manifest.version if step.manifest is not None else 0
         if step.committed:
-            return [], set(), version
+            return [], set(), step.base
         names, still_open = [], set()
         for name, file_node in tree_walk.files_under(node):
-            if file_node.remote is not None or \
-                    self._residents.unchanged_since_commit(step, name, file_node):
+            if not self._residents.written_in_save(step, name, file_node):
                 continue
             names.append(name)
             if file_node.active_writers or file_node.open_for_writing:
                 still_open.add(name)
-        return sorted(names), still_open, version
+        return sorted(names), still_open, step.base
 
     def step_of_entry(self, data_dir: str, name: str | None) -> Node | None:
         """The step a manifest entry named `name` under `data_dir` (`layout.data_dir`)
@@ -230,7 +223,7 @@ class TreeView:
             "kind": "dir" if step_node.is_dir else "file",
             "ram_bytes": ram_bytes,
             "version": (step.pending.record.version if _shown_pending(step)
-                        else step.manifest.version if step.manifest else 0),
+                        else step.base),
             # committed, its files' hashes still to come (nothing of it has left the node)
             "hashing": _shown_pending(step),
             "files": files, "bytes": size, "ram": step.in_ram,

@@ -40,29 +40,18 @@ class PeerFiles:
         found = FilesOnPeers({}, set())
         wanted = sorted(names)
 
-        async def ask_one(node_id: str) -> None:
-            if not self.directory.is_up(node_id):
-                found.unanswered.add(node_id)  # down: it may hold them, and cannot say
-                return
-            try:
-                with trio.fail_after(max(0.0, min(ASK_TIMEOUT,
-                                                  deadline - trio.current_time()))):
-                    async with self.directory.channel(node_id) as channel:
-                        for start in range(0, len(wanted), proto.MAX_NAMES):
-                            reply = await channel.request(
-                                "FILES", path=step_path,
-                                names=wanted[start:start + proto.MAX_NAMES], expect="HAVE")
-                            for name in reply["names"]:
-                                if name in names:
-                                    found.held.setdefault(name, node_id)
-            except (OSError, proto.ProtocolError, trio.TooSlowError):
-                found.unanswered.add(node_id)
+        async def ask_one(node_id: str, channel: PeerChannel) -> None:
+            for start in range(0, len(wanted), proto.MAX_NAMES):
+                reply = await channel.request("FILES", path=step_path,
+                                              names=wanted[start:start + proto.MAX_NAMES],
+                                              expect="HAVE")
+                for name in reply["names"]:
+                    if name in names:
+                        found.held.setdefault(name, node_id)
 
-        async with trio.open_nursery() as nursery:
-            for peer in self.directory.peers:
-                nursery.start_soon(ask_one, peer.node_id)
+        await self._ask_each([p.node_id for p in self.directory.peers], ask_one, found,
+                             deadline)
         return found
-
 
     async def written(self, step_path: str, nodes: set[str] | None,
                       deadline: float) -> FilesOnPeers:
@@ -74,7 +63,30 @@ class PeerFiles:
         if nodes is None:
             nodes = {p.node_id for p in self.directory.peers if self.directory.is_up(p.node_id)}
 
-        async def ask_one(node_id: str) -> None:
+        async def ask_one(node_id: str, channel: PeerChannel) -> None:
+            after, more = "", True
+            while more:
+                reply = await channel.request("WRITTEN", path=step_path, after=after,
+                                              expect="WRITES")
+                names = reply["names"]
+                for name in names:
+                    found.held.setdefault(name, node_id)
+                for name in reply["open"]:
+                    found.writing.setdefault(name, node_id)
+                found.versions[node_id] = reply["version"]
+                more = bool(reply["more"]) and bool(names)
+                after = names[-1] if names else after
+
+        await self._ask_each(sorted(nodes), ask_one, found, deadline)
+        return found
+
+    async def _ask_each(self, nodes: list[str],
+                        ask_one: Callable[[str, PeerChannel], Awaitable[None]],
+                        found: FilesOnPeers, deadline: float) -> None:
+        """`ask_one` of each node at once over a channel to it, by `deadline` and within
+        ASK_TIMEOUT; a node that is down (it may hold files, and cannot say) or does not
+        answer goes in `found.unanswered`."""
+        async def ask(node_id: str) -> None:
             if not self.directory.is_up(node_id):
                 found.unanswered.add(node_id)
                 return
@@ -82,25 +94,13 @@ class PeerFiles:
                 with trio.fail_after(max(0.0, min(ASK_TIMEOUT,
                                                   deadline - trio.current_time()))):
                     async with self.directory.channel(node_id) as channel:
-                        after, more = "", True
-                        while more:
-                            reply = await channel.request("WRITTEN", path=step_path,
-                                                          after=after, expect="WRITES")
-                            names = reply["names"]
-                            for name in names:
-                                found.held.setdefault(name, node_id)
-                            for name in reply["open"]:
-                                found.writing.setdefault(name, node_id)
-                            found.versions[node_id] = reply["version"]
-                            more = bool(reply["more"]) and bool(names)
-                            after = names[-1] if names else after
+                        await ask_one(node_id, channel)
             except (OSError, proto.ProtocolError, trio.TooSlowError):
                 found.unanswered.add(node_id)
 
         async with trio.open_nursery() as nursery:
-            for node_id in sorted(nodes):
-                nursery.start_soon(ask_one, node_id)
-        return found
+            for node_id in nodes:
+                nursery.start_soon(ask, node_id)
 
 
 def written_handler(files_written: FilesWritten) -> Callable[[proto.Message, PeerChannel],
