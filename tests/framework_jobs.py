@@ -4,6 +4,7 @@ from a config in code, random data, no hub download (HF_HUB_OFFLINE=1). Each job
 line with what the test checks.
 
     python tests/framework_jobs.py hf OUTPUT_DIR MAX_STEPS [resume|resume=PATH] [die-at=N]
+                                   [rank=R/W port=P]  (DDP over gloo, OUTPUT_DIR on R's node)
     python tests/framework_jobs.py lightning DIRPATH MAX_STEPS [CKPT_PATH]
     python tests/framework_jobs.py lightning-link DIRPATH MAX_STEPS [CKPT_PATH]  (save_last="link")
     python tests/framework_jobs.py deepspeed SAVE_DIR MAX_STEPS PORT [resume] [nowait] [tag=T]
@@ -32,12 +33,18 @@ def tokens(seed: int) -> torch.Tensor:
 
 
 def hf(output_dir: str, max_steps: int, resume: bool | str,
-       die_at: int | None = None) -> dict[str, Any]:
+       die_at: int | None = None, rank: tuple[int, int] = (0, 1),
+       port: str = "") -> dict[str, Any]:
     """transformers' Trainer with save_steps and save_total_limit=2, resumable (`resume`: True
     for its own choice, the newest checkpoint-N, or a checkpoint's path). `die_at`: the
     process is killed (SIGKILL) in the middle of its save at that step, once the model, the
     optimizer and the scheduler are written and before its RNG state and trainer_state.json
-    (a node's OOM killer, a job preempted)."""
+    (a node's OOM killer, a job preempted). `rank`: this rank and the world size of a DDP
+    job over gloo (rendezvous on `port`), one rank per node: rank 0 saves the checkpoint,
+    every rank its own `rng_state_R.pth`."""
+    if rank[1] > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank[0]),
+                          WORLD_SIZE=str(rank[1]), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -75,7 +82,9 @@ def hf(output_dir: str, max_steps: int, resume: bool | str,
 
         Trainer._save_rng_state = dying  # type: ignore[method-assign]
     trainer.train(resume_from_checkpoint=resume or None)
-    return {"global_step": trainer.state.global_step, "steps_run": CountSteps.done}
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {"global_step": trainer.state.global_step, "steps_run": CountSteps.done,
+            "weights_sum": float(weights.double().sum())}
 
 
 def lightning(dirpath: str, max_steps: int, ckpt_path: str | None,
@@ -224,8 +233,10 @@ def main(argv: list[str]) -> None:
     if job == "hf":
         options = dict(o.partition("=")[::2] for o in rest[1:])
         resume = options.get("resume")
+        rank, world = options.get("rank", "0/1").split("/")
         result = hf(where, int(rest[0]), True if resume == "" else resume or False,
-                    int(options["die-at"]) if "die-at" in options else None)
+                    int(options["die-at"]) if "die-at" in options else None,
+                    (int(rank), int(world)), options.get("port", ""))
     elif job in ("lightning", "lightning-link"):
         result = lightning(where, int(rest[0]), rest[1] if len(rest) > 1 else None,
                            "link" if job == "lightning-link" else None)

@@ -7,18 +7,23 @@ takes every node's files of it, or waits: never a step committed with one node's
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, MountFactory, wait_until
+from tests.conftest import Mount, MountFactory, free_port, wait_until
 from tests.harness import Cluster, check_step_bytes, file_records
 from tests.test_cluster_persist import flush_all
+from tests.test_frameworks import JOBS
 from tierfs import manifest as mf
 from tierfs.devtools.etcd import Etcd
 
@@ -157,21 +162,15 @@ def test_a_rank_that_begins_after_the_commit_has_its_files_in_the_next_version(
     assert (node1 / step / MODEL).read_bytes() == b"m" * 1000
 
 
-def run_deepspeed_ranks(tmp_path: Path, save_dirs: list[Path], *args: str
-                        ) -> list[dict[str, Any]]:
-    """DeepSpeed's engine (tests/framework_jobs.py), rank i saving to `save_dirs[i]` (its own
-    node's mount), all ranks at once; each must succeed. Their JSON results."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.conftest import free_port
-    from tests.test_frameworks import JOBS
-
+def run_ranks(tmp_path: Path, save_dirs: list[Path],
+              job_args: Callable[[Path, str], list[str]]) -> list[dict[str, Any]]:
+    """A job of tests/framework_jobs.py (`job_args(save_dir, rendezvous port)`: its
+    arguments), rank i saving to `save_dirs[i]` (its own node's mount), all ranks at once;
+    each must succeed. Their JSON results."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, str(JOBS), "deepspeed", str(save_dir),
-                               *args[:1], port, *args[1:], f"rank={rank}/{len(save_dirs)}"],
+    ranks = [subprocess.Popen([sys.executable, str(JOBS), *job_args(save_dir, port),
+                               f"rank={rank}/{len(save_dirs)}"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for rank, save_dir in enumerate(save_dirs)]
     results = []
@@ -195,7 +194,8 @@ def test_deepspeed_on_two_nodes_resumes_on_the_node_that_replaced_rank_0s(
     by a fresh node both ranks resume at step 6 with the weights they saved."""
     cluster = Cluster(mounts, token_file, 2, etcd_server)
     node0, node1 = cluster.start_all()
-    first = run_deepspeed_ranks(tmp_path, [node0 / "ds", node1 / "ds"], "6", "nowait")
+    first = run_ranks(tmp_path, [node0 / "ds", node1 / "ds"],
+                      lambda ds, port: ["deepspeed", str(ds), "6", port, "nowait"])
     names = {MODEL, *(f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1))}
     # (a run's first save may commit rank 0's files alone, rank 1's in its next version:
     # the bound in doc/CLUSTER.md; the later saves wait for the writers of the one before)
@@ -209,8 +209,45 @@ def test_deepspeed_on_two_nodes_resumes_on_the_node_that_replaced_rank_0s(
     node0.kill9()
     shutil.rmtree(node0.ram_dir)
     fresh = cluster.start("node0")
-    resumed = run_deepspeed_ranks(tmp_path, [fresh / "ds", node1 / "ds"], "8", "resume",
-                                  "nowait")
+    resumed = run_ranks(tmp_path, [fresh / "ds", node1 / "ds"],
+                        lambda ds, port: ["deepspeed", str(ds), "8", port, "resume", "nowait"])
     for rank in (0, 1):
         assert resumed[rank]["loaded_step"] == 6
         assert resumed[rank]["weights_at_load"] == first[rank]["saved"]["6"]
+
+
+def test_hugging_face_trainer_on_two_nodes_resumes_on_the_node_that_replaced_rank_0s(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
+        tmp_path: Path) -> None:
+    """transformers' Trainer, DDP over gloo, one rank per node, each with its output_dir on its
+    own node's mount: rank 0 writes each checkpoint-N (model, optimizer, scheduler, its RNG
+    state, trainer_state.json) and rotates the old ones (save_total_limit=2), rank 1 writes
+    its `rng_state_1.pth` into the same checkpoint on node1. Every kept checkpoint commits on
+    both nodes with both ranks' files, the rotated one is gone from both, and once node0 is
+    replaced by a fresh node both ranks resume from checkpoint-6 (Trainer's own choice, each
+    listing its own node's mount)."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all()
+    first = run_ranks(tmp_path, [node0 / "hf", node1 / "hf"],
+                      lambda hf, port: ["hf", str(hf), "6", f"port={port}"])
+    assert [r["global_step"] for r in first] == [6, 6]
+    rng_states = {"rng_state_0.pth", "rng_state_1.pth"}
+    for node in (node0, node1):
+        for number in (4, 6):
+            step = f"hf/checkpoint-{number}"
+            wait_until(lambda n=node, s=step: (n.step(s) or {}).get("state") == "committed"
+                       and rng_states <= set(os.listdir(n / s)), timeout=20)
+        assert sorted(os.listdir(node / "hf")) == ["checkpoint-4", "checkpoint-6", "latest"]
+    names = set(os.listdir(node0 / "hf/checkpoint-6"))
+    assert set(os.listdir(node1 / "hf/checkpoint-6")) == names
+    assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= names
+    wait_until(lambda: node0.step("hf/checkpoint-6")["copies"] == 2, timeout=30)
+
+    node0.kill9()
+    shutil.rmtree(node0.ram_dir)
+    fresh = cluster.start("node0")
+    resumed = run_ranks(tmp_path, [fresh / "hf", node1 / "hf"],
+                        lambda hf, port: ["hf", str(hf), "8", "resume", f"port={port}"])
+    for rank in resumed:
+        assert (rank["global_step"], rank["steps_run"]) == (8, 2), resumed
+    assert resumed[0]["weights_sum"] == resumed[1]["weights_sum"]

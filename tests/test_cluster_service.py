@@ -68,7 +68,8 @@ class ClusterHarness(Harness):
         self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
         self.ns = Namespace(core, self.send, read_sources=[self.links.reader],
                             sealed=self.links.sealed, peers=self.links.verify,
-                            keep_ram=keep_ram, replicas=replicas, events=Events())
+                            keep_ram=keep_ram, replicas=replicas, events=Events(),
+                            shards=self.links.files)
         self.ops = Operations(self.ns)
         self.node = ClusterNode(self.cfg, self.links, self.ns, self.store, Events())
 
@@ -263,6 +264,48 @@ async def test_a_rank_that_wrote_after_another_node_committed_the_step_makes_its
         assert second.version == 2 and sorted(e.name for e in second.files) == [model, late]
         record = await n1.links.sealed.records.commit_of("ds/global_step2")
         assert record is not None and record.version == 2
+
+
+async def test_a_step_whose_writer_is_down_waits_for_it_saying_so_and_retries_ever_less_often(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """n1 wrote its rank's file of `ds/global_step2` (no `.metadata`) and went down before
+    any commit: n0's commit of the step does not go without that file; status says it waits
+    for the nodes that write it and names n1 (not etcd, which answers); its retries come
+    ever less often (every PENDING_RETRY, 0.5 s, they read etcd and filled the log twice a
+    second for as long as n1 stayed away) and are logged at the 1st, 2nd, 4th... failure;
+    once n1 is back the step commits whole within the longest pause."""
+    import logging
+
+    from tierfs.fs.lifecycle.commits import COORDINATION_RETRY_MAX
+
+    caplog.set_level(logging.DEBUG, logger="tierfs.fs.lifecycle.commits")
+    async with cluster(tmp_path, "n0", "n1") as (nursery, (n0, n1)):
+        nursery.start_soon(n0.ns.keep_committing)  # the retries, as the daemon runs them
+        model, zero = "mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        await n1.write_file(f"ds/global_step2/{zero}", b"z")
+        deadline = trio.current_time() + 5
+        assert await wait_until_async(
+            lambda: n0.links.sealed.other_writers("ds/global_step2", 0, deadline)) == {"n1"}
+        await n0.write_file(f"ds/global_step2/{model}", b"m")
+        n0.live.set_members({"n0": n0.cfg.advertise})  # n1 is down
+        step_node = n0.ns.tree.find_step("ds/global_step2")
+        caplog.clear()
+        await n0.ns.commits.commit_quietly(step_node)
+        step = step_node.step
+        assert not step.committed and step.commit_pending
+        assert step.waiting_for == ("the nodes that write it: n1 writes files of "
+                                    "ds/global_step2 and did not say which (down, or "
+                                    "unreachable?)")
+        await trio.sleep(5)
+        tries = [r for r in caplog.records if "commit of ds/global_step2 waits" in r.message]
+        assert 3 <= len(tries) <= 5, [r.message for r in tries]  # at 0, 0.5, 1.5, 3.5 s
+        assert [r.levelno for r in tries][:3] == [logging.INFO, logging.INFO, logging.DEBUG]
+        assert not step.committed
+        members(n0, n1)
+        with trio.fail_after(COORDINATION_RETRY_MAX + 3):
+            while not step_node.step.committed:
+                await trio.sleep(0.1)
+        assert sorted(e.name for e in step_node.step.manifest.files) == [model, zero]
 
 
 async def test_the_peer_port_refuses_a_node_with_another_token(tmp_path: Path) -> None:

@@ -215,7 +215,8 @@ class ClusterWrites:
             nodes = sorted(said.unanswered)
             raise CoordinationUnavailable(
                 f"{', '.join(nodes)} {'write' if len(nodes) > 1 else 'writes'} files of "
-                f"{step_path} and did not say which (down, or unreachable?)")
+                f"{step_path} and did not say which (down, or unreachable?)",
+                waits_for="the nodes that write it")
         if said.writing:
             log.info("commit of %s waits for %s, being written on %s", step_path,
                      some_names(set(said.writing)), ", ".join(sorted(set(said.writing.values()))))

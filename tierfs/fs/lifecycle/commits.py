@@ -86,6 +86,11 @@ FINISH_RETRY = 0.5
 FINISH_RETRY_MAX = 30.0
 # Seconds between the rounds that try pending commits again (shards elsewhere, no space).
 PENDING_RETRY = 0.5
+# The longest pause before a commit that failed for want of the cluster (etcd away, a node
+# that writes the step down) is tried again: the pause doubles from PENDING_RETRY at each
+# failure in a row, so that a step whose writer is gone for good costs etcd and the log
+# little (on every node of a large cluster), and one that comes back is seen within it.
+COORDINATION_RETRY_MAX = 8.0
 
 # What a commit waits for (`tierfs commit` shows it after a second, and when it gives up).
 ANOTHER_COMMIT = "another commit of the step"
@@ -158,8 +163,10 @@ class Commits:
                                                           waiting, deadline, hashes_later,
                                                           by_idle)
         except CoordinationUnavailable as exc:
-            self._manifests.leave_pending(
-                step, f"etcd (the cluster's records of its files): {exc}")
+            self._manifests.leave_pending(step, f"{exc.waits_for}: {exc}")
+            step.coordination_failures += 1
+            step.retry_commit_at = trio.current_time() + min(
+                COORDINATION_RETRY_MAX, PENDING_RETRY * 2 ** (step.coordination_failures - 1))
             raise
         except (OSError, RamFull) as exc:
             # Retried (retry_pending_commits) until it succeeds; `status` shows why it waits.
@@ -167,6 +174,7 @@ class Commits:
                 "the RAM tier is full" if isinstance(exc, RamFull)
                 else exc.strerror or str(exc)))
             raise
+        step.coordination_failures, step.retry_commit_at = 0, 0.0
         if attempt.cancelled_caught:
             raise FsError(errno.ETIMEDOUT, f"not committed: gave up after {patience:g} s "
                           f"waiting for {self._describe(step_node, waiting.what)}")
@@ -203,7 +211,8 @@ class Commits:
             async with step.lock:
                 await self._finish_pending(step_node, step, started)
         except CoordinationUnavailable as exc:
-            log.info("commit of %s waits for etcd: %s", self.tree.relpath(step_node), exc)
+            log.info("commit of %s waits for %s: %s", self.tree.relpath(step_node),
+                     exc.waits_for, exc)
         except (OSError, FsError) as exc:  # left pending: finished by a retry (space may come
             # back: a /dev/shm other processes filled), the step's next commit or start-up
             pending = step.pending
@@ -468,7 +477,7 @@ class Commits:
             manifest = await self.commit(node, wait_for_writers=True, patience=timeout)
         except CoordinationUnavailable as exc:
             raise FsError(errno.ETIMEDOUT, f"{relpath} could not commit: {exc}; it commits "
-                          "by itself once etcd answers") from None
+                          f"by itself once {_answers(exc)}") from None
         if manifest is None:
             missing = await self._cluster.missing_dcp_files(node)
             if missing:
@@ -491,7 +500,12 @@ class Commits:
         try:
             await self.commit(step_node, wait_for_writers=False, by_idle=by_idle)
         except CoordinationUnavailable as exc:
-            log.info("commit of %s waits for etcd: %s", self.tree.relpath(step_node), exc)
+            # Said at the 1st, 2nd, 4th, 8th... failure in a row: a step whose writer is gone
+            # for good is retried for as long as it stays, and need not fill the log.
+            failures = step_node.step.coordination_failures if step_node.step else 1
+            log.log(logging.INFO if failures & (failures - 1) == 0 else logging.DEBUG,
+                    "commit of %s waits for %s: %s", self.tree.relpath(step_node),
+                    exc.waits_for, exc)
         except (OSError, FsError) as exc:
             log.error("commit of %s failed: %s", os.fsdecode(step_node.name), exc)
         except Exception:  # a bug must not take the file system down with it
@@ -511,7 +525,7 @@ class Commits:
                                          hashes_later=True)
         except CoordinationUnavailable as exc:
             log.error("commit of %s failed: %s within %.0f s; the step stays writing and "
-                      "commits by itself once etcd answers", path, exc, self.saver_wait)
+                      "commits by itself once %s", path, exc, self.saver_wait, _answers(exc))
             raise FsError(errno.ETIMEDOUT) from None
         except RamFull:
             log.error("commit of %s failed: the RAM tier is full; retried when space frees",
@@ -637,7 +651,8 @@ class Commits:
                 await self._finish_in_background(step_node, step, time.monotonic())
                 if step_node.step is not step:
                     continue  # removed, or no longer a step, meanwhile
-            if step.commit_pending and not tree_walk.has_active_writers(step_node):
+            if step.commit_pending and step.retry_commit_at <= trio.current_time() \
+                    and not tree_walk.has_active_writers(step_node):
                 await self.commit_quietly(step_node)
 
     # -- renames ---------------------------------------------------------------------------
@@ -719,3 +734,10 @@ def cut_short_reason(path: str) -> str:
     """What a step holding a file that may be cut short waits for (status `waiting_for`)."""
     return (f"{path} to be written again: a write into it failed for want of room, so it "
             "may be cut short (or `tierfs commit` it as it is)")
+
+
+def _answers(exc: CoordinationUnavailable) -> str:
+    """What a commit that failed with `exc` waits for, as "... once X" ends."""
+    if exc.waits_for == CoordinationUnavailable.ETCD:
+        return "etcd answers"
+    return f"{exc.waits_for} answer"

@@ -142,6 +142,11 @@ class StepState:
         self.empty = False
         self.commit_pending = False
         self.waiting_for: str | None = None  # why a commit is pending (status shows it)
+        # Commits of it that failed in a row for want of the cluster (etcd, a node that
+        # writes it): the next retry waits until `retry_commit_at` (trio time), a pause that
+        # grows with them (`Commits.retry_pending_commits`).
+        self.coordination_failures = 0
+        self.retry_commit_at = 0.0
         # The files its DCP .metadata names, and which .metadata (inode, size, mtime) said so.
         self.dcp_files: tuple[tuple[int, int, int], set[str]] | None = None
         self.lock = trio.Lock()

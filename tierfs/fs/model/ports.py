@@ -111,7 +111,14 @@ class CoordinationUnavailable(TierError):
     """The cluster's coordination (etcd) did not answer, or take a change, by the deadline it
     was given: what a `SealedCollector` raises, so that the commit waiting for it fails the
     saver's call rather than waiting on (or returning success for a step that did not
-    commit)."""
+    commit). `waits_for`: what the commit waits for, as status shows it (etcd, or the nodes
+    that write the step when one of them cannot say which files it wrote)."""
+
+    ETCD = "etcd (the cluster's records of its files)"
+
+    def __init__(self, message: str, waits_for: str = ETCD) -> None:
+        super().__init__(message)
+        self.waits_for = waits_for
 
 
 class SealedCollector(Protocol):
