@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -132,6 +133,51 @@ def test_a_step_waits_for_a_file_another_node_still_writes_and_for_a_writer_that
     for node in (node0, node1):
         wait_until(lambda n=node: committed_with(
             n, step, {MODEL, "zero_pp_rank_1_mp_rank_00_optim_states.pt"}), timeout=20)
+
+
+def test_each_ranks_own_directory_keeps_its_owner_and_mode_on_every_node_and_in_the_store(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
+        tmp_path: Path) -> None:
+    """Megatron-LM's `torch` format as a job's user (uid 1000) writes it on two nodes: each
+    rank makes `iter_N/mp_rank_0R/` on its own node (here mode 0750) and writes its file
+    there, whose mode the job then changes (0640). The rank-1 directory and file read the
+    same on node0 (which commits the step at rank 0's tracker), on node1 and on a node of a
+    requeued job that reads the store: they were root's, 0755 and 0644 on the committer
+    and in the store (the directory this daemon made for node1's file, and the file's record
+    taken at its close), so the user could not delete files in the directory."""
+    store = tmp_path / "store"
+    store.mkdir()
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    nodes = cluster.start_all("--persist", f"file://{store}")
+    step = "run/iter_0000010"
+    for rank, node in enumerate(nodes):
+        rank_dir = node / step / f"mp_rank_{rank:02d}"
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        for made in (node / "run", node / step, rank_dir):
+            os.chown(made, 1000, 1000)
+        rank_dir.chmod(0o750)
+        (rank_dir / "model_optim_rng.pt").write_bytes(os.urandom(1 << 16))
+        os.chown(rank_dir / "model_optim_rng.pt", 1000, 1000)
+        (rank_dir / "model_optim_rng.pt").chmod(0o640)
+    (nodes[0] / "run/latest_checkpointed_iteration.txt").write_text("10")
+    expected = {f"mp_rank_{rank:02d}": (1000, 1000, 0o750) for rank in (0, 1)} | {
+        f"mp_rank_{rank:02d}/model_optim_rng.pt": (1000, 1000, 0o640) for rank in (0, 1)}
+
+    def attributes(node: Mount) -> dict[str, tuple[int, int, int]]:
+        return {str(path.relative_to(node / step)): (st.st_uid, st.st_gid,
+                                                      stat.S_IMODE(st.st_mode))
+                for path in (node / step).rglob("*") if (st := path.stat())}
+
+    for node in nodes:
+        wait_until(lambda n=node: committed_with(n, step, {"mp_rank_00", "mp_rank_01"})
+                   and n.step(step)["files"] == 2, timeout=15)
+        assert attributes(node) == expected, node
+    for status, out, err in flush_all(cluster):
+        assert status == 0, (out, err)
+    requeued = Cluster(mounts, token_file, 1, etcd_server)
+    requeued.url = requeued.url + "-requeued"
+    fresh, = requeued.start_all("--persist", f"file://{store}")
+    assert attributes(fresh) == expected
 
 
 def file_records_writers(cluster: Cluster, step: str) -> set[str]:

@@ -217,6 +217,43 @@ async def test_a_node_records_the_saves_it_writes_and_names_their_files_page_by_
         assert (said.held, said.writing, said.versions) == ({}, {}, {"n1": 1})
 
 
+async def test_the_directories_holding_a_nodes_files_come_with_them_page_by_page(
+        tmp_path: Path) -> None:
+    """WRITES names the directories inside the step that hold the files of its page, with
+    their mode (what the committer's manifest records for them): 1,200 files, each in a
+    directory of its own two levels down, come with all 2,400 directories, in pages that
+    name at most MAX_NAMES of them (so 500 files a page here, not MAX_NAMES)."""
+    from tierfs.replication.peers.peer_files import written_handler
+    from tierfs.replication.peers.protocol import MAX_NAMES, Message
+
+    async with cluster(tmp_path, "n0", "n1") as (_nursery, (n0, n1)):
+        step = "mg/iter_0000010"
+        await n1.ops.mkdir(await n1.mkdirs(step), b"rank_0007", 0o700, CTX)
+        names = [f"rank_{i:04d}/part/x.pt" for i in range(1200)]
+        for name in names:
+            await n1.write_file(f"{step}/{name}", b"x")
+        said = await n0.links.files.written(step, {"n1"}, trio.current_time() + 10)
+        assert sorted(said.held) == names
+        assert set(said.dirs) == {f"{step}/rank_{i:04d}{part}" for i in range(1200)
+                                  for part in ("", "/part")}
+        assert (said.dirs[f"{step}/rank_0007"].mode, said.dirs[f"{step}/rank_0008"].mode) \
+            == (0o700, 0o755)
+
+        pages: list[dict[str, Any]] = []
+
+        class Answers:  # the channel WRITES goes back on
+            async def send(self, _kind: str, **fields: Any) -> None:
+                pages.append(fields)
+
+        answer = written_handler(n1.ns.view.files_being_saved)
+        after, more = "", True
+        while more:
+            await answer(Message("WRITTEN", {"path": step, "after": after}), Answers())
+            after, more = pages[-1]["names"][-1], pages[-1]["more"]
+        assert [len(p["names"]) for p in pages] == [MAX_NAMES // 2] * 2 + [200]
+        assert all(len(p["dirs"]) <= MAX_NAMES for p in pages)
+
+
 async def test_a_commit_waits_for_the_writers_of_the_step_saved_before_it(
         tmp_path: Path) -> None:
     """DeepSpeed's rank 0 writes `latest` without waiting for the other ranks: the commit of

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import msgpack
 import xxhash
@@ -249,7 +250,7 @@ def encode(manifest: StepManifest) -> bytes:
     if manifest.by_idle:
         tail["idle"] = True
     if manifest.dirs:
-        tail["dirs"] = [[d.path, d.mode, d.uid, d.gid, d.mtime_ns] for d in manifest.dirs]
+        tail["dirs"] = encode_dirs(manifest.dirs)
     return b"".join([
         packer.pack_map_header(len(head) + 1 + len(tail)),
         *(packer.pack(item) for pair in head.items() for item in pair),
@@ -274,7 +275,7 @@ def decode(data: bytes) -> StepManifest:
             committed_ns=int(raw["committed_ns"]),
             files=tuple(files),
             single_file=_single_file_flag(raw.get("file", False)),
-            dirs=_dirs(raw.get("dirs", [])),
+            dirs=decode_dirs(raw.get("dirs", [])),
             by_idle=_flag(raw.get("idle", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
@@ -304,8 +305,14 @@ def _with_blocks(files: list[FileEntry], blocks: object) -> list[FileEntry]:
             for entry, digests in zip(files, blocks, strict=True)]
 
 
-def _dirs(raw: object) -> tuple[DirEntry, ...]:
-    """The directories a manifest records, validated (ManifestError if malformed)."""
+def encode_dirs(dirs: Iterable[DirEntry]) -> list[list[Any]]:
+    """Directory entries as a manifest (or a peer's WRITES) carries them."""
+    return [[d.path, d.mode, d.uid, d.gid, d.mtime_ns] for d in dirs]
+
+
+def decode_dirs(raw: object) -> tuple[DirEntry, ...]:
+    """The directories a manifest (or a peer's WRITES) records, validated (ManifestError if
+    malformed)."""
     if not isinstance(raw, list) or len(raw) > _MAX_DIRS:
         raise ManifestError("bad directory entries")
     dirs = []

@@ -459,6 +459,7 @@ class Namespace:
                 self._cut_short.clear(node)  # to be written again from the start
         self._attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid, size=size,
                                  atime_ns=atime_ns, mtime_ns=mtime_ns)
+        self._attributes_recorded(node, mode, uid, gid, mtime_ns)
 
     def setattr_now(self, node: Node, handle: Handle | None, *, mode: int | None,
                     uid: int | None, gid: int | None, atime_ns: int | None,
@@ -472,7 +473,13 @@ class Namespace:
             return False
         self._attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid,
                                  atime_ns=atime_ns, mtime_ns=mtime_ns)
+        self._attributes_recorded(node, mode, uid, gid, mtime_ns)
         return True
+
+    def _attributes_recorded(self, node: Node, *changed: int | None) -> None:
+        """A file's new mode, owner or mtime reach its record in the cluster's records."""
+        if node.is_file and changed != (None,) * len(changed):
+            self.cluster_writes.note_attributes(node)
 
     async def make_private(self, node: Node, *, keep: bool) -> None:
         """Copy on write: a tree file shared with a committed object gets its own inode (its

@@ -93,7 +93,7 @@ class ClusterWrites:
         others = await self._other_writers_files(step_node, deadline)
         if others is None:
             return False
-        missing |= others
+        missing |= set(others.held)
         step_path = self.tree.relpath(step_node)
         old = self._old_copies(step_node) if self.sealed is not None else set()
         if not missing and not old:
@@ -148,6 +148,7 @@ class ClusterWrites:
         if found:
             log.info("commit of %s names %d files held on %s: they stay there", step_path,
                      len(found), ", ".join(sorted({peer for peer, _e in found.values()})))
+        self.versions.give_written_dirs(others.dirs.values())
         return True
 
     def note_saving(self, step_node: Node) -> None:
@@ -186,9 +187,11 @@ class ClusterWrites:
             with trio.move_on_after(WRITER_WAIT):
                 await known[1].wait()
 
-    async def _other_writers_files(self, step_node: Node, deadline: float) -> set[str] | None:
+    async def _other_writers_files(self, step_node: Node, deadline: float
+                                   ) -> FilesOnPeers | None:
         """The files other nodes write of this save of a step directory, which its commit
-        takes with those written here: DeepSpeed's and Megatron-LM's ranks write their files
+        takes with those written here (`held`, with the directories that hold them there,
+        `dirs`): DeepSpeed's and Megatron-LM's ranks write their files
         of one step on every node, with no `.metadata` naming them (a DCP step's names them
         all: none asked). The nodes are those that recorded that they write it
         (`note_saving`), each asked which files; while etcd cannot say, every live peer.
@@ -198,13 +201,13 @@ class ClusterWrites:
         `deadline`: the step must not commit without its files."""
         if self.sealed is None or self.shards is None or not step_node.is_dir \
                 or METADATA in (step_node.children or {}):  # a DCP step: it names its files
-            return set()
+            return FilesOnPeers({}, set())
         step_path = self.tree.relpath(step_node)
         base = step_node.step.base
         writers = await self.sealed.other_writers(step_path, base, deadline,
                                                   self._previous_step(step_node))
         if writers is not None and not writers:
-            return set()  # (None: etcd cannot say, every live peer is asked)
+            return FilesOnPeers({}, set())  # (None: etcd cannot say, every live peer is asked)
         said = await self.shards.written(step_path, writers, deadline)
         committed = sorted(node for node, version in said.versions.items() if version > base)
         if committed:
@@ -222,8 +225,10 @@ class ClusterWrites:
                      some_names(set(said.writing)), ", ".join(sorted(set(said.writing.values()))))
             return None
         written = self._residents.written_in_save
-        return set(said.held) - {rel for rel, node in tree_walk.files_under(step_node)
-                                 if written(step_node.step, rel, node)}
+        for rel, node in tree_walk.files_under(step_node):
+            if written(step_node.step, rel, node):
+                said.held.pop(rel, None)
+        return said
 
     def _previous_step(self, step_node: Node) -> str | None:
         """The committed step saved before this one beside it (the highest number below
@@ -321,6 +326,21 @@ class ClusterWrites:
         if self._queue_sealed(node, step_node) and not self._writing_seals:
             self._writing_seals = True
             self.background.spawn(self._write_seals)
+
+    def note_attributes(self, node: Node) -> None:
+        """A file's mode, owner or mtime changed after its close: one this node writes for the
+        save under way of a step is recorded again (`note_sealed`), since the committer of a
+        step saved on several nodes takes this node's files from their records (a `chmod`
+        after the save; `rsync -a` and `tar x` set them after each file's close, and the
+        record still queued is the one replaced)."""
+        step_node = next(tree_walk.enclosing_steps(node.parent), None) \
+            if node.parent is not None else None
+        if self.sealed is None or step_node is None or step_node.step is None \
+                or node.active_writers or node.open_for_writing:
+            return
+        rel = tree_walk.path_below(step_node, node)
+        if rel is not None and self._residents.written_in_save(step_node.step, rel, node):
+            self.note_sealed(node)
 
     async def _record_sealed(self, node: Node, step_node: Node) -> None:
         """`note_sealed` of a file whose hash runs: recorded once the hash is joined."""

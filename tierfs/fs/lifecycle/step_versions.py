@@ -12,6 +12,8 @@ import functools
 import logging
 import os
 import stat
+import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from tierfs import layout
@@ -258,6 +260,14 @@ class StepVersions:
         """The directories made here for other tiers' steps that `manifest` records get the
         attributes it (or a newer commit) records for them (`fs.tree.dir_attributes`)."""
         self._dir_attributes.give(self.tree.root, manifest, self.tree.backing)
+
+    def give_written_dirs(self, entries: Iterable[mf.DirEntry]) -> None:
+        """The directories made here for files other nodes write of a step being committed
+        here get the attributes those nodes say theirs have (`FilesOnPeers.dirs`), which the
+        commit then records: the owner and mode of a rank's own directory (Megatron-LM's
+        `mp_rank_NN/`), not those of a directory this daemon made."""
+        self._dir_attributes.give_entries(self.tree.root, entries, time.time_ns(),
+                                          self.tree.backing)
 
     def _unmake_file(self, parent: Node, node: Node) -> None:
         """Remove the file node a single-file install made, and its records directory."""

@@ -192,9 +192,24 @@ class FilesOnPeers:
     held: dict[str, str]
     unanswered: set[str]
     # of the files a node writes (`ShardsOnPeers.written`): those it has still open for
-    # writing, and the version of the step each node has committed (0: none)
+    # writing, the version of the step each node has committed (0: none), and the
+    # directories inside the step that hold them there, by path (their owner and mode)
     writing: dict[str, str] = field(default_factory=dict)
     versions: dict[str, int] = field(default_factory=dict)
+    dirs: dict[str, mf.DirEntry] = field(default_factory=dict)
+
+
+@dataclass
+class SaveHere:
+    """What this node writes of the save under way of a step directory (a `WRITTEN` request
+    from the step's committer): the files (step-relative names, in name order), those of them
+    open for writing, the directories inside the step that hold them (step-relative path ->
+    its entry, the path the mount's), and the version of the step committed here (0: none)."""
+
+    names: list[str]
+    still_open: set[str]
+    dirs: dict[str, mf.DirEntry]
+    version: int
 
 
 class ShardsOnPeers(Protocol):
@@ -208,7 +223,8 @@ class ShardsOnPeers(Protocol):
                       deadline: float) -> FilesOnPeers:
         """Asks these nodes (None: every live peer) which files of the save under way of a
         step they write (`held`), which of those they have still open for writing
-        (`writing`), and which version of the step they have committed (`versions`)."""
+        (`writing`), the directories that hold them there (`dirs`), and which version of the
+        step they have committed (`versions`)."""
 
 
 class CopiesWait(Protocol):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from tierfs import manifest as mf
@@ -74,14 +74,20 @@ class DirAttributes:
         """Give the directories `manifest` records that this node made for other tiers the
         attributes of the newest commit recording each (this one, if none newer did), times
         last and deepest first: a directory made inside another moved the outer one's."""
+        self.give_entries(root, manifest.dirs, manifest.committed_ns, backing)
+
+    def give_entries(self, root: Node, entries: Iterable[mf.DirEntry], when_ns: int,
+                     backing: Callable[[Node], bytes]) -> None:
+        """`give`, of entries as they were at `when_ns` (a commit's time, or now for those the
+        nodes that write a step say their directories have: its commit records them)."""
         touched = []
-        for entry in manifest.dirs:
+        for entry in entries:
             node = tree_walk.node_at(root, entry.path)
             if node is None or not node.is_dir or node not in self._given:
                 continue
             given = self._given[node]
-            if given is None or given[0] <= manifest.committed_ns:
-                self._given[node] = (manifest.committed_ns, entry)
+            if given is None or given[0] <= when_ns:
+                self._given[node] = (when_ns, entry)
             touched.append(node)
         for node in sorted(touched, key=_depth, reverse=True):
             given = self._given[node]

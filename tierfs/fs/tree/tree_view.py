@@ -6,6 +6,7 @@ seal is stale has it hashed again, which is no change of the tree's state)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from tierfs.fs.model.nodes import (
     RemoteAttrs,
     StepState,
 )
+from tierfs.fs.model.ports import SaveHere
 
 if TYPE_CHECKING:
     from tierfs.fs.tree.holders import Holdings
@@ -141,26 +143,36 @@ class TreeView:
         return [name for name in names if (file_node := tree_walk.entry_node(node, name))
                 is not None and written(step, name, file_node)]
 
-    def files_being_saved(self, step_path: str) -> tuple[list[str], set[str], int]:
+    def files_being_saved(self, step_path: str) -> SaveHere:
         """The files this node writes of the save under way of the step directory at
         `step_path` (sealed or not; not copies of its committed version as they were, not
-        files other nodes hold), in name order, of those the ones open for writing, and the
-        version of the step committed here (0: none; a `WRITTEN` request from a committer of
-        the step, which waits if this node committed the save it is about)."""
+        files other nodes hold), the directories that hold them, and the version of the step
+        committed here (a `WRITTEN` request from a committer of the step, which waits if this
+        node committed the save it is about; `fs.model.ports.SaveHere`)."""
         node = self.tree.find_step(step_path)
         if node is None or not node.is_dir:
-            return [], set(), 0
+            return SaveHere([], set(), {}, 0)
         step = node.step
         if step.committed:
-            return [], set(), step.base
-        names, still_open = [], set()
+            return SaveHere([], set(), {}, step.base)
+        names, still_open, holding = [], set(), {}
         for name, file_node in tree_walk.files_under(node):
             if not self._residents.written_in_save(step, name, file_node):
                 continue
             names.append(name)
             if file_node.active_writers or file_node.open_for_writing:
                 still_open.add(name)
-        return sorted(names), still_open, step.base
+            parent = file_node.parent
+            while parent is not None and parent is not node and parent not in holding:
+                holding[parent] = name.rsplit("/", 1)[0]
+                name = holding[parent]
+                parent = parent.parent
+        dirs = {}
+        for dir_node, rel in holding.items():
+            with contextlib.suppress(OSError):
+                dirs[rel] = mf.dir_entry_from_stat(f"{step_path}/{rel}",
+                                                   os.lstat(self.tree.backing(dir_node)))
+        return SaveHere(sorted(names), still_open, dirs, step.base)
 
     def step_of_entry(self, data_dir: str, name: str | None) -> Node | None:
         """The step a manifest entry named `name` under `data_dir` (`layout.data_dir`)

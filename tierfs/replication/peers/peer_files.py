@@ -15,7 +15,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from tierfs.fs.model.ports import FilesOnPeers
+from tierfs import manifest as mf
+from tierfs.fs.model.ports import FilesOnPeers, SaveHere
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers.channel import PeerChannel
 from tierfs.replication.peers.directory import PeerDirectory
@@ -24,9 +25,8 @@ ASK_TIMEOUT = 5.0  # seconds a peer has to answer (it only looks in its tree)
 
 # (step path, names) -> the names of files of that step in this node's tree
 FilesHere = Callable[[str, list[str]], list[str]]
-# step path -> the files this node writes of the save under way of that step, of those the
-# ones still open for writing, and the version of the step committed here (0: none)
-FilesWritten = Callable[[str], tuple[list[str], set[str], int]]
+# step path -> what this node writes of the save under way of that step
+FilesWritten = Callable[[str], SaveHere]
 
 
 class PeerFiles:
@@ -73,6 +73,9 @@ class PeerFiles:
                     found.held.setdefault(name, node_id)
                 for name in reply["open"]:
                     found.writing.setdefault(name, node_id)
+                for entry in mf.decode_dirs(reply["dirs"]):  # (validated on receipt)
+                    if entry.path.startswith(f"{step_path}/"):
+                        found.dirs.setdefault(entry.path, entry)
                 found.versions[node_id] = reply["version"]
                 more = bool(reply["more"]) and bool(names)
                 after = names[-1] if names else after
@@ -106,14 +109,29 @@ class PeerFiles:
 def written_handler(files_written: FilesWritten) -> Callable[[proto.Message, PeerChannel],
                                                            Awaitable[None]]:
     """WRITTEN: a page of the files this node writes of the step, after `after` in name
-    order."""
+    order, with the directories that hold them (as many as one message may name: a page
+    ends early where their directories would not fit)."""
     async def on_written(message: proto.Message, channel: PeerChannel) -> None:
-        names, still_open, version = files_written(message["path"])
+        save = files_written(message["path"])
         after = message["after"]
-        rest = [name for name in names if name > after]
-        page = proto.name_batches(rest, str)[0]
-        await channel.send("WRITES", names=page, open=[n for n in page if n in still_open],
-                           more=len(page) < len(rest), version=version)
+        rest = [name for name in save.names if name > after]
+        page: list[str] = []
+        dirs: dict[str, mf.DirEntry] = {}
+        dir_bytes = 0
+        for name in proto.name_batches(rest, str)[0]:
+            parts = name.split("/")[:-1]
+            new = [rel for rel in ("/".join(parts[:i + 1]) for i in range(len(parts)))
+                   if rel in save.dirs and rel not in dirs]
+            added = sum(len(save.dirs[rel].path.encode()) for rel in new)
+            if page and (len(dirs) + len(new) > proto.MAX_NAMES
+                         or dir_bytes + added > proto.MAX_NAME_BYTES):
+                break
+            page.append(name)
+            dirs.update((rel, save.dirs[rel]) for rel in new)
+            dir_bytes += added
+        await channel.send("WRITES", names=page, open=[n for n in page if n in save.still_open],
+                           dirs=mf.encode_dirs(list(dirs.values())[:proto.MAX_NAMES]),
+                           more=len(page) < len(rest), version=save.version)
 
     return on_written
 

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import msgpack
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from tierfs.manifest import ManifestError, check_relative_path
+from tierfs.manifest import ManifestError, check_relative_path, decode_dirs
 from tierfs.msgpack_map import decode_map
 
 T = TypeVar("T")
@@ -88,10 +88,12 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "FILES": {"path": str, "names": list},
     "HAVE": {"names": list},
     # the files you write of the save under way of a step, in name order after `after`
-    # (a page): answered by WRITES naming them, those of them still open for writing,
-    # whether more follow, and the version of the step committed there (`peers.peer_files`)
+    # (a page): answered by WRITES naming them, those of them still open for writing, the
+    # directories inside the step that hold them (manifest directory entries: their owner
+    # and mode, which the committer's manifest records), whether more follow, and the
+    # version of the step committed there (`peers.peer_files`)
     "WRITTEN": {"path": str, "after": str},
-    "WRITES": {"names": list, "open": list, "more": bool, "version": int},
+    "WRITES": {"names": list, "open": list, "dirs": list, "more": bool, "version": int},
     "DATA": {},
     "OK": {},
     "ERROR": {"message": str},
@@ -202,6 +204,13 @@ def validate(message: Message) -> Message:
         _check_paired(message, "digests", lambda d: isinstance(d, str) and is_xxh3_128(d))
     if message.type == "FILES_DATA":
         _check_paired(message, "sizes", lambda n: type(n) is int and 0 <= n <= MAX_PAYLOAD)
+    if message.type == "WRITES":
+        if len(message.fields["dirs"]) > MAX_NAMES:
+            raise ProtocolError(f"WRITES names more than {MAX_NAMES} directories")
+        try:
+            decode_dirs(message.fields["dirs"])
+        except ManifestError as exc:
+            raise ProtocolError(f"WRITES.dirs: {exc}") from None
     return message
 
 
