@@ -175,18 +175,20 @@ class Replicator:
     def _plan_named_steps_again(self) -> None:
         """The steps the waiting trackers name are planned again: each plan reads the step's
         records anew, and one that owes no copy from here plans the trackers again."""
+        self._submit_for_waiting(self._named_step)
+
+    def _plan_waiting_again(self) -> None:
+        self._submit_for_waiting(lambda tracker: tracker)
+
+    def _submit_for_waiting(self, pick: Callable[[mf.StepManifest], mf.StepManifest | None]
+                            ) -> None:
+        """What `pick` gives for each waiting tracker still current here, submitted; the
+        others stop waiting."""
         for path, manifest in list(self._waiting.items()):
             if not self._is_current(manifest):
                 del self._waiting[path]
-            elif (step := self._named_step(manifest)) is not None:
+            elif (step := pick(manifest)) is not None:
                 self.submit(step)
-
-    def _plan_waiting_again(self) -> None:
-        for path, manifest in list(self._waiting.items()):
-            if self._is_current(manifest):
-                self.submit(manifest)
-            else:
-                del self._waiting[path]
 
     async def _plan(self, manifest: mf.StepManifest) -> list[placement.Copy] | None:
         """The copies this node is the source of, from the step's records now."""
