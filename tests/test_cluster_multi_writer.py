@@ -180,6 +180,34 @@ def test_each_ranks_own_directory_keeps_its_owner_and_mode_on_every_node_and_in_
     assert attributes(fresh) == expected
 
 
+def test_a_step_waits_for_a_writer_whose_daemon_restarts_and_commits_whole_on_both_nodes(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """Rank 1 wrote its file on node1, whose daemon then died (its RAM dir kept); rank 0's
+    files and `latest` on node0 do not commit the step without it: status says it waits
+    for the nodes that write it. Once node1's daemon is back, the step commits with both
+    files on both nodes (node1 stayed `writing` for good, its file unsealed after the
+    restart, and refused node0's copies as "not held here")."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all("--commit-idle", "1")
+    step, zero = "ds/global_step2", "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (node1 / step).mkdir(parents=True)
+    data = os.urandom(1 << 20)
+    (node1 / step / zero).write_bytes(data)
+    wait_until(lambda: "node1" in file_records_writers(cluster, step), timeout=10)
+    node1.kill9()
+    (node0 / step).mkdir(parents=True, exist_ok=True)
+    (node0 / step / MODEL).write_bytes(b"m" * 1000)
+    (node0 / "ds/latest").write_text("global_step2")
+    wait_until(lambda: (node0.step(step)["waiting_for"] or "").startswith(
+        "the nodes that write it: node1 writes files of ds/global_step2"), timeout=10)
+    time.sleep(2)  # --commit-idle twice over
+    assert node0.step(step)["state"] == "writing"
+    node1 = cluster.start("node1")
+    for node in (node0, node1):
+        wait_until(lambda n=node: committed_with(n, step, {MODEL, zero}), timeout=20)
+    assert (node0 / step / zero).read_bytes() == data
+
+
 def file_records_writers(cluster: Cluster, step: str) -> set[str]:
     return {r.node for r in file_records(cluster, step).values()}
 

@@ -114,7 +114,7 @@ class Core:
         self.versions = StepVersions(tree, dir_attributes=parts.dir_attributes,
                                      identity=parts.identity, latest=parts.latest,
                                      records=parts.records, residents=parts.residents,
-                                     store=tree.store)
+                                     sealing=parts.sealing, store=tree.store)
         self.recovered = Recovery(self.tree, self.deletes, identity=parts.identity,
                                   residents=parts.residents,
                                   records=parts.records).load()

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from tierfs.fs.tree.dir_attributes import DirAttributes
     from tierfs.fs.tree.records import StepRecords
     from tierfs.fs.tree.residents import Residents
+    from tierfs.fs.tree.sealing import Sealing
     from tierfs.fs.tree.step_identity import StepIdentity
     from tierfs.fs.tree.tree import Tree
     from tierfs.fs.tree.virtual_latest import VirtualLatest
@@ -51,13 +52,14 @@ class StepVersions:
 
     def __init__(self, tree: Tree, *, dir_attributes: DirAttributes, identity: StepIdentity,
                  latest: VirtualLatest, records: StepRecords, residents: Residents,
-                 store: RamStore) -> None:
+                 sealing: Sealing, store: RamStore) -> None:
         self.tree = tree
         self._dir_attributes = dir_attributes
         self._identity = identity
         self._latest = latest
         self._records = records
         self._residents = residents
+        self._sealing = sealing
         self._store = store
 
     # -- which tiers hold a version ----------------------------------------------------------
@@ -299,6 +301,10 @@ class StepVersions:
         late = [] if manifest.entry(os.fsdecode(METADATA)) is not None else \
             [(rel, node) for rel, node in local if manifest.entry(rel) is None]
         local = [found for found in local if found not in late]
+        # Files no writer holds that have no seal (this daemon restarted since they were
+        # written: seals live in memory) are hashed now: the commit's next word (a copy to
+        # this node, the record's next change) finds them sealed, and joins if they match.
+        self._sealing.start_all([node for _rel, node in local])
         for rel, node in local:
             entry = manifest.entry(rel)
             why = ("is not in it" if entry is None else "is being written" if
