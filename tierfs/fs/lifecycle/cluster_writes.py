@@ -252,7 +252,8 @@ class ClusterWrites:
         for name in names & set(on_peers.held):
             held.setdefault(on_peers.held[name], []).append(name)
         why = [f"{node} wrote {some_names(files)} and did not record "
-               f"{'them' if len(files) > 1 else 'it'} in etcd (cut off from etcd?)"
+               f"{'them' if len(files) > 1 else 'it'} in etcd (cut off from etcd? or its daemon "
+               "restarted before it did: a save cut short there, written again or removed)"
                for node, files in sorted(held.items())]
         rest = names - set(on_peers.held)
         if rest:
