@@ -18,11 +18,15 @@ from tests.conftest import (
     Mount,
     MountFactory,
     fill,
+    finish_dcp_ranks,
     free_port,
     pid_alive,
+    resume_rank,
     run_dcp_ranks,
+    start_dcp_ranks,
     tierfs,
     wait_until,
+    wait_written,
 )
 from tests.harness import Cluster, check_step_bytes, copies_everywhere, file_records
 from tierfs.devtools.etcd import Etcd
@@ -340,6 +344,26 @@ def test_multi_node_dcp_save_commits_without_moving_shards_and_loads_at_once(
     for rank in (1, 2):
         assert manifest[f"__{rank}_0.distcp"] not in objects
     assert "stay there" in node0.log()
+
+
+def test_a_rank_whose_daemon_restarted_before_the_metadata_loads_the_step_on_its_node(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """Rank 1 wrote its shard on node1, whose daemon then died and came back on its RAM dir
+    before rank 0 wrote `.metadata` on node0: the step commits on both nodes and both ranks
+    load it (node1 kept it `writing` for good, its shard unsealed after the restart, so rank
+    1's load waited for ever and node0's copies to node1 failed)."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all()
+    ranks = start_dcp_ranks([node0 / "run/step_10", node1 / "run/step_10"], paused=1)
+    wait_written(ranks[1])
+    wait_until(lambda: {r.node for r in file_records(cluster, "run/step_10").values()}
+               == {"node0", "node1"}, timeout=10)
+    node1.kill9()
+    node1 = cluster.start("node1")
+    resume_rank(ranks[1])
+    finish_dcp_ranks(ranks, timeout=60)
+    for node in (node0, node1):
+        assert node.step("run/step_10")["state"] == "committed"
 
 
 def _manifest_entries(node: Mount, relpath: str) -> list[list[object]]:
