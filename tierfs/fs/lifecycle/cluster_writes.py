@@ -334,10 +334,11 @@ class ClusterWrites:
         step saved on several nodes takes this node's files from their records (a `chmod`
         after the save; `rsync -a` and `tar x` set them after each file's close, and the
         record still queued is the one replaced)."""
-        step_node = next(tree_walk.enclosing_steps(node.parent), None) \
-            if node.parent is not None else None
-        if self.sealed is None or step_node is None or step_node.step is None \
-                or node.active_writers or node.open_for_writing:
+        if self.sealed is None or node.parent is None or node.active_writers \
+                or node.open_for_writing:
+            return  # (no walk up the tree: `tar x` and `rsync -a` set them on every file)
+        step_node = next(tree_walk.enclosing_steps(node.parent), None)
+        if step_node is None or step_node.step is None:
             return
         rel = tree_walk.path_below(step_node, node)
         if rel is not None and self._residents.written_in_save(step_node.step, rel, node):

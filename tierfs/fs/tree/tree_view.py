@@ -162,10 +162,10 @@ class TreeView:
             names.append(name)
             if file_node.active_writers or file_node.open_for_writing:
                 still_open.add(name)
-            parent = file_node.parent
+            parent, rel = file_node.parent, name
             while parent is not None and parent is not node and parent not in holding:
-                holding[parent] = name.rsplit("/", 1)[0]
-                name = holding[parent]
+                rel = rel.rsplit("/", 1)[0]  # the path of `parent` in the step
+                holding[parent] = rel
                 parent = parent.parent
         dirs = {}
         for dir_node, rel in holding.items():
