@@ -19,7 +19,9 @@ import pytest
 import xxhash
 
 from tests.conftest import Mount, MountFactory, fill, getxattr, tierfs, wait_until
+from tests.faults.s3_proxy import Fault, S3Proxy
 from tests.test_commit_hashes_later import hold_hashes
+from tierfs.devtools.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.fuse
 
@@ -222,6 +224,41 @@ def test_a_new_load_through_latest_reads_the_newest_step_at_once(mnt: Mount) -> 
              "storage_writer=dcp.FileSystemWriter(sys.argv[1]))")
     subprocess.run([sys.executable, "-c", other, str(run / "step_3")], check=True, timeout=120)
     assert load_latest() == 3.0
+
+
+def test_a_load_whose_metadata_comes_slowly_from_the_store_is_the_first_of_its_load(
+        mounts: MountFactory, s3_server: SeaweedS3, bucket: str, s3_env: dict[str, str]) -> None:
+    """On a fresh node a load through `latest` waits seconds for `.metadata` to come from a
+    slow store, then opens its shard at once: the slow open is still the load's first, so once
+    a newer step commits, the same process's next load reads it. Before, the open counted as
+    one by the step's own name (it was answered long after the walk through the link), the
+    shard's pinned the step without a load begun, and every later load of the process within
+    the grace read the older step (in a cluster: some ranks the old step, some the new)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    with S3Proxy(s3_server.endpoint) as proxy:
+        env = dict(s3_env, AWS_ENDPOINT_URL=proxy.endpoint)
+        persist = ("--persist", f"s3://{bucket}/ckpt", "--s3-endpoint", proxy.endpoint)
+        first = mounts.mount(*persist, env=env)
+        dcp.save({"w": torch.full((64,), 1.0)},
+                 storage_writer=dcp.FileSystemWriter(str(first / "run/step_1")))
+        tierfs("flush", str(first.mountpoint), "--timeout", "60", env=env)
+        tierfs("umount", str(first.mountpoint), env=env)
+        fresh = mounts.mount(*persist, env=env)  # a new, empty RAM dir
+        proxy.plan = lambda request: (Fault("slow", delay=2.0)
+                                      if request.path.endswith("/.metadata") else None)
+
+        def load_latest() -> float:
+            loaded = {"w": torch.zeros(64)}
+            dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(fresh / "run/latest")))
+            return float(loaded["w"][0])
+
+        assert load_latest() == 1.0
+        assert proxy.counts["fault:slow"] >= 1  # `.metadata` came slowly
+        dcp.save({"w": torch.full((64,), 2.0)},
+                 storage_writer=dcp.FileSystemWriter(str(fresh / "run/step_2")))
+        assert load_latest() == 2.0
 
 
 # -- a commit that fails for want of space ---------------------------------------------------------

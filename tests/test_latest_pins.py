@@ -87,3 +87,29 @@ def test_the_first_file_of_a_load_opened_again_starts_a_new_load() -> None:
     assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"
     assert pins.starts_again(me, 7, b"step_1", b".metadata", b"step_2")
     assert pins.resolve(me, 7, b"step_2", alive) == b"step_2"
+
+
+def test_an_open_answered_long_after_it_was_asked_came_through_the_link() -> None:
+    """A load's `.metadata` that took seconds to come from a peer or the store is still the
+    load's first file: the process's next load through the link starts anew on the newest
+    step (before, the slow open counted as one by the step's own name, the shards' quick ones
+    pinned the step, and every later load of the process read the older step)."""
+    clock = Clock()
+    pins = LatestPins(clock)
+    me, committed = os.getpid(), {b"step_1", b"step_2"}
+    alive = committed.__contains__
+    assert pins.resolve(me, 7, b"step_1", alive) == b"step_1"
+    asked = clock.now
+    clock.now += 5 * THROUGH_LINK  # the open waited for the file
+    metadata = pins.opened(me, 7, b"step_1", b".metadata", asked_at=asked)
+    assert metadata is not None and metadata.load_started
+    pins.closed(metadata)
+    assert pins.resolve(me, 7, b"step_1", alive) == b"step_1"
+    shard = pins.opened(me, 7, b"step_1", b"__0_0.distcp")
+    assert shard is not None
+    pins.closed(shard)
+    assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"  # within the grace
+    assert pins.starts_again(me, 7, b"step_1", b".metadata", b"step_2")  # the next load
+    assert pins.resolve(me, 7, b"step_2", alive) == b"step_2"
+    clock.now += 5 * THROUGH_LINK
+    assert pins.opened(me, 7, b"step_2", asked_at=clock.now - 2 * THROUGH_LINK) is None

@@ -15,7 +15,8 @@ Properties (doc/RELIABILITY.md lists them for users):
    away is listed nowhere.
 3. *No wrong bytes, ever*: every load that returned success read, on each rank, the tensors of
    one save of the step it read (`latest` resolved before and after the load), never a mix
-   of two saves nor bytes of none.
+   of two saves nor bytes of none; and every rank read the same save (a job that resumes
+   some ranks from one step and others from another trains on a model that never was).
 4. *Loads work outside faults*: a load may fail only while a cut (a drop or partition) touches
    the node it reads through, or within the settle bound after that cut healed; delay, loss
    and rate limits slow loads down but do not make them fail.
@@ -216,6 +217,10 @@ def _load(event: Event, start: float, model: Model, windows: Windows,
         elif not any(seeds[0] in model.ever[p] for p in paths):
             found.append(f"load of {value['path']} through {node}: rank {rank} read the save "
                          f"of seed {seeds[0]}, never saved at {sorted(paths)} (t={event.time})")
+    read = {tuple(answer["seeds"]) for answer in value["ranks"]}
+    if len(read) > 1:
+        found.append(f"load of {value['path']} through {node}: its ranks read different saves "
+                     f"(seeds {[a['seeds'] for a in value['ranks']]}, t={event.time})")
     return found
 
 

@@ -40,9 +40,12 @@ class Writer:
         self.op("save", ok, path=path, seed=seed, seconds=seconds, commit_seconds=commit,
                 states=[state if ok else None] * 2)
 
-    def load(self, node: str, link: str | None, seeds: list[int], ok: bool = True) -> None:
-        self.op("load", ok, path="run/latest", node=node, seconds=0.1,
-                ranks=[{"seeds": seeds, "link": link, "link_after": link}] * 2 if ok else [])
+    def load(self, node: str, link: str | None, seeds: list[int], ok: bool = True,
+             ranks: list[dict[str, Any]] | None = None) -> None:
+        """A load through `latest`; `ranks`: each rank's answer, else `link`/`seeds` on each."""
+        if ranks is None:
+            ranks = [{"seeds": seeds, "link": link, "link_after": link}] * 2 if ok else []
+        self.op("load", ok, path="run/latest", node=node, seconds=0.1, ranks=ranks)
 
     def latest(self, node: str, link: str | None) -> None:
         self.at("latest", "latest", node=node, link=link)
@@ -133,6 +136,16 @@ def test_a_load_of_mixed_bytes_or_a_failed_load_outside_cuts() -> None:
     found = w.check()
     assert any("read mixed or wrong bytes" in v for v in found)
     assert any("failed outside any cut" in v for v in found)
+
+
+def test_a_load_whose_ranks_read_different_saves() -> None:
+    """Each rank read one save, matching what `latest` named to it, but not the same one: a
+    job resumed from two steps at once."""
+    w = good()
+    w.save("run/step_20", 20)
+    w.load("n0", None, [], ranks=[{"seeds": [20], "link": "step_20", "link_after": "step_20"},
+                                  {"seeds": [10], "link": "step_10", "link_after": "step_10"}])
+    assert any("its ranks read different saves" in v for v in w.check())
 
 
 def test_latest_going_back_outside_cuts_and_deletes() -> None:

@@ -342,8 +342,9 @@ class Namespace:
         (`VirtualLatest.check_open`): the kernel walks the path again."""
         self._latest.check_open(node, pid)
 
-    def note_opened(self, handle: Handle, pid: int) -> None:
-        self._latest.note_opened(handle, pid)
+    def note_opened(self, handle: Handle, pid: int, asked_at: float) -> None:
+        """Process `pid` opened `handle`, having asked at `asked_at` (`time.monotonic()`)."""
+        self._latest.note_opened(handle, pid, asked_at)
 
     async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         if not handle.active:

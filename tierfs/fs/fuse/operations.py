@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import stat
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -313,6 +314,7 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def open(self, inode: int, flags: int, ctx: Any) -> FileInfo:
         node = self.ns.get(inode)
+        asked_at = time.monotonic()  # its path walk through any `latest` came just before
         self.ns.check_open(node, ctx.pid)
         if ((flags & os.O_ACCMODE) == os.O_RDONLY
                 and self.passthrough is not None and self.passthrough.enabled):
@@ -322,7 +324,7 @@ class Operations(pyfuse3.Operations):
             # is read range by range (FetchBack.fetch_whole).
             await self.ns.fetch_whole(node)
         handle = await self.ns.open(node, flags)
-        self.ns.note_opened(handle, ctx.pid)
+        self.ns.note_opened(handle, ctx.pid, asked_at)
         if handle.writable:
             self._writer_opened(node, ctx.uid)
         return await self._file_info(handle)

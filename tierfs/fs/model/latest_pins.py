@@ -24,8 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 GRACE = 10.0  # seconds a process keeps its target after its last use of it
-# An open of a file of the step within this long after the same process resolved `latest` to
-# it went through `latest` (the kernel asks for the link's target at every path lookup).
+# An open of a file of the step asked for within this long after the same process resolved
+# `latest` to it went through `latest` (the kernel asks for the link's target at every path
+# lookup). Measured to when the open was asked, not to when it was answered: an open may wait
+# seconds for its file to come from a peer or the store.
 THROUGH_LINK = 1.0
 # The file a load through `latest` opens first, and once (DCP's `dcp.load`): opened again, it
 # is a new load. (HF Trainer reads its `trainer_state.json` more than once in one resume.)
@@ -69,11 +71,12 @@ class LatestPins:
         return newest
 
     def opened(self, pid: int, dir_ino: int, step_name: bytes,
-               file_name: bytes | None = None) -> Pin | None:
+               file_name: bytes | None = None, asked_at: float | None = None) -> Pin | None:
         """A process opened a file of step `step_name` (`file_name`: one at the step's top
-        level): its pin, if it names that step, lasts while the file is open. Returns the pin
-        to pass to `closed`."""
-        pin = self._through_link(pid, dir_ino, step_name)
+        level; `asked_at`: when it asked for the open, on this object's clock; now if None):
+        its pin, if it names that step, lasts while the file is open. Returns the pin to pass
+        to `closed`."""
+        pin = self._through_link(pid, dir_ino, step_name, asked_at)
         if pin is None:
             return None
         pin.open_files += 1
@@ -95,13 +98,16 @@ class LatestPins:
         del self._pins[(thread_group(pid), dir_ino)]
         return True
 
-    def _through_link(self, pid: int, dir_ino: int, step_name: bytes) -> Pin | None:
-        """The process's pin, if a file of `step_name` it opens now comes through the link."""
+    def _through_link(self, pid: int, dir_ino: int, step_name: bytes,
+                      asked_at: float | None = None) -> Pin | None:
+        """The process's pin, if a file of `step_name` it asks to open at `asked_at` (now if
+        None) comes through the link."""
         if not self._pins:
             return None
         pin = self._pins.get((thread_group(pid), dir_ino))
+        asked_at = self._clock() if asked_at is None else asked_at
         if pin is None or pin.target != step_name or not (
-                pin.reading or self._clock() - pin.resolved <= THROUGH_LINK):
+                pin.reading or asked_at - pin.resolved <= THROUGH_LINK):
             return None  # not through the link: a file of the step opened by its own name
         return pin
 

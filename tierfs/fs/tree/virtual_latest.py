@@ -139,15 +139,16 @@ class VirtualLatest:
                                    newest):
             raise FsError(errno.ESTALE)
 
-    def note_opened(self, handle: Handle, pid: int) -> None:
-        """Process `pid` opened `handle` (the commit names it while it waits for it): if it
-        reached the file through its pinned `latest`, the pin lasts while the file is open."""
+    def note_opened(self, handle: Handle, pid: int, asked_at: float) -> None:
+        """Process `pid` opened `handle` (the commit names it while it waits for it), having
+        asked at `asked_at` (`time.monotonic()`): if it reached the file through its pinned
+        `latest`, the pin lasts while the file is open."""
         handle.pid = pid
         step_node = next(tree_walk.enclosing_steps(handle.node.parent), None)
         if step_node is not None and step_node.parent is not None:
             handle.pin = self._pins.opened(
                 pid, step_node.parent.ino, step_node.name,
-                handle.node.name if handle.node.parent is step_node else None)
+                handle.node.name if handle.node.parent is step_node else None, asked_at)
 
     def closed(self, handle: Handle) -> None:
         if handle.pin is not None:
