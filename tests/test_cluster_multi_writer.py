@@ -297,9 +297,10 @@ def test_hugging_face_trainer_on_two_nodes_resumes_on_the_node_that_replaced_ran
     own node's mount: rank 0 writes each checkpoint-N (model, optimizer, scheduler, its RNG
     state, trainer_state.json) and rotates the old ones (save_total_limit=2), rank 1 writes
     its `rng_state_1.pth` into the same checkpoint on node1. Every kept checkpoint commits on
-    both nodes with both ranks' files, and once node0 is
-    replaced by a fresh node both ranks resume from checkpoint-6 (Trainer's own choice, each
-    listing its own node's mount)."""
+    both nodes with both ranks' files, the rotated ones are gone from both (also when both
+    nodes committed a checkpoint at the same moment), and once node0 is replaced by a fresh
+    node both ranks resume from checkpoint-6 (Trainer's own choice, each listing its own
+    node's mount)."""
     cluster = Cluster(mounts, token_file, 2, etcd_server)
     node0, node1 = cluster.start_all()
     first = run_ranks(tmp_path, [node0 / "hf", node1 / "hf"],
@@ -311,6 +312,8 @@ def test_hugging_face_trainer_on_two_nodes_resumes_on_the_node_that_replaced_ran
             step = f"hf/checkpoint-{number}"
             wait_until(lambda n=node, s=step: (n.step(s) or {}).get("state") == "committed"
                        and rng_states <= set(os.listdir(n / s)), timeout=20)
+        wait_until(lambda n=node: sorted(os.listdir(n / "hf")) == [
+            "checkpoint-4", "checkpoint-6", "latest"], timeout=10)
     names = set(os.listdir(node0 / "hf/checkpoint-6"))
     assert set(os.listdir(node1 / "hf/checkpoint-6")) == names
     assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= names

@@ -303,6 +303,47 @@ async def test_a_rank_that_wrote_after_another_node_committed_the_step_makes_its
         assert record is not None and record.version == 2
 
 
+async def test_two_nodes_that_commit_the_same_save_at_once_both_keep_the_one_etcd_took(
+        tmp_path: Path) -> None:
+    """HF Trainer's ranks on two nodes finish the next checkpoint at the same moment: both nodes
+    commit it as version 1, and etcd takes one commit record. The node whose record etcd did
+    not take takes the other's commit for its own (the same version, the same commit time),
+    so a delete of it from either node (HF's rotation, on rank 0's) removes it on both.
+    Before, n1 kept its own version 1, stamped a moment later, which n0's delete did not
+    cover: the checkpoint the job rotated away stayed listed on n1."""
+    async with cluster(tmp_path, "n0", "n1") as (nursery, (n0, n1)):
+        step = "hf/checkpoint-2"
+        await n0.write_file(f"{step}/model.safetensors", b"model" * 2000)
+        await n1.write_file(f"{step}/rng_state_1.pth", b"rng" * 100)
+        async with trio.open_nursery() as both:  # neither hears of the other's commit first
+            for node in (n0, n1):
+                both.start_soon(node.ns.commits.commit_quietly, node.ns.tree.find_step(step))
+        ours = {node.cfg.node_id: node.ns.tree.find_step(step).step.manifest
+                for node in (n0, n1)}
+        assert all(m is not None and m.version == 1 for m in ours.values()), ours
+        assert ours["n0"].committed_ns != ours["n1"].committed_ns  # two commits of version 1
+        record = await n0.links.sealed.records.commit_of(step)
+        assert record is not None
+        for node in (n0, n1):
+            nursery.start_soon(node.node.steps.follow)
+
+        def one_commit() -> bool:
+            manifests = [n.ns.tree.find_step(step).step.manifest for n in (n0, n1)]
+            return all(m.committed_ns == record.committed_ns for m in manifests)
+
+        await wait_until_async(one_commit, timeout=10)
+        kept = n1.ns.tree.find_step(step).step.manifest
+        assert sorted(e.name for e in kept.files) == ["model.safetensors", "rng_state_1.pth"]
+        for node in (n0, n1):
+            assert await node.read_file(f"{step}/rng_state_1.pth") == b"rng" * 100
+            assert await node.state(step) == "committed"
+        deleter, other = (n0, n1) if record.committer == "n0" else (n1, n0)
+        deleted = deleter.ns.tree.find_step(step).step.manifest  # the deleter's DELETE
+        await deleter.links.delete.delete(
+            Tombstone(step, deleted.version, deleted.committed_ns), other.cfg.node_id)
+        assert other.ns.tree.find_step(step) is None
+
+
 async def test_a_step_whose_writer_is_down_waits_for_it_saying_so_and_retries_ever_less_often(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """n1 wrote its rank's file of `ds/global_step2` (no `.metadata`) and went down before

@@ -404,6 +404,23 @@ class OtherTiers:
             log.info("holding %d files of %s v%d from %s", len(held), path, version, sender)
         return held
 
+    def _take_clusters_commit(self, node: Node, manifest: mf.StepManifest,
+                              others: set[str]) -> None:
+        """Two nodes committed the same save at the same moment (each with every writer's
+        files: HF Trainer's ranks finishing a checkpoint together), and etcd took the other's
+        commit record: this node takes that commit, `manifest`, for its own version, so that
+        every node names one commit (a delete covers it everywhere). Its files here with the
+        same bytes stay; refused while something here reads or writes the step (the next
+        event of the record tries again)."""
+        step = node.step
+        if step.dirty or step.commit_pending or tree_walk.busy(node):
+            return
+        self.versions.write_peers_mark(node, manifest.version, others)
+        self.versions.supersede(node, manifest, manifest.node_id, release=True)
+        self.versions.set_holders(node, others, record=False)
+        self._residents.add_remote_files(
+            node, [e for e in manifest.files if e.name not in step.resident])
+
     def _committed_at(self, path: str, version: int) -> Node | None:
         node = self.tree.find_step(path)
         if node is None or not node.step.committed or node.step.manifest.version != version:
@@ -531,7 +548,10 @@ class OtherTiers:
         node = self.tree.find_step(manifest.path)
         if node is not None:
             step = node.step
-            if step.manifest is not None and step.manifest.version == manifest.version:
+            if (step.committed and step.manifest.version == manifest.version
+                    and step.manifest.committed_ns != manifest.committed_ns):
+                self._take_clusters_commit(node, manifest, others)
+            elif step.manifest is not None and step.manifest.version == manifest.version:
                 if others != step.holders - {self.node_id}:
                     # the commit record names the holders now: one that dropped out (it came
                     # back without its copies) may have held the only copy of a file, which

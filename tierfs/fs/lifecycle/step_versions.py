@@ -357,7 +357,8 @@ class StepVersions:
     def supersede(self, step_node: Node, manifest: mf.StepManifest, source: str, *,
                   release: bool) -> list[str]:
         """A newer version of a step committed elsewhere replaces the older committed version
-        held here (the caller checked that nothing here writes, commits or reads it, and
+        held here, or another node's commit of the same version the cluster recorded replaces
+        this node's (the caller checked that nothing here writes, commits or reads it, and
         recorded where the new files are). The new manifest replaces the old one on disk, then
         the old files leave the tree, but those in RAM here with the bytes the new version
         names at the same name: they are its copy (a step renamed and renamed back is committed
@@ -397,9 +398,14 @@ class StepVersions:
         step.file_writers = {}
         step.persisted_version = 0
         step.retired_version = 0
-        log.warning("%s v%d here is superseded by v%d from %s%s", manifest.path,
-                    old.version, manifest.version, source,
-                    f"; {len(kept)} of its files here are unchanged in it" if kept else "")
+        unchanged = f"; {len(kept)} of its files here are unchanged in it" if kept else ""
+        if manifest.version == old.version:  # `OtherTiers._take_clusters_commit`
+            log.info("%s v%d was committed here and on %s at the same moment; the cluster "
+                     "recorded %s's commit, taken here%s", manifest.path, manifest.version,
+                     source, source, unchanged)
+        else:
+            log.warning("%s v%d here is superseded by v%d from %s%s", manifest.path,
+                        old.version, manifest.version, source, unchanged)
         if release:
             self.release_refs(old_refs)
             return []

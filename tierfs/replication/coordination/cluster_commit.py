@@ -621,6 +621,11 @@ class ClusterCommits:
                 if self._own_commit(event):
                     continue
                 known = self._known(record.step, record.version) if self._known else None
+                if known is not None and known.committed_ns != record.committed_ns:
+                    # Another node's commit of the version this node committed at the same
+                    # moment, which etcd took: its manifest is read, and taken here
+                    # (`StepCopies.learn`).
+                    known = None
                 if known is not None and record.holders:  # a touch: holders added, stored
                     learn(known, sorted({*record.holders, record.committer}))
                     if record.store is not None and stored is not None:
