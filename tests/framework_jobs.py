@@ -5,6 +5,7 @@ line with what the test checks.
 
     python tests/framework_jobs.py hf OUTPUT_DIR MAX_STEPS [resume|resume=PATH] [die-at=N]
                                    [rank=R/W port=P]  (DDP over gloo, OUTPUT_DIR on R's node)
+                                   [each-node]  (save_on_each_node: every rank saves it all)
     python tests/framework_jobs.py lightning DIRPATH MAX_STEPS [CKPT_PATH]
     python tests/framework_jobs.py lightning-link DIRPATH MAX_STEPS [CKPT_PATH]  (save_last="link")
     python tests/framework_jobs.py deepspeed SAVE_DIR MAX_STEPS PORT [resume] [nowait] [tag=T]
@@ -34,14 +35,15 @@ def tokens(seed: int) -> torch.Tensor:
 
 def hf(output_dir: str, max_steps: int, resume: bool | str,
        die_at: int | None = None, rank: tuple[int, int] = (0, 1),
-       port: str = "") -> dict[str, Any]:
+       port: str = "", each_node: bool = False) -> dict[str, Any]:
     """transformers' Trainer with save_steps and save_total_limit=2, resumable (`resume`: True
     for its own choice, the newest checkpoint-N, or a checkpoint's path). `die_at`: the
     process is killed (SIGKILL) in the middle of its save at that step, once the model, the
     optimizer and the scheduler are written and before its RNG state and trainer_state.json
     (a node's OOM killer, a job preempted). `rank`: this rank and the world size of a DDP
     job over gloo (rendezvous on `port`), one rank per node: rank 0 saves the checkpoint,
-    every rank its own `rng_state_R.pth`."""
+    every rank its own `rng_state_R.pth`; with `each_node` (`save_on_each_node`) every rank,
+    each its node's first, saves the whole checkpoint and rotates the old ones."""
     if rank[1] > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank[0]),
                           WORLD_SIZE=str(rank[1]), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -70,7 +72,7 @@ def hf(output_dir: str, max_steps: int, resume: bool | str,
     args = TrainingArguments(
         output_dir=output_dir, max_steps=max_steps, save_steps=SAVE_EVERY, save_total_limit=2,
         per_device_train_batch_size=4, report_to=[], use_cpu=True, logging_steps=1000,
-        disable_tqdm=True)
+        disable_tqdm=True, save_on_each_node=each_node)
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[CountSteps()])
     if die_at is not None:
         save_rng_state = Trainer._save_rng_state
@@ -234,7 +236,7 @@ def main(argv: list[str]) -> None:
         rank, world = options.get("rank", "0/1").split("/")
         result = hf(where, int(rest[0]), True if resume == "" else resume or False,
                     int(options["die-at"]) if "die-at" in options else None,
-                    (int(rank), int(world)), options.get("port", ""))
+                    (int(rank), int(world)), options.get("port", ""), "each-node" in options)
     elif job in ("lightning", "lightning-link"):
         result = lightning(where, int(rest[0]), rest[1] if len(rest) > 1 else None,
                            "link" if job == "lightning-link" else None)

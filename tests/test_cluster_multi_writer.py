@@ -259,6 +259,45 @@ def run_ranks(tmp_path: Path, save_dirs: list[Path],
     return results
 
 
+def test_hugging_face_trainer_saving_on_each_node_commits_one_checkpoint_on_both(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
+        tmp_path: Path) -> None:
+    """transformers' Trainer with `save_on_each_node` on two nodes: each node's rank writes
+    the whole checkpoint-N into its node's mount (the same step in the cluster; some files,
+    trainer_state.json among them, with other bytes on each node) and rotates the old ones.
+    Each checkpoint commits on both nodes as one version with the same bytes on both, the
+    rotated ones are gone from both, and a fresh node that replaced node0 resumes from
+    checkpoint-6 with node1. Before, the node that did not commit the checkpoint kept it
+    `writing` (its files "have other content"), for good."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all()
+    first = run_ranks(tmp_path, [node0 / "hf", node1 / "hf"],
+                      lambda hf, port: ["hf", str(hf), "6", f"port={port}", "each-node"])
+    assert [r["global_step"] for r in first] == [6, 6]
+    for number in (4, 6):
+        step = f"hf/checkpoint-{number}"
+        wait_until(lambda s=step: all((n.step(s) or {}).get("state") == "committed"
+                                      for n in (node0, node1)), timeout=30)
+        wait_until(lambda s=step: node0.step(s)["version"] == node1.step(s)["version"]
+                   and all(n.step(s)["state"] == "committed" for n in (node0, node1)),
+                   timeout=30)
+        for name in os.listdir(node0 / step):
+            assert (node0 / step / name).read_bytes() == (node1 / step / name).read_bytes()
+    for node in (node0, node1):
+        wait_until(lambda n=node: sorted(os.listdir(n / "hf")) == [
+            "checkpoint-4", "checkpoint-6", "latest"], timeout=10)
+    wait_until(lambda: node0.step("hf/checkpoint-6")["copies"] == 2, timeout=30)
+
+    node0.kill9()
+    shutil.rmtree(node0.ram_dir)
+    fresh = cluster.start("node0")
+    resumed = run_ranks(tmp_path, [fresh / "hf", node1 / "hf"],
+                        lambda hf, port: ["hf", str(hf), "8", "resume", f"port={port}",
+                                          "each-node"])
+    for rank in resumed:
+        assert (rank["global_step"], rank["steps_run"]) == (8, 2), resumed
+
+
 def test_deepspeed_on_two_nodes_resumes_on_the_node_that_replaced_rank_0s(
         mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
         tmp_path: Path) -> None:

@@ -303,6 +303,35 @@ async def test_a_rank_that_wrote_after_another_node_committed_the_step_makes_its
         assert record is not None and record.version == 2
 
 
+async def test_a_file_written_on_two_nodes_with_other_bytes_is_the_later_ones_next_version(
+        tmp_path: Path) -> None:
+    """HF's `save_on_each_node`: each node writes the whole checkpoint, trainer_state.json's
+    bytes differing. n0 commits it; n1, whose copy was written as n0 committed, joins that
+    version and commits its bytes as the next one at once (the writers of the checkpoint
+    before have all written this one), as on one file system the last write wins. Before,
+    n1 kept the step `writing` for good ("has other content")."""
+    async with cluster(tmp_path, "n0", "n1") as (_nursery, (n0, n1)):
+        step = "hf/checkpoint-4"
+        for node in (n0, n1):
+            await node.links.sealed.note_writer("hf/checkpoint-2", 0)
+            await node.write_file(f"{step}/model.safetensors", b"same model" * 100)
+        await n0.write_file(f"{step}/trainer_state.json", b'{"node": 0}')
+        await n1.write_file(f"{step}/trainer_state.json", b'{"node": 1}')
+        await n0.ns.commits.commit_quietly(n0.ns.tree.find_step(step))
+        first = n0.ns.tree.find_step(step).step.manifest
+        await n1.hashed()
+        n1.ns.tiers.learn(first, ["n0"])
+        step_node = n1.ns.tree.find_step(step)
+        assert step_node.step.manifest is first and not step_node.step.committed
+        started = trio.current_time()
+        await n1.ns.commits.commit_quietly(step_node)
+        assert trio.current_time() - started < 2  # no wait for n0 to begin it again
+        second = step_node.step.manifest
+        assert second.version == 2 and len(second.files) == 2
+        assert await n1.read_file(f"{step}/trainer_state.json") == b'{"node": 1}'
+        assert second.entry("model.safetensors").xxh3 == first.entry("model.safetensors").xxh3
+
+
 async def test_two_nodes_that_commit_the_same_save_at_once_both_keep_the_one_etcd_took(
         tmp_path: Path) -> None:
     """HF Trainer's ranks on two nodes finish the next checkpoint at the same moment: both nodes

@@ -286,20 +286,24 @@ class StepVersions:
     def join_commit(self, step_node: Node, manifest: mf.StepManifest, others: set[str]) -> bool:
         """Another node committed this step (multi-node DCP) while ranks here wrote some of
         its files: if every file written here is sealed with the content the manifest names,
-        this node's copy is committed as the same version; otherwise it stays `writing`
-        (False). Files of an older committed version that were not written here since (held
-        elsewhere, perhaps by nobody now, or a copy held here: a step saved again, also under
-        an old name) are no part of the question: the new manifest says what they are now."""
+        this node's copy is committed as the same version; of a step without `.metadata`,
+        files written here that it lacks or holds with other bytes go in the next version,
+        committed from here; otherwise it stays `writing` (False). Files of an older
+        committed version that were not written here since (held elsewhere, perhaps by nobody
+        now, or a copy held here: a step saved again, also under an old name) are no part of
+        the question: the new manifest says what they are now."""
         step = step_node.step
         files = list(tree_walk.files_under(step_node))
         unchanged = self._residents.unchanged_since_commit
         old = [(rel, node) for rel, node in files if unchanged(step, rel, node)]
         local = [(rel, node) for rel, node in files
                  if node.remote is None and (rel, node) not in old]
-        # Files written here that the version lacks, of a step without `.metadata` (a rank
-        # that began its save after another node committed it): they go in the next version.
+        # Files written here that the version lacks or holds with other bytes, of a step
+        # without `.metadata` (a rank that began its save after another node committed it;
+        # every node writing the whole checkpoint, HF's `save_on_each_node`): as on one file
+        # system, the bytes written last are the file's, in the next version.
         late = [] if manifest.entry(os.fsdecode(METADATA)) is not None else \
-            [(rel, node) for rel, node in local if manifest.entry(rel) is None]
+            [(rel, node) for rel, node in local if _written_over(manifest.entry(rel), node)]
         local = [found for found in local if found not in late]
         # Files no writer holds that have no seal (this daemon restarted since they were
         # written: seals live in memory) are hashed now: the commit's next word (a copy to
@@ -343,15 +347,16 @@ class StepVersions:
         step.file_holders = {}
         step.file_writers = {}
         self._write_node_list(step_node, PEERS_MARK, others)
+        written_here = step.resident | {rel for rel, _node in late}
         self._residents.add_remote_files(step_node, [e for e in manifest.files
-                                          if e.name not in step.resident])
+                                          if e.name not in written_here])
         log.info("%s v%d committed on %s; this node holds %d of its files", manifest.path,
                  manifest.version, ", ".join(sorted(others)), len(local))
         if late:
             self.tree.mark_dirty(step_node)  # written over that version: committed next
-            log.warning("%s: %s written here after %s committed it: in its next version",
-                        manifest.path, some_names({rel for rel, _node in late}),
-                        ", ".join(sorted(others)))
+            log.warning("%s: %s written here, as %s committed it: in its next version, with "
+                        "the bytes written here", manifest.path,
+                        some_names({rel for rel, _node in late}), ", ".join(sorted(others)))
         return True
 
     def supersede(self, step_node: Node, manifest: mf.StepManifest, source: str, *,
@@ -483,3 +488,10 @@ class StepVersions:
             self.tree.attach(parent, raw, stat.S_IFLNK)
             made += 1
         return made
+
+
+def _written_over(entry: mf.FileEntry | None, node: Node) -> bool:
+    """Whether a file written here, sealed, is not what the version another node committed
+    holds at its name (none, or other bytes)."""
+    return entry is None or (not node.active_writers and node.seal is not None
+                             and node.seal.digest.xxh3 != entry.xxh3)

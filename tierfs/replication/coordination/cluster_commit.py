@@ -150,30 +150,31 @@ class ClusterCommits:
                             previous: str | None = None) -> set[str] | None:
         """The other nodes that write files of the save of the step over `base`. With
         `previous` (the step saved before it beside it), first waits until every other node
-        that wrote that one writes this one too, until `deadline` (trio time): DeepSpeed's
-        rank 0 writes its tracker without waiting for the other ranks, which may not have
-        begun. None if etcd is known not to answer (`etcd_answers`), or does not answer
-        within WRITERS_WAIT."""
+        that wrote that one writes this one too (this save, or one before it: a node whose
+        save another node committed first, the bytes written here later), until `deadline`
+        (trio time): DeepSpeed's rank 0 writes its tracker without waiting for the other
+        ranks, which may not have begun. None if etcd is known not to answer
+        (`etcd_answers`), or does not answer within WRITERS_WAIT."""
         if not self._etcd_answers():
             return None
         try:
             with trio.fail_after(max(0.0, min(deadline - trio.current_time(), WRITERS_WAIT))):
                 expected = set() if previous is None else \
-                    await self.records.writers(previous, None) - {self.node_id}
-                writers = await self.records.writers(step_path, base) - {self.node_id}
+                    set(await self.records.writers(previous)) - {self.node_id}
+                bases = await self.records.writers(step_path)
         except (EtcdError, trio.TooSlowError) as exc:
             log.info("etcd did not say which nodes write %s: %s", step_path,
                      exc or "no answer in time")
             return None
-        while not expected <= writers and trio.current_time() < deadline:
+        while not expected <= set(bases) and trio.current_time() < deadline:
             await trio.sleep(WRITERS_POLL)
             with contextlib.suppress(EtcdError):
-                writers = await self.records.writers(step_path, base) - {self.node_id}
-        if not expected <= writers:
+                bases = await self.records.writers(step_path)
+        if not expected <= set(bases):
             log.warning("%s: %s, which wrote %s, did not begin to write it by its commit's "
                         "deadline: committed without them", step_path,
-                        ", ".join(sorted(expected - writers)), previous)
-        return writers
+                        ", ".join(sorted(expected - set(bases))), previous)
+        return {node for node, over in bases.items() if over == base} - {self.node_id}
 
     @property
     def seals_queued(self) -> bool:

@@ -270,16 +270,16 @@ class CommitRecords:
         await self.etcd.put(self.writers_prefix(step) + node,
                             json.dumps({"base": base}).encode())
 
-    async def writers(self, step: str, base: int | None) -> set[str]:
-        """The nodes that wrote files of the save of the step over `base` (a record of an
-        earlier save, committed since, names another base); of any save if `base` is None."""
+    async def writers(self, step: str) -> dict[str, int]:
+        """The nodes that wrote files of a save of the step, each with the version its save
+        was over (its base: a record of an earlier save, committed since, names an older
+        one)."""
         prefix = self.writers_prefix(step)
         snapshot = await self.etcd.get_prefix(prefix)
-        found = set()
+        found = {}
         for kv in snapshot.kvs:
             with contextlib.suppress(ValueError, TypeError, AttributeError):
-                if base is None or json.loads(kv.value).get("base") == base:
-                    found.add(kv.key[len(prefix):])
+                found[kv.key[len(prefix):]] = int(json.loads(kv.value)["base"])
         return found
 
     # -- file records
