@@ -79,13 +79,17 @@ def test_the_first_file_of_a_load_opened_again_starts_a_new_load() -> None:
     shard = pins.opened(me, 7, b"step_1", b"__0_0.distcp")
     assert shard is not None
     assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"  # step_2 committed mid-load
-    assert not pins.starts_again(me, 7, b"step_1", b".metadata", b"step_2")  # a shard is open
+
+    def newer() -> bytes:
+        return b"step_2"
+
+    assert not pins.starts_again(me, 7, b"step_1", b".metadata", newer)  # a shard is open
     pins.closed(shard)
-    assert not pins.starts_again(me, 7, b"step_1", b"__0_0.distcp", b"step_2")
-    assert not pins.starts_again(os.getppid(), 7, b"step_1", b".metadata", b"step_2")  # another
-    assert not pins.starts_again(me, 7, b"step_1", b".metadata", b"step_1")  # not older
+    assert not pins.starts_again(me, 7, b"step_1", b"__0_0.distcp", newer)
+    assert not pins.starts_again(os.getppid(), 7, b"step_1", b".metadata", newer)  # another
+    assert not pins.starts_again(me, 7, b"step_1", b".metadata", lambda: b"step_1")  # not older
     assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"
-    assert pins.starts_again(me, 7, b"step_1", b".metadata", b"step_2")
+    assert pins.starts_again(me, 7, b"step_1", b".metadata", lambda: b"step_2")
     assert pins.resolve(me, 7, b"step_2", alive) == b"step_2"
 
 
@@ -109,7 +113,56 @@ def test_an_open_answered_long_after_it_was_asked_came_through_the_link() -> Non
     assert shard is not None
     pins.closed(shard)
     assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"  # within the grace
-    assert pins.starts_again(me, 7, b"step_1", b".metadata", b"step_2")  # the next load
+    assert pins.starts_again(me, 7, b"step_1", b".metadata", lambda: b"step_2")  # the next load
     assert pins.resolve(me, 7, b"step_2", alive) == b"step_2"
     clock.now += 5 * THROUGH_LINK
     assert pins.opened(me, 7, b"step_2", asked_at=clock.now - 2 * THROUGH_LINK) is None
+
+
+def test_the_one_file_a_load_read_opened_again_starts_a_new_load() -> None:
+    """An evaluator polling `latest/model.pt`: its load read that one file, so opening it
+    again with nothing of the step open is a new load; a load that read several files is
+    not restarted by opening one of them again (HF reads trainer_state.json twice)."""
+    clock = Clock()
+    pins = LatestPins(clock)
+    me, committed = os.getpid(), {b"step_1", b"step_2"}
+    alive = committed.__contains__
+    assert pins.resolve(me, 7, b"step_1", alive) == b"step_1"
+    model = pins.opened(me, 7, b"step_1", b"model.pt")
+    assert model is not None
+    pins.closed(model)
+    assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"
+    assert not pins.starts_again(me, 7, b"step_1", b"config.json", lambda: b"step_2")
+    assert pins.starts_again(me, 7, b"step_1", b"model.pt", lambda: b"step_2")
+    assert pins.resolve(me, 7, b"step_2", alive) == b"step_2"
+    for name in (b"trainer_state.json", b"model.safetensors"):
+        opened = pins.opened(me, 7, b"step_2", name)
+        assert opened is not None
+        pins.closed(opened)
+    committed.add(b"step_3")
+    assert pins.resolve(me, 7, b"step_3", alive) == b"step_2"
+    assert not pins.starts_again(me, 7, b"step_2", b"trainer_state.json", lambda: b"step_3")
+    assert pins.resolve(me, 7, b"step_3", alive) == b"step_2"
+
+
+def test_a_load_that_failed_holds_nothing() -> None:
+    """A load whose shard could not be read (its holder cut off, the store away) failed: the
+    process sees the newest step at once, also at a look at the link (before, it saw the
+    step it failed to load for the grace)."""
+    clock = Clock()
+    pins = LatestPins(clock)
+    me, committed = os.getpid(), {b"step_1", b"step_2"}
+    alive = committed.__contains__
+    assert pins.resolve(me, 7, b"step_1", alive) == b"step_1"
+    metadata = pins.opened(me, 7, b"step_1", b".metadata")
+    assert metadata is not None
+    pins.closed(metadata)
+    pins.failed(me, 7, b"step_1", asked_at=clock.now)  # the shard's open failed
+    assert pins.resolve(me, 7, b"step_2", alive) == b"step_2"
+    shard = pins.opened(me, 7, b"step_2", b"__0_0.distcp")
+    assert shard is not None
+    pins.failed(os.getppid(), 7, b"step_2")  # another process's failure: nothing here
+    assert pins.resolve(me, 7, b"step_1", alive) == b"step_2"
+    pins.failed(me, 7, b"step_2")  # a read of the open shard failed
+    pins.closed(shard)
+    assert pins.resolve(me, 7, b"step_1", alive) == b"step_1"

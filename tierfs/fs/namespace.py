@@ -346,6 +346,10 @@ class Namespace:
         """Process `pid` opened `handle`, having asked at `asked_at` (`time.monotonic()`)."""
         self._latest.note_opened(handle, pid, asked_at)
 
+    def load_failed(self, node: Node, pid: int, asked_at: float | None = None) -> None:
+        """Process `pid` could not open or read `node` (`VirtualLatest.load_failed`)."""
+        self._latest.load_failed(node, pid, asked_at)
+
     async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         if not handle.active:
             self.tree.activate(handle)
@@ -503,7 +507,12 @@ class Namespace:
 
     async def read(self, handle: Handle, offset: int, size: int) -> bytes:
         if handle.fd < 0 and handle.node.remote is not None:
-            return await self.fetch_back.read_remote(handle.node, offset, size)
+            try:
+                return await self.fetch_back.read_remote(handle.node, offset, size)
+            except (FsError, OSError):
+                if handle.pid:
+                    self.load_failed(handle.node, handle.pid)
+                raise
         return self.tree.read(handle, offset, size)
 
     # -- xattrs ------------------------------------------------------------------------------

@@ -316,14 +316,18 @@ class Operations(pyfuse3.Operations):
         node = self.ns.get(inode)
         asked_at = time.monotonic()  # its path walk through any `latest` came just before
         self.ns.check_open(node, ctx.pid)
-        if ((flags & os.O_ACCMODE) == os.O_RDONLY
-                and self.passthrough is not None and self.passthrough.enabled):
-            # Reads of a file in another tier would each cross the daemon (the relay, a FUSE
-            # request per 128 KiB, a copy): a small one, or one of a step being loaded (its
-            # .metadata opened), comes whole now, answered with passthrough; another large one
-            # is read range by range (FetchBack.fetch_whole).
-            await self.ns.fetch_whole(node)
-        handle = await self.ns.open(node, flags)
+        try:
+            if ((flags & os.O_ACCMODE) == os.O_RDONLY
+                    and self.passthrough is not None and self.passthrough.enabled):
+                # Reads of a file in another tier would each cross the daemon (the relay, a
+                # FUSE request per 128 KiB, a copy): a small one, or one of a step being loaded
+                # (its .metadata opened), comes whole now, answered with passthrough; another
+                # large one is read range by range (FetchBack.fetch_whole).
+                await self.ns.fetch_whole(node)
+            handle = await self.ns.open(node, flags)
+        except (FsError, OSError):
+            self.ns.load_failed(node, ctx.pid, asked_at)
+            raise
         self.ns.note_opened(handle, ctx.pid, asked_at)
         if handle.writable:
             self._writer_opened(node, ctx.uid)

@@ -315,9 +315,12 @@ class StepVersions:
                    node.active_writers else "is not sealed yet" if node.seal is None else
                    "has other content" if node.seal.digest.xxh3 != entry.xxh3 else None)
             if why is not None:
-                log.warning("%s here differs from the version %s committed (its %s here %s): "
-                            "kept as writing", self.tree.relpath(step_node),
-                            ", ".join(sorted(others)), rel, why)
+                # (a file still being written or hashed joins at the commit's next word)
+                level = logging.INFO if node.active_writers or node.seal is None else \
+                    logging.WARNING
+                log.log(level, "%s here differs from the version %s committed (its %s here "
+                        "%s): kept as writing", self.tree.relpath(step_node),
+                        ", ".join(sorted(others)), rel, why)
                 return False
         stale = [(rel, node) for rel, node in old
                  if (entry := manifest.entry(rel)) is None or entry.xxh3 != node.seal.digest.xxh3]

@@ -9,8 +9,12 @@ the newest step again. A DCP load reads `.metadata` once, first: a process that 
 through the link with no file of its step open starts a new load, and sees the newest step
 (its open is answered `ESTALE`, and the kernel walks the path again, asking for the link's
 target anew), so a process that loads `latest` again soon after a load, or after its own save,
-is not held on the older step. A process that only looks at the link (`readlink`, a
-monitor), or opens the step's files by the step's own name, always sees the newest step.
+is not held on the older step. So does a process whose last load through the link read one
+file, at the step's top, and opens that file again with nothing of the step open (an
+evaluator polling `latest/model.pt`). A load that failed (an open or a read of a file of its
+step answered with an error) holds nothing from then on. A process that only looks at the
+link (`readlink`, a monitor), or opens the step's files by the step's own name, always sees
+the newest step.
 Other processes are not affected: each resolves on its own.
 
 Processes are told apart by thread-group id: FUSE reports the thread, and a load's threads are
@@ -42,6 +46,8 @@ class Pin:
     open_files: int = 0
     reading: bool = False  # it opened a file of `target` through the link (until it expires)
     load_started: bool = False  # it opened a load's first file (`LOAD_STARTS`) through the link
+    first_file: bytes | None = None  # the first file at the step's top it opened through it
+    other_files: bool = False  # it opened another file of `target` through the link
 
 
 class LatestPins:
@@ -64,6 +70,8 @@ class LatestPins:
             return pin.target
         if pin is not None and newest is not None:
             # The same object: open files point to it.
+            if pin.target != newest:
+                pin.first_file, pin.other_files = None, False
             pin.target, pin.last_used, pin.resolved = newest, now, now
             pin.reading = pin.open_files > 0
         elif newest is not None:
@@ -83,20 +91,36 @@ class LatestPins:
         pin.reading = True
         if file_name == LOAD_STARTS:
             pin.load_started = True
+        if pin.first_file is None and not pin.other_files and file_name is not None:
+            pin.first_file = file_name
+        elif file_name is None or file_name != pin.first_file:
+            pin.other_files = True
         return pin
 
     def starts_again(self, pid: int, dir_ino: int, step_name: bytes, file_name: bytes,
-                     newest: bytes | None) -> bool:
+                     newest: Callable[[], bytes | None]) -> bool:
         """A process is about to open `file_name` at the top of step `step_name`. True if that
-        begins a new load through an older step than the newest (the first file of a load,
-        `LOAD_STARTS`, read again through the link with nothing of the step open): the pin
-        ends, and the caller has the open walked again."""
+        begins a new load through an older step than the newest (`newest()`), with nothing of
+        the step open: the first file of a DCP load, `LOAD_STARTS`, read again through the
+        link, or the one file the last load read through it: the pin ends, and the caller has
+        the open walked again."""
         pin = self._through_link(pid, dir_ino, step_name)
-        if (file_name != LOAD_STARTS or pin is None or pin.open_files
-                or newest in (None, pin.target) or not pin.load_started):
+        if pin is None or pin.open_files or not (
+                (file_name == LOAD_STARTS and pin.load_started)
+                or (file_name == pin.first_file and not pin.other_files)):
+            return False
+        if newest() in (None, pin.target):
             return False
         del self._pins[(thread_group(pid), dir_ino)]
         return True
+
+    def failed(self, pid: int, dir_ino: int, step_name: bytes,
+               asked_at: float | None = None) -> None:
+        """A file of step `step_name` the process asked for at `asked_at` (now if None) could
+        not be opened or read: if it came through the link, the load failed and the pin ends,
+        so that the process's next load, or look at the link, sees the newest step."""
+        if self._through_link(pid, dir_ino, step_name, asked_at) is not None:
+            del self._pins[(thread_group(pid), dir_ino)]
 
     def _through_link(self, pid: int, dir_ino: int, step_name: bytes,
                       asked_at: float | None = None) -> Pin | None:

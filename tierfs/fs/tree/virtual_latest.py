@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tierfs.fs.model import completion, tree_walk
-from tierfs.fs.model.latest_pins import LOAD_STARTS, LatestPins
+from tierfs.fs.model.latest_pins import LatestPins
 from tierfs.fs.model.nodes import LATEST, OWN_LATEST_MARK, FsError, Handle, Node, StepState
 from tierfs.fs.tree.dir_attributes import times_kept
 from tierfs.step_names import DEEPSPEED_STEP
@@ -129,14 +129,14 @@ class VirtualLatest:
     def check_open(self, node: Node, pid: int) -> None:
         """Process `pid` is about to open `node`: `ESTALE` if that starts a new load through
         an older step than its directory's newest (`LatestPins.starts_again`: a DCP load's
-        `.metadata`); the kernel then walks the path again, `latest` naming the newest step."""
+        `.metadata`, or the one file a load read); the kernel then walks the path again,
+        `latest` naming the newest step."""
         step_node = node.parent
-        if (node.name != LOAD_STARTS or step_node is None or step_node.step is None
-                or step_node.parent is None):
+        if step_node is None or step_node.step is None or step_node.parent is None:
             return
-        newest = self.target(step_node.parent)
-        if self._pins.starts_again(pid, step_node.parent.ino, step_node.name, node.name,
-                                   newest):
+        run = step_node.parent
+        if self._pins.starts_again(pid, run.ino, step_node.name, node.name,
+                                   lambda: self.target(run)):
             raise FsError(errno.ESTALE)
 
     def note_opened(self, handle: Handle, pid: int, asked_at: float) -> None:
@@ -149,6 +149,14 @@ class VirtualLatest:
             handle.pin = self._pins.opened(
                 pid, step_node.parent.ino, step_node.name,
                 handle.node.name if handle.node.parent is step_node else None, asked_at)
+
+    def load_failed(self, node: Node, pid: int, asked_at: float | None = None) -> None:
+        """Process `pid` could not open (asked at `asked_at`) or read `node`: if it came
+        through its pinned `latest`, its load failed, and the pin ends
+        (`LatestPins.failed`)."""
+        step_node = next(tree_walk.enclosing_steps(node.parent), None)
+        if step_node is not None and step_node.parent is not None:
+            self._pins.failed(pid, step_node.parent.ino, step_node.name, asked_at)
 
     def closed(self, handle: Handle) -> None:
         if handle.pin is not None:
