@@ -404,23 +404,6 @@ class OtherTiers:
             log.info("holding %d files of %s v%d from %s", len(held), path, version, sender)
         return held
 
-    def _take_clusters_commit(self, node: Node, manifest: mf.StepManifest,
-                              others: set[str]) -> None:
-        """Two nodes committed the same save at the same moment (each with every writer's
-        files: HF Trainer's ranks finishing a checkpoint together), and etcd took the other's
-        commit record: this node takes that commit, `manifest`, for its own version, so that
-        every node names one commit (a delete covers it everywhere). Its files here with the
-        same bytes stay; refused while something here reads or writes the step (the next
-        event of the record tries again)."""
-        step = node.step
-        if step.dirty or step.commit_pending or tree_walk.busy(node):
-            return
-        self.versions.write_peers_mark(node, manifest.version, others)
-        self.versions.supersede(node, manifest, manifest.node_id, release=True)
-        self.versions.set_holders(node, others, record=False)
-        self._residents.add_remote_files(
-            node, [e for e in manifest.files if e.name not in step.resident])
-
     def _committed_at(self, path: str, version: int) -> Node | None:
         node = self.tree.find_step(path)
         if node is None or not node.step.committed or node.step.manifest.version != version:
@@ -429,18 +412,24 @@ class OtherTiers:
 
     def _supersede(self, step_node: Node, manifest: mf.StepManifest, source: str,
                    record: Callable[[], None] | None = None, *,
-                   release: bool = False) -> list[str] | None:
+                   release: bool = False, recorded: bool = False) -> list[str] | None:
         """A newer version of a step committed elsewhere replaces the older committed version
         this node holds (it was away while the step was re-saved): never let the old bytes
-        shadow the new commit. Refused (None) unless `manifest` is newer and nothing here
-        writes, commits or reads the step; the caller retries (the next commit event, replication).
+        shadow the new commit. `recorded`: `manifest` is the commit the cluster's records
+        name, which also replaces another commit of the same version held here (two nodes
+        committed the same save at the same moment, etcd took the other's record), so that
+        every node names one commit and a delete covers it everywhere. Refused (None) unless
+        `manifest` replaces the version here and nothing here writes, commits or reads the
+        step; the caller retries (the next commit event, replication).
 
         On disk, `record` first notes where the new version's files are (peers, the
         persistent tier), so that a restart finds them; then `Tree.supersede`."""
         step = step_node.step
         old = step.manifest
-        if (old is None or manifest.version <= old.version or step.dirty
-                or step.commit_pending or tree_walk.busy(step_node)):
+        if old is None or step.dirty or step.commit_pending or tree_walk.busy(step_node):
+            return None
+        if manifest.version < old.version or manifest.version == old.version and not (
+                recorded and manifest.committed_ns != old.committed_ns):
             return None
         if record is not None:
             record()
@@ -548,10 +537,9 @@ class OtherTiers:
         node = self.tree.find_step(manifest.path)
         if node is not None:
             step = node.step
-            if (step.committed and step.manifest.version == manifest.version
-                    and step.manifest.committed_ns != manifest.committed_ns):
-                self._take_clusters_commit(node, manifest, others)
-            elif step.manifest is not None and step.manifest.version == manifest.version:
+            if (step.manifest is not None and step.manifest.version == manifest.version
+                    and not (step.committed
+                             and step.manifest.committed_ns != manifest.committed_ns)):
                 if others != step.holders - {self.node_id}:
                     # the commit record names the holders now: one that dropped out (it came
                     # back without its copies) may have held the only copy of a file, which
@@ -564,7 +552,7 @@ class OtherTiers:
             elif self._supersede(node, manifest, ", ".join(sorted(others)),
                                  lambda: self.versions.write_peers_mark(node, manifest.version,
                                                                     others),
-                                 release=True) is not None:
+                                 release=True, recorded=True) is not None:
                 self.versions.set_holders(node, others, record=False)
                 self._residents.add_remote_files(
                     node, [e for e in manifest.files if e.name not in step.resident])

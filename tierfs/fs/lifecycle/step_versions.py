@@ -407,10 +407,10 @@ class StepVersions:
         step.persisted_version = 0
         step.retired_version = 0
         unchanged = f"; {len(kept)} of its files here are unchanged in it" if kept else ""
-        if manifest.version == old.version:  # `OtherTiers._take_clusters_commit`
-            log.info("%s v%d was committed here and on %s at the same moment; the cluster "
+        if manifest.version == old.version:  # the cluster recorded another commit of it
+            log.info("%s v%d was committed here and by %s at the same moment; the cluster "
                      "recorded %s's commit, taken here%s", manifest.path, manifest.version,
-                     source, source, unchanged)
+                     manifest.node_id, manifest.node_id, unchanged)
         else:
             log.warning("%s v%d here is superseded by v%d from %s%s", manifest.path,
                         old.version, manifest.version, source, unchanged)

@@ -144,8 +144,8 @@ class VirtualLatest:
         asked at `asked_at` (`time.monotonic()`): if it reached the file through its pinned
         `latest`, the pin lasts while the file is open."""
         handle.pid = pid
-        step_node = next(tree_walk.enclosing_steps(handle.node.parent), None)
-        if step_node is not None and step_node.parent is not None:
+        step_node = _step_in_a_directory(handle.node)
+        if step_node is not None:
             handle.pin = self._pins.opened(
                 pid, step_node.parent.ino, step_node.name,
                 handle.node.name if handle.node.parent is step_node else None, asked_at)
@@ -154,13 +154,20 @@ class VirtualLatest:
         """Process `pid` could not open (asked at `asked_at`) or read `node`: if it came
         through its pinned `latest`, its load failed, and the pin ends
         (`LatestPins.failed`)."""
-        step_node = next(tree_walk.enclosing_steps(node.parent), None)
-        if step_node is not None and step_node.parent is not None:
+        step_node = _step_in_a_directory(node)
+        if step_node is not None:
             self._pins.failed(pid, step_node.parent.ino, step_node.name, asked_at)
 
     def closed(self, handle: Handle) -> None:
         if handle.pin is not None:
             self._pins.closed(handle.pin)
+
+
+def _step_in_a_directory(node: Node) -> Node | None:
+    """The step directory a file is in (at any depth), if that step has a parent directory
+    (whose `latest` may name it)."""
+    step_node = next(tree_walk.enclosing_steps(node.parent), None)
+    return step_node if step_node is not None and step_node.parent is not None else None
 
 
 def _is_committed_step(dir_node: Node, name: bytes) -> bool:
