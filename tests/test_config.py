@@ -42,6 +42,7 @@ def test_precedence_command_line_then_environment_then_file(tmp_path) -> None:  
     ({"step_pattern": "("}, "not a regular expression"),
     ({"ram_limit": "huge"}, "not a size"),
     ({"failure_domain": "rack1"}, "--failure-domain needs --cluster"),
+    ({"log_level": "loud"}, "--log-level 'loud': use one of DEBUG, INFO, WARNING, ERROR"),
     ({"failure_domain": "rack 1", "cluster": "etcd://127.0.0.1:2379/x", "insecure": True,
       "listen": "127.0.0.1:7070"}, "use 1 to 63 letters, digits and ._:-"),
 ])

@@ -246,6 +246,22 @@ def test_a_process_polling_one_file_through_latest_reads_each_new_step(mnt: Moun
     assert (run / "latest/model.pt").read_bytes() == b"two"  # within that load's grace
 
 
+def test_at_log_level_debug_the_log_says_which_step_latest_names_for_each_process(
+        mounts: MountFactory) -> None:
+    """`--log-level debug`: the daemon's log tells which step `latest` named for a process,
+    and that its open went through the link; at the default level it says neither."""
+    from tests.test_crash import save
+
+    quiet, chatty = mounts.mount(), mounts.mount("--log-level", "debug")
+    for mnt in (quiet, chatty):
+        save(mnt / "run/step_1", {"model.pt": b"one", ".metadata": b"m1"})
+        assert (mnt / "run/latest/model.pt").read_bytes() == b"one"
+    pid = os.getpid()
+    assert f"latest for {pid} (thread {pid}): b'step_1'" in chatty.log()
+    assert f"b'step_1'/b'model.pt' opened through latest by thread {pid}" in chatty.log()
+    assert "latest for" not in quiet.log() and "opened through latest" not in quiet.log()
+
+
 def fresh_node_after_one_save(mounts: MountFactory, proxy: S3Proxy, bucket: str,
                               s3_env: dict[str, str]) -> Mount:
     """A node mounted on an empty RAM dir whose store, reached through `proxy`, holds one DCP

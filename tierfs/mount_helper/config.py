@@ -177,6 +177,9 @@ MOUNT_OPTIONS = [
            "doc/DEPLOYMENT.md)", metavar="HOST:PORT"),
     Option("log-file", None, "log destination when daemonised", "path", "FILE",
            default_help="`<ram-dir>/tierfs.log`"),
+    Option("log-level", "INFO", "the lowest level of the daemon's own records that reach the "
+           "log: `DEBUG` adds, e.g., which step `latest` names for each process and why (the "
+           "libraries' records stay at `INFO`)", metavar="LEVEL"),
     Option("allow-non-empty", False, "mount on a directory that is not empty (its content stays "
            "hidden while tierfs is mounted)", "flag", default_help="off: refused"),
     Option("allow-other", False, "other users may use the mount (FUSE `allow_other`); the "
@@ -236,6 +239,7 @@ class MountConfig:
     peer_tls: PeerTlsFiles | None = None  # --peer-tls
     failure_domain: str | None = None  # --failure-domain
     peer_connections: int = 4  # --peer-connections
+    log_level: str = "INFO"  # --log-level
 
     @property
     def control_socket(self) -> str:
@@ -483,8 +487,19 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         peer_tls=_peer_tls(values),
         failure_domain=domain,
         peer_connections=_whole_number(values, "peer_connections", 1),
+        log_level=_log_level(values["log_level"]),
         **_root_directory(values),
     )
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _log_level(value: Any) -> str:
+    level = str(value).upper()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"--log-level {value!r}: use one of {', '.join(LOG_LEVELS)}")
+    return level
 
 
 _DOMAIN = re.compile(r"^[A-Za-z0-9._:-]{1,63}$")

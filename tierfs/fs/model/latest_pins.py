@@ -23,9 +23,12 @@ one reader.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 GRACE = 10.0  # seconds a process keeps its target after its last use of it
 # An open of a file of the step asked for within this long after the same process resolved
@@ -67,6 +70,8 @@ class LatestPins:
         if (pin is not None and pin.reading and pin.target != newest
                 and still_committed(pin.target)):
             pin.resolved = now
+            log.debug("latest for %d (thread %d): %r, held (newest %r)", key[0], pid,
+                      pin.target, newest)
             return pin.target
         if pin is not None and newest is not None:
             # The same object: open files point to it.
@@ -76,6 +81,7 @@ class LatestPins:
             pin.reading = pin.open_files > 0
         elif newest is not None:
             self._pins[key] = Pin(newest, now, resolved=now)
+        log.debug("latest for %d (thread %d): %r", key[0], pid, newest)
         return newest
 
     def opened(self, pid: int, dir_ino: int, step_name: bytes,
@@ -87,6 +93,7 @@ class LatestPins:
         pin = self._through_link(pid, dir_ino, step_name, asked_at)
         if pin is None:
             return None
+        log.debug("%r/%r opened through latest by thread %d", step_name, file_name, pid)
         pin.open_files += 1
         pin.reading = True
         if file_name == LOAD_STARTS:
@@ -108,9 +115,15 @@ class LatestPins:
         if pin is None or pin.open_files or not (
                 (file_name == LOAD_STARTS and pin.load_started)
                 or (file_name == pin.first_file and not pin.other_files)):
+            if pin is not None:
+                log.debug("%r/%r opened by thread %d, the same load (%d open, first %r, "
+                          "others %s, began at %s)", step_name, file_name, pid,
+                          pin.open_files, pin.first_file, pin.other_files, LOAD_STARTS
+                          if pin.load_started else None)
             return False
         if newest() in (None, pin.target):
             return False
+        log.debug("%r/%r opened again by thread %d: a new load", step_name, file_name, pid)
         del self._pins[(thread_group(pid), dir_ino)]
         return True
 
@@ -120,6 +133,7 @@ class LatestPins:
         not be opened or read: if it came through the link, the load failed and the pin ends,
         so that the process's next load, or look at the link, sees the newest step."""
         if self._through_link(pid, dir_ino, step_name, asked_at) is not None:
+            log.debug("a load of %r by thread %d failed", step_name, pid)
             del self._pins[(thread_group(pid), dir_ino)]
 
     def _through_link(self, pid: int, dir_ino: int, step_name: bytes,
@@ -132,6 +146,9 @@ class LatestPins:
         asked_at = self._clock() if asked_at is None else asked_at
         if pin is None or pin.target != step_name or not (
                 pin.reading or asked_at - pin.resolved <= THROUGH_LINK):
+            if pin is not None and pin.target == step_name:
+                log.debug("%r opened by thread %d %.3f s after it resolved latest to it: by "
+                          "its own name", step_name, pid, asked_at - pin.resolved)
             return None  # not through the link: a file of the step opened by its own name
         return pin
 

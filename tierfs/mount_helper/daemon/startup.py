@@ -258,6 +258,7 @@ def setup_logging(cfg: MountConfig, to_stderr: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+    logging.getLogger("tierfs").setLevel(cfg.log_level)  # the libraries' (boto3's) stay at INFO
 
 
 def serve_metrics(cfg: MountConfig, events: Events, levels: Callable[[], Levels]
