@@ -246,6 +246,17 @@ def test_a_flush_or_release_names_the_handle_it_closes_and_is_left_to_the_daemon
         wire.flush_fh(request(wire.Opcode.FLUSH, b"\0" * 4))
 
 
+def test_a_fallocate_names_its_handle_range_and_mode() -> None:
+    """The relay hands a FALLOCATE to the daemon (`Operations.fallocate_now`), never to
+    libfuse, whose ENOSYS would turn fallocate(2) off for the whole mount."""
+    message = request(wire.Opcode.FALLOCATE, struct.pack("<QQQII", 7, 1 << 33, 4096, 3, 0))
+    assert wire.fallocate_in(message) == wire.FallocateIn(fh=7, offset=1 << 33, length=4096,
+                                                          mode=3)
+    assert wire.answer_here(message) is None
+    with pytest.raises(wire.WireError):
+        wire.fallocate_in(request(wire.Opcode.FALLOCATE, b"\0" * 20))
+
+
 def test_a_lookup_without_its_nul_is_an_error_not_a_guess() -> None:
     with pytest.raises(wire.WireError):
         wire.lookup_name(request(wire.Opcode.LOOKUP, b"name"))

@@ -403,21 +403,71 @@ def test_user_xattrs_on_files_and_directories(mounts: MountFactory, tmp_path: Pa
     assert getxattr(mnt / "run/step_1", "user.tierfs.state") == "committed"
 
 
-def fallocate(fd: int, length: int) -> None:
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def fallocate(fd: int, length: int, offset: int = 0, mode: int = 0) -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    if libc.fallocate(fd, 0, ctypes.c_long(0), ctypes.c_long(length)) != 0:
+    if libc.fallocate(fd, mode, ctypes.c_long(offset), ctypes.c_long(length)) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
 
 
+def test_fallocate_sizes_files_and_punches_holes_that_commit(mounts: MountFactory,
+                                                              tmp_path: Path) -> None:
+    """fallocate(2) through the relay, with the modes the RAM dir's tmpfs has: `fallocate -l`
+    sizes a new file, a punched hole reads as zeros, `rsync --preallocate` copies a step in,
+    and a committed file sized again is the step's next version. Before, every fallocate was
+    EOPNOTSUPP (pyfuse3 has no handler): `fallocate` failed and rsync printed an error."""
+    mnt = mounts.mount()
+    step = mnt / "run/step_1"
+    step.mkdir(parents=True)
+    subprocess.run(["fallocate", "-l", "1M", str(step / "reserved.bin")], check=True)
+    assert (step / "reserved.bin").read_bytes() == bytes(1 << 20)
+    data = os.urandom(1 << 16)
+    (step / "shard.bin").write_bytes(data)
+    fd = os.open(step / "shard.bin", os.O_RDWR)
+    try:
+        fallocate(fd, 4096, offset=8192, mode=FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)
+        expect_errno(errno.EOPNOTSUPP, fallocate, fd, 4096, 0, 0x10)  # ZERO_RANGE: not tmpfs's
+    finally:
+        os.close(fd)
+    punched = data[:8192] + bytes(4096) + data[12288:]
+    assert (step / "shard.bin").read_bytes() == punched
+    source = tmp_path / "step_2"
+    source.mkdir()
+    (source / "model.bin").write_bytes(data)
+    copy = subprocess.run(["rsync", "-a", "--preallocate", str(source), str(mnt / "run")],
+                          capture_output=True, text=True)
+    assert copy.returncode == 0 and copy.stderr == "", copy.stderr
+    assert (mnt / "run/step_2/model.bin").read_bytes() == data
+    tierfs("commit", str(step))
+    tierfs("commit", str(mnt / "run/step_2"))
+    assert mnt.step("run/step_1")["files"] == 2
+    version = mnt.step("run/step_2")["version"]
+    subprocess.run(["fallocate", "-l", "128K", str(mnt / "run/step_2/model.bin")], check=True)
+    tierfs("commit", str(mnt / "run/step_2"))
+    assert mnt.step("run/step_2")["version"] == version + 1
+    assert (mnt / "run/step_2/model.bin").read_bytes() == data + bytes(1 << 16)
+    mnt.kill9()  # the RAM tier kept what was committed
+    again = mounts.remount(mnt)
+    assert (again / "run/step_1/shard.bin").read_bytes() == punched
+    assert (again / "run/step_2/model.bin").read_bytes() == data + bytes(1 << 16)
+
+
 @DATA_PATHS
 def test_fallocate_and_seek_hole_data(mounts: MountFactory, passthrough: bool) -> None:
-    """What doc/SEMANTICS.md promises: fallocate(2) is EOPNOTSUPP (pyfuse3 has no handler), glibc's
-    posix_fallocate falls back to writing; SEEK_DATA/SEEK_HOLE see the whole file as data."""
+    """What doc/SEMANTICS.md promises: fallocate(2) works with passthrough (the relay answers
+    it) and is EOPNOTSUPP without (pyfuse3 has no handler); glibc's posix_fallocate falls
+    back to writing; SEEK_DATA/SEEK_HOLE see the whole file as data."""
     mnt = both_data_paths(mounts, passthrough)
     fd = os.open(mnt / "f", os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        expect_errno(errno.EOPNOTSUPP, fallocate, fd, 1 << 20)
+        if passthrough:
+            fallocate(fd, 50_000)
+            assert os.fstat(fd).st_size == 50_000
+        else:
+            expect_errno(errno.EOPNOTSUPP, fallocate, fd, 1 << 20)
         os.posix_fallocate(fd, 0, 100_000)
         assert os.fstat(fd).st_size == 100_000
         os.pwrite(fd, b"end", (1 << 20) - 3)  # a file with a hole in the middle

@@ -448,6 +448,17 @@ class Namespace:
     def fsync(self, handle: Handle) -> None:
         self.tree.fsync(handle)
 
+    def fallocate(self, handle: Handle, mode: int, offset: int, length: int) -> None:
+        """fallocate(2) through an open file (`fallocate -l`, `rsync --preallocate`, a saver
+        that sizes its file first): done on the file's RAM copy, with its mode, as the
+        kernel's writes through passthrough are, and the RAM tier's limit kept as for theirs
+        (at the open, then by eviction)."""
+        if not handle.writable or handle.fd < 0:
+            raise FsError(errno.EBADF)
+        if not handle.active:
+            self.tree.activate(handle)
+        self.tree.fallocate(handle, mode, offset, length)
+
     async def setattr(
         self, node: Node, handle: Handle | None, *, mode: int | None = None,
         uid: int | None = None, gid: int | None = None, size: int | None = None,

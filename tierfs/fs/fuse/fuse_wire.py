@@ -33,6 +33,9 @@ What the relay answers itself, without libfuse:
 - CREATE of a file whose create waits for nothing (`Operations.create_now`): made by the daemon
   on the relay's turn of the loop, answered with the reply libfuse's `fuse_reply_create` would
   write for pyfuse3 (`create_reply`), then edited as every CREATE reply (`edit_open_reply`).
+- FALLOCATE (`Operations.fallocate_now`): pyfuse3 has no handler for it, and libfuse's ENOSYS
+  would make the kernel refuse every later fallocate(2) on the mount with EOPNOTSUPP
+  (`fallocate -l`, `rsync --preallocate`).
 What the relay takes aside:
 - Notifications (a message from libfuse with `unique` 0: the daemon's invalidations,
   `fs.tree.kernel_cache`): written to the kernel by a thread of their own (`fs.fuse.passthrough`).
@@ -72,6 +75,7 @@ class Opcode(IntEnum):
     INIT = 26
     CREATE = 35
     IOCTL = 39
+    FALLOCATE = 43
 
 
 # fuse_init_in/out.flags (flags2 holds bits 32-63, FUSE_INIT_EXT says it is there)
@@ -142,6 +146,8 @@ FATTR_MODE, FATTR_UID, FATTR_GID, FATTR_SIZE = 1 << 0, 1 << 1, 1 << 2, 1 << 3
 FATTR_ATIME, FATTR_MTIME, FATTR_FH = 1 << 4, 1 << 5, 1 << 6
 FATTR_ATIME_NOW, FATTR_MTIME_NOW, FATTR_LOCKOWNER, FATTR_CTIME = 1 << 7, 1 << 8, 1 << 9, 1 << 10
 FATTR_KILL_SUIDGID = 1 << 11
+# struct fuse_fallocate_in: fh, offset, length, mode, padding
+FALLOCATE_IN = struct.Struct("<QQQII")
 # struct fuse_write_in, which with the in-header precedes a WRITE's data.
 WRITE_IN_SIZE = 40
 
@@ -307,6 +313,18 @@ def flush_fh(message: Message) -> int:
     if len(message) < IN_HEADER.size + 8:
         raise WireError(f"a FLUSH or RELEASE request of {len(message)} bytes")
     return _FH.unpack_from(message, IN_HEADER.size)[0]
+
+
+class FallocateIn(NamedTuple):
+    fh: int
+    offset: int
+    length: int
+    mode: int  # fallocate(2)'s
+
+
+def fallocate_in(message: Message) -> FallocateIn:
+    """A FALLOCATE request's arguments."""
+    return FallocateIn(*_unpack(FALLOCATE_IN, message, IN_HEADER.size, "FALLOCATE request")[:4])
 
 
 def create_in(message: Message) -> CreateIn:

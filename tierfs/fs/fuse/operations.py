@@ -33,7 +33,7 @@ from tierfs.fs.store.ram_store import RamFull
 from tierfs.fs.tree.kernel_cache import timeout_for
 
 if TYPE_CHECKING:
-    from tierfs.fs.fuse.fuse_wire import SetattrIn
+    from tierfs.fs.fuse.fuse_wire import FallocateIn, SetattrIn
     from tierfs.fs.fuse.passthrough import PassthroughDevice
     from tierfs.fs.namespace import Namespace
 
@@ -103,6 +103,7 @@ class Operations(pyfuse3.Operations):
             passthrough.release_now = self.release_now
             passthrough.create_now = self.create_now
             passthrough.setattr_now = self.setattr_now
+            passthrough.fallocate_now = self.fallocate_now
         self.control_path = control_path.encode()
         self._dirs: dict[int, tuple[Node, list[tuple[bytes, Node]] | None]] = {}
         self._next_dir_fh = 1
@@ -388,6 +389,13 @@ class Operations(pyfuse3.Operations):
         if self.passthrough is not None:
             self.passthrough.withdraw(handle)
         await self.ns.release(handle)
+
+    @_answer_now
+    def fallocate_now(self, request: FallocateIn) -> int:
+        """fallocate(2) of an open file, for the relay (pyfuse3 has no handler for it)."""
+        self.ns.fallocate(self.ns.handle(request.fh), request.mode, request.offset,
+                          request.length)
+        return 0
 
     @_boundary
     async def fsync(self, fh: int, datasync: bool) -> None:

@@ -143,6 +143,8 @@ class PassthroughDevice:
         # inode, the change): the attributes, the errno that fails it, or None.
         self.setattr_now: Callable[[int, wire.SetattrIn],
                                    EntryAttributes | int | None] | None = None
+        # A FALLOCATE, done with no await (`Operations.fallocate_now`): 0 or the errno.
+        self.fallocate_now: Callable[[wire.FallocateIn], int] | None = None
         self._closing = False
         self._aborted = False  # the connection was aborted
         self.connection: str | None = None  # the mount's directory under CONNECTIONS
@@ -380,7 +382,8 @@ class PassthroughDevice:
     def _answer_now(self, message: wire.Message) -> bytes | None:
         """A GETATTR, a LOOKUP of an absent name, a CREATE with room in the RAM tier, a FLUSH or
         RELEASE that commits nothing, a SETATTR of a mode, an owner or times of a file in RAM
-        (`tar x` and `rsync -a` set all three on every file), answered by the daemon on this
+        (`tar x` and `rsync -a` set all three on every file), a FALLOCATE (which libfuse would
+        refuse: pyfuse3 has no handler for it), answered by the daemon on this
         turn of the loop, or None: a request relayed to libfuse is three turns of the loop (this
         task, the pyfuse3 worker's, the reply relay's), and these handlers never wait (a step of
         many files saved asks each once per file: the kernel checks the step directory's
@@ -401,7 +404,10 @@ class PassthroughDevice:
             error = self.flush_now(wire.flush_fh(message))
         elif code == wire.Opcode.RELEASE and self.release_now is not None:
             error = self.release_now(wire.flush_fh(message))
-        if code in (wire.Opcode.LOOKUP, wire.Opcode.FLUSH, wire.Opcode.RELEASE):
+        elif code == wire.Opcode.FALLOCATE and self.fallocate_now is not None:
+            error = self.fallocate_now(wire.fallocate_in(message))
+        if code in (wire.Opcode.LOOKUP, wire.Opcode.FLUSH, wire.Opcode.RELEASE,
+                    wire.Opcode.FALLOCATE):
             return None if error is None else wire.error_reply(wire.unique_of(message), error)
         if code == wire.Opcode.CREATE:
             return self._create_now(message) if offer.minor >= wire.CREATE_IN_MINOR else None

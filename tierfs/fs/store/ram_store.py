@@ -21,8 +21,11 @@ write with ENOSPC before tmpfs itself runs out.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import fcntl
+import functools
 import itertools
 import logging
 import os
@@ -68,6 +71,20 @@ class RamDirBusy(Exception):
 
 class RamFull(Exception):
     """A write would take the RAM tier past --ram-limit."""
+
+
+def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    """fallocate(2) with its mode (Python's `os` has only posix_fallocate, mode 0)."""
+    if _fallocate()(fd, mode, offset, length) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+
+
+@functools.cache
+def _fallocate() -> Callable[[int, int, int, int], int]:
+    call = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).fallocate
+    call.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+    return call  # type: ignore[no-any-return]
 
 
 def allocated(st: os.stat_result) -> int:

@@ -66,7 +66,7 @@ from tierfs.fs.model.nodes import (
     size_in_blocks,
 )
 from tierfs.fs.store.long_paths import LONG_PATH, anchor_path
-from tierfs.fs.store.ram_store import RamStore, allocated, is_reserved
+from tierfs.fs.store.ram_store import RamStore, allocated, fallocate, is_reserved
 from tierfs.fs.tree.attributes import Attributes
 from tierfs.fs.tree.copy_on_write import CopyOnWrite
 from tierfs.fs.tree.cut_short import CutShort
@@ -512,6 +512,11 @@ class Tree:
         written = os.pwrite(handle.fd, data, offset)
         self.store.account_fd(handle.fd)
         return written
+
+    def fallocate(self, handle: Handle, mode: int, offset: int, length: int) -> None:
+        """fallocate(2) through an active handle."""
+        fallocate(handle.fd, mode, offset, length)
+        self.store.account_fd(handle.fd)
 
     def account_direct_writes(self) -> None:
         """Bring the RAM tier's accounting up to date with passthrough writes in progress."""
