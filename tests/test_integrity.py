@@ -12,6 +12,7 @@ import errno
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -195,6 +196,38 @@ def test_a_load_through_latest_never_mixes_two_steps(mnt: Mount) -> None:
     loaded = state(0.0)
     dcp.load(loaded, storage_reader=CommitMidLoad(str(run / "latest")))
     assert torch.equal(loaded["a"], state(1.0)["a"]) and torch.equal(loaded["b"], state(1.0)["b"])
+
+
+def test_a_load_that_plans_longer_than_the_grace_reads_the_step_of_its_metadata(
+        mnt: Mount) -> None:
+    """A rank that waits longer than the pin's grace between `.metadata` and its shards (DCP
+    plans the load with every rank in between: a big job, a slow rank) while a newer step
+    commits still reads the shards of the step whose `.metadata` it read. Before, the pin
+    lapsed and the shards came from the newer step: one load of two checkpoints, which
+    succeeded (the steps had the same layout) with the newer step's values."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tierfs.fs.model.latest_pins import GRACE
+
+    def state(value: float) -> dict[str, torch.Tensor]:
+        return {"a": torch.full((256,), value)}
+
+    run = mnt / "run"
+    dcp.save(state(1.0), storage_writer=dcp.FileSystemWriter(str(run / "step_1")))
+
+    class PlansSlowly(dcp.FileSystemReader):
+        def read_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            dcp.save(state(2.0), storage_writer=dcp.FileSystemWriter(str(run / "step_2")))
+            time.sleep(GRACE + 1)
+            return super().read_data(plan, planner)
+
+    loaded = state(0.0)
+    dcp.load(loaded, storage_reader=PlansSlowly(str(run / "latest")))
+    assert torch.equal(loaded["a"], state(1.0)["a"])
+    loaded = state(0.0)  # the next load: the newest step
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(run / "latest")))
+    assert torch.equal(loaded["a"], state(2.0)["a"])
 
 
 def test_a_new_load_through_latest_reads_the_newest_step_at_once(mnt: Mount) -> None:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tierfs.fs.model.latest_pins import GRACE, THROUGH_LINK, LatestPins
+from tierfs.fs.model.latest_pins import GRACE, PLANNING, THROUGH_LINK, LatestPins
 
 pytestmark = pytest.mark.core
 
@@ -166,3 +166,31 @@ def test_a_load_that_failed_holds_nothing() -> None:
     pins.failed(me, 7, b"step_2")  # a read of the open shard failed
     pins.closed(shard)
     assert pins.resolve(me, 7, b"step_1", alive) == b"step_1"
+
+
+def test_a_load_planning_for_longer_than_the_grace_still_reads_its_step() -> None:
+    """DCP reads `.metadata`, closes it, and plans with every other rank before it opens a
+    shard: a rank that waits longer than GRACE there (a slow rank, a big job) still reads the
+    shards of the step whose `.metadata` it read. Before, the pin lapsed: the shards came from
+    the newer step (one load, two checkpoints), and the process's next load, its load not
+    begun at `.metadata` as far as the pin knew, read the older step."""
+    clock = Clock()
+    pins = LatestPins(clock)
+    me, committed = os.getpid(), {b"step_1", b"step_2"}
+    alive = committed.__contains__
+    assert pins.resolve(me, 7, b"step_1", alive) == b"step_1"
+    metadata = pins.opened(me, 7, b"step_1", b".metadata")
+    assert metadata is not None
+    pins.closed(metadata)
+    clock.now += 3 * GRACE  # the ranks plan; step_2 commits meanwhile
+    assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"
+    shard = pins.opened(me, 7, b"step_1", b"__0_0.distcp")
+    assert shard is not None
+    pins.closed(shard)
+    clock.now += 2 * GRACE  # once the shards are read, the grace is the usual one
+    assert pins.resolve(me, 7, b"step_2", alive) == b"step_2"
+    metadata = pins.opened(me, 7, b"step_2", b".metadata")
+    assert metadata is not None
+    pins.closed(metadata)
+    clock.now += 2 * PLANNING  # a `.metadata` read alone, long ago, holds nothing for good
+    assert pins.resolve(me, 7, b"step_3", committed.__contains__) == b"step_3"

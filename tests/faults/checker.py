@@ -221,6 +221,11 @@ def _load(event: Event, start: float, model: Model, windows: Windows,
     if len(read) > 1:
         found.append(f"load of {value['path']} through {node}: its ranks read different saves "
                      f"(seeds {[a['seeds'] for a in value['ranks']]}, t={event.time})")
+    steps = {step for answer in value["ranks"] for step in answer.get("read_from", [])}
+    if len(steps) > 1:
+        found.append(f"load of {value['path']} through {node}: its files came from "
+                     f"{len(steps)} steps (ranks' .metadata and shards from "
+                     f"{[a.get('read_from') for a in value['ranks']]}, t={event.time})")
     return found
 
 

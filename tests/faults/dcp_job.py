@@ -15,9 +15,11 @@ with one JSON line carrying the command's id:
            {"id": N, "ok": false, "error": "...", "seconds": 20.4}
     {"op": "load", "id": N, "path": "run/latest", "node": M}
         dcp.load of this rank's tensors from ROOT[M]/path (`latest` resolved as it is read:
-        the link is read before and after), each tensor compared with every seed's:
+        the link is read before and after), each tensor compared with every seed's, and the
+        step directories the files it opened (`.metadata`, shards) really were in:
         -> {"id": N, "ok": true, "seeds": [S] (the seeds the tensors match; one seed, or
-            the step was mixed or wrong), "link": "step_10", "link_after": "step_10"}
+            the step was mixed or wrong), "link": "step_10", "link_after": "step_10",
+            "read_from": ["step_10"] (one step, or the load mixed two)}
            {"id": N, "ok": false, "error": "..."}
     {"op": "verify", "id": N, "path": "run/step_10", "node": M}
         the whole checkpoint (every rank's tensors) loaded by this rank alone (`no_dist`)
@@ -30,11 +32,13 @@ save it read, and tensors of two saves read together show as two seeds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -106,6 +110,26 @@ class TimedWriter(FileSystemWriter):
             TimedWriter.finish_seconds = round(time.monotonic() - started, 3)
 
 
+class TracedReader(FileSystemReader):
+    """The plain reader; it notes the step directory each file it opens really is in (the
+    kernel's path of the open file, `latest` resolved), so that a load whose `.metadata` and
+    shards came from two steps shows (the steps' layouts are alike: DCP loads them)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.read_from: set[str] = set()
+        create_stream = self.fs.create_stream
+
+        @contextlib.contextmanager
+        def traced(path: str, mode: str) -> Iterator[Any]:
+            with create_stream(path, mode) as stream:
+                real = os.readlink(f"/proc/self/fd/{stream.fileno()}")
+                self.read_from.add(os.path.basename(os.path.dirname(real)))
+                yield stream
+
+        self.fs.create_stream = traced  # type: ignore[method-assign]
+
+
 class Rank:
     def __init__(self, rank: int, world: int, roots: list[str]) -> None:
         self.rank = rank
@@ -133,9 +157,10 @@ class Rank:
         before = link(path)
         template = state_for(self.rank, 0)
         restored = {key: torch.zeros_like(value) for key, value in template.items()}
-        dcp.load(restored, storage_reader=FileSystemReader(path))
+        reader = TracedReader(path)
+        dcp.load(restored, storage_reader=reader)
         return {"seeds": seeds_of(restored, [self.rank]), "link": before,
-                "link_after": link(path)}
+                "link_after": link(path), "read_from": sorted(reader.read_from)}
 
     def verify(self, command: dict[str, Any]) -> dict[str, Any]:
         path = os.path.join(self.roots[command["node"]], command["path"])

@@ -148,6 +148,18 @@ def test_a_load_whose_ranks_read_different_saves() -> None:
     assert any("its ranks read different saves" in v for v in w.check())
 
 
+def test_a_load_whose_metadata_and_shards_came_from_two_steps() -> None:
+    """The two steps have one layout, so DCP loads them together and every rank's tensors
+    are of one save: only the step directories its files were opened in tell."""
+    w = good()
+    w.save("run/step_20", 20)
+    w.load("n0", None, [], ranks=[
+        {"seeds": [20], "link": "step_20", "link_after": "step_20",
+         "read_from": ["step_10", "step_20"]},
+        {"seeds": [20], "link": "step_20", "link_after": "step_20", "read_from": ["step_20"]}])
+    assert any("its files came from 2 steps" in v for v in w.check())
+
+
 def test_latest_going_back_outside_cuts_and_deletes() -> None:
     w = Writer()
     w.save("run/step_10", 10)

@@ -4,17 +4,18 @@
 at every path lookup through it. A load through `latest` opens `.metadata` and then each shard
 by path, so a commit landing mid-load would otherwise send the later opens to another step and
 mix two checkpoints. So a process that opened a file through `latest` keeps seeing that step
-while it has files of it open, and for `GRACE` seconds after it last closed one; then it sees
-the newest step again. A DCP load reads `.metadata` once, first: a process that opens it again
-through the link with no file of its step open starts a new load, and sees the newest step
-(its open is answered `ESTALE`, and the kernel walks the path again, asking for the link's
-target anew), so a process that loads `latest` again soon after a load, or after its own save,
-is not held on the older step. So does a process whose last load through the link read one
-file, at the step's top, and opens that file again with nothing of the step open (an
-evaluator polling `latest/model.pt`). A load that failed (an open or a read of a file of its
-step answered with an error) holds nothing from then on. A process that only looks at the
-link (`readlink`, a monitor), or opens the step's files by the step's own name, always sees
-the newest step.
+while it has files of it open, and for `GRACE` seconds after it last closed one (`PLANNING`
+seconds after a load's `.metadata`, while it has opened nothing else: the ranks plan the load
+together before any opens a shard); then it sees the newest step again. A DCP load reads
+`.metadata` once, first: a process that opens it again through the link with no file of its
+step open starts a new load, and sees the newest step (its open is answered `ESTALE`, and the
+kernel walks the path again, asking for the link's target anew), so a process that loads
+`latest` again soon after a load, or after its own save, is not held on the older step. So does
+a process whose last load through the link read one file, at the step's top, and opens that
+file again with nothing of the step open (an evaluator polling `latest/model.pt`). A load that
+failed (an open or a read of a file of its step answered with an error) holds nothing from then
+on. A process that only looks at the link (`readlink`, a monitor), or opens the step's files by
+the step's own name, always sees the newest step.
 Other processes are not affected: each resolves on its own.
 
 Processes are told apart by thread-group id: FUSE reports the thread, and a load's threads are
@@ -31,6 +32,12 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 GRACE = 10.0  # seconds a process keeps its target after its last use of it
+# Seconds a load that has read its first file (`LOAD_STARTS`) and nothing else keeps its
+# target: DCP reads `.metadata`, closes it, and plans the load with every other rank (a gather
+# and a scatter) before it opens a shard, which takes seconds on a big job and as long as its
+# slowest rank takes to read `.metadata`. A pin that lapsed there sent the shards' opens to a
+# newer step: one load, two checkpoints.
+PLANNING = 600.0
 # An open of a file of the step asked for within this long after the same process resolved
 # `latest` to it went through `latest` (the kernel asks for the link's target at every path
 # lookup). Measured to when the open was asked, not to when it was answered: an open may wait
@@ -51,6 +58,11 @@ class Pin:
     load_started: bool = False  # it opened a load's first file (`LOAD_STARTS`) through the link
     first_file: bytes | None = None  # the first file at the step's top it opened through it
     other_files: bool = False  # it opened another file of `target` through the link
+
+    def grace(self) -> float:
+        """How long the pin outlives the process's last use of it: longer while a load has
+        read its first file and nothing else (it is planning)."""
+        return PLANNING if self.load_started and not self.other_files else GRACE
 
 
 class LatestPins:
@@ -158,7 +170,7 @@ class LatestPins:
 
     def _expire(self, now: float) -> None:
         for key in [k for k, p in self._pins.items()
-                    if not p.open_files and now - p.last_used > GRACE]:
+                    if not p.open_files and now - p.last_used > p.grace()]:
             del self._pins[key]
 
 
