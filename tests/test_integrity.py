@@ -340,6 +340,42 @@ def test_a_load_whose_metadata_comes_slowly_from_the_store_is_the_first_of_its_l
         assert load_latest() == 2.0
 
 
+def test_a_load_whose_metadata_comes_slower_than_the_grace_reads_its_shards_from_its_step(
+        mounts: MountFactory, s3_server: SeaweedS3, bucket: str, s3_env: dict[str, str]) -> None:
+    """A fresh node's load through `latest` waits longer than the pin's grace for step_1's
+    `.metadata` from a slow store; meanwhile step_2 commits there and another process looks
+    at the link. The load still reads step_1's shards. Before, the pin lapsed while the open
+    waited (nothing of it was counted until the open was answered): the shards came from
+    step_2, one load of two checkpoints (in the partition suite: a rank's `.metadata` waiting
+    for a holder it could not reach)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from tierfs.fs.model.latest_pins import GRACE
+
+    with S3Proxy(s3_server.endpoint) as proxy:
+        fresh = fresh_node_after_one_save(mounts, proxy, bucket, s3_env)
+        proxy.plan = lambda request: (Fault("slow", delay=GRACE + 3)
+                                      if request.path.endswith("step_1/.metadata") else None)
+        load = ("import sys, torch, torch.distributed.checkpoint as dcp; w = torch.zeros(64); "
+                "dcp.load({'w': w}, storage_reader=dcp.FileSystemReader(sys.argv[1])); "
+                "print(float(w[0]))")
+        loader = subprocess.Popen([sys.executable, "-c", load, str(fresh / "run/latest")],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            wait_until(lambda: proxy.counts["fault:slow"] >= 1, timeout=60)
+            asked = time.monotonic()
+            dcp.save({"w": torch.full((64,), 2.0)},
+                     storage_writer=dcp.FileSystemWriter(str(fresh / "run/step_2")))
+            time.sleep(max(0.0, asked + GRACE + 1 - time.monotonic()))
+            assert os.readlink(fresh / "run/latest") == "step_2"  # for any other process
+            out, _ = loader.communicate(timeout=120)
+        finally:
+            loader.kill()
+            loader.wait()
+        assert loader.returncode == 0 and float(out) == 1.0
+
+
 def test_a_process_whose_load_failed_sees_the_newest_step_at_once(
         mounts: MountFactory, s3_server: SeaweedS3, bucket: str, s3_env: dict[str, str]) -> None:
     """A fresh node's load through `latest` fails (the store is away as it reads a shard:

@@ -94,19 +94,21 @@ def test_the_first_file_of_a_load_opened_again_starts_a_new_load() -> None:
 
 
 def test_an_open_answered_long_after_it_was_asked_came_through_the_link() -> None:
-    """A load's `.metadata` that took seconds to come from a peer or the store is still the
-    load's first file: the process's next load through the link starts anew on the newest
-    step (before, the slow open counted as one by the step's own name, the shards' quick ones
-    pinned the step, and every later load of the process read the older step)."""
+    """A load's `.metadata` that took longer than the grace to come from a peer or the store
+    is still the load's first file, and the pin holds while the open waits: the shards come
+    from its step, and the process's next load through the link starts anew on the newest
+    step (before, the slow open counted as one by the step's own name, or found its pin
+    lapsed meanwhile, the shards' quick opens pinned a step with no load begun, and the next
+    load of the process read the older step)."""
     clock = Clock()
     pins = LatestPins(clock)
     me, committed = os.getpid(), {b"step_1", b"step_2"}
     alive = committed.__contains__
     assert pins.resolve(me, 7, b"step_1", alive) == b"step_1"
-    asked = clock.now
-    clock.now += 5 * THROUGH_LINK  # the open waited for the file
-    metadata = pins.opened(me, 7, b"step_1", b".metadata", asked_at=asked)
+    metadata = pins.opened(me, 7, b"step_1", b".metadata")  # asked now
     assert metadata is not None and metadata.load_started
+    clock.now += 2 * GRACE  # the open waits for the file; another process looks at the link
+    assert pins.resolve(os.getppid(), 7, b"step_2", alive) == b"step_2"
     pins.closed(metadata)
     assert pins.resolve(me, 7, b"step_1", alive) == b"step_1"
     shard = pins.opened(me, 7, b"step_1", b"__0_0.distcp")
@@ -115,8 +117,8 @@ def test_an_open_answered_long_after_it_was_asked_came_through_the_link() -> Non
     assert pins.resolve(me, 7, b"step_2", alive) == b"step_1"  # within the grace
     assert pins.starts_again(me, 7, b"step_1", b".metadata", lambda: b"step_2")  # the next load
     assert pins.resolve(me, 7, b"step_2", alive) == b"step_2"
-    clock.now += 5 * THROUGH_LINK
-    assert pins.opened(me, 7, b"step_2", asked_at=clock.now - 2 * THROUGH_LINK) is None
+    clock.now += 2 * THROUGH_LINK
+    assert pins.opened(me, 7, b"step_2") is None  # asked long after the link's answer
 
 
 def test_the_one_file_a_load_read_opened_again_starts_a_new_load() -> None:
@@ -157,13 +159,19 @@ def test_a_load_that_failed_holds_nothing() -> None:
     metadata = pins.opened(me, 7, b"step_1", b".metadata")
     assert metadata is not None
     pins.closed(metadata)
-    pins.failed(me, 7, b"step_1", asked_at=clock.now)  # the shard's open failed
+    shard = pins.opened(me, 7, b"step_1", b"__0_0.distcp")
+    assert shard is not None
+    pins.closed(shard)
+    pins.failed(shard)  # the shard's open failed
     assert pins.resolve(me, 7, b"step_2", alive) == b"step_2"
     shard = pins.opened(me, 7, b"step_2", b"__0_0.distcp")
     assert shard is not None
-    pins.failed(os.getppid(), 7, b"step_2")  # another process's failure: nothing here
+    assert pins.resolve(os.getppid(), 7, b"step_1", alive) == b"step_1"
+    other = pins.opened(os.getppid(), 7, b"step_1", b"__1_0.distcp")
+    assert other is not None
+    pins.failed(other)  # another process's failure: nothing here
     assert pins.resolve(me, 7, b"step_1", alive) == b"step_2"
-    pins.failed(me, 7, b"step_2")  # a read of the open shard failed
+    pins.failed(shard)  # a read of the open shard failed
     pins.closed(shard)
     assert pins.resolve(me, 7, b"step_1", alive) == b"step_1"
 

@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 
     from tierfs import manifest as mf
     from tierfs.fs.lifecycle.quiet_commits import Outlook
+    from tierfs.fs.model.latest_pins import Pin
     from tierfs.fs.model.links import LinkChanges
     from tierfs.fs.model.ports import (
         CommitSink,
@@ -342,13 +343,18 @@ class Namespace:
         (`VirtualLatest.check_open`): the kernel walks the path again."""
         self._latest.check_open(node, pid)
 
-    def note_opened(self, handle: Handle, pid: int, asked_at: float) -> None:
-        """Process `pid` opened `handle`, having asked at `asked_at` (`time.monotonic()`)."""
-        self._latest.note_opened(handle, pid, asked_at)
+    def opening(self, node: Node, pid: int) -> Pin | None:
+        """Process `pid` asks to open `node`: its `latest` pin, held while it waits
+        (`VirtualLatest.opening`)."""
+        return self._latest.opening(node, pid)
 
-    def load_failed(self, node: Node, pid: int, asked_at: float | None = None) -> None:
-        """Process `pid` could not open or read `node` (`VirtualLatest.load_failed`)."""
-        self._latest.load_failed(node, pid, asked_at)
+    def note_opened(self, handle: Handle, pid: int, pin: Pin | None) -> None:
+        """Process `pid` opened `handle`; `pin` (from `opening`) lasts while it is open."""
+        handle.pid, handle.pin = pid, pin
+
+    def open_failed(self, pin: Pin | None) -> None:
+        """The open that `opening` gave `pin` for failed: its load failed."""
+        self._latest.load_failed(pin, opening=True)
 
     async def write(self, handle: Handle, offset: int, data: bytes) -> int:
         if not handle.active:
@@ -521,8 +527,7 @@ class Namespace:
             try:
                 return await self.fetch_back.read_remote(handle.node, offset, size)
             except (FsError, OSError):
-                if handle.pid:
-                    self.load_failed(handle.node, handle.pid)
+                self._latest.load_failed(handle.pin)
                 raise
         return self.tree.read(handle, offset, size)
 

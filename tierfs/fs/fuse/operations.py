@@ -13,7 +13,6 @@ import functools
 import logging
 import os
 import stat
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -315,8 +314,10 @@ class Operations(pyfuse3.Operations):
     @_boundary
     async def open(self, inode: int, flags: int, ctx: Any) -> FileInfo:
         node = self.ns.get(inode)
-        asked_at = time.monotonic()  # its path walk through any `latest` came just before
         self.ns.check_open(node, ctx.pid)
+        # Asked now, right after its path walk through any `latest`: the process's pin holds
+        # while the open waits (for the file from a peer or the store).
+        pin = self.ns.opening(node, ctx.pid)
         try:
             if ((flags & os.O_ACCMODE) == os.O_RDONLY
                     and self.passthrough is not None and self.passthrough.enabled):
@@ -327,9 +328,9 @@ class Operations(pyfuse3.Operations):
                 await self.ns.fetch_whole(node)
             handle = await self.ns.open(node, flags)
         except (FsError, OSError):
-            self.ns.load_failed(node, ctx.pid, asked_at)
+            self.ns.open_failed(pin)
             raise
-        self.ns.note_opened(handle, ctx.pid, asked_at)
+        self.ns.note_opened(handle, ctx.pid, pin)
         if handle.writable:
             self._writer_opened(node, ctx.uid)
         return await self._file_info(handle)

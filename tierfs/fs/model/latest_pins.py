@@ -40,8 +40,8 @@ GRACE = 10.0  # seconds a process keeps its target after its last use of it
 PLANNING = 600.0
 # An open of a file of the step asked for within this long after the same process resolved
 # `latest` to it went through `latest` (the kernel asks for the link's target at every path
-# lookup). Measured to when the open was asked, not to when it was answered: an open may wait
-# seconds for its file to come from a peer or the store.
+# lookup). Taken when the open is asked, not when it is answered: an open may wait seconds for
+# its file to come from a peer or the store, and the pin holds meanwhile.
 THROUGH_LINK = 1.0
 # The file a load through `latest` opens first, and once (DCP's `dcp.load`): opened again, it
 # is a new load. (HF Trainer reads its `trainer_state.json` more than once in one resume.)
@@ -50,6 +50,7 @@ LOAD_STARTS = b".metadata"
 
 @dataclass
 class Pin:
+    key: tuple[int, int]  # (thread group, directory inode)
     target: bytes
     last_used: float
     resolved: float = 0.0  # when the process last asked for the link's target
@@ -92,17 +93,17 @@ class LatestPins:
             pin.target, pin.last_used, pin.resolved = newest, now, now
             pin.reading = pin.open_files > 0
         elif newest is not None:
-            self._pins[key] = Pin(newest, now, resolved=now)
+            self._pins[key] = Pin(key, newest, now, resolved=now)
         log.debug("latest for %d (thread %d): %r", key[0], pid, newest)
         return newest
 
     def opened(self, pid: int, dir_ino: int, step_name: bytes,
-               file_name: bytes | None = None, asked_at: float | None = None) -> Pin | None:
-        """A process opened a file of step `step_name` (`file_name`: one at the step's top
-        level; `asked_at`: when it asked for the open, on this object's clock; now if None):
-        its pin, if it names that step, lasts while the file is open. Returns the pin to pass
-        to `closed`."""
-        pin = self._through_link(pid, dir_ino, step_name, asked_at)
+               file_name: bytes | None = None) -> Pin | None:
+        """A process asks to open a file of step `step_name` (`file_name`: one at the step's
+        top level): its pin, if the open came through the link, which holds while the open
+        waits and then while the file is open. Returns the pin to pass to `closed` (and to
+        `failed` if the open or a read fails)."""
+        pin = self._through_link(pid, dir_ino, step_name)
         if pin is None:
             return None
         log.debug("%r/%r opened through latest by thread %d", step_name, file_name, pid)
@@ -136,31 +137,29 @@ class LatestPins:
         if newest() in (None, pin.target):
             return False
         log.debug("%r/%r opened again by thread %d: a new load", step_name, file_name, pid)
-        del self._pins[(thread_group(pid), dir_ino)]
+        del self._pins[pin.key]
         return True
 
-    def failed(self, pid: int, dir_ino: int, step_name: bytes,
-               asked_at: float | None = None) -> None:
-        """A file of step `step_name` the process asked for at `asked_at` (now if None) could
-        not be opened or read: if it came through the link, the load failed and the pin ends,
-        so that the process's next load, or look at the link, sees the newest step."""
-        if self._through_link(pid, dir_ino, step_name, asked_at) is not None:
-            log.debug("a load of %r by thread %d failed", step_name, pid)
-            del self._pins[(thread_group(pid), dir_ino)]
+    def failed(self, pin: Pin) -> None:
+        """A file opened (or asked to be) through the link with `pin` could not be opened or
+        read: the load failed and the pin ends, so that the process's next load, or look at
+        the link, sees the newest step."""
+        if self._pins.get(pin.key) is pin:
+            log.debug("a load of %r by %d failed", pin.target, pin.key[0])
+            del self._pins[pin.key]
 
-    def _through_link(self, pid: int, dir_ino: int, step_name: bytes,
-                      asked_at: float | None = None) -> Pin | None:
-        """The process's pin, if a file of `step_name` it asks to open at `asked_at` (now if
-        None) comes through the link."""
+    def _through_link(self, pid: int, dir_ino: int, step_name: bytes) -> Pin | None:
+        """The process's pin, if a file of `step_name` it asks to open now comes through the
+        link."""
         if not self._pins:
             return None
         pin = self._pins.get((thread_group(pid), dir_ino))
-        asked_at = self._clock() if asked_at is None else asked_at
+        now = self._clock()
         if pin is None or pin.target != step_name or not (
-                pin.reading or asked_at - pin.resolved <= THROUGH_LINK):
+                pin.reading or now - pin.resolved <= THROUGH_LINK):
             if pin is not None and pin.target == step_name:
                 log.debug("%r opened by thread %d %.3f s after it resolved latest to it: by "
-                          "its own name", step_name, pid, asked_at - pin.resolved)
+                          "its own name", step_name, pid, now - pin.resolved)
             return None  # not through the link: a file of the step opened by its own name
         return pin
 

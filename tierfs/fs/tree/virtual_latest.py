@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tierfs.fs.model import completion, tree_walk
-from tierfs.fs.model.latest_pins import LatestPins
+from tierfs.fs.model.latest_pins import LatestPins, Pin
 from tierfs.fs.model.nodes import LATEST, OWN_LATEST_MARK, FsError, Handle, Node, StepState
 from tierfs.fs.tree.dir_attributes import times_kept
 from tierfs.step_names import DEEPSPEED_STEP
@@ -139,24 +139,25 @@ class VirtualLatest:
                                    lambda: self.target(run)):
             raise FsError(errno.ESTALE)
 
-    def note_opened(self, handle: Handle, pid: int, asked_at: float) -> None:
-        """Process `pid` opened `handle` (the commit names it while it waits for it), having
-        asked at `asked_at` (`time.monotonic()`): if it reached the file through its pinned
-        `latest`, the pin lasts while the file is open."""
-        handle.pid = pid
-        step_node = _step_in_a_directory(handle.node)
-        if step_node is not None:
-            handle.pin = self._pins.opened(
-                pid, step_node.parent.ino, step_node.name,
-                handle.node.name if handle.node.parent is step_node else None, asked_at)
-
-    def load_failed(self, node: Node, pid: int, asked_at: float | None = None) -> None:
-        """Process `pid` could not open (asked at `asked_at`) or read `node`: if it came
-        through its pinned `latest`, its load failed, and the pin ends
-        (`LatestPins.failed`)."""
+    def opening(self, node: Node, pid: int) -> Pin | None:
+        """Process `pid` asks to open `node`, right after its path walk: if it came through its
+        pinned `latest`, the pin it holds while the open waits and then while the file is
+        open (the handle's, `closed` at its release), else None."""
         step_node = _step_in_a_directory(node)
-        if step_node is not None:
-            self._pins.failed(pid, step_node.parent.ino, step_node.name, asked_at)
+        if step_node is None:
+            return None
+        return self._pins.opened(pid, step_node.parent.ino, step_node.name,
+                                 node.name if node.parent is step_node else None)
+
+    def load_failed(self, pin: Pin | None, *, opening: bool = False) -> None:
+        """An open (`opening`: the one that `opening` gave `pin` for) or a read of a file
+        reached through the pinned `latest` failed: the load failed, and the pin ends
+        (`LatestPins.failed`)."""
+        if pin is None:
+            return
+        if opening:
+            self._pins.closed(pin)
+        self._pins.failed(pin)
 
     def closed(self, handle: Handle) -> None:
         if handle.pin is not None:
