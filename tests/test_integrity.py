@@ -291,8 +291,8 @@ def test_at_log_level_debug_the_log_says_which_step_latest_names_for_each_proces
         assert (mnt / "run/latest/model.pt").read_bytes() == b"one"
     pid = os.getpid()
     assert f"latest for {pid} (thread {pid}): b'step_1'" in chatty.log()
-    assert f"b'step_1'/b'model.pt' opened through latest by thread {pid}" in chatty.log()
-    assert "latest for" not in quiet.log() and "opened through latest" not in quiet.log()
+    assert f"b'step_1'/b'model.pt' asked for through latest by thread {pid}" in chatty.log()
+    assert "latest for" not in quiet.log() and "through latest" not in quiet.log()
 
 
 def fresh_node_after_one_save(mounts: MountFactory, proxy: S3Proxy, bucket: str,

@@ -106,7 +106,7 @@ class LatestPins:
         pin = self._through_link(pid, dir_ino, step_name)
         if pin is None:
             return None
-        log.debug("%r/%r opened through latest by thread %d", step_name, file_name, pid)
+        log.debug("%r/%r asked for through latest by thread %d", step_name, file_name, pid)
         pin.open_files += 1
         pin.reading = True
         if file_name == LOAD_STARTS:
