@@ -342,12 +342,40 @@ class ClusterCommits:
             found = await self.records.add_holders(
                 manifest.path, node, {n: e.xxh3 for n in names
                                       if (e := manifest.entry(n)) is not None})
+            other = {n: found[n] for n in names if n in found
+                     and (e := manifest.entry(n)) is not None and found[n].xxh3 != e.xxh3}
+            if other:
+                found.update(await self._take_committed(manifest, node, other))
             await self.records.add_commit_holder(manifest.path, manifest.version, node)
             return found
         except EtcdError as exc:
             log.info("could not record %s as a holder of %d files of %s: %s", node,
                      len(names), manifest.path, exc)
             return {}
+
+    async def _take_committed(self, manifest: mf.StepManifest, peer: str,
+                              records: dict[str, FileRecord]) -> dict[str, FileRecord]:
+        """These files' records hold another content than `manifest`'s, which this node holds
+        and `peer` now too: if `manifest` is the commit the cluster recorded, the records of
+        a node that wrote the same paths in the same save and lost the commit to it are made
+        this version's (`CommitRecords.take_committed`), held here and on `peer`."""
+        commit = await self.records.commit_of(manifest.path)
+        if commit is None or (commit.version, commit.committed_ns) != (manifest.version,
+                                                                      manifest.committed_ns):
+            return {}
+        holders = tuple(sorted({self.node_id, peer}))
+        committed = {name: FileRecord(self.node_id, entry.size, entry.xxh3, holders,
+                                      tuple(mf.entry_fields(entry)), base=record.base)
+                     for name, record in records.items()
+                     if (entry := manifest.entry(name)) is not None}
+        taken = await self.records.take_committed(manifest.path, manifest.version, records,
+                                                  committed)
+        changed = sorted(n for n, record in taken.items() if record.xxh3 != records[n].xxh3)
+        if changed:
+            log.info("records of %d files of %s held another node's bytes of the same save, "
+                     "which lost the commit to v%d: now the committed ones (%s)", len(changed),
+                     manifest.path, manifest.version, ", ".join(changed[:3]))
+        return taken
 
     async def leave_files(self, manifest: mf.StepManifest, names: list[str], need: int,
                           live: Callable[[str], bool]) -> set[str] | None:

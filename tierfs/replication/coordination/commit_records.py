@@ -318,7 +318,22 @@ class CommitRecords:
         concurrent update is read and tried again). A record whose xxh3 differs (the path was
         sealed again meanwhile) is left as it is: a copy of v5 never holds v6. The records
         of `files` as they are now (paths without a record are left out)."""
-        return await self._change_holders(step, files, lambda r: r.with_holder(node))
+        return await self._change_holders(step, files, lambda _path, r: r.with_holder(node))
+
+    async def take_committed(self, step: str, version: int,
+                             records: Mapping[str, FileRecord],
+                             committed: Mapping[str, FileRecord]) -> dict[str, FileRecord]:
+        """The committed `version`'s records (`committed`, by path) in place of `records`,
+        records of another content written for the same save or an earlier one (`base`
+        below `version`): a node that wrote the same path with other bytes in the same save
+        and lost the commit to this version (HF's `save_on_each_node`, two nodes committing
+        at once), whose record would otherwise keep every copy of the committed content from
+        being counted. Compare-and-swap on each record as it was read: a record written again
+        meanwhile (a later save) is left. The records as they are now."""
+        stale = {path: record.xxh3 for path, record in records.items()
+                 if path in committed and record.xxh3 != committed[path].xxh3
+                 and record.base is not None and record.base < version}
+        return await self._change_holders(step, stale, lambda path, _r: committed[path])
 
     async def leave_files(self, step: str, node: str, files: Mapping[str, str], need: int = 0,
                           live: Callable[[str], bool] = lambda _node: True
@@ -335,7 +350,7 @@ class CommitRecords:
         nodes leaving at once the second sees the first gone, so the copies never fall
         below K + 1. Batched as `add_holders`; the records as they are now."""
 
-        def leave(record: FileRecord) -> FileRecord:
+        def leave(_path: str, record: FileRecord) -> FileRecord:
             others = [h for h in record.holders if h != node and live(h)]
             if len(others) < need:
                 return record
@@ -348,21 +363,22 @@ class CommitRecords:
         """Stop counting `node` as a holder of each file of `files` ({path: xxh3, or None for
         any content}): its copies are lost (not there at start). Not listed in `left`, so the
         survivors restore them. Batched as `add_holders`."""
-        return await self._change_holders(step, files, lambda r: r.without_holder(node))
+        return await self._change_holders(step, files, lambda _path, r: r.without_holder(node))
 
     async def mark_stored(self, step: str, files: Mapping[str, str]) -> dict[str, FileRecord]:
         """The persistent tier holds each file of `files` ({path: xxh3}) with that content:
         marked in its record (not in a record of another content). Batched as
         `add_holders`; the records as they are now."""
-        return await self._change_holders(step, files, lambda r: replace(r, stored=True))
+        return await self._change_holders(step, files,
+                                          lambda _path, r: replace(r, stored=True))
 
     async def _change_holders(self, step: str, files: Mapping[str, str | None],
-                              change: Callable[[FileRecord], FileRecord]
+                              change: Callable[[str, FileRecord], FileRecord]
                               ) -> dict[str, FileRecord]:
-        """Apply `change` to the record of each file of `files` whose xxh3 is the one given
-        (None: any), in compare-and-swap transactions, until none lost a race. Only the
-        records of `files` are read (`Etcd.get_all`): a node changing its own few files of a
-        16,000-file step reads those, not the step."""
+        """Apply `change` (path, record) to the record of each file of `files` whose xxh3 is
+        the one given (None: any), in compare-and-swap transactions, until none lost a race.
+        Only the records of `files` are read (`Etcd.get_all`): a node changing its own few
+        files of a 16,000-file step reads those, not the step."""
         prefix = self.files_prefix(step)
         keys = [self.file_key(step, path) for path in sorted(files)]
         while True:
@@ -375,7 +391,7 @@ class CommitRecords:
                         current[path] = (kv, FileRecord.decode(kv.value))
             updates = []
             for path, (kv, record) in current.items():
-                updated = change(record)
+                updated = change(path, record)
                 if updated != record and files[path] in (None, record.xxh3):
                     updates.append((kv.key, updated, kv.version))
             if await self.etcd.put_all_if_version(
