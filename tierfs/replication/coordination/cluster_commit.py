@@ -235,7 +235,7 @@ class ClusterCommits:
             if self._on_the_wire.get(step_path) is done:
                 del self._on_the_wire[step_path]
 
-    def _record(self, entry: mf.FileEntry, base: int) -> FileRecord:
+    def _record(self, entry: mf.FileEntry, base: int | None) -> FileRecord:
         return FileRecord.sealed(self.node_id, entry.size, entry.xxh3,
                                  tuple(mf.entry_fields(entry)), base)
 
@@ -363,9 +363,7 @@ class ClusterCommits:
         if commit is None or (commit.version, commit.committed_ns) != (manifest.version,
                                                                       manifest.committed_ns):
             return {}
-        holders = tuple(sorted({self.node_id, peer}))
-        committed = {name: FileRecord(self.node_id, entry.size, entry.xxh3, holders,
-                                      tuple(mf.entry_fields(entry)), base=record.base)
+        committed = {name: self._record(entry, record.base).with_holder(peer)
                      for name, record in records.items()
                      if (entry := manifest.entry(name)) is not None}
         taken = await self.records.take_committed(manifest.path, manifest.version, records,
