@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,29 @@ def test_a_peers_commit_resave_rename_and_delete_are_seen_at_once(
     wait_until(lambda: reader.step("run/step_3") is None, timeout=15)
     wait_until(lambda: not os.path.exists(reader / "run/step_3/a"), timeout=AT_ONCE)
     assert not os.path.exists(reader / "run/step_3")
+
+
+def test_a_step_saved_again_on_a_peer_keeps_its_directory_times_here(
+        pair: tuple[Mount, Mount]) -> None:
+    """A step written here and saved again on the peer (HF's `save_on_each_node`: every node
+    writes the whole checkpoint, and the bytes that lost the commit come as the next version)
+    keeps the times of its directory here: tierfs swapping one version's files for the
+    other's is no change of the job's. Before, the directory took the time of the swap, and
+    HF's Trainer, which rotates its checkpoints by mtime, deleted the newest checkpoint as
+    the oldest."""
+    writer, other = pair
+    (writer / "run").mkdir()
+    save(writer / "run/step_2", {"a": b"a" * 10, "b": b"b" * 10, ".metadata": b"m"})
+    time.sleep(0.05)  # apart by more than the file system's time granularity
+    save(writer / "run/step_4", {"a": b"c" * 10, "b": b"d" * 10, ".metadata": b"m"})
+    wait_until(lambda: version(other, "run/step_2") == 1 == version(other, "run/step_4"),
+               timeout=15)
+    times = {step: os.stat(writer / "run" / step).st_mtime_ns for step in ("step_2", "step_4")}
+    assert times["step_2"] < times["step_4"]
+
+    (other / "run/step_2/b").write_bytes(b"B" * 10)  # the other node's bytes of it
+    save(other / "run/step_2", {"a": b"a" * 10, "b": b"B" * 10, ".metadata": b"m"})
+    wait_until(lambda: version(writer, "run/step_2") == 2, timeout=15)
+    assert (writer / "run/step_2/b").read_bytes() == b"B" * 10
+    assert {step: os.stat(writer / "run" / step).st_mtime_ns
+            for step in ("step_2", "step_4")} == times

@@ -986,3 +986,28 @@ async def test_a_copy_of_the_committed_bytes_counts_over_a_record_of_a_losing_wr
     await node1.record_sealed(manifest.path, [theirs], base=1)  # a re-save over v1
     found = await node0.add_holders(manifest, "n1", [ours.name])
     assert found[ours.name].xxh3 == theirs.xxh3  # the later save's record stays
+
+
+async def test_the_committer_copies_a_file_whose_record_a_losing_write_left(
+        etcd_server: EtcdServer) -> None:
+    """As above, but n1 lost its own bytes with the commit and holds no copy to count: the
+    record with n1's bytes kept n0 from planning any copy of the file (its records named no
+    node holding the committed bytes), and the step short of copies for good. The records
+    n0's replicator reads make it this version's, held on n0, once n0 holds those bytes; a
+    node that does not hold them, or a record of a later save, leaves it as it is."""
+    cluster = new_cluster(etcd_server)
+    node0, _etcd0 = commits(cluster, "n0")
+    node1, _etcd1 = commits(cluster, "n1")
+    ours = mf.FileEntry("trainer_state.json", 10, f"{1:032x}", chunks=(f"{1:016x}",))
+    theirs = mf.FileEntry("trainer_state.json", 11, f"{2:032x}", chunks=(f"{2:016x}",))
+    manifest = mf.StepManifest("hf/checkpoint-6", 1, 1, "n0", time.time_ns(), (ours,))
+    await node0.record_sealed(manifest.path, [ours])
+    await node0.publish(manifest, {ours.name})
+    await node1.record_sealed(manifest.path, [theirs])  # n1's seal, after n0's commit
+    assert await node0.placements(manifest) == {}
+    assert await node1.placements(manifest, lambda xxh3: xxh3 == theirs.xxh3) == {}
+    found = await node0.placements(manifest, lambda xxh3: xxh3 == ours.xxh3)
+    assert found is not None and (found[ours.name].xxh3, found[ours.name].holders) == (
+        ours.xxh3, ("n0",))
+    await node1.record_sealed(manifest.path, [theirs], base=1)  # a re-save over v1
+    assert await node0.placements(manifest, lambda xxh3: xxh3 == ours.xxh3) == {}

@@ -389,7 +389,11 @@ class StepVersions:
                 kept.add(rel)
                 continue
             if node.remote is None:
-                self.tree.unlink_backing(self.tree.backing(node), node)
+                path = self.tree.backing(node)
+                # the version's swap is tierfs's, not a change of the job's: a saver rotating
+                # its checkpoints by mtime (HF's Trainer) must not see this step as the newest
+                with times_kept(os.path.dirname(path)):
+                    self.tree.unlink_backing(path, node)
             self._residents.drop_fetch(node)
             if node is step_node:  # a single-file step: the node stays, its bytes are elsewhere
                 node.remote = RemoteFile(layout.data_dir(manifest.path, True), manifest.files[0])

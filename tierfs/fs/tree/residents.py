@@ -134,7 +134,9 @@ class Residents:
                         os.close(handle.fd)
                         handle.fd = -1
                         handle.backing_ino = 0
-                self.tree.unlink_backing(self.tree.backing(node), node)
+                path = self.tree.backing(node)
+                with times_kept(os.path.dirname(path)):  # out of service: no change of the job's
+                    self.tree.unlink_backing(path, node)
                 node.remote = RemoteFile(self.tree.data_dir(step), entry, step.persisted)
                 node.seal = None
                 step.resident.discard(entry.name)

@@ -345,7 +345,7 @@ class ClusterCommits:
             other = {n: found[n] for n in names if n in found
                      and (e := manifest.entry(n)) is not None and found[n].xxh3 != e.xxh3}
             if other:
-                found.update(await self._take_committed(manifest, node, other))
+                found.update(await self._take_committed(manifest, other, also_on=node))
             await self.records.add_commit_holder(manifest.path, manifest.version, node)
             return found
         except EtcdError as exc:
@@ -353,19 +353,23 @@ class ClusterCommits:
                      len(names), manifest.path, exc)
             return {}
 
-    async def _take_committed(self, manifest: mf.StepManifest, peer: str,
-                              records: dict[str, FileRecord]) -> dict[str, FileRecord]:
+    async def _take_committed(self, manifest: mf.StepManifest, records: dict[str, FileRecord],
+                              also_on: str | None = None) -> dict[str, FileRecord]:
         """These files' records hold another content than `manifest`'s, which this node holds
-        and `peer` now too: if `manifest` is the commit the cluster recorded, the records of
-        a node that wrote the same paths in the same save and lost the commit to it are made
-        this version's (`CommitRecords.take_committed`), held here and on `peer`."""
+        (and `also_on` now too): if `manifest` is the commit the cluster recorded, the
+        records of a node that wrote the same paths in the same save and lost the commit to
+        it are made this version's (`CommitRecords.take_committed`), held here (and on
+        `also_on`)."""
         commit = await self.records.commit_of(manifest.path)
         if commit is None or (commit.version, commit.committed_ns) != (manifest.version,
                                                                       manifest.committed_ns):
             return {}
-        committed = {name: self._record(entry, record.base).with_holder(peer)
-                     for name, record in records.items()
-                     if (entry := manifest.entry(name)) is not None}
+        committed = {}
+        for name, record in records.items():
+            entry = manifest.entry(name)
+            if entry is not None:
+                mine = self._record(entry, record.base)
+                committed[name] = mine if also_on is None else mine.with_holder(also_on)
         taken = await self.records.take_committed(manifest.path, manifest.version, records,
                                                   committed)
         changed = sorted(n for n, record in taken.items() if record.xxh3 != records[n].xxh3)
@@ -482,14 +486,24 @@ class ClusterCommits:
         records = await self.placements(manifest)
         return None if records is None else {name: r.node for name, r in records.items()}
 
-    async def placements(self, manifest: mf.StepManifest) -> dict[str, FileRecord] | None:
+    async def placements(self, manifest: mf.StepManifest,
+                         held_here: Callable[[str], bool] = lambda _xxh3: False
+                         ) -> dict[str, FileRecord] | None:
         """Who holds each file of this committed version, from its records: None unless
-        etcd has the step's commit record at this version (or does not answer)."""
+        etcd has the step's commit record at this version (or does not answer). A record
+        left with another node's bytes of the same save, which lost the commit to this
+        version, is made this version's if this node holds the committed bytes (`held_here`,
+        by xxh3; `_take_committed`): else no node would copy the file, and the step would
+        stay short of copies until the path is saved again."""
         try:
             record = await self.records.commit_of(manifest.path)
             if record is None or record.version != manifest.version:
                 return None
             files = await self.records.files(manifest.path)
+            lost = {e.name: files[e.name] for e in manifest.files
+                    if e.name in files and files[e.name].xxh3 != e.xxh3 and held_here(e.xxh3)}
+            if lost:
+                files.update(await self._take_committed(manifest, lost))
         except EtcdError as exc:
             log.info("could not read the records of %s: %s", manifest.path, exc)
             return None
