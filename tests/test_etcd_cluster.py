@@ -15,7 +15,7 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -1004,10 +1004,13 @@ async def test_the_committer_copies_a_file_whose_record_a_losing_write_left(
     await node0.record_sealed(manifest.path, [ours])
     await node0.publish(manifest, {ours.name})
     await node1.record_sealed(manifest.path, [theirs])  # n1's seal, after n0's commit
+    def holds(xxh3: str) -> Callable[[str, str, str], bool]:
+        return lambda path, name, found: (path, name, found) == (manifest.path, ours.name, xxh3)
+
     assert await node0.placements(manifest) == {}
-    assert await node1.placements(manifest, lambda xxh3: xxh3 == theirs.xxh3) == {}
-    found = await node0.placements(manifest, lambda xxh3: xxh3 == ours.xxh3)
+    assert await node1.placements(manifest, holds(theirs.xxh3)) == {}
+    found = await node0.placements(manifest, holds(ours.xxh3))
     assert found is not None and (found[ours.name].xxh3, found[ours.name].holders) == (
         ours.xxh3, ("n0",))
     await node1.record_sealed(manifest.path, [theirs], base=1)  # a re-save over v1
-    assert await node0.placements(manifest, lambda xxh3: xxh3 == ours.xxh3) == {}
+    assert await node0.placements(manifest, holds(ours.xxh3)) == {}

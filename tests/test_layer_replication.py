@@ -153,8 +153,7 @@ async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
     holders: set[str] = {"a"}
     replicated = trio.Event()
 
-    async def placements(step: mf.StepManifest, _held_here: object = None
-                         ) -> dict[str, FileRecord]:
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(step, holders)
 
     async def on_held(done: mf.StepManifest, target: str, names: list[str]) -> bool:
@@ -191,8 +190,7 @@ async def test_a_tracker_goes_to_a_peer_only_once_it_holds_the_step_it_names(
     holders: dict[str, set[str]] = {step.path: {"a"}, tracker.path: {"a"}}
     both = trio.Event()
 
-    async def placements(manifest: mf.StepManifest, _held_here: object = None
-                         ) -> dict[str, FileRecord]:
+    async def placements(manifest: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(manifest, holders[manifest.path])
 
     async def on_held(manifest: mf.StepManifest, target: str, _names: list[str]) -> bool:
@@ -231,8 +229,7 @@ async def test_a_waiting_tracker_goes_once_other_nodes_made_its_steps_copies(
     seen: set[str] = set()  # the step's holders, as a's last plan of it read them
     tracker_held = trio.Event()
 
-    async def placements(manifest: mf.StepManifest, _held_here: object = None
-                         ) -> dict[str, FileRecord]:
+    async def placements(manifest: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(manifest, records[manifest.path])
 
     def on_placements(manifest: mf.StepManifest, holders: dict[str, set[str]],
@@ -273,8 +270,7 @@ async def test_a_step_of_many_files_is_held_in_several_messages(
     held: list[str] = []
     done = trio.Event()
 
-    async def placements(step: mf.StepManifest, _held_here: object = None
-                         ) -> dict[str, FileRecord]:
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(step, {"a", *held})
 
     async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> bool:
@@ -313,8 +309,7 @@ async def test_small_files_are_written_on_the_receivers_loop_not_a_thread_each(
 
     monkeypatch.setattr(trio.to_thread, "run_sync", counted)
 
-    async def placements(step: mf.StepManifest, _held_here: object = None
-                         ) -> dict[str, FileRecord]:
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(step, {"a", *held})
 
     async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> bool:
@@ -504,8 +499,7 @@ async def test_steps_of_many_chunks_go_over_the_same_kept_alive_connections(
     b = Receiving(tmp_path, *manifests)
     done: list[str] = []
 
-    async def placements(step: mf.StepManifest, _held_here: object = None
-                         ) -> dict[str, FileRecord]:
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(step, {"a", "b"} if step.path in done else {"a"})
 
     async def on_held(step: mf.StepManifest, target: str, names: list[str]) -> bool:
@@ -536,8 +530,7 @@ async def test_files_that_spread_evenly_go_whole_over_a_connection_each(
     b = Receiving(tmp_path, manifest)
     done: list[str] = []
 
-    async def placements(step: mf.StepManifest, _held_here: object = None
-                         ) -> dict[str, FileRecord]:
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(step, {"a", "b"} if done else {"a"})
 
     async def on_held(step: mf.StepManifest, target: str, names: list[str]) -> bool:
@@ -704,8 +697,7 @@ async def test_copies_etcd_did_not_record_are_sent_again_only_after_a_pause(
     b = Receiving(tmp_path, manifest)
     rounds: list[float] = []
 
-    async def placements(step: mf.StepManifest, _held_here: object = None
-                         ) -> dict[str, FileRecord]:
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
         return records_of(step, {"a"})
 
     async def on_held(step: mf.StepManifest, target: str, names: list[str]) -> bool:

@@ -7,6 +7,7 @@ decide is theirs; here a refusal becomes the mount's one line."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -144,7 +145,9 @@ class ClusterNode:
         self.replicator = Replicator(self.directory, cfg.replicas,
                                      lambda digest: str(store.object_path(digest)),
                                      is_current=tiers.is_current,
-                                     placements=self.sealed.placements,
+                                     placements=functools.partial(
+                                         self.sealed.placements,
+                                         holds_copy=namespace.view.holds_copy),
                                      on_placements=tiers.note_placements,
                                      on_held=self._held, may_copy=tiers.may_copy,
                                      named_step=tiers.named_step,

@@ -59,6 +59,8 @@ Learn = Callable[[mf.StepManifest, list[str]], None]
 # (step path, version, CommitRecord.store): the persistent tier's state of that version
 StoreState = Callable[[str, int, str], None]
 StepNumber = Callable[[str], int | None]
+# Whether this node holds a committed step's file with this content (`TreeView.holds_copy`).
+HoldsCopy = Callable[[str, str, str], bool]
 # (node, step path, version) -> that node's committed manifest of the step (peer_manifest);
 # raises ManifestUnavailable, OSError or trio.TooSlowError when that node cannot give it
 FetchManifest = Callable[[str, str, int], Awaitable[mf.StepManifest]]
@@ -487,21 +489,22 @@ class ClusterCommits:
         return None if records is None else {name: r.node for name, r in records.items()}
 
     async def placements(self, manifest: mf.StepManifest,
-                         held_here: Callable[[str], bool] = lambda _xxh3: False
+                         holds_copy: HoldsCopy = lambda _path, _name, _xxh3: False
                          ) -> dict[str, FileRecord] | None:
         """Who holds each file of this committed version, from its records: None unless
         etcd has the step's commit record at this version (or does not answer). A record
         left with another node's bytes of the same save, which lost the commit to this
-        version, is made this version's if this node holds the committed bytes (`held_here`,
-        by xxh3; `_take_committed`): else no node would copy the file, and the step would
-        stay short of copies until the path is saved again."""
+        version, is made this version's if this node holds the committed file
+        (`holds_copy`: the replicator's reads; `_take_committed`): else no node would copy
+        the file, and the step would stay short of copies until the path is saved again."""
         try:
             record = await self.records.commit_of(manifest.path)
             if record is None or record.version != manifest.version:
                 return None
             files = await self.records.files(manifest.path)
             lost = {e.name: files[e.name] for e in manifest.files
-                    if e.name in files and files[e.name].xxh3 != e.xxh3 and held_here(e.xxh3)}
+                    if e.name in files and files[e.name].xxh3 != e.xxh3
+                    and holds_copy(manifest.path, e.name, e.xxh3)}
             if lost:
                 files.update(await self._take_committed(manifest, lost))
         except EtcdError as exc:

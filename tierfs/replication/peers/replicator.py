@@ -68,10 +68,7 @@ NO_ROOM_PAUSE = 30.0  # seconds a target that had no room for a copy is not sent
 # share of the bytes (`deal`).
 BALANCE = 1.25
 
-# The records of a step's files (`ClusterCommits.placements`), given which contents this node
-# holds (by xxh3).
-Placements = Callable[[mf.StepManifest, Callable[[str], bool]],
-                      Awaitable[dict[str, FileRecord] | None]]
+Placements = Callable[[mf.StepManifest], Awaitable[dict[str, FileRecord] | None]]
 # Count a target as holding files it verified; whether etcd recorded every one.
 Recorded = Callable[[mf.StepManifest, str, list[str]], Awaitable[bool]]
 
@@ -195,16 +192,14 @@ class Replicator:
 
     async def _plan(self, manifest: mf.StepManifest) -> list[placement.Copy] | None:
         """The copies this node is the source of, from the step's records now."""
-        def held_here(xxh3: str) -> bool:
-            return os.path.exists(self._object_path(xxh3))
-
-        records = await self._placements(manifest, held_here)
+        records = await self._placements(manifest)
         if records is None:
             return None
         self._on_placements(manifest, {name: set(r.holders) for name, r in records.items()},
                             {name: r.node for name, r in records.items()})
         here = {name: placement.Placement(r.node, frozenset(r.holders), frozenset(r.left))
-                for name, r in records.items() if held_here(r.xxh3)}
+                for name, r in records.items()
+                if os.path.exists(self._object_path(r.xxh3))}
         live, me = self.directory.live, self.directory.me
         ring, domains = live.ring, live.domains
         full = self._full_targets()
