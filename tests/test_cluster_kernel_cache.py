@@ -111,3 +111,23 @@ def test_a_step_saved_again_on_a_peer_keeps_its_directory_times_here(
     assert (writer / "run/step_2/b").read_bytes() == b"B" * 10
     assert {step: os.stat(writer / "run" / step).st_mtime_ns
             for step in ("step_2", "step_4")} == times
+
+
+def test_a_step_deleted_on_a_peer_while_written_again_here_keeps_its_directory_times(
+        pair: tuple[Mount, Mount]) -> None:
+    """The peer deletes a step (its saver's rotation) while this node writes it again: the
+    version being written here stays, as a step not committed, and its directory keeps the
+    times the job's writes gave it (tierfs's records leaving it are no change of the job's)."""
+    writer, other = pair
+    (writer / "run").mkdir()
+    save(writer / "run/step_2", {"a": b"a" * 10, ".metadata": b"m"})
+    wait_until(lambda: version(other, "run/step_2") == 1, timeout=15)
+    (other / "run/step_2/b").write_bytes(b"b" * 10)  # written again here
+    # (the RAM dir's own directory too: what the mount shows once the kernel's attributes of
+    # it expire)
+    backing = other.ram_dir / "tree/run/step_2"
+    before = [os.stat(path).st_mtime_ns for path in (other / "run/step_2", backing)]
+    subprocess.run(["rm", "-r", str(writer / "run/step_2")], check=True)
+    wait_until(lambda: (other.step("run/step_2") or {}).get("version") == 0, timeout=15)
+    assert other.step("run/step_2")["state"] == "writing"
+    assert [os.stat(path).st_mtime_ns for path in (other / "run/step_2", backing)] == before

@@ -171,6 +171,10 @@ class FetchBack:
             log.error("fetch of %s failed: %s", self.tree.relpath(node), self._unreachable(node)
                       or exc)
             raise FsError(errno.EIO) from None
+        except RamFull:
+            if node.fetch is not fetch:  # dropped meanwhile: the file went (a peer's delete)
+                raise FsError(errno.ENOENT) from None
+            raise
         if node.fetch is fetch:
             self._adopt(node, fetch)
         if node.remote is not None:

@@ -783,16 +783,18 @@ class Tree:
                 if os.path.exists(os.path.join(path, os.fsencode(entry.name))):
                     self.store.drop_ref(entry.xxh3)
         if not dir_node.is_dir:
-            shutil.rmtree(os.path.join(os.path.dirname(path), layout.records_name(
-                os.path.basename(path))), ignore_errors=True)
+            with times_kept(os.path.dirname(path)):  # tierfs's own entries: no change of the job's
+                shutil.rmtree(os.path.join(os.path.dirname(path), layout.records_name(
+                    os.path.basename(path))), ignore_errors=True)
             return
-        for name in os.listdir(path):
-            if is_reserved(name):
-                hidden = os.path.join(path, name)
-                if os.path.isdir(hidden) and not os.path.islink(hidden):
-                    shutil.rmtree(hidden)  # a single-file step's records
-                else:
-                    os.unlink(hidden)
+        with times_kept(path):  # the directory may stay (a step's committed version deleted
+            for name in os.listdir(path):  # on a peer while it is written again here)
+                if is_reserved(name):
+                    hidden = os.path.join(path, name)
+                    if os.path.isdir(hidden) and not os.path.islink(hidden):
+                        shutil.rmtree(hidden)  # a single-file step's records
+                    else:
+                        os.unlink(hidden)
 
 
 def _chown(path: bytes, uid: int, gid: int) -> None:
