@@ -131,3 +131,20 @@ def test_a_step_deleted_on_a_peer_while_written_again_here_keeps_its_directory_t
     wait_until(lambda: (other.step("run/step_2") or {}).get("version") == 0, timeout=15)
     assert other.step("run/step_2")["state"] == "writing"
     assert [os.stat(path).st_mtime_ns for path in (other / "run/step_2", backing)] == before
+
+
+def test_a_step_deleted_on_both_nodes_at_once_is_gone_from_both(
+        pair: tuple[Mount, Mount]) -> None:
+    """Both nodes delete a step at once (HF's rotation on every node with
+    `save_on_each_node`): the peer's delete reaches this node in the middle of its own `rm -r`.
+    The step is gone from both. Before, the files this node had not unlinked yet stayed, as a
+    step being saved again here, and would have committed as a new version of it."""
+    writer, other = pair
+    (writer / "run").mkdir()
+    save(writer / "run/step_2", {"a": b"a" * 10, "b": b"b" * 10, ".metadata": b"m"})
+    wait_until(lambda: version(other, "run/step_2") == 1
+               and other.step("run/step_2")["ram"], timeout=15)  # its copies here
+    (other / "run/step_2/a").unlink()  # this node's `rm -r`, under way
+    subprocess.run(["rm", "-r", str(writer / "run/step_2")], check=True)
+    wait_until(lambda: other.step("run/step_2") is None, timeout=15)
+    assert not os.path.exists(other / "run/step_2")

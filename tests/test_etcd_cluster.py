@@ -962,14 +962,11 @@ async def test_a_version_published_while_an_older_one_is_forgotten_keeps_its_rec
         assert all(f.holders == ("n0",) for f in files.values()), (attempt, files)
 
 
-async def test_a_copy_of_the_committed_bytes_counts_over_a_record_of_a_losing_write(
-        etcd_server: EtcdServer) -> None:
-    """Two nodes wrote trainer_state.json with other bytes in the same save (HF's
-    `save_on_each_node`) and committed at once; the cluster recorded n0's commit, and n1's
-    seal left the file's record with n1's bytes. n0's copy to n1 is then counted: the record
-    becomes the committed one (n0's bytes, held on n0 and n1). Before, every copy of it was
-    refused ("etcd did not record the copies"), and the step stayed short of copies for good.
-    A record of a later save (its `base` the committed version) is left as it is."""
+async def a_losing_writes_record(etcd_server: EtcdServer) -> tuple[
+        ClusterCommits, ClusterCommits, mf.StepManifest, mf.FileEntry, mf.FileEntry]:
+    """n0 committed hf/checkpoint-6 with its trainer_state.json (`ours`); n1 wrote the same
+    path with other bytes in the same save (`theirs`) and its seal landed after n0's commit,
+    leaving the file's record with n1's bytes."""
     cluster = new_cluster(etcd_server)
     node0, _etcd0 = commits(cluster, "n0")
     node1, _etcd1 = commits(cluster, "n1")
@@ -978,7 +975,19 @@ async def test_a_copy_of_the_committed_bytes_counts_over_a_record_of_a_losing_wr
     manifest = mf.StepManifest("hf/checkpoint-6", 1, 1, "n0", time.time_ns(), (ours,))
     await node0.record_sealed(manifest.path, [ours])
     await node0.publish(manifest, {ours.name})
-    await node1.record_sealed(manifest.path, [theirs])  # n1's seal, after n0's commit
+    await node1.record_sealed(manifest.path, [theirs])
+    return node0, node1, manifest, ours, theirs
+
+
+async def test_a_copy_of_the_committed_bytes_counts_over_a_record_of_a_losing_write(
+        etcd_server: EtcdServer) -> None:
+    """Two nodes wrote trainer_state.json with other bytes in the same save (HF's
+    `save_on_each_node`) and committed at once; the cluster recorded n0's commit, and n1's
+    seal left the file's record with n1's bytes. n0's copy to n1 is then counted: the record
+    becomes the committed one (n0's bytes, held on n0 and n1). Before, every copy of it was
+    refused ("etcd did not record the copies"), and the step stayed short of copies for good.
+    A record of a later save (its `base` the committed version) is left as it is."""
+    node0, node1, manifest, ours, theirs = await a_losing_writes_record(etcd_server)
     found = await node0.add_holders(manifest, "n1", [ours.name])
     assert found[ours.name].xxh3 == ours.xxh3 and found[ours.name].holders == ("n0", "n1")
     record = (await node0.records.files(manifest.path))[ours.name]
@@ -995,15 +1004,8 @@ async def test_the_committer_copies_a_file_whose_record_a_losing_write_left(
     node holding the committed bytes), and the step short of copies for good. The records
     n0's replicator reads make it this version's, held on n0, once n0 holds those bytes; a
     node that does not hold them, or a record of a later save, leaves it as it is."""
-    cluster = new_cluster(etcd_server)
-    node0, _etcd0 = commits(cluster, "n0")
-    node1, _etcd1 = commits(cluster, "n1")
-    ours = mf.FileEntry("trainer_state.json", 10, f"{1:032x}", chunks=(f"{1:016x}",))
-    theirs = mf.FileEntry("trainer_state.json", 11, f"{2:032x}", chunks=(f"{2:016x}",))
-    manifest = mf.StepManifest("hf/checkpoint-6", 1, 1, "n0", time.time_ns(), (ours,))
-    await node0.record_sealed(manifest.path, [ours])
-    await node0.publish(manifest, {ours.name})
-    await node1.record_sealed(manifest.path, [theirs])  # n1's seal, after n0's commit
+    node0, node1, manifest, ours, theirs = await a_losing_writes_record(etcd_server)
+
     def holds(xxh3: str) -> Callable[[str, str, str], bool]:
         return lambda path, name, found: (path, name, found) == (manifest.path, ours.name, xxh3)
 

@@ -86,10 +86,14 @@ class OtherTiers:
         step = node.step if node is not None else None
         if step is None or step.manifest is None or step.manifest.committed_ns > committed_ns:
             return
-        if step.committed:
+        written = self._residents.written_in_save
+        if step.committed or not tree_walk.busy(node) and not any(
+                written(step, rel, file_node) for rel, file_node in tree_walk.files_under(node)):
+            # (nothing written here since the commit: a delete of the step here under way, as
+            # HF's rotation does on every node with `save_on_each_node`, is no new save)
             self._forget_step(node, f"deleted on {sender}")
             return
-        # Being re-saved here: the files at hand stay, as a step that is not committed.
+        # Being re-saved here: the files written here stay, as a step that is not committed.
         self.versions.drop_remote_files(node)
         log.info("%s was deleted on %s; the version being written here stays", path, sender)
 
