@@ -787,8 +787,10 @@ class Tree:
                 shutil.rmtree(os.path.join(os.path.dirname(path), layout.records_name(
                     os.path.basename(path))), ignore_errors=True)
             return
-        with times_kept(path):  # the directory may stay (a step's committed version deleted
-            for name in os.listdir(path):  # on a peer while it is written again here)
+        # the directory may stay (a step's committed version deleted on a peer while it is
+        # written again here): tierfs's own entries leaving it are no change of the job's
+        with times_kept(path):
+            for name in os.listdir(path):
                 if is_reserved(name):
                     hidden = os.path.join(path, name)
                     if os.path.isdir(hidden) and not os.path.islink(hidden):
