@@ -347,7 +347,8 @@ class ClusterCommits:
             other = {n: found[n] for n in names if n in found
                      and (e := manifest.entry(n)) is not None and found[n].xxh3 != e.xxh3}
             if other:
-                found.update(await self._take_committed(manifest, other, also_on=node))
+                commit = await self.records.commit_of(manifest.path)
+                found.update(await self._take_committed(manifest, commit, other, also_on=node))
             await self.records.add_commit_holder(manifest.path, manifest.version, node)
             return found
         except EtcdError as exc:
@@ -355,14 +356,14 @@ class ClusterCommits:
                      len(names), manifest.path, exc)
             return {}
 
-    async def _take_committed(self, manifest: mf.StepManifest, records: dict[str, FileRecord],
+    async def _take_committed(self, manifest: mf.StepManifest, commit: CommitRecord | None,
+                              records: dict[str, FileRecord],
                               also_on: str | None = None) -> dict[str, FileRecord]:
         """These files' records hold another content than `manifest`'s, which this node holds
-        (and `also_on` now too): if `manifest` is the commit the cluster recorded, the
-        records of a node that wrote the same paths in the same save and lost the commit to
-        it are made this version's (`CommitRecords.take_committed`), held here (and on
-        `also_on`)."""
-        commit = await self.records.commit_of(manifest.path)
+        (and `also_on` now too): if `manifest` is the commit the cluster recorded (`commit`,
+        as etcd has it now), the records of a node that wrote the same paths in the same
+        save and lost the commit to it are made this version's
+        (`CommitRecords.take_committed`), held here (and on `also_on`)."""
         if commit is None or (commit.version, commit.committed_ns) != (manifest.version,
                                                                       manifest.committed_ns):
             return {}
@@ -505,8 +506,8 @@ class ClusterCommits:
             lost = {e.name: files[e.name] for e in manifest.files
                     if e.name in files and files[e.name].xxh3 != e.xxh3
                     and holds_copy(manifest.path, e.name, e.xxh3)}
-            if lost:
-                files.update(await self._take_committed(manifest, lost))
+            if lost:  # (the commit record just read: no second read)
+                files.update(await self._take_committed(manifest, record, lost))
         except EtcdError as exc:
             log.info("could not read the records of %s: %s", manifest.path, exc)
             return None
