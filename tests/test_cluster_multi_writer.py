@@ -365,3 +365,25 @@ def test_hugging_face_trainer_on_two_nodes_resumes_on_the_node_that_replaced_ran
                         lambda hf, port: ["hf", str(hf), "8", "resume", f"port={port}"])
     for rank in resumed:
         assert (rank["global_step"], rank["steps_run"]) == (8, 2), resumed
+
+
+def test_a_ranks_files_deleted_before_rank_0s_tracker_are_not_in_the_commit(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:  # noqa: F811
+    """Rank 1 wrote its file on node1, then the step was removed there (`rm -r`) before
+    rank 0's files and `latest` on node0: the step commits on both nodes with rank 0's files
+    alone, every one of which reads back (not with node1's file, which is nowhere any
+    more: EIO on read, copies short for good)."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all("--commit-idle", "1")
+    step, zero = "ds/global_step2", "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    (node1 / step).mkdir(parents=True)
+    (node1 / step / zero).write_bytes(os.urandom(1 << 20))
+    wait_until(lambda: "node1" in file_records_writers(cluster, step), timeout=10)
+    shutil.rmtree(node1 / step)
+    (node0 / step).mkdir(parents=True, exist_ok=True)
+    (node0 / step / MODEL).write_bytes(b"m" * 1000)
+    (node0 / "ds/latest").write_text("global_step2")
+    for node in (node0, node1):
+        wait_until(lambda n=node: committed_with(n, step, {MODEL}), timeout=15)
+        assert (node / step / MODEL).read_bytes() == b"m" * 1000
+    assert file_records_writers(cluster, step) == {"node0"}

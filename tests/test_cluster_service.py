@@ -25,13 +25,13 @@ from tests.test_control_api import config
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
 from tierfs.fs.fuse.operations import Operations
-from tierfs.fs.lifecycle.deletes import Tombstone
+from tierfs.fs.lifecycle.deletes import Tombstone, peer_target
 from tierfs.fs.model.ports import TierError
 from tierfs.fs.namespace import Core, Namespace
 from tierfs.fs.store.ram_store import RamStore
 from tierfs.mount_helper.daemon import cluster_service
 from tierfs.mount_helper.daemon.cluster_service import ClusterLinks, ClusterNode
-from tierfs.mount_helper.daemon.commit_pipeline import delete_targets
+from tierfs.mount_helper.daemon.commit_pipeline import delete_targets, delete_worker
 from tierfs.mount_helper.daemon.startup import StartupError
 from tierfs.observe import Events
 from tierfs.replication.coordination.commit_records import CommitRecords, Deletion
@@ -566,3 +566,33 @@ async def test_a_node_that_cannot_reach_etcd_to_check_the_token_is_refused_in_on
                            r"for 0 s to check the cluster's token; --cluster etcd://"):
             await n0.node._admit()
         assert not n0.live.registered
+
+
+async def test_a_step_removed_here_after_another_node_committed_it_with_a_file_of_this_node(
+        tmp_path: Path) -> None:
+    """n1 wrote its file of `ds/global_step2`, n0 committed the step with it (the records name
+    n1 as its holder), and n1's user removed the step (`rm -r`) before n1 learned of that
+    commit. The delete came after the commit, so it deletes that commit: the step leaves n1,
+    n0 and the records, as a delete of the committed step does. Before, n1 then learned a
+    commit naming a file that was nowhere any more (EIO on read, copies short for good)."""
+    async with cluster(tmp_path, "n0", "n1") as (nursery, (n0, n1)):
+        n1.ns.deletes.targets.append(peer_target("n0"))  # as ClusterNode's member list has it
+        nursery.start_soon(delete_worker(n1.ns, None, n1.links.delete, n1.links.sealed).run)
+        step = "ds/global_step2"
+        model, zero = "mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        await n1.write_file(f"{step}/{zero}", b"z" * 1000)
+        records = n0.links.sealed.records
+        with trio.fail_after(10):
+            while zero not in await records.files(step):  # n1's seal, recorded
+                await trio.sleep(0.01)
+        await n0.write_file(f"{step}/{model}", b"m")
+        await n0.ns.commits.commit_quietly(n0.ns.tree.find_step(step))
+        committed = n0.ns.tree.find_step(step).step.manifest
+        assert sorted(e.name for e in committed.files) == [model, zero]
+        await n1.ops.unlink(await n1.inode(step), zero.encode(), CTX)
+        await n1.ops.rmdir(await n1.inode("ds"), b"global_step2", CTX)
+        n1.ns.tiers.learn(committed, ["n0"])
+        assert n1.ns.tree.find_step(step) is None
+        await wait_until_async(lambda: n0.ns.tree.find_step(step) is None, timeout=10)
+        assert await records.commit_of(step) is None
+        assert await records.files(step) == {}

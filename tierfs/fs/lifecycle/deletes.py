@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 DELETES_DIR = "deleted"
 PERSIST = "persist"
 PEER_PREFIX = "peer:"
+CLUSTER_RECORDS = "etcd"  # the step's records in the cluster's etcd
 FIRST_RETRY = 1.0
 MAX_RETRY = 30.0
 
@@ -88,6 +90,16 @@ class Deletes:
             targets = [t for t in (self.targets if targets is None else targets)
                        if t != PERSIST]
         self.record_all([(path, version, committed_ns, moved_to)], targets)
+
+    def record_unfinished(self, path: str) -> None:
+        """A step directory was removed while its save was under way here, with no version of
+        it committed here. In a cluster another node may have committed that save with this
+        node's files before this node learned of it: the delete covers every version of the
+        step committed before now (by this node's clock) on every tier. A save committed
+        after it is a new step. On a single node nothing else commits it: nothing to record.
+        Raises OSError as `record` does."""
+        if CLUSTER_RECORDS in self.targets:
+            self.record(path, 0, time.time_ns())
 
     def record_all(self, deleted: list[tuple[str, int, int, str | None]],
                    targets: list[str] | None = None) -> None:

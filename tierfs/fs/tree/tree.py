@@ -360,7 +360,9 @@ class Tree:
         if node.children:
             raise FsError(errno.ENOTEMPTY)
         path = self.backing(node)
-        if node.step is not None:
+        if node.step is not None and node.step.manifest is None:
+            self._deletes.record_unfinished(self.relpath(node))
+        elif node.step is not None:
             self._step_removed(node.step)
         self.remove_hidden(node, path)
         os.rmdir(path)

@@ -12,7 +12,13 @@ import logging
 import trio
 
 from tierfs import manifest as mf
-from tierfs.fs.lifecycle.deletes import PERSIST, DeleteWorker, Tombstone, peer_target
+from tierfs.fs.lifecycle.deletes import (
+    CLUSTER_RECORDS,
+    PERSIST,
+    DeleteWorker,
+    Tombstone,
+    peer_target,
+)
 from tierfs.fs.namespace import Namespace
 from tierfs.mount_helper.config import MountConfig
 from tierfs.observe import Events
@@ -24,8 +30,6 @@ from tierfs.s3tier.uploader import Uploader
 from tierfs.shared_uploads import SharedUploads
 
 log = logging.getLogger(__name__)
-
-CLUSTER_RECORDS = "etcd"  # the delete target of a step's records in the cluster's etcd
 
 
 def delete_targets(cfg: MountConfig, peers: list[str] | None = None) -> list[str]:

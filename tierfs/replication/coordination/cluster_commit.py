@@ -698,7 +698,7 @@ class ClusterCommits:
                 record = await self.records.commit_of(step_path)
                 if record is None:
                     await self.records.add_tombstone(deletion)
-                elif record.version <= version:
+                elif record.version <= version or 0 < record.committed_ns <= committed_ns:
                     await self.records.delete_step(deletion)
         except EtcdError as exc:
             raise CoordinationUnavailable(str(exc)) from None
