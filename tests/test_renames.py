@@ -79,6 +79,24 @@ def test_renames_of_renames_find_the_old_objects(tmp_path: Path) -> None:
     assert again.old_keys("run1-old/step_2.bak/sub/x") == []
 
 
+def test_a_later_delete_at_a_renamed_steps_old_name_keeps_the_rename_waiting(
+        tmp_path: Path) -> None:
+    """`mv step_2 step_2.bak`, then a new step_2 removed (saved and deleted, or in a cluster
+    only begun: its removal covers what was committed before it) before the rename reached the
+    store: the old objects stay the new name's bytes there until it has its own (the delete
+    worker waits for it, `may_clean`), then go with the later version's. Before, the later
+    delete dropped the rename from its record, and the old objects, the only copy in the store
+    of a step that had left RAM, were removed at once."""
+    deletes = Deletes(tmp_path / "deleted", [PERSIST])
+    deletes.record("run1/step_2", 1, 10, moved_to="run1/step_2.bak")
+    deletes.record("run1/step_2", 0, 20)
+    again = Deletes(tmp_path / "deleted")
+    for log in (deletes, again):
+        assert log.old_keys("run1/step_2.bak/x") == ["run1/step_2/x"]
+        tomb, = log.pending()
+        assert (tomb.moved_to, tomb.committed_ns) == ("run1/step_2.bak", 20)
+
+
 def test_renamed_steps_and_run_dirs_never_come_back(mounts: MountFactory,
                                                     store: Store) -> None:
     mnt = mounts.mount(*store.args, "--keep-ram", "1", env=store.env)

@@ -115,6 +115,10 @@ class Deletes:
             else:  # changed only once the record is on disk
                 tomb = dataclasses.replace(tomb, pending=set(tomb.pending))
                 if committed_ns > tomb.committed_ns:  # a later version at the same path
+                    if moved_to is None and PERSIST in tomb.pending:
+                        # a rename not carried out in the store yet: the old objects stay the
+                        # new name's bytes there until it has its own (`may_clean`)
+                        moved_to = tomb.moved_to
                     tomb.version, tomb.committed_ns, tomb.moved_to = (version, committed_ns,
                                                                       moved_to)
             tomb.pending |= set(self.targets if targets is None else targets)
