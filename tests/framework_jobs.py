@@ -88,9 +88,9 @@ def hf(output_dir: str, max_steps: int, resume: bool | str,
 
 
 def lightning(dirpath: str, max_steps: int, ckpt_path: str | None,
-              save_last: bool | str | None = None) -> dict[str, Any]:
-    """A Lightning Trainer whose ModelCheckpoint keeps every checkpoint, resumable; the step
-    it started from (`start_step`: 0 unless it resumed)."""
+              save_last: bool | str | None = None, keep: int = -1) -> dict[str, Any]:
+    """A Lightning Trainer whose ModelCheckpoint keeps every checkpoint (or the newest `keep`),
+    resumable; the step it started from (`start_step`: 0 unless it resumed)."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
@@ -119,7 +119,7 @@ def lightning(dirpath: str, max_steps: int, ckpt_path: str | None,
         max_steps=max_steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, accelerator="cpu", devices=1,
         callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=SAVE_EVERY,
-                                   save_top_k=-1, save_last=save_last), StartStep()])
+                                   save_top_k=keep, save_last=save_last), StartStep()])
     trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=4),
                 ckpt_path=ckpt_path)
     return {"global_step": trainer.global_step, "start_step": started[0]}
@@ -238,8 +238,10 @@ def main(argv: list[str]) -> None:
                     int(options["die-at"]) if "die-at" in options else None,
                     (int(rank), int(world)), options.get("port", ""), "each-node" in options)
     elif job in ("lightning", "lightning-link"):
-        result = lightning(where, int(rest[0]), rest[1] if len(rest) > 1 else None,
-                           "link" if job == "lightning-link" else None)
+        keep = next((int(o[5:]) for o in rest[1:] if o.startswith("keep=")), -1)
+        ckpt = next((o for o in rest[1:] if not o.startswith("keep=")), None)
+        result = lightning(where, int(rest[0]), ckpt,
+                           "link" if job == "lightning-link" else None, keep)
     elif job == "deepspeed":
         tag = next((o[4:] for o in rest[2:] if o.startswith("tag=")), None)
         rank, world = next((o[5:] for o in rest[2:] if o.startswith("rank=")), "0/1").split("/")

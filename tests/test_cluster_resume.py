@@ -159,3 +159,33 @@ def test_a_tracker_of_a_multi_node_step_reaches_a_peer_once_every_file_has_its_c
     fresh = cluster3.start("node0")
     assert (fresh / tracker).read_text() == "10"
     check_step_bytes(fresh, step, expected)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                    reason="not installed: lightning")
+def test_a_replaced_node_resumes_lightning_from_its_last_link_held_by_a_peer(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
+        tmp_path: Path) -> None:
+    """Lightning on node0, no store: ModelCheckpoint keeps the newest checkpoint alone
+    (`save_top_k=1`: each save removes the one before) and `last.ckpt`, a link to it. node1
+    shows the run as node0 left it (the removed checkpoints gone there too), and the node that
+    replaces node0 resumes at the step saved last (`fit(ckpt_path="last")`)."""
+    from tests.test_frameworks import run_job
+
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all()
+    first = run_job(tmp_path, "lightning-link", str(node0 / "run"), "6", "keep=1")
+    assert first["global_step"] == 6
+    kept = ["epoch=0-step=6.ckpt", "last.ckpt"]
+    assert sorted(os.listdir(node0 / "run")) == kept
+    wait_until(lambda: sorted(os.listdir(node1 / "run")) == kept
+               and (node0.step("run/epoch=0-step=6.ckpt") or {}).get("copies") == 2,
+               timeout=30)
+    assert os.readlink(node1 / "run/last.ckpt") == "epoch=0-step=6.ckpt"
+
+    node0.kill9()
+    shutil.rmtree(node0.ram_dir)
+    fresh = cluster.start("node0")
+    assert sorted(os.listdir(fresh / "run")) == kept
+    resumed = run_job(tmp_path, "lightning-link", str(fresh / "run"), "8", "last", "keep=1")
+    assert resumed == {"global_step": 8, "start_step": 6}
