@@ -169,17 +169,20 @@ def test_a_wrong_token_or_advertised_address_is_refused_at_mount(
     other.chmod(0o600)
     mountpoint = tmp_path / "mp"
     mountpoint.mkdir()
-    listen = ["--listen", f"127.0.0.1:{free_port()}"]
     for args, message in [
-        (["--token-file", str(other), *listen], "this node's token is not the cluster's"),
-        (["--token-file", str(token_file), *listen, "--advertise", f"127.0.0.1:{free_port()}"],
+        (["--token-file", str(other)], "this node's token is not the cluster's"),
+        (["--token-file", str(token_file), "--advertise", f"127.0.0.1:{free_port()}"],
          "cannot reach itself at its advertised address 127.0.0.1:"),
-        (["--token-file", str(token_file), *listen, "--advertise",
+        (["--token-file", str(token_file), "--advertise",
           f"127.0.0.1:{cluster.ports['node0']}"],
          "is the peer port of node 'node0', not this node's ('node1')"),
     ]:
+        # a port found free just before each mount: one kept across the three (seconds) was
+        # taken meanwhile by another test's connection once ("Address already in use")
+        listen = ["--listen", f"127.0.0.1:{free_port()}"]
         done = tierfs("mount", str(mountpoint), "--ram-dir", str(mounts.new_ram_dir()),
-                      "--cluster", cluster.url, "--node-id", "node1", *args, check=False)
+                      "--cluster", cluster.url, "--node-id", "node1", *args, *listen,
+                      check=False)
         if done.returncode == 0:  # mounted after all: unmounted, its daemon ends with it
             subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
         assert done.returncode == 1 and message in done.stderr, done.stderr
