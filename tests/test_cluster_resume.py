@@ -168,8 +168,10 @@ def test_a_replaced_node_resumes_lightning_from_its_last_link_held_by_a_peer(
         tmp_path: Path) -> None:
     """Lightning on node0, no store: ModelCheckpoint keeps the newest checkpoint alone
     (`save_top_k=1`: each save removes the one before) and `last.ckpt`, a link to it. node1
-    shows the run as node0 left it (the removed checkpoints gone there too), and the node that
-    replaces node0 resumes at the step saved last (`fit(ckpt_path="last")`)."""
+    shows the run as node0 left it (the removed checkpoints gone there too, the link there),
+    and the node that replaces node0 resumes at the step saved last (`fit(ckpt_path="last")`;
+    it trained from step 0 when the link was lost with node0). Links changed on either node
+    are changed on the other."""
     from tests.test_frameworks import run_job
 
     cluster = Cluster(mounts, token_file, 2, etcd_server)
@@ -189,3 +191,12 @@ def test_a_replaced_node_resumes_lightning_from_its_last_link_held_by_a_peer(
     assert sorted(os.listdir(fresh / "run")) == kept
     resumed = run_job(tmp_path, "lightning-link", str(fresh / "run"), "8", "last", "keep=1")
     assert resumed == {"global_step": 8, "start_step": 6}
+
+    def links(node: Mount) -> dict[str, str]:
+        return {p.name: os.readlink(p) for p in (node / "run").iterdir() if p.is_symlink()}
+
+    wait_until(lambda: links(node1) == links(fresh), timeout=10)
+    assert "epoch=0-step=8.ckpt" in links(node1).values()
+    for name in links(node1):  # removed on the other node: gone here too
+        os.unlink(node1 / "run" / name)
+    wait_until(lambda: links(fresh) == {}, timeout=10)

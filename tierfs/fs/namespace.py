@@ -44,6 +44,7 @@ from tierfs.fs.lifecycle.deletes import DELETES_DIR, Cleaner, Deletes, DeleteWor
 from tierfs.fs.lifecycle.eviction import Eviction
 from tierfs.fs.lifecycle.fetch_back import FetchBack
 from tierfs.fs.lifecycle.foreground import Foreground
+from tierfs.fs.lifecycle.kept_links import KeptLinks
 from tierfs.fs.lifecycle.other_tiers import OtherTiers
 from tierfs.fs.lifecycle.quiet_commits import QuietCommits
 from tierfs.fs.lifecycle.quiet_watch import QuietWatch
@@ -155,6 +156,9 @@ class Namespace:
         self._sealing = parts.sealing  # hash threads
         self.view = core.view
         self.versions = core.versions
+        # links the store or another node keeps, made here
+        self._kept_links = KeptLinks(tree, dir_attributes=parts.dir_attributes,
+                                     identity=parts.identity, latest=parts.latest)
         self.events = events
         self.store = tree.store
         self.deletes = core.deletes
@@ -619,7 +623,12 @@ class Namespace:
     def adopt_links(self, directory: str, links: dict[str, str]) -> int:
         """Make the symbolic links the persistent tier keeps for `directory` (a fresh RAM
         dir; an entry of that name here stays). The number made."""
-        return self.versions.adopt_links(directory, links)
+        return self._kept_links.adopt(directory, links)
+
+    def replace_links(self, directory: str, links: dict[str, str]) -> int:
+        """Make `directory`'s kept links those another node of the cluster keeps
+        (`KeptLinks.replace`). The number changed."""
+        return self._kept_links.replace(directory, links)
 
     def store_lacks(self, step_node: Node, lacking: list[str], seen: str) -> None:
         """The persistent tier lacks these files of a step it held (`Eviction.store_lacks`)."""

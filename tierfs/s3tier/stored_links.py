@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 
 import trio
 
-from tierfs.fs.model.links import LinkChanges
+from tierfs.fs.model.links import LinkQueue
 from tierfs.retry import POLICY
 from tierfs.s3tier.interface import BackendError
 from tierfs.s3tier.uploader import Uploader
@@ -17,7 +17,7 @@ from tierfs.s3tier.uploader import Uploader
 log = logging.getLogger(__name__)
 
 
-async def store_links(changes: LinkChanges, link_dirs: Callable[[], Iterable[str]],
+async def store_links(changes: LinkQueue, link_dirs: Callable[[], Iterable[str]],
                       links_of: Callable[[str], dict[str, str]], uploader: Uploader) -> None:
     """The store learns the links of each directory `changes` notes (and of each of
     `link_dirs()`, the directories holding links at the start), as `links_of` tells them."""

@@ -470,32 +470,6 @@ class StepVersions:
 
     # -- symbolic links the persistent tier keeps (fs.model.links) --------------------------------
 
-    def adopt_links(self, directory: str, links: dict[str, str]) -> int:
-        """Make the links the store keeps for `directory` (a fresh RAM dir); an entry of
-        that name here stays. The number made."""
-        parent = self.tree.root
-        for part in map(os.fsencode, directory.split("/") if directory else ()):
-            child = parent.children.get(part)
-            if child is not None and (not child.is_dir or child.step is not None):
-                return 0  # a step directory holds no kept links
-            if child is None:
-                if self._identity.step_number_at(parent, part) is not None:
-                    return 0
-                os.mkdir(os.path.join(self.tree.backing(parent), part), 0o755)
-                child = self.tree.attach(parent, part, stat.S_IFDIR)
-                self._dir_attributes.made(child)
-            parent = child
-        made = 0
-        for name, target in links.items():
-            raw = os.fsencode(name)
-            if raw in parent.children or (raw == LATEST and self._latest.is_own(parent)):
-                continue
-            with times_kept(self.tree.backing(parent)):  # made again, not a change
-                os.symlink(target, os.path.join(self.tree.backing(parent), raw))
-            self.tree.attach(parent, raw, stat.S_IFLNK)
-            made += 1
-        return made
-
 
 def _written_over(entry: mf.FileEntry | None, node: Node) -> bool:
     """Whether a file written here, sealed, is not what the version another node committed

@@ -6,8 +6,11 @@ changes, and made again on a node that mounts the same store with an empty RAM d
 (absolute, pointing out of the mount, or inside a step directory) live in this node's RAM dir
 only; `tierfs status` names them.
 
-The tree notes which directories changed (`LinkChanges`); the daemon's worker writes their
-objects, retrying while the store cannot."""
+In a cluster the same links are kept in etcd, so that every node shows them and a node that
+replaces a lost one finds them without a store (`replication.coordination.shared_links`).
+
+The tree notes which directories changed (`LinkChanges`); the daemon's workers write their
+objects, and their etcd keys, retrying while the store or etcd cannot."""
 
 from __future__ import annotations
 
@@ -33,14 +36,28 @@ def stays_inside(link_path: str, target: str) -> bool:
     return joined not in (".", "..") and not joined.startswith("../")
 
 
-def encode(links: dict[str, str]) -> bytes:
-    return msgpack.packb({"format": FORMAT, "links": links}, use_bin_type=True)
+def encode(links: dict[str, str], writer: str | None = None) -> bytes:
+    """A directory's links as an object; `writer`: the node whose mount made them (the
+    cluster's copy, in etcd)."""
+    raw: dict[str, object] = {"format": FORMAT, "links": links}
+    if writer is not None:
+        raw["writer"] = writer
+    return msgpack.packb(raw, use_bin_type=True)
 
 
 def decode(directory: str, data: bytes) -> dict[str, str]:
     """The links of a directory's object; ValueError if it is malformed or a link would
     point out of the mount."""
+    return decode_written(directory, data)[1]
+
+
+def decode_written(directory: str, data: bytes) -> tuple[str | None, dict[str, str]]:
+    """The writer (None: not said) and the links of a directory's object; ValueError as
+    `decode`."""
     raw = decode_map(data, ValueError, "links object", kind=FORMAT, max_map_len=MAX_LINKS)
+    writer = raw.get("writer")
+    if writer is not None and not isinstance(writer, str):
+        raise ValueError("bad writer of a links object")
     if not isinstance(raw.get("links"), dict):
         raise ValueError("unknown links object format")
     links = raw["links"]
@@ -49,12 +66,29 @@ def decode(directory: str, data: bytes) -> dict[str, str]:
                 or name in (".", "..") or name.startswith(reserved.PREFIX) or \
                 not stays_inside(posixpath.join(directory, name), target):
             raise ValueError(f"bad link {name!r}")
-    return links
+    return writer, links
 
 
 class LinkChanges:
-    """The directories (relative to the mount, "" the top) whose links changed since their
-    objects were last written."""
+    """The directories (relative to the mount, "" the top) whose links changed, told to each
+    of their followers (the store's writer, the cluster's)."""
+
+    def __init__(self) -> None:
+        self._queues: list[LinkQueue] = []
+
+    def note(self, directory: str) -> None:
+        for queue in self._queues:
+            queue.note(directory)
+
+    def follow(self) -> LinkQueue:
+        """A queue of the changes from now on (taken before the mount answers anyone)."""
+        queue = LinkQueue()
+        self._queues.append(queue)
+        return queue
+
+
+class LinkQueue:
+    """The directories whose links changed since one follower last wrote them."""
 
     def __init__(self) -> None:
         self.dirs: set[str] = set()

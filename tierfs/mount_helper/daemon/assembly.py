@@ -186,7 +186,8 @@ async def _serve(cfg: MountConfig, store: RamStore, ready: ReadyPipe) -> None:
                                              cluster.peer_delete if cluster else None,
                                              cluster.sealed if cluster else None).run)
             if uploader is not None:
-                nursery.start_soon(store_links, namespace.link_changes(), namespace.view.link_dirs,
+                nursery.start_soon(store_links, namespace.link_changes().follow(),
+                                   namespace.view.link_dirs,
                                    namespace.view.links_of, uploader)
             nursery.start_soon(_terminate_on_signal)
             await trio.to_thread.run_sync(os.stat, cfg.mountpoint)  # the mount answers

@@ -31,6 +31,7 @@ from tierfs.replication.coordination.cluster_commit import ClusterCommits
 from tierfs.replication.coordination.commit_records import CommitRecords
 from tierfs.replication.coordination.etcd import Etcd, EtcdError
 from tierfs.replication.coordination.placement import copies_wanted
+from tierfs.replication.coordination.shared_links import SharedLinks
 from tierfs.replication.coordination.store_record import StoreRecord
 from tierfs.replication.peers import tls as peer_tls
 from tierfs.replication.peers.channel import SENT_TO
@@ -163,6 +164,13 @@ class ClusterNode:
         self.plans = CopyPlans(self.replicator, uploader, namespace.view.find_step,
                                tiers.held_manifests)
         self.steps = ClusterSteps(self.sealed, tiers, self.plans)
+        # the links every node keeps (Lightning's last.ckpt), followed from now on
+        assert cfg.cluster is not None
+        self.links = SharedLinks(links.etcd, cfg.cluster, cfg.node_id,
+                                 namespace.link_changes().follow(),
+                                 links_of=namespace.view.links_of,
+                                 link_dirs=namespace.view.link_dirs,
+                                 replace=namespace.replace_links)
         # `caught_up` in `tierfs status`
         self.caught_up = self.steps.caught_up
 
@@ -220,8 +228,9 @@ class ClusterNode:
         log.info("node %s listening for peers on %s:%d (advertised as %s); live members: %s",
                  self.cfg.node_id, host, port, self.cfg.advertise, ", ".join(self.live.ring))
         self._follow_members()
-        # every step of the cluster, from the start
+        # every step of the cluster, and its links, from the start
         await self.steps.learn_all()
+        await self.links.learn_all()
         if self.namespace.recovered.may_have_lost_copies:
             # back without (some of) its copies: a step whose holders as its commit record
             # names them are live may still have lost every copy of a file, here and on
@@ -229,7 +238,8 @@ class ClusterNode:
             # names such a step here)
             self.namespace.copies.want_recheck()
         for worker in (self.directory.run, self.replicator.run, self._restore_copies,
-                       self.steps.follow, self.steps.publish_pending, self._recheck_losses):
+                       self.steps.follow, self.steps.publish_pending, self._recheck_losses,
+                       self.links.follow, self.links.publish):
             nursery.start_soon(worker)
         nursery.start_soon(self.steps.catch_up)
 
