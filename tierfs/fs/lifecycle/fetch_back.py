@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import posixpath
 import time
 import weakref
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs.fs.lifecycle.step_loads import StepLoads
-from tierfs.fs.model import dcp_metadata, tree_walk
+from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import METADATA, FsError, Node, StepState
 from tierfs.fs.model.ports import ReadSource, SealedCollector, Spawner, TierError
 from tierfs.fs.store.fetch import WHOLE_IN_FLIGHT, Fetch, FetchError, GivenBytes, Slots
@@ -372,8 +371,6 @@ class FetchBack:
                           if sibling.remote is not None
                           and sibling.remote.entry.size > SMALL_FILE
                           and writers.get(sibling.remote.entry.name) == writers.get(name)]
-                if node.name == METADATA:  # a DCP load: files come in the order it reads them
-                    wanted = await self._in_load_order(node, name, wanted)
                 # One file after another, WHOLE_IN_FLIGHT chunks in flight over them all: the
                 # next file starts once every chunk of the one before is on its way, so the
                 # pipe stays full across files and the file a reader opens next comes first.
@@ -401,26 +398,6 @@ class FetchBack:
                 log.info("read-ahead of %s ended: %d files came to RAM", where, fetched)
 
         self.background.spawn(ahead)
-
-    async def _in_load_order(self, metadata: Node, name: str, files: list[Node]
-                             ) -> list[Node]:
-        """`files` in the order a DCP load reads them, as the step's `.metadata` (`name` in
-        the step) says (`dcp_metadata.load_order`: the state dict's order, not the files'
-        names, which `cp -r` follows); as they are if it cannot say."""
-        where = posixpath.dirname(name)
-        try:
-            path = self.tree.backing(metadata)
-
-            def order() -> list[str]:
-                with open(path, "rb") as f:
-                    return dcp_metadata.load_order(f.read(dcp_metadata.MAX_METADATA + 1))
-
-            rank = {posixpath.join(where, shard): i
-                    for i, shard in enumerate(await trio.to_thread.run_sync(order))}
-        except (OSError, FsError, dcp_metadata.MetadataError):
-            return files
-        return sorted(files, key=lambda node: rank.get(
-            node.remote.entry.name if node.remote is not None else "", len(rank)))
 
     def _step_files_after(self, step_node: Node, name: str) -> list[Node]:
         """The step's files not in RAM and not being fetched, in manifest order from the one

@@ -72,28 +72,6 @@ class _Unpickler(pickle.Unpickler):
 
 def shard_files(data: bytes) -> set[str]:
     """Relative paths of every file DCP's metadata says the checkpoint stores data in."""
-    return {path for _index, path in _storage(data)}
-
-
-def load_order(data: bytes) -> list[str]:
-    """The checkpoint's files in the order a DCP load of the state dict it saved reads them:
-    `FileSystemReader.read_data` opens each file where its plan first names it, and the plan
-    follows the state dict (whose order `state_dict_metadata` keeps), not the files' names."""
-    metadata = _metadata(data)
-    position = {fqn: i for i, fqn in enumerate(metadata.state().get("state_dict_metadata")
-                                                or {})}
-    first: dict[str, tuple[int, int]] = {}
-    for index, path in _storage(data, metadata):
-        fields = index.state() if isinstance(index, Inert) else {}
-        chunk = fields.get("index")
-        key = (position.get(fields.get("fqn"), len(position)),
-               chunk if isinstance(chunk, int) else 0)
-        if key < first.get(path, (len(position) + 1, 0)):
-            first[path] = key
-    return sorted(first, key=first.__getitem__)
-
-
-def _metadata(data: bytes) -> Inert:
     if len(data) > MAX_METADATA:
         raise MetadataError("metadata too large")
     try:
@@ -104,18 +82,13 @@ def _metadata(data: bytes) -> Inert:
         raise MetadataError(f"unreadable metadata: {exc}") from None
     if not isinstance(metadata, Inert):
         raise MetadataError("not a DCP Metadata object")
-    return metadata
-
-
-def _storage(data: bytes, metadata: Inert | None = None) -> list[tuple[Any, str]]:
-    """(index, relative path) of every entry of `storage_data`."""
-    storage = (metadata or _metadata(data)).state().get("storage_data")
+    storage = metadata.state().get("storage_data")
     if not isinstance(storage, dict):
         raise MetadataError("DCP metadata without storage_data")
-    entries = []
-    for index, info in storage.items():
+    paths = set()
+    for info in storage.values():
         path = info.state().get("relative_path") if isinstance(info, Inert) else None
         if not isinstance(path, str):
             raise MetadataError("storage_data entry without a relative path")
-        entries.append((index, path))
-    return entries
+        paths.add(path)
+    return paths
