@@ -166,7 +166,7 @@ class ClusterNode:
         self.steps = ClusterSteps(self.sealed, tiers, self.plans)
         # the links every node keeps (Lightning's last.ckpt), followed from now on
         assert cfg.cluster is not None
-        self.links = SharedLinks(links.etcd, cfg.cluster, cfg.node_id,
+        self.shared_links = SharedLinks(links.etcd, cfg.cluster, cfg.node_id,
                                  namespace.link_changes().follow(),
                                  links_of=namespace.view.links_of,
                                  link_dirs=namespace.view.link_dirs,
@@ -230,7 +230,7 @@ class ClusterNode:
         self._follow_members()
         # every step of the cluster, and its links, from the start
         await self.steps.learn_all()
-        await self.links.learn_all()
+        await self.shared_links.learn_all()
         if self.namespace.recovered.may_have_lost_copies:
             # back without (some of) its copies: a step whose holders as its commit record
             # names them are live may still have lost every copy of a file, here and on
@@ -239,7 +239,7 @@ class ClusterNode:
             self.namespace.copies.want_recheck()
         for worker in (self.directory.run, self.replicator.run, self._restore_copies,
                        self.steps.follow, self.steps.publish_pending, self._recheck_losses,
-                       self.links.follow, self.links.publish):
+                       self.shared_links.follow, self.shared_links.publish):
             nursery.start_soon(worker)
         nursery.start_soon(self.steps.catch_up)
 
