@@ -4,17 +4,11 @@ the one retry policy (`tierfs.retry.POLICY`) while the store cannot take them.""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 
-import trio
-
 from tierfs.fs.model.links import LinkQueue
-from tierfs.retry import POLICY
 from tierfs.s3tier.interface import BackendError
 from tierfs.s3tier.uploader import Uploader
-
-log = logging.getLogger(__name__)
 
 
 async def store_links(changes: LinkQueue, link_dirs: Callable[[], Iterable[str]],
@@ -23,20 +17,8 @@ async def store_links(changes: LinkQueue, link_dirs: Callable[[], Iterable[str]]
     `link_dirs()`, the directories holding links at the start), as `links_of` tells them."""
     for directory in link_dirs():
         changes.note(directory)
-    failures = 0
-    while True:
-        changed = changes.changed
-        for directory in sorted(changes.take()):
-            try:
-                await uploader.put_links(directory, links_of(directory))
-                failures = 0
-            except BackendError as exc:
-                failures += 1
-                log.log(POLICY.level(failures), "the links of %s could not be stored yet: %s",
-                        directory or ".", exc)
-                changes.dirs.add(directory)  # again after the pause
-        if changes.dirs:
-            with trio.move_on_after(POLICY.delay(failures)):
-                await changes.changed.wait()
-        else:
-            await changed.wait()
+
+    async def write(directory: str) -> None:
+        await uploader.put_links(directory, links_of(directory))
+
+    await changes.write_each(write, BackendError, "the store")

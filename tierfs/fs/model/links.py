@@ -14,13 +14,18 @@ objects, and their etcd keys, retrying while the store or etcd cannot."""
 
 from __future__ import annotations
 
+import logging
 import posixpath
+from collections.abc import Awaitable, Callable
 
 import msgpack
 import trio
 
 from tierfs import reserved
 from tierfs.msgpack_map import decode_map
+from tierfs.retry import POLICY
+
+log = logging.getLogger(__name__)
 
 LINKS_OBJECT = reserved.LINKS
 FORMAT = 1
@@ -102,3 +107,26 @@ class LinkQueue:
     def take(self) -> set[str]:
         taken, self.dirs = self.dirs, set()
         return taken
+
+    async def write_each(self, write: Callable[[str], Awaitable[None]],
+                         failure: type[Exception], where: str) -> None:
+        """`write` the links of each directory noted, until cancelled; one that fails with
+        `failure` (`where` cannot take it) is written again after the one retry policy's
+        pause (`tierfs.retry.POLICY`)."""
+        failures = 0
+        while True:
+            changed = self.changed
+            for directory in sorted(self.take()):
+                try:
+                    await write(directory)
+                    failures = 0
+                except failure as exc:
+                    failures += 1
+                    log.log(POLICY.level(failures), "the links of %s could not reach %s yet: %s",
+                            directory or ".", where, exc)
+                    self.dirs.add(directory)  # again after the pause
+            if self.dirs:
+                with trio.move_on_after(POLICY.delay(failures)):
+                    await self.changed.wait()
+            else:
+                await changed.wait()

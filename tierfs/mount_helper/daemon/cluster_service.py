@@ -167,10 +167,10 @@ class ClusterNode:
         # the links every node keeps (Lightning's last.ckpt), followed from now on
         assert cfg.cluster is not None
         self.shared_links = SharedLinks(links.etcd, cfg.cluster, cfg.node_id,
-                                 namespace.link_changes().follow(),
-                                 links_of=namespace.view.links_of,
-                                 link_dirs=namespace.view.link_dirs,
-                                 replace=namespace.replace_links)
+                                        namespace.link_changes().follow(),
+                                        links_of=namespace.view.links_of,
+                                        link_dirs=namespace.view.link_dirs,
+                                        replace=namespace.replace_links)
         # `caught_up` in `tierfs status`
         self.caught_up = self.steps.caught_up
 

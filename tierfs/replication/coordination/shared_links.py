@@ -28,7 +28,6 @@ from tierfs.fs.model import links as symlinks
 from tierfs.fs.model.links import LinkQueue
 from tierfs.replication.coordination.etcd import Etcd, EtcdError, KeyValue, Snapshot, WatchEvent
 from tierfs.replication.coordination.url import ClusterUrl
-from tierfs.retry import POLICY
 
 log = logging.getLogger(__name__)
 
@@ -78,24 +77,11 @@ class SharedLinks:
 
     async def publish(self) -> None:
         """Write the links of each directory this node's mount changed, until cancelled."""
-        failures = 0
-        while True:
-            changed = self.changes.changed
-            for directory in sorted(self.changes.take()):
-                try:
-                    await self.etcd.put(self._key(directory), symlinks.encode(
-                        self.links_of(directory), self.node_id))
-                    failures = 0
-                except EtcdError as exc:
-                    failures += 1
-                    log.log(POLICY.level(failures), "the links of %s could not reach etcd "
-                            "yet: %s", directory or TOP, exc)
-                    self.changes.note(directory)  # again after the pause
-            if self.changes.dirs:
-                with trio.move_on_after(POLICY.delay(failures)):
-                    await self.changes.changed.wait()
-            else:
-                await changed.wait()
+        async def write(directory: str) -> None:
+            await self.etcd.put(self._key(directory),
+                                symlinks.encode(self.links_of(directory), self.node_id))
+
+        await self.changes.write_each(write, EtcdError, "etcd")
 
     def _apply_snapshot(self, snapshot: Snapshot) -> None:
         """Every key another node wrote made this tree's. The first time since the start,
