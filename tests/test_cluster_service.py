@@ -596,3 +596,23 @@ async def test_a_step_removed_here_after_another_node_committed_it_with_a_file_o
         await wait_until_async(lambda: n0.ns.tree.find_step(step) is None, timeout=10)
         assert await records.commit_of(step) is None
         assert await records.files(step) == {}
+
+
+async def test_a_directory_the_job_wrote_in_keeps_its_times_when_its_commit_is_learned_again(
+        tmp_path: Path) -> None:
+    """n1 made `run/step_2` for n0's commit; its job then wrote a file in it (a save of the
+    step again here). The commit's record changing later (n1 now holds copies) is the same
+    commit learned again: the directory keeps the times the job's write gave it. Before, it
+    took the commit's recorded times again, older than the job's write (a CI flake of
+    test_cluster_kernel_cache showed it: HF's rotation sorts by these times)."""
+    async with cluster(tmp_path, "n0", "n1") as (_nursery, (n0, n1)):
+        committed = await committed_on(n0, "run/step_2")
+        n1.ns.tiers.learn(committed, ["n0"])
+        backing = n1.ns.tree.backing(n1.ns.tree.find_step("run/step_2"))
+        made = os.stat(backing).st_mtime_ns
+        await trio.sleep(0.02)  # apart by more than the file system's time granularity
+        await n1.write_file("run/step_2/b", b"b")
+        written = os.stat(backing).st_mtime_ns
+        assert written > made
+        n1.ns.tiers.learn(committed, ["n0", "n1"])
+        assert os.stat(backing).st_mtime_ns == written

@@ -29,6 +29,7 @@ the collaborators it takes, so that a write, a commit and a read-back can be fol
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
@@ -66,7 +67,7 @@ from tierfs.fs.tree.tree import Tree
 from tierfs.fs.tree.tree_view import TreeView
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     from tierfs import manifest as mf
     from tierfs.fs.lifecycle.quiet_commits import Outlook
@@ -148,6 +149,7 @@ class Namespace:
         parts = tree.parts  # handed to the collaborators below, each the ones it uses
         # the Tree's parts that the file system calls below use directly
         self._kernel_cache = parts.kernel_cache  # what the kernel already knows of a change
+        self._dir_attributes = parts.dir_attributes  # directories tierfs made for other tiers
         self._renames = parts.renames
         self._cut_short = parts.cut_short  # files a write into failed (no room)
         self._attributes = parts.attributes  # chmod, chown, utime, truncate
@@ -256,11 +258,21 @@ class Namespace:
 
     # -- directories and entries -----------------------------------------------------------
 
-    # The calls below are the kernel's requests: it knows of the change it asked for
-    # (`KernelCache.kernel_knows`), and keeps its own view of the entry up to date itself.
+    # The calls below are the kernel's requests, the job's changes (`_job_changes`).
+
+    @contextlib.contextmanager
+    def _job_changes(self, *directories: Node) -> Iterator[None]:
+        """A change the kernel asked for in `directories`: it knows of it
+        (`KernelCache.kernel_knows`) and keeps its own view of the entries up to date itself;
+        and once made, the directories' attributes are the job's (`DirAttributes.changed_here`),
+        not a commit's tierfs gave them before."""
+        with self._kernel_cache.kernel_knows():
+            yield
+        for directory in directories:
+            self._dir_attributes.changed_here(directory)
 
     def mkdir(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        with self._kernel_cache.kernel_knows():
+        with self._job_changes(parent):
             return self.tree.mkdir(parent, name, mode, uid, gid)
 
     async def dir_made(self, node: Node) -> None:
@@ -271,19 +283,19 @@ class Namespace:
             await self.cluster_writes.saving_recorded(node)
 
     def mknod(self, parent: Node, name: bytes, mode: int, uid: int, gid: int) -> Node:
-        with self._kernel_cache.kernel_knows():
+        with self._job_changes(parent):
             return self.tree.mknod(parent, name, mode, uid, gid)
 
     def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
-        with self._kernel_cache.kernel_knows():
+        with self._job_changes(parent):
             return self.tree.symlink(parent, name, target, uid, gid)
 
     def rmdir(self, parent: Node, name: bytes) -> None:
-        with self._kernel_cache.kernel_knows():
+        with self._job_changes(parent):
             self.tree.rmdir(parent, name)
 
     async def unlink(self, parent: Node, name: bytes) -> None:
-        with self._kernel_cache.kernel_knows():
+        with self._job_changes(parent):
             removed = self.tree.unlink(parent, name)
         if removed:
             await self.commits.run_pending_commits(parent)
@@ -306,7 +318,7 @@ class Namespace:
                 break
             for file_node in elsewhere:  # then check again: the awaits may have seen changes
                 await self.fetch_back.make_resident(file_node, empty=False)
-        with self._kernel_cache.kernel_knows():
+        with self._job_changes(old_parent, new_parent):
             moved = self._renames.rename(node, old_parent, old_name, new_parent, new_name,
                                          flags)
         if moved:
@@ -316,7 +328,7 @@ class Namespace:
 
     def create(self, parent: Node, name: bytes, mode: int, flags: int, uid: int,
                gid: int, pid: int = 0) -> tuple[Node, Handle]:
-        with self._kernel_cache.kernel_knows():
+        with self._job_changes(parent):
             return self.tree.create(parent, name, mode, flags, uid, gid, pid)
 
     async def open(self, node: Node, flags: int) -> Handle:
@@ -503,9 +515,14 @@ class Namespace:
         return True
 
     def _attributes_recorded(self, node: Node, *changed: int | None) -> None:
-        """A file's new mode, owner or mtime reach its record in the cluster's records."""
-        if node.is_file and changed != (None,) * len(changed):
+        """A file's new mode, owner or mtime reach its record in the cluster's records; a
+        directory's are the job's from now on (`DirAttributes.changed_here`)."""
+        if changed == (None,) * len(changed):
+            return
+        if node.is_file:
             self.cluster_writes.note_attributes(node)
+        elif node.is_dir:
+            self._dir_attributes.changed_here(node)
 
     async def make_private(self, node: Node, *, keep: bool) -> None:
         """Copy on write: a tree file shared with a committed object gets its own inode (its

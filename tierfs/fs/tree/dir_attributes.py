@@ -7,7 +7,10 @@ that makes such a directory for a step it did not write (a fresh node listing th
 node learning a peer's commit, a link the store keeps) gives it the attributes of the newest
 manifest that records it (`DirAttributes.give`), so that a job running as its own user goes on
 saving and rotating there, and a directory that kept other users out of its files still does.
-A directory a user made on this node is never changed this way.
+A directory a user made on this node is never changed this way, and one the job changed here
+(an entry made or removed in it, its attributes set) takes only commits made after that change:
+a commit learned again (its record names more holders) must not put back times older than the
+job's write (HF's Trainer rotates its checkpoints by them).
 
 tierfs's own entries in a directory (a step's records, a file fetched back or evicted, the mark
 of a saver's own `latest`) must not move its times, or the times recorded at the next commit,
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -59,15 +63,22 @@ def recorded(step_node: Node, backing: Callable[[Node], bytes],
 
 class DirAttributes:
     """The directories this node made for steps it did not write, and the recorded
-    attributes each was given (the newest commit's that records it)."""
+    attributes each was given (the newest commit's that records it), with its time; no
+    attributes at a time the job changed it here (what it has then is the job's)."""
 
     def __init__(self) -> None:
-        self._given: weakref.WeakKeyDictionary[Node, tuple[int, mf.DirEntry] | None] = \
-            weakref.WeakKeyDictionary()
+        self._given: weakref.WeakKeyDictionary[
+            Node, tuple[int, mf.DirEntry | None] | None] = weakref.WeakKeyDictionary()
 
     def made(self, node: Node) -> None:
         """tierfs made `node` for a step from another tier: recorded attributes apply to it."""
         self._given.setdefault(node, None)
+
+    def changed_here(self, node: Node) -> None:
+        """The job changed the directory `node` here: its attributes are the job's now, over
+        those of any commit made before."""
+        if node in self._given:
+            self._given[node] = (time.time_ns(), None)
 
     def give(self, root: Node, manifest: mf.StepManifest,
              backing: Callable[[Node], bytes]) -> None:
@@ -92,8 +103,9 @@ class DirAttributes:
         for node in sorted(touched, key=_depth, reverse=True):
             given = self._given[node]
             assert given is not None
-            with contextlib.suppress(OSError):
-                _apply(backing(node), given[1])
+            if given[1] is not None:
+                with contextlib.suppress(OSError):
+                    _apply(backing(node), given[1])
 
 
 def _depth(node: Node) -> int:
