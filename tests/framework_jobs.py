@@ -6,7 +6,7 @@ line with what the test checks.
     python tests/framework_jobs.py hf OUTPUT_DIR MAX_STEPS [resume|resume=PATH] [die-at=N]
                                    [rank=R/W port=P]  (DDP over gloo, OUTPUT_DIR on R's node)
                                    [each-node]  (save_on_each_node: every rank saves it all)
-    python tests/framework_jobs.py lightning DIRPATH MAX_STEPS [CKPT_PATH]
+    python tests/framework_jobs.py lightning DIRPATH MAX_STEPS [CKPT_PATH]  (save_last=True)
     python tests/framework_jobs.py lightning-link DIRPATH MAX_STEPS [CKPT_PATH]  (save_last="link")
     python tests/framework_jobs.py deepspeed SAVE_DIR MAX_STEPS PORT [resume] [nowait] [tag=T]
                                    [rank=R/W]   (rank R of W, each rank's SAVE_DIR on its node)
@@ -241,7 +241,7 @@ def main(argv: list[str]) -> None:
         keep = next((int(o[5:]) for o in rest[1:] if o.startswith("keep=")), -1)
         ckpt = next((o for o in rest[1:] if not o.startswith("keep=")), None)
         result = lightning(where, int(rest[0]), ckpt,
-                           "link" if job == "lightning-link" else None, keep)
+                           "link" if job == "lightning-link" else True, keep)
     elif job == "deepspeed":
         tag = next((o[4:] for o in rest[2:] if o.startswith("tag=")), None)
         rank, world = next((o[5:] for o in rest[2:] if o.startswith("rank=")), "0/1").split("/")

@@ -132,6 +132,38 @@ def test_a_replaced_node_resumes_deepspeed_from_the_tracker_its_peer_holds(
     assert resumed["weights_at_load"] == first["saved"]["6"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                    reason="not installed: lightning")
+def test_a_replaced_node_resumes_lightning_from_the_last_ckpt_its_peer_holds(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd,  # noqa: F811
+        tmp_path: Path) -> None:
+    """Lightning on node0 with `save_last=True` (a regular `last.ckpt`, written whole again at
+    each save, beside `epoch=0-step=N.ckpt`), no store, --commit-idle 120 s: `last.ckpt`
+    commits at each close and reaches node1, and the node that replaces node0 resumes from it
+    (`fit(ckpt_path="last")`). Before, it waited to be quiet: a node lost within --commit-idle
+    of the job's last save left no `last.ckpt` anywhere, and the new node trained from 0."""
+    from tests.test_frameworks import run_job
+
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    node0, node1 = cluster.start_all("--commit-idle", "120")
+    assert run_job(tmp_path, "lightning", str(node0 / "run"), "6")["global_step"] == 6
+
+    def held_by_node1(path: str, version: int) -> bool:
+        step = node1.step(path) or {}
+        return step.get("version") == version and step["ram"] and step["copies"] == 2
+
+    # (node0 itself shows both `writing`: Lightning copies each file's times onto it after
+    # its close, a version of new attributes only, which waits to be quiet)
+    wait_until(lambda: held_by_node1("run/epoch=0-step=6.ckpt", 1)
+               and held_by_node1("run/last.ckpt", 3), timeout=30)  # a version per save
+
+    node0.kill9()
+    shutil.rmtree(node0.ram_dir)
+    fresh = cluster.start("node0")
+    resumed = run_job(tmp_path, "lightning", str(fresh / "run"), "8", "last")
+    assert resumed == {"global_step": 8, "start_step": 6}
+
+
 def test_a_tracker_of_a_multi_node_step_reaches_a_peer_once_every_file_has_its_copies(
         cluster3: Cluster) -> None:
     """Megatron-LM's torch_dist format on three nodes (K = 1, no store): ranks on node0 and

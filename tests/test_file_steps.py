@@ -1,7 +1,8 @@
 """Single-file checkpoints (file steps: `epoch=0-step=5.ckpt`, `model_1000.pt`) and the other
 loose files outside step directories (`last.ckpt`, `config.json`): through real mounts with a
 file:// persistent tier. A file step commits when its writer closes it (or a rename puts it in
-place); a loose file once it is quiet; both are persisted, come back on a fresh node, are
+place); a loose file too if its writer wrote it whole, else once it is quiet (an appended log);
+both are persisted, come back on a fresh node, are
 versioned and evicted like steps, and their deletes stick on every tier."""
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def test_file_step_pattern_option(mounts: MountFactory) -> None:
     wait_state(node, "snap7.data", "committed", timeout=3)
     assert node.step("snap7.data")["step"] == 7
     (node / "model_5.pt").write_bytes(b"5")  # not a file step by this pattern: a loose file
-    wait_state(node, "model_5.pt", "writing")
+    wait_state(node, "model_5.pt", "committed", timeout=3)  # written whole
     assert node.step("model_5.pt")["step"] is None
     bad = tierfs("mount", str(node.mountpoint) + "-x", "--file-step-pattern", "snap", check=False)
     assert bad.returncode != 0 and "--file-step-pattern" in bad.stderr
@@ -219,10 +220,14 @@ def test_file_step_pattern_option(mounts: MountFactory) -> None:
 
 def test_tierfs_commit_of_a_loose_file(mounts: MountFactory) -> None:
     node = mounts.mount("--commit-idle", "60")
-    (node / "last.ckpt").write_bytes(b"last")
-    assert state(node, "last.ckpt") == "writing"  # a loose file waits to be quiet
-    tierfs("commit", str(node / "last.ckpt"))
-    assert state(node, "last.ckpt") == "committed"
+    (node / "train.log").write_bytes(b"step 1\n")  # written whole: committed at its close
+    wait_state(node, "train.log", "committed", timeout=3)
+    with open(node / "train.log", "ab") as log:
+        log.write(b"step 2\n")
+    assert state(node, "train.log") == "writing"  # appended: it waits to be quiet
+    tierfs("commit", str(node / "train.log"))
+    assert state(node, "train.log") == "committed"
+    assert node.step("train.log")["version"] == 2
 
 
 @pytest.mark.parametrize("passthrough", [True, False], ids=["passthrough", "no-passthrough"])

@@ -123,23 +123,26 @@ def test_torch_save_and_safetensors_steps(mounts: MountFactory, tmp_path: Path) 
 @needs("lightning")
 def test_lightning_checkpoints_and_resume(mounts: MountFactory, tmp_path: Path) -> None:
     """Lightning's ModelCheckpoint writes single files (`epoch=0-step=2.ckpt`) outside any step
-    directory: each commits when its writer closes it, like a step (a file step)."""
+    directory: each commits when its writer closes it, like a step (a file step); so does
+    `last.ckpt` (`save_last=True`), a loose file written whole at each save, from which a
+    fresh node resumes (`fit(ckpt_path="last")`)."""
     store = tmp_path / "store"
     store.mkdir()
     node = store_node(mounts, store)
     assert run_job(tmp_path, "lightning", str(node / "run"), "4")["global_step"] == 4
-    ckpts = ["run/epoch=0-step=2.ckpt", "run/epoch=0-step=4.ckpt"]
+    ckpts = ["run/epoch=0-step=2.ckpt", "run/epoch=0-step=4.ckpt", "run/last.ckpt"]
     assert all((node / ckpt).is_file() for ckpt in ckpts)
     wait_committed(node, "run", ckpts, timeout=3)
     tierfs("flush", str(node.mountpoint), "--timeout", "60")
-    data = (node / ckpts[-1]).read_bytes()
+    data = (node / "run/last.ckpt").read_bytes()
     tierfs("umount", str(node.mountpoint))
 
     fresh = store_node(mounts, store)
-    assert (fresh / ckpts[-1]).read_bytes() == data
-    resumed = run_job(tmp_path, "lightning", str(fresh / "run"), "6", str(fresh / ckpts[-1]))
-    assert resumed["global_step"] == 6
-    wait_committed(fresh, "run", [*ckpts, "run/epoch=0-step=6.ckpt"])
+    assert (fresh / "run/last.ckpt").read_bytes() == data
+    resumed = run_job(tmp_path, "lightning", str(fresh / "run"), "6", "last")
+    assert resumed == {"global_step": 6, "start_step": 4}
+    # (named last-v1.ckpt: the resumed state names the first node's last.ckpt, another path)
+    wait_committed(fresh, "run", [*ckpts, "run/epoch=0-step=6.ckpt", "run/last-v1.ckpt"])
 
 
 @needs("lightning")

@@ -20,6 +20,7 @@ from tierfs import manifest as mf
 from tierfs.fs.fuse import fuse_wire as wire
 from tierfs.fs.lifecycle.background import Background
 from tierfs.fs.model.nodes import ROOT_INODE
+from tierfs.fs.model.tombstones import Tombstone
 from tierfs.trackers import TrackedStep
 
 pytestmark = pytest.mark.core
@@ -420,3 +421,56 @@ async def test_a_setattr_of_mode_owner_or_times_is_done_with_no_await_where_it_n
     remote = await harness.inode("run/step_2/f")
     assert ops.setattr_now(remote, change) is None
     assert (await ops.getattr(remote, CTX)).st_uid != 1234  # nothing done
+
+
+async def test_a_loose_file_written_whole_commits_at_its_close(harness: Harness) -> None:
+    """A loose file (no step number: Lightning's `last.ckpt`, `torch.save(m, "best.pt")`,
+    `config.json`) that its writer's open created or truncated is complete at that writer's
+    close, and commits then: a node lost seconds after such a save kept nothing of it when it
+    waited --commit-idle. One opened without truncation (appended, changed in place) may be
+    written again at once: it waits to be quiet; so does a hidden file (rsync's and editors'
+    temporary names), which commits once renamed onto its name."""
+    def state(path: str) -> tuple[str, int]:
+        """The file's state and the version committed (0: none)."""
+        step = harness.ns.tree.find_step(path).step
+        return step.state, step.base
+
+    await harness.write_file("run/last.ckpt", b"saved once")  # created
+    assert state("run/last.ckpt") == ("committed", 1)
+    await harness.write_file("run/last.ckpt", b"saved again")  # truncated at its open
+    assert state("run/last.ckpt") == ("committed", 2)
+    info = await harness.ops.open(await harness.inode("run/last.ckpt"),
+                                  os.O_WRONLY | os.O_APPEND, CTX)
+    await harness.ops.write(info.fh, 11, b", appended")
+    await harness.ops.flush(info.fh)
+    await harness.ops.release(info.fh)
+    assert state("run/last.ckpt") == ("writing", 2)
+
+    await harness.write_file("run/.best.ckpt.Xa9d2", b"copied")  # rsync's temporary
+    assert state("run/.best.ckpt.Xa9d2") == ("writing", 0)
+    await harness.rename("run/.best.ckpt.Xa9d2", "run/best.ckpt")
+    assert state("run/best.ckpt") == ("committed", 1)
+
+
+async def test_a_loose_file_moved_into_a_step_leaves_its_old_name_once_that_step_commits(
+        harness: Harness) -> None:
+    """`mv staging step_2` of a directory whose loose file committed: the file's old name may
+    leave the tiers once the step it now lies in is committed (`OtherTiers.move_done`).
+    Before, asking killed the daemon (it looked for steps below a file); and a directory
+    moved into a step directory had none below it, so its old names could go at once."""
+    await harness.write_file("run/staging/shard", b"data")  # written whole: committed
+    committed_ns = harness.ns.tree.find_step("run/staging/shard").step.manifest.committed_ns
+    await harness.mkdirs("run/step_2/inner")
+    await harness.write_file("run/step_2/.metadata", b"m")
+    await harness.write_file("run/other/shard", b"data")
+    await harness.rename("run/staging", "run/step_3")  # the directory becomes a step
+    await harness.rename("run/other", "run/step_2/inner/other")  # moved into a step
+    await harness.hashed()
+    moved = Tombstone("run/staging/shard", 1, committed_ns, moved_to="run/step_3/shard")
+    into = Tombstone("run/other/shard", 1, committed_ns,
+                     moved_to="run/step_2/inner/other/shard")
+    assert harness.ns.tiers.move_done(moved, None)
+    assert not harness.ns.tiers.move_done(into, None)  # step_2 is written again meanwhile
+    await harness.ns.commits.commit_quietly(harness.ns.tree.find_step("run/step_2"))
+    await harness.hashed()
+    assert harness.ns.tiers.move_done(into, None)

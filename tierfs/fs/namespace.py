@@ -347,6 +347,8 @@ class Namespace:
         handle = self.tree.open_backing(node, writable=writable, truncate=truncate)
         if truncate:
             self._cut_short.clear(node)  # written again from the start
+        if writable:
+            node.written_whole = truncate
         return handle
 
     def drop_setid(self, node: Node) -> None:
@@ -495,6 +497,7 @@ class Namespace:
             await self.make_private(node, keep=size > 0)
             if size == 0:
                 self._cut_short.clear(node)  # to be written again from the start
+                node.written_whole = True
         self._attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid, size=size,
                                  atime_ns=atime_ns, mtime_ns=mtime_ns)
         self._attributes_recorded(node, mode, uid, gid, mtime_ns)

@@ -609,18 +609,24 @@ class Commits:
         commits so too, each version: a saver rewrites it at every save, often more often
         than `--commit-idle`, and a tracker that waited to be quiet never reached another
         tier. Its saver writes it once the step it names is complete, so that step commits
-        first (the saver's mark, as `.metadata` is DCP's)."""
+        first (the saver's mark, as `.metadata` is DCP's).
+
+        So does any other loose file its writers wrote whole (`Node.written_whole`: Lightning's
+        `last.ckpt`, `torch.save(m, "best.pt")`): a node lost in the --commit-idle after such
+        a save lost it. One changed in place or appended waits to be quiet (it may be written
+        again at once: a log), and so does a hidden one (rsync's and editors' temporaries:
+        committed once renamed onto their names, not twice)."""
         step = node.step
         if not self.commits_after_release(node) or node.active_writers or node.open_for_writing:
             return
         identity = self._identity
-        if step.number is None and not identity.is_tracker(node):
-            return  # a loose file: once quiet
-        if step.number is None:
+        if step.number is None and identity.is_tracker(node):
             named = identity.tracked_dir(node, adopt=True)
             if named is not None and not named.step.shown_committed and \
                     not tree_walk.has_active_writers(named):
                 await self.commit_quietly(named)
+        elif step.number is None and (not node.written_whole or node.name.startswith(b".")):
+            return  # a loose file changed in place, or a temporary one: once quiet
         if node.step is step and node.parent is not None:
             await self.commit_quietly(node)
 

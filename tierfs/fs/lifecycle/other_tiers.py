@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import trio
@@ -193,7 +193,13 @@ class OtherTiers:
         if self.view.reads_from_store(tomb.path):
             return False  # a file not in RAM here still has its bytes under the old name
         node = tree_walk.node_at(self.tree.root, new)
-        for step_node in self.tree.steps(under=node) if node is not None else ():
+        # the steps the new name holds: the one it is or lies in, else those below it
+        holding = next(tree_walk.enclosing_steps(node), None)
+        if holding is not None:
+            at_new: Iterable[Node] = [holding]
+        else:
+            at_new = self.tree.steps(under=node) if node is not None and node.is_dir else ()
+        for step_node in at_new:
             step = step_node.step
             if not step.committed or step.manifest.path != self.tree.relpath(step_node):
                 return False

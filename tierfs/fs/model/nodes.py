@@ -216,7 +216,7 @@ class StepState:
 class Node:
     __slots__ = ("ino", "kind", "name", "parent", "children", "lookups", "handles",
                  "active_writers", "gen", "seal", "step", "virtual", "remote", "fetch",
-                 "anchor_fd", "own_latest", "__weakref__")
+                 "anchor_fd", "own_latest", "written_whole", "__weakref__")
 
     def __init__(self, ino: int, kind: int, name: bytes, parent: Node | None) -> None:
         self.ino = ino
@@ -237,6 +237,9 @@ class Node:
         self.anchor_fd = -1  # a deep directory held open for long paths (fs.store.long_paths)
         # A directory whose `latest` is its own, never the virtual link (VirtualLatest.is_own).
         self.own_latest = False
+        # A file whose writers' opens created or truncated it: what they wrote is all of it, so
+        # a loose file commits at their close (`Commits._commit_file_step`), not once quiet.
+        self.written_whole = False
 
     @property
     def is_dir(self) -> bool:
