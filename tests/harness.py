@@ -52,7 +52,7 @@ class Harness:
         self.store.acquire()
         self.send, self.commits = trio.open_memory_channel[mf.StepManifest](100)
         self.events = Events()  # what operators would see: the metrics a test may read
-        core = Core(self.store, node_id="n0")
+        self.core = core = Core(self.store, node_id="n0")
         if sealed_by is not None:
             self.sealed = tiers["sealed"] = sealed_by(core)
         self.ns = Namespace(core, self.send, events=self.events, **tiers)

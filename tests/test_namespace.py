@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from tests.harness import CTX, Harness, dcp_save
 from tierfs import manifest as mf
 from tierfs.fs.fuse import fuse_wire as wire
 from tierfs.fs.lifecycle.background import Background
+from tierfs.fs.lifecycle.quiet_watch import SETTLED
 from tierfs.fs.model.nodes import ROOT_INODE
 from tierfs.fs.model.tombstones import Tombstone
 from tierfs.trackers import TrackedStep
@@ -423,33 +425,30 @@ async def test_a_setattr_of_mode_owner_or_times_is_done_with_no_await_where_it_n
     assert (await ops.getattr(remote, CTX)).st_uid != 1234  # nothing done
 
 
-async def test_a_loose_file_written_whole_commits_at_its_close(harness: Harness) -> None:
+async def test_a_loose_file_written_whole_commits_a_moment_after_its_close(
+        harness: Harness) -> None:
     """A loose file (no step number: Lightning's `last.ckpt`, `torch.save(m, "best.pt")`,
     `config.json`) that its writer's open created or truncated is complete at that writer's
-    close, and commits then: a node lost seconds after such a save kept nothing of it when it
-    waited --commit-idle. One opened without truncation (appended, changed in place) may be
-    written again at once: it waits to be quiet; so does a hidden file (rsync's and editors'
-    temporary names), which commits once renamed onto its name."""
-    def state(path: str) -> tuple[str, int]:
-        """The file's state and the version committed (0: none)."""
-        step = harness.ns.tree.find_step(path).step
-        return step.state, step.base
+    close: it is due `SETTLED` after it (a node lost seconds after such a save kept nothing of
+    it when it waited --commit-idle). One opened without truncation (appended, changed in
+    place) may be written again at once: it waits to be quiet."""
+    ns, due = harness.ns, harness.core.watch.due
+
+    def settles(path: str) -> bool:
+        node = ns.tree.find_step(path)
+        return node.step.state == "writing" and due[node] - time.monotonic() <= SETTLED
 
     await harness.write_file("run/last.ckpt", b"saved once")  # created
-    assert state("run/last.ckpt") == ("committed", 1)
+    assert settles("run/last.ckpt")
+    await ns.commits.commit_quietly(ns.tree.find_step("run/last.ckpt"))  # (as the watch does)
     await harness.write_file("run/last.ckpt", b"saved again")  # truncated at its open
-    assert state("run/last.ckpt") == ("committed", 2)
+    assert settles("run/last.ckpt")
     info = await harness.ops.open(await harness.inode("run/last.ckpt"),
                                   os.O_WRONLY | os.O_APPEND, CTX)
     await harness.ops.write(info.fh, 11, b", appended")
     await harness.ops.flush(info.fh)
     await harness.ops.release(info.fh)
-    assert state("run/last.ckpt") == ("writing", 2)
-
-    await harness.write_file("run/.best.ckpt.Xa9d2", b"copied")  # rsync's temporary
-    assert state("run/.best.ckpt.Xa9d2") == ("writing", 0)
-    await harness.rename("run/.best.ckpt.Xa9d2", "run/best.ckpt")
-    assert state("run/best.ckpt") == ("committed", 1)
+    assert not settles("run/last.ckpt")
 
 
 async def test_a_loose_file_moved_into_a_step_leaves_its_old_name_once_that_step_commits(
@@ -458,8 +457,10 @@ async def test_a_loose_file_moved_into_a_step_leaves_its_old_name_once_that_step
     leave the tiers once the step it now lies in is committed (`OtherTiers.move_done`).
     Before, asking killed the daemon (it looked for steps below a file); and a directory
     moved into a step directory had none below it, so its old names could go at once."""
-    await harness.write_file("run/staging/shard", b"data")  # written whole: committed
-    committed_ns = harness.ns.tree.find_step("run/staging/shard").step.manifest.committed_ns
+    await harness.write_file("run/staging/shard", b"data")
+    loose = harness.ns.tree.find_step("run/staging/shard")
+    await harness.ns.commits.commit_quietly(loose)  # (as the quiet watch does)
+    committed_ns = loose.step.manifest.committed_ns
     await harness.mkdirs("run/step_2/inner")
     await harness.write_file("run/step_2/.metadata", b"m")
     await harness.write_file("run/other/shard", b"data")
@@ -474,3 +475,23 @@ async def test_a_loose_file_moved_into_a_step_leaves_its_old_name_once_that_step
     await harness.ns.commits.commit_quietly(harness.ns.tree.find_step("run/step_2"))
     await harness.hashed()
     assert harness.ns.tiers.move_done(into, None)
+
+
+async def test_attributes_set_on_a_closed_single_file_commit_within_a_moment(
+        harness: Harness) -> None:
+    """`shutil.copy2` (Lightning's save of each checkpoint), `cp -p`, `tar x`: a file's times
+    and mode are set right after its writer closed it. For a file step or loose file no one
+    writes, no change can follow: the version of new attributes is due within `SETTLED`, not
+    --commit-idle (its file showed `writing`, with no copies, that long after every save).
+    A file of a step directory still waits for its step to be quiet (more files may come)."""
+    ns = harness.ns
+    await harness.write_file("run/epoch=0-step=2.ckpt", b"saved")
+    await harness.write_file("run/step_4/model.pt", b"saved")
+    file_step, step_dir = ns.tree.find_step("run/epoch=0-step=2.ckpt"), \
+        ns.tree.find_step("run/step_4")
+    for node in (file_step, step_dir.children[b"model.pt"]):
+        await ns.setattr(node, None, mode=0o600, mtime_ns=1)
+    assert file_step.step.state == "writing"
+    due = harness.core.watch.due
+    assert due[file_step] - time.monotonic() <= SETTLED
+    assert due[step_dir] - time.monotonic() > SETTLED

@@ -611,11 +611,13 @@ class Commits:
         tier. Its saver writes it once the step it names is complete, so that step commits
         first (the saver's mark, as `.metadata` is DCP's).
 
-        So does any other loose file its writers wrote whole (`Node.written_whole`: Lightning's
-        `last.ckpt`, `torch.save(m, "best.pt")`): a node lost in the --commit-idle after such
-        a save lost it. One changed in place or appended waits to be quiet (it may be written
-        again at once: a log), and so does a hidden one (rsync's and editors' temporaries:
-        committed once renamed onto their names, not twice)."""
+        Any other loose file its writers wrote whole (`Node.written_whole`: Lightning's
+        `last.ckpt`, `torch.save(m, "best.pt")`) commits a moment after (`SETTLED`), not
+        once quiet: a node lost in the --commit-idle after such a save lost it. The moment
+        lets the attributes set right after the close join the version (`shutil.copy2`,
+        `cp -p`), and a temporary file renamed or removed at once never commit under its
+        name. One changed in place or appended waits to be quiet (it may be written again at
+        once: a log)."""
         step = node.step
         if not self.commits_after_release(node) or node.active_writers or node.open_for_writing:
             return
@@ -625,8 +627,9 @@ class Commits:
             if named is not None and not named.step.shown_committed and \
                     not tree_walk.has_active_writers(named):
                 await self.commit_quietly(named)
-        elif step.number is None and (not node.written_whole or node.name.startswith(b".")):
-            return  # a loose file changed in place, or a temporary one: once quiet
+        elif step.number is None:
+            identity.touch_enclosing(node, settled=node.written_whole)
+            return
         if node.step is step and node.parent is not None:
             await self.commit_quietly(node)
 

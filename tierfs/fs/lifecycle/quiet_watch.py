@@ -19,6 +19,16 @@ if TYPE_CHECKING:
     from tierfs.fs.model.nodes import Node
 
 
+# Seconds a single file no one writes any more waits for the next change before it commits:
+# a loose file written whole and closed (`Commits._commit_file_step`), the attributes set on a
+# closed file step or loose file. `cp -p`, `tar x` and Python's `shutil.copy2` (Lightning's
+# save of every checkpoint) set times and mode one call after another right after the close,
+# which make one version, not one each; a temporary file is renamed or removed at once. No
+# writer follows, so they need not wait --commit-idle (a node lost meanwhile lost the save,
+# and the file showed `writing` that long after every save).
+SETTLED = 0.5
+
+
 class QuietWatch:
     """The steps being written and when each is due to commit (the Tree's `StepWatch`).
 
@@ -45,13 +55,15 @@ class QuietWatch:
             self._entry[step_node] = due
             heapq.heappush(self._deadlines, (due, next(self._order), step_node))
 
-    def touch(self, step_node: Node) -> None:
-        """`step_node` changed: it commits `commit_idle` seconds after its last change."""
-        if step_node not in self.due:
+    def touch(self, step_node: Node, *, settled: bool = False) -> None:
+        """`step_node` changed: it commits `commit_idle` seconds after its last change, or
+        `SETTLED` seconds (`settled`: a single file no writer has open any more, see there)."""
+        if step_node not in self.due or settled:
             self.wake.set()  # a new deadline: the watch may be asleep until a later one
-            if self.save_begun is not None:
-                self.save_begun(step_node)
-        self._set_due(step_node, time.monotonic() + self.commit_idle)
+        if step_node not in self.due and self.save_begun is not None:
+            self.save_begun(step_node)
+        quiet = min(SETTLED, self.commit_idle) if settled else self.commit_idle
+        self._set_due(step_node, time.monotonic() + quiet)
 
     def step_started(self, step_node: Node) -> None:
         """A saver made `step_node`: the older steps beside it that it was writing are done."""

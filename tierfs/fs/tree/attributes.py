@@ -65,10 +65,12 @@ class Attributes:
         # with new attributes only (no byte goes anywhere again). A directory's new times
         # alone wait for the step's next commit: `rsync -a` and `cp -a` set them last, after
         # the step committed, and would leave it `writing` for --commit-idle after every copy.
+        # A single file no one writes commits them soon (`quiet_watch.SETTLED`).
         changed = (mode, uid, gid, mtime_ns if node.is_file else None)
         if (node.is_file or node.is_dir and tree_walk.in_a_step(node)) and size is None \
                 and changed != (None,) * 4:
-            self.tree.mark_dirty(node)
+            self.tree.mark_dirty(node, settled=node.step is not None and node.is_file
+                                 and not node.open_for_writing and not node.active_writers)
             for step_node in tree_walk.enclosing_steps(node):
                 step_node.step.attributes_changed = True
 

@@ -195,7 +195,8 @@ class StepIdentity:
         self.tree.remove_hidden(node, self.tree.backing(node))
         node.step = None
 
-    def touch_enclosing(self, node: Node | None) -> None:
-        """Its steps commit `commit_idle` seconds after this (fs.lifecycle.quiet_commits)."""
+    def touch_enclosing(self, node: Node | None, *, settled: bool = False) -> None:
+        """Its steps commit `commit_idle` seconds after this (fs.lifecycle.quiet_commits), or
+        sooner (`settled`: `QuietWatch.touch`)."""
         for step_node in tree_walk.enclosing_steps(node):
-            self._watch.touch(step_node)
+            self._watch.touch(step_node, settled=settled)

@@ -716,14 +716,15 @@ class Tree:
         node.handles.append(handle)
         return handle
 
-    def mark_dirty(self, node: Node | None) -> None:
+    def mark_dirty(self, node: Node | None, *, settled: bool = False) -> None:
+        """`node` changed: its steps are written again (`settled`: `QuietWatch.touch`)."""
         for step_node in tree_walk.enclosing_steps(node):
             step_node.step.dirty = True
             step_node.step.empty = False
             # a new version begins (fs.model.pending_commits)
             if step_node.step.pending is not None:
                 step_node.step.pending.superseded = True
-            self._watch.touch(step_node)
+            self._watch.touch(step_node, settled=settled)
 
     def check_new_name(self, name: bytes) -> None:
         """A name an entry may be made or renamed to (tierfs's own names are refused)."""
