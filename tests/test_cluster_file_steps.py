@@ -32,7 +32,7 @@ def test_file_steps_and_loose_files_are_replicated_and_survive_their_writer(
         step = writer.step(path)
         return step is not None and step["state"] == "committed" and step.get("copies") == 2
 
-    for path in data:  # each at its close (the loose file written whole)
+    for path in data:  # each at its close (the loose file, written whole, a moment after)
         wait_until(lambda path=path: copied(path), timeout=30)
         for node in others:
             wait_until(lambda node=node, path=path: node.step(path) is not None, timeout=10)

@@ -139,9 +139,10 @@ def test_a_replaced_node_resumes_lightning_from_the_last_ckpt_its_peer_holds(
         tmp_path: Path) -> None:
     """Lightning on node0 with `save_last=True` (a regular `last.ckpt`, written whole again at
     each save, beside `epoch=0-step=N.ckpt`), no store, --commit-idle 120 s: `last.ckpt`
-    commits at each close and reaches node1, and the node that replaces node0 resumes from it
-    (`fit(ckpt_path="last")`). Before, it waited to be quiet: a node lost within --commit-idle
-    of the job's last save left no `last.ckpt` anywhere, and the new node trained from 0."""
+    commits a moment after each close and reaches node1, and the node that replaces node0
+    resumes from it (`fit(ckpt_path="last")`). Before, it waited to be quiet: a node lost
+    within --commit-idle of the job's last save left no `last.ckpt` anywhere, and the new
+    node trained from 0."""
     from tests.test_frameworks import run_job
 
     cluster = Cluster(mounts, token_file, 2, etcd_server)

@@ -220,7 +220,7 @@ def test_file_step_pattern_option(mounts: MountFactory) -> None:
 
 def test_tierfs_commit_of_a_loose_file(mounts: MountFactory) -> None:
     node = mounts.mount("--commit-idle", "60")
-    (node / "train.log").write_bytes(b"step 1\n")  # written whole: committed at its close
+    (node / "train.log").write_bytes(b"step 1\n")  # written whole: committed at once
     wait_state(node, "train.log", "committed", timeout=3)
     with open(node / "train.log", "ab") as log:
         log.write(b"step 2\n")
