@@ -329,7 +329,9 @@ class Namespace:
     def create(self, parent: Node, name: bytes, mode: int, flags: int, uid: int,
                gid: int, pid: int = 0) -> tuple[Node, Handle]:
         with self._job_changes(parent):
-            return self.tree.create(parent, name, mode, flags, uid, gid, pid)
+            node, handle = self.tree.create(parent, name, mode, flags, uid, gid, pid)
+        node.written_whole = True  # (`open` and `setattr` say so of a file emptied)
+        return node, handle
 
     async def open(self, node: Node, flags: int) -> Handle:
         self.tree.check_openable(node)

@@ -58,9 +58,10 @@ class QuietWatch:
     def touch(self, step_node: Node, *, settled: bool = False) -> None:
         """`step_node` changed: it commits `commit_idle` seconds after its last change, or
         `SETTLED` seconds (`settled`: a single file no writer has open any more, see there)."""
-        if step_node not in self.due or settled:
+        new = step_node not in self.due
+        if new or settled:
             self.wake.set()  # a new deadline: the watch may be asleep until a later one
-        if step_node not in self.due and self.save_begun is not None:
+        if new and self.save_begun is not None:
             self.save_begun(step_node)
         quiet = min(SETTLED, self.commit_idle) if settled else self.commit_idle
         self._set_due(step_node, time.monotonic() + quiet)

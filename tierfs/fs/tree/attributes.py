@@ -70,7 +70,7 @@ class Attributes:
         if (node.is_file or node.is_dir and tree_walk.in_a_step(node)) and size is None \
                 and changed != (None,) * 4:
             self.tree.mark_dirty(node, settled=node.step is not None and node.is_file
-                                 and not node.open_for_writing and not node.active_writers)
+                                 and not node.open_for_writing)
             for step_node in tree_walk.enclosing_steps(node):
                 step_node.step.attributes_changed = True
 

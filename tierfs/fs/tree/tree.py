@@ -468,7 +468,6 @@ class Tree:
             raise
         node = self.attach(parent, name, stat.S_IFREG)
         node.step = self._identity.single_file_step(parent, name)
-        node.written_whole = True
         backing_ino = self.store.account_fd(fd)
         handle = self._new_handle(node, fd, writable=True, pid=pid, backing_ino=backing_ino)
         self.activate(handle)
