@@ -495,3 +495,24 @@ async def test_attributes_set_on_a_closed_single_file_commit_within_a_moment(
     due = harness.core.watch.due
     assert due[file_step] - time.monotonic() <= SETTLED
     assert due[step_dir] - time.monotonic() > SETTLED
+
+
+async def test_a_step_being_committed_by_the_watch_is_said_to_commit_now(
+        harness: Harness) -> None:
+    """While the quiet watch commits a due step (hashing its files), the step is still
+    `writing`: its outlook says it commits now. It said `never` ("left being written by an
+    earlier run of the daemon") in that window, and a `tierfs flush` that asked then gave up
+    on a step committing under it (seen in CI)."""
+    ns = harness.ns
+    await harness.write_file("run/step_5/model.pt", os.urandom(4 << 20))
+    step = ns.tree.find_step("run/step_5")
+    await harness.mkdirs("run/step_6")  # the saver went on: step_5 is due at once
+    kinds = set()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.quiet.run)
+        with trio.fail_after(10):
+            while step.step.state == "writing":
+                kinds.add(ns.commit_outlook(step).kind)
+                await trio.sleep(0)
+        nursery.cancel_scope.cancel()
+    assert kinds <= {"due"}

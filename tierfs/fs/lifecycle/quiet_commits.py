@@ -83,6 +83,8 @@ class QuietCommits:
         self._manifests = manifests  # why a step waits (status)
         self.watch = watch
         self.commits = commits
+        # due steps the watch is committing now: out of `watch.due`, still `writing`
+        self._committing: set[Node] = set()
 
     def outlook(self, step_node: Node) -> Outlook:
         """When `step_node`, a step being written, commits by itself (see `Outlook`)."""
@@ -96,6 +98,8 @@ class QuietCommits:
         cut = self._cut_short.in_step(step_node)
         if cut is not None:
             return Outlook("never", reason=cut_short_reason(cut))
+        if step_node in self._committing:
+            return Outlook("due", due=time.monotonic())
         due = self.watch.due.get(step_node)
         if due is None:  # not watched: left writing by a crash, or removed in part
             return Outlook("never", reason=step.waiting_for or LEFT_WRITING)
@@ -189,7 +193,11 @@ class QuietCommits:
                 self.watch.touch(step_node)
             return False
         del self.watch.due[step_node]
-        await self.commits.commit_quietly(step_node, by_idle=True)
+        self._committing.add(step_node)
+        try:
+            await self.commits.commit_quietly(step_node, by_idle=True)
+        finally:
+            self._committing.discard(step_node)
         return True
 
     async def commit_quiet_steps(self) -> None:
