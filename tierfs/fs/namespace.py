@@ -117,7 +117,8 @@ class Core:
         self.versions = StepVersions(tree, dir_attributes=parts.dir_attributes,
                                      identity=parts.identity, latest=parts.latest,
                                      records=parts.records, residents=parts.residents,
-                                     sealing=parts.sealing, store=tree.store)
+                                     removals=parts.removals, sealing=parts.sealing,
+                                     store=tree.store)
         self.recovered = Recovery(self.tree, self.deletes, identity=parts.identity,
                                   residents=parts.residents,
                                   records=parts.records).load()

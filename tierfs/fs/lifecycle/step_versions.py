@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from tierfs.fs.tree.sealing import Sealing
     from tierfs.fs.tree.step_identity import StepIdentity
     from tierfs.fs.tree.tree import Tree
+    from tierfs.fs.tree.tree_primitives import StepRemoval
     from tierfs.fs.tree.virtual_latest import VirtualLatest
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,9 @@ class StepVersions:
 
     def __init__(self, tree: Tree, *, dir_attributes: DirAttributes, identity: StepIdentity,
                  latest: VirtualLatest, records: StepRecords, residents: Residents,
-                 sealing: Sealing, store: RamStore) -> None:
+                 removals: StepRemoval, sealing: Sealing, store: RamStore) -> None:
         self.tree = tree
+        self._removals = removals
         self._dir_attributes = dir_attributes
         self._identity = identity
         self._latest = latest
@@ -466,7 +468,7 @@ class StepVersions:
             if child.remote is not None:
                 self._residents.drop_fetch(child)
                 self.tree.detach(child)
-        self.tree.remove_hidden(step_node, self.tree.backing(step_node))
+        self._removals.remove_hidden(step_node, self.tree.backing(step_node))
 
     # -- symbolic links the persistent tier keeps (fs.model.links) --------------------------------
 

@@ -20,7 +20,7 @@ from tierfs.fs.model.nodes import LATEST, RENAME_NOREPLACE, FsError, Node
 if TYPE_CHECKING:
     from tierfs.fs.model.ports import DeleteLog
     from tierfs.fs.tree.step_identity import StepIdentity
-    from tierfs.fs.tree.tree_primitives import TreePrimitives
+    from tierfs.fs.tree.tree_primitives import StepRemoval, TreePrimitives
     from tierfs.fs.tree.virtual_latest import VirtualLatest
 
 
@@ -28,9 +28,10 @@ class Renames:
     """The renames of one mount's tree (see the module docstring)."""
 
     def __init__(self, tree: TreePrimitives, deletes: DeleteLog, identity: StepIdentity,
-                 latest: VirtualLatest) -> None:
+                 latest: VirtualLatest, *, removals: StepRemoval) -> None:
         self.tree = tree
         self._deletes = deletes
+        self._removals = removals
         self._identity = identity
         self._latest = latest
 
@@ -82,10 +83,10 @@ class Renames:
         if deleted:
             self._deletes.record_all(deleted)
         if target is not None:
-            tree.clear_replaced(target, new_path)
+            self._removals.clear_replaced(target, new_path)
         if not node.is_dir and node.step is not None:
             # a step at its new name (Commits.after_rename); the move is recorded
-            tree.remove_hidden(node, tree.backing(node))
+            self._removals.remove_hidden(node, tree.backing(node))
             node.step = None
         if new_name == LATEST:
             self._latest.keep_own(new_parent)  # `mv -T tmp latest`: a real `latest` from now on

@@ -18,7 +18,7 @@ from tierfs.fs.tree.dir_attributes import times_kept
 
 if TYPE_CHECKING:
     from tierfs.fs.model.ports import ManifestReader, StepWatch
-    from tierfs.fs.tree.tree_primitives import TreePrimitives
+    from tierfs.fs.tree.tree_primitives import StepRemoval, TreePrimitives
 
 NAMED_STEP_MARK = reserved.NAMED_STEP.encode()
 
@@ -43,9 +43,11 @@ class StepIdentity:
     """The steps of one mount's tree (see the module docstring)."""
 
     def __init__(self, tree: TreePrimitives, watch: StepWatch, step_pattern: str,
-                 file_step_pattern: str, *, records: ManifestReader) -> None:
+                 file_step_pattern: str, *, records: ManifestReader,
+                 removals: StepRemoval) -> None:
         self.tree = tree
         self._records = records
+        self._removals = removals
         self._watch = watch
         self.pattern = re.compile(step_pattern)
         self.file_pattern = re.compile(file_step_pattern)
@@ -154,7 +156,7 @@ class StepIdentity:
                 os.close(fd)
         for _rel, file_node in list(tree_walk.files_under(node)):
             if file_node.step is not None:
-                self.tree.joins_step(file_node)
+                self._removals.joins_step(file_node)
         node.step = StepState(number)
         self._watch.touch(node)
 
@@ -178,7 +180,7 @@ class StepIdentity:
     def stop_being_step(self, node: Node) -> None:
         """A directory (its files all resident) stops being a step: its files stay, its
         manifest goes."""
-        self.tree.remove_hidden(node, self.tree.backing(node))
+        self._removals.remove_hidden(node, self.tree.backing(node))
         node.step = None
 
     def become_single_file(self, node: Node, state: StepState) -> None:
@@ -192,7 +194,7 @@ class StepIdentity:
 
     def stop_being_single_file(self, node: Node) -> None:
         """A file (resident) moved into a step directory: part of that step from now on."""
-        self.tree.remove_hidden(node, self.tree.backing(node))
+        self._removals.remove_hidden(node, self.tree.backing(node))
         node.step = None
 
     def touch_enclosing(self, node: Node | None, *, settled: bool = False) -> None:

@@ -8,8 +8,9 @@ changes and the primitives: `attach`, `detach`, `unlink_backing`...) and its par
 change the tree only through those primitives (`fs.tree.tree_primitives`) and by the same rules:
 `fs.tree.sealing` (seals), `fs.tree.copy_on_write`, `fs.tree.residents` (where committed files'
 bytes are), `fs.tree.step_manifests` (the commit's change), `fs.tree.step_identity` (which nodes
-are steps), `fs.tree.virtual_latest` (each directory's `latest`), `fs.tree.renames` (an entry
-moved, the steps it moves recorded), `fs.tree.attributes` (chmod, chown, utime, truncate) and
+are steps), `fs.tree.step_removals` (a step leaving its name), `fs.tree.virtual_latest` (each
+directory's `latest`), `fs.tree.renames` (an entry moved, the steps it moves recorded),
+`fs.tree.attributes` (chmod, chown, utime, truncate) and
 `fs.lifecycle.step_versions` (versions the other tiers install, join, supersede or forget). Its
 collaborators (`fs.lifecycle.fetch_back`, `fs.lifecycle.eviction`, `fs.lifecycle.other_tiers`,
 `fs.lifecycle.commits`, `fs.lifecycle.quiet_commits`, `fs.lifecycle.recovery`,
@@ -39,7 +40,6 @@ import errno
 import logging
 import math
 import os
-import shutil
 import stat
 import time
 from collections.abc import Iterator
@@ -80,6 +80,7 @@ from tierfs.fs.tree.residents import Residents
 from tierfs.fs.tree.sealing import HASH_AT_COMMIT, Sealing
 from tierfs.fs.tree.step_identity import StepIdentity
 from tierfs.fs.tree.step_manifests import StepManifests
+from tierfs.fs.tree.step_removals import StepRemovals
 from tierfs.fs.tree.virtual_latest import VirtualLatest
 
 if TYPE_CHECKING:
@@ -107,6 +108,7 @@ class TreeParts:
     sealing: Sealing
     copy_on_write: CopyOnWrite
     residents: Residents
+    removals: StepRemovals
     manifests: StepManifests
     identity: StepIdentity
     latest: VirtualLatest
@@ -157,16 +159,20 @@ class Tree:
         # where committed files' bytes are: fetched, evicted, quarantined
         self._residents = Residents(self, deletes, self._copy_on_write,
                                    dir_attributes=self._dir_attributes, store=store)
+        # a step leaving its name: its delete recorded, tierfs's own entries of it removed
+        self._removals = StepRemovals(self, deletes, residents=self._residents,
+                                      records=self._records, store=store)
         self._manifests = StepManifests(self, self._residents, records=self._records,
                                        store=store)  # the commit's change
         # which directories and files are steps
         self._identity = StepIdentity(self, watch, step_pattern, file_step_pattern,
-                                     records=self._records)
+                                     records=self._records, removals=self._removals)
         # each directory's `latest` link
         self._latest = VirtualLatest(self.backing, self.attach_virtual, self._recoverable,
                                     self._identity.tracked_number)
         # renames: the entry moved, a target replaced, the steps moved recorded in every tier
-        self._renames = Renames(self, deletes, self._identity, self._latest)
+        self._renames = Renames(self, deletes, self._identity, self._latest,
+                                removals=self._removals)
         # chmod, chown, utime, truncate
         self._attributes = Attributes(self, self._sealing, store=store)
         self._cut_short = CutShort(self.relpath)  # files a write into failed (no room)
@@ -174,7 +180,8 @@ class Tree:
             records=self._records, holdings=self._holdings, dir_attributes=self._dir_attributes,
             kernel_cache=self._kernel_cache, recoverable=self._recoverable,
             sealing=self._sealing, copy_on_write=self._copy_on_write, residents=self._residents,
-            manifests=self._manifests, identity=self._identity, latest=self._latest,
+            removals=self._removals, manifests=self._manifests, identity=self._identity,
+            latest=self._latest,
             renames=self._renames, attributes=self._attributes, cut_short=self._cut_short)
 
     # -- lookups ---------------------------------------------------------------------------
@@ -360,54 +367,10 @@ class Tree:
         if node.children:
             raise FsError(errno.ENOTEMPTY)
         path = self.backing(node)
-        if node.step is not None and node.step.manifest is None:
-            self._deletes.record_unfinished(self.relpath(node))
-        elif node.step is not None:
-            self._step_removed(node.step)
-        self.remove_hidden(node, path)
+        self._removals.directory_removed(node, path)
         os.rmdir(path)
         self.detach(node)
         self.mark_dirty(parent)
-
-    def _single_file_removed(self, node: Node, *, recorded: bool = False,
-                             keep_store: bool = False) -> None:
-        """A single-file step leaves its name (unlink, rename, replaced by a rename): its
-        committed version is deleted from every tier (unless the caller `recorded` that), its
-        records go."""
-        if node.step is None or node.is_dir:
-            return
-        if not recorded:
-            self._step_removed(node.step, keep_store=keep_store)
-        self.remove_hidden(node, self.backing(node))
-        node.step = None
-
-    def joins_step(self, node: Node) -> None:
-        """A single-file step becomes a file of the directory it is in, which became a step
-        (a directory a tracker named, `fs.tree.step_identity`): a committed version of it is
-        deleted from the peers and the cluster's records; in the store its object is the
-        step's file at the same key, and its records there go with the step's upload."""
-        self._single_file_removed(node, keep_store=True)
-
-    def _step_removed(self, step: StepState, *, keep_store: bool = False) -> None:
-        """A step directory leaves the tree (rmdir, or a directory renamed over it). If it held
-        a committed version (even one being re-saved), that version is deleted from every tier,
-        and never listed again (fs.lifecycle.deletes)."""
-        if step.manifest is not None:
-            self._deletes.record(step.manifest.path, step.manifest.version,
-                                 step.manifest.committed_ns, keep_store=keep_store)
-
-    def clear_replaced(self, target: Node, path: bytes) -> None:
-        """A rename is about to put another entry in place of `target` (at `path`): it leaves
-        its name as rmdir or unlink would have it (its committed version's delete from every
-        tier is recorded by the rename already, with the moves it makes: `fs.tree.renames`;
-        tierfs's own entries gone, its space forgotten with its bytes' last link). The rename
-        replaces its backing file; `detach` follows."""
-        if target.is_dir:
-            self.remove_hidden(target, path)
-        else:
-            self._single_file_removed(target, recorded=True)
-            if target.remote is None:
-                self._forget_backing_if_last(path, target)
 
     def symlink(self, parent: Node, name: bytes, target: bytes, uid: int, gid: int) -> Node:
         path = self._new_entry_path(parent, name)
@@ -616,7 +579,7 @@ class Tree:
             raise FsError(errno.EISDIR)
         if node.kind == stat.S_IFLNK:
             self.links.note(self.relpath(parent))
-        self._single_file_removed(node)
+        self._removals.single_file_removed(node)
         if node.remote is None:
             self.unlink_backing(self.backing(node), node)
         self._residents.drop_fetch(node)
@@ -757,10 +720,10 @@ class Tree:
         return node
 
     def unlink_backing(self, path: bytes, node: Node) -> None:
-        st = self._forget_backing_if_last(path, node)
+        st = self.forget_backing_if_last(path, node)
         self.store.remove(path, st, in_background=not self._is_open(node, st))
 
-    def _forget_backing_if_last(self, path: bytes, node: Node) -> os.stat_result:
+    def forget_backing_if_last(self, path: bytes, node: Node) -> os.stat_result:
         """Space comes back when the last link goes, or at the last close if files are open."""
         st = os.lstat(path)
         if self.store.drop_early(st.st_ino):  # its object, linked early, goes with it
@@ -772,34 +735,6 @@ class Tree:
     @staticmethod
     def _is_open(node: Node, st: os.stat_result) -> bool:
         return any(h.backing_ino == st.st_ino for h in node.handles)
-
-    def remove_hidden(self, dir_node: Node, path: bytes) -> None:
-        """Remove tierfs's own entries of an otherwise empty directory (a deleted step), or
-        the records directory of a single-file step (`path`: the file)."""
-        step = dir_node.step
-        if step is not None:
-            self._residents.drop_resident_refs(step)
-            step.manifest = None
-        elif dir_node.is_dir:  # a committed step renamed to a name that is not a step name
-            manifest = self._records.read_manifest(path)
-            for entry in manifest.files if manifest else ():
-                if os.path.exists(os.path.join(path, os.fsencode(entry.name))):
-                    self.store.drop_ref(entry.xxh3)
-        if not dir_node.is_dir:
-            with times_kept(os.path.dirname(path)):  # tierfs's own entries: no change of the job's
-                shutil.rmtree(os.path.join(os.path.dirname(path), layout.records_name(
-                    os.path.basename(path))), ignore_errors=True)
-            return
-        # the directory may stay (a step's committed version deleted on a peer while it is
-        # written again here): tierfs's own entries leaving it are no change of the job's
-        with times_kept(path):
-            for name in os.listdir(path):
-                if is_reserved(name):
-                    hidden = os.path.join(path, name)
-                    if os.path.isdir(hidden) and not os.path.islink(hidden):
-                        shutil.rmtree(hidden)  # a single-file step's records
-                    else:
-                        os.unlink(hidden)
 
 
 def _chown(path: bytes, uid: int, gid: int) -> None:

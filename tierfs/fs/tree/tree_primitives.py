@@ -1,7 +1,8 @@
 """What the parts of the tree's core (`fs.tree.residents`, `fs.tree.step_manifests`,
-`fs.tree.step_identity`, `fs.tree.copy_on_write`, `fs.tree.renames`, `fs.tree.attributes`) change
-the tree through: `fs.tree.tree.Tree`'s primitives, as a Protocol, so that `Tree` can hold its
-parts without their importing it (one-way dependencies, no cycle)."""
+`fs.tree.step_identity`, `fs.tree.step_removals`, `fs.tree.copy_on_write`, `fs.tree.renames`,
+`fs.tree.attributes`) change the tree through: `fs.tree.tree.Tree`'s primitives, as a Protocol,
+so that `Tree` can hold its parts without their importing it (one-way dependencies, no
+cycle)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,13 @@ class TreePrimitives(Protocol):
     def attrs_changed(self, node: Node) -> None: ...
     def mark_dirty(self, node: Node | None, *, settled: bool = False) -> None: ...
     def unlink_backing(self, path: bytes, node: Node) -> None: ...
+    def forget_backing_if_last(self, path: bytes, node: Node) -> os.stat_result: ...
+
+
+class StepRemoval(Protocol):
+    """What the parts that rename or re-identify entries remove through
+    (`fs.tree.step_removals.StepRemovals`)."""
+
     def remove_hidden(self, dir_node: Node, path: bytes) -> None: ...
     def joins_step(self, node: Node) -> None: ...
     def clear_replaced(self, target: Node, path: bytes) -> None: ...
