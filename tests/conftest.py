@@ -48,6 +48,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                                     f"in its module's pytestmark (it has {sorted(layers)})")
 
 
+LOG_TAIL = 40  # lines of each daemon's log shown with a failed test
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Iterator[pytest.TestReport]:
+    """A test that failed with daemons of its own shows the end of each one's log (pytest's
+    tmp dirs holding them are gone a few runs later, a flaky test's cause with them)."""
+    report = yield
+    factory = getattr(item, "funcargs", {}).get("mounts")
+    if report.when == "call" and report.failed and isinstance(factory, MountFactory):
+        for mount in factory.mounts:
+            lines = mount.log().splitlines()[-LOG_TAIL:]
+            report.sections.append((f"end of {mount.log_file.name} ({mount.mountpoint.name})",
+                                    "\n".join(lines)))
+    return report
+
+
 def tierfs(*args: str, check: bool = True, timeout: float = 120,
            env: dict[str, str] | None = None,
            prefix: list[str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -120,8 +120,9 @@ def test_a_replaced_node_resumes_deepspeed_from_the_tracker_its_peer_holds(
     cluster = Cluster(mounts, token_file, 2, etcd_server)
     node0, node1 = cluster.start_all("--commit-idle", "120")
     first = run_job(tmp_path, "deepspeed", str(node0 / "ds"), "6", str(free_port()), "nowait")
-    wait_until(lambda: all((node0.step(s) or {}).get("replicas") == ["node1"]
-                           for s in ("ds/global_step6", "ds/latest")), timeout=30)
+    saved = ("ds/global_step6", "ds/latest")
+    wait_until(lambda: all((node0.step(s) or {}).get("replicas") == ["node1"] for s in saved),
+               timeout=30, explain=lambda: {s: (node0.step(s), node1.step(s)) for s in saved})
     assert (node1 / "ds/latest").read_text() == "global_step6"
 
     node0.kill9()

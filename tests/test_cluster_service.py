@@ -616,3 +616,35 @@ async def test_a_directory_the_job_wrote_in_keeps_its_times_when_its_commit_is_l
         assert written > made
         n1.ns.tiers.learn(committed, ["n0", "n1"])
         assert os.stat(backing).st_mtime_ns == written
+
+
+async def test_a_late_record_of_an_older_version_leaves_a_step_saved_again_here_alone(
+        tmp_path: Path) -> None:
+    """DeepSpeed on n0 rewrites its tracker `latest` at each save, faster than the cluster's
+    record events come back: n0 committed v1 and v2 and writes v3 when the change of v1's
+    record (n1 now holds a copy) arrives. That is old news: the step keeps v2 as its
+    committed version and commits v3 next. Before, n0 took v1 for another node's commit of
+    the step it writes (`join_commit`), made a second v2 of its own beside the one in etcd,
+    took the recorded one back without its bytes, and `latest` was incomplete: no copy of it
+    reached n1 and a replaced n0 could not resume (a CI flake of test_cluster_resume)."""
+    async with cluster(tmp_path, "n0", "n1") as (_nursery, (n0, _n1)):
+        tracker = n0.ns.tree
+        versions = []
+        for tag in (b"global_step2", b"global_step4"):
+            await n0.write_file("ds/latest", tag)
+            await n0.ns.commits.commit_quietly(tracker.find_step("ds/latest"))
+            versions.append(tracker.find_step("ds/latest").step.manifest)
+        assert [m.version for m in versions] == [1, 2]
+        ops = n0.ops  # the next save's `latest`, being written
+        info = await ops.open(await n0.inode("ds/latest"), os.O_WRONLY | os.O_TRUNC, CTX)
+        await ops.write(info.fh, 0, b"global_step6")
+        await ops.flush(info.fh)  # closed; its RELEASE (which commits it) still to come
+        await n0.hashed()
+        n0.ns.tiers.learn(versions[0], ["n0", "n1"])  # v1's record, now naming n1 too
+        step = tracker.find_step("ds/latest").step
+        assert step.manifest is versions[1] and step.state == "writing"
+        await ops.release(info.fh)  # a tracker commits at its close
+        assert step.manifest.version == 3 and step.committed
+        assert await n0.read_file("ds/latest") == b"global_step6"
+        record = await n0.links.sealed.records.commit_of("ds/latest")
+        assert record is not None and record.version == 3

@@ -12,15 +12,18 @@ from typing import Any
 import trio
 
 
-def wait_until(predicate: Any, timeout: float = 10, interval: float = 0.02) -> Any:
-    """`predicate()`'s first true value, asked every `interval` seconds."""
+def wait_until(predicate: Any, timeout: float = 10, interval: float = 0.02,
+               explain: Callable[[], object] | None = None) -> Any:
+    """`predicate()`'s first true value, asked every `interval` seconds; `explain()`, if
+    given, says what the failure saw instead (the state a flaky wait found)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
+            raise AssertionError(f"condition not met within {timeout} s"
+                                 + (f": {explain()}" if explain is not None else ""))
         time.sleep(interval)
 
 
