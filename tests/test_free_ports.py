@@ -42,3 +42,12 @@ def test_a_port_is_handed_out_once_and_is_free_when_it_is() -> None:
 def test_a_bound_below_the_range_is_one_line() -> None:
     with pytest.raises(RuntimeError, match="below the ephemeral range"):
         free_ports.free_port(below=free_ports.PORTS.start)
+
+
+def test_each_xdist_worker_picks_from_a_slice_of_its_own() -> None:
+    """Two workers never hand out the same port (one's server bound the port the other
+    picked for a node before that node started: "Address already in use")."""
+    ports = range(20000, 32000)
+    first, second = (free_ports.share_of(ports, f"gw{i}", "2") for i in (0, 1))
+    assert first == range(20000, 26000) and second == range(26000, 32000)
+    assert free_ports.share_of(ports, None, None) == ports  # one process: all of them

@@ -5,11 +5,15 @@ A port comes from below the kernel's ephemeral range (`ip_local_port_range`), ne
 binding to port 0: a port the kernel chose could be taken by any outgoing connection before the
 server bound it ("Address already in use"). A port is handed out once per process (until half
 the range has been, by which time the servers given the first ones are long gone): a cluster
-takes all its nodes' ports before any node binds one, and random picks could repeat.
+takes all its nodes' ports before any node binds one, and random picks could repeat. Under
+pytest-xdist each worker process picks from its own slice of the range: two workers picking
+the same port, the other's server binding it first, was a CI flake ("cannot listen for peers:
+Address already in use").
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
@@ -24,7 +28,19 @@ def _below_ephemeral() -> range:
     return range(max(1024, low - 12000), low)
 
 
-PORTS = _below_ephemeral()
+def share_of(ports: range, worker: str | None, workers: str | None) -> range:
+    """The slice of `ports` a process picks from: all of them, or under pytest-xdist
+    (`worker` "gwN" of `workers`, its PYTEST_XDIST_WORKER and _COUNT) the Nth of equal
+    slices, so that no two workers ever hand out the same port."""
+    if not worker or not worker.startswith("gw") or not workers:
+        return ports
+    index, count = int(worker[2:]), int(workers)
+    size = len(ports) // count
+    return range(ports.start + index * size, ports.start + (index + 1) * size)
+
+
+PORTS = share_of(_below_ephemeral(), os.environ.get("PYTEST_XDIST_WORKER"),
+                 os.environ.get("PYTEST_XDIST_WORKER_COUNT"))
 _handed_out: set[int] = set()
 _lock = threading.Lock()
 
