@@ -558,7 +558,7 @@ class OtherTiers:
                         self.want_recheck([manifest.path])
                     self.versions.set_holders(node, others, record=not step.in_ram)
             elif not step.committed:
-                if manifest.version > _newest_version(step):  # another node's new commit
+                if manifest.version > step.base:  # another node's commit of this save
                     self.versions.join_commit(node, manifest, others)
                 # else an older version's record, changed late (a copy made of it): this
                 # node has committed a newer one since, and writes the step again
@@ -614,9 +614,3 @@ class OtherTiers:
             return False
         self.learn(*found)
         return step_node.step.committed
-
-
-def _newest_version(step: StepState) -> int:
-    """The newest version of the step committed here: its manifest's, or the one whose
-    hashes are still to come."""
-    return max(step.base, step.pending.record.version if step.pending is not None else 0)
