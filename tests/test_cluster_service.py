@@ -628,12 +628,12 @@ async def test_a_late_record_of_an_older_version_leaves_a_step_saved_again_here_
     took the recorded one back without its bytes, and `latest` was incomplete: no copy of it
     reached n1 and a replaced n0 could not resume (a CI flake of test_cluster_resume)."""
     async with cluster(tmp_path, "n0", "n1") as (_nursery, (n0, _n1)):
-        tracker = n0.ns.tree
+        tree = n0.ns.tree
         versions = []
         for tag in (b"global_step2", b"global_step4"):
             await n0.write_file("ds/latest", tag)
-            await n0.ns.commits.commit_quietly(tracker.find_step("ds/latest"))
-            versions.append(tracker.find_step("ds/latest").step.manifest)
+            await n0.ns.commits.commit_quietly(tree.find_step("ds/latest"))
+            versions.append(tree.find_step("ds/latest").step.manifest)
         assert [m.version for m in versions] == [1, 2]
         ops = n0.ops  # the next save's `latest`, being written
         info = await ops.open(await n0.inode("ds/latest"), os.O_WRONLY | os.O_TRUNC, CTX)
@@ -641,7 +641,7 @@ async def test_a_late_record_of_an_older_version_leaves_a_step_saved_again_here_
         await ops.flush(info.fh)  # closed; its RELEASE (which commits it) still to come
         await n0.hashed()
         n0.ns.tiers.learn(versions[0], ["n0", "n1"])  # v1's record, now naming n1 too
-        step = tracker.find_step("ds/latest").step
+        step = tree.find_step("ds/latest").step
         assert step.manifest is versions[1] and step.state == "writing"
         await ops.release(info.fh)  # a tracker commits at its close
         assert step.manifest.version == 3 and step.committed

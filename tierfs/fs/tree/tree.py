@@ -181,8 +181,8 @@ class Tree:
             kernel_cache=self._kernel_cache, recoverable=self._recoverable,
             sealing=self._sealing, copy_on_write=self._copy_on_write, residents=self._residents,
             removals=self._removals, manifests=self._manifests, identity=self._identity,
-            latest=self._latest,
-            renames=self._renames, attributes=self._attributes, cut_short=self._cut_short)
+            latest=self._latest, renames=self._renames, attributes=self._attributes,
+            cut_short=self._cut_short)
 
     # -- lookups ---------------------------------------------------------------------------
 
