@@ -516,3 +516,31 @@ async def test_a_step_being_committed_by_the_watch_is_said_to_commit_now(
                 await trio.sleep(0)
         nursery.cancel_scope.cancel()
     assert kinds == {"due"}  # asked at least once while it was being written
+
+
+async def test_a_directory_held_open_answers_getattr_after_it_is_removed(
+        harness: Harness) -> None:
+    """`fstat` of a directory's descriptor answers once the directory is gone, as on a local
+    file system: shutil.rmtree (HF's checkpoint rotation) opens a directory and fstat's it
+    outside its error handling, so an ENOENT there failed a save whose rotation raced a
+    delete of the same checkpoint on another node."""
+    await dcp_save(harness, "run/step_1", {"a": b"A"})
+    run = await harness.inode("run")
+    for gone_by in ("rmdir", "a peer"):
+        await harness.mkdirs("run/empty")
+        ino = await harness.inode("run/empty" if gone_by == "rmdir" else "run/step_1")
+        before = await harness.ops.getattr(ino, CTX)
+        handle = await harness.ops.opendir(ino, CTX)
+        if gone_by == "rmdir":
+            await harness.ops.rmdir(run, b"empty", CTX)
+        else:
+            step = harness.ns.tree.find_step("run/step_1").step
+            harness.ns.tiers.delete_from_peer("run/step_1", 1, step.manifest.committed_ns,
+                                              "n1")
+        with pytest.raises(pyfuse3.FUSEError):
+            await harness.inode("run/empty" if gone_by == "rmdir" else "run/step_1")
+        after = await harness.ops.getattr(ino, CTX)
+        assert stat.S_ISDIR(after.st_mode) and after.st_nlink == 0
+        assert (after.st_uid, after.st_gid, stat.S_IMODE(after.st_mode)) == (
+            before.st_uid, before.st_gid, stat.S_IMODE(before.st_mode))
+        await harness.ops.releasedir(handle)

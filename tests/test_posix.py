@@ -246,6 +246,24 @@ def test_fstat_of_an_open_unlinked_file_shows_no_link(mounts: MountFactory,
     assert os.stat(mnt / "replaced").st_nlink == 1
 
 
+def test_fstat_of_an_open_removed_directory_answers(mounts: MountFactory) -> None:
+    """shutil.rmtree opens each directory and fstat's it outside its error handling: a
+    directory removed in between (another process's rmtree of the same tree, or a delete
+    learned from another node) must answer as on a local file system, with no link."""
+    mnt = mounts.mount()
+    (mnt / "old").mkdir(mode=0o750)
+    fd = os.open(mnt / "old", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.rmdir(mnt / "old")
+        st = os.fstat(fd)
+        assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o750
+        assert st.st_nlink == 0
+        assert os.listdir(fd) == []
+    finally:
+        os.close(fd)
+    assert not (mnt / "old").exists()
+
+
 def exchange_through_fifo(path: Path) -> bytes:
     received: list[bytes] = []
     reader = threading.Thread(target=lambda: received.append(path.read_bytes()))

@@ -216,7 +216,7 @@ class StepState:
 class Node:
     __slots__ = ("ino", "kind", "name", "parent", "children", "lookups", "handles",
                  "active_writers", "gen", "seal", "step", "virtual", "remote", "fetch",
-                 "anchor_fd", "own_latest", "written_whole", "__weakref__")
+                 "anchor_fd", "own_latest", "written_whole", "dir_attrs", "__weakref__")
 
     def __init__(self, ino: int, kind: int, name: bytes, parent: Node | None) -> None:
         self.ino = ino
@@ -240,6 +240,9 @@ class Node:
         # A file whose writers' opens created or truncated it: what they wrote is all of it, so
         # a loose file commits a moment after their close (`Commits._commit_file_step`).
         self.written_whole = False
+        # A directory's attributes as last read: what a descriptor held open on it answers
+        # once it is removed (`Tree.stat`).
+        self.dir_attrs: os.stat_result | None = None
 
     @property
     def is_dir(self) -> bool:

@@ -288,11 +288,19 @@ class Tree:
         if node.remote is not None:
             return self._remote_attrs(node)
         try:
-            return os.lstat(self.backing(node))
+            st = os.lstat(self.backing(node))
         except FsError:
             if node.handles and node.handles[0].fd >= 0:
                 return os.fstat(node.handles[0].fd)
+            if node.dir_attrs is not None:
+                # Removed (here or by another node) while the kernel holds it, as `fstat` of
+                # a descriptor on it: its last attributes, with no link, as a local file
+                # system answers (shutil.rmtree fstat's the directory it opened).
+                return _unlinked(node.dir_attrs)
             raise
+        if node.is_dir:
+            node.dir_attrs = st
+        return st
 
     def _remote_attrs(self, node: Node) -> RemoteAttrs:
         entry = node.remote.entry
@@ -735,6 +743,13 @@ class Tree:
     @staticmethod
     def _is_open(node: Node, st: os.stat_result) -> bool:
         return any(h.backing_ino == st.st_ino for h in node.handles)
+
+
+def _unlinked(st: os.stat_result) -> RemoteAttrs:
+    return RemoteAttrs(
+        st_mode=st.st_mode, st_nlink=0, st_uid=st.st_uid, st_gid=st.st_gid, st_size=st.st_size,
+        st_blocks=st.st_blocks, st_atime_ns=st.st_atime_ns, st_mtime_ns=st.st_mtime_ns,
+        st_ctime_ns=st.st_ctime_ns)
 
 
 def _chown(path: bytes, uid: int, gid: int) -> None:
