@@ -284,14 +284,16 @@ class Tree:
         return os.fsdecode(b"/".join(reversed(parts)))
 
     def stat(self, node: Node) -> os.stat_result | RemoteAttrs:
-        """Attributes of `node` from its backing file (or an open handle once unlinked)."""
+        """Attributes of `node` from its backing file (an open handle's once unlinked, a
+        directory's last ones once removed)."""
         if node.remote is not None:
             return self._remote_attrs(node)
         try:
             st = os.lstat(self.backing(node))
         except FsError:
-            if node.handles and node.handles[0].fd >= 0:
-                return os.fstat(node.handles[0].fd)
+            open_fd = next((h.fd for h in node.handles if h.fd >= 0), -1)
+            if open_fd >= 0:  # (a handle opened before its bytes came back has none)
+                return os.fstat(open_fd)
             if node.dir_attrs is not None:
                 # Removed (here or by another node) while the kernel holds it, as `fstat` of
                 # a descriptor on it: its last attributes, with no link, as a local file
