@@ -718,7 +718,7 @@ class Commits:
         if wanted is None and node.step is not None:
             if node.remote is not None and not node.remote.in_store:
                 await self._bring_back.make_resident(node, empty=False)
-            self._identity.stop_being_single_file(node)
+            self._identity.stop_being_step(node)
         elif wanted is not None and (node.step is None or (
                 node.step.manifest is not None
                 and node.step.manifest.path != tree.relpath(node))):

@@ -86,8 +86,7 @@ class Renames:
             self._removals.clear_replaced(target, new_path)
         if not node.is_dir and node.step is not None:
             # a step at its new name (Commits.after_rename); the move is recorded
-            self._removals.remove_hidden(node, tree.backing(node))
-            node.step = None
+            self._removals.no_longer_step(node)
         if new_name == LATEST:
             self._latest.keep_own(new_parent)  # `mv -T tmp latest`: a real `latest` from now on
         if node.remote is None or node.is_dir:  # a file only in the store has no bytes here

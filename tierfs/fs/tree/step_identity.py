@@ -178,10 +178,10 @@ class StepIdentity:
             self._watch.touch(node)
 
     def stop_being_step(self, node: Node) -> None:
-        """A directory (its files all resident) stops being a step: its files stay, its
-        manifest goes."""
-        self._removals.remove_hidden(node, self.tree.backing(node))
-        node.step = None
+        """A directory stops being a step, or a file moved into a step directory stops being
+        a single-file step (part of that step from now on): its files (all resident) stay,
+        its manifest or records go."""
+        self._removals.no_longer_step(node)
 
     def become_single_file(self, node: Node, state: StepState) -> None:
         """A file moved (with a directory above it) to where it is a single-file step: one
@@ -191,11 +191,6 @@ class StepIdentity:
         node.step.number = state.number
         node.step.dirty = True
         self._watch.touch(node)
-
-    def stop_being_single_file(self, node: Node) -> None:
-        """A file (resident) moved into a step directory: part of that step from now on."""
-        self._removals.remove_hidden(node, self.tree.backing(node))
-        node.step = None
 
     def touch_enclosing(self, node: Node | None, *, settled: bool = False) -> None:
         """Its steps commit `commit_idle` seconds after this (fs.lifecycle.quiet_commits), or

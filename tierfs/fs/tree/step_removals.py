@@ -51,6 +51,11 @@ class StepRemovals:
             return
         if not recorded:
             self._step_removed(node.step, keep_store=keep_store)
+        self.no_longer_step(node)
+
+    def no_longer_step(self, node: Node) -> None:
+        """`node` holds no step from now on (its name went, or it moved where it is no step,
+        or into one): tierfs's own entries of it go; its files, resident, stay."""
         self.remove_hidden(node, self.tree.backing(node))
         node.step = None
 
