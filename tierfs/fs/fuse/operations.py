@@ -21,6 +21,7 @@ from pyfuse3 import EntryAttributes, FileInfo, FUSEError, StatvfsData
 
 from tierfs.fs.model.nodes import (
     NAME_MAX,
+    ROOT_INODE,
     XATTR_NAMESPACE,
     XATTR_RESERVED,
     FsError,
@@ -124,9 +125,13 @@ class Operations(pyfuse3.Operations):
             return attrs
         st = self.ns.stat(node)
         attrs.st_mode = st.st_mode
-        # Tree files share their inode with committed objects: users see one link, or none
-        # once the name is gone (fstat of an open, unlinked file).
-        attrs.st_nlink = st.st_nlink if node.is_dir else int(node.parent is not None)
+        # Tree files share their inode with committed objects: users see one link. A file or
+        # directory whose name is gone (fstat of an open, unlinked file or removed
+        # directory) has none.
+        if node.parent is None and node.ino != ROOT_INODE:
+            attrs.st_nlink = 0
+        else:
+            attrs.st_nlink = st.st_nlink if node.is_dir else 1
         attrs.st_uid = st.st_uid
         attrs.st_gid = st.st_gid
         attrs.st_size = st.st_size

@@ -296,9 +296,9 @@ class Tree:
                 return os.fstat(open_fd)
             if node.dir_attrs is not None:
                 # Removed (here or by another node) while the kernel holds it, as `fstat` of
-                # a descriptor on it: its last attributes, with no link, as a local file
-                # system answers (shutil.rmtree fstat's the directory it opened).
-                return _unlinked(node.dir_attrs)
+                # a descriptor on it: its last attributes, as a local file system answers
+                # (shutil.rmtree fstat's the directory it opened).
+                return node.dir_attrs
             raise
         if node.is_dir:
             node.dir_attrs = st
@@ -745,13 +745,6 @@ class Tree:
     @staticmethod
     def _is_open(node: Node, st: os.stat_result) -> bool:
         return any(h.backing_ino == st.st_ino for h in node.handles)
-
-
-def _unlinked(st: os.stat_result) -> RemoteAttrs:
-    return RemoteAttrs(
-        st_mode=st.st_mode, st_nlink=0, st_uid=st.st_uid, st_gid=st.st_gid, st_size=st.st_size,
-        st_blocks=st.st_blocks, st_atime_ns=st.st_atime_ns, st_mtime_ns=st.st_mtime_ns,
-        st_ctime_ns=st.st_ctime_ns)
 
 
 def _chown(path: bytes, uid: int, gid: int) -> None:
