@@ -15,7 +15,8 @@ directory's `latest`), `fs.tree.renames` (an entry moved, the steps it moves rec
 collaborators (`fs.lifecycle.fetch_back`, `fs.lifecycle.eviction`, `fs.lifecycle.other_tiers`,
 `fs.lifecycle.commits`, `fs.lifecycle.quiet_commits`, `fs.lifecycle.recovery`,
 `fs.lifecycle.verify`) decide *when* something changes. What only reads the tree is
-elsewhere: `fs.model.tree_walk` (finding nodes), `fs.tree.tree_view` (peers' questions, status,
+elsewhere: `fs.model.tree_walk` (finding nodes), `fs.tree.node_attrs` (a node's
+attributes in any tier), `fs.tree.tree_view` (peers' questions, status,
 xattrs), `fs.tree.holders.Holdings` (who else holds a step). It calls nothing outward but the
 ports it is given (`fs.model.ports`: `StepWatch`, `DeleteLog`).
 
@@ -49,7 +50,6 @@ from typing import TYPE_CHECKING
 import trio
 
 from tierfs import layout
-from tierfs import manifest as mf
 from tierfs.fs.model import links as symlinks
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import (
@@ -63,7 +63,6 @@ from tierfs.fs.model.nodes import (
     Node,
     RemoteAttrs,
     StepState,
-    size_in_blocks,
 )
 from tierfs.fs.store.long_paths import LONG_PATH, anchor_path
 from tierfs.fs.store.ram_store import RamStore, allocated, fallocate, is_reserved
@@ -73,6 +72,7 @@ from tierfs.fs.tree.cut_short import CutShort
 from tierfs.fs.tree.dir_attributes import DirAttributes, times_kept
 from tierfs.fs.tree.holders import Holdings
 from tierfs.fs.tree.kernel_cache import KernelCache
+from tierfs.fs.tree.node_attrs import node_attrs
 from tierfs.fs.tree.records import StepRecords
 from tierfs.fs.tree.recoverable import Recoverability
 from tierfs.fs.tree.renames import Renames
@@ -284,36 +284,8 @@ class Tree:
         return os.fsdecode(b"/".join(reversed(parts)))
 
     def stat(self, node: Node) -> os.stat_result | RemoteAttrs:
-        """Attributes of `node` from its backing file (an open handle's once unlinked, a
-        directory's last ones once removed)."""
-        if node.remote is not None:
-            return self._remote_attrs(node)
-        try:
-            st = os.lstat(self.backing(node))
-        except FsError:
-            open_fd = next((h.fd for h in node.handles if h.fd >= 0), -1)
-            if open_fd >= 0:  # (a handle opened before its bytes came back has none)
-                return os.fstat(open_fd)
-            if node.dir_attrs is not None:
-                # Removed (here or by another node) while the kernel holds it, as `fstat` of
-                # a descriptor on it: its last attributes, as a local file system answers
-                # (shutil.rmtree fstat's the directory it opened).
-                return node.dir_attrs
-            raise
-        if node.is_dir:
-            node.dir_attrs = st
-        return st
-
-    def _remote_attrs(self, node: Node) -> RemoteAttrs:
-        entry = node.remote.entry
-        uid, gid = entry.uid, entry.gid
-        if uid == mf.NO_OWNER or gid == mf.NO_OWNER:  # a manifest from before owners
-            parent = os.lstat(self.backing(node.parent)) if node.parent else None
-            uid, gid = (parent.st_uid, parent.st_gid) if parent else (0, 0)
-        return RemoteAttrs(
-            st_mode=stat.S_IFREG | entry.mode, st_nlink=1, st_uid=uid, st_gid=gid,
-            st_size=entry.size, st_blocks=size_in_blocks(entry.size),
-            st_atime_ns=entry.mtime_ns, st_mtime_ns=entry.mtime_ns, st_ctime_ns=entry.mtime_ns)
+        """Attributes of `node` (`fs.tree.node_attrs`: in any tier, or once its name is gone)."""
+        return node_attrs(node, self.backing)
 
     def find_step(self, relpath: str) -> Node | None:
         node = self.root
