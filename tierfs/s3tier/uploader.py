@@ -26,8 +26,8 @@ step `--persist-every` never selects is not due at all, and the store keeps the 
 has meanwhile, so a fresh node never reads a tracker that points past the store. A saver that
 rewrites its tracker faster than its steps reach the store does not starve it: whenever a step
 reaches the store, the version (current or older) naming the newest step the store holds goes
-up (`tierfs.s3tier.tracker_versions`). Retention never removes the step that the store's
-tracker names.
+up (`tierfs.s3tier.tracker_versions`, whose `TrackerGate` decides which version waits and
+which goes). Retention never removes the step that the store's tracker names.
 
 Bytes the store holds already never travel again: a file whose object is there with the same
 content (a version that changed only modes, owners or mtimes) is not sent, and then the old
@@ -70,7 +70,7 @@ from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFoun
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
 from tierfs.s3tier.stored_steps import StoredSteps
-from tierfs.s3tier.tracker_versions import TrackerVersion, TrackerVersions
+from tierfs.s3tier.tracker_versions import TrackerGate, TrackerVersion
 from tierfs.shared_uploads import (
     PERSISTED,
     RETIRED,
@@ -79,7 +79,7 @@ from tierfs.shared_uploads import (
     UploadPlan,
 )
 from tierfs.step_queue import StepQueue
-from tierfs.trackers import MAX_BYTES, TrackedStep
+from tierfs.trackers import TrackedStep
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +165,8 @@ class Uploader:
         # What the store holds: compared with at each upload, read at mount (`startup`)
         self.stored = StoredSteps(backend, steps, shared=shares is not None,
                                   pending=self.queue.pending)
-        self._held: dict[str, mf.StepManifest] = {}  # trackers waiting for their step
-        self.trackers = TrackerVersions()  # their versions that may still go up
+        self.trackers = TrackerGate(steps, queue=self.queue.put, due=self.due,
+                                    store_url=backend.url)
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
         # The thread of a request `_call` holds a `_threads` token for: bounded by that alone,
         # not by trio's default limiter as well (which other work of the daemon shares).
@@ -185,12 +185,7 @@ class Uploader:
     def wanted(self, manifest: mf.StepManifest) -> bool:
         if manifest.step != mf.NO_STEP:
             return self.due(manifest.step)
-        # A loose file (no step number) is always persisted: nothing else keeps it; but a
-        # tracker only with the step it names, so only once that step is in the store or on
-        # its way there from this node (not one naming a step that is nowhere).
-        tracked = self._steps.tracked_step(manifest)
-        return tracked is None or tracked.persisted or (
-            tracked.made_here and tracked.number % self.persist_every == 0)
+        return self.trackers.wanted(manifest)
 
     def due(self, number: int) -> bool:
         """Whether step `number` goes to the store (--persist-every)."""
@@ -198,47 +193,16 @@ class Uploader:
 
     def submit(self, manifest: mf.StepManifest) -> None:
         """Queue a committed step (a newer version of a queued step replaces it)."""
-        self._held.pop(manifest.path, None)  # a tracker's older version: no longer current
-        tracked = self._steps.tracked_step(manifest) if manifest.step == mf.NO_STEP else None
-        if tracked is not None:
-            content = self._tracker_bytes(manifest)
-            self.trackers.note(manifest, TrackerVersion(manifest, content, tracked.number)
-                               if content is not None and (tracked.persisted or
-                                                           self.due(tracked.number)) else None)
-            if self.wanted(manifest) or self._ready_version(manifest.path) is not None:
-                self.queue.put(manifest)
-            return
-        if self.wanted(manifest):
+        if manifest.step == mf.NO_STEP:
+            queued = self.trackers.submitted(manifest)  # a loose file, maybe a tracker
+        else:
+            queued = self.due(manifest.step)
+        if queued:
             self.queue.put(manifest)
 
-    def _tracker_bytes(self, manifest: mf.StepManifest) -> bytes | None:
-        """A tracker version's few bytes, from its committed object (None if gone already)."""
-        entry = manifest.files[0]
-        if entry.size > MAX_BYTES:
-            return None
-        try:
-            with open(self._steps.object_path(entry.xxh3), "rb") as f:
-                return f.read(MAX_BYTES + 1)
-        except OSError:
-            return None
-
-    def _ready_version(self, path: str) -> TrackerVersion | None:
-        """The tracker version to put in the store now: the one naming the newest step that is
-        in the store, newer than the step the store's tracker names; None if there is none."""
-        for version in self.trackers.candidates(path):
-            tracked = self._steps.tracked_step(version.manifest, version.content)
-            if tracked is not None and tracked.persisted and tracked.number == version.number:
-                return version
-        return None
-
     def _current(self, manifest: mf.StepManifest) -> bool:
-        """Whether `manifest` is worth uploading: the step's current version, or an older
-        version of a tracker that is still there, chosen to go up (`_upload_tracker`)."""
-        if self._steps.is_current(manifest):
-            return True
-        current = self.trackers.current(manifest.path)
-        return (self.trackers.uploading.get(manifest.path) is manifest and current is not None
-                and self._steps.is_current(current))
+        """Whether `manifest` is still worth uploading (`TrackerGate.worth_uploading`)."""
+        return self.trackers.worth_uploading(manifest)
 
     def waiting(self, manifest: mf.StepManifest) -> tuple[str, int, int]:
         """Why a step due in the store is not there yet, since when (ns) and after how many
@@ -246,42 +210,11 @@ class Uploader:
         trouble = self.troubles.get(manifest.path)
         if trouble is not None and trouble.version == manifest.version:
             return trouble.reason, trouble.since_ns, trouble.failures
-        tracked = self._steps.tracked_step(manifest) if self._held.get(manifest.path) is manifest \
-            else None
-        if tracked is not None:
-            return f"waits for step {tracked.number} to be there", manifest.committed_ns, 0
+        number = self.trackers.waits_for(manifest)
+        if number is not None:
+            return f"waits for step {number} to be there", manifest.committed_ns, 0
         state = "uploading" if self._uploading == manifest.path else "queued"
         return state, manifest.committed_ns, 0
-
-    def _holds_back(self, manifest: mf.StepManifest) -> bool:
-        """A tracker whose step is not in the store yet waits (`_release_held`)."""
-        tracked = self._steps.tracked_step(manifest) if manifest.step == mf.NO_STEP else None
-        if tracked is None or tracked.persisted:
-            return False
-        if manifest.path not in self._held:
-            log.info("%s v%d waits for the step it names (%d) to be in %s", manifest.path,
-                     manifest.version, tracked.number, self.backend.url)
-        self._held[manifest.path] = manifest
-        return True
-
-    def _release_held(self) -> None:
-        """A step reached the store: the trackers that named it go up now (a version naming
-        the newest step the store holds, if not the current one)."""
-        for path, manifest in list(self._held.items()):
-            if not self._steps.is_current(manifest):
-                del self._held[path]
-                continue
-            tracked = self._steps.tracked_step(manifest)
-            if tracked is None or tracked.persisted:
-                del self._held[path]
-                self.queue.put(manifest)
-        for path in self.trackers.paths():
-            current = self.trackers.current(path)
-            if current is None or not self._steps.is_current(current):
-                self.trackers.forget(path)
-            elif self._ready_version(path) is not None:
-                self._held.pop(path, None)
-                self.queue.put(current)
 
     async def run(self) -> None:
         async with trio.open_nursery() as retries:
@@ -378,11 +311,11 @@ class Uploader:
     async def _upload(self, manifest: mf.StepManifest) -> None:
         if not self._steps.is_current(manifest):
             raise NoLongerWanted(manifest.path)
-        ready = self._ready_version(manifest.path) if manifest.step == mf.NO_STEP else None
+        ready = self.trackers.ready(manifest.path) if manifest.step == mf.NO_STEP else None
         if ready is not None:
             await self._upload_tracker(manifest, ready)
             return
-        if self._holds_back(manifest):
+        if self.trackers.holds_back(manifest):
             return
         tracked = self._steps.tracked_step(manifest) if manifest.step == mf.NO_STEP else None
         await self._put_version(manifest, tracks=tracked.number if tracked else None)
@@ -395,19 +328,19 @@ class Uploader:
         stored = await self._call(f"read of {path}", current, self.stored.tracker, path)
         tracked = self._steps.tracked_step(current, stored) if stored is not None else None
         if tracked is not None and tracked.number >= ready.number:
-            self.trackers.stored(path, tracked.number)
+            self.trackers.versions.stored(path, tracked.number)
         elif ready.manifest is current:
             await self._put_version(current, ready.content, ready.number)
         else:
-            self.trackers.uploading[path] = ready.manifest
+            self.trackers.versions.uploading[path] = ready.manifest
             try:
                 await self._put_version(ready.manifest, ready.content, ready.number)
             finally:
-                self.trackers.uploading.pop(path, None)
+                self.trackers.versions.uploading.pop(path, None)
             log.info("%s: its v%d (naming step %d, the newest in %s that it named) went up; "
                      "v%d follows its own step", path, ready.manifest.version, ready.number,
                      self.backend.url, current.version)
-        if self._current(current) and not self._holds_back(current):
+        if self._current(current) and not self.trackers.holds_back(current):
             self.queue.put(current)  # names a step in the store too: up it goes
 
     async def _put_version(self, manifest: mf.StepManifest, content: bytes | None = None,
@@ -479,8 +412,8 @@ class Uploader:
         self._events.persisted(manifest, self.backend.url, time.monotonic() - started)
         self._steps.persisted(manifest)
         if tracks is not None:
-            self.trackers.stored(manifest.path, tracks)
-        self._release_held()
+            self.trackers.versions.stored(manifest.path, tracks)
+        self.trackers.release()
         if self.keep_persist:
             await self._apply_retention(prefix.rpartition("/")[0])
 
