@@ -50,6 +50,7 @@ from tierfs.fs.lifecycle.other_tiers import OtherTiers
 from tierfs.fs.lifecycle.quiet_commits import QuietCommits
 from tierfs.fs.lifecycle.quiet_watch import QuietWatch
 from tierfs.fs.lifecycle.recovery import Recovery
+from tierfs.fs.lifecycle.rename_commits import RenameCommits
 from tierfs.fs.lifecycle.step_versions import StepVersions
 from tierfs.fs.lifecycle.verify import Verifier
 from tierfs.fs.model import tree_walk
@@ -189,8 +190,10 @@ class Namespace:
                                self.tiers, sink, self.events, saver_wait=commit_timeout,
                                copies_wait=copies_wait, identity=parts.identity,
                                manifests=parts.manifests,
-                               sealing=parts.sealing, renames=parts.renames,
-                               cut_short=parts.cut_short, store=tree.store)
+                               sealing=parts.sealing, cut_short=parts.cut_short,
+                               store=tree.store)
+        self.rename_commits = RenameCommits(tree, self.commits, self.fetch_back,
+                                            identity=parts.identity, renames=parts.renames)
         self.quiet = QuietCommits(tree, core.watch, self.commits, cut_short=parts.cut_short,
                                   residents=parts.residents, manifests=parts.manifests)
         self.appends = AppendSnapshots(tree, core.watch, self.commits, self.eviction,
@@ -323,7 +326,7 @@ class Namespace:
             moved = self._renames.rename(node, old_parent, old_name, new_parent, new_name,
                                          flags)
         if moved:
-            await self.commits.after_rename(node, old_parent)
+            await self.rename_commits.after_rename(node, old_parent)
 
     # -- files: a write ----------------------------------------------------------------------
 

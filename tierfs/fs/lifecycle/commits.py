@@ -1,13 +1,14 @@
 """Commits: when a step commits, and the commit itself.
 
 A step commits when its saver says so (a DCP `.metadata` closed after writing or renamed into
-place, a directory renamed onto a step name, `tierfs commit`), when it falls quiet
-(`fs.lifecycle.quiet_commits`), or when the last writer of a pending commit is done. `Commits`
-checks the step, brings in what is missing (files from other tiers via `BringBack`, other
-nodes' DCP shards via `CommitTiers`), seals what is unsealed, copies what an open handle could
-still write, and then has the `Tree` write the manifest with no await between the last check and
-the change (`StepManifests.write_manifest`). The new manifest goes to the `CommitSink` (uploads,
-replicas), and its record to the cluster (`CommitTiers.publish`).
+place, a directory renamed onto a step name: `fs.lifecycle.rename_commits`, `tierfs commit`),
+when it falls quiet (`fs.lifecycle.quiet_commits`), or when the last writer of a pending
+commit is done. `Commits` checks the step, brings in what is missing (files from other tiers
+via `BringBack`, other nodes' DCP shards via `CommitTiers`), seals what is unsealed, copies
+what an open handle could still write, and then has the `Tree` write the manifest with no
+await between the last check and the change (`StepManifests.write_manifest`). The new
+manifest goes to the `CommitSink` (uploads, replicas), and its record to the cluster
+(`CommitTiers.publish`).
 
 One rule for everything a commit awaits (`Commits._commit_locked`): any await may let a writer
 come back, a file go, a seal be dropped or go stale. So an attempt prepares (residency, seals,
@@ -68,7 +69,6 @@ from tierfs.fs.store.ram_store import RamFull
 if TYPE_CHECKING:
     from tierfs.fs.store.ram_store import RamStore
     from tierfs.fs.tree.cut_short import CutShort
-    from tierfs.fs.tree.renames import Renames
     from tierfs.fs.tree.sealing import Sealing
     from tierfs.fs.tree.step_identity import StepIdentity
     from tierfs.fs.tree.step_manifests import StepManifests
@@ -117,12 +117,11 @@ class Commits:
                  cluster: CommitTiers, marks: OwedMarks, sink: CommitSink, events: EventSink,
                  saver_wait: float = SAVER_WAIT, copies_wait: CopiesWait | None = None, *,
                  identity: StepIdentity, manifests: StepManifests, sealing: Sealing,
-                 renames: Renames, cut_short: CutShort, store: RamStore) -> None:
+                 cut_short: CutShort, store: RamStore) -> None:
         self.tree = tree
         self._identity = identity  # which directories are steps, single files or neither
         self._manifests = manifests  # the commit's change of the tree: pending, then written
         self._sealing = sealing  # the files' hashes
-        self._renames = renames
         self._cut_short = cut_short  # files a write into failed (no room)
         self._store = store  # the RAM store: the commit's copies of files still open
         self._room = room  # room in RAM for a commit's copies of open files
@@ -595,9 +594,9 @@ class Commits:
     async def after_release(self, node: Node) -> None:
         """An open file of `node` that could write into it is gone (its RELEASE)."""
         if node.parent is not None:
-            await self._commit_file_step(node)
+            await self.commit_file_step(node)
 
-    async def _commit_file_step(self, node: Node) -> None:
+    async def commit_file_step(self, node: Node) -> None:
         """A file step commits once no open file could write into it (a loose file waits to be
         quiet): at the RELEASE after its writer's close(), not at that close's FLUSH, after
         which writes through a duplicate of the descriptor may still come. So its bytes become
@@ -663,75 +662,6 @@ class Commits:
             if step.commit_pending and step.retry_commit_at <= trio.current_time() \
                     and not tree_walk.has_active_writers(step_node):
                 await self.commit_quietly(step_node)
-
-    # -- renames ---------------------------------------------------------------------------
-
-    async def after_rename(self, node: Node, old_parent: Node) -> None:
-        """`node` was renamed out of `old_parent`: a directory may have become or stopped
-        being a step; a `.metadata` renamed into place commits its step."""
-        if node.is_dir:
-            await self._renamed_dir(node)
-        elif node.name == METADATA and node.parent.step is not None:
-            await self.commit_for_saver(node.parent)
-        else:
-            await self._commit_file_step(node)  # `mv x.tmp epoch=0-step=5.ckpt`
-        await self.run_pending_commits(old_parent)
-        self._renames.moves_may_settle()
-
-    async def _renamed_dir(self, node: Node) -> None:
-        """A directory renamed onto a step name commits it (the `mv tmp step_N` idiom); one
-        renamed away from a step name, or into a step, stops being a step (its files are
-        then files of the step it is in); steps moved along with it commit again so that
-        their manifests name where they are now."""
-        tree = self.tree
-        number = self._identity.step_number_at(node.parent, node.name)
-        if number is None:
-            if node.step is not None:
-                await self._demote(node)
-        else:
-            self._identity.become_step(node, number)
-        for below in list(tree_walk.dirs_under(node)):
-            await self._restep(below)
-        for file_node in list(tree_walk.walk_files(node)):
-            await self._refile(file_node)
-        if node.step is not None:
-            await self.commit_quietly(node)
-        for step_node in list(tree.steps(under=node)):
-            manifest = step_node.step.manifest
-            if step_node is not node and manifest and manifest.path != tree.relpath(step_node):
-                await self.commit_quietly(step_node)
-
-    async def _restep(self, node: Node) -> None:
-        """After a rename above it: `node` is a step exactly when its name is a step name and
-        no directory above it is a step (a directory inside a step is part of that step)."""
-        number = self._identity.step_number_at(node.parent, node.name)
-        if number is None and node.step is not None:
-            await self._demote(node)
-        else:
-            self._identity.restep(node, number)
-
-    async def _refile(self, node: Node) -> None:
-        """After a rename above it: a file is a single-file step exactly when no directory
-        above it is a step; one that moved commits again at its new path."""
-        tree = self.tree
-        wanted = self._identity.single_file_step(node.parent, node.name)
-        if wanted is None and node.step is not None:
-            if node.remote is not None and not node.remote.in_store:
-                await self._bring_back.make_resident(node, empty=False)
-            self._identity.stop_being_step(node)
-        elif wanted is not None and (node.step is None or (
-                node.step.manifest is not None
-                and node.step.manifest.path != tree.relpath(node))):
-            self._identity.become_single_file(node, wanted)
-        if node.step is not None and node.step.number is not None:
-            await self.commit_quietly(node)
-
-    async def _demote(self, node: Node) -> None:
-        """A committed directory that stops being a step keeps its files, not its manifest."""
-        for _rel, child in list(tree_walk.files_under(node)):
-            if child.remote is not None and not child.remote.in_store:
-                await self._bring_back.make_resident(child, empty=False)
-        self._identity.stop_being_step(node)
 
 
 def _stat_key(st: os.stat_result) -> tuple[int, int, int]:

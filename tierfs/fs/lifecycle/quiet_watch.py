@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 # Seconds a single file no one writes any more waits for the next change before it commits:
-# a loose file written whole and closed (`Commits._commit_file_step`), the attributes set on a
+# a loose file written whole and closed (`Commits.commit_file_step`), the attributes set on a
 # closed file step or loose file. `cp -p`, `tar x` and Python's `shutil.copy2` (Lightning's
 # save of every checkpoint) set times and mode one call after another right after the close,
 # which make one version, not one each; a temporary file is renamed or removed at once. No

@@ -238,7 +238,7 @@ class Node:
         # A directory whose `latest` is its own, never the virtual link (VirtualLatest.is_own).
         self.own_latest = False
         # A file whose writers' opens created or truncated it: what they wrote is all of it, so
-        # a loose file commits a moment after their close (`Commits._commit_file_step`).
+        # a loose file commits a moment after their close (`Commits.commit_file_step`).
         self.written_whole = False
         # A directory's attributes as last read: what a descriptor held open on it answers
         # once it is removed (`Tree.stat`).

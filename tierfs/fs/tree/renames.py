@@ -47,7 +47,8 @@ class Renames:
     def rename(self, node: Node, old_parent: Node, old_name: bytes, new_parent: Node,
                new_name: bytes, flags: int) -> bool:
         """Move `node` (the resident entry `old_name` of `old_parent`); False if it is there
-        already. Step identities below it are the caller's next step (`Commits.after_rename`)."""
+        already. Step identities below it are the caller's next step
+        (`RenameCommits.after_rename`)."""
         tree = self.tree
         if not new_parent.is_dir:
             raise FsError(errno.ENOTDIR)
@@ -85,7 +86,7 @@ class Renames:
         if target is not None:
             self._removals.clear_replaced(target, new_path)
         if not node.is_dir and node.step is not None:
-            # a step at its new name (Commits.after_rename); the move is recorded
+            # a step at its new name (RenameCommits.after_rename); the move is recorded
             self._removals.no_longer_step(node)
         if new_name == LATEST:
             self._latest.keep_own(new_parent)  # `mv -T tmp latest`: a real `latest` from now on
