@@ -2,13 +2,15 @@
 
 With FUSE passthrough the daemon does not see writes, and the kernel sends a FLUSH at the close
 of every duplicate of a descriptor: shell redirection, `dd`, a forked child that inherited the
-descriptor. Each pattern here must commit the file's final bytes, keep them across a restart,
-and pass `tierfs verify --no-repair`.
+descriptor, a shared mapping written after its descriptor was closed. Each pattern here must
+commit the file's final bytes, keep them across a restart, and pass `tierfs verify
+--no-repair`.
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import subprocess
 import sys
@@ -56,9 +58,21 @@ def closed_duplicate_first(path: Path) -> None:
     os.close(fd)
 
 
+def mapped_after_close(path: Path) -> None:
+    """numpy.memmap's way: the file sized and mapped, its descriptor closed, then the bytes
+    written through the mapping (the kernel releases the file only when it is unmapped)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.ftruncate(fd, len(CONTENT))
+    mapping = mmap.mmap(fd, len(CONTENT))
+    os.close(fd)
+    mapping[:] = CONTENT
+    mapping.flush()
+    mapping.close()
+
+
 PATTERNS: dict[str, Callable[[Path], None]] = {
     "shell-redirect": shell_redirect, "dd": dd, "forked-child": inherited_by_child,
-    "dup-closed-first": closed_duplicate_first,
+    "dup-closed-first": closed_duplicate_first, "mapped-after-close": mapped_after_close,
 }
 
 
@@ -81,6 +95,38 @@ def test_every_write_pattern_commits_the_final_bytes(mounts: MountFactory, patte
     assert getxattr(step, "user.tierfs.state") == "committed"
     assert (step / "x").read_bytes() == CONTENT
     assert getxattr(step / "x", "user.tierfs.xxh3") == expected
+
+
+@pytest.mark.parametrize("passthrough", [True, False], ids=["passthrough", "through-daemon"])
+def test_a_mapping_written_after_a_commit_starts_a_new_version(mounts: MountFactory,
+                                                               passthrough: bool) -> None:
+    """A shared mapping (its descriptor closed) still written when the step commits: the
+    commit holds the bytes the file had then, and what the mapping writes afterwards is the
+    next version once it is unmapped, here and after a restart."""
+    mnt = mounts.mount() if passthrough else mounts.mount("--no-passthrough")
+    step = mnt / "run/step_1"
+    step.mkdir(parents=True)
+    size = 1 << 20
+    fd = os.open(step / "x", os.O_RDWR | os.O_CREAT, 0o644)
+    os.ftruncate(fd, size)
+    mapping = mmap.mmap(fd, size)
+    os.close(fd)
+    try:
+        mapping[:] = b"a" * size
+        mapping.flush()
+        tierfs("commit", str(step))
+        assert mnt.step("run/step_1")["version"] == 1
+        mapping[:] = b"b" * size
+        mapping.flush()
+    finally:
+        mapping.close()
+    tierfs("commit", str(step))
+    assert mnt.step("run/step_1")["version"] == 2
+    tierfs("verify", str(step), "--no-repair")
+    tierfs("umount", str(mnt.mountpoint))
+    mnt = mounts.remount(mnt)
+    assert (step / "x").read_bytes() == b"b" * size
+    assert getxattr(step / "x", "user.tierfs.xxh3") == xxhash.xxh3_128_hexdigest(b"b" * size)
 
 
 def test_writes_after_a_commit_start_a_new_version(mnt: Mount) -> None:
