@@ -65,14 +65,13 @@ def spread(files: Mapping[str, Collection[str]], is_up: Callable[[str], bool]) -
     """The spread of a step whose files (every one, by name) are held by these nodes (a
     file with no holder: an empty collection). Only live holders count as copies; every
     recorded holder is named."""
-    holders: set[str] = set()
-    whole: set[str] | None = None
-    counts = []
-    for nodes in files.values():
-        holders.update(nodes)
-        whole = set(nodes) if whole is None else whole & set(nodes)
-        counts.append(sum(1 for node in nodes if is_up(node)))
-    return Spread(tuple(sorted(holders)), tuple(sorted(whole or ())), min(counts, default=0),
+    # A step's files share a few holder sets (each writer's and its replicas'): each set is
+    # judged once, not each file (a status lists every step, of any number of files).
+    groups = {frozenset(nodes) for nodes in files.values()}
+    holders = frozenset().union(*groups)
+    whole = frozenset.intersection(*groups) if groups else frozenset()
+    counts = [sum(1 for node in group if is_up(node)) for group in groups]
+    return Spread(tuple(sorted(holders)), tuple(sorted(whole)), min(counts, default=0),
                   max(counts, default=0))
 
 

@@ -211,12 +211,14 @@ class TreeView:
 
     # -- status and xattrs -------------------------------------------------------------------
 
-    def step_status(self, step_node: Node, dirs: dict[Node, dict[StepState, str]] | None = None
-                    ) -> dict[str, object]:
+    def step_status(self, step_node: Node, dirs: dict[Node, dict[StepState, str]] | None = None,
+                    *, replicas: bool = True) -> dict[str, object]:
         """One step's line of `tierfs status`: cheap whatever the step's size (no disk access
         for committed steps; a step being written costs one lstat per unsealed file).
         `dirs`: the unfinished steps of each directory, kept across the lines of one status
-        (a directory of many steps is judged once, not once per step)."""
+        (a directory of many steps is judged once, not once per step). `replicas` False: the
+        caller has them from elsewhere (a cluster's records), so they are not judged here
+        (file by file) to be replaced."""
         step = step_node.step
         if step.committed:
             manifest = step.manifest
@@ -239,7 +241,7 @@ class TreeView:
             # committed, its files' hashes still to come (nothing of it has left the node)
             "hashing": _shown_pending(step),
             "files": files, "bytes": size, "ram": step.in_ram,
-            "replicas": self._holdings.full_holders(step),
+            "replicas": self._holdings.full_holders(step) if replicas else None,
             "persisted": step.persisted,
             "waiting_for": step.waiting_for if step.commit_pending or not step.committed else None,
             # committed without its saver's mark of a finished save (`fs.model.completion`)

@@ -252,8 +252,9 @@ class ControlApi:
         no live node's RAM but this one's (and not in the store)."""
         view = self.namespace.view
         step = node.step
-        status = dict(view.step_status(node, dirs))
-        if self.cluster is not None and step.committed:
+        spread = self.cluster is not None and step.committed  # `replicas` from the records
+        status = dict(view.step_status(node, dirs, replicas=not spread))
+        if spread:
             status.update(self._spread(step, recorded))
         else:
             is_up = self.cluster.directory.is_up if self.cluster else (lambda _peer: False)
