@@ -331,6 +331,7 @@ class Uploader:
             self.trackers.versions.stored(path, tracked.number)
         elif ready.manifest is current:
             await self._put_version(current, ready.content, ready.number)
+            return
         else:
             self.trackers.versions.uploading[path] = ready.manifest
             try:
@@ -341,7 +342,9 @@ class Uploader:
                      "v%d follows its own step", path, ready.manifest.version, ready.number,
                      self.backend.url, current.version)
         if self._current(current) and not self.trackers.holds_back(current):
-            self.queue.put(current)  # names a step in the store too: up it goes
+            # names a step in the store too: up it goes, in a round of its own (`StepQueue`:
+            # the version being worked on, put again, is worked on once more)
+            self.queue.put(current)
 
     async def _put_version(self, manifest: mf.StepManifest, content: bytes | None = None,
                            tracks: int | None = None) -> None:
