@@ -14,8 +14,9 @@ back until the step they name is in the store, and which goes up when a step get
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -104,7 +105,7 @@ class TrackerGate:
         self._queue = queue
         self._due = due
         self._store_url = store_url
-        self.versions = TrackerVersions()
+        self._versions = TrackerVersions()
         self._held: dict[str, mf.StepManifest] = {}  # current versions waiting for their step
 
     def wanted(self, manifest: mf.StepManifest) -> bool:
@@ -123,7 +124,7 @@ class TrackerGate:
         if tracked is None:
             return True
         content = self._bytes(manifest)
-        self.versions.note(manifest, TrackerVersion(manifest, content, tracked.number)
+        self._versions.note(manifest, TrackerVersion(manifest, content, tracked.number)
                            if content is not None and (tracked.persisted or
                                                        self._due(tracked.number)) else None)
         return self.wanted(manifest) or self.ready(manifest.path) is not None
@@ -139,10 +140,25 @@ class TrackerGate:
         except OSError:
             return None
 
+    def stored(self, path: str, number: int) -> None:
+        """The store's tracker names step `number` now: versions naming older ones are done."""
+        self._versions.stored(path, number)
+
+    @contextlib.contextmanager
+    def uploading(self, version: TrackerVersion) -> Iterator[None]:
+        """While an older version (`ready`) goes to the store: it counts as current
+        (`worth_uploading`)."""
+        path = version.manifest.path
+        self._versions.uploading[path] = version.manifest
+        try:
+            yield
+        finally:
+            self._versions.uploading.pop(path, None)
+
     def ready(self, path: str) -> TrackerVersion | None:
         """The tracker version to put in the store now: the one naming the newest step that is
         in the store, newer than the step the store's tracker names; None if there is none."""
-        for version in self.versions.candidates(path):
+        for version in self._versions.candidates(path):
             tracked = self._steps.tracked_step(version.manifest, version.content)
             if tracked is not None and tracked.persisted and tracked.number == version.number:
                 return version
@@ -153,8 +169,8 @@ class TrackerGate:
         version of a tracker that is still there, chosen to go up (`ready`)."""
         if self._steps.is_current(manifest):
             return True
-        current = self.versions.current(manifest.path)
-        return (self.versions.uploading.get(manifest.path) is manifest
+        current = self._versions.current(manifest.path)
+        return (self._versions.uploading.get(manifest.path) is manifest
                 and current is not None and self._steps.is_current(current))
 
     def waits_for(self, manifest: mf.StepManifest) -> int | None:
@@ -186,10 +202,10 @@ class TrackerGate:
             if tracked is None or tracked.persisted:
                 del self._held[path]
                 self._queue(manifest)
-        for path in self.versions.paths():
-            current = self.versions.current(path)
+        for path in self._versions.paths():
+            current = self._versions.current(path)
             if current is None or not self._steps.is_current(current):
-                self.versions.forget(path)
+                self._versions.forget(path)
             elif self.ready(path) is not None:
                 self._held.pop(path, None)
                 self._queue(current)

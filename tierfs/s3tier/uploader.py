@@ -328,16 +328,13 @@ class Uploader:
         stored = await self._call(f"read of {path}", current, self.stored.tracker, path)
         tracked = self._steps.tracked_step(current, stored) if stored is not None else None
         if tracked is not None and tracked.number >= ready.number:
-            self.trackers.versions.stored(path, tracked.number)
+            self.trackers.stored(path, tracked.number)
         elif ready.manifest is current:
             await self._put_version(current, ready.content, ready.number)
             return
         else:
-            self.trackers.versions.uploading[path] = ready.manifest
-            try:
+            with self.trackers.uploading(ready):
                 await self._put_version(ready.manifest, ready.content, ready.number)
-            finally:
-                self.trackers.versions.uploading.pop(path, None)
             log.info("%s: its v%d (naming step %d, the newest in %s that it named) went up; "
                      "v%d follows its own step", path, ready.manifest.version, ready.number,
                      self.backend.url, current.version)
@@ -415,7 +412,7 @@ class Uploader:
         self._events.persisted(manifest, self.backend.url, time.monotonic() - started)
         self._steps.persisted(manifest)
         if tracks is not None:
-            self.trackers.versions.stored(manifest.path, tracks)
+            self.trackers.stored(manifest.path, tracks)
         self.trackers.release()
         if self.keep_persist:
             await self._apply_retention(prefix.rpartition("/")[0])
