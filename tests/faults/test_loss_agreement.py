@@ -36,10 +36,12 @@ def story(cluster: Cluster, node_id: str, step: str) -> dict[str, Any]:
     """What a node says of a step: its state, copies and replicas, and its run's `latest`."""
     node = cluster.nodes[node_id]
     found = node.step(step) or {}
-    latest = node / os.path.dirname(step) / "latest"
+    try:  # (no islink first: `latest` may go between the two, as a step turns incomplete)
+        latest: str | None = os.readlink(node / os.path.dirname(step) / "latest")
+    except OSError:  # none, or not a link
+        latest = None
     return {"state": found.get("state"), "copies": found.get("copies"),
-            "replicas": found.get("replicas"),
-            "latest": os.readlink(latest) if os.path.islink(latest) else None}
+            "replicas": found.get("replicas"), "latest": latest}
 
 
 def agreed(cluster: Cluster, step: str, expected: dict[str, Any]) -> bool:
