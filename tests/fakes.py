@@ -27,7 +27,7 @@ from tierfs.replication.coordination.etcd import (
     WatchEvent,
     retry_unavailable,
 )
-from tierfs.replication.coordination.membership import MemberInfo
+from tierfs.replication.coordination.membership import DEFAULT_TTL, REJOIN_MARGIN, MemberInfo
 
 
 class MemoryTier:
@@ -289,6 +289,7 @@ class StaticMembership:
         self.starting = False
         self.registered = False
         self.etcd_answers = True  # its lease's keepalives answered (there is none to lose)
+        self.rejoin_grace = DEFAULT_TTL + REJOIN_MARGIN
 
     def set_members(self, members: dict[str, str]) -> None:
         """The live members now: {node id: HOST:PORT}."""

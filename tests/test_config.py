@@ -117,6 +117,9 @@ def test_failure_domain_from_the_toml_file(tmp_path) -> None:  # type: ignore[no
                                "seconds"),
     ({"append_every": "1e9"}, "--append-every 1e9 is more than a week"),
     ({"commit_timeout": "inf"}, "--commit-timeout must be a positive number of seconds"),
+    ({"lease_ttl": "1"}, "--lease-ttl must be at least 2"),
+    ({"lease_ttl": "3600"}, "--lease-ttl 3600 is over 60 seconds"),
+    ({"lease_ttl": "2.5"}, "--lease-ttl must be a whole number, not '2.5'"),
 ])
 def test_options_that_cannot_be_right_are_refused(cli: dict[str, str], message: str) -> None:
     """Values no one means (`--ram-limit 1`: one byte, meant as 1G; `--commit-idle 1e308`)
@@ -124,3 +127,4 @@ def test_options_that_cannot_be_right_are_refused(cli: dict[str, str], message: 
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve("/mnt", cli, {}, None)
     resolve("/mnt", {"ram_limit": "1M", "commit_idle": "604800"}, {}, None)
+    assert resolve("/mnt", {"lease_ttl": "60"}, {}, None).lease_ttl == 60

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tierfs.mount_helper.mounts import real_path
+from tierfs.replication.coordination.membership import DEFAULT_TTL
 from tierfs.replication.coordination.url import (
     ClusterUrl,
     ClusterUrlError,
@@ -67,6 +68,9 @@ class Option:
 
 
 _SEMANTICS = "doc/SEMANTICS.md"
+# --lease-ttl: etcd grants no lease much shorter (its default election timeout), and a longer
+# one keeps a dead node's files waited for that long.
+MIN_LEASE_TTL, MAX_LEASE_TTL = 2, 60
 MOUNT_OPTIONS = [
     Option("foreground", False, "stay in the foreground, log to stderr", "flag",
            default_help="off: daemonise after the mount is ready"),
@@ -162,6 +166,13 @@ MOUNT_OPTIONS = [
            "step (the close or rename of DCP's `.metadata`) waits for etcd, in all; then it "
            "fails with `ETIMEDOUT` (the save raises), and the step stays `writing` and commits "
            "by itself once etcd answers (see doc/CLUSTER.md); at most a week", "float", "SECONDS"),
+    Option("lease-ttl", DEFAULT_TTL, "with `--cluster`: seconds this node's etcd lease lives "
+           "without a keepalive (one is sent every third of it): how soon after a node dies or "
+           "loses etcd the others count it gone, and how long reads wait for a holder that "
+           "does not answer while its lease lives (a daemon restarting on its RAM dir serves "
+           "them if it is back within it). Longer rides out stalls of a loaded machine, "
+           f"shorter finds a loss sooner; {MIN_LEASE_TTL} to {MAX_LEASE_TTL}; give every node "
+           "the same", "int", "SECONDS"),
     Option("sync-replicas", False, "with `--cluster`: the saver's call that commits a step (the "
            "close or rename of DCP's `.metadata`) returns only once every file of the step has "
            "K+1 verified copies on live nodes (as many as there are live nodes, if fewer), "
@@ -239,6 +250,7 @@ class MountConfig:
     peer_tls: PeerTlsFiles | None = None  # --peer-tls
     failure_domain: str | None = None  # --failure-domain
     peer_connections: int = 4  # --peer-connections
+    lease_ttl: int = DEFAULT_TTL  # --lease-ttl
     log_level: str = "INFO"  # --log-level
 
     @property
@@ -487,9 +499,18 @@ def _validate(mountpoint: str, values: dict[str, Any]) -> MountConfig:
         peer_tls=_peer_tls(values),
         failure_domain=domain,
         peer_connections=_whole_number(values, "peer_connections", 1),
+        lease_ttl=_lease_ttl(values),
         log_level=_log_level(values["log_level"]),
         **_root_directory(values),
     )
+
+
+def _lease_ttl(values: dict[str, Any]) -> int:
+    ttl = _whole_number(values, "lease_ttl", MIN_LEASE_TTL)
+    if ttl > MAX_LEASE_TTL:
+        raise ConfigError(f"--lease-ttl {ttl} is over {MAX_LEASE_TTL} seconds: a dead node "
+                          "would hold its files' reads that long")
+    return ttl
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

@@ -63,7 +63,7 @@ def cluster_members(cfg: MountConfig) -> PeerDirectory:
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     return PeerDirectory(live_members.Membership(etcd, cfg.cluster, cfg.node_id, cfg.advertise,
-                                                 domain=cfg.failure_domain),
+                                                 ttl=cfg.lease_ttl, domain=cfg.failure_domain),
                          cfg.token, tls, connections=cfg.peer_connections)
 
 

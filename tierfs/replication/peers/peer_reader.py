@@ -22,7 +22,6 @@ import trio
 
 from tierfs import manifest as mf
 from tierfs.fs.model.ports import Store, TierError
-from tierfs.replication.coordination import membership
 from tierfs.replication.peers import protocol as proto
 from tierfs.replication.peers import sources
 from tierfs.replication.peers.channel import (
@@ -36,13 +35,9 @@ from tierfs.replication.peers.directory import PeerDirectory
 
 log = logging.getLogger(__name__)
 
-# Seconds the reads wait for a holder that does not answer while its lease lives, from the
-# first read it failed: a killed daemon's lease ends within its ttl after its last keepalive,
-# and the watch tells every node; a daemon restarting at its address answers within it.
-HOLDER_WAIT = membership.DEFAULT_TTL + membership.REJOIN_MARGIN
 RETRY_EVERY = 0.5  # seconds between tries meanwhile (a holder restarted at the same address)
 # Seconds between two failed reads of a holder beyond which the second starts a new outage
-# (and a new HOLDER_WAIT): a holder no read asked meanwhile may have come back and gone again.
+# (and a new `holder_wait`): a holder no read asked meanwhile may have come back and gone again.
 OUTAGE_GAP = 10.0
 
 
@@ -67,6 +62,11 @@ class PeerReader:
         # since this node last read the file's record (e.g. of a file it holds nothing of).
         self._refresh = refresh
         self._outages: dict[str, _Outage] = {}  # holders that reads here failed to reach
+        # Seconds the reads wait for a holder that does not answer while its lease lives, from
+        # the first read it failed: a killed daemon's lease ends within its ttl after its last
+        # keepalive, and the watch tells every node; a daemon restarting at its address
+        # answers within it (the members' rejoin grace: the ttl and a keepalive's margin).
+        self.holder_wait = directory.live.rejoin_grace
 
     async def read_range(self, step_path: str, entry: mf.FileEntry, offset: int,
                          length: int) -> memoryview:
@@ -125,7 +125,7 @@ class PeerReader:
         restarting), the read waits for it, or for its loss to be known, trying again at each
         change of the members and every RETRY_EVERY: a node learns a loss only when the lease
         ends, and a holder back within it serves the read. The reads of this node wait for a
-        holder HOLDER_WAIT seconds from the first that failed to reach it, not each as long
+        holder `holder_wait` seconds from the first that failed to reach it, not each as long
         (a load of many files through a node cut off from a live holder would wait for it
         file by file, chunk by chunk); then TierError, EIO to the reader."""
         while True:
@@ -138,7 +138,7 @@ class PeerReader:
             now = trio.current_time()
             waiting = {h: self._outages[h] for h in unreachable
                        if h in self._outages and self.directory.is_up(h)}
-            deadline = max((o.since + HOLDER_WAIT for o in waiting.values()), default=now)
+            deadline = max((o.since + self.holder_wait for o in waiting.values()), default=now)
             if deadline <= now:
                 raise TierError("; ".join(failures) or "no peer holds it")
             untold = sorted(h for h, o in waiting.items() if not o.told)
@@ -147,21 +147,21 @@ class PeerReader:
                     waiting[node_id].told = True
                 log.warning("%s/%s: %s does not answer but is a live member: reads of its "
                             "files wait up to %.0f s for it or for its loss", step_path,
-                            entry.name, ", ".join(untold), HOLDER_WAIT)
+                            entry.name, ", ".join(untold), self.holder_wait)
             changed = self.directory.changed
             with trio.move_on_at(min(deadline, now + RETRY_EVERY)):
                 await changed.wait()
 
     def _ask_order(self, holders: list[str], xxh3: str, offset: int) -> list[str]:
         """`sources.holder_order`, without the holders this node's reads have failed to
-        reach for HOLDER_WAIT seconds or more and whose peer handshake still fails here (or
+        reach for `holder_wait` seconds or more and whose peer handshake still fails here (or
         whose lease ended): a read does not wait out a connection timeout for each of them
         (`handshakes` probes them every few seconds; once one answers, reads ask it again)."""
         now = trio.current_time()
         asked = []
         for node_id in sources.holder_order(holders, xxh3, offset, self.directory.is_up):
             outage = self._outages.get(node_id)
-            if outage is not None and now - outage.since >= HOLDER_WAIT \
+            if outage is not None and now - outage.since >= self.holder_wait \
                     and not self.directory.may_be_up(node_id):
                 outage.last = now  # the outage goes on, untried
                 continue
