@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, KeysView
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -136,6 +136,11 @@ class StepManifest:
 
     def entry(self, name: str) -> FileEntry | None:
         return self._by_name.get(name)
+
+    @property
+    def names(self) -> KeysView[str]:
+        """The files' names, as a set view."""
+        return self._by_name.keys()
 
     def same_entries(self, entries: Iterable[FileEntry]) -> bool:
         """Whether `entries` are this version's files with the same bytes and the same mode,

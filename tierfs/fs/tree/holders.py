@@ -267,6 +267,8 @@ class Holdings:
         # A file with no holders of its own has the step's (`file_peers`): counted once, not
         # once per file (`tierfs status` of a 10,000-file step spent nearly all its time here).
         step_peers = sum(1 for peer in self.peer_holders(step) if is_up(peer))
+        if not step.file_holders and step.manifest.files:  # every file has the step's holders
+            return int(step.resident.issuperset(step.manifest.names)) + step_peers
         return min((int(e.name in step.resident)
                     + (step_peers if e.name not in step.file_holders else
                        sum(1 for peer in self.file_peers(step, e.name) if is_up(peer)))
