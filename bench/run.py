@@ -16,6 +16,7 @@ Writes a Markdown table, a JSON file and a PNG chart into --out.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -42,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from tierfs.devtools import certificates
 from tierfs.devtools.etcd import Etcd
 from tierfs.devtools.free_ports import free_port
+from tierfs.devtools.s3_proxy import Fault, S3Proxy
 from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.mount_helper import control
 from tierfs.mount_helper.config import parse_size
@@ -61,6 +63,10 @@ GOALS = {UNIFORM_SAVE: ">= 0.9x", "torch.save": ">= 0.9x", LOAD_DURING_UPLOAD: "
 # A step of many small files (per-tensor savers, sharded optimizer state): its own table, as
 # times and their ratio to tmpfs (issue 25's goals).
 MANY_FILES, MANY_FILE_BYTES = 10_000, 4096
+# A step of small files uploaded to a store this many seconds away (every request held so long
+# by a proxy: another zone's, or S3's own first-byte latency), against boto3 putting the same
+# files directly through it with s3transfer's default concurrency (`aws s3 cp --recursive`'s)
+DISTANT_FILES, DISTANT_DELAY, DIRECT_CONCURRENCY = 2_000, 0.02, 10
 # A loose file appended (issue 24): a 1 MiB log, small appends.
 APPEND_BASE, APPEND_BYTES, APPENDS = 1 << 20, 200, 20
 APPEND_PERIOD, APPEND_SECONDS = 0.05, 5.0
@@ -392,7 +398,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         targets = [*bench.mounts, *TARGETS[1:]]
         # --torch-only, --uniform-only, --persist-only: those rows alone (each on every target
         # it applies to)
-        rows_only = args.torch_only or args.uniform_only or args.persist_only
+        rows_only = args.torch_only or args.uniform_only or args.persist_only or args.distant_only
         everything = not rows_only
         if everything and not (args.cluster_only or args.appends_only or args.ranged_only):
             bench.floor = fuse_floor.build(bench.work)  # for the many-file rows
@@ -401,7 +407,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _appended_log(bench, extra, failures)
         for rep in range(0 if args.cluster_only or args.appends_only or args.ranged_only
                          else args.reps):
-            for target in [] if args.many_files_only or args.ranged_only else targets:
+            for target in [] if args.many_files_only or args.ranged_only or args.distant_only \
+                    else targets:
                 if args.persist_only and target not in ("tierfs", "s3"):
                     continue
                 if target != "s3" and target != "disk" and (
@@ -465,6 +472,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 bench.drop(target, name)
                 if target != "s3":
                     _torch_rows(bench, state, size, target, rep, record)
+            if args.distant_only:
+                _to_a_distant_store(bench, rep, extra)
             if rows_only:
                 continue
             extra.setdefault("metadata_to_committed", []).append(_commit_latency(bench, rep))
@@ -611,6 +620,38 @@ def _many_files(bench: Bench, rep: int, many: dict[str, dict[str, list[float]]],
         if bindfs is not None:
             steps[BINDFS] = bindfs / name
         _many_files_on(bench, name, steps, record, extra)
+    _to_a_distant_store(bench, rep, extra)
+
+
+def _to_a_distant_store(bench: Bench, rep: int, extra: dict[str, list[float]]) -> None:
+    """committed -> persisted of a step of DISTANT_FILES small files to a store DISTANT_DELAY s
+    away, and the same files put by boto3 directly, DIRECT_CONCURRENCY at a time: the requests
+    in flight, not the bytes, set both."""
+    name = f"step_{900 + rep}"
+    with S3Proxy(bench.s3.endpoint) as proxy:
+        proxy.plan = lambda _request: Fault("distant", delay=DISTANT_DELAY)
+        mount = bench.start_mount("distant store", "--persist", f"s3://{BUCKET}/distant",
+                                  "--s3-endpoint", proxy.endpoint)
+        try:
+            _write_many(mount / "run" / name, DISTANT_FILES)
+            extra.setdefault("distant_committed_to_persisted", []).append(
+                bench.wait_for(name, lambda entry: entry["persisted"], "distant store"))
+        finally:
+            bench.stop_mount("distant store")
+        source = bench.tmpfs / "distant"
+        _write_many(source, DISTANT_FILES)
+        client = bench.s3.client(endpoint_url=proxy.endpoint)
+
+        def put(entry: os.DirEntry[str]) -> None:
+            with open(entry.path, "rb") as body:
+                client.put_object(Bucket=BUCKET, Key=f"distant-direct/{name}/{entry.name}",
+                                  Body=body)
+
+        started = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(DIRECT_CONCURRENCY) as pool:
+            list(pool.map(put, os.scandir(source)))
+        extra.setdefault("distant_direct", []).append(time.monotonic() - started)
+        shutil.rmtree(source)
 
 
 def _bindfs(bench: Bench, stack: contextlib.ExitStack) -> Path | None:
@@ -663,11 +704,11 @@ def _many_files_on(bench: Bench, name: str, steps: dict[str, Path],
     bench.drop("tierfs", name)
 
 
-def _write_many(step: Path) -> float:
-    """The 10,000-file step, DCP's way: its files, then `.metadata` (which commits it on
-    tierfs); the seconds from the start of `.metadata` to its close."""
+def _write_many(step: Path, files: int = MANY_FILES) -> float:
+    """A step of `files` small files, DCP's way: its files, then `.metadata` (which commits it
+    on tierfs); the seconds from the start of `.metadata` to its close."""
     step.mkdir(parents=True)
-    for i in range(MANY_FILES):
+    for i in range(files):
         with open(step / f"t{i:05}.distcp", "wb") as f:
             f.write(i.to_bytes(8, "little") * (MANY_FILE_BYTES // 8))
     started = time.perf_counter()
@@ -1180,6 +1221,12 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
     row("many_files_metadata_to_committed",
         f"`.metadata` -> committed, {MANY_FILES:,}-file step (the close that commits it)", "ms",
         "< 100 ms")
+    row("distant_committed_to_persisted",
+        f"committed -> persisted, {DISTANT_FILES:,} x {MANY_FILE_BYTES // 1024} KiB, a store "
+        f"{DISTANT_DELAY * 1000:.0f} ms away", "s",
+        f"{extra['distant_committed_to_persisted'] / extra['distant_direct']:.2f}x boto3 putting "
+        f"them directly, {DIRECT_CONCURRENCY} at a time ({extra['distant_direct']:.2f} s); goal "
+        "<= 1.0x" if "distant_direct" in extra else "<= direct")
     floor = extra.get(f"loopback_floor_{FLOOR_CONNECTIONS}")
 
     def to_floor(key: str, goal: str = "") -> str:
@@ -1372,6 +1419,10 @@ def main() -> None:
                              "run has up to committed -> persisted (the 16-file save, the "
                              "1- and 4-thread saves and their loads): the uploads of the "
                              "steps before it are as in the full run")
+    parser.add_argument("--distant-only", action="store_true",
+                        help=f"only the row of a step of {DISTANT_FILES:,} small files "
+                             f"uploaded to a store {DISTANT_DELAY * 1000:.0f} ms away, against "
+                             "boto3 putting them directly")
     parser.add_argument("--beside-previous", action="store_true",
                         help=f"with --uniform-only: save a previous step just before each "
                              f"{UNIFORM_SAVE!r}, whose hashes and upload run beside it, as "

@@ -22,8 +22,8 @@ import pytest
 import xxhash
 
 from tests.conftest import Mount, MountFactory, fill, getxattr, tierfs, wait_until
-from tests.faults.s3_proxy import Fault, S3Proxy
 from tests.test_commit_hashes_later import hold_hashes
+from tierfs.devtools.s3_proxy import Fault, S3Proxy
 from tierfs.devtools.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.fuse

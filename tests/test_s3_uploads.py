@@ -1,7 +1,7 @@
 """Uploads to S3 against a real SeaweedFS: they leave the CPU to the training job (every file
-being uploaded shares one bounded set of low-priority threads, issue 14), and a file in parts
-gets through throttling and lost replies by retrying each request alone (through the fault
-proxy of tests/faults)."""
+being uploaded shares bounded sets of low-priority threads, issue 14), small files overlap
+their round trips, and a file in parts gets through throttling and lost replies by retrying
+each request alone (through the fault proxy, `tierfs.devtools.s3_proxy`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -18,13 +19,14 @@ import pytest
 import trio
 
 from tests.fakes import StepsForUploads
-from tests.faults.s3_proxy import Fault, Request, S3Proxy
 from tests.harness import committed_step
 from tests.waiting import wait_until_async
 from tierfs import manifest as mf
+from tierfs.devtools.s3_proxy import Fault, Request, S3Proxy
 from tierfs.devtools.seaweed import SeaweedS3
 from tierfs.observe import Events
 from tierfs.s3tier.backend import MANIFEST_KEY, open_backend
+from tierfs.s3tier.interface import SMALL_FILE, SMALL_IN_FLIGHT
 from tierfs.s3tier.s3_backend import PARALLEL_PARTS, UPLOAD_NICE
 from tierfs.s3tier.uploader import PARALLEL_REQUESTS, Uploader
 
@@ -144,6 +146,35 @@ async def test_a_file_of_many_parts_goes_up_while_every_third_request_is_refused
     assert mf.decode(store.stored(f"run/step_1/{MANIFEST_KEY}")) == manifest
     assert proxy.counts["fault:slowdown"] >= 3
     assert re.search(r"upload of \S+shard part \d/8 failed \(attempt 1\)", caplog.text)
+
+
+async def test_small_files_go_up_many_at_a_time_without_a_round_trip_more(
+        throttled: tuple[ThrottledStore, S3Proxy]) -> None:
+    """A step of many small files to a store a round trip away: their requests overlap, many
+    more than PARALLEL_REQUESTS at once (4 at a time, a step of 2,000 small files took 24 s to
+    a store 20 ms away, 2.6x boto3 putting them directly 10 at a time), and none waits for the
+    store's `100 Continue` before its bytes (botocore asks every body to: a round trip more),
+    while a larger file still does."""
+    store, proxy = throttled
+    arrivals: list[float] = []
+
+    def plan(r: Request) -> Fault | None:
+        if r.method == "PUT" and "/run/step_1/small_" in r.path:
+            arrivals.append(time.monotonic())
+        return Fault("distant", delay=0.5)
+
+    proxy.plan = plan
+    files = {f"small_{i}": os.urandom(4096 + i) for i in range(2 * SMALL_IN_FLIGHT)}
+    large = os.urandom(SMALL_FILE + 1)  # one request still (the part size is 5 MiB)
+    store.step("run/step_1", {**files, "large": large})
+    await store.run_until(lambda: store.persisted == ["run/step_1"], timeout=60)
+    assert all(store.stored(f"run/step_1/{name}") == data for name, data in files.items())
+    assert store.stored("run/step_1/large") == large
+    # No request ends within 0.5 s: those that came within 0.4 s of the first were in flight
+    # together.
+    together = sum(1 for t in arrivals if t - arrivals[0] < 0.4)
+    assert SMALL_IN_FLIGHT // 2 <= together <= SMALL_IN_FLIGHT, together
+    assert proxy.counts["expect-100-continue"] == 1  # the large file's
 
 
 async def test_an_upload_the_store_lost_is_sent_again(

@@ -14,8 +14,8 @@ import pytest
 import xxhash
 
 from tests.conftest import MountFactory, tierfs, wait_until
-from tests.faults.s3_proxy import RateLimit, S3Proxy
 from tests.test_crash import save
+from tierfs.devtools.s3_proxy import RateLimit, S3Proxy
 from tierfs.devtools.seaweed import SeaweedS3
 
 pytestmark = pytest.mark.faults

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from tests.conftest import Mount, MountFactory, tierfs, wait_until
 from tests.faults.results_io import pick, write_results
-from tests.faults.s3_proxy import Fault, Request, S3Proxy
 from tests.test_torch import assert_state_equal
+from tierfs.devtools.s3_proxy import Fault, Request, S3Proxy
 from tierfs.devtools.seaweed import SeaweedS3
 
 pytestmark = [pytest.mark.faults, pytest.mark.filterwarnings("ignore::UserWarning")]

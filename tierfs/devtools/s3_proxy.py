@@ -53,6 +53,8 @@ class Fault:
     """What to do to one request.
 
     kind: "slowdown" (503 SlowDown after reading the body), "slow" (forward after `delay` s),
+    "distant" (a store `delay` s away: each round trip takes that long, the answer to the
+    headers of a request sent with `Expect: 100-continue` too),
     "drop" (reset the connection after reading `fraction` of the body, before the store sees
     it), "lost_reply" (forward, then reset instead of answering), "down" (reset at once)."""
 
@@ -158,6 +160,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         pass  # tierfs's log says what it saw; the counters say what was injected
 
     def handle_one_request(self) -> None:
+        self._planned: tuple[Fault | None] | None = None  # this request's fault, once asked
         try:
             super().handle_one_request()
         except (ConnectionError, TimeoutError, OSError):
@@ -205,12 +208,26 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                         return bytes(raw)
             raw += self.rfile.read(size + 2)
 
+    def _fault(self) -> Fault | None:
+        """What the plan does to this request (asked once: a rate limit counts it)."""
+        if self._planned is None:
+            path, _, query = self.path.partition("?")
+            plan = self.owner.plan
+            self._planned = (plan(Request(self.command, path, query)) if plan else None,)
+        return self._planned[0]
+
+    def handle_expect_100(self) -> bool:
+        self.owner.count("expect-100-continue")
+        fault = self._fault()
+        if fault is not None and fault.kind == "distant":  # "100 Continue" comes from afar too
+            time.sleep(fault.delay)
+        return super().handle_expect_100()
+
     def _proxy(self) -> None:
         owner = self.owner
         path, _, query = self.path.partition("?")
         request = Request(self.command, path, query)
-        plan = owner.plan
-        fault = plan(request) if plan is not None else None
+        fault = self._fault()
         owner.count("requests")
         if fault is not None:
             owner.count(f"fault:{fault.kind}")
@@ -228,7 +245,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         if fault is not None and fault.kind == "slowdown":
             self._answer(503, "Slow Down", [("Content-Type", "application/xml")], SLOWDOWN_BODY)
             return
-        if fault is not None and fault.kind == "slow":
+        if fault is not None and fault.kind in ("slow", "distant"):
             time.sleep(fault.delay)
         try:
             status, reason, headers, data = self._forward(body)

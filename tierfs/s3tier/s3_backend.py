@@ -5,10 +5,12 @@ so that memory stays bounded whatever the file size and the uploader can retry a
 alone: retrying a whole file needs every one of its requests to pass at once, which under
 steady throttling (SlowDown) a file of many parts never does.
 
-Every request that sends a file's bytes runs in one pool of `PARALLEL_PARTS` threads per
-backend, shared by every file being uploaded at once, at a lower CPU priority (`UPLOAD_NICE`):
-a training job's loads and compute on the same node come first, and uploads take the CPU left
-over (issue 14: a load during an upload ran at 0.44x tmpfs).
+Every request that sends a file's bytes runs in a pool of threads per backend, shared by every
+file being uploaded at once, at a lower CPU priority (`UPLOAD_NICE`): a training job's loads and
+compute on the same node come first, and uploads take the CPU left over (issue 14: a load during
+an upload ran at 0.44x tmpfs). Parts and files larger than `SMALL_FILE` run `PARALLEL_PARTS` at
+a time; small files in a pool of `SMALL_IN_FLIGHT` of their own, whose bytes in flight stay
+as few, and whose round trips overlap.
 """
 
 from __future__ import annotations
@@ -23,9 +25,18 @@ from typing import Any, TypeVar
 import boto3
 import botocore.exceptions as bce
 from botocore.config import Config
+from botocore.utils import determine_content_length
 from s3transfer.utils import ReadFileChunk
 
-from tierfs.s3tier.interface import Backend, BackendError, NotFound, ObjectInfo, UploadGone
+from tierfs.s3tier.interface import (
+    SMALL_FILE,
+    SMALL_IN_FLIGHT,
+    Backend,
+    BackendError,
+    NotFound,
+    ObjectInfo,
+    UploadGone,
+)
 
 T = TypeVar("T")
 
@@ -44,11 +55,23 @@ def _lower_priority() -> None:
 
 
 class _UploadThreads(concurrent.futures.ThreadPoolExecutor):
-    """The threads that send files' bytes, at a lower priority (see the module docstring)."""
+    """Threads that send files' bytes, at a lower priority (see the module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__(PARALLEL_PARTS, thread_name_prefix="tierfs-upload",
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers, thread_name_prefix="tierfs-upload",
                          initializer=_lower_priority)
+
+def _no_wait_for_small(params: dict[str, Any], model: Any, **_kwargs: Any) -> None:
+    """No `Expect: 100-continue` on a PutObject of a small body (botocore asks it of every
+    body): the store's answer to the headers is a round trip more before the bytes, most of a
+    small file's time, to save sending at most SMALL_FILE bytes to a store that refuses them.
+    Runs after botocore's handler, which adds it."""
+    if model.name != "PutObject":
+        return
+    length = determine_content_length(params.get("body"))
+    if length is not None and length <= SMALL_FILE:
+        params["headers"].pop("Expect", None)
+
 
 # Error codes that retrying can fix; everything else (NoSuchBucket, AccessDenied, ...) is final.
 _TEMPORARY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
@@ -77,14 +100,16 @@ class S3Backend(Backend):
             # upload that is no longer wanted; standard mode with one attempt retries nothing).
             retries={"mode": "standard", "total_max_attempts": 1},
             connect_timeout=5, read_timeout=30,
-            max_pool_connections=PARALLEL_PARTS * 4,
+            max_pool_connections=SMALL_IN_FLIGHT + PARALLEL_PARTS * 4,
         )
         # A session of its own: credentials are resolved for this backend, not cached globally.
         self._client = boto3.session.Session().client("s3", endpoint_url=self.endpoint,
                                                       config=config)
+        self._client.meta.events.register_last("before-call.s3", _no_wait_for_small)
         self.part_size = PART_SIZE
         self.copy_whole_max, self.copy_part_size = COPY_WHOLE_MAX, COPY_PART_SIZE
-        self._threads: _UploadThreads | None = None  # made at first use: after a daemon forks
+        # {small files?: threads}, made at first use: after a daemon forks
+        self._threads: dict[bool, _UploadThreads] = {}
         self._threads_lock = threading.Lock()
 
     def _key(self, key: str) -> str:
@@ -109,7 +134,8 @@ class S3Backend(Backend):
         with self._errors(key):
             size = os.stat(path).st_size
         if size <= self.part_size:
-            self._in_upload_thread(self._put_whole, key, path)
+            small = size <= SMALL_FILE
+            self._in_upload_thread(self._put_whole, key, path, small, small=small)
             return
         upload_id = self.start_parts(key)
         try:
@@ -122,9 +148,13 @@ class S3Backend(Backend):
                 self.abandon_parts(key, upload_id)
             raise
 
-    def _put_whole(self, key: str, path: str) -> None:
+    def _put_whole(self, key: str, path: str, small: bool) -> None:
         with self._errors(key), open(path, "rb") as body:
-            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body)
+            # A small file's body as bytes: botocore sends a file's with `Expect:
+            # 100-continue` and waits for the store's answer to the headers first, a round
+            # trip more, which is most of a small file's time (bytes in flight stay bounded).
+            self._client.put_object(Bucket=self.bucket, Key=self._key(key),
+                                    Body=body.read() if small else body)
 
     def start_parts(self, key: str) -> str:
         with self._errors(key):
@@ -161,15 +191,16 @@ class S3Backend(Backend):
             self._client.abort_multipart_upload(Bucket=self.bucket, Key=self._key(key),
                                                 UploadId=upload_id)
 
-    def _upload_threads(self) -> _UploadThreads:
-        """The pool every request that sends a file's bytes runs in."""
+    def _upload_threads(self, small: bool = False) -> _UploadThreads:
+        """The pool a request that sends a file's bytes runs in: the small files' or the
+        others'."""
         with self._threads_lock:
-            if self._threads is None:
-                self._threads = _UploadThreads()
-            return self._threads
+            if small not in self._threads:
+                self._threads[small] = _UploadThreads(SMALL_IN_FLIGHT if small else PARALLEL_PARTS)
+            return self._threads[small]
 
-    def _in_upload_thread(self, func: Callable[..., T], *args: object) -> T:
-        return self._upload_threads().submit(func, *args).result()
+    def _in_upload_thread(self, func: Callable[..., T], *args: object, small: bool = False) -> T:
+        return self._upload_threads(small).submit(func, *args).result()
 
     def put_bytes(self, key: str, data: bytes) -> None:
         with self._errors(key):

@@ -2,7 +2,9 @@
 and `--keep-persist` retires old ones there.
 
 One step at a time, its files in parallel, a file larger than the backend's part in parts, also
-in parallel (`tierfs.s3tier.sending`): at most PARALLEL_REQUESTS requests at once, read from
+in parallel (`tierfs.s3tier.sending`): at most PARALLEL_REQUESTS requests at once, and besides
+them SMALL_IN_FLIGHT files of at most SMALL_FILE bytes (one short request each, whose round trips
+to the store overlap), read from
 the RAM store's immutable committed objects so that nothing can change under an upload. Each
 request is retried alone, a part as much as a whole file.
 Order keeps "whole step or none" in the store: the old manifest object is deleted first, then the
@@ -55,7 +57,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,7 +68,14 @@ from tierfs import manifest as mf
 from tierfs.fs.model import links as symlinks
 from tierfs.observe import Events
 from tierfs.s3tier import holdings, packs, segments
-from tierfs.s3tier.interface import MANIFEST_KEY, Backend, BackendError, NotFound
+from tierfs.s3tier.interface import (
+    MANIFEST_KEY,
+    SMALL_FILE,
+    SMALL_IN_FLIGHT,
+    Backend,
+    BackendError,
+    NotFound,
+)
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
 from tierfs.s3tier.stored_steps import StoredSteps
@@ -168,6 +177,7 @@ class Uploader:
         self.trackers = TrackerGate(steps, queue=self.queue.put, due=self.due,
                                     store_url=backend.url)
         self._threads = trio.CapacityLimiter(PARALLEL_REQUESTS)
+        self._small_requests = trio.CapacityLimiter(SMALL_IN_FLIGHT)  # files of SMALL_FILE or less
         # The thread of a request `_call` holds a `_threads` token for: bounded by that alone,
         # not by trio's default limiter as well (which other work of the daemon shares).
         self._token_held = trio.CapacityLimiter(math.inf)
@@ -290,14 +300,17 @@ class Uploader:
         if trouble is not None and trouble.version == manifest.version:
             del self.troubles[manifest.path]
 
-    async def _call(self, what: str, manifest: mf.StepManifest, func, *args) -> object:  # type: ignore[no-untyped-def]
+    async def _call(self, what: str, manifest: mf.StepManifest, func, *args,  # type: ignore[no-untyped-def]
+                    limiter: trio.CapacityLimiter | None = None) -> object:
+        """`func(*args)` in a thread once `limiter` (PARALLEL_REQUESTS' by default) lets it,
+        retried by the policy while the version is wanted."""
         async def attempt() -> object:
             try:
                 # Whether the version is still wanted is asked once a request's turn has
                 # come, not before it queued: a step deleted or saved again stops after the
                 # requests in flight, instead of sending every byte left (ahead of the steps
                 # queued behind it, as a save's next step).
-                async with self._threads:
+                async with limiter or self._threads:
                     if not self._current(manifest):
                         raise NoLongerWanted(what)
                     return await trio.to_thread.run_sync(func, *args,
@@ -372,22 +385,26 @@ class Uploader:
             await self._call(f"removing old manifest of {prefix}", manifest,
                              self.backend.delete, [manifest_key])
         checked: dict[str, dict[str, mf.FileEntry]] = {}  # what renames' sources hold
-        # PARALLEL_REQUESTS files at a time, each by a worker of its own that takes the next:
-        # a task per file was 10,000 tasks on the loop for a step of many small files.
-        files = iter(changed)
+        # Small files SMALL_IN_FLIGHT at a time, the others PARALLEL_REQUESTS at a time, each
+        # by a worker of its own that takes the next: a task per file was 10,000 tasks on the
+        # loop for a step of many small files.
+        small = [entry for entry in changed if _small(entry)] if content is None else []
+        others = [entry for entry in changed if not _small(entry)] if content is None else changed
 
-        async def send_next() -> None:
+        async def send_next(files: Iterator[mf.FileEntry], limiter: trio.CapacityLimiter) -> None:
             for entry in files:
                 if content is None:
-                    await self._upload_file(manifest, data_dir, entry, checked, start)
+                    await self._upload_file(manifest, data_dir, entry, checked, start, limiter)
                 else:  # a tracker's version, sent as it was
                     key = layout.object_key(data_dir, entry.name)
                     await self._call(f"upload of {key}", manifest, self.backend.put_bytes, key,
                                      content)
 
         async with trio.open_nursery() as nursery:
-            for _ in range(min(PARALLEL_REQUESTS, len(changed))):
-                nursery.start_soon(send_next)
+            for files, limiter in ((small, self._small_requests), (others, self._threads)):
+                queue = iter(files)
+                for _ in range(min(limiter.total_tokens, len(files))):
+                    nursery.start_soon(send_next, queue, limiter)
         if not self._current(manifest):  # deleted or re-saved meanwhile: never list it
             raise NoLongerWanted(prefix)
         await self._restrict(manifest, data_dir, changed, stored, plan.mine)
@@ -581,9 +598,9 @@ class Uploader:
 
     async def _upload_file(self, manifest: mf.StepManifest, data_dir: str,
                            entry: mf.FileEntry, checked: dict[str, dict[str, mf.FileEntry]],
-                           start: int = 0) -> None:
+                           start: int, limiter: trio.CapacityLimiter) -> None:
         async def call(what: str, func, *args) -> object:  # type: ignore[no-untyped-def]
-            return await self._call(what, manifest, func, *args)
+            return await self._call(what, manifest, func, *args, limiter=limiter)
 
         await self._steps.users_quiet()  # the mount's users first (fs.lifecycle.foreground)
         await self._send_file(manifest, data_dir, entry, checked, start, call)
@@ -713,6 +730,11 @@ class Uploader:
                                           limiter=self._threads)
         else:
             await trio.to_thread.run_sync(self.backend.delete, [key], limiter=self._threads)
+
+
+def _small(entry: mf.FileEntry) -> bool:
+    """Whether the file goes up as one short request (not an appended file's segments)."""
+    return entry.size <= SMALL_FILE and not entry.segments
 
 
 def _held(entry: mf.FileEntry | None) -> tuple[int, str, tuple[int, ...]] | None:
