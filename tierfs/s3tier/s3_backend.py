@@ -61,6 +61,7 @@ class _UploadThreads(concurrent.futures.ThreadPoolExecutor):
         super().__init__(workers, thread_name_prefix="tierfs-upload",
                          initializer=_lower_priority)
 
+
 def _no_wait_for_small(params: dict[str, Any], model: Any, **_kwargs: Any) -> None:
     """No `Expect: 100-continue` on a PutObject of a small body (botocore asks it of every
     body): the store's answer to the headers is a round trip more before the bytes, most of a
@@ -134,8 +135,7 @@ class S3Backend(Backend):
         with self._errors(key):
             size = os.stat(path).st_size
         if size <= self.part_size:
-            small = size <= SMALL_FILE
-            self._in_upload_thread(self._put_whole, key, path, small, small=small)
+            self._in_upload_thread(self._put_whole, key, path, small=size <= SMALL_FILE)
             return
         upload_id = self.start_parts(key)
         try:
@@ -148,13 +148,9 @@ class S3Backend(Backend):
                 self.abandon_parts(key, upload_id)
             raise
 
-    def _put_whole(self, key: str, path: str, small: bool) -> None:
+    def _put_whole(self, key: str, path: str) -> None:
         with self._errors(key), open(path, "rb") as body:
-            # A small file's body as bytes: botocore sends a file's with `Expect:
-            # 100-continue` and waits for the store's answer to the headers first, a round
-            # trip more, which is most of a small file's time (bytes in flight stay bounded).
-            self._client.put_object(Bucket=self.bucket, Key=self._key(key),
-                                    Body=body.read() if small else body)
+            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=body)
 
     def start_parts(self, key: str) -> str:
         with self._errors(key):
