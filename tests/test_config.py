@@ -7,6 +7,7 @@ import re
 import pytest
 
 from tierfs.mount_helper.config import ConfigError, parse_size, resolve
+from tierfs.replication.coordination import membership
 
 pytestmark = pytest.mark.core
 
@@ -128,3 +129,4 @@ def test_options_that_cannot_be_right_are_refused(cli: dict[str, str], message: 
         resolve("/mnt", cli, {}, None)
     resolve("/mnt", {"ram_limit": "1M", "commit_idle": "604800"}, {}, None)
     assert resolve("/mnt", {"lease_ttl": "60"}, {}, None).lease_ttl == 60
+    assert resolve("/mnt", {}, {}, None).lease_ttl == membership.DEFAULT_TTL

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from tierfs.mount_helper.mounts import real_path
-from tierfs.replication.coordination.membership import DEFAULT_TTL
 from tierfs.replication.coordination.url import (
     ClusterUrl,
     ClusterUrlError,
@@ -69,8 +68,10 @@ class Option:
 
 _SEMANTICS = "doc/SEMANTICS.md"
 # --lease-ttl: etcd grants no lease much shorter (its default election timeout), and a longer
-# one keeps a dead node's files waited for that long.
-MIN_LEASE_TTL, MAX_LEASE_TTL = 2, 60
+# one keeps a dead node's files waited for that long. The default is membership.DEFAULT_TTL,
+# not imported from there: the command line starts without trio (tests/test_config.py checks
+# that the two agree).
+DEFAULT_LEASE_TTL, MIN_LEASE_TTL, MAX_LEASE_TTL = 3, 2, 60
 MOUNT_OPTIONS = [
     Option("foreground", False, "stay in the foreground, log to stderr", "flag",
            default_help="off: daemonise after the mount is ready"),
@@ -166,7 +167,7 @@ MOUNT_OPTIONS = [
            "step (the close or rename of DCP's `.metadata`) waits for etcd, in all; then it "
            "fails with `ETIMEDOUT` (the save raises), and the step stays `writing` and commits "
            "by itself once etcd answers (see doc/CLUSTER.md); at most a week", "float", "SECONDS"),
-    Option("lease-ttl", DEFAULT_TTL, "with `--cluster`: seconds this node's etcd lease lives "
+    Option("lease-ttl", DEFAULT_LEASE_TTL, "with `--cluster`: seconds this node's etcd lease lives "
            "without a keepalive (one is sent every third of it): how soon after a node dies or "
            "loses etcd the others count it gone, and how long reads wait for a holder that "
            "does not answer while its lease lives (a daemon restarting on its RAM dir serves "
@@ -250,7 +251,7 @@ class MountConfig:
     peer_tls: PeerTlsFiles | None = None  # --peer-tls
     failure_domain: str | None = None  # --failure-domain
     peer_connections: int = 4  # --peer-connections
-    lease_ttl: int = DEFAULT_TTL  # --lease-ttl
+    lease_ttl: int = DEFAULT_LEASE_TTL  # --lease-ttl
     log_level: str = "INFO"  # --log-level
 
     @property
