@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.cluster
 
 FILES = int(os.environ.get("TIERFS_SCALE_FILES", "16000"))
 WRITERS = 8  # threads writing the shards through each mount
+OPEN_FILES = 512  # the daemons' limit (RLIMIT_NOFILE) in the test of many small files' copies
 
 
 def shard_name(rank: int) -> str:
@@ -87,6 +89,33 @@ def test_a_16000_file_multi_node_step_commits_and_every_node_lists_and_reads_it(
         for rank in random.Random(1).sample(range(FILES), 200):
             assert (node / step / shard_name(rank)).read_bytes() == shard_data(rank)
     assert committed - written < 30 and everywhere - written < 40
+
+
+def test_a_step_of_many_small_files_is_copied_within_a_services_open_file_limit(
+        mounts: MountFactory, token_file: Path, etcd_server: Etcd) -> None:
+    """Both daemons run with half the open-file limit systemd and many container runtimes
+    give a service (1,024, soft and hard), and a step of 3,000 small files still reaches its
+    two copies, byte for byte on the peer. The sender kept every file of a batch of copies
+    (up to 1,000) open until the batch's end: EMFILE at 512 here, and the copies never
+    came; at 1,024 a daemon with its store's connections and uploads beside would have."""
+    cluster = Cluster(mounts, token_file, 2, etcd_server)
+    limit = ["prlimit", f"--nofile={OPEN_FILES}:{OPEN_FILES}", "--"]
+    for node_id in cluster.ports:
+        cluster.nodes[node_id] = mounts.mount(*cluster.args(node_id), prefix=limit)
+    for node_id in cluster.ports:
+        wait_until(lambda n=node_id: all(cluster.peers_up(n).values()), timeout=15)
+    node0, node1 = cluster.nodes["node0"], cluster.nodes["node1"]
+    with open(f"/proc/{node0.pid}/limits") as limits:
+        assert re.search(rf"Max open files\s+{OPEN_FILES}\s+{OPEN_FILES}", limits.read())
+    files = {f"t{i:04}.distcp": b"%d\n" % i for i in range(3000)}
+    (node0 / "run/step_1").mkdir(parents=True)
+    for name, data in files.items():
+        (node0 / "run/step_1" / name).write_bytes(data)
+    (node0 / "run/step_1/.metadata").write_bytes(b"m")
+    wait_until(lambda: (node0.step("run/step_1") or {}).get("copies") == 2, timeout=120)
+    node0.kill9()  # what node1 reads is its own copy
+    assert all((node1 / "run/step_1" / name).read_bytes() == data
+               for name, data in files.items())
 
 
 def test_files_created_in_a_step_being_written_do_not_each_ask_etcd(

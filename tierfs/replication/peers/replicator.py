@@ -341,17 +341,22 @@ def _put_chunks(io: BlockingChannel, chunks: list[tuple[mf.FileEntry, int]], ste
                 object_path: Callable[[str], str]) -> None:
     """In a worker thread, on a channel lent to it (`PeerChannel.in_thread`): each chunk as a
     PUT sent from its object by the kernel (`sendfile`), WINDOW of them ahead of the peer's
-    OKs."""
+    OKs. A file's descriptor is closed after its last chunk here: a step of many small files
+    kept every file of the connection's share open until the end, past the open-file limit
+    a service usually gets (1,024: EMFILE, and the copies were never made)."""
+    last = {entry.xxh3: index for index, (entry, _offset) in enumerate(chunks)}
     fds: dict[str, int] = {}
     unanswered = 0
     try:
-        for entry, offset in chunks:
+        for index, (entry, offset) in enumerate(chunks):
             fd = fds.get(entry.xxh3)
             if fd is None:
                 fd = fds[entry.xxh3] = os.open(object_path(entry.xxh3), os.O_RDONLY)
             io.send_file("PUT", fd, offset, min(mf.CHUNK_SIZE, entry.size - offset),
                          path=step_path, name=entry.name, xxh3=entry.xxh3, size=entry.size,
                          offset=offset)
+            if last[entry.xxh3] == index:
+                os.close(fds.pop(entry.xxh3))
             unanswered += 1
             if unanswered == WINDOW:
                 io.receive("OK")
