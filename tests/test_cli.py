@@ -126,6 +126,15 @@ def test_the_command_line_starts_without_the_daemon_s_libraries() -> None:
     assert done.stdout.strip() == "[]", done.stdout
 
 
+def test_the_daemon_takes_the_open_files_its_hard_limit_allows(mounts: MountFactory) -> None:
+    """Started with the soft limit a service often gets (1,024; here 256) under a higher hard
+    one, the daemon raises its soft limit to the hard one: uploads, copies and users' files
+    are open at once."""
+    mnt = mounts.mount(prefix=["prlimit", "--nofile=256:4096", "--"])
+    with open(f"/proc/{mnt.pid}/limits") as limits:
+        assert re.search(r"Max open files\s+4096\s+4096", limits.read())
+
+
 def test_environment_variables_configure_the_mount(mounts: MountFactory, tmp_path: Path) -> None:
     env = dict(os.environ, TIERFS_RAM_LIMIT="32M", TIERFS_NODE_ID="envnode")
     mountpoint = tmp_path / "envmp"

@@ -41,6 +41,7 @@ from tierfs.mount_helper.daemon.startup import (
     open_passthrough,
     open_persistent_tier,
     preflight,
+    raise_open_file_limit,
     serve_metrics,
     set_root_directory,
     setup_logging,
@@ -81,6 +82,7 @@ def run(cfg: MountConfig, ready_fd: int | None = None) -> int:
     # From here on, modes of files under the mount come from the callers' requests, already
     # masked by the kernel with their umask; what tierfs makes for itself has explicit modes.
     os.umask(0)
+    raise_open_file_limit()
     try:
         trio.run(_serve, cfg, store, ready)
     except Exception as exc:

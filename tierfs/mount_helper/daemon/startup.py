@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import resource
 import stat
 import subprocess
 import sys
@@ -138,6 +139,24 @@ def _ram_limit_warnings(cfg: MountConfig) -> list[str]:
     return [f"--ram-limit {human_bytes(limit)} is more than {' and '.join(above)}: the RAM "
             "tier never reaches it (writes fail with ENOSPC once the file system is full, "
             "or the host runs out of memory first)"]
+
+
+# The open files a daemon asks for when its hard limit is unlimited (the kernel's own cap,
+# fs.nr_open, is 1,048,576 by default).
+OPEN_FILES_WANTED = 1 << 20
+
+
+def raise_open_file_limit() -> None:
+    """As many open files as this process may have: a service's soft limit is often 1,024
+    (systemd's, many container runtimes'), while its hard limit is far higher, and a daemon
+    with users' files, uploads and copies open at once needs more than that."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as exc:  # above fs.nr_open: keep the soft limit given
+            log.info("open files stay at %d (raising them to %d failed: %s)", soft, wanted, exc)
 
 
 def set_root_directory(cfg: MountConfig, store: RamStore) -> None:
