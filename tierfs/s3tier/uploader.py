@@ -63,7 +63,7 @@ from typing import Protocol
 
 import trio
 
-from tierfs import layout, reserved
+from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs.model import links as symlinks
 from tierfs.observe import Events
@@ -76,6 +76,7 @@ from tierfs.s3tier.interface import (
     BackendError,
     NotFound,
 )
+from tierfs.s3tier.pack_uploads import PackUploads
 from tierfs.s3tier.retry import POLICY, NoLongerWanted, retry
 from tierfs.s3tier.sending import send_file
 from tierfs.s3tier.stored_steps import StoredSteps
@@ -169,7 +170,6 @@ class Uploader:
         self.bytes_sent = 0  # file bytes sent to the store (not those it copied itself)
         self.bytes_copied = 0  # file bytes the store copied inside itself (renames)
         self.manifest_bytes_sent = 0  # the steps' manifests sent to the store
-        self.pack_bytes_sent = 0  # the steps' packs and their indexes (s3tier.packs)
         self.queue = StepQueue()
         # What the store holds: compared with at each upload, read at mount (`startup`)
         self.stored = StoredSteps(backend, steps, shared=shares is not None,
@@ -182,6 +182,7 @@ class Uploader:
         # not by trio's default limiter as well (which other work of the daemon shares).
         self._token_held = trio.CapacityLimiter(math.inf)
         self._path_locks: dict[str, trio.Lock] = {}  # an upload and a delete of one path
+        self._packs = PackUploads(backend, steps, self._threads, self._lock)
         self.troubles: dict[str, UploadTrouble] = {}
         self._uploading: str | None = None
         self._retries: trio.Nursery | None = None  # steps waiting to be tried again
@@ -191,6 +192,11 @@ class Uploader:
 
     def _lock(self, path: str) -> trio.Lock:
         return self._path_locks.setdefault(path, trio.Lock())
+
+    @property
+    def pack_bytes_sent(self) -> int:
+        """The steps' packs and their indexes sent to the store (`tierfs.s3tier.packs`)."""
+        return self._packs.bytes_sent
 
     def wanted(self, manifest: mf.StepManifest) -> bool:
         if manifest.step != mf.NO_STEP:
@@ -415,8 +421,8 @@ class Uploader:
             await self._call(f"removing old segments of {prefix}", manifest,
                              self._remove_stale_segments, prefix, changed[0])
         # (a file gone since the stored version is a change too: no pack keeps its bytes)
-        kept_packs = await self._write_packs(manifest, data_dir, bool(changed) or any(
-            manifest.entry(name) is None for name in stored))
+        kept_packs = await self._packs.write(manifest, data_dir, bool(changed) or any(
+            manifest.entry(name) is None for name in stored), self._caller(manifest))
         encoded = mf.encode(manifest)
         await self._call(f"upload of {manifest_key}", manifest,
                          self.backend.put_bytes, manifest_key, encoded)
@@ -524,71 +530,6 @@ class Uploader:
         return await trio.to_thread.run_sync(segments.stored_start, stored.get(entry.name),
                                              entry, self._steps.object_path(entry.xxh3))
 
-    async def _write_packs(self, manifest: mf.StepManifest, data_dir: str,
-                           changed: bool) -> set[str] | None:
-        """Before the manifest goes up: the step's small files packed (`tierfs.s3tier.packs`),
-        the packs then their index. The names of the pack objects the step keeps; None: keep
-        those there (no file changed: they still hold its small files' bytes).
-
-        Only a step written on one node is packed (each rank of a multi-node load reads its
-        own shards), from its files in RAM here; a step renamed while its files were only in
-        the store gets its old name's packs, copied inside the store, if their index is the one
-        it would have, else none (its old name's go with that name)."""
-        if not changed:
-            return None  # the same bytes as the stored version: its packs (if any) hold them
-        groups = packs.plan(manifest) if self._steps.single_writer(manifest) else []
-        if not groups:
-            return set()
-        index = packs.encode_index(groups)
-        names = set()
-        for number, group in enumerate(groups):
-            data = await trio.to_thread.run_sync(packs.build, group, self._steps.object_path,
-                                                 limiter=self._threads)
-            if data is None:
-                if await self._copy_packs(manifest, data_dir, groups, index):
-                    return {*map(packs.pack_name, range(len(groups))), reserved.PACKS}
-                log.info("%s is not packed: not all its small files are in RAM here",
-                         manifest.path)
-                return set()
-            key = layout.object_key(data_dir, packs.pack_name(number))
-            await self._call(f"upload of {key}", manifest, self.backend.put_bytes, key, data)
-            self.pack_bytes_sent += len(data)
-            names.add(packs.pack_name(number))
-        key = layout.object_key(data_dir, reserved.PACKS)
-        await self._call(f"upload of {key}", manifest, self.backend.put_bytes, key, index)
-        self.pack_bytes_sent += len(index)
-        return names | {reserved.PACKS}
-
-    async def _copy_packs(self, manifest: mf.StepManifest, data_dir: str,
-                          groups: list[list[mf.FileEntry]], index: bytes) -> bool:
-        """Copy the packs of the step a renamed one comes from, inside the store, if their
-        index there is `index` (the same files, bytes and order); whether it did. Under the
-        old name's lock: no upload or delete of it changes them meanwhile."""
-        first = layout.object_key(data_dir, groups[0][0].name)
-        for old_path, old_key in self._steps.copy_sources(first):
-            suffix = "/" + groups[0][0].name
-            if old_path == manifest.path or not old_key.endswith(suffix):
-                continue  # not the same file of a step directory
-            old_dir = old_key[:-len(suffix)]
-            async with self._lock(old_path):
-                try:
-                    stored = await self._call(
-                        f"read of the packs of {old_path}", manifest, self.backend.get_bytes,
-                        layout.object_key(old_dir, reserved.PACKS))
-                    if stored != index:
-                        continue
-                    for number in range(len(groups)):
-                        name = packs.pack_name(number)
-                        await self._call(f"copy of {old_dir}/{name}", manifest,
-                                         self.backend.copy, layout.object_key(old_dir, name),
-                                         layout.object_key(data_dir, name))
-                except NotFound:
-                    continue
-            key = layout.object_key(data_dir, reserved.PACKS)
-            await self._call(f"upload of {key}", manifest, self.backend.put_bytes, key, index)
-            return True
-        return False
-
     def _remove_stale_segments(self, path: str, entry: mf.FileEntry) -> None:
         """Before the manifest of a single file goes up: no segment object it does not name
         stays (blocking; see `tierfs.s3tier.segments`)."""
@@ -596,14 +537,19 @@ class Uploader:
         if stale:
             self.backend.delete(stale)
 
+    def _caller(self, manifest: mf.StepManifest, limiter: trio.CapacityLimiter | None = None
+                ) -> Callable[..., Awaitable[object]]:
+        """`_call` for this version's requests, as `call(what, func, *args)`."""
+        async def call(what: str, func, *args) -> object:  # type: ignore[no-untyped-def]
+            return await self._call(what, manifest, func, *args, limiter=limiter)
+        return call
+
     async def _upload_file(self, manifest: mf.StepManifest, data_dir: str,
                            entry: mf.FileEntry, checked: dict[str, dict[str, mf.FileEntry]],
                            start: int, limiter: trio.CapacityLimiter) -> None:
-        async def call(what: str, func, *args) -> object:  # type: ignore[no-untyped-def]
-            return await self._call(what, manifest, func, *args, limiter=limiter)
-
         await self._steps.users_quiet()  # the mount's users first (fs.lifecycle.foreground)
-        await self._send_file(manifest, data_dir, entry, checked, start, call)
+        await self._send_file(manifest, data_dir, entry, checked, start,
+                              self._caller(manifest, limiter))
 
     async def _send_file(self, manifest: mf.StepManifest, data_dir: str, entry: mf.FileEntry,
                          checked: dict[str, dict[str, mf.FileEntry]], start: int,
