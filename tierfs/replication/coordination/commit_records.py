@@ -71,7 +71,8 @@ log = logging.getLogger(__name__)
 
 # File records kept decoded (`CommitRecords._decode_files`): a step's records are read again
 # and again while it is copied, uploaded and shown (10,000 took about 65 ms of the loop to
-# decode each time), and most have not changed; about 1 KiB each, 20 MiB at most.
+# decode each time), and most have not changed. About 1 KiB each: 20 MiB, or more for the one
+# step read last if it alone has more records.
 DECODED_RECORDS, DECODED_STEPS = 20_000, 8
 
 
