@@ -162,5 +162,6 @@ def test_a_persisted_mark_with_no_room_waits_and_the_upload_is_not_repeated(
     (small_shm / "other-user").unlink()
     mark = ram_dir / "tree/run/step_1/.tierfs-persisted"
     wait_until(lambda: mark.exists() and mark.read_text() == "1 persisted\n", timeout=10)
-    assert "the persisted mark of run/step_1 v1 is written" in mnt.log()
+    # (logged once the mark is on disk: the line may come just after the file)
+    wait_until(lambda: "the persisted mark of run/step_1 v1 is written" in mnt.log(), timeout=10)
     assert mnt.log().count("Step run/step_1: persisted to") == 1
