@@ -498,6 +498,43 @@ async def test_records_read_again_decode_only_what_changed(
                      "f3": first["f3"].with_holder("n1")}
 
 
+async def test_a_step_read_again_brings_only_the_records_changed_since(
+        etcd_server: EtcdServer) -> None:
+    """A status, a copy's plan and an upload's read a step's records again and again: a
+    read after the first asks etcd only for the records put since (one here, not 50), and
+    still answers what etcd holds now, deletions included (a deletion and a new record
+    between two reads leave the count unchanged: read whole again)."""
+    cluster = new_cluster(etcd_server)
+    etcd = Etcd(cluster.endpoints)
+    records = CommitRecords(etcd, cluster)
+    sent: list[int] = []
+    get_prefix = etcd.get_prefix
+
+    async def counted(prefix: str, changed_after: int = 0) -> Snapshot:
+        snapshot = await get_prefix(prefix, changed_after)
+        sent.append(len(snapshot.kvs))
+        return snapshot
+
+    etcd.get_prefix = counted  # type: ignore[method-assign]
+    await records.record_files("s/1", {f"f{i:02}": shard("n0", i) for i in range(50)})
+    first = await records.files("s/1")
+    assert await records.files("s/1") == first and sent == [50, 0]
+    await records.add_holders("s/1", "n1", {"f03": first["f03"].xxh3})
+    expected = {**first, "f03": first["f03"].with_holder("n1")}
+    assert await records.files("s/1") == expected and sent[2:] == [1]
+    await records.record_files("s/1", {"f50": shard("n0", 50)})
+    again = await records.files("s/1")
+    assert again == {**expected, "f50": shard("n0", 50)} and sent[3:] == [1]
+    assert list(again) == sorted(again)  # in the keys' order, as a whole read
+    await records.delete_files("s/1", ["f04"])
+    await records.record_files("s/1", {"f51": shard("n0", 51)})
+    expected = {name: record for name, record in again.items() if name != "f04"}
+    assert await records.files("s/1") == {**expected, "f51": shard("n0", 51)}
+    assert sent[4:] == [1, 51]  # f51 alone, then the step whole: f04 went
+    assert await records.files("s/1") == {**expected, "f51": shard("n0", 51)}
+    assert sent[6:] == [0]
+
+
 class Following(Etcd):
     """The real client; `following` is set once a mirror of a prefix (`follow_prefix`) has
     delivered its first snapshot: its reader has read the keys and waits for changes."""

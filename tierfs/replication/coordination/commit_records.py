@@ -48,7 +48,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 from urllib.parse import quote, unquote
@@ -259,6 +259,9 @@ class CommitRecords:
         # The file records of the steps read last, by step and path, with the bytes each was
         # decoded from (`_decode_files`): at most DECODED_STEPS steps, DECODED_RECORDS records.
         self._decoded: dict[str, dict[str, tuple[bytes, FileRecord]]] = {}
+        # Of the steps `files` read last, every record's bytes at the revision read (`_Read`),
+        # under the same bounds: the next read asks etcd only for what changed since.
+        self._read: dict[str, _Read] = {}
 
     def files_prefix(self, step: str) -> str:
         return f"{self._steps}{quote(step, safe='')}/files/"
@@ -299,9 +302,34 @@ class CommitRecords:
                                  for path, record in sorted(records.items())])
 
     async def files(self, step: str) -> dict[str, FileRecord]:
-        """Every recorded file of the step, by path."""
-        snapshot = await self.etcd.get_prefix(self.files_prefix(step))
-        return self._decode_files(step, snapshot.kvs)
+        """Every recorded file of the step, by path. A step read before is read again as
+        the records put since (`Etcd.get_prefix`'s `changed_after`), unless some were deleted
+        meanwhile: a status, a copy's plan and an upload's read a step's records again and
+        again, mostly unchanged (a 10,000-file step's took about 180 ms of the daemon's loop
+        to read whole again, ad hoc)."""
+        prefix = self.files_prefix(step)
+        last = self._read.pop(step, None)  # this call's own while it reads
+        if last is not None:
+            changes = await self.etcd.get_prefix(prefix, changed_after=last.revision)
+            values = last.values
+            added = False
+            for kv in changes.kvs:
+                path = kv.key[len(prefix):]
+                added = added or path not in values
+                values[path] = kv.value
+            if len(values) == changes.count:  # none deleted since: these are the records now
+                if added:  # in the keys' order, as a whole read gives them
+                    values = dict(sorted(values.items()))
+                return self._remember(step, _Read(changes.revision, values))
+        snapshot = await self.etcd.get_prefix(prefix)
+        return self._remember(step, _Read(snapshot.revision, {
+            kv.key[len(prefix):]: kv.value for kv in snapshot.kvs}))
+
+    def _remember(self, step: str, read: _Read) -> dict[str, FileRecord]:
+        """The records of a whole read of the step, kept for its next read."""
+        self._read[step] = read
+        _bound(self._read, lambda kept: len(kept.values))
+        return self._decode_files(step, read.values.items())
 
     async def add_holder(self, step: str, path: str, node: str) -> FileRecord:
         """Count `node` as holding a verified copy of one file: one compare-and-swap on its
@@ -449,14 +477,14 @@ class CommitRecords:
         """Apply a snapshot (it replaces all) or a batch of changes to `found`."""
         if isinstance(item, Snapshot):
             found.clear()
-            found.update(self._decode_files(step, item.kvs))
+            found.update(self._decode_files(step, self._paths_and_values(step, item.kvs)))
             return
         prefix = self.files_prefix(step)
         for event in item:
             if event.kind == "delete":
                 found.pop(event.kv.key[len(prefix):], None)
-        found.update(self._decode_files(step, [e.kv for e in item if e.kind == "put"],
-                                        whole=False))
+        found.update(self._decode_files(step, self._paths_and_values(
+            step, [e.kv for e in item if e.kind == "put"]), whole=False))
 
     async def delete_files(self, step: str, paths: Collection[str]) -> None:
         """Drop the records of these files of the step (a few transactions)."""
@@ -573,7 +601,7 @@ class CommitRecords:
             return False
         snapshot = await self.etcd.get_prefix(self.files_prefix(step))
         prefix = self.files_prefix(step)
-        files = self._decode_files(step, snapshot.kvs)
+        files = self._decode_files(step, self._paths_and_values(step, snapshot.kvs))
         await self.etcd.delete_if_unchanged(
             [(item.key, item.mod_revision) for item in snapshot.kvs
              if (record := files.get(item.key[len(prefix):])) is not None
@@ -649,30 +677,47 @@ class CommitRecords:
             log.warning("ignoring the malformed commit record %s: %s", kv.key, exc)
             return None
 
-    def _decode_files(self, step: str, kvs: list[KeyValue], *, whole: bool = True
-                      ) -> dict[str, FileRecord]:
-        """The records of `kvs` (`whole`: every record of the step, else some of them, as a
-        watch brings changes), by path. A record whose bytes are those decoded at the step's
-        last read is not decoded again (`_decoded`)."""
-        prefix = self.files_prefix(step)
+    def _decode_files(self, step: str, values: Iterable[tuple[str, bytes]], *,
+                      whole: bool = True) -> dict[str, FileRecord]:
+        """The records of `values` ((path, bytes): `whole`, every record of the step, else
+        some of them, as a watch brings changes), by path. A record whose bytes are those
+        decoded at the step's last read is not decoded again (`_decoded`)."""
         known = self._decoded.pop(step, {})
         decoded = {} if whole else known
         records: dict[str, FileRecord] = {}
-        for kv in kvs:
-            path = kv.key[len(prefix):]
+        for path, value in values:
             hit = known.get(path)
-            if hit is not None and hit[0] == kv.value:
+            if hit is not None and hit[0] == value:
                 record = hit[1]
             else:
                 try:
-                    record = FileRecord.decode(kv.value)
+                    record = FileRecord.decode(value)
                 except (ValueError, KeyError, TypeError) as exc:
-                    log.warning("ignoring the malformed file record %s: %s", kv.key, exc)
+                    log.warning("ignoring the malformed file record %s%s: %s",
+                                self.files_prefix(step), path, exc)
                     continue
             records[path] = record
-            decoded[path] = (kv.value, record)
+            decoded[path] = (value, record)
         self._decoded[step] = decoded  # the most recently read last
-        while len(self._decoded) > 1 and (len(self._decoded) > DECODED_STEPS or sum(
-                map(len, self._decoded.values())) > DECODED_RECORDS):
-            del self._decoded[next(iter(self._decoded))]
+        _bound(self._decoded, len)
         return records
+
+    def _paths_and_values(self, step: str, kvs: list[KeyValue]) -> list[tuple[str, bytes]]:
+        prefix = self.files_prefix(step)
+        return [(kv.key[len(prefix):], kv.value) for kv in kvs]
+
+
+@dataclass
+class _Read:
+    """A step's file records as etcd held them at `revision`: every one's bytes, by path."""
+
+    revision: int
+    values: dict[str, bytes]
+
+
+def _bound(kept: dict[str, Any], size: Callable[[Any], int]) -> None:
+    """Keep the most recently added steps of `kept` (the last), at most DECODED_STEPS of
+    them and DECODED_RECORDS records, or the last one alone whatever its size."""
+    while len(kept) > 1 and (len(kept) > DECODED_STEPS
+                             or sum(map(size, kept.values())) > DECODED_RECORDS):
+        del kept[next(iter(kept))]

@@ -116,6 +116,8 @@ class Snapshot:
 
     kvs: list[KeyValue]
     revision: int
+    # Keys under the prefix at `revision`, those a read of changes only left out included.
+    count: int = 0
 
 
 def _b64(data: str | bytes) -> str:
@@ -203,21 +205,26 @@ class Etcd:
                     found[kv.key] = kv
         return found
 
-    async def get_prefix(self, prefix: str) -> Snapshot:
-        """Every key under prefix, read in pages at the revision of the first page."""
+    async def get_prefix(self, prefix: str, changed_after: int = 0) -> Snapshot:
+        """Every key under prefix, read in pages at the revision of the first page; with
+        `changed_after`, only the keys put after that revision (etcd filters them, and
+        `count` still counts every key: a key deleted since shows as a lower count)."""
         kvs: list[KeyValue] = []
-        start, revision = _b64(prefix), 0
+        start, revision, count = _b64(prefix), 0, 0
         while True:
             payload: dict[str, Any] = {"key": start, "range_end": _range_end(prefix),
                                        "limit": PAGE_SIZE}
             if revision:
                 payload["revision"] = revision
+            if changed_after:
+                payload["min_mod_revision"] = changed_after + 1
             reply = await self._call("kv/range", payload)
-            revision = revision or _revision(reply)
+            if not revision:  # the first page's: the later ones count from their start
+                revision, count = _revision(reply), int(reply.get("count", 0))
             page = [_kv(fields) for fields in reply.get("kvs", [])]
             kvs.extend(page)
             if not reply.get("more") or not page:
-                return Snapshot(kvs, revision)
+                return Snapshot(kvs, revision, count)
             start = _b64(page[-1].key.encode() + b"\0")  # the next key after the last one
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
