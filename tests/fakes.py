@@ -201,10 +201,11 @@ class MemoryEtcd:
         self._answer()
         return {key: self.kvs[key] for key in keys if key in self.kvs}
 
-    async def get_prefix(self, prefix: str) -> Snapshot:
+    async def get_prefix(self, prefix: str, changed_after: int = 0) -> Snapshot:
         self._answer()
-        return Snapshot([kv for key, kv in sorted(self.kvs.items()) if key.startswith(prefix)],
-                        self.revision)
+        under = [kv for key, kv in sorted(self.kvs.items()) if key.startswith(prefix)]
+        return Snapshot([kv for kv in under if kv.mod_revision > changed_after],
+                        self.revision, len(under))
 
     async def put(self, key: str, value: bytes, lease: int = 0) -> int:
         self._answer()

@@ -481,13 +481,15 @@ async def test_records_read_again_decode_only_what_changed(
         etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step's records are read again and again while it is copied, uploaded and shown
     (10,000 took about 65 ms of the daemon's loop to decode each time): a read decodes only
-    the records whose bytes changed since the last, and answers what etcd holds now."""
+    the records whose bytes changed since the last (those this node wrote itself, none),
+    and answers what etcd holds now."""
     cluster = new_cluster(etcd_server)
     records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    other = CommitRecords(Etcd(cluster.endpoints), cluster)  # another node's
     await records.record_files("s/1", {f"f{i}": shard("n0", i) for i in range(50)})
     first = await records.files("s/1")
-    await records.add_holders("s/1", "n1", {"f3": first["f3"].xxh3})
-    await records.delete_files("s/1", ["f4"])
+    await other.add_holders("s/1", "n1", {"f3": first["f3"].xxh3})
+    await other.delete_files("s/1", ["f4"])
     decoded: list[bytes] = []
     decode = FileRecord.decode
     monkeypatch.setattr(FileRecord, "decode", classmethod(
@@ -496,6 +498,9 @@ async def test_records_read_again_decode_only_what_changed(
     assert len(decoded) == 1  # f3's
     assert again == {**{name: record for name, record in first.items() if name != "f4"},
                      "f3": first["f3"].with_holder("n1")}
+    await records.add_holders("s/1", "n2", {"f5": first["f5"].xxh3})
+    assert (await records.files("s/1"))["f5"].holders == ("n0", "n2")
+    assert len(decoded) == 1
 
 
 async def test_a_step_read_again_brings_only_the_records_changed_since(
@@ -533,6 +538,28 @@ async def test_a_step_read_again_brings_only_the_records_changed_since(
     assert sent[4:] == [1, 51]  # f51 alone, then the step whole: f04 went
     assert await records.files("s/1") == {**expected, "f51": shard("n0", 51)}
     assert sent[6:] == [0]
+
+
+async def test_holders_of_many_files_of_a_step_read_before_take_no_read_per_key(
+        etcd_server: EtcdServer) -> None:
+    """The copies of a step's files are counted right after the step's records were read
+    (the copies' plan): the holders of 300 files are written with the keys' versions from
+    the step's changes since that read (one range request), not read again 128 keys per
+    transaction; a record another node changed meanwhile keeps its change."""
+    cluster = new_cluster(etcd_server)
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    other = CommitRecords(Etcd(cluster.endpoints), cluster)
+    await records.record_files("s/1", {f"f{i:03}": shard("n0", i) for i in range(300)})
+    first = await records.files("s/1")
+    await other.add_holders("s/1", "n2", {"f005": first["f005"].xxh3})
+    before = grpc_requests(etcd_server)
+    found = await records.add_holders("s/1", "n1", {n: r.xxh3 for n, r in first.items()})
+    requests = grpc_requests(etcd_server) - before
+    assert requests["Txn"] == 3 and requests["Range"] == 1  # 3 x 128 puts, the changes
+    assert found["f005"].holders == ("n0", "n1", "n2")
+    assert await other.files("s/1") == found
+    assert all(record.holders == ("n0", "n1") for name, record in found.items()
+               if name != "f005")
 
 
 class Following(Etcd):

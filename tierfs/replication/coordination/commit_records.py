@@ -56,6 +56,7 @@ from urllib.parse import quote, unquote
 import trio
 
 from tierfs.replication.coordination.etcd import (
+    MAX_TXN_OPS,
     ClusterUrl,
     Etcd,
     EtcdError,
@@ -302,34 +303,37 @@ class CommitRecords:
                                  for path, record in sorted(records.items())])
 
     async def files(self, step: str) -> dict[str, FileRecord]:
-        """Every recorded file of the step, by path. A step read before is read again as
+        """Every recorded file of the step, by path (`_read_step`)."""
+        read = await self._read_step(step)
+        return self._decode_files(step, ((path, kv.value) for path, kv in read.kvs.items()))
+
+    async def _read_step(self, step: str) -> _Read:
+        """Every record of the step as etcd holds it now. A step read before is read again as
         the records put since (`Etcd.get_prefix`'s `changed_after`), unless some were deleted
         meanwhile: a status, a copy's plan and an upload's read a step's records again and
         again, mostly unchanged (a 10,000-file step's took about 180 ms of the daemon's loop
         to read whole again, ad hoc)."""
         prefix = self.files_prefix(step)
         last = self._read.pop(step, None)  # this call's own while it reads
+        read: _Read | None = None
         if last is not None:
             changes = await self.etcd.get_prefix(prefix, changed_after=last.revision)
-            values = last.values
+            kvs = last.kvs
             added = False
             for kv in changes.kvs:
                 path = kv.key[len(prefix):]
-                added = added or path not in values
-                values[path] = kv.value
-            if len(values) == changes.count:  # none deleted since: these are the records now
+                added = added or path not in kvs
+                kvs[path] = kv
+            if len(kvs) == changes.count:  # none deleted since: these are the records now
                 if added:  # in the keys' order, as a whole read gives them
-                    values = dict(sorted(values.items()))
-                return self._remember(step, _Read(changes.revision, values))
-        snapshot = await self.etcd.get_prefix(prefix)
-        return self._remember(step, _Read(snapshot.revision, {
-            kv.key[len(prefix):]: kv.value for kv in snapshot.kvs}))
-
-    def _remember(self, step: str, read: _Read) -> dict[str, FileRecord]:
-        """The records of a whole read of the step, kept for its next read."""
+                    kvs = dict(sorted(kvs.items()))
+                read = _Read(changes.revision, kvs)
+        if read is None:
+            snapshot = await self.etcd.get_prefix(prefix)
+            read = _Read(snapshot.revision, {kv.key[len(prefix):]: kv for kv in snapshot.kvs})
         self._read[step] = read
-        _bound(self._read, lambda kept: len(kept.values))
-        return self._decode_files(step, read.values.items())
+        _bound(self._read, lambda kept: len(kept.kvs))
+        return read
 
     async def add_holder(self, step: str, path: str, node: str) -> FileRecord:
         """Count `node` as holding a verified copy of one file: one compare-and-swap on its
@@ -414,27 +418,40 @@ class CommitRecords:
                               ) -> dict[str, FileRecord]:
         """Apply `change` (path, record) to the record of each file of `files` whose xxh3 is
         the one given (None: any), in compare-and-swap transactions, until none lost a race.
-        Only the records of `files` are read (`Etcd.get_all`): a node changing its own few
-        files of a 16,000-file step reads those, not the step."""
-        prefix = self.files_prefix(step)
-        keys = [self.file_key(step, path) for path in sorted(files)]
+        The records as they are now."""
         while True:
-            found = await self.etcd.get_all(keys)
-            current: dict[str, tuple[KeyValue, FileRecord]] = {}
-            for kv in found.values():
-                path = kv.key[len(prefix):]
-                if path in files:
-                    with contextlib.suppress(ValueError, KeyError, TypeError):
-                        current[path] = (kv, FileRecord.decode(kv.value))
+            current = await self._current(step, files)
             updates = []
             for path, (kv, record) in current.items():
                 updated = change(path, record)
                 if updated != record and files[path] in (None, record.xxh3):
-                    updates.append((kv.key, updated, kv.version))
+                    updates.append((path, kv, updated, updated.encode()))
             if await self.etcd.put_all_if_version(
-                    [(key, record.encode(), version) for key, record, version in updates]):
-                done = {key: record for key, record, _version in updates}
-                return {path: done.get(kv.key, record) for path, (kv, record) in current.items()}
+                    [(kv.key, value, kv.version) for _path, kv, _record, value in updates]):
+                known = self._decoded.get(step)
+                if known is not None:  # the next read of them decodes nothing
+                    known.update((path, (value, record))
+                                 for path, _kv, record, value in updates)
+                done = {path: record for path, _kv, record, _value in updates}
+                return {path: done.get(path, record) for path, (_kv, record) in current.items()}
+
+    async def _current(self, step: str, files: Collection[str]
+                       ) -> dict[str, tuple[KeyValue, FileRecord]]:
+        """The records of `files` as etcd holds them now, with their keys' versions. For
+        more files than a transaction reads, of a step read before, the step's changes since
+        (one request: the holders of 10,000 files read 128 keys per transaction took about
+        a third of a second, ad hoc); else those files' keys alone (`Etcd.get_all`: a node
+        changing its own few files of a 16,000-file step reads those, not the step)."""
+        if len(files) > MAX_TXN_OPS and step in self._read:
+            read = await self._read_step(step)
+            kvs = {path: read.kvs[path] for path in files if path in read.kvs}
+        else:
+            prefix = self.files_prefix(step)
+            found = await self.etcd.get_all([self.file_key(step, path) for path in sorted(files)])
+            kvs = {path: kv for kv in found.values() if (path := kv.key[len(prefix):]) in files}
+        records = self._decode_files(step, ((path, kv.value) for path, kv in kvs.items()),
+                                     whole=False)
+        return {path: (kvs[path], record) for path, record in records.items()}
 
     # -- commits
 
@@ -709,10 +726,11 @@ class CommitRecords:
 
 @dataclass
 class _Read:
-    """A step's file records as etcd held them at `revision`: every one's bytes, by path."""
+    """A step's file records as etcd held them at `revision`: every one's key-value, by
+    path."""
 
     revision: int
-    values: dict[str, bytes]
+    kvs: dict[str, KeyValue]
 
 
 def _bound(kept: dict[str, Any], size: Callable[[Any], int]) -> None:
