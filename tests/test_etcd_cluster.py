@@ -540,6 +540,24 @@ async def test_a_step_read_again_brings_only_the_records_changed_since(
     assert sent[6:] == [0]
 
 
+async def test_a_step_read_again_from_an_etcd_with_another_history_is_read_whole(
+        etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """Records read again after etcd was wiped or restored from a backup (its revisions
+    start again lower, the same keys under them): what it holds now, not the last read's."""
+    cluster = new_cluster(etcd_server)
+    records = CommitRecords(Etcd(cluster.endpoints), cluster)
+    await records.record_files("s/1", {f"f{i}": shard("n0", i) for i in range(5)})
+    for node in ("n1", "n2"):  # history the other etcd lacks
+        await records.add_holders("s/1", node, {"f0": shard("n0", 0).xxh3})
+    await records.files("s/1")
+    with EtcdServer(tmp_path / "restored") as restored:
+        moved = parse_cluster_url(restored.cluster_url(cluster.prefix))
+        elsewhere = CommitRecords(Etcd(moved.endpoints), moved)
+        await elsewhere.record_files("s/1", {f"f{i}": shard("n9", i) for i in range(5)})
+        records.etcd = elsewhere.etcd
+        assert {r.node for r in (await records.files("s/1")).values()} == {"n9"}
+
+
 async def test_holders_of_many_files_of_a_step_read_before_take_no_read_per_key(
         etcd_server: EtcdServer) -> None:
     """The copies of a step's files are counted right after the step's records were read

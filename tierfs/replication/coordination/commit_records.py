@@ -324,7 +324,11 @@ class CommitRecords:
                 path = kv.key[len(prefix):]
                 added = added or path not in kvs
                 kvs[path] = kv
-            if len(kvs) == changes.count:  # none deleted since: these are the records now
+            # None deleted since, and no revision lower than the last read's: an etcd
+            # wiped, or restored from a backup, starts again lower, and is read whole (a
+            # backup's history is taken for this one's once it has passed the last read's
+            # revision, as by the watches).
+            if len(kvs) == changes.count and changes.revision >= last.revision:
                 if added:  # in the keys' order, as a whole read gives them
                     kvs = dict(sorted(kvs.items()))
                 read = _Read(changes.revision, kvs)
