@@ -260,8 +260,8 @@ class CommitRecords:
         # The file records of the steps read last, by step and path, with the bytes each was
         # decoded from (`_decode_files`): at most DECODED_STEPS steps, DECODED_RECORDS records.
         self._decoded: dict[str, dict[str, tuple[bytes, FileRecord]]] = {}
-        # Of the steps `files` read last, every record's bytes at the revision read (`_Read`),
-        # under the same bounds: the next read asks etcd only for what changed since.
+        # Of the steps read last (`_read_step`), every record's key-value at the revision
+        # read, under the same bounds: the next read asks etcd only for what changed since.
         self._read: dict[str, _Read] = {}
 
     def files_prefix(self, step: str) -> str:
