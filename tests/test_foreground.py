@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from tierfs.fs.lifecycle.foreground import MOST_WAIT, QUIET, Foreground
+from tierfs.fs.lifecycle.foreground import BUSY_PASSES, MOST_WAIT, QUIET, Foreground
 
 pytestmark = pytest.mark.core
 
@@ -56,6 +56,31 @@ def test_requests_that_never_pause_hold_it_back_at_most_most_wait() -> None:
             assert await _waited(foreground) == pytest.approx(MOST_WAIT)
             nursery.cancel_scope.cancel()
         assert foreground.waited == pytest.approx(2 * MOST_WAIT)
+
+    run(test)
+
+
+def test_many_waiters_past_their_wait_go_a_few_per_most_wait() -> None:
+    """The uploader's 32 workers for small files each waiting MOST_WAIT let 64 PUTs a second
+    through beside a save: past their wait they go BUSY_PASSES per MOST_WAIT together, and
+    all at once when the users pause."""
+    async def test() -> None:
+        writing = [True]  # a save that goes on
+        foreground = Foreground(writing=lambda: writing[0])
+        went: list[float] = []
+
+        async def waiter() -> None:
+            await foreground.wait_quiet()
+            went.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(32):
+                nursery.start_soon(waiter)
+            await trio.sleep(2 * MOST_WAIT)
+            assert went == pytest.approx(
+                [MOST_WAIT + i * MOST_WAIT / BUSY_PASSES for i in range(BUSY_PASSES + 1)])
+            writing[0] = False  # the save is done: the others go at once
+        assert len(went) == 32 and went[-1] <= 2 * MOST_WAIT + QUIET
 
     run(test)
 
