@@ -380,3 +380,32 @@ async def test_a_read_of_records_that_outlasts_a_status_goes_on_for_the_next(
         assert await recorded.of([step]) == {"run/step_1": {"a": {"n0", "n1"}}}
         assert reads == ["run/step_1"]
         nursery.cancel_scope.cancel()
+
+
+async def test_records_due_again_and_unchanged_are_not_gone_through_again(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A step's records due again whose stamp did not change (a request or two) are kept as
+    read: going through a 50,000-file step's records took a status about 0.45 s of the loop
+    each time they were due; changed, they are read again."""
+    reads: list[str] = []
+    stamp = [1]
+
+    async def read(manifest: mf.StepManifest) -> dict[str, set[str]]:
+        reads.append(manifest.path)
+        return {"a": {"n0"} if stamp[0] == 1 else {"n0", "n1"}}
+
+    async def stamp_of(_manifest: mf.StepManifest) -> int:
+        return stamp[0]
+
+    step = mf.StepManifest("run/big", 1, 1, "n0", 1, (mf.FileEntry("a", 1, "0" * 32),))
+    recorded = RecordedHolders(read, stamp_of)
+    assert await recorded.of([step]) == {"run/big": {"a": {"n0"}}} and reads == ["run/big"]
+    for _ in range(3):
+        await trio.sleep(2)
+        assert await recorded.of([step]) == {"run/big": {"a": {"n0"}}}
+    assert reads == ["run/big"]
+    stamp[0] = 2  # a copy recorded elsewhere
+    await trio.sleep(2)
+    assert await recorded.of([step]) == {"run/big": {"a": {"n0", "n1"}}}
+    assert reads == ["run/big", "run/big"]
+

@@ -154,7 +154,7 @@ class ClusterNode:
                                      named_step=tiers.named_step,
                                      events=events)
         # the records `tierfs status` takes copies, holders and TIERS from
-        self.recorded = RecordedHolders(self.recorded_holders)
+        self.recorded = RecordedHolders(self.recorded_holders, self.records_stamp)
         self.receiver = ReplicaReceiver(store.objects, store, tiers.hold_files)
         self.ranges = RangeServer(store.objects, namespace.view.sealed_path, cfg.node_id,
                                   namespace.chunk_for_peer)
@@ -334,6 +334,19 @@ class ClusterNode:
         return {"requests": ranges.served_requests, "bytes": ranges.served_bytes,
                 "relayed": ranges.relayed_requests, "routed": ranges.routed_requests,
                 "sent_bytes": dict(sorted(SENT_TO.items()))}
+
+    async def records_stamp(self, manifest: mf.StepManifest) -> tuple[int, int, int] | None:
+        """What names the content of this committed version's file records now (its commit
+        time and `step_reads.StepRead.stamp`); None if etcd does not answer or the cluster's
+        commit is of another version."""
+        records = self.sealed.records
+        try:
+            commit = await records.commit_of(manifest.path)
+            if commit is None or commit.version != manifest.version:
+                return None
+            return (manifest.committed_ns, *(await records.reads.read(manifest.path)).stamp)
+        except EtcdError:
+            return None
 
     async def recorded_holders(self, manifest: mf.StepManifest) -> dict[str, set[str]] | None:
         """Who holds each file of this committed version, as the cluster's records say (a

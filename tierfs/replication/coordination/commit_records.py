@@ -48,7 +48,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 from urllib.parse import quote, unquote
@@ -66,15 +66,10 @@ from tierfs.replication.coordination.etcd import (
     WatchEvent,
     retry_unavailable,
 )
+from tierfs.replication.coordination.step_reads import StepReads
 from tierfs.shared_uploads import PERSISTED, RETIRED
 
 log = logging.getLogger(__name__)
-
-# File records kept decoded (`CommitRecords._decode_files`): a step's records are read again
-# and again while it is copied, uploaded and shown (10,000 took about 65 ms of the loop to
-# decode each time), and most have not changed. About 1 KiB each: 20 MiB, or more for the one
-# step read last if it alone has more records.
-DECODED_RECORDS, DECODED_STEPS = 20_000, 8
 
 
 class CommitTimeout(EtcdError):
@@ -257,12 +252,9 @@ class CommitRecords:
         self._steps = cluster.key("steps") + "/"
         self.commits_prefix = cluster.key("commits") + "/"
         self._deleted = cluster.key("deleted") + "/"
-        # The file records of the steps read last, by step and path, with the bytes each was
-        # decoded from (`_decode_files`): at most DECODED_STEPS steps, DECODED_RECORDS records.
-        self._decoded: dict[str, dict[str, tuple[bytes, FileRecord]]] = {}
-        # Of the steps read last (`_read_step`), every record's key-value at the revision
-        # read, under the same bounds: the next read asks etcd only for what changed since.
-        self._read: dict[str, _Read] = {}
+        # The records of the steps read last, read again as what changed (`step_reads`).
+        self.reads: StepReads[FileRecord] = StepReads(etcd, self.files_prefix,
+                                                      FileRecord.decode)
 
     def files_prefix(self, step: str) -> str:
         return f"{self._steps}{quote(step, safe='')}/files/"
@@ -303,41 +295,10 @@ class CommitRecords:
                                  for path, record in sorted(records.items())])
 
     async def files(self, step: str) -> dict[str, FileRecord]:
-        """Every recorded file of the step, by path (`_read_step`)."""
-        read = await self._read_step(step)
-        return self._decode_files(step, ((path, kv.value) for path, kv in read.kvs.items()))
-
-    async def _read_step(self, step: str) -> _Read:
-        """Every record of the step as etcd holds it now. A step read before is read again as
-        the records put since (`Etcd.get_prefix`'s `changed_after`), unless some were deleted
-        meanwhile: a status, a copy's plan and an upload's read a step's records again and
-        again, mostly unchanged (a 10,000-file step's took about 180 ms of the daemon's loop
-        to read whole again, ad hoc)."""
-        prefix = self.files_prefix(step)
-        last = self._read.pop(step, None)  # this call's own while it reads
-        read: _Read | None = None
-        if last is not None:
-            changes = await self.etcd.get_prefix(prefix, changed_after=last.revision)
-            kvs = last.kvs
-            added = False
-            for kv in changes.kvs:
-                path = kv.key[len(prefix):]
-                added = added or path not in kvs
-                kvs[path] = kv
-            # None deleted since, and no revision lower than the last read's: an etcd
-            # wiped, or restored from a backup, starts again lower, and is read whole (a
-            # backup's history is taken for this one's once it has passed the last read's
-            # revision, as by the watches).
-            if len(kvs) == changes.count and changes.revision >= last.revision:
-                if added:  # in the keys' order, as a whole read gives them
-                    kvs = dict(sorted(kvs.items()))
-                read = _Read(changes.revision, kvs)
-        if read is None:
-            snapshot = await self.etcd.get_prefix(prefix)
-            read = _Read(snapshot.revision, {kv.key[len(prefix):]: kv for kv in snapshot.kvs})
-        self._read[step] = read
-        _bound(self._read, lambda kept: len(kept.kvs))
-        return read
+        """Every recorded file of the step, by path (read again as what changed since the
+        last read: `step_reads`)."""
+        read = await self.reads.read(step)
+        return self.reads.decode(step, ((path, kv.value) for path, kv in read.kvs.items()))
 
     async def add_holder(self, step: str, path: str, node: str) -> FileRecord:
         """Count `node` as holding a verified copy of one file: one compare-and-swap on its
@@ -432,10 +393,8 @@ class CommitRecords:
                     updates.append((path, kv, updated, updated.encode()))
             if await self.etcd.put_all_if_version(
                     [(kv.key, value, kv.version) for _path, kv, _record, value in updates]):
-                known = self._decoded.get(step)
-                if known is not None:  # the next read of them decodes nothing
-                    known.update((path, (value, record))
-                                 for path, _kv, record, value in updates)
+                self.reads.wrote(step, ((path, value, record)
+                                        for path, _kv, record, value in updates))
                 done = {path: record for path, _kv, record, _value in updates}
                 return {path: done.get(path, record) for path, (_kv, record) in current.items()}
 
@@ -446,15 +405,15 @@ class CommitRecords:
         (one request: the holders of 10,000 files read 128 keys per transaction took about
         a third of a second, ad hoc); else those files' keys alone (`Etcd.get_all`: a node
         changing its own few files of a 16,000-file step reads those, not the step)."""
-        if len(files) > MAX_TXN_OPS and step in self._read:
-            read = await self._read_step(step)
+        if len(files) > MAX_TXN_OPS and self.reads.kept(step):
+            read = await self.reads.read(step)
             kvs = {path: read.kvs[path] for path in files if path in read.kvs}
         else:
             prefix = self.files_prefix(step)
             found = await self.etcd.get_all([self.file_key(step, path) for path in sorted(files)])
             kvs = {path: kv for kv in found.values() if (path := kv.key[len(prefix):]) in files}
-        records = self._decode_files(step, ((path, kv.value) for path, kv in kvs.items()),
-                                     whole=False)
+        records = self.reads.decode(step, ((path, kv.value) for path, kv in kvs.items()),
+                                    whole=False)
         return {path: (kvs[path], record) for path, record in records.items()}
 
     # -- commits
@@ -498,14 +457,14 @@ class CommitRecords:
         """Apply a snapshot (it replaces all) or a batch of changes to `found`."""
         if isinstance(item, Snapshot):
             found.clear()
-            found.update(self._decode_files(step, self._paths_and_values(step, item.kvs)))
+            found.update(self.reads.decode_kvs(step, item.kvs))
             return
         prefix = self.files_prefix(step)
         for event in item:
             if event.kind == "delete":
                 found.pop(event.kv.key[len(prefix):], None)
-        found.update(self._decode_files(step, self._paths_and_values(
-            step, [e.kv for e in item if e.kind == "put"]), whole=False))
+        found.update(self.reads.decode_kvs(step, [e.kv for e in item if e.kind == "put"],
+                                           whole=False))
 
     async def delete_files(self, step: str, paths: Collection[str]) -> None:
         """Drop the records of these files of the step (a few transactions)."""
@@ -622,7 +581,7 @@ class CommitRecords:
             return False
         snapshot = await self.etcd.get_prefix(self.files_prefix(step))
         prefix = self.files_prefix(step)
-        files = self._decode_files(step, self._paths_and_values(step, snapshot.kvs))
+        files = self.reads.decode_kvs(step, snapshot.kvs)
         await self.etcd.delete_if_unchanged(
             [(item.key, item.mod_revision) for item in snapshot.kvs
              if (record := files.get(item.key[len(prefix):])) is not None
@@ -697,49 +656,3 @@ class CommitRecords:
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring the malformed commit record %s: %s", kv.key, exc)
             return None
-
-    def _decode_files(self, step: str, values: Iterable[tuple[str, bytes]], *,
-                      whole: bool = True) -> dict[str, FileRecord]:
-        """The records of `values` ((path, bytes): `whole`, every record of the step, else
-        some of them, as a watch brings changes), by path. A record whose bytes are those
-        decoded at the step's last read is not decoded again (`_decoded`)."""
-        known = self._decoded.pop(step, {})
-        decoded = {} if whole else known
-        records: dict[str, FileRecord] = {}
-        for path, value in values:
-            hit = known.get(path)
-            if hit is not None and hit[0] == value:
-                record = hit[1]
-            else:
-                try:
-                    record = FileRecord.decode(value)
-                except (ValueError, KeyError, TypeError) as exc:
-                    log.warning("ignoring the malformed file record %s%s: %s",
-                                self.files_prefix(step), path, exc)
-                    continue
-            records[path] = record
-            decoded[path] = (value, record)
-        self._decoded[step] = decoded  # the most recently read last
-        _bound(self._decoded, len)
-        return records
-
-    def _paths_and_values(self, step: str, kvs: list[KeyValue]) -> list[tuple[str, bytes]]:
-        prefix = self.files_prefix(step)
-        return [(kv.key[len(prefix):], kv.value) for kv in kvs]
-
-
-@dataclass
-class _Read:
-    """A step's file records as etcd held them at `revision`: every one's key-value, by
-    path."""
-
-    revision: int
-    kvs: dict[str, KeyValue]
-
-
-def _bound(kept: dict[str, Any], size: Callable[[Any], int]) -> None:
-    """Keep the most recently added steps of `kept` (the last), at most DECODED_STEPS of
-    them and DECODED_RECORDS records, or the last one alone whatever its size."""
-    while len(kept) > 1 and (len(kept) > DECODED_STEPS
-                             or sum(map(size, kept.values())) > DECODED_RECORDS):
-        del kept[next(iter(kept))]
