@@ -481,8 +481,9 @@ async def test_records_read_again_decode_only_what_changed(
         etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step's records are read again and again while it is copied, uploaded and shown
     (10,000 took about 65 ms of the daemon's loop to decode each time): a read decodes only
-    the records whose bytes changed since the last (those this node wrote itself, none),
-    and answers what etcd holds now."""
+    the records whose bytes changed since the last, none of those this node wrote itself
+    (its seals, which its commit reads back; the copies it recorded), and answers what etcd
+    holds now."""
     decoded: list[bytes] = []
     decode = FileRecord.decode
     monkeypatch.setattr(FileRecord, "decode", classmethod(
@@ -492,6 +493,7 @@ async def test_records_read_again_decode_only_what_changed(
     other = CommitRecords(Etcd(cluster.endpoints), cluster)  # another node's
     await records.record_files("s/1", {f"f{i}": shard("n0", i) for i in range(50)})
     first = await records.files("s/1")
+    assert decoded == []  # the seals this node recorded (a commit reads them back)
     await other.add_holders("s/1", "n1", {"f3": first["f3"].xxh3})
     await other.delete_files("s/1", ["f4"])
     decoded.clear()

@@ -291,8 +291,10 @@ class CommitRecords:
 
     async def record_files(self, step: str, records: dict[str, FileRecord]) -> None:
         """Record many sealed files at once (a few transactions, not one request per file)."""
-        await self.etcd.put_all([(self.file_key(step, path), record.encode())
-                                 for path, record in sorted(records.items())])
+        written = [(path, record.encode(), record) for path, record in sorted(records.items())]
+        await self.etcd.put_all([(self.file_key(step, path), value)
+                                 for path, value, _record in written])
+        self.reads.wrote(step, written)
 
     async def files(self, step: str) -> dict[str, FileRecord]:
         """Every recorded file of the step, by path (read again as what changed since the
