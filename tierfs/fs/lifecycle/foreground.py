@@ -54,11 +54,11 @@ class Foreground:
             idle = now - self._last
             if idle >= QUIET and not self._writing():
                 break
-            if now >= max(deadline, self._next_pass):
+            turn = max(deadline, self._next_pass)  # when it may go with the users busy
+            if now >= turn:
                 self._next_pass = now + MOST_WAIT / BUSY_PASSES
                 break
             # until the requests have paused long enough; while only a file is being written,
             # look again a QUIET later
-            await trio.sleep(min(QUIET - idle if idle < QUIET else QUIET,
-                                 max(deadline, self._next_pass) - now))
+            await trio.sleep(min(QUIET - idle if idle < QUIET else QUIET, turn - now))
         self.waited += trio.current_time() - started

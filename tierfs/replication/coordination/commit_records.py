@@ -299,8 +299,7 @@ class CommitRecords:
     async def files(self, step: str) -> dict[str, FileRecord]:
         """Every recorded file of the step, by path (read again as what changed since the
         last read: `step_reads`)."""
-        read = await self.reads.read(step)
-        return self.reads.decode(step, ((path, kv.value) for path, kv in read.kvs.items()))
+        return self.reads.decode(step, (await self.reads.read(step)).kvs)
 
     async def add_holder(self, step: str, path: str, node: str) -> FileRecord:
         """Count `node` as holding a verified copy of one file: one compare-and-swap on its
@@ -414,8 +413,7 @@ class CommitRecords:
             prefix = self.files_prefix(step)
             found = await self.etcd.get_all([self.file_key(step, path) for path in sorted(files)])
             kvs = {path: kv for kv in found.values() if (path := kv.key[len(prefix):]) in files}
-        records = self.reads.decode(step, ((path, kv.value) for path, kv in kvs.items()),
-                                    whole=False)
+        records = self.reads.decode(step, kvs, whole=False)
         return {path: (kvs[path], record) for path, record in records.items()}
 
     # -- commits
@@ -581,8 +579,8 @@ class CommitRecords:
             return False
         if not await self.etcd.delete_if_unchanged([(key, kv.mod_revision)]):
             return False
-        snapshot = await self.etcd.get_prefix(self.files_prefix(step))
         prefix = self.files_prefix(step)
+        snapshot = await self.etcd.get_prefix(prefix)
         files = self.reads.decode_kvs(step, snapshot.kvs)
         await self.etcd.delete_if_unchanged(
             [(item.key, item.mod_revision) for item in snapshot.kvs

@@ -24,7 +24,7 @@ logged and left out).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -92,15 +92,16 @@ class StepReads(Generic[R]):
         _bound(self._reads, lambda kept: len(kept.kvs))
         return read
 
-    def decode(self, step: str, values: Iterable[tuple[str, bytes]], *,
-               whole: bool = True) -> dict[str, R]:
-        """The records of `values` ((path, bytes): `whole`, every record of the step, else
-        some of them, as a watch brings changes), by path; those decoded before with the same
-        bytes are not decoded again."""
+    def decode(self, step: str, kvs: Mapping[str, KeyValue], *, whole: bool = True
+               ) -> dict[str, R]:
+        """The records of `kvs` (by path: `whole`, every record of the step, else some of
+        them, as a watch brings changes), by path; those decoded before with the same bytes
+        are not decoded again."""
         known = self._decoded.pop(step, {})
         decoded = {} if whole else known
         records: dict[str, R] = {}
-        for path, value in values:
+        for path, kv in kvs.items():
+            value = kv.value
             hit = known.get(path)
             if hit is not None and hit[0] == value:
                 record = hit[1]
@@ -119,9 +120,9 @@ class StepReads(Generic[R]):
 
     def decode_kvs(self, step: str, kvs: Iterable[KeyValue], *, whole: bool = True
                    ) -> dict[str, R]:
-        """`decode` of key-values of the step."""
+        """`decode` of key-values of the step as etcd gives them (full keys)."""
         cut = len(self._prefix(step))
-        return self.decode(step, ((kv.key[cut:], kv.value) for kv in kvs), whole=whole)
+        return self.decode(step, {kv.key[cut:]: kv for kv in kvs}, whole=whole)
 
     def wrote(self, step: str, written: Iterable[tuple[str, bytes, R]]) -> None:
         """This node put these records ((path, bytes, record)): the next read of them decodes
