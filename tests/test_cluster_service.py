@@ -373,6 +373,54 @@ async def test_two_nodes_that_commit_the_same_save_at_once_both_keep_the_one_etc
         assert other.ns.tree.find_step(step) is None
 
 
+async def test_a_commit_replaced_by_the_cluster_s_while_it_was_published_goes_no_further(
+        tmp_path: Path) -> None:
+    """Two nodes commit the same save at once (HF's `save_on_each_node`), and the one whose
+    commit record etcd did not take hears of the other's while its own is being published: it
+    takes the other's commit for its own, which goes to its copies (`CopyPlans.learned`). Its
+    own commit must then go no further: it went to the copies and uploads after the other's,
+    took its place in the replicator's queue (the same version), and was no longer current
+    when its turn came, so no copy was made of the files only that node held; the checkpoint
+    stayed at one copy of them for good (1 run in 3 of
+    test_cluster_multi_writer::test_hugging_face_trainer_saving_on_each_node_...)."""
+    async with cluster(tmp_path, "n0", "n1") as (nursery, (n0, n1)):
+        step = "hf/checkpoint-2"
+        await n0.write_file(f"{step}/model.safetensors", b"model" * 2000)
+        await n1.write_file(f"{step}/rng_state_1.pth", b"rng" * 100)
+        for node in (n0, n1):
+            real = node.links.sealed.publish
+
+            async def publish(manifest: mf.StepManifest, held_here: set[str],
+                              deadline: float | None = None, node: ClusterHarness = node,
+                              real: Any = real) -> None:
+                await real(manifest, held_here, deadline)
+                record = await node.links.sealed.records.commit_of(manifest.path)
+                assert record is not None
+                if record.committed_ns != manifest.committed_ns:  # the other's was taken
+                    nursery.start_soon(node.node.steps.follow)  # and its watch event comes
+                    await wait_until_async(
+                        lambda: node.ns.tree.find_step(step).step.manifest is not manifest,
+                        timeout=10)
+
+            node.links.sealed.publish = publish  # type: ignore[method-assign]
+        async with trio.open_nursery() as both:  # neither hears of the other's commit first
+            for node in (n0, n1):
+                both.start_soon(node.ns.commits.commit_quietly, node.ns.tree.find_step(step))
+        record = await n0.links.sealed.records.commit_of(step)
+        assert record is not None
+        loser = n1 if record.committer == "n0" else n0
+        kept = loser.ns.tree.find_step(step).step.manifest
+        assert kept.committed_ns == record.committed_ns  # the winner's, taken
+        assert loser.node.replicator.queue.pending.get(step) is kept  # its copies are due
+        sent = []
+        while True:
+            try:
+                sent.append(loser.commits.receive_nowait())
+            except trio.WouldBlock:
+                break
+        assert sent == [], sent  # its own commit went no further
+
+
 async def test_a_step_whose_writer_is_down_waits_for_it_saying_so_and_retries_ever_less_often(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """n1 wrote its rank's file of `ds/global_step2` (no `.metadata`) and went down before

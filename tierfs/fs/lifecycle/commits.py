@@ -196,12 +196,16 @@ class Commits:
                        deadline: float | None = None) -> None:
         """A new version was committed (`started`: monotonic time its commit began): the
         cluster's record (waited for until `deadline`, trio time), the event, then its
-        uploads and replicas."""
+        uploads and replicas, unless another node's commit of the same save, which etcd
+        recorded, took its place while its record was written (`OtherTiers.learn`): that one
+        goes to them instead (`CopyPlans.learned`), and this one, the same version, would
+        take its place in their queues, where it is no longer current and does nothing."""
         if deadline is None:
             deadline = trio.current_time() + BACKGROUND_WAIT
         await self._cluster.publish(step_node, manifest, deadline)  # the cluster's record
         self.events.committed(manifest, time.monotonic() - started)
-        await self.sink.send(manifest)
+        if step_node.step is not None and step_node.step.manifest is manifest:
+            await self.sink.send(manifest)
 
     async def _finish_in_background(self, step_node: Node, step: StepState,
                                     started: float | None) -> None:
