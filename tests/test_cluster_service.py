@@ -421,6 +421,26 @@ async def test_a_commit_replaced_by_the_cluster_s_while_it_was_published_goes_no
         assert sent == [], sent  # its own commit went no further
 
 
+async def test_a_step_short_of_copies_that_no_event_planned_is_planned_again(
+        tmp_path: Path) -> None:
+    """Each copy due is planned by an event (a commit, a step listed, a member gone or come); one
+    that an event missed (as the race of two commits of one save did) is planned by the check
+    run every SHORT_CHECK seconds: n0's step, whose commit reached no replicator here, is
+    planned, gets its copies on n1, and is planned no more once it has them."""
+    async with cluster(tmp_path, "n0", "n1") as (nursery, (n0, n1)):
+        manifest = await committed_on(n0, "run/step_1")  # to the test's channel: no copy planned
+        assert n0.node.replicator.queue.pending == {}
+        assert n0.node.plans.plan_short_again() == 1
+        assert n0.node.replicator.queue.pending == {"run/step_1": manifest}
+        nursery.start_soon(n0.node.replicator.run)
+        await wait_until_async(lambda: not n0.ns.copies.short_of_copies(
+            manifest, 1, n0.directory.is_up), timeout=10)
+        assert all(n1.store.object_path(e.xxh3).exists() for e in manifest.files)
+        assert n0.node.plans.plan_short_again() == 0
+        assert [m.path for m in n1.ns.copies.held_manifests()] == ["run/step_1"]
+        assert n1.node.plans.plan_short_again() == 0  # n1 holds copies: with n0's, enough
+
+
 async def test_a_step_whose_writer_is_down_waits_for_it_saying_so_and_retries_ever_less_often(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """n1 wrote its rank's file of `ds/global_step2` (no `.metadata`) and went down before

@@ -1,7 +1,7 @@
 """In what order a committed step leaves this node: its peer copies first, then its upload
 (`CommitPipeline`, `upload_after_copies`); and, in a cluster, which steps are planned again
-(`CopyPlans`): a step committed on another node that this node holds files of, and every step
-it holds when members come and go."""
+(`CopyPlans`): a step committed on another node that this node holds files of, every step
+it holds when members come and go, and every SHORT_CHECK seconds those short of copies."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ from tierfs.fs.model.nodes import Node
 from tierfs.step_queue import StepQueue
 
 COPIES_FIRST = 10.0  # seconds at most that an upload waits for the peer copies of its step
+# Seconds between the checks for steps held here that are short of their copies
+# (`CopyPlans.plan_short_again`).
+SHORT_CHECK = 30.0
 
 
 class Copies(Protocol):
@@ -78,11 +81,13 @@ class CopyPlans:
 
     def __init__(self, replicator: Copies, uploader: Uploads | None,
                  find_step: Callable[[str], Node | None],
-                 held: Callable[[], Iterable[mf.StepManifest]]) -> None:
+                 held: Callable[[], Iterable[mf.StepManifest]],
+                 short: Callable[[mf.StepManifest], bool] = lambda _manifest: False) -> None:
         self.replicator = replicator
         self.uploader = uploader
         self._find_step = find_step  # the tree's node of a step's path
         self._held = held  # the committed versions this node holds files of
+        self._short = short  # whether a version held here is short of its copies
         self._nursery: trio.Nursery | None = None  # the service's, from `start`
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -101,6 +106,26 @@ class CopyPlans:
         """A node went or came: every step held here is planned again from fresh records."""
         for manifest in self._held():
             self.send(manifest)  # a sender of its files may be gone
+
+    async def plan_short_steps(self) -> None:
+        """`plan_short_again` every SHORT_CHECK seconds."""
+        while True:
+            await trio.sleep(SHORT_CHECK)
+            self.plan_short_again()
+
+    def plan_short_again(self) -> int:
+        """Every step held here that is short of its copies is planned again; how many.
+        Each copy due is due by an event (the step committed or listed here, a member gone
+        or come, a copy made) that has the step planned: this, run every SHORT_CHECK
+        seconds, is the net for one that an event missed, which would otherwise wait for
+        the next change of members (a race of two commits of one save lost such an event:
+        `Commits.announce`)."""
+        planned = 0
+        for manifest in self._held():
+            if self._short(manifest):
+                self.replicator.submit(manifest)
+                planned += 1
+        return planned
 
     def send(self, manifest: mf.StepManifest) -> None:
         self.replicator.submit(manifest)

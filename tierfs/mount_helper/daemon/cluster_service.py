@@ -30,7 +30,7 @@ from tierfs.replication.coordination import membership as live_members
 from tierfs.replication.coordination.cluster_commit import ClusterCommits
 from tierfs.replication.coordination.commit_records import CommitRecords
 from tierfs.replication.coordination.etcd import Etcd, EtcdError
-from tierfs.replication.coordination.placement import copies_wanted
+from tierfs.replication.coordination.placement import copies_wanted, peer_copies_wanted
 from tierfs.replication.coordination.shared_links import SharedLinks
 from tierfs.replication.coordination.store_record import StoreRecord
 from tierfs.replication.peers import tls as peer_tls
@@ -162,7 +162,7 @@ class ClusterNode:
         # the steps planned again, with this node's share of the uploads of steps committed
         # elsewhere (shared_uploads)
         self.plans = CopyPlans(self.replicator, uploader, namespace.view.find_step,
-                               tiers.held_manifests)
+                               tiers.held_manifests, self._short_of_copies)
         self.steps = ClusterSteps(self.sealed, tiers, self.plans)
         # the links every node keeps (Lightning's last.ckpt), followed from now on
         assert cfg.cluster is not None
@@ -238,6 +238,7 @@ class ClusterNode:
             # names such a step here)
             self.namespace.copies.want_recheck()
         for worker in (self.directory.run, self.replicator.run, self._restore_copies,
+                       self.plans.plan_short_steps,
                        self.steps.follow, self.steps.publish_pending, self._recheck_losses,
                        self.shared_links.follow, self.shared_links.publish):
             nursery.start_soon(worker)
@@ -304,6 +305,15 @@ class ClusterNode:
             await self.directory.changed.wait()
             self._follow_members()
             self.plans.members_changed()
+
+    def _short_of_copies(self, manifest: mf.StepManifest) -> bool:
+        """Whether a file of this version held here has fewer copies on live peers than the
+        replica-count rule wants, as the records read here last say
+        (`CopyPlans.plan_short_again`)."""
+        wanted = peer_copies_wanted(self.cfg.replicas,
+                                    sum(1 for peer in self.directory.peers if peer.up))
+        return wanted > 0 and self.namespace.copies.short_of_copies(manifest, wanted,
+                                                                    self.directory.is_up)
 
     async def _recheck_losses(self) -> None:
         """Steps that may have lost every copy of a file, judged again from the records when
