@@ -88,6 +88,11 @@ def test_a_payload_goes_into_the_buffer_offered_if_it_fits() -> None:
     ("FILES_DATA", {"names": ["x"], "sizes": [-1]}, b""),
     ("FILES_DATA", {"names": ["x"], "sizes": [True]}, b"x"),
     ("FILES_DATA", {"names": ["x"], "sizes": []}, b"x"),
+    ("PUT_FILES", {"path": "a", "names": ["x", "y"], "digests": ["0" * 32] * 2,
+                   "sizes": [1]}, b"xy"),                    # a size for each name
+    ("PUT_FILES", {"path": "a", "names": ["x"], "digests": ["0" * 32], "sizes": [-1]}, b""),
+    ("PUT_FILES", {"path": "a", "names": ["x"], "digests": ["x" * 32], "sizes": [1]}, b"x"),
+    ("PUT_FILES", {"path": "a", "names": ["/x"], "digests": ["0" * 32], "sizes": [1]}, b"x"),
 ])
 def test_bad_messages_are_protocol_errors(kind: str, fields: dict, payload: bytes) -> None:  # type: ignore[type-arg]
     header = msgpack.packb({"type": kind, **fields}, use_bin_type=True)

@@ -434,5 +434,5 @@ def block_digest_of(entry: FileEntry, index: int) -> bytes:
     return entry.blocks[start:start + BLOCK_DIGEST_SIZE]
 
 
-def hash_bytes(data: bytes) -> str:
+def hash_bytes(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)

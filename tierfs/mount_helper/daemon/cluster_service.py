@@ -189,7 +189,8 @@ class ClusterNode:
     def handlers(self) -> dict[str, Handler]:
         """The peer port's handler of each request type (PING is the server's own)."""
         return {
-            "PUT": self.receiver.put, "HOLD": self.receiver.hold,
+            "PUT": self.receiver.put, "PUT_FILES": self.receiver.put_files,
+            "HOLD": self.receiver.hold,
             "GET": self.ranges.on_get, "SWARM_GET": self.ranges.on_swarm_get,
             "GET_FILES": self.ranges.on_get_files,
             "MANIFEST": self.manifests.on_manifest,

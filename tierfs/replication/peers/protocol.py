@@ -60,6 +60,10 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "PING": {"node_id": str},
     "PONG": {"node_id": str},
     "PUT": {"path": str, "name": str, "xxh3": str, "size": int, "offset": int},
+    # small whole files of a step at once (`replicator.SMALL_FILE`): their names, xxh3-128
+    # digests and sizes, their bytes one after the other as the payload; answered by OK
+    # (each is here, verified), NO_ROOM or ERROR, as a PUT
+    "PUT_FILES": {"path": str, "names": list, "digests": list, "sizes": list},
     # hold these files of the step's committed version (their objects were PUT): answered by
     # HELD with the names now held, verified, or ERROR
     "HOLD": {"path": str, "version": int, "names": list},
@@ -104,12 +108,12 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
 PATH_FIELDS = ("path", "name")
 NAME_LISTS = ("names", "open")  # lists of paths inside a step, each checked as a path field
 MAX_AVOID = 16  # relays a SWARM_GET names as failed
-# names per HOLD, HELD, FILES, HAVE, WRITES, GET_FILES or FILES_DATA: with paths of at most 4 KiB,
-# under MAX_HEADER
+# names per HOLD, HELD, FILES, HAVE, WRITES, GET_FILES, FILES_DATA or PUT_FILES: with paths of
+# at most 4 KiB, under MAX_HEADER
 MAX_NAMES = 1000
 MAX_NAME_BYTES = 256 << 10  # bytes of names one such message carries at most
 
-PAYLOAD_TYPES = {"PUT", "DATA", "MANIFEST_PART", "FILES_DATA"}
+PAYLOAD_TYPES = {"PUT", "PUT_FILES", "DATA", "MANIFEST_PART", "FILES_DATA"}
 STREAM_FROM = 1 << 18  # payload bytes from which a streamed type's payload is streamed
 
 
@@ -200,9 +204,9 @@ def validate(message: Message) -> Message:
         _check_node_ids(message.fields["avoid"])
     if message.type in ("GET", "SWARM_GET") and message.fields["length"] > MAX_PAYLOAD:
         raise ProtocolError("GET asks for too much at once")
-    if message.type == "GET_FILES":
+    if message.type in ("GET_FILES", "PUT_FILES"):
         _check_paired(message, "digests", lambda d: isinstance(d, str) and is_xxh3_128(d))
-    if message.type == "FILES_DATA":
+    if message.type in ("FILES_DATA", "PUT_FILES"):
         _check_paired(message, "sizes", lambda n: type(n) is int and 0 <= n <= MAX_PAYLOAD)
     if message.type == "WRITES":
         if len(message.fields["dirs"]) > MAX_NAMES:

@@ -23,6 +23,7 @@ always safe: the file then never completes until its chunks are all sent again.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -85,6 +86,7 @@ class ReplicaReceiver:
         self._swept_at = time.monotonic()
         # incoming files refused for want of room -> why (their later chunks are refused too)
         self._refused: dict[Path, str] = {}
+        self._small = itertools.count()  # a name of its own for each small file's incoming
         # bytes of completed transfers read back from their files for the whole-file hash
         # (chunks that came ahead of their file's order, or twice)
         self.read_back = 0
@@ -188,6 +190,72 @@ class ReplicaReceiver:
             return
         os.rename(path, self.objects_dir / digest)
         await channel.send("OK")
+
+    async def put_files(self, message: proto.Message, channel: PeerChannel) -> None:
+        """PUT_FILES: small whole files at once, their bytes one after the other. Those not
+        here yet are each checked against their xxh3-128 and written to an incoming file of
+        its own, in one worker thread for the lot (`_write_small`); then each is charged to
+        the RAM tier and becomes its object. Answered OK once every one is here; NO_ROOM if
+        the RAM tier or its file system has no room for one (those before it stay); ERROR if
+        one's bytes do not match its digest (a holder's bad copy: none of them is kept, the
+        others are; the sender tries again later)."""
+        sizes = message["sizes"]
+        payload = message.payload
+        if sum(sizes) != len(payload):
+            raise proto.ProtocolError(f"PUT_FILES of {len(payload)} bytes names {sum(sizes)}")
+        wanted: dict[str, tuple[str, memoryview]] = {}  # digest -> a name, its bytes
+        at = 0
+        for name, digest, size in zip(message["names"], message["digests"], sizes, strict=True):
+            if digest not in wanted and not os.path.exists(self.objects_dir / digest):
+                wanted[digest] = (name, memoryview(payload)[at:at + size])
+            at += size
+        written, bad, no_room = await trio.to_thread.run_sync(
+            self._write_small, wanted, channel.peer_id, limiter=self._threads)
+        for digest, path, ino, size in written:
+            if no_room or os.path.exists(self.objects_dir / digest):  # one came meanwhile
+                path.unlink(missing_ok=True)
+                continue
+            try:
+                self.space.grow(ino, size)
+            except RamFull:
+                path.unlink(missing_ok=True)
+                no_room = "its RAM tier is full"
+                continue
+            os.rename(path, self.objects_dir / digest)
+        if no_room:
+            log.warning("small files of %s from %s found no room (%s): refused",
+                        message["path"], channel.peer_id, no_room)
+            await channel.send("NO_ROOM", message=f"no room on {no_room}")
+        elif bad:
+            log.error("small files of %s from %s do not match their checksums: discarded "
+                      "(%s)", message["path"], channel.peer_id, ", ".join(bad[:5]))
+            await channel.send("ERROR", message="checksum mismatch: "
+                               f"{len(bad)} of {len(message['names'])} files")
+        else:
+            await channel.send("OK")
+
+    def _write_small(self, wanted: dict[str, tuple[str, memoryview]], peer: str
+                     ) -> tuple[list[tuple[str, Path, int, int]], list[str], str]:
+        """In a worker thread: each file of `wanted` whose bytes hash to its digest written to
+        an incoming file of its own (digest, its path, its inode, its size); the names of
+        those that do not; and why the RAM dir's file system took no more, if it did not."""
+        written: list[tuple[str, Path, int, int]] = []
+        bad: list[str] = []
+        for digest, (name, data) in wanted.items():
+            if mf.hash_bytes(data) != digest:
+                bad.append(name)
+                continue
+            path = self.objects_dir / f"{INCOMING_PREFIX}{digest}-{peer}-{next(self._small)}"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                write_all(fd, data, 0)
+                written.append((digest, path, os.fstat(fd).st_ino, len(data)))
+            except OSError as exc:
+                path.unlink(missing_ok=True)
+                return written, bad, f"the file system of its RAM dir: {exc.strerror or exc}"
+            finally:
+                os.close(fd)
+        return written, bad, ""
 
     def _transfer(self, path: Path, size: int) -> _Incoming:
         """The transfer of the incoming file at `path` (put back as the most recently used),
