@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from tierfs.mount_helper import control, fuse_helper, status_view
+from tierfs.mount_helper import control, fuse_helper, status_view, verify_view
 from tierfs.mount_helper.config import MOUNT_OPTIONS, ConfigError, resolve
 from tierfs.mount_helper.mounts import (
     DaemonState,
@@ -643,66 +643,13 @@ def _verify(path: str, as_json: bool, repair: bool) -> int:
     if as_json:
         print(json.dumps({"steps": steps, "ok": all(s["ok"] for s in steps)}, indent=2))
     else:
-        print(format_verify(steps))
-    return verify_outcome(steps, repair)
-
-
-def verify_outcome(steps: list[dict[str, Any]], repair: bool) -> int:
-    """0 when every file has a good copy on a tier reached (a warning line on stderr for
-    files with fewer than K + 1 copies); a one-line error naming each file with no reachable
-    copy and its last holders, or the first bad copy not repaired, otherwise."""
-    from tierfs.fs.lifecycle.verify import lost_files, short_files
-
-    lost = [lost_files(s["path"], s["lost"]) for s in steps if s.get("lost")]
-    if lost:
-        raise UserError("verify: " + "; ".join(lost))
-    failures = [(s, t) for s in steps for t in s["tiers"] if not t["ok"]]
-    if failures:
-        step, tier = failures[0]
-        if tier["error"]:
-            reason = tier["error"]
-        else:
-            problems = ([f"{len(tier['bad'])} bad ({', '.join(tier['bad'])})"] if tier["bad"]
-                        else []) + ([f"{len(tier['missing'])} missing ("
-                                     f"{', '.join(tier['missing'])})"] if tier["missing"]
-                                    else [])
-            reason = " and ".join(problems) + (", no good copy to repair from" if repair
-                                               else "")
-        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
-        raise UserError(f"verify: {step['path']} on {tier['tier']}: {reason}{more}")
-    for step in steps:
-        if step.get("short"):
-            print("tierfs: warning: " + short_files(step["path"], step["short"],
-                                                   step["wanted"]), file=sys.stderr)
+        print(verify_view.format_verify(steps))
+    failure = verify_view.failure(steps, repair)
+    if failure is not None:
+        raise UserError(failure)
+    for warning in verify_view.warnings(steps):
+        print(f"tierfs: warning: {warning}", file=sys.stderr)
     return 0
-
-
-def format_verify(steps: list[dict[str, Any]]) -> str:
-    from tierfs.fs.lifecycle.verify import TierReport, describe, lost_files
-
-    lines = []
-    for step in steps:
-        lines.append(f"{step['path']} v{step['version']}: {step['files']} files, "
-                     f"{human_bytes(step['bytes'])}")
-        for tier in step["tiers"]:
-            report = TierReport(**{k: v for k, v in tier.items() if k != "ok"})
-            lines.append(f"  {describe(report)}")
-        if step.get("lost"):
-            lines.append(f"  LOST: {lost_files(step['path'], step['lost'], shown=1000)}")
-    copies = sum(len(s["tiers"]) for s in steps)
-    repaired = sum(len(t["repaired"]) for s in steps for t in s["tiers"])
-    good = all(s["ok"] for s in steps)
-    if any(s.get("lost") for s in steps):
-        verdict = "FILES WITH NO REACHABLE COPY"
-    elif not good:
-        verdict = "PROBLEMS FOUND"
-    elif any(s.get("short") for s in steps):
-        verdict = "every file reachable, some with fewer than K + 1 copies"
-    else:
-        verdict = "every copy good"
-    lines.append(f"{len(steps)} steps, {copies} copies checked: {verdict}"
-                 + (f" ({repaired} files repaired)" if repaired else ""))
-    return "\n".join(lines)
 
 
 def _commit(path: str, timeout: float | None) -> int:
