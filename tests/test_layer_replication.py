@@ -69,7 +69,7 @@ class Receiving:
     manifests whose object arrived (as `OtherTiers.hold_files` does)."""
 
     def __init__(self, tmp: Path, *manifests: mf.StepManifest, limit: int = 1 << 30,
-                 **options: Any) -> None:
+                 batches: bool = True, **options: Any) -> None:
         self.objects = tmp / "b-objects"
         self.objects.mkdir()
         self.space = Space(limit)
@@ -79,6 +79,7 @@ class Receiving:
         self.port = free_port()
         self.put_channels: set[int] = set()  # the connections PUTs came over
         self.messages: collections.Counter[str] = collections.Counter()  # PUT, PUT_FILES
+        self.batches = batches  # False: as a daemon that does not know PUT_FILES
 
     async def _hold(self, path: str, version: int, names: list[str],
                     peer: str) -> list[str] | None:
@@ -100,10 +101,10 @@ class Receiving:
         await self.receiver.put_files(message, channel)
 
     async def start(self, nursery: trio.Nursery) -> None:
-        server = PeerServer("b", TOKEN, {"a", "b"}, {"PUT": self._put,
-                                                    "PUT_FILES": self._put_files,
-                                                    "HOLD": self.receiver.hold},
-                            streamed={"PUT"})
+        handlers = {"PUT": self._put, "HOLD": self.receiver.hold}
+        if self.batches:
+            handlers["PUT_FILES"] = self._put_files
+        server = PeerServer("b", TOKEN, {"a", "b"}, handlers, streamed={"PUT"})
         await nursery.start(server.run, "127.0.0.1", self.port)
 
 
@@ -340,6 +341,37 @@ async def test_small_files_go_many_to_a_message_and_a_thread_hop(
     assert in_threads["_write_small"] == b.messages["PUT_FILES"], in_threads
     assert sorted(os.listdir(b.objects)) == sorted({e.xxh3 for e in manifest.files})
     assert sum(b.space.used.values()) == sum(e.size for e in {*entries, large})
+
+
+async def test_a_peer_that_does_not_know_small_files_at_once_gets_them_one_by_one(
+        tmp_path: Path, etcd_server: EtcdServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon of an older version drops the connection at a PUT_FILES (an unknown message):
+    the sender's next round sends it those files by PUT, and says so once."""
+    objects = tmp_path / "a-objects"
+    entries = tuple(committed_object(objects, b"%d" % i, f"f{i}") for i in range(20))
+    manifest = mf.StepManifest("run/step_4", 4, 1, "a", 0, entries)
+    b = Receiving(tmp_path, manifest, batches=False)
+    held: list[str] = []
+    done = trio.Event()
+
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
+        return records_of(step, {"a", *held})
+
+    async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> bool:
+        held.extend(names)
+        done.set()
+        return True
+
+    async with trio.open_nursery() as nursery:
+        await replicate_to_b(nursery, etcd_server, b, objects, placements, on_held, manifest)
+        with trio.fail_after(30):
+            await done.wait()
+        nursery.cancel_scope.cancel()
+    assert sorted(held) == sorted(e.name for e in entries)
+    assert b.messages == {"PUT": len(entries)}
+    assert [r.message for r in caplog.records if "one by one" in r.message] == [
+        "b closed the connection at small files sent many at once (a daemon of an older "
+        "version?): they go one by one there for 600 s"]
 
 
 async def send_small_files(channel: PeerChannel, files: dict[str, bytes],

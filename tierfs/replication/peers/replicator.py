@@ -14,7 +14,8 @@ where they spread evenly, so that each file's chunks arrive in order and are has
 receiver as they are written, else dealt out in turn (`deal`); each connection is driven by a
 worker thread of its own (`sendfile`, the chunks' tags, channel.WINDOW PUTs ahead of the
 peer's OKs, which are the backpressure), and small files (SMALL_FILE bytes at most) go many to a
-PUT_FILES, read into one payload. Then HOLD names them (at most MAX_NAMES per message); the target
+PUT_FILES, read into one payload (one by one, as PUTs, to a peer that closed the connection at
+one: an older version). Then HOLD names them (at most MAX_NAMES per message); the target
 answers HELD with those it now holds, verified. Only then
 are they counted: the target is added to their records in etcd (batched transactions) and to
 this node's view. Only steps whose commit record is in etcd are replicated (the target asks
@@ -38,6 +39,7 @@ copies other nodes made of their files count).
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import time
@@ -50,7 +52,13 @@ from tierfs.observe import Events
 from tierfs.replication.coordination import placement
 from tierfs.replication.coordination.commit_records import FileRecord
 from tierfs.replication.peers import protocol as proto
-from tierfs.replication.peers.channel import WINDOW, BlockingChannel, NoRoom
+from tierfs.replication.peers.channel import (
+    WINDOW,
+    BlockingChannel,
+    ConnectionClosed,
+    ConnectionLost,
+    NoRoom,
+)
 from tierfs.replication.peers.directory import PeerDirectory
 from tierfs.retry import POLICY
 from tierfs.step_queue import StepQueue
@@ -72,6 +80,9 @@ BALANCE = 1.25
 # Python per file, about 330 us (ad hoc, 4 KiB files, two nodes on 2 cores).
 SMALL_FILE = 64 << 10
 SMALL_BATCH = 1 << 20
+# Seconds a target that closed the connection at its first PUT_FILES (a daemon of an older
+# version, which does not know it) is sent small files one by one, before it is tried again.
+ONE_BY_ONE = 600.0
 
 Placements = Callable[[mf.StepManifest], Awaitable[dict[str, FileRecord] | None]]
 # Count a target as holding files it verified; whether etcd recorded every one.
@@ -108,6 +119,7 @@ class Replicator:
         self._later: dict[str, mf.StepManifest] = {}  # steps that kept failing: tried again
         self._waiting: dict[str, mf.StepManifest] = {}  # trackers waiting for a peer's copies
         self._no_room: dict[str, tuple[float, str]] = {}  # target -> (trio time until, why)
+        self._one_by_one: dict[str, float] = {}  # target -> trio time until (ONE_BY_ONE)
         self._refusals = 0  # NO_ROOM answers so far
         # step path -> (why it is short of the copies this node owes, since when, wall ns)
         self.troubles: dict[str, tuple[str, int]] = {}
@@ -294,12 +306,16 @@ class Replicator:
         `deal`. The first failure raises (the other connections stop)."""
         shares = deal(entries, self.directory.connections)
         failures: list[BaseException] = []
+        batches = self._one_by_one.get(target, 0.0) <= trio.current_time()
 
         async def lane(share: list[tuple[mf.FileEntry, int]], scope: trio.CancelScope) -> None:
             try:
                 async with self.directory.channel(target) as channel:
-                    await channel.in_thread(_put_chunks, share, step_path, self._object_path)
+                    await channel.in_thread(_put_chunks, share, step_path, self._object_path,
+                                            batches)
             except (OSError, proto.ProtocolError, trio.TooSlowError) as exc:
+                if isinstance(exc, BatchesRefused):
+                    self._send_one_by_one(target)
                 failures.append(exc)
                 scope.cancel()
 
@@ -308,6 +324,16 @@ class Replicator:
                 nursery.start_soon(lane, share, nursery.cancel_scope)
         if failures:
             raise failures[0]
+
+
+    def _send_one_by_one(self, target: str) -> None:
+        """`target` closed the connection at small files sent many at once: they go to it one
+        by one for ONE_BY_ONE seconds (said the first time)."""
+        if target not in self._one_by_one:
+            log.warning("%s closed the connection at small files sent many at once (a daemon "
+                        "of an older version?): they go one by one there for %.0f s", target,
+                        ONE_BY_ONE)
+        self._one_by_one[target] = trio.current_time() + ONE_BY_ONE
 
 
 def _chunks(entry: mf.FileEntry) -> list[tuple[mf.FileEntry, int]]:
@@ -342,19 +368,31 @@ def deal(entries: list[mf.FileEntry], connections: int
     return [chunks[i::lanes] for i in range(lanes)]
 
 
+class BatchesRefused(ConnectionClosed):
+    """The connection ended while a PUT_FILES was unanswered and none was answered on it
+    before: most likely a daemon of an older version, which does not know the message."""
+
+
 def _put_chunks(io: BlockingChannel, chunks: list[tuple[mf.FileEntry, int]], step_path: str,
-                object_path: Callable[[str], str]) -> None:
+                object_path: Callable[[str], str], batches: bool = True) -> None:
     """In a worker thread, on a channel lent to it (`PeerChannel.in_thread`): each chunk as a
     PUT sent from its object by the kernel (`sendfile`), and the small files among them many
-    to a PUT_FILES (`_small_batches`), WINDOW messages ahead of the peer's OKs. A file's
-    descriptor is closed after its last chunk here: a step of many small files kept every
-    file of the connection's share open until the end, past the open-file limit a service
-    usually gets (1,024: EMFILE, and the copies were never made)."""
+    to a PUT_FILES (`_small_batches`, if `batches`), WINDOW messages ahead of the peer's OKs.
+    A file's descriptor is closed after its last chunk here: a step of many small files kept
+    every file of the connection's share open until the end, past the open-file limit a
+    service usually gets (1,024: EMFILE, and the copies were never made)."""
     last = {entry.xxh3: index for index, (entry, _offset) in enumerate(chunks)}
     fds: dict[str, int] = {}
-    unanswered = 0
+    unanswered: collections.deque[bool] = collections.deque()  # each: a PUT_FILES
+    batch_answered = False
+
+    def answer() -> None:
+        nonlocal batch_answered
+        io.receive("OK")
+        batch_answered |= unanswered.popleft()
+
     try:
-        for item in _small_batches(chunks):
+        for item in _small_batches(chunks) if batches else enumerate(chunks):
             if isinstance(item, list):
                 _put_files(io, item, step_path, object_path)
             else:
@@ -367,12 +405,15 @@ def _put_chunks(io: BlockingChannel, chunks: list[tuple[mf.FileEntry, int]], ste
                              size=entry.size, offset=offset)
                 if last[entry.xxh3] == index:
                     os.close(fds.pop(entry.xxh3))
-            unanswered += 1
-            if unanswered == WINDOW:
-                io.receive("OK")
-                unanswered -= 1
-        for _ in range(unanswered):
-            io.receive("OK")
+            unanswered.append(isinstance(item, list))
+            if len(unanswered) == WINDOW:
+                answer()
+        while unanswered:
+            answer()
+    except (ConnectionClosed, ConnectionLost) as exc:
+        if any(unanswered) and not batch_answered:
+            raise BatchesRefused(f"{exc} at small files sent many at once") from None
+        raise
     finally:
         for fd in fds.values():
             os.close(fd)
