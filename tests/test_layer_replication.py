@@ -844,3 +844,23 @@ async def test_a_chunk_the_ram_dir_has_no_room_for_is_refused_not_kept_short(
         nursery.cancel_scope.cancel()
     assert not (b.objects / entry.xxh3).exists()
     assert incoming_files(b.objects) == [] and b.space.used == {}
+
+
+async def test_small_files_the_ram_dir_has_no_room_for_are_refused_not_kept_short(
+        tmp_path: Path, small_shm: Path) -> None:
+    """The same for small files at once: those written whole stay (charged), the one
+    written in part is not kept, and the answer is NO_ROOM."""
+    files = {"one": os.urandom(700 << 10), "two": os.urandom(700 << 10)}
+    b = Receiving(small_shm)
+    stats = os.statvfs(b.objects)
+    (small_shm / "other-user").write_bytes(bytes(stats.f_bavail * stats.f_frsize - (1 << 20)))
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+        await send_small_files(channel, files)
+        answer = await channel.receive("NO_ROOM")
+        assert "no room on the file system of its RAM dir" in answer["message"]
+        await channel.aclose()
+        nursery.cancel_scope.cancel()
+    assert os.listdir(b.objects) == [mf.hash_bytes(files["one"])]
+    assert list(b.space.used.values()) == [700 << 10]

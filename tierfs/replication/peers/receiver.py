@@ -197,8 +197,8 @@ class ReplicaReceiver:
         its own, in one worker thread for the lot (`_write_small`); then each is charged to
         the RAM tier and becomes its object. Answered OK once every one is here; NO_ROOM if
         the RAM tier or its file system has no room for one (those before it stay); ERROR if
-        one's bytes do not match its digest (a holder's bad copy: none of them is kept, the
-        others are; the sender tries again later)."""
+        a file's bytes do not match its digest (a holder's bad copy: that file is not kept,
+        the others are; the sender tries again later)."""
         sizes = message["sizes"]
         payload = message.payload
         if sum(sizes) != len(payload):
@@ -209,8 +209,9 @@ class ReplicaReceiver:
             if digest not in wanted and not os.path.exists(self.objects_dir / digest):
                 wanted[digest] = (name, memoryview(payload)[at:at + size])
             at += size
-        written, bad, no_room = await trio.to_thread.run_sync(
+        written, bad, full = await trio.to_thread.run_sync(
             self._write_small, wanted, channel.peer_id, limiter=self._threads)
+        no_room = ""
         for digest, path, ino, size in written:
             if no_room or os.path.exists(self.objects_dir / digest):  # one came meanwhile
                 path.unlink(missing_ok=True)
@@ -222,6 +223,7 @@ class ReplicaReceiver:
                 no_room = "its RAM tier is full"
                 continue
             os.rename(path, self.objects_dir / digest)
+        no_room = no_room or full
         if no_room:
             log.warning("small files of %s from %s found no room (%s): refused",
                         message["path"], channel.peer_id, no_room)
@@ -246,15 +248,16 @@ class ReplicaReceiver:
                 bad.append(name)
                 continue
             path = self.objects_dir / f"{INCOMING_PREFIX}{digest}-{peer}-{next(self._small)}"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                write_all(fd, data, 0)
-                written.append((digest, path, os.fstat(fd).st_ino, len(data)))
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    write_all(fd, data, 0)
+                    written.append((digest, path, os.fstat(fd).st_ino, len(data)))
+                finally:
+                    os.close(fd)
             except OSError as exc:
                 path.unlink(missing_ok=True)
                 return written, bad, f"the file system of its RAM dir: {exc.strerror or exc}"
-            finally:
-                os.close(fd)
         return written, bad, ""
 
     def _transfer(self, path: Path, size: int) -> _Incoming:
