@@ -151,6 +151,30 @@ async def replicate_to_b(nursery: trio.Nursery, etcd_server: EtcdServer, b: Rece
     return replicator
 
 
+async def replicate_all_to_b(etcd_server: EtcdServer, b: Receiving, objects: Path,
+                             manifest: mf.StepManifest, timeout: float = 60) -> list[str]:
+    """`manifest` replicated from a to b until b held every file of it (a's records of the
+    holders as its `on_held` heard them); the names held."""
+    held: list[str] = []
+    done = trio.Event()
+
+    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
+        return records_of(step, {"a", *held})
+
+    async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> bool:
+        held.extend(names)
+        if len(held) >= len(manifest.files):
+            done.set()
+        return True
+
+    async with trio.open_nursery() as nursery:
+        await replicate_to_b(nursery, etcd_server, b, objects, placements, on_held, manifest)
+        with trio.fail_after(timeout):
+            await done.wait()
+        nursery.cancel_scope.cancel()
+    return held
+
+
 async def test_a_committed_step_arrives_whole_and_verified(tmp_path: Path,
                                                           etcd_server: EtcdServer) -> None:
     data = os.urandom(mf.CHUNK_SIZE + 12345)  # two chunks: offsets matter
@@ -275,23 +299,7 @@ async def test_a_step_of_many_files_is_held_in_several_messages(
                     for i in range(1200))
     manifest = mf.StepManifest("run/step_2", 2, 1, "a", 0, entries)
     b = Receiving(tmp_path, manifest)
-    held: list[str] = []
-    done = trio.Event()
-
-    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
-        return records_of(step, {"a", *held})
-
-    async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> bool:
-        held.extend(names)
-        done.set()
-        return True
-
-    async with trio.open_nursery() as nursery:
-        await replicate_to_b(nursery, etcd_server, b, objects,
-                             placements, on_held, manifest)
-        with trio.fail_after(60):
-            await done.wait()
-        nursery.cancel_scope.cancel()
+    held = await replicate_all_to_b(etcd_server, b, objects, manifest)
     assert [len(names) for _p, _v, names, _peer in b.held] == [proto.MAX_NAMES, 200]
     assert sorted(held) == sorted(e.name for e in entries)
 
@@ -309,8 +317,6 @@ async def test_small_files_go_many_to_a_message_and_a_thread_hop(
     large = committed_object(objects, os.urandom(SMALL_FILE + 1), "large")
     manifest = mf.StepManifest("run/step_3", 3, 1, "a", 0, (*entries, large))
     b = Receiving(tmp_path, manifest)
-    held: list[str] = []
-    done = trio.Event()
     in_threads: collections.Counter[str] = collections.Counter()
     run_sync = trio.to_thread.run_sync
 
@@ -319,21 +325,7 @@ async def test_small_files_go_many_to_a_message_and_a_thread_hop(
         return await run_sync(work, *args, **options)
 
     monkeypatch.setattr(trio.to_thread, "run_sync", counted)
-
-    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
-        return records_of(step, {"a", *held})
-
-    async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> bool:
-        held.extend(names)
-        if len(held) == len(manifest.files):
-            done.set()
-        return True
-
-    async with trio.open_nursery() as nursery:
-        await replicate_to_b(nursery, etcd_server, b, objects, placements, on_held, manifest)
-        with trio.fail_after(60):
-            await done.wait()
-        nursery.cancel_scope.cancel()
+    await replicate_all_to_b(etcd_server, b, objects, manifest)
     for entry in manifest.files:
         assert mf.hash_file(b.objects / entry.xxh3).xxh3 == entry.xxh3
     # 300 files of 0.5-4.4 KiB (0.7 MiB) over at most 4 connections, one message each
@@ -351,22 +343,7 @@ async def test_a_peer_that_does_not_know_small_files_at_once_gets_them_one_by_on
     entries = tuple(committed_object(objects, b"%d" % i, f"f{i}") for i in range(20))
     manifest = mf.StepManifest("run/step_4", 4, 1, "a", 0, entries)
     b = Receiving(tmp_path, manifest, batches=False)
-    held: list[str] = []
-    done = trio.Event()
-
-    async def placements(step: mf.StepManifest) -> dict[str, FileRecord]:
-        return records_of(step, {"a", *held})
-
-    async def on_held(_step: mf.StepManifest, _target: str, names: list[str]) -> bool:
-        held.extend(names)
-        done.set()
-        return True
-
-    async with trio.open_nursery() as nursery:
-        await replicate_to_b(nursery, etcd_server, b, objects, placements, on_held, manifest)
-        with trio.fail_after(30):
-            await done.wait()
-        nursery.cancel_scope.cancel()
+    held = await replicate_all_to_b(etcd_server, b, objects, manifest, timeout=30)
     assert sorted(held) == sorted(e.name for e in entries)
     assert b.messages == {"PUT": len(entries)}
     assert [r.message for r in caplog.records if "one by one" in r.message] == [
@@ -381,6 +358,19 @@ async def send_small_files(channel: PeerChannel, files: dict[str, bytes],
     await channel.send("PUT_FILES", b"".join(files.values()), path="run/step_1",
                        names=list(files), digests=[digests[name] for name in files],
                        sizes=[len(data) for data in files.values()])
+
+
+async def answer_to_small_files(b: Receiving, files: dict[str, bytes],
+                                expect: str) -> proto.Message:
+    """b's answer (of type `expect`) to a PUT_FILES of `files` from a."""
+    async with trio.open_nursery() as nursery:
+        await b.start(nursery)
+        channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
+        await send_small_files(channel, files)
+        answer = await channel.receive(expect)
+        await channel.aclose()
+        nursery.cancel_scope.cancel()
+    return answer
 
 
 async def test_small_files_whose_bytes_do_not_match_are_refused_the_others_kept(
@@ -411,14 +401,8 @@ async def test_small_files_with_no_room_are_refused_and_leave_nothing(tmp_path: 
     (charged), the rest leave no incoming file and no charge."""
     files = {"one": b"1" * 6, "two": b"2" * 6}
     b = Receiving(tmp_path, limit=10)
-    async with trio.open_nursery() as nursery:
-        await b.start(nursery)
-        channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
-        await send_small_files(channel, files)
-        answer = await channel.receive("NO_ROOM")
-        assert "RAM tier is full" in answer["message"]
-        await channel.aclose()
-        nursery.cancel_scope.cancel()
+    answer = await answer_to_small_files(b, files, "NO_ROOM")
+    assert "RAM tier is full" in answer["message"]
     assert os.listdir(b.objects) == [mf.hash_bytes(files["one"])]
     assert list(b.space.used.values()) == [6]
 
@@ -854,13 +838,7 @@ async def test_small_files_the_ram_dir_has_no_room_for_are_refused_not_kept_shor
     b = Receiving(small_shm)
     stats = os.statvfs(b.objects)
     (small_shm / "other-user").write_bytes(bytes(stats.f_bavail * stats.f_frsize - (1 << 20)))
-    async with trio.open_nursery() as nursery:
-        await b.start(nursery)
-        channel = await connect("127.0.0.1", b.port, TOKEN, "a", {"a", "b"}, "b")
-        await send_small_files(channel, files)
-        answer = await channel.receive("NO_ROOM")
-        assert "no room on the file system of its RAM dir" in answer["message"]
-        await channel.aclose()
-        nursery.cancel_scope.cancel()
+    answer = await answer_to_small_files(b, files, "NO_ROOM")
+    assert "no room on the file system of its RAM dir" in answer["message"]
     assert os.listdir(b.objects) == [mf.hash_bytes(files["one"])]
     assert list(b.space.used.values()) == [700 << 10]
