@@ -325,7 +325,6 @@ class Replicator:
         if failures:
             raise failures[0]
 
-
     def _send_one_by_one(self, target: str) -> None:
         """`target` closed the connection at small files sent many at once: they go to it one
         by one for ONE_BY_ONE seconds (said the first time)."""
@@ -445,8 +444,8 @@ def _small_batches(chunks: list[tuple[mf.FileEntry, int]]
 
 def _put_files(io: BlockingChannel, entries: list[mf.FileEntry], step_path: str,
                object_path: Callable[[str], str]) -> None:
-    """Small whole files as one PUT_FILES, read from their objects (ShortFile-like
-    ProtocolError if one is shorter than its entry: never a payload that lies)."""
+    """Small whole files as one PUT_FILES, read from their objects (a ProtocolError if one
+    is shorter than its entry: never a payload that says otherwise)."""
     parts = []
     for entry in entries:
         fd = os.open(object_path(entry.xxh3), os.O_RDONLY)
