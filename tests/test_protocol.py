@@ -299,3 +299,12 @@ async def test_a_frame_injected_into_an_authenticated_channel_is_refused() -> No
     await left.send_all(frame("PUT", b"evil", **PUT) + b"\0" * proto.tag_length(4))
     with pytest.raises(proto.ProtocolError, match="MAC"):
         await receiver.receive()
+
+
+def test_files_one_after_the_other_are_cut_at_their_sizes() -> None:
+    """FILES_DATA and PUT_FILES carry files one after the other: cut at the sizes the header
+    names, which must add up to the payload."""
+    message = proto.Message("PUT_FILES", {"sizes": [2, 0, 3]})
+    assert [bytes(f) for f in proto.cut_files(message, b"abcde")] == [b"ab", b"", b"cde"]
+    with pytest.raises(proto.ProtocolError, match="PUT_FILES of 4 bytes names 5"):
+        proto.cut_files(message, b"abcd")

@@ -253,16 +253,10 @@ class PeerReader:
 def _cut(asked: list[mf.FileEntry], reply: proto.Message,
          payload: memoryview) -> dict[str, memoryview]:
     """A FILES_DATA's files by name: those it names that were asked for at their sizes."""
-    sizes: list[int] = reply["sizes"]
-    if sum(sizes) != len(payload):
-        raise proto.ProtocolError(f"FILES_DATA of {len(payload)} bytes names {sum(sizes)}")
     wanted = {entry.name: entry.size for entry in asked}
-    got, at = {}, 0
-    for name, size in zip(reply["names"], sizes, strict=True):
-        if wanted.get(name) == size:
-            got[name] = payload[at:at + size]
-        at += size
-    return got
+    return {name: data for name, data in zip(reply["names"], proto.cut_files(reply, payload),
+                                             strict=True)
+            if wanted.get(name) == len(data)}
 
 
 @dataclass

@@ -234,6 +234,20 @@ def name_batches(items: Sequence[T], name: Callable[[T], str]) -> list[list[T]]:
     return batches
 
 
+def cut_files(message: Message, payload: bytes | memoryview) -> list[memoryview]:
+    """The files of a FILES_DATA or PUT_FILES, whose payload holds them one after the other
+    at the message's `sizes`: a view of each, in order (ProtocolError if the sizes do not add
+    up to the payload)."""
+    sizes: list[int] = message["sizes"]
+    if sum(sizes) != len(payload):
+        raise ProtocolError(f"{message.type} of {len(payload)} bytes names {sum(sizes)}")
+    view, at, files = memoryview(payload), 0, []
+    for size in sizes:
+        files.append(view[at:at + size])
+        at += size
+    return files
+
+
 def is_xxh3_128(value: str) -> bool:
     """A file's xxh3-128 as manifests and object names spell it: 32 lowercase hex digits."""
     return len(value) == 32 and not set(value) - _HEX_DIGITS

@@ -199,16 +199,11 @@ class ReplicaReceiver:
         the RAM tier or its file system has no room for one (those before it stay); ERROR if
         a file's bytes do not match its digest (a holder's bad copy: that file is not kept,
         the others are; the sender tries again later)."""
-        sizes = message["sizes"]
-        payload = message.payload
-        if sum(sizes) != len(payload):
-            raise proto.ProtocolError(f"PUT_FILES of {len(payload)} bytes names {sum(sizes)}")
         wanted: dict[str, tuple[str, memoryview]] = {}  # digest -> a name, its bytes
-        at = 0
-        for name, digest, size in zip(message["names"], message["digests"], sizes, strict=True):
+        for name, digest, data in zip(message["names"], message["digests"],
+                                      proto.cut_files(message, message.payload), strict=True):
             if digest not in wanted and not os.path.exists(self.objects_dir / digest):
-                wanted[digest] = (name, memoryview(payload)[at:at + size])
-            at += size
+                wanted[digest] = (name, data)
         written, bad, full = await trio.to_thread.run_sync(
             self._write_small, wanted, channel.peer_id, limiter=self._threads)
         no_room = ""
