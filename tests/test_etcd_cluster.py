@@ -543,6 +543,36 @@ async def test_a_step_read_again_brings_only_the_records_changed_since(
     assert sent[6:] == [0]
 
 
+async def test_reads_of_one_step_at_once_read_it_whole_once(etcd_server: EtcdServer) -> None:
+    """Right after a many-file commit the copies' plan, a status and the commit itself read
+    the step's records at about the same time (a 50,000-file step's whole read took about
+    0.8 s of the daemon's loop): a read that starts while another of the same step is on its
+    way waits for it and asks only for what changed since, not for the step whole again."""
+    cluster = new_cluster(etcd_server)
+    etcd = Etcd(cluster.endpoints)
+    records = CommitRecords(etcd, cluster)
+    sent: list[int] = []
+    get_prefix = etcd.get_prefix
+
+    async def counted(prefix: str, changed_after: int = 0) -> Snapshot:
+        snapshot = await get_prefix(prefix, changed_after)
+        sent.append(len(snapshot.kvs))
+        return snapshot
+
+    etcd.get_prefix = counted  # type: ignore[method-assign]
+    await records.record_files("s/1", {f"f{i:02}": shard("n0", i) for i in range(50)})
+    results: list[dict[str, FileRecord]] = []
+
+    async def read() -> None:
+        results.append(await records.files("s/1"))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(read)
+    assert sorted(sent) == [0, 0, 50]
+    assert results[0] == results[1] == results[2] and len(results[0]) == 50
+
+
 async def test_a_step_read_again_from_an_etcd_with_another_history_is_read_whole(
         etcd_server: EtcdServer, tmp_path: Path) -> None:
     """Records read again after etcd was wiped or restored from a backup (its revisions

@@ -13,6 +13,9 @@ again, and 65 ms to decode (ad hoc). `StepReads` keeps, for the DECODED_STEPS st
   only when its bytes changed (the records this node writes are kept as it wrote them:
   `wrote`).
 
+Reads of one step are made one after the other: one that starts while another is on its way
+waits for it, then asks only for what changed since.
+
 `stamp` names the records' content: the newest revision among them and their count, which
 changes with every put and every delete and never comes back to a value it had.
 
@@ -27,6 +30,8 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+import trio
 
 from tierfs.replication.coordination.etcd import Etcd, KeyValue
 
@@ -60,13 +65,28 @@ class StepReads(Generic[R]):
         self._decode = decode
         self._reads: dict[str, StepRead] = {}  # the most recently read last
         self._decoded: dict[str, dict[str, tuple[bytes, R]]] = {}
+        self._reading: dict[str, trio.Event] = {}  # steps being read, set once read
 
     def kept(self, step: str) -> bool:
         """Whether a read of the step is kept (its next read asks only for changes)."""
         return step in self._reads
 
     async def read(self, step: str) -> StepRead:
-        """Every record of the step as etcd holds it now."""
+        """Every record of the step as etcd holds it now. A read that starts while another
+        of the step is on its way waits for it, then asks for what changed since: right after
+        a many-file commit its copies' plan, a status and the commit read the step at about
+        the same time, and each read it whole (a 50,000-file step's took about 0.8 s of the
+        loop; ad hoc, py-spy)."""
+        while step in self._reading:
+            await self._reading[step].wait()
+        self._reading[step] = done = trio.Event()
+        try:
+            return await self._read(step)
+        finally:
+            del self._reading[step]
+            done.set()
+
+    async def _read(self, step: str) -> StepRead:
         prefix = self._prefix(step)
         last = self._reads.pop(step, None)  # this call's own while it reads
         read: StepRead | None = None
