@@ -506,15 +506,8 @@ async def test_records_read_again_decode_only_what_changed(
     assert len(decoded) == 1
 
 
-async def test_a_step_read_again_brings_only_the_records_changed_since(
-        etcd_server: EtcdServer) -> None:
-    """A status, a copy's plan and an upload's read a step's records again and again: a
-    read after the first asks etcd only for the records put since (one here, not 50), and
-    still answers what etcd holds now, deletions included (a deletion and a new record
-    between two reads leave the count unchanged: read whole again)."""
-    cluster = new_cluster(etcd_server)
-    etcd = Etcd(cluster.endpoints)
-    records = CommitRecords(etcd, cluster)
+def count_records_sent(etcd: Etcd) -> list[int]:
+    """The number of key-values each `get_prefix` of `etcd` brings, in order, from now on."""
     sent: list[int] = []
     get_prefix = etcd.get_prefix
 
@@ -524,6 +517,19 @@ async def test_a_step_read_again_brings_only_the_records_changed_since(
         return snapshot
 
     etcd.get_prefix = counted  # type: ignore[method-assign]
+    return sent
+
+
+async def test_a_step_read_again_brings_only_the_records_changed_since(
+        etcd_server: EtcdServer) -> None:
+    """A status, a copy's plan and an upload's read a step's records again and again: a
+    read after the first asks etcd only for the records put since (one here, not 50), and
+    still answers what etcd holds now, deletions included (a deletion and a new record
+    between two reads leave the count unchanged: read whole again)."""
+    cluster = new_cluster(etcd_server)
+    etcd = Etcd(cluster.endpoints)
+    records = CommitRecords(etcd, cluster)
+    sent = count_records_sent(etcd)
     await records.record_files("s/1", {f"f{i:02}": shard("n0", i) for i in range(50)})
     first = await records.files("s/1")
     assert await records.files("s/1") == first and sent == [50, 0]
@@ -551,15 +557,7 @@ async def test_reads_of_one_step_at_once_read_it_whole_once(etcd_server: EtcdSer
     cluster = new_cluster(etcd_server)
     etcd = Etcd(cluster.endpoints)
     records = CommitRecords(etcd, cluster)
-    sent: list[int] = []
-    get_prefix = etcd.get_prefix
-
-    async def counted(prefix: str, changed_after: int = 0) -> Snapshot:
-        snapshot = await get_prefix(prefix, changed_after)
-        sent.append(len(snapshot.kvs))
-        return snapshot
-
-    etcd.get_prefix = counted  # type: ignore[method-assign]
+    sent = count_records_sent(etcd)
     await records.record_files("s/1", {f"f{i:02}": shard("n0", i) for i in range(50)})
     results: list[dict[str, FileRecord]] = []
 
