@@ -827,29 +827,28 @@ def _cluster_runs(bench: Bench, state: dict[str, torch.Tensor], fresh: dict[str,
     # one warm-up of `size` left the second copy to memory this VM had handed back to its
     # host (0.8 s per 252 MiB shard written by the `cp`, strace -T, against 0.1 s warm).
     two_copies = 2 * size
-    for rep in range(reps):
+
+    def reference_cp(key: str, *wrapper: str) -> None:
+        """A timed `cp -r` of the step within tmpfs (run under `wrapper`), its time and its
+        CPU-seconds into `extra` under `key`."""
         warm_memory(two_copies)
         children = _children_cpu()
         started = time.perf_counter()
-        subprocess.run(["cp", "-r", str(copied / step), str(copied / "copy")], check=True)
-        extra.setdefault("restore_reference_cp", []).append(time.perf_counter() - started)
-        extra.setdefault("restore_reference_cp_cpu", []).append(_children_cpu() - children)
+        subprocess.run([*wrapper, "cp", "-r", str(copied / step), str(copied / "copy")],
+                       check=True)
+        extra.setdefault(key, []).append(time.perf_counter() - started)
+        extra.setdefault(f"{key}_cpu", []).append(_children_cpu() - children)
         shutil.rmtree(copied / "copy")
+
+    for rep in range(reps):
+        reference_cp("restore_reference_cp")
         if shutil.which("strace"):
             # The same `cp` as out of any FUSE mount: there its copy_file_range gets EXDEV
             # (another file system) and it copies by read and write of 128 KiB, where on
             # tmpfs the kernel copies for it. strace stops it only at that call (seccomp).
-            warm_memory(two_copies)
-            children = _children_cpu()
-            started = time.perf_counter()
-            subprocess.run(["strace", "-f", "--seccomp-bpf", "-e", "trace=copy_file_range",
-                            "-e", "inject=copy_file_range:error=EXDEV", "-o", os.devnull,
-                            "cp", "-r", str(copied / step), str(copied / "copy")], check=True)
-            extra.setdefault("restore_reference_cp_rw", []).append(
-                time.perf_counter() - started)
-            extra.setdefault("restore_reference_cp_rw_cpu", []).append(
-                _children_cpu() - children)
-            shutil.rmtree(copied / "copy")
+            reference_cp("restore_reference_cp_rw", "strace", "-f", "--seccomp-bpf", "-e",
+                         "trace=copy_file_range", "-e", "inject=copy_file_range:error=EXDEV",
+                         "-o", os.devnull)
         # DCP's own load of those bytes from tmpfs: the most a DCP restore can get near `cp`
         warm_memory(two_copies)
         mine = _own_cpu()
@@ -1331,7 +1330,7 @@ def _extras(data: dict[str, Any]) -> list[tuple[str, str, str]]:
         # `cp` with EXDEV, where measured): on 2 cores it takes at least the longer of the
         # two, and at least their CPU-seconds over 2.
         cp = extra["restore_reference_cp"]
-        rw = "restore_reference_cp_rw" in extra and "restore_reference_cp_rw_cpu" in extra
+        rw = "restore_reference_cp_rw" in extra  # with its _cpu (`reference_cp`)
         out, out_cpu = (extra["restore_reference_cp_rw"], extra["restore_reference_cp_rw_cpu"]) \
             if rw else (cp, extra["restore_reference_cp_cpu"])
         move_cpu = extra[f"loopback_floor_cpu_per_gib_{FLOOR_CONNECTIONS}"] * gb / 1.073741824
