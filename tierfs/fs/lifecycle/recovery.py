@@ -200,13 +200,14 @@ class Recovery:
             path=relpath, step=mf.NO_STEP if number is None else number,
             version=record.version, node_id=self.tree.node_id,
             committed_ns=record.committed_ns, files=tuple(entries))
-        for f, entry in zip(record.files, entries, strict=True):
-            snapshot = self.store.snapshot_path(f.snapshot)
-            if os.path.lexists(self.store.object_path(entry.xxh3)):
-                os.unlink(snapshot)
-            else:
-                os.rename(snapshot, self.store.object_path(entry.xxh3))
+        snapshots = [self.store.snapshot_path(f.snapshot) for f in record.files]
+        # Linked, not renamed: a crash before the manifest is in place finds the record whole.
+        for snapshot, entry in zip(snapshots, entries, strict=True):
+            if not os.path.lexists(self.store.object_path(entry.xxh3)):
+                os.link(snapshot, self.store.object_path(entry.xxh3))
         self.records.write_manifest(dirpath, finished)
+        for snapshot in snapshots:
+            os.unlink(snapshot)
         os.unlink(reach(record_path))
         log.warning("step %s v%d was committed before a restart with its hashes to come: "
                     "its %d files hashed now", relpath, record.version, len(entries))

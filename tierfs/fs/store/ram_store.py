@@ -303,13 +303,13 @@ class RamStore:
         return os.path.join(self._objects_path, (reserved.SNAPSHOT + key).encode())
 
     def adopt_snapshot(self, digest: str, snapshot: bytes) -> None:
-        """A pending commit's snapshot, now hashed, becomes the committed object `digest` (or
-        goes, if that object is here already), counted as one more use."""
+        """A pending commit's snapshot, now hashed, is linked as the committed object `digest`
+        (unless that object is here already), counted as one more use. The snapshot stays
+        until the manifest naming the object is in place (the caller drops it then): a crash
+        in between finds the pending commit whole."""
         if not (self._take_early(digest)
                 or os.path.lexists(os.path.join(self._objects_path, digest.encode()))):
-            os.rename(snapshot, os.path.join(self._objects_path, digest.encode()))
-        else:
-            self.drop_snapshot(snapshot)
+            os.link(snapshot, os.path.join(self._objects_path, digest.encode()))
         self._refs[digest] += 1
 
     def drop_snapshot(self, snapshot: bytes) -> None:

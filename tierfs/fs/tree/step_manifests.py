@@ -171,6 +171,8 @@ class StepManifests:
 
             self._put_in_place(step_node, manifest, adopt_snapshots,
                                {f.name for f in pending.record.files})
+            for f in pending.record.files:
+                store.drop_snapshot(store.snapshot_path(f.snapshot))
         self._remove_pending_record(step_node)
         step.pending = None
         # Changed since the pending commit: that change is a new version, still being written.
