@@ -6,12 +6,10 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pyfuse3
 import pytest
@@ -25,7 +23,6 @@ from tierfs.fs.lifecycle.background import Background
 from tierfs.fs.lifecycle.quiet_watch import SETTLED
 from tierfs.fs.model.nodes import ROOT_INODE
 from tierfs.fs.model.tombstones import Tombstone
-from tierfs.fs.tree.sealing import INLINE_HASH_BYTES
 from tierfs.trackers import TrackedStep
 
 pytestmark = pytest.mark.core
@@ -547,51 +544,3 @@ async def test_a_directory_held_open_answers_getattr_after_it_is_removed(
         assert (after.st_uid, after.st_gid, stat.S_IMODE(after.st_mode)) == (
             before.st_uid, before.st_gid, stat.S_IMODE(before.st_mode))
         await harness.ops.releasedir(handle)
-
-
-def crash_images_at_manifest_renames(monkeypatch: pytest.MonkeyPatch, ram: Path,
-                                     images: Path) -> list[Path]:
-    """The RAM dir as a kill -9 would leave it at the instant before each manifest is renamed
-    into place (tmpfs: what is on it is what a crash leaves), copied with its hard links;
-    the list fills as the renames happen."""
-    taken: list[Path] = []
-    rename = os.rename
-
-    def rename_after_image(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
-        if os.path.basename(os.fsencode(dst)) == mf.MANIFEST_NAME.encode():
-            image = images / str(len(taken))
-            subprocess.run(["cp", "-a", str(ram), str(image)], check=True)
-            taken.append(image)
-        rename(src, dst, *args, **kwargs)
-
-    monkeypatch.setattr(os, "rename", rename_after_image)
-    return taken
-
-
-async def test_a_crash_while_a_pending_commit_finishes_leaves_the_step_committed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A crash between a pending commit's snapshots becoming objects and its manifest's rename
-    (in the background, or in the next start's recovery) leaves the step committed, its bytes
-    whole: a file whose object is here already (`.metadata`, the same in both steps) and one
-    whose object is new."""
-    first = Harness(tmp_path / "ram")
-    shard = b"2" * (INLINE_HASH_BYTES + 1)  # hashed in a thread: late, while they are held
-    async with trio.open_nursery() as nursery:
-        await nursery.start(first.ns.background.run)
-        await dcp_save(first, "run/step_1", {"shard": b"one"})
-        images = crash_images_at_manifest_renames(monkeypatch, tmp_path / "ram", tmp_path)
-        await first.ns.hold_hash_threads()
-        await dcp_save(first, "run/step_2", {"shard": shard}, hashed=False)
-        assert await first.state("run/step_2") == "committed"  # pending: its hash held
-        first.ns.release_hash_threads()
-        await first.hashed()
-        nursery.cancel_scope.cancel()
-    first.close()
-    assert len(images) == 1
-    for start in range(2):  # the next start's recovery finishes the commit: a crash there too
-        again = Harness(images[start])
-        assert len(images) == 2
-        assert await again.state("run/step_2") == "committed"
-        assert await again.read_file("run/step_2/shard") == shard
-        assert await again.read_file("run/step_2/.metadata") == b"meta"
-        again.close()
