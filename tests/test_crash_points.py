@@ -4,10 +4,12 @@ saved again, renamed and removed; each copy is what a kill -9 at that instant le
 tmpfs. Started from each, the namespace must show every step as the last acknowledged
 operation left it, or as the operation under way would leave it: never a step lost after its
 save returned, never a partial step shown committed. The start-up's own recovery of each copy
-is crashed the same way, at every mutation it makes."""
+is crashed the same way, at every mutation it makes. A persistent tier (tests/fakes.py's
+`MemoryTier`, the store) is copied with each image: it is what survives the node."""
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 from collections.abc import Awaitable, Callable
@@ -19,13 +21,17 @@ import pyfuse3
 import pytest
 import trio
 
+from tests.fakes import MemoryTier
 from tests.harness import CTX, Harness, dcp_save
+from tests.waiting import wait_until_async
 from tierfs.fs.tree.sealing import INLINE_HASH_BYTES
 
 pytestmark = pytest.mark.core
 
 MUTATIONS = ("rename", "replace", "link", "unlink", "rmdir")
 Content = dict[str, bytes] | None  # a step's committed files; None: not a committed step
+# (its name, its call, what each step it changes is once it returned)
+Operation = tuple[str, Callable[[Harness], Awaitable[None]], dict[str, Content]]
 
 
 @dataclass
@@ -35,13 +41,15 @@ class CrashImage:
     in_restart: bool  # taken while a restart recovered an earlier image
     call: str  # the mutation it was about to make
     path: Path
+    store: MemoryTier | None  # the persistent tier then
 
 
 class CrashImages:
     """Copies of the RAM dir `ram` before each mutation in it, while `operation` is set."""
 
-    def __init__(self, ram: Path, into: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.ram, self.into = str(ram), into
+    def __init__(self, ram: Path, store: MemoryTier | None, into: Path,
+                 monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ram, self.store, self.into = str(ram), store, into
         self.taken: list[CrashImage] = []
         self.operation: str | None = None
         self.acknowledged = self.in_restart = False
@@ -50,23 +58,29 @@ class CrashImages:
 
     def _before(self, name: str, call: Callable[..., Any]) -> Callable[..., Any]:
         def take_image_then_call(*args: Any, **kwargs: Any) -> Any:
-            paths = [os.fsdecode(a) for a in args[:2] if isinstance(a, str | bytes)]
+            paths = [os.fsdecode(a) for a in args[:2] if isinstance(a, str | bytes | os.PathLike)]
             if self.operation and any(p.startswith(self.ram) for p in paths):
                 image = self.into / f"crash-{len(self.taken)}"
                 subprocess.run(["cp", "-a", self.ram, str(image)], check=True)
                 self.taken.append(CrashImage(self.operation, self.acknowledged,
-                                             self.in_restart, f"{name} {paths}", image))
+                                             self.in_restart, f"{name} {paths}", image,
+                                             copy.deepcopy(self.store)))
             return call(*args, **kwargs)
         return take_image_then_call
 
 
-async def committed_content(h: Harness, step: str) -> Content:
+async def is_committed(h: Harness, step: str) -> bool:
     try:
         node = h.ns.get(await h.inode(step))
     except pyfuse3.FUSEError:
-        return None  # not there
-    if node.step is None or node.step.state != "committed":
+        return False  # not there
+    return node.step is not None and node.step.state == "committed"
+
+
+async def committed_content(h: Harness, step: str) -> Content:
+    if not await is_committed(h, step):
         return None
+    node = h.ns.get(await h.inode(step))
     if node.is_file:  # a single-file step: its bytes under the name ""
         return {"": await h.read_file(step)}
     names = [name.decode() for name, _child in h.ns.list_dir(node)]
@@ -81,47 +95,17 @@ async def remove_step(h: Harness, step: str) -> None:
     await h.ops.rmdir(await h.inode(os.path.dirname(step)), os.path.basename(step).encode(), CTX)
 
 
-async def test_a_crash_at_any_moment_keeps_every_acknowledged_step(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    h = Harness(tmp_path / "ram")
-    big, other = os.urandom(3 * INLINE_HASH_BYTES), os.urandom(3 * INLINE_HASH_BYTES)
-    first = {"x": b"x" * 100, ".metadata": b"meta"}
-    v1 = {"a": big, "c": b"c, one", ".metadata": b"meta"}
-    v2 = {"a": big, "c": b"c, two", "d": other, ".metadata": b"meta"}
-
-    def late_hashes(step: str, files: dict[str, bytes]) -> Callable[[], Awaitable[None]]:
-        async def save() -> None:  # committed before its big files' hashes are in
-            await h.ns.hold_hash_threads()
-            await dcp_save(h, step, {k: v for k, v in files.items() if k != ".metadata"},
-                           hashed=False)
-            h.ns.release_hash_threads()
-        return save
-
-    async def rename_step() -> None:
-        await h.rename("run/step_2", "run/step_3")
-
-    def torch_save(data: bytes) -> Callable[[], Awaitable[None]]:
-        async def save() -> None:  # a loose file, committed a moment after its close
-            await h.write_file("run/last.ckpt", data)
-            await h.ns.commits.commit_quietly(h.ns.tree.find_step("run/last.ckpt"))
-        return save
-
-    # (operation, its call, what each step is once acknowledged)
-    operations: list[tuple[str, Callable[[], Awaitable[None]], dict[str, Content]]] = [
-        ("save step_1", lambda: dcp_save(h, "run/step_1", {"x": first["x"]}, hashed=False),
-         {"run/step_1": first}),
-        ("save step_2", late_hashes("run/step_2", v1), {"run/step_2": v1}),
-        ("save step_2 again", late_hashes("run/step_2", v2), {"run/step_2": v2}),
-        ("rename step_2 to step_3", rename_step, {"run/step_2": None, "run/step_3": v2}),
-        ("remove step_1", lambda: remove_step(h, "run/step_1"), {"run/step_1": None}),
-        ("torch.save last.ckpt", torch_save(big), {"run/last.ckpt": {"": big}}),
-        ("torch.save last.ckpt again", torch_save(other), {"run/last.ckpt": {"": other}}),
-    ]
-    expected: dict[str, Content] = dict.fromkeys(
-        ("run/step_1", "run/step_2", "run/step_3", "run/last.ckpt"))
+async def crash_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                           start: Callable[[Path, MemoryTier | None], Harness],
+                           store: MemoryTier | None, operations: list[Operation]) -> None:
+    """Run `operations` one after the other on `start`'s namespace over a RAM dir, the
+    images taken; then start from each image (and each image of those starts) and compare
+    every step with what the crash allows."""
+    h = start(tmp_path / "ram", store)
+    expected: dict[str, Content] = {step: None for *_, result in operations for step in result}
     before: dict[str, dict[str, Content]] = {}  # operation -> what each step was before it
     after: dict[str, dict[str, Content]] = {}
-    images = CrashImages(h.root, tmp_path, monkeypatch)
+    images = CrashImages(h.root, store, tmp_path, monkeypatch)
     async with trio.open_nursery() as nursery:
         await nursery.start(h.ns.background.run)
         for name, call, result in operations:
@@ -129,10 +113,12 @@ async def test_a_crash_at_any_moment_keeps_every_acknowledged_step(
             expected.update(result)
             after[name] = dict(expected)
             images.operation, images.acknowledged = name, False
-            await call()
+            await call(h)
             images.acknowledged = True
             await h.hashed()  # its background's part
-            assert {s: await committed_content(h, s) for s in expected} == expected, name
+            # (its bytes are read from the images: a read here could bring files back to RAM)
+            assert {s for s in expected if await is_committed(h, s)} == {
+                s for s, content in expected.items() if content is not None}, name
         images.operation = None
         nursery.cancel_scope.cancel()
     h.close()
@@ -140,24 +126,100 @@ async def test_a_crash_at_any_moment_keeps_every_acknowledged_step(
     wrong = []
     for image in images.taken:  # grows while it runs: the restarts' own images
         # A restart must leave what the crash allowed, whenever it is cut short itself.
-        images.ram, images.in_restart = str(image.path), True
+        images.ram, images.store, images.in_restart = str(image.path), image.store, True
         images.operation = None if image.in_restart else image.operation
         images.acknowledged = image.acknowledged
-        restarted = Harness(image.path)
+        restarted = start(image.path, image.store)
         images.operation = None
         try:
-            for step in expected:
-                found = await committed_content(restarted, step)
-                allowed = [after[image.operation][step]]
-                if not image.acknowledged:
-                    allowed.append(before[image.operation][step])
-                if found not in allowed:
-                    wrong.append(f"{step} after a crash in {image.operation!r} "
-                                 f"({'after' if image.acknowledged else 'before'} its return, "
-                                 f"{'in the restart, ' if image.in_restart else ''}"
-                                 f"at {image.call}): "
-                                 f"{sorted(found) if found is not None else 'not committed'}")
+            async with trio.open_nursery() as nursery:
+                await nursery.start(restarted.ns.background.run)
+                for step in expected:
+                    found = await committed_content(restarted, step)
+                    allowed = [after[image.operation][step]]
+                    if not image.acknowledged:
+                        allowed.append(before[image.operation][step])
+                    if found not in allowed:
+                        wrong.append(
+                            f"{step} after a crash in {image.operation!r} "
+                            f"({'after' if image.acknowledged else 'before'} its return, "
+                            f"{'in the restart, ' if image.in_restart else ''}"
+                            f"at {image.call}): "
+                            f"{sorted(found) if found is not None else 'not committed'}")
+                nursery.cancel_scope.cancel()
         finally:
             restarted.close()
     assert not wrong, "\n".join(wrong)
-    assert len(images.taken) > 20 and any(image.in_restart for image in images.taken)
+    assert len(images.taken) > 10 and any(image.in_restart for image in images.taken)
+
+
+def ram_only(ram: Path, _store: MemoryTier | None) -> Harness:
+    return Harness(ram)
+
+
+def late_hashes(step: str, files: dict[str, bytes]) -> Callable[[Harness], Awaitable[None]]:
+    async def save(h: Harness) -> None:  # committed before its big files' hashes are in
+        await h.ns.hold_hash_threads()
+        await dcp_save(h, step, {k: v for k, v in files.items() if k != ".metadata"},
+                       hashed=False)
+        h.ns.release_hash_threads()
+    return save
+
+
+def torch_save(path: str, data: bytes) -> Callable[[Harness], Awaitable[None]]:
+    async def save(h: Harness) -> None:  # a loose file, committed a moment after its close
+        await h.write_file(path, data)
+        await h.ns.commits.commit_quietly(h.ns.tree.find_step(path))
+    return save
+
+
+async def test_a_crash_at_any_moment_keeps_every_acknowledged_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    big, other = os.urandom(3 * INLINE_HASH_BYTES), os.urandom(3 * INLINE_HASH_BYTES)
+    first = {"x": b"x" * 100, ".metadata": b"meta"}
+    v1 = {"a": big, "c": b"c, one", ".metadata": b"meta"}
+    v2 = {"a": big, "c": b"c, two", "d": other, ".metadata": b"meta"}
+    await crash_everywhere(tmp_path, monkeypatch, ram_only, None, [
+        ("save step_1", lambda h: dcp_save(h, "run/step_1", {"x": first["x"]}, hashed=False),
+         {"run/step_1": first}),
+        ("save step_2", late_hashes("run/step_2", v1), {"run/step_2": v1}),
+        ("save step_2 again", late_hashes("run/step_2", v2), {"run/step_2": v2}),
+        ("rename step_2 to step_3", lambda h: h.rename("run/step_2", "run/step_3"),
+         {"run/step_2": None, "run/step_3": v2}),
+        ("remove step_1", lambda h: remove_step(h, "run/step_1"), {"run/step_1": None}),
+        ("torch.save last.ckpt", torch_save("run/last.ckpt", big), {"run/last.ckpt": {"": big}}),
+        ("torch.save last.ckpt again", torch_save("run/last.ckpt", other),
+         {"run/last.ckpt": {"": other}}),
+    ])
+
+
+def with_store(ram: Path, store: MemoryTier | None) -> Harness:
+    """A node whose committed steps leave RAM once the store holds them (keep_ram=0)."""
+    return Harness(ram, read_sources=[store], persist=store, store_check=store, keep_ram=0)
+
+
+async def test_a_crash_at_any_moment_of_a_step_leaving_ram_and_coming_back_keeps_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = MemoryTier("s3")
+    files = {"a": os.urandom(3 * INLINE_HASH_BYTES), "b": b"b" * 100}
+    step = {**files, ".metadata": b"meta"}
+
+    async def stored_and_evicted(h: Harness) -> None:  # as the uploader does, then eviction
+        manifest = h.commits.receive_nowait()
+        store.put_step(manifest, step)
+        h.ns.tiers.mark_persisted(manifest)
+        node = h.ns.tree.find_step("run/step_1")
+        await wait_until_async(lambda: not node.step.resident, timeout=60)
+
+    async def read_back(h: Harness) -> None:
+        for name in step:
+            await h.read_file(f"run/step_1/{name}")
+
+    await crash_everywhere(tmp_path, monkeypatch, with_store, store, [
+        ("save step_1", lambda h: dcp_save(h, "run/step_1", files), {"run/step_1": step}),
+        ("store and evict step_1", stored_and_evicted, {"run/step_1": step}),
+        ("read step_1 back", read_back, {"run/step_1": step}),
+        ("save step_2 into step_1's files", lambda h: dcp_save(h, "run/step_2", files),
+         {"run/step_2": step}),
+        ("remove step_1", lambda h: remove_step(h, "run/step_1"), {"run/step_1": None}),
+    ])
