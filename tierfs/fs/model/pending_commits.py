@@ -16,9 +16,10 @@ still being hashed. The commit then happens in two parts (`fs.lifecycle.commits`
 2. In the background, under the step's lock (`Commits._finish_pending`): each snapshot's hash
    (the file's own seal when it is still those bytes: its background hash is joined, never
    repeated), then the manifest exactly as a commit that waited would have written it
-   (`StepManifests.finish_pending`: snapshots become `objects/<xxh3>`, the manifest is renamed
-   into place, the record removed), and only then the cluster's record and the `CommitSink`
-   (peers, store). Nothing of the step leaves the node before.
+   (`StepManifests.finish_pending`: snapshots linked as `objects/<xxh3>`, the manifest renamed
+   into place, then the snapshots and the record removed: a crash at any point finds either
+   the record with every snapshot or the manifest), and only then the cluster's record and
+   the `CommitSink` (peers, store). Nothing of the step leaves the node before.
 
 A step written again while its hashes run starts a new version (`nodes.Pending.superseded`, and its
 state is `writing` again); that version's commit waits for the pending one to be finished

@@ -143,7 +143,9 @@ class StepManifests:
     def finish_pending(self, step_node: Node, digests: dict[str, mf.Digest]
                        ) -> mf.StepManifest:
         """Part 2, once every hash is in (no await): the manifest the commit would have
-        written had it waited, its snapshots made committed objects, the record removed.
+        written had it waited, its snapshots linked as committed objects, then dropped once the
+        manifest is in place (a crash in between finds the pending record whole), the record
+        removed.
         Returns the old manifest if the content is the same as it (no new version)."""
         step = step_node.step
         pending = step.pending
