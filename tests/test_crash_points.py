@@ -4,12 +4,14 @@ saved again, renamed and removed; each copy is what a kill -9 at that instant le
 tmpfs. Started from each, the namespace must show every step as the last acknowledged
 operation left it, or as the operation under way would leave it: never a step lost after its
 save returned, never a partial step shown committed. The start-up's own recovery of each copy
-is crashed the same way, at every mutation it makes. A persistent tier (tests/fakes.py's
-`MemoryTier`, the store) is copied with each image: it is what survives the node."""
+is crashed the same way, at every mutation it makes. The other tiers (tests/fakes.py's
+`MemoryTier`s: the store, the peers' copies) are copied with each image: they are what
+survives the node."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import subprocess
 from collections.abc import Awaitable, Callable
@@ -22,7 +24,7 @@ import pytest
 import trio
 
 from tests.fakes import MemoryTier
-from tests.harness import CTX, Harness, dcp_save
+from tests.harness import CTX, Harness, committed_step, dcp_save
 from tests.waiting import wait_until_async
 from tierfs.fs.tree.sealing import INLINE_HASH_BYTES
 
@@ -41,15 +43,15 @@ class CrashImage:
     in_restart: bool  # taken while a restart recovered an earlier image
     call: str  # the mutation it was about to make
     path: Path
-    store: MemoryTier | None  # the persistent tier then
+    remotes: tuple[MemoryTier, ...]  # the other tiers then
 
 
 class CrashImages:
     """Copies of the RAM dir `ram` before each mutation in it, while `operation` is set."""
 
-    def __init__(self, ram: Path, store: MemoryTier | None, into: Path,
+    def __init__(self, ram: Path, remotes: tuple[MemoryTier, ...], into: Path,
                  monkeypatch: pytest.MonkeyPatch) -> None:
-        self.ram, self.store, self.into = str(ram), store, into
+        self.ram, self.remotes, self.into = str(ram), remotes, into
         self.taken: list[CrashImage] = []
         self.operation: str | None = None
         self.acknowledged = self.in_restart = False
@@ -64,7 +66,7 @@ class CrashImages:
                 subprocess.run(["cp", "-a", self.ram, str(image)], check=True)
                 self.taken.append(CrashImage(self.operation, self.acknowledged,
                                              self.in_restart, f"{name} {paths}", image,
-                                             copy.deepcopy(self.store)))
+                                             copy.deepcopy(self.remotes)))
             return call(*args, **kwargs)
         return take_image_then_call
 
@@ -96,16 +98,17 @@ async def remove_step(h: Harness, step: str) -> None:
 
 
 async def crash_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                           start: Callable[[Path, MemoryTier | None], Harness],
-                           store: MemoryTier | None, operations: list[Operation]) -> None:
+                           start: Callable[[Path, tuple[MemoryTier, ...]], Harness],
+                           remotes: tuple[MemoryTier, ...], operations: list[Operation]
+                           ) -> None:
     """Run `operations` one after the other on `start`'s namespace over a RAM dir, the
     images taken; then start from each image (and each image of those starts) and compare
     every step with what the crash allows."""
-    h = start(tmp_path / "ram", store)
+    h = start(tmp_path / "ram", remotes)
     expected: dict[str, Content] = {step: None for *_, result in operations for step in result}
     before: dict[str, dict[str, Content]] = {}  # operation -> what each step was before it
     after: dict[str, dict[str, Content]] = {}
-    images = CrashImages(h.root, store, tmp_path, monkeypatch)
+    images = CrashImages(h.root, remotes, tmp_path, monkeypatch)
     async with trio.open_nursery() as nursery:
         await nursery.start(h.ns.background.run)
         for name, call, result in operations:
@@ -126,10 +129,10 @@ async def crash_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     wrong = []
     for image in images.taken:  # grows while it runs: the restarts' own images
         # A restart must leave what the crash allowed, whenever it is cut short itself.
-        images.ram, images.store, images.in_restart = str(image.path), image.store, True
+        images.ram, images.remotes, images.in_restart = str(image.path), image.remotes, True
         images.operation = None if image.in_restart else image.operation
         images.acknowledged = image.acknowledged
-        restarted = start(image.path, image.store)
+        restarted = start(image.path, image.remotes)
         images.operation = None
         try:
             async with trio.open_nursery() as nursery:
@@ -153,7 +156,7 @@ async def crash_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert len(images.taken) > 10 and any(image.in_restart for image in images.taken)
 
 
-def ram_only(ram: Path, _store: MemoryTier | None) -> Harness:
+def ram_only(ram: Path, _remotes: tuple[MemoryTier, ...]) -> Harness:
     return Harness(ram)
 
 
@@ -179,7 +182,7 @@ async def test_a_crash_at_any_moment_keeps_every_acknowledged_step(
     first = {"x": b"x" * 100, ".metadata": b"meta"}
     v1 = {"a": big, "c": b"c, one", ".metadata": b"meta"}
     v2 = {"a": big, "c": b"c, two", "d": other, ".metadata": b"meta"}
-    await crash_everywhere(tmp_path, monkeypatch, ram_only, None, [
+    await crash_everywhere(tmp_path, monkeypatch, ram_only, (), [
         ("save step_1", lambda h: dcp_save(h, "run/step_1", {"x": first["x"]}, hashed=False),
          {"run/step_1": first}),
         ("save step_2", late_hashes("run/step_2", v1), {"run/step_2": v1}),
@@ -193,8 +196,9 @@ async def test_a_crash_at_any_moment_keeps_every_acknowledged_step(
     ])
 
 
-def with_store(ram: Path, store: MemoryTier | None) -> Harness:
+def with_store(ram: Path, remotes: tuple[MemoryTier, ...]) -> Harness:
     """A node whose committed steps leave RAM once the store holds them (keep_ram=0)."""
+    [store] = remotes
     return Harness(ram, read_sources=[store], persist=store, store_check=store, keep_ram=0)
 
 
@@ -215,11 +219,49 @@ async def test_a_crash_at_any_moment_of_a_step_leaving_ram_and_coming_back_keeps
         for name in step:
             await h.read_file(f"run/step_1/{name}")
 
-    await crash_everywhere(tmp_path, monkeypatch, with_store, store, [
+    await crash_everywhere(tmp_path, monkeypatch, with_store, (store,), [
         ("save step_1", lambda h: dcp_save(h, "run/step_1", files), {"run/step_1": step}),
         ("store and evict step_1", stored_and_evicted, {"run/step_1": step}),
         ("read step_1 back", read_back, {"run/step_1": step}),
         ("save step_2 into step_1's files", lambda h: dcp_save(h, "run/step_2", files),
          {"run/step_2": step}),
         ("remove step_1", lambda h: remove_step(h, "run/step_1"), {"run/step_1": None}),
+    ])
+
+
+def with_peers_and_store(ram: Path, remotes: tuple[MemoryTier, ...]) -> Harness:
+    """A node of a cluster: steps other nodes hold are read from them, then the store."""
+    peers, store = remotes
+    return Harness(ram, read_sources=[peers, store], persist=store, store_check=store)
+
+
+async def test_a_crash_at_any_moment_of_a_peers_step_held_here_then_replaced_keeps_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another node's step, listed here (`learn`), its copies held here (`hold_files`, as the
+    receiver does once the objects arrived), then a newer version of it found in the store
+    (`adopt_persisted`: superseded)."""
+    peers, store = MemoryTier("peers"), MemoryTier("s3")
+    old = {"a": os.urandom(3 * INLINE_HASH_BYTES), ".metadata": b"meta"}
+    new = {"a": os.urandom(3 * INLINE_HASH_BYTES), ".metadata": b"meta, two"}
+    v1 = committed_step(tmp_path / "scratch", "run/step_1", old)
+    v2 = dataclasses.replace(committed_step(tmp_path / "scratch", "run/step_1", new),
+                             version=2, committed_ns=1)
+    peers.put_step(v1, old)
+    store.put_step(v2, new)
+
+    async def learn(h: Harness) -> None:
+        h.ns.tiers.learn(v1, ["n1"])
+
+    async def hold(h: Harness) -> None:
+        for entry in v1.files:  # as the receiver leaves them: checked objects
+            h.store.object_path(entry.xxh3).write_bytes(old[entry.name])
+        assert await h.ns.tiers.hold_files("run/step_1", 1, list(old), "n1") == list(old)
+
+    async def newer_in_store(h: Harness) -> None:
+        h.ns.tiers.adopt_persisted(v2)
+
+    await crash_everywhere(tmp_path, monkeypatch, with_peers_and_store, (peers, store), [
+        ("learn step_1 from n1", learn, {"run/step_1": old}),
+        ("hold step_1's copies", hold, {"run/step_1": old}),
+        ("a newer step_1 in the store", newer_in_store, {"run/step_1": new}),
     ])
