@@ -26,6 +26,7 @@ import trio
 from tests.fakes import MemoryTier
 from tests.harness import CTX, Harness, committed_step, dcp_save
 from tests.waiting import wait_until_async
+from tierfs.fs.model.nodes import Node
 from tierfs.fs.tree.sealing import INLINE_HASH_BYTES
 
 pytestmark = pytest.mark.core
@@ -85,8 +86,19 @@ async def committed_content(h: Harness, step: str) -> Content:
     node = h.ns.get(await h.inode(step))
     if node.is_file:  # a single-file step: its bytes under the name ""
         return {"": await h.read_file(step)}
-    names = [name.decode() for name, _child in h.ns.list_dir(node)]
-    return {name: await h.read_file(f"{step}/{name}") for name in names}
+    return await files_under(h, step, node)
+
+
+async def files_under(h: Harness, path: str, node: Node) -> dict[str, bytes]:
+    """Every file under the directory `node` at `path`, by its path relative to it."""
+    found = {}
+    for name, child in h.ns.list_dir(node):
+        if child.is_file:
+            found[name.decode()] = await h.read_file(f"{path}/{name.decode()}")
+        else:
+            below = await files_under(h, f"{path}/{name.decode()}", child)
+            found |= {f"{name.decode()}/{rel}": data for rel, data in below.items()}
+    return found
 
 
 async def remove_step(h: Harness, step: str) -> None:
@@ -176,12 +188,21 @@ def torch_save(path: str, data: bytes) -> Callable[[Harness], Awaitable[None]]:
     return save
 
 
+def quiet_save(step: str, files: dict[str, bytes]) -> Callable[[Harness], Awaitable[None]]:
+    async def save(h: Harness) -> None:  # HF's Trainer: its files, committed once quiet
+        for name, data in files.items():
+            await h.write_file(f"{step}/{name}", data)
+        await h.ns.commits.commit_quietly(h.ns.tree.find_step(step))
+    return save
+
+
 async def test_a_crash_at_any_moment_keeps_every_acknowledged_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     big, other = os.urandom(3 * INLINE_HASH_BYTES), os.urandom(3 * INLINE_HASH_BYTES)
     first = {"x": b"x" * 100, ".metadata": b"meta"}
     v1 = {"a": big, "c": b"c, one", ".metadata": b"meta"}
     v2 = {"a": big, "c": b"c, two", "d": other, ".metadata": b"meta"}
+    hf = {"model.safetensors": big, "config.json": b"{}", "tokenizer/vocab.json": b"{1}"}
     await crash_everywhere(tmp_path, monkeypatch, ram_only, (), [
         ("save step_1", lambda h: dcp_save(h, "run/step_1", {"x": first["x"]}, hashed=False),
          {"run/step_1": first}),
@@ -193,6 +214,11 @@ async def test_a_crash_at_any_moment_keeps_every_acknowledged_step(
         ("torch.save last.ckpt", torch_save("run/last.ckpt", big), {"run/last.ckpt": {"": big}}),
         ("torch.save last.ckpt again", torch_save("run/last.ckpt", other),
          {"run/last.ckpt": {"": other}}),
+        ("save checkpoint-4 with a subdirectory", quiet_save("run/checkpoint-4", hf),
+         {"run/checkpoint-4": hf}),
+        ("write a tracker naming step_3", torch_save("run/latest_checkpointed_iteration.txt",
+                                                     b"3"),
+         {"run/latest_checkpointed_iteration.txt": {"": b"3"}}),
     ])
 
 
