@@ -3,10 +3,10 @@ before every rename, link, unlink and rmdir the daemon makes in it while steps a
 saved again, renamed and removed; each copy is what a kill -9 at that instant leaves on
 tmpfs. Started from each, the namespace must show every step as the last acknowledged
 operation left it, or as the operation under way would leave it: never a step lost after its
-save returned, never a partial step shown committed. The start-up's own recovery of each copy
-is crashed the same way, at every mutation it makes. The other tiers (tests/fakes.py's
-`MemoryTier`s: the store, the peers' copies) are copied with each image: they are what
-survives the node."""
+save returned, never a partial step shown committed, `latest` never naming a step that is not
+committed. The start-up's own recovery of each copy is crashed the same way, at every
+mutation it makes. The other tiers (tests/fakes.py's `MemoryTier`s: the store, the peers'
+copies) are copied with each image: they are what survives the node."""
 
 from __future__ import annotations
 
@@ -89,6 +89,16 @@ async def committed_content(h: Harness, step: str) -> Content:
     return await files_under(h, step, node)
 
 
+async def latest_names_a_committed_step(h: Harness) -> bool:
+    """`run/latest`, where the directory shows one, names a step committed here: a job that
+    resumes from it after a crash never loads a partial step."""
+    try:
+        target = (await h.ops.readlink(await h.inode("run/latest"), CTX)).decode()
+    except pyfuse3.FUSEError:
+        return True  # no latest shown (nothing committed, or the saver's own)
+    return await is_committed(h, f"run/{target}")
+
+
 async def files_under(h: Harness, path: str, node: Node) -> dict[str, bytes]:
     """Every file under the directory `node` at `path`, by its path relative to it."""
     found = {}
@@ -161,6 +171,9 @@ async def crash_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                             f"{'in the restart, ' if image.in_restart else ''}"
                             f"at {image.call}): "
                             f"{sorted(found) if found is not None else 'not committed'}")
+                if not await latest_names_a_committed_step(restarted):
+                    wrong.append(f"run/latest after a crash in {image.operation!r} at "
+                                 f"{image.call}: names a step not committed")
                 nursery.cancel_scope.cancel()
         finally:
             restarted.close()
