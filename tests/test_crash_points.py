@@ -223,6 +223,7 @@ async def test_a_crash_at_any_moment_keeps_every_acknowledged_step(
         ("save step_2 again", late_hashes("run/step_2", v2), {"run/step_2": v2}),
         ("rename step_2 to step_3", lambda h: h.rename("run/step_2", "run/step_3"),
          {"run/step_2": None, "run/step_3": v2}),
+        ("save step_3 again, the same bytes", late_hashes("run/step_3", v2), {"run/step_3": v2}),
         ("remove step_1", lambda h: remove_step(h, "run/step_1"), {"run/step_1": None}),
         ("torch.save last.ckpt", torch_save("run/last.ckpt", big), {"run/last.ckpt": {"": big}}),
         ("torch.save last.ckpt again", torch_save("run/last.ckpt", other),

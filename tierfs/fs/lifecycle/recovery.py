@@ -206,9 +206,9 @@ class Recovery:
             if not os.path.lexists(self.store.object_path(entry.xxh3)):
                 os.link(snapshot, self.store.object_path(entry.xxh3))
         self.records.write_manifest(dirpath, finished)
+        os.unlink(reach(record_path))
         for snapshot in snapshots:
             os.unlink(snapshot)
-        os.unlink(reach(record_path))
         log.warning("step %s v%d was committed before a restart with its hashes to come: "
                     "its %d files hashed now", relpath, record.version, len(entries))
         return True

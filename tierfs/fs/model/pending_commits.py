@@ -17,7 +17,7 @@ still being hashed. The commit then happens in two parts (`fs.lifecycle.commits`
    (the file's own seal when it is still those bytes: its background hash is joined, never
    repeated), then the manifest exactly as a commit that waited would have written it
    (`StepManifests.finish_pending`: snapshots linked as `objects/<xxh3>`, the manifest renamed
-   into place, then the snapshots and the record removed: a crash at any point finds either
+   into place, then the record removed and the snapshots: a crash at any point finds either
    the record with every snapshot or the manifest), and only then the cluster's record and
    the `CommitSink` (peers, store). Nothing of the step leaves the node before.
 

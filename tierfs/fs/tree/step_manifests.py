@@ -143,10 +143,10 @@ class StepManifests:
     def finish_pending(self, step_node: Node, digests: dict[str, mf.Digest]
                        ) -> mf.StepManifest:
         """Part 2, once every hash is in (no await): the manifest the commit would have
-        written had it waited, its snapshots linked as committed objects, then dropped once the
-        manifest is in place (a crash in between finds the pending record whole), the record
-        removed.
-        Returns the old manifest if the content is the same as it (no new version)."""
+        written had it waited, its snapshots linked as committed objects; once it is in place,
+        the record removed and the snapshots dropped (a crash at any point finds the record with
+        every snapshot, or the manifest). Returns the old manifest if the content is the same
+        as it (no new version)."""
         step = step_node.step
         pending = step.pending
         assert pending is not None
@@ -158,8 +158,6 @@ class StepManifests:
         if (old is not None and old.path == step_path and old.step == number
                 and old.same_entries(entries)):
             manifest = old
-            for f in pending.record.files:
-                store.drop_snapshot(store.snapshot_path(f.snapshot))
         else:
             manifest = mf.StepManifest(
                 path=step_path, step=number, version=pending.record.version,
@@ -173,9 +171,11 @@ class StepManifests:
 
             self._put_in_place(step_node, manifest, adopt_snapshots,
                                {f.name for f in pending.record.files})
-            for f in pending.record.files:
-                store.drop_snapshot(store.snapshot_path(f.snapshot))
+        # The record goes before its snapshots: a crash between leaves snapshots that no
+        # record names, which the next start removes, never a record without them.
         self._remove_pending_record(step_node)
+        for f in pending.record.files:
+            store.drop_snapshot(store.snapshot_path(f.snapshot))
         step.pending = None
         # Changed since the pending commit: that change is a new version, still being written.
         step.dirty = pending.superseded
