@@ -263,7 +263,7 @@ async def test_a_crash_at_any_moment_of_a_step_leaving_ram_and_coming_back_keeps
         ("save step_1", lambda h: dcp_save(h, "run/step_1", files), {"run/step_1": step}),
         ("store and evict step_1", stored_and_evicted, {"run/step_1": step}),
         ("read step_1 back", read_back, {"run/step_1": step}),
-        ("save step_2 into step_1's files", lambda h: dcp_save(h, "run/step_2", files),
+        ("save step_2 with step_1's bytes", lambda h: dcp_save(h, "run/step_2", files),
          {"run/step_2": step}),
         ("remove step_1", lambda h: remove_step(h, "run/step_1"), {"run/step_1": None}),
     ])
