@@ -72,18 +72,19 @@ class CrashImages:
         return take_image_then_call
 
 
-async def is_committed(h: Harness, step: str) -> bool:
+async def committed_node(h: Harness, step: str) -> Node | None:
+    """The node of `step` if it is a committed step, else None (not there, or not committed)."""
     try:
         node = h.ns.get(await h.inode(step))
     except pyfuse3.FUSEError:
-        return False  # not there
-    return node.step is not None and node.step.state == "committed"
+        return None
+    return node if node.step is not None and node.step.state == "committed" else None
 
 
 async def committed_content(h: Harness, step: str) -> Content:
-    if not await is_committed(h, step):
+    node = await committed_node(h, step)
+    if node is None:
         return None
-    node = h.ns.get(await h.inode(step))
     if node.is_file:  # a single-file step: its bytes under the name ""
         return {"": await h.read_file(step)}
     return await files_under(h, step, node)
@@ -96,7 +97,7 @@ async def latest_names_a_committed_step(h: Harness) -> bool:
         target = (await h.ops.readlink(await h.inode("run/latest"), CTX)).decode()
     except pyfuse3.FUSEError:
         return True  # no latest shown (nothing committed, or the saver's own)
-    return await is_committed(h, f"run/{target}")
+    return await committed_node(h, f"run/{target}") is not None
 
 
 async def files_under(h: Harness, path: str, node: Node) -> dict[str, bytes]:
@@ -142,7 +143,7 @@ async def crash_everywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
             images.acknowledged = True
             await h.hashed()  # its background's part
             # (its bytes are read from the images: a read here could bring files back to RAM)
-            assert {s for s in expected if await is_committed(h, s)} == {
+            assert {s for s in expected if await committed_node(h, s) is not None} == {
                 s for s, content in expected.items() if content is not None}, name
         images.operation = None
         nursery.cancel_scope.cancel()
