@@ -246,6 +246,35 @@ def test_fstat_of_an_open_unlinked_file_shows_no_link(mounts: MountFactory,
     assert os.stat(mnt / "replaced").st_nlink == 1
 
 
+@DATA_PATHS
+def test_attributes_change_through_an_open_unlinked_file(mounts: MountFactory,
+                                                         passthrough: bool) -> None:
+    """fchmod, fchown and futimens through a descriptor whose name was unlinked or replaced
+    by a rename (a writer's temporary file, a file saved again under its name) act on the
+    open file, as on tmpfs, and leave the name's new file alone."""
+    mnt = both_data_paths(mounts, passthrough)
+    step = mnt / "step_1"
+    step.mkdir()
+    (step / "replaced").write_bytes(b"old")
+    with open(step / "scratch", "wb+") as scratch, open(step / "replaced", "rb+") as replaced:
+        scratch.write(b"x" * 100)
+        scratch.flush()
+        os.unlink(step / "scratch")
+        (step / "new").write_bytes(b"new")
+        os.rename(step / "new", step / "replaced")
+        for f in (scratch, replaced):
+            os.fchmod(f.fileno(), 0o600)
+            os.fchown(f.fileno(), 1234, 5678)
+            os.utime(f.fileno(), ns=(1_000_000_000, 2_000_000_000))
+            st = os.fstat(f.fileno())
+            assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns) \
+                == (0o600, 1234, 5678, 2_000_000_000), f.name
+    st = os.stat(step / "replaced")
+    assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o644, 0)
+    assert (step / "replaced").read_bytes() == b"new"
+    assert sorted(os.listdir(step)) == ["replaced"]
+
+
 def test_fstat_of_an_open_removed_directory_answers(mounts: MountFactory) -> None:
     """shutil.rmtree opens each directory and fstat's it outside its error handling: a
     directory removed in between (another process's rmtree of the same tree, or a delete

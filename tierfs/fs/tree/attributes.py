@@ -39,25 +39,27 @@ class Attributes:
         target: bytes | int
         try:
             target = self.tree.backing(node)
-        except FsError:
-            if handle is None:
+        except FsError:  # its name is gone: the open file (fchmod after an unlink, as on tmpfs)
+            # fchmod, fchown and futimens come with no handle (only ftruncate has one)
+            open_fd = handle.fd if handle is not None else next(
+                (h.fd for h in node.handles if h.fd >= 0), -1)
+            if open_fd < 0:
                 raise
-            target = handle.fd
+            target = open_fd
         if size is not None:
             self._truncate(node, handle, target, size)
         if mode is not None and node.kind != stat.S_IFLNK:
             os.chmod(target, mode & 0o7777)
+        # a path's symlink itself, not its target (a descriptor takes no such flag)
+        no_follow = {"follow_symlinks": False} if isinstance(target, bytes) else {}
         if uid is not None or gid is not None:
             os.chown(target, -1 if uid is None else uid, -1 if gid is None else gid,
-                     follow_symlinks=False)
+                     **no_follow)
         if atime_ns is not None or mtime_ns is not None:
             st = os.lstat(target) if isinstance(target, bytes) else os.fstat(target)
             times = (st.st_atime_ns if atime_ns is None else atime_ns,
                      st.st_mtime_ns if mtime_ns is None else mtime_ns)
-            if isinstance(target, bytes):
-                os.utime(target, ns=times, follow_symlinks=False)
-            else:
-                os.utime(target, ns=times)
+            os.utime(target, ns=times, **no_follow)
         if keeps_seal:
             node.seal = node.seal.restamped(self.tree.stat(node))
         # Mode, owner and mtime are committed state, a step directory's and those of the
