@@ -129,6 +129,25 @@ def test_symlinks(mnt: Mount) -> None:
     assert (mnt / "target.txt").exists()
 
 
+def test_symlinks_and_special_files_are_replaced_by_rename(mnt: Mount) -> None:
+    """`ln -sfn step_2 latest` (a new link under a temporary name renamed over the old one),
+    `mv` of a symlink or a FIFO: a rename of what is neither a file nor a directory (the
+    rename failed with EIO)."""
+    run = mnt / "run"
+    (run / "step_1").mkdir(parents=True)
+    (run / "step_2").mkdir()
+    for target in ("step_1", "step_2"):
+        subprocess.run(["ln", "-sfn", target, run / "latest"], check=True)
+        assert os.readlink(run / "latest") == target
+    os.mkfifo(mnt / "pipe")  # (not into a step: a FIFO is no step's data, SEMANTICS.md)
+    (mnt / "elsewhere").mkdir()
+    os.rename(mnt / "pipe", mnt / "elsewhere" / "pipe")
+    os.rename(run / "latest", run / "step_2" / "latest")
+    assert stat.S_ISFIFO(os.lstat(mnt / "elsewhere" / "pipe").st_mode)
+    assert os.readlink(run / "step_2" / "latest") == "step_2"
+    assert sorted(os.listdir(run)) == ["step_1", "step_2"]
+
+
 def test_reserved_names_are_refused_and_hidden(mnt: Mount) -> None:
     expect_errno(errno.EPERM, open, mnt / ".tierfs-manifest", "wb")
     expect_errno(errno.ENOENT, os.stat, mnt / ".tierfs-manifest")

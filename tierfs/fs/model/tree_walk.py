@@ -58,11 +58,12 @@ def files_under(dir_node: Node, prefix: str = "") -> Iterator[tuple[str, Node]]:
 
 
 def walk_files(dir_node: Node) -> Iterator[Node]:
-    """Every file below `dir_node`, in no particular order (cheaper than `files_under`)."""
+    """Every file below `dir_node`, in no particular order (cheaper than `files_under`): the
+    node itself if it is a file, none if it is neither a file nor a directory."""
     if dir_node.is_file:
         yield dir_node
-        return
-    yield from walk_kind(dir_node, stat.S_IFREG)
+    elif dir_node.is_dir:
+        yield from walk_kind(dir_node, stat.S_IFREG)
 
 
 def walk_kind(dir_node: Node, kind: int) -> Iterator[Node]:
