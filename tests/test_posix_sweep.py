@@ -1,0 +1,171 @@
+"""Every namespace operation a shell or a saver makes, on every kind of entry a mount holds, on
+tierfs and on tmpfs side by side: the outcomes (success or the errno) must be the same, but for
+the differences tierfs's contract states (SEMANTICS.md), and none may be EIO, the daemon's answer
+to an error of its own. A rename of a symbolic link failed with EIO until a sweep like this one
+tried it (`ln -sfn step_2 latest` over an existing link)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Mount, own_tmpfs
+
+pytestmark = pytest.mark.fuse
+
+# The kinds of entry: a committed step and what is in it, a step being written, a file step,
+# a plain directory, symbolic links (kept with their directory), a FIFO, `latest`, a run dir
+# and a name that does not exist.
+ENTRIES = ["run/step_1", "run/step_1/sub", "run/step_1/sub/f", "run/step_1/.metadata",
+           "run/step_2", "run/step_2/w", "loose.pt", "plain", "sym", "run/best", "fifo",
+           "run/latest", "run", "run/step_1/nonexist"]
+
+
+def _write(path: str, data: bytes, flags: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | flags, 0o644)  # (a FIFO: ENXIO)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+
+
+def _renameat2(old: str, new: str, flags: int) -> None:
+    if _LIBC.renameat2(-100, os.fsencode(old), -100, os.fsencode(new), flags) != 0:  # AT_FDCWD
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), old)
+
+
+def _shell(*command: str) -> None:
+    done = subprocess.run(command, capture_output=True)
+    if done.returncode:
+        # the first errno the tool names ("Input/output error", "Permission denied", ...)
+        message = done.stderr.decode()
+        code = next((code for code, text in ((c, os.strerror(c)) for c in errno.errorcode)
+                     if text in message), errno.EINVAL)
+        raise OSError(code, message)
+
+
+# Operations on an entry `p`; those marked with two names also take a second entry `q`.
+ON_ONE: dict[str, Callable[[str], object]] = {
+    "chmod": lambda p: os.chmod(p, 0o700),
+    "chown": lambda p: os.chown(p, 1000, 1000, follow_symlinks=False),
+    "utime": lambda p: os.utime(p, ns=(1, 2), follow_symlinks=False),
+    "truncate": lambda p: os.truncate(p, 10),
+    "setxattr": lambda p: os.setxattr(p, "user.x", b"1", follow_symlinks=False),
+    "removexattr": lambda p: os.removexattr(p, "user.x", follow_symlinks=False),
+    "listxattr": lambda p: [n for n in os.listxattr(p, follow_symlinks=False)
+                            if not n.startswith("user.tierfs.")],
+    "open_r": lambda p: os.close(os.open(p, os.O_RDONLY | os.O_NONBLOCK)),
+    "write_over": lambda p: _write(p, b"o" * 10, os.O_TRUNC | os.O_CREAT),
+    "append": lambda p: _write(p, b"a", os.O_APPEND),
+    "unlink": os.unlink,
+    "rmdir": os.rmdir,
+    "rm_r": lambda p: _shell("rm", "-rf", p),
+    "listdir": os.listdir,
+    "readlink": os.readlink,
+    "create_in": lambda p: _write(os.path.join(p, "new.bin"), b"n", os.O_CREAT),
+    "mkdir_in": lambda p: os.mkdir(os.path.join(p, "newdir")),
+    "symlink_in": lambda p: os.symlink("x", os.path.join(p, "newlink")),
+}
+ON_TWO: dict[str, Callable[[str, str], object]] = {
+    "rename": os.rename,
+    "rename_into": lambda p, q: os.rename(q, os.path.join(p, "moved")),
+    "exchange": lambda p, q: _renameat2(p, q, RENAME_EXCHANGE),
+    "noreplace": lambda p, q: _renameat2(p, q, RENAME_NOREPLACE),
+    "ln_sfn": lambda p, q: _shell("ln", "-sfn", os.path.basename(p), q),
+}
+
+
+def cases() -> Iterator[tuple[str, str, str]]:
+    for name in ON_ONE:
+        for entry in ENTRIES:
+            yield name, entry, ""
+    for name in ON_TWO:
+        for entry in ENTRIES:
+            for other in ENTRIES:
+                yield name, entry, other
+
+
+def build(root: Path, on_tmpfs: bool) -> None:
+    """The same entries under `root`; on tmpfs `latest` is an ordinary symbolic link."""
+    (root / "run/step_1/sub").mkdir(parents=True)
+    (root / "run/step_1/sub/f").write_bytes(b"f" * 5000)
+    (root / "run/step_1/.metadata").write_bytes(b"m")  # commits step_1 on tierfs
+    (root / "run/step_2").mkdir()
+    (root / "run/step_2/w").write_bytes(b"w" * 100)  # step_2 is being written
+    (root / "loose.pt").write_bytes(b"l" * 100)
+    (root / "plain").mkdir()
+    os.symlink("loose.pt", root / "sym")
+    os.symlink("step_1", root / "run/best")
+    os.mkfifo(root / "fifo")
+    if on_tmpfs:
+        os.symlink("step_1", root / "run/latest")
+
+
+def outcomes(base: Path, on_tmpfs: bool) -> tuple[dict[tuple[str, str, str], str], list[str]]:
+    """Each case's outcome ("ok" or the errno's name), each on a tree of its own, and every
+    EIO seen, in the operation or in a walk of its tree afterwards."""
+    all_cases = list(cases())
+    for number, _case in enumerate(all_cases):
+        build(base / f"case{number}x", on_tmpfs)  # (a bare number is a step name)
+    found: dict[tuple[str, str, str], str] = {}
+    eio: list[str] = []
+    for number, (name, entry, other) in enumerate(all_cases):
+        root = base / f"case{number}x"
+        try:
+            if other:
+                ON_TWO[name](str(root / entry), str(root / other))
+            else:
+                ON_ONE[name](str(root / entry))
+            found[name, entry, other] = "ok"
+        except OSError as exc:
+            found[name, entry, other] = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+            if exc.errno == errno.EIO:
+                eio.append(f"{name} {entry} {other}: {exc}")
+        for directory, dirs, files in os.walk(root):
+            for child in dirs + files:
+                try:
+                    os.lstat(os.path.join(directory, child))
+                except OSError as exc:
+                    if exc.errno == errno.EIO:
+                        eio.append(f"lstat after {name} {entry} {other}: {exc}")
+    return found, eio
+
+
+def stated_difference(case: tuple[str, str, str], here: str, on_tmpfs: str) -> bool:
+    """Whether tierfs's contract says this case differs from tmpfs (SEMANTICS.md)."""
+    name, entry, other = case
+    touches = {entry, other}
+    if here == "EROFS" and "run/latest" in touches:  # `latest` is read-only
+        return True
+    moves = ("rename", "rename_into", "noreplace", "exchange")
+    if here == "EPERM" and "fifo" in touches and name in moves \
+            and on_tmpfs == "ok":  # a FIFO may not move into a step
+        return True
+    return here == "EINVAL" and name == "exchange"  # RENAME_EXCHANGE is refused
+
+
+def test_every_operation_on_every_kind_of_entry_answers_as_tmpfs_does(
+        mnt: Mount, tmp_path: Path) -> None:
+    here, here_eio = outcomes(mnt / "sweep", on_tmpfs=False)
+    with own_tmpfs(tmp_path / "tmpfs", "256M") as tmpfs:
+        reference, reference_eio = outcomes(tmpfs / "sweep", on_tmpfs=True)
+        shutil.rmtree(tmpfs / "sweep")
+    assert not reference_eio
+    assert not here_eio, "\n".join(here_eio)
+    differences = [f"{' '.join(case)}: tierfs {here[case]}, tmpfs {reference[case]}"
+                   for case in reference if here[case] != reference[case]
+                   and not stated_difference(case, here[case], reference[case])]
+    assert not differences, "\n".join(differences)
+    assert "internal error" not in mnt.log()
