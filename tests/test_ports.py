@@ -76,6 +76,49 @@ async def test_a_copy_leaves_ram_only_for_a_store_seen_to_hold_it(
         h.close()
 
 
+async def test_a_step_persisted_looks_at_its_own_run_directory_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a step is in the store, the steps of its run directory beyond --keep-ram leave RAM,
+    and no other step is looked at: a walk of every step at the end of each upload made a
+    mount holding 2,400 small steps flush at 30 steps a second against 140 for 600."""
+    store = MemoryTier("s3")
+    h = Harness(tmp_path / "ram", read_sources=[store], persist=store, keep_ram=1)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(h.ns.background.run)
+            manifests = {}
+
+            async def saved(step: str) -> None:
+                await dcp_save(h, step, FILES)
+                manifests[step] = h.commits.receive_nowait()
+                store.put_step(manifests[step], {**FILES, ".metadata": b"meta"})
+
+            def resident(step: str) -> bool:
+                return bool(h.ns.tree.find_step(step).step.resident)
+
+            await saved("other/step_1")
+            h.ns.tiers.mark_persisted(manifests["other/step_1"])  # the newest: it stays
+            for step in ("other/step_2", "run/step_1", "run/step_2"):
+                await saved(step)
+            walks = []
+            tree = h.ns.tree
+            monkeypatch.setattr(tree, "steps", lambda under=None: walks.append(under) or
+                                type(tree).steps(tree, under))
+            for step in ("run/step_1", "run/step_2"):
+                h.ns.tiers.mark_persisted(manifests[step])
+            assert walks == []
+            await wait_until_async(lambda: not resident("run/step_1"), timeout=10)
+            assert resident("run/step_2")  # the newest stays
+            # other/step_1 is beyond --keep-ram now, but nothing in its directory got safer
+            assert resident("other/step_1")
+            h.ns.tiers.mark_persisted(manifests["other/step_2"])
+            await wait_until_async(lambda: not resident("other/step_1"), timeout=10)
+            assert walks == []
+            nursery.cancel_scope.cancel()
+    finally:
+        h.close()
+
+
 async def test_a_read_goes_past_a_tier_that_is_down_to_one_that_has_the_file(
         tmp_path: Path) -> None:
     down, store = MemoryTier("peers"), MemoryTier("s3")

@@ -1,8 +1,9 @@
-"""Every namespace operation a shell or a saver makes, on every kind of entry a mount holds, on
-tierfs and on tmpfs side by side: the outcomes (success or the errno) must be the same, but for
-the differences tierfs's contract states (SEMANTICS.md), and none may be EIO, the daemon's answer
-to an error of its own. A rename of a symbolic link failed with EIO until a sweep like this one
-tried it (`ln -sfn step_2 latest` over an existing link)."""
+"""Every namespace operation a shell or a saver makes, on every kind of entry a mount holds
+(the committed step's bytes in RAM, or only in the store), on tierfs and on tmpfs side by side:
+the outcomes (success or the errno) must be the same, but for the differences tierfs's contract
+states (SEMANTICS.md), and none may be EIO, the daemon's answer to an error of its own. A
+rename of a symbolic link failed with EIO until a sweep like this one tried it (`ln -sfn step_2
+latest` over an existing link)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, own_tmpfs
+from tests.conftest import MountFactory, own_tmpfs, tierfs
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.fuse
 
-# The kinds of entry: a committed step and what is in it, a step being written, a file step,
+# The kinds of entry: a committed step and what is in it, a step being written, a loose file,
 # a plain directory, symbolic links (kept with their directory), a FIFO, `latest`, a run dir
-# and a name that does not exist.
+# and a name that does not exist. A newer committed step, step_3, is there too: with
+# --keep-ram 1, step_1 leaves RAM once it is in the store.
 ENTRIES = ["run/step_1", "run/step_1/sub", "run/step_1/sub/f", "run/step_1/.metadata",
            "run/step_2", "run/step_2/w", "loose.pt", "plain", "sym", "run/best", "fifo",
            "run/latest", "run", "run/step_1/nonexist"]
@@ -87,14 +90,21 @@ ON_TWO: dict[str, Callable[[str, str], object]] = {
 }
 
 
-def cases() -> Iterator[tuple[str, str, str]]:
+def cases(touching: str = "") -> Iterator[tuple[str, str, str]]:
+    """Every operation on every entry (and pair of entries); `touching`: only those with an
+    entry below that path."""
+    def wanted(*entries: str) -> bool:
+        return any(entry.startswith(touching) for entry in entries if entry)
+
     for name in ON_ONE:
         for entry in ENTRIES:
-            yield name, entry, ""
+            if wanted(entry):
+                yield name, entry, ""
     for name in ON_TWO:
         for entry in ENTRIES:
             for other in ENTRIES:
-                yield name, entry, other
+                if wanted(entry, other):
+                    yield name, entry, other
 
 
 def build(root: Path, on_tmpfs: bool) -> None:
@@ -102,6 +112,8 @@ def build(root: Path, on_tmpfs: bool) -> None:
     (root / "run/step_1/sub").mkdir(parents=True)
     (root / "run/step_1/sub/f").write_bytes(b"f" * 5000)
     (root / "run/step_1/.metadata").write_bytes(b"m")  # commits step_1 on tierfs
+    (root / "run/step_3").mkdir()
+    (root / "run/step_3/.metadata").write_bytes(b"3")
     (root / "run/step_2").mkdir()
     (root / "run/step_2/w").write_bytes(b"w" * 100)  # step_2 is being written
     (root / "loose.pt").write_bytes(b"l" * 100)
@@ -110,15 +122,19 @@ def build(root: Path, on_tmpfs: bool) -> None:
     os.symlink("step_1", root / "run/best")
     os.mkfifo(root / "fifo")
     if on_tmpfs:
-        os.symlink("step_1", root / "run/latest")
+        os.symlink("step_3", root / "run/latest")
 
 
-def outcomes(base: Path, on_tmpfs: bool) -> tuple[dict[tuple[str, str, str], str], list[str]]:
-    """Each case's outcome ("ok" or the errno's name), each on a tree of its own, and every
-    EIO seen, in the operation or in a walk of its tree afterwards."""
-    all_cases = list(cases())
+def outcomes(base: Path, on_tmpfs: bool, touching: str = "",
+             ready: Callable[[], object] = lambda: None
+             ) -> tuple[dict[tuple[str, str, str], str], list[str]]:
+    """Each case's outcome ("ok" or the errno's name), each on a tree of its own made before
+    `ready()` is called, and every EIO seen, in the operation or in a walk of its tree
+    afterwards."""
+    all_cases = list(cases(touching))
     for number, _case in enumerate(all_cases):
         build(base / f"case{number}x", on_tmpfs)  # (a bare number is a step name)
+    ready()
     found: dict[tuple[str, str, str], str] = {}
     eio: list[str] = []
     for number, (name, entry, other) in enumerate(all_cases):
@@ -156,11 +172,29 @@ def stated_difference(case: tuple[str, str, str], here: str, on_tmpfs: str) -> b
     return here == "EINVAL" and name == "exchange"  # RENAME_EXCHANGE is refused
 
 
+@pytest.mark.parametrize("where", ["ram", "store"])
 def test_every_operation_on_every_kind_of_entry_answers_as_tmpfs_does(
-        mnt: Mount, tmp_path: Path) -> None:
-    here, here_eio = outcomes(mnt / "sweep", on_tmpfs=False)
+        mounts: MountFactory, tmp_path: Path, where: str) -> None:
+    """`store`: the committed step_1 is only in the store (persisted, then evicted: --keep-ram
+    1), and the operations are those on it and in it (the others are the same as in RAM)."""
+    if where == "ram":
+        touching = ""
+        mnt = mounts.mount()
+        here, here_eio = outcomes(mnt / "sweep", on_tmpfs=False)
+    else:
+        touching = "run/step_1"
+        (tmp_path / "store").mkdir()
+        mnt = mounts.mount("--persist", f"file://{tmp_path / 'store'}", "--keep-ram", "1")
+
+        def evicted() -> None:
+            tierfs("flush", str(mnt.mountpoint), "--timeout", "300", timeout=330)
+            wait_until(lambda: not any(step["ram"] for step in mnt.status()["steps"]
+                                       if step["path"].endswith("/run/step_1")), timeout=60)
+
+        here, here_eio = outcomes(mnt / "sweep", on_tmpfs=False, touching=touching,
+                                  ready=evicted)
     with own_tmpfs(tmp_path / "tmpfs", "256M") as tmpfs:
-        reference, reference_eio = outcomes(tmpfs / "sweep", on_tmpfs=True)
+        reference, reference_eio = outcomes(tmpfs / "sweep", on_tmpfs=True, touching=touching)
         shutil.rmtree(tmpfs / "sweep")
     assert not reference_eio
     assert not here_eio, "\n".join(here_eio)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import trio
@@ -115,16 +115,23 @@ class Eviction:
     # ones. A persisted step's records change after (`_leave_later`): the persistent tier
     # holds it whatever the records say.
 
-    def enforce_keep_ram(self) -> None:
+    def enforce_keep_ram(self, safer: Node | None = None) -> None:
         """Evict steps beyond the newest `keep_ram` of each run directory that are safe
         elsewhere (`file_leaves`: persisted, or K + 1 live copies on other nodes): without a
         store, the K + 1 copies of a file stay in RAM whatever --keep-ram says. The first
         slice of the work is done at once; what remains continues in the background. Called
-        whenever a step gets safer (persisted, or a copy held): a write waiting for room wakes."""
+        whenever a step gets safer (persisted, or a copy held): a write waiting for room wakes.
+        `safer`, the step that did: only the steps of its run directory are looked at (no
+        other step's rank or safety changed, and a look at every step of a mount holding
+        thousands made each upload's end cost a walk of them all); None: every step."""
         self._safer.set()
         self._safer = trio.Event()
         self._room_stalled = False
-        for step_node in self._eviction_candidates(pressure=False):
+        if safer is not None and safer.parent is None:
+            return  # removed meanwhile
+        among = None if safer is None else (
+            child for child in safer.parent.children.values() if child.step is not None)
+        for step_node in self._eviction_candidates(pressure=False, among=among):
             self._evict_soon(step_node)
 
     async def make_room(self, needed: int, sparing: Node | None = None) -> None:
@@ -188,12 +195,14 @@ class Eviction:
 
         self.background.spawn(relieve)
 
-    def _eviction_candidates(self, *, pressure: bool) -> list[Node]:
+    def _eviction_candidates(self, *, pressure: bool,
+                             among: Iterable[Node] | None = None) -> list[Node]:
         """Committed steps with bytes in RAM that are safe elsewhere, in the order they leave:
         beyond --keep-ram of their run directory first, then (under pressure) the others,
-        each group by step number, oldest first."""
+        each group by step number, oldest first. `among`: those steps only (every step of
+        the run directories it names), else every step."""
         by_run: dict[int, list[Node]] = {}
-        for node in self.tree.steps():
+        for node in self.tree.steps() if among is None else among:
             if node.step.committed:
                 by_run.setdefault(node.parent.ino, []).append(node)
         beyond: list[Node] = []

@@ -160,7 +160,7 @@ class OtherTiers:
                         "once the RAM dir has room; the step stays in RAM until then",
                         manifest.path, manifest.version, exc.strerror or exc)
             return
-        self.eviction.enforce_keep_ram()
+        self.eviction.enforce_keep_ram(node)
 
     def write_owed_marks(self) -> None:
         """Write the persisted marks the RAM dir had no room for (`mark_persisted`); a step
@@ -177,7 +177,7 @@ class OtherTiers:
                 return  # still no room: the next call tries again
             del self._owed_marks[path]
             log.info("the persisted mark of %s v%d is written", path, manifest.version)
-            self.eviction.enforce_keep_ram()
+            self.eviction.enforce_keep_ram(node)
 
     def move_done(self, tomb: Tombstone,
                   wanted: Callable[[mf.StepManifest], bool] | None) -> bool:
@@ -247,7 +247,7 @@ class OtherTiers:
                 return
             log.info("%s v%d is in the persistent tier (the cluster's records say so)",
                      relpath, version)
-            self.eviction.enforce_keep_ram()
+            self.eviction.enforce_keep_ram(node)
         elif state == RETIRED and node.step.retired_version != version:
             self.mark_retired(relpath)
 
@@ -525,7 +525,7 @@ class OtherTiers:
         node = self.tree.find_step(manifest.path)
         if node is not None and node.step.manifest is manifest:
             self.versions.add_file_holder(node, peer, names)
-            self.eviction.enforce_keep_ram()
+            self.eviction.enforce_keep_ram(node)
 
     def unlisted(self, path: str) -> None:
         """The cluster's commit record of the step left etcd (a delete, or no node held it any
