@@ -11,13 +11,14 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import MountFactory, own_tmpfs, tierfs
+from tests.conftest import Mount, MountFactory, own_tmpfs, tierfs
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.fuse
@@ -202,4 +203,103 @@ def test_every_operation_on_every_kind_of_entry_answers_as_tmpfs_does(
                    for case in reference if here[case] != reference[case]
                    and not stated_difference(case, here[case], reference[case])]
     assert not differences, "\n".join(differences)
+    assert "internal error" not in mnt.log()
+
+
+# Through an open descriptor: what became of the file's name first, then one call on the
+# descriptor; afterwards every name's bytes and mode are compared too.
+OPEN_FILES = ["run/step_1/sub/f", "run/step_1/.metadata", "run/step_2/w", "loose.pt"]
+NAME_CHANGES: dict[str, Callable[[Path, str], object]] = {
+    "kept": lambda root, entry: None,
+    "unlinked": lambda root, entry: os.unlink(root / entry),
+    "renamed_away": lambda root, entry: os.rename(root / entry, root / "plain/moved"),
+    "replaced": lambda root, entry: (
+        (root / "plain/new").write_bytes(b"new"), os.rename(root / "plain/new", root / entry)),
+    "dir_removed": lambda root, entry: _shell("rm", "-rf", str((root / entry).parent)),
+    "dir_renamed": lambda root, entry: os.rename((root / entry).parent,
+                                                 root / "plain/dir_moved"),
+}
+ON_DESCRIPTOR: dict[str, Callable[[int], object]] = {
+    "fstat": lambda fd: (lambda st: (st.st_size, st.st_nlink, oct(st.st_mode)))(os.fstat(fd)),
+    "fchmod": lambda fd: os.fchmod(fd, 0o600),
+    "fchown": lambda fd: os.fchown(fd, 1000, 1000),
+    "futimens": lambda fd: os.utime(fd, ns=(1, 2_000_000_000)),
+    "ftruncate": lambda fd: os.ftruncate(fd, 3),
+    "pwrite": lambda fd: os.pwrite(fd, b"P" * 10, 2),
+    "pread": lambda fd: os.pread(fd, 20, 0),
+    "fsync": os.fsync,
+    "fsetxattr": lambda fd: os.setxattr(fd, "user.x", b"1"),
+}
+
+
+def fd_cases() -> Iterator[tuple[str, str, str]]:
+    for entry in OPEN_FILES:
+        for change in NAME_CHANGES:
+            for call in ON_DESCRIPTOR:
+                yield entry, change, call
+
+
+def tree_contents(root: Path) -> dict[str, tuple[str, bytes]]:
+    """Every file under `root`: its mode and bytes (FIFOs and links by their kind alone)."""
+    found = {}
+    for directory, _dirs, files in os.walk(root):
+        for name in files:
+            path = Path(directory, name)
+            mode = os.lstat(path).st_mode
+            data = path.read_bytes() if stat.S_ISREG(mode) else b""
+            found[str(path.relative_to(root))] = (oct(mode), data)
+    return found
+
+
+def fd_outcomes(base: Path, on_tmpfs: bool) -> tuple[dict[tuple[str, str, str], object],
+                                                     list[str]]:
+    """Each case's outcome (the call's result, or its errno's name) and the tree's files
+    after the descriptor is closed; every EIO seen."""
+    all_cases = list(fd_cases())
+    for number, _case in enumerate(all_cases):
+        build(base / f"case{number}x", on_tmpfs)
+    found: dict[tuple[str, str, str], object] = {}
+    eio = []
+    for number, (entry, change, call) in enumerate(all_cases):
+        root = base / f"case{number}x"
+        fd = os.open(root / entry, os.O_RDWR)
+        try:
+            NAME_CHANGES[change](root, entry)
+            result: object = ON_DESCRIPTOR[call](fd)
+        except OSError as exc:
+            result = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+            if exc.errno == errno.EIO:
+                eio.append(f"{entry} {change} {call}: {exc}")
+        finally:
+            os.close(fd)
+        contents = {name: file for name, file in tree_contents(root).items()
+                    if not name.startswith("run/latest")}
+        found[entry, change, call] = (result, contents)
+    return found, eio
+
+
+def test_calls_through_a_descriptor_whose_name_changed_answer_as_tmpfs_does(
+        mnt: Mount, tmp_path: Path) -> None:
+    """fstat, fchmod, fchown, futimens, ftruncate, pwrite, pread, fsync and fsetxattr through
+    a descriptor opened for writing on a committed file, a file of a step being written and a
+    loose file, after its name was kept, unlinked, renamed away, replaced by a rename, or its
+    directory removed or renamed: the same result and, once it is closed, the same files with
+    the same bytes and modes as on tmpfs (fchmod and the like failed with ENOENT once the
+    name was gone)."""
+    here, here_eio = fd_outcomes(mnt / "sweep", on_tmpfs=False)
+    with own_tmpfs(tmp_path / "tmpfs", "64M") as tmpfs:
+        reference, reference_eio = fd_outcomes(tmpfs / "sweep", on_tmpfs=True)
+        shutil.rmtree(tmpfs / "sweep")
+    assert not reference_eio
+    assert not here_eio, "\n".join(here_eio)
+    differences = []
+    for case, (result, files) in reference.items():
+        here_result, here_files = here[case]
+        if here_result != result:
+            differences.append(f"{' '.join(case)}: tierfs {here_result}, tmpfs {result}")
+        for name in sorted(files.keys() | here_files.keys()):
+            if here_files.get(name) != files.get(name):
+                differences.append(f"{' '.join(case)}, then {name}: tierfs "
+                                   f"{here_files.get(name)}, tmpfs {files.get(name)}")
+    assert not differences, "\n".join(differences[:20])
     assert "internal error" not in mnt.log()
