@@ -93,6 +93,37 @@ def test_kill_during_resave_restores_committed_version(mounts: MountFactory) -> 
     assert "put back as committed" in again.log()
 
 
+def test_files_of_equal_bytes_keep_their_own_attributes_across_a_restart(
+        mounts: MountFactory) -> None:
+    """HF's config.json is the same in every checkpoint, and a shard saved again unchanged is
+    the same in two steps: their bytes share one object in RAM, but each file's mode, owner and
+    mtime are its own, and its step's committed state. A restart linked every file to its
+    object, and they came back with one another's (a chmod of one, committed, was lost)."""
+    mnt = mounts.mount()
+    files = {"config.json": b"{}", "shard.distcp": b"s" * 10_000, ".metadata": b"m"}
+    for number in (1, 2, 3):
+        save(mnt / f"run/step_{number}", files)
+    os.chmod(mnt / "run/step_1/config.json", 0o600)
+    os.chown(mnt / "run/step_2/shard.distcp", 1234, 5678)
+    os.utime(mnt / "run/step_3/.metadata", ns=(1_000_000_000, 1_000_000_000))
+    wait_until(lambda: all(getxattr(mnt / f"run/step_{n}", "user.tierfs.state") == "committed"
+                           for n in (1, 2, 3)), timeout=30)
+    before = {path: os.stat(mnt / path) for path in
+              (f"run/step_{n}/{name}" for n in (1, 2, 3) for name in files)}
+    for restart in ("kill -9", "clean"):
+        if restart == "kill -9":
+            mnt.kill9()
+        else:
+            tierfs("umount", str(mnt.mountpoint))
+        mnt = mounts.remount(mnt)
+        for path, st in before.items():
+            after = os.stat(mnt / path)
+            assert (oct(after.st_mode), after.st_uid, after.st_gid, after.st_mtime_ns) == \
+                (oct(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns), (restart, path)
+    verify_committed(mnt, {f"run/step_{n}": files for n in (1, 2, 3)})
+    assert "internal error" not in mnt.log()
+
+
 def test_clean_unmount_and_remount_keeps_everything(mounts: MountFactory) -> None:
     mnt = mounts.mount()
     files = {"model.pt": os.urandom(200_000), ".metadata": b"m"}

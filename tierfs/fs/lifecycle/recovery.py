@@ -33,6 +33,7 @@ from tierfs.fs.model.nodes import (
     Seal,
     StepState,
 )
+from tierfs.fs.store.committed_files import make_from_object
 from tierfs.fs.store.ram_store import RamStore, is_reserved
 from tierfs.fs.tree.step_identity import marked_number
 
@@ -254,17 +255,17 @@ class Recovery:
             path = os.path.join(dir_path, os.fsencode(entry.name))
             obj = os.fsencode(self.store.object_path(entry.xxh3))
             try:
-                if os.path.samefile(reach(path), obj):
-                    continue
+                linked = os.path.samefile(reach(path), obj)
             except FileNotFoundError:
-                pass
-            if manifest.step == mf.NO_STEP and append_layout.appended_to(reach(path), entry):
-                continue  # a loose file appended since: it keeps its bytes, and commits again
-            self._clear_way(dir_path, os.fsencode(entry.name))
+                linked = False
+            if not linked:
+                if manifest.step == mf.NO_STEP and \
+                        append_layout.appended_to(reach(path), entry):
+                    continue  # a loose file appended since: it keeps its bytes, commits again
+                self._clear_way(dir_path, os.fsencode(entry.name))
+            # its bytes from the object, its mode, owner and mtime from the manifest
             tmp = self.store.tmp_path(os.path.dirname(path))
-            os.link(obj, reach(tmp))
-            os.rename(reach(tmp), reach(path))
-            restored += 1
+            restored += make_from_object(obj, reach(path), reach(tmp), entry)
         if restored or removed:
             log.warning("step %s v%d put back as committed: %d files restored, %d uncommitted "
                         "files removed", manifest.path, manifest.version, restored, removed)

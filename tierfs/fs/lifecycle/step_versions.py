@@ -29,7 +29,8 @@ from tierfs.fs.model.nodes import (
     StepState,
     some_names,
 )
-from tierfs.fs.store.fetch import RemoteFile, apply_attributes
+from tierfs.fs.store.committed_files import give_attributes
+from tierfs.fs.store.fetch import RemoteFile
 from tierfs.fs.tree.dir_attributes import times_kept
 
 if TYPE_CHECKING:
@@ -386,7 +387,9 @@ class StepVersions:
                     and before is not None and (entry.size, entry.xxh3) == (before.size,
                                                                             before.xxh3)):
                 path = self.tree.backing(node)
-                apply_attributes(path, entry)
+                if give_attributes(self._store.object_path(entry.xxh3), path,
+                                   self._store.tmp_path(os.path.dirname(path)), entry):
+                    self._store.account_path(path)  # (a copy of its own, if it shared)
                 node.seal = Seal(mf.Digest.of(entry), os.lstat(path).st_ino)
                 kept.add(rel)
                 continue

@@ -45,6 +45,7 @@ import xxhash
 
 from tierfs import manifest as mf
 from tierfs import reserved
+from tierfs.fs.store.committed_files import apply_attributes
 from tierfs.fs.store.ram_store import RamFull, RamStore, write_all
 from tierfs.fs.store.tier_errors import TierError
 from tierfs.whole_hash import WholeHash
@@ -65,17 +66,6 @@ SMALL_RANGE = 64 << 10  # bytes stored from the trio thread, into a buffer of th
 STORE_SLICE = mf.BLOCK_SIZE
 RELAY_WAIT = 8.0  # seconds a peer sent here for a chunk waits for it to come in (< IO_TIMEOUT)
 
-
-
-def apply_attributes(target: int | bytes | str, entry: mf.FileEntry) -> None:
-    """Give a regular file (a path or an fd) made again from a committed entry (fetched,
-    received from a peer, linked from an object) the owner, mode and mtime recorded at commit.
-    Owner first: chown clears set-id bits that chmod then sets."""
-    if entry.uid != mf.NO_OWNER and entry.gid != mf.NO_OWNER:
-        os.chown(target, entry.uid, entry.gid)
-    os.chmod(target, entry.mode)
-    if entry.mtime_ns:
-        os.utime(target, ns=(entry.mtime_ns, entry.mtime_ns))
 
 
 class _Buffers:

@@ -18,7 +18,8 @@ from tierfs import layout
 from tierfs import manifest as mf
 from tierfs.fs.model import tree_walk
 from tierfs.fs.model.nodes import FsError, Node, Seal, StepState
-from tierfs.fs.store.fetch import Fetch, RemoteFile, apply_attributes
+from tierfs.fs.store.committed_files import apply_attributes, make_from_object
+from tierfs.fs.store.fetch import Fetch, RemoteFile
 from tierfs.fs.tree.dir_attributes import times_kept
 
 if TYPE_CHECKING:
@@ -202,9 +203,8 @@ class Residents:
             path = self.tree.backing(node)
             tmp = self._store.tmp_path(os.path.dirname(path))
             with times_kept(os.path.dirname(path)):
-                os.link(obj, tmp)
-                apply_attributes(tmp, entry)
-                os.rename(tmp, path)
+                make_from_object(obj, path, tmp, entry)
+            self._store.account_path(path)  # (a copy of its own where the object is shared)
             node.remote = None
             node.seal = Seal(mf.Digest.of(entry),
                              os.lstat(path).st_ino)
