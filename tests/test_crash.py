@@ -124,6 +124,38 @@ def test_files_of_equal_bytes_keep_their_own_attributes_across_a_restart(
     assert "internal error" not in mnt.log()
 
 
+def test_a_change_of_attributes_leaves_a_copy_sharing_its_bytes_alone(
+        mounts: MountFactory) -> None:
+    """`cp -a step_1 step_2` makes files of equal bytes, mode, owner and mtime: after a restart
+    each pair shares one inode in RAM. A chmod, chown or touch of one then changed the other
+    too (and its step's committed state); it must get an inode of its own first."""
+    mnt = mounts.mount()
+    save(mnt / "run/step_1", {"model.pt": b"w" * 10_000, ".metadata": b"m"})
+    subprocess.run(["cp", "-a", mnt / "run/step_1", mnt / "run/step_2"], check=True)
+    wait_until(lambda: getxattr(mnt / "run/step_2", "user.tierfs.state") == "committed",
+               timeout=30)
+    tierfs("umount", str(mnt.mountpoint))
+    mnt = mounts.remount(mnt)
+    # (step_2's own attributes are not asked now: the kernel would keep them for 60 s)
+    copy = {name: os.stat(mnt / "run/step_1" / name) for name in ("model.pt", ".metadata")}
+    os.chmod(mnt / "run/step_1/model.pt", 0o600)
+    os.chown(mnt / "run/step_1/.metadata", 1234, 5678)
+    os.utime(mnt / "run/step_1/model.pt", ns=(1_000_000_000, 1_000_000_000))
+    for restarted in (False, True):
+        for name, st in copy.items():
+            after = os.stat(mnt / "run/step_2" / name)
+            assert (after.st_mode, after.st_uid, after.st_mtime_ns) == \
+                (st.st_mode, st.st_uid, st.st_mtime_ns), (restarted, name)
+        changed = os.stat(mnt / "run/step_1/model.pt")
+        assert (oct(changed.st_mode), changed.st_mtime_ns) == ("0o100600", 1_000_000_000)
+        assert os.stat(mnt / "run/step_1/.metadata").st_uid == 1234
+        wait_until(lambda step=mnt / "run/step_1": getxattr(step, "user.tierfs.state")
+                   == "committed", timeout=30)
+        if not restarted:
+            mnt.kill9()
+            mnt = mounts.remount(mnt)
+
+
 def test_clean_unmount_and_remount_keeps_everything(mounts: MountFactory) -> None:
     mnt = mounts.mount()
     files = {"model.pt": os.urandom(200_000), ".metadata": b"m"}

@@ -504,6 +504,9 @@ class Namespace:
             if size == 0:
                 self._cut_short.clear(node)  # to be written again from the start
                 node.written_whole = True
+        elif (mode, uid, gid, mtime_ns) != (None,) * 4 and node.is_file and \
+                self._copy_on_write.shared_with_files(node):
+            await self.make_private(node, keep=True)  # the others keep their attributes
         self._attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid, size=size,
                                  atime_ns=atime_ns, mtime_ns=mtime_ns)
         self._attributes_recorded(node, mode, uid, gid, mtime_ns)
@@ -513,10 +516,12 @@ class Namespace:
                     mtime_ns: int | None) -> bool:
         """`setattr` of anything but the size, with no await, where it needs none: False,
         having done nothing, for a file whose bytes are elsewhere (`setattr` brings it back
-        first). `tar x`, `cp -a` and `rsync -a` set a mode, an owner and times on every file."""
+        first) or whose inode other files share (`setattr` copies it first). `tar x`,
+        `cp -a` and `rsync -a` set a mode, an owner and times on every file."""
         if node.virtual:
             raise FsError(errno.EROFS)
-        if node.remote is not None:
+        if node.remote is not None or (mode, uid, gid, mtime_ns) != (None,) * 4 \
+                and node.is_file and self._copy_on_write.shared_with_files(node):
             return False
         self._attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid,
                                  atime_ns=atime_ns, mtime_ns=mtime_ns)

@@ -1,6 +1,7 @@
 """Copy on write: committed objects are never written. A tree file whose inode is shared with
 a committed object in `objects/` gets its own inode before it is opened for writing or
-truncated: `Namespace.make_private` makes the copy (in a thread, after room is made for it),
+truncated, and one shared with other files before its mode, owner or mtime change:
+`Namespace.make_private` makes the copy (in a thread, after room is made for it),
 `replace_shared` swaps it in with no await. Part of the tree's core (see `fs.tree.tree`)."""
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ class CopyOnWrite:
         path = self.tree.backing(node)
         st = os.lstat(path)
         return (path, st) if st.st_nlink > 1 else None
+
+    def shared_with_files(self, node: Node) -> bool:
+        """Whether the node's inode is another file's too, beyond its own committed object
+        (files of equal bytes and attributes linked to one object at a start): a change of
+        its mode, owner or mtime would change theirs, so it gets its own inode first."""
+        return self.tree.has_backing(node) and os.lstat(self.tree.backing(node)).st_nlink > 2
 
     def replace_shared(self, node: Node, path: bytes, st: os.stat_result, copy: bytes) -> bool:
         """Swap a private `copy` in for the shared inode `st` at `path`; False (the copy is
