@@ -42,14 +42,13 @@ def make_from_object(obj: os.PathLike[str] | bytes | str, path: bytes, tmp: byte
     """Make `path` the committed file `entry`, whose bytes are the object `obj`, with the
     entry's attributes (see the module docstring); `tmp`, a free name in its directory, is
     where it is built before it is renamed into place. False if `path` was that already."""
-    try:
-        os.lstat(path)
-    except FileNotFoundError:
-        pass
-    else:
-        if os.path.samefile(path, obj):
-            return give_attributes(obj, path, tmp, entry)
     st = os.lstat(obj)
+    try:
+        linked = os.path.samestat(os.lstat(path), st)
+    except FileNotFoundError:
+        linked = False
+    if linked:
+        return not has_attributes(st, entry) and give_attributes(obj, path, tmp, entry)
     if has_attributes(st, entry):
         os.link(obj, tmp)
     else:
