@@ -1,9 +1,10 @@
 """Every namespace operation a shell or a saver makes, on every kind of entry a mount holds
 (the committed step's bytes in RAM, or only in the store), on tierfs and on tmpfs side by side:
 the outcomes (success or the errno) must be the same, but for the differences tierfs's contract
-states (SEMANTICS.md), and none may be EIO, the daemon's answer to an error of its own. A
-rename of a symbolic link failed with EIO until a sweep like this one tried it (`ln -sfn step_2
-latest` over an existing link)."""
+states (SEMANTICS.md), and none may be EIO, the daemon's answer to an error of its own. The
+same through open descriptors after the file's name changed. A rename of a symbolic link failed
+with EIO (`ln -sfn step_2 latest` over an existing link) and an fchmod after an unlink with
+ENOENT until these sweeps tried them."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def _shell(*command: str) -> None:
         raise OSError(code, message)
 
 
-# Operations on an entry `p`; those marked with two names also take a second entry `q`.
+# Operations on an entry `p` (ON_ONE), and on `p` and a second entry `q` (ON_TWO).
 ON_ONE: dict[str, Callable[[str], object]] = {
     "chmod": lambda p: os.chmod(p, 0o700),
     "chown": lambda p: os.chown(p, 1000, 1000, follow_symlinks=False),
