@@ -504,8 +504,7 @@ class Namespace:
             if size == 0:
                 self._cut_short.clear(node)  # to be written again from the start
                 node.written_whole = True
-        elif (mode, uid, gid, mtime_ns) != (None,) * 4 and node.is_file and \
-                self._copy_on_write.shared_with_files(node):
+        elif self._changes_shared_file(node, mode, uid, gid, mtime_ns):
             await self.make_private(node, keep=True)  # the others keep their attributes
         self._attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid, size=size,
                                  atime_ns=atime_ns, mtime_ns=mtime_ns)
@@ -520,13 +519,19 @@ class Namespace:
         `cp -a` and `rsync -a` set a mode, an owner and times on every file."""
         if node.virtual:
             raise FsError(errno.EROFS)
-        if node.remote is not None or (mode, uid, gid, mtime_ns) != (None,) * 4 \
-                and node.is_file and self._copy_on_write.shared_with_files(node):
+        if node.remote is not None or self._changes_shared_file(node, mode, uid, gid,
+                                                                mtime_ns):
             return False
         self._attributes.setattr(node, handle, mode=mode, uid=uid, gid=gid,
                                  atime_ns=atime_ns, mtime_ns=mtime_ns)
         self._attributes_recorded(node, mode, uid, gid, mtime_ns)
         return True
+
+    def _changes_shared_file(self, node: Node, *changed: int | None) -> bool:
+        """Whether a new mode, owner or mtime would change other files too: this file's inode
+        is theirs as well (`CopyOnWrite.shared_with_files`)."""
+        return changed != (None,) * len(changed) and node.is_file and \
+            self._copy_on_write.shared_with_files(node)
 
     def _attributes_recorded(self, node: Node, *changed: int | None) -> None:
         """A file's new mode, owner or mtime reach its record in the cluster's records; a

@@ -33,7 +33,7 @@ from tierfs.fs.model.nodes import (
     Seal,
     StepState,
 )
-from tierfs.fs.store.committed_files import make_from_object
+from tierfs.fs.store.committed_files import give_attributes, make_from_object
 from tierfs.fs.store.ram_store import RamStore, is_reserved
 from tierfs.fs.tree.step_identity import marked_number
 
@@ -258,14 +258,16 @@ class Recovery:
                 linked = os.path.samefile(reach(path), obj)
             except FileNotFoundError:
                 linked = False
-            if not linked:
-                if manifest.step == mf.NO_STEP and \
-                        append_layout.appended_to(reach(path), entry):
-                    continue  # a loose file appended since: it keeps its bytes, commits again
-                self._clear_way(dir_path, os.fsencode(entry.name))
             # its bytes from the object, its mode, owner and mtime from the manifest
-            tmp = self.store.tmp_path(os.path.dirname(path))
-            restored += make_from_object(obj, reach(path), reach(tmp), entry)
+            tmp = reach(self.store.tmp_path(os.path.dirname(path)))
+            if linked:
+                restored += give_attributes(obj, reach(path), tmp, entry)
+                continue
+            if manifest.step == mf.NO_STEP and append_layout.appended_to(reach(path), entry):
+                continue  # a loose file appended since: it keeps its bytes, and commits again
+            self._clear_way(dir_path, os.fsencode(entry.name))
+            make_from_object(obj, reach(path), tmp, entry)
+            restored += 1
         if restored or removed:
             log.warning("step %s v%d put back as committed: %d files restored, %d uncommitted "
                         "files removed", manifest.path, manifest.version, restored, removed)

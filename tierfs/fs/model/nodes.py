@@ -253,6 +253,12 @@ class Node:
         return self.kind == stat.S_IFREG
 
     @property
+    def open_fd(self) -> int:
+        """A descriptor of the file held by one of its open handles (-1 if none has one: a
+        handle opened before its bytes came back); what answers once its name is gone."""
+        return next((h.fd for h in self.handles if h.fd >= 0), -1)
+
+    @property
     def open_for_writing(self) -> bool:
         """Whether a handle could write the file (the kernel may, under passthrough, without
         the daemon seeing)."""

@@ -38,27 +38,13 @@ def has_attributes(st: os.stat_result, entry: mf.FileEntry) -> bool:
 
 
 def make_from_object(obj: os.PathLike[str] | bytes | str, path: bytes, tmp: bytes,
-                     entry: mf.FileEntry) -> bool:
-    """Make `path` the committed file `entry`, whose bytes are the object `obj`, with the
-    entry's attributes (see the module docstring); `tmp`, a free name in its directory, is
-    where it is built before it is renamed into place. False if `path` was that already."""
-    st = os.lstat(obj)
-    try:
-        linked = os.path.samestat(os.lstat(path), st)
-    except FileNotFoundError:
-        linked = False
-    if linked:
-        return not has_attributes(st, entry) and give_attributes(obj, path, tmp, entry)
-    if has_attributes(st, entry):
-        os.link(obj, tmp)
-    else:
-        if st.st_nlink == 1:  # no file shares it: it takes the entry's attributes
-            os.link(obj, tmp)
-        else:
-            shutil.copyfile(obj, tmp)
-        apply_attributes(tmp, entry)
+                     entry: mf.FileEntry) -> None:
+    """Make `path` (not the object's inode already) the committed file `entry`, whose bytes
+    are the object `obj`: a link to it, renamed into place from `tmp` (a free name in its
+    directory), then given the entry's attributes as `give_attributes` does."""
+    os.link(obj, tmp)
     os.rename(tmp, path)
-    return True
+    give_attributes(obj, path, tmp, entry)
 
 
 def give_attributes(obj: os.PathLike[str] | bytes | str, path: bytes, tmp: bytes,

@@ -41,8 +41,7 @@ class Attributes:
             target = self.tree.backing(node)
         except FsError:  # its name is gone: the open file (fchmod after an unlink, as on tmpfs)
             # fchmod, fchown and futimens come with no handle (only ftruncate has one)
-            open_fd = handle.fd if handle is not None else next(
-                (h.fd for h in node.handles if h.fd >= 0), -1)
+            open_fd = handle.fd if handle is not None else node.open_fd
             if open_fd < 0:
                 raise
             target = open_fd

@@ -50,7 +50,10 @@ class CopyOnWrite:
         """Whether the node's inode is another file's too, beyond its own committed object
         (files of equal bytes and attributes linked to one object at a start): a change of
         its mode, owner or mtime would change theirs, so it gets its own inode first."""
-        return self.tree.has_backing(node) and os.lstat(self.tree.backing(node)).st_nlink > 2
+        try:
+            return os.lstat(self.tree.backing(node)).st_nlink > 2
+        except FsError:
+            return False  # its name is gone
 
     def replace_shared(self, node: Node, path: bytes, st: os.stat_result, copy: bytes) -> bool:
         """Swap a private `copy` in for the shared inode `st` at `path`; False (the copy is

@@ -20,9 +20,8 @@ def node_attrs(node: Node, backing: Callable[[Node], bytes]) -> os.stat_result |
     try:
         st = os.lstat(backing(node))
     except FsError:
-        open_fd = next((h.fd for h in node.handles if h.fd >= 0), -1)
-        if open_fd >= 0:  # (a handle opened before its bytes came back has none)
-            return os.fstat(open_fd)
+        if node.open_fd >= 0:
+            return os.fstat(node.open_fd)
         if node.dir_attrs is not None:
             # Removed (here or by another node) while the kernel holds it, as `fstat` of
             # a descriptor on it: its last attributes, as a local file system answers
